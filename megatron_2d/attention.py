@@ -1,0 +1,93 @@
+"""``attention_2d``: head-parallel x context-parallel attention (LoongTrain's 2D-Attention).
+
+Notation
+    s_local  tokens on this rank (Megatron's zigzag shard: chunks i and 2*CP-1-i of 2*CP)     b batch   d head dim
+    hq, hkv  query and K/V heads of the tensors passed in (after tensor parallelism)
+    hp, cp   head-parallel and context sizes (CP = hp * cp)                                r  K/V replication factor
+
+    q [s_local, b, hq, d], k/v [s_local, b, hkv, d]
+      --(repeat K/V heads r = lcm(hkv, hp) / hkv times when hp does not divide hkv)-->
+      --head all-to-all-->   q [b, S, hq/hp, d], k/v [b, S, r*hkv/hp, d]   (S = hp * s_local tokens of the head group)
+      --Double-Ring zigzag attention over the context group-->   out [b, S, hq/hp, d]
+      --inverse all-to-all-->   out [s_local, b, hq, d]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .groups import Groups2D
+from .head_all_to_all import HeadAllToAll
+from .kernels import select_kernel
+from .double_ring import DoubleRing
+from .ring_attention import RingAttention, RingContext, make_plans
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def kv_replication(num_q_heads: int, num_kv_heads: int, head_parallel_size: int) -> int:
+    """How many times each K/V head is repeated so that hp ranks split them evenly; raises if impossible."""
+    hq, hkv, hp = num_q_heads, num_kv_heads, head_parallel_size
+    if hq % hp != 0:
+        valid = [x for x in range(1, hq + 1) if hq % x == 0]
+        raise ValueError(f"head-parallel size {hp} does not divide the {hq} query heads on this rank; "
+                         f"valid head-parallel sizes: {valid}")
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} K/V heads; GQA needs hkv dividing hq")
+    return math.lcm(hkv, hp) // hkv
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on sequence, batch and head dim")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[0] % 2 != 0:
+        raise ValueError(f"the local sequence length {q.shape[0]} must be even: it holds two zigzag chunks "
+                         f"(the global sequence must be divisible by 2*CP)")
+
+
+def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, causal: bool = True,
+                 softmax_scale: Optional[float] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, d], k/v [s, b, hkv, d].
+
+    Args:
+        groups: from :func:`megatron_2d.build_2d_groups`.
+        causal: causal mask over global positions (else full attention).
+        softmax_scale: defaults to 1/sqrt(d).
+        kernel: local block kernel name (see :mod:`megatron_2d.kernels`); chosen by device when None.
+    Returns out [s, b, hq, d] in q's dtype. Bytes sent are added to ``groups.comm_bytes``.
+    """
+    _check_inputs(q, k, v)
+    hp = groups.head_parallel_size
+    s_local, _, hq, d = q.shape
+    replicas = kv_replication(hq, k.shape[2], hp)
+    if replicas > 1:
+        k, v = k.repeat_interleave(replicas, dim=2), v.repeat_interleave(replicas, dim=2)
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+    place = groups.place
+    order = torch.tensor(sorted(range(2 * hp), key=groups.received_chunks(place.context_rank).__getitem__),
+                         device=q.device)
+
+    def heads(x):  # [s, b, H, d] -> [b, S, H/hp, d]
+        return HeadAllToAll.apply(x, False, hp, order, groups.head_group, groups.comm_bytes)
+
+    ring = DoubleRing(place.context_rank, groups.window_size, groups.context_size, place.intra_window_group,
+                      place.inter_window_group, groups, groups.comm_bytes)
+    rc = RingContext(ring=ring, kernel=select_kernel(q.device, q.dtype, kernel),
+                     plans=make_plans(groups, place.context_rank, s_local // 2, causal), scale=scale)
+    out = RingAttention.apply(heads(q), heads(k), heads(v), rc)                     # [b, S, hq/hp, d]
+    return HeadAllToAll.apply(out, True, hp, order, groups.head_group, groups.comm_bytes)  # [s, b, hq, d]

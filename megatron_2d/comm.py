@@ -1,0 +1,101 @@
+"""Communication helpers: a byte counter, a ring neighbour exchange and a head-group all-to-all.
+
+No device synchronisation happens here, so the same code runs on gloo and NCCL.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+COMM_KINDS = ("all_to_all", "inner_ring", "outer_ring")
+
+
+class CommCounter:
+    """Bytes this rank sent, by kind (all_to_all, inner_ring, outer_ring); accumulates until reset()."""
+
+    def __init__(self) -> None:
+        self._bytes: Counter = Counter()
+
+    def add(self, kind: str, nbytes: int) -> None:
+        if kind not in COMM_KINDS:
+            raise ValueError(f"unknown communication kind {kind!r}; expected one of {COMM_KINDS}")
+        self._bytes[kind] += int(nbytes)
+
+    def reset(self) -> None:
+        self._bytes.clear()
+
+    def as_dict(self) -> Dict[str, int]:
+        return {kind: self._bytes[kind] for kind in COMM_KINDS}
+
+    def __repr__(self) -> str:
+        return f"CommCounter({self.as_dict()})"
+
+
+class PendingExchange:
+    """An exchange in flight; ``wait()`` returns the received tensor."""
+
+    def __init__(self, owner: "RingExchange", works, received: torch.Tensor) -> None:
+        self._owner, self._works, self._received = owner, works, received
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._owner._in_flight = False
+        return self._received
+
+
+class RingExchange:
+    """Send to the next rank and receive from the previous rank of one ring (one process group).
+
+    ``ring`` lists the ring's global ranks in ring order; ``position`` is this rank's place in it. One exchange
+    per instance may be in flight; separate traffic (K/V vs dK/dV) uses separate instances and groups.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, ring: Sequence[int], position: int,
+                 counter: CommCounter, kind: str) -> None:
+        if len(ring) < 2:
+            raise ValueError(f"a ring exchange needs at least 2 ranks, got {list(ring)}")
+        self.group, self.kind, self.counter = group, kind, counter
+        self.next_rank = ring[(position + 1) % len(ring)]
+        self.prev_rank = ring[(position - 1) % len(ring)]
+        self._in_flight = False
+
+    def start(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None) -> PendingExchange:
+        """Post the send of ``send`` and the receive into ``recv`` (allocated if None); return at once."""
+        if self._in_flight:
+            raise RuntimeError(f"{self.kind} exchange started while the previous one is still in flight")
+        if recv is None:
+            recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next_rank, self.group),
+               dist.P2POp(dist.irecv, recv, self.prev_rank, self.group)]
+        works = dist.batch_isend_irecv(ops)
+        self._in_flight = True
+        self.counter.add(self.kind, send.numel() * send.element_size())
+        return PendingExchange(self, works, recv)
+
+
+class BufferPool:
+    """Reuses same-shaped receive buffers across ring steps instead of allocating one per step."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self._like = like
+        self._free: list = []
+
+    def get(self) -> torch.Tensor:
+        return self._free.pop() if self._free else torch.empty_like(self._like)
+
+    def put(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+
+
+def head_all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> torch.Tensor:
+    """all_to_all_single over dim 0 of ``send`` [hp, ...]: slice j goes to head rank j; returns [hp, ...]."""
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    parts = send.shape[0]
+    counter.add("all_to_all", send.numel() * send.element_size() * (parts - 1) // parts)
+    return recv

@@ -1,0 +1,101 @@
+"""Creation of the 2D process groups (collective), on top of the pure rank math in :mod:`topology`."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommCounter
+from .sequence_layout import zigzag_chunks
+from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
+
+
+@dataclass
+class Groups2D:
+    """One rank's view of 2D context parallelism: its place, its process groups, and a byte counter.
+
+    Groups of a single rank are None (no communication is needed there). K/V and dK/dV rings use separate
+    process groups so both can be in flight at once.
+    """
+
+    layout: Layout2D
+    place: RankPlace
+    head_group: Optional[dist.ProcessGroup]
+    inner_kv_group: Optional[dist.ProcessGroup]
+    inner_dkv_group: Optional[dist.ProcessGroup]
+    outer_kv_group: Optional[dist.ProcessGroup]
+    outer_dkv_group: Optional[dist.ProcessGroup]
+    comm_bytes: CommCounter = field(default_factory=CommCounter)
+
+    @property
+    def head_parallel_size(self) -> int:
+        return self.layout.head_parallel_size
+
+    @property
+    def context_size(self) -> int:
+        return self.layout.context_size
+
+    @property
+    def window_size(self) -> int:
+        return self.layout.window_size
+
+    def context_chunks(self, context_rank: int) -> Tuple[int, ...]:
+        """Global chunk ids (of 2*CP) a context rank holds after the head all-to-all, ascending."""
+        return tuple(sorted(self.received_chunks(context_rank)))
+
+    def received_chunks(self, context_rank: int) -> Tuple[int, ...]:
+        """Chunk ids in the order the all-to-all delivers them: by head rank, then first/second zigzag half."""
+        CP = self.layout.cp_size
+        return tuple(c for hr in range(self.layout.head_parallel_size)
+                     for c in zigzag_chunks(self.layout.index_of(hr, context_rank), CP))
+
+
+def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
+            backend: Optional[str]) -> Optional[dist.ProcessGroup]:
+    """Create every group of one kind, on every rank in the same order; return this rank's (None if size 1)."""
+    if len(rank_lists[0]) == 1:
+        return None
+    mine, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout, backend=backend)
+    return mine
+
+
+def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: str = "head_first",
+                    cp_rank_lists: Optional[Sequence[Sequence[int]]] = None,
+                    timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None) -> Groups2D:
+    """Build the 2D groups. Collective over the default group: every rank calls it with the same arguments.
+
+    Args:
+        head_parallel_size: hp, ranks per head group (all-to-all over heads).
+        window_size: w, context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.
+        placement: "head_first" (head groups on adjacent ranks) or "context_first" (context rings adjacent).
+        cp_rank_lists: global ranks of every CP group (each list ordered by CP rank); default one group of all ranks.
+        timeout: timeout of the new process groups (torch's default when None).
+        backend: backend of the new groups (the default group's when None).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    lists = [list(range(world))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
+    settings = (head_parallel_size, window_size, placement, lists)
+    gathered: List[object] = [None] * world
+    dist.all_gather_object(gathered, settings)
+    differing = [r for r, s in enumerate(gathered) if s != settings]
+    if differing:
+        raise LayoutError(f"build_2d_groups called with different arguments on ranks {differing}: rank {rank} has "
+                          f"(hp, w, placement, cp_rank_lists)={settings}, rank {differing[0]} has "
+                          f"{gathered[differing[0]]}; every rank must pass the same values")
+    cp_size = len(lists[0]) if lists else 0
+    layout = Layout2D(cp_size, head_parallel_size, window_size, placement)
+    places = place_all_ranks(layout, lists, world)
+
+    def all_of(kind: str) -> List[List[int]]:
+        return [list(g) for cp_ranks in lists for g in getattr(layout, kind)(cp_ranks)]
+
+    head = _create(all_of("head_groups"), timeout, backend)
+    intra, inter = all_of("intra_window_groups"), all_of("inter_window_groups")
+    return Groups2D(
+        layout=layout, place=places[rank], head_group=head,
+        inner_kv_group=_create(intra, timeout, backend), inner_dkv_group=_create(intra, timeout, backend),
+        outer_kv_group=_create(inter, timeout, backend), outer_dkv_group=_create(inter, timeout, backend))

@@ -1,0 +1,54 @@
+"""The one interface between the ring loop and local attention kernels.
+
+Layouts (the ring loop never sees a kernel's own signature or layout):
+    q, out, dout, dq   [b, s_q, h_q, d]   (any strides with a contiguous last dim)
+    k, v, dk, dv       [b, s_k, h_kv, d]  h_kv divides h_q (GQA: query head j uses K/V head j // (h_q / h_kv))
+    lse                [b, h_q, s_q]      fp32 softmax log-sum-exp (natural log) of the scaled scores
+
+``causal=True`` is only used on square blocks whose query and key tokens are the same positions in the same
+order, so the top-left and bottom-right conventions agree.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Tuple
+
+import torch
+
+
+class BlockKernel(abc.ABC):
+    """Attention over one (Q block, K/V block) pair, returning the log-sum-exp so blocks can be merged."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Return (out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] fp32)."""
+
+    @abc.abstractmethod
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients (dq, dk, dv) of this block given the FINAL merged ``out`` and ``lse`` of the query rows."""
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether this kernel runs on ``device`` with ``dtype``."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def repeat_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """[b, s, h_kv, d] -> [b, s, h_q, d], each K/V head repeated for its group of query heads."""
+    groups = num_q_heads // x.shape[2]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def sum_kv_head_groups(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[b, s, h_q, d] -> [b, s, h_kv, d]: the gradient of :func:`repeat_kv_heads`."""
+    b, s, hq, d = dx.shape
+    groups = hq // num_kv_heads
+    return dx if groups == 1 else dx.view(b, s, num_kv_heads, groups, d).sum(dim=3)

@@ -1,0 +1,52 @@
+"""A plain torch kernel (matmul + softmax in fp32) for any device and dtype: the GPU fallback without flash-attn.
+
+It materialises the [b, h, s_q, s_k] score matrix of one block, so it suits the short blocks of a ring; the
+flash kernels are preferred wherever they run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BlockKernel, repeat_kv_heads, sum_kv_head_groups
+
+
+def _scores(q, k, causal, scale):
+    """Scaled scores [b, h, s_q, s_k] in fp32 (fp64 for fp64 inputs), causal entries above the diagonal at -inf."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.to(acc)) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(1)
+        s.masked_fill_(mask, float("-inf"))
+    return s
+
+
+class TorchMathKernel(BlockKernel):
+    """Exact attention with explicit scores; forward and backward are the textbook formulas."""
+
+    name = "torch_math"
+
+    def forward(self, q, k, v, causal, scale):
+        hq = q.shape[2]
+        k, v = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
+        s = _scores(q, k, causal, scale)                      # [b, h, sq, sk]
+        lse = torch.logsumexp(s, dim=-1)                      # [b, h, sq]
+        p = torch.exp(s - lse.unsqueeze(-1))
+        out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(p.dtype))
+        return out.to(q.dtype), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        hq, hkv = q.shape[2], k.shape[2]
+        k_rep, v_rep = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
+        s = _scores(q, k_rep, causal, scale)
+        acc = s.dtype
+        p = torch.exp(s - lse.to(acc).unsqueeze(-1))          # [b, h, sq, sk]
+        do = dout.to(acc)
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, v_rep.to(acc))
+        delta = (do * out.to(acc)).sum(-1).transpose(1, 2)    # [b, sq, h] -> [b, h, sq]
+        ds = p * (dp - delta.unsqueeze(-1)) * scale
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_rep.to(acc))
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc))
+        return (dq.to(q.dtype), sum_kv_head_groups(dk, hkv).to(k.dtype), sum_kv_head_groups(dv, hkv).to(v.dtype))

@@ -1,0 +1,123 @@
+"""Run a function on N ranks forked from the calling process, over gloo, failing fast.
+
+Forking (not spawning) reuses the parent's imported torch/megatron, so a multi-rank test starts in well
+under a second on 2 cores. Every process group gets a short timeout; a rank that raises reports its
+traceback and exits at once, and the parent kills the remaining ranks and raises.
+
+    results = run_on_ranks(4, my_fn, arg1, arg2)   # my_fn(rank, world_size, arg1, arg2) on every rank
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class RankFailure(RuntimeError):
+    """A forked rank raised, timed out, or died."""
+
+
+def _rank_main(rank, world_size, store_path, timeout_s, fn, args, kwargs, results):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        value = fn(rank, world_size, *args, **kwargs)
+        dist.barrier()
+        results.put((rank, True, value))
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including assertion errors, then die at once
+        results.put((rank, False, traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run_on_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads_per_rank: int = 1,
+    **kwargs: Any,
+) -> List[Any]:
+    """Fork ``world_size`` ranks running ``fn(rank, world_size, *args, **kwargs)``; return their results by rank.
+
+    Raises RankFailure with the first failing rank's traceback, or when ``timeout_s`` passes.
+    """
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    store_dir = tempfile.mkdtemp(prefix="m2d_store_")
+    store_path = os.path.join(store_dir, "store")
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_rank)
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world_size, store_path, timeout_s, fn, args, kwargs, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        values: dict = {}
+        deadline = time.monotonic() + timeout_s + 10.0
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RankFailure(f"timed out after {timeout_s:.0f}s; ranks done: {sorted(values)}")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in values]
+                if dead:
+                    # Give the dead rank's report a moment to arrive through the queue.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        raise RankFailure(f"rank(s) {dead} died with exit codes "
+                                          f"{[procs[i].exitcode for i in dead]} and no report")
+                else:
+                    continue
+            if not ok:
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
+            values[rank] = value
+        for p in procs:
+            p.join(timeout=10.0)
+        return [values[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5.0)
+        torch.set_num_threads(saved_threads)
+        try:
+            os.remove(store_path)
+        except OSError:
+            pass
+        try:
+            os.rmdir(store_dir)
+        except OSError:
+            pass

@@ -1,0 +1,196 @@
+"""Pure rank math for 2D context parallelism: no torch.distributed here.
+
+Notation
+    CP   size of one context-parallel group (a list of global ranks, Megatron's CP group)
+    hp   head-parallel size: ranks in a head group (all-to-all over heads, Ulysses style)
+    cp   context size = CP / hp: ranks in a context group (ring attention)
+    w    window size: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring
+    i    a rank's index in its CP rank list (its Megatron CP rank)
+    hr   head rank: index inside the head group, 0 <= hr < hp
+    cr   context rank: index inside the context group, 0 <= cr < cp
+
+Placement maps (hr, cr) to i:
+    head_first     i = cr * hp + hr   (a head group is hp adjacent ranks: the all-to-all stays on fast links)
+    context_first  i = hr * cp + cr   (a context group is cp adjacent ranks: the ring stays on fast links)
+
+Windows cut a context group by context rank: window = cr // w, slot = cr % w.
+
+    >>> layout = Layout2D(cp_size=8, head_parallel_size=2, window_size=2, placement="head_first")
+    >>> layout.head_groups([0, 1, 2, 3, 4, 5, 6, 7])
+    [[0, 1], [2, 3], [4, 5], [6, 7]]
+    >>> layout.context_groups([0, 1, 2, 3, 4, 5, 6, 7])
+    [[0, 2, 4, 6], [1, 3, 5, 7]]
+    >>> layout.intra_window_groups([0, 1, 2, 3, 4, 5, 6, 7])
+    [[0, 2], [4, 6], [1, 3], [5, 7]]
+    >>> layout.inter_window_groups([0, 1, 2, 3, 4, 5, 6, 7])
+    [[0, 4], [2, 6], [1, 5], [3, 7]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+PLACEMENTS = ("head_first", "context_first")
+
+
+class LayoutError(ValueError):
+    """An invalid 2D layout: the message names the offending values and what would be valid."""
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Layout2D:
+    """The shape of 2D context parallelism inside one CP group of ``cp_size`` ranks."""
+
+    cp_size: int
+    head_parallel_size: int
+    window_size: int
+    placement: str = "head_first"
+
+    def __post_init__(self) -> None:
+        CP, hp, w = self.cp_size, self.head_parallel_size, self.window_size
+        for name, value in (("context-parallel size", CP), ("head-parallel size", hp), ("window size", w)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        if self.placement not in PLACEMENTS:
+            raise LayoutError(f"placement {self.placement!r} is not valid; choose one of {list(PLACEMENTS)}")
+        if CP % hp != 0:
+            raise LayoutError(
+                f"head-parallel size {hp} does not divide the context-parallel size {CP}; "
+                f"valid head-parallel sizes for CP={CP}: {_divisors(CP)}")
+        cp = CP // hp
+        if cp % w != 0:
+            raise LayoutError(
+                f"window size {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "
+                f"valid window sizes: {_divisors(cp)}")
+
+    @property
+    def context_size(self) -> int:
+        """cp: ranks in one context group (the ring)."""
+        return self.cp_size // self.head_parallel_size
+
+    @property
+    def num_windows(self) -> int:
+        """cp / w: ranks in the outer ring."""
+        return self.context_size // self.window_size
+
+    # -- index maps -------------------------------------------------------------------------------
+    def index_of(self, head_rank: int, context_rank: int) -> int:
+        """CP index i of the rank at (hr, cr)."""
+        if self.placement == "head_first":
+            return context_rank * self.head_parallel_size + head_rank
+        return head_rank * self.context_size + context_rank
+
+    def coords_of(self, index: int) -> Tuple[int, int]:
+        """(hr, cr) of CP index i."""
+        if not 0 <= index < self.cp_size:
+            raise LayoutError(f"CP index {index} is outside [0, {self.cp_size})")
+        if self.placement == "head_first":
+            return index % self.head_parallel_size, index // self.head_parallel_size
+        return index // self.context_size, index % self.context_size
+
+    # -- groups, as lists of CP indices ---------------------------------------------------------------
+    def _head_group_indices(self) -> List[List[int]]:
+        hp, cp = self.head_parallel_size, self.context_size
+        return [[self.index_of(hr, cr) for hr in range(hp)] for cr in range(cp)]
+
+    def _context_group_indices(self) -> List[List[int]]:
+        hp, cp = self.head_parallel_size, self.context_size
+        return [[self.index_of(hr, cr) for cr in range(cp)] for hr in range(hp)]
+
+    def _intra_window_indices(self) -> List[List[int]]:
+        w = self.window_size
+        return [ctx[k * w:(k + 1) * w] for ctx in self._context_group_indices() for k in range(self.num_windows)]
+
+    def _inter_window_indices(self) -> List[List[int]]:
+        w = self.window_size
+        return [ctx[slot::w] for ctx in self._context_group_indices() for slot in range(w)]
+
+    # -- groups, as lists of global ranks -----------------------------------------------------------
+    def _map(self, cp_ranks: Sequence[int], groups: List[List[int]]) -> List[List[int]]:
+        if len(cp_ranks) != self.cp_size:
+            raise LayoutError(f"a CP rank list has {len(cp_ranks)} ranks, expected CP={self.cp_size}: {list(cp_ranks)}")
+        return [[cp_ranks[i] for i in g] for g in groups]
+
+    def head_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
+        """The cp head groups (hp ranks each, ordered by head rank) of one CP rank list."""
+        return self._map(cp_ranks, self._head_group_indices())
+
+    def context_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
+        """The hp context groups (cp ranks each, ordered by context rank)."""
+        return self._map(cp_ranks, self._context_group_indices())
+
+    def intra_window_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
+        """The inner rings: w consecutive context ranks of each context group."""
+        return self._map(cp_ranks, self._intra_window_indices())
+
+    def inter_window_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
+        """The outer rings: the context ranks with the same slot in every window (cp / w ranks each)."""
+        return self._map(cp_ranks, self._inter_window_indices())
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank sits in the 2D layout of its CP group."""
+
+    cp_ranks: Tuple[int, ...]          # its CP rank list (global ranks)
+    cp_index: int                      # i, its Megatron CP rank
+    head_rank: int                     # hr
+    context_rank: int                  # cr
+    head_group: Tuple[int, ...]        # global ranks, by head rank
+    context_group: Tuple[int, ...]     # global ranks, by context rank
+    intra_window_group: Tuple[int, ...]
+    inter_window_group: Tuple[int, ...]
+
+
+def validate_cp_rank_lists(cp_rank_lists: Sequence[Sequence[int]], world_size: int) -> List[List[int]]:
+    """Check that the CP rank lists partition range(world_size) into equal-sized groups."""
+    lists = [list(r) for r in cp_rank_lists]
+    if not lists:
+        raise LayoutError("cp_rank_lists is empty; give one list of global ranks per CP group")
+    sizes = sorted({len(r) for r in lists})
+    if len(sizes) != 1:
+        raise LayoutError(f"CP rank lists have different sizes {sizes}; every CP group must have the same size")
+    seen: Dict[int, int] = {}
+    for r in (x for lst in lists for x in lst):
+        if not isinstance(r, int) or not 0 <= r < world_size:
+            raise LayoutError(f"rank {r!r} in cp_rank_lists is not a valid rank of a world of size {world_size}")
+        seen[r] = seen.get(r, 0) + 1
+    repeated = sorted(r for r, n in seen.items() if n > 1)
+    if repeated:
+        raise LayoutError(f"ranks {repeated} appear more than once in cp_rank_lists; each rank belongs to one CP group")
+    missing = sorted(set(range(world_size)) - set(seen))
+    if missing:
+        raise LayoutError(f"ranks {missing} are missing from cp_rank_lists; together they must cover "
+                          f"all {world_size} ranks")
+    return lists
+
+
+def place_all_ranks(layout: Layout2D, cp_rank_lists: Sequence[Sequence[int]],
+                    world_size: int) -> Dict[int, RankPlace]:
+    """The RankPlace of every global rank, for every CP group."""
+    lists = validate_cp_rank_lists(cp_rank_lists, world_size)
+    if len(lists[0]) != layout.cp_size:
+        raise LayoutError(f"CP groups have {len(lists[0])} ranks but the layout expects CP={layout.cp_size}")
+    places: Dict[int, RankPlace] = {}
+    for cp_ranks in lists:
+        heads = layout.head_groups(cp_ranks)
+        ctxs = layout.context_groups(cp_ranks)
+        intra = layout.intra_window_groups(cp_ranks)
+        inter = layout.inter_window_groups(cp_ranks)
+        group_of = {}
+        for kind, groups in (("head", heads), ("context", ctxs), ("intra", intra), ("inter", inter)):
+            for g in groups:
+                for r in g:
+                    group_of[(kind, r)] = tuple(g)
+        for i, rank in enumerate(cp_ranks):
+            hr, cr = layout.coords_of(i)
+            places[rank] = RankPlace(
+                cp_ranks=tuple(cp_ranks), cp_index=i, head_rank=hr, context_rank=cr,
+                head_group=group_of[("head", rank)], context_group=group_of[("context", rank)],
+                intra_window_group=group_of[("intra", rank)], inter_window_group=group_of[("inter", rank)])
+    return places
