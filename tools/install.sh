@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One-step CPU setup of a fresh checkout: a virtual environment in .venv with everything the demo and tests need.
+#   - torch is pinned to 2.13.0 (a CPU wheel; an unpinned torch pulls a multi-GB CUDA build);
+#   - megatron-core 0.19.2 declares Python >= 3.12 but its cp311 wheel works on 3.11: install it without its
+#     marker and without deps (its deps, numpy/packaging/einops, come from requirements.txt).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info < (3, 10):
+    sys.exit(f"Python >= 3.10 is needed, found {sys.version.split()[0]}")
+PY
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" --no-deps --ignore-requires-python "megatron-core==0.19.2"
+"${PIP[@]}" -r requirements.txt -r requirements-dev.txt
+"${PIP[@]}" --no-deps -e .
+"$VENV/bin/python" -c "import torch, megatron.core, megatron_2d; print('installed: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| megatron_2d', megatron_2d.__version__)" 2>/dev/null
