@@ -1,0 +1,311 @@
+"""Shims that let megatron-core 0.19.2 train a small GPTModel on CPU ranks over gloo.
+
+Test support only: nothing on the library's runtime path imports this module. Every shim is applied by
+``install_megatron_cpu_shims()``, which is idempotent (a second call changes nothing) and safe to call
+before or after ``import megatron.core``. Each shim is the smallest change that was needed; why it is
+needed is written next to it. Fusions (bias-gelu, bias-dropout-add, RoPE, softmax) are left off: they
+are off by default in 0.19.2 and would cost an inductor compile per process on CPU.
+
+Shims (see each function):
+  1. ``typing.override`` on Python 3.11      megatron.training imports it (3.12+ only).
+  2. ``torch.cuda.current_device() -> cpu``  ~60 megatron call sites allocate on it.
+  3. ``torch.cuda.synchronize()`` no-op      pipeline p2p calls it after batch_isend_irecv.
+  4. CPU RNG states tracker                  model_parallel_cuda_manual_seed / attention fork the CUDA RNG.
+  5. RoPE slicing under CP > 1               get_pos_emb_on_this_cp_rank uses pin_memory + .cuda().
+  6. default causal / sliding-window masks   the local DotProductAttention builds them on "cuda".
+  7. ``cuda_to_cpu()`` TorchFunctionMode     pipeline schedules hard-code ``device="cuda"``.
+
+Not shimmed: megatron's DistributedDataParallel (it needs ``torch.cuda.current_stream()``); the
+harness sums gradients over the CP group itself, as DDP's dp_cp all-reduce would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import typing
+from typing import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. typing.override
+# --------------------------------------------------------------------------------------------------
+def _install_typing_override() -> None:
+    """megatron/training/models/*.py does ``from typing import override`` (new in 3.12); the wheel of
+    megatron-core 0.19.2 compiles under 3.11 otherwise. The decorator only marks methods, so the
+    identity function is a faithful stand-in."""
+    if not hasattr(typing, "override"):
+        typing.override = lambda method: method  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------------------
+# 2./3. torch.cuda.current_device and torch.cuda.synchronize
+# --------------------------------------------------------------------------------------------------
+def _cpu_current_device() -> torch.device:
+    """Stand-in for ``torch.cuda.current_device`` without CUDA: megatron passes the result as
+    ``device=`` to factory functions, which accept a torch.device."""
+    return torch.device("cpu")
+
+
+def _noop_synchronize(device=None) -> None:
+    """Stand-in for ``torch.cuda.synchronize`` without CUDA: CPU collectives complete on wait()."""
+
+
+def _install_cuda_device_shims() -> None:
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = _cpu_current_device
+        torch.cuda.synchronize = _noop_synchronize
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. CPU RNG states tracker
+# --------------------------------------------------------------------------------------------------
+def _cpu_rng_tracker_class():
+    """A ``CudaRNGStatesTracker`` whose named states are states of the default CPU generator.
+
+    megatron's tracker keeps CUDA generator states; ``model_parallel_cuda_manual_seed`` adds three of
+    them and attention/dropout code enters ``get_cuda_rng_tracker().fork()``, so the tracker cannot be
+    skipped. This subclass keeps the same bookkeeping (names, seeds, current name) over
+    ``torch.get_rng_state`` / ``torch.set_rng_state``. It subclasses the original so megatron's
+    ``isinstance(..., CudaRNGStatesTracker)`` checks still hold.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    base = getattr(mrandom, "_M2D_ORIGINAL_TRACKER", mrandom.CudaRNGStatesTracker)
+    mrandom._M2D_ORIGINAL_TRACKER = base
+    existing = getattr(mrandom, "_M2D_CPU_TRACKER", None)
+    if existing is not None:
+        return existing
+
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """Named RNG states of the default CPU generator (see ``_cpu_rng_tracker_class``)."""
+
+        def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
+            # CUDA graphs do not exist on CPU; the flag is accepted and ignored.
+            super().__init__(use_cudagraphable_rng=False, is_inference_rng_tracker=is_inference_rng_tracker)
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer_state = torch.get_rng_state()
+            outer_name = self._current_state_name
+            if outer_name != "default-rng":
+                self.states_[outer_name] = outer_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                if self._current_state_name != name:
+                    raise Exception(f"current rng state {self._current_state_name} is not {name}")
+                self.states_[name] = torch.get_rng_state()
+                if outer_name != "default-rng":
+                    outer_state = self.states_[outer_name]
+                torch.set_rng_state(outer_state)
+                self._current_state_name = outer_name
+
+    mrandom._M2D_CPU_TRACKER = CpuRNGStatesTracker
+    return CpuRNGStatesTracker
+
+
+def _install_rng_tracker() -> None:
+    """Make megatron build the CPU tracker: ``initialize_rng_tracker`` instantiates the module-level
+    name ``CudaRNGStatesTracker``, so rebinding that name and force-resetting the tracker is enough."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker = _cpu_rng_tracker_class()
+    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, mrandom.CudaRNGStatesTracker):
+        mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def model_parallel_cpu_manual_seed(seed: int) -> None:
+    """``model_parallel_cuda_manual_seed`` on the CPU tracker, also seeding the CPU generator.
+
+    torch 2.13 seeds every process differently, so the default generator is seeded here too.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _install_rng_tracker()
+    mrandom.initialize_rng_tracker(force_reset=True)
+    torch.manual_seed(seed)
+    mrandom.model_parallel_cuda_manual_seed(seed)
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. RoPE under context parallelism
+# --------------------------------------------------------------------------------------------------
+def cpu_get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Same contract as ``rope_utils.get_pos_emb_on_this_cp_rank``: split ``seq_dim`` into
+    ``2 * cp`` chunks and keep chunks ``r`` and ``2 * cp - 1 - r`` (zigzag), in that order.
+
+    The original builds its index with ``pin_memory=True`` and ``.cuda()``; this one builds it on
+    ``pos_emb.device``.
+    """
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size = cp_group.size()
+    cp_rank = cp_group.rank()
+    shape = pos_emb.shape
+    # [..., s, ...] -> [..., 2*cp, s/(2*cp), ...]
+    chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+    index = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=pos_emb.device)
+    chunks = chunks.index_select(seq_dim, index)
+    # [..., 2, s/(2*cp), ...] -> [..., s/cp, ...]
+    return chunks.reshape(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
+
+
+_ROPE_MODULES = (
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+)
+
+
+def _install_rope_shim() -> None:
+    """Rebind the function in the defining module and in every module that imported it by name."""
+    import importlib
+
+    for name in _ROPE_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = cpu_get_pos_emb_on_this_cp_rank
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. Causal masks of the local DotProductAttention
+# --------------------------------------------------------------------------------------------------
+def cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """``transformer.utils.get_default_causal_mask`` on the CPU: ``[sq, sq]`` bool, True above the
+    diagonal (the masked-out future)."""
+    return torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
+
+
+def cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    """``transformer.utils.get_sliding_window_causal_mask`` on the CPU: ``[sq, skv]`` bool, True where
+    key j is outside query i's window ``[i' - window_size[0], i' + window_size[1]]`` with
+    ``i' = i + skv - sq`` (queries aligned to the end of the keys)."""
+    query_pos = torch.arange(sq).unsqueeze(1) + (skv - sq)
+    key_pos = torch.arange(skv).unsqueeze(0)
+    inside = (key_pos >= query_pos - window_size[0]) & (key_pos <= query_pos + window_size[1])
+    return ~inside
+
+
+_MASK_MODULES = (
+    "megatron.core.transformer.utils",
+    "megatron.core.fusions.fused_softmax",
+)
+
+
+def _install_mask_shim() -> None:
+    """FusedScaleMaskSoftmax's torch path calls these with ``device="cuda"`` hard-coded when no mask
+    is given; rebind them (by name, where imported) to CPU versions."""
+    import importlib
+
+    for name in _MASK_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "get_default_causal_mask"):
+            module.get_default_causal_mask = cpu_default_causal_mask
+        if hasattr(module, "get_sliding_window_causal_mask"):
+            module.get_sliding_window_causal_mask = cpu_sliding_window_causal_mask
+
+
+# --------------------------------------------------------------------------------------------------
+# 7. cuda -> cpu inside a block of code
+# --------------------------------------------------------------------------------------------------
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _map_device(device):
+    return torch.device("cpu") if _is_cuda(device) else device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites torch calls made inside it so that CUDA placements become CPU ones.
+
+    Handles ``device=`` keywords naming CUDA, ``pin_memory=True``, ``Tensor.cuda()``,
+    ``Tensor.pin_memory()`` and ``Tensor.to("cuda" | torch.device("cuda"))``. Used around megatron's
+    pipeline schedules, which allocate with ``device="cuda"`` (e.g. ``total_num_tokens`` in
+    schedules.py).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to:
+            args = tuple(_map_device(a) for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_to_cpu() -> Iterator[None]:
+    """Context manager: run the enclosed code with CUDA placements mapped to the CPU (see
+    ``CudaToCpuMode``). Wrap ``get_forward_backward_func()(...)`` calls in it."""
+    with CudaToCpuMode():
+        yield
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+def install_megatron_cpu_shims(import_training: bool = False) -> None:
+    """Apply every shim above (idempotent).
+
+    Args:
+        import_training: also ``import megatron.training`` after the ``typing.override`` shim (it is
+            applied either way, so a later import works too).
+    """
+    global _INSTALLED
+    _install_typing_override()
+    _install_cuda_device_shims()
+    if not _INSTALLED:
+        import megatron.core  # noqa: F401  (needs triton installed; see the notes)
+
+        _install_rng_tracker()
+        _install_rope_shim()
+        _install_mask_shim()
+        _INSTALLED = True
+    if import_training and "megatron.training" not in sys.modules:
+        import megatron.training  # noqa: F401
+
+
+def shims_installed() -> bool:
+    """True once ``install_megatron_cpu_shims`` has run in this process (or a parent before fork)."""
+    return _INSTALLED
+
+
+__all__ = [
+    "CudaToCpuMode",
+    "cpu_get_pos_emb_on_this_cp_rank",
+    "cuda_to_cpu",
+    "install_megatron_cpu_shims",
+    "model_parallel_cpu_manual_seed",
+    "shims_installed",
+]

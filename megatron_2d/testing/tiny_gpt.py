@@ -1,0 +1,528 @@
+"""A tiny megatron-core GPTModel on forked CPU ranks, for parity tests and demos of context parallelism.
+
+Run the functions below inside ``run_on_ranks`` (megatron_2d.testing.distributed): every rank calls
+``init_parallel`` then builds the same model and batch; the helpers return results that are equal on
+all ranks and comparable across parallel layouts.
+
+    def case(rank, world_size):
+        init_parallel(context_parallel_size=world_size)
+        spec = local_spec_with_core_attention(MyCoreAttention)
+        model = build_tiny_gpt(TinyGPTConfig(num_query_groups=2), spec)
+        return forward_backward(model, synthetic_batch(TinyGPTConfig(num_query_groups=2)))
+
+Notation: b micro-batch size, s full sequence length, cp context-parallel size, tp tensor-parallel size.
+
+Layout independence (what makes CP>1 comparable to CP=1 exactly):
+  * weights are drawn per parameter from a generator seeded by (seed, canonical name) in the full,
+    unsharded shape and then sliced for this TP rank, so they do not depend on TP, PP or CP;
+  * canonical names use global layer indices (``decoder.layers.<layer_number - 1>``), so a PP stage's
+    parameters carry the names they have in the PP=1 model;
+  * the loss is sum(per-token loss * loss_mask) / (tokens in the full batch); each CP rank backpropagates
+    its share and the gradients of weights (all replicated over CP) are summed over the CP group, as
+    Megatron's DDP does over its dp_cp group.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_2d.testing.megatron_cpu import (
+    cuda_to_cpu,
+    install_megatron_cpu_shims,
+    model_parallel_cpu_manual_seed,
+)
+
+install_megatron_cpu_shims()
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
+
+Batch = Dict[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------------
+# Parallel state
+# --------------------------------------------------------------------------------------------------
+def init_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
+    seed: int = 1234,
+) -> None:
+    """(Re)initialize megatron's parallel state on this rank and seed its RNG tracker.
+
+    Call on every rank of an initialized gloo world (e.g. inside ``run_on_ranks``); the data-parallel
+    size is whatever remains of the world. Calling it again replaces the previous layout, so one forked
+    run can compare several layouts.
+    """
+    install_megatron_cpu_shims()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    # destroy_model_parallel() (0.19.2) leaves the hierarchical CP groups set; clear them so a layout
+    # without hierarchical CP does not report the previous layout's groups.
+    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        hierarchical_context_parallel_sizes=(
+            list(hierarchical_context_parallel_sizes) if hierarchical_context_parallel_sizes else None
+        ),
+        create_gloo_process_groups=False,  # the default backend already is gloo
+        distributed_timeout_minutes=1,
+    )
+    model_parallel_cpu_manual_seed(seed)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class TinyGPTConfig:
+    """Size of the tiny model and of its synthetic batch (parallel sizes come from parallel_state)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    """None: multi-head attention; else GQA with this many K/V heads (divisible by tp)."""
+    ffn_hidden_size: Optional[int] = None
+    """None: 4 * hidden_size."""
+    vocab_size: int = 128
+    seq_length: int = 64
+    """Full sequence length s; must be divisible by 2 * cp."""
+    micro_batch_size: int = 2
+    seed: int = 1234
+    """Seeds the weights (with each parameter's canonical name) and the synthetic batch."""
+    position_embedding_type: str = "rope"
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    """Passed to TransformerConfig; reaches the core_attention constructor when cp > 1."""
+    config_overrides: Dict[str, Any] = field(default_factory=dict)
+    """Extra TransformerConfig fields (or fields of ``config_class``)."""
+    config_class: type = TransformerConfig
+    """A TransformerConfig subclass may add fields for a custom core attention."""
+
+
+def make_transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
+    """TransformerConfig for ``cfg`` and the current parallel_state (fp32, no dropout, no fusions)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    query_groups = cfg.num_query_groups or cfg.num_attention_heads
+    if query_groups % tp:
+        raise ValueError(f"num_query_groups={query_groups} must be divisible by tp={tp}")
+    hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    kwargs: Dict[str, Any] = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        hierarchical_context_parallel_sizes=(
+            [g.size() for g in hcp] if hcp else None
+        ),
+        cp_comm_type=cfg.cp_comm_type,
+        sequence_parallel=False,  # the torch norm fallback (no apex) asserts with SP
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kwargs.update(cfg.config_overrides)
+    return cfg.config_class(**kwargs)
+
+
+def local_spec_with_core_attention(core_attention: Optional[Any] = None, **spec_kwargs) -> ModuleSpec:
+    """Megatron's local GPT layer spec, with ``core_attention`` (a class or ModuleSpec) put into
+    ``spec.submodules.self_attention.submodules.core_attention``. None keeps the local
+    DotProductAttention (which only supports cp == 1)."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(**spec_kwargs))
+    if core_attention is not None:
+        spec.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
+
+
+def canonical_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+    """Parameters keyed by the name they have in the PP=1 model (global decoder layer indices)."""
+    layers = model.decoder.layers if getattr(model, "decoder", None) is not None else []
+    out: Dict[str, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters():
+        match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+        if match:
+            global_index = layers[int(match.group(1))].layer_number - 1
+            name = f"decoder.layers.{global_index}.{match.group(2)}"
+        out[name] = param
+    return out
+
+
+def _is_tp_sharded(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False)) and (
+        parallel_state.get_tensor_model_parallel_world_size() > 1
+    )
+
+
+def _full_value(name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
+    """Deterministic value of parameter ``name`` in its unsharded ``shape``.
+
+    Matrices ~ N(0, 1/fan_in) (attention logits O(1), so broken attention shows in the loss), word
+    embeddings ~ N(0, 1), norm weights ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2).
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    noise = torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
+    if len(shape) == 1:
+        return 1.0 + 0.1 * noise if ("norm" in name and name.endswith("weight")) else 0.1 * noise
+    if "embedding" in name:
+        return noise
+    return noise / float(shape[1]) ** 0.5
+
+
+@torch.no_grad()
+def reset_parameters_deterministically(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter with ``_full_value`` of its canonical name, sliced for this TP rank."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for name, param in canonical_parameters(model).items():
+        if _is_tp_sharded(param):
+            dim = param.partition_dim
+            if getattr(param, "partition_stride", 1) != 1:
+                raise NotImplementedError(f"{name}: partition_stride != 1")
+            full_shape = list(param.shape)
+            full_shape[dim] *= tp
+            value = _full_value(name, full_shape, seed).chunk(tp, dim=dim)[tp_rank]
+        else:
+            value = _full_value(name, param.shape, seed)
+        param.copy_(value)
+
+
+def build_tiny_gpt(
+    cfg: TinyGPTConfig,
+    layer_spec: Optional[ModuleSpec] = None,
+) -> GPTModel:
+    """Build the tiny GPTModel for this rank's PP stage, with layout-independent weights.
+
+    ``layer_spec`` defaults to ``get_gpt_layer_local_spec()``; use ``local_spec_with_core_attention``
+    to plug in a core attention. Embeddings and output layer are untied (no embedding group needed
+    under PP).
+    """
+    config = make_transformer_config(cfg)
+    spec = layer_spec if layer_spec is not None else get_gpt_layer_local_spec()
+    torch.manual_seed(cfg.seed)  # torch 2.13 seeds processes differently; megatron draws first
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type=cfg.position_embedding_type,
+    )
+    reset_parameters_deterministically(model, cfg.seed)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+def synthetic_batch(cfg: TinyGPTConfig, step: int = 0) -> Batch:
+    """Deterministic full (unsharded) batch: tokens, labels (next tokens), loss_mask, position_ids,
+    each ``[b, s]``. Some trailing tokens of the last sample are masked out of the loss."""
+    b, s = cfg.micro_batch_size, cfg.seq_length
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+    stream = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=gen)
+    loss_mask = torch.ones(b, s)
+    loss_mask[-1, s - s // 8:] = 0.0
+    return {
+        "tokens": stream[:, :-1].contiguous(),
+        "labels": stream[:, 1:].contiguous(),
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+    }
+
+
+def shard_batch_for_cp(batch: Batch) -> Batch:
+    """This CP rank's zigzag share of ``batch`` (chunks r and 2*cp-1-r of 2*cp), via megatron's
+    ``get_batch_on_this_cp_rank``; the input is not modified."""
+    return get_batch_on_this_cp_rank(
+        dict(batch), is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
+    )
+
+
+def zigzag_chunk_ids(cp_rank: int, cp_size: int) -> List[int]:
+    """Indices of the 2*cp sequence chunks that CP rank ``cp_rank`` holds, in its local order."""
+    return [cp_rank, 2 * cp_size - 1 - cp_rank]
+
+
+def unshard_cp(per_rank: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
+    """Inverse of the zigzag split: ``per_rank[r]`` is CP rank r's local tensor."""
+    cp = len(per_rank)
+    chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp)
+    for r, local in enumerate(per_rank):
+        first, second = local.chunk(2, dim=seq_dim)
+        ids = zigzag_chunk_ids(r, cp)
+        chunks[ids[0]], chunks[ids[1]] = first, second
+    return torch.cat(chunks, dim=seq_dim)
+
+
+def _gather_cp_sequence(local: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    group = parallel_state.get_context_parallel_group()
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    return unshard_cp(parts, seq_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients
+# --------------------------------------------------------------------------------------------------
+def all_reduce_grads_over_cp(model: torch.nn.Module) -> None:
+    """Sum every parameter gradient over the CP group (all weights are replicated over CP)."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_context_parallel_group()
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+
+
+def full_gradients(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """This stage's gradients keyed by canonical name, gathered over TP into unsharded tensors.
+
+    Call after ``all_reduce_grads_over_cp``. Parameters without a gradient get zeros.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    out: Dict[str, torch.Tensor] = {}
+    for name, param in canonical_parameters(model).items():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        grad = grad.detach().contiguous()
+        if _is_tp_sharded(param):
+            parts = [torch.empty_like(grad) for _ in range(tp)]
+            dist.all_gather(parts, grad, group=group)
+            grad = torch.cat(parts, dim=param.partition_dim)
+        out[name] = grad.clone()
+    return out
+
+
+def _merge_over_pp(local: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return local
+    gathered: List[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(gathered, local, group=parallel_state.get_pipeline_model_parallel_group())
+    merged: Dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward + backward, training
+# --------------------------------------------------------------------------------------------------
+def _local_loss(model: GPTModel, batch: Batch) -> tuple:
+    """(sum over this rank's tokens of masked per-token loss, local per-token loss [b, s/cp])."""
+    local = shard_batch_for_cp(batch)
+    per_token = model(
+        input_ids=local["tokens"],
+        position_ids=local["position_ids"],
+        attention_mask=None,
+        labels=local["labels"],
+    )  # [b, s/cp]
+    return (per_token.float() * local["loss_mask"]).sum(), per_token
+
+
+def _cp_sum(value: torch.Tensor) -> torch.Tensor:
+    value = value.detach().clone()
+    if parallel_state.get_context_parallel_world_size() > 1:
+        dist.all_reduce(value, group=parallel_state.get_context_parallel_group())
+    return value
+
+
+def forward_backward(model: GPTModel, batch: Batch) -> Dict[str, Any]:
+    """One forward and backward of ``batch`` (full, unsharded) on a PP=1 model.
+
+    Returns, identical on every rank:
+      ``loss``           sum(per-token loss * mask) / mask.sum() over the full batch (0-dim tensor);
+      ``per_token_loss`` ``[b, s]`` in full sequence order;
+      ``grads``          {canonical name: full gradient of ``loss``}, summed over CP, gathered over TP.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("forward_backward needs PP=1; use pipeline_forward_backward")
+    model.zero_grad(set_to_none=True)
+    num_tokens = batch["loss_mask"].sum()
+    local_sum, per_token = _local_loss(model, batch)
+    (local_sum / num_tokens).backward()
+    all_reduce_grads_over_cp(model)
+    return {
+        "loss": _cp_sum(local_sum) / num_tokens,
+        "per_token_loss": _gather_cp_sequence(per_token, seq_dim=1),
+        "grads": full_gradients(model),
+    }
+
+
+def train_steps(
+    model: GPTModel,
+    cfg: TinyGPTConfig,
+    steps: int = 3,
+    optimizer: str = "adam",
+    lr: float = 1e-2,
+) -> List[float]:
+    """Train ``steps`` steps on ``synthetic_batch(cfg, step)`` with a torch.optim optimizer
+    ("sgd" or "adam"), gradients summed over CP; returns each step's loss (before its update)."""
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    elif optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+    else:
+        raise ValueError(f"optimizer must be 'sgd' or 'adam', not {optimizer!r}")
+    losses = []
+    for step in range(steps):
+        batch = synthetic_batch(cfg, step)
+        opt.zero_grad(set_to_none=True)
+        num_tokens = batch["loss_mask"].sum()
+        local_sum, _ = _local_loss(model, batch)
+        (local_sum / num_tokens).backward()
+        all_reduce_grads_over_cp(model)
+        opt.step()
+        losses.append(float(_cp_sum(local_sum) / num_tokens))
+    return losses
+
+
+def pipeline_forward_backward(
+    model: GPTModel, cfg: TinyGPTConfig, batch: Batch, num_microbatches: int = 2
+) -> Dict[str, Any]:
+    """Forward and backward through megatron's ``get_forward_backward_func()`` schedule (1F1B under
+    PP>1, no pipelining under PP=1), ``batch`` split into ``num_microbatches`` along b.
+
+    Returns, identical on every rank: ``loss`` (mean over microbatches of each microbatch's masked
+    mean loss) and ``grads`` (all stages' gradients, summed over CP, gathered over TP, by canonical name).
+    """
+    b = batch["tokens"].shape[0]
+    if b % num_microbatches:
+        raise ValueError(f"micro_batch_size={b} not divisible by num_microbatches={num_microbatches}")
+    mbs = b // num_microbatches
+    microbatches = [{k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()} for i in range(num_microbatches)]
+
+    def loss_func(loss_mask, global_tokens, per_token):
+        local_sum = (per_token.float() * loss_mask).sum()
+        # 3-tuple: the schedule divides the first entry IN PLACE by global_tokens and num_microbatches
+        # before backward, hence the clone for the report.
+        return local_sum, global_tokens, {"local_sum": local_sum.detach().clone(), "tokens": global_tokens}
+
+    def forward_step(data_iterator, module):
+        full = next(data_iterator)
+        local = shard_batch_for_cp(full)
+        out = module(
+            input_ids=local["tokens"],
+            position_ids=local["position_ids"],
+            attention_mask=None,
+            labels=local["labels"],
+        )
+        return out, lambda t: loss_func(local["loss_mask"], full["loss_mask"].sum().to(torch.int), t)
+
+    model.zero_grad(set_to_none=True)
+    with cuda_to_cpu():
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=num_microbatches,
+            seq_length=cfg.seq_length,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
+    all_reduce_grads_over_cp(model)
+    if parallel_state.is_pipeline_last_stage():
+        loss = sum(_cp_sum(r["local_sum"]) / r["tokens"] for r in reports) / num_microbatches
+    else:
+        loss = None
+    losses: List[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(losses, loss, group=parallel_state.get_pipeline_model_parallel_group())
+    return {"loss": losses[-1], "grads": _merge_over_pp(full_gradients(model))}
+
+
+# --------------------------------------------------------------------------------------------------
+# Returning results from forked ranks
+# --------------------------------------------------------------------------------------------------
+def pack_for_parent(obj: Any) -> bytes:
+    """Serialize a rank's result (tensors included) by value.
+
+    A tensor put directly on run_on_ranks' multiprocessing queue travels as a shared-memory file
+    descriptor that the parent can only fetch while the rank is alive; the rank exits right after
+    reporting, so the parent gets EOFError. Plain pickle copies the data instead.
+    """
+    return pickle.dumps(obj)
+
+
+def unpack_from_rank(data: bytes) -> Any:
+    """Inverse of ``pack_for_parent`` (in the parent process)."""
+    return pickle.loads(data)
+
+
+# --------------------------------------------------------------------------------------------------
+# Comparison
+# --------------------------------------------------------------------------------------------------
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e| (0 when both are 0): a scale-aware error for whole tensors."""
+    scale = expected.abs().max().item()
+    diff = (actual - expected).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def compare_results(actual: Dict[str, Any], expected: Dict[str, Any]) -> Dict[str, float]:
+    """Relative errors of every entry ``forward_backward``/``pipeline_forward_backward`` return:
+    keys ``loss``, ``per_token_loss`` (if present) and ``grad:<name>``. Raises if gradient names differ."""
+    errors = {"loss": max_relative_error(torch.as_tensor(actual["loss"]), torch.as_tensor(expected["loss"]))}
+    if "per_token_loss" in expected:
+        errors["per_token_loss"] = max_relative_error(actual["per_token_loss"], expected["per_token_loss"])
+    if set(actual["grads"]) != set(expected["grads"]):
+        raise AssertionError(
+            f"gradient names differ: only actual {sorted(set(actual['grads']) - set(expected['grads']))}, "
+            f"only expected {sorted(set(expected['grads']) - set(actual['grads']))}"
+        )
+    for name, grad in expected["grads"].items():
+        if actual["grads"][name].shape != grad.shape:
+            raise AssertionError(f"{name}: shape {tuple(actual['grads'][name].shape)} != {tuple(grad.shape)}")
+        errors[f"grad:{name}"] = max_relative_error(actual["grads"][name], grad)
+    return errors
+
+
+__all__ = [
+    "TinyGPTConfig",
+    "all_reduce_grads_over_cp",
+    "build_tiny_gpt",
+    "canonical_parameters",
+    "compare_results",
+    "forward_backward",
+    "full_gradients",
+    "init_parallel",
+    "local_spec_with_core_attention",
+    "make_transformer_config",
+    "max_relative_error",
+    "pack_for_parent",
+    "pipeline_forward_backward",
+    "reset_parameters_deterministically",
+    "shard_batch_for_cp",
+    "synthetic_batch",
+    "train_steps",
+    "unpack_from_rank",
+    "unshard_cp",
+    "zigzag_chunk_ids",
+]
