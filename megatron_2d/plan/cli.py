@@ -1,0 +1,112 @@
+"""``python -m megatron_2d.plan``: rank context-parallel layouts for a model, cluster and sequence length.
+
+    python -m megatron_2d.plan --model 7B-GQA --cluster 8xH100 --gpus 64 --seq 128K
+    python -m megatron_2d.plan --model 7B-MHA --cluster 8xA100 --gpus 32 --tp 2 --seq 256K --json
+    python -m megatron_2d.plan --model 7B-GQA --cluster 8xH200 --gpus 64 --seq 128K --plot plan.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import List, Optional
+
+from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
+from .planner import plan
+from .plot import DEFAULT_SEQS, plot_sweep
+from .report import format_plan, plan_json
+
+
+def parse_seq(text: str) -> int:
+    """'131072', '128K' or '1M' (K = 1024) -> int."""
+    t = str(text).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    digits = t[:-1] if mult > 1 else t
+    if not digits.isdigit() or int(digits) < 1:
+        raise argparse.ArgumentTypeError(f"sequence length {text!r} is not a positive integer like 131072, 128K or 1M")
+    return int(digits) * mult
+
+
+def _cp(text: str) -> Optional[int]:
+    if text.lower() in ("all", "auto", "left"):
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--cp {text!r}: give a positive integer or 'all' (all GPUs left)")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_2d.plan",
+                                description="Rank 2D-Attention (LoongTrain) layouts and Megatron's stock context "
+                                            "parallelism by predicted attention time.")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="7B-GQA", help=f"preset: {', '.join(MODEL_PRESETS)} (default 7B-GQA)")
+    for name, hlp in (("layers", "layers"), ("hidden", "hidden size D"), ("heads", "query heads"),
+                      ("kv-heads", "key/value heads"), ("ffn", "MLP intermediate size"), ("vocab", "vocabulary")):
+        g.add_argument(f"--{name}", type=int, help=f"override the preset's {hlp}")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--cluster", default="8xH100", help=f"preset: {', '.join(CLUSTER_PRESETS)} (default 8xH100)")
+    c.add_argument("--gpus", type=int, required=True, help="total GPUs (world size)")
+    c.add_argument("--gpus-per-node", type=int, help="GPUs per NVLink node")
+    c.add_argument("--tflops", type=float, help="dense bf16 peak per GPU, TFLOP/s")
+    c.add_argument("--attn-eff", type=float, help="attention-kernel efficiency (fraction of peak)")
+    c.add_argument("--dense-eff", type=float, help="dense-GEMM efficiency for the non-attention part (default 0.6)")
+    c.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction")
+    c.add_argument("--net-gbps", type=float, help="network GB/s per node (all NICs)")
+    c.add_argument("--nics", type=int, help="NICs per node")
+    c.add_argument("--gpu-mem-gb", type=float, help="memory per GPU, GB (for the memory warning)")
+    j = p.add_argument_group("job")
+    j.add_argument("--seq", type=parse_seq, required=True, help="sequence length: 131072, 128K or 1M")
+    j.add_argument("--tp", type=int, default=1, help="tensor-parallel size (fixed)")
+    j.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (fixed)")
+    j.add_argument("--dp", type=int, help="data-parallel size (default: what is left after --cp, or 1)")
+    j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
+    j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=15, help="feasible layouts to list (default 15)")
+    o.add_argument("--all", action="store_true", help="list every feasible layout")
+    o.add_argument("--json", action="store_true", help="print a JSON list, one object per candidate")
+    o.add_argument("--plot", metavar="PATH", help="write a PNG of predicted time vs sequence length")
+    o.add_argument("--plot-seqs", type=parse_seq, nargs="+", default=list(DEFAULT_SEQS),
+                   help="sequence lengths for --plot (default 32K 64K 128K 256K 512K 1M)")
+    return p
+
+
+def _specs(args):
+    model = get_model(args.model)
+    overrides = {k: v for k, v in (("layers", args.layers), ("hidden", args.hidden), ("heads", args.heads),
+                                   ("kv_heads", args.kv_heads), ("ffn_hidden", args.ffn), ("vocab", args.vocab))
+                 if v is not None}
+    if overrides:
+        model = replace(model, name=f"{model.name}(custom)", **overrides)
+    cluster = get_cluster(args.cluster)
+    changes = {k: v for k, v in (("gpus_per_node", args.gpus_per_node), ("peak_tflops", args.tflops),
+                                 ("attn_efficiency", args.attn_eff), ("dense_efficiency", args.dense_eff),
+                                 ("nvlink_gbps", args.nvlink_gbps), ("net_gbps_per_node", args.net_gbps),
+                                 ("nics_per_node", args.nics), ("gpu_memory_gb", args.gpu_mem_gb)) if v is not None}
+    if changes:
+        cluster = cluster.with_(name=f"{cluster.name}(custom)", **changes)
+    parallel = ParallelSpec(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
+                            micro_batch=args.micro_batch)
+    return model, cluster, parallel
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        model, cluster, parallel = _specs(args)
+        causal = not args.no_causal
+        cands = plan(model, cluster, parallel, args.seq, causal)
+        if args.json:
+            print(plan_json(cands))
+        else:
+            print(format_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal))
+        if args.plot:
+            plot_sweep(args.plot, model, cluster, parallel, args.plot_seqs, causal)
+            print(f"wrote {args.plot}", file=sys.stderr)
+    except PlanError as err:
+        parser.error(str(err))
+    return 0

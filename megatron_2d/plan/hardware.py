@@ -1,0 +1,237 @@
+"""What the planner is told: the model, the cluster, the fixed parallel sizes, and named presets.
+
+Every dataclass validates itself on construction and raises :class:`PlanError` naming the offending value and
+what would be valid. Hardware figures come from /work/shared/notes/field-and-peers.md ("Figures for cost models")
+unless a field's docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Dict, Optional
+
+
+class PlanError(ValueError):
+    """Bad planner input: the message names the offending value and what would be valid."""
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise PlanError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def _fraction(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise PlanError(f"{name} must be in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer (Llama-style: RMSNorm, SwiGLU MLP, untied output layer)."""
+
+    name: str
+    layers: int
+    """Transformer layers."""
+    hidden: int
+    """D, the model width; head dimension d = D / heads."""
+    heads: int
+    """H, query heads."""
+    kv_heads: int
+    """H_kv, key/value heads (H_kv < H is GQA, 1 is MQA); must divide H."""
+    ffn_hidden: int
+    """F, MLP intermediate size."""
+    vocab: int
+    """V, vocabulary size (output layer rows)."""
+    gated_mlp: bool = True
+    """SwiGLU: fc1 produces 2F (gate and up), so the MLP has 3*D*F weights instead of 2*D*F."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
+            _positive_int(f"model {name}", getattr(self, name))
+        if self.hidden % self.heads:
+            raise PlanError(f"model hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise PlanError(f"model kv_heads={self.kv_heads} must divide heads={self.heads} "
+                            f"(valid: {[k for k in range(1, self.heads + 1) if self.heads % k == 0]})")
+
+    @property
+    def head_dim(self) -> int:
+        """d = D / H."""
+        return self.hidden // self.heads
+
+    def layer_params(self) -> int:
+        """Matmul weights of one layer: Q and O (D x H*d each), K and V (D x H_kv*d each), MLP (3 or 2 x D*F)."""
+        d = self.head_dim
+        attn = 2 * self.hidden * self.heads * d + 2 * self.hidden * self.kv_heads * d
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
+        return attn + mlp
+
+    def matmul_params(self) -> int:
+        """N for the 6*N*tokens rule: all layers plus the output layer (the input embedding is a lookup)."""
+        return self.layers * self.layer_params() + self.vocab * self.hidden
+
+    def total_params(self) -> int:
+        """All weights, including the input embedding (norm weights ignored), for memory estimates."""
+        return self.matmul_params() + self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous GPU cluster: identical nodes, NVLink inside a node, NICs between nodes."""
+
+    name: str
+    gpus_per_node: int
+    """GPUs in one NVLink domain (one node)."""
+    peak_tflops: float
+    """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM: 989; A100: 312)."""
+    attn_efficiency: float
+    """Fraction of peak the attention kernel reaches over forward+backward on zigzag half blocks (an assumption
+    until calibrated: FlashAttention-2 ~35% of peak on H100, FlashAttention-3 up to ~75% forward)."""
+    nvlink_gbps: float
+    """NVLink bandwidth per GPU per direction, GB/s (NVLink 4: 450; NVLink 3: 300)."""
+    net_gbps_per_node: float
+    """Network bandwidth leaving one node, GB/s, summed over its NICs (8 x 400 Gb/s = 400 GB/s)."""
+    nics_per_node: int
+    """NICs per node; one P2P flow is assumed to use one NIC (rail-local), so a node's bandwidth needs at least
+    this many concurrent flows to be used in full."""
+    dense_efficiency: float = 0.6
+    """Fraction of peak reached by the non-attention GEMMs of a whole layer (H100: ~780/989 on large GEMMs;
+    0.6 leaves room for norms, activations and TP communication, which are not modelled)."""
+    gpu_memory_gb: float = 80.0
+    """Memory per GPU (GB), used only to warn when the memory estimate exceeds it."""
+    hbm_gbps: float = 3350.0
+    """HBM bandwidth per GPU, GB/s (vendor spec sheets: H100 SXM 3350, H200 4800, A100 80GB 2039); prices the
+    memory-bound work of a ring step (merging partial outputs, accumulating dQ/dK/dV) and all-to-all permutes."""
+    step_latency_us: float = 10.0
+    """Fixed cost of one ring step or all-to-all, microseconds: kernel launches and stream/event waits. An
+    assumption (a few launches of ~2-5 us each); refine with calibrate(). 0 disables it."""
+
+    def __post_init__(self) -> None:
+        _positive_int("cluster gpus_per_node", self.gpus_per_node)
+        _positive_int("cluster nics_per_node", self.nics_per_node)
+        for name in ("peak_tflops", "nvlink_gbps", "net_gbps_per_node", "gpu_memory_gb", "hbm_gbps"):
+            _positive(f"cluster {name}", getattr(self, name))
+        if isinstance(self.step_latency_us, bool) or not isinstance(self.step_latency_us, (int, float)) \
+                or not 0 <= self.step_latency_us < math.inf:
+            raise PlanError(f"cluster step_latency_us must be a finite number >= 0, got {self.step_latency_us!r}")
+        _fraction("cluster attn_efficiency", self.attn_efficiency)
+        _fraction("cluster dense_efficiency", self.dense_efficiency)
+
+    @property
+    def nic_gbps(self) -> float:
+        """Bandwidth of one NIC (GB/s): the most one network flow gets."""
+        return self.net_gbps_per_node / self.nics_per_node
+
+    def with_(self, **changes) -> "ClusterSpec":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """The job's parallel sizes. TP and PP (and usually DP) are fixed before the planner runs; CP is what it plans.
+
+    Rank order is Megatron's default ``tp-cp-ep-dp-pp``: TP ranks are innermost, so the CP ranks of one group are
+    TP apart and a group with its TP peers fills TP*CP consecutive ranks (consecutive ranks fill a node first).
+    """
+
+    gpus: int
+    """World size."""
+    tp: int = 1
+    pp: int = 1
+    cp: Optional[int] = None
+    """Context-parallel size; None means all GPUs left: gpus / (tp * pp * dp)."""
+    dp: Optional[int] = None
+    """Data-parallel size; None means gpus / (tp * pp * cp) (or 1 when cp is None too)."""
+    micro_batch: int = 1
+    """B, sequences per micro-batch."""
+
+    def __post_init__(self) -> None:
+        _positive_int("gpus", self.gpus)
+        _positive_int("tp", self.tp)
+        _positive_int("pp", self.pp)
+        _positive_int("micro_batch", self.micro_batch)
+        if self.cp is not None:
+            _positive_int("cp (context-parallel size)", self.cp)
+        if self.dp is not None:
+            _positive_int("dp", self.dp)
+        fixed = self.tp * self.pp * (self.dp or 1)
+        if self.gpus % fixed:
+            raise PlanError(f"gpus={self.gpus} is not divisible by tp*pp*dp={self.tp}*{self.pp}*{self.dp or 1}"
+                            f"={fixed}; the GPUs left for CP must be a whole number")
+        if self.cp is not None:
+            if self.dp is None and self.gpus % (self.tp * self.pp * self.cp):
+                raise PlanError(f"gpus={self.gpus} is not divisible by tp*pp*cp={self.tp}*{self.pp}*{self.cp}"
+                                f"={self.tp * self.pp * self.cp}; valid CP sizes: "
+                                f"{_divisors(self.gpus // (self.tp * self.pp))}")
+            if self.dp is not None and self.tp * self.pp * self.cp * self.dp != self.gpus:
+                raise PlanError(f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = "
+                                f"{self.tp * self.pp * self.cp * self.dp} != gpus={self.gpus}")
+
+    @property
+    def cp_size(self) -> int:
+        """CP, resolved."""
+        if self.cp is not None:
+            return self.cp
+        return self.gpus // (self.tp * self.pp * (self.dp or 1))
+
+    @property
+    def dp_size(self) -> int:
+        """DP, resolved."""
+        return self.gpus // (self.tp * self.pp * self.cp_size)
+
+
+def _divisors(n: int):
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+# -- presets ----------------------------------------------------------------------------------------------------
+
+MODEL_PRESETS: Dict[str, ModelSpec] = {
+    m.name: m for m in (
+        ModelSpec("7B-MHA", layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000),
+        ModelSpec("7B-GQA", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=11008, vocab=32000),
+    )
+}
+"""Llama-2-7B shapes, with all 32 KV heads (MHA) or 8 (GQA)."""
+
+CLUSTER_PRESETS: Dict[str, ClusterSpec] = {
+    c.name: c for c in (
+        # H100 SXM: 989 TFLOP/s bf16, NVLink 4 450 GB/s/direction, 8 x 400 Gb/s NICs (field-and-peers.md).
+        ClusterSpec("8xH100", gpus_per_node=8, peak_tflops=989.0, attn_efficiency=0.45, nvlink_gbps=450.0,
+                    net_gbps_per_node=400.0, nics_per_node=8, gpu_memory_gb=80.0),
+        # H200 SXM: the H100's compute and links, 141 GB HBM3e.
+        ClusterSpec("8xH200", gpus_per_node=8, peak_tflops=989.0, attn_efficiency=0.45, nvlink_gbps=450.0,
+                    net_gbps_per_node=400.0, nics_per_node=8, gpu_memory_gb=141.0, hbm_gbps=4800.0),
+        # A100 SXM: 312 TFLOP/s bf16, NVLink 3 300 GB/s/direction, 8 x 200 Gb/s NICs; FlashAttention-2 reports
+        # 50-70% of peak on A100, 0.5 assumed for forward+backward.
+        ClusterSpec("8xA100", gpus_per_node=8, peak_tflops=312.0, attn_efficiency=0.5, nvlink_gbps=300.0,
+                    net_gbps_per_node=200.0, nics_per_node=8, gpu_memory_gb=80.0, hbm_gbps=2039.0),
+    )
+}
+
+PRESETS: Dict[str, Dict[str, object]] = {"models": MODEL_PRESETS, "clusters": CLUSTER_PRESETS}
+"""Both preset tables: ``PRESETS["models"]["7B-GQA"]``, ``PRESETS["clusters"]["8xH100"]``."""
+
+
+def _lookup(table: Dict[str, object], kind: str, name: str):
+    for key, value in table.items():
+        if key.lower() == str(name).lower():
+            return value
+    raise PlanError(f"unknown {kind} preset {name!r}; known {kind} presets: {', '.join(table)}")
+
+
+def get_model(name: str) -> ModelSpec:
+    """The model preset ``name`` (case-insensitive), or PlanError listing the known ones."""
+    return _lookup(MODEL_PRESETS, "model", name)
+
+
+def get_cluster(name: str) -> ClusterSpec:
+    """The cluster preset ``name`` (case-insensitive), or PlanError listing the known ones."""
+    return _lookup(CLUSTER_PRESETS, "cluster", name)

@@ -1,0 +1,118 @@
+"""Which links each communication of a 2D layout uses: NVLink inside a node, or the network between nodes.
+
+Pure rank math, the same maps as ``megatron_2d.topology`` (cross-checked in tests/test_plan.py):
+
+    CP index i of the rank with head rank hr and context rank cr:
+        head_first     i = cr * hp + hr     (a head group is hp adjacent CP ranks)
+        context_first  i = hr * cp + cr     (a context group is cp adjacent CP ranks)
+    global rank      g = base + tp * i      (Megatron order tp-cp-ep-dp-pp: TP innermost, so CP ranks are TP apart;
+                                             one CP group and its TP peers fill TP*CP consecutive ranks)
+    node             n = g // gpus_per_node
+
+    all-to-all peers   the other hp - 1 ranks of the head group: (hr', cr) for hr' != hr
+    inner ring peer    (hr, window*w + (slot+1) % w) with window = cr // w, slot = cr % w     (when w > 1)
+    outer ring peer    (hr, (cr + w) % cp)                                                   (when cp / w > 1)
+
+The pattern repeats every lcm(gpus_per_node, TP*CP) global ranks, so one period describes the whole cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, List, Tuple
+
+PLACEMENTS = ("head_first", "context_first")
+
+
+@dataclass(frozen=True)
+class LinkClass:
+    """How one rank's sends on one path split between the node and the network."""
+
+    intra_peers: int
+    """Peers on this rank's node (NVLink)."""
+    inter_peers: int
+    """Peers on other nodes (network)."""
+    node_flows: int
+    """Ranks of this node sending off-node on this path at the same time (they share the node's NICs)."""
+
+
+@dataclass(frozen=True)
+class LinkMap:
+    """The distinct :class:`LinkClass` of every rank, for the all-to-all, the inner ring and the outer ring.
+
+    The two rings run concurrently, so ``node_flows`` of ``inner`` and ``outer`` both count the off-node flows
+    of both rings.
+    """
+
+    a2a: Tuple[LinkClass, ...]
+    inner: Tuple[LinkClass, ...]
+    outer: Tuple[LinkClass, ...]
+
+    @staticmethod
+    def describe(classes: Tuple[LinkClass, ...]) -> str:
+        """'nvlink', 'network', 'mixed' (some peers each way) or '-' (no traffic on this path)."""
+        intra = any(c.intra_peers for c in classes)
+        inter = any(c.inter_peers for c in classes)
+        if intra and inter:
+            return "mixed"
+        return "network" if inter else ("nvlink" if intra else "-")
+
+
+def cp_index(hr: int, cr: int, hp: int, cp: int, placement: str) -> int:
+    """CP index of the rank at head rank ``hr``, context rank ``cr``."""
+    return cr * hp + hr if placement == "head_first" else hr * cp + cr
+
+
+def cp_coords(i: int, hp: int, cp: int, placement: str) -> Tuple[int, int]:
+    """(hr, cr) of CP index ``i``."""
+    return (i % hp, i // hp) if placement == "head_first" else (i // cp, i % cp)
+
+
+def peers(i: int, hp: int, cp: int, w: int, placement: str) -> Dict[str, List[int]]:
+    """CP indices that CP index ``i`` sends to, per path: {'a2a': [...], 'inner': [...], 'outer': [...]}."""
+    hr, cr = cp_coords(i, hp, cp, placement)
+    a2a = [cp_index(h, cr, hp, cp, placement) for h in range(hp) if h != hr]
+    inner = []
+    if w > 1:
+        window, slot = divmod(cr, w)
+        inner = [cp_index(hr, window * w + (slot + 1) % w, hp, cp, placement)]
+    outer = []
+    if cp // w > 1:
+        outer = [cp_index(hr, (cr + w) % cp, hp, cp, placement)]
+    return {"a2a": a2a, "inner": inner, "outer": outer}
+
+
+@lru_cache(maxsize=4096)
+def link_map(hp: int, cp: int, w: int, placement: str, tp: int, gpus_per_node: int, world: int) -> LinkMap:
+    """Classify every rank's all-to-all and ring sends as intra- or inter-node, with per-node flow counts."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r} is not one of {PLACEMENTS}")
+    CP = hp * cp
+    if cp % w or world % (tp * CP):
+        raise ValueError(f"inconsistent layout: cp={cp}, w={w}, tp*CP={tp * CP}, world={world}")
+    period = math.lcm(gpus_per_node, tp * CP)
+    ranks = min(period, world)
+    per_rank: Dict[str, List[Tuple[int, int]]] = {"a2a": [], "inner": [], "outer": []}
+    node_flows: Dict[str, Dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}
+    for g in range(ranks):
+        i = (g // tp) % CP
+        base = g - tp * i                      # global rank of CP index 0 in this rank's group (same TP rank)
+        node = g // gpus_per_node
+        for path, idx in peers(i, hp, cp, w, placement).items():
+            off = sum((base + tp * j) // gpus_per_node != node for j in idx)
+            per_rank[path].append((node, len(idx) - off, off))
+            if off:
+                node_flows[path][node] = node_flows[path].get(node, 0) + 1
+
+    def classes(path: str, concurrent: Tuple[str, ...]) -> Tuple[LinkClass, ...]:
+        out = set()
+        for node, intra, inter in per_rank[path]:
+            if intra or inter:
+                flows = sum(node_flows[p].get(node, 0) for p in concurrent) if inter else 0
+                out.add(LinkClass(intra, inter, flows))
+        return tuple(sorted(out, key=lambda c: (c.inter_peers, c.node_flows, c.intra_peers)))
+
+    rings = ("inner", "outer")
+    return LinkMap(a2a=classes("a2a", ("a2a",)), inner=classes("inner", rings), outer=classes("outer", rings))

@@ -1,0 +1,72 @@
+"""Predicted attention time and MFU against sequence length: the best 2D layout vs each stock baseline."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from .candidates import KINDS
+from .hardware import ClusterSpec, ModelSpec, ParallelSpec
+from .planner import best_by_kind, plan
+from .report import seq_label
+
+DEFAULT_SEQS = tuple(1 << k for k in range(15, 21))      # 32K .. 1M
+
+
+def sweep(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seqs: Sequence[int] = DEFAULT_SEQS,
+          causal: bool = True) -> Dict[str, List[Optional[object]]]:
+    """{kind: [best feasible Candidate of that kind at each seq, or None]} for every kind."""
+    series: Dict[str, List[Optional[object]]] = {k: [] for k in KINDS}
+    for s in seqs:
+        best = best_by_kind(plan(model, cluster, parallel, s, causal))
+        for k in KINDS:
+            c = best.get(k)
+            series[k].append(c if c is not None and c.feasible else None)
+    return series
+
+
+def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+               seqs: Sequence[int] = DEFAULT_SEQS, causal: bool = True) -> str:
+    """Write a PNG with two panels (attention ms per layer, log scale; whole-model MFU) and return ``path``.
+
+    Kinds with no feasible layout at a length leave a gap; their legend entry says 'infeasible' when they have
+    none at any length.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = list(seqs)
+    series = sweep(model, cluster, parallel, seqs, causal)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
+    styles = {"2d": dict(color="C3", lw=2.5, marker="o"), "p2p": dict(color="C0", marker="s"),
+              "a2a": dict(color="C1", marker="^"), "a2a+p2p": dict(color="C2", marker="v"),
+              "ds-ulysses": dict(color="C4", marker="x", ls="--")}
+    for kind in KINDS:
+        cands = series[kind]
+        label = "2d (best layout)" if kind == "2d" else kind
+        if all(c is None for c in cands):
+            label += " (infeasible)"
+        ts = [c.estimate.time_s * 1e3 if c else float("nan") for c in cands]
+        ms = [c.estimate.mfu * 100 if c else float("nan") for c in cands]
+        ax_t.plot(seqs, ts, label=label, **styles[kind])
+        ax_m.plot(seqs, ms, label=label, **styles[kind])
+    for c, s in zip(series["2d"], seqs):
+        if c is not None:
+            ax_t.annotate(f"{c.hp}x{c.cp} w{c.w}\n{c.placement.split('_')[0]}", (s, c.estimate.time_s * 1e3),
+                          textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7, color="C3")
+    for ax, ylabel in ((ax_t, "attention fwd+bwd per layer (ms)"), (ax_m, "whole-model MFU (%)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqs)
+        ax.set_xticklabels([seq_label(s) for s in seqs])
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.set_yscale("log")
+    ax_m.legend(fontsize=8)
+    fig.suptitle(f"{model.name} on {cluster.name}: {parallel.gpus} GPUs, TP={parallel.tp} PP={parallel.pp} "
+                 f"CP={parallel.cp_size} (predicted)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,345 @@
+"""Tests of the performance model and placement planner (megatron_2d.plan): formulas on hand-computed cases,
+sanity properties, feasibility, errors, and the CLI (text, --json, --plot)."""
+
+import json
+import math
+
+import pytest
+
+from megatron_2d.plan import (CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, Layout, ModelSpec, ParallelSpec,
+                              PlanError, WorkCounts, calibrate, evaluate, fit_rates, get_cluster, get_model,
+                              layer_work, plan, replicated_kv_heads, work_counts)
+from megatron_2d.plan.cli import main, parse_seq
+from megatron_2d.plan.cost_model import flow_gbps, ring_times
+from megatron_2d.plan.placement import LinkClass, LinkMap, link_map, peers
+
+GQA, MHA = get_model("7B-GQA"), get_model("7B-MHA")
+H100 = get_cluster("8xH100")
+# An idealised cluster for hand computations: no per-step latency, effectively infinite HBM bandwidth.
+IDEAL = H100.with_(step_latency_us=0.0, hbm_gbps=1e12)
+K128 = 131072
+
+
+# -- formulas on hand-computed cases ------------------------------------------------------------------------------
+
+def test_layer_work_hand_computed():
+    # 7B-GQA, S=128K, CP=64 as hp=8 x cp=8, TP=1, B=1. d = 4096/32 = 128, Ht = 32, Hkvt = 8, L = lcm(8, 8) = 8.
+    # forward FLOPs per rank: 4 * S^2 * 32 * 128 / 64 / 2 (causal) = 4 * 17179869184 * 4096 / 128 = 2199023255552
+    # K/V block: 2 (k, v) * 2 bytes * S/cp = 16384 tokens * L/hp = 1 head * 128 = 8388608 bytes; dK/dV fp32 = 2x
+    # all-to-all per peer: 2 bytes * S/CP = 2048 tokens * 128 * (2*32 + 2*8) / hp = 41943040 / 8 = 5242880
+    w = layer_work(GQA, ParallelSpec(gpus=64), hp=8, cp=8, seq=K128)
+    assert w.fwd_flops == 2199023255552
+    assert w.kv_bytes == 8388608 and w.dkv_bytes == 16777216
+    assert w.a2a_peer_bytes == 5242880
+    assert w.kv_heads_per_rank == 1
+
+
+@pytest.mark.parametrize("hp", [1, 2, 4, 8, 16, 32])
+def test_kv_bytes_match_paper_formula(hp):
+    # Paper: K/V bytes per ring step (bf16) = max(H_kv, d_hp)/H * 4*S*D/d_sp; hp | 32 so lcm(8, hp) = max(8, hp).
+    w = layer_work(GQA, ParallelSpec(gpus=64), hp=hp, cp=64 // hp, seq=K128)
+    assert w.kv_bytes == max(8, hp) / 32 * 4 * K128 * 4096 / 64
+
+
+def test_replicated_kv_heads():
+    # lcm: 8 KV heads over hp=16 -> 16 (factor 2); hp=4 -> 8 (none); hp=3 -> 24 (factor 3, 8 heads per rank).
+    assert replicated_kv_heads(8, 16) == 16
+    assert replicated_kv_heads(8, 4) == 8
+    assert replicated_kv_heads(8, 3) == 24
+
+
+def test_flow_bandwidth_shares_nics():
+    # 400 GB/s over 8 NICs: one flow gets one NIC (50 GB/s); 16 flows share all NICs (25 GB/s).
+    assert flow_gbps(H100, 1) == 50.0
+    assert flow_gbps(H100, 8) == 50.0
+    assert flow_gbps(H100, 16) == 25.0
+
+
+def test_ring_times_hand_computed():
+    # NVLink 100 GB/s; network 400 GB/s per node over 8 NICs with 16 ring flows per node: 25 GB/s per flow.
+    # kv = 0.1 GB: T_in(kv) = 1 ms, T_out(kv) = 4 ms; kv+dkv = 0.3 GB: T_in = 3, T_out = 12; dkv: T_in 2, T_out 8.
+    # cp=8, w=4 -> nw=2; Tc = 0.5 ms, Tcb = 1.25 ms.
+    # R   = 4*0.5 + 3*max(0, 1-0.5) = 3.5;      fwd = 2*3.5 + 1*max(0, 4-3.5) = 7.5 ms
+    # Rb  = 4*1.25 + 3*max(0, 3-1.25) = 10.25;  bwd = 2*10.25 + 1*max(0, 12-10.25) + 2 + 8 = 32.25 ms
+    # serial comm = 2*2*3*1 (kv inner) + 8*2 (dkv inner) + 2*1*4 (kv outer) + 2*8 (dkv outer) = 12+16+8+16 = 52 ms
+    cluster = H100.with_(nvlink_gbps=100.0)
+    links = LinkMap(a2a=(), inner=(LinkClass(1, 0, 0),), outer=(LinkClass(0, 1, 16),))
+    work = layer_work(GQA, ParallelSpec(gpus=64), hp=1, cp=64, seq=K128)
+    work = type(work)(**{**work.__dict__, "kv_bytes": 1e8, "dkv_bytes": 2e8})
+    fwd, bwd, serial = ring_times(work, links, cluster, cp=8, w=4, tc=0.5e-3, tcb=1.25e-3)
+    assert fwd == pytest.approx(7.5e-3)
+    assert bwd == pytest.approx(32.25e-3)
+    assert serial == pytest.approx(52e-3)
+
+
+def test_zigzag_steps_cost_half_a_block():
+    # Brute force over tokens: with zigzag (rank r holds chunks r and 2cp-1-r), every off-diagonal ring step has
+    # exactly (S/cp)^2 / 2 causal (q >= k) pairs; the diagonal step has c more (the diagonals of its 2 chunks).
+    # That is what layer_work's "fwd_flops / cp per step" assumes.
+    cp, c = 4, 6                         # chunk size c, S = 2*cp*c = 48
+    chunks = lambda r: [r, 2 * cp - 1 - r]                                            # noqa: E731
+    tokens = lambda r: [ch * c + t for ch in chunks(r) for t in range(c)]             # noqa: E731
+    block = (2 * c) ** 2
+    for r in range(cp):
+        for step in range(cp):
+            src = (r - step) % cp
+            pairs = sum(q >= k for q in tokens(r) for k in tokens(src))
+            assert pairs == block // 2 + (2 * c // 2 if src == r else 0)
+
+
+# -- placement ---------------------------------------------------------------------------------------------------
+
+def test_link_map_hand_cases():
+    # 64 GPUs, 8 per node, TP=1. head_first hp=8: a head group is one node (7 NVLink peers); the ring connects
+    # ranks 8 apart, so every rank's ring peer is on another node: 8 flows per node.
+    lm = link_map(8, 8, 8, "head_first", 1, 8, 64)
+    assert lm.a2a == (LinkClass(7, 0, 0),)
+    assert lm.inner == (LinkClass(0, 1, 8),) and lm.outer == ()
+    # context_first: the ring is one node (NVLink); the all-to-all goes to 7 other nodes from all 8 GPUs.
+    lm = link_map(8, 8, 8, "context_first", 1, 8, 64)
+    assert lm.a2a == (LinkClass(0, 7, 8),) and lm.inner == (LinkClass(1, 0, 0),)
+    # Plain ring of 64: 7 ranks per node send on NVLink, 1 crosses to the next node (1 flow: one NIC's worth).
+    lm = link_map(1, 64, 64, "head_first", 1, 8, 64)
+    assert set(lm.inner) == {LinkClass(1, 0, 0), LinkClass(0, 1, 1)}
+    # Double ring hp=1, w=8: inner rings inside nodes; the outer ring moves all 8 ranks of a node at once.
+    lm = link_map(1, 64, 8, "head_first", 1, 8, 64)
+    assert lm.inner == (LinkClass(1, 0, 0),) and lm.outer == (LinkClass(0, 1, 8),)
+    # TP=2, CP=32: CP ranks are 2 apart, a node holds 4 ranks of each of two CP groups: 2 ring flows per node.
+    lm = link_map(1, 32, 32, "head_first", 2, 8, 64)
+    assert set(lm.inner) == {LinkClass(1, 0, 0), LinkClass(0, 1, 2)}
+
+
+def _brute_force_peers(i, hp, cp, w, placement):
+    # Independent enumeration: build the (hr, cr) grid, then read off groups.
+    grid = {}
+    for hr in range(hp):
+        for cr in range(cp):
+            grid[(hr, cr)] = cr * hp + hr if placement == "head_first" else hr * cp + cr
+    (hr, cr), = [k for k, v in grid.items() if v == i]
+    window = [grid[(hr, x)] for x in range(cp) if x // w == cr // w]
+    outer = [grid[(hr, x)] for x in range(cp) if x % w == cr % w]
+    nxt = lambda ring: ring[(ring.index(i) + 1) % len(ring)]                          # noqa: E731
+    return {"a2a": sorted(grid[(h, cr)] for h in range(hp) if h != hr),
+            "inner": [nxt(window)] if w > 1 else [], "outer": [nxt(outer)] if cp // w > 1 else []}
+
+
+@pytest.mark.parametrize("hp,cp,w", [(2, 8, 4), (4, 4, 2), (1, 16, 4), (8, 2, 1), (3, 6, 3)])
+@pytest.mark.parametrize("placement", ["head_first", "context_first"])
+def test_peers_match_brute_force(hp, cp, w, placement):
+    for i in range(hp * cp):
+        got = peers(i, hp, cp, w, placement)
+        assert {**got, "a2a": sorted(got["a2a"])} == _brute_force_peers(i, hp, cp, w, placement)
+
+
+def test_placement_matches_megatron_2d_topology():
+    # The planner's rank maps must agree with the implementation's (megatron_2d.topology), when importable.
+    topology = pytest.importorskip("megatron_2d.topology")
+    for hp, cp, w in [(2, 4, 2), (4, 2, 1), (2, 8, 4)]:
+        for placement in ("head_first", "context_first"):
+            lay = topology.Layout2D(cp_size=hp * cp, head_parallel_size=hp, window_size=w, placement=placement)
+            ranks = list(range(hp * cp))
+            for i in ranks:
+                p = peers(i, hp, cp, w, placement)
+                hg = next(g for g in lay.head_groups(ranks) if i in g)
+                assert sorted(p["a2a"]) == sorted(set(hg) - {i})
+                if w > 1:
+                    ring = next(g for g in lay.intra_window_groups(ranks) if i in g)
+                    assert p["inner"] == [ring[(ring.index(i) + 1) % len(ring)]]
+                if cp // w > 1:
+                    ring = next(g for g in lay.inter_window_groups(ranks) if i in g)
+                    assert p["outer"] == [ring[(ring.index(i) + 1) % len(ring)]]
+
+
+# -- sanity properties -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", [GQA, MHA])
+def test_more_bandwidth_is_never_slower(model):
+    par = ParallelSpec(gpus=64)
+    base = {c.layout: c.estimate.time_s for c in plan(model, H100, par, K128) if c.feasible}
+    for faster in (H100.with_(nvlink_gbps=900.0), H100.with_(net_gbps_per_node=800.0),
+                   H100.with_(nics_per_node=4), H100.with_(hbm_gbps=6000.0)):
+        # (4 NICs of 100 GB/s each instead of 8 of 50: each flow gets more when fewer than 8 flows leave a node)
+        for c in plan(model, faster, par, K128):
+            if c.feasible:
+                assert c.estimate.time_s <= base[c.layout] * (1 + 1e-12), c.layout
+
+
+def test_longer_sequences_move_toward_compute_bound():
+    par = ParallelSpec(gpus=64)
+    seqs = [1 << k for k in range(15, 21)]
+    ratios = {}
+    for s in seqs:
+        for c in plan(GQA, H100, par, s):
+            if c.feasible and c.estimate.comm_total_s > 0:
+                ratios.setdefault(c.layout, []).append(c.estimate.comm_total_s / c.estimate.compute_s)
+    assert ratios
+    for layout, r in ratios.items():
+        assert len(r) == len(seqs)
+        assert all(b < a for a, b in zip(r, r[1:])), (layout, r)
+
+
+@pytest.mark.parametrize("tp,gpus,seq", [(1, 64, K128), (2, 32, 65536), (1, 16, 1 << 20)])
+def test_2d_with_hp1_single_ring_equals_p2p(tp, gpus, seq):
+    par = ParallelSpec(gpus=gpus, tp=tp)
+    CP = par.cp_size
+    two_d = evaluate(Layout("2d", 1, CP, CP), GQA, H100, par, seq).estimate
+    p2p = evaluate(Layout("p2p", 1, CP, CP), GQA, H100, par, seq).estimate
+    assert two_d.time_s == p2p.time_s and two_d.comm_total_s == p2p.comm_total_s
+
+
+def test_plain_ring_at_64_gpus_is_comm_bound_like_the_paper_reports():
+    # field-and-peers.md: at 64 GPUs, 128K tokens, GQA, ring communication ~1.8x the compute.
+    e = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128).estimate
+    assert 1.2 < e.comm_total_s / e.compute_s < 2.5
+
+
+def test_ideal_cluster_time_is_compute_plus_exposed_parts():
+    # With everything hidden (huge bandwidths, no latency, no merge cost), 2D time == attention kernels alone.
+    fast = IDEAL.with_(nvlink_gbps=1e9, net_gbps_per_node=1e9)
+    for c in plan(GQA, fast, ParallelSpec(gpus=64), K128):
+        if c.feasible:
+            assert c.estimate.time_s == pytest.approx(c.estimate.kernel_s, rel=1e-6)
+
+
+# -- feasibility -------------------------------------------------------------------------------------------------
+
+def _reason(layout, model=GQA, gpus=64, seq=K128, tp=1):
+    c = evaluate(layout, model, H100, ParallelSpec(gpus=gpus, tp=tp), seq)
+    assert not c.feasible and c.estimate is None and c.reason
+    return c.reason
+
+
+def test_infeasible_layouts_have_reasons():
+    # Baselines refuse hp beyond the KV heads (no replication); 2d replicates and stays feasible.
+    assert "KV heads" in _reason(Layout("a2a", 16, 1, 1), gpus=16)
+    assert "KV heads" in _reason(Layout("ds-ulysses", 16, 1, 1), gpus=16)
+    assert "KV heads" in _reason(Layout("a2a+p2p", 16, 4, 4))
+    assert evaluate(Layout("2d", 16, 1, 1), GQA, H100, ParallelSpec(gpus=16), K128).feasible
+    # hp beyond the query heads
+    assert "query heads" in _reason(Layout("a2a", 64, 1, 1))
+    # w not dividing cp
+    assert "does not divide cp=8" in _reason(Layout("2d", 8, 8, 3))
+    # hp not dividing the heads (24 heads, CP=16)
+    m24 = ModelSpec("24h", layers=4, hidden=3072, heads=24, kv_heads=8, ffn_hidden=8192, vocab=32000)
+    assert "does not divide the 24 query heads" in _reason(Layout("2d", 16, 1, 1), model=m24, gpus=16)
+    # hp*cp must be the CP size; sequence divisibility; bad placement
+    assert "!= CP=64" in _reason(Layout("2d", 4, 8, 8))
+    assert "2*CP" in _reason(Layout("p2p", 1, 64, 64), seq=K128 + 64)
+    assert "placement" in _reason(Layout("2d", 8, 8, 8, "diagonal"))
+
+
+def test_plan_lists_infeasible_baselines_last():
+    cands = plan(GQA, H100, ParallelSpec(gpus=64), K128)
+    flags = [c.feasible for c in cands]
+    assert flags == sorted(flags, reverse=True)
+    kinds = {c.kind for c in cands if not c.feasible}
+    assert {"a2a", "ds-ulysses", "a2a+p2p", "2d"} <= kinds
+    times = [c.estimate.time_s for c in cands if c.feasible]
+    assert times == sorted(times)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+def test_errors_name_the_value_and_what_is_valid():
+    with pytest.raises(PlanError, match=r"unknown model preset 'llama'.*7B-MHA, 7B-GQA"):
+        get_model("llama")
+    with pytest.raises(PlanError, match=r"8xH100, 8xH200, 8xA100"):
+        get_cluster("tpu")
+    with pytest.raises(PlanError, match=r"gpus=64 is not divisible by tp\*pp\*dp=3\*1\*1"):
+        ParallelSpec(gpus=64, tp=3)
+    with pytest.raises(PlanError, match=r"tp\*pp\*cp=1\*1\*48.*valid CP sizes"):
+        ParallelSpec(gpus=64, cp=48)
+    with pytest.raises(PlanError, match=r"tp=16 must divide heads=32 and kv_heads=8"):
+        plan(GQA, H100, ParallelSpec(gpus=64, tp=16), K128)
+    with pytest.raises(PlanError, match=r"pp=3 does not divide layers=32"):
+        plan(GQA, H100, ParallelSpec(gpus=48, pp=3), K128)
+    with pytest.raises(PlanError, match=r"attn_efficiency must be in \(0, 1\]"):
+        H100.with_(attn_efficiency=1.5)
+    with pytest.raises(PlanError, match=r"kv_heads=5 must divide heads=32"):
+        ModelSpec("x", layers=1, hidden=4096, heads=32, kv_heads=5, ffn_hidden=1, vocab=1)
+
+
+def test_cli_errors_exit_with_message(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["--model", "nope", "--gpus", "64", "--seq", "128K"])
+    assert ei.value.code == 2
+    assert "known model presets: 7B-MHA, 7B-GQA" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--gpus", "64", "--seq", "12x"])
+    assert "not a positive integer like 131072" in capsys.readouterr().err
+
+
+def test_parse_seq():
+    assert parse_seq("128K") == K128 and parse_seq("1M") == 1 << 20 and parse_seq("4096") == 4096
+
+
+# -- CLI ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", list(MODEL_PRESETS))
+@pytest.mark.parametrize("cluster", list(CLUSTER_PRESETS))
+def test_cli_runs_for_presets(model, cluster, capsys):
+    assert main(["--model", model, "--cluster", cluster, "--gpus", "32", "--seq", "64K", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended:" in out and "--context-parallel-size 32" in out
+
+
+def test_cli_json_has_fields(capsys):
+    main(["--model", "7B-GQA", "--cluster", "8xH100", "--gpus", "64", "--seq", "128K", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    need = {"kind", "hp", "cp", "w", "placement", "time_ms", "mfu", "comm_ms", "compute_ms", "memory_gb",
+            "feasible", "reason", "flags"}
+    assert rows and all(need <= set(r) for r in rows)
+    ok = [r for r in rows if r["feasible"]]
+    assert ok[0]["time_ms"] == min(r["time_ms"] for r in ok)
+    assert all(r["time_ms"] is None and r["reason"] for r in rows if not r["feasible"])
+    assert {r["kind"] for r in rows} == {"2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses"}
+
+
+def test_cli_flags_and_tp(capsys):
+    main(["--model", "7B-MHA", "--gpus", "64", "--tp", "2", "--seq", "256K", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    p2p = next(r for r in rows if r["kind"] == "p2p")
+    assert p2p["flags"] == "--tensor-model-parallel-size 2 --context-parallel-size 32 --cp-comm-type p2p"
+    hier = next(r for r in rows if r["kind"] == "a2a+p2p" and r["hp"] == 4)
+    assert hier["flags"].endswith("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 8")
+
+
+def test_cli_plot_writes_png(tmp_path, capsys):
+    path = tmp_path / "plan.png"
+    main(["--model", "7B-GQA", "--gpus", "64", "--seq", "128K", "--plot", str(path), "--plot-seqs", "32K", "128K",
+          "1M"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- calibration -------------------------------------------------------------------------------------------------
+
+def test_fit_rates_recovers_known_rates():
+    # t = flops/4e14 + nvl/3e11 + nic/4e10 on four independent samples: the fit is exact.
+    truth = (4e14, 3e11, 4e10)
+    counts = [WorkCounts(1e12, 0, 0), WorkCounts(2e12, 1e9, 0), WorkCounts(1e12, 0, 5e8), WorkCounts(3e12, 2e9, 1e9)]
+    samples = [(c, c.flops / truth[0] + c.nvlink_bytes / truth[1] + c.nic_bytes / truth[2]) for c in counts]
+    fit = fit_rates(samples)
+    assert fit.flops_per_s == pytest.approx(truth[0])
+    assert fit.nvlink_bytes_per_s == pytest.approx(truth[1])
+    assert fit.nic_bytes_per_s == pytest.approx(truth[2])
+    assert fit.rms_residual_s < 1e-9
+    # only compute measured: the other rates stay unknown
+    assert fit_rates(samples[:1]).nvlink_bytes_per_s is None
+
+
+def test_calibrate_updates_cluster_figures():
+    par = ParallelSpec(gpus=64)
+    layouts = [Layout("2d", 8, 8, 8, "head_first"), Layout("2d", 8, 8, 8, "context_first"),
+               Layout("p2p", 1, 64, 64), Layout("2d", 1, 64, 8)]
+    rate, nvl, nic = 3e14, 2e11, 3e10                    # "measured" machine: 30% efficiency, slower links
+
+    def measured(layout):
+        wc = work_counts(layout, GQA, H100, par, K128)
+        return wc.flops / rate + wc.nvlink_bytes / nvl + wc.nic_bytes / nic
+
+    cal, fit = calibrate(H100, [(l, measured(l)) for l in layouts], GQA, par, K128)
+    assert cal.attn_efficiency == pytest.approx(rate / 989e12)
+    assert cal.nvlink_gbps == pytest.approx(200.0)
+    assert cal.net_gbps_per_node == pytest.approx(30.0 * 8)
+    with pytest.raises(PlanError, match="at least one"):
+        fit_rates([])
