@@ -24,7 +24,9 @@ RTOL = 1e-5  # fp32; relative to each tensor's max magnitude
 # (case name, model/batch config): MHA and GQA, RoPE, 2 layers, hidden 64
 CASES = {
     "mha": tg.TinyGPTConfig(num_attention_heads=4, num_query_groups=None, seq_length=64),
-    "gqa": tg.TinyGPTConfig(num_attention_heads=8, num_query_groups=2, seq_length=96, seed=77),
+    # a per-layer cp_comm_type list: any strings reach each layer's core_attention constructor
+    "gqa": tg.TinyGPTConfig(num_attention_heads=8, num_query_groups=2, seq_length=96, seed=77,
+                            cp_comm_type=["ref-layer1", "ref-layer2"]),
 }
 # (layout name, init_parallel kwargs) compared with CP=1
 LAYOUTS = {
@@ -178,6 +180,7 @@ def test_core_attention_receives_cp_group_and_comm_type(results, layout):
     seen = results[("gqa", layout, "seen")]
     kwargs = LAYOUTS[layout]
     assert [s[0] for s in seen] == [1, 2]  # one core attention per layer, global layer numbers
+    assert [s[1] for s in seen] == ["ref-layer1", "ref-layer2"]
     assert all(s[2] == kwargs["context_parallel_size"] for s in seen)
     assert all(s[3] == kwargs.get("hierarchical_context_parallel_sizes") for s in seen)
 
