@@ -11,7 +11,7 @@ $(STAMP): tools/install.sh requirements.txt requirements-dev.txt pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m megatron_2d.demo
+	$(PY) tools/bench_attention.py --ranks 8
 
 test: $(STAMP)
 	$(PY) -m pytest -q
