@@ -343,3 +343,26 @@ def test_calibrate_updates_cluster_figures():
     assert cal.net_gbps_per_node == pytest.approx(30.0 * 8)
     with pytest.raises(PlanError, match="at least one"):
         fit_rates([])
+
+
+# -- output paths ------------------------------------------------------------------------------------------------
+
+def test_print_plan_plain_and_rich():
+    import io
+
+    from megatron_2d.plan.report import format_plan, print_plan
+
+    par = ParallelSpec(gpus=16)
+    cands = plan(GQA, H100, par, 65536)
+    plain = io.StringIO()
+    print_plan(cands, GQA, H100, par, 65536, top=3, stream=plain)           # not a terminal: plain text
+    assert plain.getvalue().rstrip("\n") == format_plan(cands, GQA, H100, par, 65536, top=3)
+    pytest.importorskip("rich")
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    fancy = Tty()
+    print_plan(cands, GQA, H100, par, 65536, top=3, stream=fancy)
+    assert "Recommended:" in fancy.getvalue() and "tok/GPU/s" in fancy.getvalue()

@@ -1,7 +1,13 @@
 """``python -m megatron_2d.plan``: see cli.py."""
 
+import os
 import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrokenPipeError:                      # e.g. piped into `head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -82,7 +82,7 @@ def fit_rates(samples: Iterable[Tuple[WorkCounts, float]]) -> FitResult:
         if xj <= 0:
             raise PlanError(f"the fit gave a non-positive time per unit for {names[j]} ({xj / s:.3g}); the samples "
                             f"do not separate it from the other terms")
-        rates[j] = s / xj
+        rates[j] = float(s / xj)
     rms = float(np.sqrt(np.mean((A[:, used] / scale @ x - y) ** 2)))
     return FitResult(rates[0], rates[1], rates[2], rms)
 
@@ -106,4 +106,4 @@ def calibrate(cluster: ClusterSpec, samples: Sequence[Tuple[object, float]], mod
         changes["nvlink_gbps"] = fit.nvlink_bytes_per_s / GB
     if fit.nic_bytes_per_s:
         changes["net_gbps_per_node"] = fit.nic_bytes_per_s / GB * cluster.nics_per_node
-    return cluster.with_(**changes), fit
+    return cluster.with_(name=f"{cluster.name}(calibrated)", **changes), fit

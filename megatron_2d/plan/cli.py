@@ -15,7 +15,7 @@ from typing import List, Optional
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
 from .planner import plan
 from .plot import DEFAULT_SEQS, plot_sweep
-from .report import format_plan, plan_json
+from .report import plan_json, print_plan
 
 
 def parse_seq(text: str) -> int:
@@ -103,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.json:
             print(plan_json(cands))
         else:
-            print(format_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal))
+            print_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal)
         if args.plot:
             plot_sweep(args.plot, model, cluster, parallel, args.plot_seqs, causal)
             print(f"wrote {args.plot}", file=sys.stderr)

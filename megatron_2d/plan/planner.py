@@ -104,9 +104,12 @@ def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], paralle
     """All candidate layouts for the job: feasible ones fastest first, then the infeasible ones with reasons.
 
     >>> from megatron_2d.plan import plan, ParallelSpec
-    >>> best = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)[0]
-    >>> best.kind, best.feasible
-    ('2d', True)
+    >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
+    >>> best = cands[0]
+    >>> best.feasible, best.time_ms <= min(c.time_ms for c in cands if c.kind == "p2p")
+    (True, True)
+    >>> [c.reason for c in cands if c.kind == "a2a"]
+    ['hp=64 does not divide the 32 query heads per TP rank; valid hp: [1, 2, 4, 8, 16, 32]']
     """
     model, cluster = _resolve(model, cluster)
     validate_job(model, parallel, seq)

@@ -1,4 +1,4 @@
-"""Predicted attention time and MFU against sequence length: the best 2D layout vs each stock baseline."""
+"""Predicted attention time against sequence length: the best 2D layout vs each stock baseline."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def sweep(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seqs: 
 
 def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
                seqs: Sequence[int] = DEFAULT_SEQS, causal: bool = True) -> str:
-    """Write a PNG with two panels (attention ms per layer, log scale; whole-model MFU) and return ``path``.
+    """Write a PNG with two panels (attention ms per layer, log scale; each kind's time relative to the best 2D
+    layout) and return ``path``.
 
     Kinds with no feasible layout at a length leave a gap; their legend entry says 'infeasible' when they have
     none at any length.
@@ -48,14 +49,15 @@ def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: Para
         if all(c is None for c in cands):
             label += " (infeasible)"
         ts = [c.estimate.time_s * 1e3 if c else float("nan") for c in cands]
-        ms = [c.estimate.mfu * 100 if c else float("nan") for c in cands]
+        rel = [c.estimate.time_s / b.estimate.time_s if c and b else float("nan")
+               for c, b in zip(cands, series["2d"])]
         ax_t.plot(seqs, ts, label=label, **styles[kind])
-        ax_m.plot(seqs, ms, label=label, **styles[kind])
+        ax_m.plot(seqs, rel, label=label, **styles[kind])
     for c, s in zip(series["2d"], seqs):
         if c is not None:
             ax_t.annotate(f"{c.hp}x{c.cp} w{c.w}\n{c.placement.split('_')[0]}", (s, c.estimate.time_s * 1e3),
                           textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7, color="C3")
-    for ax, ylabel in ((ax_t, "attention fwd+bwd per layer (ms)"), (ax_m, "whole-model MFU (%)")):
+    for ax, ylabel in ((ax_t, "attention fwd+bwd per layer (ms)"), (ax_m, "time / best 2D layout's time")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(seqs)
         ax.set_xticklabels([seq_label(s) for s in seqs])
@@ -63,6 +65,7 @@ def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: Para
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
     ax_t.set_yscale("log")
+    ax_m.set_yscale("log", base=2)
     ax_m.legend(fontsize=8)
     fig.suptitle(f"{model.name} on {cluster.name}: {parallel.gpus} GPUs, TP={parallel.tp} PP={parallel.pp} "
                  f"CP={parallel.cp_size} (predicted)")

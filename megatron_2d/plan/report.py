@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from typing import List, Optional, Sequence
 
 from .candidates import STOCK_KINDS
@@ -40,49 +42,85 @@ def _table(rows: List[List[str]]) -> List[str]:
     return [fmt(list(_COLUMNS)), fmt(["-" * wd for wd in widths])] + [fmt(r) for r in rows]
 
 
-def format_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-                seq: int, top: Optional[int] = 15, causal: bool = True) -> str:
-    """The plan as text: a header, the fastest ``top`` feasible layouts (all when None), the recommendation with
-    its flags, the best of each stock baseline, and the infeasible layouts with their reasons."""
+def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+              seq: int, top: Optional[int], causal: bool):
+    """(header lines, table rows, footer lines) of a plan."""
     feasible = [c for c in candidates if c.feasible]
     infeasible = [c for c in candidates if not c.feasible]
     shown = feasible if top is None else feasible[:top]
-    out = [f"{model.name} on {cluster.name}: {parallel.gpus} GPUs ({cluster.gpus_per_node}/node), "
-           f"TP={parallel.tp} PP={parallel.pp} DP={parallel.dp_size} CP={parallel.cp_size}, "
-           f"seq {seq} ({seq_label(seq)}), micro-batch {parallel.micro_batch}, {'causal' if causal else 'full'}",
-           "attn ms = one layer's attention forward+backward on one GPU (compute + exposed communication); "
-           "comm/comp = all communication, unoverlapped, / compute;",
-           "MFU and tok/GPU/s are for the whole model (pipeline bubbles and TP communication not modelled). "
-           "Links: NVL = NVLink, NET = network, mix = both.", ""]
+    head = [f"{model.name} on {cluster.name}: {parallel.gpus} GPUs ({cluster.gpus_per_node}/node), "
+            f"TP={parallel.tp} PP={parallel.pp} DP={parallel.dp_size} CP={parallel.cp_size}, "
+            f"seq {seq} ({seq_label(seq)}), micro-batch {parallel.micro_batch}, {'causal' if causal else 'full'}",
+            "attn ms = one layer's attention forward+backward on one GPU (compute + exposed communication); "
+            "comm/comp = all communication, unoverlapped, / compute;",
+            "MFU and tok/GPU/s are for the whole model (pipeline bubbles and TP communication not modelled). "
+            "Links: NVL = NVLink, NET = network, mix = both."]
+    rows = [_row(i + 1, c, cluster) for i, c in enumerate(shown)]
+    foot: List[str] = []
     if not feasible:
-        out.append("No feasible layout.")
+        foot.append("No feasible layout.")
     else:
-        out += _table([_row(i + 1, c, cluster) for i, c in enumerate(shown)])
         if len(shown) < len(feasible):
-            out.append(f"... {len(feasible) - len(shown)} more feasible layouts (--all to list them)")
+            foot.append(f"... {len(feasible) - len(shown)} more feasible layouts (--all to list them)")
         best = feasible[0]
-        out += ["", f"Recommended: {best.layout.label()}: {best.time_ms:.2f} ms per layer, "
-                    f"MFU {100 * best.estimate.mfu:.1f}%",
-                f"  {best.flags}"]
-        out.append("Best of each stock baseline:")
+        foot += ["", f"Recommended: {best.layout.label()}: {best.time_ms:.2f} ms per layer, "
+                     f"MFU {100 * best.estimate.mfu:.1f}%",
+                 f"  {best.flags}",
+                 "Best of each stock baseline:"]
         kinds = best_by_kind(list(candidates))
         for kind in STOCK_KINDS:
             c = kinds.get(kind)
             if c is None:
                 continue
             if c.feasible:
-                out.append(f"  {kind:<10} {c.time_ms:9.2f} ms  ({c.time_ms / best.time_ms:.2f}x the recommended)  "
-                           f"{c.flags}")
+                foot.append(f"  {kind:<10} {c.time_ms:9.2f} ms  ({c.time_ms / best.time_ms:.2f}x the recommended)  "
+                            f"{c.flags}")
             else:
-                out.append(f"  {kind:<10} infeasible: {c.reason}")
+                foot.append(f"  {kind:<10} infeasible: {c.reason}")
         if best.estimate.memory_gb > cluster.gpu_memory_gb:
-            out.append(f"Note: estimated memory {best.estimate.memory_gb:.0f} GB exceeds {cluster.gpu_memory_gb:.0f} "
-                       f"GB per GPU (no activation recomputation assumed): add --recompute-activations / "
-                       f"--recompute-granularity full, more TP/PP, or more GPUs.")
+            foot.append(f"Note: estimated memory {best.estimate.memory_gb:.0f} GB exceeds "
+                        f"{cluster.gpu_memory_gb:.0f} GB per GPU (no activation recomputation assumed): add "
+                        f"--recompute-activations / --recompute-granularity full, more TP/PP, or more GPUs.")
     if infeasible:
-        out += ["", f"Infeasible ({len(infeasible)}):"]
-        out += [f"  {c.layout.label():<34} {c.reason}" for c in infeasible]
-    return "\n".join(out)
+        foot += ["", f"Infeasible ({len(infeasible)}):"]
+        foot += [f"  {c.layout.label():<34} {c.reason}" for c in infeasible]
+    return head, rows, foot
+
+
+def format_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+                seq: int, top: Optional[int] = 15, causal: bool = True) -> str:
+    """The plan as plain text: a header, the fastest ``top`` feasible layouts (all when None), the recommendation
+    with its flags, the best of each stock baseline, and the infeasible layouts with their reasons."""
+    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal)
+    return "\n".join(head + ([""] + _table(rows) if rows else []) + foot)
+
+
+def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+               seq: int, top: Optional[int] = 15, causal: bool = True, stream=None) -> None:
+    """Print the plan: with ``rich`` when it is installed and ``stream`` is a terminal, else ``format_plan``."""
+    stream = stream or sys.stdout
+    try:
+        if not stream.isatty():
+            raise ImportError
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(format_plan(candidates, model, cluster, parallel, seq, top, causal), file=stream)
+        return
+    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal)
+    console = Console(file=stream, highlight=False, soft_wrap=True,
+                      width=max(shutil.get_terminal_size((160, 24)).columns, 150))
+    for line in head:
+        console.print(line, markup=False)
+    if rows:
+        table = Table(header_style="bold")
+        for col in _COLUMNS:
+            table.add_column(col, justify="right" if col in _RIGHT else "left", no_wrap=True)
+        for i, r in enumerate(rows):
+            table.add_row(*r, style="bold green" if i == 0 else None)
+        console.print(table)
+    for line in foot:
+        console.print(line, markup=False)
 
 
 def plan_json(candidates: Sequence[Candidate]) -> str:
