@@ -6,7 +6,6 @@ import datetime
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from .comm import CommCounter

@@ -141,12 +141,12 @@ def _all_layouts(rank, world_size):
     for layout, kwargs in PIPELINE_LAYOUTS.items():
         tg.init_parallel(**kwargs)
         out[("pipeline", layout)] = tg.pipeline_forward_backward(tg.build_tiny_gpt(cfg, ref_spec), cfg, batch)
-    return tg.pack_for_parent(out) if rank == 0 else None
+    return out if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
 def results():
-    return tg.unpack_from_rank(run_on_ranks(WORLD, _all_layouts, timeout_s=120)[0])
+    return run_on_ranks(WORLD, _all_layouts, timeout_s=120)[0]
 
 
 def _assert_close(actual, expected, rtol=RTOL):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -40,7 +41,8 @@ def _rank_main(rank, world_size, store_path, timeout_s, fn, args, kwargs, result
         )
         value = fn(rank, world_size, *args, **kwargs)
         dist.barrier()
-        results.put((rank, True, value))
+        # Plain pickle: tensors would otherwise travel as shared-memory handles that die with the rank.
+        results.put((rank, True, pickle.dumps(value)))
         dist.destroy_process_group()
     except BaseException:  # report everything, including assertion errors, then die at once
         results.put((rank, False, traceback.format_exc()))
@@ -62,7 +64,7 @@ def run_on_ranks(
 ) -> List[Any]:
     """Fork ``world_size`` ranks running ``fn(rank, world_size, *args, **kwargs)``; return their results by rank.
 
-    Raises RankFailure with the first failing rank's traceback, or when ``timeout_s`` passes.
+    Results are pickled in the rank, so they may hold tensors. Raises RankFailure with the first failing rank's traceback, or when ``timeout_s`` passes.
     """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
@@ -102,7 +104,7 @@ def run_on_ranks(
                     continue
             if not ok:
                 raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=10.0)
         return [values[r] for r in range(world_size)]

@@ -25,7 +25,6 @@ Layout independence (what makes CP>1 comparable to CP=1 exactly):
 from __future__ import annotations
 
 import copy
-import pickle
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -459,24 +458,6 @@ def pipeline_forward_backward(
 
 
 # --------------------------------------------------------------------------------------------------
-# Returning results from forked ranks
-# --------------------------------------------------------------------------------------------------
-def pack_for_parent(obj: Any) -> bytes:
-    """Serialize a rank's result (tensors included) by value.
-
-    A tensor put directly on run_on_ranks' multiprocessing queue travels as a shared-memory file
-    descriptor that the parent can only fetch while the rank is alive; the rank exits right after
-    reporting, so the parent gets EOFError. Plain pickle copies the data instead.
-    """
-    return pickle.dumps(obj)
-
-
-def unpack_from_rank(data: bytes) -> Any:
-    """Inverse of ``pack_for_parent`` (in the parent process)."""
-    return pickle.loads(data)
-
-
-# --------------------------------------------------------------------------------------------------
 # Comparison
 # --------------------------------------------------------------------------------------------------
 def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -516,13 +497,11 @@ __all__ = [
     "local_spec_with_core_attention",
     "make_transformer_config",
     "max_relative_error",
-    "pack_for_parent",
     "pipeline_forward_backward",
     "reset_parameters_deterministically",
     "shard_batch_for_cp",
     "synthetic_batch",
     "train_steps",
-    "unpack_from_rank",
     "unshard_cp",
     "zigzag_chunk_ids",
 ]
