@@ -68,7 +68,7 @@ def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: 
     chunks = CP if k == "ds-ulysses" else 2 * CP
     if seq % chunks:
         what = "CP" if k == "ds-ulysses" else "2*CP (zigzag: two chunks per rank)"
-        return f"sequence length {seq} is not divisible by {what} = {chunks}"
+        return f"sequence length {seq} is not divisible by {what} = {chunks}; pad to {-(-seq // chunks) * chunks}"
     if Ht % hp:
         return (f"hp={hp} does not divide the {Ht} query heads per TP rank; valid hp: "
                 f"{[h for h in divisors(CP) if Ht % h == 0]}")
@@ -88,8 +88,9 @@ def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: 
     if not 1 < hp < CP or w != cp or layout.placement != "head_first":
         return "a2a+p2p needs 1 < A < CP, a single ring (w = cp) and the a2a level on adjacent ranks"
     if Hkvt % hp:
+        valid = [a for a in divisors(CP) if 1 < a < CP and Hkvt % a == 0 and Ht % a == 0]
         return (f"a2a size {hp} does not divide the {Hkvt} KV heads per TP rank (Megatron/TE do not replicate K/V); "
-                f"valid a2a sizes: {[a for a in divisors(CP) if 1 < a < CP and Hkvt % a == 0 and Ht % a == 0]}")
+                f"valid a2a sizes: {valid or 'none (2d replicates K/V)'}")
     return None
 
 
