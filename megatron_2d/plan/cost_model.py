@@ -39,7 +39,8 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class LayerWork:
-    """Per-rank work of one attention layer: FLOPs, bytes per message, and how many messages on each path."""
+    """Per-rank work of one attention layer: FLOPs, message sizes and memory-bound traffic (counts of messages
+    are in ``ring_times`` and ``traffic``)."""
 
     fwd_flops: float
     """Forward attention FLOPs on this rank: 4*B*S^2*Ht*d / CP, halved for causal (zigzag balances it exactly)."""
@@ -78,7 +79,8 @@ def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: 
     L = replicated_kv_heads(Hkvt, hp)
     # Attention FLOPs, forward: QK^T and PV are 2*S*S*d each per head -> 4*B*S^2*H*d (field-and-peers.md);
     # causal keeps half. Zigzag: every rank holds chunks i and 2cp-1-i, so every one of its cp ring steps costs
-    # exactly half a (S/cp)^2 block (paper; the diagonal step is two causal quarter blocks plus one full one).
+    # exactly half a (S/cp)^2 block (paper). With chunk c = S/(2cp): an off-diagonal step is two full c x c
+    # chunk pairs, the diagonal step one full pair plus two causal (half) pairs; both are 2c^2 = (S/cp)^2 / 2.
     fwd = 4.0 * B * S * S * Ht * d / CP * (0.5 if causal else 1.0)
     s_loc = S / CP
     # All-to-all, forward: q (Ht heads), k and v (L heads, after replication), and the output (Ht heads), each
