@@ -53,6 +53,16 @@ class Groups2D:
                      for c in zigzag_chunks(self.layout.index_of(hr, context_rank), CP))
 
 
+def default_group_timeout() -> Optional[datetime.timedelta]:
+    """The default process group's timeout (e.g. Megatron's --distributed-timeout-minutes), if readable."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        device = dist.distributed_c10d._get_pg_default_device(pg)
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
             backend: Optional[str]) -> Optional[dist.ProcessGroup]:
     """Create every group of one kind, on every rank in the same order; return this rank's (None if size 1)."""
@@ -72,10 +82,11 @@ def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: st
         window_size: w, context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.
         placement: "head_first" (head groups on adjacent ranks) or "context_first" (context rings adjacent).
         cp_rank_lists: global ranks of every CP group (each list ordered by CP rank); default one group of all ranks.
-        timeout: timeout of the new process groups (torch's default when None).
+        timeout: timeout of the new process groups (when None: the default group's, else torch's default).
         backend: backend of the new groups (the default group's when None).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
+    timeout = default_group_timeout() if timeout is None else timeout
     lists = [list(range(world))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
     settings = (head_parallel_size, window_size, placement, lists)
     gathered: List[object] = [None] * world

@@ -42,7 +42,7 @@ def to_tokens(y: torch.Tensor, hp: int, order: torch.Tensor, group, counter: Com
     chunks = y.reshape(b, 2 * hp, c, Hl, d).permute(1, 2, 0, 3, 4)          # [2hp (ascending), c, b, Hl, d]
     send = chunks.index_select(0, inverse)                                   # [2hp(received) = hp*2, c, b, Hl, d]
     recv = _exchange(send.view(hp, 2 * c, b, Hl, d), group, counter)         # [hp(src head rank), 2c, b, Hl, d]
-    return recv.permute(1, 2, 0, 3, 4).reshape(2 * c, b, hp * Hl, d)         # [2c, b, H, d]
+    return recv.permute(1, 2, 0, 3, 4).reshape(2 * c, b, hp * Hl, d).contiguous()  # [2c, b, H, d]
 
 
 class HeadAllToAll(torch.autograd.Function):

@@ -47,7 +47,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
+
+from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d  # noqa: E402
 
 Batch = Dict[str, torch.Tensor]
 
@@ -257,10 +258,8 @@ def synthetic_batch(cfg: TinyGPTConfig, step: int = 0) -> Batch:
 
 def shard_batch_for_cp(batch: Batch) -> Batch:
     """This CP rank's zigzag share of ``batch`` (chunks r and 2*cp-1-r of 2*cp), via megatron's
-    ``get_batch_on_this_cp_rank``; the input is not modified."""
-    return get_batch_on_this_cp_rank(
-        dict(batch), is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
-    )
+    ``get_batch_on_this_cp_rank`` (sequence length checked first); the input is not modified."""
+    return get_batch_on_this_cp_rank_2d(batch, parallel_state.get_context_parallel_group())
 
 
 def zigzag_chunk_ids(cp_rank: int, cp_size: int) -> List[int]:

@@ -1,0 +1,19 @@
+"""megatron-core integration: the "2d" context-parallel backend.
+
+    from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d
+    config = TransformerConfig2D(..., context_parallel_size=8, cp_comm_type="2d", cp_2d_head_parallel_size=2,
+                                 cp_2d_window_size=2, cp_2d_placement="head_first", attention_dropout=0.0)
+    model = GPTModel(config, get_gpt_layer_spec_2d(config), ...)
+"""
+
+from .config import TransformerConfig2D
+from .core_attention import CoreAttention2D
+from .process_groups import destroy_2d_groups, groups_for
+from .settings import BACKEND_NAME, Settings2D, settings_from_config, validate_2d_settings
+from .spec import GPT_LAYER_SPEC_2D, get_gpt_layer_spec_2d, gpt_layer_spec_2d
+
+__all__ = [
+    "BACKEND_NAME", "CoreAttention2D", "GPT_LAYER_SPEC_2D", "Settings2D", "TransformerConfig2D",
+    "destroy_2d_groups", "get_gpt_layer_spec_2d", "gpt_layer_spec_2d", "groups_for", "settings_from_config",
+    "validate_2d_settings",
+]

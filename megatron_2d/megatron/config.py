@@ -1,0 +1,44 @@
+"""``TransformerConfig2D``: megatron-core's TransformerConfig with the 2D context-parallel settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .settings import layer_comm_types, settings_from_config, uses_2d
+
+
+@dataclass
+class TransformerConfig2D(TransformerConfig):
+    """Select the backend with ``cp_comm_type="2d"`` (or a per-layer list containing "2d").
+
+    Validated when built: hp x cp = context_parallel_size, hp divides the heads per TP rank, w divides cp, a
+    known placement, no attention dropout. 2D settings given without the "2d" backend are refused.
+    """
+
+    cp_2d_head_parallel_size: Optional[int] = None
+    """hp: ranks per head group (all-to-all over heads). Must divide context_parallel_size and the heads per
+    TP rank; K/V heads are replicated when hp exceeds them."""
+
+    cp_2d_context_size: Optional[int] = None
+    """cp: ranks per context ring. Optional: derived as context_parallel_size / hp; if given, checked."""
+
+    cp_2d_window_size: int = 1
+    """w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring. 1 = plain ring."""
+
+    cp_2d_placement: str = "head_first"
+    """"head_first" (head groups on adjacent ranks) or "context_first" (context rings on adjacent ranks)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if uses_2d(self.cp_comm_type):
+            settings_from_config(self)
+            return
+        given = {name: getattr(self, name) for name, default in (
+            ("cp_2d_head_parallel_size", None), ("cp_2d_context_size", None), ("cp_2d_window_size", 1),
+            ("cp_2d_placement", "head_first")) if getattr(self, name) != default}
+        if given:
+            raise ValueError(f"2D settings {given} are set but cp_comm_type is {layer_comm_types(self.cp_comm_type)}, "
+                             f"so they would be ignored; set cp_comm_type='2d' (--cp-comm-type 2d) or drop them")

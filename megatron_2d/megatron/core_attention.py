@@ -1,0 +1,96 @@
+"""``CoreAttention2D``: megatron-core's core_attention for cp_comm_type "2d" (CoreAttentionInterface).
+
+Built by Megatron's SelfAttention as ``core_attention(config=, layer_number=, attn_mask_type=, attention_type=,
+cp_comm_type=, softmax_scale=, pg_collection=)`` and called as
+``forward(query, key, value, attention_mask, attn_mask_type=, attention_bias=, packed_seq_params=)``:
+query [s/CP, b, hq/tp, d], key/value [s/CP, b, hkv/tp, d] (RoPE applied, zigzag CP shards), output
+[s/CP, b, hq/tp * d]. Causality comes from the zigzag positions, so the attention_mask tensor is not read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from ..attention import attention_2d
+from .process_groups import groups_for
+from .settings import BACKEND_NAME, Settings2D, settings_from_config
+
+SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
+
+
+def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
+    """A layer whose cp_comm_type is not "2d" (per-layer lists) runs Transformer Engine's CP attention."""
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
+    except ImportError:
+        HAVE_TE = False
+    if not HAVE_TE:
+        raise ValueError(f"layer {kwargs['layer_number']} asks cp_comm_type {cp_comm_type!r}, which megatron-core "
+                         f"runs through Transformer Engine, not installed here; without TE every CP layer must use "
+                         f"'{BACKEND_NAME}'")
+    return TEDotProductAttention(config=config, cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
+
+
+class CoreAttention2D(MegatronModule):
+    """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
+
+    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, window_size, placement,
+    and kernel (a :mod:`megatron_2d.kernels` name; chosen by device when None).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None, *, head_parallel_size: Optional[int] = None,
+                 window_size: Optional[int] = None, placement: Optional[str] = None,
+                 kernel: Optional[str] = None) -> None:
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.layer_number, self.attn_mask_type, self.kernel = layer_number, attn_mask_type, kernel
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        cp_size = pg_collection.cp.size() if pg_collection.cp is not None else 1
+        self.delegate = None
+        if cp_size > 1 and cp_comm_type != BACKEND_NAME:
+            self.delegate = _other_backend(config, cp_comm_type, pg_collection, layer_number=layer_number,
+                                           attn_mask_type=attn_mask_type, attention_type=attention_type,
+                                           softmax_scale=softmax_scale)
+            return
+        if attention_type != "self":
+            raise ValueError(f"the 2d backend supports self attention only, got attention_type {attention_type!r}")
+        if attn_mask_type not in SUPPORTED_MASKS:
+            raise ValueError(f"attn_mask_type {attn_mask_type.name} is not supported by the 2d backend; supported: "
+                             f"{[m.name for m in SUPPORTED_MASKS]}")
+        if cp_size == 1:  # CP=1 (e.g. the reference run): one rank, nothing to split
+            if config.attention_dropout:
+                raise ValueError(f"attention_dropout {config.attention_dropout} is not supported by the 2d backend; "
+                                 f"set attention_dropout=0.0 (--attention-dropout 0)")
+            self.settings = Settings2D(1, 1, 1, "head_first")
+        else:
+            self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
+                                                 window_size=window_size, placement=placement)
+        self.groups = groups_for(pg_collection.cp, self.settings)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        """[s/CP, b, hq/tp, d] x2 + [s/CP, b, hkv/tp, d] -> [s/CP, b, hq/tp * d]."""
+        if self.delegate is not None:
+            return self.delegate(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                 attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences (THD format, packed_seq_params) are not supported by the 2d backend "
+                             "yet; use unpacked sbhd batches (no --reset-position-ids / packed datasets)")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by the 2d backend")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in SUPPORTED_MASKS:
+            raise ValueError(f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
+                             f"{[m.name for m in SUPPORTED_MASKS]}")
+        out = attention_2d(query, key, value, self.groups, causal=mask_type == AttnMaskType.causal,
+                           softmax_scale=self.softmax_scale, kernel=self.kernel)
+        return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]

@@ -1,0 +1,97 @@
+"""The 2D settings of a Megatron model and their validation (no megatron import needed here).
+
+Every failure names the offending values and the valid choices; settings that would silently run as
+something else (2D settings without the "2d" backend, attention dropout the op does not implement) are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+from ..attention import kv_replication
+from ..topology import PLACEMENTS, Layout2D
+
+BACKEND_NAME = "2d"
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layer_comm_types(cp_comm_type: Union[None, str, Sequence[str]]) -> List[Optional[str]]:
+    """cp_comm_type as a list (one entry, or one per layer as Megatron allows)."""
+    if cp_comm_type is None or isinstance(cp_comm_type, str):
+        return [cp_comm_type]
+    return list(cp_comm_type)
+
+
+def uses_2d(cp_comm_type) -> bool:
+    """Whether any layer selects the 2d backend."""
+    return BACKEND_NAME in layer_comm_types(cp_comm_type)
+
+
+@dataclass(frozen=True)
+class Settings2D:
+    """Validated 2D settings for one model: hp x cp = CP, window w, placement."""
+
+    context_parallel_size: int
+    head_parallel_size: int
+    window_size: int = 1
+    placement: str = "head_first"
+
+    @property
+    def context_size(self) -> int:
+        return self.context_parallel_size // self.head_parallel_size
+
+    def layout(self) -> Layout2D:
+        return Layout2D(self.context_parallel_size, self.head_parallel_size, self.window_size, self.placement)
+
+
+def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Optional[int],
+                         context_size: Optional[int] = None, window_size: int = 1, placement: str = "head_first",
+                         num_attention_heads: int, num_query_groups: Optional[int] = None,
+                         tensor_model_parallel_size: int = 1, attention_dropout: float = 0.0) -> Settings2D:
+    """Check 2D settings against the model and the parallel sizes; return them, or raise ValueError."""
+    CP, tp = context_parallel_size, tensor_model_parallel_size
+    if head_parallel_size is None:
+        raise ValueError(f"cp_comm_type '2d' needs a head-parallel size (cp_2d_head_parallel_size, "
+                         f"--cp-2d-head-parallel-size); valid for context_parallel_size={CP}: {_divisors(CP)}")
+    hp = head_parallel_size
+    if context_size is not None and hp * context_size != CP:
+        raise ValueError(f"head-parallel size x context size = {hp} x {context_size} = {hp * context_size} does not "
+                         f"equal context_parallel_size {CP}; choose hp and cp with hp * cp = {CP}, e.g. "
+                         f"{', '.join(f'{d}x{CP // d}' for d in _divisors(CP))}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"cp_2d_placement {placement!r} is not valid; choose one of {list(PLACEMENTS)}")
+    settings = Settings2D(CP, hp, window_size, placement)
+    settings.layout()  # hp | CP, w | cp, positive sizes (LayoutError is a ValueError)
+    if num_attention_heads % tp != 0:
+        raise ValueError(f"num_attention_heads {num_attention_heads} is not divisible by tensor parallel size {tp}")
+    heads = num_attention_heads // tp
+    kv_heads = max(1, (num_query_groups or num_attention_heads) // tp)  # Megatron gives each TP rank >= 1 group
+    if heads % hp != 0:
+        valid = [d for d in _divisors(CP) if heads % d == 0]
+        raise ValueError(f"head-parallel size {hp} does not divide the {heads} attention heads per tensor-parallel "
+                         f"rank (num_attention_heads {num_attention_heads} / TP {tp}); valid head-parallel sizes "
+                         f"for context_parallel_size={CP}: {valid}")
+    kv_replication(heads, kv_heads, hp)
+    if attention_dropout:
+        raise ValueError(f"attention_dropout {attention_dropout} is not supported by the 2d backend (it would be "
+                         f"silently ignored); set attention_dropout=0.0 (--attention-dropout 0)")
+    return settings
+
+
+def settings_from_config(config, **overrides) -> Settings2D:
+    """Validated settings from a TransformerConfig (fields ``cp_2d_*`` when present), with overrides."""
+    values = dict(
+        head_parallel_size=getattr(config, "cp_2d_head_parallel_size", None),
+        context_size=getattr(config, "cp_2d_context_size", None),
+        window_size=getattr(config, "cp_2d_window_size", 1),
+        placement=getattr(config, "cp_2d_placement", "head_first"),
+    )
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return validate_2d_settings(
+        context_parallel_size=config.context_parallel_size, num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups, tensor_model_parallel_size=config.tensor_model_parallel_size,
+        attention_dropout=config.attention_dropout, **values)

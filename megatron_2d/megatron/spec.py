@@ -1,0 +1,49 @@
+"""GPT layer specs with the 2d core attention: Megatron's own spec with core_attention swapped.
+
+    --spec megatron_2d.megatron.spec gpt_layer_spec_2d      (pretrain_gpt.py; called with the model config)
+    --spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D      (a ready ModuleSpec, for builders that do not call)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .core_attention import CoreAttention2D
+
+
+def transformer_engine_available() -> bool:
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except ImportError:
+        return False
+    return bool(HAVE_TE)
+
+
+def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_transformer_engine: Optional[bool] = None,
+                          head_parallel_size: Optional[int] = None, window_size: Optional[int] = None,
+                          placement: Optional[str] = None, kernel: Optional[str] = None) -> ModuleSpec:
+    """Megatron's GPT layer spec (Transformer Engine layers when TE is installed, local layers otherwise) with
+    :class:`CoreAttention2D` as core attention. ``config`` (a TransformerConfig or pretrain's model config) supplies
+    MoE / qk-layernorm choices; the keyword settings override the config's ``cp_2d_*`` fields."""
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError("multi-latent attention (MLA) is not supported by the 2d backend")
+    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    layer_options = dict(num_experts=getattr(config, "num_moe_experts", None),
+                         moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
+                         qk_layernorm=getattr(config, "qk_layernorm", False))
+    spec = (get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec)(**layer_options)
+    params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, window_size=window_size,
+                                    placement=placement, kernel=kernel).items() if v is not None}
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
+    return spec
+
+
+def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> ModuleSpec:
+    """For ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d``: settings from the config / flags."""
+    return get_gpt_layer_spec_2d(config, vp_stage)
+
+
+GPT_LAYER_SPEC_2D = get_gpt_layer_spec_2d()
