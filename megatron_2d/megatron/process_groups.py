@@ -44,9 +44,10 @@ def groups_for(cp_group: Optional[dist.ProcessGroup], settings: Settings2D) -> G
 
 def destroy_2d_groups() -> None:
     """Forget the built groups (call with megatron's destroy_model_parallel)."""
+    live = dist.distributed_c10d._world.pg_map
     for groups in _BUILT.values():
         for pg in (groups.head_group, groups.inner_kv_group, groups.inner_dkv_group,
                    groups.outer_kv_group, groups.outer_dkv_group):
-            if pg is not None:
+            if pg is not None and pg in live:
                 dist.destroy_process_group(pg)
     _BUILT.clear()

@@ -49,6 +49,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d  # noqa: E402
+from megatron_2d.megatron.process_groups import destroy_2d_groups  # noqa: E402
 
 Batch = Dict[str, torch.Tensor]
 
@@ -72,6 +73,7 @@ def init_parallel(
     install_megatron_cpu_shims()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _destroy_subgroups()
     # destroy_model_parallel() (0.19.2) leaves the hierarchical CP groups set; clear them so a layout
     # without hierarchical CP does not report the previous layout's groups.
     parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
@@ -86,6 +88,20 @@ def init_parallel(
         distributed_timeout_minutes=1,
     )
     model_parallel_cpu_manual_seed(seed)
+
+
+def _destroy_subgroups() -> None:
+    """Destroy every process group but the default one (megatron's and the 2D groups).
+
+    destroy_model_parallel() only drops megatron's references; the gloo groups (and their threads) stay alive,
+    and a fork that switches layouts many times slows down by orders of magnitude without this.
+    """
+    destroy_2d_groups()
+    world = dist.distributed_c10d._world
+    default = dist.distributed_c10d._get_default_group()
+    for group in list(world.pg_map):
+        if group is not default and group is not None:
+            dist.destroy_process_group(group)
 
 
 # --------------------------------------------------------------------------------------------------
