@@ -11,14 +11,14 @@ $(STAMP): tools/install.sh requirements.txt requirements-dev.txt pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(PY) tools/bench_attention.py --ranks 8
+	$(PY) -m megatron_2d.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4
-	$(PY) tools/bench_attention.py --ranks 8
+	$(PY) -m megatron_2d.demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache

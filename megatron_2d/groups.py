@@ -6,6 +6,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from .comm import CommCounter
@@ -57,7 +58,7 @@ def default_group_timeout() -> Optional[datetime.timedelta]:
     """The default process group's timeout (e.g. Megatron's --distributed-timeout-minutes), if readable."""
     try:
         pg = dist.distributed_c10d._get_default_group()
-        device = dist.distributed_c10d._get_pg_default_device(pg)
+        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
         return pg._get_backend(device).options._timeout
     except (AttributeError, RuntimeError, ValueError):
         return None
