@@ -56,7 +56,8 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
     CP, tp = context_parallel_size, tensor_model_parallel_size
     if head_parallel_size is None:
         raise ValueError(f"cp_comm_type '2d' needs a head-parallel size (cp_2d_head_parallel_size, "
-                         f"--cp-2d-head-parallel-size); valid for context_parallel_size={CP}: {_divisors(CP)}")
+                         f"--cp-2d-head-parallel-size, or --hierarchical-context-parallel-sizes HP CP); valid for "
+                         f"context_parallel_size={CP}: {_divisors(CP)}")
     hp = head_parallel_size
     if context_size is not None and hp * context_size != CP:
         raise ValueError(f"head-parallel size x context size = {hp} x {context_size} = {hp * context_size} does not "
@@ -84,9 +85,18 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
 
 def settings_from_config(config, **overrides) -> Settings2D:
     """Validated settings from a TransformerConfig (fields ``cp_2d_*`` when present), with overrides."""
+    head_parallel_size = getattr(config, "cp_2d_head_parallel_size", None)
+    context_size = getattr(config, "cp_2d_context_size", None)
+    hierarchical = getattr(config, "hierarchical_context_parallel_sizes", None)
+    if head_parallel_size is None and hierarchical:
+        # stock flags: --hierarchical-context-parallel-sizes HP CP gives the head x context split
+        if len(hierarchical) != 2:
+            raise ValueError(f"hierarchical_context_parallel_sizes {list(hierarchical)} cannot describe 2D attention; "
+                             f"give two sizes [hp, cp] (head-parallel, context) or set cp_2d_head_parallel_size")
+        head_parallel_size, context_size = hierarchical
     values = dict(
-        head_parallel_size=getattr(config, "cp_2d_head_parallel_size", None),
-        context_size=getattr(config, "cp_2d_context_size", None),
+        head_parallel_size=head_parallel_size,
+        context_size=context_size,
         window_size=getattr(config, "cp_2d_window_size", 1),
         placement=getattr(config, "cp_2d_placement", "head_first"),
     )

@@ -1,0 +1,52 @@
+"""pretrain_gpt command-line flags for the 2d backend, and the model config built from them.
+
+    --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-window-size 2
+    --cp-2d-placement head_first --attention-dropout 0.0
+
+Flag destinations equal TransformerConfig2D's field names, so megatron.training's
+``core_transformer_config_from_args(args, config_class=TransformerConfig2D)`` copies them into the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..topology import PLACEMENTS
+from .settings import uses_2d
+
+SPEC = ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
+
+
+def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """An ``extra_args_provider`` for megatron.training's parse_and_validate_args."""
+    group = parser.add_argument_group(title="2D context parallelism (megatron_2d, --cp-comm-type 2d)")
+    group.add_argument("--cp-2d-head-parallel-size", type=int, default=None,
+                       help="hp: ranks per head group (all-to-all over heads); divides the context-parallel size "
+                            "and the attention heads per TP rank. K/V heads are replicated when hp exceeds them.")
+    group.add_argument("--cp-2d-context-size", type=int, default=None,
+                       help="cp: ranks per context ring; optional, checked to equal context-parallel-size / hp.")
+    group.add_argument("--cp-2d-window-size", type=int, default=1,
+                       help="w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.")
+    group.add_argument("--cp-2d-placement", choices=PLACEMENTS, default="head_first",
+                       help="head_first: head groups on adjacent ranks (all-to-all on NVLink); context_first: "
+                            "context rings on adjacent ranks (ring P2P on NVLink).")
+    return parser
+
+
+def transformer_config_from_args_2d(args: argparse.Namespace):
+    """TransformerConfig2D from parsed args (validated on construction)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from .config import TransformerConfig2D
+
+    return core_transformer_config_from_args(args, config_class=TransformerConfig2D)
+
+
+def gpt_config_from_args_2d(args: argparse.Namespace):
+    """pretrain's GPT model config with TransformerConfig2D; the 2d layer spec when "2d" is selected and no
+    --spec was given."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    if uses_2d(args.cp_comm_type) and args.spec is None:
+        args.spec = list(SPEC)
+    return gpt_config_from_args(args, config=transformer_config_from_args_2d(args))

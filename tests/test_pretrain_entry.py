@@ -1,0 +1,101 @@
+"""The pretrain_gpt flags: `--cp-comm-type 2d` and the 2D flags reach a validated TransformerConfig2D and the 2d
+layer spec; misconfigured command lines stop with a clear error before any model is built."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
+
+install_megatron_cpu_shims(import_training=True)
+
+import megatron.training.arguments as megatron_arguments  # noqa: E402
+
+from megatron_2d.megatron import TransformerConfig2D  # noqa: E402
+from megatron_2d.megatron.arguments import add_2d_arguments, gpt_config_from_args_2d  # noqa: E402
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+         "--num-query-groups", "2", "--seq-length", "256", "--max-position-embeddings", "256",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--train-iters", "10", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--position-embedding-type", "rope",
+         "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]  # fusions need CUDA/TE
+
+
+@pytest.fixture
+def parse(monkeypatch):
+    """parse_and_validate_args on a simulated 8-rank job (validate_args asks the CUDA arch: answer Hopper)."""
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as the launch scripts set it
+
+    def run(*flags):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt_2d.py", *MODEL, *flags])
+        return megatron_arguments.parse_and_validate_args(extra_args_provider=add_2d_arguments)
+    yield run
+    from megatron.training.global_vars import unset_global_variables
+    unset_global_variables()  # parse_and_validate_args keeps the args in megatron.training's globals
+
+
+def test_2d_flags_build_the_2d_config_and_spec(parse):
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+                 "--cp-2d-window-size", "2", "--cp-2d-placement", "context_first", "--attention-dropout", "0")
+    config = gpt_config_from_args_2d(args)
+    t = config.transformer
+    assert isinstance(t, TransformerConfig2D)
+    assert (t.cp_comm_type, t.context_parallel_size, t.cp_2d_head_parallel_size, t.cp_2d_window_size,
+            t.cp_2d_placement) == ("2d", 8, 2, 2, "context_first")
+    assert args.spec == ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
+    spec = config.transformer_layer_spec(t)
+    assert spec.submodules.self_attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
+
+
+def test_stock_flags_alone_select_hp_through_hierarchical_sizes(parse):
+    from megatron_2d.megatron.settings import settings_from_config
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--hierarchical-context-parallel-sizes",
+                 "4", "2", "--attention-dropout", "0")
+    settings = settings_from_config(gpt_config_from_args_2d(args).transformer)
+    assert (settings.head_parallel_size, settings.context_size, settings.placement) == (4, 2, "head_first")
+
+
+def test_without_2d_the_entry_is_stock(parse):
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "p2p")
+    config = gpt_config_from_args_2d(args)
+    assert args.spec is None and config.transformer.cp_comm_type == "p2p"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cp-2d-head-parallel-size", "2", "--cp-2d-context-size", "3"], r"2 x 3 = 6 does not equal context_parallel_size 8"),
+    (["--cp-2d-head-parallel-size", "16"], r"head-parallel size 16 does not divide the context-parallel size 8"),
+    (["--cp-2d-head-parallel-size", "2", "--cp-2d-window-size", "3"], r"window size 3 does not divide the context size"),
+    (["--cp-2d-head-parallel-size", "2", "--attention-dropout", "0.1"], r"attention_dropout 0.1 is not supported"),
+])
+def test_misconfigured_command_lines(parse, flags, message):
+    flags = ["--context-parallel-size", "8", "--cp-comm-type", "2d", *flags]
+    if "--attention-dropout" not in flags:
+        flags += ["--attention-dropout", "0"]
+    args = parse(*flags)
+    with pytest.raises(ValueError, match=message):
+        gpt_config_from_args_2d(args)
+
+
+def test_bad_placement_is_refused_by_the_parser(parse, capsys):
+    with pytest.raises(SystemExit):
+        parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-placement", "interleaved")
+    assert "invalid choice: 'interleaved' (choose from 'head_first', 'context_first')" in capsys.readouterr().err
+
+
+def test_example_entry_imports_and_refuses_packed_sequences(parse):
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt_2d.py"
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_2d", path)
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+                 "--attention-dropout", "0", "--reset-attention-mask")
+    with pytest.raises(SystemExit, match=r"--reset-attention-mask needs packed-sequence \(THD\) attention"):
+        entry.check_supported(args)
