@@ -99,3 +99,32 @@ def test_example_entry_imports_and_refuses_packed_sequences(parse):
                  "--attention-dropout", "0", "--reset-attention-mask")
     with pytest.raises(SystemExit, match=r"--reset-attention-mask needs packed-sequence \(THD\) attention"):
         entry.check_supported(args)
+
+
+def launch_flags(mode):
+    """The flags examples/launch/torchrun_gpt.sh passes for MODE (sourced from gpt_flags.sh)."""
+    import subprocess
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "launch" / "gpt_flags.sh"
+    out = subprocess.run(["bash", "-c", f'source "{script}" && printf "%s\\n" "${{MODEL_FLAGS[@]}}" '
+                          f'"${{TRAIN_FLAGS[@]}}" "${{PARALLEL_FLAGS[@]}}" "${{CP_FLAGS[@]}}"'],
+                         env={"MODE": mode, "CP": "8", "HP": "2", "WINDOW": "2", "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True)
+    return out.stdout.split("\n")[:-1]
+
+
+@pytest.mark.parametrize("mode, comm_type", [("2d", "2d"), ("p2p", "p2p"), ("a2a", "a2a"), ("a2a+p2p", "a2a+p2p")])
+def test_launch_script_flags_build_a_valid_config(monkeypatch, mode, comm_type):
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    for key, value in (("WORLD_SIZE", "8"), ("RANK", "0"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")):
+        monkeypatch.setenv(key, value)
+    cpu_only = ["--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                "--no-bias-dropout-fusion"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_2d.py", *launch_flags(mode), *cpu_only])
+    try:
+        args = megatron_arguments.parse_and_validate_args(extra_args_provider=add_2d_arguments)
+        t = gpt_config_from_args_2d(args).transformer
+    finally:
+        from megatron.training.global_vars import unset_global_variables
+        unset_global_variables()
+    assert t.cp_comm_type == comm_type and t.context_parallel_size == 8 and t.num_query_groups == 8
+    assert (t.cp_2d_head_parallel_size, t.cp_2d_window_size) == ((2, 2) if mode == "2d" else (None, 1))
