@@ -7,6 +7,7 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .checkpoint_plus import check_checkpoint_plus_config
 from .settings import layer_comm_types, settings_from_config, uses_2d
 
 
@@ -31,8 +32,16 @@ class TransformerConfig2D(TransformerConfig):
     cp_2d_placement: str = "head_first"
     """"head_first" (head groups on adjacent ranks) or "context_first" (context rings on adjacent ranks)."""
 
+    selective_checkpoint_plus_plus: bool = False
+    """Selective Checkpoint++: with full-layer recompute, keep each layer's attention output and log-sum-exp from
+    the forward pass so the recompute pass skips attention (its kernels, all-to-alls and ring traffic)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.selective_checkpoint_plus_plus:
+            problem = check_checkpoint_plus_config(self)
+            if problem:
+                raise ValueError(problem)
         if uses_2d(self.cp_comm_type):
             settings_from_config(self)
             return

@@ -9,6 +9,7 @@ query [s/CP, b, hq/tp, d], key/value [s/CP, b, hkv/tp, d] (RoPE applied, zigzag 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..attention import attention_2d
+from .checkpoint_plus import AttentionKeeper
 from .process_groups import groups_for
 from .settings import BACKEND_NAME, Settings2D, settings_from_config
 
@@ -74,6 +76,8 @@ class CoreAttention2D(MegatronModule):
             self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
                                                  window_size=window_size, placement=placement)
         self.groups = groups_for(pg_collection.cp, self.settings)
+        # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
+        self.keeper = AttentionKeeper() if getattr(config, "selective_checkpoint_plus_plus", False) else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
@@ -91,6 +95,7 @@ class CoreAttention2D(MegatronModule):
         if mask_type not in SUPPORTED_MASKS:
             raise ValueError(f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
                              f"{[m.name for m in SUPPORTED_MASKS]}")
-        out = attention_2d(query, key, value, self.groups, causal=mask_type == AttnMaskType.causal,
-                           softmax_scale=self.softmax_scale, kernel=self.kernel)
+        attention = partial(attention_2d, groups=self.groups, causal=mask_type == AttnMaskType.causal,
+                            softmax_scale=self.softmax_scale, kernel=self.kernel)
+        out = attention(query, key, value) if self.keeper is None else self.keeper(attention, query, key, value)
         return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]

@@ -134,6 +134,10 @@ def _install_rng_tracker() -> None:
     mrandom.CudaRNGStatesTracker = _cpu_rng_tracker_class()
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, mrandom.CudaRNGStatesTracker):
         mrandom.initialize_rng_tracker(force_reset=True)
+    # Activation checkpointing saves and restores "the CUDA RNG state" around the recompute; on CPU the CPU
+    # generator (saved separately by megatron) and the tracker are the whole state.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def model_parallel_cpu_manual_seed(seed: int) -> None:

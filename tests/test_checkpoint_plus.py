@@ -1,0 +1,175 @@
+"""Selective Checkpoint++: full-layer recompute that keeps attention from the forward pass.
+
+Against the same model without recompute: equal gradients (fp32, 1e-6), the attention forward (the ring Function)
+run once per layer per micro-batch, no extra all-to-all or ring bytes (so none in the recompute pass), kept
+tensors released after backward with no growth over steps; with megatron's uniform and block recompute, under
+the pipeline schedule with several micro-batches in flight. All cases run in one fork of 4 ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from megatron_2d.testing import tiny_gpt as tg
+from megatron_2d.testing.distributed import run_on_ranks
+
+from megatron_2d import ring_attention  # noqa: E402
+from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d  # noqa: E402
+from megatron_2d.megatron import checkpoint_plus  # noqa: E402
+
+RTOL = 1e-6
+LAYERS = 2
+RECOMPUTE = {
+    "none": {},
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "ckpt++_uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                           selective_checkpoint_plus_plus=True),
+    # block: only the first layer of each stage is checkpointed; the other runs plain attention
+    "ckpt++_block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
+                         selective_checkpoint_plus_plus=True),
+}
+
+
+def model_config(recompute, hp, micro_batch_size=2, **kwargs):
+    cfg = tg.TinyGPTConfig(num_layers=LAYERS, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                           seq_length=64, micro_batch_size=micro_batch_size, config_class=TransformerConfig2D,
+                           cp_comm_type="2d", **kwargs)
+    cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=1, **RECOMPUTE[recompute])
+    return cfg
+
+
+class Counters:
+    """Counts ring-attention forwards (the attention forward: its kernels and ring traffic)."""
+
+    def __init__(self):
+        self.forwards = 0
+        original_forward = ring_attention.RingAttention.forward
+
+        def counting_forward(ctx, *args):
+            self.forwards += 1
+            return original_forward(ctx, *args)
+
+        ring_attention.RingAttention.forward = staticmethod(counting_forward)
+        self._original_forward = original_forward
+
+    def restore(self):
+        ring_attention.RingAttention.forward = staticmethod(self._original_forward)
+
+
+def keepers(model):
+    return [layer.self_attention.core_attention.keeper for layer in model.decoder.layers]
+
+
+def watch_kept(model, refs):
+    """Weak references to every kept output, collected after each forward."""
+    for keeper in keepers(model):
+        if keeper is not None:
+            refs.extend(weakref.ref(entry.output) for entry in keeper._fifo)
+
+
+def run_case(recompute, counters, pipeline=False):
+    cfg = model_config(recompute, hp=2, micro_batch_size=4 if pipeline else 2)
+    model = tg.build_tiny_gpt(cfg, get_gpt_layer_spec_2d(use_transformer_engine=False))
+    groups = model.decoder.layers[0].self_attention.core_attention.groups
+    groups.comm_bytes.reset()
+    counters.forwards = 0
+    if pipeline:
+        result = tg.pipeline_forward_backward(model, cfg, tg.synthetic_batch(cfg), num_microbatches=4)
+    else:
+        result = tg.forward_backward(model, tg.synthetic_batch(cfg))
+    result["forwards"] = counters.forwards
+    result["bytes"] = groups.comm_bytes.as_dict()
+    result["kept_after"] = [len(k) for k in keepers(model) if k is not None]
+    return result, model, cfg
+
+
+def run_all(rank, world):
+    counters = Counters()
+    out = {}
+    tg.init_parallel(context_parallel_size=4)
+    for recompute in RECOMPUTE:
+        out[recompute] = run_case(recompute, counters)[0]
+    # several steps: every kept tensor is released after its backward, nothing accumulates
+    _, model, cfg = run_case("ckpt++_uniform", counters)
+    refs, lengths = [], []
+    original_call = checkpoint_plus.AttentionKeeper.__call__
+
+    def watching_call(self, *args):
+        result = original_call(self, *args)
+        watch_kept(model, refs)
+        return result
+
+    checkpoint_plus.AttentionKeeper.__call__ = watching_call
+    for step in range(3):
+        tg.forward_backward(model, tg.synthetic_batch(cfg, step))
+        gc.collect()
+        lengths.append([len(k) for k in keepers(model)])
+    checkpoint_plus.AttentionKeeper.__call__ = original_call
+    out["steps"] = {"lengths": lengths, "watched": len(refs), "alive": sum(r() is not None for r in refs)}
+    # pipeline schedule: PP=2 x CP=2 (2 x 1), 4 micro-batches in flight through 1F1B
+    tg.init_parallel(pipeline_model_parallel_size=2, context_parallel_size=2)
+    for recompute in ("none", "ckpt++_uniform"):
+        out[("pp", recompute)] = run_case(recompute, counters, pipeline=True)[0]
+    counters.restore()
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(4, run_all, timeout_s=240)[0]
+
+
+def assert_same_gradients(actual, expected):
+    assert set(actual["grads"]) == set(expected["grads"]) and len(expected["grads"]) >= 20
+    for name, grad in expected["grads"].items():
+        assert tg.max_relative_error(actual["grads"][name], grad) < RTOL, name
+
+
+@pytest.mark.parametrize("recompute", ["full", "ckpt++_uniform", "ckpt++_block"])
+def test_gradients_equal_no_recompute(results, recompute):
+    assert_same_gradients(results[recompute], results["none"])
+    assert abs(float(results[recompute]["loss"]) - float(results["none"]["loss"])) <= RTOL * float(results["none"]["loss"])
+
+
+def test_attention_forward_runs_once_per_layer(results):
+    assert results["none"]["forwards"] == LAYERS
+    assert results["full"]["forwards"] == 2 * LAYERS        # plain full recompute runs attention twice
+    assert results["ckpt++_uniform"]["forwards"] == LAYERS
+    assert results["ckpt++_block"]["forwards"] == LAYERS
+
+
+def test_no_communication_in_the_recompute_pass(results):
+    none, full = results["none"]["bytes"], results["full"]["bytes"]
+    assert none["all_to_all"] > 0 and none["outer_ring"] > 0
+    assert full["all_to_all"] > none["all_to_all"] and full["outer_ring"] > none["outer_ring"]
+    for recompute in ("ckpt++_uniform", "ckpt++_block"):
+        assert results[recompute]["bytes"] == none, recompute
+
+
+def test_kept_tensors_are_released(results):
+    for recompute in ("ckpt++_uniform", "ckpt++_block"):
+        assert results[recompute]["kept_after"] == [0] * LAYERS
+    steps = results["steps"]
+    assert steps["lengths"] == [[0] * LAYERS] * 3
+    assert steps["watched"] >= 3 and steps["alive"] == 0
+
+
+def test_pipeline_schedule_with_micro_batches_in_flight(results):
+    ckpt, none = results[("pp", "ckpt++_uniform")], results[("pp", "none")]
+    assert_same_gradients(ckpt, none)
+    assert ckpt["forwards"] == none["forwards"] == 4 * LAYERS // 2   # 4 micro-batches x this stage's layer
+    assert ckpt["bytes"] == none["bytes"] and ckpt["kept_after"] == [0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(), r"recompute_granularity is None; set recompute_granularity='full'"),
+    (dict(recompute_granularity="selective"), r"recompute_granularity is 'selective'"),
+])
+def test_misuse_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig2D(num_layers=2, hidden_size=64, num_attention_heads=8, attention_dropout=0.0,
+                            selective_checkpoint_plus_plus=True, **overrides)
