@@ -12,7 +12,6 @@ import gc
 import weakref
 
 import pytest
-import torch
 
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks

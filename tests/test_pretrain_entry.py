@@ -55,6 +55,20 @@ def test_2d_flags_build_the_2d_config_and_spec(parse):
     assert spec.submodules.self_attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
 
 
+def test_checkpoint_plus_plus_flag_reaches_the_config(parse):
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+                 "--attention-dropout", "0", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1", "--selective-checkpoint-plus-plus")
+    assert gpt_config_from_args_2d(args).transformer.selective_checkpoint_plus_plus is True
+
+
+def test_checkpoint_plus_plus_without_recompute_is_refused(parse):
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+                 "--attention-dropout", "0", "--selective-checkpoint-plus-plus")
+    with pytest.raises(ValueError, match=r"recompute_granularity is None; set recompute_granularity='full'"):
+        gpt_config_from_args_2d(args)
+
+
 def test_stock_flags_alone_select_hp_through_hierarchical_sizes(parse):
     from megatron_2d.megatron.settings import settings_from_config
     args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--hierarchical-context-parallel-sizes",

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Memory report for a model and a 2D layout: activations per recompute mode, and model states per sharding choice.
+
+    python tools/memory_report.py [--ranks 4 --hp 2 --window 1 --layers 4 --hidden 256 --heads 8 --kv-heads 2
+                                   --seq 1024 --plot memory.png]
+
+Activations: bytes saved for backward by the decoder layers of one micro-batch on one rank, measured with
+torch's saved-tensor hooks on forked CPU ranks (unique storages, parameters excluded), for
+    none           no recompute
+    selective      megatron's selective recompute of core attention (recompute_modules=["core_attn"])
+    full           megatron's full-layer recompute (uniform, 1 layer per checkpoint)
+    ckpt++         full-layer recompute with Selective Checkpoint++ (attention kept, not recomputed)
+with the extra forward FLOPs each mode spends in backward (closed form, per rank) and the extra all-to-all and
+ring bytes it sends (measured). Model states: bytes per rank under each Hybrid ZeRO choice (closed form).
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import Dict, List, Optional
+
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+
+import torch  # noqa: E402
+
+from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
+from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
+
+MODES = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "ckpt++": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                   selective_checkpoint_plus_plus=True),
+}
+
+
+class SavedTensorBytes:
+    """Saved-tensor hooks that total the unique storages autograd keeps for backward (parameters excluded)."""
+
+    def __init__(self, params) -> None:
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: Dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.param_ptrs:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def layer_flops(args, cp: int) -> Dict[str, float]:
+    """Forward FLOPs of one decoder layer on one rank: dense GEMMs and attention (causal: half the scores).
+
+    dense = 2 * tokens * (h*(h + 2*kv*d) [QKV] + h*h [proj] + 2*h*ffn [MLP]);  tokens = b*s/CP
+    attention = 4 * b * s^2 * h / 2 (causal) / CP   (QK^T and PV, shared evenly by the zigzag layout)
+    """
+    h, d = args.hidden, args.hidden // args.heads
+    tokens = args.batch * args.seq / cp
+    dense = 2 * tokens * (h * (h + 2 * args.kv_heads * d) + h * h + 2 * h * 4 * h)
+    attention = 4 * args.batch * args.seq ** 2 * h / 2 / cp
+    return {"dense": dense, "attention": attention}
+
+
+def measure(rank, world, args) -> Dict[str, dict]:
+    from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d
+
+    tg.init_parallel(context_parallel_size=world)
+    spec = get_gpt_layer_spec_2d(use_transformer_engine=False)
+    out = {}
+    for mode, recompute in MODES.items():
+        cfg = tg.TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                               num_query_groups=args.kv_heads, seq_length=args.seq, micro_batch_size=args.batch,
+                               config_class=TransformerConfig2D, cp_comm_type="2d")
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=args.hp, cp_2d_window_size=args.window, **recompute)
+        model = tg.build_tiny_gpt(cfg, spec)
+        hooks = SavedTensorBytes(model.parameters())
+        decoder_forward = model.decoder.forward
+
+        def hooked_forward(*a, **k):
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                return decoder_forward(*a, **k)
+
+        model.decoder.forward = hooked_forward
+        groups = model.decoder.layers[0].self_attention.core_attention.groups
+        groups.comm_bytes.reset()
+        tg.forward_backward(model, tg.synthetic_batch(cfg))
+        out[mode] = {"activation_bytes_per_layer": hooks.total / args.layers,
+                     "comm_bytes": groups.comm_bytes.as_dict()}
+    return out
+
+
+def report(args) -> List[dict]:
+    per_rank = run_on_ranks(args.ranks, measure, args, timeout_s=600)
+    flops = layer_flops(args, args.ranks)
+    extra_flops = {"none": 0.0, "selective": flops["attention"], "full": flops["dense"] + flops["attention"],
+                   "ckpt++": flops["dense"]}
+    base = per_rank[0]["none"]["comm_bytes"]
+    rows = []
+    for mode in MODES:
+        act = max(r[mode]["activation_bytes_per_layer"] for r in per_rank)
+        comm = per_rank[0][mode]["comm_bytes"]
+        rows.append({"mode": mode, "activation_MiB_per_layer": act / 2**20,
+                     "extra_fwd_GFLOP_per_layer": extra_flops[mode] / 1e9,
+                     "extra_fwd_flops_vs_layer_fwd": extra_flops[mode] / (flops["dense"] + flops["attention"]),
+                     "extra_a2a_MiB": (comm["all_to_all"] - base["all_to_all"]) / 2**20 / args.layers,
+                     "extra_ring_MiB": sum(comm[k] - base[k] for k in ("inner_ring", "outer_ring"))
+                     / 2**20 / args.layers})
+    return rows
+
+
+def print_activation_table(rows, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Activations saved for backward per decoder layer, one micro-batch, per rank: "
+                        f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
+                        f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
+                        f"{args.ranks // args.hp}, w {args.window})")
+    for name in ("recompute mode", "activations MiB/layer", "extra fwd GFLOP/layer", "extra fwd / layer fwd",
+                 "extra a2a MiB/layer", "extra ring MiB/layer"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(r["mode"], f"{r['activation_MiB_per_layer']:.2f}", f"{r['extra_fwd_GFLOP_per_layer']:.3f}",
+                      f"{100 * r['extra_fwd_flops_vs_layer_fwd']:.0f}%", f"{r['extra_a2a_MiB']:.2f}",
+                      f"{r['extra_ring_MiB']:.2f}")
+    Console(width=160).print(table)
+
+
+def parse_args(argv: Optional[List[str]] = None):
+    p = argparse.ArgumentParser(description="Activation and model-state memory per recompute / sharding choice")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--hp", type=int, default=2)
+    p.add_argument("--window", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--plot", default=None, help="save a PNG of the tables")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    rows = report(args)
+    print_activation_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()
