@@ -77,6 +77,16 @@ def run_all(rank, world):
         cfg = model_config(name, settings)
         out[(layout, name)] = tg.pipeline_forward_backward(tg.build_tiny_gpt(cfg, spec_2d()), cfg,
                                                            tg.synthetic_batch(cfg))
+    # softmax_scale from the config is honoured (the reference is Megatron's attention at CP=1 with the same scale)
+    scaled = dict(MODELS["mha"], seed=5)
+    tg.init_parallel()
+    ref_cfg = tg.TinyGPTConfig(**scaled, config_overrides=dict(softmax_scale=0.05))
+    out[("ref", "scaled")] = tg.forward_backward(tg.build_tiny_gpt(ref_cfg), tg.synthetic_batch(ref_cfg))
+    tg.init_parallel(context_parallel_size=4)
+    cfg = tg.TinyGPTConfig(**scaled, config_class=TransformerConfig2D, cp_comm_type="2d",
+                           config_overrides=dict(softmax_scale=0.05, cp_2d_head_parallel_size=2))
+    out[("cp4_2x2", "scaled")] = tg.forward_backward(tg.build_tiny_gpt(cfg, spec_2d()), tg.synthetic_batch(cfg))
+    out["no_mask"] = no_mask_core_attention(rank)
     tg.init_parallel()
     ref_cfg = model_config("gqa")
     out[("ref_train", "gqa")] = tg.train_steps(tg.build_tiny_gpt(ref_cfg), ref_cfg, steps=3)
@@ -86,6 +96,30 @@ def run_all(rank, world):
     out[("train", "gqa")] = tg.train_steps(tg.build_tiny_gpt(cfg, spec_2d()), cfg, steps=3)
     destroy_2d_groups()
     return out if rank == 0 else None
+
+
+def no_mask_core_attention(rank):
+    """CoreAttention2D built for AttnMaskType.no_mask (CP=4 as 2x2) against full attention on the whole sequence."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_2d import shard_sequence
+
+    from reference import reference_attention, rel_err
+
+    tg.init_parallel(context_parallel_size=4)
+    config = tg.make_transformer_config(model_config("gqa", (2, 1, "context_first")))
+    spec = spec_2d().submodules.self_attention.submodules.core_attention
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    attention = spec.module(config=config, layer_number=1, attn_mask_type=AttnMaskType.no_mask,
+                            attention_type="self", cp_comm_type="2d",
+                            pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]), **spec.params)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(64, 1, h, 8, generator=g, dtype=torch.float64) for h in (8, 2, 2))
+    expected = reference_attention(q, k, v, causal=False, scale=8 ** -0.5)
+    cp_rank = tg.parallel_state.get_context_parallel_rank()
+    shard = lambda x: shard_sequence(x, cp_rank, 4).float()  # noqa: E731
+    out = attention(shard(q), shard(k), shard(v), None, attn_mask_type=AttnMaskType.no_mask)
+    return rel_err(out.view(16, 1, 8, 8), shard(expected))
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +227,11 @@ def run_misconfigured(rank, world, case):
 def test_misconfigured_runs_stop_with_clear_errors(case, message):
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(4, run_misconfigured, case, timeout_s=60)
+
+
+def test_softmax_scale_is_honoured(results):
+    assert_matches(results[("cp4_2x2", "scaled")], results[("ref", "scaled")])
+
+
+def test_no_mask_attention_type(results):
+    assert results["no_mask"] < RTOL
