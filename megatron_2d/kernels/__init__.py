@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Optional
 
 import torch
@@ -32,6 +33,9 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] 
             name = "flash_attn2"
         else:
             name = "torch_math"
+            if device.type == "cuda":
+                warnings.warn(f"attention_2d on CUDA with {dtype} uses the torch_math block kernel (explicit scores, "
+                              f"slow); install flash-attn 2 and use fp16/bf16 for the flash kernel", stacklevel=3)
     if name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; choose one of {sorted(KERNELS)} or None (automatic)")
     try:
