@@ -13,7 +13,7 @@ if sys.version_info < (3, 10):
     sys.exit(f"Python >= 3.10 is needed, found {sys.version.split()[0]}")
 PY
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+PIP=("$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check)  # -qq: errors only
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" --no-deps --ignore-requires-python "megatron-core==0.19.2"
 "${PIP[@]}" -r requirements.txt -r requirements-dev.txt
