@@ -69,18 +69,22 @@ def make_inputs(args, dtype, seed=0):
     return [torch.randn(s, generator=g).to(dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
 
 
-def time_single_process(args, dtype) -> float:
-    """Median seconds of the local kernel's fwd+bwd on the full, unsharded problem, on one thread."""
+def time_single_process(args, dtype, device: str = "cpu") -> float:
+    """Median seconds of the local kernel's fwd+bwd on the full, unsharded problem, on one thread (or one GPU)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    kernel = select_kernel(torch.device("cpu"), dtype)
-    q, k, v, dout = (x.transpose(0, 1).contiguous() for x in make_inputs(args, dtype))  # [b, s, h, d]
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    kernel = select_kernel(dev, dtype)
+    q, k, v, dout = (x.transpose(0, 1).contiguous().to(dev) for x in make_inputs(args, dtype))  # [b, s, h, d]
     scale = args.dim ** -0.5
     times = []
     for i in range(args.repeats + 1):
+        sync()
         t0 = time.perf_counter()
         out, lse = kernel.forward(q, k, v, args.causal, scale)
         kernel.backward(dout, q, k, v, out, lse, args.causal, scale)
+        sync()
         if i:  # the first run warms up
             times.append(time.perf_counter() - t0)
     torch.set_num_threads(threads)
@@ -137,6 +141,11 @@ def print_table(rows: List[Row], args, single: float, ideal: float) -> None:
     header = ["layout", "time ms", "vs ideal", "a2a MiB", "inner MiB", "outer MiB"]
     body = [[r.layout.label, f"{r.seconds * 1e3:.0f}", f"{100 * r.efficiency:.0f}%"] +
             [f"{r.bytes_sent[k] / 2**20:.2f}" for k in ("all_to_all", "inner_ring", "outer_ring")] for r in rows]
+    render_table(title, header, body)
+
+
+def render_table(title: str, header: List[str], body: List[List[str]], width: int = 140) -> None:
+    """Print a table (rich when installed, else aligned plain text); the first column left-aligned."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -151,7 +160,7 @@ def print_table(rows: List[Row], args, single: float, ideal: float) -> None:
         table.add_column(name, justify="left" if j == 0 else "right")
     for line in body:
         table.add_row(*line)
-    Console(width=140).print(table)
+    Console(width=width).print(table)
 
 
 def parse_args(argv: Optional[List[str]] = None):

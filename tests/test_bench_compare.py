@@ -1,0 +1,196 @@
+"""tools/bench_compare.py: the CPU flash_attn stand-in, the fp64 reference, the correctness gate, an end-to-end run.
+
+No timing is asserted: only that every row has a finite time and an error below the bf16 tolerance. ring-flash-attn
+is a test dependency (requirements-dev.txt): when it does not import, the tests that need it fail, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import megatron_2d
+from megatron_2d.testing import flash_attn_cpu
+from megatron_2d.testing.distributed import run_on_ranks
+from reference import reference_attention, rel_err
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import bench_compare  # noqa: E402
+
+BF16_TOLERANCE = 2e-2
+
+
+def _randn(*shape, dtype=torch.float64, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _tiny_args(*extra):
+    return bench_compare.parse_args(["--ranks", "4", "--seq", "128", "--heads", "4", "--kv-heads", "2", "--dim", "16",
+                                     "--repeats", "1", "--quiet", *extra])
+
+
+def _require_ring_flash_attn():
+    """Load ring-flash-attn's zigzag module through the stand-in, or FAIL (not skip) with the fix."""
+    try:
+        with flash_attn_cpu.flash_attn_stand_in():
+            return flash_attn_cpu.load_ring_flash_attn_module("zigzag_ring_flash_attn")
+    except ImportError as err:
+        pytest.fail(f"ring-flash-attn is required for these tests (pip install -r requirements-dev.txt): {err}")
+
+
+# -- the stand-in kernel ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal,hkv,dtype", [
+    (True, 4, torch.float64),    # causal MHA
+    (False, 4, torch.float64),   # full attention (the zigzag ring's off-diagonal blocks)
+    (True, 2, torch.float64),    # GQA: 2 query heads per K/V head
+    (True, 1, torch.float32),    # MQA in fp32
+])
+def test_stand_in_matches_reference_with_lse(causal, hkv, dtype):
+    b, s, hq, d = 2, 48, 4, 16
+    q, dout = (_randn(b, s, hq, d, seed=i).to(dtype) for i in (0, 1))
+    k, v = (_randn(b, s, hkv, d, seed=i).to(dtype) for i in (2, 3))
+    scale = 0.3
+    out, lse, _, _ = flash_attn_cpu._flash_attn_forward(q, k, v, 0.0, scale, causal)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    softmax_d = flash_attn_cpu._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal)
+
+    t = lambda x: x.transpose(0, 1).to(torch.float64).requires_grad_(True)  # noqa: E731  bshd -> sbhd leaf
+    qr, kr, vr = t(q), t(k), t(v)
+    ref = reference_attention(qr, kr, vr, causal, scale)
+    ref.backward(dout.transpose(0, 1).to(torch.float64))
+    scores = torch.einsum("qbhd,kbhd->bhqk", qr, kr.repeat_interleave(hq // hkv, dim=2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    # lse is fp32 whatever the dtype (as flash-attn's), so even fp64 gradients carry its rounding (~1e-7).
+    tol_out, tol_grad = (1e-10, 1e-6) if dtype == torch.float64 else (1e-5, 1e-5)
+    assert lse.dtype == torch.float32 and lse.shape == (b, hq, s)
+    assert rel_err(lse, torch.logsumexp(scores, dim=-1)) < 1e-6
+    assert rel_err(out.transpose(0, 1), ref) < tol_out
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert rel_err(got.transpose(0, 1), want) < tol_grad
+    assert rel_err(softmax_d, (dout.double() * out.double()).sum(-1).transpose(1, 2)) < 1e-5
+
+
+def test_stand_in_refuses_what_it_does_not_implement():
+    q = _randn(1, 8, 2, 8)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        flash_attn_cpu._flash_attn_forward(q, q, q, 0.1, None, False)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        flash_attn_cpu._flash_attn_forward(q, q, q, 0.0, None, False, window_size_left=4)
+    with pytest.raises(NotImplementedError, match="bottom-right"):
+        flash_attn_cpu._flash_attn_forward(q, q[:, :4], q[:, :4], 0.0, None, True)
+
+
+def test_stand_in_is_installed_only_inside_the_block():
+    if flash_attn_cpu.real_flash_attn_present() or torch.cuda.is_available():
+        with flash_attn_cpu.flash_attn_stand_in() as installed:
+            assert not installed                 # never shadow the real kernels
+        return
+    with flash_attn_cpu.flash_attn_stand_in() as installed:
+        from flash_attn.flash_attn_interface import _flash_attn_forward
+        assert installed and _flash_attn_forward is flash_attn_cpu._flash_attn_forward
+    assert "flash_attn" not in sys.modules and "flash_attn.flash_attn_interface" not in sys.modules
+
+
+def test_ring_flash_attn_loads_without_its_package_init():
+    module = _require_ring_flash_attn()
+    assert callable(module.zigzag_ring_flash_attn_func)
+    assert "flash_attn" not in sys.modules or flash_attn_cpu.real_flash_attn_present()
+
+
+# -- the fp64 reference -----------------------------------------------------------------------------------------
+
+def _reference_shards(rank, world, q, k, v, dout, max_elements):
+    return bench_compare.reference_on_rank(q, k, v, dout, rank, world, max_elements=max_elements)
+
+
+@pytest.mark.parametrize("world,max_elements", [(1, 2 ** 24), (2, 2 ** 11)])   # 2**11: blocks of a few rows
+def test_reference_on_rank_matches_full_autograd(world, max_elements):
+    S, b, hq, hkv, d = 32, 2, 4, 2, 8
+    q, dout = _randn(S, b, hq, d, seed=0), _randn(S, b, hq, d, seed=1)
+    k, v = _randn(S, b, hkv, d, seed=2), _randn(S, b, hkv, d, seed=3)
+    if world == 1:
+        shards = [_reference_shards(0, 1, q, k, v, dout, max_elements)]
+    else:
+        shards = run_on_ranks(world, _reference_shards, q, k, v, dout, max_elements)
+    full = [megatron_2d.unshard_sequence([s[i] for s in shards]) for i in range(4)]
+    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+    ref = reference_attention(qr, kr, vr, True, d ** -0.5)
+    ref.backward(dout)
+    for got, want in zip(full, (ref, qr.grad, kr.grad, vr.grad)):
+        assert rel_err(got, want) < 1e-12
+
+
+# -- the correctness gate ---------------------------------------------------------------------------------------
+
+class LocalOnly(bench_compare.Runner):
+    """Deliberately wrong: each rank attends only to its own tokens (no communication)."""
+
+    def step(self, q, k, v, dout):
+        # [s, b, h, d] -> [b, h, s, d]; K/V heads repeated for GQA
+        q, k, v = (x.detach().permute(1, 2, 0, 3).requires_grad_(True) for x in (q, k, v))
+        groups = q.shape[1] // k.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True)
+        out.backward(dout.permute(1, 2, 0, 3))
+        return tuple(x.permute(2, 0, 1, 3) for x in (out.detach(), q.grad, k.grad, v.grad))
+
+    def bytes_sent(self):
+        return {"a2a": 0, "ring": 0}
+
+
+class Raises(bench_compare.Runner):
+    def step(self, q, k, v, dout):
+        raise RuntimeError("deliberate failure")
+
+
+def test_gate_flags_wrong_and_failing_implementations():
+    args = _tiny_args("--no-peers")
+    extra = [bench_compare.Impl("local only", "broken", build=lambda rank, world, a: LocalOnly()),
+             bench_compare.Impl("raises", "broken", build=lambda rank, world, a: Raises())]
+    report = bench_compare.run_compare(args, extra)
+    rows = {r.name: r for r in report.rows}
+    assert rows["local only"].status == "MISMATCH" and rows["local only"].seconds is None
+    assert max(rows["local only"].errors.values()) > 0.1
+    assert rows["raises"].status.startswith("ERROR: RuntimeError: deliberate failure")
+    assert rows["raises"].seconds is None
+    ours = [r for r in report.rows if r.family == bench_compare.OURS]
+    assert ours and all(r.status == "ok" for r in ours)
+
+
+def test_relative_errors_propagate_nan_and_inf():
+    errs = bench_compare.relative_errors([math.nan, 1.0, 0.0, 0.0, 1.0, 0.0, 0.1, 1.0])
+    assert math.isnan(errs["out"]) and errs["dq"] == 0.0 and errs["dk"] == math.inf and errs["dv"] == 0.1
+    assert not bench_compare.passes(errs, torch.bfloat16)
+    assert bench_compare.passes({"out": 1e-3, "dq": 1e-3, "dk": 1e-3, "dv": 1e-3}, torch.bfloat16)
+
+
+# -- end to end -------------------------------------------------------------------------------------------------
+
+def test_bench_compare_end_to_end_json(tmp_path, capsys):
+    _require_ring_flash_attn()
+    path = tmp_path / "compare.json"
+    bench_compare.main(["--ranks", "4", "--seq", "128", "--heads", "4", "--kv-heads", "2", "--dim", "16",
+                        "--repeats", "1", "--quiet", "--json", str(path)])
+    assert "ring-flash-attn zigzag" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["args"]["dtype"] == "bf16"
+    rows = {r["name"]: r for r in data["rows"]}
+    ring = rows.get(bench_compare.RING_FLASH)
+    assert ring is not None and ring["status"] == "ok", f"ring-flash-attn row: {ring}"
+    assert ring["bytes"]["ring_counted"] == ring["bytes"]["ring"]     # the closed form is what it sends
+    timed = [r for r in data["rows"] if not r["status"].startswith("n/a")]
+    assert len(timed) == 9                                            # 8 layouts of CP=4 with hp | 4, ring-flash
+    for r in timed:
+        assert r["status"] == "ok", r
+        assert math.isfinite(r["seconds"]) and r["seconds"] > 0, r
+        assert max(r["errors"].values()) < BF16_TOLERANCE, r
+        assert set(r["ratios"]) == {bench_compare.OURS, bench_compare.RING_FLASH}
+    assert [r["status"] for r in data["rows"] if r["status"].startswith("n/a")] == \
+        ["n/a: Transformer Engine CP needs CUDA (--device cuda)"]
