@@ -194,3 +194,41 @@ def test_bench_compare_end_to_end_json(tmp_path, capsys):
         assert set(r["ratios"]) == {bench_compare.OURS, bench_compare.RING_FLASH}
     assert [r["status"] for r in data["rows"] if r["status"].startswith("n/a")] == \
         ["n/a: Transformer Engine CP needs CUDA (--device cuda)"]
+
+
+# -- calibration (tools/calibrate_planner.py) -------------------------------------------------------------------
+
+def test_calibration_recovers_known_rates_and_reads_bench_json():
+    import calibrate_planner as cal
+
+    machine = cal.MachineFigures(cores=2, peak_flops=400e9, copy_bytes_per_s=30e9,
+                                 step_latency_s={4: 5e-4, 8: 1e-3})
+    args = {"heads": 8, "kv_heads": 8, "dim": 64}
+    model, seq, rate, link = cal.bench_model(args), 4096, 80e9, 0.5e9
+    samples = []
+    for n in (4, 8):
+        parallel = cal.ParallelSpec(gpus=n, cp=n)
+        for layout in (cal.Layout("2d", 1, n, n), cal.Layout("2d", 2, n // 2, 1), cal.Layout("2d", n, 1, 1)):
+            c = cal.work_counts(layout, model, cal.cpu_cluster(n, machine), parallel, seq)
+            fixed = cal.fixed_seconds(layout, model, cal.cpu_cluster(n, machine), parallel, seq)
+            t = fixed + cal.share(n, machine.cores) * (c.flops / rate + c.nvlink_bytes / link)
+            samples.append(cal.Sample(n, layout, t, c.nvlink_bytes))
+    fit = cal.fit(samples, model, machine, seq, batch=1)
+    assert fit.flops_per_s == pytest.approx(rate, rel=1e-9)
+    assert fit.nvlink_bytes_per_s == pytest.approx(link, rel=1e-9)
+    cluster, eff = cal.calibrated_cluster(8, machine, fit)
+    assert eff == pytest.approx(0.2) and cluster.peak_tflops == pytest.approx(0.1)   # 400 GFLOP/s / (8 / 2)
+
+    row = {"family": bench_compare.OURS, "seconds": 0.5, "bytes": {"a2a": 10, "ring": 20},
+           "layout": {"hp": 2, "cp": 2, "w": 1, "placement": "context_first"}}
+    data = {"args": {"ranks": 4}, "rows": [row, dict(row, family=bench_compare.RING_FLASH, layout=None)]}
+    assert cal.samples_from_json(data) == [cal.Sample(4, cal.Layout("2d", 2, 2, 1, "context_first"), 0.5, 30)]
+
+
+def test_spearman_handles_ties():
+    import calibrate_planner as cal
+
+    assert cal.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert cal.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert cal.spearman([1, 2, 3, 4], [5, 5, 6, 6]) == pytest.approx(0.8944, abs=1e-4)
+    assert math.isnan(cal.spearman([1, 2, 3], [7, 7, 7]))
