@@ -232,3 +232,108 @@ def test_spearman_handles_ties():
     assert cal.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
     assert cal.spearman([1, 2, 3, 4], [5, 5, 6, 6]) == pytest.approx(0.8944, abs=1e-4)
     assert math.isnan(cal.spearman([1, 2, 3], [7, 7, 7]))
+
+
+# -- the TE glue, with a stand-in DotProductAttention (Transformer Engine itself needs CUDA) ----------------------
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather of the zigzag shards along s over ``group``; backward: all-reduce the gradient, keep this shard."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return megatron_2d.unshard_sequence(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        rank, world = torch.distributed.get_rank(ctx.group), torch.distributed.get_world_size(ctx.group)
+        return megatron_2d.shard_sequence(grad, rank, world), None
+
+
+class FakeTEDotProductAttention(torch.nn.Module):
+    """What tools/bench_compare.py needs of TE's DotProductAttention: records its CP settings and computes causal
+    attention by gathering the zigzag shards over all ranks (sbhd in, [s, b, h*d] out)."""
+
+    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format,
+                 attn_mask_type):
+        super().__init__()
+        assert (qkv_format, attn_mask_type, attention_dropout) == ("sbhd", "causal", 0.0)
+        self.heads, self.kv_heads, self.dim = num_attention_heads, num_gqa_groups, kv_channels
+        self.cp = None
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type):
+        groups = cp_group if isinstance(cp_group, list) else [cp_group]
+        self.cp = ([torch.distributed.get_process_group_ranks(g) for g in groups], list(cp_global_ranks), cp_comm_type)
+
+    def forward(self, q, k, v):
+        world = torch.distributed.group.WORLD
+        q, k, v = (_GatherSeq.apply(x, world) for x in (q, k, v))               # [S, b, h, d]
+        g = self.heads // self.kv_heads
+        out = torch.nn.functional.scaled_dot_product_attention(                  # [b, h, S, d]
+            q.permute(1, 2, 0, 3), k.repeat_interleave(g, 2).permute(1, 2, 0, 3),
+            v.repeat_interleave(g, 2).permute(1, 2, 0, 3), is_causal=True)
+        rank, n = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        out = megatron_2d.shard_sequence(out.permute(2, 0, 1, 3), rank, n)      # [s, b, h, d]
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def _run_te_glue(rank, world, args, kinds):
+    import types
+    from unittest import mock
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.DotProductAttention = FakeTEDotProductAttention
+    full = bench_compare.make_inputs(args, torch.float64)
+    shards = [megatron_2d.shard_sequence(x, rank, world) for x in full]
+    ref = bench_compare.reference_on_rank(*full, rank, world)
+    out = {}
+    with mock.patch.dict(sys.modules, {"transformer_engine": te, "transformer_engine.pytorch": te.pytorch}), \
+            mock.patch.object(torch.cuda, "Stream", lambda: "stream"):
+        for kind, a2a_size in kinds:
+            runner = bench_compare.TEContextParallel(kind, a2a_size, args, world, bench_compare.datetime.timedelta(30))
+            got = runner.from_native(*runner.step(*runner.to_native(*shards)))
+            errors = bench_compare.relative_errors(bench_compare.error_parts(got, ref))
+            out[(kind, a2a_size)] = (runner.attn.cp, errors, runner.bytes_sent())
+    return out
+
+
+def test_te_runner_glue_with_a_stand_in_dot_product_attention():
+    args = _tiny_args("--dtype", "fp64", "--kv-heads", "4")            # hkv = 4: every kind is valid TE at N = 4
+    kinds = [("p2p", 1), ("a2a", 4), ("a2a+p2p", 2)]
+    per_rank = run_on_ranks(4, _run_te_glue, args, kinds)
+    for rank, results in enumerate(per_rank):
+        for (kind, a2a_size), (cp, errors, sent) in results.items():
+            groups, global_ranks, comm_type = cp
+            assert comm_type == kind and global_ranks == [0, 1, 2, 3]
+            if kind == "a2a+p2p":       # Megatron's hierarchical groups: a2a on adjacent ranks, p2p 2 apart
+                assert groups == [[0, 1] if rank < 2 else [2, 3], [0, 2] if rank % 2 == 0 else [1, 3]]
+            else:
+                assert groups == [[0, 1, 2, 3]]
+            assert max(errors.values()) < 1e-10, (kind, errors)
+    # Closed forms for this rank's shard: S/N = 32 tokens, b=1, hq=hkv=4, d=16, fp64 (8 bytes).
+    nq = nkv = 32 * 4 * 16
+    e = 8
+    sent = {k: v[2] for k, v in per_rank[0].items()}
+    assert sent[("p2p", 1)] == {"a2a": 0, "ring": 2 * nkv * e * 3 * 3}
+    assert sent[("a2a", 4)] == {"a2a": 2 * (2 * nq + 2 * nkv) * e * 3 / 4, "ring": 0}
+    assert sent[("a2a+p2p", 2)] == {"a2a": 2 * (2 * nq + 2 * nkv) * e / 2, "ring": 2 * nkv * e * 3}
+
+
+def test_te_rows_follow_what_te_accepts(monkeypatch):
+    import types
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    args = bench_compare.parse_args(["--ranks", "8", "--heads", "8", "--kv-heads", "2"])
+    args.device = "cuda"
+    rows = {r.name: r for r in bench_compare.te_impls(args)}
+    assert set(rows) == {"TE p2p", "TE a2a", "TE a2a+p2p [2, 4]"}       # TE does not replicate K/V: A | hkv
+    assert rows["TE a2a"].unavailable.startswith("a2a needs CP=8 to divide")
+    assert rows["TE p2p"].build and rows["TE a2a+p2p [2, 4]"].build
