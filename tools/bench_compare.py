@@ -24,7 +24,8 @@ Columns
                      rank; the rounds go round-robin over the implementations
     x vs <family>    time / the best time of that family in this run (2D (ours), each peer)
     vs ideal         ideal / time; ideal = single-process kernel fwd+bwd on the full problem / min(N, cores) on
-                     CPU (one thread, as bench_attention.py), / N on GPUs
+                     CPU (one thread, as bench_attention.py; timed before and after the ranks, the smaller is
+                     used and a drift is reported), / N on GPUs
     a2a, ring MiB    bytes one rank sends per fwd+bwd: ours measured (groups.comm_bytes), peers by closed form (f)
     err              max relative error, max |x - ref| / max |ref| over the whole tensor, of out/dq/dk/dv
 
@@ -504,6 +505,8 @@ class Report:
     single_s: float
     ideal_s: float
     device: str
+    single_runs_s: List[float] = field(default_factory=list)
+    """CPU: the single-process time measured before and after the ranks ran; ``single_s`` is the smaller."""
 
 
 def _run_cuda(args, impls: List[Impl]):
@@ -555,10 +558,13 @@ def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Optional[Report]:
     if args.device == "cuda":
         results, single = _run_cuda(args, impls)
         return _finish(args, impls, results, single) if results is not None else None
-    single = time_single_process(args, DTYPES[args.dtype])
+    before = time_single_process(args, DTYPES[args.dtype])
     per_rank = run_on_ranks(args.ranks, compare_on_rank, args, impls, "cpu",
                             timeout_s=args.timeout * (4 + 2 * len(impls)))
-    return _finish(args, impls, per_rank[0], single)
+    after = time_single_process(args, DTYPES[args.dtype])   # again: a shared machine's load drifts
+    report = _finish(args, impls, per_rank[0], min(before, after))
+    report.single_runs_s = [before, after]
+    return report
 
 
 # -- output -----------------------------------------------------------------------------------------------------
@@ -601,6 +607,10 @@ def print_report(report: Report, args) -> None:
     if any(r.status == "MISMATCH" for r in report.rows):
         notes.append(f"MISMATCH: a relative error above {TOLERANCE[DTYPES[args.dtype]]:g} against the fp64 reference "
                      f"(see the JSON for out/dq/dk/dv); such rows are not timed")
+    if len(report.single_runs_s) == 2 and max(report.single_runs_s) > 1.25 * min(report.single_runs_s):
+        before, after = (t * 1e3 for t in report.single_runs_s)
+        notes.append(f"warning: the single-process time moved from {before:.0f} ms (before) to {after:.0f} ms (after): "
+                     f"the machine's load changed during the run; 'vs ideal' uses the smaller, compare rows with care")
     if any(r.bytes_source == "closed form" for r in report.rows):
         notes.append("f: bytes from the closed forms in tools/bench_compare.py's docstring (ours are measured)")
     for note in notes:
@@ -610,6 +620,7 @@ def print_report(report: Report, args) -> None:
 def write_json(report: Report, args, path: str) -> None:
     with open(path, "w") as f:
         json.dump({"args": vars(args), "device": report.device, "single_s": report.single_s,
+                   "single_runs_s": report.single_runs_s,
                    "ideal_s": report.ideal_s, "tolerance": TOLERANCE[DTYPES[args.dtype]],
                    "rows": [asdict(r) for r in report.rows]}, f, indent=1)
 
