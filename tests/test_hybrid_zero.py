@@ -1,7 +1,7 @@
 """Hybrid ZeRO through megatron-core: sharded model states over dp x cp train exactly as unsharded, and each rank
 holds 1/S of the sharded state.
 
-8 forked CPU ranks, DP=2 x CP=4 with 2D context parallelism (hp 2 x cp 2), a tiny GQA GPT trained 4 Adam steps
+8 forked CPU ranks, DP=2 x CP=4 with 2D context parallelism (hp 2 x cp 2), a tiny GQA GPT trained 3 Adam steps
 through Megatron's schedule, ``finalize_model_grads`` and ``get_megatron_optimizer`` (Megatron DDP + distributed
 optimizer, or megatron-fsdp), every case configured only by ``HybridZeRO``. The reference is the plain torch Adam
 loop of ``tiny_gpt.train_steps`` at CP=1 on one rank's full batch. All cases run in ONE fork (module fixture); each
@@ -30,7 +30,7 @@ from megatron_2d.megatron.hybrid_zero import (  # noqa: E402
 )
 
 WORLD, DP, CP = 8, 2, 4
-STEPS = 4
+STEPS = 3
 RTOL = 1e-5
 LR = 1e-2
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=96,
@@ -50,6 +50,13 @@ CASES = {
                                                      optimizer_shard_size=8),  # HFSDP: outer 'optim'
 }
 DDP_CASES = [name for name, hz in CASES.items() if hz.backend == "distributed_optimizer"]
+# bf16 params (Megatron's Float16Module), fp32 grads and main params: the mixed-precision bytes of the memory model
+BF16_CASES = {
+    "bf16_unsharded": HybridZeRO(sharded_states="none"),
+    "bf16_zero1_over_cp_group": HybridZeRO(sharded_states="optimizer", shard_size=4),
+}  # (megatron-fsdp in bf16 also runs here, same losses as bf16 unsharded, but costs 10 s on 2 cores)
+BF16_STEPS = 3
+ALL_CASES = {**CASES, **BF16_CASES}
 
 
 def _model_config(cp: int) -> tg.TinyGPTConfig:
@@ -73,16 +80,33 @@ def _fsdp_padding_bound(wrapped, shard_size: int) -> int:
     return sum(math.ceil(g.chunk_size_factor * (shard_size + len(g.params)) / shard_size) for g in groups)
 
 
-def _train_case(hz: HybridZeRO, rank: int):
+def _bf16_model(model):
+    """Megatron-LM's bf16 path: Float16Module casts every parameter (norms included) to bf16."""
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(model.config, model)
+
+
+def _train_case(hz: HybridZeRO, rank: int, bf16: bool = False):
     mcpu.init_parallel(context_parallel_size=CP, **hz.initialize_model_parallel_kwargs(DP, CP))
     cfg = _model_config(CP)
+    if bf16:
+        cfg.config_overrides = {**cfg.config_overrides, "bf16": True, "params_dtype": torch.bfloat16}
     model = tg.build_tiny_gpt(cfg, get_gpt_layer_spec_2d(use_transformer_engine=False))
     num_params = sum(p.numel() for p in model.parameters())
     num_tensors = len(list(model.parameters()))
-    wrapped = mcpu.wrap_model(model, hz.distributed_data_parallel_config(DP, CP, **mcpu.CPU_DDP_CONFIG_OVERRIDES))
+    ddp_extra = dict(mcpu.CPU_DDP_CONFIG_OVERRIDES)
+    if bf16:  # fp32 gradient buffers, as the memory model's grad_dtype says
+        ddp_extra.update(grad_reduce_in_fp32=True)
+        if hz.backend == "megatron_fsdp":
+            ddp_extra.update(megatron_fsdp_main_grads_dtype=torch.float32)
+        model = _bf16_model(model)
+    wrapped = mcpu.wrap_model(model, hz.distributed_data_parallel_config(DP, CP, **ddp_extra))
     # clip_grad far above the gradient norm: Megatron then computes (and reports) the norm but never clips. The
     # wider optimizer shard refuses clipping (its norm is wrong, see below), so that case measures around the check.
     opt_kwargs = dict(lr=LR, weight_decay=0.0, clip_grad=1e9)
+    if bf16:
+        opt_kwargs.update(bf16=True, params_dtype=torch.bfloat16)
     if hz.has_wider_optimizer_shard(DP, CP):
         from megatron.core.optimizer import OptimizerConfig
         opt_config = OptimizerConfig(**hz.optimizer_config_kwargs(DP, CP), **opt_kwargs)
@@ -90,7 +114,7 @@ def _train_case(hz: HybridZeRO, rank: int):
         opt_config = hz.optimizer_config(DP, CP, **opt_kwargs)
     optimizer = mcpu.build_optimizer(wrapped, opt_config)
     steps = [mcpu.train_step(wrapped, optimizer, tg.synthetic_batch(cfg, step), cfg.seq_length)
-             for step in range(STEPS)]
+             for step in range(BF16_STEPS if bf16 else STEPS)]
     shard = hz.resolved_shard_size(DP, CP)
     out = {
         "losses": [s["loss"] for s in steps],
@@ -102,7 +126,7 @@ def _train_case(hz: HybridZeRO, rank: int):
         "padding_bound": (_fsdp_padding_bound(wrapped, shard) if hz.backend == "megatron_fsdp"
                           else distributed_optimizer_padding_bound(num_tensors, shard)),
     }
-    if hz.backend == "distributed_optimizer":
+    if hz.backend == "distributed_optimizer" and not bf16:
         params = mcpu.full_parameters(wrapped)  # collective (forces the param all-gather)
         if rank == 0:
             out["params"] = params
@@ -118,6 +142,8 @@ def run_all(rank, world):
                          "params": {n: p.detach().clone() for n, p in tg.canonical_parameters(ref_model).items()}}}
     for name, hz in CASES.items():
         out[name] = _train_case(hz, rank)
+    for name, hz in BF16_CASES.items():
+        out[name] = _train_case(hz, rank, bf16=True)
     return out
 
 
@@ -199,18 +225,33 @@ def test_optimizer_bytes_are_unsharded_bytes_divided_by_shard_size(results, name
     assert max(held) <= unsharded / opt_shard + 8 * results[0][name]["padding_bound"], (name, held)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", ALL_CASES)
 def test_memory_model_matches_what_megatron_holds(results, name):
-    """model_state_bytes_per_rank (fp32 params and grads here) against the real buffers and optimizer of the rank
-    holding the most: formula <= measured <= formula + padding bound."""
-    hz = CASES[name]
+    """model_state_bytes_per_rank (fp32 or bf16 params, fp32 grads) against the real buffers and optimizer of the
+    rank holding the most: formula <= measured <= formula + padding bound."""
+    hz = ALL_CASES[name]
+    bf16 = name in BF16_CASES
     n = results[0][name]["num_params"]
-    expected = model_state_bytes_per_rank(n, hz, DP, CP, param_dtype=torch.float32, grad_dtype=torch.float32)
-    per_element = {"params": 4, "grads": 4, "optimizer": 8 + (4 if hz.backend == "megatron_fsdp" else 0)}
+    param_dtype = torch.bfloat16 if bf16 else torch.float32
+    expected = model_state_bytes_per_rank(n, hz, DP, CP, param_dtype=param_dtype, grad_dtype=torch.float32)
+    main = 4 if (bf16 or hz.backend == "megatron_fsdp") else 0
+    per_element = {"params": 2 if bf16 else 4, "grads": 4, "optimizer": 8 + main}
     padding = results[0][name]["padding_bound"]
     for key, value in expected.items():
         measured = max(r[name]["bytes"][key] for r in results)
         assert value <= measured <= value + per_element[key] * padding, (name, key, measured, value)
+
+
+@pytest.mark.parametrize("name", [n for n in BF16_CASES if n != "bf16_unsharded"])
+def test_bf16_sharded_training_matches_bf16_unsharded(results, name):
+    """bf16 params with fp32 grads and main params: sharded = unsharded (same losses and gradient norms), and both
+    track the fp32 reference to bf16 accuracy."""
+    expected, actual = results[0]["bf16_unsharded"], results[0][name]
+    for key in ("losses", "grad_norms"):
+        assert len(actual[key]) == BF16_STEPS
+        assert all(abs(a - e) / abs(e) < RTOL for a, e in zip(actual[key], expected[key])), (key, actual, expected)
+    fp32 = results[0]["reference"]["losses"][:BF16_STEPS]
+    assert all(abs(a - e) / e < 2e-3 for a, e in zip(actual["losses"], fp32)), (actual["losses"], fp32)
 
 
 # ---- configuration -------------------------------------------------------------------------------------------------
