@@ -258,7 +258,8 @@ def test_bf16_sharded_training_matches_bf16_unsharded(results, name):
 @pytest.mark.parametrize("hz, expected", [
     (HybridZeRO("none"), dict(use_distributed_optimizer=False, num_distributed_optimizer_instances=1)),
     (HybridZeRO("optimizer"), dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=1)),
-    (HybridZeRO("optimizer", shard_size=4), dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)),
+    (HybridZeRO("optimizer", shard_size=4),
+     dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)),
     (HybridZeRO("optimizer", shard_size=2), dict(num_distributed_optimizer_instances=4)),
     (HybridZeRO("optimizer", implementation="megatron_fsdp"),
      dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim")),

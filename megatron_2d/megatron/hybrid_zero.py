@@ -2,14 +2,15 @@
 
 Under context parallelism every weight is replicated over the CP ranks as well as the data-parallel ranks, so its
 model states (parameters, gradients, optimizer states) can be sharded over all D = dp x cp ranks of Megatron's
-``dp_cp`` group, or only over part of it. LoongTrain (arXiv 2406.18485, Sec. "Hybrid ZeRO") calls this Hybrid ZeRO
-and lets one pick which states are sharded and how widely. megatron-core already implements every piece; this module
+``dp_cp`` group, or only over part of it. LoongTrain (arXiv 2406.18485) calls this Hybrid ZeRO and lets one pick
+which states are sharded and how widely. megatron-core already implements every piece; this module
 only validates a choice and writes it into megatron-core's own configs. It contains no sharding logic.
 
 What megatron-core does (read from its 0.19.2 source):
 
 * ``DistributedDataParallel`` reduces gradients over ``dp_cp`` (``get_data_parallel_group(with_context_parallel=
-  True)``), scaling by 1/(dp x cp), so CP ranks are data-parallel replicas for the weights.
+  True)``), scaling by 1/(dp x cp) (or, with ``calculate_per_token_loss``, by 1/tokens in the global batch), so CP
+  ranks are data-parallel replicas for the weights.
 * ZeRO-1 is its distributed optimizer (``use_distributed_optimizer``): gradients are reduce-scattered and each rank
   keeps the Adam moments (and fp32 main params of 16-bit models) of 1/S of every bucket; updated params are
   all-gathered. Its param and grad buffers stay whole on every rank.
@@ -23,12 +24,18 @@ What megatron-core does (read from its 0.19.2 source):
   ``num_distributed_optimizer_instances`` > 1 it runs as HSDP: shards inside the S-rank group, replicas across
   groups; ``outer_dp_sharding_strategy='optim'`` additionally shards the optimizer state over all D ranks while
   params/grads stay sharded over S (only with 'optim_grads_params'): LoongTrain's "optimizer states sharded more
-  widely than parameters and gradients".
+  widely than parameters and gradients". megatron-core 0.19.2 then reduces the gradient norm over S ranks only,
+  so gradient clipping is refused for that choice (``HybridZeRO.optimizer_config``).
+
+Seen on 8 CPU ranks (tests/test_hybrid_zero.py, DP=2 x CP=4 with 2D attention): every choice below trains a tiny
+GPT to the losses and gradient norms of unsharded training within 1e-5, and each rank holds 1/S of the sharded
+state up to Megatron's padding. Overlap of communication with compute is not exercised there (CPU, gloo).
 
     hz = HybridZeRO(sharded_states="optimizer", shard_size=4)           # ZeRO-1 over each CP group of 4
     initialize_model_parallel(..., **hz.initialize_model_parallel_kwargs(dp=2, cp=4))
-    ddp_config = hz.distributed_data_parallel_config(dp=2, cp=4)
-    optimizer = get_megatron_optimizer(hz.optimizer_config(dp=2, cp=4, lr=1e-4), [model])
+    ddp_model = DistributedDataParallel(config, hz.distributed_data_parallel_config(dp=2, cp=4), model)
+    optimizer = get_megatron_optimizer(hz.optimizer_config(dp=2, cp=4, lr=1e-4), [ddp_model])
+    # megatron-fsdp choices: FullyShardedDataParallel(config, ddp_config, model) instead (hz.backend says which)
     hz.megatron_cli_args(dp=2, cp=4)   # the same choice as Megatron-LM flags
 """
 
@@ -73,7 +80,8 @@ class HybridZeRO:
     """'none': every rank keeps every state (Megatron DDP, plain optimizer).
     'optimizer': ZeRO-1, Adam moments and fp32 main params sharded (Megatron's distributed optimizer).
     'optimizer+grads': ZeRO-2, gradients sharded too (megatron-fsdp 'optim_grads').
-    'optimizer+grads+params': ZeRO-3, parameters sharded too, gathered per layer (megatron-fsdp 'optim_grads_params')."""
+    'optimizer+grads+params': ZeRO-3, parameters sharded too, gathered per layer (megatron-fsdp
+    'optim_grads_params')."""
 
     shard_size: Optional[int] = None
     """Number of ranks the sharded states are split over; must divide D = dp x cp. None: all D ranks. Smaller values
