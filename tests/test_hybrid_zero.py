@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing import megatron_ddp_cpu as mcpu
+from megatron_2d.testing import ddp_harness as mcpu
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 

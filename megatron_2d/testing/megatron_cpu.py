@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import typing
-from typing import Iterator
+from typing import Any, Dict, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -300,13 +300,192 @@ def install_megatron_cpu_shims(import_training: bool = False) -> None:
         import megatron.training  # noqa: F401
 
 
+# --------------------------------------------------------------------------------------------------
+# 8. megatron-core's DistributedDataParallel, distributed optimizer and megatron-fsdp on gloo
+#
+#  a. CUDA streams and events as no-op CPU stand-ins (torch.cuda.current_stream, default_stream, Stream,
+#     stream, Event): param_and_grad_buffer.py asks for the current stream, partial sharding creates a
+#     communication stream, megatron-fsdp two side streams. With gloo every collective megatron issues completes
+#     in program order on the CPU (async ones on wait()), so there is nothing to order.
+#  b. DeviceMesh.from_group(device_type="cuda") builds a CPU mesh (megatron-fsdp's DTensor meshes).
+#  Inside megatron_ddp_on_cpu() only: cuda/integer devices -> cpu (CudaToCpuMode), Tensor.type() answers with
+#  CUDA type names (megatron's optimizers accept only torch.cuda.*Tensor params), torch.cuda.current_device()
+#  returns 0 (megatron-fsdp formats it into "cuda:N").
+#  Config, not a shim: gloo has no ReduceOp.PREMUL_SUM, so megatron-fsdp runs with
+#  gradient_reduce_div_fusion=False (CPU_DDP_CONFIG_OVERRIDES).
+# --------------------------------------------------------------------------------------------------
+_DDP_INSTALLED = False
+
+CPU_DDP_CONFIG_OVERRIDES: Dict[str, Any] = {"gradient_reduce_div_fusion": False}
+"""DistributedDataParallelConfig fields needed on gloo: no PREMUL_SUM reduce op (megatron-fsdp divides in a
+separate multiply instead)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# 8. Megatron DDP, distributed optimizer, megatron-fsdp (test-only CPU path): 8a. CUDA streams and events
+# --------------------------------------------------------------------------------------------------
+class CpuStream:
+    """Stand-in for ``torch.cuda.Stream``: every operation runs in program order on CPU, so waiting on
+    another stream or event has nothing to wait for."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        self.device = torch.device("cpu")
+        self.priority = priority
+
+    def wait_stream(self, stream) -> None:
+        """No-op: CPU work and gloo collectives are already ordered."""
+
+    def wait_event(self, event) -> None:
+        """No-op, as ``wait_stream``."""
+
+    def record_event(self, event=None) -> "CpuEvent":
+        event = event if event is not None else CpuEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        """No-op."""
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuEvent:
+    """Stand-in for ``torch.cuda.Event``: recorded work is always complete on CPU."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+
+    def record(self, stream=None) -> None:
+        """No-op."""
+
+    def wait(self, stream=None) -> None:
+        """No-op."""
+
+    def synchronize(self) -> None:
+        """No-op."""
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuStreamContext:
+    """``torch.cuda.stream(s)``: on CPU there is one ordered stream, so entering another changes nothing. A class,
+    not a generator: megatron enters one such object in two ``with`` statements (partial distributed optimizer
+    with ``overlap_grad_reduce``), as torch's StreamContext allows."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> "CpuStreamContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_DEFAULT_STREAM = CpuStream()
+
+
+def _current_stream(device=None) -> CpuStream:
+    return _DEFAULT_STREAM
+
+
+def _install_stream_shims() -> None:
+    torch.cuda.Stream = CpuStream  # type: ignore[misc, assignment]
+    torch.cuda.Event = CpuEvent  # type: ignore[misc, assignment]
+    torch.cuda.current_stream = _current_stream  # type: ignore[assignment]
+    torch.cuda.default_stream = _current_stream  # type: ignore[assignment]
+    torch.cuda.stream = CpuStreamContext  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------------------------------
+# 8b. CPU device meshes for megatron-fsdp
+# --------------------------------------------------------------------------------------------------
+def _install_device_mesh_shim() -> None:
+    """megatron-fsdp builds ``DeviceMesh.from_group(groups, device_type="cuda", ...)`` for its DTensors; on CPU
+    ranks the same mesh over the same gloo groups is a "cpu" mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.from_group
+    if getattr(original, "_m2d_cpu", False):
+        return
+
+    def from_group(group, device_type, *args, **kwargs):
+        return original(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    from_group._m2d_cpu = True  # type: ignore[attr-defined]
+    DeviceMesh.from_group = staticmethod(from_group)  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------------------------------
+# 3.-5. Inside a block: cuda -> cpu, CUDA type names, current_device() == 0
+# --------------------------------------------------------------------------------------------------
+def _cuda_type_name(cpu_type_name: str) -> str:
+    """'torch.FloatTensor' -> 'torch.cuda.FloatTensor' (names already naming cuda are kept)."""
+    if cpu_type_name.startswith("torch.") and not cpu_type_name.startswith("torch.cuda."):
+        return "torch.cuda." + cpu_type_name[len("torch."):]
+    return cpu_type_name
+
+
+def _is_device_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class MegatronDDPOnCpuMode(CudaToCpuMode):
+    """``CudaToCpuMode`` plus integer devices mapped to cpu and ``Tensor.type()`` (no argument) answering with
+    CUDA type names; ``Tensor.type(dtype)`` conversions pass through unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            with torch._C.DisableTorchFunction():
+                return _cuda_type_name(args[0].type())
+        kwargs = dict(kwargs or {})
+        if _is_device_index(kwargs.get("device")):
+            kwargs["device"] = torch.device("cpu")
+        if func is torch.Tensor.to:
+            args = tuple(torch.device("cpu") if _is_device_index(a) else a for a in args)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def megatron_ddp_on_cpu() -> Iterator[None]:
+    """Run the enclosed megatron DDP / megatron-fsdp / optimizer code on CPU ranks (shims 3-5 above).
+
+    Enter it around building the wrapper and the optimizer and around every training step.
+    """
+    install_megatron_ddp_cpu_shims()
+    saved = torch.cuda.current_device
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    try:
+        with MegatronDDPOnCpuMode():
+            yield
+    finally:
+        torch.cuda.current_device = saved  # type: ignore[assignment]
+
+
+def install_megatron_ddp_cpu_shims() -> None:
+    """Apply ``install_megatron_cpu_shims`` and shims 1-2 (idempotent; nothing is changed when CUDA exists)."""
+    global _DDP_INSTALLED
+    install_megatron_cpu_shims()
+    if not _DDP_INSTALLED and not torch.cuda.is_available():
+        _install_stream_shims()
+        _install_device_mesh_shim()
+        _DDP_INSTALLED = True
+
+
+
 def shims_installed() -> bool:
     """True once ``install_megatron_cpu_shims`` has run in this process (or a parent before fork)."""
     return _INSTALLED
 
 
 __all__ = [
+    "CPU_DDP_CONFIG_OVERRIDES",
     "CudaToCpuMode",
+    "install_megatron_ddp_cpu_shims",
+    "megatron_ddp_on_cpu",
     "cpu_get_pos_emb_on_this_cp_rank",
     "cuda_to_cpu",
     "install_megatron_cpu_shims",

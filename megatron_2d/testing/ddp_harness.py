@@ -1,26 +1,7 @@
-"""Test-only CPU path for megatron-core's DistributedDataParallel, distributed optimizer and megatron-fsdp on gloo.
+"""Test harness for megatron-core's DDP / distributed optimizer / megatron-fsdp on forked CPU ranks.
 
-Test support only: nothing on the library's runtime path imports this module. On top of
-``megatron_cpu.install_megatron_cpu_shims()`` it adds what megatron-core 0.19.2's data-parallel wrappers and
-optimizers need on CPU ranks, and a small harness that trains through Megatron's own schedule:
-
-Shims (installed by ``install_megatron_ddp_cpu_shims``, only when CUDA is absent):
-  1. CUDA streams and events as no-op CPU stand-ins (``torch.cuda.current_stream``, ``default_stream``,
-     ``Stream``, ``stream``, ``Event``): param_and_grad_buffer.py asks for the current stream, partial
-     sharding creates a communication stream, megatron-fsdp two side streams. With gloo every collective megatron
-     issues completes in program order on the CPU (async ones on ``wait()``), so there is nothing to order.
-  2. ``DeviceMesh.from_group(device_type="cuda")`` builds a CPU mesh (megatron-fsdp's DTensor meshes).
-
-Inside ``megatron_ddp_on_cpu()`` only (a TorchFunctionMode plus one swapped function, undone on exit):
-  3. ``device="cuda"`` / ``cuda:N`` / integer devices -> cpu, ``.cuda()``/pin_memory dropped
-     (``megatron_cpu.CudaToCpuMode``), e.g. the optimizer's ``torch.tensor(..., device='cuda')``.
-  4. ``Tensor.type()`` answers with CUDA type names: megatron's optimizers accept only
-     'torch.cuda.FloatTensor' / 'HalfTensor' / 'BFloat16Tensor' params.
-  5. ``torch.cuda.current_device()`` returns 0 (not the CPU device ``megatron_cpu`` gives outside), because
-     megatron-fsdp formats it into ``f"cuda:{...}"``; the integer then reaches factories as ``device=0``, which 3 maps.
-
-Config, not a shim: gloo has no ReduceOp.PREMUL_SUM, so megatron-fsdp runs here with
-``gradient_reduce_div_fusion=False`` (``CPU_DDP_CONFIG_OVERRIDES``); NCCL runs the default.
+Test support only. The CPU shims it needs live with the others in ``megatron_cpu`` (section 8); this module
+trains through Megatron's own schedule and reports the model-state bytes each rank holds.
 
 Proven on CPU with this: which group gradients are reduced and sharded over, what state each rank keeps, and that
 sharded training gives the unsharded losses, gradient norms and parameters. Not proven without a GPU: the overlap
@@ -30,174 +11,18 @@ NCCL's PREMUL_SUM path, and memory peaks (the transient all-gathered layers of m
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing.megatron_cpu import CudaToCpuMode, install_megatron_cpu_shims
+from megatron_2d.testing.megatron_cpu import (  # noqa: F401  (re-exported for the tests)
+    CPU_DDP_CONFIG_OVERRIDES,
+    install_megatron_ddp_cpu_shims,
+    megatron_ddp_on_cpu,
+)
 
-_INSTALLED = False
-
-CPU_DDP_CONFIG_OVERRIDES: Dict[str, Any] = {"gradient_reduce_div_fusion": False}
-"""DistributedDataParallelConfig fields needed on gloo: no PREMUL_SUM reduce op (megatron-fsdp divides in a
-separate multiply instead)."""
-
-
-# --------------------------------------------------------------------------------------------------
-# 1. CUDA streams and events on CPU
-# --------------------------------------------------------------------------------------------------
-class CpuStream:
-    """Stand-in for ``torch.cuda.Stream``: every operation runs in program order on CPU, so waiting on
-    another stream or event has nothing to wait for."""
-
-    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
-        self.device = torch.device("cpu")
-        self.priority = priority
-
-    def wait_stream(self, stream) -> None:
-        """No-op: CPU work and gloo collectives are already ordered."""
-
-    def wait_event(self, event) -> None:
-        """No-op, as ``wait_stream``."""
-
-    def record_event(self, event=None) -> "CpuEvent":
-        event = event if event is not None else CpuEvent()
-        event.record(self)
-        return event
-
-    def synchronize(self) -> None:
-        """No-op."""
-
-    def query(self) -> bool:
-        return True
-
-
-class CpuEvent:
-    """Stand-in for ``torch.cuda.Event``: recorded work is always complete on CPU."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        self.enable_timing = enable_timing
-
-    def record(self, stream=None) -> None:
-        """No-op."""
-
-    def wait(self, stream=None) -> None:
-        """No-op."""
-
-    def synchronize(self) -> None:
-        """No-op."""
-
-    def query(self) -> bool:
-        return True
-
-
-class CpuStreamContext:
-    """``torch.cuda.stream(s)``: on CPU there is one ordered stream, so entering another changes nothing. A class,
-    not a generator: megatron enters one such object in two ``with`` statements (partial distributed optimizer
-    with ``overlap_grad_reduce``), as torch's StreamContext allows."""
-
-    def __init__(self, stream=None) -> None:
-        self.stream = stream
-
-    def __enter__(self) -> "CpuStreamContext":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-_DEFAULT_STREAM = CpuStream()
-
-
-def _current_stream(device=None) -> CpuStream:
-    return _DEFAULT_STREAM
-
-
-def _install_stream_shims() -> None:
-    torch.cuda.Stream = CpuStream  # type: ignore[misc, assignment]
-    torch.cuda.Event = CpuEvent  # type: ignore[misc, assignment]
-    torch.cuda.current_stream = _current_stream  # type: ignore[assignment]
-    torch.cuda.default_stream = _current_stream  # type: ignore[assignment]
-    torch.cuda.stream = CpuStreamContext  # type: ignore[assignment]
-
-
-# --------------------------------------------------------------------------------------------------
-# 2. CPU device meshes for megatron-fsdp
-# --------------------------------------------------------------------------------------------------
-def _install_device_mesh_shim() -> None:
-    """megatron-fsdp builds ``DeviceMesh.from_group(groups, device_type="cuda", ...)`` for its DTensors; on CPU
-    ranks the same mesh over the same gloo groups is a "cpu" mesh."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    original = DeviceMesh.from_group
-    if getattr(original, "_m2d_cpu", False):
-        return
-
-    def from_group(group, device_type, *args, **kwargs):
-        return original(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
-
-    from_group._m2d_cpu = True  # type: ignore[attr-defined]
-    DeviceMesh.from_group = staticmethod(from_group)  # type: ignore[method-assign]
-
-
-# --------------------------------------------------------------------------------------------------
-# 3.-5. Inside a block: cuda -> cpu, CUDA type names, current_device() == 0
-# --------------------------------------------------------------------------------------------------
-def _cuda_type_name(cpu_type_name: str) -> str:
-    """'torch.FloatTensor' -> 'torch.cuda.FloatTensor' (names already naming cuda are kept)."""
-    if cpu_type_name.startswith("torch.") and not cpu_type_name.startswith("torch.cuda."):
-        return "torch.cuda." + cpu_type_name[len("torch."):]
-    return cpu_type_name
-
-
-def _is_device_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class MegatronDDPOnCpuMode(CudaToCpuMode):
-    """``CudaToCpuMode`` plus integer devices mapped to cpu and ``Tensor.type()`` (no argument) answering with
-    CUDA type names; ``Tensor.type(dtype)`` conversions pass through unchanged."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            with torch._C.DisableTorchFunction():
-                return _cuda_type_name(args[0].type())
-        kwargs = dict(kwargs or {})
-        if _is_device_index(kwargs.get("device")):
-            kwargs["device"] = torch.device("cpu")
-        if func is torch.Tensor.to:
-            args = tuple(torch.device("cpu") if _is_device_index(a) else a for a in args)
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-@contextlib.contextmanager
-def megatron_ddp_on_cpu() -> Iterator[None]:
-    """Run the enclosed megatron DDP / megatron-fsdp / optimizer code on CPU ranks (shims 3-5 above).
-
-    Enter it around building the wrapper and the optimizer and around every training step.
-    """
-    install_megatron_ddp_cpu_shims()
-    saved = torch.cuda.current_device
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
-    try:
-        with MegatronDDPOnCpuMode():
-            yield
-    finally:
-        torch.cuda.current_device = saved  # type: ignore[assignment]
-
-
-def install_megatron_ddp_cpu_shims() -> None:
-    """Apply ``install_megatron_cpu_shims`` and shims 1-2 (idempotent; nothing is changed when CUDA exists)."""
-    global _INSTALLED
-    install_megatron_cpu_shims()
-    if not _INSTALLED and not torch.cuda.is_available():
-        _install_stream_shims()
-        _install_device_mesh_shim()
-        _INSTALLED = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -388,10 +213,6 @@ def model_state_bytes(wrapped: torch.nn.Module, optimizer) -> Dict[str, int]:
 
 __all__ = [
     "CPU_DDP_CONFIG_OVERRIDES",
-    "CpuEvent",
-    "CpuStream",
-    "CpuStreamContext",
-    "MegatronDDPOnCpuMode",
     "build_optimizer",
     "data_parallel_share",
     "full_parameters",
