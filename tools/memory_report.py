@@ -11,7 +11,9 @@ torch's saved-tensor hooks on forked CPU ranks (unique storages, parameters excl
     full           megatron's full-layer recompute (uniform, 1 layer per checkpoint)
     ckpt++         full-layer recompute with Selective Checkpoint++ (attention kept, not recomputed)
 with the extra forward FLOPs each mode spends in backward (closed form, per rank) and the extra all-to-all and
-ring bytes it sends (measured). Model states: bytes per rank under each Hybrid ZeRO choice (closed form).
+ring bytes it sends (measured). Model states: bytes per rank under each Hybrid ZeRO choice, from
+megatron_2d.megatron.model_state_bytes_per_rank (megatron-core's layouts; checked against the real optimizer in
+tests/test_hybrid_zero.py), for --model-params parameters (default: a 7B model) in bf16 with fp32 grads and Adam.
 """
 
 from __future__ import annotations
@@ -136,6 +138,70 @@ def print_activation_table(rows, args) -> None:
     Console(width=160).print(table)
 
 
+def zero_choices(dp: int, cp: int):
+    """(label, HybridZeRO) for LoongTrain's choices: what is sharded, over CP only or over all dp x cp ranks."""
+    from megatron_2d.megatron import HybridZeRO
+
+    choices = [("replicated (DDP)", HybridZeRO(sharded_states="none"))]
+    for states in ("optimizer", "optimizer+grads", "optimizer+grads+params"):
+        for size in sorted({cp, dp * cp}):
+            choices.append((f"{states}, over {size} ranks", HybridZeRO(sharded_states=states, shard_size=size)))
+    choices.append((f"optimizer+grads+params over {cp}, optimizer over {dp * cp}",
+                    HybridZeRO(sharded_states="optimizer+grads+params", shard_size=cp, optimizer_shard_size=dp * cp)))
+    return choices
+
+
+def model_state_rows(args) -> List[dict]:
+    from megatron_2d.megatron import model_state_bytes_per_rank
+
+    rows = []
+    for label, choice in zero_choices(args.dp, args.ranks):
+        b = model_state_bytes_per_rank(args.model_params, choice, args.dp, args.ranks)
+        rows.append({"choice": label, **{k: v / 2**30 for k, v in b.items()}, "total": sum(b.values()) / 2**30})
+    return rows
+
+
+def print_model_state_table(rows, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Model states per rank, {args.model_params / 1e9:.1f}B parameters, bf16 params, fp32 grads, "
+                        f"Adam, DP={args.dp} x CP={args.ranks}")
+    for name in ("sharded states", "params GiB", "grads GiB", "optimizer GiB", "total GiB"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(r["choice"], *(f"{r[k]:.2f}" for k in ("params", "grads", "optimizer", "total")))
+    Console(width=160).print(table)
+
+
+def plot(activation_rows, state_rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    modes = [r["mode"] for r in activation_rows]
+    left.bar(modes, [r["activation_MiB_per_layer"] for r in activation_rows], color="tab:blue")
+    left.set_ylabel("activations saved per layer (MiB)")
+    twin = left.twinx()
+    twin.plot(modes, [100 * r["extra_fwd_flops_vs_layer_fwd"] for r in activation_rows], "o-", color="tab:red")
+    twin.set_ylabel("extra forward FLOPs (% of a layer forward)", color="tab:red")
+    left.set_title("Recompute modes (measured activations)")
+    labels = [r["choice"] for r in state_rows]
+    bottom = [0.0] * len(state_rows)
+    for key, color in (("params", "tab:green"), ("grads", "tab:orange"), ("optimizer", "tab:purple")):
+        values = [r[key] for r in state_rows]
+        right.barh(labels, values, left=bottom, color=color, label=key)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    right.set_xlabel("GiB per rank")
+    right.invert_yaxis()
+    right.legend()
+    right.set_title("Hybrid ZeRO: model states per rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def parse_args(argv: Optional[List[str]] = None):
     p = argparse.ArgumentParser(description="Activation and model-state memory per recompute / sharding choice")
     p.add_argument("--ranks", type=int, default=4)
@@ -147,7 +213,9 @@ def parse_args(argv: Optional[List[str]] = None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--plot", default=None, help="save a PNG of the tables")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel size for the model-state table")
+    p.add_argument("--model-params", type=int, default=6_738_415_616, help="parameters (default: a 7B model)")
+    p.add_argument("--plot", default="memory_report.png", help="PNG of both tables ('' for none)")
     return p.parse_args(argv)
 
 
@@ -155,6 +223,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     rows = report(args)
     print_activation_table(rows, args)
+    states = model_state_rows(args)
+    print_model_state_table(states, args)
+    if args.plot:
+        plot(rows, states, args.plot)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,39 @@
+"""tools/memory_report.py at a tiny size: the measured properties the report is for."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "memory_report.py"
+
+
+@pytest.fixture(scope="module")
+def memory_report():
+    spec = importlib.util.spec_from_file_location("memory_report", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recompute_modes(memory_report):
+    args = memory_report.parse_args(["--layers", "2", "--hidden", "64", "--seq", "128", "--plot", ""])
+    rows = {r["mode"]: r for r in memory_report.report(args)}
+    assert set(rows) == {"none", "selective", "full", "ckpt++"}
+    act = {m: r["activation_MiB_per_layer"] for m, r in rows.items()}
+    assert act["full"] < act["ckpt++"] < act["none"]          # Checkpoint++ keeps attention only
+    assert rows["ckpt++"]["extra_a2a_MiB"] == rows["ckpt++"]["extra_ring_MiB"] == 0
+    assert rows["full"]["extra_ring_MiB"] > 0 and rows["full"]["extra_a2a_MiB"] > 0
+    assert rows["full"]["extra_fwd_flops_vs_layer_fwd"] == pytest.approx(1.0)
+
+
+def test_model_states_and_plot(memory_report, tmp_path):
+    args = memory_report.parse_args(["--model-params", "1000000", "--plot", str(tmp_path / "m.png")])
+    states = {r["choice"]: r for r in memory_report.model_state_rows(args)}
+    replicated = states["replicated (DDP)"]
+    full = states["optimizer+grads+params, over 8 ranks"]
+    assert full["params"] == pytest.approx(replicated["params"] / 8, rel=1e-3)
+    assert full["optimizer"] == pytest.approx(replicated["optimizer"] / 8, rel=1e-3)
+    memory_report.plot([{"mode": "none", "activation_MiB_per_layer": 1.0, "extra_fwd_flops_vs_layer_fwd": 0.0}],
+                       list(states.values()), args.plot)
+    assert (tmp_path / "m.png").stat().st_size > 1000
