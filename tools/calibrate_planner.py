@@ -18,7 +18,9 @@ same cluster with unbounded compute and links). Then attn_efficiency = R / P1 an
 every layout is predicted by megatron_2d.plan.evaluate on the calibrated cluster and printed next to its
 measurement ("predicted"), together with the same estimate with no overlap of communication and compute
 ("no-overlap": compute + every transfer serialised), which tells whether the rings' overlap assumption is what
-misses. Timing noise on a 2-core machine is large; the verdict lines say how far to trust the fit.
+misses. Timing noise on a 2-core machine is large; the verdict lines say how far to trust the fit. With --from-json
+the machine figures (peak, copy, latency) are measured now, not when the JSON was written: run both on a quiet
+machine (bench_compare warns when its single-process time drifted during a run).
 """
 
 from __future__ import annotations
