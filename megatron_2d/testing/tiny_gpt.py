@@ -350,15 +350,21 @@ def _merge_over_pp(local: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------------
 # Forward + backward, training
 # --------------------------------------------------------------------------------------------------
-def _local_loss(model: GPTModel, batch: Batch) -> tuple:
-    """(sum over this rank's tokens of masked per-token loss, local per-token loss [b, s/cp])."""
+def _run_on_cp_shard(model: torch.nn.Module, batch: Batch) -> tuple:
+    """(per-token loss [b, s/cp], this rank's CP shard of ``batch``)."""
     local = shard_batch_for_cp(batch)
     per_token = model(
         input_ids=local["tokens"],
         position_ids=local["position_ids"],
         attention_mask=None,
         labels=local["labels"],
-    )  # [b, s/cp]
+    )
+    return per_token, local
+
+
+def _local_loss(model: GPTModel, batch: Batch) -> tuple:
+    """(sum over this rank's tokens of masked per-token loss, local per-token loss [b, s/cp])."""
+    per_token, local = _run_on_cp_shard(model, batch)
     return (per_token.float() * local["loss_mask"]).sum(), per_token
 
 
@@ -442,13 +448,7 @@ def pipeline_forward_backward(
 
     def forward_step(data_iterator, module):
         full = next(data_iterator)
-        local = shard_batch_for_cp(full)
-        out = module(
-            input_ids=local["tokens"],
-            position_ids=local["position_ids"],
-            attention_mask=None,
-            labels=local["labels"],
-        )
+        out, local = _run_on_cp_shard(module, full)
         return out, lambda t: loss_func(local["loss_mask"], full["loss_mask"].sum().to(torch.int), t)
 
     model.zero_grad(set_to_none=True)
