@@ -211,6 +211,10 @@ def run_misconfigured(rank, world, case):
         bounds = torch.tensor([0, 64, 128], dtype=torch.int32)  # two packed documents
         attention(q, q, q, None, attn_mask_type=None, attention_bias=None,
                   packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds))
+    elif case == "2d_spec_without_2d_backend":
+        tg.init_parallel(context_parallel_size=4)
+        cfg = tg.TinyGPTConfig(**MODELS["mha"], cp_comm_type="p2p")
+        tg.build_tiny_gpt(cfg, spec_2d())
     elif case == "mixed_backends_without_te":
         tg.init_parallel(context_parallel_size=4)
         cfg = model_config("mha", (2, 1, "head_first"))
@@ -221,6 +225,7 @@ def run_misconfigured(rank, world, case):
 @pytest.mark.parametrize("case, message", [
     ("indivisible_sequence", r"batch\['tokens'\]: sequence length 100 is not divisible by 2\*CP = 8"),
     ("thd", r"packed sequences \(THD format, packed_seq_params\) are not supported by the 2d backend"),
+    ("2d_spec_without_2d_backend", r"the 2d layer spec is in use but cp_comm_type is 'p2p' for every layer"),
     ("mixed_backends_without_te", r"layer 2 asks cp_comm_type 'p2p', which megatron-core runs through Transformer "
                                   r"Engine, not installed here"),
 ])

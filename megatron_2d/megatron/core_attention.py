@@ -20,7 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from ..attention import attention_2d
 from .checkpoint_plus import AttentionKeeper
 from .process_groups import groups_for
-from .settings import BACKEND_NAME, Settings2D, settings_from_config
+from .settings import BACKEND_NAME, Settings2D, settings_from_config, uses_2d
 
 SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
@@ -58,6 +58,10 @@ class CoreAttention2D(MegatronModule):
         cp_size = pg_collection.cp.size() if pg_collection.cp is not None else 1
         self.delegate = None
         if cp_size > 1 and cp_comm_type != BACKEND_NAME:
+            if not uses_2d(config.cp_comm_type):
+                raise ValueError(f"the 2d layer spec is in use but cp_comm_type is {config.cp_comm_type!r} for every "
+                                 f"layer, so no layer would run 2D attention; set cp_comm_type='2d' "
+                                 f"(--cp-comm-type 2d) or use megatron-core's own layer spec")
             self.delegate = _other_backend(config, cp_comm_type, pg_collection, layer_number=layer_number,
                                            attn_mask_type=attn_mask_type, attention_type=attention_type,
                                            softmax_scale=softmax_scale)
