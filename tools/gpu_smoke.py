@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""One-device check of the block kernels and of attention_2d, for a session lent a GPU (also runs on CPU).
+
+    python tools/gpu_smoke.py --device cuda      # every kernel that runs there, fwd+bwd vs an fp64 reference
+    python tools/gpu_smoke.py --device cpu
+
+For each kernel that supports the device and dtype: forward out/lse and backward dq/dk/dv of one block (causal
+and full, MHA and GQA) against fp64 math, then attention_2d on a world of one rank (gloo on CPU, NCCL on CUDA)
+with that kernel. Prints one line per case and exits non-zero if any error exceeds its dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import megatron_2d
+from megatron_2d.kernels import KERNELS, select_kernel
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def reference(q, k, v, causal, scale):
+    """fp64 attention with lse on [b, s, h, d] blocks."""
+    q, k, v = (x.double() for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), torch.logsumexp(s, -1)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def check_kernel(name, device, dtype, causal, hkv, seq=256):
+    kernel = select_kernel(device, dtype, name)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(2, seq, 8, 64, generator=g).to(device, dtype)
+    k, v = (torch.randn(2, seq, hkv, 64, generator=g).to(device, dtype) for _ in range(2))
+    dout = torch.randn(2, seq, 8, 64, generator=g).to(device, dtype)
+    scale = 64 ** -0.5
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref, ref_lse = reference(*leaves, causal, scale)
+    ref.backward(dout.double())
+    out, lse = kernel.forward(q, k, v, causal, scale)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, scale)
+    return max(rel(out, ref), rel(lse, ref_lse), rel(dq, leaves[0].grad), rel(dk, leaves[1].grad),
+               rel(dv, leaves[2].grad))
+
+
+def check_attention_2d(name, device, dtype):
+    q, k, v, dout = (torch.randn(512, 2, h, 64, device=device, dtype=dtype) for h in (8, 2, 2, 8))
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref = reference(*(x.transpose(0, 1) for x in leaves), True, 64 ** -0.5)[0].transpose(0, 1)
+    ref.backward(dout.double())
+    groups = megatron_2d.build_2d_groups(1, 1)
+    ql, kl, vl = (x.clone().requires_grad_(True) for x in (q, k, v))
+    out = megatron_2d.attention_2d(ql, kl, vl, groups, kernel=name)
+    out.backward(dout)
+    return max(rel(out, ref), rel(ql.grad, leaves[0].grad), rel(kl.grad, leaves[1].grad),
+               rel(vl.grad, leaves[2].grad))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(backend, init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    failures = 0
+    for name in KERNELS:
+        for dtype in TOLERANCE:
+            try:
+                select_kernel(device, dtype, name)
+            except ValueError as err:
+                print(f"{name:12s} {str(dtype):15s} not run here: {err}")
+                continue
+            cases = [(f"block causal={c} hkv={h}", lambda c=c, h=h: check_kernel(name, device, dtype, c, h))
+                     for c in (True, False) for h in (8, 2)]
+            cases.append(("attention_2d world=1", lambda: check_attention_2d(name, device, dtype)))
+            for label, run in cases:
+                err = run()
+                ok = err < TOLERANCE[dtype]
+                failures += not ok
+                print(f"{name:12s} {str(dtype):15s} {label:26s} max rel err {err:.1e} {'ok' if ok else 'FAIL'}")
+    dist.destroy_process_group()
+    print("all passed" if not failures else f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
