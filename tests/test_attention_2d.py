@@ -17,7 +17,7 @@ import torch.distributed as dist
 import megatron_2d
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 
-from reference import TOLERANCE, reference_attention, rel_err
+from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
 
 TIMEOUT = datetime.timedelta(seconds=30)
 

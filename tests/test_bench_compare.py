@@ -17,7 +17,7 @@ import torch
 import megatron_2d
 from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.distributed import run_on_ranks
-from reference import reference_attention, rel_err
+from megatron_2d.testing.reference import reference_attention, rel_err
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import bench_compare  # noqa: E402

@@ -10,15 +10,7 @@ from megatron_2d.kernels import KERNELS, select_kernel
 from megatron_2d.merge import merge_attention_
 from megatron_2d.sequence_layout import shard_sequence, unshard_sequence
 
-from reference import TOLERANCE, rel_err
-
-
-def attention_with_lse(q, k, v, mask=None, scale=1.0):
-    """[b, s, h, d] reference returning (out, lse [b, h, s])."""
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), torch.logsumexp(s, -1)
+from megatron_2d.testing.reference import TOLERANCE, attention_with_lse, rel_err
 
 
 def test_merge_equals_full_softmax():
@@ -103,9 +95,7 @@ def test_kernel_forward_backward(name, dtype, causal, hkv):
     k64 = torch.randn(b, sk, hkv, d, dtype=torch.float64, requires_grad=True)
     v64 = torch.randn(b, sk, hkv, d, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(b, sq, hq, d, dtype=torch.float64)
-    mask = torch.ones(sq, sk, dtype=torch.bool).tril() if causal else None
-    rep = hq // hkv
-    ref, ref_lse = attention_with_lse(q64, k64.repeat_interleave(rep, 2), v64.repeat_interleave(rep, 2), mask, 0.3)
+    ref, ref_lse = attention_with_lse(q64, k64, v64, causal, 0.3)
     ref.backward(dout)
     kernel = select_kernel(torch.device("cpu"), dtype, name)
     q, k, v = (x.detach().to(dtype) for x in (q64, k64, v64))

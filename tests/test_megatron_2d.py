@@ -104,7 +104,7 @@ def no_mask_core_attention(rank):
 
     from megatron_2d import shard_sequence
 
-    from reference import reference_attention, rel_err
+    from megatron_2d.testing.reference import reference_attention, rel_err
 
     tg.init_parallel(context_parallel_size=4)
     config = tg.make_transformer_config(model_config("gqa", (2, 1, "context_first")))

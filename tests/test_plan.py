@@ -2,11 +2,10 @@
 sanity properties, feasibility, errors, and the CLI (text, --json, --plot)."""
 
 import json
-import math
 
 import pytest
 
-from megatron_2d.plan import (CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, Layout, ModelSpec, ParallelSpec,
+from megatron_2d.plan import (CLUSTER_PRESETS, MODEL_PRESETS, Layout, ModelSpec, ParallelSpec,
                               PlanError, WorkCounts, calibrate, evaluate, fit_rates, get_cluster, get_model,
                               layer_work, plan, replicated_kv_heads, work_counts)
 from megatron_2d.plan.cli import main, parse_seq

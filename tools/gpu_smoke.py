@@ -22,23 +22,9 @@ import torch.distributed as dist
 
 import megatron_2d
 from megatron_2d.kernels import KERNELS, select_kernel
+from megatron_2d.testing.reference import attention_with_lse, reference_attention, rel_err as rel
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-
-
-def reference(q, k, v, causal, scale):
-    """fp64 attention with lse on [b, s, h, d] blocks."""
-    q, k, v = (x.double() for x in (q, k, v))
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), torch.logsumexp(s, -1)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def check_kernel(name, device, dtype, causal, hkv, seq=256):
@@ -49,7 +35,7 @@ def check_kernel(name, device, dtype, causal, hkv, seq=256):
     dout = torch.randn(2, seq, 8, 64, generator=g).to(device, dtype)
     scale = 64 ** -0.5
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
-    ref, ref_lse = reference(*leaves, causal, scale)
+    ref, ref_lse = attention_with_lse(*leaves, causal, scale)
     ref.backward(dout.double())
     out, lse = kernel.forward(q, k, v, causal, scale)
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, scale)
@@ -60,7 +46,7 @@ def check_kernel(name, device, dtype, causal, hkv, seq=256):
 def check_attention_2d(name, device, dtype):
     q, k, v, dout = (torch.randn(512, 2, h, 64, device=device, dtype=dtype) for h in (8, 2, 2, 8))
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
-    ref = reference(*(x.transpose(0, 1) for x in leaves), True, 64 ** -0.5)[0].transpose(0, 1)
+    ref = reference_attention(*leaves, True, 64 ** -0.5)
     ref.backward(dout.double())
     groups = megatron_2d.build_2d_groups(1, 1)
     ql, kl, vl = (x.clone().requires_grad_(True) for x in (q, k, v))
