@@ -48,6 +48,8 @@ class Band:
 
         Every row and column of the box has at least one visible entry, so no kernel row is fully masked."""
         lo, hi = self.lo, self.hi
+        if lo is not None and hi is not None and lo > hi:
+            return None
         q0 = 0 if hi is None else max(0, -hi)
         q1 = sq if lo is None else min(sq, sk - lo)
         if q0 >= q1:
