@@ -3,7 +3,8 @@
 The CPU kernel knows two masks natively (none, top-left causal) and otherwise takes an explicit additive mask,
 which it does not skip: a narrow band (a sliding window) over a long block would cost the whole block. So a
 band narrower than half the block is cut into row tiles of max(TILE_ROWS, band width) queries, each trimmed to
-the keys it can see; a tile costs at most (tile + width) keys per query instead of the whole block.
+the keys it can see; a tile costs at most (tile + width) keys per query instead of the whole block
+(TILE_ROWS = 64 measured best of 32-256 for windows of 32-512 keys on one CPU thread).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from ..band import Band, Trimmed
 from .base import BlockKernel, accumulator_dtype, band_mask, repeat_kv_heads, sum_kv_head_groups
 
-TILE_ROWS = 256
+TILE_ROWS = 64
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
