@@ -46,6 +46,11 @@ def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
     return TEDotProductAttention(config=config, cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
 
 
+def _attention_with_sinks(q, k, v, sinks=None, **kwargs):
+    """attention_2d with the sinks positional (the Checkpoint++ keeper passes tensors positionally)."""
+    return attention_2d(q, k, v, sinks=sinks, **kwargs)
+
+
 class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
@@ -146,8 +151,11 @@ class CoreAttention2D(MegatronModule):
             raise ValueError(f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
                              f"{[m.name for m in SUPPORTED_MASKS]}")
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
-        attention = partial(attention_2d, groups=self.groups, causal=mask_type == AttnMaskType.causal,
-                            softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window,
-                            sinks=self.softmax_offset)
-        out = attention(query, key, value) if self.keeper is None else self.keeper(attention, query, key, value)
+        attention = partial(_attention_with_sinks, groups=self.groups, causal=mask_type == AttnMaskType.causal,
+                            softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window)
+        sinks = self.softmax_offset
+        if self.keeper is None:
+            out = attention(query, key, value, sinks)
+        else:
+            out = self.keeper(attention, query, key, value, sinks)
         return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]
