@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from ..ring_schedule import double_ring_events, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .placement import LinkClass, LinkMap, link_map
 from .windows import WindowWork, window_work
@@ -182,29 +183,22 @@ def _relu(x: float) -> float:
 def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w: int, tc: float, tcb: float):
     """(forward, backward, serialised comm) seconds of the (double) ring; ``tc``/``tcb`` are one step's work.
 
-    Paper, Double-Ring-Attention: nw = cp/w rounds of w inner steps. An inner transfer overlaps one step's
-    compute (exposed: max(0, T_in - Tc)); the outer ring moves the next window's K/V during a whole round and is
-    hidden when Size(kv)/beta_inter <= w*Tc (the paper's condition; here the round's actual length R, which is
-    longer than w*Tc when the inner ring is itself exposed), else the remainder is exposed:
-        R   = w*Tc + (w-1)*relu(T_in(kv) - Tc)
-        fwd = nw*R + (nw-1)*relu(T_out(kv) - R)
-    Backward: K/V travel the same path and the dK/dV accumulators (fp32) travel with them; the last dK/dV hop on
-    each ring cannot overlap anything (the last inner hop of earlier rounds overlaps the next round):
-        Rb  = w*Tcb + (w-1)*relu(T_in(kv+dkv) - Tcb)
-        bwd = nw*Rb + (nw-1)*relu(T_out(kv+dkv) - Rb) + [w>1]*T_in(dkv) + [nw>1]*T_out(dkv)
-    With w = cp this is the plain ring, Tc + (cp-1)*max(Tc, T) in forward (Megatron/TE p2p).
+    Not a closed form: the op's own schedule (:func:`megatron_2d.ring_schedule.double_ring_events`, the events the
+    ring loop executes) is replayed with modelled times: a compute takes ``tc`` (``tcb``), a K/V (dK/dV) transfer
+    takes its path time on the inner or outer links, transfers on one link go one after another, and a wait
+    blocks until its transfer is done. Forward reduces to the paper's Double-Ring formula
+        R = w*Tc + (w-1)*relu(T_in(kv) - Tc),   fwd = nw*R + (nw-1)*relu(T_out(kv) - R);
+    backward follows whatever the loop does (riders posted after each step, rounds closed one step late, the
+    final outer hop exposed).
     """
-    nw = cp // w
     kv, dkv = work.kv_bytes, work.dkv_bytes
-    t_in = lambda b: path_time(links.inner, b, cluster)      # noqa: E731
-    t_out = lambda b: path_time(links.outer, b, cluster)     # noqa: E731
-    r_f = w * tc + (w - 1) * _relu(t_in(kv) - tc)
-    fwd = nw * r_f + (nw - 1) * _relu(t_out(kv) - r_f)
-    r_b = w * tcb + (w - 1) * _relu(t_in(kv + dkv) - tcb)
-    bwd = (nw * r_b + (nw - 1) * _relu(t_out(kv + dkv) - r_b)
-           + (t_in(dkv) if w > 1 else 0.0) + (t_out(dkv) if nw > 1 else 0.0))
-    serial = (2 * nw * (w - 1) * t_in(kv) + (nw * w * t_in(dkv) if w > 1 else 0.0)
-              + 2 * (nw - 1) * t_out(kv) + (nw * t_out(dkv) if nw > 1 else 0.0))
+    transfer = {"inner_kv": path_time(links.inner, kv, cluster), "outer_kv": path_time(links.outer, kv, cluster),
+                "inner_dkv": path_time(links.inner, dkv, cluster), "outer_dkv": path_time(links.outer, dkv, cluster)}
+    link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer"}
+    forward, backward = double_ring_events(cp, w, False), double_ring_events(cp, w, True)
+    fwd = replay(forward, tc, transfer, link_of)
+    bwd = replay(backward, tcb, transfer, link_of)
+    serial = sum(transfer[e.channel] for e in forward + backward if e.kind.startswith("post_"))
     return fwd, bwd, serial
 
 
