@@ -35,6 +35,7 @@ class RingContext:
     kernel: BlockKernel
     plans: Dict[int, Tuple[BlockCall, ...]]   # source context rank -> kernel calls against its K/V block
     scale: float
+    rider_dtype: torch.dtype                  # dtype of the dK/dV partials that travel (see attention_2d)
 
 
 def apply_sinks_(out_acc: torch.Tensor, lse_acc: torch.Tensor, sinks: torch.Tensor) -> None:
@@ -87,7 +88,7 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq_acc = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = torch.stack([k, v])                                   # [2, b, S, g, d]
-        rider = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)
+        rider = torch.zeros(kv.shape, dtype=rc.rider_dtype, device=q.device)
 
         def compute(block: torch.Tensor, source: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
             partials = []
