@@ -30,6 +30,9 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--cp-2d-placement", choices=PLACEMENTS, default="head_first",
                        help="head_first: head groups on adjacent ranks (all-to-all on NVLink); context_first: "
                             "context rings on adjacent ranks (ring P2P on NVLink).")
+    group.add_argument("--cp-2d-dkv-comm-dtype", choices=("accumulator", "input"), default="accumulator",
+                       help="dK/dV riders in backward: fp32 (accumulator, exact) or the activation dtype (input, "
+                            "Transformer Engine's bytes, slightly larger error as the ring grows).")
     group.add_argument("--selective-checkpoint-plus-plus", action="store_true",
                        help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
                             "log-sum-exp from the forward pass so the recompute pass skips attention.")

@@ -152,7 +152,8 @@ class CoreAttention2D(MegatronModule):
                              f"{[m.name for m in SUPPORTED_MASKS]}")
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
         attention = partial(_attention_with_sinks, groups=self.groups, causal=mask_type == AttnMaskType.causal,
-                            softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window)
+                            softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window,
+                            dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"))
         sinks = self.softmax_offset
         if self.keeper is None:
             out = attention(query, key, value, sinks)
