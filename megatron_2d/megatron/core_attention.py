@@ -54,8 +54,8 @@ def _attention_with_sinks(q, k, v, sinks=None, **kwargs):
 class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
-    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, window_size (the
-    Double-Ring window, kept for the spec's keyword), placement, and kernel (a :mod:`megatron_2d.kernels` name;
+    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, double_ring_window,
+    placement, and kernel (a :mod:`megatron_2d.kernels` name;
     chosen by device when None). Megatron's sliding window (config.window_size, window_attn_skip_freq) and
     softmax_type ("off-by-one", "learnable": attention sinks, parameter ``softmax_offset``) are honoured.
     """
@@ -63,7 +63,7 @@ class CoreAttention2D(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None, *, head_parallel_size: Optional[int] = None,
-                 window_size: Optional[int] = None, placement: Optional[str] = None,
+                 double_ring_window: Optional[int] = None, placement: Optional[str] = None,
                  kernel: Optional[str] = None) -> None:
         super().__init__(config=config)
         if pg_collection is None:
@@ -94,7 +94,7 @@ class CoreAttention2D(MegatronModule):
             self.settings = Settings2D(1, 1, 1, "head_first")
         else:
             self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
-                                                 window_size=window_size, placement=placement)
+                                                 double_ring_window=double_ring_window, placement=placement)
         self.groups = groups_for(pg_collection.cp, self.settings)
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
         self.keeper = AttentionKeeper() if getattr(config, "selective_checkpoint_plus_plus", False) else None

@@ -23,7 +23,7 @@ def transformer_engine_available() -> bool:
 
 
 def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_transformer_engine: Optional[bool] = None,
-                          head_parallel_size: Optional[int] = None, window_size: Optional[int] = None,
+                          head_parallel_size: Optional[int] = None, double_ring_window: Optional[int] = None,
                           placement: Optional[str] = None, kernel: Optional[str] = None) -> ModuleSpec:
     """Megatron's GPT layer spec (Transformer Engine layers when TE is installed, local layers otherwise) with
     :class:`CoreAttention2D` as core attention. ``config`` (a TransformerConfig or pretrain's model config) supplies
@@ -35,7 +35,7 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_tr
                          moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
                          qk_layernorm=getattr(config, "qk_layernorm", False))
     spec = (get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec)(**layer_options)
-    params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, window_size=window_size,
+    params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
     return spec
