@@ -78,12 +78,7 @@ def _check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> None:
 
 def _transport(groups: Groups2D, plan) -> object:
     """The Double-Ring when every pair of context ranks has keys to see, else the neighbour exchange."""
-    place = groups.place
-    if plan.dense:
-        return DoubleRing(place.context_rank, groups.window_size, groups.context_size, place.intra_window_group,
-                          place.inter_window_group, groups, groups.comm_bytes)
-    return NeighbourExchange(place.context_rank, place.context_group, plan.keys, groups.context_kv_group,
-                             groups.context_dkv_group, groups.comm_bytes)
+    return DoubleRing(groups) if plan.dense else NeighbourExchange(groups, plan.keys)
 
 
 DKV_COMM_DTYPES = ("accumulator", "input")

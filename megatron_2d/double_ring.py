@@ -11,12 +11,15 @@ K/V moves cp-1 times per rank; riders move cp times (w = 1 or w = cp) or cp + cp
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .comm import BufferPool, CommCounter, PendingExchange, RingExchange
 from .ring_schedule import double_ring_events
+
+if TYPE_CHECKING:
+    from .groups import Groups2D
 
 # compute(block, source_context_rank) -> None (forward) or a list of (k_start, k_end, dk, dv) partial gradients
 # of the block's keys [k_start, k_end)
@@ -34,18 +37,19 @@ def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) ->
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges."""
 
-    def __init__(self, context_rank: int, window_size: int, context_size: int, intra_window_group_ranks,
-                 inter_window_group_ranks, groups, counter: CommCounter) -> None:
-        self.cp, self.w, self.num_windows = context_size, window_size, context_size // window_size
-        self.window, self.slot = divmod(context_rank, window_size)
+    def __init__(self, groups: "Groups2D") -> None:
+        """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`)."""
+        layout, place, counter = groups.layout, groups.place, groups.comm_bytes
+        self.cp, self.w, self.num_windows = layout.context_size, layout.window_size, layout.num_windows
+        self.window, self.slot = divmod(place.context_rank, self.w)
 
         def exchange(group, ranks, position, kind):
             return None if group is None else RingExchange(group, ranks, position, counter, kind)
 
-        self.inner_kv = exchange(groups.inner_kv_group, intra_window_group_ranks, self.slot, "inner_ring")
-        self.inner_dkv = exchange(groups.inner_dkv_group, intra_window_group_ranks, self.slot, "inner_ring")
-        self.outer_kv = exchange(groups.outer_kv_group, inter_window_group_ranks, self.window, "outer_ring")
-        self.outer_dkv = exchange(groups.outer_dkv_group, inter_window_group_ranks, self.window, "outer_ring")
+        self.inner_kv = exchange(groups.inner_kv_group, place.intra_window_group, self.slot, "inner_ring")
+        self.inner_dkv = exchange(groups.inner_dkv_group, place.intra_window_group, self.slot, "inner_ring")
+        self.outer_kv = exchange(groups.outer_kv_group, place.inter_window_group, self.window, "outer_ring")
+        self.outer_dkv = exchange(groups.outer_dkv_group, place.inter_window_group, self.window, "outer_ring")
 
     def source(self, outer_step: int, inner_step: int) -> int:
         """Context rank whose K/V this rank holds at (outer_step, inner_step)."""
