@@ -27,7 +27,8 @@ RTOL = 1e-5  # fp32
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
          "--num-query-groups", "2", "--position-embedding-type", "rope", "--seq-length", "128",
-         "--max-position-embeddings", "128", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+         "--max-position-embeddings", "128", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+         "--make-vocab-size-divisible-by", "64"]  # padded vocab 128 at TP=1 and TP=2: the same weights
 TRAIN = ["--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", str(ITERATIONS),
          "--mock-data", "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
          "--eval-iters", "0", "--eval-interval", "1000", "--distributed-timeout-minutes", "1"]
@@ -76,7 +77,6 @@ def test_reference_trains(reference):
 @pytest.mark.parametrize("placement", ["head_first", "context_first"])
 def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, placement):
     logs = run_pretrain(4, scripts["patched"], BASE + CP4_2D + ["--cp-2d-placement", placement])
-    assert "CoreAttention2D" in logs[0] or True
     assert_same_losses(losses(logs), reference)
 
 
