@@ -19,7 +19,8 @@ from megatron_2d.testing.pretrain_cpu import install_pretrain_cpu_shims
 install_pretrain_cpu_shims()
 
 from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
-from megatron_2d.testing.pretrain_runs import lm_losses, run_pretrain, run_pretrain_outcomes  # noqa: E402
+from megatron_2d.testing.pretrain_runs import (  # noqa: E402
+    lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
@@ -106,3 +107,52 @@ def test_pp2_cp4_distributed_optimizer_equals_cp1(scripts):
     expected = losses(run_pretrain(2, scripts["stock"], BASE + pp))
     got = losses(run_pretrain(8, scripts["patched"], BASE + pp + CP4_2D + RECOMPUTE))
     assert_same_losses(got, expected)
+
+
+def test_checkpoint_saved_at_cp4_resumes_at_other_2d_layouts(scripts, reference, tmp_path):
+    """Save at iteration 2 with CP=4 as hp x cp = 2x2, resume with 4x1 and with CP=2 as 1x2: iterations 3-4 equal the
+    uninterrupted run. Megatron's default checkpoint format (torch_dist, a torch.distributed.checkpoint folder with
+    metadata.json) is used. Megatron logs the second iteration of every run averaged with the first (see
+    per_iteration_losses), so the runs are compared iteration by iteration after undoing that."""
+    ckpt = tmp_path / "ckpt"
+    save = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+            "--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"]
+    first = lm_losses(run_pretrain(4, scripts["patched"], BASE + save)[-1])
+    assert sorted(first) == [1, 2]
+    assert_same_losses(first, reference, iterations=[1, 2])
+    assert (ckpt / "iter_0000002" / "metadata.json").is_file()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    for world_size, hp in ((4, 4), (2, 1)):
+        flags = ["--context-parallel-size", str(world_size), "--cp-comm-type", "2d", "--cp-2d-head-parallel-size",
+                 str(hp), "--load", str(ckpt)]
+        logs = run_pretrain(world_size, scripts["patched"], BASE + flags)
+        assert f"loading distributed checkpoint from {ckpt} at iteration 2" in logs[0]
+        resumed = lm_losses(logs[-1])
+        assert sorted(resumed) == [3, 4], f"CP={world_size} hp={hp}: {resumed}"
+        assert_same_losses(per_iteration_losses(resumed), per_iteration_losses(reference), iterations=[3, 4])
+
+
+MISCONFIGURED = {
+    "hp does not divide CP": ("patched", CP4_2D[:4] + ["--cp-2d-head-parallel-size", "3"],
+                              "head-parallel size 3 does not divide the context-parallel size 4; valid head-parallel "
+                              "sizes for CP=4: [1, 2, 4]"),
+    "2D flags without --cp-comm-type 2d": ("patched", ["--context-parallel-size", "4", "--cp-2d-head-parallel-size",
+                                                       "2"], "are set but cp_comm_type is ['p2p']"),
+    "THD (patched)": ("patched", CP4_2D + ["--reset-attention-mask"],
+                      "--reset-attention-mask needs packed-sequence (THD) attention"),
+    "--spec without --cp-comm-type 2d": ("stock", SPEC_2D + ["--context-parallel-size", "4",
+                                                             "--hierarchical-context-parallel-sizes", "2", "2"],
+                                         "the 2d layer spec is in use but cp_comm_type is 'p2p'"),
+    "THD (--spec)": ("stock", SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2",
+                                         "2", "--cp-comm-type", "2d", "--dataloader-inter-document-masking"],
+                     "--dataloader-inter-document-masking needs packed-sequence (THD) attention"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISCONFIGURED))
+def test_misconfigured_command_line_stops_every_rank_with_our_message(scripts, case):
+    script, flags, message = MISCONFIGURED[case]
+    outcomes = run_pretrain_outcomes(4, scripts[script], BASE + flags, timeout_s=60)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.exit_status != 0, f"rank {rank} did not fail"
+        assert message in outcome.error, f"rank {rank}: {outcome.error}"

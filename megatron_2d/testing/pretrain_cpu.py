@@ -16,10 +16,11 @@ mask slicing, streams/events for megatron DDP), what ``pretrain()`` itself asks 
   P7. ``get_device_arch_version()`` (argument validation reads the GPU's compute capability) answers 9, Hopper:
       validation then applies the checks H100 users meet (e.g. CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP, which
       ``run_script`` sets as Megatron's launch examples do).
-  P8. ``_warmup_jit_function`` (pretrain's JIT warm-up) draws ``torch.rand(..., device="cuda")`` inputs and runs
-      dropout on them, shaped by TP and CP. On a GPU that uses the CUDA generator; mapped to the CPU it would
-      consume the CPU generator that ``--use-cpu-initialization`` then draws the weights from, so the weights
-      would depend on the CP size. It runs under ``torch.random.fork_rng`` (CPU state restored afterwards).
+  P8. ``_warmup_jit_function`` (pretrain's JIT warm-up) is skipped. It compiles the fused bias-GeLU and
+      bias-dropout-add kernels, which the CPU flags switch off, at ~11 s of inductor compile per CPU process; and
+      its ``torch.rand(..., device="cuda")`` inputs, shaped by TP and CP, would draw from the CPU generator that
+      ``--use-cpu-initialization`` then draws the weights from (on a GPU they draw from the CUDA generator), so the
+      weights would depend on the CP size.
   P4. Everything ``pretrain()`` runs is inside ``megatron_ddp_on_cpu()``: ``device="cuda"``, ``.cuda()`` and
       ``pin_memory`` map to the CPU (training.py allocates its loss dicts and flags with ``device='cuda'``).
 
@@ -99,21 +100,11 @@ def _install_arch_version() -> None:
         module.get_device_arch_version = lambda: ARCH_VERSION
 
 
-def _install_warmup_rng() -> None:
-    """P8: the JIT warm-up leaves the CPU generator as it found it, as it does on GPUs."""
+def _install_no_jit_warmup() -> None:
+    """P8: no JIT warm-up (``set_jit_fusion_options`` calls it by its module-level name)."""
     from megatron.training import initialize
 
-    original = initialize._warmup_jit_function
-    if getattr(original, "_m2d_cpu", False):
-        return
-
-    @functools.wraps(original)
-    def warmup(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return original(*args, **kwargs)
-
-    warmup._m2d_cpu = True  # type: ignore[attr-defined]
-    initialize._warmup_jit_function = warmup
+    initialize._warmup_jit_function = _nothing
 
 
 def _install_initialize() -> None:
@@ -153,7 +144,7 @@ def install_pretrain_cpu_shims() -> None:
     _install_initialize()
     _install_dataset_helpers()
     _install_arch_version()
-    _install_warmup_rng()
+    _install_no_jit_warmup()
     _INSTALLED = True
 
 

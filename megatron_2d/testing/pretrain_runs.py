@@ -11,6 +11,7 @@ its stdout and stderr to its own file (it exits after the run), so the log is ex
 from __future__ import annotations
 
 import os
+import queue
 import re
 import sys
 import tempfile
@@ -39,6 +40,24 @@ def lm_losses(log: str) -> Dict[int, float]:
     return {int(it): float(loss) for it, loss in ITERATION_LOSS.findall(log)}
 
 
+def per_iteration_losses(logged: Dict[int, float]) -> Dict[int, float]:
+    """Each iteration's own loss from a run's logged ``lm loss`` values at ``--log-interval 1``.
+
+    megatron.training logs the first iteration of every run (fresh or resumed) without resetting its loss
+    accumulators, so the second logged value is the mean of the run's first two iterations; later values are their
+    iteration's own. Runs that start at different iterations (a resumed run against an uninterrupted one) compare
+    only after undoing that: ``L[first + 1] = 2 * logged[first + 1] - logged[first]``.
+    """
+    iterations = sorted(logged)
+    if iterations != list(range(iterations[0], iterations[0] + len(iterations))):
+        raise ValueError(f"logged iterations {iterations} are not consecutive; run with --log-interval 1")
+    losses = dict(logged)
+    if len(iterations) > 1:
+        first = iterations[0]
+        losses[first + 1] = 2 * logged[first + 1] - logged[first]
+    return losses
+
+
 def _exit_status(error: BaseException) -> int:
     if isinstance(error, SystemExit):
         code = error.code
@@ -46,9 +65,20 @@ def _exit_status(error: BaseException) -> int:
     return 1
 
 
+def _use_in_process_write_results() -> None:
+    """Forked ranks are daemonic processes, which may not start children. Megatron's default checkpoint format
+    (torch_dist) collects the results of its writer threads in a queue that it creates through a spawned
+    ``multiprocessing.Manager``, which only an ``--async-save`` writer process needs: synchronous saving writes and
+    reads that queue in the same process. A forked rank gets a plain in-process queue instead."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = queue.Queue()
+
+
 def _run_rank(rank: int, world_size: int, script: str, argv: Sequence[str], log_dir: str,
               must_succeed: bool) -> RankOutcome:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    _use_in_process_write_results()
     path = os.path.join(log_dir, f"rank{rank}.log")
     error: Optional[BaseException] = None
     with open(path, "w") as log:
@@ -64,7 +94,7 @@ def _run_rank(rank: int, world_size: int, script: str, argv: Sequence[str], log_
             sys.stdout.flush()
     with open(path) as log:
         text = log.read()
-    if error is None:
+    if error is None or _exit_status(error) == 0:  # Megatron leaves with sys.exit(0) at --exit-interval
         return RankOutcome(0, None, text)
     if must_succeed:  # fail the whole run now instead of leaving the other ranks in a collective
         raise RuntimeError(f"{type(error).__name__}: {error}\n--- end of this rank's log ---\n{text[-4000:]}") from error
