@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from megatron_2d.testing.pretrain_cpu import install_pretrain_cpu_shims
+from megatron_2d.testing.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
 
 install_pretrain_cpu_shims()
 
@@ -156,3 +156,28 @@ def test_misconfigured_command_line_stops_every_rank_with_our_message(scripts, c
     for rank, outcome in enumerate(outcomes):
         assert outcome.exit_status != 0, f"rank {rank} did not fail"
         assert message in outcome.error, f"rank {rank}: {outcome.error}"
+
+
+def test_bf16_2d_close_to_cp1(scripts):
+    """--bf16 (megatron's Float16Module, fp32 main params; the CPU runs bf16 matmuls): CP=4 2D within bf16 rounding of
+    CP=1 (seen: 2e-5 relative)."""
+    expected = losses(run_pretrain(1, scripts["stock"], BASE + ["--bf16"]))
+    got = losses(run_pretrain(4, scripts["patched"], BASE + ["--bf16"] + CP4_2D))
+    assert_same_losses(got, expected, rtol=2e-4)
+
+
+def test_make_target_runs_the_command_of_the_2d_parity_test():
+    """`make pretrain-cpu` (tools/pretrain_gpt_cpu.sh, shown in the README) launches the flags tested above."""
+    import subprocess
+
+    out = subprocess.run(["bash", str(REPO / "tools" / "pretrain_gpt_cpu.sh"), "--print-flags"], capture_output=True,
+                         text=True, check=True, timeout=30)
+    assert out.stdout.split("\n")[:-1] == BASE + CP4_2D + ["--cp-2d-placement", "head_first"]
+
+
+def test_cpu_launch_refuses_to_act_where_cuda_is_available(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(CudaAvailableError, match="CUDA is available here, so run pretrain_gpt.py unchanged"):
+        install_pretrain_cpu_shims()
