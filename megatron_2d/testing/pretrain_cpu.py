@@ -9,6 +9,8 @@ mask slicing, streams/events for megatron DDP), what ``pretrain()`` itself asks 
   P2. ``torch.cuda.device_count() -> 1`` and ``set_device`` no-op: megatron seeds the model-parallel RNG tracker
       (``model_parallel_cuda_manual_seed``) only when it sees a device; on CPU that tracker is the CPU one.
   P3. Memory statistics (``memory_allocated``, ``max_memory_*``, ``memory_stats``, ``empty_cache``...) answer 0.
+  P4. Everything ``pretrain()`` runs is inside ``megatron_ddp_on_cpu()``: ``device="cuda"``, ``.cuda()`` and
+      ``pin_memory`` map to the CPU (training.py allocates its loss dicts and flags with ``device='cuda'``).
   P5. ``compile_helpers`` (``make`` in megatron/core/datasets, run by initialize_megatron) is skipped when the
       wheel's prebuilt ``helpers_cpp`` imports: the wheel ships the extension but not the Makefile.
   P6. ``torch.cuda.get_rng_state`` / ``set_rng_state``: there is no CUDA generator; its state is an empty byte
@@ -21,13 +23,11 @@ mask slicing, streams/events for megatron DDP), what ``pretrain()`` itself asks 
       its ``torch.rand(..., device="cuda")`` inputs, shaped by TP and CP, would draw from the CPU generator that
       ``--use-cpu-initialization`` then draws the weights from (on a GPU they draw from the CUDA generator), so the
       weights would depend on the CP size.
-  P4. Everything ``pretrain()`` runs is inside ``megatron_ddp_on_cpu()``: ``device="cuda"``, ``.cuda()`` and
-      ``pin_memory`` map to the CPU (training.py allocates its loss dicts and flags with ``device='cuda'``).
 
 Two ways in:
 
     # forked ranks (pytest): the process group already exists, run a script's __main__ on this rank
-    run_script_on_this_rank(script_path, argv)
+    run_script(script_path, argv)
 
     # torchrun: python -m megatron_2d.testing.pretrain_cpu SCRIPT [pretrain flags...]
     torchrun --nproc-per-node 4 -m megatron_2d.testing.pretrain_cpu pretrain_gpt.py --context-parallel-size 4 ...
@@ -52,7 +52,8 @@ _INSTALLED = False
 CPU_FLAGS = ["--distributed-backend", "gloo", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
              "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
              "--no-persist-layer-norm", "--transformer-impl", "local", "--num-workers", "0"]
-"""Flags every CPU run needs: gloo, CPU weight init, no fused (CUDA/TE/apex) kernels, the local layers, data loading in the rank (forked ranks cannot fork loader workers)."""
+"""Flags every CPU run gets (after the user's): gloo; weights drawn on the CPU, which makes them independent of the TP
+size; no fused CUDA/TE/apex kernels; the local layers; data loaded in the rank (forked ranks may not fork loaders)."""
 
 
 class CudaAvailableError(RuntimeError):
