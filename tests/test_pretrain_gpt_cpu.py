@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
+from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
 from megatron_2d.testing.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
 
-install_pretrain_cpu_shims()
+install_megatron_cpu_shims(import_training=True)  # the stock script imports megatron.training (typing.override)
 
 from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
 from megatron_2d.testing.pretrain_runs import (  # noqa: E402
@@ -175,9 +176,11 @@ def test_make_target_runs_the_command_of_the_2d_parity_test():
     assert out.stdout.split("\n")[:-1] == BASE + CP4_2D + ["--cp-2d-placement", "head_first"]
 
 
-def test_cpu_launch_refuses_to_act_where_cuda_is_available(monkeypatch):
+def test_cpu_launch_refuses_to_act_where_cuda_is_available(scripts, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(CudaAvailableError, match="CUDA is available here, so run pretrain_gpt.py unchanged"):
         install_pretrain_cpu_shims()
+    with pytest.raises(CudaAvailableError):
+        run_pretrain(1, scripts["stock"], BASE)

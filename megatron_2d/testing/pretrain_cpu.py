@@ -60,7 +60,8 @@ class CudaAvailableError(RuntimeError):
     """The CPU shims were asked for on a machine with CUDA."""
 
 
-def _refuse_with_cuda() -> None:
+def refuse_with_cuda() -> None:
+    """CudaAvailableError when CUDA is available."""
     if torch.cuda.is_available():
         raise CudaAvailableError("megatron_2d.testing.pretrain_cpu maps CUDA to the CPU for tests on CPU-only machines; "
                                  "CUDA is available here, so run pretrain_gpt.py unchanged instead")
@@ -134,7 +135,7 @@ def _install_dataset_helpers() -> None:
 def install_pretrain_cpu_shims() -> None:
     """Make ``megatron.training.pretrain()`` runnable on CPU ranks (idempotent). Refuses when CUDA is available."""
     global _INSTALLED
-    _refuse_with_cuda()
+    refuse_with_cuda()
     if _INSTALLED:
         return
     install_megatron_ddp_cpu_shims()

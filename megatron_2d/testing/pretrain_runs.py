@@ -4,7 +4,8 @@
     lm_losses(logs[-1])  ->  {1: 4.881578, 2: 4.818399, ...}                 # Megatron logs on the last rank
 
 Ranks are forked from the calling process (see :func:`megatron_2d.testing.distributed.run_on_ranks`): the parent
-imports torch, megatron.training and the script's dependencies once, each rank then only trains. Each rank writes
+imports torch, megatron.training and the script's dependencies once, each rank then only trains. The CPU mappings
+of :mod:`.pretrain_cpu` are installed in the ranks only; the calling process is left as it was. Each rank writes
 its stdout and stderr to its own file (it exits after the run), so the log is exactly what Megatron printed.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from .distributed import run_on_ranks
-from .pretrain_cpu import install_pretrain_cpu_shims, run_script
+from .pretrain_cpu import refuse_with_cuda, install_pretrain_cpu_shims, run_script
 
 DEFAULT_TIMEOUT_S = 150.0
 
@@ -78,6 +79,7 @@ def _use_in_process_write_results() -> None:
 def _run_rank(rank: int, world_size: int, script: str, argv: Sequence[str], log_dir: str,
               must_succeed: bool) -> RankOutcome:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    install_pretrain_cpu_shims()
     _use_in_process_write_results()
     path = os.path.join(log_dir, f"rank{rank}.log")
     error: Optional[BaseException] = None
@@ -103,7 +105,7 @@ def _run_rank(rank: int, world_size: int, script: str, argv: Sequence[str], log_
 
 def _run(world_size: int, script: os.PathLike, argv: Sequence[str], timeout_s: float,
          must_succeed: bool) -> List[RankOutcome]:
-    install_pretrain_cpu_shims()
+    refuse_with_cuda()  # before forking; the shims themselves are installed in the ranks, not in the caller
     with tempfile.TemporaryDirectory(prefix="m2d_pretrain_") as log_dir:
         return run_on_ranks(world_size, _run_rank, str(script), list(argv), log_dir, must_succeed,
                             timeout_s=timeout_s)
