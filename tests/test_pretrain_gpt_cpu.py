@@ -4,6 +4,8 @@ forked CPU ranks with the 2d backend, and the ``lm loss`` Megatron logs per iter
 Routes: the patched pretrain_gpt.py (``--cp-comm-type 2d --cp-2d-*``), the unpatched one with ``--spec``, and
 examples/pretrain_gpt_2d.py. The scripts come from ``<repo>/../shared/megatron-lm/core_v0.19.0`` (copied to a
 temporary folder; see megatron_2d.testing.megatron_lm). Every CP=1 reference is the unpatched stock script.
+Without Transformer Engine, Megatron's local attention refuses CP > 1, so a CP > 1 run trains only through the 2d
+core attention. Runs: 2 layers, hidden 64, GQA 8/2 heads, RoPE, seq 128, micro-batch 1, global batch 2, 4 iterations.
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ def scripts(tmp_path_factory):
     module is imported here once, so forked ranks find megatron.training and its imports loaded."""
     root = tmp_path_factory.mktemp("megatron_lm")
     paths = {"stock": copy_scripts(root / "stock"), "patched": copy_scripts(root / "patched", patched=True)}
-    sys.path.insert(0, str(paths["stock"].parent))
+    folder = str(paths["stock"].parent)
+    sys.path.insert(0, folder)
     importlib.import_module("pretrain_gpt")
-    return paths
+    yield paths
+    sys.path.remove(folder)
+    for name in ("pretrain_gpt", "gpt_builders", "model_provider"):
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture(scope="module")
