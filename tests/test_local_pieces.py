@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from megatron_2d.band import Band
 from megatron_2d.block_plan import BlockCall, plan_block
 from megatron_2d.kernels import KERNELS, select_kernel
 from megatron_2d.merge import merge_attention_
@@ -40,10 +41,10 @@ def test_merge_row_subsets_in_place():
 
 def test_plan_zigzag_half_blocks():
     # CP=4, hp=1: context rank 1 holds chunks (1, 6).
-    assert plan_block([1, 6], [1, 6], 4, causal=True) == [BlockCall(0, 8, 8, True)]
-    assert plan_block([1, 6], [0, 7], 4, causal=True) == [BlockCall(0, 8, 4, False)]   # all Q, first half K
-    assert plan_block([1, 6], [3, 4], 4, causal=True) == [BlockCall(4, 8, 8, False)]   # second half Q, all K
-    assert plan_block([1, 6], [3, 4], 4, causal=False) == [BlockCall(0, 8, 8, False)]
+    assert plan_block([1, 6], [1, 6], 4, causal=True) == [BlockCall(0, 8, 0, 8, Band(None, 0))]
+    assert plan_block([1, 6], [0, 7], 4, causal=True) == [BlockCall(0, 8, 0, 4, None)]   # all Q, first half K
+    assert plan_block([1, 6], [3, 4], 4, causal=True) == [BlockCall(4, 8, 0, 8, None)]   # second half Q, all K
+    assert plan_block([1, 6], [3, 4], 4, causal=False) == [BlockCall(0, 8, 0, 8, None)]
 
 
 def test_plan_matches_token_mask():
@@ -52,16 +53,11 @@ def test_plan_matches_token_mask():
     for q_chunks, kv_chunks in [([0, 3, 4, 7], [1, 2, 5, 6]), ([1, 2, 5, 6], [0, 3, 4, 7]), ([2, 9], [0, 1, 10, 11])]:
         mask = torch.zeros(len(q_chunks) * c, len(kv_chunks) * c, dtype=torch.bool)
         for call in plan_block(q_chunks, kv_chunks, c, causal=True):
-            assert not call.causal
-            mask[call.q_start:call.q_end, :call.kv_len] = True
+            assert call.band is None
+            mask[call.q_start:call.q_end, call.k_start:call.k_end] = True
         qpos = torch.tensor([x * c + t for x in q_chunks for t in range(c)])
         kpos = torch.tensor([y * c + t for y in kv_chunks for t in range(c)])
         assert torch.equal(mask, kpos[None, :] < qpos[:, None])
-
-
-def test_plan_rejects_overlapping_sets():
-    with pytest.raises(ValueError, match="overlap"):
-        plan_block([1, 2], [2, 3], 4, causal=True)
 
 
 def test_shard_round_trip_matches_megatron():
@@ -99,9 +95,10 @@ def test_kernel_forward_backward(name, dtype, causal, hkv):
     ref.backward(dout)
     kernel = select_kernel(torch.device("cpu"), dtype, name)
     q, k, v = (x.detach().to(dtype) for x in (q64, k64, v64))
-    out, lse = kernel.forward(q, k, v, causal, 0.3)
+    band = Band(None, 0) if causal else None
+    out, lse = kernel.forward(q, k, v, band, 0.3)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, hq, sq)
-    dq, dk, dv = kernel.backward(dout.to(dtype), q, k, v, out, lse, causal, 0.3)
+    dq, dk, dv = kernel.backward(dout.to(dtype), q, k, v, out, lse, band, 0.3)
     tol = TOLERANCE[dtype]
     for got, want in ((out, ref), (lse, ref_lse), (dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
         assert got.shape == want.shape

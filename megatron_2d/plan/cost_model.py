@@ -21,12 +21,15 @@ figures are in hardware.py. Assumptions are marked as such.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
+from ..ring_schedule import double_ring_events, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .placement import LinkClass, LinkMap, link_map
+from .windows import WindowWork, window_work
 
 BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors
 FP32 = 4      # bytes per element of the dK/dV accumulators that travel the ring in backward
@@ -61,6 +64,8 @@ class LayerWork:
     merge_bwd_bytes: float
     """HBM traffic of one backward ring step: the same for the fp32 dQ accumulator, plus the fp32 dK/dV block:
     3 * 4 * s_ctx * (Ht/hp + 2*L/hp) * d."""
+    s_ctx_tokens: float = 0.0
+    """s_ctx = S/cp: tokens of one sequence in a context rank's K/V block."""
 
 
 def replicated_kv_heads(kv_heads_tp: int, hp: int) -> int:
@@ -93,7 +98,7 @@ def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: 
     merge_b = 3 * FP32 * B * s_ctx * (q_heads + 2 * (L // hp)) * d
     return LayerWork(fwd_flops=fwd, a2a_peer_bytes=a2a_peer, kv_bytes=kv, dkv_bytes=kv * FP32 / BF16,
                      kv_heads_per_rank=L // hp, a2a_local_bytes=a2a_peer * hp, merge_fwd_bytes=merge_f,
-                     merge_bwd_bytes=merge_b)
+                     merge_bwd_bytes=merge_b, s_ctx_tokens=s_ctx)
 
 
 # -- links ------------------------------------------------------------------------------------------------------
@@ -178,29 +183,22 @@ def _relu(x: float) -> float:
 def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w: int, tc: float, tcb: float):
     """(forward, backward, serialised comm) seconds of the (double) ring; ``tc``/``tcb`` are one step's work.
 
-    Paper, Double-Ring-Attention: nw = cp/w rounds of w inner steps. An inner transfer overlaps one step's
-    compute (exposed: max(0, T_in - Tc)); the outer ring moves the next window's K/V during a whole round and is
-    hidden when Size(kv)/beta_inter <= w*Tc (the paper's condition; here the round's actual length R, which is
-    longer than w*Tc when the inner ring is itself exposed), else the remainder is exposed:
-        R   = w*Tc + (w-1)*relu(T_in(kv) - Tc)
-        fwd = nw*R + (nw-1)*relu(T_out(kv) - R)
-    Backward: K/V travel the same path and the dK/dV accumulators (fp32) travel with them; the last dK/dV hop on
-    each ring cannot overlap anything (the last inner hop of earlier rounds overlaps the next round):
-        Rb  = w*Tcb + (w-1)*relu(T_in(kv+dkv) - Tcb)
-        bwd = nw*Rb + (nw-1)*relu(T_out(kv+dkv) - Rb) + [w>1]*T_in(dkv) + [nw>1]*T_out(dkv)
-    With w = cp this is the plain ring, Tc + (cp-1)*max(Tc, T) in forward (Megatron/TE p2p).
+    Not a closed form: the op's own schedule (:func:`megatron_2d.ring_schedule.double_ring_events`, the events the
+    ring loop executes) is replayed with modelled times: a compute takes ``tc`` (``tcb``), a K/V (dK/dV) transfer
+    takes its path time on the inner or outer links, transfers on one link go one after another, and a wait
+    blocks until its transfer is done. Forward reduces to the paper's Double-Ring formula
+        R = w*Tc + (w-1)*relu(T_in(kv) - Tc),   fwd = nw*R + (nw-1)*relu(T_out(kv) - R);
+    backward follows whatever the loop does (riders posted after each step, rounds closed one step late, the
+    final outer hop exposed).
     """
-    nw = cp // w
     kv, dkv = work.kv_bytes, work.dkv_bytes
-    t_in = lambda b: path_time(links.inner, b, cluster)      # noqa: E731
-    t_out = lambda b: path_time(links.outer, b, cluster)     # noqa: E731
-    r_f = w * tc + (w - 1) * _relu(t_in(kv) - tc)
-    fwd = nw * r_f + (nw - 1) * _relu(t_out(kv) - r_f)
-    r_b = w * tcb + (w - 1) * _relu(t_in(kv + dkv) - tcb)
-    bwd = (nw * r_b + (nw - 1) * _relu(t_out(kv + dkv) - r_b)
-           + (t_in(dkv) if w > 1 else 0.0) + (t_out(dkv) if nw > 1 else 0.0))
-    serial = (2 * nw * (w - 1) * t_in(kv) + (nw * w * t_in(dkv) if w > 1 else 0.0)
-              + 2 * (nw - 1) * t_out(kv) + (nw * t_out(dkv) if nw > 1 else 0.0))
+    transfer = {"inner_kv": path_time(links.inner, kv, cluster), "outer_kv": path_time(links.outer, kv, cluster),
+                "inner_dkv": path_time(links.inner, dkv, cluster), "outer_dkv": path_time(links.outer, dkv, cluster)}
+    link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer"}
+    forward, backward = double_ring_events(cp, w, False), double_ring_events(cp, w, True)
+    fwd = replay(forward, tc, transfer, link_of)
+    bwd = replay(backward, tcb, transfer, link_of)
+    serial = sum(transfer[e.channel] for e in forward + backward if e.kind.startswith("post_"))
     return fwd, bwd, serial
 
 
@@ -228,6 +226,26 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     if nw > 1:
         add(links.outer, work.dkv_bytes, nw)
     return intra, inter, nic
+
+
+def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluster: ClusterSpec, cp: int,
+                    tc: float, tcb: float):
+    """(forward, backward, serialised comm, K/V bytes of one message) of the neighbour exchange (sparse windows).
+
+    The rank's visible work (cp steps' worth of ``tc`` already scaled by the window) is spread over its own block
+    and its ``ww.messages`` neighbours; each neighbour's message (K/V slice, then K/V + fp32 dK/dV partial in
+    backward) overlaps one such step, the last dK/dV partial overlaps nothing:
+        fwd = t + m * max(t, T(kv)),  bwd = tb + m * max(tb, T(kv + dkv)) + T(dkv),   t = cp * tc / (m + 1)
+    """
+    m = ww.messages
+    per_token = work.kv_bytes / work.s_ctx_tokens
+    kv = per_token * ww.key_tokens / m
+    dkv = kv * FP32 / BF16
+    t_msg = lambda b: path_time(ring_links.inner, b, cluster)  # noqa: E731
+    t, tb = cp * tc / (m + 1), cp * tcb / (m + 1)
+    fwd = t + m * max(t, t_msg(kv))
+    bwd = tb + m * max(tb, t_msg(kv + dkv)) + t_msg(dkv)
+    return fwd, bwd, m * (2 * t_msg(kv) + t_msg(dkv)), kv
 
 
 def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int) -> Tuple[float, float]:
@@ -263,9 +281,14 @@ def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: 
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
-             placement: str, seq: int, causal: bool = True) -> Estimate:
-    """Predict one layout. Assumes the layout is valid (see candidates.check_layout)."""
+             placement: str, seq: int, causal: bool = True, window: Optional[int] = None) -> Estimate:
+    """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
+
+    ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
+    visible pairs only, and its transport is the op's own choice (see :mod:`.windows`)."""
     work = layer_work(model, parallel, hp, cp, seq, causal)
+    ww = window_work(hp, cp, placement, seq, window if causal else None)
+    work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
     links = link_map(hp, cp, w, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
     attn_rate = cluster.peak_tflops * 1e12 * cluster.attn_efficiency
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
@@ -278,10 +301,20 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     a2a_one = 0.0
     if hp > 1:
         a2a_one = path_time(links.a2a, work.a2a_peer_bytes, cluster) + 4 * work.a2a_local_bytes / hbm + lat
-    fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
+    if ww.dense:
+        fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
+        intra, inter, nic = traffic(work, links, cluster, hp, cp, w)
+    else:
+        ring_links = link_map(hp, cp, cp, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
+        fwd, bwd, ring_serial, msg = neighbour_times(work, ww, ring_links, cluster, cp, tc, tcb)
+        intra, inter, nic = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, hp, cp, w)
+        c = worst_class(ring_links.inner, msg, cluster)
+        for peer_bytes, times in ((msg, 2 * ww.messages), (msg * FP32 / BF16, ww.messages)):
+            intra += times * c.intra_peers * peer_bytes
+            inter += times * c.inter_peers * peer_bytes
+            nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
     compute = cp * (tc + tcb)
     time = 2 * a2a_one + fwd + bwd
-    intra, inter, nic = traffic(work, links, cluster, hp, cp, w)
     mem, act = memory_bytes(model, parallel, hp, cp, w, seq)
 
     # Whole model (6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal halved).
@@ -291,7 +324,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     dense_layer = 6.0 * model.layer_params() * B * S / group / dense_rate
     logits = 6.0 * model.vocab * model.hidden * B * S / group / dense_rate
     step = model.layers * (time + dense_layer) + logits
-    attn_model_flops = 3.0 * 4.0 * B * S * S * model.heads * model.head_dim * (0.5 if causal else 1.0)
+    attn_model_flops = 3.0 * 4.0 * B * S * S * model.heads * model.head_dim * (0.5 if causal else 1.0) * ww.fraction
     model_flops = 6.0 * model.matmul_params() * B * S + model.layers * attn_model_flops
     mfu = model_flops / group / step / (cluster.peak_tflops * 1e12)
     return Estimate(time_s=time, compute_s=compute, kernel_s=(1.0 + BWD_FACTOR) * work.fwd_flops / attn_rate,
