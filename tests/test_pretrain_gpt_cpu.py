@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+import re
 import sys
 
 import pytest
@@ -65,6 +66,25 @@ def reference(scripts):
     return losses(run_pretrain(1, scripts["stock"], BASE))
 
 
+@pytest.fixture
+def layers_2d(monkeypatch):
+    """Every CoreAttention2D a forked rank builds prints its settings, so tests see the flags reach the model."""
+    from megatron_2d.megatron.core_attention import CoreAttention2D
+
+    original = CoreAttention2D.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        print(f"[test] 2d layer {self.layer_number}: {self.settings} keeps attention: {self.keeper is not None}")
+
+    monkeypatch.setattr(CoreAttention2D, "__init__", init)
+
+    def line(layer, hp, cp_size=4, window=1, placement="head_first", keeps=False):
+        return (f"[test] 2d layer {layer}: Settings2D(context_parallel_size={cp_size}, head_parallel_size={hp}, "
+                f"window_size={window}, placement='{placement}') keeps attention: {keeps}")
+    return line
+
+
 def losses(logs):
     """The lm loss per iteration from the last rank's log (Megatron logs there), checked complete."""
     found = lm_losses(logs[-1])
@@ -83,40 +103,48 @@ def test_reference_trains(reference):
 
 
 @pytest.mark.parametrize("placement", ["head_first", "context_first"])
-def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, placement):
+def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, layers_2d, placement):
     logs = run_pretrain(4, scripts["patched"], BASE + CP4_2D + ["--cp-2d-placement", placement])
+    assert all(layers_2d(layer, hp=2, window=2, placement=placement) in log for log in logs for layer in (1, 2))
     assert_same_losses(losses(logs), reference)
 
 
-def test_unpatched_pretrain_gpt_with_spec_equals_cp1(scripts, reference):
+def test_unpatched_pretrain_gpt_with_spec_equals_cp1(scripts, reference, layers_2d):
     flags = SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
                        "--cp-comm-type", "2d"]
-    assert_same_losses(losses(run_pretrain(4, scripts["stock"], BASE + flags)), reference)
-
-
-def test_example_entry_equals_cp1(scripts, reference, monkeypatch):
-    monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
-    logs = run_pretrain(4, REPO / "examples" / "pretrain_gpt_2d.py", BASE + CP4_2D)
+    logs = run_pretrain(4, scripts["stock"], BASE + flags)
+    assert layers_2d(2, hp=2) in logs[0]
     assert_same_losses(losses(logs), reference)
 
 
-def test_tp2_cp4_distributed_optimizer_recompute_equals_cp1(scripts, reference):
+def test_example_entry_equals_cp1(scripts, reference, layers_2d, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
+    logs = run_pretrain(4, REPO / "examples" / "pretrain_gpt_2d.py", BASE + CP4_2D)
+    assert layers_2d(2, hp=2, window=2) in logs[0]
+    assert_same_losses(losses(logs), reference)
+
+
+def test_tp2_cp4_distributed_optimizer_recompute_equals_cp1(scripts, reference, layers_2d):
     """TP=2 x CP=2x2 (8 ranks): weights from --use-cpu-initialization do not depend on TP, so CP=1 at TP=1 is the
     reference."""
     flags = ["--tensor-model-parallel-size", "2", *CP4_2D, "--use-distributed-optimizer", *RECOMPUTE]
-    assert_same_losses(losses(run_pretrain(8, scripts["patched"], BASE + flags)), reference)
+    logs = run_pretrain(8, scripts["patched"], BASE + flags)
+    assert layers_2d(1, hp=2, window=2, keeps=True) in logs[0]
+    assert re.search(r"use_distributed_optimizer \.+ True", logs[0])  # megatron's argument dump
+    assert_same_losses(losses(logs), reference)
 
 
-def test_pp2_cp4_distributed_optimizer_equals_cp1(scripts):
+def test_pp2_cp4_distributed_optimizer_equals_cp1(scripts, layers_2d):
     """PP=2 x CP=4 (8 ranks) against PP=2 x CP=1: megatron seeds each pipeline stage differently (seed + 100 x stage),
     so the reference keeps PP=2."""
     pp = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
     expected = losses(run_pretrain(2, scripts["stock"], BASE + pp))
-    got = losses(run_pretrain(8, scripts["patched"], BASE + pp + CP4_2D + RECOMPUTE))
-    assert_same_losses(got, expected)
+    logs = run_pretrain(8, scripts["patched"], BASE + pp + CP4_2D + RECOMPUTE)
+    assert layers_2d(1, hp=2, window=2, keeps=True) in logs[0] and layers_2d(2, hp=2, window=2, keeps=True) in logs[-1]
+    assert_same_losses(losses(logs), expected)
 
 
-def test_checkpoint_saved_at_cp4_resumes_at_other_2d_layouts(scripts, reference, tmp_path):
+def test_checkpoint_saved_at_cp4_resumes_at_other_2d_layouts(scripts, reference, layers_2d, tmp_path):
     """Save at iteration 2 with CP=4 as hp x cp = 2x2, resume with 4x1 and with CP=2 as 1x2: iterations 3-4 equal the
     uninterrupted run. Megatron's default checkpoint format (torch_dist, a torch.distributed.checkpoint folder with
     metadata.json) is used. Megatron logs the second iteration of every run averaged with the first (see
@@ -134,6 +162,7 @@ def test_checkpoint_saved_at_cp4_resumes_at_other_2d_layouts(scripts, reference,
                  str(hp), "--load", str(ckpt)]
         logs = run_pretrain(world_size, scripts["patched"], BASE + flags)
         assert f"loading distributed checkpoint from {ckpt} at iteration 2" in logs[0]
+        assert layers_2d(1, hp=hp, cp_size=world_size) in logs[0]
         resumed = lm_losses(logs[-1])
         assert sorted(resumed) == [3, 4], f"CP={world_size} hp={hp}: {resumed}"
         assert_same_losses(per_iteration_losses(resumed), per_iteration_losses(reference), iterations=[3, 4])
