@@ -11,6 +11,7 @@ its stdout and stderr to its own file (it exits after the run), so the log is ex
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -88,6 +89,9 @@ def _run_rank(rank: int, world_size: int, script: str, argv: Sequence[str], log_
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = open(log.fileno(), "w", buffering=1, closefd=False)
+        for handler in logging.root.handlers:  # handlers made before the fork hold the caller's stream
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setStream(sys.stderr)
         try:
             run_script(script, argv)
         except BaseException as err:  # noqa: BLE001 (SystemExit from argparse included)
