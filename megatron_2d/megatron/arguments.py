@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ..topology import PLACEMENTS
+from .launch_checks import check_launch_args
 from .settings import uses_2d
 
 SPEC = ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
@@ -50,9 +51,10 @@ def transformer_config_from_args_2d(args: argparse.Namespace):
 
 def gpt_config_from_args_2d(args: argparse.Namespace):
     """pretrain's GPT model config with TransformerConfig2D; the 2d layer spec when "2d" is selected and no
-    --spec was given."""
+    --spec was given. Refuses what the 2d backend does not support (:mod:`.launch_checks`) first."""
     from megatron.training.argument_utils import gpt_config_from_args
 
+    check_launch_args(args)
     if uses_2d(args.cp_comm_type) and args.spec is None:
         args.spec = list(SPEC)
     return gpt_config_from_args(args, config=transformer_config_from_args_2d(args))

@@ -12,6 +12,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, g
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .core_attention import CoreAttention2D
+from .launch_checks import check_current_launch
+from .settings import settings_from_config, uses_2d
 
 
 def transformer_engine_available() -> bool:
@@ -42,7 +44,13 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_tr
 
 
 def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> ModuleSpec:
-    """For ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d``: settings from the config / flags."""
+    """For ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d``: settings from the config / flags.
+
+    The unpatched pretrain_gpt.py reaches the library only here, so the launch is checked here, on every rank before
+    the model is built: the command line (:mod:`.launch_checks`) and, under CP > 1 with "2d", the 2D settings."""
+    check_current_launch()
+    if config is not None and getattr(config, "context_parallel_size", 1) > 1 and uses_2d(config.cp_comm_type):
+        settings_from_config(config)
     return get_gpt_layer_spec_2d(config, vp_stage)
 
 
