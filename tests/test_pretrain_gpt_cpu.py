@@ -81,7 +81,7 @@ def layers_2d(monkeypatch):
 
     def line(layer, hp, cp_size=4, window=1, placement="head_first", keeps=False):
         return (f"[test] 2d layer {layer}: Settings2D(context_parallel_size={cp_size}, head_parallel_size={hp}, "
-                f"window_size={window}, placement='{placement}') keeps attention: {keeps}")
+                f"double_ring_window={window}, placement='{placement}') keeps attention: {keeps}")
     return line
 
 

@@ -27,6 +27,7 @@ from ..attention import attention_2d
 from ..band import SlidingWindow
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import AttentionKeeper
+from .launch_checks import check_current_launch
 from .process_groups import groups_for
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, uses_2d
 
@@ -82,6 +83,7 @@ class CoreAttention2D(MegatronModule):
                                            softmax_scale=softmax_scale)
             return
         check_attention_settings(config)
+        check_current_launch()      # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
         if attention_type != "self":
             raise ValueError(f"the 2d backend supports self attention only, got attention_type {attention_type!r}")
         if attn_mask_type not in SUPPORTED_MASKS:

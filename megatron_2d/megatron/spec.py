@@ -54,4 +54,9 @@ def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> ModuleSpec
     return get_gpt_layer_spec_2d(config, vp_stage)
 
 
-GPT_LAYER_SPEC_2D = get_gpt_layer_spec_2d()
+def __getattr__(name: str):
+    """``GPT_LAYER_SPEC_2D`` (for ``--spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D``) is built when first asked
+    for, not at import: building it probes Transformer Engine."""
+    if name == "GPT_LAYER_SPEC_2D":
+        return get_gpt_layer_spec_2d()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
