@@ -331,7 +331,8 @@ class MemoryBreakdown:
     """fp32 logits of the local tokens: 4 * tokens * V/TP."""
     comm_buffers: float
     """One layer's transient attention buffers: two K/V and two dK/dV blocks in flight (plus one of each for the
-    outer ring when nw > 1) and one all-to-all staging copy of q, k, v, out."""
+    outer ring when there are both an inner and an outer ring, 1 < w < cp) and one all-to-all staging copy of q,
+    k, v, out."""
     model_states: float
     """bf16 weights + fp32 gradients of N/(TP*PP) parameters, and fp32 master weights + Adam moments (12 bytes
     per parameter) sharded over DP x CP (Megatron's distributed optimizer)."""
@@ -382,7 +383,7 @@ def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int,
     fc1_out = (2 if model.gated_mlp else 1) * F
     work = layer_work(model, parallel, hp, cp, seq, dkv_bytes_per_elem=dkv_bytes_per_elem, kv_heads=kv_heads)
     nw = cp // w
-    blocks = (2 + (1 if nw > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
+    blocks = (2 + (1 if nw > 1 and w > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
     staging = BF16 * tokens * d * (2 * Ht + 2 * L) if hp > 1 else 0.0
     params = model.total_params() / (tp * parallel.pp)
     return MemoryBreakdown(

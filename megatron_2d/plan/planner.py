@@ -144,7 +144,7 @@ def _modes(kind: str, recompute: Union[str, Sequence[str]]) -> Tuple[str, ...]:
     for m in wanted:
         if m not in RECOMPUTE_MODES:
             raise PlanError(f"recompute mode {m!r} is not one of {AUTO}, {', '.join(RECOMPUTE_MODES)}")
-    return tuple(m for m in RECOMPUTE_MODES if m in wanted)
+    return tuple(m for m in RECOMPUTE_MODES if m in wanted and m in RECOMPUTE_BY_KIND[kind])
 
 
 def choose_recompute(options: Sequence[Estimate], budget_gb: float) -> Tuple[Estimate, bool]:

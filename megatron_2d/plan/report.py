@@ -129,7 +129,10 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
                 foot.append(f"  {kind:<10} infeasible: {c.reason}")
     if oom:
         foot += ["", f"Do not fit in memory with any recompute mode ({len(oom)}):"]
-        foot += [f"  {c.layout.label():<34} {c.reason}" for c in oom]
+        listed = oom if top is None else oom[:max(top, 1)]
+        foot += [f"  {c.layout.label():<34} {c.reason}" for c in listed]
+        if len(listed) < len(oom):
+            foot.append(f"  ... {len(oom) - len(listed)} more (--all to list them)")
     if infeasible:
         foot += ["", f"Infeasible ({len(infeasible)}):"]
         foot += [f"  {c.layout.label():<34} {c.reason}" for c in infeasible]
