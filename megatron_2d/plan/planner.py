@@ -16,8 +16,8 @@ AUTO = "auto"
 
 ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_memory", "reason", "note", "flags",
             "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
-            "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb", "memory_budget_gb",
-            "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb", "links", "recompute_options")
+            "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
+            "memory_budget_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb", "links", "recompute_options")
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
