@@ -310,3 +310,26 @@ def test_grid_cli(capsys):
     assert main(["grid", "--models", "7B-KV4", "--gpus", "64", "--seqs", "32K", "1M", "--details"]) == 0
     out = capsys.readouterr().out
     assert "7B-KV4" in out and "Codes:" in out and "2D:" in out and "stock:" in out
+
+
+# -- per-layer windows (the hook for mixed layers) ----------------------------------------------------------------
+
+def test_per_layer_window_pattern_is_the_layer_weighted_mean():
+    from megatron_2d.plan.cli import parse_window
+    from megatron_2d.plan.planner import layer_windows
+
+    assert parse_window("4K") == 4096 and parse_window("4K,full") == (4096, None)
+    assert layer_windows((4096, None), 32) == {4096: 16, None: 16}
+    assert layer_windows((128, 128, None), 4) == {128: 3, None: 1}
+    par, lay = ParallelSpec(gpus=64), Layout("2d", 8, 8, 8)
+    full = evaluate(lay, GQA, H100, par, K128, recompute="none").estimate
+    win = evaluate(lay, GQA, H100, par, K128, window=4096, recompute="none").estimate
+    mix = evaluate(lay, GQA, H100, par, K128, window=(4096, None), recompute="none").estimate
+    assert mix.time_s == pytest.approx((full.time_s + win.time_s) / 2)
+    assert mix.inter_bytes == pytest.approx((full.inter_bytes + win.inter_bytes) / 2)
+    # the step counts each layer once: 16 full + 16 windowed layers
+    assert mix.step_s == pytest.approx((full.step_s + win.step_s) / 2)
+    assert mix.memory_gb == full.memory_gb and not mix.neighbour_exchange
+    # a windowed layer anywhere makes Transformer Engine's rings refuse the model
+    p2p = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, K128, window=(4096, None))
+    assert not p2p.feasible and "refuses sliding-window" in p2p.reason

@@ -35,6 +35,14 @@ def parse_seq(text: str) -> int:
     return int(digits) * mult
 
 
+def parse_window(text: str):
+    """'4K' -> 4096 (every layer); '4K,full' -> (4096, None): a per-layer pattern repeated over the layers."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) == 1:
+        return parse_seq(parts[0])
+    return tuple(None if p.lower() in ("full", "none", "-") else parse_seq(p) for p in parts)
+
+
 def _cp(text: str) -> Optional[int]:
     if text.lower() in ("all", "auto", "left"):
         return None
@@ -79,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
-    j.add_argument("--window", type=parse_seq, default=None,
-                   help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer; p2p and a2a+p2p "
+    j.add_argument("--window", type=parse_window, default=None,
+                   help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer, or a per-layer pattern "
+                        "repeated over the layers, 'full' for a full causal layer (e.g. 128,full); p2p and a2a+p2p "
                         "are then refused as Transformer Engine refuses them")
     j.add_argument("--recompute", default=AUTO, choices=(AUTO,) + RECOMPUTE_MODES,
                    help="activation recompute: auto (default: the fastest mode that fits in memory, per layout), "

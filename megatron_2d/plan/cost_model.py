@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .placement import LinkClass, LinkMap, link_map
@@ -422,6 +422,28 @@ def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float) -> float
     if mode == "ckpt++":
         return dense_fwd_s
     raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
+
+
+_PER_LAYER_FIELDS = ("time_s", "compute_s", "kernel_s", "a2a_s", "ring_exposed_s", "comm_total_s", "intra_bytes",
+                     "inter_bytes", "inter_bytes_nic", "attn_fwd_s", "step_s")
+
+
+def combine_layers(parts: Sequence[Tuple["Estimate", int]]) -> "Estimate":
+    """One estimate for a model whose layers differ (e.g. per-layer sliding windows): ``parts`` are (estimate as
+    if every layer were like this one, number of such layers), all with recompute "none". Per-layer times and
+    bytes become the layer-weighted mean (so layers * time_s is the sum over layers), and so does the step (each
+    part's step counts all layers as its kind: the weighted mean counts each layer once); MFU and tokens/s follow
+    the combined step. Memory does not depend on the window: the first part's. ``neighbour_exchange`` only when
+    every layer uses it. The hook for packed length distributions is the same: one part per document shape."""
+    total = sum(n for _, n in parts)
+    if len(parts) == 1:
+        return parts[0][0]
+    first = parts[0][0]
+    mean = {f: sum(getattr(e, f) * n for e, n in parts) / total for f in _PER_LAYER_FIELDS}
+    flops_share = sum(e.mfu * e.step_s * n for e, n in parts) / total        # model FLOPs / (group * peak)
+    return dataclasses.replace(first, **mean, mfu=flops_share / mean["step_s"],
+                               tokens_per_gpu_s=first.tokens_per_gpu_s * first.step_s / mean["step_s"],
+                               neighbour_exchange=all(e.neighbour_exchange for e, _ in parts))
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,

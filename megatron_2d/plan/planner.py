@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .candidates import (KINDS, RECOMPUTE_BY_KIND, Layout, check_layout, enumerate_layouts, kind_dkv_dtype,
                          kind_kv_heads, megatron_flags)
-from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, estimate, with_recompute
+from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
 
 AUTO = "auto"
@@ -165,12 +165,33 @@ def _fewest_layers(base: Estimate, mode: str, budget_gb: float, pp: int) -> Esti
     return with_recompute(base, mode)
 
 
+Window = Union[None, int, Sequence[Optional[int]]]
+"""A sliding window for every layer (tokens back; None: full causal), or a per-layer pattern repeated over the
+layers (e.g. (4096, None): every other layer windowed, as gpt-oss alternates)."""
+
+
+def layer_windows(window: Window, layers: int) -> Dict[Optional[int], int]:
+    """{window: number of layers with it}; a sequence is a per-layer pattern, repeated cyclically over ``layers``."""
+    if window is None or isinstance(window, int):
+        return {window: layers}
+    pattern = list(window)
+    if not pattern:
+        raise PlanError("a per-layer window pattern needs at least one entry (a window in tokens or None)")
+    out: Dict[Optional[int], int] = {}
+    for i in range(layers):
+        w = pattern[i % len(pattern)]
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise PlanError(f"window {w!r} must be a non-negative number of tokens or None (full causal)")
+        out[w] = out.get(w, 0) + 1
+    return out
+
+
 def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str],
-             parallel: ParallelSpec, seq: int, causal: bool = True, window: Optional[int] = None,
+             parallel: ParallelSpec, seq: int, causal: bool = True, window: Window = None,
              recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32") -> Candidate:
     """Check and, when the layout can run, estimate it under each recompute mode and keep the fastest that fits.
 
-    ``window``: causal sliding window in tokens, or None. ``recompute``: AUTO (every mode the kind supports), one
+    ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``: AUTO (every mode the kind supports), one
     mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's dK/dV partials ('fp32' today; 'bf16' models
     an input-dtype option); Transformer Engine's rings always use bf16 (see candidates.kind_dkv_dtype)."""
     model, cluster = _resolve(model, cluster)
@@ -178,7 +199,9 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     if dkv_dtype not in DTYPE_BYTES:
         raise PlanError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     budget = cluster.memory_budget_gb
-    reason = check_layout(layout, model, parallel, seq, window)
+    mix = layer_windows(window, model.layers)
+    windowed = next((w for w in mix if w is not None), None)
+    reason = check_layout(layout, model, parallel, seq, windowed)
     modes = _modes(layout.kind, recompute) if layout.kind in RECOMPUTE_BY_KIND else ()
     if not reason and not modes:
         reason = (f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only); "
@@ -186,8 +209,9 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     if reason:
         return Candidate(layout, False, reason, megatron_flags(layout, parallel), memory_budget_gb=budget)
     dkv = kind_dkv_dtype(layout.kind, dkv_dtype)
-    base = estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq, causal, window,
-                    dkv_dtype=dkv, kv_heads=kind_kv_heads(layout.kind, model, parallel))
+    kv_heads = kind_kv_heads(layout.kind, model, parallel)
+    base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
+                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads), n) for win, n in mix.items()])
     options = tuple(_fewest_layers(base, m, budget, parallel.pp) for m in modes)
     chosen, fits = choose_recompute(options, budget)
     per_stage = chosen.recompute_layers // parallel.pp
@@ -226,7 +250,7 @@ def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
 
 
 def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
-         causal: bool = True, window: Optional[int] = None, recompute: Union[str, Sequence[str]] = AUTO,
+         causal: bool = True, window: Window = None, recompute: Union[str, Sequence[str]] = AUTO,
          dkv_dtype: str = "fp32") -> List[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.

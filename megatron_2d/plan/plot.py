@@ -19,7 +19,7 @@ class PlotUnavailable(PlanError):
 
 
 def sweep(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seqs: Sequence[int] = DEFAULT_SEQS,
-          causal: bool = True, window: Optional[int] = None, recompute=AUTO,
+          causal: bool = True, window=None, recompute=AUTO,
           dkv_dtype: str = "fp32") -> Dict[str, List[Optional[object]]]:
     """{kind: [best feasible Candidate of that kind at each seq, or None]} for every kind. A length the job
     cannot be planned at (e.g. not divisible by 2*CP) leaves None for every kind."""
@@ -36,7 +36,7 @@ def sweep(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seqs: 
 
 
 def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-               seqs: Sequence[int] = DEFAULT_SEQS, causal: bool = True, window: Optional[int] = None,
+               seqs: Sequence[int] = DEFAULT_SEQS, causal: bool = True, window=None,
                recompute=AUTO, dkv_dtype: str = "fp32") -> str:
     """Write a PNG with two panels (step ms per micro-batch with the chosen recompute, log scale; each kind's
     time relative to the best 2D layout) and return ``path``.

@@ -83,13 +83,18 @@ def memory_advice(c: Candidate, cluster: ClusterSpec, parallel: ParallelSpec) ->
 
 
 def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-              seq: int, top: Optional[int], causal: bool, window: Optional[int] = None):
+              seq: int, top: Optional[int], causal: bool, window=None):
     """(header lines, table rows, footer lines) of a plan."""
     feasible = [c for c in candidates if c.feasible]
     oom = [c for c in candidates if not c.feasible and c.runs]
     infeasible = [c for c in candidates if not c.runs]
     shown = feasible if top is None else feasible[:max(top, 0)]
-    win = f", sliding window {window}" if window is not None else ""
+    if window is None:
+        win = ""
+    elif isinstance(window, int):
+        win = f", sliding window {window}"
+    else:
+        win = ", per-layer windows " + ",".join("full" if w is None else str(w) for w in window) + " (repeated)"
     head = [f"{model.name} on {cluster.name}: {parallel.gpus} GPUs ({cluster.gpus_per_node}/node), "
             f"TP={parallel.tp} PP={parallel.pp} DP={parallel.dp_size} CP={parallel.cp_size}, "
             f"seq {seq} ({seq_label(seq)}), micro-batch {parallel.micro_batch}, {'causal' if causal else 'full'}"
@@ -140,7 +145,7 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
 
 
 def format_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-                seq: int, top: Optional[int] = 15, causal: bool = True, window: Optional[int] = None) -> str:
+                seq: int, top: Optional[int] = 15, causal: bool = True, window=None) -> str:
     """The plan as plain text: a header, the fastest ``top`` feasible layouts (all when None), the recommendation
     with its flags, the best of each stock baseline, and the infeasible layouts with their reasons."""
     head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal, window)
@@ -149,7 +154,7 @@ def format_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: Clus
 
 def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
                seq: int, top: Optional[int] = 15, causal: bool = True, stream=None,
-               window: Optional[int] = None) -> None:
+               window=None) -> None:
     """Print the plan: with ``rich`` when it is installed and ``stream`` is a terminal, else ``format_plan``."""
     stream = stream or sys.stdout
     try:
@@ -177,7 +182,7 @@ def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: Clust
 
 
 def job_metadata(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int, causal: bool = True,
-                 window: Optional[int] = None, recompute=AUTO, dkv_dtype: str = "fp32") -> Dict[str, object]:
+                 window=None, recompute=AUTO, dkv_dtype: str = "fp32") -> Dict[str, object]:
     """The job a plan is for: model, cluster (with the memory budget), parallel sizes, sequence and knobs."""
     return {
         "schema_version": SCHEMA_VERSION,
@@ -185,7 +190,7 @@ def job_metadata(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
         "cluster": {**asdict(cluster), "memory_budget_gb": round(cluster.memory_budget_gb, 3)},
         "parallel": {"gpus": parallel.gpus, "tp": parallel.tp, "pp": parallel.pp, "dp": parallel.dp_size,
                      "cp": parallel.cp_size, "micro_batch": parallel.micro_batch},
-        "seq": seq, "causal": causal, "window": window,
+        "seq": seq, "causal": causal, "window": window if window is None or isinstance(window, int) else list(window),
         "recompute": recompute if isinstance(recompute, str) else list(recompute),
         "dkv_dtype_2d": dkv_dtype,
     }
