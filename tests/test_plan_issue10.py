@@ -285,25 +285,45 @@ def test_70b_at_tp8_has_one_kv_head_per_rank():
 
 
 def test_grid_cells_and_reasons():
-    from megatron_2d.plan.grid import CODES, cell, format_grid, grid, summary
+    from megatron_2d.plan.grid import CODES, cell, explain, format_grid, grid, summary
 
-    # 8B-GQA at 512 GPUs, 32K: 2D goes beyond the 8 KV heads (K) with a double ring (D), context first (P)
+    # 8B-GQA at 512 GPUs, 32K: communication-bound; 2D goes beyond the 8 KV heads (K)
     c = cell("8B-GQA", 512, 32768)
-    assert c.ratio > 1.5 and c.codes == "KDP" and c.best_2d.hp > 8
+    assert c.ratio > 1.2 and "K" in c.codes and c.best_2d.hp > 8
     assert c.best_2d.estimate.tokens_per_gpu_s / c.best_stock.estimate.tokens_per_gpu_s == c.ratio
     # 8B-GQA at 32 GPUs, 256K: without recompute neither fits; 2D's ckpt++ beats stock's recompute of attention
     c = cell("8B-GQA", 32, 262144)
-    assert c.codes == "C" and c.best_2d.recompute == "ckpt++" and c.best_stock.recompute in ("full", "selective")
-    # stock wins honestly somewhere: TE's bf16 dK/dV on the same layout
-    c = cell("7B-MHA", 32, 65536)
-    assert c.ratio < 1 and c.codes == "B"
+    assert c.codes.startswith("C") and c.best_2d.recompute == "ckpt++"
+    assert c.best_stock.recompute in ("full", "selective") and c.ratio > 1.02
     # nothing fits
     c = cell("8B-GQA", 32, 4 << 20)
-    assert c.ratio is None and c.codes == "X"
+    assert c.ratio is None and c.codes == "X" and "least memory" in c.reason
+    # stock wins honestly: TE's ring with bf16 dK/dV against the same ring of ours (fp32), across nodes
+    par = ParallelSpec(gpus=64)
+    ours = evaluate(Layout("2d", 1, 64, 64), GQA, H100, par, K128)
+    te = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, K128)
+    ratio, codes, reason = explain(ours, te, [ours, te], GQA, H100, par, K128)
+    assert ratio < 0.98 and codes == "B" and reason.startswith("stock wins")
     cells = grid(["7B-MHA"], [32], [65536, 4 << 20])
     text = format_grid(cells)
-    assert "7B-MHA" in text and "0.97 B" in text and "none X" in text and all(k in text for k in CODES)
-    assert summary(cells)["stock"] == 1 and summary(cells)["none"] == 1
+    assert "7B-MHA" in text and "none X" in text and all(f"  {k}  " in text for k in CODES)
+    s = summary(cells)
+    assert s["none"] == 1 and sum(s.values()) == 2
+
+
+def test_grid_prints_with_rich_on_a_terminal():
+    import io
+
+    pytest.importorskip("rich")
+    from megatron_2d.plan.grid import grid, print_grid
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    print_grid(grid(["7B-MHA"], [32], [32768]), stream=out)
+    assert "7B-MHA TP=1 PP=1" in out.getvalue() and "Codes:" in out.getvalue() and "tie" in out.getvalue()
 
 
 def test_grid_cli(capsys):

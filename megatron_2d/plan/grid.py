@@ -36,7 +36,7 @@ CODES = {
     "I": "stock: no stock layout can run (heads/KV heads/sequence)",
     "B": "stock: Transformer Engine's dK/dV travel in bf16, ours in fp32 (same layout otherwise)",
     "U": "stock: a stock layout 2D does not cover better (e.g. DeepSpeed-Ulysses)",
-    "=": "tie: same layout and cost",
+    "=": "tie: within 2% (often the same layout, or attention compute dominating both)",
     "X": "neither fits in memory (or can run)",
 }
 
@@ -203,7 +203,7 @@ def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None) -> N
                 row.append(f"[{style}]{c.text()}[/]" if c and style else (c.text() if c else ""))
             table.add_row(str(g), *row)
         console.print(table)
-    for line in format_grid(cells, cluster).split("Codes:", 1)[1].splitlines():
+    for line in ("Codes:" + format_grid(cells, cluster).split("Codes:", 1)[1]).splitlines():
         console.print(line, markup=False)
 
 
