@@ -17,7 +17,8 @@ AUTO = "auto"
 ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_memory", "reason", "note", "flags",
             "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
             "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
-            "memory_budget_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb", "links", "recompute_options")
+            "memory_budget_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb", "links",
+            "recompute_options")
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
@@ -191,9 +192,10 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
              recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32") -> Candidate:
     """Check and, when the layout can run, estimate it under each recompute mode and keep the fastest that fits.
 
-    ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``: AUTO (every mode the kind supports), one
-    mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's dK/dV partials ('fp32' today; 'bf16' models
-    an input-dtype option); Transformer Engine's rings always use bf16 (see candidates.kind_dkv_dtype)."""
+    ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
+    AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's
+    dK/dV partials ('fp32' today; 'bf16' models an input-dtype option); Transformer Engine's rings always use bf16
+    (see candidates.kind_dkv_dtype)."""
     model, cluster = _resolve(model, cluster)
     validate_job(model, parallel, seq)
     if dkv_dtype not in DTYPE_BYTES:
