@@ -205,6 +205,7 @@ def test_json_has_one_schema_with_job_metadata(capsys):
     assert job["cluster"]["memory_budget_gb"] == pytest.approx(72.0) and job["recompute"] == "auto"
     best = rows[0]
     assert best["recompute"] == "ckpt++" and best["memory_gb"] <= best["memory_budget_gb"]
+    assert sum(best["memory_parts_gb"].values()) == pytest.approx(best["memory_gb"], abs=0.05)
     assert set(best["recompute_options"]) == {"none", "selective", "full", "ckpt++"}
     assert best["recompute_options"]["none"]["fits_memory"] is False
     stock = next(r for r in rows if r["kind"] == "p2p")

@@ -17,8 +17,8 @@ AUTO = "auto"
 ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_memory", "reason", "note", "flags",
             "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
             "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
-            "memory_budget_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb", "links",
-            "recompute_options")
+            "memory_budget_gb", "memory_parts_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb",
+            "links", "recompute_options")
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
@@ -106,6 +106,11 @@ class Candidate:
             "memory_gb": round(e.memory_gb, 2) if e else None,
             "activation_gb": round(e.activation_gb, 2) if e else None,
             "memory_budget_gb": None if self.memory_budget_gb is None else round(self.memory_budget_gb, 2),
+            "memory_parts_gb": ({"activations": round(e.activation_gb, 2),
+                                 "model_states": round(e.memory.model_states / 1e9, 2),
+                                 "logits": round(e.memory.logits / 1e9, 2),
+                                 "comm_buffers": round(e.memory.comm_buffers / 1e9, 2)}
+                                if e and e.memory else None),
             "kv_heads_per_rank": e.work.kv_heads_per_rank if e else None,
             "dkv_dtype": self.dkv_dtype if e else None,
             "nvlink_mb": round(e.intra_bytes / 1e6, 2) if e else None,
