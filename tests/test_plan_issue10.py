@@ -288,9 +288,12 @@ def test_70b_at_tp8_has_one_kv_head_per_rank():
 def test_grid_cells_and_reasons():
     from megatron_2d.plan.grid import CODES, cell, explain, format_grid, grid, summary
 
-    # 8B-GQA at 512 GPUs, 32K: communication-bound; 2D goes beyond the 8 KV heads (K)
+    # 8B-GQA at 512 GPUs, 32K with CP forced to 512: communication-bound; 2D goes beyond the 8 KV heads (K)
+    c = cell("8B-GQA", 512, 32768, free_cp=False)
+    assert c.ratio > 1.2 and "K" in c.codes and c.best_2d.hp > 8 and c.best_2d.layout.cp_size == 512
+    # ... but a stock user would pick a small CP (DP the rest): then it is a tie at the same CP
     c = cell("8B-GQA", 512, 32768)
-    assert c.ratio > 1.2 and "K" in c.codes and c.best_2d.hp > 8
+    assert c.codes == "=" and c.best_2d.layout.cp_size == c.best_stock.layout.cp_size < 512
     assert c.best_2d.estimate.tokens_per_gpu_s / c.best_stock.estimate.tokens_per_gpu_s == c.ratio
     # 8B-GQA at 32 GPUs, 256K: without recompute neither fits; 2D's ckpt++ beats stock's recompute of attention
     c = cell("8B-GQA", 32, 262144)
@@ -305,6 +308,10 @@ def test_grid_cells_and_reasons():
     te = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, K128)
     ratio, codes, reason = explain(ours, te, [ours, te], GQA, H100, par, K128)
     assert ratio < 0.98 and codes == "B" and reason.startswith("stock wins")
+    # 70B-GQA (TP=8) at 512 GPUs, 256K: ckpt++ fits at a smaller CP than stock needs without recompute
+    c = cell("70B-GQA", 512, 262144)
+    if c.ratio > 1.02:
+        assert c.codes.startswith(("C", "S")) and c.best_2d.recompute == "ckpt++"
     cells = grid(["7B-MHA"], [32], [65536, 4 << 20])
     text = format_grid(cells)
     assert "7B-MHA" in text and "none X" in text and all(f"  {k}  " in text for k in CODES)
@@ -354,3 +361,13 @@ def test_per_layer_window_pattern_is_the_layer_weighted_mean():
     # a windowed layer anywhere makes Transformer Engine's rings refuse the model
     p2p = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, K128, window=(4096, None))
     assert not p2p.feasible and "refuses sliding-window" in p2p.reason
+
+
+def test_layers_to_fit_is_the_fewest_that_fit():
+    mb = memory_breakdown(GQA, ParallelSpec(gpus=64), 8, 8, 8, M1)
+    for mode in ("full", "ckpt++"):
+        for step in (1, 2, 4):
+            for budget in (50e9, 60e9, 72e9, 100e9, 200e9, 10e9):
+                n = mb.layers_to_fit(mode, budget, step)
+                brute = next((k for k in range(step, 33, step) if mb.total(mode, k) <= budget), None)
+                assert n == brute, (mode, step, budget)

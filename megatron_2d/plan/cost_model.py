@@ -366,10 +366,19 @@ class MemoryBreakdown:
     def layers_to_fit(self, mode: str, budget_bytes: float, step: int = 1) -> Optional[int]:
         """The fewest recomputed layers (a multiple of ``step``, e.g. PP for per-stage block recompute) with which
         ``total(mode, n)`` fits ``budget_bytes``; None when even all layers do not fit."""
-        for n in range(step, self.layers + 1, step):
-            if self.total(mode, n) <= budget_bytes:
-                return n
-        return None
+        # total(mode, n) for n >= 1 is linear in n: total(mode, 1) - (n - 1) * tokens * (A_none - kept)
+        first = self.total(mode, step)
+        if first <= budget_bytes:
+            return step
+        saved = self.tokens * (self.per_token_none - self.kept_per_token(mode))
+        if saved <= 0:
+            return None
+        n = step + step * math.ceil((first - budget_bytes) / (saved * step) - 1e-12)
+        while n - step >= step and self.total(mode, n - step) <= budget_bytes:     # guard rounding
+            n -= step
+        while n <= self.layers and self.total(mode, n) > budget_bytes:
+            n += step
+        return n if n <= self.layers else None
 
 
 def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,

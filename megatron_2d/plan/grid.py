@@ -2,8 +2,11 @@
 
 For each preset model at its fixed TP/PP (``hardware.GRID_MODELS``), each GPU count and each sequence length, the
 planner's best 2D plan and best stock plan (p2p, a2a, a2a+p2p, DeepSpeed-Ulysses), each with the cheapest recompute
-that fits in memory, are compared by throughput: ratio = 2D tokens/s / stock tokens/s (> 1: 2D wins). CP takes all
-GPUs left (DP = 1). Each cell also says why the winner wins (codes below). Results are cached per cell.
+that fits in memory, are compared by throughput per GPU: ratio = 2D tokens/GPU/s / stock tokens/GPU/s (> 1: 2D
+wins). Each side picks its own CP size among the divisors of the GPUs left by TP x PP, the rest being DP (a stock
+user would not run CP=1024 on 32K tokens); ``--fixed-cp`` gives CP all the GPUs left (DP = 1) instead. Data-parallel
+gradient reduction is not modelled (it is the same for both sides at equal CP). Each cell also says why the winner
+wins (codes below). Results are cached per cell.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ TIE = 0.02
 
 CODES = {
     "C": "2D: Selective Checkpoint++ fits where stock must recompute attention (selective/full)",
+    "S": "2D: fits at a smaller CP than stock (Checkpoint++ or less recompute), so less communication per token",
     "R": "2D: needs less recompute than stock to fit (smaller K/V buffers or states per GPU)",
     "K": "2D: head parallelism beyond the KV heads per TP rank (K/V replicated; stock a2a cannot)",
     "H": "2D: a head x context split stock does not offer (a2a+p2p needs KV heads divisible by its a2a size)",
@@ -65,8 +69,10 @@ def _twin(stock: Candidate) -> Layout:
 
 
 def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands: Sequence[Candidate], model,
-            cluster, parallel, seq) -> Tuple[Optional[float], str, str]:
-    """(ratio, codes, one-line reason) for one cell."""
+            cluster, parallel, seq, stock_parallel=None) -> Tuple[Optional[float], str, str]:
+    """(ratio, codes, one-line reason) for one cell. ``parallel``/``stock_parallel``: the jobs the 2D and the stock
+    plan were made for (the same unless each side picked its own CP); ``cands``: every candidate seen."""
+    stock_parallel = stock_parallel or parallel
     if best_2d is None and best_stock is None:
         mem = min((c.estimate.memory_gb for c in cands if c.runs), default=None)
         return None, "X", ("nothing fits" + (f" (least memory {mem:.0f} GB)" if mem is not None else ""))
@@ -78,13 +84,19 @@ def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands
         return None, "U", "no 2D layout fits"
     e2, es = best_2d.estimate, best_stock.estimate
     ratio = e2.tokens_per_gpu_s / es.tokens_per_gpu_s
+    cps = (f" (CP {best_2d.layout.cp_size} vs {best_stock.layout.cp_size})"
+           if best_2d.layout.cp_size != best_stock.layout.cp_size else "")
     codes = ""
     if ratio > 1 + TIE:
+        cp2, cps_ = best_2d.layout.cp_size, best_stock.layout.cp_size
         if e2.recompute == "ckpt++" and es.recompute in ("selective", "full"):
             codes += "C"
-        elif e2.recompute != es.recompute and e2.recompute_s < es.recompute_s:
+        elif cp2 < cps_:
+            codes += "S"
+        elif e2.recompute_layers * e2.recompute_s < es.recompute_layers * es.recompute_s:
             codes += "R"
-        if e2.time_s < es.time_s * (1 - TIE):
+        # attention per token of a GPU (time_s covers S/CP tokens), at the same or a larger CP than stock's
+        if cp2 >= cps_ and (e2.time_s * cp2 < es.time_s * cps_ * (1 - TIE) or not codes):
             layout_codes = ""
             if best_2d.hp > model.kv_heads // parallel.tp:
                 layout_codes += "K"
@@ -93,39 +105,69 @@ def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands
             if best_2d.placement == "context_first":
                 layout_codes += "P"
             codes += layout_codes or "H"
-        return ratio, codes or "=", "2D wins: " + "; ".join(CODES[c][4:] for c in codes) if codes else "tie"
+        return ratio, codes, "2D wins: " + "; ".join(CODES[c][4:] for c in codes) + cps
     if ratio < 1 - TIE:
-        twin = evaluate(_twin(best_stock), model, cluster, parallel, seq, recompute=es.recompute, dkv_dtype="bf16")
-        if twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6:
-            code = "B"
-        else:
-            code = "U"
-        return ratio, code, "stock wins: " + CODES[code][7:]
-    return ratio, "=", "tie"
+        twin = evaluate(_twin(best_stock), model, cluster, stock_parallel, seq, recompute=es.recompute,
+                        dkv_dtype="bf16")
+        same = twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6
+        code = "B" if same else "U"
+        return ratio, code, "stock wins: " + CODES[code][7:] + cps
+    return ratio, "=", "tie" + cps
+
+
+def _cp_sizes(gpus: int, tp: int, pp: int, seq: int, free_cp: bool) -> List[Optional[int]]:
+    left = gpus // (tp * pp)
+    if not free_cp:
+        return [None]
+    return [c for c in range(1, left + 1) if left % c == 0 and seq % (2 * c) == 0]
 
 
 @lru_cache(maxsize=None)
-def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100") -> Cell:
-    """The comparison for one (model, GPUs, sequence) on a preset cluster (cached)."""
+def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100", free_cp: bool = True) -> Cell:
+    """The comparison for one (model, GPUs, sequence) on a preset cluster (cached). ``free_cp``: each side takes
+    the CP size (a divisor of the GPUs left by TP x PP; DP the rest) with its best throughput per GPU."""
     model, cluster = get_model(model_name), get_cluster(cluster_name)
     sizes = GRID_MODELS[model_name]
-    parallel = ParallelSpec(gpus=gpus, tp=sizes["tp"], pp=sizes["pp"])
-    cands = plan(model, cluster, parallel, seq)
-    best_2d = next((c for c in cands if c.feasible and c.kind == "2d"), None)
-    best_stock = next((c for c in cands if c.feasible and c.kind in STOCK_KINDS), None)
-    ratio, codes, reason = explain(best_2d, best_stock, cands, model, cluster, parallel, seq)
-    return Cell(model_name, gpus, seq, best_2d, best_stock, ratio, codes, reason)
+    if gpus % (sizes["tp"] * sizes["pp"]):
+        raise PlanError(f"{gpus} GPUs are not divisible by TP x PP = {sizes['tp']} x {sizes['pp']}")
+    seen: List[Candidate] = []
+    best: Dict[str, Tuple[Candidate, ParallelSpec]] = {}
+    done = set()
+    for cp in _cp_sizes(gpus, sizes["tp"], sizes["pp"], seq, free_cp):
+        # CP ascending. Once a side runs without recompute, a larger CP only adds communication per token (the
+        # compute per token is the same), so that side stops looking (an assumption of the cost model's shape).
+        if len(done) == 2:
+            break
+        parallel = ParallelSpec(gpus=gpus, tp=sizes["tp"], pp=sizes["pp"], cp=cp)
+        cands = plan(model, cluster, parallel, seq)
+        seen += cands
+        for side, kinds in (("2d", ("2d",)), ("stock", STOCK_KINDS)):
+            if side in done:
+                continue
+            c = next((c for c in cands if c.feasible and c.kind in kinds), None)
+            if c is not None and c.recompute == "none":
+                done.add(side)
+            if c is not None and (side not in best or
+                                  c.estimate.tokens_per_gpu_s > best[side][0].estimate.tokens_per_gpu_s):
+                best[side] = (c, parallel)
+    if not seen:
+        raise PlanError(f"sequence {seq} fits no CP size of {gpus} GPUs (2*CP must divide it)")
+    b2, p2 = best.get("2d", (None, None))
+    bs, ps = best.get("stock", (None, None))
+    ratio, codes, reason = explain(b2, bs, seen, model, cluster, p2 or ps or ParallelSpec(gpus=gpus, **sizes), seq,
+                                   ps)
+    return Cell(model_name, gpus, seq, b2, bs, ratio, codes, reason)
 
 
 def grid(models: Sequence[str] = tuple(GRID_MODELS), gpus: Sequence[int] = GRID_GPUS,
-         seqs: Sequence[int] = GRID_SEQS, cluster: str = "8xH100") -> List[Cell]:
+         seqs: Sequence[int] = GRID_SEQS, cluster: str = "8xH100", free_cp: bool = True) -> List[Cell]:
     """Every cell of the grid (cells whose job is invalid, e.g. a sequence not divisible by 2*CP, are skipped)."""
     out = []
     for m in models:
         for g in gpus:
             for s in seqs:
                 try:
-                    out.append(cell(m, g, s, cluster))
+                    out.append(cell(m, g, s, cluster, free_cp))
                 except PlanError:
                     continue
     return out
@@ -146,10 +188,11 @@ def summary(cells: Sequence[Cell]) -> Dict[str, int]:
     return out
 
 
-def format_grid(cells: Sequence[Cell], cluster: str = "8xH100") -> str:
+def format_grid(cells: Sequence[Cell], cluster: str = "8xH100", free_cp: bool = True) -> str:
     """Plain text: one matrix per model (rows GPUs, columns sequence lengths), the code legend and a summary."""
-    lines = [f"Best 2D plan / best stock plan, throughput ratio (> 1: 2D faster), on {cluster}; each with the cheapest "
-             f"recompute that fits; CP = all GPUs left.", ""]
+    cp = ("each side picks its CP size (DP the rest)" if free_cp else "CP = all GPUs left (DP = 1)")
+    lines = [f"Best 2D plan / best stock plan, throughput per GPU (> 1: 2D faster), on {cluster}; each with the "
+             f"cheapest recompute that fits; {cp}.", ""]
     models = list(dict.fromkeys(c.model for c in cells))
     for m in models:
         mine = [c for c in cells if c.model == m]
@@ -172,7 +215,7 @@ def format_grid(cells: Sequence[Cell], cluster: str = "8xH100") -> str:
     return "\n".join(lines)
 
 
-def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None) -> None:
+def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None, free_cp: bool = True) -> None:
     """Print with rich when on a terminal, else ``format_grid``."""
     stream = stream or sys.stdout
     try:
@@ -181,10 +224,10 @@ def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None) -> N
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(format_grid(cells, cluster), file=stream)
+        print(format_grid(cells, cluster, free_cp), file=stream)
         return
     console = Console(file=stream, highlight=False, width=max(shutil.get_terminal_size((160, 24)).columns, 120))
-    console.print(format_grid([], cluster).splitlines()[0], markup=False)
+    console.print(format_grid([], cluster, free_cp).splitlines()[0], markup=False)
     for m in dict.fromkeys(c.model for c in cells):
         mine = [c for c in cells if c.model == m]
         seqs = sorted({c.seq for c in mine})
@@ -229,13 +272,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seqs", nargs="+", type=parse_seq, default=list(GRID_SEQS),
                    help="sequence lengths (default 32K .. 4M)")
     p.add_argument("--details", action="store_true", help="also list both plans and the reason for every cell")
+    p.add_argument("--fixed-cp", action="store_true",
+                   help="CP takes all GPUs left by TP x PP (DP = 1) instead of each side picking its best CP")
     args = p.parse_args(argv)
     try:
         get_cluster(args.cluster)
-        cells = grid(args.models, args.gpus, args.seqs, args.cluster)
+        cells = grid(args.models, args.gpus, args.seqs, args.cluster, not args.fixed_cp)
     except PlanError as err:
         p.error(str(err))
-    print_grid(cells, args.cluster)
+    print_grid(cells, args.cluster, free_cp=not args.fixed_cp)
     if args.details:
         print()
         print(details(cells))
