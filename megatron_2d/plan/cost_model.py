@@ -336,6 +336,8 @@ class MemoryBreakdown:
     model_states: float
     """bf16 weights + fp32 gradients of N/(TP*PP) parameters, and fp32 master weights + Adam moments (12 bytes
     per parameter) sharded over DP x CP (Megatron's distributed optimizer)."""
+    sharded_states: float = 0.0
+    """The part of ``model_states`` sharded over DP x CP (the optimizer's 12 bytes per parameter)."""
 
     @property
     def per_token_none(self) -> float:
@@ -400,7 +402,8 @@ def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int,
         dense_rest=BF16 * (3 * D + fc1_out + F) / tp, qkv=BF16 * (Ht + 2 * L) * d, attn_out=BF16 * Ht * d,
         o_proj_in=BF16 * Ht * d, lse=FP32 * Ht, logits=FP32 * tokens * model.vocab / tp,
         comm_buffers=blocks + staging,
-        model_states=params * (BF16 + FP32) + params * 12 / (parallel.dp_size * CP))
+        model_states=params * (BF16 + FP32) + params * 12 / (parallel.dp_size * CP),
+        sharded_states=params * 12 / (parallel.dp_size * CP))
 
 
 def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,

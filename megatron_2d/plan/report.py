@@ -61,25 +61,27 @@ def _table(rows: List[List[str]]) -> List[str]:
 
 
 def memory_advice(c: Candidate, cluster: ClusterSpec, parallel: ParallelSpec) -> str:
-    """What would make the least-memory layout ``c`` fit: its parts and the levers that shrink each."""
-    e = c.estimate
-    mb = e.memory
-    gb = 1e9
-    acts, states = e.activation_gb, mb.model_states / gb
-    need = e.memory_gb - cluster.memory_budget_gb
+    """What would make the least-memory layout ``c`` fit: its parts and the levers that shrink each.
+
+    Everything but the replicated model states (bf16 weights + fp32 gradients) shrinks as 1/CP at a fixed DP, so
+    CP must grow by about (memory - replicated) / (budget - replicated) when the replicated part fits at all."""
+    e, mb, gb = c.estimate, c.estimate.memory, 1e9
+    budget = cluster.memory_budget_gb
+    replicated = (mb.model_states - mb.sharded_states) / gb
     tips = []
-    if acts > 0.05 * e.memory_gb:
-        tips.append(f"activations {acts:.1f} GB shrink as 1/CP: more GPUs for context parallelism "
-                    f"(about {max(2, int(e.memory_gb / cluster.memory_budget_gb + 0.999))}x), or a shorter sequence")
-    if states > 0.05 * e.memory_gb:
-        tips.append(f"model states {states:.1f} GB shrink with larger TP/PP (now {parallel.tp}/{parallel.pp}) or by "
-                    f"sharding gradients and parameters (Hybrid ZeRO)")
-    if mb.logits / gb > 0.05 * e.memory_gb:
-        tips.append(f"fp32 logits {mb.logits / gb:.1f} GB shrink with TP")
-    tips.append(f"GPUs with more memory (budget now {cluster.memory_budget_gb:.1f} GB)")
+    if replicated < budget:
+        factor = (e.memory_gb - replicated) / (budget - replicated)
+        tips.append(f"about {factor:.1f}x the context-parallel size (more GPUs, or fewer for DP): activations "
+                    f"{e.activation_gb:.1f} GB, logits, buffers and optimizer states shrink as 1/CP; or a "
+                    f"shorter sequence")
+    else:
+        tips.append(f"more CP alone cannot fit: the bf16 weights and fp32 gradients take {replicated:.1f} GB")
+    tips.append(f"larger TP/PP (now {parallel.tp}/{parallel.pp}) or sharding gradients and parameters (Hybrid ZeRO) "
+                f"for the {replicated:.1f} GB of replicated weights and gradients")
+    tips.append(f"GPUs with more memory (budget now {budget:.1f} GB)")
     return (f"smallest memory found: {e.memory_gb:.1f} GB per GPU ({c.layout.label()}, "
-            f"recompute={recompute_label(e)}), "
-            f"{need:.1f} GB over the budget; what would help: " + "; ".join(tips))
+            f"recompute={recompute_label(e)}), {e.memory_gb - budget:.1f} GB over the budget; what would help: "
+            + "; ".join(tips))
 
 
 def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
@@ -112,6 +114,8 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
         foot.append("No feasible layout.")
         if oom:
             foot.append("  " + memory_advice(oom[0], cluster, parallel))
+        else:
+            foot.append("  no layout can run at all (reasons below: heads, KV heads, sequence divisibility)")
     else:
         if len(shown) < len(feasible):
             foot.append(f"... {len(feasible) - len(shown)} more feasible layouts (--all to list them)")
