@@ -5,6 +5,7 @@ codes, --plot without matplotlib or without a feasible layout, one row for ident
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 
@@ -180,6 +181,11 @@ def test_no_feasible_layout_exits_non_zero_and_says_what_helps(capsys):
     out, err = capsys.readouterr()
     assert "No feasible layout." in out and "smallest memory found" in out and "what would help" in out
     assert "more GPUs" in out and "no feasible layout" in err
+    # the advice is actionable: that much more CP (4x here: 64 GPUs) does fit
+    factor = float(re.search(r"about ([0-9.]+)x the context-parallel size", out).group(1))
+    gpus = 16 * 2 ** math.ceil(math.log2(factor))
+    assert gpus == 64 and recommended(plan(GQA, H100, ParallelSpec(gpus=gpus), 4 << 20)) is not None
+    assert recommended(plan(GQA, H100, ParallelSpec(gpus=32), 4 << 20)) is None
     assert main(argv + ["--json"]) == 1
     rows = json.loads(capsys.readouterr().out)
     assert rows and not any(r["recommended"] or r["feasible"] for r in rows)
