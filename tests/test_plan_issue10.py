@@ -377,3 +377,12 @@ def test_layers_to_fit_is_the_fewest_that_fit():
                 n = mb.layers_to_fit(mode, budget, step)
                 brute = next((k for k in range(step, 33, step) if mb.total(mode, k) <= budget), None)
                 assert n == brute, (mode, step, budget)
+
+
+def test_grid_json(capsys):
+    assert main(["--grid", "--models", "8B-GQA", "--gpus", "32", "--seqs", "256K", "4M", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 2 and all(set(r) == set(rows[0]) for r in rows)
+    ok, none = rows
+    assert ok["codes"].startswith("C") and ok["best_2d"]["recompute"] == "ckpt++" and ok["ratio"] > 1
+    assert none["codes"] == "X" and none["best_2d"] is None and none["ratio"] is None

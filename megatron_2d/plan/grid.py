@@ -262,6 +262,22 @@ def details(cells: Sequence[Cell]) -> str:
     return "\n".join(out)
 
 
+def grid_records(cells: Sequence[Cell]) -> List[Dict[str, object]]:
+    """JSON-ready records, one per cell, all with the same keys (None where a side has no feasible plan)."""
+    def side(c: Optional[Candidate]) -> Optional[Dict[str, object]]:
+        if c is None:
+            return None
+        e = c.estimate
+        return {"label": c.layout.label(), "kind": c.kind, "cp_size": c.layout.cp_size, "hp": c.hp, "cp": c.cp,
+                "w": c.w, "placement": c.placement, "recompute": c.recompute,
+                "recompute_layers": e.recompute_layers, "step_ms": round(e.step_s * 1e3, 4),
+                "tokens_per_gpu_s": round(e.tokens_per_gpu_s, 2), "memory_gb": round(e.memory_gb, 2),
+                "flags": c.flags}
+    return [{"model": c.model, "tp": GRID_MODELS[c.model]["tp"], "pp": GRID_MODELS[c.model]["pp"], "gpus": c.gpus,
+             "seq": c.seq, "ratio": None if c.ratio is None else round(c.ratio, 4), "codes": c.codes,
+             "reason": c.reason, "best_2d": side(c.best_2d), "best_stock": side(c.best_stock)} for c in cells]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from .cli import parse_seq                   # local: cli imports this module
 
@@ -272,6 +288,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seqs", nargs="+", type=parse_seq, default=list(GRID_SEQS),
                    help="sequence lengths (default 32K .. 4M)")
     p.add_argument("--details", action="store_true", help="also list both plans and the reason for every cell")
+    p.add_argument("--json", action="store_true", help="print the cells as a JSON list instead of the tables")
     p.add_argument("--fixed-cp", action="store_true",
                    help="CP takes all GPUs left by TP x PP (DP = 1) instead of each side picking its best CP")
     args = p.parse_args(argv)
@@ -280,6 +297,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         cells = grid(args.models, args.gpus, args.seqs, args.cluster, not args.fixed_cp)
     except PlanError as err:
         p.error(str(err))
+    if args.json:
+        import json
+
+        print(json.dumps(grid_records(cells), indent=1))
+        return 0
     print_grid(cells, args.cluster, free_cp=not args.fixed_cp)
     if args.details:
         print()
