@@ -8,7 +8,8 @@ Notation (per TP rank; every quantity is for one transformer layer and one rank 
     CP       context-parallel size = hp * cp
     hp       head-parallel size (all-to-all group);  cp  context size (ring length);  w  window (inner ring)
     nw       windows = cp / w (outer ring length)
-    L        K/V heads after replication = lcm(Hkvt, hp);  a rank holds L/hp of them after the all-to-all
+    L        K/V heads after replication = lcm(Hkvt, hp) (DeepSpeed-Ulysses repeats them to Ht);  a rank holds
+             L/hp of them after the all-to-all
     s_loc    S/CP tokens per rank before the all-to-all;  s_ctx = S/cp tokens per rank inside the ring
     P        peak bf16 FLOP/s per GPU;  e_a, e_g  attention-kernel / dense-GEMM efficiency
     M        HBM bandwidth;  lat  fixed cost of one ring step or all-to-all (launches, waits)
