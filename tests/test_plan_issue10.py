@@ -190,7 +190,9 @@ def test_no_feasible_layout_exits_non_zero_and_says_what_helps(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert rows and not any(r["recommended"] or r["feasible"] for r in rows)
     assert any(r["fits_memory"] is False and r["memory_gb"] > 72 for r in rows)
-    assert main(["--model", "7B-GQA", "--gpus", "64", "--seq", "128K"]) == 0
+    assert main(["--model", "7B-GQA", "--gpus", "64", "--seq", "1M", "--recompute", "none"]) == 1
+    assert "--recompute auto" in capsys.readouterr().out
+    assert main(["--model", "7B-GQA", "--gpus", "64", "--seq", "1M"]) == 0
 
 
 # -- JSON: one schema with job metadata --------------------------------------------------------------------------

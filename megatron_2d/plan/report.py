@@ -69,6 +69,8 @@ def memory_advice(c: Candidate, cluster: ClusterSpec, parallel: ParallelSpec) ->
     budget = cluster.memory_budget_gb
     replicated = (mb.model_states - mb.sharded_states) / gb
     tips = []
+    if len(c.options) == 1 and e.recompute != "full":
+        tips.append(f"activation recompute (only recompute={e.recompute} was tried: --recompute auto)")
     if replicated < budget:
         factor = (e.memory_gb - replicated) / (budget - replicated)
         tips.append(f"about {factor:.1f}x the context-parallel size (more GPUs, or fewer for DP): activations "
