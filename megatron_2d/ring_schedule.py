@@ -13,7 +13,8 @@ Backward adds the riders, without ever waiting on a transfer that had no compute
     "aligning" hop (posted after the last step) brings it back to the slot where the round began;
   * the round is closed one step later, after step 0 of the next round has computed: wait for the aligning hop,
     add the rider carried over the outer ring for the same block from earlier rounds (posted a whole round ago),
-    and post the sum to the next window, which holds that block as its anchor one round later;
+    and post the sum to the next window, which holds that block as its anchor one round later (with w = 1 there
+    is no aligning hop to hide, so a round closes in its own step);
   * after the last round the rider is closed and takes one last outer hop to its block's owner (exposed: there
     is nothing left to compute).
 K/V moves cp - 1 times per rank; riders move nw * w times on the inner ring (w > 1) and nw times on the outer.
@@ -21,9 +22,8 @@ K/V moves cp - 1 times per rank; riders move nw * w times on the inner ring (w >
     >>> [e.kind for e in double_ring_events(cp=2, w=2, backward=False)]
     ['post_inner_kv', 'compute', 'wait_inner_kv', 'compute']
     >>> [e.kind for e in double_ring_events(cp=2, w=1, backward=True)]  # doctest: +NORMALIZE_WHITESPACE
-    ['post_outer_kv', 'compute', 'start_rider', 'accumulate', 'hold_rider', 'wait_outer_kv',
-     'compute', 'post_carried', 'start_rider', 'accumulate', 'hold_rider',
-     'wait_carried', 'post_carried', 'wait_final']
+    ['post_outer_kv', 'compute', 'start_rider', 'accumulate', 'hold_rider', 'post_carried', 'wait_outer_kv',
+     'compute', 'start_rider', 'accumulate', 'hold_rider', 'wait_carried', 'post_carried', 'wait_final']
     >>> [e.source_offset for e in double_ring_events(cp=4, w=2, backward=False) if e.kind == "compute"]
     [(0, 0), (0, 1), (1, 0), (1, 1)]
 """
@@ -82,16 +82,18 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
                 ev.append(Event("post_inner_kv"))
             ev.append(Event("compute", (o, t)))
             if backward:
-                if t == 0 and o > 0:
+                if t == 0 and o > 0 and w > 1:
                     ev.extend(_close(nw, w, o - 1, last=False))
                 ev.append(Event("start_rider" if t == 0 else "wait_rider"))
                 ev.append(Event("accumulate"))
                 ev.append(Event("post_rider" if w > 1 else "hold_rider"))
+                if w == 1:          # no inner ring, no aligning hop to hide: close the round at once
+                    ev.extend(_close(nw, w, o, last=o == nw - 1))
             if t < w - 1:
                 ev.append(Event("wait_inner_kv"))
         if o < nw - 1:
             ev.append(Event("wait_outer_kv"))
-    if backward:
+    if backward and w > 1:
         ev.extend(_close(nw, w, nw - 1, last=True))
     return tuple(ev)
 

@@ -183,12 +183,16 @@ def test_longer_sequences_move_toward_compute_bound():
 
 
 @pytest.mark.parametrize("tp,gpus,seq", [(1, 64, K128), (2, 32, 65536), (1, 16, 1 << 20)])
-def test_2d_with_hp1_single_ring_equals_p2p(tp, gpus, seq):
+def test_2d_with_hp1_single_ring_equals_p2p_when_dkv_dtypes_match(tp, gpus, seq):
+    # Transformer Engine's p2p sends dK/dV in bf16; ours in fp32. With a bf16 option the same ring costs the same;
+    # as the op is today (fp32) it is never faster and sends more bytes.
     par = ParallelSpec(gpus=gpus, tp=tp)
     CP = par.cp_size
-    two_d = evaluate(Layout("2d", 1, CP, CP), GQA, H100, par, seq).estimate
-    p2p = evaluate(Layout("p2p", 1, CP, CP), GQA, H100, par, seq).estimate
-    assert two_d.time_s == p2p.time_s and two_d.comm_total_s == p2p.comm_total_s
+    p2p = evaluate(Layout("p2p", 1, CP, CP), GQA, H100, par, seq, recompute="none").estimate
+    same = evaluate(Layout("2d", 1, CP, CP), GQA, H100, par, seq, recompute="none", dkv_dtype="bf16").estimate
+    assert same.time_s == p2p.time_s and same.comm_total_s == p2p.comm_total_s
+    ours = evaluate(Layout("2d", 1, CP, CP), GQA, H100, par, seq, recompute="none").estimate
+    assert ours.time_s >= p2p.time_s and ours.intra_bytes + ours.inter_bytes > p2p.intra_bytes + p2p.inter_bytes
 
 
 def test_plain_ring_at_64_gpus_is_comm_bound_like_the_paper_reports():
@@ -216,7 +220,6 @@ def _reason(layout, model=GQA, gpus=64, seq=K128, tp=1):
 def test_infeasible_layouts_have_reasons():
     # Baselines refuse hp beyond the KV heads (no replication); 2d replicates and stays feasible.
     assert "KV heads" in _reason(Layout("a2a", 16, 1, 1), gpus=16)
-    assert "KV heads" in _reason(Layout("ds-ulysses", 16, 1, 1), gpus=16)
     assert "KV heads" in _reason(Layout("a2a+p2p", 16, 4, 4))
     assert evaluate(Layout("2d", 16, 1, 1), GQA, H100, ParallelSpec(gpus=16), K128).feasible
     # hp beyond the query heads
@@ -238,8 +241,8 @@ def test_plan_lists_infeasible_baselines_last():
     assert flags == sorted(flags, reverse=True)
     kinds = {c.kind for c in cands if not c.feasible}
     assert {"a2a", "ds-ulysses", "a2a+p2p", "2d"} <= kinds
-    times = [round(c.estimate.time_s, 9) for c in cands if c.feasible]    # the planner ranks ties at 1e-9 s
-    assert times == sorted(times)
+    steps = [round(c.estimate.step_s, 9) for c in cands if c.feasible]    # ties ranked at 1e-9 s
+    assert steps == sorted(steps)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
@@ -282,9 +285,11 @@ def test_parse_seq():
 @pytest.mark.parametrize("model", list(MODEL_PRESETS))
 @pytest.mark.parametrize("cluster", list(CLUSTER_PRESETS))
 def test_cli_runs_for_presets(model, cluster, capsys):
-    assert main(["--model", model, "--cluster", cluster, "--gpus", "32", "--seq", "64K", "--top", "5"]) == 0
+    sizes = {"70B-GQA": ["--tp", "8", "--pp", "2", "--gpus", "256"]}.get(model, ["--gpus", "32"])
+    assert main(["--model", model, "--cluster", cluster, *sizes, "--seq", "64K", "--top", "5"]) == 0
     out = capsys.readouterr().out
-    assert "Recommended:" in out and "--context-parallel-size 32" in out
+    cp = 16 if model == "70B-GQA" else 32
+    assert "Recommended:" in out and f"--context-parallel-size {cp}" in out
 
 
 def test_cli_json_has_fields(capsys):
@@ -294,8 +299,8 @@ def test_cli_json_has_fields(capsys):
             "feasible", "reason", "flags"}
     assert rows and all(need <= set(r) for r in rows)
     ok = [r for r in rows if r["feasible"]]
-    assert ok[0]["time_ms"] == min(r["time_ms"] for r in ok)
-    assert all(r["time_ms"] is None and r["reason"] for r in rows if not r["feasible"])
+    assert ok[0]["step_ms"] == min(r["step_ms"] for r in ok)
+    assert all(r["time_ms"] is None and r["reason"] for r in rows if not r["feasible"] and r["fits_memory"] is None)
     assert {r["kind"] for r in rows} == {"2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses"}
 
 
