@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import megatron_2d
 import megatron_2d.topology
+from megatron_2d.plan import Layout as PlanLayout, ModelSpec, ParallelSpec, evaluate, get_cluster
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 
 from megatron_2d.testing.reference import TOLERANCE, TOLERANCES, norm_err, reference_attention, rel_err, rounded
@@ -206,18 +207,43 @@ def run_bytes(rank, world, hp, w, placement, hkv, dtype):
     return groups.comm_bytes.as_dict()
 
 
-@pytest.mark.parametrize("world, hp, w, placement, hkv, dtype", [
+BYTE_CASES = [
     (8, 2, 2, "head_first", 8, torch.float32),
     (8, 4, 1, "context_first", 1, torch.bfloat16),    # K/V replicated 4x
     (8, 1, 4, "head_first", 2, torch.float32),        # w = cp: inner ring only
     (8, 1, 1, "head_first", 8, torch.float32),        # w = 1: outer ring only
     (4, 4, 1, "head_first", 2, torch.float16),        # all-to-all only
-])
+    (8, 2, 2, "context_first", 2, torch.bfloat16),    # 2D with a double ring
+    (8, 1, 2, "head_first", 8, torch.bfloat16),       # double ring, no all-to-all
+]
+
+
+def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
+    """The planner's (NVLink, network) bytes per rank for the op's case (bf16, one layer, fwd + bwd)."""
+    model = ModelSpec("op", layers=1, hidden=8 * 64, heads=8, kv_heads=hkv, ffn_hidden=64, vocab=64)
+    cluster = get_cluster("8xH100").with_(gpus_per_node=gpus_per_node)
+    e = evaluate(PlanLayout("2d", hp, world // hp, w, placement), model, cluster,
+                 ParallelSpec(gpus=world, micro_batch=2), seq=2 * world * 4).estimate
+    return e.intra_bytes, e.inter_bytes
+
+
+@pytest.mark.parametrize("world, hp, w, placement, hkv, dtype", BYTE_CASES,
+                         ids=[f"N{n}-hp{h}-w{w}-{p}-hkv{k}-{str(dt)[6:]}" for n, h, w, p, k, dt in BYTE_CASES])
 def test_bytes_match_closed_form(world, hp, w, placement, hkv, dtype):
     per_rank = run_on_ranks(world, run_bytes, hp, w, placement, hkv, dtype)
     elt = torch.tensor([], dtype=dtype).element_size()
     expected = expected_bytes(world, hp, w, 8, hkv, s_local=8, batch=2, d=64, elt=elt)
     assert all(got == expected for got in per_rank), (per_rank[0], expected)
+    if dtype == torch.bfloat16:  # the planner counts bf16 K/V and all-to-all, fp32 dK/dV: the op's measured bytes
+        measured = per_rank[0]
+        total = sum(measured.values())
+        assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=world) == (total, 0)
+        rings = measured["inner_ring"] + measured["outer_ring"]
+        if placement == "head_first" and hp > 1:      # head groups fill a node: all-to-all on NVLink only
+            assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=hp) == (measured["all_to_all"], rings)
+        if placement == "context_first" or hp == 1:   # context groups fill a node: rings on NVLink only
+            cp = world // hp
+            assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=cp) == (rings, measured["all_to_all"])
 
 
 # ---- bad input gets a clear error ---------------------------------------------------------------------------
