@@ -13,7 +13,9 @@ Two measures of error, both against an fp64 reference:
 How the per-output bounds were set (tests/test_attention_2d.py, CP 2..8, causal and full, MHA/GQA): bf16 out
 stays at 2.6-2.7e-3 and dq at 3.1-3.2e-3 whatever the CP size, with fp32 accumulators; accumulating out or dq in
 bf16 instead gives 3.8e-3 (CP 4) to 5.2e-3 (CP 8). fp16 is 8x tighter the same way (out 3.4e-4 vs 4.8-6.5e-4).
-fp64 and fp32 compute in their own precision, so their bounds are a few ulps of the dtype times the ring length.
+dk and dv sum over every query row (and over a GQA group): one 512-token bf16 block with 4 query heads per K/V
+head reaches 5e-3 (tools/gpu_smoke.py --device cpu), hence their looser bounds. fp64 and fp32 compute in their own
+precision, so their bounds are a few ulps of the dtype times the ring length.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ class Tolerance:
 TOLERANCES = {
     torch.float64: Tolerance(end_to_end=1e-10, out=1e-12, lse=1e-12, dq=1e-12, dk=1e-12, dv=1e-12),
     torch.float32: Tolerance(end_to_end=1e-5, out=2e-6, lse=1e-6, dq=2e-6, dk=2e-6, dv=2e-6),
-    torch.float16: Tolerance(end_to_end=5e-3, out=4.2e-4, lse=2e-5, dq=5.0e-4, dk=6.5e-4, dv=6.5e-4),
-    torch.bfloat16: Tolerance(end_to_end=2e-2, out=3.3e-3, lse=2e-5, dq=3.7e-3, dk=5.0e-3, dv=5.0e-3),
+    torch.float16: Tolerance(end_to_end=5e-3, out=4.2e-4, lse=2e-5, dq=5.0e-4, dk=9e-4, dv=9e-4),
+    torch.bfloat16: Tolerance(end_to_end=2e-2, out=3.3e-3, lse=2e-5, dq=3.7e-3, dk=7e-3, dv=7e-3),
 }
 # Relative tolerance (max |err| / max |ref|) against an fp64 reference of the unrounded inputs, keyed by dtype.
 TOLERANCE = {dtype: t.end_to_end for dtype, t in TOLERANCES.items()}
