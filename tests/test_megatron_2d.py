@@ -256,3 +256,21 @@ def test_core_attention_masks_and_scale_forward_and_backward():
     errors = run_on_ranks(4, run_core_attention_alone, timeout_s=120)
     bad = [e for per_rank in errors for e in per_rank.values() if not e < RTOL]
     assert not bad and all(set(e) == {"no_mask", "causal"} for e in errors), errors
+
+
+def test_stock_hierarchical_sizes_give_head_then_context():
+    """--hierarchical-context-parallel-sizes HP CP (no cp_2d_* fields): hp = the first size, cp = the second."""
+    from types import SimpleNamespace
+
+    from megatron_2d.megatron.settings import settings_from_config
+
+    config = SimpleNamespace(context_parallel_size=8, num_attention_heads=8, num_query_groups=2,
+                             tensor_model_parallel_size=1, attention_dropout=0.0,
+                             hierarchical_context_parallel_sizes=[2, 4])
+    settings = settings_from_config(config)
+    assert (settings.head_parallel_size, settings.context_size, settings.window_size) == (2, 4, 1)
+    config.hierarchical_context_parallel_sizes = [4, 2]
+    assert settings_from_config(config).head_parallel_size == 4
+    config.hierarchical_context_parallel_sizes = [2, 2, 2]
+    with pytest.raises(ValueError, match=r"give two sizes \[hp, cp\]"):
+        settings_from_config(config)

@@ -406,3 +406,27 @@ def test_print_plan_plain_and_rich():
     fancy = Tty()
     print_plan(cands, GQA, H100, par, 65536, top=3, stream=fancy)
     assert "Recommended:" in fancy.getvalue() and "tok/GPU/s" in fancy.getvalue()
+
+
+@pytest.mark.parametrize("gpus", [8, 16, 64])
+def test_enumerated_layouts_are_distinct(gpus):
+    """Every layout the planner lists is a different rank map: where hp = 1 or cp = 1 both placements are the same
+    layout, so it is listed once."""
+    seen = set()
+    for layout in plan_candidates_layouts(gpus):
+        if layout.kind != "2d":
+            continue
+        hp, cp, w = layout.hp, layout.cp, layout.w
+        maps = tuple(tuple(sorted(peers(i, hp, cp, w, layout.placement)["a2a"])) +
+                     tuple(peers(i, hp, cp, w, layout.placement)["inner"] + peers(i, hp, cp, w, layout.placement)["outer"])
+                     for i in range(hp * cp))
+        key = (hp, cp, w, maps)
+        assert key not in seen, layout
+        seen.add(key)
+    assert len(seen) > 3
+
+
+def plan_candidates_layouts(gpus):
+    from megatron_2d.plan.candidates import enumerate_layouts
+
+    return enumerate_layouts(GQA, ParallelSpec(gpus=gpus))
