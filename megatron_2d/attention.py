@@ -10,20 +10,27 @@ Notation
       --head all-to-all-->   q [b, S, hq/hp, d], k/v [b, S, r*hkv/hp, d]   (S = hp * s_local tokens of the head group)
       --Double-Ring zigzag attention over the context group-->   out [b, S, hq/hp, d]
       --inverse all-to-all-->   out [s_local, b, hq, d]
+
+The K/V transport: the Double-Ring when every context rank sees keys of every other (causal, full, wide
+windows); the neighbour exchange (:mod:`megatron_2d.neighbour_exchange`) when a sliding window leaves some
+pairs with nothing to see, so that steps and bytes follow the window instead of the sequence.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
+from .band import SlidingWindow
+from .block_plan import plan_context_group
+from .double_ring import DoubleRing
 from .groups import Groups2D
 from .head_all_to_all import HeadAllToAll
 from .kernels import select_kernel
-from .double_ring import DoubleRing
-from .ring_attention import RingAttention, RingContext, make_plans
+from .neighbour_exchange import NeighbourExchange
+from .ring_attention import RingAttention, RingContext
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -59,8 +66,29 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"(the global sequence must be divisible by 2*CP)")
 
 
+def _check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[2]:
+        raise ValueError(f"sinks must hold one logit per query head, shape [{q.shape[2]}], got {tuple(sinks.shape)}")
+    if not sinks.is_floating_point() or sinks.device != q.device:
+        raise ValueError(f"sinks must be a floating-point tensor on {q.device}, got {sinks.dtype} on {sinks.device}")
+
+
+def _transport(groups: Groups2D, plan) -> object:
+    """The Double-Ring when every pair of context ranks has keys to see, else the neighbour exchange."""
+    place = groups.place
+    if plan.dense:
+        return DoubleRing(place.context_rank, groups.window_size, groups.context_size, place.intra_window_group,
+                          place.inter_window_group, groups, groups.comm_bytes)
+    return NeighbourExchange(place.context_rank, place.context_group, plan.keys, groups.context_kv_group,
+                             groups.context_dkv_group, groups.comm_bytes)
+
+
 def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, causal: bool = True,
-                 softmax_scale: Optional[float] = None, kernel: Optional[str] = None) -> torch.Tensor:
+                 softmax_scale: Optional[float] = None, kernel: Optional[str] = None,
+                 sliding_window: Optional[Tuple[int, int]] = (-1, -1),
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, d], k/v [s, b, hkv, d].
 
     Args:
@@ -68,11 +96,18 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
         causal: causal mask over global positions (else full attention).
         softmax_scale: defaults to 1/sqrt(d).
         kernel: local block kernel name (see :mod:`megatron_2d.kernels`); chosen by device when None.
+        sliding_window: (left, right) in tokens, flash-attn's convention: the query at global position p sees
+            keys p - left .. p + right; -1 = unbounded; (-1, -1) = no window. With causal, right is 0 or -1.
+        sinks: [hq] one softmax logit per query head added to every row's denominator (gpt-oss attention sinks;
+            zeros = "off-by-one"); differentiable. Each rank returns the gradient of its own rows: summed over
+            the CP group (as Megatron reduces replicated weights) it is the full gradient.
     Returns out [s, b, hq, d] in q's dtype. Bytes sent are added to ``groups.comm_bytes``.
     """
     _check_inputs(q, k, v)
+    _check_sinks(sinks, q)
     hp = groups.head_parallel_size
     s_local, _, hq, d = q.shape
+    window = SlidingWindow.of(sliding_window, causal, s_local * groups.layout.cp_size)
     replicas = kv_replication(hq, k.shape[2], hp)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=2), v.repeat_interleave(replicas, dim=2)
@@ -85,9 +120,11 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     def heads(x):  # [s, b, H, d] -> [b, S, H/hp, d]
         return HeadAllToAll.apply(x, False, hp, order, groups.head_group, groups.comm_bytes)
 
-    ring = DoubleRing(place.context_rank, groups.window_size, groups.context_size, place.intra_window_group,
-                      place.inter_window_group, groups, groups.comm_bytes)
-    rc = RingContext(ring=ring, kernel=select_kernel(q.device, q.dtype, kernel),
-                     plans=make_plans(groups, place.context_rank, s_local // 2, causal), scale=scale)
-    out = RingAttention.apply(heads(q), heads(k), heads(v), rc)                     # [b, S, hq/hp, d]
+    plan = plan_context_group(groups.layout, s_local // 2, causal, window)
+    plans = {src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)}
+    rc = RingContext(transport=_transport(groups, plan), kernel=select_kernel(q.device, q.dtype, kernel),
+                     plans=plans, scale=scale)
+    local_heads = hq // hp
+    local_sinks = None if sinks is None else sinks[place.head_rank * local_heads:(place.head_rank + 1) * local_heads]
+    out = RingAttention.apply(heads(q), heads(k), heads(v), local_sinks, rc)        # [b, S, hq/hp, d]
     return HeadAllToAll.apply(out, True, hp, order, groups.head_group, groups.comm_bytes)  # [s, b, hq, d]

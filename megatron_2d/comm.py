@@ -11,11 +11,11 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-COMM_KINDS = ("all_to_all", "inner_ring", "outer_ring")
+COMM_KINDS = ("all_to_all", "inner_ring", "outer_ring", "neighbour")
 
 
 class CommCounter:
-    """Bytes this rank sent, by kind (all_to_all, inner_ring, outer_ring); accumulates until reset()."""
+    """Bytes this rank sent, by kind (all_to_all, inner_ring, outer_ring, neighbour); accumulates until reset()."""
 
     def __init__(self) -> None:
         self._bytes: Counter = Counter()
@@ -76,6 +76,19 @@ class RingExchange:
         self._in_flight = True
         self.counter.add(self.kind, send.numel() * send.element_size())
         return PendingExchange(self, works, recv)
+
+
+def post_direct(group: dist.ProcessGroup, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor],
+                src: int, counter: CommCounter, kind: str) -> list:
+    """Post a send of ``send`` to global rank ``dst`` and a receive into ``recv`` from ``src`` (either may be None:
+    the peers decide from the same pure schedule, so posts always match). Returns the works to wait on."""
+    ops = []
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, send, dst, group))
+        counter.add(kind, send.numel() * send.element_size())
+    if recv is not None:
+        ops.append(dist.P2POp(dist.irecv, recv, src, group))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 class BufferPool:

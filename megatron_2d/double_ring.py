@@ -24,8 +24,17 @@ import torch
 
 from .comm import BufferPool, CommCounter, PendingExchange, RingExchange
 
-# compute(block, source_context_rank) -> None (forward) or a list of (kv_len, dk, dv) partial gradients
-ComputeFn = Callable[[torch.Tensor, int], Optional[List[Tuple[int, torch.Tensor, torch.Tensor]]]]
+# compute(block, source_context_rank) -> None (forward) or a list of (k_start, k_end, dk, dv) partial gradients
+# of the block's keys [k_start, k_end)
+Partials = List[Tuple[int, int, torch.Tensor, torch.Tensor]]
+ComputeFn = Callable[[torch.Tensor, int], Optional[Partials]]
+
+
+def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) -> None:
+    """Add a block's partial dK/dV (keys [k_start, k_end)) into its rider [2, b, keys from first_key, g, d]."""
+    for k_start, k_end, dk, dv in partials:
+        rider[0, :, k_start - first_key:k_end - first_key].add_(dk)
+        rider[1, :, k_start - first_key:k_end - first_key].add_(dv)
 
 
 class DoubleRing:
@@ -54,7 +63,7 @@ class DoubleRing:
         """Visit every context rank's K/V block with ``compute``.
 
         kv: this rank's packed [2, ...] K/V block (reused as a buffer: pass a tensor the caller owns).
-        rider: None in forward; in backward a zeroed fp32 tensor shaped like ``kv`` that accumulates the partial
+        rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like ``kv`` that accumulates the partial
         dK/dV of each visited block. Returns the rider holding the full dK/dV of this rank's own block.
         """
         kv_pool = BufferPool(kv)
@@ -71,9 +80,7 @@ class DoubleRing:
                     if pending_rider is not None:
                         rider_pool.put(rider)
                         rider = pending_rider.wait()
-                    for kv_len, dk, dv in partials:
-                        rider[0, :, :kv_len].add_(dk)
-                        rider[1, :, :kv_len].add_(dv)
+                    add_partials(rider, partials)
                     # pass the rider on with its block (for t = w-1 this is the aligning pass)
                     pending_rider = self.inner_dkv.start(rider, rider_pool.get()) if self.w > 1 else None
                 if inner is not None:

@@ -9,8 +9,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .block_plan import context_chunks, received_chunks
 from .comm import CommCounter
-from .sequence_layout import zigzag_chunks
 from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 
 
@@ -18,8 +18,9 @@ from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 class Groups2D:
     """One rank's view of 2D context parallelism: its place, its process groups, and a byte counter.
 
-    Groups of a single rank are None (no communication is needed there). K/V and dK/dV rings use separate
-    process groups so both can be in flight at once.
+    Groups of a single rank are None (no communication is needed there). K/V and dK/dV use separate process
+    groups so both can be in flight at once: the rings' (inner, outer) and the neighbour exchange's (the whole
+    context group, for masks such as sliding windows where ranks see only some others' keys).
     """
 
     layout: Layout2D
@@ -29,6 +30,8 @@ class Groups2D:
     inner_dkv_group: Optional[dist.ProcessGroup]
     outer_kv_group: Optional[dist.ProcessGroup]
     outer_dkv_group: Optional[dist.ProcessGroup]
+    context_kv_group: Optional[dist.ProcessGroup] = None
+    context_dkv_group: Optional[dist.ProcessGroup] = None
     comm_bytes: CommCounter = field(default_factory=CommCounter)
 
     @property
@@ -45,13 +48,11 @@ class Groups2D:
 
     def context_chunks(self, context_rank: int) -> Tuple[int, ...]:
         """Global chunk ids (of 2*CP) a context rank holds after the head all-to-all, ascending."""
-        return tuple(sorted(self.received_chunks(context_rank)))
+        return context_chunks(self.layout, context_rank)
 
     def received_chunks(self, context_rank: int) -> Tuple[int, ...]:
         """Chunk ids in the order the all-to-all delivers them: by head rank, then first/second zigzag half."""
-        CP = self.layout.cp_size
-        return tuple(c for hr in range(self.layout.head_parallel_size)
-                     for c in zigzag_chunks(self.layout.index_of(hr, context_rank), CP))
+        return received_chunks(self.layout, context_rank)
 
 
 def default_group_timeout() -> Optional[datetime.timedelta]:
@@ -71,6 +72,13 @@ def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
         return None
     mine, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout, backend=backend)
     return mine
+
+
+def _warm_up(group: Optional[dist.ProcessGroup]) -> None:
+    """One collective on a group whose point-to-point traffic may involve only some of its ranks: NCCL requires
+    every rank of a group to take part in its first batched P2P call."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
 
 
 def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: str = "head_first",
@@ -105,8 +113,12 @@ def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: st
         return [list(g) for cp_ranks in lists for g in getattr(layout, kind)(cp_ranks)]
 
     head = _create(all_of("head_groups"), timeout, backend)
-    intra, inter = all_of("intra_window_groups"), all_of("inter_window_groups")
-    return Groups2D(
+    intra, inter, context = all_of("intra_window_groups"), all_of("inter_window_groups"), all_of("context_groups")
+    groups = Groups2D(
         layout=layout, place=places[rank], head_group=head,
         inner_kv_group=_create(intra, timeout, backend), inner_dkv_group=_create(intra, timeout, backend),
-        outer_kv_group=_create(inter, timeout, backend), outer_dkv_group=_create(inter, timeout, backend))
+        outer_kv_group=_create(inter, timeout, backend), outer_dkv_group=_create(inter, timeout, backend),
+        context_kv_group=_create(context, timeout, backend), context_dkv_group=_create(context, timeout, backend))
+    _warm_up(groups.context_kv_group)
+    _warm_up(groups.context_dkv_group)
+    return groups

@@ -1,83 +1,105 @@
-"""Zigzag ring attention over one context group, on the Double-Ring loop, as one autograd Function.
+"""Zigzag ring attention over one context group, on a K/V transport, as one autograd Function.
 
 Notation (all local to one rank, after the head all-to-all)
     b  batch      S  tokens of this context rank (2*hp chunks of c tokens, ascending global order)
     h  query heads of this rank       g  K/V heads of this rank (h divisible by g)      d  head dim
-Tensors: q, out [b, S, h, d]; k, v [b, S, g, d]; lse [b, h, S] fp32; packed K/V blocks [2, b, S, g, d].
+Tensors: q, out [b, S, h, d]; k, v [b, S, g, d]; lse [b, h, S] and every accumulator in the accumulator dtype
+(fp32; fp64 for fp64 inputs); packed K/V blocks [2, b, S, g, d]; sinks [h] (one logit per query head).
+
+Sinks (gpt-oss, Megatron's softmax_type "learnable" / "off-by-one") add exp(sink_h) to every row's softmax
+denominator: once the transport has visited every block, lse' = logaddexp(lse, sink) and out' = out *
+exp(lse - lse'). The kernels' backward with (out', lse') is then exact for q, k, v, and
+d sink_h = -sum over rows of exp(sink_h - lse') * (dout . out') (the sink's value vector is zero).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .block_plan import BlockCall, plan_block
+from .block_plan import BlockCall
 from .double_ring import DoubleRing
 from .kernels import BlockKernel
+from .kernels.base import accumulator_dtype
 from .merge import merge_attention_
+from .neighbour_exchange import NeighbourExchange
 
 
 @dataclass
 class RingContext:
-    """Everything the ring needs besides the tensors: built per call by :func:`megatron_2d.attention_2d`."""
+    """Everything the ring needs besides the tensors."""
 
-    ring: DoubleRing
+    transport: Union[DoubleRing, NeighbourExchange]
     kernel: BlockKernel
-    plans: Dict[int, List[BlockCall]]   # source context rank -> kernel calls against its K/V block
+    plans: Dict[int, Tuple[BlockCall, ...]]   # source context rank -> kernel calls against its K/V block
     scale: float
 
 
-def make_plans(groups, context_rank: int, chunk_len: int, causal: bool) -> Dict[int, List[BlockCall]]:
-    """The kernel calls of this context rank against every context rank's K/V."""
-    mine = groups.context_chunks(context_rank)
-    return {src: plan_block(mine, groups.context_chunks(src), chunk_len, causal)
-            for src in range(groups.context_size)}
+def apply_sinks_(out_acc: torch.Tensor, lse_acc: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Add one extra logit per head (sinks [h]) to every row's softmax: rescale out [b, S, h, d], update lse."""
+    sink = sinks.to(lse_acc.dtype).view(1, -1, 1)                   # [1, h, 1]
+    new_lse = torch.logaddexp(lse_acc, sink)                         # [b, h, S]
+    out_acc.mul_(torch.exp(lse_acc - new_lse).transpose(1, 2).unsqueeze(-1))
+    lse_acc.copy_(new_lse)
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks [h] from this rank's rows: -sum_rows exp(sink - lse) * (dout . out)."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)    # [b, S, h] -> [b, h, S]
+    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)          # [b, h, S]
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 class RingAttention(torch.autograd.Function):
-    """out = softmax(q k^T * scale [+ causal mask]) v over the whole context group; exact forward and backward."""
+    """out = softmax(q k^T * scale, masked [+ sinks]) v over the whole context group; exact forward and backward."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rc: RingContext) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                rc: RingContext) -> torch.Tensor:
         b, S, h, d = q.shape
-        out_acc = torch.zeros(b, S, h, d, dtype=torch.float32, device=q.device)
-        lse_acc = torch.full((b, h, S), float("-inf"), dtype=torch.float32, device=q.device)
+        acc = accumulator_dtype(q.dtype)
+        out_acc = torch.zeros(b, S, h, d, dtype=acc, device=q.device)
+        lse_acc = torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])                                   # [2, b, S, g, d]
 
         def compute(block: torch.Tensor, source: int) -> None:
             for call in rc.plans[source]:
-                rows = slice(call.q_start, call.q_end)
-                out_blk, lse_blk = rc.kernel.forward(q[:, rows], block[0, :, :call.kv_len],
-                                                     block[1, :, :call.kv_len], call.causal, rc.scale)
+                rows, keys = slice(call.q_start, call.q_end), slice(call.k_start, call.k_end)
+                out_blk, lse_blk = rc.kernel.forward(q[:, rows], block[0, :, keys], block[1, :, keys], call.band,
+                                                     rc.scale)
                 merge_attention_(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
 
-        rc.ring.run(kv, compute)
+        rc.transport.run(kv, compute)
+        if sinks is not None:
+            apply_sinks_(out_acc, lse_acc, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.save_for_backward(q, k, v, out, lse_acc, sinks)
         ctx.rc = rc
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         rc: RingContext = ctx.rc
         dout = dout.contiguous()
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq_acc = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = torch.stack([k, v])                                   # [2, b, S, g, d]
-        rider = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        rider = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)
 
-        def compute(block: torch.Tensor, source: int) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+        def compute(block: torch.Tensor, source: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
             partials = []
             for call in rc.plans[source]:
-                rows = slice(call.q_start, call.q_end)
+                rows, keys = slice(call.q_start, call.q_end), slice(call.k_start, call.k_end)
                 dq, dk, dv = rc.kernel.backward(
-                    dout[:, rows], q[:, rows], block[0, :, :call.kv_len], block[1, :, :call.kv_len],
-                    out[:, rows], lse[:, :, rows], call.causal, rc.scale)
+                    dout[:, rows], q[:, rows], block[0, :, keys], block[1, :, keys],
+                    out[:, rows], lse[:, :, rows], call.band, rc.scale)
                 dq_acc[:, rows].add_(dq)
-                partials.append((call.kv_len, dk, dv))
+                partials.append((call.k_start, call.k_end, dk, dv))
             return partials
 
-        dkv = rc.ring.run(kv, compute, rider=rider)
-        return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        dkv = rc.transport.run(kv, compute, rider=rider)
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None

@@ -195,7 +195,7 @@ def expected_bytes(world, hp, w, hq, hkv, s_local, batch, d, elt):
     inner = 2 * inner_kv * kv_block * elt + inner_dkv * kv_block * 4
     outer = 2 * outer_kv * kv_block * elt + outer_dkv * kv_block * 4
     assert inner_kv + outer_kv == cp - 1
-    return {"all_to_all": a2a, "inner_ring": inner, "outer_ring": outer}
+    return {"all_to_all": a2a, "inner_ring": inner, "outer_ring": outer, "neighbour": 0}  # causal: the ring
 
 
 def run_bytes(rank, world, hp, w, placement, hkv, dtype):

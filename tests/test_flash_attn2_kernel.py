@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import megatron_2d
+from megatron_2d.band import Band
 from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel
 from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.distributed import run_on_ranks
@@ -212,8 +213,9 @@ def test_flash_attn2_kernel_forward_backward(fake_flash_attn, profile, dtype, ca
     sq, sk = 16, (16 if causal else 24)
     q, dout = randn(2, sq, 4, 32, seed=11, dtype=dtype), randn(2, sq, 4, 32, seed=12, dtype=dtype)
     k, v = randn(2, sk, hkv, 32, seed=13, dtype=dtype), randn(2, sk, hkv, 32, seed=14, dtype=dtype)
-    out, lse = kernel.forward(q, k, v, causal, 0.3)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, 0.3)
+    band = Band(None, 0) if causal else None
+    out, lse = kernel.forward(q, k, v, band, 0.3)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, band, 0.3)
     want = brute_force(q, k, v, dout, 0.3, causal)
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, sq)
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
@@ -222,6 +224,33 @@ def test_flash_attn2_kernel_forward_backward(fake_flash_attn, profile, dtype, ca
            if not norm_err(g, w) < tol.of(key)}
     assert not bad, bad
     assert dq.dtype == dk.dtype == dv.dtype == dtype and dk.shape == k.shape
+
+
+# Trimmed bands as the ring passes them (local top-left coordinates: key j visible from query i iff
+# lo <= j - i <= hi): a causal window on a square block, a window between blocks (rectangular), one-sided bands.
+BANDS = [(16, 16, -5, 0), (12, 20, -2, 9), (16, 16, None, 3), (16, 16, -4, None), (10, 16, -3, 6)]
+
+
+@pytest.mark.parametrize("profile", flash_attn_cpu.PROFILES)
+@pytest.mark.parametrize("sq, sk, lo, hi", BANDS, ids=[f"q{a}-k{b}-band{c}_{d}" for a, b, c, d in BANDS])
+def test_flash_attn2_kernel_bands(fake_flash_attn, profile, sq, sk, lo, hi):
+    """Bands become flash-attn windows (bottom-right aligned): forward and backward match the band's own mask."""
+    fake_flash_attn(profile)
+    kernel = FlashAttn2Kernel()
+    band = Band(lo, hi).trim(sq, sk)
+    assert band is not None and (band.q_start, band.q_end, band.k_start, band.k_end) == (0, sq, 0, sk)
+    q, dout = randn(1, sq, 4, 32, seed=15, dtype=torch.bfloat16), randn(1, sq, 4, 32, seed=16, dtype=torch.bfloat16)
+    k, v = (randn(1, sk, 2, 32, seed=s, dtype=torch.bfloat16) for s in (17, 18))
+    out, lse = kernel.forward(q, k, v, band.band, 0.3)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, band.band, 0.3)
+    # the same mask written as flash-attn's window: query i sees keys i + lo .. i + hi (top-left)
+    left = -1 if lo is None else (sk - sq) - lo
+    right = -1 if hi is None else hi - (sk - sq)
+    want = brute_force(q, k, v, dout, 0.3, False, (left, right))
+    tol = TOLERANCES[torch.bfloat16]
+    for key, got, ref in (("out", out, want[0]), ("lse", lse, want[1]), ("dq", dq, want[2]), ("dk", dk, want[3]),
+                          ("dv", dv, want[4])):
+        assert norm_err(got, ref) < tol.of(key), key
 
 
 # ---- attention_2d with the flash-attn 2 kernel in the ring ------------------------------------------------------

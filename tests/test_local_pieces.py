@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from megatron_2d.band import Band
 from megatron_2d.block_plan import BlockCall, plan_block
 from megatron_2d.kernels import KERNELS, select_kernel
 from megatron_2d.merge import merge_attention_
@@ -80,10 +81,10 @@ def test_merge_keeps_accumulator_through_an_empty_start():
 
 def test_plan_zigzag_half_blocks():
     # CP=4, hp=1: context rank 1 holds chunks (1, 6).
-    assert plan_block([1, 6], [1, 6], 4, causal=True) == [BlockCall(0, 8, 8, True)]
-    assert plan_block([1, 6], [0, 7], 4, causal=True) == [BlockCall(0, 8, 4, False)]   # all Q, first half K
-    assert plan_block([1, 6], [3, 4], 4, causal=True) == [BlockCall(4, 8, 8, False)]   # second half Q, all K
-    assert plan_block([1, 6], [3, 4], 4, causal=False) == [BlockCall(0, 8, 8, False)]
+    assert plan_block([1, 6], [1, 6], 4, causal=True) == [BlockCall(0, 8, 0, 8, Band(None, 0))]
+    assert plan_block([1, 6], [0, 7], 4, causal=True) == [BlockCall(0, 8, 0, 4, None)]   # all Q, first half K
+    assert plan_block([1, 6], [3, 4], 4, causal=True) == [BlockCall(4, 8, 0, 8, None)]   # second half Q, all K
+    assert plan_block([1, 6], [3, 4], 4, causal=False) == [BlockCall(0, 8, 0, 8, None)]
 
 
 def test_plan_matches_token_mask():
@@ -92,16 +93,11 @@ def test_plan_matches_token_mask():
     for q_chunks, kv_chunks in [([0, 3, 4, 7], [1, 2, 5, 6]), ([1, 2, 5, 6], [0, 3, 4, 7]), ([2, 9], [0, 1, 10, 11])]:
         mask = torch.zeros(len(q_chunks) * c, len(kv_chunks) * c, dtype=torch.bool)
         for call in plan_block(q_chunks, kv_chunks, c, causal=True):
-            assert not call.causal
-            mask[call.q_start:call.q_end, :call.kv_len] = True
+            assert call.band is None
+            mask[call.q_start:call.q_end, call.k_start:call.k_end] = True
         qpos = torch.tensor([x * c + t for x in q_chunks for t in range(c)])
         kpos = torch.tensor([y * c + t for y in kv_chunks for t in range(c)])
         assert torch.equal(mask, kpos[None, :] < qpos[:, None])
-
-
-def test_plan_rejects_overlapping_sets():
-    with pytest.raises(ValueError, match="overlap"):
-        plan_block([1, 2], [2, 3], 4, causal=True)
 
 
 def test_shard_round_trip_matches_megatron():
@@ -148,10 +144,11 @@ def test_kernel_forward_backward(name, dtype, causal, hkv):
     dtype = DTYPES[dtype]
     q, k, v, dout, want = block_case(dtype, causal, hkv)
     kernel = select_kernel(torch.device("cpu"), dtype, name)
-    out, lse = kernel.forward(q, k, v, causal, 0.3)
+    band = Band(None, 0) if causal else None
+    out, lse = kernel.forward(q, k, v, band, 0.3)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     assert out.dtype == dtype and lse.dtype == lse_dtype and lse.shape == (2, 4, 16)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, 0.3)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, band, 0.3)
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     for key in ("dq", "dk", "dv"):
         assert got[key].dtype == dtype, key

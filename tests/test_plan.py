@@ -88,8 +88,11 @@ def test_zigzag_steps_cost_half_a_block():
         for r in range(cp):
             for src in range(cp):
                 calls = plan_block(zigzag_chunks(r, cp), zigzag_chunks(src, cp), c, causal=True)
-                pairs = sum((x.q_end - x.q_start) * (x.q_end - x.q_start + 1) // 2 if x.causal
-                            else (x.q_end - x.q_start) * x.kv_len for x in calls)
+                pairs = 0
+                for x in calls:
+                    rows, keys = x.q_end - x.q_start, x.k_end - x.k_start
+                    assert x.band is None or (x.band.lo, x.band.hi, rows) == (None, 0, keys)   # full or causal
+                    pairs += rows * keys if x.band is None else rows * (rows + 1) // 2
                 assert pairs == per_step + (c if src == r else 0), (cp, r, src)
 
 

@@ -3,18 +3,37 @@
 Layouts (the ring loop never sees a kernel's own signature or layout):
     q, out, dout, dq   [b, s_q, h_q, d]   (any strides with a contiguous last dim)
     k, v, dk, dv       [b, s_k, h_kv, d]  h_kv divides h_q (GQA: query head j uses K/V head j // (h_q / h_kv))
-    lse                [b, h_q, s_q]      fp32 softmax log-sum-exp (natural log) of the scaled scores
+    lse                [b, h_q, s_q]      softmax log-sum-exp (natural log) of the scaled scores, in
+                                          ``accumulator_dtype(q.dtype)`` (fp32; fp64 for fp64 inputs)
 
-``causal=True`` is only used on square blocks whose query and key tokens are the same positions in the same
-order, so the top-left and bottom-right conventions agree.
+``band`` (:class:`megatron_2d.band.Band`, local top-left coordinates) says which keys each query sees: None = all,
+``Band(None, 0)`` on a square block = causal. Calls come trimmed (:meth:`Band.trim`): no query row is fully masked.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
+
+from ..band import Band
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where out/lse/dq/dK/dV accumulate: fp32, or fp64 for fp64 inputs (so fp64 stays fp64-accurate)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def band_mask(band: Band, sq: int, sk: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [sq, sk]: 0 where ``band`` lets query i see key j, -inf elsewhere."""
+    offset = torch.arange(sk, device=device).unsqueeze(0) - torch.arange(sq, device=device).unsqueeze(1)  # j - i
+    hidden = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    if band.lo is not None:
+        hidden |= offset < band.lo
+    if band.hi is not None:
+        hidden |= offset > band.hi
+    return torch.zeros(sq, sk, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 class BlockKernel(abc.ABC):
@@ -23,13 +42,13 @@ class BlockKernel(abc.ABC):
     name: str = "abstract"
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Optional[Band],
                 scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Return (out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] fp32)."""
+        """Return (out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] in the accumulator dtype)."""
 
     @abc.abstractmethod
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 out: torch.Tensor, lse: torch.Tensor, band: Optional[Band],
                  scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients (dq, dk, dv) of this block given the FINAL merged ``out`` and ``lse`` of the query rows."""
 

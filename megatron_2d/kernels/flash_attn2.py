@@ -25,11 +25,20 @@ def flash_attn_available() -> bool:
         return False
 
 
+def flash_mask(band, sq: int, sk: int):
+    """(causal, (window_left, window_right)) for flash-attn from a trimmed band (masks align bottom-right)."""
+    if band is None:
+        return False, (-1, -1)
+    if band.is_causal_square(sq, sk):
+        return True, (-1, -1)
+    return False, band.flash_window(sq, sk)
+
+
 class FlashAttn2Kernel(BlockKernel):
     """flash-attn 2 forward via its public ``flash_attn_func`` (returning lse) and its backward entry point.
 
     The private backward's signature changed across releases (``window_size`` vs ``window_size_left/right``,
-    ``softcap``), so its arguments are bound by name.
+    ``softcap``), so its arguments are bound by name. Bands become flash-attn's ``window_size`` (>= 2.3).
     """
 
     name = "flash_attn2"
@@ -41,22 +50,25 @@ class FlashAttn2Kernel(BlockKernel):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, band, scale):
+        causal, window = flash_mask(band, q.shape[1], k.shape[1])
+        extra = {} if window == (-1, -1) else {"window_size": window}
         out, lse, _ = self._fa.flash_attn_func(
-            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True)
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True, **extra)
         return out, lse.float()
 
-    def _window_kwargs(self) -> Dict[str, Any]:
+    def _window_kwargs(self, window) -> Dict[str, Any]:
         if "window_size" in self._bwd_params:
-            return {"window_size": (-1, -1)}
-        return {"window_size_left": -1, "window_size_right": -1}
+            return {"window_size": window}
+        return {"window_size_left": window[0], "window_size_right": window[1]}
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, band, scale):
+        causal, window = flash_mask(band, q.shape[1], k.shape[1])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kwargs: Dict[str, Any] = dict(
             dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv,
             dropout_p=0.0, softmax_scale=scale, causal=causal, alibi_slopes=None, deterministic=False,
-            rng_state=None, **self._window_kwargs())
+            rng_state=None, **self._window_kwargs(window))
         if "softcap" in self._bwd_params:
             kwargs["softcap"] = 0.0
         self._fa._flash_attn_backward(**{k_: v_ for k_, v_ in kwargs.items() if k_ in self._bwd_params})

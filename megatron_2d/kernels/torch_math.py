@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockKernel, repeat_kv_heads, sum_kv_head_groups
+from .base import BlockKernel, accumulator_dtype, band_mask, repeat_kv_heads, sum_kv_head_groups
 
 
-def _scores(q, k, causal, scale):
-    """Scaled scores [b, h, s_q, s_k] in fp32 (fp64 for fp64 inputs), causal entries above the diagonal at -inf."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+def _scores(q, k, band, scale):
+    """Scaled scores [b, h, s_q, s_k] in the accumulator dtype, keys outside ``band`` at -inf."""
+    acc = accumulator_dtype(q.dtype)
     s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.to(acc)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(1)
-        s.masked_fill_(mask, float("-inf"))
+    if band is not None:
+        s = s + band_mask(band, s.shape[-2], s.shape[-1], acc, s.device)
     return s
 
 
@@ -27,19 +25,19 @@ class TorchMathKernel(BlockKernel):
 
     name = "torch_math"
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, band, scale):
         hq = q.shape[2]
         k, v = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
-        s = _scores(q, k, causal, scale)                      # [b, h, sq, sk]
+        s = _scores(q, k, band, scale)                        # [b, h, sq, sk]
         lse = torch.logsumexp(s, dim=-1)                      # [b, h, sq]
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(p.dtype))
-        return out.to(q.dtype), lse.float()
+        return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, band, scale):
         hq, hkv = q.shape[2], k.shape[2]
         k_rep, v_rep = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
-        s = _scores(q, k_rep, causal, scale)
+        s = _scores(q, k_rep, band, scale)
         acc = s.dtype
         p = torch.exp(s - lse.to(acc).unsqueeze(-1))          # [b, h, sq, sk]
         do = dout.to(acc)

@@ -7,6 +7,7 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
 from .settings import layer_comm_types, settings_from_config, uses_2d
 
@@ -16,7 +17,9 @@ class TransformerConfig2D(TransformerConfig):
     """Select the backend with ``cp_comm_type="2d"`` (or a per-layer list containing "2d").
 
     Validated when built: hp x cp = context_parallel_size, hp divides the heads per TP rank, w divides cp, a
-    known placement, no attention dropout. 2D settings given without the "2d" backend are refused.
+    known placement, and every attention setting honoured or refused (:mod:`.attention_settings`). 2D settings
+    given without the "2d" backend are refused. ``window_size`` is Megatron's sliding window (honoured);
+    ``cp_2d_window_size`` is the Double-Ring window.
     """
 
     cp_2d_head_parallel_size: Optional[int] = None
@@ -44,6 +47,7 @@ class TransformerConfig2D(TransformerConfig):
                 raise ValueError(problem)
         if uses_2d(self.cp_comm_type):
             settings_from_config(self)
+            check_attention_settings(self)
             return
         given = {name: getattr(self, name) for name, default in (
             ("cp_2d_head_parallel_size", None), ("cp_2d_context_size", None), ("cp_2d_window_size", 1),

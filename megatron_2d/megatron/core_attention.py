@@ -4,7 +4,12 @@ Built by Megatron's SelfAttention as ``core_attention(config=, layer_number=, at
 cp_comm_type=, softmax_scale=, pg_collection=)`` and called as
 ``forward(query, key, value, attention_mask, attn_mask_type=, attention_bias=, packed_seq_params=)``:
 query [s/CP, b, hq/tp, d], key/value [s/CP, b, hkv/tp, d] (RoPE applied, zigzag CP shards), output
-[s/CP, b, hq/tp * d]. Causality comes from the zigzag positions, so the attention_mask tensor is not read.
+[s/CP, b, hq/tp * d]. Causality comes from the zigzag positions, so the attention_mask tensor is not read (as in
+Transformer Engine's backend, the mask type decides). Every config field is honoured or refused: see
+:mod:`megatron_2d.megatron.attention_settings`.
+
+Naming: ``window_size`` here is Megatron's sliding window (config.window_size); the Double-Ring window is
+``double_ring_window`` (config.cp_2d_window_size).
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
 from ..attention import attention_2d
+from ..band import SlidingWindow
+from .attention_settings import check_attention_settings
 from .checkpoint_plus import AttentionKeeper
 from .process_groups import groups_for
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, uses_2d
@@ -41,8 +49,10 @@ def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
 class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
-    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, window_size, placement,
-    and kernel (a :mod:`megatron_2d.kernels` name; chosen by device when None).
+    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, window_size (the
+    Double-Ring window, kept for the spec's keyword), placement, and kernel (a :mod:`megatron_2d.kernels` name;
+    chosen by device when None). Megatron's sliding window (config.window_size, window_attn_skip_freq) and
+    softmax_type ("off-by-one", "learnable": attention sinks, parameter ``softmax_offset``) are honoured.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
@@ -66,6 +76,7 @@ class CoreAttention2D(MegatronModule):
                                            attn_mask_type=attn_mask_type, attention_type=attention_type,
                                            softmax_scale=softmax_scale)
             return
+        check_attention_settings(config)
         if attention_type != "self":
             raise ValueError(f"the 2d backend supports self attention only, got attention_type {attention_type!r}")
         if attn_mask_type not in SUPPORTED_MASKS:
@@ -82,6 +93,41 @@ class CoreAttention2D(MegatronModule):
         self.groups = groups_for(pg_collection.cp, self.settings)
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
         self.keeper = AttentionKeeper() if getattr(config, "selective_checkpoint_plus_plus", False) else None
+        self.sliding_window = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            left, right = config.window_size
+            self.sliding_window = SlidingWindow(left, right)
+            if attn_mask_type == AttnMaskType.causal and right not in (0, -1):
+                raise ValueError(f"window_size {tuple(config.window_size)} looks {right} tokens ahead on causal layer "
+                                 f"{layer_number}; a causal sliding window is (left, 0)")
+        self.tp_group = pg_collection.tp
+        self._init_softmax_offset(config, heads_per_partition=config.num_attention_heads // pg_collection.tp.size())
+
+    def _init_softmax_offset(self, config, heads_per_partition: int) -> None:
+        """Megatron's softmax_offset, as its DotProductAttention makes it: zeros for "off-by-one", a parameter of
+        one logit per local head for "learnable" (same name, so checkpoints and optimizers see the same key)."""
+        device = torch.device("cpu") if config.use_cpu_initialization or not torch.cuda.is_available() \
+            else torch.device("cuda", torch.cuda.current_device())
+        if config.softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif config.softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(heads_per_partition, device=device, dtype=config.params_dtype)
+        elif config.softmax_type == "learnable":
+            self.register_parameter("softmax_offset", torch.nn.Parameter(
+                torch.empty(heads_per_partition, device=device, dtype=config.params_dtype)))
+            if config.perform_initialization:
+                self.softmax_offset = config.init_method(self.softmax_offset)
+        else:
+            raise ValueError(f"softmax_type {config.softmax_type!r} is not known to the 2d backend; choose one of "
+                             f"['vanilla', 'off-by-one', 'learnable']")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):
+        """The learnable softmax offset, sharded over TP like Megatron's own core attention."""
+        if self.delegate is not None:
+            return self.delegate.sharded_state_dict(prefix, sharded_offsets, metadata)
+        state_dict = self.state_dict(prefix="", keep_vars=True) if self.config.softmax_type == "learnable" else {}
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
@@ -99,7 +145,9 @@ class CoreAttention2D(MegatronModule):
         if mask_type not in SUPPORTED_MASKS:
             raise ValueError(f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
                              f"{[m.name for m in SUPPORTED_MASKS]}")
+        window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
         attention = partial(attention_2d, groups=self.groups, causal=mask_type == AttnMaskType.causal,
-                            softmax_scale=self.softmax_scale, kernel=self.kernel)
+                            softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window,
+                            sinks=self.softmax_offset)
         out = attention(query, key, value) if self.keeper is None else self.keeper(attention, query, key, value)
         return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]

@@ -49,9 +49,14 @@ class Layout:
         return f"{self.kind} (CP={self.cp_size})"
 
 
-def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: int) -> Optional[str]:
-    """None when ``layout`` can run, else the reason (naming the values and what would be valid)."""
+def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: int,
+                 window: Optional[int] = None) -> Optional[str]:
+    """None when ``layout`` can run, else the reason (naming the values and what would be valid).
+
+    ``window``: a sliding window of that many tokens; Transformer Engine refuses it with p2p and a2a+p2p CP."""
     k, hp, cp, w = layout.kind, layout.hp, layout.cp, layout.w
+    if window is not None and k in ("p2p", "a2a+p2p"):
+        return f"Transformer Engine refuses sliding-window attention with {k} context parallelism (use a2a or 2d)"
     CP = parallel.cp_size
     if k not in KINDS:
         return f"unknown kind {k!r}; valid kinds: {', '.join(KINDS)}"

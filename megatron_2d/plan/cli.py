@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
+    j.add_argument("--window", type=parse_seq, default=None,
+                   help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer; p2p and a2a+p2p "
+                        "are then refused as Transformer Engine refuses them")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=15, help="feasible layouts to list (default 15)")
     o.add_argument("--all", action="store_true", help="list every feasible layout")
@@ -99,7 +102,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         model, cluster, parallel = _specs(args)
         causal = not args.no_causal
-        cands = plan(model, cluster, parallel, args.seq, causal)
+        if args.window is not None and not causal:
+            raise PlanError("--window models causal sliding windows; drop --no-causal")
+        cands = plan(model, cluster, parallel, args.seq, causal, args.window)
         if args.json:
             print(plan_json(cands))
         else:

@@ -21,12 +21,14 @@ figures are in hardware.py. Assumptions are marked as such.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .placement import LinkClass, LinkMap, link_map
+from .windows import WindowWork, window_work
 
 BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors
 FP32 = 4      # bytes per element of the dK/dV accumulators that travel the ring in backward
@@ -61,6 +63,8 @@ class LayerWork:
     merge_bwd_bytes: float
     """HBM traffic of one backward ring step: the same for the fp32 dQ accumulator, plus the fp32 dK/dV block:
     3 * 4 * s_ctx * (Ht/hp + 2*L/hp) * d."""
+    s_ctx_tokens: float = 0.0
+    """s_ctx = S/cp: tokens of one sequence in a context rank's K/V block."""
 
 
 def replicated_kv_heads(kv_heads_tp: int, hp: int) -> int:
@@ -93,7 +97,7 @@ def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: 
     merge_b = 3 * FP32 * B * s_ctx * (q_heads + 2 * (L // hp)) * d
     return LayerWork(fwd_flops=fwd, a2a_peer_bytes=a2a_peer, kv_bytes=kv, dkv_bytes=kv * FP32 / BF16,
                      kv_heads_per_rank=L // hp, a2a_local_bytes=a2a_peer * hp, merge_fwd_bytes=merge_f,
-                     merge_bwd_bytes=merge_b)
+                     merge_bwd_bytes=merge_b, s_ctx_tokens=s_ctx)
 
 
 # -- links ------------------------------------------------------------------------------------------------------
@@ -230,6 +234,26 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     return intra, inter, nic
 
 
+def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluster: ClusterSpec, cp: int,
+                    tc: float, tcb: float):
+    """(forward, backward, serialised comm, K/V bytes of one message) of the neighbour exchange (sparse windows).
+
+    The rank's visible work (cp steps' worth of ``tc`` already scaled by the window) is spread over its own block
+    and its ``ww.messages`` neighbours; each neighbour's message (K/V slice, then K/V + fp32 dK/dV partial in
+    backward) overlaps one such step, the last dK/dV partial overlaps nothing:
+        fwd = t + m * max(t, T(kv)),  bwd = tb + m * max(tb, T(kv + dkv)) + T(dkv),   t = cp * tc / (m + 1)
+    """
+    m = ww.messages
+    per_token = work.kv_bytes / work.s_ctx_tokens
+    kv = per_token * ww.key_tokens / m
+    dkv = kv * FP32 / BF16
+    t_msg = lambda b: path_time(ring_links.inner, b, cluster)  # noqa: E731
+    t, tb = cp * tc / (m + 1), cp * tcb / (m + 1)
+    fwd = t + m * max(t, t_msg(kv))
+    bwd = tb + m * max(tb, t_msg(kv + dkv)) + t_msg(dkv)
+    return fwd, bwd, m * (2 * t_msg(kv) + t_msg(dkv)), kv
+
+
 def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int) -> Tuple[float, float]:
     """(total, activations) bytes per GPU. A rough estimate; what it counts:
 
@@ -263,9 +287,14 @@ def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: 
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
-             placement: str, seq: int, causal: bool = True) -> Estimate:
-    """Predict one layout. Assumes the layout is valid (see candidates.check_layout)."""
+             placement: str, seq: int, causal: bool = True, window: Optional[int] = None) -> Estimate:
+    """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
+
+    ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
+    visible pairs only, and its transport is the op's own choice (see :mod:`.windows`)."""
     work = layer_work(model, parallel, hp, cp, seq, causal)
+    ww = window_work(hp, cp, placement, seq, window if causal else None)
+    work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
     links = link_map(hp, cp, w, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
     attn_rate = cluster.peak_tflops * 1e12 * cluster.attn_efficiency
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
@@ -278,10 +307,20 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     a2a_one = 0.0
     if hp > 1:
         a2a_one = path_time(links.a2a, work.a2a_peer_bytes, cluster) + 4 * work.a2a_local_bytes / hbm + lat
-    fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
+    if ww.dense:
+        fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
+        intra, inter, nic = traffic(work, links, cluster, hp, cp, w)
+    else:
+        ring_links = link_map(hp, cp, cp, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
+        fwd, bwd, ring_serial, msg = neighbour_times(work, ww, ring_links, cluster, cp, tc, tcb)
+        intra, inter, nic = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, hp, cp, w)
+        c = worst_class(ring_links.inner, msg, cluster)
+        for peer_bytes, times in ((msg, 2 * ww.messages), (msg * FP32 / BF16, ww.messages)):
+            intra += times * c.intra_peers * peer_bytes
+            inter += times * c.inter_peers * peer_bytes
+            nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
     compute = cp * (tc + tcb)
     time = 2 * a2a_one + fwd + bwd
-    intra, inter, nic = traffic(work, links, cluster, hp, cp, w)
     mem, act = memory_bytes(model, parallel, hp, cp, w, seq)
 
     # Whole model (6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal halved).
@@ -291,7 +330,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     dense_layer = 6.0 * model.layer_params() * B * S / group / dense_rate
     logits = 6.0 * model.vocab * model.hidden * B * S / group / dense_rate
     step = model.layers * (time + dense_layer) + logits
-    attn_model_flops = 3.0 * 4.0 * B * S * S * model.heads * model.head_dim * (0.5 if causal else 1.0)
+    attn_model_flops = 3.0 * 4.0 * B * S * S * model.heads * model.head_dim * (0.5 if causal else 1.0) * ww.fraction
     model_flops = 6.0 * model.matmul_params() * B * S + model.layers * attn_model_flops
     mfu = model_flops / group / step / (cluster.peak_tflops * 1e12)
     return Estimate(time_s=time, compute_s=compute, kernel_s=(1.0 + BWD_FACTOR) * work.fwd_flops / attn_rate,

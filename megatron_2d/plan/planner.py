@@ -81,15 +81,15 @@ def validate_job(model: ModelSpec, parallel: ParallelSpec, seq: int) -> None:
 
 
 def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str],
-             parallel: ParallelSpec, seq: int, causal: bool = True) -> Candidate:
-    """Check and, when feasible, estimate one layout."""
+             parallel: ParallelSpec, seq: int, causal: bool = True, window: Optional[int] = None) -> Candidate:
+    """Check and, when feasible, estimate one layout (``window``: causal sliding window in tokens, or None)."""
     model, cluster = _resolve(model, cluster)
     validate_job(model, parallel, seq)
-    reason = check_layout(layout, model, parallel, seq)
+    reason = check_layout(layout, model, parallel, seq, window)
     flags = megatron_flags(layout, parallel)
     if reason:
         return Candidate(layout, False, reason, flags)
-    est = estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq, causal)
+    est = estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq, causal, window)
     return Candidate(layout, True, "", flags, est)
 
 
@@ -100,7 +100,7 @@ def _sort_key(c: Candidate):
 
 
 def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
-         causal: bool = True) -> List[Candidate]:
+         causal: bool = True, window: Optional[int] = None) -> List[Candidate]:
     """All candidate layouts for the job: feasible ones fastest first, then the infeasible ones with reasons.
 
     >>> from megatron_2d.plan import plan, ParallelSpec
@@ -113,7 +113,7 @@ def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], paralle
     """
     model, cluster = _resolve(model, cluster)
     validate_job(model, parallel, seq)
-    cands = [evaluate(l, model, cluster, parallel, seq, causal) for l in enumerate_layouts(model, parallel)]
+    cands = [evaluate(l, model, cluster, parallel, seq, causal, window) for l in enumerate_layouts(model, parallel)]
     ok = sorted((c for c in cands if c.feasible), key=_sort_key)
     return ok + [c for c in cands if not c.feasible]
 

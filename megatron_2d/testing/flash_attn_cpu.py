@@ -57,6 +57,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from megatron_2d.band import Band
 from megatron_2d.kernels import CpuFlashKernel
 
 _KERNEL = CpuFlashKernel()
@@ -124,7 +125,8 @@ def _scores(q, k, scale, softcap, mask):
 def _forward(q, k, v, scale, causal, left, right, softcap):
     """(out [b, s_q, h, d] in q's dtype, lse [b, h, s_q] fp32)."""
     if _fast_path(q, k, causal, left, right, softcap):
-        return _KERNEL.forward(q, k, v, bool(causal), scale)
+        out, lse = _KERNEL.forward(q, k, v, Band(None, 0) if causal else None, scale)
+        return out, lse.float()                                             # flash-attn's lse is fp32 always
     s = _scores(q, k, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
     lse = torch.logsumexp(s, dim=-1)                                        # -inf for empty rows
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)                     # empty rows: 0
@@ -137,7 +139,7 @@ def _forward(q, k, v, scale, causal, left, right, softcap):
 def _backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
     """(dq, dk, dv) in the inputs' dtype, from the final out and lse (flash-attn recomputes P from lse)."""
     if _fast_path(q, k, causal, left, right, softcap):
-        return _KERNEL.backward(dout, q, k, v, out, lse, bool(causal), scale)
+        return _KERNEL.backward(dout, q, k, v, out, lse, Band(None, 0) if causal else None, scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     qa, ka, va = (x.detach().to(acc).requires_grad_(True) for x in (q, k, v))
     s = _scores(qa, ka, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))

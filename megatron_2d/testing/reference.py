@@ -53,21 +53,38 @@ TOLERANCES = {
 TOLERANCE = {dtype: t.end_to_end for dtype, t in TOLERANCES.items()}
 
 
-def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0):
+def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0, window=(-1, -1), sinks=None):
     """Plain softmax attention on [b, s, h, d] blocks (K/V heads repeated for GQA): (out [b, sq, hq, d],
-    lse [b, hq, sq]). ``causal`` masks keys after each query (square blocks)."""
+    lse [b, hq, sq]). ``causal`` masks keys after each query (square blocks); ``window`` (left, right), -1 =
+    unbounded, keeps keys i - left <= j <= i + right; ``sinks`` [hq] adds one logit per head to every row's
+    softmax denominator (lse then includes it)."""
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    sq, sk = scores.shape[-2:]
+    offset = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1)          # j - i
+    hidden = torch.zeros(sq, sk, dtype=torch.bool)
+    left, right = window
     if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v), torch.logsumexp(scores, -1)
+        hidden |= offset > 0
+    if left != -1:
+        hidden |= offset < -left
+    if right != -1:
+        hidden |= offset > right
+    scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
+        probs = scores.softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v), torch.logsumexp(scores, -1)
 
 
-def reference_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+def reference_attention(q, k, v, causal: bool, scale: float, window=(-1, -1), sinks=None) -> torch.Tensor:
     """Full-sequence attention in Megatron's sbhd: q [S, b, hq, d], k/v [S, b, hkv, d] -> [S, b, hq, d]."""
-    out, _ = attention_with_lse(*(x.transpose(0, 1) for x in (q, k, v)), causal=causal, scale=scale)
+    out, _ = attention_with_lse(*(x.transpose(0, 1) for x in (q, k, v)), causal=causal, scale=scale,
+                                window=window, sinks=sinks)
     return out.transpose(0, 1)
 
 

@@ -1,0 +1,174 @@
+"""Every megatron-core TransformerConfig field, as the 2d core attention treats it: honoured, refused, or outside.
+
+A field we do not read but that changes attention's math would be a silent wrong answer, so each field of
+megatron-core 0.19's TransformerConfig is classified here, and tests/test_attention_settings.py fails when a
+megatron-core upgrade adds one that is not (classify it here: honour it, refuse it, or record why core attention
+never sees it).
+
+    HONOURED   read by CoreAttention2D / the op (or provably without effect on its math), with how
+    REFUSED    a value that would change the math and is not implemented: refused at config build and at model
+               construction, on every rank, naming the setting and what would work (:func:`attention_refusals`)
+    OUTSIDE    applied by Megatron before or after core attention (projections, norms, RoPE, MoE, pipeline,
+               optimizer, fusions, inference), so the 2d backend inherits Megatron's own handling
+
+Arguments of core attention's forward: ``attention_mask`` is read as Transformer Engine's backend reads it (the
+mask type decides: causal and no_mask need no tensor; document masks come as packed_seq_params, refused);
+``attention_bias``, ``packed_seq_params`` and mask types other than causal / no_mask are refused in
+:mod:`megatron_2d.megatron.core_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+HONOURED: Dict[str, str] = {
+    "context_parallel_size": "CP = hp x cp of the 2D layout",
+    "cp_comm_type": "'2d' selects this backend (per-layer lists: other layers run TE's CP)",
+    "hierarchical_context_parallel_sizes": "[hp, cp] when cp_2d_head_parallel_size is not given",
+    "num_attention_heads": "query heads (split over TP, then over the head group)",
+    "num_query_groups": "K/V heads (GQA; replicated when hp exceeds them)",
+    "kv_channels": "head dim of q/k/v",
+    "tensor_model_parallel_size": "heads per TP rank",
+    "softmax_scale": "the scale (default 1/sqrt(kv_channels)); mup settings arrive through it",
+    "use_mup": "through softmax_scale (computed in TransformerConfig.__post_init__)",
+    "mup_base_head_dim": "through softmax_scale",
+    "mup_attn_scale_power": "through softmax_scale",
+    "softmax_type": "'off-by-one' and 'learnable' as attention sinks (same softmax_offset parameter and key)",
+    "window_size": "sliding window (left, right), TE's convention, on every windowed layer",
+    "window_attn_skip_freq": "which layers are windowed (megatron's is_layer_window_attention)",
+    "apply_query_key_layer_scaling": "no effect on the math: Megatron divides the scale by the layer number and "
+                                     "multiplies the scores back in the softmax; the op's scores are fp32",
+    "attention_softmax_in_fp32": "always: the op's softmax, lse and accumulators are fp32 (fp64 for fp64)",
+    "fp16": "input dtype", "bf16": "input dtype", "params_dtype": "dtype of the softmax_offset parameter",
+    "attention_backend": "no effect on the math: the 2d backend picks its block kernel by device",
+    "flash_attention_version": "no effect on the math (kernel choice)",
+    "masked_softmax_fusion": "no effect on the math (fusion choice)",
+    "recompute_granularity": "full recompute works; Selective Checkpoint++ keeps attention instead",
+    "recompute_modules": "'core_attn' re-runs CoreAttention2D under Megatron's checkpoint",
+    "perform_initialization": "softmax_offset initialised as Megatron's DotProductAttention does",
+    "init_method": "softmax_offset's initialisation",
+    "use_cpu_initialization": "softmax_offset created on CPU when set",
+}
+
+
+def _is_set(name: str) -> Callable[[object], bool]:
+    return lambda config: bool(getattr(config, name, None))
+
+
+# name -> (when it is refused, why and what would work)
+REFUSED: Dict[str, tuple] = {
+    "attention_dropout": (_is_set("attention_dropout"),
+                          "attention dropout is not implemented by the 2d backend; set attention_dropout=0.0 "
+                          "(--attention-dropout 0)"),
+    "qk_clip": (_is_set("qk_clip"), "qk-clip needs each layer's max attention logit, which the 2d backend does not "
+                                    "compute; set qk_clip=False or use a Transformer Engine CP backend"),
+    "log_max_attention_logit": (_is_set("log_max_attention_logit"),
+                                "the max attention logit is not computed by the 2d backend; set "
+                                "log_max_attention_logit=False"),
+    "multi_latent_attention": (_is_set("multi_latent_attention"),
+                               "multi-latent attention (MLA) is not supported by the 2d backend"),
+    "experimental_attention_variant": (_is_set("experimental_attention_variant"),
+                                       "experimental attention variants (gated_delta_net, dsa) are not supported by "
+                                       "the 2d backend; leave experimental_attention_variant unset"),
+    "fp8_dot_product_attention": (_is_set("fp8_dot_product_attention"),
+                                  "fp8 dot-product attention is not implemented by the 2d backend; set "
+                                  "fp8_dot_product_attention=False (fp8 linear layers are fine)"),
+    "fp8_multi_head_attention": (_is_set("fp8_multi_head_attention"),
+                                 "fp8 multi-head attention is not implemented by the 2d backend; set "
+                                 "fp8_multi_head_attention=False"),
+    "use_kitchen_attention": (_is_set("use_kitchen_attention"),
+                              "kitchen attention replaces core attention; it cannot run with cp_comm_type '2d'"),
+    "kitchen_attention_backend": (lambda config: bool(getattr(config, "use_kitchen_attention", False)),
+                                  "kitchen attention replaces core attention; it cannot run with cp_comm_type '2d'"),
+    "hybrid_context_parallel": (_is_set("hybrid_context_parallel"),
+                                "hybrid (dynamic) context parallelism changes the CP group per micro-batch; the 2d "
+                                "backend needs a fixed CP group; set hybrid_context_parallel=False"),
+    "deterministic_mode": (_is_set("deterministic_mode"),
+                           "deterministic mode is not guaranteed by the 2d backend (flash-attn's backward adds dq "
+                           "with atomics); set deterministic_mode=False"),
+}
+
+OUTSIDE = tuple("""
+    tensor_parallel_num_weight_shards gtp_weight_remat_size pipeline_model_parallel_comm_backend
+    pipeline_model_parallel_size virtual_pipeline_model_parallel_size sequence_parallel
+    max_seqlen_per_dp_cp_rank expert_model_parallel_size expert_tensor_parallel_size
+    expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size timers finalize_model_grads_func
+    grad_scale_func moe_grad_scale_func mtp_grad_scale_func no_sync_func grad_sync_func param_sync_func
+    enable_autocast autocast_dtype num_microbatches_with_partial_activation_checkpoints
+    gradient_accumulation_fusion use_te_rng_tracker tp_comm_overlap tp_comm_bulk_wgrad tp_comm_bulk_dgrad
+    tp_comm_overlap_ag tp_comm_overlap_rs tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_atomic_ag
+    tp_comm_split_rs tp_comm_atomic_rs cross_entropy_loss_fusion cross_entropy_fusion_impl
+    tp_comm_overlap_disable_qkv tp_comm_overlap_disable_fc1 tp_comm_bootstrap_backend
+    overlap_moe_expert_parallel_comm delay_wgrad_compute overlap_dispatch_backward_with_experts_wgrad
+    ep_overlap_early_attn_memory_release pipeline_dtype variable_seq_lengths overlap_p2p_comm batch_p2p_comm
+    batch_p2p_sync use_ring_exchange_p2p deallocate_pipeline_outputs defer_embedding_wgrad_compute
+    wgrad_deferral_limit overlap_p2p_comm_warmup_flush microbatch_group_size_per_vp_stage mtp_standalone
+    cpu_offloading cpu_offloading_num_layers _cpu_offloading_context cpu_offloading_activations
+    cpu_offloading_weights cpu_offloading_double_buffering cpu_offloading_retain_pinned_cpu_buffers
+    barrier_with_L1_time num_layers mtp_num_layers mtp_loss_scaling_factor mtp_use_repeated_layer
+    mtp_detach_heads mtp_hybrid_override_pattern num_layers_in_first_pipeline_stage
+    num_layers_in_last_pipeline_stage pipeline_model_parallel_layout account_for_embedding_in_pipeline_split
+    account_for_loss_in_pipeline_split hidden_size ffn_hidden_size hidden_dropout fp32_residual_connection
+    apply_residual_connection_post_layernorm layernorm_epsilon layernorm_zero_centered_gamma add_bias_linear
+    add_qkv_bias gated_linear_unit activation_func activation_func_fp8_input_store glu_linear_offset
+    activation_func_clamp_value num_moe_experts rotary_interleaved normalization qk_layernorm qk_l2_norm
+    qk_clip_alpha qk_clip_threshold attention_output_gate test_mode calculate_per_token_loss no_rope_freq
+    experimental_attention_variant_loss_scale_func dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk
+    dsa_indexer_topk_freq dsa_indexer_skip_topk_offset dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss
+    dsa_kernel_backend dsa_indexer_rope_interleaved dsa_indexer_rotate_activation dsa_indexer_scoring_relu
+    dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32 linear_attention_freq linear_conv_kernel_dim
+    linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
+    output_layer_init_method init_method_std embedding_init_method embedding_init_method_std
+    init_model_with_meta_device mup_width_mult mup_base_hidden_size mup_embedding_mult mup_output_mult
+    disable_bf16_reduced_precision_matmul bias_activation_fusion persist_layer_norm memory_efficient_layer_norm
+    bias_dropout_fusion apply_rope_fusion use_fused_weighted_squared_relu fused_single_qkv_rope
+    fused_residual_rmsnorm use_transformer_engine_op_fuser recompute_method recompute_num_layers
+    distribute_saved_activations fp8 fp8_recipe fp8_param fp8_quantizer_factory fp8_margin fp8_interval
+    fp8_amax_history_len fp8_amax_compute_algo fp8_wgrad fp8_output_proj tp_only_amax_red first_last_layers_bf16
+    num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 use_kitchen fp4 fp4_recipe fp4_param
+    fp4_quantizer_factory high_priority_a2a_comm_stream moe_shared_expert_intermediate_size
+    moe_shared_expert_gate moe_shared_expert_overlap use_grouped_gemm_for_shared_expert
+    moe_shared_expert_glu_interleave_size moe_layer_freq moe_ffn_hidden_size moe_router_load_balancing_type
+    moe_router_topk moe_enable_routing_replay moe_router_topk_limited_devices
+    moe_router_padding_for_quantization moe_router_padding_for_fp8 moe_router_num_groups moe_router_group_topk
+    moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_score_function moe_router_dtype
+    moe_router_enable_expert_bias moe_router_bias_update_rate moe_router_quantile_balancing_ema
+    moe_router_force_load_balancing moe_router_force_biased use_grouped_gemm_for_dense_mlp moe_grouped_gemm
+    moe_single_grouped_weight moe_single_grouped_bias moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps
+    moe_token_dropping moe_token_dispatcher_type moe_enable_deepep moe_flex_dispatcher_backend
+    moe_permute_fusion_into_hybridep moe_hybridep_pad_uneven_dispatch_inputs moe_per_layer_logging
+    moe_expert_capacity_factor moe_pad_expert_input_to_capacity moe_pad_experts_for_cuda_graph_inference
+    moe_token_drop_policy moe_layer_recompute moe_permute_fusion moe_router_fusion moe_apply_probs_on_input
+    moe_latent_size moe_flex_dispatcher_num_sms moe_deepep_num_sms moe_hybridep_num_sms
+    moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute moe_hybridep_num_sms_preprocessing
+    moe_ncclep_static_shape moe_ncclep_zero_copy moe_mlp_glu_interleave_size moe_expert_rank_capacity_factor
+    enable_cuda_graph cuda_graph_use_single_mempool cuda_graph_retain_backward_graph cuda_graph_warmup_steps
+    external_cuda_graph cuda_graph_impl cuda_graph_modules inference_cuda_graph_scope cuda_graph_scope
+    clone_scatter_output_in_embedding disable_parameter_transpose_cache config_logger_dir flash_decode
+    batch_invariant_mode use_te_activation_func inference_rng_tracker inference_sampling_seed symmetric_ar_type
+    nccl_all_reduce_for_prefill use_inference_optimized_layers inference_fuse_tp_communication
+    inference_disable_triton_nvls_kernels inference_grouped_gemm_backend
+    inference_moe_disable_fused_quant_kernels inference_moe_token_dispatcher_type mrope_section is_hybrid_model
+    mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads mamba_training_ssm_states_dtype
+    use_mamba_mem_eff_path mlp_chunks_for_prefill mlp_chunks_for_training heterogeneous_block_specs
+    hetereogenous_dist_checkpoint quant_recipe transformer_impl fine_grained_activation_offloading
+    offload_modules min_offloaded_tensor_size delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks
+    activation_offload_fraction moe_paged_stash moe_paged_stash_page_size
+    moe_paged_stash_buffer_size_factor_cuda moe_paged_stash_buffer_size_factor_cpu
+    fine_grained_offloading_max_inflight_offloads
+""".split())
+
+MEGATRON_CORE_VERSION_CLASSIFIED = "0.19.2"
+
+
+def attention_refusals(config) -> List[str]:
+    """Messages for every setting of ``config`` the 2d backend refuses (empty when all is fine)."""
+    return [f"{name}={getattr(config, name, None)!r}: {why}"
+            for name, (refused, why) in REFUSED.items() if refused(config)]
+
+
+def check_attention_settings(config) -> None:
+    """Raise ValueError naming every refused setting of ``config``."""
+    problems = attention_refusals(config)
+    if problems:
+        raise ValueError("settings not supported with cp_comm_type '2d':\n  " + "\n  ".join(problems))

@@ -1,0 +1,59 @@
+"""Sliding-window layers in the planner: the work they keep and the transport the op really uses for them.
+
+For a causal window of ``left`` tokens over S tokens, attention keeps sum_i (min(i, left) + 1) of the S(S+1)/2
+causal pairs. The op (``megatron_2d.attention_2d``) plans every context-rank pair from the zigzag chunks; when some
+pairs see nothing it uses the neighbour exchange instead of the ring, sending each rank only the key slices its
+queries see. The planner asks the op's own plan (``plan_context_group``) which pairs talk and how many keys they
+move, so it cannot recommend a ring that carries blocks nobody sees. Context groups beyond MAX_EXACT_CP ranks are
+charged the full ring (a conservative bound, stated in the row's reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..band import SlidingWindow
+from ..block_plan import plan_context_group
+from ..topology import Layout2D
+
+MAX_EXACT_CP = 64
+
+
+@dataclass(frozen=True)
+class WindowWork:
+    """What a window leaves of one layer's attention on one rank."""
+
+    fraction: float
+    """Visible pairs / causal pairs (scales the attention FLOPs)."""
+    dense: bool
+    """Every context rank sees keys of every other: the op runs the ring (with fewer FLOPs)."""
+    messages: int
+    """Neighbour exchange: K/V messages the busiest rank sends per pass (0 when dense)."""
+    key_tokens: int
+    """Neighbour exchange: key tokens the busiest rank sends per pass, summed over its messages (per sequence)."""
+
+
+def visible_fraction(seq: int, left: int) -> float:
+    """sum_i (min(i, left) + 1) / (S (S + 1) / 2), closed form."""
+    if left < 0 or left >= seq - 1:
+        return 1.0
+    pairs = (left + 1) * (left + 2) // 2 + (seq - left - 1) * (left + 1)
+    return pairs / (seq * (seq + 1) / 2)
+
+
+def window_work(hp: int, cp: int, placement: str, seq: int, left: Optional[int]) -> WindowWork:
+    """The work and neighbour traffic of a causal window of ``left`` tokens for the 2D layout (hp, cp)."""
+    if left is None or left < 0 or left >= seq - 1 or cp == 1:
+        return WindowWork(visible_fraction(seq, -1 if left is None else left), True, 0, 0)
+    fraction = visible_fraction(seq, left)
+    if cp > MAX_EXACT_CP:
+        return WindowWork(fraction, True, 0, 0)
+    chunk = seq // (2 * hp * cp)
+    plan = plan_context_group(Layout2D(hp * cp, hp, 1, placement), chunk, True, SlidingWindow(left, 0))
+    if plan.dense:
+        return WindowWork(fraction, True, 0, 0)
+    sent = [[hull[1] - hull[0] for (dst, src), hull in plan.keys.items() if src == r and dst != r and hull]
+            for r in range(cp)]
+    busiest = max(sent, key=sum)
+    return WindowWork(fraction, False, len(busiest), sum(busiest))

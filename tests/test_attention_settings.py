@@ -1,0 +1,63 @@
+"""Every TransformerConfig field is honoured, refused or outside core attention; refusals name the setting."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_2d.megatron import TransformerConfig2D
+from megatron_2d.megatron.attention_settings import HONOURED, OUTSIDE, REFUSED, attention_refusals
+
+
+def test_every_config_field_is_classified():
+    """Fails when a megatron-core upgrade adds a field nobody has classified (it might change attention)."""
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    classified = [*HONOURED, *REFUSED, *OUTSIDE]
+    assert len(classified) == len(set(classified)), "a field is classified twice"
+    unclassified = sorted(fields - set(classified))
+    assert not unclassified, (f"new TransformerConfig fields {unclassified}: classify each in "
+                              f"megatron_2d/megatron/attention_settings.py (honoured, refused or outside)")
+    assert not sorted(set(classified) - fields), "classified fields that TransformerConfig no longer has"
+
+
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, context_parallel_size=4,
+            cp_comm_type="2d", cp_2d_head_parallel_size=2, attention_dropout=0.0, hidden_dropout=0.0)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(qk_clip=True), r"qk_clip=True: qk-clip needs each layer's max attention logit"),
+    (dict(log_max_attention_logit=True), r"log_max_attention_logit=True: the max attention logit is not computed"),
+    (dict(deterministic_mode=True), r"deterministic_mode=True: deterministic mode is not guaranteed"),
+    (dict(hybrid_context_parallel=True), r"hybrid_context_parallel=True: hybrid \(dynamic\) context parallelism"),
+    (dict(fp8_dot_product_attention=True), r"fp8_dot_product_attention=True: fp8 dot-product attention"),
+    (dict(fp8_multi_head_attention=True), r"fp8_multi_head_attention=True: fp8 multi-head attention"),
+    (dict(use_kitchen_attention=True), r"use_kitchen_attention=True: kitchen attention replaces core attention"),
+    (dict(experimental_attention_variant="dsa"), r"experimental_attention_variant='dsa': experimental attention"),
+    (dict(multi_latent_attention=True), r"multi_latent_attention=True: multi-latent attention \(MLA\)"),
+])
+def test_refused_settings_name_themselves(setting, message):
+    config = dataclasses.replace(TransformerConfig(**{k: v for k, v in BASE.items() if not k.startswith("cp_2d")}),
+                                 cp_comm_type=None)
+    for name, value in setting.items():
+        object.__setattr__(config, name, value)      # the check itself, without megatron's own validation
+    problems = attention_refusals(config)
+    assert any(re.search(message, p) for p in problems), problems
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(qk_clip=True), r"qk_clip=True"),
+    (dict(deterministic_mode=True), r"deterministic_mode=True"),
+    (dict(attention_dropout=0.1), r"attention_dropout 0.1 is not supported by the 2d backend"),
+])
+def test_config_build_refuses(setting, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig2D(**{**BASE, **setting})
+
+
+def test_honoured_settings_build():
+    config = TransformerConfig2D(**BASE, window_size=(64, 0), window_attn_skip_freq=2, softmax_type="learnable",
+                                 apply_query_key_layer_scaling=True)
+    assert attention_refusals(config) == [] and config.window_size == (64, 0)
