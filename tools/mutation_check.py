@@ -14,7 +14,8 @@ The list (TOML, ``[[mutation]]`` tables) gives for each mutation:
     original     a snippet that must occur EXACTLY ONCE in the file (checked for every mutation before anything
                  runs: a snippet that moved or was edited fails loudly, it is never silently skipped)
     replacement  what the snippet becomes
-    tests        pytest arguments (files, node ids, "-k" expressions) that should catch it
+    tests        pytest arguments that should catch it, one list item per argument
+                 (e.g. ["tests/test_plan.py", "-k", "traffic or memory"])
     note         why the mutation is wrong (and what should catch it)
     equivalent   optional, true for a mutation known to change nothing observable (reported, not counted)
 
@@ -128,10 +129,8 @@ def make_scratch(root: Path) -> Path:
 
 
 def pytest_command(python: str, tests: Sequence[str]) -> List[str]:
-    args: List[str] = []
-    for t in tests:
-        args.extend(shlex.split(t))
-    return [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *args]
+    """pytest's argv: each ``tests`` item is one argument (a "-k" expression stays one item)."""
+    return [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
 
 
 def run_tests(scratch: Path, python: str, tests: Sequence[str], timeout: float):
@@ -235,13 +234,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"scratch copy: {scratch}", flush=True)
     try:
         if not args.no_baseline:
-            tests = list(dict.fromkeys(t for m in mutations if not m.equivalent for t in m.tests))
-            rc, seconds, output = run_tests(scratch, args.python, tests, args.timeout * 4)
-            if rc != 0:
-                print(f"error: the unmutated tests fail (exit {rc}) in {seconds:.0f}s; fix them first:\n{output}",
-                      file=sys.stderr)
-                return 2
-            print(f"baseline: {len(tests)} test selections pass unmutated ({seconds:.0f}s)", flush=True)
+            selections = list(dict.fromkeys(tuple(m.tests) for m in mutations if not m.equivalent))
+            for tests in selections:
+                rc, seconds, output = run_tests(scratch, args.python, tests, args.timeout * 2)
+                if rc != 0:
+                    print(f"error: the unmutated tests {list(tests)} fail (exit {rc}) in {seconds:.0f}s; every "
+                          f"mutation would look caught. Fix them first:\n{output}", file=sys.stderr)
+                    return 2
+            print(f"baseline: {len(selections)} test selections pass unmutated", flush=True)
         outcomes = []
         for i, m in enumerate(mutations, 1):
             o = run_mutation(m, scratch, args.python, args.timeout)
