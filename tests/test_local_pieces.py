@@ -165,3 +165,21 @@ def test_kernel_selection():
         select_kernel(torch.device("cpu"), torch.float32, "nope")
     with pytest.raises(ValueError, match=r"'flash_attn2' (is not available here|does not run on device cpu)"):
         select_kernel(torch.device("cpu"), torch.bfloat16, "flash_attn2")
+
+
+def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
+    from megatron_2d.comm import COMM_KINDS, CommCounter, RingExchange
+
+    counter = CommCounter()
+    counter.add("inner_ring", 10)
+    counter.add("inner_ring", 5)
+    counter.add("all_to_all", 7)
+    assert counter.as_dict() == {**{kind: 0 for kind in COMM_KINDS}, "inner_ring": 15, "all_to_all": 7}
+    with pytest.raises(ValueError, match=r"unknown communication kind 'ring'"):
+        counter.add("ring", 1)
+    counter.reset()
+    assert set(counter.as_dict().values()) == {0}
+    with pytest.raises(ValueError, match=r"a ring exchange needs at least 2 ranks, got \[3\]"):
+        RingExchange(None, [3], 0, counter, "inner_ring")
+    ring = RingExchange(None, [4, 9, 2], 0, counter, "outer_ring")      # ring order, not rank order
+    assert (ring.next_rank, ring.prev_rank) == (9, 2)
