@@ -33,6 +33,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -138,12 +139,16 @@ def run_tests(scratch: Path, python: str, tests: Sequence[str], timeout: float):
                PYTHONDONTWRITEBYTECODE="1")
     cmd = pytest_command(python, tests)
     start = time.monotonic()
+    # a new session, so that a timeout kills pytest AND the ranks it forked (they would otherwise wait for gloo)
+    proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as err:
-        return None, time.monotonic() - start, (err.stdout or b"")[-2000:] if err.stdout else ""
-    return proc.returncode, time.monotonic() - start, (proc.stdout + proc.stderr)[-4000:]
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, time.monotonic() - start, (output or "")[-2000:]
+    return proc.returncode, time.monotonic() - start, (output or "")[-4000:]
 
 
 def summary_line(output: str) -> str:
