@@ -263,6 +263,7 @@ def run_input_errors(rank, world):
         ((q, q.double(), q), "q, k, v must share a dtype"),
         ((q.int(), q.int(), q.int()), "dtype torch.int32 is not supported"),
         ((q[0], q[0], q[0]), "q, k, v must be 4-D [s, b, heads, d]"),
+        ((q, q.to("meta"), q.to("meta")), "q, k, v must be on one device"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError) as info:
@@ -273,7 +274,7 @@ def run_input_errors(rank, world):
 
 
 def test_bad_inputs_raise_clear_errors():
-    assert run_on_ranks(4, run_input_errors) == [8] * 4
+    assert run_on_ranks(4, run_input_errors) == [9] * 4
 
 
 def run_mismatched_settings(rank, world):

@@ -240,3 +240,11 @@ def test_recompute_without_a_first_pass_is_refused(checkpointing):
     keeper = checkpoint_plus.AttentionKeeper()
     with pytest.raises(RuntimeError, match="found no kept attention"):
         keeper(_attention, *(x.requires_grad_(True) for x in _qkv(5)))
+
+
+def test_fp8_recompute_is_refused():
+    from types import SimpleNamespace
+
+    why = checkpoint_plus.check_checkpoint_plus_config(SimpleNamespace(recompute_granularity="full", fp8="hybrid"))
+    assert why is not None and "not supported with fp8/fp4 recompute" in why
+    assert checkpoint_plus.check_checkpoint_plus_config(SimpleNamespace(recompute_granularity="full")) is None

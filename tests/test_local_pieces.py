@@ -167,6 +167,31 @@ def test_kernel_selection():
         select_kernel(torch.device("cpu"), torch.bfloat16, "flash_attn2")
 
 
+def test_kernel_selection_on_cuda_devices(monkeypatch):
+    """The choice on a CUDA device (no CUDA tensor is made): flash-attn 2 for fp16/bf16 when it imports, else
+    torch_math with a warning; the stand-in plays the installed flash-attn."""
+    import sys
+    import warnings
+
+    from megatron_2d.testing import flash_attn_cpu
+
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)                # flash-attn not installed
+    with pytest.warns(UserWarning, match="uses the torch_math block kernel"):
+        assert select_kernel(cuda, torch.bfloat16).name == "torch_math"
+    package, interface = flash_attn_cpu.flash_attn_modules("2.7")
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_kernel(cuda, torch.bfloat16).name == "flash_attn2"
+        assert select_kernel(cuda, torch.float16).name == "flash_attn2"
+    with pytest.warns(UserWarning, match="uses the torch_math block kernel"):
+        assert select_kernel(cuda, torch.float32).name == "torch_math"
+    with pytest.raises(ValueError, match=r"'flash_attn2' does not run on device cuda with torch.float32"):
+        select_kernel(cuda, torch.float32, "flash_attn2")
+
+
 def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
     from megatron_2d.comm import COMM_KINDS, CommCounter, RingExchange
 
