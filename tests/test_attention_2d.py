@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_2d
+import megatron_2d.groups
 import megatron_2d.topology
 from megatron_2d.plan import Layout as PlanLayout, ModelSpec, ParallelSpec, evaluate, get_cluster
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
@@ -270,6 +271,8 @@ def run_input_errors(rank, world):
             megatron_2d.attention_2d(*args, groups)
         assert message in str(info.value), (message, str(info.value))
     dist.barrier()  # every rank still reaches collectives after the refusals
+    # new groups inherit the default group's timeout (run_on_ranks gives it 60 s), not torch's 30 min
+    assert megatron_2d.groups.default_group_timeout() == datetime.timedelta(seconds=60)
     return len(cases)
 
 

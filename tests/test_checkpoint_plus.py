@@ -227,6 +227,17 @@ def test_recompute_that_differs_is_refused(checkpointing, which):
         keeper(_attention, *(inputs[n].requires_grad_(True) for n in "qkv"))
 
 
+def test_recompute_differing_in_one_token_is_refused(checkpointing):
+    """A recompute that differs in the last token only (e.g. a non-deterministic op near the end)."""
+    keeper = checkpoint_plus.AttentionKeeper()
+    q, k, v = _qkv(6)
+    _first_pass(keeper, q, k, v)
+    k2 = k.clone()
+    k2[-1] += 1.0
+    with pytest.raises(RuntimeError, match="the recomputed k differs from the first pass"):
+        keeper(_attention, *(x.requires_grad_(True) for x in (q, k2, v)))
+
+
 def test_recompute_out_of_order_is_refused(checkpointing):
     keeper = checkpoint_plus.AttentionKeeper()
     first, second = _qkv(3), _qkv(4)

@@ -274,3 +274,21 @@ def test_stock_hierarchical_sizes_give_head_then_context():
     config.hierarchical_context_parallel_sizes = [2, 2, 2]
     with pytest.raises(ValueError, match=r"give two sizes \[hp, cp\]"):
         settings_from_config(config)
+
+
+def test_layer_spec_carries_the_overrides_and_refuses_mla():
+    """get_gpt_layer_spec_2d: CoreAttention2D as core attention, keyword settings passed as its params (only the
+    ones given), Megatron's local layers without TE; MLA refused."""
+    from types import SimpleNamespace
+
+    from megatron_2d.megatron.core_attention import CoreAttention2D
+
+    spec = get_gpt_layer_spec_2d(use_transformer_engine=False, head_parallel_size=2, placement="context_first",
+                                 kernel="torch_math")
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core.module is CoreAttention2D
+    assert core.params == {"head_parallel_size": 2, "placement": "context_first", "kernel": "torch_math"}
+    assert get_gpt_layer_spec_2d(use_transformer_engine=False).submodules.self_attention.submodules \
+        .core_attention.params == {}
+    with pytest.raises(ValueError, match="multi-latent attention"):
+        get_gpt_layer_spec_2d(SimpleNamespace(multi_latent_attention=True), use_transformer_engine=False)
