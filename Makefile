@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_2d-installed
 
-.PHONY: install demo test bench mutation clean
+.PHONY: install demo test bench pretrain-cpu mutation clean
 install: $(STAMP)
 
 $(STAMP): tools/install.sh requirements.txt requirements-dev.txt pyproject.toml
@@ -15,6 +15,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Megatron-LM's pretrain_gpt.py (patched) with 2D CP on 4 CPU ranks under torchrun (needs ../shared/megatron-lm).
+pretrain-cpu: $(STAMP)
+	PY=$(PY) bash tools/pretrain_gpt_cpu.sh
 
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4

@@ -4,16 +4,33 @@
     groups = megatron_2d.build_2d_groups(head_parallel_size=2, window_size=2, placement="head_first")
     out = megatron_2d.attention_2d(q, k, v, groups, causal=True)     # q [s_local, b, hq, d] (sbhd)
     groups.comm_bytes.as_dict()                                      # bytes sent by kind
+
+The public names are imported on first use (PEP 562), so ``import megatron_2d.plan`` (the planner, pure Python)
+works without torch.
 """
 
-from .attention import attention_2d, kv_replication
-from .groups import Groups2D, build_2d_groups
-from .sequence_layout import shard_sequence, unshard_sequence, zigzag_chunks
-from .topology import PLACEMENTS, Layout2D, LayoutError
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "attention_2d", "build_2d_groups", "Groups2D", "kv_replication", "Layout2D", "LayoutError", "PLACEMENTS",
-    "shard_sequence", "unshard_sequence", "zigzag_chunks",
-]
+_EXPORTS = {
+    "attention_2d": "attention", "kv_replication": "attention",
+    "Groups2D": "groups", "build_2d_groups": "groups",
+    "shard_sequence": "sequence_layout", "unshard_sequence": "sequence_layout",
+    "zigzag_chunks": "topology", "PLACEMENTS": "topology", "Layout2D": "topology", "LayoutError": "topology",
+    "SlidingWindow": "band",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megatron_2d' has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -25,8 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .band import Band, SlidingWindow
-from .sequence_layout import zigzag_chunks
-from .topology import Layout2D
+from .topology import Layout2D, zigzag_chunks
 
 
 @dataclass(frozen=True)

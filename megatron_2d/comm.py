@@ -105,7 +105,7 @@ class BufferPool:
         self._free.append(buf)
 
 
-def head_all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> torch.Tensor:
+def all_to_all_counted(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> torch.Tensor:
     """all_to_all_single over dim 0 of ``send`` [hp, ...]: slice j goes to head rank j; returns [hp, ...]."""
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)

@@ -1,28 +1,25 @@
-"""The Double-Ring loop: one loop moves K/V blocks (and, in backward, their dK/dV) for every ring variant.
+"""The Double-Ring loop: it executes :func:`megatron_2d.ring_schedule.double_ring_events`, the one description
+of the schedule (the planner replays the same events), for every ring variant, forward and backward.
 
 Notation: a context group of cp ranks is cut into W = cp / w windows of w ranks. A rank is (window, slot),
-context rank cr = window * w + slot.
-
-Outer step o = 0..W-1: the rank starts with the "anchor" block of context rank (window - o, slot). It posts the
-outer send of the anchor to (window + 1, slot), receiving the next anchor from (window - 1, slot), then runs the
-inner ring: at inner step t = 0..w-1 it holds the block of (window - o, slot - t), always posting the next inner
-transfer before computing on the current block, so both rings overlap compute.
+context rank cr = window * w + slot. At round o, step t it holds the block of (window - o, slot - t).
     w = cp: one window, a plain ring on the inner links;  w = 1: a plain ring on the outer links.
-
-Backward sends a gradient "rider" with each block: after computing on a block the rank adds its dK/dV and
-passes the rider on along the block's own path. After the last inner step one more inner pass puts each
-rider on the rank whose slot matches its block, the outer ring then hands it to the next window (which holds
-that block as its next anchor); after the last outer step it reaches the block's owner.
+K/V blocks move on the inner and outer rings, each transfer posted before the compute it overlaps. Backward sends
+dK/dV "riders" with the blocks (see ring_schedule for when each is posted and awaited).
 K/V moves cp-1 times per rank; riders move cp times (w = 1 or w = cp) or cp + cp/w times.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .comm import BufferPool, CommCounter, PendingExchange, RingExchange
+from .ring_schedule import double_ring_events
+
+if TYPE_CHECKING:
+    from .groups import Groups2D
 
 # compute(block, source_context_rank) -> None (forward) or a list of (k_start, k_end, dk, dv) partial gradients
 # of the block's keys [k_start, k_end)
@@ -40,18 +37,19 @@ def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) ->
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges."""
 
-    def __init__(self, context_rank: int, window_size: int, context_size: int, intra_window_group_ranks,
-                 inter_window_group_ranks, groups, counter: CommCounter) -> None:
-        self.w, self.num_windows = window_size, context_size // window_size
-        self.window, self.slot = divmod(context_rank, window_size)
+    def __init__(self, groups: "Groups2D") -> None:
+        """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`)."""
+        layout, place, counter = groups.layout, groups.place, groups.comm_bytes
+        self.cp, self.w, self.num_windows = layout.context_size, layout.window_size, layout.num_windows
+        self.window, self.slot = divmod(place.context_rank, self.w)
 
         def exchange(group, ranks, position, kind):
             return None if group is None else RingExchange(group, ranks, position, counter, kind)
 
-        self.inner_kv = exchange(groups.inner_kv_group, intra_window_group_ranks, self.slot, "inner_ring")
-        self.inner_dkv = exchange(groups.inner_dkv_group, intra_window_group_ranks, self.slot, "inner_ring")
-        self.outer_kv = exchange(groups.outer_kv_group, inter_window_group_ranks, self.window, "outer_ring")
-        self.outer_dkv = exchange(groups.outer_dkv_group, inter_window_group_ranks, self.window, "outer_ring")
+        self.inner_kv = exchange(groups.inner_kv_group, place.intra_window_group, self.slot, "inner_ring")
+        self.inner_dkv = exchange(groups.inner_dkv_group, place.intra_window_group, self.slot, "inner_ring")
+        self.outer_kv = exchange(groups.outer_kv_group, place.inter_window_group, self.window, "outer_ring")
+        self.outer_dkv = exchange(groups.outer_dkv_group, place.inter_window_group, self.window, "outer_ring")
 
     def source(self, outer_step: int, inner_step: int) -> int:
         """Context rank whose K/V this rank holds at (outer_step, inner_step)."""
@@ -60,45 +58,75 @@ class DoubleRing:
         return window * self.w + slot
 
     def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Visit every context rank's K/V block with ``compute``.
+        """Visit every context rank's K/V block with ``compute``, following the schedule's events.
 
         kv: this rank's packed [2, ...] K/V block (reused as a buffer: pass a tensor the caller owns).
-        rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like ``kv`` that accumulates the partial
-        dK/dV of each visited block. Returns the rider holding the full dK/dV of this rank's own block.
+        rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like ``kv``, the template of
+        the dK/dV riders. Returns the rider holding the full dK/dV of this rank's own block (backward).
         """
+        backward = rider is not None
         kv_pool = BufferPool(kv)
-        rider_pool = BufferPool(rider) if rider is not None else None
-        pending_rider: Optional[PendingExchange] = None
-        anchor = kv
-        for o in range(self.num_windows):
-            outer = self.outer_kv.start(anchor, kv_pool.get()) if o < self.num_windows - 1 else None
-            block = anchor
-            for t in range(self.w):
-                inner = self.inner_kv.start(block, kv_pool.get()) if t < self.w - 1 else None
-                partials = compute(block, self.source(o, t))
-                if rider is not None:
-                    if pending_rider is not None:
-                        rider_pool.put(rider)
-                        rider = pending_rider.wait()
-                    add_partials(rider, partials)
-                    # pass the rider on with its block (for t = w-1 this is the aligning pass)
-                    pending_rider = self.inner_dkv.start(rider, rider_pool.get()) if self.w > 1 else None
-                if inner is not None:
-                    nxt = inner.wait()
-                    if block is not anchor:
-                        kv_pool.put(block)
-                    block = nxt
-            if block is not anchor:
-                kv_pool.put(block)
-            if outer is not None:
-                nxt = outer.wait()
+        riders = BufferPool(rider) if backward else None
+        exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv,
+                     "inner_dkv": self.inner_dkv, "outer_dkv": self.outer_dkv}
+        pending: Dict[str, Tuple[PendingExchange, torch.Tensor]] = {}
+
+        def post(channel: str, send: torch.Tensor, pool: BufferPool) -> None:
+            pending[channel] = (exchanges[channel].start(send, pool.get()), send)
+
+        def wait(channel: str) -> Tuple[torch.Tensor, torch.Tensor]:
+            """(received, sent) of the channel's transfer in flight, once both have completed."""
+            exchange, sent = pending.pop(channel)
+            return exchange.wait(), sent
+
+        anchor = block = kv
+        partials = mine = closing = result = None
+        fresh = rider
+        for event in double_ring_events(self.cp, self.w, backward):
+            kind = event.kind
+            if kind == "post_outer_kv":
+                post("outer_kv", anchor, kv_pool)
+            elif kind == "post_inner_kv":
+                post("inner_kv", block, kv_pool)
+            elif kind == "compute":
+                partials = compute(block, self.source(*event.source_offset))
+            elif kind == "wait_inner_kv":
+                nxt, _ = wait("inner_kv")
+                if block is not anchor:
+                    kv_pool.put(block)
+                block = nxt
+            elif kind == "wait_outer_kv":
+                nxt, _ = wait("outer_kv")
+                if block is not anchor:
+                    kv_pool.put(block)
                 kv_pool.put(anchor)
-                anchor = nxt
-            if rider is not None and self.num_windows > 1:
-                if pending_rider is not None:
-                    rider_pool.put(rider)
-                    rider = pending_rider.wait()
-                pending_rider = self.outer_dkv.start(rider, rider_pool.get())
-        if rider is not None and pending_rider is not None:
-            rider = pending_rider.wait()
-        return rider
+                anchor = block = nxt
+            elif kind == "start_rider":
+                mine = fresh if fresh is not None else riders.get().zero_()
+                fresh = None
+            elif kind == "wait_rider":
+                mine, sent = wait("inner_dkv")
+                riders.put(sent)
+            elif kind == "accumulate":
+                add_partials(mine, partials)
+            elif kind == "post_rider":
+                post("inner_dkv", mine, riders)
+            elif kind == "hold_rider":
+                closing = mine
+            elif kind == "wait_aligning":
+                closing, sent = wait("inner_dkv")
+                riders.put(sent)
+            elif kind == "wait_carried":
+                carried, sent = wait("outer_dkv")
+                closing.add_(carried)
+                riders.put(carried)
+                riders.put(sent)
+            elif kind == "post_carried":
+                post("outer_dkv", closing, riders)
+            elif kind == "wait_final":
+                result, _ = wait("outer_dkv")
+            else:
+                raise AssertionError(f"unknown schedule event {kind!r}")
+        if backward:
+            return result if result is not None else closing
+        return None

@@ -33,6 +33,8 @@ class Groups2D:
     context_kv_group: Optional[dist.ProcessGroup] = None
     context_dkv_group: Optional[dist.ProcessGroup] = None
     comm_bytes: CommCounter = field(default_factory=CommCounter)
+    op_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    """attention_2d's per-signature setup (plans, transports, kernel, index tensors), owned by these groups."""
 
     @property
     def head_parallel_size(self) -> int:

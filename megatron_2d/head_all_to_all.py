@@ -11,16 +11,18 @@ Each is the other's backward. ``order`` sorts the chunks as received (by head ra
 
 from __future__ import annotations
 
-from typing import Optional
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .comm import CommCounter, head_all_to_all
+from .comm import CommCounter, all_to_all_counted
 
 
 def _exchange(buf: torch.Tensor, group: Optional[dist.ProcessGroup], counter: CommCounter) -> torch.Tensor:
-    return buf if group is None else head_all_to_all(buf, group, counter)
+    return buf if group is None else all_to_all_counted(buf, group, counter)
 
 
 def to_heads(x: torch.Tensor, hp: int, order: torch.Tensor, group, counter: CommCounter) -> torch.Tensor:
@@ -33,29 +35,59 @@ def to_heads(x: torch.Tensor, hp: int, order: torch.Tensor, group, counter: Comm
     return chunks.index_select(1, order).view(b, 2 * hp * c, Hl, d)         # [b, S (ascending), Hl, d]
 
 
-def to_tokens(y: torch.Tensor, hp: int, order: torch.Tensor, group, counter: CommCounter) -> torch.Tensor:
-    """[b, S, Hl, d] -> [2c, b, Hl*hp, d]; inverse of :func:`to_heads`."""
+def to_tokens(y: torch.Tensor, hp: int, inverse: torch.Tensor, group, counter: CommCounter) -> torch.Tensor:
+    """[b, S, Hl, d] -> [2c, b, Hl*hp, d]; inverse of :func:`to_heads` (``inverse`` undoes its ``order``)."""
     b, S, Hl, d = y.shape
     c = S // (2 * hp)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
     chunks = y.reshape(b, 2 * hp, c, Hl, d).permute(1, 2, 0, 3, 4)          # [2hp (ascending), c, b, Hl, d]
     send = chunks.index_select(0, inverse)                                   # [2hp(received) = hp*2, c, b, Hl, d]
     recv = _exchange(send.view(hp, 2 * c, b, Hl, d), group, counter)         # [hp(src head rank), 2c, b, Hl, d]
     return recv.permute(1, 2, 0, 3, 4).reshape(2 * c, b, hp * Hl, d).contiguous()  # [2c, b, H, d]
 
 
+class Direction(enum.Enum):
+    """Which way the head all-to-all goes."""
+
+    TO_HEADS = "to_heads"        # [2c, b, H, d] -> [b, S, H/hp, d]
+    TO_TOKENS = "to_tokens"      # [b, S, H/hp, d] -> [2c, b, H, d]
+
+    @property
+    def reverse(self) -> "Direction":
+        return Direction.TO_TOKENS if self is Direction.TO_HEADS else Direction.TO_HEADS
+
+
+@dataclass(frozen=True)
+class HeadExchange:
+    """Everything the head all-to-all needs besides the tensor, built once per (groups, device)."""
+
+    head_parallel_size: int
+    order: torch.Tensor           # received chunk index -> ascending position (a device tensor)
+    inverse: torch.Tensor         # its inverse permutation
+    group: Optional[dist.ProcessGroup]
+    counter: CommCounter
+
+    @classmethod
+    def build(cls, hp: int, received: Sequence[int], group, counter: CommCounter, device) -> "HeadExchange":
+        """From the chunk ids in the order the all-to-all delivers them (one host-to-device copy, here only)."""
+        order = sorted(range(len(received)), key=received.__getitem__)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        as_tensor = lambda idx: torch.tensor(idx, dtype=torch.long, device=device)  # noqa: E731
+        return cls(hp, as_tensor(order), as_tensor(inverse), group, counter)
+
+    def apply(self, x: torch.Tensor, direction: Direction) -> torch.Tensor:
+        if direction is Direction.TO_HEADS:
+            return to_heads(x, self.head_parallel_size, self.order, self.group, self.counter)
+        return to_tokens(x, self.head_parallel_size, self.inverse, self.group, self.counter)
+
+
 class HeadAllToAll(torch.autograd.Function):
-    """``to_heads`` (or ``to_tokens`` when ``heads_to_tokens``) whose backward is the inverse exchange."""
+    """The head all-to-all in ``direction``, whose backward is the exchange in the reverse direction."""
 
     @staticmethod
-    def forward(ctx, x, heads_to_tokens: bool, hp: int, order, group, counter):
-        ctx.args = (not heads_to_tokens, hp, order, group, counter)
-        fn = to_tokens if heads_to_tokens else to_heads
-        return fn(x, hp, order, group, counter)
+    def forward(ctx, x: torch.Tensor, direction: Direction, exchange: HeadExchange) -> torch.Tensor:
+        ctx.direction, ctx.exchange = direction, exchange
+        return exchange.apply(x, direction)
 
     @staticmethod
     def backward(ctx, grad):
-        back_to_tokens, hp, order, group, counter = ctx.args
-        fn = to_tokens if back_to_tokens else to_heads
-        return fn(grad.contiguous(), hp, order, group, counter), None, None, None, None, None
+        return ctx.exchange.apply(grad.contiguous(), ctx.direction.reverse), None, None

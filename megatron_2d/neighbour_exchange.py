@@ -17,13 +17,15 @@ Bytes per rank: the visible key slice of its block once per rank that sees it, a
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .comm import CommCounter, post_direct
+from .comm import post_direct
 from .double_ring import ComputeFn, add_partials
+
+if TYPE_CHECKING:
+    from .groups import Groups2D
 
 KeyRange = Optional[Tuple[int, int]]
 
@@ -38,13 +40,14 @@ def _sliced(block: torch.Tensor, keys: Tuple[int, int]) -> list:
 class NeighbourExchange:
     """Direct sparse K/V (and dK/dV) exchange over one context group."""
 
-    def __init__(self, context_rank: int, context_group_ranks: Sequence[int],
-                 keys: Dict[Tuple[int, int], KeyRange], kv_group: Optional[dist.ProcessGroup],
-                 dkv_group: Optional[dist.ProcessGroup], counter: CommCounter) -> None:
-        cp = len(context_group_ranks)
-        self.rank, self.ranks, self.cp = context_rank, list(context_group_ranks), cp
-        self.kv_group, self.dkv_group, self.counter = kv_group, dkv_group, counter
-        r = context_rank
+    def __init__(self, groups: "Groups2D", keys: Dict[Tuple[int, int], KeyRange]) -> None:
+        """This rank's exchange from its place and groups, for the key hulls of a :class:`ContextPlan`."""
+        place = groups.place
+        cp = len(place.context_group)
+        self.rank, self.ranks, self.cp = place.context_rank, list(place.context_group), cp
+        self.kv_group, self.dkv_group, self.counter = groups.context_kv_group, groups.context_dkv_group, \
+            groups.comm_bytes
+        r = place.context_rank
         # (offset, the slice of my block r+o sees, the slice of (r-o)'s block I see)
         self.steps = [(o, keys[((r + o) % cp, r)], keys[(r, (r - o) % cp)]) for o in range(1, cp)
                       if any(keys[((s + o) % cp, s)] is not None for s in range(cp))]

@@ -35,6 +35,7 @@ class RingContext:
     kernel: BlockKernel
     plans: Dict[int, Tuple[BlockCall, ...]]   # source context rank -> kernel calls against its K/V block
     scale: float
+    rider_dtype: torch.dtype                  # dtype of the dK/dV partials that travel (see attention_2d)
 
 
 def apply_sinks_(out_acc: torch.Tensor, lse_acc: torch.Tensor, sinks: torch.Tensor) -> None:
@@ -65,12 +66,19 @@ class RingAttention(torch.autograd.Function):
         lse_acc = torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])                                   # [2, b, S, g, d]
 
+        fresh = [True]   # nothing merged yet: a first call that covers every row is copied, not merged
+
         def compute(block: torch.Tensor, source: int) -> None:
             for call in rc.plans[source]:
                 rows, keys = slice(call.q_start, call.q_end), slice(call.k_start, call.k_end)
                 out_blk, lse_blk = rc.kernel.forward(q[:, rows], block[0, :, keys], block[1, :, keys], call.band,
                                                      rc.scale)
-                merge_attention_(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
+                if fresh[0] and (call.q_start, call.q_end) == (0, S):
+                    out_acc.copy_(out_blk)
+                    lse_acc.copy_(lse_blk)
+                else:
+                    merge_attention_(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
+                fresh[0] = False
 
         rc.transport.run(kv, compute)
         if sinks is not None:
@@ -87,7 +95,7 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq_acc = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = torch.stack([k, v])                                   # [2, b, S, g, d]
-        rider = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)
+        rider = torch.zeros(kv.shape, dtype=rc.rider_dtype, device=q.device)
 
         def compute(block: torch.Tensor, source: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
             partials = []

@@ -15,14 +15,11 @@ The global sequence of S tokens is cut into 2*CP chunks of c = S / (2*CP) tokens
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 
-
-def zigzag_chunks(cp_index: int, cp_size: int) -> Tuple[int, int]:
-    """The two global chunk ids (of 2*CP) held by CP rank ``cp_index``."""
-    return cp_index, 2 * cp_size - 1 - cp_index
+from .topology import zigzag_chunks
 
 
 def check_divisible(seq_len: int, cp_size: int) -> None:

@@ -42,6 +42,15 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def zigzag_chunks(cp_index: int, cp_size: int) -> Tuple[int, int]:
+    """The two global chunk ids (of 2*CP) held by CP rank ``cp_index`` (Megatron's get_batch_on_this_cp_rank).
+
+    >>> zigzag_chunks(cp_index=1, cp_size=4)
+    (1, 6)
+    """
+    return cp_index, 2 * cp_size - 1 - cp_index
+
+
 @dataclass(frozen=True)
 class Layout2D:
     """The shape of 2D context parallelism inside one CP group of ``cp_size`` ranks."""

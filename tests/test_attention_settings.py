@@ -61,3 +61,12 @@ def test_honoured_settings_build():
     config = TransformerConfig2D(**BASE, window_size=(64, 0), window_attn_skip_freq=2, softmax_type="learnable",
                                  apply_query_key_layer_scaling=True)
     assert attention_refusals(config) == [] and config.window_size == (64, 0)
+
+
+def test_dkv_comm_dtype_setting_is_checked():
+    assert TransformerConfig2D(**BASE, cp_2d_dkv_comm_dtype="input").cp_2d_dkv_comm_dtype == "input"
+    with pytest.raises(ValueError, match=r"cp_2d_dkv_comm_dtype 'fp8' is not one of \['accumulator', 'input'\]"):
+        TransformerConfig2D(**BASE, cp_2d_dkv_comm_dtype="fp8")
+    with pytest.raises(ValueError, match=r"2D settings \{'cp_2d_dkv_comm_dtype': 'input'\} are set but cp_comm_type"):
+        TransformerConfig2D(**{**BASE, "cp_comm_type": None, "cp_2d_head_parallel_size": None},
+                            cp_2d_dkv_comm_dtype="input")

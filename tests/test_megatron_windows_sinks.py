@@ -55,6 +55,12 @@ def run_all(rank, world):
             tg.init_parallel(context_parallel_size=cp)
             cfg = config_of(name, layout)
             out[(layout, name)] = tg.forward_backward(tg.build_tiny_gpt(cfg, spec), tg.synthetic_batch(cfg))
+    # Selective Checkpoint++ (full recompute that skips attention) keeps the sinks' gradient
+    tg.init_parallel(context_parallel_size=4)
+    cfg = config_of("learnable_sinks", "cp4_2x2_w2_head_first")
+    cfg.config_overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                                selective_checkpoint_plus_plus=True)
+    out["ckpt++"] = tg.forward_backward(tg.build_tiny_gpt(cfg, spec), tg.synthetic_batch(cfg))
     tg.init_parallel()
     off = config_of("sliding_window")
     off.config_overrides = {}
@@ -78,6 +84,14 @@ def test_matches_megatron_at_cp1(results, name, layout):
     errors = tg.compare_results(actual, expected)
     bad = {k: e for k, e in errors.items() if not e < RTOL}
     assert not bad, f"relative errors above {RTOL}: {bad}"
+
+
+def test_checkpoint_plus_plus_keeps_the_sink_gradient(results):
+    errors = tg.compare_results(results["ckpt++"], results[("ref", "learnable_sinks")])
+    sink_errors = {k: e for k, e in errors.items() if "softmax_offset" in k}
+    assert len(sink_errors) == 2, errors
+    bad = {k: e for k, e in errors.items() if not e < RTOL}
+    assert not bad, bad
 
 
 def test_the_window_changes_the_answer(results):

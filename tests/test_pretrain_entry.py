@@ -3,7 +3,6 @@ layer spec; misconfigured command lines stop with a clear error before any model
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import sys
 
@@ -16,7 +15,9 @@ install_megatron_cpu_shims(import_training=True)
 import megatron.training.arguments as megatron_arguments  # noqa: E402
 
 from megatron_2d.megatron import TransformerConfig2D  # noqa: E402
-from megatron_2d.megatron.arguments import add_2d_arguments, gpt_config_from_args_2d  # noqa: E402
+from megatron_2d.megatron.arguments import (  # noqa: E402
+    add_2d_arguments, gpt_config_from_args_2d, transformer_config_from_args_2d)
+from megatron_2d.megatron.spec import gpt_layer_spec_2d  # noqa: E402
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
          "--num-query-groups", "2", "--seq-length", "256", "--max-position-embeddings", "256",
@@ -104,15 +105,14 @@ def test_bad_placement_is_refused_by_the_parser(parse, capsys):
     assert "invalid choice: 'interleaved' (choose from 'head_first', 'context_first')" in capsys.readouterr().err
 
 
-def test_example_entry_imports_and_refuses_packed_sequences(parse):
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt_2d.py"
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_2d", path)
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
+@pytest.mark.parametrize("flag", ["--reset-attention-mask", "--dataloader-inter-document-masking", "--sft"])
+def test_packed_sequences_are_refused_by_the_library(parse, flag):
     args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--attention-dropout", "0", "--reset-attention-mask")
-    with pytest.raises(SystemExit, match=r"--reset-attention-mask needs packed-sequence \(THD\) attention"):
-        entry.check_supported(args)
+                 "--attention-dropout", "0", flag)
+    with pytest.raises(ValueError, match=rf"{flag} needs packed-sequence \(THD\) attention"):
+        gpt_config_from_args_2d(args)
+    with pytest.raises(ValueError, match=rf"{flag} needs packed-sequence \(THD\) attention"):
+        gpt_layer_spec_2d(transformer_config_from_args_2d(args))  # the --spec route
 
 
 def launch_flags(mode):

@@ -4,6 +4,7 @@
 #   MODE=p2p CP=8 bash examples/launch/torchrun_gpt.sh          # stock Megatron ring, same model
 #   MODE=a2a+p2p CP=8 HP=2 bash examples/launch/torchrun_gpt.sh  # stock hierarchical CP, same model
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT as for any torchrun job.
+# examples/pretrain_gpt_2d.py imports Megatron-LM's pretrain_gpt.py: set MEGATRON_LM_DIR to a checkout at core_v0.19.0.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=examples/launch/gpt_flags.sh

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ..topology import PLACEMENTS
+from .launch_checks import check_launch_args
 from .settings import uses_2d
 
 SPEC = ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
@@ -30,6 +31,9 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--cp-2d-placement", choices=PLACEMENTS, default="head_first",
                        help="head_first: head groups on adjacent ranks (all-to-all on NVLink); context_first: "
                             "context rings on adjacent ranks (ring P2P on NVLink).")
+    group.add_argument("--cp-2d-dkv-comm-dtype", choices=("accumulator", "input"), default="accumulator",
+                       help="dK/dV riders in backward: fp32 (accumulator, exact) or the activation dtype (input, "
+                            "Transformer Engine's bytes, slightly larger error as the ring grows).")
     group.add_argument("--selective-checkpoint-plus-plus", action="store_true",
                        help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
                             "log-sum-exp from the forward pass so the recompute pass skips attention.")
@@ -47,9 +51,10 @@ def transformer_config_from_args_2d(args: argparse.Namespace):
 
 def gpt_config_from_args_2d(args: argparse.Namespace):
     """pretrain's GPT model config with TransformerConfig2D; the 2d layer spec when "2d" is selected and no
-    --spec was given."""
+    --spec was given. Refuses what the 2d backend does not support (:mod:`.launch_checks`) first."""
     from megatron.training.argument_utils import gpt_config_from_args
 
+    check_launch_args(args)
     if uses_2d(args.cp_comm_type) and args.spec is None:
         args.spec = list(SPEC)
     return gpt_config_from_args(args, config=transformer_config_from_args_2d(args))

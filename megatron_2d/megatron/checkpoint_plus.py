@@ -23,7 +23,7 @@ import torch
 
 from megatron.core.tensor_parallel.random import is_checkpointing
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionFn = Callable[..., torch.Tensor]   # (q, k, v[, sinks]) -> out
 _SAMPLES = 64  # elements per input compared between the first pass and the recompute
 
 
@@ -35,16 +35,17 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _KeptAttention:
-    inputs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # detached leaves the kept graph starts from
+    inputs: Tuple[torch.Tensor, ...]                          # detached leaves the kept graph starts from
     output: torch.Tensor                                      # its output (the graph hangs off it)
     fingerprints: Tuple[torch.Tensor, ...]
 
 
 class _ReplayAttention(torch.autograd.Function):
-    """Forward: the kept output. Backward: the kept graph's dQ/dK/dV, then the graph is released."""
+    """Forward: the kept output. Backward: the kept graph's dQ/dK/dV (and d sinks, when the sinks are learnable:
+    they are an input here so autograd delivers their gradient to the parameter), then the graph is released."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kept: _KeptAttention):
+    def forward(ctx, kept: _KeptAttention, q, k, v, sinks=None):
         ctx.kept = kept
         return kept.output.detach()
 
@@ -52,9 +53,11 @@ class _ReplayAttention(torch.autograd.Function):
     def backward(ctx, dout):
         kept: _KeptAttention = ctx.kept
         ctx.kept = None
-        grads = torch.autograd.grad(kept.output, kept.inputs, dout)
+        wanted = [x for x in kept.inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(kept.output, wanted, dout))
+        out = [next(grads) if x.requires_grad else None for x in kept.inputs]
         kept.output = kept.inputs = None
-        return (*grads, None)
+        return (None, *out)                               # one gradient per input of forward
 
 
 class AttentionKeeper:
@@ -66,12 +69,15 @@ class AttentionKeeper:
     def __len__(self) -> int:
         return len(self._fifo)
 
-    def __call__(self, attention: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Run ``attention`` (q, k, v -> out) under the Checkpoint++ rules."""
+    def __call__(self, attention: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run ``attention`` (q, k, v[, sinks] -> out) under the Checkpoint++ rules."""
+        extra = () if sinks is None else (sinks,)
         if not is_checkpointing():
-            return attention(q, k, v)                     # not inside a full-layer checkpoint: plain attention
+            return attention(q, k, v, *extra)             # not inside a full-layer checkpoint: plain attention
         if not torch.is_grad_enabled():                   # first pass of a checkpointed layer: keep the graph
-            inputs = tuple(x.detach().requires_grad_(True) for x in (q, k, v))
+            inputs = tuple(x.detach().requires_grad_(True) for x in (q, k, v)) + tuple(
+                s.detach().requires_grad_(s.requires_grad) for s in extra)
             with torch.enable_grad():
                 out = attention(*inputs)
             self._fifo.append(_KeptAttention(inputs, out, tuple(_fingerprint(x) for x in (q, k, v))))
@@ -85,7 +91,7 @@ class AttentionKeeper:
                 raise RuntimeError(f"Selective Checkpoint++: the recomputed {name} differs from the first pass "
                                    f"(non-deterministic recompute, or micro-batches replayed out of order); "
                                    f"disable selective_checkpoint_plus_plus for this run")
-        return _ReplayAttention.apply(q, k, v, kept)
+        return _ReplayAttention.apply(kept, q, k, v, *extra)
 
 
 def check_checkpoint_plus_config(config) -> Optional[str]:

@@ -35,6 +35,10 @@ class TransformerConfig2D(TransformerConfig):
     cp_2d_placement: str = "head_first"
     """"head_first" (head groups on adjacent ranks) or "context_first" (context rings on adjacent ranks)."""
 
+    cp_2d_dkv_comm_dtype: str = "accumulator"
+    """How dK/dV partials travel the ring in backward: "accumulator" (fp32, exact; the default) or "input" (the
+    activation dtype, Transformer Engine's bytes; see megatron_2d.attention_2d for the measured error)."""
+
     selective_checkpoint_plus_plus: bool = False
     """Selective Checkpoint++: with full-layer recompute, keep each layer's attention output and log-sum-exp from
     the forward pass so the recompute pass skips attention (its kernels, all-to-alls and ring traffic)."""
@@ -46,12 +50,16 @@ class TransformerConfig2D(TransformerConfig):
             if problem:
                 raise ValueError(problem)
         if uses_2d(self.cp_comm_type):
+            if self.cp_2d_dkv_comm_dtype not in ("accumulator", "input"):
+                raise ValueError(f"cp_2d_dkv_comm_dtype {self.cp_2d_dkv_comm_dtype!r} is not one of "
+                                 f"['accumulator', 'input']")
             settings_from_config(self)
             check_attention_settings(self)
             return
         given = {name: getattr(self, name) for name, default in (
             ("cp_2d_head_parallel_size", None), ("cp_2d_context_size", None), ("cp_2d_window_size", 1),
-            ("cp_2d_placement", "head_first")) if getattr(self, name) != default}
+            ("cp_2d_placement", "head_first"), ("cp_2d_dkv_comm_dtype", "accumulator"))
+            if getattr(self, name) != default}
         if given:
             raise ValueError(f"2D settings {given} are set but cp_comm_type is {layer_comm_types(self.cp_comm_type)}, "
                              f"so they would be ignored; set cp_comm_type='2d' (--cp-comm-type 2d) or drop them")

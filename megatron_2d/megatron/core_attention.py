@@ -27,6 +27,7 @@ from ..attention import attention_2d
 from ..band import SlidingWindow
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import AttentionKeeper
+from .launch_checks import check_current_launch
 from .process_groups import groups_for
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, uses_2d
 
@@ -46,11 +47,16 @@ def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
     return TEDotProductAttention(config=config, cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
 
 
+def _attention_with_sinks(q, k, v, sinks=None, **kwargs):
+    """attention_2d with the sinks positional (the Checkpoint++ keeper passes tensors positionally)."""
+    return attention_2d(q, k, v, sinks=sinks, **kwargs)
+
+
 class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
-    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, window_size (the
-    Double-Ring window, kept for the spec's keyword), placement, and kernel (a :mod:`megatron_2d.kernels` name;
+    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, double_ring_window,
+    placement, and kernel (a :mod:`megatron_2d.kernels` name;
     chosen by device when None). Megatron's sliding window (config.window_size, window_attn_skip_freq) and
     softmax_type ("off-by-one", "learnable": attention sinks, parameter ``softmax_offset``) are honoured.
     """
@@ -58,7 +64,7 @@ class CoreAttention2D(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None, *, head_parallel_size: Optional[int] = None,
-                 window_size: Optional[int] = None, placement: Optional[str] = None,
+                 double_ring_window: Optional[int] = None, placement: Optional[str] = None,
                  kernel: Optional[str] = None) -> None:
         super().__init__(config=config)
         if pg_collection is None:
@@ -77,6 +83,7 @@ class CoreAttention2D(MegatronModule):
                                            softmax_scale=softmax_scale)
             return
         check_attention_settings(config)
+        check_current_launch()      # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
         if attention_type != "self":
             raise ValueError(f"the 2d backend supports self attention only, got attention_type {attention_type!r}")
         if attn_mask_type not in SUPPORTED_MASKS:
@@ -89,7 +96,7 @@ class CoreAttention2D(MegatronModule):
             self.settings = Settings2D(1, 1, 1, "head_first")
         else:
             self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
-                                                 window_size=window_size, placement=placement)
+                                                 double_ring_window=double_ring_window, placement=placement)
         self.groups = groups_for(pg_collection.cp, self.settings)
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
         self.keeper = AttentionKeeper() if getattr(config, "selective_checkpoint_plus_plus", False) else None
@@ -146,8 +153,12 @@ class CoreAttention2D(MegatronModule):
             raise ValueError(f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
                              f"{[m.name for m in SUPPORTED_MASKS]}")
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
-        attention = partial(attention_2d, groups=self.groups, causal=mask_type == AttnMaskType.causal,
+        attention = partial(_attention_with_sinks, groups=self.groups, causal=mask_type == AttnMaskType.causal,
                             softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window,
-                            sinks=self.softmax_offset)
-        out = attention(query, key, value) if self.keeper is None else self.keeper(attention, query, key, value)
+                            dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"))
+        sinks = self.softmax_offset
+        if self.keeper is None:
+            out = attention(query, key, value, sinks)
+        else:
+            out = self.keeper(attention, query, key, value, sinks)
         return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]

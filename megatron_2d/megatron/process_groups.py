@@ -37,7 +37,7 @@ def groups_for(cp_group: Optional[dist.ProcessGroup], settings: Settings2D) -> G
                          f"context_parallel_size {settings.context_parallel_size}")
     key = (cp_ranks, settings)
     if key not in _BUILT:
-        _BUILT[key] = build_2d_groups(settings.head_parallel_size, settings.window_size, settings.placement,
+        _BUILT[key] = build_2d_groups(settings.head_parallel_size, settings.double_ring_window, settings.placement,
                                       cp_rank_lists=all_cp_rank_lists(cp_group))
     return _BUILT[key]
 

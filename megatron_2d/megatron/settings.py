@@ -33,11 +33,14 @@ def uses_2d(cp_comm_type) -> bool:
 
 @dataclass(frozen=True)
 class Settings2D:
-    """Validated 2D settings for one model: hp x cp = CP, window w, placement."""
+    """Validated 2D settings for one model: hp x cp = CP, the Double-Ring window w, placement.
+
+    (``window_size`` in Megatron's TransformerConfig is the sliding window; here the Double-Ring window is
+    ``double_ring_window``.)"""
 
     context_parallel_size: int
     head_parallel_size: int
-    window_size: int = 1
+    double_ring_window: int = 1
     placement: str = "head_first"
 
     @property
@@ -45,11 +48,11 @@ class Settings2D:
         return self.context_parallel_size // self.head_parallel_size
 
     def layout(self) -> Layout2D:
-        return Layout2D(self.context_parallel_size, self.head_parallel_size, self.window_size, self.placement)
+        return Layout2D(self.context_parallel_size, self.head_parallel_size, self.double_ring_window, self.placement)
 
 
 def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Optional[int],
-                         context_size: Optional[int] = None, window_size: int = 1, placement: str = "head_first",
+                         context_size: Optional[int] = None, double_ring_window: int = 1, placement: str = "head_first",
                          num_attention_heads: int, num_query_groups: Optional[int] = None,
                          tensor_model_parallel_size: int = 1, attention_dropout: float = 0.0) -> Settings2D:
     """Check 2D settings against the model and the parallel sizes; return them, or raise ValueError."""
@@ -65,7 +68,7 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
                          f"{', '.join(f'{d}x{CP // d}' for d in _divisors(CP))}")
     if placement not in PLACEMENTS:
         raise ValueError(f"cp_2d_placement {placement!r} is not valid; choose one of {list(PLACEMENTS)}")
-    settings = Settings2D(CP, hp, window_size, placement)
+    settings = Settings2D(CP, hp, double_ring_window, placement)
     settings.layout()  # hp | CP, w | cp, positive sizes (LayoutError is a ValueError)
     if num_attention_heads % tp != 0:
         raise ValueError(f"num_attention_heads {num_attention_heads} is not divisible by tensor parallel size {tp}")
@@ -97,7 +100,7 @@ def settings_from_config(config, **overrides) -> Settings2D:
     values = dict(
         head_parallel_size=head_parallel_size,
         context_size=context_size,
-        window_size=getattr(config, "cp_2d_window_size", 1),
+        double_ring_window=getattr(config, "cp_2d_window_size", 1),
         placement=getattr(config, "cp_2d_placement", "head_first"),
     )
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -12,6 +12,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, g
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .core_attention import CoreAttention2D
+from .launch_checks import check_current_launch
+from .settings import settings_from_config, uses_2d
 
 
 def transformer_engine_available() -> bool:
@@ -23,7 +25,7 @@ def transformer_engine_available() -> bool:
 
 
 def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_transformer_engine: Optional[bool] = None,
-                          head_parallel_size: Optional[int] = None, window_size: Optional[int] = None,
+                          head_parallel_size: Optional[int] = None, double_ring_window: Optional[int] = None,
                           placement: Optional[str] = None, kernel: Optional[str] = None) -> ModuleSpec:
     """Megatron's GPT layer spec (Transformer Engine layers when TE is installed, local layers otherwise) with
     :class:`CoreAttention2D` as core attention. ``config`` (a TransformerConfig or pretrain's model config) supplies
@@ -35,15 +37,26 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_tr
                          moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
                          qk_layernorm=getattr(config, "qk_layernorm", False))
     spec = (get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec)(**layer_options)
-    params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, window_size=window_size,
+    params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
     return spec
 
 
 def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> ModuleSpec:
-    """For ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d``: settings from the config / flags."""
+    """For ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d``: settings from the config / flags.
+
+    The unpatched pretrain_gpt.py reaches the library only here, so the launch is checked here, on every rank before
+    the model is built: the command line (:mod:`.launch_checks`) and, under CP > 1 with "2d", the 2D settings."""
+    check_current_launch()
+    if config is not None and getattr(config, "context_parallel_size", 1) > 1 and uses_2d(config.cp_comm_type):
+        settings_from_config(config)
     return get_gpt_layer_spec_2d(config, vp_stage)
 
 
-GPT_LAYER_SPEC_2D = get_gpt_layer_spec_2d()
+def __getattr__(name: str):
+    """``GPT_LAYER_SPEC_2D`` (for ``--spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D``) is built when first asked
+    for, not at import: building it probes Transformer Engine."""
+    if name == "GPT_LAYER_SPEC_2D":
+        return get_gpt_layer_spec_2d()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,21 +4,28 @@
     cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)   # fastest feasible first
     best = cands[0]; best.layout, best.time_ms, best.flags, best.to_dict()
 
-Modules: hardware (specs, presets, PlanError), placement (which links each path uses), cost_model (formulas),
-candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit rates to measurements),
-report (text/JSON), plot (matplotlib), cli (``python -m megatron_2d.plan``).
+Each layout is estimated under every recompute mode its kind supports (none, Megatron selective, full,
+Selective Checkpoint++ for 2D) and gets the fastest that fits in GPU memory; ``recommended(cands)`` is the first
+feasible row (None when nothing fits).
+
+Modules: hardware (specs, presets, PlanError), placement (which links each path uses), cost_model (formulas,
+memory and recompute), candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit
+rates to measurements), report (text/JSON), plot (matplotlib), grid (best 2D vs best stock over models, GPUs and
+lengths), cli (``python -m megatron_2d.plan``, ``python -m megatron_2d.plan grid``).
 """
 
 from .calibrate import FitResult, WorkCounts, calibrate, fit_rates, work_counts
 from .candidates import KINDS, Layout, check_layout, enumerate_layouts, megatron_flags
-from .cost_model import Estimate, estimate, layer_work, replicated_kv_heads
+from .cost_model import (RECOMPUTE_MODES, Estimate, MemoryBreakdown, estimate, layer_work, memory_breakdown,
+                         replicated_kv_heads, with_recompute)
 from .hardware import (CLUSTER_PRESETS, MODEL_PRESETS, PRESETS, ClusterSpec, ModelSpec, ParallelSpec, PlanError,
                        get_cluster, get_model)
-from .planner import Candidate, best_by_kind, evaluate, plan
+from .planner import AUTO, Candidate, best_by_kind, evaluate, plan, recommended
 
 __all__ = [
-    "CLUSTER_PRESETS", "Candidate", "ClusterSpec", "Estimate", "FitResult", "KINDS", "Layout", "MODEL_PRESETS",
-    "ModelSpec", "PRESETS", "ParallelSpec", "PlanError", "WorkCounts", "best_by_kind", "calibrate",
-    "check_layout", "enumerate_layouts", "estimate", "evaluate", "fit_rates", "get_cluster", "get_model",
-    "layer_work", "megatron_flags", "plan", "replicated_kv_heads", "work_counts",
+    "AUTO", "CLUSTER_PRESETS", "Candidate", "ClusterSpec", "Estimate", "FitResult", "KINDS", "Layout",
+    "MODEL_PRESETS", "MemoryBreakdown", "ModelSpec", "PRESETS", "ParallelSpec", "PlanError", "RECOMPUTE_MODES",
+    "WorkCounts", "best_by_kind", "calibrate", "check_layout", "enumerate_layouts", "estimate", "evaluate",
+    "fit_rates", "get_cluster", "get_model", "layer_work", "megatron_flags", "memory_breakdown", "plan",
+    "recommended", "replicated_kv_heads", "with_recompute", "work_counts",
 ]

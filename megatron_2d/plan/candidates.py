@@ -1,12 +1,21 @@
 """The layouts a planner compares: every 2D (hp, cp, w, placement) for a CP size and the stock baselines.
 
 Kinds
-    2d          this project: hp x cp, window w, head_first | context_first, K/V replicated when hp > Hkv
-    p2p         Megatron/TE ring (zigzag), hp = 1, no window                       --cp-comm-type p2p
+    2d          this project: hp x cp, window w, head_first | context_first, K/V replicated when hp > Hkv;
+                dK/dV travel the ring in fp32 (``dkv_dtype`` models an input-dtype option)
+    p2p         Megatron/TE ring (zigzag), hp = 1, no window; dK/dV in the input dtype  --cp-comm-type p2p
     a2a         Megatron/TE Ulysses, hp = CP; heads and KV heads divisible by CP  --cp-comm-type a2a
     a2a+p2p     Megatron/TE hierarchical: an a2a level of A adjacent ranks, a ring of CP/A; A divides heads
-                and KV heads (no replication), no window
-    ds-ulysses  DeepSpeed-Ulysses: all-to-all only, degree CP divides heads (and KV heads with GQA); no Megatron flag
+                and KV heads (no replication), no window; dK/dV in the input dtype
+    ds-ulysses  DeepSpeed-Ulysses (Megatron-DeepSpeed): all-to-all only, degree CP divides the query heads; with
+                GQA, Megatron-DeepSpeed repeats the K/V heads to all query heads before the all-to-all, so the
+                all-to-all carries MHA-sized K/V (an assumption: repeat to Ht, not to the least count that works)
+
+Layouts with w = 1 and w = cp are the same single ring (the one-rank windows' outer ring visits the same peers in
+the same order), so only w = cp is enumerated.
+
+Recompute modes per kind (``RECOMPUTE_BY_KIND``): Selective Checkpoint++ is this project's (2d only); every kind
+can run without recompute, with Megatron's selective (core attention) or full recompute.
 """
 
 from __future__ import annotations
@@ -19,6 +28,28 @@ from .placement import PLACEMENTS
 
 KINDS = ("2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses")
 STOCK_KINDS = KINDS[1:]
+TE_DKV_DTYPE = "bf16"
+"""Transformer Engine's p2p backward sends dK/dV in the input dtype (bf16 training)."""
+RECOMPUTE_BY_KIND = {"2d": ("none", "selective", "full", "ckpt++"), "p2p": ("none", "selective", "full"),
+                     "a2a": ("none", "selective", "full"), "a2a+p2p": ("none", "selective", "full"),
+                     "ds-ulysses": ("none", "selective", "full")}
+RECOMPUTE_FLAGS = {"none": "", "selective": "--recompute-activations",
+                   "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                   "ckpt++": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+                             "--selective-checkpoint-plus-plus"}
+"""pretrain_gpt.py arguments of each recompute mode (--recompute-activations is selective core attention)."""
+
+
+def kind_dkv_dtype(kind: str, dkv_dtype: str = "fp32") -> str:
+    """The dtype the dK/dV partials of ``kind`` travel in: Transformer Engine's rings use the input dtype; ours
+    use ``dkv_dtype`` (fp32 today)."""
+    return TE_DKV_DTYPE if kind in ("p2p", "a2a+p2p") else dkv_dtype
+
+
+def kind_kv_heads(kind: str, model: ModelSpec, parallel: ParallelSpec) -> Optional[int]:
+    """K/V heads per TP rank after repetition when ``kind`` fixes them (DeepSpeed-Ulysses: all Ht query heads);
+    None: the cost model's L = lcm(Hkvt, hp)."""
+    return model.heads // parallel.tp if kind == "ds-ulysses" else None
 
 
 def divisors(n: int) -> List[int]:
@@ -84,10 +115,9 @@ def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: 
     if k in ("a2a", "ds-ulysses"):
         if cp != 1:
             return f"{k} is all-to-all only: hp must be CP={CP}"
-        if Hkvt % hp:
-            who = "Megatron/TE" if k == "a2a" else "DeepSpeed-Ulysses"
-            return (f"degree {hp} does not divide the {Hkvt} KV heads per TP rank ({who} does not replicate K/V; "
-                    f"use 2d, which does)")
+        if k == "a2a" and Hkvt % hp:
+            return (f"degree {hp} does not divide the {Hkvt} KV heads per TP rank (Megatron/TE do not replicate "
+                    f"K/V; use 2d, which does)")
         return None
     # a2a+p2p
     if not 1 < hp < CP or w != cp or layout.placement != "head_first":
@@ -103,7 +133,8 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
     """Every 2D layout for CP, then the baselines, including ones that ``check_layout`` will reject.
 
     For 2D, hp runs over the divisors of CP; an hp that does not divide the heads appears once (as an infeasible
-    row). When hp == 1 or cp == 1 the two placements are the same layout, listed once as head_first.
+    row). When hp == 1 or cp == 1 the two placements are the same layout, listed once as head_first; w = 1 is the
+    same ring as w = cp and is left out when cp > 1.
     """
     CP = parallel.cp_size
     Ht = model.heads // parallel.tp
@@ -114,7 +145,7 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
             out.append(Layout("2d", hp, cp, cp))
             continue
         placements = PLACEMENTS if hp > 1 and cp > 1 else ("head_first",)
-        for w in divisors(cp):
+        for w in (w for w in divisors(cp) if w > 1 or cp == 1):
             out.extend(Layout("2d", hp, cp, w, p) for p in placements)
     out.append(Layout("p2p", 1, CP, CP))
     out.append(Layout("a2a", CP, 1, 1))
@@ -123,8 +154,23 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
     return out
 
 
-def megatron_flags(layout: Layout, parallel: ParallelSpec) -> str:
-    """The pretrain_gpt.py arguments that select ``layout`` (TP/PP included when > 1)."""
+def megatron_flags(layout: Layout, parallel: ParallelSpec, recompute: str = "none",
+                   block_layers: Optional[int] = None) -> str:
+    """The pretrain_gpt.py arguments that select ``layout`` (TP/PP included when > 1) and ``recompute``;
+    ``block_layers``: recompute only that many layers per pipeline stage (--recompute-method block)."""
+    flags = _layout_flags(layout, parallel)
+    extra = RECOMPUTE_FLAGS[recompute]
+    if block_layers is not None and recompute in ("full", "ckpt++"):
+        extra = extra.replace("--recompute-method uniform --recompute-num-layers 1",
+                              f"--recompute-method block --recompute-num-layers {block_layers}")
+    if not extra:
+        return flags
+    if layout.kind == "ds-ulysses":
+        return f"{flags}; activation checkpointing: {recompute}"
+    return f"{flags} {extra}"
+
+
+def _layout_flags(layout: Layout, parallel: ParallelSpec) -> str:
     pre = ""
     if parallel.tp > 1:
         pre += f"--tensor-model-parallel-size {parallel.tp} "

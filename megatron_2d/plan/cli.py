@@ -3,6 +3,10 @@
     python -m megatron_2d.plan --model 7B-GQA --cluster 8xH100 --gpus 64 --seq 128K
     python -m megatron_2d.plan --model 7B-MHA --cluster 8xA100 --gpus 32 --tp 2 --seq 256K --json
     python -m megatron_2d.plan --model 7B-GQA --cluster 8xH200 --gpus 64 --seq 128K --plot plan.png
+    python -m megatron_2d.plan grid [--details]        # best 2D vs best stock over models, GPUs, lengths
+
+Exit status: 0 with a recommendation; 1 when no layout is feasible (the plan is still printed, with the smallest
+memory found and what would help) or when --plot cannot be written; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import sys
 from dataclasses import replace
 from typing import List, Optional
 
+from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
-from .planner import plan
-from .plot import DEFAULT_SEQS, plot_sweep
-from .report import plan_json, print_plan
+from .planner import AUTO, plan, recommended
+from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
+from .report import job_metadata, plan_json, print_plan
+
+EXIT_OK, EXIT_NO_FEASIBLE, EXIT_USAGE = 0, 1, 2
 
 
 def parse_seq(text: str) -> int:
@@ -28,11 +35,25 @@ def parse_seq(text: str) -> int:
     return int(digits) * mult
 
 
+def parse_window(text: str):
+    """'4K' -> 4096 (every layer); '4K,full' -> (4096, None): a per-layer pattern repeated over the layers."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) == 1:
+        return parse_seq(parts[0])
+    return tuple(None if p.lower() in ("full", "none", "-") else parse_seq(p) for p in parts)
+
+
 def _cp(text: str) -> Optional[int]:
     if text.lower() in ("all", "auto", "left"):
         return None
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--cp {text!r}: give a positive integer or 'all' (all GPUs left)")
+    return int(text)
+
+
+def _positive(text: str) -> int:
+    if not text.lstrip("+").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer (use --all to list every layout)")
     return int(text)
 
 
@@ -55,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction")
     c.add_argument("--net-gbps", type=float, help="network GB/s per node (all NICs)")
     c.add_argument("--nics", type=int, help="NICs per node")
-    c.add_argument("--gpu-mem-gb", type=float, help="memory per GPU, GB (for the memory warning)")
+    c.add_argument("--gpu-mem-gb", type=float, help="memory per GPU, GB")
+    c.add_argument("--mem-fraction", type=float,
+                   help="fraction of GPU memory a layout may use (default 0.9: context, NCCL, fragmentation)")
     j = p.add_argument_group("job")
     j.add_argument("--seq", type=parse_seq, required=True, help="sequence length: 131072, 128K or 1M")
     j.add_argument("--tp", type=int, default=1, help="tensor-parallel size (fixed)")
@@ -64,13 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
-    j.add_argument("--window", type=parse_seq, default=None,
-                   help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer; p2p and a2a+p2p "
+    j.add_argument("--window", type=parse_window, default=None,
+                   help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer, or a per-layer pattern "
+                        "repeated over the layers, 'full' for a full causal layer (e.g. 128,full); p2p and a2a+p2p "
                         "are then refused as Transformer Engine refuses them")
+    j.add_argument("--recompute", default=AUTO, choices=(AUTO,) + RECOMPUTE_MODES,
+                   help="activation recompute: auto (default: the fastest mode that fits in memory, per layout), "
+                        "or force one: none, selective (Megatron core attention), full, ckpt++ (Selective "
+                        "Checkpoint++, 2D only)")
+    j.add_argument("--dkv-dtype", default="fp32", choices=tuple(DTYPE_BYTES),
+                   help="dtype of the 2D ring's dK/dV partials (default fp32, what the op sends today; Transformer "
+                        "Engine's rings are always modelled in bf16)")
     o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=15, help="feasible layouts to list (default 15)")
+    o.add_argument("--top", type=_positive, default=15, help="feasible layouts to list (default 15)")
     o.add_argument("--all", action="store_true", help="list every feasible layout")
-    o.add_argument("--json", action="store_true", help="print a JSON list, one object per candidate")
+    o.add_argument("--json", action="store_true",
+                   help="print JSON: a list of objects with the same keys, one per candidate, each with the job's "
+                        "metadata ('job') and 'recommended'")
     o.add_argument("--plot", metavar="PATH", help="write a PNG of predicted time vs sequence length")
     o.add_argument("--plot-seqs", type=parse_seq, nargs="+", default=list(DEFAULT_SEQS),
                    help="sequence lengths for --plot (default 32K 64K 128K 256K 512K 1M)")
@@ -88,7 +121,8 @@ def _specs(args):
     changes = {k: v for k, v in (("gpus_per_node", args.gpus_per_node), ("peak_tflops", args.tflops),
                                  ("attn_efficiency", args.attn_eff), ("dense_efficiency", args.dense_eff),
                                  ("nvlink_gbps", args.nvlink_gbps), ("net_gbps_per_node", args.net_gbps),
-                                 ("nics_per_node", args.nics), ("gpu_memory_gb", args.gpu_mem_gb)) if v is not None}
+                                 ("nics_per_node", args.nics), ("gpu_memory_gb", args.gpu_mem_gb),
+                                 ("usable_memory_fraction", args.mem_fraction)) if v is not None}
     if changes:
         cluster = cluster.with_(name=f"{cluster.name}(custom)", **changes)
     parallel = ParallelSpec(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
@@ -97,6 +131,11 @@ def _specs(args):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the CLI; returns the exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["grid"] or "--grid" in argv:
+        from .grid import main as grid_main
+        return grid_main([a for a in argv if a not in ("grid", "--grid")])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -104,14 +143,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         causal = not args.no_causal
         if args.window is not None and not causal:
             raise PlanError("--window models causal sliding windows; drop --no-causal")
-        cands = plan(model, cluster, parallel, args.seq, causal, args.window)
-        if args.json:
-            print(plan_json(cands))
-        else:
-            print_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal)
-        if args.plot:
-            plot_sweep(args.plot, model, cluster, parallel, args.plot_seqs, causal)
-            print(f"wrote {args.plot}", file=sys.stderr)
+        cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype)
     except PlanError as err:
         parser.error(str(err))
-    return 0
+    if args.json:
+        job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype)
+        print(plan_json(cands, job))
+    else:
+        print_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal,
+                   window=args.window)
+    status = EXIT_OK if recommended(cands) is not None else EXIT_NO_FEASIBLE
+    if status != EXIT_OK:
+        print("no feasible layout (see the plan above for the smallest memory found and what would help)",
+              file=sys.stderr)
+    if args.plot:
+        try:
+            plot_sweep(args.plot, model, cluster, parallel, args.plot_seqs, causal, args.window, args.recompute,
+                       args.dkv_dtype)
+            print(f"wrote {args.plot}", file=sys.stderr)
+        except PlotUnavailable as err:
+            print(f"cannot write {args.plot}: {err}", file=sys.stderr)
+            status = EXIT_NO_FEASIBLE if status == EXIT_OK else status
+    return status

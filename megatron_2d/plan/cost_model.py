@@ -8,7 +8,8 @@ Notation (per TP rank; every quantity is for one transformer layer and one rank 
     CP       context-parallel size = hp * cp
     hp       head-parallel size (all-to-all group);  cp  context size (ring length);  w  window (inner ring)
     nw       windows = cp / w (outer ring length)
-    L        K/V heads after replication = lcm(Hkvt, hp);  a rank holds L/hp of them after the all-to-all
+    L        K/V heads after replication = lcm(Hkvt, hp) (DeepSpeed-Ulysses repeats them to Ht);  a rank holds
+             L/hp of them after the all-to-all
     s_loc    S/CP tokens per rank before the all-to-all;  s_ctx = S/cp tokens per rank inside the ring
     P        peak bf16 FLOP/s per GPU;  e_a, e_g  attention-kernel / dense-GEMM efficiency
     M        HBM bandwidth;  lat  fixed cost of one ring step or all-to-all (launches, waits)
@@ -24,14 +25,22 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
+from ..ring_schedule import double_ring_events, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .placement import LinkClass, LinkMap, link_map
 from .windows import WindowWork, window_work
 
 BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors
-FP32 = 4      # bytes per element of the dK/dV accumulators that travel the ring in backward
+FP32 = 4      # bytes per element of fp32 tensors (our ring's dK/dV accumulators, softmax lse, logits)
+DTYPE_BYTES = {"fp32": FP32, "bf16": BF16, "fp16": BF16}
+"""Bytes per element of the dK/dV partials that travel a ring in backward, by name. Transformer Engine's p2p
+backward sends them in the input dtype (bf16); this project's 2D ring accumulates and sends them in fp32."""
+RECOMPUTE_MODES = ("none", "selective", "full", "ckpt++")
+"""Activation recomputation: none; Megatron's selective recompute of core attention (--recompute-activations);
+Megatron's full-layer recompute (uniform, every layer); Selective Checkpoint++ (full recompute that keeps each
+layer's attention output + lse: 2D only). See :func:`recompute_extra_s` and :class:`MemoryBreakdown`."""
 BWD_FACTOR = 2.5
 """Backward attention time / forward (FlashAttention recomputes P in backward: 2.5x the forward FLOPs executed)."""
 GB = 1e9
@@ -51,7 +60,8 @@ class LayerWork:
     kv_bytes: float
     """One K/V block in bf16: 2 * B * s_ctx * (L/hp) * d * 2 bytes (paper: max(Hkv,hp)/H * 4*S*D/CP for B=1)."""
     dkv_bytes: float
-    """One dK/dV block in fp32: twice ``kv_bytes``."""
+    """One dK/dV block as it travels the ring: ``kv_bytes`` * dkv_bytes_per_elem / 2 (fp32: twice ``kv_bytes``,
+    Transformer Engine's bf16: equal)."""
     kv_heads_per_rank: int
     """L/hp."""
     a2a_local_bytes: float
@@ -75,12 +85,17 @@ def replicated_kv_heads(kv_heads_tp: int, hp: int) -> int:
     return math.lcm(kv_heads_tp, hp)
 
 
-def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: int, causal: bool = True) -> LayerWork:
-    """Work and message sizes of one layer on one rank for head-parallel size ``hp`` and context size ``cp``."""
+def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: int, causal: bool = True,
+               dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None) -> LayerWork:
+    """Work and message sizes of one layer on one rank for head-parallel size ``hp`` and context size ``cp``.
+
+    ``dkv_bytes_per_elem``: bytes per element of the dK/dV partials on the ring (4: ours, fp32; 2: Transformer
+    Engine, input dtype). ``kv_heads``: K/V heads per TP rank after repetition (None: L = lcm(Hkvt, hp), our
+    replication; DeepSpeed-Ulysses repeats them to all Ht query heads)."""
     B, S, tp, d = parallel.micro_batch, seq, parallel.tp, model.head_dim
     CP = hp * cp
     Ht, Hkvt = model.heads // tp, model.kv_heads // tp
-    L = replicated_kv_heads(Hkvt, hp)
+    L = replicated_kv_heads(Hkvt, hp) if kv_heads is None else kv_heads
     # Attention FLOPs, forward: QK^T and PV are 2*S*S*d each per head -> 4*B*S^2*H*d (field-and-peers.md);
     # causal keeps half. Zigzag: every rank holds chunks i and 2cp-1-i, so every one of its cp ring steps costs
     # exactly half a (S/cp)^2 block (paper). With chunk c = S/(2cp): an off-diagonal step is two full c x c
@@ -95,7 +110,7 @@ def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: 
     q_heads = Ht // hp if Ht % hp == 0 else Ht / hp
     merge_f = 3 * FP32 * B * s_ctx * q_heads * d
     merge_b = 3 * FP32 * B * s_ctx * (q_heads + 2 * (L // hp)) * d
-    return LayerWork(fwd_flops=fwd, a2a_peer_bytes=a2a_peer, kv_bytes=kv, dkv_bytes=kv * FP32 / BF16,
+    return LayerWork(fwd_flops=fwd, a2a_peer_bytes=a2a_peer, kv_bytes=kv, dkv_bytes=kv * dkv_bytes_per_elem / BF16,
                      kv_heads_per_rank=L // hp, a2a_local_bytes=a2a_peer * hp, merge_fwd_bytes=merge_f,
                      merge_bwd_bytes=merge_b, s_ctx_tokens=s_ctx)
 
@@ -158,16 +173,31 @@ class Estimate:
     inter_bytes_nic: float
     """``inter_bytes`` scaled by max(flows, NICs)/NICs: bytes one NIC's worth of bandwidth must carry (calibration)."""
     memory_gb: float
-    """Estimated peak memory per GPU (see ``memory_bytes``)."""
+    """Estimated peak memory per GPU under ``recompute`` (see :class:`MemoryBreakdown`)."""
     activation_gb: float
     """The activation part of ``memory_gb``."""
     step_s: float
     """Whole model, one micro-batch, as if one GPU did the work of its TP x CP group for all layers (bubbles, TP
-    and PP communication not modelled): layers * (time_s + dense layer) + output layer."""
+    and PP communication not modelled): layers * (time_s + dense layer + recompute_s) + output layer."""
     tokens_per_gpu_s: float
     mfu: float
     work: LayerWork
     links: LinkMap
+    recompute: str = "none"
+    """The recompute mode this estimate's memory and step time assume (one of RECOMPUTE_MODES)."""
+    recompute_s: float = 0.0
+    """Seconds one layer's recompute adds to a step (see :func:`recompute_extra_s`)."""
+    recompute_layers: int = 0
+    """Layers recomputed (all of them for uniform recompute, fewer for block recompute; 0 for none)."""
+    attn_fwd_s: float = 0.0
+    """The attention's forward alone: one direction's all-to-alls + the forward ring (what recompute repeats)."""
+    dense_layer_s: float = 0.0
+    """One layer's non-attention GEMMs, forward + backward (6 * layer_params * tokens / (TP*CP) / dense rate)."""
+    layers: int = 0
+    memory: Optional["MemoryBreakdown"] = None
+    """The parts ``memory_gb`` is made of, for every recompute mode."""
+    neighbour_exchange: bool = False
+    """A sliding window made the op exchange K/V with neighbours only (the window size w then has no effect)."""
 
     @property
     def comm_s(self) -> float:
@@ -182,29 +212,22 @@ def _relu(x: float) -> float:
 def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w: int, tc: float, tcb: float):
     """(forward, backward, serialised comm) seconds of the (double) ring; ``tc``/``tcb`` are one step's work.
 
-    Paper, Double-Ring-Attention: nw = cp/w rounds of w inner steps. An inner transfer overlaps one step's
-    compute (exposed: max(0, T_in - Tc)); the outer ring moves the next window's K/V during a whole round and is
-    hidden when Size(kv)/beta_inter <= w*Tc (the paper's condition; here the round's actual length R, which is
-    longer than w*Tc when the inner ring is itself exposed), else the remainder is exposed:
-        R   = w*Tc + (w-1)*relu(T_in(kv) - Tc)
-        fwd = nw*R + (nw-1)*relu(T_out(kv) - R)
-    Backward: K/V travel the same path and the dK/dV accumulators (fp32) travel with them; the last dK/dV hop on
-    each ring cannot overlap anything (the last inner hop of earlier rounds overlaps the next round):
-        Rb  = w*Tcb + (w-1)*relu(T_in(kv+dkv) - Tcb)
-        bwd = nw*Rb + (nw-1)*relu(T_out(kv+dkv) - Rb) + [w>1]*T_in(dkv) + [nw>1]*T_out(dkv)
-    With w = cp this is the plain ring, Tc + (cp-1)*max(Tc, T) in forward (Megatron/TE p2p).
+    Not a closed form: the op's own schedule (:func:`megatron_2d.ring_schedule.double_ring_events`, the events the
+    ring loop executes) is replayed with modelled times: a compute takes ``tc`` (``tcb``), a K/V (dK/dV) transfer
+    takes its path time on the inner or outer links, transfers on one link go one after another, and a wait
+    blocks until its transfer is done. Forward reduces to the paper's Double-Ring formula
+        R = w*Tc + (w-1)*relu(T_in(kv) - Tc),   fwd = nw*R + (nw-1)*relu(T_out(kv) - R);
+    backward follows whatever the loop does (riders posted after each step, rounds closed one step late, the
+    final outer hop exposed); dK/dV riders are ``work.dkv_bytes`` (fp32 for ours, bf16 for Transformer Engine).
     """
-    nw = cp // w
     kv, dkv = work.kv_bytes, work.dkv_bytes
-    t_in = lambda b: path_time(links.inner, b, cluster)      # noqa: E731
-    t_out = lambda b: path_time(links.outer, b, cluster)     # noqa: E731
-    r_f = w * tc + (w - 1) * _relu(t_in(kv) - tc)
-    fwd = nw * r_f + (nw - 1) * _relu(t_out(kv) - r_f)
-    r_b = w * tcb + (w - 1) * _relu(t_in(kv + dkv) - tcb)
-    bwd = (nw * r_b + (nw - 1) * _relu(t_out(kv + dkv) - r_b)
-           + (t_in(dkv) if w > 1 else 0.0) + (t_out(dkv) if nw > 1 else 0.0))
-    serial = (2 * nw * (w - 1) * t_in(kv) + (nw * w * t_in(dkv) if w > 1 else 0.0)
-              + 2 * (nw - 1) * t_out(kv) + (nw * t_out(dkv) if nw > 1 else 0.0))
+    transfer = {"inner_kv": path_time(links.inner, kv, cluster), "outer_kv": path_time(links.outer, kv, cluster),
+                "inner_dkv": path_time(links.inner, dkv, cluster), "outer_dkv": path_time(links.outer, dkv, cluster)}
+    link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer"}
+    forward, backward = double_ring_events(cp, w, False), double_ring_events(cp, w, True)
+    fwd = replay(forward, tc, transfer, link_of)
+    bwd = replay(backward, tcb, transfer, link_of)
+    serial = sum(transfer[e.channel] for e in forward + backward if e.kind.startswith("post_"))
     return fwd, bwd, serial
 
 
@@ -239,14 +262,14 @@ def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluste
     """(forward, backward, serialised comm, K/V bytes of one message) of the neighbour exchange (sparse windows).
 
     The rank's visible work (cp steps' worth of ``tc`` already scaled by the window) is spread over its own block
-    and its ``ww.messages`` neighbours; each neighbour's message (K/V slice, then K/V + fp32 dK/dV partial in
-    backward) overlaps one such step, the last dK/dV partial overlaps nothing:
+    and its ``ww.messages`` neighbours; each neighbour's message (K/V slice, then K/V + the dK/dV partial in
+    backward, in the dtype of ``work.dkv_bytes``) overlaps one such step, the last dK/dV partial overlaps nothing:
         fwd = t + m * max(t, T(kv)),  bwd = tb + m * max(tb, T(kv + dkv)) + T(dkv),   t = cp * tc / (m + 1)
     """
     m = ww.messages
     per_token = work.kv_bytes / work.s_ctx_tokens
     kv = per_token * ww.key_tokens / m
-    dkv = kv * FP32 / BF16
+    dkv = kv * (work.dkv_bytes / work.kv_bytes if work.kv_bytes else FP32 / BF16)
     t_msg = lambda b: path_time(ring_links.inner, b, cluster)  # noqa: E731
     t, tb = cp * tc / (m + 1), cp * tcb / (m + 1)
     fwd = t + m * max(t, t_msg(kv))
@@ -254,45 +277,218 @@ def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluste
     return fwd, bwd, m * (2 * t_msg(kv) + t_msg(dkv)), kv
 
 
-def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int) -> Tuple[float, float]:
-    """(total, activations) bytes per GPU. A rough estimate; what it counts:
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak memory per GPU, in parts, from which every recompute mode's peak is derived (bytes).
 
-    * activations kept for backward, bf16, per local token (s_loc = S/CP) per layer, TP-sharded with sequence
-      parallelism: norm inputs 2*D, QKV and fc1 inputs 2*D, q Ht*d, k and v 2*L*d (after replication), attention
-      output twice (ring layout and o-proj input) 2*Ht*d, fc1 output 2F (F if not gated), fc2 input F; the
-      softmax log-sum-exp Ht floats. All layers' worth: 1F1B keeps PP micro-batches of L/PP layers on stage 0
-      (no recomputation; Megatron's 34*s*b*h per layer, Korthikanti et al. 2022, with flash attention);
-    * fp32 logits of the local tokens (s_loc * V/TP * 4);
-    * one layer's transient attention buffers: two K/V blocks and two fp32 dK/dV blocks in flight, plus one of
-      each for the outer ring when nw > 1, and one all-to-all staging copy of q, k, v, out;
-    * model states: bf16 weights and fp32 gradients of N/(TP*PP) parameters, fp32 master weights and Adam moments
-      (12 bytes/param) sharded over DP x CP (Megatron's distributed optimizer).
+    Activations are counted per local token (``tokens`` = B * S / CP) per layer, bf16, TP-sharded with sequence
+    parallelism. Parts of one layer (Korthikanti et al. 2022's 34*s*b*h per layer, with flash attention):
+
+        layer_input  = 2 * D/TP                 the layer's input (first norm's input)
+        dense_rest   = 2 * (3D + F' + F)/TP     QKV-GEMM input, pre-MLP norm input, fc1 input, fc1 output
+                                                (F' = 2F gated, else F), fc2 input
+        qkv          = 2 * (Ht + 2L) * d        q, k, v in the attention's layout (K/V after replication to L)
+        attn_out     = 2 * Ht * d               the attention output as the kernel/ring keeps it
+        o_proj_in    = 2 * Ht * d               the output after the inverse all-to-all (o-proj input)
+        lse          = 4 * Ht                   the softmax log-sum-exp (fp32)
+        A_none       = the sum of all six
+
+    1F1B keeps PP micro-batches of layers/PP layers on stage 0: ``layers`` layers' worth in all. Kept per token
+    per layer, by recompute mode:
+
+        none       A_none
+        selective  A_none - attn_out - lse       Megatron's core-attention checkpoint re-saves q, k, v; flash
+                                                 attention stores nothing quadratic, so only its output and lse
+                                                 go (an upper bound on the saving: tools/memory_report.py
+                                                 measures none on our op)
+        full       layer_input                   only the checkpointed layer inputs
+        ckpt++     layer_input + qkv + attn_out + lse   the inputs plus the kept attention graph
+                                                 (megatron_2d/megatron/checkpoint_plus.py; measured within 1% of
+                                                 full + these parts by tools/memory_report.py)
+
+    and full / ckpt++ also hold one rebuilt layer (A_none) during its backward. With n of the layers recomputed
+    (Megatron's --recompute-method block; n = layers for uniform) and the others kept whole:
+
+        activations(mode, n) = tokens * (n * kept(mode) + (layers - n) * A_none + [n > 0, full/ckpt++] * A_none)
+        total(mode, n)       = activations(mode, n) + logits + comm_buffers + model_states
     """
-    B, tp, d, D = parallel.micro_batch, parallel.tp, model.head_dim, model.hidden
+
+    tokens: float
+    layers: int
+    layer_input: float
+    dense_rest: float
+    qkv: float
+    attn_out: float
+    o_proj_in: float
+    lse: float
+    logits: float
+    """fp32 logits of the local tokens: 4 * tokens * V/TP."""
+    comm_buffers: float
+    """One layer's transient attention buffers: two K/V and two dK/dV blocks in flight (plus one of each for the
+    outer ring when there are both an inner and an outer ring, 1 < w < cp) and one all-to-all staging copy of q,
+    k, v, out."""
+    model_states: float
+    """bf16 weights + fp32 gradients of N/(TP*PP) parameters, and fp32 master weights + Adam moments (12 bytes
+    per parameter) sharded over DP x CP (Megatron's distributed optimizer)."""
+    sharded_states: float = 0.0
+    """The part of ``model_states`` sharded over DP x CP (the optimizer's 12 bytes per parameter)."""
+
+    @property
+    def per_token_none(self) -> float:
+        """A_none: every part of one layer, bytes per token."""
+        return self.layer_input + self.dense_rest + self.qkv + self.attn_out + self.o_proj_in + self.lse
+
+    def kept_per_token(self, mode: str) -> float:
+        """Bytes per token per layer kept for backward under recompute ``mode``."""
+        if mode == "none":
+            return self.per_token_none
+        if mode == "selective":
+            return self.per_token_none - self.attn_out - self.lse
+        if mode == "full":
+            return self.layer_input
+        if mode == "ckpt++":
+            return self.layer_input + self.qkv + self.attn_out + self.lse
+        raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
+
+    def activations(self, mode: str = "none", n: Optional[int] = None) -> float:
+        """Activation bytes with ``n`` layers recomputed under ``mode`` (None: all of them)."""
+        n = self.layers if n is None or mode == "none" else n
+        rebuilt = self.per_token_none if mode in ("full", "ckpt++") and n > 0 else 0.0
+        return self.tokens * (n * self.kept_per_token(mode) + (self.layers - n) * self.per_token_none + rebuilt)
+
+    def total(self, mode: str = "none", n: Optional[int] = None) -> float:
+        return self.activations(mode, n) + self.logits + self.comm_buffers + self.model_states
+
+    def layers_to_fit(self, mode: str, budget_bytes: float, step: int = 1) -> Optional[int]:
+        """The fewest recomputed layers (a multiple of ``step``, e.g. PP for per-stage block recompute) with which
+        ``total(mode, n)`` fits ``budget_bytes``; None when even all layers do not fit."""
+        # total(mode, n) for n >= 1 is linear in n: total(mode, 1) - (n - 1) * tokens * (A_none - kept)
+        first = self.total(mode, step)
+        if first <= budget_bytes:
+            return step
+        saved = self.tokens * (self.per_token_none - self.kept_per_token(mode))
+        if saved <= 0:
+            return None
+        n = step + step * math.ceil((first - budget_bytes) / (saved * step) - 1e-12)
+        while n - step >= step and self.total(mode, n - step) <= budget_bytes:     # guard rounding
+            n -= step
+        while n <= self.layers and self.total(mode, n) > budget_bytes:
+            n += step
+        return n if n <= self.layers else None
+
+
+def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
+                     dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None) -> MemoryBreakdown:
+    """The :class:`MemoryBreakdown` of one layout (``kv_heads``, ``dkv_bytes_per_elem``: as :func:`layer_work`)."""
+    B, tp, d, D, F = parallel.micro_batch, parallel.tp, model.head_dim, model.hidden, model.ffn_hidden
     CP = hp * cp
     Ht, Hkvt = model.heads // tp, model.kv_heads // tp
-    L = replicated_kv_heads(Hkvt, hp)
-    s_loc = B * seq / CP
-    fc1_out = (2 if model.gated_mlp else 1) * model.ffn_hidden
-    per_token = BF16 * ((4 * D + fc1_out + model.ffn_hidden) / tp + (Ht + 2 * L + 2 * Ht) * d) + FP32 * Ht
-    activations = per_token * s_loc * model.layers
-    logits = FP32 * s_loc * model.vocab / tp
-    work = layer_work(model, parallel, hp, cp, seq)
+    L = replicated_kv_heads(Hkvt, hp) if kv_heads is None else kv_heads
+    tokens = B * seq / CP
+    fc1_out = (2 if model.gated_mlp else 1) * F
+    work = layer_work(model, parallel, hp, cp, seq, dkv_bytes_per_elem=dkv_bytes_per_elem, kv_heads=kv_heads)
     nw = cp // w
-    blocks = (2 + (1 if nw > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
-    staging = BF16 * s_loc * d * (2 * Ht + 2 * L) if hp > 1 else 0.0
+    blocks = (2 + (1 if nw > 1 and w > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
+    staging = BF16 * tokens * d * (2 * Ht + 2 * L) if hp > 1 else 0.0
     params = model.total_params() / (tp * parallel.pp)
-    states = params * (BF16 + FP32) + params * 12 / (parallel.dp_size * CP)
-    return activations + logits + blocks + staging + states, activations
+    return MemoryBreakdown(
+        tokens=tokens, layers=model.layers, layer_input=BF16 * D / tp,
+        dense_rest=BF16 * (3 * D + fc1_out + F) / tp, qkv=BF16 * (Ht + 2 * L) * d, attn_out=BF16 * Ht * d,
+        o_proj_in=BF16 * Ht * d, lse=FP32 * Ht, logits=FP32 * tokens * model.vocab / tp,
+        comm_buffers=blocks + staging,
+        model_states=params * (BF16 + FP32) + params * 12 / (parallel.dp_size * CP),
+        sharded_states=params * 12 / (parallel.dp_size * CP))
+
+
+def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
+                 recompute: str = "none", dkv_bytes_per_elem: int = FP32,
+                 kv_heads: Optional[int] = None) -> Tuple[float, float]:
+    """(total, activations) bytes per GPU under ``recompute`` (see :class:`MemoryBreakdown` for what is counted)."""
+    mb = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_bytes_per_elem, kv_heads)
+    return mb.total(recompute), mb.activations(recompute)
+
+
+def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float) -> float:
+    """Seconds one layer's recompute adds to a step (one micro-batch), run again in backward:
+
+        none       0
+        selective  attn_fwd                the attention forward again, with its all-to-alls and ring
+        full       attn_fwd + dense_fwd    the whole layer forward again
+        ckpt++     dense_fwd               the layer forward again without attention (kept, not recomputed)
+
+    attn_fwd = one direction's all-to-alls + the forward ring (or neighbour exchange), as in ``Estimate``;
+    dense_fwd = 2 * layer_params * tokens / (TP*CP) / dense rate (a third of the dense 6*N*tokens).
+    """
+    if mode == "none":
+        return 0.0
+    if mode == "selective":
+        return attn_fwd_s
+    if mode == "full":
+        return attn_fwd_s + dense_fwd_s
+    if mode == "ckpt++":
+        return dense_fwd_s
+    raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
+
+
+_PER_LAYER_FIELDS = ("time_s", "compute_s", "kernel_s", "a2a_s", "ring_exposed_s", "comm_total_s", "intra_bytes",
+                     "inter_bytes", "inter_bytes_nic", "attn_fwd_s", "step_s")
+
+
+def combine_layers(parts: Sequence[Tuple["Estimate", int]]) -> "Estimate":
+    """One estimate for a model whose layers differ (e.g. per-layer sliding windows): ``parts`` are (estimate as
+    if every layer were like this one, number of such layers), all with recompute "none". Per-layer times and
+    bytes become the layer-weighted mean (so layers * time_s is the sum over layers), and so does the step (each
+    part's step counts all layers as its kind: the weighted mean counts each layer once); MFU and tokens/s follow
+    the combined step. Memory does not depend on the window: the first part's. ``neighbour_exchange`` only when
+    every layer uses it. The hook for packed length distributions is the same: one part per document shape."""
+    total = sum(n for _, n in parts)
+    if len(parts) == 1:
+        return parts[0][0]
+    first = parts[0][0]
+    mean = {f: sum(getattr(e, f) * n for e, n in parts) / total for f in _PER_LAYER_FIELDS}
+    flops_share = sum(e.mfu * e.step_s * n for e, n in parts) / total        # model FLOPs / (group * peak)
+    return dataclasses.replace(first, **mean, mfu=flops_share / mean["step_s"],
+                               tokens_per_gpu_s=first.tokens_per_gpu_s * first.step_s / mean["step_s"],
+                               neighbour_exchange=all(e.neighbour_exchange for e, _ in parts))
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
-             placement: str, seq: int, causal: bool = True, window: Optional[int] = None) -> Estimate:
+             placement: str, seq: int, causal: bool = True, window: Optional[int] = None,
+             recompute: str = "none", dkv_dtype: str = "fp32", kv_heads: Optional[int] = None) -> Estimate:
     """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
 
     ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
-    visible pairs only, and its transport is the op's own choice (see :mod:`.windows`)."""
-    work = layer_work(model, parallel, hp, cp, seq, causal)
+    visible pairs only, and its transport is the op's own choice (see :mod:`.windows`).
+    ``recompute``: one of RECOMPUTE_MODES; it changes memory and the step time (``time_s``, the attention of one
+    layer, never includes recompute). ``dkv_dtype``: 'fp32' (ours) or 'bf16' (Transformer Engine's p2p) for the
+    dK/dV partials on the ring. ``kv_heads``: K/V heads per TP rank after repetition (see :func:`layer_work`)."""
+    return with_recompute(_estimate_none(model, cluster, parallel, hp, cp, w, placement, seq, causal, window,
+                                         dkv_dtype, kv_heads), recompute)
+
+
+def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "Estimate":
+    """``e`` (any mode) re-derived for recompute ``mode`` on ``layers`` of the model's layers (None: all; only
+    full and ckpt++ can recompute some layers): memory from its breakdown, step time, MFU, tokens/s.
+
+        step = layers_total * (time_s + dense_layer) + n * recompute_extra_s(mode) + output layer
+    """
+    n = e.layers if layers is None or mode in ("none", "selective") else layers
+    n = 0 if mode == "none" else n
+    extra = recompute_extra_s(mode, e.attn_fwd_s, e.dense_layer_s / 3.0)
+    step = e.step_s - e.recompute_layers * e.recompute_s + n * extra
+    mem = e.memory
+    return dataclasses.replace(e, recompute=mode, recompute_s=extra, recompute_layers=n, step_s=step,
+                               mfu=e.mfu * e.step_s / step, tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step,
+                               memory_gb=mem.total(mode, n) / GB, activation_gb=mem.activations(mode, n) / GB)
+
+
+def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
+                   placement: str, seq: int, causal: bool, window: Optional[int], dkv_dtype: str,
+                   kv_heads: Optional[int]) -> "Estimate":
+    if dkv_dtype not in DTYPE_BYTES:
+        raise ValueError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    dkv_elem = DTYPE_BYTES[dkv_dtype]
+    work = layer_work(model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads)
     ww = window_work(hp, cp, placement, seq, window if causal else None)
     work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
     links = link_map(hp, cp, w, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
@@ -315,13 +511,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
         fwd, bwd, ring_serial, msg = neighbour_times(work, ww, ring_links, cluster, cp, tc, tcb)
         intra, inter, nic = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, hp, cp, w)
         c = worst_class(ring_links.inner, msg, cluster)
-        for peer_bytes, times in ((msg, 2 * ww.messages), (msg * FP32 / BF16, ww.messages)):
+        for peer_bytes, times in ((msg, 2 * ww.messages), (msg * dkv_elem / BF16, ww.messages)):
             intra += times * c.intra_peers * peer_bytes
             inter += times * c.inter_peers * peer_bytes
             nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
     compute = cp * (tc + tcb)
     time = 2 * a2a_one + fwd + bwd
-    mem, act = memory_bytes(model, parallel, hp, cp, w, seq)
+    mem = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_elem, kv_heads)
 
     # Whole model (6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal halved).
     B, S, CP, tp = parallel.micro_batch, seq, hp * cp, parallel.tp
@@ -336,5 +532,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     return Estimate(time_s=time, compute_s=compute, kernel_s=(1.0 + BWD_FACTOR) * work.fwd_flops / attn_rate,
                     a2a_s=2 * a2a_one, ring_exposed_s=fwd + bwd - compute,
                     comm_total_s=2 * a2a_one + ring_serial, intra_bytes=intra, inter_bytes=inter,
-                    inter_bytes_nic=nic, memory_gb=mem / GB, activation_gb=act / GB, step_s=step,
-                    tokens_per_gpu_s=B * S / group / step, mfu=mfu, work=work, links=links)
+                    inter_bytes_nic=nic, memory_gb=mem.total("none") / GB,
+                    activation_gb=mem.activations("none") / GB, step_s=step,
+                    tokens_per_gpu_s=B * S / group / step, mfu=mfu, work=work, links=links,
+                    recompute="none", recompute_s=0.0, attn_fwd_s=a2a_one + fwd, dense_layer_s=dense_layer,
+                    layers=model.layers, memory=mem, neighbour_exchange=not ww.dense)

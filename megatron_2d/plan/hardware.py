@@ -104,13 +104,23 @@ class ClusterSpec:
     """Fraction of peak reached by the non-attention GEMMs of a whole layer (H100: ~780/989 on large GEMMs;
     0.6 leaves room for norms, activations and TP communication, which are not modelled)."""
     gpu_memory_gb: float = 80.0
-    """Memory per GPU (GB), used only to warn when the memory estimate exceeds it."""
+    """Memory per GPU (GB). A layout fits when its estimated peak is at most ``usable_memory_fraction`` of it."""
     hbm_gbps: float = 3350.0
     """HBM bandwidth per GPU, GB/s (vendor spec sheets: H100 SXM 3350, H200 4800, A100 80GB 2039); prices the
     memory-bound work of a ring step (merging partial outputs, accumulating dQ/dK/dV) and all-to-all permutes."""
     step_latency_us: float = 10.0
     """Fixed cost of one ring step or all-to-all, microseconds: kernel launches and stream/event waits. An
     assumption (a few launches of ~2-5 us each); refine with calibrate(). 0 disables it."""
+
+    usable_memory_fraction: float = 0.9
+    """Fraction of ``gpu_memory_gb`` the estimate may use: the CUDA context, NCCL buffers, the caching
+    allocator's fragmentation and what the estimate leaves out (norm weights, kernels' workspaces) take the rest.
+    An assumption (a few GB of an 80 GB GPU); 1.0 trusts the estimate to the byte."""
+
+    @property
+    def memory_budget_gb(self) -> float:
+        """What a layout's estimated peak memory must fit in: gpu_memory_gb * usable_memory_fraction."""
+        return self.gpu_memory_gb * self.usable_memory_fraction
 
     def __post_init__(self) -> None:
         _positive_int("cluster gpus_per_node", self.gpus_per_node)
@@ -122,6 +132,7 @@ class ClusterSpec:
             raise PlanError(f"cluster step_latency_us must be a finite number >= 0, got {self.step_latency_us!r}")
         _fraction("cluster attn_efficiency", self.attn_efficiency)
         _fraction("cluster dense_efficiency", self.dense_efficiency)
+        _fraction("cluster usable_memory_fraction", self.usable_memory_fraction)
 
     @property
     def nic_gbps(self) -> float:
@@ -197,9 +208,21 @@ MODEL_PRESETS: Dict[str, ModelSpec] = {
     m.name: m for m in (
         ModelSpec("7B-MHA", layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000),
         ModelSpec("7B-GQA", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=11008, vocab=32000),
+        ModelSpec("8B-GQA", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256),
+        ModelSpec("70B-GQA", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab=128256),
+        ModelSpec("7B-KV4", layers=28, hidden=3584, heads=28, kv_heads=4, ffn_hidden=18944, vocab=152064),
     )
 }
-"""Llama-2-7B shapes, with all 32 KV heads (MHA) or 8 (GQA)."""
+"""7B-MHA / 7B-GQA: Llama-2-7B shapes with all 32 KV heads or 8. 8B-GQA and 70B-GQA: Llama-3 8B and 70B shapes
+(8 KV heads; at TP=8 the 70B has one KV head per TP rank). 7B-KV4: Qwen2-7B shapes (28 query heads, 4 KV heads:
+head parallelism is capped at 4 by the KV heads for stock a2a, and at 4 by 28's power-of-two divisors for all)."""
+
+GRID_MODELS: Dict[str, Dict[str, int]] = {
+    "8B-GQA": {"tp": 1, "pp": 1}, "70B-GQA": {"tp": 8, "pp": 2}, "7B-KV4": {"tp": 1, "pp": 1},
+    "7B-MHA": {"tp": 1, "pp": 1},
+}
+"""The parallel sizes the grid (``python -m megatron_2d.plan grid``) fixes for each model: 70B-GQA at TP=8 (one KV
+head per TP rank) with PP=2 so that its model states leave room for activations on 80 GB GPUs."""
 
 CLUSTER_PRESETS: Dict[str, ClusterSpec] = {
     c.name: c for c in (

@@ -84,7 +84,6 @@ def peers(i: int, hp: int, cp: int, w: int, placement: str) -> Dict[str, List[in
     return {"a2a": a2a, "inner": inner, "outer": outer}
 
 
-@lru_cache(maxsize=4096)
 def link_map(hp: int, cp: int, w: int, placement: str, tp: int, gpus_per_node: int, world: int) -> LinkMap:
     """Classify every rank's all-to-all and ring sends as intra- or inter-node, with per-node flow counts."""
     if placement not in PLACEMENTS:
@@ -92,8 +91,13 @@ def link_map(hp: int, cp: int, w: int, placement: str, tp: int, gpus_per_node: i
     CP = hp * cp
     if cp % w or world % (tp * CP):
         raise ValueError(f"inconsistent layout: cp={cp}, w={w}, tp*CP={tp * CP}, world={world}")
-    period = math.lcm(gpus_per_node, tp * CP)
-    ranks = min(period, world)
+    # only the first min(period, world) ranks are looked at: one cache entry serves every larger world
+    return _link_map(hp, cp, w, placement, tp, gpus_per_node, min(math.lcm(gpus_per_node, tp * CP), world))
+
+
+@lru_cache(maxsize=4096)
+def _link_map(hp: int, cp: int, w: int, placement: str, tp: int, gpus_per_node: int, ranks: int) -> LinkMap:
+    CP = hp * cp
     per_rank: Dict[str, List[Tuple[int, int]]] = {"a2a": [], "inner": [], "outer": []}
     node_flows: Dict[str, Dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}
     for g in range(ranks):

@@ -1,24 +1,45 @@
-"""``plan``: evaluate every candidate layout for a job and rank them by predicted attention time."""
+"""``plan``: evaluate every candidate layout for a job, with the cheapest recompute mode that fits in memory, and
+rank them by predicted step time."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .candidates import KINDS, Layout, check_layout, enumerate_layouts, megatron_flags
-from .cost_model import Estimate, estimate
+from .candidates import (KINDS, RECOMPUTE_BY_KIND, Layout, check_layout, enumerate_layouts, kind_dkv_dtype,
+                         kind_kv_heads, megatron_flags)
+from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
+
+AUTO = "auto"
+"""``recompute=AUTO``: try every mode the kind supports and keep the fastest that fits in memory."""
+
+ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_memory", "reason", "note", "flags",
+            "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
+            "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
+            "memory_budget_gb", "memory_parts_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb",
+            "links", "recompute_options")
+"""The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout with its verdict: ``feasible`` and ``reason``, and when feasible the ``estimate``."""
+    """A layout with its verdict.
+
+    ``feasible``: it can run AND its estimated peak memory fits the GPU (``cluster.memory_budget_gb``) with
+    ``recompute``; ``reason`` says why not. ``estimate`` is present whenever the layout can run: for the chosen
+    recompute mode, or, when no mode fits, the one that needs the least memory. ``options`` are the estimates of
+    every recompute mode tried (RECOMPUTE_MODES order). ``note``: anything the row's numbers do not show."""
 
     layout: Layout
     feasible: bool
     reason: str
     flags: str
     estimate: Optional[Estimate] = None
+    options: Tuple[Estimate, ...] = ()
+    note: str = ""
+    memory_budget_gb: Optional[float] = None
+    dkv_dtype: Optional[str] = None
 
     kind = property(lambda self: self.layout.kind)
     hp = property(lambda self: self.layout.hp)
@@ -27,34 +48,77 @@ class Candidate:
     placement = property(lambda self: self.layout.placement)
 
     @property
+    def runs(self) -> bool:
+        """The layout can run (it may still not fit in memory)."""
+        return self.estimate is not None
+
+    @property
+    def fits_memory(self) -> Optional[bool]:
+        """The estimate's peak memory fits the budget (None when the layout cannot run)."""
+        if self.estimate is None or self.memory_budget_gb is None:
+            return None
+        return self.estimate.memory_gb <= self.memory_budget_gb
+
+    @property
+    def recompute(self) -> Optional[str]:
+        """The recompute mode of ``estimate`` (None when the layout cannot run)."""
+        return self.estimate.recompute if self.estimate else None
+
+    @property
     def time_ms(self) -> Optional[float]:
-        """Attention forward + backward of one layer, ms (None when infeasible)."""
+        """Attention forward + backward of one layer, ms (None when the layout cannot run)."""
         return self.estimate.time_s * 1e3 if self.estimate else None
 
+    @property
+    def step_ms(self) -> Optional[float]:
+        """Whole model, one micro-batch, recompute included, ms (None when the layout cannot run)."""
+        return self.estimate.step_s * 1e3 if self.estimate else None
+
     def to_dict(self) -> Dict[str, object]:
-        """A JSON-ready record (times in ms, memory in GB, MFU as a fraction, links as nvlink/network/mixed/-)."""
+        """A JSON-ready record with exactly the keys ``ROW_KEYS`` (times in ms, memory in GB, MFU as a fraction,
+        links as nvlink/network/mixed/-); values that do not apply are None."""
         e = self.estimate
-        ms = (lambda s: round(s * 1e3, 4)) if e else (lambda s: None)
+        ms = lambda s: round(s * 1e3, 4)                                                     # noqa: E731
+        opts = None
+        if self.options:
+            budget = self.memory_budget_gb
+            opts = {m: None for m in RECOMPUTE_MODES}
+            for o in self.options:
+                opts[o.recompute] = {"step_ms": ms(o.step_s), "recompute_ms": ms(o.recompute_s),
+                                     "recompute_layers": o.recompute_layers,
+                                     "memory_gb": round(o.memory_gb, 2),
+                                     "fits_memory": None if budget is None else o.memory_gb <= budget}
         d: Dict[str, object] = {
             "kind": self.kind, "hp": self.hp, "cp": self.cp, "w": self.w, "placement": self.placement,
-            "feasible": self.feasible, "reason": self.reason, "flags": self.flags,
+            "label": self.layout.label(), "feasible": self.feasible, "fits_memory": self.fits_memory,
+            "reason": self.reason, "note": self.note, "flags": self.flags, "recompute": self.recompute,
             "time_ms": ms(e.time_s) if e else None,
             "compute_ms": ms(e.compute_s) if e else None,
             "comm_ms": ms(e.comm_s) if e else None,
             "a2a_ms": ms(e.a2a_s) if e else None,
             "ring_exposed_ms": ms(e.ring_exposed_s) if e else None,
             "comm_total_ms": ms(e.comm_total_s) if e else None,
+            "recompute_ms": ms(e.recompute_s) if e else None,
+            "recompute_layers": e.recompute_layers if e else None,
+            "step_ms": ms(e.step_s) if e else None,
             "mfu": round(e.mfu, 4) if e else None,
             "tokens_per_gpu_s": round(e.tokens_per_gpu_s, 1) if e else None,
-            "step_ms": ms(e.step_s) if e else None,
             "memory_gb": round(e.memory_gb, 2) if e else None,
             "activation_gb": round(e.activation_gb, 2) if e else None,
+            "memory_budget_gb": None if self.memory_budget_gb is None else round(self.memory_budget_gb, 2),
+            "memory_parts_gb": ({"activations": round(e.activation_gb, 2),
+                                 "model_states": round(e.memory.model_states / 1e9, 2),
+                                 "logits": round(e.memory.logits / 1e9, 2),
+                                 "comm_buffers": round(e.memory.comm_buffers / 1e9, 2)}
+                                if e and e.memory else None),
             "kv_heads_per_rank": e.work.kv_heads_per_rank if e else None,
+            "dkv_dtype": self.dkv_dtype if e else None,
             "nvlink_mb": round(e.intra_bytes / 1e6, 2) if e else None,
             "network_mb": round(e.inter_bytes / 1e6, 2) if e else None,
+            "links": {p: e.links.describe(getattr(e.links, p)) for p in ("a2a", "inner", "outer")} if e else None,
+            "recompute_options": opts,
         }
-        if e:
-            d["links"] = {p: e.links.describe(getattr(e.links, p)) for p in ("a2a", "inner", "outer")}
+        assert tuple(d) == ROW_KEYS
         return d
 
 
@@ -80,48 +144,158 @@ def validate_job(model: ModelSpec, parallel: ParallelSpec, seq: int) -> None:
                         f"{[p for p in range(1, model.layers + 1) if model.layers % p == 0]}")
 
 
+def _modes(kind: str, recompute: Union[str, Sequence[str]]) -> Tuple[str, ...]:
+    wanted = RECOMPUTE_BY_KIND[kind] if recompute == AUTO else ((recompute,) if isinstance(recompute, str)
+                                                                 else tuple(recompute))
+    for m in wanted:
+        if m not in RECOMPUTE_MODES:
+            raise PlanError(f"recompute mode {m!r} is not one of {AUTO}, {', '.join(RECOMPUTE_MODES)}")
+    return tuple(m for m in RECOMPUTE_MODES if m in wanted and m in RECOMPUTE_BY_KIND[kind])
+
+
+def choose_recompute(options: Sequence[Estimate], budget_gb: float) -> Tuple[Estimate, bool]:
+    """(chosen estimate, fits): the fastest option (step time) whose memory fits ``budget_gb``, ties to the
+    earlier (cheaper) mode; when none fits, the one with the least memory and False."""
+    fitting = [o for o in options if o.memory_gb <= budget_gb]
+    if fitting:
+        return min(fitting, key=lambda o: (round(o.step_s, 12), RECOMPUTE_MODES.index(o.recompute))), True
+    return min(options, key=lambda o: (o.memory_gb, RECOMPUTE_MODES.index(o.recompute))), False
+
+
+def _fewest_layers(base: Estimate, mode: str, budget_gb: float, pp: int) -> Estimate:
+    """Full and ckpt++ recompute only as many layers as memory needs (Megatron's block method: the same number
+    on every pipeline stage, so a multiple of PP); all of them when even that does not fit."""
+    if mode in ("full", "ckpt++"):
+        n = base.memory.layers_to_fit(mode, budget_gb * 1e9, pp)
+        return with_recompute(base, mode, n)
+    return with_recompute(base, mode)
+
+
+Window = Union[None, int, Sequence[Optional[int]]]
+"""A sliding window for every layer (tokens back; None: full causal), or a per-layer pattern repeated over the
+layers (e.g. (4096, None): every other layer windowed, as gpt-oss alternates)."""
+
+
+def layer_windows(window: Window, layers: int) -> Dict[Optional[int], int]:
+    """{window: number of layers with it}; a sequence is a per-layer pattern, repeated cyclically over ``layers``."""
+    if window is None or isinstance(window, int):
+        return {window: layers}
+    pattern = list(window)
+    if not pattern:
+        raise PlanError("a per-layer window pattern needs at least one entry (a window in tokens or None)")
+    out: Dict[Optional[int], int] = {}
+    for i in range(layers):
+        w = pattern[i % len(pattern)]
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise PlanError(f"window {w!r} must be a non-negative number of tokens or None (full causal)")
+        out[w] = out.get(w, 0) + 1
+    return out
+
+
 def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str],
-             parallel: ParallelSpec, seq: int, causal: bool = True, window: Optional[int] = None) -> Candidate:
-    """Check and, when feasible, estimate one layout (``window``: causal sliding window in tokens, or None)."""
+             parallel: ParallelSpec, seq: int, causal: bool = True, window: Window = None,
+             recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32") -> Candidate:
+    """Check and, when the layout can run, estimate it under each recompute mode and keep the fastest that fits.
+
+    ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
+    AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's
+    dK/dV partials ('fp32' today; 'bf16' models an input-dtype option); Transformer Engine's rings always use bf16
+    (see candidates.kind_dkv_dtype)."""
     model, cluster = _resolve(model, cluster)
     validate_job(model, parallel, seq)
-    reason = check_layout(layout, model, parallel, seq, window)
-    flags = megatron_flags(layout, parallel)
+    if dkv_dtype not in DTYPE_BYTES:
+        raise PlanError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    budget = cluster.memory_budget_gb
+    mix = layer_windows(window, model.layers)
+    windowed = next((w for w in mix if w is not None), None)
+    reason = check_layout(layout, model, parallel, seq, windowed)
+    modes = _modes(layout.kind, recompute) if layout.kind in RECOMPUTE_BY_KIND else ()
+    if not reason and not modes:
+        reason = (f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only); "
+                  f"{layout.kind} supports: {', '.join(RECOMPUTE_BY_KIND[layout.kind])}")
     if reason:
-        return Candidate(layout, False, reason, flags)
-    est = estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq, causal, window)
-    return Candidate(layout, True, "", flags, est)
+        return Candidate(layout, False, reason, megatron_flags(layout, parallel), memory_budget_gb=budget)
+    dkv = kind_dkv_dtype(layout.kind, dkv_dtype)
+    kv_heads = kind_kv_heads(layout.kind, model, parallel)
+    base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
+                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads), n) for win, n in mix.items()])
+    options = tuple(_fewest_layers(base, m, budget, parallel.pp) for m in modes)
+    chosen, fits = choose_recompute(options, budget)
+    per_stage = chosen.recompute_layers // parallel.pp
+    flags = megatron_flags(layout, parallel, chosen.recompute,
+                           None if chosen.recompute_layers in (0, model.layers) else per_stage)
+    why = ""
+    if not fits:
+        why = (f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
+               f"(budget {budget:.1f} GB = {cluster.usable_memory_fraction:.0%} of {cluster.gpu_memory_gb:g} GB)")
+    return Candidate(layout, fits, why, flags, chosen, options, memory_budget_gb=budget, dkv_dtype=dkv)
 
 
 def _sort_key(c: Candidate):
     # Ties (e.g. all-hidden rings) go to stock kinds first (fewer moving parts), then less network traffic.
     e = c.estimate
-    return (round(e.time_s, 9), KINDS.index(c.kind) == 0, round(e.inter_bytes), c.hp, -c.w, c.placement)
+    return (round(e.step_s, 9), round(e.time_s, 9), KINDS.index(c.kind) == 0, round(e.inter_bytes), c.hp, -c.w,
+            c.placement)
+
+
+def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
+    """With a sliding window the op may use the neighbour exchange, where the window size w has no effect: keep
+    one row per (hp, cp, placement), the one with w = cp, noting it."""
+    out: List[Candidate] = []
+    seen = set()
+    for c in sorted(cands, key=lambda c: -c.w):
+        if c.kind == "2d" and c.estimate is not None and c.estimate.neighbour_exchange:
+            key = (c.hp, c.cp, c.placement)
+            if key in seen:
+                continue
+            seen.add(key)
+            c = replace(c, layout=replace(c.layout, w=c.cp), note="w has no effect (neighbour exchange)",
+                        flags=c.flags.replace(f"--cp-2d-window-size {c.w} ", f"--cp-2d-window-size {c.cp} "))
+        out.append(c)
+    order = {id(c): i for i, c in enumerate(cands)}
+    return sorted(out, key=lambda c: order.get(id(c), 0))
 
 
 def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
-         causal: bool = True, window: Optional[int] = None) -> List[Candidate]:
-    """All candidate layouts for the job: feasible ones fastest first, then the infeasible ones with reasons.
+         causal: bool = True, window: Window = None, recompute: Union[str, Sequence[str]] = AUTO,
+         dkv_dtype: str = "fp32") -> List[Candidate]:
+    """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
+    ones that run but do not fit (least memory first), then those that cannot run, with reasons.
+
+    Each layout gets the fastest recompute mode that fits (``recompute``: AUTO, one mode or a list); the first
+    row, when feasible, is the recommendation (see :func:`recommended`).
 
     >>> from megatron_2d.plan import plan, ParallelSpec
     >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
     >>> best = cands[0]
-    >>> best.feasible, best.time_ms <= min(c.time_ms for c in cands if c.kind == "p2p")
+    >>> best.feasible, best.step_ms <= min(c.step_ms for c in cands if c.kind == "p2p")
     (True, True)
     >>> [c.reason for c in cands if c.kind == "a2a"]
     ['hp=64 does not divide the 32 query heads per TP rank; valid hp: [1, 2, 4, 8, 16, 32]']
     """
     model, cluster = _resolve(model, cluster)
     validate_job(model, parallel, seq)
-    cands = [evaluate(l, model, cluster, parallel, seq, causal, window) for l in enumerate_layouts(model, parallel)]
+    cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype)
+             for l in enumerate_layouts(model, parallel)]
+    if window is not None:
+        cands = _collapse_windows(cands)
     ok = sorted((c for c in cands if c.feasible), key=_sort_key)
-    return ok + [c for c in cands if not c.feasible]
+    oom = sorted((c for c in cands if not c.feasible and c.runs),
+                 key=lambda c: (c.estimate.memory_gb, c.estimate.step_s))
+    return ok + oom + [c for c in cands if not c.runs]
 
 
-def best_by_kind(candidates: List[Candidate]) -> Dict[str, Candidate]:
-    """The first (fastest) candidate of each kind; an infeasible one when a kind has no feasible layout."""
+def recommended(candidates: Sequence[Candidate]) -> Optional[Candidate]:
+    """The recommendation: the first feasible candidate (fastest step that fits in memory), or None."""
+    return next((c for c in candidates if c.feasible), None)
+
+
+def best_by_kind(candidates: Sequence[Candidate]) -> Dict[str, Candidate]:
+    """The first (fastest) candidate of each kind; when a kind has no feasible layout, its first layout that runs
+    (least memory), else its first infeasible one."""
     out: Dict[str, Candidate] = {}
+    rank = lambda c: 2 if c.feasible else (1 if c.runs else 0)                                # noqa: E731
     for c in candidates:
-        if c.kind not in out or (c.feasible and not out[c.kind].feasible):
+        if c.kind not in out or rank(c) > rank(out[c.kind]):
             out[c.kind] = c
     return out

@@ -1,23 +1,34 @@
-"""Predicted attention time against sequence length: the best 2D layout vs each stock baseline."""
+"""Predicted step time against sequence length: the best 2D layout vs each stock baseline (recompute included,
+only layouts that fit in memory)."""
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence
 
 from .candidates import KINDS
-from .hardware import ClusterSpec, ModelSpec, ParallelSpec
-from .planner import best_by_kind, plan
+from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
+from .planner import AUTO, best_by_kind, plan
 from .report import seq_label
 
 DEFAULT_SEQS = tuple(1 << k for k in range(15, 21))      # 32K .. 1M
 
 
+class PlotUnavailable(PlanError):
+    """--plot was asked for but matplotlib cannot be imported."""
+
+
 def sweep(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seqs: Sequence[int] = DEFAULT_SEQS,
-          causal: bool = True) -> Dict[str, List[Optional[object]]]:
-    """{kind: [best feasible Candidate of that kind at each seq, or None]} for every kind."""
+          causal: bool = True, window=None, recompute=AUTO,
+          dkv_dtype: str = "fp32") -> Dict[str, List[Optional[object]]]:
+    """{kind: [best feasible Candidate of that kind at each seq, or None]} for every kind. A length the job
+    cannot be planned at (e.g. not divisible by 2*CP) leaves None for every kind."""
     series: Dict[str, List[Optional[object]]] = {k: [] for k in KINDS}
     for s in seqs:
-        best = best_by_kind(plan(model, cluster, parallel, s, causal))
+        try:
+            best = best_by_kind(plan(model, cluster, parallel, s, causal, window, recompute, dkv_dtype))
+        except PlanError:
+            best = {}
         for k in KINDS:
             c = best.get(k)
             series[k].append(c if c is not None and c.feasible else None)
@@ -25,20 +36,27 @@ def sweep(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seqs: 
 
 
 def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-               seqs: Sequence[int] = DEFAULT_SEQS, causal: bool = True) -> str:
-    """Write a PNG with two panels (attention ms per layer, log scale; each kind's time relative to the best 2D
-    layout) and return ``path``.
+               seqs: Sequence[int] = DEFAULT_SEQS, causal: bool = True, window=None,
+               recompute=AUTO, dkv_dtype: str = "fp32") -> str:
+    """Write a PNG with two panels (step ms per micro-batch with the chosen recompute, log scale; each kind's
+    time relative to the best 2D layout) and return ``path``.
 
     Kinds with no feasible layout at a length leave a gap; their legend entry says 'infeasible' when they have
-    none at any length.
+    none at any length; when nothing is feasible anywhere the panels say so. Raises :class:`PlotUnavailable`
+    when matplotlib is not installed.
     """
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise PlotUnavailable(f"--plot needs matplotlib ({err}); install it (pip install matplotlib) or drop "
+                              f"--plot") from err
 
     seqs = list(seqs)
-    series = sweep(model, cluster, parallel, seqs, causal)
+    series = sweep(model, cluster, parallel, seqs, causal, window, recompute, dkv_dtype)
+    anything = any(c is not None for k in KINDS for c in series[k])
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
     styles = {"2d": dict(color="C3", lw=2.5, marker="o"), "p2p": dict(color="C0", marker="s"),
               "a2a": dict(color="C1", marker="^"), "a2a+p2p": dict(color="C2", marker="v"),
@@ -48,24 +66,33 @@ def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: Para
         label = "2d (best layout)" if kind == "2d" else kind
         if all(c is None for c in cands):
             label += " (infeasible)"
-        ts = [c.estimate.time_s * 1e3 if c else float("nan") for c in cands]
-        rel = [c.estimate.time_s / b.estimate.time_s if c and b else float("nan")
+        ts = [c.estimate.step_s * 1e3 if c else float("nan") for c in cands]
+        rel = [c.estimate.step_s / b.estimate.step_s if c and b else float("nan")
                for c, b in zip(cands, series["2d"])]
         ax_t.plot(seqs, ts, label=label, **styles[kind])
         ax_m.plot(seqs, rel, label=label, **styles[kind])
     for c, s in zip(series["2d"], seqs):
         if c is not None:
-            ax_t.annotate(f"{c.hp}x{c.cp} w{c.w}\n{c.placement.split('_')[0]}", (s, c.estimate.time_s * 1e3),
+            ax_t.annotate(f"{c.hp}x{c.cp} w{c.w}\n{c.placement.split('_')[0]}\n{c.recompute}",
+                          (s, c.estimate.step_s * 1e3),
                           textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7, color="C3")
-    for ax, ylabel in ((ax_t, "attention fwd+bwd per layer (ms)"), (ax_m, "time / best 2D layout's time")):
+    for ax, ylabel in ((ax_t, "step per micro-batch, recompute included (ms)"),
+                       (ax_m, "step time / best 2D layout's")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(seqs)
         ax.set_xticklabels([seq_label(s) for s in seqs])
         ax.set_xlabel("sequence length")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    ax_t.set_yscale("log")
-    ax_m.set_yscale("log", base=2)
+    finite = lambda ax: any(math.isfinite(y) for line in ax.get_lines() for y in line.get_ydata())  # noqa: E731
+    if finite(ax_t):
+        ax_t.set_yscale("log")
+    if finite(ax_m):
+        ax_m.set_yscale("log", base=2)
+    if not anything:
+        for ax in (ax_t, ax_m):
+            ax.text(0.5, 0.5, "no feasible layout\n(memory or layout constraints)", transform=ax.transAxes,
+                    ha="center", va="center", color="C3")
     ax_m.legend(fontsize=8)
     fig.suptitle(f"{model.name} on {cluster.name}: {parallel.gpus} GPUs, TP={parallel.tp} PP={parallel.pp} "
                  f"CP={parallel.cp_size} (predicted)")

@@ -1,20 +1,29 @@
-"""Text and JSON renderings of a plan (plain aligned text: no extra dependency)."""
+"""Text and JSON renderings of a plan (plain aligned text: no extra dependency; rich when on a terminal).
+
+JSON (``plan_json``): one list, one object per candidate, every object with the same keys: ``job`` (the job's
+metadata, identical in every row), ``rank`` (1-based position), ``recommended`` (true on at most one row) and
+the row fields of ``planner.ROW_KEYS``. Rows that cannot run, or do not fit, carry None where a value does not
+apply. A list (not an object) so that consumers of the earlier output keep working.
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
 import sys
-from typing import List, Optional, Sequence
+from dataclasses import asdict
+from typing import Dict, List, Optional, Sequence
 
 from .candidates import STOCK_KINDS
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
-from .planner import Candidate, best_by_kind
+from .planner import AUTO, Candidate, best_by_kind, recommended
 
+SCHEMA_VERSION = 2
 _LINK = {"nvlink": "NVL", "network": "NET", "mixed": "mix", "-": "-"}
 _COLUMNS = ("#", "kind", "hp", "cp", "w", "placement", "a2a", "inner", "outer", "attn ms", "compute",
-            "exposed", "comm/comp", "MFU", "tok/GPU/s", "mem GB")
-_RIGHT = {"#", "hp", "cp", "w", "attn ms", "compute", "exposed", "comm/comp", "MFU", "tok/GPU/s", "mem GB"}
+            "exposed", "comm/comp", "recompute", "step ms", "MFU", "tok/GPU/s", "mem GB")
+_RIGHT = {"#", "hp", "cp", "w", "attn ms", "compute", "exposed", "comm/comp", "step ms", "MFU", "tok/GPU/s",
+          "mem GB"}
 
 
 def seq_label(seq: int) -> str:
@@ -28,11 +37,20 @@ def seq_label(seq: int) -> str:
 def _row(i: int, c: Candidate, cluster: ClusterSpec) -> List[str]:
     e = c.estimate
     links = {p: _LINK[e.links.describe(getattr(e.links, p))] for p in ("a2a", "inner", "outer")}
-    mem = f"{e.memory_gb:.1f}" + ("!" if e.memory_gb > cluster.gpu_memory_gb else "")
+    mem = f"{e.memory_gb:.1f}" + ("!" if not c.fits_memory else "")
     ratio = e.comm_total_s / e.compute_s if e.compute_s else float("inf")
-    return [str(i), c.kind, str(c.hp), str(c.cp), str(c.w), c.placement if c.kind in ("2d", "a2a+p2p") else "-",
+    w = "any" if c.note.startswith("w has no effect") else str(c.w)
+    return [str(i), c.kind, str(c.hp), str(c.cp), w, c.placement if c.kind in ("2d", "a2a+p2p") else "-",
             links["a2a"], links["inner"], links["outer"], f"{e.time_s * 1e3:.2f}", f"{e.compute_s * 1e3:.2f}",
-            f"{e.comm_s * 1e3:.2f}", f"{ratio:.2f}", f"{100 * e.mfu:.1f}%", f"{e.tokens_per_gpu_s:,.0f}", mem]
+            f"{e.comm_s * 1e3:.2f}", f"{ratio:.2f}", recompute_label(e), f"{e.step_s * 1e3:,.0f}",
+            f"{100 * e.mfu:.1f}%", f"{e.tokens_per_gpu_s:,.0f}", mem]
+
+
+def recompute_label(e) -> str:
+    """'none', 'selective', 'full', 'ckpt++', or 'ckpt++ 23/32' when only some layers are recomputed."""
+    if e.recompute in ("full", "ckpt++") and e.recompute_layers < e.layers:
+        return f"{e.recompute} {e.recompute_layers}/{e.layers}"
+    return e.recompute
 
 
 def _table(rows: List[List[str]]) -> List[str]:
@@ -42,45 +60,90 @@ def _table(rows: List[List[str]]) -> List[str]:
     return [fmt(list(_COLUMNS)), fmt(["-" * wd for wd in widths])] + [fmt(r) for r in rows]
 
 
+def memory_advice(c: Candidate, cluster: ClusterSpec, parallel: ParallelSpec) -> str:
+    """What would make the least-memory layout ``c`` fit: its parts and the levers that shrink each.
+
+    Everything but the replicated model states (bf16 weights + fp32 gradients) shrinks as 1/CP at a fixed DP, so
+    CP must grow by about (memory - replicated) / (budget - replicated) when the replicated part fits at all."""
+    e, mb, gb = c.estimate, c.estimate.memory, 1e9
+    budget = cluster.memory_budget_gb
+    replicated = (mb.model_states - mb.sharded_states) / gb
+    tips = []
+    if len(c.options) == 1 and e.recompute != "full":
+        tips.append(f"activation recompute (only recompute={e.recompute} was tried: --recompute auto)")
+    if replicated < budget:
+        factor = (e.memory_gb - replicated) / (budget - replicated)
+        tips.append(f"about {factor:.1f}x the context-parallel size (more GPUs, or fewer for DP): activations "
+                    f"{e.activation_gb:.1f} GB, logits, buffers and optimizer states shrink as 1/CP; or a "
+                    f"shorter sequence")
+    else:
+        tips.append(f"more CP alone cannot fit: the bf16 weights and fp32 gradients take {replicated:.1f} GB")
+    tips.append(f"larger TP/PP (now {parallel.tp}/{parallel.pp}) or sharding gradients and parameters (Hybrid ZeRO) "
+                f"for the {replicated:.1f} GB of replicated weights and gradients")
+    tips.append(f"GPUs with more memory (budget now {budget:.1f} GB)")
+    return (f"smallest memory found: {e.memory_gb:.1f} GB per GPU ({c.layout.label()}, "
+            f"recompute={recompute_label(e)}), {e.memory_gb - budget:.1f} GB over the budget; what would help: "
+            + "; ".join(tips))
+
+
 def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-              seq: int, top: Optional[int], causal: bool):
+              seq: int, top: Optional[int], causal: bool, window=None):
     """(header lines, table rows, footer lines) of a plan."""
     feasible = [c for c in candidates if c.feasible]
-    infeasible = [c for c in candidates if not c.feasible]
-    shown = feasible if top is None else feasible[:top]
+    oom = [c for c in candidates if not c.feasible and c.runs]
+    infeasible = [c for c in candidates if not c.runs]
+    shown = feasible if top is None else feasible[:max(top, 0)]
+    if window is None:
+        win = ""
+    elif isinstance(window, int):
+        win = f", sliding window {window}"
+    else:
+        win = ", per-layer windows " + ",".join("full" if w is None else str(w) for w in window) + " (repeated)"
     head = [f"{model.name} on {cluster.name}: {parallel.gpus} GPUs ({cluster.gpus_per_node}/node), "
             f"TP={parallel.tp} PP={parallel.pp} DP={parallel.dp_size} CP={parallel.cp_size}, "
-            f"seq {seq} ({seq_label(seq)}), micro-batch {parallel.micro_batch}, {'causal' if causal else 'full'}",
+            f"seq {seq} ({seq_label(seq)}), micro-batch {parallel.micro_batch}, {'causal' if causal else 'full'}"
+            f"{win}; memory budget {cluster.memory_budget_gb:.1f} GB per GPU",
             "attn ms = one layer's attention forward+backward on one GPU (compute + exposed communication); "
             "comm/comp = all communication, unoverlapped, / compute;",
+            "recompute = the cheapest mode that fits (ckpt++ = Selective Checkpoint++); step ms = whole model, one "
+            "micro-batch, recompute included; ranked by step ms.",
             "MFU and tok/GPU/s are for the whole model (pipeline bubbles and TP communication not modelled). "
             "Links: NVL = NVLink, NET = network, mix = both."]
     rows = [_row(i + 1, c, cluster) for i, c in enumerate(shown)]
     foot: List[str] = []
-    if not feasible:
+    best = recommended(candidates)
+    if best is None:
         foot.append("No feasible layout.")
+        if oom:
+            foot.append("  " + memory_advice(oom[0], cluster, parallel))
+        else:
+            foot.append("  no layout can run at all (reasons below: heads, KV heads, sequence divisibility)")
     else:
         if len(shown) < len(feasible):
             foot.append(f"... {len(feasible) - len(shown)} more feasible layouts (--all to list them)")
-        best = feasible[0]
-        foot += ["", f"Recommended: {best.layout.label()}: {best.time_ms:.2f} ms per layer, "
-                     f"MFU {100 * best.estimate.mfu:.1f}%",
-                 f"  {best.flags}",
-                 "Best of each stock baseline:"]
+        foot += ["", f"Recommended: {best.layout.label()}, recompute={recompute_label(best.estimate)}: "
+                     f"{best.step_ms:,.0f} ms per step, {best.time_ms:.2f} ms attention per layer, "
+                     f"MFU {100 * best.estimate.mfu:.1f}%, {best.estimate.memory_gb:.1f} GB per GPU",
+                 f"  {best.flags}"]
+        if best.note:
+            foot.append(f"  ({best.note})")
+        foot.append("Best of each stock baseline:")
         kinds = best_by_kind(list(candidates))
         for kind in STOCK_KINDS:
             c = kinds.get(kind)
             if c is None:
                 continue
             if c.feasible:
-                foot.append(f"  {kind:<10} {c.time_ms:9.2f} ms  ({c.time_ms / best.time_ms:.2f}x the recommended)  "
-                            f"{c.flags}")
+                foot.append(f"  {kind:<10} {c.step_ms:11,.0f} ms/step ({c.step_ms / best.step_ms:.2f}x the "
+                            f"recommended), recompute={recompute_label(c.estimate)}  {c.flags}")
             else:
                 foot.append(f"  {kind:<10} infeasible: {c.reason}")
-        if best.estimate.memory_gb > cluster.gpu_memory_gb:
-            foot.append(f"Note: estimated memory {best.estimate.memory_gb:.0f} GB exceeds "
-                        f"{cluster.gpu_memory_gb:.0f} GB per GPU (no activation recomputation assumed): add "
-                        f"--recompute-activations / --recompute-granularity full, more TP/PP, or more GPUs.")
+    if oom:
+        foot += ["", f"Do not fit in memory with any recompute mode ({len(oom)}):"]
+        listed = oom if top is None else oom[:max(top, 1)]
+        foot += [f"  {c.layout.label():<34} {c.reason}" for c in listed]
+        if len(listed) < len(oom):
+            foot.append(f"  ... {len(oom) - len(listed)} more (--all to list them)")
     if infeasible:
         foot += ["", f"Infeasible ({len(infeasible)}):"]
         foot += [f"  {c.layout.label():<34} {c.reason}" for c in infeasible]
@@ -88,15 +151,16 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
 
 
 def format_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-                seq: int, top: Optional[int] = 15, causal: bool = True) -> str:
+                seq: int, top: Optional[int] = 15, causal: bool = True, window=None) -> str:
     """The plan as plain text: a header, the fastest ``top`` feasible layouts (all when None), the recommendation
     with its flags, the best of each stock baseline, and the infeasible layouts with their reasons."""
-    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal)
+    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal, window)
     return "\n".join(head + ([""] + _table(rows) if rows else []) + foot)
 
 
 def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-               seq: int, top: Optional[int] = 15, causal: bool = True, stream=None) -> None:
+               seq: int, top: Optional[int] = 15, causal: bool = True, stream=None,
+               window=None) -> None:
     """Print the plan: with ``rich`` when it is installed and ``stream`` is a terminal, else ``format_plan``."""
     stream = stream or sys.stdout
     try:
@@ -105,9 +169,9 @@ def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: Clust
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(format_plan(candidates, model, cluster, parallel, seq, top, causal), file=stream)
+        print(format_plan(candidates, model, cluster, parallel, seq, top, causal, window), file=stream)
         return
-    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal)
+    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal, window)
     console = Console(file=stream, highlight=False, soft_wrap=True,
                       width=max(shutil.get_terminal_size((160, 24)).columns, 150))
     for line in head:
@@ -123,6 +187,27 @@ def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: Clust
         console.print(line, markup=False)
 
 
-def plan_json(candidates: Sequence[Candidate]) -> str:
-    """A JSON list, one object per candidate (see Candidate.to_dict)."""
-    return json.dumps([c.to_dict() for c in candidates], indent=1)
+def job_metadata(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int, causal: bool = True,
+                 window=None, recompute=AUTO, dkv_dtype: str = "fp32") -> Dict[str, object]:
+    """The job a plan is for: model, cluster (with the memory budget), parallel sizes, sequence and knobs."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": asdict(model),
+        "cluster": {**asdict(cluster), "memory_budget_gb": round(cluster.memory_budget_gb, 3)},
+        "parallel": {"gpus": parallel.gpus, "tp": parallel.tp, "pp": parallel.pp, "dp": parallel.dp_size,
+                     "cp": parallel.cp_size, "micro_batch": parallel.micro_batch},
+        "seq": seq, "causal": causal, "window": window if window is None or isinstance(window, int) else list(window),
+        "recompute": recompute if isinstance(recompute, str) else list(recompute),
+        "dkv_dtype_2d": dkv_dtype,
+    }
+
+
+def plan_records(candidates: Sequence[Candidate], job: Optional[Dict[str, object]] = None) -> List[Dict[str, object]]:
+    """One record per candidate: {"job", "rank", "recommended", **Candidate.to_dict()} (same keys in every one)."""
+    best = recommended(candidates)
+    return [{"job": job, "rank": i + 1, "recommended": c is best, **c.to_dict()} for i, c in enumerate(candidates)]
+
+
+def plan_json(candidates: Sequence[Candidate], job: Optional[Dict[str, object]] = None) -> str:
+    """``plan_records`` as JSON text (see the module docstring for the schema)."""
+    return json.dumps(plan_records(candidates, job), indent=1)

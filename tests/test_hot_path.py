@@ -1,0 +1,112 @@
+"""The op's hot path: no per-call setup, no host-device synchronisation; dK/dV rider dtype option."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import megatron_2d
+from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+class NoHostDataInOp(TorchFunctionMode):
+    """Fails on reading device values into Python (.item(), .tolist()) or making tensors from Python lists."""
+
+    FORBIDDEN = {torch.Tensor.item, torch.Tensor.tolist, torch.tensor, torch.as_tensor}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"attention_2d called {getattr(func, '__name__', func)} on its hot path")
+        return func(*args, **(kwargs or {}))
+
+
+class NoSyncOps(TorchDispatchMode):
+    """Fails on the aten ops behind a device-to-host read or a tensor made from Python data."""
+
+    FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default,
+                 torch.ops.aten.lift_fresh_copy.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"attention_2d dispatched {func} on its hot path")
+        return func(*args, **(kwargs or {}))
+
+
+def run_twice_guarded(rank, world, hp, w, window):
+    groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (megatron_2d.shard_sequence(torch.randn(64, 2, 4, 16, generator=g), rank, world)
+                     for _ in range(4))
+
+    def step():
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        megatron_2d.attention_2d(*leaves, groups, sliding_window=window).backward(dout)
+        return [x.grad for x in leaves]
+
+    first = step()                                   # builds the setup
+    cached = dict(groups.op_cache)
+    with NoHostDataInOp(), NoSyncOps():
+        second = step()
+    assert len(cached) == 1 and groups.op_cache == cached                    # the same setup objects, reused
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    # the guards do catch what they guard against
+    with pytest.raises(AssertionError, match="hot path"), NoSyncOps():
+        torch.ones(2).sum().item()
+    with pytest.raises(AssertionError, match="hot path"), NoHostDataInOp():
+        torch.tensor([1, 2])
+    return True
+
+
+@pytest.mark.parametrize("hp, w, window", [(2, 1, (-1, -1)), (1, 2, (-1, -1)), (1, 1, (3, 0))],
+                         ids=["2d_outer_ring", "ring_inner", "window_neighbour_exchange"])
+def test_second_call_makes_no_setup_and_no_sync(hp, w, window):
+    assert all(run_on_ranks(4, run_twice_guarded, hp, w, window))
+
+
+def run_dkv_dtypes(rank, world):
+    groups = megatron_2d.build_2d_groups(1, 1, timeout=TIMEOUT)
+    g = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(16 * world, 1, 4, 32, generator=g).to(torch.bfloat16).double() for _ in range(4))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    reference_attention(*leaves, True, 32 ** -0.5).backward(dout)
+    out = {}
+    for mode in ("accumulator", "input"):
+        ql, kl, vl = (megatron_2d.shard_sequence(x, rank, world).to(torch.bfloat16).requires_grad_(True)
+                      for x in (q, k, v))
+        groups.comm_bytes.reset()
+        megatron_2d.attention_2d(ql, kl, vl, groups, dkv_comm_dtype=mode).backward(
+            megatron_2d.shard_sequence(dout, rank, world).to(torch.bfloat16))
+        shard = lambda x: megatron_2d.shard_sequence(x, rank, world)  # noqa: E731
+        out[mode] = (max(rel_err(ql.grad, shard(leaves[0].grad)), rel_err(kl.grad, shard(leaves[1].grad)),
+                         rel_err(vl.grad, shard(leaves[2].grad))), groups.comm_bytes.as_dict()["outer_ring"])
+    return out
+
+
+def test_dkv_comm_dtype_bytes_and_error():
+    world = 4
+    results = run_on_ranks(world, run_dkv_dtypes)
+    block = 2 * 1 * 16 * 4 * 32            # K and V of one context rank: 16 tokens, 4 heads, d 32 (elements)
+    for r in results:
+        exact_err, exact_bytes = r["accumulator"]
+        input_err, input_bytes = r["input"]
+        # w = 1: forward and backward each send cp-1 bf16 K/V blocks; backward riders make cp hops
+        assert exact_bytes == 2 * (world - 1) * block * 2 + world * block * 4
+        assert input_bytes == 2 * (world - 1) * block * 2 + world * block * 2
+        assert exact_err < TOLERANCE[torch.bfloat16] and input_err < TOLERANCE[torch.bfloat16]
+
+
+def bad_dkv_dtype(rank, world):
+    groups = megatron_2d.build_2d_groups(1, 1, timeout=TIMEOUT)
+    megatron_2d.attention_2d(*(torch.zeros(4, 1, 2, 8) for _ in range(3)), groups, dkv_comm_dtype="fp8")
+
+
+def test_dkv_comm_dtype_is_checked():
+    with pytest.raises(RankFailure, match=r"dkv_comm_dtype 'fp8' is not one of \['accumulator', 'input'\]"):
+        run_on_ranks(1, bad_dkv_dtype)

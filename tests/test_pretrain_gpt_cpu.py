@@ -1,0 +1,221 @@
+"""Megatron's own training loop end to end: stock pretrain_gpt.py (Megatron-LM core_v0.19.0) runs ``pretrain()`` on
+forked CPU ranks with the 2d backend, and the ``lm loss`` Megatron logs per iteration equals the CP=1 run.
+
+Routes: the patched pretrain_gpt.py (``--cp-comm-type 2d --cp-2d-*``), the unpatched one with ``--spec``, and
+examples/pretrain_gpt_2d.py. The scripts come from ``<repo>/../shared/megatron-lm/core_v0.19.0`` (copied to a
+temporary folder; see megatron_2d.testing.megatron_lm). Every CP=1 reference is the unpatched stock script.
+Without Transformer Engine, Megatron's local attention refuses CP > 1, so a CP > 1 run trains only through the 2d
+core attention. Runs: 2 layers, hidden 64, GQA 8/2 heads, RoPE, seq 128, micro-batch 1, global batch 2, 4 iterations.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import re
+import sys
+
+import pytest
+
+from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
+from megatron_2d.testing.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
+
+install_megatron_cpu_shims(import_training=True)  # the stock script imports megatron.training (typing.override)
+
+from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
+from megatron_2d.testing.pretrain_runs import (  # noqa: E402
+    lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ITERATIONS = 4
+RTOL = 1e-5  # fp32
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+         "--num-query-groups", "2", "--position-embedding-type", "rope", "--seq-length", "128",
+         "--max-position-embeddings", "128", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+         "--make-vocab-size-divisible-by", "64"]  # padded vocab 128 at TP=1 and TP=2: the same weights
+TRAIN = ["--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", str(ITERATIONS),
+         "--mock-data", "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
+         "--eval-iters", "0", "--eval-interval", "1000", "--distributed-timeout-minutes", "1"]
+BASE = MODEL + TRAIN
+CP4_2D = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+          "--cp-2d-window-size", "2"]
+SPEC_2D = ["--spec", "megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+             "--selective-checkpoint-plus-plus"]
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """Temporary copies of the stock scripts: ``stock`` unchanged, ``patched`` with the project's patch. The stock
+    module is imported here once, so forked ranks find megatron.training and its imports loaded."""
+    root = tmp_path_factory.mktemp("megatron_lm")
+    paths = {"stock": copy_scripts(root / "stock"), "patched": copy_scripts(root / "patched", patched=True)}
+    folder = str(paths["stock"].parent)
+    sys.path.insert(0, folder)
+    importlib.import_module("pretrain_gpt")
+    yield paths
+    sys.path.remove(folder)
+    for name in ("pretrain_gpt", "gpt_builders", "model_provider"):
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def reference(scripts):
+    """The CP=1 run: the unpatched stock script on one rank, {iteration: lm loss}."""
+    return losses(run_pretrain(1, scripts["stock"], BASE))
+
+
+@pytest.fixture
+def layers_2d(monkeypatch):
+    """Every CoreAttention2D a forked rank builds prints its settings, so tests see the flags reach the model."""
+    from megatron_2d.megatron.core_attention import CoreAttention2D
+
+    original = CoreAttention2D.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        print(f"[test] 2d layer {self.layer_number}: {self.settings} keeps attention: {self.keeper is not None}")
+
+    monkeypatch.setattr(CoreAttention2D, "__init__", init)
+
+    def line(layer, hp, cp_size=4, window=1, placement="head_first", keeps=False):
+        return (f"[test] 2d layer {layer}: Settings2D(context_parallel_size={cp_size}, head_parallel_size={hp}, "
+                f"double_ring_window={window}, placement='{placement}') keeps attention: {keeps}")
+    return line
+
+
+def losses(logs):
+    """The lm loss per iteration from the last rank's log (Megatron logs there), checked complete."""
+    found = lm_losses(logs[-1])
+    assert sorted(found) == list(range(1, ITERATIONS + 1)), f"missing iterations in the log:\n{logs[-1][-3000:]}"
+    return found
+
+
+def assert_same_losses(got, expected, iterations=range(1, ITERATIONS + 1), rtol=RTOL):
+    for it in iterations:
+        assert got[it] == pytest.approx(expected[it], rel=rtol), (
+            f"iteration {it}: lm loss {got[it]:.6E} vs {expected[it]:.6E}; all: {got} vs {expected}")
+
+
+def test_reference_trains(reference):
+    assert reference[ITERATIONS] < reference[1]  # the stock loop learns: the comparisons below are not vacuous
+
+
+@pytest.mark.parametrize("placement", ["head_first", "context_first"])
+def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, layers_2d, placement):
+    logs = run_pretrain(4, scripts["patched"], BASE + CP4_2D + ["--cp-2d-placement", placement])
+    assert all(layers_2d(layer, hp=2, window=2, placement=placement) in log for log in logs for layer in (1, 2))
+    assert_same_losses(losses(logs), reference)
+
+
+def test_unpatched_pretrain_gpt_with_spec_equals_cp1(scripts, reference, layers_2d):
+    flags = SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
+                       "--cp-comm-type", "2d"]
+    logs = run_pretrain(4, scripts["stock"], BASE + flags)
+    assert layers_2d(2, hp=2) in logs[0]
+    assert_same_losses(losses(logs), reference)
+
+
+def test_example_entry_equals_cp1(scripts, reference, layers_2d, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
+    logs = run_pretrain(4, REPO / "examples" / "pretrain_gpt_2d.py", BASE + CP4_2D)
+    assert layers_2d(2, hp=2, window=2) in logs[0]
+    assert_same_losses(losses(logs), reference)
+
+
+def test_tp2_cp4_distributed_optimizer_recompute_equals_cp1(scripts, reference, layers_2d):
+    """TP=2 x CP=2x2 (8 ranks): weights from --use-cpu-initialization do not depend on TP, so CP=1 at TP=1 is the
+    reference."""
+    flags = ["--tensor-model-parallel-size", "2", *CP4_2D, "--use-distributed-optimizer", *RECOMPUTE]
+    logs = run_pretrain(8, scripts["patched"], BASE + flags)
+    assert layers_2d(1, hp=2, window=2, keeps=True) in logs[0]
+    assert re.search(r"use_distributed_optimizer \.+ True", logs[0])  # megatron's argument dump
+    assert_same_losses(losses(logs), reference)
+
+
+def test_pp2_cp4_distributed_optimizer_equals_cp1(scripts, layers_2d):
+    """PP=2 x CP=4 (8 ranks) against PP=2 x CP=1: megatron seeds each pipeline stage differently (seed + 100 x stage),
+    so the reference keeps PP=2."""
+    pp = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    expected = losses(run_pretrain(2, scripts["stock"], BASE + pp))
+    logs = run_pretrain(8, scripts["patched"], BASE + pp + CP4_2D + RECOMPUTE)
+    assert layers_2d(1, hp=2, window=2, keeps=True) in logs[0] and layers_2d(2, hp=2, window=2, keeps=True) in logs[-1]
+    assert_same_losses(losses(logs), expected)
+
+
+def test_checkpoint_saved_at_cp4_resumes_at_other_2d_layouts(scripts, reference, layers_2d, tmp_path):
+    """Save at iteration 2 with CP=4 as hp x cp = 2x2, resume with 4x1 and with CP=2 as 1x2: iterations 3-4 equal the
+    uninterrupted run. Megatron's default checkpoint format (torch_dist, a torch.distributed.checkpoint folder with
+    metadata.json) is used. Megatron logs the second iteration of every run averaged with the first (see
+    per_iteration_losses), so the runs are compared iteration by iteration after undoing that."""
+    ckpt = tmp_path / "ckpt"
+    save = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+            "--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"]
+    first = lm_losses(run_pretrain(4, scripts["patched"], BASE + save)[-1])
+    assert sorted(first) == [1, 2]
+    assert_same_losses(first, reference, iterations=[1, 2])
+    assert (ckpt / "iter_0000002" / "metadata.json").is_file()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    for world_size, hp in ((4, 4), (2, 1)):
+        flags = ["--context-parallel-size", str(world_size), "--cp-comm-type", "2d", "--cp-2d-head-parallel-size",
+                 str(hp), "--load", str(ckpt)]
+        logs = run_pretrain(world_size, scripts["patched"], BASE + flags)
+        assert f"loading distributed checkpoint from {ckpt} at iteration 2" in logs[0]
+        assert layers_2d(1, hp=hp, cp_size=world_size) in logs[0]
+        resumed = lm_losses(logs[-1])
+        assert sorted(resumed) == [3, 4], f"CP={world_size} hp={hp}: {resumed}"
+        assert_same_losses(per_iteration_losses(resumed), per_iteration_losses(reference), iterations=[3, 4])
+
+
+MISCONFIGURED = {
+    "hp does not divide CP": ("patched", CP4_2D[:4] + ["--cp-2d-head-parallel-size", "3"],
+                              "head-parallel size 3 does not divide the context-parallel size 4; valid head-parallel "
+                              "sizes for CP=4: [1, 2, 4]"),
+    "2D flags without --cp-comm-type 2d": ("patched", ["--context-parallel-size", "4", "--cp-2d-head-parallel-size",
+                                                       "2"], "are set but cp_comm_type is ['p2p']"),
+    "THD (patched)": ("patched", CP4_2D + ["--reset-attention-mask"],
+                      "--reset-attention-mask needs packed-sequence (THD) attention"),
+    "--spec without --cp-comm-type 2d": ("stock", SPEC_2D + ["--context-parallel-size", "4",
+                                                             "--hierarchical-context-parallel-sizes", "2", "2"],
+                                         "the 2d layer spec is in use but cp_comm_type is 'p2p'"),
+    "THD (--spec)": ("stock", SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2",
+                                         "2", "--cp-comm-type", "2d", "--dataloader-inter-document-masking"],
+                     "--dataloader-inter-document-masking needs packed-sequence (THD) attention"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISCONFIGURED))
+def test_misconfigured_command_line_stops_every_rank_with_our_message(scripts, case):
+    script, flags, message = MISCONFIGURED[case]
+    outcomes = run_pretrain_outcomes(4, scripts[script], BASE + flags, timeout_s=60)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.exit_status != 0, f"rank {rank} did not fail"
+        assert message in outcome.error, f"rank {rank}: {outcome.error}"
+
+
+def test_bf16_2d_close_to_cp1(scripts):
+    """--bf16 (megatron's Float16Module, fp32 main params; the CPU runs bf16 matmuls): CP=4 2D within bf16 rounding of
+    CP=1 (seen: 2e-5 relative)."""
+    expected = losses(run_pretrain(1, scripts["stock"], BASE + ["--bf16"]))
+    got = losses(run_pretrain(4, scripts["patched"], BASE + ["--bf16"] + CP4_2D))
+    assert_same_losses(got, expected, rtol=2e-4)
+
+
+def test_make_target_runs_the_command_of_the_2d_parity_test():
+    """`make pretrain-cpu` (tools/pretrain_gpt_cpu.sh, shown in the README) launches the flags tested above."""
+    import subprocess
+
+    out = subprocess.run(["bash", str(REPO / "tools" / "pretrain_gpt_cpu.sh"), "--print-flags"], capture_output=True,
+                         text=True, check=True, timeout=30)
+    assert out.stdout.split("\n")[:-1] == BASE + CP4_2D + ["--cp-2d-placement", "head_first"]
+
+
+def test_cpu_launch_refuses_to_act_where_cuda_is_available(scripts, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(CudaAvailableError, match="CUDA is available here, so run pretrain_gpt.py unchanged"):
+        install_pretrain_cpu_shims()
+    with pytest.raises(CudaAvailableError):
+        run_pretrain(1, scripts["stock"], BASE)
