@@ -212,6 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     p.add_argument("--check-only", action="store_true", help="only check that every snippet matches the source")
     p.add_argument("--json", type=Path, help="also write the outcomes as JSON here")
+    p.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
     args = p.parse_args(argv)
 
     try:
@@ -269,7 +270,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.json.write_text(json.dumps([
             {"id": o.mutation.id, "file": o.mutation.file, "status": o.status, "seconds": round(o.seconds, 1),
              "detail": o.detail, "command": o.command} for o in outcomes], indent=1))
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown_table(outcomes, pct))
     return 0 if pct >= args.threshold else 1
+
+
+def markdown_table(outcomes: Sequence[Outcome], pct: float) -> str:
+    rows = ["| id | file | result | s | tests |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        rows.append(f"| {o.mutation.id} | {o.mutation.file} | {o.status} | {o.seconds:.0f} | "
+                    f"`{' '.join(o.mutation.tests)}` |")
+    counted = [o for o in outcomes if o.status != "equivalent"]
+    rows.append("")
+    rows.append(f"caught {sum(o.caught for o in counted)} of {len(counted)} non-equivalent mutations ({pct:.1f}%)")
+    return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":
