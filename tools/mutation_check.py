@@ -280,7 +280,7 @@ def markdown_table(outcomes: Sequence[Outcome], pct: float) -> str:
     rows = ["| id | file | result | s | tests |", "|---|---|---|---|---|"]
     for o in outcomes:
         rows.append(f"| {o.mutation.id} | {o.mutation.file} | {o.status} | {o.seconds:.0f} | "
-                    f"`{' '.join(o.mutation.tests)}` |")
+                    f"`{shlex.join(o.mutation.tests)}` |")
     counted = [o for o in outcomes if o.status != "equivalent"]
     rows.append("")
     rows.append(f"caught {sum(o.caught for o in counted)} of {len(counted)} non-equivalent mutations ({pct:.1f}%)")
