@@ -1,6 +1,7 @@
 """CPU demo: a tiny megatron-core GPT trained with 2D context parallelism next to the same model at CP=1.
 
     python -m megatron_2d.demo [--ranks 8] [--hp 2] [--window 2] [--placement head_first] [--steps 8]
+                               [--sliding-window TOKENS]
 
 Forks N gloo ranks; trains the model for a few Adam steps at CP=1 and at CP=N (hp x N/hp, Double-Ring window w)
 with the "2d" backend, and prints both losses per step and the bytes each rank sent per step, by kind.
@@ -24,10 +25,12 @@ def train(rank, world, args, context_parallel: bool):
 
     cfg = tg.TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                            num_query_groups=args.kv_heads, seq_length=args.seq, micro_batch_size=2)
+    if args.sliding_window is not None:   # Megatron's own sliding window, on both runs
+        cfg.config_overrides = dict(window_size=(args.sliding_window, 0))
     if context_parallel:
         tg.init_parallel(context_parallel_size=world)
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=args.hp, cp_2d_window_size=args.window,
+        cfg.config_overrides.update(cp_2d_head_parallel_size=args.hp, cp_2d_window_size=args.window,
                                     cp_2d_placement=args.placement)
     else:
         tg.init_parallel()
@@ -56,6 +59,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="Megatron's window_size=(TOKENS, 0) on every layer: K/V then go to neighbours only")
     args = p.parse_args(argv)
     (ref_losses, _), (losses, sent) = run_on_ranks(args.ranks, run, args, timeout_s=600)[0]
 
@@ -64,6 +69,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     cp = args.ranks // args.hp
     layout = f"2D: CP={args.ranks} = hp {args.hp} x cp {cp}, w {args.window}, {args.placement}"
+    if args.sliding_window is not None:
+        layout += f", sliding window {args.sliding_window}"
     table = Table(title=f"Tiny GPT ({args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} "
                         f"KV heads, RoPE, seq {args.seq}), Adam, {args.ranks} CPU ranks")
     for name in ("step", "loss CP=1", f"loss {layout}", "|difference|"):
@@ -73,9 +80,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     console = Console(width=140)
     console.print(table)
     comm = Table(title="Bytes sent per rank per training step (forward + backward, all layers)")
-    for name in ("all-to-all", "inner ring", "outer ring"):
+    kinds = {"all_to_all": "all-to-all", "inner_ring": "inner ring", "outer_ring": "outer ring",
+             "neighbour": "neighbour exchange"}
+    for name in kinds.values():
         comm.add_column(name, justify="right")
-    comm.add_row(*(f"{sent[k] / 2**20:.2f} MiB" for k in ("all_to_all", "inner_ring", "outer_ring")))
+    comm.add_row(*(f"{sent[k] / 2**20:.2f} MiB" for k in kinds))
     console.print(comm)
     worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses))
     console.print(f"max relative loss difference over {args.steps} steps: {worst:.1e}")

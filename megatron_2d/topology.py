@@ -38,7 +38,8 @@ class LayoutError(ValueError):
     """An invalid 2D layout: the message names the offending values and what would be valid."""
 
 
-def _divisors(n: int) -> List[int]:
+def divisors(n: int) -> List[int]:
+    """The divisors of n, ascending (the valid sizes every layout error lists)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -70,12 +71,12 @@ class Layout2D:
         if CP % hp != 0:
             raise LayoutError(
                 f"head-parallel size {hp} does not divide the context-parallel size {CP}; "
-                f"valid head-parallel sizes for CP={CP}: {_divisors(CP)}")
+                f"valid head-parallel sizes for CP={CP}: {divisors(CP)}")
         cp = CP // hp
         if cp % w != 0:
             raise LayoutError(
                 f"window size {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "
-                f"valid window sizes: {_divisors(cp)}")
+                f"valid window sizes: {divisors(cp)}")
 
     @property
     def context_size(self) -> int:

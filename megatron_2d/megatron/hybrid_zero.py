@@ -47,6 +47,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..topology import divisors
+
 SHARDED_STATES = ("none", "optimizer", "optimizer+grads", "optimizer+grads+params")
 IMPLEMENTATIONS = ("auto", "distributed_optimizer", "megatron_fsdp")
 OPTIMIZERS = ("adam", "sgd")
@@ -61,10 +63,6 @@ _FSDP_STRATEGY = {
 # bytes per element of the optimizer's own state tensors (kept in fp32 by Megatron): Adam m and v; SGD momentum
 _STATE_BYTES = {"adam": 8, "sgd": 4}
 _FP32_BYTES = 4
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -153,7 +151,7 @@ class HybridZeRO:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} {value!r} must be a positive integer")
         total = dp * cp
-        valid = _divisors(total)[1:]
+        valid = divisors(total)[1:]
         if self.shard_size is not None and (total % self.shard_size or self.shard_size == 1):
             reason = ("shards nothing; use sharded_states 'none'" if self.shard_size == 1
                       else f"does not divide dp x cp = {dp} x {cp} = {total}")

@@ -10,13 +10,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 from ..attention import kv_replication
-from ..topology import PLACEMENTS, Layout2D
+from ..topology import PLACEMENTS, Layout2D, divisors
 
 BACKEND_NAME = "2d"
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def layer_comm_types(cp_comm_type: Union[None, str, Sequence[str]]) -> List[Optional[str]]:
@@ -60,12 +56,12 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
     if head_parallel_size is None:
         raise ValueError(f"cp_comm_type '2d' needs a head-parallel size (cp_2d_head_parallel_size, "
                          f"--cp-2d-head-parallel-size, or --hierarchical-context-parallel-sizes HP CP); valid for "
-                         f"context_parallel_size={CP}: {_divisors(CP)}")
+                         f"context_parallel_size={CP}: {divisors(CP)}")
     hp = head_parallel_size
     if context_size is not None and hp * context_size != CP:
         raise ValueError(f"head-parallel size x context size = {hp} x {context_size} = {hp * context_size} does not "
                          f"equal context_parallel_size {CP}; choose hp and cp with hp * cp = {CP}, e.g. "
-                         f"{', '.join(f'{d}x{CP // d}' for d in _divisors(CP))}")
+                         f"{', '.join(f'{d}x{CP // d}' for d in divisors(CP))}")
     if placement not in PLACEMENTS:
         raise ValueError(f"cp_2d_placement {placement!r} is not valid; choose one of {list(PLACEMENTS)}")
     settings = Settings2D(CP, hp, double_ring_window, placement)
@@ -75,7 +71,7 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
     heads = num_attention_heads // tp
     kv_heads = max(1, (num_query_groups or num_attention_heads) // tp)  # Megatron gives each TP rank >= 1 group
     if heads % hp != 0:
-        valid = [d for d in _divisors(CP) if heads % d == 0]
+        valid = [d for d in divisors(CP) if heads % d == 0]
         raise ValueError(f"head-parallel size {hp} does not divide the {heads} attention heads per tensor-parallel "
                          f"rank (num_attention_heads {num_attention_heads} / TP {tp}); valid head-parallel sizes "
                          f"for context_parallel_size={CP}: {valid}")

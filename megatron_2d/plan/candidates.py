@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .hardware import ModelSpec, ParallelSpec
+from ..topology import divisors
 from .placement import PLACEMENTS
 
 KINDS = ("2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses")
@@ -50,11 +51,6 @@ def kind_kv_heads(kind: str, model: ModelSpec, parallel: ParallelSpec) -> Option
     """K/V heads per TP rank after repetition when ``kind`` fixes them (DeepSpeed-Ulysses: all Ht query heads);
     None: the cost model's L = lcm(Hkvt, hp)."""
     return model.heads // parallel.tp if kind == "ds-ulysses" else None
-
-
-def divisors(n: int) -> List[int]:
-    """Positive divisors of n, ascending."""
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 @dataclass(frozen=True)

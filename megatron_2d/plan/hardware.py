@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
+from ..topology import divisors
+
 
 class PlanError(ValueError):
     """Bad planner input: the message names the offending value and what would be valid."""
@@ -180,7 +182,7 @@ class ParallelSpec:
             if self.dp is None and self.gpus % (self.tp * self.pp * self.cp):
                 raise PlanError(f"gpus={self.gpus} is not divisible by tp*pp*cp={self.tp}*{self.pp}*{self.cp}"
                                 f"={self.tp * self.pp * self.cp}; valid CP sizes: "
-                                f"{_divisors(self.gpus // (self.tp * self.pp))}")
+                                f"{divisors(self.gpus // (self.tp * self.pp))}")
             if self.dp is not None and self.tp * self.pp * self.cp * self.dp != self.gpus:
                 raise PlanError(f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = "
                                 f"{self.tp * self.pp * self.cp * self.dp} != gpus={self.gpus}")
@@ -196,10 +198,6 @@ class ParallelSpec:
     def dp_size(self) -> int:
         """DP, resolved."""
         return self.gpus // (self.tp * self.pp * self.cp_size)
-
-
-def _divisors(n: int):
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 # -- presets ----------------------------------------------------------------------------------------------------

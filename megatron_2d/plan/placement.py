@@ -1,10 +1,8 @@
 """Which links each communication of a 2D layout uses: NVLink inside a node, or the network between nodes.
 
-Pure rank math, the same maps as ``megatron_2d.topology`` (cross-checked in tests/test_plan.py):
+Pure rank math on top of ``megatron_2d.topology.Layout2D`` (its index_of / coords_of give a rank's CP index i
+from its head rank hr and context rank cr, for either placement):
 
-    CP index i of the rank with head rank hr and context rank cr:
-        head_first     i = cr * hp + hr     (a head group is hp adjacent CP ranks)
-        context_first  i = hr * cp + cr     (a context group is cp adjacent CP ranks)
     global rank      g = base + tp * i      (Megatron order tp-cp-ep-dp-pp: TP innermost, so CP ranks are TP apart;
                                              one CP group and its TP peers fill TP*CP consecutive ranks)
     node             n = g // gpus_per_node
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Tuple
 
-PLACEMENTS = ("head_first", "context_first")
+from ..topology import PLACEMENTS, Layout2D
 
 
 @dataclass(frozen=True)
@@ -60,27 +58,18 @@ class LinkMap:
         return "network" if inter else ("nvlink" if intra else "-")
 
 
-def cp_index(hr: int, cr: int, hp: int, cp: int, placement: str) -> int:
-    """CP index of the rank at head rank ``hr``, context rank ``cr``."""
-    return cr * hp + hr if placement == "head_first" else hr * cp + cr
-
-
-def cp_coords(i: int, hp: int, cp: int, placement: str) -> Tuple[int, int]:
-    """(hr, cr) of CP index ``i``."""
-    return (i % hp, i // hp) if placement == "head_first" else (i // cp, i % cp)
-
-
 def peers(i: int, hp: int, cp: int, w: int, placement: str) -> Dict[str, List[int]]:
     """CP indices that CP index ``i`` sends to, per path: {'a2a': [...], 'inner': [...], 'outer': [...]}."""
-    hr, cr = cp_coords(i, hp, cp, placement)
-    a2a = [cp_index(h, cr, hp, cp, placement) for h in range(hp) if h != hr]
+    layout = Layout2D(hp * cp, hp, w, placement)
+    hr, cr = layout.coords_of(i)
+    a2a = [layout.index_of(h, cr) for h in range(hp) if h != hr]
     inner = []
     if w > 1:
         window, slot = divmod(cr, w)
-        inner = [cp_index(hr, window * w + (slot + 1) % w, hp, cp, placement)]
+        inner = [layout.index_of(hr, window * w + (slot + 1) % w)]
     outer = []
     if cp // w > 1:
-        outer = [cp_index(hr, (cr + w) % cp, hp, cp, placement)]
+        outer = [layout.index_of(hr, (cr + w) % cp)]
     return {"a2a": a2a, "inner": inner, "outer": outer}
 
 

@@ -1,0 +1,87 @@
+"""One schedule, two uses: the ring loop does exactly what ring_schedule describes, which the planner replays."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+import megatron_2d
+from megatron_2d.comm import RingExchange
+from megatron_2d.double_ring import DoubleRing
+from megatron_2d.ring_schedule import CHANNEL_OF, double_ring_events, replay
+from megatron_2d.testing.distributed import run_on_ranks
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def record_loop(rank, world, hp, w, backward):
+    """Run DoubleRing.run with a recording compute and recording exchanges; return (log, expected log)."""
+    groups = megatron_2d.build_2d_groups(hp, w, timeout=TIMEOUT)
+    ring = DoubleRing(groups)
+    log = []
+    for name in ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv"):
+        exchange = getattr(ring, name)
+        if exchange is None:
+            continue
+
+        def start(send, recv=None, _orig=exchange.start, _name=name):
+            log.append(("post", _name))
+            pending = _orig(send, recv)
+            orig_wait = pending.wait
+
+            def wait():
+                log.append(("wait", _name))
+                return orig_wait()
+            pending.wait = wait
+            return pending
+        exchange.start = start
+    kv = torch.full((2, 1, 4, 1, 2), float(groups.place.context_rank))
+    rider = torch.zeros(kv.shape) if backward else None
+
+    def compute(block, source):
+        log.append(("compute", source))
+        assert torch.all(block == source), (source, block.flatten()[:2])   # the block really is source's
+        return [(0, 4, torch.ones(1, 4, 1, 2), torch.ones(1, 4, 1, 2))] if backward else None
+
+    result = ring.run(kv, compute, rider=rider)
+    expected = []
+    for e in double_ring_events(groups.context_size, w, backward):
+        if e.kind == "compute":
+            expected.append(("compute", ring.source(*e.source_offset)))
+        elif e.kind.startswith("post_"):
+            expected.append(("post", e.channel))
+        elif e.channel is not None:
+            expected.append(("wait", e.channel))
+    visited = sorted(s for kind, s in log if kind == "compute")
+    own_grad = None if result is None else result[0].flatten().tolist()
+    return log, expected, visited, own_grad
+
+
+@pytest.mark.parametrize("world, hp, w", [(4, 1, 1), (4, 1, 2), (4, 1, 4), (8, 1, 2), (8, 2, 2), (8, 1, 4),
+                                          (6, 1, 3), (2, 2, 1)])
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_loop_follows_the_schedule(world, hp, w, backward):
+    for log, expected, visited, own_grad in run_on_ranks(world, record_loop, hp, w, backward):
+        assert log == expected
+        assert visited == list(range(world // hp))            # every context rank's block, once
+        if backward:                                           # every rank added 1 to my block's dK
+            assert own_grad == [float(world // hp)] * len(own_grad)
+
+
+def test_replay_by_hand():
+    links = {"inner_kv": "in", "inner_dkv": "in", "outer_kv": "out", "outer_dkv": "out"}
+    fwd = double_ring_events(2, 2, False)          # post kv, compute, wait kv, compute
+    assert [e.kind for e in fwd] == ["post_inner_kv", "compute", "wait_inner_kv", "compute"]
+    slow = {"inner_kv": 3.0, "outer_kv": 0.0, "inner_dkv": 0.0, "outer_dkv": 0.0}
+    assert replay(fwd, 1.0, slow, links) == 4.0    # the wait exposes 3 - 1
+    fast = dict(slow, inner_kv=0.5)
+    assert replay(fwd, 1.0, fast, links) == 2.0    # hidden behind the first compute
+    # backward, cp = 2, w = 2: the rider posted after step 0 shares the inner link with nothing in flight; the
+    # aligning rider (posted after step 1) is exposed: 2 computes + 1 aligning hop of 4
+    bwd = double_ring_events(2, 2, True)
+    t = {"inner_kv": 0.5, "outer_kv": 0.0, "inner_dkv": 4.0, "outer_dkv": 0.0}
+    # post kv 0-0.5 | compute 0-1 | rider 1-5 | wait kv | compute 1-2 | wait rider 5 | rider (aligning) 5-9 | wait 9
+    assert replay(bwd, 1.0, t, links) == 9.0
+    assert set(CHANNEL_OF.values()) - {None} == set(t)
