@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_2d-installed
 
-.PHONY: install demo test bench pretrain-cpu clean
+.PHONY: install demo test bench pretrain-cpu mutation clean
 install: $(STAMP)
 
 $(STAMP): tools/install.sh requirements.txt requirements-dev.txt pyproject.toml
@@ -23,6 +23,11 @@ pretrain-cpu: $(STAMP)
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4
 	$(PY) -m megatron_2d.demo
+
+# Not part of CI: applies tools/mutations.toml one mutation at a time to a scratch copy and reports caught/survived
+# (exit 1 below 95% caught). Takes tens of minutes on 2 cores.
+mutation: $(STAMP)
+	$(PY) tools/mutation_check.py --threshold 95
 
 clean:
 	rm -rf $(VENV) .pytest_cache

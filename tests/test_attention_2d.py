@@ -15,14 +15,19 @@ import torch
 import torch.distributed as dist
 
 import megatron_2d
+import megatron_2d.groups
+import megatron_2d.topology
+from megatron_2d.plan import Layout as PlanLayout, ModelSpec, ParallelSpec, evaluate, get_cluster
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 
-from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
+from megatron_2d.testing.reference import TOLERANCE, TOLERANCES, norm_err, reference_attention, rel_err, rounded
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
-# (world, hp, cp, w): every world size, inner-only / outer-only / double rings, head-only and context-only.
-LAYOUTS = [
+# (world, hp, cp, w, placement): every world size, inner-only / outer-only / double rings, head-only and
+# context-only. Where hp = 1 or cp = 1 both placements give the same rank map, so only head_first is listed;
+# context_first runs wherever it is a different layout (hp > 1 and cp > 1).
+BASE_LAYOUTS = [
     (1, 1, 1, 1),
     (2, 1, 2, 1), (2, 1, 2, 2), (2, 2, 1, 1),
     (4, 1, 4, 1), (4, 1, 4, 2), (4, 2, 2, 1), (4, 2, 2, 2), (4, 4, 1, 1),
@@ -30,14 +35,25 @@ LAYOUTS = [
     (8, 4, 2, 1), (8, 4, 2, 2), (8, 8, 1, 1),
 ]
 PLACEMENTS = ["head_first", "context_first"]
+LAYOUTS = [(n, hp, cp, w, p) for n, hp, cp, w in BASE_LAYOUTS for p in PLACEMENTS
+           if p == "head_first" or (hp > 1 and cp > 1)]
+
+
+def layout_id(world, hp, cp, w, placement):
+    return f"N{world}-hp{hp}-cp{cp}-w{w}-{placement}"
 
 
 def head_variants(hp):
-    """(name, hq, hkv): MHA, GQA without replication (hp divides hkv), GQA with K/V replication."""
-    variants = [("mha", 8, 8), ("gqa", 8, max(2, hp)), ("gqa_rep_hkv1", 8, 1)]
-    if hp == 4:
-        variants.append(("gqa_rep_hkv2", 8, 2))
-    return [v for v in variants if not (v[0] == "gqa" and v[2] == 8)]
+    """(hq, hkv) cases for head-parallel size hp: MHA, GQA whose K/V heads split over hp without replication,
+    and GQA/MQA whose K/V heads must be replicated (one K/V head, and more than one), as far as hp allows."""
+    cases = [(8, 8), (8, 1)]
+    cases += [(8, hkv) for hkv in (2, 4) if hkv % hp == 0][:1]                 # split without replication
+    cases += {1: [], 2: [(12, 3)], 4: [(8, 2), (12, 3)], 8: [(8, 2), (8, 4)]}[hp]   # replicated, hkv > 1
+    return cases
+
+
+def variant_id(hq, hkv, hp):
+    return f"hq{hq}-hkv{hkv}-rep{megatron_2d.kv_replication(hq, hkv, hp)}"
 
 
 def make_inputs(seq, batch, hq, hkv, d, seed):
@@ -49,54 +65,76 @@ def make_inputs(seq, batch, hq, hkv, d, seed):
     return q, k, v, dout
 
 
-def check_case(groups, rank, world, dtype, causal, hq, hkv, d, batch=2, chunk=4, seed=0, kernel=None):
-    """Run one case on this rank; return the max relative error over out, dq, dk, dv."""
+def run_case(groups, rank, world, dtype, causal, hq, hkv, d, batch=2, chunk=4, seed=0, kernel=None, scale=None,
+             round_inputs=False):
+    """Run one case on this rank: {out, dq, dk, dv: (rel_err vs the unrounded reference, norm_err vs the
+    reference of the rounded inputs)}. ``round_inputs``: the global inputs are first rounded to ``dtype``, so the
+    two references coincide and only the computation's own error is left."""
     q, k, v, dout = make_inputs(2 * world * chunk, batch, hq, hkv, d, seed)
+    if round_inputs:
+        q, k, v, dout = (rounded(x, dtype) for x in (q, k, v, dout))
+    ref_scale = d ** -0.5 if scale is None else scale
     for t in (q, k, v):
         t.requires_grad_(True)
-    reference_attention(q, k, v, causal, d ** -0.5).backward(dout)
-    ref_out = reference_attention(q.detach(), k.detach(), v.detach(), causal, d ** -0.5)
+    ref_out = reference_attention(q, k, v, causal, ref_scale)
+    ref_out.backward(dout)
 
     def shard(x):
         return megatron_2d.shard_sequence(x.detach(), rank, world, seq_dim=0)
 
     ql, kl, vl = (shard(x).to(dtype).requires_grad_(True) for x in (q, k, v))
-    out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, kernel=kernel)
+    out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, softmax_scale=scale, kernel=kernel)
     out.backward(shard(dout).to(dtype))
-    assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.shape == kl.shape
-    return max(rel_err(out, shard(ref_out)), rel_err(ql.grad, shard(q.grad)),
-               rel_err(kl.grad, shard(k.grad)), rel_err(vl.grad, shard(v.grad)))
+    assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.dtype == dtype and kl.grad.shape == kl.shape
+    pairs = dict(out=(out, ref_out), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad))
+    return {key: (rel_err(a, shard(e)), norm_err(a, shard(e))) for key, (a, e) in pairs.items()}
+
+
+def check_case(groups, rank, world, dtype, causal, hq, hkv, d, **kwargs):
+    """The max end-to-end relative error over out, dq, dk, dv of one case."""
+    return max(rel for rel, _ in run_case(groups, rank, world, dtype, causal, hq, hkv, d, **kwargs).values())
 
 
 def run_grid(rank, world, hp, w, placement):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
     worst = {}
-    for causal, (name, hq, hkv), d in itertools.product([True, False], head_variants(hp), [64, 128]):
-        worst[(causal, name, d)] = check_case(groups, rank, world, torch.float32, causal, hq, hkv, d)
+    for causal, (hq, hkv) in itertools.product([True, False], head_variants(hp)):
+        d = 128 if hq == hkv else 64
+        worst[(causal, variant_id(hq, hkv, hp), d)] = check_case(groups, rank, world, torch.float32, causal, hq,
+                                                                 hkv, d)
+    # a softmax scale other than 1/sqrt(d), with GQA, causal and full
+    hq, hkv = head_variants(hp)[-1]
+    for causal in (True, False):
+        worst[(causal, "scale0.21", 32)] = check_case(groups, rank, world, torch.float32, causal, hq, hkv, 32,
+                                                      scale=0.21)
     return worst
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("world, hp, cp, w", LAYOUTS, ids=[f"N{n}-hp{h}-cp{c}-w{w}" for n, h, c, w in LAYOUTS])
+@pytest.mark.parametrize("world, hp, cp, w, placement", LAYOUTS, ids=[layout_id(*x) for x in LAYOUTS])
 def test_fp32_matches_reference(world, hp, cp, w, placement):
     assert hp * cp == world
     results = run_on_ranks(world, run_grid, hp, w, placement)
     bad = {case: err for per_rank in results for case, err in per_rank.items() if not err < TOLERANCE[torch.float32]}
     assert not bad, f"relative errors above {TOLERANCE[torch.float32]}: {bad}"
-    assert len(results[0]) == 2 * len(head_variants(hp)) * 2
+    assert len(results[0]) == 2 * len(head_variants(hp)) + 2
 
 
-def run_low_precision(rank, world, hp, w, placement, dtype):
-    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    return [check_case(groups, rank, world, dtype, causal, 8, hkv, 64)
-            for causal, hkv in itertools.product([True, False], [8, 1])]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("hp, w, placement", [(2, 2, "head_first"), (2, 1, "context_first"), (1, 2, "head_first")])
-def test_low_precision_matches_reference(hp, w, placement, dtype):
-    errs = [e for per_rank in run_on_ranks(4, run_low_precision, hp, w, placement, dtype) for e in per_rank]
-    assert max(errs) < TOLERANCE[dtype], errs
+def test_parametrization_is_distinct():
+    """Every fp32 layout is a different rank map, and every head variant of an hp a different replication case."""
+    maps = set()
+    for world, hp, cp, w, placement in LAYOUTS:
+        layout = megatron_2d.topology.Layout2D(world, hp, w, placement)
+        key = (world, w, tuple(map(tuple, layout.head_groups(range(world)))),
+               tuple(map(tuple, layout.context_groups(range(world)))))
+        assert key not in maps, (world, hp, cp, w, placement)
+        maps.add(key)
+    for hp in (1, 2, 4, 8):
+        ids = [variant_id(hq, hkv, hp) for hq, hkv in head_variants(hp)]
+        assert len(set(ids)) == len(ids)
+        reps = [megatron_2d.kv_replication(hq, hkv, hp) for hq, hkv in head_variants(hp)]
+        assert (max(reps) > 1) == (hp > 1)
+        if hp > 1:   # replication of more than one K/V head
+            assert any(r > 1 and hkv > 1 for r, (_, hkv) in zip(reps, head_variants(hp)))
 
 
 def run_torch_math_kernel(rank, world):
@@ -106,6 +144,40 @@ def run_torch_math_kernel(rank, world):
 
 def test_torch_math_kernel_in_the_ring():
     assert max(run_on_ranks(8, run_torch_math_kernel)) < TOLERANCE[torch.float32]
+
+
+# ---- every dtype against the reference of its own rounded inputs, per output, at several CP sizes -----------
+
+DTYPES = {"fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (world, hp, w, placement): CP = 4 and 8, plain rings of 4 and 8 (where a low-precision accumulator hurts most:
+# bf16 out 1.15x / 1.6x its bound at cp = 4 / 8, against 0.8x with fp32), a double ring, head-only, and 2D with a
+# double ring. At cp = 2 a bf16 accumulator stays within 0.9x of the bound, so cp = 2 alone would not show it.
+DTYPE_LAYOUTS = [(4, 1, 4, "head_first"), (4, 2, 1, "context_first"), (8, 1, 8, "head_first"),
+                 (8, 1, 2, "head_first"), (8, 2, 2, "context_first"), (8, 8, 1, "head_first")]
+
+
+def run_dtypes(rank, world, hp, w, placement):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+    results = {}
+    for name, causal, hkv in itertools.product(DTYPES, [True, False], [2]):
+        results[(name, causal, hkv)] = run_case(groups, rank, world, DTYPES[name], causal, 8, hkv, 64, chunk=8,
+                                                seed=1, round_inputs=True)
+    return results
+
+
+@pytest.mark.parametrize("world, hp, w, placement", DTYPE_LAYOUTS,
+                         ids=[layout_id(n, hp, n // hp, w, p) for n, hp, w, p in DTYPE_LAYOUTS])
+def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
+    """fp64, bf16 and fp16, forward and backward: each output's error against fp64 math on the same rounded
+    inputs, within that output's bound (norm_err); the fp32 accumulators keep it flat as CP grows."""
+    bad = {}
+    for per_rank in run_on_ranks(world, run_dtypes, hp, w, placement):
+        for (name, causal, hkv), errors in per_rank.items():
+            tol = TOLERANCES[DTYPES[name]]
+            for key, (rel, norm) in errors.items():
+                if not (norm < tol.of(key) and rel < tol.end_to_end):
+                    bad[(name, causal, hkv, key)] = (rel, norm)
+    assert not bad, f"(dtype, causal, hkv, output): (rel_err, norm_err) above tolerance: {bad}"
 
 
 # ---- bytes sent, against the closed-form volume ------------------------------------------------------------
@@ -136,18 +208,43 @@ def run_bytes(rank, world, hp, w, placement, hkv, dtype):
     return groups.comm_bytes.as_dict()
 
 
-@pytest.mark.parametrize("world, hp, w, placement, hkv, dtype", [
+BYTE_CASES = [
     (8, 2, 2, "head_first", 8, torch.float32),
     (8, 4, 1, "context_first", 1, torch.bfloat16),    # K/V replicated 4x
     (8, 1, 4, "head_first", 2, torch.float32),        # w = cp: inner ring only
     (8, 1, 1, "head_first", 8, torch.float32),        # w = 1: outer ring only
     (4, 4, 1, "head_first", 2, torch.float16),        # all-to-all only
-])
+    (8, 2, 2, "context_first", 2, torch.bfloat16),    # 2D with a double ring
+    (8, 1, 2, "head_first", 8, torch.bfloat16),       # double ring, no all-to-all
+]
+
+
+def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
+    """The planner's (NVLink, network) bytes per rank for the op's case (bf16, one layer, fwd + bwd)."""
+    model = ModelSpec("op", layers=1, hidden=8 * 64, heads=8, kv_heads=hkv, ffn_hidden=64, vocab=64)
+    cluster = get_cluster("8xH100").with_(gpus_per_node=gpus_per_node)
+    e = evaluate(PlanLayout("2d", hp, world // hp, w, placement), model, cluster,
+                 ParallelSpec(gpus=world, micro_batch=2), seq=2 * world * 4).estimate
+    return e.intra_bytes, e.inter_bytes
+
+
+@pytest.mark.parametrize("world, hp, w, placement, hkv, dtype", BYTE_CASES,
+                         ids=[f"N{n}-hp{h}-w{w}-{p}-hkv{k}-{str(dt)[6:]}" for n, h, w, p, k, dt in BYTE_CASES])
 def test_bytes_match_closed_form(world, hp, w, placement, hkv, dtype):
     per_rank = run_on_ranks(world, run_bytes, hp, w, placement, hkv, dtype)
     elt = torch.tensor([], dtype=dtype).element_size()
     expected = expected_bytes(world, hp, w, 8, hkv, s_local=8, batch=2, d=64, elt=elt)
     assert all(got == expected for got in per_rank), (per_rank[0], expected)
+    if dtype == torch.bfloat16:  # the planner counts bf16 K/V and all-to-all, fp32 dK/dV: the op's measured bytes
+        measured = per_rank[0]
+        total = sum(measured.values())
+        assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=world) == (total, 0)
+        rings = measured["inner_ring"] + measured["outer_ring"]
+        if placement == "head_first" and hp > 1:      # head groups fill a node: all-to-all on NVLink only
+            assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=hp) == (measured["all_to_all"], rings)
+        if placement == "context_first" or hp == 1:   # context groups fill a node: rings on NVLink only
+            cp = world // hp
+            assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=cp) == (rings, measured["all_to_all"])
 
 
 # ---- bad input gets a clear error ---------------------------------------------------------------------------
@@ -167,17 +264,20 @@ def run_input_errors(rank, world):
         ((q, q.double(), q), "q, k, v must share a dtype"),
         ((q.int(), q.int(), q.int()), "dtype torch.int32 is not supported"),
         ((q[0], q[0], q[0]), "q, k, v must be 4-D [s, b, heads, d]"),
+        ((q, q.to("meta"), q.to("meta")), "q, k, v must be on one device"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError) as info:
             megatron_2d.attention_2d(*args, groups)
         assert message in str(info.value), (message, str(info.value))
     dist.barrier()  # every rank still reaches collectives after the refusals
+    # new groups inherit the default group's timeout (run_on_ranks gives it 60 s), not torch's 30 min
+    assert megatron_2d.groups.default_group_timeout() == datetime.timedelta(seconds=60)
     return len(cases)
 
 
 def test_bad_inputs_raise_clear_errors():
-    assert run_on_ranks(4, run_input_errors) == [8] * 4
+    assert run_on_ranks(4, run_input_errors) == [9] * 4
 
 
 def run_mismatched_settings(rank, world):

@@ -12,6 +12,7 @@ import gc
 import weakref
 
 import pytest
+import torch
 
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
@@ -172,3 +173,89 @@ def test_misuse_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig2D(num_layers=2, hidden_size=64, num_attention_heads=8, attention_dropout=0.0,
                             selective_checkpoint_plus_plus=True, **overrides)
+
+
+# ---- the keeper alone (one process): replay, and refusal of a recompute that differs --------------------------
+
+def _attention(q, k, v):
+    from megatron_2d.testing.reference import reference_attention
+
+    return reference_attention(q, k, v, True, 0.25)
+
+
+def _first_pass(keeper, q, k, v):
+    """What megatron's checkpointed forward does: the layer under no_grad, inside its checkpoint."""
+    with torch.no_grad():
+        return keeper(_attention, q, k, v)
+
+
+@pytest.fixture
+def checkpointing(monkeypatch):
+    monkeypatch.setattr(checkpoint_plus, "is_checkpointing", lambda: True)
+
+
+def _qkv(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 1, 4, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def test_keeper_replays_the_first_pass(checkpointing):
+    keeper = checkpoint_plus.AttentionKeeper()
+    q, k, v = _qkv(0)
+    first = _first_pass(keeper, q, k, v)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = keeper(_attention, *leaves)                       # the recompute pass: grad enabled
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    plain = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    _attention(*plain).backward(dout)
+    assert torch.equal(out, first) and len(keeper) == 0
+    for got, want in zip(leaves, plain):
+        assert torch.allclose(got.grad, want.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_recompute_that_differs_is_refused(checkpointing, which):
+    """A recomputed input that is not the first pass's (here: another micro-batch's q, k or v) must raise, not
+    silently return the kept output of different inputs."""
+    keeper = checkpoint_plus.AttentionKeeper()
+    q, k, v = _qkv(1)
+    _first_pass(keeper, q, k, v)
+    other = dict(zip("qkv", _qkv(2)))
+    inputs = {"q": q, "k": k, "v": v, which: other[which]}
+    with pytest.raises(RuntimeError, match=f"the recomputed {which} differs from the first pass"):
+        keeper(_attention, *(inputs[n].requires_grad_(True) for n in "qkv"))
+
+
+def test_recompute_differing_in_one_token_is_refused(checkpointing):
+    """A recompute that differs in the last token only (e.g. a non-deterministic op near the end)."""
+    keeper = checkpoint_plus.AttentionKeeper()
+    q, k, v = _qkv(6)
+    _first_pass(keeper, q, k, v)
+    k2 = k.clone()
+    k2[-1] += 1.0
+    with pytest.raises(RuntimeError, match="the recomputed k differs from the first pass"):
+        keeper(_attention, *(x.requires_grad_(True) for x in (q, k2, v)))
+
+
+def test_recompute_out_of_order_is_refused(checkpointing):
+    keeper = checkpoint_plus.AttentionKeeper()
+    first, second = _qkv(3), _qkv(4)
+    _first_pass(keeper, *first)
+    _first_pass(keeper, *second)
+    with pytest.raises(RuntimeError, match="differs from the first pass"):
+        keeper(_attention, *(x.requires_grad_(True) for x in second))     # micro-batch 2 replayed first
+
+
+def test_recompute_without_a_first_pass_is_refused(checkpointing):
+    keeper = checkpoint_plus.AttentionKeeper()
+    with pytest.raises(RuntimeError, match="found no kept attention"):
+        keeper(_attention, *(x.requires_grad_(True) for x in _qkv(5)))
+
+
+def test_fp8_recompute_is_refused():
+    from types import SimpleNamespace
+
+    why = checkpoint_plus.check_checkpoint_plus_config(SimpleNamespace(recompute_granularity="full", fp8="hybrid"))
+    assert why is not None and "not supported with fp8/fp4 recompute" in why
+    assert checkpoint_plus.check_checkpoint_plus_config(SimpleNamespace(recompute_granularity="full")) is None

@@ -337,6 +337,9 @@ def test_memory_model_formulas_for_a_7b_model():
     assert model_state_bytes_per_rank(n, HybridZeRO("optimizer"), dp, cp, param_dtype=torch.float32)["optimizer"] \
         == 8 * n // 32
     assert model_state_bytes_per_rank(n, HybridZeRO("optimizer"), dp, cp, optimizer="sgd")["optimizer"] == 8 * n // 32
+    # megatron-fsdp keeps an fp32 main-weight shard even for fp32 params: (8 + 4) bytes of optimizer state per param
+    fsdp = HybridZeRO("optimizer", implementation="megatron_fsdp")
+    assert model_state_bytes_per_rank(n, fsdp, dp, cp, param_dtype=torch.float32)["optimizer"] == 12 * n // 32
 
 
 # ---- Megatron-LM flags ---------------------------------------------------------------------------------------------

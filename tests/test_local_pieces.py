@@ -11,7 +11,7 @@ from megatron_2d.kernels import KERNELS, select_kernel
 from megatron_2d.merge import merge_attention_
 from megatron_2d.sequence_layout import shard_sequence, unshard_sequence
 
-from megatron_2d.testing.reference import TOLERANCE, attention_with_lse, rel_err
+from megatron_2d.testing.reference import TOLERANCES, attention_with_lse, norm_err, rel_err
 
 
 def test_merge_equals_full_softmax():
@@ -37,6 +37,46 @@ def test_merge_row_subsets_in_place():
     merge_attention_(out[:, 2:4], lse[:, :, 2:4], o, l)
     assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2])) and torch.isinf(lse[:, :, 4:]).all()
     assert rel_err(out[:, 2:4], o) < 1e-12
+
+
+LARGE_LOGITS = [(torch.float32, 100.0), (torch.float32, -110.0), (torch.float64, 100.0), (torch.float64, -110.0),
+                (torch.float64, 750.0)]
+
+
+@pytest.mark.parametrize("dtype, logit", LARGE_LOGITS,
+                         ids=[f"{str(dt)[6:]}-logit{lg:+.0f}" for dt, lg in LARGE_LOGITS])
+def test_merge_large_logits(dtype, logit):
+    """Blocks whose scores sit near +-100: merging in the accumulators' dtype must stay exact. exp(100) overflows
+    fp32 and exp(-110) underflows it; exp(750) overflows fp64 (fp32's lse cannot even hold 750 to 1e-6)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, n, 2, 4, generator=g, dtype=torch.float64) for n in (3, 9, 9))
+    # scores = logit + small spread: q . k * scale with q, k aligned
+    scale = 1.0
+    k = k * 0.1 + q.mean(1, keepdim=True)
+    q = q * 0 + q[:, :1]
+    base = torch.einsum("bqhd,bkhd->bhqk", q, k).mean()
+    k_shift = torch.zeros(1, 1, 2, 4, dtype=torch.float64)
+    k_shift[..., 0] = (logit - base) / q[0, 0, :, 0].unsqueeze(0)
+    k = k + k_shift
+    full, full_lse = attention_with_lse(q, k, v, scale=scale)
+    assert (full_lse - logit).abs().max() < 20          # the logits really are near the target
+    out = torch.zeros(1, 3, 2, 4, dtype=dtype)
+    lse = torch.full((1, 2, 3), float("-inf"), dtype=dtype)
+    for part in (slice(0, 2), slice(2, 7), slice(7, 9)):
+        o, l = attention_with_lse(q, k[:, part], v[:, part], scale=scale)
+        merge_attention_(out, lse, o.to(dtype), l.to(dtype))
+    tol = {torch.float32: 1e-6, torch.float64: 1e-12}[dtype]
+    assert torch.isfinite(lse).all() and torch.isfinite(out).all()
+    assert rel_err(out, full) < tol and rel_err(lse, full_lse) < tol
+
+
+def test_merge_keeps_accumulator_through_an_empty_start():
+    """The accumulator starts at lse = -inf, out = 0: the first merge takes the block exactly."""
+    g = torch.Generator().manual_seed(5)
+    o, l = torch.randn(1, 4, 2, 8, generator=g), torch.randn(1, 2, 4, generator=g) * 50
+    out, lse = torch.zeros(1, 4, 2, 8), torch.full((1, 2, 4), float("-inf"))
+    merge_attention_(out, lse, o, l)
+    assert torch.equal(out, o) and torch.equal(lse, l)
 
 
 def test_plan_zigzag_half_blocks():
@@ -78,31 +118,44 @@ def test_shard_rejects_indivisible_sequence():
 
 
 CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KERNEL_CASES = [(n, dt, c, h) for n, dt, c, h in itertools.product(CPU_KERNELS, DTYPES, [True, False], [4, 2, 1])]
 
 
-@pytest.mark.parametrize("name, dtype, causal, hkv", [
-    (n, dt, c, h) for n, dt, c, h in itertools.product(
-        CPU_KERNELS, [torch.float32, torch.bfloat16, torch.float16], [True, False], [4, 2, 1])])
-def test_kernel_forward_backward(name, dtype, causal, hkv):
-    torch.manual_seed(2)
+def block_case(dtype, causal, hkv, scale=0.3, seed=2):
+    """Inputs of one block in ``dtype`` and the fp64 reference built from exactly those (rounded) inputs:
+    (q, k, v, dout, {out, lse, dq, dk, dv} references)."""
+    g = torch.Generator().manual_seed(seed)
     b, sq, hq, d = 2, 16, 4, 32
     sk = sq if causal else 24
-    q64 = torch.randn(b, sq, hq, d, dtype=torch.float64, requires_grad=True)
-    k64 = torch.randn(b, sk, hkv, d, dtype=torch.float64, requires_grad=True)
-    v64 = torch.randn(b, sk, hkv, d, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(b, sq, hq, d, dtype=torch.float64)
-    ref, ref_lse = attention_with_lse(q64, k64, v64, causal, 0.3)
-    ref.backward(dout)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    dout = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref, ref_lse = attention_with_lse(*leaves, causal, scale)
+    ref.backward(dout.double())
+    return q, k, v, dout, dict(out=ref, lse=ref_lse, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+
+
+@pytest.mark.parametrize("name, dtype, causal, hkv", KERNEL_CASES,
+                         ids=[f"{n}-{dt}-{'causal' if c else 'full'}-hkv{h}" for n, dt, c, h in KERNEL_CASES])
+def test_kernel_forward_backward(name, dtype, causal, hkv):
+    """Each CPU kernel, forward (out, lse) and backward (dq, dk, dv), against fp64 math on its own rounded inputs."""
+    dtype = DTYPES[dtype]
+    q, k, v, dout, want = block_case(dtype, causal, hkv)
     kernel = select_kernel(torch.device("cpu"), dtype, name)
-    q, k, v = (x.detach().to(dtype) for x in (q64, k64, v64))
     band = Band(None, 0) if causal else None
     out, lse = kernel.forward(q, k, v, band, 0.3)
-    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, hq, sq)
-    dq, dk, dv = kernel.backward(dout.to(dtype), q, k, v, out, lse, band, 0.3)
-    tol = TOLERANCE[dtype]
-    for got, want in ((out, ref), (lse, ref_lse), (dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
-        assert got.shape == want.shape
-        assert rel_err(got, want) < tol
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.dtype == dtype and lse.dtype == lse_dtype and lse.shape == (2, 4, 16)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, band, 0.3)
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    for key in ("dq", "dk", "dv"):
+        assert got[key].dtype == dtype, key
+    bad = {key: norm_err(got[key], want[key]) for key in got
+           if not norm_err(got[key], want[key]) < TOLERANCES[dtype].of(key)}
+    assert not bad, f"above the {dtype} per-output tolerances: {bad}"
+    assert all(got[key].shape == want[key].shape for key in got)
 
 
 def test_kernel_selection():
@@ -112,3 +165,46 @@ def test_kernel_selection():
         select_kernel(torch.device("cpu"), torch.float32, "nope")
     with pytest.raises(ValueError, match=r"'flash_attn2' (is not available here|does not run on device cpu)"):
         select_kernel(torch.device("cpu"), torch.bfloat16, "flash_attn2")
+
+
+def test_kernel_selection_on_cuda_devices(monkeypatch):
+    """The choice on a CUDA device (no CUDA tensor is made): flash-attn 2 for fp16/bf16 when it imports, else
+    torch_math with a warning; the stand-in plays the installed flash-attn."""
+    import sys
+    import warnings
+
+    from megatron_2d.testing import flash_attn_cpu
+
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)                # flash-attn not installed
+    with pytest.warns(UserWarning, match="uses the torch_math block kernel"):
+        assert select_kernel(cuda, torch.bfloat16).name == "torch_math"
+    package, interface = flash_attn_cpu.flash_attn_modules("2.7")
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_kernel(cuda, torch.bfloat16).name == "flash_attn2"
+        assert select_kernel(cuda, torch.float16).name == "flash_attn2"
+    with pytest.warns(UserWarning, match="uses the torch_math block kernel"):
+        assert select_kernel(cuda, torch.float32).name == "torch_math"
+    with pytest.raises(ValueError, match=r"'flash_attn2' does not run on device cuda with torch.float32"):
+        select_kernel(cuda, torch.float32, "flash_attn2")
+
+
+def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
+    from megatron_2d.comm import COMM_KINDS, CommCounter, RingExchange
+
+    counter = CommCounter()
+    counter.add("inner_ring", 10)
+    counter.add("inner_ring", 5)
+    counter.add("all_to_all", 7)
+    assert counter.as_dict() == {**{kind: 0 for kind in COMM_KINDS}, "inner_ring": 15, "all_to_all": 7}
+    with pytest.raises(ValueError, match=r"unknown communication kind 'ring'"):
+        counter.add("ring", 1)
+    counter.reset()
+    assert set(counter.as_dict().values()) == {0}
+    with pytest.raises(ValueError, match=r"a ring exchange needs at least 2 ranks, got \[3\]"):
+        RingExchange(None, [3], 0, counter, "inner_ring")
+    ring = RingExchange(None, [4, 9, 2], 0, counter, "outer_ring")      # ring order, not rank order
+    assert (ring.next_rank, ring.prev_rank) == (9, 2)

@@ -86,7 +86,6 @@ def run_all(rank, world):
     cfg = tg.TinyGPTConfig(**scaled, config_class=TransformerConfig2D, cp_comm_type="2d",
                            config_overrides=dict(softmax_scale=0.05, cp_2d_head_parallel_size=2))
     out[("cp4_2x2", "scaled")] = tg.forward_backward(tg.build_tiny_gpt(cfg, spec_2d()), tg.synthetic_batch(cfg))
-    out["no_mask"] = no_mask_core_attention(rank)
     tg.init_parallel()
     ref_cfg = model_config("gqa")
     out[("ref_train", "gqa")] = tg.train_steps(tg.build_tiny_gpt(ref_cfg), ref_cfg, steps=3)
@@ -98,28 +97,42 @@ def run_all(rank, world):
     return out if rank == 0 else None
 
 
-def no_mask_core_attention(rank):
-    """CoreAttention2D built for AttnMaskType.no_mask (CP=4 as 2x2) against full attention on the whole sequence."""
+def run_core_attention_alone(rank, world):
+    """CoreAttention2D built as Megatron builds it (CP=4 as 2x2, context_first, GQA), for AttnMaskType.no_mask and
+    causal, with the config's softmax_scale: output and dq/dk/dv against the reference on the whole sequence."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_2d import shard_sequence
-
     from megatron_2d.testing.reference import reference_attention, rel_err
 
     tg.init_parallel(context_parallel_size=4)
-    config = tg.make_transformer_config(model_config("gqa", (2, 1, "context_first")))
+    cfg = model_config("gqa", (2, 1, "context_first"))
+    cfg.config_overrides["softmax_scale"] = 0.2
+    config = tg.make_transformer_config(cfg)
     spec = spec_2d().submodules.self_attention.submodules.core_attention
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    attention = spec.module(config=config, layer_number=1, attn_mask_type=AttnMaskType.no_mask,
-                            attention_type="self", cp_comm_type="2d",
-                            pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]), **spec.params)
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(64, 1, h, 8, generator=g, dtype=torch.float64) for h in (8, 2, 2))
-    expected = reference_attention(q, k, v, causal=False, scale=8 ** -0.5)
     cp_rank = tg.parallel_state.get_context_parallel_rank()
-    shard = lambda x: shard_sequence(x, cp_rank, 4).float()  # noqa: E731
-    out = attention(shard(q), shard(k), shard(v), None, attn_mask_type=AttnMaskType.no_mask)
-    return rel_err(out.view(16, 1, 8, 8), shard(expected))
+    errors = {}
+    for mask in (AttnMaskType.no_mask, AttnMaskType.causal):
+        attention = spec.module(config=config, layer_number=1, attn_mask_type=mask, attention_type="self",
+                                cp_comm_type="2d",
+                                pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]),
+                                **spec.params)
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(64, 1, h, 8, generator=g, dtype=torch.float64, requires_grad=True)
+                   for h in (8, 2, 2))
+        dout = torch.randn(64, 1, 8, 8, generator=g, dtype=torch.float64)
+        expected = reference_attention(q, k, v, causal=mask == AttnMaskType.causal, scale=0.2)
+        expected.backward(dout)
+        shard = lambda x: shard_sequence(x.detach(), cp_rank, 4)  # noqa: E731
+        ql, kl, vl = (shard(x).float().requires_grad_(True) for x in (q, k, v))
+        out = attention(ql, kl, vl, None, attn_mask_type=mask)
+        assert out.shape == (16, 1, 64)                                    # [s/CP, b, heads * d]
+        out.backward(shard(dout).float().view(16, 1, 64))
+        errors[mask.name] = max(rel_err(out.view(16, 1, 8, 8), shard(expected)), rel_err(ql.grad, shard(q.grad)),
+                                rel_err(kl.grad, shard(k.grad)), rel_err(vl.grad, shard(v.grad)))
+    destroy_2d_groups()
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -238,5 +251,44 @@ def test_softmax_scale_is_honoured(results):
     assert_matches(results[("cp4_2x2", "scaled")], results[("ref", "scaled")])
 
 
-def test_no_mask_attention_type(results):
-    assert results["no_mask"] < RTOL
+def test_core_attention_masks_and_scale_forward_and_backward():
+    """no_mask and causal, with the config's softmax_scale, forward and dq/dk/dv, on 4 ranks (its own fork)."""
+    errors = run_on_ranks(4, run_core_attention_alone, timeout_s=120)
+    bad = [e for per_rank in errors for e in per_rank.values() if not e < RTOL]
+    assert not bad and all(set(e) == {"no_mask", "causal"} for e in errors), errors
+
+
+def test_stock_hierarchical_sizes_give_head_then_context():
+    """--hierarchical-context-parallel-sizes HP CP (no cp_2d_* fields): hp = the first size, cp = the second."""
+    from types import SimpleNamespace
+
+    from megatron_2d.megatron.settings import settings_from_config
+
+    config = SimpleNamespace(context_parallel_size=8, num_attention_heads=8, num_query_groups=2,
+                             tensor_model_parallel_size=1, attention_dropout=0.0,
+                             hierarchical_context_parallel_sizes=[2, 4])
+    settings = settings_from_config(config)
+    assert (settings.head_parallel_size, settings.context_size, settings.double_ring_window) == (2, 4, 1)
+    config.hierarchical_context_parallel_sizes = [4, 2]
+    assert settings_from_config(config).head_parallel_size == 4
+    config.hierarchical_context_parallel_sizes = [2, 2, 2]
+    with pytest.raises(ValueError, match=r"give two sizes \[hp, cp\]"):
+        settings_from_config(config)
+
+
+def test_layer_spec_carries_the_overrides_and_refuses_mla():
+    """get_gpt_layer_spec_2d: CoreAttention2D as core attention, keyword settings passed as its params (only the
+    ones given), Megatron's local layers without TE; MLA refused."""
+    from types import SimpleNamespace
+
+    from megatron_2d.megatron.core_attention import CoreAttention2D
+
+    spec = get_gpt_layer_spec_2d(use_transformer_engine=False, head_parallel_size=2, placement="context_first",
+                                 kernel="torch_math")
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core.module is CoreAttention2D
+    assert core.params == {"head_parallel_size": 2, "placement": "context_first", "kernel": "torch_math"}
+    assert get_gpt_layer_spec_2d(use_transformer_engine=False).submodules.self_attention.submodules \
+        .core_attention.params == {}
+    with pytest.raises(ValueError, match="multi-latent attention"):
+        get_gpt_layer_spec_2d(SimpleNamespace(multi_latent_attention=True), use_transformer_engine=False)

@@ -10,7 +10,11 @@ from megatron_2d.plan import (CLUSTER_PRESETS, MODEL_PRESETS, Layout, ModelSpec,
                               layer_work, plan, replicated_kv_heads, work_counts)
 from megatron_2d.plan.cli import main, parse_seq
 from megatron_2d.plan.cost_model import flow_gbps, ring_times
+from megatron_2d.plan.cost_model import memory_bytes
 from megatron_2d.plan.placement import LinkClass, LinkMap, link_map, peers
+from megatron_2d import topology
+from megatron_2d.block_plan import plan_block
+from megatron_2d.sequence_layout import zigzag_chunks
 
 GQA, MHA = get_model("7B-GQA"), get_model("7B-MHA")
 H100 = get_cluster("8xH100")
@@ -77,18 +81,68 @@ def test_ring_times_hand_computed():
 
 
 def test_zigzag_steps_cost_half_a_block():
-    # Brute force over tokens: with zigzag (rank r holds chunks r and 2cp-1-r), every off-diagonal ring step has
-    # exactly (S/cp)^2 / 2 causal (q >= k) pairs; the diagonal step has c more (the diagonals of its 2 chunks).
-    # That is what layer_work's "fwd_flops / cp per step" assumes.
-    cp, c = 4, 6                         # chunk size c, S = 2*cp*c = 48
-    chunks = lambda r: [r, 2 * cp - 1 - r]                                            # noqa: E731
-    tokens = lambda r: [ch * c + t for ch in chunks(r) for t in range(c)]             # noqa: E731
-    block = (2 * c) ** 2
-    for r in range(cp):
-        for step in range(cp):
-            src = (r - step) % cp
-            pairs = sum(q >= k for q in tokens(r) for k in tokens(src))
-            assert pairs == block // 2 + (2 * c // 2 if src == r else 0)
+    # layer_work charges every one of a rank's cp ring steps fwd_flops / cp: half a (S/cp)^2 block. Count the
+    # query-key pairs the op's own block plan (block_plan.plan_block on the zigzag chunks of sequence_layout)
+    # computes at each step: every off-diagonal step is exactly that; the diagonal step adds the c diagonal
+    # entries of its 2 causal chunks (2c(2c+1)/2 = (2c)^2/2 + c), which the model neglects.
+    model = ModelSpec("one-head", layers=1, hidden=64, heads=1, kv_heads=1, ffn_hidden=64, vocab=64)
+    for cp, c in ((4, 6), (8, 2), (3, 5)):
+        S = 2 * cp * c
+        per_step = layer_work(model, ParallelSpec(gpus=cp), hp=1, cp=cp, seq=S).fwd_flops / cp / (4 * 64)
+        assert per_step == (S / cp) ** 2 / 2
+        for r in range(cp):
+            for src in range(cp):
+                calls = plan_block(zigzag_chunks(r, cp), zigzag_chunks(src, cp), c, causal=True)
+                pairs = 0
+                for x in calls:
+                    rows, keys = x.q_end - x.q_start, x.k_end - x.k_start
+                    assert x.band is None or (x.band.lo, x.band.hi, rows) == (None, 0, keys)   # full or causal
+                    pairs += rows * keys if x.band is None else rows * (rows + 1) // 2
+                assert pairs == per_step + (c if src == r else 0), (cp, r, src)
+
+
+def test_traffic_hand_computed():
+    # 7B-GQA, 128K tokens, 64 GPUs of 8 per node, B=1. K/V block = 8388608 bytes (bf16), dK/dV 16777216 (fp32)
+    # for both layouts below (L/hp * S/cp = 1 * 16384 = 8 * 2048 head-tokens); all-to-all 5242880 per peer.
+    par = ParallelSpec(gpus=64)
+    # hp=8 x cp=8, w=8, head_first: the all-to-all inside a node (7 NVLink peers), one ring across nodes, no outer
+    # ring. NVLink: 2 directions x 7 peers x 5242880 = 73400320. Network: K/V 2 x 7 sends + dK/dV 8 sends
+    # = 14 x 8388608 + 8 x 16777216 = 117440512 + 134217728 = 251658240.
+    e = evaluate(Layout("2d", 8, 8, 8, "head_first"), GQA, H100, par, K128).estimate
+    assert (e.intra_bytes, e.inter_bytes) == (73400320, 251658240)
+    # hp=1 x cp=64, w=8 (Double-Ring): 8 inner rings per window inside nodes, the outer ring across nodes (nw=8).
+    # NVLink: K/V 2 x 8 x 7 = 112 sends + dK/dV 8 x 8 = 64 sends = 939524096 + 1073741824 = 2013265920.
+    # Network: K/V 2 x 7 = 14 sends + dK/dV 8 sends = 117440512 + 134217728 = 251658240.
+    e = evaluate(Layout("2d", 1, 64, 8, "head_first"), GQA, H100, par, K128).estimate
+    assert (e.intra_bytes, e.inter_bytes) == (2013265920, 251658240)
+    # 8 ring flows per node over 8 NICs: one NIC's worth per flow, so the NIC-normalised bytes are the same
+    assert e.inter_bytes_nic == 251658240
+
+
+def test_memory_hand_computed():
+    # A small GQA model on 8 GPUs as hp=2 x cp=4, w=2 (nw=2), S=4096, B=1, TP=PP=DP=1: D=512, H=8, Hkv=2, d=64,
+    # F=1024 (gated: fc1 out 2F), V=1000. L = lcm(2, 2) = 2 K/V heads, s_loc = 4096/8 = 512 tokens per rank.
+    model = ModelSpec("small", layers=2, hidden=512, heads=8, kv_heads=2, ffn_hidden=1024, vocab=1000)
+    par = ParallelSpec(gpus=8)
+    # activations per token: 2 * ((4D + 2F + F) + (H + 2L + 2H) d) + 4H = 2 * (5120 + 1792) + 32 = 13856 bytes,
+    # x 512 tokens x 2 layers = 14188544
+    activations = 13856 * 512 * 2
+    logits = 4 * 512 * 1000                                            # fp32 logits of the local tokens
+    # K/V block: 2 bytes x 2 (k, v) x S/cp = 1024 tokens x L/hp = 1 head x 64 = 262144; dK/dV fp32: 524288.
+    # Two of each in flight on the inner ring plus one of each for the outer ring (nw = 2 > 1): 3 x 786432.
+    blocks = 3 * (262144 + 524288)
+    staging = 2 * 512 * 64 * (2 * 8 + 2 * 2)                            # one all-to-all copy of q, k, v, out
+    # parameters: per layer Q,O 2*512*512 + K,V 2*512*128 + MLP 3*512*1024 = 2228224; 2 layers + output layer
+    # + embedding 2 * 512000: 5480448. bf16 weights + fp32 grads (6 bytes) + 12 bytes of optimizer state / 8.
+    params = 2 * 2228224 + 2 * 1000 * 512
+    states = params * 6 + params * 12 // 8
+    total, act = memory_bytes(model, par, hp=2, cp=4, w=2, seq=4096)
+    assert act == activations
+    assert total == activations + logits + blocks + staging + states == 61009920
+    e = evaluate(Layout("2d", 2, 4, 2, "context_first"), model, H100, par, 4096).estimate
+    assert e.memory_gb == 61009920 / 1e9 and e.activation_gb == activations / 1e9
+    # a single ring (w = cp): no outer-ring blocks
+    assert memory_bytes(model, par, hp=2, cp=4, w=4, seq=4096)[0] == total - (262144 + 524288)
 
 
 # -- placement ---------------------------------------------------------------------------------------------------
@@ -137,7 +191,6 @@ def test_peers_match_brute_force(hp, cp, w, placement):
 
 def test_placement_matches_megatron_2d_topology():
     # The planner's rank maps must agree with the implementation's (megatron_2d.topology), when importable.
-    topology = pytest.importorskip("megatron_2d.topology")
     for hp, cp, w in [(2, 4, 2), (4, 2, 1), (2, 8, 4)]:
         for placement in ("head_first", "context_first"):
             lay = topology.Layout2D(cp_size=hp * cp, head_parallel_size=hp, window_size=w, placement=placement)
@@ -366,7 +419,7 @@ def test_print_plan_plain_and_rich():
     plain = io.StringIO()
     print_plan(cands, GQA, H100, par, 65536, top=3, stream=plain)           # not a terminal: plain text
     assert plain.getvalue().rstrip("\n") == format_plan(cands, GQA, H100, par, 65536, top=3)
-    pytest.importorskip("rich")
+    import rich  # noqa: F401  (a dev dependency: its absence is a failure, not a skip)
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -375,3 +428,27 @@ def test_print_plan_plain_and_rich():
     fancy = Tty()
     print_plan(cands, GQA, H100, par, 65536, top=3, stream=fancy)
     assert "Recommended:" in fancy.getvalue() and "tok/GPU/s" in fancy.getvalue()
+
+
+@pytest.mark.parametrize("gpus", [8, 16, 64])
+def test_enumerated_layouts_are_distinct(gpus):
+    """Every layout the planner lists is a different rank map: where hp = 1 or cp = 1 both placements are the same
+    layout, so it is listed once."""
+    seen = set()
+    for layout in plan_candidates_layouts(gpus):
+        if layout.kind != "2d":
+            continue
+        hp, cp, w = layout.hp, layout.cp, layout.w
+        maps = tuple(tuple(sorted(peers(i, hp, cp, w, layout.placement)["a2a"])) +
+                     tuple(peers(i, hp, cp, w, layout.placement)["inner"] + peers(i, hp, cp, w, layout.placement)["outer"])
+                     for i in range(hp * cp))
+        key = (hp, cp, w, maps)
+        assert key not in seen, layout
+        seen.add(key)
+    assert len(seen) > 3
+
+
+def plan_candidates_layouts(gpus):
+    from megatron_2d.plan.candidates import enumerate_layouts
+
+    return enumerate_layouts(GQA, ParallelSpec(gpus=gpus))

@@ -1,24 +1,48 @@
-"""A CPU stand-in for flash-attn's low-level kernels, so that ring-flash-attn's rings run on CPU ranks.
+"""A CPU stand-in for flash-attn 2's Python API, so that code written against flash-attn runs on CPU ranks.
 
-ring-flash-attn 0.1.8 imports ``flash_attn.flash_attn_interface._flash_attn_forward`` and ``_flash_attn_backward``
-at import time and calls them by keyword, introspecting their signature (flash-attn >= 2.6 style: separate
-``window_size_left`` / ``window_size_right``, a ``softcap``). The functions below have that signature and run
-torch's CPU flash kernel (through :class:`megatron_2d.kernels.CpuFlashKernel`). Only what the fixed-length rings
-use is supported: no dropout, no sliding window, no softcap, no ALiBi; anything else raises.
+Two users:
+    * ring-flash-attn's rings in the benchmarks (tools/bench_compare.py): ring-flash-attn 0.1.8 imports
+      ``flash_attn.flash_attn_interface._flash_attn_forward`` / ``_flash_attn_backward`` and calls them by keyword,
+      introspecting their signature. :func:`flash_attn_stand_in` installs the current API for it.
+    * our own flash-attn 2 wrapper (megatron_2d.kernels.flash_attn2), tested on CPU against every API profile:
+      :func:`flash_attn_modules` builds a fake ``flash_attn`` package of one profile for ``sys.modules``.
 
-Layouts (flash-attn's):
-    q, out, dout, dq   [b, s_q, h_q, d]
-    k, v, dk, dv       [b, s_k, h_kv, d]     h_kv divides h_q (GQA)
-    softmax_lse        [b, h_q, s_q]         fp32, natural log
-    causal             only with s_q == s_k (flash-attn aligns the mask bottom-right; the rings only use it on
-                       square diagonal blocks, where both conventions agree)
+What it reproduces (read from flash-attn's flash_attn/flash_attn_interface.py and its docstrings):
+    * layouts: q, out, dout, dq [b, s_q, h_q, d]; k, v, dk, dv [b, s_k, h_kv, d], h_kv dividing h_q (query head j
+      uses K/V head j // (h_q / h_kv)); varlen: [total, h, d] with int32 ``cu_seqlens`` of batch + 1 entries;
+    * softmax_lse: fp32, natural log of the row sums of exp(scaled scores); [b, h_q, s_q] for the padded functions,
+      [h_q, total_q] for the varlen ones; a row with no visible key gets out = 0 and lse = +inf (so that the
+      backward's exp(s - lse) is 0 there);
+    * softmax_d returned by the private backward: rowsum(dout * out), fp32, [b, h_q, round_up(s_q, 128)] (padded)
+      or [h_q, total_q + 128 * b] (varlen), the padding left at 0;
+    * masks: ``causal`` aligned to the BOTTOM-RIGHT corner; ``window_size`` = (left, right), -1 meaning unbounded:
+      query i sees keys j with i + s_k - s_q - left <= j <= i + s_k - s_q + right; causal forces right = 0;
+    * ``softcap`` > 0: scores become softcap * tanh(scale * q.k / softcap) (and lse is of those);
+    * ``softmax_scale`` None means 1/sqrt(d); ``flash_attn_func(..., return_attn_probs=True)`` returns
+      (out, softmax_lse, S_dmask) with S_dmask an empty tensor when dropout is 0;
+    * only fp16 and bf16 (flash-attn refuses anything else), unless the module is built with strict_dtypes=False
+      (the benchmarks and ring-flash-attn's own tests run it in fp32/fp64 too);
+    * the private backward writes dq, dk, dv in place (views allowed).
 
-Nothing here is used on a GPU: :func:`flash_attn_stand_in` installs the module only when the real flash_attn
-cannot be found and CUDA is unavailable, and removes it again on exit. ``triton`` is never faked.
+API profiles (the private functions' signatures moved across 2.x; the public ``flash_attn_func`` only gained
+keywords):
+    "2.5"    window_size=(l, r) tuple, no softcap; _flash_attn_forward returns
+             (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state), _flash_attn_backward (dq, dk, dv, softmax_d)
+    "2.6.0"  as 2.5 with ``softcap`` after ``window_size`` (public and private)
+    "2.7"    torch custom ops (2.6.3 on, current main): window_size_left / window_size_right ints; forward returns
+             (out_padded, softmax_lse, S_dmask, rng_state), backward returns softmax_d; varlen functions included
+The 2.5 / 2.6.0 profiles follow flash-attn's release history as far as it could be read here; the 2.7 one was read
+from the source. A GPU session should confirm with tools/gpu_smoke.py against the real package.
+
+Not implemented (raise NotImplementedError): dropout, ALiBi, paged K/V (block_table), the kv-cache functions.
 
     with flash_attn_stand_in():
         zigzag = load_ring_flash_attn_module("zigzag_ring_flash_attn")
     out = zigzag.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
+
+    package, interface = flash_attn_modules("2.7")
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
 """
 
 from __future__ import annotations
@@ -26,87 +50,311 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import math
 import sys
 import types
 from typing import Iterator, Optional, Tuple
 
 import torch
 
+from megatron_2d.band import Band
 from megatron_2d.kernels import CpuFlashKernel
 
 _KERNEL = CpuFlashKernel()
 _PRIVATE_PACKAGE = "_ring_flash_attn_core"
 STAND_IN_VERSION = "0.0.0+megatron_2d.cpu_stand_in"
+PROFILES = ("2.5", "2.6.0", "2.7")
+CURRENT_PROFILE = "2.7"
+_UNBOUNDED = (-1, -1)
 
 
-def _refuse_unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes) -> None:
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _refuse_unsupported(dropout_p, alibi_slopes) -> None:
     """Raise NotImplementedError naming the first option this stand-in does not implement."""
     if dropout_p:
         raise NotImplementedError(f"CPU flash_attn stand-in: dropout_p={dropout_p} (only 0 is supported)")
-    if (window_size_left, window_size_right) != (-1, -1):
-        raise NotImplementedError(f"CPU flash_attn stand-in: window_size=({window_size_left}, {window_size_right}) "
-                                  f"(only (-1, -1), no sliding window)")
-    if softcap:
-        raise NotImplementedError(f"CPU flash_attn stand-in: softcap={softcap} (only 0.0)")
     if alibi_slopes is not None:
         raise NotImplementedError("CPU flash_attn stand-in: alibi_slopes are not supported")
 
 
-def _check_causal_square(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
-    if causal and q.shape[1] != k.shape[1]:
-        raise NotImplementedError(f"CPU flash_attn stand-in: causal with s_q={q.shape[1]} != s_k={k.shape[1]} "
-                                  f"(flash-attn's bottom-right mask is not implemented)")
+def _check_dtypes(strict: bool, *tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise RuntimeError(f"CPU flash_attn stand-in: q, k, v must share a dtype, got {sorted(map(str, dtypes))}")
+    if strict and tensors[0].dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type (CPU stand-in of flash-attn 2)")
 
 
-def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
-                        softcap=0.0, alibi_slopes=None, return_softmax=False):
-    """flash-attn 2.6's ``_flash_attn_forward``: returns (out [b, s, hq, d], softmax_lse [b, hq, s] fp32, None, None).
+def _visible(s_q: int, s_k: int, causal: bool, left: int, right: int, device) -> Optional[torch.Tensor]:
+    """[s_q, s_k] bool mask of visible keys (None: all), flash-attn's bottom-right aligned convention."""
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    i = torch.arange(s_q, device=device).unsqueeze(1) + (s_k - s_q)     # query i's aligned key position
+    j = torch.arange(s_k, device=device).unsqueeze(0)
+    mask = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        mask &= j >= i - left
+    if right >= 0:
+        mask &= j <= i + right
+    return mask
 
-    The two Nones stand for the dropout mask (``return_softmax`` needs dropout, which is refused) and the RNG state.
-    """
-    _refuse_unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
-    _check_causal_square(q, k, causal)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = _KERNEL.forward(q, k, v, bool(causal), scale)
-    return out.contiguous(), lse.contiguous(), None, None
+
+def _fast_path(q, k, causal, left, right, softcap) -> bool:
+    """torch's CPU flash kernel does plain (or top-left causal) attention: use it where that is the same thing."""
+    return softcap == 0.0 and (left, right) == _UNBOUNDED and (not causal or q.shape[1] == k.shape[1])
 
 
-def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                         window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                         deterministic=False, rng_state=None):
-    """flash-attn 2.6's ``_flash_attn_backward``: writes dq, dk, dv in place (they may be views) and returns
-    softmax_d = rowsum(dout * out) [b, hq, s] in fp32, as flash-attn does."""
-    _refuse_unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
-    _check_causal_square(q, k, causal)
+def _scores(q, k, scale, softcap, mask):
+    """Scaled (and soft-capped) scores [b, h, s_q, s_k] in fp32 (fp64 for fp64 inputs), hidden keys at -inf."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[2] // k.shape[2]
+    k = k.to(acc).repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+def _forward(q, k, v, scale, causal, left, right, softcap):
+    """(out [b, s_q, h, d] in q's dtype, lse [b, h, s_q] fp32)."""
+    if _fast_path(q, k, causal, left, right, softcap):
+        out, lse = _KERNEL.forward(q, k, v, Band(None, 0) if causal else None, scale)
+        return out, lse.float()                                             # flash-attn's lse is fp32 always
+    s = _scores(q, k, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
+    lse = torch.logsumexp(s, dim=-1)                                        # -inf for empty rows
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)                     # empty rows: 0
+    rep = q.shape[2] // k.shape[2]
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(p.dtype).repeat_interleave(rep, dim=2))
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))                 # flash-attn: +inf for empty rows
+    return out.to(q.dtype), lse.float()
+
+
+def _backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
+    """(dq, dk, dv) in the inputs' dtype, from the final out and lse (flash-attn recomputes P from lse)."""
+    if _fast_path(q, k, causal, left, right, softcap):
+        return _KERNEL.backward(dout, q, k, v, out, lse, Band(None, 0) if causal else None, scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qa, ka, va = (x.detach().to(acc).requires_grad_(True) for x in (q, k, v))
+    s = _scores(qa, ka, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))                            # lse = +inf rows: p = 0
+    rep = q.shape[2] // k.shape[2]
+    o = torch.einsum("bhqk,bkhd->bqhd", p, va.repeat_interleave(rep, dim=2))
+    # the softmax's own gradient uses rowsum(dout * out) with the FINAL out, as flash-attn's backward does
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)   # [b, h, s_q, 1]
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout.to(acc), va.detach().repeat_interleave(rep, dim=2))
+    ds = p.detach() * (dp - delta)
+    dq, dk = torch.autograd.grad(s, (qa, ka), ds, retain_graph=True)
+    dv = torch.autograd.grad(o, va, dout.to(acc))[0]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _softmax_d(dout, out, padded_len: int):
+    """rowsum(dout * out) [b, h, s] fp32, zero-padded to ``padded_len`` rows."""
+    d = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    return torch.nn.functional.pad(d, (0, padded_len - d.shape[-1])).contiguous()
+
+
+def _write_grads(dq, dk, dv, grads) -> None:
     if dq is None or dk is None or dv is None:
         raise ValueError("CPU flash_attn stand-in: dq, dk and dv output buffers are required")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    gq, gk, gv = _KERNEL.backward(dout, q, k, v, out, softmax_lse.contiguous(), bool(causal), scale)
-    dq.copy_(gq)
-    dk.copy_(gk)
-    dv.copy_(gv)
-    # [b, s, hq, d] -> [b, hq, s]
-    return (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    for buf, g in zip((dq, dk, dv), grads):
+        buf.copy_(g)
 
 
-def _varlen_unsupported(*args, **kwargs):
-    raise NotImplementedError("CPU flash_attn stand-in covers only the fixed-length kernels "
-                              "(_flash_attn_forward/_flash_attn_backward), not the varlen ones")
+def _varlen_split(x, cu):
+    """[total, h, d] -> list of [1, s_i, h, d] per sequence of ``cu_seqlens``."""
+    cu = cu.tolist()
+    return [x[a:b].unsqueeze(0) for a, b in zip(cu[:-1], cu[1:])]
 
 
-def _stand_in_modules() -> Tuple[types.ModuleType, types.ModuleType]:
-    """Fresh ``flash_attn`` and ``flash_attn.flash_attn_interface`` module objects holding the stand-in."""
+def _build_profile(profile: str, strict_dtypes: bool) -> types.SimpleNamespace:
+    """The functions of one API profile (see the module docstring)."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown flash-attn API profile {profile!r}; choose one of {PROFILES}")
+    split_window = profile == "2.7"
+    has_softcap = profile != "2.5"
+
+    def scale_of(q, softmax_scale):
+        return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+    def fwd_core(q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes):
+        _refuse_unsupported(dropout_p, alibi_slopes)
+        _check_dtypes(strict_dtypes, q, k, v)
+        out, lse = _forward(q, k, v, scale_of(q, softmax_scale), causal, left, right, softcap)
+        return out.contiguous(), lse.contiguous()
+
+    def bwd_core(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, left, right, softcap,
+                 alibi_slopes):
+        _refuse_unsupported(dropout_p, alibi_slopes)
+        _check_dtypes(strict_dtypes, q, k, v)
+        grads = _backward(dout, q, k, v, out, lse.contiguous(), scale_of(q, softmax_scale), causal, left, right,
+                          softcap)
+        _write_grads(dq, dk, dv, grads)
+        return _softmax_d(dout, out, _round_up(q.shape[1], 128))
+
+    ns = types.SimpleNamespace(profile=profile)
+    if split_window:
+        def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
+                                window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
+            out, lse = fwd_core(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                softcap, alibi_slopes)
+            return out, lse, torch.empty((0,), dtype=q.dtype), None
+
+        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                 window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                 deterministic=False, rng_state=None):
+            return bwd_core(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                            window_size_left, window_size_right, softcap, alibi_slopes)
+
+        def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                       softmax_scale, causal, window_size_left=-1, window_size_right=-1,
+                                       softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+                                       leftpad_k=None, seqused_k=None):
+            if block_table is not None or leftpad_k is not None or seqused_k is not None:
+                raise NotImplementedError("CPU flash_attn stand-in: block_table / leftpad_k / seqused_k")
+            outs, lses = [], []
+            for qi, ki, vi in zip(_varlen_split(q, cu_seqlens_q), _varlen_split(k, cu_seqlens_k),
+                                  _varlen_split(v, cu_seqlens_k)):
+                o, l = fwd_core(qi, ki, vi, dropout_p, softmax_scale, causal, window_size_left,
+                                window_size_right, softcap, alibi_slopes)
+                outs.append(o[0])
+                lses.append(l[0])                                            # [h, s_i]
+            return (torch.cat(outs).contiguous(), torch.cat(lses, dim=1).contiguous(),
+                    torch.empty((0,), dtype=q.dtype), None)
+
+        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                        deterministic=False, rng_state=None):
+            if dq is None or dk is None or dv is None:
+                raise ValueError("CPU flash_attn stand-in: dq, dk and dv output buffers are required")
+            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+            ds = []
+            for n in range(len(cq) - 1):
+                rq, rk = slice(cq[n], cq[n + 1]), slice(ck[n], ck[n + 1])
+                sub = [x[r].unsqueeze(0) for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))]
+                lse = softmax_lse[:, rq].unsqueeze(0)
+                d = bwd_core(*sub, lse, dq[rq].unsqueeze(0), dk[rk].unsqueeze(0), dv[rk].unsqueeze(0), dropout_p,
+                             softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes)
+                ds.append(d[0, :, :cq[n + 1] - cq[n]])
+            total = q.shape[0] + 128 * (len(cq) - 1)
+            d = torch.cat(ds, dim=1)
+            return torch.nn.functional.pad(d, (0, total - d.shape[1])).contiguous()
+
+        def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+            return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           return_attn_probs)
+
+        def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                   alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                   block_table=None):
+            out, lse, s_dmask, _ = _flash_attn_varlen_forward(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size[0], window_size[1], softcap, alibi_slopes, False, block_table)
+            return (out, lse, s_dmask) if return_attn_probs else out
+
+        ns.flash_attn_varlen_func = flash_attn_varlen_func
+        ns._flash_attn_varlen_forward = _flash_attn_varlen_forward
+        ns._flash_attn_varlen_backward = _flash_attn_varlen_backward
+    else:
+        def _fwd_tuple(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
+            out, lse = fwd_core(q, k, v, dropout_p, softmax_scale, causal, window_size[0], window_size[1], softcap,
+                                alibi_slopes)
+            return out, q, k, v, out, lse, None, None
+
+        def _bwd_tuple(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+                       softcap, alibi_slopes):
+            d = bwd_core(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size[0], window_size[1], softcap, alibi_slopes)
+            return dq, dk, dv, d
+
+        if has_softcap:
+            def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    return_softmax):
+                return _fwd_tuple(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+
+            def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                     window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+                return _bwd_tuple(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes)
+
+            def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               return_attn_probs)
+        else:
+            def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                                    return_softmax):
+                return _fwd_tuple(q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, alibi_slopes)
+
+            def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                     window_size, alibi_slopes, deterministic, rng_state=None):
+                return _bwd_tuple(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                  window_size, 0.0, alibi_slopes)
+
+            def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, alibi_slopes,
+                               return_attn_probs)
+
+    def _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
+        """flash_attn_func's forward (no autograd here: the wrapper under test calls the backward itself)."""
+        out, lse = fwd_core(q, k, v, dropout_p, softmax_scale, causal, window_size[0], window_size[1], softcap,
+                            alibi_slopes)
+        return (out, lse, torch.empty((0,), dtype=q.dtype)) if return_attn_probs else out
+
+    ns.flash_attn_func = flash_attn_func
+    ns._flash_attn_forward = _flash_attn_forward
+    ns._flash_attn_backward = _flash_attn_backward
+    return ns
+
+
+def flash_attn_modules(profile: str = CURRENT_PROFILE, strict_dtypes: bool = True
+                       ) -> Tuple[types.ModuleType, types.ModuleType]:
+    """Fresh ``flash_attn`` and ``flash_attn.flash_attn_interface`` modules of one API profile, for sys.modules."""
+    api = _build_profile(profile, strict_dtypes)
     interface = types.ModuleType("flash_attn.flash_attn_interface")
-    interface.__doc__ = "CPU stand-in (megatron_2d.testing.flash_attn_cpu); not flash-attn."
-    interface._flash_attn_forward = _flash_attn_forward
-    interface._flash_attn_backward = _flash_attn_backward
-    interface._flash_attn_varlen_forward = _varlen_unsupported
-    interface._flash_attn_varlen_backward = _varlen_unsupported
+    interface.__doc__ = f"CPU stand-in of flash-attn {profile} (megatron_2d.testing.flash_attn_cpu); not flash-attn."
+    for name, fn in vars(api).items():
+        if callable(fn):
+            setattr(interface, name, fn)
     package = types.ModuleType("flash_attn")
     package.__doc__ = interface.__doc__
     package.__path__ = []                       # a package, so "import flash_attn.flash_attn_interface" resolves
     package.__version__ = STAND_IN_VERSION
     package.flash_attn_interface = interface
+    package.flash_attn_func = interface.flash_attn_func
+    if hasattr(interface, "flash_attn_varlen_func"):
+        package.flash_attn_varlen_func = interface.flash_attn_varlen_func
+    return package, interface
+
+
+# The current profile at module level, any float dtype: what ring-flash-attn (and its tests) call.
+_CURRENT = _build_profile(CURRENT_PROFILE, strict_dtypes=False)
+_flash_attn_forward = _CURRENT._flash_attn_forward
+_flash_attn_backward = _CURRENT._flash_attn_backward
+_flash_attn_varlen_forward = _CURRENT._flash_attn_varlen_forward
+_flash_attn_varlen_backward = _CURRENT._flash_attn_varlen_backward
+flash_attn_func = _CURRENT.flash_attn_func
+flash_attn_varlen_func = _CURRENT.flash_attn_varlen_func
+
+
+def _stand_in_modules() -> Tuple[types.ModuleType, types.ModuleType]:
+    """The modules :func:`flash_attn_stand_in` installs: the current profile, any float dtype, whose private
+    functions are this module's own (so callers can check identity)."""
+    package, interface = flash_attn_modules(CURRENT_PROFILE, strict_dtypes=False)
+    for name in ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+                 "_flash_attn_varlen_backward", "flash_attn_func", "flash_attn_varlen_func"):
+        setattr(interface, name, globals()[name])
     return package, interface
 
 
