@@ -39,6 +39,8 @@ class FlashAttn2Kernel(BlockKernel):
 
     The private backward's signature changed across releases (``window_size`` vs ``window_size_left/right``,
     ``softcap``), so its arguments are bound by name. Bands become flash-attn's ``window_size`` (>= 2.3).
+    Calls must come trimmed (:meth:`megatron_2d.band.Band.trim`): flash-attn returns lse = +inf for a row that sees
+    no key, which the log-sum-exp merge would turn into NaN; trimmed calls have no such row.
     """
 
     name = "flash_attn2"
