@@ -54,6 +54,11 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor, rc: RingContext):
+    """K and V as one [2, b, S, g, d] block to send; a single context rank sends nothing, so no copy then."""
+    return (k, v) if rc.transport.cp == 1 else torch.stack([k, v])
+
+
 class RingAttention(torch.autograd.Function):
     """out = softmax(q k^T * scale, masked [+ sinks]) v over the whole context group; exact forward and backward."""
 
@@ -62,25 +67,33 @@ class RingAttention(torch.autograd.Function):
                 rc: RingContext) -> torch.Tensor:
         b, S, h, d = q.shape
         acc = accumulator_dtype(q.dtype)
-        out_acc = torch.zeros(b, S, h, d, dtype=acc, device=q.device)
-        lse_acc = torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v])                                   # [2, b, S, g, d]
+        # filled by the first kernel call when it covers every row (the own block without a window), else zeroed
+        out_acc = torch.empty(b, S, h, d, dtype=acc, device=q.device)
+        lse_acc = torch.empty((b, h, S), dtype=acc, device=q.device)
+        kv = _pack(k, v, rc)                                       # [2, b, S, g, d]
+        fresh = [True]
 
-        fresh = [True]   # nothing merged yet: a first call that covers every row is copied, not merged
+        def start() -> None:
+            if fresh[0]:
+                out_acc.zero_()
+                lse_acc.fill_(float("-inf"))
+                fresh[0] = False
 
-        def compute(block: torch.Tensor, source: int) -> None:
+        def compute(block, source: int) -> None:
             for call in rc.plans[source]:
                 rows, keys = slice(call.q_start, call.q_end), slice(call.k_start, call.k_end)
-                out_blk, lse_blk = rc.kernel.forward(q[:, rows], block[0, :, keys], block[1, :, keys], call.band,
+                out_blk, lse_blk = rc.kernel.forward(q[:, rows], block[0][:, keys], block[1][:, keys], call.band,
                                                      rc.scale)
                 if fresh[0] and (call.q_start, call.q_end) == (0, S):
                     out_acc.copy_(out_blk)
                     lse_acc.copy_(lse_blk)
+                    fresh[0] = False
                 else:
+                    start()
                     merge_attention_(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
-                fresh[0] = False
 
         rc.transport.run(kv, compute)
+        start()                                                    # (no call at all: nothing visible)
         if sinks is not None:
             apply_sinks_(out_acc, lse_acc, sinks)
         out = out_acc.to(q.dtype)
@@ -93,21 +106,30 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         rc: RingContext = ctx.rc
         dout = dout.contiguous()
-        dq_acc = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
-        kv = torch.stack([k, v])                                   # [2, b, S, g, d]
-        rider = torch.zeros(kv.shape, dtype=rc.rider_dtype, device=q.device)
+        dq_acc = torch.empty(q.shape, dtype=lse.dtype, device=q.device)   # filled like out_acc in forward
+        kv = _pack(k, v, rc)                                       # [2, b, S, g, d]
+        rider = torch.zeros((2, *k.shape), dtype=rc.rider_dtype, device=q.device)
+        fresh = [True]
 
-        def compute(block: torch.Tensor, source: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
+        def compute(block, source: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
             partials = []
             for call in rc.plans[source]:
                 rows, keys = slice(call.q_start, call.q_end), slice(call.k_start, call.k_end)
                 dq, dk, dv = rc.kernel.backward(
-                    dout[:, rows], q[:, rows], block[0, :, keys], block[1, :, keys],
+                    dout[:, rows], q[:, rows], block[0][:, keys], block[1][:, keys],
                     out[:, rows], lse[:, :, rows], call.band, rc.scale)
-                dq_acc[:, rows].add_(dq)
+                if fresh[0] and (call.q_start, call.q_end) == (0, q.shape[1]):
+                    dq_acc.copy_(dq)
+                else:
+                    if fresh[0]:
+                        dq_acc.zero_()
+                    dq_acc[:, rows].add_(dq)
+                fresh[0] = False
                 partials.append((call.k_start, call.k_end, dk, dv))
             return partials
 
         dkv = rc.transport.run(kv, compute, rider=rider)
+        if fresh[0]:
+            dq_acc.zero_()
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None
