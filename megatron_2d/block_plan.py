@@ -44,7 +44,10 @@ class BlockCall:
         nq, nk = self.q_end - self.q_start, self.k_end - self.k_start
         if self.band is None:
             return nq * nk
-        return sum(1 for i in range(nq) for j in range(nk) if self.band.visible(i, j))
+        lo, hi = self.band.lo, self.band.hi
+        first = (lambda i: 0) if lo is None else (lambda i: max(0, i + lo))             # noqa: E731
+        last = (lambda i: nk - 1) if hi is None else (lambda i: min(nk - 1, i + hi))    # noqa: E731
+        return sum(max(0, last(i) - first(i) + 1) for i in range(nq))
 
 
 def _merge(calls: List[BlockCall], along_keys: bool) -> List[BlockCall]:

@@ -21,10 +21,10 @@ from .ring_schedule import double_ring_events
 if TYPE_CHECKING:
     from .groups import Groups2D
 
-# compute(block, source_context_rank) -> None (forward) or a list of (k_start, k_end, dk, dv) partial gradients
-# of the block's keys [k_start, k_end)
+# compute(block, source_context_rank, first_key) -> None (forward) or a list of (k_start, k_end, dk, dv) partial
+# gradients of the source's keys [k_start, k_end); ``block`` holds the source's keys from ``first_key`` on
 Partials = List[Tuple[int, int, torch.Tensor, torch.Tensor]]
-ComputeFn = Callable[[torch.Tensor, int], Optional[Partials]]
+ComputeFn = Callable[[torch.Tensor, int, int], Optional[Partials]]
 
 
 def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) -> None:
@@ -89,7 +89,7 @@ class DoubleRing:
             elif kind == "post_inner_kv":
                 post("inner_kv", block, kv_pool)
             elif kind == "compute":
-                partials = compute(block, self.source(*event.source_offset))
+                partials = compute(block, self.source(*event.source_offset), 0)
             elif kind == "wait_inner_kv":
                 nxt, _ = wait("inner_kv")
                 if block is not anchor:

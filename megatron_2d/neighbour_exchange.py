@@ -65,10 +65,9 @@ class NeighbourExchange:
     def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Same contract as :meth:`DoubleRing.run`: ``compute`` sees every block this rank's queries see."""
         pending = self._exchange_kv(kv, self.steps[0]) if self.steps else None
-        partials = compute(kv, self.rank)
+        partials = compute(kv, self.rank, 0)
         if rider is not None:
             add_partials(rider, partials)
-        block = torch.empty_like(kv) if self.steps else None   # full-size view the plans index into
         pending_grad = None
         for i, step in enumerate(self.steps):
             o, give, take = step
@@ -76,11 +75,9 @@ class NeighbourExchange:
             for work in works:
                 work.wait()
             partials = None
-            if take is not None:
-                block[:, :, take[0]:take[1]] = received
             pending = self._exchange_kv(kv, self.steps[i + 1]) if i + 1 < len(self.steps) else None
-            if take is not None:
-                partials = compute(block, (self.rank - o) % self.cp)
+            if take is not None:                # received: the source's keys [take[0], take[1])
+                partials = compute(received, (self.rank - o) % self.cp, take[0])
             if rider is not None:
                 pending_grad = self._finish(pending_grad, rider)
                 send = None

@@ -79,9 +79,9 @@ class RingAttention(torch.autograd.Function):
                 lse_acc.fill_(float("-inf"))
                 fresh[0] = False
 
-        def compute(block, source: int) -> None:
+        def compute(block, source: int, first_key: int) -> None:
             for call in rc.plans[source]:
-                rows, keys = slice(call.q_start, call.q_end), slice(call.k_start, call.k_end)
+                rows, keys = slice(call.q_start, call.q_end), slice(call.k_start - first_key, call.k_end - first_key)
                 out_blk, lse_blk = rc.kernel.forward(q[:, rows], block[0][:, keys], block[1][:, keys], call.band,
                                                      rc.scale)
                 if fresh[0] and (call.q_start, call.q_end) == (0, S):
@@ -111,10 +111,10 @@ class RingAttention(torch.autograd.Function):
         rider = torch.zeros((2, *k.shape), dtype=rc.rider_dtype, device=q.device)
         fresh = [True]
 
-        def compute(block, source: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
+        def compute(block, source: int, first_key: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
             partials = []
             for call in rc.plans[source]:
-                rows, keys = slice(call.q_start, call.q_end), slice(call.k_start, call.k_end)
+                rows, keys = slice(call.q_start, call.q_end), slice(call.k_start - first_key, call.k_end - first_key)
                 dq, dk, dv = rc.kernel.backward(
                     dout[:, rows], q[:, rows], block[0][:, keys], block[1][:, keys],
                     out[:, rows], lse[:, :, rows], call.band, rc.scale)

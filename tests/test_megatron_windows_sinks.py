@@ -24,6 +24,11 @@ MODELS = {
     "learnable_sinks": dict(num_layers=2, seed=23, overrides=dict(softmax_type="learnable", window_size=(40, 0),
                                                                   window_attn_skip_freq=2)),
     "off_by_one": dict(num_layers=2, seed=24, overrides=dict(softmax_type="off-by-one")),
+    # honoured settings with no effect on the math: query-key layer scaling, and Megatron's selective recompute of
+    # core attention (it re-runs CoreAttention2D under its checkpoint)
+    "qk_layer_scaling_selective_recompute": dict(
+        num_layers=2, seed=25, overrides=dict(apply_query_key_layer_scaling=True, window_size=(12, 0),
+                                              recompute_granularity="selective", recompute_modules=["core_attn"])),
 }
 # name -> (CP size, (hp, double-ring window, placement))
 LAYOUTS = {

@@ -40,8 +40,9 @@ def record_loop(rank, world, hp, w, backward):
     kv = torch.full((2, 1, 4, 1, 2), float(groups.place.context_rank))
     rider = torch.zeros(kv.shape) if backward else None
 
-    def compute(block, source):
+    def compute(block, source, first_key):
         log.append(("compute", source))
+        assert first_key == 0                                    # the ring always holds whole blocks
         assert torch.all(block == source), (source, block.flatten()[:2])   # the block really is source's
         return [(0, 4, torch.ones(1, 4, 1, 2), torch.ones(1, 4, 1, 2))] if backward else None
 

@@ -89,10 +89,7 @@ class CoreAttention2D(MegatronModule):
         if attn_mask_type not in SUPPORTED_MASKS:
             raise ValueError(f"attn_mask_type {attn_mask_type.name} is not supported by the 2d backend; supported: "
                              f"{[m.name for m in SUPPORTED_MASKS]}")
-        if cp_size == 1:  # CP=1 (e.g. the reference run): one rank, nothing to split
-            if config.attention_dropout:
-                raise ValueError(f"attention_dropout {config.attention_dropout} is not supported by the 2d backend; "
-                                 f"set attention_dropout=0.0 (--attention-dropout 0)")
+        if cp_size == 1:  # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
             self.settings = Settings2D(1, 1, 1, "head_first")
         else:
             self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
