@@ -19,6 +19,7 @@ _EXPORTS = {
     "shard_sequence": "sequence_layout", "unshard_sequence": "sequence_layout",
     "zigzag_chunks": "topology", "PLACEMENTS": "topology", "Layout2D": "topology", "LayoutError": "topology",
     "SlidingWindow": "band",
+    "PackedLayout": "packed_layout",
 }
 
 __all__ = sorted(_EXPORTS)

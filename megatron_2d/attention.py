@@ -14,6 +14,11 @@ Notation
 The K/V transport: the Double-Ring when every context rank sees keys of every other (causal, full, wide
 windows); the neighbour exchange (:mod:`megatron_2d.neighbour_exchange`) when a sliding window leaves some
 pairs with nothing to see, so that steps and bytes follow the window instead of the sequence.
+
+Packed documents (THD, ``packing=PackedLayout``): q [t_local, hq, d], k/v [t_local, hkv, d] hold the slots of
+:class:`megatron_2d.PackedLayout`; they run the same path with batch 1, the all-to-all keeping the received
+order, and kernel calls planned per pair of same-document runs. The ring carries the layout's ring prefix
+(all slots for zigzag, the long documents' for the documents mode); no ring at all when that is empty.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import torch
 
 from .band import SlidingWindow
 from .block_plan import plan_context_group
-from .double_ring import DoubleRing
+from .double_ring import DoubleRing, LocalBlock
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllToAll, HeadExchange
 from .kernels import select_kernel
 from .kernels.base import accumulator_dtype
 from .neighbour_exchange import NeighbourExchange
+from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -48,7 +54,10 @@ def kv_replication(num_q_heads: int, num_kv_heads: int, head_parallel_size: int)
     return math.lcm(hkv, hp) // hkv
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> None:
+    if q.dim() == 3 and not packed:
+        raise ValueError(f"3-D (THD) q {tuple(q.shape)} needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) "
+                         f"to say which document each token belongs to; sbhd tensors are 4-D [s, b, heads, d]")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd), got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -62,7 +71,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[0] % 2 != 0:
+    if q.shape[0] % 2 != 0 and not packed:
         raise ValueError(f"the local sequence length {q.shape[0]} must be even: it holds two zigzag chunks "
                          f"(the global sequence must be divisible by 2*CP)")
 
@@ -103,11 +112,48 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
     return cached
 
 
+def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device, dtype: torch.dtype, causal: bool,
+                  window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str):
+    """(head exchange, ring context) for one packed batch and call signature, cached on the layout."""
+    key = (device, dtype, causal, window, scale, kernel, dkv_comm_dtype)
+    cached = packing.op_cache.get(key)
+    if cached is None:
+        heads = HeadExchange.build(groups.head_parallel_size, None, groups.head_group, groups.comm_bytes, device)
+        view_tokens = packing.views.shape[1]
+        if packing.ring_tokens == 0 or groups.context_size == 1:
+            transport = LocalBlock(groups.place.context_rank)
+        else:
+            transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
+        rider_dtype = accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
+        rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel),
+                         plans=packing.plans(causal, window), scale=scale, rider_dtype=rider_dtype)
+        cached = packing.op_cache[key] = (heads, rc)
+    return cached
+
+
+def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
+    if not isinstance(packing, PackedLayout):
+        raise TypeError(f"packing must be a megatron_2d.PackedLayout, got {type(packing).__name__}")
+    if packing.groups is not groups:
+        raise ValueError("this PackedLayout was built for other groups than the ones passed to attention_2d; "
+                         "build it with PackedLayout(cu_seqlens, groups) for these groups")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"with packing, q, k, v must be 3-D [t_local, heads, d] (THD), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != packing.local_tokens:
+        raise ValueError(f"q holds {q.shape[0]} tokens, but the PackedLayout gives this rank t_local = "
+                         f"{packing.local_tokens} slots (T = {packing.total_tokens} over CP = "
+                         f"{groups.layout.cp_size}); shard the tensors with layout.shard")
+    _check_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), packed=True)
+
+
 def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, causal: bool = True,
                  softmax_scale: Optional[float] = None, kernel: Optional[str] = None,
                  sliding_window: Optional[Tuple[int, int]] = (-1, -1),
-                 sinks: Optional[torch.Tensor] = None, dkv_comm_dtype: str = "accumulator") -> torch.Tensor:
-    """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, d], k/v [s, b, hkv, d].
+                 sinks: Optional[torch.Tensor] = None, dkv_comm_dtype: str = "accumulator",
+                 packing: Optional[PackedLayout] = None) -> torch.Tensor:
+    """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, d], k/v [s, b, hkv, d], or for
+    packed documents q [t_local, hq, d], k/v [t_local, hkv, d] with ``packing``.
 
     Args:
         groups: from :func:`megatron_2d.build_2d_groups`.
@@ -126,13 +172,22 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
             cp 2: 6.5e-3 both; cp 4: 5.9e-3 vs 8.3e-3; cp 8: 8.2e-3 vs 1.0e-2; a simulated 64-hop rider sum
             alone: 2.6e-8 vs 1.9e-2 (the bf16 output itself rounds at ~4e-3). The error of "input" grows with
             the ring, so "accumulator" stays the default; "input" saves a third of the backward ring bytes.
-    Returns out [s, b, hq, d] in q's dtype. Bytes sent are added to ``groups.comm_bytes``.
+        packing: a :class:`megatron_2d.PackedLayout` of these groups: THD tensors of packed documents, attention
+            within each document only (causal and the window over positions within the document); padding
+            slots give exact zeros in the output and the gradients.
+    Returns out [s, b, hq, d] (or [t_local, hq, d] with packing) in q's dtype. Bytes sent are added to
+    ``groups.comm_bytes``.
     """
-    _check_inputs(q, k, v)
+    if packing is not None:
+        _check_packed(q, k, v, groups, packing)
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)          # [t_local, 1, heads, d]
+    else:
+        _check_inputs(q, k, v)
     _check_sinks(sinks, q)
     hp = groups.head_parallel_size
     s_local, _, hq, d = q.shape
-    window = SlidingWindow.of(sliding_window, causal, s_local * groups.layout.cp_size)
+    seq_len = packing.max_document_length if packing is not None else s_local * groups.layout.cp_size
+    window = SlidingWindow.of(sliding_window, causal, seq_len)
     replicas = kv_replication(hq, k.shape[2], hp)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=2), v.repeat_interleave(replicas, dim=2)
@@ -140,9 +195,14 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
 
     if dkv_comm_dtype not in DKV_COMM_DTYPES:
         raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(DKV_COMM_DTYPES)}")
-    exchange, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype)
+    if packing is not None:
+        exchange, rc = _packed_setup(groups, packing, q.device, q.dtype, causal, window, scale, kernel,
+                                     dkv_comm_dtype)
+    else:
+        exchange, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype)
     local_heads, head_rank = hq // hp, groups.place.head_rank
     local_sinks = None if sinks is None else sinks[head_rank * local_heads:(head_rank + 1) * local_heads]
     q, k, v = (HeadAllToAll.apply(x, Direction.TO_HEADS, exchange) for x in (q, k, v))  # [b, S, H/hp, d]
     out = RingAttention.apply(q, k, v, local_sinks, rc)                                # [b, S, hq/hp, d]
-    return HeadAllToAll.apply(out, Direction.TO_TOKENS, exchange)                      # [s, b, hq, d]
+    out = HeadAllToAll.apply(out, Direction.TO_TOKENS, exchange)                       # [s, b, hq, d]
+    return out.squeeze(1) if packing is not None else out

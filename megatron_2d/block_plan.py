@@ -50,7 +50,7 @@ class BlockCall:
         return sum(max(0, last(i) - first(i) + 1) for i in range(nq))
 
 
-def _merge(calls: List[BlockCall], along_keys: bool) -> List[BlockCall]:
+def merge_calls(calls: List[BlockCall], along_keys: bool) -> List[BlockCall]:
     """Merge neighbouring full calls (band None) that share their rows (along_keys) or their keys."""
     merged: List[BlockCall] = []
     for call in calls:
@@ -88,8 +88,8 @@ def plan_block(q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: int
             if box is not None:
                 row.append(BlockCall(qi * c + box.q_start, qi * c + box.q_end,
                                      ki * c + box.k_start, ki * c + box.k_end, box.band))
-        calls.extend(_merge(row, along_keys=True))
-    return _merge(calls, along_keys=False)
+        calls.extend(merge_calls(row, along_keys=True))
+    return merge_calls(calls, along_keys=False)
 
 
 def received_chunks(layout: Layout2D, context_rank: int) -> Tuple[int, ...]:

@@ -37,9 +37,13 @@ def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) ->
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges."""
 
-    def __init__(self, groups: "Groups2D") -> None:
-        """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`)."""
+    def __init__(self, groups: "Groups2D", ring_keys: Optional[int] = None) -> None:
+        """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`).
+
+        ring_keys: only the first ``ring_keys`` keys of each block travel (packed documents: the long-document
+        prefix that other context ranks see); the own block is still computed whole. None: all keys travel."""
         layout, place, counter = groups.layout, groups.place, groups.comm_bytes
+        self.ring_keys = ring_keys
         self.cp, self.w, self.num_windows = layout.context_size, layout.window_size, layout.num_windows
         self.window, self.slot = divmod(place.context_rank, self.w)
 
@@ -65,6 +69,13 @@ class DoubleRing:
         the dK/dV riders. Returns the rider holding the full dK/dV of this rank's own block (backward).
         """
         backward = rider is not None
+        own_kv = own_dkv = None
+        if self.cp > 1 and self.ring_keys is not None and self.ring_keys < kv.shape[2]:
+            # [2, b, S, g, d] -> the travelling prefix [2, b, ring_keys, g, d]; the own block's partials gather
+            # in the caller's full-size rider, the travelling riders are prefix-sized
+            own_kv, kv = kv, kv[:, :, :self.ring_keys].contiguous()
+            if backward:
+                own_dkv, rider = rider, rider.new_zeros(kv.shape)
         kv_pool = BufferPool(kv)
         riders = BufferPool(rider) if backward else None
         exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv,
@@ -89,7 +100,13 @@ class DoubleRing:
             elif kind == "post_inner_kv":
                 post("inner_kv", block, kv_pool)
             elif kind == "compute":
-                partials = compute(block, self.source(*event.source_offset), 0)
+                if own_kv is not None and event.source_offset == (0, 0):
+                    own_partials = compute(own_kv, self.source(0, 0), 0)
+                    if backward:
+                        add_partials(own_dkv, own_partials)
+                    partials = []
+                else:
+                    partials = compute(block, self.source(*event.source_offset), 0)
             elif kind == "wait_inner_kv":
                 nxt, _ = wait("inner_kv")
                 if block is not anchor:
@@ -127,6 +144,26 @@ class DoubleRing:
                 result, _ = wait("outer_dkv")
             else:
                 raise AssertionError(f"unknown schedule event {kind!r}")
-        if backward:
-            return result if result is not None else closing
-        return None
+        if not backward:
+            return None
+        result = result if result is not None else closing
+        if own_dkv is not None:
+            own_dkv[:, :, :self.ring_keys].add_(result)
+            return own_dkv
+        return result
+
+
+class LocalBlock:
+    """The transport when no other context rank's keys are visible (whole documents only): no communication."""
+
+    cp = 1
+
+    def __init__(self, context_rank: int) -> None:
+        self.context_rank = context_rank
+
+    def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Same contract as :meth:`DoubleRing.run`, for the own block only."""
+        partials = compute(kv, self.context_rank, 0)
+        if rider is not None:
+            add_partials(rider, partials)
+        return rider

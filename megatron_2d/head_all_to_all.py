@@ -6,7 +6,8 @@ Notation
 
 to_heads:   [2c, b, H, d] (this rank's zigzag shard, all heads)   -> [b, S, Hl, d] (its head group's tokens)
 to_tokens:  [b, S, Hl, d]                                         -> [2c, b, H, d]   (the inverse)
-Each is the other's backward. ``order`` sorts the chunks as received (by head rank, then zigzag half).
+Each is the other's backward. ``order`` sorts the chunks as received (by head rank, then zigzag half); None keeps
+the received order (packed documents: S = hp * t_local slots, head rank by head rank, as the plan expects).
 """
 
 from __future__ import annotations
@@ -25,24 +26,30 @@ def _exchange(buf: torch.Tensor, group: Optional[dist.ProcessGroup], counter: Co
     return buf if group is None else all_to_all_counted(buf, group, counter)
 
 
-def to_heads(x: torch.Tensor, hp: int, order: torch.Tensor, group, counter: CommCounter) -> torch.Tensor:
+def to_heads(x: torch.Tensor, hp: int, order: Optional[torch.Tensor], group, counter: CommCounter) -> torch.Tensor:
     """[2c, b, H, d] -> [b, S, H/hp, d]."""
     two_c, b, H, d = x.shape
     c, Hl = two_c // 2, H // hp
     send = x.view(two_c, b, hp, Hl, d).permute(2, 0, 1, 3, 4).contiguous()  # [hp(dst), 2c, b, Hl, d]
     recv = _exchange(send, group, counter)                                   # [hp(src), 2c, b, Hl, d]
+    if order is None:
+        return recv.permute(2, 0, 1, 3, 4).reshape(b, hp * two_c, Hl, d)     # [b, S (received), Hl, d]
     chunks = recv.view(2 * hp, c, b, Hl, d).permute(2, 0, 1, 3, 4)           # [b, 2hp(received), c, Hl, d]
     return chunks.index_select(1, order).view(b, 2 * hp * c, Hl, d)         # [b, S (ascending), Hl, d]
 
 
-def to_tokens(y: torch.Tensor, hp: int, inverse: torch.Tensor, group, counter: CommCounter) -> torch.Tensor:
+def to_tokens(y: torch.Tensor, hp: int, inverse: Optional[torch.Tensor], group,
+              counter: CommCounter) -> torch.Tensor:
     """[b, S, Hl, d] -> [2c, b, Hl*hp, d]; inverse of :func:`to_heads` (``inverse`` undoes its ``order``)."""
     b, S, Hl, d = y.shape
-    c = S // (2 * hp)
-    chunks = y.reshape(b, 2 * hp, c, Hl, d).permute(1, 2, 0, 3, 4)          # [2hp (ascending), c, b, Hl, d]
-    send = chunks.index_select(0, inverse)                                   # [2hp(received) = hp*2, c, b, Hl, d]
-    recv = _exchange(send.view(hp, 2 * c, b, Hl, d), group, counter)         # [hp(src head rank), 2c, b, Hl, d]
-    return recv.permute(1, 2, 0, 3, 4).reshape(2 * c, b, hp * Hl, d).contiguous()  # [2c, b, H, d]
+    two_c = S // hp
+    if inverse is None:
+        send = y.reshape(b, hp, two_c, Hl, d).permute(1, 2, 0, 3, 4).contiguous()  # [hp(dst), 2c, b, Hl, d]
+    else:
+        chunks = y.reshape(b, 2 * hp, two_c // 2, Hl, d).permute(1, 2, 0, 3, 4)  # [2hp (ascending), c, b, Hl, d]
+        send = chunks.index_select(0, inverse).view(hp, two_c, b, Hl, d)         # [hp(dst), 2c, b, Hl, d]
+    recv = _exchange(send, group, counter)                                   # [hp(src head rank), 2c, b, Hl, d]
+    return recv.permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * Hl, d).contiguous()  # [2c, b, H, d]
 
 
 class Direction(enum.Enum):
@@ -61,14 +68,18 @@ class HeadExchange:
     """Everything the head all-to-all needs besides the tensor, built once per (groups, device)."""
 
     head_parallel_size: int
-    order: torch.Tensor           # received chunk index -> ascending position (a device tensor)
-    inverse: torch.Tensor         # its inverse permutation
+    order: Optional[torch.Tensor]     # received chunk index -> ascending position (a device tensor); None: keep
+    inverse: Optional[torch.Tensor]   # its inverse permutation
     group: Optional[dist.ProcessGroup]
     counter: CommCounter
 
     @classmethod
-    def build(cls, hp: int, received: Sequence[int], group, counter: CommCounter, device) -> "HeadExchange":
-        """From the chunk ids in the order the all-to-all delivers them (one host-to-device copy, here only)."""
+    def build(cls, hp: int, received: Optional[Sequence[int]], group, counter: CommCounter,
+              device) -> "HeadExchange":
+        """From the chunk ids in the order the all-to-all delivers them (one host-to-device copy, here only);
+        None: the ring takes the tokens in the order received (packed documents)."""
+        if received is None:
+            return cls(hp, None, None, group, counter)
         order = sorted(range(len(received)), key=received.__getitem__)
         inverse = sorted(range(len(order)), key=order.__getitem__)
         as_tensor = lambda idx: torch.tensor(idx, dtype=torch.long, device=device)  # noqa: E731

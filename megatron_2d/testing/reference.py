@@ -103,3 +103,13 @@ def norm_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` rounded to ``dtype`` and back to fp64: the exact input a ``dtype`` run sees, for its reference."""
     return x.to(dtype).to(torch.float64)
+
+
+def packed_reference_attention(q, k, v, cu_seqlens, causal: bool, scale: float, window=(-1, -1),
+                               sinks=None) -> torch.Tensor:
+    """Packed documents in THD: q [T, hq, d], k/v [T, hkv, d] -> [T, hq, d], each document attending only to
+    itself (``cu_seqlens``: cumulative document lengths from 0; masks over positions within the document)."""
+    bounds = [int(x) for x in cu_seqlens]
+    outs = [reference_attention(*(x[a:b].unsqueeze(1) for x in (q, k, v)), causal=causal, scale=scale,
+                                window=window, sinks=sinks).squeeze(1) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, dim=0)

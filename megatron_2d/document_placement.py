@@ -1,0 +1,198 @@
+"""Where each token of a packed batch goes: Megatron's per-document zigzag, or whole short documents.
+
+Pure numpy, no torch: the op's :class:`megatron_2d.PackedLayout` and the planner use the same placement.
+
+Notation
+    D documents of lengths L_j (``cu_seqlens``: cumulative, from 0), T = sum L_j real tokens
+    CP = hp * cp ranks; a CP rank's "slots" are the t_local tokens it holds; a context rank's "view" is what it
+    holds after the head all-to-all: the slots of its hp head ranks, concatenated by head rank (hp * t_local)
+    slot value: the token's index in the packed stream (0 .. T-1), or -1 for padding
+    pairs(L) = L (L + 1) / 2, the (query, key) pairs of causal attention over L tokens (the FLOP unit)
+
+Zigzag (Megatron / Transformer Engine THD): every document is padded to a multiple of 2*CP and cut into 2*CP
+chunks; CP rank i holds chunks i and 2*CP-1-i of every document, document by document (what megatron-core's
+``get_batch_on_this_cp_rank`` gets from TE's ``thd_get_partitioned_indices``).
+
+    >>> zigzag_slots(np.array([0, 3, 7]), cp_size=2)   # lengths 3 and 4: chunks of 1 token, -1 pads doc 0
+    array([[ 0, -1,  3,  6],
+           [ 1,  2,  4,  5]])
+
+Documents (:func:`place_documents`): long documents are zigzag-sharded over the cp context ranks (2*cp chunks;
+the hp ranks of a head group split heads, not documents); every other document stays whole on one context rank,
+so its attention is local and the ring carries only long-document K/V. Each view is [long chunks | whole
+documents | padding] and is cut into hp equal slices, one per head rank, so after the all-to-all the long tokens
+are a prefix of the view: the ring sends that prefix only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+DEFAULT_TOLERANCE = 0.05
+
+
+def pairs(lengths) -> np.ndarray:
+    """Causal (query, key) pairs of documents of these lengths: L (L + 1) / 2 each."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return lengths * (lengths + 1) // 2
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
+    lengths = lengths.astype(np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts.astype(np.int64) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return offsets + np.arange(total, dtype=np.int64)
+
+
+def _chunk_slots(doc_starts: np.ndarray, lengths: np.ndarray, chunk: np.ndarray, which: Sequence[int]) -> np.ndarray:
+    """Stream indices of chunks ``which`` (per document, in that order) of documents cut into chunks of ``chunk``
+    tokens; positions past a document's real length are padding (-1)."""
+    positions = np.stack([np.asarray(w, dtype=np.int64) * chunk for w in which], axis=1)     # [D, 2] first pos
+    counts = np.repeat(chunk[:, None], len(which), axis=1)                                   # [D, 2]
+    pos = _ranges(positions.reshape(-1), counts.reshape(-1))                                 # [sum] position in doc
+    doc = np.repeat(np.repeat(np.arange(len(lengths)), len(which)), counts.reshape(-1))
+    return np.where(pos < lengths[doc], doc_starts[doc] + pos, -1)
+
+
+def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
+    """[CP, t_local] slots of Megatron's THD zigzag: CP rank i holds chunks i and 2*CP-1-i of every document.
+
+    ``padded_lengths`` (Megatron's ``cu_seqlens_padded`` differences): each a multiple of 2*CP and at least the
+    real length; default: each real length rounded up to a multiple of 2*CP."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lengths = np.diff(cu)
+    padded = round_up(lengths, 2 * cp_size) if padded_lengths is None else np.asarray(padded_lengths, np.int64)
+    chunk = padded // (2 * cp_size)
+    return np.stack([_chunk_slots(cu[:-1], lengths, chunk, [(i,) * len(lengths), (2 * cp_size - 1 - i,) * len(lengths)])
+                     for i in range(cp_size)])
+
+
+def round_up(x, multiple: int):
+    return -(-np.asarray(x, dtype=np.int64) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class DocumentPlacement:
+    """The documents layout of one batch over the cp context ranks (see the module docstring)."""
+
+    long_docs: np.ndarray            # ids of the zigzag-sharded documents, ascending
+    owner: np.ndarray                # [D] context rank holding each whole document, -1 for long ones
+    views: np.ndarray                # [cp, view_len] slots of each context rank's view
+    long_prefix: int                 # view slots [0, long_prefix) hold long-document chunks (identical on all)
+    threshold: int                   # the longest whole document (longer ones are sharded)
+    pair_imbalance: float            # max / mean - 1 of attention pairs per context rank
+    token_imbalance: float           # max / mean - 1 of real tokens per context rank
+
+    @property
+    def padding_fraction(self) -> float:
+        slots = self.views.size
+        return float((self.views < 0).sum()) / slots if slots else 0.0
+
+
+def _greedy(lengths: np.ndarray, short: np.ndarray, cp: int, base_pairs: float, base_tokens: float):
+    """Place whole documents (ids ``short``) on cp context ranks: largest first, each on the rank where the
+    larger of its normalised loads (pairs / mean pairs, tokens / mean tokens) ends lowest; ties to the lowest
+    rank. Returns (owner of each short document, pairs per rank, tokens per rank)."""
+    order = short[np.lexsort((short, -lengths[short]))]             # longest first, then by id
+    p = pairs(lengths[order]).astype(np.float64)
+    n = lengths[order].astype(np.float64)
+    load_p = np.full(cp, base_pairs)
+    load_t = np.full(cp, base_tokens)
+    mean_p = (load_p.sum() + p.sum()) / cp or 1.0
+    mean_t = (load_t.sum() + n.sum()) / cp or 1.0
+    owner = np.empty(len(order), dtype=np.int64)
+    for i in range(len(order)):
+        rank = int(np.argmin(np.maximum((load_p + p[i]) / mean_p, (load_t + n[i]) / mean_t)))
+        owner[i] = rank
+        load_p[rank] += p[i]
+        load_t[rank] += n[i]
+    return order, owner, load_p, load_t
+
+
+def _imbalance(load: np.ndarray) -> float:
+    mean = load.mean()
+    return float(load.max() / mean - 1.0) if mean > 0 else 0.0
+
+
+def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] = None,
+                    tolerance: float = DEFAULT_TOLERANCE) -> DocumentPlacement:
+    """The documents layout: whole short documents balanced over cp context ranks, long ones zigzag-sharded.
+
+    Cost rule for the threshold: a whole document saves its ring traffic (its K/V never leave its context rank)
+    and its padding, and costs nothing while the context ranks stay balanced; a sharded one is balanced exactly
+    (zigzag over 2*cp chunks) but its K/V travel the ring. So the layout keeps whole the largest set of shortest
+    documents that the greedy placement (:func:`_greedy`) fits within ``tolerance`` of the mean, in attention
+    pairs and in real tokens, on every context rank; a document longer than T / cp never fits. The number of
+    sharded documents is found by binary search (assuming that sharding more never unbalances), so the cost is
+    O(D log D * cp) numpy steps. ``long_threshold`` overrides it: documents longer than it are sharded.
+    """
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lengths = np.diff(cu)
+    D = len(lengths)
+    by_length = np.lexsort((np.arange(D), -lengths))                # longest first
+
+    def attempt(k: int):
+        long_ids, short_ids = np.sort(by_length[:k]), by_length[k:]
+        padded = round_up(lengths[long_ids], 2 * cp)
+        base_p = pairs(lengths[long_ids]).sum() / cp
+        base_t = padded.sum() / cp
+        order, owner, load_p, load_t = _greedy(lengths, short_ids, cp, base_p, base_t)
+        return long_ids, order, owner, _imbalance(load_p), _imbalance(load_t)
+
+    if long_threshold is not None:
+        chosen = attempt(int((lengths > long_threshold).sum()))
+    else:
+        lo, hi = (int((lengths > cu[-1] / cp).sum()) if cp > 1 else 0), D
+        chosen = attempt(hi)                                       # invariant: chosen = attempt(hi) balances
+        while lo < hi:                                             # the fewest sharded documents that balance
+            mid = (lo + hi) // 2
+            trial = attempt(mid)
+            if max(trial[3], trial[4]) <= tolerance:
+                hi, chosen = mid, trial
+            else:
+                lo = mid + 1
+    long_ids, order, owner_of_order, pair_imb, tok_imb = chosen
+    k = long_ids.size
+    threshold = int(lengths[by_length[k]]) if k < D else 0        # the longest whole document
+
+    owner = np.full(D, -1, dtype=np.int64)
+    owner[order] = owner_of_order
+    padded = round_up(lengths[long_ids], 2 * cp)
+    chunk = padded // (2 * cp)
+    views: List[np.ndarray] = []
+    for r in range(cp):
+        long_part = _chunk_slots(cu[:-1][long_ids], lengths[long_ids], chunk,
+                                 [(r,) * len(long_ids), (2 * cp - 1 - r,) * len(long_ids)])
+        mine = np.flatnonzero(owner == r)                           # ascending document ids
+        views.append(np.concatenate([long_part, _ranges(cu[:-1][mine], lengths[mine])]))
+    view_len = int(round_up(max(len(v) for v in views), hp)) if views else 0
+    out = np.full((cp, view_len), -1, dtype=np.int64)
+    for r, v in enumerate(views):
+        out[r, :len(v)] = v
+    return DocumentPlacement(long_docs=long_ids, owner=owner, views=out, long_prefix=int(padded.sum() // cp),
+                             threshold=threshold, pair_imbalance=pair_imb, token_imbalance=tok_imb)
+
+
+def documents_slots(placement: DocumentPlacement, layout) -> np.ndarray:
+    """[CP, t_local] slots of each CP rank: head rank hr of context rank cr holds slice hr of cr's view
+    (``layout``: a :class:`megatron_2d.topology.Layout2D`)."""
+    hp, cp = layout.head_parallel_size, layout.context_size
+    t_local = placement.views.shape[1] // hp
+    slots = np.empty((layout.cp_size, t_local), dtype=np.int64)
+    for cr in range(cp):
+        for hr in range(hp):
+            slots[layout.index_of(hr, cr)] = placement.views[cr, hr * t_local:(hr + 1) * t_local]
+    return slots
+
+
+def views_of(slots: np.ndarray, layout) -> np.ndarray:
+    """[cp, hp * t_local]: each context rank's view, its head ranks' slots concatenated by head rank."""
+    hp, cp = layout.head_parallel_size, layout.context_size
+    return np.stack([np.concatenate([slots[layout.index_of(hr, cr)] for hr in range(hp)]) for cr in range(cp)])
+
