@@ -1,0 +1,264 @@
+"""Packed documents (THD) through attention_2d on forked gloo ranks, against a per-document reference.
+
+Every rank builds the same packed global tensors, shards them with the users' helper (``PackedLayout.shard``),
+runs the op, and compares its slots of out and of dq/dk/dv with the same slots of a single-process fp64
+reference in which each document attends only to itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+import pytest
+import torch
+
+import megatron_2d
+from megatron_2d.document_placement import place_documents, zigzag_slots
+from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.reference import TOLERANCE, packed_reference_attention, rel_err, rounded
+
+TIMEOUT = datetime.timedelta(seconds=30)
+
+LENGTHS = {
+    "mixed": [1, 37, 200, 5, 64, 3, 90, 400, 11],          # length 1, lengths divisible by nothing
+    "one_long": [7, 700, 30, 2, 61],                       # one document longer than all the rest together
+    "single": [480],                                       # one document: the sbhd op's sequence
+}
+
+# (world, hp, w, placement): worlds 1, 2, 4, 6, 8; the issue's layouts (hp x cp x w) 1x8x2, 2x4x2, 4x2x1, 8x1x1,
+# 2x3x1 at world 6; context_first wherever it is a different rank map
+LAYOUTS = [
+    (1, 1, 1, "head_first"),
+    (2, 1, 2, "head_first"), (2, 2, 1, "head_first"),
+    (4, 1, 2, "head_first"), (4, 2, 1, "context_first"),
+    (6, 2, 1, "context_first"), (6, 1, 3, "head_first"),
+    (8, 1, 2, "head_first"), (8, 2, 2, "context_first"), (8, 4, 1, "head_first"), (8, 8, 1, "head_first"),
+]
+
+
+def packed_inputs(lengths, hq, hkv, d, seed=0):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    g = torch.Generator().manual_seed(seed)
+    T = int(cu[-1])
+    q, k, v, dout = (torch.randn(T, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
+    return cu, q, k, v, dout
+
+
+def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32, window=(-1, -1), sinks=False,
+               seed=0):
+    """One case on this rank: (errors by output, padding checks, sink gradient of this rank's rows)."""
+    cu, q, k, v, dout = packed_inputs(lengths, hq, hkv, d, seed)
+    q, k, v, dout = (rounded(x, dtype) for x in (q, k, v, dout))
+    sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64) if sinks else None
+    layout = megatron_2d.PackedLayout(torch.tensor(cu, dtype=torch.int32), groups, mode=mode)
+    leaves = [x.requires_grad_(True) for x in (q, k, v) + ((sink,) if sinks else ())]
+    ref = packed_reference_attention(q, k, v, cu, causal, d ** -0.5, window=window,
+                                     sinks=sink)
+    ref.backward(dout)
+    ql, kl, vl = (layout.shard(x.detach()).to(dtype).requires_grad_(True) for x in (q, k, v))
+    local_sink = sink.detach().float().requires_grad_(True) if sinks else None
+    out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, sliding_window=window, sinks=local_sink,
+                                   packing=layout)
+    out.backward(layout.shard(dout).to(dtype))
+    pad = layout.local_indices() < 0
+    grads = (out, ql.grad, kl.grad, vl.grad)
+    padding = {"no_nan": all(bool(torch.isfinite(x).all()) for x in grads),
+               "pad_zero": all(bool((x[pad] == 0).all()) for x in grads),
+               "pad_slots": int(pad.sum())}
+    # max |error| on this rank's slots over max |reference| of the whole tensor (a rank may hold only tokens
+    # whose reference gradient is exactly zero, e.g. first tokens of documents for dq)
+    errs = {name: ((a.double() - layout.shard(e.detach())).abs().max() / e.abs().max()).item()
+            for name, (a, e) in
+            dict(out=(out, ref), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad)).items()}
+    sink_grad = local_sink.grad.double() if sinks else None
+    return errs, padding, sink_grad, (leaves[3].grad if sinks else None)
+
+
+def layout_cases(rank, world, hp, w, placement):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+    hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)           # GQA with K/V replication whenever hp > 1
+    results = {}
+    for mode in ("zigzag", "documents"):
+        for name, lengths in LENGTHS.items():
+            for causal in ((True, False) if name == "mixed" else (True,)):
+                results[(mode, name, causal)] = run_packed(groups, mode, lengths, causal, hq, hkv)[:2]
+    return results
+
+
+@pytest.mark.parametrize("world, hp, w, placement", LAYOUTS,
+                         ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in LAYOUTS])
+def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
+    results = run_on_ranks(world, layout_cases, hp, w, placement)
+    tol = TOLERANCE[torch.float32]
+    for rank, per_rank in enumerate(results):
+        assert len(per_rank) == 2 * (len(LENGTHS) + 1)
+        for case, (errs, padding) in per_rank.items():
+            assert max(errs.values()) < tol, (rank, case, errs)
+            assert padding["no_nan"] and padding["pad_zero"], (rank, case, padding)
+    # zigzag pads every document to a multiple of 2*CP: padding slots exist and were checked
+    assert world == 1 or any(p["pad_slots"] for per_rank in results for (m, _, _), (_, p) in per_rank.items()
+                             if m == "zigzag")
+
+
+def tiny_documents(rank, world):
+    groups = megatron_2d.build_2d_groups(1, 2, "head_first", timeout=TIMEOUT)
+    lengths = (np.arange(1000) % 3 + 1).tolist()                # 1000 documents of 1-3 tokens
+    return {mode: run_packed(groups, mode, lengths, True, 4, 2)[:2] for mode in ("zigzag", "documents")}
+
+
+def test_thousand_tiny_documents():
+    for per_rank in run_on_ranks(4, tiny_documents):
+        for mode, (errs, padding) in per_rank.items():
+            assert max(errs.values()) < TOLERANCE[torch.float32], (mode, errs)
+            assert padding["no_nan"] and padding["pad_zero"]
+
+
+def bf16_and_masks(rank, world):
+    groups = megatron_2d.build_2d_groups(2, 2, "context_first", timeout=TIMEOUT)
+    out = {}
+    for mode in ("zigzag", "documents"):
+        out[(mode, "bf16")] = run_packed(groups, mode, LENGTHS["mixed"], True, 8, 2, dtype=torch.bfloat16)[0]
+        out[(mode, "fp16")] = run_packed(groups, mode, LENGTHS["mixed"], True, 8, 2, dtype=torch.float16)[0]
+        out[(mode, "window")] = run_packed(groups, mode, LENGTHS["mixed"], True, 8, 2, window=(20, 0))[0]
+        errs, _, sink_grad, ref_sink_grad = run_packed(groups, mode, LENGTHS["mixed"], True, 8, 2, sinks=True)
+        out[(mode, "sinks")] = (errs, sink_grad, ref_sink_grad)
+    return out
+
+
+def test_packed_bf16_fp16_windows_and_sinks():
+    """bf16/fp16 within their end-to-end tolerance (inputs rounded to the dtype, so the error is the op's own
+    plus the output rounding), a sliding window within documents, and learnable sinks whose per-rank gradients
+    sum to the reference's."""
+    results = run_on_ranks(8, bf16_and_masks)
+    for mode in ("zigzag", "documents"):
+        for dtype in ("bf16", "fp16"):
+            tol = TOLERANCE[torch.bfloat16 if dtype == "bf16" else torch.float16]
+            assert all(max(r[(mode, dtype)].values()) < tol for r in results), (mode, dtype)
+        assert all(max(r[(mode, "window")].values()) < TOLERANCE[torch.float32] for r in results)
+        assert all(max(r[(mode, "sinks")][0].values()) < TOLERANCE[torch.float32] for r in results)
+        total = sum(r[(mode, "sinks")][1] for r in results)
+        assert rel_err(total, results[0][(mode, "sinks")][2]) < TOLERANCE[torch.float32]
+
+
+def single_document_equals_sbhd(rank, world):
+    """One document whose length splits into 2*CP chunks: zigzag THD slots are the sbhd zigzag shard, so the op
+    must give the sbhd op's result."""
+    groups = megatron_2d.build_2d_groups(2, 1, "head_first", timeout=TIMEOUT)
+    cu, q, k, v, dout = packed_inputs([2 * world * 24], 8, 2, 16)
+    layout = megatron_2d.PackedLayout(cu, groups, mode="zigzag")
+    thd = megatron_2d.attention_2d(*(layout.shard(x).float() for x in (q, k, v)), groups, packing=layout)
+    sbhd = megatron_2d.attention_2d(*(megatron_2d.shard_sequence(x, rank, world).unsqueeze(1).float()
+                                      for x in (q, k, v)), groups)
+    return rel_err(thd, sbhd.squeeze(1)), layout.padding_fraction
+
+
+def test_single_document_equals_the_sbhd_op():
+    for err, padding in run_on_ranks(4, single_document_equals_sbhd):
+        assert padding == 0.0
+        assert err < 1e-6
+
+
+# -- the layouts themselves -------------------------------------------------------------------------------
+def te_partitioned_indices(cu_seqlens_padded, total_tokens, world, rank):
+    """Transformer Engine's thd_get_partitioned_indices as its CUDA kernel states it (one local token at a
+    time; an independent statement of the layout, not the implementation under test)."""
+    cu_s = [c // world for c in cu_seqlens_padded]
+    out = []
+    for token in range(total_tokens // world):
+        seq = max(i for i in range(len(cu_s) - 1) if cu_s[i] <= token)
+        seq_len = cu_s[seq + 1] - cu_s[seq]
+        index = token - cu_s[seq]
+        offset = rank if index < seq_len // 2 else (world - 1) * 2 - rank
+        out.append(index + cu_s[seq] * world + seq_len // 2 * offset)
+    return out
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4, 8])
+def test_zigzag_slots_equal_transformer_engine_partitioning(cp_size):
+    """Megatron's get_batch_on_this_cp_rank index_selects TE's thd_get_partitioned_indices(cu_seqlens_padded,
+    T_padded, CP, rank) from the padded stream; our zigzag slots, mapped to that stream, are the same indices."""
+    lengths = np.array([1, 37, 200, 5, 64, 3, 90, 400, 11])
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    padded = -(-lengths // (2 * cp_size)) * (2 * cp_size)
+    cu_pad = np.concatenate([[0], np.cumsum(padded)])
+    slots = zigzag_slots(cu, cp_size)
+    for rank in range(cp_size):
+        expected = te_partitioned_indices(cu_pad.tolist(), int(cu_pad[-1]), cp_size, rank)
+        # our slot -> padded-stream index: document start in the padded stream + position in the document
+        pos_stream = []
+        doc_of_expected = np.searchsorted(cu_pad, expected, side="right") - 1
+        for e, doc in zip(expected, doc_of_expected):
+            pos = e - cu_pad[doc]
+            pos_stream.append(cu[doc] + pos if pos < lengths[doc] else -1)
+        assert slots[rank].tolist() == pos_stream
+
+
+def test_documents_placement_balances_and_keeps_short_documents_whole():
+    rng = np.random.default_rng(0)
+    lengths = np.maximum(1, rng.lognormal(5.5, 1.0, size=400).astype(np.int64))
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    for cp in (2, 4, 8):
+        p = place_documents(cu, cp=cp, hp=2)
+        owner_ok = (p.owner[p.long_docs] == -1).all() and (np.delete(p.owner, p.long_docs) >= 0).all()
+        assert owner_ok
+        # every real token exactly once; whole documents contiguous on their owner
+        real = p.views[p.views >= 0]
+        assert sorted(real.tolist()) == list(range(int(cu[-1])))
+        for doc in np.flatnonzero(p.owner >= 0)[:50]:
+            view = p.views[p.owner[doc]].tolist()
+            start = view.index(int(cu[doc]))
+            assert view[start:start + lengths[doc]] == list(range(cu[doc], cu[doc + 1]))
+        # balance within the tolerance, measured independently from the views
+        load = np.array([sum(int(x - cu[np.searchsorted(cu, x, side='right') - 1]) + 1
+                                               for x in view[view >= 0]) for view in p.views])
+        assert load.max() / load.mean() - 1 <= 0.05 + 1e-9
+        assert p.pair_imbalance <= 0.05 and p.token_imbalance <= 0.05
+        assert len(p.long_docs) < len(lengths) // 4           # most documents stay whole
+        # long documents pad to a multiple of 2*cp only, short ones not at all
+        assert p.padding_fraction < 0.06
+
+
+# -- bad input --------------------------------------------------------------------------------------------
+def refusals(rank, world):
+    groups = megatron_2d.build_2d_groups(2, 1, "head_first", timeout=TIMEOUT)
+    other = megatron_2d.build_2d_groups(1, 2, "head_first", timeout=TIMEOUT)
+    messages = {}
+
+    def refused(name, fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as err:
+            messages[name] = str(err)
+
+    refused("not_increasing", lambda: megatron_2d.PackedLayout([0, 5, 5, 9], groups))
+    refused("not_zero", lambda: megatron_2d.PackedLayout([2, 5, 9], groups))
+    refused("float", lambda: megatron_2d.PackedLayout(torch.tensor([0.0, 4.0]), groups))
+    refused("differing", lambda: megatron_2d.PackedLayout([0, 5, 9 + rank], groups))
+    layout = megatron_2d.PackedLayout([0, 5, 40], groups)
+    q = torch.randn(layout.local_tokens, 4, 8)
+    refused("T_mismatch", lambda: megatron_2d.attention_2d(q[:-1], q[:-1], q[:-1], groups, packing=layout))
+    refused("shard_T", lambda: layout.shard(torch.randn(39, 4, 8)))
+    refused("other_groups", lambda: megatron_2d.attention_2d(q, q, q, other, packing=layout))
+    refused("thd_without_packing", lambda: megatron_2d.attention_2d(q, q, q, groups))
+    refused("mode", lambda: megatron_2d.PackedLayout([0, 5], groups, mode="whole"))
+    return messages
+
+
+def test_bad_packed_input_is_refused_with_the_values():
+    for messages in run_on_ranks(4, refusals):
+        assert set(messages) == {"not_increasing", "not_zero", "float", "differing", "T_mismatch", "shard_T",
+                                 "other_groups", "thd_without_packing", "mode"}, messages
+        assert "cu_seqlens[1] = 5 and cu_seqlens[2] = 5" in messages["not_increasing"]
+        assert "cu_seqlens[0] = 2" in messages["not_zero"]
+        assert "differ across the ranks" in messages["differing"]
+        assert "t_local" in messages["T_mismatch"] and "T = 40" in messages["shard_T"]
+        assert "other groups" in messages["other_groups"]
+        assert "packing=" in messages["thd_without_packing"]
+        assert "'whole'" in messages["mode"]
+
+
+def test_a_failing_rank_fails_the_test():
+    with pytest.raises(RankFailure):
+        run_on_ranks(2, lambda rank, world: megatron_2d.PackedLayout([0, 5 + rank],
+                                                                     megatron_2d.build_2d_groups(1, 1)))
