@@ -115,7 +115,7 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
 def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device, dtype: torch.dtype, causal: bool,
                   window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str):
     """(head exchange, ring context) for one packed batch and call signature, cached on the layout."""
-    key = (device, dtype, causal, window, scale, kernel, dkv_comm_dtype)
+    key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype)
     cached = packing.op_cache.get(key)
     if cached is None:
         heads = HeadExchange.build(groups.head_parallel_size, None, groups.head_group, groups.comm_bytes, device)
@@ -134,7 +134,7 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
 def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
     if not isinstance(packing, PackedLayout):
         raise TypeError(f"packing must be a megatron_2d.PackedLayout, got {type(packing).__name__}")
-    if packing.groups is not groups:
+    if (packing.groups.layout, packing.groups.place) != (groups.layout, groups.place):
         raise ValueError("this PackedLayout was built for other groups than the ones passed to attention_2d; "
                          "build it with PackedLayout(cu_seqlens, groups) for these groups")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:

@@ -60,13 +60,32 @@ def _chunk_slots(doc_starts: np.ndarray, lengths: np.ndarray, chunk: np.ndarray,
     return np.where(pos < lengths[doc], doc_starts[doc] + pos, -1)
 
 
+def zigzag_stream_indices(cu_seqlens_padded, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Indices into the padded stream that CP rank ``cp_rank`` holds: Transformer Engine's
+    ``thd_get_partitioned_indices(cu_seqlens_padded, T_padded, CP, rank)`` (every padded length a multiple of 2*CP).
+
+    >>> zigzag_stream_indices([0, 4, 12], cp_size=2, cp_rank=0).tolist()
+    [0, 3, 4, 5, 10, 11]
+    """
+    cu = np.asarray(cu_seqlens_padded, dtype=np.int64)
+    lengths = np.diff(cu)
+    if (lengths % (2 * cp_size)).any():
+        raise ValueError(f"padded document lengths must be multiples of 2*CP = {2 * cp_size}, got "
+                         f"{lengths[(lengths % (2 * cp_size)) != 0][:8].tolist()}")
+    return _chunk_slots(cu[:-1], lengths, lengths // (2 * cp_size),
+                        [(cp_rank,) * len(lengths), (2 * cp_size - 1 - cp_rank,) * len(lengths)])
+
+
 def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
     """[CP, t_local] slots of Megatron's THD zigzag: CP rank i holds chunks i and 2*CP-1-i of every document.
 
     ``padded_lengths`` (Megatron's ``cu_seqlens_padded`` differences): each a multiple of 2*CP and at least the
-    real length; default: each real length rounded up to a multiple of 2*CP."""
+    real length; default: each real length rounded up to a multiple of 2*CP (no padding at all when CP = 1: the
+    one rank holds every document whole, as Megatron's CP=1 batches are)."""
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     lengths = np.diff(cu)
+    if cp_size == 1 and padded_lengths is None:
+        return np.arange(cu[-1], dtype=np.int64)[None]
     padded = round_up(lengths, 2 * cp_size) if padded_lengths is None else np.asarray(padded_lengths, np.int64)
     chunk = padded // (2 * cp_size)
     return np.stack([_chunk_slots(cu[:-1], lengths, chunk, [(i,) * len(lengths), (2 * cp_size - 1 - i,) * len(lengths)])
@@ -171,7 +190,7 @@ def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
                                  [(r,) * len(long_ids), (2 * cp - 1 - r,) * len(long_ids)])
         mine = np.flatnonzero(owner == r)                           # ascending document ids
         views.append(np.concatenate([long_part, _ranges(cu[:-1][mine], lengths[mine])]))
-    view_len = int(round_up(max(len(v) for v in views), hp)) if views else 0
+    view_len = int(round_up(max(len(v) for v in views), 2 * hp)) if views else 0   # even t_local (see RoPE)
     out = np.full((cp, view_len), -1, dtype=np.int64)
     for r, v in enumerate(views):
         out[r, :len(v)] = v

@@ -220,7 +220,7 @@ def run_misconfigured(rank, world, case):
         tg.init_parallel(context_parallel_size=4)
         cfg = model_config("mha", (2, 1, "head_first"))
         attention = tg.build_tiny_gpt(cfg, spec_2d()).decoder.layers[0].self_attention.core_attention
-        q = torch.zeros(32, 1, 4, 16)
+        q = torch.zeros(30, 4, 16)                              # the batch's split gives 32 tokens per rank
         bounds = torch.tensor([0, 64, 128], dtype=torch.int32)  # two packed documents
         attention(q, q, q, None, attn_mask_type=None, attention_bias=None,
                   packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds))
@@ -237,7 +237,7 @@ def run_misconfigured(rank, world, case):
 
 @pytest.mark.parametrize("case, message", [
     ("indivisible_sequence", r"batch\['tokens'\]: sequence length 100 is not divisible by 2\*CP = 8"),
-    ("thd", r"packed sequences \(THD format, packed_seq_params\) are not supported by the 2d backend"),
+    ("thd", r"q holds 30 tokens, but the PackedLayout gives this rank t_local = 32 slots \(T = 128 over CP = 4\)"),
     ("2d_spec_without_2d_backend", r"the 2d layer spec is in use but cp_comm_type is 'p2p' for every layer"),
     ("mixed_backends_without_te", r"layer 2 asks cp_comm_type 'p2p', which megatron-core runs through Transformer "
                                   r"Engine, not installed here"),

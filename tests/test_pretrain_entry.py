@@ -105,14 +105,23 @@ def test_bad_placement_is_refused_by_the_parser(parse, capsys):
     assert "invalid choice: 'interleaved' (choose from 'head_first', 'context_first')" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--reset-attention-mask", "--dataloader-inter-document-masking", "--sft"])
-def test_packed_sequences_are_refused_by_the_library(parse, flag):
+@pytest.mark.parametrize("flag", ["--reset-attention-mask", "--dataloader-inter-document-masking"])
+def test_document_masks_outside_thd_are_refused_by_the_library(parse, flag):
     args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
                  "--attention-dropout", "0", flag)
-    with pytest.raises(ValueError, match=rf"{flag} needs packed-sequence \(THD\) attention"):
+    with pytest.raises(ValueError, match=rf"{flag} gives document masks the 2d backend"):
         gpt_config_from_args_2d(args)
-    with pytest.raises(ValueError, match=rf"{flag} needs packed-sequence \(THD\) attention"):
+    with pytest.raises(ValueError, match=rf"{flag} gives document masks the 2d backend"):
         gpt_layer_spec_2d(transformer_config_from_args_2d(args))  # the --spec route
+
+
+@pytest.mark.parametrize("flags", [["--sft"], ["--sft", "--dataloader-inter-document-masking"]])
+def test_thd_packed_documents_are_accepted(parse, flags):
+    """--sft batches are THD with Megatron's per-document zigzag split, which CoreAttention2D runs."""
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+                 "--attention-dropout", "0", *flags)
+    gpt_config_from_args_2d(args)
+    gpt_layer_spec_2d(transformer_config_from_args_2d(args))
 
 
 def launch_flags(mode):

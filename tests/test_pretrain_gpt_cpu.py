@@ -175,13 +175,13 @@ MISCONFIGURED = {
     "2D flags without --cp-comm-type 2d": ("patched", ["--context-parallel-size", "4", "--cp-2d-head-parallel-size",
                                                        "2"], "are set but cp_comm_type is ['p2p']"),
     "THD (patched)": ("patched", CP4_2D + ["--reset-attention-mask"],
-                      "--reset-attention-mask needs packed-sequence (THD) attention"),
+                      "--reset-attention-mask gives document masks the 2d backend"),
     "--spec without --cp-comm-type 2d": ("stock", SPEC_2D + ["--context-parallel-size", "4",
                                                              "--hierarchical-context-parallel-sizes", "2", "2"],
                                          "the 2d layer spec is in use but cp_comm_type is 'p2p'"),
     "THD (--spec)": ("stock", SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2",
                                          "2", "--cp-comm-type", "2d", "--dataloader-inter-document-masking"],
-                     "--dataloader-inter-document-masking needs packed-sequence (THD) attention"),
+                     "--dataloader-inter-document-masking gives document masks the 2d backend"),
 }
 
 

@@ -12,9 +12,9 @@ never sees it).
                optimizer, fusions, inference), so the 2d backend inherits Megatron's own handling
 
 Arguments of core attention's forward: ``attention_mask`` is read as Transformer Engine's backend reads it (the
-mask type decides: causal and no_mask need no tensor; document masks come as packed_seq_params, refused);
-``attention_bias``, ``packed_seq_params`` and mask types other than causal / no_mask are refused in
-:mod:`megatron_2d.megatron.core_attention`.
+mask type decides: causal and no_mask need no tensor; document masks come as packed_seq_params); packed_seq_params
+in THD format is honoured (packed documents, :mod:`megatron_2d.megatron.core_attention`); ``attention_bias``,
+other qkv formats and mask types other than causal / no_mask are refused there.
 """
 
 from __future__ import annotations

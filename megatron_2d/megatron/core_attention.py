@@ -8,6 +8,12 @@ query [s/CP, b, hq/tp, d], key/value [s/CP, b, hkv/tp, d] (RoPE applied, zigzag 
 Transformer Engine's backend, the mask type decides). Every config field is honoured or refused: see
 :mod:`megatron_2d.megatron.attention_settings`.
 
+Packed documents (``packed_seq_params`` with qkv_format "thd"): query [t, hq/tp, d], key/value [t, hkv/tp, d]
+(Megatron squeezes the batch dimension), output [t, hq/tp * d]. The layout is the one
+``packed_seq_params.layout`` carries (the documents mode, :mod:`megatron_2d.megatron.packed_data`), else
+Megatron's zigzag built from cu_seqlens_q (real lengths) and cu_seqlens_q_padded; it is built once per batch and
+shared by every layer through the packed_seq_params object.
+
 Naming: ``window_size`` here is Megatron's sliding window (config.window_size); the Double-Ring window is
 ``double_ring_window`` (config.cp_2d_window_size).
 """
@@ -25,6 +31,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 
 from ..attention import attention_2d
 from ..band import SlidingWindow
+from ..packed_layout import PackedLayout
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import AttentionKeeper
 from .launch_checks import check_current_launch
@@ -140,9 +147,7 @@ class CoreAttention2D(MegatronModule):
         if self.delegate is not None:
             return self.delegate(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                  attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        if packed_seq_params is not None:
-            raise ValueError("packed sequences (THD format, packed_seq_params) are not supported by the 2d backend "
-                             "yet; use unpacked sbhd batches (no --reset-position-ids / packed datasets)")
+        packing = self._packed_layout(packed_seq_params, query)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the 2d backend")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -152,10 +157,38 @@ class CoreAttention2D(MegatronModule):
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
         attention = partial(_attention_with_sinks, groups=self.groups, causal=mask_type == AttnMaskType.causal,
                             softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window,
-                            dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"))
+                            dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"),
+                            packing=packing)
         sinks = self.softmax_offset
         if self.keeper is None:
             out = attention(query, key, value, sinks)
         else:
             out = self.keeper(attention, query, key, value, sinks)
+        if packing is not None:
+            return out.reshape(out.shape[0], -1)                              # [t, hq/tp * d]
         return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]
+
+    def _packed_layout(self, packed_seq_params, query: torch.Tensor) -> Optional[PackedLayout]:
+        """The PackedLayout of a THD batch (None for sbhd), built on the first layer and kept on the params."""
+        if packed_seq_params is None:
+            return None
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed_seq_params with qkv_format {packed_seq_params.qkv_format!r} is not supported "
+                             f"by the 2d backend; packed documents come as 'thd'")
+        if query.dim() != 3:
+            raise ValueError(f"THD query must be [t, heads, d], got {tuple(query.shape)}")
+        carried = getattr(packed_seq_params, "layout", None)
+        if carried is not None:
+            return carried
+        cache = packed_seq_params.__dict__.setdefault("_megatron_2d_layouts", {})
+        key = (self.groups.layout, self.groups.place)
+        if key not in cache:
+            real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+            kv_real = packed_seq_params.cu_seqlens_kv
+            if kv_real is not None and not torch.equal(torch.as_tensor(kv_real).cpu(), torch.as_tensor(real).cpu()):
+                raise ValueError("cu_seqlens_kv differs from cu_seqlens_q: the 2d backend runs self attention over "
+                                 "the same packed documents only")
+            same = padded is None or torch.equal(torch.as_tensor(padded).cpu(), torch.as_tensor(real).cpu())
+            cache[key] = PackedLayout(real, self.groups, mode="zigzag",
+                                      cu_seqlens_padded=None if same else padded)
+        return cache[key]

@@ -19,11 +19,14 @@ from typing import Optional, Tuple
 from .settings import layer_comm_types, uses_2d
 
 PACKED_SEQUENCE_FLAGS: Tuple[Tuple[str, str], ...] = (
-    ("--sft", "sft"),
     ("--reset-attention-mask", "reset_attention_mask"),
     ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"),
 )
-"""Flags whose batches need packed-sequence (THD) attention, with their argparse destinations."""
+"""Document-masking flags whose batches the 2d backend would get wrong, with their argparse destinations:
+--reset-attention-mask builds a dense [s, s] mask (not THD), and --dataloader-inter-document-masking without
+--sft splits each sample whole-sequence zigzag while passing per-document cu_seqlens. Packed documents reach the
+2d backend as THD (--sft: Megatron's per-document zigzag split; or the documents layout of
+megatron_2d.megatron.packed_data)."""
 
 
 def check_launch_args(args) -> None:
@@ -32,10 +35,13 @@ def check_launch_args(args) -> None:
     if not uses_2d(getattr(args, "cp_comm_type", None)):
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
+    if "--dataloader-inter-document-masking" in given and getattr(args, "sft", False):
+        given.remove("--dataloader-inter-document-masking")      # --sft: per-document THD split, supported
     if given:
-        raise ValueError(f"{', '.join(given)} needs packed-sequence (THD) attention, which --cp-comm-type 2d "
-                         f"(cp_comm_type {layer_comm_types(args.cp_comm_type)}) does not support yet; drop "
-                         f"{', '.join(given)} or use a stock --cp-comm-type (p2p, a2a, a2a+p2p)")
+        raise ValueError(f"{', '.join(given)} gives document masks the 2d backend (cp_comm_type "
+                         f"{layer_comm_types(args.cp_comm_type)}) would not see as packed THD batches; drop "
+                         f"{', '.join(given)} and pack documents as THD (--sft, or the documents layout of "
+                         f"megatron_2d.megatron.packed_data, see examples/pretrain_gpt_2d.py)")
 
 
 def current_launch_args() -> Optional[object]:

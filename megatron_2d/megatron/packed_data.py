@@ -1,0 +1,158 @@
+"""Packed-document (THD) batches for the 2d backend: Megatron's zigzag split without Transformer Engine, and the
+documents layout's own data path.
+
+zigzag     Megatron's ``get_batch_on_this_cp_rank`` splits THD batches with TE's ``thd_get_partitioned_indices``
+           (and fails without TE). :func:`get_thd_batch_on_this_cp_rank_2d` does the same split in numpy/torch,
+           so CPU and TE-less runs get the layout CoreAttention2D expects; Megatron builds ``PackedSeqParams`` as
+           usual and RoPE stays Megatron's.
+documents  :func:`documents_batch_on_this_cp_rank` gives each rank the tokens of a
+           :class:`megatron_2d.PackedLayout` in documents mode and a :class:`PackedSeqParams2D` carrying that
+           layout; :func:`use_document_positions` makes the model's RoPE use each token's position within its
+           document (Megatron's THD RoPE assumes the zigzag split).
+
+Batches are Megatron's: tokens, labels, loss_mask, position_ids [1, T] (one packed sequence; micro-batches
+flattened first, as Megatron does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ..document_placement import zigzag_stream_indices
+from ..groups import Groups2D
+from ..packed_layout import PackedLayout
+
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def thd_partitioned_indices(cu_seqlens_padded, total_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Transformer Engine's ``thd_get_partitioned_indices`` without TE: LongTensor [total_tokens / CP] of the
+    padded-stream tokens CP rank ``cp_rank`` holds (chunks r and 2*CP-1-r of every document)."""
+    cu = np.asarray(torch.as_tensor(cu_seqlens_padded).cpu(), dtype=np.int64)
+    if int(cu[-1]) != int(total_tokens):
+        raise ValueError(f"cu_seqlens_padded ends at {int(cu[-1])} but the batch holds {total_tokens} tokens")
+    return torch.from_numpy(zigzag_stream_indices(cu, cp_size, cp_rank))
+
+
+def get_thd_batch_on_this_cp_rank_2d(batch: Dict[str, Any], cp_group) -> Dict[str, Any]:
+    """Megatron's per-document THD split of ``batch`` for this CP rank (``cu_seqlens_padded`` if present, else
+    ``cu_seqlens``, each document a multiple of 2*CP), with TE's partitioning done here. cu_seqlens stay global."""
+    cp = cp_group.size() if cp_group is not None else 1
+    if cp == 1:
+        return dict(batch)
+    cu = batch.get("cu_seqlens_padded")
+    cu = batch["cu_seqlens"] if cu is None else cu
+    cu = torch.as_tensor(cu).reshape(-1)
+    total = batch["tokens"].shape[1]
+    index = thd_partitioned_indices(cu, total, cp, cp_group.rank()).to(batch["tokens"].device)
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        if batch.get(key) is not None:
+            out[key] = batch[key].index_select(1, index)
+    return out
+
+
+@dataclass
+class PackedSeqParams2D(PackedSeqParams):
+    """PackedSeqParams of the documents layout: ``layout`` says which tokens this rank holds (CoreAttention2D
+    reads it) and ``rope_positions`` each token's position in its document, arranged for Megatron's THD RoPE
+    (see :func:`documents_batch_on_this_cp_rank`)."""
+
+    layout: Optional[PackedLayout] = None
+    rope_positions: Optional[torch.Tensor] = None
+
+
+def _rope_table(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """[CP * t_local] positions such that Megatron's THD RoPE, given one sequence of CP * t_local tokens and a
+    frequency table of that length, reads ``positions`` [t_local] for this rank: it takes rows
+    [r * t/2, (r+1) * t/2) then [CP*t - (r+1) * t/2, CP*t - r * t/2) (its zigzag), so they are put there."""
+    t = positions.shape[0]
+    half = t // 2
+    table = torch.zeros(cp_size * t, dtype=torch.long)
+    table[cp_rank * half:(cp_rank + 1) * half] = positions[:half]
+    table[cp_size * t - (cp_rank + 1) * half:cp_size * t - cp_rank * half] = positions[half:]
+    return table
+
+
+def documents_batch_on_this_cp_rank(batch: Dict[str, Any], groups: Groups2D, cu_seqlens,
+                                    **layout_options) -> Tuple[Dict[str, Any], PackedSeqParams2D]:
+    """This rank's tokens of ``batch`` ([1, T], real documents only) under the documents layout, and the
+    PackedSeqParams to pass to the model. Padding slots get token 0, label 0, loss_mask 0, position 0.
+    Collective over the CP group (it builds the layout)."""
+    layout = PackedLayout(cu_seqlens, groups, mode="documents", **layout_options)
+    idx = layout.local_indices()
+    device = batch["tokens"].device
+    gather = idx.clamp(min=0).to(device)
+    pad = (idx < 0).to(device)
+    out = dict(batch)
+    for key in ("tokens", "labels", "loss_mask"):
+        if batch.get(key) is not None:
+            if batch[key].shape[1] != layout.total_tokens:
+                raise ValueError(f"batch[{key!r}] holds {batch[key].shape[1]} tokens, cu_seqlens says "
+                                 f"{layout.total_tokens}")
+            out[key] = batch[key].index_select(1, gather).masked_fill(pad, 0)
+    positions = layout.position_ids()
+    out["position_ids"] = positions.to(device).unsqueeze(0)
+    cp_size, t_local = groups.layout.cp_size, layout.local_tokens
+    rope_cu = torch.tensor([0, cp_size * t_local], dtype=torch.int32, device=device)
+    cu = torch.as_tensor(layout.cu_seqlens, dtype=torch.int32, device=device)
+    params = PackedSeqParams2D(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=rope_cu,
+        cu_seqlens_kv_padded=rope_cu, max_seqlen_q=cp_size * t_local, max_seqlen_kv=cp_size * t_local,
+        layout=layout, rope_positions=_rope_table(positions, cp_size, groups.place.cp_index).to(device))
+    return out, params
+
+
+class DocumentRotaryEmbedding(torch.nn.Module):
+    """The model's RotaryEmbedding, reading each token's position in its document from PackedSeqParams2D.
+
+    GPTModel asks ``get_rotary_seq_len(..., packed_seq_params)`` and then calls the module for the table; with
+    ``rope_positions`` present the table is the base embedding at those positions (laid out as
+    :func:`_rope_table` says), otherwise the base module answers unchanged. The positions are kept between
+    the two calls of one forward only."""
+
+    def __init__(self, base: torch.nn.Module, config) -> None:
+        super().__init__()
+        if getattr(config, "apply_rope_fusion", False):
+            raise ValueError("the documents layout's RoPE needs apply_rope_fusion=False (--no-rope-fusion): "
+                             "Transformer Engine's fused THD RoPE assumes the zigzag split")
+        self.base = base
+        self._positions: Optional[torch.Tensor] = None
+
+    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
+                           packed_seq_params=None, **kwargs) -> int:
+        self._positions = getattr(packed_seq_params, "rope_positions", None)
+        return self.base.get_rotary_seq_len(inference_context, transformer, transformer_input, transformer_config,
+                                            packed_seq_params, **kwargs)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        positions, self._positions = self._positions, None
+        if positions is None:
+            return self.base(max_seq_len, offset, packed_seq, cp_group)
+        emb = self.base.get_emb(int(positions.max()) + 1)                  # [max_pos + 1, 1, 1, dim]
+        return emb.index_select(0, positions.to(emb.device))              # [CP * t_local, 1, 1, dim]
+
+
+def use_document_positions(model) -> Any:
+    """Make ``model`` (a GPTModel with RoPE) apply RoPE at document positions for PackedSeqParams2D batches."""
+    if not hasattr(model, "rotary_pos_emb") or getattr(model, "position_embedding_type", None) != "rope":
+        raise ValueError("the documents layout's data path supports RoPE models (position_embedding_type='rope'); "
+                         "learned absolute positions would read position_ids, which it also provides")
+    if not isinstance(model.rotary_pos_emb, DocumentRotaryEmbedding):
+        model.rotary_pos_emb = DocumentRotaryEmbedding(model.rotary_pos_emb, model.config)
+    return model
+
+
+def groups_of_model(model) -> Groups2D:
+    """The Groups2D of the model's 2d core attention (the documents layout must be built for them)."""
+    from .core_attention import CoreAttention2D
+
+    for module in model.modules():
+        if isinstance(module, CoreAttention2D) and getattr(module, "groups", None) is not None:
+            return module.groups
+    raise ValueError("the model has no 2d core attention (CoreAttention2D); build it with the 2d layer spec")

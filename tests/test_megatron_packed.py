@@ -1,0 +1,133 @@
+"""Packed documents through a tiny GPTModel: the loss and every gradient at CP 4 and 8 equal the CP=1 run.
+
+zigzag:    Megatron's own THD path: the batch padded per document (loss-masked pad tokens), split per document
+           by ``get_thd_batch_on_this_cp_rank_2d`` (TE's partitioning), PackedSeqParams as pretrain_gpt.py
+           builds them, Megatron's THD RoPE. The CP=1 run takes the same padded batch.
+documents: our data path (``documents_batch_on_this_cp_rank``) and RoPE at document positions
+           (``use_document_positions``); the CP=1 run takes the unpadded batch with Megatron's own THD path.
+All runs share one fork of 8 ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d
+from megatron_2d.megatron.packed_data import (documents_batch_on_this_cp_rank, get_thd_batch_on_this_cp_rank_2d,
+                                              groups_of_model, use_document_positions)
+from megatron_2d.testing import tiny_gpt as tg
+from megatron_2d.testing.distributed import run_on_ranks
+
+LENGTHS = [5, 70, 13, 1, 150, 33, 40, 9, 100]
+PAD_TO = 16                                   # a multiple of 2*CP for CP 1, 4 and 8
+MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=512, seed=11)
+LAYOUTS = {"cp4_2x2_w1": (4, (2, 1, "head_first")), "cp8_2x4_w2_context_first": (8, (2, 2, "context_first"))}
+RTOL = 1e-5
+
+
+def packed_stream(pad_to):
+    """[1, T'] tokens, labels, loss_mask of the packed documents, each padded with loss-masked tokens to a
+    multiple of ``pad_to`` (1: no padding); the real and padded cu_seqlens."""
+    g = torch.Generator().manual_seed(5)
+    tokens, labels, mask = [], [], []
+    for n in LENGTHS:
+        padded = -(-n // pad_to) * pad_to
+        tokens.append(torch.randint(0, 128, (padded,), generator=g))
+        labels.append(torch.randint(0, 128, (padded,), generator=g))
+        mask.append((torch.arange(padded) < n).float())
+    real = np.concatenate([[0], np.cumsum(LENGTHS)])
+    padded = np.concatenate([[0], np.cumsum([-(-n // pad_to) * pad_to for n in LENGTHS])])
+    batch = {"tokens": torch.cat(tokens)[None], "labels": torch.cat(labels)[None], "loss_mask": torch.cat(mask)[None]}
+    return batch, torch.tensor(real, dtype=torch.int32), torch.tensor(padded, dtype=torch.int32)
+
+
+def real_tokens(batch, cu_real, cu_padded):
+    """The unpadded stream of a padded batch (same tokens and labels)."""
+    keep = torch.cat([torch.arange(int(a), int(a) + int(r1 - r0))
+                      for a, r0, r1 in zip(cu_padded[:-1], cu_real[:-1], cu_real[1:])])
+    return {k: v.index_select(1, keep) for k, v in batch.items()}
+
+
+def config(cp_settings=None):
+    cfg = tg.TinyGPTConfig(**MODEL)
+    if cp_settings is not None:
+        hp, w, placement = cp_settings
+        cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement)
+    return cfg
+
+
+def run_model(model, local, params):
+    """Loss (sum over the CP group of masked per-token loss / masked tokens) and full gradients."""
+    model.zero_grad(set_to_none=True)
+    per_token = model(input_ids=local["tokens"], position_ids=local.get("position_ids"), attention_mask=None,
+                      labels=local["labels"], packed_seq_params=params)
+    count = local["loss_mask"].sum()
+    total = tg._cp_sum(count)
+    local_sum = (per_token.float() * local["loss_mask"]).sum()
+    (local_sum / total).backward()
+    tg.all_reduce_grads_over_cp(model)
+    return {"loss": tg._cp_sum(local_sum) / total, "grads": tg.full_gradients(model),
+            "per_token_finite": bool(torch.isfinite(per_token).all())}
+
+
+def megatron_params(cu_real, cu_padded):
+    """PackedSeqParams as pretrain_gpt.py's forward_step builds them (global cu_seqlens)."""
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                           max_seqlen_q=int((cu_padded[1:] - cu_padded[:-1]).max()),
+                           max_seqlen_kv=int((cu_padded[1:] - cu_padded[:-1]).max()))
+
+
+def run_all(rank, world):
+    spec = get_gpt_layer_spec_2d(use_transformer_engine=False)
+    padded_batch, cu_real, cu_padded = packed_stream(PAD_TO)
+    unpadded = real_tokens(padded_batch, cu_real, cu_padded)
+    out = {}
+    tg.init_parallel()
+    out["ref_zigzag"] = run_model(tg.build_tiny_gpt(config(), spec), padded_batch, megatron_params(cu_real, cu_padded))
+    out["ref_documents"] = run_model(tg.build_tiny_gpt(config(), spec), unpadded, megatron_params(cu_real, cu_real))
+    for name, (cp, settings) in LAYOUTS.items():
+        tg.init_parallel(context_parallel_size=cp)
+        cp_group = tg.parallel_state.get_context_parallel_group()
+        model = tg.build_tiny_gpt(config(settings), spec)
+        batch = dict(padded_batch, cu_seqlens=cu_real, cu_seqlens_padded=cu_padded)
+        local = get_thd_batch_on_this_cp_rank_2d(batch, cp_group)
+        out[(name, "zigzag")] = run_model(model, local, megatron_params(cu_real, cu_padded))
+        model = use_document_positions(tg.build_tiny_gpt(config(settings), spec))
+        local, params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
+        out[(name, "documents")] = run_model(model, local, params)
+        out[(name, "documents_stats")] = params.layout.stats()
+    destroy_2d_groups()
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(8, run_all, timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", ["zigzag", "documents"])
+def test_packed_gpt_matches_cp1(results, layout, mode):
+    actual, expected = results[(layout, mode)], results[f"ref_{mode}"]
+    assert actual["per_token_finite"]
+    errors = tg.compare_results(actual, expected)
+    assert len(expected["grads"]) >= 20
+    bad = {k: e for k, e in errors.items() if not e < RTOL}
+    assert not bad, f"relative errors above {RTOL}: {bad}"
+
+
+def test_padding_changes_nothing_and_the_references_agree(results):
+    """The two references see the same real tokens (one padded per document, loss-masked): equal losses."""
+    errors = tg.compare_results(results["ref_zigzag"], results["ref_documents"])
+    assert max(errors.values()) < RTOL, errors
+
+
+def test_documents_layout_of_the_batch_is_balanced(results):
+    for layout in LAYOUTS:
+        stats = results[(layout, "documents_stats")]
+        assert stats["pairs_max_over_mean"] < 1.1 and stats["tokens_max_over_mean"] < 1.1, stats
