@@ -51,12 +51,13 @@ def real_tokens(batch, cu_real, cu_padded):
     return {k: v.index_select(1, keep) for k, v in batch.items()}
 
 
-def config(cp_settings=None):
+def config(cp_settings=None, packing="zigzag"):
     cfg = tg.TinyGPTConfig(**MODEL)
     if cp_settings is not None:
         hp, w, placement = cp_settings
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement)
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement,
+                                    cp_2d_packing=packing)
     return cfg
 
 
@@ -97,10 +98,18 @@ def run_all(rank, world):
         batch = dict(padded_batch, cu_seqlens=cu_real, cu_seqlens_padded=cu_padded)
         local = get_thd_batch_on_this_cp_rank_2d(batch, cp_group)
         out[(name, "zigzag")] = run_model(model, local, megatron_params(cu_real, cu_padded))
-        model = use_document_positions(tg.build_tiny_gpt(config(settings), spec))
+        model = use_document_positions(tg.build_tiny_gpt(config(settings, "documents"), spec))
         local, params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
         out[(name, "documents")] = run_model(model, local, params)
         out[(name, "documents_stats")] = params.layout.stats()
+        # a batch of the other layout than the config says is refused, not run
+        for packing, (batch_local, batch_params) in (("zigzag", (local, params)),
+                                                     ("documents", (get_thd_batch_on_this_cp_rank_2d(batch, cp_group),
+                                                                    megatron_params(cu_real, cu_padded)))):
+            try:
+                run_model(tg.build_tiny_gpt(config(settings, packing), spec), batch_local, batch_params)
+            except ValueError as err:
+                out[(name, "refused", packing)] = str(err)
     destroy_2d_groups()
     return out if rank == 0 else None
 
@@ -125,6 +134,14 @@ def test_padding_changes_nothing_and_the_references_agree(results):
     """The two references see the same real tokens (one padded per document, loss-masked): equal losses."""
     errors = tg.compare_results(results["ref_zigzag"], results["ref_documents"])
     assert max(errors.values()) < RTOL, errors
+
+
+def test_a_batch_in_the_other_layout_is_refused(results):
+    for layout in LAYOUTS:
+        assert "cp_2d_packing is 'zigzag' but the batch comes in the 'documents' layout" in \
+            results[(layout, "refused", "zigzag")]
+        assert "cp_2d_packing is 'documents' but the batch comes in the 'zigzag' layout" in \
+            results[(layout, "refused", "documents")]
 
 
 def test_documents_layout_of_the_batch_is_balanced(results):

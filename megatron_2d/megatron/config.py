@@ -39,6 +39,11 @@ class TransformerConfig2D(TransformerConfig):
     """How dK/dV partials travel the ring in backward: "accumulator" (fp32, exact; the default) or "input" (the
     activation dtype, Transformer Engine's bytes; see megatron_2d.attention_2d for the measured error)."""
 
+    cp_2d_packing: str = "zigzag"
+    """How packed documents (THD batches) are laid out over the CP group: "zigzag" (Megatron's per-document
+    split, what --sft batches get) or "documents" (short documents whole on one context rank; needs the data
+    path of megatron_2d.megatron.packed_data, as examples/pretrain_gpt_2d.py uses). Unpacked batches ignore it."""
+
     selective_checkpoint_plus_plus: bool = False
     """Selective Checkpoint++: with full-layer recompute, keep each layer's attention output and log-sum-exp from
     the forward pass so the recompute pass skips attention (its kernels, all-to-alls and ring traffic)."""
@@ -53,12 +58,15 @@ class TransformerConfig2D(TransformerConfig):
             if self.cp_2d_dkv_comm_dtype not in ("accumulator", "input"):
                 raise ValueError(f"cp_2d_dkv_comm_dtype {self.cp_2d_dkv_comm_dtype!r} is not one of "
                                  f"['accumulator', 'input']")
+            if self.cp_2d_packing not in ("zigzag", "documents"):
+                raise ValueError(f"cp_2d_packing {self.cp_2d_packing!r} is not one of ['zigzag', 'documents']")
             settings_from_config(self)
             check_attention_settings(self)
             return
         given = {name: getattr(self, name) for name, default in (
             ("cp_2d_head_parallel_size", None), ("cp_2d_context_size", None), ("cp_2d_window_size", 1),
-            ("cp_2d_placement", "head_first"), ("cp_2d_dkv_comm_dtype", "accumulator"))
+            ("cp_2d_placement", "head_first"), ("cp_2d_dkv_comm_dtype", "accumulator"),
+            ("cp_2d_packing", "zigzag"))
             if getattr(self, name) != default}
         if given:
             raise ValueError(f"2D settings {given} are set but cp_comm_type is {layer_comm_types(self.cp_comm_type)}, "

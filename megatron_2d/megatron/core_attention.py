@@ -178,6 +178,14 @@ class CoreAttention2D(MegatronModule):
         if query.dim() != 3:
             raise ValueError(f"THD query must be [t, heads, d], got {tuple(query.shape)}")
         carried = getattr(packed_seq_params, "layout", None)
+        wanted = getattr(self.config, "cp_2d_packing", "zigzag")
+        mode = "zigzag" if carried is None else carried.mode
+        if mode != wanted and self.groups.layout.cp_size > 1:
+            raise ValueError(f"cp_2d_packing is {wanted!r} but the batch comes in the {mode!r} layout: "
+                             + ("build batches with megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank "
+                                "(examples/pretrain_gpt_2d.py does with --cp-2d-packing documents)"
+                                if wanted == "documents" else "set cp_2d_packing='documents' (--cp-2d-packing "
+                                                               "documents) for batches of that data path"))
         if carried is not None:
             return carried
         cache = packed_seq_params.__dict__.setdefault("_megatron_2d_layouts", {})

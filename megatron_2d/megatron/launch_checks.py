@@ -35,8 +35,10 @@ def check_launch_args(args) -> None:
     if not uses_2d(getattr(args, "cp_comm_type", None)):
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
-    if "--dataloader-inter-document-masking" in given and getattr(args, "sft", False):
-        given.remove("--dataloader-inter-document-masking")      # --sft: per-document THD split, supported
+    if "--dataloader-inter-document-masking" in given and (
+            getattr(args, "sft", False) or getattr(args, "cp_2d_packing", "zigzag") == "documents"):
+        # --sft: Megatron's per-document THD split; documents: our data path splits the batch itself
+        given.remove("--dataloader-inter-document-masking")
     if given:
         raise ValueError(f"{', '.join(given)} gives document masks the 2d backend (cp_comm_type "
                          f"{layer_comm_types(args.cp_comm_type)}) would not see as packed THD batches; drop "
