@@ -219,3 +219,17 @@ def test_cpu_launch_refuses_to_act_where_cuda_is_available(scripts, monkeypatch)
         install_pretrain_cpu_shims()
     with pytest.raises(CudaAvailableError):
         run_pretrain(1, scripts["stock"], BASE)
+
+
+DOCUMENTS = ["--dataloader-inter-document-masking", "--no-rope-fusion"]
+
+
+def test_example_documents_layout_equals_cp1(scripts, monkeypatch):
+    """--cp-2d-packing documents through the example's own data path (mock documents, RoPE at document positions)
+    against the example at CP=1 on the same packed batches (there the batch is one rank's, whole)."""
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
+    example = REPO / "examples" / "pretrain_gpt_2d.py"
+    ref = losses(run_pretrain(1, example, BASE + DOCUMENTS + ["--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "1"]))
+    logs = run_pretrain(4, example, BASE + CP4_2D + DOCUMENTS + ["--cp-2d-packing", "documents"])
+    assert ref[ITERATIONS] < ref[1]
+    assert_same_losses(losses(logs), ref)

@@ -36,8 +36,10 @@ def check_launch_args(args) -> None:
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
     if "--dataloader-inter-document-masking" in given and (
-            getattr(args, "sft", False) or getattr(args, "cp_2d_packing", "zigzag") == "documents"):
-        # --sft: Megatron's per-document THD split; documents: our data path splits the batch itself
+            getattr(args, "sft", False) or getattr(args, "cp_2d_packing", "zigzag") == "documents"
+            or getattr(args, "context_parallel_size", 1) == 1):
+        # --sft: Megatron's per-document THD split; documents: our data path splits the batch itself; CP=1: no
+        # split at all
         given.remove("--dataloader-inter-document-masking")
     if given:
         raise ValueError(f"{', '.join(given)} gives document masks the 2d backend (cp_comm_type "
