@@ -18,6 +18,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 
 from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
+from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
 
 
 def train(rank, world, args, context_parallel: bool):
@@ -62,6 +63,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--sliding-window", type=int, default=None,
                    help="Megatron's window_size=(TOKENS, 0) on every layer: K/V then go to neighbours only")
     args = p.parse_args(argv)
+    install_megatron_cpu_shims()        # the demo runs megatron-core on CPU ranks: it asks for the shims
     (ref_losses, _), (losses, sent) = run_on_ranks(args.ranks, run, args, timeout_s=600)[0]
 
     from rich.console import Console

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
+from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
 
 MODES = {
     "none": {},
@@ -221,6 +222,7 @@ def parse_args(argv: Optional[List[str]] = None):
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    install_megatron_cpu_shims()        # megatron-core on CPU ranks
     rows = report(args)
     print_activation_table(rows, args)
     states = model_state_rows(args)

@@ -36,7 +36,7 @@ def init_parallel(context_parallel_size: int = 1, num_distributed_optimizer_inst
 
     from megatron_2d.testing import tiny_gpt
 
-    tiny_gpt.init_parallel()  # tears down the previous layout (groups included) and installs the shims
+    tiny_gpt.init_parallel()  # tears down the previous layout (groups included); needs the shims
     parallel_state.destroy_model_parallel()
     tiny_gpt._destroy_subgroups()
     parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None

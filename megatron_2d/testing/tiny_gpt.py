@@ -33,23 +33,16 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing.megatron_cpu import (
-    cuda_to_cpu,
-    install_megatron_cpu_shims,
-    model_parallel_cpu_manual_seed,
-)
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-install_megatron_cpu_shims()
-
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d  # noqa: E402
-from megatron_2d.megatron.process_groups import destroy_2d_groups  # noqa: E402
+from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d
+from megatron_2d.megatron.process_groups import destroy_2d_groups
+from megatron_2d.testing.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
 
 Batch = Dict[str, torch.Tensor]
 
@@ -68,9 +61,12 @@ def init_parallel(
 
     Call on every rank of an initialized gloo world (e.g. inside ``run_on_ranks``); the data-parallel
     size is whatever remains of the world. Calling it again replaces the previous layout, so one forked
-    run can compare several layouts.
+    run can compare several layouts. The CPU shims must be installed first, by an explicit
+    ``install_megatron_cpu_shims()`` (tests/conftest.py and the demo do; forked ranks inherit them).
     """
-    install_megatron_cpu_shims()
+    if not shims_installed():
+        raise RuntimeError("tiny_gpt runs megatron-core on CPU ranks: call megatron_2d.testing.megatron_cpu."
+                           "install_megatron_cpu_shims() first (importing this module patches nothing)")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _destroy_subgroups()
