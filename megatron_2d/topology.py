@@ -143,6 +143,21 @@ class Layout2D:
         return self._map(cp_ranks, self._inter_window_indices())
 
 
+def every_layout(cp_size: int) -> List[Layout2D]:
+    """Every layout of a CP group of ``cp_size`` ranks, by hp, then w, then placement; the two placements are the
+    same layout when hp or cp is 1 (listed once, as head_first).
+
+    >>> [(l.head_parallel_size, l.window_size, l.placement) for l in every_layout(4)][:4]
+    [(1, 1, 'head_first'), (1, 2, 'head_first'), (1, 4, 'head_first'), (2, 1, 'head_first')]
+    """
+    out = []
+    for hp in divisors(cp_size):
+        cp = cp_size // hp
+        placements = PLACEMENTS if hp > 1 and cp > 1 else PLACEMENTS[:1]
+        out.extend(Layout2D(cp_size, hp, w, p) for w in divisors(cp) for p in placements)
+    return out
+
+
 @dataclass(frozen=True)
 class RankPlace:
     """Where one rank sits in the 2D layout of its CP group."""
