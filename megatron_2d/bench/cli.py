@@ -25,6 +25,9 @@ HELP = {
     "layers": "decoder layers",
     "hidden": "hidden size",
     "repeats": "timed runs after one warm-up (median)",
+    "steps": "training steps",
+    "lr": "learning rate",
+    "seq_per_rank": "tokens per rank",
     "timeout": "process-group timeout, seconds",
 }
 
@@ -67,3 +70,18 @@ def format_table(title: str, header: Sequence[str], body: Sequence[Sequence[str]
     for line in [list(header)] + [list(b) for b in body]:
         lines.append("  ".join(x.rjust(n) if j else x.ljust(n) for j, (x, n) in enumerate(zip(line, widths))))
     return "\n".join(lines)
+
+
+def terminal_console(stream: Optional[TextIO] = None, min_width: int = 120):
+    """A rich Console on ``stream`` when it is a terminal and rich is installed, else None (print plain text)."""
+    stream = sys.stdout if stream is None else stream
+    if not stream.isatty():
+        return None
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    import shutil
+
+    return Console(file=stream, highlight=False, soft_wrap=True,
+                   width=max(shutil.get_terminal_size((160, 24)).columns, min_width))
