@@ -103,6 +103,21 @@ class Layout2D:
             return index % self.head_parallel_size, index // self.head_parallel_size
         return index // self.context_size, index % self.context_size
 
+    def send_peers(self, index: int) -> Dict[str, List[int]]:
+        """CP indices CP index i sends to, per path: 'a2a' the rest of its head group; 'inner' the next rank of its
+        inner ring, (hr, window*w + (slot+1) % w), when w > 1; 'outer' the next rank of its outer ring,
+        (hr, (cr + w) % cp), when cp / w > 1.
+
+        >>> Layout2D(cp_size=8, head_parallel_size=2, window_size=2).send_peers(0)
+        {'a2a': [1], 'inner': [2], 'outer': [4]}
+        """
+        hp, cp, w = self.head_parallel_size, self.context_size, self.window_size
+        hr, cr = self.coords_of(index)
+        window, slot = divmod(cr, w)
+        return {"a2a": [self.index_of(h, cr) for h in range(hp) if h != hr],
+                "inner": [self.index_of(hr, window * w + (slot + 1) % w)] if w > 1 else [],
+                "outer": [self.index_of(hr, (cr + w) % cp)] if cp // w > 1 else []}
+
     # -- groups, as lists of CP indices ---------------------------------------------------------------
     def _head_group_indices(self) -> List[List[int]]:
         hp, cp = self.head_parallel_size, self.context_size

@@ -42,7 +42,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d
 from megatron_2d.megatron.process_groups import destroy_2d_groups
+from megatron_2d.sequence_layout import unshard_sequence
 from megatron_2d.testing.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
+from megatron_2d.topology import zigzag_chunks
 
 Batch = Dict[str, torch.Tensor]
 
@@ -275,19 +277,13 @@ def shard_batch_for_cp(batch: Batch) -> Batch:
 
 
 def zigzag_chunk_ids(cp_rank: int, cp_size: int) -> List[int]:
-    """Indices of the 2*cp sequence chunks that CP rank ``cp_rank`` holds, in its local order."""
-    return [cp_rank, 2 * cp_size - 1 - cp_rank]
+    """Indices of the 2*cp sequence chunks that CP rank ``cp_rank`` holds, in its local order (topology's)."""
+    return list(zigzag_chunks(cp_rank, cp_size))
 
 
 def unshard_cp(per_rank: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
-    """Inverse of the zigzag split: ``per_rank[r]`` is CP rank r's local tensor."""
-    cp = len(per_rank)
-    chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp)
-    for r, local in enumerate(per_rank):
-        first, second = local.chunk(2, dim=seq_dim)
-        ids = zigzag_chunk_ids(r, cp)
-        chunks[ids[0]], chunks[ids[1]] = first, second
-    return torch.cat(chunks, dim=seq_dim)
+    """Inverse of the zigzag split: ``per_rank[r]`` is CP rank r's local tensor (sequence_layout's)."""
+    return unshard_sequence(per_rank, seq_dim=seq_dim)
 
 
 def _gather_cp_sequence(local: torch.Tensor, seq_dim: int) -> torch.Tensor:
