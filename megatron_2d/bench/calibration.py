@@ -41,6 +41,7 @@ from ..plan import (ClusterSpec, FitResult, Layout, ModelSpec, ParallelSpec, Wor
 from ..testing.distributed import run_on_ranks
 from . import compare as bench_compare
 from .cli import render_table
+from .harness import time_call
 
 UNBOUNDED = 1e9      # TFLOP/s and GB/s that make kernels and transfers free (fixed costs only)
 
@@ -68,13 +69,7 @@ class MachineFigures:
 # -- measurements -----------------------------------------------------------------------------------------------
 
 def _best_seconds(fn, repeats: int = 5) -> float:
-    fn()                                                     # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return time_call(fn, repeats, reduce=min)
 
 
 def measure_peak_flops(dtype: torch.dtype, n: int = 1024) -> float:

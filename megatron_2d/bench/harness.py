@@ -35,6 +35,17 @@ def layout_record(layout: Layout2D) -> Dict[str, object]:
             "placement": layout.placement}
 
 
+def time_call(fn, repeats: int, reduce=statistics.median) -> float:
+    """``reduce`` (median by default) of the seconds of ``repeats`` calls of ``fn``, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return reduce(times)
+
+
 def make_inputs(args, dtype: torch.dtype, seed: int = 0) -> List[torch.Tensor]:
     """q, k, v, dout: full [S, b, h, d] tensors of ``args`` (seq, batch, heads, kv_heads, dim), from one seed."""
     g = torch.Generator().manual_seed(seed)

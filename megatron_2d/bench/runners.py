@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..attention import attention_2d
 from ..groups import build_groups_for_layout
-from ..topology import Layout2D
+from ..topology import Layout2D, divisors
 from .harness import bench_layouts, label, layout_record
 
 OURS = "2D (ours)"
@@ -263,7 +263,7 @@ def te_impls(args) -> List[Impl]:
                                                          f"hkv={args.kv_heads}"))
     else:
         rows.append(impl("a2a", n, "TE a2a"))
-    sizes = [a for a in range(2, n) if n % a == 0 and args.heads % a == 0 and args.kv_heads % a == 0]
+    sizes = [a for a in divisors(n)[1:-1] if args.heads % a == 0 and args.kv_heads % a == 0]
     rows += [impl("a2a+p2p", a, f"TE a2a+p2p [{a}, {n // a}]") for a in sizes]
     if not sizes:
         rows.append(Impl("TE a2a+p2p", "TE a2a+p2p", unavailable=f"no a2a size 1 < A < {n} divides hq and hkv"))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -25,18 +23,13 @@ from megatron_2d.kernels import select_kernel
 from megatron_2d.testing.distributed import run_on_ranks
 
 from .cli import add_arguments, render_table
+from .harness import time_call
 
 LAYOUTS = [(1, 1, "head_first"), (1, 2, "head_first"), (2, 1, "head_first")]   # (hp, Double-Ring w, placement)
 
 
 def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_call(fn, repeats)
 
 
 def bench_rank(rank, world, args, windows: List[Tuple[str, int]]) -> Dict:

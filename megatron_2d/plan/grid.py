@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..bench.cli import terminal_console
+from ..topology import divisors
 from .candidates import STOCK_KINDS, Layout
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
 from .planner import Candidate, evaluate, plan
@@ -119,7 +120,7 @@ def _cp_sizes(gpus: int, tp: int, pp: int, seq: int, free_cp: bool) -> List[Opti
     left = gpus // (tp * pp)
     if not free_cp:
         return [None]
-    return [c for c in range(1, left + 1) if left % c == 0 and seq % (2 * c) == 0]
+    return [c for c in divisors(left) if seq % (2 * c) == 0]
 
 
 @lru_cache(maxsize=None)
