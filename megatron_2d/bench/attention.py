@@ -27,7 +27,7 @@ from megatron_2d.testing.distributed import run_on_ranks
 
 from ..groups import build_groups_for_layout
 from ..topology import Layout2D
-from .cli import add_arguments, render_table
+from .cli import add_arguments, add_output_arguments, render_table
 from .harness import DTYPES, bench_layouts, label, layout_record, make_inputs, time_single_process
 
 
@@ -96,8 +96,7 @@ def parse_args(argv: Optional[List[str]] = None):
     add_arguments(p, ranks=8, seq=4096, batch=1, heads=8, kv_heads=8, dim=64, repeats=3, timeout=120.0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--json", help="also write the rows to this JSON file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_arguments(p)
     return p.parse_args(argv)
 
 

@@ -40,7 +40,7 @@ from ..plan import (ClusterSpec, FitResult, Layout, ModelSpec, ParallelSpec, Wor
                     work_counts)
 from ..testing.distributed import run_on_ranks
 from . import compare as bench_compare
-from .cli import render_table
+from .cli import add_arguments, add_output_arguments, render_table
 from .harness import time_call
 
 UNBOUNDED = 1e9      # TFLOP/s and GB/s that make kernels and transfers free (fixed costs only)
@@ -307,15 +307,9 @@ def parse_args(argv: Optional[List[str]] = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8], help="CP sizes to measure (default 4 8)")
     p.add_argument("--from-json", nargs="+", metavar="PATH", help="bench_compare.py --json outputs instead of running")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--dim", type=int, default=64)
+    add_arguments(p, seq=4096, batch=1, heads=8, kv_heads=8, dim=64, repeats=5)
     p.add_argument("--dtype", choices=sorted(bench_compare.DTYPES), default="bf16")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", help="also write predicted vs measured and the fitted figures here")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_arguments(p, json_help="also write predicted vs measured and the fitted figures here")
     return p.parse_args(argv)
 
 

@@ -41,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser, **defaults) -> argparse.Argum
     return parser
 
 
+def add_output_arguments(parser: argparse.ArgumentParser,
+                         json_help: str = "also write the rows to this JSON file") -> argparse.ArgumentParser:
+    """``--json PATH`` and ``--quiet`` (no progress bar), as every benchmark takes them."""
+    parser.add_argument("--json", help=json_help)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
 def render_table(title: str, header: Sequence[str], body: Sequence[Sequence[str]], width: int = 140,
                  stream: Optional[TextIO] = None, use_rich: Optional[bool] = None) -> None:
     """Print a table: with ``rich`` when installed (and, if ``use_rich`` is None, always; pass False for plain

@@ -43,7 +43,7 @@ import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_on_rank
 
-from .cli import add_arguments, render_table
+from .cli import add_arguments, add_output_arguments, render_table
 from .harness import DTYPES, make_inputs, time_single_process
 from .runners import (OURS, RING_FLASH, Impl, Runner, TEContextParallel, all_impls, ring_flash_impl,  # noqa: F401
                       te_impls)
@@ -325,8 +325,7 @@ def parse_args(argv: Optional[List[str]] = None):
                    help="cpu: fork --ranks gloo ranks; cuda: run under torchrun (NCCL, one GPU per rank)")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="only our 2D layouts")
     add_arguments(p, timeout=120.0)
-    p.add_argument("--json", help="also write the rows to this JSON file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_arguments(p)
     args = p.parse_args(argv)
     args.causal = True                              # zigzag rings (ours and the peers) are causal
     if args.device == "cuda":

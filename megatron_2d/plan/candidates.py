@@ -182,10 +182,8 @@ def _layout_flags(layout: Layout, parallel: ParallelSpec) -> str:
     if layout.kind == "2d":
         return (f"{cp} --cp-comm-type 2d --cp-2d-head-parallel-size {layout.hp} "
                 f"--cp-2d-window-size {layout.w} --cp-2d-placement {layout.placement}")
-    if layout.kind == "p2p":
-        return f"{cp} --cp-comm-type p2p"
-    if layout.kind == "a2a":
-        return f"{cp} --cp-comm-type a2a"
+    if layout.kind in ("p2p", "a2a"):
+        return f"{cp} --cp-comm-type {layout.kind}"
     if layout.kind == "a2a+p2p":
         return f"{cp} --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes {layout.hp} {layout.cp}"
     return f"(no Megatron flag: DeepSpeed-Ulysses, sequence-parallel size {layout.cp_size} in DeepSpeed)"
