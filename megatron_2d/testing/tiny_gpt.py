@@ -58,8 +58,10 @@ def init_parallel(
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
     seed: int = 1234,
+    **initialize_kwargs: Any,
 ) -> None:
-    """(Re)initialize megatron's parallel state on this rank and seed its RNG tracker.
+    """(Re)initialize megatron's parallel state on this rank and seed its RNG tracker; ``initialize_kwargs`` go to
+    megatron's ``initialize_model_parallel`` (e.g. ``num_distributed_optimizer_instances``).
 
     Call on every rank of an initialized gloo world (e.g. inside ``run_on_ranks``); the data-parallel
     size is whatever remains of the world. Calling it again replaces the previous layout, so one forked
@@ -84,6 +86,7 @@ def init_parallel(
         ),
         create_gloo_process_groups=False,  # the default backend already is gloo
         distributed_timeout_minutes=1,
+        **initialize_kwargs,
     )
     model_parallel_cpu_manual_seed(seed)
 
