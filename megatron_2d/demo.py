@@ -16,8 +16,10 @@ from typing import List, Optional
 # megatron-core warns at import about CUDA-only extras (TE, apex) that a CPU demo does not use
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
+from megatron_2d.bench.cli import add_arguments, render_table  # noqa: E402
 from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
+from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
 
 
 def train(rank, world, args, context_parallel: bool):
@@ -48,46 +50,30 @@ def run(rank, world, args):
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description="Tiny GPT: 2D context parallelism vs CP=1 on CPU ranks")
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--hp", type=int, default=2, help="head-parallel size (default 2)")
-    p.add_argument("--window", type=int, default=2, help="Double-Ring window (default 2)")
+    add_arguments(p, ranks=8, hp=2, window=2)
     p.add_argument("--placement", default="head_first", choices=["head_first", "context_first"])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
+    add_arguments(p, steps=8, layers=4, hidden=128, heads=8, kv_heads=2, seq=256, lr=3e-3)
     p.add_argument("--sliding-window", type=int, default=None,
                    help="Megatron's window_size=(TOKENS, 0) on every layer: K/V then go to neighbours only")
     args = p.parse_args(argv)
+    install_megatron_cpu_shims()        # the demo runs megatron-core on CPU ranks: it asks for the shims
     (ref_losses, _), (losses, sent) = run_on_ranks(args.ranks, run, args, timeout_s=600)[0]
-
-    from rich.console import Console
-    from rich.table import Table
 
     cp = args.ranks // args.hp
     layout = f"2D: CP={args.ranks} = hp {args.hp} x cp {cp}, w {args.window}, {args.placement}"
     if args.sliding_window is not None:
         layout += f", sliding window {args.sliding_window}"
-    table = Table(title=f"Tiny GPT ({args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} "
-                        f"KV heads, RoPE, seq {args.seq}), Adam, {args.ranks} CPU ranks")
-    for name in ("step", "loss CP=1", f"loss {layout}", "|difference|"):
-        table.add_column(name, justify="right")
-    for step, (a, b) in enumerate(zip(ref_losses, losses)):
-        table.add_row(str(step), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}")
-    console = Console(width=140)
-    console.print(table)
-    comm = Table(title="Bytes sent per rank per training step (forward + backward, all layers)")
+    render_table(f"Tiny GPT ({args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} "
+                 f"KV heads, RoPE, seq {args.seq}), Adam, {args.ranks} CPU ranks",
+                 ["step", "loss CP=1", f"loss {layout}", "|difference|"],
+                 [[str(step), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}"]
+                  for step, (a, b) in enumerate(zip(ref_losses, losses))])
     kinds = {"all_to_all": "all-to-all", "inner_ring": "inner ring", "outer_ring": "outer ring",
              "neighbour": "neighbour exchange"}
-    for name in kinds.values():
-        comm.add_column(name, justify="right")
-    comm.add_row(*(f"{sent[k] / 2**20:.2f} MiB" for k in kinds))
-    console.print(comm)
+    render_table("Bytes sent per rank per training step (forward + backward, all layers)", list(kinds.values()),
+                 [[f"{sent[k] / 2**20:.2f} MiB" for k in kinds]])
     worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses))
-    console.print(f"max relative loss difference over {args.steps} steps: {worst:.1e}")
+    print(f"max relative loss difference over {args.steps} steps: {worst:.1e}")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,20 @@ class Groups2D:
         """Chunk ids in the order the all-to-all delivers them: by head rank, then first/second zigzag half."""
         return received_chunks(self.layout, context_rank)
 
+    def process_groups(self) -> Tuple[dist.ProcessGroup, ...]:
+        """Every process group of this rank (the None ones of single-rank groups left out)."""
+        return tuple(pg for pg in (self.head_group, self.inner_kv_group, self.inner_dkv_group, self.outer_kv_group,
+                                   self.outer_dkv_group, self.context_kv_group, self.context_dkv_group)
+                     if pg is not None)
+
+    def destroy(self) -> None:
+        """Destroy this rank's process groups (those still alive); the op's cached setup goes with them."""
+        live = dist.distributed_c10d._world.pg_map
+        for pg in self.process_groups():
+            if pg in live:
+                dist.destroy_process_group(pg)
+        self.op_cache.clear()
+
 
 def default_group_timeout() -> Optional[datetime.timedelta]:
     """The default process group's timeout (e.g. Megatron's --distributed-timeout-minutes), if readable."""
@@ -96,9 +110,22 @@ def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: st
         timeout: timeout of the new process groups (when None: the default group's, else torch's default).
         backend: backend of the new groups (the default group's when None).
     """
+    lists = [list(range(dist.get_world_size()))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
+    _check_same_on_every_rank(head_parallel_size, window_size, placement, lists)   # before validating: no rank hangs
+    layout = Layout2D(len(lists[0]) if lists else 0, head_parallel_size, window_size, placement)
+    return _build(layout, lists, timeout, backend)
+
+
+def build_groups_for_layout(layout: Layout2D, cp_rank_lists: Sequence[Sequence[int]],
+                            timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None) -> Groups2D:
+    """:func:`build_2d_groups` for a validated layout (collective: every rank passes the same layout and lists)."""
+    lists = [list(r) for r in cp_rank_lists]
+    _check_same_on_every_rank(layout.head_parallel_size, layout.window_size, layout.placement, lists)
+    return _build(layout, lists, timeout, backend)
+
+
+def _check_same_on_every_rank(head_parallel_size, window_size, placement, lists: List[List[int]]) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
-    timeout = default_group_timeout() if timeout is None else timeout
-    lists = [list(range(world))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
     settings = (head_parallel_size, window_size, placement, lists)
     gathered: List[object] = [None] * world
     dist.all_gather_object(gathered, settings)
@@ -107,8 +134,12 @@ def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: st
         raise LayoutError(f"build_2d_groups called with different arguments on ranks {differing}: rank {rank} has "
                           f"(hp, w, placement, cp_rank_lists)={settings}, rank {differing[0]} has "
                           f"{gathered[differing[0]]}; every rank must pass the same values")
-    cp_size = len(lists[0]) if lists else 0
-    layout = Layout2D(cp_size, head_parallel_size, window_size, placement)
+
+
+def _build(layout: Layout2D, lists: List[List[int]], timeout: Optional[datetime.timedelta],
+           backend: Optional[str]) -> Groups2D:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    timeout = default_group_timeout() if timeout is None else timeout
     places = place_all_ranks(layout, lists, world)
 
     def all_of(kind: str) -> List[List[int]]:

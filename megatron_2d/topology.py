@@ -103,6 +103,21 @@ class Layout2D:
             return index % self.head_parallel_size, index // self.head_parallel_size
         return index // self.context_size, index % self.context_size
 
+    def send_peers(self, index: int) -> Dict[str, List[int]]:
+        """CP indices CP index i sends to, per path: 'a2a' the rest of its head group; 'inner' the next rank of its
+        inner ring, (hr, window*w + (slot+1) % w), when w > 1; 'outer' the next rank of its outer ring,
+        (hr, (cr + w) % cp), when cp / w > 1.
+
+        >>> Layout2D(cp_size=8, head_parallel_size=2, window_size=2).send_peers(0)
+        {'a2a': [1], 'inner': [2], 'outer': [4]}
+        """
+        hp, cp, w = self.head_parallel_size, self.context_size, self.window_size
+        hr, cr = self.coords_of(index)
+        window, slot = divmod(cr, w)
+        return {"a2a": [self.index_of(h, cr) for h in range(hp) if h != hr],
+                "inner": [self.index_of(hr, window * w + (slot + 1) % w)] if w > 1 else [],
+                "outer": [self.index_of(hr, (cr + w) % cp)] if cp // w > 1 else []}
+
     # -- groups, as lists of CP indices ---------------------------------------------------------------
     def _head_group_indices(self) -> List[List[int]]:
         hp, cp = self.head_parallel_size, self.context_size
@@ -141,6 +156,21 @@ class Layout2D:
     def inter_window_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
         """The outer rings: the context ranks with the same slot in every window (cp / w ranks each)."""
         return self._map(cp_ranks, self._inter_window_indices())
+
+
+def every_layout(cp_size: int) -> List[Layout2D]:
+    """Every layout of a CP group of ``cp_size`` ranks, by hp, then w, then placement; the two placements are the
+    same layout when hp or cp is 1 (listed once, as head_first).
+
+    >>> [(l.head_parallel_size, l.window_size, l.placement) for l in every_layout(4)][:4]
+    [(1, 1, 'head_first'), (1, 2, 'head_first'), (1, 4, 'head_first'), (2, 1, 'head_first')]
+    """
+    out = []
+    for hp in divisors(cp_size):
+        cp = cp_size // hp
+        placements = PLACEMENTS if hp > 1 and cp > 1 else PLACEMENTS[:1]
+        out.extend(Layout2D(cp_size, hp, w, p) for w in divisors(cp) for p in placements)
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""tools/bench_compare.py: the CPU flash_attn stand-in, the fp64 reference, the correctness gate, an end-to-end run.
+"""tools/bench_compare.py (megatron_2d.bench.compare): the CPU flash_attn stand-in, the fp64 reference, the correctness gate, an end-to-end run.
 
 No timing is asserted: only that every row has a finite time and an error below the bf16 tolerance. ring-flash-attn
 is a test dependency (requirements-dev.txt): when it does not import, the tests that need it fail, saying so.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 
 import pytest
@@ -19,8 +18,7 @@ from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import bench_compare  # noqa: E402
+from megatron_2d.bench import compare as bench_compare
 
 BF16_TOLERANCE = TOLERANCE[torch.bfloat16]
 
@@ -197,10 +195,10 @@ def test_bench_compare_end_to_end_json(tmp_path, capsys):
         ["n/a: Transformer Engine CP needs CUDA (--device cuda)"]
 
 
-# -- calibration (tools/calibrate_planner.py) -------------------------------------------------------------------
+# -- calibration (tools/calibrate_planner.py: megatron_2d.bench.calibration) -------------------------------------------------------------------
 
 def test_calibration_recovers_known_rates_and_reads_bench_json():
-    import calibrate_planner as cal
+    from megatron_2d.bench import calibration as cal
 
     machine = cal.MachineFigures(cores=2, peak_flops=400e9, copy_bytes_per_s=30e9,
                                  step_latency_s={4: 5e-4, 8: 1e-3})
@@ -227,7 +225,7 @@ def test_calibration_recovers_known_rates_and_reads_bench_json():
 
 
 def test_spearman_handles_ties():
-    import calibrate_planner as cal
+    from megatron_2d.bench import calibration as cal
 
     assert cal.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert cal.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)

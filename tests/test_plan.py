@@ -278,7 +278,7 @@ def test_infeasible_layouts_have_reasons():
     # hp beyond the query heads
     assert "query heads" in _reason(Layout("a2a", 64, 1, 1))
     # w not dividing cp
-    assert "does not divide cp=8" in _reason(Layout("2d", 8, 8, 3))
+    assert "window size 3 does not divide the context size cp = CP/hp = 64/8 = 8" in _reason(Layout("2d", 8, 8, 3))
     # hp not dividing the heads (24 heads, CP=16)
     m24 = ModelSpec("24h", layers=4, hidden=3072, heads=24, kv_heads=8, ffn_hidden=8192, vocab=32000)
     assert "does not divide the 24 query heads" in _reason(Layout("2d", 16, 1, 1), model=m24, gpus=16)

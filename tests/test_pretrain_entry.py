@@ -8,10 +8,6 @@ import sys
 
 import pytest
 
-from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
-
-install_megatron_cpu_shims(import_training=True)
-
 import megatron.training.arguments as megatron_arguments  # noqa: E402
 
 from megatron_2d.megatron import TransformerConfig2D  # noqa: E402

@@ -17,11 +17,7 @@ import sys
 
 import pytest
 
-from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
 from megatron_2d.testing.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
-
-install_megatron_cpu_shims(import_training=True)  # the stock script imports megatron.training (typing.override)
-
 from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
 from megatron_2d.testing.pretrain_runs import (  # noqa: E402
     lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes)

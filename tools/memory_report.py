@@ -26,8 +26,10 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 
 import torch  # noqa: E402
 
+from megatron_2d.bench.cli import add_arguments, render_table  # noqa: E402
 from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
+from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
 
 MODES = {
     "none": {},
@@ -121,21 +123,15 @@ def report(args) -> List[dict]:
 
 
 def print_activation_table(rows, args) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"Activations saved for backward per decoder layer, one micro-batch, per rank: "
-                        f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
-                        f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
-                        f"{args.ranks // args.hp}, w {args.window})")
-    for name in ("recompute mode", "activations MiB/layer", "extra fwd GFLOP/layer", "extra fwd / layer fwd",
-                 "extra a2a MiB/layer", "extra ring MiB/layer"):
-        table.add_column(name, justify="right")
-    for r in rows:
-        table.add_row(r["mode"], f"{r['activation_MiB_per_layer']:.2f}", f"{r['extra_fwd_GFLOP_per_layer']:.3f}",
-                      f"{100 * r['extra_fwd_flops_vs_layer_fwd']:.0f}%", f"{r['extra_a2a_MiB']:.2f}",
-                      f"{r['extra_ring_MiB']:.2f}")
-    Console(width=160).print(table)
+    render_table(f"Activations saved for backward per decoder layer, one micro-batch, per rank: "
+                 f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
+                 f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
+                 f"{args.ranks // args.hp}, w {args.window})",
+                 ["recompute mode", "activations MiB/layer", "extra fwd GFLOP/layer", "extra fwd / layer fwd",
+                  "extra a2a MiB/layer", "extra ring MiB/layer"],
+                 [[r["mode"], f"{r['activation_MiB_per_layer']:.2f}", f"{r['extra_fwd_GFLOP_per_layer']:.3f}",
+                   f"{100 * r['extra_fwd_flops_vs_layer_fwd']:.0f}%", f"{r['extra_a2a_MiB']:.2f}",
+                   f"{r['extra_ring_MiB']:.2f}"] for r in rows], width=160)
 
 
 def zero_choices(dp: int, cp: int):
@@ -162,16 +158,11 @@ def model_state_rows(args) -> List[dict]:
 
 
 def print_model_state_table(rows, args) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"Model states per rank, {args.model_params / 1e9:.1f}B parameters, bf16 params, fp32 grads, "
-                        f"Adam, DP={args.dp} x CP={args.ranks}")
-    for name in ("sharded states", "params GiB", "grads GiB", "optimizer GiB", "total GiB"):
-        table.add_column(name, justify="right")
-    for r in rows:
-        table.add_row(r["choice"], *(f"{r[k]:.2f}" for k in ("params", "grads", "optimizer", "total")))
-    Console(width=160).print(table)
+    render_table(f"Model states per rank, {args.model_params / 1e9:.1f}B parameters, bf16 params, fp32 grads, "
+                 f"Adam, DP={args.dp} x CP={args.ranks}",
+                 ["sharded states", "params GiB", "grads GiB", "optimizer GiB", "total GiB"],
+                 [[r["choice"], *(f"{r[k]:.2f}" for k in ("params", "grads", "optimizer", "total"))] for r in rows],
+                 width=160)
 
 
 def plot(activation_rows, state_rows, path: str) -> None:
@@ -204,15 +195,7 @@ def plot(activation_rows, state_rows, path: str) -> None:
 
 def parse_args(argv: Optional[List[str]] = None):
     p = argparse.ArgumentParser(description="Activation and model-state memory per recompute / sharding choice")
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--hp", type=int, default=2)
-    p.add_argument("--window", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
+    add_arguments(p, ranks=4, hp=2, window=1, layers=4, hidden=256, heads=8, kv_heads=2, seq=1024, batch=1)
     p.add_argument("--dp", type=int, default=2, help="data-parallel size for the model-state table")
     p.add_argument("--model-params", type=int, default=6_738_415_616, help="parameters (default: a 7B model)")
     p.add_argument("--plot", default="memory_report.png", help="PNG of both tables ('' for none)")
@@ -221,6 +204,7 @@ def parse_args(argv: Optional[List[str]] = None):
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    install_megatron_cpu_shims()        # megatron-core on CPU ranks
     rows = report(args)
     print_activation_table(rows, args)
     states = model_state_rows(args)

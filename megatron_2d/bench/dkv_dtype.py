@@ -15,12 +15,12 @@ import datetime
 from typing import Dict, List, Optional
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import reference_attention, rel_err
+
+from .cli import add_arguments, render_table
 
 
 def ring_errors(rank: int, world: int, seq_per_rank: int, heads: int, dim: int) -> Dict[str, float]:
@@ -56,21 +56,17 @@ def simulated_errors(cp: int, numel: int = 1 << 16, seed: int = 0) -> Dict[str, 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-per-rank", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=64)
-    args = parser.parse_args(argv)
-    table = Table(title="bf16 dK/dV: max relative error against fp64 on the same rounded inputs")
-    for col in ("cp", "riders in fp32 (accumulator)", "riders in bf16 (input, TE's bytes)", "how"):
-        table.add_column(col, justify="right")
+    args = add_arguments(parser, seq_per_rank=256, heads=4, dim=64).parse_args(argv)
+    body = []
     for cp in (2, 4, 8):
         per_rank = run_on_ranks(cp, ring_errors, args.seq_per_rank, args.heads, args.dim, timeout_s=600)
         worst = {m: max(r[m] for r in per_rank) for m in ("accumulator", "input")}
-        table.add_row(str(cp), f"{worst['accumulator']:.2e}", f"{worst['input']:.2e}", "forked ranks")
+        body.append([str(cp), f"{worst['accumulator']:.2e}", f"{worst['input']:.2e}", "forked ranks"])
     for cp in (8, 64):
         sim = simulated_errors(cp)
-        table.add_row(str(cp), f"{sim['accumulator']:.2e}", f"{sim['input']:.2e}", "simulated rider sum")
-    Console(width=120).print(table)
+        body.append([str(cp), f"{sim['accumulator']:.2e}", f"{sim['input']:.2e}", "simulated rider sum"])
+    render_table("bf16 dK/dV: max relative error against fp64 on the same rounded inputs",
+                 ["cp", "riders in fp32 (accumulator)", "riders in bf16 (input, TE's bytes)", "how"], body, width=120)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
+
+from ..topology import divisors
+from .cli import add_arguments, render_table
 
 
 def bench_rank(rank: int, world: int, args, windows: List[int]) -> Dict[int, Tuple[float, float]]:
@@ -48,26 +49,16 @@ def bench_rank(rank: int, world: int, args, windows: List[int]) -> Dict[int, Tup
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--hp", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = add_arguments(parser, ranks=4, hp=1, seq=4096, heads=8, dim=64, repeats=3).parse_args(argv)
     cp = args.ranks // args.hp
-    windows = [w for w in range(1, cp + 1) if cp % w == 0]
+    windows = divisors(cp)
     results = run_on_ranks(args.ranks, bench_rank, args, windows, timeout_s=1800)
-    table = Table(title=f"attention_2d on {args.ranks} CPU ranks, hp {args.hp} x cp {cp}, causal fp32, S={args.seq}, "
-                        f"{args.heads} heads, d={args.dim} (slowest rank, median of {args.repeats})")
-    for col in ("w", "windows", "forward ms", "backward ms", "backward vs w=1", "backward vs w=cp"):
-        table.add_column(col, justify="right")
     slowest = {w: tuple(max(r[w][i] for r in results) for i in (0, 1)) for w in windows}
-    for w in windows:
-        f, b = slowest[w]
-        table.add_row(str(w), str(cp // w), f"{f * 1e3:.0f}", f"{b * 1e3:.0f}", f"{b / slowest[1][1]:.2f}",
-                      f"{b / slowest[cp][1]:.2f}")
-    Console(width=120).print(table)
+    body = [[str(w), str(cp // w), f"{f * 1e3:.0f}", f"{b * 1e3:.0f}", f"{b / slowest[1][1]:.2f}",
+             f"{b / slowest[cp][1]:.2f}"] for w, (f, b) in slowest.items()]
+    render_table(f"attention_2d on {args.ranks} CPU ranks, hp {args.hp} x cp {cp}, causal fp32, S={args.seq}, "
+                 f"{args.heads} heads, d={args.dim} (slowest rank, median of {args.repeats})",
+                 ["w", "windows", "forward ms", "backward ms", "backward vs w=1", "backward vs w=cp"], body, width=120)
 
 
 if __name__ == "__main__":

@@ -13,30 +13,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 import megatron_2d
 from megatron_2d.band import Band
 from megatron_2d.kernels import select_kernel
 from megatron_2d.testing.distributed import run_on_ranks
 
+from .cli import add_arguments, render_table
+from .harness import time_call
+
 LAYOUTS = [(1, 1, "head_first"), (1, 2, "head_first"), (2, 1, "head_first")]   # (hp, Double-Ring w, placement)
 
 
 def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_call(fn, repeats)
 
 
 def bench_rank(rank, world, args, windows: List[Tuple[str, int]]) -> Dict:
@@ -94,19 +87,10 @@ def windows_of(S: int) -> List[Tuple[str, int]]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = add_arguments(parser, ranks=4, seq=4096, heads=8, dim=64, repeats=3).parse_args(argv)
     windows = windows_of(args.seq)
     results = run_on_ranks(args.ranks, bench_rank, args, windows, timeout_s=1800)
-    console = Console(width=140)
-    table = Table(title=f"attention_2d fwd+bwd, causal, fp32, S={args.seq}, {args.heads} heads, d={args.dim}, "
-                        f"{args.ranks} CPU ranks (bytes: the busiest rank)")
-    for col in ("layout", "window", "time ms", "vs full causal", "MiB sent", "of which neighbour", "ring", "a2a"):
-        table.add_column(col, justify="right")
+    body = []
     keys = sorted({key[:3] for key in results[0]})
     for hp, w, placement in keys:
         full_time = max(r[(hp, w, placement, "full causal")][0] for r in results)
@@ -114,17 +98,17 @@ def main(argv: Optional[List[str]] = None) -> None:
             seconds = max(r[(hp, w, placement, name)][0] for r in results)   # the slowest rank sets the pace
             sent = max((r[(hp, w, placement, name)][1] for r in results), key=lambda s: sum(s.values()))
             mib = lambda n: f"{n / 2 ** 20:.2f}"  # noqa: E731
-            table.add_row(f"hp{hp} x cp{args.ranks // hp} w{w}", name, f"{seconds * 1e3:.0f}",
-                          f"{seconds / full_time:.2f}", mib(sum(sent.values())), mib(sent["neighbour"]),
-                          mib(sent["inner_ring"] + sent["outer_ring"]), mib(sent["all_to_all"]))
-    console.print(table)
-    kt = Table(title=f"CPU block kernel, one thread, fwd+bwd over S={args.seq} queries: banded (tiled) vs the "
-                     f"unwindowed causal kernel on the same number of visible pairs")
-    for col in ("window", "banded ms", "causal same-pairs ms", "pairs/s banded / causal"):
-        kt.add_column(col, justify="right")
-    for name, tb, tc, ratio in kernel_rows(args):
-        kt.add_row(name, f"{tb * 1e3:.1f}", f"{tc * 1e3:.1f}", f"{ratio:.2f}")
-    console.print(kt)
+            body.append([f"hp{hp} x cp{args.ranks // hp} w{w}", name, f"{seconds * 1e3:.0f}",
+                         f"{seconds / full_time:.2f}", mib(sum(sent.values())), mib(sent["neighbour"]),
+                         mib(sent["inner_ring"] + sent["outer_ring"]), mib(sent["all_to_all"])])
+    render_table(f"attention_2d fwd+bwd, causal, fp32, S={args.seq}, {args.heads} heads, d={args.dim}, "
+                 f"{args.ranks} CPU ranks (bytes: the busiest rank)",
+                 ["layout", "window", "time ms", "vs full causal", "MiB sent", "of which neighbour", "ring", "a2a"],
+                 body)
+    render_table(f"CPU block kernel, one thread, fwd+bwd over S={args.seq} queries: banded (tiled) vs the "
+                 f"unwindowed causal kernel on the same number of visible pairs",
+                 ["window", "banded ms", "causal same-pairs ms", "pairs/s banded / causal"],
+                 [[name, f"{tb * 1e3:.1f}", f"{tc * 1e3:.1f}", f"{ratio:.2f}"] for name, tb, tc, ratio in kernel_rows(args)])
 
 
 if __name__ == "__main__":

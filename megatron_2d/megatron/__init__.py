@@ -9,13 +9,13 @@
 from .config import TransformerConfig2D
 from .core_attention import CoreAttention2D
 from .hybrid_zero import HybridZeRO, model_state_bytes_per_rank
-from .process_groups import destroy_2d_groups, groups_for
+from .process_groups import GroupRegistry, destroy_2d_groups, group_registry, groups_for
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, validate_2d_settings
 from .spec import get_gpt_layer_spec_2d, gpt_layer_spec_2d
 
 __all__ = [
     "BACKEND_NAME", "CoreAttention2D", "GPT_LAYER_SPEC_2D", "HybridZeRO", "model_state_bytes_per_rank", "Settings2D", "TransformerConfig2D",
-    "destroy_2d_groups", "get_gpt_layer_spec_2d", "gpt_layer_spec_2d", "groups_for", "settings_from_config",
+    "GroupRegistry", "destroy_2d_groups", "get_gpt_layer_spec_2d", "group_registry", "gpt_layer_spec_2d", "groups_for", "settings_from_config",
     "validate_2d_settings",
 ]
 

@@ -55,38 +55,31 @@ def _is_set(name: str) -> Callable[[object], bool]:
     return lambda config: bool(getattr(config, name, None))
 
 
-# name -> (when it is refused, why and what would work)
-REFUSED: Dict[str, tuple] = {
-    "attention_dropout": (_is_set("attention_dropout"),
-                          "attention dropout is not implemented by the 2d backend; set attention_dropout=0.0 "
-                          "(--attention-dropout 0)"),
-    "qk_clip": (_is_set("qk_clip"), "qk-clip needs each layer's max attention logit, which the 2d backend does not "
-                                    "compute; set qk_clip=False or use a Transformer Engine CP backend"),
-    "log_max_attention_logit": (_is_set("log_max_attention_logit"),
-                                "the max attention logit is not computed by the 2d backend; set "
-                                "log_max_attention_logit=False"),
-    "multi_latent_attention": (_is_set("multi_latent_attention"),
-                               "multi-latent attention (MLA) is not supported by the 2d backend"),
-    "experimental_attention_variant": (_is_set("experimental_attention_variant"),
-                                       "experimental attention variants (gated_delta_net, dsa) are not supported by "
-                                       "the 2d backend; leave experimental_attention_variant unset"),
-    "fp8_dot_product_attention": (_is_set("fp8_dot_product_attention"),
-                                  "fp8 dot-product attention is not implemented by the 2d backend; set "
-                                  "fp8_dot_product_attention=False (fp8 linear layers are fine)"),
-    "fp8_multi_head_attention": (_is_set("fp8_multi_head_attention"),
-                                 "fp8 multi-head attention is not implemented by the 2d backend; set "
-                                 "fp8_multi_head_attention=False"),
-    "use_kitchen_attention": (_is_set("use_kitchen_attention"),
-                              "kitchen attention replaces core attention; it cannot run with cp_comm_type '2d'"),
-    "kitchen_attention_backend": (lambda config: bool(getattr(config, "use_kitchen_attention", False)),
-                                  "kitchen attention replaces core attention; it cannot run with cp_comm_type '2d'"),
-    "hybrid_context_parallel": (_is_set("hybrid_context_parallel"),
-                                "hybrid (dynamic) context parallelism changes the CP group per micro-batch; the 2d "
-                                "backend needs a fixed CP group; set hybrid_context_parallel=False"),
-    "deterministic_mode": (_is_set("deterministic_mode"),
-                           "deterministic mode is not guaranteed by the 2d backend (flash-attn's backward adds dq "
-                           "with atomics); set deterministic_mode=False"),
+_KITCHEN = "kitchen attention replaces core attention; it cannot run with cp_comm_type '2d'"
+# name -> why a set (truthy) value is refused, and what would work
+_REFUSED_WHEN_SET: Dict[str, str] = {
+    "attention_dropout": "attention dropout is not implemented by the 2d backend; set attention_dropout=0.0 "
+                         "(--attention-dropout 0)",
+    "qk_clip": "qk-clip needs each layer's max attention logit, which the 2d backend does not compute; set "
+               "qk_clip=False or use a Transformer Engine CP backend",
+    "log_max_attention_logit": "the max attention logit is not computed by the 2d backend; set "
+                               "log_max_attention_logit=False",
+    "multi_latent_attention": "multi-latent attention (MLA) is not supported by the 2d backend",
+    "experimental_attention_variant": "experimental attention variants (gated_delta_net, dsa) are not supported by "
+                                      "the 2d backend; leave experimental_attention_variant unset",
+    "fp8_dot_product_attention": "fp8 dot-product attention is not implemented by the 2d backend; set "
+                                 "fp8_dot_product_attention=False (fp8 linear layers are fine)",
+    "fp8_multi_head_attention": "fp8 multi-head attention is not implemented by the 2d backend; set "
+                                "fp8_multi_head_attention=False",
+    "use_kitchen_attention": _KITCHEN,
+    "hybrid_context_parallel": "hybrid (dynamic) context parallelism changes the CP group per micro-batch; the 2d "
+                               "backend needs a fixed CP group; set hybrid_context_parallel=False",
+    "deterministic_mode": "deterministic mode is not guaranteed by the 2d backend (flash-attn's backward adds dq "
+                          "with atomics); set deterministic_mode=False",
 }
+# name -> (when it is refused, why and what would work)
+REFUSED: Dict[str, tuple] = {name: (_is_set(name), why) for name, why in _REFUSED_WHEN_SET.items()}
+REFUSED["kitchen_attention_backend"] = (_is_set("use_kitchen_attention"), _KITCHEN)
 
 OUTSIDE = tuple("""
     tensor_parallel_num_weight_shards gtp_weight_remat_size pipeline_model_parallel_comm_backend

@@ -9,6 +9,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
+from .process_groups import group_registry
 from .settings import layer_comm_types, settings_from_config, uses_2d
 
 
@@ -50,6 +51,7 @@ class TransformerConfig2D(TransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        group_registry(self)    # the model's 2D groups live here; Megatron's per-layer config copies share them
         if self.selective_checkpoint_plus_plus:
             problem = check_checkpoint_plus_config(self)
             if problem:

@@ -35,7 +35,7 @@ from ..packed_layout import PackedLayout
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import AttentionKeeper
 from .launch_checks import check_current_launch
-from .process_groups import groups_for
+from .process_groups import group_registry
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, uses_2d
 
 SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
@@ -101,7 +101,7 @@ class CoreAttention2D(MegatronModule):
         else:
             self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
                                                  double_ring_window=double_ring_window, placement=placement)
-        self.groups = groups_for(pg_collection.cp, self.settings)
+        self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
         self.keeper = AttentionKeeper() if getattr(config, "selective_checkpoint_plus_plus", False) else None
         self.sliding_window = None

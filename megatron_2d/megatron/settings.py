@@ -6,7 +6,7 @@ something else (2D settings without the "2d" backend, attention dropout the op d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
 from ..attention import kv_replication
@@ -29,22 +29,26 @@ def uses_2d(cp_comm_type) -> bool:
 
 @dataclass(frozen=True)
 class Settings2D:
-    """Validated 2D settings for one model: hp x cp = CP, the Double-Ring window w, placement.
+    """A model's 2D layout in Megatron's words: hp x cp = CP, the Double-Ring window w, placement.
 
-    (``window_size`` in Megatron's TransformerConfig is the sliding window; here the Double-Ring window is
-    ``double_ring_window``.)"""
+    The layout itself is ``layout``, the one :class:`~megatron_2d.topology.Layout2D`, made (and so validated) once
+    when the settings are; the groups are built from it. (``window_size`` in Megatron's TransformerConfig is the
+    sliding window; here the Double-Ring window is ``double_ring_window``.)"""
 
     context_parallel_size: int
     head_parallel_size: int
     double_ring_window: int = 1
     placement: str = "head_first"
+    layout: Layout2D = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # hp | CP, w | cp, positive sizes, a known placement (LayoutError is a ValueError)
+        object.__setattr__(self, "layout", Layout2D(self.context_parallel_size, self.head_parallel_size,
+                                                    self.double_ring_window, self.placement))
 
     @property
     def context_size(self) -> int:
-        return self.context_parallel_size // self.head_parallel_size
-
-    def layout(self) -> Layout2D:
-        return Layout2D(self.context_parallel_size, self.head_parallel_size, self.double_ring_window, self.placement)
+        return self.layout.context_size
 
 
 def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Optional[int],
@@ -65,7 +69,6 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
     if placement not in PLACEMENTS:
         raise ValueError(f"cp_2d_placement {placement!r} is not valid; choose one of {list(PLACEMENTS)}")
     settings = Settings2D(CP, hp, double_ring_window, placement)
-    settings.layout()  # hp | CP, w | cp, positive sizes (LayoutError is a ValueError)
     if num_attention_heads % tp != 0:
         raise ValueError(f"num_attention_heads {num_attention_heads} is not divisible by tensor parallel size {tp}")
     heads = num_attention_heads // tp

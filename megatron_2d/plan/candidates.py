@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from ..topology import Layout2D, LayoutError, divisors, every_layout
 from .hardware import ModelSpec, ParallelSpec
-from ..topology import divisors
-from .placement import PLACEMENTS
 
 KINDS = ("2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses")
 STOCK_KINDS = KINDS[1:]
@@ -68,6 +67,16 @@ class Layout:
     def cp_size(self) -> int:
         return self.hp * self.cp
 
+    @property
+    def shape(self) -> Layout2D:
+        """The (hp, cp, w, placement) part as the project's one layout type, with its rank math; LayoutError when
+        it is not a valid layout (``check_layout`` returns that message as the reason)."""
+        return Layout2D(self.cp_size, self.hp, self.w, self.placement)
+
+    @classmethod
+    def of(cls, kind: str, shape: Layout2D) -> "Layout":
+        return cls(kind, shape.head_parallel_size, shape.context_size, shape.window_size, shape.placement)
+
     def label(self) -> str:
         if self.kind == "2d":
             return f"2d hp={self.hp} cp={self.cp} w={self.w} {self.placement}"
@@ -87,15 +96,12 @@ def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: 
     CP = parallel.cp_size
     if k not in KINDS:
         return f"unknown kind {k!r}; valid kinds: {', '.join(KINDS)}"
-    for name, v in (("hp", hp), ("cp", cp), ("w", w)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            return f"{name} must be a positive integer, got {v!r}"
+    try:
+        layout.shape                  # the one validation of (hp, cp, w, placement): topology.Layout2D's
+    except LayoutError as err:
+        return str(err)
     if hp * cp != CP:
         return f"hp*cp = {hp}*{cp} = {hp * cp} != CP={CP}; valid hp: {divisors(CP)}"
-    if layout.placement not in PLACEMENTS:
-        return f"placement {layout.placement!r} is not one of {', '.join(PLACEMENTS)}"
-    if cp % w:
-        return f"window w={w} does not divide cp={cp}; valid w: {divisors(cp)}"
     Ht, Hkvt = model.heads // parallel.tp, model.kv_heads // parallel.tp
     chunks = CP if k == "ds-ulysses" else 2 * CP
     if seq % chunks:
@@ -135,14 +141,14 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
     CP = parallel.cp_size
     Ht = model.heads // parallel.tp
     out: List[Layout] = []
-    for hp in divisors(CP):
-        cp = CP // hp
+    for shape in every_layout(CP):          # by hp, then w, then placement
+        hp, cp, w = shape.head_parallel_size, shape.context_size, shape.window_size
         if Ht % hp:
-            out.append(Layout("2d", hp, cp, cp))
+            if w == 1 and shape.placement == "head_first":      # once per hp
+                out.append(Layout("2d", hp, cp, cp))
             continue
-        placements = PLACEMENTS if hp > 1 and cp > 1 else ("head_first",)
-        for w in (w for w in divisors(cp) if w > 1 or cp == 1):
-            out.extend(Layout("2d", hp, cp, w, p) for p in placements)
+        if w > 1 or cp == 1:
+            out.append(Layout.of("2d", shape))
     out.append(Layout("p2p", 1, CP, CP))
     out.append(Layout("a2a", CP, 1, 1))
     out.extend(Layout("a2a+p2p", a, CP // a, CP // a) for a in divisors(CP) if 1 < a < CP)
@@ -176,10 +182,8 @@ def _layout_flags(layout: Layout, parallel: ParallelSpec) -> str:
     if layout.kind == "2d":
         return (f"{cp} --cp-comm-type 2d --cp-2d-head-parallel-size {layout.hp} "
                 f"--cp-2d-window-size {layout.w} --cp-2d-placement {layout.placement}")
-    if layout.kind == "p2p":
-        return f"{cp} --cp-comm-type p2p"
-    if layout.kind == "a2a":
-        return f"{cp} --cp-comm-type a2a"
+    if layout.kind in ("p2p", "a2a"):
+        return f"{cp} --cp-comm-type {layout.kind}"
     if layout.kind == "a2a+p2p":
         return f"{cp} --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes {layout.hp} {layout.cp}"
     return f"(no Megatron flag: DeepSpeed-Ulysses, sequence-parallel size {layout.cp_size} in DeepSpeed)"

@@ -12,12 +12,13 @@ wins (codes below). Results are cached per cell.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..bench.cli import terminal_console
+from ..topology import divisors
 from .candidates import STOCK_KINDS, Layout
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
 from .planner import Candidate, evaluate, plan
@@ -119,7 +120,7 @@ def _cp_sizes(gpus: int, tp: int, pp: int, seq: int, free_cp: bool) -> List[Opti
     left = gpus // (tp * pp)
     if not free_cp:
         return [None]
-    return [c for c in range(1, left + 1) if left % c == 0 and seq % (2 * c) == 0]
+    return [c for c in divisors(left) if seq % (2 * c) == 0]
 
 
 @lru_cache(maxsize=None)
@@ -218,15 +219,12 @@ def format_grid(cells: Sequence[Cell], cluster: str = "8xH100", free_cp: bool = 
 def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None, free_cp: bool = True) -> None:
     """Print with rich when on a terminal, else ``format_grid``."""
     stream = stream or sys.stdout
-    try:
-        if not stream.isatty():
-            raise ImportError
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
+    console = terminal_console(stream, min_width=120)
+    if console is None:
         print(format_grid(cells, cluster, free_cp), file=stream)
         return
-    console = Console(file=stream, highlight=False, width=max(shutil.get_terminal_size((160, 24)).columns, 120))
+    from rich.table import Table
+
     console.print(format_grid([], cluster, free_cp).splitlines()[0], markup=False)
     for m in dict.fromkeys(c.model for c in cells):
         mine = [c for c in cells if c.model == m]

@@ -60,7 +60,7 @@ class ModelSpec:
             raise PlanError(f"model hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.kv_heads:
             raise PlanError(f"model kv_heads={self.kv_heads} must divide heads={self.heads} "
-                            f"(valid: {[k for k in range(1, self.heads + 1) if self.heads % k == 0]})")
+                            f"(valid: {divisors(self.heads)})")
 
     @property
     def head_dim(self) -> int:

@@ -1,7 +1,7 @@
 """Which links each communication of a 2D layout uses: NVLink inside a node, or the network between nodes.
 
 Pure rank math on top of ``megatron_2d.topology.Layout2D`` (its index_of / coords_of give a rank's CP index i
-from its head rank hr and context rank cr, for either placement):
+from its head rank hr and context rank cr, for either placement, and its send_peers the peers below):
 
     global rank      g = base + tp * i      (Megatron order tp-cp-ep-dp-pp: TP innermost, so CP ranks are TP apart;
                                              one CP group and its TP peers fill TP*CP consecutive ranks)
@@ -60,17 +60,7 @@ class LinkMap:
 
 def peers(i: int, hp: int, cp: int, w: int, placement: str) -> Dict[str, List[int]]:
     """CP indices that CP index ``i`` sends to, per path: {'a2a': [...], 'inner': [...], 'outer': [...]}."""
-    layout = Layout2D(hp * cp, hp, w, placement)
-    hr, cr = layout.coords_of(i)
-    a2a = [layout.index_of(h, cr) for h in range(hp) if h != hr]
-    inner = []
-    if w > 1:
-        window, slot = divmod(cr, w)
-        inner = [layout.index_of(hr, window * w + (slot + 1) % w)]
-    outer = []
-    if cp // w > 1:
-        outer = [layout.index_of(hr, (cr + w) % cp)]
-    return {"a2a": a2a, "inner": inner, "outer": outer}
+    return Layout2D(hp * cp, hp, w, placement).send_peers(i)
 
 
 def link_map(hp: int, cp: int, w: int, placement: str, tp: int, gpus_per_node: int, world: int) -> LinkMap:

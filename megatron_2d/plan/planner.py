@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from ..topology import divisors
 from .candidates import (KINDS, RECOMPUTE_BY_KIND, Layout, check_layout, enumerate_layouts, kind_dkv_dtype,
                          kind_kv_heads, megatron_flags)
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
@@ -138,10 +139,10 @@ def validate_job(model: ModelSpec, parallel: ParallelSpec, seq: int) -> None:
         raise PlanError(f"sequence length must be a positive integer, got {seq!r}")
     if model.heads % parallel.tp or model.kv_heads % parallel.tp:
         raise PlanError(f"tp={parallel.tp} must divide heads={model.heads} and kv_heads={model.kv_heads}; valid tp: "
-                        f"{[t for t in range(1, model.kv_heads + 1) if model.kv_heads % t == 0]}")
+                        f"{divisors(model.kv_heads)}")
     if model.layers % parallel.pp:
         raise PlanError(f"pp={parallel.pp} does not divide layers={model.layers}; valid pp: "
-                        f"{[p for p in range(1, model.layers + 1) if model.layers % p == 0]}")
+                        f"{divisors(model.layers)}")
 
 
 def _modes(kind: str, recompute: Union[str, Sequence[str]]) -> Tuple[str, ...]:

@@ -9,11 +9,11 @@ apply. A list (not an object) so that consumers of the earlier output keep worki
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
+from ..bench.cli import terminal_console
 from .candidates import STOCK_KINDS
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .planner import AUTO, Candidate, best_by_kind, recommended
@@ -163,17 +163,13 @@ def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: Clust
                window=None) -> None:
     """Print the plan: with ``rich`` when it is installed and ``stream`` is a terminal, else ``format_plan``."""
     stream = stream or sys.stdout
-    try:
-        if not stream.isatty():
-            raise ImportError
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
+    console = terminal_console(stream, min_width=150)
+    if console is None:
         print(format_plan(candidates, model, cluster, parallel, seq, top, causal, window), file=stream)
         return
+    from rich.table import Table
+
     head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal, window)
-    console = Console(file=stream, highlight=False, soft_wrap=True,
-                      width=max(shutil.get_terminal_size((160, 24)).columns, 150))
     for line in head:
         console.print(line, markup=False)
     if rows:

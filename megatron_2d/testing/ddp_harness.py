@@ -32,22 +32,10 @@ def init_parallel(context_parallel_size: int = 1, num_distributed_optimizer_inst
                   seed: int = 1234, **kwargs: Any) -> None:
     """``tiny_gpt.init_parallel`` with ``num_distributed_optimizer_instances`` (partial sharding builds its groups
     in ``initialize_model_parallel``); replaces any previous layout."""
-    from megatron.core import parallel_state
-
     from megatron_2d.testing import tiny_gpt
 
-    tiny_gpt.init_parallel()  # tears down the previous layout (groups included) and installs the shims
-    parallel_state.destroy_model_parallel()
-    tiny_gpt._destroy_subgroups()
-    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
-    parallel_state.initialize_model_parallel(
-        context_parallel_size=context_parallel_size,
-        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-        create_gloo_process_groups=False,
-        distributed_timeout_minutes=1,
-        **kwargs,
-    )
-    tiny_gpt.model_parallel_cpu_manual_seed(seed)
+    tiny_gpt.init_parallel(context_parallel_size=context_parallel_size, seed=seed,
+                           num_distributed_optimizer_instances=num_distributed_optimizer_instances, **kwargs)
 
 
 def wrap_model(model: torch.nn.Module, ddp_config) -> torch.nn.Module:

@@ -1,8 +1,10 @@
 """Shims that let megatron-core 0.19.2 train a small GPTModel on CPU ranks over gloo.
 
-Test support only: nothing on the library's runtime path imports this module. Every shim is applied by
-``install_megatron_cpu_shims()``, which is idempotent (a second call changes nothing) and safe to call
-before or after ``import megatron.core``. Each shim is the smallest change that was needed; why it is
+Test support only: nothing on the library's runtime path imports this module, and importing it (or any other
+module of the package) patches nothing. Shims 1-6 are applied by an explicit ``install_megatron_cpu_shims()``
+(the test harness, tests/conftest.py, and the demo call it), which is idempotent (a second call changes nothing),
+safe to call before or after ``import megatron.core``, and refuses (``CudaAvailableError``) where CUDA is
+available: the shims exist for CPU-only machines and would hide real device placement on a GPU. Each shim is the smallest change that was needed; why it is
 needed is written next to it. Fusions (bias-gelu, bias-dropout-add, RoPE, softmax) are left off: they
 are off by default in 0.19.2 and would cost an inductor compile per process on CPU.
 
@@ -13,10 +15,13 @@ Shims (see each function):
   4. CPU RNG states tracker                  model_parallel_cuda_manual_seed / attention fork the CUDA RNG.
   5. RoPE slicing under CP > 1               get_pos_emb_on_this_cp_rank uses pin_memory + .cuda().
   6. default causal / sliding-window masks   the local DotProductAttention builds them on "cuda".
-  7. ``cuda_to_cpu()`` TorchFunctionMode     pipeline schedules hard-code ``device="cuda"``.
+  7. ``cuda_to_cpu()`` TorchFunctionMode     pipeline schedules hard-code ``device="cuda"`` (inside the block).
+  8. megatron DDP / distributed optimizer / megatron-fsdp on gloo (``install_megatron_ddp_cpu_shims()``,
+     ``megatron_ddp_on_cpu()``): 8a CUDA streams and events, 8b CPU device meshes, 8c inside the block only:
+     integer devices -> cpu, CUDA tensor type names, ``current_device() == 0``.
 
-Not shimmed: megatron's DistributedDataParallel (it needs ``torch.cuda.current_stream()``); the
-harness sums gradients over the CP group itself, as DDP's dp_cp all-reduce would.
+The tiny-GPT harness does not wrap the model in megatron's DistributedDataParallel: it sums gradients over the
+CP group itself, as DDP's dp_cp all-reduce would (the tests of DDP itself use shims 8).
 """
 
 from __future__ import annotations
@@ -30,6 +35,18 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
+
+
+class CudaAvailableError(RuntimeError):
+    """The CPU shims were asked for on a machine with CUDA."""
+
+
+def refuse_with_cuda(what: str = "megatron_2d.testing.megatron_cpu",
+                     instead: str = "run megatron-core on the GPU without them") -> None:
+    """CudaAvailableError when CUDA is available: the CPU shims are for CPU-only machines."""
+    if torch.cuda.is_available():
+        raise CudaAvailableError(f"{what} maps CUDA to the CPU for tests on CPU-only machines; CUDA is available "
+                                 f"here, so {instead} instead")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -57,9 +74,8 @@ def _noop_synchronize(device=None) -> None:
 
 
 def _install_cuda_device_shims() -> None:
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = _cpu_current_device
-        torch.cuda.synchronize = _noop_synchronize
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.synchronize = _noop_synchronize
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,13 +296,14 @@ def cuda_to_cpu() -> Iterator[None]:
 # Entry point
 # --------------------------------------------------------------------------------------------------
 def install_megatron_cpu_shims(import_training: bool = False) -> None:
-    """Apply every shim above (idempotent).
+    """Apply shims 1-6 (7 is the ``cuda_to_cpu()`` block); idempotent. Refuses where CUDA is available.
 
     Args:
         import_training: also ``import megatron.training`` after the ``typing.override`` shim (it is
             applied either way, so a later import works too).
     """
     global _INSTALLED
+    refuse_with_cuda()
     _install_typing_override()
     _install_cuda_device_shims()
     if not _INSTALLED:
@@ -303,12 +320,12 @@ def install_megatron_cpu_shims(import_training: bool = False) -> None:
 # --------------------------------------------------------------------------------------------------
 # 8. megatron-core's DistributedDataParallel, distributed optimizer and megatron-fsdp on gloo
 #
-#  a. CUDA streams and events as no-op CPU stand-ins (torch.cuda.current_stream, default_stream, Stream,
+#  8a. CUDA streams and events as no-op CPU stand-ins (torch.cuda.current_stream, default_stream, Stream,
 #     stream, Event): param_and_grad_buffer.py asks for the current stream, partial sharding creates a
 #     communication stream, megatron-fsdp two side streams. With gloo every collective megatron issues completes
 #     in program order on the CPU (async ones on wait()), so there is nothing to order.
-#  b. DeviceMesh.from_group(device_type="cuda") builds a CPU mesh (megatron-fsdp's DTensor meshes).
-#  Inside megatron_ddp_on_cpu() only: cuda/integer devices -> cpu (CudaToCpuMode), Tensor.type() answers with
+#  8b. DeviceMesh.from_group(device_type="cuda") builds a CPU mesh (megatron-fsdp's DTensor meshes).
+#  8c. Inside megatron_ddp_on_cpu() only: cuda/integer devices -> cpu (CudaToCpuMode), Tensor.type() answers with
 #  CUDA type names (megatron's optimizers accept only torch.cuda.*Tensor params), torch.cuda.current_device()
 #  returns 0 (megatron-fsdp formats it into "cuda:N").
 #  Config, not a shim: gloo has no ReduceOp.PREMUL_SUM, so megatron-fsdp runs with
@@ -322,7 +339,7 @@ separate multiply instead)."""
 
 
 # --------------------------------------------------------------------------------------------------
-# 8. Megatron DDP, distributed optimizer, megatron-fsdp (test-only CPU path): 8a. CUDA streams and events
+# 8a. CUDA streams and events
 # --------------------------------------------------------------------------------------------------
 class CpuStream:
     """Stand-in for ``torch.cuda.Stream``: every operation runs in program order on CPU, so waiting on
@@ -419,7 +436,7 @@ def _install_device_mesh_shim() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# 3.-5. Inside a block: cuda -> cpu, CUDA type names, current_device() == 0
+# 8c. Inside a block: cuda -> cpu, CUDA type names, current_device() == 0
 # --------------------------------------------------------------------------------------------------
 def _cuda_type_name(cpu_type_name: str) -> str:
     """'torch.FloatTensor' -> 'torch.cuda.FloatTensor' (names already naming cuda are kept)."""
@@ -450,14 +467,13 @@ class MegatronDDPOnCpuMode(CudaToCpuMode):
 
 @contextlib.contextmanager
 def megatron_ddp_on_cpu() -> Iterator[None]:
-    """Run the enclosed megatron DDP / megatron-fsdp / optimizer code on CPU ranks (shims 3-5 above).
+    """Run the enclosed megatron DDP / megatron-fsdp / optimizer code on CPU ranks (shims 8, 8c in the block).
 
     Enter it around building the wrapper and the optimizer and around every training step.
     """
     install_megatron_ddp_cpu_shims()
     saved = torch.cuda.current_device
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
     try:
         with MegatronDDPOnCpuMode():
             yield
@@ -466,10 +482,10 @@ def megatron_ddp_on_cpu() -> Iterator[None]:
 
 
 def install_megatron_ddp_cpu_shims() -> None:
-    """Apply ``install_megatron_cpu_shims`` and shims 1-2 (idempotent; nothing is changed when CUDA exists)."""
+    """Apply ``install_megatron_cpu_shims`` and shims 8a, 8b (idempotent; refuses where CUDA is available)."""
     global _DDP_INSTALLED
     install_megatron_cpu_shims()
-    if not _DDP_INSTALLED and not torch.cuda.is_available():
+    if not _DDP_INSTALLED:
         _install_stream_shims()
         _install_device_mesh_shim()
         _DDP_INSTALLED = True
@@ -483,6 +499,7 @@ def shims_installed() -> bool:
 
 __all__ = [
     "CPU_DDP_CONFIG_OVERRIDES",
+    "CudaAvailableError",
     "CudaToCpuMode",
     "install_megatron_ddp_cpu_shims",
     "megatron_ddp_on_cpu",
@@ -490,5 +507,6 @@ __all__ = [
     "cuda_to_cpu",
     "install_megatron_cpu_shims",
     "model_parallel_cpu_manual_seed",
+    "refuse_with_cuda",
     "shims_installed",
 ]

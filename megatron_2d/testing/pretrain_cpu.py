@@ -45,7 +45,8 @@ from typing import Iterator, List, Sequence
 
 import torch
 
-from .megatron_cpu import install_megatron_ddp_cpu_shims, megatron_ddp_on_cpu
+from .megatron_cpu import CudaAvailableError, install_megatron_ddp_cpu_shims, megatron_ddp_on_cpu  # noqa: F401
+from .megatron_cpu import refuse_with_cuda as _refuse_with_cuda
 
 _INSTALLED = False
 
@@ -56,15 +57,9 @@ CPU_FLAGS = ["--distributed-backend", "gloo", "--use-cpu-initialization", "--no-
 size; no fused CUDA/TE/apex kernels; the local layers; data loaded in the rank (forked ranks may not fork loaders)."""
 
 
-class CudaAvailableError(RuntimeError):
-    """The CPU shims were asked for on a machine with CUDA."""
-
-
 def refuse_with_cuda() -> None:
     """CudaAvailableError when CUDA is available."""
-    if torch.cuda.is_available():
-        raise CudaAvailableError("megatron_2d.testing.pretrain_cpu maps CUDA to the CPU for tests on CPU-only machines; "
-                                 "CUDA is available here, so run pretrain_gpt.py unchanged instead")
+    _refuse_with_cuda("megatron_2d.testing.pretrain_cpu", "run pretrain_gpt.py unchanged")
 
 
 def _zero(*args, **kwargs) -> int:

@@ -33,23 +33,18 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing.megatron_cpu import (
-    cuda_to_cpu,
-    install_megatron_cpu_shims,
-    model_parallel_cpu_manual_seed,
-)
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-install_megatron_cpu_shims()
-
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d  # noqa: E402
-from megatron_2d.megatron.process_groups import destroy_2d_groups  # noqa: E402
+from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d
+from megatron_2d.megatron.process_groups import destroy_2d_groups
+from megatron_2d.sequence_layout import unshard_sequence
+from megatron_2d.testing.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
+from megatron_2d.topology import zigzag_chunks
 
 Batch = Dict[str, torch.Tensor]
 
@@ -63,14 +58,19 @@ def init_parallel(
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
     seed: int = 1234,
+    **initialize_kwargs: Any,
 ) -> None:
-    """(Re)initialize megatron's parallel state on this rank and seed its RNG tracker.
+    """(Re)initialize megatron's parallel state on this rank and seed its RNG tracker; ``initialize_kwargs`` go to
+    megatron's ``initialize_model_parallel`` (e.g. ``num_distributed_optimizer_instances``).
 
     Call on every rank of an initialized gloo world (e.g. inside ``run_on_ranks``); the data-parallel
     size is whatever remains of the world. Calling it again replaces the previous layout, so one forked
-    run can compare several layouts.
+    run can compare several layouts. The CPU shims must be installed first, by an explicit
+    ``install_megatron_cpu_shims()`` (tests/conftest.py and the demo do; forked ranks inherit them).
     """
-    install_megatron_cpu_shims()
+    if not shims_installed():
+        raise RuntimeError("tiny_gpt runs megatron-core on CPU ranks: call megatron_2d.testing.megatron_cpu."
+                           "install_megatron_cpu_shims() first (importing this module patches nothing)")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _destroy_subgroups()
@@ -86,6 +86,7 @@ def init_parallel(
         ),
         create_gloo_process_groups=False,  # the default backend already is gloo
         distributed_timeout_minutes=1,
+        **initialize_kwargs,
     )
     model_parallel_cpu_manual_seed(seed)
 
@@ -279,19 +280,13 @@ def shard_batch_for_cp(batch: Batch) -> Batch:
 
 
 def zigzag_chunk_ids(cp_rank: int, cp_size: int) -> List[int]:
-    """Indices of the 2*cp sequence chunks that CP rank ``cp_rank`` holds, in its local order."""
-    return [cp_rank, 2 * cp_size - 1 - cp_rank]
+    """Indices of the 2*cp sequence chunks that CP rank ``cp_rank`` holds, in its local order (topology's)."""
+    return list(zigzag_chunks(cp_rank, cp_size))
 
 
 def unshard_cp(per_rank: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
-    """Inverse of the zigzag split: ``per_rank[r]`` is CP rank r's local tensor."""
-    cp = len(per_rank)
-    chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp)
-    for r, local in enumerate(per_rank):
-        first, second = local.chunk(2, dim=seq_dim)
-        ids = zigzag_chunk_ids(r, cp)
-        chunks[ids[0]], chunks[ids[1]] = first, second
-    return torch.cat(chunks, dim=seq_dim)
+    """Inverse of the zigzag split: ``per_rank[r]`` is CP rank r's local tensor (sequence_layout's)."""
+    return unshard_sequence(per_rank, seq_dim=seq_dim)
 
 
 def _gather_cp_sequence(local: torch.Tensor, seq_dim: int) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""The shared harness of the attention benchmarks: dtypes, inputs, the single-process baseline, the layouts.
+
+    layouts = bench_layouts(cp_size=4, heads=8)         # every Layout2D of CP = 4 whose hp divides the heads
+    q, k, v, dout = make_inputs(args, torch.bfloat16)   # full [S, b, h, d] tensors, the same on every rank
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+from ..band import Band
+from ..kernels import select_kernel
+from ..topology import Layout2D, every_layout
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bench_layouts(cp_size: int, heads: int) -> List[Layout2D]:
+    """Every 2D layout of CP = ``cp_size`` whose head-parallel size divides the query heads."""
+    return [layout for layout in every_layout(cp_size) if heads % layout.head_parallel_size == 0]
+
+
+def label(layout: Layout2D) -> str:
+    """A layout's row name: 'hp2 x cp2  w1  head_first'."""
+    return f"hp{layout.head_parallel_size} x cp{layout.context_size}  w{layout.window_size}  {layout.placement}"
+
+
+def layout_record(layout: Layout2D) -> Dict[str, object]:
+    """A layout as the benchmarks' JSON rows carry it: {'hp', 'cp', 'w', 'placement'}."""
+    return {"hp": layout.head_parallel_size, "cp": layout.context_size, "w": layout.window_size,
+            "placement": layout.placement}
+
+
+def time_call(fn, repeats: int, reduce=statistics.median) -> float:
+    """``reduce`` (median by default) of the seconds of ``repeats`` calls of ``fn``, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return reduce(times)
+
+
+def make_inputs(args, dtype: torch.dtype, seed: int = 0) -> List[torch.Tensor]:
+    """q, k, v, dout: full [S, b, h, d] tensors of ``args`` (seq, batch, heads, kv_heads, dim), from one seed."""
+    g = torch.Generator().manual_seed(seed)
+    shape_q = (args.seq, args.batch, args.heads, args.dim)
+    shape_kv = (args.seq, args.batch, args.kv_heads, args.dim)
+    return [torch.randn(s, generator=g).to(dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
+
+
+def time_single_process(args, dtype: torch.dtype, device: str = "cpu") -> float:
+    """Median seconds of the local kernel's fwd+bwd on the full, unsharded problem, on one thread (or one GPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    kernel = select_kernel(dev, dtype)
+    q, k, v, dout = (x.transpose(0, 1).contiguous().to(dev) for x in make_inputs(args, dtype))  # [b, s, h, d]
+    scale = args.dim ** -0.5
+    band = Band(None, 0) if args.causal else None      # the kernels take a band since sliding windows landed
+    times = []
+    for i in range(args.repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        out, lse = kernel.forward(q, k, v, band, scale)
+        kernel.backward(dout, q, k, v, out, lse, band, scale)
+        sync()
+        if i:  # the first run warms up
+            times.append(time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return statistics.median(times)

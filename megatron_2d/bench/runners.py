@@ -1,0 +1,279 @@
+"""The implementations bench_compare runs side by side, each a :class:`Runner` built on every rank.
+
+Implementations (rows)
+    2D (ours)               attention_2d for every (hp, cp, w, placement) of CP = N, as tools/bench_attention.py
+    ring-flash-attn zigzag  zigzag_ring_flash_attn_func of ring-flash-attn (pip); on CPU its flash_attn kernels are
+                            the stand-in of megatron_2d.testing.flash_attn_cpu (never on GPU)
+    TE p2p / a2a / a2a+p2p  Transformer Engine's DotProductAttention with its context parallelism, set up as stock
+                            Megatron's TEDotProductAttention does (sbhd, causal, Megatron's zigzag shards; a2a+p2p
+                            with [a2a group of A adjacent ranks, p2p group of ranks A apart]); --device cuda only
+    yunchang (USP) is left out: on CPU its torch path has no backward.
+
+Bytes per rank of the peers (closed forms). Nq = b*(S/N)*hq*d and Nkv = b*(S/N)*hkv*d are the elements of this
+rank's local Q and K (V is the size of K), e is the input dtype's size, cp the ring length:
+    ring-flash-attn zigzag  forward: K and V (cp-1) times in the input dtype; backward: K and V (cp-1) times in the
+                            input dtype, and dK, dV cp times in fp32 (its accumulators; the last hop brings each
+                            rank's own dK/dV home)                      ring = 2*Nkv*((cp-1)*2*e + cp*4)
+                            Checked: the ranks also count what its RingComm actually sends (a mismatch is printed).
+    TE p2p (not FP8)        forward K/V (cp-1) times; backward K/V (cp-1) times and dK/dV (cp-1) times, all in
+                            the input dtype                             ring = 2*Nkv*e*3*(cp-1)
+    TE a2a                  q, k, v, out forward and dout, dq, dk, dv backward, each sending (N-1)/N of itself
+                                                                        a2a = 2*(2*Nq + 2*Nkv)*e*(N-1)/N
+    TE a2a+p2p [A, P]       that all-to-all over A ranks, then the p2p ring over P = N/A ranks, whose K/V blocks
+                            have Nkv elements again (A times the tokens, 1/A of the heads)
+                                        a2a = 2*(2*Nq + 2*Nkv)*e*(A-1)/A, ring = 2*Nkv*e*3*(P-1)
+    The TE forms are read off TE's context_parallel.py (AttnFuncWithCPAndKVP2P, AttnFuncWithCPAndQKVOA2A) and
+    are not checked by running TE here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..attention import attention_2d
+from ..groups import build_groups_for_layout
+from ..topology import Layout2D, divisors
+from .harness import bench_layouts, label, layout_record
+
+OURS = "2D (ours)"
+RING_FLASH = "ring-flash-attn zigzag"
+
+Tensors4 = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class Runner:
+    """One implementation, built on every rank. Inputs and outputs of ``to_native``/``from_native`` are this
+    rank's zigzag shards in Megatron's sbhd layout; ``step`` (the timed part) works in the implementation's own."""
+
+    bytes_source = "measured"
+
+    def to_native(self, q, k, v, dout) -> tuple:
+        """sbhd shards -> whatever ``step`` takes (not timed)."""
+        return q, k, v, dout
+
+    def step(self, q, k, v, dout) -> Tensors4:
+        """Forward + backward; returns (out, dq, dk, dv) in the native layout."""
+        raise NotImplementedError
+
+    def from_native(self, out, dq, dk, dv) -> Tensors4:
+        """Native results -> sbhd shards (not timed)."""
+        return out, dq, dk, dv
+
+    def bytes_sent(self) -> Dict[str, float]:
+        """Bytes this rank sent in the last ``step``, by kind; the same keys on every rank ('a2a' and 'ring')."""
+        raise NotImplementedError
+
+
+@dataclass
+class Impl:
+    """A row of the comparison: ``build(rank, world, args)`` runs on every rank (collectively, in row order) and
+    returns a :class:`Runner`; ``unavailable`` (decided before forking) puts an n/a row in instead."""
+
+    name: str
+    family: str
+    build: Optional[Callable[[int, int, argparse.Namespace], Runner]] = None
+    unavailable: str = ""
+    layout: Optional[Dict[str, object]] = None
+
+
+def _leaves(*xs: torch.Tensor) -> List[torch.Tensor]:
+    """Fresh autograd leaves sharing the inputs' storage (no copy inside the timed region)."""
+    return [x.detach().requires_grad_(True) for x in xs]
+
+
+class Ours2D(Runner):
+    """megatron_2d.attention_2d with one 2D layout (over all ranks)."""
+
+    def __init__(self, layout: Layout2D, timeout: datetime.timedelta):
+        self.groups = build_groups_for_layout(layout, [list(range(dist.get_world_size()))], timeout=timeout)
+
+    def step(self, q, k, v, dout):
+        self.groups.comm_bytes.reset()
+        q, k, v = _leaves(q, k, v)
+        out = attention_2d(q, k, v, self.groups, causal=True)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def bytes_sent(self):
+        sent = self.groups.comm_bytes.as_dict()
+        return {"a2a": sent["all_to_all"], "ring": sent["inner_ring"] + sent["outer_ring"],
+                "inner_ring": sent["inner_ring"], "outer_ring": sent["outer_ring"]}
+
+
+def ring_flash_bytes(kv_elements: int, cp: int, element_size: int) -> int:
+    """ring-flash-attn zigzag's bytes per rank per fwd+bwd (see the module docstring): K and V (cp-1) times in
+    each direction in the input dtype, dK and dV cp times in fp32."""
+    return 2 * kv_elements * ((cp - 1) * 2 * element_size + cp * 4)
+
+
+def _count_ring_comm_sends(module) -> Dict[str, int]:
+    """Wrap the RingComm.send_recv of our private copy of ring-flash-attn to count the bytes it sends (idempotent)."""
+    cls = module.RingComm
+    if not hasattr(cls, "_bench_sent"):
+        counter = {"bytes": 0}
+        original = cls.send_recv
+
+        def send_recv(self, to_send, recv_tensor=None):
+            counter["bytes"] += to_send.numel() * to_send.element_size()
+            return original(self, to_send, recv_tensor)
+
+        cls.send_recv = send_recv
+        cls._bench_sent = counter
+    return cls._bench_sent
+
+
+class RingFlashZigzag(Runner):
+    """ring-flash-attn's zigzag ring over the default group; bshd inputs ([b, s_local, h, d], same zigzag shards)."""
+
+    bytes_source = "closed form"
+
+    def __init__(self, module):
+        self.func = module.zigzag_ring_flash_attn_func
+        self.counter = _count_ring_comm_sends(module)
+        self.world = dist.get_world_size()
+        self.kv_shape: Tuple[int, ...] = ()
+        self.element_size = 0
+
+    def to_native(self, q, k, v, dout):
+        return tuple(x.transpose(0, 1).contiguous() for x in (q, k, v, dout))   # [s, b, h, d] -> [b, s, h, d]
+
+    def step(self, q, k, v, dout):
+        self.counter["bytes"] = 0
+        self.kv_shape, self.element_size = tuple(k.shape), k.element_size()
+        q, k, v = _leaves(q, k, v)
+        out = self.func(q, k, v, causal=True, group=None)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def from_native(self, out, dq, dk, dv):
+        return tuple(x.transpose(0, 1) for x in (out, dq, dk, dv))           # [b, s, h, d] -> [s, b, h, d]
+
+    def bytes_sent(self):
+        formula = ring_flash_bytes(math.prod(self.kv_shape), self.world, self.element_size)
+        return {"a2a": 0, "ring": formula, "ring_counted": self.counter["bytes"]}
+
+
+def te_bytes(kind: str, q_elements: int, kv_elements: int, element_size: int, world: int, a2a_size: int) -> Dict[str, float]:
+    """TE's bytes per rank per fwd+bwd for ``kind`` p2p / a2a / a2a+p2p (closed forms of the module docstring)."""
+    a = {"p2p": 1, "a2a": world, "a2a+p2p": a2a_size}[kind]
+    ring = world // a
+    a2a = 2 * (2 * q_elements + 2 * kv_elements) * element_size * (a - 1) / a
+    return {"a2a": a2a, "ring": 2 * kv_elements * element_size * 3 * (ring - 1)}
+
+
+class TEContextParallel(Runner):
+    """Transformer Engine's DotProductAttention with context parallelism ``kind`` over all ranks (CUDA only)."""
+
+    bytes_source = "closed form"
+
+    def __init__(self, kind: str, a2a_size: int, args, world: int, timeout: datetime.timedelta):
+        import transformer_engine.pytorch as te                     # lazy: GPU-only dependency
+
+        self.kind, self.a2a_size, self.world = kind, a2a_size, world
+        ranks = list(range(world))
+        if kind == "a2a+p2p":
+            # Megatron's hierarchical CP groups: the a2a level on adjacent ranks, the p2p level A apart. Every rank
+            # creates every group (new_group is collective), keeping its own.
+            a2a_groups = [ranks[i:i + a2a_size] for i in range(0, world, a2a_size)]
+            p2p_groups = [ranks[j::a2a_size] for j in range(a2a_size)]
+            mine = []
+            for lists in (a2a_groups, p2p_groups):
+                for members in lists:
+                    group = dist.new_group(members, timeout=timeout)
+                    if dist.get_rank() in members:
+                        mine.append(group)
+            cp_group = mine
+        else:
+            cp_group = dist.new_group(ranks, timeout=timeout)
+        self.attn = te.DotProductAttention(num_attention_heads=args.heads, kv_channels=args.dim,
+                                           num_gqa_groups=args.kv_heads, attention_dropout=0.0,
+                                           qkv_format="sbhd", attn_mask_type="causal")
+        self.attn.set_context_parallel_group(cp_group, ranks, torch.cuda.Stream(), kind)
+        self.q_elements = self.kv_elements = self.element_size = 0
+
+    def to_native(self, q, k, v, dout):
+        s, b, h, d = dout.shape
+        return q, k, v, dout.reshape(s, b, h * d)                    # TE returns [s, b, h*d]
+
+    def step(self, q, k, v, dout):
+        self.q_elements, self.kv_elements, self.element_size = q.numel(), k.numel(), k.element_size()
+        q, k, v = _leaves(q, k, v)
+        out = self.attn(q, k, v)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def from_native(self, out, dq, dk, dv):
+        return out.view(dq.shape), dq, dk, dv
+
+    def bytes_sent(self):
+        return te_bytes(self.kind, self.q_elements, self.kv_elements, self.element_size, self.world, self.a2a_size)
+
+
+def ours_impls(args) -> List[Impl]:
+    """One row per 2D layout of CP = N whose hp divides the query heads."""
+    timeout = datetime.timedelta(seconds=args.timeout)
+    return [Impl(label(layout), OURS, build=lambda rank, world, a, lay=layout: Ours2D(lay, timeout),
+                 layout=layout_record(layout)) for layout in bench_layouts(args.ranks, args.heads)]
+
+
+def ring_flash_impl(args) -> Impl:
+    """ring-flash-attn's zigzag ring: on CPU through the flash_attn stand-in, on GPU only with the real flash_attn.
+
+    The module is loaded here, in the parent, so a missing package gives one clear n/a row; forked ranks inherit it.
+    """
+    from megatron_2d.testing.flash_attn_cpu import flash_attn_stand_in, load_ring_flash_attn_module
+
+    try:
+        if args.device == "cpu":
+            with flash_attn_stand_in():
+                module = load_ring_flash_attn_module("zigzag_ring_flash_attn")
+        else:
+            module = load_ring_flash_attn_module("zigzag_ring_flash_attn")   # needs the real flash_attn
+    except ImportError as err:
+        return Impl(RING_FLASH, RING_FLASH, unavailable=f"ring-flash-attn does not import: {err}")
+    return Impl(RING_FLASH, RING_FLASH, build=lambda rank, world, a: RingFlashZigzag(module))
+
+
+def te_impls(args) -> List[Impl]:
+    """TE p2p, a2a and every a2a+p2p [A, N/A] (TE does not replicate K/V: A must divide hq and hkv)."""
+    timeout = datetime.timedelta(seconds=args.timeout)
+    n = args.ranks
+    if args.device != "cuda":
+        return [Impl("TE p2p / a2a / a2a+p2p", "TE", unavailable="Transformer Engine CP needs CUDA (--device cuda)")]
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as err:
+        return [Impl(f"TE {kind}", f"TE {kind}", unavailable=f"transformer_engine does not import: {err}")
+                for kind in ("p2p", "a2a", "a2a+p2p")]
+
+    def impl(kind: str, a2a_size: int, name: str) -> Impl:
+        return Impl(name, f"TE {kind}", build=lambda rank, world, a: TEContextParallel(kind, a2a_size, a, world,
+                                                                                        timeout))
+
+    rows = [impl("p2p", 1, "TE p2p")]
+    if args.heads % n or args.kv_heads % n:
+        rows.append(Impl("TE a2a", "TE a2a", unavailable=f"a2a needs CP={n} to divide hq={args.heads} and "
+                                                         f"hkv={args.kv_heads}"))
+    else:
+        rows.append(impl("a2a", n, "TE a2a"))
+    sizes = [a for a in divisors(n)[1:-1] if args.heads % a == 0 and args.kv_heads % a == 0]
+    rows += [impl("a2a+p2p", a, f"TE a2a+p2p [{a}, {n // a}]") for a in sizes]
+    if not sizes:
+        rows.append(Impl("TE a2a+p2p", "TE a2a+p2p", unavailable=f"no a2a size 1 < A < {n} divides hq and hkv"))
+    return rows
+
+
+def all_impls(args) -> List[Impl]:
+    """Every row of one run: ours, then the peers (unless --no-peers)."""
+    rows = ours_impls(args)
+    if args.peers:
+        rows.append(ring_flash_impl(args))
+        rows += te_impls(args)
+    return rows
