@@ -80,10 +80,9 @@ class RingAttention(torch.autograd.Function):
                 fresh[0] = False
 
         def compute(block, source: int, first_key: int) -> None:
-            for call in rc.plans[source]:
-                rows, keys = slice(call.q_start, call.q_end), slice(call.k_start - first_key, call.k_end - first_key)
-                out_blk, lse_blk = rc.kernel.forward(q[:, rows], block[0][:, keys], block[1][:, keys], call.band,
-                                                     rc.scale)
+            for call, out_blk, lse_blk in rc.kernel.forward_calls(q, block[0], block[1], rc.plans[source],
+                                                                  first_key, rc.scale):
+                rows = slice(call.q_start, call.q_end)
                 if fresh[0] and (call.q_start, call.q_end) == (0, S):
                     out_acc.copy_(out_blk)
                     lse_acc.copy_(lse_blk)
@@ -113,17 +112,14 @@ class RingAttention(torch.autograd.Function):
 
         def compute(block, source: int, first_key: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
             partials = []
-            for call in rc.plans[source]:
-                rows, keys = slice(call.q_start, call.q_end), slice(call.k_start - first_key, call.k_end - first_key)
-                dq, dk, dv = rc.kernel.backward(
-                    dout[:, rows], q[:, rows], block[0][:, keys], block[1][:, keys],
-                    out[:, rows], lse[:, :, rows], call.band, rc.scale)
+            for call, dq, dk, dv in rc.kernel.backward_calls(dout, q, block[0], block[1], out, lse,
+                                                             rc.plans[source], first_key, rc.scale):
                 if fresh[0] and (call.q_start, call.q_end) == (0, q.shape[1]):
                     dq_acc.copy_(dq)
                 else:
                     if fresh[0]:
                         dq_acc.zero_()
-                    dq_acc[:, rows].add_(dq)
+                    dq_acc[:, call.q_start:call.q_end].add_(dq)
                 fresh[0] = False
                 partials.append((call.k_start, call.k_end, dk, dv))
             return partials

@@ -9,6 +9,7 @@ then attention_2d on forked ranks with that kernel in the ring.
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import itertools
 import sys
@@ -21,7 +22,8 @@ from megatron_2d.band import Band
 from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel
 from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.reference import TOLERANCES, norm_err, reference_attention, rel_err, rounded
+from megatron_2d.testing.reference import (TOLERANCES, norm_err, packed_reference_attention, reference_attention,
+                                            rel_err, rounded)
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -285,3 +287,57 @@ def test_attention_2d_with_flash_attn2_kernel(world, hp, w, placement):
     bad = {case: e for per_rank in run_on_ranks(world, run_ring_with_flash_attn2, hp, w, placement)
            for case, e in per_rank.items() if not e < tol.of(case[2])}
     assert not bad, bad
+
+
+def run_packed_with_flash_attn2(rank, world, mode):
+    """Packed documents with the flash-attn 2 kernel: many calls per block go to the varlen function."""
+    package, interface = flash_attn_cpu.flash_attn_modules("2.7")
+    sys.modules["flash_attn"], sys.modules["flash_attn.flash_attn_interface"] = package, interface
+    FlashAttn2Kernel.supports = lambda self, device, dtype: dtype in (torch.float16, torch.bfloat16)  # CPU here
+    launches = {"varlen_fwd": 0, "varlen_bwd": 0}
+    fwd, bwd = interface.flash_attn_varlen_func, interface._flash_attn_varlen_backward
+
+    def counted(name, fn):
+        @functools.wraps(fn)                   # keeps the signature the kernel binds arguments by
+        def call(*args, **kwargs):
+            launches[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    interface.flash_attn_varlen_func = counted("varlen_fwd", fwd)
+    interface._flash_attn_varlen_backward = counted("varlen_bwd", bwd)
+    groups = megatron_2d.build_2d_groups(2, 1, "head_first", timeout=datetime.timedelta(seconds=30))
+    lengths = [3, 40, 1, 17, 64, 9, 5, 30]
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
+    layout = megatron_2d.PackedLayout(cu, groups, mode=mode)
+    g = torch.Generator().manual_seed(4)
+    T = int(cu[-1])
+    q, k, v, dout = (rounded(torch.randn(T, h, 32, generator=g, dtype=torch.float64), torch.bfloat16)
+                     for h in (8, 2, 2, 8))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    ref = packed_reference_attention(q, k, v, cu, True, 32 ** -0.5)
+    ref.backward(dout)
+    ql, kl, vl = (layout.shard(x.detach()).bfloat16().requires_grad_(True) for x in (q, k, v))
+    out = megatron_2d.attention_2d(ql, kl, vl, groups, kernel="flash_attn2", packing=layout)
+    out.backward(layout.shard(dout).bfloat16())
+    errors = {key: norm_err(a, layout.shard(e.detach())) for key, a, e in
+              (("out", out, ref), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad), ("dv", vl.grad, v.grad))}
+    return errors, launches
+
+
+@pytest.mark.parametrize("mode", ["zigzag", "documents"])
+def test_packed_attention_with_flash_attn2_varlen(mode):
+    tol = TOLERANCES[torch.bfloat16]
+    for errors, launches in run_on_ranks(4, run_packed_with_flash_attn2, mode):
+        assert all(e < tol.of(key) for key, e in errors.items()), errors
+        assert launches["varlen_fwd"] > 0 and launches["varlen_bwd"] > 0, launches
+
+
+def test_varlen_lse_layouts_round_trip():
+    """Older flash-attn 2 returned varlen lse as [n, h, max_seqlen]; both layouts give the same rows."""
+    from megatron_2d.kernels.flash_attn2 import packed_lse, padded_lse
+    lse, offsets = torch.randn(3, 10), (0, 4, 10)
+    padded = padded_lse(lse, offsets, 6)
+    assert padded.shape == (2, 3, 6) and torch.equal(padded[0, :, 4:], torch.zeros(3, 2))
+    assert torch.equal(packed_lse(padded, offsets), lse) and packed_lse(lse, offsets) is lse

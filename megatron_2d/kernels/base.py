@@ -13,11 +13,14 @@ Layouts (the ring loop never sees a kernel's own signature or layout):
 from __future__ import annotations
 
 import abc
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..band import Band
+
+if TYPE_CHECKING:
+    from ..block_plan import BlockCall
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,6 +58,24 @@ class BlockKernel(abc.ABC):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with ``dtype``."""
         return True
+
+    def forward_calls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: Sequence["BlockCall"],
+                      first_key: int, scale: float) -> List[Tuple["BlockCall", torch.Tensor, torch.Tensor]]:
+        """Every call of one block: [(call, out rows, lse rows)]; ``k``/``v`` hold the block's keys from
+        ``first_key`` on. One kernel call per BlockCall here; kernels with a batched (varlen) form override."""
+        return [(c, *self.forward(q[:, c.q_start:c.q_end], k[:, c.k_start - first_key:c.k_end - first_key],
+                                  v[:, c.k_start - first_key:c.k_end - first_key], c.band, scale)) for c in calls]
+
+    def backward_calls(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, calls: Sequence["BlockCall"], first_key: int,
+                       scale: float) -> List[Tuple["BlockCall", torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Gradients of every call of one block: [(call, dq rows, dk keys, dv keys)] (see forward_calls)."""
+        results = []
+        for c in calls:
+            rows, keys = slice(c.q_start, c.q_end), slice(c.k_start - first_key, c.k_end - first_key)
+            results.append((c, *self.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                              lse[:, :, rows], c.band, scale)))
+        return results
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
