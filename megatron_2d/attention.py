@@ -93,6 +93,11 @@ def _transport(groups: Groups2D, plan) -> object:
 DKV_COMM_DTYPES = ("accumulator", "input")
 
 
+def _rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
+    """The dtype dK/dV riders travel and accumulate in (see ``dkv_comm_dtype``)."""
+    return accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
+
+
 def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: int, causal: bool,
            window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str):
     """(head exchange, ring context) for one call signature: built on first use, then cached on ``groups``, so a
@@ -104,10 +109,9 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
         heads = HeadExchange.build(groups.head_parallel_size, groups.received_chunks(place.context_rank),
                                    groups.head_group, groups.comm_bytes, device)
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
-        rider_dtype = accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
         rc = RingContext(transport=_transport(groups, plan), kernel=select_kernel(device, dtype, kernel),
                          plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
-                         scale=scale, rider_dtype=rider_dtype)
+                         scale=scale, rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = groups.op_cache[key] = (heads, rc)
     return cached
 
@@ -124,9 +128,9 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
             transport = LocalBlock(groups.place.context_rank)
         else:
             transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
-        rider_dtype = accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
         rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel),
-                         plans=packing.plans(causal, window), scale=scale, rider_dtype=rider_dtype)
+                         plans=packing.plans(causal, window), scale=scale,
+                         rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = packing.op_cache[key] = (heads, rc)
     return cached
 
