@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -279,6 +281,22 @@ def parse_tokens(text: str) -> int:
     return int(t[:-1] if mult > 1 else t) * mult
 
 
+def cached_reference(args, tensors, cu: np.ndarray, scale: float):
+    """:func:`blocked_reference`, stored under ``args.cache`` keyed by the lengths, shapes and seed (the inputs
+    are a function of those), so runs at other rank counts reuse it."""
+    if not args.cache:
+        return blocked_reference(*tensors, cu, scale)
+    key = hashlib.sha256(cu.astype(np.int64).tobytes() + repr((tuple(tensors[0].shape), args.seed, scale)).encode())
+    path = os.path.join(args.cache, f"ref_{key.hexdigest()[:24]}.pt")
+    if os.path.exists(path):
+        return tuple(torch.load(path))
+    ref = blocked_reference(*tensors, cu, scale)
+    os.makedirs(args.cache, exist_ok=True)
+    torch.save(list(ref), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return ref
+
+
 def _tensors(T: int, heads: int, dim: int, seed: int) -> Tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(T, heads, dim, generator=g) for _ in range(4))
@@ -305,7 +323,7 @@ def build_cases(args) -> List[Case]:
         T = int(cu[-1])
         ts = tensors if T == args.tokens else _tensors(T, args.heads, args.dim, args.seed)
         t0 = time.perf_counter()
-        reference = blocked_reference(*ts, cu, scale)
+        reference = cached_reference(args, ts, cu, scale)
         print(f"[{name}] {len(lengths)} documents, T={T}, longest {int(lengths.max())}: reference in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         cases.append(Case(name, cu, ts, reference))
@@ -329,6 +347,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "reference is the slowest part at large T)")
     parser.add_argument("--no-ring-flash", action="store_true", help="skip ring-flash-attn")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "megatron_2d_bench"),
+                        help="directory for the fp64 references (reused across rank counts; '' = none)")
     args = parser.parse_args(argv)
     if args.ranks % args.hp:
         parser.error(f"--hp {args.hp} must divide --ranks {args.ranks}")
@@ -341,7 +361,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         ts = _tensors(args.tokens, args.heads, args.dim, args.seed)
         t0 = time.perf_counter()
         seq_case = Case("*", cu_seqlens_of([args.tokens]), ts,
-                        blocked_reference(*ts, cu_seqlens_of([args.tokens]), args.dim ** -0.5))
+                        cached_reference(args, ts, cu_seqlens_of([args.tokens]), args.dim ** -0.5))
         print(f"[one sequence] reference in {time.perf_counter() - t0:.1f} s", flush=True)
     ring_flash, why = (None, "--no-ring-flash") if args.no_ring_flash else load_ring_flash()
     t0 = time.perf_counter()
