@@ -4,6 +4,8 @@
     python -m megatron_2d.plan --model 7B-MHA --cluster 8xA100 --gpus 32 --tp 2 --seq 256K --json
     python -m megatron_2d.plan --model 7B-GQA --cluster 8xH200 --gpus 64 --seq 128K --plot plan.png
     python -m megatron_2d.plan grid [--details]        # best 2D vs best stock over models, GPUs, lengths
+    python -m megatron_2d.plan --gpus 64 --seq 128K --lengths-dist one-half     # packed documents, both modes
+    python -m megatron_2d.plan --gpus 64 --seq 128K --lengths lengths.txt       # one length per line / JSON list
 
 Exit status: 0 with a recommendation; 1 when no layout is feasible (the plan is still printed, with the smallest
 memory found and what would help) or when --plot cannot be written; 2 for bad arguments.
@@ -17,6 +19,7 @@ from dataclasses import replace
 from typing import List, Optional
 
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES
+from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
 from .planner import AUTO, plan, recommended
 from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
@@ -98,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--dkv-dtype", default="fp32", choices=tuple(DTYPE_BYTES),
                    help="dtype of the 2D ring's dK/dV partials (default fp32, what the op sends today; Transformer "
                         "Engine's rings are always modelled in bf16)")
+    k = p.add_argument_group("packed documents (THD)")
+    src = k.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE",
+                     help="document lengths of one packed sequence (one per line, or a JSON list), summing to --seq: "
+                          "each layout is predicted in both packed modes (2D zigzag and documents; stock THD zigzag)")
+    src.add_argument("--lengths-dist", choices=DISTRIBUTIONS,
+                     help="a named length distribution with --seq tokens in all (see megatron_2d.plan.lengths)")
+    k.add_argument("--lengths-seed", type=int, default=0, help="seed of --lengths-dist (default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=_positive, default=15, help="feasible layouts to list (default 15)")
     o.add_argument("--all", action="store_true", help="list every feasible layout")
@@ -143,13 +154,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         causal = not args.no_causal
         if args.window is not None and not causal:
             raise PlanError("--window models causal sliding windows; drop --no-causal")
-        cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype)
+        lengths = None
+        if args.lengths:
+            try:
+                lengths = read_lengths(args.lengths).tolist()
+            except (OSError, ValueError) as err:
+                raise PlanError(f"--lengths: {err}") from None
+        elif args.lengths_dist:
+            lengths = document_lengths(args.lengths_dist, args.seq, args.lengths_seed).tolist()
+        if lengths is not None and args.plot:
+            raise PlanError("--plot sweeps sequence lengths; it does not take packed --lengths")
+        cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype,
+                     lengths=lengths)
     except PlanError as err:
         parser.error(str(err))
     if args.json:
         job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype)
         print(plan_json(cands, job))
     else:
+        if lengths is not None:
+            srt = sorted(lengths)
+            print(f"packed: {len(lengths)} documents of {sum(lengths)} tokens ("
+                  f"{args.lengths or args.lengths_dist}), longest {srt[-1]}, median {srt[len(srt) // 2]}; "
+                  f"rows per layout: 2d zigzag / 2d documents / stock THD zigzag (padded to 2*CP)")
         print_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal,
                    window=args.window)
     status = EXIT_OK if recommended(cands) is not None else EXIT_NO_FEASIBLE

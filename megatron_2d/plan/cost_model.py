@@ -25,12 +25,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from ..ring_schedule import double_ring_events, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .placement import LinkClass, LinkMap, link_map
 from .windows import WindowWork, window_work
+
+if TYPE_CHECKING:
+    from .packed import PackedWork
 
 BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors
 FP32 = 4      # bytes per element of fp32 tensors (our ring's dK/dV accumulators, softmax lse, logits)
@@ -454,16 +457,20 @@ def combine_layers(parts: Sequence[Tuple["Estimate", int]]) -> "Estimate":
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
              placement: str, seq: int, causal: bool = True, window: Optional[int] = None,
-             recompute: str = "none", dkv_dtype: str = "fp32", kv_heads: Optional[int] = None) -> Estimate:
+             recompute: str = "none", dkv_dtype: str = "fp32", kv_heads: Optional[int] = None,
+             packed: Optional["PackedWork"] = None) -> Estimate:
     """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
 
     ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
     visible pairs only, and its transport is the op's own choice (see :mod:`.windows`).
     ``recompute``: one of RECOMPUTE_MODES; it changes memory and the step time (``time_s``, the attention of one
     layer, never includes recompute). ``dkv_dtype``: 'fp32' (ours) or 'bf16' (Transformer Engine's p2p) for the
-    dK/dV partials on the ring. ``kv_heads``: K/V heads per TP rank after repetition (see :func:`layer_work`)."""
+    dK/dV partials on the ring. ``kv_heads``: K/V heads per TP rank after repetition (see :func:`layer_work`).
+    ``packed``: a packed batch of documents (:class:`megatron_2d.plan.packed.PackedWork`, causal only): the
+    attention FLOPs become the busiest context rank's pairs, the ring messages the mode's ring prefix (none at
+    all: one local block), the linear layers and all-to-alls scale with the slots per rank (padding included)."""
     return with_recompute(_estimate_none(model, cluster, parallel, hp, cp, w, placement, seq, causal, window,
-                                         dkv_dtype, kv_heads), recompute)
+                                         dkv_dtype, kv_heads, packed), recompute)
 
 
 def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "Estimate":
@@ -484,13 +491,24 @@ def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "E
 
 def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
                    placement: str, seq: int, causal: bool, window: Optional[int], dkv_dtype: str,
-                   kv_heads: Optional[int]) -> "Estimate":
+                   kv_heads: Optional[int], packed: Optional["PackedWork"] = None) -> "Estimate":
     if dkv_dtype not in DTYPE_BYTES:
         raise ValueError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     dkv_elem = DTYPE_BYTES[dkv_dtype]
     work = layer_work(model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads)
     ww = window_work(hp, cp, placement, seq, window if causal else None)
     work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
+    local_only = False
+    if packed is not None:
+        if not causal or window is not None:
+            raise ValueError("packed documents are modelled for causal attention without a sliding window")
+        tf, rf = packed.token_fraction, packed.ring_fraction
+        work = dataclasses.replace(work, fwd_flops=work.fwd_flops * packed.flops_fraction,
+                                   kv_bytes=work.kv_bytes * rf, dkv_bytes=work.dkv_bytes * rf,
+                                   s_ctx_tokens=work.s_ctx_tokens * rf, a2a_peer_bytes=work.a2a_peer_bytes * tf,
+                                   a2a_local_bytes=work.a2a_local_bytes * tf,
+                                   merge_fwd_bytes=work.merge_fwd_bytes * tf, merge_bwd_bytes=work.merge_bwd_bytes * tf)
+        local_only = cp > 1 and packed.ring_tokens == 0            # the op skips the ring: one local block
     links = link_map(hp, cp, w, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
     attn_rate = cluster.peak_tflops * 1e12 * cluster.attn_efficiency
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
@@ -503,7 +521,11 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
     a2a_one = 0.0
     if hp > 1:
         a2a_one = path_time(links.a2a, work.a2a_peer_bytes, cluster) + 4 * work.a2a_local_bytes / hbm + lat
-    if ww.dense:
+    if local_only:
+        tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
+        fwd, bwd, ring_serial = tc, tcb, 0.0
+        intra, inter, nic = traffic(work, links, cluster, hp, cp, w)
+    elif ww.dense:
         fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
         intra, inter, nic = traffic(work, links, cluster, hp, cp, w)
     else:
@@ -515,7 +537,7 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
             intra += times * c.intra_peers * peer_bytes
             inter += times * c.inter_peers * peer_bytes
             nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
-    compute = cp * (tc + tcb)
+    compute = (tc + tcb) if local_only else cp * (tc + tcb)
     time = 2 * a2a_one + fwd + bwd
     mem = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_elem, kv_heads)
 
@@ -523,10 +545,13 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
     B, S, CP, tp = parallel.micro_batch, seq, hp * cp, parallel.tp
     group = tp * CP                                          # GPUs sharing one micro-batch's layer work
     dense_rate = cluster.peak_tflops * 1e12 * cluster.dense_efficiency
-    dense_layer = 6.0 * model.layer_params() * B * S / group / dense_rate
-    logits = 6.0 * model.vocab * model.hidden * B * S / group / dense_rate
+    slots = 1.0 if packed is None else packed.token_fraction           # padding slots run the linear layers too
+    dense_layer = 6.0 * model.layer_params() * B * S / group / dense_rate * slots
+    logits = 6.0 * model.vocab * model.hidden * B * S / group / dense_rate * slots
     step = model.layers * (time + dense_layer) + logits
     attn_model_flops = 3.0 * 4.0 * B * S * S * model.heads * model.head_dim * (0.5 if causal else 1.0) * ww.fraction
+    if packed is not None:
+        attn_model_flops *= packed.useful_fraction                    # only pairs within a document count
     model_flops = 6.0 * model.matmul_params() * B * S + model.layers * attn_model_flops
     mfu = model_flops / group / step / (cluster.peak_tflops * 1e12)
     return Estimate(time_s=time, compute_s=compute, kernel_s=(1.0 + BWD_FACTOR) * work.fwd_flops / attn_rate,

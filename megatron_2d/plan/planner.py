@@ -11,6 +11,7 @@ from .candidates import (KINDS, RECOMPUTE_BY_KIND, Layout, check_layout, enumera
                          kind_kv_heads, megatron_flags)
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
+from .packed import PackedWork, modes_for, packed_work
 
 AUTO = "auto"
 """``recompute=AUTO``: try every mode the kind supports and keep the fastest that fits in memory."""
@@ -19,7 +20,7 @@ ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_mem
             "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
             "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
             "memory_budget_gb", "memory_parts_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb",
-            "links", "recompute_options")
+            "links", "recompute_options", "packing", "packed")
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
@@ -41,6 +42,9 @@ class Candidate:
     note: str = ""
     memory_budget_gb: Optional[float] = None
     dkv_dtype: Optional[str] = None
+    packing: Optional[str] = None
+    """Packed documents: the mode this row runs ("zigzag": Megatron/TE THD; "documents": ours); None unpacked."""
+    packed: Optional[PackedWork] = None
 
     kind = property(lambda self: self.layout.kind)
     hp = property(lambda self: self.layout.hp)
@@ -118,6 +122,13 @@ class Candidate:
             "network_mb": round(e.inter_bytes / 1e6, 2) if e else None,
             "links": {p: e.links.describe(getattr(e.links, p)) for p in ("a2a", "inner", "outer")} if e else None,
             "recompute_options": opts,
+            "packing": self.packing,
+            "packed": ({"flops_fraction": round(self.packed.flops_fraction, 4),
+                        "ring_fraction": round(self.packed.ring_fraction, 4),
+                        "token_fraction": round(self.packed.token_fraction, 4),
+                        "ring_tokens": self.packed.ring_tokens, "padding_tokens": self.packed.padding_tokens,
+                        "pair_imbalance": round(self.packed.pair_imbalance, 4),
+                        "long_documents": self.packed.long_documents} if self.packed else None),
         }
         assert tuple(d) == ROW_KEYS
         return d
@@ -195,8 +206,12 @@ def layer_windows(window: Window, layers: int) -> Dict[Optional[int], int]:
 
 def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str],
              parallel: ParallelSpec, seq: int, causal: bool = True, window: Window = None,
-             recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32") -> Candidate:
+             recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32",
+             lengths: Optional[Sequence[int]] = None, packing: Optional[str] = None) -> Candidate:
     """Check and, when the layout can run, estimate it under each recompute mode and keep the fastest that fits.
+
+    ``lengths`` (document lengths summing to ``seq``) with ``packing`` (a mode of
+    :func:`megatron_2d.plan.packed.modes_for` the kind): a packed batch, see :mod:`megatron_2d.plan.packed`.
 
     ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
     AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's
@@ -214,12 +229,27 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     if not reason and not modes:
         reason = (f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only); "
                   f"{layout.kind} supports: {', '.join(RECOMPUTE_BY_KIND[layout.kind])}")
+    packed = None
+    note = ""
+    if lengths is not None:
+        if packing not in modes_for(layout.kind):
+            raise PlanError(f"packed mode {packing!r} is not one of {modes_for(layout.kind)} for kind {layout.kind}")
+        if not causal or windowed is not None:
+            raise PlanError("packed lengths are modelled for causal attention without a sliding window")
+        if not reason:
+            packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing)
+        if layout.kind == "a2a+p2p":
+            note = "THD with a2a+p2p is not in a Transformer Engine release"
+        elif packing == "documents":
+            note = "documents mode: our data path (examples/pretrain_gpt_2d.py)"
     if reason:
-        return Candidate(layout, False, reason, megatron_flags(layout, parallel), memory_budget_gb=budget)
+        return Candidate(layout, False, reason, megatron_flags(layout, parallel), memory_budget_gb=budget,
+                         packing=packing if lengths is not None else None)
     dkv = kind_dkv_dtype(layout.kind, dkv_dtype)
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
-                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads), n) for win, n in mix.items()])
+                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads, packed=packed), n)
+                           for win, n in mix.items()])
     options = tuple(_fewest_layers(base, m, budget, parallel.pp) for m in modes)
     chosen, fits = choose_recompute(options, budget)
     per_stage = chosen.recompute_layers // parallel.pp
@@ -229,7 +259,8 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     if not fits:
         why = (f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
                f"(budget {budget:.1f} GB = {cluster.usable_memory_fraction:.0%} of {cluster.gpu_memory_gb:g} GB)")
-    return Candidate(layout, fits, why, flags, chosen, options, memory_budget_gb=budget, dkv_dtype=dkv)
+    return Candidate(layout, fits, why, flags, chosen, options, note=note, memory_budget_gb=budget, dkv_dtype=dkv,
+                     packing=packing if lengths is not None else None, packed=packed)
 
 
 def _sort_key(c: Candidate):
@@ -259,12 +290,13 @@ def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
 
 def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
          causal: bool = True, window: Window = None, recompute: Union[str, Sequence[str]] = AUTO,
-         dkv_dtype: str = "fp32") -> List[Candidate]:
+         dkv_dtype: str = "fp32", lengths: Optional[Sequence[int]] = None) -> List[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.
 
     Each layout gets the fastest recompute mode that fits (``recompute``: AUTO, one mode or a list); the first
-    row, when feasible, is the recommendation (see :func:`recommended`).
+    row, when feasible, is the recommendation (see :func:`recommended`). ``lengths``: document lengths of a packed
+    batch (summing to ``seq``): one row per layout and packed mode (2D: zigzag and documents; stock: THD zigzag).
 
     >>> from megatron_2d.plan import plan, ParallelSpec
     >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
@@ -276,14 +308,27 @@ def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], paralle
     """
     model, cluster = _resolve(model, cluster)
     validate_job(model, parallel, seq)
-    cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype)
-             for l in enumerate_layouts(model, parallel)]
+    if lengths is not None:
+        lengths = [int(x) for x in lengths]
+        if not lengths or min(lengths) < 1 or sum(lengths) != seq:
+            raise PlanError(f"packed document lengths must be positive and sum to the sequence length {seq}; got "
+                            f"{len(lengths)} lengths summing to {sum(lengths)}")
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, lengths, mode)
+                 for l in enumerate_layouts(model, parallel) for mode in modes_for(l.kind)]
+    else:
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype)
+                 for l in enumerate_layouts(model, parallel)]
     if window is not None:
         cands = _collapse_windows(cands)
     ok = sorted((c for c in cands if c.feasible), key=_sort_key)
     oom = sorted((c for c in cands if not c.feasible and c.runs),
                  key=lambda c: (c.estimate.memory_gb, c.estimate.step_s))
-    return ok + oom + [c for c in cands if not c.runs]
+    cannot, seen = [], set()
+    for c in cands:
+        if not c.runs and c.layout not in seen:                      # one row per layout, not per packed mode
+            seen.add(c.layout)
+            cannot.append(c)
+    return ok + oom + cannot
 
 
 def recommended(candidates: Sequence[Candidate]) -> Optional[Candidate]:

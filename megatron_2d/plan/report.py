@@ -40,7 +40,8 @@ def _row(i: int, c: Candidate, cluster: ClusterSpec) -> List[str]:
     mem = f"{e.memory_gb:.1f}" + ("!" if not c.fits_memory else "")
     ratio = e.comm_total_s / e.compute_s if e.compute_s else float("inf")
     w = "any" if c.note.startswith("w has no effect") else str(c.w)
-    return [str(i), c.kind, str(c.hp), str(c.cp), w, c.placement if c.kind in ("2d", "a2a+p2p") else "-",
+    kind = c.kind if not c.packing else f"{c.kind} {c.packing}"
+    return [str(i), kind, str(c.hp), str(c.cp), w, c.placement if c.kind in ("2d", "a2a+p2p") else "-",
             links["a2a"], links["inner"], links["outer"], f"{e.time_s * 1e3:.2f}", f"{e.compute_s * 1e3:.2f}",
             f"{e.comm_s * 1e3:.2f}", f"{ratio:.2f}", recompute_label(e), f"{e.step_s * 1e3:,.0f}",
             f"{100 * e.mfu:.1f}%", f"{e.tokens_per_gpu_s:,.0f}", mem]

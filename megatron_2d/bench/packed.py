@@ -1,0 +1,425 @@
+"""Packed documents (THD) under 2D on CPU ranks: zigzag mode vs documents mode vs one unmasked causal sequence vs
+ring-flash-attn's zigzag varlen ring.
+
+    python tools/bench_packed.py --ranks 8                       # 16K tokens, the three length distributions
+    python tools/bench_packed.py --ranks 4 --tokens 32K --hp 2 --dists one-half
+
+Rows (same q, k, v, dout, fp32, causal, hq = hkv heads of dim d):
+    zigzag          attention_2d(packing=PackedLayout(cu, groups, "zigzag")): Megatron/TE THD, every document
+                    padded to 2*CP and split over every CP rank
+    documents       attention_2d(packing=PackedLayout(cu, groups, "documents")): short documents whole on one
+                    context rank, long ones zigzag-sharded; the ring carries the long prefix only
+    one sequence    the same T tokens as ONE causal sequence (sbhd attention_2d, shard_sequence): what attention
+                    costs when the document boundaries are ignored (padding-free, balanced, every pair computed)
+    ring-flash-attn zigzag_ring_flash_attn_varlen_func over all N ranks (hp = 1), through the CPU flash_attn
+                    stand-in; its layout per document is zigzag_slots(cu, N) (local cu_seqlens = padded // N).
+                    In fp32 its backward is wrong (ring-flash-attn 0.1.8: ``dq = dq_buffer.to(torch.float32)``
+                    aliases the buffer the next step overwrites; see tools/bench_compare.py), so that row fails
+                    the check and is not timed; its bytes are still counted
+    ring-flash-attn fp64  the same in fp64 (the cast copies, the result is right): timed, but in fp64
+                    arithmetic, so its time is an upper bound for what fp32 would cost
+
+Every row is first run once and checked against an fp64 single-process reference (out, dq, dk, dv; max |err| /
+max |ref| under TOLERANCES[fp32].end_to_end); a row that fails is reported as failing and not timed. The reference
+is computed per query block (:func:`blocked_reference`, equal to testing.reference.packed_reference_attention +
+autograd: tests/test_bench_packed.py), because the dense one needs T^2 memory.
+
+Columns: wall ms = median fwd+bwd step of the slowest rank; cpu ms = median CPU time of the busiest rank (on 2
+shared cores with N > 2 ranks, wall time is roughly the SUM of the ranks' work, so cpu ms is the better proxy for
+one core per rank); "vs zigzag" = wall / zigzag's wall (and the same for cpu); ring / a2a MiB = bytes the busiest
+rank sends per fwd+bwd; pairs and tokens = max / mean over context ranks of causal (query, key) pairs within a
+document and of real tokens; padding = padding slots / all slots. Timing is not a test: compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+import megatron_2d
+from megatron_2d.document_placement import zigzag_slots
+from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
+from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.reference import TOLERANCES
+
+ROWS = ("zigzag", "documents", "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
+GRADS = ("out", "dq", "dk", "dv")
+
+
+# -- reference ----------------------------------------------------------------------------------------------------
+
+def blocked_reference(q, k, v, dout, cu_seqlens, scale: float, block: int = 256):
+    """fp64 causal attention of packed documents and its gradients, one query block at a time.
+
+    q, k, v, dout [T, h, d] (any float dtype; computed in fp64) -> (out, dq, dk, dv) [T, h, d] fp64. Per document
+    and query block: S = q k^T over the document's keys up to the block's end, P = softmax, out = P v; backward
+    from the same P: dP = dout v^T, dS = P (dP - rowsum(dout * out)), dq = dS k, dk += dS^T q, dv += P^T dout.
+    Peak memory O(h * block * max document length)."""
+    q, k, v, dout = (x.to(torch.float64) for x in (q, k, v, dout))
+    out, dq, dk, dv = (torch.zeros_like(x) for x in (q, q, k, v))
+    bounds = [int(x) for x in cu_seqlens]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for q0 in range(a, b, block):
+            q1 = min(q0 + block, b)
+            qb, ob_grad = q[q0:q1].transpose(0, 1), dout[q0:q1].transpose(0, 1)          # [h, bq, d]
+            kb, vb = k[a:q1].transpose(0, 1), v[a:q1].transpose(0, 1)                    # [h, kl, d]
+            s = torch.matmul(qb, kb.transpose(1, 2)) * scale                            # [h, bq, kl]
+            hidden = (torch.arange(a, q1).view(1, -1) > torch.arange(q0, q1).view(-1, 1))
+            s.masked_fill_(hidden, float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            o = torch.matmul(p, vb)                                                      # [h, bq, d]
+            out[q0:q1] = o.transpose(0, 1)
+            delta = (ob_grad * o).sum(-1, keepdim=True)
+            ds = p * (torch.matmul(ob_grad, vb.transpose(1, 2)) - delta) * scale
+            dq[q0:q1] = torch.matmul(ds, kb).transpose(0, 1)
+            dk[a:q1] += torch.matmul(ds.transpose(1, 2), qb).transpose(0, 1)
+            dv[a:q1] += torch.matmul(p.transpose(1, 2), ob_grad).transpose(0, 1)
+    return out, dq, dk, dv
+
+
+# -- per-rank stats that do not come from a PackedLayout ------------------------------------------------------------
+
+def slot_pairs(slots: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
+    """[ranks] causal pairs of each rank's real slots (each query sees its position + 1 keys of its document)."""
+    out = np.zeros(len(slots), dtype=np.int64)
+    for r, row in enumerate(slots):
+        real = row[row >= 0]
+        doc = np.searchsorted(cu_seqlens, real, side="right") - 1
+        out[r] = int((real - cu_seqlens[doc] + 1).sum())
+    return out
+
+
+def _max_over_mean(x: np.ndarray) -> float:
+    return float(x.max() / max(x.mean(), 1e-30))
+
+
+# -- the ranks --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """One distribution's batch: lengths and the fp32 tensors [T, h, d] (inherited by the forked ranks)."""
+
+    name: str
+    cu_seqlens: np.ndarray
+    tensors: Tuple[torch.Tensor, ...]          # q, k, v, dout fp32
+    reference: Tuple[torch.Tensor, ...]        # out, dq, dk, dv fp64 (packed)
+
+
+def _leaves(*xs):
+    return [x.detach().clone().requires_grad_(True) for x in xs]
+
+
+def _time_step(step, repeats: int) -> Tuple[float, float]:
+    """(median wall s, median CPU s of this process) over ``repeats`` steps, the ranks started together."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def _count_ring_flash_sends(module) -> Dict[str, int]:
+    """Count the bytes ring-flash-attn's RingComm.send_recv sends (idempotent wrapper on our private copy)."""
+    cls = module.RingComm
+    if not hasattr(cls, "_bench_packed_sent"):
+        counter = {"bytes": 0}
+        original = cls.send_recv
+
+        def send_recv(self, to_send, recv_tensor=None):
+            counter["bytes"] += to_send.numel() * to_send.element_size()
+            return original(self, to_send, recv_tensor)
+
+        cls.send_recv = send_recv
+        cls._bench_packed_sent = counter
+    return cls._bench_packed_sent
+
+
+def _errors(idx: torch.Tensor, results: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> List[float]:
+    """max |result - reference| over this rank's real slots, per output."""
+    real = idx >= 0
+    return [float((r[real].to(torch.float64) - ref[idx[real]]).abs().max()) if real.any() else 0.0
+            for r, ref in zip(results, reference)]
+
+
+def _agreed_errors(errs: List[float]) -> List[float]:
+    t = torch.tensor(errs, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], ring_flash) -> Dict:
+    """Every row of every case on this rank: {(case, row): {...}}."""
+    timeout = datetime.timedelta(seconds=args.timeout)
+    groups = megatron_2d.build_2d_groups(args.hp, args.window, args.placement, timeout=timeout)
+    cp_index = groups.place.cp_index
+    scale = args.dim ** -0.5
+    tol = TOLERANCES[torch.float32].end_to_end
+    out: Dict = {}
+
+    def run(key, idx, step_once, step_timed, bytes_fn, ref, ref_max):
+        """Check once (every rank agrees on pass/fail), then time; records errors, bytes and times."""
+        results = step_once()
+        errs = _agreed_errors(_errors(idx, results, ref))
+        rel = [e / m for e, m in zip(errs, ref_max)]
+        entry = {"rel_err": max(rel), "ok": max(rel) <= tol, "bytes": bytes_fn()}
+        if entry["ok"]:
+            entry["wall"], entry["cpu"] = _time_step(step_timed, args.repeats)
+        out[key] = entry
+
+    for case in cases:
+        q, k, v, dout = case.tensors
+        ref_max = [float(r.abs().max()) for r in case.reference]
+        for mode in ("zigzag", "documents"):
+            layout = megatron_2d.PackedLayout(case.cu_seqlens, groups, mode=mode)
+            idx = layout.local_indices()
+            ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
+
+            def once(layout=layout, ql=ql, kl=kl, vl=vl, dl=dl):
+                groups.comm_bytes.reset()
+                leaves = _leaves(ql, kl, vl)
+                o = megatron_2d.attention_2d(*leaves, groups, causal=True, packing=layout)
+                o.backward(dl)
+                return [o.detach()] + [x.grad for x in leaves]
+
+            def timed(layout=layout, ql=ql, kl=kl, vl=vl, dl=dl):
+                leaves = _leaves(ql, kl, vl)
+                megatron_2d.attention_2d(*leaves, groups, causal=True, packing=layout).backward(dl)
+
+            def sent():
+                b = groups.comm_bytes.as_dict()
+                return {"ring": b["inner_ring"] + b["outer_ring"] + b["neighbour"], "a2a": b["all_to_all"]}
+
+            run((case.name, mode), idx, once, timed, sent, case.reference, ref_max)
+            stats = layout.stats()
+            out[(case.name, mode)].update(pairs=stats["pairs_max_over_mean"], tokens=stats["tokens_max_over_mean"],
+                                          padding=stats["padding_fraction"], ring_tokens=stats["ring_tokens"],
+                                          long_documents=stats["long_documents"])
+
+        if ring_flash is not None:
+            slots = zigzag_slots(case.cu_seqlens, world)
+            idx = torch.from_numpy(slots[rank].copy())
+            pad = (idx < 0).view(-1, 1, 1)
+            padded = np.diff(case.cu_seqlens)
+            padded = -(-padded // (2 * world)) * (2 * world)
+            cu_local = torch.from_numpy(np.concatenate([[0], np.cumsum(padded // world)])).to(torch.int32)
+            max_local = int((padded // world).max())
+            counter = _count_ring_flash_sends(ring_flash)
+            p = slot_pairs(slots, case.cu_seqlens)
+            t = (slots >= 0).sum(axis=1)
+            for name, dtype in (("ring-flash-attn", torch.float32), ("ring-flash-attn fp64", torch.float64)):
+                ql, kl, vl, dl = (x.index_select(0, idx.clamp(min=0)).masked_fill(pad, 0).to(dtype)
+                                  for x in (q, k, v, dout))
+
+                def once_rf(ql=ql, kl=kl, vl=vl, dl=dl):
+                    counter["bytes"] = 0
+                    leaves = _leaves(ql, kl, vl)
+                    o = ring_flash.zigzag_ring_flash_attn_varlen_func(*leaves, cu_local, max_local,
+                                                                      softmax_scale=scale, causal=True, group=None)
+                    o.backward(dl)
+                    return [o.detach()] + [x.grad for x in leaves]
+
+                def timed_rf(ql=ql, kl=kl, vl=vl, dl=dl):
+                    leaves = _leaves(ql, kl, vl)
+                    ring_flash.zigzag_ring_flash_attn_varlen_func(*leaves, cu_local, max_local, softmax_scale=scale,
+                                                                  causal=True, group=None).backward(dl)
+
+                run((case.name, name), idx, once_rf, timed_rf,
+                    lambda: {"ring": counter["bytes"], "a2a": 0}, case.reference, ref_max)
+                out[(case.name, name)].update(pairs=_max_over_mean(p), tokens=_max_over_mean(t),
+                                              padding=float((slots < 0).mean()))
+
+    if seq_case is not None:
+        q, k, v, dout = (megatron_2d.shard_sequence(x.unsqueeze(1), cp_index, groups.layout.cp_size)
+                         for x in seq_case.tensors)
+        T = seq_case.tensors[0].shape[0]
+        ref_max = [float(r.abs().max()) for r in seq_case.reference]
+        chunk = T // (2 * groups.layout.cp_size)
+        first, second = megatron_2d.zigzag_chunks(cp_index, groups.layout.cp_size)
+        idx = torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                         torch.arange(second * chunk, (second + 1) * chunk)])
+
+        def once_seq():
+            groups.comm_bytes.reset()
+            leaves = _leaves(q, k, v)
+            o = megatron_2d.attention_2d(*leaves, groups, causal=True)
+            o.backward(dout)
+            return [x.squeeze(1) for x in [o.detach()] + [y.grad for y in leaves]]
+
+        def timed_seq():
+            leaves = _leaves(q, k, v)
+            megatron_2d.attention_2d(*leaves, groups, causal=True).backward(dout)
+
+        def sent_seq():
+            b = groups.comm_bytes.as_dict()
+            return {"ring": b["inner_ring"] + b["outer_ring"] + b["neighbour"], "a2a": b["all_to_all"]}
+
+        run(("*", "one sequence"), idx, once_seq, timed_seq, sent_seq, seq_case.reference, ref_max)
+        out[("*", "one sequence")].update(pairs=1.0, tokens=1.0, padding=0.0)
+    return out
+
+
+# -- driver -------------------------------------------------------------------------------------------------------
+
+def parse_tokens(text: str) -> int:
+    t = text.strip().upper()
+    mult = {"K": 1024, "M": 1 << 20}.get(t[-1:], 1)
+    return int(t[:-1] if mult > 1 else t) * mult
+
+
+def cached_reference(args, tensors, cu: np.ndarray, scale: float):
+    """:func:`blocked_reference`, stored under ``args.cache`` keyed by the lengths, shapes and seed (the inputs
+    are a function of those), so runs at other rank counts reuse it."""
+    if not args.cache:
+        return blocked_reference(*tensors, cu, scale)
+    key = hashlib.sha256(cu.astype(np.int64).tobytes() + repr((tuple(tensors[0].shape), args.seed, scale)).encode())
+    path = os.path.join(args.cache, f"ref_{key.hexdigest()[:24]}.pt")
+    if os.path.exists(path):
+        return tuple(torch.load(path))
+    ref = blocked_reference(*tensors, cu, scale)
+    os.makedirs(args.cache, exist_ok=True)
+    torch.save(list(ref), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return ref
+
+
+def _tensors(T: int, heads: int, dim: int, seed: int) -> Tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(T, heads, dim, generator=g) for _ in range(4))
+
+
+def load_ring_flash():
+    """ring-flash-attn's zigzag varlen module through the CPU stand-in, or (None, reason)."""
+    from megatron_2d.testing.flash_attn_cpu import flash_attn_stand_in, load_ring_flash_attn_module
+    try:
+        with flash_attn_stand_in():
+            return load_ring_flash_attn_module("zigzag_ring_flash_attn_varlen"), ""
+    except ImportError as err:
+        return None, f"ring-flash-attn does not import: {err}"
+
+
+def build_cases(args) -> List[Case]:
+    cases = []
+    scale = args.dim ** -0.5
+    tensors = _tensors(args.tokens, args.heads, args.dim, args.seed)
+    sources = [(f"file:{args.lengths}", read_lengths(args.lengths))] if args.lengths else \
+        [(name, document_lengths(name, args.tokens, args.seed)) for name in args.dists]
+    for name, lengths in sources:
+        cu = cu_seqlens_of(lengths)
+        T = int(cu[-1])
+        ts = tensors if T == args.tokens else _tensors(T, args.heads, args.dim, args.seed)
+        t0 = time.perf_counter()
+        reference = cached_reference(args, ts, cu, scale)
+        print(f"[{name}] {len(lengths)} documents, T={T}, longest {int(lengths.max())}: reference in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        cases.append(Case(name, cu, ts, reference))
+    return cases
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4, help="CPU ranks N = hp * cp (default 4)")
+    parser.add_argument("--hp", type=int, default=1, help="head-parallel size (default 1: a ring of N)")
+    parser.add_argument("--window", type=int, default=1, help="Double-Ring window w (default 1)")
+    parser.add_argument("--placement", default="head_first")
+    parser.add_argument("--tokens", type=parse_tokens, default=16384, help="total tokens T, e.g. 16K (default)")
+    parser.add_argument("--dists", nargs="+", default=list(DISTRIBUTIONS), choices=DISTRIBUTIONS)
+    parser.add_argument("--lengths", help="a file of document lengths (one per line or a JSON list) instead")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-sequence", action="store_true", help="skip the one-sequence row (its fp64 "
+                        "reference is the slowest part at large T)")
+    parser.add_argument("--no-ring-flash", action="store_true", help="skip ring-flash-attn")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "megatron_2d_bench"),
+                        help="directory for the fp64 references (reused across rank counts; '' = none)")
+    args = parser.parse_args(argv)
+    if args.ranks % args.hp:
+        parser.error(f"--hp {args.hp} must divide --ranks {args.ranks}")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cases = build_cases(args)
+    seq_case = None
+    if not args.no_sequence:
+        if args.tokens % (2 * args.ranks):
+            parser.error(f"the one-sequence row needs --tokens divisible by 2 * ranks = {2 * args.ranks}")
+        ts = _tensors(args.tokens, args.heads, args.dim, args.seed)
+        t0 = time.perf_counter()
+        seq_case = Case("*", cu_seqlens_of([args.tokens]), ts,
+                        cached_reference(args, ts, cu_seqlens_of([args.tokens]), args.dim ** -0.5))
+        print(f"[one sequence] reference in {time.perf_counter() - t0:.1f} s", flush=True)
+    ring_flash, why = (None, "--no-ring-flash") if args.no_ring_flash else load_ring_flash()
+    t0 = time.perf_counter()
+    results = run_on_ranks(args.ranks, bench_rank, args, cases, seq_case, ring_flash, timeout_s=args.timeout)
+    print(f"ranks done in {time.perf_counter() - t0:.1f} s", flush=True)
+    print_tables(args, cases, results, why)
+
+
+def merged(results: List[Dict], key) -> Dict:
+    """One row from the ranks: slowest wall, busiest CPU, busiest rank's bytes; stats are global already."""
+    rows = [r[key] for r in results]
+    m = dict(rows[0])
+    m["ring"] = max(r["bytes"]["ring"] for r in rows)
+    m["a2a"] = max(r["bytes"]["a2a"] for r in rows)
+    if m["ok"]:
+        m["wall"] = max(r["wall"] for r in rows)
+        m["cpu"] = max(r["cpu"] for r in rows)
+    return m
+
+
+def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: str) -> None:
+    console = Console(width=160)
+    mib = lambda n: f"{n / 2 ** 20:.2f}"  # noqa: E731
+    seq = merged(results, ("*", "one sequence")) if ("*", "one sequence") in results[0] else None
+    for case in cases:
+        lengths = np.diff(case.cu_seqlens)
+        table = Table(title=f"[{case.name}] {len(lengths)} documents (longest {int(lengths.max())}, median "
+                            f"{int(np.median(lengths))}), T={int(case.cu_seqlens[-1])}, fwd+bwd fp32 causal, "
+                            f"{args.heads} heads d={args.dim}, N={args.ranks} CPU ranks = hp{args.hp} x "
+                            f"cp{args.ranks // args.hp} w{args.window}")
+        for col in ("row", "check (rel err)", "wall ms", "vs zigzag", "cpu ms", "cpu vs zigzag", "ring MiB",
+                    "a2a MiB", "pairs max/mean", "tokens max/mean", "padding"):
+            table.add_column(col, justify="right")
+        rows = {}
+        for name in ("zigzag", "documents", "ring-flash-attn", "ring-flash-attn fp64"):
+            if (case.name, name) in results[0]:
+                rows[name] = merged(results, (case.name, name))
+        if seq is not None:
+            rows["one sequence"] = seq
+        base = rows.get("zigzag")
+        for name in ROWS:
+            if name not in rows:
+                if name == "ring-flash-attn":
+                    table.add_row(name, f"n/a: {ring_flash_why}", *[""] * 9)
+                continue
+            r = rows[name]
+            check = f"ok {r['rel_err']:.1e}" if r["ok"] else f"FAIL {r['rel_err']:.1e}"
+            timed = r["ok"] and base is not None and base["ok"]
+            label = name if name != "documents" else f"documents ({r['long_documents']} long)"
+            table.add_row(label, check,
+                          f"{r['wall'] * 1e3:.0f}" if r["ok"] else "not timed",
+                          f"{r['wall'] / base['wall']:.2f}" if timed else "",
+                          f"{r['cpu'] * 1e3:.0f}" if r["ok"] else "",
+                          f"{r['cpu'] / base['cpu']:.2f}" if timed else "",
+                          mib(r["ring"]), mib(r["a2a"]), f"{r['pairs']:.3f}", f"{r['tokens']:.3f}",
+                          f"{r['padding']:.3f}")
+        console.print(table)
+
+
+if __name__ == "__main__":
+    main()
