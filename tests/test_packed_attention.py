@@ -263,3 +263,15 @@ def test_a_failing_rank_fails_the_test():
     with pytest.raises(RankFailure):
         run_on_ranks(2, lambda rank, world: megatron_2d.PackedLayout([0, 5 + rank],
                                                                      megatron_2d.build_2d_groups(1, 1)))
+
+
+def test_whole_documents_balance_tokens_as_well_as_pairs():
+    """Two ranks, equal attention pairs but unequal tokens after the big documents (one of 2000 tokens against
+    four of 1000 ~ the same pairs): the 2000 one-token documents must even the tokens out, not the pairs alone."""
+    lengths = np.array([2000, 1000, 1000, 1000, 1000] + [1] * 2000)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    p = place_documents(cu, cp=2, hp=1, long_threshold=10 ** 9)               # everything whole
+    assert len(p.long_docs) == 0
+    tokens = (p.views >= 0).sum(axis=1)
+    assert tokens.max() / tokens.mean() - 1 < 0.01, tokens
+    assert p.token_imbalance < 0.01 and p.pair_imbalance < 0.01
