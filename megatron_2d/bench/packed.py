@@ -49,6 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 import megatron_2d
+from megatron_2d.band import SlidingWindow
 from megatron_2d.document_placement import zigzag_slots
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
@@ -185,7 +186,10 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
         q, k, v, dout = case.tensors
         ref_max = [float(r.abs().max()) for r in case.reference]
         for mode in ("zigzag", "documents"):
+            t0 = time.perf_counter()                  # layout build + this rank's plans (once per batch)
             layout = megatron_2d.PackedLayout(case.cu_seqlens, groups, mode=mode)
+            layout.plans(True, SlidingWindow())
+            layout_s = time.perf_counter() - t0
             idx = layout.local_indices()
             ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
 
@@ -208,7 +212,7 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
             stats = layout.stats()
             out[(case.name, mode)].update(pairs=stats["pairs_max_over_mean"], tokens=stats["tokens_max_over_mean"],
                                           padding=stats["padding_fraction"], ring_tokens=stats["ring_tokens"],
-                                          long_documents=stats["long_documents"])
+                                          long_documents=stats["long_documents"], layout_s=layout_s)
 
         if ring_flash is not None:
             slots = zigzag_slots(case.cu_seqlens, world)
@@ -376,6 +380,8 @@ def merged(results: List[Dict], key) -> Dict:
     m = dict(rows[0])
     m["ring"] = max(r["bytes"]["ring"] for r in rows)
     m["a2a"] = max(r["bytes"]["a2a"] for r in rows)
+    if "layout_s" in m:
+        m["layout_s"] = max(r["layout_s"] for r in rows)
     if m["ok"]:
         m["wall"] = max(r["wall"] for r in rows)
         m["cpu"] = max(r["cpu"] for r in rows)
@@ -383,7 +389,7 @@ def merged(results: List[Dict], key) -> Dict:
 
 
 def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: str) -> None:
-    console = Console(width=160)
+    console = Console(width=190)
     mib = lambda n: f"{n / 2 ** 20:.2f}"  # noqa: E731
     seq = merged(results, ("*", "one sequence")) if ("*", "one sequence") in results[0] else None
     for case in cases:
@@ -393,7 +399,7 @@ def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: s
                             f"{args.heads} heads d={args.dim}, N={args.ranks} CPU ranks = hp{args.hp} x "
                             f"cp{args.ranks // args.hp} w{args.window}")
         for col in ("row", "check (rel err)", "wall ms", "vs zigzag", "cpu ms", "cpu vs zigzag", "ring MiB",
-                    "a2a MiB", "pairs max/mean", "tokens max/mean", "padding"):
+                    "a2a MiB", "pairs max/mean", "tokens max/mean", "padding", "layout ms"):
             table.add_column(col, justify="right")
         rows = {}
         for name in ("zigzag", "documents", "ring-flash-attn", "ring-flash-attn fp64"):
@@ -405,7 +411,7 @@ def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: s
         for name in ROWS:
             if name not in rows:
                 if name == "ring-flash-attn":
-                    table.add_row(name, f"n/a: {ring_flash_why}", *[""] * 9)
+                    table.add_row(name, f"n/a: {ring_flash_why}", *[""] * 10)
                 continue
             r = rows[name]
             check = f"ok {r['rel_err']:.1e}" if r["ok"] else f"FAIL {r['rel_err']:.1e}"
@@ -417,7 +423,7 @@ def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: s
                           f"{r['cpu'] * 1e3:.0f}" if r["ok"] else "",
                           f"{r['cpu'] / base['cpu']:.2f}" if timed else "",
                           mib(r["ring"]), mib(r["a2a"]), f"{r['pairs']:.3f}", f"{r['tokens']:.3f}",
-                          f"{r['padding']:.3f}")
+                          f"{r['padding']:.3f}", f"{r['layout_s'] * 1e3:.1f}" if "layout_s" in r else "")
         console.print(table)
 
 
