@@ -56,8 +56,9 @@ def kv_replication(num_q_heads: int, num_kv_heads: int, head_parallel_size: int)
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> None:
     if q.dim() == 3 and not packed:
-        raise ValueError(f"3-D (THD) q {tuple(q.shape)} needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) "
-                         f"to say which document each token belongs to; sbhd tensors are 4-D [s, b, heads, d]")
+        raise ValueError(f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
+                         f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
+                         f"token belongs to")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd), got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

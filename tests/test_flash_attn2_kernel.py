@@ -341,3 +341,34 @@ def test_varlen_lse_layouts_round_trip():
     padded = padded_lse(lse, offsets, 6)
     assert padded.shape == (2, 3, 6) and torch.equal(padded[0, :, 4:], torch.zeros(3, 2))
     assert torch.equal(packed_lse(padded, offsets), lse) and packed_lse(lse, offsets) is lse
+
+
+@pytest.mark.parametrize("first_key", [0, 5])
+def test_varlen_calls_equal_one_call_each(fake_flash_attn, first_key):
+    """A block's calls batched into varlen launches give each call's own result, for a block whose keys start at
+    ``first_key`` (the neighbour exchange sends key slices): forward and backward."""
+    from megatron_2d.block_plan import BlockCall
+    from megatron_2d.kernels.base import BlockKernel
+
+    fake_flash_attn("2.7")
+    kernel = FlashAttn2Kernel()
+    S, K = 24, 20                                   # queries; keys held (global keys first_key .. first_key + K)
+    q, dout = randn(1, S, 4, 16, seed=31, dtype=torch.bfloat16), randn(1, S, 4, 16, seed=32, dtype=torch.bfloat16)
+    k, v = randn(1, K, 2, 16, seed=33, dtype=torch.bfloat16), randn(1, K, 2, 16, seed=34, dtype=torch.bfloat16)
+    f = first_key
+    calls = [BlockCall(0, 6, f + 0, f + 6, Band(None, 0)), BlockCall(6, 10, f + 6, f + 10, Band(None, 0)),
+             BlockCall(10, 16, f + 2, f + 9, None), BlockCall(16, 24, f + 12, f + 20, None),
+             BlockCall(3, 9, f + 14, f + 18, None)]
+    batched = kernel.forward_calls(q, k, v, calls, f, 0.3)
+    single = BlockKernel.forward_calls(kernel, q, k, v, calls, f, 0.3)
+    by_call = {c: (o, l) for c, o, l in single}
+    assert sorted((c for c, _, _ in batched), key=repr) == sorted(calls, key=repr) and len(kernel._groups) == 1
+    for c, o, l in batched:
+        assert torch.equal(o, by_call[c][0]) and torch.allclose(l, by_call[c][1])
+    out = torch.zeros_like(q)
+    lse = torch.zeros(1, 4, S)
+    for c, o, l in single:                           # any final out/lse rows exercise the backward's gathers
+        out[:, c.q_start:c.q_end], lse[:, :, c.q_start:c.q_end] = o, l
+    grads = {c: g for c, *g in kernel.backward_calls(dout, q, k, v, out, lse, calls, f, 0.3)}
+    for c, *want in BlockKernel.backward_calls(kernel, dout, q, k, v, out, lse, calls, f, 0.3):
+        assert all(torch.equal(a, b) for a, b in zip(grads[c], want)), c
