@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from .band import SlidingWindow
@@ -123,7 +124,10 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
     key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype)
     cached = packing.op_cache.get(key)
     if cached is None:
-        heads = HeadExchange.build(groups.head_parallel_size, None, groups.head_group, groups.comm_bytes, device)
+        order = packing.ring_order
+        heads = HeadExchange.build(groups.head_parallel_size,
+                                   None if order is None else np.argsort(order[groups.place.context_rank]).tolist(),
+                                   groups.head_group, groups.comm_bytes, device, per_token=True)
         view_tokens = packing.views.shape[1]
         if packing.ring_tokens == 0 or groups.context_size == 1:
             transport = LocalBlock(groups.place.context_rank)

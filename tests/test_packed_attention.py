@@ -275,3 +275,31 @@ def test_whole_documents_balance_tokens_as_well_as_pairs():
     tokens = (p.views >= 0).sum(axis=1)
     assert tokens.max() / tokens.mean() - 1 < 0.01, tokens
     assert p.token_imbalance < 0.01 and p.pair_imbalance < 0.01
+
+
+@pytest.mark.parametrize("mode", ["zigzag", "documents"])
+@pytest.mark.parametrize("CP, hp, placement", [(8, 1, "head_first"), (8, 2, "context_first"), (6, 3, "head_first")])
+def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
+    """Kernel calls cover exactly the visible (query, key) pairs: summed over every context rank and source block,
+    sum L(L+1)/2 for causal and sum L^2 without a mask, nothing across documents or on padding; and the zigzag
+    ring order keeps each document to a few calls per block however many head ranks deliver its chunks."""
+    from megatron_2d.band import SlidingWindow
+    from megatron_2d.groups import Groups2D
+    from megatron_2d.topology import Layout2D, place_all_ranks
+
+    lengths = np.array(LENGTHS["mixed"] + LENGTHS["one_long"])
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    layout = Layout2D(CP, hp, 1, placement)
+    places = place_all_ranks(layout, [list(range(CP))], CP)
+    total = {True: 0, False: 0}
+    for place in places.values():
+        if place.head_rank:                                      # one head rank per context rank: its view
+            continue
+        packed = megatron_2d.PackedLayout(cu, Groups2D(layout, place, None, None, None, None, None), mode=mode)
+        for causal in (True, False):
+            plans = packed.plans(causal, SlidingWindow())
+            total[causal] += sum(c.flops_units for calls in plans.values() for c in calls)
+            if mode == "zigzag" and causal:
+                assert sum(len(calls) for calls in plans.values()) <= 4 * len(lengths) * (CP // hp)
+    assert total[True] == int((lengths * (lengths + 1) // 2).sum())
+    assert total[False] == int((lengths ** 2).sum())
