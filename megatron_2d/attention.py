@@ -39,6 +39,7 @@ from .kernels.base import accumulator_dtype
 from .neighbour_exchange import NeighbourExchange
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
+from .topology import divisors
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -47,7 +48,7 @@ def kv_replication(num_q_heads: int, num_kv_heads: int, head_parallel_size: int)
     """How many times each K/V head is repeated so that hp ranks split them evenly; raises if impossible."""
     hq, hkv, hp = num_q_heads, num_kv_heads, head_parallel_size
     if hq % hp != 0:
-        valid = [x for x in range(1, hq + 1) if hq % x == 0]
+        valid = divisors(hq)
         raise ValueError(f"head-parallel size {hp} does not divide the {hq} query heads on this rank; "
                          f"valid head-parallel sizes: {valid}")
     if hkv < 1 or hq % hkv != 0:

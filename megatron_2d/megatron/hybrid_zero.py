@@ -6,6 +6,9 @@ model states (parameters, gradients, optimizer states) can be sharded over all D
 which states are sharded and how widely. megatron-core already implements every piece; this module
 only validates a choice and writes it into megatron-core's own configs. It contains no sharding logic.
 
+Notation: ``cp`` in this module is Megatron's whole context-parallel size CP (context_parallel_size), not the
+context-ring size cp = CP / hp of a 2D layout (:mod:`megatron_2d.topology`); ``dp`` the data-parallel size.
+
 What megatron-core does (read from its 0.19.2 source):
 
 * ``DistributedDataParallel`` reduces gradients over ``dp_cp`` (``get_data_parallel_group(with_context_parallel=

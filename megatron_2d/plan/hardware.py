@@ -159,7 +159,8 @@ class ParallelSpec:
     tp: int = 1
     pp: int = 1
     cp: Optional[int] = None
-    """Context-parallel size; None means all GPUs left: gpus / (tp * pp * dp)."""
+    """Context-parallel size CP (Megatron's context_parallel_size, hp x cp of a 2D layout); None means all GPUs
+    left: gpus / (tp * pp * dp)."""
     dp: Optional[int] = None
     """Data-parallel size; None means gpus / (tp * pp * cp) (or 1 when cp is None too)."""
     micro_batch: int = 1
