@@ -40,3 +40,10 @@ def test_every_row_is_checked_and_ours_pass(capsys, tmp_path):
         assert "ok " in line and "not timed" not in line, line
     # ring-flash-attn 0.1.8's fp32 backward aliases a reused buffer: the check catches it
     assert "FAIL" in next(l for l in out.splitlines() if l.startswith("│") and "ring-flash-attn │" in l)
+
+
+def test_layout_build_table():
+    from megatron_2d.bench.packed import layout_build_times
+
+    table = layout_build_times(40, [(4, 2)])
+    assert table.row_count == 2 and [c.header for c in table.columns][:3] == ["CP", "hp x cp", "mode"]

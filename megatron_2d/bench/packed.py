@@ -334,6 +334,33 @@ def build_cases(args) -> List[Case]:
     return cases
 
 
+def layout_build_times(documents: int, sizes: Sequence[Tuple[int, int]], seed: int = 0) -> Table:
+    """Time to build a PackedLayout and one rank's plans (what a batch costs before its first attention call),
+    in one process: a rank's Groups2D without process groups (the cross-rank check then has nothing to do).
+    Lognormal lengths (median ~400 tokens); ``sizes``: (CP, hp) pairs."""
+    from megatron_2d.groups import Groups2D
+    from megatron_2d.topology import Layout2D, place_all_ranks
+
+    lengths = np.maximum(1, np.random.default_rng(seed).lognormal(6, 1.2, size=documents).astype(np.int64))
+    cu = cu_seqlens_of(lengths.tolist())
+    table = Table(title=f"PackedLayout build + plans of rank 0: {documents} documents, T={int(cu[-1])}")
+    for col in ("CP", "hp x cp", "mode", "layout ms", "plans ms", "calls", "long documents"):
+        table.add_column(col, justify="right")
+    for CP, hp in sizes:
+        layout = Layout2D(CP, hp, 1)
+        place = place_all_ranks(layout, [list(range(CP))], CP)[0]
+        groups = Groups2D(layout, place, None, None, None, None, None)
+        for mode in ("zigzag", "documents"):
+            t0 = time.perf_counter()
+            packed = megatron_2d.PackedLayout(cu, groups, mode=mode)
+            t1 = time.perf_counter()
+            plans = packed.plans(True, SlidingWindow())
+            t2 = time.perf_counter()
+            table.add_row(str(CP), f"{hp} x {CP // hp}", mode, f"{(t1 - t0) * 1e3:.0f}", f"{(t2 - t1) * 1e3:.0f}",
+                          str(sum(len(c) for c in plans.values())), str(packed.stats()["long_documents"]))
+    return table
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4, help="CPU ranks N = hp * cp (default 4)")
@@ -353,7 +380,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "megatron_2d_bench"),
                         help="directory for the fp64 references (reused across rank counts; '' = none)")
+    parser.add_argument("--layout-build", type=int, metavar="DOCUMENTS",
+                        help="only time building layouts and plans for this many documents at CP 8 to 1024")
     args = parser.parse_args(argv)
+    if args.layout_build:
+        Console(width=190).print(layout_build_times(args.layout_build, [(8, 1), (64, 8), (128, 1), (1024, 8),
+                                                                         (1024, 1)], args.seed))
+        return
     if args.ranks % args.hp:
         parser.error(f"--hp {args.hp} must divide --ranks {args.ranks}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
