@@ -21,7 +21,7 @@ against all keys. context_first gives the same FLOPs in more, smaller calls.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .band import Band, SlidingWindow
@@ -57,11 +57,11 @@ def merge_calls(calls: List[BlockCall], along_keys: bool) -> List[BlockCall]:
         last = merged[-1] if merged else None
         if last is not None and last.band is None and call.band is None:
             if along_keys and (last.q_start, last.q_end) == (call.q_start, call.q_end) and last.k_end == call.k_start:
-                merged[-1] = replace(last, k_end=call.k_end)
+                merged[-1] = BlockCall(last.q_start, last.q_end, last.k_start, call.k_end, None)
                 continue
             if not along_keys and (last.k_start, last.k_end) == (call.k_start, call.k_end) \
                     and last.q_end == call.q_start:
-                merged[-1] = replace(last, q_end=call.q_end)
+                merged[-1] = BlockCall(last.q_start, call.q_end, last.k_start, last.k_end, None)
                 continue
         merged.append(call)
     return merged
