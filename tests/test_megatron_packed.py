@@ -51,13 +51,17 @@ def real_tokens(batch, cu_real, cu_padded):
     return {k: v.index_select(1, keep) for k, v in batch.items()}
 
 
-def config(cp_settings=None, packing="zigzag"):
+CKPT_PLUS_PLUS = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                      selective_checkpoint_plus_plus=True)
+
+
+def config(cp_settings=None, packing="zigzag", **overrides):
     cfg = tg.TinyGPTConfig(**MODEL)
     if cp_settings is not None:
         hp, w, placement = cp_settings
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
         cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement,
-                                    cp_2d_packing=packing)
+                                    cp_2d_packing=packing, **overrides)
     return cfg
 
 
@@ -102,6 +106,10 @@ def run_all(rank, world):
         local, params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
         out[(name, "documents")] = run_model(model, local, params)
         out[(name, "documents_stats")] = params.layout.stats()
+        # Selective Checkpoint++ (full-layer recompute that keeps attention) on packed batches
+        model = use_document_positions(tg.build_tiny_gpt(config(settings, "documents", **CKPT_PLUS_PLUS), spec))
+        local, params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
+        out[(name, "documents_ckpt++")] = run_model(model, local, params)
         # a batch of the other layout than the config says is refused, not run
         for packing, (batch_local, batch_params) in (("zigzag", (local, params)),
                                                      ("documents", (get_thd_batch_on_this_cp_rank_2d(batch, cp_group),
@@ -120,9 +128,9 @@ def results():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mode", ["zigzag", "documents"])
+@pytest.mark.parametrize("mode", ["zigzag", "documents", "documents_ckpt++"])
 def test_packed_gpt_matches_cp1(results, layout, mode):
-    actual, expected = results[(layout, mode)], results[f"ref_{mode}"]
+    actual, expected = results[(layout, mode)], results[f"ref_{mode.split('_')[0]}"]
     assert actual["per_token_finite"]
     errors = tg.compare_results(actual, expected)
     assert len(expected["grads"]) >= 20
