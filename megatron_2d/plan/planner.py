@@ -241,7 +241,7 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
         if layout.kind == "a2a+p2p":
             note = "THD with a2a+p2p is not in a Transformer Engine release"
         elif packing == "documents":
-            note = "documents mode: our data path (examples/pretrain_gpt_2d.py)"
+            note = "documents mode: run examples/pretrain_gpt_2d.py (its data path splits the batch)"
     if reason:
         return Candidate(layout, False, reason, megatron_flags(layout, parallel), memory_budget_gb=budget,
                          packing=packing if lengths is not None else None)
@@ -255,6 +255,8 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     per_stage = chosen.recompute_layers // parallel.pp
     flags = megatron_flags(layout, parallel, chosen.recompute,
                            None if chosen.recompute_layers in (0, model.layers) else per_stage)
+    if packing == "documents" and lengths is not None:
+        flags += " --cp-2d-packing documents --dataloader-inter-document-masking --no-rope-fusion"
     why = ""
     if not fits:
         why = (f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
