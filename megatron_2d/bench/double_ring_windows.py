@@ -4,7 +4,7 @@
 
 Times are medians over ``--repeats`` of the slowest rank, one run; compare rows of one run (the machine is
 noisy). On CPU ranks every "link" is a gloo memcpy on the same cores, so this checks the schedule's overheads
-(posting, waiting, the aligning and closing hops), not the network overlap a GPU cluster would show.
+(posting, waiting, the closing and last hops), not the network overlap a GPU cluster would show.
 """
 
 from __future__ import annotations
