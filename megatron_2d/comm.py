@@ -78,6 +78,23 @@ class RingExchange:
         return PendingExchange(self, works, recv)
 
 
+class DirectExchange:
+    """Send to one fixed rank and receive from another over one process group (not a ring: for example the
+    Double-Ring's diagonal dK/dV hop); the same ``start``/``wait`` contract as :class:`RingExchange`."""
+
+    def __init__(self, group: dist.ProcessGroup, dst: int, src: int, counter: CommCounter, kind: str) -> None:
+        self.group, self.kind, self.counter = group, kind, counter
+        self.next_rank, self.prev_rank = dst, src
+        self._in_flight = False
+
+    def start(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None) -> PendingExchange:
+        """Post the send of ``send`` to ``dst`` and the receive into ``recv`` (allocated if None) from ``src``."""
+        if recv is None:
+            recv = torch.empty_like(send)
+        works = post_direct(self.group, send, self.next_rank, recv, self.prev_rank, self.counter, self.kind)
+        return PendingExchange(self, works, recv)
+
+
 def post_direct(group: dist.ProcessGroup, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor],
                 src: int, counter: CommCounter, kind: str) -> list:
     """Post a send of ``send`` to global rank ``dst`` and a receive into ``recv`` from ``src`` (either may be None:

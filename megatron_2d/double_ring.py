@@ -5,8 +5,9 @@ Notation: a context group of cp ranks is cut into W = cp / w windows of w ranks.
 context rank cr = window * w + slot. At round o, step t it holds the block of (window - o, slot - t).
     w = cp: one window, a plain ring on the inner links;  w = 1: a plain ring on the outer links.
 K/V blocks move on the inner and outer rings, each transfer posted before the compute it overlaps. Backward sends
-dK/dV "riders" with the blocks (see ring_schedule for when each is posted and awaited).
-K/V moves cp-1 times per rank; riders move cp times (w = 1 or w = cp) or cp + cp/w times.
+dK/dV "riders" with the blocks (see ring_schedule for when each is posted and awaited); a rider's last hop, from
+(window, slot) to its block's owner (window + 1, slot + 1), is a direct send over the context group when
+1 < w < cp. K/V moves cp-1 times per rank; riders move cp times.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .comm import BufferPool, CommCounter, PendingExchange, RingExchange
-from .ring_schedule import double_ring_events
+from .comm import BufferPool, CommCounter, DirectExchange, PendingExchange, RingExchange
+from .ring_schedule import double_ring_events, final_channel
 
 if TYPE_CHECKING:
     from .groups import Groups2D
@@ -35,7 +36,8 @@ def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) ->
 
 
 class DoubleRing:
-    """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges."""
+    """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
+    diagonal dK/dV hop (1 < w < cp)."""
 
     def __init__(self, groups: "Groups2D", ring_keys: Optional[int] = None) -> None:
         """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`).
@@ -54,6 +56,13 @@ class DoubleRing:
         self.inner_dkv = exchange(groups.inner_dkv_group, place.intra_window_group, self.slot, "inner_ring")
         self.outer_kv = exchange(groups.outer_kv_group, place.inter_window_group, self.window, "outer_ring")
         self.outer_dkv = exchange(groups.outer_dkv_group, place.inter_window_group, self.window, "outer_ring")
+        self.diagonal_dkv = None
+        if final_channel(self.cp, self.w) == "diagonal_dkv":      # windows hold different nodes: count it outer
+            ranks, nw, w = place.context_group, self.num_windows, self.w
+            dst = ((self.window + 1) % nw) * w + (self.slot + 1) % w
+            src = ((self.window - 1) % nw) * w + (self.slot - 1) % w
+            self.diagonal_dkv = DirectExchange(groups.context_dkv_group, ranks[dst], ranks[src], counter,
+                                               "outer_ring")
 
     def source(self, outer_step: int, inner_step: int) -> int:
         """Context rank whose K/V this rank holds at (outer_step, inner_step)."""
@@ -78,8 +87,8 @@ class DoubleRing:
                 own_dkv, rider = rider, rider.new_zeros(kv.shape)
         kv_pool = BufferPool(kv)
         riders = BufferPool(rider) if backward else None
-        exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv,
-                     "inner_dkv": self.inner_dkv, "outer_dkv": self.outer_dkv}
+        exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv, "inner_dkv": self.inner_dkv,
+                     "outer_dkv": self.outer_dkv, "diagonal_dkv": self.diagonal_dkv}
         pending: Dict[str, Tuple[PendingExchange, torch.Tensor]] = {}
 
         def post(channel: str, send: torch.Tensor, pool: BufferPool) -> None:
@@ -91,7 +100,7 @@ class DoubleRing:
             return exchange.wait(), sent
 
         anchor = block = kv
-        partials = mine = closing = result = None
+        partials = mine = result = None
         fresh = rider
         for event in double_ring_events(self.cp, self.w, backward):
             kind = event.kind
@@ -128,25 +137,22 @@ class DoubleRing:
                 add_partials(mine, partials)
             elif kind == "post_rider":
                 post("inner_dkv", mine, riders)
-            elif kind == "hold_rider":
-                closing = mine
-            elif kind == "wait_aligning":
-                closing, sent = wait("inner_dkv")
-                riders.put(sent)
             elif kind == "wait_carried":
                 carried, sent = wait("outer_dkv")
-                closing.add_(carried)
+                mine.add_(carried)
                 riders.put(carried)
                 riders.put(sent)
             elif kind == "post_carried":
-                post("outer_dkv", closing, riders)
+                post("outer_dkv", mine, riders)
+            elif kind == "post_final":
+                post(event.channel, mine, riders)
             elif kind == "wait_final":
-                result, _ = wait("outer_dkv")
+                result, _ = wait(event.channel)
             else:
                 raise AssertionError(f"unknown schedule event {kind!r}")
         if not backward:
             return None
-        result = result if result is not None else closing
+        result = result if result is not None else mine      # cp = 1: the own rider
         if own_dkv is not None:
             own_dkv[:, :, :self.ring_keys].add_(result)
             return own_dkv

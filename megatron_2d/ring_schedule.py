@@ -1,29 +1,34 @@
 """The Double-Ring schedule as data: one description that the ring loop executes and the planner replays.
 
-Notation: a context group of cp ranks cut into nw = cp / w windows of w ranks; a rank is (window, slot).
-Round o = 0..nw-1, step t = 0..w-1: the rank holds the K/V block of context rank source(o, t) =
-(window - o, slot - t) (mod nw, mod w). Channels (one transfer of each in flight at a time, each on its own
-process group): "inner_kv", "outer_kv" (K/V blocks), "inner_dkv", "outer_dkv" (dK/dV riders).
+Notation: a context group of cp ranks cut into nw = cp / w windows of w ranks; a rank is (window, slot), context
+rank window * w + slot. Round o = 0..nw-1, step t = 0..w-1: the rank holds the K/V block of context rank
+source(o, t) = (window - o, slot - t) (mod nw, mod w). Channels (one transfer of each in flight at a time, each on
+its own process group): "inner_kv", "outer_kv" (K/V blocks), "inner_dkv", "outer_dkv", "diagonal_dkv" (dK/dV
+riders).
 
 Forward, round o:  post outer_kv (the anchor, for the next round) | each step t: post inner_kv (the block, for
 step t+1), compute, wait inner_kv | wait outer_kv.
-Backward adds the riders, without ever waiting on a transfer that had no compute to hide behind, except the last:
+Backward adds the riders; no transfer is awaited before one compute has run since it was posted, except the last:
   * a round's rider starts empty at step 0 on the anchor block, gathers each step's partial dK/dV and follows its
-    block round the inner ring (post inner_dkv after each step, wait for the neighbour's at the next step); one more
-    "aligning" hop (posted after the last step) brings it back to the slot where the round began;
-  * the round is closed one step later, after step 0 of the next round has computed: wait for the aligning hop,
-    add the rider carried over the outer ring for the same block from earlier rounds (posted a whole round ago),
-    and post the sum to the next window, which holds that block as its anchor one round later (with w = 1 there
-    is no aligning hop to hide, so a round closes in its own step);
-  * after the last round the rider is closed and takes one last outer hop to its block's owner (exposed: there
-    is nothing left to compute).
-K/V moves cp - 1 times per rank; riders move nw * w times on the inner ring (w > 1) and nw times on the outer.
+    block round the inner ring (post inner_dkv after each step but the last, wait for the neighbour's at the next
+    step); it ends the round on the rank that computed the block's last step, (window, slot) for the block of
+    (window - o, slot + 1);
+  * that rank closes the round: it adds the rider carried over the outer ring for the same block from earlier
+    rounds (posted a whole round ago by (window - 1, slot), which ended round o - 1 on the same block) and posts
+    the sum to (window + 1, slot), which ends round o + 1 on that block;
+  * after the last round the closed rider takes one hop, exposed (nothing is left to compute), to its block's
+    owner (window + 1, slot + 1): on the outer ring when w = 1, the inner ring when w = cp, otherwise a direct
+    ("diagonal") send over the context group.
+No rider ever travels back to where its round began. K/V moves cp - 1 times per rank; riders move cp times:
+nw * (w - 1) inner hops, nw - 1 outer hops and the last hop.
 
     >>> [e.kind for e in double_ring_events(cp=2, w=2, backward=False)]
     ['post_inner_kv', 'compute', 'wait_inner_kv', 'compute']
     >>> [e.kind for e in double_ring_events(cp=2, w=1, backward=True)]  # doctest: +NORMALIZE_WHITESPACE
-    ['post_outer_kv', 'compute', 'start_rider', 'accumulate', 'hold_rider', 'post_carried', 'wait_outer_kv',
-     'compute', 'start_rider', 'accumulate', 'hold_rider', 'wait_carried', 'post_carried', 'wait_final']
+    ['post_outer_kv', 'compute', 'start_rider', 'accumulate', 'post_carried', 'wait_outer_kv',
+     'compute', 'start_rider', 'accumulate', 'wait_carried', 'post_final', 'wait_final']
+    >>> [e.channel for e in double_ring_events(cp=4, w=2, backward=True) if e.kind == "post_final"]
+    ['diagonal_dkv']
     >>> [e.source_offset for e in double_ring_events(cp=4, w=2, backward=False) if e.kind == "compute"]
     [(0, 0), (0, 1), (1, 0), (1, 1)]
 """
@@ -34,37 +39,40 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Tuple
 
-# event kind -> the channel it posts on or waits for (None: local work)
+# event kind -> the channel it posts on or waits for (None: local work; "final": the layout's last-hop channel,
+# see final_channel)
 CHANNEL_OF = {
     "post_inner_kv": "inner_kv", "wait_inner_kv": "inner_kv", "post_outer_kv": "outer_kv", "wait_outer_kv": "outer_kv",
-    "wait_rider": "inner_dkv", "post_rider": "inner_dkv", "wait_aligning": "inner_dkv",
-    "wait_carried": "outer_dkv", "post_carried": "outer_dkv", "wait_final": "outer_dkv",
-    "compute": None, "start_rider": None, "accumulate": None, "hold_rider": None,
+    "wait_rider": "inner_dkv", "post_rider": "inner_dkv",
+    "wait_carried": "outer_dkv", "post_carried": "outer_dkv",
+    "post_final": "final", "wait_final": "final",
+    "compute": None, "start_rider": None, "accumulate": None,
 }
+CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "diagonal_dkv")
+
+
+def final_channel(cp: int, w: int) -> str:
+    """The channel of a rider's last hop, from (window, slot) to (window + 1, slot + 1)."""
+    if w == 1:
+        return "outer_dkv"          # (window + 1, slot): the outer ring
+    if w == cp:
+        return "inner_dkv"          # (window, slot + 1): the inner ring
+    return "diagonal_dkv"
 
 
 @dataclass(frozen=True)
 class Event:
-    """One action of a rank: ``kind`` (see CHANNEL_OF); for ``compute`` the (round, step) of its block."""
+    """One action of a rank: ``kind`` (see CHANNEL_OF); for ``compute`` the (round, step) of its block; for the
+    last hop the channel it travels on."""
 
     kind: str
     source_offset: Optional[Tuple[int, int]] = None
+    final: Optional[str] = None
 
     @property
     def channel(self) -> Optional[str]:
-        return CHANNEL_OF[self.kind]
-
-
-def _close(nw: int, w: int, closed_round: int, last: bool):
-    """Close round ``closed_round``: collect its rider, add what earlier rounds carried, pass it on."""
-    if w > 1:
-        yield Event("wait_aligning")
-    if nw > 1:
-        if closed_round >= 1:
-            yield Event("wait_carried")
-        yield Event("post_carried")
-        if last:
-            yield Event("wait_final")
+        channel = CHANNEL_OF[self.kind]
+        return self.final if channel == "final" else channel
 
 
 @lru_cache(maxsize=None)
@@ -82,19 +90,22 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
                 ev.append(Event("post_inner_kv"))
             ev.append(Event("compute", (o, t)))
             if backward:
-                if t == 0 and o > 0 and w > 1:
-                    ev.extend(_close(nw, w, o - 1, last=False))
                 ev.append(Event("start_rider" if t == 0 else "wait_rider"))
                 ev.append(Event("accumulate"))
-                ev.append(Event("post_rider" if w > 1 else "hold_rider"))
-                if w == 1:          # no inner ring, no aligning hop to hide: close the round at once
-                    ev.extend(_close(nw, w, o, last=o == nw - 1))
+                if t < w - 1:
+                    ev.append(Event("post_rider"))
             if t < w - 1:
                 ev.append(Event("wait_inner_kv"))
+        if backward:                # close the round on the rank that computed its block's last step
+            if o >= 1:
+                ev.append(Event("wait_carried"))
+            if o < nw - 1:
+                ev.append(Event("post_carried"))
+            elif cp > 1:
+                final = final_channel(cp, w)
+                ev.extend((Event("post_final", final=final), Event("wait_final", final=final)))
         if o < nw - 1:
             ev.append(Event("wait_outer_kv"))
-    if backward and w > 1:
-        ev.extend(_close(nw, w, nw - 1, last=True))
     return tuple(ev)
 
 

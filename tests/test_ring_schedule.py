@@ -10,7 +10,7 @@ import torch
 import megatron_2d
 from megatron_2d.comm import RingExchange
 from megatron_2d.double_ring import DoubleRing
-from megatron_2d.ring_schedule import CHANNEL_OF, double_ring_events, replay
+from megatron_2d.ring_schedule import CHANNEL_OF, CHANNELS, double_ring_events, replay
 from megatron_2d.testing.distributed import run_on_ranks
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -21,7 +21,7 @@ def record_loop(rank, world, hp, w, backward):
     groups = megatron_2d.build_2d_groups(hp, w, timeout=TIMEOUT)
     ring = DoubleRing(groups)
     log = []
-    for name in ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv"):
+    for name in ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "diagonal_dkv"):
         exchange = getattr(ring, name)
         if exchange is None:
             continue
@@ -79,10 +79,34 @@ def test_replay_by_hand():
     assert replay(fwd, 1.0, slow, links) == 4.0    # the wait exposes 3 - 1
     fast = dict(slow, inner_kv=0.5)
     assert replay(fwd, 1.0, fast, links) == 2.0    # hidden behind the first compute
-    # backward, cp = 2, w = 2: the rider posted after step 0 shares the inner link with nothing in flight; the
-    # aligning rider (posted after step 1) is exposed: 2 computes + 1 aligning hop of 4
+    # backward, cp = 2, w = 2: the rider posted after step 0 shares the inner link with nothing in flight; after
+    # step 1 the rider holds the neighbour's block and takes its last hop, to the owner, exposed: 2 computes + 4
     bwd = double_ring_events(2, 2, True)
     t = {"inner_kv": 0.5, "outer_kv": 0.0, "inner_dkv": 4.0, "outer_dkv": 0.0}
-    # post kv 0-0.5 | compute 0-1 | rider 1-5 | wait kv | compute 1-2 | wait rider 5 | rider (aligning) 5-9 | wait 9
+    # post kv 0-0.5 | compute 0-1 | rider 1-5 | wait kv | compute 1-2 | wait rider 5 | last hop 5-9 | wait 9
     assert replay(bwd, 1.0, t, links) == 9.0
-    assert set(CHANNEL_OF.values()) - {None} == set(t)
+    # backward, cp = 4, w = 2 (two windows): no aligning hop; the outer rider has a round to arrive; the last hop
+    # goes diagonally to (window + 1, slot + 1), on the outer link
+    links = dict(links, diagonal_dkv="out")
+    bwd = double_ring_events(4, 2, True)
+    assert [e.channel for e in bwd if e.kind.startswith("post_")] == [
+        "outer_kv", "inner_kv", "inner_dkv", "outer_dkv", "inner_kv", "inner_dkv", "diagonal_dkv"]
+    t = {"inner_kv": 0.5, "outer_kv": 1.5, "inner_dkv": 0.5, "outer_dkv": 3.0, "diagonal_dkv": 2.0}
+    # round 0: outer kv 0-1.5, inner kv 0-0.5 | compute 0-1 | rider 1-1.5 | compute 1-2 | carried (outer) 2-5
+    # round 1: inner kv 2-2.5 | compute 2-3 | rider 3-3.5 | compute 3-4 | wait carried 5 | diagonal 5-7 | wait 7
+    assert replay(bwd, 1.0, t, links) == 7.0
+    # a carried hop no longer than a round is hidden: 4 computes + the exposed last hop
+    assert replay(bwd, 1.0, dict(t, outer_dkv=1.5), links) == 6.0
+    assert set(CHANNEL_OF.values()) - {None, "final"} | {"diagonal_dkv"} == set(t) == set(CHANNELS)
+
+
+@pytest.mark.parametrize("cp, w", [(4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (6, 3), (6, 2)])
+def test_riders_move_cp_times(cp, w):
+    """Every variant moves a rider cp times per rank, none of them back to where its round began."""
+    posts = [e.channel for e in double_ring_events(cp, w, True) if e.kind.startswith("post_")]
+    dkv = [c for c in posts if c.endswith("_dkv")]
+    nw = cp // w
+    assert len(dkv) == cp
+    assert dkv.count("outer_dkv") == nw - 1 + (w == 1)
+    assert dkv.count("diagonal_dkv") == (1 if 1 < w < cp else 0)
+    assert len(posts) - len(dkv) == cp - 1                    # K/V

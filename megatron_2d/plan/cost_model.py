@@ -220,13 +220,16 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
     takes its path time on the inner or outer links, transfers on one link go one after another, and a wait
     blocks until its transfer is done. Forward reduces to the paper's Double-Ring formula
         R = w*Tc + (w-1)*relu(T_in(kv) - Tc),   fwd = nw*R + (nw-1)*relu(T_out(kv) - R);
-    backward follows whatever the loop does (riders posted after each step, rounds closed one step late, the
-    final outer hop exposed); dK/dV riders are ``work.dkv_bytes`` (fp32 for ours, bf16 for Transformer Engine).
+    backward follows whatever the loop does (riders posted after each step, each round's rider added to the one
+    carried over the outer ring a round earlier, the last hop to the owner exposed); dK/dV riders are ``work.dkv_bytes`` (fp32 for ours, bf16 for Transformer Engine).
     """
     kv, dkv = work.kv_bytes, work.dkv_bytes
     transfer = {"inner_kv": path_time(links.inner, kv, cluster), "outer_kv": path_time(links.outer, kv, cluster),
-                "inner_dkv": path_time(links.inner, dkv, cluster), "outer_dkv": path_time(links.outer, dkv, cluster)}
-    link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer"}
+                "inner_dkv": path_time(links.inner, dkv, cluster), "outer_dkv": path_time(links.outer, dkv, cluster),
+                "diagonal_dkv": path_time(links.outer, dkv, cluster)}
+    # the diagonal hop (window, slot) -> (window + 1, slot + 1) leaves the window: charged like an outer hop
+    link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer",
+               "diagonal_dkv": "outer"}
     forward, backward = double_ring_events(cp, w, False), double_ring_events(cp, w, True)
     fwd = replay(forward, tc, transfer, link_of)
     bwd = replay(backward, tcb, transfer, link_of)
@@ -238,7 +241,8 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     """(NVLink bytes, network bytes, NIC-normalised network bytes) one rank sends per layer, forward + backward.
 
     Message counts (our implementation): all-to-all 2 x (hp-1) per-peer chunks; K/V nw*(w-1) inner and nw-1 outer
-    sends in each direction; dK/dV nw*w inner sends when w > 1 and nw outer sends when nw > 1.
+    sends in each direction; dK/dV nw*(w-1) inner sends, plus the last hop: cp sends in all, the last one on the
+    inner ring when w = cp and between windows (counted outer) otherwise.
     """
     nw = cp // w
     intra = inter = nic = 0.0
@@ -254,7 +258,7 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     add(links.inner, work.kv_bytes, 2 * nw * (w - 1))
     add(links.outer, work.kv_bytes, 2 * (nw - 1))
     if w > 1:
-        add(links.inner, work.dkv_bytes, nw * w)
+        add(links.inner, work.dkv_bytes, nw * (w - 1) + (1 if nw == 1 else 0))
     if nw > 1:
         add(links.outer, work.dkv_bytes, nw)
     return intra, inter, nic
