@@ -41,6 +41,17 @@ def pairs(lengths) -> np.ndarray:
     return lengths * (lengths + 1) // 2
 
 
+def row_pairs(rows: np.ndarray, cu_seqlens) -> np.ndarray:
+    """[n] causal (query, key) pairs of each row of slots (views or a rank's slots): a real token at position p of
+    its document sees p + 1 keys."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    out = np.zeros(len(rows), dtype=np.int64)
+    for r, row in enumerate(rows):
+        real = row[row >= 0]
+        out[r] = int((real - cu[np.searchsorted(cu, real, side="right") - 1] + 1).sum())
+    return out
+
+
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
     lengths = lengths.astype(np.int64)

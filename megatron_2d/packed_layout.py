@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .band import SlidingWindow
 from .block_plan import BlockCall
 from .document_placement import (DEFAULT_TOLERANCE, DocumentPlacement, documents_slots, pairs, place_documents,
-                                 round_up, views_of, zigzag_slots)
+                                 round_up, row_pairs, views_of, zigzag_slots)
 from .groups import Groups2D
 from .packed_plan import document_runs, plan_runs
 
@@ -194,12 +194,7 @@ class PackedLayout:
     # -- load --------------------------------------------------------------------------------------
     def rank_pairs(self) -> np.ndarray:
         """[cp] causal attention pairs each context rank computes (its queries' visible keys)."""
-        out = np.zeros(self.views.shape[0], dtype=np.int64)
-        for cr, view in enumerate(self.views):
-            real = view[view >= 0]
-            doc = np.searchsorted(self.cu_seqlens, real, side="right") - 1
-            out[cr] = int((real - self.cu_seqlens[doc] + 1).sum())
-        return out
+        return row_pairs(self.views, self.cu_seqlens)
 
     def stats(self) -> Dict[str, float]:
         """Balance and padding: max/mean attention pairs and real tokens per context rank, padding fraction."""

@@ -50,7 +50,8 @@ from rich.table import Table
 
 import megatron_2d
 from megatron_2d.band import SlidingWindow
-from megatron_2d.document_placement import zigzag_slots
+from megatron_2d.bench.runners import _count_ring_comm_sends
+from megatron_2d.document_placement import row_pairs, zigzag_slots
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES
@@ -94,12 +95,7 @@ def blocked_reference(q, k, v, dout, cu_seqlens, scale: float, block: int = 256)
 
 def slot_pairs(slots: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
     """[ranks] causal pairs of each rank's real slots (each query sees its position + 1 keys of its document)."""
-    out = np.zeros(len(slots), dtype=np.int64)
-    for r, row in enumerate(slots):
-        real = row[row >= 0]
-        doc = np.searchsorted(cu_seqlens, real, side="right") - 1
-        out[r] = int((real - cu_seqlens[doc] + 1).sum())
-    return out
+    return row_pairs(slots, cu_seqlens)
 
 
 def _max_over_mean(x: np.ndarray) -> float:
@@ -135,19 +131,8 @@ def _time_step(step, repeats: int) -> Tuple[float, float]:
 
 
 def _count_ring_flash_sends(module) -> Dict[str, int]:
-    """Count the bytes ring-flash-attn's RingComm.send_recv sends (idempotent wrapper on our private copy)."""
-    cls = module.RingComm
-    if not hasattr(cls, "_bench_packed_sent"):
-        counter = {"bytes": 0}
-        original = cls.send_recv
-
-        def send_recv(self, to_send, recv_tensor=None):
-            counter["bytes"] += to_send.numel() * to_send.element_size()
-            return original(self, to_send, recv_tensor)
-
-        cls.send_recv = send_recv
-        cls._bench_packed_sent = counter
-    return cls._bench_packed_sent
+    """Bytes ring-flash-attn's RingComm.send_recv sends (the harness's counter, see bench.runners)."""
+    return _count_ring_comm_sends(module)
 
 
 def _errors(idx: torch.Tensor, results: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> List[float]:

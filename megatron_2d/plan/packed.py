@@ -28,7 +28,7 @@ from typing import Tuple
 
 import numpy as np
 
-from ..document_placement import pairs, place_documents, views_of, zigzag_slots
+from ..document_placement import pairs, place_documents, row_pairs, views_of, zigzag_slots
 from ..topology import Layout2D
 
 PACKED_MODES = ("zigzag", "documents")
@@ -59,12 +59,7 @@ def modes_for(kind: str) -> Tuple[str, ...]:
 
 
 def _view_pairs(views: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(views), dtype=np.float64)
-    for r, view in enumerate(views):
-        real = view[view >= 0]
-        doc = np.searchsorted(cu, real, side="right") - 1
-        out[r] = float((real - cu[doc] + 1).sum())
-    return out
+    return row_pairs(views, cu).astype(np.float64)
 
 
 @functools.lru_cache(maxsize=256)
