@@ -28,6 +28,8 @@ rank's local Q and K (V is the size of K), e is the input dtype's size, cp the r
 
 from __future__ import annotations
 
+import abc
+
 import argparse
 import datetime
 import math
@@ -48,7 +50,7 @@ RING_FLASH = "ring-flash-attn zigzag"
 Tensors4 = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class Runner:
+class Runner(abc.ABC):
     """One implementation, built on every rank. Inputs and outputs of ``to_native``/``from_native`` are this
     rank's zigzag shards in Megatron's sbhd layout; ``step`` (the timed part) works in the implementation's own."""
 
@@ -58,17 +60,17 @@ class Runner:
         """sbhd shards -> whatever ``step`` takes (not timed)."""
         return q, k, v, dout
 
+    @abc.abstractmethod
     def step(self, q, k, v, dout) -> Tensors4:
         """Forward + backward; returns (out, dq, dk, dv) in the native layout."""
-        raise NotImplementedError
 
     def from_native(self, out, dq, dk, dv) -> Tensors4:
         """Native results -> sbhd shards (not timed)."""
         return out, dq, dk, dv
 
+    @abc.abstractmethod
     def bytes_sent(self) -> Dict[str, float]:
         """Bytes this rank sent in the last ``step``, by kind; the same keys on every rank ('a2a' and 'ring')."""
-        raise NotImplementedError
 
 
 @dataclass
