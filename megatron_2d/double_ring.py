@@ -70,21 +70,21 @@ class DoubleRing:
         slot = (self.slot - inner_step) % self.w
         return window * self.w + slot
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None,
+            own: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """Visit every context rank's K/V block with ``compute``, following the schedule's events.
 
         kv: this rank's packed [2, ...] K/V block (reused as a buffer: pass a tensor the caller owns).
-        rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like ``kv``, the template of
-        the dK/dV riders. Returns the rider holding the full dK/dV of this rank's own block (backward).
+        rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like this rank's whole block,
+        the template of the dK/dV riders. Returns the rider holding the full dK/dV of this rank's own block.
+        own: (k, v) of the whole own block when ``kv`` holds only the travelling key prefix (``ring_keys``).
         """
         backward = rider is not None
-        own_kv = own_dkv = None
-        if self.cp > 1 and self.ring_keys is not None and self.ring_keys < kv.shape[2]:
-            # [2, b, S, g, d] -> the travelling prefix [2, b, ring_keys, g, d]; the own block's partials gather
-            # in the caller's full-size rider, the travelling riders are prefix-sized
-            own_kv, kv = kv, kv[:, :, :self.ring_keys].contiguous()
-            if backward:
-                own_dkv, rider = rider, rider.new_zeros(kv.shape)
+        own_dkv = None
+        if own is not None and backward:
+            # the own block's partials gather in the caller's full-size rider; the travelling riders are
+            # prefix-sized [2, b, ring_keys, g, d]
+            own_dkv, rider = rider, rider.new_zeros(kv.shape)
         kv_pool = BufferPool(kv)
         riders = BufferPool(rider) if backward else None
         exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv, "inner_dkv": self.inner_dkv,
@@ -109,8 +109,8 @@ class DoubleRing:
             elif kind == "post_inner_kv":
                 post("inner_kv", block, kv_pool)
             elif kind == "compute":
-                if own_kv is not None and event.source_offset == (0, 0):
-                    own_partials = compute(own_kv, self.source(0, 0), 0)
+                if own is not None and event.source_offset == (0, 0):
+                    own_partials = compute(own, self.source(0, 0), 0)
                     if backward:
                         add_partials(own_dkv, own_partials)
                     partials = []
@@ -154,7 +154,7 @@ class DoubleRing:
             return None
         result = result if result is not None else mine      # cp = 1: the own rider
         if own_dkv is not None:
-            own_dkv[:, :, :self.ring_keys].add_(result)
+            own_dkv[:, :, :kv.shape[2]].add_(result)
             return own_dkv
         return result
 

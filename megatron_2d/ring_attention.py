@@ -55,8 +55,15 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor, rc: RingContext):
-    """K and V as one [2, b, S, g, d] block to send; a single context rank sends nothing, so no copy then."""
-    return (k, v) if rc.transport.cp == 1 else torch.stack([k, v])
+    """(the block that travels, ``run``'s extra arguments). K and V go as one [2, b, keys, g, d] block; a single
+    context rank sends nothing (no copy then); a ring that carries only a key prefix (packed documents) packs
+    just that prefix and computes the own block on k and v themselves."""
+    if rc.transport.cp == 1:
+        return (k, v), {}
+    keys = getattr(rc.transport, "ring_keys", None)
+    if keys is not None and keys < k.shape[1]:
+        return torch.stack([k[:, :keys], v[:, :keys]]), {"own": (k, v)}
+    return torch.stack([k, v]), {}
 
 
 class RingAttention(torch.autograd.Function):
@@ -70,7 +77,7 @@ class RingAttention(torch.autograd.Function):
         # filled by the first kernel call when it covers every row (the own block without a window), else zeroed
         out_acc = torch.empty(b, S, h, d, dtype=acc, device=q.device)
         lse_acc = torch.empty((b, h, S), dtype=acc, device=q.device)
-        kv = _pack(k, v, rc)                                       # [2, b, S, g, d]
+        kv, own = _pack(k, v, rc)                                  # [2, b, S (or the ring prefix), g, d]
         fresh = [True]
 
         def start() -> None:
@@ -91,7 +98,7 @@ class RingAttention(torch.autograd.Function):
                     start()
                     merge_attention_(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
 
-        rc.transport.run(kv, compute)
+        rc.transport.run(kv, compute, **own)
         start()                                                    # (no call at all: nothing visible)
         if sinks is not None:
             apply_sinks_(out_acc, lse_acc, sinks)
@@ -106,7 +113,7 @@ class RingAttention(torch.autograd.Function):
         rc: RingContext = ctx.rc
         dout = dout.contiguous()
         dq_acc = torch.empty(q.shape, dtype=lse.dtype, device=q.device)   # filled like out_acc in forward
-        kv = _pack(k, v, rc)                                       # [2, b, S, g, d]
+        kv, own = _pack(k, v, rc)                                  # [2, b, S (or the ring prefix), g, d]
         rider = torch.zeros((2, *k.shape), dtype=rc.rider_dtype, device=q.device)
         fresh = [True]
 
@@ -124,7 +131,7 @@ class RingAttention(torch.autograd.Function):
                 partials.append((call.k_start, call.k_end, dk, dv))
             return partials
 
-        dkv = rc.transport.run(kv, compute, rider=rider)
+        dkv = rc.transport.run(kv, compute, rider=rider, **own)
         if fresh[0]:
             dq_acc.zero_()
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
