@@ -70,3 +70,39 @@ def test_dkv_comm_dtype_setting_is_checked():
     with pytest.raises(ValueError, match=r"2D settings \{'cp_2d_dkv_comm_dtype': 'input'\} are set but cp_comm_type"):
         TransformerConfig2D(**{**BASE, "cp_comm_type": None, "cp_2d_head_parallel_size": None},
                             cp_2d_dkv_comm_dtype="input")
+
+
+def test_every_packed_seq_params_field_is_classified():
+    """packed_seq_params is a forward argument: each field is honoured, refused when set, or shown to have no
+    effect on core attention's math; an upgrade that adds one fails here until it is classified."""
+    import dataclasses
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_2d.megatron.attention_settings import PACKED_SEQ_PARAMS
+
+    assert {f.name for f in dataclasses.fields(PackedSeqParams)} == set(PACKED_SEQ_PARAMS)
+
+
+def test_packed_seq_params_refusals_name_the_field():
+    import dataclasses
+
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_2d.megatron.attention_settings import packed_seq_refusals
+
+    cu, padded = torch.tensor([0, 5, 9], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32)
+    ok = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                         cu_seqlens_kv_padded=padded, max_seqlen_q=8, max_seqlen_kv=8, tokens_per_sample=16)
+    assert packed_seq_refusals(ok) == []
+    cases = {
+        "qkv_format 'sbhd'": dict(qkv_format="sbhd"),
+        "cu_seqlens_kv differs from cu_seqlens_q": dict(cu_seqlens_kv=torch.tensor([0, 4, 9], dtype=torch.int32)),
+        "cu_seqlens_kv_padded differs": dict(cu_seqlens_kv_padded=None),
+        "packed_seq_params.local_cp_size is set": dict(local_cp_size=2),
+        "packed_seq_params.cp_group is set": dict(cp_group=object()),
+    }
+    for message, change in cases.items():
+        problems = packed_seq_refusals(dataclasses.replace(ok, **change))
+        assert len(problems) == 1 and message in problems[0], (message, problems)

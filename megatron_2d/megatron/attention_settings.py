@@ -13,8 +13,8 @@ never sees it).
 
 Arguments of core attention's forward: ``attention_mask`` is read as Transformer Engine's backend reads it (the
 mask type decides: causal and no_mask need no tensor; document masks come as packed_seq_params); packed_seq_params
-in THD format is honoured (packed documents, :mod:`megatron_2d.megatron.core_attention`); ``attention_bias``,
-other qkv formats and mask types other than causal / no_mask are refused there.
+in THD format is honoured (packed documents; each PackedSeqParams field is classified in ``PACKED_SEQ_PARAMS``);
+``attention_bias``, other qkv formats and mask types other than causal / no_mask are refused.
 """
 
 from __future__ import annotations
@@ -165,3 +165,46 @@ def check_attention_settings(config) -> None:
     problems = attention_refusals(config)
     if problems:
         raise ValueError("settings not supported with cp_comm_type '2d':\n  " + "\n  ".join(problems))
+
+
+# -- packed_seq_params (a forward argument): every field of megatron-core 0.19.2's PackedSeqParams ------------------
+PACKED_SEQ_PARAMS: Dict[str, str] = {
+    "qkv_format": "honoured: 'thd' runs packed documents; other formats are refused",
+    "cu_seqlens_q": "honoured: the real document boundaries (zigzag layout)",
+    "cu_seqlens_kv": "honoured: must equal cu_seqlens_q (self attention), else refused",
+    "cu_seqlens_q_padded": "honoured: Megatron's per-document padding (zigzag layout)",
+    "cu_seqlens_kv_padded": "honoured: must equal cu_seqlens_q_padded, else refused",
+    "max_seqlen_q": "no effect on the math: the layout knows every length (RoPE reads it outside)",
+    "max_seqlen_kv": "no effect on the math (as max_seqlen_q)",
+    "local_cp_size": "refused when set: hybrid (dynamic) context parallelism",
+    "cp_group": "refused when set: hybrid (dynamic) context parallelism brings its own CP group",
+    "total_tokens": "no effect: Mamba bookkeeping (seq_idx)",
+    "seq_idx": "no effect: Mamba's per-token sequence index",
+    "tokens_per_sample": "no effect: Megatron's per-sample length, for its statistics",
+    "pad_between_seqs": "no effect: the padding is explicit in cu_seqlens vs cu_seqlens_padded",
+}
+
+
+def packed_seq_refusals(params) -> List[str]:
+    """Why ``params`` (a PackedSeqParams) cannot run under the 2d backend; empty when it can."""
+    import torch
+
+    def same(a, b) -> bool:
+        return a is None and b is None or (a is not None and b is not None
+                                           and torch.equal(torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()))
+
+    problems = []
+    if params.qkv_format != "thd":
+        problems.append(f"packed_seq_params with qkv_format {params.qkv_format!r} is not supported by the 2d "
+                        f"backend; packed documents come as 'thd'")
+    if params.cu_seqlens_kv is not None and not same(params.cu_seqlens_kv, params.cu_seqlens_q):
+        problems.append("cu_seqlens_kv differs from cu_seqlens_q: the 2d backend runs self attention over the same "
+                        "packed documents only")
+    if not same(params.cu_seqlens_kv_padded, params.cu_seqlens_q_padded):
+        problems.append("cu_seqlens_kv_padded differs from cu_seqlens_q_padded: the 2d backend runs self attention "
+                        "over one packed layout")
+    for name in ("local_cp_size", "cp_group"):
+        if getattr(params, name, None) is not None:
+            problems.append(f"packed_seq_params.{name} is set (hybrid/dynamic context parallelism), which the 2d "
+                            f"backend does not support; drop --hybrid-context-parallel")
+    return problems

@@ -32,7 +32,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 from ..attention import attention_2d
 from ..band import SlidingWindow
 from ..packed_layout import PackedLayout
-from .attention_settings import check_attention_settings
+from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
 from .launch_checks import check_current_launch
 from .process_groups import group_registry
@@ -172,31 +172,27 @@ class CoreAttention2D(MegatronModule):
         """The PackedLayout of a THD batch (None for sbhd), built on the first layer and kept on the params."""
         if packed_seq_params is None:
             return None
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"packed_seq_params with qkv_format {packed_seq_params.qkv_format!r} is not supported "
-                             f"by the 2d backend; packed documents come as 'thd'")
         if query.dim() != 3:
             raise ValueError(f"THD query must be [t, heads, d], got {tuple(query.shape)}")
-        carried = getattr(packed_seq_params, "layout", None)
-        wanted = getattr(self.config, "cp_2d_packing", "zigzag")
-        mode = "zigzag" if carried is None else carried.mode
-        if mode != wanted and self.groups.layout.cp_size > 1:
-            raise ValueError(f"cp_2d_packing is {wanted!r} but the batch comes in the {mode!r} layout: "
+        cache = packed_seq_params.__dict__.setdefault("_megatron_2d_layouts", {})
+        key = (self.groups.layout, self.groups.place)
+        if key not in cache:                 # once per batch: the first layer checks and builds, the rest reuse
+            problems = packed_seq_refusals(packed_seq_params)
+            if problems:
+                raise ValueError("; ".join(problems))
+            carried = getattr(packed_seq_params, "layout", None)
+            if carried is not None:
+                cache[key] = carried
+            else:
+                real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+                same = padded is None or torch.equal(torch.as_tensor(padded).cpu(), torch.as_tensor(real).cpu())
+                cache[key] = PackedLayout(real, self.groups, mode="zigzag",
+                                          cu_seqlens_padded=None if same else padded)
+        layout, wanted = cache[key], getattr(self.config, "cp_2d_packing", "zigzag")
+        if layout.mode != wanted and self.groups.layout.cp_size > 1:
+            raise ValueError(f"cp_2d_packing is {wanted!r} but the batch comes in the {layout.mode!r} layout: "
                              + ("build batches with megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank "
                                 "(examples/pretrain_gpt_2d.py does with --cp-2d-packing documents)"
                                 if wanted == "documents" else "set cp_2d_packing='documents' (--cp-2d-packing "
                                                                "documents) for batches of that data path"))
-        if carried is not None:
-            return carried
-        cache = packed_seq_params.__dict__.setdefault("_megatron_2d_layouts", {})
-        key = (self.groups.layout, self.groups.place)
-        if key not in cache:
-            real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
-            kv_real = packed_seq_params.cu_seqlens_kv
-            if kv_real is not None and not torch.equal(torch.as_tensor(kv_real).cpu(), torch.as_tensor(real).cpu()):
-                raise ValueError("cu_seqlens_kv differs from cu_seqlens_q: the 2d backend runs self attention over "
-                                 "the same packed documents only")
-            same = padded is None or torch.equal(torch.as_tensor(padded).cpu(), torch.as_tensor(real).cpu())
-            cache[key] = PackedLayout(real, self.groups, mode="zigzag",
-                                      cu_seqlens_padded=None if same else padded)
-        return cache[key]
+        return layout
