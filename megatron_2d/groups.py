@@ -90,11 +90,18 @@ def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
     return mine
 
 
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _warm_up(group: Optional[dist.ProcessGroup]) -> None:
     """One collective on a group whose point-to-point traffic may involve only some of its ranks: NCCL requires
     every rank of a group to take part in its first batched P2P call."""
     if group is not None and dist.get_backend(group) == "nccl":
-        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
+        dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)
 
 
 def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: str = "head_first",

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from .band import SlidingWindow
 from .block_plan import BlockCall
-from .document_placement import (DEFAULT_TOLERANCE, DocumentPlacement, documents_slots, pairs, place_documents,
-                                 round_up, row_pairs, views_of, zigzag_slots)
-from .groups import Groups2D
+from .document_placement import (DEFAULT_TOLERANCE, DocumentPlacement, documents_slots, place_documents, row_pairs,
+                                 views_of, zigzag_slots)
+from .groups import Groups2D, collective_device
 from .packed_plan import document_runs, plan_runs
 
 MODES = ("zigzag", "documents")
@@ -54,19 +54,13 @@ def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
     return cu
 
 
-def _collective_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _check_same_on_every_rank(groups: Groups2D, fingerprint: int, what: str) -> None:
     """Raise on every rank unless all ranks of the CP group hold the same ``fingerprint`` (head group, then
     context group: together they span the CP group)."""
     span = [g for g in (groups.head_group, groups.context_kv_group) if g is not None]
     if not span:
         return
-    value = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=_collective_device(span[0]))
+    value = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=collective_device(span[0]))
     for group in span:
         lo = value.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
@@ -227,4 +221,4 @@ class PackedLayout:
                 f"t_local={self.local_tokens}, padding={self.padding_fraction:.3f})")
 
 
-__all__ = ["PackedLayout", "MODES", "pairs", "round_up"]
+__all__ = ["PackedLayout", "MODES"]
