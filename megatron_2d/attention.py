@@ -7,7 +7,8 @@ Notation
 
     q [s_local, b, hq, d], k/v [s_local, b, hkv, d]
       --(repeat K/V heads r = lcm(hkv, hp) / hkv times when hp does not divide hkv)-->
-      --head all-to-all-->   q [b, S, hq/hp, d], k/v [b, S, r*hkv/hp, d]   (S = hp * s_local tokens of the head group)
+      --one head all-to-all-->   q [b, S, hq/hp, d], kv [2, b, S, r*hkv/hp, d]   (S = hp * s_local tokens of the head
+                                 group; K and V stacked, as the ring sends them)
       --Double-Ring zigzag attention over the context group-->   out [b, S, hq/hp, d]
       --inverse all-to-all-->   out [s_local, b, hq, d]
 
@@ -212,7 +213,8 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
         exchange, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype)
     local_heads, head_rank = hq // hp, groups.place.head_rank
     local_sinks = None if sinks is None else sinks[head_rank * local_heads:(head_rank + 1) * local_heads]
-    q, k, v = (HeadAllToAll.apply(x, Direction.TO_HEADS, exchange) for x in (q, k, v))  # [b, S, H/hp, d]
-    out = RingAttention.apply(q, k, v, local_sinks, rc)                                # [b, S, hq/hp, d]
-    out = HeadAllToAll.apply(out, Direction.TO_TOKENS, exchange)                       # [s, b, hq, d]
+    # one all-to-all for q, k and v: q [1, b, S, hq/hp, d], K/V stacked as the ring sends them [2, b, S, hkv'/hp, d]
+    q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), q, k, v)
+    out = RingAttention.apply(q[0], kv, local_sinks, rc)                               # [b, S, hq/hp, d]
+    out, = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, (1,), out.unsqueeze(0))   # [s, b, hq, d]
     return out.squeeze(1) if packing is not None else out

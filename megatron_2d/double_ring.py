@@ -74,7 +74,7 @@ class DoubleRing:
             own: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """Visit every context rank's K/V block with ``compute``, following the schedule's events.
 
-        kv: this rank's packed [2, ...] K/V block (reused as a buffer: pass a tensor the caller owns).
+        kv: this rank's packed [2, ...] K/V block (read only: received blocks go to buffers of its own).
         rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like this rank's whole block,
         the template of the dK/dV riders. Returns the rider holding the full dK/dV of this rank's own block.
         own: (k, v) of the whole own block when ``kv`` holds only the travelling key prefix (``ring_keys``).
@@ -125,7 +125,8 @@ class DoubleRing:
                 nxt, _ = wait("outer_kv")
                 if block is not anchor:
                     kv_pool.put(block)
-                kv_pool.put(anchor)
+                if anchor is not kv:                          # the caller's block is never overwritten
+                    kv_pool.put(anchor)
                 anchor = block = nxt
             elif kind == "start_rider":
                 mine = fresh if fresh is not None else riders.get().zero_()

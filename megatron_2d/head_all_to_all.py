@@ -1,22 +1,28 @@
 """The head all-to-all (Ulysses style) between Megatron's sbhd layout and the ring's layout, as autograd ops.
 
 Notation
-    hp  head-parallel size     c  zigzag chunk length = s_local / 2     H  heads of the tensor, Hl = H / hp
+    hp  head-parallel size     c  zigzag chunk length = s_local / 2     H  heads of a tensor, Hl = H / hp
     S   tokens of the context rank after the exchange = 2 * hp * c (its 2*hp chunks in ascending global order)
+    n   tensors stacked in one group (q: 1; K and V: 2)       W  heads of all tensors of one exchange, / hp
 
-to_heads:   [2c, b, H, d] (this rank's zigzag shard, all heads)   -> [b, S, Hl, d] (its head group's tokens)
-to_tokens:  [b, S, Hl, d]                                         -> [2c, b, H, d]   (the inverse)
-Each is the other's backward. ``order`` sorts the chunks as received (by head rank, then zigzag half). Packed
-documents (S = hp * t_local slots, received head rank by head rank) sort single tokens instead (``per_token``:
-Megatron's zigzag, so that each document's tokens are contiguous and ascending for the ring), or keep the
-received order (None: the documents layout, built in ring order).
+to_heads:   tensors [2c, b, H_i, d] (this rank's zigzag shard, all heads) -> one [n, b, S, Hl, d] per group of n
+            consecutive tensors (its head group's tokens); q, K and V travel in ONE all-to-all, and K/V come out
+            stacked as the ring sends them.
+to_tokens:  groups [n, b, S, Hl, d] -> tensors [2c, b, H, d] (the inverse, also one all-to-all).
+Each is the other's backward. Each direction copies the data twice, once into the send buffer and once out of the
+receive buffer (hp = 1 sends nothing: views, and one stacking copy for a group of n > 1).
+
+``order`` sorts the units as received (by head rank, then zigzag half) into ascending order; a unit is a chunk of c
+tokens, or, for packed documents (``per_token``), a single token (Megatron's zigzag, so that each document's
+tokens are contiguous and ascending for the ring). None keeps the received order (hp = 1, and the packed documents
+layout, which is built in ring order).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,88 +30,141 @@ import torch.distributed as dist
 from .comm import CommCounter, all_to_all_counted
 
 
-def _exchange(buf: torch.Tensor, group: Optional[dist.ProcessGroup], counter: CommCounter) -> torch.Tensor:
-    return buf if group is None else all_to_all_counted(buf, group, counter)
+def _head_slices(buf: torch.Tensor, widths: Sequence[int]) -> List[torch.Tensor]:
+    """Views of ``buf`` [..., W, d] cut along the heads into ``widths`` (summing to W)."""
+    return list(torch.split(buf, list(widths), dim=-2))
 
 
-def to_heads(x: torch.Tensor, hp: int, order: Optional[torch.Tensor], group, counter: CommCounter,
-             per_token: bool = False) -> torch.Tensor:
-    """[2c, b, H, d] -> [b, S, H/hp, d]."""
-    two_c, b, H, d = x.shape
-    c, Hl = two_c // 2, H // hp
-    send = x.view(two_c, b, hp, Hl, d).permute(2, 0, 1, 3, 4).contiguous()  # [hp(dst), 2c, b, Hl, d]
-    recv = _exchange(send, group, counter)                                   # [hp(src), 2c, b, Hl, d]
-    if order is None or per_token:
-        tokens = recv.permute(2, 0, 1, 3, 4).reshape(b, hp * two_c, Hl, d)  # [b, S (received), Hl, d]
-        return tokens if order is None else tokens.index_select(1, order)   # [b, S (ring order), Hl, d]
-    chunks = recv.view(2 * hp, c, b, Hl, d).permute(2, 0, 1, 3, 4)           # [b, 2hp(received), c, Hl, d]
-    return chunks.index_select(1, order).view(b, 2 * hp * c, Hl, d)         # [b, S (ascending), Hl, d]
-
-
-def to_tokens(y: torch.Tensor, hp: int, inverse: Optional[torch.Tensor], group,
-              counter: CommCounter, per_token: bool = False) -> torch.Tensor:
-    """[b, S, Hl, d] -> [2c, b, Hl*hp, d]; inverse of :func:`to_heads` (``inverse`` undoes its ``order``)."""
-    b, S, Hl, d = y.shape
-    two_c = S // hp
-    if per_token and inverse is not None:
-        y, inverse = y.index_select(1, inverse), None                        # [b, S (received), Hl, d]
-    if inverse is None:
-        send = y.reshape(b, hp, two_c, Hl, d).permute(1, 2, 0, 3, 4).contiguous()  # [hp(dst), 2c, b, Hl, d]
+def to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], hp: int, order: Optional[torch.Tensor],
+             unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
+    """Tensors [2c, b, H_i, d] -> one [n, b, S, H_i/hp, d] per group of ``grouping`` (n consecutive tensors of
+    equal shape each), through one all-to-all."""
+    two_c, b, _, d = xs[0].shape
+    starts = [sum(grouping[:i]) for i in range(len(grouping))]
+    if group is None:                                                    # hp = 1: this rank's own tokens
+        groups = [[x.transpose(0, 1) for x in xs[i:i + n]] for i, n in zip(starts, grouping)]  # [b, S, H, d]
+        tokens = [ys[0].unsqueeze(0) if len(ys) == 1 else torch.stack(ys) for ys in groups]     # [n, b, S, H, d]
     else:
-        chunks = y.reshape(b, 2 * hp, two_c // 2, Hl, d).permute(1, 2, 0, 3, 4)  # [2hp (ascending), c, b, Hl, d]
-        send = chunks.index_select(0, inverse).view(hp, two_c, b, Hl, d)         # [hp(dst), 2c, b, Hl, d]
-    recv = _exchange(send, group, counter)                                   # [hp(src head rank), 2c, b, Hl, d]
-    return recv.permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * Hl, d).contiguous()  # [2c, b, H, d]
+        widths = [x.shape[2] // hp for x in xs]
+        send = xs[0].new_empty(hp, two_c, b, sum(widths), d)            # [hp (dst), 2c, b, W, d]
+        for x, dst in zip(xs, _head_slices(send, widths)):
+            dst.copy_(x.view(two_c, b, hp, -1, d).permute(2, 0, 1, 3, 4))
+        recv = all_to_all_counted(send, group, counter)                 # [hp (src), 2c, b, W, d]
+        group_widths = [sum(widths[i:i + n]) for i, n in zip(starts, grouping)]
+        tokens = [slab.unflatten(-2, (n, -1)).permute(3, 2, 0, 1, 4, 5).flatten(2, 3)   # [n, b, S (received), Hl, d]
+                  for slab, n in zip(_head_slices(recv, group_widths), grouping)]
+    return [_ascending(y, order, unit) for y in tokens]
+
+
+def _ascending(y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> torch.Tensor:
+    """[n, b, S, Hl, d] in received order (any strides) -> contiguous, in ascending order (unit i of the result
+    is unit order[i] of y); no copy when y is already contiguous and needs no sorting."""
+    if order is None:
+        return y.contiguous()
+    return y.unflatten(2, (y.shape[2] // unit, unit)).index_select(2, order).flatten(2, 3)
+
+
+def to_tokens(ys: Sequence[torch.Tensor], hp: int, order: Optional[torch.Tensor], unit: int,
+              group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
+    """Groups [n, b, S, Hl, d] -> their n tensors each, [2c, b, Hl*hp, d] (contiguous); inverse of
+    :func:`to_heads` with the same ``order``."""
+    n0, b, S, _, d = ys[0].shape
+    two_c = S // hp
+    if group is None:                                                    # hp = 1: views where the layout allows
+        outs = []
+        for y in ys:
+            if order is not None:
+                y = _undo_order(y, order, unit)
+            outs += [y[i].transpose(0, 1).contiguous() for i in range(y.shape[0])]   # [S, b, H, d]
+        return outs
+    widths = [y.shape[0] * y.shape[3] for y in ys]
+    send = ys[0].new_empty(hp, two_c, b, sum(widths), d)                # [hp (dst), 2c, b, W, d]
+    for y, dst in zip(ys, _head_slices(send, widths)):
+        n, hl = y.shape[0], y.shape[3]
+        dst = dst.unflatten(-2, (n, hl)).permute(3, 2, 0, 1, 4, 5).flatten(2, 3)   # [n, b, S (received), Hl, d]
+        dst = dst.unflatten(2, (S // unit, unit))                        # [n, b, S / unit, unit, Hl, d]
+        src = y.unflatten(2, (S // unit, unit))
+        if order is None:
+            dst.copy_(src)
+        else:
+            dst.index_copy_(2, order, src)                              # received position order[i] <- unit i
+    recv = all_to_all_counted(send, group, counter)                     # [hp (src), 2c, b, W, d]
+    outs = []
+    for y, slab in zip(ys, _head_slices(recv, widths)):
+        slab = slab.unflatten(-2, (y.shape[0], y.shape[3]))             # [hp (src), 2c, b, n, Hl, d]
+        outs += [slab[:, :, :, i].permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * y.shape[3], d)
+                 for i in range(y.shape[0])]                            # [2c, b, H, d]
+    return outs
+
+
+def _undo_order(y: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:
+    """[n, b, S, Hl, d] in ascending order -> in received order (unit order[i] of the result is unit i of y)."""
+    units = y.unflatten(2, (y.shape[2] // unit, unit))
+    return torch.empty_like(units).index_copy_(2, order, units).flatten(2, 3)
 
 
 class Direction(enum.Enum):
     """Which way the head all-to-all goes."""
 
-    TO_HEADS = "to_heads"        # [2c, b, H, d] -> [b, S, H/hp, d]
-    TO_TOKENS = "to_tokens"      # [b, S, H/hp, d] -> [2c, b, H, d]
-
-    @property
-    def reverse(self) -> "Direction":
-        return Direction.TO_TOKENS if self is Direction.TO_HEADS else Direction.TO_HEADS
+    TO_HEADS = "to_heads"        # tensors [2c, b, H, d] -> groups [n, b, S, H/hp, d]
+    TO_TOKENS = "to_tokens"      # groups [n, b, S, H/hp, d] -> tensors [2c, b, H, d]
 
 
 @dataclass(frozen=True)
 class HeadExchange:
-    """Everything the head all-to-all needs besides the tensor, built once per (groups, device)."""
+    """Everything the head all-to-all needs besides the tensors, built once per (groups, device)."""
 
     head_parallel_size: int
-    order: Optional[torch.Tensor]     # received chunk index -> ascending position (a device tensor); None: keep
-    inverse: Optional[torch.Tensor]   # its inverse permutation
+    order: Optional[torch.Tensor]     # unit index (as received) of each ascending position (a device tensor)
     group: Optional[dist.ProcessGroup]
     counter: CommCounter
-    per_token: bool = False           # order/inverse permute single tokens (packed documents), not chunks
+    per_token: bool = False           # order permutes single tokens (packed documents), not chunks
 
     @classmethod
     def build(cls, hp: int, received: Optional[Sequence[int]], group, counter: CommCounter,
               device, per_token: bool = False) -> "HeadExchange":
         """From the sort keys of the chunks (or, ``per_token``, of the tokens) in the order the all-to-all delivers
-        them (one host-to-device copy, here only); None: the ring takes the tokens in the order received."""
-        if received is None:
-            return cls(hp, None, None, group, counter, per_token)
-        order = sorted(range(len(received)), key=received.__getitem__)
-        inverse = sorted(range(len(order)), key=order.__getitem__)
-        as_tensor = lambda idx: torch.tensor(idx, dtype=torch.long, device=device)  # noqa: E731
-        return cls(hp, as_tensor(order), as_tensor(inverse), group, counter, per_token)
+        them (one host-to-device copy, here only); None, or keys already ascending: the ring takes the tokens in
+        the order received, with no permutation."""
+        order = None if received is None else sorted(range(len(received)), key=received.__getitem__)
+        if order is not None and order == sorted(order):
+            order = None
+        as_tensor = None if order is None else torch.tensor(order, dtype=torch.long, device=device)
+        return cls(hp, as_tensor, group, counter, per_token)
 
-    def apply(self, x: torch.Tensor, direction: Direction) -> torch.Tensor:
-        if direction is Direction.TO_HEADS:
-            return to_heads(x, self.head_parallel_size, self.order, self.group, self.counter, self.per_token)
-        return to_tokens(x, self.head_parallel_size, self.inverse, self.group, self.counter, self.per_token)
+    def unit(self, tokens: int) -> int:
+        """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""
+        return 1 if self.per_token else tokens // 2
+
+    def to_heads(self, xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> List[torch.Tensor]:
+        return to_heads(xs, grouping, self.head_parallel_size, self.order, self.unit(xs[0].shape[0]),
+                        self.group, self.counter)
+
+    def to_tokens(self, ys: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return to_tokens(ys, self.head_parallel_size, self.order, self.unit(ys[0].shape[2] // self.head_parallel_size),
+                         self.group, self.counter)
 
 
 class HeadAllToAll(torch.autograd.Function):
-    """The head all-to-all in ``direction``, whose backward is the exchange in the reverse direction."""
+    """The head all-to-all in ``direction`` over several tensors at once; its backward is the reverse exchange.
+
+    TO_HEADS: ``tensors`` [2c, b, H_i, d], ``grouping`` their group sizes -> one [n, b, S, H_i/hp, d] per group.
+    TO_TOKENS: ``tensors`` groups [n, b, S, Hl, d] (``grouping`` unused) -> their tensors [2c, b, H, d]."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, direction: Direction, exchange: HeadExchange) -> torch.Tensor:
-        ctx.direction, ctx.exchange = direction, exchange
-        return exchange.apply(x, direction)
+    def forward(ctx, exchange: HeadExchange, direction: Direction, grouping: Tuple[int, ...],
+                *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.exchange, ctx.direction = exchange, direction
+        if direction is Direction.TO_HEADS:
+            ctx.grouping = tuple(grouping)
+            return tuple(exchange.to_heads(tensors, grouping))
+        ctx.grouping = tuple(t.shape[0] for t in tensors)
+        return tuple(exchange.to_tokens(tensors))
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.exchange.apply(grad.contiguous(), ctx.direction.reverse), None, None
+    def backward(ctx, *grads: torch.Tensor):
+        if ctx.direction is Direction.TO_HEADS:
+            back = ctx.exchange.to_tokens([g.contiguous() for g in grads])
+        else:
+            back = ctx.exchange.to_heads([g.contiguous() for g in grads], ctx.grouping)
+        return (None, None, None, *back)

@@ -3,8 +3,8 @@
 Notation (all local to one rank, after the head all-to-all)
     b  batch      S  tokens of this context rank (2*hp chunks of c tokens, ascending global order)
     h  query heads of this rank       g  K/V heads of this rank (h divisible by g)      d  head dim
-Tensors: q, out [b, S, h, d]; k, v [b, S, g, d]; lse [b, h, S] and every accumulator in the accumulator dtype
-(fp32; fp64 for fp64 inputs); packed K/V blocks [2, b, S, g, d]; sinks [h] (one logit per query head).
+Tensors: q, out [b, S, h, d]; kv [2, b, S, g, d] (K and V stacked: the block the ring sends); lse [b, h, S] and
+every accumulator in the accumulator dtype (fp32; fp64 for fp64 inputs); sinks [h] (one logit per query head).
 
 Sinks (gpt-oss, Megatron's softmax_type "learnable" / "off-by-one") add exp(sink_h) to every row's softmax
 denominator: once the transport has visited every block, lse' = logaddexp(lse, sink) and out' = out *
@@ -54,85 +54,75 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor, rc: RingContext):
-    """(the block that travels, ``run``'s extra arguments). K and V go as one [2, b, keys, g, d] block; a single
-    context rank sends nothing (no copy then); a ring that carries only a key prefix (packed documents) packs
-    just that prefix and computes the own block on k and v themselves."""
-    if rc.transport.cp == 1:
-        return (k, v), {}
+def _ring_block(kv: torch.Tensor, rc: RingContext):
+    """(the block that travels, ``run``'s extra arguments). A ring that carries only a key prefix (packed
+    documents) sends a copy of just that prefix and computes the own block on the whole ``kv``."""
     keys = getattr(rc.transport, "ring_keys", None)
-    if keys is not None and keys < k.shape[1]:
-        return torch.stack([k[:, :keys], v[:, :keys]]), {"own": (k, v)}
-    return torch.stack([k, v]), {}
+    if rc.transport.cp > 1 and keys is not None and keys < kv.shape[2]:
+        return kv[:, :, :keys].contiguous(), {"own": kv}
+    return kv, {}
 
 
 class RingAttention(torch.autograd.Function):
     """out = softmax(q k^T * scale, masked [+ sinks]) v over the whole context group; exact forward and backward."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor],
                 rc: RingContext) -> torch.Tensor:
         b, S, h, d = q.shape
         acc = accumulator_dtype(q.dtype)
-        # filled by the first kernel call when it covers every row (the own block without a window), else zeroed
-        out_acc = torch.empty(b, S, h, d, dtype=acc, device=q.device)
-        lse_acc = torch.empty((b, h, S), dtype=acc, device=q.device)
-        kv, own = _pack(k, v, rc)                                  # [2, b, S (or the ring prefix), g, d]
-        fresh = [True]
+        # the first kernel call's results when it covers every row (the own block without a window), else zeros
+        accumulators: List[torch.Tensor] = []                      # [out_acc [b, S, h, d], lse_acc [b, h, S]]
 
         def start() -> None:
-            if fresh[0]:
-                out_acc.zero_()
-                lse_acc.fill_(float("-inf"))
-                fresh[0] = False
+            if not accumulators:
+                accumulators.extend((torch.zeros(b, S, h, d, dtype=acc, device=q.device),
+                                     torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device)))
 
         def compute(block, source: int, first_key: int) -> None:
             for call, out_blk, lse_blk in rc.kernel.forward_calls(q, block[0], block[1], rc.plans[source],
                                                                   first_key, rc.scale):
-                rows = slice(call.q_start, call.q_end)
-                if fresh[0] and (call.q_start, call.q_end) == (0, S):
-                    out_acc.copy_(out_blk)
-                    lse_acc.copy_(lse_blk)
-                    fresh[0] = False
+                if not accumulators and (call.q_start, call.q_end) == (0, S):
+                    accumulators.extend((out_blk.to(acc), lse_blk.to(acc)))      # adopted, not copied
                 else:
                     start()
-                    merge_attention_(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
+                    rows = slice(call.q_start, call.q_end)
+                    merge_attention_(accumulators[0][:, rows], accumulators[1][:, :, rows], out_blk, lse_blk)
 
-        rc.transport.run(kv, compute, **own)
+        block, own = _ring_block(kv, rc)                           # [2, b, S (or the ring prefix), g, d]
+        rc.transport.run(block, compute, **own)
         start()                                                    # (no call at all: nothing visible)
+        out_acc, lse_acc = accumulators
         if sinks is not None:
             apply_sinks_(out_acc, lse_acc, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse_acc, sinks)
+        ctx.save_for_backward(q, kv, out, lse_acc, sinks)
         ctx.rc = rc
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, kv, out, lse, sinks = ctx.saved_tensors
         rc: RingContext = ctx.rc
         dout = dout.contiguous()
-        dq_acc = torch.empty(q.shape, dtype=lse.dtype, device=q.device)   # filled like out_acc in forward
-        kv, own = _pack(k, v, rc)                                  # [2, b, S (or the ring prefix), g, d]
-        rider = torch.zeros((2, *k.shape), dtype=rc.rider_dtype, device=q.device)
-        fresh = [True]
+        rider = torch.zeros(kv.shape, dtype=rc.rider_dtype, device=q.device)
+        dq_acc: List[torch.Tensor] = []          # the first call's dq when it covers every row, else zeros
 
         def compute(block, source: int, first_key: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
             partials = []
             for call, dq, dk, dv in rc.kernel.backward_calls(dout, q, block[0], block[1], out, lse,
                                                              rc.plans[source], first_key, rc.scale):
-                if fresh[0] and (call.q_start, call.q_end) == (0, q.shape[1]):
-                    dq_acc.copy_(dq)
+                if not dq_acc and (call.q_start, call.q_end) == (0, q.shape[1]):
+                    dq_acc.append(dq.to(lse.dtype))                # adopted, not copied
                 else:
-                    if fresh[0]:
-                        dq_acc.zero_()
-                    dq_acc[:, call.q_start:call.q_end].add_(dq)
-                fresh[0] = False
+                    if not dq_acc:
+                        dq_acc.append(torch.zeros(q.shape, dtype=lse.dtype, device=q.device))
+                    dq_acc[0][:, call.q_start:call.q_end].add_(dq)
                 partials.append((call.k_start, call.k_end, dk, dv))
             return partials
 
-        dkv = rc.transport.run(kv, compute, rider=rider, **own)
-        if fresh[0]:
-            dq_acc.zero_()
-        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None
+        block, own = _ring_block(kv, rc)                           # [2, b, S (or the ring prefix), g, d]
+        dkv = rc.transport.run(block, compute, rider=rider, **own)
+        dq = dq_acc[0] if dq_acc else torch.zeros_like(q)
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[2] else None
+        return dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None

@@ -84,6 +84,31 @@ def check_packed(name, device, dtype, mode):
                   ("dv", vl.grad, leaves[2].grad)], dtype)
 
 
+def check_no_sync(name, device, dtype):
+    """On CUDA: a second attention_2d fwd+bwd (plain and packed) under torch's sync debug mode set to "error", so
+    any host-device synchronisation on the op's hot path raises. Returns 0.0 (no bound to compare against)."""
+    q, k, v, dout = (torch.randn(512, 2, h, 64, device=device, dtype=dtype) for h in (8, 2, 2, 8))
+    groups = megatron_2d.build_2d_groups(1, 1)
+    cu = torch.tensor([0, 3, 200, 201, 400, 512])
+    layout = megatron_2d.PackedLayout(cu, groups, mode="documents")
+    packed = [layout.shard(x.flatten(0, 1)[:512]) for x in (q, k, v, dout)]
+
+    def step():
+        for args, kwargs in (((q, k, v, dout), {}), (packed, {"packing": layout})):
+            leaves = [x.detach().clone().requires_grad_(True) for x in args[:3]]
+            megatron_2d.attention_2d(*leaves, groups, kernel=name, **kwargs).backward(args[3])
+
+    step()                                                       # builds and caches the setup
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return 0.0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -108,8 +133,15 @@ def main() -> int:
             cases.append(("attention_2d world=1", lambda: check_attention_2d(name, device, dtype)))
             cases += [(f"packed {m} world=1", lambda m=m: check_packed(name, device, dtype, m))
                       for m in ("zigzag", "documents")]
+            if device.type == "cuda":
+                cases.append(("no host sync (2nd call)", lambda: check_no_sync(name, device, dtype)))
             for label, run in cases:
-                err = run()
+                try:
+                    err = run()
+                except Exception as exc:                          # one broken case must not hide the others
+                    failures += 1
+                    print(f"{name:12s} {str(dtype):15s} {label:26s} FAIL {type(exc).__name__}: {exc}")
+                    continue
                 ok = err < 1.0
                 failures += not ok
                 print(f"{name:12s} {str(dtype):15s} {label:26s} worst error / bound {err:.2f} {'ok' if ok else 'FAIL'}")

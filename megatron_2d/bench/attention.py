@@ -3,9 +3,12 @@
     python tools/bench_attention.py --ranks 8                 # table on stdout (the script runs this module)
     python tools/bench_attention.py --ranks 4 --json out.json # also save the rows
 
-Columns: layout (hp x cp, window, placement), median time of fwd+bwd, efficiency against ideal
-(single-process kernel time on the full problem, one thread, divided by min(N, cores)), and the bytes one rank
-sends per fwd+bwd, by kind. Timing is not a test: the machines are noisy, compare rows of one run.
+Columns: layout (hp x cp, window, placement), median time of fwd+bwd, efficiency against ideal, and the bytes one
+rank sends per fwd+bwd, by kind. Ideal is the single-process kernel time on the full problem (one thread), divided
+by min(N, cores). Each round times that baseline (rank 0 alone, the other ranks waiting) and then every layout, in
+an order that rotates from round to round; a layout's efficiency is the median over rounds of ideal / its time in
+the same round, so drifts in the machine's load hit both sides of the ratio. Timing is not a test: the machines
+are noisy, compare rows of one run.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from megatron_2d.testing.distributed import run_on_ranks
 from ..groups import build_groups_for_layout
 from ..topology import Layout2D
 from .cli import add_arguments, add_output_arguments, render_table
-from .harness import DTYPES, bench_layouts, label, layout_record, make_inputs, time_single_process
+from .harness import DTYPES, bench_layouts, label, layout_record, make_inputs, single_process_step
 
 
 @dataclass
@@ -40,45 +43,61 @@ class Row:
 
 
 def bench_rank(rank, world, args, layouts, dtype):
-    """On each rank: build every layout's groups, then time fwd+bwd of each; returns (seconds, bytes) per layout."""
+    """On each rank: build every layout's groups, then time rounds, each of the single-process baseline (rank 0
+    alone, the others waiting) and of fwd+bwd of every layout (in an order that rotates from round to round).
+
+    Returns (baseline seconds per round, [(seconds per round, bytes) per layout]); a layout's seconds is the
+    slowest rank's, so only rank 0's baseline and every rank's layout times are meaningful."""
     timeout = datetime.timedelta(seconds=args.timeout)
     all_groups = [build_groups_for_layout(lay, [list(range(world))], timeout=timeout) for lay in layouts]
     q, k, v, dout = (megatron_2d.shard_sequence(x, rank, world) for x in make_inputs(args, dtype))
-    results = []
-    progress = layouts
+    baseline = single_process_step(args, dtype) if rank == 0 else None
+    single, times = [], [[] for _ in layouts]
+    rounds = range(args.repeats + 1)
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
-        progress = tqdm(layouts, desc=f"{world} ranks", unit="layout", file=sys.stderr)
-    for layout, groups in zip(progress, all_groups):
-        times = []
-        for i in range(args.repeats + 1):
-            ql, kl, vl = (x.clone().requires_grad_(True) for x in (q, k, v))
-            groups.comm_bytes.reset()
-            dist.barrier()
-            t0 = time.perf_counter()
-            megatron_2d.attention_2d(ql, kl, vl, groups, causal=args.causal).backward(dout)
-            dist.barrier()
+        rounds = tqdm(rounds, desc=f"{world} ranks", unit="round", file=sys.stderr)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def layout_step(groups) -> None:
+        ql, kl, vl = (x.detach().requires_grad_(True) for x in (q, k, v))   # fresh leaves, no copy
+        groups.comm_bytes.reset()
+        megatron_2d.attention_2d(ql, kl, vl, groups, causal=args.causal).backward(dout)
+
+    for i in rounds:                              # round 0 warms up
+        seconds = timed(baseline if baseline is not None else (lambda: None))
+        if i:
+            single.append(seconds)
+        for j in (i + n for n in range(len(layouts))):
+            seconds = timed(lambda: layout_step(all_groups[j % len(layouts)]))
             if i:
-                times.append(time.perf_counter() - t0)
-        results.append((statistics.median(times), groups.comm_bytes.as_dict()))
-    return results
+                times[j % len(layouts)].append(seconds)
+    return single, [(t, groups.comm_bytes.as_dict()) for t, groups in zip(times, all_groups)]
 
 
 def run_benchmark(args) -> List[Row]:
+    """Every layout's row; a layout's efficiency is the median over rounds of ideal / its time in that round."""
     dtype = DTYPES[args.dtype]
     if args.seq % (2 * args.ranks):
         raise SystemExit(f"--seq {args.seq} must be divisible by 2*ranks = {2 * args.ranks}")
     layouts = bench_layouts(args.ranks, args.heads)  # hp must divide the query heads
-    single = time_single_process(args, dtype)
-    ideal = single / min(args.ranks, os.cpu_count() or 1)
+    share = min(args.ranks, os.cpu_count() or 1)     # the ideal: the single process's time / share
     per_rank = run_on_ranks(args.ranks, bench_rank, args, layouts, dtype, timeout_s=args.timeout * 20)
+    single = per_rank[0][0]
     rows = []
     for i, layout in enumerate(layouts):
-        seconds = max(r[i][0] for r in per_rank)
-        sent = {kind: max(r[i][1][kind] for r in per_rank) for kind in per_rank[0][i][1]}
-        rows.append(Row(layout, seconds, ideal / seconds, sent))
+        seconds = [max(r[1][i][0][n] for r in per_rank) for n in range(len(single))]   # the slowest rank's
+        sent = {kind: max(r[1][i][1][kind] for r in per_rank) for kind in per_rank[0][1][i][1]}
+        ratio = statistics.median(s / share / t for s, t in zip(single, seconds))
+        rows.append(Row(layout, statistics.median(seconds), ratio, sent))
     rows.sort(key=lambda r: r.seconds)
-    return rows, single, ideal
+    return rows, statistics.median(single), statistics.median(single) / share
 
 
 def print_table(rows: List[Row], args, single: float, ideal: float) -> None:
@@ -93,7 +112,7 @@ def print_table(rows: List[Row], args, single: float, ideal: float) -> None:
 
 def parse_args(argv: Optional[List[str]] = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p, ranks=8, seq=4096, batch=1, heads=8, kv_heads=8, dim=64, repeats=3, timeout=120.0)
+    add_arguments(p, ranks=8, seq=4096, batch=1, heads=8, kv_heads=8, dim=64, repeats=5, timeout=120.0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-causal", dest="causal", action="store_false")
     add_output_arguments(p)

@@ -54,24 +54,30 @@ def make_inputs(args, dtype: torch.dtype, seed: int = 0) -> List[torch.Tensor]:
     return [torch.randn(s, generator=g).to(dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
 
 
-def time_single_process(args, dtype: torch.dtype, device: str = "cpu") -> float:
-    """Median seconds of the local kernel's fwd+bwd on the full, unsharded problem, on one thread (or one GPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def single_process_step(args, dtype: torch.dtype, device: str = "cpu"):
+    """A function running the local kernel's fwd+bwd once on the full, unsharded problem (the baseline every
+    efficiency is measured against); call it on one thread (or one GPU)."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     kernel = select_kernel(dev, dtype)
     q, k, v, dout = (x.transpose(0, 1).contiguous().to(dev) for x in make_inputs(args, dtype))  # [b, s, h, d]
     scale = args.dim ** -0.5
     band = Band(None, 0) if args.causal else None      # the kernels take a band since sliding windows landed
-    times = []
-    for i in range(args.repeats + 1):
+
+    def step() -> None:
         sync()
-        t0 = time.perf_counter()
         out, lse = kernel.forward(q, k, v, band, scale)
         kernel.backward(dout, q, k, v, out, lse, band, scale)
         sync()
-        if i:  # the first run warms up
-            times.append(time.perf_counter() - t0)
-    torch.set_num_threads(threads)
-    return statistics.median(times)
+
+    return step
+
+
+def time_single_process(args, dtype: torch.dtype, device: str = "cpu") -> float:
+    """Median seconds of the local kernel's fwd+bwd on the full, unsharded problem, on one thread (or one GPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return time_call(single_process_step(args, dtype, device), args.repeats)
+    finally:
+        torch.set_num_threads(threads)
