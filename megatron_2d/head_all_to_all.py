@@ -92,7 +92,7 @@ def to_tokens(ys: Sequence[torch.Tensor], hp: int, order: Optional[torch.Tensor]
     outs = []
     for y, slab in zip(ys, _head_slices(recv, widths)):
         slab = slab.unflatten(-2, (y.shape[0], y.shape[3]))             # [hp (src), 2c, b, n, Hl, d]
-        outs += [slab[:, :, :, i].permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * y.shape[3], d)
+        outs += [slab[:, :, :, i].permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * y.shape[3], d).contiguous()
                  for i in range(y.shape[0])]                            # [2c, b, H, d]
     return outs
 

@@ -86,6 +86,7 @@ def run_case(groups, rank, world, dtype, causal, hq, hkv, d, batch=2, chunk=4, s
     out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, softmax_scale=scale, kernel=kernel)
     out.backward(shard(dout).to(dtype))
     assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.dtype == dtype and kl.grad.shape == kl.shape
+    assert out.is_contiguous()                     # Megatron views it as [s, b, h * d]
     pairs = dict(out=(out, ref_out), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad))
     return {key: (rel_err(a, shard(e)), norm_err(a, shard(e))) for key, (a, e) in pairs.items()}
 

@@ -35,6 +35,26 @@ def layout_record(layout: Layout2D) -> Dict[str, object]:
             "placement": layout.placement}
 
 
+def retain_freed_memory() -> bool:
+    """Make this process's glibc malloc keep freed memory instead of returning it to the system, as a GPU caching
+    allocator does: large tensors then stop costing a page fault per page on every fresh allocation, which on CPU
+    is a cost of the allocator, not of the code measured (PyTorch's CPU tuning guide swaps in tcmalloc or jemalloc
+    for the same reason). Returns False where glibc's mallopt is not available (nothing changed)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3                    # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))   # 32 MiB: the max
+
+
 def time_call(fn, repeats: int, reduce=statistics.median) -> float:
     """``reduce`` (median by default) of the seconds of ``repeats`` calls of ``fn``, after one warm-up call."""
     fn()

@@ -1,0 +1,33 @@
+"""tools/bench_attention.py (megatron_2d.bench.attention): every layout gets a row, with both efficiencies and the
+bytes it sent. No timing is asserted (the machines are noisy): only that the times are positive and finite and
+that the byte counts are the layouts' exact ones."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from megatron_2d.bench import attention as bench_attention
+
+
+def test_every_layout_has_a_row_with_exact_bytes(tmp_path):
+    out = tmp_path / "rows.json"
+    # 2 ranks, 64 tokens (32 per rank), 2 query heads, 2 K/V heads, d 8, fp32: one tensor is 32*2*8*4 = 2 KiB
+    bench_attention.main(["--ranks", "2", "--seq", "64", "--heads", "2", "--kv-heads", "2", "--dim", "8",
+                          "--repeats", "2", "--quiet", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    rows = {row["label"]: row for row in saved["rows"]}
+    assert set(rows) == {"hp1 x cp2  w1  head_first", "hp1 x cp2  w2  head_first", "hp2 x cp1  w1  head_first"}
+    for row in rows.values():
+        assert math.isfinite(row["seconds"]) and row["seconds"] > 0
+        assert 0 < row["efficiency"] < math.inf and 0 < row["efficiency_alone"] < math.inf
+    assert set(saved["single_s"]) == {"alone", "busy"} and saved["cores_shared"] >= 1
+    tensor = 32 * 2 * 8 * 4
+    # hp 2: q, k, v, out forward and dout, dq, dk, dv backward, half of each to the other head rank
+    assert rows["hp2 x cp1  w1  head_first"]["bytes_sent"] == {"all_to_all": 8 * tensor // 2, "inner_ring": 0,
+                                                              "outer_ring": 0, "neighbour": 0}
+    # cp 2: K/V once forward and once backward, the fp32 dK/dV rider twice (its block's two hops)
+    ring = 2 * (2 * tensor) + 2 * (2 * tensor)
+    assert rows["hp1 x cp2  w1  head_first"]["bytes_sent"]["outer_ring"] == ring
+    assert rows["hp1 x cp2  w2  head_first"]["bytes_sent"]["inner_ring"] == ring
+
