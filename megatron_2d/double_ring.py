@@ -71,13 +71,13 @@ class DoubleRing:
         return window * self.w + slot
 
     def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None,
-            own: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+            own: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Visit every context rank's K/V block with ``compute``, following the schedule's events.
 
         kv: this rank's packed [2, ...] K/V block (read only: received blocks go to buffers of its own).
         rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like this rank's whole block,
         the template of the dK/dV riders. Returns the rider holding the full dK/dV of this rank's own block.
-        own: (k, v) of the whole own block when ``kv`` holds only the travelling key prefix (``ring_keys``).
+        own: the whole own [2, ...] K/V block when ``kv`` holds only the travelling key prefix (``ring_keys``).
         """
         backward = rider is not None
         own_dkv = None

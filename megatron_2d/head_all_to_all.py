@@ -68,26 +68,20 @@ def to_tokens(ys: Sequence[torch.Tensor], hp: int, order: Optional[torch.Tensor]
               group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
     """Groups [n, b, S, Hl, d] -> their n tensors each, [2c, b, Hl*hp, d] (contiguous); inverse of
     :func:`to_heads` with the same ``order``."""
-    n0, b, S, _, d = ys[0].shape
+    b, S, d = ys[0].shape[1], ys[0].shape[2], ys[0].shape[4]
     two_c = S // hp
     if group is None:                                                    # hp = 1: views where the layout allows
         outs = []
         for y in ys:
             if order is not None:
-                y = _undo_order(y, order, unit)
+                y = _into_received(torch.empty_like(y), y, order, unit)
             outs += [y[i].transpose(0, 1).contiguous() for i in range(y.shape[0])]   # [S, b, H, d]
         return outs
     widths = [y.shape[0] * y.shape[3] for y in ys]
     send = ys[0].new_empty(hp, two_c, b, sum(widths), d)                # [hp (dst), 2c, b, W, d]
     for y, dst in zip(ys, _head_slices(send, widths)):
-        n, hl = y.shape[0], y.shape[3]
-        dst = dst.unflatten(-2, (n, hl)).permute(3, 2, 0, 1, 4, 5).flatten(2, 3)   # [n, b, S (received), Hl, d]
-        dst = dst.unflatten(2, (S // unit, unit))                        # [n, b, S / unit, unit, Hl, d]
-        src = y.unflatten(2, (S // unit, unit))
-        if order is None:
-            dst.copy_(src)
-        else:
-            dst.index_copy_(2, order, src)                              # received position order[i] <- unit i
+        dst = dst.unflatten(-2, (y.shape[0], y.shape[3])).permute(3, 2, 0, 1, 4, 5)   # [n, b, hp, 2c, Hl, d]
+        _into_received(dst.flatten(2, 3), y, order, unit)                           # S (received) = hp * 2c
     recv = all_to_all_counted(send, group, counter)                     # [hp (src), 2c, b, W, d]
     outs = []
     for y, slab in zip(ys, _head_slices(recv, widths)):
@@ -97,10 +91,15 @@ def to_tokens(ys: Sequence[torch.Tensor], hp: int, order: Optional[torch.Tensor]
     return outs
 
 
-def _undo_order(y: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:
-    """[n, b, S, Hl, d] in ascending order -> in received order (unit order[i] of the result is unit i of y)."""
-    units = y.unflatten(2, (y.shape[2] // unit, unit))
-    return torch.empty_like(units).index_copy_(2, order, units).flatten(2, 3)
+def _into_received(dst: torch.Tensor, y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> torch.Tensor:
+    """Write y [n, b, S, Hl, d] (ascending order) into dst (same shape, any strides) in received order: unit
+    order[i] of dst is unit i of y (a plain copy when ``order`` is None). Returns dst."""
+    units = (y.shape[2] // unit, unit)
+    if order is None:
+        dst.copy_(y)
+    else:
+        dst.unflatten(2, units).index_copy_(2, order, y.unflatten(2, units))
+    return dst
 
 
 class Direction(enum.Enum):

@@ -44,11 +44,7 @@ def retain_freed_memory() -> bool:
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        return False
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None   # glibc only
     if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3                    # <malloc.h>
