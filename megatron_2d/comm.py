@@ -109,14 +109,16 @@ def post_direct(group: dist.ProcessGroup, send: Optional[torch.Tensor], dst: int
 
 
 class BufferPool:
-    """Reuses same-shaped receive buffers across ring steps instead of allocating one per step."""
+    """Reuses receive buffers shaped like ``like`` (contiguous, its dtype and device) across ring steps instead of
+    allocating one per step."""
 
     def __init__(self, like: torch.Tensor) -> None:
         self._like = like
         self._free: list = []
 
     def get(self) -> torch.Tensor:
-        return self._free.pop() if self._free else torch.empty_like(self._like)
+        like = self._like
+        return self._free.pop() if self._free else torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
     def put(self, buf: torch.Tensor) -> None:
         self._free.append(buf)

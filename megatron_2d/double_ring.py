@@ -7,7 +7,7 @@ context rank cr = window * w + slot. At round o, step t it holds the block of (w
 K/V blocks move on the inner and outer rings, each transfer posted before the compute it overlaps. Backward sends
 dK/dV "riders" with the blocks (see ring_schedule for when each is posted and awaited); a rider's last hop, from
 (window, slot) to its block's owner (window + 1, slot + 1), is a direct send over the context group when
-1 < w < cp. K/V moves cp-1 times per rank; riders move cp times.
+1 < w < cp. The own block's dK/dV stays home; K/V and riders move cp-1 times per rank.
 """
 
 from __future__ import annotations
@@ -75,18 +75,16 @@ class DoubleRing:
         """Visit every context rank's K/V block with ``compute``, following the schedule's events.
 
         kv: this rank's packed [2, ...] K/V block (read only: received blocks go to buffers of its own).
-        rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like this rank's whole block,
-        the template of the dK/dV riders. Returns the rider holding the full dK/dV of this rank's own block.
-        own: the whole own [2, ...] K/V block when ``kv`` holds only the travelling key prefix (``ring_keys``).
+        rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like this rank's whole block:
+        the home accumulator, which gathers the own block's partials and, at the end, the rider of the last hop.
+        Returns it, holding the full dK/dV of this rank's own block.
+        own: the whole own [2, ...] K/V block when ``kv`` holds only the travelling key prefix (``ring_keys``);
+        the travelling riders are then prefix-sized [2, b, ring_keys, g, d].
         """
         backward = rider is not None
-        own_dkv = None
-        if own is not None and backward:
-            # the own block's partials gather in the caller's full-size rider; the travelling riders are
-            # prefix-sized [2, b, ring_keys, g, d]
-            own_dkv, rider = rider, rider.new_zeros(kv.shape)
+        home = rider
         kv_pool = BufferPool(kv)
-        riders = BufferPool(rider) if backward else None
+        riders = BufferPool(rider[:, :, :kv.shape[2]]) if backward else None
         exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv, "inner_dkv": self.inner_dkv,
                      "outer_dkv": self.outer_dkv, "diagonal_dkv": self.diagonal_dkv}
         pending: Dict[str, Tuple[PendingExchange, torch.Tensor]] = {}
@@ -100,8 +98,7 @@ class DoubleRing:
             return exchange.wait(), sent
 
         anchor = block = kv
-        partials = mine = result = None
-        fresh = rider
+        partials = mine = None
         for event in double_ring_events(self.cp, self.w, backward):
             kind = event.kind
             if kind == "post_outer_kv":
@@ -109,13 +106,10 @@ class DoubleRing:
             elif kind == "post_inner_kv":
                 post("inner_kv", block, kv_pool)
             elif kind == "compute":
-                if own is not None and event.source_offset == (0, 0):
-                    own_partials = compute(own, self.source(0, 0), 0)
-                    if backward:
-                        add_partials(own_dkv, own_partials)
-                    partials = []
-                else:
-                    partials = compute(block, self.source(*event.source_offset), 0)
+                offset = event.source_offset
+                partials = compute(own if own is not None and offset == (0, 0) else block, self.source(*offset), 0)
+            elif kind == "accumulate_home":
+                add_partials(home, partials)
             elif kind == "wait_inner_kv":
                 nxt, _ = wait("inner_kv")
                 if block is not anchor:
@@ -129,8 +123,7 @@ class DoubleRing:
                     kv_pool.put(anchor)
                 anchor = block = nxt
             elif kind == "start_rider":
-                mine = fresh if fresh is not None else riders.get().zero_()
-                fresh = None
+                mine = riders.get().zero_()
             elif kind == "wait_rider":
                 mine, sent = wait("inner_dkv")
                 riders.put(sent)
@@ -148,16 +141,11 @@ class DoubleRing:
             elif kind == "post_final":
                 post(event.channel, mine, riders)
             elif kind == "wait_final":
-                result, _ = wait(event.channel)
+                last_hop, _ = wait(event.channel)
+                home[:, :, :last_hop.shape[2]].add_(last_hop)
             else:
                 raise AssertionError(f"unknown schedule event {kind!r}")
-        if not backward:
-            return None
-        result = result if result is not None else mine      # cp = 1: the own rider
-        if own_dkv is not None:
-            own_dkv[:, :, :kv.shape[2]].add_(result)
-            return own_dkv
-        return result
+        return home
 
 
 class LocalBlock:

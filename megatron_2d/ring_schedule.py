@@ -9,24 +9,27 @@ riders).
 Forward, round o:  post outer_kv (the anchor, for the next round) | each step t: post inner_kv (the block, for
 step t+1), compute, wait inner_kv | wait outer_kv.
 Backward adds the riders; no transfer is awaited before one compute has run since it was posted, except the last:
-  * a round's rider starts empty at step 0 on the anchor block, gathers each step's partial dK/dV and follows its
-    block round the inner ring (post inner_dkv after each step but the last, wait for the neighbour's at the next
-    step); it ends the round on the rank that computed the block's last step, (window, slot) for the block of
-    (window - o, slot + 1);
+  * the own block's partial dK/dV (round 0, step 0) stays home, in the rank's own accumulator;
+  * every other round's rider starts empty at step 0 on the anchor block (round 0's at step 1), gathers each
+    step's partial dK/dV and follows its block round the inner ring (post inner_dkv after each step but the last,
+    wait for the neighbour's at the next step); it ends the round on the rank that computed the block's last step,
+    (window, slot) for the block of (window - o, slot + 1);
   * that rank closes the round: it adds the rider carried over the outer ring for the same block from earlier
     rounds (posted a whole round ago by (window - 1, slot), which ended round o - 1 on the same block) and posts
-    the sum to (window + 1, slot), which ends round o + 1 on that block;
+    the sum to (window + 1, slot), which ends round o + 1 on that block (with w = 1, round 0 is the own block
+    alone: no rider, nothing carried into round 1);
   * after the last round the closed rider takes one hop, exposed (nothing is left to compute), to its block's
-    owner (window + 1, slot + 1): on the outer ring when w = 1, the inner ring when w = cp, otherwise a direct
-    ("diagonal") send over the context group.
-No rider ever travels back to where its round began. K/V moves cp - 1 times per rank; riders move cp times:
-nw * (w - 1) inner hops, nw - 1 outer hops and the last hop.
+    owner (window + 1, slot + 1), who adds it to the home accumulator: on the outer ring when w = 1, the inner ring
+    when w = cp, otherwise a direct ("diagonal") send over the context group.
+No rider ever travels back to where its round began. K/V moves cp - 1 times per rank, and so do the riders (as in
+Transformer Engine's ring): (nw - 1) * (w - 1) + max(w - 2, 0) inner hops, nw - 1 - [w = 1] outer hops and the
+last hop.
 
     >>> [e.kind for e in double_ring_events(cp=2, w=2, backward=False)]
     ['post_inner_kv', 'compute', 'wait_inner_kv', 'compute']
     >>> [e.kind for e in double_ring_events(cp=2, w=1, backward=True)]  # doctest: +NORMALIZE_WHITESPACE
-    ['post_outer_kv', 'compute', 'start_rider', 'accumulate', 'post_carried', 'wait_outer_kv',
-     'compute', 'start_rider', 'accumulate', 'wait_carried', 'post_final', 'wait_final']
+    ['post_outer_kv', 'compute', 'accumulate_home', 'wait_outer_kv',
+     'compute', 'start_rider', 'accumulate', 'post_final', 'wait_final']
     >>> [e.channel for e in double_ring_events(cp=4, w=2, backward=True) if e.kind == "post_final"]
     ['diagonal_dkv']
     >>> [e.source_offset for e in double_ring_events(cp=4, w=2, backward=False) if e.kind == "compute"]
@@ -46,7 +49,7 @@ CHANNEL_OF = {
     "wait_rider": "inner_dkv", "post_rider": "inner_dkv",
     "wait_carried": "outer_dkv", "post_carried": "outer_dkv",
     "post_final": "final", "wait_final": "final",
-    "compute": None, "start_rider": None, "accumulate": None,
+    "compute": None, "accumulate_home": None, "start_rider": None, "accumulate": None,
 }
 CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "diagonal_dkv")
 
@@ -89,19 +92,21 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
             if t < w - 1:
                 ev.append(Event("post_inner_kv"))
             ev.append(Event("compute", (o, t)))
-            if backward:
-                ev.append(Event("start_rider" if t == 0 else "wait_rider"))
+            if backward and (o, t) == (0, 0):
+                ev.append(Event("accumulate_home"))          # the own block's dK/dV stays home
+            elif backward:
+                ev.append(Event("start_rider" if t == 0 or (o, t) == (0, 1) else "wait_rider"))
                 ev.append(Event("accumulate"))
                 if t < w - 1:
                     ev.append(Event("post_rider"))
             if t < w - 1:
                 ev.append(Event("wait_inner_kv"))
-        if backward:                # close the round on the rank that computed its block's last step
-            if o >= 1:
+        if backward and (o > 0 or w > 1):   # close the round on the rank that computed its block's last step
+            if o >= 2 or (o == 1 and w > 1):                 # (round 0 carries no rider when w = 1)
                 ev.append(Event("wait_carried"))
             if o < nw - 1:
                 ev.append(Event("post_carried"))
-            elif cp > 1:
+            else:
                 final = final_channel(cp, w)
                 ev.extend((Event("post_final", final=final), Event("wait_final", final=final)))
         if o < nw - 1:

@@ -192,11 +192,13 @@ def expected_bytes(world, hp, w, hq, hkv, s_local, batch, d, elt):
     a2a = (hp - 1) * token_head_bytes * (4 * hq + 4 * heads_kv) // hp
     kv_block = 2 * batch * (hp * s_local) * (heads_kv // hp) * d        # elements in one packed K/V block
     inner_kv, outer_kv = windows * (w - 1), windows - 1                 # sends per pass (forward, then backward)
-    inner_dkv = windows * (w - 1) + (1 if windows == 1 and w > 1 else 0)    # the last hop: inner only at w = cp
-    outer_dkv = windows if windows > 1 else 0
+    # dK/dV: the own block's stays home, so round 0's rider starts at step 1; the last hop is inner only at w = cp,
+    # and with w = 1 round 0 carries nothing over the outer ring
+    inner_dkv = (windows - 1) * (w - 1) + max(w - 2, 0) + (1 if windows == 1 and w > 1 else 0)
+    outer_dkv = windows - (1 if w == 1 else 0) if windows > 1 else 0
     inner = 2 * inner_kv * kv_block * elt + inner_dkv * kv_block * 4
     outer = 2 * outer_kv * kv_block * elt + outer_dkv * kv_block * 4
-    assert inner_kv + outer_kv == cp - 1
+    assert inner_kv + outer_kv == cp - 1 and inner_dkv + outer_dkv == cp - 1
     return {"all_to_all": a2a, "inner_ring": inner, "outer_ring": outer, "neighbour": 0}  # causal: the ring
 
 

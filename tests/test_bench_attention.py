@@ -26,8 +26,8 @@ def test_every_layout_has_a_row_with_exact_bytes(tmp_path):
     # hp 2: q, k, v, out forward and dout, dq, dk, dv backward, half of each to the other head rank
     assert rows["hp2 x cp1  w1  head_first"]["bytes_sent"] == {"all_to_all": 8 * tensor // 2, "inner_ring": 0,
                                                               "outer_ring": 0, "neighbour": 0}
-    # cp 2: K/V once forward and once backward, the fp32 dK/dV rider twice (its block's two hops)
-    ring = 2 * (2 * tensor) + 2 * (2 * tensor)
+    # cp 2: K/V once forward and once backward, the fp32 dK/dV rider once (the neighbour's block, back to it)
+    ring = 2 * (2 * tensor) + 2 * tensor
     assert rows["hp1 x cp2  w1  head_first"]["bytes_sent"]["outer_ring"] == ring
     assert rows["hp1 x cp2  w2  head_first"]["bytes_sent"]["inner_ring"] == ring
 

@@ -96,9 +96,9 @@ def test_dkv_comm_dtype_bytes_and_error():
     for r in results:
         exact_err, exact_bytes = r["accumulator"]
         input_err, input_bytes = r["input"]
-        # w = 1: forward and backward each send cp-1 bf16 K/V blocks; backward riders make cp hops
-        assert exact_bytes == 2 * (world - 1) * block * 2 + world * block * 4
-        assert input_bytes == 2 * (world - 1) * block * 2 + world * block * 2
+        # w = 1: forward and backward each send cp-1 bf16 K/V blocks; backward riders make cp-1 hops
+        assert exact_bytes == 2 * (world - 1) * block * 2 + (world - 1) * block * 4
+        assert input_bytes == 2 * (world - 1) * block * 2 + (world - 1) * block * 2
         assert exact_err < TOLERANCE[torch.bfloat16] and input_err < TOLERANCE[torch.bfloat16]
 
 

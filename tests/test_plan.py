@@ -64,22 +64,22 @@ def test_ring_times_hand_computed():
     # cp=8, w=4 -> nw=2; Tc = 0.5 ms, Tcb = 1.25 ms.
     # R   = 4*0.5 + 3*max(0, 1-0.5) = 3.5;      fwd = 2*3.5 + 1*max(0, 4-3.5) = 7.5 ms
     # bwd, replaying the loop's events by hand (ms; K/V and dK/dV share each link, one transfer at a time):
-    #   round 0: kv hops end at 1, 4.25, 7.25; riders leave after steps 0-2 and end at 3.25, 6.25, 9.25; step 3
-    #            (7.25-8.5) waits for the last at 9.25 and closes the round: the rider goes to the next window
-    #            (outer, 9.25-17.25; the outer K/V arrived at 4);
-    #   round 1: kv hops end at 10.25, 13.5, 16.5; riders end at 12.5, 15.5, 18.5; step 3 (16.5-17.75) waits for
-    #            the last at 18.5, adds the carried rider (arrived at 17.25) and sends the sum diagonally to its
-    #            owner (outer link, 18.5-26.5, exposed) -> 26.5 ms (no aligning hops: 30.25 ms with them)
-    # serial comm = 2*2*3*1 (kv inner) + 6*2 (dkv inner) + 2*1*4 (kv outer) + 2*8 (dkv outer + diagonal)
-    #             = 12+12+8+16 = 48 ms
+    #   round 0: kv hops end at 1, 2.25, 5.5; step 0 (own block) keeps its dK/dV home; riders leave after steps
+    #            1-2 and end at 4.5, 7.5; step 3 (5.5-6.75) waits for the last at 7.5 and closes the round: the
+    #            rider goes to the next window (outer, 7.5-15.5; the outer K/V arrived at 4);
+    #   round 1: kv hops end at 8.5, 11.75, 14.75; riders end at 10.75, 13.75, 16.75; step 3 (14.75-16) waits for
+    #            the last at 16.75, adds the carried rider (arrived at 15.5) and sends the sum diagonally to its
+    #            owner (outer link, 16.75-24.75, exposed) -> 24.75 ms
+    # serial comm = 2*2*3*1 (kv inner) + 5*2 (dkv inner) + 2*1*4 (kv outer) + 2*8 (dkv outer + diagonal)
+    #             = 12+10+8+16 = 46 ms
     cluster = H100.with_(nvlink_gbps=100.0)
     links = LinkMap(a2a=(), inner=(LinkClass(1, 0, 0),), outer=(LinkClass(0, 1, 16),))
     work = layer_work(GQA, ParallelSpec(gpus=64), hp=1, cp=64, seq=K128)
     work = type(work)(**{**work.__dict__, "kv_bytes": 1e8, "dkv_bytes": 2e8})
     fwd, bwd, serial = ring_times(work, links, cluster, cp=8, w=4, tc=0.5e-3, tcb=1.25e-3)
     assert fwd == pytest.approx(7.5e-3)
-    assert bwd == pytest.approx(26.5e-3)
-    assert serial == pytest.approx(48e-3)
+    assert bwd == pytest.approx(24.75e-3)
+    assert serial == pytest.approx(46e-3)
 
 
 def test_zigzag_steps_cost_half_a_block():
@@ -108,15 +108,16 @@ def test_traffic_hand_computed():
     # for both layouts below (L/hp * S/cp = 1 * 16384 = 8 * 2048 head-tokens); all-to-all 5242880 per peer.
     par = ParallelSpec(gpus=64)
     # hp=8 x cp=8, w=8, head_first: the all-to-all inside a node (7 NVLink peers), one ring across nodes, no outer
-    # ring. NVLink: 2 directions x 7 peers x 5242880 = 73400320. Network: K/V 2 x 7 sends + dK/dV 8 sends
-    # = 14 x 8388608 + 8 x 16777216 = 117440512 + 134217728 = 251658240.
+    # ring. NVLink: 2 directions x 7 peers x 5242880 = 73400320. Network: K/V 2 x 7 sends + dK/dV 7 sends
+    # = 14 x 8388608 + 7 x 16777216 = 117440512 + 117440512 = 234881024.
     e = evaluate(Layout("2d", 8, 8, 8, "head_first"), GQA, H100, par, K128).estimate
-    assert (e.intra_bytes, e.inter_bytes) == (73400320, 251658240)
+    assert (e.intra_bytes, e.inter_bytes) == (73400320, 234881024)
     # hp=1 x cp=64, w=8 (Double-Ring): 8 inner rings per window inside nodes, the outer ring across nodes (nw=8).
-    # NVLink: K/V 2 x 8 x 7 = 112 sends + dK/dV 8 x 7 = 56 sends = 939524096 + 939524096 = 1879048192.
+    # NVLink: K/V 2 x 8 x 7 = 112 sends + dK/dV 7 x 7 + 6 = 55 sends (round 0's rider starts at step 1: the own
+    # block's dK/dV stays home) = 939524096 + 922746880 = 1862270976.
     # Network: K/V 2 x 7 = 14 sends + dK/dV 7 outer + 1 diagonal = 8 sends = 117440512 + 134217728 = 251658240.
     e = evaluate(Layout("2d", 1, 64, 8, "head_first"), GQA, H100, par, K128).estimate
-    assert (e.intra_bytes, e.inter_bytes) == (1879048192, 251658240)
+    assert (e.intra_bytes, e.inter_bytes) == (1862270976, 251658240)
     # 8 ring flows per node over 8 NICs: one NIC's worth per flow, so the NIC-normalised bytes are the same
     assert e.inter_bytes_nic == 251658240
 

@@ -79,20 +79,20 @@ def test_replay_by_hand():
     assert replay(fwd, 1.0, slow, links) == 4.0    # the wait exposes 3 - 1
     fast = dict(slow, inner_kv=0.5)
     assert replay(fwd, 1.0, fast, links) == 2.0    # hidden behind the first compute
-    # backward, cp = 2, w = 2: the rider posted after step 0 shares the inner link with nothing in flight; after
-    # step 1 the rider holds the neighbour's block and takes its last hop, to the owner, exposed: 2 computes + 4
+    # backward, cp = 2, w = 2: the own block's dK/dV stays home; the rider starts at step 1 on the neighbour's
+    # block and takes its one hop, to the owner, exposed: 2 computes + 4
     bwd = double_ring_events(2, 2, True)
     t = {"inner_kv": 0.5, "outer_kv": 0.0, "inner_dkv": 4.0, "outer_dkv": 0.0}
-    # post kv 0-0.5 | compute 0-1 | rider 1-5 | wait kv | compute 1-2 | wait rider 5 | last hop 5-9 | wait 9
-    assert replay(bwd, 1.0, t, links) == 9.0
+    # post kv 0-0.5 | compute 0-1 | wait kv | compute 1-2 | last hop 2-6 | wait 6
+    assert replay(bwd, 1.0, t, links) == 6.0
     # backward, cp = 4, w = 2 (two windows): no aligning hop; the outer rider has a round to arrive; the last hop
     # goes diagonally to (window + 1, slot + 1), on the outer link
     links = dict(links, diagonal_dkv="out")
     bwd = double_ring_events(4, 2, True)
     assert [e.channel for e in bwd if e.kind.startswith("post_")] == [
-        "outer_kv", "inner_kv", "inner_dkv", "outer_dkv", "inner_kv", "inner_dkv", "diagonal_dkv"]
+        "outer_kv", "inner_kv", "outer_dkv", "inner_kv", "inner_dkv", "diagonal_dkv"]
     t = {"inner_kv": 0.5, "outer_kv": 1.5, "inner_dkv": 0.5, "outer_dkv": 3.0, "diagonal_dkv": 2.0}
-    # round 0: outer kv 0-1.5, inner kv 0-0.5 | compute 0-1 | rider 1-1.5 | compute 1-2 | carried (outer) 2-5
+    # round 0: outer kv 0-1.5, inner kv 0-0.5 | compute (own, kept home) 0-1 | compute 1-2 | carried (outer) 2-5
     # round 1: inner kv 2-2.5 | compute 2-3 | rider 3-3.5 | compute 3-4 | wait carried 5 | diagonal 5-7 | wait 7
     assert replay(bwd, 1.0, t, links) == 7.0
     # a carried hop no longer than a round is hidden: 4 computes + the exposed last hop
@@ -100,13 +100,14 @@ def test_replay_by_hand():
     assert set(CHANNEL_OF.values()) - {None, "final"} | {"diagonal_dkv"} == set(t) == set(CHANNELS)
 
 
-@pytest.mark.parametrize("cp, w", [(4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (6, 3), (6, 2)])
-def test_riders_move_cp_times(cp, w):
-    """Every variant moves a rider cp times per rank, none of them back to where its round began."""
+@pytest.mark.parametrize("cp, w", [(2, 1), (2, 2), (3, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (6, 3), (6, 2)])
+def test_riders_move_cp_minus_1_times(cp, w):
+    """Every variant moves a rider cp - 1 times per rank (the own block's dK/dV stays home, as in Transformer
+    Engine's ring), none of them back to where its round began."""
     posts = [e.channel for e in double_ring_events(cp, w, True) if e.kind.startswith("post_")]
     dkv = [c for c in posts if c.endswith("_dkv")]
     nw = cp // w
-    assert len(dkv) == cp
-    assert dkv.count("outer_dkv") == nw - 1 + (w == 1)
+    assert len(dkv) == cp - 1
+    assert dkv.count("outer_dkv") == nw - 1
     assert dkv.count("diagonal_dkv") == (1 if 1 < w < cp else 0)
     assert len(posts) - len(dkv) == cp - 1                    # K/V

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
@@ -240,11 +241,10 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
 def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: int, w: int):
     """(NVLink bytes, network bytes, NIC-normalised network bytes) one rank sends per layer, forward + backward.
 
-    Message counts (our implementation): all-to-all 2 x (hp-1) per-peer chunks; K/V nw*(w-1) inner and nw-1 outer
-    sends in each direction; dK/dV nw*(w-1) inner sends, plus the last hop: cp sends in all, the last one on the
-    inner ring when w = cp and between windows (counted outer) otherwise.
+    Message counts: all-to-all 2 x (hp-1) per-peer chunks; the ring's K/V and dK/dV sends are counted off the
+    schedule the loop runs (:func:`megatron_2d.ring_schedule.double_ring_events`, forward and backward): K/V
+    nw*(w-1) inner and nw-1 outer sends in each direction, dK/dV cp-1 sends (the diagonal last hop counted outer).
     """
-    nw = cp // w
     intra = inter = nic = 0.0
 
     def add(classes, peer_bytes, times):
@@ -254,13 +254,13 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
         inter += times * c.inter_peers * peer_bytes
         nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
 
+    sends = Counter(e.channel for e in double_ring_events(cp, w, False) + double_ring_events(cp, w, True)
+                    if e.kind.startswith("post_"))
     add(links.a2a, work.a2a_peer_bytes, 2)
-    add(links.inner, work.kv_bytes, 2 * nw * (w - 1))
-    add(links.outer, work.kv_bytes, 2 * (nw - 1))
-    if w > 1:
-        add(links.inner, work.dkv_bytes, nw * (w - 1) + (1 if nw == 1 else 0))
-    if nw > 1:
-        add(links.outer, work.dkv_bytes, nw)
+    add(links.inner, work.kv_bytes, sends["inner_kv"])
+    add(links.outer, work.kv_bytes, sends["outer_kv"])
+    add(links.inner, work.dkv_bytes, sends["inner_dkv"])
+    add(links.outer, work.dkv_bytes, sends["outer_dkv"] + sends["diagonal_dkv"])
     return intra, inter, nic
 
 
