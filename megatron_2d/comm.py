@@ -109,16 +109,15 @@ def post_direct(group: dist.ProcessGroup, send: Optional[torch.Tensor], dst: int
 
 
 class BufferPool:
-    """Reuses receive buffers shaped like ``like`` (contiguous, its dtype and device) across ring steps instead of
-    allocating one per step."""
+    """Reuses receive buffers of one shape, dtype and device across ring steps instead of allocating one per step."""
 
-    def __init__(self, like: torch.Tensor) -> None:
-        self._like = like
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self._spec = (tuple(shape), dtype, device)
         self._free: list = []
 
     def get(self) -> torch.Tensor:
-        like = self._like
-        return self._free.pop() if self._free else torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        shape, dtype, device = self._spec
+        return self._free.pop() if self._free else torch.empty(shape, dtype=dtype, device=device)
 
     def put(self, buf: torch.Tensor) -> None:
         self._free.append(buf)

@@ -28,6 +28,19 @@ Partials = List[Tuple[int, int, torch.Tensor, torch.Tensor]]
 ComputeFn = Callable[[torch.Tensor, int, int], Optional[Partials]]
 
 
+def gather_partials(buffer: torch.Tensor, partials: Partials, first_key: int = 0) -> torch.Tensor:
+    """Write a block's partial dK/dV into the uninitialised ``buffer`` [2, b, keys from first_key, g, d]: a copy
+    when one partial covers every key, else zeros plus their sum. Returns buffer."""
+    if len(partials) == 1 and (partials[0][0] - first_key, partials[0][1] - first_key) == (0, buffer.shape[2]):
+        _, _, dk, dv = partials[0]
+        buffer[0].copy_(dk)
+        buffer[1].copy_(dv)
+        return buffer
+    buffer.zero_()
+    add_partials(buffer, partials, first_key)
+    return buffer
+
+
 def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) -> None:
     """Add a block's partial dK/dV (keys [k_start, k_end)) into its rider [2, b, keys from first_key, g, d]."""
     for k_start, k_end, dk, dv in partials:
@@ -70,21 +83,22 @@ class DoubleRing:
         slot = (self.slot - inner_step) % self.w
         return window * self.w + slot
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None,
+    def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: Optional[torch.dtype] = None,
             own: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Visit every context rank's K/V block with ``compute``, following the schedule's events.
 
         kv: this rank's packed [2, ...] K/V block (read only: received blocks go to buffers of its own).
-        rider: None in forward; in backward a zeroed accumulator-dtype tensor shaped like this rank's whole block:
-        the home accumulator, which gathers the own block's partials and, at the end, the rider of the last hop.
-        Returns it, holding the full dK/dV of this rank's own block.
+        dkv_dtype: None in forward; in backward the dtype the dK/dV partials accumulate and travel in. Returns the
+        home accumulator (the own block's partials plus the rider of the last hop): this rank's full dK/dV, shaped
+        like its whole block.
         own: the whole own [2, ...] K/V block when ``kv`` holds only the travelling key prefix (``ring_keys``);
         the travelling riders are then prefix-sized [2, b, ring_keys, g, d].
         """
-        backward = rider is not None
-        home = rider
-        kv_pool = BufferPool(kv)
-        riders = BufferPool(rider[:, :, :kv.shape[2]]) if backward else None
+        backward = dkv_dtype is not None
+        whole = own if own is not None else kv
+        home = None
+        kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
+        riders = BufferPool(kv.shape, dkv_dtype, kv.device) if backward else None
         exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv, "inner_dkv": self.inner_dkv,
                      "outer_dkv": self.outer_dkv, "diagonal_dkv": self.diagonal_dkv}
         pending: Dict[str, Tuple[PendingExchange, torch.Tensor]] = {}
@@ -98,7 +112,7 @@ class DoubleRing:
             return exchange.wait(), sent
 
         anchor = block = kv
-        partials = mine = None
+        partials = mine = None                                # mine: the rider this rank holds (None: a new one)
         for event in double_ring_events(self.cp, self.w, backward):
             kind = event.kind
             if kind == "post_outer_kv":
@@ -109,7 +123,7 @@ class DoubleRing:
                 offset = event.source_offset
                 partials = compute(own if own is not None and offset == (0, 0) else block, self.source(*offset), 0)
             elif kind == "accumulate_home":
-                add_partials(home, partials)
+                home = gather_partials(torch.empty(whole.shape, dtype=dkv_dtype, device=kv.device), partials)
             elif kind == "wait_inner_kv":
                 nxt, _ = wait("inner_kv")
                 if block is not anchor:
@@ -123,12 +137,15 @@ class DoubleRing:
                     kv_pool.put(anchor)
                 anchor = block = nxt
             elif kind == "start_rider":
-                mine = riders.get().zero_()
+                mine = None
             elif kind == "wait_rider":
                 mine, sent = wait("inner_dkv")
                 riders.put(sent)
             elif kind == "accumulate":
-                add_partials(mine, partials)
+                if mine is None:
+                    mine = gather_partials(riders.get(), partials)
+                else:
+                    add_partials(mine, partials)
             elif kind == "post_rider":
                 post("inner_dkv", mine, riders)
             elif kind == "wait_carried":
@@ -156,9 +173,10 @@ class LocalBlock:
     def __init__(self, context_rank: int) -> None:
         self.context_rank = context_rank
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def run(self, kv: torch.Tensor, compute: ComputeFn,
+            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
         """Same contract as :meth:`DoubleRing.run`, for the own block only."""
         partials = compute(kv, self.context_rank, 0)
-        if rider is not None:
-            add_partials(rider, partials)
-        return rider
+        if dkv_dtype is None:
+            return None
+        return gather_partials(torch.empty(kv.shape, dtype=dkv_dtype, device=kv.device), partials)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 import torch
 
 from .comm import post_direct
-from .double_ring import ComputeFn, add_partials
+from .double_ring import ComputeFn, gather_partials
 
 if TYPE_CHECKING:
     from .groups import Groups2D
@@ -62,12 +62,14 @@ class NeighbourExchange:
         recv = None if take is None else torch.empty(_sliced(kv, take), dtype=kv.dtype, device=kv.device)
         return self._post(self.kv_group, send, (self.rank + o) % self.cp, recv, (self.rank - o) % self.cp), recv
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn, rider: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def run(self, kv: torch.Tensor, compute: ComputeFn,
+            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
         """Same contract as :meth:`DoubleRing.run`: ``compute`` sees every block this rank's queries see."""
         pending = self._exchange_kv(kv, self.steps[0]) if self.steps else None
         partials = compute(kv, self.rank, 0)
-        if rider is not None:
-            add_partials(rider, partials)
+        rider = None
+        if dkv_dtype is not None:                # this rank's dK/dV, gathering the partials sent back to it
+            rider = gather_partials(torch.empty(kv.shape, dtype=dkv_dtype, device=kv.device), partials)
         pending_grad = None
         for i, step in enumerate(self.steps):
             o, give, take = step
@@ -82,8 +84,8 @@ class NeighbourExchange:
                 pending_grad = self._finish(pending_grad, rider)
                 send = None
                 if take is not None:
-                    send = torch.zeros(_sliced(rider, take), dtype=rider.dtype, device=rider.device)
-                    add_partials(send, partials, first_key=take[0])
+                    send = gather_partials(torch.empty(_sliced(rider, take), dtype=rider.dtype, device=rider.device),
+                                           partials, first_key=take[0])
                 recv = None
                 if give is not None:
                     recv = torch.empty(_sliced(rider, give), dtype=rider.dtype, device=rider.device)

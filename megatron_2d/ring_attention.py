@@ -105,7 +105,6 @@ class RingAttention(torch.autograd.Function):
         q, kv, out, lse, sinks = ctx.saved_tensors
         rc: RingContext = ctx.rc
         dout = dout.contiguous()
-        rider = torch.zeros(kv.shape, dtype=rc.rider_dtype, device=q.device)
         dq_acc: List[torch.Tensor] = []          # the first call's dq when it covers every row, else zeros
 
         def compute(block, source: int, first_key: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -122,7 +121,7 @@ class RingAttention(torch.autograd.Function):
             return partials
 
         block, own = _ring_block(kv, rc)                           # [2, b, S (or the ring prefix), g, d]
-        dkv = rc.transport.run(block, compute, rider=rider, **own)
+        dkv = rc.transport.run(block, compute, dkv_dtype=rc.rider_dtype, **own)
         dq = dq_acc[0] if dq_acc else torch.zeros_like(q)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[2] else None
         return dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None

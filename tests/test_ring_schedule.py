@@ -38,7 +38,6 @@ def record_loop(rank, world, hp, w, backward):
             return pending
         exchange.start = start
     kv = torch.full((2, 1, 4, 1, 2), float(groups.place.context_rank))
-    rider = torch.zeros(kv.shape) if backward else None
 
     def compute(block, source, first_key):
         log.append(("compute", source))
@@ -46,7 +45,7 @@ def record_loop(rank, world, hp, w, backward):
         assert torch.all(block == source), (source, block.flatten()[:2])   # the block really is source's
         return [(0, 4, torch.ones(1, 4, 1, 2), torch.ones(1, 4, 1, 2))] if backward else None
 
-    result = ring.run(kv, compute, rider=rider)
+    result = ring.run(kv, compute, dkv_dtype=torch.float32 if backward else None)
     expected = []
     for e in double_ring_events(groups.context_size, w, backward):
         if e.kind == "compute":
