@@ -9,8 +9,11 @@ to_heads:   tensors [2c, b, H_i, d] (this rank's zigzag shard, all heads) -> one
             consecutive tensors (its head group's tokens); q, K and V travel in ONE all-to-all, and K/V come out
             stacked as the ring sends them.
 to_tokens:  groups [n, b, S, Hl, d] -> tensors [2c, b, H, d] (the inverse, also one all-to-all).
-Each is the other's backward. Each direction copies the data twice, once into the send buffer and once out of the
-receive buffer (hp = 1 sends nothing: views, and one stacking copy for a group of n > 1).
+Each is the other's backward. As an all-to-all, each direction copies the data twice, once into the send buffer and
+once out of the receive buffer (hp = 1 sends nothing: views, and one stacking copy for a group of n > 1). With batch
+1 and chunk units (Megatron's usual long-sequence case) the exchange is point-to-point instead and copies once: one
+message per (tensor, peer, unit), each unit received straight into its ascending place (to_heads) or sent straight
+from it (to_tokens), this rank's own units copied directly.
 
 ``order`` sorts the units as received (by head rank, then zigzag half) into ascending order; a unit is a chunk of c
 tokens, or, for packed documents (``per_token``), a single token (Megatron's zigzag, so that each document's
@@ -101,6 +104,80 @@ def _into_received(dst: torch.Tensor, y: torch.Tensor, order: Optional[torch.Ten
         dst.unflatten(2, units).index_copy_(2, order, y.unflatten(2, units))
     return dst
 
+def _unit_pairs(ex: "HeadExchange", unit: int, units: int):
+    """(head rank, unit j, its rows among that rank's 2c tokens, its rows among the S ascending tokens) for each of
+    the ``units`` units of ``unit`` tokens that this rank exchanges with every head rank (itself included)."""
+    for peer in range(ex.head_parallel_size):
+        for j in range(units):
+            p = ex.positions[peer * units + j]
+            yield peer, j, slice(j * unit, (j + 1) * unit), slice(p * unit, (p + 1) * unit)
+
+
+def _direct_to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: "HeadExchange",
+                     unit: int) -> List[torch.Tensor]:
+    """:func:`to_heads` for batch 1 by point-to-point messages: one pack copy of the heads sent to each peer, no
+    receive-side copy (each unit lands in its ascending place of the output groups)."""
+    two_c, b, _, d = xs[0].shape
+    hp, me, units = ex.head_parallel_size, ex.head_rank, two_c // unit
+    outs, ops, sent = [], [], 0
+    for first, n in zip([sum(grouping[:k]) for k in range(len(grouping))], grouping):
+        hl = xs[first].shape[2] // hp
+        out = xs[first].new_empty(n, b, hp * two_c, hl, d)              # [n, b, S (ascending), Hl, d]
+        outs.append(out)
+        for t, x in enumerate(xs[first:first + n]):
+            by_rank = x.view(two_c, b, hp, hl, d)
+            send = by_rank.permute(2, 0, 1, 3, 4).contiguous()          # [hp (dst), 2c, b, Hl, d]
+            for peer, j, rows, place in _unit_pairs(ex, unit, units):
+                dst = out[t, :, place]                                   # [b = 1, unit, Hl, d], contiguous
+                if peer == me:
+                    dst.copy_(by_rank[rows, :, me].transpose(0, 1))
+                    continue
+                tag = (first + t) * units + j
+                ops += [dist.P2POp(dist.isend, send[peer, rows], ex.peers[peer], ex.group, tag),
+                        dist.P2POp(dist.irecv, dst, ex.peers[peer], ex.group, tag)]
+                sent += dst.numel() * dst.element_size()
+    _run(ops, ex, sent)
+    return outs
+
+
+def _direct_to_tokens(ys: Sequence[torch.Tensor], ex: "HeadExchange", unit: int) -> List[torch.Tensor]:
+    """:func:`to_tokens` for batch 1 by point-to-point messages: units sent straight from the (contiguous) groups,
+    one copy of everything received into the outputs."""
+    b, S, d = ys[0].shape[1], ys[0].shape[2], ys[0].shape[4]
+    hp, me = ex.head_parallel_size, ex.head_rank
+    two_c = S // hp
+    units = two_c // unit
+    outs, recvs, ops, sent = [], [], [], 0
+    for y in ys:
+        y = y.contiguous()
+        for i in range(y.shape[0]):
+            out = y.new_empty(two_c, b, hp, y.shape[3], d)                 # [2c, b, H = hp * Hl, d]
+            recv = y.new_empty(hp, two_c, b, y.shape[3], d)                # [hp (src), 2c, b, Hl, d]
+            for peer, j, rows, place in _unit_pairs(ex, unit, units):
+                src = y[i, :, place]                                        # [b = 1, unit, Hl, d], contiguous
+                if peer == me:
+                    out[rows, :, me].copy_(src.transpose(0, 1))
+                    continue
+                tag = len(outs) * units + j
+                ops += [dist.P2POp(dist.isend, src, ex.peers[peer], ex.group, tag),
+                        dist.P2POp(dist.irecv, recv[peer, rows], ex.peers[peer], ex.group, tag)]
+                sent += src.numel() * src.element_size()
+            outs.append(out)
+            recvs.append(recv)
+    _run(ops, ex, sent)
+    for out, recv in zip(outs, recvs):
+        for peer in range(hp):
+            if peer != me:
+                out[:, :, peer].copy_(recv[peer])
+    return [out.flatten(2, 3) for out in outs]
+
+
+def _run(ops: list, ex: "HeadExchange", sent: int) -> None:
+    """Post every message of one exchange at once, wait for all of them and count the bytes sent."""
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    ex.counter.add("all_to_all", sent)
+
 
 class Direction(enum.Enum):
     """Which way the head all-to-all goes."""
@@ -118,6 +195,9 @@ class HeadExchange:
     group: Optional[dist.ProcessGroup]
     counter: CommCounter
     per_token: bool = False           # order permutes single tokens (packed documents), not chunks
+    positions: Tuple[int, ...] = ()   # ascending place of each received unit (host ints, for the direct path)
+    peers: Tuple[int, ...] = ()       # global rank of each head rank
+    head_rank: int = 0
 
     @classmethod
     def build(cls, hp: int, received: Optional[Sequence[int]], group, counter: CommCounter,
@@ -129,17 +209,31 @@ class HeadExchange:
         if order is not None and order == sorted(order):
             order = None
         as_tensor = None if order is None else torch.tensor(order, dtype=torch.long, device=device)
-        return cls(hp, as_tensor, group, counter, per_token)
+        positions = ()                      # chunk units: the ascending place of each received unit
+        if received is not None and not per_token:
+            place = {key: i for i, key in enumerate(sorted(received))}
+            positions = tuple(place[key] for key in received)
+        peers = () if group is None else tuple(dist.get_process_group_ranks(group))
+        return cls(hp, as_tensor, group, counter, per_token, positions, peers,
+                   0 if group is None else dist.get_rank(group))
+
+    def _direct(self, batch: int) -> bool:
+        """Whether the exchange goes by point-to-point messages, unit by unit (batch 1, chunk units)."""
+        return self.group is not None and batch == 1 and bool(self.positions)
 
     def unit(self, tokens: int) -> int:
         """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""
         return 1 if self.per_token else tokens // 2
 
     def to_heads(self, xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> List[torch.Tensor]:
+        if self._direct(xs[0].shape[1]):
+            return _direct_to_heads(xs, grouping, self, self.unit(xs[0].shape[0]))
         return to_heads(xs, grouping, self.head_parallel_size, self.order, self.unit(xs[0].shape[0]),
                         self.group, self.counter)
 
     def to_tokens(self, ys: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        if self._direct(ys[0].shape[1]):
+            return _direct_to_tokens(ys, self, self.unit(ys[0].shape[2] // self.head_parallel_size))
         return to_tokens(ys, self.head_parallel_size, self.order, self.unit(ys[0].shape[2] // self.head_parallel_size),
                          self.group, self.counter)
 

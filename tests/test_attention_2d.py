@@ -108,6 +108,10 @@ def run_grid(rank, world, hp, w, placement):
     for causal in (True, False):
         worst[(causal, "scale0.21", 32)] = check_case(groups, rank, world, torch.float32, causal, hq, hkv, 32,
                                                       scale=0.21)
+    # batch 1 (the head exchange's point-to-point path), with the most K/V replication and without
+    for hq, hkv in (head_variants(hp)[0], head_variants(hp)[-1]):
+        worst[(True, "b1-" + variant_id(hq, hkv, hp), 32)] = check_case(groups, rank, world, torch.float32, True,
+                                                                         hq, hkv, 32, batch=1)
     return worst
 
 
@@ -117,7 +121,7 @@ def test_fp32_matches_reference(world, hp, cp, w, placement):
     results = run_on_ranks(world, run_grid, hp, w, placement)
     bad = {case: err for per_rank in results for case, err in per_rank.items() if not err < TOLERANCE[torch.float32]}
     assert not bad, f"relative errors above {TOLERANCE[torch.float32]}: {bad}"
-    assert len(results[0]) == 2 * len(head_variants(hp)) + 2
+    assert len(results[0]) == 2 * len(head_variants(hp)) + 2 + len({head_variants(hp)[0], head_variants(hp)[-1]})
 
 
 def test_parametrization_is_distinct():
@@ -202,9 +206,9 @@ def expected_bytes(world, hp, w, hq, hkv, s_local, batch, d, elt):
     return {"all_to_all": a2a, "inner_ring": inner, "outer_ring": outer, "neighbour": 0}  # causal: the ring
 
 
-def run_bytes(rank, world, hp, w, placement, hkv, dtype):
+def run_bytes(rank, world, hp, w, placement, hkv, dtype, batch=2):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    q, k, v, dout = make_inputs(2 * world * 4, 2, 8, hkv, 64, seed=3)
+    q, k, v, dout = make_inputs(2 * world * 4, batch, 8, hkv, 64, seed=3)
     ql, kl, vl = (megatron_2d.shard_sequence(x, rank, world).to(dtype).requires_grad_(True) for x in (q, k, v))
     groups.comm_bytes.reset()
     megatron_2d.attention_2d(ql, kl, vl, groups).backward(megatron_2d.shard_sequence(dout, rank, world).to(dtype))
@@ -220,6 +224,14 @@ BYTE_CASES = [
     (8, 2, 2, "context_first", 2, torch.bfloat16),    # 2D with a double ring
     (8, 1, 2, "head_first", 8, torch.bfloat16),       # double ring, no all-to-all
 ]
+
+
+def test_bytes_batch_one():
+    """Batch 1 takes the head exchange's point-to-point path: the same bytes as the all-to-all."""
+    for hkv in (8, 1):                                  # K/V split, and replicated
+        per_rank = run_on_ranks(8, run_bytes, 2, 2, "context_first", hkv, torch.float32, 1)
+        expected = expected_bytes(8, 2, 2, 8, hkv, s_local=8, batch=1, d=64, elt=4)
+        assert all(got == expected for got in per_rank), (per_rank[0], expected)
 
 
 def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
