@@ -39,10 +39,10 @@ class NoSyncOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run_twice_guarded(rank, world, hp, w, window):
+def run_twice_guarded(rank, world, hp, w, window, batch):
     groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
     g = torch.Generator().manual_seed(1)
-    q, k, v, dout = (megatron_2d.shard_sequence(torch.randn(64, 2, 4, 16, generator=g), rank, world)
+    q, k, v, dout = (megatron_2d.shard_sequence(torch.randn(64, batch, 4, 16, generator=g), rank, world)
                      for _ in range(4))
 
     def step():
@@ -64,10 +64,11 @@ def run_twice_guarded(rank, world, hp, w, window):
     return True
 
 
-@pytest.mark.parametrize("hp, w, window", [(2, 1, (-1, -1)), (1, 2, (-1, -1)), (1, 1, (3, 0))],
-                         ids=["2d_outer_ring", "ring_inner", "window_neighbour_exchange"])
-def test_second_call_makes_no_setup_and_no_sync(hp, w, window):
-    assert all(run_on_ranks(4, run_twice_guarded, hp, w, window))
+@pytest.mark.parametrize("hp, w, window, batch", [(2, 1, (-1, -1), 2), (2, 1, (-1, -1), 1), (1, 2, (-1, -1), 2),
+                                                  (1, 1, (3, 0), 2)],
+                         ids=["2d_outer_ring", "2d_batch1_point_to_point", "ring_inner", "window_neighbour_exchange"])
+def test_second_call_makes_no_setup_and_no_sync(hp, w, window, batch):
+    assert all(run_on_ranks(4, run_twice_guarded, hp, w, window, batch))
 
 
 def run_dkv_dtypes(rank, world):
