@@ -104,6 +104,7 @@ def _into_received(dst: torch.Tensor, y: torch.Tensor, order: Optional[torch.Ten
         dst.unflatten(2, units).index_copy_(2, order, y.unflatten(2, units))
     return dst
 
+
 def _unit_pairs(ex: "HeadExchange", unit: int, units: int):
     """(head rank, unit j, its rows among that rank's 2c tokens, its rows among the S ascending tokens) for each of
     the ``units`` units of ``unit`` tokens that this rank exchanges with every head rank (itself included)."""
@@ -116,7 +117,8 @@ def _unit_pairs(ex: "HeadExchange", unit: int, units: int):
 def _direct_to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: "HeadExchange",
                      unit: int) -> List[torch.Tensor]:
     """:func:`to_heads` for batch 1 by point-to-point messages: one pack copy of the heads sent to each peer, no
-    receive-side copy (each unit lands in its ascending place of the output groups)."""
+    receive-side copy (each unit lands in its ascending place of the output groups), this rank's own heads copied
+    straight into place."""
     two_c, b, _, d = xs[0].shape
     hp, me, units = ex.head_parallel_size, ex.head_rank, two_c // unit
     outs, ops, sent = [], [], 0
@@ -126,14 +128,14 @@ def _direct_to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: "H
         outs.append(out)
         for t, x in enumerate(xs[first:first + n]):
             by_rank = x.view(two_c, b, hp, hl, d)
-            send = by_rank.permute(2, 0, 1, 3, 4).contiguous()          # [hp (dst), 2c, b, Hl, d]
+            send = {peer: by_rank[:, :, peer].contiguous() for peer in range(hp) if peer != me}   # [2c, b, Hl, d]
             for peer, j, rows, place in _unit_pairs(ex, unit, units):
                 dst = out[t, :, place]                                   # [b = 1, unit, Hl, d], contiguous
                 if peer == me:
                     dst.copy_(by_rank[rows, :, me].transpose(0, 1))
                     continue
                 tag = (first + t) * units + j
-                ops += [dist.P2POp(dist.isend, send[peer, rows], ex.peers[peer], ex.group, tag),
+                ops += [dist.P2POp(dist.isend, send[peer][rows], ex.peers[peer], ex.group, tag),
                         dist.P2POp(dist.irecv, dst, ex.peers[peer], ex.group, tag)]
                 sent += dst.numel() * dst.element_size()
     _run(ops, ex, sent)
@@ -152,7 +154,7 @@ def _direct_to_tokens(ys: Sequence[torch.Tensor], ex: "HeadExchange", unit: int)
         y = y.contiguous()
         for i in range(y.shape[0]):
             out = y.new_empty(two_c, b, hp, y.shape[3], d)                 # [2c, b, H = hp * Hl, d]
-            recv = y.new_empty(hp, two_c, b, y.shape[3], d)                # [hp (src), 2c, b, Hl, d]
+            recv = {peer: y.new_empty(two_c, b, y.shape[3], d) for peer in range(hp) if peer != me}   # [2c, b, Hl, d]
             for peer, j, rows, place in _unit_pairs(ex, unit, units):
                 src = y[i, :, place]                                        # [b = 1, unit, Hl, d], contiguous
                 if peer == me:
@@ -160,15 +162,14 @@ def _direct_to_tokens(ys: Sequence[torch.Tensor], ex: "HeadExchange", unit: int)
                     continue
                 tag = len(outs) * units + j
                 ops += [dist.P2POp(dist.isend, src, ex.peers[peer], ex.group, tag),
-                        dist.P2POp(dist.irecv, recv[peer, rows], ex.peers[peer], ex.group, tag)]
+                        dist.P2POp(dist.irecv, recv[peer][rows], ex.peers[peer], ex.group, tag)]
                 sent += src.numel() * src.element_size()
             outs.append(out)
             recvs.append(recv)
     _run(ops, ex, sent)
     for out, recv in zip(outs, recvs):
-        for peer in range(hp):
-            if peer != me:
-                out[:, :, peer].copy_(recv[peer])
+        for peer, received in recv.items():
+            out[:, :, peer].copy_(received)
     return [out.flatten(2, 3) for out in outs]
 
 
