@@ -6,7 +6,7 @@ No device synchronisation happens here, so the same code runs on gloo and NCCL.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,19 +80,40 @@ class RingExchange:
 
 class DirectExchange:
     """Send to one fixed rank and receive from another over one process group (not a ring: for example the
-    Double-Ring's diagonal dK/dV hop); the same ``start``/``wait`` contract as :class:`RingExchange`."""
+    Double-Ring's last dK/dV hop); the same ``start``/``wait`` contract as :class:`RingExchange`, and the receive
+    can be posted ahead of the send (:meth:`expect`)."""
 
     def __init__(self, group: dist.ProcessGroup, dst: int, src: int, counter: CommCounter, kind: str) -> None:
         self.group, self.kind, self.counter = group, kind, counter
         self.next_rank, self.prev_rank = dst, src
         self._in_flight = False
+        # gloo moves a posted receive's data on its own threads whenever the sender sends; an early NCCL receive
+        # would hold a GPU block spinning until then, so NCCL posts it with the send
+        self._receive_early = dist.get_backend(group) == "gloo"
+        self._expected = None           # (receive buffer or its factory, the receive's works if already posted)
+
+    def expect(self, new_buffer: Callable[[], torch.Tensor]) -> None:
+        """Receive the next :meth:`start` into ``new_buffer()``; where the backend lets the data land before this
+        rank waits for it (gloo), the buffer is taken and its receive posted now, else both wait for the send."""
+        if self._receive_early:
+            recv = new_buffer()
+            self._expected = (recv, post_direct(self.group, None, self.next_rank, recv, self.prev_rank,
+                                                self.counter, self.kind))
+        else:
+            self._expected = (new_buffer, None)
 
     def start(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None) -> PendingExchange:
-        """Post the send of ``send`` to ``dst`` and the receive into ``recv`` (allocated if None) from ``src``."""
-        if recv is None:
-            recv = torch.empty_like(send)
-        works = post_direct(self.group, send, self.next_rank, recv, self.prev_rank, self.counter, self.kind)
-        return PendingExchange(self, works, recv)
+        """Post the send of ``send`` to ``dst`` and the receive from ``src`` into the expected buffer, else into
+        ``recv`` (allocated if None)."""
+        if self._expected is not None:
+            (recv, early), self._expected = self._expected, None
+            recv = recv() if callable(recv) else recv
+        else:
+            early = None
+            recv = torch.empty_like(send) if recv is None else recv
+        works = post_direct(self.group, send, self.next_rank, None if early is not None else recv, self.prev_rank,
+                            self.counter, self.kind)
+        return PendingExchange(self, works + (early or []), recv)
 
 
 def post_direct(group: dist.ProcessGroup, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor],

@@ -6,8 +6,8 @@ context rank cr = window * w + slot. At round o, step t it holds the block of (w
     w = cp: one window, a plain ring on the inner links;  w = 1: a plain ring on the outer links.
 K/V blocks move on the inner and outer rings, each transfer posted before the compute it overlaps. Backward sends
 dK/dV "riders" with the blocks (see ring_schedule for when each is posted and awaited); a rider's last hop, from
-(window, slot) to its block's owner (window + 1, slot + 1), is a direct send over the context group when
-1 < w < cp. The own block's dK/dV stays home; K/V and riders move cp-1 times per rank.
+(window, slot) to its block's owner (window + 1, slot + 1), is a direct send over the context group, its receive
+expected from the start. The own block's dK/dV stays home; K/V and riders move cp-1 times per rank.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .comm import BufferPool, CommCounter, DirectExchange, PendingExchange, RingExchange
-from .ring_schedule import double_ring_events, final_channel
+from .ring_schedule import double_ring_events, final_hop_link
 
 if TYPE_CHECKING:
     from .groups import Groups2D
@@ -29,15 +29,22 @@ ComputeFn = Callable[[torch.Tensor, int, int], Optional[Partials]]
 
 
 def gather_partials(buffer: torch.Tensor, partials: Partials, first_key: int = 0) -> torch.Tensor:
-    """Write a block's partial dK/dV into the uninitialised ``buffer`` [2, b, keys from first_key, g, d]: a copy
-    when one partial covers every key, else zeros plus their sum. Returns buffer."""
-    if len(partials) == 1 and (partials[0][0] - first_key, partials[0][1] - first_key) == (0, buffer.shape[2]):
-        _, _, dk, dv = partials[0]
-        buffer[0].copy_(dk)
-        buffer[1].copy_(dv)
+    """Write a block's partial dK/dV into the uninitialised ``buffer`` [2, b, keys from first_key, g, d]: when the
+    partials' key ranges are disjoint, each is copied into place and only the keys none covers are zeroed (one
+    pass over the buffer); overlapping partials are summed onto zeros. Returns buffer."""
+    ranges = sorted((k_start - first_key, k_end - first_key) for k_start, k_end, _, _ in partials)
+    if any(prev[1] > nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
+        buffer.zero_()
+        add_partials(buffer, partials, first_key)
         return buffer
-    buffer.zero_()
-    add_partials(buffer, partials, first_key)
+    for k_start, k_end, dk, dv in partials:
+        buffer[0, :, k_start - first_key:k_end - first_key].copy_(dk)
+        buffer[1, :, k_start - first_key:k_end - first_key].copy_(dv)
+    covered = 0
+    for start, end in ranges + [(buffer.shape[2], buffer.shape[2])]:
+        if start > covered:
+            buffer[:, :, covered:start].zero_()
+        covered = max(covered, end)
     return buffer
 
 
@@ -50,7 +57,7 @@ def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) ->
 
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
-    diagonal dK/dV hop (1 < w < cp)."""
+    last dK/dV hop."""
 
     def __init__(self, groups: "Groups2D", ring_keys: Optional[int] = None) -> None:
         """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`).
@@ -69,13 +76,13 @@ class DoubleRing:
         self.inner_dkv = exchange(groups.inner_dkv_group, place.intra_window_group, self.slot, "inner_ring")
         self.outer_kv = exchange(groups.outer_kv_group, place.inter_window_group, self.window, "outer_ring")
         self.outer_dkv = exchange(groups.outer_dkv_group, place.inter_window_group, self.window, "outer_ring")
-        self.diagonal_dkv = None
-        if final_channel(self.cp, self.w) == "diagonal_dkv":      # windows hold different nodes: count it outer
+        self.final_dkv = None
+        if self.cp > 1:
             ranks, nw, w = place.context_group, self.num_windows, self.w
             dst = ((self.window + 1) % nw) * w + (self.slot + 1) % w
             src = ((self.window - 1) % nw) * w + (self.slot - 1) % w
-            self.diagonal_dkv = DirectExchange(groups.context_dkv_group, ranks[dst], ranks[src], counter,
-                                               "outer_ring")
+            self.final_dkv = DirectExchange(groups.context_dkv_group, ranks[dst], ranks[src], counter,
+                                            f"{final_hop_link(self.cp, self.w)}_ring")
 
     def source(self, outer_step: int, inner_step: int) -> int:
         """Context rank whose K/V this rank holds at (outer_step, inner_step)."""
@@ -100,11 +107,12 @@ class DoubleRing:
         kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
         riders = BufferPool(kv.shape, dkv_dtype, kv.device) if backward else None
         exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv, "inner_dkv": self.inner_dkv,
-                     "outer_dkv": self.outer_dkv, "diagonal_dkv": self.diagonal_dkv}
+                     "outer_dkv": self.outer_dkv, "final_dkv": self.final_dkv}
         pending: Dict[str, Tuple[PendingExchange, torch.Tensor]] = {}
 
-        def post(channel: str, send: torch.Tensor, pool: BufferPool) -> None:
-            pending[channel] = (exchanges[channel].start(send, pool.get()), send)
+        def post(channel: str, send: torch.Tensor, pool: Optional[BufferPool]) -> None:
+            """Post a transfer (into a buffer of ``pool``; None: into the buffer it expects)."""
+            pending[channel] = (exchanges[channel].start(send, None if pool is None else pool.get()), send)
 
         def wait(channel: str) -> Tuple[torch.Tensor, torch.Tensor]:
             """(received, sent) of the channel's transfer in flight, once both have completed."""
@@ -112,18 +120,23 @@ class DoubleRing:
             return exchange.wait(), sent
 
         anchor = block = kv
-        partials = mine = None                                # mine: the rider this rank holds (None: a new one)
+        partials = own_partials = mine = None                 # mine: the rider this rank holds (None: a new one)
         for event in double_ring_events(self.cp, self.w, backward):
             kind = event.kind
-            if kind == "post_outer_kv":
+            if kind == "expect_final":
+                self.final_dkv.expect(riders.get)
+            elif kind == "post_outer_kv":
                 post("outer_kv", anchor, kv_pool)
             elif kind == "post_inner_kv":
                 post("inner_kv", block, kv_pool)
             elif kind == "compute":
                 offset = event.source_offset
                 partials = compute(own if own is not None and offset == (0, 0) else block, self.source(*offset), 0)
+                if offset == (0, 0):
+                    own_partials = partials
             elif kind == "accumulate_home":
-                home = gather_partials(torch.empty(whole.shape, dtype=dkv_dtype, device=kv.device), partials)
+                home = gather_partials(torch.empty(whole.shape, dtype=dkv_dtype, device=kv.device), own_partials)
+                own_partials = None
             elif kind == "wait_inner_kv":
                 nxt, _ = wait("inner_kv")
                 if block is not anchor:
@@ -156,9 +169,9 @@ class DoubleRing:
             elif kind == "post_carried":
                 post("outer_dkv", mine, riders)
             elif kind == "post_final":
-                post(event.channel, mine, riders)
+                post("final_dkv", mine, None)
             elif kind == "wait_final":
-                last_hop, _ = wait(event.channel)
+                last_hop, _ = wait("final_dkv")
                 home[:, :, :last_hop.shape[2]].add_(last_hop)
             else:
                 raise AssertionError(f"unknown schedule event {kind!r}")

@@ -3,13 +3,16 @@
 Notation: a context group of cp ranks cut into nw = cp / w windows of w ranks; a rank is (window, slot), context
 rank window * w + slot. Round o = 0..nw-1, step t = 0..w-1: the rank holds the K/V block of context rank
 source(o, t) = (window - o, slot - t) (mod nw, mod w). Channels (one transfer of each in flight at a time, each on
-its own process group): "inner_kv", "outer_kv" (K/V blocks), "inner_dkv", "outer_dkv", "diagonal_dkv" (dK/dV
+its own process group): "inner_kv", "outer_kv" (K/V blocks), "inner_dkv", "outer_dkv", "final_dkv" (dK/dV
 riders).
 
 Forward, round o:  post outer_kv (the anchor, for the next round) | each step t: post inner_kv (the block, for
 step t+1), compute, wait inner_kv | wait outer_kv.
 Backward adds the riders; no transfer is awaited before one compute has run since it was posted, except the last:
-  * the own block's partial dK/dV (round 0, step 0) stays home, in the rank's own accumulator;
+  * the receive of the last hop is expected before anything else (a transport that can post it early lets the
+    rider land whenever its sender is ready, whatever this rank is doing);
+  * the own block's partial dK/dV (round 0, step 0) stays home: it is kept aside and written into the rank's
+    own accumulator while the last hop is in flight (the only transfer nothing else can hide);
   * every other round's rider starts empty at step 0 on the anchor block (round 0's at step 1), gathers each
     step's partial dK/dV and follows its block round the inner ring (post inner_dkv after each step but the last,
     wait for the neighbour's at the next step); it ends the round on the rank that computed the block's last step,
@@ -19,8 +22,8 @@ Backward adds the riders; no transfer is awaited before one compute has run sinc
     the sum to (window + 1, slot), which ends round o + 1 on that block (with w = 1, round 0 is the own block
     alone: no rider, nothing carried into round 1);
   * after the last round the closed rider takes one hop, exposed (nothing is left to compute), to its block's
-    owner (window + 1, slot + 1), who adds it to the home accumulator: on the outer ring when w = 1, the inner ring
-    when w = cp, otherwise a direct ("diagonal") send over the context group.
+    owner (window + 1, slot + 1), who adds it to the home accumulator: a direct send over the context group on a
+    channel of its own ("final_dkv"), which crosses the outer links unless w = cp (:func:`final_hop_link`).
 No rider ever travels back to where its round began. K/V moves cp - 1 times per rank, and so do the riders (as in
 Transformer Engine's ring): (nw - 1) * (w - 1) + max(w - 2, 0) inner hops, nw - 1 - [w = 1] outer hops and the
 last hop.
@@ -28,10 +31,8 @@ last hop.
     >>> [e.kind for e in double_ring_events(cp=2, w=2, backward=False)]
     ['post_inner_kv', 'compute', 'wait_inner_kv', 'compute']
     >>> [e.kind for e in double_ring_events(cp=2, w=1, backward=True)]  # doctest: +NORMALIZE_WHITESPACE
-    ['post_outer_kv', 'compute', 'accumulate_home', 'wait_outer_kv',
-     'compute', 'start_rider', 'accumulate', 'post_final', 'wait_final']
-    >>> [e.channel for e in double_ring_events(cp=4, w=2, backward=True) if e.kind == "post_final"]
-    ['diagonal_dkv']
+    ['expect_final', 'post_outer_kv', 'compute', 'wait_outer_kv',
+     'compute', 'start_rider', 'accumulate', 'post_final', 'accumulate_home', 'wait_final']
     >>> [e.source_offset for e in double_ring_events(cp=4, w=2, backward=False) if e.kind == "compute"]
     [(0, 0), (0, 1), (1, 0), (1, 1)]
 """
@@ -42,40 +43,33 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Tuple
 
-# event kind -> the channel it posts on or waits for (None: local work; "final": the layout's last-hop channel,
-# see final_channel)
+# event kind -> the channel it posts on, expects a receive on or waits for (None: local work)
 CHANNEL_OF = {
     "post_inner_kv": "inner_kv", "wait_inner_kv": "inner_kv", "post_outer_kv": "outer_kv", "wait_outer_kv": "outer_kv",
     "wait_rider": "inner_dkv", "post_rider": "inner_dkv",
     "wait_carried": "outer_dkv", "post_carried": "outer_dkv",
-    "post_final": "final", "wait_final": "final",
+    "expect_final": "final_dkv", "post_final": "final_dkv", "wait_final": "final_dkv",
     "compute": None, "accumulate_home": None, "start_rider": None, "accumulate": None,
 }
-CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "diagonal_dkv")
+CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "final_dkv")
 
 
-def final_channel(cp: int, w: int) -> str:
-    """The channel of a rider's last hop, from (window, slot) to (window + 1, slot + 1)."""
-    if w == 1:
-        return "outer_dkv"          # (window + 1, slot): the outer ring
-    if w == cp:
-        return "inner_dkv"          # (window, slot + 1): the inner ring
-    return "diagonal_dkv"
+def final_hop_link(cp: int, w: int) -> str:
+    """The links the last hop, (window, slot) -> (window + 1, slot + 1), crosses: "inner" when there is one window
+    (it is the inner ring's next rank), else "outer" (it leaves the window)."""
+    return "inner" if w == cp else "outer"
 
 
 @dataclass(frozen=True)
 class Event:
-    """One action of a rank: ``kind`` (see CHANNEL_OF); for ``compute`` the (round, step) of its block; for the
-    last hop the channel it travels on."""
+    """One action of a rank: ``kind`` (see CHANNEL_OF); for ``compute`` the (round, step) of its block."""
 
     kind: str
     source_offset: Optional[Tuple[int, int]] = None
-    final: Optional[str] = None
 
     @property
     def channel(self) -> Optional[str]:
-        channel = CHANNEL_OF[self.kind]
-        return self.final if channel == "final" else channel
+        return CHANNEL_OF[self.kind]
 
 
 @lru_cache(maxsize=None)
@@ -84,7 +78,7 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
     if cp < 1 or w < 1 or cp % w:
         raise ValueError(f"window {w} must divide the context size {cp}")
     nw = cp // w
-    ev = []
+    ev = [Event("expect_final")] if backward and cp > 1 else []
     for o in range(nw):
         if o < nw - 1:
             ev.append(Event("post_outer_kv"))
@@ -93,7 +87,8 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
                 ev.append(Event("post_inner_kv"))
             ev.append(Event("compute", (o, t)))
             if backward and (o, t) == (0, 0):
-                ev.append(Event("accumulate_home"))          # the own block's dK/dV stays home
+                if cp == 1:
+                    ev.append(Event("accumulate_home"))      # the own block's dK/dV stays home (no last hop)
             elif backward:
                 ev.append(Event("start_rider" if t == 0 or (o, t) == (0, 1) else "wait_rider"))
                 ev.append(Event("accumulate"))
@@ -107,8 +102,7 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
             if o < nw - 1:
                 ev.append(Event("post_carried"))
             else:
-                final = final_channel(cp, w)
-                ev.extend((Event("post_final", final=final), Event("wait_final", final=final)))
+                ev.extend((Event("post_final"), Event("accumulate_home"), Event("wait_final")))
         if o < nw - 1:
             ev.append(Event("wait_outer_kv"))
     return tuple(ev)
@@ -117,13 +111,16 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
 def replay(events, compute_s: float, transfer_s, link_of) -> float:
     """Seconds one rank takes to run ``events``: compute takes ``compute_s``; a post starts when its link
     (``link_of[channel]``) is free and lasts ``transfer_s[channel]``; a wait blocks until that transfer is done.
-    Every rank runs the same events at the same times, so one rank's replay is the whole group's."""
+    Every rank runs the same events at the same times, so one rank's replay is the whole group's (and an expected
+    receive, posted early, costs nothing: its sender posts no earlier than this rank would)."""
     now = 0.0
     link_free = {}
     done = {}
     for e in events:
         if e.kind == "compute":
             now += compute_s
+        elif e.kind.startswith("expect_"):
+            continue
         elif e.kind.startswith("post_"):
             link = link_of[e.channel]
             start = max(now, link_free.get(link, 0.0))

@@ -208,3 +208,54 @@ def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
         RingExchange(None, [3], 0, counter, "inner_ring")
     ring = RingExchange(None, [4, 9, 2], 0, counter, "outer_ring")      # ring order, not rank order
     assert (ring.next_rank, ring.prev_rank) == (9, 2)
+
+
+@pytest.mark.parametrize("ranges, first_key", [
+    ([(0, 8)], 0),                   # one partial covering every key: a copy
+    ([(2, 5)], 0),                   # one partial inside: zeros on both sides
+    ([(0, 3), (5, 8)], 0),           # disjoint, a gap between them
+    ([(5, 8), (0, 3)], 0),           # the same, out of order
+    ([(0, 5), (3, 8)], 0),           # overlapping: summed
+    ([(10, 13), (14, 18)], 10),      # keys counted from first_key
+    ([], 0),                         # nothing visible: all zeros
+])
+def test_gather_partials_writes_every_key(ranges, first_key):
+    from megatron_2d.double_ring import add_partials, gather_partials
+
+    gen = torch.Generator().manual_seed(0)
+    partials = [(lo, hi, torch.randn(1, hi - lo, 2, 3, generator=gen, dtype=torch.bfloat16),
+                 torch.randn(1, hi - lo, 2, 3, generator=gen, dtype=torch.bfloat16)) for lo, hi in ranges]
+    buffer = torch.full((2, 1, 8, 2, 3), float("nan"))      # uninitialised memory may hold anything
+    expected = torch.zeros(2, 1, 8, 2, 3)
+    add_partials(expected, partials, first_key)
+    assert gather_partials(buffer, partials, first_key) is buffer
+    torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("receive_early", [True, False], ids=["gloo-early", "with-the-send"])
+def test_direct_exchange_receives_into_the_expected_buffer(receive_early):
+    from megatron_2d.testing.distributed import run_on_ranks
+
+    def body(rank, world, receive_early):
+        import torch.distributed as dist
+
+        from megatron_2d.comm import CommCounter, DirectExchange
+
+        counter = CommCounter()
+        peer = (rank + 1) % world
+        exchange = DirectExchange(dist.group.WORLD, peer, (rank - 1) % world, counter, "outer_ring")
+        exchange._receive_early = receive_early                # NCCL's path: the receive is posted with the send
+        made = []
+        exchange.expect(lambda: made.append(torch.full((3,), -1.0)) or made[-1])
+        assert len(made) == (1 if receive_early else 0)         # the buffer is taken only when it is posted
+        pending = exchange.start(torch.full((3,), float(rank)))
+        received = pending.wait()
+        assert received is made[0]
+        # a second exchange without expect() receives into a buffer of its own
+        plain = exchange.start(torch.full((2,), float(rank) + 10)).wait()
+        return received.tolist(), plain.tolist(), counter.as_dict()["outer_ring"]
+
+    for rank, (received, plain, sent) in enumerate(run_on_ranks(3, body, receive_early)):
+        assert received == [float((rank - 1) % 3)] * 3
+        assert plain == [float((rank - 1) % 3) + 10] * 2
+        assert sent == 5 * 4                                    # both sends counted, the early receive not

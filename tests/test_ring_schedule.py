@@ -21,10 +21,15 @@ def record_loop(rank, world, hp, w, backward):
     groups = megatron_2d.build_2d_groups(hp, w, timeout=TIMEOUT)
     ring = DoubleRing(groups)
     log = []
-    for name in ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "diagonal_dkv"):
+    for name in CHANNELS:
         exchange = getattr(ring, name)
         if exchange is None:
             continue
+        if hasattr(exchange, "expect"):
+            def expect(new_buffer, _orig=exchange.expect, _name=name):
+                log.append(("expect", _name))
+                return _orig(new_buffer)
+            exchange.expect = expect
 
         def start(send, recv=None, _orig=exchange.start, _name=name):
             log.append(("post", _name))
@@ -52,6 +57,8 @@ def record_loop(rank, world, hp, w, backward):
             expected.append(("compute", ring.source(*e.source_offset)))
         elif e.kind.startswith("post_"):
             expected.append(("post", e.channel))
+        elif e.kind.startswith("expect_"):
+            expected.append(("expect", e.channel))
         elif e.channel is not None:
             expected.append(("wait", e.channel))
     visited = sorted(s for kind, s in log if kind == "compute")
@@ -71,7 +78,7 @@ def test_loop_follows_the_schedule(world, hp, w, backward):
 
 
 def test_replay_by_hand():
-    links = {"inner_kv": "in", "inner_dkv": "in", "outer_kv": "out", "outer_dkv": "out"}
+    links = {"inner_kv": "in", "inner_dkv": "in", "outer_kv": "out", "outer_dkv": "out", "final_dkv": "in"}
     fwd = double_ring_events(2, 2, False)          # post kv, compute, wait kv, compute
     assert [e.kind for e in fwd] == ["post_inner_kv", "compute", "wait_inner_kv", "compute"]
     slow = {"inner_kv": 3.0, "outer_kv": 0.0, "inner_dkv": 0.0, "outer_dkv": 0.0}
@@ -81,22 +88,22 @@ def test_replay_by_hand():
     # backward, cp = 2, w = 2: the own block's dK/dV stays home; the rider starts at step 1 on the neighbour's
     # block and takes its one hop, to the owner, exposed: 2 computes + 4
     bwd = double_ring_events(2, 2, True)
-    t = {"inner_kv": 0.5, "outer_kv": 0.0, "inner_dkv": 4.0, "outer_dkv": 0.0}
+    t = {"inner_kv": 0.5, "outer_kv": 0.0, "inner_dkv": 0.0, "outer_dkv": 0.0, "final_dkv": 4.0}
     # post kv 0-0.5 | compute 0-1 | wait kv | compute 1-2 | last hop 2-6 | wait 6
     assert replay(bwd, 1.0, t, links) == 6.0
     # backward, cp = 4, w = 2 (two windows): no aligning hop; the outer rider has a round to arrive; the last hop
     # goes diagonally to (window + 1, slot + 1), on the outer link
-    links = dict(links, diagonal_dkv="out")
+    links = dict(links, final_dkv="out")
     bwd = double_ring_events(4, 2, True)
     assert [e.channel for e in bwd if e.kind.startswith("post_")] == [
-        "outer_kv", "inner_kv", "outer_dkv", "inner_kv", "inner_dkv", "diagonal_dkv"]
-    t = {"inner_kv": 0.5, "outer_kv": 1.5, "inner_dkv": 0.5, "outer_dkv": 3.0, "diagonal_dkv": 2.0}
+        "outer_kv", "inner_kv", "outer_dkv", "inner_kv", "inner_dkv", "final_dkv"]
+    t = {"inner_kv": 0.5, "outer_kv": 1.5, "inner_dkv": 0.5, "outer_dkv": 3.0, "final_dkv": 2.0}
     # round 0: outer kv 0-1.5, inner kv 0-0.5 | compute (own, kept home) 0-1 | compute 1-2 | carried (outer) 2-5
     # round 1: inner kv 2-2.5 | compute 2-3 | rider 3-3.5 | compute 3-4 | wait carried 5 | diagonal 5-7 | wait 7
     assert replay(bwd, 1.0, t, links) == 7.0
     # a carried hop no longer than a round is hidden: 4 computes + the exposed last hop
     assert replay(bwd, 1.0, dict(t, outer_dkv=1.5), links) == 6.0
-    assert set(CHANNEL_OF.values()) - {None, "final"} | {"diagonal_dkv"} == set(t) == set(CHANNELS)
+    assert set(CHANNEL_OF.values()) - {None} == set(t) == set(CHANNELS)
 
 
 @pytest.mark.parametrize("cp, w", [(2, 1), (2, 2), (3, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (6, 3), (6, 2)])
@@ -107,6 +114,7 @@ def test_riders_move_cp_minus_1_times(cp, w):
     dkv = [c for c in posts if c.endswith("_dkv")]
     nw = cp // w
     assert len(dkv) == cp - 1
-    assert dkv.count("outer_dkv") == nw - 1
-    assert dkv.count("diagonal_dkv") == (1 if 1 < w < cp else 0)
+    assert dkv.count("outer_dkv") == nw - 1 - (w == 1)
+    assert dkv.count("final_dkv") == 1
+    assert dkv.count("inner_dkv") == (nw - 1) * (w - 1) + max(w - 2, 0)
     assert len(posts) - len(dkv) == cp - 1                    # K/V

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
-from ..ring_schedule import double_ring_events, replay
+from ..ring_schedule import double_ring_events, final_hop_link, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .placement import LinkClass, LinkMap, link_map
 from .windows import WindowWork, window_work
@@ -225,12 +225,12 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
     carried over the outer ring a round earlier, the last hop to the owner exposed); dK/dV riders are ``work.dkv_bytes`` (fp32 for ours, bf16 for Transformer Engine).
     """
     kv, dkv = work.kv_bytes, work.dkv_bytes
+    last = final_hop_link(cp, w)                 # the last hop (window, slot) -> (window + 1, slot + 1)
     transfer = {"inner_kv": path_time(links.inner, kv, cluster), "outer_kv": path_time(links.outer, kv, cluster),
                 "inner_dkv": path_time(links.inner, dkv, cluster), "outer_dkv": path_time(links.outer, dkv, cluster),
-                "diagonal_dkv": path_time(links.outer, dkv, cluster)}
-    # the diagonal hop (window, slot) -> (window + 1, slot + 1) leaves the window: charged like an outer hop
+                "final_dkv": path_time(getattr(links, last), dkv, cluster)}
     link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer",
-               "diagonal_dkv": "outer"}
+               "final_dkv": last}
     forward, backward = double_ring_events(cp, w, False), double_ring_events(cp, w, True)
     fwd = replay(forward, tc, transfer, link_of)
     bwd = replay(backward, tcb, transfer, link_of)
@@ -243,7 +243,8 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
 
     Message counts: all-to-all 2 x (hp-1) per-peer chunks; the ring's K/V and dK/dV sends are counted off the
     schedule the loop runs (:func:`megatron_2d.ring_schedule.double_ring_events`, forward and backward): K/V
-    nw*(w-1) inner and nw-1 outer sends in each direction, dK/dV cp-1 sends (the diagonal last hop counted outer).
+    nw*(w-1) inner and nw-1 outer sends in each direction, dK/dV cp-1 sends (the last hop on the outer links
+    unless w = cp).
     """
     intra = inter = nic = 0.0
 
@@ -260,7 +261,8 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     add(links.inner, work.kv_bytes, sends["inner_kv"])
     add(links.outer, work.kv_bytes, sends["outer_kv"])
     add(links.inner, work.dkv_bytes, sends["inner_dkv"])
-    add(links.outer, work.dkv_bytes, sends["outer_dkv"] + sends["diagonal_dkv"])
+    add(links.outer, work.dkv_bytes, sends["outer_dkv"])
+    add(getattr(links, final_hop_link(cp, w)), work.dkv_bytes, sends["final_dkv"])
     return intra, inter, nic
 
 
