@@ -215,6 +215,7 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     local_sinks = None if sinks is None else sinks[head_rank * local_heads:(head_rank + 1) * local_heads]
     # one all-to-all for q, k and v: q [1, b, S, hq/hp, d], K/V stacked as the ring sends them [2, b, S, hkv'/hp, d]
     q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), q, k, v)
-    out = RingAttention.apply(q[0], kv, local_sinks, rc)                               # [b, S, hq/hp, d]
+    # squeeze, not q[0]: indexing's backward would zero a whole q-sized tensor and copy dq into it
+    out = RingAttention.apply(q.squeeze(0), kv, local_sinks, rc)                       # [b, S, hq/hp, d]
     out, = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, (1,), out.unsqueeze(0))   # [s, b, hq, d]
     return out.squeeze(1) if packing is not None else out

@@ -55,6 +55,20 @@ def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) ->
         rider[1, :, k_start - first_key:k_end - first_key].add_(dv)
 
 
+def home_gradient(whole: torch.Tensor, own_partials: Partials, last_hop: Optional[torch.Tensor],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """A rank's dK/dV [2, ...] shaped like its whole block ``whole``: its own block's partials plus the rider of the
+    last hop (None when nothing travels), which covers the first keys. A rider over every key becomes the result
+    itself, the partials added onto it in place (no copy)."""
+    if last_hop is not None and last_hop.shape == whole.shape:
+        add_partials(last_hop, own_partials)
+        return last_hop
+    home = gather_partials(torch.empty(whole.shape, dtype=dtype, device=whole.device), own_partials)
+    if last_hop is not None:
+        home[:, :, :last_hop.shape[2]].add_(last_hop)
+    return home
+
+
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
     last dK/dV hop."""
@@ -120,7 +134,7 @@ class DoubleRing:
             return exchange.wait(), sent
 
         anchor = block = kv
-        partials = own_partials = mine = None                 # mine: the rider this rank holds (None: a new one)
+        partials = own_partials = mine = last_hop = None      # mine: the rider this rank holds (None: a new one)
         for event in double_ring_events(self.cp, self.w, backward):
             kind = event.kind
             if kind == "expect_final":
@@ -135,8 +149,8 @@ class DoubleRing:
                 if offset == (0, 0):
                     own_partials = partials
             elif kind == "accumulate_home":
-                home = gather_partials(torch.empty(whole.shape, dtype=dkv_dtype, device=kv.device), own_partials)
-                own_partials = None
+                home = home_gradient(whole, own_partials, last_hop, dkv_dtype)
+                own_partials = last_hop = None
             elif kind == "wait_inner_kv":
                 nxt, _ = wait("inner_kv")
                 if block is not anchor:
@@ -172,7 +186,6 @@ class DoubleRing:
                 post("final_dkv", mine, None)
             elif kind == "wait_final":
                 last_hop, _ = wait("final_dkv")
-                home[:, :, :last_hop.shape[2]].add_(last_hop)
             else:
                 raise AssertionError(f"unknown schedule event {kind!r}")
         return home
@@ -190,6 +203,4 @@ class LocalBlock:
             dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
         """Same contract as :meth:`DoubleRing.run`, for the own block only."""
         partials = compute(kv, self.context_rank, 0)
-        if dkv_dtype is None:
-            return None
-        return gather_partials(torch.empty(kv.shape, dtype=dkv_dtype, device=kv.device), partials)
+        return None if dkv_dtype is None else home_gradient(kv, partials, None, dkv_dtype)

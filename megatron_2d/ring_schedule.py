@@ -11,8 +11,8 @@ step t+1), compute, wait inner_kv | wait outer_kv.
 Backward adds the riders; no transfer is awaited before one compute has run since it was posted, except the last:
   * the receive of the last hop is expected before anything else (a transport that can post it early lets the
     rider land whenever its sender is ready, whatever this rank is doing);
-  * the own block's partial dK/dV (round 0, step 0) stays home: it is kept aside and written into the rank's
-    own accumulator while the last hop is in flight (the only transfer nothing else can hide);
+  * the own block's partial dK/dV (round 0, step 0) stays home: it is kept aside and added onto the rider of the
+    last hop when that lands (no copy into an accumulator of its own);
   * every other round's rider starts empty at step 0 on the anchor block (round 0's at step 1), gathers each
     step's partial dK/dV and follows its block round the inner ring (post inner_dkv after each step but the last,
     wait for the neighbour's at the next step); it ends the round on the rank that computed the block's last step,
@@ -32,7 +32,7 @@ last hop.
     ['post_inner_kv', 'compute', 'wait_inner_kv', 'compute']
     >>> [e.kind for e in double_ring_events(cp=2, w=1, backward=True)]  # doctest: +NORMALIZE_WHITESPACE
     ['expect_final', 'post_outer_kv', 'compute', 'wait_outer_kv',
-     'compute', 'start_rider', 'accumulate', 'post_final', 'accumulate_home', 'wait_final']
+     'compute', 'start_rider', 'accumulate', 'post_final', 'wait_final', 'accumulate_home']
     >>> [e.source_offset for e in double_ring_events(cp=4, w=2, backward=False) if e.kind == "compute"]
     [(0, 0), (0, 1), (1, 0), (1, 1)]
 """
@@ -102,7 +102,7 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
             if o < nw - 1:
                 ev.append(Event("post_carried"))
             else:
-                ev.extend((Event("post_final"), Event("accumulate_home"), Event("wait_final")))
+                ev.extend((Event("post_final"), Event("wait_final"), Event("accumulate_home")))
         if o < nw - 1:
             ev.append(Event("wait_outer_kv"))
     return tuple(ev)
