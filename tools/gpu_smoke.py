@@ -53,8 +53,14 @@ def check_kernel(name, device, dtype, causal, hkv, seq=256):
                   ("dv", dv, leaves[2].grad)], dtype)
 
 
+def seeded_randn(*shape, device, dtype, seed=0):
+    """The same inputs on every run and device (drawn on the CPU), so a case's error is reproducible."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
 def check_attention_2d(name, device, dtype):
-    q, k, v, dout = (torch.randn(512, 2, h, 64, device=device, dtype=dtype) for h in (8, 2, 2, 8))
+    q, k, v, dout = (seeded_randn(512, 2, h, 64, device=device, dtype=dtype, seed=i)
+                     for i, h in enumerate((8, 2, 2, 8)))
     leaves = [x.detach().double().clone().requires_grad_(True) for x in (q, k, v)]
     ref = reference_attention(*leaves, True, 64 ** -0.5)
     ref.backward(dout.double())
@@ -71,7 +77,8 @@ def check_packed(name, device, dtype, mode):
     reference."""
     lengths = [3, 200, 1, 57, 128, 33, 90]
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
-    q, k, v, dout = (torch.randn(int(cu[-1]), h, 64, device=device, dtype=dtype) for h in (8, 2, 2, 8))
+    q, k, v, dout = (seeded_randn(int(cu[-1]), h, 64, device=device, dtype=dtype, seed=i)
+                     for i, h in enumerate((8, 2, 2, 8)))
     leaves = [x.detach().double().clone().requires_grad_(True) for x in (q, k, v)]
     ref = packed_reference_attention(*leaves, cu, True, 64 ** -0.5)
     ref.backward(dout.double())
@@ -87,7 +94,8 @@ def check_packed(name, device, dtype, mode):
 def check_no_sync(name, device, dtype):
     """On CUDA: a second attention_2d fwd+bwd (plain and packed) under torch's sync debug mode set to "error", so
     any host-device synchronisation on the op's hot path raises. Returns 0.0 (no bound to compare against)."""
-    q, k, v, dout = (torch.randn(512, 2, h, 64, device=device, dtype=dtype) for h in (8, 2, 2, 8))
+    q, k, v, dout = (seeded_randn(512, 2, h, 64, device=device, dtype=dtype, seed=i)
+                     for i, h in enumerate((8, 2, 2, 8)))
     groups = megatron_2d.build_2d_groups(1, 1)
     cu = torch.tensor([0, 3, 200, 201, 400, 512])
     layout = megatron_2d.PackedLayout(cu, groups, mode="documents")

@@ -222,7 +222,8 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
     blocks until its transfer is done. Forward reduces to the paper's Double-Ring formula
         R = w*Tc + (w-1)*relu(T_in(kv) - Tc),   fwd = nw*R + (nw-1)*relu(T_out(kv) - R);
     backward follows whatever the loop does (riders posted after each step, each round's rider added to the one
-    carried over the outer ring a round earlier, the last hop to the owner exposed); dK/dV riders are ``work.dkv_bytes`` (fp32 for ours, bf16 for Transformer Engine).
+    carried over the outer ring a round earlier, the last hop to the owner exposed); dK/dV riders are
+    ``work.dkv_bytes`` (fp32 for ours, bf16 for Transformer Engine).
     """
     kv, dkv = work.kv_bytes, work.dkv_bytes
     last = final_hop_link(cp, w)                 # the last hop (window, slot) -> (window + 1, slot + 1)
