@@ -180,6 +180,9 @@ class DoubleRing:
                 mine.add_(carried)
                 riders.put(carried)
                 riders.put(sent)
+            elif kind == "take_carried":
+                mine, sent = wait("outer_dkv")
+                riders.put(sent)
             elif kind == "post_carried":
                 post("outer_dkv", mine, riders)
             elif kind == "post_final":

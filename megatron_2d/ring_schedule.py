@@ -20,7 +20,8 @@ Backward adds the riders; no transfer is awaited before one compute has run sinc
   * that rank closes the round: it adds the rider carried over the outer ring for the same block from earlier
     rounds (posted a whole round ago by (window - 1, slot), which ended round o - 1 on the same block) and posts
     the sum to (window + 1, slot), which ends round o + 1 on that block (with w = 1, round 0 is the own block
-    alone: no rider, nothing carried into round 1);
+    alone: no rider, nothing carried into round 1; and a round is one step, so from round 2 on the rank takes
+    the carried rider before accumulating and adds the step's partials straight into it: no rider of its own);
   * after the last round the closed rider takes one hop, exposed (nothing is left to compute), to its block's
     owner (window + 1, slot + 1), who adds it to the home accumulator: a direct send over the context group on a
     channel of its own ("final_dkv"), which crosses the outer links unless w = cp (:func:`final_hop_link`).
@@ -47,7 +48,7 @@ from typing import Optional, Tuple
 CHANNEL_OF = {
     "post_inner_kv": "inner_kv", "wait_inner_kv": "inner_kv", "post_outer_kv": "outer_kv", "wait_outer_kv": "outer_kv",
     "wait_rider": "inner_dkv", "post_rider": "inner_dkv",
-    "wait_carried": "outer_dkv", "post_carried": "outer_dkv",
+    "wait_carried": "outer_dkv", "take_carried": "outer_dkv", "post_carried": "outer_dkv",
     "expect_final": "final_dkv", "post_final": "final_dkv", "wait_final": "final_dkv",
     "compute": None, "accumulate_home": None, "start_rider": None, "accumulate": None,
 }
@@ -90,14 +91,17 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
                 if cp == 1:
                     ev.append(Event("accumulate_home"))      # the own block's dK/dV stays home (no last hop)
             elif backward:
-                ev.append(Event("start_rider" if t == 0 or (o, t) == (0, 1) else "wait_rider"))
+                if w == 1 and o >= 2:                        # a one-step round: the carried rider gathers it
+                    ev.append(Event("take_carried"))
+                else:
+                    ev.append(Event("start_rider" if t == 0 or (o, t) == (0, 1) else "wait_rider"))
                 ev.append(Event("accumulate"))
                 if t < w - 1:
                     ev.append(Event("post_rider"))
             if t < w - 1:
                 ev.append(Event("wait_inner_kv"))
         if backward and (o > 0 or w > 1):   # close the round on the rank that computed its block's last step
-            if o >= 2 or (o == 1 and w > 1):                 # (round 0 carries no rider when w = 1)
+            if w > 1 and o >= 1:                             # (with w = 1 it was taken before the step)
                 ev.append(Event("wait_carried"))
             if o < nw - 1:
                 ev.append(Event("post_carried"))

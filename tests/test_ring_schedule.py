@@ -118,3 +118,22 @@ def test_riders_move_cp_minus_1_times(cp, w):
     assert dkv.count("final_dkv") == 1
     assert dkv.count("inner_dkv") == (nw - 1) * (w - 1) + max(w - 2, 0)
     assert len(posts) - len(dkv) == cp - 1                    # K/V
+
+
+@pytest.mark.parametrize("cp, w", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4), (6, 3), (6, 2)])
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_every_wait_but_the_last_hop_follows_a_compute(cp, w, backward):
+    """What the schedule promises: a transfer is awaited only after at least one compute has run since it was
+    posted (so it can hide behind that compute), except the last dK/dV hop, which nothing is left to hide."""
+    posted_at = {}
+    computes = 0
+    for e in double_ring_events(cp, w, backward):
+        if e.kind == "compute":
+            computes += 1
+        elif e.kind.startswith("post_"):
+            assert e.channel not in posted_at, f"{e.channel} posted twice without a wait"
+            posted_at[e.channel] = computes
+        elif e.channel is not None and not e.kind.startswith("expect_"):
+            hidden_behind = computes - posted_at.pop(e.channel)
+            assert hidden_behind >= (0 if e.kind == "wait_final" else 1), (e.kind, hidden_behind)
+    assert not posted_at                                       # every transfer is awaited
