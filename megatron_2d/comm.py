@@ -90,27 +90,26 @@ class DirectExchange:
         # gloo moves a posted receive's data on its own threads whenever the sender sends; an early NCCL receive
         # would hold a GPU block spinning until then, so NCCL posts it with the send
         self._receive_early = dist.get_backend(group) == "gloo"
-        self._expected = None           # (receive buffer or its factory, the receive's works if already posted)
+        self._expected = None           # (buffer factory, the buffer and its receive's works if already posted)
 
     def expect(self, new_buffer: Callable[[], torch.Tensor]) -> None:
         """Receive the next :meth:`start` into ``new_buffer()``; where the backend lets the data land before this
         rank waits for it (gloo), the buffer is taken and its receive posted now, else both wait for the send."""
+        recv = works = None
         if self._receive_early:
             recv = new_buffer()
-            self._expected = (recv, post_direct(self.group, None, self.next_rank, recv, self.prev_rank,
-                                                self.counter, self.kind))
-        else:
-            self._expected = (new_buffer, None)
+            works = post_direct(self.group, None, self.next_rank, recv, self.prev_rank, self.counter, self.kind)
+        self._expected = (new_buffer, recv, works)
 
     def start(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None) -> PendingExchange:
         """Post the send of ``send`` to ``dst`` and the receive from ``src`` into the expected buffer, else into
         ``recv`` (allocated if None)."""
+        early = None
         if self._expected is not None:
-            (recv, early), self._expected = self._expected, None
-            recv = recv() if callable(recv) else recv
-        else:
-            early = None
-            recv = torch.empty_like(send) if recv is None else recv
+            (new_buffer, recv, early), self._expected = self._expected, None
+            recv = new_buffer() if recv is None else recv
+        elif recv is None:
+            recv = torch.empty_like(send)
         works = post_direct(self.group, send, self.next_rank, None if early is not None else recv, self.prev_rank,
                             self.counter, self.kind)
         return PendingExchange(self, works + (early or []), recv)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 import torch
 
 from .comm import post_direct
-from .double_ring import ComputeFn, gather_partials
+from .double_ring import ComputeFn, gather_partials, home_gradient
 
 if TYPE_CHECKING:
     from .groups import Groups2D
@@ -69,7 +69,7 @@ class NeighbourExchange:
         partials = compute(kv, self.rank, 0)
         rider = None
         if dkv_dtype is not None:                # this rank's dK/dV, gathering the partials sent back to it
-            rider = gather_partials(torch.empty(kv.shape, dtype=dkv_dtype, device=kv.device), partials)
+            rider = home_gradient(kv, partials, None, dkv_dtype)
         pending_grad = None
         for i, step in enumerate(self.steps):
             o, give, take = step
