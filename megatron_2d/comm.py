@@ -150,3 +150,4 @@ def all_to_all_counted(send: torch.Tensor, group: dist.ProcessGroup, counter: Co
     parts = send.shape[0]
     counter.add("all_to_all", send.numel() * send.element_size() * (parts - 1) // parts)
     return recv
+

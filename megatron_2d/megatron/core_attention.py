@@ -70,24 +70,31 @@ class CoreAttention2D(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None, *, head_parallel_size: Optional[int] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None, *, head_parallel_size: Optional[int] = None,
                  double_ring_window: Optional[int] = None, placement: Optional[str] = None,
                  kernel: Optional[str] = None) -> None:
         super().__init__(config=config)
+        self.v_channels = v_channels      # MLA's value head dim (its query/key head dim is k_channels)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.layer_number, self.attn_mask_type, self.kernel = layer_number, attn_mask_type, kernel
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         cp_size = pg_collection.cp.size() if pg_collection.cp is not None else 1
         self.delegate = None
+        if cp_comm_type is None and uses_2d(config.cp_comm_type):
+            # MLA's base class builds its core attention once without the layer's cp_comm_type and rebuilds it with
+            # it right after: that first instance is dropped, so it takes "2d" (no TE module built just to go)
+            cp_comm_type = BACKEND_NAME
         if cp_size > 1 and cp_comm_type != BACKEND_NAME:
             if not uses_2d(config.cp_comm_type):
                 raise ValueError(f"the 2d layer spec is in use but cp_comm_type is {config.cp_comm_type!r} for every "
                                  f"layer, so no layer would run 2D attention; set cp_comm_type='2d' "
                                  f"(--cp-comm-type 2d) or use megatron-core's own layer spec")
+            channels = {} if k_channels is None else dict(k_channels=k_channels, v_channels=v_channels)
             self.delegate = _other_backend(config, cp_comm_type, pg_collection, layer_number=layer_number,
                                            attn_mask_type=attn_mask_type, attention_type=attention_type,
-                                           softmax_scale=softmax_scale)
+                                           softmax_scale=softmax_scale, **channels)
             return
         check_attention_settings(config)
         check_current_launch()      # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
@@ -143,10 +150,24 @@ class CoreAttention2D(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
-        """[s/CP, b, hq/tp, d] x2 + [s/CP, b, hkv/tp, d] -> [s/CP, b, hq/tp * d]."""
+        """[s/CP, b, hq/tp, dk] x2 + [s/CP, b, hkv/tp, dv] -> [s/CP, b, hq/tp * dv] (dv = dk unless MLA)."""
         if self.delegate is not None:
             return self.delegate(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                  attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
+        packed_width = value.shape[-1]
+        if settings["packing"] is not None and self.v_channels is not None and packed_width > self.v_channels:
+            # MLA under THD: Megatron pads V to the query's head dim before core attention and trims the output
+            # after it; the op takes V as it is (no padding on the wire) and the output is padded back here
+            value = value[..., :self.v_channels]
+        out = self._run(_attention_with_sinks, (query, key, value), settings)
+        if out.shape[-1] < packed_width:
+            out = torch.nn.functional.pad(out, (0, packed_width - out.shape[-1]))
+        return self._flatten_heads(out, settings["packing"])
+
+    def _call_settings(self, query: torch.Tensor, attn_mask_type: Optional[AttnMaskType],
+                       attention_bias: Optional[torch.Tensor], packed_seq_params) -> dict:
+        """The op's keyword arguments for one call (its PackedLayout under "packing"), after the call's checks."""
         packing = self._packed_layout(packed_seq_params, query)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the 2d backend")
@@ -155,18 +176,22 @@ class CoreAttention2D(MegatronModule):
             raise ValueError(f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
                              f"{[m.name for m in SUPPORTED_MASKS]}")
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
-        attention = partial(_attention_with_sinks, groups=self.groups, causal=mask_type == AttnMaskType.causal,
-                            softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window,
-                            dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"),
-                            packing=packing)
-        sinks = self.softmax_offset
+        return dict(groups=self.groups, causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
+                    kernel=self.kernel, sliding_window=window,
+                    dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"), packing=packing)
+
+    def _run(self, op, tensors, settings: dict) -> torch.Tensor:
+        """``op(*tensors, sinks, **settings)``, through the Checkpoint++ keeper when it is on."""
+        attention = partial(op, **settings)
         if self.keeper is None:
-            out = attention(query, key, value, sinks)
-        else:
-            out = self.keeper(attention, query, key, value, sinks)
+            return attention(*tensors, self.softmax_offset)
+        return self.keeper(attention, *tensors, self.softmax_offset)
+
+    @staticmethod
+    def _flatten_heads(out: torch.Tensor, packing) -> torch.Tensor:
         if packing is not None:
-            return out.reshape(out.shape[0], -1)                              # [t, hq/tp * d]
-        return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]
+            return out.reshape(out.shape[0], -1)                              # [t, hq/tp * dv]
+        return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * dv]
 
     def _packed_layout(self, packed_seq_params, query: torch.Tensor) -> Optional[PackedLayout]:
         """The PackedLayout of a THD batch (None for sbhd), built on the first layer and kept on the params."""
