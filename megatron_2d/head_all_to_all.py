@@ -22,6 +22,9 @@ straight from it (to_tokens), this rank's own units copied directly.
 tokens, or, for packed documents (``per_token``), a single token (Megatron's zigzag, so that each document's
 tokens are contiguous and ascending for the ring). None keeps the received order (hp = 1, and the packed documents
 layout, which is built in ring order).
+
+:class:`HeadAllGather` moves a tensor shared by every head (MLA's latent) the same way: all-gathered over the head
+group into the same ascending token order, its gradient summed back (the reverse all-to-all, summed).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import CommCounter, all_to_all_counted
+from .comm import CommCounter, all_gather_counted, all_to_all_counted
 
 Widths = Tuple[int, ...]          # the head dims of one group's tensors, in order
 
@@ -270,6 +273,23 @@ class HeadExchange:
             return _direct_to_tokens(ys, widths, self, unit)
         return to_tokens(ys, widths, self.head_parallel_size, self.order, unit, self.group, self.counter)
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[2c, b, F] (a tensor every head shares) -> [b, S, F], every head rank's tokens in ascending order."""
+        if self.group is None:
+            return _ascending(x.transpose(0, 1), self.order, self.unit(x.shape[0]))
+        gathered = all_gather_counted(x, self.group, self.counter)      # [hp (src) * 2c, b, F]
+        gathered = gathered.unflatten(0, (self.head_parallel_size, x.shape[0]))          # [hp (src), 2c, b, F]
+        return _ascending(gathered.permute(2, 0, 1, 3).flatten(1, 2), self.order, self.unit(x.shape[0]))
+
+    def gather_backward(self, dy: torch.Tensor) -> torch.Tensor:
+        """The gradient of :meth:`gather`: dy [b, S, F] -> [2c, b, F], summed over the head group."""
+        two_c = dy.shape[1] // self.head_parallel_size
+        if self.group is None:
+            return _into_received(torch.empty_like(dy), dy, self.order, self.unit(two_c)).transpose(0, 1)
+        send = dy.new_empty(self.head_parallel_size, two_c, dy.shape[0], dy.shape[2])   # [hp (dst), 2c, b, F]
+        _into_received(send.permute(2, 0, 1, 3).flatten(1, 2), dy, self.order, self.unit(two_c))
+        return all_to_all_counted(send, self.group, self.counter).sum(0)         # [2c, b, F]
+
 
 class HeadAllToAll(torch.autograd.Function):
     """The head all-to-all in ``direction`` over several tensors at once; its backward is the reverse exchange.
@@ -296,3 +316,16 @@ class HeadAllToAll(torch.autograd.Function):
             back = ctx.exchange.to_heads(grads, [len(w) for w in ctx.widths])
         return (None, None, None, *back)
 
+
+class HeadAllGather(torch.autograd.Function):
+    """A tensor shared by every head, [2c, b, F] -> [b, S, F] over the head group (all-gather); backward sums the
+    head ranks' gradients of each token (the reverse all-to-all, summed)."""
+
+    @staticmethod
+    def forward(ctx, exchange: HeadExchange, x: torch.Tensor) -> torch.Tensor:
+        ctx.exchange = exchange
+        return exchange.gather(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return None, ctx.exchange.gather_backward(dy.contiguous())

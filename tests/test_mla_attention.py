@@ -1,9 +1,12 @@
-"""attention_2d with a value head dim narrower than the query/key head dim (MLA: 192 / 128), on forked ranks.
+"""MLA's attention on forked ranks: a value head dim narrower than the query/key head dim (192 / 128), and the
+latent ring.
 
-K and V travel side by side, unpadded; kernels that need equal head dims (torch's CPU flash kernel, flash-attn 2)
-get V padded as Transformer Engine pads it. Every case compares out, dq, dk, dv with a single-process fp64
-reference on the same layout helper's shards; Transformer Engine's four MLA CP configs run in bf16 with TE's
-tolerances.
+attention_2d (stage 1): K and V travel side by side, unpadded; kernels that need equal head dims (torch's CPU flash
+kernel, flash-attn 2) get V padded as Transformer Engine pads it. latent_attention_2d (stage 2): the ring carries
+the latent and the rope key, each rank up-projects every block for its heads. Every case compares out and every
+gradient (the up-projection weight's, summed over the CP group, included) with a single-process fp64 reference on
+the same layout helper's shards; Transformer Engine's four MLA CP configs run in bf16 with TE's tolerances; the
+ring bytes of both stages follow their closed forms, at DeepSeek-V3's dims.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import datetime
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import megatron_2d
 from megatron_2d.kernels import select_kernel
@@ -74,15 +78,74 @@ def mla_cases(rank, world, hp, w, placement):
         errors[("packed", mode)] = max(
             ((a.double() - layout.shard(e)).abs().max() / e.abs().max()).item()
             for a, e in ((out, expected), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)))
+    packings = [(cu, megatron_2d.PackedLayout(cu, groups, mode=mode)) for mode in ("zigzag", "documents")]
+    errors.update(latent_cases(groups, rank, world, shard, packings))
+    return errors
+
+
+NOPE, ROPE, VALUE, RANK = 6, 4, 5, 7        # qk_head_dim, qk_pos_emb_head_dim, v_head_dim, kv_lora_rank (small)
+# (causal, sliding window, batch, sinks): the latent ring on the Double-Ring, the neighbour exchange, batch 1
+LATENT_CASES = [(True, (-1, -1), 2, False), (False, (-1, -1), 1, False), (True, (3, 0), 2, False),
+                (True, (40, 0), 1, True), (False, (5, 7), 2, False)]
+
+
+def _latent_inputs(T, batch, hq, seed):
+    """q [T, b, hq, dn + dr], latent [T, b, r + dr], the up-projection weight [hq * (dn + dv), r] and dout, fp64."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((T, batch, hq, NOPE + ROPE), (T, batch, RANK + ROPE), (hq * (NOPE + VALUE), RANK), (T, batch, hq, VALUE))
+    return [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+
+
+def _expand(latent, weight, hq, nope=NOPE, value=VALUE, rank=RANK):
+    """Per-head (k, v) of MLA from latent [..., r + dr] and weight [hq * (dn + dv), r] (the reference's own)."""
+    kv = torch.einsum("...r,hdr->...hd", latent[..., :rank], weight.view(hq, nope + value, rank))
+    k_rope = latent[..., rank:].unsqueeze(-2).expand(*kv.shape[:-1], latent.shape[-1] - rank)
+    return torch.cat([kv[..., :nope], k_rope], dim=-1), kv[..., nope:]
+
+
+def latent_cases(groups, rank, world, shard, packings=()):
+    """Errors of latent_attention_2d against the fp64 reference for LATENT_CASES (sbhd) and ``packings``."""
+    errors = {}
+    runs = [(case, None) for case in LATENT_CASES] + [((True, (20, 0), 1, False), p) for p in packings]
+    for i, ((causal, window, batch, with_sinks), packing) in enumerate(runs):
+        T = int(packing[0][-1]) if packing else 16 * world
+        q, latent, weight, dout = _latent_inputs(T, batch, 8, seed=20 + i)
+        sinks = torch.linspace(-1, 1, 8, dtype=torch.float64) if with_sinks else None
+        if packing:
+            cu, layout = packing
+            q, latent, dout = q[:, 0], latent[:, 0], dout[:, 0]
+            shard = layout.shard
+        leaves = [x.requires_grad_(True) for x in (q, latent, weight) + ((sinks,) if with_sinks else ())]
+        k, v = _expand(latent, weight, 8)
+        if packing:
+            expected = packed_reference_attention(q, k, v, packing[0], causal, 0.3, window=window)
+        else:
+            expected = reference_attention(q, k, v, causal, 0.3, window=window, sinks=sinks)
+        expected.backward(dout)
+        ql, ll = (shard(x.detach()).float().requires_grad_(True) for x in (q, latent))
+        wl = weight.detach().float().requires_grad_(True)
+        sl = sinks.detach().float().requires_grad_(True) if with_sinks else None
+        out = megatron_2d.latent_attention_2d(ql, ll, wl, groups, nope_dim=NOPE, value_dim=VALUE, causal=causal,
+                                              softmax_scale=0.3, sliding_window=window, sinks=sl,
+                                              packing=packing[1] if packing else None)
+        out.backward(shard(dout).float())
+        replicated = [wl.grad] + ([sl.grad] if with_sinks else [])     # CP ranks hold shares: summed over CP
+        for grad in replicated:
+            dist.all_reduce(grad)
+        pairs = [(out, expected), (ql.grad, q.grad), (ll.grad, latent.grad)]
+        errs = [(a.double() - shard(e.detach())).abs().max().item() / e.abs().max().item() for a, e in pairs]
+        errs += [rel_err(g, leaf.grad) for g, leaf in zip(replicated, leaves[2:])]
+        errors[("latent", causal, window, batch, with_sinks, packing[1].mode if packing else None)] = max(errs)
     return errors
 
 
 @pytest.mark.parametrize("world, hp, w, placement", LAYOUTS, ids=[f"N{n}-hp{h}-w{w}-{p}" for n, h, w, p in LAYOUTS])
-def test_value_dim_narrower_than_key_dim_is_exact(world, hp, w, placement):
-    for errors in run_on_ranks(world, mla_cases, hp, w, placement, timeout_s=240):
+def test_mla_attention_is_exact(world, hp, w, placement):
+    """Stage 1 (attention_2d with dk != dv) and stage 2 (latent_attention_2d) on one layout, one fork."""
+    for errors in run_on_ranks(world, mla_cases, hp, w, placement, timeout_s=300):
         bad = {case: err for case, err in errors.items() if not err < TOLERANCE[torch.float32]}
         assert not bad, bad
-        assert len(errors) == len(CASES) + 2
+        assert len(errors) == len(CASES) + 2 + len(LATENT_CASES) + 2
 
 
 # Transformer Engine's MLA context-parallel configs (tests/pytorch/attention/test_attention_with_cp.py,
@@ -168,3 +231,48 @@ def wider_value(rank, world):
 def test_value_wider_than_key_is_refused_by_name():
     with pytest.raises(RankFailure, match="value head dim 24 exceeds the query/key head dim 16: the cpu_flash"):
         run_on_ranks(1, wider_value)
+
+
+# DeepSeek-V3's attention at TP = 8: 128 / 8 = 16 heads per TP rank, qk 128 + rope 64, v 128, kv_lora_rank 512
+DSV3_TP8 = dict(heads=16, nope=128, rope=64, value=128, rank=512)
+
+
+def ring_bytes_per_token(values_per_token: int, cp: int, elem: int = 2, rider_elem: int = 4) -> int:
+    """Closed form: bytes one rank sends round the ring per token of its block, forward + backward. Blocks of
+    ``values_per_token`` values in the input dtype make cp - 1 hops forward and again in backward; their gradient
+    riders (fp32, the default dkv_comm_dtype) cp - 1 hops."""
+    return (cp - 1) * values_per_token * (2 * elem + rider_elem)
+
+
+def ring_bytes(rank, world, hp):
+    """Per-token ring bytes of one fwd+bwd of each stage at DeepSeek-V3's dims (bf16, 8 tokens per rank)."""
+    d = DSV3_TP8
+    groups = megatron_2d.build_2d_groups(hp, world // hp, timeout=TIMEOUT)
+    g = torch.Generator().manual_seed(0)
+    s_local, heads, dk = 8, d["heads"], d["nope"] + d["rope"]
+    rand = lambda *shape: (0.1 * torch.randn(*shape, generator=g)).to(torch.bfloat16).requires_grad_(True)  # noqa
+    q, latent = rand(s_local, 1, heads, dk), rand(s_local, 1, d["rank"] + d["rope"])
+    weight = rand(heads * (d["nope"] + d["value"]), d["rank"])
+    k, v = (x.to(torch.bfloat16).contiguous().requires_grad_(True)
+            for x in _expand(latent.detach().float(), weight.detach().float(), heads, d["nope"], d["value"], d["rank"]))
+    sent = {}
+    for stage, run in (("expanded", lambda: megatron_2d.attention_2d(q, k, v, groups)),
+                       ("latent", lambda: megatron_2d.latent_attention_2d(q, latent, weight, groups,
+                                                                          nope_dim=d["nope"], value_dim=d["value"]))):
+        groups.comm_bytes.reset()
+        run().float().sum().backward()
+        counted = groups.comm_bytes.as_dict()
+        sent[stage] = (counted["inner_ring"] + counted["outer_ring"]) / (s_local * hp)   # per token of the block
+    return sent
+
+
+@pytest.mark.parametrize("hp", [1, 2])
+def test_ring_bytes_follow_the_closed_form_and_the_latent_ring_sends_an_eighth(hp):
+    world, d = 4, DSV3_TP8
+    cp, local_heads = world // hp, d["heads"] // hp
+    expanded = ring_bytes_per_token(local_heads * (d["nope"] + d["rope"] + d["value"]), cp)   # K and V per head
+    latent = ring_bytes_per_token(d["rank"] + d["rope"], cp)                                 # once per token
+    for sent in run_on_ranks(world, ring_bytes, hp, timeout_s=120):
+        assert sent == {"expanded": expanded, "latent": latent}
+    if hp == 1:     # DeepSeek-V3 at TP 8: 576 values per token against 16 x 320 = 5120
+        assert latent / expanded <= 1 / 8

@@ -57,7 +57,7 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"
        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rope-type", "rope"]
 
 
-@pytest.mark.parametrize("ring", ["expanded"])
+@pytest.mark.parametrize("ring", ["expanded", "latent"])
 def test_mla_flags_build_the_mla_2d_config_and_spec(parse, ring):
     from megatron_2d.megatron import MLATransformerConfig2D
 

@@ -31,6 +31,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 
 from ..attention import attention_2d
 from ..band import SlidingWindow
+from ..latent_attention import latent_attention_2d
 from ..packed_layout import PackedLayout
 from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
@@ -57,6 +58,11 @@ def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
 def _attention_with_sinks(q, k, v, sinks=None, **kwargs):
     """attention_2d with the sinks positional (the Checkpoint++ keeper passes tensors positionally)."""
     return attention_2d(q, k, v, sinks=sinks, **kwargs)
+
+
+def _latent_attention_with_sinks(q, latent, up_weight, sinks=None, **kwargs):
+    """latent_attention_2d with the sinks positional (as :func:`_attention_with_sinks`)."""
+    return latent_attention_2d(q, latent, up_weight, sinks=sinks, **kwargs)
 
 
 class CoreAttention2D(MegatronModule):
@@ -164,6 +170,19 @@ class CoreAttention2D(MegatronModule):
         if out.shape[-1] < packed_width:
             out = torch.nn.functional.pad(out, (0, packed_width - out.shape[-1]))
         return self._flatten_heads(out, settings["packing"])
+
+    def latent_forward(self, query: torch.Tensor, latent: torch.Tensor, up_weight: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], *, nope_dim: int, value_dim: int,
+                       attn_mask_type: Optional[AttnMaskType] = None, packed_seq_params=None) -> torch.Tensor:
+        """MLA with the latent on the ring (cp_2d_mla_ring="latent", :mod:`megatron_2d.megatron.mla`): query
+        [s/CP, b, hq/tp, dk], latent [s/CP, b, kv_lora_rank + rope dim], ``up_weight`` linear_kv_up_proj's weight
+        -> [s/CP, b, hq/tp * dv] (THD: [t, ...] without b), through :func:`megatron_2d.latent_attention_2d`."""
+        if self.delegate is not None:
+            raise ValueError(f"layer {self.layer_number} runs Transformer Engine's CP attention (its cp_comm_type is "
+                             f"not '2d'), which has no latent ring; use cp_2d_mla_ring='expanded'")
+        settings = self._call_settings(query, attn_mask_type, None, packed_seq_params)
+        op = partial(_latent_attention_with_sinks, nope_dim=nope_dim, value_dim=value_dim)
+        return self._flatten_heads(self._run(op, (query, latent, up_weight), settings), settings["packing"])
 
     def _call_settings(self, query: torch.Tensor, attn_mask_type: Optional[AttnMaskType],
                        attention_bias: Optional[torch.Tensor], packed_seq_params) -> dict:

@@ -13,7 +13,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch
-from .mla import mla_layer_options
+from .mla import mla_layer_options, use_latent_ring
 from .settings import settings_from_config, uses_2d
 
 
@@ -41,7 +41,7 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_tr
     params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
-    return spec
+    return use_latent_ring(spec, config, use_te)
 
 
 def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> ModuleSpec:
