@@ -6,7 +6,8 @@
 
 Each layout is estimated under every recompute mode its kind supports (none, Megatron selective, full,
 Selective Checkpoint++ for 2D) and gets the fastest that fits in GPU memory; ``recommended(cands)`` is the first
-feasible row (None when nothing fits).
+feasible row (None when nothing fits). An MLA model (``ModelSpec.mla``, preset DSV3-MLA) gets each 2D layout with
+per-head K/V on the ring and with the latent (``--cp-2d-mla-ring latent``).
 
 Modules: hardware (specs, presets, PlanError), placement (which links each path uses), cost_model (formulas,
 memory and recompute), candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit
@@ -18,12 +19,12 @@ from .calibrate import FitResult, WorkCounts, calibrate, fit_rates, work_counts
 from .candidates import KINDS, Layout, check_layout, enumerate_layouts, megatron_flags
 from .cost_model import (RECOMPUTE_MODES, Estimate, MemoryBreakdown, estimate, layer_work, memory_breakdown,
                          replicated_kv_heads, with_recompute)
-from .hardware import (CLUSTER_PRESETS, MODEL_PRESETS, PRESETS, ClusterSpec, ModelSpec, ParallelSpec, PlanError,
-                       get_cluster, get_model)
+from .hardware import (CLUSTER_PRESETS, MODEL_PRESETS, PRESETS, ClusterSpec, MLASpec, ModelSpec, ParallelSpec,
+                       PlanError, get_cluster, get_model)
 from .planner import AUTO, Candidate, best_by_kind, evaluate, plan, recommended
 
 __all__ = [
-    "AUTO", "CLUSTER_PRESETS", "Candidate", "ClusterSpec", "Estimate", "FitResult", "KINDS", "Layout",
+    "AUTO", "CLUSTER_PRESETS", "Candidate", "ClusterSpec", "Estimate", "FitResult", "KINDS", "Layout", "MLASpec",
     "MODEL_PRESETS", "MemoryBreakdown", "ModelSpec", "PRESETS", "ParallelSpec", "PlanError", "RECOMPUTE_MODES",
     "WorkCounts", "best_by_kind", "calibrate", "check_layout", "enumerate_layouts", "estimate", "evaluate",
     "fit_rates", "get_cluster", "get_model", "layer_work", "megatron_flags", "memory_breakdown", "plan",
