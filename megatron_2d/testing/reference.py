@@ -69,6 +69,20 @@ TOLERANCES = {
 TOLERANCE = {dtype: t.end_to_end for dtype, t in TOLERANCES.items()}
 
 
+def hidden_keys(offset: torch.Tensor, causal: bool, window: Tuple[int, int]) -> torch.Tensor:
+    """Where query i must not see key j, from ``offset`` = j - i: after it (``causal``), or outside the sliding
+    ``window`` (left, right; -1 unbounded)."""
+    left, right = window
+    hidden = torch.zeros_like(offset, dtype=torch.bool)
+    if causal:
+        hidden |= offset > 0
+    if left != -1:
+        hidden |= offset < -left
+    if right != -1:
+        hidden |= offset > right
+    return hidden
+
+
 def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0, window=(-1, -1), sinks=None):
     """Plain softmax attention on [b, s, h, d] blocks (K/V heads repeated for GQA): (out [b, sq, hq, d],
     lse [b, hq, sq]). ``causal`` masks keys after each query (square blocks); ``window`` (left, right), -1 =
@@ -79,15 +93,7 @@ def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0, window
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     sq, sk = scores.shape[-2:]
     offset = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1)          # j - i
-    hidden = torch.zeros(sq, sk, dtype=torch.bool)
-    left, right = window
-    if causal:
-        hidden |= offset > 0
-    if left != -1:
-        hidden |= offset < -left
-    if right != -1:
-        hidden |= offset > right
-    scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
+    scores = scores.masked_fill(hidden_keys(offset, causal, window).to(scores.device), float("-inf"))
     if sinks is not None:
         sink_col = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink_col], dim=-1)
@@ -168,14 +174,7 @@ def reference_on_rank(q, k, v, dout, rank: int, world: int, max_elements: int = 
             scores = torch.einsum("nbhgd,mbhd->bhgnm", qb, kb) * scale
             offset = (torch.arange(lo, hi, device=q.device)[None, :]
                       - torch.arange(p0, p1, device=q.device)[:, None])                  # [n, m]: key - query
-            hidden = torch.zeros_like(offset, dtype=torch.bool)
-            if causal:
-                hidden |= offset > 0
-            if left != -1:
-                hidden |= offset < -left
-            if right != -1:
-                hidden |= offset > right
-            scores.masked_fill_(hidden, float("-inf"))
+            scores.masked_fill_(hidden_keys(offset, causal, window), float("-inf"))
             p = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
             out = torch.einsum("bhgnm,mbhd->nbhgd", p, vb)
             dp = torch.einsum("nbhgd,mbhd->bhgnm", dob, vb)
