@@ -60,6 +60,10 @@ def use_latent_ring(spec, config, use_transformer_engine: bool):
     if not uses_mla(config) or mla_ring(config) != LATENT:
         return spec
     attention = spec.submodules.self_attention
+    if attention.module not in LATENT_CLASSES:
+        raise ValueError(f"cp_2d_mla_ring='latent' replaces Megatron's MLA self attention "
+                         f"({', '.join(c.__name__ for c in LATENT_CLASSES)}); this spec's is "
+                         f"{getattr(attention.module, '__name__', attention.module)}")
     attention.module = LATENT_CLASSES[attention.module]
     if use_transformer_engine and getattr(config, "qk_layernorm", False):
         from megatron.core.models.backends import TESpecProvider
