@@ -21,6 +21,7 @@ from typing import List, Optional
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES
 from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
+from .links import FLAGS as LINK_FLAGS, IDEAL_LINKS, LinkEfficiency
 from .planner import AUTO, plan, recommended
 from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
 from .report import job_metadata, plan_json, print_plan
@@ -60,6 +61,14 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def link_efficiency(args, base: LinkEfficiency) -> LinkEfficiency:
+    """The cluster's link efficiency with the command line's --ideal-links and --*-eff / --interference applied."""
+    links = IDEAL_LINKS if args.ideal_links else base
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, (flag, _) in LINK_FLAGS.items()}
+    given = {k: v for k, v in given.items() if v is not None}
+    return replace(links, **given) if given else links
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_2d.plan",
                                 description="Rank 2D-Attention (LoongTrain) layouts and Megatron's stock context "
@@ -82,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-mem-gb", type=float, help="memory per GPU, GB")
     c.add_argument("--mem-fraction", type=float,
                    help="fraction of GPU memory a layout may use (default 0.9: context, NCCL, fragmentation)")
+    e = p.add_argument_group("link efficiency (megatron_2d.plan.links: defaults from published NCCL measurements)")
+    for flag, what in LINK_FLAGS.values():
+        e.add_argument(flag, type=float, metavar="X", help=what)
+    e.add_argument("--ideal-links", action="store_true",
+                   help="every flow at its nominal rate and no interference (then the flags above adjust that)")
     j = p.add_argument_group("job")
     j.add_argument("--seq", type=parse_seq, required=True, help="sequence length: 131072, 128K or 1M")
     j.add_argument("--tp", type=int, default=1, help="tensor-parallel size (fixed)")
@@ -134,6 +148,9 @@ def _specs(args):
                                  ("nvlink_gbps", args.nvlink_gbps), ("net_gbps_per_node", args.net_gbps),
                                  ("nics_per_node", args.nics), ("gpu_memory_gb", args.gpu_mem_gb),
                                  ("usable_memory_fraction", args.mem_fraction)) if v is not None}
+    links = link_efficiency(args, cluster.links)
+    if links != cluster.links:
+        changes["links"] = links
     if changes:
         cluster = cluster.with_(name=f"{cluster.name}(custom)", **changes)
     parallel = ParallelSpec(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
