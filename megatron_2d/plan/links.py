@@ -67,8 +67,8 @@ class LinkEfficiency:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if f.name == "interference":
                 if not ok or value < 0:
-                    raise _plan_error(f"link interference must be a finite number >= 0 (the slowdown of compute "
-                                    f"while transfers run, e.g. 0.1), got {value!r}")
+                    raise _plan_error(f"link interference ({FLAGS[f.name][0]}) must be a finite number >= 0 (the "
+                                      f"slowdown of compute while transfers run, e.g. 0.1), got {value!r}")
             elif not ok or not 0 < value <= 1:
                 raise _plan_error(f"link efficiency {f.name} ({FLAGS[f.name][0]}) must be in (0, 1], got {value!r}")
 
