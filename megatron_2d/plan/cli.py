@@ -6,6 +6,9 @@
     python -m megatron_2d.plan grid [--details]        # best 2D vs best stock over models, GPUs, lengths
     python -m megatron_2d.plan --gpus 64 --seq 128K --lengths-dist one-half     # packed documents, both modes
     python -m megatron_2d.plan --gpus 64 --seq 128K --lengths lengths.txt       # one length per line / JSON list
+    python -m megatron_2d.plan --model 70B-GQA --tp 8 --gpus 64 --seq 256K      # Hybrid ZeRO, Checkpoint++ planned
+    python -m megatron_2d.plan --gpus 32 --seq 1M --fair-memory   # stock gets the same memory options (what-if)
+    python -m megatron_2d.plan paper                   # LoongTrain's reported figures next to the planner's
 
 Exit status: 0 with a recommendation; 1 when no layout is feasible (the plan is still printed, with the smallest
 memory found and what would help) or when --plot cannot be written; 2 for bad arguments.
@@ -20,6 +23,7 @@ from typing import List, Optional
 
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES
 from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
+from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
 from .links import FLAGS as LINK_FLAGS, IDEAL_LINKS, LinkEfficiency
 from .planner import AUTO, plan, recommended
@@ -112,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recompute: auto (default: the fastest mode that fits in memory, per layout), "
                         "or force one: none, selective (Megatron core attention), full, ckpt++ (Selective "
                         "Checkpoint++, 2D only)")
+    j.add_argument("--memory", default="auto", choices=MEMORY_CHOICES,
+                   help="model-state options: auto (default: each side its own; 2D Hybrid ZeRO, stock the distributed "
+                        "optimizer and megatron-fsdp), dist-opt (everyone the distributed optimizer only), stock "
+                        "(everyone Megatron's own: 2D without Hybrid ZeRO's partial sharding), all (auto plus optimizer "
+                        "states sharded wider than params, which needs gradient clipping off)")
+    j.add_argument("--fair-memory", action="store_true",
+                   help="what-if: stock baselines get 2D's memory options (Hybrid ZeRO) and, hypothetically, "
+                        "Selective Checkpoint++, to separate what 2D gains by itself from what memory options give")
+    j.add_argument("--global-batch", type=parse_seq, default=4 << 20, metavar="TOKENS",
+                   help="tokens per optimizer step, e.g. 4M (default): per-step gradient and parameter communication "
+                        "is spread over its micro-batches")
     j.add_argument("--dkv-dtype", default="fp32", choices=tuple(DTYPE_BYTES),
                    help="dtype of the 2D ring's dK/dV partials (default fp32, what the op sends today; Transformer "
                         "Engine's rings are always modelled in bf16)")
@@ -181,12 +196,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             lengths = document_lengths(args.lengths_dist, args.seq, args.lengths_seed).tolist()
         if lengths is not None and args.plot:
             raise PlanError("--plot sweeps sequence lengths; it does not take packed --lengths")
+        memory = MemoryPolicy(args.memory, args.fair_memory, args.global_batch)
         cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype,
-                     lengths=lengths)
+                     lengths=lengths, memory=memory)
     except PlanError as err:
         parser.error(str(err))
     if args.json:
-        job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype)
+        job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype,
+                           memory)
         print(plan_json(cands, job))
     else:
         if lengths is not None:
@@ -195,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{args.lengths or args.lengths_dist}), longest {srt[-1]}, median {srt[len(srt) // 2]}; "
                   f"rows per layout: 2d zigzag / 2d documents / stock THD zigzag (padded to 2*CP)")
         print_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal,
-                   window=args.window)
+                   window=args.window, memory=memory)
     status = EXIT_OK if recommended(cands) is not None else EXIT_NO_FEASIBLE
     if status != EXIT_OK:
         print("no feasible layout (see the plan above for the smallest memory found and what would help)",
@@ -203,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.plot:
         try:
             plot_sweep(args.plot, model, cluster, parallel, args.plot_seqs, causal, args.window, args.recompute,
-                       args.dkv_dtype)
+                       args.dkv_dtype, memory)
             print(f"wrote {args.plot}", file=sys.stderr)
         except PlotUnavailable as err:
             print(f"cannot write {args.plot}: {err}", file=sys.stderr)

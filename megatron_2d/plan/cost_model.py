@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from ..ring_schedule import double_ring_events, final_hop_link, replay
+from ..zero_sharding import HybridZeRO, state_bytes_per_rank
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .links import overlapped
 from .placement import LinkClass, LinkMap, link_map
 from .windows import WindowWork, window_work
 
 if TYPE_CHECKING:
+    from .memory_options import ShardingCost
     from .packed import PackedWork
 
 BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors
@@ -208,6 +210,9 @@ class Estimate:
     """The parts ``memory_gb`` is made of, for every recompute mode."""
     neighbour_exchange: bool = False
     """A sliding window made the op exchange K/V with neighbours only (the window size w then has no effect)."""
+    states: Optional["ShardingCost"] = None
+    """How the model states are held (a memory option, :mod:`.memory_options`) and what that sends; None: the
+    distributed optimizer of ``memory``, its communication not modelled."""
 
     @property
     def comm_s(self) -> float:
@@ -347,7 +352,8 @@ class MemoryBreakdown:
     k, v, out."""
     model_states: float
     """bf16 weights + fp32 gradients of N/(TP*PP) parameters, and fp32 master weights + Adam moments (12 bytes
-    per parameter) sharded over DP x CP (Megatron's distributed optimizer)."""
+    per parameter) sharded over DP x CP (Megatron's distributed optimizer: megatron_2d.zero_sharding's
+    state_bytes_per_rank, the library's own count); a memory option (:mod:`.memory_options`) replaces it."""
     sharded_states: float = 0.0
     """The part of ``model_states`` sharded over DP x CP (the optimizer's 12 bytes per parameter)."""
 
@@ -408,14 +414,14 @@ def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int,
     nw = cp // w
     blocks = (2 + (1 if nw > 1 and w > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
     staging = BF16 * tokens * d * (2 * Ht + 2 * L) if hp > 1 else 0.0
-    params = model.total_params() / (tp * parallel.pp)
+    states = state_bytes_per_rank(-(-model.total_params() // (tp * parallel.pp)), HybridZeRO("optimizer"),
+                                  parallel.dp_size, CP, param_bytes=BF16, grad_bytes=FP32)
     return MemoryBreakdown(
         tokens=tokens, layers=model.layers, layer_input=BF16 * D / tp,
         dense_rest=BF16 * (3 * D + fc1_out + F) / tp, qkv=BF16 * (Ht + 2 * L) * d, attn_out=BF16 * Ht * d,
         o_proj_in=BF16 * Ht * d, lse=FP32 * Ht, logits=FP32 * tokens * model.vocab / tp,
         comm_buffers=blocks + staging,
-        model_states=params * (BF16 + FP32) + params * 12 / (parallel.dp_size * CP),
-        sharded_states=params * 12 / (parallel.dp_size * CP))
+        model_states=float(sum(states.values())), sharded_states=float(states["optimizer"]))
 
 
 def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
