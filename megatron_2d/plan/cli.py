@@ -179,6 +179,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["grid"] or "--grid" in argv:
         from .grid import main as grid_main
         return grid_main([a for a in argv if a not in ("grid", "--grid")])
+    if argv[:1] == ["paper"]:
+        from .paper import main as paper_main
+        return paper_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
