@@ -9,8 +9,8 @@ pretrain_hybrid.py's builder reads ``--spec`` with megatron's ``import_module``,
 (never by ``import megatron_2d``). Each is a copy of Megatron's spec with the attention layer's core attention
 replaced by :class:`CoreAttention2D`; Mamba, GDN, MLP, MoE, DSA/MLA and MTP slots stay Megatron's, so Megatron's
 later changes to them reach our users. The stack module is :class:`HybridStack2D`, Megatron's HybridStack that first
-checks its layers against the CP group (:func:`check_hybrid_layers`), on every rank and every route, before any
-layer is built. The TE variant copies ``hybrid_layer_specs.hybrid_stack_spec``; the local
+checks the launch and its layers against the CP group (:func:`.launch_checks.check_hybrid_layers`), on every rank
+and every route, before any layer is built. The TE variant copies ``hybrid_layer_specs.hybrid_stack_spec``; the local
 variant copies Megatron's local hybrid spec (``get_hybrid_stack_modelopt_spec(local_core_attention=True)``) with its
 Transformer Engine norms replaced by megatron-core's ``WrappedTorchNorm``. (HybridStack builds its final norm as
 ``TENorm`` whatever the spec says, so the local variant still needs TE for that one norm.)
@@ -32,8 +32,9 @@ from typing import Any, Dict, Optional
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..hybrid_layers import GDN, MAMBA, MAMBA_EXPAND, SSM_SYMBOLS, gdn_cp_problem, mamba_cp_problem, mamba_num_heads
+from ..hybrid_layers import MAMBA_EXPAND
 from .core_attention import CoreAttention2D
+from .launch_checks import check_current_launch, check_hybrid_layers
 
 ATTENTION_SLOT = "attention_layer"
 
@@ -78,39 +79,14 @@ def _hashable(node: Any) -> bool:
     return True
 
 
-def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -> None:
-    """Refuse, with ValueError, hybrid ``layers`` (symbols, e.g. "M*-M*-") the CP group cannot run:
-
-    * Mamba / GDN heads that do not divide over TP x CP (their all-to-all spans the whole CP group, hp x cp);
-    * Mamba / GDN layers with ``cp_2d_packing="documents"``: they read tokens in Megatron's zigzag order, and the
-      documents layout keeps short documents whole on one rank instead (they would run on misordered tokens)."""
-    present = sorted(set(layers) & SSM_SYMBOLS)
-    if not present:
-        return
-    names = {MAMBA: "Mamba (M)", GDN: "GDN (G)"}
-    if getattr(config, "cp_2d_packing", "zigzag") == "documents" and config.context_parallel_size > 1:
-        raise ValueError(f"cp_2d_packing='documents' cannot run a model with {' and '.join(names[s] for s in present)}"
-                         f" layers: Megatron's Mamba/GDN context parallelism reads tokens in its zigzag order, and the"
-                         f" documents layout keeps short documents whole on one context rank; use cp_2d_packing="
-                         f"'zigzag' (--cp-2d-packing zigzag, Megatron's THD split, e.g. --sft batches)")
-    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
-    problems = []
-    if MAMBA in present:
-        heads = mamba_num_heads(config.hidden_size, config.mamba_head_dim, config.mamba_num_heads, mamba_expand)
-        problems.append(mamba_cp_problem(heads, config.mamba_num_groups, tp, cp))
-    if GDN in present:
-        problems.append(gdn_cp_problem(config.linear_num_key_heads, config.linear_num_value_heads, tp, cp))
-    problems = [p for p in problems if p]
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
 class HybridStack2D(HybridStack):
-    """Megatron's HybridStack, checking its layers first (:func:`check_hybrid_layers`)."""
+    """Megatron's HybridStack that first checks the launch (:mod:`.launch_checks`, when megatron.training runs one)
+    and its layers against the CP group (:func:`check_hybrid_layers`)."""
 
     def __init__(self, config, submodules, *args, **kwargs) -> None:
         mixer = getattr(getattr(submodules.mamba_layer, "submodules", None), "mixer", None)
         expand = getattr(mixer, "params", {}).get("expand", MAMBA_EXPAND)
+        check_current_launch()
         check_hybrid_layers(config, "".join(kwargs.get("layer_type_list") or []), expand)
         super().__init__(config, submodules, *args, **kwargs)
 

@@ -123,3 +123,12 @@ def install_hybrid_cpu_shims() -> None:
     _install_final_norm()
     _install_thd_partition()
     _INSTALLED = True
+
+
+def _megatron_local_hybrid_stack_spec():
+    from megatron_2d.megatron.hybrid_spec import megatron_hybrid_stack_spec
+
+    return megatron_hybrid_stack_spec(use_transformer_engine=False)
+
+
+megatron_local_hybrid_stack_spec = _megatron_local_hybrid_stack_spec()
