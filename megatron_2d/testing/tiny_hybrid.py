@@ -30,8 +30,8 @@ SSM_SIZES = dict(activation_func=torch.nn.functional.silu, mamba_state_dim=16, m
 def tiny_hybrid_config(pattern: str, settings: Optional[Tuple[int, int, str]] = None, **fields) -> tg.TinyGPTConfig:
     """TinyGPTConfig of a hybrid ``pattern`` (one config layer per pattern symbol); with 2D settings (hp, w,
     placement): TransformerConfig2D and cp_comm_type "2d". ``fields`` set TinyGPTConfig fields."""
-    cfg = tg.TinyGPTConfig(num_layers=len(decoder_layers(pattern)), hidden_size=64, num_attention_heads=4,
-                           num_query_groups=2, seq_length=64, **fields)
+    sizes = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=64)
+    cfg = tg.TinyGPTConfig(num_layers=len(decoder_layers(pattern)), **{**sizes, **fields})
     cfg.config_overrides = {**SSM_SIZES, **cfg.config_overrides}
     if settings is not None:
         from megatron_2d.megatron import TransformerConfig2D
