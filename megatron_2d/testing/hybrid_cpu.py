@@ -98,17 +98,12 @@ def _install_thd_partition() -> None:
     from megatron_2d.megatron.packed_data import thd_partitioned_indices
 
     def thd_get_partitioned_indices(cu_seqlens, total_tokens, cp_size, cp_rank):
-        return thd_partitioned_indices(cu_seqlens, total_tokens, cp_size, cp_rank).to(
-            torch_device_of(cu_seqlens))
+        return thd_partitioned_indices(cu_seqlens, total_tokens, cp_size, cp_rank).to(cu_seqlens.device)
 
     tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
     utils.tex = tex
     mamba_context_parallel.tex = tex
     mamba_context_parallel.is_te_min_version = lambda version, check_equality=True: True
-
-
-def torch_device_of(tensor):
-    return getattr(tensor, "device", None) or "cpu"
 
 
 def install_hybrid_cpu_shims() -> None:
