@@ -11,6 +11,7 @@ from .candidates import (KINDS, RECOMPUTE_BY_KIND, Layout, check_layout, enumera
                          kind_kv_heads, megatron_flags)
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
+from .hybrid import HybridPattern, with_extra_step
 from .packed import PackedWork, modes_for, packed_work
 
 AUTO = "auto"
@@ -207,7 +208,8 @@ def layer_windows(window: Window, layers: int) -> Dict[Optional[int], int]:
 def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str],
              parallel: ParallelSpec, seq: int, causal: bool = True, window: Window = None,
              recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32",
-             lengths: Optional[Sequence[int]] = None, packing: Optional[str] = None) -> Candidate:
+             lengths: Optional[Sequence[int]] = None, packing: Optional[str] = None,
+             hybrid: Optional[HybridPattern] = None) -> Candidate:
     """Check and, when the layout can run, estimate it under each recompute mode and keep the fastest that fits.
 
     ``lengths`` (document lengths summing to ``seq``) with ``packing`` (a mode of
@@ -216,8 +218,11 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
     AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's
     dK/dV partials ('fp32' today; 'bf16' models an input-dtype option); Transformer Engine's rings always use bf16
-    (see candidates.kind_dkv_dtype)."""
+    (see candidates.kind_dkv_dtype). ``hybrid``: a HybridModel pattern (:mod:`megatron_2d.plan.hybrid`): the
+    layout's attention is costed on its attention layers, its Mamba / GDN layers' own all-to-alls are added."""
     model, cluster = _resolve(model, cluster)
+    if hybrid is not None:
+        model = hybrid.attention_model(model)
     validate_job(model, parallel, seq)
     if dkv_dtype not in DTYPE_BYTES:
         raise PlanError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -250,6 +255,8 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
                                      causal, win, dkv_dtype=dkv, kv_heads=kv_heads, packed=packed), n)
                            for win, n in mix.items()])
+    if hybrid is not None:
+        base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
     options = tuple(_fewest_layers(base, m, budget, parallel.pp) for m in modes)
     chosen, fits = choose_recompute(options, budget)
     per_stage = chosen.recompute_layers // parallel.pp
@@ -292,13 +299,15 @@ def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
 
 def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
          causal: bool = True, window: Window = None, recompute: Union[str, Sequence[str]] = AUTO,
-         dkv_dtype: str = "fp32", lengths: Optional[Sequence[int]] = None) -> List[Candidate]:
+         dkv_dtype: str = "fp32", lengths: Optional[Sequence[int]] = None,
+         hybrid_pattern: Optional[str] = None) -> List[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.
 
     Each layout gets the fastest recompute mode that fits (``recompute``: AUTO, one mode or a list); the first
     row, when feasible, is the recommendation (see :func:`recommended`). ``lengths``: document lengths of a packed
     batch (summing to ``seq``): one row per layout and packed mode (2D: zigzag and documents; stock: THD zigzag).
+    ``hybrid_pattern``: a HybridModel's ``--hybrid-layer-pattern`` (see :mod:`megatron_2d.plan.hybrid`).
 
     >>> from megatron_2d.plan import plan, ParallelSpec
     >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
@@ -309,16 +318,23 @@ def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], paralle
     ['hp=64 does not divide the 32 query heads per TP rank; valid hp: [1, 2, 4, 8, 16, 32]']
     """
     model, cluster = _resolve(model, cluster)
-    validate_job(model, parallel, seq)
+    hybrid = None
+    if hybrid_pattern is not None:
+        hybrid = HybridPattern.parse(hybrid_pattern)
+        problem = hybrid.problem(model, parallel.tp, parallel.cp_size)
+        if problem:
+            raise PlanError(problem)
+    validate_job(model if hybrid is None else hybrid.attention_model(model), parallel, seq)
     if lengths is not None:
         lengths = [int(x) for x in lengths]
         if not lengths or min(lengths) < 1 or sum(lengths) != seq:
             raise PlanError(f"packed document lengths must be positive and sum to the sequence length {seq}; got "
                             f"{len(lengths)} lengths summing to {sum(lengths)}")
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, lengths, mode)
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, lengths, mode,
+                          hybrid=hybrid)
                  for l in enumerate_layouts(model, parallel) for mode in modes_for(l.kind)]
     else:
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype)
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, hybrid=hybrid)
                  for l in enumerate_layouts(model, parallel)]
     if window is not None:
         cands = _collapse_windows(cands)
