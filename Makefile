@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_2d-installed
 
-.PHONY: install demo test bench pretrain-cpu mutation fuzz clean
+.PHONY: install demo test bench pretrain-cpu pretrain-hybrid-cpu mutation fuzz clean
 install: $(STAMP)
 
 $(STAMP): tools/install.sh requirements.txt requirements-dev.txt pyproject.toml
@@ -19,6 +19,10 @@ test: $(STAMP)
 # Megatron-LM's pretrain_gpt.py (patched) with 2D CP on 4 CPU ranks under torchrun (needs ../shared/megatron-lm).
 pretrain-cpu: $(STAMP)
 	PY=$(PY) bash tools/pretrain_gpt_cpu.sh
+
+# Megatron-LM's pretrain_hybrid.py (patched): Mamba + 2D attention layers ('M*-M*-'), CP=4 on 4 CPU ranks.
+pretrain-hybrid-cpu: $(STAMP)
+	ENTRY=hybrid PY=$(PY) bash tools/pretrain_gpt_cpu.sh
 
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4

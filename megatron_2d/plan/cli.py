@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
+    j.add_argument("--hybrid-pattern", default=None, metavar="PATTERN",
+                   help="a HybridModel's --hybrid-layer-pattern (e.g. 'M*-M*-'): 2D costed on the attention layers "
+                        "('*', each with one MLP), Mamba (M) / GDN (G) layers' own all-to-all over the whole CP "
+                        "group added to every layout")
     j.add_argument("--window", type=parse_window, default=None,
                    help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer, or a per-layer pattern "
                         "repeated over the layers, 'full' for a full causal layer (e.g. 128,full); p2p and a2a+p2p "
@@ -201,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise PlanError("--plot sweeps sequence lengths; it does not take packed --lengths")
         memory = MemoryPolicy(args.memory, args.fair_memory, args.global_batch)
         cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype,
-                     lengths=lengths, memory=memory)
+                     lengths=lengths, hybrid_pattern=args.hybrid_pattern, memory=memory)
     except PlanError as err:
         parser.error(str(err))
     if args.json:

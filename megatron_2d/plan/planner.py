@@ -11,6 +11,7 @@ from .candidates import (KINDS, RECOMPUTE_BY_KIND, STOCK_KINDS, Layout, check_la
                          kind_dkv_dtype, kind_kv_heads, megatron_flags)
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
+from .hybrid import HybridPattern, with_extra_step
 from .memory_options import MemoryPolicy, memory_options, states_record, with_memory
 from .packed import PackedWork, modes_for, packed_work
 
@@ -233,7 +234,7 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
              parallel: ParallelSpec, seq: int, causal: bool = True, window: Window = None,
              recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32",
              lengths: Optional[Sequence[int]] = None, packing: Optional[str] = None,
-             memory: MemoryPolicy = MemoryPolicy()) -> Candidate:
+             hybrid: Optional[HybridPattern] = None, memory: MemoryPolicy = MemoryPolicy()) -> Candidate:
     """Check and, when the layout can run, estimate it under each memory option and recompute mode and keep the
     fastest that fits.
 
@@ -246,8 +247,11 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
     AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's
     dK/dV partials ('fp32' today; 'bf16' models an input-dtype option); Transformer Engine's rings always use bf16
-    (see candidates.kind_dkv_dtype)."""
+    (see candidates.kind_dkv_dtype). ``hybrid``: a HybridModel pattern (:mod:`megatron_2d.plan.hybrid`): the
+    layout's attention is costed on its attention layers, its Mamba / GDN layers' own all-to-alls are added."""
     model, cluster = _resolve(model, cluster)
+    if hybrid is not None:
+        model = hybrid.attention_model(model)
     validate_job(model, parallel, seq)
     if dkv_dtype not in DTYPE_BYTES:
         raise PlanError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -281,6 +285,8 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
                                      causal, win, dkv_dtype=dkv, kv_heads=kv_heads, packed=packed), n)
                            for win, n in mix.items()])
+    if hybrid is not None:
+        base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
     held = [with_memory(base, o, model, cluster, parallel, layout.cp_size, memory.accum_steps(seq, parallel))
             for o in memory_options(layout.kind, parallel, cluster, memory, layout.cp_size)]
     options = tuple(_fewest_layers(b, m, budget, parallel.pp) for b in held for m in modes)
@@ -333,13 +339,14 @@ def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
 def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
          causal: bool = True, window: Window = None, recompute: Union[str, Sequence[str]] = AUTO,
          dkv_dtype: str = "fp32", lengths: Optional[Sequence[int]] = None,
-         memory: MemoryPolicy = MemoryPolicy()) -> List[Candidate]:
+         hybrid_pattern: Optional[str] = None, memory: MemoryPolicy = MemoryPolicy()) -> List[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.
 
     Each layout gets the fastest recompute mode that fits (``recompute``: AUTO, one mode or a list); the first
     row, when feasible, is the recommendation (see :func:`recommended`). ``lengths``: document lengths of a packed
     batch (summing to ``seq``): one row per layout and packed mode (2D: zigzag and documents; stock: THD zigzag).
+    ``hybrid_pattern``: a HybridModel's ``--hybrid-layer-pattern`` (see :mod:`megatron_2d.plan.hybrid`).
 
     >>> from megatron_2d.plan import plan, ParallelSpec
     >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
@@ -350,17 +357,24 @@ def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], paralle
     ['hp=64 does not divide the 32 query heads per TP rank; valid hp: [1, 2, 4, 8, 16, 32]']
     """
     model, cluster = _resolve(model, cluster)
-    validate_job(model, parallel, seq)
+    hybrid = None
+    if hybrid_pattern is not None:
+        hybrid = HybridPattern.parse(hybrid_pattern)
+        problem = hybrid.problem(model, parallel.tp, parallel.cp_size)
+        if problem:
+            raise PlanError(problem)
+    validate_job(model if hybrid is None else hybrid.attention_model(model), parallel, seq)
     if lengths is not None:
         lengths = [int(x) for x in lengths]
         if not lengths or min(lengths) < 1 or sum(lengths) != seq:
             raise PlanError(f"packed document lengths must be positive and sum to the sequence length {seq}; got "
                             f"{len(lengths)} lengths summing to {sum(lengths)}")
         cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, lengths, mode,
-                          memory=memory)
+                          hybrid=hybrid, memory=memory)
                  for l in enumerate_layouts(model, parallel) for mode in modes_for(l.kind)]
     else:
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, memory=memory)
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, hybrid=hybrid,
+                          memory=memory)
                  for l in enumerate_layouts(model, parallel)]
     if window is not None:
         cands = _collapse_windows(cands)
