@@ -255,9 +255,9 @@ def state_bytes_per_rank(
 
     N = ``num_params`` (this rank's model-parallel share: parameters per TP/PP rank), P / G = ``param_bytes`` /
     ``grad_bytes``, bytes per element of the params and of the grad buffer (Megatron's grad buffer dtype: fp32 with
-    ``grad_reduce_in_fp32``, else the param dtype; megatron-fsdp's ``megatron_fsdp_main_grads_dtype``), S = shard size, S_opt = optimizer shard size,
-    M = 4 (fp32 main params) when they are a separate copy, else 0, K = 8 for Adam (fp32 exp_avg + exp_avg_sq),
-    4 for SGD (fp32 momentum). Divisions round up.
+    ``grad_reduce_in_fp32``, else the param dtype; megatron-fsdp's ``megatron_fsdp_main_grads_dtype``), S = shard
+    size, S_opt = optimizer shard size, M = 4 (fp32 main params) when they are a separate copy, else 0, K = 8 for
+    Adam (fp32 exp_avg + exp_avg_sq), 4 for SGD (fp32 momentum). Divisions round up.
 
     =========================  ==========  ==========  =====================
     choice                     params      grads       optimizer

@@ -50,7 +50,7 @@ from typing import Dict
 
 import torch
 
-from ..zero_sharding import (IMPLEMENTATIONS, OPTIMIZERS, SHARDED_STATES, HybridZeRO,  # noqa: F401  (re-exported)
+from ..zero_sharding import (IMPLEMENTATIONS, OPTIMIZERS, SHARDED_STATES, HybridZeRO,  # noqa: F401 (re-exported)
                              distributed_optimizer_padding_bound, state_bytes_per_rank)
 
 

@@ -8,9 +8,11 @@ Model (deliberately simple, linear): a measured layer time is the serial sum of 
 rates (columns that are zero in every sample are left out and their rate stays unknown). The all-to-all and ring
 rates of a link are fitted apart when the samples separate them (the a2a columns non-zero and the matrix of full
 column rank), else one rate per link serves both. :func:`calibrate` turns the rates into the cluster's attention
-efficiency and link-efficiency factors (:mod:`.links`): fitted rate / nominal rate. Overlap makes real times shorter than this sum, so fitted rates are
-optimistic when the samples overlap communication; for clean figures time compute-only runs (cp = 1, hp = 1)
-and communication-heavy runs separately, or pass samples whose communication is exposed.
+efficiency and link-efficiency factors (:mod:`.links`): fitted rate / nominal rate.
+
+Overlap makes real times shorter than this sum, so fitted rates are optimistic when the samples overlap
+communication; for clean figures time compute-only runs (cp = 1, hp = 1) and communication-heavy runs separately,
+or pass samples whose communication is exposed.
 
 ``nic_bytes`` is the network traffic scaled by max(flows, NICs)/NICs (``Estimate.inter_bytes_nic``), so R_nic is
 the bandwidth of one NIC: the node's network bandwidth is R_nic * nics_per_node.

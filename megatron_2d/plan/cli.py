@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--memory", default="auto", choices=MEMORY_CHOICES,
                    help="model-state options: auto (default: each side its own; 2D Hybrid ZeRO, stock the distributed "
                         "optimizer and megatron-fsdp), dist-opt (everyone the distributed optimizer only), stock "
-                        "(everyone Megatron's own: 2D without Hybrid ZeRO's partial sharding), all (auto plus optimizer "
-                        "states sharded wider than params, which needs gradient clipping off)")
+                        "(everyone Megatron's own: 2D without Hybrid ZeRO's partial sharding), all (auto plus "
+                        "optimizer states sharded wider than params, which needs gradient clipping off)")
     j.add_argument("--fair-memory", action="store_true",
                    help="what-if: stock baselines get 2D's memory options (Hybrid ZeRO) and, hypothetically, "
                         "Selective Checkpoint++, to separate what 2D gains by itself from what memory options give")

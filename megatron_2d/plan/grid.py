@@ -4,8 +4,8 @@ For each preset model at its fixed TP/PP (``hardware.GRID_MODELS``), each GPU co
 planner's best 2D plan and best stock plan (p2p, a2a, a2a+p2p, DeepSpeed-Ulysses), each with the cheapest recompute
 that fits in memory, are compared by throughput per GPU: ratio = 2D tokens/GPU/s / stock tokens/GPU/s (> 1: 2D
 wins). Each side picks its own CP size among the divisors of the GPUs left by TP x PP, the rest being DP (a stock
-user would not run CP=1024 on 32K tokens); ``--fixed-cp`` gives CP all the GPUs left (DP = 1) instead. Each cell also says why the winner
-wins (codes below). Each side holds its model states its own way (memory options, :mod:`.memory_options`: the
+user would not run CP=1024 on 32K tokens); ``--fixed-cp`` gives CP all the GPUs left (DP = 1) instead. Each cell
+also says why the winner wins (codes below). Each side holds its model states its own way (memory options, :mod:`.memory_options`: the
 data-parallel gradient and parameter communication they cost is in the step); ``--fair-memory`` gives stock 2D's
 memory options and, hypothetically, Checkpoint++, so that what remains is 2D's own effect. Results are cached per
 cell.

@@ -160,7 +160,8 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
             foot.append(f"... {len(feasible) - len(shown)} more feasible layouts (--all to list them)")
         foot += ["", f"Recommended: {best.layout.label()}, recompute={recompute_label(best.estimate)}, "
                      f"states={states_label(best.estimate)}: {best.step_ms:,.0f} ms per step, {best.time_ms:.2f} ms "
-                     f"attention per layer, MFU {100 * best.estimate.mfu:.1f}%, {best.estimate.memory_gb:.1f} GB per GPU",
+                     f"attention per layer, MFU {100 * best.estimate.mfu:.1f}%, {best.estimate.memory_gb:.1f} GB "
+                     f"per GPU",
                  f"  {best.flags}", f"  {memory_line(best.estimate)}"]
         if best.note:
             foot.append(f"  ({best.note})")
