@@ -153,3 +153,17 @@ def test_calibrate_fits_ring_and_all_to_all_factors_apart():
     # a rate above the nominal raises the nominal (factor 1)
     fast, _ = calibrate(H100.with_(nvlink_gbps=200.0), [(l, measured(l)) for l in layouts], GQA, par, K128)
     assert fast.nvlink_gbps == pytest.approx(360.0) and fast.links.nvlink_a2a == pytest.approx(1.0)
+
+
+def test_fit_folds_the_all_to_all_when_apart_it_is_not_positive():
+    # Separable samples whose all-to-all bytes cost less than nothing apart (noise): asked to fit them apart, the
+    # fit refuses; left to decide, it folds them into the ring's rate and gives every rate positive.
+    from megatron_2d.plan import WorkCounts, fit_rates
+
+    counts = [WorkCounts(1e12, 1e9), WorkCounts(1e12, 3e9, nvlink_a2a_bytes=1e9),
+              WorkCounts(2e12, 1e9, nvlink_a2a_bytes=5e8), WorkCounts(1e12, 4e9, nvlink_a2a_bytes=2e9)]
+    samples = [(c, c.flops / 4e14 + c.nvlink_bytes / 3e11 - 1.2 * c.nvlink_a2a_bytes / 3e11) for c in counts]
+    with pytest.raises(PlanError, match="non-positive time per unit for NVLink all-to-all"):
+        fit_rates(samples, separate_a2a=True)
+    fit = fit_rates(samples)
+    assert fit.nvlink_a2a_bytes_per_s is None and fit.flops_per_s > 0 and fit.nvlink_bytes_per_s > 0

@@ -78,8 +78,8 @@ def fit_rates(samples: Iterable[Tuple[WorkCounts, float]], separate_a2a: Optiona
 
     Solves for the inverse rates with numpy's lstsq. ``separate_a2a``: fit the all-to-all rates apart from the
     ring's (True), fold them into one rate per link (False), or decide (None: apart when the samples have
-    all-to-all bytes and separate the columns). A non-positive inverse rate (the data cannot tell that term apart)
-    raises PlanError naming it.
+    all-to-all bytes, separate the columns and give every rate positive; else folded). A non-positive inverse
+    rate (the data cannot tell that term apart) raises PlanError naming it.
     """
     samples = list(samples)
     if not samples:
@@ -96,12 +96,22 @@ def fit_rates(samples: Iterable[Tuple[WorkCounts, float]], separate_a2a: Optiona
     y = np.array([t for _, t in samples], dtype=float)
     if separate_a2a is None:
         used = [j for j in range(5) if np.any(split[:, j] > 0)]
-        separate_a2a = (np.any(split[:, [2, 4]] > 0) and len(samples) >= len(used)
-                        and np.linalg.matrix_rank(split[:, used] / split[:, used].max(axis=0)) == len(used))
-    A = split if separate_a2a else folded
+        apart = (np.any(split[:, [2, 4]] > 0) and len(samples) >= len(used)
+                 and np.linalg.matrix_rank(split[:, used] / split[:, used].max(axis=0)) == len(used))
+        if apart:
+            try:
+                return _least_squares(split, y)
+            except PlanError:               # noisy samples: the five rates are not all positive; fold the a2a
+                pass
+        return _least_squares(folded, y)
+    return _least_squares(split if separate_a2a else folded, y)
+
+
+def _least_squares(A: np.ndarray, y: np.ndarray) -> FitResult:
+    """The fit of ``y`` = A @ inverse rates over the columns of A that are not all zero (see :func:`fit_rates`)."""
     used = [j for j in range(5) if np.any(A[:, j] > 0)]
-    if len(samples) < len(used):
-        raise PlanError(f"{len(samples)} samples cannot fit {len(used)} rates; add samples that vary "
+    if len(y) < len(used):
+        raise PlanError(f"{len(y)} samples cannot fit {len(used)} rates; add samples that vary "
                         f"compute and traffic independently")
     scale = A[:, used].max(axis=0)                 # columns differ by orders of magnitude: fit in scaled units
     x, *_ = np.linalg.lstsq(A[:, used] / scale, y, rcond=None)
