@@ -89,7 +89,7 @@ class HybridPattern:
             a2a = 0.0
             if CP > 1:   # each rank sends 1/CP of its local tokens' channels to every CP peer
                 for channels in (channels_in, channels_out):
-                    a2a += 2 * path_time(links, BF16 * tokens / CP * channels / tp / CP, cluster)   # fwd + bwd
+                    a2a += 2 * path_time(links, BF16 * tokens / CP * channels / tp / CP, cluster, "a2a")  # fwd+bwd
             total += layers * (a2a + 6.0 * weights * tokens / group / dense_rate)
         return total
 
