@@ -143,13 +143,14 @@ CP=1 by 3e-4 from iteration 2 without it)."""
 
 @pytest.fixture(scope="module")
 def sft_corpus(tmp_path_factory):
-    """The tiny tokenizer and jsonl of megatron_2d.testing.sft_data; Hugging Face kept offline with its cache in tmp
-    (set before ``datasets`` is imported, here, so the forked ranks inherit both)."""
+    """The flags naming the tiny tokenizer and jsonl of megatron_2d.testing.sft_data. The forked ranks inherit an
+    offline Hugging Face with its datasets cache in tmp. (``datasets`` is imported in the ranks, not here: pyarrow
+    starts a jemalloc thread at import, and the ranks are forked from this process.)"""
     root = tmp_path_factory.mktemp("sft")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HUB_OFFLINE", "1")
         env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
-        import datasets  # noqa: F401
+        env.setenv("TOKENIZERS_PARALLELISM", "false")
         corpus = {"--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
                   "--data-path": write_sft_conversations(root / "sft.jsonl")}
         lines = [json.loads(line)["messages"] for line in corpus["--data-path"].read_text().splitlines()]
