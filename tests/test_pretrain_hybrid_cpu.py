@@ -153,10 +153,31 @@ def sft_corpus(tmp_path_factory):
         env.setenv("TOKENIZERS_PARALLELISM", "false")
         corpus = {"--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
                   "--data-path": write_sft_conversations(root / "sft.jsonl")}
-        lines = [json.loads(line)["messages"] for line in corpus["--data-path"].read_text().splitlines()]
-        assert all(sum(m["role"] == "system" for m in line) >= 2 for line in lines)  # packed conversations
-        assert sum(m["role"] == "assistant" and len(m["content"].split()) == 1 for line in lines for m in line) >= 5
+        check_sft_corpus(corpus["--tokenizer-model"], corpus["--data-path"])
         yield [item for flag, path in corpus.items() for item in (flag, str(path))]
+
+
+def check_sft_corpus(tokenizer_dir, data_path, seq_length=128, cp_size=4):
+    """What the test relies on, as Megatron's SFTTokenizer renders it: every sample packs several conversations, some
+    answers are one token, and no conversation is truncated at CP=1 or at ``cp_size`` (SFTDataset pads each one to a
+    multiple of 2 * CP there)."""
+    from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer
+
+    tokenizer = SFTTokenizer(str(tokenizer_dir), PROMPT_FORMAT)
+    one_token_answers = 0
+    for line in data_path.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        starts = [i for i, m in enumerate(messages) if m["role"] == "system"] + [len(messages)]
+        assert len(starts) >= 3, f"one conversation only: {messages}"
+        padded = 0
+        for begin, end in zip(starts, starts[1:]):
+            tokens, _ = tokenizer.tokenize_conversation(messages[begin:end], return_target=True,
+                                                        add_generation_prompt=False)
+            padded += -(-len(tokens) // (2 * cp_size)) * 2 * cp_size
+        assert padded <= seq_length, f"{padded} tokens at CP={cp_size}: {messages}"
+        one_token_answers += sum(m["role"] == "assistant" and len(tokenizer.text_to_ids(m["content"])) == 1
+                                 for m in messages)
+    assert one_token_answers >= 5
 
 
 def sft_flags(pattern, corpus):
