@@ -1,7 +1,8 @@
 """Megatron's training loop through pretrain_hybrid.py (Megatron-LM core_v0.19.0) on forked CPU ranks: a HybridModel
 with Mamba and 2D attention layers ('M*-M*-') logs the same lm loss per iteration as CP=1, through the patched
 script and through the unpatched one with --spec; its checkpoint resumes at another 2D layout and at CP=1; a
-launch the CP group cannot run stops every rank with our message.
+launch the CP group cannot run stops every rank with our message; --sft (packed conversations, THD) at CP=4 logs the
+CP=1 losses.
 
 The CP=1 reference is the unpatched script with Megatron's local hybrid spec (its own attention) on one rank. Mamba
 kernels are the CPU stand-ins (megatron_2d.testing.hybrid_cpu, installed in the ranks by pretrain_cpu). Runs:
