@@ -1,7 +1,8 @@
 """Megatron's training loop through pretrain_hybrid.py (Megatron-LM core_v0.19.0) on forked CPU ranks: a HybridModel
 with Mamba and 2D attention layers ('M*-M*-') logs the same lm loss per iteration as CP=1, through the patched
 script and through the unpatched one with --spec; its checkpoint resumes at another 2D layout and at CP=1; a
-launch the CP group cannot run stops every rank with our message.
+launch the CP group cannot run stops every rank with our message; --sft (packed conversations, THD) at CP=4 logs the
+CP=1 losses.
 
 The CP=1 reference is the unpatched script with Megatron's local hybrid spec (its own attention) on one rank. Mamba
 kernels are the CPU stand-ins (megatron_2d.testing.hybrid_cpu, installed in the ranks by pretrain_cpu). Runs:
@@ -11,6 +12,7 @@ hidden 64, 8 heads / 2 KV heads, Mamba 8 heads of 16 in 2 groups, RoPE, seq 128,
 from __future__ import annotations
 
 import importlib
+import json
 import pathlib
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import pytest
 
 from megatron_2d.testing.megatron_lm import copy_scripts
 from megatron_2d.testing.pretrain_runs import lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes
+from megatron_2d.testing.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
@@ -126,3 +129,83 @@ def test_misconfigured_hybrid_launch_stops_every_rank_with_our_message(scripts, 
     script, flags, message = MISCONFIGURED[case]
     for rank, outcome in enumerate(run_pretrain_outcomes(4, scripts[script], flags, timeout_s=90)):
         assert outcome.exit_status != 0 and message in outcome.error, f"rank {rank}: {outcome.error}"
+
+
+
+# --- SFT: packed conversations (THD) through pretrain_hybrid.py --sft ---------------------------------------------
+
+SFT_FLAGS = ["--sft", "--tokenizer-type", "SFTTokenizer", "--sft-tokenizer-prompt-format", PROMPT_FORMAT,
+             "--split", "100,0,0", "--no-create-attention-mask-in-dataloader", "--calculate-per-token-loss"]
+"""Megatron's SFT route: SFTTokenizer and SFTDataset (which refuses the default attention mask). Per-token loss: without
+it Megatron scales each CP rank's loss by that rank's own count of loss tokens, so with SFT's loss masks (prompts
+masked, uneven over the ranks) the gradient depends on the CP size whatever the attention (seen: CP=4 drifts from
+CP=1 by 3e-4 from iteration 2 without it)."""
+
+
+@pytest.fixture(scope="module")
+def sft_corpus(tmp_path_factory):
+    """The flags naming the tiny tokenizer and jsonl of megatron_2d.testing.sft_data. The forked ranks inherit an
+    offline Hugging Face with its datasets cache in tmp. (``datasets`` is imported in the ranks, not here: pyarrow
+    starts a jemalloc thread at import, and the ranks are forked from this process.)"""
+    root = tmp_path_factory.mktemp("sft")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
+        env.setenv("TOKENIZERS_PARALLELISM", "false")
+        corpus = {"--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
+                  "--data-path": write_sft_conversations(root / "sft.jsonl")}
+        check_sft_corpus(corpus["--tokenizer-model"], corpus["--data-path"])
+        yield [item for flag, path in corpus.items() for item in (flag, str(path))]
+
+
+def check_sft_corpus(tokenizer_dir, data_path, seq_length=128, cp_size=4):
+    """What the test relies on, as Megatron's SFTTokenizer renders it: every sample packs several conversations, some
+    answers are one token, and no conversation is truncated at CP=1 or at ``cp_size`` (SFTDataset pads each one to a
+    multiple of 2 * CP there)."""
+    from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer
+
+    tokenizer = SFTTokenizer(str(tokenizer_dir), PROMPT_FORMAT)
+    one_token_answers = 0
+    for line in data_path.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        starts = [i for i, m in enumerate(messages) if m["role"] == "system"] + [len(messages)]
+        assert len(starts) >= 3, f"one conversation only: {messages}"
+        padded = 0
+        for begin, end in zip(starts, starts[1:]):
+            tokens, _ = tokenizer.tokenize_conversation(messages[begin:end], return_target=True,
+                                                        add_generation_prompt=False)
+            padded += -(-len(tokens) // (2 * cp_size)) * 2 * cp_size
+        assert padded <= seq_length, f"{padded} tokens at CP={cp_size}: {messages}"
+        one_token_answers += sum(m["role"] == "assistant" and len(tokenizer.text_to_ids(m["content"])) == 1
+                                 for m in messages)
+    assert one_token_answers >= 5
+
+
+def sft_flags(pattern, corpus):
+    """The make target's flags for ``pattern`` (model, schedule) with its mock data and NullTokenizer replaced."""
+    flags = make_flags(("PATTERN", pattern))
+    flags = flags[:flags.index("--context-parallel-size")]
+    for flag, values in (("--tokenizer-type", 1), ("--vocab-size", 1), ("--mock-data", 0)):
+        at = flags.index(flag)
+        flags = flags[:at] + flags[at + 1 + values:]
+    return flags + SFT_FLAGS + corpus
+
+
+SFT_2D_ROUTES = {
+    "*-*-": ("stock", SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
+                                 "--cp-comm-type", "2d"]),
+    "M*-M*-": ("patched", CP4[len(BASE):]),
+}
+
+
+@pytest.mark.parametrize("pattern", list(SFT_2D_ROUTES))
+def test_sft_packed_conversations_at_2d_cp4_equal_cp1(scripts, sft_corpus, pattern):
+    """pretrain_hybrid.py --sft: each sample packs 2-4 conversations (THD, Megatron's zigzag split per conversation
+    at CP=4, Mamba's THD context parallelism for 'M'), prompts masked from the loss, one-token assistant turns. The
+    2D run (hp 2 x cp 2; --spec route for '*-*-', patched route for 'M*-M*-') logs the CP=1 losses. CP=1 is the stock
+    script with our spec on one rank: Megatron's local attention refuses packed batches (and TE's does not run on
+    CPU), so its attention is ours at CP=1, the packed reference tests/test_megatron_hybrid_packed.py uses."""
+    base = sft_flags(pattern, sft_corpus)
+    reference = losses(run_pretrain(1, scripts["stock"], base + SPEC_2D))
+    script, route = SFT_2D_ROUTES[pattern]
+    assert_same_losses(losses(run_pretrain(4, scripts[script], base + route)), reference)
