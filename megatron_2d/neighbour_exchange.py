@@ -31,9 +31,9 @@ KeyRange = Optional[Tuple[int, int]]
 
 
 def _sliced(block: torch.Tensor, keys: Tuple[int, int]) -> list:
-    """Shape of ``block`` [2, b, S, g, d] cut to keys [lo, hi)."""
+    """Shape of ``block`` [b, S, ...] cut to keys [lo, hi)."""
     shape = list(block.shape)
-    shape[2] = keys[1] - keys[0]
+    shape[1] = keys[1] - keys[0]
     return shape
 
 
@@ -58,7 +58,7 @@ class NeighbourExchange:
     def _exchange_kv(self, kv: torch.Tensor, step):
         """Post one offset's K/V exchange: (works, received slice buffer or None)."""
         o, give, take = step
-        send = None if give is None else kv[:, :, give[0]:give[1]].contiguous()
+        send = None if give is None else kv[:, give[0]:give[1]].contiguous()
         recv = None if take is None else torch.empty(_sliced(kv, take), dtype=kv.dtype, device=kv.device)
         return self._post(self.kv_group, send, (self.rank + o) % self.cp, recv, (self.rank - o) % self.cp), recv
 
@@ -104,5 +104,5 @@ class NeighbourExchange:
         for work in works:
             work.wait()
         if recv is not None:
-            rider[:, :, give[0]:give[1]].add_(recv)
+            rider[:, give[0]:give[1]].add_(recv)
         return None

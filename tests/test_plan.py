@@ -342,10 +342,11 @@ def test_parse_seq():
 @pytest.mark.parametrize("model", list(MODEL_PRESETS))
 @pytest.mark.parametrize("cluster", list(CLUSTER_PRESETS))
 def test_cli_runs_for_presets(model, cluster, capsys):
-    sizes = {"70B-GQA": ["--tp", "8", "--pp", "2", "--gpus", "256"]}.get(model, ["--gpus", "32"])
+    sizes = {"70B-GQA": ["--tp", "8", "--pp", "2", "--gpus", "256"],
+             "DSV3-MLA": ["--tp", "8", "--gpus", "64"]}.get(model, ["--gpus", "32"])
     assert main(["--model", model, "--cluster", cluster, *sizes, "--seq", "64K", "--top", "5"]) == 0
     out = capsys.readouterr().out
-    cp = 16 if model == "70B-GQA" else 32
+    cp = {"70B-GQA": 16, "DSV3-MLA": 8}.get(model, 32)
     assert "Recommended:" in out and f"--context-parallel-size {cp}" in out
 
 

@@ -10,7 +10,7 @@ The hybrid stack specs (``get_hybrid_stack_spec_2d`` and the ready ``hybrid_stac
 :mod:`.hybrid_spec`) are loaded on first use.
 """
 
-from .config import TransformerConfig2D
+from .config import MLATransformerConfig2D, TransformerConfig2D
 from .core_attention import CoreAttention2D
 from .hybrid_zero import HybridZeRO, model_state_bytes_per_rank
 from .process_groups import GroupRegistry, destroy_2d_groups, group_registry, groups_for
@@ -18,7 +18,8 @@ from .settings import BACKEND_NAME, Settings2D, settings_from_config, validate_2
 from .spec import get_gpt_layer_spec_2d, gpt_layer_spec_2d
 
 __all__ = [
-    "BACKEND_NAME", "CoreAttention2D", "GPT_LAYER_SPEC_2D", "HybridZeRO", "model_state_bytes_per_rank", "Settings2D", "TransformerConfig2D",
+    "BACKEND_NAME", "CoreAttention2D", "GPT_LAYER_SPEC_2D", "HybridZeRO", "MLATransformerConfig2D",
+    "model_state_bytes_per_rank", "Settings2D", "TransformerConfig2D",
     "GroupRegistry", "destroy_2d_groups", "get_gpt_layer_spec_2d", "group_registry", "gpt_layer_spec_2d", "groups_for", "settings_from_config",
     "validate_2d_settings",
 ]

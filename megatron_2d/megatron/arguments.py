@@ -40,6 +40,11 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                             "documents = short documents whole on one context rank, long ones split (needs "
                             "examples/pretrain_gpt_2d.py's data path, with --dataloader-inter-document-masking "
                             "or --sft).")
+    group.add_argument("--cp-2d-mla-ring", choices=("expanded", "latent"), default="expanded",
+                       help="with --multi-latent-attention: what travels the context ring. expanded = per-head K/V "
+                            "(as every CP backend sends them); latent = the compressed KV and rope key, "
+                            "up-projected by each rank for its own heads at every ring step (fewer bytes, more "
+                            "FLOPs; python -m megatron_2d.plan compares both).")
     group.add_argument("--selective-checkpoint-plus-plus", action="store_true",
                        help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
                             "log-sum-exp from the forward pass so the recompute pass skips attention.")
@@ -47,12 +52,22 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def transformer_config_from_args_2d(args: argparse.Namespace):
-    """TransformerConfig2D from parsed args (validated on construction)."""
+    """TransformerConfig2D (MLATransformerConfig2D with --multi-latent-attention) from parsed args (validated on
+    construction)."""
+    import dataclasses
+
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from .config import TransformerConfig2D
+    from .config import Fields2D, MLATransformerConfig2D, TransformerConfig2D
 
-    return core_transformer_config_from_args(args, config_class=TransformerConfig2D)
+    config = core_transformer_config_from_args(args, config_class=TransformerConfig2D)
+    if isinstance(config, TransformerConfig2D) or not getattr(args, "multi_latent_attention", False):
+        return config
+    # megatron.training builds its own MLATransformerConfig for --multi-latent-attention whatever class it is
+    # given: rebuild it with the 2D fields (from the same args)
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Fields2D) if hasattr(args, f.name)})
+    return MLATransformerConfig2D(**values)
 
 
 def _model_config_from_args_2d(args: argparse.Namespace, default_spec, model_config_from_args):

@@ -22,7 +22,7 @@ ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_mem
             "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
             "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
             "memory_budget_gb", "memory_parts_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb",
-            "links", "recompute_options", "packing", "packed", "memory_option", "states", "memory_options")
+            "links", "recompute_options", "packing", "packed", "memory_option", "states", "memory_options", "mla_ring")
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
@@ -145,6 +145,7 @@ class Candidate:
             "memory_option": e.states.option.label if e and e.states else None,
             "states": states_record(e.states) if e else None,
             "memory_options": mem_opts,
+            "mla_ring": self.layout.mla_ring,
         }
         assert tuple(d) == ROW_KEYS
         return d
@@ -283,7 +284,8 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     dkv = kind_dkv_dtype(layout.kind, dkv_dtype)
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
-                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads, packed=packed), n)
+                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads, packed=packed,
+                                     mla_ring="latent" if layout.mla_ring == "latent" else None), n)
                            for win, n in mix.items()])
     if hybrid is not None:
         base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))

@@ -41,7 +41,7 @@ def _row(i: int, c: Candidate, cluster: ClusterSpec) -> List[str]:
     mem = f"{e.memory_gb:.1f}" + ("!" if not c.fits_memory else "")
     ratio = e.comm_total_s / e.compute_s if e.compute_s else float("inf")
     w = "any" if c.note.startswith("w has no effect") else str(c.w)
-    kind = c.kind if not c.packing else f"{c.kind} {c.packing}"
+    kind = " ".join(x for x in (c.kind, c.packing, c.layout.mla_ring) if x)
     return [str(i), kind, str(c.hp), str(c.cp), w, c.placement if c.kind in ("2d", "a2a+p2p") else "-",
             links["a2a"], links["inner"], links["outer"], f"{e.time_s * 1e3:.2f}", f"{e.compute_s * 1e3:.2f}",
             f"{e.comm_s * 1e3:.2f}", f"{ratio:.2f}", recompute_label(e), states_label(e), f"{e.step_s * 1e3:,.0f}",
@@ -165,6 +165,14 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
                  f"  {best.flags}", f"  {memory_line(best.estimate)}"]
         if best.note:
             foot.append(f"  ({best.note})")
+        if model.mla is not None:
+            foot.append("Best 2D layout of each MLA ring (expanded: per-head K/V; latent: --cp-2d-mla-ring latent):")
+            for ring in ("expanded", "latent"):
+                c = next((c for c in candidates if c.layout.mla_ring == ring and c.feasible), None)
+                if c is not None:
+                    foot.append(f"  {ring:<10} {c.step_ms:11,.0f} ms/step ({c.step_ms / best.step_ms:.2f}x the "
+                                f"recommended), {c.time_ms:.2f} ms attention/layer, {c.layout.label()}, "
+                                f"recompute={recompute_label(c.estimate)}")
         foot.append("Best of each stock baseline:")
         kinds = best_by_kind(list(candidates))
         for kind in STOCK_KINDS:
