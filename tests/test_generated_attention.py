@@ -50,6 +50,7 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
     assert any(d.hkv < b.hp for b, ds in batches for d in ds)                           # K/V replication
     assert any(d.batch == 2 for d in draws) and {d.kernel for d in draws} == {"cpu_flash", "torch_math"}
     assert {d.dkv_comm_dtype for d in draws} == {"accumulator", "input"}
+    assert any(d.dv < d.d and d.mode is None for d in draws) and any(d.dv < d.d and d.mode for d in draws)
 
 
 def test_draws_are_a_function_of_their_seed():

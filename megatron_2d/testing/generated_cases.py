@@ -2,7 +2,7 @@
 
 A *batch* fixes what every rank must agree on before any tensor moves: the world size and the 2D layout
 (hp, w, placement). Its *draws* then vary everything else: unpacked (sbhd, one document per batch row) or packed
-in each of :data:`megatron_2d.packed_layout.MODES`, document lengths (one-token documents, lengths that divide
+in each of :data:`megatron_2d.packed_layout.MODES`, value head dims below the query/key dim (MLA), document lengths (one-token documents, lengths that divide
 nothing, one giant document among tiny ones, hundreds of tiny ones, padding at the end of the stream), GQA ratios
 with K/V replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. Every
 draw is checked against :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence
@@ -76,7 +76,8 @@ class Draw:
     batch: int
     hq: int
     hkv: int
-    d: int
+    d: int                        # query/key head dim
+    dv: int                       # value head dim (MLA: smaller than d)
     causal: bool
     window: Tuple[int, int]
     sinks: bool
@@ -157,18 +158,21 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
         lengths = tuple(_document_lengths(rng))
         batch_size = 1
         end_padding = 2 * batch.world * int(rng.integers(1, 3)) if mode == "zigzag" and rng.random() < 0.3 else 0
-    return Draw(batch.seed, index, mode, lengths, end_padding, batch_size, hq, hkv, int(rng.choice([8, 16])),
-                causal, _window(rng, causal, max(lengths)), bool(rng.random() < 0.3),
+    d = int(rng.choice([8, 16]))
+    dv = d // 2 if rng.random() < 0.25 else d
+    return Draw(batch.seed, index, mode, lengths, end_padding, batch_size, hq, hkv, d, dv, causal, _window(rng, causal, max(lengths)), bool(rng.random() < 0.3),
                 "torch_math" if rng.random() < 0.15 else "cpu_flash",
                 "input" if rng.random() < 0.2 else "accumulator")
 
 
 def _inputs(draw: Draw) -> Tuple[torch.Tensor, ...]:
-    """fp64 q [T, b, hq, d], k/v [T, b, hkv, d], dout, sinks [hq] (or None), rounded to fp32."""
+    """fp64 q [T, b, hq, d], k [T, b, hkv, d], v [T, b, hkv, dv], dout [T, b, hq, dv], sinks [hq] (or None),
+    rounded to fp32."""
     g = torch.Generator().manual_seed(draw.batch_seed * 100_003 + draw.index)
     total = sum(draw.lengths)
-    q, k, v, dout = (rounded(torch.randn(total, draw.batch, h, draw.d, generator=g, dtype=torch.float64),
-                             torch.float32) for h in (draw.hq, draw.hkv, draw.hkv, draw.hq))
+    q, k, v, dout = (rounded(torch.randn(total, draw.batch, h, dim, generator=g, dtype=torch.float64),
+                             torch.float32)
+                     for h, dim in ((draw.hq, draw.d), (draw.hkv, draw.d), (draw.hkv, draw.dv), (draw.hq, draw.dv)))
     sinks = rounded(torch.randn(draw.hq, generator=g, dtype=torch.float64), torch.float32) if draw.sinks else None
     return q, k, v, dout, sinks
 
