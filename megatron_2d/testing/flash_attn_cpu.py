@@ -59,6 +59,7 @@ import torch
 
 from megatron_2d.band import Band
 from megatron_2d.kernels import CpuFlashKernel
+from megatron_2d.kernels.base import repeat_kv_heads, sum_kv_head_groups
 
 _KERNEL = CpuFlashKernel()
 _PRIVATE_PACKAGE = "_ring_flash_attn_core"
@@ -122,7 +123,7 @@ def _scores(q, k, scale, softcap, mask):
     return s
 
 
-def _forward(q, k, v, scale, causal, left, right, softcap):
+def flash_forward(q, k, v, scale, causal, left, right, softcap):
     """(out [b, s_q, h, d] in q's dtype, lse [b, h, s_q] fp32)."""
     if _fast_path(q, k, causal, left, right, softcap):
         out, lse = _KERNEL.forward(q, k, v, Band(None, 0) if causal else None, scale)
@@ -136,22 +137,25 @@ def _forward(q, k, v, scale, causal, left, right, softcap):
     return out.to(q.dtype), lse.float()
 
 
-def _backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
-    """(dq, dk, dv) in the inputs' dtype, from the final out and lse (flash-attn recomputes P from lse)."""
+def flash_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
+    """(dq, dk, dv) in the inputs' dtype, from the final out and lse (flash-attn recomputes P from lse), in closed
+    form: no autograd, so that it also runs inside a torch custom op's kernel, where autograd is off."""
     if _fast_path(q, k, causal, left, right, softcap):
         return _KERNEL.backward(dout, q, k, v, out, lse, Band(None, 0) if causal else None, scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qa, ka, va = (x.detach().to(acc).requires_grad_(True) for x in (q, k, v))
-    s = _scores(qa, ka, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))                            # lse = +inf rows: p = 0
-    rep = q.shape[2] // k.shape[2]
-    o = torch.einsum("bhqk,bkhd->bqhd", p, va.repeat_interleave(rep, dim=2))
+    hq, hkv = q.shape[2], k.shape[2]
+    s = _scores(q, k, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))                            # [b, h, s_q, s_k]; lse = +inf rows: 0
+    do, k_rep, v_rep = dout.to(acc), repeat_kv_heads(k.to(acc), hq), repeat_kv_heads(v.to(acc), hq)
     # the softmax's own gradient uses rowsum(dout * out) with the FINAL out, as flash-attn's backward does
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)   # [b, h, s_q, 1]
-    dp = torch.einsum("bqhd,bkhd->bhqk", dout.to(acc), va.detach().repeat_interleave(rep, dim=2))
-    ds = p.detach() * (dp - delta)
-    dq, dk = torch.autograd.grad(s, (qa, ka), ds, retain_graph=True)
-    dv = torch.autograd.grad(o, va, dout.to(acc))[0]
+    delta = (do * out.to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)        # [b, h, s_q, 1]
+    ds = p * (torch.einsum("bqhd,bkhd->bhqk", do, v_rep) - delta)           # d(loss)/d(scores)
+    if softcap > 0:                                                          # scores = softcap * tanh(raw / softcap)
+        ds = ds * (1 - (s.masked_fill(torch.isneginf(s), 0.0) / softcap) ** 2)
+    ds = ds * scale                                                          # raw = scale * q.k
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_rep)
+    dk = sum_kv_head_groups(torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc)), hkv)
+    dv = sum_kv_head_groups(torch.einsum("bhqk,bqhd->bkhd", p, do), hkv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -187,14 +191,14 @@ def _build_profile(profile: str, strict_dtypes: bool) -> types.SimpleNamespace:
     def fwd_core(q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes):
         _refuse_unsupported(dropout_p, alibi_slopes)
         _check_dtypes(strict_dtypes, q, k, v)
-        out, lse = _forward(q, k, v, scale_of(q, softmax_scale), causal, left, right, softcap)
+        out, lse = flash_forward(q, k, v, scale_of(q, softmax_scale), causal, left, right, softcap)
         return out.contiguous(), lse.contiguous()
 
     def bwd_core(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, left, right, softcap,
                  alibi_slopes):
         _refuse_unsupported(dropout_p, alibi_slopes)
         _check_dtypes(strict_dtypes, q, k, v)
-        grads = _backward(dout, q, k, v, out, lse.contiguous(), scale_of(q, softmax_scale), causal, left, right,
+        grads = flash_backward(dout, q, k, v, out, lse.contiguous(), scale_of(q, softmax_scale), causal, left, right,
                           softcap)
         _write_grads(dq, dk, dv, grads)
         return _softmax_d(dout, out, _round_up(q.shape[1], 128))
