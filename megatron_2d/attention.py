@@ -102,28 +102,28 @@ def _rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
     return accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
 
 
-def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: int, causal: bool,
+def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, head_dim: int, s_local: int, causal: bool,
            window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str):
     """(head exchange, ring context) for one call signature: built on first use, then cached on ``groups``, so a
     call makes no host-device copy, builds no plan and creates no tensor from Python data."""
-    key = (device, dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype)
+    key = (device, dtype, head_dim, s_local, causal, window, scale, kernel, dkv_comm_dtype)
     cached = groups.op_cache.get(key)
     if cached is None:
         place = groups.place
         heads = HeadExchange.build(groups.head_parallel_size, groups.received_chunks(place.context_rank),
                                    groups.head_group, groups.comm_bytes, device)
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
-        rc = RingContext(transport=_transport(groups, plan), kernel=select_kernel(device, dtype, kernel),
+        rc = RingContext(transport=_transport(groups, plan), kernel=select_kernel(device, dtype, kernel, head_dim),
                          plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
                          scale=scale, rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = groups.op_cache[key] = (heads, rc)
     return cached
 
 
-def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device, dtype: torch.dtype, causal: bool,
-                  window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str):
+def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device, dtype: torch.dtype, head_dim: int,
+                  causal: bool, window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str):
     """(head exchange, ring context) for one packed batch and call signature, cached on the layout."""
-    key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype)
+    key = (id(groups), device, dtype, head_dim, causal, window, scale, kernel, dkv_comm_dtype)
     cached = packing.op_cache.get(key)
     if cached is None:
         order = packing.ring_order
@@ -135,7 +135,7 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
             transport = LocalBlock(groups.place.context_rank)
         else:
             transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
-        rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel),
+        rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel, head_dim),
                          plans=packing.plans(causal, window), scale=scale,
                          rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = packing.op_cache[key] = (heads, rc)
@@ -207,10 +207,10 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     if dkv_comm_dtype not in DKV_COMM_DTYPES:
         raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(DKV_COMM_DTYPES)}")
     if packing is not None:
-        exchange, rc = _packed_setup(groups, packing, q.device, q.dtype, causal, window, scale, kernel,
+        exchange, rc = _packed_setup(groups, packing, q.device, q.dtype, d, causal, window, scale, kernel,
                                      dkv_comm_dtype)
     else:
-        exchange, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype)
+        exchange, rc = _setup(groups, q.device, q.dtype, d, s_local, causal, window, scale, kernel, dkv_comm_dtype)
     local_heads, head_rank = hq // hp, groups.place.head_rank
     local_sinks = None if sinks is None else sinks[head_rank * local_heads:(head_rank + 1) * local_heads]
     # one all-to-all for q, k and v: q [1, b, S, hq/hp, d], K/V stacked as the ring sends them [2, b, S, hkv'/hp, d]

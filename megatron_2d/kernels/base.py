@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..band import Band
@@ -59,6 +60,11 @@ class BlockKernel(abc.ABC):
         """Whether this kernel runs on ``device`` with ``dtype``."""
         return True
 
+    def head_dim_problem(self, head_dim: int) -> Optional[str]:
+        """Why this kernel cannot take q/k/v of head dim ``head_dim`` (None if it can). A caller that pads the
+        head dim (e.g. V to Q/K's) asks with the padded dim."""
+        return None
+
     def forward_calls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: Sequence["BlockCall"],
                       first_key: int, scale: float) -> List[Tuple["BlockCall", torch.Tensor, torch.Tensor]]:
         """Every call of one block: [(call, out rows, lse rows)]; ``k``/``v`` hold the block's keys from
@@ -92,3 +98,15 @@ def sum_kv_head_groups(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     b, s, hq, d = dx.shape
     groups = hq // num_kv_heads
     return dx if groups == 1 else dx.view(b, s, num_kv_heads, groups, d).sum(dim=3)
+
+
+def to_device_once(host: np.ndarray, device) -> torch.Tensor:
+    """A host array on ``device`` without a host sync: one non-blocking copy from pinned memory on CUDA (the
+    caching host allocator keeps the pinned block until the copy is done); the array itself on CPU."""
+    tensor = torch.from_numpy(np.ascontiguousarray(host))
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
