@@ -31,6 +31,7 @@ Not implemented (NotImplementedError): dropout, ALiBi, softmax return, paged K/V
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import importlib
 import os
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .flash_attn_cpu import flash_backward, flash_forward
 
@@ -241,15 +243,22 @@ def _varlen_bwd(abi: ExtensionABI, *args):
 
 
 def cpu_extension(abi: ExtensionABI) -> types.ModuleType:
-    """A ``flash_attn_2_cuda`` module of one ABI whose four functions compute on CPU."""
+    """A ``flash_attn_2_cuda`` module of one ABI whose four functions compute on CPU; ``module.calls`` counts the
+    calls per function.
+
+    To its callers the extension is compiled code: Python's torch function and dispatch modes (the no-sync guards
+    of tests/test_hot_path.py) do not see inside it. Its host reads of cu_seqlens are this stand-in's own (the CUDA
+    kernels read them on the device), so they run with the modes suspended."""
     module = types.ModuleType("flash_attn_2_cuda")
     module.__doc__ = f"CPU stand-in of flash-attn's compiled extension, ABI {abi.name} (megatron_2d.testing)"
+    module.abi, module.calls = abi, collections.Counter()
     for name, impl in (("fwd", _fwd), ("bwd", _bwd), ("varlen_fwd", _varlen_fwd), ("varlen_bwd", _varlen_bwd)):
-        def call(*args, _impl=impl):
-            return _impl(abi, *args)
+        def call(*args, _impl=impl, _name=name):
+            module.calls[_name] += 1
+            with torch._C.DisableTorchFunction(), _disable_current_modes():
+                return _impl(abi, *args)
         call.__name__ = call.__qualname__ = name
         setattr(module, name, call)
-    module.abi = abi
     return module
 
 
