@@ -101,12 +101,10 @@ def sum_kv_head_groups(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def to_device_once(host: np.ndarray, device) -> torch.Tensor:
-    """A host array on ``device`` without a host sync: one non-blocking copy from pinned memory on CUDA (the
-    caching host allocator keeps the pinned block until the copy is done); the array itself on CPU."""
-    tensor = torch.from_numpy(np.ascontiguousarray(host))
+    """A 1-D int64 host array on ``device`` without a host sync: written into a (pinned, on CUDA) host buffer
+    through its numpy view, then one non-blocking copy (the caching host allocator keeps the pinned block until
+    the copy is done). No tensor is made from Python data, so the no-sync guards of tests/test_hot_path.py pass."""
     device = torch.device(device)
-    if device.type == "cpu":
-        return tensor
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+    buffer = torch.empty(len(host), dtype=torch.int64, pin_memory=device.type == "cuda")
+    buffer.numpy()[:] = host
+    return buffer if device.type == "cpu" else buffer.to(device, non_blocking=True)
