@@ -322,3 +322,38 @@ def test_direct_exchange_receives_into_the_expected_buffer(receive_early):
         assert received == [float((rank - 1) % 3)] * 3
         assert plain == [float((rank - 1) % 3) + 10] * 2
         assert sent == 5 * 4                                    # both sends counted, the early receive not
+
+
+def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
+    """A group made with backend="cpu:gloo,cuda:nccl" reports that whole string: its CUDA traffic is NCCL's, so
+    collectives need CUDA tensors, the subset-P2P groups get their warm-up, and receives are not posted early.
+    (The device is faked: no CUDA here, and torch's CPU build has no NCCL to make such a group.)"""
+    import torch.distributed as dist
+
+    import megatron_2d.groups as groups_module
+    from megatron_2d.comm import CommCounter, DirectExchange, traffic_backend
+
+    backend = {"name": "cpu:gloo,cuda:nccl"}
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    group = object()
+    assert traffic_backend(group) == "nccl"
+    assert groups_module.collective_device(group) == torch.device("cuda", 0)
+    asked, reduced = [], []
+
+    def zeros_on_meta(*shape, device=None):                     # records the device the warm-up asks for
+        asked.append(torch.device(device))
+        return torch.empty(shape, device="meta")
+
+    monkeypatch.setattr(torch, "zeros", zeros_on_meta)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(group))
+    groups_module._warm_up(group)
+    assert asked == [torch.device("cuda", 0)] and reduced == [group]      # the warm-up ran, with a CUDA tensor
+    assert not DirectExchange(group, 1, 0, CommCounter(), "inner_ring")._receive_early
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)          # a CPU job on the same group: gloo
+    assert traffic_backend(group) == "gloo"
+    for name, expected in (("nccl", "nccl"), ("gloo", "gloo"), ("cuda:nccl", "nccl"), ("cpu:gloo", "gloo")):
+        backend["name"] = name
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert traffic_backend(group) == expected, name
