@@ -111,7 +111,7 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, head_dim:
     if cached is None:
         place = groups.place
         heads = HeadExchange.build(groups.head_parallel_size, groups.received_chunks(place.context_rank),
-                                   groups.head_group, groups.comm_bytes, device)
+                                   groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group)
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
         rc = RingContext(transport=_transport(groups, plan), kernel=select_kernel(device, dtype, kernel, head_dim),
                          plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
@@ -129,7 +129,8 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
         order = packing.ring_order
         heads = HeadExchange.build(groups.head_parallel_size,
                                    None if order is None else np.argsort(order[groups.place.context_rank]).tolist(),
-                                   groups.head_group, groups.comm_bytes, device, per_token=True)
+                                   groups.head_group, groups.comm_bytes, device, per_token=True,
+                                   head_ranks=groups.place.head_group)
         view_tokens = packing.views.shape[1]
         if packing.ring_tokens == 0 or groups.context_size == 1:
             transport = LocalBlock(groups.place.context_rank)

@@ -11,9 +11,14 @@ to_heads:   tensors [2c, b, H_i, d] (this rank's zigzag shard, all heads) -> one
 to_tokens:  groups [n, b, S, Hl, d] -> tensors [2c, b, H, d] (the inverse, also one all-to-all).
 Each is the other's backward. As an all-to-all, each direction copies the data twice, once into the send buffer and
 once out of the receive buffer (hp = 1 sends nothing: views, and one stacking copy for a group of n > 1). With batch
-1 and chunk units (Megatron's usual long-sequence case) the exchange is point-to-point instead and copies once: one
-message per (tensor, peer, unit), each unit received straight into its ascending place (to_heads) or sent straight
-from it (to_tokens), this rank's own units copied directly.
+1 and chunk units (Megatron's usual long-sequence case) on gloo, the exchange is point-to-point instead and copies
+once: one message per (tensor, peer, unit), each unit received straight into its ascending place (to_heads) or
+sent straight from it (to_tokens), this rank's own units copied directly. NCCL keeps the collective (the
+point-to-point path was measured on gloo only).
+
+Head ranks follow the placement (:class:`~megatron_2d.topology.RankPlace`), which need not be the group's rank
+order (``cp_rank_lists`` not ascending): the collective's slices are reordered to head ranks, and the
+point-to-point messages address the peers' global ranks.
 
 ``order`` sorts the units as received (by head rank, then zigzag half) into ascending order; a unit is a chunk of c
 tokens, or, for packed documents (``per_token``), a single token (Megatron's zigzag, so that each document's
@@ -30,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import CommCounter, all_to_all_counted
+from .comm import CommCounter, all_to_all_counted, traffic_backend
 
 
 def _head_slices(buf: torch.Tensor, widths: Sequence[int]) -> List[torch.Tensor]:
@@ -38,8 +43,22 @@ def _head_slices(buf: torch.Tensor, widths: Sequence[int]) -> List[torch.Tensor]
     return list(torch.split(buf, list(widths), dim=-2))
 
 
+def _all_to_all_by_head(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter,
+                        head_of_group: Optional[Tuple[int, ...]]) -> torch.Tensor:
+    """all_to_all over dim 0 of ``send`` [hp, ...] indexed by HEAD rank: slice h goes to head rank h, slice h of
+    the result comes from head rank h. The collective indexes by group rank, the ascending order of the global
+    ranks (``new_group`` sorts them); where the head ranks run in another order (``cp_rank_lists`` not ascending),
+    ``head_of_group`` [g] is the head rank of group rank g and the slices are reordered around the collective."""
+    if head_of_group is None:
+        return all_to_all_counted(send, group, counter)
+    recv = all_to_all_counted(torch.stack([send[h] for h in head_of_group]), group, counter)
+    group_of_head = sorted(range(len(head_of_group)), key=head_of_group.__getitem__)
+    return torch.stack([recv[g] for g in group_of_head])
+
+
 def to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], hp: int, order: Optional[torch.Tensor],
-             unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
+             unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter,
+             head_of_group: Optional[Tuple[int, ...]] = None) -> List[torch.Tensor]:
     """Tensors [2c, b, H_i, d] -> one [n, b, S, H_i/hp, d] per group of ``grouping`` (n consecutive tensors of
     equal shape each), through one all-to-all."""
     two_c, b, _, d = xs[0].shape
@@ -52,7 +71,7 @@ def to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], hp: int, order
         send = xs[0].new_empty(hp, two_c, b, sum(widths), d)            # [hp (dst), 2c, b, W, d]
         for x, dst in zip(xs, _head_slices(send, widths)):
             dst.copy_(x.view(two_c, b, hp, -1, d).permute(2, 0, 1, 3, 4))
-        recv = all_to_all_counted(send, group, counter)                 # [hp (src), 2c, b, W, d]
+        recv = _all_to_all_by_head(send, group, counter, head_of_group)  # [hp (src), 2c, b, W, d]
         group_widths = [sum(widths[i:i + n]) for i, n in zip(starts, grouping)]
         tokens = [slab.unflatten(-2, (n, -1)).permute(3, 2, 0, 1, 4, 5).flatten(2, 3)   # [n, b, S (received), Hl, d]
                   for slab, n in zip(_head_slices(recv, group_widths), grouping)]
@@ -68,7 +87,8 @@ def _ascending(y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> tor
 
 
 def to_tokens(ys: Sequence[torch.Tensor], hp: int, order: Optional[torch.Tensor], unit: int,
-              group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
+              group: Optional[dist.ProcessGroup], counter: CommCounter,
+              head_of_group: Optional[Tuple[int, ...]] = None) -> List[torch.Tensor]:
     """Groups [n, b, S, Hl, d] -> their n tensors each, [2c, b, Hl*hp, d] (contiguous); inverse of
     :func:`to_heads` with the same ``order``."""
     b, S, d = ys[0].shape[1], ys[0].shape[2], ys[0].shape[4]
@@ -85,7 +105,7 @@ def to_tokens(ys: Sequence[torch.Tensor], hp: int, order: Optional[torch.Tensor]
     for y, dst in zip(ys, _head_slices(send, widths)):
         dst = dst.unflatten(-2, (y.shape[0], y.shape[3])).permute(3, 2, 0, 1, 4, 5)   # [n, b, hp, 2c, Hl, d]
         _into_received(dst.flatten(2, 3), y, order, unit)                           # S (received) = hp * 2c
-    recv = all_to_all_counted(send, group, counter)                     # [hp (src), 2c, b, W, d]
+    recv = _all_to_all_by_head(send, group, counter, head_of_group)     # [hp (src), 2c, b, W, d]
     outs = []
     for y, slab in zip(ys, _head_slices(recv, widths)):
         slab = slab.unflatten(-2, (y.shape[0], y.shape[3]))             # [hp (src), 2c, b, n, Hl, d]
@@ -199,13 +219,19 @@ class HeadExchange:
     positions: Tuple[int, ...] = ()   # ascending place of each received unit (host ints, for the direct path)
     peers: Tuple[int, ...] = ()       # global rank of each head rank
     head_rank: int = 0
+    head_of_group: Optional[Tuple[int, ...]] = None   # head rank of each group rank, where the two differ
+    point_to_point: bool = False      # batch 1 by point-to-point messages (gloo; NCCL keeps the collective)
 
     @classmethod
     def build(cls, hp: int, received: Optional[Sequence[int]], group, counter: CommCounter,
-              device, per_token: bool = False) -> "HeadExchange":
+              device, per_token: bool = False, head_ranks: Optional[Sequence[int]] = None) -> "HeadExchange":
         """From the sort keys of the chunks (or, ``per_token``, of the tokens) in the order the all-to-all delivers
         them (one host-to-device copy, here only); None, or keys already ascending: the ring takes the tokens in
-        the order received, with no permutation."""
+        the order received, with no permutation. ``head_ranks``: the global ranks of the head group by head rank
+        (the placement's order; default the group's own order).
+
+        Batch 1 goes point to point only on gloo, where it was measured faster (one copy per direction instead
+        of two); on NCCL the collective all-to-all stays, until a GPU measurement says otherwise."""
         order = None if received is None else sorted(range(len(received)), key=received.__getitem__)
         if order is not None and order == sorted(order):
             order = None
@@ -214,13 +240,18 @@ class HeadExchange:
         if received is not None and not per_token:
             place = {key: i for i, key in enumerate(sorted(received))}
             positions = tuple(place[key] for key in received)
-        peers = () if group is None else tuple(dist.get_process_group_ranks(group))
-        return cls(hp, as_tensor, group, counter, per_token, positions, peers,
-                   0 if group is None else dist.get_rank(group))
+        if group is None:
+            return cls(hp, as_tensor, None, counter, per_token, positions)
+        by_group = tuple(dist.get_process_group_ranks(group))          # global ranks by group rank (ascending)
+        peers = by_group if head_ranks is None else tuple(head_ranks)
+        head_of_group = tuple(peers.index(r) for r in by_group)
+        return cls(hp, as_tensor, group, counter, per_token, positions, peers, peers.index(dist.get_rank()),
+                   None if head_of_group == tuple(range(hp)) else head_of_group,
+                   traffic_backend(group) == "gloo")
 
     def _direct(self, batch: int) -> bool:
         """Whether the exchange goes by point-to-point messages, unit by unit (batch 1, chunk units)."""
-        return self.group is not None and batch == 1 and bool(self.positions)
+        return self.point_to_point and batch == 1 and bool(self.positions)
 
     def unit(self, tokens: int) -> int:
         """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""
@@ -230,13 +261,13 @@ class HeadExchange:
         if self._direct(xs[0].shape[1]):
             return _direct_to_heads(xs, grouping, self, self.unit(xs[0].shape[0]))
         return to_heads(xs, grouping, self.head_parallel_size, self.order, self.unit(xs[0].shape[0]),
-                        self.group, self.counter)
+                        self.group, self.counter, self.head_of_group)
 
     def to_tokens(self, ys: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         if self._direct(ys[0].shape[1]):
             return _direct_to_tokens(ys, self, self.unit(ys[0].shape[2] // self.head_parallel_size))
         return to_tokens(ys, self.head_parallel_size, self.order, self.unit(ys[0].shape[2] // self.head_parallel_size),
-                         self.group, self.counter)
+                         self.group, self.counter, self.head_of_group)
 
 
 class HeadAllToAll(torch.autograd.Function):
