@@ -28,8 +28,8 @@ from megatron_2d.kernels.base import BlockKernel
 from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel, packed_lse, padded_lse
 from megatron_2d.testing import flash_attn_package as fap
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.reference import (FLASH_CONVENTION_CASES, TOLERANCES, flash_reference, norm_err, packed_reference_attention,
-                                            reference_attention, rel_err, rounded)
+from megatron_2d.testing.reference import (FLASH_CONVENTION_CASES, TOLERANCES, flash_reference, norm_err,
+                                            packed_reference_attention, reference_attention, rel_err, rounded)
 from megatron_2d.testing.torch_flash_cpu import kernel_on_cpu
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -55,11 +55,12 @@ def extension_calls(version):
     tree = ast.parse((fap.release_path(version) / "flash_attn" / "flash_attn_interface.py").read_text())
     calls = {}
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id in ("flash_attn_cuda", "flash_attn_gpu")
-                and node.func.attr in ("fwd", "bwd", "varlen_fwd", "varlen_bwd")):
-            assert not node.keywords, (version, node.func.attr)
-            calls.setdefault(node.func.attr, []).append([ast.unparse(a) for a in node.args])
+        func = node.func if isinstance(node, ast.Call) else None
+        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                and func.value.id in ("flash_attn_cuda", "flash_attn_gpu")
+                and func.attr in ("fwd", "bwd", "varlen_fwd", "varlen_bwd")):
+            assert not node.keywords, (version, func.attr)
+            calls.setdefault(func.attr, []).append([ast.unparse(a) for a in node.args])
     return calls
 
 

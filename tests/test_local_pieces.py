@@ -222,7 +222,8 @@ def test_kernel_selection_on_cuda_devices(monkeypatch):
         with pytest.raises(ValueError, match=r"head dim 60 is not supported by the flash kernels \(a multiple of "
                                              r"8, at most 256; pad to 64\)"):
             select_kernel(cuda, torch.bfloat16, name, head_dim=60)
-        with pytest.raises(ValueError, match=r"head dim 264 is not supported by the flash kernels \(a multiple of 8, at most 256\)$"):
+        with pytest.raises(ValueError, match=r"head dim 264 is not supported by the flash kernels \(a multiple of 8, "
+                                             r"at most 256\)$"):
             select_kernel(cuda, torch.bfloat16, name, head_dim=264)
     with pytest.raises(ValueError, match=r"'flash_attn2' does not run on device cuda with torch.float32"):
         select_kernel(cuda, torch.float32, "flash_attn2")
