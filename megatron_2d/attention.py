@@ -89,6 +89,15 @@ def _check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> None:
         raise ValueError(f"sinks must be a floating-point tensor on {q.device}, got {sinks.dtype} on {sinks.device}")
 
 
+def check_not_capturing(device: torch.device) -> None:
+    """Refuse to run inside a CUDA graph capture: the rings' point-to-point messages, the per-batch plans and the
+    first-call setup run on the host, so a replayed graph would move stale data (megatron: keep attention out of
+    cuda_graph_modules; the config check refuses training graphs that capture it)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("attention_2d cannot run inside a CUDA graph capture; leave core attention out of the "
+                           "graph (megatron: cuda_graph_modules without 'attn', or cuda_graph_impl='none')")
+
+
 def _transport(groups: Groups2D, plan) -> object:
     """The Double-Ring when every pair of context ranks has keys to see, else the neighbour exchange."""
     return DoubleRing(groups) if plan.dense else NeighbourExchange(groups, plan.keys)
@@ -190,6 +199,7 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     Returns out [s, b, hq, d] (or [t_local, hq, d] with packing) in q's dtype. Bytes sent are added to
     ``groups.comm_bytes``.
     """
+    check_not_capturing(q.device)
     if packing is not None:
         _check_packed(q, k, v, groups, packing)
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)          # [t_local, 1, heads, d]
