@@ -6,37 +6,13 @@ import datetime
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_2d
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
 
 TIMEOUT = datetime.timedelta(seconds=60)
-
-
-class NoHostDataInOp(TorchFunctionMode):
-    """Fails on reading device values into Python (.item(), .tolist()) or making tensors from Python lists."""
-
-    FORBIDDEN = {torch.Tensor.item, torch.Tensor.tolist, torch.tensor, torch.as_tensor}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.FORBIDDEN:
-            raise AssertionError(f"attention_2d called {getattr(func, '__name__', func)} on its hot path")
-        return func(*args, **(kwargs or {}))
-
-
-class NoSyncOps(TorchDispatchMode):
-    """Fails on the aten ops behind a device-to-host read or a tensor made from Python data."""
-
-    FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default,
-                 torch.ops.aten.lift_fresh_copy.default}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.FORBIDDEN:
-            raise AssertionError(f"attention_2d dispatched {func} on its hot path")
-        return func(*args, **(kwargs or {}))
 
 
 def run_twice_guarded(rank, world, hp, w, window, batch):

@@ -49,6 +49,10 @@ class TransformerConfig2D(TransformerConfig):
     """Selective Checkpoint++: with full-layer recompute, keep each layer's attention output and log-sum-exp from
     the forward pass so the recompute pass skips attention (its kernels, all-to-alls and ring traffic)."""
 
+    selective_checkpoint_plus_plus_check: str = "tolerance"
+    """How Selective Checkpoint++ compares a recompute with its first pass: "tolerance" (the dtype's rounding
+    noise allowed, as GPU recomputes through atomics give) or "bitwise" (a debug mode). Neither syncs the host."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         group_registry(self)    # the model's 2D groups live here; Megatron's per-layer config copies share them

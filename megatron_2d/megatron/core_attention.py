@@ -103,7 +103,8 @@ class CoreAttention2D(MegatronModule):
                                                  double_ring_window=double_ring_window, placement=placement)
         self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
-        self.keeper = AttentionKeeper() if getattr(config, "selective_checkpoint_plus_plus", False) else None
+        self.keeper = (AttentionKeeper(getattr(config, "selective_checkpoint_plus_plus_check", "tolerance"))
+                       if getattr(config, "selective_checkpoint_plus_plus", False) else None)
         self.sliding_window = None
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             left, right = config.window_size
