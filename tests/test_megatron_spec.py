@@ -3,8 +3,8 @@
 Megatron's builder here is megatron.training.models.gpt.default_layer_spec (what pretrain_gpt.py calls; the same
 choices as Megatron-LM's gpt_builders.py). For every combination of the builder's arguments (normalization,
 qk_layernorm, qk_l2_norm, MoE experts with dense/MoE layer patterns and grouped GEMM, use_te_activation_func,
---transformer-impl; megatron-core's TransformerConfig accepts all 48 per impl), the two specs have the same module at every node except
-core attention, which is CoreAttention2D in every layer. Transformer Engine cannot run here, so for
+--transformer-impl; megatron-core's TransformerConfig accepts all 48 per impl), the two specs have the same
+module at every node except core attention, which is CoreAttention2D in every layer. Transformer Engine cannot run here, so for
 --transformer-impl transformer_engine the arguments each builder passes to Megatron's spec functions are compared
 instead (the functions recorded, both builders calling the same recorder).
 """
