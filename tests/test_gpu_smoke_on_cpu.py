@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ITEMS = ["kernel cpu_flash", "kernel flash_attn2", "kernel torch_flash", "loopback flash_attn2",
+ITEMS = ["kernel flash_attn2", "kernel torch_flash", "loopback flash_attn2",
          "loopback torch_flash", "attention_2d flash_attn2", "attention_2d torch_flash", "no host sync",
          "distributed 2 ranks"]
 
@@ -28,7 +28,7 @@ def test_gpu_check_dry_run_on_cpu():
     for item in ITEMS:
         assert any(line.startswith(item) and " ok " in line for line in rows), item
     for d in (64, 128, 192):                                   # every kernel at every head dim
-        assert sum(f"d={d}:" in line and " ok " in line for line in rows) == 3, d
-    assert sum(line.startswith("loopback") and " ok " in line for line in rows) == 3 * 6
+        assert sum(f"d={d}:" in line and " ok " in line for line in rows) == 2, d
+    assert sum(line.startswith("loopback") and " ok " in line for line in rows) == 2 * 6
     for item in ("peak memory", "CUDA graph capture"):
         assert any(line.startswith(item) and "not run" in line and "needs CUDA" in line for line in rows), item

@@ -339,11 +339,11 @@ def cuda_kernel_stand_ins(stack: contextlib.ExitStack) -> List[str]:
     from megatron_2d.testing.torch_flash_cpu import kernel_on_cpu, torch_flash_on_cpu
 
     stack.enter_context(torch_flash_on_cpu())
-    names = ["cpu_flash", "torch_flash"]
+    names = ["torch_flash"]
     if flash_attn_package.is_installed("2.8.3.post2"):
         flash_attn_package.load_release("2.8.3.post2")
         stack.enter_context(kernel_on_cpu(FlashAttn2Kernel))
-        names.insert(1, "flash_attn2")
+        names.insert(0, "flash_attn2")
     return names
 
 
