@@ -4,7 +4,8 @@ Megatron's builder here is megatron.training.models.gpt.default_layer_spec (what
 choices as Megatron-LM's gpt_builders.py). For every combination of the builder's arguments (normalization,
 qk_layernorm, qk_l2_norm, MoE experts with dense/MoE layer patterns and grouped GEMM, use_te_activation_func,
 --transformer-impl; megatron-core's TransformerConfig accepts all 48 per impl), the two specs have the same
-module at every node except core attention, which is CoreAttention2D in every layer. Transformer Engine cannot run here, so for
+module at every node except core attention, which is CoreAttention2D in every layer; local specs also with apex's
+layer norm in play (faked), which megatron-core picks for LayerNorm models only. Transformer Engine cannot run here, so for
 --transformer-impl transformer_engine the arguments each builder passes to Megatron's spec functions are compared
 instead (the functions recorded, both builders calling the same recorder).
 """
@@ -74,8 +75,15 @@ def module_tree(spec, path="layer"):
     return nodes
 
 
+class ApexFusedLayerNorm:
+    """Plays apex's FusedLayerNorm (LayerNorm only), which megatron's local spec picks when apex is installed."""
+
+
 def run_local_specs(rank, world):
-    """Every local combination: (combinations compared, differences, core attention modules)."""
+    """Every local combination, without apex and with apex (its layer norm faked: megatron-core then picks it
+    for LayerNorm models only, if the normalization reaches the spec): (compared, differences, core attentions)."""
+    import megatron.core.models.backends as backends
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.training.models.gpt import GPTModelConfig, default_layer_spec
 
     from megatron_2d.megatron.core_attention import CoreAttention2D
@@ -83,16 +91,22 @@ def run_local_specs(rank, world):
 
     tg.init_parallel()
     compared, differences, cores = 0, {}, set()
-    for options in combinations():
-        config = transformer_config("local", options)
-        theirs = module_tree(default_layer_spec(GPTModelConfig(transformer=config, vocab_size=128), None))
-        ours = get_gpt_layer_spec_2d(GPTModelConfig(transformer=config, vocab_size=128))
-        mine = module_tree(ours)
+    for apex, options in itertools.product((False, True), combinations()):
+        norm = ApexFusedLayerNorm if apex else gpt_layer_specs.WrappedTorchNorm
+
+        def build(builder):                  # megatron's RMSNorm branch overwrites the module global: reset it
+            backends.LNImpl = gpt_layer_specs.LNImpl = norm
+            return module_tree(builder(GPTModelConfig(transformer=transformer_config("local", options),
+                                                      vocab_size=128)))
+
+        theirs, mine = build(lambda c: default_layer_spec(c, None)), build(get_gpt_layer_spec_2d)
         cores |= {name for path, (name, _) in mine.items() if path.endswith("core_attention")}
         drop = lambda tree: {p: m for p, m in tree.items() if "core_attention" not in p}   # noqa: E731
         if drop(mine) != drop(theirs):
-            differences[str(options)] = sorted(set(drop(mine).items()) ^ set(drop(theirs).items()))[:4]
-        compared += 1
+            differences[(apex, str(options))] = sorted(set(drop(mine).items()) ^ set(drop(theirs).items()))[:4]
+        compared += apex and options["normalization"] == "LayerNorm" and \
+            any(m[0] == ApexFusedLayerNorm.__qualname__ for m in mine.values())
+        compared += not apex
     return compared, differences, sorted(cores), CoreAttention2D.__qualname__
 
 
@@ -100,7 +114,7 @@ def test_local_specs_equal_megatrons_but_core_attention():
     compared, differences, cores, expected = run_on_ranks(1, run_local_specs)[0]
     assert not differences, differences
     assert cores == [expected]
-    assert compared == len(list(combinations())) == 48
+    assert compared == 48 + 24     # every combination; with apex, the 24 LayerNorm ones use its layer norm
 
 
 def run_transformer_engine_arguments(rank, world):
