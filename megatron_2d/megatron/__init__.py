@@ -4,6 +4,10 @@
     config = TransformerConfig2D(..., context_parallel_size=8, cp_comm_type="2d", cp_2d_head_parallel_size=2,
                                  cp_2d_window_size=2, cp_2d_placement="head_first", attention_dropout=0.0)
     model = GPTModel(config, get_gpt_layer_spec_2d(config), ...)
+    model = HybridModel(config, get_hybrid_stack_spec_2d(), ..., hybrid_layer_pattern="M*-M*-")
+
+The hybrid stack specs (``get_hybrid_stack_spec_2d`` and the ready ``hybrid_stack_spec_2d*`` objects of
+:mod:`.hybrid_spec`) are loaded on first use.
 """
 
 from .config import TransformerConfig2D
@@ -20,9 +24,17 @@ __all__ = [
 ]
 
 
+HYBRID_NAMES = ("get_hybrid_stack_spec_2d", "hybrid_stack_spec_2d", "hybrid_stack_spec_2d_local",
+                "hybrid_stack_spec_2d_te")
+
+
 def __getattr__(name: str):
     if name == "GPT_LAYER_SPEC_2D":   # built on first use (it probes Transformer Engine)
         from . import spec
 
         return spec.GPT_LAYER_SPEC_2D
+    if name in HYBRID_NAMES:
+        from . import hybrid_spec
+
+        return getattr(hybrid_spec, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

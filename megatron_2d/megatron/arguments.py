@@ -1,4 +1,4 @@
-"""pretrain_gpt command-line flags for the 2d backend, and the model config built from them.
+"""pretrain_gpt / pretrain_hybrid command-line flags for the 2d backend, and the model config built from them.
 
     --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-window-size 2
     --cp-2d-placement head_first --attention-dropout 0.0
@@ -16,6 +16,7 @@ from .launch_checks import check_launch_args
 from .settings import uses_2d
 
 SPEC = ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
+HYBRID_SPEC = ["megatron_2d.megatron.hybrid_spec", "hybrid_stack_spec_2d"]
 
 
 def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -58,12 +59,27 @@ def transformer_config_from_args_2d(args: argparse.Namespace):
     return core_transformer_config_from_args(args, config_class=TransformerConfig2D)
 
 
+def _model_config_from_args_2d(args: argparse.Namespace, default_spec, model_config_from_args):
+    """Megatron's ``*_config_from_args`` with TransformerConfig2D, after the launch checks; ``default_spec`` when
+    "2d" is selected and no --spec was given."""
+    check_launch_args(args)
+    if uses_2d(args.cp_comm_type) and args.spec is None:
+        args.spec = list(default_spec)
+    return model_config_from_args(args, config=transformer_config_from_args_2d(args))
+
+
 def gpt_config_from_args_2d(args: argparse.Namespace):
     """pretrain's GPT model config with TransformerConfig2D; the 2d layer spec when "2d" is selected and no
     --spec was given. Refuses what the 2d backend does not support (:mod:`.launch_checks`) first."""
     from megatron.training.argument_utils import gpt_config_from_args
 
-    check_launch_args(args)
-    if uses_2d(args.cp_comm_type) and args.spec is None:
-        args.spec = list(SPEC)
-    return gpt_config_from_args(args, config=transformer_config_from_args_2d(args))
+    return _model_config_from_args_2d(args, SPEC, gpt_config_from_args)
+
+
+def hybrid_config_from_args_2d(args: argparse.Namespace):
+    """pretrain_hybrid's HybridModel config with TransformerConfig2D; the 2d hybrid stack spec when "2d" is selected
+    and no --spec was given. Refuses what the 2d backend does not support (:mod:`.launch_checks`: the hybrid pattern's
+    Mamba / GDN layers against the CP group included) first."""
+    from megatron.training.argument_utils import hybrid_config_from_args
+
+    return _model_config_from_args_2d(args, HYBRID_SPEC, hybrid_config_from_args)

@@ -29,11 +29,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from ..ring_schedule import double_ring_events, final_hop_link, replay
+from ..zero_sharding import HybridZeRO, state_bytes_per_rank
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
+from .links import overlapped
 from .placement import LinkClass, LinkMap, link_map
 from .windows import WindowWork, window_work
 
 if TYPE_CHECKING:
+    from .memory_options import ShardingCost
     from .packed import PackedWork
 
 BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors
@@ -131,24 +134,29 @@ def flow_gbps(cluster: ClusterSpec, node_flows: int) -> float:
     return cluster.net_gbps_per_node / max(node_flows, cluster.nics_per_node)
 
 
-def class_time(c: LinkClass, peer_bytes: float, cluster: ClusterSpec) -> float:
+def class_time(c: LinkClass, peer_bytes: float, cluster: ClusterSpec, kind: str = "p2p") -> float:
     """Seconds for one rank of class ``c`` to send ``peer_bytes`` to each of its peers.
 
-    NVLink and the NICs are separate paths, so the two parts overlap: max(intra/beta_nvl, inter/beta_flow).
+    NVLink and the NICs are separate paths, so the two parts overlap: max(intra/beta_nvl, inter/beta_flow), each
+    beta scaled by the link efficiency of its class for ``kind`` ("p2p": ring sends, "a2a": collectives;
+    :mod:`.links`).
     """
-    intra = c.intra_peers * peer_bytes / (cluster.nvlink_gbps * GB)
-    inter = c.inter_peers * peer_bytes / (flow_gbps(cluster, c.node_flows) * GB) if c.inter_peers else 0.0
+    eff = cluster.links
+    intra = c.intra_peers * peer_bytes / (cluster.nvlink_gbps * eff.factor("nvlink", kind) * GB)
+    inter = (c.inter_peers * peer_bytes / (flow_gbps(cluster, c.node_flows) * eff.factor("network", kind) * GB)
+             if c.inter_peers else 0.0)
     return max(intra, inter)
 
 
-def path_time(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec) -> float:
+def path_time(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec, kind: str = "p2p") -> float:
     """The slowest rank's time on a path: collectives and ring steps wait for the slowest member."""
-    return max((class_time(c, peer_bytes, cluster) for c in classes), default=0.0)
+    return max((class_time(c, peer_bytes, cluster, kind) for c in classes), default=0.0)
 
 
-def worst_class(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec) -> LinkClass:
+def worst_class(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec,
+                kind: str = "p2p") -> LinkClass:
     """The class that sets ``path_time`` (an all-zero class when the path is unused)."""
-    return max(classes, key=lambda c: class_time(c, peer_bytes, cluster), default=LinkClass(0, 0, 0))
+    return max(classes, key=lambda c: class_time(c, peer_bytes, cluster, kind), default=LinkClass(0, 0, 0))
 
 
 # -- the estimate -----------------------------------------------------------------------------------------------
@@ -202,6 +210,9 @@ class Estimate:
     """The parts ``memory_gb`` is made of, for every recompute mode."""
     neighbour_exchange: bool = False
     """A sliding window made the op exchange K/V with neighbours only (the window size w then has no effect)."""
+    states: Optional["ShardingCost"] = None
+    """How the model states are held (a memory option, :mod:`.memory_options`) and what that sends; None: the
+    distributed optimizer of ``memory``, its communication not modelled."""
 
     @property
     def comm_s(self) -> float:
@@ -233,8 +244,8 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
     link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer",
                "final_dkv": last}
     forward, backward = double_ring_events(cp, w, False), double_ring_events(cp, w, True)
-    fwd = replay(forward, tc, transfer, link_of)
-    bwd = replay(backward, tcb, transfer, link_of)
+    fwd = replay(forward, tc, transfer, link_of, cluster.links.interference)
+    bwd = replay(backward, tcb, transfer, link_of, cluster.links.interference)
     serial = sum(transfer[e.channel] for e in forward + backward if e.kind.startswith("post_"))
     return fwd, bwd, serial
 
@@ -249,16 +260,16 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     """
     intra = inter = nic = 0.0
 
-    def add(classes, peer_bytes, times):
+    def add(classes, peer_bytes, times, kind="p2p"):
         nonlocal intra, inter, nic
-        c = worst_class(classes, peer_bytes, cluster)
+        c = worst_class(classes, peer_bytes, cluster, kind)
         intra += times * c.intra_peers * peer_bytes
         inter += times * c.inter_peers * peer_bytes
         nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
 
     sends = Counter(e.channel for e in double_ring_events(cp, w, False) + double_ring_events(cp, w, True)
                     if e.kind.startswith("post_"))
-    add(links.a2a, work.a2a_peer_bytes, 2)
+    add(links.a2a, work.a2a_peer_bytes, 2, "a2a")
     add(links.inner, work.kv_bytes, sends["inner_kv"])
     add(links.outer, work.kv_bytes, sends["outer_kv"])
     add(links.inner, work.dkv_bytes, sends["inner_dkv"])
@@ -275,6 +286,7 @@ def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluste
     and its ``ww.messages`` neighbours; each neighbour's message (K/V slice, then K/V + the dK/dV partial in
     backward, in the dtype of ``work.dkv_bytes``) overlaps one such step, the last dK/dV partial overlaps nothing:
         fwd = t + m * max(t, T(kv)),  bwd = tb + m * max(tb, T(kv + dkv)) + T(dkv),   t = cp * tc / (m + 1)
+    (each max(compute, transfer) slowed by the links' interference: :func:`.links.overlapped`)
     """
     m = ww.messages
     per_token = work.kv_bytes / work.s_ctx_tokens
@@ -282,8 +294,9 @@ def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluste
     dkv = kv * (work.dkv_bytes / work.kv_bytes if work.kv_bytes else FP32 / BF16)
     t_msg = lambda b: path_time(ring_links.inner, b, cluster)  # noqa: E731
     t, tb = cp * tc / (m + 1), cp * tcb / (m + 1)
-    fwd = t + m * max(t, t_msg(kv))
-    bwd = tb + m * max(tb, t_msg(kv + dkv)) + t_msg(dkv)
+    x = cluster.links.interference
+    fwd = t + m * overlapped(t, t_msg(kv), x)
+    bwd = tb + m * overlapped(tb, t_msg(kv + dkv), x) + t_msg(dkv)
     return fwd, bwd, m * (2 * t_msg(kv) + t_msg(dkv)), kv
 
 
@@ -339,7 +352,8 @@ class MemoryBreakdown:
     k, v, out."""
     model_states: float
     """bf16 weights + fp32 gradients of N/(TP*PP) parameters, and fp32 master weights + Adam moments (12 bytes
-    per parameter) sharded over DP x CP (Megatron's distributed optimizer)."""
+    per parameter) sharded over DP x CP (Megatron's distributed optimizer: megatron_2d.zero_sharding's
+    state_bytes_per_rank, the library's own count); a memory option (:mod:`.memory_options`) replaces it."""
     sharded_states: float = 0.0
     """The part of ``model_states`` sharded over DP x CP (the optimizer's 12 bytes per parameter)."""
 
@@ -400,14 +414,14 @@ def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int,
     nw = cp // w
     blocks = (2 + (1 if nw > 1 and w > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
     staging = BF16 * tokens * d * (2 * Ht + 2 * L) if hp > 1 else 0.0
-    params = model.total_params() / (tp * parallel.pp)
+    states = state_bytes_per_rank(-(-model.total_params() // (tp * parallel.pp)), HybridZeRO("optimizer"),
+                                  parallel.dp_size, CP, param_bytes=BF16, grad_bytes=FP32)
     return MemoryBreakdown(
         tokens=tokens, layers=model.layers, layer_input=BF16 * D / tp,
         dense_rest=BF16 * (3 * D + fc1_out + F) / tp, qkv=BF16 * (Ht + 2 * L) * d, attn_out=BF16 * Ht * d,
         o_proj_in=BF16 * Ht * d, lse=FP32 * Ht, logits=FP32 * tokens * model.vocab / tp,
         comm_buffers=blocks + staging,
-        model_states=params * (BF16 + FP32) + params * 12 / (parallel.dp_size * CP),
-        sharded_states=params * 12 / (parallel.dp_size * CP))
+        model_states=float(sum(states.values())), sharded_states=float(states["optimizer"]))
 
 
 def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
@@ -527,7 +541,7 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
     # (read + write each, twice) and the fixed latency; nothing when hp == 1.
     a2a_one = 0.0
     if hp > 1:
-        a2a_one = path_time(links.a2a, work.a2a_peer_bytes, cluster) + 4 * work.a2a_local_bytes / hbm + lat
+        a2a_one = path_time(links.a2a, work.a2a_peer_bytes, cluster, "a2a") + 4 * work.a2a_local_bytes / hbm + lat
     if local_only:
         tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
         fwd, bwd, ring_serial = tc, tcb, 0.0

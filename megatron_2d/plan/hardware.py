@@ -8,10 +8,11 @@ unless a field's docstring says otherwise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional
 
 from ..topology import divisors
+from .links import LinkEfficiency
 
 
 class PlanError(ValueError):
@@ -118,6 +119,10 @@ class ClusterSpec:
     """Fraction of ``gpu_memory_gb`` the estimate may use: the CUDA context, NCCL buffers, the caching
     allocator's fragmentation and what the estimate leaves out (norm weights, kernels' workspaces) take the rest.
     An assumption (a few GB of an 80 GB GPU); 1.0 trusts the estimate to the byte."""
+    links: LinkEfficiency = field(default_factory=LinkEfficiency)
+    """Share of the nominal NVLink / network bandwidth that ring sends (p2p) and collectives (a2a) get, and the
+    slowdown of compute while transfers run (:mod:`megatron_2d.plan.links`: defaults from published NCCL
+    measurements; ``links.IDEAL_LINKS`` for none)."""
 
     @property
     def memory_budget_gb(self) -> float:
@@ -135,6 +140,8 @@ class ClusterSpec:
         _fraction("cluster attn_efficiency", self.attn_efficiency)
         _fraction("cluster dense_efficiency", self.dense_efficiency)
         _fraction("cluster usable_memory_fraction", self.usable_memory_fraction)
+        if not isinstance(self.links, LinkEfficiency):
+            raise PlanError(f"cluster links must be a LinkEfficiency, got {type(self.links).__name__}")
 
     @property
     def nic_gbps(self) -> float:
