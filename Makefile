@@ -3,10 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_2d-installed
 
-.PHONY: install demo test bench pretrain-cpu pretrain-hybrid-cpu mutation fuzz clean
+.PHONY: install demo test bench pretrain-cpu pretrain-hybrid-cpu mutation fuzz gpu-check clean
 install: $(STAMP)
 
-$(STAMP): tools/install.sh requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): tools/install.sh requirements.txt requirements-dev.txt pyproject.toml megatron_2d/testing/flash_attn_package.py
 	bash tools/install.sh
 	touch $@
 
@@ -27,6 +27,13 @@ pretrain-hybrid-cpu: $(STAMP)
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4
 	$(PY) -m megatron_2d.demo
+
+# On a machine with GPUs (e.g. an NGC container with this checkout): every GPU path, one table, pass/fail per item
+# (tools/gpu_smoke.py; under 5 minutes on one H100). Uses the machine's own Python and torch, not .venv (whose
+# torch is the CPU build). CI runs the same items on CPU: python tools/gpu_smoke.py --dry-run.
+GPU_PY ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_smoke.py --device cuda
 
 # Not part of CI: applies tools/mutations.toml one mutation at a time to a scratch copy and reports caught/survived
 # (exit 1 below 95% caught). Takes tens of minutes on 2 cores.

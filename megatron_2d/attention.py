@@ -92,6 +92,15 @@ def _check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> None:
         raise ValueError(f"sinks must be a floating-point tensor on {q.device}, got {sinks.dtype} on {sinks.device}")
 
 
+def check_not_capturing(device: torch.device) -> None:
+    """Refuse to run inside a CUDA graph capture: the rings' point-to-point messages, the per-batch plans and the
+    first-call setup run on the host, so a replayed graph would move stale data (megatron: keep attention out of
+    cuda_graph_modules; the config check refuses training graphs that capture it)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("attention_2d cannot run inside a CUDA graph capture; leave core attention out of the "
+                           "graph (megatron: cuda_graph_modules without 'attn', or cuda_graph_impl='none')")
+
+
 def _transport(groups: Groups2D, plan) -> object:
     """The Double-Ring when every pair of context ranks has keys to see, else the neighbour exchange."""
     return DoubleRing(groups) if plan.dense else NeighbourExchange(groups, plan.keys)
@@ -114,10 +123,10 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
     if cached is None:
         place = groups.place
         heads = HeadExchange.build(groups.head_parallel_size, groups.received_chunks(place.context_rank),
-                                   groups.head_group, groups.comm_bytes, device)
+                                   groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group)
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
         rc = RingContext(transport=_transport(groups, plan),
-                         kernel=select_kernel(device, dtype, kernel).for_head_dims(*head_dims),
+                         kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
                          plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
                          scale=scale, rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = groups.op_cache[key] = (heads, rc)
@@ -134,13 +143,15 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
         order = packing.ring_order
         heads = HeadExchange.build(groups.head_parallel_size,
                                    None if order is None else np.argsort(order[groups.place.context_rank]).tolist(),
-                                   groups.head_group, groups.comm_bytes, device, per_token=True)
+                                   groups.head_group, groups.comm_bytes, device, per_token=True,
+                                   head_ranks=groups.place.head_group)
         view_tokens = packing.views.shape[1]
         if packing.ring_tokens == 0 or groups.context_size == 1:
             transport = LocalBlock(groups.place.context_rank)
         else:
             transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
-        rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel).for_head_dims(*head_dims),
+        rc = RingContext(transport=transport,
+                         kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
                          plans=packing.plans(causal, window), scale=scale,
                          rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = packing.op_cache[key] = (heads, rc)
@@ -195,6 +206,7 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     Returns out [s, b, hq, dv] (or [t_local, hq, dv] with packing) in q's dtype. Bytes sent are added to
     ``groups.comm_bytes``.
     """
+    check_not_capturing(q.device)
     if packing is not None:
         _check_packed(q, k, v, groups, packing)
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)          # [t_local, 1, heads, d]

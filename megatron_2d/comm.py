@@ -14,6 +14,19 @@ import torch.distributed as dist
 COMM_KINDS = ("all_to_all", "inner_ring", "outer_ring", "neighbour")
 
 
+def traffic_backend(group: dist.ProcessGroup) -> str:
+    """The backend that carries this library's tensors on ``group``: its backend name, or for a multi-backend
+    group (``backend="cpu:gloo,cuda:nccl"``, which ``dist.get_backend`` reports whole) the one of the device the
+    tensors live on: CUDA's where CUDA is available, else the CPU's."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    by_device = dict(part.split(":", 1) for part in name.split(","))
+    if "cuda" in by_device and torch.cuda.is_available():
+        return by_device["cuda"]
+    return by_device.get("cpu", next(iter(by_device.values())))
+
+
 class CommCounter:
     """Bytes this rank sent, by kind (all_to_all, inner_ring, outer_ring, neighbour); accumulates until reset()."""
 
@@ -89,7 +102,7 @@ class DirectExchange:
         self._in_flight = False
         # gloo moves a posted receive's data on its own threads whenever the sender sends; an early NCCL receive
         # would hold a GPU block spinning until then, so NCCL posts it with the send
-        self._receive_early = dist.get_backend(group) == "gloo"
+        self._receive_early = traffic_backend(group) == "gloo"
         self._expected = None           # (buffer factory, the buffer and its receive's works if already posted)
 
     def expect(self, new_buffer: Callable[[], torch.Tensor]) -> None:

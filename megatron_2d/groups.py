@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .block_plan import context_chunks, received_chunks
-from .comm import CommCounter
+from .comm import CommCounter, traffic_backend
 from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 
 
@@ -75,7 +75,7 @@ def default_group_timeout() -> Optional[datetime.timedelta]:
     """The default process group's timeout (e.g. Megatron's --distributed-timeout-minutes), if readable."""
     try:
         pg = dist.distributed_c10d._get_default_group()
-        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        device = collective_device(pg)
         return pg._get_backend(device).options._timeout
     except (AttributeError, RuntimeError, ValueError):
         return None
@@ -91,8 +91,9 @@ def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
 
 
 def collective_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live: the current GPU for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
+    """Where a tensor for a collective on ``group`` must live: the current GPU for NCCL (also as the CUDA backend of
+    a multi-backend group such as "cpu:gloo,cuda:nccl"), else the CPU."""
+    if traffic_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -100,7 +101,7 @@ def collective_device(group: dist.ProcessGroup) -> torch.device:
 def _warm_up(group: Optional[dist.ProcessGroup]) -> None:
     """One collective on a group whose point-to-point traffic may involve only some of its ranks: NCCL requires
     every rank of a group to take part in its first batched P2P call."""
-    if group is not None and dist.get_backend(group) == "nccl":
+    if group is not None and traffic_backend(group) == "nccl":
         dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)
 
 

@@ -14,9 +14,14 @@ to_tokens:  groups [b, S, Hl, D] and the widths (d_i) of each group's tensors ->
             inverse, also one all-to-all).
 Each is the other's backward. As an all-to-all, each direction copies the data twice, once into the send buffer and
 once out of the receive buffer (hp = 1 sends nothing: views, and one concatenating copy for a group of n > 1). With
-batch 1 and chunk units (Megatron's usual long-sequence case) the exchange is point-to-point instead and copies once:
-one message per (group, peer, unit), each unit received straight into its ascending place (to_heads) or sent
-straight from it (to_tokens), this rank's own units copied directly.
+batch 1 and chunk units (Megatron's usual long-sequence case) on gloo, the exchange is point-to-point instead and
+copies once: one message per (group, peer, unit), each unit received straight into its ascending place (to_heads)
+or sent straight from it (to_tokens), this rank's own units copied directly. NCCL keeps the collective (the
+point-to-point path was measured on gloo only).
+
+Head ranks follow the placement (:class:`~megatron_2d.topology.RankPlace`), which need not be the group's rank
+order (``cp_rank_lists`` not ascending): the collective's slices are reordered to head ranks, and the
+point-to-point messages address the peers' global ranks.
 
 ``order`` sorts the units as received (by head rank, then zigzag half) into ascending order; a unit is a chunk of c
 tokens, or, for packed documents (``per_token``), a single token (Megatron's zigzag, so that each document's
@@ -36,7 +41,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import CommCounter, all_gather_counted, all_to_all_counted
+from .comm import CommCounter, all_gather_counted, all_to_all_counted, traffic_backend
 
 Widths = Tuple[int, ...]          # the head dims of one group's tensors, in order
 
@@ -65,8 +70,26 @@ def group_widths(xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> List[Wi
     return [tuple(x.shape[-1] for x in xs[i:i + n]) for i, n in zip(_group_starts(grouping), grouping)]
 
 
+def _all_to_all_by_head(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter,
+                        head_of_group: Optional[Tuple[int, ...]]) -> torch.Tensor:
+    """all_to_all over dim 0 of ``send`` [hp, ...] indexed by HEAD rank: slice h goes to head rank h, slice h of
+    the result comes from head rank h. The collective indexes by group rank, the ascending order of the global
+    ranks (``new_group`` sorts them); where the head ranks run in another order (``cp_rank_lists`` not ascending),
+    ``head_of_group`` [g] is the head rank of group rank g and the slices are reordered around the collective."""
+    if head_of_group is None:
+        return all_to_all_counted(send, group, counter)
+    recv = all_to_all_counted(torch.stack([send[h] for h in head_of_group]), group, counter)
+    return torch.stack([recv[g] for g in _group_of_head(head_of_group)])
+
+
+def _group_of_head(head_of_group: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The group rank of each head rank (the inverse of ``head_of_group``)."""
+    return tuple(sorted(range(len(head_of_group)), key=head_of_group.__getitem__))
+
+
 def to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], hp: int, order: Optional[torch.Tensor],
-             unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
+             unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter,
+             head_of_group: Optional[Tuple[int, ...]] = None) -> List[torch.Tensor]:
     """Tensors [2c, b, H_i, d_i] -> one [b, S, H_i/hp, D] per group of ``grouping`` (n consecutive tensors of
     equal head count each, concatenated per head), through one all-to-all."""
     two_c, b = xs[0].shape[:2]
@@ -81,7 +104,7 @@ def to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], hp: int, order
         for i, n, slab, ws in zip(starts, grouping, _slabs(send, heads, widths), widths):
             for x, dst in zip(xs[i:i + n], _parts(slab, ws)):           # dst [hp, 2c, b, Hl, d_i]
                 dst.copy_(x.view(two_c, b, hp, -1, x.shape[-1]).permute(2, 0, 1, 3, 4))
-        recv = all_to_all_counted(send, group, counter)                 # [hp (src), 2c, b, F]
+        recv = _all_to_all_by_head(send, group, counter, head_of_group)  # [hp (src), 2c, b, F]
         tokens = [slab.permute(2, 0, 1, 3, 4).flatten(1, 2)             # [b, S (received), Hl, D]
                   for slab in _slabs(recv, heads, widths)]
     return [_ascending(y, order, unit) for y in tokens]
@@ -96,7 +119,8 @@ def _ascending(y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> tor
 
 
 def to_tokens(ys: Sequence[torch.Tensor], widths: Sequence[Widths], hp: int, order: Optional[torch.Tensor],
-              unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
+              unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter,
+              head_of_group: Optional[Tuple[int, ...]] = None) -> List[torch.Tensor]:
     """Groups [b, S, Hl, D] -> their tensors [2c, b, Hl*hp, d_i] (contiguous), cut by ``widths``; inverse of
     :func:`to_heads` with the same ``order``."""
     b, S = ys[0].shape[:2]
@@ -112,7 +136,7 @@ def to_tokens(ys: Sequence[torch.Tensor], widths: Sequence[Widths], hp: int, ord
     send = ys[0].new_empty(hp, two_c, b, sum(h * sum(w) for h, w in zip(heads, widths)))   # [hp (dst), 2c, b, F]
     for y, slab in zip(ys, _slabs(send, heads, widths)):
         _into_received(slab.permute(2, 0, 1, 3, 4).flatten(1, 2), y, order, unit)   # S (received) = hp * 2c
-    recv = all_to_all_counted(send, group, counter)                     # [hp (src), 2c, b, F]
+    recv = _all_to_all_by_head(send, group, counter, head_of_group)     # [hp (src), 2c, b, F]
     outs = []
     for y, slab, ws in zip(ys, _slabs(recv, heads, widths), widths):    # slab [hp (src), 2c, b, Hl, D]
         outs += [part.permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * y.shape[2], part.shape[-1]).contiguous()
@@ -234,13 +258,19 @@ class HeadExchange:
     positions: Tuple[int, ...] = ()   # ascending place of each received unit (host ints, for the direct path)
     peers: Tuple[int, ...] = ()       # global rank of each head rank
     head_rank: int = 0
+    head_of_group: Optional[Tuple[int, ...]] = None   # head rank of each group rank, where the two differ
+    point_to_point: bool = False      # batch 1 by point-to-point messages (gloo; NCCL keeps the collective)
 
     @classmethod
     def build(cls, hp: int, received: Optional[Sequence[int]], group, counter: CommCounter,
-              device, per_token: bool = False) -> "HeadExchange":
+              device, per_token: bool = False, head_ranks: Optional[Sequence[int]] = None) -> "HeadExchange":
         """From the sort keys of the chunks (or, ``per_token``, of the tokens) in the order the all-to-all delivers
         them (one host-to-device copy, here only); None, or keys already ascending: the ring takes the tokens in
-        the order received, with no permutation."""
+        the order received, with no permutation. ``head_ranks``: the global ranks of the head group by head rank
+        (the placement's order; default the group's own order).
+
+        Batch 1 goes point to point only on gloo, where it was measured faster (one copy per direction instead
+        of two); on NCCL the collective all-to-all stays, until a GPU measurement says otherwise."""
         order = None if received is None else sorted(range(len(received)), key=received.__getitem__)
         if order is not None and order == sorted(order):
             order = None
@@ -249,13 +279,18 @@ class HeadExchange:
         if received is not None and not per_token:
             place = {key: i for i, key in enumerate(sorted(received))}
             positions = tuple(place[key] for key in received)
-        peers = () if group is None else tuple(dist.get_process_group_ranks(group))
-        return cls(hp, as_tensor, group, counter, per_token, positions, peers,
-                   0 if group is None else dist.get_rank(group))
+        if group is None:
+            return cls(hp, as_tensor, None, counter, per_token, positions)
+        by_group = tuple(dist.get_process_group_ranks(group))          # global ranks by group rank (ascending)
+        peers = by_group if head_ranks is None else tuple(head_ranks)
+        head_of_group = tuple(peers.index(r) for r in by_group)
+        return cls(hp, as_tensor, group, counter, per_token, positions, peers, peers.index(dist.get_rank()),
+                   None if head_of_group == tuple(range(hp)) else head_of_group,
+                   traffic_backend(group) == "gloo")
 
     def _direct(self, batch: int) -> bool:
         """Whether the exchange goes by point-to-point messages, unit by unit (batch 1, chunk units)."""
-        return self.group is not None and batch == 1 and bool(self.positions)
+        return self.point_to_point and batch == 1 and bool(self.positions)
 
     def unit(self, tokens: int) -> int:
         """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""
@@ -265,20 +300,23 @@ class HeadExchange:
         if self._direct(xs[0].shape[1]):
             return _direct_to_heads(xs, grouping, self, self.unit(xs[0].shape[0]))
         return to_heads(xs, grouping, self.head_parallel_size, self.order, self.unit(xs[0].shape[0]),
-                        self.group, self.counter)
+                        self.group, self.counter, self.head_of_group)
 
     def to_tokens(self, ys: Sequence[torch.Tensor], widths: Sequence[Widths]) -> List[torch.Tensor]:
         unit = self.unit(ys[0].shape[1] // self.head_parallel_size)
         if self._direct(ys[0].shape[0]):
             return _direct_to_tokens(ys, widths, self, unit)
-        return to_tokens(ys, widths, self.head_parallel_size, self.order, unit, self.group, self.counter)
+        return to_tokens(ys, widths, self.head_parallel_size, self.order, unit, self.group, self.counter,
+                         self.head_of_group)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[2c, b, F] (a tensor every head shares) -> [b, S, F], every head rank's tokens in ascending order."""
         if self.group is None:
             return _ascending(x.transpose(0, 1), self.order, self.unit(x.shape[0]))
         gathered = all_gather_counted(x, self.group, self.counter)      # [hp (src) * 2c, b, F]
-        gathered = gathered.unflatten(0, (self.head_parallel_size, x.shape[0]))          # [hp (src), 2c, b, F]
+        gathered = gathered.unflatten(0, (self.head_parallel_size, x.shape[0]))   # [hp (src group rank), 2c, b, F]
+        if self.head_of_group is not None:                              # by head rank, as the order expects
+            gathered = gathered[list(_group_of_head(self.head_of_group))]
         return _ascending(gathered.permute(2, 0, 1, 3).flatten(1, 2), self.order, self.unit(x.shape[0]))
 
     def gather_backward(self, dy: torch.Tensor) -> torch.Tensor:
@@ -288,7 +326,7 @@ class HeadExchange:
             return _into_received(torch.empty_like(dy), dy, self.order, self.unit(two_c)).transpose(0, 1)
         send = dy.new_empty(self.head_parallel_size, two_c, dy.shape[0], dy.shape[2])   # [hp (dst), 2c, b, F]
         _into_received(send.permute(2, 0, 1, 3).flatten(1, 2), dy, self.order, self.unit(two_c))
-        return all_to_all_counted(send, self.group, self.counter).sum(0)         # [2c, b, F]
+        return _all_to_all_by_head(send, self.group, self.counter, self.head_of_group).sum(0)   # [2c, b, F]
 
 
 class HeadAllToAll(torch.autograd.Function):

@@ -20,7 +20,8 @@ import megatron_2d.topology
 from megatron_2d.plan import Layout as PlanLayout, ModelSpec, ParallelSpec, evaluate, get_cluster
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 
-from megatron_2d.testing.reference import TOLERANCE, TOLERANCES, norm_err, reference_attention, rel_err, rounded
+from megatron_2d.testing.reference import (TOLERANCE, TOLERANCES, norm_err, packed_reference_attention,
+                                            reference_attention, rel_err, rounded)
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -234,6 +235,29 @@ def test_bytes_batch_one():
         assert all(got == expected for got in per_rank), (per_rank[0], expected)
 
 
+def run_head_exchange_path(rank, world, backend):
+    """Batch 1 with the head exchange seeing ``backend``: which exchange functions ran, and the error."""
+    import megatron_2d.head_all_to_all as exchange
+
+    exchange.traffic_backend = lambda group: backend         # this forked rank's view of the group's backend
+    used = set()
+    for name in ("_direct_to_heads", "_direct_to_tokens", "to_heads", "to_tokens"):
+        def recorded(*args, _fn=getattr(exchange, name), _name=name, **kwargs):
+            used.add(_name)
+            return _fn(*args, **kwargs)
+        setattr(exchange, name, recorded)
+    groups = megatron_2d.build_2d_groups(2, 1, "context_first", timeout=TIMEOUT)
+    return check_case(groups, rank, world, torch.float32, True, 8, 2, 32, batch=1), sorted(used)
+
+
+def test_head_exchange_point_to_point_on_gloo_only():
+    """Batch 1: point to point where it was measured (gloo), the collective all-to-all on NCCL (faked here:
+    the exchange is told its group is NCCL's, the messages still go over gloo); exact both ways."""
+    for backend, path in (("gloo", ["_direct_to_heads", "_direct_to_tokens"]), ("nccl", ["to_heads", "to_tokens"])):
+        for err, used in run_on_ranks(4, run_head_exchange_path, backend):
+            assert used == path and err < TOLERANCE[torch.float32], (backend, used, err)
+
+
 def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
     """The planner's (NVLink, network) bytes per rank for the op's case (bf16, one layer, fwd + bwd)."""
     model = ModelSpec("op", layers=1, hidden=8 * 64, heads=8, kv_heads=hkv, ffn_hidden=64, vocab=64)
@@ -339,3 +363,66 @@ def run_multi_group(rank, world):
 
 def test_several_cp_groups():
     assert max(run_on_ranks(8, run_multi_group)) < TOLERANCE[torch.float32]
+
+
+# ---- CP rank lists in any order ------------------------------------------------------------------------------
+# torch's new_group sorts its ranks, so a head group's group ranks need not be its head ranks (the placement's);
+# the head exchange routes by head rank on both paths (collective: batch 2; point-to-point: batch 1) and the
+# sinks slice follows the same head rank. Orders: reversed, shuffled, and two strided lists in descending order.
+RANK_ORDERS = [(2, 2, "head_first", [[7, 6, 5, 4, 3, 2, 1, 0]]),
+               (4, 1, "context_first", [[3, 0, 6, 5, 1, 7, 2, 4]]),
+               (2, 1, "context_first", [[6, 4, 2, 0], [7, 5, 3, 1]])]
+
+
+def run_rank_order(rank, world, hp, w, placement, lists):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, cp_rank_lists=lists, timeout=TIMEOUT)
+    mine = next(i for i, ranks in enumerate(lists) if rank in ranks)
+    cp_index, CP = groups.place.cp_index, len(lists[0])
+    assert lists[mine][cp_index] == rank
+    results = {}
+    for batch, causal, packed in ((1, True, False), (2, False, False), (1, True, True)):
+        g = torch.Generator().manual_seed(30 + mine)
+        seq = 2 * CP * 4
+        q, k, v, dout = (torch.randn(seq, batch, h, 32, generator=g, dtype=torch.float64) for h in (8, 2, 2, 8))
+        sinks = torch.randn(8, generator=g, dtype=torch.float64)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks)]
+        if packed:
+            cu = torch.tensor([0, 5, 17, 18, seq])
+            layout = megatron_2d.PackedLayout(cu, groups, mode="zigzag")
+            ref = packed_reference_attention(*(x[:, 0] for x in leaves[:3]), cu, causal, 32 ** -0.5,
+                                             sinks=leaves[3])
+            ref.backward(dout[:, 0])
+            shard = lambda x: layout.shard(x.detach()[:, 0] if x.dim() == 4 else x.detach())   # noqa: E731
+        else:
+            ref = reference_attention(*leaves[:3], causal, 32 ** -0.5, sinks=leaves[3])
+            ref.backward(dout)
+            shard = lambda x: megatron_2d.shard_sequence(x.detach(), cp_index, CP)   # noqa: E731
+        local = [shard(x).float().requires_grad_(True) for x in (q, k, v)]
+        local_sinks = sinks.float().requires_grad_(True)
+        out = megatron_2d.attention_2d(*local, groups, causal=causal, sinks=local_sinks,
+                                       packing=layout if packed else None)
+        out.backward(shard(dout).float())
+        pairs = (("out", out, ref.detach()), ("dq", local[0].grad, leaves[0].grad),
+                 ("dk", local[1].grad, leaves[1].grad), ("dv", local[2].grad, leaves[2].grad))
+        errors = {key: rel_err(a, shard(e)) for key, a, e in pairs}
+        results[(batch, causal, packed)] = (errors, local_sinks.grad.double(), leaves[3].grad)
+    return mine, results
+
+
+@pytest.mark.parametrize("hp, w, placement, lists", RANK_ORDERS, ids=["reversed", "shuffled", "strided-descending"])
+def test_cp_rank_lists_in_any_order(hp, w, placement, lists):
+    """Exact with CP rank lists that are not ascending: out, dq, dk, dv per rank, and the sinks' gradient summed
+    over each CP group."""
+    per_rank = run_on_ranks(8, run_rank_order, hp, w, placement, lists)
+    bad = {}
+    for case in per_rank[0][1]:
+        for mine in range(len(lists)):
+            ranks = [r for r in per_rank if r[0] == mine]
+            for _, results in ranks:
+                errors, _, _ = results[case]
+                bad.update({(mine, case, key): e for key, e in errors.items() if not e < TOLERANCE[torch.float32]})
+            summed = sum(results[case][1] for _, results in ranks)
+            err = rel_err(summed, ranks[0][1][case][2])
+            if not err < TOLERANCE[torch.float32]:
+                bad[(mine, case, "dsinks")] = err
+    assert not bad, bad

@@ -109,3 +109,49 @@ def test_packed_seq_params_refusals_name_the_field():
     for message, change in cases.items():
         problems = packed_seq_refusals(dataclasses.replace(ok, **change))
         assert len(problems) == 1 and message in problems[0], (message, problems)
+
+
+CUDA_GRAPHS = [  # (settings, refused): graphs that capture core attention are refused, the others are fine
+    (dict(cuda_graph_impl="local"), True),                                    # the whole layer
+    (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"]), True),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "mlp"]), True),
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), True),
+    (dict(enable_cuda_graph=True), True),                                     # deprecated: local, whole layer
+    (dict(external_cuda_graph=True, cuda_graph_scope=["attn"]), True),       # deprecated: TE, attention
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["mlp"]), False),
+    (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["mlp"]), False),
+    (dict(cuda_graph_impl="none"), False),
+]
+
+
+@pytest.mark.parametrize("setting, refused", CUDA_GRAPHS, ids=[str(s) for s, _ in CUDA_GRAPHS])
+def test_cuda_graphs_that_capture_attention_are_refused(setting, refused):
+    """At config build (megatron's own __post_init__ normalises the deprecated fields first), naming the scope."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                                       # megatron's deprecation notes
+        if not refused:
+            assert attention_refusals(TransformerConfig2D(**BASE, **setting)) == []
+            return
+        with pytest.raises(ValueError, match=r"cuda_graph_impl='(local|transformer_engine|full_iteration)': CUDA "
+                                             r"graphs capturing core attention \((cuda_graph_modules=\[.*\] \((the "
+                                             r"whole layer|attention included)\)|a full-iteration graph)\) cannot "
+                                             r"replay the 2d backend.*cuda_graph_modules without 'attn'"):
+            TransformerConfig2D(**BASE, **setting)
+
+
+def test_attention_2d_refuses_to_run_inside_a_graph_capture(monkeypatch):
+    """Any other capture (inference graphs, a user's own) is stopped when the op runs (the capture is faked: no
+    CUDA here; tools/gpu_smoke.py checks it on a GPU)."""
+    import torch
+
+    from megatron_2d.attention import check_not_capturing
+
+    check_not_capturing(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    check_not_capturing(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"attention_2d cannot run inside a CUDA graph capture"):
+        check_not_capturing(torch.device("cuda"))
+    check_not_capturing(torch.device("cpu"))

@@ -253,6 +253,63 @@ def test_recompute_without_a_first_pass_is_refused(checkpointing):
         keeper(_attention, *(x.requires_grad_(True) for x in _qkv(5)))
 
 
+def _bf16_qkv(seed):
+    return [x.bfloat16() for x in _qkv(seed)]
+
+
+def _one_ulp_off(x):
+    """x with every element moved by one bf16 ulp: what a recompute whose sums ran in another order gives."""
+    return (x.view(torch.int16) + 1).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("check", ["tolerance", "bitwise"])
+def test_rounding_noise_passes_the_tolerance_check_only(checkpointing, check):
+    """GPUs recompute MoE permutations with atomics, so a recompute may differ in the last bits: "tolerance"
+    (default) accepts that, "bitwise" (the debug mode) refuses it; a replay of another micro-batch is refused by
+    both."""
+    def bf16_attention(q, k, v):
+        return _attention(q.double(), k.double(), v.double()).bfloat16()
+
+    keeper = checkpoint_plus.AttentionKeeper(check)
+    q, k, v = _bf16_qkv(7)
+    with torch.no_grad():
+        keeper(bf16_attention, q, k, v)
+    noisy = [_one_ulp_off(x).requires_grad_(True) for x in (q, k, v)]
+    if check == "tolerance":
+        keeper(bf16_attention, *noisy)
+    else:
+        with pytest.raises(RuntimeError, match=r"the recomputed q differs from the first pass \(max relative "
+                                               r"difference .* allowed 0\)"):
+            keeper(bf16_attention, *noisy)
+    with torch.no_grad():
+        keeper(bf16_attention, q, k, v)
+    with pytest.raises(RuntimeError, match=r"the recomputed q differs from the first pass"):
+        keeper(bf16_attention, *(x.requires_grad_(True) for x in _bf16_qkv(8)))
+
+
+def test_recompute_check_makes_no_host_sync(checkpointing):
+    """The check runs under the hot-path guards (no scalar read, no torch.equal, no tensor from Python data); its
+    verdict is read from host memory (on CUDA: a pinned copy, once landed)."""
+    from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
+
+    keeper = checkpoint_plus.AttentionKeeper()
+    q, k, v = _qkv(9)
+    _first_pass(keeper, q, k, v)
+    with NoHostDataInOp(), NoSyncOps():
+        keeper(_attention, *(x.clone().requires_grad_(True) for x in (q, k, v)))
+    with pytest.raises(AssertionError, match="hot path"), NoSyncOps():
+        torch.equal(q, k)                                       # the guard catches what the old check did
+
+
+def test_unknown_check_is_refused():
+    with pytest.raises(ValueError, match=r"check 'exact' is not one of \['tolerance', 'bitwise'\]"):
+        checkpoint_plus.AttentionKeeper("exact")
+    with pytest.raises(ValueError, match=r"selective_checkpoint_plus_plus_check 'exact' is not one of"):
+        TransformerConfig2D(num_layers=2, hidden_size=64, num_attention_heads=8, attention_dropout=0.0,
+                            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                            selective_checkpoint_plus_plus=True, selective_checkpoint_plus_plus_check="exact")
+
+
 def test_fp8_recompute_is_refused():
     from types import SimpleNamespace
 

@@ -6,37 +6,13 @@ import datetime
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_2d
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
 
 TIMEOUT = datetime.timedelta(seconds=60)
-
-
-class NoHostDataInOp(TorchFunctionMode):
-    """Fails on reading device values into Python (.item(), .tolist()) or making tensors from Python lists."""
-
-    FORBIDDEN = {torch.Tensor.item, torch.Tensor.tolist, torch.tensor, torch.as_tensor}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.FORBIDDEN:
-            raise AssertionError(f"attention_2d called {getattr(func, '__name__', func)} on its hot path")
-        return func(*args, **(kwargs or {}))
-
-
-class NoSyncOps(TorchDispatchMode):
-    """Fails on the aten ops behind a device-to-host read or a tensor made from Python data."""
-
-    FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default,
-                 torch.ops.aten.lift_fresh_copy.default}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.FORBIDDEN:
-            raise AssertionError(f"attention_2d dispatched {func} on its hot path")
-        return func(*args, **(kwargs or {}))
 
 
 def run_twice_guarded(rank, world, hp, w, window, batch, latent=False):
@@ -125,3 +101,30 @@ def bad_dkv_dtype(rank, world):
 def test_dkv_comm_dtype_is_checked():
     with pytest.raises(RankFailure, match=r"dkv_comm_dtype 'fp8' is not one of \['accumulator', 'input'\]"):
         run_on_ranks(1, bad_dkv_dtype)
+
+
+def run_flash_attn_varlen_new_batch(rank, world):
+    """flash-attn's varlen path on the calls of a batch it has not seen: building the block's index tensors and
+    running forward and backward make no host sync (the real flash-attn 2.8 Python layer over the CPU extension)."""
+    from megatron_2d.band import Band
+    from megatron_2d.block_plan import BlockCall
+    from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel
+    from megatron_2d.testing.flash_attn_package import load_release
+
+    load_release("2.8.3.post2")
+    kernel = FlashAttn2Kernel()
+    g = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 24, 4, 16, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, 20, 2, 16, generator=g).bfloat16() for _ in range(2))
+    out, lse = torch.zeros_like(q), torch.zeros(1, 4, 24)
+    calls = [BlockCall(0, 6, 0, 6, Band(None, 0)), BlockCall(6, 10, 6, 10, Band(None, 0)),
+             BlockCall(10, 16, 2, 9, None), BlockCall(16, 24, 12, 20, None)]
+    with NoHostDataInOp(), NoSyncOps():
+        kernel.forward_calls(q, k, v, calls, 0, 0.3)
+        kernel.backward_calls(dout, q, k, v, out, lse, calls, 0, 0.3)
+    groups, alone = next(iter(kernel._groups.values()))
+    return len(kernel._groups), len(groups), len(alone)
+
+
+def test_flash_attn_varlen_index_tensors_of_a_new_batch_make_no_sync():
+    assert run_on_ranks(1, run_flash_attn_varlen_new_batch) == [(1, 2, 0)]     # built under the guards

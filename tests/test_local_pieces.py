@@ -1,6 +1,8 @@
 """Single-process pieces: the (out, lse) merge, the block plan, the local kernels."""
 
+import contextlib
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -8,10 +10,12 @@ import torch
 from megatron_2d.band import Band
 from megatron_2d.block_plan import BlockCall, plan_block
 from megatron_2d.kernels import KERNELS, select_kernel
+from megatron_2d.kernels.torch_flash import ANTICAUSAL, CAUSAL, FULL, band_pieces
 from megatron_2d.merge import merge_attention_
 from megatron_2d.sequence_layout import shard_sequence, unshard_sequence
 
 from megatron_2d.testing.reference import TOLERANCES, attention_with_lse, norm_err, rel_err
+from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
 
 
 def test_merge_equals_full_softmax():
@@ -117,9 +121,16 @@ def test_shard_rejects_indivisible_sequence():
         shard_sequence(torch.zeros(10), 0, 2)
 
 
-CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]
+CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]   # flash_attn2: tests/test_flash_attn_releases.py
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-KERNEL_CASES = [(n, dt, c, h) for n, dt, c, h in itertools.product(CPU_KERNELS, DTYPES, [True, False], [4, 2, 1])]
+FLASH_ONLY = {"torch_flash": ("bf16", "fp16")}   # PyTorch's CUDA flash kernel, run on CPU by torch_flash_on_cpu
+KERNEL_CASES = [(n, dt, c, h) for n, dt, c, h in itertools.product(CPU_KERNELS, DTYPES, [True, False], [4, 2, 1])
+                if dt in FLASH_ONLY.get(n, DTYPES)]
+
+
+def on_cpu(name):
+    """The context a kernel needs to run on CPU here (torch_flash: CPU kernels for PyTorch's CUDA flash ops)."""
+    return torch_flash_on_cpu() if name == "torch_flash" else contextlib.nullcontext()
 
 
 def block_case(dtype, causal, hkv, scale=0.3, seed=2):
@@ -143,12 +154,13 @@ def test_kernel_forward_backward(name, dtype, causal, hkv):
     """Each CPU kernel, forward (out, lse) and backward (dq, dk, dv), against fp64 math on its own rounded inputs."""
     dtype = DTYPES[dtype]
     q, k, v, dout, want = block_case(dtype, causal, hkv)
-    kernel = select_kernel(torch.device("cpu"), dtype, name)
     band = Band(None, 0) if causal else None
-    out, lse = kernel.forward(q, k, v, band, 0.3)
+    with on_cpu(name):
+        kernel = select_kernel(torch.device("cpu"), dtype, name)
+        out, lse = kernel.forward(q, k, v, band, 0.3)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, band, 0.3)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     assert out.dtype == dtype and lse.dtype == lse_dtype and lse.shape == (2, 4, 16)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, band, 0.3)
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     for key in ("dq", "dk", "dv"):
         assert got[key].dtype == dtype, key
@@ -165,31 +177,83 @@ def test_kernel_selection():
         select_kernel(torch.device("cpu"), torch.float32, "nope")
     with pytest.raises(ValueError, match=r"'flash_attn2' (is not available here|does not run on device cpu)"):
         select_kernel(torch.device("cpu"), torch.bfloat16, "flash_attn2")
+    with pytest.raises(ValueError, match=r"'torch_flash' does not run on device cpu"):
+        select_kernel(torch.device("cpu"), torch.bfloat16, "torch_flash")
+
+
+class FakeFlashAttn2:
+    """Plays the flash_attn2 kernel class for selection tests: an installed flash-attn (the real packages run in
+    tests/test_flash_attn_releases.py, each in its own process)."""
+
+    name = "flash_attn2"
+
+    def supports(self, device, dtype):
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+    def head_dim_problem(self, head_dim):
+        from megatron_2d.kernels.flash_attn2 import flash_head_dim_problem
+        return flash_head_dim_problem(head_dim)
 
 
 def test_kernel_selection_on_cuda_devices(monkeypatch):
     """The choice on a CUDA device (no CUDA tensor is made): flash-attn 2 for fp16/bf16 when it imports, else
-    torch_math with a warning; the stand-in plays the installed flash-attn."""
-    import sys
-    import warnings
-
-    from megatron_2d.testing import flash_attn_cpu
+    PyTorch's own flash kernel with a warning; fp32/fp64 refused (no kernel that materialises scores on CUDA);
+    head dims the flash kernels cannot take refused at selection, automatic or named."""
+    import megatron_2d.kernels as kernels
 
     cuda = torch.device("cuda")
-    monkeypatch.setitem(sys.modules, "flash_attn", None)                # flash-attn not installed
-    with pytest.warns(UserWarning, match="uses the torch_math block kernel"):
-        assert select_kernel(cuda, torch.bfloat16).name == "torch_math"
-    package, interface = flash_attn_cpu.flash_attn_modules("2.7")
-    monkeypatch.setitem(sys.modules, "flash_attn", package)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)       # flash-attn not installed
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.warns(UserWarning, match="flash-attn is not installed: attention_2d uses PyTorch's own flash"):
+            assert select_kernel(cuda, dtype, head_dim=128).name == "torch_flash"
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(ValueError, match=rf"flash kernels, which take fp16 or bf16, not {dtype}"):
+            select_kernel(cuda, dtype)
+    with pytest.raises(ValueError, match=r"'torch_math' does not run on device cuda"):
+        select_kernel(cuda, torch.float32, "torch_math")
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)
+    monkeypatch.setitem(kernels.KERNELS, "flash_attn2", FakeFlashAttn2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert select_kernel(cuda, torch.bfloat16).name == "flash_attn2"
-        assert select_kernel(cuda, torch.float16).name == "flash_attn2"
-    with pytest.warns(UserWarning, match="uses the torch_math block kernel"):
-        assert select_kernel(cuda, torch.float32).name == "torch_math"
+        for d in (64, 128, 192, 256, 8):
+            assert select_kernel(cuda, torch.bfloat16, head_dim=d).name == "flash_attn2"
+        assert select_kernel(cuda, torch.float16, "torch_flash", head_dim=64).name == "torch_flash"
+    for name in ("flash_attn2", "torch_flash", None):
+        with pytest.raises(ValueError, match=r"head dim 60 is not supported by the flash kernels \(a multiple of "
+                                             r"8, at most 256; pad to 64\)"):
+            select_kernel(cuda, torch.bfloat16, name, head_dim=60)
+        with pytest.raises(ValueError, match=r"head dim 264 is not supported by the flash kernels \(a multiple of 8, "
+                                             r"at most 256\)$"):
+            select_kernel(cuda, torch.bfloat16, name, head_dim=264)
     with pytest.raises(ValueError, match=r"'flash_attn2' does not run on device cuda with torch.float32"):
         select_kernel(cuda, torch.float32, "flash_attn2")
+    with pytest.raises(ValueError, match=r"no attention kernel runs on device type 'mps'"):
+        select_kernel(torch.device("mps"), torch.float32)
+
+
+def test_torch_flash_pieces_cover_every_band_exactly_once():
+    """The torch_flash kernel's pieces (full rectangles, causal and anti-causal squares) of every trimmed band on
+    blocks up to 12 x 12 add up to the band's mask, each visible pair once, all inside the block."""
+    cases = 0
+    for sq, sk in itertools.product(range(1, 13), repeat=2):
+        for lo, hi in itertools.product([None, *range(-13, 13)], repeat=2):
+            box = Band(lo, hi).trim(sq, sk) if (lo, hi) != (None, None) else None
+            if box is None:
+                continue
+            nq, nk, band = box.q_end - box.q_start, box.k_end - box.k_start, box.band
+            want = torch.tensor([[band is None or band.visible(i, j) for j in range(nk)] for i in range(nq)])
+            got = torch.zeros(nq, nk, dtype=torch.int)
+            for p in band_pieces(band, nq, nk):
+                assert 0 <= p.q_start < p.q_end <= nq and 0 <= p.k_start < p.k_end <= nk, (p, nq, nk, band)
+                ones = torch.ones(p.q_end - p.q_start, p.k_end - p.k_start, dtype=torch.int)
+                assert p.kind == FULL or ones.shape[0] == ones.shape[1], p
+                got[p.q_start:p.q_end, p.k_start:p.k_end] += {FULL: ones, CAUSAL: ones.tril(),
+                                                              ANTICAUSAL: ones.triu()}[p.kind]
+            assert torch.equal(got, want.int()), (sq, sk, lo, hi)
+            cases += 1
+    assert cases > 40000
+    assert [p.kind for p in band_pieces(Band(None, 0), 8, 8)] == [CAUSAL]    # native cases stay one call
+    assert [p.kind for p in band_pieces(None, 8, 12)] == [FULL]
 
 
 def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
@@ -264,3 +328,38 @@ def test_direct_exchange_receives_into_the_expected_buffer(receive_early):
         assert received == [float((rank - 1) % 3)] * 3
         assert plain == [float((rank - 1) % 3) + 10] * 2
         assert sent == 5 * 4                                    # both sends counted, the early receive not
+
+
+def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
+    """A group made with backend="cpu:gloo,cuda:nccl" reports that whole string: its CUDA traffic is NCCL's, so
+    collectives need CUDA tensors, the subset-P2P groups get their warm-up, and receives are not posted early.
+    (The device is faked: no CUDA here, and torch's CPU build has no NCCL to make such a group.)"""
+    import torch.distributed as dist
+
+    import megatron_2d.groups as groups_module
+    from megatron_2d.comm import CommCounter, DirectExchange, traffic_backend
+
+    backend = {"name": "cpu:gloo,cuda:nccl"}
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    group = object()
+    assert traffic_backend(group) == "nccl"
+    assert groups_module.collective_device(group) == torch.device("cuda", 0)
+    asked, reduced = [], []
+
+    def zeros_on_meta(*shape, device=None):                     # records the device the warm-up asks for
+        asked.append(torch.device(device))
+        return torch.empty(shape, device="meta")
+
+    monkeypatch.setattr(torch, "zeros", zeros_on_meta)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(group))
+    groups_module._warm_up(group)
+    assert asked == [torch.device("cuda", 0)] and reduced == [group]      # the warm-up ran, with a CUDA tensor
+    assert not DirectExchange(group, 1, 0, CommCounter(), "inner_ring")._receive_early
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)          # a CPU job on the same group: gloo
+    assert traffic_backend(group) == "gloo"
+    for name, expected in (("nccl", "nccl"), ("gloo", "gloo"), ("cuda:nccl", "nccl"), ("cpu:gloo", "gloo")):
+        backend["name"] = name
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert traffic_backend(group) == expected, name

@@ -296,3 +296,32 @@ def test_layer_spec_carries_the_overrides_and_builds_mla():
     mla = get_gpt_layer_spec_2d(SimpleNamespace(multi_latent_attention=True), use_transformer_engine=False)
     assert mla.submodules.self_attention.module is MLASelfAttention
     assert mla.submodules.self_attention.submodules.core_attention.module is CoreAttention2D
+
+
+def run_off_by_one_sinks_move(rank, world):
+    """CoreAttention2D with softmax_type "off-by-one", built with use_cpu_initialization (as Megatron builds a
+    model it then moves with .cuda()): its sinks follow every .to() of the module and stay out of checkpoints."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    tg.init_parallel()
+    cfg = model_config("gqa")
+    cfg.config_overrides = dict(softmax_type="off-by-one", use_cpu_initialization=True)
+    core = spec_2d().submodules.self_attention.submodules.core_attention
+    attention = core.module(config=tg.make_transformer_config(cfg), layer_number=1,
+                            attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type="2d",
+                            pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]), **core.params)
+    found = {"buffer": "softmax_offset" in dict(attention.named_buffers()),
+             "in_state_dict": "softmax_offset" in attention.state_dict()}
+    attention.to(torch.float64)
+    found["dtype_after_to"] = attention.softmax_offset.dtype
+    attention.to("meta")
+    found["device_after_to"] = attention.softmax_offset.device.type
+    destroy_2d_groups()
+    return found
+
+
+def test_off_by_one_sinks_move_with_the_module():
+    assert run_on_ranks(1, run_off_by_one_sinks_move) == [
+        {"buffer": True, "in_state_dict": False, "dtype_after_to": torch.float64, "device_after_to": "meta"}]
+

@@ -20,7 +20,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8
          "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--train-iters", "10", "--mock-data",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--position-embedding-type", "rope",
          "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]  # fusions need CUDA/TE
+         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",  # fusions need CUDA/TE
+         "--transformer-impl", "local"]                          # no Transformer Engine here
 
 
 @pytest.fixture

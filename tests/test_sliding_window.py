@@ -9,6 +9,7 @@ K/V replication. Bytes sent by the neighbour exchange are checked against a clos
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import random
@@ -24,6 +25,7 @@ from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.cpu_flash import row_tiles
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, attention_with_lse, reference_attention, rel_err
+from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
 from megatron_2d.topology import Layout2D
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -130,8 +132,11 @@ def test_sliding_window_rejects_bad_values():
     assert SlidingWindow.of((63, 0), True, 64) == SlidingWindow(-1, 0)      # a window over everything is none
 
 
-@pytest.mark.parametrize("name", ["cpu_flash", "torch_math"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+BAND_KERNELS = [("cpu_flash", torch.float32), ("cpu_flash", torch.bfloat16), ("torch_math", torch.float32),
+                ("torch_math", torch.bfloat16), ("torch_flash", torch.bfloat16)]   # torch_flash: fp16/bf16 only
+
+
+@pytest.mark.parametrize("name, dtype", BAND_KERNELS, ids=[f"{n}-{str(dt)[6:]}" for n, dt in BAND_KERNELS])
 @pytest.mark.parametrize("band, sq, sk", [
     (Band(-40, 0), 600, 600),        # narrow causal band over a long block: the CPU kernel tiles it
     (Band(-3, 2), 300, 300),         # narrow two-sided band
@@ -153,10 +158,11 @@ def test_kernels_with_bands(name, dtype, band, sq, sk):
     scores = scores.masked_fill(~mask_ok, float("-inf"))
     ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v64.repeat_interleave(rep, 2))
     ref.backward(dout)
-    kernel = select_kernel(torch.device("cpu"), dtype, name)
     q, k, v = (x.detach().to(dtype) for x in (q64, k64, v64))
-    out, lse = kernel.forward(q, k, v, band, 0.25)
-    dq, dk, dv = kernel.backward(dout.to(dtype), q, k, v, out, lse, band, 0.25)
+    with torch_flash_on_cpu() if name == "torch_flash" else contextlib.nullcontext():   # its CUDA op on CPU
+        kernel = select_kernel(torch.device("cpu"), dtype, name)
+        out, lse = kernel.forward(q, k, v, band, 0.25)
+        dq, dk, dv = kernel.backward(dout.to(dtype), q, k, v, out, lse, band, 0.25)
     tol = TOLERANCE[dtype]
     assert rel_err(lse, torch.logsumexp(scores, -1)) < tol
     for got, want in ((out, ref), (dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):

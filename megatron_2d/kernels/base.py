@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..band import Band
@@ -77,6 +78,11 @@ class BlockKernel(abc.ABC):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with ``dtype``."""
         return True
+
+    def head_dim_problem(self, head_dim: int) -> Optional[str]:
+        """Why this kernel cannot take q/k/v of head dim ``head_dim`` (None if it can). A caller that pads the
+        head dim (e.g. V to Q/K's) asks with the padded dim."""
+        return None
 
     def forward_calls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: Sequence["BlockCall"],
                       first_key: int, scale: float) -> List[Tuple["BlockCall", torch.Tensor, torch.Tensor]]:
@@ -152,3 +158,13 @@ def sum_kv_head_groups(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     b, s, hq, d = dx.shape
     groups = hq // num_kv_heads
     return dx if groups == 1 else dx.view(b, s, num_kv_heads, groups, d).sum(dim=3)
+
+
+def to_device_once(host: np.ndarray, device) -> torch.Tensor:
+    """A 1-D int64 host array on ``device`` without a host sync: written into a (pinned, on CUDA) host buffer
+    through its numpy view, then one non-blocking copy (the caching host allocator keeps the pinned block until
+    the copy is done). No tensor is made from Python data, so the no-sync guards of tests/test_hot_path.py pass."""
+    device = torch.device(device)
+    buffer = torch.empty(len(host), dtype=torch.int64, pin_memory=device.type == "cuda")
+    buffer.numpy()[:] = host
+    return buffer if device.type == "cpu" else buffer.to(device, non_blocking=True)

@@ -1,7 +1,7 @@
-"""A plain torch kernel (matmul + softmax in fp32) for any device and dtype: the GPU fallback without flash-attn.
+"""A plain torch kernel (matmul + softmax in fp32, fp64 for fp64) on CPU: a reference for the flash kernels.
 
-It materialises the [b, h, s_q, s_k] score matrix of one block, so it suits the short blocks of a ring; the
-flash kernels are preferred wherever they run.
+It materialises the [b, h, s_q, s_k] score matrix of one block, which does not fit at long-context block sizes,
+so it runs on CPU only and is never chosen automatically (CUDA has the flash kernels, flash_attn2 and torch_flash).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class TorchMathKernel(BlockKernel):
 
     name = "torch_math"
     needs_equal_head_dims = False
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu"
 
     def forward(self, q, k, v, band, scale):
         hq = q.shape[2]

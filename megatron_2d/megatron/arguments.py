@@ -48,6 +48,10 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--selective-checkpoint-plus-plus", action="store_true",
                        help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
                             "log-sum-exp from the forward pass so the recompute pass skips attention.")
+    group.add_argument("--selective-checkpoint-plus-plus-check", choices=("tolerance", "bitwise"),
+                       default="tolerance",
+                       help="how a recompute is compared with its first pass: within the dtype's rounding noise "
+                            "(tolerance), or bit for bit (bitwise, a debug mode).")
     return parser
 
 

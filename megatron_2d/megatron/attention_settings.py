@@ -11,6 +11,10 @@ never sees it).
     OUTSIDE    applied by Megatron before or after core attention (projections, norms, RoPE, MoE, pipeline,
                optimizer, fusions, inference), so the 2d backend inherits Megatron's own handling
 
+CUDA graphs: training graphs that capture core attention are refused (cuda_graph_impl, with cuda_graph_modules);
+graphs that leave attention out are fine. Inference graphs (inference_cuda_graph_scope) and any other capture are
+caught at run time: attention_2d refuses to run while the current CUDA stream is capturing.
+
 Arguments of core attention's forward: ``attention_mask`` is read as Transformer Engine's backend reads it (the
 mask type decides: causal and no_mask need no tensor; document masks come as packed_seq_params); packed_seq_params
 in THD format is honoured (packed documents; each PackedSeqParams field is classified in ``PACKED_SEQ_PARAMS``);
@@ -50,6 +54,11 @@ HONOURED: Dict[str, str] = {
     "use_cpu_initialization": "softmax_offset created on CPU when set",
     "multi_latent_attention": "MLA: Megatron's MLASelfAttention with CoreAttention2D (q/k head dim != v head dim, K "
                               "and V sent unpadded); cp_2d_mla_ring chooses per-head K/V or the latent on the ring",
+    "cuda_graph_modules": "decides whether training graphs capture core attention (see cuda_graph_impl)",
+    "enable_cuda_graph": "deprecated: megatron's __post_init__ turns it into cuda_graph_impl='local' (checked)",
+    "external_cuda_graph": "deprecated: megatron's __post_init__ turns it into cuda_graph_impl='transformer_engine' "
+                           "(checked)",
+    "cuda_graph_scope": "deprecated: megatron's __post_init__ moves it to cuda_graph_modules (checked)",
 }
 
 # MLATransformerConfig's own fields (megatron-core 0.19.2), classified the same way
@@ -99,10 +108,39 @@ _REFUSED_WHEN_SET: Dict[str, str] = {
     "deterministic_mode": "deterministic mode is not guaranteed by the 2d backend (flash-attn's backward adds dq "
                           "with atomics); set deterministic_mode=False",
 }
-# name -> (when it is refused, why and what would work)
+
+
+def cuda_graph_captures_attention(config) -> bool:
+    """Whether megatron's training CUDA graphs would capture core attention: a full-iteration graph, or per-layer
+    graphs (local / transformer_engine) of the whole layer (cuda_graph_modules empty) or of its attention."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False):
+        impl = "local"                                          # before megatron's __post_init__ migrates them
+    if impl in (None, "none"):
+        return False
+    if impl == "full_iteration":
+        return True
+    modules = getattr(config, "cuda_graph_modules", None) or getattr(config, "cuda_graph_scope", None) or []
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    names = [getattr(m, "name", str(m)) for m in modules]
+    return names in ([], ["full"]) or "attn" in names or "full_iteration" in names
+
+
+def _cuda_graph_refusal(config) -> str:
+    modules = [getattr(m, "name", m) for m in (getattr(config, "cuda_graph_modules", None) or [])]
+    scope = ("a full-iteration graph" if getattr(config, "cuda_graph_impl", None) == "full_iteration"
+             else f"cuda_graph_modules={modules} ({'the whole layer' if not modules else 'attention included'})")
+    return (f"CUDA graphs capturing core attention ({scope}) cannot replay the 2d backend: its point-to-point "
+            f"rings, per-batch plans and first-call setup run on the host; keep attention out of the graph "
+            f"(cuda_graph_modules without 'attn', e.g. ['mlp'] or ['moe_router', 'moe_preprocess']: "
+            f"--cuda-graph-modules mlp) or set cuda_graph_impl='none'")
+
+
+# name -> (when it is refused, why and what would work; a callable gets the config)
 REFUSED: Dict[str, tuple] = {name: (_is_set(name), why) for name, why in _REFUSED_WHEN_SET.items()}
 REFUSED["kitchen_attention_backend"] = (_is_set("use_kitchen_attention"), _KITCHEN)
 REFUSED.update({name: (_is_set(name), why) for name, why in MLA_REFUSED.items()})
+REFUSED["cuda_graph_impl"] = (cuda_graph_captures_attention, _cuda_graph_refusal)
 
 OUTSIDE = tuple("""
     tensor_parallel_num_weight_shards gtp_weight_remat_size pipeline_model_parallel_comm_backend
@@ -158,8 +196,7 @@ OUTSIDE = tuple("""
     moe_latent_size moe_flex_dispatcher_num_sms moe_deepep_num_sms moe_hybridep_num_sms
     moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute moe_hybridep_num_sms_preprocessing
     moe_ncclep_static_shape moe_ncclep_zero_copy moe_mlp_glu_interleave_size moe_expert_rank_capacity_factor
-    enable_cuda_graph cuda_graph_use_single_mempool cuda_graph_retain_backward_graph cuda_graph_warmup_steps
-    external_cuda_graph cuda_graph_impl cuda_graph_modules inference_cuda_graph_scope cuda_graph_scope
+    cuda_graph_use_single_mempool cuda_graph_retain_backward_graph cuda_graph_warmup_steps inference_cuda_graph_scope
     clone_scatter_output_in_embedding disable_parameter_transpose_cache config_logger_dir flash_decode
     batch_invariant_mode use_te_activation_func inference_rng_tracker inference_sampling_seed symmetric_ar_type
     nccl_all_reduce_for_prefill use_inference_optimized_layers inference_fuse_tp_communication
@@ -179,7 +216,7 @@ MEGATRON_CORE_VERSION_CLASSIFIED = "0.19.2"
 
 def attention_refusals(config) -> List[str]:
     """Messages for every setting of ``config`` the 2d backend refuses (empty when all is fine)."""
-    return [f"{name}={getattr(config, name, None)!r}: {why}"
+    return [f"{name}={getattr(config, name, None)!r}: {why(config) if callable(why) else why}"
             for name, (refused, why) in REFUSED.items() if refused(config)]
 
 

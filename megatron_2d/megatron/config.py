@@ -53,6 +53,9 @@ class Fields2D:
     each rank for its own heads at every ring step: (heads per TP rank / hp) x (qk + v head dims) / (kv_lora_rank
     + rope dim) times fewer ring bytes, about 9x for DeepSeek-V3 at TP 8 and hp 1, for the repeated
     up-projection's FLOPs; see megatron_2d.megatron.mla)."""
+    selective_checkpoint_plus_plus_check: str = "tolerance"
+    """How Selective Checkpoint++ compares a recompute with its first pass: "tolerance" (the dtype's rounding
+    noise allowed, as GPU recomputes through atomics give) or "bitwise" (a debug mode). Neither syncs the host."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

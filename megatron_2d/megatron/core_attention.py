@@ -116,7 +116,8 @@ class CoreAttention2D(MegatronModule):
                                                  double_ring_window=double_ring_window, placement=placement)
         self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
-        self.keeper = AttentionKeeper() if getattr(config, "selective_checkpoint_plus_plus", False) else None
+        self.keeper = (AttentionKeeper(getattr(config, "selective_checkpoint_plus_plus_check", "tolerance"))
+                       if getattr(config, "selective_checkpoint_plus_plus", False) else None)
         self.sliding_window = None
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             left, right = config.window_size
@@ -128,14 +129,16 @@ class CoreAttention2D(MegatronModule):
         self._init_softmax_offset(config, heads_per_partition=config.num_attention_heads // pg_collection.tp.size())
 
     def _init_softmax_offset(self, config, heads_per_partition: int) -> None:
-        """Megatron's softmax_offset, as its DotProductAttention makes it: zeros for "off-by-one", a parameter of
-        one logit per local head for "learnable" (same name, so checkpoints and optimizers see the same key)."""
+        """Megatron's softmax_offset: zeros for "off-by-one" (a non-persistent buffer, so that ``.cuda()`` /
+        ``.to()`` move it with the module and checkpoints do not carry it, as Megatron's own), a parameter of one
+        logit per local head for "learnable" (same name, so checkpoints and optimizers see the same key)."""
         device = torch.device("cpu") if config.use_cpu_initialization or not torch.cuda.is_available() \
             else torch.device("cuda", torch.cuda.current_device())
         if config.softmax_type == "vanilla":
             self.softmax_offset = None
         elif config.softmax_type == "off-by-one":
-            self.softmax_offset = torch.zeros(heads_per_partition, device=device, dtype=config.params_dtype)
+            self.register_buffer("softmax_offset", torch.zeros(heads_per_partition, device=device,
+                                                               dtype=config.params_dtype), persistent=False)
         elif config.softmax_type == "learnable":
             self.register_parameter("softmax_offset", torch.nn.Parameter(
                 torch.empty(heads_per_partition, device=device, dtype=config.params_dtype)))

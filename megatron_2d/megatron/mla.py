@@ -42,16 +42,6 @@ def mla_ring(config) -> str:
     return getattr(config, "cp_2d_mla_ring", "expanded")
 
 
-def mla_layer_options(config, use_transformer_engine: bool) -> Dict[str, Any]:
-    """The MLA options of Megatron's GPT layer specs for ``config`` (none without MLA)."""
-    if not uses_mla(config):
-        return {}
-    options: Dict[str, Any] = {"multi_latent_attention": True}
-    if use_transformer_engine:
-        options["mla_down_proj_fusion"] = bool(getattr(config, "mla_down_proj_fusion", False))
-    return options
-
-
 def use_latent_ring(spec, config, use_transformer_engine: bool):
     """Megatron's MLA layer ``spec`` with its self attention made the latent-ring class when ``config`` asks for
     ``cp_2d_mla_ring="latent"`` (unchanged otherwise). Transformer Engine's fused layernorm+linear kv up-projection

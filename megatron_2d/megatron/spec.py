@@ -1,20 +1,33 @@
-"""GPT layer specs with the 2d core attention: Megatron's own spec with core_attention swapped.
+"""GPT layer specs with the 2d core attention: Megatron's own spec, chosen as its builder chooses it, with
+core_attention swapped.
 
     --spec megatron_2d.megatron.spec gpt_layer_spec_2d      (pretrain_gpt.py; called with the model config)
     --spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D      (a ready ModuleSpec, for builders that do not call)
+
+The choice mirrors Megatron-LM's GPT builder (gpt_builders.py, megatron.training.models.gpt.default_layer_spec):
+``--transformer-impl`` picks Transformer Engine or local layers; MoE models (``num_moe_experts``) get the decoder
+block spec (dense and MoE layers by ``moe_layer_freq``); the layer spec functions get the same arguments Megatron
+passes (normalization, qk_layernorm, qk_l2_norm, use_te_activation_func, moe_grouped_gemm, kitchen settings, ...).
+So an RMSNorm model gets RMSNorm layers on every route, and apex's FusedLayerNorm (LayerNorm only) is not picked
+for it. Only core attention differs from Megatron's own spec (tests/test_megatron_spec.py compares them).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import inspect
+from typing import Optional, Union
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch
-from .mla import mla_layer_options, use_latent_ring
+from .mla import use_latent_ring
 from .settings import settings_from_config, uses_2d
+
+LayerSpec = Union[ModuleSpec, TransformerBlockSubmodules]
 
 
 def transformer_engine_available() -> bool:
@@ -25,33 +38,105 @@ def transformer_engine_available() -> bool:
     return bool(HAVE_TE)
 
 
-def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_transformer_engine: Optional[bool] = None,
-                          head_parallel_size: Optional[int] = None, double_ring_window: Optional[int] = None,
-                          placement: Optional[str] = None, kernel: Optional[str] = None) -> ModuleSpec:
-    """Megatron's GPT layer spec (Transformer Engine layers when TE is installed, local layers otherwise) with
-    :class:`CoreAttention2D` as core attention. ``config`` (a TransformerConfig or pretrain's model config) supplies
-    MoE / qk-layernorm / multi-latent attention choices (:mod:`.mla`); the keyword settings override the config's
-    ``cp_2d_*`` fields."""
-    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
-    layer_options = dict(num_experts=getattr(config, "num_moe_experts", None),
-                         moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
-                         qk_layernorm=getattr(config, "qk_layernorm", False),
-                         **mla_layer_options(config, use_te))
-    spec = (get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec)(**layer_options)
+def transformer_config_of(config):
+    """The TransformerConfig of ``config``: itself, or the ``transformer`` of pretrain's GPTModelConfig."""
+    return getattr(config, "transformer", config)
+
+
+def _refuse_unsupported(config, transformer) -> None:
+    if getattr(transformer, "experimental_attention_variant", None) is not None:
+        raise ValueError(f"experimental_attention_variant {transformer.experimental_attention_variant!r} replaces "
+                         f"core attention; it cannot run with the 2d backend")
+    if getattr(transformer, "transformer_impl", None) == "inference_optimized":
+        raise ValueError("--transformer-impl inference_optimized builds inference layers; the 2d backend is a "
+                         "training backend: use --transformer-impl transformer_engine or local")
+    if getattr(config, "restore_modelopt_state", False):
+        raise ValueError("ModelOpt layer specs (--restore-modelopt-state) are not supported with the 2d backend")
+    if type(transformer).__name__ == "HeterogeneousTransformerConfig":
+        raise ValueError("heterogeneous layer configs (--heterogeneous-layers-config-path) are not supported with "
+                         "the 2d backend")
+
+
+def _uses_transformer_engine(config, use_transformer_engine: Optional[bool]) -> bool:
+    """TE layers or local ones: ``use_transformer_engine`` if given, else the config's ``transformer_impl``, else
+    (no config) TE's presence."""
+    if use_transformer_engine is not None:
+        use_te = use_transformer_engine
+    elif config is None:
+        use_te = transformer_engine_available()
+    else:
+        use_te = getattr(transformer_config_of(config), "transformer_impl", "transformer_engine") == "transformer_engine"
+    if use_te and not transformer_engine_available():
+        raise ValueError("transformer_impl is 'transformer_engine' but Transformer Engine is not installed; install "
+                         "it or use --transformer-impl local")
+    return use_te
+
+
+def megatron_gpt_spec(config, vp_stage: Optional[int] = None, use_transformer_engine: Optional[bool] = None
+                      ) -> LayerSpec:
+    """Megatron's own GPT layer spec (or, for MoE, decoder block spec) for ``config``, with the arguments its
+    builder passes. ``use_transformer_engine`` overrides ``transformer_impl``; without a config, TE's presence
+    decides."""
+    t = transformer_config_of(config)
+    _refuse_unsupported(config, t)
+    use_te = _uses_transformer_engine(config, use_transformer_engine)
+    get = lambda name, default=None: getattr(t, name, default)   # noqa: E731  (config may be None)
+    if get("num_moe_experts"):
+        return get_gpt_decoder_block_spec(t, use_transformer_engine=use_te, normalization=get("normalization"),
+                                          qk_l2_norm=get("qk_l2_norm", False), vp_stage=vp_stage)
+    if use_te:
+        fuser = ({"use_te_op_fuser": get("use_transformer_engine_op_fuser", False)}
+                 if "use_te_op_fuser" in inspect.signature(get_gpt_layer_with_transformer_engine_spec).parameters
+                 else {})                                     # as megatron.training's builder passes it
+        return get_gpt_layer_with_transformer_engine_spec(
+            get("num_moe_experts"), get("moe_grouped_gemm", False), get("qk_layernorm", False),
+            get("multi_latent_attention", False), get("experimental_attention_variant"),
+            qk_l2_norm=get("qk_l2_norm", False), use_kitchen=get("use_kitchen", False),
+            use_te_activation_func=get("use_te_activation_func", False),
+            use_kitchen_attention=get("use_kitchen_attention", False),
+            kitchen_attention_backend=get("kitchen_attention_backend", "sdpa"),
+            mla_down_proj_fusion=get("mla_down_proj_fusion", False),
+            use_grouped_gemm_for_dense_mlp=get("use_grouped_gemm_for_dense_mlp", False), **fuser)
+    return get_gpt_layer_local_spec(
+        get("num_moe_experts"), get("moe_grouped_gemm", False), get("qk_layernorm", False),
+        get("multi_latent_attention", False), get("experimental_attention_variant"),
+        normalization=get("normalization"), use_kitchen=get("use_kitchen", False),
+        use_kitchen_attention=get("use_kitchen_attention", False),
+        kitchen_attention_backend=get("kitchen_attention_backend", "sdpa"))
+
+
+def layer_specs_of(spec: LayerSpec):
+    """The transformer layer specs of a layer spec (itself) or of a block spec (each of its layers)."""
+    return list(spec.layer_specs) if isinstance(spec, TransformerBlockSubmodules) else [spec]
+
+
+def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *,
+                          use_transformer_engine: Optional[bool] = None, head_parallel_size: Optional[int] = None,
+                          double_ring_window: Optional[int] = None, placement: Optional[str] = None,
+                          kernel: Optional[str] = None) -> LayerSpec:
+    """Megatron's GPT spec for ``config`` (a TransformerConfig, or pretrain's GPTModelConfig; see
+    :func:`megatron_gpt_spec`) with :class:`CoreAttention2D` as core attention in every layer; the keyword
+    settings override the config's ``cp_2d_*`` fields."""
+    spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine)
     params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
-    return use_latent_ring(spec, config, use_te)
+    use_te = _uses_transformer_engine(config, use_transformer_engine)
+    for layer in layer_specs_of(spec):
+        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D,
+                                                                               params=params)
+        use_latent_ring(layer, transformer_config_of(config), use_te)   # MLA: the latent ring when asked for
+    return spec
 
 
-def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> ModuleSpec:
+def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> LayerSpec:
     """For ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d``: settings from the config / flags.
 
     The unpatched pretrain_gpt.py reaches the library only here, so the launch is checked here, on every rank before
     the model is built: the command line (:mod:`.launch_checks`) and, under CP > 1 with "2d", the 2D settings."""
     check_current_launch()
-    if config is not None and getattr(config, "context_parallel_size", 1) > 1 and uses_2d(config.cp_comm_type):
-        settings_from_config(config)
+    t = transformer_config_of(config)
+    if t is not None and getattr(t, "context_parallel_size", 1) > 1 and uses_2d(t.cp_comm_type):
+        settings_from_config(t)
     return get_gpt_layer_spec_2d(config, vp_stage)
 
 

@@ -1,11 +1,11 @@
 """A CPU stand-in for flash-attn 2's Python API, so that code written against flash-attn runs on CPU ranks.
 
-Two users:
-    * ring-flash-attn's rings in the benchmarks (tools/bench_compare.py): ring-flash-attn 0.1.8 imports
-      ``flash_attn.flash_attn_interface._flash_attn_forward`` / ``_flash_attn_backward`` and calls them by keyword,
-      introspecting their signature. :func:`flash_attn_stand_in` installs the current API for it.
-    * our own flash-attn 2 wrapper (megatron_2d.kernels.flash_attn2), tested on CPU against every API profile:
-      :func:`flash_attn_modules` builds a fake ``flash_attn`` package of one profile for ``sys.modules``.
+Its user: ring-flash-attn's rings in the benchmarks (tools/bench_compare.py, tools/bench_packed.py):
+ring-flash-attn 0.1.8 imports ``flash_attn.flash_attn_interface._flash_attn_forward`` / ``_flash_attn_backward``
+and calls them by keyword, introspecting their signature; the benchmarks also run it in fp32/fp64, which the real
+package refuses. :func:`flash_attn_stand_in` installs it. Our own flash_attn2 kernel is tested through the REAL
+flash-attn releases instead (:mod:`megatron_2d.testing.flash_attn_package`, tests/test_flash_attn_releases.py);
+the math below is shared with that package's CPU extension.
 
 What it reproduces (read from flash-attn's flash_attn/flash_attn_interface.py and its docstrings):
     * layouts: q, out, dout, dq [b, s_q, h_q, d]; k, v, dk, dv [b, s_k, h_kv, d], h_kv dividing h_q (query head j
@@ -24,25 +24,14 @@ What it reproduces (read from flash-attn's flash_attn/flash_attn_interface.py an
       (the benchmarks and ring-flash-attn's own tests run it in fp32/fp64 too);
     * the private backward writes dq, dk, dv in place (views allowed).
 
-API profiles (the private functions' signatures moved across 2.x; the public ``flash_attn_func`` only gained
-keywords):
-    "2.5"    window_size=(l, r) tuple, no softcap; _flash_attn_forward returns
-             (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state), _flash_attn_backward (dq, dk, dv, softmax_d)
-    "2.6.0"  as 2.5 with ``softcap`` after ``window_size`` (public and private)
-    "2.7"    torch custom ops (2.6.3 on, current main): window_size_left / window_size_right ints; forward returns
-             (out_padded, softmax_lse, S_dmask, rng_state), backward returns softmax_d; varlen functions included
-The 2.5 / 2.6.0 profiles follow flash-attn's release history as far as it could be read here; the 2.7 one was read
-from the source. A GPU session should confirm with tools/gpu_smoke.py against the real package.
+The API is flash-attn 2.7's (torch custom ops there): private functions with window_size_left / window_size_right
+ints; forward returns (out_padded, softmax_lse, S_dmask, rng_state), backward returns softmax_d; varlen functions.
 
 Not implemented (raise NotImplementedError): dropout, ALiBi, paged K/V (block_table), the kv-cache functions.
 
     with flash_attn_stand_in():
         zigzag = load_ring_flash_attn_module("zigzag_ring_flash_attn")
     out = zigzag.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
-
-    package, interface = flash_attn_modules("2.7")
-    monkeypatch.setitem(sys.modules, "flash_attn", package)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
 """
 
 from __future__ import annotations
@@ -50,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import math
 import sys
 import types
 from typing import Iterator, Optional, Tuple
@@ -59,12 +47,11 @@ import torch
 
 from megatron_2d.band import Band
 from megatron_2d.kernels import CpuFlashKernel
+from megatron_2d.kernels.base import repeat_kv_heads, sum_kv_head_groups
 
 _KERNEL = CpuFlashKernel()
 _PRIVATE_PACKAGE = "_ring_flash_attn_core"
 STAND_IN_VERSION = "0.0.0+megatron_2d.cpu_stand_in"
-PROFILES = ("2.5", "2.6.0", "2.7")
-CURRENT_PROFILE = "2.7"
 _UNBOUNDED = (-1, -1)
 
 
@@ -122,7 +109,7 @@ def _scores(q, k, scale, softcap, mask):
     return s
 
 
-def _forward(q, k, v, scale, causal, left, right, softcap):
+def flash_forward(q, k, v, scale, causal, left, right, softcap):
     """(out [b, s_q, h, d] in q's dtype, lse [b, h, s_q] fp32)."""
     if _fast_path(q, k, causal, left, right, softcap):
         out, lse = _KERNEL.forward(q, k, v, Band(None, 0) if causal else None, scale)
@@ -136,22 +123,25 @@ def _forward(q, k, v, scale, causal, left, right, softcap):
     return out.to(q.dtype), lse.float()
 
 
-def _backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
-    """(dq, dk, dv) in the inputs' dtype, from the final out and lse (flash-attn recomputes P from lse)."""
+def flash_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
+    """(dq, dk, dv) in the inputs' dtype, from the final out and lse (flash-attn recomputes P from lse), in closed
+    form: no autograd, so that it also runs inside a torch custom op's kernel, where autograd is off."""
     if _fast_path(q, k, causal, left, right, softcap):
         return _KERNEL.backward(dout, q, k, v, out, lse, Band(None, 0) if causal else None, scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qa, ka, va = (x.detach().to(acc).requires_grad_(True) for x in (q, k, v))
-    s = _scores(qa, ka, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))                            # lse = +inf rows: p = 0
-    rep = q.shape[2] // k.shape[2]
-    o = torch.einsum("bhqk,bkhd->bqhd", p, va.repeat_interleave(rep, dim=2))
+    hq, hkv = q.shape[2], k.shape[2]
+    s = _scores(q, k, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))                            # [b, h, s_q, s_k]; lse = +inf rows: 0
+    do, k_rep, v_rep = dout.to(acc), repeat_kv_heads(k.to(acc), hq), repeat_kv_heads(v.to(acc), hq)
     # the softmax's own gradient uses rowsum(dout * out) with the FINAL out, as flash-attn's backward does
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)   # [b, h, s_q, 1]
-    dp = torch.einsum("bqhd,bkhd->bhqk", dout.to(acc), va.detach().repeat_interleave(rep, dim=2))
-    ds = p.detach() * (dp - delta)
-    dq, dk = torch.autograd.grad(s, (qa, ka), ds, retain_graph=True)
-    dv = torch.autograd.grad(o, va, dout.to(acc))[0]
+    delta = (do * out.to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)        # [b, h, s_q, 1]
+    ds = p * (torch.einsum("bqhd,bkhd->bhqk", do, v_rep) - delta)           # d(loss)/d(scores)
+    if softcap > 0:                                                          # scores = softcap * tanh(raw / softcap)
+        ds = ds * (1 - (s.masked_fill(torch.isneginf(s), 0.0) / softcap) ** 2)
+    ds = ds * scale                                                          # raw = scale * q.k
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_rep)
+    dk = sum_kv_head_groups(torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc)), hkv)
+    dv = sum_kv_head_groups(torch.einsum("bhqk,bqhd->bkhd", p, do), hkv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -174,12 +164,8 @@ def _varlen_split(x, cu):
     return [x[a:b].unsqueeze(0) for a, b in zip(cu[:-1], cu[1:])]
 
 
-def _build_profile(profile: str, strict_dtypes: bool) -> types.SimpleNamespace:
-    """The functions of one API profile (see the module docstring)."""
-    if profile not in PROFILES:
-        raise ValueError(f"unknown flash-attn API profile {profile!r}; choose one of {PROFILES}")
-    split_window = profile == "2.7"
-    has_softcap = profile != "2.5"
+def _build_api(strict_dtypes: bool) -> types.SimpleNamespace:
+    """The stand-in's functions (see the module docstring)."""
 
     def scale_of(q, softmax_scale):
         return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -187,124 +173,78 @@ def _build_profile(profile: str, strict_dtypes: bool) -> types.SimpleNamespace:
     def fwd_core(q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes):
         _refuse_unsupported(dropout_p, alibi_slopes)
         _check_dtypes(strict_dtypes, q, k, v)
-        out, lse = _forward(q, k, v, scale_of(q, softmax_scale), causal, left, right, softcap)
+        out, lse = flash_forward(q, k, v, scale_of(q, softmax_scale), causal, left, right, softcap)
         return out.contiguous(), lse.contiguous()
 
     def bwd_core(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, left, right, softcap,
                  alibi_slopes):
         _refuse_unsupported(dropout_p, alibi_slopes)
         _check_dtypes(strict_dtypes, q, k, v)
-        grads = _backward(dout, q, k, v, out, lse.contiguous(), scale_of(q, softmax_scale), causal, left, right,
-                          softcap)
+        grads = flash_backward(dout, q, k, v, out, lse.contiguous(), scale_of(q, softmax_scale), causal, left,
+                               right, softcap)
         _write_grads(dq, dk, dv, grads)
         return _softmax_d(dout, out, _round_up(q.shape[1], 128))
 
-    ns = types.SimpleNamespace(profile=profile)
-    if split_window:
-        def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
-                                window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
-            out, lse = fwd_core(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                                softcap, alibi_slopes)
-            return out, lse, torch.empty((0,), dtype=q.dtype), None
+    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
+                            window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
+        out, lse = fwd_core(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                            softcap, alibi_slopes)
+        return out, lse, torch.empty((0,), dtype=q.dtype), None
 
-        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                 window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                                 deterministic=False, rng_state=None):
-            return bwd_core(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                            window_size_left, window_size_right, softcap, alibi_slopes)
+    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                             deterministic=False, rng_state=None):
+        return bwd_core(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                        window_size_left, window_size_right, softcap, alibi_slopes)
 
-        def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                       softmax_scale, causal, window_size_left=-1, window_size_right=-1,
-                                       softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
-                                       leftpad_k=None, seqused_k=None):
-            if block_table is not None or leftpad_k is not None or seqused_k is not None:
-                raise NotImplementedError("CPU flash_attn stand-in: block_table / leftpad_k / seqused_k")
-            outs, lses = [], []
-            for qi, ki, vi in zip(_varlen_split(q, cu_seqlens_q), _varlen_split(k, cu_seqlens_k),
-                                  _varlen_split(v, cu_seqlens_k)):
-                o, l = fwd_core(qi, ki, vi, dropout_p, softmax_scale, causal, window_size_left,
-                                window_size_right, softcap, alibi_slopes)
-                outs.append(o[0])
-                lses.append(l[0])                                            # [h, s_i]
-            return (torch.cat(outs).contiguous(), torch.cat(lses, dim=1).contiguous(),
-                    torch.empty((0,), dtype=q.dtype), None)
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, window_size_left=-1, window_size_right=-1,
+                                   softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+                                   leftpad_k=None, seqused_k=None):
+        if block_table is not None or leftpad_k is not None or seqused_k is not None:
+            raise NotImplementedError("CPU flash_attn stand-in: block_table / leftpad_k / seqused_k")
+        outs, lses = [], []
+        for qi, ki, vi in zip(_varlen_split(q, cu_seqlens_q), _varlen_split(k, cu_seqlens_k),
+                              _varlen_split(v, cu_seqlens_k)):
+            o, l = fwd_core(qi, ki, vi, dropout_p, softmax_scale, causal, window_size_left,
+                            window_size_right, softcap, alibi_slopes)
+            outs.append(o[0])
+            lses.append(l[0])                                            # [h, s_i]
+        return (torch.cat(outs).contiguous(), torch.cat(lses, dim=1).contiguous(),
+                torch.empty((0,), dtype=q.dtype), None)
 
-        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                                        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                                        deterministic=False, rng_state=None):
-            if dq is None or dk is None or dv is None:
-                raise ValueError("CPU flash_attn stand-in: dq, dk and dv output buffers are required")
-            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-            ds = []
-            for n in range(len(cq) - 1):
-                rq, rk = slice(cq[n], cq[n + 1]), slice(ck[n], ck[n + 1])
-                sub = [x[r].unsqueeze(0) for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))]
-                lse = softmax_lse[:, rq].unsqueeze(0)
-                d = bwd_core(*sub, lse, dq[rq].unsqueeze(0), dk[rk].unsqueeze(0), dv[rk].unsqueeze(0), dropout_p,
-                             softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes)
-                ds.append(d[0, :, :cq[n + 1] - cq[n]])
-            total = q.shape[0] + 128 * (len(cq) - 1)
-            d = torch.cat(ds, dim=1)
-            return torch.nn.functional.pad(d, (0, total - d.shape[1])).contiguous()
+    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, rng_state=None):
+        if dq is None or dk is None or dv is None:
+            raise ValueError("CPU flash_attn stand-in: dq, dk and dv output buffers are required")
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        ds = []
+        for n in range(len(cq) - 1):
+            rq, rk = slice(cq[n], cq[n + 1]), slice(ck[n], ck[n + 1])
+            sub = [x[r].unsqueeze(0) for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))]
+            lse = softmax_lse[:, rq].unsqueeze(0)
+            d = bwd_core(*sub, lse, dq[rq].unsqueeze(0), dk[rk].unsqueeze(0), dv[rk].unsqueeze(0), dropout_p,
+                         softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes)
+            ds.append(d[0, :, :cq[n + 1] - cq[n]])
+        total = q.shape[0] + 128 * (len(cq) - 1)
+        d = torch.cat(ds, dim=1)
+        return torch.nn.functional.pad(d, (0, total - d.shape[1])).contiguous()
 
-        def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                            softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-            return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           return_attn_probs)
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       return_attn_probs)
 
-        def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                   alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                                   block_table=None):
-            out, lse, s_dmask, _ = _flash_attn_varlen_forward(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                window_size[0], window_size[1], softcap, alibi_slopes, False, block_table)
-            return (out, lse, s_dmask) if return_attn_probs else out
-
-        ns.flash_attn_varlen_func = flash_attn_varlen_func
-        ns._flash_attn_varlen_forward = _flash_attn_varlen_forward
-        ns._flash_attn_varlen_backward = _flash_attn_varlen_backward
-    else:
-        def _fwd_tuple(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
-            out, lse = fwd_core(q, k, v, dropout_p, softmax_scale, causal, window_size[0], window_size[1], softcap,
-                                alibi_slopes)
-            return out, q, k, v, out, lse, None, None
-
-        def _bwd_tuple(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
-                       softcap, alibi_slopes):
-            d = bwd_core(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                         window_size[0], window_size[1], softcap, alibi_slopes)
-            return dq, dk, dv, d
-
-        if has_softcap:
-            def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                    return_softmax):
-                return _fwd_tuple(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-
-            def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                     window_size, softcap, alibi_slopes, deterministic, rng_state=None):
-                return _bwd_tuple(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                  window_size, softcap, alibi_slopes)
-
-            def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-                return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               return_attn_probs)
-        else:
-            def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                                    return_softmax):
-                return _fwd_tuple(q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, alibi_slopes)
-
-            def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                     window_size, alibi_slopes, deterministic, rng_state=None):
-                return _bwd_tuple(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                  window_size, 0.0, alibi_slopes)
-
-            def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                alibi_slopes=None, deterministic=False, return_attn_probs=False):
-                return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, alibi_slopes,
-                               return_attn_probs)
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                               block_table=None):
+        out, lse, s_dmask, _ = _flash_attn_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            window_size[0], window_size[1], softcap, alibi_slopes, False, block_table)
+        return (out, lse, s_dmask) if return_attn_probs else out
 
     def _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
         """flash_attn_func's forward (no autograd here: the wrapper under test calls the backward itself)."""
@@ -312,18 +252,19 @@ def _build_profile(profile: str, strict_dtypes: bool) -> types.SimpleNamespace:
                             alibi_slopes)
         return (out, lse, torch.empty((0,), dtype=q.dtype)) if return_attn_probs else out
 
-    ns.flash_attn_func = flash_attn_func
+    ns = types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
+                               _flash_attn_varlen_forward=_flash_attn_varlen_forward,
+                               _flash_attn_varlen_backward=_flash_attn_varlen_backward)
     ns._flash_attn_forward = _flash_attn_forward
     ns._flash_attn_backward = _flash_attn_backward
     return ns
 
 
-def flash_attn_modules(profile: str = CURRENT_PROFILE, strict_dtypes: bool = True
-                       ) -> Tuple[types.ModuleType, types.ModuleType]:
-    """Fresh ``flash_attn`` and ``flash_attn.flash_attn_interface`` modules of one API profile, for sys.modules."""
-    api = _build_profile(profile, strict_dtypes)
+def flash_attn_modules(strict_dtypes: bool = True) -> Tuple[types.ModuleType, types.ModuleType]:
+    """Fresh ``flash_attn`` and ``flash_attn.flash_attn_interface`` modules of the stand-in, for sys.modules."""
+    api = _build_api(strict_dtypes)
     interface = types.ModuleType("flash_attn.flash_attn_interface")
-    interface.__doc__ = f"CPU stand-in of flash-attn {profile} (megatron_2d.testing.flash_attn_cpu); not flash-attn."
+    interface.__doc__ = "CPU stand-in of flash-attn's API (megatron_2d.testing.flash_attn_cpu); not flash-attn."
     for name, fn in vars(api).items():
         if callable(fn):
             setattr(interface, name, fn)
@@ -338,8 +279,8 @@ def flash_attn_modules(profile: str = CURRENT_PROFILE, strict_dtypes: bool = Tru
     return package, interface
 
 
-# The current profile at module level, any float dtype: what ring-flash-attn (and its tests) call.
-_CURRENT = _build_profile(CURRENT_PROFILE, strict_dtypes=False)
+# At module level, any float dtype: what ring-flash-attn (and its tests) call.
+_CURRENT = _build_api(strict_dtypes=False)
 _flash_attn_forward = _CURRENT._flash_attn_forward
 _flash_attn_backward = _CURRENT._flash_attn_backward
 _flash_attn_varlen_forward = _CURRENT._flash_attn_varlen_forward
@@ -349,9 +290,9 @@ flash_attn_varlen_func = _CURRENT.flash_attn_varlen_func
 
 
 def _stand_in_modules() -> Tuple[types.ModuleType, types.ModuleType]:
-    """The modules :func:`flash_attn_stand_in` installs: the current profile, any float dtype, whose private
-    functions are this module's own (so callers can check identity)."""
-    package, interface = flash_attn_modules(CURRENT_PROFILE, strict_dtypes=False)
+    """The modules :func:`flash_attn_stand_in` installs: any float dtype, whose private functions are this
+    module's own (so callers can check identity)."""
+    package, interface = flash_attn_modules(strict_dtypes=False)
     for name in ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
                  "_flash_attn_varlen_backward", "flash_attn_func", "flash_attn_varlen_func"):
         setattr(interface, name, globals()[name])

@@ -103,6 +103,40 @@ def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0, window
     return torch.einsum("bhqk,bkhd->bqhd", probs, v), torch.logsumexp(scores, -1)
 
 
+# (s_q, s_k, causal, window, softcap) of flash-attn's conventions: causal aligned bottom-right with more keys than
+# queries and with fewer (the first rows see nothing), a causal window, a two-sided window, softcap
+FLASH_CONVENTION_CASES = [(8, 8, True, (-1, -1), 0.0), (6, 10, True, (-1, -1), 0.0), (10, 6, True, (-1, -1), 0.0),
+                          (12, 12, True, (3, -1), 0.0), (8, 12, False, (2, 1), 0.0), (8, 8, False, (-1, -1), 5.0)]
+
+
+def flash_reference(q, k, v, dout, scale: float, causal: bool = False, window=(-1, -1), softcap: float = 0.0):
+    """fp64 attention in flash-attn's own conventions, with its gradients: (out, lse, dq, dk, dv) for q [b, s_q,
+    hq, d], k/v [b, s_k, hkv, d]. Masks align to the bottom-right corner: query i sees key j when
+    i + s_k - s_q - left <= j <= i + s_k - s_q + right (-1 = unbounded; causal sets right = 0); ``softcap`` > 0
+    caps the scores as softcap * tanh(s / softcap); a row that sees no key gets out 0 and lse +inf."""
+    sq, sk = q.shape[1], k.shape[1]
+    left, right = window
+    right = 0 if causal else right
+    offset = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1) - (sk - sq)      # j - aligned i
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q64, k64.repeat_interleave(rep, dim=2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0),
+                       v64.repeat_interleave(rep, dim=2))
+    out.backward(dout.double())
+    lse = lse.detach().masked_fill(~visible.any(1), float("inf"))
+    return out.detach(), lse, q64.grad, k64.grad, v64.grad
+
+
 def reference_attention(q, k, v, causal: bool, scale: float, window=(-1, -1), sinks=None) -> torch.Tensor:
     """Full-sequence attention in Megatron's sbhd: q [S, b, hq, d], k/v [S, b, hkv, d] -> [S, b, hq, d]."""
     out, _ = attention_with_lse(*(x.transpose(0, 1) for x in (q, k, v)), causal=causal, scale=scale,
