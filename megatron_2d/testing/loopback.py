@@ -10,7 +10,8 @@ windows and packed documents (PackedLayout over virtual groups) run on one GPU (
 
     out, dq, dk, dv, dsinks = loopback_attention(q, k, v, dout, Layout2D(8, 2, 2), causal=True, kernel=kernel)
 
-q, dout [b, T, hq, d], k, v [b, T, hkv, d] in the global order (packed: b = 1, T the packed stream).
+q [b, T, hq, dk], k [b, T, hkv, dk], v [b, T, hkv, dv], dout [b, T, hq, dv] in the global order (packed: b = 1,
+T the packed stream). Blocks and riders are the op's: K and V side by side, [b, S, hkv, dk + dv].
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class LoopbackTransport:
         for src, block in enumerate(self.blocks):
             block = whole if src == self.rank else block
             if self.ring_keys is not None and src != self.rank:
-                block = block[:, :, :self.ring_keys]                   # only the ring prefix travels
+                block = block[:, :self.ring_keys]                      # only the ring prefix travels
             partials = compute(block, src, 0)
             if dkv_dtype is not None:
                 buffer = torch.empty(block.shape, dtype=dkv_dtype, device=block.device)
@@ -107,7 +108,8 @@ def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
         sliding = SlidingWindow.of(window, causal, T)
         plan = plan_context_group(layout, T // (2 * layout.cp_size), causal, sliding)
     indices = _token_indices(layout, T, packing)
-    kv_rows = [torch.stack([_gather(k, i), _gather(v, i)]) for i in indices]       # [2, b, S, hkv, d] per rank
+    kv_rows = [torch.cat([_gather(k, i), _gather(v, i)], dim=-1) for i in indices]   # [b, S, hkv, dk + dv] per rank
+    kernel = kernel.for_head_dims(d, v.shape[-1])
     mailbox: Dict[int, List[torch.Tensor]] = defaultdict(list)
     outs, dqs, dsinks = [], [], []
     for r in range(cp):
@@ -131,7 +133,8 @@ def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
     for r in range(cp):
         total = torch.zeros(kv_rows[r].shape, dtype=mailbox[r][0].dtype, device=q.device)
         for part in mailbox[r]:
-            total[:, :, :part.shape[2]] += part
+            total[:, :part.shape[1]] += part
         dkvs.append(total)
-    return (_scatter(outs, indices, q), _scatter(dqs, indices, q), _scatter([x[0] for x in dkvs], indices, k),
-            _scatter([x[1] for x in dkvs], indices, v), sum(dsinks) if dsinks else None)
+    dk, dv = ([x[..., :d] for x in dkvs], [x[..., d:] for x in dkvs])                   # K | V side by side
+    return (_scatter(outs, indices, dout), _scatter(dqs, indices, q), _scatter(dk, indices, k),
+            _scatter(dv, indices, v), sum(dsinks) if dsinks else None)
