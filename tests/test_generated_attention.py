@@ -38,6 +38,7 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
     worlds = {b.world for b, _ in batches}
     assert worlds >= {3, 4, 6, 8} and len(worlds) >= 6 and {b.placement for b, _ in batches} == {"head_first", "context_first"}
     assert any(b.hp > 1 and b.cp > 1 and 1 < b.w < b.cp for b, _ in batches)          # 2D with a double ring
+    assert any(b.hp > 1 and list(b.rank_order) != sorted(b.rank_order) for b, _ in batches)   # cp_rank_lists
     assert {d.mode for d in draws} == {None, *MODES}
     packed = [d for d in draws if d.mode is not None]
     assert any(d.lengths.count(1) >= 20 for d in packed)                                # one-token documents

@@ -1,12 +1,13 @@
 """Generated exactness cases for ``attention_2d``: one seeded generator, one fp64 per-document oracle.
 
-A *batch* fixes what every rank must agree on before any tensor moves: the world size and the 2D layout
-(hp, w, placement). Its *draws* then vary everything else: unpacked (sbhd, one document per batch row) or packed
-in each of :data:`megatron_2d.packed_layout.MODES`, value head dims below the query/key dim (MLA), document lengths (one-token documents, lengths that divide
-nothing, one giant document among tiny ones, hundreds of tiny ones, padding at the end of the stream), GQA ratios
-with K/V replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. Every
-draw is checked against :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence
-is one document): out, dq, dk, dv and d sinks, with padding slots exactly zero and everything finite.
+A *batch* fixes what every rank must agree on before any tensor moves: the world size and the 2D layout (hp, w,
+placement, and the CP group's rank order, ``cp_rank_lists``, not always ascending). Its *draws* then vary everything
+else: unpacked (sbhd, one document per batch row) or packed in each of :data:`megatron_2d.packed_layout.MODES`,
+value head dims below the query/key dim (MLA), document lengths (one-token documents, lengths that divide nothing,
+one giant document among tiny ones, hundreds of tiny ones, padding at the end of the stream), GQA ratios with K/V
+replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. Every draw is
+checked against :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence is one
+document): out, dq, dk, dv and d sinks, with padding slots exactly zero and everything finite.
 
 Each batch and draw is a pure function of its seed, so every rank builds the same draws and a failure replays
 from ``(batch seed, draw index)`` alone:
@@ -58,6 +59,7 @@ class Batch:
     hp: int
     w: int
     placement: str
+    rank_order: Tuple[int, ...]   # the CP group's global ranks by CP rank (cp_rank_lists; not always ascending)
 
     @property
     def cp(self) -> int:
@@ -105,7 +107,8 @@ def draw_batch(seed: int, max_world: int = 8) -> Batch:
     double_ring_2d = [x for x in every if x[1] > 1 and 1 < x[2] < x[0] // x[1]]
     pool = double_ring_2d if double_ring_2d and rng.random() < 0.2 else every
     world, hp, w, placement = pool[int(rng.integers(len(pool)))]
-    return Batch(seed, world, hp, w, placement)
+    order = tuple(int(r) for r in rng.permutation(world)) if rng.random() < 0.25 else tuple(range(world))
+    return Batch(seed, world, hp, w, placement, order)
 
 
 def _document_lengths(rng: np.random.Generator) -> List[int]:
@@ -236,8 +239,10 @@ def run_batch(rank: int, world: int, batch: Batch, draws: Sequence[Draw], expect
     """On every rank of a fork: build the batch's groups once, then run its draws."""
     import megatron_2d
 
-    groups = megatron_2d.build_2d_groups(batch.hp, batch.w, batch.placement, timeout=_TIMEOUT)
-    return [run_draw(draw, e, groups, rank, world) for draw, e in zip(draws, expected)]
+    groups = megatron_2d.build_2d_groups(batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order],
+                                         timeout=_TIMEOUT)
+    cp_rank = batch.rank_order.index(rank)
+    return [run_draw(draw, e, groups, cp_rank, world) for draw, e in zip(draws, expected)]
 
 
 def failures(batch: Batch, draws: Sequence[Draw], per_rank: Sequence[Sequence[Dict[str, object]]],
@@ -260,6 +265,6 @@ def failures(batch: Batch, draws: Sequence[Draw], per_rank: Sequence[Sequence[Di
                 problems.append(f"dsinks error {err:.2e}")
         if problems:
             found.append(f"{'; '.join(problems)} | world={batch.world} hp={batch.hp} cp={batch.cp} w={batch.w} "
-                         f"{batch.placement} | {draw.describe()} | replay: python tools/fuzz_attention.py "
+                         f"{batch.placement} ranks={list(batch.rank_order)} | {draw.describe()} | replay: python tools/fuzz_attention.py "
                          f"--replay {batch.seed}:{draw.index}")
     return found
