@@ -27,14 +27,13 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple
 
-import numpy as np
 import torch
 
 from .band import SlidingWindow
 from .block_plan import plan_context_group
 from .double_ring import DoubleRing, LocalBlock
 from .groups import Groups2D
-from .head_all_to_all import Direction, HeadAllToAll, HeadExchange
+from .head_all_to_all import Direction, HeadAllToAll, HeadExchange, ascending_order
 from .kernels import select_kernel
 from .kernels.base import accumulator_dtype
 from .neighbour_exchange import NeighbourExchange
@@ -110,8 +109,8 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
     cached = groups.op_cache.get(key)
     if cached is None:
         place = groups.place
-        heads = HeadExchange.build(groups.head_parallel_size, groups.received_chunks(place.context_rank),
-                                   groups.head_group, groups.comm_bytes, device)
+        order = ascending_order(groups.received_chunks(place.context_rank))
+        heads = HeadExchange.build(groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device)
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
         rc = RingContext(transport=_transport(groups, plan), kernel=select_kernel(device, dtype, kernel),
                          plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
@@ -126,11 +125,9 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
     key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype)
     cached = packing.op_cache.get(key)
     if cached is None:
-        order = packing.ring_order
-        heads = HeadExchange.build(groups.head_parallel_size,
-                                   None if order is None else np.argsort(order[groups.place.context_rank]).tolist(),
-                                   groups.head_group, groups.comm_bytes, device, per_token=True)
-        view_tokens = packing.views.shape[1]
+        heads = HeadExchange.build(groups.head_parallel_size, packing.head_order, groups.head_group,
+                                   groups.comm_bytes, device, per_token=packing.head_unit == "token")
+        view_tokens = packing.view_len
         if packing.ring_tokens == 0 or groups.context_size == 1:
             transport = LocalBlock(groups.place.context_rank)
         else:

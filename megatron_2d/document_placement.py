@@ -1,4 +1,4 @@
-"""Where each token of a packed batch goes: Megatron's per-document zigzag, or whole short documents.
+"""Where each token of a packed batch goes: Megatron's per-document or per-sequence zigzag, or whole short documents.
 
 Pure numpy, no torch: the op's :class:`megatron_2d.PackedLayout` and the planner use the same placement.
 
@@ -22,15 +22,27 @@ the hp ranks of a head group split heads, not documents); every other document s
 so its attention is local and the ring carries only long-document K/V. Each view is [long chunks | whole
 documents | padding] and is cut into hp equal slices, one per head rank, so after the all-to-all the long tokens
 are a prefix of the view: the ring sends that prefix only.
+
+Sequence (Megatron's ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``, what
+``--dataloader-inter-document-masking`` runs): the whole packed stream of T tokens (T divisible by 2*CP) is cut into
+2*CP chunks regardless of documents; CP rank i holds chunks i and 2*CP-1-i; documents are only masked.
+
+    >>> sequence_rows(8, cp_size=2, ranks=[0, 1])
+    array([[0, 1, 6, 7],
+           [2, 3, 4, 5]])
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .packed_plan import Runs
 
 DEFAULT_TOLERANCE = 0.05
 
@@ -44,32 +56,31 @@ def pairs(lengths) -> np.ndarray:
 def row_pairs(rows: np.ndarray, cu_seqlens) -> np.ndarray:
     """[n] causal (query, key) pairs of each row of slots (views or a rank's slots): a real token at position p of
     its document sees p + 1 keys."""
+    rows = np.atleast_2d(np.asarray(rows, dtype=np.int64))
     cu = np.asarray(cu_seqlens, dtype=np.int64)
-    out = np.zeros(len(rows), dtype=np.int64)
-    for r, row in enumerate(rows):
-        real = row[row >= 0]
-        out[r] = int((real - cu[np.searchsorted(cu, real, side="right") - 1] + 1).sum())
-    return out
+    real = rows >= 0
+    seen = rows - cu[np.searchsorted(cu, np.maximum(rows, 0), side="right") - 1] + 1
+    return np.where(real, seen, 0).sum(axis=1)
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
-    lengths = lengths.astype(np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(starts.astype(np.int64) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return offsets + np.arange(total, dtype=np.int64)
-
-
-def _chunk_slots(doc_starts: np.ndarray, lengths: np.ndarray, chunk: np.ndarray, which: Sequence[int]) -> np.ndarray:
-    """Stream indices of chunks ``which`` (per document, in that order) of documents cut into chunks of ``chunk``
-    tokens; positions past a document's real length are padding (-1)."""
-    positions = np.stack([np.asarray(w, dtype=np.int64) * chunk for w in which], axis=1)     # [D, 2] first pos
-    counts = np.repeat(chunk[:, None], len(which), axis=1)                                   # [D, 2]
-    pos = _ranges(positions.reshape(-1), counts.reshape(-1))                                 # [sum] position in doc
-    doc = np.repeat(np.repeat(np.arange(len(lengths)), len(which)), counts.reshape(-1))
-    return np.where(pos < lengths[doc], doc_starts[doc] + pos, -1)
+def zigzag_rows(cu_seqlens, cp_size: int, ranks, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
+    """[len(ranks), t_local] slots of CP ranks ``ranks`` under Megatron's THD zigzag (see :func:`zigzag_slots`),
+    computed for those ranks only: column j is the same (document, chunk half, offset) on every rank, only the
+    chunk differs, so a row is one affine map of the columns."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lengths = np.diff(cu)
+    ranks = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
+    padded = round_up(lengths, 2 * cp_size) if padded_lengths is None else np.asarray(padded_lengths, np.int64)
+    chunk = padded // (2 * cp_size)
+    doc = np.repeat(np.arange(len(lengths)), 2 * chunk)                       # [t_local] document of column j
+    offset = np.arange(len(doc)) - np.repeat(np.cumsum(2 * chunk) - 2 * chunk, 2 * chunk)
+    c = chunk[doc]
+    first = offset < c
+    # position in the document on rank i: first half (chunk i) = i*c + o; second (chunk 2CP-1-i) = (2CP-1-i)*c + o-c
+    base = np.where(first, offset, (2 * cp_size - 1) * c + offset - c)
+    step = np.where(first, c, -c)
+    pos = base[None, :] + ranks[:, None] * step[None, :]
+    return np.where(pos < lengths[doc][None, :], cu[:-1][doc][None, :] + pos, -1)
 
 
 def zigzag_stream_indices(cu_seqlens_padded, cp_size: int, cp_rank: int) -> np.ndarray:
@@ -84,8 +95,7 @@ def zigzag_stream_indices(cu_seqlens_padded, cp_size: int, cp_rank: int) -> np.n
     if (lengths % (2 * cp_size)).any():
         raise ValueError(f"padded document lengths must be multiples of 2*CP = {2 * cp_size}, got "
                          f"{lengths[(lengths % (2 * cp_size)) != 0][:8].tolist()}")
-    return _chunk_slots(cu[:-1], lengths, lengths // (2 * cp_size),
-                        [(cp_rank,) * len(lengths), (2 * cp_size - 1 - cp_rank,) * len(lengths)])
+    return zigzag_rows(cu, cp_size, cp_rank, lengths)[0]
 
 
 def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
@@ -95,13 +105,16 @@ def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: Optional[
     real length; default: each real length rounded up to a multiple of 2*CP (no padding at all when CP = 1: the
     one rank holds every document whole, as Megatron's CP=1 batches are)."""
     cu = np.asarray(cu_seqlens, dtype=np.int64)
-    lengths = np.diff(cu)
     if cp_size == 1 and padded_lengths is None:
         return np.arange(cu[-1], dtype=np.int64)[None]
-    padded = round_up(lengths, 2 * cp_size) if padded_lengths is None else np.asarray(padded_lengths, np.int64)
-    chunk = padded // (2 * cp_size)
-    return np.stack([_chunk_slots(cu[:-1], lengths, chunk, [(i,) * len(lengths), (2 * cp_size - 1 - i,) * len(lengths)])
-                     for i in range(cp_size)])
+    return zigzag_rows(cu, cp_size, np.arange(cp_size), padded_lengths)
+
+
+def sequence_rows(total_tokens: int, cp_size: int, ranks) -> np.ndarray:
+    """[len(ranks), T / CP] slots of CP ranks ``ranks`` under the per-sequence zigzag (no padding)."""
+    K = total_tokens // (2 * cp_size)
+    idx = np.atleast_1d(np.asarray(ranks, dtype=np.int64))[:, None]
+    return np.concatenate([idx * K + np.arange(K), (2 * cp_size - 1 - idx) * K + np.arange(K)], axis=1)
 
 
 def round_up(x, multiple: int):
@@ -112,18 +125,32 @@ def round_up(x, multiple: int):
 class DocumentPlacement:
     """The documents layout of one batch over the cp context ranks (see the module docstring)."""
 
+    cu_seqlens: np.ndarray           # [D + 1] the batch's cumulative lengths
+    cp: int                          # context ranks
     long_docs: np.ndarray            # ids of the zigzag-sharded documents, ascending
     owner: np.ndarray                # [D] context rank holding each whole document, -1 for long ones
-    views: np.ndarray                # [cp, view_len] slots of each context rank's view
     long_prefix: int                 # view slots [0, long_prefix) hold long-document chunks (identical on all)
+    view_len: int                    # slots of every view (the longest, rounded up to a multiple of 2*hp)
     threshold: int                   # the longest whole document (longer ones are sharded)
     pair_imbalance: float            # max / mean - 1 of attention pairs per context rank
     token_imbalance: float           # max / mean - 1 of real tokens per context rank
 
+    @functools.cached_property
+    def runs(self) -> "Runs":
+        """The runs of every view (:mod:`megatron_2d.packed_views`)."""
+        from .packed_views import documents_runs
+        return documents_runs(self.cu_seqlens, self.long_docs, self.owner, self.cp)
+
+    @functools.cached_property
+    def views(self) -> np.ndarray:
+        """[cp, view_len] slots of each context rank's view (materialised on first use)."""
+        from .packed_views import materialise
+        return materialise(self.runs, self.cu_seqlens, self.cp, self.view_len)
+
     @property
     def padding_fraction(self) -> float:
-        slots = self.views.size
-        return float((self.views < 0).sum()) / slots if slots else 0.0
+        slots = self.cp * self.view_len
+        return 1.0 - float(self.cu_seqlens[-1]) / slots if slots else 0.0
 
 
 def _greedy(lengths: np.ndarray, short: np.ndarray, cp: int, base_pairs: float, base_tokens: float):
@@ -212,36 +239,30 @@ def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
 
     owner = np.full(D, -1, dtype=np.int64)
     owner[order] = owner_of_order
-    padded = round_up(lengths[long_ids], 2 * cp)
-    chunk = padded // (2 * cp)
-    views: List[np.ndarray] = []
-    for r in range(cp):
-        long_part = _chunk_slots(cu[:-1][long_ids], lengths[long_ids], chunk,
-                                 [(r,) * len(long_ids), (2 * cp - 1 - r,) * len(long_ids)])
-        mine = np.flatnonzero(owner == r)                           # ascending document ids
-        views.append(np.concatenate([long_part, _ranges(cu[:-1][mine], lengths[mine])]))
-    view_len = int(round_up(max(len(v) for v in views), 2 * hp)) if views else 0   # even t_local (see RoPE)
-    out = np.full((cp, view_len), -1, dtype=np.int64)
-    for r, v in enumerate(views):
-        out[r, :len(v)] = v
-    return DocumentPlacement(long_docs=long_ids, owner=owner, views=out, long_prefix=int(padded.sum() // cp),
-                             threshold=threshold, pair_imbalance=pair_imb, token_imbalance=tok_imb)
+    long_prefix = int(round_up(lengths[long_ids], 2 * cp).sum() // cp)
+    whole = np.bincount(owner[owner >= 0], weights=lengths[owner >= 0], minlength=cp)
+    view_len = int(round_up(long_prefix + int(whole.max(initial=0)), 2 * hp))      # even t_local (see RoPE)
+    return DocumentPlacement(cu_seqlens=cu, cp=cp, long_docs=long_ids, owner=owner, long_prefix=long_prefix,
+                             view_len=view_len, threshold=threshold, pair_imbalance=pair_imb,
+                             token_imbalance=tok_imb)
 
 
 def documents_slots(placement: DocumentPlacement, layout) -> np.ndarray:
     """[CP, t_local] slots of each CP rank: head rank hr of context rank cr holds slice hr of cr's view
     (``layout``: a :class:`megatron_2d.topology.Layout2D`)."""
     hp, cp = layout.head_parallel_size, layout.context_size
-    t_local = placement.views.shape[1] // hp
-    slots = np.empty((layout.cp_size, t_local), dtype=np.int64)
-    for cr in range(cp):
-        for hr in range(hp):
-            slots[layout.index_of(hr, cr)] = placement.views[cr, hr * t_local:(hr + 1) * t_local]
+    views = placement.views
+    slots = np.empty((layout.cp_size, views.shape[1] // hp), dtype=np.int64)
+    slots[_index_grid(layout)] = views.reshape(cp, hp, -1)
     return slots
+
+
+def _index_grid(layout) -> np.ndarray:
+    """[cp, hp]: the CP index of (context rank, head rank)."""
+    cr, hr = np.meshgrid(np.arange(layout.context_size), np.arange(layout.head_parallel_size), indexing="ij")
+    return layout.index_of(hr, cr)
 
 
 def views_of(slots: np.ndarray, layout) -> np.ndarray:
     """[cp, hp * t_local]: each context rank's view, its head ranks' slots concatenated by head rank."""
-    hp, cp = layout.head_parallel_size, layout.context_size
-    return np.stack([np.concatenate([slots[layout.index_of(hr, cr)] for hr in range(hp)]) for cr in range(cp)])
-
+    return slots[_index_grid(layout)].reshape(layout.context_size, -1)

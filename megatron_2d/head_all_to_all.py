@@ -27,10 +27,16 @@ import enum
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm import CommCounter, all_to_all_counted
+from .comm import CommCounter, all_to_all_counted, to_device
+
+
+def ascending_order(received_keys: Sequence[int]) -> np.ndarray:
+    """The order that sorts units received with these sort keys: ascending unit i is received unit order[i]."""
+    return np.argsort(np.asarray(received_keys, dtype=np.int64), kind="stable")
 
 
 def _head_slices(buf: torch.Tensor, widths: Sequence[int]) -> List[torch.Tensor]:
@@ -201,26 +207,25 @@ class HeadExchange:
     head_rank: int = 0
 
     @classmethod
-    def build(cls, hp: int, received: Optional[Sequence[int]], group, counter: CommCounter,
-              device, per_token: bool = False) -> "HeadExchange":
-        """From the sort keys of the chunks (or, ``per_token``, of the tokens) in the order the all-to-all delivers
-        them (one host-to-device copy, here only); None, or keys already ascending: the ring takes the tokens in
-        the order received, with no permutation."""
-        order = None if received is None else sorted(range(len(received)), key=received.__getitem__)
-        if order is not None and order == sorted(order):
+    def build(cls, hp: int, order: Optional[np.ndarray], group, counter: CommCounter, device,
+              per_token: bool = False) -> "HeadExchange":
+        """From ``order`` (numpy: ascending unit i is unit order[i] as received; see :func:`ascending_order`) or
+        None (the ring takes the units in the order received). The order goes to the device once, pinned and
+        non-blocking: building makes no host-device synchronisation."""
+        if order is not None and np.array_equal(order, np.arange(len(order))):
             order = None
-        as_tensor = None if order is None else torch.tensor(order, dtype=torch.long, device=device)
+        as_tensor = None if order is None else to_device(np.ascontiguousarray(order, dtype=np.int64),
+                                                         torch.device(device))
         positions = ()                      # chunk units: the ascending place of each received unit
-        if received is not None and not per_token:
-            place = {key: i for i, key in enumerate(sorted(received))}
-            positions = tuple(place[key] for key in received)
+        if order is not None and not per_token:
+            positions = tuple(np.argsort(order).tolist())
         peers = () if group is None else tuple(dist.get_process_group_ranks(group))
         return cls(hp, as_tensor, group, counter, per_token, positions, peers,
                    0 if group is None else dist.get_rank(group))
 
     def _direct(self, batch: int) -> bool:
         """Whether the exchange goes by point-to-point messages, unit by unit (batch 1, chunk units)."""
-        return self.group is not None and batch == 1 and bool(self.positions)
+        return self.group is not None and batch == 1 and not self.per_token and self.order is not None
 
     def unit(self, tokens: int) -> int:
         """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""

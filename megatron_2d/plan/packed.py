@@ -28,7 +28,8 @@ from typing import Tuple
 
 import numpy as np
 
-from ..document_placement import pairs, place_documents, row_pairs, views_of, zigzag_slots
+from ..document_placement import pairs, place_documents
+from ..packed_views import zigzag_runs, zigzag_view_len
 from ..topology import Layout2D
 
 PACKED_MODES = ("zigzag", "documents")
@@ -58,10 +59,6 @@ def modes_for(kind: str) -> Tuple[str, ...]:
     return PACKED_MODES if kind == "2d" else ("zigzag",)
 
 
-def _view_pairs(views: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    return row_pairs(views, cu).astype(np.float64)
-
-
 @functools.lru_cache(maxsize=256)
 def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mode: str) -> PackedWork:
     cu = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
@@ -69,22 +66,20 @@ def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mod
     CP = hp * cp
     layout = Layout2D(CP, hp, 1, placement)
     if mode == "zigzag":
-        slots = zigzag_slots(cu, CP)
-        views = views_of(slots, layout)
-        ring_tokens = int(views.shape[1])
-        t_local = int(slots.shape[1])
-        padding = int((slots < 0).sum())
+        runs = zigzag_runs(cu, layout)
+        ring_tokens = zigzag_view_len(cu, layout)
+        t_local = ring_tokens // hp
         long_docs = len(lengths)
     elif mode == "documents":
         placement_ = place_documents(cu, cp, hp)
-        views = placement_.views
+        runs = placement_.runs
         ring_tokens = int(placement_.long_prefix) if cp > 1 else 0
-        t_local = int(views.shape[1]) // hp
-        padding = int((views < 0).sum())
+        t_local = placement_.view_len // hp
         long_docs = int(len(placement_.long_docs))
     else:
         raise ValueError(f"packed mode {mode!r} is not one of {PACKED_MODES}")
-    p = _view_pairs(views, cu)
+    padding = t_local * CP - S
+    p = runs.pairs_per_view(cp).astype(np.float64)
     base = float(pairs([S])[0]) / cp
     return PackedWork(mode=mode, flops_fraction=float(p.max()) / base,
                       ring_fraction=(ring_tokens / (S / cp)) if cp > 1 else 0.0,
