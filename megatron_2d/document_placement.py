@@ -83,21 +83,6 @@ def zigzag_rows(cu_seqlens, cp_size: int, ranks, padded_lengths: Optional[np.nda
     return np.where(pos < lengths[doc][None, :], cu[:-1][doc][None, :] + pos, -1)
 
 
-def zigzag_stream_indices(cu_seqlens_padded, cp_size: int, cp_rank: int) -> np.ndarray:
-    """Indices into the padded stream that CP rank ``cp_rank`` holds: Transformer Engine's
-    ``thd_get_partitioned_indices(cu_seqlens_padded, T_padded, CP, rank)`` (every padded length a multiple of 2*CP).
-
-    >>> zigzag_stream_indices([0, 4, 12], cp_size=2, cp_rank=0).tolist()
-    [0, 3, 4, 5, 10, 11]
-    """
-    cu = np.asarray(cu_seqlens_padded, dtype=np.int64)
-    lengths = np.diff(cu)
-    if (lengths % (2 * cp_size)).any():
-        raise ValueError(f"padded document lengths must be multiples of 2*CP = {2 * cp_size}, got "
-                         f"{lengths[(lengths % (2 * cp_size)) != 0][:8].tolist()}")
-    return zigzag_rows(cu, cp_size, cp_rank, lengths)[0]
-
-
 def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
     """[CP, t_local] slots of Megatron's THD zigzag: CP rank i holds chunks i and 2*CP-1-i of every document.
 

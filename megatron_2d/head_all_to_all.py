@@ -207,18 +207,19 @@ class HeadExchange:
     head_rank: int = 0
 
     @classmethod
-    def build(cls, hp: int, order: Optional[np.ndarray], group, counter: CommCounter, device,
-              per_token: bool = False) -> "HeadExchange":
-        """From ``order`` (numpy: ascending unit i is unit order[i] as received; see :func:`ascending_order`) or
-        None (the ring takes the units in the order received). The order goes to the device once, pinned and
-        non-blocking: building makes no host-device synchronisation."""
-        if order is not None and np.array_equal(order, np.arange(len(order))):
-            order = None
-        as_tensor = None if order is None else to_device(np.ascontiguousarray(order, dtype=np.int64),
-                                                         torch.device(device))
+    def build(cls, hp: int, order, group, counter: CommCounter, device, per_token: bool = False) -> "HeadExchange":
+        """From ``order`` (ascending unit i is unit order[i] as received, see :func:`ascending_order`: a numpy array
+        or a CPU LongTensor made ahead, e.g. by a PackedLayout) or None (the ring takes the units in the order
+        received). The order goes to the device once, pinned and non-blocking: no host-device synchronisation."""
+        host = None if order is None else order.numpy() if isinstance(order, torch.Tensor) else np.asarray(order)
+        if host is not None and np.array_equal(host, np.arange(len(host))):
+            order = host = None
+        if isinstance(order, np.ndarray):
+            order = torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
+        as_tensor = None if order is None else to_device(order, torch.device(device))
         positions = ()                      # chunk units: the ascending place of each received unit
-        if order is not None and not per_token:
-            positions = tuple(np.argsort(order).tolist())
+        if host is not None and not per_token:
+            positions = tuple(np.argsort(host).tolist())
         peers = () if group is None else tuple(dist.get_process_group_ranks(group))
         return cls(hp, as_tensor, group, counter, per_token, positions, peers,
                    0 if group is None else dist.get_rank(group))

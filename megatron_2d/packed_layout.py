@@ -132,7 +132,8 @@ class PackedLayout:
                                  f"the packed sequence to a multiple of {2 * CP} (Megatron's --seq-length must be)")
             self.runs = sequence_runs(cu, layout)
             self.view_len = self.ring_tokens = int(cu[-1]) // cp
-        self.head_order, self.head_unit = self._head_order(layout)
+        order, self.head_unit = self._head_order(layout)
+        self.head_order: Optional[torch.Tensor] = None if order is None else torch.from_numpy(order)
         fingerprint = zlib.crc32(cu.tobytes()) ^ (zlib.crc32(repr((mode, long_threshold, tolerance,
                                                                    None if padded is None else padded.tolist())
                                                                   ).encode()) << 31)
@@ -178,8 +179,9 @@ class PackedLayout:
         return materialise(self.runs, self.cu_seqlens, self.groups.layout.context_size, self.view_len)
 
     def _head_order(self, layout: Layout2D):
-        """(order, unit) of this context rank's head all-to-all: ascending unit i of the ring's view is unit
-        order[i] as received (by head rank, then zigzag half); None when the received order is the ring's.
+        """(order, unit) of this context rank's head all-to-all (kept as a CPU tensor ``head_order``): ascending
+        unit i of the ring's view is unit order[i] as received (by head rank, then zigzag half); None when the
+        received order is the ring's.
         zigzag sorts single tokens (each document's chunks from the hp head ranks become contiguous), sequence
         sorts chunks of T / 2CP (the sbhd path's order); documents views are built in ring order."""
         hp = layout.head_parallel_size

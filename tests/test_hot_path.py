@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_2d
+from megatron_2d.packed_layout import MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
 
@@ -111,3 +112,36 @@ def bad_dkv_dtype(rank, world):
 def test_dkv_comm_dtype_is_checked():
     with pytest.raises(RankFailure, match=r"dkv_comm_dtype 'fp8' is not one of \['accumulator', 'input'\]"):
         run_on_ranks(1, bad_dkv_dtype)
+
+
+def run_new_packed_batches_guarded(rank, world):
+    """Every packed mode: a layout built ahead of the step (host cu_seqlens), then its FIRST attention call (the
+    per-batch setup: head exchange order, plans, transport) under the guards; the result equals the same batch run
+    unguarded on a layout built the same way."""
+    import numpy as np
+
+    groups = megatron_2d.build_2d_groups(2, 1, "head_first", timeout=TIMEOUT)
+    cu = np.cumsum([0, 1, 37, 5, 90, 3, 64, 1, 11])                        # 212 tokens: 2*CP divides 208 + 4
+    cu[-1] += (-cu[-1]) % (2 * world)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(int(cu[-1]), 4, 16, generator=g) for _ in range(4))
+    results = {}
+    for mode in MODES:
+        outs = []
+        for guarded in (False, True):
+            layout = megatron_2d.PackedLayout(cu, groups, mode=mode)         # built ahead: may read the host
+            ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
+            leaves = [x.requires_grad_(True) for x in (ql, kl, vl)]
+            if guarded:
+                with NoHostDataInOp(), NoSyncOps():
+                    megatron_2d.attention_2d(*leaves, groups, packing=layout, sliding_window=(20, 0)).backward(dl)
+            else:
+                megatron_2d.attention_2d(*leaves, groups, packing=layout, sliding_window=(20, 0)).backward(dl)
+            outs.append([x.grad for x in leaves])
+        results[mode] = all(torch.equal(a, b) for a, b in zip(*outs))
+    return results
+
+
+def test_new_packed_batch_makes_no_sync():
+    for per_rank in run_on_ranks(4, run_new_packed_batches_guarded):
+        assert per_rank == {mode: True for mode in MODES} and len(MODES) == 3, per_rank

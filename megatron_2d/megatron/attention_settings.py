@@ -185,13 +185,22 @@ PACKED_SEQ_PARAMS: Dict[str, str] = {
 }
 
 
-def packed_seq_refusals(params) -> List[str]:
-    """Why ``params`` (a PackedSeqParams) cannot run under the 2d backend; empty when it can."""
+def same_values(a, b) -> bool:
+    """Whether two cu_seqlens (tensors or arrays) hold the same values. Compared where they live: two device
+    tensors on the device (one device-to-host read of the verdict); callers skip it when a is b (Megatron passes
+    one tensor as both q and kv: no read at all)."""
     import torch
 
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    if a.shape != b.shape:
+        return False
+    return bool(torch.equal(a, b.to(a.device)))
+
+
+def packed_seq_refusals(params) -> List[str]:
+    """Why ``params`` (a PackedSeqParams) cannot run under the 2d backend; empty when it can."""
     def same(a, b) -> bool:
-        return a is None and b is None or (a is not None and b is not None
-                                           and torch.equal(torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()))
+        return a is b or (a is not None and b is not None and same_values(a, b))
 
     problems = []
     if params.qkv_format != "thd":

@@ -168,6 +168,20 @@ class CoreAttention2D(MegatronModule):
             return out.reshape(out.shape[0], -1)                              # [t, hq/tp * d]
         return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]
 
+    def _layout_of(self, packed_seq_params) -> PackedLayout:
+        """Megatron's zigzag layout of a THD batch from its cu_seqlens (real) and cu_seqlens_q_padded. They live on
+        the GPU in Megatron's batches: reading them is this batch's one device-to-host copy (a layout built ahead,
+        e.g. by the data path's PackedSeqParams2D, needs none)."""
+        real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+        if padded is None or padded is real:
+            return PackedLayout(torch.as_tensor(real).cpu(), self.groups, mode="zigzag")
+        if torch.as_tensor(padded).shape != torch.as_tensor(real).shape:            # refused by the layout
+            return PackedLayout(real, self.groups, mode="zigzag", cu_seqlens_padded=padded)
+        both = torch.cat([torch.as_tensor(real).reshape(-1), torch.as_tensor(padded).reshape(-1)]).cpu()
+        real, padded = both.split(both.shape[0] // 2)
+        return PackedLayout(real, self.groups, mode="zigzag",
+                            cu_seqlens_padded=None if torch.equal(real, padded) else padded)
+
     def _packed_layout(self, packed_seq_params, query: torch.Tensor) -> Optional[PackedLayout]:
         """The PackedLayout of a THD batch (None for sbhd), built on the first layer and kept on the params."""
         if packed_seq_params is None:
@@ -181,13 +195,7 @@ class CoreAttention2D(MegatronModule):
             if problems:
                 raise ValueError("; ".join(problems))
             carried = getattr(packed_seq_params, "layout", None)
-            if carried is not None:
-                cache[key] = carried
-            else:
-                real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
-                same = padded is None or torch.equal(torch.as_tensor(padded).cpu(), torch.as_tensor(real).cpu())
-                cache[key] = PackedLayout(real, self.groups, mode="zigzag",
-                                          cu_seqlens_padded=None if same else padded)
+            cache[key] = carried if carried is not None else self._layout_of(packed_seq_params)
         layout, wanted = cache[key], getattr(self.config, "cp_2d_packing", "zigzag")
         if layout.mode != wanted and self.groups.layout.cp_size > 1:
             raise ValueError(f"cp_2d_packing is {wanted!r} but the batch comes in the {layout.mode!r} layout: "
