@@ -54,7 +54,7 @@ def documents_forward_step(stock):
     from megatron.training import get_args
 
     from megatron_2d.megatron.packed_data import (documents_batch_on_this_cp_rank, groups_of_model,
-                                                  use_document_positions)
+                                                  token_weighted_loss, use_document_positions)
 
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         args = get_args()
@@ -81,7 +81,9 @@ def documents_forward_step(stock):
         local, params = documents_batch_on_this_cp_rank(batch, groups_of_model(gpt), batch["cu_seqlens"].reshape(-1))
         output = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
                        loss_mask=local["loss_mask"], packed_seq_params=params)
-        return output, partial(stock.loss_func, local["loss_mask"], model=model)
+        loss = token_weighted_loss(partial(stock.loss_func, local["loss_mask"], model=model),
+                                   mpu.get_context_parallel_group(), args.calculate_per_token_loss)
+        return output, loss
 
     return forward_step
 

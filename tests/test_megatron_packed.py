@@ -146,10 +146,10 @@ def test_padding_changes_nothing_and_the_references_agree(results):
 
 def test_a_batch_in_the_other_layout_is_refused(results):
     for layout in LAYOUTS:
-        assert "cp_2d_packing is 'zigzag' but the batch comes in the 'documents' layout" in \
-            results[(layout, "refused", "zigzag")]
-        assert "cp_2d_packing is 'documents' but the batch comes in the 'zigzag' layout" in \
-            results[(layout, "refused", "documents")]
+        assert "expects packed batches in the 'zigzag' layout (cp_2d_packing 'zigzag') but the batch comes in the " \
+               "'documents' layout" in results[(layout, "refused", "zigzag")]
+        assert "expects packed batches in the 'documents' layout (cp_2d_packing 'documents') but the batch comes in " \
+               "the 'zigzag' layout" in results[(layout, "refused", "documents")]
 
 
 def test_documents_layout_of_the_batch_is_balanced(results):

@@ -15,6 +15,7 @@ import torch
 
 import megatron_2d
 from megatron_2d.document_placement import place_documents, zigzag_slots
+from megatron_2d.packed_layout import MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, packed_reference_attention, rel_err, rounded
 
@@ -24,7 +25,18 @@ LENGTHS = {
     "mixed": [1, 37, 200, 5, 64, 3, 90, 400, 11],          # length 1, lengths divisible by nothing
     "one_long": [7, 700, 30, 2, 61],                       # one document longer than all the rest together
     "single": [480],                                       # one document: the sbhd op's sequence
+    "per_sequence": [1, 37, 200, 5, 64, 3, 90, 400, 11, 1, 4],   # 816 = 17 * 48: the sequence mode at every CP here
 }
+
+
+def layout_case_keys(world):
+    """(mode, lengths name, causal) of every case run on a layout of ``world`` ranks: zigzag and documents on the
+    hand-picked lengths, the sequence mode (which cuts the stream into 2*CP chunks, so 2*CP must divide T) on
+    ``per_sequence``."""
+    assert all(sum(LENGTHS["per_sequence"]) % (2 * n) == 0 for n, _, _, _ in LAYOUTS)
+    return [(mode, name, causal) for mode in MODES for name in LENGTHS
+            if (name == "per_sequence") == (mode == "sequence")
+            for causal in ((True, False) if name in ("mixed", "per_sequence") else (True,))]
 
 # (world, hp, w, placement): worlds 1, 2, 4, 6, 8; the issue's layouts (hp x cp x w) 1x8x2, 2x4x2, 4x2x1, 8x1x1,
 # 2x3x1 at world 6; context_first wherever it is a different rank map
@@ -78,12 +90,8 @@ def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32
 def layout_cases(rank, world, hp, w, placement):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
     hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)           # GQA with K/V replication whenever hp > 1
-    results = {}
-    for mode in ("zigzag", "documents"):
-        for name, lengths in LENGTHS.items():
-            for causal in ((True, False) if name == "mixed" else (True,)):
-                results[(mode, name, causal)] = run_packed(groups, mode, lengths, causal, hq, hkv)[:2]
-    return results
+    return {(mode, name, causal): run_packed(groups, mode, LENGTHS[name], causal, hq, hkv)[:2]
+            for mode, name, causal in layout_case_keys(world)}
 
 
 @pytest.mark.parametrize("world, hp, w, placement", LAYOUTS,
@@ -91,8 +99,10 @@ def layout_cases(rank, world, hp, w, placement):
 def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
     results = run_on_ranks(world, layout_cases, hp, w, placement)
     tol = TOLERANCE[torch.float32]
+    expected = set(layout_case_keys(world))
+    assert ("sequence", "per_sequence", True) in expected and len(MODES) == 3
     for rank, per_rank in enumerate(results):
-        assert len(per_rank) == 2 * (len(LENGTHS) + 1)
+        assert set(per_rank) == expected
         for case, (errs, padding) in per_rank.items():
             assert max(errs.values()) < tol, (rank, case, errs)
             assert padding["no_nan"] and padding["pad_zero"], (rank, case, padding)
@@ -117,11 +127,12 @@ def test_thousand_tiny_documents():
 def bf16_and_masks(rank, world):
     groups = megatron_2d.build_2d_groups(2, 2, "context_first", timeout=TIMEOUT)
     out = {}
-    for mode in ("zigzag", "documents"):
-        out[(mode, "bf16")] = run_packed(groups, mode, LENGTHS["mixed"], True, 8, 2, dtype=torch.bfloat16)[0]
-        out[(mode, "fp16")] = run_packed(groups, mode, LENGTHS["mixed"], True, 8, 2, dtype=torch.float16)[0]
-        out[(mode, "window")] = run_packed(groups, mode, LENGTHS["mixed"], True, 8, 2, window=(20, 0))[0]
-        errs, _, sink_grad, ref_sink_grad = run_packed(groups, mode, LENGTHS["mixed"], True, 8, 2, sinks=True)
+    for mode in MODES:
+        lengths = LENGTHS["per_sequence" if mode == "sequence" else "mixed"]
+        out[(mode, "bf16")] = run_packed(groups, mode, lengths, True, 8, 2, dtype=torch.bfloat16)[0]
+        out[(mode, "fp16")] = run_packed(groups, mode, lengths, True, 8, 2, dtype=torch.float16)[0]
+        out[(mode, "window")] = run_packed(groups, mode, lengths, True, 8, 2, window=(20, 0))[0]
+        errs, _, sink_grad, ref_sink_grad = run_packed(groups, mode, lengths, True, 8, 2, sinks=True)
         out[(mode, "sinks")] = (errs, sink_grad, ref_sink_grad)
     return out
 
@@ -131,7 +142,7 @@ def test_packed_bf16_fp16_windows_and_sinks():
     plus the output rounding), a sliding window within documents, and learnable sinks whose per-rank gradients
     sum to the reference's."""
     results = run_on_ranks(8, bf16_and_masks)
-    for mode in ("zigzag", "documents"):
+    for mode in MODES:
         for dtype in ("bf16", "fp16"):
             tol = TOLERANCE[torch.bfloat16 if dtype == "bf16" else torch.float16]
             assert all(max(r[(mode, dtype)].values()) < tol for r in results), (mode, dtype)
@@ -277,7 +288,7 @@ def test_whole_documents_balance_tokens_as_well_as_pairs():
     assert p.token_imbalance < 0.01 and p.pair_imbalance < 0.01
 
 
-@pytest.mark.parametrize("mode", ["zigzag", "documents"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("CP, hp, placement", [(8, 1, "head_first"), (8, 2, "context_first"), (6, 3, "head_first")])
 def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
     """Kernel calls cover exactly the visible (query, key) pairs: summed over every context rank and source block,
@@ -287,7 +298,7 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
     from megatron_2d.groups import Groups2D
     from megatron_2d.topology import Layout2D, place_all_ranks
 
-    lengths = np.array(LENGTHS["mixed"] + LENGTHS["one_long"])
+    lengths = np.array(LENGTHS["mixed"] + LENGTHS["one_long"] + [21])     # 1632 = 34 * 48
     cu = np.concatenate([[0], np.cumsum(lengths)])
     layout = Layout2D(CP, hp, 1, placement)
     places = place_all_ranks(layout, [list(range(CP))], CP)

@@ -8,7 +8,7 @@ Every route into the library reaches them, on every rank, before any model is tr
     calls :func:`check_current_launch` (megatron.training's parsed arguments, when a launch has set them).
 
 Model-level settings (hp, window, placement, heads, dropout) are validated by ``settings_from_config``; this module
-covers what only the command line knows: how the data is packed.
+covers what only the command line knows: how the data is packed (:func:`packing_mode`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ from .settings import layer_comm_types, uses_2d
 
 PACKED_SEQUENCE_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("--reset-attention-mask", "reset_attention_mask"),
-    ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"),
 )
 """Document-masking flags whose batches the 2d backend would get wrong, with their argparse destinations:
---reset-attention-mask builds a dense [s, s] mask (not THD), and --dataloader-inter-document-masking without
---sft splits each sample whole-sequence zigzag while passing per-document cu_seqlens. Packed documents reach the
-2d backend as THD (--sft: Megatron's per-document zigzag split; or the documents layout of
-megatron_2d.megatron.packed_data)."""
+--reset-attention-mask builds a dense [s, s] mask (not THD). Packed documents reach the 2d backend as THD:
+--sft (Megatron's per-document zigzag split), --dataloader-inter-document-masking (Megatron's per-sequence split,
+the "sequence" layout; see :func:`packing_mode`), or the documents layout of megatron_2d.megatron.packed_data."""
 
 
 def check_launch_args(args) -> None:
@@ -35,17 +33,31 @@ def check_launch_args(args) -> None:
     if not uses_2d(getattr(args, "cp_comm_type", None)):
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
-    if "--dataloader-inter-document-masking" in given and (
-            getattr(args, "sft", False) or getattr(args, "cp_2d_packing", "zigzag") == "documents"
-            or getattr(args, "context_parallel_size", 1) == 1):
-        # --sft: Megatron's per-document THD split; documents: our data path splits the batch itself; CP=1: no
-        # split at all
-        given.remove("--dataloader-inter-document-masking")
     if given:
         raise ValueError(f"{', '.join(given)} gives document masks the 2d backend (cp_comm_type "
                          f"{layer_comm_types(args.cp_comm_type)}) would not see as packed THD batches; drop "
-                         f"{', '.join(given)} and pack documents as THD (--sft, or the documents layout of "
-                         f"megatron_2d.megatron.packed_data, see examples/pretrain_gpt_2d.py)")
+                         f"{', '.join(given)} and pack documents as THD (--dataloader-inter-document-masking, --sft, "
+                         f"or the documents layout of megatron_2d.megatron.packed_data, see "
+                         f"examples/pretrain_gpt_2d.py)")
+    if getattr(args, "cp_2d_packing", "zigzag") == "sequence" and getattr(args, "sft", False):
+        raise ValueError("--cp-2d-packing sequence describes Megatron's per-sequence split, but --sft batches are "
+                         "split per document (zigzag): drop --cp-2d-packing or --sft")
+
+
+def packing_mode(config) -> str:
+    """The layout THD batches come in (a :data:`megatron_2d.packed_layout.MODES` name): "documents" when
+    ``config.cp_2d_packing`` says so (the batches come from megatron_2d.megatron.packed_data); "sequence" when the
+    current launch makes Megatron split them per sequence (--dataloader-inter-document-masking without --sft:
+    ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``) or the config says so; else "zigzag"
+    (Megatron's per-document split, --sft)."""
+    chosen = getattr(config, "cp_2d_packing", "zigzag") or "zigzag"
+    if chosen == "documents":
+        return chosen
+    args = current_launch_args()
+    if args is not None and getattr(args, "dataloader_inter_document_masking", False) \
+            and not getattr(args, "sft", False):
+        return "sequence"
+    return chosen
 
 
 def current_launch_args() -> Optional[object]:

@@ -9,6 +9,9 @@ documents  :func:`documents_batch_on_this_cp_rank` gives each rank the tokens of
            :class:`megatron_2d.PackedLayout` in documents mode and a :class:`PackedSeqParams2D` carrying that
            layout; :func:`use_document_positions` makes the model's RoPE use each token's position within its
            document (Megatron's THD RoPE assumes the zigzag split).
+sequence   Megatron splits the batch itself (per sequence, ``--dataloader-inter-document-masking``); the 2d layer
+           spec's attention turns its PackedSeqParams into :func:`layout_params` of the sequence layout
+           (:mod:`megatron_2d.megatron.per_sequence`).
 
 Batches are Megatron's: tokens, labels, loss_mask, position_ids [1, T] (one packed sequence; micro-batches
 flattened first, as Megatron does).
@@ -17,7 +20,7 @@ flattened first, as Megatron does).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -103,16 +106,41 @@ def documents_batch_on_this_cp_rank(batch: Dict[str, Any], groups: Groups2D, cu_
                 raise ValueError(f"batch[{key!r}] holds {batch[key].shape[1]} tokens, cu_seqlens says "
                                  f"{layout.total_tokens}")
             out[key] = batch[key].index_select(1, gather).masked_fill(pad, 0)
-    positions = layout.position_ids()
-    out["position_ids"] = to_device(positions, device).unsqueeze(0)
-    cp_size, t_local = groups.layout.cp_size, layout.local_tokens
+    params = layout_params(layout, device)
+    out["position_ids"] = to_device(layout.position_ids(), device).unsqueeze(0)
+    return out, params
+
+
+def layout_params(layout: PackedLayout, device: torch.device) -> PackedSeqParams2D:
+    """PackedSeqParams2D of a batch laid out by ``layout`` (carried, for CoreAttention2D): Megatron's THD RoPE sees
+    one sequence of CP * t_local tokens, and ``rope_positions`` puts each local token's position in its document
+    where that RoPE reads this rank's rows (:func:`_rope_table`); index tensors copied pinned and non-blocking."""
+    cp_size, t_local = layout.groups.layout.cp_size, layout.local_tokens
     rope_cu = to_device(np.array([0, cp_size * t_local], dtype=np.int32), device)
     cu = to_device(layout.cu_seqlens.astype(np.int32), device)
-    params = PackedSeqParams2D(
+    table = _rope_table(layout.position_ids(), cp_size, layout.groups.place.cp_index)
+    return PackedSeqParams2D(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=rope_cu,
         cu_seqlens_kv_padded=rope_cu, max_seqlen_q=cp_size * t_local, max_seqlen_kv=cp_size * t_local,
-        layout=layout, rope_positions=to_device(_rope_table(positions, cp_size, groups.place.cp_index), device))
-    return out, params
+        layout=layout, rope_positions=to_device(table, device))
+
+
+def token_weighted_loss(loss_func: Callable, cp_group, per_token_loss: bool) -> Callable:
+    """pretrain_gpt's ``loss_func`` (returning loss sum, token count, report) for documents-layout batches.
+
+    Without --calculate-per-token-loss Megatron's schedule divides each CP rank's loss sum by that rank's own
+    token count; the gradient is the mean over tokens only when every CP rank holds as many, as Megatron's splits
+    give, but the documents layout does not. The wrapped loss is rescaled by count / (CP-group count / CP), so each
+    token weighs 1 / (CP-group count) as in the CP=1 run (one scalar all-reduce over the CP group, on the device;
+    the report keeps the true sum). With per-token loss Megatron already divides by the global count."""
+    def wrapped(*args, **kwargs):
+        loss, num_tokens, report = loss_func(*args, **kwargs)
+        if per_token_loss or cp_group is None or cp_group.size() == 1:
+            return loss, num_tokens, report
+        total = num_tokens.detach().to(loss.dtype).clone()
+        torch.distributed.all_reduce(total, group=cp_group)
+        return loss * (num_tokens.to(loss.dtype) * cp_group.size() / total.clamp(min=1)), num_tokens, report
+    return wrapped
 
 
 class DocumentRotaryEmbedding(torch.nn.Module):

@@ -12,7 +12,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, g
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .core_attention import CoreAttention2D
-from .launch_checks import check_current_launch
+from .launch_checks import check_current_launch, packing_mode
+from .per_sequence import SelfAttention2D
 from .settings import settings_from_config, uses_2d
 
 
@@ -29,7 +30,9 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_tr
                           placement: Optional[str] = None, kernel: Optional[str] = None) -> ModuleSpec:
     """Megatron's GPT layer spec (Transformer Engine layers when TE is installed, local layers otherwise) with
     :class:`CoreAttention2D` as core attention. ``config`` (a TransformerConfig or pretrain's model config) supplies
-    MoE / qk-layernorm choices; the keyword settings override the config's ``cp_2d_*`` fields."""
+    MoE / qk-layernorm choices; the keyword settings override the config's ``cp_2d_*`` fields. When packed batches
+    come in Megatron's per-sequence split (:func:`packing_mode` "sequence"), self attention is
+    :class:`SelfAttention2D` (RoPE at each token's position in its document)."""
     if getattr(config, "multi_latent_attention", False):
         raise ValueError("multi-latent attention (MLA) is not supported by the 2d backend")
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
@@ -40,6 +43,8 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_tr
     params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
+    if packing_mode(config) == "sequence":        # Megatron's per-sequence split: RoPE at document positions
+        spec.submodules.self_attention.module = SelfAttention2D
     return spec
 
 
