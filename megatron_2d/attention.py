@@ -19,7 +19,9 @@ pairs with nothing to see, so that steps and bytes follow the window instead of 
 Packed documents (THD, ``packing=PackedLayout``): q [t_local, hq, d], k/v [t_local, hkv, d] hold the slots of
 :class:`megatron_2d.PackedLayout`; they run the same path with batch 1, the all-to-all keeping the received
 order, and kernel calls planned per pair of same-document runs. The ring carries the layout's ring prefix
-(all slots for zigzag, the long documents' for the documents mode); no ring at all when that is empty.
+(all slots for zigzag and sequence, the long documents' for the documents mode); no ring at all when that is
+empty; the neighbour exchange, with only the keys each rank's calls read packed together, when some context ranks
+see nothing of others (windows, or documents that do not cross ranks).
 """
 
 from __future__ import annotations
@@ -127,13 +129,15 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
     if cached is None:
         heads = HeadExchange.build(groups.head_parallel_size, packing.head_order, groups.head_group,
                                    groups.comm_bytes, device, per_token=packing.head_unit == "token")
-        view_tokens = packing.view_len
+        view_tokens, plans = packing.view_len, packing.plans(causal, window)
+        neighbours = None if packing.ring_tokens == 0 else packing.neighbour_keys(causal, window)
         if packing.ring_tokens == 0 or groups.context_size == 1:
             transport = LocalBlock(groups.place.context_rank)
+        elif neighbours is not None:               # some context ranks see nothing of others: direct exchange
+            transport, plans = NeighbourExchange(groups, neighbours.keys, neighbours.offsets), neighbours.plans
         else:
             transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
-        rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel),
-                         plans=packing.plans(causal, window), scale=scale,
+        rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel), plans=plans, scale=scale,
                          rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = packing.op_cache[key] = (heads, rc)
     return cached

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -35,11 +35,20 @@ from .document_placement import (DEFAULT_TOLERANCE, DocumentPlacement, documents
                                  zigzag_rows)
 from .comm import to_device
 from .groups import Groups2D, collective_device
-from .packed_plan import Runs, plan_view
+from .neighbour_exchange import KeyIntervals
+from .packed_plan import Runs, key_intervals, plan_view
 from .packed_views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
 from .topology import Layout2D
 
 MODES = ("zigzag", "documents", "sequence")
+
+
+class NeighbourKeys(NamedTuple):
+    """The neighbour exchange of one packed batch and mask (see :meth:`PackedLayout.neighbour_keys`)."""
+
+    keys: Dict[Tuple[int, int], KeyIntervals]     # (dst, src) -> the keys of src's block dst's calls read
+    offsets: List[int]                            # the offsets dst - src (mod cp) some pair needs
+    plans: Dict[int, Tuple[BlockCall, ...]]       # this rank's calls, neighbours' keys in packed coordinates
 
 
 def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
@@ -282,6 +291,43 @@ class PackedLayout:
                     raise AssertionError(f"packed plan reads keys beyond the ring prefix {self.ring_tokens}")
             self._plans[key] = calls
         return self._plans[key]
+
+    def neighbour_keys(self, causal: bool, window: SlidingWindow) -> Optional[NeighbourKeys]:
+        """What the neighbour exchange needs when some pair of context ranks sees nothing of each other under this
+        mask (None when every pair sees something, or when finding out would take too long: the ring then):
+        which keys of each block travel to whom, as :class:`KeyIntervals` packed back to back (only what the
+        calls read, so bytes follow the window), and this rank's calls in the packed coordinates (cached)."""
+        key = ("neighbour", causal, window)
+        if key not in self._plans:
+            self._plans[key] = self._neighbour_keys(causal, window)
+        return self._plans[key]
+
+    def _neighbour_keys(self, causal: bool, window: SlidingWindow) -> Optional[NeighbourKeys]:
+        cp, me = self.groups.layout.context_size, self.groups.place.context_rank
+        found = key_intervals(self.runs, window.band(causal))
+        if found is None or cp == 1:
+            return None
+        dst, src = found[:, 0], found[:, 1]
+        pairs = np.unique(dst[dst != src] * cp + src[dst != src])
+        if len(pairs) == cp * (cp - 1):
+            return None                                               # every pair sees something: the ring
+        offsets = np.unique((pairs // cp - pairs % cp) % cp).tolist()
+        keys: Dict[Tuple[int, int], KeyIntervals] = {}
+        mine = np.flatnonzero((dst != src) & ((dst == me) | (src == me)))
+        pair_of = dst[mine] * cp + src[mine]
+        starts = np.flatnonzero(np.concatenate(([True], pair_of[1:] != pair_of[:-1]))) if len(mine) else mine
+        for first, end in zip(starts.tolist(), np.append(starts[1:], len(mine)).tolist()):
+            rows = found[mine[first:end]]
+            keys[(int(rows[0, 0]), int(rows[0, 1]))] = KeyIntervals(tuple(map(tuple, rows[:, 2:4].tolist())))
+        plans = dict(self.plans(causal, window))
+        for src_rank, calls in plans.items():
+            sel = keys.get((me, src_rank))
+            if src_rank == me or sel is None or len(sel.intervals) == 1 or not calls:
+                continue
+            k = np.array([(c.k_start, c.k_end - 1) for c in calls])
+            k = sel.packed(k.reshape(-1)).reshape(-1, 2)
+            plans[src_rank] = tuple(c._replace(k_start=int(a), k_end=int(b) + 1) for c, (a, b) in zip(calls, k))
+        return NeighbourKeys(keys, offsets, plans)
 
     def __repr__(self) -> str:
         return (f"PackedLayout(mode={self.mode!r}, documents={len(self.cu_seqlens) - 1}, T={self.total_tokens}, "

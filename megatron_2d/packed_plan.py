@@ -97,9 +97,10 @@ def runs_of_views(views: np.ndarray, cu_seqlens: np.ndarray) -> Runs:
     return merge_pieces(row[order], col[order], np.ones(len(order)), doc[order], value[order] - cu[doc[order]])
 
 
-def _visible_pairs(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray, np.ndarray]:
-    """(q run index, k run index) of every same-document pair with some visible (query, key) pair: per q run, the k
-    runs of its document form a contiguous range (sorted by pos, disjoint), cut by the band's two sides."""
+def _visible_ranges(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray, np.ndarray]:
+    """(first k run index, count) per q run of the same-document k runs with some visible (query, key) pair: per q
+    run, the k runs of its document form a contiguous range (sorted by pos, disjoint), cut by the band's two
+    sides."""
     lo = _NEG if band is None or band.lo is None else band.lo
     hi = _POS if band is None or band.hi is None else band.hi
     span = int(max(k.pos.max() + k.length.max(), q.pos.max() + q.length.max())) + 2
@@ -109,7 +110,12 @@ def _visible_pairs(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray, 
     # key j sees query i iff lo <= j - i <= hi: some key of the run at most q_last + hi, some at least q_pos + lo
     low = np.searchsorted(k_last, base + np.clip(q.pos + lo, 0, span - 1), side="left")
     high = np.searchsorted(k_first, base + np.clip(q.pos + q.length - 1 + hi, -1, span - 1), side="right")
-    counts = np.maximum(high - low, 0)
+    return low, np.maximum(high - low, 0)
+
+
+def _visible_pairs(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray, np.ndarray]:
+    """(q run index, k run index) of every same-document pair with some visible (query, key) pair."""
+    low, counts = _visible_ranges(q, k, band)
     return np.repeat(np.arange(len(q)), counts), ranges(low, counts)
 
 
@@ -177,3 +183,31 @@ def plan_view(runs: Runs, me: int, band: Optional[Band]) -> Dict[int, Tuple[Bloc
     srcs, first = np.unique(calls[:, 0], return_index=True)
     ends = np.concatenate((first[1:], [len(rows)]))
     return {src: tuple(rows[a:b]) for src, a, b in zip(srcs.tolist(), first.tolist(), ends.tolist())}
+
+
+def key_intervals(runs: Runs, band: Optional[Band], budget: int = 1 << 21) -> Optional[np.ndarray]:
+    """Which keys of which view every view's queries see: [n, 4] rows (dst view, src view, first slot, end slot) of
+    disjoint slot intervals, sorted, neighbouring ones joined (a dst's calls on src's block read exactly these
+    keys). None when finding them would look at more than ``budget`` run pairs (callers then assume every view
+    sees every other)."""
+    if len(runs) == 0:
+        return np.zeros((0, 4), dtype=np.int64)
+    low, counts = _visible_ranges(runs, runs, band)
+    if int(counts.sum()) > budget:
+        return None
+    qi, ki = np.repeat(np.arange(len(runs)), counts), ranges(low, counts)
+    keep, _, _, k0, k1, _, _ = _trim(runs, runs, qi, ki, band)
+    qi, ki, k0, k1 = qi[keep], ki[keep], k0[keep], k1[keep]
+    dst, src, lo, hi = runs.view[qi], runs.view[ki], runs.start[ki] + k0, runs.start[ki] + k1
+    order = np.lexsort((lo, src, dst))
+    dst, src, lo, hi = dst[order], src[order], lo[order], hi[order]
+    # a new interval where the pair changes or the keys leave a gap after every earlier interval of the pair
+    pair = np.concatenate(([True], (dst[1:] != dst[:-1]) | (src[1:] != src[:-1])))
+    group = np.cumsum(pair) - 1
+    offset = np.int64(hi.max(initial=0) + 1)                          # keeps each pair's running max its own
+    reach = np.maximum.accumulate(hi + group * offset) - group * offset
+    new = pair.copy()
+    new[1:] |= lo[1:] > reach[:-1]
+    first = np.flatnonzero(new)
+    ends = np.maximum.reduceat(hi, first) if len(first) else hi[:0]
+    return np.stack([dst[first], src[first], lo[first], ends], axis=1)

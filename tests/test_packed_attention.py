@@ -314,3 +314,36 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
                 assert sum(len(calls) for calls in plans.values()) <= 4 * len(lengths) * (CP // hp)
     assert total[True] == int((lengths * (lengths + 1) // 2).sum())
     assert total[False] == int((lengths ** 2).sum())
+
+
+# -- sliding windows in packed batches: bytes follow the window ------------------------------------------
+LONG = [2 * 4 * c for c in (28, 32, 36)]            # three long documents, each > T / cp at CP = 4: chunks 28..36
+
+
+def packed_window_bytes(rank, world, left):
+    groups = megatron_2d.build_2d_groups(1, 1, "head_first", timeout=TIMEOUT)
+    out = {}
+    for mode in ("zigzag", "documents"):
+        for window in ((left, 0), (-1, 0)):
+            groups.comm_bytes.reset()
+            errs, padding, _, _ = run_packed(groups, mode, LONG, True, 4, 2, window=window)
+            out[(mode, window[0])] = (max(errs.values()), groups.comm_bytes.as_dict())
+    return out
+
+
+@pytest.mark.parametrize("left", [1, 5, 28])
+def test_packed_window_bytes_follow_closed_form(left):
+    """hp = 1, CP = 4, three long documents (every chunk at least ``left`` long): context rank r sends each
+    neighbour (r-1 and r+1, where they exist) the last ``left`` keys of one chunk per document, K and V in forward
+    and again in backward, and gets back their dK/dV partials (fp32): neighbours * D * left * 2 * g * d * (4 + 4 + 4)
+    bytes, packed together whatever lies between the documents' slices. Without the window the ring runs."""
+    world, g, d = 4, 2, 16
+    for rank, per_rank in enumerate(run_on_ranks(world, packed_window_bytes, left)):
+        neighbours = (rank > 0) + (rank < world - 1)
+        for mode in ("zigzag", "documents"):
+            err, windowed = per_rank[(mode, left)]
+            _, ring = per_rank[(mode, -1)]
+            assert err < TOLERANCE[torch.float32], (mode, err)
+            assert windowed["neighbour"] == neighbours * len(LONG) * left * 2 * g * d * 12, (rank, mode, windowed)
+            assert windowed["inner_ring"] == windowed["outer_ring"] == 0 and ring["neighbour"] == 0
+            assert windowed["neighbour"] <= sum(ring.values()) * left / 28 / 2

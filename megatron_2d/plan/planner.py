@@ -234,10 +234,10 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     if lengths is not None:
         if packing not in modes_for(layout.kind):
             raise PlanError(f"packed mode {packing!r} is not one of {modes_for(layout.kind)} for kind {layout.kind}")
-        if not causal or windowed is not None:
-            raise PlanError("packed lengths are modelled for causal attention without a sliding window")
+        if not causal:
+            raise PlanError("packed lengths are modelled for causal attention (drop --no-causal)")
         if not reason:
-            packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing)
+            packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, windowed)
         if layout.kind == "a2a+p2p":
             note = "THD with a2a+p2p is not in a Transformer Engine release"
         elif packing == "documents":
@@ -248,7 +248,9 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     dkv = kind_dkv_dtype(layout.kind, dkv_dtype)
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
-                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads, packed=packed), n)
+                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads,
+                                     packed=None if packed is None else packed_work(
+                                         lengths, layout.hp, layout.cp, layout.placement, packing, win)), n)
                            for win, n in mix.items()])
     options = tuple(_fewest_layers(base, m, budget, parallel.pp) for m in modes)
     chosen, fits = choose_recompute(options, budget)
