@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import pytest
@@ -115,33 +116,36 @@ def test_dkv_comm_dtype_is_checked():
 
 
 def run_new_packed_batches_guarded(rank, world):
-    """Every packed mode: a layout built ahead of the step (host cu_seqlens), then its FIRST attention call (the
-    per-batch setup: head exchange order, plans, transport) under the guards; the result equals the same batch run
-    unguarded on a layout built the same way."""
+    """Every packed mode, hp 2 x cp 2 and hp 1 x cp 4: a layout built ahead of the step (host cu_seqlens), then its
+    FIRST attention call (the per-batch setup: head exchange order, plans, ring or neighbour exchange) under the
+    guards; the result equals the same batch run unguarded on a layout built the same way."""
     import numpy as np
 
-    groups = megatron_2d.build_2d_groups(2, 1, "head_first", timeout=TIMEOUT)
+    from megatron_2d.neighbour_exchange import NeighbourExchange
+
     cu = np.cumsum([0, 1, 37, 5, 90, 3, 64, 1, 11])                        # 212 tokens: 2*CP divides 208 + 4
     cu[-1] += (-cu[-1]) % (2 * world)
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(int(cu[-1]), 4, 16, generator=g) for _ in range(4))
-    results = {}
-    for mode in MODES:
-        outs = []
-        for guarded in (False, True):
-            layout = megatron_2d.PackedLayout(cu, groups, mode=mode)         # built ahead: may read the host
-            ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
-            leaves = [x.requires_grad_(True) for x in (ql, kl, vl)]
-            if guarded:
-                with NoHostDataInOp(), NoSyncOps():
-                    megatron_2d.attention_2d(*leaves, groups, packing=layout, sliding_window=(20, 0)).backward(dl)
-            else:
-                megatron_2d.attention_2d(*leaves, groups, packing=layout, sliding_window=(20, 0)).backward(dl)
-            outs.append([x.grad for x in leaves])
-        results[mode] = all(torch.equal(a, b) for a, b in zip(*outs))
-    return results
+    results, transports = {}, set()
+    for hp in (2, 1):
+        groups = megatron_2d.build_2d_groups(hp, 1, "head_first", timeout=TIMEOUT)
+        for mode in MODES:
+            outs = []
+            for guarded in (False, True):
+                layout = megatron_2d.PackedLayout(cu, groups, mode=mode)     # built ahead: may read the host
+                ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
+                leaves = [x.requires_grad_(True) for x in (ql, kl, vl)]
+                with (NoHostDataInOp() if guarded else contextlib.nullcontext()), \
+                        (NoSyncOps() if guarded else contextlib.nullcontext()):
+                    megatron_2d.attention_2d(*leaves, groups, packing=layout, sliding_window=(5, 0)).backward(dl)
+                outs.append([x.grad for x in leaves])
+                transports |= {type(rc.transport).__name__ for _, rc in layout.op_cache.values()}
+            results[(hp, mode)] = all(torch.equal(a, b) for a, b in zip(*outs))
+    return results, NeighbourExchange.__name__ in transports
 
 
 def test_new_packed_batch_makes_no_sync():
-    for per_rank in run_on_ranks(4, run_new_packed_batches_guarded):
-        assert per_rank == {mode: True for mode in MODES} and len(MODES) == 3, per_rank
+    for per_rank, neighbour_exchange_ran in run_on_ranks(4, run_new_packed_batches_guarded):
+        assert len(MODES) == 3 and per_rank == {(hp, mode): True for hp in (2, 1) for mode in MODES}, per_rank
+        assert neighbour_exchange_ran
