@@ -44,7 +44,6 @@ import numpy as np
 if TYPE_CHECKING:
     from .packed_plan import Runs
 
-DEFAULT_TOLERANCE = 0.05
 
 
 def pairs(lengths) -> np.ndarray:
@@ -119,6 +118,7 @@ class DocumentPlacement:
     threshold: int                   # the longest whole document (longer ones are sharded)
     pair_imbalance: float            # max / mean - 1 of attention pairs per context rank
     token_imbalance: float           # max / mean - 1 of real tokens per context rank
+    predicted_s: float = 0.0         # the step the cost model predicts for this placement
 
     @functools.cached_property
     def runs(self) -> "Runs":
@@ -176,22 +176,97 @@ def _imbalance(load: np.ndarray) -> float:
     return float(load.max() / mean - 1.0) if mean > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class PackingCost:
+    """Seconds one forward + backward of a documents layout takes, term by term, per unit (the model that chooses
+    which documents to shard, :func:`place_documents`):
+
+        step = pair_s * (pairs of the busiest context rank) + call_s * (its kernel calls) + token_s * (slots per
+               view: padding and token imbalance) + ring,
+        ring = (cp - 1) * max(0, ring_step_s + ring_token_s * prefix - overlap * pair_s * long pairs / cp)
+
+    where prefix is the ring prefix (the long documents' tokens per context rank) and a ring step's transfer hides
+    behind that step's compute on the long documents when ``overlap`` is 1 (a GPU ring), not at all when 0 (gloo
+    on CPU, whose copies take the same cores). :meth:`from_hardware` derives it from a device's attention rate and
+    link bandwidth (the planner's figures by default); a benchmark can measure it (tools/bench_packed.py)."""
+
+    pair_s: float
+    """Forward + backward of one visible (query, key) pair (all heads of a context rank)."""
+    ring_token_s: float
+    """One ring step's share of one prefix token: its K/V forward, its K/V and dK/dV backward."""
+    call_s: float = 0.0
+    """Fixed cost of one kernel call, forward + backward (launch, slicing, the merge of its output)."""
+    ring_step_s: float = 0.0
+    """Fixed cost of one ring step, forward + backward (latency)."""
+    token_s: float = 0.0
+    """Everything per slot of the view beyond attention (linear layers, all-to-all), forward + backward."""
+    overlap: float = 1.0
+
+    def predict(self, max_pairs, calls, slots, cp: int, prefix, long_pairs):
+        """The step time (arrays broadcast: one estimate per candidate)."""
+        compute = self.pair_s * max_pairs + self.call_s * calls + self.token_s * slots
+        if cp == 1:
+            return compute
+        per_step = self.ring_step_s + self.ring_token_s * prefix - self.overlap * self.pair_s * long_pairs / cp
+        return compute + np.where(np.asarray(prefix) > 0, (cp - 1) * np.maximum(per_step, 0.0), 0.0)
+
+    @classmethod
+    def from_hardware(cls, attention_tflops: float, link_gbps: float, q_heads: int = 1, kv_heads: int = 1,
+                      head_dim: int = 128, elt: int = 2, dkv_elt: int = 4, call_us: float = 5.0,
+                      step_us: float = 10.0, overlap: float = 1.0) -> "PackingCost":
+        """From an attention rate (TFLOP/s reached) and the ring's link bandwidth (GB/s per direction): a pair is
+        4 * d FLOPs per query head forward and 2.5 times that backward; a prefix token moves K and V (``elt``
+        bytes) forward, again backward with its dK/dV (``dkv_elt``, fp32 riders by default)."""
+        return cls(pair_s=3.5 * 4 * q_heads * head_dim / (attention_tflops * 1e12),
+                   ring_token_s=2 * kv_heads * head_dim * (2 * elt + dkv_elt) / (link_gbps * 1e9),
+                   call_s=call_us * 1e-6, ring_step_s=step_us * 1e-6, overlap=overlap)
+
+
+def default_cost() -> PackingCost:
+    """The planner's 8xH100 figures (attention at its modelled efficiency, the ring on NVLink), MHA bf16, head dim
+    128: what :func:`place_documents` assumes without a cost (pass ``PackedLayout(..., cost=)`` for a cluster's
+    own, e.g. its inter-node links, or a measured one)."""
+    from .plan.hardware import get_cluster
+
+    h100 = get_cluster("8xH100")
+    return PackingCost.from_hardware(h100.peak_tflops * h100.attn_efficiency, h100.nvlink_gbps)
+
+
+def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCost) -> np.ndarray:
+    """[D + 1] the predicted step with the k longest documents sharded, k = 0..D, without placing anything: the
+    busiest rank holds its share of the sharded pairs plus at least the longest whole document (the greedy
+    placement comes close to that bound or to the mean), its slots the prefix and that document or the mean."""
+    desc = lengths[by_length].astype(np.float64)
+    D, total = len(desc), float(desc.sum())
+    cum = np.concatenate(([0.0], np.cumsum(desc)))
+    cum_p = np.concatenate(([0.0], np.cumsum(pairs(desc.astype(np.int64)).astype(np.float64))))
+    cum_pad = np.concatenate(([0.0], np.cumsum(round_up(desc.astype(np.int64), 2 * cp).astype(np.float64))))
+    longest_whole = np.concatenate((desc, [0.0]))                      # the (k+1)-th longest stays whole
+    k = np.arange(D + 1)
+    long_pairs, prefix = cum_p / cp, cum_pad / cp
+    max_pairs = np.maximum(cum_p[-1] / cp, long_pairs + pairs(longest_whole.astype(np.int64)))
+    slots = prefix + np.maximum((total - cum) / cp, longest_whole)
+    calls = (D - k) / cp + 2.0 * k * cp
+    return cost.predict(max_pairs, calls, slots, cp, prefix, long_pairs)
+
+
 def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] = None,
-                    tolerance: float = DEFAULT_TOLERANCE) -> DocumentPlacement:
+                    cost: Optional[PackingCost] = None) -> DocumentPlacement:
     """The documents layout: whole short documents balanced over cp context ranks, long ones zigzag-sharded.
 
-    Cost rule for the threshold: a whole document saves its ring traffic (its K/V never leave its context rank)
-    and its padding, and costs nothing while the context ranks stay balanced; a sharded one is balanced exactly
-    (zigzag over 2*cp chunks) but its K/V travel the ring. So the layout keeps whole the largest set of shortest
-    documents that the greedy placement (:func:`_greedy`) fits within ``tolerance`` of the mean, in attention
-    pairs and in real tokens, on every context rank; a document longer than T / cp never fits. The number k of
-    sharded documents (the k longest) is found by exponential then binary search (assuming that sharding more
-    never unbalances), so the cost is O(D * cp * log k) steps. ``long_threshold`` overrides it: documents longer than it are sharded.
+    Which documents to shard is chosen by predicted step time (:class:`PackingCost`, :func:`default_cost` when
+    None): a whole document's K/V never travel and it needs no padding, but it lands on one context rank, which may
+    then compute more than the others; a sharded one is balanced exactly (zigzag over 2*cp chunks) but rides the
+    ring with its padding. The k longest documents are sharded (those longer than T / cp always), k the one whose
+    placement predicts the shortest step: every k is screened with a bound on the busiest rank (O(D)), then the
+    best few are placed (:func:`_greedy`, balancing pairs and tokens) and predicted from their real loads. Balance
+    is a consequence, not the rule. ``long_threshold`` overrides the choice: documents longer than it are sharded.
     """
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     lengths = np.diff(cu)
     D = len(lengths)
     by_length = np.lexsort((np.arange(D), -lengths))                # longest first
+    cost = default_cost() if cost is None else cost
 
     def attempt(k: int):
         long_ids, short_ids = np.sort(by_length[:k]), by_length[k:]
@@ -199,26 +274,22 @@ def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
         base_p = pairs(lengths[long_ids]).sum() / cp
         base_t = padded.sum() / cp
         order, owner, load_p, load_t = _greedy(lengths, short_ids, cp, base_p, base_t)
-        return long_ids, order, owner, _imbalance(load_p), _imbalance(load_t)
+        whole_tokens = load_t - base_t
+        slots = base_t + whole_tokens.max(initial=0.0)
+        step = float(cost.predict(load_p.max(initial=0.0), (D - k) / cp + 2.0 * k * cp, slots, cp, base_t, base_p))
+        return long_ids, order, owner, _imbalance(load_p), _imbalance(load_t), step
 
     if long_threshold is not None:
         chosen = attempt(int((lengths > long_threshold).sum()))
+    elif cp == 1:
+        chosen = attempt(0)
     else:
-        ok = lambda trial: max(trial[3], trial[4]) <= tolerance            # noqa: E731
-        lo = int((lengths > cu[-1] / cp).sum()) if cp > 1 else 0        # these can never stay whole
-        step, hi, chosen = 1, lo, attempt(lo)
-        while not ok(chosen) and hi < D:                                # few documents are long: grow the
-            lo, hi = hi + 1, min(D, hi + step)                          # number sharded exponentially...
-            step *= 2
-            chosen = attempt(hi)
-        while lo < hi:                                                  # ...then bisect the last step
-            mid = (lo + hi) // 2                                        # (invariant: chosen = attempt(hi))
-            trial = attempt(mid)
-            if ok(trial):
-                hi, chosen = mid, trial
-            else:
-                lo = mid + 1
-    long_ids, order, owner_of_order, pair_imb, tok_imb = chosen
+        lo = int((lengths > cu[-1] / cp).sum())                     # these can never stay whole
+        screened = _screen(lengths, by_length, cp, cost)
+        best = lo + int(np.argmin(screened[lo:]))
+        trials = [attempt(k) for k in sorted({max(lo, best - 1), best, min(D, best + 1)})]
+        chosen = min(trials, key=lambda trial: trial[5])
+    long_ids, order, owner_of_order, pair_imb, tok_imb, predicted = chosen
     k = long_ids.size
     threshold = int(lengths[by_length[k]]) if k < D else 0        # the longest whole document
 
@@ -229,7 +300,7 @@ def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
     view_len = int(round_up(long_prefix + int(whole.max(initial=0)), 2 * hp))      # even t_local (see RoPE)
     return DocumentPlacement(cu_seqlens=cu, cp=cp, long_docs=long_ids, owner=owner, long_prefix=long_prefix,
                              view_len=view_len, threshold=threshold, pair_imbalance=pair_imb,
-                             token_imbalance=tok_imb)
+                             token_imbalance=tok_imb, predicted_s=predicted)
 
 
 def documents_slots(placement: DocumentPlacement, layout) -> np.ndarray:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .band import SlidingWindow
 from .block_plan import BlockCall
-from .document_placement import (DEFAULT_TOLERANCE, DocumentPlacement, documents_slots, place_documents, sequence_rows,
+from .document_placement import (DocumentPlacement, PackingCost, documents_slots, place_documents, sequence_rows,
                                  zigzag_rows)
 from .comm import to_device
 from .groups import Groups2D, collective_device
@@ -100,11 +100,12 @@ class PackedLayout:
             2*CP and at least its real length); default: each length rounded up to a multiple of 2*CP.
         long_threshold: documents only: shard documents longer than this (default: the cost rule of
             :func:`megatron_2d.document_placement.place_documents`).
-        tolerance: documents only: the per-context-rank imbalance the placement may leave (pairs and tokens).
+        cost: documents only: the :class:`megatron_2d.document_placement.PackingCost` that rule predicts step
+            times with (default: the planner's H100 figures); identical on every rank.
     """
 
     def __init__(self, cu_seqlens, groups: Groups2D, mode: str = "zigzag", *, cu_seqlens_padded=None,
-                 long_threshold: Optional[int] = None, tolerance: float = DEFAULT_TOLERANCE) -> None:
+                 long_threshold: Optional[int] = None, cost: Optional[PackingCost] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"PackedLayout mode {mode!r} is not one of {list(MODES)}")
         if not isinstance(groups, Groups2D):
@@ -131,7 +132,7 @@ class PackedLayout:
             self.view_len = zigzag_view_len(cu, layout, padded)
             self.ring_tokens = self.view_len
         elif mode == "documents":
-            self.placement = place_documents(cu, cp, hp, long_threshold=long_threshold, tolerance=tolerance)
+            self.placement = place_documents(cu, cp, hp, long_threshold=long_threshold, cost=cost)
             self.runs = self.placement.runs
             self.view_len, self.ring_tokens = self.placement.view_len, self.placement.long_prefix
         else:
@@ -143,7 +144,7 @@ class PackedLayout:
             self.view_len = self.ring_tokens = int(cu[-1]) // cp
         order, self.head_unit = self._head_order(layout)
         self.head_order: Optional[torch.Tensor] = None if order is None else torch.from_numpy(order)
-        fingerprint = zlib.crc32(cu.tobytes()) ^ (zlib.crc32(repr((mode, long_threshold, tolerance,
+        fingerprint = zlib.crc32(cu.tobytes()) ^ (zlib.crc32(repr((mode, long_threshold, cost,
                                                                    None if padded is None else padded.tolist())
                                                                   ).encode()) << 31)
         _check_same_on_every_rank(groups, fingerprint, "cu_seqlens (or the layout options)")
@@ -284,12 +285,8 @@ class PackedLayout:
         key = (causal, window)
         if key not in self._plans:
             me, cp = self.groups.place.context_rank, self.groups.layout.context_size
-            found = plan_view(self.runs, me, window.band(causal))
-            calls = {src: found.get(src, ()) for src in range(cp)}
-            for src, plan in calls.items():
-                if src != me and any(c.k_end > self.ring_tokens for c in plan):
-                    raise AssertionError(f"packed plan reads keys beyond the ring prefix {self.ring_tokens}")
-            self._plans[key] = calls
+            found = plan_view(self.runs, me, window.band(causal), ring_keys=self.ring_tokens)
+            self._plans[key] = {src: found.get(src, ()) for src in range(cp)}
         return self._plans[key]
 
     def neighbour_keys(self, causal: bool, window: SlidingWindow) -> Optional[NeighbourKeys]:

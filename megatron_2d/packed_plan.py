@@ -162,9 +162,11 @@ def _merge(calls: np.ndarray, along_keys: bool) -> np.ndarray:
     return out
 
 
-def plan_view(runs: Runs, me: int, band: Optional[Band]) -> Dict[int, Tuple[BlockCall, ...]]:
+def plan_view(runs: Runs, me: int, band: Optional[Band],
+              ring_keys: Optional[int] = None) -> Dict[int, Tuple[BlockCall, ...]]:
     """Kernel calls of view ``me``'s queries against every view's keys under the global ``band`` (None: every key
-    of the same document): {source view: calls}, views without a call left out."""
+    of the same document): {source view: calls}, views without a call left out. ``ring_keys``: the keys of other
+    views that travel (a prefix); a call reading beyond it would be a layout bug (AssertionError)."""
     mine = runs.select(runs.view == me)
     if len(mine) == 0 or len(runs) == 0:
         return {}
@@ -174,6 +176,8 @@ def plan_view(runs: Runs, me: int, band: Optional[Band]) -> Dict[int, Tuple[Bloc
     calls = np.stack([runs.view[ki], qs + q0, qs + q1, ks + k0, ks + k1, lo, hi], axis=1)[keep]
     calls = _merge(_merge(calls, along_keys=True), along_keys=False)
     calls = calls[np.lexsort((calls[:, 3], calls[:, 1], calls[:, 0]))]
+    if ring_keys is not None and (calls[calls[:, 0] != me, 4] > ring_keys).any():
+        raise AssertionError(f"packed plan reads keys beyond the ring prefix {ring_keys}")
     # one Band object per distinct band; calls as named tuples, one slice of the sorted calls per source
     kinds, kind_of = np.unique(calls[:, 5:7], axis=0, return_inverse=True)
     bands = [None if (l, h) == (_NEG, _POS) else Band(None if l == _NEG else l, None if h == _POS else h)

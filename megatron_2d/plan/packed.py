@@ -20,7 +20,8 @@ and packed mode the planner takes, from the op's own placement and views (:mod:`
     useful_fraction  sum_j visible pairs(L_j) / (S^2 / 2): the model FLOPs that count for MFU
 
 Modes: "zigzag" (Megatron / Transformer Engine THD: what every stock kind runs, and our zigzag mode) and
-"documents" (ours only: short documents whole on one context rank). Stock Transformer Engine p2p and a2a+p2p are
+"documents" (ours only: short documents whole on one context rank; which ones is chosen by predicted step time
+with the job's own figures, :func:`packing_cost`). Stock Transformer Engine p2p and a2a+p2p are
 modelled as THD zigzag with every document padded to a multiple of 2*CP (a2a+p2p with THD is not in a TE
 release: a row says so); a2a and DeepSpeed-Ulysses have no ring (their fraction is the padded pairs over hp = CP).
 """
@@ -34,7 +35,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ..band import Band
-from ..document_placement import pairs, place_documents
+from ..document_placement import PackingCost, pairs, place_documents
 from ..packed_plan import Runs, key_intervals
 from ..packed_views import zigzag_runs, zigzag_view_len
 from ..topology import Layout2D
@@ -105,9 +106,21 @@ def _exchange(runs: Runs, cp: int, left: Optional[int]) -> Tuple[bool, int, int]
     return False, len(np.unique(cross[cross[:, 1] == busiest, 0])), int(sent[busiest])
 
 
+def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str) -> PackingCost:
+    """The documents mode's cost model for this job and layout from the planner's figures: attention at the
+    cluster's attention efficiency on a context rank's heads, the ring on NVLink when the context group fits in
+    a node (head_first spreads it over hp * cp * TP consecutive GPUs, context_first over cp * TP), else on one NIC,
+    its step latency, transfers overlapped."""
+    span = (hp * cp if placement == "head_first" else cp) * tp
+    link = cluster.nvlink_gbps if span <= cluster.gpus_per_node else cluster.nic_gbps
+    heads, kv_heads = max(model.heads // tp // hp, 1), max(model.kv_heads // tp // hp, 1)
+    return PackingCost.from_hardware(cluster.peak_tflops * cluster.attn_efficiency, link, q_heads=heads,
+                                     kv_heads=kv_heads, head_dim=model.head_dim, step_us=cluster.step_latency_us)
+
+
 @functools.lru_cache(maxsize=256)
 def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mode: str,
-                 left: Optional[int]) -> PackedWork:
+                 left: Optional[int], cost: Optional[PackingCost]) -> PackedWork:
     cu = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
     S = int(cu[-1])
     CP = hp * cp
@@ -120,7 +133,7 @@ def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mod
         t_local = ring_tokens // hp
         long_docs = len(lengths)
     elif mode == "documents":
-        placement_ = place_documents(cu, cp, hp)
+        placement_ = place_documents(cu, cp, hp, cost=cost)
         runs = placement_.runs
         ring_tokens = int(placement_.long_prefix) if cp > 1 else 0
         t_local = placement_.view_len // hp
@@ -140,8 +153,10 @@ def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mod
                       long_documents=long_docs, window=left, dense=dense, messages=messages, key_tokens=key_tokens)
 
 
-def packed_work(lengths, hp: int, cp: int, placement: str, mode: str, window: Optional[int] = None) -> PackedWork:
+def packed_work(lengths, hp: int, cp: int, placement: str, mode: str, window: Optional[int] = None,
+                cost: Optional[PackingCost] = None) -> PackedWork:
     """The :class:`PackedWork` of documents of ``lengths`` for the 2D layout (hp, cp) in ``mode`` under a causal
-    sliding window of ``window`` tokens back (None: none), cached."""
+    sliding window of ``window`` tokens back (None: none), the documents mode placed by ``cost`` (see
+    :func:`packing_cost`; None: the op's default), cached."""
     return _packed_work(tuple(int(x) for x in lengths), int(hp), int(cp), str(placement), str(mode),
-                        None if window is None else int(window))
+                        None if window is None else int(window), cost)

@@ -11,7 +11,7 @@ from .candidates import (KINDS, RECOMPUTE_BY_KIND, Layout, check_layout, enumera
                          kind_kv_heads, megatron_flags)
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
-from .packed import PackedWork, modes_for, packed_work
+from .packed import PackedWork, modes_for, packed_work, packing_cost
 
 AUTO = "auto"
 """``recompute=AUTO``: try every mode the kind supports and keep the fastest that fits in memory."""
@@ -237,7 +237,8 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
         if not causal:
             raise PlanError("packed lengths are modelled for causal attention (drop --no-causal)")
         if not reason:
-            packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, windowed)
+            cost = packing_cost(model, cluster, parallel.tp, layout.hp, layout.cp, layout.placement)
+            packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, windowed, cost)
         if layout.kind == "a2a+p2p":
             note = "THD with a2a+p2p is not in a Transformer Engine release"
         elif packing == "documents":
@@ -250,7 +251,7 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
                                      causal, win, dkv_dtype=dkv, kv_heads=kv_heads,
                                      packed=None if packed is None else packed_work(
-                                         lengths, layout.hp, layout.cp, layout.placement, packing, win)), n)
+                                         lengths, layout.hp, layout.cp, layout.placement, packing, win, cost)), n)
                            for win, n in mix.items()])
     options = tuple(_fewest_layers(base, m, budget, parallel.pp) for m in modes)
     chosen, fits = choose_recompute(options, budget)
