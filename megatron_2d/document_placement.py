@@ -257,8 +257,9 @@ def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
     Which documents to shard is chosen by predicted step time (:class:`PackingCost`, :func:`default_cost` when
     None): a whole document's K/V never travel and it needs no padding, but it lands on one context rank, which may
     then compute more than the others; a sharded one is balanced exactly (zigzag over 2*cp chunks) but rides the
-    ring with its padding. The k longest documents are sharded (those longer than T / cp always), k the one whose
-    placement predicts the shortest step: every k is screened with a bound on the busiest rank (O(D)), then the
+    ring with its padding. The k longest documents are sharded (those longer than T / cp always: whole, one would
+    give its rank more slots than every rank's fair share, and all ranks hold as many slots as the fullest, which
+    the attention's cost alone does not see), k the one whose placement predicts the shortest step: every k is screened with a bound on the busiest rank (O(D)), then the
     best few are placed (:func:`_greedy`, balancing pairs and tokens) and predicted from their real loads. Balance
     is a consequence, not the rule. ``long_threshold`` overrides the choice: documents longer than it are sharded.
     """
