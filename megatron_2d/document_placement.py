@@ -199,7 +199,8 @@ class PackingCost:
     ring_step_s: float = 0.0
     """Fixed cost of one ring step, forward + backward (latency)."""
     token_s: float = 0.0
-    """Everything per slot of the view beyond attention (linear layers, all-to-all), forward + backward."""
+    """Everything per slot of a view (hp * t_local slots) beyond attention (linear layers, all-to-all), forward +
+    backward: what padding and token imbalance cost. 0 by default (the op alone does not know the model)."""
     overlap: float = 1.0
 
     def predict(self, max_pairs, calls, slots, cp: int, prefix, long_pairs):

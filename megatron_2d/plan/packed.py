@@ -28,6 +28,7 @@ release: a row says so); a2a and DeepSpeed-Ulysses have no ring (their fraction 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -110,12 +111,16 @@ def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str) -> P
     """The documents mode's cost model for this job and layout from the planner's figures: attention at the
     cluster's attention efficiency on a context rank's heads, the ring on NVLink when the context group fits in
     a node (head_first spreads it over hp * cp * TP consecutive GPUs, context_first over cp * TP), else on one NIC,
-    its step latency, transfers overlapped."""
+    its step latency, transfers overlapped; a token costs the layer's linear layers on it (6 * layer weights / TP
+    FLOPs at the dense efficiency), so padding and token imbalance are priced too."""
     span = (hp * cp if placement == "head_first" else cp) * tp
     link = cluster.nvlink_gbps if span <= cluster.gpus_per_node else cluster.nic_gbps
     heads, kv_heads = max(model.heads // tp // hp, 1), max(model.kv_heads // tp // hp, 1)
-    return PackingCost.from_hardware(cluster.peak_tflops * cluster.attn_efficiency, link, q_heads=heads,
+    cost = PackingCost.from_hardware(cluster.peak_tflops * cluster.attn_efficiency, link, q_heads=heads,
                                      kv_heads=kv_heads, head_dim=model.head_dim, step_us=cluster.step_latency_us)
+    # a view of hp * t_local slots is t_local tokens on each of its hp ranks: per view slot, 1 / hp of a token
+    token_s = 6.0 * model.layer_params() / tp / hp / (cluster.peak_tflops * 1e12 * cluster.dense_efficiency)
+    return dataclasses.replace(cost, token_s=token_s)
 
 
 @functools.lru_cache(maxsize=256)
