@@ -528,6 +528,8 @@ def cost_table(cu_seqlens: np.ndarray, cost: PackingCost, cp: int, hp: int) -> T
     ks = sorted({k_min, max(k_min, len(chosen.long_docs) - 1), len(chosen.long_docs),
                  min(len(lengths), len(chosen.long_docs) + 1), len(lengths)})
     desc = np.sort(lengths)[::-1]
+    ks = sorted({len(place_documents(cu_seqlens, cp, hp, cost=cost, long_threshold=int(desc[k]) if k < len(desc)
+                                     else 0).long_docs) for k in ks})         # equal lengths shard together
     table = Table(title=f"documents mode's cost model (measured: pair {cost.pair_s * 1e9:.2f} ns, call "
                         f"{cost.call_s * 1e6:.0f} us, ring token-step {cost.ring_token_s * 1e6:.2f} us, ring step "
                         f"{cost.ring_step_s * 1e6:.0f} us, overlap {cost.overlap:g})")
