@@ -319,8 +319,3 @@ def _index_grid(layout) -> np.ndarray:
     """[cp, hp]: the CP index of (context rank, head rank)."""
     cr, hr = np.meshgrid(np.arange(layout.context_size), np.arange(layout.head_parallel_size), indexing="ij")
     return layout.index_of(hr, cr)
-
-
-def views_of(slots: np.ndarray, layout) -> np.ndarray:
-    """[cp, hp * t_local]: each context rank's view, its head ranks' slots concatenated by head rank."""
-    return slots[_index_grid(layout)].reshape(layout.context_size, -1)

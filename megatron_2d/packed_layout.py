@@ -161,7 +161,7 @@ class PackedLayout:
         idx = np.asarray(cp_indices, dtype=np.int64)
         if self.mode == "zigzag":
             if layout.cp_size == 1 and self._padded is None:
-                return np.broadcast_to(np.arange(self.total_tokens, dtype=np.int64), (len(idx), self.total_tokens))
+                return np.tile(np.arange(self.total_tokens, dtype=np.int64), (len(idx), 1))
             return zigzag_rows(self.cu_seqlens, layout.cp_size, idx, self._padded)
         if self.mode == "sequence":
             return sequence_rows(self.total_tokens, layout.cp_size, idx)
@@ -301,8 +301,8 @@ class PackedLayout:
 
     def _neighbour_keys(self, causal: bool, window: SlidingWindow) -> Optional[NeighbourKeys]:
         cp, me = self.groups.layout.context_size, self.groups.place.context_rank
-        found = key_intervals(self.runs, window.band(causal))
-        if found is None or cp == 1:
+        found = None if cp == 1 else key_intervals(self.runs, window.band(causal))
+        if found is None:
             return None
         dst, src = found[:, 0], found[:, 1]
         pairs = np.unique(dst[dst != src] * cp + src[dst != src])
