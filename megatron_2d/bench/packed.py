@@ -149,7 +149,7 @@ def _agreed_errors(errs: List[float]) -> List[float]:
     return t.tolist()
 
 
-def calibrate_cost(groups, heads: int, dim: int, repeats: int = 3) -> PackingCost:
+def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCost:
     """The documents mode's :class:`PackingCost` measured on these ranks, all at once (so under the same sharing of
     cores as the run), and averaged over them (every rank must choose the same layout): one causal kernel call
     on 1024 tokens (fwd + bwd) for the pair cost, 64 calls of 8 x 8 for the per-call cost, a K/V block of 64 and of
