@@ -170,7 +170,7 @@ def check_attention_settings(config) -> None:
 # -- packed_seq_params (a forward argument): every field of megatron-core 0.19.2's PackedSeqParams ------------------
 PACKED_SEQ_PARAMS: Dict[str, str] = {
     "qkv_format": "honoured: 'thd' runs packed documents; other formats are refused",
-    "cu_seqlens_q": "honoured: the real document boundaries (zigzag layout)",
+    "cu_seqlens_q": "honoured: the real document boundaries (zigzag and sequence layouts)",
     "cu_seqlens_kv": "honoured: must equal cu_seqlens_q (self attention), else refused",
     "cu_seqlens_q_padded": "honoured: Megatron's per-document padding (zigzag layout)",
     "cu_seqlens_kv_padded": "honoured: must equal cu_seqlens_q_padded, else refused",
