@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_2d-installed
 
-.PHONY: install demo test bench pretrain-cpu mutation clean
+.PHONY: install demo test bench pretrain-cpu pretrain-hybrid-cpu mutation fuzz clean
 install: $(STAMP)
 
 $(STAMP): tools/install.sh requirements.txt requirements-dev.txt pyproject.toml
@@ -20,6 +20,10 @@ test: $(STAMP)
 pretrain-cpu: $(STAMP)
 	PY=$(PY) bash tools/pretrain_gpt_cpu.sh
 
+# Megatron-LM's pretrain_hybrid.py (patched): Mamba + 2D attention layers ('M*-M*-'), CP=4 on 4 CPU ranks.
+pretrain-hybrid-cpu: $(STAMP)
+	ENTRY=hybrid PY=$(PY) bash tools/pretrain_gpt_cpu.sh
+
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4
 	$(PY) -m megatron_2d.demo
@@ -28,6 +32,13 @@ bench: $(STAMP)
 # (exit 1 below 95% caught). Takes tens of minutes on 2 cores.
 mutation: $(STAMP)
 	$(PY) tools/mutation_check.py --threshold 95
+
+# Generated exactness cases against the fp64 per-document oracle (CI runs a fixed budget of them in
+# tests/test_generated_attention.py); every failure prints its replay command. FUZZ_DRAWS=N FUZZ_SEED=S to vary.
+FUZZ_DRAWS ?= 2000
+FUZZ_SEED ?= 1000
+fuzz: $(STAMP)
+	$(PY) tools/fuzz_attention.py --draws $(FUZZ_DRAWS) --seed $(FUZZ_SEED)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -5,12 +5,14 @@ Notation
     hq, hkv  query and K/V heads of the tensors passed in (after tensor parallelism)
     hp, cp   head-parallel and context sizes (CP = hp * cp)                                r  K/V replication factor
 
-    q [s_local, b, hq, d], k/v [s_local, b, hkv, d]
+    dk  query/key head dim     dv  value head dim (equal, or narrower as in MLA: 192 / 128)
+
+    q [s_local, b, hq, dk], k [s_local, b, hkv, dk], v [s_local, b, hkv, dv]
       --(repeat K/V heads r = lcm(hkv, hp) / hkv times when hp does not divide hkv)-->
-      --one head all-to-all-->   q [b, S, hq/hp, d], kv [2, b, S, r*hkv/hp, d]   (S = hp * s_local tokens of the head
-                                 group; K and V stacked, as the ring sends them)
-      --Double-Ring zigzag attention over the context group-->   out [b, S, hq/hp, d]
-      --inverse all-to-all-->   out [s_local, b, hq, d]
+      --one head all-to-all-->   q [b, S, hq/hp, dk], kv [b, S, r*hkv/hp, dk + dv]   (S = hp * s_local tokens of the
+                                 head group; K and V side by side per head, the block the ring sends: no padding)
+      --Double-Ring zigzag attention over the context group-->   out [b, S, hq/hp, dv]
+      --inverse all-to-all-->   out [s_local, b, hq, dv]
 
 The K/V transport: the Double-Ring when every context rank sees keys of every other (causal, full, wide
 windows); the neighbour exchange (:mod:`megatron_2d.neighbour_exchange`) when a sliding window leaves some
@@ -66,8 +68,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: boo
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd), got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on sequence, batch and heads, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)} (their head dims may differ, as in MLA)")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on sequence, batch and head dim")
     if not (q.dtype == k.dtype == v.dtype):
@@ -104,17 +107,18 @@ def _rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
 
 
 def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: int, causal: bool,
-           window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str):
+           window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str, head_dims: Tuple[int, int]):
     """(head exchange, ring context) for one call signature: built on first use, then cached on ``groups``, so a
     call makes no host-device copy, builds no plan and creates no tensor from Python data."""
-    key = (device, dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype)
+    key = (device, dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = groups.op_cache.get(key)
     if cached is None:
         place = groups.place
         order = ascending_order(groups.received_chunks(place.context_rank))
         heads = HeadExchange.build(groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device)
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
-        rc = RingContext(transport=_transport(groups, plan), kernel=select_kernel(device, dtype, kernel),
+        rc = RingContext(transport=_transport(groups, plan),
+                         kernel=select_kernel(device, dtype, kernel).for_head_dims(*head_dims),
                          plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
                          scale=scale, rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = groups.op_cache[key] = (heads, rc)
@@ -122,9 +126,10 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
 
 
 def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device, dtype: torch.dtype, causal: bool,
-                  window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str):
+                  window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str,
+                  head_dims: Tuple[int, int]):
     """(head exchange, ring context) for one packed batch and call signature, cached on the layout."""
-    key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype)
+    key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = packing.op_cache.get(key)
     if cached is None:
         heads = HeadExchange.build(groups.head_parallel_size, packing.head_order, groups.head_group,
@@ -137,7 +142,8 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
             transport, plans = NeighbourExchange(groups, neighbours.keys, neighbours.offsets), neighbours.plans
         else:
             transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
-        rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel), plans=plans, scale=scale,
+        rc = RingContext(transport=transport, kernel=select_kernel(device, dtype, kernel).for_head_dims(*head_dims),
+                         plans=plans, scale=scale,
                          rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = packing.op_cache[key] = (heads, rc)
     return cached
@@ -164,13 +170,14 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
                  sliding_window: Optional[Tuple[int, int]] = (-1, -1),
                  sinks: Optional[torch.Tensor] = None, dkv_comm_dtype: str = "accumulator",
                  packing: Optional[PackedLayout] = None) -> torch.Tensor:
-    """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, d], k/v [s, b, hkv, d], or for
-    packed documents q [t_local, hq, d], k/v [t_local, hkv, d] with ``packing``.
+    """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, dk], k [s, b, hkv, dk],
+    v [s, b, hkv, dv], or for packed documents q [t_local, hq, dk], k [t_local, hkv, dk], v [t_local, hkv, dv] with
+    ``packing``. dv may differ from dk (MLA: 192 / 128): K and V travel side by side, unpadded.
 
     Args:
         groups: from :func:`megatron_2d.build_2d_groups`.
         causal: causal mask over global positions (else full attention).
-        softmax_scale: defaults to 1/sqrt(d).
+        softmax_scale: defaults to 1/sqrt(dk).
         kernel: local block kernel name (see :mod:`megatron_2d.kernels`); chosen by device when None.
         sliding_window: (left, right) in tokens, flash-attn's convention: the query at global position p sees
             keys p - left .. p + right; -1 = unbounded; (-1, -1) = no window. With causal, right is 0 or -1.
@@ -187,7 +194,7 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
         packing: a :class:`megatron_2d.PackedLayout` of these groups: THD tensors of packed documents, attention
             within each document only (causal and the window over positions within the document); padding
             slots give exact zeros in the output and the gradients.
-    Returns out [s, b, hq, d] (or [t_local, hq, d] with packing) in q's dtype. Bytes sent are added to
+    Returns out [s, b, hq, dv] (or [t_local, hq, dv] with packing) in q's dtype. Bytes sent are added to
     ``groups.comm_bytes``.
     """
     if packing is not None:
@@ -196,27 +203,36 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     else:
         _check_inputs(q, k, v)
     _check_sinks(sinks, q)
-    hp = groups.head_parallel_size
-    s_local, _, hq, d = q.shape
-    seq_len = packing.max_document_length if packing is not None else s_local * groups.layout.cp_size
-    window = SlidingWindow.of(sliding_window, causal, seq_len)
-    replicas = kv_replication(hq, k.shape[2], hp)
+    replicas = kv_replication(q.shape[2], k.shape[2], groups.head_parallel_size)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=2), v.repeat_interleave(replicas, dim=2)
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    exchange, rc, local_sinks = _prepare(q, groups, causal, softmax_scale, kernel, sliding_window, sinks,
+                                         dkv_comm_dtype, packing, value_dim=v.shape[-1])
+    # one all-to-all for q, k and v: q [b, S, hq/hp, dk], K/V side by side as the ring sends them [b, S, hkv'/hp, dk+dv]
+    q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), q, k, v)
+    out = RingAttention.apply(q, kv, local_sinks, rc)                                  # [b, S, hq/hp, dv]
+    out, = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, out)                # [s, b, hq, dv]
+    return out.squeeze(1) if packing is not None else out
 
+
+def _prepare(q: torch.Tensor, groups: Groups2D, causal: bool, softmax_scale: Optional[float], kernel: Optional[str],
+             sliding_window, sinks: Optional[torch.Tensor], dkv_comm_dtype: str, packing: Optional[PackedLayout],
+             value_dim: int):
+    """What one call needs besides its tensors, from q [s_local, b, hq, dk]: (head exchange, ring context, this
+    rank's sinks [hq/hp] or None); the setup is cached per signature (see :func:`_setup`)."""
+    s_local, _, hq, dk = q.shape
+    seq_len = packing.max_document_length if packing is not None else s_local * groups.layout.cp_size
+    window = SlidingWindow.of(sliding_window, causal, seq_len)
+    scale = dk ** -0.5 if softmax_scale is None else float(softmax_scale)
     if dkv_comm_dtype not in DKV_COMM_DTYPES:
         raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(DKV_COMM_DTYPES)}")
+    head_dims = (dk, value_dim)
     if packing is not None:
         exchange, rc = _packed_setup(groups, packing, q.device, q.dtype, causal, window, scale, kernel,
-                                     dkv_comm_dtype)
+                                     dkv_comm_dtype, head_dims)
     else:
-        exchange, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype)
-    local_heads, head_rank = hq // hp, groups.place.head_rank
+        exchange, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype,
+                              head_dims)
+    local_heads, head_rank = hq // groups.head_parallel_size, groups.place.head_rank
     local_sinks = None if sinks is None else sinks[head_rank * local_heads:(head_rank + 1) * local_heads]
-    # one all-to-all for q, k and v: q [1, b, S, hq/hp, d], K/V stacked as the ring sends them [2, b, S, hkv'/hp, d]
-    q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), q, k, v)
-    # squeeze, not q[0]: indexing's backward would zero a whole q-sized tensor and copy dq into it
-    out = RingAttention.apply(q.squeeze(0), kv, local_sinks, rc)                       # [b, S, hq/hp, d]
-    out, = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, (1,), out.unsqueeze(0))   # [s, b, hq, d]
-    return out.squeeze(1) if packing is not None else out
+    return exchange, rc, local_sinks

@@ -159,3 +159,14 @@ def all_to_all_counted(send: torch.Tensor, group: dist.ProcessGroup, counter: Co
     parts = send.shape[0]
     counter.add("all_to_all", send.numel() * send.element_size() * (parts - 1) // parts)
     return recv
+
+
+def all_gather_counted(x: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> torch.Tensor:
+    """All-gather over dim 0: [n, ...] from every rank of ``group`` -> [ranks * n, ...] in rank order (bytes counted
+    as the head group's traffic, "all_to_all")."""
+    parts = dist.get_world_size(group)
+    out = x.new_empty(parts * x.shape[0], *x.shape[1:])
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
+    gather(out, x.contiguous(), group=group)
+    counter.add("all_to_all", (parts - 1) * x.numel() * x.element_size())
+    return out

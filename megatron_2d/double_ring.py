@@ -22,50 +22,61 @@ from .ring_schedule import double_ring_events, final_hop_link
 if TYPE_CHECKING:
     from .groups import Groups2D
 
-# compute(block, source_context_rank, first_key) -> None (forward) or a list of (k_start, k_end, dk, dv) partial
-# gradients of the source's keys [k_start, k_end); ``block`` holds the source's keys from ``first_key`` on
-Partials = List[Tuple[int, int, torch.Tensor, torch.Tensor]]
+# compute(block, source_context_rank, first_key) -> None (forward) or a list of (k_start, k_end, parts): the partial
+# gradient of the source's keys [k_start, k_end), as the block's last-dim pieces (dk, dv) or the whole (d block,);
+# ``block`` holds the source's keys from ``first_key`` on
+Partials = List[Tuple[int, int, Tuple[torch.Tensor, ...]]]
 ComputeFn = Callable[[torch.Tensor, int, int], Optional[Partials]]
 
 
+def _pieces(rows: torch.Tensor, parts: Tuple[torch.Tensor, ...]):
+    """(view of ``rows`` [..., D], part) for each part, the parts' last dims laid side by side along D."""
+    offset = 0
+    for part in parts:
+        width = part.shape[-1]
+        yield rows[..., offset:offset + width], part
+        offset += width
+
+
 def gather_partials(buffer: torch.Tensor, partials: Partials, first_key: int = 0) -> torch.Tensor:
-    """Write a block's partial dK/dV into the uninitialised ``buffer`` [2, b, keys from first_key, g, d]: when the
-    partials' key ranges are disjoint, each is copied into place and only the keys none covers are zeroed (one
-    pass over the buffer); overlapping partials are summed onto zeros. Returns buffer."""
-    ranges = sorted((k_start - first_key, k_end - first_key) for k_start, k_end, _, _ in partials)
+    """Write a block's partial gradients into the uninitialised ``buffer`` [b, keys from first_key, ...] (the
+    block's format: K and V side by side on the last dim): when the partials' key ranges are disjoint, each is
+    copied into place and only the keys none covers are zeroed (one pass over the buffer); overlapping partials are
+    summed onto zeros. Returns buffer."""
+    ranges = sorted((k_start - first_key, k_end - first_key) for k_start, k_end, _ in partials)
     if any(prev[1] > nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
         buffer.zero_()
         add_partials(buffer, partials, first_key)
         return buffer
-    for k_start, k_end, dk, dv in partials:
-        buffer[0, :, k_start - first_key:k_end - first_key].copy_(dk)
-        buffer[1, :, k_start - first_key:k_end - first_key].copy_(dv)
+    for k_start, k_end, parts in partials:
+        for dst, part in _pieces(buffer[:, k_start - first_key:k_end - first_key], parts):
+            dst.copy_(part)
     covered = 0
-    for start, end in ranges + [(buffer.shape[2], buffer.shape[2])]:
+    for start, end in ranges + [(buffer.shape[1], buffer.shape[1])]:
         if start > covered:
-            buffer[:, :, covered:start].zero_()
+            buffer[:, covered:start].zero_()
         covered = max(covered, end)
     return buffer
 
 
 def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) -> None:
-    """Add a block's partial dK/dV (keys [k_start, k_end)) into its rider [2, b, keys from first_key, g, d]."""
-    for k_start, k_end, dk, dv in partials:
-        rider[0, :, k_start - first_key:k_end - first_key].add_(dk)
-        rider[1, :, k_start - first_key:k_end - first_key].add_(dv)
+    """Add a block's partial gradients (keys [k_start, k_end)) into its rider [b, keys from first_key, ...]."""
+    for k_start, k_end, parts in partials:
+        for dst, part in _pieces(rider[:, k_start - first_key:k_end - first_key], parts):
+            dst.add_(part)
 
 
 def home_gradient(whole: torch.Tensor, own_partials: Partials, last_hop: Optional[torch.Tensor],
                   dtype: torch.dtype) -> torch.Tensor:
-    """A rank's dK/dV [2, ...] shaped like its whole block ``whole``: its own block's partials plus the rider of the
-    last hop (None when nothing travels), which covers the first keys. A rider over every key becomes the result
-    itself, the partials added onto it in place (no copy)."""
+    """A rank's gradient shaped like its whole block ``whole`` [b, keys, ...]: its own block's partials plus the
+    rider of the last hop (None when nothing travels), which covers the first keys. A rider over every key becomes
+    the result itself, the partials added onto it in place (no copy)."""
     if last_hop is not None and last_hop.shape == whole.shape:
         add_partials(last_hop, own_partials)
         return last_hop
     home = gather_partials(torch.empty(whole.shape, dtype=dtype, device=whole.device), own_partials)
     if last_hop is not None:
-        home[:, :, :last_hop.shape[2]].add_(last_hop)
+        home[:, :last_hop.shape[1]].add_(last_hop)
     return home
 
 
@@ -108,12 +119,13 @@ class DoubleRing:
             own: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Visit every context rank's K/V block with ``compute``, following the schedule's events.
 
-        kv: this rank's packed [2, ...] K/V block (read only: received blocks go to buffers of its own).
+        kv: this rank's block [b, keys, ...] (K and V side by side on the last dim, or whatever the caller's compute
+            reads; read only: received blocks go to buffers of its own).
         dkv_dtype: None in forward; in backward the dtype the dK/dV partials accumulate and travel in. Returns the
         home accumulator (the own block's partials plus the rider of the last hop): this rank's full dK/dV, shaped
         like its whole block.
-        own: the whole own [2, ...] K/V block when ``kv`` holds only the travelling key prefix (``ring_keys``);
-        the travelling riders are then prefix-sized [2, b, ring_keys, g, d].
+        own: the whole own block when ``kv`` holds only the travelling key prefix (``ring_keys``); the travelling
+        riders are then prefix-sized [b, ring_keys, ...].
         """
         backward = dkv_dtype is not None
         whole = own if own is not None else kv

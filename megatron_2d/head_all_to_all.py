@@ -3,22 +3,28 @@
 Notation
     hp  head-parallel size     c  zigzag chunk length = s_local / 2     H  heads of a tensor, Hl = H / hp
     S   tokens of the context rank after the exchange = 2 * hp * c (its 2*hp chunks in ascending global order)
-    n   tensors stacked in one group (q: 1; K and V: 2)       W  heads of all tensors of one exchange, / hp
+    d_i head dim of tensor i    D  the head dims of one group's tensors summed (K and V: dk + dv)
+    F   values per token of all groups sent to one head rank = sum over groups of Hl * D
 
-to_heads:   tensors [2c, b, H_i, d] (this rank's zigzag shard, all heads) -> one [n, b, S, Hl, d] per group of n
-            consecutive tensors (its head group's tokens); q, K and V travel in ONE all-to-all, and K/V come out
-            stacked as the ring sends them.
-to_tokens:  groups [n, b, S, Hl, d] -> tensors [2c, b, H, d] (the inverse, also one all-to-all).
+to_heads:   tensors [2c, b, H_i, d_i] (this rank's zigzag shard, all heads) -> one [b, S, Hl, D] per group of n
+            consecutive tensors with equal head counts (its head group's tokens), the group's tensors concatenated
+            per head along the last dim: K and V come out as the ring's block, [b, S, Hl, dk + dv], whatever their
+            widths, with no padding. q, K and V travel in ONE all-to-all.
+to_tokens:  groups [b, S, Hl, D] and the widths (d_i) of each group's tensors -> tensors [2c, b, H, d_i] (the
+            inverse, also one all-to-all).
 Each is the other's backward. As an all-to-all, each direction copies the data twice, once into the send buffer and
-once out of the receive buffer (hp = 1 sends nothing: views, and one stacking copy for a group of n > 1). With batch
-1 and chunk units (Megatron's usual long-sequence case) the exchange is point-to-point instead and copies once: one
-message per (tensor, peer, unit), each unit received straight into its ascending place (to_heads) or sent straight
-from it (to_tokens), this rank's own units copied directly.
+once out of the receive buffer (hp = 1 sends nothing: views, and one concatenating copy for a group of n > 1). With
+batch 1 and chunk units (Megatron's usual long-sequence case) the exchange is point-to-point instead and copies once:
+one message per (group, peer, unit), each unit received straight into its ascending place (to_heads) or sent
+straight from it (to_tokens), this rank's own units copied directly.
 
 ``order`` sorts the units as received (by head rank, then zigzag half) into ascending order; a unit is a chunk of c
 tokens, or, for packed documents (``per_token``), a single token (Megatron's zigzag, so that each document's
 tokens are contiguous and ascending for the ring). None keeps the received order (hp = 1, and the packed documents
 layout, which is built in ring order).
+
+:class:`HeadAllGather` moves a tensor shared by every head (MLA's latent) the same way: all-gathered over the head
+group into the same ascending token order, its gradient summed back (the reverse all-to-all, summed).
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm import CommCounter, all_to_all_counted, to_device
+from .comm import CommCounter, all_gather_counted, all_to_all_counted, to_device
+
+Widths = Tuple[int, ...]          # the head dims of one group's tensors, in order
 
 
 def ascending_order(received_keys: Sequence[int]) -> np.ndarray:
@@ -39,75 +47,93 @@ def ascending_order(received_keys: Sequence[int]) -> np.ndarray:
     return np.argsort(np.asarray(received_keys, dtype=np.int64), kind="stable")
 
 
-def _head_slices(buf: torch.Tensor, widths: Sequence[int]) -> List[torch.Tensor]:
-    """Views of ``buf`` [..., W, d] cut along the heads into ``widths`` (summing to W)."""
-    return list(torch.split(buf, list(widths), dim=-2))
+def _group_starts(grouping: Sequence[int]) -> List[int]:
+    return [sum(grouping[:i]) for i in range(len(grouping))]
+
+
+def _slabs(buf: torch.Tensor, heads: Sequence[int], widths: Sequence[Widths]) -> List[torch.Tensor]:
+    """Views [..., Hl, D] of ``buf`` [..., F], one per group of ``heads[g]`` heads of ``sum(widths[g])`` values."""
+    out, offset = [], 0
+    for hl, ws in zip(heads, widths):
+        size = hl * sum(ws)
+        out.append(buf[..., offset:offset + size].unflatten(-1, (hl, sum(ws))))
+        offset += size
+    return out
+
+
+def _parts(slab: torch.Tensor, widths: Widths) -> List[torch.Tensor]:
+    """Views of ``slab`` [..., D] cut along the last dim into the group's tensors of ``widths``."""
+    return list(torch.split(slab, list(widths), dim=-1))
+
+
+def group_widths(xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> List[Widths]:
+    """The head dims of each group's tensors."""
+    return [tuple(x.shape[-1] for x in xs[i:i + n]) for i, n in zip(_group_starts(grouping), grouping)]
 
 
 def to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], hp: int, order: Optional[torch.Tensor],
              unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
-    """Tensors [2c, b, H_i, d] -> one [n, b, S, H_i/hp, d] per group of ``grouping`` (n consecutive tensors of
-    equal shape each), through one all-to-all."""
-    two_c, b, _, d = xs[0].shape
-    starts = [sum(grouping[:i]) for i in range(len(grouping))]
+    """Tensors [2c, b, H_i, d_i] -> one [b, S, H_i/hp, D] per group of ``grouping`` (n consecutive tensors of
+    equal head count each, concatenated per head), through one all-to-all."""
+    two_c, b = xs[0].shape[:2]
+    starts = _group_starts(grouping)
     if group is None:                                                    # hp = 1: this rank's own tokens
-        groups = [[x.transpose(0, 1) for x in xs[i:i + n]] for i, n in zip(starts, grouping)]  # [b, S, H, d]
-        tokens = [ys[0].unsqueeze(0) if len(ys) == 1 else torch.stack(ys) for ys in groups]     # [n, b, S, H, d]
+        groups = [xs[i] if n == 1 else torch.cat(xs[i:i + n], dim=-1) for i, n in zip(starts, grouping)]
+        tokens = [x.transpose(0, 1) for x in groups]                     # [b, S, H, D]
     else:
-        widths = [x.shape[2] // hp for x in xs]
-        send = xs[0].new_empty(hp, two_c, b, sum(widths), d)            # [hp (dst), 2c, b, W, d]
-        for x, dst in zip(xs, _head_slices(send, widths)):
-            dst.copy_(x.view(two_c, b, hp, -1, d).permute(2, 0, 1, 3, 4))
-        recv = all_to_all_counted(send, group, counter)                 # [hp (src), 2c, b, W, d]
-        group_widths = [sum(widths[i:i + n]) for i, n in zip(starts, grouping)]
-        tokens = [slab.unflatten(-2, (n, -1)).permute(3, 2, 0, 1, 4, 5).flatten(2, 3)   # [n, b, S (received), Hl, d]
-                  for slab, n in zip(_head_slices(recv, group_widths), grouping)]
+        widths = group_widths(xs, grouping)
+        heads = [xs[i].shape[2] // hp for i in starts]
+        send = xs[0].new_empty(hp, two_c, b, sum(h * sum(w) for h, w in zip(heads, widths)))  # [hp (dst), 2c, b, F]
+        for i, n, slab, ws in zip(starts, grouping, _slabs(send, heads, widths), widths):
+            for x, dst in zip(xs[i:i + n], _parts(slab, ws)):           # dst [hp, 2c, b, Hl, d_i]
+                dst.copy_(x.view(two_c, b, hp, -1, x.shape[-1]).permute(2, 0, 1, 3, 4))
+        recv = all_to_all_counted(send, group, counter)                 # [hp (src), 2c, b, F]
+        tokens = [slab.permute(2, 0, 1, 3, 4).flatten(1, 2)             # [b, S (received), Hl, D]
+                  for slab in _slabs(recv, heads, widths)]
     return [_ascending(y, order, unit) for y in tokens]
 
 
 def _ascending(y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> torch.Tensor:
-    """[n, b, S, Hl, d] in received order (any strides) -> contiguous, in ascending order (unit i of the result
-    is unit order[i] of y); no copy when y is already contiguous and needs no sorting."""
+    """[b, S, ...] in received order (any strides) -> contiguous, in ascending order (unit i of the result is unit
+    order[i] of y); no copy when y is already contiguous and needs no sorting."""
     if order is None:
         return y.contiguous()
-    return y.unflatten(2, (y.shape[2] // unit, unit)).index_select(2, order).flatten(2, 3)
+    return y.unflatten(1, (y.shape[1] // unit, unit)).index_select(1, order).flatten(1, 2)
 
 
-def to_tokens(ys: Sequence[torch.Tensor], hp: int, order: Optional[torch.Tensor], unit: int,
-              group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
-    """Groups [n, b, S, Hl, d] -> their n tensors each, [2c, b, Hl*hp, d] (contiguous); inverse of
+def to_tokens(ys: Sequence[torch.Tensor], widths: Sequence[Widths], hp: int, order: Optional[torch.Tensor],
+              unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter) -> List[torch.Tensor]:
+    """Groups [b, S, Hl, D] -> their tensors [2c, b, Hl*hp, d_i] (contiguous), cut by ``widths``; inverse of
     :func:`to_heads` with the same ``order``."""
-    b, S, d = ys[0].shape[1], ys[0].shape[2], ys[0].shape[4]
+    b, S = ys[0].shape[:2]
     two_c = S // hp
     if group is None:                                                    # hp = 1: views where the layout allows
         outs = []
-        for y in ys:
+        for y, ws in zip(ys, widths):
             if order is not None:
                 y = _into_received(torch.empty_like(y), y, order, unit)
-            outs += [y[i].transpose(0, 1).contiguous() for i in range(y.shape[0])]   # [S, b, H, d]
+            outs += [part.transpose(0, 1).contiguous() for part in _parts(y, ws)]   # [S, b, H, d_i]
         return outs
-    widths = [y.shape[0] * y.shape[3] for y in ys]
-    send = ys[0].new_empty(hp, two_c, b, sum(widths), d)                # [hp (dst), 2c, b, W, d]
-    for y, dst in zip(ys, _head_slices(send, widths)):
-        dst = dst.unflatten(-2, (y.shape[0], y.shape[3])).permute(3, 2, 0, 1, 4, 5)   # [n, b, hp, 2c, Hl, d]
-        _into_received(dst.flatten(2, 3), y, order, unit)                           # S (received) = hp * 2c
-    recv = all_to_all_counted(send, group, counter)                     # [hp (src), 2c, b, W, d]
+    heads = [y.shape[2] for y in ys]
+    send = ys[0].new_empty(hp, two_c, b, sum(h * sum(w) for h, w in zip(heads, widths)))   # [hp (dst), 2c, b, F]
+    for y, slab in zip(ys, _slabs(send, heads, widths)):
+        _into_received(slab.permute(2, 0, 1, 3, 4).flatten(1, 2), y, order, unit)   # S (received) = hp * 2c
+    recv = all_to_all_counted(send, group, counter)                     # [hp (src), 2c, b, F]
     outs = []
-    for y, slab in zip(ys, _head_slices(recv, widths)):
-        slab = slab.unflatten(-2, (y.shape[0], y.shape[3]))             # [hp (src), 2c, b, n, Hl, d]
-        outs += [slab[:, :, :, i].permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * y.shape[3], d).contiguous()
-                 for i in range(y.shape[0])]                            # [2c, b, H, d]
+    for y, slab, ws in zip(ys, _slabs(recv, heads, widths), widths):    # slab [hp (src), 2c, b, Hl, D]
+        outs += [part.permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * y.shape[2], part.shape[-1]).contiguous()
+                 for part in _parts(slab, ws)]                          # [2c, b, H, d_i]
     return outs
 
 
 def _into_received(dst: torch.Tensor, y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> torch.Tensor:
-    """Write y [n, b, S, Hl, d] (ascending order) into dst (same shape, any strides) in received order: unit
-    order[i] of dst is unit i of y (a plain copy when ``order`` is None). Returns dst."""
-    units = (y.shape[2] // unit, unit)
+    """Write y [b, S, ...] (ascending order) into dst (same shape, any strides) in received order: unit order[i] of
+    dst is unit i of y (a plain copy when ``order`` is None). Returns dst."""
+    units = (y.shape[1] // unit, unit)
     if order is None:
         dst.copy_(y)
     else:
-        dst.unflatten(2, units).index_copy_(2, order, y.unflatten(2, units))
+        dst.unflatten(1, units).index_copy_(1, order, y.unflatten(1, units))
     return dst
 
 
@@ -122,60 +148,69 @@ def _unit_pairs(ex: "HeadExchange", unit: int, units: int):
 
 def _direct_to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: "HeadExchange",
                      unit: int) -> List[torch.Tensor]:
-    """:func:`to_heads` for batch 1 by point-to-point messages: one pack copy of the heads sent to each peer, no
-    receive-side copy (each unit lands in its ascending place of the output groups), this rank's own heads copied
-    straight into place."""
-    two_c, b, _, d = xs[0].shape
+    """:func:`to_heads` for batch 1 by point-to-point messages: one pack copy of the heads sent to each peer (the
+    group's tensors side by side), no receive-side copy (each unit lands in its ascending place of the output
+    groups), this rank's own heads copied straight into place."""
+    two_c, b = xs[0].shape[:2]
     hp, me, units = ex.head_parallel_size, ex.head_rank, two_c // unit
     outs, ops, sent = [], [], 0
-    for first, n in zip([sum(grouping[:k]) for k in range(len(grouping))], grouping):
-        hl = xs[first].shape[2] // hp
-        out = xs[first].new_empty(n, b, hp * two_c, hl, d)              # [n, b, S (ascending), Hl, d]
+    for g, (first, n) in enumerate(zip(_group_starts(grouping), grouping)):
+        members = xs[first:first + n]
+        hl, ws = members[0].shape[2] // hp, tuple(x.shape[-1] for x in members)
+        out = members[0].new_empty(b, hp * two_c, hl, sum(ws))           # [b, S (ascending), Hl, D]
         outs.append(out)
-        for t, x in enumerate(xs[first:first + n]):
-            by_rank = x.view(two_c, b, hp, hl, d)
-            send = {peer: by_rank[:, :, peer].contiguous() for peer in range(hp) if peer != me}   # [2c, b, Hl, d]
-            for peer, j, rows, place in _unit_pairs(ex, unit, units):
-                dst = out[t, :, place]                                   # [b = 1, unit, Hl, d], contiguous
-                if peer == me:
-                    dst.copy_(by_rank[rows, :, me].transpose(0, 1))
-                    continue
-                tag = (first + t) * units + j
-                ops += [dist.P2POp(dist.isend, send[peer][rows], ex.peers[peer], ex.group, tag),
-                        dist.P2POp(dist.irecv, dst, ex.peers[peer], ex.group, tag)]
-                sent += dst.numel() * dst.element_size()
+        by_rank = [x.view(two_c, b, hp, hl, x.shape[-1]) for x in members]
+        send = {}
+        for peer in range(hp):
+            if peer != me:
+                send[peer] = members[0].new_empty(two_c, b, hl, sum(ws))  # [2c, b, Hl, D]
+                for x, dst in zip(by_rank, _parts(send[peer], ws)):
+                    dst.copy_(x[:, :, peer])
+        for peer, j, rows, place in _unit_pairs(ex, unit, units):
+            dst = out[:, place]                                         # [b = 1, unit, Hl, D], contiguous
+            if peer == me:
+                for x, part in zip(by_rank, _parts(dst, ws)):
+                    part.copy_(x[rows, :, me].transpose(0, 1))
+                continue
+            tag = g * units + j
+            ops += [dist.P2POp(dist.isend, send[peer][rows], ex.peers[peer], ex.group, tag),
+                    dist.P2POp(dist.irecv, dst, ex.peers[peer], ex.group, tag)]
+            sent += dst.numel() * dst.element_size()
     _run(ops, ex, sent)
     return outs
 
 
-def _direct_to_tokens(ys: Sequence[torch.Tensor], ex: "HeadExchange", unit: int) -> List[torch.Tensor]:
+def _direct_to_tokens(ys: Sequence[torch.Tensor], widths: Sequence[Widths], ex: "HeadExchange",
+                      unit: int) -> List[torch.Tensor]:
     """:func:`to_tokens` for batch 1 by point-to-point messages: units sent straight from the (contiguous) groups,
     one copy of everything received into the outputs."""
-    b, S, d = ys[0].shape[1], ys[0].shape[2], ys[0].shape[4]
+    b, S = ys[0].shape[:2]
     hp, me = ex.head_parallel_size, ex.head_rank
     two_c = S // hp
     units = two_c // unit
-    outs, recvs, ops, sent = [], [], [], 0
-    for y in ys:
+    outs, received, ops, sent = [], [], [], 0
+    for g, (y, ws) in enumerate(zip(ys, widths)):
         y = y.contiguous()
-        for i in range(y.shape[0]):
-            out = y.new_empty(two_c, b, hp, y.shape[3], d)                 # [2c, b, H = hp * Hl, d]
-            recv = {peer: y.new_empty(two_c, b, y.shape[3], d) for peer in range(hp) if peer != me}   # [2c, b, Hl, d]
-            for peer, j, rows, place in _unit_pairs(ex, unit, units):
-                src = y[i, :, place]                                        # [b = 1, unit, Hl, d], contiguous
-                if peer == me:
-                    out[rows, :, me].copy_(src.transpose(0, 1))
-                    continue
-                tag = len(outs) * units + j
-                ops += [dist.P2POp(dist.isend, src, ex.peers[peer], ex.group, tag),
-                        dist.P2POp(dist.irecv, recv[peer][rows], ex.peers[peer], ex.group, tag)]
-                sent += src.numel() * src.element_size()
-            outs.append(out)
-            recvs.append(recv)
+        hl = y.shape[2]
+        group_outs = [y.new_empty(two_c, b, hp, hl, w) for w in ws]      # [2c, b, H = hp * Hl, d_i]
+        recv = {peer: y.new_empty(two_c, b, hl, y.shape[-1]) for peer in range(hp) if peer != me}   # [2c, b, Hl, D]
+        for peer, j, rows, place in _unit_pairs(ex, unit, units):
+            src = y[:, place]                                           # [b = 1, unit, Hl, D], contiguous
+            if peer == me:
+                for out, part in zip(group_outs, _parts(src, ws)):
+                    out[rows, :, me].copy_(part.transpose(0, 1))
+                continue
+            tag = g * units + j
+            ops += [dist.P2POp(dist.isend, src, ex.peers[peer], ex.group, tag),
+                    dist.P2POp(dist.irecv, recv[peer][rows], ex.peers[peer], ex.group, tag)]
+            sent += src.numel() * src.element_size()
+        outs += group_outs
+        received.append((group_outs, recv, ws))
     _run(ops, ex, sent)
-    for out, recv in zip(outs, recvs):
-        for peer, received in recv.items():
-            out[:, :, peer].copy_(received)
+    for group_outs, recv, ws in received:
+        for peer, buf in recv.items():
+            for out, part in zip(group_outs, _parts(buf, ws)):
+                out[:, :, peer].copy_(part)
     return [out.flatten(2, 3) for out in outs]
 
 
@@ -189,8 +224,8 @@ def _run(ops: list, ex: "HeadExchange", sent: int) -> None:
 class Direction(enum.Enum):
     """Which way the head all-to-all goes."""
 
-    TO_HEADS = "to_heads"        # tensors [2c, b, H, d] -> groups [n, b, S, H/hp, d]
-    TO_TOKENS = "to_tokens"      # groups [n, b, S, H/hp, d] -> tensors [2c, b, H, d]
+    TO_HEADS = "to_heads"        # tensors [2c, b, H, d_i] -> groups [b, S, H/hp, D]
+    TO_TOKENS = "to_tokens"      # groups [b, S, H/hp, D] -> tensors [2c, b, H, d_i]
 
 
 @dataclass(frozen=True)
@@ -238,33 +273,65 @@ class HeadExchange:
         return to_heads(xs, grouping, self.head_parallel_size, self.order, self.unit(xs[0].shape[0]),
                         self.group, self.counter)
 
-    def to_tokens(self, ys: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        if self._direct(ys[0].shape[1]):
-            return _direct_to_tokens(ys, self, self.unit(ys[0].shape[2] // self.head_parallel_size))
-        return to_tokens(ys, self.head_parallel_size, self.order, self.unit(ys[0].shape[2] // self.head_parallel_size),
-                         self.group, self.counter)
+    def to_tokens(self, ys: Sequence[torch.Tensor], widths: Sequence[Widths]) -> List[torch.Tensor]:
+        unit = self.unit(ys[0].shape[1] // self.head_parallel_size)
+        if self._direct(ys[0].shape[0]):
+            return _direct_to_tokens(ys, widths, self, unit)
+        return to_tokens(ys, widths, self.head_parallel_size, self.order, unit, self.group, self.counter)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[2c, b, F] (a tensor every head shares) -> [b, S, F], every head rank's tokens in ascending order."""
+        if self.group is None:
+            return _ascending(x.transpose(0, 1), self.order, self.unit(x.shape[0]))
+        gathered = all_gather_counted(x, self.group, self.counter)      # [hp (src) * 2c, b, F]
+        gathered = gathered.unflatten(0, (self.head_parallel_size, x.shape[0]))          # [hp (src), 2c, b, F]
+        return _ascending(gathered.permute(2, 0, 1, 3).flatten(1, 2), self.order, self.unit(x.shape[0]))
+
+    def gather_backward(self, dy: torch.Tensor) -> torch.Tensor:
+        """The gradient of :meth:`gather`: dy [b, S, F] -> [2c, b, F], summed over the head group."""
+        two_c = dy.shape[1] // self.head_parallel_size
+        if self.group is None:
+            return _into_received(torch.empty_like(dy), dy, self.order, self.unit(two_c)).transpose(0, 1)
+        send = dy.new_empty(self.head_parallel_size, two_c, dy.shape[0], dy.shape[2])   # [hp (dst), 2c, b, F]
+        _into_received(send.permute(2, 0, 1, 3).flatten(1, 2), dy, self.order, self.unit(two_c))
+        return all_to_all_counted(send, self.group, self.counter).sum(0)         # [2c, b, F]
 
 
 class HeadAllToAll(torch.autograd.Function):
     """The head all-to-all in ``direction`` over several tensors at once; its backward is the reverse exchange.
 
-    TO_HEADS: ``tensors`` [2c, b, H_i, d], ``grouping`` their group sizes -> one [n, b, S, H_i/hp, d] per group.
-    TO_TOKENS: ``tensors`` groups [n, b, S, Hl, d] (``grouping`` unused) -> their tensors [2c, b, H, d]."""
+    TO_HEADS: ``tensors`` [2c, b, H_i, d_i], ``layout`` their group sizes -> one [b, S, H_i/hp, D] per group.
+    TO_TOKENS: ``tensors`` groups [b, S, Hl, D], ``layout`` each group's widths (None: one tensor per group) ->
+    their tensors [2c, b, H, d_i]."""
 
     @staticmethod
-    def forward(ctx, exchange: HeadExchange, direction: Direction, grouping: Tuple[int, ...],
-                *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def forward(ctx, exchange: HeadExchange, direction: Direction, layout, *tensors: torch.Tensor):
         ctx.exchange, ctx.direction = exchange, direction
         if direction is Direction.TO_HEADS:
-            ctx.grouping = tuple(grouping)
-            return tuple(exchange.to_heads(tensors, grouping))
-        ctx.grouping = tuple(t.shape[0] for t in tensors)
-        return tuple(exchange.to_tokens(tensors))
+            ctx.widths = group_widths(tensors, layout)
+            return tuple(exchange.to_heads(tensors, layout))
+        ctx.widths = [(t.shape[-1],) for t in tensors] if layout is None else [tuple(w) for w in layout]
+        return tuple(exchange.to_tokens(tensors, ctx.widths))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        grads = [g.contiguous() for g in grads]
         if ctx.direction is Direction.TO_HEADS:
-            back = ctx.exchange.to_tokens([g.contiguous() for g in grads])
+            back = ctx.exchange.to_tokens(grads, ctx.widths)
         else:
-            back = ctx.exchange.to_heads([g.contiguous() for g in grads], ctx.grouping)
+            back = ctx.exchange.to_heads(grads, [len(w) for w in ctx.widths])
         return (None, None, None, *back)
+
+
+class HeadAllGather(torch.autograd.Function):
+    """A tensor shared by every head, [2c, b, F] -> [b, S, F] over the head group (all-gather); backward sums the
+    head ranks' gradients of each token (the reverse all-to-all, summed)."""
+
+    @staticmethod
+    def forward(ctx, exchange: HeadExchange, x: torch.Tensor) -> torch.Tensor:
+        ctx.exchange = exchange
+        return exchange.gather(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return None, ctx.exchange.gather_backward(dy.contiguous())

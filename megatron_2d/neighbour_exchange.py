@@ -53,15 +53,15 @@ class KeyIntervals:
         return self.intervals[0][0]
 
     def gather(self, block: torch.Tensor) -> torch.Tensor:
-        """[2, b, size, g, d]: the selected keys of ``block`` [2, b, S, g, d], back to back."""
-        parts = [block[:, :, lo:hi] for lo, hi in self.intervals]
-        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
+        """[b, size, ...]: the selected keys of ``block`` [b, S, ...], back to back."""
+        parts = [block[:, lo:hi] for lo, hi in self.intervals]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def add_into(self, rider: torch.Tensor, packed: torch.Tensor) -> None:
-        """Add ``packed`` [2, b, size, g, d] (gradients of the selected keys) into ``rider`` at their slots."""
+        """Add ``packed`` [b, size, ...] (gradients of the selected keys) into ``rider`` at their slots."""
         at = 0
         for lo, hi in self.intervals:
-            rider[:, :, lo:hi].add_(packed[:, :, at:at + hi - lo])
+            rider[:, lo:hi].add_(packed[:, at:at + hi - lo])
             at += hi - lo
 
     def packed(self, slots: np.ndarray) -> np.ndarray:
@@ -80,9 +80,9 @@ def _selection(keys) -> Optional[KeyIntervals]:
 
 
 def _sliced(block: torch.Tensor, keys: KeyIntervals) -> list:
-    """Shape of ``block`` [2, b, S, g, d] cut to the selected keys."""
+    """Shape of ``block`` [b, S, ...] cut to the selected keys."""
     shape = list(block.shape)
-    shape[2] = keys.size
+    shape[1] = keys.size
     return shape
 
 

@@ -2,9 +2,16 @@
 
 Notation (all local to one rank, after the head all-to-all)
     b  batch      S  tokens of this context rank (2*hp chunks of c tokens, ascending global order)
-    h  query heads of this rank       g  K/V heads of this rank (h divisible by g)      d  head dim
-Tensors: q, out [b, S, h, d]; kv [2, b, S, g, d] (K and V stacked: the block the ring sends); lse [b, h, S] and
-every accumulator in the accumulator dtype (fp32; fp64 for fp64 inputs); sinks [h] (one logit per query head).
+    h  query heads of this rank       g  K/V heads of this rank (h divisible by g)
+    dk query/key head dim             dv value head dim (MLA: dk 192, dv 128; otherwise dk = dv)
+Tensors: q [b, S, h, dk]; out [b, S, h, dv]; the block that travels, kv [b, S, g, dk + dv] (K and V side by side on
+the last dim: :func:`split_kv` gives their views, and dK/dV riders have the same format); lse [b, h, S] and every
+accumulator in the accumulator dtype (fp32; fp64 for fp64 inputs); sinks [h] (one logit per query head).
+
+An ``expander`` (:class:`KVExpander`) makes the ring carry something else than K/V: a block [b, S, ...] from which
+every step computes (k, v) with differentiable torch ops and ``params`` (MLA's latent ring: the compressed KV and
+the rope key, up-projected with this rank's heads of the up-projection weight). Backward then sends the block's
+gradient home instead of dK/dV and returns the gradients of ``params``, summed over every block this rank saw.
 
 Sinks (gpt-oss, Megatron's softmax_type "learnable" / "off-by-one") add exp(sink_h) to every row's softmax
 denominator: once the transport has visited every block, lse' = logaddexp(lse, sink) and out' = out *
@@ -14,17 +21,32 @@ d sink_h = -sum over rows of exp(sink_h - lse') * (dout . out') (the sink's valu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
 from .block_plan import BlockCall
-from .double_ring import DoubleRing
+from .double_ring import DoubleRing, Partials, gather_partials
 from .kernels import BlockKernel
 from .kernels.base import accumulator_dtype
 from .merge import merge_attention_
 from .neighbour_exchange import NeighbourExchange
+
+
+def split_kv(block: torch.Tensor, key_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Views (k [..., key_dim], v [..., rest]) of a K/V block (or rider) [..., key_dim + value_dim]."""
+    return block[..., :key_dim], block[..., key_dim:]
+
+
+class KVExpander(Protocol):
+    """(k [b, keys, g, dk], v [b, keys, g, dv]) from a travelling block [b, keys, ...] and parameters, by
+    differentiable torch ops (see the module docstring)."""
+
+    value_dim: int
+
+    def __call__(self, block: torch.Tensor, *params: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        ...
 
 
 @dataclass
@@ -36,6 +58,12 @@ class RingContext:
     plans: Dict[int, Tuple[BlockCall, ...]]   # source context rank -> kernel calls against its K/V block
     scale: float
     rider_dtype: torch.dtype                  # dtype of the dK/dV partials that travel (see attention_2d)
+    key_spans: Dict[int, Tuple[int, int]] = field(init=False, repr=False)
+    """source -> [first, last) keys its calls read (an expander expands only those)."""
+
+    def __post_init__(self) -> None:
+        self.key_spans = {src: (min(c.k_start for c in calls), max(c.k_end for c in calls))
+                          for src, calls in self.plans.items() if calls}
 
 
 def apply_sinks_(out_acc: torch.Tensor, lse_acc: torch.Tensor, sinks: torch.Tensor) -> None:
@@ -58,30 +86,80 @@ def _ring_block(kv: torch.Tensor, rc: RingContext):
     """(the block that travels, ``run``'s extra arguments). A ring that carries only a key prefix (packed
     documents) sends a copy of just that prefix and computes the own block on the whole ``kv``."""
     keys = getattr(rc.transport, "ring_keys", None)
-    if rc.transport.cp > 1 and keys is not None and keys < kv.shape[2]:
-        return kv[:, :, :keys].contiguous(), {"own": kv}
+    if rc.transport.cp > 1 and keys is not None and keys < kv.shape[1]:
+        return kv[:, :keys].contiguous(), {"own": kv}
     return kv, {}
 
 
+@dataclass
+class _Expansion:
+    """How one call of the ring turns blocks into (k, v): views of a K/V block, or an expander's output (of the
+    keys the block's calls read only), and the way back from the kernels' (dk, dv) to the block's gradient."""
+
+    key_dim: int
+    expander: Optional[KVExpander]
+    params: Sequence[torch.Tensor]
+    spans: Dict[int, Tuple[int, int]]
+    param_grads: List[torch.Tensor] = field(default_factory=list)   # summed over blocks, accumulator dtype
+
+    def keys(self, block: torch.Tensor, source: int, first_key: int, grad: bool = False):
+        """(k, v, their first key, the expander's graph when ``grad``, else None)."""
+        if self.expander is None:
+            return (*split_kv(block, self.key_dim), first_key, None)
+        lo, hi = self.spans[source]
+        part = block[:, lo - first_key:hi - first_key]
+        if not grad:
+            return (*self.expander(part, *self.params), lo, None)
+        with torch.enable_grad():
+            leaf = part.detach().requires_grad_(True)
+            params = [p.detach().requires_grad_(True) for p in self.params]
+            k, v = self.expander(leaf, *params)
+        return k.detach(), v.detach(), lo, (leaf, params, k, v, lo)
+
+    def partials(self, kernel_partials, graph) -> Partials:
+        """The kernels' partial (dk, dv) of one block as the block's partial gradients; through an expander (its
+        ``graph``), one partial over the expanded keys, and its parameters' gradients added to ``param_grads``."""
+        if graph is None:
+            return [(call.k_start, call.k_end, (dk, dv)) for call, dk, dv in kernel_partials]
+        leaf, params, k, v, lo = graph
+        dkv = torch.empty(*k.shape[:-1], k.shape[-1] + v.shape[-1], dtype=accumulator_dtype(k.dtype),
+                          device=k.device)                          # [b, keys, g, dk + dv]
+        gather_partials(dkv, [(call.k_start, call.k_end, (dk, dv)) for call, dk, dv in kernel_partials], lo)
+        d_block, *d_params = torch.autograd.grad((k, v), (leaf, *params), split_kv(dkv.to(k.dtype), k.shape[-1]))
+        if not self.param_grads:
+            self.param_grads.extend(torch.zeros(p.shape, dtype=accumulator_dtype(p.dtype), device=p.device)
+                                    for p in params)
+        for acc, grad in zip(self.param_grads, d_params):
+            acc.add_(grad)
+        return [(lo, lo + leaf.shape[1], (d_block,))]
+
+
 class RingAttention(torch.autograd.Function):
-    """out = softmax(q k^T * scale, masked [+ sinks]) v over the whole context group; exact forward and backward."""
+    """out = softmax(q k^T * scale, masked [+ sinks]) v over the whole context group; exact forward and backward.
+
+    ``kv`` is the block that travels: K and V side by side (``expander`` None), or the expander's input, which
+    then makes each step's (k, v) with ``params`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor],
-                rc: RingContext) -> torch.Tensor:
-        b, S, h, d = q.shape
+    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor], rc: RingContext,
+                expander: Optional[KVExpander] = None, *params: torch.Tensor) -> torch.Tensor:
+        b, S, h, dk = q.shape
+        expansion = _Expansion(dk, expander, params, rc.key_spans)
+        dv = kv.shape[-1] - dk if expander is None else expander.value_dim
         acc = accumulator_dtype(q.dtype)
         # the first kernel call's results when it covers every row (the own block without a window), else zeros
-        accumulators: List[torch.Tensor] = []                      # [out_acc [b, S, h, d], lse_acc [b, h, S]]
+        accumulators: List[torch.Tensor] = []                      # [out_acc [b, S, h, dv], lse_acc [b, h, S]]
 
         def start() -> None:
             if not accumulators:
-                accumulators.extend((torch.zeros(b, S, h, d, dtype=acc, device=q.device),
+                accumulators.extend((torch.zeros(b, S, h, dv, dtype=acc, device=q.device),
                                      torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device)))
 
         def compute(block, source: int, first_key: int) -> None:
-            for call, out_blk, lse_blk in rc.kernel.forward_calls(q, block[0], block[1], rc.plans[source],
-                                                                  first_key, rc.scale):
+            if not rc.plans[source]:
+                return
+            k, v, first_key, _ = expansion.keys(block, source, first_key)
+            for call, out_blk, lse_blk in rc.kernel.forward_calls(q, k, v, rc.plans[source], first_key, rc.scale):
                 if not accumulators and (call.q_start, call.q_end) == (0, S):
                     accumulators.extend((out_blk.to(acc), lse_blk.to(acc)))      # adopted, not copied
                 else:
@@ -89,39 +167,45 @@ class RingAttention(torch.autograd.Function):
                     rows = slice(call.q_start, call.q_end)
                     merge_attention_(accumulators[0][:, rows], accumulators[1][:, :, rows], out_blk, lse_blk)
 
-        block, own = _ring_block(kv, rc)                           # [2, b, S (or the ring prefix), g, d]
+        block, own = _ring_block(kv, rc)                           # [b, S (or the ring prefix), ...]
         rc.transport.run(block, compute, **own)
         start()                                                    # (no call at all: nothing visible)
         out_acc, lse_acc = accumulators
         if sinks is not None:
             apply_sinks_(out_acc, lse_acc, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse_acc, sinks)
-        ctx.rc = rc
+        ctx.save_for_backward(q, kv, out, lse_acc, sinks, *params)
+        ctx.rc, ctx.expander = rc, expander
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, kv, out, lse, sinks = ctx.saved_tensors
+        q, kv, out, lse, sinks, *params = ctx.saved_tensors
         rc: RingContext = ctx.rc
+        expansion = _Expansion(q.shape[-1], ctx.expander, params, rc.key_spans)
         dout = dout.contiguous()
+        kernel_dout, kernel_out = rc.kernel.backward_inputs(dout, out)
         dq_acc: List[torch.Tensor] = []          # the first call's dq when it covers every row, else zeros
 
-        def compute(block, source: int, first_key: int) -> List[Tuple[int, int, torch.Tensor, torch.Tensor]]:
-            partials = []
-            for call, dq, dk, dv in rc.kernel.backward_calls(dout, q, block[0], block[1], out, lse,
-                                                             rc.plans[source], first_key, rc.scale):
+        def compute(block, source: int, first_key: int) -> Partials:
+            if not rc.plans[source]:
+                return []
+            k, v, k_first, graph = expansion.keys(block, source, first_key, grad=True)
+            kernel_partials = []
+            for call, dq, dk, dv in rc.kernel.backward_calls(kernel_dout, q, k, v, kernel_out, lse, rc.plans[source],
+                                                             k_first, rc.scale):
                 if not dq_acc and (call.q_start, call.q_end) == (0, q.shape[1]):
                     dq_acc.append(dq.to(lse.dtype))                # adopted, not copied
                 else:
                     if not dq_acc:
                         dq_acc.append(torch.zeros(q.shape, dtype=lse.dtype, device=q.device))
                     dq_acc[0][:, call.q_start:call.q_end].add_(dq)
-                partials.append((call.k_start, call.k_end, dk, dv))
-            return partials
+                kernel_partials.append((call, dk, dv))
+            return expansion.partials(kernel_partials, graph)
 
-        block, own = _ring_block(kv, rc)                           # [2, b, S (or the ring prefix), g, d]
+        block, own = _ring_block(kv, rc)                           # [b, S (or the ring prefix), ...]
         dkv = rc.transport.run(block, compute, dkv_dtype=rc.rider_dtype, **own)
         dq = dq_acc[0] if dq_acc else torch.zeros_like(q)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[2] else None
-        return dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None
+        d_params = [g.to(p.dtype) for p, g in zip(params, expansion.param_grads)] or [None] * len(params)
+        return (dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None, None, *d_params)

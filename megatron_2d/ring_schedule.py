@@ -112,23 +112,52 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
     return tuple(ev)
 
 
-def replay(events, compute_s: float, transfer_s, link_of) -> float:
+def replay(events, compute_s: float, transfer_s, link_of, interference: float = 0.0) -> float:
     """Seconds one rank takes to run ``events``: compute takes ``compute_s``; a post starts when its link
     (``link_of[channel]``) is free and lasts ``transfer_s[channel]``; a wait blocks until that transfer is done.
     Every rank runs the same events at the same times, so one rank's replay is the whole group's (and an expected
-    receive, posted early, costs nothing: its sender posts no earlier than this rank would)."""
+    receive, posted early, costs nothing: its sender posts no earlier than this rank would). ``interference`` x:
+    compute runs 1 + x times slower while any posted transfer is in flight (see :func:`slowed_finish`)."""
     now = 0.0
     link_free = {}
     done = {}
+    busy = []
     for e in events:
         if e.kind == "compute":
-            now += compute_s
+            now = slowed_finish(now, compute_s, busy, interference)
         elif e.kind.startswith("expect_"):
             continue
         elif e.kind.startswith("post_"):
             link = link_of[e.channel]
             start = max(now, link_free.get(link, 0.0))
             link_free[link] = done[e.channel] = start + transfer_s[e.channel]
+            busy.append((start, done[e.channel]))
         elif e.channel is not None:
             now = max(now, done[e.channel])
     return now
+
+
+def slowed_finish(start: float, work: float, busy, interference: float) -> float:
+    """When ``work`` seconds of compute started at ``start`` finish, running at 1/(1 + interference) of full speed
+    while any of the ``busy`` (start, end) transfer intervals is in progress and at full speed otherwise."""
+    if interference == 0.0 or work <= 0.0:
+        return start + work
+    spans = []
+    for s, e in sorted((max(s, start), e) for s, e in busy if e > start):
+        if spans and s <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], e)
+        else:
+            spans.append([s, e])
+    t, left = start, work
+    for s, e in spans:
+        if s > t:                                   # a stretch with nothing in flight first
+            if left <= s - t:
+                return t + left
+            left -= s - t
+            t = s
+        slow = (e - t) / (1.0 + interference)      # work that fits in this busy stretch
+        if left <= slow:
+            return t + left * (1.0 + interference)
+        left -= slow
+        t = e
+    return t + left

@@ -274,7 +274,7 @@ def run_input_errors(rank, world):
          "8 query heads are not a multiple of 3 K/V heads"),
         ((torch.zeros(7, 1, 8, 16), torch.zeros(7, 1, 8, 16), torch.zeros(7, 1, 8, 16)),
          "the local sequence length 7 must be even"),
-        ((q, torch.zeros(8, 1, 8, 16), torch.zeros(8, 1, 4, 16)), "k and v must have the same shape"),
+        ((q, torch.zeros(8, 1, 8, 16), torch.zeros(8, 1, 4, 16)), "k and v must agree on sequence, batch and heads"),
         ((q, torch.zeros(6, 1, 8, 16), torch.zeros(6, 1, 8, 16)), "must agree on sequence, batch and head dim"),
         ((q, q.double(), q), "q, k, v must share a dtype"),
         ((q.int(), q.int(), q.int()), "dtype torch.int32 is not supported"),

@@ -6,19 +6,22 @@ import dataclasses
 import re
 
 import pytest
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_2d.megatron import TransformerConfig2D
-from megatron_2d.megatron.attention_settings import HONOURED, OUTSIDE, REFUSED, attention_refusals
+from megatron_2d.megatron.attention_settings import (HONOURED, MLA_HONOURED, MLA_OUTSIDE, OUTSIDE, REFUSED,
+                                                     attention_refusals)
 
 
 def test_every_config_field_is_classified():
-    """Fails when a megatron-core upgrade adds a field nobody has classified (it might change attention)."""
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    classified = [*HONOURED, *REFUSED, *OUTSIDE]
+    """Fails when a megatron-core upgrade adds a field nobody has classified (it might change attention); MLA's
+    config (a TransformerConfig subclass) included."""
+    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    assert fields >= {f.name for f in dataclasses.fields(TransformerConfig)}
+    classified = [*HONOURED, *MLA_HONOURED, *REFUSED, *OUTSIDE, *MLA_OUTSIDE]
     assert len(classified) == len(set(classified)), "a field is classified twice"
     unclassified = sorted(fields - set(classified))
-    assert not unclassified, (f"new TransformerConfig fields {unclassified}: classify each in "
+    assert not unclassified, (f"new (MLA)TransformerConfig fields {unclassified}: classify each in "
                               f"megatron_2d/megatron/attention_settings.py (honoured, refused or outside)")
     assert not sorted(set(classified) - fields), "classified fields that TransformerConfig no longer has"
 
@@ -36,7 +39,7 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_group
     (dict(fp8_multi_head_attention=True), r"fp8_multi_head_attention=True: fp8 multi-head attention"),
     (dict(use_kitchen_attention=True), r"use_kitchen_attention=True: kitchen attention replaces core attention"),
     (dict(experimental_attention_variant="dsa"), r"experimental_attention_variant='dsa': experimental attention"),
-    (dict(multi_latent_attention=True), r"multi_latent_attention=True: multi-latent attention \(MLA\)"),
+    (dict(cache_mla_latents=True), r"cache_mla_latents=True: caching MLA latents is for Megatron's dynamic"),
 ])
 def test_refused_settings_name_themselves(setting, message):
     config = dataclasses.replace(TransformerConfig(**{k: v for k, v in BASE.items() if not k.startswith("cp_2d")}),

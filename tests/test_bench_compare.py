@@ -105,22 +105,26 @@ def test_ring_flash_attn_loads_without_its_package_init():
 
 # -- the fp64 reference -----------------------------------------------------------------------------------------
 
-def _reference_shards(rank, world, q, k, v, dout, max_elements):
-    return bench_compare.reference_on_rank(q, k, v, dout, rank, world, max_elements=max_elements)
+def _reference_shards(rank, world, q, k, v, dout, max_elements, causal, window):
+    return bench_compare.reference_on_rank(q, k, v, dout, rank, world, max_elements=max_elements, causal=causal,
+                                           window=window)
 
 
-@pytest.mark.parametrize("world,max_elements", [(1, 2 ** 24), (2, 2 ** 11)])   # 2**11: blocks of a few rows
-def test_reference_on_rank_matches_full_autograd(world, max_elements):
+@pytest.mark.parametrize("world,max_elements,causal,window,dv", [
+    (1, 2 ** 24, True, (-1, -1), 8), (2, 2 ** 11, True, (-1, -1), 8),        # 2**11: blocks of a few rows
+    (2, 2 ** 11, True, (5, 0), 6), (2, 2 ** 11, False, (-1, -1), 6), (2, 2 ** 11, False, (3, 7), 6)],
+    ids=["one-rank", "causal", "causal-window-mla", "full-mla", "window-both-sides-mla"])
+def test_reference_on_rank_matches_full_autograd(world, max_elements, causal, window, dv):
     S, b, hq, hkv, d = 32, 2, 4, 2, 8
-    q, dout = _randn(S, b, hq, d, seed=0), _randn(S, b, hq, d, seed=1)
-    k, v = _randn(S, b, hkv, d, seed=2), _randn(S, b, hkv, d, seed=3)
+    q, dout = _randn(S, b, hq, d, seed=0), _randn(S, b, hq, dv, seed=1)
+    k, v = _randn(S, b, hkv, d, seed=2), _randn(S, b, hkv, dv, seed=3)
     if world == 1:
-        shards = [_reference_shards(0, 1, q, k, v, dout, max_elements)]
+        shards = [_reference_shards(0, 1, q, k, v, dout, max_elements, causal, window)]
     else:
-        shards = run_on_ranks(world, _reference_shards, q, k, v, dout, max_elements)
+        shards = run_on_ranks(world, _reference_shards, q, k, v, dout, max_elements, causal, window)
     full = [megatron_2d.unshard_sequence([s[i] for s in shards]) for i in range(4)]
     qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
-    ref = reference_attention(qr, kr, vr, True, d ** -0.5)
+    ref = reference_attention(qr, kr, vr, causal, d ** -0.5, window=window)
     ref.backward(dout)
     for got, want in zip(full, (ref, qr.grad, kr.grad, vr.grad)):
         assert rel_err(got, want) < 1e-12

@@ -41,15 +41,23 @@ class NoSyncOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run_twice_guarded(rank, world, hp, w, window, batch):
+def run_twice_guarded(rank, world, hp, w, window, batch, latent=False):
     groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
     g = torch.Generator().manual_seed(1)
     q, k, v, dout = (megatron_2d.shard_sequence(torch.randn(64, batch, 4, 16, generator=g), rank, world)
                      for _ in range(4))
+    # MLA's latent ring: q/k head dim 16 = 12 + 4 (rope), v head dim 8, latent 6 + 4, up-projection weight
+    latent_in = megatron_2d.shard_sequence(torch.randn(64, batch, 10, generator=g), rank, world)
+    weight, latent_dout = torch.randn(4 * (12 + 8), 6, generator=g), dout[..., :8].contiguous()
 
     def step():
-        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        megatron_2d.attention_2d(*leaves, groups, sliding_window=window).backward(dout)
+        if latent:
+            leaves = [x.clone().requires_grad_(True) for x in (q, latent_in, weight)]
+            megatron_2d.latent_attention_2d(*leaves, groups, nope_dim=12, value_dim=8,
+                                            sliding_window=window).backward(latent_dout)
+        else:
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            megatron_2d.attention_2d(*leaves, groups, sliding_window=window).backward(dout)
         return [x.grad for x in leaves]
 
     first = step()                                   # builds the setup
@@ -71,6 +79,12 @@ def run_twice_guarded(rank, world, hp, w, window, batch):
                          ids=["2d_outer_ring", "2d_batch1_point_to_point", "ring_inner", "window_neighbour_exchange"])
 def test_second_call_makes_no_setup_and_no_sync(hp, w, window, batch):
     assert all(run_on_ranks(4, run_twice_guarded, hp, w, window, batch))
+
+
+@pytest.mark.parametrize("hp, w, window, batch", [(2, 2, (-1, -1), 2), (2, 1, (-1, -1), 1), (1, 1, (3, 0), 2)],
+                         ids=["2d_double_ring", "2d_batch1_point_to_point", "window_neighbour_exchange"])
+def test_latent_ring_second_call_makes_no_setup_and_no_sync(hp, w, window, batch):
+    assert all(run_on_ranks(4, run_twice_guarded, hp, w, window, batch, latent=True))
 
 
 def run_dkv_dtypes(rank, world):

@@ -223,13 +223,18 @@ def test_gather_partials_writes_every_key(ranges, first_key):
     from megatron_2d.double_ring import add_partials, gather_partials
 
     gen = torch.Generator().manual_seed(0)
-    partials = [(lo, hi, torch.randn(1, hi - lo, 2, 3, generator=gen, dtype=torch.bfloat16),
-                 torch.randn(1, hi - lo, 2, 3, generator=gen, dtype=torch.bfloat16)) for lo, hi in ranges]
-    buffer = torch.full((2, 1, 8, 2, 3), float("nan"))      # uninitialised memory may hold anything
-    expected = torch.zeros(2, 1, 8, 2, 3)
-    add_partials(expected, partials, first_key)
+    # dK (width 3) and dV (width 2) side by side in the block format [b, keys, g, dk + dv]
+    partials = [(lo, hi, (torch.randn(1, hi - lo, 2, 3, generator=gen, dtype=torch.bfloat16),
+                          torch.randn(1, hi - lo, 2, 2, generator=gen, dtype=torch.bfloat16))) for lo, hi in ranges]
+    buffer = torch.full((1, 8, 2, 5), float("nan"))         # uninitialised memory may hold anything
+    expected = torch.zeros(1, 8, 2, 5)
+    for lo, hi, (dk, dv) in partials:
+        expected[:, lo - first_key:hi - first_key, :, :3] += dk.float()
+        expected[:, lo - first_key:hi - first_key, :, 3:] += dv.float()
     assert gather_partials(buffer, partials, first_key) is buffer
     torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
+    add_partials(buffer, partials, first_key)
+    torch.testing.assert_close(buffer, 2 * expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("receive_early", [True, False], ids=["gloo-early", "with-the-send"])

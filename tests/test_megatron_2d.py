@@ -276,10 +276,13 @@ def test_stock_hierarchical_sizes_give_head_then_context():
         settings_from_config(config)
 
 
-def test_layer_spec_carries_the_overrides_and_refuses_mla():
+def test_layer_spec_carries_the_overrides_and_builds_mla():
     """get_gpt_layer_spec_2d: CoreAttention2D as core attention, keyword settings passed as its params (only the
-    ones given), Megatron's local layers without TE; MLA refused."""
+    ones given), Megatron's local layers without TE; an MLA config gets Megatron's MLA layer (tests/test_megatron_mla.py
+    runs it)."""
     from types import SimpleNamespace
+
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from megatron_2d.megatron.core_attention import CoreAttention2D
 
@@ -290,5 +293,6 @@ def test_layer_spec_carries_the_overrides_and_refuses_mla():
     assert core.params == {"head_parallel_size": 2, "placement": "context_first", "kernel": "torch_math"}
     assert get_gpt_layer_spec_2d(use_transformer_engine=False).submodules.self_attention.submodules \
         .core_attention.params == {}
-    with pytest.raises(ValueError, match="multi-latent attention"):
-        get_gpt_layer_spec_2d(SimpleNamespace(multi_latent_attention=True), use_transformer_engine=False)
+    mla = get_gpt_layer_spec_2d(SimpleNamespace(multi_latent_attention=True), use_transformer_engine=False)
+    assert mla.submodules.self_attention.module is MLASelfAttention
+    assert mla.submodules.self_attention.submodules.core_attention.module is CoreAttention2D

@@ -37,6 +37,9 @@ assert hasattr(typing, "override") == had_override, "typing.override installed a
 assert not hasattr(mrandom, "_M2D_ORIGINAL_TRACKER"), "megatron's RNG tracker patched at import"
 assert "megatron_2d" not in getattr(rotary_pos_embedding.get_pos_emb_on_this_cp_rank, "__module__", ""), "RoPE patched"
 assert not megatron_cpu.shims_installed()
+from megatron.core.models.hybrid import hybrid_block
+assert "mamba_ssm" not in sys.modules and "fla" not in sys.modules, "Mamba/GDN kernel stand-ins registered at import"
+assert hybrid_block.TENorm.__module__.startswith("megatron.core.extensions"), "HybridStack's final norm patched"
 print("imported", len(names), "modules; nothing patched")
 """
 

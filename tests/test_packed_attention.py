@@ -111,6 +111,26 @@ def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
                              if m == "zigzag")
 
 
+ONE_TOKEN_DOCUMENTS = [1] * 40 + [5, 9]     # issue 25's reproduction: garbage dq/dk reported at world 8
+
+
+def one_token_documents(rank, world, hp, w):
+    groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
+    # the sequence mode cuts the stream into 2*CP chunks: a last document of 10 tokens makes T = 64
+    return {mode: run_packed(groups, mode, ONE_TOKEN_DOCUMENTS + ([10] if mode == "sequence" else []), True, 8, 8)[:2]
+            for mode in MODES}
+
+
+@pytest.mark.parametrize("hp, w", [(1, 2), (4, 1), (2, 2)], ids=["hp1-cp8-w2", "hp4-cp2-w1", "hp2-cp4-w2"])
+def test_one_token_documents_at_world_8(hp, w):
+    """The reported case (fp32, causal, hq = hkv = 8, d = 16, forty one-token documents) in every mode."""
+    for per_rank in run_on_ranks(8, one_token_documents, hp, w):
+        assert set(per_rank) == set(MODES)
+        for mode, (errs, padding) in per_rank.items():
+            assert max(errs.values()) < TOLERANCE[torch.float32], (mode, errs)
+            assert padding["no_nan"] and padding["pad_zero"], (mode, padding)
+
+
 def tiny_documents(rank, world):
     groups = megatron_2d.build_2d_groups(1, 2, "head_first", timeout=TIMEOUT)
     lengths = (np.arange(1000) % 3 + 1).tolist()                # 1000 documents of 1-3 tokens
@@ -285,6 +305,31 @@ def test_bad_packed_input_is_refused_with_the_values():
         assert "other groups" in messages["other_groups"]
         assert "packing=" in messages["thd_without_packing"]
         assert "'whole'" in messages["mode"]
+
+
+def disagreeing_cu_seqlens(rank, world, hp, differ_by):
+    """Build a layout where ranks differ in cu_seqlens only across ``differ_by`` ("head_group": each head group
+    agrees within itself; "context_group": each context group agrees within itself); every rank must refuse."""
+    groups = megatron_2d.build_2d_groups(hp, 1, "head_first", timeout=TIMEOUT)
+    place = groups.place
+    extra = place.context_rank if differ_by == "head_group" else place.head_rank
+    try:
+        megatron_2d.PackedLayout([0, 5, 9 + extra], groups)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("world, hp, differ_by", [(4, 2, "head_group"), (4, 2, "context_group"),
+                                                  (2, 1, "head_group"), (4, 1, "head_group"),
+                                                  (4, 4, "context_group")],
+                         ids=["hp2-cp2-across-head-groups", "hp2-cp2-across-context-groups", "hp1-cp2",
+                              "hp1-cp4", "hp4-cp1"])
+def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(world, hp, differ_by):
+    """Ranks that agree with their own head group (or context group) but not with the rest of the CP group are
+    refused on every rank: the check spans the whole CP group, at hp = 1 too."""
+    for message in run_on_ranks(world, disagreeing_cu_seqlens, hp, differ_by):
+        assert message is not None and "differ across the ranks" in message, message
 
 
 def test_a_failing_rank_fails_the_test():

@@ -11,6 +11,7 @@ from megatron_2d.plan import (CLUSTER_PRESETS, MODEL_PRESETS, Layout, ModelSpec,
 from megatron_2d.plan.cli import main, parse_seq
 from megatron_2d.plan.cost_model import flow_gbps, ring_times
 from megatron_2d.plan.cost_model import memory_bytes
+from megatron_2d.plan.links import IDEAL_LINKS
 from megatron_2d.plan.placement import LinkClass, LinkMap, link_map, peers
 from megatron_2d import topology
 from megatron_2d.block_plan import plan_block
@@ -72,7 +73,7 @@ def test_ring_times_hand_computed():
     #            owner (outer link, 16.75-24.75, exposed) -> 24.75 ms
     # serial comm = 2*2*3*1 (kv inner) + 5*2 (dkv inner) + 2*1*4 (kv outer) + 2*8 (dkv outer + diagonal)
     #             = 12+10+8+16 = 46 ms
-    cluster = H100.with_(nvlink_gbps=100.0)
+    cluster = H100.with_(nvlink_gbps=100.0, links=IDEAL_LINKS)     # nominal rates (tests/test_plan_links.py: factors)
     links = LinkMap(a2a=(), inner=(LinkClass(1, 0, 0),), outer=(LinkClass(0, 1, 16),))
     work = layer_work(GQA, ParallelSpec(gpus=64), hp=1, cp=64, seq=K128)
     work = type(work)(**{**work.__dict__, "kv_bytes": 1e8, "dkv_bytes": 2e8})
@@ -341,10 +342,11 @@ def test_parse_seq():
 @pytest.mark.parametrize("model", list(MODEL_PRESETS))
 @pytest.mark.parametrize("cluster", list(CLUSTER_PRESETS))
 def test_cli_runs_for_presets(model, cluster, capsys):
-    sizes = {"70B-GQA": ["--tp", "8", "--pp", "2", "--gpus", "256"]}.get(model, ["--gpus", "32"])
+    sizes = {"70B-GQA": ["--tp", "8", "--pp", "2", "--gpus", "256"],
+             "DSV3-MLA": ["--tp", "8", "--gpus", "64"]}.get(model, ["--gpus", "32"])
     assert main(["--model", model, "--cluster", cluster, *sizes, "--seq", "64K", "--top", "5"]) == 0
     out = capsys.readouterr().out
-    cp = 16 if model == "70B-GQA" else 32
+    cp = {"70B-GQA": 16, "DSV3-MLA": 8}.get(model, 32)
     assert "Recommended:" in out and f"--context-parallel-size {cp}" in out
 
 
@@ -364,9 +366,10 @@ def test_cli_flags_and_tp(capsys):
     main(["--model", "7B-MHA", "--gpus", "64", "--tp", "2", "--seq", "256K", "--json"])
     rows = json.loads(capsys.readouterr().out)
     p2p = next(r for r in rows if r["kind"] == "p2p")
-    assert p2p["flags"] == "--tensor-model-parallel-size 2 --context-parallel-size 32 --cp-comm-type p2p"
+    assert p2p["flags"].startswith("--tensor-model-parallel-size 2 --context-parallel-size 32 --cp-comm-type p2p ")
+    assert "--use-distributed-optimizer" in p2p["flags"]                # every row's memory option is on the line
     hier = next(r for r in rows if r["kind"] == "a2a+p2p" and r["hp"] == 4)
-    assert hier["flags"].endswith("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 8")
+    assert "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 8" in hier["flags"]
 
 
 def test_cli_plot_writes_png(tmp_path, capsys):
@@ -404,8 +407,10 @@ def test_calibrate_updates_cluster_figures():
 
     cal, fit = calibrate(H100, [(l, measured(l)) for l in layouts], GQA, par, K128)
     assert cal.attn_efficiency == pytest.approx(rate / 989e12)
-    assert cal.nvlink_gbps == pytest.approx(200.0)
-    assert cal.net_gbps_per_node == pytest.approx(30.0 * 8)
+    # four samples cannot separate five rates: one factor per link, fitted rate / nominal (450 GB/s; 50 per NIC)
+    assert fit.nvlink_a2a_bytes_per_s is None and cal.nvlink_gbps == 450.0 and cal.net_gbps_per_node == 400.0
+    assert cal.links.nvlink_p2p == cal.links.nvlink_a2a == pytest.approx(200.0 / 450.0)
+    assert cal.links.network_p2p == cal.links.network_a2a == pytest.approx(30.0 / 50.0)
     with pytest.raises(PlanError, match="at least one"):
         fit_rates([])
 

@@ -16,6 +16,7 @@ from megatron_2d.plan.candidates import enumerate_layouts, megatron_flags
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.cost_model import memory_breakdown, recompute_extra_s, with_recompute
 from megatron_2d.plan.planner import ROW_KEYS, choose_recompute, recommended
+from megatron_2d.plan.memory_options import DIST_OPT
 from megatron_2d.plan.report import format_plan
 
 GQA, MHA = get_model("7B-GQA"), get_model("7B-MHA")
@@ -140,8 +141,9 @@ def test_recompute_flags():
 # -- the recommendation fits in memory ---------------------------------------------------------------------------
 
 def test_one_million_tokens_no_longer_recommends_what_does_not_fit():
-    # 7B-GQA, 1M tokens, 64 H100s: without recompute every layout needs > 100 GB per GPU.
-    cands = plan(GQA, H100, ParallelSpec(gpus=64), M1)
+    # 7B-GQA, 1M tokens, 64 H100s, the distributed optimizer (memory options: test_plan_memory.py): without
+    # recompute every layout needs > 100 GB per GPU.
+    cands = plan(GQA, H100, ParallelSpec(gpus=64), M1, memory=DIST_OPT)
     assert all(o.memory_gb > 100 for c in cands if c.runs for o in c.options if o.recompute == "none")
     best = recommended(cands)
     assert best is cands[0] and best.feasible
@@ -159,7 +161,7 @@ def test_cheapest_mode_that_fits_is_chosen():
     par, lay = ParallelSpec(gpus=64), Layout("2d", 8, 8, 8)
     roomy = H100.with_(gpu_memory_gb=1000.0)
     assert evaluate(lay, GQA, roomy, par, M1).recompute == "none"          # everything fits: no recompute
-    c = evaluate(lay, GQA, H100, par, M1)
+    c = evaluate(lay, GQA, H100, par, M1, memory=DIST_OPT)
     assert c.feasible and c.recompute == "ckpt++"
     # block recompute: the fewest layers that fit, so one layer fewer would not fit
     n = c.estimate.recompute_layers
@@ -167,7 +169,7 @@ def test_cheapest_mode_that_fits_is_chosen():
     assert 0 < n < 32 and mb.total("ckpt++", n) <= H100.memory_budget_gb * GB < mb.total("ckpt++", n - 1)
     assert f"--recompute-method block --recompute-num-layers {n}" in c.flags
     # forcing a mode that does not fit makes the layout infeasible, with the memory in the reason
-    forced = evaluate(lay, GQA, H100, par, M1, recompute="none")
+    forced = evaluate(lay, GQA, H100, par, M1, recompute="none", memory=DIST_OPT)
     assert not forced.feasible and forced.runs and "out of memory: needs 106" in forced.reason
     # choose_recompute: fastest that fits; when none fits, the least memory
     opts = c.options
@@ -198,7 +200,8 @@ def test_no_feasible_layout_exits_non_zero_and_says_what_helps(capsys):
 # -- JSON: one schema with job metadata --------------------------------------------------------------------------
 
 def test_json_has_one_schema_with_job_metadata(capsys):
-    assert main(["--model", "7B-GQA", "--cluster", "8xH100", "--gpus", "64", "--seq", "1M", "--json"]) == 0
+    assert main(["--model", "7B-GQA", "--cluster", "8xH100", "--gpus", "64", "--seq", "1M", "--json", "--memory",
+                 "dist-opt"]) == 0
     rows = json.loads(capsys.readouterr().out)
     keys = {"job", "rank", "recommended", *ROW_KEYS}
     assert all(set(r) == keys for r in rows)
@@ -208,7 +211,8 @@ def test_json_has_one_schema_with_job_metadata(capsys):
     assert [r["recommended"] for r in rows].count(True) == 1 and rows[0]["recommended"]
     job = rows[0]["job"]
     assert all(r["job"] == job for r in rows)
-    assert job["schema_version"] == 2 and job["seq"] == M1 and job["model"]["name"] == "7B-GQA"
+    assert job["schema_version"] == 3 and job["seq"] == M1 and job["model"]["name"] == "7B-GQA"
+    assert job["memory"] == {"choice": "dist-opt", "fair": False, "global_batch_tokens": 4 << 20}
     assert job["parallel"] == {"gpus": 64, "tp": 1, "pp": 1, "dp": 1, "cp": 64, "micro_batch": 1}
     assert job["cluster"]["memory_budget_gb"] == pytest.approx(72.0) and job["recompute"] == "auto"
     best = rows[0]
@@ -303,8 +307,9 @@ def test_grid_cells_and_reasons():
     c = cell("8B-GQA", 512, 32768)
     assert c.codes == "=" and c.best_2d.layout.cp_size == c.best_stock.layout.cp_size < 512
     assert c.best_2d.estimate.tokens_per_gpu_s / c.best_stock.estimate.tokens_per_gpu_s == c.ratio
-    # 8B-GQA at 32 GPUs, 256K: without recompute neither fits; 2D's ckpt++ beats stock's recompute of attention
-    c = cell("8B-GQA", 32, 262144)
+    # 8B-GQA at 32 GPUs, 1M: even with sharded states neither fits without recompute; 2D's ckpt++ beats stock's
+    # recompute of attention (at 256K, ZeRO-3 lets both run without recompute: test_plan_memory.py)
+    c = cell("8B-GQA", 32, 1 << 20)
     assert c.codes.startswith("C") and c.best_2d.recompute == "ckpt++"
     assert c.best_stock.recompute in ("full", "selective") and c.ratio > 1.02
     # nothing fits
@@ -382,7 +387,7 @@ def test_layers_to_fit_is_the_fewest_that_fit():
 
 
 def test_grid_json(capsys):
-    assert main(["--grid", "--models", "8B-GQA", "--gpus", "32", "--seqs", "256K", "4M", "--json"]) == 0
+    assert main(["--grid", "--models", "8B-GQA", "--gpus", "32", "--seqs", "1M", "4M", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 and all(set(r) == set(rows[0]) for r in rows)
     ok, none = rows

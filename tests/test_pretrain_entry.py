@@ -31,8 +31,8 @@ def parse(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as the launch scripts set it
 
-    def run(*flags):
-        monkeypatch.setattr(sys, "argv", ["pretrain_gpt_2d.py", *MODEL, *flags])
+    def run(*flags, model=MODEL):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt_2d.py", *model, *flags])
         return megatron_arguments.parse_and_validate_args(extra_args_provider=add_2d_arguments)
     yield run
     from megatron.training.global_vars import unset_global_variables
@@ -50,6 +50,28 @@ def test_2d_flags_build_the_2d_config_and_spec(parse):
     assert args.spec == ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
     spec = config.transformer_layer_spec(t)
     assert spec.submodules.self_attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
+
+
+MHA_MODEL = MODEL[:MODEL.index("--group-query-attention")] + MODEL[MODEL.index("--num-query-groups") + 2:]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rope-type", "rope"]
+
+
+@pytest.mark.parametrize("ring", ["expanded", "latent"])
+def test_mla_flags_build_the_mla_2d_config_and_spec(parse, ring):
+    from megatron_2d.megatron import MLATransformerConfig2D
+
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+                 "--cp-2d-window-size", "2", "--attention-dropout", "0", "--cp-2d-mla-ring", ring, *MLA,
+                 model=MHA_MODEL)
+    config = gpt_config_from_args_2d(args)
+    t = config.transformer
+    assert isinstance(t, MLATransformerConfig2D)
+    assert (t.cp_2d_head_parallel_size, t.cp_2d_window_size, t.cp_2d_mla_ring, t.kv_lora_rank, t.v_head_dim,
+            t.qk_head_dim, t.rope_type) == (2, 2, ring, 16, 12, 16, "rope")
+    attention = config.transformer_layer_spec(t).submodules.self_attention
+    assert attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
+    assert attention.module.__name__ == ("MLASelfAttention2D" if ring == "latent" else "MLASelfAttention")
 
 
 def test_checkpoint_plus_plus_flag_reaches_the_config(parse):

@@ -42,13 +42,13 @@ def record_loop(rank, world, hp, w, backward):
             pending.wait = wait
             return pending
         exchange.start = start
-    kv = torch.full((2, 1, 4, 1, 2), float(groups.place.context_rank))
+    kv = torch.full((1, 4, 1, 2 + 3), float(groups.place.context_rank))   # [b, keys, g, dk + dv]
 
     def compute(block, source, first_key):
         log.append(("compute", source))
         assert first_key == 0                                    # the ring always holds whole blocks
         assert torch.all(block == source), (source, block.flatten()[:2])   # the block really is source's
-        return [(0, 4, torch.ones(1, 4, 1, 2), torch.ones(1, 4, 1, 2))] if backward else None
+        return [(0, 4, (torch.ones(1, 4, 1, 2), torch.ones(1, 4, 1, 3)))] if backward else None
 
     result = ring.run(kv, compute, dkv_dtype=torch.float32 if backward else None)
     expected = []
@@ -62,7 +62,7 @@ def record_loop(rank, world, hp, w, backward):
         elif e.channel is not None:
             expected.append(("wait", e.channel))
     visited = sorted(s for kind, s in log if kind == "compute")
-    own_grad = None if result is None else result[0].flatten().tolist()
+    own_grad = None if result is None else result.flatten().tolist()
     return log, expected, visited, own_grad
 
 
@@ -73,7 +73,7 @@ def test_loop_follows_the_schedule(world, hp, w, backward):
     for log, expected, visited, own_grad in run_on_ranks(world, record_loop, hp, w, backward):
         assert log == expected
         assert visited == list(range(world // hp))            # every context rank's block, once
-        if backward:                                           # every rank added 1 to my block's dK
+        if backward:                                           # every rank added 1 to my block's dK/dV
             assert own_grad == [float(world // hp)] * len(own_grad)
 
 

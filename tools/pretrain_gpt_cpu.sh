@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Megatron-LM's own pretrain_gpt.py (core_v0.19.0 + patches/, copied to a temporary folder) with 2D context
-# parallelism on 4 CPU ranks under torchrun: the command tests/test_pretrain_gpt_cpu.py runs on forked ranks.
+# Megatron-LM's own pretrain_gpt.py or pretrain_hybrid.py (core_v0.19.0 + patches/, copied to a temporary folder)
+# with 2D context parallelism on 4 CPU ranks under torchrun: the commands tests/test_pretrain_gpt_cpu.py and
+# tests/test_pretrain_hybrid_cpu.py run on forked ranks.
 #   bash tools/pretrain_gpt_cpu.sh                  # 4 ranks, CP=4 as hp x cp = 2 x 2, window 2
 #   CP=1 bash tools/pretrain_gpt_cpu.sh             # the CP=1 reference (unpatched script, 1 rank)
 #   bash tools/pretrain_gpt_cpu.sh --print-flags    # the pretrain_gpt flags, one a line
+#   ENTRY=hybrid [PATTERN='M*-M*-'] bash tools/pretrain_gpt_cpu.sh   # pretrain_hybrid.py: Mamba + 2D attention
+#     (CPU stand-ins for the Mamba/GDN kernels; the CP=1 reference runs Megatron's local hybrid spec)
 # Needs <repo>/../shared/megatron-lm/core_v0.19.0 (or MEGATRON_LM_DIR). Stops after TIMEOUT seconds (default 120).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 CP="${CP:-4}"
+ENTRY="${ENTRY:-gpt}"
 
-FLAGS=(
-  --num-layers 2 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2
+if [ "$ENTRY" = hybrid ]; then
+  FLAGS=(--hybrid-layer-pattern "${PATTERN:-M*-M*-}" --mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2)
+  [ "$CP" = 1 ] && FLAGS+=(--spec megatron_2d.testing.hybrid_cpu megatron_local_hybrid_stack_spec)
+else
+  FLAGS=(--num-layers 2)
+fi
+FLAGS+=(
+  --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2
   --position-embedding-type rope --seq-length 128 --max-position-embeddings 128
   --tokenizer-type NullTokenizer --vocab-size 128 --make-vocab-size-divisible-by 64
   --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 --train-iters 4 --mock-data --seed 1234
@@ -27,7 +37,7 @@ if [ "${1:-}" = "--print-flags" ]; then printf '%s\n' "${FLAGS[@]}"; exit 0; fi
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 PATCHED=--patched; [ "$CP" = 1 ] && PATCHED=
-SCRIPT="$("$PY" -m megatron_2d.testing.megatron_lm "$WORK" $PATCHED)"
+SCRIPT="$("$PY" -m megatron_2d.testing.megatron_lm "$WORK" $PATCHED --script "pretrain_$ENTRY.py")"
 # torchrun terminates its workers on SIGTERM; -k kills it if it does not stop.
 exec timeout -k 10 "${TIMEOUT:-120}" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$CP" \
   -m megatron_2d.testing.pretrain_cpu "$SCRIPT" "${FLAGS[@]}" "$@"

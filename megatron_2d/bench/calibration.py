@@ -13,8 +13,10 @@ The CPU as the planner's cluster (one per N; N forked gloo ranks share the machi
 Fitted (megatron_2d.plan.fit_rates, the planner's own least-squares: t = flops / R + bytes / B) over the samples
 of every N together, each sample's work counted in core-seconds (its counts times f, because f ranks share a core)
 and its time less the model's fixed costs (latency, merges, all-to-all permutes: the planner's own estimate on the
-same cluster with unbounded compute and links). Then attn_efficiency = R / P1 and nvlink_gbps = B / f per rank, and
-every layout is predicted by megatron_2d.plan.evaluate on the calibrated cluster and printed next to its
+same cluster with unbounded compute and links). The ring sends' rate B and the all-to-alls' rate B_a2a are fitted
+apart when the layouts separate them (hp = 1, 1 < hp < N and hp = N together do). Then attn_efficiency = R / P1,
+nvlink_gbps = max(B, B_a2a) / f per rank and the link factors (megatron_2d.plan.links) nvlink_p2p = B / max,
+nvlink_a2a = B_a2a / max, and every layout is predicted by megatron_2d.plan.evaluate on the calibrated cluster and printed next to its
 measurement ("predicted"), together with the same estimate with no overlap of communication and compute
 ("no-overlap": compute + every transfer serialised), which tells whether the rings' overlap assumption is what
 misses. Timing noise on a 2-core machine is large; the verdict lines say how far to trust the fit. With --from-json
@@ -30,7 +32,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from ..plan import (ClusterSpec, FitResult, Layout, ModelSpec, ParallelSpec, WorkCounts, evaluate, fit_rates,
                     work_counts)
+from ..plan.links import IDEAL_LINKS, LinkEfficiency
 from ..testing.distributed import run_on_ranks
 from . import compare as bench_compare
 from .cli import add_arguments, add_output_arguments, render_table
@@ -132,13 +135,15 @@ def bench_model(bench_args: Dict[str, object]) -> ModelSpec:
                      heads=heads, kv_heads=int(bench_args["kv_heads"]), ffn_hidden=1, vocab=1)
 
 
-def cpu_cluster(n: int, m: MachineFigures, attn_efficiency: float = 0.5, link_bytes_per_core: float = 1e9) -> ClusterSpec:
-    """This machine as a one-node cluster of n ranks (see the module docstring)."""
+def cpu_cluster(n: int, m: MachineFigures, attn_efficiency: float = 0.5, link_bytes_per_core: float = 1e9,
+                links: LinkEfficiency = IDEAL_LINKS) -> ClusterSpec:
+    """This machine as a one-node cluster of n ranks (see the module docstring); ``links``: the factors of the ring
+    sends and all-to-alls on its one "NVLink" (gloo's transfers) relative to ``link_bytes_per_core``."""
     f = share(n, m.cores)
     return ClusterSpec(f"cpu x{n}", gpus_per_node=n, peak_tflops=m.peak_flops / f / 1e12,
                        attn_efficiency=attn_efficiency, nvlink_gbps=link_bytes_per_core / f / 1e9,
                        net_gbps_per_node=1.0, nics_per_node=1, hbm_gbps=m.copy_bytes_per_s / f / 1e9,
-                       step_latency_us=m.step_latency_s[n] * 1e6, gpu_memory_gb=1e3)
+                       step_latency_us=m.step_latency_s[n] * 1e6, gpu_memory_gb=1e3, links=links)
 
 
 def fixed_seconds(layout: Layout, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int) -> float:
@@ -159,15 +164,20 @@ def fit(samples: Sequence[Sample], model: ModelSpec, m: MachineFigures, seq: int
         if rest <= 0:
             raise SystemExit(f"{s.layout.label()} at N={s.n}: measured {s.seconds * 1e3:.1f} ms is below the model's "
                              f"fixed costs; the latency/bandwidth measurements do not fit this machine")
-        pairs.append((WorkCounts(c.flops * f, c.nvlink_bytes * f, c.nic_bytes * f), rest))
+        pairs.append((WorkCounts(c.flops * f, c.nvlink_bytes * f, c.nic_bytes * f, c.nvlink_a2a_bytes * f,
+                                 c.nic_a2a_bytes * f), rest))
     return fit_rates(pairs)
 
 
 def calibrated_cluster(n: int, m: MachineFigures, result: FitResult) -> Tuple[ClusterSpec, float]:
-    """The cluster for n ranks with the fitted figures; also the raw efficiency R / P1 (may exceed 1: capped)."""
+    """The cluster for n ranks with the fitted figures; also the raw efficiency R / P1 (may exceed 1: capped).
+    The link's nominal rate is the faster of the fitted ring and all-to-all rates; the factors (megatron_2d.plan.
+    links) put each at its fitted rate."""
     raw_eff = result.flops_per_s / m.peak_flops
-    link = result.nvlink_bytes_per_s if result.nvlink_bytes_per_s else 1e9
-    return cpu_cluster(n, m, attn_efficiency=min(1.0, raw_eff), link_bytes_per_core=link), raw_eff
+    p2p, a2a = result.nvlink_bytes_per_s, result.nvlink_a2a_bytes_per_s
+    top = max((r for r in (p2p, a2a) if r), default=1e9)
+    links = replace(IDEAL_LINKS, nvlink_p2p=(p2p or a2a or top) / top, nvlink_a2a=(a2a or p2p or top) / top)
+    return cpu_cluster(n, m, attn_efficiency=min(1.0, raw_eff), link_bytes_per_core=top, links=links), raw_eff
 
 
 # -- samples ----------------------------------------------------------------------------------------------------
@@ -257,7 +267,7 @@ def report(samples: List[Sample], model: ModelSpec, m: MachineFigures, result: F
              f"{r['serial_ms']:.0f}", f"{100 * r['serial_rel_error']:+.0f}%",
              f"{r['model_mib']:.2f}", f"{r['measured_mib']:.2f}"] for r in rows]
     raw_eff = result.flops_per_s / m.peak_flops
-    link = result.nvlink_bytes_per_s
+    link, a2a = result.nvlink_bytes_per_s, result.nvlink_a2a_bytes_per_s
     render_table(f"planner calibrated on this CPU: {model.name}, S={seq}, b={batch}; predicted vs measured", header,
                  body, width=175)
     print(f"measured: {m.cores} cores; matmul peak {m.peak_flops / 1e9:.0f} GFLOP/s per core; copy "
@@ -266,6 +276,9 @@ def report(samples: List[Sample], model: ModelSpec, m: MachineFigures, result: F
     print(f"fitted (core-seconds, fixed costs removed): attention {result.flops_per_s / 1e9:.1f} GFLOP/s per core = "
           f"efficiency {raw_eff:.3f} of peak{' (CAPPED at 1)' if raw_eff > 1 else ''}; link "
           + (f"{link / 1e9:.2f} GB/s per core" if link else "not identifiable (no traffic)")
+          + (f" for ring sends, {a2a / 1e9:.2f} GB/s per core for all-to-alls (link factors p2p "
+             f"{link / max(link, a2a):.2f}, a2a {a2a / max(link, a2a):.2f})" if link and a2a else
+             " (ring and all-to-all not separable: one rate)")
           + f"; fit RMS residual {result.rms_residual_s * 1e3:.1f} ms")
     summary = {}
     for n, rs in per_n.items():
@@ -297,7 +310,8 @@ def report(samples: List[Sample], model: ModelSpec, m: MachineFigures, result: F
     print("notes: gloo's transfers on CPU are memory copies done by the ranks' own cores, so they rarely overlap "
           "compute as the model's rings assume; ranks share cores (f > 1), and 2-core timing noise is ~10-30%.")
     fitted = {"flops_per_s_per_core": result.flops_per_s, "efficiency": raw_eff,
-              "link_bytes_per_s_per_core": link, "rms_residual_s": result.rms_residual_s}
+              "link_bytes_per_s_per_core": link, "a2a_bytes_per_s_per_core": a2a,
+              "rms_residual_s": result.rms_residual_s}
     return {"rows": rows, "summary": summary, "fit": fitted,
             "machine": {"cores": m.cores, "peak_flops": m.peak_flops, "copy_bytes_per_s": m.copy_bytes_per_s,
                         "step_latency_s": m.step_latency_s}}

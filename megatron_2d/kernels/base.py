@@ -1,8 +1,11 @@
 """The one interface between the ring loop and local attention kernels.
 
 Layouts (the ring loop never sees a kernel's own signature or layout):
-    q, out, dout, dq   [b, s_q, h_q, d]   (any strides with a contiguous last dim)
-    k, v, dk, dv       [b, s_k, h_kv, d]  h_kv divides h_q (GQA: query head j uses K/V head j // (h_q / h_kv))
+    q, dq              [b, s_q, h_q, dk]  (any strides with a contiguous last dim)
+    out, dout          [b, s_q, h_q, dv]
+    k, dk              [b, s_k, h_kv, dk] h_kv divides h_q (GQA: query head j uses K/V head j // (h_q / h_kv))
+    v, dv              [b, s_k, h_kv, dv] dv may differ from dk (MLA: 192 / 128); kernels that need equal head dims
+                                          (``needs_equal_head_dims``) get V padded by :class:`PaddedValueKernel`
     lse                [b, h_q, s_q]      softmax log-sum-exp (natural log) of the scaled scores, in
                                           ``accumulator_dtype(q.dtype)`` (fp32; fp64 for fp64 inputs)
 
@@ -43,6 +46,22 @@ class BlockKernel(abc.ABC):
     """Attention over one (Q block, K/V block) pair, returning the log-sum-exp so blocks can be merged."""
 
     name: str = "abstract"
+    needs_equal_head_dims: bool = True
+    """Whether q, k and v must share their head dim (flash kernels); :meth:`for_head_dims` then pads V."""
+
+    def for_head_dims(self, key_dim: int, value_dim: int) -> "BlockKernel":
+        """This kernel for keys of ``key_dim`` and values of ``value_dim``: itself, or wrapped so that V is padded
+        to the key dim when it needs equal head dims."""
+        if value_dim == key_dim or not self.needs_equal_head_dims:
+            return self
+        if value_dim > key_dim:
+            raise ValueError(f"value head dim {value_dim} exceeds the query/key head dim {key_dim}: the {self.name} "
+                             f"kernel needs equal head dims and pads V up to the key dim only")
+        return PaddedValueKernel(self, key_dim, value_dim)
+
+    def backward_inputs(self, dout: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(dout, out) as :meth:`backward_calls` takes them, made once per backward pass (identity here)."""
+        return dout, out
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Optional[Band],
@@ -69,7 +88,8 @@ class BlockKernel(abc.ABC):
     def backward_calls(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, calls: Sequence["BlockCall"], first_key: int,
                        scale: float) -> List[Tuple["BlockCall", torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Gradients of every call of one block: [(call, dq rows, dk keys, dv keys)] (see forward_calls)."""
+        """Gradients of every call of one block: [(call, dq rows, dk keys, dv keys)] (see forward_calls); ``dout``
+        and ``out`` as :meth:`backward_inputs` returned them."""
         results = []
         for c in calls:
             rows, keys = slice(c.q_start, c.q_end), slice(c.k_start - first_key, c.k_end - first_key)
@@ -79,6 +99,46 @@ class BlockKernel(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+class PaddedValueKernel(BlockKernel):
+    """A kernel that needs equal head dims, for V narrower than Q/K (MLA), as Transformer Engine runs flash-attn:
+    V is zero-padded to the key dim once per block (and dout, out once per backward pass, see
+    :meth:`backward_inputs`), the output and dV are cut back. The padding is exact: its output columns are zero,
+    so dP = dout V^T and delta = rowsum(dout * out) are unchanged."""
+
+    def __init__(self, inner: BlockKernel, key_dim: int, value_dim: int) -> None:
+        self.inner, self.key_dim, self.value_dim = inner, key_dim, value_dim
+        self.name = inner.name
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, self.key_dim - self.value_dim))     # [..., dv] -> [..., dk]
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return self.inner.supports(device, dtype)
+
+    def backward_inputs(self, dout, out):
+        return self._pad(dout), self._pad(out)
+
+    def forward(self, q, k, v, band, scale):
+        out, lse = self.inner.forward(q, k, self._pad(v), band, scale)
+        return out[..., :self.value_dim], lse
+
+    def backward(self, dout, q, k, v, out, lse, band, scale):
+        dq, dk, dv = self.inner.backward(self._pad(dout), q, k, self._pad(v), self._pad(out), lse, band, scale)
+        return dq, dk, dv[..., :self.value_dim]
+
+    def forward_calls(self, q, k, v, calls, first_key, scale):
+        return [(call, out[..., :self.value_dim], lse)
+                for call, out, lse in self.inner.forward_calls(q, k, self._pad(v), calls, first_key, scale)]
+
+    def backward_calls(self, dout, q, k, v, out, lse, calls, first_key, scale):
+        """``dout`` and ``out`` come padded (:meth:`backward_inputs`)."""
+        return [(call, dq, dk, dv[..., :self.value_dim]) for call, dq, dk, dv in
+                self.inner.backward_calls(dout, q, k, self._pad(v), out, lse, calls, first_key, scale)]
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}: V {self.value_dim} padded to {self.key_dim}>"
 
 
 def repeat_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:

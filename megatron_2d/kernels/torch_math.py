@@ -24,6 +24,7 @@ class TorchMathKernel(BlockKernel):
     """Exact attention with explicit scores; forward and backward are the textbook formulas."""
 
     name = "torch_math"
+    needs_equal_head_dims = False
 
     def forward(self, q, k, v, band, scale):
         hq = q.shape[2]

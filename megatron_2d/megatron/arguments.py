@@ -1,4 +1,4 @@
-"""pretrain_gpt command-line flags for the 2d backend, and the model config built from them.
+"""pretrain_gpt / pretrain_hybrid command-line flags for the 2d backend, and the model config built from them.
 
     --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-window-size 2
     --cp-2d-placement head_first --attention-dropout 0.0
@@ -16,6 +16,7 @@ from .launch_checks import check_launch_args
 from .settings import uses_2d
 
 SPEC = ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
+HYBRID_SPEC = ["megatron_2d.megatron.hybrid_spec", "hybrid_stack_spec_2d"]
 
 
 def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,6 +41,11 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                             "--dataloader-inter-document-masking without --sft); documents = short documents whole "
                             "on one context rank, long ones split (needs examples/pretrain_gpt_2d.py's data path, "
                             "with --dataloader-inter-document-masking or --sft).")
+    group.add_argument("--cp-2d-mla-ring", choices=("expanded", "latent"), default="expanded",
+                       help="with --multi-latent-attention: what travels the context ring. expanded = per-head K/V "
+                            "(as every CP backend sends them); latent = the compressed KV and rope key, "
+                            "up-projected by each rank for its own heads at every ring step (fewer bytes, more "
+                            "FLOPs; python -m megatron_2d.plan compares both).")
     group.add_argument("--selective-checkpoint-plus-plus", action="store_true",
                        help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
                             "log-sum-exp from the forward pass so the recompute pass skips attention.")
@@ -47,12 +53,31 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def transformer_config_from_args_2d(args: argparse.Namespace):
-    """TransformerConfig2D from parsed args (validated on construction)."""
+    """TransformerConfig2D (MLATransformerConfig2D with --multi-latent-attention) from parsed args (validated on
+    construction)."""
+    import dataclasses
+
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from .config import TransformerConfig2D
+    from .config import Fields2D, MLATransformerConfig2D, TransformerConfig2D
 
-    return core_transformer_config_from_args(args, config_class=TransformerConfig2D)
+    config = core_transformer_config_from_args(args, config_class=TransformerConfig2D)
+    if isinstance(config, TransformerConfig2D) or not getattr(args, "multi_latent_attention", False):
+        return config
+    # megatron.training builds its own MLATransformerConfig for --multi-latent-attention whatever class it is
+    # given: rebuild it with the 2D fields (from the same args)
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Fields2D) if hasattr(args, f.name)})
+    return MLATransformerConfig2D(**values)
+
+
+def _model_config_from_args_2d(args: argparse.Namespace, default_spec, model_config_from_args):
+    """Megatron's ``*_config_from_args`` with TransformerConfig2D, after the launch checks; ``default_spec`` when
+    "2d" is selected and no --spec was given."""
+    check_launch_args(args)
+    if uses_2d(args.cp_comm_type) and args.spec is None:
+        args.spec = list(default_spec)
+    return model_config_from_args(args, config=transformer_config_from_args_2d(args))
 
 
 def gpt_config_from_args_2d(args: argparse.Namespace):
@@ -60,7 +85,13 @@ def gpt_config_from_args_2d(args: argparse.Namespace):
     --spec was given. Refuses what the 2d backend does not support (:mod:`.launch_checks`) first."""
     from megatron.training.argument_utils import gpt_config_from_args
 
-    check_launch_args(args)
-    if uses_2d(args.cp_comm_type) and args.spec is None:
-        args.spec = list(SPEC)
-    return gpt_config_from_args(args, config=transformer_config_from_args_2d(args))
+    return _model_config_from_args_2d(args, SPEC, gpt_config_from_args)
+
+
+def hybrid_config_from_args_2d(args: argparse.Namespace):
+    """pretrain_hybrid's HybridModel config with TransformerConfig2D; the 2d hybrid stack spec when "2d" is selected
+    and no --spec was given. Refuses what the 2d backend does not support (:mod:`.launch_checks`: the hybrid pattern's
+    Mamba / GDN layers against the CP group included) first."""
+    from megatron.training.argument_utils import hybrid_config_from_args
+
+    return _model_config_from_args_2d(args, HYBRID_SPEC, hybrid_config_from_args)

@@ -48,7 +48,30 @@ HONOURED: Dict[str, str] = {
     "perform_initialization": "softmax_offset initialised as Megatron's DotProductAttention does",
     "init_method": "softmax_offset's initialisation",
     "use_cpu_initialization": "softmax_offset created on CPU when set",
+    "multi_latent_attention": "MLA: Megatron's MLASelfAttention with CoreAttention2D (q/k head dim != v head dim, K "
+                              "and V sent unpadded); cp_2d_mla_ring chooses per-head K/V or the latent on the ring",
 }
+
+# MLATransformerConfig's own fields (megatron-core 0.19.2), classified the same way
+MLA_HONOURED: Dict[str, str] = {
+    "qk_head_dim": "q/k head dim (with qk_pos_emb_head_dim); the latent ring's K up-projection width",
+    "qk_pos_emb_head_dim": "the rope part of q/k; the latent ring carries the rope key once per token",
+    "v_head_dim": "value head dim (may differ from q/k's; no padding on the wire)",
+    "kv_lora_rank": "the latent's width (what the latent ring carries)",
+    "mla_down_proj_fusion": "FusedMLASelfAttention: its own down projection; the latent ring keeps it",
+    "mscale": "through the softmax_scale MLA passes to core attention (YaRN)",
+    "mscale_all_dim": "through the softmax_scale MLA passes to core attention (YaRN)",
+    "rope_type": "'rope' and 'yarn': applied by Megatron's MLA before core attention (the latent ring applies the "
+                 "rope key's RoPE with Megatron's own function, at each token's true position)",
+}
+MLA_REFUSED: Dict[str, str] = {
+    "cache_mla_latents": "caching MLA latents is for Megatron's dynamic inference backend (core attention then gets "
+                         "latents, not K/V); set cache_mla_latents=False",
+}
+MLA_OUTSIDE = tuple("""
+    q_lora_rank rotary_base rotary_percent rotary_scaling_factor original_max_position_embeddings beta_fast
+    beta_slow
+""".split())
 
 
 def _is_set(name: str) -> Callable[[object], bool]:
@@ -64,7 +87,6 @@ _REFUSED_WHEN_SET: Dict[str, str] = {
                "qk_clip=False or use a Transformer Engine CP backend",
     "log_max_attention_logit": "the max attention logit is not computed by the 2d backend; set "
                                "log_max_attention_logit=False",
-    "multi_latent_attention": "multi-latent attention (MLA) is not supported by the 2d backend",
     "experimental_attention_variant": "experimental attention variants (gated_delta_net, dsa) are not supported by "
                                       "the 2d backend; leave experimental_attention_variant unset",
     "fp8_dot_product_attention": "fp8 dot-product attention is not implemented by the 2d backend; set "
@@ -80,6 +102,7 @@ _REFUSED_WHEN_SET: Dict[str, str] = {
 # name -> (when it is refused, why and what would work)
 REFUSED: Dict[str, tuple] = {name: (_is_set(name), why) for name, why in _REFUSED_WHEN_SET.items()}
 REFUSED["kitchen_attention_backend"] = (_is_set("use_kitchen_attention"), _KITCHEN)
+REFUSED.update({name: (_is_set(name), why) for name, why in MLA_REFUSED.items()})
 
 OUTSIDE = tuple("""
     tensor_parallel_num_weight_shards gtp_weight_remat_size pipeline_model_parallel_comm_backend

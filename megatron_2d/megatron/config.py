@@ -1,11 +1,12 @@
-"""``TransformerConfig2D``: megatron-core's TransformerConfig with the 2D context-parallel settings."""
+"""``TransformerConfig2D`` / ``MLATransformerConfig2D``: megatron-core's TransformerConfig and MLATransformerConfig
+with the 2D context-parallel settings (one set of fields, :class:`Fields2D`, shared by both)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
@@ -13,15 +14,12 @@ from .process_groups import group_registry
 from .settings import layer_comm_types, settings_from_config, uses_2d
 
 
-@dataclass
-class TransformerConfig2D(TransformerConfig):
-    """Select the backend with ``cp_comm_type="2d"`` (or a per-layer list containing "2d").
+MLA_RINGS = ("expanded", "latent")
 
-    Validated when built: hp x cp = context_parallel_size, hp divides the heads per TP rank, w divides cp, a
-    known placement, and every attention setting honoured or refused (:mod:`.attention_settings`). 2D settings
-    given without the "2d" backend are refused. ``window_size`` is Megatron's sliding window (honoured);
-    ``cp_2d_window_size`` is the Double-Ring window.
-    """
+
+@dataclass
+class Fields2D:
+    """The 2D settings, mixed into megatron-core's config classes (see :class:`TransformerConfig2D`)."""
 
     cp_2d_head_parallel_size: Optional[int] = None
     """hp: ranks per head group (all-to-all over heads). Must divide context_parallel_size and the heads per
@@ -51,6 +49,13 @@ class TransformerConfig2D(TransformerConfig):
     """Selective Checkpoint++: with full-layer recompute, keep each layer's attention output and log-sum-exp from
     the forward pass so the recompute pass skips attention (its kernels, all-to-alls and ring traffic)."""
 
+    cp_2d_mla_ring: str = "expanded"
+    """What travels the context ring under multi-latent attention (MLA): "expanded" (per-head K and V, as every
+    CP backend sends them) or "latent" (the compressed KV after its layernorm and the rope key, up-projected by
+    each rank for its own heads at every ring step: (heads per TP rank / hp) x (qk + v head dims) / (kv_lora_rank
+    + rope dim) times fewer ring bytes, about 9x for DeepSeek-V3 at TP 8 and hp 1, for the repeated
+    up-projection's FLOPs; see megatron_2d.megatron.mla)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         group_registry(self)    # the model's 2D groups live here; Megatron's per-layer config copies share them
@@ -65,14 +70,37 @@ class TransformerConfig2D(TransformerConfig):
             if self.cp_2d_packing not in ("zigzag", "documents", "sequence"):
                 raise ValueError(f"cp_2d_packing {self.cp_2d_packing!r} is not one of ['zigzag', 'documents', "
                                  f"'sequence']")
+            if self.cp_2d_mla_ring not in MLA_RINGS:
+                raise ValueError(f"cp_2d_mla_ring {self.cp_2d_mla_ring!r} is not one of {list(MLA_RINGS)}")
+            if self.cp_2d_mla_ring != "expanded" and not getattr(self, "multi_latent_attention", False):
+                raise ValueError(f"cp_2d_mla_ring {self.cp_2d_mla_ring!r} chooses what multi-latent attention sends "
+                                 f"round the ring, but multi_latent_attention is off, so it would be ignored; "
+                                 f"drop it or build an MLATransformerConfig2D (--multi-latent-attention)")
             settings_from_config(self)
             check_attention_settings(self)
             return
         given = {name: getattr(self, name) for name, default in (
             ("cp_2d_head_parallel_size", None), ("cp_2d_context_size", None), ("cp_2d_window_size", 1),
             ("cp_2d_placement", "head_first"), ("cp_2d_dkv_comm_dtype", "accumulator"),
-            ("cp_2d_packing", "zigzag"))
+            ("cp_2d_packing", "zigzag"), ("cp_2d_mla_ring", "expanded"))
             if getattr(self, name) != default}
         if given:
             raise ValueError(f"2D settings {given} are set but cp_comm_type is {layer_comm_types(self.cp_comm_type)}, "
                              f"so they would be ignored; set cp_comm_type='2d' (--cp-comm-type 2d) or drop them")
+
+
+@dataclass
+class TransformerConfig2D(Fields2D, TransformerConfig):
+    """Select the backend with ``cp_comm_type="2d"`` (or a per-layer list containing "2d").
+
+    Validated when built: hp x cp = context_parallel_size, hp divides the heads per TP rank, w divides cp, a
+    known placement, and every attention setting honoured or refused (:mod:`.attention_settings`). 2D settings
+    given without the "2d" backend are refused. ``window_size`` is Megatron's sliding window (honoured);
+    ``cp_2d_window_size`` is the Double-Ring window.
+    """
+
+
+@dataclass
+class MLATransformerConfig2D(Fields2D, MLATransformerConfig):
+    """:class:`TransformerConfig2D` for multi-latent attention (megatron-core's MLATransformerConfig): the same 2D
+    settings and validation, and ``cp_2d_mla_ring`` to choose what travels the ring."""

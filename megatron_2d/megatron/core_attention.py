@@ -32,6 +32,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 
 from ..attention import attention_2d
 from ..band import SlidingWindow
+from ..latent_attention import latent_attention_2d
 from ..packed_layout import PackedLayout
 from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
@@ -60,6 +61,11 @@ def _attention_with_sinks(q, k, v, sinks=None, **kwargs):
     return attention_2d(q, k, v, sinks=sinks, **kwargs)
 
 
+def _latent_attention_with_sinks(q, latent, up_weight, sinks=None, **kwargs):
+    """latent_attention_2d with the sinks positional (as :func:`_attention_with_sinks`)."""
+    return latent_attention_2d(q, latent, up_weight, sinks=sinks, **kwargs)
+
+
 class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
@@ -71,24 +77,31 @@ class CoreAttention2D(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None, *, head_parallel_size: Optional[int] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None, *, head_parallel_size: Optional[int] = None,
                  double_ring_window: Optional[int] = None, placement: Optional[str] = None,
                  kernel: Optional[str] = None) -> None:
         super().__init__(config=config)
+        self.v_channels = v_channels      # MLA's value head dim (its query/key head dim is k_channels)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.layer_number, self.attn_mask_type, self.kernel = layer_number, attn_mask_type, kernel
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         cp_size = pg_collection.cp.size() if pg_collection.cp is not None else 1
         self.delegate = None
+        if cp_comm_type is None and uses_2d(config.cp_comm_type):
+            # MLA's base class builds its core attention once without the layer's cp_comm_type and rebuilds it with
+            # it right after: that first instance is dropped, so it takes "2d" (no TE module built just to go)
+            cp_comm_type = BACKEND_NAME
         if cp_size > 1 and cp_comm_type != BACKEND_NAME:
             if not uses_2d(config.cp_comm_type):
                 raise ValueError(f"the 2d layer spec is in use but cp_comm_type is {config.cp_comm_type!r} for every "
                                  f"layer, so no layer would run 2D attention; set cp_comm_type='2d' "
                                  f"(--cp-comm-type 2d) or use megatron-core's own layer spec")
+            channels = {} if k_channels is None else dict(k_channels=k_channels, v_channels=v_channels)
             self.delegate = _other_backend(config, cp_comm_type, pg_collection, layer_number=layer_number,
                                            attn_mask_type=attn_mask_type, attention_type=attention_type,
-                                           softmax_scale=softmax_scale)
+                                           softmax_scale=softmax_scale, **channels)
             return
         check_attention_settings(config)
         check_current_launch()      # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
@@ -145,10 +158,37 @@ class CoreAttention2D(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
-        """[s/CP, b, hq/tp, d] x2 + [s/CP, b, hkv/tp, d] -> [s/CP, b, hq/tp * d]."""
+        """[s/CP, b, hq/tp, dk] x2 + [s/CP, b, hkv/tp, dv] -> [s/CP, b, hq/tp * dv] (dv = dk unless MLA)."""
         if self.delegate is not None:
             return self.delegate(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                  attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
+        packed_width = value.shape[-1]
+        if settings["packing"] is not None and self.v_channels is not None and packed_width > self.v_channels:
+            # MLA under THD: Megatron pads V to the query's head dim before core attention and trims the output
+            # after it; the op takes V as it is (no padding on the wire) and the output is padded back here
+            value = value[..., :self.v_channels]
+        out = self._run(_attention_with_sinks, (query, key, value), settings)
+        if out.shape[-1] < packed_width:
+            out = torch.nn.functional.pad(out, (0, packed_width - out.shape[-1]))
+        return self._flatten_heads(out, settings["packing"])
+
+    def latent_forward(self, query: torch.Tensor, latent: torch.Tensor, up_weight: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], *, nope_dim: int, value_dim: int,
+                       attn_mask_type: Optional[AttnMaskType] = None, packed_seq_params=None) -> torch.Tensor:
+        """MLA with the latent on the ring (cp_2d_mla_ring="latent", :mod:`megatron_2d.megatron.mla`): query
+        [s/CP, b, hq/tp, dk], latent [s/CP, b, kv_lora_rank + rope dim], ``up_weight`` linear_kv_up_proj's weight
+        -> [s/CP, b, hq/tp * dv] (THD: [t, ...] without b), through :func:`megatron_2d.latent_attention_2d`."""
+        if self.delegate is not None:
+            raise ValueError(f"layer {self.layer_number} runs Transformer Engine's CP attention (its cp_comm_type is "
+                             f"not '2d'), which has no latent ring; use cp_2d_mla_ring='expanded'")
+        settings = self._call_settings(query, attn_mask_type, None, packed_seq_params)
+        op = partial(_latent_attention_with_sinks, nope_dim=nope_dim, value_dim=value_dim)
+        return self._flatten_heads(self._run(op, (query, latent, up_weight), settings), settings["packing"])
+
+    def _call_settings(self, query: torch.Tensor, attn_mask_type: Optional[AttnMaskType],
+                       attention_bias: Optional[torch.Tensor], packed_seq_params) -> dict:
+        """The op's keyword arguments for one call (its PackedLayout under "packing"), after the call's checks."""
         packing = self._packed_layout(packed_seq_params, query)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the 2d backend")
@@ -157,18 +197,22 @@ class CoreAttention2D(MegatronModule):
             raise ValueError(f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
                              f"{[m.name for m in SUPPORTED_MASKS]}")
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
-        attention = partial(_attention_with_sinks, groups=self.groups, causal=mask_type == AttnMaskType.causal,
-                            softmax_scale=self.softmax_scale, kernel=self.kernel, sliding_window=window,
-                            dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"),
-                            packing=packing)
-        sinks = self.softmax_offset
+        return dict(groups=self.groups, causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
+                    kernel=self.kernel, sliding_window=window,
+                    dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"), packing=packing)
+
+    def _run(self, op, tensors, settings: dict) -> torch.Tensor:
+        """``op(*tensors, sinks, **settings)``, through the Checkpoint++ keeper when it is on."""
+        attention = partial(op, **settings)
         if self.keeper is None:
-            out = attention(query, key, value, sinks)
-        else:
-            out = self.keeper(attention, query, key, value, sinks)
+            return attention(*tensors, self.softmax_offset)
+        return self.keeper(attention, *tensors, self.softmax_offset)
+
+    @staticmethod
+    def _flatten_heads(out: torch.Tensor, packing) -> torch.Tensor:
         if packing is not None:
-            return out.reshape(out.shape[0], -1)                              # [t, hq/tp * d]
-        return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * d]
+            return out.reshape(out.shape[0], -1)                              # [t, hq/tp * dv]
+        return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * dv]
 
     def _layout_of(self, packed_seq_params, mode: str) -> PackedLayout:
         """The layout of a THD batch Megatron split itself ("zigzag": per document, from cu_seqlens_q (real) and

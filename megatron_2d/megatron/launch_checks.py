@@ -2,13 +2,18 @@
 
 Every route into the library reaches them, on every rank, before any model is trained:
 
-  * the patched pretrain_gpt.py and ``examples/pretrain_gpt_2d.py`` build the model config with
-    :func:`megatron_2d.megatron.arguments.gpt_config_from_args_2d`, which calls :func:`check_launch_args`;
-  * the unpatched ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d`` route calls the layer-spec function, which
-    calls :func:`check_current_launch` (megatron.training's parsed arguments, when a launch has set them).
+  * the patched pretrain_gpt.py / pretrain_hybrid.py and ``examples/pretrain_gpt_2d.py`` build the model config with
+    :func:`megatron_2d.megatron.arguments.gpt_config_from_args_2d` / ``hybrid_config_from_args_2d``, which call
+    :func:`check_launch_args`;
+  * the unpatched ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d`` route calls the layer-spec function, and the
+    unpatched ``pretrain_hybrid.py --spec megatron_2d.megatron.hybrid_spec hybrid_stack_spec_2d`` route builds
+    ``HybridStack2D``; both call :func:`check_current_launch` (megatron.training's parsed arguments, when a launch
+    has set them) before any layer is built.
 
 Model-level settings (hp, window, placement, heads, dropout) are validated by ``settings_from_config``; this module
-covers what only the command line knows: how the data is packed (:func:`packing_mode`).
+covers what only the command line knows (how the data is packed, :func:`packing_mode`; a hybrid model's layer
+pattern) and the hybrid layers' needs of the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at
+construction).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Tuple
 
+from ..hybrid_layers import (GDN, MAMBA, MAMBA_EXPAND, SSM_SYMBOLS, decoder_layers, gdn_cp_problem, mamba_cp_problem,
+                             mamba_num_heads)
 from .settings import layer_comm_types, uses_2d
 
 PACKED_SEQUENCE_FLAGS: Tuple[Tuple[str, str], ...] = (
@@ -33,6 +40,9 @@ def check_launch_args(args) -> None:
     if not uses_2d(getattr(args, "cp_comm_type", None)):
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern:      # pretrain_hybrid.py: Mamba / GDN layers against the CP group, before any model is built
+        check_hybrid_layers(args, decoder_layers(pattern))
     if given:
         raise ValueError(f"{', '.join(given)} gives document masks the 2d backend (cp_comm_type "
                          f"{layer_comm_types(args.cp_comm_type)}) would not see as packed THD batches; drop "
@@ -58,6 +68,41 @@ def packing_mode(config) -> str:
             and not getattr(args, "sft", False):
         return "sequence"
     return chosen
+
+
+def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -> None:
+    """Refuse, with ValueError, hybrid ``layers`` (symbols, e.g. "M*-M*-") the CP group cannot run (``config``: a
+    TransformerConfig, or megatron.training's args, which carry the same names):
+
+    * Mamba / GDN heads that do not divide over TP x CP (their all-to-all spans the whole CP group, hp x cp);
+    * Mamba / GDN layers with ``cp_2d_packing="documents"``: they read tokens in Megatron's zigzag order, and the
+      documents layout keeps short documents whole on one rank instead (they would run on misordered tokens)."""
+    present = sorted(set(layers) & SSM_SYMBOLS)
+    if not present:
+        return
+    names = {MAMBA: "Mamba (M)", GDN: "GDN (G)"}
+    if getattr(config, "cp_2d_packing", "zigzag") == "documents" and getattr(config, "context_parallel_size", 1) > 1:
+        raise ValueError(f"cp_2d_packing='documents' cannot run a model with {' and '.join(names[s] for s in present)}"
+                         f" layers: Megatron's Mamba/GDN context parallelism reads tokens in its zigzag order, and the"
+                         f" documents layout keeps short documents whole on one context rank; use cp_2d_packing="
+                         f"'zigzag' (--cp-2d-packing zigzag, Megatron's THD split, e.g. --sft batches)")
+    per_sequence = getattr(config, "cp_2d_packing", "zigzag") == "sequence" or (
+        getattr(config, "dataloader_inter_document_masking", False) and not getattr(config, "sft", False))
+    if (per_sequence or packing_mode(config) == "sequence") and getattr(config, "context_parallel_size", 1) > 1:
+        raise ValueError(f"Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
+                         f"without --sft) cannot run a model with {' and '.join(names[s] for s in present)} layers: "
+                         f"Megatron's Mamba/GDN context parallelism reads THD batches in the per-document order; use "
+                         f"--sft batches (Megatron's per-document split)")
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    problems = []
+    if MAMBA in present:
+        heads = mamba_num_heads(config.hidden_size, config.mamba_head_dim, config.mamba_num_heads, mamba_expand)
+        problems.append(mamba_cp_problem(heads, config.mamba_num_groups, tp, cp))
+    if GDN in present:
+        problems.append(gdn_cp_problem(config.linear_num_key_heads, config.linear_num_value_heads, tp, cp))
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def current_launch_args() -> Optional[object]:

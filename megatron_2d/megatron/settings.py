@@ -105,5 +105,7 @@ def settings_from_config(config, **overrides) -> Settings2D:
     values.update({k: v for k, v in overrides.items() if v is not None})
     return validate_2d_settings(
         context_parallel_size=config.context_parallel_size, num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups, tensor_model_parallel_size=config.tensor_model_parallel_size,
+        # MLA builds K/V per query head (num_query_groups does not apply)
+        num_query_groups=None if getattr(config, "multi_latent_attention", False) else config.num_query_groups,
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
         attention_dropout=config.attention_dropout, **values)

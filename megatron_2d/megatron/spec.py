@@ -13,6 +13,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, packing_mode
+from .mla import mla_layer_options, use_latent_ring
 from .per_sequence import SelfAttention2D
 from .settings import settings_from_config, uses_2d
 
@@ -30,22 +31,25 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *, use_tr
                           placement: Optional[str] = None, kernel: Optional[str] = None) -> ModuleSpec:
     """Megatron's GPT layer spec (Transformer Engine layers when TE is installed, local layers otherwise) with
     :class:`CoreAttention2D` as core attention. ``config`` (a TransformerConfig or pretrain's model config) supplies
-    MoE / qk-layernorm choices; the keyword settings override the config's ``cp_2d_*`` fields. When packed batches
-    come in Megatron's per-sequence split (:func:`packing_mode` "sequence"), self attention is
-    :class:`SelfAttention2D` (RoPE at each token's position in its document)."""
-    if getattr(config, "multi_latent_attention", False):
-        raise ValueError("multi-latent attention (MLA) is not supported by the 2d backend")
+    MoE / qk-layernorm / multi-latent attention choices (:mod:`.mla`); the keyword settings override the config's
+    ``cp_2d_*`` fields. When packed batches come in Megatron's per-sequence split (:func:`packing_mode`
+    "sequence"), self attention is :class:`SelfAttention2D` (RoPE at each token's position in its document)."""
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     layer_options = dict(num_experts=getattr(config, "num_moe_experts", None),
                          moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
-                         qk_layernorm=getattr(config, "qk_layernorm", False))
+                         qk_layernorm=getattr(config, "qk_layernorm", False),
+                         **mla_layer_options(config, use_te))
     spec = (get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec)(**layer_options)
     params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
     if packing_mode(config) == "sequence":        # Megatron's per-sequence split: RoPE at document positions
+        if getattr(config, "multi_latent_attention", False):
+            raise ValueError("Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
+                             "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
+                             "RoPE assumes the per-document split; use --sft batches or the documents layout")
         spec.submodules.self_attention.module = SelfAttention2D
-    return spec
+    return use_latent_ring(spec, config, use_te)
 
 
 def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> ModuleSpec:

@@ -4,27 +4,33 @@
     cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)   # fastest feasible first
     best = cands[0]; best.layout, best.time_ms, best.flags, best.to_dict()
 
-Each layout is estimated under every recompute mode its kind supports (none, Megatron selective, full,
-Selective Checkpoint++ for 2D) and gets the fastest that fits in GPU memory; ``recommended(cands)`` is the first
-feasible row (None when nothing fits).
+Each layout is estimated under every memory option (how model states are held: the distributed optimizer,
+megatron-fsdp, Hybrid ZeRO for 2D) and recompute mode its kind supports (none, Megatron selective, full, Selective
+Checkpoint++ for 2D) and gets the fastest that fits in GPU memory; ``recommended(cands)`` is the first feasible row
+(None when nothing fits). An MLA model (``ModelSpec.mla``, preset DSV3-MLA) gets each 2D layout with
+per-head K/V on the ring and with the latent (``--cp-2d-mla-ring latent``).
 
-Modules: hardware (specs, presets, PlanError), placement (which links each path uses), cost_model (formulas,
-memory and recompute), candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit
-rates to measurements), report (text/JSON), plot (matplotlib), grid (best 2D vs best stock over models, GPUs and
-lengths), cli (``python -m megatron_2d.plan``, ``python -m megatron_2d.plan grid``).
+Modules: hardware (specs, presets, PlanError), links (link efficiency), placement (which links each path uses),
+cost_model (formulas, memory and recompute), memory_options (sharded model states and their communication),
+candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit rates and link factors to
+measurements), report (text/JSON), plot (matplotlib), grid (best 2D vs best stock over models, GPUs and lengths),
+paper (LoongTrain's reported figures), cli (``python -m megatron_2d.plan``, ``... grid``, ``... paper``).
 """
 
 from .calibrate import FitResult, WorkCounts, calibrate, fit_rates, work_counts
 from .candidates import KINDS, Layout, check_layout, enumerate_layouts, megatron_flags
 from .cost_model import (RECOMPUTE_MODES, Estimate, MemoryBreakdown, estimate, layer_work, memory_breakdown,
                          replicated_kv_heads, with_recompute)
-from .hardware import (CLUSTER_PRESETS, MODEL_PRESETS, PRESETS, ClusterSpec, ModelSpec, ParallelSpec, PlanError,
-                       get_cluster, get_model)
+from .hardware import (CLUSTER_PRESETS, MODEL_PRESETS, PRESETS, ClusterSpec, MLASpec, ModelSpec, ParallelSpec,
+                       PlanError, get_cluster, get_model)
+from .links import IDEAL_LINKS, LinkEfficiency
+from .memory_options import MemoryPolicy
 from .planner import AUTO, Candidate, best_by_kind, evaluate, plan, recommended
 
 __all__ = [
-    "AUTO", "CLUSTER_PRESETS", "Candidate", "ClusterSpec", "Estimate", "FitResult", "KINDS", "Layout",
-    "MODEL_PRESETS", "MemoryBreakdown", "ModelSpec", "PRESETS", "ParallelSpec", "PlanError", "RECOMPUTE_MODES",
+    "AUTO", "CLUSTER_PRESETS", "Candidate", "ClusterSpec", "Estimate", "FitResult", "IDEAL_LINKS", "KINDS", "Layout",
+    "LinkEfficiency", "MLASpec", "MODEL_PRESETS", "MemoryBreakdown", "MemoryPolicy", "ModelSpec", "PRESETS",
+    "ParallelSpec", "PlanError", "RECOMPUTE_MODES",
     "WorkCounts", "best_by_kind", "calibrate", "check_layout", "enumerate_layouts", "estimate", "evaluate",
     "fit_rates", "get_cluster", "get_model", "layer_work", "megatron_flags", "memory_breakdown", "plan",
     "recommended", "replicated_kv_heads", "with_recompute", "work_counts",

@@ -11,6 +11,9 @@ Kinds
                 GQA, Megatron-DeepSpeed repeats the K/V heads to all query heads before the all-to-all, so the
                 all-to-all carries MHA-sized K/V (an assumption: repeat to Ht, not to the least count that works)
 
+For an MLA model every 2D layout comes twice: the ring carrying per-head K/V (``mla_ring`` "expanded", as every
+stock kind) and carrying the latent ("latent", ``--cp-2d-mla-ring latent``).
+
 Layouts with w = 1 and w = cp are the same single ring (the one-rank windows' outer ring visits the same peers in
 the same order), so only w = cp is enumerated.
 
@@ -20,7 +23,7 @@ can run without recompute, with Megatron's selective (core attention) or full re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
 from ..topology import Layout2D, LayoutError, divisors, every_layout
@@ -62,6 +65,8 @@ class Layout:
     cp: int
     w: int
     placement: str = "head_first"
+    mla_ring: Optional[str] = None
+    """2D layouts of an MLA model: "expanded" (per-head K/V on the ring) or "latent"; None otherwise."""
 
     @property
     def cp_size(self) -> int:
@@ -79,7 +84,8 @@ class Layout:
 
     def label(self) -> str:
         if self.kind == "2d":
-            return f"2d hp={self.hp} cp={self.cp} w={self.w} {self.placement}"
+            ring = "" if self.mla_ring is None else f" {self.mla_ring}"
+            return f"2d{ring} hp={self.hp} cp={self.cp} w={self.w} {self.placement}"
         if self.kind == "a2a+p2p":
             return f"a2a+p2p [{self.hp}, {self.cp}]"
         return f"{self.kind} (CP={self.cp_size})"
@@ -148,7 +154,9 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
                 out.append(Layout("2d", hp, cp, cp))
             continue
         if w > 1 or cp == 1:
-            out.append(Layout.of("2d", shape))
+            layout = Layout.of("2d", shape)
+            out.extend([layout] if model.mla is None else
+                       [replace(layout, mla_ring=ring) for ring in ("expanded", "latent")])
     out.append(Layout("p2p", 1, CP, CP))
     out.append(Layout("a2a", CP, 1, 1))
     out.extend(Layout("a2a+p2p", a, CP // a, CP // a) for a in divisors(CP) if 1 < a < CP)
@@ -180,8 +188,9 @@ def _layout_flags(layout: Layout, parallel: ParallelSpec) -> str:
         pre += f"--pipeline-model-parallel-size {parallel.pp} "
     cp = f"{pre}--context-parallel-size {layout.cp_size}"
     if layout.kind == "2d":
+        ring = " --cp-2d-mla-ring latent" if layout.mla_ring == "latent" else ""
         return (f"{cp} --cp-comm-type 2d --cp-2d-head-parallel-size {layout.hp} "
-                f"--cp-2d-window-size {layout.w} --cp-2d-placement {layout.placement}")
+                f"--cp-2d-window-size {layout.w} --cp-2d-placement {layout.placement}{ring}")
     if layout.kind in ("p2p", "a2a"):
         return f"{cp} --cp-comm-type {layout.kind}"
     if layout.kind == "a2a+p2p":

@@ -6,6 +6,9 @@
     python -m megatron_2d.plan grid [--details]        # best 2D vs best stock over models, GPUs, lengths
     python -m megatron_2d.plan --gpus 64 --seq 128K --lengths-dist one-half     # packed documents, both modes
     python -m megatron_2d.plan --gpus 64 --seq 128K --lengths lengths.txt       # one length per line / JSON list
+    python -m megatron_2d.plan --model 70B-GQA --tp 8 --gpus 64 --seq 256K      # Hybrid ZeRO, Checkpoint++ planned
+    python -m megatron_2d.plan --gpus 32 --seq 1M --fair-memory   # stock gets the same memory options (what-if)
+    python -m megatron_2d.plan paper                   # LoongTrain's reported figures next to the planner's
 
 Exit status: 0 with a recommendation; 1 when no layout is feasible (the plan is still printed, with the smallest
 memory found and what would help) or when --plot cannot be written; 2 for bad arguments.
@@ -20,7 +23,9 @@ from typing import List, Optional
 
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES
 from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
+from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
+from .links import FLAGS as LINK_FLAGS, IDEAL_LINKS, LinkEfficiency
 from .planner import AUTO, plan, recommended
 from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
 from .report import job_metadata, plan_json, print_plan
@@ -60,6 +65,14 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def link_efficiency(args, base: LinkEfficiency) -> LinkEfficiency:
+    """The cluster's link efficiency with the command line's --ideal-links and --*-eff / --interference applied."""
+    links = IDEAL_LINKS if args.ideal_links else base
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, (flag, _) in LINK_FLAGS.items()}
+    given = {k: v for k, v in given.items() if v is not None}
+    return replace(links, **given) if given else links
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_2d.plan",
                                 description="Rank 2D-Attention (LoongTrain) layouts and Megatron's stock context "
@@ -82,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-mem-gb", type=float, help="memory per GPU, GB")
     c.add_argument("--mem-fraction", type=float,
                    help="fraction of GPU memory a layout may use (default 0.9: context, NCCL, fragmentation)")
+    e = p.add_argument_group("link efficiency (megatron_2d.plan.links: defaults from published NCCL measurements)")
+    for flag, what in LINK_FLAGS.values():
+        e.add_argument(flag, type=float, metavar="X", help=what)
+    e.add_argument("--ideal-links", action="store_true",
+                   help="every flow at its nominal rate and no interference (then the flags above adjust that)")
     j = p.add_argument_group("job")
     j.add_argument("--seq", type=parse_seq, required=True, help="sequence length: 131072, 128K or 1M")
     j.add_argument("--tp", type=int, default=1, help="tensor-parallel size (fixed)")
@@ -90,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
+    j.add_argument("--hybrid-pattern", default=None, metavar="PATTERN",
+                   help="a HybridModel's --hybrid-layer-pattern (e.g. 'M*-M*-'): 2D costed on the attention layers "
+                        "('*', each with one MLP), Mamba (M) / GDN (G) layers' own all-to-all over the whole CP "
+                        "group added to every layout")
     j.add_argument("--window", type=parse_window, default=None,
                    help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer, or a per-layer pattern "
                         "repeated over the layers, 'full' for a full causal layer (e.g. 128,full); p2p and a2a+p2p "
@@ -98,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recompute: auto (default: the fastest mode that fits in memory, per layout), "
                         "or force one: none, selective (Megatron core attention), full, ckpt++ (Selective "
                         "Checkpoint++, 2D only)")
+    j.add_argument("--memory", default="auto", choices=MEMORY_CHOICES,
+                   help="model-state options: auto (default: each side its own; 2D Hybrid ZeRO, stock the distributed "
+                        "optimizer and megatron-fsdp), dist-opt (everyone the distributed optimizer only), stock "
+                        "(everyone Megatron's own: 2D without Hybrid ZeRO's partial sharding), all (auto plus "
+                        "optimizer states sharded wider than params, which needs gradient clipping off)")
+    j.add_argument("--fair-memory", action="store_true",
+                   help="what-if: stock baselines get 2D's memory options (Hybrid ZeRO) and, hypothetically, "
+                        "Selective Checkpoint++, to separate what 2D gains by itself from what memory options give")
+    j.add_argument("--global-batch", type=parse_seq, default=4 << 20, metavar="TOKENS",
+                   help="tokens per optimizer step, e.g. 4M (default): per-step gradient and parameter communication "
+                        "is spread over its micro-batches")
     j.add_argument("--dkv-dtype", default="fp32", choices=tuple(DTYPE_BYTES),
                    help="dtype of the 2D ring's dK/dV partials (default fp32, what the op sends today; Transformer "
                         "Engine's rings are always modelled in bf16)")
@@ -134,6 +167,9 @@ def _specs(args):
                                  ("nvlink_gbps", args.nvlink_gbps), ("net_gbps_per_node", args.net_gbps),
                                  ("nics_per_node", args.nics), ("gpu_memory_gb", args.gpu_mem_gb),
                                  ("usable_memory_fraction", args.mem_fraction)) if v is not None}
+    links = link_efficiency(args, cluster.links)
+    if links != cluster.links:
+        changes["links"] = links
     if changes:
         cluster = cluster.with_(name=f"{cluster.name}(custom)", **changes)
     parallel = ParallelSpec(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
@@ -147,6 +183,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["grid"] or "--grid" in argv:
         from .grid import main as grid_main
         return grid_main([a for a in argv if a not in ("grid", "--grid")])
+    if argv[:1] == ["paper"]:
+        from .paper import main as paper_main
+        return paper_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -164,12 +203,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             lengths = document_lengths(args.lengths_dist, args.seq, args.lengths_seed).tolist()
         if lengths is not None and args.plot:
             raise PlanError("--plot sweeps sequence lengths; it does not take packed --lengths")
+        memory = MemoryPolicy(args.memory, args.fair_memory, args.global_batch)
         cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype,
-                     lengths=lengths)
+                     lengths=lengths, hybrid_pattern=args.hybrid_pattern, memory=memory)
     except PlanError as err:
         parser.error(str(err))
     if args.json:
-        job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype)
+        job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype,
+                           memory)
         print(plan_json(cands, job))
     else:
         if lengths is not None:
@@ -178,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{args.lengths or args.lengths_dist}), longest {srt[-1]}, median {srt[len(srt) // 2]}; "
                   f"rows per layout: 2d zigzag / 2d documents / stock THD zigzag (padded to 2*CP)")
         print_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal,
-                   window=args.window)
+                   window=args.window, memory=memory)
     status = EXIT_OK if recommended(cands) is not None else EXIT_NO_FEASIBLE
     if status != EXIT_OK:
         print("no feasible layout (see the plan above for the smallest memory found and what would help)",
@@ -186,7 +227,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.plot:
         try:
             plot_sweep(args.plot, model, cluster, parallel, args.plot_seqs, causal, args.window, args.recompute,
-                       args.dkv_dtype)
+                       args.dkv_dtype, memory)
             print(f"wrote {args.plot}", file=sys.stderr)
         except PlotUnavailable as err:
             print(f"cannot write {args.plot}: {err}", file=sys.stderr)

@@ -5,6 +5,8 @@ Notation (per TP rank; every quantity is for one transformer layer and one rank 
     S        sequence length (tokens of one sequence, the whole CP group together)
     H, Hkv   query / key-value heads of the model;  Ht = H/TP, Hkvt = Hkv/TP on one TP rank
     d        head dimension = D/H;  D = hidden size;  F = MLP size;  V = vocabulary
+    dk, dv   query/key and value head dims (d and d; MLA: dn + dr and dv, e.g. 192 and 128)
+    r, dr    MLA's kv_lora_rank and rope dim: the latent ring carries r + dr values per token
     CP       context-parallel size = hp * cp
     hp       head-parallel size (all-to-all group);  cp  context size (ring length);  w  window (inner ring)
     nw       windows = cp / w (outer ring length)
@@ -29,11 +31,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from ..ring_schedule import double_ring_events, final_hop_link, replay
+from ..zero_sharding import HybridZeRO, state_bytes_per_rank
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
+from .links import overlapped
 from .placement import LinkClass, LinkMap, link_map
 from .windows import WindowWork, window_work
 
 if TYPE_CHECKING:
+    from .memory_options import ShardingCost
     from .packed import PackedWork
 
 BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors
@@ -58,27 +63,43 @@ class LayerWork:
     are in ``ring_times`` and ``traffic``)."""
 
     fwd_flops: float
-    """Forward attention FLOPs on this rank: 4*B*S^2*Ht*d / CP, halved for causal (zigzag balances it exactly)."""
+    """Forward attention FLOPs on this rank: 2*B*S^2*Ht*(dk + dv) / CP, halved for causal (zigzag balances it
+    exactly); 4*B*S^2*Ht*d when dk = dv = d."""
     a2a_peer_bytes: float
-    """Bytes one rank sends to each head-group peer in ONE direction's all-to-alls (q, k, v, out or their grads)."""
+    """Bytes one rank sends to each head-group peer in ONE direction's all-to-alls (q, k, v, out or their grads;
+    the latent ring: q, out and the rank's whole latent, all-gathered)."""
     kv_bytes: float
-    """One K/V block in bf16: 2 * B * s_ctx * (L/hp) * d * 2 bytes (paper: max(Hkv,hp)/H * 4*S*D/CP for B=1)."""
+    """One K/V block in bf16: B * s_ctx * (L/hp) * (dk + dv) * 2 bytes (paper: max(Hkv,hp)/H * 4*S*D/CP for B=1);
+    the latent ring: B * s_ctx * (r + dr) * 2."""
     dkv_bytes: float
     """One dK/dV block as it travels the ring: ``kv_bytes`` * dkv_bytes_per_elem / 2 (fp32: twice ``kv_bytes``,
     Transformer Engine's bf16: equal)."""
     kv_heads_per_rank: int
-    """L/hp."""
+    """L/hp (the latent ring: the query heads of the rank, which it up-projects K/V for)."""
     a2a_local_bytes: float
     """Bytes of q, k, v and out on one rank before/after the all-to-all (one direction): each is permuted once
     into and once out of the send/receive buffers."""
     merge_fwd_bytes: float
     """HBM traffic of one forward ring step's merge: read and write the fp32 output accumulator and read the
-    step's output, 3 * 4 * s_ctx * (Ht/hp) * d (a fused out/lse merge; lse is negligible)."""
+    step's output, 3 * 4 * s_ctx * (Ht/hp) * dv (a fused out/lse merge; lse is negligible)."""
     merge_bwd_bytes: float
-    """HBM traffic of one backward ring step: the same for the fp32 dQ accumulator, plus the fp32 dK/dV block:
-    3 * 4 * s_ctx * (Ht/hp + 2*L/hp) * d."""
+    """HBM traffic of one backward ring step: the same for the fp32 dQ accumulator, plus the fp32 gradient of
+    the block: 3 * 4 * s_ctx * ((Ht/hp) * dk + (L/hp) * (dk + dv)) (the latent ring: its per-head dK/dV partials
+    and the latent's gradient, 3 * 4 * s_ctx * ((Ht/hp) * (2 dk + dv) + r + dr))."""
     s_ctx_tokens: float = 0.0
     """s_ctx = S/cp: tokens of one sequence in a context rank's K/V block."""
+    expand_flops: float = 0.0
+    """The latent ring only: forward FLOPs of up-projecting the keys one ring step reads, for this rank's heads,
+    2 * B * s_ctx * f * r * (Ht/hp) * (dn + dv) (f: the share of a block's keys its calls read; causal zigzag
+    3/4 on average over steps); backward runs it again and twice more for the latent's and the weight's
+    gradients (3x)."""
+    kv_up_flops: float = 0.0
+    """The latent ring only: the forward FLOPs of MLA's K/V up-projection of the rank's own tokens, 2 * B * s_loc
+    * r * Ht * (dn + dv), which the layer no longer runs outside attention."""
+
+
+MLA_RINGS = ("expanded", "latent")
+"""What a 2D MLA layer's ring carries: per-head K/V ("expanded", as every CP backend) or the latent ("latent")."""
 
 
 def replicated_kv_heads(kv_heads_tp: int, hp: int) -> int:
@@ -90,34 +111,51 @@ def replicated_kv_heads(kv_heads_tp: int, hp: int) -> int:
 
 
 def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: int, causal: bool = True,
-               dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None) -> LayerWork:
+               dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None,
+               mla_ring: Optional[str] = None) -> LayerWork:
     """Work and message sizes of one layer on one rank for head-parallel size ``hp`` and context size ``cp``.
 
     ``dkv_bytes_per_elem``: bytes per element of the dK/dV partials on the ring (4: ours, fp32; 2: Transformer
     Engine, input dtype). ``kv_heads``: K/V heads per TP rank after repetition (None: L = lcm(Hkvt, hp), our
-    replication; DeepSpeed-Ulysses repeats them to all Ht query heads)."""
-    B, S, tp, d = parallel.micro_batch, seq, parallel.tp, model.head_dim
+    replication; DeepSpeed-Ulysses repeats them to all Ht query heads). ``mla_ring``: "latent" for an MLA model
+    whose 2D ring carries the latent (None / "expanded": per-head K/V)."""
+    B, S, tp = parallel.micro_batch, seq, parallel.tp
+    dk, dv = model.qk_dim, model.v_dim
     CP = hp * cp
     Ht, Hkvt = model.heads // tp, model.kv_heads // tp
     L = replicated_kv_heads(Hkvt, hp) if kv_heads is None else kv_heads
-    # Attention FLOPs, forward: QK^T and PV are 2*S*S*d each per head -> 4*B*S^2*H*d (field-and-peers.md);
-    # causal keeps half. Zigzag: every rank holds chunks i and 2cp-1-i, so every one of its cp ring steps costs
-    # exactly half a (S/cp)^2 block (paper). With chunk c = S/(2cp): an off-diagonal step is two full c x c
-    # chunk pairs, the diagonal step one full pair plus two causal (half) pairs; both are 2c^2 = (S/cp)^2 / 2.
-    fwd = 4.0 * B * S * S * Ht * d / CP * (0.5 if causal else 1.0)
+    # Attention FLOPs, forward: QK^T is 2*S*S*dk and PV 2*S*S*dv per head -> 2*B*S^2*H*(dk + dv) (4*B*S^2*H*d,
+    # field-and-peers.md); causal keeps half. Zigzag: every rank holds chunks i and 2cp-1-i, so every one of its cp
+    # ring steps costs exactly half a (S/cp)^2 block (paper). With chunk c = S/(2cp): an off-diagonal step is two
+    # full c x c chunk pairs, the diagonal step one full pair plus two causal (half) pairs; both are 2c^2.
+    fwd = 2.0 * B * S * S * Ht * (dk + dv) / CP * (0.5 if causal else 1.0)
     s_loc = S / CP
+    s_ctx = S / cp
+    q_heads = Ht // hp if Ht % hp == 0 else Ht / hp
+    if mla_ring == "latent":
+        m = model.mla
+        # all-to-all of q and out (1/hp of each to each peer), all-gather of the whole latent to each peer
+        a2a_peer = BF16 * B * s_loc * (Ht * (dk + dv) / hp + m.latent_width)
+        kv = BF16 * B * s_ctx * m.latent_width
+        keys = 1.0 if not causal or cp == 1 else (1 + 0.75 * (cp - 1)) / cp
+        expand = 2.0 * B * s_ctx * keys * m.kv_lora_rank * q_heads * (m.qk_head_dim + m.v_head_dim)
+        kv_up = 2.0 * B * s_loc * m.kv_lora_rank * Ht * (m.qk_head_dim + m.v_head_dim)
+        return LayerWork(fwd_flops=fwd, a2a_peer_bytes=a2a_peer, kv_bytes=kv,
+                         dkv_bytes=kv * dkv_bytes_per_elem / BF16, kv_heads_per_rank=int(q_heads),
+                         a2a_local_bytes=a2a_peer * hp, merge_fwd_bytes=3 * FP32 * B * s_ctx * q_heads * dv,
+                         # dQ, the block's per-head dK/dV partials (gathered before the up-projection's backward)
+                         # and its latent gradient
+                         merge_bwd_bytes=3 * FP32 * B * s_ctx * (q_heads * (2 * dk + dv) + m.latent_width),
+                         s_ctx_tokens=s_ctx, expand_flops=expand, kv_up_flops=kv_up)
     # All-to-all, forward: q (Ht heads), k and v (L heads, after replication), and the output (Ht heads), each
     # s_loc tokens; a rank keeps 1/hp of each and sends 1/hp to each of its hp-1 peers. Backward: dout, dq, dk, dv.
-    a2a_peer = BF16 * B * s_loc * d * (2 * Ht + 2 * L) / hp
-    s_ctx = S / cp
-    kv = BF16 * 2 * B * s_ctx * (L // hp) * d
-    q_heads = Ht // hp if Ht % hp == 0 else Ht / hp
-    merge_f = 3 * FP32 * B * s_ctx * q_heads * d
-    merge_b = 3 * FP32 * B * s_ctx * (q_heads + 2 * (L // hp)) * d
+    a2a_peer = BF16 * B * s_loc * (Ht + L) * (dk + dv) / hp
+    kv = BF16 * B * s_ctx * (L // hp) * (dk + dv)
+    merge_f = 3 * FP32 * B * s_ctx * q_heads * dv
+    merge_b = 3 * FP32 * B * s_ctx * (q_heads * dk + (L // hp) * (dk + dv))
     return LayerWork(fwd_flops=fwd, a2a_peer_bytes=a2a_peer, kv_bytes=kv, dkv_bytes=kv * dkv_bytes_per_elem / BF16,
                      kv_heads_per_rank=L // hp, a2a_local_bytes=a2a_peer * hp, merge_fwd_bytes=merge_f,
                      merge_bwd_bytes=merge_b, s_ctx_tokens=s_ctx)
-
 
 # -- links ------------------------------------------------------------------------------------------------------
 
@@ -131,24 +169,29 @@ def flow_gbps(cluster: ClusterSpec, node_flows: int) -> float:
     return cluster.net_gbps_per_node / max(node_flows, cluster.nics_per_node)
 
 
-def class_time(c: LinkClass, peer_bytes: float, cluster: ClusterSpec) -> float:
+def class_time(c: LinkClass, peer_bytes: float, cluster: ClusterSpec, kind: str = "p2p") -> float:
     """Seconds for one rank of class ``c`` to send ``peer_bytes`` to each of its peers.
 
-    NVLink and the NICs are separate paths, so the two parts overlap: max(intra/beta_nvl, inter/beta_flow).
+    NVLink and the NICs are separate paths, so the two parts overlap: max(intra/beta_nvl, inter/beta_flow), each
+    beta scaled by the link efficiency of its class for ``kind`` ("p2p": ring sends, "a2a": collectives;
+    :mod:`.links`).
     """
-    intra = c.intra_peers * peer_bytes / (cluster.nvlink_gbps * GB)
-    inter = c.inter_peers * peer_bytes / (flow_gbps(cluster, c.node_flows) * GB) if c.inter_peers else 0.0
+    eff = cluster.links
+    intra = c.intra_peers * peer_bytes / (cluster.nvlink_gbps * eff.factor("nvlink", kind) * GB)
+    inter = (c.inter_peers * peer_bytes / (flow_gbps(cluster, c.node_flows) * eff.factor("network", kind) * GB)
+             if c.inter_peers else 0.0)
     return max(intra, inter)
 
 
-def path_time(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec) -> float:
+def path_time(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec, kind: str = "p2p") -> float:
     """The slowest rank's time on a path: collectives and ring steps wait for the slowest member."""
-    return max((class_time(c, peer_bytes, cluster) for c in classes), default=0.0)
+    return max((class_time(c, peer_bytes, cluster, kind) for c in classes), default=0.0)
 
 
-def worst_class(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec) -> LinkClass:
+def worst_class(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec,
+                kind: str = "p2p") -> LinkClass:
     """The class that sets ``path_time`` (an all-zero class when the path is unused)."""
-    return max(classes, key=lambda c: class_time(c, peer_bytes, cluster), default=LinkClass(0, 0, 0))
+    return max(classes, key=lambda c: class_time(c, peer_bytes, cluster, kind), default=LinkClass(0, 0, 0))
 
 
 # -- the estimate -----------------------------------------------------------------------------------------------
@@ -202,6 +245,9 @@ class Estimate:
     """The parts ``memory_gb`` is made of, for every recompute mode."""
     neighbour_exchange: bool = False
     """A sliding window made the op exchange K/V with neighbours only (the window size w then has no effect)."""
+    states: Optional["ShardingCost"] = None
+    """How the model states are held (a memory option, :mod:`.memory_options`) and what that sends; None: the
+    distributed optimizer of ``memory``, its communication not modelled."""
 
     @property
     def comm_s(self) -> float:
@@ -233,8 +279,8 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
     link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer",
                "final_dkv": last}
     forward, backward = double_ring_events(cp, w, False), double_ring_events(cp, w, True)
-    fwd = replay(forward, tc, transfer, link_of)
-    bwd = replay(backward, tcb, transfer, link_of)
+    fwd = replay(forward, tc, transfer, link_of, cluster.links.interference)
+    bwd = replay(backward, tcb, transfer, link_of, cluster.links.interference)
     serial = sum(transfer[e.channel] for e in forward + backward if e.kind.startswith("post_"))
     return fwd, bwd, serial
 
@@ -249,16 +295,16 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     """
     intra = inter = nic = 0.0
 
-    def add(classes, peer_bytes, times):
+    def add(classes, peer_bytes, times, kind="p2p"):
         nonlocal intra, inter, nic
-        c = worst_class(classes, peer_bytes, cluster)
+        c = worst_class(classes, peer_bytes, cluster, kind)
         intra += times * c.intra_peers * peer_bytes
         inter += times * c.inter_peers * peer_bytes
         nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
 
     sends = Counter(e.channel for e in double_ring_events(cp, w, False) + double_ring_events(cp, w, True)
                     if e.kind.startswith("post_"))
-    add(links.a2a, work.a2a_peer_bytes, 2)
+    add(links.a2a, work.a2a_peer_bytes, 2, "a2a")
     add(links.inner, work.kv_bytes, sends["inner_kv"])
     add(links.outer, work.kv_bytes, sends["outer_kv"])
     add(links.inner, work.dkv_bytes, sends["inner_dkv"])
@@ -275,6 +321,7 @@ def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluste
     and its ``ww.messages`` neighbours; each neighbour's message (K/V slice, then K/V + the dK/dV partial in
     backward, in the dtype of ``work.dkv_bytes``) overlaps one such step, the last dK/dV partial overlaps nothing:
         fwd = t + m * max(t, T(kv)),  bwd = tb + m * max(tb, T(kv + dkv)) + T(dkv),   t = cp * tc / (m + 1)
+    (each max(compute, transfer) slowed by the links' interference: :func:`.links.overlapped`)
     """
     m = ww.messages
     per_token = work.kv_bytes / work.s_ctx_tokens
@@ -282,8 +329,9 @@ def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluste
     dkv = kv * (work.dkv_bytes / work.kv_bytes if work.kv_bytes else FP32 / BF16)
     t_msg = lambda b: path_time(ring_links.inner, b, cluster)  # noqa: E731
     t, tb = cp * tc / (m + 1), cp * tcb / (m + 1)
-    fwd = t + m * max(t, t_msg(kv))
-    bwd = tb + m * max(tb, t_msg(kv + dkv)) + t_msg(dkv)
+    x = cluster.links.interference
+    fwd = t + m * overlapped(t, t_msg(kv), x)
+    bwd = tb + m * overlapped(tb, t_msg(kv + dkv), x) + t_msg(dkv)
     return fwd, bwd, m * (2 * t_msg(kv) + t_msg(dkv)), kv
 
 
@@ -297,9 +345,10 @@ class MemoryBreakdown:
         layer_input  = 2 * D/TP                 the layer's input (first norm's input)
         dense_rest   = 2 * (3D + F' + F)/TP     QKV-GEMM input, pre-MLP norm input, fc1 input, fc1 output
                                                 (F' = 2F gated, else F), fc2 input
-        qkv          = 2 * (Ht + 2L) * d        q, k, v in the attention's layout (K/V after replication to L)
-        attn_out     = 2 * Ht * d               the attention output as the kernel/ring keeps it
-        o_proj_in    = 2 * Ht * d               the output after the inverse all-to-all (o-proj input)
+        qkv          = 2 * (Ht*dk + L*(dk+dv))  q, k, v in the attention's layout (K/V after replication to L;
+                                                the latent ring: Ht*dk + hp*(r + dr), the all-gathered latent)
+        attn_out     = 2 * Ht * dv              the attention output as the kernel/ring keeps it
+        o_proj_in    = 2 * Ht * dv              the output after the inverse all-to-all (o-proj input)
         lse          = 4 * Ht                   the softmax log-sum-exp (fp32)
         A_none       = the sum of all six
 
@@ -339,7 +388,8 @@ class MemoryBreakdown:
     k, v, out."""
     model_states: float
     """bf16 weights + fp32 gradients of N/(TP*PP) parameters, and fp32 master weights + Adam moments (12 bytes
-    per parameter) sharded over DP x CP (Megatron's distributed optimizer)."""
+    per parameter) sharded over DP x CP (Megatron's distributed optimizer: megatron_2d.zero_sharding's
+    state_bytes_per_rank, the library's own count); a memory option (:mod:`.memory_options`) replaces it."""
     sharded_states: float = 0.0
     """The part of ``model_states`` sharded over DP x CP (the optimizer's 12 bytes per parameter)."""
 
@@ -389,40 +439,44 @@ class MemoryBreakdown:
 
 def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
                      dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None,
-                     packed: Optional["PackedWork"] = None) -> MemoryBreakdown:
-    """The :class:`MemoryBreakdown` of one layout (``kv_heads``, ``dkv_bytes_per_elem``: as :func:`layer_work`).
+                     mla_ring: Optional[str] = None, packed: Optional["PackedWork"] = None) -> MemoryBreakdown:
+    """The :class:`MemoryBreakdown` of one layout (``kv_heads``, ``dkv_bytes_per_elem``, ``mla_ring``: as
+    :func:`layer_work`; the latent ring keeps the all-gathered latent, hp * (r + dr) per local token, for K/V).
 
     ``packed``: a packed batch; every per-token part counts the slots a rank really holds (its real tokens and its
     padding: ``token_fraction`` * S / CP), and the ring's blocks in flight hold the ring prefix (or, with the
     neighbour exchange, the busiest rank's messages)."""
-    B, tp, d, D, F = parallel.micro_batch, parallel.tp, model.head_dim, model.hidden, model.ffn_hidden
+    B, tp, D, F = parallel.micro_batch, parallel.tp, model.hidden, model.ffn_hidden
+    dk, dv = model.qk_dim, model.v_dim
     CP = hp * cp
     Ht, Hkvt = model.heads // tp, model.kv_heads // tp
     L = replicated_kv_heads(Hkvt, hp) if kv_heads is None else kv_heads
+    kv_per_token = hp * model.mla.latent_width if mla_ring == "latent" else L * (dk + dv)
     tokens = B * seq / CP * (1.0 if packed is None else packed.token_fraction)
     fc1_out = (2 if model.gated_mlp else 1) * F
-    work = layer_work(model, parallel, hp, cp, seq, dkv_bytes_per_elem=dkv_bytes_per_elem, kv_heads=kv_heads)
+    work = layer_work(model, parallel, hp, cp, seq, dkv_bytes_per_elem=dkv_bytes_per_elem, kv_heads=kv_heads,
+                      mla_ring=mla_ring)
     nw = cp // w
     blocks = (2 + (1 if nw > 1 and w > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
     if packed is not None:                  # the ring prefix, or two neighbour messages (K/V + dK/dV) in flight
         prefix = packed.ring_fraction if packed.dense else packed.key_tokens / max(packed.messages, 1) / (seq / cp)
         blocks *= prefix if packed.ring_tokens else 0.0
-    staging = BF16 * tokens * d * (2 * Ht + 2 * L) if hp > 1 else 0.0
-    params = model.total_params() / (tp * parallel.pp)
+    staging = BF16 * tokens * (Ht * (dk + dv) + kv_per_token) if hp > 1 else 0.0
+    states = state_bytes_per_rank(-(-model.total_params() // (tp * parallel.pp)), HybridZeRO("optimizer"),
+                                  parallel.dp_size, CP, param_bytes=BF16, grad_bytes=FP32)
     return MemoryBreakdown(
         tokens=tokens, layers=model.layers, layer_input=BF16 * D / tp,
-        dense_rest=BF16 * (3 * D + fc1_out + F) / tp, qkv=BF16 * (Ht + 2 * L) * d, attn_out=BF16 * Ht * d,
-        o_proj_in=BF16 * Ht * d, lse=FP32 * Ht, logits=FP32 * tokens * model.vocab / tp,
+        dense_rest=BF16 * (3 * D + fc1_out + F) / tp, qkv=BF16 * (Ht * dk + kv_per_token), attn_out=BF16 * Ht * dv,
+        o_proj_in=BF16 * Ht * dv, lse=FP32 * Ht, logits=FP32 * tokens * model.vocab / tp,
         comm_buffers=blocks + staging,
-        model_states=params * (BF16 + FP32) + params * 12 / (parallel.dp_size * CP),
-        sharded_states=params * 12 / (parallel.dp_size * CP))
+        model_states=float(sum(states.values())), sharded_states=float(states["optimizer"]))
 
 
 def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
                  recompute: str = "none", dkv_bytes_per_elem: int = FP32,
-                 kv_heads: Optional[int] = None) -> Tuple[float, float]:
+                 kv_heads: Optional[int] = None, mla_ring: Optional[str] = None) -> Tuple[float, float]:
     """(total, activations) bytes per GPU under ``recompute`` (see :class:`MemoryBreakdown` for what is counted)."""
-    mb = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_bytes_per_elem, kv_heads)
+    mb = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_bytes_per_elem, kv_heads, mla_ring)
     return mb.total(recompute), mb.activations(recompute)
 
 
@@ -473,7 +527,7 @@ def combine_layers(parts: Sequence[Tuple["Estimate", int]]) -> "Estimate":
 def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
              placement: str, seq: int, causal: bool = True, window: Optional[int] = None,
              recompute: str = "none", dkv_dtype: str = "fp32", kv_heads: Optional[int] = None,
-             packed: Optional["PackedWork"] = None) -> Estimate:
+             packed: Optional["PackedWork"] = None, mla_ring: Optional[str] = None) -> Estimate:
     """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
 
     ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
@@ -485,9 +539,12 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     causal): the attention FLOPs become the busiest context rank's pairs (within documents and the window), the
     ring messages the mode's ring prefix (none at all: one local block) or, when some context ranks see nothing
     of others, the neighbour exchange of the keys the op's calls read; the linear layers, all-to-alls and
-    activation memory scale with the slots per rank (padding included)."""
+    activation memory scale with the slots per rank (padding included).
+    ``mla_ring``: "latent" for an MLA model whose 2D ring carries the latent: smaller blocks, and every ring step
+    up-projects the keys it reads (``LayerWork.expand_flops`` at the dense GEMM rate, 3x in backward) in place of
+    the layer's own K/V up-projection."""
     return with_recompute(_estimate_none(model, cluster, parallel, hp, cp, w, placement, seq, causal, window,
-                                         dkv_dtype, kv_heads, packed), recompute)
+                                         dkv_dtype, kv_heads, packed, mla_ring), recompute)
 
 
 def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "Estimate":
@@ -508,11 +565,15 @@ def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "E
 
 def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
                    placement: str, seq: int, causal: bool, window: Optional[int], dkv_dtype: str,
-                   kv_heads: Optional[int], packed: Optional["PackedWork"] = None) -> "Estimate":
+                   kv_heads: Optional[int], packed: Optional["PackedWork"] = None,
+                   mla_ring: Optional[str] = None) -> "Estimate":
     if dkv_dtype not in DTYPE_BYTES:
         raise ValueError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if mla_ring is not None and (mla_ring not in MLA_RINGS or model.mla is None):
+        raise ValueError(f"mla_ring {mla_ring!r} needs an MLA model and one of {MLA_RINGS}")
     dkv_elem = DTYPE_BYTES[dkv_dtype]
-    work = layer_work(model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads)
+    work = layer_work(model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads,
+                      mla_ring=mla_ring)
     local_only = False
     if packed is None:
         ww = window_work(hp, cp, placement, seq, window if causal else None)
@@ -535,13 +596,15 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
     kernel = work.fwd_flops / cp / attn_rate                          # one step's forward kernel (zigzag: equal)
     merge = cp > 1                                                    # a single block needs no merge
-    tc = kernel + lat + (work.merge_fwd_bytes / hbm if merge else 0.0)
-    tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0)
+    dense_rate = cluster.peak_tflops * 1e12 * cluster.dense_efficiency
+    expand = work.expand_flops * ww.fraction / dense_rate             # the latent ring's up-projection per step
+    tc = kernel + lat + (work.merge_fwd_bytes / hbm if merge else 0.0) + expand
+    tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0) + 3 * expand
     # One direction's all-to-alls: the transfer, plus permuting the tensors into and out of the buffers
     # (read + write each, twice) and the fixed latency; nothing when hp == 1.
     a2a_one = 0.0
     if hp > 1:
-        a2a_one = path_time(links.a2a, work.a2a_peer_bytes, cluster) + 4 * work.a2a_local_bytes / hbm + lat
+        a2a_one = path_time(links.a2a, work.a2a_peer_bytes, cluster, "a2a") + 4 * work.a2a_local_bytes / hbm + lat
     if local_only:
         tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
         fwd, bwd, ring_serial = tc, tcb, 0.0
@@ -560,17 +623,18 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
             nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
     compute = (tc + tcb) if local_only else cp * (tc + tcb)
     time = 2 * a2a_one + fwd + bwd
-    mem = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_elem, kv_heads, packed)
+    mem = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_elem, kv_heads, mla_ring, packed)
 
     # Whole model (6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal halved).
     B, S, CP, tp = parallel.micro_batch, seq, hp * cp, parallel.tp
     group = tp * CP                                          # GPUs sharing one micro-batch's layer work
-    dense_rate = cluster.peak_tflops * 1e12 * cluster.dense_efficiency
     slots = 1.0 if packed is None else packed.token_fraction           # padding slots run the linear layers too
-    dense_layer = 6.0 * model.layer_params() * B * S / group / dense_rate * slots
+    # (the latent ring up-projects K/V inside attention, in the ring steps above, instead of in the layer)
+    dense_layer = (6.0 * model.layer_params() * B * S / group - 3.0 * work.kv_up_flops) / dense_rate * slots
     logits = 6.0 * model.vocab * model.hidden * B * S / group / dense_rate * slots
     step = model.layers * (time + dense_layer) + logits
-    attn_model_flops = 3.0 * 4.0 * B * S * S * model.heads * model.head_dim * (0.5 if causal else 1.0) * ww.fraction
+    attn_model_flops = (3.0 * 2.0 * B * S * S * model.heads * (model.qk_dim + model.v_dim) * (0.5 if causal else 1.0)
+                        * ww.fraction)
     if packed is not None:
         attn_model_flops *= packed.useful_fraction                    # only pairs within a document count
     model_flops = 6.0 * model.matmul_params() * B * S + model.layers * attn_model_flops

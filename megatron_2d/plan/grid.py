@@ -4,16 +4,18 @@ For each preset model at its fixed TP/PP (``hardware.GRID_MODELS``), each GPU co
 planner's best 2D plan and best stock plan (p2p, a2a, a2a+p2p, DeepSpeed-Ulysses), each with the cheapest recompute
 that fits in memory, are compared by throughput per GPU: ratio = 2D tokens/GPU/s / stock tokens/GPU/s (> 1: 2D
 wins). Each side picks its own CP size among the divisors of the GPUs left by TP x PP, the rest being DP (a stock
-user would not run CP=1024 on 32K tokens); ``--fixed-cp`` gives CP all the GPUs left (DP = 1) instead. Data-parallel
-gradient reduction is not modelled (it is the same for both sides at equal CP). Each cell also says why the winner
-wins (codes below). Results are cached per cell.
+user would not run CP=1024 on 32K tokens); ``--fixed-cp`` gives CP all the GPUs left (DP = 1) instead. Each cell
+also says why the winner wins (codes below). Each side holds its model states its own way (memory options, :mod:`.memory_options`: the
+data-parallel gradient and parameter communication they cost is in the step); ``--fair-memory`` gives stock 2D's
+memory options and, hypothetically, Checkpoint++, so that what remains is 2D's own effect. Results are cached per
+cell.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -21,8 +23,9 @@ from ..bench.cli import terminal_console
 from ..topology import divisors
 from .candidates import STOCK_KINDS, Layout
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
+from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
 from .planner import Candidate, evaluate, plan
-from .report import seq_label
+from .report import memory_policy_text, seq_label, states_label
 
 GRID_GPUS = (32, 64, 128, 256, 512, 1024)
 GRID_SEQS = tuple(1 << k for k in range(15, 23))           # 32K .. 4M
@@ -37,6 +40,7 @@ CODES = {
     "H": "2D: a head x context split stock does not offer (a2a+p2p needs KV heads divisible by its a2a size)",
     "D": "2D: double ring (w < cp) hides the network behind the inner ring",
     "P": "2D: context-first placement (the ring on NVLink)",
+    "Z": "2D: a Hybrid ZeRO choice Megatron does not list (states sharded inside the CP group or node) adds > 2%",
     "M": "stock: no stock layout fits in memory",
     "I": "stock: no stock layout can run (heads/KV heads/sequence)",
     "B": "stock: Transformer Engine's dK/dV travel in bf16, ours in fp32 (same layout otherwise)",
@@ -70,7 +74,8 @@ def _twin(stock: Candidate) -> Layout:
 
 
 def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands: Sequence[Candidate], model,
-            cluster, parallel, seq, stock_parallel=None) -> Tuple[Optional[float], str, str]:
+            cluster, parallel, seq, stock_parallel=None,
+            memory: MemoryPolicy = MemoryPolicy()) -> Tuple[Optional[float], str, str]:
     """(ratio, codes, one-line reason) for one cell. ``parallel``/``stock_parallel``: the jobs the 2D and the stock
     plan were made for (the same unless each side picked its own CP); ``cands``: every candidate seen."""
     stock_parallel = stock_parallel or parallel
@@ -96,6 +101,11 @@ def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands
             codes += "S"
         elif e2.recompute_layers * e2.recompute_s < es.recompute_layers * es.recompute_s:
             codes += "R"
+        if memory.choice in ("auto", "all") and not memory.fair:
+            # would 2D lose its lead with Megatron's own memory options only?
+            plain = evaluate(best_2d.layout, model, cluster, parallel, seq, memory=replace(memory, choice="stock"))
+            if not plain.feasible or plain.estimate.tokens_per_gpu_s < e2.tokens_per_gpu_s * (1 - TIE):
+                codes += "Z"
         # attention per token of a GPU (time_s covers S/CP tokens), at the same or a larger CP than stock's
         if cp2 >= cps_ and (e2.time_s * cp2 < es.time_s * cps_ * (1 - TIE) or not codes):
             layout_codes = ""
@@ -109,7 +119,7 @@ def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands
         return ratio, codes, "2D wins: " + "; ".join(CODES[c][4:] for c in codes) + cps
     if ratio < 1 - TIE:
         twin = evaluate(_twin(best_stock), model, cluster, stock_parallel, seq, recompute=es.recompute,
-                        dkv_dtype="bf16")
+                        dkv_dtype="bf16", memory=memory)
         same = twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6
         code = "B" if same else "U"
         return ratio, code, "stock wins: " + CODES[code][7:] + cps
@@ -124,9 +134,11 @@ def _cp_sizes(gpus: int, tp: int, pp: int, seq: int, free_cp: bool) -> List[Opti
 
 
 @lru_cache(maxsize=None)
-def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100", free_cp: bool = True) -> Cell:
+def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100", free_cp: bool = True,
+         memory: MemoryPolicy = MemoryPolicy()) -> Cell:
     """The comparison for one (model, GPUs, sequence) on a preset cluster (cached). ``free_cp``: each side takes
-    the CP size (a divisor of the GPUs left by TP x PP; DP the rest) with its best throughput per GPU."""
+    the CP size (a divisor of the GPUs left by TP x PP; DP the rest) with its best throughput per GPU; ``memory``:
+    the memory options each side tries."""
     model, cluster = get_model(model_name), get_cluster(cluster_name)
     sizes = GRID_MODELS[model_name]
     if gpus % (sizes["tp"] * sizes["pp"]):
@@ -140,7 +152,7 @@ def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100", fre
         if len(done) == 2:
             break
         parallel = ParallelSpec(gpus=gpus, tp=sizes["tp"], pp=sizes["pp"], cp=cp)
-        cands = plan(model, cluster, parallel, seq)
+        cands = plan(model, cluster, parallel, seq, memory=memory)
         seen += cands
         for side, kinds in (("2d", ("2d",)), ("stock", STOCK_KINDS)):
             if side in done:
@@ -156,19 +168,20 @@ def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100", fre
     b2, p2 = best.get("2d", (None, None))
     bs, ps = best.get("stock", (None, None))
     ratio, codes, reason = explain(b2, bs, seen, model, cluster, p2 or ps or ParallelSpec(gpus=gpus, **sizes), seq,
-                                   ps)
+                                   ps, memory)
     return Cell(model_name, gpus, seq, b2, bs, ratio, codes, reason)
 
 
 def grid(models: Sequence[str] = tuple(GRID_MODELS), gpus: Sequence[int] = GRID_GPUS,
-         seqs: Sequence[int] = GRID_SEQS, cluster: str = "8xH100", free_cp: bool = True) -> List[Cell]:
+         seqs: Sequence[int] = GRID_SEQS, cluster: str = "8xH100", free_cp: bool = True,
+         memory: MemoryPolicy = MemoryPolicy()) -> List[Cell]:
     """Every cell of the grid (cells whose job is invalid, e.g. a sequence not divisible by 2*CP, are skipped)."""
     out = []
     for m in models:
         for g in gpus:
             for s in seqs:
                 try:
-                    out.append(cell(m, g, s, cluster, free_cp))
+                    out.append(cell(m, g, s, cluster, free_cp, memory))
                 except PlanError:
                     continue
     return out
@@ -189,11 +202,12 @@ def summary(cells: Sequence[Cell]) -> Dict[str, int]:
     return out
 
 
-def format_grid(cells: Sequence[Cell], cluster: str = "8xH100", free_cp: bool = True) -> str:
+def format_grid(cells: Sequence[Cell], cluster: str = "8xH100", free_cp: bool = True,
+                memory: MemoryPolicy = MemoryPolicy()) -> str:
     """Plain text: one matrix per model (rows GPUs, columns sequence lengths), the code legend and a summary."""
     cp = ("each side picks its CP size (DP the rest)" if free_cp else "CP = all GPUs left (DP = 1)")
     lines = [f"Best 2D plan / best stock plan, throughput per GPU (> 1: 2D faster), on {cluster}; each with the "
-             f"cheapest recompute that fits; {cp}.", ""]
+             f"cheapest recompute that fits; {cp}; {memory_policy_text(memory)}.", ""]
     models = list(dict.fromkeys(c.model for c in cells))
     for m in models:
         mine = [c for c in cells if c.model == m]
@@ -216,16 +230,17 @@ def format_grid(cells: Sequence[Cell], cluster: str = "8xH100", free_cp: bool = 
     return "\n".join(lines)
 
 
-def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None, free_cp: bool = True) -> None:
+def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None, free_cp: bool = True,
+               memory: MemoryPolicy = MemoryPolicy()) -> None:
     """Print with rich when on a terminal, else ``format_grid``."""
     stream = stream or sys.stdout
     console = terminal_console(stream, min_width=120)
     if console is None:
-        print(format_grid(cells, cluster, free_cp), file=stream)
+        print(format_grid(cells, cluster, free_cp, memory), file=stream)
         return
     from rich.table import Table
 
-    console.print(format_grid([], cluster, free_cp).splitlines()[0], markup=False)
+    console.print(format_grid([], cluster, free_cp, memory).splitlines()[0], markup=False)
     for m in dict.fromkeys(c.model for c in cells):
         mine = [c for c in cells if c.model == m]
         seqs = sorted({c.seq for c in mine})
@@ -252,10 +267,12 @@ def details(cells: Sequence[Cell]) -> str:
     """One line per cell: both plans and the reason."""
     out = []
     for c in cells:
-        two = (f"{c.best_2d.layout.label()} +{c.best_2d.recompute}" if c.best_2d else "-")
-        stock = (f"{c.best_stock.layout.label()} +{c.best_stock.recompute}" if c.best_stock else "-")
+        two = (f"{c.best_2d.layout.label()} +{c.best_2d.recompute} {states_label(c.best_2d.estimate)}"
+               if c.best_2d else "-")
+        stock = (f"{c.best_stock.layout.label()} +{c.best_stock.recompute} {states_label(c.best_stock.estimate)}"
+                 if c.best_stock else "-")
         ratio = f"{c.ratio:.2f}" if c.ratio is not None else "  - "
-        out.append(f"{c.model:<8} {c.gpus:>5} {seq_label(c.seq):>5}  {ratio}  2D: {two:<44} stock: {stock:<36} "
+        out.append(f"{c.model:<8} {c.gpus:>5} {seq_label(c.seq):>5}  {ratio}  2D: {two:<54} stock: {stock:<46} "
                    f"{c.reason}")
     return "\n".join(out)
 
@@ -268,7 +285,8 @@ def grid_records(cells: Sequence[Cell]) -> List[Dict[str, object]]:
         e = c.estimate
         return {"label": c.layout.label(), "kind": c.kind, "cp_size": c.layout.cp_size, "hp": c.hp, "cp": c.cp,
                 "w": c.w, "placement": c.placement, "recompute": c.recompute,
-                "recompute_layers": e.recompute_layers, "step_ms": round(e.step_s * 1e3, 4),
+                "recompute_layers": e.recompute_layers, "states": states_label(e),
+                "step_ms": round(e.step_s * 1e3, 4),
                 "tokens_per_gpu_s": round(e.tokens_per_gpu_s, 2), "memory_gb": round(e.memory_gb, 2),
                 "flags": c.flags}
     return [{"model": c.model, "tp": GRID_MODELS[c.model]["tp"], "pp": GRID_MODELS[c.model]["pp"], "gpus": c.gpus,
@@ -289,10 +307,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print the cells as a JSON list instead of the tables")
     p.add_argument("--fixed-cp", action="store_true",
                    help="CP takes all GPUs left by TP x PP (DP = 1) instead of each side picking its best CP")
+    p.add_argument("--memory", default="auto", choices=MEMORY_CHOICES,
+                   help="memory options (as for a plan): auto (default), dist-opt, all")
+    p.add_argument("--fair-memory", action="store_true",
+                   help="stock gets 2D's memory options and, hypothetically, Checkpoint++: what is left is 2D's own")
     args = p.parse_args(argv)
+    memory = MemoryPolicy(args.memory, args.fair_memory)
     try:
         get_cluster(args.cluster)
-        cells = grid(args.models, args.gpus, args.seqs, args.cluster, not args.fixed_cp)
+        cells = grid(args.models, args.gpus, args.seqs, args.cluster, not args.fixed_cp, memory)
     except PlanError as err:
         p.error(str(err))
     if args.json:
@@ -300,7 +323,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         print(json.dumps(grid_records(cells), indent=1))
         return 0
-    print_grid(cells, args.cluster, free_cp=not args.fixed_cp)
+    print_grid(cells, args.cluster, free_cp=not args.fixed_cp, memory=memory)
     if args.details:
         print()
         print(details(cells))

@@ -8,10 +8,11 @@ unless a field's docstring says otherwise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional
 
 from ..topology import divisors
+from .links import LinkEfficiency
 
 
 class PlanError(ValueError):
@@ -34,8 +35,34 @@ def _fraction(name: str, value) -> None:
 
 
 @dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention (DeepSeek-V2/V3): per-head K and V made from a shared latent per token."""
+
+    q_lora_rank: int
+    """Width of the compressed query (its down/up projections)."""
+    kv_lora_rank: int
+    """r: width of the compressed KV, the latent (what the latent ring carries, with the rope key)."""
+    qk_head_dim: int
+    """dn: per-head query/key dim without RoPE."""
+    qk_rope_dim: int
+    """dr: the RoPE part of q/k; the rope key is shared by all heads."""
+    v_head_dim: int
+    """dv: per-head value dim."""
+
+    def __post_init__(self) -> None:
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_rope_dim", "v_head_dim"):
+            _positive_int(f"mla {name}", getattr(self, name))
+
+    @property
+    def latent_width(self) -> int:
+        """r + dr: values per token on the latent ring."""
+        return self.kv_lora_rank + self.qk_rope_dim
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer (Llama-style: RMSNorm, SwiGLU MLP, untied output layer)."""
+    """A decoder-only transformer (Llama-style: RMSNorm, SwiGLU MLP, untied output layer), optionally with
+    multi-latent attention (``mla``)."""
 
     name: str
     layers: int
@@ -52,26 +79,53 @@ class ModelSpec:
     """V, vocabulary size (output layer rows)."""
     gated_mlp: bool = True
     """SwiGLU: fc1 produces 2F (gate and up), so the MLP has 3*D*F weights instead of 2*D*F."""
+    mla: Optional[MLASpec] = None
+    """Multi-latent attention's dims (None: standard attention with head dim D / H). With MLA, kv_heads must equal
+    heads (every head has its own K and V, made from the latent)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
             _positive_int(f"model {name}", getattr(self, name))
-        if self.hidden % self.heads:
+        if self.mla is None and self.hidden % self.heads:
             raise PlanError(f"model hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.kv_heads:
             raise PlanError(f"model kv_heads={self.kv_heads} must divide heads={self.heads} "
                             f"(valid: {divisors(self.heads)})")
+        if self.mla is not None and self.kv_heads != self.heads:
+            raise PlanError(f"an MLA model has K/V per query head: kv_heads={self.kv_heads} must equal "
+                            f"heads={self.heads}")
 
     @property
     def head_dim(self) -> int:
-        """d = D / H."""
+        """d = D / H (standard attention; see qk_dim / v_dim)."""
         return self.hidden // self.heads
 
+    @property
+    def qk_dim(self) -> int:
+        """Query/key head dim: d, or MLA's dn + dr."""
+        return self.head_dim if self.mla is None else self.mla.qk_head_dim + self.mla.qk_rope_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Value head dim: d, or MLA's dv."""
+        return self.head_dim if self.mla is None else self.mla.v_head_dim
+
+    def kv_up_params(self) -> int:
+        """MLA's K/V up-projection weights of one layer, r x H*(dn + dv) (0 without MLA)."""
+        m = self.mla
+        return 0 if m is None else m.kv_lora_rank * self.heads * (m.qk_head_dim + m.v_head_dim)
+
     def layer_params(self) -> int:
-        """Matmul weights of one layer: Q and O (D x H*d each), K and V (D x H_kv*d each), MLP (3 or 2 x D*F)."""
-        d = self.head_dim
-        attn = 2 * self.hidden * self.heads * d + 2 * self.hidden * self.kv_heads * d
+        """Matmul weights of one layer: attention and MLP (3 or 2 x D*F). Standard attention: Q and O (D x H*d
+        each), K and V (D x H_kv*d each). MLA: q down/up (D x q_lora, q_lora x H*(dn+dr)), kv down (D x (r+dr)),
+        kv up (r x H*(dn+dv)), O (H*dv x D)."""
         mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
+        m, D, H = self.mla, self.hidden, self.heads
+        if m is None:
+            d = self.head_dim
+            return 2 * D * H * d + 2 * D * self.kv_heads * d + mlp
+        attn = (D * m.q_lora_rank + m.q_lora_rank * H * self.qk_dim + D * m.latent_width + self.kv_up_params()
+                + H * m.v_head_dim * D)
         return attn + mlp
 
     def matmul_params(self) -> int:
@@ -118,6 +172,10 @@ class ClusterSpec:
     """Fraction of ``gpu_memory_gb`` the estimate may use: the CUDA context, NCCL buffers, the caching
     allocator's fragmentation and what the estimate leaves out (norm weights, kernels' workspaces) take the rest.
     An assumption (a few GB of an 80 GB GPU); 1.0 trusts the estimate to the byte."""
+    links: LinkEfficiency = field(default_factory=LinkEfficiency)
+    """Share of the nominal NVLink / network bandwidth that ring sends (p2p) and collectives (a2a) get, and the
+    slowdown of compute while transfers run (:mod:`megatron_2d.plan.links`: defaults from published NCCL
+    measurements; ``links.IDEAL_LINKS`` for none)."""
 
     @property
     def memory_budget_gb(self) -> float:
@@ -135,6 +193,8 @@ class ClusterSpec:
         _fraction("cluster attn_efficiency", self.attn_efficiency)
         _fraction("cluster dense_efficiency", self.dense_efficiency)
         _fraction("cluster usable_memory_fraction", self.usable_memory_fraction)
+        if not isinstance(self.links, LinkEfficiency):
+            raise PlanError(f"cluster links must be a LinkEfficiency, got {type(self.links).__name__}")
 
     @property
     def nic_gbps(self) -> float:
@@ -210,11 +270,17 @@ MODEL_PRESETS: Dict[str, ModelSpec] = {
         ModelSpec("8B-GQA", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256),
         ModelSpec("70B-GQA", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab=128256),
         ModelSpec("7B-KV4", layers=28, hidden=3584, heads=28, kv_heads=4, ffn_hidden=18944, vocab=152064),
+        ModelSpec("DSV3-MLA", layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432, vocab=129280,
+                  mla=MLASpec(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_rope_dim=64, v_head_dim=128)),
     )
 }
 """7B-MHA / 7B-GQA: Llama-2-7B shapes with all 32 KV heads or 8. 8B-GQA and 70B-GQA: Llama-3 8B and 70B shapes
 (8 KV heads; at TP=8 the 70B has one KV head per TP rank). 7B-KV4: Qwen2-7B shapes (28 query heads, 4 KV heads:
-head parallelism is capped at 4 by the KV heads for stock a2a, and at 4 by 28's power-of-two divisors for all)."""
+head parallelism is capped at 4 by the KV heads for stock a2a, and at 4 by 28's power-of-two divisors for all).
+DSV3-MLA: DeepSeek-V3's attention exactly (61 layers, hidden 7168, 128 heads, MLA with q_lora_rank 1536,
+kv_lora_rank 512, qk 128 + rope 64, v 128); its MoE MLP as the dense SwiGLU of the active experts (1 shared + 8
+routed of 2048 = 18432), about its 37B active parameters (expert parallelism and the other experts' memory are not
+modelled)."""
 
 GRID_MODELS: Dict[str, Dict[str, int]] = {
     "8B-GQA": {"tp": 1, "pp": 1}, "70B-GQA": {"tp": 8, "pp": 2}, "7B-KV4": {"tp": 1, "pp": 1},

@@ -7,10 +7,12 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..topology import divisors
-from .candidates import (KINDS, RECOMPUTE_BY_KIND, Layout, check_layout, enumerate_layouts, kind_dkv_dtype,
-                         kind_kv_heads, megatron_flags)
+from .candidates import (KINDS, RECOMPUTE_BY_KIND, STOCK_KINDS, Layout, check_layout, enumerate_layouts,
+                         kind_dkv_dtype, kind_kv_heads, megatron_flags)
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
+from .hybrid import HybridPattern, with_extra_step
+from .memory_options import MemoryPolicy, memory_options, states_record, with_memory
 from .packed import PackedWork, modes_for, packed_work, packing_cost
 
 AUTO = "auto"
@@ -20,7 +22,7 @@ ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_mem
             "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
             "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
             "memory_budget_gb", "memory_parts_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb",
-            "links", "recompute_options", "packing", "packed")
+            "links", "recompute_options", "packing", "packed", "memory_option", "states", "memory_options", "mla_ring")
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
@@ -84,15 +86,24 @@ class Candidate:
         links as nvlink/network/mixed/-); values that do not apply are None."""
         e = self.estimate
         ms = lambda s: round(s * 1e3, 4)                                                     # noqa: E731
-        opts = None
+        opts = mem_opts = None
         if self.options:
             budget = self.memory_budget_gb
             opts = {m: None for m in RECOMPUTE_MODES}
             for o in self.options:
+                if o.states is not None and e.states is not None and o.states.option != e.states.option:
+                    continue                                  # recompute options of the chosen memory option
                 opts[o.recompute] = {"step_ms": ms(o.step_s), "recompute_ms": ms(o.recompute_s),
                                      "recompute_layers": o.recompute_layers,
                                      "memory_gb": round(o.memory_gb, 2),
                                      "fits_memory": None if budget is None else o.memory_gb <= budget}
+            mem_opts = {}
+            for label in dict.fromkeys(o.states.option.label for o in self.options if o.states is not None):
+                best, fits = choose_recompute([o for o in self.options if o.states.option.label == label],
+                                              budget if budget is not None else float("inf"))
+                mem_opts[label] = {"recompute": best.recompute, "recompute_layers": best.recompute_layers,
+                                   "step_ms": ms(best.step_s), "memory_gb": round(best.memory_gb, 2),
+                                   "fits_memory": fits if budget is not None else None}
         d: Dict[str, object] = {
             "kind": self.kind, "hp": self.hp, "cp": self.cp, "w": self.w, "placement": self.placement,
             "label": self.layout.label(), "feasible": self.feasible, "fits_memory": self.fits_memory,
@@ -112,7 +123,9 @@ class Candidate:
             "activation_gb": round(e.activation_gb, 2) if e else None,
             "memory_budget_gb": None if self.memory_budget_gb is None else round(self.memory_budget_gb, 2),
             "memory_parts_gb": ({"activations": round(e.activation_gb, 2),
-                                 "model_states": round(e.memory.model_states / 1e9, 2),
+                                 **({k: round(getattr(e.states, k) / 1e9, 2)
+                                     for k in ("params", "grads", "optimizer", "gathered")} if e.states else
+                                    {"model_states": round(e.memory.model_states / 1e9, 2)}),
                                  "logits": round(e.memory.logits / 1e9, 2),
                                  "comm_buffers": round(e.memory.comm_buffers / 1e9, 2)}
                                 if e and e.memory else None),
@@ -129,6 +142,10 @@ class Candidate:
                         "ring_tokens": self.packed.ring_tokens, "padding_tokens": self.packed.padding_tokens,
                         "pair_imbalance": round(self.packed.pair_imbalance, 4),
                         "long_documents": self.packed.long_documents} if self.packed else None),
+            "memory_option": e.states.option.label if e and e.states else None,
+            "states": states_record(e.states) if e else None,
+            "memory_options": mem_opts,
+            "mla_ring": self.layout.mla_ring,
         }
         assert tuple(d) == ROW_KEYS
         return d
@@ -156,22 +173,32 @@ def validate_job(model: ModelSpec, parallel: ParallelSpec, seq: int) -> None:
                         f"{divisors(model.layers)}")
 
 
-def _modes(kind: str, recompute: Union[str, Sequence[str]]) -> Tuple[str, ...]:
-    wanted = RECOMPUTE_BY_KIND[kind] if recompute == AUTO else ((recompute,) if isinstance(recompute, str)
-                                                                 else tuple(recompute))
+def kind_recompute_modes(kind: str, fair: bool = False) -> Tuple[str, ...]:
+    """The recompute modes ``kind`` can use; ``fair`` (--fair-memory): stock kinds get Selective Checkpoint++ too,
+    hypothetically (Megatron has no such option)."""
+    return RECOMPUTE_MODES if fair and kind in STOCK_KINDS else RECOMPUTE_BY_KIND[kind]
+
+
+def _modes(kind: str, recompute: Union[str, Sequence[str]], fair: bool = False) -> Tuple[str, ...]:
+    allowed = kind_recompute_modes(kind, fair)
+    wanted = allowed if recompute == AUTO else ((recompute,) if isinstance(recompute, str) else tuple(recompute))
     for m in wanted:
         if m not in RECOMPUTE_MODES:
             raise PlanError(f"recompute mode {m!r} is not one of {AUTO}, {', '.join(RECOMPUTE_MODES)}")
-    return tuple(m for m in RECOMPUTE_MODES if m in wanted and m in RECOMPUTE_BY_KIND[kind])
+    return tuple(m for m in RECOMPUTE_MODES if m in wanted and m in allowed)
 
 
 def choose_recompute(options: Sequence[Estimate], budget_gb: float) -> Tuple[Estimate, bool]:
     """(chosen estimate, fits): the fastest option (step time) whose memory fits ``budget_gb``, ties to the
-    earlier (cheaper) mode; when none fits, the one with the least memory and False."""
+    simpler memory option, then to the earlier (cheaper) recompute mode; when none fits, the one with the least
+    memory and False."""
+    def simpler(o: Estimate):
+        return (o.states.option.rank if o.states is not None else 0, RECOMPUTE_MODES.index(o.recompute))
+
     fitting = [o for o in options if o.memory_gb <= budget_gb]
     if fitting:
-        return min(fitting, key=lambda o: (round(o.step_s, 12), RECOMPUTE_MODES.index(o.recompute))), True
-    return min(options, key=lambda o: (o.memory_gb, RECOMPUTE_MODES.index(o.recompute))), False
+        return min(fitting, key=lambda o: (round(o.step_s, 12), simpler(o))), True
+    return min(options, key=lambda o: (o.memory_gb, simpler(o))), False
 
 
 def _fewest_layers(base: Estimate, mode: str, budget_gb: float, pp: int) -> Estimate:
@@ -207,8 +234,13 @@ def layer_windows(window: Window, layers: int) -> Dict[Optional[int], int]:
 def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str],
              parallel: ParallelSpec, seq: int, causal: bool = True, window: Window = None,
              recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32",
-             lengths: Optional[Sequence[int]] = None, packing: Optional[str] = None) -> Candidate:
-    """Check and, when the layout can run, estimate it under each recompute mode and keep the fastest that fits.
+             lengths: Optional[Sequence[int]] = None, packing: Optional[str] = None,
+             hybrid: Optional[HybridPattern] = None, memory: MemoryPolicy = MemoryPolicy()) -> Candidate:
+    """Check and, when the layout can run, estimate it under each memory option and recompute mode and keep the
+    fastest that fits.
+
+    ``memory``: which memory options each kind tries (:class:`megatron_2d.plan.memory_options.MemoryPolicy`: by
+    default each side its own; ``fair``: stock gets 2D's options and, hypothetically, Checkpoint++).
 
     ``lengths`` (document lengths summing to ``seq``) with ``packing`` (a mode of
     :func:`megatron_2d.plan.packed.modes_for` the kind): a packed batch, see :mod:`megatron_2d.plan.packed`.
@@ -216,8 +248,11 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
     AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's
     dK/dV partials ('fp32' today; 'bf16' models an input-dtype option); Transformer Engine's rings always use bf16
-    (see candidates.kind_dkv_dtype)."""
+    (see candidates.kind_dkv_dtype). ``hybrid``: a HybridModel pattern (:mod:`megatron_2d.plan.hybrid`): the
+    layout's attention is costed on its attention layers, its Mamba / GDN layers' own all-to-alls are added."""
     model, cluster = _resolve(model, cluster)
+    if hybrid is not None:
+        model = hybrid.attention_model(model)
     validate_job(model, parallel, seq)
     if dkv_dtype not in DTYPE_BYTES:
         raise PlanError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -225,10 +260,11 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     mix = layer_windows(window, model.layers)
     windowed = next((w for w in mix if w is not None), None)
     reason = check_layout(layout, model, parallel, seq, windowed)
-    modes = _modes(layout.kind, recompute) if layout.kind in RECOMPUTE_BY_KIND else ()
+    modes = _modes(layout.kind, recompute, memory.fair) if layout.kind in RECOMPUTE_BY_KIND else ()
     if not reason and not modes:
-        reason = (f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only); "
-                  f"{layout.kind} supports: {', '.join(RECOMPUTE_BY_KIND[layout.kind])}")
+        reason = (f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only; "
+                  f"--fair-memory lends it to stock); {layout.kind} supports: "
+                  f"{', '.join(kind_recompute_modes(layout.kind, memory.fair))}")
     packed = None
     note = ""
     if lengths is not None:
@@ -251,18 +287,30 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
                                      causal, win, dkv_dtype=dkv, kv_heads=kv_heads,
                                      packed=None if packed is None else packed_work(
-                                         lengths, layout.hp, layout.cp, layout.placement, packing, win, cost)), n)
+                                         lengths, layout.hp, layout.cp, layout.placement, packing, win, cost),
+                                     mla_ring="latent" if layout.mla_ring == "latent" else None), n)
                            for win, n in mix.items()])
-    options = tuple(_fewest_layers(base, m, budget, parallel.pp) for m in modes)
+    if hybrid is not None:
+        base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
+    held = [with_memory(base, o, model, cluster, parallel, layout.cp_size, memory.accum_steps(seq, parallel))
+            for o in memory_options(layout.kind, parallel, cluster, memory, layout.cp_size)]
+    options = tuple(_fewest_layers(b, m, budget, parallel.pp) for b in held for m in modes)
     chosen, fits = choose_recompute(options, budget)
     per_stage = chosen.recompute_layers // parallel.pp
-    flags = megatron_flags(layout, parallel, chosen.recompute,
+    hypothetical = layout.kind != "2d" and chosen.recompute == "ckpt++"
+    flags = megatron_flags(layout, parallel, "full" if hypothetical else chosen.recompute,
                            None if chosen.recompute_layers in (0, model.layers) else per_stage)
+    if hypothetical:
+        note = (f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
+                f"option, the flags recompute fully")
     if packing == "documents" and lengths is not None:
         flags += " --cp-2d-packing documents --dataloader-inter-document-masking --no-rope-fusion"
+    mem_flags = chosen.states.option.flags(layout.kind, parallel.dp_size, layout.cp_size)
+    flags += mem_flags if mem_flags.startswith(";") else " " + mem_flags
     why = ""
     if not fits:
         why = (f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
+               f"and {chosen.states.option.label} "
                f"(budget {budget:.1f} GB = {cluster.usable_memory_fraction:.0%} of {cluster.gpu_memory_gb:g} GB)")
     return Candidate(layout, fits, why, flags, chosen, options, note=note, memory_budget_gb=budget, dkv_dtype=dkv,
                      packing=packing if lengths is not None else None, packed=packed)
@@ -295,13 +343,15 @@ def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
 
 def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
          causal: bool = True, window: Window = None, recompute: Union[str, Sequence[str]] = AUTO,
-         dkv_dtype: str = "fp32", lengths: Optional[Sequence[int]] = None) -> List[Candidate]:
+         dkv_dtype: str = "fp32", lengths: Optional[Sequence[int]] = None,
+         hybrid_pattern: Optional[str] = None, memory: MemoryPolicy = MemoryPolicy()) -> List[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.
 
     Each layout gets the fastest recompute mode that fits (``recompute``: AUTO, one mode or a list); the first
     row, when feasible, is the recommendation (see :func:`recommended`). ``lengths``: document lengths of a packed
     batch (summing to ``seq``): one row per layout and packed mode (2D: zigzag and documents; stock: THD zigzag).
+    ``hybrid_pattern``: a HybridModel's ``--hybrid-layer-pattern`` (see :mod:`megatron_2d.plan.hybrid`).
 
     >>> from megatron_2d.plan import plan, ParallelSpec
     >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
@@ -312,16 +362,24 @@ def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], paralle
     ['hp=64 does not divide the 32 query heads per TP rank; valid hp: [1, 2, 4, 8, 16, 32]']
     """
     model, cluster = _resolve(model, cluster)
-    validate_job(model, parallel, seq)
+    hybrid = None
+    if hybrid_pattern is not None:
+        hybrid = HybridPattern.parse(hybrid_pattern)
+        problem = hybrid.problem(model, parallel.tp, parallel.cp_size)
+        if problem:
+            raise PlanError(problem)
+    validate_job(model if hybrid is None else hybrid.attention_model(model), parallel, seq)
     if lengths is not None:
         lengths = [int(x) for x in lengths]
         if not lengths or min(lengths) < 1 or sum(lengths) != seq:
             raise PlanError(f"packed document lengths must be positive and sum to the sequence length {seq}; got "
                             f"{len(lengths)} lengths summing to {sum(lengths)}")
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, lengths, mode)
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, lengths, mode,
+                          hybrid=hybrid, memory=memory)
                  for l in enumerate_layouts(model, parallel) for mode in modes_for(l.kind)]
     else:
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype)
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, hybrid=hybrid,
+                          memory=memory)
                  for l in enumerate_layouts(model, parallel)]
     if window is not None:
         cands = _collapse_windows(cands)

@@ -16,12 +16,13 @@ from typing import Dict, List, Optional, Sequence
 from ..bench.cli import terminal_console
 from .candidates import STOCK_KINDS
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
+from .memory_options import MemoryPolicy, describe as describe_states
 from .planner import AUTO, Candidate, best_by_kind, recommended
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _LINK = {"nvlink": "NVL", "network": "NET", "mixed": "mix", "-": "-"}
 _COLUMNS = ("#", "kind", "hp", "cp", "w", "placement", "a2a", "inner", "outer", "attn ms", "compute",
-            "exposed", "comm/comp", "recompute", "step ms", "MFU", "tok/GPU/s", "mem GB")
+            "exposed", "comm/comp", "recompute", "states", "step ms", "MFU", "tok/GPU/s", "mem GB")
 _RIGHT = {"#", "hp", "cp", "w", "attn ms", "compute", "exposed", "comm/comp", "step ms", "MFU", "tok/GPU/s",
           "mem GB"}
 
@@ -40,10 +41,10 @@ def _row(i: int, c: Candidate, cluster: ClusterSpec) -> List[str]:
     mem = f"{e.memory_gb:.1f}" + ("!" if not c.fits_memory else "")
     ratio = e.comm_total_s / e.compute_s if e.compute_s else float("inf")
     w = "any" if c.note.startswith("w has no effect") else str(c.w)
-    kind = c.kind if not c.packing else f"{c.kind} {c.packing}"
+    kind = " ".join(x for x in (c.kind, c.packing, c.layout.mla_ring) if x)
     return [str(i), kind, str(c.hp), str(c.cp), w, c.placement if c.kind in ("2d", "a2a+p2p") else "-",
             links["a2a"], links["inner"], links["outer"], f"{e.time_s * 1e3:.2f}", f"{e.compute_s * 1e3:.2f}",
-            f"{e.comm_s * 1e3:.2f}", f"{ratio:.2f}", recompute_label(e), f"{e.step_s * 1e3:,.0f}",
+            f"{e.comm_s * 1e3:.2f}", f"{ratio:.2f}", recompute_label(e), states_label(e), f"{e.step_s * 1e3:,.0f}",
             f"{100 * e.mfu:.1f}%", f"{e.tokens_per_gpu_s:,.0f}", mem]
 
 
@@ -52,6 +53,21 @@ def recompute_label(e) -> str:
     if e.recompute in ("full", "ckpt++") and e.recompute_layers < e.layers:
         return f"{e.recompute} {e.recompute_layers}/{e.layers}"
     return e.recompute
+
+
+def states_label(e) -> str:
+    """The memory option of an estimate ('dist-opt', 'fsdp-z3', 'hz-z3/8', ...)."""
+    return e.states.option.label if e.states is not None else "dist-opt"
+
+
+def memory_line(e) -> str:
+    """The parts of an estimate's peak memory and its sharding traffic, one line."""
+    mb, gb = e.memory, 1e9
+    other = (f"activations {e.activation_gb:.1f} + logits {mb.logits / gb:.1f} + attention buffers "
+             f"{mb.comm_buffers / gb:.1f} GB")
+    if e.states is None:
+        return f"memory: model states {mb.model_states / gb:.1f} GB (distributed optimizer) + {other}"
+    return f"memory: {describe_states(e.states, e.layers)}; {other}"
 
 
 def _table(rows: List[List[str]]) -> List[str]:
@@ -70,7 +86,7 @@ def memory_advice(c: Candidate, cluster: ClusterSpec, parallel: ParallelSpec) ->
     budget = cluster.memory_budget_gb
     replicated = (mb.model_states - mb.sharded_states) / gb
     tips = []
-    if len(c.options) == 1 and e.recompute != "full":
+    if len({o.recompute for o in c.options}) == 1 and e.recompute != "full":
         tips.append(f"activation recompute (only recompute={e.recompute} was tried: --recompute auto)")
     if replicated < budget:
         factor = (e.memory_gb - replicated) / (budget - replicated)
@@ -79,16 +95,33 @@ def memory_advice(c: Candidate, cluster: ClusterSpec, parallel: ParallelSpec) ->
                     f"shorter sequence")
     else:
         tips.append(f"more CP alone cannot fit: the bf16 weights and fp32 gradients take {replicated:.1f} GB")
-    tips.append(f"larger TP/PP (now {parallel.tp}/{parallel.pp}) or sharding gradients and parameters (Hybrid ZeRO) "
-                f"for the {replicated:.1f} GB of replicated weights and gradients")
+    if e.states is None or e.states.option.zero_stage < 3:
+        tips.append(f"larger TP/PP (now {parallel.tp}/{parallel.pp}) or sharding gradients and parameters (Hybrid "
+                    f"ZeRO: --memory auto) for the {replicated:.1f} GB of replicated weights and gradients")
+    else:
+        tips.append(f"larger TP/PP (now {parallel.tp}/{parallel.pp}): the model states are sharded already "
+                    f"({states_label(e)}, {mb.model_states / gb:.1f} GB)")
     tips.append(f"GPUs with more memory (budget now {budget:.1f} GB)")
     return (f"smallest memory found: {e.memory_gb:.1f} GB per GPU ({c.layout.label()}, "
             f"recompute={recompute_label(e)}), {e.memory_gb - budget:.1f} GB over the budget; what would help: "
             + "; ".join(tips))
 
 
+def memory_policy_text(memory: MemoryPolicy) -> str:
+    """What the memory options of a plan were."""
+    if memory.choice == "dist-opt":
+        return "memory options: the distributed optimizer only (--memory dist-opt)"
+    if memory.choice == "stock":
+        return "memory options: Megatron's own for every kind (--memory stock; no Hybrid ZeRO partial sharding)"
+    who = ("stock gets 2D's Hybrid ZeRO and, hypothetically, Checkpoint++ (--fair-memory)" if memory.fair
+           else "each side its own (--fair-memory: stock gets 2D's)")
+    extra = "; with optimizer sharded wider (gradient clipping off)" if memory.choice == "all" else ""
+    return (f"memory options: {who}{extra}; global batch {memory.global_batch_tokens / 2**20:g}M tokens "
+            f"(--global-batch)")
+
+
 def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-              seq: int, top: Optional[int], causal: bool, window=None):
+              seq: int, top: Optional[int], causal: bool, window=None, memory: MemoryPolicy = MemoryPolicy()):
     """(header lines, table rows, footer lines) of a plan."""
     feasible = [c for c in candidates if c.feasible]
     oom = [c for c in candidates if not c.feasible and c.runs]
@@ -109,7 +142,10 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
             "recompute = the cheapest mode that fits (ckpt++ = Selective Checkpoint++); step ms = whole model, one "
             "micro-batch, recompute included; ranked by step ms.",
             "MFU and tok/GPU/s are for the whole model (pipeline bubbles and TP communication not modelled). "
-            "Links: NVL = NVLink, NET = network, mix = both."]
+            "Links: NVL = NVLink, NET = network, mix = both.",
+            f"link efficiency: {cluster.links.describe()}; states = how model states are held (dist-opt: "
+            f"distributed optimizer, fsdp-zN: megatron-fsdp ZeRO-N, hz-zN/S: Hybrid ZeRO-N over S ranks), its "
+            f"communication in step ms; {memory_policy_text(memory)}"]
     rows = [_row(i + 1, c, cluster) for i, c in enumerate(shown)]
     foot: List[str] = []
     best = recommended(candidates)
@@ -122,12 +158,21 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
     else:
         if len(shown) < len(feasible):
             foot.append(f"... {len(feasible) - len(shown)} more feasible layouts (--all to list them)")
-        foot += ["", f"Recommended: {best.layout.label()}, recompute={recompute_label(best.estimate)}: "
-                     f"{best.step_ms:,.0f} ms per step, {best.time_ms:.2f} ms attention per layer, "
-                     f"MFU {100 * best.estimate.mfu:.1f}%, {best.estimate.memory_gb:.1f} GB per GPU",
-                 f"  {best.flags}"]
+        foot += ["", f"Recommended: {best.layout.label()}, recompute={recompute_label(best.estimate)}, "
+                     f"states={states_label(best.estimate)}: {best.step_ms:,.0f} ms per step, {best.time_ms:.2f} ms "
+                     f"attention per layer, MFU {100 * best.estimate.mfu:.1f}%, {best.estimate.memory_gb:.1f} GB "
+                     f"per GPU",
+                 f"  {best.flags}", f"  {memory_line(best.estimate)}"]
         if best.note:
             foot.append(f"  ({best.note})")
+        if model.mla is not None:
+            foot.append("Best 2D layout of each MLA ring (expanded: per-head K/V; latent: --cp-2d-mla-ring latent):")
+            for ring in ("expanded", "latent"):
+                c = next((c for c in candidates if c.layout.mla_ring == ring and c.feasible), None)
+                if c is not None:
+                    foot.append(f"  {ring:<10} {c.step_ms:11,.0f} ms/step ({c.step_ms / best.step_ms:.2f}x the "
+                                f"recommended), {c.time_ms:.2f} ms attention/layer, {c.layout.label()}, "
+                                f"recompute={recompute_label(c.estimate)}")
         foot.append("Best of each stock baseline:")
         kinds = best_by_kind(list(candidates))
         for kind in STOCK_KINDS:
@@ -136,7 +181,8 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
                 continue
             if c.feasible:
                 foot.append(f"  {kind:<10} {c.step_ms:11,.0f} ms/step ({c.step_ms / best.step_ms:.2f}x the "
-                            f"recommended), recompute={recompute_label(c.estimate)}  {c.flags}")
+                            f"recommended), recompute={recompute_label(c.estimate)}, states="
+                            f"{states_label(c.estimate)}  {c.flags}")
             else:
                 foot.append(f"  {kind:<10} infeasible: {c.reason}")
     if oom:
@@ -152,25 +198,26 @@ def _sections(candidates: Sequence[Candidate], model: ModelSpec, cluster: Cluste
 
 
 def format_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-                seq: int, top: Optional[int] = 15, causal: bool = True, window=None) -> str:
+                seq: int, top: Optional[int] = 15, causal: bool = True, window=None,
+                memory: MemoryPolicy = MemoryPolicy()) -> str:
     """The plan as plain text: a header, the fastest ``top`` feasible layouts (all when None), the recommendation
     with its flags, the best of each stock baseline, and the infeasible layouts with their reasons."""
-    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal, window)
+    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal, window, memory)
     return "\n".join(head + ([""] + _table(rows) if rows else []) + foot)
 
 
 def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
                seq: int, top: Optional[int] = 15, causal: bool = True, stream=None,
-               window=None) -> None:
+               window=None, memory: MemoryPolicy = MemoryPolicy()) -> None:
     """Print the plan: with ``rich`` when it is installed and ``stream`` is a terminal, else ``format_plan``."""
     stream = stream or sys.stdout
     console = terminal_console(stream, min_width=150)
     if console is None:
-        print(format_plan(candidates, model, cluster, parallel, seq, top, causal, window), file=stream)
+        print(format_plan(candidates, model, cluster, parallel, seq, top, causal, window, memory), file=stream)
         return
     from rich.table import Table
 
-    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal, window)
+    head, rows, foot = _sections(candidates, model, cluster, parallel, seq, top, causal, window, memory)
     for line in head:
         console.print(line, markup=False)
     if rows:
@@ -185,7 +232,8 @@ def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: Clust
 
 
 def job_metadata(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int, causal: bool = True,
-                 window=None, recompute=AUTO, dkv_dtype: str = "fp32") -> Dict[str, object]:
+                 window=None, recompute=AUTO, dkv_dtype: str = "fp32",
+                 memory: MemoryPolicy = MemoryPolicy()) -> Dict[str, object]:
     """The job a plan is for: model, cluster (with the memory budget), parallel sizes, sequence and knobs."""
     return {
         "schema_version": SCHEMA_VERSION,
@@ -196,6 +244,7 @@ def job_metadata(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
         "seq": seq, "causal": causal, "window": window if window is None or isinstance(window, int) else list(window),
         "recompute": recompute if isinstance(recompute, str) else list(recompute),
         "dkv_dtype_2d": dkv_dtype,
+        "memory": asdict(memory),
     }
 
 

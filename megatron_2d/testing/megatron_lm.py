@@ -1,12 +1,13 @@
-"""Megatron-LM's top-level entry scripts (pretrain_gpt.py, gpt_builders.py, model_provider.py) at core_v0.19.0.
+"""Megatron-LM's top-level entry scripts (pretrain_gpt.py, pretrain_hybrid.py, their builders, model_provider.py) at
+core_v0.19.0.
 
 The megatron-core wheel ships megatron.core and megatron.training but not these scripts; the project keeps an
 unchanged copy beside the repository, in ``<repo>/../shared/megatron-lm/core_v0.19.0`` (CI clones the repository
 with ``shared/`` next to it). ``MEGATRON_LM_DIR`` points elsewhere, e.g. at a Megatron-LM checkout of that tag.
-Tests and the CPU demo copy the scripts to a temporary folder and, for the patched route, apply the project's patch
-there; the copy in ``shared/`` is never modified.
+Tests and the CPU demo copy the scripts to a temporary folder and, for the patched route, apply the project's patches
+there (one per entry script); the copy in ``shared/`` is never modified.
 
-    python -m megatron_2d.testing.megatron_lm DEST [--patched]     # prints DEST/pretrain_gpt.py
+    python -m megatron_2d.testing.megatron_lm DEST [--patched] [--script pretrain_hybrid.py]   # prints DEST/SCRIPT
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import shutil
 import subprocess
 
 TAG = "core_v0.19.0"
-SCRIPTS = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
+SCRIPTS = ("pretrain_gpt.py", "gpt_builders.py", "pretrain_hybrid.py", "hybrid_builders.py", "model_provider.py")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-PATCH = REPO_ROOT / "patches" / f"megatron-lm-{TAG}-pretrain_gpt-2d.patch"
+PATCHES = tuple(REPO_ROOT / "patches" / f"megatron-lm-{TAG}-{entry}-2d.patch" for entry in ("pretrain_gpt",
+                                                                                             "pretrain_hybrid"))
 
 
 def megatron_lm_dir() -> pathlib.Path:
@@ -36,29 +38,31 @@ def megatron_lm_dir() -> pathlib.Path:
     return folder
 
 
-def copy_scripts(dest: os.PathLike, patched: bool = False) -> pathlib.Path:
-    """Copy the stock scripts into ``dest`` (created if needed), apply the 2d patch if ``patched``; return the path
-    of the copied pretrain_gpt.py."""
+def copy_scripts(dest: os.PathLike, patched: bool = False, script: str = "pretrain_gpt.py") -> pathlib.Path:
+    """Copy the stock scripts into ``dest`` (created if needed), apply the 2d patches if ``patched``; return the path
+    of the copied ``script``."""
     dest = pathlib.Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     source = megatron_lm_dir()
     for name in SCRIPTS:
         shutil.copyfile(source / name, dest / name)
-    if patched:
-        # outside any repository (the ceiling stops git from finding one above dest), git apply acts as patch -p1
-        env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(dest.resolve().parent))
-        result = subprocess.run(["git", "apply", str(PATCH)], cwd=dest, env=env, capture_output=True, text=True)
+    # outside any repository (the ceiling stops git from finding one above dest), git apply acts as patch -p1
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(dest.resolve().parent))
+    for patch in PATCHES if patched else ():
+        result = subprocess.run(["git", "apply", str(patch)], cwd=dest, env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{PATCH.name} does not apply to the scripts in {source}: {result.stderr.strip()}")
-    return dest / "pretrain_gpt.py"
+            raise RuntimeError(f"{patch.name} does not apply to the scripts in {source}: {result.stderr.strip()}")
+    return dest / script
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dest", help="folder to copy the scripts into")
-    parser.add_argument("--patched", action="store_true", help="apply the project's 2d patch to the copy")
+    parser.add_argument("--patched", action="store_true", help="apply the project's 2d patches to the copy")
+    parser.add_argument("--script", default="pretrain_gpt.py", choices=("pretrain_gpt.py", "pretrain_hybrid.py"),
+                        help="the entry script whose path is printed")
     args = parser.parse_args(argv)
-    print(copy_scripts(args.dest, patched=args.patched))
+    print(copy_scripts(args.dest, patched=args.patched, script=args.script))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ mask slicing, streams/events for megatron DDP), what ``pretrain()`` itself asks 
       its ``torch.rand(..., device="cuda")`` inputs, shaped by TP and CP, would draw from the CPU generator that
       ``--use-cpu-initialization`` then draws the weights from (on a GPU they draw from the CUDA generator), so the
       weights would depend on the CP size.
+  P9. HybridModel's CPU shims (:mod:`megatron_2d.testing.hybrid_cpu`: its final norm, the Mamba / GDN kernel
+      stand-ins, Transformer Engine's THD split), for pretrain_hybrid.py.
 
 Two ways in:
 
@@ -47,6 +49,7 @@ import torch
 
 from .megatron_cpu import CudaAvailableError, install_megatron_ddp_cpu_shims, megatron_ddp_on_cpu  # noqa: F401
 from .megatron_cpu import refuse_with_cuda as _refuse_with_cuda
+from .hybrid_cpu import install_hybrid_cpu_shims
 
 _INSTALLED = False
 
@@ -142,6 +145,7 @@ def install_pretrain_cpu_shims() -> None:
     _install_dataset_helpers()
     _install_arch_version()
     _install_no_jit_warmup()
+    install_hybrid_cpu_shims()
     _INSTALLED = True
 
 

@@ -69,6 +69,20 @@ TOLERANCES = {
 TOLERANCE = {dtype: t.end_to_end for dtype, t in TOLERANCES.items()}
 
 
+def hidden_keys(offset: torch.Tensor, causal: bool, window: Tuple[int, int]) -> torch.Tensor:
+    """Where query i must not see key j, from ``offset`` = j - i: after it (``causal``), or outside the sliding
+    ``window`` (left, right; -1 unbounded)."""
+    left, right = window
+    hidden = torch.zeros_like(offset, dtype=torch.bool)
+    if causal:
+        hidden |= offset > 0
+    if left != -1:
+        hidden |= offset < -left
+    if right != -1:
+        hidden |= offset > right
+    return hidden
+
+
 def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0, window=(-1, -1), sinks=None):
     """Plain softmax attention on [b, s, h, d] blocks (K/V heads repeated for GQA): (out [b, sq, hq, d],
     lse [b, hq, sq]). ``causal`` masks keys after each query (square blocks); ``window`` (left, right), -1 =
@@ -79,15 +93,7 @@ def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0, window
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     sq, sk = scores.shape[-2:]
     offset = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1)          # j - i
-    hidden = torch.zeros(sq, sk, dtype=torch.bool)
-    left, right = window
-    if causal:
-        hidden |= offset > 0
-    if left != -1:
-        hidden |= offset < -left
-    if right != -1:
-        hidden |= offset > right
-    scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
+    scores = scores.masked_fill(hidden_keys(offset, causal, window).to(scores.device), float("-inf"))
     if sinks is not None:
         sink_col = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink_col], dim=-1)
@@ -130,50 +136,58 @@ def packed_reference_attention(q, k, v, cu_seqlens, causal: bool, scale: float, 
                                 window=window, sinks=sinks).squeeze(1) for a, b in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outs, dim=0)
 
-def reference_on_rank(q, k, v, dout, rank: int, world: int, max_elements: int = 2 ** 24) -> Tuple[torch.Tensor, ...]:
-    """Exact causal attention in fp64: this rank's zigzag shards of out, dq, dk, dv from the FULL sbhd inputs.
+def reference_on_rank(q, k, v, dout, rank: int, world: int, max_elements: int = 2 ** 24, causal: bool = True,
+                      window: Tuple[int, int] = (-1, -1), scale: Optional[float] = None,
+                      dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, ...]:
+    """Exact attention in ``dtype`` (fp64 by default): this rank's zigzag shards of out, dq, dk, dv from the FULL
+    sbhd inputs q [S, b, hq, dk], k [S, b, hkv, dk], v [S, b, hkv, dv], causal or not, with a sliding ``window``
+    (left, right; -1 unbounded) as in :func:`attention_with_lse`.
 
     (Blockwise, so it fits at benchmark sizes where :func:`reference_attention`'s full score matrix would not.)
     Each rank computes the rows of its own queries (blocks of consecutive positions, against the keys they can see)
     and its queries' share of dK/dV for all keys, which an all-reduce over the default group sums.
 
     Notation
-        S tokens, b batch, hkv K/V heads, g = hq/hkv query heads per K/V head, d head dim
-        n query rows of a block at positions p0..p0+n-1; m = p0+n keys visible to the block (causal)
+        S tokens, b batch, hkv K/V heads, g = hq/hkv query heads per K/V head, dk query/key and dv value head dims
+        n query rows of a block at positions p0..p0+n-1; keys [lo, hi) visible to the block
         q, dout [S, b, hq, d] -> [S, b, hkv, g, d] (no K/V repeat: GQA groups stay a dimension)
         scores, p, dp, ds [b, hkv, g, n, m];   lse, delta [b, hkv, g, n, 1]
     """
-    S, b, hq, d = q.shape
-    hkv = k.shape[2]
-    g, scale = hq // hkv, d ** -0.5
-    f64 = lambda x: x.to(torch.float64)                                                  # noqa: E731
-    q5, do5 = (f64(x).view(S, b, hkv, g, d) for x in (q, dout))                         # [S, b, hkv, g, d]
-    k64, v64 = f64(k), f64(v)                                                           # [S, b, hkv, d]
-    dk, dv = torch.zeros_like(k64), torch.zeros_like(v64)
+    S, b, hq, dk = q.shape
+    hkv, dv = k.shape[2], v.shape[3]
+    g = hq // hkv
+    scale = dk ** -0.5 if scale is None else scale
+    left, right = window
+    cast = lambda x: x.to(dtype)                                                         # noqa: E731
+    q5, do5 = cast(q).view(S, b, hkv, g, dk), cast(dout).view(S, b, hkv, g, dv)         # [S, b, hkv, g, d]
+    kc, vc = cast(k), cast(v)                                                           # [S, b, hkv, d]
+    dk_acc, dv_acc = torch.zeros_like(kc), torch.zeros_like(vc)
     outs, dqs = [], []
     chunk = S // (2 * world)
     rows_per_block = max(1, min(chunk, max_elements // max(1, b * hq * S)))
     for c in zigzag_chunks(rank, world):
         for p0 in range(c * chunk, (c + 1) * chunk, rows_per_block):
             p1 = min(p0 + rows_per_block, (c + 1) * chunk)
-            qb, dob, kb, vb = q5[p0:p1], do5[p0:p1], k64[:p1], v64[:p1]
+            lo = 0 if left == -1 else max(0, p0 - left)
+            hi = p1 if causal else (S if right == -1 else min(S, p1 + right))
+            qb, dob, kb, vb = q5[p0:p1], do5[p0:p1], kc[lo:hi], vc[lo:hi]
             scores = torch.einsum("nbhgd,mbhd->bhgnm", qb, kb) * scale
-            rows = torch.arange(p0, p1, device=q.device)
-            future = torch.arange(p1, device=q.device)[None, :] > rows[:, None]          # [n, m]
-            scores.masked_fill_(future, float("-inf"))
+            offset = (torch.arange(lo, hi, device=q.device)[None, :]
+                      - torch.arange(p0, p1, device=q.device)[:, None])                  # [n, m]: key - query
+            scores.masked_fill_(hidden_keys(offset, causal, window), float("-inf"))
             p = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
             out = torch.einsum("bhgnm,mbhd->nbhgd", p, vb)
             dp = torch.einsum("nbhgd,mbhd->bhgnm", dob, vb)
             delta = torch.einsum("nbhgd,nbhgd->bhgn", dob, out).unsqueeze(-1)
             ds = p * (dp - delta) * scale
             dqs.append(torch.einsum("bhgnm,mbhd->nbhgd", ds, kb))
-            dk[:p1] += torch.einsum("bhgnm,nbhgd->mbhd", ds, qb)
-            dv[:p1] += torch.einsum("bhgnm,nbhgd->mbhd", p, dob)
+            dk_acc[lo:hi] += torch.einsum("bhgnm,nbhgd->mbhd", ds, qb)
+            dv_acc[lo:hi] += torch.einsum("bhgnm,nbhgd->mbhd", p, dob)
             outs.append(out)
     if world > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(dk)
-        dist.all_reduce(dv)
+        dist.all_reduce(dk_acc)
+        dist.all_reduce(dv_acc)
     shard = lambda x: shard_sequence(x, rank, world)                                      # noqa: E731
-    return (torch.cat(outs).view(-1, b, hq, d), torch.cat(dqs).view(-1, b, hq, d), shard(dk), shard(dv))
+    return (torch.cat(outs).view(-1, b, hq, dv), torch.cat(dqs).view(-1, b, hq, dk), shard(dk_acc), shard(dv_acc))

@@ -1,0 +1,267 @@
+"""Generated exactness cases for ``attention_2d``: one seeded generator, one fp64 per-document oracle.
+
+A *batch* fixes what every rank must agree on before any tensor moves: the world size and the 2D layout
+(hp, w, placement). Its *draws* then vary everything else: unpacked (sbhd, one document per batch row) or packed
+in each of :data:`megatron_2d.packed_layout.MODES`, value head dims below the query/key dim (MLA), document lengths (one-token documents, lengths that divide
+nothing, one giant document among tiny ones, hundreds of tiny ones, padding at the end of the stream), GQA ratios
+with K/V replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. Every
+draw is checked against :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence
+is one document): out, dq, dk, dv and d sinks, with padding slots exactly zero and everything finite.
+
+Each batch and draw is a pure function of its seed, so every rank builds the same draws and a failure replays
+from ``(batch seed, draw index)`` alone:
+
+    python tools/fuzz_attention.py --replay 1234:5
+
+Inside the ranks every ``torch.empty``-like allocation made from Python is filled with NaN
+(:class:`PoisonedEmpty`), so a read of memory nobody wrote shows up as NaN on every run, instead of as whatever
+the allocator happened to hold.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch._dynamo  # noqa: F401  a dispatch mode imports it on first use: once here, not in every forked rank
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..topology import PLACEMENTS, divisors
+from .reference import TOLERANCE, packed_reference_attention, rounded
+
+_TIMEOUT = datetime.timedelta(seconds=60)
+_ATEN = torch.ops.aten
+_EMPTY_OPS = (_ATEN.empty.memory_format, _ATEN.empty_like.default, _ATEN.new_empty.default,
+              _ATEN.empty_strided.default, _ATEN.new_empty_strided.default)
+
+
+class PoisonedEmpty(TorchDispatchMode):
+    """Fill every floating-point tensor that an empty-like op returns with NaN (allocations made from Python and
+    from composite ops; a compiled kernel's internal buffers are out of its reach)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _EMPTY_OPS and out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What every rank of one fork agrees on: the world and its 2D layout."""
+
+    seed: int
+    world: int
+    hp: int
+    w: int
+    placement: str
+
+    @property
+    def cp(self) -> int:
+        return self.world // self.hp
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One case on a batch's layout. ``mode`` None: the unpacked sbhd op, ``lengths`` = (S,) per batch row."""
+
+    batch_seed: int
+    index: int
+    mode: Optional[str]
+    lengths: Tuple[int, ...]
+    end_padding: int              # zigzag: extra padded slots after the last document (Megatron's padded stream)
+    batch: int
+    hq: int
+    hkv: int
+    d: int                        # query/key head dim
+    dv: int                       # value head dim (MLA: smaller than d)
+    causal: bool
+    window: Tuple[int, int]
+    sinks: bool
+    kernel: str
+    dkv_comm_dtype: str
+
+    def describe(self) -> str:
+        fields = asdict(self)
+        lengths = fields.pop("lengths")
+        shown = lengths if len(lengths) <= 12 else f"{list(lengths[:12])}... ({len(lengths)} documents)"
+        return ", ".join(f"{k}={v}" for k, v in fields.items()) + f", lengths={shown}"
+
+
+def layouts(max_world: int = 8) -> List[Tuple[int, int, int, str]]:
+    """Every (world, hp, w, placement) up to ``max_world``: hp | world, w | cp."""
+    return [(world, hp, w, placement) for world in range(1, max_world + 1) for hp in divisors(world)
+            for w in divisors(world // hp) for placement in PLACEMENTS]
+
+
+def draw_batch(seed: int, max_world: int = 8) -> Batch:
+    """The layout of batch ``seed``: uniform over :func:`layouts` (so larger worlds, with more layouts, come up
+    more often), and one batch in five a 2D layout with a double ring (hp > 1, 1 < w < cp), the rarest kind."""
+    rng = np.random.default_rng([seed, 0])
+    every = layouts(max_world)
+    double_ring_2d = [x for x in every if x[1] > 1 and 1 < x[2] < x[0] // x[1]]
+    pool = double_ring_2d if double_ring_2d and rng.random() < 0.2 else every
+    world, hp, w, placement = pool[int(rng.integers(len(pool)))]
+    return Batch(seed, world, hp, w, placement)
+
+
+def _document_lengths(rng: np.random.Generator) -> List[int]:
+    """Lengths from one of the mixes that hand-picked tests miss."""
+    mix = rng.choice(["ones", "small", "giant", "tiny_many", "awkward", "single", "lognormal"])
+    if mix == "ones":              # mostly one-token documents (trailing EODs, empty turns) and a few longer ones
+        lengths = [1] * int(rng.integers(1, 60)) + rng.integers(2, 20, size=int(rng.integers(0, 4))).tolist()
+    elif mix == "small":
+        lengths = rng.integers(1, 24, size=int(rng.integers(1, 30))).tolist()
+    elif mix == "giant":           # one document longer than all the others together
+        lengths = rng.integers(1, 6, size=int(rng.integers(0, 12))).tolist() + [int(rng.integers(80, 400))]
+    elif mix == "tiny_many":       # hundreds of one- to three-token documents
+        lengths = rng.integers(1, 4, size=int(rng.integers(100, 300))).tolist()
+    elif mix == "awkward":         # primes: divisible by nothing the layout uses
+        lengths = rng.choice([1, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 97],
+                             size=int(rng.integers(1, 14))).tolist()
+    elif mix == "single":
+        lengths = [int(rng.integers(1, 300))]
+    else:
+        lengths = np.maximum(1, rng.lognormal(2.5, 1.2, size=int(rng.integers(2, 30))).astype(int)).tolist()
+    order = rng.permutation(len(lengths))
+    return [int(lengths[i]) for i in order]
+
+
+def _window(rng: np.random.Generator, causal: bool, longest: int) -> Tuple[int, int]:
+    """No window, or one from a single key to wider than the longest document."""
+    if rng.random() < 0.4:
+        return (-1, -1)
+    reach = lambda: int(rng.choice([0, 1, 2, 3, max(1, longest // 4), max(1, longest // 2), longest + 5]))  # noqa
+    if causal:
+        return (max(1, reach()), 0)
+    left, right = reach(), reach()
+    unbounded = rng.integers(0, 3)           # 0: both bounded, 1: left unbounded, 2: right unbounded
+    return (-1 if unbounded == 1 else left, -1 if unbounded == 2 else right)
+
+
+def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
+    """Draw ``index`` of ``batch``: a pure function of (batch.seed, index)."""
+    rng = np.random.default_rng([batch.seed, 1, index])
+    mode = None if rng.random() < 0.3 else str(rng.choice(list(modes)))
+    hq = batch.hp * int(rng.choice([1, 2]))
+    hkv = int(rng.choice(divisors(hq)))             # hkv < hp replicates K/V heads
+    causal = bool(rng.random() < 0.7)
+    if mode is None:
+        chunk = int(rng.integers(1, 10))
+        lengths = (2 * batch.world * chunk,)
+        batch_size = int(rng.choice([1, 2]))        # batch 1 takes the point-to-point head exchange
+        end_padding = 0
+    else:
+        lengths = tuple(_document_lengths(rng))
+        if mode == "sequence":                      # Megatron's per-sequence split: 2*CP divides the stream
+            lengths += ((-sum(lengths)) % (2 * batch.world),) if sum(lengths) % (2 * batch.world) else ()
+        batch_size = 1
+        end_padding = 2 * batch.world * int(rng.integers(1, 3)) if mode == "zigzag" and rng.random() < 0.3 else 0
+    d = int(rng.choice([8, 16]))
+    dv = d // 2 if rng.random() < 0.25 else d
+    return Draw(batch.seed, index, mode, lengths, end_padding, batch_size, hq, hkv, d, dv, causal, _window(rng, causal, max(lengths)), bool(rng.random() < 0.3),
+                "torch_math" if rng.random() < 0.15 else "cpu_flash",
+                "input" if rng.random() < 0.2 else "accumulator")
+
+
+def _inputs(draw: Draw) -> Tuple[torch.Tensor, ...]:
+    """fp64 q [T, b, hq, d], k [T, b, hkv, d], v [T, b, hkv, dv], dout [T, b, hq, dv], sinks [hq] (or None),
+    rounded to fp32."""
+    g = torch.Generator().manual_seed(draw.batch_seed * 100_003 + draw.index)
+    total = sum(draw.lengths)
+    q, k, v, dout = (rounded(torch.randn(total, draw.batch, h, dim, generator=g, dtype=torch.float64),
+                             torch.float32)
+                     for h, dim in ((draw.hq, draw.d), (draw.hkv, draw.d), (draw.hkv, draw.dv), (draw.hq, draw.dv)))
+    sinks = rounded(torch.randn(draw.hq, generator=g, dtype=torch.float64), torch.float32) if draw.sinks else None
+    return q, k, v, dout, sinks
+
+
+def expected_results(draw: Draw):
+    """(out, dq, dk, dv, d sinks) of the per-document fp64 oracle, every batch row on its own (computed once, in
+    the parent, before the ranks fork)."""
+    q, k, v, dout, sinks = _inputs(draw)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    sink_leaf = None if sinks is None else sinks.clone().requires_grad_(True)
+    cu = np.concatenate([[0], np.cumsum(draw.lengths)])
+    out = torch.stack([packed_reference_attention(*(x[:, i] for x in leaves), cu, draw.causal, draw.d ** -0.5,
+                                                  window=draw.window, sinks=sink_leaf)
+                       for i in range(draw.batch)], dim=1)                          # [T, b, hq, d]
+    out.backward(dout)
+    return (out.detach(), *(x.grad for x in leaves), None if sink_leaf is None else sink_leaf.grad)
+
+
+def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> Dict[str, object]:
+    """Run one draw on this rank: errors of its slots (max |error| / max |reference| of the whole tensor) against
+    ``expected`` (from :func:`expected_results`), the padding and finiteness checks, and this rank's share of
+    d sinks."""
+    import megatron_2d
+
+    q, k, v, dout, sinks = _inputs(draw)
+    if draw.mode is None:
+        shard = lambda x: megatron_2d.shard_sequence(x, cp_rank, cp_size)          # noqa: E731
+        pad = torch.zeros(q.shape[0] // cp_size, dtype=torch.bool)
+        packing = None
+    else:
+        cu = np.concatenate([[0], np.cumsum(draw.lengths)])
+        padded = None
+        if draw.end_padding:
+            padded = np.diff(cu)
+            padded = -(-padded // (2 * cp_size)) * (2 * cp_size)
+            padded[-1] += draw.end_padding
+            padded = np.concatenate([[0], np.cumsum(padded)])
+        packing = megatron_2d.PackedLayout(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
+        shard = lambda x: packing.shard(x[:, 0])                                    # noqa: E731  [t_local, h, d]
+        pad = packing.local_indices() < 0
+    local = [shard(x).float().requires_grad_(True) for x in (q, k, v)]
+    local_sinks = None if sinks is None else sinks.float().requires_grad_(True)
+    with PoisonedEmpty():
+        out = megatron_2d.attention_2d(*local, groups, causal=draw.causal, sliding_window=draw.window,
+                                       sinks=local_sinks, kernel=draw.kernel, dkv_comm_dtype=draw.dkv_comm_dtype,
+                                       packing=packing)
+        out.backward(shard(dout).float())
+    actual = (out.detach(), *(x.grad for x in local))
+    result: Dict[str, object] = {}
+    for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
+        scale = e.abs().max().item()
+        result[name] = (a.double() - shard(e)).abs().max().item() / (scale if scale > 0 else 1.0)
+    result["finite"] = all(bool(torch.isfinite(a).all()) for a in actual)
+    result["padding_zero"] = all(bool((a[pad] == 0).all()) for a in actual)
+    result["dsinks"] = None if local_sinks is None else local_sinks.grad.double()
+    result["dsinks_expected"] = expected[4]
+    return result
+
+
+def run_batch(rank: int, world: int, batch: Batch, draws: Sequence[Draw], expected: Sequence[tuple]):
+    """On every rank of a fork: build the batch's groups once, then run its draws."""
+    import megatron_2d
+
+    groups = megatron_2d.build_2d_groups(batch.hp, batch.w, batch.placement, timeout=_TIMEOUT)
+    return [run_draw(draw, e, groups, rank, world) for draw, e in zip(draws, expected)]
+
+
+def failures(batch: Batch, draws: Sequence[Draw], per_rank: Sequence[Sequence[Dict[str, object]]],
+             tolerance: float = TOLERANCE[torch.float32]) -> List[str]:
+    """What went wrong in each draw of a batch (empty when every check held), with the replay command."""
+    found = []
+    for j, draw in enumerate(draws):
+        results = [r[j] for r in per_rank]
+        problems = [f"{name} error {max(r[name] for r in results):.2e}" for name in ("out", "dq", "dk", "dv")
+                    if not max(r[name] for r in results) < tolerance]
+        if not all(r["finite"] for r in results):
+            problems.append("non-finite values")
+        if not all(r["padding_zero"] for r in results):
+            problems.append("padding slots not zero")
+        if draw.sinks:
+            total = sum(r["dsinks"] for r in results)
+            expected = results[0]["dsinks_expected"]
+            err = ((total - expected).abs().max() / expected.abs().max()).item()
+            if not err < tolerance:
+                problems.append(f"dsinks error {err:.2e}")
+        if problems:
+            found.append(f"{'; '.join(problems)} | world={batch.world} hp={batch.hp} cp={batch.cp} w={batch.w} "
+                         f"{batch.placement} | {draw.describe()} | replay: python tools/fuzz_attention.py "
+                         f"--replay {batch.seed}:{draw.index}")
+    return found

@@ -1,0 +1,211 @@
+"""Megatron's training loop through pretrain_hybrid.py (Megatron-LM core_v0.19.0) on forked CPU ranks: a HybridModel
+with Mamba and 2D attention layers ('M*-M*-') logs the same lm loss per iteration as CP=1, through the patched
+script and through the unpatched one with --spec; its checkpoint resumes at another 2D layout and at CP=1; a
+launch the CP group cannot run stops every rank with our message; --sft (packed conversations, THD) at CP=4 logs the
+CP=1 losses.
+
+The CP=1 reference is the unpatched script with Megatron's local hybrid spec (its own attention) on one rank. Mamba
+kernels are the CPU stand-ins (megatron_2d.testing.hybrid_cpu, installed in the ranks by pretrain_cpu). Runs:
+hidden 64, 8 heads / 2 KV heads, Mamba 8 heads of 16 in 2 groups, RoPE, seq 128, global batch 2, 4 iterations.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from megatron_2d.testing.megatron_lm import copy_scripts
+from megatron_2d.testing.pretrain_runs import lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes
+from megatron_2d.testing.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ITERATIONS = 4
+RTOL = 1e-5
+
+
+def make_flags(*env):
+    """The flags of tools/pretrain_gpt_cpu.sh with ENTRY=hybrid (what `make pretrain-hybrid-cpu` runs)."""
+    out = subprocess.run(["bash", str(REPO / "tools" / "pretrain_gpt_cpu.sh"), "--print-flags"], capture_output=True,
+                         text=True, check=True, timeout=30, env={"ENTRY": "hybrid", "PATH": "/usr/bin:/bin", **dict(env)})
+    return out.stdout.split("\n")[:-1]
+
+
+CP1 = make_flags(("CP", "1"))
+CP4 = make_flags()
+BASE = CP4[:CP4.index("--context-parallel-size")]
+SPEC_2D = ["--spec", "megatron_2d.megatron.hybrid_spec", "hybrid_stack_spec_2d"]
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_lm")
+    paths = {"stock": copy_scripts(root / "stock", script="pretrain_hybrid.py"),
+             "patched": copy_scripts(root / "patched", patched=True, script="pretrain_hybrid.py")}
+    folder = str(paths["stock"].parent)
+    sys.path.insert(0, folder)
+    importlib.import_module("pretrain_hybrid")   # forked ranks find its imports loaded
+    yield paths
+    sys.path.remove(folder)
+    for name in ("pretrain_hybrid", "hybrid_builders", "model_provider"):
+        sys.modules.pop(name, None)
+
+
+def losses(logs):
+    found = lm_losses(logs[-1])
+    assert sorted(found) == list(range(1, ITERATIONS + 1)), f"missing iterations in the log:\n{logs[-1][-3000:]}"
+    return found
+
+
+def assert_same_losses(got, expected, iterations=range(1, ITERATIONS + 1)):
+    for it in iterations:
+        assert got[it] == pytest.approx(expected[it], rel=RTOL), f"iteration {it}: {got} vs {expected}"
+
+
+@pytest.fixture(scope="module")
+def reference(scripts):
+    found = losses(run_pretrain(1, scripts["stock"], CP1))
+    assert found[ITERATIONS] < found[1]
+    return found
+
+
+def test_make_target_flags():
+    assert "M*-M*-" in BASE and CP4[len(BASE):] == ["--context-parallel-size", "4", "--cp-comm-type", "2d",
+                                                    "--cp-2d-head-parallel-size", "2", "--cp-2d-window-size", "2",
+                                                    "--cp-2d-placement", "head_first"]
+    assert CP1 == BASE[:8] + ["--spec", "megatron_2d.testing.hybrid_cpu", "megatron_local_hybrid_stack_spec"] + BASE[8:]
+
+
+def test_patched_pretrain_hybrid_2d_equals_cp1(scripts, reference):
+    logs = run_pretrain(4, scripts["patched"], CP4)
+    assert_same_losses(losses(logs), reference)
+
+
+def test_unpatched_pretrain_hybrid_with_spec_equals_cp1(scripts, reference):
+    flags = SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
+                       "--cp-comm-type", "2d"]
+    assert_same_losses(losses(run_pretrain(4, scripts["stock"], BASE + flags)), reference)
+
+
+def test_checkpoint_saved_at_cp4_resumes_at_4x1_and_at_cp1(scripts, reference, tmp_path):
+    """Saved at iteration 2 with CP=4 as 2x2 (Mamba layers' conv, dt_bias, A_log, D, norm included), resumed with
+    CP=4 as 4x1 and at CP=1 by the stock script with Megatron's own local spec: iterations 3-4 equal the
+    uninterrupted run (compared per iteration, see per_iteration_losses)."""
+    ckpt = tmp_path / "ckpt"
+    save = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+            "--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"]
+    first = lm_losses(run_pretrain(4, scripts["patched"], BASE + save)[-1])
+    assert_same_losses(first, reference, iterations=[1, 2])
+    assert (ckpt / "iter_0000002" / "metadata.json").is_file()
+    resumes = {"cp4 as 4x1": (4, scripts["patched"], BASE + ["--context-parallel-size", "4", "--cp-comm-type", "2d",
+                                                            "--cp-2d-head-parallel-size", "4"]),
+               "cp1, stock spec": (1, scripts["stock"], CP1)}
+    for name, (world, script, flags) in resumes.items():
+        logs = run_pretrain(world, script, flags + ["--load", str(ckpt)])
+        assert f"loading distributed checkpoint from {ckpt} at iteration 2" in logs[0], name
+        resumed = lm_losses(logs[-1])
+        assert sorted(resumed) == [3, 4], f"{name}: {resumed}"
+        assert_same_losses(per_iteration_losses(resumed), per_iteration_losses(reference), iterations=[3, 4])
+
+
+MISCONFIGURED = {
+    "Mamba heads over CP (patched)": ("patched", CP4 + ["--mamba-num-heads", "6"],
+                                      "Mamba layers split their heads over the whole CP group: 6 Mamba heads"),
+    "Mamba heads over CP (--spec)": ("stock", BASE + SPEC_2D + ["--mamba-num-heads", "6", "--context-parallel-size", "4",
+                                                                "--hierarchical-context-parallel-sizes", "2", "2",
+                                                                "--cp-comm-type", "2d"],
+                                     "Mamba layers split their heads over the whole CP group: 6 Mamba heads"),
+    "documents layout with Mamba": ("patched", CP4 + ["--cp-2d-packing", "documents"],
+                                    "cp_2d_packing='documents' cannot run a model with Mamba (M) layers"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISCONFIGURED))
+def test_misconfigured_hybrid_launch_stops_every_rank_with_our_message(scripts, case):
+    script, flags, message = MISCONFIGURED[case]
+    for rank, outcome in enumerate(run_pretrain_outcomes(4, scripts[script], flags, timeout_s=90)):
+        assert outcome.exit_status != 0 and message in outcome.error, f"rank {rank}: {outcome.error}"
+
+
+
+# --- SFT: packed conversations (THD) through pretrain_hybrid.py --sft ---------------------------------------------
+
+SFT_FLAGS = ["--sft", "--tokenizer-type", "SFTTokenizer", "--sft-tokenizer-prompt-format", PROMPT_FORMAT,
+             "--split", "100,0,0", "--no-create-attention-mask-in-dataloader", "--calculate-per-token-loss"]
+"""Megatron's SFT route: SFTTokenizer and SFTDataset (which refuses the default attention mask). Per-token loss: without
+it Megatron scales each CP rank's loss by that rank's own count of loss tokens, so with SFT's loss masks (prompts
+masked, uneven over the ranks) the gradient depends on the CP size whatever the attention (seen: CP=4 drifts from
+CP=1 by 3e-4 from iteration 2 without it)."""
+
+
+@pytest.fixture(scope="module")
+def sft_corpus(tmp_path_factory):
+    """The flags naming the tiny tokenizer and jsonl of megatron_2d.testing.sft_data. The forked ranks inherit an
+    offline Hugging Face with its datasets cache in tmp. (``datasets`` is imported in the ranks, not here: pyarrow
+    starts a jemalloc thread at import, and the ranks are forked from this process.)"""
+    root = tmp_path_factory.mktemp("sft")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
+        env.setenv("TOKENIZERS_PARALLELISM", "false")
+        corpus = {"--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
+                  "--data-path": write_sft_conversations(root / "sft.jsonl")}
+        check_sft_corpus(corpus["--tokenizer-model"], corpus["--data-path"])
+        yield [item for flag, path in corpus.items() for item in (flag, str(path))]
+
+
+def check_sft_corpus(tokenizer_dir, data_path, seq_length=128, cp_size=4):
+    """What the test relies on, as Megatron's SFTTokenizer renders it: every sample packs several conversations, some
+    answers are one token, and no conversation is truncated at CP=1 or at ``cp_size`` (SFTDataset pads each one to a
+    multiple of 2 * CP there)."""
+    from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer
+
+    tokenizer = SFTTokenizer(str(tokenizer_dir), PROMPT_FORMAT)
+    one_token_answers = 0
+    for line in data_path.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        starts = [i for i, m in enumerate(messages) if m["role"] == "system"] + [len(messages)]
+        assert len(starts) >= 3, f"one conversation only: {messages}"
+        padded = 0
+        for begin, end in zip(starts, starts[1:]):
+            tokens, _ = tokenizer.tokenize_conversation(messages[begin:end], return_target=True,
+                                                        add_generation_prompt=False)
+            padded += -(-len(tokens) // (2 * cp_size)) * 2 * cp_size
+        assert padded <= seq_length, f"{padded} tokens at CP={cp_size}: {messages}"
+        one_token_answers += sum(m["role"] == "assistant" and len(tokenizer.text_to_ids(m["content"])) == 1
+                                 for m in messages)
+    assert one_token_answers >= 5
+
+
+def sft_flags(pattern, corpus):
+    """The make target's flags for ``pattern`` (model, schedule) with its mock data and NullTokenizer replaced."""
+    flags = make_flags(("PATTERN", pattern))
+    flags = flags[:flags.index("--context-parallel-size")]
+    for flag, values in (("--tokenizer-type", 1), ("--vocab-size", 1), ("--mock-data", 0)):
+        at = flags.index(flag)
+        flags = flags[:at] + flags[at + 1 + values:]
+    return flags + SFT_FLAGS + corpus
+
+
+SFT_2D_ROUTES = {
+    "*-*-": ("stock", SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
+                                 "--cp-comm-type", "2d"]),
+    "M*-M*-": ("patched", CP4[len(BASE):]),
+}
+
+
+@pytest.mark.parametrize("pattern", list(SFT_2D_ROUTES))
+def test_sft_packed_conversations_at_2d_cp4_equal_cp1(scripts, sft_corpus, pattern):
+    """pretrain_hybrid.py --sft: each sample packs 2-4 conversations (THD, Megatron's zigzag split per conversation
+    at CP=4, Mamba's THD context parallelism for 'M'), prompts masked from the loss, one-token assistant turns. The
+    2D run (hp 2 x cp 2; --spec route for '*-*-', patched route for 'M*-M*-') logs the CP=1 losses. CP=1 is the stock
+    script with our spec on one rank: Megatron's local attention refuses packed batches (and TE's does not run on
+    CPU), so its attention is ours at CP=1, the packed reference tests/test_megatron_hybrid_packed.py uses."""
+    base = sft_flags(pattern, sft_corpus)
+    reference = losses(run_pretrain(1, scripts["stock"], base + SPEC_2D))
+    script, route = SFT_2D_ROUTES[pattern]
+    assert_same_losses(losses(run_pretrain(4, scripts[script], base + route)), reference)
