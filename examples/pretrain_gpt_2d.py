@@ -13,11 +13,13 @@ importable: run from a Megatron-LM checkout, or point MEGATRON_LM_DIR at one.
 Without ``--cp-comm-type 2d`` it trains exactly like pretrain_gpt.py with stock context parallelism.
 
 Packed documents (THD): ``--sft`` batches run as pretrain_gpt.py builds them (Megatron's per-document zigzag,
-``--cp-2d-packing zigzag``, the default). ``--cp-2d-packing documents`` with ``--dataloader-inter-document-masking``
+``--cp-2d-packing zigzag``, the default), and so do ``--dataloader-inter-document-masking`` batches (Megatron's
+per-sequence split: the "sequence" layout, chosen by itself). ``--cp-2d-packing documents`` with
+``--dataloader-inter-document-masking``
 (or ``--sft``) switches to the documents layout: short documents stay whole on one context rank and only long
 ones travel the ring. Its batches come from :func:`documents_forward_step` here (the data path of
-megatron_2d.megatron.packed_data, RoPE at each token's position in its document; needs --no-rope-fusion and
-pipeline-parallel size 1). A stock pretrain_gpt.py user turns it on by running this entry instead, with the
+megatron_2d.megatron.packed_data, RoPE at each token's position in its document, the loss weighing every token
+equally whatever each CP rank holds; needs --no-rope-fusion and pipeline-parallel size 1). A stock pretrain_gpt.py user turns it on by running this entry instead, with the
 same flags plus ``--cp-2d-packing documents``.
 """
 
@@ -54,7 +56,7 @@ def documents_forward_step(stock):
     from megatron.training import get_args
 
     from megatron_2d.megatron.packed_data import (documents_batch_on_this_cp_rank, groups_of_model,
-                                                  use_document_positions)
+                                                  token_weighted_loss, use_document_positions)
 
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         args = get_args()
@@ -81,7 +83,9 @@ def documents_forward_step(stock):
         local, params = documents_batch_on_this_cp_rank(batch, groups_of_model(gpt), batch["cu_seqlens"].reshape(-1))
         output = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
                        loss_mask=local["loss_mask"], packed_seq_params=params)
-        return output, partial(stock.loss_func, local["loss_mask"], model=model)
+        loss = token_weighted_loss(partial(stock.loss_func, local["loss_mask"], model=model),
+                                   mpu.get_context_parallel_group(), args.calculate_per_token_loss)
+        return output, loss
 
     return forward_step
 

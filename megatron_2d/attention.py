@@ -21,7 +21,9 @@ pairs with nothing to see, so that steps and bytes follow the window instead of 
 Packed documents (THD, ``packing=PackedLayout``): q [t_local, hq, d], k/v [t_local, hkv, d] hold the slots of
 :class:`megatron_2d.PackedLayout`; they run the same path with batch 1, the all-to-all keeping the received
 order, and kernel calls planned per pair of same-document runs. The ring carries the layout's ring prefix
-(all slots for zigzag, the long documents' for the documents mode); no ring at all when that is empty.
+(all slots for zigzag and sequence, the long documents' for the documents mode); no ring at all when that is
+empty; the neighbour exchange, with only the keys each rank's calls read packed together, when some context ranks
+see nothing of others (windows, or documents that do not cross ranks).
 """
 
 from __future__ import annotations
@@ -29,14 +31,13 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple
 
-import numpy as np
 import torch
 
 from .band import SlidingWindow
 from .block_plan import plan_context_group
 from .double_ring import DoubleRing, LocalBlock
 from .groups import Groups2D
-from .head_all_to_all import Direction, HeadAllToAll, HeadExchange
+from .head_all_to_all import Direction, HeadAllToAll, HeadExchange, ascending_order
 from .kernels import select_kernel
 from .kernels.base import accumulator_dtype
 from .neighbour_exchange import NeighbourExchange
@@ -122,8 +123,9 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
     cached = groups.op_cache.get(key)
     if cached is None:
         place = groups.place
-        heads = HeadExchange.build(groups.head_parallel_size, groups.received_chunks(place.context_rank),
-                                   groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group)
+        order = ascending_order(groups.received_chunks(place.context_rank))
+        heads = HeadExchange.build(groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device,
+                                   head_ranks=place.head_group)
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
         rc = RingContext(transport=_transport(groups, plan),
                          kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
@@ -140,19 +142,20 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
     key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = packing.op_cache.get(key)
     if cached is None:
-        order = packing.ring_order
-        heads = HeadExchange.build(groups.head_parallel_size,
-                                   None if order is None else np.argsort(order[groups.place.context_rank]).tolist(),
-                                   groups.head_group, groups.comm_bytes, device, per_token=True,
+        heads = HeadExchange.build(groups.head_parallel_size, packing.head_order, groups.head_group,
+                                   groups.comm_bytes, device, per_token=packing.head_unit == "token",
                                    head_ranks=groups.place.head_group)
-        view_tokens = packing.views.shape[1]
+        view_tokens, plans = packing.view_len, packing.plans(causal, window)
+        neighbours = None if packing.ring_tokens == 0 else packing.neighbour_keys(causal, window)
         if packing.ring_tokens == 0 or groups.context_size == 1:
             transport = LocalBlock(groups.place.context_rank)
+        elif neighbours is not None:               # some context ranks see nothing of others: direct exchange
+            transport, plans = NeighbourExchange(groups, neighbours.keys, neighbours.offsets), neighbours.plans
         else:
             transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
         rc = RingContext(transport=transport,
                          kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-                         plans=packing.plans(causal, window), scale=scale,
+                         plans=plans, scale=scale,
                          rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
         cached = packing.op_cache[key] = (heads, rc)
     return cached

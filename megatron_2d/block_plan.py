@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .band import Band, SlidingWindow
 from .topology import Layout2D, zigzag_chunks
 
 
-@dataclass(frozen=True)
-class BlockCall:
-    """Local query rows [q_start, q_end) attend to local keys [k_start, k_end) under ``band`` (None = all)."""
+class BlockCall(NamedTuple):
+    """Local query rows [q_start, q_end) attend to local keys [k_start, k_end) under ``band`` (None = all).
+    (A named tuple: packed plans make thousands per batch.)"""
 
     q_start: int
     q_end: int

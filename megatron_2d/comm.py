@@ -156,6 +156,15 @@ class BufferPool:
         self._free.append(buf)
 
 
+def to_device(array, device: torch.device) -> torch.Tensor:
+    """A host index array (numpy or CPU tensor) as a tensor on ``device``: on a GPU through pinned memory,
+    non-blocking (no host-device synchronisation); on the CPU without a copy."""
+    tensor = torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def all_to_all_counted(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> torch.Tensor:
     """all_to_all_single over dim 0 of ``send`` [hp, ...]: slice j goes to head rank j; returns [hp, ...]."""
     recv = torch.empty_like(send)

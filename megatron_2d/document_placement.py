@@ -1,4 +1,4 @@
-"""Where each token of a packed batch goes: Megatron's per-document zigzag, or whole short documents.
+"""Where each token of a packed batch goes: Megatron's per-document or per-sequence zigzag, or whole short documents.
 
 Pure numpy, no torch: the op's :class:`megatron_2d.PackedLayout` and the planner use the same placement.
 
@@ -22,17 +22,28 @@ the hp ranks of a head group split heads, not documents); every other document s
 so its attention is local and the ring carries only long-document K/V. Each view is [long chunks | whole
 documents | padding] and is cut into hp equal slices, one per head rank, so after the all-to-all the long tokens
 are a prefix of the view: the ring sends that prefix only.
+
+Sequence (Megatron's ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``, what
+``--dataloader-inter-document-masking`` runs): the whole packed stream of T tokens (T divisible by 2*CP) is cut into
+2*CP chunks regardless of documents; CP rank i holds chunks i and 2*CP-1-i; documents are only masked.
+
+    >>> sequence_rows(8, cp_size=2, ranks=[0, 1])
+    array([[0, 1, 6, 7],
+           [2, 3, 4, 5]])
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-DEFAULT_TOLERANCE = 0.05
+if TYPE_CHECKING:
+    from .packed_plan import Runs
+
 
 
 def pairs(lengths) -> np.ndarray:
@@ -44,48 +55,31 @@ def pairs(lengths) -> np.ndarray:
 def row_pairs(rows: np.ndarray, cu_seqlens) -> np.ndarray:
     """[n] causal (query, key) pairs of each row of slots (views or a rank's slots): a real token at position p of
     its document sees p + 1 keys."""
+    rows = np.atleast_2d(np.asarray(rows, dtype=np.int64))
     cu = np.asarray(cu_seqlens, dtype=np.int64)
-    out = np.zeros(len(rows), dtype=np.int64)
-    for r, row in enumerate(rows):
-        real = row[row >= 0]
-        out[r] = int((real - cu[np.searchsorted(cu, real, side="right") - 1] + 1).sum())
-    return out
+    real = rows >= 0
+    seen = rows - cu[np.searchsorted(cu, np.maximum(rows, 0), side="right") - 1] + 1
+    return np.where(real, seen, 0).sum(axis=1)
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
-    lengths = lengths.astype(np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(starts.astype(np.int64) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return offsets + np.arange(total, dtype=np.int64)
-
-
-def _chunk_slots(doc_starts: np.ndarray, lengths: np.ndarray, chunk: np.ndarray, which: Sequence[int]) -> np.ndarray:
-    """Stream indices of chunks ``which`` (per document, in that order) of documents cut into chunks of ``chunk``
-    tokens; positions past a document's real length are padding (-1)."""
-    positions = np.stack([np.asarray(w, dtype=np.int64) * chunk for w in which], axis=1)     # [D, 2] first pos
-    counts = np.repeat(chunk[:, None], len(which), axis=1)                                   # [D, 2]
-    pos = _ranges(positions.reshape(-1), counts.reshape(-1))                                 # [sum] position in doc
-    doc = np.repeat(np.repeat(np.arange(len(lengths)), len(which)), counts.reshape(-1))
-    return np.where(pos < lengths[doc], doc_starts[doc] + pos, -1)
-
-
-def zigzag_stream_indices(cu_seqlens_padded, cp_size: int, cp_rank: int) -> np.ndarray:
-    """Indices into the padded stream that CP rank ``cp_rank`` holds: Transformer Engine's
-    ``thd_get_partitioned_indices(cu_seqlens_padded, T_padded, CP, rank)`` (every padded length a multiple of 2*CP).
-
-    >>> zigzag_stream_indices([0, 4, 12], cp_size=2, cp_rank=0).tolist()
-    [0, 3, 4, 5, 10, 11]
-    """
-    cu = np.asarray(cu_seqlens_padded, dtype=np.int64)
+def zigzag_rows(cu_seqlens, cp_size: int, ranks, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
+    """[len(ranks), t_local] slots of CP ranks ``ranks`` under Megatron's THD zigzag (see :func:`zigzag_slots`),
+    computed for those ranks only: column j is the same (document, chunk half, offset) on every rank, only the
+    chunk differs, so a row is one affine map of the columns."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
     lengths = np.diff(cu)
-    if (lengths % (2 * cp_size)).any():
-        raise ValueError(f"padded document lengths must be multiples of 2*CP = {2 * cp_size}, got "
-                         f"{lengths[(lengths % (2 * cp_size)) != 0][:8].tolist()}")
-    return _chunk_slots(cu[:-1], lengths, lengths // (2 * cp_size),
-                        [(cp_rank,) * len(lengths), (2 * cp_size - 1 - cp_rank,) * len(lengths)])
+    ranks = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
+    padded = round_up(lengths, 2 * cp_size) if padded_lengths is None else np.asarray(padded_lengths, np.int64)
+    chunk = padded // (2 * cp_size)
+    doc = np.repeat(np.arange(len(lengths)), 2 * chunk)                       # [t_local] document of column j
+    offset = np.arange(len(doc)) - np.repeat(np.cumsum(2 * chunk) - 2 * chunk, 2 * chunk)
+    c = chunk[doc]
+    first = offset < c
+    # position in the document on rank i: first half (chunk i) = i*c + o; second (chunk 2CP-1-i) = (2CP-1-i)*c + o-c
+    base = np.where(first, offset, (2 * cp_size - 1) * c + offset - c)
+    step = np.where(first, c, -c)
+    pos = base[None, :] + ranks[:, None] * step[None, :]
+    return np.where(pos < lengths[doc][None, :], cu[:-1][doc][None, :] + pos, -1)
 
 
 def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
@@ -95,13 +89,16 @@ def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: Optional[
     real length; default: each real length rounded up to a multiple of 2*CP (no padding at all when CP = 1: the
     one rank holds every document whole, as Megatron's CP=1 batches are)."""
     cu = np.asarray(cu_seqlens, dtype=np.int64)
-    lengths = np.diff(cu)
     if cp_size == 1 and padded_lengths is None:
         return np.arange(cu[-1], dtype=np.int64)[None]
-    padded = round_up(lengths, 2 * cp_size) if padded_lengths is None else np.asarray(padded_lengths, np.int64)
-    chunk = padded // (2 * cp_size)
-    return np.stack([_chunk_slots(cu[:-1], lengths, chunk, [(i,) * len(lengths), (2 * cp_size - 1 - i,) * len(lengths)])
-                     for i in range(cp_size)])
+    return zigzag_rows(cu, cp_size, np.arange(cp_size), padded_lengths)
+
+
+def sequence_rows(total_tokens: int, cp_size: int, ranks) -> np.ndarray:
+    """[len(ranks), T / CP] slots of CP ranks ``ranks`` under the per-sequence zigzag (no padding)."""
+    K = total_tokens // (2 * cp_size)
+    idx = np.atleast_1d(np.asarray(ranks, dtype=np.int64))[:, None]
+    return np.concatenate([idx * K + np.arange(K), (2 * cp_size - 1 - idx) * K + np.arange(K)], axis=1)
 
 
 def round_up(x, multiple: int):
@@ -112,18 +109,33 @@ def round_up(x, multiple: int):
 class DocumentPlacement:
     """The documents layout of one batch over the cp context ranks (see the module docstring)."""
 
+    cu_seqlens: np.ndarray           # [D + 1] the batch's cumulative lengths
+    cp: int                          # context ranks
     long_docs: np.ndarray            # ids of the zigzag-sharded documents, ascending
     owner: np.ndarray                # [D] context rank holding each whole document, -1 for long ones
-    views: np.ndarray                # [cp, view_len] slots of each context rank's view
     long_prefix: int                 # view slots [0, long_prefix) hold long-document chunks (identical on all)
+    view_len: int                    # slots of every view (the longest, rounded up to a multiple of 2*hp)
     threshold: int                   # the longest whole document (longer ones are sharded)
     pair_imbalance: float            # max / mean - 1 of attention pairs per context rank
     token_imbalance: float           # max / mean - 1 of real tokens per context rank
+    predicted_s: float = 0.0         # the step the cost model predicts for this placement
+
+    @functools.cached_property
+    def runs(self) -> "Runs":
+        """The runs of every view (:mod:`megatron_2d.packed_views`)."""
+        from .packed_views import documents_runs
+        return documents_runs(self.cu_seqlens, self.long_docs, self.owner, self.cp)
+
+    @functools.cached_property
+    def views(self) -> np.ndarray:
+        """[cp, view_len] slots of each context rank's view (materialised on first use)."""
+        from .packed_views import materialise
+        return materialise(self.runs, self.cu_seqlens, self.cp, self.view_len)
 
     @property
     def padding_fraction(self) -> float:
-        slots = self.views.size
-        return float((self.views < 0).sum()) / slots if slots else 0.0
+        slots = self.cp * self.view_len
+        return 1.0 - float(self.cu_seqlens[-1]) / slots if slots else 0.0
 
 
 def _greedy(lengths: np.ndarray, short: np.ndarray, cp: int, base_pairs: float, base_tokens: float):
@@ -164,22 +176,99 @@ def _imbalance(load: np.ndarray) -> float:
     return float(load.max() / mean - 1.0) if mean > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class PackingCost:
+    """Seconds one forward + backward of a documents layout takes, term by term, per unit (the model that chooses
+    which documents to shard, :func:`place_documents`):
+
+        step = pair_s * (pairs of the busiest context rank) + call_s * (its kernel calls) + token_s * (slots per
+               view: padding and token imbalance) + ring,
+        ring = (cp - 1) * max(0, ring_step_s + ring_token_s * prefix - overlap * pair_s * long pairs / cp)
+
+    where prefix is the ring prefix (the long documents' tokens per context rank) and a ring step's transfer hides
+    behind that step's compute on the long documents when ``overlap`` is 1 (a GPU ring), not at all when 0 (gloo
+    on CPU, whose copies take the same cores). :meth:`from_hardware` derives it from a device's attention rate and
+    link bandwidth (the planner's figures by default); a benchmark can measure it (tools/bench_packed.py)."""
+
+    pair_s: float
+    """Forward + backward of one visible (query, key) pair (all heads of a context rank)."""
+    ring_token_s: float
+    """One ring step's share of one prefix token: its K/V forward, its K/V and dK/dV backward."""
+    call_s: float = 0.0
+    """Fixed cost of one kernel call, forward + backward (launch, slicing, the merge of its output)."""
+    ring_step_s: float = 0.0
+    """Fixed cost of one ring step, forward + backward (latency)."""
+    token_s: float = 0.0
+    """Everything per slot of a view (hp * t_local slots) beyond attention (linear layers, all-to-all), forward +
+    backward: what padding and token imbalance cost. 0 by default (the op alone does not know the model)."""
+    overlap: float = 1.0
+
+    def predict(self, max_pairs, calls, slots, cp: int, prefix, long_pairs):
+        """The step time (arrays broadcast: one estimate per candidate)."""
+        compute = self.pair_s * max_pairs + self.call_s * calls + self.token_s * slots
+        if cp == 1:
+            return compute
+        per_step = self.ring_step_s + self.ring_token_s * prefix - self.overlap * self.pair_s * long_pairs / cp
+        return compute + np.where(np.asarray(prefix) > 0, (cp - 1) * np.maximum(per_step, 0.0), 0.0)
+
+    @classmethod
+    def from_hardware(cls, attention_tflops: float, link_gbps: float, q_heads: int = 1, kv_heads: int = 1,
+                      head_dim: int = 128, elt: int = 2, dkv_elt: int = 4, call_us: float = 5.0,
+                      step_us: float = 10.0, overlap: float = 1.0) -> "PackingCost":
+        """From an attention rate (TFLOP/s reached) and the ring's link bandwidth (GB/s per direction): a pair is
+        4 * d FLOPs per query head forward and 2.5 times that backward; a prefix token moves K and V (``elt``
+        bytes) forward, again backward with its dK/dV (``dkv_elt``, fp32 riders by default)."""
+        return cls(pair_s=3.5 * 4 * q_heads * head_dim / (attention_tflops * 1e12),
+                   ring_token_s=2 * kv_heads * head_dim * (2 * elt + dkv_elt) / (link_gbps * 1e9),
+                   call_s=call_us * 1e-6, ring_step_s=step_us * 1e-6, overlap=overlap)
+
+
+def default_cost() -> PackingCost:
+    """The planner's 8xH100 figures (attention at its modelled efficiency, the ring on NVLink), MHA bf16, head dim
+    128: what :func:`place_documents` assumes without a cost (pass ``PackedLayout(..., cost=)`` for a cluster's
+    own, e.g. its inter-node links, or a measured one)."""
+    from .plan.hardware import get_cluster
+
+    h100 = get_cluster("8xH100")
+    return PackingCost.from_hardware(h100.peak_tflops * h100.attn_efficiency, h100.nvlink_gbps)
+
+
+def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCost) -> np.ndarray:
+    """[D + 1] the predicted step with the k longest documents sharded, k = 0..D, without placing anything: the
+    busiest rank holds its share of the sharded pairs plus at least the longest whole document (the greedy
+    placement comes close to that bound or to the mean), its slots the prefix and that document or the mean."""
+    desc = lengths[by_length].astype(np.float64)
+    D, total = len(desc), float(desc.sum())
+    cum = np.concatenate(([0.0], np.cumsum(desc)))
+    cum_p = np.concatenate(([0.0], np.cumsum(pairs(desc.astype(np.int64)).astype(np.float64))))
+    cum_pad = np.concatenate(([0.0], np.cumsum(round_up(desc.astype(np.int64), 2 * cp).astype(np.float64))))
+    longest_whole = np.concatenate((desc, [0.0]))                      # the (k+1)-th longest stays whole
+    k = np.arange(D + 1)
+    long_pairs, prefix = cum_p / cp, cum_pad / cp
+    max_pairs = np.maximum(cum_p[-1] / cp, long_pairs + pairs(longest_whole.astype(np.int64)))
+    slots = prefix + np.maximum((total - cum) / cp, longest_whole)
+    calls = (D - k) / cp + 2.0 * k * cp
+    return cost.predict(max_pairs, calls, slots, cp, prefix, long_pairs)
+
+
 def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] = None,
-                    tolerance: float = DEFAULT_TOLERANCE) -> DocumentPlacement:
+                    cost: Optional[PackingCost] = None) -> DocumentPlacement:
     """The documents layout: whole short documents balanced over cp context ranks, long ones zigzag-sharded.
 
-    Cost rule for the threshold: a whole document saves its ring traffic (its K/V never leave its context rank)
-    and its padding, and costs nothing while the context ranks stay balanced; a sharded one is balanced exactly
-    (zigzag over 2*cp chunks) but its K/V travel the ring. So the layout keeps whole the largest set of shortest
-    documents that the greedy placement (:func:`_greedy`) fits within ``tolerance`` of the mean, in attention
-    pairs and in real tokens, on every context rank; a document longer than T / cp never fits. The number k of
-    sharded documents (the k longest) is found by exponential then binary search (assuming that sharding more
-    never unbalances), so the cost is O(D * cp * log k) steps. ``long_threshold`` overrides it: documents longer than it are sharded.
+    Which documents to shard is chosen by predicted step time (:class:`PackingCost`, :func:`default_cost` when
+    None): a whole document's K/V never travel and it needs no padding, but it lands on one context rank, which may
+    then compute more than the others; a sharded one is balanced exactly (zigzag over 2*cp chunks) but rides the
+    ring with its padding. The k longest documents are sharded (those longer than T / cp always: whole, one would
+    give its rank more slots than every rank's fair share, and all ranks hold as many slots as the fullest, which
+    the attention's cost alone does not see), k the one whose placement predicts the shortest step: every k is screened with a bound on the busiest rank (O(D)), then the
+    best few are placed (:func:`_greedy`, balancing pairs and tokens) and predicted from their real loads. Balance
+    is a consequence, not the rule. ``long_threshold`` overrides the choice: documents longer than it are sharded.
     """
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     lengths = np.diff(cu)
     D = len(lengths)
     by_length = np.lexsort((np.arange(D), -lengths))                # longest first
+    cost = default_cost() if cost is None else cost
 
     def attempt(k: int):
         long_ids, short_ids = np.sort(by_length[:k]), by_length[k:]
@@ -187,61 +276,46 @@ def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
         base_p = pairs(lengths[long_ids]).sum() / cp
         base_t = padded.sum() / cp
         order, owner, load_p, load_t = _greedy(lengths, short_ids, cp, base_p, base_t)
-        return long_ids, order, owner, _imbalance(load_p), _imbalance(load_t)
+        whole_tokens = load_t - base_t
+        slots = base_t + whole_tokens.max(initial=0.0)
+        step = float(cost.predict(load_p.max(initial=0.0), (D - k) / cp + 2.0 * k * cp, slots, cp, base_t, base_p))
+        return long_ids, order, owner, _imbalance(load_p), _imbalance(load_t), step
 
     if long_threshold is not None:
         chosen = attempt(int((lengths > long_threshold).sum()))
+    elif cp == 1:
+        chosen = attempt(0)
     else:
-        ok = lambda trial: max(trial[3], trial[4]) <= tolerance            # noqa: E731
-        lo = int((lengths > cu[-1] / cp).sum()) if cp > 1 else 0        # these can never stay whole
-        step, hi, chosen = 1, lo, attempt(lo)
-        while not ok(chosen) and hi < D:                                # few documents are long: grow the
-            lo, hi = hi + 1, min(D, hi + step)                          # number sharded exponentially...
-            step *= 2
-            chosen = attempt(hi)
-        while lo < hi:                                                  # ...then bisect the last step
-            mid = (lo + hi) // 2                                        # (invariant: chosen = attempt(hi))
-            trial = attempt(mid)
-            if ok(trial):
-                hi, chosen = mid, trial
-            else:
-                lo = mid + 1
-    long_ids, order, owner_of_order, pair_imb, tok_imb = chosen
+        lo = int((lengths > cu[-1] / cp).sum())                     # these can never stay whole
+        screened = _screen(lengths, by_length, cp, cost)
+        best = lo + int(np.argmin(screened[lo:]))
+        trials = [attempt(k) for k in sorted({max(lo, best - 1), best, min(D, best + 1)})]
+        chosen = min(trials, key=lambda trial: trial[5])
+    long_ids, order, owner_of_order, pair_imb, tok_imb, predicted = chosen
     k = long_ids.size
     threshold = int(lengths[by_length[k]]) if k < D else 0        # the longest whole document
 
     owner = np.full(D, -1, dtype=np.int64)
     owner[order] = owner_of_order
-    padded = round_up(lengths[long_ids], 2 * cp)
-    chunk = padded // (2 * cp)
-    views: List[np.ndarray] = []
-    for r in range(cp):
-        long_part = _chunk_slots(cu[:-1][long_ids], lengths[long_ids], chunk,
-                                 [(r,) * len(long_ids), (2 * cp - 1 - r,) * len(long_ids)])
-        mine = np.flatnonzero(owner == r)                           # ascending document ids
-        views.append(np.concatenate([long_part, _ranges(cu[:-1][mine], lengths[mine])]))
-    view_len = int(round_up(max(len(v) for v in views), 2 * hp)) if views else 0   # even t_local (see RoPE)
-    out = np.full((cp, view_len), -1, dtype=np.int64)
-    for r, v in enumerate(views):
-        out[r, :len(v)] = v
-    return DocumentPlacement(long_docs=long_ids, owner=owner, views=out, long_prefix=int(padded.sum() // cp),
-                             threshold=threshold, pair_imbalance=pair_imb, token_imbalance=tok_imb)
+    long_prefix = int(round_up(lengths[long_ids], 2 * cp).sum() // cp)
+    whole = np.bincount(owner[owner >= 0], weights=lengths[owner >= 0], minlength=cp)
+    view_len = int(round_up(long_prefix + int(whole.max(initial=0)), 2 * hp))      # even t_local (see RoPE)
+    return DocumentPlacement(cu_seqlens=cu, cp=cp, long_docs=long_ids, owner=owner, long_prefix=long_prefix,
+                             view_len=view_len, threshold=threshold, pair_imbalance=pair_imb,
+                             token_imbalance=tok_imb, predicted_s=predicted)
 
 
 def documents_slots(placement: DocumentPlacement, layout) -> np.ndarray:
     """[CP, t_local] slots of each CP rank: head rank hr of context rank cr holds slice hr of cr's view
     (``layout``: a :class:`megatron_2d.topology.Layout2D`)."""
     hp, cp = layout.head_parallel_size, layout.context_size
-    t_local = placement.views.shape[1] // hp
-    slots = np.empty((layout.cp_size, t_local), dtype=np.int64)
-    for cr in range(cp):
-        for hr in range(hp):
-            slots[layout.index_of(hr, cr)] = placement.views[cr, hr * t_local:(hr + 1) * t_local]
+    views = placement.views
+    slots = np.empty((layout.cp_size, views.shape[1] // hp), dtype=np.int64)
+    slots[_index_grid(layout)] = views.reshape(cp, hp, -1)
     return slots
 
 
-def views_of(slots: np.ndarray, layout) -> np.ndarray:
-    """[cp, hp * t_local]: each context rank's view, its head ranks' slots concatenated by head rank."""
-    hp, cp = layout.head_parallel_size, layout.context_size
-    return np.stack([np.concatenate([slots[layout.index_of(hr, cr)] for hr in range(hp)]) for cr in range(cp)])
-
+def _index_grid(layout) -> np.ndarray:
+    """[cp, hp]: the CP index of (context rank, head rank)."""
+    cr, hr = np.meshgrid(np.arange(layout.context_size), np.arange(layout.head_parallel_size), indexing="ij")
+    return layout.index_of(hr, cr)

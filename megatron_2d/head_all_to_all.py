@@ -38,12 +38,18 @@ import enum
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm import CommCounter, all_gather_counted, all_to_all_counted, traffic_backend
+from .comm import CommCounter, all_gather_counted, all_to_all_counted, to_device, traffic_backend
 
 Widths = Tuple[int, ...]          # the head dims of one group's tensors, in order
+
+
+def ascending_order(received_keys: Sequence[int]) -> np.ndarray:
+    """The order that sorts units received with these sort keys: ascending unit i is received unit order[i]."""
+    return np.argsort(np.asarray(received_keys, dtype=np.int64), kind="stable")
 
 
 def _group_starts(grouping: Sequence[int]) -> List[int]:
@@ -262,23 +268,25 @@ class HeadExchange:
     point_to_point: bool = False      # batch 1 by point-to-point messages (gloo; NCCL keeps the collective)
 
     @classmethod
-    def build(cls, hp: int, received: Optional[Sequence[int]], group, counter: CommCounter,
-              device, per_token: bool = False, head_ranks: Optional[Sequence[int]] = None) -> "HeadExchange":
-        """From the sort keys of the chunks (or, ``per_token``, of the tokens) in the order the all-to-all delivers
-        them (one host-to-device copy, here only); None, or keys already ascending: the ring takes the tokens in
-        the order received, with no permutation. ``head_ranks``: the global ranks of the head group by head rank
-        (the placement's order; default the group's own order).
+    def build(cls, hp: int, order, group, counter: CommCounter, device, per_token: bool = False,
+              head_ranks: Optional[Sequence[int]] = None) -> "HeadExchange":
+        """From ``order`` (ascending unit i is unit order[i] as received, see :func:`ascending_order`: a numpy array
+        or a CPU LongTensor made ahead, e.g. by a PackedLayout) or None (the ring takes the units in the order
+        received). The order goes to the device once, pinned and non-blocking: no host-device synchronisation.
+        ``head_ranks``: the global ranks of the head group by head rank (the placement's order; default the group's
+        own order).
 
         Batch 1 goes point to point only on gloo, where it was measured faster (one copy per direction instead
         of two); on NCCL the collective all-to-all stays, until a GPU measurement says otherwise."""
-        order = None if received is None else sorted(range(len(received)), key=received.__getitem__)
-        if order is not None and order == sorted(order):
-            order = None
-        as_tensor = None if order is None else torch.tensor(order, dtype=torch.long, device=device)
+        host = None if order is None else order.numpy() if isinstance(order, torch.Tensor) else np.asarray(order)
+        if host is not None and np.array_equal(host, np.arange(len(host))):
+            order = host = None
+        if isinstance(order, np.ndarray):
+            order = torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
+        as_tensor = None if order is None else to_device(order, torch.device(device))
         positions = ()                      # chunk units: the ascending place of each received unit
-        if received is not None and not per_token:
-            place = {key: i for i, key in enumerate(sorted(received))}
-            positions = tuple(place[key] for key in received)
+        if host is not None and not per_token:
+            positions = tuple(np.argsort(host).tolist())
         if group is None:
             return cls(hp, as_tensor, None, counter, per_token, positions)
         by_group = tuple(dist.get_process_group_ranks(group))          # global ranks by group rank (ascending)

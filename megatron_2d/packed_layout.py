@@ -5,19 +5,25 @@
     q_local = layout.shard(q)        # [T, hq, d] -> [t_local, hq, d] (padding slots zero)
     out = megatron_2d.attention_2d(q_local, k_local, v_local, groups, packing=layout)
 
-Modes (placement math in :mod:`megatron_2d.document_placement`):
+Modes (placement math in :mod:`megatron_2d.document_placement`, views in :mod:`megatron_2d.packed_views`):
     zigzag      Megatron / Transformer Engine THD: every document padded to a multiple of 2*CP, CP rank i holds
                 its chunks i and 2*CP-1-i; every document's K/V travel the whole ring.
     documents   short documents whole on one context rank (local attention, no ring traffic), long ones
                 zigzag-sharded over the context ranks; the ring carries the long tokens only.
-Building a layout is collective over the CP group (it checks that every rank passed the same ``cu_seqlens``).
-It holds everything the op needs for this batch (plans, index tensors), so calls on it make no host work.
+    sequence    Megatron's per-sequence zigzag (``--dataloader-inter-document-masking``): the whole packed stream
+                of T tokens (T divisible by 2*CP) cut into 2*CP chunks, CP rank i holding chunks i and 2*CP-1-i,
+                documents masked; no padding, every token travels the ring.
+Building a layout is collective over the CP group (it checks that every rank passed the same ``cu_seqlens``);
+everything else is numpy over all ranks at once (no per-rank loops), describing every view by its runs. It holds
+what the op needs for this batch (plans, index tensors), so calls on it make no host work and no host-device
+synchronisation; build it ahead of the step (see the README, "Packed documents") to keep it off the critical path.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -25,12 +31,24 @@ import torch.distributed as dist
 
 from .band import SlidingWindow
 from .block_plan import BlockCall
-from .document_placement import (DEFAULT_TOLERANCE, DocumentPlacement, documents_slots, place_documents, row_pairs,
-                                 views_of, zigzag_slots)
+from .document_placement import (DocumentPlacement, PackingCost, documents_slots, place_documents, sequence_rows,
+                                 zigzag_rows)
+from .comm import to_device
 from .groups import Groups2D, collective_device
-from .packed_plan import document_runs, plan_runs
+from .neighbour_exchange import KeyIntervals
+from .packed_plan import Runs, key_intervals, plan_view
+from .packed_views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
+from .topology import Layout2D
 
-MODES = ("zigzag", "documents")
+MODES = ("zigzag", "documents", "sequence")
+
+
+class NeighbourKeys(NamedTuple):
+    """The neighbour exchange of one packed batch and mask (see :meth:`PackedLayout.neighbour_keys`)."""
+
+    keys: Dict[Tuple[int, int], KeyIntervals]     # (dst, src) -> the keys of src's block dst's calls read
+    offsets: List[int]                            # the offsets dst - src (mod cp) some pair needs
+    plans: Dict[int, Tuple[BlockCall, ...]]       # this rank's calls, neighbours' keys in packed coordinates
 
 
 def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
@@ -60,12 +78,11 @@ def _check_same_on_every_rank(groups: Groups2D, fingerprint: int, what: str) -> 
     span = [g for g in (groups.head_group, groups.context_kv_group) if g is not None]
     if not span:
         return
-    value = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=collective_device(span[0]))
+    value = torch.from_numpy(np.array([fingerprint, -fingerprint], dtype=np.int64)).to(collective_device(span[0]))
     for group in span:
-        lo = value.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-        value = lo
-    if int(value[0]) != fingerprint or int(value[1]) != -fingerprint:
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    low, neg_high = value.tolist()                   # the build's one device-to-host read
+    if low != fingerprint or neg_high != -fingerprint:
         raise ValueError(f"PackedLayout: {what} differ across the ranks of this CP group (rank "
                          f"{dist.get_rank()} has fingerprint {fingerprint}); every rank must pass the same "
                          f"global cu_seqlens")
@@ -75,65 +92,118 @@ class PackedLayout:
     """The layout of one packed batch over the 2D CP group of ``groups`` (see the module docstring).
 
     Args:
-        cu_seqlens: cumulative real document lengths [D + 1], from 0, identical on every rank (int32/int64).
+        cu_seqlens: cumulative real document lengths [D + 1], from 0, identical on every rank (int32/int64; a
+            host array or CPU tensor keeps the build free of device reads).
         groups: from :func:`megatron_2d.build_2d_groups`; the layout only serves these groups.
-        mode: "zigzag" or "documents".
+        mode: "zigzag", "documents" or "sequence".
         cu_seqlens_padded: zigzag only: Megatron's padded cumulative lengths (each document a multiple of
             2*CP and at least its real length); default: each length rounded up to a multiple of 2*CP.
         long_threshold: documents only: shard documents longer than this (default: the cost rule of
             :func:`megatron_2d.document_placement.place_documents`).
-        tolerance: documents only: the per-context-rank imbalance the placement may leave (pairs and tokens).
+        cost: documents only: the :class:`megatron_2d.document_placement.PackingCost` that rule predicts step
+            times with (default: the planner's H100 figures); identical on every rank.
     """
 
     def __init__(self, cu_seqlens, groups: Groups2D, mode: str = "zigzag", *, cu_seqlens_padded=None,
-                 long_threshold: Optional[int] = None, tolerance: float = DEFAULT_TOLERANCE) -> None:
+                 long_threshold: Optional[int] = None, cost: Optional[PackingCost] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"PackedLayout mode {mode!r} is not one of {list(MODES)}")
         if not isinstance(groups, Groups2D):
             raise TypeError(f"PackedLayout needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
         cu = _as_cu_seqlens(cu_seqlens, "cu_seqlens")
         self.cu_seqlens, self.groups, self.mode = cu, groups, mode
-        layout = groups.layout
+        layout: Layout2D = groups.layout
+        CP, hp, cp = layout.cp_size, layout.head_parallel_size, layout.context_size
         self.placement: Optional[DocumentPlacement] = None
         padded = None
         if cu_seqlens_padded is not None:
             if mode != "zigzag":
-                raise ValueError("cu_seqlens_padded describes Megatron's zigzag padding; the documents mode pads "
-                                 "on its own: pass it only with mode='zigzag'")
+                raise ValueError(f"cu_seqlens_padded describes Megatron's per-document zigzag padding; the "
+                                 f"{mode} mode pads on its own: pass it only with mode='zigzag'")
             padded = np.diff(_as_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded"))
             real = np.diff(cu)
-            if padded.shape != real.shape or (padded < real).any() or (padded % (2 * layout.cp_size)).any():
+            if padded.shape != real.shape or (padded < real).any() or (padded % (2 * CP)).any():
                 raise ValueError(f"cu_seqlens_padded must give every document a length that is a multiple of "
-                                 f"2*CP = {2 * layout.cp_size} and at least its real length; got padded lengths "
+                                 f"2*CP = {2 * CP} and at least its real length; got padded lengths "
                                  f"{padded[:8].tolist()} for real lengths {real[:8].tolist()} (first 8)")
+        self._padded = padded
         if mode == "zigzag":
-            slots = zigzag_slots(cu, layout.cp_size, padded)
-            self.ring_tokens = layout.head_parallel_size * slots.shape[1]
+            self.runs: Runs = zigzag_runs(cu, layout, padded)
+            self.view_len = zigzag_view_len(cu, layout, padded)
+            self.ring_tokens = self.view_len
+        elif mode == "documents":
+            self.placement = place_documents(cu, cp, hp, long_threshold=long_threshold, cost=cost)
+            self.runs = self.placement.runs
+            self.view_len, self.ring_tokens = self.placement.view_len, self.placement.long_prefix
         else:
-            self.placement = place_documents(cu, layout.context_size, layout.head_parallel_size,
-                                             long_threshold=long_threshold, tolerance=tolerance)
-            slots = documents_slots(self.placement, layout)
-            self.ring_tokens = self.placement.long_prefix
-        self.slots = slots                                   # [CP, t_local] numpy, every rank's
-        received = views_of(slots, layout)                   # [cp, hp * t_local] as the all-to-all delivers them
-        if mode == "zigzag" and layout.head_parallel_size > 1:
-            # the ring takes each view sorted by stream index (padding last), so that every document's chunks
-            # from the hp head ranks are contiguous and ascending: a few calls per document, not 2*hp
-            self.ring_order: Optional[np.ndarray] = np.argsort(np.where(received < 0, np.iinfo(np.int64).max,
-                                                                        received), axis=1, kind="stable")
-            self.views = np.take_along_axis(received, self.ring_order, axis=1)
-        else:                                                # the documents layout is built in ring order
-            self.ring_order = None
-            self.views = received                            # [cp, hp * t_local] each context rank's ring view
-        fingerprint = zlib.crc32(cu.tobytes()) ^ (zlib.crc32(repr((mode, long_threshold, tolerance,
+            if int(cu[-1]) % (2 * CP):
+                raise ValueError(f"the sequence mode cuts the packed stream into 2*CP = {2 * CP} equal chunks, as "
+                                 f"Megatron's per-sequence split does, but it holds T = {int(cu[-1])} tokens; pad "
+                                 f"the packed sequence to a multiple of {2 * CP} (Megatron's --seq-length must be)")
+            self.runs = sequence_runs(cu, layout)
+            self.view_len = self.ring_tokens = int(cu[-1]) // cp
+        order, self.head_unit = self._head_order(layout)
+        self.head_order: Optional[torch.Tensor] = None if order is None else torch.from_numpy(order)
+        fingerprint = zlib.crc32(cu.tobytes()) ^ (zlib.crc32(repr((mode, long_threshold, cost,
                                                                    None if padded is None else padded.tolist())
                                                                   ).encode()) << 31)
         _check_same_on_every_rank(groups, fingerprint, "cu_seqlens (or the layout options)")
-        mine = torch.from_numpy(slots[groups.place.cp_index].copy())
-        self._local_indices = mine
+        self._local_indices = torch.from_numpy(self.slots_of([groups.place.cp_index])[0])
+        self._device_copies: Dict[Tuple[str, torch.device], torch.Tensor] = {}
         self._plans: Dict[Tuple, Dict[int, Tuple[BlockCall, ...]]] = {}
         self.op_cache: dict = {}
         """attention_2d's setup for this layout (like ``Groups2D.op_cache``, but per batch)."""
+
+    # -- slots -------------------------------------------------------------------------------------
+    def slots_of(self, cp_indices) -> np.ndarray:
+        """[len(cp_indices), t_local] the slots of these CP ranks (stream index, -1 = padding)."""
+        layout = self.groups.layout
+        idx = np.asarray(cp_indices, dtype=np.int64)
+        if self.mode == "zigzag":
+            if layout.cp_size == 1 and self._padded is None:
+                return np.tile(np.arange(self.total_tokens, dtype=np.int64), (len(idx), 1))
+            return zigzag_rows(self.cu_seqlens, layout.cp_size, idx, self._padded)
+        if self.mode == "sequence":
+            return sequence_rows(self.total_tokens, layout.cp_size, idx)
+        hp, t_local = layout.head_parallel_size, self.local_tokens
+        cr = context_rank_of(layout, idx)
+        hr = idx % hp if layout.placement == "head_first" else idx // layout.context_size
+        wanted, row_view = np.unique(cr, return_inverse=True)        # the views asked for, materialised
+        mine = np.isin(self.runs.view, wanted)
+        runs = self.runs.select(mine)
+        full = materialise(Runs(np.searchsorted(wanted, runs.view), runs.start, runs.length, runs.doc, runs.pos),
+                           self.cu_seqlens, len(wanted), self.view_len)
+        return full.reshape(len(wanted), hp, t_local)[row_view, hr]
+
+    @functools.cached_property
+    def slots(self) -> np.ndarray:
+        """[CP, t_local] every rank's slots (materialised on first use: CP * t_local entries)."""
+        layout = self.groups.layout
+        if self.mode == "documents":
+            return documents_slots(self.placement, layout)
+        return self.slots_of(np.arange(layout.cp_size))
+
+    @functools.cached_property
+    def views(self) -> np.ndarray:
+        """[cp, hp * t_local] every context rank's ring view (materialised on first use)."""
+        return materialise(self.runs, self.cu_seqlens, self.groups.layout.context_size, self.view_len)
+
+    def _head_order(self, layout: Layout2D):
+        """(order, unit) of this context rank's head all-to-all (kept as a CPU tensor ``head_order``): ascending
+        unit i of the ring's view is unit order[i] as received (by head rank, then zigzag half); None when the
+        received order is the ring's.
+        zigzag sorts single tokens (each document's chunks from the hp head ranks become contiguous), sequence
+        sorts chunks of T / 2CP (the sbhd path's order); documents views are built in ring order."""
+        hp = layout.head_parallel_size
+        if hp == 1 or self.mode == "documents":
+            return None, "token"
+        cr = self.groups.place.context_rank
+        indices = layout.index_of(np.arange(hp), cr)
+        if self.mode == "sequence":
+            received = np.stack([indices, 2 * layout.cp_size - 1 - indices], axis=1).reshape(-1)   # chunk ids
+            return np.argsort(received, kind="stable"), "chunk"
+        received = self.slots_of(indices).reshape(-1)
+        return np.argsort(np.where(received < 0, np.iinfo(np.int64).max, received), kind="stable"), "token"
 
     # -- tokens ------------------------------------------------------------------------------------
     @property
@@ -144,12 +214,12 @@ class PackedLayout:
     @property
     def local_tokens(self) -> int:
         """t_local: slots per rank (real and padding)."""
-        return int(self.slots.shape[1])
+        return self.view_len // self.groups.layout.head_parallel_size
 
     @property
     def padding_fraction(self) -> float:
         """Padding slots / all slots over the CP group."""
-        return float((self.slots < 0).sum()) / self.slots.size
+        return 1.0 - self.total_tokens / (self.local_tokens * self.groups.layout.cp_size)
 
     @property
     def max_document_length(self) -> int:
@@ -159,9 +229,17 @@ class PackedLayout:
         """LongTensor [t_local] (CPU): the packed-stream index of each local slot, -1 for padding."""
         return self._local_indices.clone()
 
+    def device_tensor(self, name: str, device: torch.device) -> torch.Tensor:
+        """A host index array of this layout on ``device``, copied once (pinned, non-blocking on a GPU) and kept:
+        "local_indices" (the slots of this rank)."""
+        key = (name, torch.device(device))
+        if key not in self._device_copies:
+            self._device_copies[key] = to_device(getattr(self, f"_{name}"), key[1])
+        return self._device_copies[key]
+
     def position_ids(self) -> torch.Tensor:
         """LongTensor [t_local] (CPU): each local token's position within its document (0 for padding)."""
-        idx = self.slots[self.groups.place.cp_index]
+        idx = self._local_indices.numpy()
         doc = np.searchsorted(self.cu_seqlens, np.maximum(idx, 0), side="right") - 1
         return torch.from_numpy(np.where(idx >= 0, idx - self.cu_seqlens[doc], 0))
 
@@ -170,14 +248,14 @@ class PackedLayout:
         if x.shape[0] != self.total_tokens:
             raise ValueError(f"PackedLayout.shard: the tensor has {x.shape[0]} tokens along dim 0, but cu_seqlens "
                              f"describes T = {self.total_tokens}")
-        idx = self._local_indices.to(x.device)
+        idx = self.device_tensor("local_indices", x.device)
         out = x.index_select(0, idx.clamp(min=0))
         return out.masked_fill((idx < 0).view(-1, *([1] * (x.dim() - 1))), 0)
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         """The packed tensor [T, ...] from the shards [t_local, ...] of CP ranks 0..CP-1 (padding dropped)."""
-        if len(shards) != self.slots.shape[0]:
-            raise ValueError(f"unshard needs one shard per CP rank ({self.slots.shape[0]}), got {len(shards)}")
+        if len(shards) != self.groups.layout.cp_size:
+            raise ValueError(f"unshard needs one shard per CP rank ({self.groups.layout.cp_size}), got {len(shards)}")
         stacked = torch.cat(list(shards), dim=0)
         flat = torch.from_numpy(self.slots.reshape(-1)).to(stacked.device)
         real = flat >= 0
@@ -188,16 +266,16 @@ class PackedLayout:
     # -- load --------------------------------------------------------------------------------------
     def rank_pairs(self) -> np.ndarray:
         """[cp] causal attention pairs each context rank computes (its queries' visible keys)."""
-        return row_pairs(self.views, self.cu_seqlens)
+        return self.runs.pairs_per_view(self.groups.layout.context_size)
 
     def stats(self) -> Dict[str, float]:
         """Balance and padding: max/mean attention pairs and real tokens per context rank, padding fraction."""
         p = self.rank_pairs()
-        t = (self.views >= 0).sum(axis=1)
+        t = self.runs.tokens_per_view(self.groups.layout.context_size)
         return {"pairs_max_over_mean": float(p.max() / max(p.mean(), 1)),
                 "tokens_max_over_mean": float(t.max() / max(t.mean(), 1)),
                 "padding_fraction": self.padding_fraction,
-                "ring_tokens": self.ring_tokens, "view_tokens": int(self.views.shape[1]),
+                "ring_tokens": self.ring_tokens, "view_tokens": self.view_len,
                 "long_documents": (int(len(self.placement.long_docs)) if self.placement is not None
                                    else len(self.cu_seqlens) - 1)}
 
@@ -206,15 +284,47 @@ class PackedLayout:
         """This context rank's kernel calls against every context rank's block (cached per mask)."""
         key = (causal, window)
         if key not in self._plans:
-            me = self.groups.place.context_rank
-            band = window.band(causal)
-            runs = [document_runs(view, self.cu_seqlens) for view in self.views]
-            calls = {src: plan_runs(runs[me], runs[src], band) for src in range(len(self.views))}
-            for src, plan in calls.items():
-                if src != me and any(c.k_end > self.ring_tokens for c in plan):
-                    raise AssertionError(f"packed plan reads keys beyond the ring prefix {self.ring_tokens}")
-            self._plans[key] = calls
+            me, cp = self.groups.place.context_rank, self.groups.layout.context_size
+            found = plan_view(self.runs, me, window.band(causal), ring_keys=self.ring_tokens)
+            self._plans[key] = {src: found.get(src, ()) for src in range(cp)}
         return self._plans[key]
+
+    def neighbour_keys(self, causal: bool, window: SlidingWindow) -> Optional[NeighbourKeys]:
+        """What the neighbour exchange needs when some pair of context ranks sees nothing of each other under this
+        mask (None when every pair sees something, or when finding out would take too long: the ring then):
+        which keys of each block travel to whom, as :class:`KeyIntervals` packed back to back (only what the
+        calls read, so bytes follow the window), and this rank's calls in the packed coordinates (cached)."""
+        key = ("neighbour", causal, window)
+        if key not in self._plans:
+            self._plans[key] = self._neighbour_keys(causal, window)
+        return self._plans[key]
+
+    def _neighbour_keys(self, causal: bool, window: SlidingWindow) -> Optional[NeighbourKeys]:
+        cp, me = self.groups.layout.context_size, self.groups.place.context_rank
+        found = None if cp == 1 else key_intervals(self.runs, window.band(causal))
+        if found is None:
+            return None
+        dst, src = found[:, 0], found[:, 1]
+        pairs = np.unique(dst[dst != src] * cp + src[dst != src])
+        if len(pairs) == cp * (cp - 1):
+            return None                                               # every pair sees something: the ring
+        offsets = np.unique((pairs // cp - pairs % cp) % cp).tolist()
+        keys: Dict[Tuple[int, int], KeyIntervals] = {}
+        mine = np.flatnonzero((dst != src) & ((dst == me) | (src == me)))
+        pair_of = dst[mine] * cp + src[mine]
+        starts = np.flatnonzero(np.concatenate(([True], pair_of[1:] != pair_of[:-1]))) if len(mine) else mine
+        for first, end in zip(starts.tolist(), np.append(starts[1:], len(mine)).tolist()):
+            rows = found[mine[first:end]]
+            keys[(int(rows[0, 0]), int(rows[0, 1]))] = KeyIntervals(tuple(map(tuple, rows[:, 2:4].tolist())))
+        plans = dict(self.plans(causal, window))
+        for src_rank, calls in plans.items():
+            sel = keys.get((me, src_rank))
+            if src_rank == me or sel is None or len(sel.intervals) == 1 or not calls:
+                continue
+            k = np.array([(c.k_start, c.k_end - 1) for c in calls])
+            k = sel.packed(k.reshape(-1)).reshape(-1, 2)
+            plans[src_rank] = tuple(c._replace(k_start=int(a), k_end=int(b) + 1) for c, (a, b) in zip(calls, k))
+        return NeighbourKeys(keys, offsets, plans)
 
     def __repr__(self) -> str:
         return (f"PackedLayout(mode={self.mode!r}, documents={len(self.cu_seqlens) - 1}, T={self.total_tokens}, "

@@ -3,45 +3,54 @@
 Notation
     view    a context rank's slots after the head all-to-all (see :mod:`megatron_2d.document_placement`):
             each the token's index in the packed stream, or -1 for padding
-    run     a maximal stretch of view slots holding consecutive tokens of one document: (start, length, doc, pos),
-            pos = position in the document of its first token
+    run     a maximal stretch of view slots holding consecutive tokens of one document: (view, start, length,
+            doc, pos), pos = position in the document of its first token
 A query run at document position pq against a key run at pk sees key j from query i iff the mask's band holds
 the offset (pk + j) - (pq + i): the global band (causal, sliding window) shifted by pk - pq, then trimmed to the
-run pair's box (:meth:`megatron_2d.band.Band.trim`). Padding is in no run: it never attends and is never seen.
+run pair's box (the arithmetic of :meth:`megatron_2d.band.Band.trim`, here on arrays). Padding is in no run: it
+never attends and is never seen.
 
-    >>> view_q = np.array([0, 1, 2, -1]); view_k = np.array([0, 1, 2, 5])
-    >>> cu = np.array([0, 3, 6])
-    >>> plan_runs(document_runs(view_q, cu), document_runs(view_k, cu), Band(None, 0))   # doc 0 only
-    (BlockCall(q_start=0, q_end=3, k_start=0, k_end=3, band=Band(lo=None, hi=0)),)
+Everything is numpy over all runs of all views at once (no per-rank or per-run Python loops); only the final
+calls become :class:`BlockCall` objects.
+
+    >>> cu = np.array([0, 3, 7])                                   # documents of 3 and 4 tokens, zigzag on 2 ranks
+    >>> runs = runs_of_views(np.array([[0, -1, 3, 6], [1, 2, 4, 5]]), cu)
+    >>> plan_view(runs, 0, Band(None, 0))[1]      # view 0's queries on view 1's keys: token 6 sees 4 and 5
+    (BlockCall(q_start=3, q_end=4, k_start=2, k_end=4, band=None),)
+    >>> plan_view(runs, 1, Band(None, 0))[1]      # its own keys: one causal call per document
+    (BlockCall(q_start=0, q_end=2, k_start=0, k_end=2, band=Band(lo=None, hi=0)), \
+BlockCall(q_start=2, q_end=4, k_start=2, k_end=4, band=Band(lo=None, hi=0)))
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
 from .band import Band
-from .block_plan import BlockCall, merge_calls
-from .document_placement import _ranges
+from .block_plan import BlockCall
+
+# stand-ins for an unbounded band side in integer arithmetic (far beyond any position)
+_NEG, _POS = -(1 << 60), 1 << 60
 
 
-@dataclass(frozen=True)
-class Run:
-    """View slots [start, start + length) hold tokens pos .. pos + length - 1 of document ``doc``."""
-
-    start: int
-    length: int
-    doc: int
-    pos: int
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - (np.cumsum(lengths) - lengths), lengths)
+    return offsets + np.arange(total, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
 class Runs:
-    """The runs of one view, in slot order, as arrays (start, length, doc, pos: int64 [n])."""
+    """The runs of every view of a layout, sorted by (doc, pos) (int64 arrays [n])."""
 
+    view: np.ndarray
     start: np.ndarray
     length: np.ndarray
     doc: np.ndarray
@@ -50,86 +59,159 @@ class Runs:
     def __len__(self) -> int:
         return len(self.start)
 
-    def __iter__(self) -> Iterator[Run]:
-        return (Run(*map(int, r)) for r in zip(self.start, self.length, self.doc, self.pos))
+    def select(self, mask: np.ndarray) -> "Runs":
+        return Runs(self.view[mask], self.start[mask], self.length[mask], self.doc[mask], self.pos[mask])
+
+    def pairs_per_view(self, views: int) -> np.ndarray:
+        """[views] causal (query, key) pairs of each view: a token at document position p sees p + 1 keys."""
+        n, p = self.length, self.pos
+        return np.bincount(self.view, weights=n * p + n * (n + 1) // 2, minlength=views).astype(np.int64)
+
+    def tokens_per_view(self, views: int) -> np.ndarray:
+        return np.bincount(self.view, weights=self.length, minlength=views).astype(np.int64)
 
 
-def document_runs(view: np.ndarray, cu_seqlens: np.ndarray) -> Runs:
-    """The runs of one view, in slot order."""
-    view = np.asarray(view, dtype=np.int64)
+def merge_pieces(view, start, length, doc, pos) -> Runs:
+    """Runs from pieces given in (doc, pos) order: empty pieces dropped, a piece joined to the one before it when
+    both are in the same view, slots and positions continuing."""
+    view, start, length, doc, pos = (np.asarray(x, dtype=np.int64) for x in (view, start, length, doc, pos))
+    keep = length > 0
+    view, start, length, doc, pos = view[keep], start[keep], length[keep], doc[keep], pos[keep]
+    if len(start) == 0:
+        return Runs(view, start, length, doc, pos)
+    joins = np.zeros(len(start), dtype=bool)
+    joins[1:] = ((doc[1:] == doc[:-1]) & (view[1:] == view[:-1]) & (start[1:] == start[:-1] + length[:-1])
+                 & (pos[1:] == pos[:-1] + length[:-1]))
+    first = np.flatnonzero(~joins)
+    return Runs(view[first], start[first], np.add.reduceat(length, first), doc[first], pos[first])
+
+
+def runs_of_views(views: np.ndarray, cu_seqlens: np.ndarray) -> Runs:
+    """The runs of materialised views [n, m] (stream indices, -1 padding), row = view id."""
+    views = np.atleast_2d(np.asarray(views, dtype=np.int64))
     cu = np.asarray(cu_seqlens, dtype=np.int64)
-    real = view >= 0
-    doc = np.where(real, np.searchsorted(cu, view, side="right") - 1, -1)
-    prev_view = np.concatenate(([-2], view[:-1]))
-    prev_doc = np.concatenate(([-1], doc[:-1]))
-    starts_mask = real & ((view != prev_view + 1) | (doc != prev_doc))
-    starts = np.flatnonzero(starts_mask)
-    ends = np.empty_like(starts)
-    if len(starts):
-        # a run ends at the next start or at the first padding slot after it
-        boundary = np.flatnonzero(starts_mask | ~real)
-        nxt = np.searchsorted(boundary, starts, side="right")
-        ends = np.where(nxt < len(boundary), boundary[np.minimum(nxt, len(boundary) - 1)], len(view))
-    docs = doc[starts]
-    return Runs(starts, ends - starts, docs, view[starts] - cu[docs])
+    row, col = np.nonzero(views >= 0)
+    value = views[row, col]
+    doc = np.searchsorted(cu, value, side="right") - 1
+    order = np.lexsort((value, doc))                        # (doc, pos): pos order is stream order
+    return merge_pieces(row[order], col[order], np.ones(len(order)), doc[order], value[order] - cu[doc[order]])
 
 
-def _same_document_pairs(q_runs: Runs, k_runs: Runs) -> Tuple[np.ndarray, np.ndarray]:
-    """(q run index, k run index) of every pair of runs of one document, by q run then k run (slot order)."""
-    by_doc = np.argsort(k_runs.doc, kind="stable")
-    docs = k_runs.doc[by_doc]
-    lo = np.searchsorted(docs, q_runs.doc, side="left")
-    counts = np.searchsorted(docs, q_runs.doc, side="right") - lo
-    q_idx = np.repeat(np.arange(len(q_runs)), counts)
-    return q_idx, by_doc[_ranges(lo, counts)]
+def _visible_ranges(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray, np.ndarray]:
+    """(first k run index, count) per q run of the same-document k runs with some visible (query, key) pair: per q
+    run, the k runs of its document form a contiguous range (sorted by pos, disjoint), cut by the band's two
+    sides."""
+    lo = _NEG if band is None or band.lo is None else band.lo
+    hi = _POS if band is None or band.hi is None else band.hi
+    span = int(max(k.pos.max() + k.length.max(), q.pos.max() + q.length.max())) + 2
+    k_first = k.doc * span + k.pos                          # sorted (doc, pos)
+    k_last = k_first + k.length - 1
+    base = q.doc * span
+    # key j sees query i iff lo <= j - i <= hi: some key of the run at most q_last + hi, some at least q_pos + lo
+    low = np.searchsorted(k_last, base + np.clip(q.pos + lo, 0, span - 1), side="left")
+    high = np.searchsorted(k_first, base + np.clip(q.pos + q.length - 1 + hi, -1, span - 1), side="right")
+    return low, np.maximum(high - low, 0)
 
 
-def _plan_unbounded_left(q_runs: Runs, k_runs: Runs, hi: Optional[int]) -> List[BlockCall]:
-    """The calls of run pairs under Band(None, hi) (causal: hi = 0; None: every key), vectorised: the same
-    boxes as :meth:`Band.trim` (a band without a lower bound keeps rows from max(0, -hi') and keys up to
-    rows + hi', hi' = hi - (pk - pq))."""
-    qi, ki = _same_document_pairs(q_runs, k_runs)
-    nq, nk = q_runs.length[qi], k_runs.length[ki]
-    if hi is None:
-        q0, k1, tight = np.zeros_like(nq), nk, np.full(len(qi), -1)
-        keep = np.ones(len(qi), dtype=bool)
+def _visible_pairs(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray, np.ndarray]:
+    """(q run index, k run index) of every same-document pair with some visible (query, key) pair."""
+    low, counts = _visible_ranges(q, k, band)
+    return np.repeat(np.arange(len(q)), counts), ranges(low, counts)
+
+
+def _trim(q: Runs, k: Runs, qi: np.ndarray, ki: np.ndarray, band: Optional[Band]):
+    """:meth:`Band.trim` of every pair's box on arrays: (keep, q0, q1, k0, k1, lo, hi) with lo / hi the band from
+    the box's origin, _NEG / _POS where that side cuts nothing."""
+    nq, nk = q.length[qi], k.length[ki]
+    shift = k.pos[ki] - q.pos[qi]                           # the global band seen from the pair's origin
+    lo = np.full(len(qi), _NEG) if band is None or band.lo is None else band.lo - shift
+    hi = np.full(len(qi), _POS) if band is None or band.hi is None else band.hi - shift
+    q0 = np.maximum(0, -hi)
+    q1 = np.minimum(nq, nk - lo)
+    k0 = np.maximum(0, q0 + lo)
+    k1 = np.minimum(nk, q1 + hi)
+    keep = (lo <= hi) & (q0 < q1) & (k0 < k1)
+    lo, hi = lo - (k0 - q0), hi - (k0 - q0)                 # from the box's origin
+    lo = np.where(lo <= -(q1 - q0 - 1), _NEG, lo)
+    hi = np.where(hi >= k1 - k0 - 1, _POS, hi)
+    return keep, q0, q1, k0, k1, lo, hi
+
+
+def _merge(calls: np.ndarray, along_keys: bool) -> np.ndarray:
+    """Merge neighbouring full calls (band unbounded on both sides) that share their rows (``along_keys``) or their
+    keys and continue each other. ``calls`` [n, 7]: src, q_start, q_end, k_start, k_end, lo, hi."""
+    if len(calls) < 2:
+        return calls
+    src, q0, q1, k0, k1, lo, hi = calls.T
+    order = np.lexsort((k0, q1, q0, src) if along_keys else (q0, k1, k0, src))
+    c = calls[order]
+    src, q0, q1, k0, k1, lo, hi = c.T
+    full = (lo == _NEG) & (hi == _POS)
+    same = (src[1:] == src[:-1]) & full[1:] & full[:-1]
+    if along_keys:
+        same &= (q0[1:] == q0[:-1]) & (q1[1:] == q1[:-1]) & (k0[1:] == k1[:-1])
     else:
-        shifted = hi - (k_runs.pos[ki] - q_runs.pos[qi])                # hi' from the pair's origin
-        q0 = np.maximum(0, -shifted)
-        k1 = np.minimum(nk, nq + shifted)
-        keep = (q0 < nq) & (k1 > 0)
-        band_hi = shifted + q0                                          # hi'' from the box's origin
-        tight = np.where(band_hi >= k1 - 1, -1, band_hi)                # -1: every key of the box visible
-    qs, ks = q_runs.start[qi], k_runs.start[ki]
-    bands: Dict[int, Band] = {}
-    calls = []
-    for a, b, c, d, t in zip((qs + q0)[keep].tolist(), (qs + nq)[keep].tolist(), ks[keep].tolist(),
-                             (ks + k1)[keep].tolist(), tight[keep].tolist()):
-        band = None if t < 0 else bands.setdefault(t, Band(None, t))
-        calls.append(BlockCall(a, b, c, d, band))
-    return calls
+        same &= (k0[1:] == k0[:-1]) & (k1[1:] == k1[:-1]) & (q0[1:] == q1[:-1])
+    first = np.flatnonzero(np.concatenate(([True], ~same)))
+    last = np.concatenate((first[1:], [len(c)])) - 1
+    out = c[first].copy()
+    if along_keys:
+        out[:, 4] = c[last, 4]
+    else:
+        out[:, 2] = c[last, 2]
+    return out
 
 
-def plan_runs(q_runs: Runs, k_runs: Runs, band: Optional[Band]) -> Tuple[BlockCall, ...]:
-    """Kernel calls of queries in ``q_runs`` against keys in ``k_runs`` under the global ``band``
-    (None: every key of the same document is visible)."""
-    if band is None or band.lo is None:
-        calls = _plan_unbounded_left(q_runs, k_runs, None if band is None else band.hi)
-    else:                                               # sliding windows: per pair, through Band.trim
-        calls = []
-        by_doc: Dict[int, List[Run]] = defaultdict(list)
-        for run in k_runs:
-            by_doc[run.doc].append(run)
-        for qr in q_runs:
-            for kr in by_doc.get(qr.doc, ()):
-                box = band.shifted(0, kr.pos - qr.pos).trim(qr.length, kr.length)
-                if box is not None:
-                    calls.append(BlockCall(qr.start + box.q_start, qr.start + box.q_end,
-                                           kr.start + box.k_start, kr.start + box.k_end, box.band))
-    rows: List[BlockCall] = []
-    first = 0
-    for i in range(1, len(calls) + 1):                  # merge along keys within each query run's calls
-        if i == len(calls) or calls[i].q_start != calls[first].q_start or calls[i].q_end != calls[first].q_end:
-            rows.extend(merge_calls(calls[first:i], along_keys=True))
-            first = i
-    return tuple(merge_calls(rows, along_keys=False))
+def plan_view(runs: Runs, me: int, band: Optional[Band],
+              ring_keys: Optional[int] = None) -> Dict[int, Tuple[BlockCall, ...]]:
+    """Kernel calls of view ``me``'s queries against every view's keys under the global ``band`` (None: every key
+    of the same document): {source view: calls}, views without a call left out. ``ring_keys``: the keys of other
+    views that travel (a prefix); a call reading beyond it would be a layout bug (AssertionError)."""
+    mine = runs.select(runs.view == me)
+    if len(mine) == 0 or len(runs) == 0:
+        return {}
+    qi, ki = _visible_pairs(mine, runs, band)
+    keep, q0, q1, k0, k1, lo, hi = _trim(mine, runs, qi, ki, band)
+    qs, ks = mine.start[qi], runs.start[ki]
+    calls = np.stack([runs.view[ki], qs + q0, qs + q1, ks + k0, ks + k1, lo, hi], axis=1)[keep]
+    calls = _merge(_merge(calls, along_keys=True), along_keys=False)
+    calls = calls[np.lexsort((calls[:, 3], calls[:, 1], calls[:, 0]))]
+    if ring_keys is not None and (calls[calls[:, 0] != me, 4] > ring_keys).any():
+        raise AssertionError(f"packed plan reads keys beyond the ring prefix {ring_keys}")
+    # one Band object per distinct band; calls as named tuples, one slice of the sorted calls per source
+    kinds, kind_of = np.unique(calls[:, 5:7], axis=0, return_inverse=True)
+    bands = [None if (l, h) == (_NEG, _POS) else Band(None if l == _NEG else l, None if h == _POS else h)
+             for l, h in kinds.tolist()]
+    rows = [BlockCall(a, b, c, d, bands[k])
+            for (a, b, c, d), k in zip(calls[:, 1:5].tolist(), kind_of.reshape(-1).tolist())]
+    srcs, first = np.unique(calls[:, 0], return_index=True)
+    ends = np.concatenate((first[1:], [len(rows)]))
+    return {src: tuple(rows[a:b]) for src, a, b in zip(srcs.tolist(), first.tolist(), ends.tolist())}
+
+
+def key_intervals(runs: Runs, band: Optional[Band], budget: int = 1 << 21) -> Optional[np.ndarray]:
+    """Which keys of which view every view's queries see: [n, 4] rows (dst view, src view, first slot, end slot) of
+    disjoint slot intervals, sorted, neighbouring ones joined (a dst's calls on src's block read exactly these
+    keys). None when finding them would look at more than ``budget`` run pairs (callers then assume every view
+    sees every other)."""
+    if len(runs) == 0:
+        return np.zeros((0, 4), dtype=np.int64)
+    low, counts = _visible_ranges(runs, runs, band)
+    if int(counts.sum()) > budget:
+        return None
+    qi, ki = np.repeat(np.arange(len(runs)), counts), ranges(low, counts)
+    keep, _, _, k0, k1, _, _ = _trim(runs, runs, qi, ki, band)
+    qi, ki, k0, k1 = qi[keep], ki[keep], k0[keep], k1[keep]
+    dst, src, lo, hi = runs.view[qi], runs.view[ki], runs.start[ki] + k0, runs.start[ki] + k1
+    order = np.lexsort((lo, src, dst))
+    dst, src, lo, hi = dst[order], src[order], lo[order], hi[order]
+    # a new interval where the pair changes or the keys leave a gap after every earlier interval of the pair
+    pair = np.concatenate(([True], (dst[1:] != dst[:-1]) | (src[1:] != src[:-1])))
+    group = np.cumsum(pair) - 1
+    offset = np.int64(hi.max(initial=0) + 1)                          # keeps each pair's running max its own
+    reach = np.maximum.accumulate(hi + group * offset) - group * offset
+    new = pair.copy()
+    new[1:] |= lo[1:] > reach[:-1]
+    first = np.flatnonzero(new)
+    ends = np.maximum.reduceat(hi, first) if len(first) else hi[:0]
+    return np.stack([dst[first], src[first], lo[first], ends], axis=1)

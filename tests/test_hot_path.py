@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import pytest
 import torch
 
 import megatron_2d
+from megatron_2d.packed_layout import MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
@@ -128,3 +130,39 @@ def run_flash_attn_varlen_new_batch(rank, world):
 
 def test_flash_attn_varlen_index_tensors_of_a_new_batch_make_no_sync():
     assert run_on_ranks(1, run_flash_attn_varlen_new_batch) == [(1, 2, 0)]     # built under the guards
+
+
+def run_new_packed_batches_guarded(rank, world):
+    """Every packed mode, hp 2 x cp 2 and hp 1 x cp 4: a layout built ahead of the step (host cu_seqlens), then its
+    FIRST attention call (the per-batch setup: head exchange order, plans, ring or neighbour exchange) under the
+    guards; the result equals the same batch run unguarded on a layout built the same way."""
+    import numpy as np
+
+    from megatron_2d.neighbour_exchange import NeighbourExchange
+
+    cu = np.cumsum([0, 1, 37, 5, 90, 3, 64, 1, 11])                        # 212 tokens: 2*CP divides 208 + 4
+    cu[-1] += (-cu[-1]) % (2 * world)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(int(cu[-1]), 4, 16, generator=g) for _ in range(4))
+    results, transports = {}, set()
+    for hp in (2, 1):
+        groups = megatron_2d.build_2d_groups(hp, 1, "head_first", timeout=TIMEOUT)
+        for mode in MODES:
+            outs = []
+            for guarded in (False, True):
+                layout = megatron_2d.PackedLayout(cu, groups, mode=mode)     # built ahead: may read the host
+                ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
+                leaves = [x.requires_grad_(True) for x in (ql, kl, vl)]
+                with (NoHostDataInOp() if guarded else contextlib.nullcontext()), \
+                        (NoSyncOps() if guarded else contextlib.nullcontext()):
+                    megatron_2d.attention_2d(*leaves, groups, packing=layout, sliding_window=(5, 0)).backward(dl)
+                outs.append([x.grad for x in leaves])
+                transports |= {type(rc.transport).__name__ for _, rc in layout.op_cache.values()}
+            results[(hp, mode)] = all(torch.equal(a, b) for a, b in zip(*outs))
+    return results, NeighbourExchange.__name__ in transports
+
+
+def test_new_packed_batch_makes_no_sync():
+    for per_rank, neighbour_exchange_ran in run_on_ranks(4, run_new_packed_batches_guarded):
+        assert len(MODES) == 3 and per_rank == {(hp, mode): True for hp in (2, 1) for mode in MODES}, per_rank
+        assert neighbour_exchange_ran

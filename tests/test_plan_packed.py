@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from megatron_2d.plan import ParallelSpec, evaluate, plan
@@ -111,3 +112,43 @@ def test_packed_planner_runs_without_torch():
                        "assert 'torch' not in sys.modules\n")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)[0]["packing"] in ("zigzag", "documents")
+
+
+def test_window_with_packed_lengths_follows_the_op():
+    """A causal window over long documents: the visible pairs per rank (brute force over the op's own views), and
+    the neighbour exchange's busiest sender in closed form (hp 1, CP 4: a middle rank sends each neighbour the last
+    ``left`` keys of one chunk per document); a window reaching every rank keeps the ring."""
+    from megatron_2d.packed_views import materialise, zigzag_runs
+    from megatron_2d.topology import Layout2D
+
+    lengths, left = [2 * 4 * c for c in (28, 32, 36)], 5
+    w = packed_work(lengths, 1, 4, "head_first", "zigzag", left)
+    assert not w.dense and w.messages == 2 and w.key_tokens == 2 * len(lengths) * left
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    views = materialise(zigzag_runs(cu, Layout2D(4, 1, 1)), cu, 4, sum(lengths) // 4)
+    pos = np.where(views >= 0, views - cu[np.searchsorted(cu, views, side="right") - 1], -1)
+    visible = np.where(pos >= 0, np.minimum(pos, left) + 1, 0).sum(axis=1)
+    assert w.flops_fraction == pytest.approx(visible.max() / (sum(lengths) * (sum(lengths) + 1) / 2 / 4))
+    assert packed_work(lengths, 1, 4, "head_first", "zigzag", 200).dense
+    assert packed_work(lengths, 1, 4, "head_first", "zigzag").dense
+
+
+def test_packed_memory_counts_the_slots_each_rank_holds():
+    """Activation memory follows the slots per rank: real tokens and padding (zigzag pads every document to 2*CP;
+    128-token documents at CP 16 double the slots), not one unpacked sequence of S tokens."""
+    lengths = [17] * (SEQ // 17) + [SEQ % 17] if SEQ % 17 else [17] * (SEQ // 17)
+    layout = next(l for l in _layouts() if l.hp * l.cp == 16 and l.cp == 16)
+    plain = evaluate(layout, "7B-GQA", "8xH100", PARALLEL, SEQ)
+    for mode in ("zigzag", "documents"):
+        packed = evaluate(layout, "7B-GQA", "8xH100", PARALLEL, SEQ, lengths=lengths, packing=mode)
+        ratio = packed.estimate.memory.tokens / plain.estimate.memory.tokens
+        assert ratio == pytest.approx(packed.packed.token_fraction)
+    assert evaluate(layout, "7B-GQA", "8xH100", PARALLEL, SEQ, lengths=lengths,
+                    packing="zigzag").packed.token_fraction > 1.5
+
+
+def test_cli_window_with_lengths(capsys):
+    assert main(["--gpus", "16", "--seq", "32K", "--lengths-dist", "lognormal", "--window", "1K", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["packing"] for r in rows if r["kind"] == "2d"} == {"zigzag", "documents"}
+    assert any(r["note"] and "neighbour exchange" in r["note"] for r in rows if r["kind"] == "2d")

@@ -124,7 +124,7 @@ def test_bad_placement_is_refused_by_the_parser(parse, capsys):
     assert "invalid choice: 'interleaved' (choose from 'head_first', 'context_first')" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--reset-attention-mask", "--dataloader-inter-document-masking"])
+@pytest.mark.parametrize("flag", ["--reset-attention-mask"])
 def test_document_masks_outside_thd_are_refused_by_the_library(parse, flag):
     args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
                  "--attention-dropout", "0", flag)
@@ -134,13 +134,28 @@ def test_document_masks_outside_thd_are_refused_by_the_library(parse, flag):
         gpt_layer_spec_2d(transformer_config_from_args_2d(args))  # the --spec route
 
 
-@pytest.mark.parametrize("flags", [["--sft"], ["--sft", "--dataloader-inter-document-masking"]])
-def test_thd_packed_documents_are_accepted(parse, flags):
-    """--sft batches are THD with Megatron's per-document zigzag split, which CoreAttention2D runs."""
+@pytest.mark.parametrize("flags, mode", [(["--sft"], "zigzag"), (["--sft", "--dataloader-inter-document-masking"], "zigzag"),
+                                         (["--dataloader-inter-document-masking"], "sequence")])
+def test_thd_packed_documents_are_accepted(parse, flags, mode):
+    """--sft batches are THD with Megatron's per-document zigzag split; --dataloader-inter-document-masking alone
+    splits per sequence (the "sequence" layout, whose spec's self attention puts RoPE at document positions)."""
+    from megatron_2d.megatron.launch_checks import packing_mode
+    from megatron_2d.megatron.per_sequence import SelfAttention2D
+
     args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
                  "--attention-dropout", "0", *flags)
     gpt_config_from_args_2d(args)
-    gpt_layer_spec_2d(transformer_config_from_args_2d(args))
+    config = transformer_config_from_args_2d(args)
+    assert packing_mode(config) == mode                    # from the launch's arguments (parse keeps them)
+    spec = gpt_layer_spec_2d(config)
+    assert (spec.submodules.self_attention.module is SelfAttention2D) == (mode == "sequence")
+
+
+def test_sequence_packing_with_sft_is_refused(parse):
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+                 "--attention-dropout", "0", "--sft", "--cp-2d-packing", "sequence")
+    with pytest.raises(ValueError, match="--sft batches are split per document"):
+        gpt_config_from_args_2d(args)
 
 
 def launch_flags(mode):

@@ -20,7 +20,7 @@ import pytest
 from megatron_2d.testing.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
 from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
 from megatron_2d.testing.pretrain_runs import (  # noqa: E402
-    lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes)
+    lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes, write_document_dataset)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
@@ -176,8 +176,8 @@ MISCONFIGURED = {
                                                              "--hierarchical-context-parallel-sizes", "2", "2"],
                                          "the 2d layer spec is in use but cp_comm_type is 'p2p'"),
     "THD (--spec)": ("stock", SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2",
-                                         "2", "--cp-comm-type", "2d", "--dataloader-inter-document-masking"],
-                     "--dataloader-inter-document-masking gives document masks the 2d backend"),
+                                         "2", "--cp-comm-type", "2d", "--reset-attention-mask"],
+                     "--reset-attention-mask gives document masks the 2d backend"),
 }
 
 
@@ -218,14 +218,50 @@ def test_cpu_launch_refuses_to_act_where_cuda_is_available(scripts, monkeypatch)
 
 
 DOCUMENTS = ["--dataloader-inter-document-masking", "--no-rope-fusion"]
+# packed documents of 1 to 40 tokens (a 128-token sample cuts through several; Megatron's mock documents run to 4096)
+DOCUMENT_LENGTHS = [1, 40, 7, 1, 23, 31, 2, 40, 12, 1, 5, 38, 17, 9, 29, 3] * 8
 
 
-def test_example_documents_layout_equals_cp1(scripts, monkeypatch):
-    """--cp-2d-packing documents through the example's own data path (mock documents, RoPE at document positions)
-    against the example at CP=1 on the same packed batches (there the batch is one rank's, whole)."""
+@pytest.fixture(scope="module")
+def document_data(tmp_path_factory):
+    """BASE with --mock-data replaced by an indexed dataset of short documents."""
+    prefix = write_document_dataset(tmp_path_factory.mktemp("documents") / "docs", DOCUMENT_LENGTHS, vocab=128)
+    at = BASE.index("--mock-data")
+    return BASE[:at] + ["--data-path", prefix, "--split", "100,0,0"] + BASE[at + 1:]
+
+
+@pytest.fixture(scope="module")
+def documents_cp4(scripts, document_data):
+    """--cp-2d-packing documents through the example's own data path (RoPE at document positions) at 2D CP=4,
+    {iteration: lm loss}."""
+    import os
+
+    os.environ["MEGATRON_LM_DIR"] = str(scripts["stock"].parent)
+    example = REPO / "examples" / "pretrain_gpt_2d.py"
+    return losses(run_pretrain(4, example, document_data + CP4_2D + DOCUMENTS + ["--cp-2d-packing", "documents"]))
+
+
+def test_example_documents_layout_equals_cp1(scripts, document_data, documents_cp4, monkeypatch):
+    """The documents layout against the example at CP=1 on the same packed batches (there the batch is one
+    rank's, whole)."""
     monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
     example = REPO / "examples" / "pretrain_gpt_2d.py"
-    ref = losses(run_pretrain(1, example, BASE + DOCUMENTS + ["--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "1"]))
-    logs = run_pretrain(4, example, BASE + CP4_2D + DOCUMENTS + ["--cp-2d-packing", "documents"])
+    ref = losses(run_pretrain(1, example, document_data + DOCUMENTS + ["--cp-comm-type", "2d",
+                                                                       "--cp-2d-head-parallel-size", "1"]))
     assert ref[ITERATIONS] < ref[1]
-    assert_same_losses(losses(logs), ref)
+    assert_same_losses(documents_cp4, ref)
+
+
+@pytest.mark.parametrize("route", ["patched", "spec"])
+def test_stock_inter_document_masking_equals_documents_layout(scripts, document_data, documents_cp4, layers_2d,
+                                                              route):
+    """Stock pretrain_gpt.py with --dataloader-inter-document-masking and no other change (Megatron splits each
+    packed batch per sequence; the 2d backend runs it as the "sequence" layout, RoPE at document positions)
+    trains exactly as the documents layout does on the same data."""
+    flags = (CP4_2D if route == "patched" else SPEC_2D + ["--context-parallel-size", "4",
+                                                          "--hierarchical-context-parallel-sizes", "2", "2",
+                                                          "--cp-comm-type", "2d"])
+    logs = run_pretrain(4, scripts[route if route == "patched" else "stock"],
+                        document_data + flags + ["--dataloader-inter-document-masking"])
+    assert layers_2d(1, hp=2, window=2 if route == "patched" else 1) in logs[0]
+    assert_same_losses(losses(logs), documents_cp4)

@@ -51,12 +51,13 @@ from rich.table import Table
 import megatron_2d
 from megatron_2d.band import SlidingWindow
 from megatron_2d.bench.runners import _count_ring_comm_sends
-from megatron_2d.document_placement import row_pairs, zigzag_slots
+from megatron_2d.document_placement import PackingCost, place_documents, row_pairs, zigzag_slots
+from megatron_2d.packed_layout import MODES
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES
 
-ROWS = ("zigzag", "documents", "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
+ROWS = ("zigzag", "documents", "sequence", "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
 GRADS = ("out", "dq", "dk", "dv")
 
 
@@ -148,6 +149,62 @@ def _agreed_errors(errs: List[float]) -> List[float]:
     return t.tolist()
 
 
+def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCost:
+    """The documents mode's :class:`PackingCost` measured on these ranks, all at once (so under the same sharing of
+    cores as the run), and averaged over them (every rank must choose the same layout): one causal kernel call
+    on 1024 tokens (fwd + bwd) for the pair cost, 64 calls of 8 x 8 for the per-call cost, a K/V block of 64 and of
+    1024 tokens sent round the context ring for the ring's per-step and per-token costs (a step moves K/V forward
+    and K/V plus fp32 dK/dV backward: three such transfers). The cores the ring's copies use are the ones that
+    compute (gloo): no overlap."""
+    from megatron_2d.block_plan import BlockCall
+    from megatron_2d.band import Band
+    from megatron_2d.kernels import select_kernel
+
+    kernel = select_kernel(torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(0)
+
+    def kernel_s(n: int, calls: int) -> float:
+        q, k, v, do = (torch.randn(1, n * calls, heads, dim, generator=g) for _ in range(4))
+        plan = [BlockCall(i * n, (i + 1) * n, i * n, (i + 1) * n, Band(None, 0)) for i in range(calls)]
+
+        def step():
+            results = kernel.forward_calls(q, k, v, plan, 0, dim ** -0.5)
+            out = torch.cat([o for _, o, _ in results], dim=1)
+            lse = torch.cat([l for _, _, l in results], dim=2)
+            kernel.backward_calls(do, q, k, v, out, lse, plan, 0, dim ** -0.5)
+        return min(_timed(step) for _ in range(repeats))
+
+    def ring_s(tokens: int) -> float:
+        if groups.context_kv_group is None:
+            return 0.0
+        ranks, me = groups.place.context_group, groups.place.context_rank
+        send = torch.randn(2, 1, tokens, heads, dim, generator=g)
+        recv = torch.empty_like(send)
+
+        def step():
+            ops = [dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
+                   dist.P2POp(dist.irecv, recv, ranks[(me - 1) % len(ranks)], groups.context_kv_group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return min(_timed(step) for _ in range(repeats))
+
+    pair_s = kernel_s(1024, 1) / (1024 * 1025 / 2)
+    call_s = max(kernel_s(8, 64) / 64 - pair_s * 36, 0.0)
+    small, large = ring_s(64), ring_s(1024)
+    per_token = max(large - small, 0.0) / (1024 - 64)
+    figures = torch.tensor([pair_s, call_s, 3 * per_token, 3 * max(small - 64 * per_token, 0.0)], dtype=torch.float64)
+    dist.all_reduce(figures)
+    pair_s, call_s, token_s, step_s = (figures / dist.get_world_size()).tolist()
+    return PackingCost(pair_s=pair_s, ring_token_s=token_s, call_s=call_s, ring_step_s=step_s, overlap=0.0)
+
+
+def _timed(step) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
 def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], ring_flash) -> Dict:
     """Every row of every case on this rank: {(case, row): {...}}."""
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -156,6 +213,8 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
     scale = args.dim ** -0.5
     tol = TOLERANCES[torch.float32].end_to_end
     out: Dict = {}
+    cost = calibrate_cost(groups, args.heads, args.dim)
+    out["cost"] = cost
 
     def run(key, idx, step_once, step_timed, bytes_fn, ref, ref_max):
         """Check once (every rank agrees on pass/fail), then time; records errors, bytes and times."""
@@ -170,9 +229,12 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
     for case in cases:
         q, k, v, dout = case.tensors
         ref_max = [float(r.abs().max()) for r in case.reference]
-        for mode in ("zigzag", "documents"):
+        for mode in MODES:
+            if mode == "sequence" and int(case.cu_seqlens[-1]) % (2 * world):
+                continue
             t0 = time.perf_counter()                  # layout build + this rank's plans (once per batch)
-            layout = megatron_2d.PackedLayout(case.cu_seqlens, groups, mode=mode)
+            layout = megatron_2d.PackedLayout(case.cu_seqlens, groups, mode=mode,
+                                              **({"cost": cost} if mode == "documents" else {}))
             layout.plans(True, SlidingWindow())
             layout_s = time.perf_counter() - t0
             idx = layout.local_indices()
@@ -321,28 +383,39 @@ def build_cases(args) -> List[Case]:
 
 def layout_build_times(documents: int, sizes: Sequence[Tuple[int, int]], seed: int = 0) -> Table:
     """Time to build a PackedLayout and one rank's plans (what a batch costs before its first attention call),
-    in one process: a rank's Groups2D without process groups (the cross-rank check then has nothing to do).
-    Lognormal lengths (median ~400 tokens); ``sizes``: (CP, hp) pairs."""
+    in one process, as CPU time (a loaded machine stretches wall time, not this): a rank's Groups2D without process
+    groups (the cross-rank check then has nothing to do). Lognormal lengths (median ~400 tokens), the last one
+    lengthened so that 2*CP divides T (the sequence mode); ``sizes``: (CP, hp) pairs. Plans are rank 0's, and
+    those of the context rank in the middle (zigzag's rank 0 sees only its own first chunks)."""
     from megatron_2d.groups import Groups2D
     from megatron_2d.topology import Layout2D, place_all_ranks
 
     lengths = np.maximum(1, np.random.default_rng(seed).lognormal(6, 1.2, size=documents).astype(np.int64))
+    lengths[-1] += -lengths.sum() % (2 * max(CP for CP, _ in sizes))
     cu = cu_seqlens_of(lengths.tolist())
-    table = Table(title=f"PackedLayout build + plans of rank 0: {documents} documents, T={int(cu[-1])}")
-    for col in ("CP", "hp x cp", "mode", "layout ms", "plans ms", "calls", "long documents"):
+    table = Table(title=f"PackedLayout build + plans (CPU time): {documents} documents, T={int(cu[-1])}")
+    for col in ("CP", "hp x cp", "mode", "layout ms", "plans ms", "calls", "mid-rank plans ms", "mid-rank calls",
+                "long documents"):
         table.add_column(col, justify="right")
     for CP, hp in sizes:
         layout = Layout2D(CP, hp, 1)
-        place = place_all_ranks(layout, [list(range(CP))], CP)[0]
-        groups = Groups2D(layout, place, None, None, None, None, None)
-        for mode in ("zigzag", "documents"):
-            t0 = time.perf_counter()
-            packed = megatron_2d.PackedLayout(cu, groups, mode=mode)
-            t1 = time.perf_counter()
+        places = place_all_ranks(layout, [list(range(CP))], CP)
+        mid = layout.index_of(0, layout.context_size // 2)
+        for mode in MODES:
+            t0 = time.process_time()
+            packed = megatron_2d.PackedLayout(cu, Groups2D(layout, places[0], None, None, None, None, None),
+                                              mode=mode)
+            t1 = time.process_time()
             plans = packed.plans(True, SlidingWindow())
-            t2 = time.perf_counter()
+            t2 = time.process_time()
+            other = megatron_2d.PackedLayout(cu, Groups2D(layout, places[mid], None, None, None, None, None),
+                                             mode=mode)
+            t3 = time.process_time()
+            other_plans = other.plans(True, SlidingWindow())
+            t4 = time.process_time()
             table.add_row(str(CP), f"{hp} x {CP // hp}", mode, f"{(t1 - t0) * 1e3:.0f}", f"{(t2 - t1) * 1e3:.0f}",
-                          str(sum(len(c) for c in plans.values())), str(packed.stats()["long_documents"]))
+                          str(sum(len(c) for c in plans.values())), f"{(t4 - t3) * 1e3:.0f}",
+                          str(sum(len(c) for c in other_plans.values())), str(packed.stats()["long_documents"]))
     return table
 
 
@@ -420,7 +493,7 @@ def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: s
                     "a2a MiB", "pairs max/mean", "tokens max/mean", "padding", "layout ms"):
             table.add_column(col, justify="right")
         rows = {}
-        for name in ("zigzag", "documents", "ring-flash-attn", "ring-flash-attn fp64"):
+        for name in ("zigzag", "documents", "sequence", "ring-flash-attn", "ring-flash-attn fp64"):
             if (case.name, name) in results[0]:
                 rows[name] = merged(results, (case.name, name))
         if seq is not None:
@@ -443,6 +516,30 @@ def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: s
                           mib(r["ring"]), mib(r["a2a"]), f"{r['pairs']:.3f}", f"{r['tokens']:.3f}",
                           f"{r['padding']:.3f}", f"{r['layout_s'] * 1e3:.1f}" if "layout_s" in r else "")
         console.print(table)
+        console.print(cost_table(case.cu_seqlens, results[0]["cost"], args.ranks // args.hp, args.hp))
+
+
+def cost_table(cu_seqlens: np.ndarray, cost: PackingCost, cp: int, hp: int) -> Table:
+    """What the documents mode's cost model predicted for this batch, k = the number of longest documents sharded:
+    the k it chose (*) against its neighbours, none sharded beyond those that must be, and all sharded."""
+    lengths = np.diff(cu_seqlens)
+    chosen = place_documents(cu_seqlens, cp, hp, cost=cost)
+    k_min = int((lengths > cu_seqlens[-1] / cp).sum())
+    ks = sorted({k_min, max(k_min, len(chosen.long_docs) - 1), len(chosen.long_docs),
+                 min(len(lengths), len(chosen.long_docs) + 1), len(lengths)})
+    desc = np.sort(lengths)[::-1]
+    ks = sorted({len(place_documents(cu_seqlens, cp, hp, cost=cost, long_threshold=int(desc[k]) if k < len(desc)
+                                     else 0).long_docs) for k in ks})         # equal lengths shard together
+    table = Table(title=f"documents mode's cost model (measured: pair {cost.pair_s * 1e9:.2f} ns, call "
+                        f"{cost.call_s * 1e6:.0f} us, ring token-step {cost.ring_token_s * 1e6:.2f} us, ring step "
+                        f"{cost.ring_step_s * 1e6:.0f} us, overlap {cost.overlap:g})")
+    for col in ("k sharded", "predicted ms", "pairs max/mean", "ring prefix", "view slots"):
+        table.add_column(col, justify="right")
+    for k in ks:
+        p = place_documents(cu_seqlens, cp, hp, long_threshold=int(desc[k]) if k < len(desc) else 0, cost=cost)
+        table.add_row(f"{len(p.long_docs)}{' *' if k == len(chosen.long_docs) else ''}", f"{p.predicted_s * 1e3:.1f}",
+                      f"{1 + p.pair_imbalance:.3f}", str(p.long_prefix), str(p.view_len))
+    return table
 
 
 if __name__ == "__main__":

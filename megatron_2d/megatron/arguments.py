@@ -35,11 +35,12 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--cp-2d-dkv-comm-dtype", choices=("accumulator", "input"), default="accumulator",
                        help="dK/dV riders in backward: fp32 (accumulator, exact) or the activation dtype (input, "
                             "Transformer Engine's bytes, slightly larger error as the ring grows).")
-    group.add_argument("--cp-2d-packing", choices=("zigzag", "documents"), default="zigzag",
+    group.add_argument("--cp-2d-packing", choices=("zigzag", "documents", "sequence"), default="zigzag",
                        help="packed documents (THD): zigzag = Megatron's per-document split (--sft batches); "
-                            "documents = short documents whole on one context rank, long ones split (needs "
-                            "examples/pretrain_gpt_2d.py's data path, with --dataloader-inter-document-masking "
-                            "or --sft).")
+                            "sequence = Megatron's per-sequence split (chosen by itself with "
+                            "--dataloader-inter-document-masking without --sft); documents = short documents whole "
+                            "on one context rank, long ones split (needs examples/pretrain_gpt_2d.py's data path, "
+                            "with --dataloader-inter-document-masking or --sft).")
     group.add_argument("--cp-2d-mla-ring", choices=("expanded", "latent"), default="expanded",
                        help="with --multi-latent-attention: what travels the context ring. expanded = per-head K/V "
                             "(as every CP backend sends them); latent = the compressed KV and rope key, "

@@ -230,7 +230,7 @@ def check_attention_settings(config) -> None:
 # -- packed_seq_params (a forward argument): every field of megatron-core 0.19.2's PackedSeqParams ------------------
 PACKED_SEQ_PARAMS: Dict[str, str] = {
     "qkv_format": "honoured: 'thd' runs packed documents; other formats are refused",
-    "cu_seqlens_q": "honoured: the real document boundaries (zigzag layout)",
+    "cu_seqlens_q": "honoured: the real document boundaries (zigzag and sequence layouts)",
     "cu_seqlens_kv": "honoured: must equal cu_seqlens_q (self attention), else refused",
     "cu_seqlens_q_padded": "honoured: Megatron's per-document padding (zigzag layout)",
     "cu_seqlens_kv_padded": "honoured: must equal cu_seqlens_q_padded, else refused",
@@ -245,13 +245,22 @@ PACKED_SEQ_PARAMS: Dict[str, str] = {
 }
 
 
-def packed_seq_refusals(params) -> List[str]:
-    """Why ``params`` (a PackedSeqParams) cannot run under the 2d backend; empty when it can."""
+def same_values(a, b) -> bool:
+    """Whether two cu_seqlens (tensors or arrays) hold the same values. Compared where they live: two device
+    tensors on the device (one device-to-host read of the verdict); callers skip it when a is b (Megatron passes
+    one tensor as both q and kv: no read at all)."""
     import torch
 
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    if a.shape != b.shape:
+        return False
+    return bool(torch.equal(a, b.to(a.device)))
+
+
+def packed_seq_refusals(params) -> List[str]:
+    """Why ``params`` (a PackedSeqParams) cannot run under the 2d backend; empty when it can."""
     def same(a, b) -> bool:
-        return a is None and b is None or (a is not None and b is not None
-                                           and torch.equal(torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()))
+        return a is b or (a is not None and b is not None and same_values(a, b))
 
     problems = []
     if params.qkv_format != "thd":

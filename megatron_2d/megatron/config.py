@@ -40,8 +40,10 @@ class Fields2D:
 
     cp_2d_packing: str = "zigzag"
     """How packed documents (THD batches) are laid out over the CP group: "zigzag" (Megatron's per-document
-    split, what --sft batches get) or "documents" (short documents whole on one context rank; needs the data
-    path of megatron_2d.megatron.packed_data, as examples/pretrain_gpt_2d.py uses). Unpacked batches ignore it."""
+    split, what --sft batches get), "sequence" (Megatron's per-sequence split, what
+    --dataloader-inter-document-masking batches get: chosen by itself in such a launch) or "documents" (short
+    documents whole on one context rank; needs the data path of megatron_2d.megatron.packed_data, as
+    examples/pretrain_gpt_2d.py uses). Unpacked batches ignore it."""
 
     selective_checkpoint_plus_plus: bool = False
     """Selective Checkpoint++: with full-layer recompute, keep each layer's attention output and log-sum-exp from
@@ -68,8 +70,9 @@ class Fields2D:
             if self.cp_2d_dkv_comm_dtype not in ("accumulator", "input"):
                 raise ValueError(f"cp_2d_dkv_comm_dtype {self.cp_2d_dkv_comm_dtype!r} is not one of "
                                  f"['accumulator', 'input']")
-            if self.cp_2d_packing not in ("zigzag", "documents"):
-                raise ValueError(f"cp_2d_packing {self.cp_2d_packing!r} is not one of ['zigzag', 'documents']")
+            if self.cp_2d_packing not in ("zigzag", "documents", "sequence"):
+                raise ValueError(f"cp_2d_packing {self.cp_2d_packing!r} is not one of ['zigzag', 'documents', "
+                                 f"'sequence']")
             if self.cp_2d_mla_ring not in MLA_RINGS:
                 raise ValueError(f"cp_2d_mla_ring {self.cp_2d_mla_ring!r} is not one of {list(MLA_RINGS)}")
             if self.cp_2d_mla_ring != "expanded" and not getattr(self, "multi_latent_attention", False):

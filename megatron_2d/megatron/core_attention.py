@@ -12,7 +12,8 @@ Packed documents (``packed_seq_params`` with qkv_format "thd"): query [t, hq/tp,
 (Megatron squeezes the batch dimension), output [t, hq/tp * d]. The layout is the one
 ``packed_seq_params.layout`` carries (the documents mode, :mod:`megatron_2d.megatron.packed_data`), else
 Megatron's zigzag built from cu_seqlens_q (real lengths) and cu_seqlens_q_padded; it is built once per batch and
-shared by every layer through the packed_seq_params object.
+shared by every layer through the packed_seq_params object. Megatron's per-sequence split
+(--dataloader-inter-document-masking) is the "sequence" layout (:mod:`megatron_2d.megatron.per_sequence`).
 
 Naming: ``window_size`` here is Megatron's sliding window (config.window_size); the Double-Ring window is
 ``double_ring_window`` (config.cp_2d_window_size).
@@ -35,7 +36,7 @@ from ..latent_attention import latent_attention_2d
 from ..packed_layout import PackedLayout
 from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
-from .launch_checks import check_current_launch
+from .launch_checks import check_current_launch, packing_mode
 from .process_groups import group_registry
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, uses_2d
 
@@ -115,6 +116,7 @@ class CoreAttention2D(MegatronModule):
             self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
                                                  double_ring_window=double_ring_window, placement=placement)
         self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
+        self.packing = packing_mode(config)       # the layout THD batches come in (config and launch)
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
         self.keeper = (AttentionKeeper(getattr(config, "selective_checkpoint_plus_plus_check", "tolerance"))
                        if getattr(config, "selective_checkpoint_plus_plus", False) else None)
@@ -215,6 +217,24 @@ class CoreAttention2D(MegatronModule):
             return out.reshape(out.shape[0], -1)                              # [t, hq/tp * dv]
         return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * dv]
 
+    def _layout_of(self, packed_seq_params, mode: str) -> PackedLayout:
+        """The layout of a THD batch Megatron split itself ("zigzag": per document, from cu_seqlens_q (real) and
+        cu_seqlens_q_padded; "sequence": per sequence). The cu_seqlens live on the GPU in Megatron's batches:
+        reading them is this batch's one device-to-host copy (a layout built ahead, as the data path's
+        PackedSeqParams2D carry, needs none)."""
+        real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+        if mode == "sequence":
+            from .per_sequence import sequence_params
+            return sequence_params(packed_seq_params, self.groups, torch.device("cpu")).layout
+        if padded is None or padded is real:
+            return PackedLayout(torch.as_tensor(real).cpu(), self.groups, mode="zigzag")
+        if torch.as_tensor(padded).shape != torch.as_tensor(real).shape:            # refused by the layout
+            return PackedLayout(real, self.groups, mode="zigzag", cu_seqlens_padded=padded)
+        both = torch.cat([torch.as_tensor(real).reshape(-1), torch.as_tensor(padded).reshape(-1)]).cpu()
+        real, padded = both.split(both.shape[0] // 2)
+        return PackedLayout(real, self.groups, mode="zigzag",
+                            cu_seqlens_padded=None if torch.equal(real, padded) else padded)
+
     def _packed_layout(self, packed_seq_params, query: torch.Tensor) -> Optional[PackedLayout]:
         """The PackedLayout of a THD batch (None for sbhd), built on the first layer and kept on the params."""
         if packed_seq_params is None:
@@ -228,16 +248,12 @@ class CoreAttention2D(MegatronModule):
             if problems:
                 raise ValueError("; ".join(problems))
             carried = getattr(packed_seq_params, "layout", None)
-            if carried is not None:
-                cache[key] = carried
-            else:
-                real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
-                same = padded is None or torch.equal(torch.as_tensor(padded).cpu(), torch.as_tensor(real).cpu())
-                cache[key] = PackedLayout(real, self.groups, mode="zigzag",
-                                          cu_seqlens_padded=None if same else padded)
-        layout, wanted = cache[key], getattr(self.config, "cp_2d_packing", "zigzag")
+            cache[key] = carried if carried is not None else self._layout_of(packed_seq_params, self.packing)
+        layout, wanted = cache[key], self.packing
         if layout.mode != wanted and self.groups.layout.cp_size > 1:
-            raise ValueError(f"cp_2d_packing is {wanted!r} but the batch comes in the {layout.mode!r} layout: "
+            raise ValueError(f"the 2d backend expects packed batches in the {wanted!r} layout (cp_2d_packing "
+                             f"{getattr(self.config, 'cp_2d_packing', 'zigzag')!r}) but the batch comes in the "
+                             f"{layout.mode!r} layout: "
                              + ("build batches with megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank "
                                 "(examples/pretrain_gpt_2d.py does with --cp-2d-packing documents)"
                                 if wanted == "documents" else "set cp_2d_packing='documents' (--cp-2d-packing "

@@ -11,8 +11,9 @@ Every route into the library reaches them, on every rank, before any model is tr
     has set them) before any layer is built.
 
 Model-level settings (hp, window, placement, heads, dropout) are validated by ``settings_from_config``; this module
-covers what only the command line knows (how the data is packed; a hybrid model's layer pattern) and the hybrid
-layers' needs of the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at construction).
+covers what only the command line knows (how the data is packed, :func:`packing_mode`; a hybrid model's layer
+pattern) and the hybrid layers' needs of the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at
+construction).
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ from .settings import layer_comm_types, uses_2d
 
 PACKED_SEQUENCE_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("--reset-attention-mask", "reset_attention_mask"),
-    ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"),
 )
 """Document-masking flags whose batches the 2d backend would get wrong, with their argparse destinations:
---reset-attention-mask builds a dense [s, s] mask (not THD), and --dataloader-inter-document-masking without
---sft splits each sample whole-sequence zigzag while passing per-document cu_seqlens. Packed documents reach the
-2d backend as THD (--sft: Megatron's per-document zigzag split; or the documents layout of
-megatron_2d.megatron.packed_data)."""
+--reset-attention-mask builds a dense [s, s] mask (not THD). Packed documents reach the 2d backend as THD:
+--sft (Megatron's per-document zigzag split), --dataloader-inter-document-masking (Megatron's per-sequence split,
+the "sequence" layout; see :func:`packing_mode`), or the documents layout of megatron_2d.megatron.packed_data."""
 
 
 def check_launch_args(args) -> None:
@@ -41,20 +40,34 @@ def check_launch_args(args) -> None:
     if not uses_2d(getattr(args, "cp_comm_type", None)):
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
-    if "--dataloader-inter-document-masking" in given and (
-            getattr(args, "sft", False) or getattr(args, "cp_2d_packing", "zigzag") == "documents"
-            or getattr(args, "context_parallel_size", 1) == 1):
-        # --sft: Megatron's per-document THD split; documents: our data path splits the batch itself; CP=1: no
-        # split at all
-        given.remove("--dataloader-inter-document-masking")
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:      # pretrain_hybrid.py: Mamba / GDN layers against the CP group, before any model is built
         check_hybrid_layers(args, decoder_layers(pattern))
     if given:
         raise ValueError(f"{', '.join(given)} gives document masks the 2d backend (cp_comm_type "
                          f"{layer_comm_types(args.cp_comm_type)}) would not see as packed THD batches; drop "
-                         f"{', '.join(given)} and pack documents as THD (--sft, or the documents layout of "
-                         f"megatron_2d.megatron.packed_data, see examples/pretrain_gpt_2d.py)")
+                         f"{', '.join(given)} and pack documents as THD (--dataloader-inter-document-masking, --sft, "
+                         f"or the documents layout of megatron_2d.megatron.packed_data, see "
+                         f"examples/pretrain_gpt_2d.py)")
+    if getattr(args, "cp_2d_packing", "zigzag") == "sequence" and getattr(args, "sft", False):
+        raise ValueError("--cp-2d-packing sequence describes Megatron's per-sequence split, but --sft batches are "
+                         "split per document (zigzag): drop --cp-2d-packing or --sft")
+
+
+def packing_mode(config) -> str:
+    """The layout THD batches come in (a :data:`megatron_2d.packed_layout.MODES` name): "documents" when
+    ``config.cp_2d_packing`` says so (the batches come from megatron_2d.megatron.packed_data); "sequence" when the
+    current launch makes Megatron split them per sequence (--dataloader-inter-document-masking without --sft:
+    ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``) or the config says so; else "zigzag"
+    (Megatron's per-document split, --sft)."""
+    chosen = getattr(config, "cp_2d_packing", "zigzag") or "zigzag"
+    if chosen == "documents":
+        return chosen
+    args = current_launch_args()
+    if args is not None and getattr(args, "dataloader_inter_document_masking", False) \
+            and not getattr(args, "sft", False):
+        return "sequence"
+    return chosen
 
 
 def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -> None:
@@ -73,6 +86,13 @@ def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -
                          f" layers: Megatron's Mamba/GDN context parallelism reads tokens in its zigzag order, and the"
                          f" documents layout keeps short documents whole on one context rank; use cp_2d_packing="
                          f"'zigzag' (--cp-2d-packing zigzag, Megatron's THD split, e.g. --sft batches)")
+    per_sequence = getattr(config, "cp_2d_packing", "zigzag") == "sequence" or (
+        getattr(config, "dataloader_inter_document_masking", False) and not getattr(config, "sft", False))
+    if (per_sequence or packing_mode(config) == "sequence") and getattr(config, "context_parallel_size", 1) > 1:
+        raise ValueError(f"Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
+                         f"without --sft) cannot run a model with {' and '.join(names[s] for s in present)} layers: "
+                         f"Megatron's Mamba/GDN context parallelism reads THD batches in the per-document order; use "
+                         f"--sft batches (Megatron's per-document split)")
     tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     problems = []
     if MAMBA in present:

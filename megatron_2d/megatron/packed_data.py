@@ -9,6 +9,9 @@ documents  :func:`documents_batch_on_this_cp_rank` gives each rank the tokens of
            :class:`megatron_2d.PackedLayout` in documents mode and a :class:`PackedSeqParams2D` carrying that
            layout; :func:`use_document_positions` makes the model's RoPE use each token's position within its
            document (Megatron's THD RoPE assumes the zigzag split).
+sequence   Megatron splits the batch itself (per sequence, ``--dataloader-inter-document-masking``); the 2d layer
+           spec's attention turns its PackedSeqParams into :func:`layout_params` of the sequence layout
+           (:mod:`megatron_2d.megatron.per_sequence`).
 
 Batches are Megatron's: tokens, labels, loss_mask, position_ids [1, T] (one packed sequence; micro-batches
 flattened first, as Megatron does).
@@ -17,26 +20,35 @@ flattened first, as Megatron does).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..document_placement import zigzag_stream_indices
+from ..comm import to_device
 from ..groups import Groups2D
 from ..packed_layout import PackedLayout
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def thd_partitioned_indices(cu_seqlens_padded, total_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+def thd_partitioned_indices(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int,
+                            cp_rank: int) -> torch.Tensor:
     """Transformer Engine's ``thd_get_partitioned_indices`` without TE: LongTensor [total_tokens / CP] of the
-    padded-stream tokens CP rank ``cp_rank`` holds (chunks r and 2*CP-1-r of every document)."""
-    cu = np.asarray(torch.as_tensor(cu_seqlens_padded).cpu(), dtype=np.int64)
-    if int(cu[-1]) != int(total_tokens):
+    padded-stream tokens CP rank ``cp_rank`` holds (chunks r and 2*CP-1-r of every document), computed on
+    ``cu_seqlens_padded``'s device with tensor ops only (no host-device synchronisation): local token j lies in
+    the document whose local part [cu / CP) holds it, in the first half (chunk r) or the second (chunk 2CP-1-r)."""
+    cu = torch.as_tensor(cu_seqlens_padded).reshape(-1).to(torch.int64)
+    if cu.device.type == "cpu" and int(cu[-1]) != int(total_tokens):       # checkable without a device read
         raise ValueError(f"cu_seqlens_padded ends at {int(cu[-1])} but the batch holds {total_tokens} tokens")
-    return torch.from_numpy(zigzag_stream_indices(cu, cp_size, cp_rank))
+    local = cu // cp_size                                                  # [D + 1] local part of each document
+    j = torch.arange(int(total_tokens) // cp_size, device=cu.device)
+    doc = torch.searchsorted(local, j, right=True) - 1
+    offset = j - local[doc]
+    half = (local[doc + 1] - local[doc]) // 2                             # chunk = padded length / 2CP
+    chunk = torch.where(offset < half, cp_rank, 2 * cp_size - 2 - cp_rank)
+    return cu[doc] + offset + half * chunk
 
 
 def get_thd_batch_on_this_cp_rank_2d(batch: Dict[str, Any], cp_group) -> Dict[str, Any]:
@@ -47,9 +59,8 @@ def get_thd_batch_on_this_cp_rank_2d(batch: Dict[str, Any], cp_group) -> Dict[st
         return dict(batch)
     cu = batch.get("cu_seqlens_padded")
     cu = batch["cu_seqlens"] if cu is None else cu
-    cu = torch.as_tensor(cu).reshape(-1)
     total = batch["tokens"].shape[1]
-    index = thd_partitioned_indices(cu, total, cp, cp_group.rank()).to(batch["tokens"].device)
+    index = thd_partitioned_indices(torch.as_tensor(cu).to(batch["tokens"].device), total, cp, cp_group.rank())
     out = dict(batch)
     for key in SEQUENCE_KEYS:
         if batch.get(key) is not None:
@@ -85,10 +96,9 @@ def documents_batch_on_this_cp_rank(batch: Dict[str, Any], groups: Groups2D, cu_
     PackedSeqParams to pass to the model. Padding slots get token 0, label 0, loss_mask 0, position 0.
     Collective over the CP group (it builds the layout)."""
     layout = PackedLayout(cu_seqlens, groups, mode="documents", **layout_options)
-    idx = layout.local_indices()
     device = batch["tokens"].device
-    gather = idx.clamp(min=0).to(device)
-    pad = (idx < 0).to(device)
+    idx = layout.device_tensor("local_indices", device)                  # copied once, non-blocking
+    gather, pad = idx.clamp(min=0), idx < 0
     out = dict(batch)
     for key in ("tokens", "labels", "loss_mask"):
         if batch.get(key) is not None:
@@ -96,16 +106,41 @@ def documents_batch_on_this_cp_rank(batch: Dict[str, Any], groups: Groups2D, cu_
                 raise ValueError(f"batch[{key!r}] holds {batch[key].shape[1]} tokens, cu_seqlens says "
                                  f"{layout.total_tokens}")
             out[key] = batch[key].index_select(1, gather).masked_fill(pad, 0)
-    positions = layout.position_ids()
-    out["position_ids"] = positions.to(device).unsqueeze(0)
-    cp_size, t_local = groups.layout.cp_size, layout.local_tokens
-    rope_cu = torch.tensor([0, cp_size * t_local], dtype=torch.int32, device=device)
-    cu = torch.as_tensor(layout.cu_seqlens, dtype=torch.int32, device=device)
-    params = PackedSeqParams2D(
+    params = layout_params(layout, device)
+    out["position_ids"] = to_device(layout.position_ids(), device).unsqueeze(0)
+    return out, params
+
+
+def layout_params(layout: PackedLayout, device: torch.device) -> PackedSeqParams2D:
+    """PackedSeqParams2D of a batch laid out by ``layout`` (carried, for CoreAttention2D): Megatron's THD RoPE sees
+    one sequence of CP * t_local tokens, and ``rope_positions`` puts each local token's position in its document
+    where that RoPE reads this rank's rows (:func:`_rope_table`); index tensors copied pinned and non-blocking."""
+    cp_size, t_local = layout.groups.layout.cp_size, layout.local_tokens
+    rope_cu = to_device(np.array([0, cp_size * t_local], dtype=np.int32), device)
+    cu = to_device(layout.cu_seqlens.astype(np.int32), device)
+    table = _rope_table(layout.position_ids(), cp_size, layout.groups.place.cp_index)
+    return PackedSeqParams2D(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=rope_cu,
         cu_seqlens_kv_padded=rope_cu, max_seqlen_q=cp_size * t_local, max_seqlen_kv=cp_size * t_local,
-        layout=layout, rope_positions=_rope_table(positions, cp_size, groups.place.cp_index).to(device))
-    return out, params
+        layout=layout, rope_positions=to_device(table, device))
+
+
+def token_weighted_loss(loss_func: Callable, cp_group, per_token_loss: bool) -> Callable:
+    """pretrain_gpt's ``loss_func`` (returning loss sum, token count, report) for documents-layout batches.
+
+    Without --calculate-per-token-loss Megatron's schedule divides each CP rank's loss sum by that rank's own
+    token count; the gradient is the mean over tokens only when every CP rank holds as many, as Megatron's splits
+    give, but the documents layout does not. The wrapped loss is rescaled by count / (CP-group count / CP), so each
+    token weighs 1 / (CP-group count) as in the CP=1 run (one scalar all-reduce over the CP group, on the device;
+    the report keeps the true sum). With per-token loss Megatron already divides by the global count."""
+    def wrapped(*args, **kwargs):
+        loss, num_tokens, report = loss_func(*args, **kwargs)
+        if per_token_loss or cp_group is None or cp_group.size() == 1:
+            return loss, num_tokens, report
+        total = num_tokens.detach().to(loss.dtype).clone()
+        torch.distributed.all_reduce(total, group=cp_group)
+        return loss * (num_tokens.to(loss.dtype) * cp_group.size() / total.clamp(min=1)), num_tokens, report
+    return wrapped
 
 
 class DocumentRotaryEmbedding(torch.nn.Module):
@@ -134,7 +169,8 @@ class DocumentRotaryEmbedding(torch.nn.Module):
         positions, self._positions = self._positions, None
         if positions is None:
             return self.base(max_seq_len, offset, packed_seq, cp_group)
-        emb = self.base.get_emb(int(positions.max()) + 1)                  # [max_pos + 1, 1, 1, dim]
+        # positions < the longest document <= T <= max_seq_len (= CP * t_local): no read of the positions needed
+        emb = self.base.get_emb(max_seq_len)                               # [max_seq_len, 1, 1, dim]
         return emb.index_select(0, positions.to(emb.device))              # [CP * t_local, 1, 1, dim]
 
 

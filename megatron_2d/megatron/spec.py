@@ -23,8 +23,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from .core_attention import CoreAttention2D
-from .launch_checks import check_current_launch
+from .launch_checks import check_current_launch, packing_mode
 from .mla import use_latent_ring
+from .per_sequence import SelfAttention2D
 from .settings import settings_from_config, uses_2d
 
 LayerSpec = Union[ModuleSpec, TransformerBlockSubmodules]
@@ -65,7 +66,8 @@ def _uses_transformer_engine(config, use_transformer_engine: Optional[bool]) -> 
     elif config is None:
         use_te = transformer_engine_available()
     else:
-        use_te = getattr(transformer_config_of(config), "transformer_impl", "transformer_engine") == "transformer_engine"
+        impl = getattr(transformer_config_of(config), "transformer_impl", "transformer_engine")
+        use_te = impl == "transformer_engine"
     if use_te and not transformer_engine_available():
         raise ValueError("transformer_impl is 'transformer_engine' but Transformer Engine is not installed; install "
                          "it or use --transformer-impl local")
@@ -116,14 +118,24 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *,
                           kernel: Optional[str] = None) -> LayerSpec:
     """Megatron's GPT spec for ``config`` (a TransformerConfig, or pretrain's GPTModelConfig; see
     :func:`megatron_gpt_spec`) with :class:`CoreAttention2D` as core attention in every layer; the keyword
-    settings override the config's ``cp_2d_*`` fields."""
+    settings override the config's ``cp_2d_*`` fields. When packed batches come in Megatron's per-sequence split
+    (:func:`packing_mode` "sequence"), self attention is :class:`SelfAttention2D` (RoPE at each token's position in
+    its document)."""
     spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine)
     params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     use_te = _uses_transformer_engine(config, use_transformer_engine)
+    # Megatron's per-sequence split of packed documents: RoPE at each token's position in its document
+    per_sequence = packing_mode(transformer_config_of(config)) == "sequence"
+    if per_sequence and getattr(transformer_config_of(config), "multi_latent_attention", False):
+        raise ValueError("Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
+                         "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
+                         "RoPE assumes the per-document split; use --sft batches or the documents layout")
     for layer in layer_specs_of(spec):
         layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D,
                                                                                params=params)
+        if per_sequence:
+            layer.submodules.self_attention.module = SelfAttention2D
         use_latent_ring(layer, transformer_config_of(config), use_te)   # MLA: the latent ring when asked for
     return spec
 

@@ -439,21 +439,28 @@ class MemoryBreakdown:
 
 def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
                      dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None,
-                     mla_ring: Optional[str] = None) -> MemoryBreakdown:
+                     mla_ring: Optional[str] = None, packed: Optional["PackedWork"] = None) -> MemoryBreakdown:
     """The :class:`MemoryBreakdown` of one layout (``kv_heads``, ``dkv_bytes_per_elem``, ``mla_ring``: as
-    :func:`layer_work`; the latent ring keeps the all-gathered latent, hp * (r + dr) per local token, for K/V)."""
+    :func:`layer_work`; the latent ring keeps the all-gathered latent, hp * (r + dr) per local token, for K/V).
+
+    ``packed``: a packed batch; every per-token part counts the slots a rank really holds (its real tokens and its
+    padding: ``token_fraction`` * S / CP), and the ring's blocks in flight hold the ring prefix (or, with the
+    neighbour exchange, the busiest rank's messages)."""
     B, tp, D, F = parallel.micro_batch, parallel.tp, model.hidden, model.ffn_hidden
     dk, dv = model.qk_dim, model.v_dim
     CP = hp * cp
     Ht, Hkvt = model.heads // tp, model.kv_heads // tp
     L = replicated_kv_heads(Hkvt, hp) if kv_heads is None else kv_heads
     kv_per_token = hp * model.mla.latent_width if mla_ring == "latent" else L * (dk + dv)
-    tokens = B * seq / CP
+    tokens = B * seq / CP * (1.0 if packed is None else packed.token_fraction)
     fc1_out = (2 if model.gated_mlp else 1) * F
     work = layer_work(model, parallel, hp, cp, seq, dkv_bytes_per_elem=dkv_bytes_per_elem, kv_heads=kv_heads,
                       mla_ring=mla_ring)
     nw = cp // w
     blocks = (2 + (1 if nw > 1 and w > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
+    if packed is not None:                  # the ring prefix, or two neighbour messages (K/V + dK/dV) in flight
+        prefix = packed.ring_fraction if packed.dense else packed.key_tokens / max(packed.messages, 1) / (seq / cp)
+        blocks *= prefix if packed.ring_tokens else 0.0
     staging = BF16 * tokens * (Ht * (dk + dv) + kv_per_token) if hp > 1 else 0.0
     states = state_bytes_per_rank(-(-model.total_params() // (tp * parallel.pp)), HybridZeRO("optimizer"),
                                   parallel.dp_size, CP, param_bytes=BF16, grad_bytes=FP32)
@@ -528,9 +535,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     ``recompute``: one of RECOMPUTE_MODES; it changes memory and the step time (``time_s``, the attention of one
     layer, never includes recompute). ``dkv_dtype``: 'fp32' (ours) or 'bf16' (Transformer Engine's p2p) for the
     dK/dV partials on the ring. ``kv_heads``: K/V heads per TP rank after repetition (see :func:`layer_work`).
-    ``packed``: a packed batch of documents (:class:`megatron_2d.plan.packed.PackedWork`, causal only): the
-    attention FLOPs become the busiest context rank's pairs, the ring messages the mode's ring prefix (none at
-    all: one local block), the linear layers and all-to-alls scale with the slots per rank (padding included).
+    ``packed``: a packed batch of documents (:class:`megatron_2d.plan.packed.PackedWork` for this ``window``,
+    causal): the attention FLOPs become the busiest context rank's pairs (within documents and the window), the
+    ring messages the mode's ring prefix (none at all: one local block) or, when some context ranks see nothing
+    of others, the neighbour exchange of the keys the op's calls read; the linear layers, all-to-alls and
+    activation memory scale with the slots per rank (padding included).
     ``mla_ring``: "latent" for an MLA model whose 2D ring carries the latent: smaller blocks, and every ring step
     up-projects the keys it reads (``LayerWork.expand_flops`` at the dense GEMM rate, 3x in backward) in place of
     the layer's own K/V up-projection."""
@@ -565,13 +574,17 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
     dkv_elem = DTYPE_BYTES[dkv_dtype]
     work = layer_work(model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads,
                       mla_ring=mla_ring)
-    ww = window_work(hp, cp, placement, seq, window if causal else None)
-    work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
     local_only = False
-    if packed is not None:
-        if not causal or window is not None:
-            raise ValueError("packed documents are modelled for causal attention without a sliding window")
-        tf, rf = packed.token_fraction, packed.ring_fraction
+    if packed is None:
+        ww = window_work(hp, cp, placement, seq, window if causal else None)
+        work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
+    else:
+        if not causal or packed.window != (window if window is not None and window < seq - 1 else None):
+            raise ValueError(f"packed work for window {packed.window} does not match the estimate's causal window "
+                             f"{window} (packed documents are modelled for causal attention)")
+        # the packed work's own transport: its flops already count the window, the neighbour exchange its keys
+        ww = WindowWork(1.0, packed.dense, packed.messages, packed.key_tokens)
+        tf, rf = packed.token_fraction, packed.ring_fraction if packed.dense else 1.0
         work = dataclasses.replace(work, fwd_flops=work.fwd_flops * packed.flops_fraction,
                                    kv_bytes=work.kv_bytes * rf, dkv_bytes=work.dkv_bytes * rf,
                                    s_ctx_tokens=work.s_ctx_tokens * rf, a2a_peer_bytes=work.a2a_peer_bytes * tf,
@@ -610,7 +623,7 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
             nic += times * c.inter_peers * peer_bytes * max(c.node_flows, cluster.nics_per_node) / cluster.nics_per_node
     compute = (tc + tcb) if local_only else cp * (tc + tcb)
     time = 2 * a2a_one + fwd + bwd
-    mem = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_elem, kv_heads, mla_ring)
+    mem = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_elem, kv_heads, mla_ring, packed)
 
     # Whole model (6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal halved).
     B, S, CP, tp = parallel.micro_batch, seq, hp * cp, parallel.tp

@@ -1,34 +1,44 @@
 """Packed documents (THD) in the planner: what a length distribution does to one layout's attention.
 
 For a packed batch of documents with lengths L_j (sum = S, the job's sequence length) the op computes attention
-within each document only. Per layout (hp, cp) and packed mode the planner takes, from the op's own placement
-(:mod:`megatron_2d.document_placement`, numpy only):
+within each document only (and within a causal sliding window of ``left`` tokens, if any). Per layout (hp, cp)
+and packed mode the planner takes, from the op's own placement and views (:mod:`megatron_2d.document_placement`,
+:mod:`megatron_2d.packed_views`, numpy only):
 
-    flops_fraction   max over context ranks of the causal (query, key) pairs its view holds, divided by
-                     pairs(S) / cp (what each rank computes for one unmasked causal sequence); scales the attention
-                     FLOPs. One document: exactly 1 (zigzag is balanced). Short documents: far below 1.
+    flops_fraction   max over context ranks of the (query, key) pairs its view computes (within documents and
+                     the window), divided by pairs(S) / cp (what each rank computes for one unmasked causal
+                     sequence); scales the attention FLOPs. One document, no window: exactly 1 (zigzag is
+                     balanced). Short documents: far below 1.
     ring_fraction    the ring prefix a context rank sends per step, in tokens, divided by S / cp: zigzag sends its
                      whole view (every document padded to 2*CP), the documents mode only the long documents'
                      chunks (0: no ring at all, the op runs one local block)
-    token_fraction   slots per rank (real + padding) / (S / CP): the linear layers and the all-to-all scale with it
-    useful_fraction  sum_j pairs(L_j) / (S^2 / 2): the model FLOPs that count for MFU
+    dense            whether every context rank sees keys of every other; if not, the op uses the neighbour
+                     exchange (:meth:`megatron_2d.PackedLayout.neighbour_keys`): ``messages`` and ``key_tokens``
+                     are the busiest rank's K/V messages and key tokens per pass, exactly the keys the calls read
+    token_fraction   slots per rank (real + padding) / (S / CP): the linear layers, the all-to-all and the
+                     activation memory scale with it
+    useful_fraction  sum_j visible pairs(L_j) / (S^2 / 2): the model FLOPs that count for MFU
 
 Modes: "zigzag" (Megatron / Transformer Engine THD: what every stock kind runs, and our zigzag mode) and
-"documents" (ours only: short documents whole on one context rank). Stock Transformer Engine p2p and a2a+p2p are
+"documents" (ours only: short documents whole on one context rank; which ones is chosen by predicted step time
+with the job's own figures, :func:`packing_cost`). Stock Transformer Engine p2p and a2a+p2p are
 modelled as THD zigzag with every document padded to a multiple of 2*CP (a2a+p2p with THD is not in a TE
 release: a row says so); a2a and DeepSpeed-Ulysses have no ring (their fraction is the padded pairs over hp = CP).
-Memory is modelled as for one unpacked sequence of S tokens (padding adds at most token_fraction - 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
-from ..document_placement import pairs, place_documents, row_pairs, views_of, zigzag_slots
+from ..band import Band
+from ..document_placement import PackingCost, pairs, place_documents
+from ..packed_plan import Runs, key_intervals
+from ..packed_views import zigzag_runs, zigzag_view_len
 from ..topology import Layout2D
 
 PACKED_MODES = ("zigzag", "documents")
@@ -51,6 +61,14 @@ class PackedWork:
     """max / mean - 1 of attention pairs over the context ranks."""
     long_documents: int
     """Documents sharded over the context ranks (all of them in zigzag)."""
+    window: Optional[int] = None
+    """The causal sliding window (tokens back) this work is for; None: none."""
+    dense: bool = True
+    """Every context rank sees keys of every other (the op runs the ring); else the neighbour exchange."""
+    messages: int = 0
+    """Neighbour exchange: K/V messages the busiest rank sends per pass (0 when dense)."""
+    key_tokens: int = 0
+    """Neighbour exchange: key tokens the busiest rank sends per pass, over its messages (per sequence)."""
 
 
 def modes_for(kind: str) -> Tuple[str, ...]:
@@ -58,43 +76,92 @@ def modes_for(kind: str) -> Tuple[str, ...]:
     return PACKED_MODES if kind == "2d" else ("zigzag",)
 
 
-def _view_pairs(views: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    return row_pairs(views, cu).astype(np.float64)
+def window_pairs(position: np.ndarray, left: Optional[int]) -> np.ndarray:
+    """Visible pairs of the first ``position`` tokens of a document (each query t sees min(t, left) + 1 keys)."""
+    t = np.asarray(position, dtype=np.int64)
+    if left is None:
+        return t * (t + 1) // 2
+    head = np.minimum(t, left + 1)
+    return head * (head + 1) // 2 + np.maximum(t - left - 1, 0) * (left + 1)
+
+
+def _run_pairs(runs: Runs, views: int, left: Optional[int]) -> np.ndarray:
+    """[views] visible pairs each view computes: a run of tokens pos .. pos + n - 1 holds f(pos + n) - f(pos)."""
+    pairs_ = window_pairs(runs.pos + runs.length, left) - window_pairs(runs.pos, left)
+    return np.bincount(runs.view, weights=pairs_, minlength=views)
+
+
+def _exchange(runs: Runs, cp: int, left: Optional[int]) -> Tuple[bool, int, int]:
+    """(dense, messages, key tokens) of the op's choice: the ring unless some pair of context ranks sees nothing
+    of each other (the same rule and budget as PackedLayout.neighbour_keys); then the busiest sender's messages."""
+    if cp == 1:
+        return True, 0, 0
+    found = key_intervals(runs, Band(None if left is None else -left, 0))
+    if found is None:
+        return True, 0, 0
+    cross = found[found[:, 0] != found[:, 1]]
+    if len(np.unique(cross[:, 0] * cp + cross[:, 1])) == cp * (cp - 1):
+        return True, 0, 0
+    sent = np.bincount(cross[:, 1], weights=cross[:, 3] - cross[:, 2], minlength=cp)
+    busiest = int(sent.argmax())
+    return False, len(np.unique(cross[cross[:, 1] == busiest, 0])), int(sent[busiest])
+
+
+def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str) -> PackingCost:
+    """The documents mode's cost model for this job and layout from the planner's figures: attention at the
+    cluster's attention efficiency on a context rank's heads, the ring on NVLink when the context group fits in
+    a node (head_first spreads it over hp * cp * TP consecutive GPUs, context_first over cp * TP), else on one NIC,
+    its step latency, transfers overlapped; a token costs the layer's linear layers on it (6 * layer weights / TP
+    FLOPs at the dense efficiency), so padding and token imbalance are priced too."""
+    span = (hp * cp if placement == "head_first" else cp) * tp
+    link = cluster.nvlink_gbps if span <= cluster.gpus_per_node else cluster.nic_gbps
+    heads, kv_heads = max(model.heads // tp // hp, 1), max(model.kv_heads // tp // hp, 1)
+    cost = PackingCost.from_hardware(cluster.peak_tflops * cluster.attn_efficiency, link, q_heads=heads,
+                                     kv_heads=kv_heads, head_dim=model.head_dim, step_us=cluster.step_latency_us)
+    # a view of hp * t_local slots is t_local tokens on each of its hp ranks: per view slot, 1 / hp of a token
+    token_s = 6.0 * model.layer_params() / tp / hp / (cluster.peak_tflops * 1e12 * cluster.dense_efficiency)
+    return dataclasses.replace(cost, token_s=token_s)
 
 
 @functools.lru_cache(maxsize=256)
-def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mode: str) -> PackedWork:
+def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mode: str,
+                 left: Optional[int], cost: Optional[PackingCost]) -> PackedWork:
     cu = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
     S = int(cu[-1])
     CP = hp * cp
     layout = Layout2D(CP, hp, 1, placement)
+    if left is not None and left >= S - 1:
+        left = None
     if mode == "zigzag":
-        slots = zigzag_slots(cu, CP)
-        views = views_of(slots, layout)
-        ring_tokens = int(views.shape[1])
-        t_local = int(slots.shape[1])
-        padding = int((slots < 0).sum())
+        runs = zigzag_runs(cu, layout)
+        ring_tokens = zigzag_view_len(cu, layout)
+        t_local = ring_tokens // hp
         long_docs = len(lengths)
     elif mode == "documents":
-        placement_ = place_documents(cu, cp, hp)
-        views = placement_.views
+        placement_ = place_documents(cu, cp, hp, cost=cost)
+        runs = placement_.runs
         ring_tokens = int(placement_.long_prefix) if cp > 1 else 0
-        t_local = int(views.shape[1]) // hp
-        padding = int((views < 0).sum())
+        t_local = placement_.view_len // hp
         long_docs = int(len(placement_.long_docs))
     else:
         raise ValueError(f"packed mode {mode!r} is not one of {PACKED_MODES}")
-    p = _view_pairs(views, cu)
+    padding = t_local * CP - S
+    p = _run_pairs(runs, cp, left)
     base = float(pairs([S])[0]) / cp
+    dense, messages, key_tokens = _exchange(runs, cp, left) if ring_tokens else (True, 0, 0)
     return PackedWork(mode=mode, flops_fraction=float(p.max()) / base,
                       ring_fraction=(ring_tokens / (S / cp)) if cp > 1 else 0.0,
                       token_fraction=t_local / (S / CP),
-                      useful_fraction=float(pairs(np.asarray(lengths)).sum()) / (S * S / 2.0),
+                      useful_fraction=float(window_pairs(np.diff(cu), left).sum()) / (S * S / 2.0),
                       ring_tokens=ring_tokens if cp > 1 else 0, padding_tokens=padding,
                       pair_imbalance=float(p.max() / p.mean() - 1.0) if p.mean() > 0 else 0.0,
-                      long_documents=long_docs)
+                      long_documents=long_docs, window=left, dense=dense, messages=messages, key_tokens=key_tokens)
 
 
-def packed_work(lengths, hp: int, cp: int, placement: str, mode: str) -> PackedWork:
-    """The :class:`PackedWork` of documents of ``lengths`` for the 2D layout (hp, cp) in ``mode`` (cached)."""
-    return _packed_work(tuple(int(x) for x in lengths), int(hp), int(cp), str(placement), str(mode))
+def packed_work(lengths, hp: int, cp: int, placement: str, mode: str, window: Optional[int] = None,
+                cost: Optional[PackingCost] = None) -> PackedWork:
+    """The :class:`PackedWork` of documents of ``lengths`` for the 2D layout (hp, cp) in ``mode`` under a causal
+    sliding window of ``window`` tokens back (None: none), the documents mode placed by ``cost`` (see
+    :func:`packing_cost`; None: the op's default), cached."""
+    return _packed_work(tuple(int(x) for x in lengths), int(hp), int(cp), str(placement), str(mode),
+                        None if window is None else int(window), cost)

@@ -13,7 +13,7 @@ from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, 
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
 from .hybrid import HybridPattern, with_extra_step
 from .memory_options import MemoryPolicy, memory_options, states_record, with_memory
-from .packed import PackedWork, modes_for, packed_work
+from .packed import PackedWork, modes_for, packed_work, packing_cost
 
 AUTO = "auto"
 """``recompute=AUTO``: try every mode the kind supports and keep the fastest that fits in memory."""
@@ -270,10 +270,11 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     if lengths is not None:
         if packing not in modes_for(layout.kind):
             raise PlanError(f"packed mode {packing!r} is not one of {modes_for(layout.kind)} for kind {layout.kind}")
-        if not causal or windowed is not None:
-            raise PlanError("packed lengths are modelled for causal attention without a sliding window")
+        if not causal:
+            raise PlanError("packed lengths are modelled for causal attention (drop --no-causal)")
         if not reason:
-            packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing)
+            cost = packing_cost(model, cluster, parallel.tp, layout.hp, layout.cp, layout.placement)
+            packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, windowed, cost)
         if layout.kind == "a2a+p2p":
             note = "THD with a2a+p2p is not in a Transformer Engine release"
         elif packing == "documents":
@@ -284,7 +285,9 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     dkv = kind_dkv_dtype(layout.kind, dkv_dtype)
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
-                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads, packed=packed,
+                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads,
+                                     packed=None if packed is None else packed_work(
+                                         lengths, layout.hp, layout.cp, layout.placement, packing, win, cost),
                                      mla_ring="latent" if layout.mla_ring == "latent" else None), n)
                            for win, n in mix.items()])
     if hybrid is not None:

@@ -159,6 +159,8 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
         end_padding = 0
     else:
         lengths = tuple(_document_lengths(rng))
+        if mode == "sequence":                      # Megatron's per-sequence split: 2*CP divides the stream
+            lengths += ((-sum(lengths)) % (2 * batch.world),) if sum(lengths) % (2 * batch.world) else ()
         batch_size = 1
         end_padding = 2 * batch.world * int(rng.integers(1, 3)) if mode == "zigzag" and rng.random() < 0.3 else 0
     d = int(rng.choice([8, 16]))

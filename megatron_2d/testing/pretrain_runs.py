@@ -60,6 +60,24 @@ def per_iteration_losses(logged: Dict[int, float]) -> Dict[int, float]:
     return losses
 
 
+def write_document_dataset(prefix: os.PathLike, lengths: Sequence[int], vocab: int, seed: int = 0) -> str:
+    """A Megatron indexed dataset (``prefix``.bin / .idx, what ``--data-path prefix`` reads) of one document per
+    length, random token ids below ``vocab - 1``; returns the prefix. For runs whose samples must cut through
+    many documents (Megatron's mock data has documents of up to 4096 tokens)."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    prefix = str(prefix)
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.int32)
+    for length in lengths:
+        builder.add_item(torch.from_numpy(rng.integers(0, vocab - 1, size=int(length), dtype=np.int64)))
+        builder.end_document()
+    builder.finalize(get_idx_path(prefix))
+    return prefix
+
+
 def _exit_status(error: BaseException) -> int:
     if isinstance(error, SystemExit):
         code = error.code

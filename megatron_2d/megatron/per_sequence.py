@@ -1,0 +1,56 @@
+"""Megatron's per-sequence split of packed documents (``--dataloader-inter-document-masking``) under the 2d backend.
+
+With that flag (and without --sft) pretrain_gpt.py splits each packed batch with
+``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``: the whole sequence cut into 2*CP chunks, CP
+rank i holding chunks i and 2*CP-1-i, whatever the documents; the PackedSeqParams keep the global cu_seqlens for
+the masks. That is the "sequence" layout of :class:`megatron_2d.PackedLayout`, built from those cu_seqlens.
+
+Megatron's THD RoPE, applied inside SelfAttention before core attention, assumes the per-document split (it cuts
+the local tokens into cu_seqlens / CP pieces), so it cannot place these tokens. :class:`SelfAttention2D`, the
+2d layer spec's self attention in such a launch, turns the batch's PackedSeqParams into the sequence layout's
+:func:`megatron_2d.megatron.packed_data.layout_params` (built once per batch, shared by every layer) and the RoPE
+table into each token's position within its document, the way the documents layout's data path does. Everything
+else is Megatron's SelfAttention.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.attention import SelfAttention
+
+from ..packed_layout import PackedLayout
+from .packed_data import PackedSeqParams2D, layout_params
+
+
+def sequence_params(params, groups, device: torch.device) -> PackedSeqParams2D:
+    """The PackedSeqParams2D of the sequence layout of Megatron's ``params`` (cached on ``params``: one build
+    per batch, the first layer's; reading the batch's cu_seqlens from the GPU is its one device-to-host copy)."""
+    cache = params.__dict__.setdefault("_megatron_2d_sequence", {})
+    key = (groups.layout, groups.place)
+    if key not in cache:
+        padded = params.cu_seqlens_q_padded
+        if padded is not None and padded is not params.cu_seqlens_q:
+            raise ValueError("a per-sequence split batch (--dataloader-inter-document-masking) came with "
+                             "cu_seqlens_q_padded; Megatron's per-sequence split pads no document, so the 2d backend "
+                             "cannot tell where its tokens are: drop the padding or use --sft")
+        layout = PackedLayout(torch.as_tensor(params.cu_seqlens_q).cpu(), groups, mode="sequence")
+        cache[key] = layout_params(layout, device)
+    return cache[key]
+
+
+class SelfAttention2D(SelfAttention):
+    """Megatron's SelfAttention; THD batches in Megatron's per-sequence split reach RoPE and core attention as the
+    sequence layout (see the module docstring). Other batches pass unchanged."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        params = kwargs.get("packed_seq_params")
+        groups = getattr(self.core_attention, "groups", None)
+        if (params is not None and params.qkv_format == "thd" and groups is not None and groups.layout.cp_size > 1
+                and getattr(params, "layout", None) is None):
+            derived = sequence_params(params, groups, hidden_states.device)
+            kwargs["packed_seq_params"] = derived
+            emb = kwargs.get("rotary_pos_emb")            # [max document length, 1, 1, dim] (or a (q, k) pair)
+            if emb is not None:                          # -> [CP * t_local, 1, 1, dim] at document positions
+                pick = lambda e: e.index_select(0, derived.rope_positions)          # noqa: E731
+                kwargs["rotary_pos_emb"] = tuple(map(pick, emb)) if isinstance(emb, tuple) else pick(emb)
+        return super().forward(hidden_states, attention_mask, **kwargs)
