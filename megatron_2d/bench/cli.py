@@ -1,7 +1,5 @@
 """What every benchmark and report script shares on its surface: the common flags and the one table renderer.
 
-Torch-free, so the planner's CLI can print with it too.
-
     p = argparse.ArgumentParser()
     add_arguments(p, ranks=4, seq=4096, heads=8, dim=64, repeats=3)
     render_table("title", ["layout", "time ms"], [["hp2 x cp2", "12"]])
@@ -78,18 +76,3 @@ def format_table(title: str, header: Sequence[str], body: Sequence[Sequence[str]
     for line in [list(header)] + [list(b) for b in body]:
         lines.append("  ".join(x.rjust(n) if j else x.ljust(n) for j, (x, n) in enumerate(zip(line, widths))))
     return "\n".join(lines)
-
-
-def terminal_console(stream: Optional[TextIO] = None, min_width: int = 120):
-    """A rich Console on ``stream`` when it is a terminal and rich is installed, else None (print plain text)."""
-    stream = sys.stdout if stream is None else stream
-    if not stream.isatty():
-        return None
-    try:
-        from rich.console import Console
-    except ImportError:
-        return None
-    import shutil
-
-    return Console(file=stream, highlight=False, soft_wrap=True,
-                   width=max(shutil.get_terminal_size((160, 24)).columns, min_width))

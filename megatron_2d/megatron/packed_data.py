@@ -185,10 +185,9 @@ def use_document_positions(model) -> Any:
 
 
 def groups_of_model(model) -> Groups2D:
-    """The Groups2D of the model's 2d core attention (the documents layout must be built for them)."""
-    from .core_attention import CoreAttention2D
-
+    """The Groups2D of the model's 2d core attention (the documents layout must be built for them): the one module
+    that holds Groups2D, found without importing core_attention (which imports this module's users)."""
     for module in model.modules():
-        if isinstance(module, CoreAttention2D) and getattr(module, "groups", None) is not None:
+        if isinstance(getattr(module, "groups", None), Groups2D):
             return module.groups
     raise ValueError("the model has no 2d core attention (CoreAttention2D); build it with the 2d layer spec")

@@ -26,7 +26,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .cost_model import BWD_FACTOR, GB, traffic
-from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
+from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_model
+from .planner import evaluate
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,6 @@ class FitResult:
 def work_counts(layout, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int,
                 causal: bool = True) -> WorkCounts:
     """The counts of one layout's attention layer (forward + backward) on its slowest rank."""
-    from .planner import evaluate                     # local import: planner imports nothing from here
-
     cand = evaluate(layout, model, cluster, parallel, seq, causal)
     if not cand.runs:                                 # a measured layout ran: the memory estimate is not a verdict
         raise PlanError(f"cannot count work of an infeasible layout {layout.label()}: {cand.reason}")
@@ -156,8 +155,6 @@ def calibrate(cluster: ClusterSpec, samples: Sequence[Tuple[object, float]], mod
     cluster's figures; the attention efficiency is capped at 1; the link factors are the fitted rates over the
     nominal ones (:func:`efficiency_factors`), for ring sends and all-to-alls apart when the samples separate them.
     """
-    from .hardware import get_model
-
     m = get_model(model) if isinstance(model, str) else model
     fit = fit_rates([(work_counts(layout, m, cluster, parallel, seq, causal), t) for layout, t in samples])
     changes = efficiency_factors(cluster, fit)

@@ -21,9 +21,12 @@ import sys
 from dataclasses import replace
 from typing import List, Optional
 
+from .console import parse_seq, parse_window
 from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES
+from .grid import main as grid_main
 from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
 from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
+from .paper import main as paper_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
 from .links import FLAGS as LINK_FLAGS, IDEAL_LINKS, LinkEfficiency
 from .planner import AUTO, plan, recommended
@@ -31,24 +34,6 @@ from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
 from .report import job_metadata, plan_json, print_plan
 
 EXIT_OK, EXIT_NO_FEASIBLE, EXIT_USAGE = 0, 1, 2
-
-
-def parse_seq(text: str) -> int:
-    """'131072', '128K' or '1M' (K = 1024) -> int."""
-    t = str(text).strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
-    digits = t[:-1] if mult > 1 else t
-    if not digits.isdigit() or int(digits) < 1:
-        raise argparse.ArgumentTypeError(f"sequence length {text!r} is not a positive integer like 131072, 128K or 1M")
-    return int(digits) * mult
-
-
-def parse_window(text: str):
-    """'4K' -> 4096 (every layer); '4K,full' -> (4096, None): a per-layer pattern repeated over the layers."""
-    parts = [p.strip() for p in str(text).split(",")]
-    if len(parts) == 1:
-        return parse_seq(parts[0])
-    return tuple(None if p.lower() in ("full", "none", "-") else parse_seq(p) for p in parts)
 
 
 def _cp(text: str) -> Optional[int]:
@@ -181,10 +166,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grid"] or "--grid" in argv:
-        from .grid import main as grid_main
         return grid_main([a for a in argv if a not in ("grid", "--grid")])
     if argv[:1] == ["paper"]:
-        from .paper import main as paper_main
         return paper_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..bench.cli import terminal_console
 from ..topology import divisors
 from .candidates import STOCK_KINDS, Layout
+from .console import parse_seq, terminal_console
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
 from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
 from .planner import Candidate, evaluate, plan
@@ -295,8 +295,6 @@ def grid_records(cells: Sequence[Cell]) -> List[Dict[str, object]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .cli import parse_seq                   # local: cli imports this module
-
     p = argparse.ArgumentParser(prog="python -m megatron_2d.plan grid", description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster", default="8xH100", help="cluster preset (default 8xH100)")
     p.add_argument("--models", nargs="+", default=list(GRID_MODELS), choices=list(GRID_MODELS))

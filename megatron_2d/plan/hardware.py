@@ -12,11 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, Optional
 
 from ..topology import divisors
+from .errors import PlanError
 from .links import LinkEfficiency
-
-
-class PlanError(ValueError):
-    """Bad planner input: the message names the offending value and what would be valid."""
 
 
 def _positive_int(name: str, value) -> None:

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, fields
 
 from ..ring_schedule import slowed_finish
+from .errors import PlanError
 
 LINK_CLASSES = ("nvlink", "network")
 TRAFFIC_KINDS = ("p2p", "a2a")
@@ -67,10 +68,10 @@ class LinkEfficiency:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if f.name == "interference":
                 if not ok or value < 0:
-                    raise _plan_error(f"link interference ({FLAGS[f.name][0]}) must be a finite number >= 0 (the "
+                    raise PlanError(f"link interference ({FLAGS[f.name][0]}) must be a finite number >= 0 (the "
                                       f"slowdown of compute while transfers run, e.g. 0.1), got {value!r}")
             elif not ok or not 0 < value <= 1:
-                raise _plan_error(f"link efficiency {f.name} ({FLAGS[f.name][0]}) must be in (0, 1], got {value!r}")
+                raise PlanError(f"link efficiency {f.name} ({FLAGS[f.name][0]}) must be in (0, 1], got {value!r}")
 
     def factor(self, link: str, kind: str) -> float:
         """The bandwidth factor of ``link`` ("nvlink" | "network") for ``kind`` ("p2p" | "a2a")."""
@@ -82,12 +83,6 @@ class LinkEfficiency:
         """'NVLink p2p 0.70 a2a 0.80, network p2p 0.94 a2a 0.80, interference 0'."""
         return (f"NVLink p2p {self.nvlink_p2p:.2f} a2a {self.nvlink_a2a:.2f}, network p2p {self.network_p2p:.2f} "
                 f"a2a {self.network_a2a:.2f}, interference {self.interference:g}")
-
-
-def _plan_error(message: str) -> Exception:
-    from .hardware import PlanError                      # local: hardware imports this module
-
-    return PlanError(message)
 
 
 IDEAL_LINKS = LinkEfficiency(1.0, 1.0, 1.0, 1.0, 0.0)

@@ -34,7 +34,9 @@ import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .console import parse_seq
 from .hardware import ClusterSpec, ParallelSpec, PlanError, get_cluster, get_model
+from .links import IDEAL_LINKS
 from .memory_options import DIST_OPT, MemoryPolicy
 from .planner import Candidate, best_by_kind, plan
 from .report import recompute_label, seq_label, states_label
@@ -287,9 +289,6 @@ def records(rows: Sequence[Row]) -> List[Dict[str, object]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .cli import parse_seq                   # local: cli imports this module
-    from .links import IDEAL_LINKS
-
     p = argparse.ArgumentParser(prog="python -m megatron_2d.plan paper", description=__doc__.split("\n\n")[0])
     p.add_argument("--fair-memory", action="store_true", help="baselines get 2D's memory options (what-if)")
     p.add_argument("--ideal-links", action="store_true", help="every flow at its nominal rate (no link efficiency)")

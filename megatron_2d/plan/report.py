@@ -13,8 +13,8 @@ import sys
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
-from ..bench.cli import terminal_console
 from .candidates import STOCK_KINDS
+from .console import terminal_console
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .memory_options import MemoryPolicy, describe as describe_states
 from .planner import AUTO, Candidate, best_by_kind, recommended

@@ -1,0 +1,146 @@
+"""The package's import graph, read from the source with ``ast``: no module imports itself through others (lazy
+imports inside functions count; imports under ``if TYPE_CHECKING:`` do not run and are left out), and the planner
+(megatron_2d.plan) imports nothing from the benchmarks, the test support or the Megatron integration."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+import megatron_2d
+
+PACKAGE = Path(megatron_2d.__file__).parent
+NAME = PACKAGE.name
+PLAN_MAY_NOT_IMPORT = ("megatron_2d.bench", "megatron_2d.testing", "megatron_2d.megatron")
+
+
+def modules(root: Path = PACKAGE) -> Dict[str, Path]:
+    """Dotted module name -> file, packages as their __init__.py."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST):
+    """Every Import / ImportFrom node, at any depth (functions, classes, try blocks), except under TYPE_CHECKING."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(name: str, path: Path, known: Dict[str, Path], package: str = NAME) -> Set[str]:
+    """The package's modules that ``name`` imports: ``from .x import y`` is module x.y when that is a module, else
+    x; ``import a.b.c`` is the longest known prefix."""
+    is_package = path.name == "__init__.py"
+
+    def known_prefix(dotted: str) -> str:
+        while dotted not in known and "." in dotted:
+            dotted = dotted.rsplit(".", 1)[0]
+        return dotted
+
+    out = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            if node.level:
+                base = name.split(".")[: len(name.split(".")) - (node.level - (1 if is_package else 0))]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
+        out.update(known_prefix(t) for t in targets if t == package or t.startswith(package + "."))
+    out.discard(name)
+    return out
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert len(graph) > 50 and "megatron_2d.plan.cli" in graph["megatron_2d.plan.__main__"]
+    loops = cycles(graph)
+    assert not loops, "modules that import each other (directly or through others): " + "; ".join(
+        " <-> ".join(c) for c in loops)
+
+
+def test_plan_imports_no_bench_testing_or_megatron():
+    bad = {(m, t) for m, targets in import_graph().items() if m.startswith("megatron_2d.plan")
+           for t in targets if t.startswith(PLAN_MAY_NOT_IMPORT)}
+    assert not bad, f"the planner must stand alone; it imports: {sorted(bad)}"
+
+
+@pytest.mark.parametrize("source, expected", [
+    # a lazy import inside a function closes a loop
+    ({"a": "from . import b\n", "b": "def f():\n    from .a import x\n"}, [["pkg.a", "pkg.b"]]),
+    # a loop through three modules, by absolute imports
+    ({"a": "import pkg.b\n", "b": "from pkg.c import y\n", "c": "import pkg.a as a\n"}, [["pkg.a", "pkg.b", "pkg.c"]]),
+    # imports for type checking only do not run: no loop
+    ({"a": "from .b import B\n", "b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n"},
+     []),
+])
+def test_the_walker_finds_loops(tmp_path, source, expected):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, text in source.items():
+        (pkg / f"{name}.py").write_text(text)
+    known = modules(pkg)
+    graph = {name: imports_of(name, path, known, "pkg") for name, path in known.items()}
+    assert cycles(graph) == expected
