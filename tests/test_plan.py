@@ -1,4 +1,4 @@
-"""Tests of the performance model and placement planner (megatron_2d.plan): formulas on hand-computed cases,
+"""Tests of the performance model and layout planner (megatron_2d.plan): formulas on hand-computed cases,
 sanity properties, feasibility, errors, and the CLI (text, --json, --plot)."""
 
 import json
@@ -12,7 +12,7 @@ from megatron_2d.plan.cli import main, parse_seq
 from megatron_2d.plan.cost_model import flow_gbps, ring_times
 from megatron_2d.plan.cost_model import memory_bytes
 from megatron_2d.plan.links import IDEAL_LINKS
-from megatron_2d.plan.placement import LinkClass, LinkMap, link_map, peers
+from megatron_2d.plan.link_classes import LinkClass, LinkMap, link_map, peers
 from megatron_2d import topology
 from megatron_2d.block_plan import plan_block
 from megatron_2d.sequence_layout import zigzag_chunks
@@ -149,7 +149,7 @@ def test_memory_hand_computed():
     assert memory_bytes(model, par, hp=2, cp=4, w=4, seq=4096)[0] == total - (262144 + 524288)
 
 
-# -- placement ---------------------------------------------------------------------------------------------------
+# -- link classes ------------------------------------------------------------------------------------------------
 
 def test_link_map_hand_cases():
     # 64 GPUs, 8 per node, TP=1. head_first hp=8: a head group is one node (7 NVLink peers); the ring connects

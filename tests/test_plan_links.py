@@ -11,7 +11,7 @@ from megatron_2d.plan import Layout, ParallelSpec, PlanError, calibrate, evaluat
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.cost_model import class_time, layer_work, ring_times
 from megatron_2d.plan.links import IDEAL_LINKS, LinkEfficiency, overlapped
-from megatron_2d.plan.placement import LinkClass, LinkMap
+from megatron_2d.plan.link_classes import LinkClass, LinkMap
 from megatron_2d.ring_schedule import double_ring_events, replay, slowed_finish
 
 GQA = get_model("7B-GQA")

@@ -10,7 +10,7 @@ Checkpoint++ for 2D) and gets the fastest that fits in GPU memory; ``recommended
 (None when nothing fits). An MLA model (``ModelSpec.mla``, preset DSV3-MLA) gets each 2D layout with
 per-head K/V on the ring and with the latent (``--cp-2d-mla-ring latent``).
 
-Modules: hardware (specs, presets, PlanError), links (link efficiency), placement (which links each path uses),
+Modules: hardware (specs, presets), links (link efficiency), link_classes (which links each path uses),
 cost_model (formulas, memory and recompute), memory_options (sharded model states and their communication),
 candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit rates and link factors to
 measurements), report (text/JSON), plot (matplotlib), grid (best 2D vs best stock over models, GPUs and lengths),

@@ -34,7 +34,7 @@ from ..ring_schedule import double_ring_events, final_hop_link, replay
 from ..zero_sharding import HybridZeRO, state_bytes_per_rank
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .links import overlapped
-from .placement import LinkClass, LinkMap, link_map
+from .link_classes import LinkClass, LinkMap, link_map
 from .windows import WindowWork, window_work
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from typing import Optional
 
 from ..hybrid_layers import HybridLayerCounts, gdn_cp_problem, mamba_cp_problem, mamba_num_heads
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
-from .placement import link_map
+from .link_classes import link_map
 
 BF16 = 2
 MAMBA = dict(expand=2, head_dim=64, state=128, groups=8)
