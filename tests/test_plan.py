@@ -9,8 +9,8 @@ from megatron_2d.plan import (CLUSTER_PRESETS, MODEL_PRESETS, Layout, ModelSpec,
                               PlanError, WorkCounts, calibrate, evaluate, fit_rates, get_cluster, get_model,
                               layer_work, plan, replicated_kv_heads, work_counts)
 from megatron_2d.plan.cli import main, parse_seq
-from megatron_2d.plan.cost_model import flow_gbps, ring_times
-from megatron_2d.plan.cost_model import memory_bytes
+from megatron_2d.plan.attention_time import flow_gbps, ring_times
+from megatron_2d.plan.memory import memory_bytes
 from megatron_2d.plan.links import IDEAL_LINKS
 from megatron_2d.plan.link_classes import LinkClass, LinkMap, link_map, peers
 from megatron_2d import topology

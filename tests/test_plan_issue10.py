@@ -14,7 +14,8 @@ import pytest
 from megatron_2d.plan import Layout, ParallelSpec, evaluate, get_cluster, get_model, layer_work, plan
 from megatron_2d.plan.candidates import enumerate_layouts, megatron_flags
 from megatron_2d.plan.cli import main
-from megatron_2d.plan.cost_model import memory_breakdown, recompute_extra_s, with_recompute
+from megatron_2d.plan.memory import memory_breakdown
+from megatron_2d.plan.step import recompute_extra_s, with_recompute
 from megatron_2d.plan.planner import ROW_KEYS, choose_recompute, recommended
 from megatron_2d.plan.memory_options import DIST_OPT
 from megatron_2d.plan.report import format_plan

@@ -9,7 +9,8 @@ import pytest
 
 from megatron_2d.plan import ParallelSpec, evaluate, plan, recommended
 from megatron_2d.plan.candidates import Layout
-from megatron_2d.plan.cost_model import estimate, layer_work
+from megatron_2d.plan.attention_time import layer_work
+from megatron_2d.plan.step import estimate
 from megatron_2d.plan.hardware import get_cluster, get_model
 from megatron_2d.plan.report import format_plan
 

@@ -217,8 +217,8 @@ def check_no_sync_new_batch(name, device, seq) -> float:
 
 def planner_attention_bytes(seq, heads, kv_heads, d) -> float:
     """The planner's memory for one layer's attention at CP 1: q/k/v, output, o-proj input and lse per token, plus
-    its transient buffers (megatron_2d.plan.cost_model.memory_breakdown)."""
-    from megatron_2d.plan.cost_model import memory_breakdown
+    its transient buffers (megatron_2d.plan.memory.memory_breakdown)."""
+    from megatron_2d.plan.memory import memory_breakdown
     from megatron_2d.plan.hardware import ModelSpec, ParallelSpec
 
     model = ModelSpec("gpu-check", layers=1, hidden=heads * d, heads=heads, kv_heads=kv_heads,

@@ -10,22 +10,26 @@ Checkpoint++ for 2D) and gets the fastest that fits in GPU memory; ``recommended
 (None when nothing fits). An MLA model (``ModelSpec.mla``, preset DSV3-MLA) gets each 2D layout with
 per-head K/V on the ring and with the latent (``--cp-2d-mla-ring latent``).
 
-Modules: hardware (specs, presets), links (link efficiency), link_classes (which links each path uses),
-cost_model (formulas, memory and recompute), memory_options (sharded model states and their communication),
-candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit rates and link factors to
-measurements), report (text/JSON), plot (matplotlib), grid (best 2D vs best stock over models, GPUs and lengths),
-paper (LoongTrain's reported figures), cli (``python -m megatron_2d.plan``, ``... grid``, ``... paper``).
+Modules: hardware (specs, presets), errors (PlanError), links (link efficiency), link_classes (which links each path
+uses), windows / packed / hybrid (sliding windows, packed documents, Mamba/GDN layers as the op runs them),
+attention_time (one layer's work, ring / neighbour exchange times, traffic), memory (peak memory by recompute mode),
+step (the estimate: attention, step time with recompute, MFU), memory_options (sharded model states and their
+communication), candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit rates
+and link factors to measurements), report (text/JSON), plot (matplotlib), grid (best 2D vs best stock over models,
+GPUs and lengths), paper (LoongTrain's reported figures), console (terminal helpers), cli (``python -m
+megatron_2d.plan``, ``... grid``, ``... paper``).
 """
 
+from .attention_time import layer_work, replicated_kv_heads
 from .calibrate import FitResult, WorkCounts, calibrate, fit_rates, work_counts
 from .candidates import KINDS, Layout, check_layout, enumerate_layouts, megatron_flags
-from .cost_model import (RECOMPUTE_MODES, Estimate, MemoryBreakdown, estimate, layer_work, memory_breakdown,
-                         replicated_kv_heads, with_recompute)
 from .hardware import (CLUSTER_PRESETS, MODEL_PRESETS, PRESETS, ClusterSpec, MLASpec, ModelSpec, ParallelSpec,
                        PlanError, get_cluster, get_model)
 from .links import IDEAL_LINKS, LinkEfficiency
+from .memory import RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
 from .memory_options import MemoryPolicy
 from .planner import AUTO, Candidate, best_by_kind, evaluate, plan, recommended
+from .step import Estimate, estimate, with_recompute
 
 __all__ = [
     "AUTO", "CLUSTER_PRESETS", "Candidate", "ClusterSpec", "Estimate", "FitResult", "IDEAL_LINKS", "KINDS", "Layout",

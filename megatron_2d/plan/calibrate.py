@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .cost_model import BWD_FACTOR, GB, traffic
+from .attention_time import BWD_FACTOR, GB, traffic
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_model
 from .planner import evaluate
 
@@ -67,9 +67,9 @@ def work_counts(layout, model: ModelSpec, cluster: ClusterSpec, parallel: Parall
         raise PlanError(f"cannot count work of an infeasible layout {layout.label()}: {cand.reason}")
     e = cand.estimate
     a2a = replace(e.work, kv_bytes=0.0, dkv_bytes=0.0)            # the all-to-all's share of the traffic alone
-    a2a_intra, _, a2a_nic = traffic(a2a, e.links, cluster, layout.hp, layout.cp, layout.w)
+    a2a_sent = traffic(a2a, e.links, cluster, layout.hp, layout.cp, layout.w)
     return WorkCounts(flops=(1.0 + BWD_FACTOR) * e.work.fwd_flops, nvlink_bytes=e.intra_bytes,
-                      nic_bytes=e.inter_bytes_nic, nvlink_a2a_bytes=a2a_intra, nic_a2a_bytes=a2a_nic)
+                      nic_bytes=e.inter_bytes_nic, nvlink_a2a_bytes=a2a_sent.intra, nic_a2a_bytes=a2a_sent.nic)
 
 
 def fit_rates(samples: Iterable[Tuple[WorkCounts, float]], separate_a2a: Optional[bool] = None) -> FitResult:

@@ -22,13 +22,14 @@ from dataclasses import replace
 from typing import List, Optional
 
 from .console import parse_seq, parse_window
-from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES
+from .attention_time import DTYPE_BYTES
 from .grid import main as grid_main
 from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
 from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
 from .paper import main as paper_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
 from .links import FLAGS as LINK_FLAGS, IDEAL_LINKS, LinkEfficiency
+from .memory import RECOMPUTE_MODES
 from .planner import AUTO, plan, recommended
 from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
 from .report import job_metadata, plan_json, print_plan

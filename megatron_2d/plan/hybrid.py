@@ -23,6 +23,7 @@ from typing import Optional
 
 from ..hybrid_layers import HybridLayerCounts, gdn_cp_problem, mamba_cp_problem, mamba_num_heads
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
+from .attention_time import path_time
 from .link_classes import link_map
 
 BF16 = 2
@@ -76,8 +77,6 @@ class HybridPattern:
                    seq: int) -> float:
         """Seconds per step of all Mamba / GDN layers: their all-to-alls over the whole CP group (in and out of the
         scan, forward and backward) and their projections' matmuls (6 x weights x tokens)."""
-        from .cost_model import path_time
-
         tp, CP = parallel.tp, context_parallel
         tokens = parallel.micro_batch * seq
         group = tp * CP

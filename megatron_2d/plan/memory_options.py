@@ -52,9 +52,10 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from ..zero_sharding import HybridZeRO, state_bytes_per_rank
-from .cost_model import BF16, FP32, GB, Estimate
+from .attention_time import BF16, FP32, GB
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
 from .links import overlapped
+from .step import Estimate
 
 CHOICES = ("auto", "dist-opt", "stock", "all")
 """``MemoryPolicy.choice``: each side its own options (auto), everyone the distributed optimizer only (dist-opt: the

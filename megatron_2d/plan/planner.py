@@ -9,7 +9,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from ..topology import divisors
 from .candidates import (KINDS, RECOMPUTE_BY_KIND, STOCK_KINDS, Layout, check_layout, enumerate_layouts,
                          kind_dkv_dtype, kind_kv_heads, megatron_flags)
-from .cost_model import DTYPE_BYTES, RECOMPUTE_MODES, Estimate, combine_layers, estimate, with_recompute
+from .attention_time import DTYPE_BYTES
+from .memory import RECOMPUTE_MODES
+from .step import Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
 from .hybrid import HybridPattern, with_extra_step
 from .memory_options import MemoryPolicy, memory_options, states_record, with_memory
