@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .choices import head_exchange_point_to_point
 from .comm import CommCounter, all_gather_counted, all_to_all_counted, to_device, traffic_backend
 
 Widths = Tuple[int, ...]          # the head dims of one group's tensors, in order
@@ -265,7 +266,7 @@ class HeadExchange:
     peers: Tuple[int, ...] = ()       # global rank of each head rank
     head_rank: int = 0
     head_of_group: Optional[Tuple[int, ...]] = None   # head rank of each group rank, where the two differ
-    point_to_point: bool = False      # batch 1 by point-to-point messages (gloo; NCCL keeps the collective)
+    backend: Optional[str] = None     # the group's traffic backend (it chooses the path: point_to_point)
 
     @classmethod
     def build(cls, hp: int, order, group, counter: CommCounter, device, per_token: bool = False,
@@ -293,26 +294,26 @@ class HeadExchange:
         peers = by_group if head_ranks is None else tuple(head_ranks)
         head_of_group = tuple(peers.index(r) for r in by_group)
         return cls(hp, as_tensor, group, counter, per_token, positions, peers, peers.index(dist.get_rank()),
-                   None if head_of_group == tuple(range(hp)) else head_of_group,
-                   traffic_backend(group) == "gloo")
+                   None if head_of_group == tuple(range(hp)) else head_of_group, traffic_backend(group))
 
-    def _direct(self, batch: int) -> bool:
-        """Whether the exchange goes by point-to-point messages, unit by unit (batch 1, chunk units)."""
-        return self.point_to_point and batch == 1 and bool(self.positions)
+    def point_to_point(self, batch: int) -> bool:
+        """Whether the exchange of a batch of ``batch`` sequences goes by point-to-point messages, unit by unit
+        (:func:`megatron_2d.choices.head_exchange_point_to_point`, which the planner's copy count follows)."""
+        return head_exchange_point_to_point(self.backend, batch, bool(self.positions))
 
     def unit(self, tokens: int) -> int:
         """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""
         return 1 if self.per_token else tokens // 2
 
     def to_heads(self, xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> List[torch.Tensor]:
-        if self._direct(xs[0].shape[1]):
+        if self.point_to_point(xs[0].shape[1]):
             return _direct_to_heads(xs, grouping, self, self.unit(xs[0].shape[0]))
         return to_heads(xs, grouping, self.head_parallel_size, self.order, self.unit(xs[0].shape[0]),
                         self.group, self.counter, self.head_of_group)
 
     def to_tokens(self, ys: Sequence[torch.Tensor], widths: Sequence[Widths]) -> List[torch.Tensor]:
         unit = self.unit(ys[0].shape[1] // self.head_parallel_size)
-        if self._direct(ys[0].shape[0]):
+        if self.point_to_point(ys[0].shape[0]):
             return _direct_to_tokens(ys, widths, self, unit)
         return to_tokens(ys, widths, self.head_parallel_size, self.order, unit, self.group, self.counter,
                          self.head_of_group)

@@ -36,7 +36,7 @@ def test_te_rings_carry_bf16_dkv_ours_fp32():
     kv = 2 * 2 * 8192 * 8 * 128
     p2p = evaluate(Layout("p2p", 1, 8, 8), GQA, H100, par, K64, recompute="none")
     ours = evaluate(Layout("2d", 1, 8, 8), GQA, H100, par, K64, recompute="none")
-    assert p2p.dkv_dtype == "bf16" and ours.dkv_dtype == "fp32"
+    assert p2p.dkv_comm_dtype == "input" and ours.dkv_comm_dtype == "accumulator"
     assert p2p.estimate.work.kv_bytes == kv and p2p.estimate.work.dkv_bytes == kv
     assert ours.estimate.work.dkv_bytes == 2 * kv
     assert p2p.estimate.intra_bytes == 21 * kv and p2p.estimate.inter_bytes == 0
@@ -44,9 +44,10 @@ def test_te_rings_carry_bf16_dkv_ours_fp32():
     # a2a+p2p is Transformer Engine's ring too; a2a has no ring (dtype irrelevant but reported)
     hier = evaluate(Layout("a2a+p2p", 2, 4, 4), GQA, H100, par, K64, recompute="none")
     assert hier.estimate.work.dkv_bytes == hier.estimate.work.kv_bytes
-    # the knob for an input-dtype option of ours: bf16 makes our ring the same as TE's
-    same = evaluate(Layout("2d", 1, 8, 8), GQA, H100, par, K64, recompute="none", dkv_dtype="bf16")
+    # the op's input-dtype riders (--cp-2d-dkv-comm-dtype input) make our ring the same as TE's, and the flags say so
+    same = evaluate(Layout("2d", 1, 8, 8), GQA, H100, par, K64, recompute="none", dkv_comm_dtype="input")
     assert same.estimate.intra_bytes == 21 * kv and same.estimate.time_s == p2p.estimate.time_s
+    assert same.flags.count("--cp-2d-dkv-comm-dtype input") == 1 and "dkv" not in ours.flags + p2p.flags
 
 
 def test_layer_work_dkv_bytes_per_elem():
@@ -212,7 +213,7 @@ def test_json_has_one_schema_with_job_metadata(capsys):
     assert [r["recommended"] for r in rows].count(True) == 1 and rows[0]["recommended"]
     job = rows[0]["job"]
     assert all(r["job"] == job for r in rows)
-    assert job["schema_version"] == 3 and job["seq"] == M1 and job["model"]["name"] == "7B-GQA"
+    assert job["schema_version"] == 4 and job["seq"] == M1 and job["model"]["name"] == "7B-GQA"
     assert job["memory"] == {"choice": "dist-opt", "fair": False, "global_batch_tokens": 4 << 20}
     assert job["parallel"] == {"gpus": 64, "tp": 1, "pp": 1, "dp": 1, "cp": 64, "micro_batch": 1}
     assert job["cluster"]["memory_budget_gb"] == pytest.approx(72.0) and job["recompute"] == "auto"
@@ -222,7 +223,7 @@ def test_json_has_one_schema_with_job_metadata(capsys):
     assert set(best["recompute_options"]) == {"none", "selective", "full", "ckpt++"}
     assert best["recompute_options"]["none"]["fits_memory"] is False
     stock = next(r for r in rows if r["kind"] == "p2p")
-    assert stock["recompute_options"]["ckpt++"] is None and stock["dkv_dtype"] == "bf16"
+    assert stock["recompute_options"]["ckpt++"] is None and stock["dkv_comm_dtype"] == "input"
     bad = next(r for r in rows if not r["feasible"] and r["fits_memory"] is None)
     assert bad["time_ms"] is None and bad["links"] is None and bad["reason"]
 

@@ -297,7 +297,7 @@ def worker(args) -> int:
             dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
             exchange, rc = next(iter(groups.op_cache.values()))
             path = "no head exchange" if exchange.group is None else (
-                "head exchange point-to-point" if exchange.point_to_point and batch == 1 else "head all-to-all")
+                "head exchange point-to-point" if exchange.point_to_point(batch) else "head all-to-all")
             result = dict(case=case, error=float(err_t.cpu()), path=f"{path}, {type(rc.transport).__name__}")
         except Exception as exc:                                       # noqa: BLE001  (reported as a row)
             result = dict(case=case, failure=f"{type(exc).__name__}: {exc}"[:300])

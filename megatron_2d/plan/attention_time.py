@@ -31,17 +31,22 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from ..choices import DKV_COMM_DTYPES, head_exchange_copies
 from ..ring_schedule import double_ring_events, final_hop_link, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .link_classes import LinkClass, LinkMap
 from .links import overlapped
 from .windows import WindowWork
 
-BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors
-FP32 = 4      # bytes per element of fp32 tensors (our ring's dK/dV accumulators, softmax lse, logits)
-DTYPE_BYTES = {"fp32": FP32, "bf16": BF16, "fp16": BF16}
-"""Bytes per element of the dK/dV partials that travel a ring in backward, by name. Transformer Engine's p2p
-backward sends them in the input dtype (bf16); this project's 2D ring accumulates and sends them in fp32."""
+BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors (bf16 training)
+FP32 = 4      # bytes per element of fp32 tensors (the ring's dK/dV accumulators, softmax lse, logits)
+RIDER_BYTES = {"accumulator": FP32, "input": BF16}
+"""Bytes per element of the dK/dV partials that travel a ring in backward, by the op's ``dkv_comm_dtype``
+(:data:`megatron_2d.choices.DKV_COMM_DTYPES`) in bf16 training: the accumulator dtype (fp32, the op's default) or
+the input dtype (bf16: Transformer Engine's rings, and the op with ``--cp-2d-dkv-comm-dtype input``)."""
+assert tuple(RIDER_BYTES) == DKV_COMM_DTYPES
+BACKEND = "nccl"
+"""The planner models GPU clusters: NCCL carries every transfer (it decides the head exchange's path)."""
 BWD_FACTOR = 2.5
 """Backward attention time / forward (FlashAttention recomputes P in backward: 2.5x the forward FLOPs executed)."""
 GB = 1e9
@@ -68,8 +73,8 @@ class LayerWork:
     kv_heads_per_rank: int
     """L/hp (the latent ring: the query heads of the rank, which it up-projects K/V for)."""
     a2a_local_bytes: float
-    """Bytes of q, k, v and out on one rank before/after the all-to-all (one direction): each is permuted once
-    into and once out of the send/receive buffers."""
+    """Bytes of q, k, v and out on one rank before/after the all-to-all (one direction), each copied
+    :func:`head_exchange_copies` times (the collective: into the send buffer and out of the receive buffer)."""
     merge_fwd_bytes: float
     """HBM traffic of one forward ring step's merge: read and write the fp32 output accumulator and read the
     step's output, 3 * 4 * s_ctx * (Ht/hp) * dv (a fused out/lse merge; lse is negligible)."""
@@ -106,10 +111,11 @@ def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: 
                mla_ring: Optional[str] = None) -> LayerWork:
     """Work and message sizes of one layer on one rank for head-parallel size ``hp`` and context size ``cp``.
 
-    ``dkv_bytes_per_elem``: bytes per element of the dK/dV partials on the ring (4: ours, fp32; 2: Transformer
-    Engine, input dtype). ``kv_heads``: K/V heads per TP rank after repetition (None: L = lcm(Hkvt, hp), our
-    replication; DeepSpeed-Ulysses repeats them to all Ht query heads). ``mla_ring``: "latent" for an MLA model
-    whose 2D ring carries the latent (None / "expanded": per-head K/V)."""
+    ``dkv_bytes_per_elem``: bytes per element of the dK/dV partials on the ring (:data:`RIDER_BYTES`: 4 for the
+    accumulator dtype, the op's default; 2 for the input dtype, Transformer Engine's). ``kv_heads``: K/V heads per
+    TP rank after repetition (None: L = lcm(Hkvt, hp), our replication; DeepSpeed-Ulysses repeats them to all Ht
+    query heads). ``mla_ring``: "latent" for an MLA model whose 2D ring carries the latent (None / "expanded":
+    per-head K/V)."""
     B, S, tp = parallel.micro_batch, seq, parallel.tp
     dk, dv = model.qk_dim, model.v_dim
     CP = hp * cp
@@ -184,7 +190,16 @@ def worst_class(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: Clus
     return max(classes, key=lambda c: class_time(c, peer_bytes, cluster, kind), default=LinkClass(0, 0, 0))
 
 
-# -- the ring and the neighbour exchange ------------------------------------------------------------------------
+# -- the head all-to-all, the ring and the neighbour exchange ---------------------------------------------------
+
+def head_exchange_time(work: LayerWork, links: LinkMap, cluster: ClusterSpec, batch: int, chunk_units: bool) -> float:
+    """Seconds of one direction's head all-to-all (hp > 1): the transfer on the slowest rank's links, the copies of
+    the op's path (:func:`megatron_2d.choices.head_exchange_copies` on NCCL: two), each read and written once in
+    HBM, and the fixed latency. ``chunk_units``: the zigzag chunks of an unpacked batch (not packed documents)."""
+    copies = head_exchange_copies(BACKEND, batch, chunk_units)
+    hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
+    return path_time(links.a2a, work.a2a_peer_bytes, cluster, "a2a") + 2 * copies * work.a2a_local_bytes / hbm + lat
+
 
 def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w: int, tc: float, tcb: float):
     """(forward, backward, serialised comm) seconds of the (double) ring; ``tc``/``tcb`` are one step's work.

@@ -2,7 +2,8 @@
 
 Kinds
     2d          this project: hp x cp, window w, head_first | context_first, K/V replicated when hp > Hkv;
-                dK/dV travel the ring in fp32 (``dkv_dtype`` models an input-dtype option)
+                dK/dV travel the ring in fp32 by default ("accumulator") or in the input dtype ("input",
+                ``--cp-2d-dkv-comm-dtype input``)
     p2p         Megatron/TE ring (zigzag), hp = 1, no window; dK/dV in the input dtype  --cp-comm-type p2p
     a2a         Megatron/TE Ulysses, hp = CP; heads and KV heads divisible by CP  --cp-comm-type a2a
     a2a+p2p     Megatron/TE hierarchical: an a2a level of A adjacent ranks, a ring of CP/A; A divides heads
@@ -31,7 +32,7 @@ from .hardware import ModelSpec, ParallelSpec
 
 KINDS = ("2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses")
 STOCK_KINDS = KINDS[1:]
-TE_DKV_DTYPE = "bf16"
+TE_DKV_COMM_DTYPE = "input"
 """Transformer Engine's p2p backward sends dK/dV in the input dtype (bf16 training)."""
 RECOMPUTE_BY_KIND = {"2d": ("none", "selective", "full", "ckpt++"), "p2p": ("none", "selective", "full"),
                      "a2a": ("none", "selective", "full"), "a2a+p2p": ("none", "selective", "full"),
@@ -43,10 +44,10 @@ RECOMPUTE_FLAGS = {"none": "", "selective": "--recompute-activations",
 """pretrain_gpt.py arguments of each recompute mode (--recompute-activations is selective core attention)."""
 
 
-def kind_dkv_dtype(kind: str, dkv_dtype: str = "fp32") -> str:
-    """The dtype the dK/dV partials of ``kind`` travel in: Transformer Engine's rings use the input dtype; ours
-    use ``dkv_dtype`` (fp32 today)."""
-    return TE_DKV_DTYPE if kind in ("p2p", "a2a+p2p") else dkv_dtype
+def kind_dkv_comm_dtype(kind: str, dkv_comm_dtype: str = "accumulator") -> str:
+    """How the dK/dV partials of ``kind`` travel (:data:`megatron_2d.choices.DKV_COMM_DTYPES`): Transformer
+    Engine's rings in the input dtype; ours as ``dkv_comm_dtype`` says (the op's ``--cp-2d-dkv-comm-dtype``)."""
+    return TE_DKV_COMM_DTYPE if kind in ("p2p", "a2a+p2p") else dkv_comm_dtype
 
 
 def kind_kv_heads(kind: str, model: ModelSpec, parallel: ParallelSpec) -> Optional[int]:
@@ -165,10 +166,13 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
 
 
 def megatron_flags(layout: Layout, parallel: ParallelSpec, recompute: str = "none",
-                   block_layers: Optional[int] = None) -> str:
+                   block_layers: Optional[int] = None, dkv_comm_dtype: str = "accumulator") -> str:
     """The pretrain_gpt.py arguments that select ``layout`` (TP/PP included when > 1) and ``recompute``;
-    ``block_layers``: recompute only that many layers per pipeline stage (--recompute-method block)."""
+    ``block_layers``: recompute only that many layers per pipeline stage (--recompute-method block);
+    ``dkv_comm_dtype``: how a 2D layout's dK/dV riders travel (``--cp-2d-dkv-comm-dtype``, when not the default)."""
     flags = _layout_flags(layout, parallel)
+    if layout.kind == "2d" and dkv_comm_dtype != "accumulator":
+        flags += f" --cp-2d-dkv-comm-dtype {dkv_comm_dtype}"
     extra = RECOMPUTE_FLAGS[recompute]
     if block_layers is not None and recompute in ("full", "ckpt++"):
         extra = extra.replace("--recompute-method uniform --recompute-num-layers 1",

@@ -21,20 +21,22 @@ import sys
 from dataclasses import replace
 from typing import List, Optional
 
+from ..choices import DKV_COMM_DTYPES
 from .console import parse_seq, parse_window
-from .attention_time import DTYPE_BYTES
 from .grid import main as grid_main
-from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
-from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
-from .paper import main as paper_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
+from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
 from .links import FLAGS as LINK_FLAGS, IDEAL_LINKS, LinkEfficiency
 from .memory import RECOMPUTE_MODES
+from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
+from .paper import main as paper_main
 from .planner import AUTO, plan, recommended
 from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
 from .report import job_metadata, plan_json, print_plan
 
 EXIT_OK, EXIT_NO_FEASIBLE, EXIT_USAGE = 0, 1, 2
+DKV_DTYPE_ALIASES = {"fp32": "accumulator", "bf16": "input", "fp16": "input"}
+"""``--dkv-dtype`` values (element types) as the op's ``dkv_comm_dtype`` names, for bf16 training."""
 
 
 def _cp(text: str) -> Optional[int]:
@@ -43,6 +45,14 @@ def _cp(text: str) -> Optional[int]:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--cp {text!r}: give a positive integer or 'all' (all GPUs left)")
     return int(text)
+
+
+def _dkv_dtype_alias(text: str) -> str:
+    """--dkv-dtype (the planner's earlier vocabulary) in the op's: fp32 -> accumulator, bf16 / fp16 -> input."""
+    if text not in DKV_DTYPE_ALIASES:
+        raise argparse.ArgumentTypeError(f"--dkv-dtype {text!r} is not one of {list(DKV_DTYPE_ALIASES)} (or use "
+                                         f"--dkv-comm-dtype {{{','.join(DKV_COMM_DTYPES)}}})")
+    return DKV_DTYPE_ALIASES[text]
 
 
 def _positive(text: str) -> int:
@@ -117,9 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--global-batch", type=parse_seq, default=4 << 20, metavar="TOKENS",
                    help="tokens per optimizer step, e.g. 4M (default): per-step gradient and parameter communication "
                         "is spread over its micro-batches")
-    j.add_argument("--dkv-dtype", default="fp32", choices=tuple(DTYPE_BYTES),
-                   help="dtype of the 2D ring's dK/dV partials (default fp32, what the op sends today; Transformer "
-                        "Engine's rings are always modelled in bf16)")
+    j.add_argument("--dkv-comm-dtype", default="accumulator", choices=DKV_COMM_DTYPES,
+                   help="how the 2D ring's dK/dV partials travel, the op's --cp-2d-dkv-comm-dtype: accumulator "
+                        "(fp32, the default) or input (bf16; the recommended flags then carry it); Transformer "
+                        "Engine's rings are always modelled with input")
+    j.add_argument("--dkv-dtype", dest="dkv_comm_dtype", type=_dkv_dtype_alias, metavar="{fp32,bf16,fp16}",
+                   help="the older spelling of --dkv-comm-dtype: fp32 = accumulator, bf16 or fp16 = input")
     k = p.add_argument_group("packed documents (THD)")
     src = k.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE",
@@ -188,13 +201,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if lengths is not None and args.plot:
             raise PlanError("--plot sweeps sequence lengths; it does not take packed --lengths")
         memory = MemoryPolicy(args.memory, args.fair_memory, args.global_batch)
-        cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype,
+        cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_comm_dtype,
                      lengths=lengths, hybrid_pattern=args.hybrid_pattern, memory=memory)
     except PlanError as err:
         parser.error(str(err))
     if args.json:
-        job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_dtype,
-                           memory)
+        job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute,
+                           args.dkv_comm_dtype, memory)
         print(plan_json(cands, job))
     else:
         if lengths is not None:
@@ -211,7 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.plot:
         try:
             plot_sweep(args.plot, model, cluster, parallel, args.plot_seqs, causal, args.window, args.recompute,
-                       args.dkv_dtype, memory)
+                       args.dkv_comm_dtype, memory)
             print(f"wrote {args.plot}", file=sys.stderr)
         except PlotUnavailable as err:
             print(f"cannot write {args.plot}: {err}", file=sys.stderr)

@@ -119,7 +119,7 @@ def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands
         return ratio, codes, "2D wins: " + "; ".join(CODES[c][4:] for c in codes) + cps
     if ratio < 1 - TIE:
         twin = evaluate(_twin(best_stock), model, cluster, stock_parallel, seq, recompute=es.recompute,
-                        dkv_dtype="bf16", memory=memory)
+                        dkv_comm_dtype="input", memory=memory)
         same = twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6
         code = "B" if same else "U"
         return ratio, code, "stock wins: " + CODES[code][7:] + cps

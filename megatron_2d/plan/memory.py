@@ -125,7 +125,8 @@ def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int,
                      dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None,
                      mla_ring: Optional[str] = None, packed: Optional["PackedWork"] = None) -> MemoryBreakdown:
     """The :class:`MemoryBreakdown` of one layout (``kv_heads``, ``dkv_bytes_per_elem``, ``mla_ring``: as
-    :func:`.attention_time.layer_work`; the latent ring keeps the all-gathered latent, hp * (r + dr) per local token, for K/V).
+    :func:`.attention_time.layer_work`; the latent ring keeps the all-gathered latent, hp * (r + dr) per local
+    token, for K/V).
 
     ``packed``: a packed batch; every per-token part counts the slots a rank really holds (its real tokens and its
     padding: ``token_fraction`` * S / CP), and the ring's blocks in flight hold the ring prefix (or, with the

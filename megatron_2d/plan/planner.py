@@ -8,8 +8,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..topology import divisors
 from .candidates import (KINDS, RECOMPUTE_BY_KIND, STOCK_KINDS, Layout, check_layout, enumerate_layouts,
-                         kind_dkv_dtype, kind_kv_heads, megatron_flags)
-from .attention_time import DTYPE_BYTES
+                         kind_dkv_comm_dtype, kind_kv_heads, megatron_flags)
+from .attention_time import RIDER_BYTES
 from .memory import RECOMPUTE_MODES
 from .step import Estimate, combine_layers, estimate, with_recompute
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
@@ -23,7 +23,7 @@ AUTO = "auto"
 ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_memory", "reason", "note", "flags",
             "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
             "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
-            "memory_budget_gb", "memory_parts_gb", "kv_heads_per_rank", "dkv_dtype", "nvlink_mb", "network_mb",
+            "memory_budget_gb", "memory_parts_gb", "kv_heads_per_rank", "dkv_comm_dtype", "nvlink_mb", "network_mb",
             "links", "recompute_options", "packing", "packed", "memory_option", "states", "memory_options", "mla_ring")
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
@@ -45,7 +45,8 @@ class Candidate:
     options: Tuple[Estimate, ...] = ()
     note: str = ""
     memory_budget_gb: Optional[float] = None
-    dkv_dtype: Optional[str] = None
+    dkv_comm_dtype: Optional[str] = None
+    """How the row's dK/dV riders travel: "accumulator" (fp32) or "input" (bf16)."""
     packing: Optional[str] = None
     """Packed documents: the mode this row runs ("zigzag": Megatron/TE THD; "documents": ours); None unpacked."""
     packed: Optional[PackedWork] = None
@@ -132,7 +133,7 @@ class Candidate:
                                  "comm_buffers": round(e.memory.comm_buffers / 1e9, 2)}
                                 if e and e.memory else None),
             "kv_heads_per_rank": e.work.kv_heads_per_rank if e else None,
-            "dkv_dtype": self.dkv_dtype if e else None,
+            "dkv_comm_dtype": self.dkv_comm_dtype if e else None,
             "nvlink_mb": round(e.intra_bytes / 1e6, 2) if e else None,
             "network_mb": round(e.inter_bytes / 1e6, 2) if e else None,
             "links": {p: e.links.describe(getattr(e.links, p)) for p in ("a2a", "inner", "outer")} if e else None,
@@ -235,7 +236,7 @@ def layer_windows(window: Window, layers: int) -> Dict[Optional[int], int]:
 
 def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str],
              parallel: ParallelSpec, seq: int, causal: bool = True, window: Window = None,
-             recompute: Union[str, Sequence[str]] = AUTO, dkv_dtype: str = "fp32",
+             recompute: Union[str, Sequence[str]] = AUTO, dkv_comm_dtype: str = "accumulator",
              lengths: Optional[Sequence[int]] = None, packing: Optional[str] = None,
              hybrid: Optional[HybridPattern] = None, memory: MemoryPolicy = MemoryPolicy()) -> Candidate:
     """Check and, when the layout can run, estimate it under each memory option and recompute mode and keep the
@@ -248,16 +249,19 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     :func:`megatron_2d.plan.packed.modes_for` the kind): a packed batch, see :mod:`megatron_2d.plan.packed`.
 
     ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
-    AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_dtype``: the dtype of OUR ring's
-    dK/dV partials ('fp32' today; 'bf16' models an input-dtype option); Transformer Engine's rings always use bf16
-    (see candidates.kind_dkv_dtype). ``hybrid``: a HybridModel pattern (:mod:`megatron_2d.plan.hybrid`): the
-    layout's attention is costed on its attention layers, its Mamba / GDN layers' own all-to-alls are added."""
+    AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_comm_dtype``: how the 2D ring's
+    dK/dV partials travel, the op's ``--cp-2d-dkv-comm-dtype`` (:data:`megatron_2d.choices.DKV_COMM_DTYPES`:
+    "accumulator", fp32, the default; "input", bf16), emitted in the flags when not the default; Transformer
+    Engine's rings always send the input dtype (see candidates.kind_dkv_comm_dtype). ``hybrid``: a HybridModel
+    pattern (:mod:`megatron_2d.plan.hybrid`): the layout's attention is costed on its attention layers, its Mamba /
+    GDN layers' own all-to-alls are added."""
     model, cluster = _resolve(model, cluster)
     if hybrid is not None:
         model = hybrid.attention_model(model)
     validate_job(model, parallel, seq)
-    if dkv_dtype not in DTYPE_BYTES:
-        raise PlanError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if dkv_comm_dtype not in RIDER_BYTES:
+        raise PlanError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)} (the op's names: "
+                        f"'accumulator' sends fp32 dK/dV, 'input' the input dtype)")
     budget = cluster.memory_budget_gb
     mix = layer_windows(window, model.layers)
     windowed = next((w for w in mix if w is not None), None)
@@ -281,13 +285,13 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
             note = "THD with a2a+p2p is not in a Transformer Engine release"
         elif packing == "documents":
             note = "documents mode: run examples/pretrain_gpt_2d.py (its data path splits the batch)"
+    dkv = kind_dkv_comm_dtype(layout.kind, dkv_comm_dtype)
     if reason:
-        return Candidate(layout, False, reason, megatron_flags(layout, parallel), memory_budget_gb=budget,
-                         packing=packing if lengths is not None else None)
-    dkv = kind_dkv_dtype(layout.kind, dkv_dtype)
+        return Candidate(layout, False, reason, megatron_flags(layout, parallel, dkv_comm_dtype=dkv),
+                         memory_budget_gb=budget, packing=packing if lengths is not None else None)
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
     base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
-                                     causal, win, dkv_dtype=dkv, kv_heads=kv_heads,
+                                     causal, win, dkv_comm_dtype=dkv, kv_heads=kv_heads,
                                      packed=None if packed is None else packed_work(
                                          lengths, layout.hp, layout.cp, layout.placement, packing, win, cost),
                                      mla_ring="latent" if layout.mla_ring == "latent" else None), n)
@@ -301,7 +305,7 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
     per_stage = chosen.recompute_layers // parallel.pp
     hypothetical = layout.kind != "2d" and chosen.recompute == "ckpt++"
     flags = megatron_flags(layout, parallel, "full" if hypothetical else chosen.recompute,
-                           None if chosen.recompute_layers in (0, model.layers) else per_stage)
+                           None if chosen.recompute_layers in (0, model.layers) else per_stage, dkv)
     if hypothetical:
         note = (f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
                 f"option, the flags recompute fully")
@@ -314,8 +318,8 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
         why = (f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
                f"and {chosen.states.option.label} "
                f"(budget {budget:.1f} GB = {cluster.usable_memory_fraction:.0%} of {cluster.gpu_memory_gb:g} GB)")
-    return Candidate(layout, fits, why, flags, chosen, options, note=note, memory_budget_gb=budget, dkv_dtype=dkv,
-                     packing=packing if lengths is not None else None, packed=packed)
+    return Candidate(layout, fits, why, flags, chosen, options, note=note, memory_budget_gb=budget,
+                     dkv_comm_dtype=dkv, packing=packing if lengths is not None else None, packed=packed)
 
 
 def _sort_key(c: Candidate):
@@ -345,7 +349,7 @@ def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
 
 def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
          causal: bool = True, window: Window = None, recompute: Union[str, Sequence[str]] = AUTO,
-         dkv_dtype: str = "fp32", lengths: Optional[Sequence[int]] = None,
+         dkv_comm_dtype: str = "accumulator", lengths: Optional[Sequence[int]] = None,
          hybrid_pattern: Optional[str] = None, memory: MemoryPolicy = MemoryPolicy()) -> List[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.
@@ -376,11 +380,11 @@ def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], paralle
         if not lengths or min(lengths) < 1 or sum(lengths) != seq:
             raise PlanError(f"packed document lengths must be positive and sum to the sequence length {seq}; got "
                             f"{len(lengths)} lengths summing to {sum(lengths)}")
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, lengths, mode,
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_comm_dtype, lengths, mode,
                           hybrid=hybrid, memory=memory)
                  for l in enumerate_layouts(model, parallel) for mode in modes_for(l.kind)]
     else:
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_dtype, hybrid=hybrid,
+        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_comm_dtype, hybrid=hybrid,
                           memory=memory)
                  for l in enumerate_layouts(model, parallel)]
     if window is not None:

@@ -20,14 +20,14 @@ class PlotUnavailable(PlanError):
 
 
 def sweep(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seqs: Sequence[int] = DEFAULT_SEQS,
-          causal: bool = True, window=None, recompute=AUTO,
-          dkv_dtype: str = "fp32", memory: MemoryPolicy = MemoryPolicy()) -> Dict[str, List[Optional[object]]]:
+          causal: bool = True, window=None, recompute=AUTO, dkv_comm_dtype: str = "accumulator",
+          memory: MemoryPolicy = MemoryPolicy()) -> Dict[str, List[Optional[object]]]:
     """{kind: [best feasible Candidate of that kind at each seq, or None]} for every kind. A length the job
     cannot be planned at (e.g. not divisible by 2*CP) leaves None for every kind."""
     series: Dict[str, List[Optional[object]]] = {k: [] for k in KINDS}
     for s in seqs:
         try:
-            best = best_by_kind(plan(model, cluster, parallel, s, causal, window, recompute, dkv_dtype,
+            best = best_by_kind(plan(model, cluster, parallel, s, causal, window, recompute, dkv_comm_dtype,
                                      memory=memory))
         except PlanError:
             best = {}
@@ -39,7 +39,7 @@ def sweep(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seqs: 
 
 def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
                seqs: Sequence[int] = DEFAULT_SEQS, causal: bool = True, window=None,
-               recompute=AUTO, dkv_dtype: str = "fp32", memory: MemoryPolicy = MemoryPolicy()) -> str:
+               recompute=AUTO, dkv_comm_dtype: str = "accumulator", memory: MemoryPolicy = MemoryPolicy()) -> str:
     """Write a PNG with two panels (step ms per micro-batch with the chosen recompute, log scale; each kind's
     time relative to the best 2D layout) and return ``path``.
 
@@ -57,7 +57,7 @@ def plot_sweep(path: str, model: ModelSpec, cluster: ClusterSpec, parallel: Para
                               f"--plot") from err
 
     seqs = list(seqs)
-    series = sweep(model, cluster, parallel, seqs, causal, window, recompute, dkv_dtype, memory)
+    series = sweep(model, cluster, parallel, seqs, causal, window, recompute, dkv_comm_dtype, memory)
     anything = any(c is not None for k in KINDS for c in series[k])
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
     styles = {"2d": dict(color="C3", lw=2.5, marker="o"), "p2p": dict(color="C0", marker="s"),

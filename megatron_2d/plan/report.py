@@ -19,7 +19,7 @@ from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .memory_options import MemoryPolicy, describe as describe_states
 from .planner import AUTO, Candidate, best_by_kind, recommended
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _LINK = {"nvlink": "NVL", "network": "NET", "mixed": "mix", "-": "-"}
 _COLUMNS = ("#", "kind", "hp", "cp", "w", "placement", "a2a", "inner", "outer", "attn ms", "compute",
             "exposed", "comm/comp", "recompute", "states", "step ms", "MFU", "tok/GPU/s", "mem GB")
@@ -232,7 +232,7 @@ def print_plan(candidates: Sequence[Candidate], model: ModelSpec, cluster: Clust
 
 
 def job_metadata(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int, causal: bool = True,
-                 window=None, recompute=AUTO, dkv_dtype: str = "fp32",
+                 window=None, recompute=AUTO, dkv_comm_dtype: str = "accumulator",
                  memory: MemoryPolicy = MemoryPolicy()) -> Dict[str, object]:
     """The job a plan is for: model, cluster (with the memory budget), parallel sizes, sequence and knobs."""
     return {
@@ -243,7 +243,7 @@ def job_metadata(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
                      "cp": parallel.cp_size, "micro_batch": parallel.micro_batch},
         "seq": seq, "causal": causal, "window": window if window is None or isinstance(window, int) else list(window),
         "recompute": recompute if isinstance(recompute, str) else list(recompute),
-        "dkv_dtype_2d": dkv_dtype,
+        "dkv_comm_dtype_2d": dkv_comm_dtype,
         "memory": asdict(memory),
     }
 

@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
-from .attention_time import (BF16, BWD_FACTOR, DTYPE_BYTES, GB, MLA_RINGS, LayerWork, layer_work, neighbour_times,
-                             path_time, ring_times, traffic)
+from .attention_time import (BF16, BWD_FACTOR, GB, MLA_RINGS, RIDER_BYTES, LayerWork, head_exchange_time, layer_work,
+                             neighbour_times, ring_times, traffic)
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .link_classes import LinkMap, link_map
 from .memory import RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
@@ -129,15 +129,17 @@ def combine_layers(parts: Sequence[Tuple["Estimate", int]]) -> "Estimate":
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
              placement: str, seq: int, causal: bool = True, window: Optional[int] = None,
-             recompute: str = "none", dkv_dtype: str = "fp32", kv_heads: Optional[int] = None,
+             recompute: str = "none", dkv_comm_dtype: str = "accumulator", kv_heads: Optional[int] = None,
              packed: Optional["PackedWork"] = None, mla_ring: Optional[str] = None) -> Estimate:
     """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
 
     ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
     visible pairs only, and its transport is the op's own choice (see :mod:`.windows`).
     ``recompute``: one of RECOMPUTE_MODES; it changes memory and the step time (``time_s``, the attention of one
-    layer, never includes recompute). ``dkv_dtype``: 'fp32' (ours) or 'bf16' (Transformer Engine's p2p) for the
-    dK/dV partials on the ring. ``kv_heads``: K/V heads per TP rank after repetition (see :func:`.attention_time.layer_work`).
+    layer, never includes recompute). ``dkv_comm_dtype``: the dK/dV partials on the ring in the accumulator dtype
+    ("accumulator": fp32, the op's default) or the input dtype ("input": bf16, as Transformer Engine's rings and
+    the op's ``--cp-2d-dkv-comm-dtype input``). ``kv_heads``: K/V heads per TP rank after repetition (see
+    :func:`.attention_time.layer_work`).
     ``packed``: a packed batch of documents (:class:`megatron_2d.plan.packed.PackedWork` for this ``window``,
     causal): the attention FLOPs become the busiest context rank's pairs (within documents and the window), the
     ring messages the mode's ring prefix (none at all: one local block) or, when some context ranks see nothing
@@ -147,7 +149,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     up-projects the keys it reads (``LayerWork.expand_flops`` at the dense GEMM rate, 3x in backward) in place of
     the layer's own K/V up-projection."""
     return with_recompute(_estimate_none(model, cluster, parallel, hp, cp, w, placement, seq, causal, window,
-                                         dkv_dtype, kv_heads, packed, mla_ring), recompute)
+                                         dkv_comm_dtype, kv_heads, packed, mla_ring), recompute)
 
 
 def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "Estimate":
@@ -167,14 +169,14 @@ def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "E
 
 
 def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
-                   placement: str, seq: int, causal: bool, window: Optional[int], dkv_dtype: str,
+                   placement: str, seq: int, causal: bool, window: Optional[int], dkv_comm_dtype: str,
                    kv_heads: Optional[int], packed: Optional["PackedWork"] = None,
                    mla_ring: Optional[str] = None) -> "Estimate":
-    if dkv_dtype not in DTYPE_BYTES:
-        raise ValueError(f"dkv_dtype {dkv_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if dkv_comm_dtype not in RIDER_BYTES:
+        raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)}")
     if mla_ring is not None and (mla_ring not in MLA_RINGS or model.mla is None):
         raise ValueError(f"mla_ring {mla_ring!r} needs an MLA model and one of {MLA_RINGS}")
-    dkv_elem = DTYPE_BYTES[dkv_dtype]
+    dkv_elem = RIDER_BYTES[dkv_comm_dtype]
     work = layer_work(model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads,
                       mla_ring=mla_ring)
     local_only = False
@@ -203,11 +205,8 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
     expand = work.expand_flops * ww.fraction / dense_rate             # the latent ring's up-projection per step
     tc = kernel + lat + (work.merge_fwd_bytes / hbm if merge else 0.0) + expand
     tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0) + 3 * expand
-    # One direction's all-to-alls: the transfer, plus permuting the tensors into and out of the buffers
-    # (read + write each, twice) and the fixed latency; nothing when hp == 1.
-    a2a_one = 0.0
-    if hp > 1:
-        a2a_one = path_time(links.a2a, work.a2a_peer_bytes, cluster, "a2a") + 4 * work.a2a_local_bytes / hbm + lat
+    # one direction's all-to-alls (nothing when hp == 1)
+    a2a_one = head_exchange_time(work, links, cluster, parallel.micro_batch, packed is None) if hp > 1 else 0.0
     if local_only:
         tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
         fwd, bwd, ring_serial = tc, tcb, 0.0
