@@ -35,7 +35,7 @@ import torch
 
 from .band import SlidingWindow
 from .block_plan import plan_context_group
-from .double_ring import DoubleRing, LocalBlock
+from .double_ring import DoubleRing
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllToAll, HeadExchange, ascending_order
 from .kernels import select_kernel
@@ -44,6 +44,7 @@ from .neighbour_exchange import NeighbourExchange
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
 from .topology import divisors
+from .transport import LocalBlock, Transport
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -102,7 +103,7 @@ def check_not_capturing(device: torch.device) -> None:
                            "graph (megatron: cuda_graph_modules without 'attn', or cuda_graph_impl='none')")
 
 
-def _transport(groups: Groups2D, plan) -> object:
+def _transport(groups: Groups2D, plan) -> Transport:
     """The Double-Ring when every pair of context ranks has keys to see, else the neighbour exchange."""
     return DoubleRing(groups) if plan.dense else NeighbourExchange(groups, plan.keys)
 

@@ -284,7 +284,7 @@ def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
     ([], 0),                         # nothing visible: all zeros
 ])
 def test_gather_partials_writes_every_key(ranges, first_key):
-    from megatron_2d.double_ring import add_partials, gather_partials
+    from megatron_2d.transport import add_partials, gather_partials
 
     gen = torch.Generator().manual_seed(0)
     # dK (width 3) and dV (width 2) side by side in the block format [b, keys, g, dk + dv]

@@ -25,27 +25,26 @@ import torch
 from ..attention import DKV_COMM_DTYPES, _rider_dtype
 from ..band import SlidingWindow
 from ..block_plan import context_chunks, plan_context_group
-from ..double_ring import gather_partials
 from ..groups import Groups2D
 from ..kernels import BlockKernel
 from ..packed_layout import PackedLayout
 from ..ring_attention import RingAttention, RingContext
 from ..topology import Layout2D, place_all_ranks
+from ..transport import ComputeFn, gather_partials
 
 
 class LoopbackTransport:
-    """Context rank ``rank``'s transport in a one-process run: every source block, directly (see the module)."""
+    """Context rank ``rank``'s transport in a one-process run: every source block, directly (see the module); a
+    :class:`~megatron_2d.transport.Transport` whose backward returns zeros (the dK/dV are in the mailbox)."""
 
     def __init__(self, rank: int, blocks: Sequence[torch.Tensor], mailbox: Dict[int, List[torch.Tensor]],
                  ring_keys: Optional[int] = None) -> None:
         self.rank, self.blocks, self.mailbox, self.ring_keys = rank, blocks, mailbox, ring_keys
-        self.cp = len(blocks)
 
-    def run(self, kv: torch.Tensor, compute, dkv_dtype: Optional[torch.dtype] = None,
-            own: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        whole = own if own is not None else kv
+    def run(self, kv: torch.Tensor, compute: ComputeFn,
+            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
         for src, block in enumerate(self.blocks):
-            block = whole if src == self.rank else block
+            block = kv if src == self.rank else block
             if self.ring_keys is not None and src != self.rank:
                 block = block[:, :self.ring_keys]                      # only the ring prefix travels
             partials = compute(block, src, 0)
@@ -53,7 +52,7 @@ class LoopbackTransport:
                 buffer = torch.empty(block.shape, dtype=dkv_dtype, device=block.device)
                 self.mailbox[src].append(gather_partials(buffer, partials))
         # the rank's own dK/dV is assembled from the mailbox once every rank has run
-        return None if dkv_dtype is None else torch.zeros(whole.shape, dtype=dkv_dtype, device=whole.device)
+        return None if dkv_dtype is None else torch.zeros(kv.shape, dtype=dkv_dtype, device=kv.device)
 
 
 def virtual_groups(layout: Layout2D, cp_index: int) -> Groups2D:
