@@ -12,16 +12,17 @@ expected from the start. The own block's dK/dV stays home; K/V and riders move c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
 from .comm import BufferPool, DirectExchange, PendingExchange, RingExchange
-from .ring_schedule import double_ring_events, final_hop_link
-from .transport import ComputeFn, add_partials, gather_partials, home_gradient
+from .ring_schedule import EventKind, double_ring_events, final_hop_link
+from .transport import ComputeFn, Partials, add_partials, gather_partials, home_gradient
 
 if TYPE_CHECKING:
     from .groups import Groups2D
+
 
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
@@ -63,85 +64,111 @@ class DoubleRing:
         """:meth:`~megatron_2d.transport.Transport.run`: visit every context rank's K/V block with ``compute``,
         following the schedule's events. With ``ring_keys`` the travelling blocks and riders hold the first
         ``ring_keys`` keys (a copy of this rank's, [b, ring_keys, ...]); the own block is computed whole."""
-        backward = dkv_dtype is not None
-        whole = own = kv
-        if self.ring_keys is not None and self.ring_keys < kv.shape[1]:
-            kv = kv[:, :self.ring_keys].contiguous()       # [b, ring_keys, ...]: the prefix other ranks see
+        loop = _RingLoop(self, kv, compute, dkv_dtype)
+        for event in double_ring_events(self.cp, self.w, dkv_dtype is not None):
+            _ACTIONS[event.kind](loop, event)
+        return loop.home
+
+
+class _RingLoop:
+    """The state of one :meth:`DoubleRing.run`: the blocks and riders held, the transfers in flight, and one
+    method per :class:`~megatron_2d.ring_schedule.EventKind` (:data:`_ACTIONS`)."""
+
+    def __init__(self, ring: DoubleRing, kv: torch.Tensor, compute: ComputeFn,
+                 dkv_dtype: Optional[torch.dtype]) -> None:
+        self.ring, self.compute_fn, self.dkv_dtype, self.whole = ring, compute, dkv_dtype, kv
+        if ring.ring_keys is not None and ring.ring_keys < kv.shape[1]:
+            kv = kv[:, :ring.ring_keys].contiguous()      # [b, ring_keys, ...]: the prefix other ranks see
+        self.kv = self.anchor = self.block = kv            # the caller's block is read only: never put in a pool
+        self.kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
+        self.riders = BufferPool(kv.shape, dkv_dtype, kv.device) if dkv_dtype is not None else None
+        self.pending: Dict[str, PendingExchange] = {}
+        self.partials: Optional[Partials] = None             # of the latest compute
+        self.own_partials: Optional[Partials] = None         # of the own block, kept home
+        self.mine: Optional[torch.Tensor] = None             # the rider this rank holds (None: a new one)
+        self.last_hop: Optional[torch.Tensor] = None         # the rider of this rank's own block, arrived
+        self.home: Optional[torch.Tensor] = None             # this rank's dK/dV (the result of backward)
+
+    def post(self, channel: str, send: torch.Tensor, pool: Optional[BufferPool]) -> None:
+        """Post a transfer (into a buffer of ``pool``; None: into the buffer it expects)."""
+        exchange = getattr(self.ring, channel)
+        self.pending[channel] = exchange.start(send, None if pool is None else pool.get())
+
+    def wait(self, channel: str):
+        """(received, sent) of the channel's transfer in flight, once both have completed."""
+        transfer = self.pending.pop(channel)
+        return transfer.wait(), transfer.sent
+
+    # -- K/V -------------------------------------------------------------------------------------------------------
+    def post_outer_kv(self, event) -> None:
+        self.post("outer_kv", self.anchor, self.kv_pool)
+
+    def post_inner_kv(self, event) -> None:
+        self.post("inner_kv", self.block, self.kv_pool)
+
+    def compute(self, event) -> None:
+        own = event.source_offset == (0, 0)
+        partials = self.compute_fn(self.whole if own else self.block, self.ring.source(*event.source_offset), 0)
+        self.partials = partials
+        if own:
+            self.own_partials = partials
+
+    def wait_inner_kv(self, event) -> None:
+        nxt, _ = self.wait("inner_kv")
+        if self.block is not self.anchor:
+            self.kv_pool.put(self.block)
+        self.block = nxt
+
+    def wait_outer_kv(self, event) -> None:
+        nxt, _ = self.wait("outer_kv")
+        if self.block is not self.anchor:
+            self.kv_pool.put(self.block)
+        if self.anchor is not self.kv:                     # the caller's block is never overwritten
+            self.kv_pool.put(self.anchor)
+        self.anchor = self.block = nxt
+
+    # -- dK/dV riders ----------------------------------------------------------------------------------------------
+    def expect_final(self, event) -> None:
+        self.ring.final_dkv.expect(self.riders.get)
+
+    def start_rider(self, event) -> None:
+        self.mine = None
+
+    def wait_rider(self, event) -> None:
+        self.mine, sent = self.wait("inner_dkv")
+        self.riders.put(sent)
+
+    def accumulate(self, event) -> None:
+        if self.mine is None:
+            self.mine = gather_partials(self.riders.get(), self.partials)
         else:
-            own = None
-        home = None
-        kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
-        riders = BufferPool(kv.shape, dkv_dtype, kv.device) if backward else None
-        exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv, "inner_dkv": self.inner_dkv,
-                     "outer_dkv": self.outer_dkv, "final_dkv": self.final_dkv}
-        pending: Dict[str, PendingExchange] = {}
+            add_partials(self.mine, self.partials)
 
-        def post(channel: str, send: torch.Tensor, pool: Optional[BufferPool]) -> None:
-            """Post a transfer (into a buffer of ``pool``; None: into the buffer it expects)."""
-            pending[channel] = exchanges[channel].start(send, None if pool is None else pool.get())
+    def post_rider(self, event) -> None:
+        self.post("inner_dkv", self.mine, self.riders)
 
-        def wait(channel: str) -> Tuple[torch.Tensor, torch.Tensor]:
-            """(received, sent) of the channel's transfer in flight, once both have completed."""
-            transfer = pending.pop(channel)
-            return transfer.wait(), transfer.sent
+    def wait_carried(self, event) -> None:
+        carried, sent = self.wait("outer_dkv")
+        self.mine.add_(carried)
+        self.riders.put(carried)
+        self.riders.put(sent)
 
-        anchor = block = kv
-        partials = own_partials = mine = last_hop = None      # mine: the rider this rank holds (None: a new one)
-        for event in double_ring_events(self.cp, self.w, backward):
-            kind = event.kind
-            if kind == "expect_final":
-                self.final_dkv.expect(riders.get)
-            elif kind == "post_outer_kv":
-                post("outer_kv", anchor, kv_pool)
-            elif kind == "post_inner_kv":
-                post("inner_kv", block, kv_pool)
-            elif kind == "compute":
-                offset = event.source_offset
-                partials = compute(own if own is not None and offset == (0, 0) else block, self.source(*offset), 0)
-                if offset == (0, 0):
-                    own_partials = partials
-            elif kind == "accumulate_home":
-                home = home_gradient(whole, own_partials, last_hop, dkv_dtype)
-                own_partials = last_hop = None
-            elif kind == "wait_inner_kv":
-                nxt, _ = wait("inner_kv")
-                if block is not anchor:
-                    kv_pool.put(block)
-                block = nxt
-            elif kind == "wait_outer_kv":
-                nxt, _ = wait("outer_kv")
-                if block is not anchor:
-                    kv_pool.put(block)
-                if anchor is not kv:                          # the caller's block is never overwritten
-                    kv_pool.put(anchor)
-                anchor = block = nxt
-            elif kind == "start_rider":
-                mine = None
-            elif kind == "wait_rider":
-                mine, sent = wait("inner_dkv")
-                riders.put(sent)
-            elif kind == "accumulate":
-                if mine is None:
-                    mine = gather_partials(riders.get(), partials)
-                else:
-                    add_partials(mine, partials)
-            elif kind == "post_rider":
-                post("inner_dkv", mine, riders)
-            elif kind == "wait_carried":
-                carried, sent = wait("outer_dkv")
-                mine.add_(carried)
-                riders.put(carried)
-                riders.put(sent)
-            elif kind == "take_carried":
-                mine, sent = wait("outer_dkv")
-                riders.put(sent)
-            elif kind == "post_carried":
-                post("outer_dkv", mine, riders)
-            elif kind == "post_final":
-                post("final_dkv", mine, None)
-            elif kind == "wait_final":
-                last_hop, _ = wait("final_dkv")
-            else:
-                raise AssertionError(f"unknown schedule event {kind!r}")
-        return home
+    def take_carried(self, event) -> None:
+        self.mine, sent = self.wait("outer_dkv")
+        self.riders.put(sent)
 
+    def post_carried(self, event) -> None:
+        self.post("outer_dkv", self.mine, self.riders)
+
+    def post_final(self, event) -> None:
+        self.post("final_dkv", self.mine, None)
+
+    def wait_final(self, event) -> None:
+        self.last_hop, _ = self.wait("final_dkv")
+
+    def accumulate_home(self, event) -> None:
+        self.home = home_gradient(self.whole, self.own_partials, self.last_hop, self.dkv_dtype)
+        self.own_partials = self.last_hop = None
+
+
+_ACTIONS = {kind: getattr(_RingLoop, kind.value) for kind in EventKind}   # every kind has its method
