@@ -8,15 +8,19 @@ collectives.
     PendingExchange   a transfer in flight: ``wait()`` gives what arrived, ``sent`` what left (both transports)
     BufferPool        send and receive buffers of one run, reused from step to step (both transports)
     all_to_all_counted, all_gather_counted   the head group's collectives, bytes counted
+    check_same_on_every_rank   refuse, on every rank at once, a value that differs between ranks (build time)
 
 No device synchronisation happens here, so the same code runs on gloo and NCCL.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from typing import Callable, Dict, Optional, Sequence
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -35,6 +39,52 @@ def traffic_backend(group: dist.ProcessGroup) -> str:
     if "cuda" in by_device and torch.cuda.is_available():
         return by_device["cuda"]
     return by_device.get("cpu", next(iter(by_device.values())))
+
+
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: the current GPU for NCCL (also as the CUDA backend of
+    a multi-backend group such as "cpu:gloo,cuda:nccl"), else the CPU."""
+    if traffic_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_same_on_every_rank(value, groups: Sequence[Optional[dist.ProcessGroup]], what: str, *,
+                             fingerprint: Optional[int] = None, error: type = ValueError) -> None:
+    """Raise ``error`` on every rank of ``groups`` at once unless they all hold the same ``value``.
+
+    groups: process groups that together span the ranks that must agree (e.g. a rank's head and context groups
+    span its CP group; ``dist.group.WORLD`` every rank); None entries (single-rank groups) are skipped. The ranks
+    compare a 63-bit ``fingerprint`` of the value (default: a CRC of its repr) with one all-reduce (min and max)
+    per group, on the groups' device: one device-to-host read, and every rank learns the same verdict, so none
+    hangs. Only on a mismatch are the values gathered, to name in the message the ranks whose fingerprint differs
+    and what they hold (``what`` says what differs; ``value`` need only be picklable and printable)."""
+    span = [g for g in groups if g is not None]
+    if not span:
+        return
+    if fingerprint is None:
+        fingerprint = int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+    extremes = torch.from_numpy(np.array([fingerprint, -fingerprint], dtype=np.int64)).to(collective_device(span[0]))
+    for group in span:
+        dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=group)
+    low, neg_high = extremes.tolist()
+    if low == fingerprint and neg_high == -fingerprint:
+        return
+    rank, others = dist.get_rank(), {}
+    for group in span:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (fingerprint, value), group=group)
+        others.update((r, v) for r, (f, v) in zip(dist.get_process_group_ranks(group), gathered) if f != fingerprint)
+    differing = sorted(others)
+    seen = (f"rank {differing[0]} has {_shown(others[differing[0]])}" if differing
+            else "ranks outside its own groups hold another")
+    raise error(f"{what}: rank {rank} has {_shown(value)}, {seen} (ranks differing from rank {rank} in its groups: "
+                f"{differing}); every rank must pass the same values")
+
+
+def _shown(value, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 class CommCounter:

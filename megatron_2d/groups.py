@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .block_plan import context_chunks, received_chunks
-from .comm import CommCounter, traffic_backend
+from .comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
 from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 
 
@@ -90,14 +90,6 @@ def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
     return mine
 
 
-def collective_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live: the current GPU for NCCL (also as the CUDA backend of
-    a multi-backend group such as "cpu:gloo,cuda:nccl"), else the CPU."""
-    if traffic_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _warm_up(group: Optional[dist.ProcessGroup]) -> None:
     """One collective on a group whose point-to-point traffic may involve only some of its ranks: NCCL requires
     every rank of a group to take part in its first batched P2P call."""
@@ -119,7 +111,7 @@ def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: st
         backend: backend of the new groups (the default group's when None).
     """
     lists = [list(range(dist.get_world_size()))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
-    _check_same_on_every_rank(head_parallel_size, window_size, placement, lists)   # before validating: no rank hangs
+    _check_same_arguments(head_parallel_size, window_size, placement, lists)   # before validating: no rank hangs
     layout = Layout2D(len(lists[0]) if lists else 0, head_parallel_size, window_size, placement)
     return _build(layout, lists, timeout, backend)
 
@@ -128,20 +120,15 @@ def build_groups_for_layout(layout: Layout2D, cp_rank_lists: Sequence[Sequence[i
                             timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None) -> Groups2D:
     """:func:`build_2d_groups` for a validated layout (collective: every rank passes the same layout and lists)."""
     lists = [list(r) for r in cp_rank_lists]
-    _check_same_on_every_rank(layout.head_parallel_size, layout.window_size, layout.placement, lists)
+    _check_same_arguments(layout.head_parallel_size, layout.window_size, layout.placement, lists)
     return _build(layout, lists, timeout, backend)
 
 
-def _check_same_on_every_rank(head_parallel_size, window_size, placement, lists: List[List[int]]) -> None:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    settings = (head_parallel_size, window_size, placement, lists)
-    gathered: List[object] = [None] * world
-    dist.all_gather_object(gathered, settings)
-    differing = [r for r, s in enumerate(gathered) if s != settings]
-    if differing:
-        raise LayoutError(f"build_2d_groups called with different arguments on ranks {differing}: rank {rank} has "
-                          f"(hp, w, placement, cp_rank_lists)={settings}, rank {differing[0]} has "
-                          f"{gathered[differing[0]]}; every rank must pass the same values")
+def _check_same_arguments(head_parallel_size, window_size, placement, lists: List[List[int]]) -> None:
+    """LayoutError on every rank unless all ranks passed the same (hp, w, placement, cp_rank_lists)."""
+    check_same_on_every_rank((head_parallel_size, window_size, placement, lists), [dist.group.WORLD],
+                             "build_2d_groups called with different arguments (hp, w, placement, cp_rank_lists)",
+                             error=LayoutError)
 
 
 def _build(layout: Layout2D, lists: List[List[int]], timeout: Optional[datetime.timedelta],

@@ -27,14 +27,13 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from .band import SlidingWindow
 from .block_plan import BlockCall
 from .document_placement import (DocumentPlacement, PackingCost, documents_slots, place_documents, sequence_rows,
                                  zigzag_rows)
-from .comm import to_device
-from .groups import Groups2D, collective_device
+from .comm import check_same_on_every_rank, to_device
+from .groups import Groups2D
 from .neighbour_exchange import KeyIntervals
 from .packed_plan import Runs, key_intervals, plan_view
 from .packed_views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
@@ -70,22 +69,6 @@ def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be strictly increasing (every document at least one token), but "
                          f"{name}[{j}] = {cu[j]} and {name}[{j + 1}] = {cu[j + 1]}")
     return cu
-
-
-def _check_same_on_every_rank(groups: Groups2D, fingerprint: int, what: str) -> None:
-    """Raise on every rank unless all ranks of the CP group hold the same ``fingerprint`` (head group, then
-    context group: together they span the CP group)."""
-    span = [g for g in (groups.head_group, groups.context_kv_group) if g is not None]
-    if not span:
-        return
-    value = torch.from_numpy(np.array([fingerprint, -fingerprint], dtype=np.int64)).to(collective_device(span[0]))
-    for group in span:
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    low, neg_high = value.tolist()                   # the build's one device-to-host read
-    if low != fingerprint or neg_high != -fingerprint:
-        raise ValueError(f"PackedLayout: {what} differ across the ranks of this CP group (rank "
-                         f"{dist.get_rank()} has fingerprint {fingerprint}); every rank must pass the same "
-                         f"global cu_seqlens")
 
 
 class PackedLayout:
@@ -147,7 +130,11 @@ class PackedLayout:
         fingerprint = zlib.crc32(cu.tobytes()) ^ (zlib.crc32(repr((mode, long_threshold, cost,
                                                                    None if padded is None else padded.tolist())
                                                                   ).encode()) << 31)
-        _check_same_on_every_rank(groups, fingerprint, "cu_seqlens (or the layout options)")
+        # every rank of the CP group (its head and context groups span it) must pass the same batch
+        check_same_on_every_rank((mode, cu, long_threshold, cost, padded),
+                                 [groups.head_group, groups.context_kv_group],
+                                 "PackedLayout: cu_seqlens (or the layout options) differ across the ranks of this CP "
+                                 "group", fingerprint=fingerprint)
         self._local_indices = torch.from_numpy(self.slots_of([groups.place.cp_index])[0])
         self._device_copies: Dict[Tuple[str, torch.device], torch.Tensor] = {}
         self._plans: Dict[Tuple, Dict[int, Tuple[BlockCall, ...]]] = {}
