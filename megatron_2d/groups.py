@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .block_plan import context_chunks, received_chunks
+from .block_plan import received_chunks
 from .comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
 from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 
@@ -19,8 +19,9 @@ class Groups2D:
     """One rank's view of 2D context parallelism: its place, its process groups, and a byte counter.
 
     Groups of a single rank are None (no communication is needed there). K/V and dK/dV use separate process
-    groups so both can be in flight at once: the rings' (inner, outer) and the neighbour exchange's (the whole
-    context group, for masks such as sliding windows where ranks see only some others' keys).
+    groups so both can be in flight at once: the Double-Ring's inner and outer rings, and the whole context group,
+    which carries the neighbour exchange (masks such as sliding windows where ranks see only some others' keys;
+    K/V and dK/dV) and the Double-Ring's last dK/dV hop (``context_dkv_group``).
     """
 
     layout: Layout2D
@@ -47,10 +48,6 @@ class Groups2D:
     @property
     def window_size(self) -> int:
         return self.layout.window_size
-
-    def context_chunks(self, context_rank: int) -> Tuple[int, ...]:
-        """Global chunk ids (of 2*CP) a context rank holds after the head all-to-all, ascending."""
-        return context_chunks(self.layout, context_rank)
 
     def received_chunks(self, context_rank: int) -> Tuple[int, ...]:
         """Chunk ids in the order the all-to-all delivers them: by head rank, then first/second zigzag half."""
