@@ -35,6 +35,7 @@ import torch
 
 from .band import SlidingWindow
 from .block_plan import plan_context_group
+from .choices import check_dkv_comm_dtype
 from .double_ring import DoubleRing
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllToAll, HeadExchange, ascending_order
@@ -108,11 +109,8 @@ def _transport(groups: Groups2D, plan) -> Transport:
     return DoubleRing(groups) if plan.dense else NeighbourExchange(groups, plan.keys)
 
 
-DKV_COMM_DTYPES = ("accumulator", "input")
-
-
-def _rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
-    """The dtype dK/dV riders travel and accumulate in (see ``dkv_comm_dtype``)."""
+def rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
+    """The dtype dK/dV riders travel and accumulate in for inputs of ``dtype`` (see ``dkv_comm_dtype``)."""
     return accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
 
 
@@ -131,7 +129,7 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
         rc = RingContext(transport=_transport(groups, plan),
                          kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
                          plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
-                         scale=scale, rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
+                         scale=scale, rider_dtype=rider_dtype(dtype, dkv_comm_dtype))
         cached = groups.op_cache[key] = (heads, rc)
     return cached
 
@@ -157,7 +155,7 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
         rc = RingContext(transport=transport,
                          kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
                          plans=plans, scale=scale,
-                         rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
+                         rider_dtype=rider_dtype(dtype, dkv_comm_dtype))
         cached = packing.op_cache[key] = (heads, rc)
     return cached
 
@@ -238,8 +236,7 @@ def _prepare(q: torch.Tensor, groups: Groups2D, causal: bool, softmax_scale: Opt
     seq_len = packing.max_document_length if packing is not None else s_local * groups.layout.cp_size
     window = SlidingWindow.of(sliding_window, causal, seq_len)
     scale = dk ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if dkv_comm_dtype not in DKV_COMM_DTYPES:
-        raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(DKV_COMM_DTYPES)}")
+    check_dkv_comm_dtype(dkv_comm_dtype)
     head_dims = (dk, value_dim)
     if packing is not None:
         exchange, rc = _packed_setup(groups, packing, q.device, q.dtype, causal, window, scale, kernel,

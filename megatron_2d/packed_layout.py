@@ -30,6 +30,7 @@ import torch
 
 from .band import SlidingWindow
 from .block_plan import BlockCall
+from .choices import check_packing_mode
 from .document_placement import (DocumentPlacement, PackingCost, documents_slots, place_documents, sequence_rows,
                                  zigzag_rows)
 from .comm import check_same_on_every_rank, to_device
@@ -38,9 +39,6 @@ from .neighbour_exchange import KeyIntervals
 from .packed_plan import Runs, key_intervals, plan_view
 from .packed_views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
 from .topology import Layout2D
-
-MODES = ("zigzag", "documents", "sequence")
-
 
 class NeighbourKeys(NamedTuple):
     """The neighbour exchange of one packed batch and mask (see :meth:`PackedLayout.neighbour_keys`)."""
@@ -78,7 +76,7 @@ class PackedLayout:
         cu_seqlens: cumulative real document lengths [D + 1], from 0, identical on every rank (int32/int64; a
             host array or CPU tensor keeps the build free of device reads).
         groups: from :func:`megatron_2d.build_2d_groups`; the layout only serves these groups.
-        mode: "zigzag", "documents" or "sequence".
+        mode: "zigzag", "documents" or "sequence" (:data:`megatron_2d.choices.PACKING_MODES`).
         cu_seqlens_padded: zigzag only: Megatron's padded cumulative lengths (each document a multiple of
             2*CP and at least its real length); default: each length rounded up to a multiple of 2*CP.
         long_threshold: documents only: shard documents longer than this (default: the cost rule of
@@ -89,8 +87,7 @@ class PackedLayout:
 
     def __init__(self, cu_seqlens, groups: Groups2D, mode: str = "zigzag", *, cu_seqlens_padded=None,
                  long_threshold: Optional[int] = None, cost: Optional[PackingCost] = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"PackedLayout mode {mode!r} is not one of {list(MODES)}")
+        check_packing_mode(mode, "PackedLayout mode")
         if not isinstance(groups, Groups2D):
             raise TypeError(f"PackedLayout needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
         cu = _as_cu_seqlens(cu_seqlens, "cu_seqlens")
@@ -318,4 +315,4 @@ class PackedLayout:
                 f"t_local={self.local_tokens}, padding={self.padding_fraction:.3f})")
 
 
-__all__ = ["PackedLayout", "MODES"]
+__all__ = ["PackedLayout"]

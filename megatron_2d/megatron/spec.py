@@ -22,9 +22,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from .attention_settings import check_attention_settings
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, packing_mode
-from .mla import use_latent_ring
+from .mla import check_mla_settings, use_latent_ring
 from .per_sequence import SelfAttention2D
 from .settings import settings_from_config, uses_2d
 
@@ -125,12 +126,9 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *,
     params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     use_te = _uses_transformer_engine(config, use_transformer_engine)
+    check_mla_settings(transformer_config_of(config))
     # Megatron's per-sequence split of packed documents: RoPE at each token's position in its document
     per_sequence = packing_mode(transformer_config_of(config)) == "sequence"
-    if per_sequence and getattr(transformer_config_of(config), "multi_latent_attention", False):
-        raise ValueError("Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
-                         "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
-                         "RoPE assumes the per-document split; use --sft batches or the documents layout")
     for layer in layer_specs_of(spec):
         layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D,
                                                                                params=params)
@@ -149,6 +147,7 @@ def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> LayerSpec:
     t = transformer_config_of(config)
     if t is not None and getattr(t, "context_parallel_size", 1) > 1 and uses_2d(t.cp_comm_type):
         settings_from_config(t)
+        check_attention_settings(t)
     return get_gpt_layer_spec_2d(config, vp_stage)
 
 

@@ -22,9 +22,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..attention import DKV_COMM_DTYPES, _rider_dtype
+from ..attention import rider_dtype
 from ..band import SlidingWindow
 from ..block_plan import context_chunks, plan_context_group
+from ..choices import check_dkv_comm_dtype
 from ..groups import Groups2D
 from ..kernels import BlockKernel
 from ..packed_layout import PackedLayout
@@ -93,8 +94,7 @@ def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
                        dkv_comm_dtype: str = "accumulator", cu_seqlens=None, packing_mode: str = "zigzag"):
     """(out, dq, dk, dv, dsinks) of the whole sequence, every context rank of ``layout`` run in turn (module
     docstring). ``cu_seqlens``: packed documents in ``packing_mode``; the tensors are then the packed stream."""
-    if dkv_comm_dtype not in DKV_COMM_DTYPES:
-        raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(DKV_COMM_DTYPES)}")
+    check_dkv_comm_dtype(dkv_comm_dtype)
     b, T, hq, d = q.shape
     cp = layout.context_size
     scale = d ** -0.5 if scale is None else scale
@@ -118,7 +118,7 @@ def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
         else:
             plans = {src: plan.calls[(r, src)] for src in range(cp)}
         rc = RingContext(transport=LoopbackTransport(r, kv_rows, mailbox, ring_keys), kernel=kernel, plans=plans,
-                         scale=scale, rider_dtype=_rider_dtype(q.dtype, dkv_comm_dtype))
+                         scale=scale, rider_dtype=rider_dtype(q.dtype, dkv_comm_dtype))
         qr = _gather(q, indices[r]).requires_grad_(True)
         kvr = kv_rows[r].detach().requires_grad_(True)
         sr = None if sinks is None else sinks.detach().clone().requires_grad_(True)
