@@ -87,7 +87,7 @@ def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
     return mine
 
 
-def _warm_up(group: Optional[dist.ProcessGroup]) -> None:
+def warm_up_p2p(group: Optional[dist.ProcessGroup]) -> None:
     """One collective on a group whose point-to-point traffic may involve only some of its ranks: NCCL requires
     every rank of a group to take part in its first batched P2P call."""
     if group is not None and traffic_backend(group) == "nccl":
@@ -144,6 +144,6 @@ def _build(layout: Layout2D, lists: List[List[int]], timeout: Optional[datetime.
         inner_kv_group=_create(intra, timeout, backend), inner_dkv_group=_create(intra, timeout, backend),
         outer_kv_group=_create(inter, timeout, backend), outer_dkv_group=_create(inter, timeout, backend),
         context_kv_group=_create(context, timeout, backend), context_dkv_group=_create(context, timeout, backend))
-    _warm_up(groups.context_kv_group)
-    _warm_up(groups.context_dkv_group)
+    warm_up_p2p(groups.context_kv_group)
+    warm_up_p2p(groups.context_dkv_group)
     return groups

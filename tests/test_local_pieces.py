@@ -354,7 +354,7 @@ def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
 
     monkeypatch.setattr(torch, "zeros", zeros_on_meta)
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(group))
-    groups_module._warm_up(group)
+    groups_module.warm_up_p2p(group)
     assert asked == [torch.device("cuda", 0)] and reduced == [group]      # the warm-up ran, with a CUDA tensor
     assert not DirectExchange(group, 1, 0, CommCounter(), "inner_ring")._receive_early
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)          # a CPU job on the same group: gloo

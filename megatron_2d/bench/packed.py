@@ -50,7 +50,7 @@ from rich.table import Table
 
 import megatron_2d
 from megatron_2d.band import SlidingWindow
-from megatron_2d.bench.runners import _count_ring_comm_sends
+from megatron_2d.bench.runners import count_ring_comm_sends
 from megatron_2d.document_placement import PackingCost, place_documents, row_pairs, zigzag_slots
 from megatron_2d.choices import PACKING_MODES
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
@@ -133,7 +133,7 @@ def _time_step(step, repeats: int) -> Tuple[float, float]:
 
 def _count_ring_flash_sends(module) -> Dict[str, int]:
     """Bytes ring-flash-attn's RingComm.send_recv sends (the harness's counter, see bench.runners)."""
-    return _count_ring_comm_sends(module)
+    return count_ring_comm_sends(module)
 
 
 def _errors(idx: torch.Tensor, results: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> List[float]:
