@@ -4,6 +4,10 @@ core_attention swapped.
     --spec megatron_2d.megatron.spec gpt_layer_spec_2d      (pretrain_gpt.py; called with the model config)
     --spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D      (a ready ModuleSpec, for builders that do not call)
 
+Megatron's ``import_module`` returns ``vars(module)[name]``, so both are plain module attributes; the ready spec is
+built when this module is first imported (as :mod:`.hybrid_spec`'s are; ``import megatron_2d.megatron`` loads it only
+on first use).
+
 The choice mirrors Megatron-LM's GPT builder (gpt_builders.py, megatron.training.models.gpt.default_layer_spec):
 ``--transformer-impl`` picks Transformer Engine or local layers; MoE models (``num_moe_experts``) get the decoder
 block spec (dense and MoE layers by ``moe_layer_freq``); the layer spec functions get the same arguments Megatron
@@ -151,9 +155,10 @@ def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> LayerSpec:
     return get_gpt_layer_spec_2d(config, vp_stage)
 
 
-def __getattr__(name: str):
-    """``GPT_LAYER_SPEC_2D`` (for ``--spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D``) is built when first asked
-    for, not at import: building it probes Transformer Engine."""
-    if name == "GPT_LAYER_SPEC_2D":
-        return get_gpt_layer_spec_2d()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+GPT_LAYER_SPEC_2D = get_gpt_layer_spec_2d()
+"""``--spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D``: Megatron's GPT layer spec without a config (TE layers when
+Transformer Engine is installed, else local ones; no MoE, MLA or config-chosen normalization) with
+:class:`CoreAttention2D`, its settings from the config's ``cp_2d_*`` fields. Built at this module's import, from the
+launch then current (Megatron's per-sequence split of packed documents is recognised when the launch has parsed its
+flags, as it has when ``import_module`` loads the module); :func:`gpt_layer_spec_2d`, called with the config, follows
+every config choice."""
