@@ -35,7 +35,8 @@ import torch
 
 from .band import SlidingWindow
 from .block_plan import plan_context_group
-from .double_ring import DoubleRing, LocalBlock
+from .choices import check_dkv_comm_dtype
+from .double_ring import DoubleRing
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllToAll, HeadExchange, ascending_order
 from .kernels import select_kernel
@@ -44,6 +45,7 @@ from .neighbour_exchange import NeighbourExchange
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
 from .topology import divisors
+from .transport import LocalBlock, Transport
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -60,7 +62,9 @@ def kv_replication(num_q_heads: int, num_kv_heads: int, head_parallel_size: int)
     return math.lcm(hkv, hp) // hkv
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> None:
+    """Refuse q, k, v the op cannot take (shapes, dtypes, devices), naming the values (``packed``: THD's, as
+    [t_local, 1, heads, d])."""
     if q.dim() == 3 and not packed:
         raise ValueError(f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
                          f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
@@ -84,7 +88,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: boo
                          f"(the global sequence must be divisible by 2*CP)")
 
 
-def _check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> None:
+def check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    """Refuse sinks that are not one floating-point logit per query head of q, on q's device."""
     if sinks is None:
         return
     if sinks.dim() != 1 or sinks.shape[0] != q.shape[2]:
@@ -102,16 +107,13 @@ def check_not_capturing(device: torch.device) -> None:
                            "graph (megatron: cuda_graph_modules without 'attn', or cuda_graph_impl='none')")
 
 
-def _transport(groups: Groups2D, plan) -> object:
+def _transport(groups: Groups2D, plan) -> Transport:
     """The Double-Ring when every pair of context ranks has keys to see, else the neighbour exchange."""
     return DoubleRing(groups) if plan.dense else NeighbourExchange(groups, plan.keys)
 
 
-DKV_COMM_DTYPES = ("accumulator", "input")
-
-
-def _rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
-    """The dtype dK/dV riders travel and accumulate in (see ``dkv_comm_dtype``)."""
+def rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
+    """The dtype dK/dV riders travel and accumulate in for inputs of ``dtype`` (see ``dkv_comm_dtype``)."""
     return accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
 
 
@@ -130,7 +132,7 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
         rc = RingContext(transport=_transport(groups, plan),
                          kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
                          plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
-                         scale=scale, rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
+                         scale=scale, rider_dtype=rider_dtype(dtype, dkv_comm_dtype))
         cached = groups.op_cache[key] = (heads, rc)
     return cached
 
@@ -156,12 +158,13 @@ def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device,
         rc = RingContext(transport=transport,
                          kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
                          plans=plans, scale=scale,
-                         rider_dtype=_rider_dtype(dtype, dkv_comm_dtype))
+                         rider_dtype=rider_dtype(dtype, dkv_comm_dtype))
         cached = packing.op_cache[key] = (heads, rc)
     return cached
 
 
-def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
+def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
+    """Refuse THD q, k, v that do not fit ``packing`` (a PackedLayout of these groups), then :func:`check_inputs`."""
     if not isinstance(packing, PackedLayout):
         raise TypeError(f"packing must be a megatron_2d.PackedLayout, got {type(packing).__name__}")
     if (packing.groups.layout, packing.groups.place) != (groups.layout, groups.place):
@@ -174,7 +177,7 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Gro
         raise ValueError(f"q holds {q.shape[0]} tokens, but the PackedLayout gives this rank t_local = "
                          f"{packing.local_tokens} slots (T = {packing.total_tokens} over CP = "
                          f"{groups.layout.cp_size}); shard the tensors with layout.shard")
-    _check_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), packed=True)
+    check_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), packed=True)
 
 
 def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, causal: bool = True,
@@ -211,16 +214,16 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     """
     check_not_capturing(q.device)
     if packing is not None:
-        _check_packed(q, k, v, groups, packing)
+        check_packed(q, k, v, groups, packing)
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)          # [t_local, 1, heads, d]
     else:
-        _check_inputs(q, k, v)
-    _check_sinks(sinks, q)
+        check_inputs(q, k, v)
+    check_sinks(sinks, q)
     replicas = kv_replication(q.shape[2], k.shape[2], groups.head_parallel_size)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=2), v.repeat_interleave(replicas, dim=2)
-    exchange, rc, local_sinks = _prepare(q, groups, causal, softmax_scale, kernel, sliding_window, sinks,
-                                         dkv_comm_dtype, packing, value_dim=v.shape[-1])
+    exchange, rc, local_sinks = prepare_call(q, groups, causal, softmax_scale, kernel, sliding_window, sinks,
+                                             dkv_comm_dtype, packing, value_dim=v.shape[-1])
     # one all-to-all for q, k and v: q [b, S, hq/hp, dk], K/V side by side as the ring sends them [b, S, hkv'/hp, dk+dv]
     q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), q, k, v)
     out = RingAttention.apply(q, kv, local_sinks, rc)                                  # [b, S, hq/hp, dv]
@@ -228,17 +231,16 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     return out.squeeze(1) if packing is not None else out
 
 
-def _prepare(q: torch.Tensor, groups: Groups2D, causal: bool, softmax_scale: Optional[float], kernel: Optional[str],
-             sliding_window, sinks: Optional[torch.Tensor], dkv_comm_dtype: str, packing: Optional[PackedLayout],
-             value_dim: int):
+def prepare_call(q: torch.Tensor, groups: Groups2D, causal: bool, softmax_scale: Optional[float],
+                 kernel: Optional[str], sliding_window, sinks: Optional[torch.Tensor], dkv_comm_dtype: str,
+                 packing: Optional[PackedLayout], value_dim: int):
     """What one call needs besides its tensors, from q [s_local, b, hq, dk]: (head exchange, ring context, this
     rank's sinks [hq/hp] or None); the setup is cached per signature (see :func:`_setup`)."""
     s_local, _, hq, dk = q.shape
     seq_len = packing.max_document_length if packing is not None else s_local * groups.layout.cp_size
     window = SlidingWindow.of(sliding_window, causal, seq_len)
     scale = dk ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if dkv_comm_dtype not in DKV_COMM_DTYPES:
-        raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(DKV_COMM_DTYPES)}")
+    check_dkv_comm_dtype(dkv_comm_dtype)
     head_dims = (dk, value_dim)
     if packing is not None:
         exchange, rc = _packed_setup(groups, packing, q.device, q.dtype, causal, window, scale, kernel,

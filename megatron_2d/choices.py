@@ -1,15 +1,65 @@
-"""Choices of the op that other parts import instead of restating them (torch-free: the planner imports it too).
+"""The named choices of the library's settings, each listed once here, and the one check of each.
 
-    DKV_COMM_DTYPES                 how dK/dV partials travel the ring in backward
-    head_exchange_point_to_point    which path the head all-to-all takes, and so how many copies it makes
+Pure Python (no torch): the op, ``TransformerConfig2D``, the command-line flags, the benchmarks and the tests import
+the names from here, and every route a setting comes in by (an op keyword, a config field, a flag) is checked by the
+same function, which names the setting as that route spells it.
+
+    PACKING_MODES     how packed documents (THD) are laid out over the CP group:
+                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing
+    DKV_COMM_DTYPES   the dtype dK/dV riders travel in, backward: attention_2d(dkv_comm_dtype=), cp_2d_dkv_comm_dtype,
+                      --cp-2d-dkv-comm-dtype ("accumulator": fp32, exact; "input": the activation dtype)
+    MLA_RINGS         what travels the ring under multi-latent attention: cp_2d_mla_ring, --cp-2d-mla-ring
+    RECOMPUTE_CHECKS  how Selective Checkpoint++ compares a recompute: selective_checkpoint_plus_plus_check,
+                      --selective-checkpoint-plus-plus-check
+    head_exchange_point_to_point / head_exchange_copies
+                      which path the head all-to-all takes, and so how many copies it makes (the op and the
+                      planner's cost model both ask here)
+(The placements are :data:`megatron_2d.topology.PLACEMENTS`, beside the rank math they choose.)
+
+    >>> check_dkv_comm_dtype("fp8", "cp_2d_dkv_comm_dtype")
+    Traceback (most recent call last):
+    ...
+    ValueError: cp_2d_dkv_comm_dtype 'fp8' is not one of ['accumulator', 'input']
 """
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
+PACKING_MODES = ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
-"""``dkv_comm_dtype`` (``cp_2d_dkv_comm_dtype``, ``--cp-2d-dkv-comm-dtype``): dK/dV riders travel and accumulate in
-the accumulator dtype ("accumulator": fp32, fp64 for fp64 inputs; the default, exact) or in the input dtype
-("input": Transformer Engine's bytes, half of fp32's in bf16 training)."""
+MLA_RINGS = ("expanded", "latent")
+RECOMPUTE_CHECKS = ("tolerance", "bitwise")
+
+
+def choice_problem(setting: str, value, choices: Sequence[str]) -> Optional[str]:
+    """Why ``value`` is not a valid ``setting`` (one of ``choices``), or None when it is."""
+    if value in choices:
+        return None
+    return f"{setting} {value!r} is not one of {list(choices)}"
+
+
+def check_choice(setting: str, value, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else ValueError naming ``setting``, the value and the valid ones."""
+    problem = choice_problem(setting, value, choices)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def check_packing_mode(value, setting: str = "mode") -> str:
+    """The packed-documents layout (:data:`PACKING_MODES`), checked."""
+    return check_choice(setting, value, PACKING_MODES)
+
+
+def check_dkv_comm_dtype(value, setting: str = "dkv_comm_dtype") -> str:
+    """The dK/dV riders' dtype name (:data:`DKV_COMM_DTYPES`), checked."""
+    return check_choice(setting, value, DKV_COMM_DTYPES)
+
+
+def check_mla_ring(value, setting: str = "cp_2d_mla_ring") -> str:
+    """What travels the ring under MLA (:data:`MLA_RINGS`), checked."""
+    return check_choice(setting, value, MLA_RINGS)
 
 
 def head_exchange_point_to_point(backend: str, batch: int, chunk_units: bool) -> bool:

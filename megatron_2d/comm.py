@@ -1,12 +1,26 @@
-"""Communication helpers: a byte counter, a ring neighbour exchange and a head-group all-to-all.
+"""Communication helpers: the byte counter, the point-to-point exchanges of the K/V transports and the head group's
+collectives.
+
+    CommCounter       bytes this rank sent, by kind (all_to_all, inner_ring, outer_ring, neighbour)
+    RingExchange      send to the next rank of a ring, receive from the previous one (the Double-Ring's rings)
+    DirectExchange    send to one fixed rank, receive from another, the receive postable early (the last dK/dV hop)
+    post_direct       one send and/or receive between any two ranks (the neighbour exchange, DirectExchange)
+    PendingExchange   a transfer in flight: ``wait()`` gives what arrived, ``sent`` what left (both transports)
+    BufferPool        send and receive buffers of one run, reused from step to step (both transports)
+    all_to_all_counted, all_gather_counted   the head group's collectives, bytes counted
+    check_same_on_every_rank   refuse, on every rank at once, a value that differs between ranks (build time)
 
 No device synchronisation happens here, so the same code runs on gloo and NCCL.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import Counter
 from typing import Callable, Dict, Optional, Sequence
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -25,6 +39,52 @@ def traffic_backend(group: dist.ProcessGroup) -> str:
     if "cuda" in by_device and torch.cuda.is_available():
         return by_device["cuda"]
     return by_device.get("cpu", next(iter(by_device.values())))
+
+
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: the current GPU for NCCL (also as the CUDA backend of
+    a multi-backend group such as "cpu:gloo,cuda:nccl"), else the CPU."""
+    if traffic_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_same_on_every_rank(value, groups: Sequence[Optional[dist.ProcessGroup]], what: str, *,
+                             fingerprint: Optional[int] = None, error: type = ValueError) -> None:
+    """Raise ``error`` on every rank of ``groups`` at once unless they all hold the same ``value``.
+
+    groups: process groups that together span the ranks that must agree (e.g. a rank's head and context groups
+    span its CP group; ``dist.group.WORLD`` every rank); None entries (single-rank groups) are skipped. The ranks
+    compare a 63-bit ``fingerprint`` of the value (default: a CRC of its repr) with one all-reduce (min and max)
+    per group, on the groups' device: one device-to-host read, and every rank learns the same verdict, so none
+    hangs. Only on a mismatch are the values gathered, to name in the message the ranks whose fingerprint differs
+    and what they hold (``what`` says what differs; ``value`` need only be picklable and printable)."""
+    span = [g for g in groups if g is not None]
+    if not span:
+        return
+    if fingerprint is None:
+        fingerprint = int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+    extremes = torch.from_numpy(np.array([fingerprint, -fingerprint], dtype=np.int64)).to(collective_device(span[0]))
+    for group in span:
+        dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=group)
+    low, neg_high = extremes.tolist()
+    if low == fingerprint and neg_high == -fingerprint:
+        return
+    rank, others = dist.get_rank(), {}
+    for group in span:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (fingerprint, value), group=group)
+        others.update((r, v) for r, (f, v) in zip(dist.get_process_group_ranks(group), gathered) if f != fingerprint)
+    differing = sorted(others)
+    seen = (f"rank {differing[0]} has {_shown(others[differing[0]])}" if differing
+            else "ranks outside its own groups hold another")
+    raise error(f"{what}: rank {rank} has {_shown(value)}, {seen} (ranks differing from rank {rank} in its groups: "
+                f"{differing}); every rank must pass the same values")
+
+
+def _shown(value, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 class CommCounter:
@@ -49,15 +109,18 @@ class CommCounter:
 
 
 class PendingExchange:
-    """An exchange in flight; ``wait()`` returns the received tensor."""
+    """A transfer in flight: ``wait()`` returns the received tensor (None when nothing is received) once the send and
+    the receive have completed; ``sent`` is the tensor sent (None when nothing is sent), free again after the wait."""
 
-    def __init__(self, owner: "RingExchange", works, received: torch.Tensor) -> None:
-        self._owner, self._works, self._received = owner, works, received
+    def __init__(self, works: list, received: Optional[torch.Tensor], sent: Optional[torch.Tensor] = None,
+                 owner: Optional["RingExchange"] = None) -> None:
+        self._works, self._received, self.sent, self._owner = works, received, sent, owner
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> Optional[torch.Tensor]:
         for work in self._works:
             work.wait()
-        self._owner._in_flight = False
+        if self._owner is not None:
+            self._owner._in_flight = False
         return self._received
 
 
@@ -88,7 +151,7 @@ class RingExchange:
         works = dist.batch_isend_irecv(ops)
         self._in_flight = True
         self.counter.add(self.kind, send.numel() * send.element_size())
-        return PendingExchange(self, works, recv)
+        return PendingExchange(works, recv, send, owner=self)
 
 
 class DirectExchange:
@@ -125,7 +188,7 @@ class DirectExchange:
             recv = torch.empty_like(send)
         works = post_direct(self.group, send, self.next_rank, None if early is not None else recv, self.prev_rank,
                             self.counter, self.kind)
-        return PendingExchange(self, works + (early or []), recv)
+        return PendingExchange(works + (early or []), recv, send, owner=self)
 
 
 def post_direct(group: dist.ProcessGroup, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor],
@@ -142,18 +205,26 @@ def post_direct(group: dist.ProcessGroup, send: Optional[torch.Tensor], dst: int
 
 
 class BufferPool:
-    """Reuses receive buffers of one shape, dtype and device across ring steps instead of allocating one per step."""
+    """Buffers of one dtype and device reused across the steps of one run instead of one allocation per step.
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+    Every buffer holds ``shape`` [b, keys, ...]; ``get()`` hands one out whole, ``get(keys)`` a contiguous
+    [b, keys, ...] on one (keys <= shape[1]: the neighbour exchange's slices of varying size); ``put`` gives it back
+    (whole or as handed out) once nothing reads it."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
         self._spec = (tuple(shape), dtype, device)
         self._free: list = []
 
-    def get(self) -> torch.Tensor:
+    def get(self, keys: Optional[int] = None) -> torch.Tensor:
         shape, dtype, device = self._spec
-        return self._free.pop() if self._free else torch.empty(shape, dtype=dtype, device=device)
+        buf = self._free.pop() if self._free else torch.empty(shape, dtype=dtype, device=device)
+        if keys is None or keys == shape[1]:
+            return buf
+        sliced = (shape[0], keys, *shape[2:])                           # [b, keys, ...] at the buffer's start
+        return buf.view(-1)[:math.prod(sliced)].view(sliced)
 
     def put(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
+        self._free.append(buf if buf._base is None else buf._base)     # a slice of get(keys): its whole buffer
 
 
 def to_device(array, device: torch.device) -> torch.Tensor:

@@ -12,77 +12,21 @@ expected from the start. The own block's dK/dV stays home; K/V and riders move c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
-from .comm import BufferPool, CommCounter, DirectExchange, PendingExchange, RingExchange
-from .ring_schedule import double_ring_events, final_hop_link
+from .comm import BufferPool, DirectExchange, PendingExchange, RingExchange
+from .ring_schedule import EventKind, double_ring_events, final_hop_link
+from .transport import ComputeFn, Partials, add_partials, gather_partials, home_gradient
 
 if TYPE_CHECKING:
     from .groups import Groups2D
 
-# compute(block, source_context_rank, first_key) -> None (forward) or a list of (k_start, k_end, parts): the partial
-# gradient of the source's keys [k_start, k_end), as the block's last-dim pieces (dk, dv) or the whole (d block,);
-# ``block`` holds the source's keys from ``first_key`` on
-Partials = List[Tuple[int, int, Tuple[torch.Tensor, ...]]]
-ComputeFn = Callable[[torch.Tensor, int, int], Optional[Partials]]
-
-
-def _pieces(rows: torch.Tensor, parts: Tuple[torch.Tensor, ...]):
-    """(view of ``rows`` [..., D], part) for each part, the parts' last dims laid side by side along D."""
-    offset = 0
-    for part in parts:
-        width = part.shape[-1]
-        yield rows[..., offset:offset + width], part
-        offset += width
-
-
-def gather_partials(buffer: torch.Tensor, partials: Partials, first_key: int = 0) -> torch.Tensor:
-    """Write a block's partial gradients into the uninitialised ``buffer`` [b, keys from first_key, ...] (the
-    block's format: K and V side by side on the last dim): when the partials' key ranges are disjoint, each is
-    copied into place and only the keys none covers are zeroed (one pass over the buffer); overlapping partials are
-    summed onto zeros. Returns buffer."""
-    ranges = sorted((k_start - first_key, k_end - first_key) for k_start, k_end, _ in partials)
-    if any(prev[1] > nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
-        buffer.zero_()
-        add_partials(buffer, partials, first_key)
-        return buffer
-    for k_start, k_end, parts in partials:
-        for dst, part in _pieces(buffer[:, k_start - first_key:k_end - first_key], parts):
-            dst.copy_(part)
-    covered = 0
-    for start, end in ranges + [(buffer.shape[1], buffer.shape[1])]:
-        if start > covered:
-            buffer[:, covered:start].zero_()
-        covered = max(covered, end)
-    return buffer
-
-
-def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) -> None:
-    """Add a block's partial gradients (keys [k_start, k_end)) into its rider [b, keys from first_key, ...]."""
-    for k_start, k_end, parts in partials:
-        for dst, part in _pieces(rider[:, k_start - first_key:k_end - first_key], parts):
-            dst.add_(part)
-
-
-def home_gradient(whole: torch.Tensor, own_partials: Partials, last_hop: Optional[torch.Tensor],
-                  dtype: torch.dtype) -> torch.Tensor:
-    """A rank's gradient shaped like its whole block ``whole`` [b, keys, ...]: its own block's partials plus the
-    rider of the last hop (None when nothing travels), which covers the first keys. A rider over every key becomes
-    the result itself, the partials added onto it in place (no copy)."""
-    if last_hop is not None and last_hop.shape == whole.shape:
-        add_partials(last_hop, own_partials)
-        return last_hop
-    home = gather_partials(torch.empty(whole.shape, dtype=dtype, device=whole.device), own_partials)
-    if last_hop is not None:
-        home[:, :last_hop.shape[1]].add_(last_hop)
-    return home
-
 
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
-    last dK/dV hop."""
+    last dK/dV hop (a :class:`~megatron_2d.transport.Transport`)."""
 
     def __init__(self, groups: "Groups2D", ring_keys: Optional[int] = None) -> None:
         """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`).
@@ -115,107 +59,116 @@ class DoubleRing:
         slot = (self.slot - inner_step) % self.w
         return window * self.w + slot
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: Optional[torch.dtype] = None,
-            own: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Visit every context rank's K/V block with ``compute``, following the schedule's events.
-
-        kv: this rank's block [b, keys, ...] (K and V side by side on the last dim, or whatever the caller's compute
-            reads; read only: received blocks go to buffers of its own).
-        dkv_dtype: None in forward; in backward the dtype the dK/dV partials accumulate and travel in. Returns the
-        home accumulator (the own block's partials plus the rider of the last hop): this rank's full dK/dV, shaped
-        like its whole block.
-        own: the whole own block when ``kv`` holds only the travelling key prefix (``ring_keys``); the travelling
-        riders are then prefix-sized [b, ring_keys, ...].
-        """
-        backward = dkv_dtype is not None
-        whole = own if own is not None else kv
-        home = None
-        kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
-        riders = BufferPool(kv.shape, dkv_dtype, kv.device) if backward else None
-        exchanges = {"inner_kv": self.inner_kv, "outer_kv": self.outer_kv, "inner_dkv": self.inner_dkv,
-                     "outer_dkv": self.outer_dkv, "final_dkv": self.final_dkv}
-        pending: Dict[str, Tuple[PendingExchange, torch.Tensor]] = {}
-
-        def post(channel: str, send: torch.Tensor, pool: Optional[BufferPool]) -> None:
-            """Post a transfer (into a buffer of ``pool``; None: into the buffer it expects)."""
-            pending[channel] = (exchanges[channel].start(send, None if pool is None else pool.get()), send)
-
-        def wait(channel: str) -> Tuple[torch.Tensor, torch.Tensor]:
-            """(received, sent) of the channel's transfer in flight, once both have completed."""
-            exchange, sent = pending.pop(channel)
-            return exchange.wait(), sent
-
-        anchor = block = kv
-        partials = own_partials = mine = last_hop = None      # mine: the rider this rank holds (None: a new one)
-        for event in double_ring_events(self.cp, self.w, backward):
-            kind = event.kind
-            if kind == "expect_final":
-                self.final_dkv.expect(riders.get)
-            elif kind == "post_outer_kv":
-                post("outer_kv", anchor, kv_pool)
-            elif kind == "post_inner_kv":
-                post("inner_kv", block, kv_pool)
-            elif kind == "compute":
-                offset = event.source_offset
-                partials = compute(own if own is not None and offset == (0, 0) else block, self.source(*offset), 0)
-                if offset == (0, 0):
-                    own_partials = partials
-            elif kind == "accumulate_home":
-                home = home_gradient(whole, own_partials, last_hop, dkv_dtype)
-                own_partials = last_hop = None
-            elif kind == "wait_inner_kv":
-                nxt, _ = wait("inner_kv")
-                if block is not anchor:
-                    kv_pool.put(block)
-                block = nxt
-            elif kind == "wait_outer_kv":
-                nxt, _ = wait("outer_kv")
-                if block is not anchor:
-                    kv_pool.put(block)
-                if anchor is not kv:                          # the caller's block is never overwritten
-                    kv_pool.put(anchor)
-                anchor = block = nxt
-            elif kind == "start_rider":
-                mine = None
-            elif kind == "wait_rider":
-                mine, sent = wait("inner_dkv")
-                riders.put(sent)
-            elif kind == "accumulate":
-                if mine is None:
-                    mine = gather_partials(riders.get(), partials)
-                else:
-                    add_partials(mine, partials)
-            elif kind == "post_rider":
-                post("inner_dkv", mine, riders)
-            elif kind == "wait_carried":
-                carried, sent = wait("outer_dkv")
-                mine.add_(carried)
-                riders.put(carried)
-                riders.put(sent)
-            elif kind == "take_carried":
-                mine, sent = wait("outer_dkv")
-                riders.put(sent)
-            elif kind == "post_carried":
-                post("outer_dkv", mine, riders)
-            elif kind == "post_final":
-                post("final_dkv", mine, None)
-            elif kind == "wait_final":
-                last_hop, _ = wait("final_dkv")
-            else:
-                raise AssertionError(f"unknown schedule event {kind!r}")
-        return home
-
-
-class LocalBlock:
-    """The transport when no other context rank's keys are visible (whole documents only): no communication."""
-
-    cp = 1
-
-    def __init__(self, context_rank: int) -> None:
-        self.context_rank = context_rank
-
     def run(self, kv: torch.Tensor, compute: ComputeFn,
             dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-        """Same contract as :meth:`DoubleRing.run`, for the own block only."""
-        partials = compute(kv, self.context_rank, 0)
-        return None if dkv_dtype is None else home_gradient(kv, partials, None, dkv_dtype)
+        """:meth:`~megatron_2d.transport.Transport.run`: visit every context rank's K/V block with ``compute``,
+        following the schedule's events. With ``ring_keys`` the travelling blocks and riders hold the first
+        ``ring_keys`` keys (a copy of this rank's, [b, ring_keys, ...]); the own block is computed whole."""
+        loop = _RingLoop(self, kv, compute, dkv_dtype)
+        for event in double_ring_events(self.cp, self.w, dkv_dtype is not None):
+            _ACTIONS[event.kind](loop, event)
+        return loop.home
+
+
+class _RingLoop:
+    """The state of one :meth:`DoubleRing.run`: the blocks and riders held, the transfers in flight, and one
+    method per :class:`~megatron_2d.ring_schedule.EventKind` (:data:`_ACTIONS`)."""
+
+    def __init__(self, ring: DoubleRing, kv: torch.Tensor, compute: ComputeFn,
+                 dkv_dtype: Optional[torch.dtype]) -> None:
+        self.ring, self.compute_fn, self.dkv_dtype, self.whole = ring, compute, dkv_dtype, kv
+        if ring.ring_keys is not None and ring.ring_keys < kv.shape[1]:
+            kv = kv[:, :ring.ring_keys].contiguous()      # [b, ring_keys, ...]: the prefix other ranks see
+        self.kv = self.anchor = self.block = kv            # the caller's block is read only: never put in a pool
+        self.kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
+        self.riders = BufferPool(kv.shape, dkv_dtype, kv.device) if dkv_dtype is not None else None
+        self.pending: Dict[str, PendingExchange] = {}
+        self.partials: Optional[Partials] = None             # of the latest compute
+        self.own_partials: Optional[Partials] = None         # of the own block, kept home
+        self.mine: Optional[torch.Tensor] = None             # the rider this rank holds (None: a new one)
+        self.last_hop: Optional[torch.Tensor] = None         # the rider of this rank's own block, arrived
+        self.home: Optional[torch.Tensor] = None             # this rank's dK/dV (the result of backward)
+
+    def post(self, channel: str, send: torch.Tensor, pool: Optional[BufferPool]) -> None:
+        """Post a transfer (into a buffer of ``pool``; None: into the buffer it expects)."""
+        exchange = getattr(self.ring, channel)
+        self.pending[channel] = exchange.start(send, None if pool is None else pool.get())
+
+    def wait(self, channel: str):
+        """(received, sent) of the channel's transfer in flight, once both have completed."""
+        transfer = self.pending.pop(channel)
+        return transfer.wait(), transfer.sent
+
+    # -- K/V -------------------------------------------------------------------------------------------------------
+    def post_outer_kv(self, event) -> None:
+        self.post("outer_kv", self.anchor, self.kv_pool)
+
+    def post_inner_kv(self, event) -> None:
+        self.post("inner_kv", self.block, self.kv_pool)
+
+    def compute(self, event) -> None:
+        own = event.source_offset == (0, 0)
+        partials = self.compute_fn(self.whole if own else self.block, self.ring.source(*event.source_offset), 0)
+        self.partials = partials
+        if own:
+            self.own_partials = partials
+
+    def wait_inner_kv(self, event) -> None:
+        nxt, _ = self.wait("inner_kv")
+        if self.block is not self.anchor:
+            self.kv_pool.put(self.block)
+        self.block = nxt
+
+    def wait_outer_kv(self, event) -> None:
+        nxt, _ = self.wait("outer_kv")
+        if self.block is not self.anchor:
+            self.kv_pool.put(self.block)
+        if self.anchor is not self.kv:                     # the caller's block is never overwritten
+            self.kv_pool.put(self.anchor)
+        self.anchor = self.block = nxt
+
+    # -- dK/dV riders ----------------------------------------------------------------------------------------------
+    def expect_final(self, event) -> None:
+        self.ring.final_dkv.expect(self.riders.get)
+
+    def start_rider(self, event) -> None:
+        self.mine = None
+
+    def wait_rider(self, event) -> None:
+        self.mine, sent = self.wait("inner_dkv")
+        self.riders.put(sent)
+
+    def accumulate(self, event) -> None:
+        if self.mine is None:
+            self.mine = gather_partials(self.riders.get(), self.partials)
+        else:
+            add_partials(self.mine, self.partials)
+
+    def post_rider(self, event) -> None:
+        self.post("inner_dkv", self.mine, self.riders)
+
+    def wait_carried(self, event) -> None:
+        carried, sent = self.wait("outer_dkv")
+        self.mine.add_(carried)
+        self.riders.put(carried)
+        self.riders.put(sent)
+
+    def take_carried(self, event) -> None:
+        self.mine, sent = self.wait("outer_dkv")
+        self.riders.put(sent)
+
+    def post_carried(self, event) -> None:
+        self.post("outer_dkv", self.mine, self.riders)
+
+    def post_final(self, event) -> None:
+        self.post("final_dkv", self.mine, None)
+
+    def wait_final(self, event) -> None:
+        self.last_hop, _ = self.wait("final_dkv")
+
+    def accumulate_home(self, event) -> None:
+        self.home = home_gradient(self.whole, self.own_partials, self.last_hop, self.dkv_dtype)
+        self.own_partials = self.last_hop = None
+
+
+_ACTIONS = {kind: getattr(_RingLoop, kind.value) for kind in EventKind}   # every kind has its method

@@ -9,8 +9,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .block_plan import context_chunks, received_chunks
-from .comm import CommCounter, traffic_backend
+from .block_plan import received_chunks
+from .comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
 from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 
 
@@ -19,8 +19,9 @@ class Groups2D:
     """One rank's view of 2D context parallelism: its place, its process groups, and a byte counter.
 
     Groups of a single rank are None (no communication is needed there). K/V and dK/dV use separate process
-    groups so both can be in flight at once: the rings' (inner, outer) and the neighbour exchange's (the whole
-    context group, for masks such as sliding windows where ranks see only some others' keys).
+    groups so both can be in flight at once: the Double-Ring's inner and outer rings, and the whole context group,
+    which carries the neighbour exchange (masks such as sliding windows where ranks see only some others' keys;
+    K/V and dK/dV) and the Double-Ring's last dK/dV hop (``context_dkv_group``).
     """
 
     layout: Layout2D
@@ -47,10 +48,6 @@ class Groups2D:
     @property
     def window_size(self) -> int:
         return self.layout.window_size
-
-    def context_chunks(self, context_rank: int) -> Tuple[int, ...]:
-        """Global chunk ids (of 2*CP) a context rank holds after the head all-to-all, ascending."""
-        return context_chunks(self.layout, context_rank)
 
     def received_chunks(self, context_rank: int) -> Tuple[int, ...]:
         """Chunk ids in the order the all-to-all delivers them: by head rank, then first/second zigzag half."""
@@ -90,15 +87,7 @@ def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
     return mine
 
 
-def collective_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live: the current GPU for NCCL (also as the CUDA backend of
-    a multi-backend group such as "cpu:gloo,cuda:nccl"), else the CPU."""
-    if traffic_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _warm_up(group: Optional[dist.ProcessGroup]) -> None:
+def warm_up_p2p(group: Optional[dist.ProcessGroup]) -> None:
     """One collective on a group whose point-to-point traffic may involve only some of its ranks: NCCL requires
     every rank of a group to take part in its first batched P2P call."""
     if group is not None and traffic_backend(group) == "nccl":
@@ -119,7 +108,7 @@ def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: st
         backend: backend of the new groups (the default group's when None).
     """
     lists = [list(range(dist.get_world_size()))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
-    _check_same_on_every_rank(head_parallel_size, window_size, placement, lists)   # before validating: no rank hangs
+    _check_same_arguments(head_parallel_size, window_size, placement, lists)   # before validating: no rank hangs
     layout = Layout2D(len(lists[0]) if lists else 0, head_parallel_size, window_size, placement)
     return _build(layout, lists, timeout, backend)
 
@@ -128,20 +117,15 @@ def build_groups_for_layout(layout: Layout2D, cp_rank_lists: Sequence[Sequence[i
                             timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None) -> Groups2D:
     """:func:`build_2d_groups` for a validated layout (collective: every rank passes the same layout and lists)."""
     lists = [list(r) for r in cp_rank_lists]
-    _check_same_on_every_rank(layout.head_parallel_size, layout.window_size, layout.placement, lists)
+    _check_same_arguments(layout.head_parallel_size, layout.window_size, layout.placement, lists)
     return _build(layout, lists, timeout, backend)
 
 
-def _check_same_on_every_rank(head_parallel_size, window_size, placement, lists: List[List[int]]) -> None:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    settings = (head_parallel_size, window_size, placement, lists)
-    gathered: List[object] = [None] * world
-    dist.all_gather_object(gathered, settings)
-    differing = [r for r, s in enumerate(gathered) if s != settings]
-    if differing:
-        raise LayoutError(f"build_2d_groups called with different arguments on ranks {differing}: rank {rank} has "
-                          f"(hp, w, placement, cp_rank_lists)={settings}, rank {differing[0]} has "
-                          f"{gathered[differing[0]]}; every rank must pass the same values")
+def _check_same_arguments(head_parallel_size, window_size, placement, lists: List[List[int]]) -> None:
+    """LayoutError on every rank unless all ranks passed the same (hp, w, placement, cp_rank_lists)."""
+    check_same_on_every_rank((head_parallel_size, window_size, placement, lists), [dist.group.WORLD],
+                             "build_2d_groups called with different arguments (hp, w, placement, cp_rank_lists)",
+                             error=LayoutError)
 
 
 def _build(layout: Layout2D, lists: List[List[int]], timeout: Optional[datetime.timedelta],
@@ -160,6 +144,6 @@ def _build(layout: Layout2D, lists: List[List[int]], timeout: Optional[datetime.
         inner_kv_group=_create(intra, timeout, backend), inner_dkv_group=_create(intra, timeout, backend),
         outer_kv_group=_create(inter, timeout, backend), outer_dkv_group=_create(inter, timeout, backend),
         context_kv_group=_create(context, timeout, backend), context_dkv_group=_create(context, timeout, backend))
-    _warm_up(groups.context_kv_group)
-    _warm_up(groups.context_dkv_group)
+    warm_up_p2p(groups.context_kv_group)
+    warm_up_p2p(groups.context_dkv_group)
     return groups

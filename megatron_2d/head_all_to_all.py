@@ -255,7 +255,8 @@ class Direction(enum.Enum):
 
 @dataclass(frozen=True)
 class HeadExchange:
-    """Everything the head all-to-all needs besides the tensors, built once per (groups, device)."""
+    """Everything the head all-to-all needs besides the tensors, built once per call signature and cached with the
+    ring context (``Groups2D.op_cache``, or the PackedLayout's for packed documents)."""
 
     head_parallel_size: int
     order: Optional[torch.Tensor]     # unit index (as received) of each ascending position (a device tensor)

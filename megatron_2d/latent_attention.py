@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .attention import _check_inputs, _check_packed, _check_sinks, _prepare
+from .attention import check_inputs, check_packed, check_sinks, prepare_call
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllGather, HeadAllToAll
 from .packed_layout import PackedLayout
@@ -90,17 +90,17 @@ def latent_attention_2d(q: torch.Tensor, latent: torch.Tensor, up_weight: torch.
     Returns out [s, b, hq, dv] (or [t_local, hq, dv]) in q's dtype.
     """
     if packing is not None:
-        _check_packed(q, q, q, groups, packing)
+        check_packed(q, q, q, groups, packing)
         q, latent = q.unsqueeze(1), latent.unsqueeze(1)                    # [t_local, 1, ...]
     else:
-        _check_inputs(q, q, q)
+        check_inputs(q, q, q)
     latent_dim = _check_latent(q, latent, up_weight, nope_dim, value_dim)
-    _check_sinks(sinks, q)
+    check_sinks(sinks, q)
     hq, hp = q.shape[2], groups.head_parallel_size
     if hq % hp:
         raise ValueError(f"head-parallel size {hp} does not divide the {hq} query heads on this rank")
-    exchange, rc, local_sinks = _prepare(q, groups, causal, softmax_scale, kernel, sliding_window, sinks,
-                                         dkv_comm_dtype, packing, value_dim=value_dim)
+    exchange, rc, local_sinks = prepare_call(q, groups, causal, softmax_scale, kernel, sliding_window, sinks,
+                                             dkv_comm_dtype, packing, value_dim=value_dim)
     hl, head_rank = hq // hp, groups.place.head_rank
     weight = up_weight.view(hq, nope_dim + value_dim, latent_dim)[head_rank * hl:(head_rank + 1) * hl]
     q, = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1,), q)           # [b, S, hl, dk]

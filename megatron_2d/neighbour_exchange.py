@@ -10,13 +10,15 @@ Notation: cp context ranks, r this rank, offset o = 1..cp-1 (offsets no rank nee
 (several disjoint stretches, sent packed together: packed documents), None for nothing.
     forward, offset o:  send my keys[(r+o, r)] slice to r+o, receive keys[(r, r-o)] of r-o's block;
                         the next offset's exchange is posted before computing on this one.
-    backward, offset o: after computing on r-o's block, send its partial dK/dV (that slice, accumulator dtype)
+    backward, offset o: after computing on r-o's block, send its partial dK/dV (that slice, in the rider dtype)
                         back to r-o, and receive the partial of my own block from r+o; the partials of offset o
                         travel while offset o+1 computes.
 Bytes per rank: the visible key slice of its block once per rank that sees it, and the same again for dK/dV.
-The receiver computes on the keys as they arrive: block position p holds the key at local slot
-``KeyIntervals.slot_of(p)``, so its calls against that source are planned in those packed coordinates
-(:meth:`KeyIntervals.packed`), ``first_key`` the first interval's start (a hull's calls need no change).
+The receiver computes on the keys as they arrive: block position p holds the p-th selected key, so its calls
+against that source are planned in those packed coordinates (:meth:`KeyIntervals.packed`), ``first_key`` the first
+interval's start (a hull's calls need no change). Slices are sent and received in buffers of one
+:class:`~megatron_2d.comm.BufferPool` per run (as large as the largest slice), reused from offset to offset; a slice
+that is contiguous in the block is sent as it is.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .comm import post_direct
-from .double_ring import ComputeFn, gather_partials, home_gradient
+from .comm import BufferPool, PendingExchange, post_direct
+from .transport import ComputeFn, gather_partials, home_gradient
 
 if TYPE_CHECKING:
     from .groups import Groups2D
@@ -52,10 +54,13 @@ class KeyIntervals:
         """The local slot of the first key sent: calls in packed coordinates count from it."""
         return self.intervals[0][0]
 
-    def gather(self, block: torch.Tensor) -> torch.Tensor:
-        """[b, size, ...]: the selected keys of ``block`` [b, S, ...], back to back."""
+    def gather(self, block: torch.Tensor, pool: BufferPool) -> torch.Tensor:
+        """[b, size, ...]: the selected keys of ``block`` [b, S, ...], back to back: a view of ``block`` when they
+        are contiguous there (nothing copied), else copied into a buffer of ``pool``."""
         parts = [block[:, lo:hi] for lo, hi in self.intervals]
-        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1)
+        if len(parts) == 1 and parts[0].is_contiguous():
+            return parts[0]
+        return torch.cat(parts, dim=1, out=pool.get(self.size))
 
     def add_into(self, rider: torch.Tensor, packed: torch.Tensor) -> None:
         """Add ``packed`` [b, size, ...] (gradients of the selected keys) into ``rider`` at their slots."""
@@ -79,15 +84,8 @@ def _selection(keys) -> Optional[KeyIntervals]:
     return KeyIntervals((tuple(keys),))
 
 
-def _sliced(block: torch.Tensor, keys: KeyIntervals) -> list:
-    """Shape of ``block`` [b, S, ...] cut to the selected keys."""
-    shape = list(block.shape)
-    shape[1] = keys.size
-    return shape
-
-
 class NeighbourExchange:
-    """Direct sparse K/V (and dK/dV) exchange over one context group."""
+    """Direct sparse K/V (and dK/dV) exchange over one context group (a :class:`~megatron_2d.transport.Transport`)."""
 
     def __init__(self, groups: "Groups2D", keys: Dict[Tuple[int, int], KeyRange],
                  offsets: Optional[Sequence[int]] = None) -> None:
@@ -105,58 +103,69 @@ class NeighbourExchange:
             offsets = [o for o in range(1, cp) if any(keys[((s + o) % cp, s)] is not None for s in range(cp))]
         self.steps = [(o, _selection(keys.get(((r + o) % cp, r))), _selection(keys.get((r, (r - o) % cp))))
                       for o in offsets]
+        # the most keys one transfer carries: every buffer of a run holds that many
+        self.buffer_keys = max((sel.size for _, give, take in self.steps for sel in (give, take) if sel is not None),
+                               default=0)
 
-    def _post(self, group, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor], src: int):
-        return post_direct(group, send, self.ranks[dst], recv, self.ranks[src], self.counter, "neighbour")
+    def _post(self, group, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor],
+              src: int) -> PendingExchange:
+        """Send ``send`` to context rank ``dst`` and receive into ``recv`` from ``src`` (either may be None)."""
+        works = post_direct(group, send, self.ranks[dst], recv, self.ranks[src], self.counter, "neighbour")
+        return PendingExchange(works, recv, send)
 
-    def _exchange_kv(self, kv: torch.Tensor, step):
-        """Post one offset's K/V exchange: (works, received slice buffer or None)."""
+    def _post_kv(self, kv: torch.Tensor, step, pool: BufferPool) -> PendingExchange:
+        """Post one offset's K/V exchange: my keys that rank r+o sees, and the keys of r-o's block that I see."""
         o, give, take = step
-        send = None if give is None else give.gather(kv)
-        recv = None if take is None else torch.empty(_sliced(kv, take), dtype=kv.dtype, device=kv.device)
-        return self._post(self.kv_group, send, (self.rank + o) % self.cp, recv, (self.rank - o) % self.cp), recv
+        send = None if give is None else give.gather(kv, pool)
+        recv = None if take is None else pool.get(take.size)
+        return self._post(self.kv_group, send, (self.rank + o) % self.cp, recv, (self.rank - o) % self.cp)
 
     def run(self, kv: torch.Tensor, compute: ComputeFn,
             dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-        """Same contract as :meth:`DoubleRing.run`: ``compute`` sees every block this rank's queries see."""
-        pending = self._exchange_kv(kv, self.steps[0]) if self.steps else None
+        """:meth:`~megatron_2d.transport.Transport.run`: ``compute`` sees every block this rank's queries see."""
+        buffers = (kv.shape[0], self.buffer_keys, *kv.shape[2:])          # [b, most keys sent at once, ...]
+        kv_pool = BufferPool(buffers, kv.dtype, kv.device)
+        pending = self._post_kv(kv, self.steps[0], kv_pool) if self.steps else None
         partials = compute(kv, self.rank, 0)
-        rider = None
+        home = riders = pending_grad = None
         if dkv_dtype is not None:                # this rank's dK/dV, gathering the partials sent back to it
-            rider = home_gradient(kv, partials, None, dkv_dtype)
-        pending_grad = None
+            home = home_gradient(kv, partials, None, dkv_dtype)
+            riders = BufferPool(buffers, dkv_dtype, kv.device)
         for i, step in enumerate(self.steps):
             o, give, take = step
-            works, received = pending
-            for work in works:
-                work.wait()
+            received = pending.wait()
+            _recycle(kv_pool, pending.sent, kv)
+            pending = self._post_kv(kv, self.steps[i + 1], kv_pool) if i + 1 < len(self.steps) else None
             partials = None
-            pending = self._exchange_kv(kv, self.steps[i + 1]) if i + 1 < len(self.steps) else None
             if take is not None:                # received: the source's selected keys, from take.first_key
                 partials = compute(received, (self.rank - o) % self.cp, take.first_key)
-            if rider is not None:
-                pending_grad = self._finish(pending_grad, rider)
-                send = None
-                if take is not None:
-                    send = gather_partials(torch.empty(_sliced(rider, take), dtype=rider.dtype, device=rider.device),
-                                           partials, first_key=take.first_key)
-                recv = None
-                if give is not None:
-                    recv = torch.empty(_sliced(rider, give), dtype=rider.dtype, device=rider.device)
-                works = self._post(self.dkv_group, send, (self.rank - o) % self.cp, recv, (self.rank + o) % self.cp)
-                pending_grad = (works, recv, give)
-        if rider is not None:
-            self._finish(pending_grad, rider)
-        return rider
+                kv_pool.put(received)
+            if home is not None:
+                self._finish(pending_grad, home, riders)
+                send = None if take is None else gather_partials(riders.get(take.size), partials, take.first_key)
+                recv = None if give is None else riders.get(give.size)
+                pending_grad = (self._post(self.dkv_group, send, (self.rank - o) % self.cp, recv,
+                                           (self.rank + o) % self.cp), give)
+        if home is not None:
+            self._finish(pending_grad, home, riders)
+        return home
 
     @staticmethod
-    def _finish(pending_grad, rider: torch.Tensor) -> None:
+    def _finish(pending_grad, home: torch.Tensor, riders: BufferPool) -> None:
         """Wait for one offset's dK/dV partials and add the one received for my block."""
         if pending_grad is None:
-            return None
-        works, recv, give = pending_grad
-        for work in works:
-            work.wait()
-        if recv is not None:
-            give.add_into(rider, recv)
-        return None
+            return
+        transfer, give = pending_grad
+        received = transfer.wait()
+        if received is not None:
+            give.add_into(home, received)
+            riders.put(received)
+        if transfer.sent is not None:
+            riders.put(transfer.sent)
+
+
+def _recycle(pool: BufferPool, sent: Optional[torch.Tensor], block: torch.Tensor) -> None:
+    """Give a sent K/V slice's buffer back to ``pool``, unless it was a view of the caller's ``block`` (sent as is,
+    :meth:`KeyIntervals.gather`)."""
+    if sent is not None and sent.untyped_storage().data_ptr() != block.untyped_storage().data_ptr():
+        pool.put(sent)

@@ -27,21 +27,18 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from .band import SlidingWindow
 from .block_plan import BlockCall
+from .choices import check_packing_mode
 from .document_placement import (DocumentPlacement, PackingCost, documents_slots, place_documents, sequence_rows,
                                  zigzag_rows)
-from .comm import to_device
-from .groups import Groups2D, collective_device
+from .comm import check_same_on_every_rank, to_device
+from .groups import Groups2D
 from .neighbour_exchange import KeyIntervals
 from .packed_plan import Runs, key_intervals, plan_view
 from .packed_views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
 from .topology import Layout2D
-
-MODES = ("zigzag", "documents", "sequence")
-
 
 class NeighbourKeys(NamedTuple):
     """The neighbour exchange of one packed batch and mask (see :meth:`PackedLayout.neighbour_keys`)."""
@@ -72,22 +69,6 @@ def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
     return cu
 
 
-def _check_same_on_every_rank(groups: Groups2D, fingerprint: int, what: str) -> None:
-    """Raise on every rank unless all ranks of the CP group hold the same ``fingerprint`` (head group, then
-    context group: together they span the CP group)."""
-    span = [g for g in (groups.head_group, groups.context_kv_group) if g is not None]
-    if not span:
-        return
-    value = torch.from_numpy(np.array([fingerprint, -fingerprint], dtype=np.int64)).to(collective_device(span[0]))
-    for group in span:
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    low, neg_high = value.tolist()                   # the build's one device-to-host read
-    if low != fingerprint or neg_high != -fingerprint:
-        raise ValueError(f"PackedLayout: {what} differ across the ranks of this CP group (rank "
-                         f"{dist.get_rank()} has fingerprint {fingerprint}); every rank must pass the same "
-                         f"global cu_seqlens")
-
-
 class PackedLayout:
     """The layout of one packed batch over the 2D CP group of ``groups`` (see the module docstring).
 
@@ -95,7 +76,7 @@ class PackedLayout:
         cu_seqlens: cumulative real document lengths [D + 1], from 0, identical on every rank (int32/int64; a
             host array or CPU tensor keeps the build free of device reads).
         groups: from :func:`megatron_2d.build_2d_groups`; the layout only serves these groups.
-        mode: "zigzag", "documents" or "sequence".
+        mode: "zigzag", "documents" or "sequence" (:data:`megatron_2d.choices.PACKING_MODES`).
         cu_seqlens_padded: zigzag only: Megatron's padded cumulative lengths (each document a multiple of
             2*CP and at least its real length); default: each length rounded up to a multiple of 2*CP.
         long_threshold: documents only: shard documents longer than this (default: the cost rule of
@@ -106,8 +87,7 @@ class PackedLayout:
 
     def __init__(self, cu_seqlens, groups: Groups2D, mode: str = "zigzag", *, cu_seqlens_padded=None,
                  long_threshold: Optional[int] = None, cost: Optional[PackingCost] = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"PackedLayout mode {mode!r} is not one of {list(MODES)}")
+        check_packing_mode(mode, "PackedLayout mode")
         if not isinstance(groups, Groups2D):
             raise TypeError(f"PackedLayout needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
         cu = _as_cu_seqlens(cu_seqlens, "cu_seqlens")
@@ -147,7 +127,11 @@ class PackedLayout:
         fingerprint = zlib.crc32(cu.tobytes()) ^ (zlib.crc32(repr((mode, long_threshold, cost,
                                                                    None if padded is None else padded.tolist())
                                                                   ).encode()) << 31)
-        _check_same_on_every_rank(groups, fingerprint, "cu_seqlens (or the layout options)")
+        # every rank of the CP group (its head and context groups span it) must pass the same batch
+        check_same_on_every_rank((mode, cu, long_threshold, cost, padded),
+                                 [groups.head_group, groups.context_kv_group],
+                                 "PackedLayout: cu_seqlens (or the layout options) differ across the ranks of this CP "
+                                 "group", fingerprint=fingerprint)
         self._local_indices = torch.from_numpy(self.slots_of([groups.place.cp_index])[0])
         self._device_copies: Dict[Tuple[str, torch.device], torch.Tensor] = {}
         self._plans: Dict[Tuple, Dict[int, Tuple[BlockCall, ...]]] = {}
@@ -331,4 +315,4 @@ class PackedLayout:
                 f"t_local={self.local_tokens}, padding={self.padding_fraction:.3f})")
 
 
-__all__ = ["PackedLayout", "MODES"]
+__all__ = ["PackedLayout"]

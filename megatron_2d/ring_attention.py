@@ -22,16 +22,15 @@ d sink_h = -sum over rows of exp(sink_h - lse') * (dout . out') (the sink's valu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from .block_plan import BlockCall
-from .double_ring import DoubleRing, Partials, gather_partials
 from .kernels import BlockKernel
 from .kernels.base import accumulator_dtype
 from .merge import merge_attention_
-from .neighbour_exchange import NeighbourExchange
+from .transport import Partials, Transport, gather_partials
 
 
 def split_kv(block: torch.Tensor, key_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +52,7 @@ class KVExpander(Protocol):
 class RingContext:
     """Everything the ring needs besides the tensors."""
 
-    transport: Union[DoubleRing, NeighbourExchange]
+    transport: Transport
     kernel: BlockKernel
     plans: Dict[int, Tuple[BlockCall, ...]]   # source context rank -> kernel calls against its K/V block
     scale: float
@@ -80,15 +79,6 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)    # [b, S, h] -> [b, h, S]
     p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)          # [b, h, S]
     return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
-
-
-def _ring_block(kv: torch.Tensor, rc: RingContext):
-    """(the block that travels, ``run``'s extra arguments). A ring that carries only a key prefix (packed
-    documents) sends a copy of just that prefix and computes the own block on the whole ``kv``."""
-    keys = getattr(rc.transport, "ring_keys", None)
-    if rc.transport.cp > 1 and keys is not None and keys < kv.shape[1]:
-        return kv[:, :keys].contiguous(), {"own": kv}
-    return kv, {}
 
 
 @dataclass
@@ -167,8 +157,7 @@ class RingAttention(torch.autograd.Function):
                     rows = slice(call.q_start, call.q_end)
                     merge_attention_(accumulators[0][:, rows], accumulators[1][:, :, rows], out_blk, lse_blk)
 
-        block, own = _ring_block(kv, rc)                           # [b, S (or the ring prefix), ...]
-        rc.transport.run(block, compute, **own)
+        rc.transport.run(kv, compute)
         start()                                                    # (no call at all: nothing visible)
         out_acc, lse_acc = accumulators
         if sinks is not None:
@@ -203,8 +192,7 @@ class RingAttention(torch.autograd.Function):
                 kernel_partials.append((call, dk, dv))
             return expansion.partials(kernel_partials, graph)
 
-        block, own = _ring_block(kv, rc)                           # [b, S (or the ring prefix), ...]
-        dkv = rc.transport.run(block, compute, dkv_dtype=rc.rider_dtype, **own)
+        dkv = rc.transport.run(kv, compute, dkv_dtype=rc.rider_dtype)
         dq = dq_acc[0] if dq_acc else torch.zeros_like(q)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[2] else None
         d_params = [g.to(p.dtype) for p, g in zip(params, expansion.param_grads)] or [None] * len(params)

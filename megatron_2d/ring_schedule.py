@@ -29,30 +29,76 @@ No rider ever travels back to where its round began. K/V moves cp - 1 times per 
 Transformer Engine's ring): (nw - 1) * (w - 1) + max(w - 2, 0) inner hops, nw - 1 - [w = 1] outer hops and the
 last hop.
 
-    >>> [e.kind for e in double_ring_events(cp=2, w=2, backward=False)]
+    >>> [e.kind.value for e in double_ring_events(cp=2, w=2, backward=False)]
     ['post_inner_kv', 'compute', 'wait_inner_kv', 'compute']
-    >>> [e.kind for e in double_ring_events(cp=2, w=1, backward=True)]  # doctest: +NORMALIZE_WHITESPACE
+    >>> [e.kind.value for e in double_ring_events(cp=2, w=1, backward=True)]  # doctest: +NORMALIZE_WHITESPACE
     ['expect_final', 'post_outer_kv', 'compute', 'wait_outer_kv',
      'compute', 'start_rider', 'accumulate', 'post_final', 'wait_final', 'accumulate_home']
-    >>> [e.source_offset for e in double_ring_events(cp=4, w=2, backward=False) if e.kind == "compute"]
+    >>> [e.source_offset for e in double_ring_events(cp=4, w=2, backward=False) if e.kind is EventKind.COMPUTE]
     [(0, 0), (0, 1), (1, 0), (1, 1)]
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Tuple
 
+CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "final_dkv")
+
+
+class EventKind(enum.StrEnum):
+    """One kind of action in the schedule. A member equals its value (a str), which names it in docs and logs."""
+
+    EXPECT_FINAL = "expect_final"          # post the receive of the last hop's rider ahead (where the backend can)
+    POST_OUTER_KV = "post_outer_kv"        # send the anchor block to the next window, receive the previous one's
+    WAIT_OUTER_KV = "wait_outer_kv"        # the next round's anchor has arrived
+    POST_INNER_KV = "post_inner_kv"        # send the block round the inner ring, receive the next step's
+    WAIT_INNER_KV = "wait_inner_kv"        # the next step's block has arrived
+    COMPUTE = "compute"                    # attention of this rank's queries on the block it holds
+    ACCUMULATE_HOME = "accumulate_home"    # own block's partials + the last hop's rider: this rank's dK/dV
+    START_RIDER = "start_rider"            # the step's partials start a new rider
+    WAIT_RIDER = "wait_rider"              # the neighbour's rider for the held block has arrived
+    ACCUMULATE = "accumulate"              # add the step's partials into the rider
+    POST_RIDER = "post_rider"              # pass the rider on round the inner ring (with its block)
+    WAIT_CARRIED = "wait_carried"          # the rider carried over the outer ring has arrived: add it
+    TAKE_CARRIED = "take_carried"          # the carried rider has arrived: it becomes the rider (w = 1)
+    POST_CARRIED = "post_carried"          # carry the closed rider over the outer ring to the next window
+    POST_FINAL = "post_final"              # the last hop: the closed rider to its block's owner
+    WAIT_FINAL = "wait_final"              # the rider of this rank's own block has arrived
+
+    @property
+    def channel(self) -> Optional[str]:
+        """The channel it posts on, expects a receive on or waits for (None: local work)."""
+        return CHANNEL_OF[self]
+
+    @property
+    def posts(self) -> bool:
+        """Whether it posts a transfer (send and receive) on its channel."""
+        return self in _POSTS
+
+    @property
+    def expects(self) -> bool:
+        """Whether it only posts a receive ahead (the transfer is posted and awaited by other events)."""
+        return self is EventKind.EXPECT_FINAL
+
+    @property
+    def waits(self) -> bool:
+        """Whether it waits for its channel's transfer in flight."""
+        return self.channel is not None and not self.posts and not self.expects
+
+
+_K = EventKind
 # event kind -> the channel it posts on, expects a receive on or waits for (None: local work)
 CHANNEL_OF = {
-    "post_inner_kv": "inner_kv", "wait_inner_kv": "inner_kv", "post_outer_kv": "outer_kv", "wait_outer_kv": "outer_kv",
-    "wait_rider": "inner_dkv", "post_rider": "inner_dkv",
-    "wait_carried": "outer_dkv", "take_carried": "outer_dkv", "post_carried": "outer_dkv",
-    "expect_final": "final_dkv", "post_final": "final_dkv", "wait_final": "final_dkv",
-    "compute": None, "accumulate_home": None, "start_rider": None, "accumulate": None,
+    _K.POST_INNER_KV: "inner_kv", _K.WAIT_INNER_KV: "inner_kv", _K.POST_OUTER_KV: "outer_kv",
+    _K.WAIT_OUTER_KV: "outer_kv", _K.WAIT_RIDER: "inner_dkv", _K.POST_RIDER: "inner_dkv",
+    _K.WAIT_CARRIED: "outer_dkv", _K.TAKE_CARRIED: "outer_dkv", _K.POST_CARRIED: "outer_dkv",
+    _K.EXPECT_FINAL: "final_dkv", _K.POST_FINAL: "final_dkv", _K.WAIT_FINAL: "final_dkv",
+    _K.COMPUTE: None, _K.ACCUMULATE_HOME: None, _K.START_RIDER: None, _K.ACCUMULATE: None,
 }
-CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "final_dkv")
+_POSTS = frozenset({_K.POST_INNER_KV, _K.POST_OUTER_KV, _K.POST_RIDER, _K.POST_CARRIED, _K.POST_FINAL})
 
 
 def final_hop_link(cp: int, w: int) -> str:
@@ -63,14 +109,14 @@ def final_hop_link(cp: int, w: int) -> str:
 
 @dataclass(frozen=True)
 class Event:
-    """One action of a rank: ``kind`` (see CHANNEL_OF); for ``compute`` the (round, step) of its block."""
+    """One action of a rank: its ``kind``; for a compute the (round, step) of its block."""
 
-    kind: str
+    kind: EventKind
     source_offset: Optional[Tuple[int, int]] = None
 
     @property
     def channel(self) -> Optional[str]:
-        return CHANNEL_OF[self.kind]
+        return self.kind.channel
 
 
 @lru_cache(maxsize=None)
@@ -79,36 +125,36 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
     if cp < 1 or w < 1 or cp % w:
         raise ValueError(f"window {w} must divide the context size {cp}")
     nw = cp // w
-    ev = [Event("expect_final")] if backward and cp > 1 else []
+    ev = [Event(_K.EXPECT_FINAL)] if backward and cp > 1 else []
     for o in range(nw):
         if o < nw - 1:
-            ev.append(Event("post_outer_kv"))
+            ev.append(Event(_K.POST_OUTER_KV))
         for t in range(w):
             if t < w - 1:
-                ev.append(Event("post_inner_kv"))
-            ev.append(Event("compute", (o, t)))
+                ev.append(Event(_K.POST_INNER_KV))
+            ev.append(Event(_K.COMPUTE, (o, t)))
             if backward and (o, t) == (0, 0):
                 if cp == 1:
-                    ev.append(Event("accumulate_home"))      # the own block's dK/dV stays home (no last hop)
+                    ev.append(Event(_K.ACCUMULATE_HOME))      # the own block's dK/dV stays home (no last hop)
             elif backward:
                 if w == 1 and o >= 2:                        # a one-step round: the carried rider gathers it
-                    ev.append(Event("take_carried"))
+                    ev.append(Event(_K.TAKE_CARRIED))
                 else:
-                    ev.append(Event("start_rider" if t == 0 or (o, t) == (0, 1) else "wait_rider"))
-                ev.append(Event("accumulate"))
+                    ev.append(Event(_K.START_RIDER if t == 0 or (o, t) == (0, 1) else _K.WAIT_RIDER))
+                ev.append(Event(_K.ACCUMULATE))
                 if t < w - 1:
-                    ev.append(Event("post_rider"))
+                    ev.append(Event(_K.POST_RIDER))
             if t < w - 1:
-                ev.append(Event("wait_inner_kv"))
+                ev.append(Event(_K.WAIT_INNER_KV))
         if backward and (o > 0 or w > 1):   # close the round on the rank that computed its block's last step
             if w > 1 and o >= 1:                             # (with w = 1 it was taken before the step)
-                ev.append(Event("wait_carried"))
+                ev.append(Event(_K.WAIT_CARRIED))
             if o < nw - 1:
-                ev.append(Event("post_carried"))
+                ev.append(Event(_K.POST_CARRIED))
             else:
-                ev.extend((Event("post_final"), Event("wait_final"), Event("accumulate_home")))
+                ev.extend((Event(_K.POST_FINAL), Event(_K.WAIT_FINAL), Event(_K.ACCUMULATE_HOME)))
         if o < nw - 1:
-            ev.append(Event("wait_outer_kv"))
+            ev.append(Event(_K.WAIT_OUTER_KV))
     return tuple(ev)
 
 
@@ -123,16 +169,16 @@ def replay(events, compute_s: float, transfer_s, link_of, interference: float = 
     done = {}
     busy = []
     for e in events:
-        if e.kind == "compute":
+        if e.kind is _K.COMPUTE:
             now = slowed_finish(now, compute_s, busy, interference)
-        elif e.kind.startswith("expect_"):
+        elif e.kind.expects:
             continue
-        elif e.kind.startswith("post_"):
+        elif e.kind.posts:
             link = link_of[e.channel]
             start = max(now, link_free.get(link, 0.0))
             link_free[link] = done[e.channel] = start + transfer_s[e.channel]
             busy.append((start, done[e.channel]))
-        elif e.channel is not None:
+        elif e.kind.waits:
             now = max(now, done[e.channel])
     return now
 

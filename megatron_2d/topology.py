@@ -38,6 +38,13 @@ class LayoutError(ValueError):
     """An invalid 2D layout: the message names the offending values and what would be valid."""
 
 
+def check_placement(placement, setting: str = "placement") -> str:
+    """``placement`` if it is one of :data:`PLACEMENTS`, else LayoutError naming ``setting``."""
+    if placement not in PLACEMENTS:
+        raise LayoutError(f"{setting} {placement!r} is not valid; choose one of {list(PLACEMENTS)}")
+    return placement
+
+
 def divisors(n: int) -> List[int]:
     """The divisors of n, ascending (the valid sizes every layout error lists)."""
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -66,8 +73,7 @@ class Layout2D:
         for name, value in (("context-parallel size", CP), ("head-parallel size", hp), ("window size", w)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-        if self.placement not in PLACEMENTS:
-            raise LayoutError(f"placement {self.placement!r} is not valid; choose one of {list(PLACEMENTS)}")
+        check_placement(self.placement)
         if CP % hp != 0:
             raise LayoutError(
                 f"head-parallel size {hp} does not divide the context-parallel size {CP}; "

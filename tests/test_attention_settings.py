@@ -53,7 +53,7 @@ def test_refused_settings_name_themselves(setting, message):
 @pytest.mark.parametrize("setting, message", [
     (dict(qk_clip=True), r"qk_clip=True"),
     (dict(deterministic_mode=True), r"deterministic_mode=True"),
-    (dict(attention_dropout=0.1), r"attention_dropout 0.1 is not supported by the 2d backend"),
+    (dict(attention_dropout=0.1), r"attention_dropout=0.1: attention dropout is not supported by the 2d backend"),
 ])
 def test_config_build_refuses(setting, message):
     with pytest.raises(ValueError, match=message):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_2d.packed_layout import MODES
+from megatron_2d.choices import PACKING_MODES
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.generated_cases import (PoisonedEmpty, draw_batch, draw_case, expected_results, failures,
                                                  run_batch)
@@ -16,14 +16,14 @@ DRAWS_PER_BATCH = 8
 
 
 def ci_draws():
-    return [(draw_batch(seed), [draw_case(draw_batch(seed), i, MODES) for i in range(DRAWS_PER_BATCH)])
+    return [(draw_batch(seed), [draw_case(draw_batch(seed), i, PACKING_MODES) for i in range(DRAWS_PER_BATCH)])
             for seed in BATCHES]
 
 
 @pytest.mark.parametrize("seed", BATCHES, ids=lambda s: f"batch{s}")
 def test_generated_draws_match_the_per_document_reference(seed):
     batch = draw_batch(seed)
-    draws = [draw_case(batch, i, MODES) for i in range(DRAWS_PER_BATCH)]
+    draws = [draw_case(batch, i, PACKING_MODES) for i in range(DRAWS_PER_BATCH)]
     per_rank = run_on_ranks(batch.world, run_batch, batch, draws, [expected_results(d) for d in draws],
                             timeout_s=180)
     problems = failures(batch, draws, per_rank)
@@ -39,7 +39,7 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
     assert worlds >= {3, 4, 6, 8} and len(worlds) >= 6 and {b.placement for b, _ in batches} == {"head_first", "context_first"}
     assert any(b.hp > 1 and b.cp > 1 and 1 < b.w < b.cp for b, _ in batches)          # 2D with a double ring
     assert any(b.hp > 1 and list(b.rank_order) != sorted(b.rank_order) for b, _ in batches)   # cp_rank_lists
-    assert {d.mode for d in draws} == {None, *MODES}
+    assert {d.mode for d in draws} == {None, *PACKING_MODES}
     packed = [d for d in draws if d.mode is not None]
     assert any(d.lengths.count(1) >= 20 for d in packed)                                # one-token documents
     assert any(len(d.lengths) >= 100 for d in packed)                                    # hundreds of tiny ones
@@ -56,8 +56,8 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
 
 def test_draws_are_a_function_of_their_seed():
     batch = draw_batch(7)
-    assert draw_batch(7) == batch and draw_case(batch, 3, MODES) == draw_case(batch, 3, MODES)
-    assert draw_case(batch, 3, MODES) != draw_case(batch, 4, MODES)
+    assert draw_batch(7) == batch and draw_case(batch, 3, PACKING_MODES) == draw_case(batch, 3, PACKING_MODES)
+    assert draw_case(batch, 3, PACKING_MODES) != draw_case(batch, 4, PACKING_MODES)
 
 
 def test_poisoned_allocations_read_as_nan():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.packed_layout import MODES
+from megatron_2d.choices import PACKING_MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
@@ -147,7 +147,7 @@ def run_new_packed_batches_guarded(rank, world):
     results, transports = {}, set()
     for hp in (2, 1):
         groups = megatron_2d.build_2d_groups(hp, 1, "head_first", timeout=TIMEOUT)
-        for mode in MODES:
+        for mode in PACKING_MODES:
             outs = []
             for guarded in (False, True):
                 layout = megatron_2d.PackedLayout(cu, groups, mode=mode)     # built ahead: may read the host
@@ -164,5 +164,6 @@ def run_new_packed_batches_guarded(rank, world):
 
 def test_new_packed_batch_makes_no_sync():
     for per_rank, neighbour_exchange_ran in run_on_ranks(4, run_new_packed_batches_guarded):
-        assert len(MODES) == 3 and per_rank == {(hp, mode): True for hp in (2, 1) for mode in MODES}, per_rank
+        assert len(PACKING_MODES) == 3
+        assert per_rank == {(hp, mode): True for hp in (2, 1) for mode in PACKING_MODES}, per_rank
         assert neighbour_exchange_ran

@@ -284,7 +284,7 @@ def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
     ([], 0),                         # nothing visible: all zeros
 ])
 def test_gather_partials_writes_every_key(ranges, first_key):
-    from megatron_2d.double_ring import add_partials, gather_partials
+    from megatron_2d.transport import add_partials, gather_partials
 
     gen = torch.Generator().manual_seed(0)
     # dK (width 3) and dV (width 2) side by side in the block format [b, keys, g, dk + dv]
@@ -354,7 +354,7 @@ def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
 
     monkeypatch.setattr(torch, "zeros", zeros_on_meta)
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(group))
-    groups_module._warm_up(group)
+    groups_module.warm_up_p2p(group)
     assert asked == [torch.device("cuda", 0)] and reduced == [group]      # the warm-up ran, with a CUDA tensor
     assert not DirectExchange(group, 1, 0, CommCounter(), "inner_ring")._receive_early
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)          # a CPU job on the same group: gloo

@@ -194,7 +194,7 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_group
     (dict(cp_2d_head_parallel_size=2, cp_2d_placement="interleaved"),
      r"cp_2d_placement 'interleaved' is not valid; choose one of \['head_first', 'context_first'\]"),
     (dict(), r"cp_comm_type '2d' needs a head-parallel size .* valid for context_parallel_size=4: \[1, 2, 4\]"),
-    (dict(cp_2d_head_parallel_size=2, attention_dropout=0.1), r"attention_dropout 0.1 is not supported"),
+    (dict(cp_2d_head_parallel_size=2, attention_dropout=0.1), r"attention_dropout=0.1: attention dropout is not supported"),
     (dict(cp_comm_type="p2p", cp_2d_head_parallel_size=2),
      r"2D settings \{'cp_2d_head_parallel_size': 2\} are set but cp_comm_type is \['p2p'\]"),
 ])

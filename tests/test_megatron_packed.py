@@ -72,11 +72,11 @@ def run_model(model, local, params):
     per_token = model(input_ids=local["tokens"], position_ids=local.get("position_ids"), attention_mask=None,
                       labels=local["labels"], packed_seq_params=params)
     count = local["loss_mask"].sum()
-    total = tg._cp_sum(count)
+    total = tg.cp_sum(count)
     local_sum = (per_token.float() * local["loss_mask"]).sum()
     (local_sum / total).backward()
     tg.all_reduce_grads_over_cp(model)
-    return {"loss": tg._cp_sum(local_sum) / total, "grads": tg.full_gradients(model),
+    return {"loss": tg.cp_sum(local_sum) / total, "grads": tg.full_gradients(model),
             "per_token_finite": bool(torch.isfinite(per_token).all())}
 
 

@@ -173,3 +173,23 @@ def test_transformer_impl_decides_and_unsupported_builds_are_refused():
                             (SimpleNamespace(restore_modelopt_state=True), "ModelOpt layer specs")):
         with pytest.raises(ValueError, match=message):
             get_gpt_layer_spec_2d(config)
+
+
+@pytest.mark.parametrize("name", ["GPT_LAYER_SPEC_2D", "gpt_layer_spec_2d"])
+def test_every_advertised_spec_loads_through_megatrons_import_module(name):
+    """``--spec megatron_2d.megatron.spec NAME`` as Megatron's builders read it (``import_module``, which returns
+    ``vars(module)[name]`` and never consults a module ``__getattr__``): the ready spec is a module attribute, a
+    ModuleSpec with CoreAttention2D as core attention, and the spec function is the one the module defines."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+    import megatron_2d.megatron as package
+    import megatron_2d.megatron.spec as ours
+    from megatron_2d.megatron.core_attention import CoreAttention2D
+
+    loaded = import_module(["megatron_2d.megatron.spec", name])
+    assert loaded is vars(ours)[name] and loaded is getattr(package, name)
+    if name == "GPT_LAYER_SPEC_2D":
+        assert isinstance(loaded, ModuleSpec)
+        assert loaded.submodules.self_attention.submodules.core_attention.module is CoreAttention2D
+    else:
+        assert callable(loaded)

@@ -15,7 +15,7 @@ import torch
 
 import megatron_2d
 from megatron_2d.document_placement import PackingCost, place_documents, zigzag_slots
-from megatron_2d.packed_layout import MODES
+from megatron_2d.choices import PACKING_MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, packed_reference_attention, rel_err, rounded
 
@@ -34,7 +34,7 @@ def layout_case_keys(world):
     hand-picked lengths, the sequence mode (which cuts the stream into 2*CP chunks, so 2*CP must divide T) on
     ``per_sequence``."""
     assert all(sum(LENGTHS["per_sequence"]) % (2 * n) == 0 for n, _, _, _ in LAYOUTS)
-    return [(mode, name, causal) for mode in MODES for name in LENGTHS
+    return [(mode, name, causal) for mode in PACKING_MODES for name in LENGTHS
             if (name == "per_sequence") == (mode == "sequence")
             for causal in ((True, False) if name in ("mixed", "per_sequence") else (True,))]
 
@@ -100,7 +100,7 @@ def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
     results = run_on_ranks(world, layout_cases, hp, w, placement)
     tol = TOLERANCE[torch.float32]
     expected = set(layout_case_keys(world))
-    assert ("sequence", "per_sequence", True) in expected and len(MODES) == 3
+    assert ("sequence", "per_sequence", True) in expected and len(PACKING_MODES) == 3
     for rank, per_rank in enumerate(results):
         assert set(per_rank) == expected
         for case, (errs, padding) in per_rank.items():
@@ -118,14 +118,14 @@ def one_token_documents(rank, world, hp, w):
     groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
     # the sequence mode cuts the stream into 2*CP chunks: a last document of 10 tokens makes T = 64
     return {mode: run_packed(groups, mode, ONE_TOKEN_DOCUMENTS + ([10] if mode == "sequence" else []), True, 8, 8)[:2]
-            for mode in MODES}
+            for mode in PACKING_MODES}
 
 
 @pytest.mark.parametrize("hp, w", [(1, 2), (4, 1), (2, 2)], ids=["hp1-cp8-w2", "hp4-cp2-w1", "hp2-cp4-w2"])
 def test_one_token_documents_at_world_8(hp, w):
     """The reported case (fp32, causal, hq = hkv = 8, d = 16, forty one-token documents) in every mode."""
     for per_rank in run_on_ranks(8, one_token_documents, hp, w):
-        assert set(per_rank) == set(MODES)
+        assert set(per_rank) == set(PACKING_MODES)
         for mode, (errs, padding) in per_rank.items():
             assert max(errs.values()) < TOLERANCE[torch.float32], (mode, errs)
             assert padding["no_nan"] and padding["pad_zero"], (mode, padding)
@@ -147,7 +147,7 @@ def test_thousand_tiny_documents():
 def bf16_and_masks(rank, world):
     groups = megatron_2d.build_2d_groups(2, 2, "context_first", timeout=TIMEOUT)
     out = {}
-    for mode in MODES:
+    for mode in PACKING_MODES:
         lengths = LENGTHS["per_sequence" if mode == "sequence" else "mixed"]
         out[(mode, "bf16")] = run_packed(groups, mode, lengths, True, 8, 2, dtype=torch.bfloat16)[0]
         out[(mode, "fp16")] = run_packed(groups, mode, lengths, True, 8, 2, dtype=torch.float16)[0]
@@ -162,7 +162,7 @@ def test_packed_bf16_fp16_windows_and_sinks():
     plus the output rounding), a sliding window within documents, and learnable sinks whose per-rank gradients
     sum to the reference's."""
     results = run_on_ranks(8, bf16_and_masks)
-    for mode in MODES:
+    for mode in PACKING_MODES:
         for dtype in ("bf16", "fp16"):
             tol = TOLERANCE[torch.bfloat16 if dtype == "bf16" else torch.float16]
             assert all(max(r[(mode, dtype)].values()) < tol for r in results), (mode, dtype)
@@ -350,7 +350,7 @@ def test_whole_documents_balance_tokens_as_well_as_pairs():
     assert p.token_imbalance < 0.01 and p.pair_imbalance < 0.01
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", PACKING_MODES)
 @pytest.mark.parametrize("CP, hp, placement", [(8, 1, "head_first"), (8, 2, "context_first"), (6, 3, "head_first")])
 def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
     """Kernel calls cover exactly the visible (query, key) pairs: summed over every context rank and source block,

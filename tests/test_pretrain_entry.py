@@ -107,7 +107,7 @@ def test_without_2d_the_entry_is_stock(parse):
     (["--cp-2d-head-parallel-size", "2", "--cp-2d-context-size", "3"], r"2 x 3 = 6 does not equal context_parallel_size 8"),
     (["--cp-2d-head-parallel-size", "16"], r"head-parallel size 16 does not divide the context-parallel size 8"),
     (["--cp-2d-head-parallel-size", "2", "--cp-2d-window-size", "3"], r"window size 3 does not divide the context size"),
-    (["--cp-2d-head-parallel-size", "2", "--attention-dropout", "0.1"], r"attention_dropout 0.1 is not supported"),
+    (["--cp-2d-head-parallel-size", "2", "--attention-dropout", "0.1"], r"attention_dropout=0.1: attention dropout is not supported"),
 ])
 def test_misconfigured_command_lines(parse, flags, message):
     flags = ["--context-parallel-size", "8", "--cp-comm-type", "2d", *flags]

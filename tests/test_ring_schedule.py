@@ -10,7 +10,7 @@ import torch
 import megatron_2d
 from megatron_2d.comm import RingExchange
 from megatron_2d.double_ring import DoubleRing
-from megatron_2d.ring_schedule import CHANNEL_OF, CHANNELS, double_ring_events, replay
+from megatron_2d.ring_schedule import CHANNEL_OF, CHANNELS, EventKind, double_ring_events, replay
 from megatron_2d.testing.distributed import run_on_ranks
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -53,13 +53,13 @@ def record_loop(rank, world, hp, w, backward):
     result = ring.run(kv, compute, dkv_dtype=torch.float32 if backward else None)
     expected = []
     for e in double_ring_events(groups.context_size, w, backward):
-        if e.kind == "compute":
+        if e.kind is EventKind.COMPUTE:
             expected.append(("compute", ring.source(*e.source_offset)))
-        elif e.kind.startswith("post_"):
+        elif e.kind.posts:
             expected.append(("post", e.channel))
-        elif e.kind.startswith("expect_"):
+        elif e.kind.expects:
             expected.append(("expect", e.channel))
-        elif e.channel is not None:
+        elif e.kind.waits:
             expected.append(("wait", e.channel))
     visited = sorted(s for kind, s in log if kind == "compute")
     own_grad = None if result is None else result.flatten().tolist()
@@ -80,7 +80,8 @@ def test_loop_follows_the_schedule(world, hp, w, backward):
 def test_replay_by_hand():
     links = {"inner_kv": "in", "inner_dkv": "in", "outer_kv": "out", "outer_dkv": "out", "final_dkv": "in"}
     fwd = double_ring_events(2, 2, False)          # post kv, compute, wait kv, compute
-    assert [e.kind for e in fwd] == ["post_inner_kv", "compute", "wait_inner_kv", "compute"]
+    assert [e.kind for e in fwd] == [EventKind.POST_INNER_KV, EventKind.COMPUTE, EventKind.WAIT_INNER_KV,
+                                     EventKind.COMPUTE]
     slow = {"inner_kv": 3.0, "outer_kv": 0.0, "inner_dkv": 0.0, "outer_dkv": 0.0}
     assert replay(fwd, 1.0, slow, links) == 4.0    # the wait exposes 3 - 1
     fast = dict(slow, inner_kv=0.5)
@@ -95,7 +96,7 @@ def test_replay_by_hand():
     # goes diagonally to (window + 1, slot + 1), on the outer link
     links = dict(links, final_dkv="out")
     bwd = double_ring_events(4, 2, True)
-    assert [e.channel for e in bwd if e.kind.startswith("post_")] == [
+    assert [e.channel for e in bwd if e.kind.posts] == [
         "outer_kv", "inner_kv", "outer_dkv", "inner_kv", "inner_dkv", "final_dkv"]
     t = {"inner_kv": 0.5, "outer_kv": 1.5, "inner_dkv": 0.5, "outer_dkv": 3.0, "final_dkv": 2.0}
     # round 0: outer kv 0-1.5, inner kv 0-0.5 | compute (own, kept home) 0-1 | compute 1-2 | carried (outer) 2-5
@@ -106,11 +107,22 @@ def test_replay_by_hand():
     assert set(CHANNEL_OF.values()) - {None} == set(t) == set(CHANNELS)
 
 
+def test_every_event_kind_is_one_action_and_the_loop_runs_each():
+    """Each kind posts, expects, waits or works locally (exactly one), local work has no channel; kinds compare
+    equal to their names, which the planner's replay may read. (The ring loop's table of one method per kind is
+    built when megatron_2d.double_ring is imported, above: a kind without a method fails that import.)"""
+    for kind in EventKind:
+        actions = [kind.posts, kind.expects, kind.waits, kind.channel is None]
+        assert actions.count(True) == 1, (kind, actions)
+        assert kind == kind.value and EventKind(kind.value) is kind
+    assert set(CHANNEL_OF) == set(EventKind)
+
+
 @pytest.mark.parametrize("cp, w", [(2, 1), (2, 2), (3, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (6, 3), (6, 2)])
 def test_riders_move_cp_minus_1_times(cp, w):
     """Every variant moves a rider cp - 1 times per rank (the own block's dK/dV stays home, as in Transformer
     Engine's ring), none of them back to where its round began."""
-    posts = [e.channel for e in double_ring_events(cp, w, True) if e.kind.startswith("post_")]
+    posts = [e.channel for e in double_ring_events(cp, w, True) if e.kind.posts]
     dkv = [c for c in posts if c.endswith("_dkv")]
     nw = cp // w
     assert len(dkv) == cp - 1
@@ -128,12 +140,12 @@ def test_every_wait_but_the_last_hop_follows_a_compute(cp, w, backward):
     posted_at = {}
     computes = 0
     for e in double_ring_events(cp, w, backward):
-        if e.kind == "compute":
+        if e.kind is EventKind.COMPUTE:
             computes += 1
-        elif e.kind.startswith("post_"):
+        elif e.kind.posts:
             assert e.channel not in posted_at, f"{e.channel} posted twice without a wait"
             posted_at[e.channel] = computes
-        elif e.channel is not None and not e.kind.startswith("expect_"):
+        elif e.kind.waits:
             hidden_behind = computes - posted_at.pop(e.channel)
-            assert hidden_behind >= (0 if e.kind == "wait_final" else 1), (e.kind, hidden_behind)
+            assert hidden_behind >= (0 if e.kind is EventKind.WAIT_FINAL else 1), (e.kind, hidden_behind)
     assert not posted_at                                       # every transfer is awaited

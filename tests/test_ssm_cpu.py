@@ -42,7 +42,7 @@ def assert_same_function(stand_in, naive, inputs, outputs=1):
 
 
 def runs(seq_idx_row, length):
-    return s._segments(seq_idx_row, length)
+    return s.document_segments(seq_idx_row, length)
 
 
 # ---- naive references ----------------------------------------------------------------------------------------

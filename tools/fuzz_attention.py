@@ -17,7 +17,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from megatron_2d.packed_layout import MODES
+from megatron_2d.choices import PACKING_MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.generated_cases import draw_batch, draw_case, expected_results, failures, run_batch
 
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.replay:
         batch_seed, index = (int(x) for x in args.replay.split(":"))
-        problems, _ = run(batch_seed, [index], MODES, args.max_world)
+        problems, _ = run(batch_seed, [index], PACKING_MODES, args.max_world)
         print("\n".join(problems) if problems else f"draw {args.replay}: exact")
         return 1 if problems else 0
     start, done, problems, slowest = time.perf_counter(), 0, [], (0.0, None)
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         seed = args.seed
         while done < args.draws:
             n = min(args.per_batch, args.draws - done)
-            found, seconds = run(seed, range(n), MODES, args.max_world)
+            found, seconds = run(seed, range(n), PACKING_MODES, args.max_world)
             slowest = max(slowest, (seconds, seed), key=lambda x: x[0])
             for line in found:
                 tqdm.write(f"FAIL {line}")

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 import torch
 
 import megatron_2d
+from megatron_2d.choices import DKV_COMM_DTYPES
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import reference_attention, rel_err
 
@@ -32,7 +33,7 @@ def ring_errors(rank: int, world: int, seq_per_rank: int, heads: int, dim: int) 
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     reference_attention(*leaves, True, dim ** -0.5).backward(dout)
     out = {}
-    for mode in ("accumulator", "input"):
+    for mode in DKV_COMM_DTYPES:
         ql, kl, vl = (megatron_2d.shard_sequence(x, rank, world).to(torch.bfloat16).requires_grad_(True)
                       for x in (q, k, v))
         megatron_2d.attention_2d(ql, kl, vl, groups, dkv_comm_dtype=mode).backward(
@@ -60,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     body = []
     for cp in (2, 4, 8):
         per_rank = run_on_ranks(cp, ring_errors, args.seq_per_rank, args.heads, args.dim, timeout_s=600)
-        worst = {m: max(r[m] for r in per_rank) for m in ("accumulator", "input")}
+        worst = {m: max(r[m] for r in per_rank) for m in DKV_COMM_DTYPES}
         body.append([str(cp), f"{worst['accumulator']:.2e}", f"{worst['input']:.2e}", "forked ranks"])
     for cp in (8, 64):
         sim = simulated_errors(cp)

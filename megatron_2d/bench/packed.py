@@ -50,14 +50,14 @@ from rich.table import Table
 
 import megatron_2d
 from megatron_2d.band import SlidingWindow
-from megatron_2d.bench.runners import _count_ring_comm_sends
+from megatron_2d.bench.runners import count_ring_comm_sends
 from megatron_2d.document_placement import PackingCost, place_documents, row_pairs, zigzag_slots
-from megatron_2d.packed_layout import MODES
+from megatron_2d.choices import PACKING_MODES
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES
 
-ROWS = ("zigzag", "documents", "sequence", "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
+ROWS = (*PACKING_MODES, "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
 GRADS = ("out", "dq", "dk", "dv")
 
 
@@ -133,7 +133,7 @@ def _time_step(step, repeats: int) -> Tuple[float, float]:
 
 def _count_ring_flash_sends(module) -> Dict[str, int]:
     """Bytes ring-flash-attn's RingComm.send_recv sends (the harness's counter, see bench.runners)."""
-    return _count_ring_comm_sends(module)
+    return count_ring_comm_sends(module)
 
 
 def _errors(idx: torch.Tensor, results: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> List[float]:
@@ -229,7 +229,7 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
     for case in cases:
         q, k, v, dout = case.tensors
         ref_max = [float(r.abs().max()) for r in case.reference]
-        for mode in MODES:
+        for mode in PACKING_MODES:
             if mode == "sequence" and int(case.cu_seqlens[-1]) % (2 * world):
                 continue
             t0 = time.perf_counter()                  # layout build + this rank's plans (once per batch)
@@ -401,7 +401,7 @@ def layout_build_times(documents: int, sizes: Sequence[Tuple[int, int]], seed: i
         layout = Layout2D(CP, hp, 1)
         places = place_all_ranks(layout, [list(range(CP))], CP)
         mid = layout.index_of(0, layout.context_size // 2)
-        for mode in MODES:
+        for mode in PACKING_MODES:
             t0 = time.process_time()
             packed = megatron_2d.PackedLayout(cu, Groups2D(layout, places[0], None, None, None, None, None),
                                               mode=mode)
@@ -493,7 +493,7 @@ def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: s
                     "a2a MiB", "pairs max/mean", "tokens max/mean", "padding", "layout ms"):
             table.add_column(col, justify="right")
         rows = {}
-        for name in ("zigzag", "documents", "sequence", "ring-flash-attn", "ring-flash-attn fp64"):
+        for name in (*PACKING_MODES, "ring-flash-attn", "ring-flash-attn fp64"):
             if (case.name, name) in results[0]:
                 rows[name] = merged(results, (case.name, name))
         if seq is not None:

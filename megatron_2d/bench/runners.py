@@ -116,7 +116,7 @@ def ring_flash_bytes(kv_elements: int, cp: int, element_size: int) -> int:
     return 2 * kv_elements * ((cp - 1) * 2 * element_size + cp * 4)
 
 
-def _count_ring_comm_sends(module) -> Dict[str, int]:
+def count_ring_comm_sends(module) -> Dict[str, int]:
     """Wrap the RingComm.send_recv of our private copy of ring-flash-attn to count the bytes it sends (idempotent)."""
     cls = module.RingComm
     if not hasattr(cls, "_bench_sent"):
@@ -139,7 +139,7 @@ class RingFlashZigzag(Runner):
 
     def __init__(self, module):
         self.func = module.zigzag_ring_flash_attn_func
-        self.counter = _count_ring_comm_sends(module)
+        self.counter = count_ring_comm_sends(module)
         self.world = dist.get_world_size()
         self.kv_shape: Tuple[int, ...] = ()
         self.element_size = 0

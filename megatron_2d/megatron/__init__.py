@@ -6,8 +6,9 @@
     model = GPTModel(config, get_gpt_layer_spec_2d(config), ...)
     model = HybridModel(config, get_hybrid_stack_spec_2d(), ..., hybrid_layer_pattern="M*-M*-")
 
-The hybrid stack specs (``get_hybrid_stack_spec_2d`` and the ready ``hybrid_stack_spec_2d*`` objects of
-:mod:`.hybrid_spec`) are loaded on first use.
+The layer specs (:mod:`.spec`'s ``get_gpt_layer_spec_2d``, ``gpt_layer_spec_2d`` and the ready
+``GPT_LAYER_SPEC_2D``; :mod:`.hybrid_spec`'s ``get_hybrid_stack_spec_2d`` and ready ``hybrid_stack_spec_2d*``) are
+loaded on first use: their modules build the ready specs when imported.
 """
 
 from .config import MLATransformerConfig2D, TransformerConfig2D
@@ -15,7 +16,6 @@ from .core_attention import CoreAttention2D
 from .hybrid_zero import HybridZeRO, model_state_bytes_per_rank
 from .process_groups import GroupRegistry, destroy_2d_groups, group_registry, groups_for
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, validate_2d_settings
-from .spec import get_gpt_layer_spec_2d, gpt_layer_spec_2d
 
 __all__ = [
     "BACKEND_NAME", "CoreAttention2D", "GPT_LAYER_SPEC_2D", "HybridZeRO", "MLATransformerConfig2D",
@@ -25,15 +25,16 @@ __all__ = [
 ]
 
 
+SPEC_NAMES = ("get_gpt_layer_spec_2d", "gpt_layer_spec_2d", "GPT_LAYER_SPEC_2D")
 HYBRID_NAMES = ("get_hybrid_stack_spec_2d", "hybrid_stack_spec_2d", "hybrid_stack_spec_2d_local",
                 "hybrid_stack_spec_2d_te")
 
 
 def __getattr__(name: str):
-    if name == "GPT_LAYER_SPEC_2D":   # built on first use (it probes Transformer Engine)
+    if name in SPEC_NAMES:
         from . import spec
 
-        return spec.GPT_LAYER_SPEC_2D
+        return getattr(spec, name)
     if name in HYBRID_NAMES:
         from . import hybrid_spec
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..choices import DKV_COMM_DTYPES, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
 from ..topology import PLACEMENTS
 from .launch_checks import check_launch_args
 from .settings import uses_2d
@@ -32,16 +33,16 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--cp-2d-placement", choices=PLACEMENTS, default="head_first",
                        help="head_first: head groups on adjacent ranks (all-to-all on NVLink); context_first: "
                             "context rings on adjacent ranks (ring P2P on NVLink).")
-    group.add_argument("--cp-2d-dkv-comm-dtype", choices=("accumulator", "input"), default="accumulator",
+    group.add_argument("--cp-2d-dkv-comm-dtype", choices=DKV_COMM_DTYPES, default="accumulator",
                        help="dK/dV riders in backward: fp32 (accumulator, exact) or the activation dtype (input, "
                             "Transformer Engine's bytes, slightly larger error as the ring grows).")
-    group.add_argument("--cp-2d-packing", choices=("zigzag", "documents", "sequence"), default="zigzag",
+    group.add_argument("--cp-2d-packing", choices=PACKING_MODES, default="zigzag",
                        help="packed documents (THD): zigzag = Megatron's per-document split (--sft batches); "
                             "sequence = Megatron's per-sequence split (chosen by itself with "
                             "--dataloader-inter-document-masking without --sft); documents = short documents whole "
                             "on one context rank, long ones split (needs examples/pretrain_gpt_2d.py's data path, "
                             "with --dataloader-inter-document-masking or --sft).")
-    group.add_argument("--cp-2d-mla-ring", choices=("expanded", "latent"), default="expanded",
+    group.add_argument("--cp-2d-mla-ring", choices=MLA_RINGS, default="expanded",
                        help="with --multi-latent-attention: what travels the context ring. expanded = per-head K/V "
                             "(as every CP backend sends them); latent = the compressed KV and rope key, "
                             "up-projected by each rank for its own heads at every ring step (fewer bytes, more "
@@ -49,7 +50,7 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--selective-checkpoint-plus-plus", action="store_true",
                        help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
                             "log-sum-exp from the forward pass so the recompute pass skips attention.")
-    group.add_argument("--selective-checkpoint-plus-plus-check", choices=("tolerance", "bitwise"),
+    group.add_argument("--selective-checkpoint-plus-plus-check", choices=RECOMPUTE_CHECKS,
                        default="tolerance",
                        help="how a recompute is compared with its first pass: within the dtype's rounding noise "
                             "(tolerance), or bit for bit (bitwise, a debug mode).")

@@ -90,8 +90,8 @@ def _is_set(name: str) -> Callable[[object], bool]:
 _KITCHEN = "kitchen attention replaces core attention; it cannot run with cp_comm_type '2d'"
 # name -> why a set (truthy) value is refused, and what would work
 _REFUSED_WHEN_SET: Dict[str, str] = {
-    "attention_dropout": "attention dropout is not implemented by the 2d backend; set attention_dropout=0.0 "
-                         "(--attention-dropout 0)",
+    "attention_dropout": "attention dropout is not supported by the 2d backend (it would be silently ignored); "
+                         "set attention_dropout=0.0 (--attention-dropout 0)",
     "qk_clip": "qk-clip needs each layer's max attention logit, which the 2d backend does not compute; set "
                "qk_clip=False or use a Transformer Engine CP backend",
     "log_max_attention_logit": "the max attention logit is not computed by the 2d backend; set "

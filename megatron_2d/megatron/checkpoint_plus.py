@@ -30,9 +30,10 @@ import torch
 
 from megatron.core.tensor_parallel.random import is_checkpointing
 
+from ..choices import RECOMPUTE_CHECKS, check_choice, choice_problem
+
 AttentionFn = Callable[..., torch.Tensor]   # (q, k, v[, sinks]) -> out
 _SAMPLES = 64  # elements per input compared between the first pass and the recompute
-RECOMPUTE_CHECKS = ("tolerance", "bitwise")
 # max |recomputed - first| / max |first| over the sampled elements that "tolerance" allows: a few units of the
 # dtype's rounding, as a recompute whose reductions run in another order gives
 RECOMPUTE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -114,8 +115,7 @@ class AttentionKeeper:
     ``check`` is how a recompute is compared with its first pass ("tolerance" or "bitwise", see the module)."""
 
     def __init__(self, check: str = "tolerance") -> None:
-        if check not in RECOMPUTE_CHECKS:
-            raise ValueError(f"Selective Checkpoint++ check {check!r} is not one of {list(RECOMPUTE_CHECKS)}")
+        check_choice("Selective Checkpoint++ check", check, RECOMPUTE_CHECKS)
         self.check = check
         self._fifo: Deque[_KeptAttention] = deque()
         self._verdicts = _Verdicts()
@@ -159,9 +159,9 @@ def check_checkpoint_plus_config(config) -> Optional[str]:
                 f"recompute_method 'uniform' or 'block' and recompute_num_layers (--recompute-granularity full "
                 f"--recompute-method uniform --recompute-num-layers 1)")
     check = getattr(config, "selective_checkpoint_plus_plus_check", "tolerance")
-    if check not in RECOMPUTE_CHECKS:
-        return (f"selective_checkpoint_plus_plus_check {check!r} is not one of {list(RECOMPUTE_CHECKS)} "
-                f"(--selective-checkpoint-plus-plus-check)")
+    problem = choice_problem("selective_checkpoint_plus_plus_check", check, RECOMPUTE_CHECKS)
+    if problem:
+        return f"{problem} (--selective-checkpoint-plus-plus-check)"
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         return ("selective_checkpoint_plus_plus is not supported with fp8/fp4 recompute (megatron then uses "
                 "Transformer Engine's checkpoint, which does not mark its passes)")

@@ -8,13 +8,12 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from ..choices import check_dkv_comm_dtype, check_packing_mode
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
+from .mla import check_mla_settings
 from .process_groups import group_registry
 from .settings import layer_comm_types, settings_from_config, uses_2d
-
-
-MLA_RINGS = ("expanded", "latent")
 
 
 @dataclass
@@ -67,18 +66,9 @@ class Fields2D:
             if problem:
                 raise ValueError(problem)
         if uses_2d(self.cp_comm_type):
-            if self.cp_2d_dkv_comm_dtype not in ("accumulator", "input"):
-                raise ValueError(f"cp_2d_dkv_comm_dtype {self.cp_2d_dkv_comm_dtype!r} is not one of "
-                                 f"['accumulator', 'input']")
-            if self.cp_2d_packing not in ("zigzag", "documents", "sequence"):
-                raise ValueError(f"cp_2d_packing {self.cp_2d_packing!r} is not one of ['zigzag', 'documents', "
-                                 f"'sequence']")
-            if self.cp_2d_mla_ring not in MLA_RINGS:
-                raise ValueError(f"cp_2d_mla_ring {self.cp_2d_mla_ring!r} is not one of {list(MLA_RINGS)}")
-            if self.cp_2d_mla_ring != "expanded" and not getattr(self, "multi_latent_attention", False):
-                raise ValueError(f"cp_2d_mla_ring {self.cp_2d_mla_ring!r} chooses what multi-latent attention sends "
-                                 f"round the ring, but multi_latent_attention is off, so it would be ignored; "
-                                 f"drop it or build an MLATransformerConfig2D (--multi-latent-attention)")
+            check_dkv_comm_dtype(self.cp_2d_dkv_comm_dtype, "cp_2d_dkv_comm_dtype")
+            check_packing_mode(self.cp_2d_packing, "cp_2d_packing")
+            check_mla_settings(self)
             settings_from_config(self)
             check_attention_settings(self)
             return

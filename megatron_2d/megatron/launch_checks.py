@@ -10,7 +10,8 @@ Every route into the library reaches them, on every rank, before any model is tr
     ``HybridStack2D``; both call :func:`check_current_launch` (megatron.training's parsed arguments, when a launch
     has set them) before any layer is built.
 
-Model-level settings (hp, window, placement, heads, dropout) are validated by ``settings_from_config``; this module
+Model-level settings are validated by ``settings_from_config`` (hp, window, placement, heads), the attention
+settings by :mod:`.attention_settings` (dropout among them) and MLA's by :func:`.mla.check_mla_settings`; this module
 covers what only the command line knows (how the data is packed, :func:`packing_mode`; a hybrid model's layer
 pattern) and the hybrid layers' needs of the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at
 construction).
@@ -55,17 +56,18 @@ def check_launch_args(args) -> None:
 
 
 def packing_mode(config) -> str:
-    """The layout THD batches come in (a :data:`megatron_2d.packed_layout.MODES` name): "documents" when
+    """The layout THD batches come in (a :data:`megatron_2d.choices.PACKING_MODES` name): "documents" when
     ``config.cp_2d_packing`` says so (the batches come from megatron_2d.megatron.packed_data); "sequence" when the
-    current launch makes Megatron split them per sequence (--dataloader-inter-document-masking without --sft:
+    launch makes Megatron split them per sequence (--dataloader-inter-document-masking without --sft:
     ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``) or the config says so; else "zigzag"
-    (Megatron's per-document split, --sft)."""
+    (Megatron's per-document split, --sft). ``config``: a TransformerConfig (the launch is the current one, if
+    any) or megatron.training's args (the launch itself)."""
     chosen = getattr(config, "cp_2d_packing", "zigzag") or "zigzag"
     if chosen == "documents":
         return chosen
-    args = current_launch_args()
-    if args is not None and getattr(args, "dataloader_inter_document_masking", False) \
-            and not getattr(args, "sft", False):
+    launch = config if hasattr(config, "dataloader_inter_document_masking") else current_launch_args()
+    if launch is not None and getattr(launch, "dataloader_inter_document_masking", False) \
+            and not getattr(launch, "sft", False):
         return "sequence"
     return chosen
 
@@ -86,9 +88,7 @@ def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -
                          f" layers: Megatron's Mamba/GDN context parallelism reads tokens in its zigzag order, and the"
                          f" documents layout keeps short documents whole on one context rank; use cp_2d_packing="
                          f"'zigzag' (--cp-2d-packing zigzag, Megatron's THD split, e.g. --sft batches)")
-    per_sequence = getattr(config, "cp_2d_packing", "zigzag") == "sequence" or (
-        getattr(config, "dataloader_inter_document_masking", False) and not getattr(config, "sft", False))
-    if (per_sequence or packing_mode(config) == "sequence") and getattr(config, "context_parallel_size", 1) > 1:
+    if packing_mode(config) == "sequence" and getattr(config, "context_parallel_size", 1) > 1:
         raise ValueError(f"Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
                          f"without --sft) cannot run a model with {' and '.join(names[s] for s in present)} layers: "
                          f"Megatron's Mamba/GDN context parallelism reads THD batches in the per-document order; use "

@@ -30,6 +30,9 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
 from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention, MLASelfAttention
 from megatron.core.utils import get_pg_size
 
+from ..choices import check_mla_ring
+from .launch_checks import packing_mode
+
 LATENT = "latent"
 
 
@@ -40,6 +43,22 @@ def uses_mla(config) -> bool:
 def mla_ring(config) -> str:
     """What the ring carries for ``config``'s MLA layers: "expanded" (the default) or "latent"."""
     return getattr(config, "cp_2d_mla_ring", "expanded")
+
+
+def check_mla_settings(config) -> None:
+    """Refuse, with ValueError, MLA settings of ``config`` (a TransformerConfig) the 2d backend cannot honour: an
+    unknown ``cp_2d_mla_ring``, a latent ring without MLA (it would be ignored), and MLA with Megatron's
+    per-sequence split of packed documents (its RoPE assumes the per-document split). The one MLA check, reached
+    from TransformerConfig2D and from the layer spec (plain TransformerConfigs)."""
+    ring = check_mla_ring(mla_ring(config))
+    if ring != "expanded" and not uses_mla(config):
+        raise ValueError(f"cp_2d_mla_ring {ring!r} chooses what multi-latent attention sends round the ring, but "
+                         f"multi_latent_attention is off, so it would be ignored; drop it or build an "
+                         f"MLATransformerConfig2D (--multi-latent-attention)")
+    if uses_mla(config) and packing_mode(config) == "sequence":
+        raise ValueError("Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
+                         "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
+                         "RoPE assumes the per-document split; use --sft batches or the documents layout")
 
 
 def use_latent_ring(spec, config, use_transformer_engine: bool):

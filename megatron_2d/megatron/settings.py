@@ -1,7 +1,8 @@
 """The 2D settings of a Megatron model and their validation (no megatron import needed here).
 
-Every failure names the offending values and the valid choices; settings that would silently run as
-something else (2D settings without the "2d" backend, attention dropout the op does not implement) are refused.
+Every failure names the offending values and the valid choices; settings that would silently run as something else
+(2D settings without the "2d" backend) are refused. Attention settings the op does not implement (dropout among
+them) are refused by :mod:`.attention_settings`, the one table of every config field.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
+from types import SimpleNamespace
+
 from ..attention import kv_replication
-from ..topology import PLACEMENTS, Layout2D, divisors
+from ..topology import Layout2D, check_placement, divisors
+from .attention_settings import check_attention_settings
 
 BACKEND_NAME = "2d"
 
@@ -55,7 +59,8 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
                          context_size: Optional[int] = None, double_ring_window: int = 1, placement: str = "head_first",
                          num_attention_heads: int, num_query_groups: Optional[int] = None,
                          tensor_model_parallel_size: int = 1, attention_dropout: float = 0.0) -> Settings2D:
-    """Check 2D settings against the model and the parallel sizes; return them, or raise ValueError."""
+    """Check 2D settings against the model and the parallel sizes; return them, or raise ValueError.
+    ``attention_dropout`` is refused unless 0 (by :mod:`.attention_settings`' refusal of it, the one check)."""
     CP, tp = context_parallel_size, tensor_model_parallel_size
     if head_parallel_size is None:
         raise ValueError(f"cp_comm_type '2d' needs a head-parallel size (cp_2d_head_parallel_size, "
@@ -66,8 +71,7 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
         raise ValueError(f"head-parallel size x context size = {hp} x {context_size} = {hp * context_size} does not "
                          f"equal context_parallel_size {CP}; choose hp and cp with hp * cp = {CP}, e.g. "
                          f"{', '.join(f'{d}x{CP // d}' for d in divisors(CP))}")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"cp_2d_placement {placement!r} is not valid; choose one of {list(PLACEMENTS)}")
+    check_placement(placement, "cp_2d_placement")
     settings = Settings2D(CP, hp, double_ring_window, placement)
     if num_attention_heads % tp != 0:
         raise ValueError(f"num_attention_heads {num_attention_heads} is not divisible by tensor parallel size {tp}")
@@ -80,13 +84,13 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
                          f"for context_parallel_size={CP}: {valid}")
     kv_replication(heads, kv_heads, hp)
     if attention_dropout:
-        raise ValueError(f"attention_dropout {attention_dropout} is not supported by the 2d backend (it would be "
-                         f"silently ignored); set attention_dropout=0.0 (--attention-dropout 0)")
+        check_attention_settings(SimpleNamespace(attention_dropout=attention_dropout))
     return settings
 
 
 def settings_from_config(config, **overrides) -> Settings2D:
-    """Validated settings from a TransformerConfig (fields ``cp_2d_*`` when present), with overrides."""
+    """Validated settings from a TransformerConfig (fields ``cp_2d_*`` when present), with overrides. (Its attention
+    settings, dropout included, are :func:`.attention_settings.check_attention_settings`' to refuse.)"""
     head_parallel_size = getattr(config, "cp_2d_head_parallel_size", None)
     context_size = getattr(config, "cp_2d_context_size", None)
     hierarchical = getattr(config, "hierarchical_context_parallel_sizes", None)
@@ -107,5 +111,4 @@ def settings_from_config(config, **overrides) -> Settings2D:
         context_parallel_size=config.context_parallel_size, num_attention_heads=config.num_attention_heads,
         # MLA builds K/V per query head (num_query_groups does not apply)
         num_query_groups=None if getattr(config, "multi_latent_attention", False) else config.num_query_groups,
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        attention_dropout=config.attention_dropout, **values)
+        tensor_model_parallel_size=config.tensor_model_parallel_size, **values)

@@ -4,6 +4,10 @@ core_attention swapped.
     --spec megatron_2d.megatron.spec gpt_layer_spec_2d      (pretrain_gpt.py; called with the model config)
     --spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D      (a ready ModuleSpec, for builders that do not call)
 
+Megatron's ``import_module`` returns ``vars(module)[name]``, so both are plain module attributes; the ready spec is
+built when this module is first imported (as :mod:`.hybrid_spec`'s are; ``import megatron_2d.megatron`` loads it only
+on first use).
+
 The choice mirrors Megatron-LM's GPT builder (gpt_builders.py, megatron.training.models.gpt.default_layer_spec):
 ``--transformer-impl`` picks Transformer Engine or local layers; MoE models (``num_moe_experts``) get the decoder
 block spec (dense and MoE layers by ``moe_layer_freq``); the layer spec functions get the same arguments Megatron
@@ -22,9 +26,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from .attention_settings import check_attention_settings
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, packing_mode
-from .mla import use_latent_ring
+from .mla import check_mla_settings, use_latent_ring
 from .per_sequence import SelfAttention2D
 from .settings import settings_from_config, uses_2d
 
@@ -125,12 +130,9 @@ def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *,
     params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     use_te = _uses_transformer_engine(config, use_transformer_engine)
+    check_mla_settings(transformer_config_of(config))
     # Megatron's per-sequence split of packed documents: RoPE at each token's position in its document
     per_sequence = packing_mode(transformer_config_of(config)) == "sequence"
-    if per_sequence and getattr(transformer_config_of(config), "multi_latent_attention", False):
-        raise ValueError("Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
-                         "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
-                         "RoPE assumes the per-document split; use --sft batches or the documents layout")
     for layer in layer_specs_of(spec):
         layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D,
                                                                                params=params)
@@ -149,12 +151,14 @@ def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> LayerSpec:
     t = transformer_config_of(config)
     if t is not None and getattr(t, "context_parallel_size", 1) > 1 and uses_2d(t.cp_comm_type):
         settings_from_config(t)
+        check_attention_settings(t)
     return get_gpt_layer_spec_2d(config, vp_stage)
 
 
-def __getattr__(name: str):
-    """``GPT_LAYER_SPEC_2D`` (for ``--spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D``) is built when first asked
-    for, not at import: building it probes Transformer Engine."""
-    if name == "GPT_LAYER_SPEC_2D":
-        return get_gpt_layer_spec_2d()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+GPT_LAYER_SPEC_2D = get_gpt_layer_spec_2d()
+"""``--spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D``: Megatron's GPT layer spec without a config (TE layers when
+Transformer Engine is installed, else local ones; no MoE, MLA or config-chosen normalization) with
+:class:`CoreAttention2D`, its settings from the config's ``cp_2d_*`` fields. Built at this module's import, from the
+launch then current (Megatron's per-sequence split of packed documents is recognised when the launch has parsed its
+flags, as it has when ``import_module`` loads the module); :func:`gpt_layer_spec_2d`, called with the config, follows
+every config choice."""

@@ -22,30 +22,30 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..attention import DKV_COMM_DTYPES, _rider_dtype
+from ..attention import rider_dtype
 from ..band import SlidingWindow
 from ..block_plan import context_chunks, plan_context_group
-from ..double_ring import gather_partials
+from ..choices import check_dkv_comm_dtype
 from ..groups import Groups2D
 from ..kernels import BlockKernel
 from ..packed_layout import PackedLayout
 from ..ring_attention import RingAttention, RingContext
 from ..topology import Layout2D, place_all_ranks
+from ..transport import ComputeFn, gather_partials
 
 
 class LoopbackTransport:
-    """Context rank ``rank``'s transport in a one-process run: every source block, directly (see the module)."""
+    """Context rank ``rank``'s transport in a one-process run: every source block, directly (see the module); a
+    :class:`~megatron_2d.transport.Transport` whose backward returns zeros (the dK/dV are in the mailbox)."""
 
     def __init__(self, rank: int, blocks: Sequence[torch.Tensor], mailbox: Dict[int, List[torch.Tensor]],
                  ring_keys: Optional[int] = None) -> None:
         self.rank, self.blocks, self.mailbox, self.ring_keys = rank, blocks, mailbox, ring_keys
-        self.cp = len(blocks)
 
-    def run(self, kv: torch.Tensor, compute, dkv_dtype: Optional[torch.dtype] = None,
-            own: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        whole = own if own is not None else kv
+    def run(self, kv: torch.Tensor, compute: ComputeFn,
+            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
         for src, block in enumerate(self.blocks):
-            block = whole if src == self.rank else block
+            block = kv if src == self.rank else block
             if self.ring_keys is not None and src != self.rank:
                 block = block[:, :self.ring_keys]                      # only the ring prefix travels
             partials = compute(block, src, 0)
@@ -53,7 +53,7 @@ class LoopbackTransport:
                 buffer = torch.empty(block.shape, dtype=dkv_dtype, device=block.device)
                 self.mailbox[src].append(gather_partials(buffer, partials))
         # the rank's own dK/dV is assembled from the mailbox once every rank has run
-        return None if dkv_dtype is None else torch.zeros(whole.shape, dtype=dkv_dtype, device=whole.device)
+        return None if dkv_dtype is None else torch.zeros(kv.shape, dtype=dkv_dtype, device=kv.device)
 
 
 def virtual_groups(layout: Layout2D, cp_index: int) -> Groups2D:
@@ -94,8 +94,7 @@ def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
                        dkv_comm_dtype: str = "accumulator", cu_seqlens=None, packing_mode: str = "zigzag"):
     """(out, dq, dk, dv, dsinks) of the whole sequence, every context rank of ``layout`` run in turn (module
     docstring). ``cu_seqlens``: packed documents in ``packing_mode``; the tensors are then the packed stream."""
-    if dkv_comm_dtype not in DKV_COMM_DTYPES:
-        raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(DKV_COMM_DTYPES)}")
+    check_dkv_comm_dtype(dkv_comm_dtype)
     b, T, hq, d = q.shape
     cp = layout.context_size
     scale = d ** -0.5 if scale is None else scale
@@ -119,7 +118,7 @@ def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
         else:
             plans = {src: plan.calls[(r, src)] for src in range(cp)}
         rc = RingContext(transport=LoopbackTransport(r, kv_rows, mailbox, ring_keys), kernel=kernel, plans=plans,
-                         scale=scale, rider_dtype=_rider_dtype(q.dtype, dkv_comm_dtype))
+                         scale=scale, rider_dtype=rider_dtype(q.dtype, dkv_comm_dtype))
         qr = _gather(q, indices[r]).requires_grad_(True)
         kvr = kv_rows[r].detach().requires_grad_(True)
         sr = None if sinks is None else sinks.detach().clone().requires_grad_(True)

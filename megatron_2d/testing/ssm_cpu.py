@@ -28,7 +28,7 @@ def _refuse(name: str, value, what: str) -> None:
                                   f"not pass it)")
 
 
-def _segments(seq_idx_row: Optional[torch.Tensor], length: int) -> List[Tuple[int, int]]:
+def document_segments(seq_idx_row: Optional[torch.Tensor], length: int) -> List[Tuple[int, int]]:
     """[start, end) runs of equal ``seq_idx`` (one packed sequence each); the whole row without seq_idx."""
     if seq_idx_row is None:
         return [(0, length)]
@@ -142,7 +142,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     y = torch.empty_like(xf)
     finals = []
     for row in range(x.shape[0]):
-        for start, end in _segments(seq_idx[row] if seq_idx is not None else None, x.shape[1]):
+        for start, end in document_segments(seq_idx[row] if seq_idx is not None else None, x.shape[1]):
             part = slice(row, row + 1), slice(start, end)
             state = initial_states[row:row + 1].float() if initial_states is not None else None
             y[part], final = _ssd_chunked(xf[part], step[part], A.float(), Bh[part], Ch[part], chunk_size, state)

@@ -363,7 +363,7 @@ def _local_loss(model: GPTModel, batch: Batch) -> tuple:
     return (per_token.float() * local["loss_mask"]).sum(), per_token
 
 
-def _cp_sum(value: torch.Tensor) -> torch.Tensor:
+def cp_sum(value: torch.Tensor) -> torch.Tensor:
     value = value.detach().clone()
     if parallel_state.get_context_parallel_world_size() > 1:
         dist.all_reduce(value, group=parallel_state.get_context_parallel_group())
@@ -386,7 +386,7 @@ def forward_backward(model: GPTModel, batch: Batch) -> Dict[str, Any]:
     (local_sum / num_tokens).backward()
     all_reduce_grads_over_cp(model)
     return {
-        "loss": _cp_sum(local_sum) / num_tokens,
+        "loss": cp_sum(local_sum) / num_tokens,
         "per_token_loss": _gather_cp_sequence(per_token, seq_dim=1),
         "grads": full_gradients(model),
     }
@@ -416,7 +416,7 @@ def train_steps(
         (local_sum / num_tokens).backward()
         all_reduce_grads_over_cp(model)
         opt.step()
-        losses.append(float(_cp_sum(local_sum) / num_tokens))
+        losses.append(float(cp_sum(local_sum) / num_tokens))
     return losses
 
 
@@ -459,7 +459,7 @@ def pipeline_forward_backward(
         )
     all_reduce_grads_over_cp(model)
     if parallel_state.is_pipeline_last_stage():
-        loss = sum(_cp_sum(r["local_sum"]) / r["tokens"] for r in reports) / num_microbatches
+        loss = sum(cp_sum(r["local_sum"]) / r["tokens"] for r in reports) / num_microbatches
     else:
         loss = None
     losses: List[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()

@@ -1,0 +1,111 @@
+"""The K/V transport contract of the ring attention, the pieces every transport shares, and the trivial transport.
+
+A transport shows ``compute`` every K/V block this rank's queries see, this rank's own first, and in backward
+brings home the dK/dV partials other ranks computed on its block. :class:`Transport` is the contract;
+:class:`~megatron_2d.double_ring.DoubleRing` (every block round the inner and outer rings),
+:class:`~megatron_2d.neighbour_exchange.NeighbourExchange` (each block straight to the ranks that see it) and
+:class:`LocalBlock` (no other rank's keys are visible: nothing moves) implement it, and so does the one-process
+:class:`megatron_2d.testing.loopback.LoopbackTransport`.
+
+Blocks and riders: kv [b, S, ...] is this rank's block (K and V side by side on the last dim, or whatever the
+caller's compute reads, e.g. MLA's latent); a dK/dV "rider" has the block's format, in the rider dtype. A partial
+gradient covers keys [k_start, k_end) of one source block, as its last-dim pieces ((dk, dv), or (d block,)).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, List, Optional, Protocol, Tuple
+
+import torch
+
+# compute(block, source_context_rank, first_key) -> None (forward) or a list of (k_start, k_end, parts): the partial
+# gradient of the source's keys [k_start, k_end), as the block's last-dim pieces (dk, dv) or the whole (d block,);
+# ``block`` holds the source's keys from ``first_key`` on
+Partials = List[Tuple[int, int, Tuple[torch.Tensor, ...]]]
+ComputeFn = Callable[[torch.Tensor, int, int], Optional[Partials]]
+
+
+class Transport(Protocol):
+    """How the K/V blocks of one context group reach the ranks whose queries see them.
+
+    ``run(kv, compute, dkv_dtype)``:
+        kv        this rank's whole block [b, S, ...] (read only: received blocks go to buffers of the transport's
+                  own). What leaves the rank is the transport's business: the whole block, only the key prefix
+                  other ranks see (packed documents' ring prefix), or only the keys each other rank sees.
+        compute   called once per visible block, the own block first (see :data:`ComputeFn`); a source whose
+                  keys this rank does not see is not visited.
+        dkv_dtype None in forward, which returns None. In backward the dtype the dK/dV partials accumulate and
+                  travel in; returns this rank's dK/dV [b, S, ...] (shaped like ``kv``, in ``dkv_dtype``): its own
+                  block's partials plus every partial other ranks computed on its keys.
+    Bytes: every byte a transport sends is added to its groups' ``comm_bytes`` under its kind ("inner_ring" /
+    "outer_ring" for the Double-Ring, "neighbour" for the neighbour exchange; none for a local block).
+    No host-device synchronisation: transfers are posted and awaited, never read on the host.
+    """
+
+    def run(self, kv: torch.Tensor, compute: ComputeFn,
+            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+        ...
+
+
+def _pieces(rows: torch.Tensor, parts: Tuple[torch.Tensor, ...]) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """(view of ``rows`` [..., D], part) for each part, the parts' last dims laid side by side along D."""
+    offset = 0
+    for part in parts:
+        width = part.shape[-1]
+        yield rows[..., offset:offset + width], part
+        offset += width
+
+
+def gather_partials(buffer: torch.Tensor, partials: Partials, first_key: int = 0) -> torch.Tensor:
+    """Write a block's partial gradients into the uninitialised ``buffer`` [b, keys from first_key, ...] (the
+    block's format: K and V side by side on the last dim): when the partials' key ranges are disjoint, each is
+    copied into place and only the keys none covers are zeroed (one pass over the buffer); overlapping partials are
+    summed onto zeros. Returns buffer."""
+    ranges = sorted((k_start - first_key, k_end - first_key) for k_start, k_end, _ in partials)
+    if any(prev[1] > nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
+        buffer.zero_()
+        add_partials(buffer, partials, first_key)
+        return buffer
+    for k_start, k_end, parts in partials:
+        for dst, part in _pieces(buffer[:, k_start - first_key:k_end - first_key], parts):
+            dst.copy_(part)
+    covered = 0
+    for start, end in ranges + [(buffer.shape[1], buffer.shape[1])]:
+        if start > covered:
+            buffer[:, covered:start].zero_()
+        covered = max(covered, end)
+    return buffer
+
+
+def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) -> None:
+    """Add a block's partial gradients (keys [k_start, k_end)) into its rider [b, keys from first_key, ...]."""
+    for k_start, k_end, parts in partials:
+        for dst, part in _pieces(rider[:, k_start - first_key:k_end - first_key], parts):
+            dst.add_(part)
+
+
+def home_gradient(whole: torch.Tensor, own_partials: Partials, last_hop: Optional[torch.Tensor],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """A rank's gradient shaped like its whole block ``whole`` [b, keys, ...]: its own block's partials plus the
+    rider of the last hop (None when nothing travels), which covers the first keys. A rider over every key becomes
+    the result itself, the partials added onto it in place (no copy)."""
+    if last_hop is not None and last_hop.shape == whole.shape:
+        add_partials(last_hop, own_partials)
+        return last_hop
+    home = gather_partials(torch.empty(whole.shape, dtype=dtype, device=whole.device), own_partials)
+    if last_hop is not None:
+        home[:, :last_hop.shape[1]].add_(last_hop)
+    return home
+
+
+class LocalBlock:
+    """The transport when no other context rank's keys are visible (whole documents only): nothing moves."""
+
+    def __init__(self, context_rank: int) -> None:
+        self.context_rank = context_rank
+
+    def run(self, kv: torch.Tensor, compute: ComputeFn,
+            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+        """:meth:`Transport.run` for the own block only."""
+        partials = compute(kv, self.context_rank, 0)
+        return None if dkv_dtype is None else home_gradient(kv, partials, None, dkv_dtype)
