@@ -177,10 +177,11 @@ def test_every_memory_option_arrives(parse):
 
 
 def test_dkv_dtype_vocabulary_is_the_ops(capsys):
-    """The planner takes the op's names (DKV_COMM_DTYPES); the older --dkv-dtype spelling maps onto them."""
-    from megatron_2d.attention import DKV_COMM_DTYPES as OP_DKV_COMM_DTYPES
+    """The planner takes the op's names (choices.DKV_COMM_DTYPES, which the op checks against); the older
+    --dkv-dtype spelling maps onto them."""
+    from megatron_2d.attention import check_dkv_comm_dtype
 
-    assert DKV_COMM_DTYPES == OP_DKV_COMM_DTYPES
+    assert [check_dkv_comm_dtype(name) for name in DKV_COMM_DTYPES] == list(DKV_COMM_DTYPES)
     outputs = {}
     for flags in (["--dkv-comm-dtype", "input"], ["--dkv-dtype", "bf16"], ["--dkv-dtype", "fp32"], []):
         assert plan_main(["--gpus", "64", "--seq", "128K", "--json", "--top", "3", *flags]) == 0
