@@ -144,3 +144,31 @@ def test_the_walker_finds_loops(tmp_path, source, expected):
     known = modules(pkg)
     graph = {name: imports_of(name, path, known, "pkg") for name, path in known.items()}
     assert cycles(graph) == expected
+
+
+def private_imports(root: Path = PACKAGE, package: str = NAME) -> List[str]:
+    """``module: from source import _name`` for every private name (one leading underscore) a module of the package
+    takes from another of its modules."""
+    found = []
+    for name, path in modules(root).items():
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if not (node.level or (node.module or "").split(".")[0] == package):
+                continue
+            found += [f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_private_names_cross_modules():
+    assert private_imports() == []
+
+
+def test_the_private_import_check_can_fail(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def _helper():\n    pass\n")
+    (package / "b.py").write_text("from .a import _helper\nfrom pkg.a import __doc__\n")
+    assert private_imports(package, "pkg") == ["pkg.b: from .a import _helper"]
