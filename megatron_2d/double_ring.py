@@ -12,7 +12,7 @@ expected from the start. The own block's dK/dV stays home; K/V and riders move c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, ClassVar, Dict, Optional, Tuple
 
 import torch
 
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
     last dK/dV hop (a :class:`~megatron_2d.transport.Transport`)."""
+
+    traffic_kinds: ClassVar[Tuple[str, ...]] = ("inner_ring", "outer_ring")
 
     def __init__(self, groups: "Groups2D", ring_keys: Optional[int] = None) -> None:
         """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`).

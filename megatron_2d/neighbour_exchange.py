@@ -24,7 +24,7 @@ that is contiguous in the block is sent as it is.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, ClassVar, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -86,6 +86,8 @@ def _selection(keys) -> Optional[KeyIntervals]:
 
 class NeighbourExchange:
     """Direct sparse K/V (and dK/dV) exchange over one context group (a :class:`~megatron_2d.transport.Transport`)."""
+
+    traffic_kinds: ClassVar[Tuple[str, ...]] = ("neighbour",)
 
     def __init__(self, groups: "Groups2D", keys: Dict[Tuple[int, int], KeyRange],
                  offsets: Optional[Sequence[int]] = None) -> None:

@@ -14,7 +14,7 @@ gradient covers keys [k_start, k_end) of one source block, as its last-dim piece
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, Optional, Protocol, Tuple
+from typing import Callable, ClassVar, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -37,10 +37,13 @@ class Transport(Protocol):
         dkv_dtype None in forward, which returns None. In backward the dtype the dK/dV partials accumulate and
                   travel in; returns this rank's dK/dV [b, S, ...] (shaped like ``kv``, in ``dkv_dtype``): its own
                   block's partials plus every partial other ranks computed on its keys.
-    Bytes: every byte a transport sends is added to its groups' ``comm_bytes`` under its kind ("inner_ring" /
-    "outer_ring" for the Double-Ring, "neighbour" for the neighbour exchange; none for a local block).
+    ``traffic_kinds``: what it sends, as the kinds (:data:`megatron_2d.comm.COMM_KINDS`) under which every byte it
+    sends is added to its groups' ``comm_bytes`` ("inner_ring" / "outer_ring" for the Double-Ring, "neighbour"
+    for the neighbour exchange, none for a local block); the planner's traffic model counts the same kinds.
     No host-device synchronisation: transfers are posted and awaited, never read on the host.
     """
+
+    traffic_kinds: ClassVar[Tuple[str, ...]]
 
     def run(self, kv: torch.Tensor, compute: ComputeFn,
             dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
@@ -100,6 +103,8 @@ def home_gradient(whole: torch.Tensor, own_partials: Partials, last_hop: Optiona
 
 class LocalBlock:
     """The transport when no other context rank's keys are visible (whole documents only): nothing moves."""
+
+    traffic_kinds: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, context_rank: int) -> None:
         self.context_rank = context_rank

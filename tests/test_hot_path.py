@@ -38,6 +38,9 @@ def run_twice_guarded(rank, world, hp, w, window, batch, latent=False):
 
     first = step()                                   # builds the setup
     cached = dict(groups.op_cache)
+    transport = next(iter(cached.values()))[1].transport
+    sent = {kind for kind, n in groups.comm_bytes.as_dict().items() if n and kind != "all_to_all"}
+    assert sent and sent <= set(transport.traffic_kinds), (sent, type(transport).__name__)   # what it says it sends
     with NoHostDataInOp(), NoSyncOps():
         second = step()
     assert len(cached) == 1 and groups.op_cache == cached                    # the same setup objects, reused

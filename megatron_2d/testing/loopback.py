@@ -17,7 +17,7 @@ T the packed stream). Blocks and riders are the op's: K and V side by side, [b, 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ from ..transport import ComputeFn, gather_partials
 class LoopbackTransport:
     """Context rank ``rank``'s transport in a one-process run: every source block, directly (see the module); a
     :class:`~megatron_2d.transport.Transport` whose backward returns zeros (the dK/dV are in the mailbox)."""
+
+    traffic_kinds: ClassVar[Tuple[str, ...]] = ()          # one process: nothing is sent
 
     def __init__(self, rank: int, blocks: Sequence[torch.Tensor], mailbox: Dict[int, List[torch.Tensor]],
                  ring_keys: Optional[int] = None) -> None:
