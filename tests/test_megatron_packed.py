@@ -61,7 +61,7 @@ def config(cp_settings=None, packing="zigzag", **overrides):
     if cp_settings is not None:
         hp, w, placement = cp_settings
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement,
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement,
                                     cp_2d_packing=packing, **overrides)
     return cfg
 
