@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_2d.bench.packed import blocked_reference, main, slot_pairs
-from megatron_2d.document_placement import zigzag_slots
+from megatron_2d.document_sharding import zigzag_slots
 from megatron_2d.plan.lengths import cu_seqlens_of
 from megatron_2d.testing.reference import packed_reference_attention
 

@@ -51,7 +51,7 @@ from rich.table import Table
 import megatron_2d
 from megatron_2d.band import SlidingWindow
 from megatron_2d.bench.runners import count_ring_comm_sends
-from megatron_2d.document_placement import PackingCost, place_documents, row_pairs, zigzag_slots
+from megatron_2d.document_sharding import PackingCost, shard_documents, row_pairs, zigzag_slots
 from megatron_2d.choices import PACKING_MODES
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
@@ -523,12 +523,12 @@ def cost_table(cu_seqlens: np.ndarray, cost: PackingCost, cp: int, hp: int) -> T
     """What the documents mode's cost model predicted for this batch, k = the number of longest documents sharded:
     the k it chose (*) against its neighbours, none sharded beyond those that must be, and all sharded."""
     lengths = np.diff(cu_seqlens)
-    chosen = place_documents(cu_seqlens, cp, hp, cost=cost)
+    chosen = shard_documents(cu_seqlens, cp, hp, cost=cost)
     k_min = int((lengths > cu_seqlens[-1] / cp).sum())
     ks = sorted({k_min, max(k_min, len(chosen.long_docs) - 1), len(chosen.long_docs),
                  min(len(lengths), len(chosen.long_docs) + 1), len(lengths)})
     desc = np.sort(lengths)[::-1]
-    ks = sorted({len(place_documents(cu_seqlens, cp, hp, cost=cost, long_threshold=int(desc[k]) if k < len(desc)
+    ks = sorted({len(shard_documents(cu_seqlens, cp, hp, cost=cost, long_threshold=int(desc[k]) if k < len(desc)
                                      else 0).long_docs) for k in ks})         # equal lengths shard together
     table = Table(title=f"documents mode's cost model (measured: pair {cost.pair_s * 1e9:.2f} ns, call "
                         f"{cost.call_s * 1e6:.0f} us, ring token-step {cost.ring_token_s * 1e6:.2f} us, ring step "
@@ -536,7 +536,7 @@ def cost_table(cu_seqlens: np.ndarray, cost: PackingCost, cp: int, hp: int) -> T
     for col in ("k sharded", "predicted ms", "pairs max/mean", "ring prefix", "view slots"):
         table.add_column(col, justify="right")
     for k in ks:
-        p = place_documents(cu_seqlens, cp, hp, long_threshold=int(desc[k]) if k < len(desc) else 0, cost=cost)
+        p = shard_documents(cu_seqlens, cp, hp, long_threshold=int(desc[k]) if k < len(desc) else 0, cost=cost)
         table.add_row(f"{len(p.long_docs)}{' *' if k == len(chosen.long_docs) else ''}", f"{p.predicted_s * 1e3:.1f}",
                       f"{1 + p.pair_imbalance:.3f}", str(p.long_prefix), str(p.view_len))
     return table
