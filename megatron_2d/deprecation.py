@@ -9,6 +9,7 @@ Renamed after 0.1.0 (the Double-Ring window was ``window_size``, which is also M
     cp_2d_window_size (config field)       -> cp_2d_ring_window
     --cp-2d-window-size                    -> --cp-2d-ring-window
     double_ring_window= (layer spec keyword, CoreAttention2D spec param) -> ring_window=
+    PackedLayout.placement (the documents mode's document sharding) -> PackedLayout.sharding
 """
 
 from __future__ import annotations
