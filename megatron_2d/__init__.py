@@ -1,7 +1,7 @@
 """megatron_2d: LoongTrain's 2D-Attention (head x context parallelism with Double-Ring) for Megatron-LM.
 
     import megatron_2d
-    groups = megatron_2d.build_2d_groups(head_parallel_size=2, window_size=2, placement="head_first")
+    groups = megatron_2d.build_2d_groups(head_parallel_size=2, ring_window=2, placement="head_first")
     out = megatron_2d.attention_2d(q, k, v, groups, causal=True)     # q [s_local, b, hq, d] (sbhd)
     groups.comm_bytes.as_dict()                                      # bytes sent by kind
 

@@ -37,7 +37,7 @@ class DoubleRing:
         prefix that other context ranks see); the own block is still computed whole. None: all keys travel."""
         layout, place, counter = groups.layout, groups.place, groups.comm_bytes
         self.ring_keys = ring_keys
-        self.cp, self.w, self.num_windows = layout.context_size, layout.window_size, layout.num_windows
+        self.cp, self.w, self.num_windows = layout.context_size, layout.ring_window, layout.num_windows
         self.window, self.slot = divmod(place.context_rank, self.w)
 
         def exchange(group, ranks, position, kind):

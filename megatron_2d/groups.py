@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .block_plan import received_chunks
 from .comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
+from .deprecation import renamed_keywords, warn_renamed
 from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 
 
@@ -46,8 +47,14 @@ class Groups2D:
         return self.layout.context_size
 
     @property
+    def ring_window(self) -> int:
+        return self.layout.ring_window
+
+    @property
     def window_size(self) -> int:
-        return self.layout.window_size
+        """Deprecated name of :attr:`ring_window` (a DeprecationWarning)."""
+        warn_renamed("Groups2D.window_size", "Groups2D.ring_window")
+        return self.layout.ring_window
 
     def received_chunks(self, context_rank: int) -> Tuple[int, ...]:
         """Chunk ids in the order the all-to-all delivers them: by head rank, then first/second zigzag half."""
@@ -94,22 +101,24 @@ def warm_up_p2p(group: Optional[dist.ProcessGroup]) -> None:
         dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)
 
 
-def build_2d_groups(head_parallel_size: int, window_size: int = 1, placement: str = "head_first",
+@renamed_keywords(window_size="ring_window")
+def build_2d_groups(head_parallel_size: int, ring_window: int = 1, placement: str = "head_first",
                     cp_rank_lists: Optional[Sequence[Sequence[int]]] = None,
                     timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None) -> Groups2D:
     """Build the 2D groups. Collective over the default group: every rank calls it with the same arguments.
 
     Args:
         head_parallel_size: hp, ranks per head group (all-to-all over heads).
-        window_size: w, context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.
+        ring_window: w, context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.
+            (``window_size=``, its deprecated name, still works this release, with a DeprecationWarning.)
         placement: "head_first" (head groups on adjacent ranks) or "context_first" (context rings adjacent).
         cp_rank_lists: global ranks of every CP group (each list ordered by CP rank); default one group of all ranks.
         timeout: timeout of the new process groups (when None: the default group's, else torch's default).
         backend: backend of the new groups (the default group's when None).
     """
     lists = [list(range(dist.get_world_size()))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
-    _check_same_arguments(head_parallel_size, window_size, placement, lists)   # before validating: no rank hangs
-    layout = Layout2D(len(lists[0]) if lists else 0, head_parallel_size, window_size, placement)
+    _check_same_arguments(head_parallel_size, ring_window, placement, lists)   # before validating: no rank hangs
+    layout = Layout2D(len(lists[0]) if lists else 0, head_parallel_size, ring_window, placement)
     return _build(layout, lists, timeout, backend)
 
 
@@ -117,13 +126,13 @@ def build_groups_for_layout(layout: Layout2D, cp_rank_lists: Sequence[Sequence[i
                             timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None) -> Groups2D:
     """:func:`build_2d_groups` for a validated layout (collective: every rank passes the same layout and lists)."""
     lists = [list(r) for r in cp_rank_lists]
-    _check_same_arguments(layout.head_parallel_size, layout.window_size, layout.placement, lists)
+    _check_same_arguments(layout.head_parallel_size, layout.ring_window, layout.placement, lists)
     return _build(layout, lists, timeout, backend)
 
 
-def _check_same_arguments(head_parallel_size, window_size, placement, lists: List[List[int]]) -> None:
+def _check_same_arguments(head_parallel_size, ring_window, placement, lists: List[List[int]]) -> None:
     """LayoutError on every rank unless all ranks passed the same (hp, w, placement, cp_rank_lists)."""
-    check_same_on_every_rank((head_parallel_size, window_size, placement, lists), [dist.group.WORLD],
+    check_same_on_every_rank((head_parallel_size, ring_window, placement, lists), [dist.group.WORLD],
                              "build_2d_groups called with different arguments (hp, w, placement, cp_rank_lists)",
                              error=LayoutError)
 

@@ -5,7 +5,7 @@
     q_local = layout.shard(q)        # [T, hq, d] -> [t_local, hq, d] (padding slots zero)
     out = megatron_2d.attention_2d(q_local, k_local, v_local, groups, packing=layout)
 
-Modes (placement math in :mod:`megatron_2d.document_placement`, views in :mod:`megatron_2d.packed_views`):
+Modes (sharding math in :mod:`megatron_2d.document_sharding`, views in :mod:`megatron_2d.packed_views`):
     zigzag      Megatron / Transformer Engine THD: every document padded to a multiple of 2*CP, CP rank i holds
                 its chunks i and 2*CP-1-i; every document's K/V travel the whole ring.
     documents   short documents whole on one context rank (local attention, no ring traffic), long ones
@@ -31,9 +31,10 @@ import torch
 from .band import SlidingWindow
 from .block_plan import BlockCall
 from .choices import check_packing_mode
-from .document_placement import (DocumentPlacement, PackingCost, documents_slots, place_documents, sequence_rows,
-                                 zigzag_rows)
 from .comm import check_same_on_every_rank, to_device
+from .deprecation import warn_renamed
+from .document_sharding import (DocumentSharding, PackingCost, documents_slots, sequence_rows, shard_documents,
+                                zigzag_rows)
 from .groups import Groups2D
 from .neighbour_exchange import KeyIntervals
 from .packed_plan import Runs, key_intervals, plan_view
@@ -80,10 +81,16 @@ class PackedLayout:
         cu_seqlens_padded: zigzag only: Megatron's padded cumulative lengths (each document a multiple of
             2*CP and at least its real length); default: each length rounded up to a multiple of 2*CP.
         long_threshold: documents only: shard documents longer than this (default: the cost rule of
-            :func:`megatron_2d.document_placement.place_documents`).
-        cost: documents only: the :class:`megatron_2d.document_placement.PackingCost` that rule predicts step
+            :func:`megatron_2d.document_sharding.shard_documents`).
+        cost: documents only: the :class:`megatron_2d.document_sharding.PackingCost` that rule predicts step
             times with (default: the planner's H100 figures); identical on every rank.
     """
+
+    @property
+    def placement(self) -> Optional[DocumentSharding]:
+        """Deprecated name of :attr:`sharding` (a DeprecationWarning): the documents mode's document sharding."""
+        warn_renamed("PackedLayout.placement", "PackedLayout.sharding")
+        return self.sharding
 
     def __init__(self, cu_seqlens, groups: Groups2D, mode: str = "zigzag", *, cu_seqlens_padded=None,
                  long_threshold: Optional[int] = None, cost: Optional[PackingCost] = None) -> None:
@@ -94,7 +101,7 @@ class PackedLayout:
         self.cu_seqlens, self.groups, self.mode = cu, groups, mode
         layout: Layout2D = groups.layout
         CP, hp, cp = layout.cp_size, layout.head_parallel_size, layout.context_size
-        self.placement: Optional[DocumentPlacement] = None
+        self.sharding: Optional[DocumentSharding] = None
         padded = None
         if cu_seqlens_padded is not None:
             if mode != "zigzag":
@@ -112,9 +119,9 @@ class PackedLayout:
             self.view_len = zigzag_view_len(cu, layout, padded)
             self.ring_tokens = self.view_len
         elif mode == "documents":
-            self.placement = place_documents(cu, cp, hp, long_threshold=long_threshold, cost=cost)
-            self.runs = self.placement.runs
-            self.view_len, self.ring_tokens = self.placement.view_len, self.placement.long_prefix
+            self.sharding = shard_documents(cu, cp, hp, long_threshold=long_threshold, cost=cost)
+            self.runs = self.sharding.runs
+            self.view_len, self.ring_tokens = self.sharding.view_len, self.sharding.long_prefix
         else:
             if int(cu[-1]) % (2 * CP):
                 raise ValueError(f"the sequence mode cuts the packed stream into 2*CP = {2 * CP} equal chunks, as "
@@ -164,7 +171,7 @@ class PackedLayout:
         """[CP, t_local] every rank's slots (materialised on first use: CP * t_local entries)."""
         layout = self.groups.layout
         if self.mode == "documents":
-            return documents_slots(self.placement, layout)
+            return documents_slots(self.sharding, layout)
         return self.slots_of(np.arange(layout.cp_size))
 
     @functools.cached_property
@@ -260,7 +267,7 @@ class PackedLayout:
                 "tokens_max_over_mean": float(t.max() / max(t.mean(), 1)),
                 "padding_fraction": self.padding_fraction,
                 "ring_tokens": self.ring_tokens, "view_tokens": self.view_len,
-                "long_documents": (int(len(self.placement.long_docs)) if self.placement is not None
+                "long_documents": (int(len(self.sharding.long_docs)) if self.sharding is not None
                                    else len(self.cu_seqlens) - 1)}
 
     # -- plans -------------------------------------------------------------------------------------

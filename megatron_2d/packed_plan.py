@@ -1,7 +1,7 @@
 """Kernel calls for packed documents: one call per pair of same-document runs, none across documents.
 
 Notation
-    view    a context rank's slots after the head all-to-all (see :mod:`megatron_2d.document_placement`):
+    view    a context rank's slots after the head all-to-all (see :mod:`megatron_2d.document_sharding`):
             each the token's index in the packed stream, or -1 for padding
     run     a maximal stretch of view slots holding consecutive tokens of one document: (view, start, length,
             doc, pos), pos = position in the document of its first token

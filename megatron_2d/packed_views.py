@@ -1,7 +1,7 @@
 """Every context rank's ring view of a packed batch, as runs (numpy over all views at once, no per-rank loops).
 
 A context rank's view is what it holds after the head all-to-all, in the order its ring uses (see
-:mod:`megatron_2d.document_placement` for the layouts). Materialising every view costs CP * t_local slots (every
+:mod:`megatron_2d.document_sharding` for the layouts). Materialising every view costs CP * t_local slots (every
 document padded to 2*CP in zigzag), so the layout describes them by their runs instead: stretches of consecutive
 tokens of one document (:class:`megatron_2d.packed_plan.Runs`), computed here from the layout's arithmetic. A
 piece is the part of one zigzag chunk (or one whole document) that holds real tokens; pieces are enumerated in

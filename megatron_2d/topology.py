@@ -4,7 +4,7 @@ Notation
     CP   size of one context-parallel group (a list of global ranks, Megatron's CP group)
     hp   head-parallel size: ranks in a head group (all-to-all over heads, Ulysses style)
     cp   context size = CP / hp: ranks in a context group (ring attention)
-    w    window size: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring
+    w    ring window: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring
     i    a rank's index in its CP rank list (its Megatron CP rank)
     hr   head rank: index inside the head group, 0 <= hr < hp
     cr   context rank: index inside the context group, 0 <= cr < cp
@@ -15,7 +15,7 @@ Placement maps (hr, cr) to i:
 
 Windows cut a context group by context rank: window = cr // w, slot = cr % w.
 
-    >>> layout = Layout2D(cp_size=8, head_parallel_size=2, window_size=2, placement="head_first")
+    >>> layout = Layout2D(cp_size=8, head_parallel_size=2, ring_window=2, placement="head_first")
     >>> layout.head_groups([0, 1, 2, 3, 4, 5, 6, 7])
     [[0, 1], [2, 3], [4, 5], [6, 7]]
     >>> layout.context_groups([0, 1, 2, 3, 4, 5, 6, 7])
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
+
+from .deprecation import renamed_keywords, warn_renamed
 
 PLACEMENTS = ("head_first", "context_first")
 
@@ -61,16 +63,18 @@ def zigzag_chunks(cp_index: int, cp_size: int) -> Tuple[int, int]:
 
 @dataclass(frozen=True)
 class Layout2D:
-    """The shape of 2D context parallelism inside one CP group of ``cp_size`` ranks."""
+    """The shape of 2D context parallelism inside one CP group of ``cp_size`` ranks: ``head_parallel_size`` (hp),
+    ``ring_window`` (w, the Double-Ring window) and ``placement``. (``window_size=`` is the deprecated name of
+    ``ring_window``: see :mod:`megatron_2d.deprecation`.)"""
 
     cp_size: int
     head_parallel_size: int
-    window_size: int
+    ring_window: int
     placement: str = "head_first"
 
     def __post_init__(self) -> None:
-        CP, hp, w = self.cp_size, self.head_parallel_size, self.window_size
-        for name, value in (("context-parallel size", CP), ("head-parallel size", hp), ("window size", w)):
+        CP, hp, w = self.cp_size, self.head_parallel_size, self.ring_window
+        for name, value in (("context-parallel size", CP), ("head-parallel size", hp), ("ring window", w)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
         check_placement(self.placement)
@@ -81,8 +85,14 @@ class Layout2D:
         cp = CP // hp
         if cp % w != 0:
             raise LayoutError(
-                f"window size {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "
-                f"valid window sizes: {divisors(cp)}")
+                f"ring window {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "
+                f"valid ring windows: {divisors(cp)}")
+
+    @property
+    def window_size(self) -> int:
+        """Deprecated name of :attr:`ring_window` (a DeprecationWarning)."""
+        warn_renamed("Layout2D.window_size", "Layout2D.ring_window")
+        return self.ring_window
 
     @property
     def context_size(self) -> int:
@@ -92,7 +102,7 @@ class Layout2D:
     @property
     def num_windows(self) -> int:
         """cp / w: ranks in the outer ring."""
-        return self.context_size // self.window_size
+        return self.context_size // self.ring_window
 
     # -- index maps -------------------------------------------------------------------------------
     def index_of(self, head_rank: int, context_rank: int) -> int:
@@ -114,10 +124,10 @@ class Layout2D:
         inner ring, (hr, window*w + (slot+1) % w), when w > 1; 'outer' the next rank of its outer ring,
         (hr, (cr + w) % cp), when cp / w > 1.
 
-        >>> Layout2D(cp_size=8, head_parallel_size=2, window_size=2).send_peers(0)
+        >>> Layout2D(cp_size=8, head_parallel_size=2, ring_window=2).send_peers(0)
         {'a2a': [1], 'inner': [2], 'outer': [4]}
         """
-        hp, cp, w = self.head_parallel_size, self.context_size, self.window_size
+        hp, cp, w = self.head_parallel_size, self.context_size, self.ring_window
         hr, cr = self.coords_of(index)
         window, slot = divmod(cr, w)
         return {"a2a": [self.index_of(h, cr) for h in range(hp) if h != hr],
@@ -134,11 +144,11 @@ class Layout2D:
         return [[self.index_of(hr, cr) for cr in range(cp)] for hr in range(hp)]
 
     def _intra_window_indices(self) -> List[List[int]]:
-        w = self.window_size
+        w = self.ring_window
         return [ctx[k * w:(k + 1) * w] for ctx in self._context_group_indices() for k in range(self.num_windows)]
 
     def _inter_window_indices(self) -> List[List[int]]:
-        w = self.window_size
+        w = self.ring_window
         return [ctx[slot::w] for ctx in self._context_group_indices() for slot in range(w)]
 
     # -- groups, as lists of global ranks -----------------------------------------------------------
@@ -164,11 +174,15 @@ class Layout2D:
         return self._map(cp_ranks, self._inter_window_indices())
 
 
+# the generated constructor also takes ring_window's deprecated name, window_size= (with a DeprecationWarning)
+Layout2D.__init__ = renamed_keywords(window_size="ring_window")(Layout2D.__init__)
+
+
 def every_layout(cp_size: int) -> List[Layout2D]:
     """Every layout of a CP group of ``cp_size`` ranks, by hp, then w, then placement; the two placements are the
     same layout when hp or cp is 1 (listed once, as head_first).
 
-    >>> [(l.head_parallel_size, l.window_size, l.placement) for l in every_layout(4)][:4]
+    >>> [(l.head_parallel_size, l.ring_window, l.placement) for l in every_layout(4)][:4]
     [(1, 1, 'head_first'), (1, 2, 'head_first'), (1, 4, 'head_first'), (2, 1, 'head_first')]
     """
     out = []

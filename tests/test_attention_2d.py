@@ -333,15 +333,39 @@ def run_bad_layout(rank, world, kwargs):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(head_parallel_size=3, window_size=1), r"head-parallel size 3 does not divide the context-parallel size 4"),
-    (dict(head_parallel_size=1, window_size=3), r"window size 3 does not divide the context size cp = CP/hp = 4/1 = 4"),
-    (dict(head_parallel_size=2, window_size=1, placement="ring_first"), r"placement 'ring_first' is not valid"),
-    (dict(head_parallel_size=2, window_size=1, cp_rank_lists=[[0, 1], [1, 2]]), r"ranks \[1\] appear more than once"),
-    (dict(head_parallel_size=2, window_size=1, cp_rank_lists=[[0, 1]]), r"ranks \[2, 3\] are missing"),
+    (dict(head_parallel_size=3, ring_window=1), r"head-parallel size 3 does not divide the context-parallel size 4"),
+    (dict(head_parallel_size=1, ring_window=3), r"ring window 3 does not divide the context size cp = CP/hp = 4/1 = 4"),
+    (dict(head_parallel_size=2, ring_window=1, placement="ring_first"), r"placement 'ring_first' is not valid"),
+    (dict(head_parallel_size=2, ring_window=1, cp_rank_lists=[[0, 1], [1, 2]]), r"ranks \[1\] appear more than once"),
+    (dict(head_parallel_size=2, ring_window=1, cp_rank_lists=[[0, 1]]), r"ranks \[2, 3\] are missing"),
 ])
 def test_bad_layouts_raise_on_every_rank(kwargs, message):
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(4, run_bad_layout, kwargs, timeout_s=30)
+
+
+def run_deprecated_window_size(rank, world):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        groups = megatron_2d.build_2d_groups(1, window_size=2, timeout=TIMEOUT)
+        window = groups.window_size
+    return groups.ring_window, window, [str(w.message) for w in caught if w.category is DeprecationWarning]
+
+
+def test_window_size_is_the_deprecated_name_of_ring_window():
+    """build_2d_groups(window_size=) and Groups2D.window_size still work this release, each with a DeprecationWarning
+    naming ring_window; giving both names is a TypeError naming both (before any collective: no rank waits)."""
+    for ring_window, window, messages in run_on_ranks(2, run_deprecated_window_size, timeout_s=30):
+        assert (ring_window, window) == (2, 2)
+        assert any("build_2d_groups(window_size=) is deprecated" in m and "build_2d_groups(ring_window=)" in m
+                   for m in messages), messages
+        assert any("Groups2D.window_size is deprecated" in m and "Groups2D.ring_window" in m for m in messages)
+    for call in (lambda: megatron_2d.build_2d_groups(1, ring_window=2, window_size=2),
+                 lambda: megatron_2d.build_2d_groups(1, 2, window_size=2)):
+        with pytest.raises(TypeError, match=r"got both ring_window= and its deprecated name window_size="):
+            call()
 
 
 def run_multi_group(rank, world):

@@ -1,4 +1,5 @@
-"""The packed benchmark's pieces: its blocked fp64 reference equals the dense one, its rows pass their checks."""
+"""The packed benchmark's pieces: the blockwise fp64 reference it uses (testing.reference's, over cu_seqlens)
+equals the dense one, its rows pass their checks."""
 
 from __future__ import annotations
 
@@ -6,22 +7,28 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_2d.bench.packed import blocked_reference, main, slot_pairs
-from megatron_2d.document_placement import zigzag_slots
+from megatron_2d.bench.packed import main, slot_pairs
+from megatron_2d.document_sharding import zigzag_slots
 from megatron_2d.plan.lengths import cu_seqlens_of
-from megatron_2d.testing.reference import packed_reference_attention
+from megatron_2d.testing.reference import blockwise_reference, packed_reference_attention
 
 
-def test_blocked_reference_equals_the_dense_reference_and_autograd():
+@pytest.mark.parametrize("causal, window, kv_heads", [(True, (-1, -1), 3), (True, (9, 0), 1), (False, (4, 6), 1),
+                                                     (False, (-1, -1), 3)])
+def test_blockwise_reference_over_documents_equals_the_dense_reference_and_autograd(causal, window, kv_heads):
     g = torch.Generator().manual_seed(1)
     cu = cu_seqlens_of([1, 37, 5, 70])
-    q, k, v, do = (torch.randn(int(cu[-1]), 3, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    T = int(cu[-1])
+    q, do = (torch.randn(T, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(T, kv_heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    expected = packed_reference_attention(*leaves, cu, causal=True, scale=0.3)
+    expected = packed_reference_attention(*leaves, cu, causal=causal, scale=0.3, window=window)
     expected.backward(do)
-    got = blocked_reference(q, k, v, do, cu, 0.3, block=16)
-    for a, e in zip(got, [expected.detach()] + [x.grad for x in leaves]):
-        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+    for max_elements in (3 * 16 * 70, 2 ** 24):          # blocks of 16 rows of the longest document; one block each
+        got = blockwise_reference(q, k, v, do, cu, causal=causal, window=window, scale=0.3,
+                                  max_elements=max_elements)
+        for a, e in zip(got, [expected.detach()] + [x.grad for x in leaves]):
+            torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
 
 
 def test_slot_pairs_counts_causal_pairs_per_rank():

@@ -38,7 +38,7 @@ def model_config(recompute, hp, micro_batch_size=2, **kwargs):
     cfg = tg.TinyGPTConfig(num_layers=LAYERS, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                            seq_length=64, micro_batch_size=micro_batch_size, config_class=TransformerConfig2D,
                            cp_comm_type="2d", **kwargs)
-    cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=1, **RECOMPUTE[recompute])
+    cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_ring_window=1, **RECOMPUTE[recompute])
     return cfg
 
 

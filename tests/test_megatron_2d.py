@@ -44,7 +44,7 @@ def model_config(name, settings=None):
         hp, w, placement = settings
         cfg.config_class = TransformerConfig2D
         cfg.cp_comm_type = "2d"
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement)
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement)
     return cfg
 
 
@@ -188,8 +188,8 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_group
     (dict(num_attention_heads=6, num_query_groups=6, hidden_size=60, cp_2d_head_parallel_size=4),
      r"head-parallel size 4 does not divide the 6 attention heads per tensor-parallel rank .* valid head-parallel "
      r"sizes for context_parallel_size=4: \[1, 2\]"),
-    (dict(cp_2d_head_parallel_size=2, cp_2d_window_size=3),
-     r"window size 3 does not divide the context size cp = CP/hp = 4/2 = 2; valid window sizes: \[1, 2\]"),
+    (dict(cp_2d_head_parallel_size=2, cp_2d_ring_window=3),
+     r"ring window 3 does not divide the context size cp = CP/hp = 4/2 = 2; valid ring windows: \[1, 2\]"),
     (dict(cp_2d_head_parallel_size=3), r"head-parallel size 3 does not divide the context-parallel size 4"),
     (dict(cp_2d_head_parallel_size=2, cp_2d_placement="interleaved"),
      r"cp_2d_placement 'interleaved' is not valid; choose one of \['head_first', 'context_first'\]"),
@@ -207,6 +207,35 @@ def test_config_accepts_per_layer_lists():
     config = TransformerConfig2D(**{**BASE, "cp_comm_type": ["2d", "2d"], "cp_2d_head_parallel_size": 4,
                                     "cp_2d_placement": "context_first"})
     assert config.cp_2d_head_parallel_size == 4
+
+
+def test_cp_2d_window_size_is_the_deprecated_name_of_cp_2d_ring_window():
+    """The old config field still works this release (copied into cp_2d_ring_window, with a DeprecationWarning
+    naming it); both set to different values is a ValueError naming both; without the 2d backend it is refused
+    like the new one."""
+    with pytest.warns(DeprecationWarning, match=r"cp_2d_window_size is deprecated .* use cp_2d_ring_window"):
+        config = TransformerConfig2D(**BASE, cp_2d_head_parallel_size=2, cp_2d_window_size=2)
+    assert (config.cp_2d_ring_window, config.cp_2d_window_size) == (2, None)
+    with pytest.warns(DeprecationWarning):
+        TransformerConfig2D(**BASE, cp_2d_head_parallel_size=2, cp_2d_ring_window=2, cp_2d_window_size=2)
+    with pytest.raises(ValueError, match=r"cp_2d_ring_window=2 and its deprecated name cp_2d_window_size=1 are both "
+                                         r"set, to different values; set cp_2d_ring_window only"):
+        TransformerConfig2D(**BASE, cp_2d_head_parallel_size=1, cp_2d_ring_window=2, cp_2d_window_size=1)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"\{'cp_2d_ring_window': 2\} are set"):
+        TransformerConfig2D(**{**BASE, "cp_comm_type": "p2p"}, cp_2d_window_size=2)
+
+
+def test_double_ring_window_is_the_deprecated_name_of_ring_window():
+    from megatron_2d.megatron.hybrid_spec import get_hybrid_stack_spec_2d
+
+    with pytest.warns(DeprecationWarning, match=r"get_gpt_layer_spec_2d\(double_ring_window=\) is deprecated .* "
+                                                r"use get_gpt_layer_spec_2d\(ring_window=\)"):
+        spec = get_gpt_layer_spec_2d(use_transformer_engine=False, double_ring_window=2)
+    assert spec.submodules.self_attention.submodules.core_attention.params == {"ring_window": 2}
+    with pytest.warns(DeprecationWarning, match=r"get_hybrid_stack_spec_2d\(double_ring_window=\) is deprecated"):
+        get_hybrid_stack_spec_2d(use_transformer_engine=False, double_ring_window=2)
+    with pytest.raises(TypeError, match=r"got both ring_window= and its deprecated name double_ring_window="):
+        get_gpt_layer_spec_2d(use_transformer_engine=False, ring_window=2, double_ring_window=2)
 
 
 def run_misconfigured(rank, world, case):
@@ -268,7 +297,7 @@ def test_stock_hierarchical_sizes_give_head_then_context():
                              tensor_model_parallel_size=1, attention_dropout=0.0,
                              hierarchical_context_parallel_sizes=[2, 4])
     settings = settings_from_config(config)
-    assert (settings.head_parallel_size, settings.context_size, settings.double_ring_window) == (2, 4, 1)
+    assert (settings.head_parallel_size, settings.context_size, settings.ring_window) == (2, 4, 1)
     config.hierarchical_context_parallel_sizes = [4, 2]
     assert settings_from_config(config).head_parallel_size == 4
     config.hierarchical_context_parallel_sizes = [2, 2, 2]

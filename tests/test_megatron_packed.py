@@ -16,7 +16,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d
-from megatron_2d.document_placement import place_documents
+from megatron_2d.document_sharding import shard_documents
 from megatron_2d.megatron.packed_data import (documents_batch_on_this_cp_rank, get_thd_batch_on_this_cp_rank_2d,
                                               groups_of_model, use_document_positions)
 from megatron_2d.testing import tiny_gpt as tg
@@ -61,7 +61,7 @@ def config(cp_settings=None, packing="zigzag", **overrides):
     if cp_settings is not None:
         hp, w, placement = cp_settings
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement,
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement,
                                     cp_2d_packing=packing, **overrides)
     return cfg
 
@@ -107,10 +107,10 @@ def run_all(rank, world):
         local, params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
         out[(name, "documents")] = run_model(model, local, params)
         out[(name, "documents_stats")] = params.layout.stats()
-        placement = params.layout.placement
-        fair = sum(LENGTHS) / placement.cp               # longer documents are always sharded (memory)
-        out[(name, "documents_choice")] = (placement.predicted_s, min(            # every k, placed for real
-            place_documents(cu_real.numpy(), placement.cp, settings[0], long_threshold=t).predicted_s
+        sharding = params.layout.sharding
+        fair = sum(LENGTHS) / sharding.cp               # longer documents are always sharded (memory)
+        out[(name, "documents_choice")] = (sharding.predicted_s, min(            # every k, placed for real
+            shard_documents(cu_real.numpy(), sharding.cp, settings[0], long_threshold=t).predicted_s
             for t in [0] + sorted(LENGTHS) if t <= fair))
         # Selective Checkpoint++ (full-layer recompute that keeps attention) on packed batches
         model = use_document_positions(tg.build_tiny_gpt(config(settings, "documents", **CKPT_PLUS_PLUS), spec))

@@ -45,7 +45,7 @@ def config_of(name, layout=None):
     if layout is not None:
         hp, w, placement = LAYOUTS[layout][1]
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
-        cfg.config_overrides.update(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement)
+        cfg.config_overrides.update(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement)
     return cfg
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.document_placement import PackingCost, place_documents, zigzag_slots
+from megatron_2d.document_sharding import PackingCost, shard_documents, zigzag_slots
 from megatron_2d.choices import PACKING_MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, packed_reference_attention, rel_err, rounded
@@ -226,9 +226,9 @@ def test_zigzag_slots_equal_transformer_engine_partitioning(cp_size):
         assert slots[rank].tolist() == pos_stream
 
 
-def test_documents_placement_chooses_by_cost_and_keeps_short_documents_whole():
-    """The documents placement shards the k longest documents for the k whose placement predicts the shortest
-    step (checked against every k placed for real), under a GPU-like and a CPU-like cost; whatever it chooses, every
+def test_documents_sharding_chooses_by_cost_and_keeps_short_documents_whole():
+    """The documents sharding shards the k longest documents for the k whose sharding predicts the shortest
+    step (checked against every k sharded for real), under a GPU-like and a CPU-like cost; whatever it chooses, every
     real token is placed once, whole documents lie contiguous on their owner, only sharded ones are padded."""
     rng = np.random.default_rng(0)
     lengths = np.maximum(1, rng.lognormal(5.5, 1.0, size=400).astype(np.int64))
@@ -237,8 +237,8 @@ def test_documents_placement_chooses_by_cost_and_keeps_short_documents_whole():
     costs = [PackingCost.from_hardware(445, 450), PackingCost(pair_s=3e-9, ring_token_s=5e-6, call_s=1e-4,
                                                               ring_step_s=1e-3, overlap=0.0)]
     for cp, cost in [(2, costs[0]), (4, costs[1]), (8, costs[0]), (8, costs[1])]:
-        p = place_documents(cu, cp=cp, hp=2, cost=cost)
-        every_k = [place_documents(cu, cp, 2, long_threshold=int(desc[k]), cost=cost).predicted_s for k in range(40)]
+        p = shard_documents(cu, cp=cp, hp=2, cost=cost)
+        every_k = [shard_documents(cu, cp, 2, long_threshold=int(desc[k]), cost=cost).predicted_s for k in range(40)]
         assert p.predicted_s <= min(every_k) + 1e-12 and len(p.long_docs) < 40
         owner_ok = (p.owner[p.long_docs] == -1).all() and (np.delete(p.owner, p.long_docs) >= 0).all()
         assert owner_ok
@@ -263,7 +263,7 @@ def test_cost_model_prefers_whole_documents_when_the_ring_is_dear():
     cu = np.concatenate([[0], np.cumsum(lengths)])
     cheap = PackingCost(pair_s=1e-9, ring_token_s=1e-12, overlap=1.0)
     dear = PackingCost(pair_s=1e-9, ring_token_s=1e-4, overlap=0.0)
-    balanced, whole = place_documents(cu, 8, 1, cost=cheap), place_documents(cu, 8, 1, cost=dear)
+    balanced, whole = shard_documents(cu, 8, 1, cost=cheap), shard_documents(cu, 8, 1, cost=dear)
     assert len(whole.long_docs) == int((lengths > cu[-1] / 8).sum()) < len(balanced.long_docs)
     assert balanced.pair_imbalance < 0.05 < whole.pair_imbalance
 
@@ -343,7 +343,7 @@ def test_whole_documents_balance_tokens_as_well_as_pairs():
     four of 1000 ~ the same pairs): the 2000 one-token documents must even the tokens out, not the pairs alone."""
     lengths = np.array([2000, 1000, 1000, 1000, 1000] + [1] * 2000)
     cu = np.concatenate([[0], np.cumsum(lengths)])
-    p = place_documents(cu, cp=2, hp=1, long_threshold=10 ** 9)               # everything whole
+    p = shard_documents(cu, cp=2, hp=1, long_threshold=10 ** 9)               # everything whole
     assert len(p.long_docs) == 0
     tokens = (p.views >= 0).sum(axis=1)
     assert tokens.max() / tokens.mean() - 1 < 0.01, tokens

@@ -197,7 +197,7 @@ def test_placement_matches_megatron_2d_topology():
     # The planner's rank maps must agree with the implementation's (megatron_2d.topology), when importable.
     for hp, cp, w in [(2, 4, 2), (4, 2, 1), (2, 8, 4)]:
         for placement in ("head_first", "context_first"):
-            lay = topology.Layout2D(cp_size=hp * cp, head_parallel_size=hp, window_size=w, placement=placement)
+            lay = topology.Layout2D(cp_size=hp * cp, head_parallel_size=hp, ring_window=w, placement=placement)
             ranks = list(range(hp * cp))
             for i in ranks:
                 p = peers(i, hp, cp, w, placement)
@@ -282,7 +282,7 @@ def test_infeasible_layouts_have_reasons():
     # hp beyond the query heads
     assert "query heads" in _reason(Layout("a2a", 64, 1, 1))
     # w not dividing cp
-    assert "window size 3 does not divide the context size cp = CP/hp = 64/8 = 8" in _reason(Layout("2d", 8, 8, 3))
+    assert "ring window 3 does not divide the context size cp = CP/hp = 64/8 = 8" in _reason(Layout("2d", 8, 8, 3))
     # hp not dividing the heads (24 heads, CP=16)
     m24 = ModelSpec("24h", layers=4, hidden=3072, heads=24, kv_heads=8, ffn_hidden=8192, vocab=32000)
     assert "does not divide the 24 query heads" in _reason(Layout("2d", 16, 1, 1), model=m24, gpus=16)

@@ -72,7 +72,7 @@ def check_arrives(c: Candidate, args, parallel: ParallelSpec) -> None:
     assert isinstance(config, (TransformerConfig2D, MLATransformerConfig2D))
     if c.kind == "2d":
         assert config.cp_comm_type == "2d"
-        assert (config.cp_2d_head_parallel_size, config.cp_2d_window_size, config.cp_2d_placement) == (
+        assert (config.cp_2d_head_parallel_size, config.cp_2d_ring_window, config.cp_2d_placement) == (
             layout.hp, layout.w, layout.placement)
         assert config.cp_2d_dkv_comm_dtype == c.dkv_comm_dtype
         assert config.cp_2d_mla_ring == (layout.mla_ring or "expanded")

@@ -251,7 +251,7 @@ def test_window_neighbour_exchange_rows_are_collapsed():
     keys = [(c.hp, c.cp, c.placement) for c in nx]
     assert len(keys) == len(set(keys))
     assert all(c.note == "w has no effect (neighbour exchange)" and c.w == c.cp for c in nx)
-    assert all(f"--cp-2d-window-size {c.cp} " in c.flags for c in nx)
+    assert all(f"--cp-2d-ring-window {c.cp} " in c.flags for c in nx)
 
 
 def test_top_rejects_non_positive_and_shows_exactly_n(capsys):

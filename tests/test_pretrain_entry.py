@@ -42,15 +42,35 @@ def parse(monkeypatch):
 
 def test_2d_flags_build_the_2d_config_and_spec(parse):
     args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--cp-2d-window-size", "2", "--cp-2d-placement", "context_first", "--attention-dropout", "0")
+                 "--cp-2d-ring-window", "2", "--cp-2d-placement", "context_first", "--attention-dropout", "0")
     config = gpt_config_from_args_2d(args)
     t = config.transformer
     assert isinstance(t, TransformerConfig2D)
-    assert (t.cp_comm_type, t.context_parallel_size, t.cp_2d_head_parallel_size, t.cp_2d_window_size,
+    assert (t.cp_comm_type, t.context_parallel_size, t.cp_2d_head_parallel_size, t.cp_2d_ring_window,
             t.cp_2d_placement) == ("2d", 8, 2, 2, "context_first")
     assert args.spec == ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
     spec = config.transformer_layer_spec(t)
     assert spec.submodules.self_attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
+
+
+def test_cp_2d_window_size_is_the_deprecated_spelling_of_cp_2d_ring_window(parse, capsys):
+    """The old flag still works this release (a DeprecationWarning and a line on stderr naming the new one); both
+    given with different values stop with an error naming both (the next test)."""
+    flags = ("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+             "--attention-dropout", "0")
+    with pytest.warns(DeprecationWarning, match=r"--cp-2d-window-size is deprecated .* use --cp-2d-ring-window"):
+        args = parse(*flags, "--cp-2d-window-size", "2")
+    assert "--cp-2d-window-size is deprecated" in capsys.readouterr().err
+    with pytest.warns(DeprecationWarning, match=r"cp_2d_window_size is deprecated .* use cp_2d_ring_window"):
+        assert gpt_config_from_args_2d(args).transformer.cp_2d_ring_window == 2
+
+
+def test_cp_2d_window_size_and_cp_2d_ring_window_differing_stop(parse):
+    with pytest.warns(DeprecationWarning):
+        args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
+                     "--attention-dropout", "0", "--cp-2d-ring-window", "4", "--cp-2d-window-size", "2")
+    with pytest.raises(ValueError, match=r"cp_2d_ring_window=4 and its deprecated name cp_2d_window_size=2"):
+        gpt_config_from_args_2d(args)
 
 
 MHA_MODEL = MODEL[:MODEL.index("--group-query-attention")] + MODEL[MODEL.index("--num-query-groups") + 2:]
@@ -63,12 +83,12 @@ def test_mla_flags_build_the_mla_2d_config_and_spec(parse, ring):
     from megatron_2d.megatron import MLATransformerConfig2D
 
     args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--cp-2d-window-size", "2", "--attention-dropout", "0", "--cp-2d-mla-ring", ring, *MLA,
+                 "--cp-2d-ring-window", "2", "--attention-dropout", "0", "--cp-2d-mla-ring", ring, *MLA,
                  model=MHA_MODEL)
     config = gpt_config_from_args_2d(args)
     t = config.transformer
     assert isinstance(t, MLATransformerConfig2D)
-    assert (t.cp_2d_head_parallel_size, t.cp_2d_window_size, t.cp_2d_mla_ring, t.kv_lora_rank, t.v_head_dim,
+    assert (t.cp_2d_head_parallel_size, t.cp_2d_ring_window, t.cp_2d_mla_ring, t.kv_lora_rank, t.v_head_dim,
             t.qk_head_dim, t.rope_type) == (2, 2, ring, 16, 12, 16, "rope")
     attention = config.transformer_layer_spec(t).submodules.self_attention
     assert attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
@@ -106,7 +126,7 @@ def test_without_2d_the_entry_is_stock(parse):
 @pytest.mark.parametrize("flags, message", [
     (["--cp-2d-head-parallel-size", "2", "--cp-2d-context-size", "3"], r"2 x 3 = 6 does not equal context_parallel_size 8"),
     (["--cp-2d-head-parallel-size", "16"], r"head-parallel size 16 does not divide the context-parallel size 8"),
-    (["--cp-2d-head-parallel-size", "2", "--cp-2d-window-size", "3"], r"window size 3 does not divide the context size"),
+    (["--cp-2d-head-parallel-size", "2", "--cp-2d-ring-window", "3"], r"ring window 3 does not divide the context size"),
     (["--cp-2d-head-parallel-size", "2", "--attention-dropout", "0.1"], r"attention_dropout=0.1: attention dropout is not supported"),
 ])
 def test_misconfigured_command_lines(parse, flags, message):
@@ -184,4 +204,4 @@ def test_launch_script_flags_build_a_valid_config(monkeypatch, mode, comm_type):
         from megatron.training.global_vars import unset_global_variables
         unset_global_variables()
     assert t.cp_comm_type == comm_type and t.context_parallel_size == 8 and t.num_query_groups == 8
-    assert (t.cp_2d_head_parallel_size, t.cp_2d_window_size) == ((2, 2) if mode == "2d" else (None, 1))
+    assert (t.cp_2d_head_parallel_size, t.cp_2d_ring_window) == ((2, 2) if mode == "2d" else (None, 1))

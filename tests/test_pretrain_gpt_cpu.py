@@ -35,7 +35,7 @@ TRAIN = ["--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", 
          "--eval-iters", "0", "--eval-interval", "1000", "--distributed-timeout-minutes", "1"]
 BASE = MODEL + TRAIN
 CP4_2D = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-          "--cp-2d-window-size", "2"]
+          "--cp-2d-ring-window", "2"]
 SPEC_2D = ["--spec", "megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
              "--selective-checkpoint-plus-plus"]
@@ -77,7 +77,7 @@ def layers_2d(monkeypatch):
 
     def line(layer, hp, cp_size=4, window=1, placement="head_first", keeps=False):
         return (f"[test] 2d layer {layer}: Settings2D(context_parallel_size={cp_size}, head_parallel_size={hp}, "
-                f"double_ring_window={window}, placement='{placement}') keeps attention: {keeps}")
+                f"ring_window={window}, placement='{placement}') keeps attention: {keeps}")
     return line
 
 

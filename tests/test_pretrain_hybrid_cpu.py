@@ -75,7 +75,7 @@ def reference(scripts):
 
 def test_make_target_flags():
     assert "M*-M*-" in BASE and CP4[len(BASE):] == ["--context-parallel-size", "4", "--cp-comm-type", "2d",
-                                                    "--cp-2d-head-parallel-size", "2", "--cp-2d-window-size", "2",
+                                                    "--cp-2d-head-parallel-size", "2", "--cp-2d-ring-window", "2",
                                                     "--cp-2d-placement", "head_first"]
     assert CP1 == BASE[:8] + ["--spec", "megatron_2d.testing.hybrid_cpu", "megatron_local_hybrid_stack_spec"] + BASE[8:]
 

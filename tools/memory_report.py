@@ -85,7 +85,7 @@ def measure(rank, world, args) -> Dict[str, dict]:
         cfg = tg.TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                                num_query_groups=args.kv_heads, seq_length=args.seq, micro_batch_size=args.batch,
                                config_class=TransformerConfig2D, cp_comm_type="2d")
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=args.hp, cp_2d_window_size=args.window, **recompute)
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=args.hp, cp_2d_ring_window=args.window, **recompute)
         model = tg.build_tiny_gpt(cfg, spec)
         hooks = SavedTensorBytes(model.parameters())
         decoder_forward = model.decoder.forward

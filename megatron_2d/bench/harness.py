@@ -26,12 +26,12 @@ def bench_layouts(cp_size: int, heads: int) -> List[Layout2D]:
 
 def label(layout: Layout2D) -> str:
     """A layout's row name: 'hp2 x cp2  w1  head_first'."""
-    return f"hp{layout.head_parallel_size} x cp{layout.context_size}  w{layout.window_size}  {layout.placement}"
+    return f"hp{layout.head_parallel_size} x cp{layout.context_size}  w{layout.ring_window}  {layout.placement}"
 
 
 def layout_record(layout: Layout2D) -> Dict[str, object]:
     """A layout as the benchmarks' JSON rows carry it: {'hp', 'cp', 'w', 'placement'}."""
-    return {"hp": layout.head_parallel_size, "cp": layout.context_size, "w": layout.window_size,
+    return {"hp": layout.head_parallel_size, "cp": layout.context_size, "w": layout.ring_window,
             "placement": layout.placement}
 
 

@@ -21,8 +21,8 @@ Rows (same q, k, v, dout, fp32, causal, hq = hkv heads of dim d):
 
 Every row is first run once and checked against an fp64 single-process reference (out, dq, dk, dv; max |err| /
 max |ref| under TOLERANCES[fp32].end_to_end); a row that fails is reported as failing and not timed. The reference
-is computed per query block (:func:`blocked_reference`, equal to testing.reference.packed_reference_attention +
-autograd: tests/test_bench_packed.py), because the dense one needs T^2 memory.
+is the project's one blockwise fp64 reference (:func:`megatron_2d.testing.reference.blockwise_reference`, per
+document of cu_seqlens, one block of query rows at a time), because the dense one needs T^2 memory.
 
 Columns: wall ms = median fwd+bwd step of the slowest rank; cpu ms = median CPU time of the busiest rank (on 2
 shared cores with N > 2 ranks, wall time is roughly the SUM of the ranks' work, so cpu ms is the better proxy for
@@ -51,45 +51,14 @@ from rich.table import Table
 import megatron_2d
 from megatron_2d.band import SlidingWindow
 from megatron_2d.bench.runners import count_ring_comm_sends
-from megatron_2d.document_placement import PackingCost, place_documents, row_pairs, zigzag_slots
 from megatron_2d.choices import PACKING_MODES
+from megatron_2d.document_sharding import PackingCost, row_pairs, shard_documents, zigzag_slots
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.reference import TOLERANCES
+from megatron_2d.testing.reference import TOLERANCES, blockwise_reference
 
 ROWS = (*PACKING_MODES, "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
 GRADS = ("out", "dq", "dk", "dv")
-
-
-# -- reference ----------------------------------------------------------------------------------------------------
-
-def blocked_reference(q, k, v, dout, cu_seqlens, scale: float, block: int = 256):
-    """fp64 causal attention of packed documents and its gradients, one query block at a time.
-
-    q, k, v, dout [T, h, d] (any float dtype; computed in fp64) -> (out, dq, dk, dv) [T, h, d] fp64. Per document
-    and query block: S = q k^T over the document's keys up to the block's end, P = softmax, out = P v; backward
-    from the same P: dP = dout v^T, dS = P (dP - rowsum(dout * out)), dq = dS k, dk += dS^T q, dv += P^T dout.
-    Peak memory O(h * block * max document length)."""
-    q, k, v, dout = (x.to(torch.float64) for x in (q, k, v, dout))
-    out, dq, dk, dv = (torch.zeros_like(x) for x in (q, q, k, v))
-    bounds = [int(x) for x in cu_seqlens]
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        for q0 in range(a, b, block):
-            q1 = min(q0 + block, b)
-            qb, ob_grad = q[q0:q1].transpose(0, 1), dout[q0:q1].transpose(0, 1)          # [h, bq, d]
-            kb, vb = k[a:q1].transpose(0, 1), v[a:q1].transpose(0, 1)                    # [h, kl, d]
-            s = torch.matmul(qb, kb.transpose(1, 2)) * scale                            # [h, bq, kl]
-            hidden = (torch.arange(a, q1).view(1, -1) > torch.arange(q0, q1).view(-1, 1))
-            s.masked_fill_(hidden, float("-inf"))
-            p = torch.softmax(s, dim=-1)
-            o = torch.matmul(p, vb)                                                      # [h, bq, d]
-            out[q0:q1] = o.transpose(0, 1)
-            delta = (ob_grad * o).sum(-1, keepdim=True)
-            ds = p * (torch.matmul(ob_grad, vb.transpose(1, 2)) - delta) * scale
-            dq[q0:q1] = torch.matmul(ds, kb).transpose(0, 1)
-            dk[a:q1] += torch.matmul(ds.transpose(1, 2), qb).transpose(0, 1)
-            dv[a:q1] += torch.matmul(p.transpose(1, 2), ob_grad).transpose(0, 1)
-    return out, dq, dk, dv
 
 
 # -- per-rank stats that do not come from a PackedLayout ------------------------------------------------------------
@@ -333,15 +302,16 @@ def parse_tokens(text: str) -> int:
 
 
 def cached_reference(args, tensors, cu: np.ndarray, scale: float):
-    """:func:`blocked_reference`, stored under ``args.cache`` keyed by the lengths, shapes and seed (the inputs
-    are a function of those), so runs at other rank counts reuse it."""
+    """The fp64 reference (out, dq, dk, dv) of the packed batch (:func:`blockwise_reference`), stored under
+    ``args.cache`` keyed by the lengths, shapes and seed (the inputs are a function of those), so runs at other rank
+    counts reuse it."""
     if not args.cache:
-        return blocked_reference(*tensors, cu, scale)
+        return blockwise_reference(*tensors, cu, scale=scale)
     key = hashlib.sha256(cu.astype(np.int64).tobytes() + repr((tuple(tensors[0].shape), args.seed, scale)).encode())
     path = os.path.join(args.cache, f"ref_{key.hexdigest()[:24]}.pt")
     if os.path.exists(path):
         return tuple(torch.load(path))
-    ref = blocked_reference(*tensors, cu, scale)
+    ref = blockwise_reference(*tensors, cu, scale=scale)
     os.makedirs(args.cache, exist_ok=True)
     torch.save(list(ref), path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -523,12 +493,12 @@ def cost_table(cu_seqlens: np.ndarray, cost: PackingCost, cp: int, hp: int) -> T
     """What the documents mode's cost model predicted for this batch, k = the number of longest documents sharded:
     the k it chose (*) against its neighbours, none sharded beyond those that must be, and all sharded."""
     lengths = np.diff(cu_seqlens)
-    chosen = place_documents(cu_seqlens, cp, hp, cost=cost)
+    chosen = shard_documents(cu_seqlens, cp, hp, cost=cost)
     k_min = int((lengths > cu_seqlens[-1] / cp).sum())
     ks = sorted({k_min, max(k_min, len(chosen.long_docs) - 1), len(chosen.long_docs),
                  min(len(lengths), len(chosen.long_docs) + 1), len(lengths)})
     desc = np.sort(lengths)[::-1]
-    ks = sorted({len(place_documents(cu_seqlens, cp, hp, cost=cost, long_threshold=int(desc[k]) if k < len(desc)
+    ks = sorted({len(shard_documents(cu_seqlens, cp, hp, cost=cost, long_threshold=int(desc[k]) if k < len(desc)
                                      else 0).long_docs) for k in ks})         # equal lengths shard together
     table = Table(title=f"documents mode's cost model (measured: pair {cost.pair_s * 1e9:.2f} ns, call "
                         f"{cost.call_s * 1e6:.0f} us, ring token-step {cost.ring_token_s * 1e6:.2f} us, ring step "
@@ -536,7 +506,7 @@ def cost_table(cu_seqlens: np.ndarray, cost: PackingCost, cp: int, hp: int) -> T
     for col in ("k sharded", "predicted ms", "pairs max/mean", "ring prefix", "view slots"):
         table.add_column(col, justify="right")
     for k in ks:
-        p = place_documents(cu_seqlens, cp, hp, long_threshold=int(desc[k]) if k < len(desc) else 0, cost=cost)
+        p = shard_documents(cu_seqlens, cp, hp, long_threshold=int(desc[k]) if k < len(desc) else 0, cost=cost)
         table.add_row(f"{len(p.long_docs)}{' *' if k == len(chosen.long_docs) else ''}", f"{p.predicted_s * 1e3:.1f}",
                       f"{1 + p.pair_imbalance:.3f}", str(p.long_prefix), str(p.view_len))
     return table

@@ -1,10 +1,12 @@
 """pretrain_gpt / pretrain_hybrid command-line flags for the 2d backend, and the model config built from them.
 
-    --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-window-size 2
+    --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-ring-window 2
     --cp-2d-placement head_first --attention-dropout 0.0
 
 Flag destinations equal TransformerConfig2D's field names, so megatron.training's
-``core_transformer_config_from_args(args, config_class=TransformerConfig2D)`` copies them into the config.
+``core_transformer_config_from_args(args, config_class=TransformerConfig2D)`` copies them into the config. The
+deprecated spelling --cp-2d-window-size lands in the config's deprecated field cp_2d_window_size, which the config
+checks against cp_2d_ring_window (the one validation path).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from ..choices import DKV_COMM_DTYPES, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
+from ..deprecation import RenamedFlag
 from ..topology import PLACEMENTS
 from .launch_checks import check_launch_args
 from .settings import uses_2d
@@ -28,8 +31,9 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                             "and the attention heads per TP rank. K/V heads are replicated when hp exceeds them.")
     group.add_argument("--cp-2d-context-size", type=int, default=None,
                        help="cp: ranks per context ring; optional, checked to equal context-parallel-size / hp.")
-    group.add_argument("--cp-2d-window-size", type=int, default=1,
+    group.add_argument("--cp-2d-ring-window", type=int, default=1,
                        help="w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.")
+    group.add_argument("--cp-2d-window-size", type=int, action=RenamedFlag, new_flag="--cp-2d-ring-window")
     group.add_argument("--cp-2d-placement", choices=PLACEMENTS, default="head_first",
                        help="head_first: head groups on adjacent ranks (all-to-all on NVLink); context_first: "
                             "context rings on adjacent ranks (ring P2P on NVLink).")

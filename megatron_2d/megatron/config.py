@@ -9,6 +9,7 @@ from typing import Optional
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from ..choices import check_dkv_comm_dtype, check_packing_mode
+from ..deprecation import renamed_field
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
 from .mla import check_mla_settings
@@ -27,8 +28,12 @@ class Fields2D:
     cp_2d_context_size: Optional[int] = None
     """cp: ranks per context ring. Optional: derived as context_parallel_size / hp; if given, checked."""
 
-    cp_2d_window_size: int = 1
+    cp_2d_ring_window: int = 1
     """w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring. 1 = plain ring."""
+
+    cp_2d_window_size: Optional[int] = None
+    """Deprecated name of cp_2d_ring_window (a DeprecationWarning; copied into it, and refused when both are set
+    to different values)."""
 
     cp_2d_placement: str = "head_first"
     """"head_first" (head groups on adjacent ranks) or "context_first" (context rings on adjacent ranks)."""
@@ -59,6 +64,7 @@ class Fields2D:
     noise allowed, as GPU recomputes through atomics give) or "bitwise" (a debug mode). Neither syncs the host."""
 
     def __post_init__(self) -> None:
+        renamed_field(self, "cp_2d_window_size", "cp_2d_ring_window", default=1)
         super().__post_init__()
         group_registry(self)    # the model's 2D groups live here; Megatron's per-layer config copies share them
         if self.selective_checkpoint_plus_plus:
@@ -73,7 +79,7 @@ class Fields2D:
             check_attention_settings(self)
             return
         given = {name: getattr(self, name) for name, default in (
-            ("cp_2d_head_parallel_size", None), ("cp_2d_context_size", None), ("cp_2d_window_size", 1),
+            ("cp_2d_head_parallel_size", None), ("cp_2d_context_size", None), ("cp_2d_ring_window", 1),
             ("cp_2d_placement", "head_first"), ("cp_2d_dkv_comm_dtype", "accumulator"),
             ("cp_2d_packing", "zigzag"), ("cp_2d_mla_ring", "expanded"))
             if getattr(self, name) != default}
@@ -88,8 +94,7 @@ class TransformerConfig2D(Fields2D, TransformerConfig):
 
     Validated when built: hp x cp = context_parallel_size, hp divides the heads per TP rank, w divides cp, a
     known placement, and every attention setting honoured or refused (:mod:`.attention_settings`). 2D settings
-    given without the "2d" backend are refused. ``window_size`` is Megatron's sliding window (honoured);
-    ``cp_2d_window_size`` is the Double-Ring window.
+    given without the "2d" backend are refused.
     """
 
 

@@ -14,9 +14,6 @@ Packed documents (``packed_seq_params`` with qkv_format "thd"): query [t, hq/tp,
 Megatron's zigzag built from cu_seqlens_q (real lengths) and cu_seqlens_q_padded; it is built once per batch and
 shared by every layer through the packed_seq_params object. Megatron's per-sequence split
 (--dataloader-inter-document-masking) is the "sequence" layout (:mod:`megatron_2d.megatron.per_sequence`).
-
-Naming: ``window_size`` here is Megatron's sliding window (config.window_size); the Double-Ring window is
-``double_ring_window`` (config.cp_2d_window_size).
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 
 from ..attention import attention_2d
 from ..band import SlidingWindow
+from ..deprecation import renamed_keywords
 from ..latent_attention import latent_attention_2d
 from ..packed_layout import PackedLayout
 from .attention_settings import check_attention_settings, packed_seq_refusals
@@ -69,17 +67,18 @@ def _latent_attention_with_sinks(q, latent, up_weight, sinks=None, **kwargs):
 class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
-    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, double_ring_window,
-    placement, and kernel (a :mod:`megatron_2d.kernels` name;
+    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, ring_window (deprecated
+    name: double_ring_window), placement, and kernel (a :mod:`megatron_2d.kernels` name;
     chosen by device when None). Megatron's sliding window (config.window_size, window_attn_skip_freq) and
     softmax_type ("off-by-one", "learnable": attention sinks, parameter ``softmax_offset``) are honoured.
     """
 
+    @renamed_keywords(double_ring_window="ring_window")
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None, k_channels: Optional[int] = None,
                  v_channels: Optional[int] = None, *, head_parallel_size: Optional[int] = None,
-                 double_ring_window: Optional[int] = None, placement: Optional[str] = None,
+                 ring_window: Optional[int] = None, placement: Optional[str] = None,
                  kernel: Optional[str] = None) -> None:
         super().__init__(config=config)
         self.v_channels = v_channels      # MLA's value head dim (its query/key head dim is k_channels)
@@ -114,7 +113,7 @@ class CoreAttention2D(MegatronModule):
             self.settings = Settings2D(1, 1, 1, "head_first")
         else:
             self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
-                                                 double_ring_window=double_ring_window, placement=placement)
+                                                 ring_window=ring_window, placement=placement)
         self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         self.packing = packing_mode(config)       # the layout THD batches come in (config and launch)
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)

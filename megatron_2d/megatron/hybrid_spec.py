@@ -32,6 +32,7 @@ from typing import Any, Dict, Optional
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..deprecation import renamed_keywords
 from ..hybrid_layers import MAMBA_EXPAND
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, check_hybrid_layers
@@ -91,11 +92,13 @@ class HybridStack2D(HybridStack):
         super().__init__(config, submodules, *args, **kwargs)
 
 
+@renamed_keywords(double_ring_window="ring_window")
 def get_hybrid_stack_spec_2d(use_transformer_engine: Optional[bool] = None, *,
-                             head_parallel_size: Optional[int] = None, double_ring_window: Optional[int] = None,
+                             head_parallel_size: Optional[int] = None, ring_window: Optional[int] = None,
                              placement: Optional[str] = None, kernel: Optional[str] = None) -> ModuleSpec:
     """Megatron's hybrid stack spec (TE when installed, unless ``use_transformer_engine`` says otherwise) with
-    :class:`CoreAttention2D` in the attention layer; the keyword settings override the config's ``cp_2d_*``."""
+    :class:`CoreAttention2D` in the attention layer; the keyword settings override the config's ``cp_2d_*``
+    (``double_ring_window=``: ring_window's deprecated name)."""
     from .spec import transformer_engine_available
 
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
@@ -106,7 +109,7 @@ def get_hybrid_stack_spec_2d(use_transformer_engine: Optional[bool] = None, *,
     spec.module = HybridStack2D
     attention = getattr(spec.submodules, ATTENTION_SLOT).submodules.self_attention
     params: Dict[str, Any] = {k: v for k, v in dict(head_parallel_size=head_parallel_size,
-                                                     double_ring_window=double_ring_window, placement=placement,
+                                                     ring_window=ring_window, placement=placement,
                                                      kernel=kernel).items() if v is not None}
     attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
     return spec

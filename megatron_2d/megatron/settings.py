@@ -36,19 +36,18 @@ class Settings2D:
     """A model's 2D layout in Megatron's words: hp x cp = CP, the Double-Ring window w, placement.
 
     The layout itself is ``layout``, the one :class:`~megatron_2d.topology.Layout2D`, made (and so validated) once
-    when the settings are; the groups are built from it. (``window_size`` in Megatron's TransformerConfig is the
-    sliding window; here the Double-Ring window is ``double_ring_window``.)"""
+    when the settings are; the groups are built from it."""
 
     context_parallel_size: int
     head_parallel_size: int
-    double_ring_window: int = 1
+    ring_window: int = 1
     placement: str = "head_first"
     layout: Layout2D = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # hp | CP, w | cp, positive sizes, a known placement (LayoutError is a ValueError)
         object.__setattr__(self, "layout", Layout2D(self.context_parallel_size, self.head_parallel_size,
-                                                    self.double_ring_window, self.placement))
+                                                    self.ring_window, self.placement))
 
     @property
     def context_size(self) -> int:
@@ -56,7 +55,7 @@ class Settings2D:
 
 
 def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Optional[int],
-                         context_size: Optional[int] = None, double_ring_window: int = 1, placement: str = "head_first",
+                         context_size: Optional[int] = None, ring_window: int = 1, placement: str = "head_first",
                          num_attention_heads: int, num_query_groups: Optional[int] = None,
                          tensor_model_parallel_size: int = 1, attention_dropout: float = 0.0) -> Settings2D:
     """Check 2D settings against the model and the parallel sizes; return them, or raise ValueError.
@@ -72,7 +71,7 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
                          f"equal context_parallel_size {CP}; choose hp and cp with hp * cp = {CP}, e.g. "
                          f"{', '.join(f'{d}x{CP // d}' for d in divisors(CP))}")
     check_placement(placement, "cp_2d_placement")
-    settings = Settings2D(CP, hp, double_ring_window, placement)
+    settings = Settings2D(CP, hp, ring_window, placement)
     if num_attention_heads % tp != 0:
         raise ValueError(f"num_attention_heads {num_attention_heads} is not divisible by tensor parallel size {tp}")
     heads = num_attention_heads // tp
@@ -103,7 +102,7 @@ def settings_from_config(config, **overrides) -> Settings2D:
     values = dict(
         head_parallel_size=head_parallel_size,
         context_size=context_size,
-        double_ring_window=getattr(config, "cp_2d_window_size", 1),
+        ring_window=getattr(config, "cp_2d_ring_window", 1),
         placement=getattr(config, "cp_2d_placement", "head_first"),
     )
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -26,6 +26,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from ..deprecation import renamed_keywords
 from .attention_settings import check_attention_settings
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, packing_mode
@@ -117,17 +118,18 @@ def layer_specs_of(spec: LayerSpec):
     return list(spec.layer_specs) if isinstance(spec, TransformerBlockSubmodules) else [spec]
 
 
+@renamed_keywords(double_ring_window="ring_window")
 def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *,
                           use_transformer_engine: Optional[bool] = None, head_parallel_size: Optional[int] = None,
-                          double_ring_window: Optional[int] = None, placement: Optional[str] = None,
+                          ring_window: Optional[int] = None, placement: Optional[str] = None,
                           kernel: Optional[str] = None) -> LayerSpec:
     """Megatron's GPT spec for ``config`` (a TransformerConfig, or pretrain's GPTModelConfig; see
     :func:`megatron_gpt_spec`) with :class:`CoreAttention2D` as core attention in every layer; the keyword
-    settings override the config's ``cp_2d_*`` fields. When packed batches come in Megatron's per-sequence split
-    (:func:`packing_mode` "sequence"), self attention is :class:`SelfAttention2D` (RoPE at each token's position in
-    its document)."""
+    settings override the config's ``cp_2d_*`` fields (``double_ring_window=``: ring_window's deprecated name).
+    When packed batches come in Megatron's per-sequence split (:func:`packing_mode` "sequence"), self attention is
+    :class:`SelfAttention2D` (RoPE at each token's position in its document)."""
     spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine)
-    params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, double_ring_window=double_ring_window,
+    params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, ring_window=ring_window,
                                     placement=placement, kernel=kernel).items() if v is not None}
     use_te = _uses_transformer_engine(config, use_transformer_engine)
     check_mla_settings(transformer_config_of(config))

@@ -81,7 +81,7 @@ class Layout:
 
     @classmethod
     def of(cls, kind: str, shape: Layout2D) -> "Layout":
-        return cls(kind, shape.head_parallel_size, shape.context_size, shape.window_size, shape.placement)
+        return cls(kind, shape.head_parallel_size, shape.context_size, shape.ring_window, shape.placement)
 
     def label(self) -> str:
         if self.kind == "2d":
@@ -149,7 +149,7 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
     Ht = model.heads // parallel.tp
     out: List[Layout] = []
     for shape in every_layout(CP):          # by hp, then w, then placement
-        hp, cp, w = shape.head_parallel_size, shape.context_size, shape.window_size
+        hp, cp, w = shape.head_parallel_size, shape.context_size, shape.ring_window
         if Ht % hp:
             if w == 1 and shape.placement == "head_first":      # once per hp
                 out.append(Layout("2d", hp, cp, cp))
@@ -194,7 +194,7 @@ def _layout_flags(layout: Layout, parallel: ParallelSpec) -> str:
     if layout.kind == "2d":
         ring = " --cp-2d-mla-ring latent" if layout.mla_ring == "latent" else ""
         return (f"{cp} --cp-comm-type 2d --cp-2d-head-parallel-size {layout.hp} "
-                f"--cp-2d-window-size {layout.w} --cp-2d-placement {layout.placement}{ring}")
+                f"--cp-2d-ring-window {layout.w} --cp-2d-placement {layout.placement}{ring}")
     if layout.kind in ("p2p", "a2a"):
         return f"{cp} --cp-comm-type {layout.kind}"
     if layout.kind == "a2a+p2p":

@@ -2,7 +2,7 @@
 
 For a packed batch of documents with lengths L_j (sum = S, the job's sequence length) the op computes attention
 within each document only (and within a causal sliding window of ``left`` tokens, if any). Per layout (hp, cp)
-and packed mode the planner takes, from the op's own placement and views (:mod:`megatron_2d.document_placement`,
+and packed mode the planner takes, from the op's own document sharding and views (:mod:`megatron_2d.document_sharding`,
 :mod:`megatron_2d.packed_views`, numpy only):
 
     flops_fraction   max over context ranks of the (query, key) pairs its view computes (within documents and
@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ..band import Band
-from ..document_placement import PackingCost, pairs, place_documents
+from ..document_sharding import PackingCost, pairs, shard_documents
 from ..packed_plan import Runs, key_intervals
 from ..packed_views import zigzag_runs, zigzag_view_len
 from ..topology import Layout2D
@@ -138,11 +138,11 @@ def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mod
         t_local = ring_tokens // hp
         long_docs = len(lengths)
     elif mode == "documents":
-        placement_ = place_documents(cu, cp, hp, cost=cost)
-        runs = placement_.runs
-        ring_tokens = int(placement_.long_prefix) if cp > 1 else 0
-        t_local = placement_.view_len // hp
-        long_docs = int(len(placement_.long_docs))
+        sharding = shard_documents(cu, cp, hp, cost=cost)
+        runs = sharding.runs
+        ring_tokens = int(sharding.long_prefix) if cp > 1 else 0
+        t_local = sharding.view_len // hp
+        long_docs = int(len(sharding.long_docs))
     else:
         raise ValueError(f"packed mode {mode!r} is not one of {PACKED_MODES}")
     padding = t_local * CP - S

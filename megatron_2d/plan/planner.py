@@ -330,7 +330,7 @@ def _sort_key(c: Candidate):
 
 
 def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
-    """With a sliding window the op may use the neighbour exchange, where the window size w has no effect: keep
+    """With a sliding window the op may use the neighbour exchange, where the ring window w has no effect: keep
     one row per (hp, cp, placement), the one with w = cp, noting it."""
     out: List[Candidate] = []
     seen = set()
@@ -341,7 +341,7 @@ def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
                 continue
             seen.add(key)
             c = replace(c, layout=replace(c.layout, w=c.cp), note="w has no effect (neighbour exchange)",
-                        flags=c.flags.replace(f"--cp-2d-window-size {c.w} ", f"--cp-2d-window-size {c.cp} "))
+                        flags=c.flags.replace(f"--cp-2d-ring-window {c.w} ", f"--cp-2d-ring-window {c.cp} "))
         out.append(c)
     order = {id(c): i for i, c in enumerate(cands)}
     return sorted(out, key=lambda c: order.get(id(c), 0))

@@ -71,7 +71,7 @@ class Estimate:
     memory: Optional["MemoryBreakdown"] = None
     """The parts ``memory_gb`` is made of, for every recompute mode."""
     neighbour_exchange: bool = False
-    """A sliding window made the op exchange K/V with neighbours only (the window size w then has no effect)."""
+    """A sliding window made the op exchange K/V with neighbours only (the ring window w then has no effect)."""
     states: Optional["ShardingCost"] = None
     """How the model states are held (a memory option, :mod:`.memory_options`) and what that sends; None: the
     distributed optimizer of ``memory``, its communication not modelled."""

@@ -61,6 +61,6 @@ def tiny_mla_config(settings: Optional[tuple] = None, ring: str = "expanded", **
     if settings is not None:
         hp, w, placement = settings
         cfg.config_class, cfg.cp_comm_type = MLATransformerConfig2D, "2d"
-        cfg.config_overrides.update(cp_2d_head_parallel_size=hp, cp_2d_window_size=w, cp_2d_placement=placement,
+        cfg.config_overrides.update(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement,
                                     cp_2d_mla_ring=ring)
     return cfg

@@ -11,8 +11,10 @@ Two measures of error, both against an fp64 reference:
 ``TOLERANCE[dtype]`` is the end-to-end column alone, for callers that need one number per dtype. The benchmarks'
 correctness gate uses ``TOLERANCES[dtype].gate``: the end-to-end bound, except fp32, looser (1e-4) at their sizes.
 
-Two references: ``reference_attention`` (autograd on the whole problem, for tests) and ``reference_on_rank``
-(blockwise fp64, causal, each rank its own shards, for the benchmarks' sizes).
+Two references: ``reference_attention`` (autograd on the whole problem, for tests; ``packed_reference_attention``
+is it per document of ``cu_seqlens``) and ``blockwise_reference`` (fp64 with its gradients, one block of query rows
+at a time, for the benchmarks' sizes; over ``cu_seqlens``, a plain sequence being one document [0, S];
+``reference_on_rank`` is it on one rank's zigzag shards).
 
 How the per-output bounds were set (tests/test_attention_2d.py, CP 2..8, causal and full, MHA/GQA): bf16 out
 stays at 2.6-2.7e-3 and dq at 3.1-3.2e-3 whatever the CP size, with fp32 accumulators; accumulating out or dq in
@@ -25,7 +27,7 @@ precision, so their bounds are a few ulps of the dtype times the ring length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -170,6 +172,74 @@ def packed_reference_attention(q, k, v, cu_seqlens, causal: bool, scale: float, 
                                 window=window, sinks=sinks).squeeze(1) for a, b in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outs, dim=0)
 
+def blockwise_reference(q, k, v, dout, cu_seqlens=None, *, rows: Optional[Sequence[Tuple[int, int]]] = None,
+                        causal: bool = True, window: Tuple[int, int] = (-1, -1), scale: Optional[float] = None,
+                        max_elements: int = 2 ** 24,
+                        dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, ...]:
+    """Exact attention and its gradients in ``dtype`` (fp64 by default), one block of query rows at a time: the
+    one blockwise reference (the benchmarks' sizes, where :func:`reference_attention`'s full score matrix would not
+    fit).
+
+    q [S, b, hq, dk], k [S, b, hkv, dk], v [S, b, hkv, dv], dout [S, b, hq, dv] (sbhd), or packed THD [T, h, d]
+    (no batch dimension; the results come back the same way). ``cu_seqlens``: cumulative document lengths from 0;
+    each query sees keys of its own document only (a plain sequence is one document, the default [0, S]), causal or
+    not, within a sliding ``window`` (left, right; -1 unbounded) as in :func:`attention_with_lse`. ``rows``: the
+    query positions to compute, as ranges [p0, p1) (default all S); out and dq come back for those rows, in that
+    order, and dK, dV for every key: those rows' share (a sum over the rows of all ranks gives the whole).
+
+    Notation
+        S tokens, b batch, hkv K/V heads, g = hq/hkv query heads per K/V head, dk query/key and dv value head dims
+        n query rows of a block at positions p0..p0+n-1, all in one document [a, e); keys [lo, hi) visible to it
+        q, dout [S, b, hq, d] -> [S, b, hkv, g, d] (no K/V repeat: GQA groups stay a dimension)
+        scores, p, dp, ds [b, hkv, g, n, m];   lse, delta [b, hkv, g, n, 1]
+        a block holds at most max(1, max_elements / (b hq (e - a))) rows
+    """
+    if q.dim() == 3:                                            # packed THD: one batch entry
+        results = blockwise_reference(*(x.unsqueeze(1) for x in (q, k, v, dout)), cu_seqlens, rows=rows,
+                                      causal=causal, window=window, scale=scale, max_elements=max_elements,
+                                      dtype=dtype)
+        return tuple(x.squeeze(1) for x in results)
+    S, b, hq, dk = q.shape
+    hkv, dv = k.shape[2], v.shape[3]
+    g = hq // hkv
+    scale = dk ** -0.5 if scale is None else scale
+    left, right = window
+    bounds = [0, S] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    documents = list(zip(bounds[:-1], bounds[1:]))
+    cast = lambda x: x.to(dtype)                                                         # noqa: E731
+    q5, do5 = cast(q).view(S, b, hkv, g, dk), cast(dout).view(S, b, hkv, g, dv)         # [S, b, hkv, g, d]
+    kc, vc = cast(k), cast(v)                                                           # [S, b, hkv, d]
+    dk_acc, dv_acc = torch.zeros_like(kc), torch.zeros_like(vc)
+    outs, dqs = [], []
+    for r0, r1 in ([(0, S)] if rows is None else rows):
+        for a, e in documents:
+            s0, s1 = max(r0, a), min(r1, e)
+            if s0 >= s1:
+                continue
+            rows_per_block = max(1, min(s1 - s0, max_elements // max(1, b * hq * (e - a))))
+            for p0 in range(s0, s1, rows_per_block):
+                p1 = min(p0 + rows_per_block, s1)
+                lo = a if left == -1 else max(a, p0 - left)
+                hi = p1 if causal else (e if right == -1 else min(e, p1 + right))
+                qb, dob, kb, vb = q5[p0:p1], do5[p0:p1], kc[lo:hi], vc[lo:hi]
+                scores = torch.einsum("nbhgd,mbhd->bhgnm", qb, kb) * scale
+                offset = (torch.arange(lo, hi, device=q.device)[None, :]
+                          - torch.arange(p0, p1, device=q.device)[:, None])              # [n, m]: key - query
+                scores.masked_fill_(hidden_keys(offset, causal, window), float("-inf"))
+                p = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
+                out = torch.einsum("bhgnm,mbhd->nbhgd", p, vb)
+                dp = torch.einsum("nbhgd,mbhd->bhgnm", dob, vb)
+                delta = torch.einsum("nbhgd,nbhgd->bhgn", dob, out).unsqueeze(-1)
+                ds = p * (dp - delta) * scale
+                dqs.append(torch.einsum("bhgnm,mbhd->nbhgd", ds, kb))
+                dk_acc[lo:hi] += torch.einsum("bhgnm,nbhgd->mbhd", ds, qb)
+                dv_acc[lo:hi] += torch.einsum("bhgnm,nbhgd->mbhd", p, dob)
+                outs.append(out)
+    out = torch.cat(outs).view(-1, b, hq, dv) if outs else q5.new_zeros(0, b, hq, dv)
+    dq = torch.cat(dqs).view(-1, b, hq, dk) if dqs else q5.new_zeros(0, b, hq, dk)
+    return out, dq, dk_acc, dv_acc
+
+
 def reference_on_rank(q, k, v, dout, rank: int, world: int, max_elements: int = 2 ** 24, causal: bool = True,
                       window: Tuple[int, int] = (-1, -1), scale: Optional[float] = None,
                       dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, ...]:
@@ -177,51 +247,17 @@ def reference_on_rank(q, k, v, dout, rank: int, world: int, max_elements: int = 
     sbhd inputs q [S, b, hq, dk], k [S, b, hkv, dk], v [S, b, hkv, dv], causal or not, with a sliding ``window``
     (left, right; -1 unbounded) as in :func:`attention_with_lse`.
 
-    (Blockwise, so it fits at benchmark sizes where :func:`reference_attention`'s full score matrix would not.)
-    Each rank computes the rows of its own queries (blocks of consecutive positions, against the keys they can see)
-    and its queries' share of dK/dV for all keys, which an all-reduce over the default group sums.
-
-    Notation
-        S tokens, b batch, hkv K/V heads, g = hq/hkv query heads per K/V head, dk query/key and dv value head dims
-        n query rows of a block at positions p0..p0+n-1; keys [lo, hi) visible to the block
-        q, dout [S, b, hq, d] -> [S, b, hkv, g, d] (no K/V repeat: GQA groups stay a dimension)
-        scores, p, dp, ds [b, hkv, g, n, m];   lse, delta [b, hkv, g, n, 1]
+    :func:`blockwise_reference` over the rows of this rank's own queries (its two zigzag chunks); their share of
+    dK/dV for all keys is summed over the ranks by an all-reduce over the default group.
     """
-    S, b, hq, dk = q.shape
-    hkv, dv = k.shape[2], v.shape[3]
-    g = hq // hkv
-    scale = dk ** -0.5 if scale is None else scale
-    left, right = window
-    cast = lambda x: x.to(dtype)                                                         # noqa: E731
-    q5, do5 = cast(q).view(S, b, hkv, g, dk), cast(dout).view(S, b, hkv, g, dv)         # [S, b, hkv, g, d]
-    kc, vc = cast(k), cast(v)                                                           # [S, b, hkv, d]
-    dk_acc, dv_acc = torch.zeros_like(kc), torch.zeros_like(vc)
-    outs, dqs = [], []
-    chunk = S // (2 * world)
-    rows_per_block = max(1, min(chunk, max_elements // max(1, b * hq * S)))
-    for c in zigzag_chunks(rank, world):
-        for p0 in range(c * chunk, (c + 1) * chunk, rows_per_block):
-            p1 = min(p0 + rows_per_block, (c + 1) * chunk)
-            lo = 0 if left == -1 else max(0, p0 - left)
-            hi = p1 if causal else (S if right == -1 else min(S, p1 + right))
-            qb, dob, kb, vb = q5[p0:p1], do5[p0:p1], kc[lo:hi], vc[lo:hi]
-            scores = torch.einsum("nbhgd,mbhd->bhgnm", qb, kb) * scale
-            offset = (torch.arange(lo, hi, device=q.device)[None, :]
-                      - torch.arange(p0, p1, device=q.device)[:, None])                  # [n, m]: key - query
-            scores.masked_fill_(hidden_keys(offset, causal, window), float("-inf"))
-            p = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
-            out = torch.einsum("bhgnm,mbhd->nbhgd", p, vb)
-            dp = torch.einsum("nbhgd,mbhd->bhgnm", dob, vb)
-            delta = torch.einsum("nbhgd,nbhgd->bhgn", dob, out).unsqueeze(-1)
-            ds = p * (dp - delta) * scale
-            dqs.append(torch.einsum("bhgnm,mbhd->nbhgd", ds, kb))
-            dk_acc[lo:hi] += torch.einsum("bhgnm,nbhgd->mbhd", ds, qb)
-            dv_acc[lo:hi] += torch.einsum("bhgnm,nbhgd->mbhd", p, dob)
-            outs.append(out)
+    chunk = q.shape[0] // (2 * world)
+    rows = [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(rank, world)]
+    out, dq, dk_acc, dv_acc = blockwise_reference(q, k, v, dout, rows=rows, causal=causal, window=window,
+                                                  scale=scale, max_elements=max_elements, dtype=dtype)
     if world > 1:
         import torch.distributed as dist
 
         dist.all_reduce(dk_acc)
         dist.all_reduce(dv_acc)
     shard = lambda x: shard_sequence(x, rank, world)                                      # noqa: E731
-    return (torch.cat(outs).view(-1, b, hq, dv), torch.cat(dqs).view(-1, b, hq, dk), shard(dk_acc), shard(dv_acc))
+    return out, dq, shard(dk_acc), shard(dv_acc)

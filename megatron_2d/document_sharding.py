@@ -1,6 +1,7 @@
-"""Where each token of a packed batch goes: Megatron's per-document or per-sequence zigzag, or whole short documents.
+"""Document sharding: where each token of a packed batch goes, Megatron's per-document or per-sequence zigzag, or
+whole short documents. (Placement, head_first or context_first, is the rank order of :mod:`megatron_2d.topology`.)
 
-Pure numpy, no torch: the op's :class:`megatron_2d.PackedLayout` and the planner use the same placement.
+Pure numpy, no torch: the op's :class:`megatron_2d.PackedLayout` and the planner use the same sharding.
 
 Notation
     D documents of lengths L_j (``cu_seqlens``: cumulative, from 0), T = sum L_j real tokens
@@ -17,7 +18,7 @@ chunks; CP rank i holds chunks i and 2*CP-1-i of every document, document by doc
     array([[ 0, -1,  3,  6],
            [ 1,  2,  4,  5]])
 
-Documents (:func:`place_documents`): long documents are zigzag-sharded over the cp context ranks (2*cp chunks;
+Documents (:func:`shard_documents`): long documents are zigzag-sharded over the cp context ranks (2*cp chunks;
 the hp ranks of a head group split heads, not documents); every other document stays whole on one context rank,
 so its attention is local and the ring carries only long-document K/V. Each view is [long chunks | whole
 documents | padding] and is cut into hp equal slices, one per head rank, so after the all-to-all the long tokens
@@ -106,7 +107,7 @@ def round_up(x, multiple: int):
 
 
 @dataclass(frozen=True)
-class DocumentPlacement:
+class DocumentSharding:
     """The documents layout of one batch over the cp context ranks (see the module docstring)."""
 
     cu_seqlens: np.ndarray           # [D + 1] the batch's cumulative lengths
@@ -118,7 +119,7 @@ class DocumentPlacement:
     threshold: int                   # the longest whole document (longer ones are sharded)
     pair_imbalance: float            # max / mean - 1 of attention pairs per context rank
     token_imbalance: float           # max / mean - 1 of real tokens per context rank
-    predicted_s: float = 0.0         # the step the cost model predicts for this placement
+    predicted_s: float = 0.0         # the step the cost model predicts for this sharding
 
     @functools.cached_property
     def runs(self) -> "Runs":
@@ -139,10 +140,10 @@ class DocumentPlacement:
 
 
 def _greedy(lengths: np.ndarray, short: np.ndarray, cp: int, base_pairs: float, base_tokens: float):
-    """Place whole documents (ids ``short``) on cp context ranks: largest first, each on the rank where the
+    """Assign whole documents (ids ``short``) to cp context ranks: largest first, each on the rank where the
     larger of its normalised loads (pairs / mean pairs, tokens / mean tokens) ends lowest; ties to the lowest
     rank. Beyond 32 ranks, for speed, on the rank whose larger normalised load is lowest before it (a heap).
-    Returns (ids in placement order, owner of each, pairs per rank, tokens per rank)."""
+    Returns (ids in assignment order, owner of each, pairs per rank, tokens per rank)."""
     order = short[np.lexsort((short, -lengths[short]))]             # longest first, then by id
     p = pairs(lengths[order]).astype(np.float64)
     n = lengths[order].astype(np.float64)
@@ -179,7 +180,7 @@ def _imbalance(load: np.ndarray) -> float:
 @dataclass(frozen=True)
 class PackingCost:
     """Seconds one forward + backward of a documents layout takes, term by term, per unit (the model that chooses
-    which documents to shard, :func:`place_documents`):
+    which documents to shard, :func:`shard_documents`):
 
         step = pair_s * (pairs of the busiest context rank) + call_s * (its kernel calls) + token_s * (slots per
                view: padding and token imbalance) + ring,
@@ -225,7 +226,7 @@ class PackingCost:
 
 def default_cost() -> PackingCost:
     """The planner's 8xH100 figures (attention at its modelled efficiency, the ring on NVLink), MHA bf16, head dim
-    128: what :func:`place_documents` assumes without a cost (pass ``PackedLayout(..., cost=)`` for a cluster's
+    128: what :func:`shard_documents` assumes without a cost (pass ``PackedLayout(..., cost=)`` for a cluster's
     own, e.g. its inter-node links, or a measured one)."""
     from .plan.hardware import get_cluster
 
@@ -234,9 +235,9 @@ def default_cost() -> PackingCost:
 
 
 def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCost) -> np.ndarray:
-    """[D + 1] the predicted step with the k longest documents sharded, k = 0..D, without placing anything: the
+    """[D + 1] the predicted step with the k longest documents sharded, k = 0..D, without assigning anything: the
     busiest rank holds its share of the sharded pairs plus at least the longest whole document (the greedy
-    placement comes close to that bound or to the mean), its slots the prefix and that document or the mean."""
+    assignment comes close to that bound or to the mean), its slots the prefix and that document or the mean."""
     desc = lengths[by_length].astype(np.float64)
     D, total = len(desc), float(desc.sum())
     cum = np.concatenate(([0.0], np.cumsum(desc)))
@@ -251,8 +252,8 @@ def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCo
     return cost.predict(max_pairs, calls, slots, cp, prefix, long_pairs)
 
 
-def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] = None,
-                    cost: Optional[PackingCost] = None) -> DocumentPlacement:
+def shard_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] = None,
+                    cost: Optional[PackingCost] = None) -> DocumentSharding:
     """The documents layout: whole short documents balanced over cp context ranks, long ones zigzag-sharded.
 
     Which documents to shard is chosen by predicted step time (:class:`PackingCost`, :func:`default_cost` when
@@ -260,8 +261,9 @@ def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
     then compute more than the others; a sharded one is balanced exactly (zigzag over 2*cp chunks) but rides the
     ring with its padding. The k longest documents are sharded (those longer than T / cp always: whole, one would
     give its rank more slots than every rank's fair share, and all ranks hold as many slots as the fullest, which
-    the attention's cost alone does not see), k the one whose placement predicts the shortest step: every k is screened with a bound on the busiest rank (O(D)), then the
-    best few are placed (:func:`_greedy`, balancing pairs and tokens) and predicted from their real loads. Balance
+    the attention's cost alone does not see), k the one whose sharding predicts the shortest step: every k is
+    screened with a bound on the busiest rank (O(D)), then the best few are assigned (:func:`_greedy`, balancing
+    pairs and tokens) and predicted from their real loads. Balance
     is a consequence, not the rule. ``long_threshold`` overrides the choice: documents longer than it are sharded.
     """
     cu = np.asarray(cu_seqlens, dtype=np.int64)
@@ -300,16 +302,16 @@ def place_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
     long_prefix = int(round_up(lengths[long_ids], 2 * cp).sum() // cp)
     whole = np.bincount(owner[owner >= 0], weights=lengths[owner >= 0], minlength=cp)
     view_len = int(round_up(long_prefix + int(whole.max(initial=0)), 2 * hp))      # even t_local (see RoPE)
-    return DocumentPlacement(cu_seqlens=cu, cp=cp, long_docs=long_ids, owner=owner, long_prefix=long_prefix,
+    return DocumentSharding(cu_seqlens=cu, cp=cp, long_docs=long_ids, owner=owner, long_prefix=long_prefix,
                              view_len=view_len, threshold=threshold, pair_imbalance=pair_imb,
                              token_imbalance=tok_imb, predicted_s=predicted)
 
 
-def documents_slots(placement: DocumentPlacement, layout) -> np.ndarray:
+def documents_slots(sharding: DocumentSharding, layout) -> np.ndarray:
     """[CP, t_local] slots of each CP rank: head rank hr of context rank cr holds slice hr of cr's view
     (``layout``: a :class:`megatron_2d.topology.Layout2D`)."""
     hp, cp = layout.head_parallel_size, layout.context_size
-    views = placement.views
+    views = sharding.views
     slots = np.empty((layout.cp_size, views.shape[1] // hp), dtype=np.int64)
     slots[_index_grid(layout)] = views.reshape(cp, hp, -1)
     return slots
