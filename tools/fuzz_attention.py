@@ -27,13 +27,13 @@ def run(batch_seed: int, indices, modes, max_world: int):
     batch = draw_batch(batch_seed, max_world)
     draws = [draw_case(batch, i, modes) for i in indices]
     start = time.perf_counter()
+    expected = [expected_results(d) for d in draws]
     try:
-        per_rank = run_on_ranks(batch.world, run_batch, batch, draws, [expected_results(d) for d in draws],
-                                timeout_s=300)
+        per_rank = run_on_ranks(batch.world, run_batch, batch, draws, expected, timeout_s=300)
     except RankFailure as err:
         return [f"batch {batch_seed} (world {batch.world}, hp {batch.hp}, w {batch.w}, {batch.placement}) raised: "
                 f"{err}\n  draws: " + "\n  ".join(d.describe() for d in draws)], time.perf_counter() - start
-    return failures(batch, draws, per_rank), time.perf_counter() - start
+    return failures(batch, draws, per_rank, [e[-1] for e in expected]), time.perf_counter() - start
 
 
 def main(argv=None) -> int:
