@@ -29,6 +29,11 @@ pretrain-cpu: $(STAMP)
 pretrain-hybrid-cpu: $(STAMP)
 	ENTRY=hybrid PY=$(PY) bash tools/pretrain_gpt_cpu.sh
 
+# ruff's checks and formatting (configuration in pyproject.toml); CI runs this before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4
 	$(PY) -m megatron_2d.demo
