@@ -116,6 +116,7 @@ def run_grid(rank, world, hp, w, placement):
     return worst
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, cp, w, placement", LAYOUTS, ids=[layout_id(*x) for x in LAYOUTS])
 def test_fp32_matches_reference(world, hp, cp, w, placement):
     assert hp * cp == world
@@ -148,6 +149,7 @@ def run_torch_math_kernel(rank, world):
     return check_case(groups, rank, world, torch.float32, True, 8, 2, 64, kernel="torch_math")
 
 
+@pytest.mark.distributed
 def test_torch_math_kernel_in_the_ring():
     assert max(run_on_ranks(8, run_torch_math_kernel)) < TOLERANCE[torch.float32]
 
@@ -171,6 +173,7 @@ def run_dtypes(rank, world, hp, w, placement):
     return results
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, w, placement", DTYPE_LAYOUTS,
                          ids=[layout_id(n, hp, n // hp, w, p) for n, hp, w, p in DTYPE_LAYOUTS])
 def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
@@ -227,6 +230,7 @@ BYTE_CASES = [
 ]
 
 
+@pytest.mark.distributed
 def test_bytes_batch_one():
     """Batch 1 takes the head exchange's point-to-point path: the same bytes as the all-to-all."""
     for hkv in (8, 1):                                  # K/V split, and replicated
@@ -250,6 +254,7 @@ def run_head_exchange_path(rank, world, backend):
     return check_case(groups, rank, world, torch.float32, True, 8, 2, 32, batch=1), sorted(used)
 
 
+@pytest.mark.distributed
 def test_head_exchange_point_to_point_on_gloo_only():
     """Batch 1: point to point where it was measured (gloo), the collective all-to-all on NCCL (faked here:
     the exchange is told its group is NCCL's, the messages still go over gloo); exact both ways."""
@@ -267,6 +272,7 @@ def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
     return e.intra_bytes, e.inter_bytes
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, w, placement, hkv, dtype", BYTE_CASES,
                          ids=[f"N{n}-hp{h}-w{w}-{p}-hkv{k}-{str(dt)[6:]}" for n, h, w, p, k, dt in BYTE_CASES])
 def test_bytes_match_closed_form(world, hp, w, placement, hkv, dtype):
@@ -315,6 +321,7 @@ def run_input_errors(rank, world):
     return len(cases)
 
 
+@pytest.mark.distributed
 def test_bad_inputs_raise_clear_errors():
     assert run_on_ranks(4, run_input_errors) == [9] * 4
 
@@ -323,6 +330,7 @@ def run_mismatched_settings(rank, world):
     megatron_2d.build_2d_groups(2 if rank == 0 else 1, 1, timeout=TIMEOUT)
 
 
+@pytest.mark.distributed
 def test_mismatched_group_settings_fail_fast_on_every_rank():
     with pytest.raises(RankFailure, match=r"build_2d_groups called with different arguments"):
         run_on_ranks(2, run_mismatched_settings, timeout_s=30)
@@ -332,6 +340,7 @@ def run_bad_layout(rank, world, kwargs):
     megatron_2d.build_2d_groups(timeout=TIMEOUT, **kwargs)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kwargs, message", [
     (dict(head_parallel_size=3, ring_window=1), r"head-parallel size 3 does not divide the context-parallel size 4"),
     (dict(head_parallel_size=1, ring_window=3), r"ring window 3 does not divide the context size cp = CP/hp = 4/1 = 4"),
@@ -385,6 +394,7 @@ def run_multi_group(rank, world):
     return max(rel_err(ql.grad, sh(q.grad)), rel_err(kl.grad, sh(k.grad)), rel_err(vl.grad, sh(v.grad)))
 
 
+@pytest.mark.distributed
 def test_several_cp_groups():
     assert max(run_on_ranks(8, run_multi_group)) < TOLERANCE[torch.float32]
 
@@ -433,6 +443,7 @@ def run_rank_order(rank, world, hp, w, placement, lists):
     return mine, results
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("hp, w, placement, lists", RANK_ORDERS, ids=["reversed", "shuffled", "strided-descending"])
 def test_cp_rank_lists_in_any_order(hp, w, placement, lists):
     """Exact with CP rank lists that are not ascending: out, dq, dk, dv per rank, and the sinks' gradient summed

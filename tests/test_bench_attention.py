@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from megatron_2d.bench import attention as bench_attention
+
+pytestmark = pytest.mark.distributed
 
 
 def test_every_layout_has_a_row_with_exact_bytes(tmp_path):

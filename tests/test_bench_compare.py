@@ -110,6 +110,7 @@ def _reference_shards(rank, world, q, k, v, dout, max_elements, causal, window):
                                            window=window)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,max_elements,causal,window,dv", [
     (1, 2 ** 24, True, (-1, -1), 8), (2, 2 ** 11, True, (-1, -1), 8),        # 2**11: blocks of a few rows
     (2, 2 ** 11, True, (5, 0), 6), (2, 2 ** 11, False, (-1, -1), 6), (2, 2 ** 11, False, (3, 7), 6)],
@@ -153,6 +154,7 @@ class Raises(bench_compare.Runner):
         raise RuntimeError("deliberate failure")
 
 
+@pytest.mark.distributed
 def test_gate_flags_wrong_and_failing_implementations():
     args = _tiny_args("--no-peers")
     extra = [bench_compare.Impl("local only", "broken", build=lambda rank, world, a: LocalOnly()),
@@ -176,6 +178,7 @@ def test_relative_errors_propagate_nan_and_inf():
 
 # -- end to end -------------------------------------------------------------------------------------------------
 
+@pytest.mark.distributed
 def test_bench_compare_end_to_end_json(tmp_path, capsys):
     _require_ring_flash_attn()
     path = tmp_path / "compare.json"
@@ -305,6 +308,7 @@ def _run_te_glue(rank, world, args, kinds):
     return out
 
 
+@pytest.mark.distributed
 def test_te_runner_glue_with_a_stand_in_dot_product_attention():
     args = _tiny_args("--dtype", "fp64", "--kv-heads", "4")            # hkv = 4: every kind is valid TE at N = 4
     kinds = [("p2p", 1), ("a2a", 4), ("a2a+p2p", 2)]

@@ -38,6 +38,7 @@ def test_slot_pairs_counts_causal_pairs_per_rank():
     assert slot_pairs(slots, cu).sum() == 6 + 10
 
 
+@pytest.mark.distributed
 def test_every_row_is_checked_and_ours_pass(capsys, tmp_path):
     main(["--ranks", "2", "--tokens", "512", "--repeats", "1", "--dists", "one-half", "--heads", "2", "--dim", "16",
           "--cache", str(tmp_path)])

@@ -129,12 +129,14 @@ def assert_same_gradients(actual, expected):
         assert tg.max_relative_error(actual["grads"][name], grad) < RTOL, name
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("recompute", ["full", "ckpt++_uniform", "ckpt++_block"])
 def test_gradients_equal_no_recompute(results, recompute):
     assert_same_gradients(results[recompute], results["none"])
     assert abs(float(results[recompute]["loss"]) - float(results["none"]["loss"])) <= RTOL * float(results["none"]["loss"])
 
 
+@pytest.mark.distributed
 def test_attention_forward_runs_once_per_layer(results):
     assert results["none"]["forwards"] == LAYERS
     assert results["full"]["forwards"] == 2 * LAYERS        # plain full recompute runs attention twice
@@ -142,6 +144,7 @@ def test_attention_forward_runs_once_per_layer(results):
     assert results["ckpt++_block"]["forwards"] == LAYERS
 
 
+@pytest.mark.distributed
 def test_no_communication_in_the_recompute_pass(results):
     none, full = results["none"]["bytes"], results["full"]["bytes"]
     assert none["all_to_all"] > 0 and none["outer_ring"] > 0
@@ -150,6 +153,7 @@ def test_no_communication_in_the_recompute_pass(results):
         assert results[recompute]["bytes"] == none, recompute
 
 
+@pytest.mark.distributed
 def test_kept_tensors_are_released(results):
     for recompute in ("ckpt++_uniform", "ckpt++_block"):
         assert results[recompute]["kept_after"] == [0] * LAYERS
@@ -158,6 +162,7 @@ def test_kept_tensors_are_released(results):
     assert steps["watched"] >= 3 and steps["alive"] == 0
 
 
+@pytest.mark.distributed
 def test_pipeline_schedule_with_micro_batches_in_flight(results):
     ckpt, none = results[("pp", "ckpt++_uniform")], results[("pp", "none")]
     assert_same_gradients(ckpt, none)

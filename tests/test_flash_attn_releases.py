@@ -202,6 +202,7 @@ def varlen_equals_single_calls(kernel):
     return problems
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("version", fap.RELEASES)
 def test_kernel_through_release(version):
     (problems, facts), = run_on_ranks(1, run_release_kernel, version, timeout_s=120)
@@ -262,6 +263,7 @@ def run_release_ring(rank, world, version):
     return errors, varlen
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("version", fap.RELEASES)
 def test_attention_2d_through_release(version):
     """hp 2 x cp 2 (context_first): head all-to-all and ring, flash_attn2 in every block; packed documents go

@@ -20,6 +20,7 @@ def ci_draws():
             for seed in BATCHES]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("seed", BATCHES, ids=lambda s: f"batch{s}")
 def test_generated_draws_match_the_per_document_reference(seed):
     batch = draw_batch(seed)

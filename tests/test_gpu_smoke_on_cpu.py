@@ -11,6 +11,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.distributed
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITEMS = ["kernel flash_attn2", "kernel torch_flash", "loopback flash_attn2",
          "loopback torch_flash", "attention_2d flash_attn2", "attention_2d torch_flash", "no host sync",

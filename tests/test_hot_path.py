@@ -14,6 +14,8 @@ from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
 
+pytestmark = pytest.mark.distributed
+
 TIMEOUT = datetime.timedelta(seconds=60)
 
 

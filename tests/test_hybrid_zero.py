@@ -29,6 +29,8 @@ from megatron_2d.megatron.hybrid_zero import (  # noqa: E402
     model_state_bytes_per_rank,
 )
 
+pytestmark = pytest.mark.megatron
+
 WORLD, DP, CP = 8, 2, 4
 STEPS = 3
 RTOL = 1e-5
@@ -154,6 +156,7 @@ def results():
 
 
 # ---- training equals unsharded training ----------------------------------------------------------------------------
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", CASES)
 def test_losses_match_unsharded_training(results, name):
     expected = results[0]["reference"]["losses"]
@@ -170,6 +173,7 @@ WRONG_NORM = pytest.mark.xfail(strict=True, reason=(
     "for this choice. Strict: passing means megatron fixed it and the refusal can go."))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [pytest.param(n, marks=WRONG_NORM) if CASES[n].has_wider_optimizer_shard(DP, CP)
                                   else n for n in CASES if n != "unsharded"])
 def test_gradient_norms_match_unsharded(results, name):
@@ -184,6 +188,7 @@ def _l2_relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", DDP_CASES)
 def test_parameters_after_training_match_reference(results, name):
     """Per tensor ||actual - expected|| / ||expected|| < 1e-5 against the torch loop at CP=1 and against Megatron's
@@ -199,6 +204,7 @@ def test_parameters_after_training_match_reference(results, name):
 
 
 # ---- what each rank holds -------------------------------------------------------------------------------------------
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", CASES)
 def test_shard_groups_are_consecutive_dp_cp_ranks(results, name):
     shard = CASES[name].resolved_shard_size(DP, CP)
@@ -211,6 +217,7 @@ def test_shard_groups_are_consecutive_dp_cp_ranks(results, name):
         assert results[5][name]["shard_group"] == [4, 5, 6, 7]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n in CASES if n != "unsharded"])
 def test_optimizer_bytes_are_unsharded_bytes_divided_by_shard_size(results, name):
     """Adam moments: every optimizer shard group (S_opt consecutive ranks) holds each moment exactly once, and no
@@ -225,6 +232,7 @@ def test_optimizer_bytes_are_unsharded_bytes_divided_by_shard_size(results, name
     assert max(held) <= unsharded / opt_shard + 8 * results[0][name]["padding_bound"], (name, held)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ALL_CASES)
 def test_memory_model_matches_what_megatron_holds(results, name):
     """model_state_bytes_per_rank (fp32 or bf16 params, fp32 grads) against the real buffers and optimizer of the
@@ -242,6 +250,7 @@ def test_memory_model_matches_what_megatron_holds(results, name):
         assert value <= measured <= value + per_element[key] * padding, (name, key, measured, value)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n in BF16_CASES if n != "bf16_unsharded"])
 def test_bf16_sharded_training_matches_bf16_unsharded(results, name):
     """bf16 params with fp32 grads and main params: sharded = unsharded (same losses and gradient norms), and both

@@ -16,6 +16,8 @@ from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 
 from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 WORLD = 8
 RTOL = 1e-5
 
@@ -147,11 +149,13 @@ def assert_matches(actual, expected):
     assert not bad, f"relative errors above {RTOL}: {bad}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", MODELS)
 def test_2d_spec_at_cp1_matches_megatron_attention(results, name):
     assert_matches(results[("cp1_2d", name)], results[("ref", name)])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_loss_and_gradients_match_cp1(results, layout, name):
@@ -160,6 +164,7 @@ def test_loss_and_gradients_match_cp1(results, layout, name):
     assert_matches(actual, expected)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", MODELS)
 def test_pipeline_schedule_matches_cp1(results, name):
     actual, expected = results[(PIPELINE[0], name)], results[("ref_pipeline", name)]
@@ -169,6 +174,7 @@ def test_pipeline_schedule_matches_cp1(results, name):
         assert tg.max_relative_error(actual["grads"][key], grad) < RTOL, key
 
 
+@pytest.mark.distributed
 def test_optimizer_steps_track_cp1(results):
     actual, expected = results[("train", "gqa")], results[("ref_train", "gqa")]
     assert len(actual) == len(expected) == 3 and expected[0] != expected[-1]  # the loss moves
@@ -264,6 +270,7 @@ def run_misconfigured(rank, world, case):
         tg.build_tiny_gpt(cfg, spec_2d())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case, message", [
     ("indivisible_sequence", r"batch\['tokens'\]: sequence length 100 is not divisible by 2\*CP = 8"),
     ("thd", r"q holds 30 tokens, but the PackedLayout gives this rank t_local = 32 slots \(T = 128 over CP = 4\)"),
@@ -276,10 +283,12 @@ def test_misconfigured_runs_stop_with_clear_errors(case, message):
         run_on_ranks(4, run_misconfigured, case, timeout_s=60)
 
 
+@pytest.mark.distributed
 def test_softmax_scale_is_honoured(results):
     assert_matches(results[("cp4_2x2", "scaled")], results[("ref", "scaled")])
 
 
+@pytest.mark.distributed
 def test_core_attention_masks_and_scale_forward_and_backward():
     """no_mask and causal, with the config's softmax_scale, forward and dq/dk/dv, on 4 ranks (its own fork)."""
     errors = run_on_ranks(4, run_core_attention_alone, timeout_s=120)
@@ -350,6 +359,7 @@ def run_off_by_one_sinks_move(rank, world):
     return found
 
 
+@pytest.mark.distributed
 def test_off_by_one_sinks_move_with_the_module():
     assert run_on_ranks(1, run_off_by_one_sinks_move) == [
         {"buffer": True, "in_state_dict": False, "dtype_after_to": torch.float64, "device_after_to": "meta"}]

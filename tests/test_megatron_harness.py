@@ -18,6 +18,8 @@ import torch.distributed as dist
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing import tiny_gpt as tg
 
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
 WORLD = 4
 RTOL = 1e-5  # fp32; relative to each tensor's max magnitude
 

@@ -17,6 +17,8 @@ from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
 
+pytestmark = pytest.mark.megatron
+
 install_hybrid_cpu_shims()
 
 from megatron_2d.megatron import destroy_2d_groups  # noqa: E402
@@ -97,6 +99,7 @@ def assert_matches(actual, expected):
     assert not bad, f"relative errors above {RTOL}: {bad}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_hybrid_model_matches_cp1(results, layout, pattern):
@@ -107,6 +110,7 @@ def test_hybrid_model_matches_cp1(results, layout, pattern):
     assert_matches(actual, expected)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", CASES)
 def test_per_layer_settings_follow_megatron_hybrid_numbering(results, name):
     assert_matches(results[("cp4", name)], results[("ref", name)])
@@ -118,6 +122,7 @@ def test_per_layer_settings_follow_megatron_hybrid_numbering(results, name):
         assert windows[1] is not None and windows[3] is not None
 
 
+@pytest.mark.distributed
 def test_mamba_hybrid_trains_like_cp1(results):
     actual, expected = results["train"], results["ref_train"]
     assert expected[0] != expected[-1]
@@ -125,6 +130,7 @@ def test_mamba_hybrid_trains_like_cp1(results):
         assert abs(a - e) <= RTOL * abs(e), (actual, expected)
 
 
+@pytest.mark.distributed
 def test_mamba_heads_that_do_not_divide_over_the_cp_group_are_refused_at_construction(results):
     assert results["refusal"].startswith(
         "Mamba layers split their heads over the whole CP group: 4 Mamba heads / TP 1 = 4 per TP rank do not "

@@ -13,6 +13,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
 
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
 install_hybrid_cpu_shims()
 
 from megatron_2d.megatron import destroy_2d_groups  # noqa: E402

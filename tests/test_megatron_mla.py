@@ -19,6 +19,8 @@ from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.mla import mla_spec_2d, reference_mla_spec, tiny_mla_config
 
+pytestmark = pytest.mark.megatron
+
 WORLD = 8
 RTOL = 1e-5
 CKPT_PLUS = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
@@ -103,6 +105,7 @@ def results():
     return run_on_ranks(WORLD, run_all, timeout_s=300)[0]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("ring", RINGS)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_mla_model_equals_cp1(results, layout, ring):
@@ -112,6 +115,7 @@ def test_mla_model_equals_cp1(results, layout, ring):
     assert not bad, bad
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_latent_ring_equals_expanded_ring_and_sends_less(results, layout):
     """Stage 2 against stage 1 on the same layout: the same loss and gradients (the up-projection weight's
@@ -129,6 +133,7 @@ def test_latent_ring_equals_expanded_ring_and_sends_less(results, layout):
         assert ring(latent) == ring(expanded) == 0 and latent["bytes"]["all_to_all"] > 0
 
 
+@pytest.mark.distributed
 def test_reference_sees_attention(results):
     """The comparison can fail: the TP=2 reference itself differs from TP=1 (see the module docstring), and the
     references' gradients reach every attention weight."""
@@ -173,6 +178,7 @@ def test_mla_ring_setting_is_checked():
         TransformerConfig2D(**base, cp_2d_mla_ring="latent")
 
 
+@pytest.mark.distributed
 def test_thd_value_padding_is_undone(results):
     r = results["thd_padded_value"]
     assert r["out"] < RTOL and r["pad"] == 0.0 and r["grads"] < RTOL

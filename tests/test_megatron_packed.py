@@ -22,6 +22,8 @@ from megatron_2d.megatron.packed_data import (documents_batch_on_this_cp_rank, g
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
 LENGTHS = [5, 70, 13, 1, 150, 33, 40, 9, 100]
 PAD_TO = 16                                   # a multiple of 2*CP for CP 1, 4 and 8
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=512, seed=11)

@@ -22,6 +22,8 @@ import pytest
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 
+pytestmark = pytest.mark.megatron
+
 OPTIONS = dict(normalization=["LayerNorm", "RMSNorm"], qk_layernorm=[False, True], qk_l2_norm=[False, True],
                moe=[None, (4, 1, False), (4, [1, 0], True)], use_te_activation_func=[False, True])
 
@@ -110,6 +112,7 @@ def run_local_specs(rank, world):
     return compared, differences, sorted(cores), CoreAttention2D.__qualname__
 
 
+@pytest.mark.distributed
 def test_local_specs_equal_megatrons_but_core_attention():
     compared, differences, cores, expected = run_on_ranks(1, run_local_specs)[0]
     assert not differences, differences
@@ -153,6 +156,7 @@ def run_transformer_engine_arguments(rank, world):
     return compared, differences
 
 
+@pytest.mark.distributed
 def test_transformer_engine_specs_get_megatrons_arguments():
     compared, differences = run_on_ranks(1, run_transformer_engine_arguments)[0]
     assert not differences, differences

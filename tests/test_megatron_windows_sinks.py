@@ -13,6 +13,8 @@ from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
 RTOL = 1e-5
 BASE = dict(hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=256)
 MODELS = {

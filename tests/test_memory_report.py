@@ -16,6 +16,7 @@ def memory_report():
     return module
 
 
+@pytest.mark.distributed
 def test_recompute_modes(memory_report):
     args = memory_report.parse_args(["--layers", "2", "--hidden", "64", "--seq", "128", "--plot", ""])
     rows = {r["mode"]: r for r in memory_report.report(args)}

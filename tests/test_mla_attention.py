@@ -139,6 +139,7 @@ def latent_cases(groups, rank, world, shard, packings=()):
     return errors
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, w, placement", LAYOUTS, ids=[f"N{n}-hp{h}-w{w}-{p}" for n, h, w, p in LAYOUTS])
 def test_mla_attention_is_exact(world, hp, w, placement):
     """Stage 1 (attention_2d with dk != dv) and stage 2 (latent_attention_2d) on one layout, one fork."""
@@ -180,6 +181,7 @@ def te_mla_config(rank, world, name):
     return groups.comm_bytes.as_dict()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(TE_MLA_CONFIGS))
 def test_transformer_engine_mla_cp_configs(name):
     for sent in run_on_ranks(4, te_mla_config, name, timeout_s=300):
@@ -228,6 +230,7 @@ def wider_value(rank, world):
     megatron_2d.attention_2d(q, k, v, groups)
 
 
+@pytest.mark.distributed
 def test_value_wider_than_key_is_refused_by_name():
     with pytest.raises(RankFailure, match="value head dim 24 exceeds the query/key head dim 16: the cpu_flash"):
         run_on_ranks(1, wider_value)
@@ -266,6 +269,7 @@ def ring_bytes(rank, world, hp):
     return sent
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("hp", [1, 2])
 def test_ring_bytes_follow_the_closed_form_and_the_latent_ring_sends_an_eighth(hp):
     world, d = 4, DSV3_TP8

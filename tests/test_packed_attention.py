@@ -94,6 +94,7 @@ def layout_cases(rank, world, hp, w, placement):
             for mode, name, causal in layout_case_keys(world)}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, w, placement", LAYOUTS,
                          ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in LAYOUTS])
 def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
@@ -121,6 +122,7 @@ def one_token_documents(rank, world, hp, w):
             for mode in PACKING_MODES}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("hp, w", [(1, 2), (4, 1), (2, 2)], ids=["hp1-cp8-w2", "hp4-cp2-w1", "hp2-cp4-w2"])
 def test_one_token_documents_at_world_8(hp, w):
     """The reported case (fp32, causal, hq = hkv = 8, d = 16, forty one-token documents) in every mode."""
@@ -137,6 +139,7 @@ def tiny_documents(rank, world):
     return {mode: run_packed(groups, mode, lengths, True, 4, 2)[:2] for mode in ("zigzag", "documents")}
 
 
+@pytest.mark.distributed
 def test_thousand_tiny_documents():
     for per_rank in run_on_ranks(4, tiny_documents):
         for mode, (errs, padding) in per_rank.items():
@@ -157,6 +160,7 @@ def bf16_and_masks(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_packed_bf16_fp16_windows_and_sinks():
     """bf16/fp16 within their end-to-end tolerance (inputs rounded to the dtype, so the error is the op's own
     plus the output rounding), a sliding window within documents, and learnable sinks whose per-rank gradients
@@ -184,6 +188,7 @@ def single_document_equals_sbhd(rank, world):
     return rel_err(thd, sbhd.squeeze(1)), layout.padding_fraction
 
 
+@pytest.mark.distributed
 def test_single_document_equals_the_sbhd_op():
     for err, padding in run_on_ranks(4, single_document_equals_sbhd):
         assert padding == 0.0
@@ -226,6 +231,7 @@ def test_zigzag_slots_equal_transformer_engine_partitioning(cp_size):
         assert slots[rank].tolist() == pos_stream
 
 
+@pytest.mark.slow
 def test_documents_sharding_chooses_by_cost_and_keeps_short_documents_whole():
     """The documents sharding shards the k longest documents for the k whose sharding predicts the shortest
     step (checked against every k sharded for real), under a GPU-like and a CPU-like cost; whatever it chooses, every
@@ -294,6 +300,7 @@ def refusals(rank, world):
     return messages
 
 
+@pytest.mark.distributed
 def test_bad_packed_input_is_refused_with_the_values():
     for messages in run_on_ranks(4, refusals):
         assert set(messages) == {"not_increasing", "not_zero", "float", "differing", "T_mismatch", "shard_T",
@@ -320,6 +327,7 @@ def disagreeing_cu_seqlens(rank, world, hp, differ_by):
     return None
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, differ_by", [(4, 2, "head_group"), (4, 2, "context_group"),
                                                   (2, 1, "head_group"), (4, 1, "head_group"),
                                                   (4, 4, "context_group")],
@@ -332,6 +340,7 @@ def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(world, hp, 
         assert message is not None and "differ across the ranks" in message, message
 
 
+@pytest.mark.distributed
 def test_a_failing_rank_fails_the_test():
     with pytest.raises(RankFailure):
         run_on_ranks(2, lambda rank, world: megatron_2d.PackedLayout([0, 5 + rank],
@@ -393,6 +402,7 @@ def packed_window_bytes(rank, world, left):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("left", [1, 5, 28])
 def test_packed_window_bytes_follow_closed_form(left):
     """hp = 1, CP = 4, three long documents (every chunk at least ``left`` long): context rank r sends each

@@ -21,6 +21,8 @@ from megatron_2d.plan.cli import main as plan_main
 from megatron_2d.plan.lengths import document_lengths
 from megatron_2d.plan.memory_options import MemoryPolicy, memory_options
 
+pytestmark = pytest.mark.megatron
+
 
 def model_flags(model: ModelSpec, seq: int) -> List[str]:
     """The model's own flags (what the user's launch script already has)."""

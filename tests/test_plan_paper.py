@@ -49,6 +49,7 @@ def test_rows_ratios_and_explanations():
     assert "Differences above 15% and why:" in text
 
 
+@pytest.mark.slow
 def test_the_link_factor_search_finds_the_reported_ratio():
     row = reproduce(seqs=[131072], **GQA_32)[0]
     f = efficiency_to_match(row, "DS-Ulysses", 1.33, PAPER_CLUSTER, fair=False)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 BLOCK_TORCH = textwrap.dedent("""
     import sys
     class _NoTorch:
@@ -22,6 +24,7 @@ def run_blocked(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", BLOCK_TORCH + code], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_planner_imports_and_plans_without_torch():
     done = run_blocked(textwrap.dedent("""
         import json, sys

@@ -15,6 +15,8 @@ from megatron_2d.megatron.arguments import (  # noqa: E402
     add_2d_arguments, gpt_config_from_args_2d, transformer_config_from_args_2d)
 from megatron_2d.megatron.spec import gpt_layer_spec_2d  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
          "--num-query-groups", "2", "--seq-length", "256", "--max-position-embeddings", "256",
          "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--train-iters", "10", "--mock-data",

@@ -22,6 +22,8 @@ from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
 from megatron_2d.testing.pretrain_runs import (  # noqa: E402
     lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes, write_document_dataset)
 
+pytestmark = pytest.mark.megatron
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
 RTOL = 1e-5  # fp32
@@ -94,10 +96,12 @@ def assert_same_losses(got, expected, iterations=range(1, ITERATIONS + 1), rtol=
             f"iteration {it}: lm loss {got[it]:.6E} vs {expected[it]:.6E}; all: {got} vs {expected}")
 
 
+@pytest.mark.distributed
 def test_reference_trains(reference):
     assert reference[ITERATIONS] < reference[1]  # the stock loop learns: the comparisons below are not vacuous
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("placement", ["head_first", "context_first"])
 def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, layers_2d, placement):
     logs = run_pretrain(4, scripts["patched"], BASE + CP4_2D + ["--cp-2d-placement", placement])
@@ -105,6 +109,7 @@ def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, layers_2d, place
     assert_same_losses(losses(logs), reference)
 
 
+@pytest.mark.distributed
 def test_unpatched_pretrain_gpt_with_spec_equals_cp1(scripts, reference, layers_2d):
     flags = SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
                        "--cp-comm-type", "2d"]
@@ -113,6 +118,7 @@ def test_unpatched_pretrain_gpt_with_spec_equals_cp1(scripts, reference, layers_
     assert_same_losses(losses(logs), reference)
 
 
+@pytest.mark.distributed
 def test_example_entry_equals_cp1(scripts, reference, layers_2d, monkeypatch):
     monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
     logs = run_pretrain(4, REPO / "examples" / "pretrain_gpt_2d.py", BASE + CP4_2D)
@@ -120,6 +126,7 @@ def test_example_entry_equals_cp1(scripts, reference, layers_2d, monkeypatch):
     assert_same_losses(losses(logs), reference)
 
 
+@pytest.mark.distributed
 def test_tp2_cp4_distributed_optimizer_recompute_equals_cp1(scripts, reference, layers_2d):
     """TP=2 x CP=2x2 (8 ranks): weights from --use-cpu-initialization do not depend on TP, so CP=1 at TP=1 is the
     reference."""
@@ -130,6 +137,7 @@ def test_tp2_cp4_distributed_optimizer_recompute_equals_cp1(scripts, reference, 
     assert_same_losses(losses(logs), reference)
 
 
+@pytest.mark.distributed
 def test_pp2_cp4_distributed_optimizer_equals_cp1(scripts, layers_2d):
     """PP=2 x CP=4 (8 ranks) against PP=2 x CP=1: megatron seeds each pipeline stage differently (seed + 100 x stage),
     so the reference keeps PP=2."""
@@ -140,6 +148,7 @@ def test_pp2_cp4_distributed_optimizer_equals_cp1(scripts, layers_2d):
     assert_same_losses(losses(logs), expected)
 
 
+@pytest.mark.distributed
 def test_checkpoint_saved_at_cp4_resumes_at_other_2d_layouts(scripts, reference, layers_2d, tmp_path):
     """Save at iteration 2 with CP=4 as hp x cp = 2x2, resume with 4x1 and with CP=2 as 1x2: iterations 3-4 equal the
     uninterrupted run. Megatron's default checkpoint format (torch_dist, a torch.distributed.checkpoint folder with
@@ -181,6 +190,7 @@ MISCONFIGURED = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(MISCONFIGURED))
 def test_misconfigured_command_line_stops_every_rank_with_our_message(scripts, case):
     script, flags, message = MISCONFIGURED[case]
@@ -190,6 +200,7 @@ def test_misconfigured_command_line_stops_every_rank_with_our_message(scripts, c
         assert message in outcome.error, f"rank {rank}: {outcome.error}"
 
 
+@pytest.mark.distributed
 def test_bf16_2d_close_to_cp1(scripts):
     """--bf16 (megatron's Float16Module, fp32 main params; the CPU runs bf16 matmuls): CP=4 2D within bf16 rounding of
     CP=1 (seen: 2e-5 relative)."""
@@ -241,6 +252,7 @@ def documents_cp4(scripts, document_data):
     return losses(run_pretrain(4, example, document_data + CP4_2D + DOCUMENTS + ["--cp-2d-packing", "documents"]))
 
 
+@pytest.mark.distributed
 def test_example_documents_layout_equals_cp1(scripts, document_data, documents_cp4, monkeypatch):
     """The documents layout against the example at CP=1 on the same packed batches (there the batch is one
     rank's, whole)."""
@@ -252,6 +264,7 @@ def test_example_documents_layout_equals_cp1(scripts, document_data, documents_c
     assert_same_losses(documents_cp4, ref)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("route", ["patched", "spec"])
 def test_stock_inter_document_masking_equals_documents_layout(scripts, document_data, documents_cp4, layers_2d,
                                                               route):

@@ -23,6 +23,8 @@ from megatron_2d.testing.megatron_lm import copy_scripts
 from megatron_2d.testing.pretrain_runs import lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes
 from megatron_2d.testing.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
 
+pytestmark = pytest.mark.megatron
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
 RTOL = 1e-5
@@ -80,17 +82,20 @@ def test_make_target_flags():
     assert CP1 == BASE[:8] + ["--spec", "megatron_2d.testing.hybrid_cpu", "megatron_local_hybrid_stack_spec"] + BASE[8:]
 
 
+@pytest.mark.distributed
 def test_patched_pretrain_hybrid_2d_equals_cp1(scripts, reference):
     logs = run_pretrain(4, scripts["patched"], CP4)
     assert_same_losses(losses(logs), reference)
 
 
+@pytest.mark.distributed
 def test_unpatched_pretrain_hybrid_with_spec_equals_cp1(scripts, reference):
     flags = SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
                        "--cp-comm-type", "2d"]
     assert_same_losses(losses(run_pretrain(4, scripts["stock"], BASE + flags)), reference)
 
 
+@pytest.mark.distributed
 def test_checkpoint_saved_at_cp4_resumes_at_4x1_and_at_cp1(scripts, reference, tmp_path):
     """Saved at iteration 2 with CP=4 as 2x2 (Mamba layers' conv, dt_bias, A_log, D, norm included), resumed with
     CP=4 as 4x1 and at CP=1 by the stock script with Megatron's own local spec: iterations 3-4 equal the
@@ -124,6 +129,7 @@ MISCONFIGURED = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(MISCONFIGURED))
 def test_misconfigured_hybrid_launch_stops_every_rank_with_our_message(scripts, case):
     script, flags, message = MISCONFIGURED[case]
@@ -198,6 +204,7 @@ SFT_2D_ROUTES = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("pattern", list(SFT_2D_ROUTES))
 def test_sft_packed_conversations_at_2d_cp4_equal_cp1(scripts, sft_corpus, pattern):
     """pretrain_hybrid.py --sft: each sample packs 2-4 conversations (THD, Megatron's zigzag split per conversation

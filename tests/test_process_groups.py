@@ -5,11 +5,14 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch.distributed as dist
 
 from megatron_2d.megatron.process_groups import GroupRegistry, destroy_2d_groups, group_registry, groups_for
 from megatron_2d.megatron.settings import Settings2D
 from megatron_2d.testing.distributed import run_on_ranks
+
+pytestmark = pytest.mark.distributed
 
 
 def _ownership(rank, world):

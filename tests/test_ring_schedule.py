@@ -66,6 +66,7 @@ def record_loop(rank, world, hp, w, backward):
     return log, expected, visited, own_grad
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, w", [(4, 1, 1), (4, 1, 2), (4, 1, 4), (8, 1, 2), (8, 2, 2), (8, 1, 4),
                                           (6, 1, 3), (2, 2, 1)])
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])

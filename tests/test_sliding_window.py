@@ -264,6 +264,7 @@ def layout_errors():
     return {layout: run_on_ranks(layout[0], run_layout, *layout[1:], timeout_s=240) for layout in LAYOUTS}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"N{n}-hp{h}-w{w}-{p}" for n, h, w, p in LAYOUTS])
 def test_windows_and_sinks_match_reference(layout_errors, layout):
     per_rank = layout_errors[layout]
@@ -279,6 +280,7 @@ def run_bf16(rank, world):
             run_case(rank, world, groups, torch.bfloat16, False, (5, 2), "none", 8, 2, seed=12)]
 
 
+@pytest.mark.distributed
 def test_bf16_window_and_sinks():
     errors = [e for rank in run_on_ranks(4, run_bf16) for e in rank]
     assert max(errors) < TOLERANCE[torch.bfloat16], errors
@@ -305,6 +307,7 @@ def neighbour_bytes_closed_form(rank, cp, left, b=1, g=2, d=16, elt=4, grad_elt=
     return neighbours * slice_elements * (2 * elt + grad_elt)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("left", [1, 5, CHUNK], ids=lambda x: f"left{x}")
 def test_window_bytes_follow_closed_form_and_beat_the_ring(left):
     world = 8
@@ -319,6 +322,7 @@ def test_window_bytes_follow_closed_form_and_beat_the_ring(left):
     assert max(sum(r.values()) for r in windowed) <= ring / 3
 
 
+@pytest.mark.distributed
 def test_window_beyond_sequence_runs_the_ring():
     world = 4
     wide = run_on_ranks(world, run_bytes, (10 ** 6, 0))

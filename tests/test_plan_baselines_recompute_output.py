@@ -1,6 +1,7 @@
-"""Planner fixes of issue #10: Transformer Engine's bf16 dK/dV, DeepSpeed-Ulysses with K/V repeated for GQA,
-recompute modes in time and memory with a recommendation that fits, one JSON schema with job metadata, exit
-codes, --plot without matplotlib or without a feasible layout, one row for identical layouts, --top, the grid."""
+"""The planner's stock baselines, recompute modes and output: Transformer Engine's bf16 dK/dV, DeepSpeed-Ulysses
+with K/V repeated for GQA, recompute modes in time and memory with a recommendation that fits, one JSON schema with
+job metadata, exit codes, --plot without matplotlib or without a feasible layout, one row for identical layouts,
+--top, the grid, per-layer windows (first written as the fixes of issue #10)."""
 
 from __future__ import annotations
 
@@ -299,6 +300,7 @@ def test_70b_at_tp8_has_one_kv_head_per_rank():
     assert get_model("7B-KV4").kv_heads == 4 and get_model("8B-GQA").vocab == 128256
 
 
+@pytest.mark.slow
 def test_grid_cells_and_reasons():
     from megatron_2d.plan.grid import CODES, cell, explain, format_grid, grid, summary
 

@@ -1,0 +1,88 @@
+"""Communication pieces (megatron_2d.comm, megatron_2d.groups): the byte counter, ring and direct exchanges (the
+direct one on forked gloo ranks), the traffic backend of multi-backend groups."""
+
+import pytest
+import torch
+
+
+def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
+    from megatron_2d.comm import COMM_KINDS, CommCounter, RingExchange
+
+    counter = CommCounter()
+    counter.add("inner_ring", 10)
+    counter.add("inner_ring", 5)
+    counter.add("all_to_all", 7)
+    assert counter.as_dict() == {**{kind: 0 for kind in COMM_KINDS}, "inner_ring": 15, "all_to_all": 7}
+    with pytest.raises(ValueError, match=r"unknown communication kind 'ring'"):
+        counter.add("ring", 1)
+    counter.reset()
+    assert set(counter.as_dict().values()) == {0}
+    with pytest.raises(ValueError, match=r"a ring exchange needs at least 2 ranks, got \[3\]"):
+        RingExchange(None, [3], 0, counter, "inner_ring")
+    ring = RingExchange(None, [4, 9, 2], 0, counter, "outer_ring")      # ring order, not rank order
+    assert (ring.next_rank, ring.prev_rank) == (9, 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("receive_early", [True, False], ids=["gloo-early", "with-the-send"])
+def test_direct_exchange_receives_into_the_expected_buffer(receive_early):
+    from megatron_2d.testing.distributed import run_on_ranks
+
+    def body(rank, world, receive_early):
+        import torch.distributed as dist
+
+        from megatron_2d.comm import CommCounter, DirectExchange
+
+        counter = CommCounter()
+        peer = (rank + 1) % world
+        exchange = DirectExchange(dist.group.WORLD, peer, (rank - 1) % world, counter, "outer_ring")
+        exchange._receive_early = receive_early                # NCCL's path: the receive is posted with the send
+        made = []
+        exchange.expect(lambda: made.append(torch.full((3,), -1.0)) or made[-1])
+        assert len(made) == (1 if receive_early else 0)         # the buffer is taken only when it is posted
+        pending = exchange.start(torch.full((3,), float(rank)))
+        received = pending.wait()
+        assert received is made[0]
+        # a second exchange without expect() receives into a buffer of its own
+        plain = exchange.start(torch.full((2,), float(rank) + 10)).wait()
+        return received.tolist(), plain.tolist(), counter.as_dict()["outer_ring"]
+
+    for rank, (received, plain, sent) in enumerate(run_on_ranks(3, body, receive_early)):
+        assert received == [float((rank - 1) % 3)] * 3
+        assert plain == [float((rank - 1) % 3) + 10] * 2
+        assert sent == 5 * 4                                    # both sends counted, the early receive not
+
+
+def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
+    """A group made with backend="cpu:gloo,cuda:nccl" reports that whole string: its CUDA traffic is NCCL's, so
+    collectives need CUDA tensors, the subset-P2P groups get their warm-up, and receives are not posted early.
+    (The device is faked: no CUDA here, and torch's CPU build has no NCCL to make such a group.)"""
+    import torch.distributed as dist
+
+    import megatron_2d.groups as groups_module
+    from megatron_2d.comm import CommCounter, DirectExchange, traffic_backend
+
+    backend = {"name": "cpu:gloo,cuda:nccl"}
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    group = object()
+    assert traffic_backend(group) == "nccl"
+    assert groups_module.collective_device(group) == torch.device("cuda", 0)
+    asked, reduced = [], []
+
+    def zeros_on_meta(*shape, device=None):                     # records the device the warm-up asks for
+        asked.append(torch.device(device))
+        return torch.empty(shape, device="meta")
+
+    monkeypatch.setattr(torch, "zeros", zeros_on_meta)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(group))
+    groups_module.warm_up_p2p(group)
+    assert asked == [torch.device("cuda", 0)] and reduced == [group]      # the warm-up ran, with a CUDA tensor
+    assert not DirectExchange(group, 1, 0, CommCounter(), "inner_ring")._receive_early
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)          # a CPU job on the same group: gloo
+    assert traffic_backend(group) == "gloo"
+    for name, expected in (("nccl", "nccl"), ("gloo", "gloo"), ("cuda:nccl", "nccl"), ("cpu:gloo", "gloo")):
+        backend["name"] = name
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert traffic_backend(group) == expected, name

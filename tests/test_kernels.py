@@ -1,0 +1,150 @@
+"""The local attention kernels (megatron_2d.kernels): each CPU kernel's forward and backward against fp64 math,
+kernel selection on CPU and (faked) CUDA devices, and the torch_flash kernel's band pieces."""
+
+import contextlib
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from megatron_2d.band import Band
+from megatron_2d.kernels import KERNELS, select_kernel
+from megatron_2d.kernels.torch_flash import ANTICAUSAL, CAUSAL, FULL, band_pieces
+from megatron_2d.testing.reference import TOLERANCES, attention_with_lse, norm_err
+from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
+
+CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]   # flash_attn2: tests/test_flash_attn_releases.py
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FLASH_ONLY = {"torch_flash": ("bf16", "fp16")}   # PyTorch's CUDA flash kernel, run on CPU by torch_flash_on_cpu
+KERNEL_CASES = [(n, dt, c, h) for n, dt, c, h in itertools.product(CPU_KERNELS, DTYPES, [True, False], [4, 2, 1])
+                if dt in FLASH_ONLY.get(n, DTYPES)]
+
+
+def on_cpu(name):
+    """The context a kernel needs to run on CPU here (torch_flash: CPU kernels for PyTorch's CUDA flash ops)."""
+    return torch_flash_on_cpu() if name == "torch_flash" else contextlib.nullcontext()
+
+
+def block_case(dtype, causal, hkv, scale=0.3, seed=2):
+    """Inputs of one block in ``dtype`` and the fp64 reference built from exactly those (rounded) inputs:
+    (q, k, v, dout, {out, lse, dq, dk, dv} references)."""
+    g = torch.Generator().manual_seed(seed)
+    b, sq, hq, d = 2, 16, 4, 32
+    sk = sq if causal else 24
+    q, k, v = (torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    dout = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref, ref_lse = attention_with_lse(*leaves, causal, scale)
+    ref.backward(dout.double())
+    return q, k, v, dout, dict(out=ref, lse=ref_lse, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+
+
+@pytest.mark.parametrize("name, dtype, causal, hkv", KERNEL_CASES,
+                         ids=[f"{n}-{dt}-{'causal' if c else 'full'}-hkv{h}" for n, dt, c, h in KERNEL_CASES])
+def test_kernel_forward_backward(name, dtype, causal, hkv):
+    """Each CPU kernel, forward (out, lse) and backward (dq, dk, dv), against fp64 math on its own rounded inputs."""
+    dtype = DTYPES[dtype]
+    q, k, v, dout, want = block_case(dtype, causal, hkv)
+    band = Band(None, 0) if causal else None
+    with on_cpu(name):
+        kernel = select_kernel(torch.device("cpu"), dtype, name)
+        out, lse = kernel.forward(q, k, v, band, 0.3)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, band, 0.3)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.dtype == dtype and lse.dtype == lse_dtype and lse.shape == (2, 4, 16)
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    for key in ("dq", "dk", "dv"):
+        assert got[key].dtype == dtype, key
+    bad = {key: norm_err(got[key], want[key]) for key in got
+           if not norm_err(got[key], want[key]) < TOLERANCES[dtype].of(key)}
+    assert not bad, f"above the {dtype} per-output tolerances: {bad}"
+    assert all(got[key].shape == want[key].shape for key in got)
+
+
+def test_kernel_selection():
+    assert select_kernel(torch.device("cpu"), torch.float32).name == "cpu_flash"
+    assert select_kernel(torch.device("cpu"), torch.float32, "torch_math").name == "torch_math"
+    with pytest.raises(ValueError, match=r"unknown attention kernel 'nope'; choose one of"):
+        select_kernel(torch.device("cpu"), torch.float32, "nope")
+    with pytest.raises(ValueError, match=r"'flash_attn2' (is not available here|does not run on device cpu)"):
+        select_kernel(torch.device("cpu"), torch.bfloat16, "flash_attn2")
+    with pytest.raises(ValueError, match=r"'torch_flash' does not run on device cpu"):
+        select_kernel(torch.device("cpu"), torch.bfloat16, "torch_flash")
+
+
+class FakeFlashAttn2:
+    """Plays the flash_attn2 kernel class for selection tests: an installed flash-attn (the real packages run in
+    tests/test_flash_attn_releases.py, each in its own process)."""
+
+    name = "flash_attn2"
+
+    def supports(self, device, dtype):
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+    def head_dim_problem(self, head_dim):
+        from megatron_2d.kernels.flash_attn2 import flash_head_dim_problem
+        return flash_head_dim_problem(head_dim)
+
+
+def test_kernel_selection_on_cuda_devices(monkeypatch):
+    """The choice on a CUDA device (no CUDA tensor is made): flash-attn 2 for fp16/bf16 when it imports, else
+    PyTorch's own flash kernel with a warning; fp32/fp64 refused (no kernel that materialises scores on CUDA);
+    head dims the flash kernels cannot take refused at selection, automatic or named."""
+    import megatron_2d.kernels as kernels
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)       # flash-attn not installed
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.warns(UserWarning, match="flash-attn is not installed: attention_2d uses PyTorch's own flash"):
+            assert select_kernel(cuda, dtype, head_dim=128).name == "torch_flash"
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(ValueError, match=rf"flash kernels, which take fp16 or bf16, not {dtype}"):
+            select_kernel(cuda, dtype)
+    with pytest.raises(ValueError, match=r"'torch_math' does not run on device cuda"):
+        select_kernel(cuda, torch.float32, "torch_math")
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)
+    monkeypatch.setitem(kernels.KERNELS, "flash_attn2", FakeFlashAttn2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for d in (64, 128, 192, 256, 8):
+            assert select_kernel(cuda, torch.bfloat16, head_dim=d).name == "flash_attn2"
+        assert select_kernel(cuda, torch.float16, "torch_flash", head_dim=64).name == "torch_flash"
+    for name in ("flash_attn2", "torch_flash", None):
+        with pytest.raises(ValueError, match=r"head dim 60 is not supported by the flash kernels \(a multiple of "
+                                             r"8, at most 256; pad to 64\)"):
+            select_kernel(cuda, torch.bfloat16, name, head_dim=60)
+        with pytest.raises(ValueError, match=r"head dim 264 is not supported by the flash kernels \(a multiple of 8, "
+                                             r"at most 256\)$"):
+            select_kernel(cuda, torch.bfloat16, name, head_dim=264)
+    with pytest.raises(ValueError, match=r"'flash_attn2' does not run on device cuda with torch.float32"):
+        select_kernel(cuda, torch.float32, "flash_attn2")
+    with pytest.raises(ValueError, match=r"no attention kernel runs on device type 'mps'"):
+        select_kernel(torch.device("mps"), torch.float32)
+
+
+@pytest.mark.slow
+def test_torch_flash_pieces_cover_every_band_exactly_once():
+    """The torch_flash kernel's pieces (full rectangles, causal and anti-causal squares) of every trimmed band on
+    blocks up to 12 x 12 add up to the band's mask, each visible pair once, all inside the block."""
+    cases = 0
+    for sq, sk in itertools.product(range(1, 13), repeat=2):
+        for lo, hi in itertools.product([None, *range(-13, 13)], repeat=2):
+            box = Band(lo, hi).trim(sq, sk) if (lo, hi) != (None, None) else None
+            if box is None:
+                continue
+            nq, nk, band = box.q_end - box.q_start, box.k_end - box.k_start, box.band
+            want = torch.tensor([[band is None or band.visible(i, j) for j in range(nk)] for i in range(nq)])
+            got = torch.zeros(nq, nk, dtype=torch.int)
+            for p in band_pieces(band, nq, nk):
+                assert 0 <= p.q_start < p.q_end <= nq and 0 <= p.k_start < p.k_end <= nk, (p, nq, nk, band)
+                ones = torch.ones(p.q_end - p.q_start, p.k_end - p.k_start, dtype=torch.int)
+                assert p.kind == FULL or ones.shape[0] == ones.shape[1], p
+                got[p.q_start:p.q_end, p.k_start:p.k_end] += {FULL: ones, CAUSAL: ones.tril(),
+                                                              ANTICAUSAL: ones.triu()}[p.kind]
+            assert torch.equal(got, want.int()), (sq, sk, lo, hi)
+            cases += 1
+    assert cases > 40000
+    assert [p.kind for p in band_pieces(Band(None, 0), 8, 8)] == [CAUSAL]    # native cases stay one call
+    assert [p.kind for p in band_pieces(None, 8, 12)] == [FULL]
