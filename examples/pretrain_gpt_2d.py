@@ -19,7 +19,8 @@ per-sequence split: the "sequence" layout, chosen by itself). ``--cp-2d-packing 
 (or ``--sft``) switches to the documents layout: short documents stay whole on one context rank and only long
 ones travel the ring. Its batches come from :func:`documents_forward_step` here (the data path of
 megatron_2d.megatron.packed_data, RoPE at each token's position in its document, the loss weighing every token
-equally whatever each CP rank holds; needs --no-rope-fusion and pipeline-parallel size 1). A stock pretrain_gpt.py user turns it on by running this entry instead, with the
+equally whatever each CP rank holds; needs --no-rope-fusion and pipeline-parallel size 1). A stock pretrain_gpt.py
+user turns it on by running this entry instead, with the
 same flags plus ``--cp-2d-packing documents``.
 """
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import List, Optional
 
 
 def import_pretrain_gpt():
@@ -41,9 +41,11 @@ def import_pretrain_gpt():
     except ModuleNotFoundError as err:
         if err.name not in ("pretrain_gpt", "gpt_builders", "model_provider"):
             raise
-        raise SystemExit(f"examples/pretrain_gpt_2d.py runs Megatron-LM's pretrain_gpt.py, which is not importable "
-                         f"({err}); set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.19.0 "
-                         f"(MEGATRON_LM_DIR={folder!r} now)") from None
+        raise SystemExit(
+            f"examples/pretrain_gpt_2d.py runs Megatron-LM's pretrain_gpt.py, which is not importable "
+            f"({err}); set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.19.0 "
+            f"(MEGATRON_LM_DIR={folder!r} now)"
+        ) from None
 
 
 def documents_forward_step(stock):
@@ -55,8 +57,12 @@ def documents_forward_step(stock):
     from megatron.core.utils import flatten_batch_for_packed_sequences, get_batch_on_this_tp_rank, unwrap_model
     from megatron.training import get_args
 
-    from megatron_2d.megatron.packed_data import (documents_batch_on_this_cp_rank, groups_of_model,
-                                                  token_weighted_loss, use_document_positions)
+    from megatron_2d.megatron.packed_data import (
+        documents_batch_on_this_cp_rank,
+        groups_of_model,
+        token_weighted_loss,
+        use_document_positions,
+    )
 
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         args = get_args()
@@ -65,32 +71,52 @@ def documents_forward_step(stock):
         batch = {}
         if mpu.get_tensor_model_parallel_rank() == 0:
             raw = next(data_iterator)
-            batch = {key: raw[key].cuda(non_blocking=True) if raw.get(key) is not None else None
-                     for key in stock.BATCH_KEYS}
+            batch = {
+                key: raw[key].cuda(non_blocking=True) if raw.get(key) is not None else None for key in stock.BATCH_KEYS
+            }
         batch = get_batch_on_this_tp_rank(
-            batch, has_cu_seqlens=True, is_hybrid_cp=False,
+            batch,
+            has_cu_seqlens=True,
+            is_hybrid_cp=False,
             create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
             broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
-            broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
-            tp_rank=mpu.get_tensor_model_parallel_rank(), micro_batch_size=args.micro_batch_size,
-            seq_length=args.seq_length, mtp_on_this_rank=False, pipeline_model_parallel_size=1,
-            is_pipeline_first_stage=True, is_pipeline_last_stage=True)
+            broadcast_group=mpu.get_tensor_model_parallel_group(),
+            cp_size=args.context_parallel_size,
+            tp_rank=mpu.get_tensor_model_parallel_rank(),
+            micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length,
+            mtp_on_this_rank=False,
+            pipeline_model_parallel_size=1,
+            is_pipeline_first_stage=True,
+            is_pipeline_last_stage=True,
+        )
         batch = flatten_batch_for_packed_sequences(batch)
         if batch.get("cu_seqlens") is None:
-            raise ValueError("--cp-2d-packing documents needs batches with document boundaries: add "
-                             "--dataloader-inter-document-masking (or use --sft)")
+            raise ValueError(
+                "--cp-2d-packing documents needs batches with document boundaries: add "
+                "--dataloader-inter-document-masking (or use --sft)"
+            )
         gpt = use_document_positions(unwrap_model(model))
         local, params = documents_batch_on_this_cp_rank(batch, groups_of_model(gpt), batch["cu_seqlens"].reshape(-1))
-        output = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                       loss_mask=local["loss_mask"], packed_seq_params=params)
-        loss = token_weighted_loss(partial(stock.loss_func, local["loss_mask"], model=model),
-                                   mpu.get_context_parallel_group(), args.calculate_per_token_loss)
+        output = model(
+            local["tokens"],
+            local["position_ids"],
+            None,
+            labels=local["labels"],
+            loss_mask=local["loss_mask"],
+            packed_seq_params=params,
+        )
+        loss = token_weighted_loss(
+            partial(stock.loss_func, local["loss_mask"], model=model),
+            mpu.get_context_parallel_group(),
+            args.calculate_per_token_loss,
+        )
         return output, loss
 
     return forward_step
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
     stock = import_pretrain_gpt()
@@ -101,14 +127,19 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     from megatron_2d.megatron.arguments import add_2d_arguments, gpt_config_from_args_2d
 
-    setattr(stock.train_valid_test_datasets_provider, "is_distributed", True)  # as pretrain_gpt.py's __main__
-    args = parse_and_validate_args(extra_args_provider=add_2d_arguments,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    stock.train_valid_test_datasets_provider.is_distributed = True  # as pretrain_gpt.py's __main__
+    args = parse_and_validate_args(
+        extra_args_provider=add_2d_arguments, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}
+    )
     documents = getattr(args, "cp_2d_packing", "zigzag") == "documents"
     forward_step = documents_forward_step(stock) if documents else stock.forward_step
-    pretrain(pretrain_cfg_container_from_args(args, gpt_config_from_args_2d(args)),
-             stock.train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             get_embedding_ranks=stock.get_embedding_ranks)
+    pretrain(
+        pretrain_cfg_container_from_args(args, gpt_config_from_args_2d(args)),
+        stock.train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        get_embedding_ranks=stock.get_embedding_ranks,
+    )
 
 
 if __name__ == "__main__":

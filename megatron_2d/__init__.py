@@ -14,10 +14,17 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "attention_2d": "attention", "kv_replication": "attention", "latent_attention_2d": "latent_attention",
-    "Groups2D": "groups", "build_2d_groups": "groups",
-    "shard_sequence": "sequence_layout", "unshard_sequence": "sequence_layout",
-    "zigzag_chunks": "topology", "PLACEMENTS": "topology", "Layout2D": "topology", "LayoutError": "topology",
+    "attention_2d": "attention",
+    "kv_replication": "attention",
+    "latent_attention_2d": "latent_attention",
+    "Groups2D": "groups",
+    "build_2d_groups": "groups",
+    "shard_sequence": "sequence_layout",
+    "unshard_sequence": "sequence_layout",
+    "zigzag_chunks": "topology",
+    "PLACEMENTS": "topology",
+    "Layout2D": "topology",
+    "LayoutError": "topology",
     "SlidingWindow": "band",
     "PackedLayout": "packed_layout",
 }

@@ -29,7 +29,6 @@ see nothing of others (windows, or documents that do not cross ranks).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
 
 import torch
 
@@ -55,8 +54,10 @@ def kv_replication(num_q_heads: int, num_kv_heads: int, head_parallel_size: int)
     hq, hkv, hp = num_q_heads, num_kv_heads, head_parallel_size
     if hq % hp != 0:
         valid = divisors(hq)
-        raise ValueError(f"head-parallel size {hp} does not divide the {hq} query heads on this rank; "
-                         f"valid head-parallel sizes: {valid}")
+        raise ValueError(
+            f"head-parallel size {hp} does not divide the {hq} query heads on this rank; "
+            f"valid head-parallel sizes: {valid}"
+        )
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} K/V heads; GQA needs hkv dividing hq")
     return math.lcm(hkv, hp) // hkv
@@ -66,15 +67,21 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool
     """Refuse q, k, v the op cannot take (shapes, dtypes, devices), naming the values (``packed``: THD's, as
     [t_local, 1, heads, d])."""
     if q.dim() == 3 and not packed:
-        raise ValueError(f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
-                         f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
-                         f"token belongs to")
+        raise ValueError(
+            f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
+            f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
+            f"token belongs to"
+        )
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd), got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree on sequence, batch and heads, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)} (their head dims may differ, as in MLA)")
+        raise ValueError(
+            f"k and v must agree on sequence, batch and heads, got {tuple(k.shape)} and "
+            f"{tuple(v.shape)} (their head dims may differ, as in MLA)"
+        )
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on sequence, batch and head dim")
     if not (q.dtype == k.dtype == v.dtype):
@@ -84,11 +91,13 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.shape[0] % 2 != 0 and not packed:
-        raise ValueError(f"the local sequence length {q.shape[0]} must be even: it holds two zigzag chunks "
-                         f"(the global sequence must be divisible by 2*CP)")
+        raise ValueError(
+            f"the local sequence length {q.shape[0]} must be even: it holds two zigzag chunks "
+            f"(the global sequence must be divisible by 2*CP)"
+        )
 
 
-def check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> None:
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
     """Refuse sinks that are not one floating-point logit per query head of q, on q's device."""
     if sinks is None:
         return
@@ -103,8 +112,10 @@ def check_not_capturing(device: torch.device) -> None:
     first-call setup run on the host, so a replayed graph would move stale data (megatron: keep attention out of
     cuda_graph_modules; the config check refuses training graphs that capture it)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("attention_2d cannot run inside a CUDA graph capture; leave core attention out of the "
-                           "graph (megatron: cuda_graph_modules without 'attn', or cuda_graph_impl='none')")
+        raise RuntimeError(
+            "attention_2d cannot run inside a CUDA graph capture; leave core attention out of the "
+            "graph (megatron: cuda_graph_modules without 'attn', or cuda_graph_impl='none')"
+        )
 
 
 def _transport(groups: Groups2D, plan) -> Transport:
@@ -117,8 +128,18 @@ def rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
     return accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
 
 
-def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: int, causal: bool,
-           window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str, head_dims: Tuple[int, int]):
+def _setup(
+    groups: Groups2D,
+    device: torch.device,
+    dtype: torch.dtype,
+    s_local: int,
+    causal: bool,
+    window: SlidingWindow,
+    scale: float,
+    kernel: str | None,
+    dkv_comm_dtype: str,
+    head_dims: tuple[int, int],
+):
     """(head exchange, ring context) for one call signature: built on first use, then cached on ``groups``, so a
     call makes no host-device copy, builds no plan and creates no tensor from Python data."""
     key = (device, dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
@@ -126,39 +147,61 @@ def _setup(groups: Groups2D, device: torch.device, dtype: torch.dtype, s_local: 
     if cached is None:
         place = groups.place
         order = ascending_order(groups.received_chunks(place.context_rank))
-        heads = HeadExchange.build(groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device,
-                                   head_ranks=place.head_group)
+        heads = HeadExchange.build(
+            groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group
+        )
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
-        rc = RingContext(transport=_transport(groups, plan),
-                         kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-                         plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
-                         scale=scale, rider_dtype=rider_dtype(dtype, dkv_comm_dtype))
+        rc = RingContext(
+            transport=_transport(groups, plan),
+            kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
+            plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
+            scale=scale,
+            rider_dtype=rider_dtype(dtype, dkv_comm_dtype),
+        )
         cached = groups.op_cache[key] = (heads, rc)
     return cached
 
 
-def _packed_setup(groups: Groups2D, packing: PackedLayout, device: torch.device, dtype: torch.dtype, causal: bool,
-                  window: SlidingWindow, scale: float, kernel: Optional[str], dkv_comm_dtype: str,
-                  head_dims: Tuple[int, int]):
+def _packed_setup(
+    groups: Groups2D,
+    packing: PackedLayout,
+    device: torch.device,
+    dtype: torch.dtype,
+    causal: bool,
+    window: SlidingWindow,
+    scale: float,
+    kernel: str | None,
+    dkv_comm_dtype: str,
+    head_dims: tuple[int, int],
+):
     """(head exchange, ring context) for one packed batch and call signature, cached on the layout."""
     key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = packing.op_cache.get(key)
     if cached is None:
-        heads = HeadExchange.build(groups.head_parallel_size, packing.head_order, groups.head_group,
-                                   groups.comm_bytes, device, per_token=packing.head_unit == "token",
-                                   head_ranks=groups.place.head_group)
+        heads = HeadExchange.build(
+            groups.head_parallel_size,
+            packing.head_order,
+            groups.head_group,
+            groups.comm_bytes,
+            device,
+            per_token=packing.head_unit == "token",
+            head_ranks=groups.place.head_group,
+        )
         view_tokens, plans = packing.view_len, packing.plans(causal, window)
         neighbours = None if packing.ring_tokens == 0 else packing.neighbour_keys(causal, window)
         if packing.ring_tokens == 0 or groups.context_size == 1:
             transport = LocalBlock(groups.place.context_rank)
-        elif neighbours is not None:               # some context ranks see nothing of others: direct exchange
+        elif neighbours is not None:  # some context ranks see nothing of others: direct exchange
             transport, plans = NeighbourExchange(groups, neighbours.keys, neighbours.offsets), neighbours.plans
         else:
             transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
-        rc = RingContext(transport=transport,
-                         kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-                         plans=plans, scale=scale,
-                         rider_dtype=rider_dtype(dtype, dkv_comm_dtype))
+        rc = RingContext(
+            transport=transport,
+            kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
+            plans=plans,
+            scale=scale,
+            rider_dtype=rider_dtype(dtype, dkv_comm_dtype),
+        )
         cached = packing.op_cache[key] = (heads, rc)
     return cached
 
@@ -168,23 +211,37 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     if not isinstance(packing, PackedLayout):
         raise TypeError(f"packing must be a megatron_2d.PackedLayout, got {type(packing).__name__}")
     if (packing.groups.layout, packing.groups.place) != (groups.layout, groups.place):
-        raise ValueError("this PackedLayout was built for other groups than the ones passed to attention_2d; "
-                         "build it with PackedLayout(cu_seqlens, groups) for these groups")
+        raise ValueError(
+            "this PackedLayout was built for other groups than the ones passed to attention_2d; "
+            "build it with PackedLayout(cu_seqlens, groups) for these groups"
+        )
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"with packing, q, k, v must be 3-D [t_local, heads, d] (THD), got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"with packing, q, k, v must be 3-D [t_local, heads, d] (THD), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[0] != packing.local_tokens:
-        raise ValueError(f"q holds {q.shape[0]} tokens, but the PackedLayout gives this rank t_local = "
-                         f"{packing.local_tokens} slots (T = {packing.total_tokens} over CP = "
-                         f"{groups.layout.cp_size}); shard the tensors with layout.shard")
+        raise ValueError(
+            f"q holds {q.shape[0]} tokens, but the PackedLayout gives this rank t_local = "
+            f"{packing.local_tokens} slots (T = {packing.total_tokens} over CP = "
+            f"{groups.layout.cp_size}); shard the tensors with layout.shard"
+        )
     check_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), packed=True)
 
 
-def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, causal: bool = True,
-                 softmax_scale: Optional[float] = None, kernel: Optional[str] = None,
-                 sliding_window: Optional[Tuple[int, int]] = (-1, -1),
-                 sinks: Optional[torch.Tensor] = None, dkv_comm_dtype: str = "accumulator",
-                 packing: Optional[PackedLayout] = None) -> torch.Tensor:
+def attention_2d(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: Groups2D,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str | None = None,
+    sliding_window: tuple[int, int] | None = (-1, -1),
+    sinks: torch.Tensor | None = None,
+    dkv_comm_dtype: str = "accumulator",
+    packing: PackedLayout | None = None,
+) -> torch.Tensor:
     """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, dk], k [s, b, hkv, dk],
     v [s, b, hkv, dv], or for packed documents q [t_local, hq, dk], k [t_local, hkv, dk], v [t_local, hkv, dv] with
     ``packing``. dv may differ from dk (MLA: 192 / 128): K and V travel side by side, unpadded.
@@ -215,39 +272,51 @@ def attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
     check_not_capturing(q.device)
     if packing is not None:
         check_packed(q, k, v, groups, packing)
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)          # [t_local, 1, heads, d]
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # [t_local, 1, heads, d]
     else:
         check_inputs(q, k, v)
     check_sinks(sinks, q)
     replicas = kv_replication(q.shape[2], k.shape[2], groups.head_parallel_size)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=2), v.repeat_interleave(replicas, dim=2)
-    exchange, rc, local_sinks = prepare_call(q, groups, causal, softmax_scale, kernel, sliding_window, sinks,
-                                             dkv_comm_dtype, packing, value_dim=v.shape[-1])
+    exchange, rc, local_sinks = prepare_call(
+        q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=v.shape[-1]
+    )
     # one all-to-all for q, k and v: q [b, S, hq/hp, dk], K/V side by side as the ring sends them [b, S, hkv'/hp, dk+dv]
     q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), q, k, v)
-    out = RingAttention.apply(q, kv, local_sinks, rc)                                  # [b, S, hq/hp, dv]
-    out, = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, out)                # [s, b, hq, dv]
+    out = RingAttention.apply(q, kv, local_sinks, rc)  # [b, S, hq/hp, dv]
+    (out,) = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, out)  # [s, b, hq, dv]
     return out.squeeze(1) if packing is not None else out
 
 
-def prepare_call(q: torch.Tensor, groups: Groups2D, causal: bool, softmax_scale: Optional[float],
-                 kernel: Optional[str], sliding_window, sinks: Optional[torch.Tensor], dkv_comm_dtype: str,
-                 packing: Optional[PackedLayout], value_dim: int):
+def prepare_call(
+    q: torch.Tensor,
+    groups: Groups2D,
+    causal: bool,
+    softmax_scale: float | None,
+    kernel: str | None,
+    sliding_window,
+    sinks: torch.Tensor | None,
+    dkv_comm_dtype: str,
+    packing: PackedLayout | None,
+    value_dim: int,
+):
     """What one call needs besides its tensors, from q [s_local, b, hq, dk]: (head exchange, ring context, this
     rank's sinks [hq/hp] or None); the setup is cached per signature (see :func:`_setup`)."""
     s_local, _, hq, dk = q.shape
     seq_len = packing.max_document_length if packing is not None else s_local * groups.layout.cp_size
     window = SlidingWindow.of(sliding_window, causal, seq_len)
-    scale = dk ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = dk**-0.5 if softmax_scale is None else float(softmax_scale)
     check_dkv_comm_dtype(dkv_comm_dtype)
     head_dims = (dk, value_dim)
     if packing is not None:
-        exchange, rc = _packed_setup(groups, packing, q.device, q.dtype, causal, window, scale, kernel,
-                                     dkv_comm_dtype, head_dims)
+        exchange, rc = _packed_setup(
+            groups, packing, q.device, q.dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims
+        )
     else:
-        exchange, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype,
-                              head_dims)
+        exchange, rc = _setup(
+            groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims
+        )
     local_heads, head_rank = hq // groups.head_parallel_size, groups.place.head_rank
-    local_sinks = None if sinks is None else sinks[head_rank * local_heads:(head_rank + 1) * local_heads]
+    local_sinks = None if sinks is None else sinks[head_rank * local_heads : (head_rank + 1) * local_heads]
     return exchange, rc, local_sinks

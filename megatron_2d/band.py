@@ -24,17 +24,16 @@ position p0 and a key block starting at k0, the band lo = -left - (k0 - p0), hi 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
 class Band:
     """Key j visible from query i iff lo <= j - i <= hi (local coordinates); None = unbounded."""
 
-    lo: Optional[int]
-    hi: Optional[int]
+    lo: int | None
+    hi: int | None
 
-    def shifted(self, rows: int, cols: int) -> "Band":
+    def shifted(self, rows: int, cols: int) -> Band:
         """The same mask seen from an origin moved by ``rows`` queries and ``cols`` keys."""
         d = cols - rows
         return Band(None if self.lo is None else self.lo - d, None if self.hi is None else self.hi - d)
@@ -42,7 +41,7 @@ class Band:
     def visible(self, i: int, j: int) -> bool:
         return (self.lo is None or j - i >= self.lo) and (self.hi is None or j - i <= self.hi)
 
-    def trim(self, sq: int, sk: int) -> Optional["Trimmed"]:
+    def trim(self, sq: int, sk: int) -> Trimmed | None:
         """The smallest query-rows x key-columns box of an sq x sk block holding every visible pair, with the band
         re-expressed from the box's origin (None when the whole box is visible). None if nothing is visible.
 
@@ -69,7 +68,7 @@ class Band:
         """Whether this band is the plain causal mask of a square block (what every kernel does natively)."""
         return sq == sk and self.lo is None and self.hi == 0
 
-    def flash_window(self, sq: int, sk: int) -> Tuple[int, int]:
+    def flash_window(self, sq: int, sk: int) -> tuple[int, int]:
         """flash-attn's (window_left, window_right) for this band: its masks align to the bottom-right corner.
 
         On a trimmed box both are >= 0 or -1 (the last row sees the last column's neighbourhood)."""
@@ -77,8 +76,10 @@ class Band:
         left = -1 if self.lo is None else d - self.lo
         right = -1 if self.hi is None else self.hi - d
         if (self.lo is not None and left < 0) or (self.hi is not None and right < 0):
-            raise ValueError(f"band {self} on a {sq}x{sk} block is not expressible as a flash-attn window "
-                             f"(left {left}, right {right}); trim it first")
+            raise ValueError(
+                f"band {self} on a {sq}x{sk} block is not expressible as a flash-attn window "
+                f"(left {left}, right {right}); trim it first"
+            )
         return left, right
 
 
@@ -90,7 +91,7 @@ class Trimmed:
     q_end: int
     k_start: int
     k_end: int
-    band: Optional[Band]
+    band: Band | None
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,10 @@ class SlidingWindow:
     def __post_init__(self) -> None:
         for name, value in (("left", self.left), ("right", self.right)):
             if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-                raise ValueError(f"sliding_window {name} must be an integer >= 0, or -1 for unbounded; "
-                                 f"got {value!r}")
+                raise ValueError(f"sliding_window {name} must be an integer >= 0, or -1 for unbounded; got {value!r}")
 
     @classmethod
-    def of(cls, window, causal: bool, seq_len: int) -> "SlidingWindow":
+    def of(cls, window, causal: bool, seq_len: int) -> SlidingWindow:
         """Normalise a user's (left, right) (or None) for a sequence of ``seq_len`` tokens: bounds that cut
         nothing become -1, and a causal mask caps right at 0 (right must then be 0 or -1)."""
         if window is None:
@@ -120,12 +120,15 @@ class SlidingWindow:
         try:
             left, right = window
         except (TypeError, ValueError):
-            raise ValueError(f"sliding_window must be a pair (left, right) of token counts, -1 = unbounded; "
-                             f"got {window!r}") from None
+            raise ValueError(
+                f"sliding_window must be a pair (left, right) of token counts, -1 = unbounded; got {window!r}"
+            ) from None
         win = cls(left, right)
         if causal and win.right not in (-1, 0):
-            raise ValueError(f"sliding_window {(left, right)} looks {right} tokens ahead, but causal=True lets a "
-                             f"query see no later key; use right 0 (or -1), or causal=False")
+            raise ValueError(
+                f"sliding_window {(left, right)} looks {right} tokens ahead, but causal=True lets a "
+                f"query see no later key; use right 0 (or -1), or causal=False"
+            )
         right = 0 if causal else win.right
         left = -1 if win.left >= seq_len - 1 else win.left
         right = -1 if right >= seq_len - 1 else right
@@ -135,7 +138,7 @@ class SlidingWindow:
     def unbounded(self) -> bool:
         return self.left == -1 and self.right == -1
 
-    def band(self, causal: bool) -> Optional[Band]:
+    def band(self, causal: bool) -> Band | None:
         """The global band (offsets key - query) of this window combined with causality; None = all keys."""
         lo = None if self.left == -1 else -self.left
         hi = 0 if causal else (None if self.right == -1 else self.right)

@@ -21,8 +21,9 @@ against all keys. context_first gives the same FLOPs in more, smaller calls.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple
 
 from .band import Band, SlidingWindow
 from .topology import Layout2D, zigzag_chunks
@@ -36,7 +37,7 @@ class BlockCall(NamedTuple):
     q_end: int
     k_start: int
     k_end: int
-    band: Optional[Band]
+    band: Band | None
 
     @property
     def flops_units(self) -> int:
@@ -45,30 +46,34 @@ class BlockCall(NamedTuple):
         if self.band is None:
             return nq * nk
         lo, hi = self.band.lo, self.band.hi
-        first = (lambda i: 0) if lo is None else (lambda i: max(0, i + lo))             # noqa: E731
-        last = (lambda i: nk - 1) if hi is None else (lambda i: min(nk - 1, i + hi))    # noqa: E731
+        first = (lambda i: 0) if lo is None else (lambda i: max(0, i + lo))  # noqa: E731
+        last = (lambda i: nk - 1) if hi is None else (lambda i: min(nk - 1, i + hi))  # noqa: E731
         return sum(max(0, last(i) - first(i) + 1) for i in range(nq))
 
 
-def merge_calls(calls: List[BlockCall], along_keys: bool) -> List[BlockCall]:
+def merge_calls(calls: list[BlockCall], along_keys: bool) -> list[BlockCall]:
     """Merge neighbouring full calls (band None) that share their rows (along_keys) or their keys."""
-    merged: List[BlockCall] = []
+    merged: list[BlockCall] = []
     for call in calls:
         last = merged[-1] if merged else None
         if last is not None and last.band is None and call.band is None:
             if along_keys and (last.q_start, last.q_end) == (call.q_start, call.q_end) and last.k_end == call.k_start:
                 merged[-1] = BlockCall(last.q_start, last.q_end, last.k_start, call.k_end, None)
                 continue
-            if not along_keys and (last.k_start, last.k_end) == (call.k_start, call.k_end) \
-                    and last.q_end == call.q_start:
+            if (
+                not along_keys
+                and (last.k_start, last.k_end) == (call.k_start, call.k_end)
+                and last.q_end == call.q_start
+            ):
                 merged[-1] = BlockCall(last.q_start, call.q_end, last.k_start, last.k_end, None)
                 continue
         merged.append(call)
     return merged
 
 
-def plan_block(q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: int, causal: bool,
-               window: Optional[SlidingWindow] = None) -> List[BlockCall]:
+def plan_block(
+    q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: int, causal: bool, window: SlidingWindow | None = None
+) -> list[BlockCall]:
     """The kernel calls for queries holding ``q_chunks`` against keys holding ``kv_chunks`` (both ascending).
 
     ``window`` is the normalised sliding window (:meth:`SlidingWindow.of`); None or unbounded = none."""
@@ -78,27 +83,33 @@ def plan_block(q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: int
     if band is None:
         return [BlockCall(0, len(q_chunks) * c, 0, len(kv_chunks) * c, None)]
     if list(q_chunks) == list(kv_chunks) and band == Band(None, 0):
-        n = len(q_chunks) * c          # ascending chunks: local order is global order, one causal call
+        n = len(q_chunks) * c  # ascending chunks: local order is global order, one causal call
         return [BlockCall(0, n, 0, n, Band(None, 0))]
-    calls: List[BlockCall] = []
+    calls: list[BlockCall] = []
     for qi, x in enumerate(q_chunks):
-        row: List[BlockCall] = []
+        row: list[BlockCall] = []
         for ki, y in enumerate(kv_chunks):
             box = band.shifted(0, (y - x) * c).trim(c, c)
             if box is not None:
-                row.append(BlockCall(qi * c + box.q_start, qi * c + box.q_end,
-                                     ki * c + box.k_start, ki * c + box.k_end, box.band))
+                row.append(
+                    BlockCall(
+                        qi * c + box.q_start, qi * c + box.q_end, ki * c + box.k_start, ki * c + box.k_end, box.band
+                    )
+                )
         calls.extend(merge_calls(row, along_keys=True))
     return merge_calls(calls, along_keys=False)
 
 
-def received_chunks(layout: Layout2D, context_rank: int) -> Tuple[int, ...]:
+def received_chunks(layout: Layout2D, context_rank: int) -> tuple[int, ...]:
     """Chunk ids in the order the head all-to-all delivers them to a context rank: by head rank, then zigzag half."""
-    return tuple(c for hr in range(layout.head_parallel_size)
-                 for c in zigzag_chunks(layout.index_of(hr, context_rank), layout.cp_size))
+    return tuple(
+        c
+        for hr in range(layout.head_parallel_size)
+        for c in zigzag_chunks(layout.index_of(hr, context_rank), layout.cp_size)
+    )
 
 
-def context_chunks(layout: Layout2D, context_rank: int) -> Tuple[int, ...]:
+def context_chunks(layout: Layout2D, context_rank: int) -> tuple[int, ...]:
     """Global chunk ids (of 2*CP) a context rank holds after the head all-to-all, ascending."""
     return tuple(sorted(received_chunks(layout, context_rank)))
 
@@ -110,8 +121,8 @@ class ContextPlan:
     calls[(dst, src)]: dst's calls on src's block; keys[(dst, src)]: the hull (k_lo, k_hi) of src's local keys
     they read, None when dst sees nothing of src."""
 
-    calls: Dict[Tuple[int, int], Tuple[BlockCall, ...]]
-    keys: Dict[Tuple[int, int], Optional[Tuple[int, int]]]
+    calls: dict[tuple[int, int], tuple[BlockCall, ...]]
+    keys: dict[tuple[int, int], tuple[int, int] | None]
 
     @property
     def dense(self) -> bool:
@@ -120,8 +131,9 @@ class ContextPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_context_group(layout: Layout2D, chunk_len: int, causal: bool,
-                       window: Optional[SlidingWindow] = None) -> ContextPlan:
+def plan_context_group(
+    layout: Layout2D, chunk_len: int, causal: bool, window: SlidingWindow | None = None
+) -> ContextPlan:
     """The :class:`ContextPlan` of one context group (pure and cached: the same for every call of a layer)."""
     cp = layout.context_size
     chunks = [context_chunks(layout, cr) for cr in range(cp)]

@@ -24,7 +24,7 @@ same function, which names the setting as that route spells it.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 PACKING_MODES = ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
@@ -32,7 +32,7 @@ MLA_RINGS = ("expanded", "latent")
 RECOMPUTE_CHECKS = ("tolerance", "bitwise")
 
 
-def choice_problem(setting: str, value, choices: Sequence[str]) -> Optional[str]:
+def choice_problem(setting: str, value, choices: Sequence[str]) -> str | None:
     """Why ``value`` is not a valid ``setting`` (one of ``choices``), or None when it is."""
     if value in choices:
         return None

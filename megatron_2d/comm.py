@@ -18,10 +18,9 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
-from typing import Callable, Dict, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 
@@ -49,8 +48,14 @@ def collective_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def check_same_on_every_rank(value, groups: Sequence[Optional[dist.ProcessGroup]], what: str, *,
-                             fingerprint: Optional[int] = None, error: type = ValueError) -> None:
+def check_same_on_every_rank(
+    value,
+    groups: Sequence[dist.ProcessGroup | None],
+    what: str,
+    *,
+    fingerprint: int | None = None,
+    error: type = ValueError,
+) -> None:
     """Raise ``error`` on every rank of ``groups`` at once unless they all hold the same ``value``.
 
     groups: process groups that together span the ranks that must agree (e.g. a rank's head and context groups
@@ -76,10 +81,15 @@ def check_same_on_every_rank(value, groups: Sequence[Optional[dist.ProcessGroup]
         dist.all_gather_object(gathered, (fingerprint, value), group=group)
         others.update((r, v) for r, (f, v) in zip(dist.get_process_group_ranks(group), gathered) if f != fingerprint)
     differing = sorted(others)
-    seen = (f"rank {differing[0]} has {_shown(others[differing[0]])}" if differing
-            else "ranks outside its own groups hold another")
-    raise error(f"{what}: rank {rank} has {_shown(value)}, {seen} (ranks differing from rank {rank} in its groups: "
-                f"{differing}); every rank must pass the same values")
+    seen = (
+        f"rank {differing[0]} has {_shown(others[differing[0]])}"
+        if differing
+        else "ranks outside its own groups hold another"
+    )
+    raise error(
+        f"{what}: rank {rank} has {_shown(value)}, {seen} (ranks differing from rank {rank} in its groups: "
+        f"{differing}); every rank must pass the same values"
+    )
 
 
 def _shown(value, limit: int = 300) -> str:
@@ -101,7 +111,7 @@ class CommCounter:
     def reset(self) -> None:
         self._bytes.clear()
 
-    def as_dict(self) -> Dict[str, int]:
+    def as_dict(self) -> dict[str, int]:
         return {kind: self._bytes[kind] for kind in COMM_KINDS}
 
     def __repr__(self) -> str:
@@ -112,11 +122,16 @@ class PendingExchange:
     """A transfer in flight: ``wait()`` returns the received tensor (None when nothing is received) once the send and
     the receive have completed; ``sent`` is the tensor sent (None when nothing is sent), free again after the wait."""
 
-    def __init__(self, works: list, received: Optional[torch.Tensor], sent: Optional[torch.Tensor] = None,
-                 owner: Optional["RingExchange"] = None) -> None:
+    def __init__(
+        self,
+        works: list,
+        received: torch.Tensor | None,
+        sent: torch.Tensor | None = None,
+        owner: RingExchange | None = None,
+    ) -> None:
         self._works, self._received, self.sent, self._owner = works, received, sent, owner
 
-    def wait(self) -> Optional[torch.Tensor]:
+    def wait(self) -> torch.Tensor | None:
         for work in self._works:
             work.wait()
         if self._owner is not None:
@@ -131,8 +146,9 @@ class RingExchange:
     per instance may be in flight; separate traffic (K/V vs dK/dV) uses separate instances and groups.
     """
 
-    def __init__(self, group: dist.ProcessGroup, ring: Sequence[int], position: int,
-                 counter: CommCounter, kind: str) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, ring: Sequence[int], position: int, counter: CommCounter, kind: str
+    ) -> None:
         if len(ring) < 2:
             raise ValueError(f"a ring exchange needs at least 2 ranks, got {list(ring)}")
         self.group, self.kind, self.counter = group, kind, counter
@@ -140,14 +156,16 @@ class RingExchange:
         self.prev_rank = ring[(position - 1) % len(ring)]
         self._in_flight = False
 
-    def start(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None) -> PendingExchange:
+    def start(self, send: torch.Tensor, recv: torch.Tensor | None = None) -> PendingExchange:
         """Post the send of ``send`` and the receive into ``recv`` (allocated if None); return at once."""
         if self._in_flight:
             raise RuntimeError(f"{self.kind} exchange started while the previous one is still in flight")
         if recv is None:
             recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.next_rank, self.group),
-               dist.P2POp(dist.irecv, recv, self.prev_rank, self.group)]
+        ops = [
+            dist.P2POp(dist.isend, send, self.next_rank, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
+        ]
         works = dist.batch_isend_irecv(ops)
         self._in_flight = True
         self.counter.add(self.kind, send.numel() * send.element_size())
@@ -166,7 +184,7 @@ class DirectExchange:
         # gloo moves a posted receive's data on its own threads whenever the sender sends; an early NCCL receive
         # would hold a GPU block spinning until then, so NCCL posts it with the send
         self._receive_early = traffic_backend(group) == "gloo"
-        self._expected = None           # (buffer factory, the buffer and its receive's works if already posted)
+        self._expected = None  # (buffer factory, the buffer and its receive's works if already posted)
 
     def expect(self, new_buffer: Callable[[], torch.Tensor]) -> None:
         """Receive the next :meth:`start` into ``new_buffer()``; where the backend lets the data land before this
@@ -177,7 +195,7 @@ class DirectExchange:
             works = post_direct(self.group, None, self.next_rank, recv, self.prev_rank, self.counter, self.kind)
         self._expected = (new_buffer, recv, works)
 
-    def start(self, send: torch.Tensor, recv: Optional[torch.Tensor] = None) -> PendingExchange:
+    def start(self, send: torch.Tensor, recv: torch.Tensor | None = None) -> PendingExchange:
         """Post the send of ``send`` to ``dst`` and the receive from ``src`` into the expected buffer, else into
         ``recv`` (allocated if None)."""
         early = None
@@ -186,13 +204,27 @@ class DirectExchange:
             recv = new_buffer() if recv is None else recv
         elif recv is None:
             recv = torch.empty_like(send)
-        works = post_direct(self.group, send, self.next_rank, None if early is not None else recv, self.prev_rank,
-                            self.counter, self.kind)
+        works = post_direct(
+            self.group,
+            send,
+            self.next_rank,
+            None if early is not None else recv,
+            self.prev_rank,
+            self.counter,
+            self.kind,
+        )
         return PendingExchange(works + (early or []), recv, send, owner=self)
 
 
-def post_direct(group: dist.ProcessGroup, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor],
-                src: int, counter: CommCounter, kind: str) -> list:
+def post_direct(
+    group: dist.ProcessGroup,
+    send: torch.Tensor | None,
+    dst: int,
+    recv: torch.Tensor | None,
+    src: int,
+    counter: CommCounter,
+    kind: str,
+) -> list:
     """Post a send of ``send`` to global rank ``dst`` and a receive into ``recv`` from ``src`` (either may be None:
     the peers decide from the same pure schedule, so posts always match). Returns the works to wait on."""
     ops = []
@@ -215,16 +247,16 @@ class BufferPool:
         self._spec = (tuple(shape), dtype, device)
         self._free: list = []
 
-    def get(self, keys: Optional[int] = None) -> torch.Tensor:
+    def get(self, keys: int | None = None) -> torch.Tensor:
         shape, dtype, device = self._spec
         buf = self._free.pop() if self._free else torch.empty(shape, dtype=dtype, device=device)
         if keys is None or keys == shape[1]:
             return buf
-        sliced = (shape[0], keys, *shape[2:])                           # [b, keys, ...] at the buffer's start
-        return buf.view(-1)[:math.prod(sliced)].view(sliced)
+        sliced = (shape[0], keys, *shape[2:])  # [b, keys, ...] at the buffer's start
+        return buf.view(-1)[: math.prod(sliced)].view(sliced)
 
     def put(self, buf: torch.Tensor) -> None:
-        self._free.append(buf if buf._base is None else buf._base)     # a slice of get(keys): its whole buffer
+        self._free.append(buf if buf._base is None else buf._base)  # a slice of get(keys): its whole buffer
 
 
 def to_device(array, device: torch.device) -> torch.Tensor:
@@ -250,7 +282,7 @@ def all_gather_counted(x: torch.Tensor, group: dist.ProcessGroup, counter: CommC
     as the head group's traffic, "all_to_all")."""
     parts = dist.get_world_size(group)
     out = x.new_empty(parts * x.shape[0], *x.shape[1:])
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(out, x.contiguous(), group=group)
     counter.add("all_to_all", (parts - 1) * x.numel() * x.element_size())
     return out

@@ -19,13 +19,17 @@ import functools
 import inspect
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
     """The DeprecationWarning of a renamed setting: ``old`` still works this release; use ``new``."""
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
-                  stacklevel=stacklevel)
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release; use {new}",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def renamed_keywords(**old_to_new: str) -> Callable:
@@ -43,8 +47,7 @@ def renamed_keywords(**old_to_new: str) -> Callable:
                     continue
                 value = kwargs.pop(old)
                 if new in signature.bind_partial(*args, **kwargs).arguments:
-                    raise TypeError(f"{name}() got both {new}= and its deprecated name {old}=; "
-                                    f"give {new}= only")
+                    raise TypeError(f"{name}() got both {new}= and its deprecated name {old}=; give {new}= only")
                 warn_renamed(f"{name}({old}=)", f"{name}({new}=)")
                 kwargs[new] = value
             return fn(*args, **kwargs)
@@ -63,8 +66,10 @@ def renamed_field(obj: Any, old: str, new: str, default: Any) -> None:
         return
     new_value = getattr(obj, new)
     if new_value != default and new_value != old_value:
-        raise ValueError(f"{new}={new_value!r} and its deprecated name {old}={old_value!r} are both set, to different "
-                         f"values; set {new} only")
+        raise ValueError(
+            f"{new}={new_value!r} and its deprecated name {old}={old_value!r} are both set, to different "
+            f"values; set {new} only"
+        )
     warn_renamed(old, new, stacklevel=4)
     setattr(obj, new, old_value)
     setattr(obj, old, None)

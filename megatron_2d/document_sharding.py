@@ -38,13 +38,12 @@ from __future__ import annotations
 import functools
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
     from .packed_plan import Runs
-
 
 
 def pairs(lengths) -> np.ndarray:
@@ -63,7 +62,7 @@ def row_pairs(rows: np.ndarray, cu_seqlens) -> np.ndarray:
     return np.where(real, seen, 0).sum(axis=1)
 
 
-def zigzag_rows(cu_seqlens, cp_size: int, ranks, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
+def zigzag_rows(cu_seqlens, cp_size: int, ranks, padded_lengths: np.ndarray | None = None) -> np.ndarray:
     """[len(ranks), t_local] slots of CP ranks ``ranks`` under Megatron's THD zigzag (see :func:`zigzag_slots`),
     computed for those ranks only: column j is the same (document, chunk half, offset) on every rank, only the
     chunk differs, so a row is one affine map of the columns."""
@@ -72,7 +71,7 @@ def zigzag_rows(cu_seqlens, cp_size: int, ranks, padded_lengths: Optional[np.nda
     ranks = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
     padded = round_up(lengths, 2 * cp_size) if padded_lengths is None else np.asarray(padded_lengths, np.int64)
     chunk = padded // (2 * cp_size)
-    doc = np.repeat(np.arange(len(lengths)), 2 * chunk)                       # [t_local] document of column j
+    doc = np.repeat(np.arange(len(lengths)), 2 * chunk)  # [t_local] document of column j
     offset = np.arange(len(doc)) - np.repeat(np.cumsum(2 * chunk) - 2 * chunk, 2 * chunk)
     c = chunk[doc]
     first = offset < c
@@ -83,7 +82,7 @@ def zigzag_rows(cu_seqlens, cp_size: int, ranks, padded_lengths: Optional[np.nda
     return np.where(pos < lengths[doc][None, :], cu[:-1][doc][None, :] + pos, -1)
 
 
-def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: Optional[np.ndarray] = None) -> np.ndarray:
+def zigzag_slots(cu_seqlens: np.ndarray, cp_size: int, padded_lengths: np.ndarray | None = None) -> np.ndarray:
     """[CP, t_local] slots of Megatron's THD zigzag: CP rank i holds chunks i and 2*CP-1-i of every document.
 
     ``padded_lengths`` (Megatron's ``cu_seqlens_padded`` differences): each a multiple of 2*CP and at least the
@@ -110,27 +109,29 @@ def round_up(x, multiple: int):
 class DocumentSharding:
     """The documents layout of one batch over the cp context ranks (see the module docstring)."""
 
-    cu_seqlens: np.ndarray           # [D + 1] the batch's cumulative lengths
-    cp: int                          # context ranks
-    long_docs: np.ndarray            # ids of the zigzag-sharded documents, ascending
-    owner: np.ndarray                # [D] context rank holding each whole document, -1 for long ones
-    long_prefix: int                 # view slots [0, long_prefix) hold long-document chunks (identical on all)
-    view_len: int                    # slots of every view (the longest, rounded up to a multiple of 2*hp)
-    threshold: int                   # the longest whole document (longer ones are sharded)
-    pair_imbalance: float            # max / mean - 1 of attention pairs per context rank
-    token_imbalance: float           # max / mean - 1 of real tokens per context rank
-    predicted_s: float = 0.0         # the step the cost model predicts for this sharding
+    cu_seqlens: np.ndarray  # [D + 1] the batch's cumulative lengths
+    cp: int  # context ranks
+    long_docs: np.ndarray  # ids of the zigzag-sharded documents, ascending
+    owner: np.ndarray  # [D] context rank holding each whole document, -1 for long ones
+    long_prefix: int  # view slots [0, long_prefix) hold long-document chunks (identical on all)
+    view_len: int  # slots of every view (the longest, rounded up to a multiple of 2*hp)
+    threshold: int  # the longest whole document (longer ones are sharded)
+    pair_imbalance: float  # max / mean - 1 of attention pairs per context rank
+    token_imbalance: float  # max / mean - 1 of real tokens per context rank
+    predicted_s: float = 0.0  # the step the cost model predicts for this sharding
 
     @functools.cached_property
-    def runs(self) -> "Runs":
+    def runs(self) -> Runs:
         """The runs of every view (:mod:`megatron_2d.packed_views`)."""
         from .packed_views import documents_runs
+
         return documents_runs(self.cu_seqlens, self.long_docs, self.owner, self.cp)
 
     @functools.cached_property
     def views(self) -> np.ndarray:
         """[cp, view_len] slots of each context rank's view (materialised on first use)."""
         from .packed_views import materialise
+
         return materialise(self.runs, self.cu_seqlens, self.cp, self.view_len)
 
     @property
@@ -144,13 +145,13 @@ def _greedy(lengths: np.ndarray, short: np.ndarray, cp: int, base_pairs: float, 
     larger of its normalised loads (pairs / mean pairs, tokens / mean tokens) ends lowest; ties to the lowest
     rank. Beyond 32 ranks, for speed, on the rank whose larger normalised load is lowest before it (a heap).
     Returns (ids in assignment order, owner of each, pairs per rank, tokens per rank)."""
-    order = short[np.lexsort((short, -lengths[short]))]             # longest first, then by id
+    order = short[np.lexsort((short, -lengths[short]))]  # longest first, then by id
     p = pairs(lengths[order]).astype(np.float64)
     n = lengths[order].astype(np.float64)
     mean_p = (cp * base_pairs + p.sum()) / cp or 1.0
     mean_t = (cp * base_tokens + n.sum()) / cp or 1.0
     owner = np.empty(len(order), dtype=np.int64)
-    if cp <= 32:      # plain Python beats numpy's per-call overhead on a few ranks
+    if cp <= 32:  # plain Python beats numpy's per-call overhead on a few ranks
         load_p, load_t = [base_pairs / mean_p] * cp, [base_tokens / mean_t] * cp
         ranks = range(cp)
         for i, (x, y) in enumerate(zip((p / mean_p).tolist(), (n / mean_t).tolist())):
@@ -213,15 +214,29 @@ class PackingCost:
         return compute + np.where(np.asarray(prefix) > 0, (cp - 1) * np.maximum(per_step, 0.0), 0.0)
 
     @classmethod
-    def from_hardware(cls, attention_tflops: float, link_gbps: float, q_heads: int = 1, kv_heads: int = 1,
-                      head_dim: int = 128, elt: int = 2, dkv_elt: int = 4, call_us: float = 5.0,
-                      step_us: float = 10.0, overlap: float = 1.0) -> "PackingCost":
+    def from_hardware(
+        cls,
+        attention_tflops: float,
+        link_gbps: float,
+        q_heads: int = 1,
+        kv_heads: int = 1,
+        head_dim: int = 128,
+        elt: int = 2,
+        dkv_elt: int = 4,
+        call_us: float = 5.0,
+        step_us: float = 10.0,
+        overlap: float = 1.0,
+    ) -> PackingCost:
         """From an attention rate (TFLOP/s reached) and the ring's link bandwidth (GB/s per direction): a pair is
         4 * d FLOPs per query head forward and 2.5 times that backward; a prefix token moves K and V (``elt``
         bytes) forward, again backward with its dK/dV (``dkv_elt``, fp32 riders by default)."""
-        return cls(pair_s=3.5 * 4 * q_heads * head_dim / (attention_tflops * 1e12),
-                   ring_token_s=2 * kv_heads * head_dim * (2 * elt + dkv_elt) / (link_gbps * 1e9),
-                   call_s=call_us * 1e-6, ring_step_s=step_us * 1e-6, overlap=overlap)
+        return cls(
+            pair_s=3.5 * 4 * q_heads * head_dim / (attention_tflops * 1e12),
+            ring_token_s=2 * kv_heads * head_dim * (2 * elt + dkv_elt) / (link_gbps * 1e9),
+            call_s=call_us * 1e-6,
+            ring_step_s=step_us * 1e-6,
+            overlap=overlap,
+        )
 
 
 def default_cost() -> PackingCost:
@@ -243,7 +258,7 @@ def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCo
     cum = np.concatenate(([0.0], np.cumsum(desc)))
     cum_p = np.concatenate(([0.0], np.cumsum(pairs(desc.astype(np.int64)).astype(np.float64))))
     cum_pad = np.concatenate(([0.0], np.cumsum(round_up(desc.astype(np.int64), 2 * cp).astype(np.float64))))
-    longest_whole = np.concatenate((desc, [0.0]))                      # the (k+1)-th longest stays whole
+    longest_whole = np.concatenate((desc, [0.0]))  # the (k+1)-th longest stays whole
     k = np.arange(D + 1)
     long_pairs, prefix = cum_p / cp, cum_pad / cp
     max_pairs = np.maximum(cum_p[-1] / cp, long_pairs + pairs(longest_whole.astype(np.int64)))
@@ -252,8 +267,9 @@ def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCo
     return cost.predict(max_pairs, calls, slots, cp, prefix, long_pairs)
 
 
-def shard_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] = None,
-                    cost: Optional[PackingCost] = None) -> DocumentSharding:
+def shard_documents(
+    cu_seqlens, cp: int, hp: int, long_threshold: int | None = None, cost: PackingCost | None = None
+) -> DocumentSharding:
     """The documents layout: whole short documents balanced over cp context ranks, long ones zigzag-sharded.
 
     Which documents to shard is chosen by predicted step time (:class:`PackingCost`, :func:`default_cost` when
@@ -269,7 +285,7 @@ def shard_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     lengths = np.diff(cu)
     D = len(lengths)
-    by_length = np.lexsort((np.arange(D), -lengths))                # longest first
+    by_length = np.lexsort((np.arange(D), -lengths))  # longest first
     cost = default_cost() if cost is None else cost
 
     def attempt(k: int):
@@ -288,23 +304,32 @@ def shard_documents(cu_seqlens, cp: int, hp: int, long_threshold: Optional[int] 
     elif cp == 1:
         chosen = attempt(0)
     else:
-        lo = int((lengths > cu[-1] / cp).sum())                     # these can never stay whole
+        lo = int((lengths > cu[-1] / cp).sum())  # these can never stay whole
         screened = _screen(lengths, by_length, cp, cost)
         best = lo + int(np.argmin(screened[lo:]))
         trials = [attempt(k) for k in sorted({max(lo, best - 1), best, min(D, best + 1)})]
         chosen = min(trials, key=lambda trial: trial[5])
     long_ids, order, owner_of_order, pair_imb, tok_imb, predicted = chosen
     k = long_ids.size
-    threshold = int(lengths[by_length[k]]) if k < D else 0        # the longest whole document
+    threshold = int(lengths[by_length[k]]) if k < D else 0  # the longest whole document
 
     owner = np.full(D, -1, dtype=np.int64)
     owner[order] = owner_of_order
     long_prefix = int(round_up(lengths[long_ids], 2 * cp).sum() // cp)
     whole = np.bincount(owner[owner >= 0], weights=lengths[owner >= 0], minlength=cp)
-    view_len = int(round_up(long_prefix + int(whole.max(initial=0)), 2 * hp))      # even t_local (see RoPE)
-    return DocumentSharding(cu_seqlens=cu, cp=cp, long_docs=long_ids, owner=owner, long_prefix=long_prefix,
-                             view_len=view_len, threshold=threshold, pair_imbalance=pair_imb,
-                             token_imbalance=tok_imb, predicted_s=predicted)
+    view_len = int(round_up(long_prefix + int(whole.max(initial=0)), 2 * hp))  # even t_local (see RoPE)
+    return DocumentSharding(
+        cu_seqlens=cu,
+        cp=cp,
+        long_docs=long_ids,
+        owner=owner,
+        long_prefix=long_prefix,
+        view_len=view_len,
+        threshold=threshold,
+        pair_imbalance=pair_imb,
+        token_imbalance=tok_imb,
+        predicted_s=predicted,
+    )
 
 
 def documents_slots(sharding: DocumentSharding, layout) -> np.ndarray:

@@ -12,7 +12,7 @@ expected from the start. The own block's dK/dV stays home; K/V and riders move c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -28,9 +28,9 @@ class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
     last dK/dV hop (a :class:`~megatron_2d.transport.Transport`)."""
 
-    traffic_kinds: ClassVar[Tuple[str, ...]] = ("inner_ring", "outer_ring")
+    traffic_kinds: ClassVar[tuple[str, ...]] = ("inner_ring", "outer_ring")
 
-    def __init__(self, groups: "Groups2D", ring_keys: Optional[int] = None) -> None:
+    def __init__(self, groups: Groups2D, ring_keys: int | None = None) -> None:
         """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`).
 
         ring_keys: only the first ``ring_keys`` keys of each block travel (packed documents: the long-document
@@ -52,8 +52,9 @@ class DoubleRing:
             ranks, nw, w = place.context_group, self.num_windows, self.w
             dst = ((self.window + 1) % nw) * w + (self.slot + 1) % w
             src = ((self.window - 1) % nw) * w + (self.slot - 1) % w
-            self.final_dkv = DirectExchange(groups.context_dkv_group, ranks[dst], ranks[src], counter,
-                                            f"{final_hop_link(self.cp, self.w)}_ring")
+            self.final_dkv = DirectExchange(
+                groups.context_dkv_group, ranks[dst], ranks[src], counter, f"{final_hop_link(self.cp, self.w)}_ring"
+            )
 
     def source(self, outer_step: int, inner_step: int) -> int:
         """Context rank whose K/V this rank holds at (outer_step, inner_step)."""
@@ -61,8 +62,7 @@ class DoubleRing:
         slot = (self.slot - inner_step) % self.w
         return window * self.w + slot
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn,
-            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """:meth:`~megatron_2d.transport.Transport.run`: visit every context rank's K/V block with ``compute``,
         following the schedule's events. With ``ring_keys`` the travelling blocks and riders hold the first
         ``ring_keys`` keys (a copy of this rank's, [b, ring_keys, ...]); the own block is computed whole."""
@@ -76,22 +76,21 @@ class _RingLoop:
     """The state of one :meth:`DoubleRing.run`: the blocks and riders held, the transfers in flight, and one
     method per :class:`~megatron_2d.ring_schedule.EventKind` (:data:`_ACTIONS`)."""
 
-    def __init__(self, ring: DoubleRing, kv: torch.Tensor, compute: ComputeFn,
-                 dkv_dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, ring: DoubleRing, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None) -> None:
         self.ring, self.compute_fn, self.dkv_dtype, self.whole = ring, compute, dkv_dtype, kv
         if ring.ring_keys is not None and ring.ring_keys < kv.shape[1]:
-            kv = kv[:, :ring.ring_keys].contiguous()      # [b, ring_keys, ...]: the prefix other ranks see
-        self.kv = self.anchor = self.block = kv            # the caller's block is read only: never put in a pool
+            kv = kv[:, : ring.ring_keys].contiguous()  # [b, ring_keys, ...]: the prefix other ranks see
+        self.kv = self.anchor = self.block = kv  # the caller's block is read only: never put in a pool
         self.kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
         self.riders = BufferPool(kv.shape, dkv_dtype, kv.device) if dkv_dtype is not None else None
-        self.pending: Dict[str, PendingExchange] = {}
-        self.partials: Optional[Partials] = None             # of the latest compute
-        self.own_partials: Optional[Partials] = None         # of the own block, kept home
-        self.mine: Optional[torch.Tensor] = None             # the rider this rank holds (None: a new one)
-        self.last_hop: Optional[torch.Tensor] = None         # the rider of this rank's own block, arrived
-        self.home: Optional[torch.Tensor] = None             # this rank's dK/dV (the result of backward)
+        self.pending: dict[str, PendingExchange] = {}
+        self.partials: Partials | None = None  # of the latest compute
+        self.own_partials: Partials | None = None  # of the own block, kept home
+        self.mine: torch.Tensor | None = None  # the rider this rank holds (None: a new one)
+        self.last_hop: torch.Tensor | None = None  # the rider of this rank's own block, arrived
+        self.home: torch.Tensor | None = None  # this rank's dK/dV (the result of backward)
 
-    def post(self, channel: str, send: torch.Tensor, pool: Optional[BufferPool]) -> None:
+    def post(self, channel: str, send: torch.Tensor, pool: BufferPool | None) -> None:
         """Post a transfer (into a buffer of ``pool``; None: into the buffer it expects)."""
         exchange = getattr(self.ring, channel)
         self.pending[channel] = exchange.start(send, None if pool is None else pool.get())
@@ -125,7 +124,7 @@ class _RingLoop:
         nxt, _ = self.wait("outer_kv")
         if self.block is not self.anchor:
             self.kv_pool.put(self.block)
-        if self.anchor is not self.kv:                     # the caller's block is never overwritten
+        if self.anchor is not self.kv:  # the caller's block is never overwritten
             self.kv_pool.put(self.anchor)
         self.anchor = self.block = nxt
 
@@ -173,4 +172,4 @@ class _RingLoop:
         self.own_partials = self.last_hop = None
 
 
-_ACTIONS = {kind: getattr(_RingLoop, kind.value) for kind in EventKind}   # every kind has its method
+_ACTIONS = {kind: getattr(_RingLoop, kind.value) for kind in EventKind}  # every kind has its method

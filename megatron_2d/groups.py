@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,13 @@ class Groups2D:
 
     layout: Layout2D
     place: RankPlace
-    head_group: Optional[dist.ProcessGroup]
-    inner_kv_group: Optional[dist.ProcessGroup]
-    inner_dkv_group: Optional[dist.ProcessGroup]
-    outer_kv_group: Optional[dist.ProcessGroup]
-    outer_dkv_group: Optional[dist.ProcessGroup]
-    context_kv_group: Optional[dist.ProcessGroup] = None
-    context_dkv_group: Optional[dist.ProcessGroup] = None
+    head_group: dist.ProcessGroup | None
+    inner_kv_group: dist.ProcessGroup | None
+    inner_dkv_group: dist.ProcessGroup | None
+    outer_kv_group: dist.ProcessGroup | None
+    outer_dkv_group: dist.ProcessGroup | None
+    context_kv_group: dist.ProcessGroup | None = None
+    context_dkv_group: dist.ProcessGroup | None = None
     comm_bytes: CommCounter = field(default_factory=CommCounter)
     op_cache: dict = field(default_factory=dict, repr=False, compare=False)
     """attention_2d's per-signature setup (plans, transports, kernel, index tensors), owned by these groups."""
@@ -56,15 +56,25 @@ class Groups2D:
         warn_renamed("Groups2D.window_size", "Groups2D.ring_window")
         return self.layout.ring_window
 
-    def received_chunks(self, context_rank: int) -> Tuple[int, ...]:
+    def received_chunks(self, context_rank: int) -> tuple[int, ...]:
         """Chunk ids in the order the all-to-all delivers them: by head rank, then first/second zigzag half."""
         return received_chunks(self.layout, context_rank)
 
-    def process_groups(self) -> Tuple[dist.ProcessGroup, ...]:
+    def process_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """Every process group of this rank (the None ones of single-rank groups left out)."""
-        return tuple(pg for pg in (self.head_group, self.inner_kv_group, self.inner_dkv_group, self.outer_kv_group,
-                                   self.outer_dkv_group, self.context_kv_group, self.context_dkv_group)
-                     if pg is not None)
+        return tuple(
+            pg
+            for pg in (
+                self.head_group,
+                self.inner_kv_group,
+                self.inner_dkv_group,
+                self.outer_kv_group,
+                self.outer_dkv_group,
+                self.context_kv_group,
+                self.context_dkv_group,
+            )
+            if pg is not None
+        )
 
     def destroy(self) -> None:
         """Destroy this rank's process groups (those still alive); the op's cached setup goes with them."""
@@ -75,7 +85,7 @@ class Groups2D:
         self.op_cache.clear()
 
 
-def default_group_timeout() -> Optional[datetime.timedelta]:
+def default_group_timeout() -> datetime.timedelta | None:
     """The default process group's timeout (e.g. Megatron's --distributed-timeout-minutes), if readable."""
     try:
         pg = dist.distributed_c10d._get_default_group()
@@ -85,8 +95,9 @@ def default_group_timeout() -> Optional[datetime.timedelta]:
         return None
 
 
-def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
-            backend: Optional[str]) -> Optional[dist.ProcessGroup]:
+def _create(
+    rank_lists: list[list[int]], timeout: datetime.timedelta | None, backend: str | None
+) -> dist.ProcessGroup | None:
     """Create every group of one kind, on every rank in the same order; return this rank's (None if size 1)."""
     if len(rank_lists[0]) == 1:
         return None
@@ -94,7 +105,7 @@ def _create(rank_lists: List[List[int]], timeout: Optional[datetime.timedelta],
     return mine
 
 
-def warm_up_p2p(group: Optional[dist.ProcessGroup]) -> None:
+def warm_up_p2p(group: dist.ProcessGroup | None) -> None:
     """One collective on a group whose point-to-point traffic may involve only some of its ranks: NCCL requires
     every rank of a group to take part in its first batched P2P call."""
     if group is not None and traffic_backend(group) == "nccl":
@@ -102,9 +113,14 @@ def warm_up_p2p(group: Optional[dist.ProcessGroup]) -> None:
 
 
 @renamed_keywords(window_size="ring_window")
-def build_2d_groups(head_parallel_size: int, ring_window: int = 1, placement: str = "head_first",
-                    cp_rank_lists: Optional[Sequence[Sequence[int]]] = None,
-                    timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None) -> Groups2D:
+def build_2d_groups(
+    head_parallel_size: int,
+    ring_window: int = 1,
+    placement: str = "head_first",
+    cp_rank_lists: Sequence[Sequence[int]] | None = None,
+    timeout: datetime.timedelta | None = None,
+    backend: str | None = None,
+) -> Groups2D:
     """Build the 2D groups. Collective over the default group: every rank calls it with the same arguments.
 
     Args:
@@ -117,42 +133,56 @@ def build_2d_groups(head_parallel_size: int, ring_window: int = 1, placement: st
         backend: backend of the new groups (the default group's when None).
     """
     lists = [list(range(dist.get_world_size()))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
-    _check_same_arguments(head_parallel_size, ring_window, placement, lists)   # before validating: no rank hangs
+    _check_same_arguments(head_parallel_size, ring_window, placement, lists)  # before validating: no rank hangs
     layout = Layout2D(len(lists[0]) if lists else 0, head_parallel_size, ring_window, placement)
     return _build(layout, lists, timeout, backend)
 
 
-def build_groups_for_layout(layout: Layout2D, cp_rank_lists: Sequence[Sequence[int]],
-                            timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None) -> Groups2D:
+def build_groups_for_layout(
+    layout: Layout2D,
+    cp_rank_lists: Sequence[Sequence[int]],
+    timeout: datetime.timedelta | None = None,
+    backend: str | None = None,
+) -> Groups2D:
     """:func:`build_2d_groups` for a validated layout (collective: every rank passes the same layout and lists)."""
     lists = [list(r) for r in cp_rank_lists]
     _check_same_arguments(layout.head_parallel_size, layout.ring_window, layout.placement, lists)
     return _build(layout, lists, timeout, backend)
 
 
-def _check_same_arguments(head_parallel_size, ring_window, placement, lists: List[List[int]]) -> None:
+def _check_same_arguments(head_parallel_size, ring_window, placement, lists: list[list[int]]) -> None:
     """LayoutError on every rank unless all ranks passed the same (hp, w, placement, cp_rank_lists)."""
-    check_same_on_every_rank((head_parallel_size, ring_window, placement, lists), [dist.group.WORLD],
-                             "build_2d_groups called with different arguments (hp, w, placement, cp_rank_lists)",
-                             error=LayoutError)
+    check_same_on_every_rank(
+        (head_parallel_size, ring_window, placement, lists),
+        [dist.group.WORLD],
+        "build_2d_groups called with different arguments (hp, w, placement, cp_rank_lists)",
+        error=LayoutError,
+    )
 
 
-def _build(layout: Layout2D, lists: List[List[int]], timeout: Optional[datetime.timedelta],
-           backend: Optional[str]) -> Groups2D:
+def _build(
+    layout: Layout2D, lists: list[list[int]], timeout: datetime.timedelta | None, backend: str | None
+) -> Groups2D:
     world, rank = dist.get_world_size(), dist.get_rank()
     timeout = default_group_timeout() if timeout is None else timeout
     places = place_all_ranks(layout, lists, world)
 
-    def all_of(kind: str) -> List[List[int]]:
+    def all_of(kind: str) -> list[list[int]]:
         return [list(g) for cp_ranks in lists for g in getattr(layout, kind)(cp_ranks)]
 
     head = _create(all_of("head_groups"), timeout, backend)
     intra, inter, context = all_of("intra_window_groups"), all_of("inter_window_groups"), all_of("context_groups")
     groups = Groups2D(
-        layout=layout, place=places[rank], head_group=head,
-        inner_kv_group=_create(intra, timeout, backend), inner_dkv_group=_create(intra, timeout, backend),
-        outer_kv_group=_create(inter, timeout, backend), outer_dkv_group=_create(inter, timeout, backend),
-        context_kv_group=_create(context, timeout, backend), context_dkv_group=_create(context, timeout, backend))
+        layout=layout,
+        place=places[rank],
+        head_group=head,
+        inner_kv_group=_create(intra, timeout, backend),
+        inner_dkv_group=_create(intra, timeout, backend),
+        outer_kv_group=_create(inter, timeout, backend),
+        outer_dkv_group=_create(inter, timeout, backend),
+        context_kv_group=_create(context, timeout, backend),
+        context_dkv_group=_create(context, timeout, backend),
+    )
     warm_up_p2p(groups.context_kv_group)
     warm_up_p2p(groups.context_dkv_group)
     return groups

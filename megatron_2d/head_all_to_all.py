@@ -35,8 +35,8 @@ group into the same ascending token order, its gradient summed back (the reverse
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .choices import head_exchange_point_to_point
 from .comm import CommCounter, all_gather_counted, all_to_all_counted, to_device, traffic_backend
 
-Widths = Tuple[int, ...]          # the head dims of one group's tensors, in order
+Widths = tuple[int, ...]  # the head dims of one group's tensors, in order
 
 
 def ascending_order(received_keys: Sequence[int]) -> np.ndarray:
@@ -53,32 +53,33 @@ def ascending_order(received_keys: Sequence[int]) -> np.ndarray:
     return np.argsort(np.asarray(received_keys, dtype=np.int64), kind="stable")
 
 
-def _group_starts(grouping: Sequence[int]) -> List[int]:
+def _group_starts(grouping: Sequence[int]) -> list[int]:
     return [sum(grouping[:i]) for i in range(len(grouping))]
 
 
-def _slabs(buf: torch.Tensor, heads: Sequence[int], widths: Sequence[Widths]) -> List[torch.Tensor]:
+def _slabs(buf: torch.Tensor, heads: Sequence[int], widths: Sequence[Widths]) -> list[torch.Tensor]:
     """Views [..., Hl, D] of ``buf`` [..., F], one per group of ``heads[g]`` heads of ``sum(widths[g])`` values."""
     out, offset = [], 0
     for hl, ws in zip(heads, widths):
         size = hl * sum(ws)
-        out.append(buf[..., offset:offset + size].unflatten(-1, (hl, sum(ws))))
+        out.append(buf[..., offset : offset + size].unflatten(-1, (hl, sum(ws))))
         offset += size
     return out
 
 
-def _parts(slab: torch.Tensor, widths: Widths) -> List[torch.Tensor]:
+def _parts(slab: torch.Tensor, widths: Widths) -> list[torch.Tensor]:
     """Views of ``slab`` [..., D] cut along the last dim into the group's tensors of ``widths``."""
     return list(torch.split(slab, list(widths), dim=-1))
 
 
-def group_widths(xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> List[Widths]:
+def group_widths(xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> list[Widths]:
     """The head dims of each group's tensors."""
-    return [tuple(x.shape[-1] for x in xs[i:i + n]) for i, n in zip(_group_starts(grouping), grouping)]
+    return [tuple(x.shape[-1] for x in xs[i : i + n]) for i, n in zip(_group_starts(grouping), grouping)]
 
 
-def _all_to_all_by_head(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter,
-                        head_of_group: Optional[Tuple[int, ...]]) -> torch.Tensor:
+def _all_to_all_by_head(
+    send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter, head_of_group: tuple[int, ...] | None
+) -> torch.Tensor:
     """all_to_all over dim 0 of ``send`` [hp, ...] indexed by HEAD rank: slice h goes to head rank h, slice h of
     the result comes from head rank h. The collective indexes by group rank, the ascending order of the global
     ranks (``new_group`` sorts them); where the head ranks run in another order (``cp_rank_lists`` not ascending),
@@ -89,35 +90,44 @@ def _all_to_all_by_head(send: torch.Tensor, group: dist.ProcessGroup, counter: C
     return torch.stack([recv[g] for g in _group_of_head(head_of_group)])
 
 
-def _group_of_head(head_of_group: Tuple[int, ...]) -> Tuple[int, ...]:
+def _group_of_head(head_of_group: tuple[int, ...]) -> tuple[int, ...]:
     """The group rank of each head rank (the inverse of ``head_of_group``)."""
     return tuple(sorted(range(len(head_of_group)), key=head_of_group.__getitem__))
 
 
-def to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], hp: int, order: Optional[torch.Tensor],
-             unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter,
-             head_of_group: Optional[Tuple[int, ...]] = None) -> List[torch.Tensor]:
+def to_heads(
+    xs: Sequence[torch.Tensor],
+    grouping: Sequence[int],
+    hp: int,
+    order: torch.Tensor | None,
+    unit: int,
+    group: dist.ProcessGroup | None,
+    counter: CommCounter,
+    head_of_group: tuple[int, ...] | None = None,
+) -> list[torch.Tensor]:
     """Tensors [2c, b, H_i, d_i] -> one [b, S, H_i/hp, D] per group of ``grouping`` (n consecutive tensors of
     equal head count each, concatenated per head), through one all-to-all."""
     two_c, b = xs[0].shape[:2]
     starts = _group_starts(grouping)
-    if group is None:                                                    # hp = 1: this rank's own tokens
-        groups = [xs[i] if n == 1 else torch.cat(xs[i:i + n], dim=-1) for i, n in zip(starts, grouping)]
-        tokens = [x.transpose(0, 1) for x in groups]                     # [b, S, H, D]
+    if group is None:  # hp = 1: this rank's own tokens
+        groups = [xs[i] if n == 1 else torch.cat(xs[i : i + n], dim=-1) for i, n in zip(starts, grouping)]
+        tokens = [x.transpose(0, 1) for x in groups]  # [b, S, H, D]
     else:
         widths = group_widths(xs, grouping)
         heads = [xs[i].shape[2] // hp for i in starts]
         send = xs[0].new_empty(hp, two_c, b, sum(h * sum(w) for h, w in zip(heads, widths)))  # [hp (dst), 2c, b, F]
         for i, n, slab, ws in zip(starts, grouping, _slabs(send, heads, widths), widths):
-            for x, dst in zip(xs[i:i + n], _parts(slab, ws)):           # dst [hp, 2c, b, Hl, d_i]
+            for x, dst in zip(xs[i : i + n], _parts(slab, ws)):  # dst [hp, 2c, b, Hl, d_i]
                 dst.copy_(x.view(two_c, b, hp, -1, x.shape[-1]).permute(2, 0, 1, 3, 4))
         recv = _all_to_all_by_head(send, group, counter, head_of_group)  # [hp (src), 2c, b, F]
-        tokens = [slab.permute(2, 0, 1, 3, 4).flatten(1, 2)             # [b, S (received), Hl, D]
-                  for slab in _slabs(recv, heads, widths)]
+        tokens = [
+            slab.permute(2, 0, 1, 3, 4).flatten(1, 2)  # [b, S (received), Hl, D]
+            for slab in _slabs(recv, heads, widths)
+        ]
     return [_ascending(y, order, unit) for y in tokens]
 
 
-def _ascending(y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> torch.Tensor:
+def _ascending(y: torch.Tensor, order: torch.Tensor | None, unit: int) -> torch.Tensor:
     """[b, S, ...] in received order (any strides) -> contiguous, in ascending order (unit i of the result is unit
     order[i] of y); no copy when y is already contiguous and needs no sorting."""
     if order is None:
@@ -125,33 +135,42 @@ def _ascending(y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> tor
     return y.unflatten(1, (y.shape[1] // unit, unit)).index_select(1, order).flatten(1, 2)
 
 
-def to_tokens(ys: Sequence[torch.Tensor], widths: Sequence[Widths], hp: int, order: Optional[torch.Tensor],
-              unit: int, group: Optional[dist.ProcessGroup], counter: CommCounter,
-              head_of_group: Optional[Tuple[int, ...]] = None) -> List[torch.Tensor]:
+def to_tokens(
+    ys: Sequence[torch.Tensor],
+    widths: Sequence[Widths],
+    hp: int,
+    order: torch.Tensor | None,
+    unit: int,
+    group: dist.ProcessGroup | None,
+    counter: CommCounter,
+    head_of_group: tuple[int, ...] | None = None,
+) -> list[torch.Tensor]:
     """Groups [b, S, Hl, D] -> their tensors [2c, b, Hl*hp, d_i] (contiguous), cut by ``widths``; inverse of
     :func:`to_heads` with the same ``order``."""
     b, S = ys[0].shape[:2]
     two_c = S // hp
-    if group is None:                                                    # hp = 1: views where the layout allows
+    if group is None:  # hp = 1: views where the layout allows
         outs = []
         for y, ws in zip(ys, widths):
             if order is not None:
                 y = _into_received(torch.empty_like(y), y, order, unit)
-            outs += [part.transpose(0, 1).contiguous() for part in _parts(y, ws)]   # [S, b, H, d_i]
+            outs += [part.transpose(0, 1).contiguous() for part in _parts(y, ws)]  # [S, b, H, d_i]
         return outs
     heads = [y.shape[2] for y in ys]
-    send = ys[0].new_empty(hp, two_c, b, sum(h * sum(w) for h, w in zip(heads, widths)))   # [hp (dst), 2c, b, F]
+    send = ys[0].new_empty(hp, two_c, b, sum(h * sum(w) for h, w in zip(heads, widths)))  # [hp (dst), 2c, b, F]
     for y, slab in zip(ys, _slabs(send, heads, widths)):
-        _into_received(slab.permute(2, 0, 1, 3, 4).flatten(1, 2), y, order, unit)   # S (received) = hp * 2c
-    recv = _all_to_all_by_head(send, group, counter, head_of_group)     # [hp (src), 2c, b, F]
+        _into_received(slab.permute(2, 0, 1, 3, 4).flatten(1, 2), y, order, unit)  # S (received) = hp * 2c
+    recv = _all_to_all_by_head(send, group, counter, head_of_group)  # [hp (src), 2c, b, F]
     outs = []
-    for y, slab, ws in zip(ys, _slabs(recv, heads, widths), widths):    # slab [hp (src), 2c, b, Hl, D]
-        outs += [part.permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * y.shape[2], part.shape[-1]).contiguous()
-                 for part in _parts(slab, ws)]                          # [2c, b, H, d_i]
+    for y, slab, ws in zip(ys, _slabs(recv, heads, widths), widths):  # slab [hp (src), 2c, b, Hl, D]
+        outs += [
+            part.permute(1, 2, 0, 3, 4).reshape(two_c, b, hp * y.shape[2], part.shape[-1]).contiguous()
+            for part in _parts(slab, ws)
+        ]  # [2c, b, H, d_i]
     return outs
 
 
-def _into_received(dst: torch.Tensor, y: torch.Tensor, order: Optional[torch.Tensor], unit: int) -> torch.Tensor:
+def _into_received(dst: torch.Tensor, y: torch.Tensor, order: torch.Tensor | None, unit: int) -> torch.Tensor:
     """Write y [b, S, ...] (ascending order) into dst (same shape, any strides) in received order: unit order[i] of
     dst is unit i of y (a plain copy when ``order`` is None). Returns dst."""
     units = (y.shape[1] // unit, unit)
@@ -162,7 +181,7 @@ def _into_received(dst: torch.Tensor, y: torch.Tensor, order: Optional[torch.Ten
     return dst
 
 
-def _unit_pairs(ex: "HeadExchange", unit: int, units: int):
+def _unit_pairs(ex: HeadExchange, unit: int, units: int):
     """(head rank, unit j, its rows among that rank's 2c tokens, its rows among the S ascending tokens) for each of
     the ``units`` units of ``unit`` tokens that this rank exchanges with every head rank (itself included)."""
     for peer in range(ex.head_parallel_size):
@@ -171,8 +190,9 @@ def _unit_pairs(ex: "HeadExchange", unit: int, units: int):
             yield peer, j, slice(j * unit, (j + 1) * unit), slice(p * unit, (p + 1) * unit)
 
 
-def _direct_to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: "HeadExchange",
-                     unit: int) -> List[torch.Tensor]:
+def _direct_to_heads(
+    xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: HeadExchange, unit: int
+) -> list[torch.Tensor]:
     """:func:`to_heads` for batch 1 by point-to-point messages: one pack copy of the heads sent to each peer (the
     group's tensors side by side), no receive-side copy (each unit lands in its ascending place of the output
     groups), this rank's own heads copied straight into place."""
@@ -180,9 +200,9 @@ def _direct_to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: "H
     hp, me, units = ex.head_parallel_size, ex.head_rank, two_c // unit
     outs, ops, sent = [], [], 0
     for g, (first, n) in enumerate(zip(_group_starts(grouping), grouping)):
-        members = xs[first:first + n]
+        members = xs[first : first + n]
         hl, ws = members[0].shape[2] // hp, tuple(x.shape[-1] for x in members)
-        out = members[0].new_empty(b, hp * two_c, hl, sum(ws))           # [b, S (ascending), Hl, D]
+        out = members[0].new_empty(b, hp * two_c, hl, sum(ws))  # [b, S (ascending), Hl, D]
         outs.append(out)
         by_rank = [x.view(two_c, b, hp, hl, x.shape[-1]) for x in members]
         send = {}
@@ -192,21 +212,24 @@ def _direct_to_heads(xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: "H
                 for x, dst in zip(by_rank, _parts(send[peer], ws)):
                     dst.copy_(x[:, :, peer])
         for peer, j, rows, place in _unit_pairs(ex, unit, units):
-            dst = out[:, place]                                         # [b = 1, unit, Hl, D], contiguous
+            dst = out[:, place]  # [b = 1, unit, Hl, D], contiguous
             if peer == me:
                 for x, part in zip(by_rank, _parts(dst, ws)):
                     part.copy_(x[rows, :, me].transpose(0, 1))
                 continue
             tag = g * units + j
-            ops += [dist.P2POp(dist.isend, send[peer][rows], ex.peers[peer], ex.group, tag),
-                    dist.P2POp(dist.irecv, dst, ex.peers[peer], ex.group, tag)]
+            ops += [
+                dist.P2POp(dist.isend, send[peer][rows], ex.peers[peer], ex.group, tag),
+                dist.P2POp(dist.irecv, dst, ex.peers[peer], ex.group, tag),
+            ]
             sent += dst.numel() * dst.element_size()
     _run(ops, ex, sent)
     return outs
 
 
-def _direct_to_tokens(ys: Sequence[torch.Tensor], widths: Sequence[Widths], ex: "HeadExchange",
-                      unit: int) -> List[torch.Tensor]:
+def _direct_to_tokens(
+    ys: Sequence[torch.Tensor], widths: Sequence[Widths], ex: HeadExchange, unit: int
+) -> list[torch.Tensor]:
     """:func:`to_tokens` for batch 1 by point-to-point messages: units sent straight from the (contiguous) groups,
     one copy of everything received into the outputs."""
     b, S = ys[0].shape[:2]
@@ -217,17 +240,19 @@ def _direct_to_tokens(ys: Sequence[torch.Tensor], widths: Sequence[Widths], ex: 
     for g, (y, ws) in enumerate(zip(ys, widths)):
         y = y.contiguous()
         hl = y.shape[2]
-        group_outs = [y.new_empty(two_c, b, hp, hl, w) for w in ws]      # [2c, b, H = hp * Hl, d_i]
-        recv = {peer: y.new_empty(two_c, b, hl, y.shape[-1]) for peer in range(hp) if peer != me}   # [2c, b, Hl, D]
+        group_outs = [y.new_empty(two_c, b, hp, hl, w) for w in ws]  # [2c, b, H = hp * Hl, d_i]
+        recv = {peer: y.new_empty(two_c, b, hl, y.shape[-1]) for peer in range(hp) if peer != me}  # [2c, b, Hl, D]
         for peer, j, rows, place in _unit_pairs(ex, unit, units):
-            src = y[:, place]                                           # [b = 1, unit, Hl, D], contiguous
+            src = y[:, place]  # [b = 1, unit, Hl, D], contiguous
             if peer == me:
                 for out, part in zip(group_outs, _parts(src, ws)):
                     out[rows, :, me].copy_(part.transpose(0, 1))
                 continue
             tag = g * units + j
-            ops += [dist.P2POp(dist.isend, src, ex.peers[peer], ex.group, tag),
-                    dist.P2POp(dist.irecv, recv[peer][rows], ex.peers[peer], ex.group, tag)]
+            ops += [
+                dist.P2POp(dist.isend, src, ex.peers[peer], ex.group, tag),
+                dist.P2POp(dist.irecv, recv[peer][rows], ex.peers[peer], ex.group, tag),
+            ]
             sent += src.numel() * src.element_size()
         outs += group_outs
         received.append((group_outs, recv, ws))
@@ -239,7 +264,7 @@ def _direct_to_tokens(ys: Sequence[torch.Tensor], widths: Sequence[Widths], ex: 
     return [out.flatten(2, 3) for out in outs]
 
 
-def _run(ops: list, ex: "HeadExchange", sent: int) -> None:
+def _run(ops: list, ex: HeadExchange, sent: int) -> None:
     """Post every message of one exchange at once, wait for all of them and count the bytes sent."""
     for work in dist.batch_isend_irecv(ops):
         work.wait()
@@ -249,8 +274,8 @@ def _run(ops: list, ex: "HeadExchange", sent: int) -> None:
 class Direction(enum.Enum):
     """Which way the head all-to-all goes."""
 
-    TO_HEADS = "to_heads"        # tensors [2c, b, H, d_i] -> groups [b, S, H/hp, D]
-    TO_TOKENS = "to_tokens"      # groups [b, S, H/hp, D] -> tensors [2c, b, H, d_i]
+    TO_HEADS = "to_heads"  # tensors [2c, b, H, d_i] -> groups [b, S, H/hp, D]
+    TO_TOKENS = "to_tokens"  # groups [b, S, H/hp, D] -> tensors [2c, b, H, d_i]
 
 
 @dataclass(frozen=True)
@@ -259,19 +284,27 @@ class HeadExchange:
     ring context (``Groups2D.op_cache``, or the PackedLayout's for packed documents)."""
 
     head_parallel_size: int
-    order: Optional[torch.Tensor]     # unit index (as received) of each ascending position (a device tensor)
-    group: Optional[dist.ProcessGroup]
+    order: torch.Tensor | None  # unit index (as received) of each ascending position (a device tensor)
+    group: dist.ProcessGroup | None
     counter: CommCounter
-    per_token: bool = False           # order permutes single tokens (packed documents), not chunks
-    positions: Tuple[int, ...] = ()   # ascending place of each received unit (host ints, for the direct path)
-    peers: Tuple[int, ...] = ()       # global rank of each head rank
+    per_token: bool = False  # order permutes single tokens (packed documents), not chunks
+    positions: tuple[int, ...] = ()  # ascending place of each received unit (host ints, for the direct path)
+    peers: tuple[int, ...] = ()  # global rank of each head rank
     head_rank: int = 0
-    head_of_group: Optional[Tuple[int, ...]] = None   # head rank of each group rank, where the two differ
-    backend: Optional[str] = None     # the group's traffic backend (it chooses the path: point_to_point)
+    head_of_group: tuple[int, ...] | None = None  # head rank of each group rank, where the two differ
+    backend: str | None = None  # the group's traffic backend (it chooses the path: point_to_point)
 
     @classmethod
-    def build(cls, hp: int, order, group, counter: CommCounter, device, per_token: bool = False,
-              head_ranks: Optional[Sequence[int]] = None) -> "HeadExchange":
+    def build(
+        cls,
+        hp: int,
+        order,
+        group,
+        counter: CommCounter,
+        device,
+        per_token: bool = False,
+        head_ranks: Sequence[int] | None = None,
+    ) -> HeadExchange:
         """From ``order`` (ascending unit i is unit order[i] as received, see :func:`ascending_order`: a numpy array
         or a CPU LongTensor made ahead, e.g. by a PackedLayout) or None (the ring takes the units in the order
         received). The order goes to the device once, pinned and non-blocking: no host-device synchronisation.
@@ -286,16 +319,26 @@ class HeadExchange:
         if isinstance(order, np.ndarray):
             order = torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
         as_tensor = None if order is None else to_device(order, torch.device(device))
-        positions = ()                      # chunk units: the ascending place of each received unit
+        positions = ()  # chunk units: the ascending place of each received unit
         if host is not None and not per_token:
             positions = tuple(np.argsort(host).tolist())
         if group is None:
             return cls(hp, as_tensor, None, counter, per_token, positions)
-        by_group = tuple(dist.get_process_group_ranks(group))          # global ranks by group rank (ascending)
+        by_group = tuple(dist.get_process_group_ranks(group))  # global ranks by group rank (ascending)
         peers = by_group if head_ranks is None else tuple(head_ranks)
         head_of_group = tuple(peers.index(r) for r in by_group)
-        return cls(hp, as_tensor, group, counter, per_token, positions, peers, peers.index(dist.get_rank()),
-                   None if head_of_group == tuple(range(hp)) else head_of_group, traffic_backend(group))
+        return cls(
+            hp,
+            as_tensor,
+            group,
+            counter,
+            per_token,
+            positions,
+            peers,
+            peers.index(dist.get_rank()),
+            None if head_of_group == tuple(range(hp)) else head_of_group,
+            traffic_backend(group),
+        )
 
     def point_to_point(self, batch: int) -> bool:
         """Whether the exchange of a batch of ``batch`` sequences goes by point-to-point messages, unit by unit
@@ -306,26 +349,35 @@ class HeadExchange:
         """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""
         return 1 if self.per_token else tokens // 2
 
-    def to_heads(self, xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> List[torch.Tensor]:
+    def to_heads(self, xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> list[torch.Tensor]:
         if self.point_to_point(xs[0].shape[1]):
             return _direct_to_heads(xs, grouping, self, self.unit(xs[0].shape[0]))
-        return to_heads(xs, grouping, self.head_parallel_size, self.order, self.unit(xs[0].shape[0]),
-                        self.group, self.counter, self.head_of_group)
+        return to_heads(
+            xs,
+            grouping,
+            self.head_parallel_size,
+            self.order,
+            self.unit(xs[0].shape[0]),
+            self.group,
+            self.counter,
+            self.head_of_group,
+        )
 
-    def to_tokens(self, ys: Sequence[torch.Tensor], widths: Sequence[Widths]) -> List[torch.Tensor]:
+    def to_tokens(self, ys: Sequence[torch.Tensor], widths: Sequence[Widths]) -> list[torch.Tensor]:
         unit = self.unit(ys[0].shape[1] // self.head_parallel_size)
         if self.point_to_point(ys[0].shape[0]):
             return _direct_to_tokens(ys, widths, self, unit)
-        return to_tokens(ys, widths, self.head_parallel_size, self.order, unit, self.group, self.counter,
-                         self.head_of_group)
+        return to_tokens(
+            ys, widths, self.head_parallel_size, self.order, unit, self.group, self.counter, self.head_of_group
+        )
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[2c, b, F] (a tensor every head shares) -> [b, S, F], every head rank's tokens in ascending order."""
         if self.group is None:
             return _ascending(x.transpose(0, 1), self.order, self.unit(x.shape[0]))
-        gathered = all_gather_counted(x, self.group, self.counter)      # [hp (src) * 2c, b, F]
-        gathered = gathered.unflatten(0, (self.head_parallel_size, x.shape[0]))   # [hp (src group rank), 2c, b, F]
-        if self.head_of_group is not None:                              # by head rank, as the order expects
+        gathered = all_gather_counted(x, self.group, self.counter)  # [hp (src) * 2c, b, F]
+        gathered = gathered.unflatten(0, (self.head_parallel_size, x.shape[0]))  # [hp (src group rank), 2c, b, F]
+        if self.head_of_group is not None:  # by head rank, as the order expects
             gathered = gathered[list(_group_of_head(self.head_of_group))]
         return _ascending(gathered.permute(2, 0, 1, 3).flatten(1, 2), self.order, self.unit(x.shape[0]))
 
@@ -334,9 +386,9 @@ class HeadExchange:
         two_c = dy.shape[1] // self.head_parallel_size
         if self.group is None:
             return _into_received(torch.empty_like(dy), dy, self.order, self.unit(two_c)).transpose(0, 1)
-        send = dy.new_empty(self.head_parallel_size, two_c, dy.shape[0], dy.shape[2])   # [hp (dst), 2c, b, F]
+        send = dy.new_empty(self.head_parallel_size, two_c, dy.shape[0], dy.shape[2])  # [hp (dst), 2c, b, F]
         _into_received(send.permute(2, 0, 1, 3).flatten(1, 2), dy, self.order, self.unit(two_c))
-        return _all_to_all_by_head(send, self.group, self.counter, self.head_of_group).sum(0)   # [2c, b, F]
+        return _all_to_all_by_head(send, self.group, self.counter, self.head_of_group).sum(0)  # [2c, b, F]
 
 
 class HeadAllToAll(torch.autograd.Function):

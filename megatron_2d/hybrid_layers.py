@@ -15,7 +15,6 @@ split in 2*CP chunks), which is the 2d backend's default layout and not its docu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 MAMBA, GDN, ATTENTION = "M", "G", "*"
 LAYER_SYMBOLS = frozenset("MG*D+-E")
@@ -30,8 +29,10 @@ def decoder_layers(pattern: str) -> str:
     main = pattern.split(MTP_SEPARATOR, 1)[0].replace(PIPE, "")
     unknown = sorted(set(main) - LAYER_SYMBOLS)
     if unknown or not main:
-        raise ValueError(f"hybrid layer pattern {pattern!r} has {'symbols ' + str(unknown) if unknown else 'no layers'}"
-                         f"; layers are one of {''.join(sorted(LAYER_SYMBOLS))} ('|' between pipeline segments)")
+        raise ValueError(
+            f"hybrid layer pattern {pattern!r} has {'symbols ' + str(unknown) if unknown else 'no layers'}"
+            f"; layers are one of {''.join(sorted(LAYER_SYMBOLS))} ('|' between pipeline segments)"
+        )
     return main
 
 
@@ -45,7 +46,7 @@ class HybridLayerCounts:
     total: int
 
     @classmethod
-    def of(cls, pattern: str) -> "HybridLayerCounts":
+    def of(cls, pattern: str) -> HybridLayerCounts:
         layers = decoder_layers(pattern)
         return cls(layers.count(ATTENTION), layers.count(MAMBA), layers.count(GDN), len(layers))
 
@@ -54,37 +55,45 @@ class HybridLayerCounts:
         return self.mamba + self.gdn
 
 
-def mamba_num_heads(hidden_size: int, mamba_head_dim: int, mamba_num_heads_given: Optional[int] = None,
-                    expand: int = MAMBA_EXPAND) -> int:
+def mamba_num_heads(
+    hidden_size: int, mamba_head_dim: int, mamba_num_heads_given: int | None = None, expand: int = MAMBA_EXPAND
+) -> int:
     """MambaMixer's head count: mamba_num_heads, else expand * hidden_size // mamba_head_dim."""
     return mamba_num_heads_given if mamba_num_heads_given is not None else expand * hidden_size // mamba_head_dim
 
 
-def _divisors(n: int) -> List[int]:
+def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mamba_cp_problem(num_heads: int, num_groups: int, tp: int, cp: int) -> Optional[str]:
+def mamba_cp_problem(num_heads: int, num_groups: int, tp: int, cp: int) -> str | None:
     """Why Megatron's Mamba context parallelism cannot run ``num_heads`` heads in ``num_groups`` groups over TP x
     CP, or None. Its rules: every CP rank gets whole heads (heads / TP divisible by CP), and B/C groups either
     split over CP (groups / TP divisible by CP) or are replicated (CP divisible by groups / TP)."""
     if cp == 1:
         return None
     heads_tp, groups_tp = num_heads // tp, num_groups // tp
-    valid = [c for c in _divisors(max(heads_tp, 1))
-             if heads_tp % c == 0 and (groups_tp % c == 0 if groups_tp >= c else c % max(groups_tp, 1) == 0)]
+    valid = [
+        c
+        for c in _divisors(max(heads_tp, 1))
+        if heads_tp % c == 0 and (groups_tp % c == 0 if groups_tp >= c else c % max(groups_tp, 1) == 0)
+    ]
     if heads_tp % cp:
-        return (f"Mamba layers split their heads over the whole CP group: {num_heads} Mamba heads / TP {tp} = "
-                f"{heads_tp} per TP rank do not divide by context_parallel_size {cp} (hp x cp); "
-                f"CP sizes Mamba can run: {valid}")
+        return (
+            f"Mamba layers split their heads over the whole CP group: {num_heads} Mamba heads / TP {tp} = "
+            f"{heads_tp} per TP rank do not divide by context_parallel_size {cp} (hp x cp); "
+            f"CP sizes Mamba can run: {valid}"
+        )
     if groups_tp == 0 or (groups_tp < cp and cp % groups_tp) or (groups_tp >= cp and groups_tp % cp):
-        return (f"Mamba layers split or replicate their B/C groups over the whole CP group: mamba_num_groups "
-                f"{num_groups} / TP {tp} = {groups_tp} per TP rank and context_parallel_size {cp} divide neither "
-                f"way; CP sizes Mamba can run: {valid}")
+        return (
+            f"Mamba layers split or replicate their B/C groups over the whole CP group: mamba_num_groups "
+            f"{num_groups} / TP {tp} = {groups_tp} per TP rank and context_parallel_size {cp} divide neither "
+            f"way; CP sizes Mamba can run: {valid}"
+        )
     return None
 
 
-def gdn_cp_problem(num_key_heads: int, num_value_heads: int, tp: int, cp: int) -> Optional[str]:
+def gdn_cp_problem(num_key_heads: int, num_value_heads: int, tp: int, cp: int) -> str | None:
     """Why Megatron's Gated DeltaNet context parallelism cannot split its heads over TP x CP, or None (each CP rank
     takes whole key and value heads)."""
     if cp == 1:
@@ -92,7 +101,9 @@ def gdn_cp_problem(num_key_heads: int, num_value_heads: int, tp: int, cp: int) -
     key_tp, value_tp = num_key_heads // tp, num_value_heads // tp
     if key_tp % cp or value_tp % cp:
         valid = [c for c in _divisors(max(key_tp, 1)) if value_tp % c == 0]
-        return (f"GDN layers split their heads over the whole CP group: {num_key_heads} key / {num_value_heads} "
-                f"value heads / TP {tp} = {key_tp} / {value_tp} per TP rank do not both divide by "
-                f"context_parallel_size {cp} (hp x cp); CP sizes GDN can run: {valid}")
+        return (
+            f"GDN layers split their heads over the whole CP group: {num_key_heads} key / {num_value_heads} "
+            f"value heads / TP {tp} = {key_tp} / {value_tp} per TP rank do not both divide by "
+            f"context_parallel_size {cp} (hp x cp); CP sizes GDN can run: {valid}"
+        )
     return None

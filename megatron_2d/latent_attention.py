@@ -22,8 +22,6 @@ CP group (as Megatron's gradient reduction does for a weight replicated over CP)
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 
 from .attention import check_inputs, check_packed, check_sinks, prepare_call
@@ -40,12 +38,12 @@ class LatentExpander:
     def __init__(self, latent_dim: int, nope_dim: int, value_dim: int) -> None:
         self.latent_dim, self.nope_dim, self.value_dim = latent_dim, nope_dim, value_dim
 
-    def __call__(self, block: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, block: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hl = weight.shape[0]
-        c, k_rope = block[..., :self.latent_dim], block[..., self.latent_dim:]            # [b, keys, r | dr]
-        kv = torch.matmul(c, weight.flatten(0, 1).t()).unflatten(-1, (hl, -1))           # [b, keys, hl, dn + dv]
-        k = torch.cat([kv[..., :self.nope_dim], k_rope.unsqueeze(2).expand(-1, -1, hl, -1)], dim=-1)
-        return k, kv[..., self.nope_dim:]
+        c, k_rope = block[..., : self.latent_dim], block[..., self.latent_dim :]  # [b, keys, r | dr]
+        kv = torch.matmul(c, weight.flatten(0, 1).t()).unflatten(-1, (hl, -1))  # [b, keys, hl, dn + dv]
+        k = torch.cat([kv[..., : self.nope_dim], k_rope.unsqueeze(2).expand(-1, -1, hl, -1)], dim=-1)
+        return k, kv[..., self.nope_dim :]
 
     def __repr__(self) -> str:
         return f"LatentExpander(r={self.latent_dim}, dn={self.nope_dim}, dv={self.value_dim})"
@@ -58,24 +56,40 @@ def _check_latent(q: torch.Tensor, latent: torch.Tensor, weight: torch.Tensor, n
     if rope < 0 or nope_dim < 0 or value_dim < 1:
         raise ValueError(f"q's head dim {dk} must be qk_head_dim {nope_dim} plus the rope dim; value dim {value_dim}")
     if latent.dim() != 3 or latent.shape[:2] != (s, b) or latent.shape[2] <= rope:
-        raise ValueError(f"latent must be [s, b, kv_lora_rank + rope dim {rope}] for q {tuple(q.shape)}, got "
-                         f"{tuple(latent.shape)}")
+        raise ValueError(
+            f"latent must be [s, b, kv_lora_rank + rope dim {rope}] for q {tuple(q.shape)}, got {tuple(latent.shape)}"
+        )
     r = latent.shape[2] - rope
     if weight.shape != (hq * (nope_dim + value_dim), r):
-        raise ValueError(f"the up-projection weight must be [heads {hq} x (qk_head_dim {nope_dim} + v_head_dim "
-                         f"{value_dim}), kv_lora_rank {r}] = [{hq * (nope_dim + value_dim)}, {r}], got "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"the up-projection weight must be [heads {hq} x (qk_head_dim {nope_dim} + v_head_dim "
+            f"{value_dim}), kv_lora_rank {r}] = [{hq * (nope_dim + value_dim)}, {r}], got "
+            f"{tuple(weight.shape)}"
+        )
     if not (q.dtype == latent.dtype == weight.dtype) or not (q.device == latent.device == weight.device):
-        raise ValueError(f"q, latent and weight must share dtype and device, got {q.dtype}/{latent.dtype}/"
-                         f"{weight.dtype} on {q.device}/{latent.device}/{weight.device}")
+        raise ValueError(
+            f"q, latent and weight must share dtype and device, got {q.dtype}/{latent.dtype}/"
+            f"{weight.dtype} on {q.device}/{latent.device}/{weight.device}"
+        )
     return r
 
 
-def latent_attention_2d(q: torch.Tensor, latent: torch.Tensor, up_weight: torch.Tensor, groups: Groups2D, *,
-                        nope_dim: int, value_dim: int, causal: bool = True, softmax_scale: Optional[float] = None,
-                        kernel: Optional[str] = None, sliding_window: Optional[Tuple[int, int]] = (-1, -1),
-                        sinks: Optional[torch.Tensor] = None, dkv_comm_dtype: str = "accumulator",
-                        packing: Optional[PackedLayout] = None) -> torch.Tensor:
+def latent_attention_2d(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    up_weight: torch.Tensor,
+    groups: Groups2D,
+    *,
+    nope_dim: int,
+    value_dim: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str | None = None,
+    sliding_window: tuple[int, int] | None = (-1, -1),
+    sinks: torch.Tensor | None = None,
+    dkv_comm_dtype: str = "accumulator",
+    packing: PackedLayout | None = None,
+) -> torch.Tensor:
     """MLA's attention over the whole CP group with the latent on the ring (see the module docstring).
 
     Args:
@@ -91,7 +105,7 @@ def latent_attention_2d(q: torch.Tensor, latent: torch.Tensor, up_weight: torch.
     """
     if packing is not None:
         check_packed(q, q, q, groups, packing)
-        q, latent = q.unsqueeze(1), latent.unsqueeze(1)                    # [t_local, 1, ...]
+        q, latent = q.unsqueeze(1), latent.unsqueeze(1)  # [t_local, 1, ...]
     else:
         check_inputs(q, q, q)
     latent_dim = _check_latent(q, latent, up_weight, nope_dim, value_dim)
@@ -99,13 +113,14 @@ def latent_attention_2d(q: torch.Tensor, latent: torch.Tensor, up_weight: torch.
     hq, hp = q.shape[2], groups.head_parallel_size
     if hq % hp:
         raise ValueError(f"head-parallel size {hp} does not divide the {hq} query heads on this rank")
-    exchange, rc, local_sinks = prepare_call(q, groups, causal, softmax_scale, kernel, sliding_window, sinks,
-                                             dkv_comm_dtype, packing, value_dim=value_dim)
+    exchange, rc, local_sinks = prepare_call(
+        q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=value_dim
+    )
     hl, head_rank = hq // hp, groups.place.head_rank
-    weight = up_weight.view(hq, nope_dim + value_dim, latent_dim)[head_rank * hl:(head_rank + 1) * hl]
-    q, = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1,), q)           # [b, S, hl, dk]
-    block = HeadAllGather.apply(exchange, latent.contiguous())              # [b, S, r + dr]
+    weight = up_weight.view(hq, nope_dim + value_dim, latent_dim)[head_rank * hl : (head_rank + 1) * hl]
+    (q,) = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1,), q)  # [b, S, hl, dk]
+    block = HeadAllGather.apply(exchange, latent.contiguous())  # [b, S, r + dr]
     expander = LatentExpander(latent_dim, nope_dim, value_dim)
     out = RingAttention.apply(q, block, local_sinks, rc, expander, weight)  # [b, S, hl, dv]
-    out, = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, out)     # [s, b, hq, dv]
+    (out,) = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, out)  # [s, b, hq, dv]
     return out.squeeze(1) if packing is not None else out

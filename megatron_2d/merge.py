@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def merge_attention_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor,
-                     lse_blk: torch.Tensor) -> None:
+def merge_attention_(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor
+) -> None:
     """Merge one block into the accumulators in place.
 
     out_acc [b, s, h, d] fp32, lse_acc [b, h, s] fp32 (views into larger buffers are fine);

@@ -23,8 +23,9 @@ that is contiguous in the block is sent as it is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from .transport import ComputeFn, gather_partials, home_gradient
 if TYPE_CHECKING:
     from .groups import Groups2D
 
-KeyRange = Optional[Tuple[int, int]]
+KeyRange = tuple[int, int] | None
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class KeyIntervals:
     """Disjoint, ascending local key intervals [lo, hi) of a block that one rank sends to another, packed back to
     back in that order (so block position p of what arrives is the p-th selected key)."""
 
-    intervals: Tuple[Tuple[int, int], ...]
+    intervals: tuple[tuple[int, int], ...]
 
     @property
     def size(self) -> int:
@@ -66,7 +67,7 @@ class KeyIntervals:
         """Add ``packed`` [b, size, ...] (gradients of the selected keys) into ``rider`` at their slots."""
         at = 0
         for lo, hi in self.intervals:
-            rider[:, lo:hi].add_(packed[:, at:at + hi - lo])
+            rider[:, lo:hi].add_(packed[:, at : at + hi - lo])
             at += hi - lo
 
     def packed(self, slots: np.ndarray) -> np.ndarray:
@@ -77,7 +78,7 @@ class KeyIntervals:
         return self.first_key + before[j] + slots - lo[j]
 
 
-def _selection(keys) -> Optional[KeyIntervals]:
+def _selection(keys) -> KeyIntervals | None:
     """A hull (lo, hi), KeyIntervals or None as KeyIntervals or None."""
     if keys is None or isinstance(keys, KeyIntervals):
         return keys
@@ -87,30 +88,35 @@ def _selection(keys) -> Optional[KeyIntervals]:
 class NeighbourExchange:
     """Direct sparse K/V (and dK/dV) exchange over one context group (a :class:`~megatron_2d.transport.Transport`)."""
 
-    traffic_kinds: ClassVar[Tuple[str, ...]] = ("neighbour",)
+    traffic_kinds: ClassVar[tuple[str, ...]] = ("neighbour",)
 
-    def __init__(self, groups: "Groups2D", keys: Dict[Tuple[int, int], KeyRange],
-                 offsets: Optional[Sequence[int]] = None) -> None:
+    def __init__(
+        self, groups: Groups2D, keys: dict[tuple[int, int], KeyRange], offsets: Sequence[int] | None = None
+    ) -> None:
         """This rank's exchange from its place and groups, for the keys each context rank sees of each other's
         block (the hulls of a :class:`ContextPlan`, or :class:`KeyIntervals`). ``offsets``: the offsets some
         rank needs, when the caller knows them (else found from ``keys``, which must then hold every pair)."""
         place = groups.place
         cp = len(place.context_group)
         self.rank, self.ranks, self.cp = place.context_rank, list(place.context_group), cp
-        self.kv_group, self.dkv_group, self.counter = groups.context_kv_group, groups.context_dkv_group, \
-            groups.comm_bytes
+        self.kv_group, self.dkv_group, self.counter = (
+            groups.context_kv_group,
+            groups.context_dkv_group,
+            groups.comm_bytes,
+        )
         r = place.context_rank
         # (offset, the keys of my block r+o sees, the keys of (r-o)'s block I see)
         if offsets is None:
             offsets = [o for o in range(1, cp) if any(keys[((s + o) % cp, s)] is not None for s in range(cp))]
-        self.steps = [(o, _selection(keys.get(((r + o) % cp, r))), _selection(keys.get((r, (r - o) % cp))))
-                      for o in offsets]
+        self.steps = [
+            (o, _selection(keys.get(((r + o) % cp, r))), _selection(keys.get((r, (r - o) % cp)))) for o in offsets
+        ]
         # the most keys one transfer carries: every buffer of a run holds that many
-        self.buffer_keys = max((sel.size for _, give, take in self.steps for sel in (give, take) if sel is not None),
-                               default=0)
+        self.buffer_keys = max(
+            (sel.size for _, give, take in self.steps for sel in (give, take) if sel is not None), default=0
+        )
 
-    def _post(self, group, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor],
-              src: int) -> PendingExchange:
+    def _post(self, group, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> PendingExchange:
         """Send ``send`` to context rank ``dst`` and receive into ``recv`` from ``src`` (either may be None)."""
         works = post_direct(group, send, self.ranks[dst], recv, self.ranks[src], self.counter, "neighbour")
         return PendingExchange(works, recv, send)
@@ -122,15 +128,14 @@ class NeighbourExchange:
         recv = None if take is None else pool.get(take.size)
         return self._post(self.kv_group, send, (self.rank + o) % self.cp, recv, (self.rank - o) % self.cp)
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn,
-            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """:meth:`~megatron_2d.transport.Transport.run`: ``compute`` sees every block this rank's queries see."""
-        buffers = (kv.shape[0], self.buffer_keys, *kv.shape[2:])          # [b, most keys sent at once, ...]
+        buffers = (kv.shape[0], self.buffer_keys, *kv.shape[2:])  # [b, most keys sent at once, ...]
         kv_pool = BufferPool(buffers, kv.dtype, kv.device)
         pending = self._post_kv(kv, self.steps[0], kv_pool) if self.steps else None
         partials = compute(kv, self.rank, 0)
         home = riders = pending_grad = None
-        if dkv_dtype is not None:                # this rank's dK/dV, gathering the partials sent back to it
+        if dkv_dtype is not None:  # this rank's dK/dV, gathering the partials sent back to it
             home = home_gradient(kv, partials, None, dkv_dtype)
             riders = BufferPool(buffers, dkv_dtype, kv.device)
         for i, step in enumerate(self.steps):
@@ -139,15 +144,17 @@ class NeighbourExchange:
             _recycle(kv_pool, pending.sent, kv)
             pending = self._post_kv(kv, self.steps[i + 1], kv_pool) if i + 1 < len(self.steps) else None
             partials = None
-            if take is not None:                # received: the source's selected keys, from take.first_key
+            if take is not None:  # received: the source's selected keys, from take.first_key
                 partials = compute(received, (self.rank - o) % self.cp, take.first_key)
                 kv_pool.put(received)
             if home is not None:
                 self._finish(pending_grad, home, riders)
                 send = None if take is None else gather_partials(riders.get(take.size), partials, take.first_key)
                 recv = None if give is None else riders.get(give.size)
-                pending_grad = (self._post(self.dkv_group, send, (self.rank - o) % self.cp, recv,
-                                           (self.rank + o) % self.cp), give)
+                pending_grad = (
+                    self._post(self.dkv_group, send, (self.rank - o) % self.cp, recv, (self.rank + o) % self.cp),
+                    give,
+                )
         if home is not None:
             self._finish(pending_grad, home, riders)
         return home
@@ -166,7 +173,7 @@ class NeighbourExchange:
             riders.put(transfer.sent)
 
 
-def _recycle(pool: BufferPool, sent: Optional[torch.Tensor], block: torch.Tensor) -> None:
+def _recycle(pool: BufferPool, sent: torch.Tensor | None, block: torch.Tensor) -> None:
     """Give a sent K/V slice's buffer back to ``pool``, unless it was a view of the caller's ``block`` (sent as is,
     :meth:`KeyIntervals.gather`)."""
     if sent is not None and sent.untyped_storage().data_ptr() != block.untyped_storage().data_ptr():

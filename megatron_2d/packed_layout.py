@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,20 +34,27 @@ from .block_plan import BlockCall
 from .choices import check_packing_mode
 from .comm import check_same_on_every_rank, to_device
 from .deprecation import warn_renamed
-from .document_sharding import (DocumentSharding, PackingCost, documents_slots, sequence_rows, shard_documents,
-                                zigzag_rows)
+from .document_sharding import (
+    DocumentSharding,
+    PackingCost,
+    documents_slots,
+    sequence_rows,
+    shard_documents,
+    zigzag_rows,
+)
 from .groups import Groups2D
 from .neighbour_exchange import KeyIntervals
 from .packed_plan import Runs, key_intervals, plan_view
 from .packed_views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
 from .topology import Layout2D
 
+
 class NeighbourKeys(NamedTuple):
     """The neighbour exchange of one packed batch and mask (see :meth:`PackedLayout.neighbour_keys`)."""
 
-    keys: Dict[Tuple[int, int], KeyIntervals]     # (dst, src) -> the keys of src's block dst's calls read
-    offsets: List[int]                            # the offsets dst - src (mod cp) some pair needs
-    plans: Dict[int, Tuple[BlockCall, ...]]       # this rank's calls, neighbours' keys in packed coordinates
+    keys: dict[tuple[int, int], KeyIntervals]  # (dst, src) -> the keys of src's block dst's calls read
+    offsets: list[int]  # the offsets dst - src (mod cp) some pair needs
+    plans: dict[int, tuple[BlockCall, ...]]  # this rank's calls, neighbours' keys in packed coordinates
 
 
 def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
@@ -57,16 +65,20 @@ def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
         cu_seqlens = cu_seqlens.detach().cpu().numpy()
     cu = np.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D integer sequence [0, len_0, len_0 + len_1, ...] of at least two "
-                         f"entries, got shape {cu.shape} dtype {cu.dtype}")
+        raise ValueError(
+            f"{name} must be a 1-D integer sequence [0, len_0, len_0 + len_1, ...] of at least two "
+            f"entries, got shape {cu.shape} dtype {cu.dtype}"
+        )
     cu = cu.astype(np.int64)
     if cu[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
     steps = np.diff(cu)
     if (steps <= 0).any():
         j = int(np.flatnonzero(steps <= 0)[0])
-        raise ValueError(f"{name} must be strictly increasing (every document at least one token), but "
-                         f"{name}[{j}] = {cu[j]} and {name}[{j + 1}] = {cu[j + 1]}")
+        raise ValueError(
+            f"{name} must be strictly increasing (every document at least one token), but "
+            f"{name}[{j}] = {cu[j]} and {name}[{j + 1}] = {cu[j + 1]}"
+        )
     return cu
 
 
@@ -87,13 +99,21 @@ class PackedLayout:
     """
 
     @property
-    def placement(self) -> Optional[DocumentSharding]:
+    def placement(self) -> DocumentSharding | None:
         """Deprecated name of :attr:`sharding` (a DeprecationWarning): the documents mode's document sharding."""
         warn_renamed("PackedLayout.placement", "PackedLayout.sharding")
         return self.sharding
 
-    def __init__(self, cu_seqlens, groups: Groups2D, mode: str = "zigzag", *, cu_seqlens_padded=None,
-                 long_threshold: Optional[int] = None, cost: Optional[PackingCost] = None) -> None:
+    def __init__(
+        self,
+        cu_seqlens,
+        groups: Groups2D,
+        mode: str = "zigzag",
+        *,
+        cu_seqlens_padded=None,
+        long_threshold: int | None = None,
+        cost: PackingCost | None = None,
+    ) -> None:
         check_packing_mode(mode, "PackedLayout mode")
         if not isinstance(groups, Groups2D):
             raise TypeError(f"PackedLayout needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
@@ -101,18 +121,22 @@ class PackedLayout:
         self.cu_seqlens, self.groups, self.mode = cu, groups, mode
         layout: Layout2D = groups.layout
         CP, hp, cp = layout.cp_size, layout.head_parallel_size, layout.context_size
-        self.sharding: Optional[DocumentSharding] = None
+        self.sharding: DocumentSharding | None = None
         padded = None
         if cu_seqlens_padded is not None:
             if mode != "zigzag":
-                raise ValueError(f"cu_seqlens_padded describes Megatron's per-document zigzag padding; the "
-                                 f"{mode} mode pads on its own: pass it only with mode='zigzag'")
+                raise ValueError(
+                    f"cu_seqlens_padded describes Megatron's per-document zigzag padding; the "
+                    f"{mode} mode pads on its own: pass it only with mode='zigzag'"
+                )
             padded = np.diff(_as_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded"))
             real = np.diff(cu)
             if padded.shape != real.shape or (padded < real).any() or (padded % (2 * CP)).any():
-                raise ValueError(f"cu_seqlens_padded must give every document a length that is a multiple of "
-                                 f"2*CP = {2 * CP} and at least its real length; got padded lengths "
-                                 f"{padded[:8].tolist()} for real lengths {real[:8].tolist()} (first 8)")
+                raise ValueError(
+                    f"cu_seqlens_padded must give every document a length that is a multiple of "
+                    f"2*CP = {2 * CP} and at least its real length; got padded lengths "
+                    f"{padded[:8].tolist()} for real lengths {real[:8].tolist()} (first 8)"
+                )
         self._padded = padded
         if mode == "zigzag":
             self.runs: Runs = zigzag_runs(cu, layout, padded)
@@ -124,24 +148,28 @@ class PackedLayout:
             self.view_len, self.ring_tokens = self.sharding.view_len, self.sharding.long_prefix
         else:
             if int(cu[-1]) % (2 * CP):
-                raise ValueError(f"the sequence mode cuts the packed stream into 2*CP = {2 * CP} equal chunks, as "
-                                 f"Megatron's per-sequence split does, but it holds T = {int(cu[-1])} tokens; pad "
-                                 f"the packed sequence to a multiple of {2 * CP} (Megatron's --seq-length must be)")
+                raise ValueError(
+                    f"the sequence mode cuts the packed stream into 2*CP = {2 * CP} equal chunks, as "
+                    f"Megatron's per-sequence split does, but it holds T = {int(cu[-1])} tokens; pad "
+                    f"the packed sequence to a multiple of {2 * CP} (Megatron's --seq-length must be)"
+                )
             self.runs = sequence_runs(cu, layout)
             self.view_len = self.ring_tokens = int(cu[-1]) // cp
         order, self.head_unit = self._head_order(layout)
-        self.head_order: Optional[torch.Tensor] = None if order is None else torch.from_numpy(order)
-        fingerprint = zlib.crc32(cu.tobytes()) ^ (zlib.crc32(repr((mode, long_threshold, cost,
-                                                                   None if padded is None else padded.tolist())
-                                                                  ).encode()) << 31)
+        self.head_order: torch.Tensor | None = None if order is None else torch.from_numpy(order)
+        fingerprint = zlib.crc32(cu.tobytes()) ^ (
+            zlib.crc32(repr((mode, long_threshold, cost, None if padded is None else padded.tolist())).encode()) << 31
+        )
         # every rank of the CP group (its head and context groups span it) must pass the same batch
-        check_same_on_every_rank((mode, cu, long_threshold, cost, padded),
-                                 [groups.head_group, groups.context_kv_group],
-                                 "PackedLayout: cu_seqlens (or the layout options) differ across the ranks of this CP "
-                                 "group", fingerprint=fingerprint)
+        check_same_on_every_rank(
+            (mode, cu, long_threshold, cost, padded),
+            [groups.head_group, groups.context_kv_group],
+            "PackedLayout: cu_seqlens (or the layout options) differ across the ranks of this CP group",
+            fingerprint=fingerprint,
+        )
         self._local_indices = torch.from_numpy(self.slots_of([groups.place.cp_index])[0])
-        self._device_copies: Dict[Tuple[str, torch.device], torch.Tensor] = {}
-        self._plans: Dict[Tuple, Dict[int, Tuple[BlockCall, ...]]] = {}
+        self._device_copies: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._plans: dict[tuple, dict[int, tuple[BlockCall, ...]]] = {}
         self.op_cache: dict = {}
         """attention_2d's setup for this layout (like ``Groups2D.op_cache``, but per batch)."""
 
@@ -159,11 +187,15 @@ class PackedLayout:
         hp, t_local = layout.head_parallel_size, self.local_tokens
         cr = context_rank_of(layout, idx)
         hr = idx % hp if layout.placement == "head_first" else idx // layout.context_size
-        wanted, row_view = np.unique(cr, return_inverse=True)        # the views asked for, materialised
+        wanted, row_view = np.unique(cr, return_inverse=True)  # the views asked for, materialised
         mine = np.isin(self.runs.view, wanted)
         runs = self.runs.select(mine)
-        full = materialise(Runs(np.searchsorted(wanted, runs.view), runs.start, runs.length, runs.doc, runs.pos),
-                           self.cu_seqlens, len(wanted), self.view_len)
+        full = materialise(
+            Runs(np.searchsorted(wanted, runs.view), runs.start, runs.length, runs.doc, runs.pos),
+            self.cu_seqlens,
+            len(wanted),
+            self.view_len,
+        )
         return full.reshape(len(wanted), hp, t_local)[row_view, hr]
 
     @functools.cached_property
@@ -191,7 +223,7 @@ class PackedLayout:
         cr = self.groups.place.context_rank
         indices = layout.index_of(np.arange(hp), cr)
         if self.mode == "sequence":
-            received = np.stack([indices, 2 * layout.cp_size - 1 - indices], axis=1).reshape(-1)   # chunk ids
+            received = np.stack([indices, 2 * layout.cp_size - 1 - indices], axis=1).reshape(-1)  # chunk ids
             return np.argsort(received, kind="stable"), "chunk"
         received = self.slots_of(indices).reshape(-1)
         return np.argsort(np.where(received < 0, np.iinfo(np.int64).max, received), kind="stable"), "token"
@@ -237,8 +269,10 @@ class PackedLayout:
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slots of the packed tensor ``x`` [T, ...] -> [t_local, ...]; padding slots are zero."""
         if x.shape[0] != self.total_tokens:
-            raise ValueError(f"PackedLayout.shard: the tensor has {x.shape[0]} tokens along dim 0, but cu_seqlens "
-                             f"describes T = {self.total_tokens}")
+            raise ValueError(
+                f"PackedLayout.shard: the tensor has {x.shape[0]} tokens along dim 0, but cu_seqlens "
+                f"describes T = {self.total_tokens}"
+            )
         idx = self.device_tensor("local_indices", x.device)
         out = x.index_select(0, idx.clamp(min=0))
         return out.masked_fill((idx < 0).view(-1, *([1] * (x.dim() - 1))), 0)
@@ -259,19 +293,23 @@ class PackedLayout:
         """[cp] causal attention pairs each context rank computes (its queries' visible keys)."""
         return self.runs.pairs_per_view(self.groups.layout.context_size)
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> dict[str, float]:
         """Balance and padding: max/mean attention pairs and real tokens per context rank, padding fraction."""
         p = self.rank_pairs()
         t = self.runs.tokens_per_view(self.groups.layout.context_size)
-        return {"pairs_max_over_mean": float(p.max() / max(p.mean(), 1)),
-                "tokens_max_over_mean": float(t.max() / max(t.mean(), 1)),
-                "padding_fraction": self.padding_fraction,
-                "ring_tokens": self.ring_tokens, "view_tokens": self.view_len,
-                "long_documents": (int(len(self.sharding.long_docs)) if self.sharding is not None
-                                   else len(self.cu_seqlens) - 1)}
+        return {
+            "pairs_max_over_mean": float(p.max() / max(p.mean(), 1)),
+            "tokens_max_over_mean": float(t.max() / max(t.mean(), 1)),
+            "padding_fraction": self.padding_fraction,
+            "ring_tokens": self.ring_tokens,
+            "view_tokens": self.view_len,
+            "long_documents": (
+                int(len(self.sharding.long_docs)) if self.sharding is not None else len(self.cu_seqlens) - 1
+            ),
+        }
 
     # -- plans -------------------------------------------------------------------------------------
-    def plans(self, causal: bool, window: SlidingWindow) -> Dict[int, Tuple[BlockCall, ...]]:
+    def plans(self, causal: bool, window: SlidingWindow) -> dict[int, tuple[BlockCall, ...]]:
         """This context rank's kernel calls against every context rank's block (cached per mask)."""
         key = (causal, window)
         if key not in self._plans:
@@ -280,7 +318,7 @@ class PackedLayout:
             self._plans[key] = {src: found.get(src, ()) for src in range(cp)}
         return self._plans[key]
 
-    def neighbour_keys(self, causal: bool, window: SlidingWindow) -> Optional[NeighbourKeys]:
+    def neighbour_keys(self, causal: bool, window: SlidingWindow) -> NeighbourKeys | None:
         """What the neighbour exchange needs when some pair of context ranks sees nothing of each other under this
         mask (None when every pair sees something, or when finding out would take too long: the ring then):
         which keys of each block travel to whom, as :class:`KeyIntervals` packed back to back (only what the
@@ -290,7 +328,7 @@ class PackedLayout:
             self._plans[key] = self._neighbour_keys(causal, window)
         return self._plans[key]
 
-    def _neighbour_keys(self, causal: bool, window: SlidingWindow) -> Optional[NeighbourKeys]:
+    def _neighbour_keys(self, causal: bool, window: SlidingWindow) -> NeighbourKeys | None:
         cp, me = self.groups.layout.context_size, self.groups.place.context_rank
         found = None if cp == 1 else key_intervals(self.runs, window.band(causal))
         if found is None:
@@ -298,9 +336,9 @@ class PackedLayout:
         dst, src = found[:, 0], found[:, 1]
         pairs = np.unique(dst[dst != src] * cp + src[dst != src])
         if len(pairs) == cp * (cp - 1):
-            return None                                               # every pair sees something: the ring
+            return None  # every pair sees something: the ring
         offsets = np.unique((pairs // cp - pairs % cp) % cp).tolist()
-        keys: Dict[Tuple[int, int], KeyIntervals] = {}
+        keys: dict[tuple[int, int], KeyIntervals] = {}
         mine = np.flatnonzero((dst != src) & ((dst == me) | (src == me)))
         pair_of = dst[mine] * cp + src[mine]
         starts = np.flatnonzero(np.concatenate(([True], pair_of[1:] != pair_of[:-1]))) if len(mine) else mine
@@ -318,8 +356,10 @@ class PackedLayout:
         return NeighbourKeys(keys, offsets, plans)
 
     def __repr__(self) -> str:
-        return (f"PackedLayout(mode={self.mode!r}, documents={len(self.cu_seqlens) - 1}, T={self.total_tokens}, "
-                f"t_local={self.local_tokens}, padding={self.padding_fraction:.3f})")
+        return (
+            f"PackedLayout(mode={self.mode!r}, documents={len(self.cu_seqlens) - 1}, T={self.total_tokens}, "
+            f"t_local={self.local_tokens}, padding={self.padding_fraction:.3f})"
+        )
 
 
 __all__ = ["PackedLayout"]

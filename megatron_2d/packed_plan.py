@@ -25,7 +25,6 @@ BlockCall(q_start=2, q_end=4, k_start=2, k_end=4, band=Band(lo=None, hi=0)))
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -59,7 +58,7 @@ class Runs:
     def __len__(self) -> int:
         return len(self.start)
 
-    def select(self, mask: np.ndarray) -> "Runs":
+    def select(self, mask: np.ndarray) -> Runs:
         return Runs(self.view[mask], self.start[mask], self.length[mask], self.doc[mask], self.pos[mask])
 
     def pairs_per_view(self, views: int) -> np.ndarray:
@@ -80,8 +79,12 @@ def merge_pieces(view, start, length, doc, pos) -> Runs:
     if len(start) == 0:
         return Runs(view, start, length, doc, pos)
     joins = np.zeros(len(start), dtype=bool)
-    joins[1:] = ((doc[1:] == doc[:-1]) & (view[1:] == view[:-1]) & (start[1:] == start[:-1] + length[:-1])
-                 & (pos[1:] == pos[:-1] + length[:-1]))
+    joins[1:] = (
+        (doc[1:] == doc[:-1])
+        & (view[1:] == view[:-1])
+        & (start[1:] == start[:-1] + length[:-1])
+        & (pos[1:] == pos[:-1] + length[:-1])
+    )
     first = np.flatnonzero(~joins)
     return Runs(view[first], start[first], np.add.reduceat(length, first), doc[first], pos[first])
 
@@ -93,18 +96,18 @@ def runs_of_views(views: np.ndarray, cu_seqlens: np.ndarray) -> Runs:
     row, col = np.nonzero(views >= 0)
     value = views[row, col]
     doc = np.searchsorted(cu, value, side="right") - 1
-    order = np.lexsort((value, doc))                        # (doc, pos): pos order is stream order
+    order = np.lexsort((value, doc))  # (doc, pos): pos order is stream order
     return merge_pieces(row[order], col[order], np.ones(len(order)), doc[order], value[order] - cu[doc[order]])
 
 
-def _visible_ranges(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray, np.ndarray]:
+def _visible_ranges(q: Runs, k: Runs, band: Band | None) -> tuple[np.ndarray, np.ndarray]:
     """(first k run index, count) per q run of the same-document k runs with some visible (query, key) pair: per q
     run, the k runs of its document form a contiguous range (sorted by pos, disjoint), cut by the band's two
     sides."""
     lo = _NEG if band is None or band.lo is None else band.lo
     hi = _POS if band is None or band.hi is None else band.hi
     span = int(max(k.pos.max() + k.length.max(), q.pos.max() + q.length.max())) + 2
-    k_first = k.doc * span + k.pos                          # sorted (doc, pos)
+    k_first = k.doc * span + k.pos  # sorted (doc, pos)
     k_last = k_first + k.length - 1
     base = q.doc * span
     # key j sees query i iff lo <= j - i <= hi: some key of the run at most q_last + hi, some at least q_pos + lo
@@ -113,17 +116,17 @@ def _visible_ranges(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray,
     return low, np.maximum(high - low, 0)
 
 
-def _visible_pairs(q: Runs, k: Runs, band: Optional[Band]) -> Tuple[np.ndarray, np.ndarray]:
+def _visible_pairs(q: Runs, k: Runs, band: Band | None) -> tuple[np.ndarray, np.ndarray]:
     """(q run index, k run index) of every same-document pair with some visible (query, key) pair."""
     low, counts = _visible_ranges(q, k, band)
     return np.repeat(np.arange(len(q)), counts), ranges(low, counts)
 
 
-def _trim(q: Runs, k: Runs, qi: np.ndarray, ki: np.ndarray, band: Optional[Band]):
+def _trim(q: Runs, k: Runs, qi: np.ndarray, ki: np.ndarray, band: Band | None):
     """:meth:`Band.trim` of every pair's box on arrays: (keep, q0, q1, k0, k1, lo, hi) with lo / hi the band from
     the box's origin, _NEG / _POS where that side cuts nothing."""
     nq, nk = q.length[qi], k.length[ki]
-    shift = k.pos[ki] - q.pos[qi]                           # the global band seen from the pair's origin
+    shift = k.pos[ki] - q.pos[qi]  # the global band seen from the pair's origin
     lo = np.full(len(qi), _NEG) if band is None or band.lo is None else band.lo - shift
     hi = np.full(len(qi), _POS) if band is None or band.hi is None else band.hi - shift
     q0 = np.maximum(0, -hi)
@@ -131,7 +134,7 @@ def _trim(q: Runs, k: Runs, qi: np.ndarray, ki: np.ndarray, band: Optional[Band]
     k0 = np.maximum(0, q0 + lo)
     k1 = np.minimum(nk, q1 + hi)
     keep = (lo <= hi) & (q0 < q1) & (k0 < k1)
-    lo, hi = lo - (k0 - q0), hi - (k0 - q0)                 # from the box's origin
+    lo, hi = lo - (k0 - q0), hi - (k0 - q0)  # from the box's origin
     lo = np.where(lo <= -(q1 - q0 - 1), _NEG, lo)
     hi = np.where(hi >= k1 - k0 - 1, _POS, hi)
     return keep, q0, q1, k0, k1, lo, hi
@@ -162,8 +165,7 @@ def _merge(calls: np.ndarray, along_keys: bool) -> np.ndarray:
     return out
 
 
-def plan_view(runs: Runs, me: int, band: Optional[Band],
-              ring_keys: Optional[int] = None) -> Dict[int, Tuple[BlockCall, ...]]:
+def plan_view(runs: Runs, me: int, band: Band | None, ring_keys: int | None = None) -> dict[int, tuple[BlockCall, ...]]:
     """Kernel calls of view ``me``'s queries against every view's keys under the global ``band`` (None: every key
     of the same document): {source view: calls}, views without a call left out. ``ring_keys``: the keys of other
     views that travel (a prefix); a call reading beyond it would be a layout bug (AssertionError)."""
@@ -180,16 +182,19 @@ def plan_view(runs: Runs, me: int, band: Optional[Band],
         raise AssertionError(f"packed plan reads keys beyond the ring prefix {ring_keys}")
     # one Band object per distinct band; calls as named tuples, one slice of the sorted calls per source
     kinds, kind_of = np.unique(calls[:, 5:7], axis=0, return_inverse=True)
-    bands = [None if (l, h) == (_NEG, _POS) else Band(None if l == _NEG else l, None if h == _POS else h)
-             for l, h in kinds.tolist()]
-    rows = [BlockCall(a, b, c, d, bands[k])
-            for (a, b, c, d), k in zip(calls[:, 1:5].tolist(), kind_of.reshape(-1).tolist())]
+    bands = [
+        None if (l, h) == (_NEG, _POS) else Band(None if l == _NEG else l, None if h == _POS else h)
+        for l, h in kinds.tolist()
+    ]
+    rows = [
+        BlockCall(a, b, c, d, bands[k]) for (a, b, c, d), k in zip(calls[:, 1:5].tolist(), kind_of.reshape(-1).tolist())
+    ]
     srcs, first = np.unique(calls[:, 0], return_index=True)
     ends = np.concatenate((first[1:], [len(rows)]))
     return {src: tuple(rows[a:b]) for src, a, b in zip(srcs.tolist(), first.tolist(), ends.tolist())}
 
 
-def key_intervals(runs: Runs, band: Optional[Band], budget: int = 1 << 21) -> Optional[np.ndarray]:
+def key_intervals(runs: Runs, band: Band | None, budget: int = 1 << 21) -> np.ndarray | None:
     """Which keys of which view every view's queries see: [n, 4] rows (dst view, src view, first slot, end slot) of
     disjoint slot intervals, sorted, neighbouring ones joined (a dst's calls on src's block read exactly these
     keys). None when finding them would look at more than ``budget`` run pairs (callers then assume every view
@@ -208,7 +213,7 @@ def key_intervals(runs: Runs, band: Optional[Band], budget: int = 1 << 21) -> Op
     # a new interval where the pair changes or the keys leave a gap after every earlier interval of the pair
     pair = np.concatenate(([True], (dst[1:] != dst[:-1]) | (src[1:] != src[:-1])))
     group = np.cumsum(pair) - 1
-    offset = np.int64(hi.max(initial=0) + 1)                          # keeps each pair's running max its own
+    offset = np.int64(hi.max(initial=0) + 1)  # keeps each pair's running max its own
     reach = np.maximum.accumulate(hi + group * offset) - group * offset
     new = pair.copy()
     new[1:] |= lo[1:] > reach[:-1]

@@ -22,8 +22,6 @@ piece is the part of one zigzag chunk (or one whole document) that holds real to
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from .packed_plan import Runs, ranges
@@ -58,7 +56,7 @@ class ChunkGroups:
     def pieces(self, lengths: np.ndarray, chunk: np.ndarray):
         """(doc, group, position, length) of every document's part in every group that holds real tokens, in
         (document, position) order; documents cut into chunks of ``chunk`` tokens."""
-        used = np.searchsorted(self.first, -(-lengths // chunk), side="left")      # groups starting before the end
+        used = np.searchsorted(self.first, -(-lengths // chunk), side="left")  # groups starting before the end
         doc = np.repeat(np.arange(len(lengths)), used)
         group = ranges(np.zeros(len(lengths), dtype=np.int64), used)
         pos = self.first[group] * chunk[doc]
@@ -72,7 +70,7 @@ def _zigzag_groups(layout: Layout2D) -> ChunkGroups:
 
 def _sorted_slots(view: np.ndarray, length: np.ndarray, views: int) -> np.ndarray:
     """Slot of each piece when every view lists its pieces in the given order, back to back from slot 0."""
-    order = np.argsort(view.astype(np.int16 if views < 2 ** 15 else np.int64), kind="stable")   # radix sort
+    order = np.argsort(view.astype(np.int16 if views < 2**15 else np.int64), kind="stable")  # radix sort
     ends = np.cumsum(length[order])
     first = np.searchsorted(view[order], np.arange(views))
     starts_of_view = np.concatenate(([0], ends))[first]
@@ -81,12 +79,12 @@ def _sorted_slots(view: np.ndarray, length: np.ndarray, views: int) -> np.ndarra
     return slots
 
 
-def zigzag_runs(cu_seqlens: np.ndarray, layout: Layout2D, padded_lengths: Optional[np.ndarray] = None) -> Runs:
+def zigzag_runs(cu_seqlens: np.ndarray, layout: Layout2D, padded_lengths: np.ndarray | None = None) -> Runs:
     """Runs of the zigzag views: every document cut into 2*CP chunks (padded to a multiple of 2*CP)."""
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     lengths = np.diff(cu)
     CP, hp = layout.cp_size, layout.head_parallel_size
-    if CP == 1 and padded_lengths is None:        # one rank holds every document whole, unpadded (Megatron's CP=1)
+    if CP == 1 and padded_lengths is None:  # one rank holds every document whole, unpadded (Megatron's CP=1)
         zeros = np.zeros(len(lengths), dtype=np.int64)
         return Runs(zeros, cu[:-1], lengths, np.arange(len(lengths)), zeros)
     padded = -(-lengths // (2 * CP)) * (2 * CP) if padded_lengths is None else np.asarray(padded_lengths, np.int64)
@@ -94,14 +92,14 @@ def zigzag_runs(cu_seqlens: np.ndarray, layout: Layout2D, padded_lengths: Option
     groups = _zigzag_groups(layout)
     doc, group, pos, length = groups.pieces(lengths, chunk)
     view = groups.view[group]
-    if hp == 1:                                   # the rank's slots: [chunk i | chunk 2CP-1-i] per document
+    if hp == 1:  # the rank's slots: [chunk i | chunk 2CP-1-i] per document
         slot = (np.cumsum(2 * chunk) - 2 * chunk)[doc] + groups.half[group] * chunk[doc]
-    else:                                         # sorted by stream index: (document, position) order
+    else:  # sorted by stream index: (document, position) order
         slot = _sorted_slots(view, length, layout.context_size)
     return Runs(view, slot, length, doc, pos)
 
 
-def zigzag_view_len(cu_seqlens: np.ndarray, layout: Layout2D, padded_lengths: Optional[np.ndarray] = None) -> int:
+def zigzag_view_len(cu_seqlens: np.ndarray, layout: Layout2D, padded_lengths: np.ndarray | None = None) -> int:
     lengths = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
     CP = layout.cp_size
     if CP == 1 and padded_lengths is None:
@@ -117,7 +115,7 @@ def documents_runs(cu_seqlens: np.ndarray, long_docs: np.ndarray, owner: np.ndar
     lengths = np.diff(cu)
     D = len(lengths)
     long_len = lengths[long_docs]
-    chunk = -(-long_len // (2 * cp))                                   # padded / (2 cp)
+    chunk = -(-long_len // (2 * cp))  # padded / (2 cp)
     view_of_chunk, half_of_chunk = zigzag_chunk_holders(np.arange(2 * cp), cp)
     groups = ChunkGroups(view_of_chunk, half_of_chunk)
     j, group, pos_l, len_l = groups.pieces(long_len, chunk)
@@ -146,13 +144,18 @@ def sequence_runs(cu_seqlens: np.ndarray, layout: Layout2D) -> Runs:
     T, CP = int(cu[-1]), layout.cp_size
     K = T // (2 * CP)
     groups = _zigzag_groups(layout)
-    chunk_rank = sequence_chunk_ranks(layout)                          # [2CP] place of each chunk in its view
-    bounds = np.union1d(cu, groups.first * K)                          # T is in cu
+    chunk_rank = sequence_chunk_ranks(layout)  # [2CP] place of each chunk in its view
+    bounds = np.union1d(cu, groups.first * K)  # T is in cu
     start = bounds[:-1]
     doc = np.searchsorted(cu, start, side="right") - 1
     c = start // K
-    return Runs(groups.view[np.searchsorted(groups.first, c, side="right") - 1], chunk_rank[c] * K + start - c * K,
-                np.diff(bounds), doc, start - cu[doc])
+    return Runs(
+        groups.view[np.searchsorted(groups.first, c, side="right") - 1],
+        chunk_rank[c] * K + start - c * K,
+        np.diff(bounds),
+        doc,
+        start - cu[doc],
+    )
 
 
 def sequence_chunk_ranks(layout: Layout2D) -> np.ndarray:
@@ -161,7 +164,7 @@ def sequence_chunk_ranks(layout: Layout2D) -> np.ndarray:
     chunks = np.arange(2 * CP)
     index, _ = zigzag_chunk_holders(chunks, CP)
     view = context_rank_of(layout, index)
-    order = np.lexsort((chunks, view))                              # by view, then ascending chunk
+    order = np.lexsort((chunks, view))  # by view, then ascending chunk
     ranks = np.empty(2 * CP, dtype=np.int64)
     ranks[order] = np.arange(2 * CP) % (2 * layout.head_parallel_size)
     return ranks

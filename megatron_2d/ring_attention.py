@@ -21,8 +21,9 @@ d sink_h = -sum over rows of exp(sink_h - lse') * (dout . out') (the sink's valu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Protocol
 
 import torch
 
@@ -33,7 +34,7 @@ from .merge import merge_attention_
 from .transport import Partials, Transport, gather_partials
 
 
-def split_kv(block: torch.Tensor, key_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def split_kv(block: torch.Tensor, key_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views (k [..., key_dim], v [..., rest]) of a K/V block (or rider) [..., key_dim + value_dim]."""
     return block[..., :key_dim], block[..., key_dim:]
 
@@ -44,8 +45,7 @@ class KVExpander(Protocol):
 
     value_dim: int
 
-    def __call__(self, block: torch.Tensor, *params: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        ...
+    def __call__(self, block: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -54,21 +54,24 @@ class RingContext:
 
     transport: Transport
     kernel: BlockKernel
-    plans: Dict[int, Tuple[BlockCall, ...]]   # source context rank -> kernel calls against its K/V block
+    plans: dict[int, tuple[BlockCall, ...]]  # source context rank -> kernel calls against its K/V block
     scale: float
-    rider_dtype: torch.dtype                  # dtype of the dK/dV partials that travel (see attention_2d)
-    key_spans: Dict[int, Tuple[int, int]] = field(init=False, repr=False)
+    rider_dtype: torch.dtype  # dtype of the dK/dV partials that travel (see attention_2d)
+    key_spans: dict[int, tuple[int, int]] = field(init=False, repr=False)
     """source -> [first, last) keys its calls read (an expander expands only those)."""
 
     def __post_init__(self) -> None:
-        self.key_spans = {src: (min(c.k_start for c in calls), max(c.k_end for c in calls))
-                          for src, calls in self.plans.items() if calls}
+        self.key_spans = {
+            src: (min(c.k_start for c in calls), max(c.k_end for c in calls))
+            for src, calls in self.plans.items()
+            if calls
+        }
 
 
 def apply_sinks_(out_acc: torch.Tensor, lse_acc: torch.Tensor, sinks: torch.Tensor) -> None:
     """Add one extra logit per head (sinks [h]) to every row's softmax: rescale out [b, S, h, d], update lse."""
-    sink = sinks.to(lse_acc.dtype).view(1, -1, 1)                   # [1, h, 1]
-    new_lse = torch.logaddexp(lse_acc, sink)                         # [b, h, S]
+    sink = sinks.to(lse_acc.dtype).view(1, -1, 1)  # [1, h, 1]
+    new_lse = torch.logaddexp(lse_acc, sink)  # [b, h, S]
     out_acc.mul_(torch.exp(lse_acc - new_lse).transpose(1, 2).unsqueeze(-1))
     lse_acc.copy_(new_lse)
 
@@ -76,8 +79,8 @@ def apply_sinks_(out_acc: torch.Tensor, lse_acc: torch.Tensor, sinks: torch.Tens
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """d loss / d sinks [h] from this rank's rows: -sum_rows exp(sink - lse) * (dout . out)."""
     acc = lse.dtype
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)    # [b, S, h] -> [b, h, S]
-    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)          # [b, h, S]
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [b, S, h] -> [b, h, S]
+    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # [b, h, S]
     return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
@@ -87,17 +90,17 @@ class _Expansion:
     keys the block's calls read only), and the way back from the kernels' (dk, dv) to the block's gradient."""
 
     key_dim: int
-    expander: Optional[KVExpander]
+    expander: KVExpander | None
     params: Sequence[torch.Tensor]
-    spans: Dict[int, Tuple[int, int]]
-    param_grads: List[torch.Tensor] = field(default_factory=list)   # summed over blocks, accumulator dtype
+    spans: dict[int, tuple[int, int]]
+    param_grads: list[torch.Tensor] = field(default_factory=list)  # summed over blocks, accumulator dtype
 
     def keys(self, block: torch.Tensor, source: int, first_key: int, grad: bool = False):
         """(k, v, their first key, the expander's graph when ``grad``, else None)."""
         if self.expander is None:
             return (*split_kv(block, self.key_dim), first_key, None)
         lo, hi = self.spans[source]
-        part = block[:, lo - first_key:hi - first_key]
+        part = block[:, lo - first_key : hi - first_key]
         if not grad:
             return (*self.expander(part, *self.params), lo, None)
         with torch.enable_grad():
@@ -112,13 +115,15 @@ class _Expansion:
         if graph is None:
             return [(call.k_start, call.k_end, (dk, dv)) for call, dk, dv in kernel_partials]
         leaf, params, k, v, lo = graph
-        dkv = torch.empty(*k.shape[:-1], k.shape[-1] + v.shape[-1], dtype=accumulator_dtype(k.dtype),
-                          device=k.device)                          # [b, keys, g, dk + dv]
+        dkv = torch.empty(
+            *k.shape[:-1], k.shape[-1] + v.shape[-1], dtype=accumulator_dtype(k.dtype), device=k.device
+        )  # [b, keys, g, dk + dv]
         gather_partials(dkv, [(call.k_start, call.k_end, (dk, dv)) for call, dk, dv in kernel_partials], lo)
         d_block, *d_params = torch.autograd.grad((k, v), (leaf, *params), split_kv(dkv.to(k.dtype), k.shape[-1]))
         if not self.param_grads:
-            self.param_grads.extend(torch.zeros(p.shape, dtype=accumulator_dtype(p.dtype), device=p.device)
-                                    for p in params)
+            self.param_grads.extend(
+                torch.zeros(p.shape, dtype=accumulator_dtype(p.dtype), device=p.device) for p in params
+            )
         for acc, grad in zip(self.param_grads, d_params):
             acc.add_(grad)
         return [(lo, lo + leaf.shape[1], (d_block,))]
@@ -131,19 +136,30 @@ class RingAttention(torch.autograd.Function):
     then makes each step's (k, v) with ``params`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor], rc: RingContext,
-                expander: Optional[KVExpander] = None, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        sinks: torch.Tensor | None,
+        rc: RingContext,
+        expander: KVExpander | None = None,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         b, S, h, dk = q.shape
         expansion = _Expansion(dk, expander, params, rc.key_spans)
         dv = kv.shape[-1] - dk if expander is None else expander.value_dim
         acc = accumulator_dtype(q.dtype)
         # the first kernel call's results when it covers every row (the own block without a window), else zeros
-        accumulators: List[torch.Tensor] = []                      # [out_acc [b, S, h, dv], lse_acc [b, h, S]]
+        accumulators: list[torch.Tensor] = []  # [out_acc [b, S, h, dv], lse_acc [b, h, S]]
 
         def start() -> None:
             if not accumulators:
-                accumulators.extend((torch.zeros(b, S, h, dv, dtype=acc, device=q.device),
-                                     torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device)))
+                accumulators.extend(
+                    (
+                        torch.zeros(b, S, h, dv, dtype=acc, device=q.device),
+                        torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device),
+                    )
+                )
 
         def compute(block, source: int, first_key: int) -> None:
             if not rc.plans[source]:
@@ -151,14 +167,14 @@ class RingAttention(torch.autograd.Function):
             k, v, first_key, _ = expansion.keys(block, source, first_key)
             for call, out_blk, lse_blk in rc.kernel.forward_calls(q, k, v, rc.plans[source], first_key, rc.scale):
                 if not accumulators and (call.q_start, call.q_end) == (0, S):
-                    accumulators.extend((out_blk.to(acc), lse_blk.to(acc)))      # adopted, not copied
+                    accumulators.extend((out_blk.to(acc), lse_blk.to(acc)))  # adopted, not copied
                 else:
                     start()
                     rows = slice(call.q_start, call.q_end)
                     merge_attention_(accumulators[0][:, rows], accumulators[1][:, :, rows], out_blk, lse_blk)
 
         rc.transport.run(kv, compute)
-        start()                                                    # (no call at all: nothing visible)
+        start()  # (no call at all: nothing visible)
         out_acc, lse_acc = accumulators
         if sinks is not None:
             apply_sinks_(out_acc, lse_acc, sinks)
@@ -174,21 +190,22 @@ class RingAttention(torch.autograd.Function):
         expansion = _Expansion(q.shape[-1], ctx.expander, params, rc.key_spans)
         dout = dout.contiguous()
         kernel_dout, kernel_out = rc.kernel.backward_inputs(dout, out)
-        dq_acc: List[torch.Tensor] = []          # the first call's dq when it covers every row, else zeros
+        dq_acc: list[torch.Tensor] = []  # the first call's dq when it covers every row, else zeros
 
         def compute(block, source: int, first_key: int) -> Partials:
             if not rc.plans[source]:
                 return []
             k, v, k_first, graph = expansion.keys(block, source, first_key, grad=True)
             kernel_partials = []
-            for call, dq, dk, dv in rc.kernel.backward_calls(kernel_dout, q, k, v, kernel_out, lse, rc.plans[source],
-                                                             k_first, rc.scale):
+            for call, dq, dk, dv in rc.kernel.backward_calls(
+                kernel_dout, q, k, v, kernel_out, lse, rc.plans[source], k_first, rc.scale
+            ):
                 if not dq_acc and (call.q_start, call.q_end) == (0, q.shape[1]):
-                    dq_acc.append(dq.to(lse.dtype))                # adopted, not copied
+                    dq_acc.append(dq.to(lse.dtype))  # adopted, not copied
                 else:
                     if not dq_acc:
                         dq_acc.append(torch.zeros(q.shape, dtype=lse.dtype, device=q.device))
-                    dq_acc[0][:, call.q_start:call.q_end].add_(dq)
+                    dq_acc[0][:, call.q_start : call.q_end].add_(dq)
                 kernel_partials.append((call, dk, dv))
             return expansion.partials(kernel_partials, graph)
 

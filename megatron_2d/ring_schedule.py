@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Optional, Tuple
+from functools import cache
 
 CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "final_dkv")
 
@@ -51,25 +50,25 @@ CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "final_dkv")
 class EventKind(enum.StrEnum):
     """One kind of action in the schedule. A member equals its value (a str), which names it in docs and logs."""
 
-    EXPECT_FINAL = "expect_final"          # post the receive of the last hop's rider ahead (where the backend can)
-    POST_OUTER_KV = "post_outer_kv"        # send the anchor block to the next window, receive the previous one's
-    WAIT_OUTER_KV = "wait_outer_kv"        # the next round's anchor has arrived
-    POST_INNER_KV = "post_inner_kv"        # send the block round the inner ring, receive the next step's
-    WAIT_INNER_KV = "wait_inner_kv"        # the next step's block has arrived
-    COMPUTE = "compute"                    # attention of this rank's queries on the block it holds
-    ACCUMULATE_HOME = "accumulate_home"    # own block's partials + the last hop's rider: this rank's dK/dV
-    START_RIDER = "start_rider"            # the step's partials start a new rider
-    WAIT_RIDER = "wait_rider"              # the neighbour's rider for the held block has arrived
-    ACCUMULATE = "accumulate"              # add the step's partials into the rider
-    POST_RIDER = "post_rider"              # pass the rider on round the inner ring (with its block)
-    WAIT_CARRIED = "wait_carried"          # the rider carried over the outer ring has arrived: add it
-    TAKE_CARRIED = "take_carried"          # the carried rider has arrived: it becomes the rider (w = 1)
-    POST_CARRIED = "post_carried"          # carry the closed rider over the outer ring to the next window
-    POST_FINAL = "post_final"              # the last hop: the closed rider to its block's owner
-    WAIT_FINAL = "wait_final"              # the rider of this rank's own block has arrived
+    EXPECT_FINAL = "expect_final"  # post the receive of the last hop's rider ahead (where the backend can)
+    POST_OUTER_KV = "post_outer_kv"  # send the anchor block to the next window, receive the previous one's
+    WAIT_OUTER_KV = "wait_outer_kv"  # the next round's anchor has arrived
+    POST_INNER_KV = "post_inner_kv"  # send the block round the inner ring, receive the next step's
+    WAIT_INNER_KV = "wait_inner_kv"  # the next step's block has arrived
+    COMPUTE = "compute"  # attention of this rank's queries on the block it holds
+    ACCUMULATE_HOME = "accumulate_home"  # own block's partials + the last hop's rider: this rank's dK/dV
+    START_RIDER = "start_rider"  # the step's partials start a new rider
+    WAIT_RIDER = "wait_rider"  # the neighbour's rider for the held block has arrived
+    ACCUMULATE = "accumulate"  # add the step's partials into the rider
+    POST_RIDER = "post_rider"  # pass the rider on round the inner ring (with its block)
+    WAIT_CARRIED = "wait_carried"  # the rider carried over the outer ring has arrived: add it
+    TAKE_CARRIED = "take_carried"  # the carried rider has arrived: it becomes the rider (w = 1)
+    POST_CARRIED = "post_carried"  # carry the closed rider over the outer ring to the next window
+    POST_FINAL = "post_final"  # the last hop: the closed rider to its block's owner
+    WAIT_FINAL = "wait_final"  # the rider of this rank's own block has arrived
 
     @property
-    def channel(self) -> Optional[str]:
+    def channel(self) -> str | None:
         """The channel it posts on, expects a receive on or waits for (None: local work)."""
         return CHANNEL_OF[self]
 
@@ -92,11 +91,22 @@ class EventKind(enum.StrEnum):
 _K = EventKind
 # event kind -> the channel it posts on, expects a receive on or waits for (None: local work)
 CHANNEL_OF = {
-    _K.POST_INNER_KV: "inner_kv", _K.WAIT_INNER_KV: "inner_kv", _K.POST_OUTER_KV: "outer_kv",
-    _K.WAIT_OUTER_KV: "outer_kv", _K.WAIT_RIDER: "inner_dkv", _K.POST_RIDER: "inner_dkv",
-    _K.WAIT_CARRIED: "outer_dkv", _K.TAKE_CARRIED: "outer_dkv", _K.POST_CARRIED: "outer_dkv",
-    _K.EXPECT_FINAL: "final_dkv", _K.POST_FINAL: "final_dkv", _K.WAIT_FINAL: "final_dkv",
-    _K.COMPUTE: None, _K.ACCUMULATE_HOME: None, _K.START_RIDER: None, _K.ACCUMULATE: None,
+    _K.POST_INNER_KV: "inner_kv",
+    _K.WAIT_INNER_KV: "inner_kv",
+    _K.POST_OUTER_KV: "outer_kv",
+    _K.WAIT_OUTER_KV: "outer_kv",
+    _K.WAIT_RIDER: "inner_dkv",
+    _K.POST_RIDER: "inner_dkv",
+    _K.WAIT_CARRIED: "outer_dkv",
+    _K.TAKE_CARRIED: "outer_dkv",
+    _K.POST_CARRIED: "outer_dkv",
+    _K.EXPECT_FINAL: "final_dkv",
+    _K.POST_FINAL: "final_dkv",
+    _K.WAIT_FINAL: "final_dkv",
+    _K.COMPUTE: None,
+    _K.ACCUMULATE_HOME: None,
+    _K.START_RIDER: None,
+    _K.ACCUMULATE: None,
 }
 _POSTS = frozenset({_K.POST_INNER_KV, _K.POST_OUTER_KV, _K.POST_RIDER, _K.POST_CARRIED, _K.POST_FINAL})
 
@@ -112,15 +122,15 @@ class Event:
     """One action of a rank: its ``kind``; for a compute the (round, step) of its block."""
 
     kind: EventKind
-    source_offset: Optional[Tuple[int, int]] = None
+    source_offset: tuple[int, int] | None = None
 
     @property
-    def channel(self) -> Optional[str]:
+    def channel(self) -> str | None:
         return self.kind.channel
 
 
-@lru_cache(maxsize=None)
-def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
+@cache
+def double_ring_events(cp: int, w: int, backward: bool) -> tuple[Event, ...]:
     """Every action of one rank, in program order (the same on every rank)."""
     if cp < 1 or w < 1 or cp % w:
         raise ValueError(f"window {w} must divide the context size {cp}")
@@ -135,9 +145,9 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
             ev.append(Event(_K.COMPUTE, (o, t)))
             if backward and (o, t) == (0, 0):
                 if cp == 1:
-                    ev.append(Event(_K.ACCUMULATE_HOME))      # the own block's dK/dV stays home (no last hop)
+                    ev.append(Event(_K.ACCUMULATE_HOME))  # the own block's dK/dV stays home (no last hop)
             elif backward:
-                if w == 1 and o >= 2:                        # a one-step round: the carried rider gathers it
+                if w == 1 and o >= 2:  # a one-step round: the carried rider gathers it
                     ev.append(Event(_K.TAKE_CARRIED))
                 else:
                     ev.append(Event(_K.START_RIDER if t == 0 or (o, t) == (0, 1) else _K.WAIT_RIDER))
@@ -146,8 +156,8 @@ def double_ring_events(cp: int, w: int, backward: bool) -> Tuple[Event, ...]:
                     ev.append(Event(_K.POST_RIDER))
             if t < w - 1:
                 ev.append(Event(_K.WAIT_INNER_KV))
-        if backward and (o > 0 or w > 1):   # close the round on the rank that computed its block's last step
-            if w > 1 and o >= 1:                             # (with w = 1 it was taken before the step)
+        if backward and (o > 0 or w > 1):  # close the round on the rank that computed its block's last step
+            if w > 1 and o >= 1:  # (with w = 1 it was taken before the step)
                 ev.append(Event(_K.WAIT_CARRIED))
             if o < nw - 1:
                 ev.append(Event(_K.POST_CARRIED))
@@ -196,12 +206,12 @@ def slowed_finish(start: float, work: float, busy, interference: float) -> float
             spans.append([s, e])
     t, left = start, work
     for s, e in spans:
-        if s > t:                                   # a stretch with nothing in flight first
+        if s > t:  # a stretch with nothing in flight first
             if left <= s - t:
                 return t + left
             left -= s - t
             t = s
-        slow = (e - t) / (1.0 + interference)      # work that fits in this busy stretch
+        slow = (e - t) / (1.0 + interference)  # work that fits in this busy stretch
         if left <= slow:
             return t + left * (1.0 + interference)
         left -= slow

@@ -15,7 +15,7 @@ The global sequence of S tokens is cut into 2*CP chunks of c = S / (2*CP) tokens
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -28,7 +28,8 @@ def check_divisible(seq_len: int, cp_size: int) -> None:
         lo = seq_len // (2 * cp_size) * (2 * cp_size)
         raise ValueError(
             f"sequence length {seq_len} is not divisible by 2*CP = {2 * cp_size}; zigzag context parallelism needs "
-            f"2*CP equal chunks: pad or trim to a multiple of {2 * cp_size} (e.g. {lo} or {lo + 2 * cp_size})")
+            f"2*CP equal chunks: pad or trim to a multiple of {2 * cp_size} (e.g. {lo} or {lo + 2 * cp_size})"
+        )
 
 
 def shard_sequence(x: torch.Tensor, cp_index: int, cp_size: int, seq_dim: int = 0) -> torch.Tensor:
@@ -42,7 +43,7 @@ def shard_sequence(x: torch.Tensor, cp_index: int, cp_size: int, seq_dim: int = 
 def unshard_sequence(shards: Sequence[torch.Tensor], seq_dim: int = 0) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full sequence from the shards of CP ranks 0..CP-1, in order."""
     cp_size = len(shards)
-    chunks: List[torch.Tensor] = [None] * (2 * cp_size)  # type: ignore[list-item]
+    chunks: list[torch.Tensor] = [None] * (2 * cp_size)  # type: ignore[list-item]
     for i, shard in enumerate(shards):
         first, second = zigzag_chunks(i, cp_size)
         chunks[first], chunks[second] = shard.chunk(2, dim=seq_dim)

@@ -28,8 +28,8 @@ Windows cut a context group by context rank: window = cr // w, slot = cr % w.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
 
 from .deprecation import renamed_keywords, warn_renamed
 
@@ -47,12 +47,12 @@ def check_placement(placement, setting: str = "placement") -> str:
     return placement
 
 
-def divisors(n: int) -> List[int]:
+def divisors(n: int) -> list[int]:
     """The divisors of n, ascending (the valid sizes every layout error lists)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def zigzag_chunks(cp_index: int, cp_size: int) -> Tuple[int, int]:
+def zigzag_chunks(cp_index: int, cp_size: int) -> tuple[int, int]:
     """The two global chunk ids (of 2*CP) held by CP rank ``cp_index`` (Megatron's get_batch_on_this_cp_rank).
 
     >>> zigzag_chunks(cp_index=1, cp_size=4)
@@ -81,12 +81,14 @@ class Layout2D:
         if CP % hp != 0:
             raise LayoutError(
                 f"head-parallel size {hp} does not divide the context-parallel size {CP}; "
-                f"valid head-parallel sizes for CP={CP}: {divisors(CP)}")
+                f"valid head-parallel sizes for CP={CP}: {divisors(CP)}"
+            )
         cp = CP // hp
         if cp % w != 0:
             raise LayoutError(
                 f"ring window {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "
-                f"valid ring windows: {divisors(cp)}")
+                f"valid ring windows: {divisors(cp)}"
+            )
 
     @property
     def window_size(self) -> int:
@@ -111,7 +113,7 @@ class Layout2D:
             return context_rank * self.head_parallel_size + head_rank
         return head_rank * self.context_size + context_rank
 
-    def coords_of(self, index: int) -> Tuple[int, int]:
+    def coords_of(self, index: int) -> tuple[int, int]:
         """(hr, cr) of CP index i."""
         if not 0 <= index < self.cp_size:
             raise LayoutError(f"CP index {index} is outside [0, {self.cp_size})")
@@ -119,7 +121,7 @@ class Layout2D:
             return index % self.head_parallel_size, index // self.head_parallel_size
         return index // self.context_size, index % self.context_size
 
-    def send_peers(self, index: int) -> Dict[str, List[int]]:
+    def send_peers(self, index: int) -> dict[str, list[int]]:
         """CP indices CP index i sends to, per path: 'a2a' the rest of its head group; 'inner' the next rank of its
         inner ring, (hr, window*w + (slot+1) % w), when w > 1; 'outer' the next rank of its outer ring,
         (hr, (cr + w) % cp), when cp / w > 1.
@@ -130,46 +132,48 @@ class Layout2D:
         hp, cp, w = self.head_parallel_size, self.context_size, self.ring_window
         hr, cr = self.coords_of(index)
         window, slot = divmod(cr, w)
-        return {"a2a": [self.index_of(h, cr) for h in range(hp) if h != hr],
-                "inner": [self.index_of(hr, window * w + (slot + 1) % w)] if w > 1 else [],
-                "outer": [self.index_of(hr, (cr + w) % cp)] if cp // w > 1 else []}
+        return {
+            "a2a": [self.index_of(h, cr) for h in range(hp) if h != hr],
+            "inner": [self.index_of(hr, window * w + (slot + 1) % w)] if w > 1 else [],
+            "outer": [self.index_of(hr, (cr + w) % cp)] if cp // w > 1 else [],
+        }
 
     # -- groups, as lists of CP indices ---------------------------------------------------------------
-    def _head_group_indices(self) -> List[List[int]]:
+    def _head_group_indices(self) -> list[list[int]]:
         hp, cp = self.head_parallel_size, self.context_size
         return [[self.index_of(hr, cr) for hr in range(hp)] for cr in range(cp)]
 
-    def _context_group_indices(self) -> List[List[int]]:
+    def _context_group_indices(self) -> list[list[int]]:
         hp, cp = self.head_parallel_size, self.context_size
         return [[self.index_of(hr, cr) for cr in range(cp)] for hr in range(hp)]
 
-    def _intra_window_indices(self) -> List[List[int]]:
+    def _intra_window_indices(self) -> list[list[int]]:
         w = self.ring_window
-        return [ctx[k * w:(k + 1) * w] for ctx in self._context_group_indices() for k in range(self.num_windows)]
+        return [ctx[k * w : (k + 1) * w] for ctx in self._context_group_indices() for k in range(self.num_windows)]
 
-    def _inter_window_indices(self) -> List[List[int]]:
+    def _inter_window_indices(self) -> list[list[int]]:
         w = self.ring_window
         return [ctx[slot::w] for ctx in self._context_group_indices() for slot in range(w)]
 
     # -- groups, as lists of global ranks -----------------------------------------------------------
-    def _map(self, cp_ranks: Sequence[int], groups: List[List[int]]) -> List[List[int]]:
+    def _map(self, cp_ranks: Sequence[int], groups: list[list[int]]) -> list[list[int]]:
         if len(cp_ranks) != self.cp_size:
             raise LayoutError(f"a CP rank list has {len(cp_ranks)} ranks, expected CP={self.cp_size}: {list(cp_ranks)}")
         return [[cp_ranks[i] for i in g] for g in groups]
 
-    def head_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
+    def head_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
         """The cp head groups (hp ranks each, ordered by head rank) of one CP rank list."""
         return self._map(cp_ranks, self._head_group_indices())
 
-    def context_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
+    def context_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
         """The hp context groups (cp ranks each, ordered by context rank)."""
         return self._map(cp_ranks, self._context_group_indices())
 
-    def intra_window_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
+    def intra_window_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
         """The inner rings: w consecutive context ranks of each context group."""
         return self._map(cp_ranks, self._intra_window_indices())
 
-    def inter_window_groups(self, cp_ranks: Sequence[int]) -> List[List[int]]:
+    def inter_window_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
         """The outer rings: the context ranks with the same slot in every window (cp / w ranks each)."""
         return self._map(cp_ranks, self._inter_window_indices())
 
@@ -178,7 +182,7 @@ class Layout2D:
 Layout2D.__init__ = renamed_keywords(window_size="ring_window")(Layout2D.__init__)
 
 
-def every_layout(cp_size: int) -> List[Layout2D]:
+def every_layout(cp_size: int) -> list[Layout2D]:
     """Every layout of a CP group of ``cp_size`` ranks, by hp, then w, then placement; the two placements are the
     same layout when hp or cp is 1 (listed once, as head_first).
 
@@ -197,17 +201,17 @@ def every_layout(cp_size: int) -> List[Layout2D]:
 class RankPlace:
     """Where one rank sits in the 2D layout of its CP group."""
 
-    cp_ranks: Tuple[int, ...]          # its CP rank list (global ranks)
-    cp_index: int                      # i, its Megatron CP rank
-    head_rank: int                     # hr
-    context_rank: int                  # cr
-    head_group: Tuple[int, ...]        # global ranks, by head rank
-    context_group: Tuple[int, ...]     # global ranks, by context rank
-    intra_window_group: Tuple[int, ...]
-    inter_window_group: Tuple[int, ...]
+    cp_ranks: tuple[int, ...]  # its CP rank list (global ranks)
+    cp_index: int  # i, its Megatron CP rank
+    head_rank: int  # hr
+    context_rank: int  # cr
+    head_group: tuple[int, ...]  # global ranks, by head rank
+    context_group: tuple[int, ...]  # global ranks, by context rank
+    intra_window_group: tuple[int, ...]
+    inter_window_group: tuple[int, ...]
 
 
-def validate_cp_rank_lists(cp_rank_lists: Sequence[Sequence[int]], world_size: int) -> List[List[int]]:
+def validate_cp_rank_lists(cp_rank_lists: Sequence[Sequence[int]], world_size: int) -> list[list[int]]:
     """Check that the CP rank lists partition range(world_size) into equal-sized groups."""
     lists = [list(r) for r in cp_rank_lists]
     if not lists:
@@ -215,7 +219,7 @@ def validate_cp_rank_lists(cp_rank_lists: Sequence[Sequence[int]], world_size: i
     sizes = sorted({len(r) for r in lists})
     if len(sizes) != 1:
         raise LayoutError(f"CP rank lists have different sizes {sizes}; every CP group must have the same size")
-    seen: Dict[int, int] = {}
+    seen: dict[int, int] = {}
     for r in (x for lst in lists for x in lst):
         if not isinstance(r, int) or not 0 <= r < world_size:
             raise LayoutError(f"rank {r!r} in cp_rank_lists is not a valid rank of a world of size {world_size}")
@@ -225,18 +229,18 @@ def validate_cp_rank_lists(cp_rank_lists: Sequence[Sequence[int]], world_size: i
         raise LayoutError(f"ranks {repeated} appear more than once in cp_rank_lists; each rank belongs to one CP group")
     missing = sorted(set(range(world_size)) - set(seen))
     if missing:
-        raise LayoutError(f"ranks {missing} are missing from cp_rank_lists; together they must cover "
-                          f"all {world_size} ranks")
+        raise LayoutError(
+            f"ranks {missing} are missing from cp_rank_lists; together they must cover all {world_size} ranks"
+        )
     return lists
 
 
-def place_all_ranks(layout: Layout2D, cp_rank_lists: Sequence[Sequence[int]],
-                    world_size: int) -> Dict[int, RankPlace]:
+def place_all_ranks(layout: Layout2D, cp_rank_lists: Sequence[Sequence[int]], world_size: int) -> dict[int, RankPlace]:
     """The RankPlace of every global rank, for every CP group."""
     lists = validate_cp_rank_lists(cp_rank_lists, world_size)
     if len(lists[0]) != layout.cp_size:
         raise LayoutError(f"CP groups have {len(lists[0])} ranks but the layout expects CP={layout.cp_size}")
-    places: Dict[int, RankPlace] = {}
+    places: dict[int, RankPlace] = {}
     for cp_ranks in lists:
         heads = layout.head_groups(cp_ranks)
         ctxs = layout.context_groups(cp_ranks)
@@ -250,7 +254,13 @@ def place_all_ranks(layout: Layout2D, cp_rank_lists: Sequence[Sequence[int]],
         for i, rank in enumerate(cp_ranks):
             hr, cr = layout.coords_of(i)
             places[rank] = RankPlace(
-                cp_ranks=tuple(cp_ranks), cp_index=i, head_rank=hr, context_rank=cr,
-                head_group=group_of[("head", rank)], context_group=group_of[("context", rank)],
-                intra_window_group=group_of[("intra", rank)], inter_window_group=group_of[("inter", rank)])
+                cp_ranks=tuple(cp_ranks),
+                cp_index=i,
+                head_rank=hr,
+                context_rank=cr,
+                head_group=group_of[("head", rank)],
+                context_group=group_of[("context", rank)],
+                intra_window_group=group_of[("intra", rank)],
+                inter_window_group=group_of[("inter", rank)],
+            )
     return places

@@ -14,15 +14,16 @@ gradient covers keys [k_start, k_end) of one source block, as its last-dim piece
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Iterator, List, Optional, Protocol, Tuple
+from collections.abc import Callable, Iterator
+from typing import ClassVar, Protocol
 
 import torch
 
 # compute(block, source_context_rank, first_key) -> None (forward) or a list of (k_start, k_end, parts): the partial
 # gradient of the source's keys [k_start, k_end), as the block's last-dim pieces (dk, dv) or the whole (d block,);
 # ``block`` holds the source's keys from ``first_key`` on
-Partials = List[Tuple[int, int, Tuple[torch.Tensor, ...]]]
-ComputeFn = Callable[[torch.Tensor, int, int], Optional[Partials]]
+Partials = list[tuple[int, int, tuple[torch.Tensor, ...]]]
+ComputeFn = Callable[[torch.Tensor, int, int], Partials | None]
 
 
 class Transport(Protocol):
@@ -43,19 +44,19 @@ class Transport(Protocol):
     No host-device synchronisation: transfers are posted and awaited, never read on the host.
     """
 
-    traffic_kinds: ClassVar[Tuple[str, ...]]
+    traffic_kinds: ClassVar[tuple[str, ...]]
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn,
-            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-        ...
+    def run(
+        self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None
+    ) -> torch.Tensor | None: ...
 
 
-def _pieces(rows: torch.Tensor, parts: Tuple[torch.Tensor, ...]) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+def _pieces(rows: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(view of ``rows`` [..., D], part) for each part, the parts' last dims laid side by side along D."""
     offset = 0
     for part in parts:
         width = part.shape[-1]
-        yield rows[..., offset:offset + width], part
+        yield rows[..., offset : offset + width], part
         offset += width
 
 
@@ -70,7 +71,7 @@ def gather_partials(buffer: torch.Tensor, partials: Partials, first_key: int = 0
         add_partials(buffer, partials, first_key)
         return buffer
     for k_start, k_end, parts in partials:
-        for dst, part in _pieces(buffer[:, k_start - first_key:k_end - first_key], parts):
+        for dst, part in _pieces(buffer[:, k_start - first_key : k_end - first_key], parts):
             dst.copy_(part)
     covered = 0
     for start, end in ranges + [(buffer.shape[1], buffer.shape[1])]:
@@ -83,12 +84,13 @@ def gather_partials(buffer: torch.Tensor, partials: Partials, first_key: int = 0
 def add_partials(rider: torch.Tensor, partials: Partials, first_key: int = 0) -> None:
     """Add a block's partial gradients (keys [k_start, k_end)) into its rider [b, keys from first_key, ...]."""
     for k_start, k_end, parts in partials:
-        for dst, part in _pieces(rider[:, k_start - first_key:k_end - first_key], parts):
+        for dst, part in _pieces(rider[:, k_start - first_key : k_end - first_key], parts):
             dst.add_(part)
 
 
-def home_gradient(whole: torch.Tensor, own_partials: Partials, last_hop: Optional[torch.Tensor],
-                  dtype: torch.dtype) -> torch.Tensor:
+def home_gradient(
+    whole: torch.Tensor, own_partials: Partials, last_hop: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     """A rank's gradient shaped like its whole block ``whole`` [b, keys, ...]: its own block's partials plus the
     rider of the last hop (None when nothing travels), which covers the first keys. A rider over every key becomes
     the result itself, the partials added onto it in place (no copy)."""
@@ -97,20 +99,19 @@ def home_gradient(whole: torch.Tensor, own_partials: Partials, last_hop: Optiona
         return last_hop
     home = gather_partials(torch.empty(whole.shape, dtype=dtype, device=whole.device), own_partials)
     if last_hop is not None:
-        home[:, :last_hop.shape[1]].add_(last_hop)
+        home[:, : last_hop.shape[1]].add_(last_hop)
     return home
 
 
 class LocalBlock:
     """The transport when no other context rank's keys are visible (whole documents only): nothing moves."""
 
-    traffic_kinds: ClassVar[Tuple[str, ...]] = ()
+    traffic_kinds: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, context_rank: int) -> None:
         self.context_rank = context_rank
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn,
-            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """:meth:`Transport.run` for the own block only."""
         partials = compute(kv, self.context_rank, 0)
         return None if dkv_dtype is None else home_gradient(kv, partials, None, dkv_dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .topology import divisors
 
@@ -49,13 +49,13 @@ class HybridZeRO:
     'optimizer+grads+params': ZeRO-3, parameters sharded too, gathered per layer (megatron-fsdp
     'optim_grads_params')."""
 
-    shard_size: Optional[int] = None
+    shard_size: int | None = None
     """Number of ranks the sharded states are split over; must divide D = dp x cp. None: all D ranks. Smaller values
     are partial sharding: D / shard_size replicas of each shard (megatron-core's
     ``num_distributed_optimizer_instances``), each shard group being shard_size consecutive dp_cp ranks, so
     shard_size = cp shards over the CP group alone."""
 
-    optimizer_shard_size: Optional[int] = None
+    optimizer_shard_size: int | None = None
     """Ranks the optimizer states are split over, when wider than ``shard_size``. None: the same as shard_size.
     megatron-core offers only D here (megatron-fsdp ``outer_dp_sharding_strategy='optim'``), and only for
     'optimizer+grads+params' with shard_size < D. Gradient clipping must then be off (see ``optimizer_config``)."""
@@ -76,34 +76,41 @@ class HybridZeRO:
 
     def __post_init__(self) -> None:
         if self.sharded_states not in SHARDED_STATES:
-            raise ValueError(f"sharded_states {self.sharded_states!r} is not valid; choose one of "
-                             f"{list(SHARDED_STATES)}")
+            raise ValueError(
+                f"sharded_states {self.sharded_states!r} is not valid; choose one of {list(SHARDED_STATES)}"
+            )
         if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation {self.implementation!r} is not valid; choose one of "
-                             f"{list(IMPLEMENTATIONS)}")
+            raise ValueError(
+                f"implementation {self.implementation!r} is not valid; choose one of {list(IMPLEMENTATIONS)}"
+            )
         for name in ("shard_size", "optimizer_shard_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} {value!r} must be a positive integer (or None for all dp x cp ranks)")
         if self.sharded_states == "none" and (self.shard_size, self.optimizer_shard_size) != (None, None):
-            raise ValueError(f"sharded_states 'none' shards nothing, so shard_size {self.shard_size} / "
-                             f"optimizer_shard_size {self.optimizer_shard_size} mean nothing; leave them None or "
-                             f"choose one of {list(SHARDED_STATES[1:])}")
+            raise ValueError(
+                f"sharded_states 'none' shards nothing, so shard_size {self.shard_size} / "
+                f"optimizer_shard_size {self.optimizer_shard_size} mean nothing; leave them None or "
+                f"choose one of {list(SHARDED_STATES[1:])}"
+            )
         if self.backend == "distributed_optimizer" and self.sharded_states not in ("none", "optimizer"):
             raise ValueError(
                 f"sharded_states {self.sharded_states!r} is not supported by implementation 'distributed_optimizer': "
                 f"Megatron's distributed optimizer shards only optimizer states (its param and grad buffers stay "
-                f"whole on every rank); use implementation 'megatron_fsdp' or 'auto' for gradient/parameter sharding")
+                f"whole on every rank); use implementation 'megatron_fsdp' or 'auto' for gradient/parameter sharding"
+            )
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise ValueError("overlap_param_gather=True needs overlap_grad_reduce=True (megatron-core requires both)")
         if self.overlap_param_gather and self.sharded_states == "none":
-            raise ValueError("overlap_param_gather=True needs sharded states (nothing is gathered with "
-                             "sharded_states 'none')")
+            raise ValueError(
+                "overlap_param_gather=True needs sharded states (nothing is gathered with sharded_states 'none')"
+            )
         if self.backend == "megatron_fsdp" and self.sharded_states == "optimizer" and not self.overlap_grad_reduce:
             raise ValueError(
                 "megatron-fsdp's 'optim' strategy (sharded_states 'optimizer', implementation 'megatron_fsdp') needs "
                 "overlap_grad_reduce=True: with False, megatron-core 0.19.2 reduces the last micro-batch's gradients "
-                "twice; use implementation 'distributed_optimizer' to run without overlap")
+                "twice; use implementation 'distributed_optimizer' to run without overlap"
+            )
 
     # ---- derived choices ----------------------------------------------------------------------------------------
     @property
@@ -121,21 +128,28 @@ class HybridZeRO:
         total = dp * cp
         valid = divisors(total)[1:]
         if self.shard_size is not None and (total % self.shard_size or self.shard_size == 1):
-            reason = ("shards nothing; use sharded_states 'none'" if self.shard_size == 1
-                      else f"does not divide dp x cp = {dp} x {cp} = {total}")
+            reason = (
+                "shards nothing; use sharded_states 'none'"
+                if self.shard_size == 1
+                else f"does not divide dp x cp = {dp} x {cp} = {total}"
+            )
             raise ValueError(f"shard_size {self.shard_size} {reason}; valid shard sizes: {valid}")
         shard = self.resolved_shard_size(dp, cp)
         opt = self.optimizer_shard_size
         if opt is None or opt == shard:
             return
         if opt != total:
-            raise ValueError(f"optimizer_shard_size {opt} is not available: megatron-core shards optimizer states "
-                             f"over shard_size ({shard}) or over all dp x cp = {dp} x {cp} = {total} ranks; valid "
-                             f"optimizer shard sizes: {sorted({shard, total})}")
+            raise ValueError(
+                f"optimizer_shard_size {opt} is not available: megatron-core shards optimizer states "
+                f"over shard_size ({shard}) or over all dp x cp = {dp} x {cp} = {total} ranks; valid "
+                f"optimizer shard sizes: {sorted({shard, total})}"
+            )
         if self.sharded_states != "optimizer+grads+params" or self.backend != "megatron_fsdp":
-            raise ValueError(f"optimizer_shard_size {opt} wider than shard_size {shard} needs sharded_states "
-                             f"'optimizer+grads+params' on megatron-fsdp (outer_dp_sharding_strategy 'optim'); "
-                             f"got sharded_states {self.sharded_states!r}, implementation {self.backend!r}")
+            raise ValueError(
+                f"optimizer_shard_size {opt} wider than shard_size {shard} needs sharded_states "
+                f"'optimizer+grads+params' on megatron-fsdp (outer_dp_sharding_strategy 'optim'); "
+                f"got sharded_states {self.sharded_states!r}, implementation {self.backend!r}"
+            )
 
     def resolved_shard_size(self, dp: int, cp: int) -> int:
         """Ranks the sharded parameters/gradients (or, for 'optimizer', optimizer states) are split over; 1 if none."""
@@ -156,14 +170,14 @@ class HybridZeRO:
         return dp * cp // self.resolved_shard_size(dp, cp)
 
     # ---- megatron-core configs ----------------------------------------------------------------------------------
-    def initialize_model_parallel_kwargs(self, dp: int, cp: int) -> Dict[str, Any]:
+    def initialize_model_parallel_kwargs(self, dp: int, cp: int) -> dict[str, Any]:
         """Keyword arguments for ``parallel_state.initialize_model_parallel`` (it builds the shard groups)."""
         return {"num_distributed_optimizer_instances": self.num_distributed_optimizer_instances(dp, cp)}
 
-    def ddp_config_kwargs(self, dp: int, cp: int) -> Dict[str, Any]:
+    def ddp_config_kwargs(self, dp: int, cp: int) -> dict[str, Any]:
         """Fields of megatron-core's ``DistributedDataParallelConfig`` that express this choice."""
         instances = self.num_distributed_optimizer_instances(dp, cp)
-        kwargs: Dict[str, Any] = {
+        kwargs: dict[str, Any] = {
             "use_distributed_optimizer": self.sharded_states != "none" or self.backend == "megatron_fsdp",
             "num_distributed_optimizer_instances": instances,
             "overlap_grad_reduce": self.overlap_grad_reduce,
@@ -182,10 +196,12 @@ class HybridZeRO:
 
         return DistributedDataParallelConfig(**_merge(self.ddp_config_kwargs(dp, cp), extra, "DDP config"))
 
-    def optimizer_config_kwargs(self, dp: int, cp: int) -> Dict[str, Any]:
+    def optimizer_config_kwargs(self, dp: int, cp: int) -> dict[str, Any]:
         """Fields of megatron-core's ``OptimizerConfig`` that express this choice."""
-        return {"use_distributed_optimizer": self.ddp_config_kwargs(dp, cp)["use_distributed_optimizer"],
-                "overlap_param_gather": self.overlap_param_gather}
+        return {
+            "use_distributed_optimizer": self.ddp_config_kwargs(dp, cp)["use_distributed_optimizer"],
+            "overlap_param_gather": self.overlap_param_gather,
+        }
 
     def optimizer_config(self, dp: int, cp: int, **extra: Any):
         """An ``OptimizerConfig`` with this choice; ``extra`` sets the rest (lr, optimizer, bf16, ...).
@@ -205,24 +221,30 @@ class HybridZeRO:
                 f"clip_grad {clip} is not supported with optimizer_shard_size "
                 f"{self.resolved_optimizer_shard_size(dp, cp)} > shard_size {self.resolved_shard_size(dp, cp)}: "
                 f"megatron-core 0.19.2 computes the gradient norm over one optimizer instance only, so clipping "
-                f"would use a wrong norm; pass clip_grad=0.0 (OptimizerConfig defaults to 1.0)")
+                f"would use a wrong norm; pass clip_grad=0.0 (OptimizerConfig defaults to 1.0)"
+            )
         return OptimizerConfig(**kwargs)
 
     def has_wider_optimizer_shard(self, dp: int, cp: int) -> bool:
         """True when optimizer states are sharded over more ranks than parameters/gradients (HFSDP outer 'optim')."""
         return self.resolved_optimizer_shard_size(dp, cp) > self.resolved_shard_size(dp, cp)
 
-    def megatron_cli_args(self, dp: int, cp: int) -> List[str]:
+    def megatron_cli_args(self, dp: int, cp: int) -> list[str]:
         """The same choice as Megatron-LM command-line flags (``pretrain_gpt.py``)."""
         kwargs = self.ddp_config_kwargs(dp, cp)
-        args: List[str] = []
+        args: list[str] = []
         if kwargs["use_distributed_optimizer"]:
             args.append("--use-distributed-optimizer")
         if kwargs["num_distributed_optimizer_instances"] > 1:
             args += ["--num-distributed-optimizer-instances", str(kwargs["num_distributed_optimizer_instances"])]
         if kwargs.get("use_megatron_fsdp"):
-            args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                     kwargs["data_parallel_sharding_strategy"], "--ckpt-format", "fsdp_dtensor"]
+            args += [
+                "--use-megatron-fsdp",
+                "--data-parallel-sharding-strategy",
+                kwargs["data_parallel_sharding_strategy"],
+                "--ckpt-format",
+                "fsdp_dtensor",
+            ]
             if kwargs["outer_dp_sharding_strategy"] != "no_shard":
                 # clip_grad 0: see optimizer_config (the gradient norm misses the other instances' shards)
                 args += ["--outer-dp-sharding-strategy", kwargs["outer_dp_sharding_strategy"], "--clip-grad", "0.0"]
@@ -233,11 +255,13 @@ class HybridZeRO:
         return args
 
 
-def _merge(base: Dict[str, Any], extra: Dict[str, Any], what: str) -> Dict[str, Any]:
+def _merge(base: dict[str, Any], extra: dict[str, Any], what: str) -> dict[str, Any]:
     clashes = {k: (base[k], v) for k, v in extra.items() if k in base and base[k] != v}
     if clashes:
-        raise ValueError(f"{what}: these fields are set by HybridZeRO and conflict with the extra values "
-                         f"(HybridZeRO value, extra value): {clashes}")
+        raise ValueError(
+            f"{what}: these fields are set by HybridZeRO and conflict with the extra values "
+            f"(HybridZeRO value, extra value): {clashes}"
+        )
     return {**base, **extra}
 
 
@@ -250,7 +274,7 @@ def state_bytes_per_rank(
     param_bytes: int = 2,
     grad_bytes: int = _FP32_BYTES,
     optimizer: str = "adam",
-) -> Dict[str, int]:
+) -> dict[str, int]:
     """Persistent bytes of model state one rank holds, as megatron-core keeps them: {params, grads, optimizer}.
 
     N = ``num_params`` (this rank's model-parallel share: parameters per TP/PP rank), P / G = ``param_bytes`` /
@@ -293,8 +317,9 @@ def state_bytes_per_rank(
     per_element_optimizer = _STATE_BYTES[optimizer] + main
     return {
         "params": _ceil_div(num_params * param_bytes, shard if states == "optimizer+grads+params" else 1),
-        "grads": _ceil_div(num_params * grad_bytes, shard if states in ("optimizer+grads", "optimizer+grads+params")
-                           else 1),
+        "grads": _ceil_div(
+            num_params * grad_bytes, shard if states in ("optimizer+grads", "optimizer+grads+params") else 1
+        ),
         "optimizer": _ceil_div(num_params * per_element_optimizer, opt_shard),
     }
 

@@ -19,7 +19,7 @@ from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
 torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
-    install_megatron_cpu_shims(import_training=True)   # megatron.training needs typing.override on Python 3.11
+    install_megatron_cpu_shims(import_training=True)  # megatron.training needs typing.override on Python 3.11
 
 
 class _RanksRefused:
@@ -30,9 +30,11 @@ class _RanksRefused:
         self.nodeid = nodeid
 
     def get_context(self, method=None):
-        pytest.fail(f"{self.nodeid} forks ranks (run_on_ranks) but is not marked `distributed`: add "
-                    "@pytest.mark.distributed (or a module-level pytestmark) so `make test-fast` leaves it out",
-                    pytrace=False)
+        pytest.fail(
+            f"{self.nodeid} forks ranks (run_on_ranks) but is not marked `distributed`: add "
+            "@pytest.mark.distributed (or a module-level pytestmark) so `make test-fast` leaves it out",
+            pytrace=False,
+        )
 
 
 @contextlib.contextmanager
@@ -49,7 +51,7 @@ def _ranks_refused_unless_marked(item):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):      # module-scoped fixtures (e.g. `results`) fork ranks during setup
+def pytest_runtest_setup(item):  # module-scoped fixtures (e.g. `results`) fork ranks during setup
     with _ranks_refused_unless_marked(item):
         yield
 

@@ -17,11 +17,18 @@ import torch.distributed as dist
 import megatron_2d
 import megatron_2d.groups
 import megatron_2d.topology
-from megatron_2d.plan import Layout as PlanLayout, ModelSpec, ParallelSpec, evaluate, get_cluster
+from megatron_2d.plan import Layout as PlanLayout
+from megatron_2d.plan import ModelSpec, ParallelSpec, evaluate, get_cluster
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
-
-from megatron_2d.testing.reference import (TOLERANCE, TOLERANCES, norm_err, packed_reference_attention,
-                                            reference_attention, rel_err, rounded)
+from megatron_2d.testing.reference import (
+    TOLERANCE,
+    TOLERANCES,
+    norm_err,
+    packed_reference_attention,
+    reference_attention,
+    rel_err,
+    rounded,
+)
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -30,14 +37,28 @@ TIMEOUT = datetime.timedelta(seconds=30)
 # context_first runs wherever it is a different layout (hp > 1 and cp > 1).
 BASE_LAYOUTS = [
     (1, 1, 1, 1),
-    (2, 1, 2, 1), (2, 1, 2, 2), (2, 2, 1, 1),
-    (4, 1, 4, 1), (4, 1, 4, 2), (4, 2, 2, 1), (4, 2, 2, 2), (4, 4, 1, 1),
-    (8, 1, 8, 1), (8, 1, 8, 2), (8, 1, 8, 4), (8, 2, 4, 1), (8, 2, 4, 2), (8, 2, 4, 4),
-    (8, 4, 2, 1), (8, 4, 2, 2), (8, 8, 1, 1),
+    (2, 1, 2, 1),
+    (2, 1, 2, 2),
+    (2, 2, 1, 1),
+    (4, 1, 4, 1),
+    (4, 1, 4, 2),
+    (4, 2, 2, 1),
+    (4, 2, 2, 2),
+    (4, 4, 1, 1),
+    (8, 1, 8, 1),
+    (8, 1, 8, 2),
+    (8, 1, 8, 4),
+    (8, 2, 4, 1),
+    (8, 2, 4, 2),
+    (8, 2, 4, 4),
+    (8, 4, 2, 1),
+    (8, 4, 2, 2),
+    (8, 8, 1, 1),
 ]
 PLACEMENTS = ["head_first", "context_first"]
-LAYOUTS = [(n, hp, cp, w, p) for n, hp, cp, w in BASE_LAYOUTS for p in PLACEMENTS
-           if p == "head_first" or (hp > 1 and cp > 1)]
+LAYOUTS = [
+    (n, hp, cp, w, p) for n, hp, cp, w in BASE_LAYOUTS for p in PLACEMENTS if p == "head_first" or (hp > 1 and cp > 1)
+]
 
 
 def layout_id(world, hp, cp, w, placement):
@@ -48,8 +69,8 @@ def head_variants(hp):
     """(hq, hkv) cases for head-parallel size hp: MHA, GQA whose K/V heads split over hp without replication,
     and GQA/MQA whose K/V heads must be replicated (one K/V head, and more than one), as far as hp allows."""
     cases = [(8, 8), (8, 1)]
-    cases += [(8, hkv) for hkv in (2, 4) if hkv % hp == 0][:1]                 # split without replication
-    cases += {1: [], 2: [(12, 3)], 4: [(8, 2), (12, 3)], 8: [(8, 2), (8, 4)]}[hp]   # replicated, hkv > 1
+    cases += [(8, hkv) for hkv in (2, 4) if hkv % hp == 0][:1]  # split without replication
+    cases += {1: [], 2: [(12, 3)], 4: [(8, 2), (12, 3)], 8: [(8, 2), (8, 4)]}[hp]  # replicated, hkv > 1
     return cases
 
 
@@ -66,15 +87,29 @@ def make_inputs(seq, batch, hq, hkv, d, seed):
     return q, k, v, dout
 
 
-def run_case(groups, rank, world, dtype, causal, hq, hkv, d, batch=2, chunk=4, seed=0, kernel=None, scale=None,
-             round_inputs=False):
+def run_case(
+    groups,
+    rank,
+    world,
+    dtype,
+    causal,
+    hq,
+    hkv,
+    d,
+    batch=2,
+    chunk=4,
+    seed=0,
+    kernel=None,
+    scale=None,
+    round_inputs=False,
+):
     """Run one case on this rank: {out, dq, dk, dv: (rel_err vs the unrounded reference, norm_err vs the
     reference of the rounded inputs)}. ``round_inputs``: the global inputs are first rounded to ``dtype``, so the
     two references coincide and only the computation's own error is left."""
     q, k, v, dout = make_inputs(2 * world * chunk, batch, hq, hkv, d, seed)
     if round_inputs:
         q, k, v, dout = (rounded(x, dtype) for x in (q, k, v, dout))
-    ref_scale = d ** -0.5 if scale is None else scale
+    ref_scale = d**-0.5 if scale is None else scale
     for t in (q, k, v):
         t.requires_grad_(True)
     ref_out = reference_attention(q, k, v, causal, ref_scale)
@@ -87,7 +122,7 @@ def run_case(groups, rank, world, dtype, causal, hq, hkv, d, batch=2, chunk=4, s
     out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, softmax_scale=scale, kernel=kernel)
     out.backward(shard(dout).to(dtype))
     assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.dtype == dtype and kl.grad.shape == kl.shape
-    assert out.is_contiguous()                     # Megatron views it as [s, b, h * d]
+    assert out.is_contiguous()  # Megatron views it as [s, b, h * d]
     pairs = dict(out=(out, ref_out), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad))
     return {key: (rel_err(a, shard(e)), norm_err(a, shard(e))) for key, (a, e) in pairs.items()}
 
@@ -102,17 +137,18 @@ def run_grid(rank, world, hp, w, placement):
     worst = {}
     for causal, (hq, hkv) in itertools.product([True, False], head_variants(hp)):
         d = 128 if hq == hkv else 64
-        worst[(causal, variant_id(hq, hkv, hp), d)] = check_case(groups, rank, world, torch.float32, causal, hq,
-                                                                 hkv, d)
+        worst[(causal, variant_id(hq, hkv, hp), d)] = check_case(groups, rank, world, torch.float32, causal, hq, hkv, d)
     # a softmax scale other than 1/sqrt(d), with GQA, causal and full
     hq, hkv = head_variants(hp)[-1]
     for causal in (True, False):
-        worst[(causal, "scale0.21", 32)] = check_case(groups, rank, world, torch.float32, causal, hq, hkv, 32,
-                                                      scale=0.21)
+        worst[(causal, "scale0.21", 32)] = check_case(
+            groups, rank, world, torch.float32, causal, hq, hkv, 32, scale=0.21
+        )
     # batch 1 (the head exchange's point-to-point path), with the most K/V replication and without
     for hq, hkv in (head_variants(hp)[0], head_variants(hp)[-1]):
-        worst[(True, "b1-" + variant_id(hq, hkv, hp), 32)] = check_case(groups, rank, world, torch.float32, True,
-                                                                         hq, hkv, 32, batch=1)
+        worst[(True, "b1-" + variant_id(hq, hkv, hp), 32)] = check_case(
+            groups, rank, world, torch.float32, True, hq, hkv, 32, batch=1
+        )
     return worst
 
 
@@ -131,8 +167,12 @@ def test_parametrization_is_distinct():
     maps = set()
     for world, hp, cp, w, placement in LAYOUTS:
         layout = megatron_2d.topology.Layout2D(world, hp, w, placement)
-        key = (world, w, tuple(map(tuple, layout.head_groups(range(world)))),
-               tuple(map(tuple, layout.context_groups(range(world)))))
+        key = (
+            world,
+            w,
+            tuple(map(tuple, layout.head_groups(range(world)))),
+            tuple(map(tuple, layout.context_groups(range(world)))),
+        )
         assert key not in maps, (world, hp, cp, w, placement)
         maps.add(key)
     for hp in (1, 2, 4, 8):
@@ -140,7 +180,7 @@ def test_parametrization_is_distinct():
         assert len(set(ids)) == len(ids)
         reps = [megatron_2d.kv_replication(hq, hkv, hp) for hq, hkv in head_variants(hp)]
         assert (max(reps) > 1) == (hp > 1)
-        if hp > 1:   # replication of more than one K/V head
+        if hp > 1:  # replication of more than one K/V head
             assert any(r > 1 and hkv > 1 for r, (_, hkv) in zip(reps, head_variants(hp)))
 
 
@@ -160,22 +200,30 @@ DTYPES = {"fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (world, hp, w, placement): CP = 4 and 8, plain rings of 4 and 8 (where a low-precision accumulator hurts most:
 # bf16 out 1.15x / 1.6x its bound at cp = 4 / 8, against 0.8x with fp32), a double ring, head-only, and 2D with a
 # double ring. At cp = 2 a bf16 accumulator stays within 0.9x of the bound, so cp = 2 alone would not show it.
-DTYPE_LAYOUTS = [(4, 1, 4, "head_first"), (4, 2, 1, "context_first"), (8, 1, 8, "head_first"),
-                 (8, 1, 2, "head_first"), (8, 2, 2, "context_first"), (8, 8, 1, "head_first")]
+DTYPE_LAYOUTS = [
+    (4, 1, 4, "head_first"),
+    (4, 2, 1, "context_first"),
+    (8, 1, 8, "head_first"),
+    (8, 1, 2, "head_first"),
+    (8, 2, 2, "context_first"),
+    (8, 8, 1, "head_first"),
+]
 
 
 def run_dtypes(rank, world, hp, w, placement):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
     results = {}
     for name, causal, hkv in itertools.product(DTYPES, [True, False], [2]):
-        results[(name, causal, hkv)] = run_case(groups, rank, world, DTYPES[name], causal, 8, hkv, 64, chunk=8,
-                                                seed=1, round_inputs=True)
+        results[(name, causal, hkv)] = run_case(
+            groups, rank, world, DTYPES[name], causal, 8, hkv, 64, chunk=8, seed=1, round_inputs=True
+        )
     return results
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, hp, w, placement", DTYPE_LAYOUTS,
-                         ids=[layout_id(n, hp, n // hp, w, p) for n, hp, w, p in DTYPE_LAYOUTS])
+@pytest.mark.parametrize(
+    "world, hp, w, placement", DTYPE_LAYOUTS, ids=[layout_id(n, hp, n // hp, w, p) for n, hp, w, p in DTYPE_LAYOUTS]
+)
 def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
     """fp64, bf16 and fp16, forward and backward: each output's error against fp64 math on the same rounded
     inputs, within that output's bound (norm_err); the fp32 accumulators keep it flat as CP grows."""
@@ -191,15 +239,16 @@ def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
 
 # ---- bytes sent, against the closed-form volume ------------------------------------------------------------
 
+
 def expected_bytes(world, hp, w, hq, hkv, s_local, batch, d, elt):
     """Closed-form bytes one rank sends for one forward+backward (see megatron_2d.double_ring for the schedule)."""
     cp, windows = world // hp, world // hp // w
-    heads_kv = math.lcm(hkv, hp)                    # K/V heads after replication
+    heads_kv = math.lcm(hkv, hp)  # K/V heads after replication
     token_head_bytes = s_local * batch * d * elt
     # forward: q, k, v to heads and out back; backward: dout to heads, dq, dk, dv back
     a2a = (hp - 1) * token_head_bytes * (4 * hq + 4 * heads_kv) // hp
-    kv_block = 2 * batch * (hp * s_local) * (heads_kv // hp) * d        # elements in one packed K/V block
-    inner_kv, outer_kv = windows * (w - 1), windows - 1                 # sends per pass (forward, then backward)
+    kv_block = 2 * batch * (hp * s_local) * (heads_kv // hp) * d  # elements in one packed K/V block
+    inner_kv, outer_kv = windows * (w - 1), windows - 1  # sends per pass (forward, then backward)
     # dK/dV: the own block's stays home, so round 0's rider starts at step 1; the last hop is inner only at w = cp,
     # and with w = 1 round 0 carries nothing over the outer ring
     inner_dkv = (windows - 1) * (w - 1) + max(w - 2, 0) + (1 if windows == 1 and w > 1 else 0)
@@ -221,19 +270,19 @@ def run_bytes(rank, world, hp, w, placement, hkv, dtype, batch=2):
 
 BYTE_CASES = [
     (8, 2, 2, "head_first", 8, torch.float32),
-    (8, 4, 1, "context_first", 1, torch.bfloat16),    # K/V replicated 4x
-    (8, 1, 4, "head_first", 2, torch.float32),        # w = cp: inner ring only
-    (8, 1, 1, "head_first", 8, torch.float32),        # w = 1: outer ring only
-    (4, 4, 1, "head_first", 2, torch.float16),        # all-to-all only
-    (8, 2, 2, "context_first", 2, torch.bfloat16),    # 2D with a double ring
-    (8, 1, 2, "head_first", 8, torch.bfloat16),       # double ring, no all-to-all
+    (8, 4, 1, "context_first", 1, torch.bfloat16),  # K/V replicated 4x
+    (8, 1, 4, "head_first", 2, torch.float32),  # w = cp: inner ring only
+    (8, 1, 1, "head_first", 8, torch.float32),  # w = 1: outer ring only
+    (4, 4, 1, "head_first", 2, torch.float16),  # all-to-all only
+    (8, 2, 2, "context_first", 2, torch.bfloat16),  # 2D with a double ring
+    (8, 1, 2, "head_first", 8, torch.bfloat16),  # double ring, no all-to-all
 ]
 
 
 @pytest.mark.distributed
 def test_bytes_batch_one():
     """Batch 1 takes the head exchange's point-to-point path: the same bytes as the all-to-all."""
-    for hkv in (8, 1):                                  # K/V split, and replicated
+    for hkv in (8, 1):  # K/V split, and replicated
         per_rank = run_on_ranks(8, run_bytes, 2, 2, "context_first", hkv, torch.float32, 1)
         expected = expected_bytes(8, 2, 2, 8, hkv, s_local=8, batch=1, d=64, elt=4)
         assert all(got == expected for got in per_rank), (per_rank[0], expected)
@@ -243,12 +292,14 @@ def run_head_exchange_path(rank, world, backend):
     """Batch 1 with the head exchange seeing ``backend``: which exchange functions ran, and the error."""
     import megatron_2d.head_all_to_all as exchange
 
-    exchange.traffic_backend = lambda group: backend         # this forked rank's view of the group's backend
+    exchange.traffic_backend = lambda group: backend  # this forked rank's view of the group's backend
     used = set()
     for name in ("_direct_to_heads", "_direct_to_tokens", "to_heads", "to_tokens"):
-        def recorded(*args, _fn=getattr(exchange, name), _name=name, **kwargs):
+
+        def recorded(*args, _fn=getattr(exchange, name), _name=name, **kwargs):  # noqa: B008  (bound per name)
             used.add(_name)
             return _fn(*args, **kwargs)
+
         setattr(exchange, name, recorded)
     groups = megatron_2d.build_2d_groups(2, 1, "context_first", timeout=TIMEOUT)
     return check_case(groups, rank, world, torch.float32, True, 8, 2, 32, batch=1), sorted(used)
@@ -267,14 +318,22 @@ def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
     """The planner's (NVLink, network) bytes per rank for the op's case (bf16, one layer, fwd + bwd)."""
     model = ModelSpec("op", layers=1, hidden=8 * 64, heads=8, kv_heads=hkv, ffn_hidden=64, vocab=64)
     cluster = get_cluster("8xH100").with_(gpus_per_node=gpus_per_node)
-    e = evaluate(PlanLayout("2d", hp, world // hp, w, placement), model, cluster,
-                 ParallelSpec(gpus=world, micro_batch=2), seq=2 * world * 4).estimate
+    e = evaluate(
+        PlanLayout("2d", hp, world // hp, w, placement),
+        model,
+        cluster,
+        ParallelSpec(gpus=world, micro_batch=2),
+        seq=2 * world * 4,
+    ).estimate
     return e.intra_bytes, e.inter_bytes
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, hp, w, placement, hkv, dtype", BYTE_CASES,
-                         ids=[f"N{n}-hp{h}-w{w}-{p}-hkv{k}-{str(dt)[6:]}" for n, h, w, p, k, dt in BYTE_CASES])
+@pytest.mark.parametrize(
+    "world, hp, w, placement, hkv, dtype",
+    BYTE_CASES,
+    ids=[f"N{n}-hp{h}-w{w}-{p}-hkv{k}-{str(dt)[6:]}" for n, h, w, p, k, dt in BYTE_CASES],
+)
 def test_bytes_match_closed_form(world, hp, w, placement, hkv, dtype):
     per_rank = run_on_ranks(world, run_bytes, hp, w, placement, hkv, dtype)
     elt = torch.tensor([], dtype=dtype).element_size()
@@ -285,25 +344,30 @@ def test_bytes_match_closed_form(world, hp, w, placement, hkv, dtype):
         total = sum(measured.values())
         assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=world) == (total, 0)
         rings = measured["inner_ring"] + measured["outer_ring"]
-        if placement == "head_first" and hp > 1:      # head groups fill a node: all-to-all on NVLink only
+        if placement == "head_first" and hp > 1:  # head groups fill a node: all-to-all on NVLink only
             assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=hp) == (measured["all_to_all"], rings)
-        if placement == "context_first" or hp == 1:   # context groups fill a node: rings on NVLink only
+        if placement == "context_first" or hp == 1:  # context groups fill a node: rings on NVLink only
             cp = world // hp
             assert planner_bytes(world, hp, w, placement, hkv, gpus_per_node=cp) == (rings, measured["all_to_all"])
 
 
 # ---- bad input gets a clear error ---------------------------------------------------------------------------
 
+
 def run_input_errors(rank, world):
     groups = megatron_2d.build_2d_groups(4, 1, "head_first", timeout=TIMEOUT)
     q = torch.zeros(8, 1, 8, 16)
     cases = [
-        ((torch.zeros(8, 1, 6, 16), torch.zeros(8, 1, 6, 16), torch.zeros(8, 1, 6, 16)),
-         "head-parallel size 4 does not divide the 6 query heads on this rank; valid head-parallel sizes: [1, 2, 3, 6]"),
-        ((q, torch.zeros(8, 1, 3, 16), torch.zeros(8, 1, 3, 16)),
-         "8 query heads are not a multiple of 3 K/V heads"),
-        ((torch.zeros(7, 1, 8, 16), torch.zeros(7, 1, 8, 16), torch.zeros(7, 1, 8, 16)),
-         "the local sequence length 7 must be even"),
+        (
+            (torch.zeros(8, 1, 6, 16), torch.zeros(8, 1, 6, 16), torch.zeros(8, 1, 6, 16)),
+            "head-parallel size 4 does not divide the 6 query heads on this rank; "
+            "valid head-parallel sizes: [1, 2, 3, 6]",
+        ),
+        ((q, torch.zeros(8, 1, 3, 16), torch.zeros(8, 1, 3, 16)), "8 query heads are not a multiple of 3 K/V heads"),
+        (
+            (torch.zeros(7, 1, 8, 16), torch.zeros(7, 1, 8, 16), torch.zeros(7, 1, 8, 16)),
+            "the local sequence length 7 must be even",
+        ),
         ((q, torch.zeros(8, 1, 8, 16), torch.zeros(8, 1, 4, 16)), "k and v must agree on sequence, batch and heads"),
         ((q, torch.zeros(6, 1, 8, 16), torch.zeros(6, 1, 8, 16)), "must agree on sequence, batch and head dim"),
         ((q, q.double(), q), "q, k, v must share a dtype"),
@@ -341,13 +405,25 @@ def run_bad_layout(rank, world, kwargs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(head_parallel_size=3, ring_window=1), r"head-parallel size 3 does not divide the context-parallel size 4"),
-    (dict(head_parallel_size=1, ring_window=3), r"ring window 3 does not divide the context size cp = CP/hp = 4/1 = 4"),
-    (dict(head_parallel_size=2, ring_window=1, placement="ring_first"), r"placement 'ring_first' is not valid"),
-    (dict(head_parallel_size=2, ring_window=1, cp_rank_lists=[[0, 1], [1, 2]]), r"ranks \[1\] appear more than once"),
-    (dict(head_parallel_size=2, ring_window=1, cp_rank_lists=[[0, 1]]), r"ranks \[2, 3\] are missing"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(head_parallel_size=3, ring_window=1),
+            r"head-parallel size 3 does not divide the context-parallel size 4",
+        ),
+        (
+            dict(head_parallel_size=1, ring_window=3),
+            r"ring window 3 does not divide the context size cp = CP/hp = 4/1 = 4",
+        ),
+        (dict(head_parallel_size=2, ring_window=1, placement="ring_first"), r"placement 'ring_first' is not valid"),
+        (
+            dict(head_parallel_size=2, ring_window=1, cp_rank_lists=[[0, 1], [1, 2]]),
+            r"ranks \[1\] appear more than once",
+        ),
+        (dict(head_parallel_size=2, ring_window=1, cp_rank_lists=[[0, 1]]), r"ranks \[2, 3\] are missing"),
+    ],
+)
 def test_bad_layouts_raise_on_every_rank(kwargs, message):
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(4, run_bad_layout, kwargs, timeout_s=30)
@@ -363,16 +439,21 @@ def run_deprecated_window_size(rank, world):
     return groups.ring_window, window, [str(w.message) for w in caught if w.category is DeprecationWarning]
 
 
+@pytest.mark.distributed
 def test_window_size_is_the_deprecated_name_of_ring_window():
     """build_2d_groups(window_size=) and Groups2D.window_size still work this release, each with a DeprecationWarning
     naming ring_window; giving both names is a TypeError naming both (before any collective: no rank waits)."""
     for ring_window, window, messages in run_on_ranks(2, run_deprecated_window_size, timeout_s=30):
         assert (ring_window, window) == (2, 2)
-        assert any("build_2d_groups(window_size=) is deprecated" in m and "build_2d_groups(ring_window=)" in m
-                   for m in messages), messages
+        assert any(
+            "build_2d_groups(window_size=) is deprecated" in m and "build_2d_groups(ring_window=)" in m
+            for m in messages
+        ), messages
         assert any("Groups2D.window_size is deprecated" in m and "Groups2D.ring_window" in m for m in messages)
-    for call in (lambda: megatron_2d.build_2d_groups(1, ring_window=2, window_size=2),
-                 lambda: megatron_2d.build_2d_groups(1, 2, window_size=2)):
+    for call in (
+        lambda: megatron_2d.build_2d_groups(1, ring_window=2, window_size=2),
+        lambda: megatron_2d.build_2d_groups(1, 2, window_size=2),
+    ):
         with pytest.raises(TypeError, match=r"got both ring_window= and its deprecated name window_size="):
             call()
 
@@ -386,7 +467,7 @@ def run_multi_group(rank, world):
     q, k, v, dout = make_inputs(2 * 4 * 4, 1, 8, 2, 32, seed=10 + rank % 2)
     for t in (q, k, v):
         t.requires_grad_(True)
-    reference_attention(q, k, v, True, 32 ** -0.5).backward(dout)
+    reference_attention(q, k, v, True, 32**-0.5).backward(dout)
     sh = lambda x: megatron_2d.shard_sequence(x.detach(), cp_index, 4)  # noqa: E731
     ql, kl, vl = (sh(x).float().requires_grad_(True) for x in (q, k, v))
     out = megatron_2d.attention_2d(ql, kl, vl, groups)
@@ -403,9 +484,11 @@ def test_several_cp_groups():
 # torch's new_group sorts its ranks, so a head group's group ranks need not be its head ranks (the placement's);
 # the head exchange routes by head rank on both paths (collective: batch 2; point-to-point: batch 1) and the
 # sinks slice follows the same head rank. Orders: reversed, shuffled, and two strided lists in descending order.
-RANK_ORDERS = [(2, 2, "head_first", [[7, 6, 5, 4, 3, 2, 1, 0]]),
-               (4, 1, "context_first", [[3, 0, 6, 5, 1, 7, 2, 4]]),
-               (2, 1, "context_first", [[6, 4, 2, 0], [7, 5, 3, 1]])]
+RANK_ORDERS = [
+    (2, 2, "head_first", [[7, 6, 5, 4, 3, 2, 1, 0]]),
+    (4, 1, "context_first", [[3, 0, 6, 5, 1, 7, 2, 4]]),
+    (2, 1, "context_first", [[6, 4, 2, 0], [7, 5, 3, 1]]),
+]
 
 
 def run_rank_order(rank, world, hp, w, placement, lists):
@@ -423,21 +506,25 @@ def run_rank_order(rank, world, hp, w, placement, lists):
         if packed:
             cu = torch.tensor([0, 5, 17, 18, seq])
             layout = megatron_2d.PackedLayout(cu, groups, mode="zigzag")
-            ref = packed_reference_attention(*(x[:, 0] for x in leaves[:3]), cu, causal, 32 ** -0.5,
-                                             sinks=leaves[3])
+            ref = packed_reference_attention(*(x[:, 0] for x in leaves[:3]), cu, causal, 32**-0.5, sinks=leaves[3])
             ref.backward(dout[:, 0])
-            shard = lambda x: layout.shard(x.detach()[:, 0] if x.dim() == 4 else x.detach())   # noqa: E731
+            shard = lambda x: layout.shard(x.detach()[:, 0] if x.dim() == 4 else x.detach())  # noqa: E731
         else:
-            ref = reference_attention(*leaves[:3], causal, 32 ** -0.5, sinks=leaves[3])
+            ref = reference_attention(*leaves[:3], causal, 32**-0.5, sinks=leaves[3])
             ref.backward(dout)
-            shard = lambda x: megatron_2d.shard_sequence(x.detach(), cp_index, CP)   # noqa: E731
+            shard = lambda x: megatron_2d.shard_sequence(x.detach(), cp_index, CP)  # noqa: E731
         local = [shard(x).float().requires_grad_(True) for x in (q, k, v)]
         local_sinks = sinks.float().requires_grad_(True)
-        out = megatron_2d.attention_2d(*local, groups, causal=causal, sinks=local_sinks,
-                                       packing=layout if packed else None)
+        out = megatron_2d.attention_2d(
+            *local, groups, causal=causal, sinks=local_sinks, packing=layout if packed else None
+        )
         out.backward(shard(dout).float())
-        pairs = (("out", out, ref.detach()), ("dq", local[0].grad, leaves[0].grad),
-                 ("dk", local[1].grad, leaves[1].grad), ("dv", local[2].grad, leaves[2].grad))
+        pairs = (
+            ("out", out, ref.detach()),
+            ("dq", local[0].grad, leaves[0].grad),
+            ("dk", local[1].grad, leaves[1].grad),
+            ("dv", local[2].grad, leaves[2].grad),
+        )
         errors = {key: rel_err(a, shard(e)) for key, a, e in pairs}
         results[(batch, causal, packed)] = (errors, local_sinks.grad.double(), leaves[3].grad)
     return mine, results

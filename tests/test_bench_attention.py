@@ -17,8 +17,25 @@ pytestmark = pytest.mark.distributed
 def test_every_layout_has_a_row_with_exact_bytes(tmp_path):
     out = tmp_path / "rows.json"
     # 2 ranks, 64 tokens (32 per rank), 2 query heads, 2 K/V heads, d 8, fp32: one tensor is 32*2*8*4 = 2 KiB
-    bench_attention.main(["--ranks", "2", "--seq", "64", "--heads", "2", "--kv-heads", "2", "--dim", "8",
-                          "--repeats", "2", "--quiet", "--json", str(out)])
+    bench_attention.main(
+        [
+            "--ranks",
+            "2",
+            "--seq",
+            "64",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "2",
+            "--dim",
+            "8",
+            "--repeats",
+            "2",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     rows = {row["label"]: row for row in saved["rows"]}
     assert set(rows) == {"hp1 x cp2  w1  head_first", "hp1 x cp2  w2  head_first", "hp2 x cp1  w1  head_first"}
@@ -28,10 +45,13 @@ def test_every_layout_has_a_row_with_exact_bytes(tmp_path):
     assert set(saved["single_s"]) == {"alone", "busy"} and saved["cores_shared"] >= 1
     tensor = 32 * 2 * 8 * 4
     # hp 2: q, k, v, out forward and dout, dq, dk, dv backward, half of each to the other head rank
-    assert rows["hp2 x cp1  w1  head_first"]["bytes_sent"] == {"all_to_all": 8 * tensor // 2, "inner_ring": 0,
-                                                              "outer_ring": 0, "neighbour": 0}
+    assert rows["hp2 x cp1  w1  head_first"]["bytes_sent"] == {
+        "all_to_all": 8 * tensor // 2,
+        "inner_ring": 0,
+        "outer_ring": 0,
+        "neighbour": 0,
+    }
     # cp 2: K/V once forward and once backward, the fp32 dK/dV rider once (the neighbour's block, back to it)
     ring = 2 * (2 * tensor) + 2 * tensor
     assert rows["hp1 x cp2  w1  head_first"]["bytes_sent"]["outer_ring"] == ring
     assert rows["hp1 x cp2  w2  head_first"]["bytes_sent"]["inner_ring"] == ring
-

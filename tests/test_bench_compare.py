@@ -1,4 +1,5 @@
-"""tools/bench_compare.py (megatron_2d.bench.compare): the CPU flash_attn stand-in, the fp64 reference, the correctness gate, an end-to-end run.
+"""tools/bench_compare.py (megatron_2d.bench.compare): the CPU flash_attn stand-in, the fp64 reference, the
+correctness gate, an end-to-end run.
 
 No timing is asserted: only that every row has a finite time and an error below the bf16 tolerance. ring-flash-attn
 is a test dependency (requirements-dev.txt): when it does not import, the tests that need it fail, saying so.
@@ -14,11 +15,10 @@ import pytest
 import torch
 
 import megatron_2d
+from megatron_2d.bench import compare as bench_compare
 from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
-
-from megatron_2d.bench import compare as bench_compare
 
 BF16_TOLERANCE = TOLERANCE[torch.bfloat16]
 
@@ -28,8 +28,24 @@ def _randn(*shape, dtype=torch.float64, seed=0):
 
 
 def _tiny_args(*extra):
-    return bench_compare.parse_args(["--ranks", "4", "--seq", "128", "--heads", "4", "--kv-heads", "2", "--dim", "16",
-                                     "--repeats", "1", "--quiet", *extra])
+    return bench_compare.parse_args(
+        [
+            "--ranks",
+            "4",
+            "--seq",
+            "128",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--dim",
+            "16",
+            "--repeats",
+            "1",
+            "--quiet",
+            *extra,
+        ]
+    )
 
 
 def _require_ring_flash_attn():
@@ -43,12 +59,16 @@ def _require_ring_flash_attn():
 
 # -- the stand-in kernel ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("causal,hkv,dtype", [
-    (True, 4, torch.float64),    # causal MHA
-    (False, 4, torch.float64),   # full attention (the zigzag ring's off-diagonal blocks)
-    (True, 2, torch.float64),    # GQA: 2 query heads per K/V head
-    (True, 1, torch.float32),    # MQA in fp32
-])
+
+@pytest.mark.parametrize(
+    "causal,hkv,dtype",
+    [
+        (True, 4, torch.float64),  # causal MHA
+        (False, 4, torch.float64),  # full attention (the zigzag ring's off-diagonal blocks)
+        (True, 2, torch.float64),  # GQA: 2 query heads per K/V head
+        (True, 1, torch.float32),  # MQA in fp32
+    ],
+)
 def test_stand_in_matches_reference_with_lse(causal, hkv, dtype):
     b, s, hq, d = 2, 48, 4, 16
     q, dout = (_randn(b, s, hq, d, seed=i).to(dtype) for i in (0, 1))
@@ -89,10 +109,11 @@ def test_stand_in_refuses_what_it_does_not_implement():
 def test_stand_in_is_installed_only_inside_the_block():
     if flash_attn_cpu.real_flash_attn_present() or torch.cuda.is_available():
         with flash_attn_cpu.flash_attn_stand_in() as installed:
-            assert not installed                 # never shadow the real kernels
+            assert not installed  # never shadow the real kernels
         return
     with flash_attn_cpu.flash_attn_stand_in() as installed:
         from flash_attn.flash_attn_interface import _flash_attn_forward
+
         assert installed and _flash_attn_forward is flash_attn_cpu._flash_attn_forward
     assert "flash_attn" not in sys.modules and "flash_attn.flash_attn_interface" not in sys.modules
 
@@ -105,16 +126,25 @@ def test_ring_flash_attn_loads_without_its_package_init():
 
 # -- the fp64 reference -----------------------------------------------------------------------------------------
 
+
 def _reference_shards(rank, world, q, k, v, dout, max_elements, causal, window):
-    return bench_compare.reference_on_rank(q, k, v, dout, rank, world, max_elements=max_elements, causal=causal,
-                                           window=window)
+    return bench_compare.reference_on_rank(
+        q, k, v, dout, rank, world, max_elements=max_elements, causal=causal, window=window
+    )
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world,max_elements,causal,window,dv", [
-    (1, 2 ** 24, True, (-1, -1), 8), (2, 2 ** 11, True, (-1, -1), 8),        # 2**11: blocks of a few rows
-    (2, 2 ** 11, True, (5, 0), 6), (2, 2 ** 11, False, (-1, -1), 6), (2, 2 ** 11, False, (3, 7), 6)],
-    ids=["one-rank", "causal", "causal-window-mla", "full-mla", "window-both-sides-mla"])
+@pytest.mark.parametrize(
+    "world,max_elements,causal,window,dv",
+    [
+        (1, 2**24, True, (-1, -1), 8),
+        (2, 2**11, True, (-1, -1), 8),  # 2**11: blocks of a few rows
+        (2, 2**11, True, (5, 0), 6),
+        (2, 2**11, False, (-1, -1), 6),
+        (2, 2**11, False, (3, 7), 6),
+    ],
+    ids=["one-rank", "causal", "causal-window-mla", "full-mla", "window-both-sides-mla"],
+)
 def test_reference_on_rank_matches_full_autograd(world, max_elements, causal, window, dv):
     S, b, hq, hkv, d = 32, 2, 4, 2, 8
     q, dout = _randn(S, b, hq, d, seed=0), _randn(S, b, hq, dv, seed=1)
@@ -125,13 +155,14 @@ def test_reference_on_rank_matches_full_autograd(world, max_elements, causal, wi
         shards = run_on_ranks(world, _reference_shards, q, k, v, dout, max_elements, causal, window)
     full = [megatron_2d.unshard_sequence([s[i] for s in shards]) for i in range(4)]
     qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
-    ref = reference_attention(qr, kr, vr, causal, d ** -0.5, window=window)
+    ref = reference_attention(qr, kr, vr, causal, d**-0.5, window=window)
     ref.backward(dout)
     for got, want in zip(full, (ref, qr.grad, kr.grad, vr.grad)):
         assert rel_err(got, want) < 1e-12
 
 
 # -- the correctness gate ---------------------------------------------------------------------------------------
+
 
 class LocalOnly(bench_compare.Runner):
     """Deliberately wrong: each rank attends only to its own tokens (no communication)."""
@@ -141,7 +172,8 @@ class LocalOnly(bench_compare.Runner):
         q, k, v = (x.detach().permute(1, 2, 0, 3).requires_grad_(True) for x in (q, k, v))
         groups = q.shape[1] // k.shape[1]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True)
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+        )
         out.backward(dout.permute(1, 2, 0, 3))
         return tuple(x.permute(2, 0, 1, 3) for x in (out.detach(), q.grad, k.grad, v.grad))
 
@@ -157,8 +189,10 @@ class Raises(bench_compare.Runner):
 @pytest.mark.distributed
 def test_gate_flags_wrong_and_failing_implementations():
     args = _tiny_args("--no-peers")
-    extra = [bench_compare.Impl("local only", "broken", build=lambda rank, world, a: LocalOnly()),
-             bench_compare.Impl("raises", "broken", build=lambda rank, world, a: Raises())]
+    extra = [
+        bench_compare.Impl("local only", "broken", build=lambda rank, world, a: LocalOnly()),
+        bench_compare.Impl("raises", "broken", build=lambda rank, world, a: Raises()),
+    ]
     report = bench_compare.run_compare(args, extra)
     rows = {r.name: r for r in report.rows}
     assert rows["local only"].status == "MISMATCH" and rows["local only"].seconds is None
@@ -178,37 +212,56 @@ def test_relative_errors_propagate_nan_and_inf():
 
 # -- end to end -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.distributed
 def test_bench_compare_end_to_end_json(tmp_path, capsys):
     _require_ring_flash_attn()
     path = tmp_path / "compare.json"
-    bench_compare.main(["--ranks", "4", "--seq", "128", "--heads", "4", "--kv-heads", "2", "--dim", "16",
-                        "--repeats", "1", "--quiet", "--json", str(path)])
+    bench_compare.main(
+        [
+            "--ranks",
+            "4",
+            "--seq",
+            "128",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--dim",
+            "16",
+            "--repeats",
+            "1",
+            "--quiet",
+            "--json",
+            str(path),
+        ]
+    )
     assert "ring-flash-attn zigzag" in capsys.readouterr().out
     data = json.loads(path.read_text())
     assert data["args"]["dtype"] == "bf16"
     rows = {r["name"]: r for r in data["rows"]}
     ring = rows.get(bench_compare.RING_FLASH)
     assert ring is not None and ring["status"] == "ok", f"ring-flash-attn row: {ring}"
-    assert ring["bytes"]["ring_counted"] == ring["bytes"]["ring"]     # the closed form is what it sends
+    assert ring["bytes"]["ring_counted"] == ring["bytes"]["ring"]  # the closed form is what it sends
     timed = [r for r in data["rows"] if not r["status"].startswith("n/a")]
-    assert len(timed) == 9                                            # 8 layouts of CP=4 with hp | 4, ring-flash
+    assert len(timed) == 9  # 8 layouts of CP=4 with hp | 4, ring-flash
     for r in timed:
         assert r["status"] == "ok", r
         assert math.isfinite(r["seconds"]) and r["seconds"] > 0, r
         assert max(r["errors"].values()) < BF16_TOLERANCE, r
         assert set(r["ratios"]) == {bench_compare.OURS, bench_compare.RING_FLASH}
-    assert [r["status"] for r in data["rows"] if r["status"].startswith("n/a")] == \
-        ["n/a: Transformer Engine CP needs CUDA (--device cuda)"]
+    assert [r["status"] for r in data["rows"] if r["status"].startswith("n/a")] == [
+        "n/a: Transformer Engine CP needs CUDA (--device cuda)"
+    ]
 
 
-# -- calibration (tools/calibrate_planner.py: megatron_2d.bench.calibration) -------------------------------------------------------------------
+# -- calibration (tools/calibrate_planner.py: megatron_2d.bench.calibration) ---------------------------------------
+
 
 def test_calibration_recovers_known_rates_and_reads_bench_json():
     from megatron_2d.bench import calibration as cal
 
-    machine = cal.MachineFigures(cores=2, peak_flops=400e9, copy_bytes_per_s=30e9,
-                                 step_latency_s={4: 5e-4, 8: 1e-3})
+    machine = cal.MachineFigures(cores=2, peak_flops=400e9, copy_bytes_per_s=30e9, step_latency_s={4: 5e-4, 8: 1e-3})
     args = {"heads": 8, "kv_heads": 8, "dim": 64}
     model, seq, rate, link = cal.bench_model(args), 4096, 80e9, 0.5e9
     samples = []
@@ -223,10 +276,14 @@ def test_calibration_recovers_known_rates_and_reads_bench_json():
     assert fit.flops_per_s == pytest.approx(rate, rel=1e-9)
     assert fit.nvlink_bytes_per_s == pytest.approx(link, rel=1e-9)
     cluster, eff = cal.calibrated_cluster(8, machine, fit)
-    assert eff == pytest.approx(0.2) and cluster.peak_tflops == pytest.approx(0.1)   # 400 GFLOP/s / (8 / 2)
+    assert eff == pytest.approx(0.2) and cluster.peak_tflops == pytest.approx(0.1)  # 400 GFLOP/s / (8 / 2)
 
-    row = {"family": bench_compare.OURS, "seconds": 0.5, "bytes": {"a2a": 10, "ring": 20},
-           "layout": {"hp": 2, "cp": 2, "w": 1, "placement": "context_first"}}
+    row = {
+        "family": bench_compare.OURS,
+        "seconds": 0.5,
+        "bytes": {"a2a": 10, "ring": 20},
+        "layout": {"hp": 2, "cp": 2, "w": 1, "placement": "context_first"},
+    }
     data = {"args": {"ranks": 4}, "rows": [row, dict(row, family=bench_compare.RING_FLASH, layout=None)]}
     assert cal.samples_from_json(data) == [cal.Sample(4, cal.Layout("2d", 2, 2, 1, "context_first"), 0.5, 30)]
 
@@ -241,6 +298,7 @@ def test_spearman_handles_ties():
 
 
 # -- the TE glue, with a stand-in DotProductAttention (Transformer Engine itself needs CUDA) ----------------------
+
 
 class _GatherSeq(torch.autograd.Function):
     """All-gather of the zigzag shards along s over ``group``; backward: all-reduce the gradient, keep this shard."""
@@ -264,8 +322,7 @@ class FakeTEDotProductAttention(torch.nn.Module):
     """What tools/bench_compare.py needs of TE's DotProductAttention: records its CP settings and computes causal
     attention by gathering the zigzag shards over all ranks (sbhd in, [s, b, h*d] out)."""
 
-    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format,
-                 attn_mask_type):
+    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format, attn_mask_type):
         super().__init__()
         assert (qkv_format, attn_mask_type, attention_dropout) == ("sbhd", "causal", 0.0)
         self.heads, self.kv_heads, self.dim = num_attention_heads, num_gqa_groups, kv_channels
@@ -277,13 +334,16 @@ class FakeTEDotProductAttention(torch.nn.Module):
 
     def forward(self, q, k, v):
         world = torch.distributed.group.WORLD
-        q, k, v = (_GatherSeq.apply(x, world) for x in (q, k, v))               # [S, b, h, d]
+        q, k, v = (_GatherSeq.apply(x, world) for x in (q, k, v))  # [S, b, h, d]
         g = self.heads // self.kv_heads
-        out = torch.nn.functional.scaled_dot_product_attention(                  # [b, h, S, d]
-            q.permute(1, 2, 0, 3), k.repeat_interleave(g, 2).permute(1, 2, 0, 3),
-            v.repeat_interleave(g, 2).permute(1, 2, 0, 3), is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(  # [b, h, S, d]
+            q.permute(1, 2, 0, 3),
+            k.repeat_interleave(g, 2).permute(1, 2, 0, 3),
+            v.repeat_interleave(g, 2).permute(1, 2, 0, 3),
+            is_causal=True,
+        )
         rank, n = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        out = megatron_2d.shard_sequence(out.permute(2, 0, 1, 3), rank, n)      # [s, b, h, d]
+        out = megatron_2d.shard_sequence(out.permute(2, 0, 1, 3), rank, n)  # [s, b, h, d]
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
@@ -298,8 +358,10 @@ def _run_te_glue(rank, world, args, kinds):
     shards = [megatron_2d.shard_sequence(x, rank, world) for x in full]
     ref = bench_compare.reference_on_rank(*full, rank, world)
     out = {}
-    with mock.patch.dict(sys.modules, {"transformer_engine": te, "transformer_engine.pytorch": te.pytorch}), \
-            mock.patch.object(torch.cuda, "Stream", lambda: "stream"):
+    with (
+        mock.patch.dict(sys.modules, {"transformer_engine": te, "transformer_engine.pytorch": te.pytorch}),
+        mock.patch.object(torch.cuda, "Stream", lambda: "stream"),
+    ):
         for kind, a2a_size in kinds:
             runner = bench_compare.TEContextParallel(kind, a2a_size, args, world, bench_compare.datetime.timedelta(30))
             got = runner.from_native(*runner.step(*runner.to_native(*shards)))
@@ -310,14 +372,14 @@ def _run_te_glue(rank, world, args, kinds):
 
 @pytest.mark.distributed
 def test_te_runner_glue_with_a_stand_in_dot_product_attention():
-    args = _tiny_args("--dtype", "fp64", "--kv-heads", "4")            # hkv = 4: every kind is valid TE at N = 4
+    args = _tiny_args("--dtype", "fp64", "--kv-heads", "4")  # hkv = 4: every kind is valid TE at N = 4
     kinds = [("p2p", 1), ("a2a", 4), ("a2a+p2p", 2)]
     per_rank = run_on_ranks(4, _run_te_glue, args, kinds)
     for rank, results in enumerate(per_rank):
-        for (kind, a2a_size), (cp, errors, sent) in results.items():
+        for (kind, _a2a_size), (cp, errors, _sent) in results.items():
             groups, global_ranks, comm_type = cp
             assert comm_type == kind and global_ranks == [0, 1, 2, 3]
-            if kind == "a2a+p2p":       # Megatron's hierarchical groups: a2a on adjacent ranks, p2p 2 apart
+            if kind == "a2a+p2p":  # Megatron's hierarchical groups: a2a on adjacent ranks, p2p 2 apart
                 assert groups == [[0, 1] if rank < 2 else [2, 3], [0, 2] if rank % 2 == 0 else [1, 3]]
             else:
                 assert groups == [[0, 1, 2, 3]]
@@ -341,6 +403,6 @@ def test_te_rows_follow_what_te_accepts(monkeypatch):
     args = bench_compare.parse_args(["--ranks", "8", "--heads", "8", "--kv-heads", "2"])
     args.device = "cuda"
     rows = {r.name: r for r in bench_compare.te_impls(args)}
-    assert set(rows) == {"TE p2p", "TE a2a", "TE a2a+p2p [2, 4]"}       # TE does not replicate K/V: A | hkv
+    assert set(rows) == {"TE p2p", "TE a2a", "TE a2a+p2p [2, 4]"}  # TE does not replicate K/V: A | hkv
     assert rows["TE a2a"].unavailable.startswith("a2a needs CP=8 to divide")
     assert rows["TE p2p"].build and rows["TE a2a+p2p [2, 4]"].build

@@ -3,7 +3,6 @@ equals the dense one, its rows pass their checks."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,8 +12,9 @@ from megatron_2d.plan.lengths import cu_seqlens_of
 from megatron_2d.testing.reference import blockwise_reference, packed_reference_attention
 
 
-@pytest.mark.parametrize("causal, window, kv_heads", [(True, (-1, -1), 3), (True, (9, 0), 1), (False, (4, 6), 1),
-                                                     (False, (-1, -1), 3)])
+@pytest.mark.parametrize(
+    "causal, window, kv_heads", [(True, (-1, -1), 3), (True, (9, 0), 1), (False, (4, 6), 1), (False, (-1, -1), 3)]
+)
 def test_blockwise_reference_over_documents_equals_the_dense_reference_and_autograd(causal, window, kv_heads):
     g = torch.Generator().manual_seed(1)
     cu = cu_seqlens_of([1, 37, 5, 70])
@@ -24,31 +24,46 @@ def test_blockwise_reference_over_documents_equals_the_dense_reference_and_autog
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     expected = packed_reference_attention(*leaves, cu, causal=causal, scale=0.3, window=window)
     expected.backward(do)
-    for max_elements in (3 * 16 * 70, 2 ** 24):          # blocks of 16 rows of the longest document; one block each
-        got = blockwise_reference(q, k, v, do, cu, causal=causal, window=window, scale=0.3,
-                                  max_elements=max_elements)
+    for max_elements in (3 * 16 * 70, 2**24):  # blocks of 16 rows of the longest document; one block each
+        got = blockwise_reference(q, k, v, do, cu, causal=causal, window=window, scale=0.3, max_elements=max_elements)
         for a, e in zip(got, [expected.detach()] + [x.grad for x in leaves]):
             torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
 
 
 def test_slot_pairs_counts_causal_pairs_per_rank():
     cu = cu_seqlens_of([3, 4])
-    slots = zigzag_slots(cu, 2)                       # [[0, -1, 3, 6], [1, 2, 4, 5]]
+    slots = zigzag_slots(cu, 2)  # [[0, -1, 3, 6], [1, 2, 4, 5]]
     assert slot_pairs(slots, cu).tolist() == [1 + 1 + 4, 2 + 3 + 2 + 3]
     assert slot_pairs(slots, cu).sum() == 6 + 10
 
 
 @pytest.mark.distributed
 def test_every_row_is_checked_and_ours_pass(capsys, tmp_path):
-    main(["--ranks", "2", "--tokens", "512", "--repeats", "1", "--dists", "one-half", "--heads", "2", "--dim", "16",
-          "--cache", str(tmp_path)])
+    main(
+        [
+            "--ranks",
+            "2",
+            "--tokens",
+            "512",
+            "--repeats",
+            "1",
+            "--dists",
+            "one-half",
+            "--heads",
+            "2",
+            "--dim",
+            "16",
+            "--cache",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     for row in ("zigzag", "documents (", "sequence", "one sequence", "ring-flash-attn fp64"):
         line = next(l for l in out.splitlines() if l.startswith("│") and f" {row}" in l)
         assert "ok " in line and "not timed" not in line, line
     # ring-flash-attn 0.1.8's fp32 backward aliases a reused buffer: the check catches it
     assert "FAIL" in next(l for l in out.splitlines() if l.startswith("│") and "ring-flash-attn │" in l)
-    assert "documents mode's cost model (measured: pair" in out and " * │" in out      # its choice, explained
+    assert "documents mode's cost model (measured: pair" in out and " * │" in out  # its choice, explained
 
 
 def test_layout_build_table():

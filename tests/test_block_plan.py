@@ -9,8 +9,8 @@ from megatron_2d.block_plan import BlockCall, plan_block
 def test_plan_zigzag_half_blocks():
     # CP=4, hp=1: context rank 1 holds chunks (1, 6).
     assert plan_block([1, 6], [1, 6], 4, causal=True) == [BlockCall(0, 8, 0, 8, Band(None, 0))]
-    assert plan_block([1, 6], [0, 7], 4, causal=True) == [BlockCall(0, 8, 0, 4, None)]   # all Q, first half K
-    assert plan_block([1, 6], [3, 4], 4, causal=True) == [BlockCall(4, 8, 0, 8, None)]   # second half Q, all K
+    assert plan_block([1, 6], [0, 7], 4, causal=True) == [BlockCall(0, 8, 0, 4, None)]  # all Q, first half K
+    assert plan_block([1, 6], [3, 4], 4, causal=True) == [BlockCall(4, 8, 0, 8, None)]  # second half Q, all K
     assert plan_block([1, 6], [3, 4], 4, causal=False) == [BlockCall(0, 8, 0, 8, None)]
 
 
@@ -21,7 +21,7 @@ def test_plan_matches_token_mask():
         mask = torch.zeros(len(q_chunks) * c, len(kv_chunks) * c, dtype=torch.bool)
         for call in plan_block(q_chunks, kv_chunks, c, causal=True):
             assert call.band is None
-            mask[call.q_start:call.q_end, call.k_start:call.k_end] = True
+            mask[call.q_start : call.q_end, call.k_start : call.k_end] = True
         qpos = torch.tensor([x * c + t for x in q_chunks for t in range(c)])
         kpos = torch.tensor([y * c + t for y in kv_chunks for t in range(c)])
         assert torch.equal(mask, kpos[None, :] < qpos[:, None])

@@ -14,30 +14,48 @@ import weakref
 import pytest
 import torch
 
+from megatron_2d import ring_attention  # noqa: E402
+from megatron_2d.megatron import (  # noqa: E402
+    TransformerConfig2D,
+    checkpoint_plus,  # noqa: E402
+    get_gpt_layer_spec_2d,
+)
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
-
-from megatron_2d import ring_attention  # noqa: E402
-from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d  # noqa: E402
-from megatron_2d.megatron import checkpoint_plus  # noqa: E402
 
 RTOL = 1e-6
 LAYERS = 2
 RECOMPUTE = {
     "none": {},
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "ckpt++_uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                           selective_checkpoint_plus_plus=True),
+    "ckpt++_uniform": dict(
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        selective_checkpoint_plus_plus=True,
+    ),
     # block: only the first layer of each stage is checkpointed; the other runs plain attention
-    "ckpt++_block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
-                         selective_checkpoint_plus_plus=True),
+    "ckpt++_block": dict(
+        recompute_granularity="full",
+        recompute_method="block",
+        recompute_num_layers=1,
+        selective_checkpoint_plus_plus=True,
+    ),
 }
 
 
 def model_config(recompute, hp, micro_batch_size=2, **kwargs):
-    cfg = tg.TinyGPTConfig(num_layers=LAYERS, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-                           seq_length=64, micro_batch_size=micro_batch_size, config_class=TransformerConfig2D,
-                           cp_comm_type="2d", **kwargs)
+    cfg = tg.TinyGPTConfig(
+        num_layers=LAYERS,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=2,
+        seq_length=64,
+        micro_batch_size=micro_batch_size,
+        config_class=TransformerConfig2D,
+        cp_comm_type="2d",
+        **kwargs,
+    )
     cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_ring_window=1, **RECOMPUTE[recompute])
     return cfg
 
@@ -133,13 +151,15 @@ def assert_same_gradients(actual, expected):
 @pytest.mark.parametrize("recompute", ["full", "ckpt++_uniform", "ckpt++_block"])
 def test_gradients_equal_no_recompute(results, recompute):
     assert_same_gradients(results[recompute], results["none"])
-    assert abs(float(results[recompute]["loss"]) - float(results["none"]["loss"])) <= RTOL * float(results["none"]["loss"])
+    assert abs(float(results[recompute]["loss"]) - float(results["none"]["loss"])) <= RTOL * float(
+        results["none"]["loss"]
+    )
 
 
 @pytest.mark.distributed
 def test_attention_forward_runs_once_per_layer(results):
     assert results["none"]["forwards"] == LAYERS
-    assert results["full"]["forwards"] == 2 * LAYERS        # plain full recompute runs attention twice
+    assert results["full"]["forwards"] == 2 * LAYERS  # plain full recompute runs attention twice
     assert results["ckpt++_uniform"]["forwards"] == LAYERS
     assert results["ckpt++_block"]["forwards"] == LAYERS
 
@@ -166,21 +186,31 @@ def test_kept_tensors_are_released(results):
 def test_pipeline_schedule_with_micro_batches_in_flight(results):
     ckpt, none = results[("pp", "ckpt++_uniform")], results[("pp", "none")]
     assert_same_gradients(ckpt, none)
-    assert ckpt["forwards"] == none["forwards"] == 4 * LAYERS // 2   # 4 micro-batches x this stage's layer
+    assert ckpt["forwards"] == none["forwards"] == 4 * LAYERS // 2  # 4 micro-batches x this stage's layer
     assert ckpt["bytes"] == none["bytes"] and ckpt["kept_after"] == [0]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(), r"recompute_granularity is None; set recompute_granularity='full'"),
-    (dict(recompute_granularity="selective"), r"recompute_granularity is 'selective'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(), r"recompute_granularity is None; set recompute_granularity='full'"),
+        (dict(recompute_granularity="selective"), r"recompute_granularity is 'selective'"),
+    ],
+)
 def test_misuse_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
-        TransformerConfig2D(num_layers=2, hidden_size=64, num_attention_heads=8, attention_dropout=0.0,
-                            selective_checkpoint_plus_plus=True, **overrides)
+        TransformerConfig2D(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=8,
+            attention_dropout=0.0,
+            selective_checkpoint_plus_plus=True,
+            **overrides,
+        )
 
 
 # ---- the keeper alone (one process): replay, and refusal of a recompute that differs --------------------------
+
 
 def _attention(q, k, v):
     from megatron_2d.testing.reference import reference_attention
@@ -209,7 +239,7 @@ def test_keeper_replays_the_first_pass(checkpointing):
     q, k, v = _qkv(0)
     first = _first_pass(keeper, q, k, v)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out = keeper(_attention, *leaves)                       # the recompute pass: grad enabled
+    out = keeper(_attention, *leaves)  # the recompute pass: grad enabled
     dout = torch.randn_like(out)
     out.backward(dout)
     plain = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -249,7 +279,7 @@ def test_recompute_out_of_order_is_refused(checkpointing):
     _first_pass(keeper, *first)
     _first_pass(keeper, *second)
     with pytest.raises(RuntimeError, match="differs from the first pass"):
-        keeper(_attention, *(x.requires_grad_(True) for x in second))     # micro-batch 2 replayed first
+        keeper(_attention, *(x.requires_grad_(True) for x in second))  # micro-batch 2 replayed first
 
 
 def test_recompute_without_a_first_pass_is_refused(checkpointing):
@@ -272,6 +302,7 @@ def test_rounding_noise_passes_the_tolerance_check_only(checkpointing, check):
     """GPUs recompute MoE permutations with atomics, so a recompute may differ in the last bits: "tolerance"
     (default) accepts that, "bitwise" (the debug mode) refuses it; a replay of another micro-batch is refused by
     both."""
+
     def bf16_attention(q, k, v):
         return _attention(q.double(), k.double(), v.double()).bfloat16()
 
@@ -283,8 +314,11 @@ def test_rounding_noise_passes_the_tolerance_check_only(checkpointing, check):
     if check == "tolerance":
         keeper(bf16_attention, *noisy)
     else:
-        with pytest.raises(RuntimeError, match=r"the recomputed q differs from the first pass \(max relative "
-                                               r"difference .* allowed 0\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"the recomputed q differs from the first pass \(max relative "
+            r"difference .* allowed 0\)",
+        ):
             keeper(bf16_attention, *noisy)
     with torch.no_grad():
         keeper(bf16_attention, q, k, v)
@@ -303,16 +337,24 @@ def test_recompute_check_makes_no_host_sync(checkpointing):
     with NoHostDataInOp(), NoSyncOps():
         keeper(_attention, *(x.clone().requires_grad_(True) for x in (q, k, v)))
     with pytest.raises(AssertionError, match="hot path"), NoSyncOps():
-        torch.equal(q, k)                                       # the guard catches what the old check did
+        torch.equal(q, k)  # the guard catches what the old check did
 
 
 def test_unknown_check_is_refused():
     with pytest.raises(ValueError, match=r"check 'exact' is not one of \['tolerance', 'bitwise'\]"):
         checkpoint_plus.AttentionKeeper("exact")
     with pytest.raises(ValueError, match=r"selective_checkpoint_plus_plus_check 'exact' is not one of"):
-        TransformerConfig2D(num_layers=2, hidden_size=64, num_attention_heads=8, attention_dropout=0.0,
-                            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                            selective_checkpoint_plus_plus=True, selective_checkpoint_plus_plus_check="exact")
+        TransformerConfig2D(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=8,
+            attention_dropout=0.0,
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+            selective_checkpoint_plus_plus=True,
+            selective_checkpoint_plus_plus_check="exact",
+        )
 
 
 def test_fp8_recompute_is_refused():

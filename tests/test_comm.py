@@ -19,7 +19,7 @@ def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
     assert set(counter.as_dict().values()) == {0}
     with pytest.raises(ValueError, match=r"a ring exchange needs at least 2 ranks, got \[3\]"):
         RingExchange(None, [3], 0, counter, "inner_ring")
-    ring = RingExchange(None, [4, 9, 2], 0, counter, "outer_ring")      # ring order, not rank order
+    ring = RingExchange(None, [4, 9, 2], 0, counter, "outer_ring")  # ring order, not rank order
     assert (ring.next_rank, ring.prev_rank) == (9, 2)
 
 
@@ -36,10 +36,10 @@ def test_direct_exchange_receives_into_the_expected_buffer(receive_early):
         counter = CommCounter()
         peer = (rank + 1) % world
         exchange = DirectExchange(dist.group.WORLD, peer, (rank - 1) % world, counter, "outer_ring")
-        exchange._receive_early = receive_early                # NCCL's path: the receive is posted with the send
+        exchange._receive_early = receive_early  # NCCL's path: the receive is posted with the send
         made = []
         exchange.expect(lambda: made.append(torch.full((3,), -1.0)) or made[-1])
-        assert len(made) == (1 if receive_early else 0)         # the buffer is taken only when it is posted
+        assert len(made) == (1 if receive_early else 0)  # the buffer is taken only when it is posted
         pending = exchange.start(torch.full((3,), float(rank)))
         received = pending.wait()
         assert received is made[0]
@@ -50,7 +50,7 @@ def test_direct_exchange_receives_into_the_expected_buffer(receive_early):
     for rank, (received, plain, sent) in enumerate(run_on_ranks(3, body, receive_early)):
         assert received == [float((rank - 1) % 3)] * 3
         assert plain == [float((rank - 1) % 3) + 10] * 2
-        assert sent == 5 * 4                                    # both sends counted, the early receive not
+        assert sent == 5 * 4  # both sends counted, the early receive not
 
 
 def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
@@ -71,16 +71,16 @@ def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
     assert groups_module.collective_device(group) == torch.device("cuda", 0)
     asked, reduced = [], []
 
-    def zeros_on_meta(*shape, device=None):                     # records the device the warm-up asks for
+    def zeros_on_meta(*shape, device=None):  # records the device the warm-up asks for
         asked.append(torch.device(device))
         return torch.empty(shape, device="meta")
 
     monkeypatch.setattr(torch, "zeros", zeros_on_meta)
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(group))
     groups_module.warm_up_p2p(group)
-    assert asked == [torch.device("cuda", 0)] and reduced == [group]      # the warm-up ran, with a CUDA tensor
+    assert asked == [torch.device("cuda", 0)] and reduced == [group]  # the warm-up ran, with a CUDA tensor
     assert not DirectExchange(group, 1, 0, CommCounter(), "inner_ring")._receive_early
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)          # a CPU job on the same group: gloo
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU job on the same group: gloo
     assert traffic_backend(group) == "gloo"
     for name, expected in (("nccl", "nccl"), ("gloo", "gloo"), ("cuda:nccl", "nccl"), ("cpu:gloo", "gloo")):
         backend["name"] = name

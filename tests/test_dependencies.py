@@ -10,7 +10,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-tomllib = pytest.importorskip("tomllib")    # Python >= 3.11
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -23,8 +23,10 @@ def lines(path: str) -> list[str]:
 
 
 def test_the_lists_parse_and_name_each_package_once():
-    for name, reqs in [("dependencies", PROJECT["dependencies"]),
-                       *((f"extra {k}", v) for k, v in PROJECT["optional-dependencies"].items())]:
+    for name, reqs in [
+        ("dependencies", PROJECT["dependencies"]),
+        *((f"extra {k}", v) for k, v in PROJECT["optional-dependencies"].items()),
+    ]:
         names = [canonicalize_name(Requirement(r).name) for r in reqs]
         assert len(names) == len(set(names)), (name, names)
     assert "dev" in PROJECT["optional-dependencies"]

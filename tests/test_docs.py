@@ -46,7 +46,8 @@ def test_every_module_of_the_tree_is_in_the_architecture_map():
     missing, stale = tree - modules_in_map(text), modules_in_map(text) - tree
     assert not missing and not stale, (
         f"docs/architecture.md's module map is out of date (regenerate it with python tools/module_map.py): "
-        f"missing {sorted(missing)}, no longer in the tree {sorted(stale)}")
+        f"missing {sorted(missing)}, no longer in the tree {sorted(stale)}"
+    )
 
 
 def test_the_map_check_fails_when_a_module_is_left_out():
@@ -67,7 +68,10 @@ def test_module_map_reads_docstrings_without_importing(tmp_path):
     (pkg / "thing.py").write_text('\n"""\n  First line | with a pipe.\nsecond\n"""\nx = 1\n')
     mods = _module_map_tool().modules(tmp_path)
     assert [(m.name, m.summary, m.lines) for m in mods] == [
-        ("megatron_2d", "Top.", 4), ("megatron_2d.sub", "", 0), ("megatron_2d.sub.thing", "First line | with a pipe.", 6)]
+        ("megatron_2d", "Top.", 4),
+        ("megatron_2d.sub", "", 0),
+        ("megatron_2d.sub.thing", "First line | with a pipe.", 6),
+    ]
     assert "First line \\| with a pipe." in _module_map_tool().markdown_table(mods)
 
 
@@ -77,8 +81,11 @@ def test_readme_is_short():
 
 
 def test_no_readme_line_over_120_characters():
-    long = [(i, len(line)) for i, line in enumerate((REPO / "README.md").read_text(encoding="utf-8").splitlines(), 1)
-            if len(line) > 120]
+    long = [
+        (i, len(line))
+        for i, line in enumerate((REPO / "README.md").read_text(encoding="utf-8").splitlines(), 1)
+        if len(line) > 120
+    ]
     assert not long, f"README.md lines over 120 characters (line, length): {long}"
 
 
@@ -88,11 +95,11 @@ def _markdown_files():
 
 @pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: p.relative_to(REPO).as_posix())
 def test_relative_links_point_to_existing_files(path):
-    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)   # code blocks hold no links
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)  # code blocks hold no links
     broken = []
     for target in LINK.findall(text):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue                                    # http(s):, mailto:, in-page anchors
+            continue  # http(s):, mailto:, in-page anchors
         file_part = target.split("#", 1)[0]
         if not (path.parent / file_part).exists():
             broken.append(target)

@@ -28,8 +28,16 @@ from megatron_2d.kernels.base import BlockKernel
 from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel, packed_lse, padded_lse
 from megatron_2d.testing import flash_attn_package as fap
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.reference import (FLASH_CONVENTION_CASES, TOLERANCES, flash_reference, norm_err,
-                                            packed_reference_attention, reference_attention, rel_err, rounded)
+from megatron_2d.testing.reference import (
+    FLASH_CONVENTION_CASES,
+    TOLERANCES,
+    flash_reference,
+    norm_err,
+    packed_reference_attention,
+    reference_attention,
+    rel_err,
+    rounded,
+)
 from megatron_2d.testing.torch_flash_cpu import kernel_on_cpu
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -38,16 +46,27 @@ LOW = (torch.bfloat16, torch.float16)
 
 def test_every_release_is_installed():
     missing = [v for v in fap.RELEASES if not fap.is_installed(v)]
-    assert not missing, (f"flash-attn releases {missing} are not installed under {fap.releases_dir()}: run "
-                         f"'python -m megatron_2d.testing.flash_attn_package install' (tools/install.sh does)")
+    assert not missing, (
+        f"flash-attn releases {missing} are not installed under {fap.releases_dir()}: run "
+        f"'python -m megatron_2d.testing.flash_attn_package install' (tools/install.sh does)"
+    )
 
 
 # ---- the CPU extension's arguments, read from each release's own calls ------------------------------------------
 
 # how the releases' Python layer names the C++ parameters it passes (the rest pass under the C++ name itself)
-PYTHON_NAMES = {"dropout_p": "p_dropout", "causal": "is_causal", "alibi_slopes": "alibi_slopes_", "dq": "dq_",
-                "dk": "dk_", "dv": "dv_", "block_table": "block_table_", "leftpad_k": "leftpad_k_",
-                "window_size[0]": "window_size_left", "window_size[1]": "window_size_right"}
+PYTHON_NAMES = {
+    "dropout_p": "p_dropout",
+    "causal": "is_causal",
+    "alibi_slopes": "alibi_slopes_",
+    "dq": "dq_",
+    "dk": "dk_",
+    "dv": "dv_",
+    "block_table": "block_table_",
+    "leftpad_k": "leftpad_k_",
+    "window_size[0]": "window_size_left",
+    "window_size[1]": "window_size_right",
+}
 
 
 def extension_calls(version):
@@ -56,9 +75,12 @@ def extension_calls(version):
     calls = {}
     for node in ast.walk(tree):
         func = node.func if isinstance(node, ast.Call) else None
-        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-                and func.value.id in ("flash_attn_cuda", "flash_attn_gpu")
-                and func.attr in ("fwd", "bwd", "varlen_fwd", "varlen_bwd")):
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id in ("flash_attn_cuda", "flash_attn_gpu")
+            and func.attr in ("fwd", "bwd", "varlen_fwd", "varlen_bwd")
+        ):
             assert not node.keywords, (version, func.attr)
             calls.setdefault(func.attr, []).append([ast.unparse(a) for a in node.args])
     return calls
@@ -81,6 +103,7 @@ def test_extension_takes_each_releases_positional_arguments(version):
 
 # ---- per release, in its own process: the extension, then the kernel ---------------------------------------------
 
+
 def randn(*shape, seed, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
@@ -88,23 +111,57 @@ def randn(*shape, seed, dtype=torch.float64):
 def errors_vs_reference(got, want, dtype):
     """{output: norm_err} of the outputs above their bound in the one tolerance table."""
     tol = TOLERANCES[dtype]
-    return {key: norm_err(g, w) for key, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)
-            if not norm_err(g, w) < tol.of(key)}
+    return {
+        key: norm_err(g, w)
+        for key, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)
+        if not norm_err(g, w) < tol.of(key)
+    }
 
 
 def private_call(interface, abi, q, k, v, dout, scale, causal, window, softcap):
     """The release's private forward and backward, by its own parameter names: (out, lse, dq, dk, dv)."""
-    fwd_params = inspect.signature(getattr(interface._flash_attn_forward, "_init_fn",
-                                           interface._flash_attn_forward)).parameters
-    win = ({"window_size_left": window[0], "window_size_right": window[1]} if "window_size_left" in fwd_params
-           else {"window_size": window})
+    fwd_params = inspect.signature(
+        getattr(interface._flash_attn_forward, "_init_fn", interface._flash_attn_forward)
+    ).parameters
+    win = (
+        {"window_size_left": window[0], "window_size_right": window[1]}
+        if "window_size_left" in fwd_params
+        else {"window_size": window}
+    )
     cap = {"softcap": softcap} if "softcap" in fwd_params else {}
-    res = interface._flash_attn_forward(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal,
-                                        alibi_slopes=None, return_softmax=False, **win, **cap)
+    res = interface._flash_attn_forward(
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        alibi_slopes=None,
+        return_softmax=False,
+        **win,
+        **cap,
+    )
     out, lse = (res[0], res[5]) if abi.fwd_returns_inputs else (res[0], res[1])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    interface._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p=0.0, softmax_scale=scale,
-                                   causal=causal, alibi_slopes=None, deterministic=False, rng_state=None, **win, **cap)
+    interface._flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
+        **win,
+        **cap,
+    )
     return out, lse, dq, dk, dv
 
 
@@ -132,8 +189,11 @@ def run_release_kernel(rank, world, version):
         finite = [x if i != 1 else x.masked_fill(empty, 0) for i, x in enumerate(got)]
         ref = [x if i != 1 else x.masked_fill(empty, 0) for i, x in enumerate(want)]
         # tiny blocks: each output against the end-to-end bound (a mask error is O(1))
-        bad = {key: rel_err(g, w) for key, g, w in zip(("out", "lse", "dq", "dk", "dv"), finite, ref)
-               if not rel_err(g, w) < TOLERANCES[torch.bfloat16].end_to_end}
+        bad = {
+            key: rel_err(g, w)
+            for key, g, w in zip(("out", "lse", "dq", "dk", "dv"), finite, ref)
+            if not rel_err(g, w) < TOLERANCES[torch.bfloat16].end_to_end
+        }
         if bad:
             problems[("convention", sq, sk, causal, window, softcap)] = bad
     with kernel_on_cpu(FlashAttn2Kernel):
@@ -151,8 +211,10 @@ def run_release_kernel(rank, world, version):
                 problems[("kernel", str(dtype), causal, hkv)] = bad or "dtypes"
         for sq, sk, lo, hi in BANDS:
             box = Band(lo, hi).trim(sq, sk)
-            q, dout = randn(1, sq, 4, 32, seed=15, dtype=torch.bfloat16), randn(1, sq, 4, 32, seed=16,
-                                                                                dtype=torch.bfloat16)
+            q, dout = (
+                randn(1, sq, 4, 32, seed=15, dtype=torch.bfloat16),
+                randn(1, sq, 4, 32, seed=16, dtype=torch.bfloat16),
+            )
             k, v = (randn(1, sk, 2, 32, seed=s, dtype=torch.bfloat16) for s in (17, 18))
             out, lse = kernel.forward(q, k, v, box.band, 0.3)
             got = (out, lse, *kernel.backward(dout, q, k, v, out, lse, box.band, 0.3))
@@ -185,14 +247,18 @@ def varlen_equals_single_calls(kernel):
     for f in (0, 5):
         q, dout = randn(1, 24, 4, 16, seed=31, dtype=torch.bfloat16), randn(1, 24, 4, 16, seed=32, dtype=torch.bfloat16)
         k, v = randn(1, 20, 2, 16, seed=33, dtype=torch.bfloat16), randn(1, 20, 2, 16, seed=34, dtype=torch.bfloat16)
-        calls = [BlockCall(0, 6, f + 0, f + 6, Band(None, 0)), BlockCall(6, 10, f + 6, f + 10, Band(None, 0)),
-                 BlockCall(10, 16, f + 2, f + 9, None), BlockCall(16, 24, f + 12, f + 20, None),
-                 BlockCall(3, 9, f + 14, f + 18, None)]
+        calls = [
+            BlockCall(0, 6, f + 0, f + 6, Band(None, 0)),
+            BlockCall(6, 10, f + 6, f + 10, Band(None, 0)),
+            BlockCall(10, 16, f + 2, f + 9, None),
+            BlockCall(16, 24, f + 12, f + 20, None),
+            BlockCall(3, 9, f + 14, f + 18, None),
+        ]
         batched = {c: (o, l) for c, o, l in kernel.forward_calls(q, k, v, calls, f, 0.3)}
         single = BlockKernel.forward_calls(kernel, q, k, v, calls, f, 0.3)
         out, lse = torch.zeros_like(q), torch.zeros(1, 4, 24)
         for c, o, l in single:
-            out[:, c.q_start:c.q_end], lse[:, :, c.q_start:c.q_end] = o, l
+            out[:, c.q_start : c.q_end], lse[:, :, c.q_start : c.q_end] = o, l
             if not (torch.equal(o, batched[c][0]) and torch.allclose(l, batched[c][1])):
                 problems[("varlen forward", f, c)] = "differs from the single call"
         grads = {c: g for c, *g in kernel.backward_calls(dout, q, k, v, out, lse, calls, f, 0.3)}
@@ -205,18 +271,19 @@ def varlen_equals_single_calls(kernel):
 @pytest.mark.distributed
 @pytest.mark.parametrize("version", fap.RELEASES)
 def test_kernel_through_release(version):
-    (problems, facts), = run_on_ranks(1, run_release_kernel, version, timeout_s=120)
+    ((problems, facts),) = run_on_ranks(1, run_release_kernel, version, timeout_s=120)
     assert not problems, problems
     abi = fap.abi_of(version)
-    assert facts["backward_is_custom_op"] == (abi.name == "2.7")          # the objects the issue is about
-    assert facts["padded_varlen_lse"] == abi.padded_varlen_lse            # both varlen lse layouts covered
+    assert facts["backward_is_custom_op"] == (abi.name == "2.7")  # the objects the issue is about
+    assert facts["padded_varlen_lse"] == abi.padded_varlen_lse  # both varlen lse layouts covered
     assert "head dim 60 is not supported by the flash kernels" in facts["head_dim_60"]
-    assert facts["backward_d60"] == "head_size should be a multiple of 8"   # what the refusal prevents
+    assert facts["backward_d60"] == "head_size should be a multiple of 8"  # what the refusal prevents
     calls = facts["extension_calls"]
     assert all(calls[fn] > 0 for fn in ("fwd", "bwd", "varlen_fwd", "varlen_bwd")), calls
 
 
 # ---- attention_2d with kernel="flash_attn2" on 4 ranks, per release ----------------------------------------------
+
 
 def run_release_ring(rank, world, version):
     fap.load_release(version)
@@ -224,22 +291,28 @@ def run_release_ring(rank, world, version):
     errors = {}
     with kernel_on_cpu(FlashAttn2Kernel):
         groups = megatron_2d.build_2d_groups(2, 1, "context_first", timeout=TIMEOUT)
-        shard = lambda x: megatron_2d.shard_sequence(x.detach(), rank, world)   # noqa: E731
-        for causal, hkv, window in ((True, 8, (-1, -1)), (False, 2, (-1, -1)), (True, 2, (12, 0)),
-                                    (False, 2, (10, 6))):
+        shard = lambda x: megatron_2d.shard_sequence(x.detach(), rank, world)  # noqa: E731
+        for causal, hkv, window in ((True, 8, (-1, -1)), (False, 2, (-1, -1)), (True, 2, (12, 0)), (False, 2, (10, 6))):
             g = torch.Generator().manual_seed(21)
-            q, k, v, dout = (rounded(torch.randn(2 * world * 12, 2, h, 64, generator=g, dtype=torch.float64),
-                                     torch.bfloat16) for h in (8, hkv, hkv, 8))
+            q, k, v, dout = (
+                rounded(torch.randn(2 * world * 12, 2, h, 64, generator=g, dtype=torch.float64), torch.bfloat16)
+                for h in (8, hkv, hkv, 8)
+            )
             for x in (q, k, v):
                 x.requires_grad_(True)
-            reference_attention(q, k, v, causal, 64 ** -0.5, window=window).backward(dout)
+            reference_attention(q, k, v, causal, 64**-0.5, window=window).backward(dout)
             ql, kl, vl = (shard(x).bfloat16().requires_grad_(True) for x in (q, k, v))
-            out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, kernel="flash_attn2",
-                                           sliding_window=window)
+            out = megatron_2d.attention_2d(
+                ql, kl, vl, groups, causal=causal, kernel="flash_attn2", sliding_window=window
+            )
             out.backward(shard(dout).bfloat16())
-            ref = reference_attention(q.detach(), k.detach(), v.detach(), causal, 64 ** -0.5, window=window)
-            for key, a, e in (("out", out, ref), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
-                              ("dv", vl.grad, v.grad)):
+            ref = reference_attention(q.detach(), k.detach(), v.detach(), causal, 64**-0.5, window=window)
+            for key, a, e in (
+                ("out", out, ref),
+                ("dq", ql.grad, q.grad),
+                ("dk", kl.grad, k.grad),
+                ("dv", vl.grad, v.grad),
+            ):
                 errors[(causal, hkv, window, key)] = norm_err(a, shard(e))
         before = extension.calls["varlen_fwd"], extension.calls["varlen_bwd"]
         for mode in ("zigzag", "documents"):
@@ -247,17 +320,23 @@ def run_release_ring(rank, world, version):
             cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
             layout = megatron_2d.PackedLayout(cu, groups, mode=mode)
             g = torch.Generator().manual_seed(4)
-            q, k, v, dout = (rounded(torch.randn(int(cu[-1]), h, 32, generator=g, dtype=torch.float64),
-                                     torch.bfloat16) for h in (8, 2, 2, 8))
+            q, k, v, dout = (
+                rounded(torch.randn(int(cu[-1]), h, 32, generator=g, dtype=torch.float64), torch.bfloat16)
+                for h in (8, 2, 2, 8)
+            )
             for x in (q, k, v):
                 x.requires_grad_(True)
-            ref = packed_reference_attention(q, k, v, cu, True, 32 ** -0.5)
+            ref = packed_reference_attention(q, k, v, cu, True, 32**-0.5)
             ref.backward(dout)
             ql, kl, vl = (layout.shard(x.detach()).bfloat16().requires_grad_(True) for x in (q, k, v))
             out = megatron_2d.attention_2d(ql, kl, vl, groups, kernel="flash_attn2", packing=layout)
             out.backward(layout.shard(dout).bfloat16())
-            for key, a, e in (("out", out, ref), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
-                              ("dv", vl.grad, v.grad)):
+            for key, a, e in (
+                ("out", out, ref),
+                ("dq", ql.grad, q.grad),
+                ("dk", kl.grad, k.grad),
+                ("dv", vl.grad, v.grad),
+            ):
                 errors[(mode, key)] = norm_err(a, layout.shard(e.detach()))
     varlen = (extension.calls["varlen_fwd"] - before[0], extension.calls["varlen_bwd"] - before[1])
     return errors, varlen

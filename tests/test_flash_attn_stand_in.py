@@ -22,20 +22,51 @@ def randn(*shape, seed=0, dtype=torch.float64):
 def run_private(api, q, k, v, dout, scale, causal, window, softcap=0.0):
     """The stand-in's private forward and backward: (out, lse, dq, dk, dv, softmax_d)."""
     win = {"window_size_left": window[0], "window_size_right": window[1]}
-    out, lse, _, _ = api._flash_attn_forward(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal,
-                                             alibi_slopes=None, return_softmax=False, softcap=softcap, **win)
+    out, lse, _, _ = api._flash_attn_forward(
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        alibi_slopes=None,
+        return_softmax=False,
+        softcap=softcap,
+        **win,
+    )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    softmax_d = api._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p=0.0, softmax_scale=scale,
-                                         causal=causal, alibi_slopes=None, deterministic=False, rng_state=None,
-                                         softcap=softcap, **win)
+    softmax_d = api._flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
+        softcap=softcap,
+        **win,
+    )
     return out, lse, dq, dk, dv, softmax_d
 
 
 # ---- the stand-in against flash-attn's documented conventions ---------------------------------------------------
 
-@pytest.mark.parametrize("sq, sk, causal, window, softcap", FLASH_CONVENTION_CASES,
-                         ids=[f"q{a}-k{b}-{'causal' if c else 'full'}-win{w[0]}_{w[1]}-cap{s:g}"
-                              for a, b, c, w, s in FLASH_CONVENTION_CASES])
+
+@pytest.mark.parametrize(
+    "sq, sk, causal, window, softcap",
+    FLASH_CONVENTION_CASES,
+    ids=[
+        f"q{a}-k{b}-{'causal' if c else 'full'}-win{w[0]}_{w[1]}-cap{s:g}" for a, b, c, w, s in FLASH_CONVENTION_CASES
+    ],
+)
 def test_stand_in_follows_flash_attn_conventions(sq, sk, causal, window, softcap):
     api = flash_attn_cpu._build_api(strict_dtypes=False)
     q, dout = randn(2, sq, 4, 16, seed=1), randn(2, sq, 4, 16, seed=2)
@@ -43,7 +74,7 @@ def test_stand_in_follows_flash_attn_conventions(sq, sk, causal, window, softcap
     out, lse, dq, dk, dv, softmax_d = run_private(api, q, k, v, dout, 0.4, causal, window, softcap)
     want = flash_reference(q, k, v, dout, 0.4, causal, window, softcap)
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, sq)
-    assert torch.equal(torch.isinf(lse), torch.isinf(want[1]))          # empty rows: +inf, as flash-attn
+    assert torch.equal(torch.isinf(lse), torch.isinf(want[1]))  # empty rows: +inf, as flash-attn
     finite = torch.isfinite(want[1])
     assert (lse[finite] - want[1][finite]).abs().max() < 1e-5
     # lse is fp32 (as flash-attn's) and the backward rebuilds P from it, so fp64 gradients carry ~1e-7
@@ -70,16 +101,18 @@ def test_varlen_layouts():
     cu_q = torch.tensor([0, 5, 8, 16], dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
     q, dout, k, v = randn(16, 4, 8, seed=7), randn(16, 4, 8, seed=8), randn(20, 2, 8, seed=9), randn(20, 2, 8)
-    out, lse, s_dmask = api.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True, window_size=(4, -1),
-                                                   return_attn_probs=True)
+    out, lse, s_dmask = api.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 8, 8, causal=True, window_size=(4, -1), return_attn_probs=True
+    )
     assert lse.shape == (4, 16) and lse.dtype == torch.float32 and s_dmask.numel() == 0
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    softmax_d = api._flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, 8, 8, 0.0,
-                                                8 ** -0.5, True, 4, -1, 0.0, None, False)
+    softmax_d = api._flash_attn_varlen_backward(
+        dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, 8, 8, 0.0, 8**-0.5, True, 4, -1, 0.0, None, False
+    )
     assert softmax_d.shape == (4, 16 + 128 * 3)
     for n in range(3):
         rq, rk = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
-        want = flash_reference(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], 8 ** -0.5, True, (4, -1))
+        want = flash_reference(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], 8**-0.5, True, (4, -1))
         assert rel_err(out[rq], want[0][0]) < 1e-10 and rel_err(dq[rq], want[2][0]) < 1e-6
         assert rel_err(dk[rk], want[3][0]) < 1e-6 and rel_err(dv[rk], want[4][0]) < 1e-6
         assert (lse[:, rq] - want[1][0]).abs().max() < 1e-5
@@ -94,7 +127,7 @@ def test_public_function_return_switch_and_defaults():
     out2, lse, s_dmask = package.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert torch.equal(out, out2) and lse.shape == (1, 2, 8) and s_dmask.numel() == 0
     # softmax_scale None is 1/sqrt(d)
-    assert torch.equal(out, package.flash_attn_func(q, k, v, softmax_scale=16 ** -0.5, causal=True))
+    assert torch.equal(out, package.flash_attn_func(q, k, v, softmax_scale=16**-0.5, causal=True))
 
 
 def test_stand_in_refuses_what_flash_attn_refuses_or_it_does_not_implement():
@@ -114,7 +147,13 @@ def test_stand_in_has_flash_attns_signatures():
     _, interface = flash_attn_cpu.flash_attn_modules()
     head = ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p", "softmax_scale", "causal"]
     assert list(inspect.signature(interface._flash_attn_backward).parameters) == head + [
-        "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state"]
+        "window_size_left",
+        "window_size_right",
+        "softcap",
+        "alibi_slopes",
+        "deterministic",
+        "rng_state",
+    ]
     public = list(inspect.signature(interface.flash_attn_func).parameters)
     assert public[:7] == ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size"]
     assert public[-1] == "return_attn_probs" and "softcap" in public

@@ -8,16 +8,24 @@ import torch
 
 from megatron_2d.choices import PACKING_MODES
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.generated_cases import (PoisonedEmpty, draw_batch, draw_case, expected_results, failures,
-                                                 run_batch)
+from megatron_2d.testing.generated_cases import (
+    PoisonedEmpty,
+    draw_batch,
+    draw_case,
+    expected_results,
+    failures,
+    run_batch,
+)
 
-BATCHES = range(24)           # 24 forked batches x 8 draws: about a minute on 2 cores
+BATCHES = range(24)  # 24 forked batches x 8 draws: about a minute on 2 cores
 DRAWS_PER_BATCH = 8
 
 
 def ci_draws():
-    return [(draw_batch(seed), [draw_case(draw_batch(seed), i, PACKING_MODES) for i in range(DRAWS_PER_BATCH)])
-            for seed in BATCHES]
+    return [
+        (draw_batch(seed), [draw_case(draw_batch(seed), i, PACKING_MODES) for i in range(DRAWS_PER_BATCH)])
+        for seed in BATCHES
+    ]
 
 
 @pytest.mark.distributed
@@ -37,19 +45,23 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
     batches = ci_draws()
     draws = [d for _, ds in batches for d in ds]
     worlds = {b.world for b, _ in batches}
-    assert worlds >= {3, 4, 6, 8} and len(worlds) >= 6 and {b.placement for b, _ in batches} == {"head_first", "context_first"}
-    assert any(b.hp > 1 and b.cp > 1 and 1 < b.w < b.cp for b, _ in batches)          # 2D with a double ring
-    assert any(b.hp > 1 and list(b.rank_order) != sorted(b.rank_order) for b, _ in batches)   # cp_rank_lists
+    assert (
+        worlds >= {3, 4, 6, 8}
+        and len(worlds) >= 6
+        and {b.placement for b, _ in batches} == {"head_first", "context_first"}
+    )
+    assert any(b.hp > 1 and b.cp > 1 and 1 < b.w < b.cp for b, _ in batches)  # 2D with a double ring
+    assert any(b.hp > 1 and list(b.rank_order) != sorted(b.rank_order) for b, _ in batches)  # cp_rank_lists
     assert {d.mode for d in draws} == {None, *PACKING_MODES}
     packed = [d for d in draws if d.mode is not None]
-    assert any(d.lengths.count(1) >= 20 for d in packed)                                # one-token documents
-    assert any(len(d.lengths) >= 100 for d in packed)                                    # hundreds of tiny ones
-    assert any(max(d.lengths) > sum(d.lengths) - max(d.lengths) + 20 for d in packed)   # one giant document
+    assert any(d.lengths.count(1) >= 20 for d in packed)  # one-token documents
+    assert any(len(d.lengths) >= 100 for d in packed)  # hundreds of tiny ones
+    assert any(max(d.lengths) > sum(d.lengths) - max(d.lengths) + 20 for d in packed)  # one giant document
     assert any(d.end_padding for d in packed)
     assert any(d.window != (-1, -1) and d.causal for d in draws)
     assert any(d.window != (-1, -1) and not d.causal for d in draws)
     assert any(d.sinks for d in draws) and any(not d.causal for d in draws)
-    assert any(d.hkv < b.hp for b, ds in batches for d in ds)                           # K/V replication
+    assert any(d.hkv < b.hp for b, ds in batches for d in ds)  # K/V replication
     assert any(d.batch == 2 for d in draws) and {d.kernel for d in draws} == {"cpu_flash", "torch_math"}
     assert {d.dkv_comm_dtype for d in draws} == {"accumulator", "input"}
     assert any(d.dv < d.d and d.mode is None for d in draws) and any(d.dv < d.d and d.mode for d in draws)
@@ -66,4 +78,4 @@ def test_poisoned_allocations_read_as_nan():
         fresh = [torch.empty(5), torch.empty_like(torch.zeros(3)), torch.zeros(2).new_empty(4)]
         ints = torch.empty(3, dtype=torch.int64)
     assert all(bool(torch.isnan(x).all()) for x in fresh)
-    assert ints.dtype == torch.int64                      # integer buffers are left alone (no NaN to put there)
+    assert ints.dtype == torch.int64  # integer buffers are left alone (no NaN to put there)

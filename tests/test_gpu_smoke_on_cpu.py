@@ -16,14 +16,26 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ITEMS = ["kernel flash_attn2", "kernel torch_flash", "loopback flash_attn2",
-         "loopback torch_flash", "attention_2d flash_attn2", "attention_2d torch_flash", "no host sync",
-         "distributed 2 ranks"]
+ITEMS = [
+    "kernel flash_attn2",
+    "kernel torch_flash",
+    "loopback flash_attn2",
+    "loopback torch_flash",
+    "attention_2d flash_attn2",
+    "attention_2d torch_flash",
+    "no host sync",
+    "distributed 2 ranks",
+]
 
 
 def test_gpu_check_dry_run_on_cpu():
-    run = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_smoke.py"), "--dry-run"], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gpu_smoke.py"), "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = run.stdout.splitlines()
     failed = [line for line in lines if " FAIL " in line]
     assert run.returncode == 0 and not failed, "\n".join(failed) + run.stderr[-3000:]
@@ -31,7 +43,7 @@ def test_gpu_check_dry_run_on_cpu():
     rows = [line for line in lines if line.split("  ")[0].strip()]
     for item in ITEMS:
         assert any(line.startswith(item) and " ok " in line for line in rows), item
-    for d in (64, 128, 192):                                   # every kernel at every head dim
+    for d in (64, 128, 192):  # every kernel at every head dim
         assert sum(f"d={d}:" in line and " ok " in line for line in rows) == 2, d
     assert sum(line.startswith("loopback") and " ok " in line for line in rows) == 2 * 6
     for item in ("peak memory", "CUDA graph capture"):

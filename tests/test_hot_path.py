@@ -22,8 +22,9 @@ TIMEOUT = datetime.timedelta(seconds=60)
 def run_twice_guarded(rank, world, hp, w, window, batch, latent=False):
     groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
     g = torch.Generator().manual_seed(1)
-    q, k, v, dout = (megatron_2d.shard_sequence(torch.randn(64, batch, 4, 16, generator=g), rank, world)
-                     for _ in range(4))
+    q, k, v, dout = (
+        megatron_2d.shard_sequence(torch.randn(64, batch, 4, 16, generator=g), rank, world) for _ in range(4)
+    )
     # MLA's latent ring: q/k head dim 16 = 12 + 4 (rope), v head dim 8, latent 6 + 4, up-projection weight
     latent_in = megatron_2d.shard_sequence(torch.randn(64, batch, 10, generator=g), rank, world)
     weight, latent_dout = torch.randn(4 * (12 + 8), 6, generator=g), dout[..., :8].contiguous()
@@ -31,21 +32,22 @@ def run_twice_guarded(rank, world, hp, w, window, batch, latent=False):
     def step():
         if latent:
             leaves = [x.clone().requires_grad_(True) for x in (q, latent_in, weight)]
-            megatron_2d.latent_attention_2d(*leaves, groups, nope_dim=12, value_dim=8,
-                                            sliding_window=window).backward(latent_dout)
+            megatron_2d.latent_attention_2d(*leaves, groups, nope_dim=12, value_dim=8, sliding_window=window).backward(
+                latent_dout
+            )
         else:
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
             megatron_2d.attention_2d(*leaves, groups, sliding_window=window).backward(dout)
         return [x.grad for x in leaves]
 
-    first = step()                                   # builds the setup
+    first = step()  # builds the setup
     cached = dict(groups.op_cache)
     transport = next(iter(cached.values()))[1].transport
     sent = {kind for kind, n in groups.comm_bytes.as_dict().items() if n and kind != "all_to_all"}
-    assert sent and sent <= set(transport.traffic_kinds), (sent, type(transport).__name__)   # what it says it sends
+    assert sent and sent <= set(transport.traffic_kinds), (sent, type(transport).__name__)  # what it says it sends
     with NoHostDataInOp(), NoSyncOps():
         second = step()
-    assert len(cached) == 1 and groups.op_cache == cached                    # the same setup objects, reused
+    assert len(cached) == 1 and groups.op_cache == cached  # the same setup objects, reused
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     # the guards do catch what they guard against
     with pytest.raises(AssertionError, match="hot path"), NoSyncOps():
@@ -55,15 +57,20 @@ def run_twice_guarded(rank, world, hp, w, window, batch, latent=False):
     return True
 
 
-@pytest.mark.parametrize("hp, w, window, batch", [(2, 1, (-1, -1), 2), (2, 1, (-1, -1), 1), (1, 2, (-1, -1), 2),
-                                                  (1, 1, (3, 0), 2)],
-                         ids=["2d_outer_ring", "2d_batch1_point_to_point", "ring_inner", "window_neighbour_exchange"])
+@pytest.mark.parametrize(
+    "hp, w, window, batch",
+    [(2, 1, (-1, -1), 2), (2, 1, (-1, -1), 1), (1, 2, (-1, -1), 2), (1, 1, (3, 0), 2)],
+    ids=["2d_outer_ring", "2d_batch1_point_to_point", "ring_inner", "window_neighbour_exchange"],
+)
 def test_second_call_makes_no_setup_and_no_sync(hp, w, window, batch):
     assert all(run_on_ranks(4, run_twice_guarded, hp, w, window, batch))
 
 
-@pytest.mark.parametrize("hp, w, window, batch", [(2, 2, (-1, -1), 2), (2, 1, (-1, -1), 1), (1, 1, (3, 0), 2)],
-                         ids=["2d_double_ring", "2d_batch1_point_to_point", "window_neighbour_exchange"])
+@pytest.mark.parametrize(
+    "hp, w, window, batch",
+    [(2, 2, (-1, -1), 2), (2, 1, (-1, -1), 1), (1, 1, (3, 0), 2)],
+    ids=["2d_double_ring", "2d_batch1_point_to_point", "window_neighbour_exchange"],
+)
 def test_latent_ring_second_call_makes_no_setup_and_no_sync(hp, w, window, batch):
     assert all(run_on_ranks(4, run_twice_guarded, hp, w, window, batch, latent=True))
 
@@ -73,24 +80,32 @@ def run_dkv_dtypes(rank, world):
     g = torch.Generator().manual_seed(2)
     q, k, v, dout = (torch.randn(16 * world, 1, 4, 32, generator=g).to(torch.bfloat16).double() for _ in range(4))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    reference_attention(*leaves, True, 32 ** -0.5).backward(dout)
+    reference_attention(*leaves, True, 32**-0.5).backward(dout)
     out = {}
     for mode in ("accumulator", "input"):
-        ql, kl, vl = (megatron_2d.shard_sequence(x, rank, world).to(torch.bfloat16).requires_grad_(True)
-                      for x in (q, k, v))
+        ql, kl, vl = (
+            megatron_2d.shard_sequence(x, rank, world).to(torch.bfloat16).requires_grad_(True) for x in (q, k, v)
+        )
         groups.comm_bytes.reset()
         megatron_2d.attention_2d(ql, kl, vl, groups, dkv_comm_dtype=mode).backward(
-            megatron_2d.shard_sequence(dout, rank, world).to(torch.bfloat16))
+            megatron_2d.shard_sequence(dout, rank, world).to(torch.bfloat16)
+        )
         shard = lambda x: megatron_2d.shard_sequence(x, rank, world)  # noqa: E731
-        out[mode] = (max(rel_err(ql.grad, shard(leaves[0].grad)), rel_err(kl.grad, shard(leaves[1].grad)),
-                         rel_err(vl.grad, shard(leaves[2].grad))), groups.comm_bytes.as_dict()["outer_ring"])
+        out[mode] = (
+            max(
+                rel_err(ql.grad, shard(leaves[0].grad)),
+                rel_err(kl.grad, shard(leaves[1].grad)),
+                rel_err(vl.grad, shard(leaves[2].grad)),
+            ),
+            groups.comm_bytes.as_dict()["outer_ring"],
+        )
     return out
 
 
 def test_dkv_comm_dtype_bytes_and_error():
     world = 4
     results = run_on_ranks(world, run_dkv_dtypes)
-    block = 2 * 1 * 16 * 4 * 32            # K and V of one context rank: 16 tokens, 4 heads, d 32 (elements)
+    block = 2 * 1 * 16 * 4 * 32  # K and V of one context rank: 16 tokens, 4 heads, d 32 (elements)
     for r in results:
         exact_err, exact_bytes = r["accumulator"]
         input_err, input_bytes = r["input"]
@@ -124,8 +139,12 @@ def run_flash_attn_varlen_new_batch(rank, world):
     q, dout = (torch.randn(1, 24, 4, 16, generator=g).bfloat16() for _ in range(2))
     k, v = (torch.randn(1, 20, 2, 16, generator=g).bfloat16() for _ in range(2))
     out, lse = torch.zeros_like(q), torch.zeros(1, 4, 24)
-    calls = [BlockCall(0, 6, 0, 6, Band(None, 0)), BlockCall(6, 10, 6, 10, Band(None, 0)),
-             BlockCall(10, 16, 2, 9, None), BlockCall(16, 24, 12, 20, None)]
+    calls = [
+        BlockCall(0, 6, 0, 6, Band(None, 0)),
+        BlockCall(6, 10, 6, 10, Band(None, 0)),
+        BlockCall(10, 16, 2, 9, None),
+        BlockCall(16, 24, 12, 20, None),
+    ]
     with NoHostDataInOp(), NoSyncOps():
         kernel.forward_calls(q, k, v, calls, 0, 0.3)
         kernel.backward_calls(dout, q, k, v, out, lse, calls, 0, 0.3)
@@ -134,7 +153,7 @@ def run_flash_attn_varlen_new_batch(rank, world):
 
 
 def test_flash_attn_varlen_index_tensors_of_a_new_batch_make_no_sync():
-    assert run_on_ranks(1, run_flash_attn_varlen_new_batch) == [(1, 2, 0)]     # built under the guards
+    assert run_on_ranks(1, run_flash_attn_varlen_new_batch) == [(1, 2, 0)]  # built under the guards
 
 
 def run_new_packed_batches_guarded(rank, world):
@@ -145,7 +164,7 @@ def run_new_packed_batches_guarded(rank, world):
 
     from megatron_2d.neighbour_exchange import NeighbourExchange
 
-    cu = np.cumsum([0, 1, 37, 5, 90, 3, 64, 1, 11])                        # 212 tokens: 2*CP divides 208 + 4
+    cu = np.cumsum([0, 1, 37, 5, 90, 3, 64, 1, 11])  # 212 tokens: 2*CP divides 208 + 4
     cu[-1] += (-cu[-1]) % (2 * world)
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(int(cu[-1]), 4, 16, generator=g) for _ in range(4))
@@ -155,11 +174,13 @@ def run_new_packed_batches_guarded(rank, world):
         for mode in PACKING_MODES:
             outs = []
             for guarded in (False, True):
-                layout = megatron_2d.PackedLayout(cu, groups, mode=mode)     # built ahead: may read the host
+                layout = megatron_2d.PackedLayout(cu, groups, mode=mode)  # built ahead: may read the host
                 ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
                 leaves = [x.requires_grad_(True) for x in (ql, kl, vl)]
-                with (NoHostDataInOp() if guarded else contextlib.nullcontext()), \
-                        (NoSyncOps() if guarded else contextlib.nullcontext()):
+                with (
+                    NoHostDataInOp() if guarded else contextlib.nullcontext(),
+                    NoSyncOps() if guarded else contextlib.nullcontext(),
+                ):
                     megatron_2d.attention_2d(*leaves, groups, packing=layout, sliding_window=(5, 0)).backward(dl)
                 outs.append([x.grad for x in leaves])
                 transports |= {type(rc.transport).__name__ for _, rc in layout.op_cache.values()}

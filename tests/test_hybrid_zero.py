@@ -18,16 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing import ddp_harness as mcpu
-from megatron_2d.testing import tiny_gpt as tg
-from megatron_2d.testing.distributed import run_on_ranks
-
 from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d  # noqa: E402
 from megatron_2d.megatron.hybrid_zero import (  # noqa: E402
     HybridZeRO,
     distributed_optimizer_padding_bound,
     model_state_bytes_per_rank,
 )
+from megatron_2d.testing import ddp_harness as mcpu
+from megatron_2d.testing import tiny_gpt as tg
+from megatron_2d.testing.distributed import run_on_ranks
 
 pytestmark = pytest.mark.megatron
 
@@ -35,21 +34,23 @@ WORLD, DP, CP = 8, 2, 4
 STEPS = 3
 RTOL = 1e-5
 LR = 1e-2
-MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=96,
-             micro_batch_size=4, seed=77)  # micro_batch_size = global batch: 2 samples per DP rank
+MODEL = dict(
+    num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=96, micro_batch_size=4, seed=77
+)  # micro_batch_size = global batch: 2 samples per DP rank
 SETTINGS_2D = dict(cp_2d_head_parallel_size=2, cp_2d_ring_window=2, cp_2d_placement="head_first")
 
 CASES = {
     # name: HybridZeRO (every one with dp=2, cp=4: D = 8 ranks)
     "unsharded": HybridZeRO(sharded_states="none"),
-    "zero1_over_dp_cp": HybridZeRO(sharded_states="optimizer"),                    # S = 8
-    "zero1_over_cp_group": HybridZeRO(sharded_states="optimizer", shard_size=4),   # S = cp: 2 instances
+    "zero1_over_dp_cp": HybridZeRO(sharded_states="optimizer"),  # S = 8
+    "zero1_over_cp_group": HybridZeRO(sharded_states="optimizer", shard_size=4),  # S = cp: 2 instances
     "zero1_over_2_param_gather": HybridZeRO(sharded_states="optimizer", shard_size=2, overlap_param_gather=True),
-    "zero2_over_dp_cp": HybridZeRO(sharded_states="optimizer+grads"),             # megatron-fsdp optim_grads
-    "zero3_over_dp_cp": HybridZeRO(sharded_states="optimizer+grads+params"),      # optim_grads_params
+    "zero2_over_dp_cp": HybridZeRO(sharded_states="optimizer+grads"),  # megatron-fsdp optim_grads
+    "zero3_over_dp_cp": HybridZeRO(sharded_states="optimizer+grads+params"),  # optim_grads_params
     "zero3_over_cp_group": HybridZeRO(sharded_states="optimizer+grads+params", shard_size=4),  # HSDP
-    "zero3_over_cp_optimizer_over_dp_cp": HybridZeRO(sharded_states="optimizer+grads+params", shard_size=4,
-                                                     optimizer_shard_size=8),  # HFSDP: outer 'optim'
+    "zero3_over_cp_optimizer_over_dp_cp": HybridZeRO(
+        sharded_states="optimizer+grads+params", shard_size=4, optimizer_shard_size=8
+    ),  # HFSDP: outer 'optim'
 }
 DDP_CASES = [name for name, hz in CASES.items() if hz.backend == "distributed_optimizer"]
 # bf16 params (Megatron's Float16Module), fp32 grads and main params: the mixed-precision bytes of the memory model
@@ -65,8 +66,9 @@ def _model_config(cp: int) -> tg.TinyGPTConfig:
     overrides = dict(calculate_per_token_loss=True)
     if cp == 1:
         return tg.TinyGPTConfig(**MODEL, config_overrides=overrides)
-    return tg.TinyGPTConfig(**MODEL, config_class=TransformerConfig2D, cp_comm_type="2d",
-                            config_overrides={**overrides, **SETTINGS_2D})
+    return tg.TinyGPTConfig(
+        **MODEL, config_class=TransformerConfig2D, cp_comm_type="2d", config_overrides={**overrides, **SETTINGS_2D}
+    )
 
 
 def _shard_group_ranks():
@@ -111,12 +113,15 @@ def _train_case(hz: HybridZeRO, rank: int, bf16: bool = False):
         opt_kwargs.update(bf16=True, params_dtype=torch.bfloat16)
     if hz.has_wider_optimizer_shard(DP, CP):
         from megatron.core.optimizer import OptimizerConfig
+
         opt_config = OptimizerConfig(**hz.optimizer_config_kwargs(DP, CP), **opt_kwargs)
     else:
         opt_config = hz.optimizer_config(DP, CP, **opt_kwargs)
     optimizer = mcpu.build_optimizer(wrapped, opt_config)
-    steps = [mcpu.train_step(wrapped, optimizer, tg.synthetic_batch(cfg, step), cfg.seq_length)
-             for step in range(BF16_STEPS if bf16 else STEPS)]
+    steps = [
+        mcpu.train_step(wrapped, optimizer, tg.synthetic_batch(cfg, step), cfg.seq_length)
+        for step in range(BF16_STEPS if bf16 else STEPS)
+    ]
     shard = hz.resolved_shard_size(DP, CP)
     out = {
         "losses": [s["loss"] for s in steps],
@@ -125,8 +130,11 @@ def _train_case(hz: HybridZeRO, rank: int, bf16: bool = False):
         "shard_group": _shard_group_ranks(),
         "num_params": num_params,
         "num_tensors": num_tensors,
-        "padding_bound": (_fsdp_padding_bound(wrapped, shard) if hz.backend == "megatron_fsdp"
-                          else distributed_optimizer_padding_bound(num_tensors, shard)),
+        "padding_bound": (
+            _fsdp_padding_bound(wrapped, shard)
+            if hz.backend == "megatron_fsdp"
+            else distributed_optimizer_padding_bound(num_tensors, shard)
+        ),
     }
     if hz.backend == "distributed_optimizer" and not bf16:
         params = mcpu.full_parameters(wrapped)  # collective (forces the param all-gather)
@@ -140,8 +148,12 @@ def run_all(rank, world):
     tg.init_parallel()
     ref_cfg = _model_config(1)
     ref_model = tg.build_tiny_gpt(ref_cfg)
-    out = {"reference": {"losses": tg.train_steps(ref_model, ref_cfg, steps=STEPS, optimizer="adam", lr=LR),
-                         "params": {n: p.detach().clone() for n, p in tg.canonical_parameters(ref_model).items()}}}
+    out = {
+        "reference": {
+            "losses": tg.train_steps(ref_model, ref_cfg, steps=STEPS, optimizer="adam", lr=LR),
+            "params": {n: p.detach().clone() for n, p in tg.canonical_parameters(ref_model).items()},
+        }
+    }
     for name, hz in CASES.items():
         out[name] = _train_case(hz, rank)
     for name, hz in BF16_CASES.items():
@@ -167,15 +179,25 @@ def test_losses_match_unsharded_training(results, name):
         assert max(errors) < RTOL, (name, actual, expected)
 
 
-WRONG_NORM = pytest.mark.xfail(strict=True, reason=(
-    "megatron-core 0.19.2 reduces megatron-fsdp's gradient norm over one optimizer instance (shard_size ranks) while "
-    "outer 'optim' spreads the gradient shards over all dp x cp ranks; HybridZeRO.optimizer_config refuses clip_grad "
-    "for this choice. Strict: passing means megatron fixed it and the refusal can go."))
+WRONG_NORM = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "megatron-core 0.19.2 reduces megatron-fsdp's gradient norm over one optimizer instance (shard_size ranks) "
+        "while outer 'optim' spreads the gradient shards over all dp x cp ranks; HybridZeRO.optimizer_config refuses "
+        "clip_grad for this choice. Strict: passing means megatron fixed it and the refusal can go."
+    ),
+)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [pytest.param(n, marks=WRONG_NORM) if CASES[n].has_wider_optimizer_shard(DP, CP)
-                                  else n for n in CASES if n != "unsharded"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=WRONG_NORM) if CASES[n].has_wider_optimizer_shard(DP, CP) else n
+        for n in CASES
+        if n != "unsharded"
+    ],
+)
 def test_gradient_norms_match_unsharded(results, name):
     """The norm Megatron computes over (sharded) gradients equals the unsharded one, every step."""
     expected = results[0]["unsharded"]["grad_norms"]
@@ -198,8 +220,11 @@ def test_parameters_after_training_match_reference(results, name):
     actual, expected = results[0][name]["params"], results[0]["reference"]["params"]
     unsharded = results[0]["unsharded"]["params"]
     assert set(actual) == set(expected) and len(expected) >= 10
-    bad = {n: (_l2_relative(actual[n], expected[n]), _l2_relative(actual[n], unsharded[n])) for n in expected
-           if not (_l2_relative(actual[n], expected[n]) < RTOL and _l2_relative(actual[n], unsharded[n]) < RTOL)}
+    bad = {
+        n: (_l2_relative(actual[n], expected[n]), _l2_relative(actual[n], unsharded[n]))
+        for n in expected
+        if not (_l2_relative(actual[n], expected[n]) < RTOL and _l2_relative(actual[n], unsharded[n]) < RTOL)
+    }
     assert not bad, bad
 
 
@@ -228,7 +253,7 @@ def test_optimizer_bytes_are_unsharded_bytes_divided_by_shard_size(results, name
     assert unsharded == 8 * results[0]["unsharded"]["num_params"]
     held = [r[name]["bytes"]["optimizer_states"] for r in results]
     for first in range(0, WORLD, opt_shard):
-        assert sum(held[first:first + opt_shard]) == unsharded, (name, held)
+        assert sum(held[first : first + opt_shard]) == unsharded, (name, held)
     assert max(held) <= unsharded / opt_shard + 8 * results[0][name]["padding_bound"], (name, held)
 
 
@@ -264,48 +289,105 @@ def test_bf16_sharded_training_matches_bf16_unsharded(results, name):
 
 
 # ---- configuration -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("hz, expected", [
-    (HybridZeRO("none"), dict(use_distributed_optimizer=False, num_distributed_optimizer_instances=1)),
-    (HybridZeRO("optimizer"), dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=1)),
-    (HybridZeRO("optimizer", shard_size=4),
-     dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)),
-    (HybridZeRO("optimizer", shard_size=2), dict(num_distributed_optimizer_instances=4)),
-    (HybridZeRO("optimizer", implementation="megatron_fsdp"),
-     dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim")),
-    (HybridZeRO("optimizer+grads", shard_size=4),
-     dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads", num_distributed_optimizer_instances=2,
-          outer_dp_sharding_strategy="no_shard")),
-    (HybridZeRO("optimizer+grads+params", shard_size=2, optimizer_shard_size=8),
-     dict(data_parallel_sharding_strategy="optim_grads_params", num_distributed_optimizer_instances=4,
-          outer_dp_sharding_strategy="optim")),
-])
+@pytest.mark.parametrize(
+    "hz, expected",
+    [
+        (HybridZeRO("none"), dict(use_distributed_optimizer=False, num_distributed_optimizer_instances=1)),
+        (HybridZeRO("optimizer"), dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=1)),
+        (
+            HybridZeRO("optimizer", shard_size=4),
+            dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=2),
+        ),
+        (HybridZeRO("optimizer", shard_size=2), dict(num_distributed_optimizer_instances=4)),
+        (
+            HybridZeRO("optimizer", implementation="megatron_fsdp"),
+            dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim"),
+        ),
+        (
+            HybridZeRO("optimizer+grads", shard_size=4),
+            dict(
+                use_megatron_fsdp=True,
+                data_parallel_sharding_strategy="optim_grads",
+                num_distributed_optimizer_instances=2,
+                outer_dp_sharding_strategy="no_shard",
+            ),
+        ),
+        (
+            HybridZeRO("optimizer+grads+params", shard_size=2, optimizer_shard_size=8),
+            dict(
+                data_parallel_sharding_strategy="optim_grads_params",
+                num_distributed_optimizer_instances=4,
+                outer_dp_sharding_strategy="optim",
+            ),
+        ),
+    ],
+)
 def test_choices_map_to_megatron_configs(hz, expected):
     ddp_config = hz.distributed_data_parallel_config(DP, CP)
     for key, value in expected.items():
         assert getattr(ddp_config, key) == value, key
     assert hz.initialize_model_parallel_kwargs(DP, CP) == {
-        "num_distributed_optimizer_instances": ddp_config.num_distributed_optimizer_instances}
+        "num_distributed_optimizer_instances": ddp_config.num_distributed_optimizer_instances
+    }
     optimizer_config = hz.optimizer_config(DP, CP, lr=1e-4, clip_grad=0.0)
     assert optimizer_config.use_distributed_optimizer == ddp_config.use_distributed_optimizer
 
 
-@pytest.mark.parametrize("kwargs, dp, cp, message", [
-    (dict(sharded_states="optimizer", shard_size=3), 2, 4,
-     r"shard_size 3 does not divide dp x cp = 2 x 4 = 8; valid shard sizes: \[2, 4, 8\]"),
-    (dict(sharded_states="optimizer", shard_size=1), 2, 4, r"shard_size 1 shards nothing"),
-    (dict(sharded_states="zero3"), 2, 4, r"sharded_states 'zero3' is not valid; choose one of \['none', 'optimizer'"),
-    (dict(sharded_states="optimizer+grads", implementation="distributed_optimizer"), 2, 4,
-     r"not supported by implementation 'distributed_optimizer'.*shards only optimizer states"),
-    (dict(sharded_states="optimizer+grads+params", shard_size=2, optimizer_shard_size=4), 2, 4,
-     r"optimizer_shard_size 4 is not available.*valid optimizer shard sizes: \[2, 8\]"),
-    (dict(sharded_states="optimizer+grads", shard_size=4, optimizer_shard_size=8), 2, 4,
-     r"needs sharded_states 'optimizer\+grads\+params' on megatron-fsdp"),
-    (dict(sharded_states="optimizer", implementation="megatron_fsdp", overlap_grad_reduce=False), 2, 4,
-     r"needs overlap_grad_reduce=True.*twice"),
-    (dict(sharded_states="none", overlap_param_gather=True), 2, 4, r"overlap_param_gather=True needs sharded states"),
-    (dict(sharded_states="none", shard_size=4), 2, 4, r"'none' shards nothing"),
-    (dict(sharded_states="optimizer", implementation="deepspeed"), 2, 4, r"implementation 'deepspeed' is not valid"),
-])
+@pytest.mark.parametrize(
+    "kwargs, dp, cp, message",
+    [
+        (
+            dict(sharded_states="optimizer", shard_size=3),
+            2,
+            4,
+            r"shard_size 3 does not divide dp x cp = 2 x 4 = 8; valid shard sizes: \[2, 4, 8\]",
+        ),
+        (dict(sharded_states="optimizer", shard_size=1), 2, 4, r"shard_size 1 shards nothing"),
+        (
+            dict(sharded_states="zero3"),
+            2,
+            4,
+            r"sharded_states 'zero3' is not valid; choose one of \['none', 'optimizer'",
+        ),
+        (
+            dict(sharded_states="optimizer+grads", implementation="distributed_optimizer"),
+            2,
+            4,
+            r"not supported by implementation 'distributed_optimizer'.*shards only optimizer states",
+        ),
+        (
+            dict(sharded_states="optimizer+grads+params", shard_size=2, optimizer_shard_size=4),
+            2,
+            4,
+            r"optimizer_shard_size 4 is not available.*valid optimizer shard sizes: \[2, 8\]",
+        ),
+        (
+            dict(sharded_states="optimizer+grads", shard_size=4, optimizer_shard_size=8),
+            2,
+            4,
+            r"needs sharded_states 'optimizer\+grads\+params' on megatron-fsdp",
+        ),
+        (
+            dict(sharded_states="optimizer", implementation="megatron_fsdp", overlap_grad_reduce=False),
+            2,
+            4,
+            r"needs overlap_grad_reduce=True.*twice",
+        ),
+        (
+            dict(sharded_states="none", overlap_param_gather=True),
+            2,
+            4,
+            r"overlap_param_gather=True needs sharded states",
+        ),
+        (dict(sharded_states="none", shard_size=4), 2, 4, r"'none' shards nothing"),
+        (
+            dict(sharded_states="optimizer", implementation="deepspeed"),
+            2,
+            4,
+            r"implementation 'deepspeed' is not valid",
+        ),
+    ],
+)
 def test_invalid_choices_are_refused_with_the_valid_ones(kwargs, dp, cp, message):
     with pytest.raises(ValueError, match=message):
         HybridZeRO(**kwargs).validate(dp, cp)
@@ -330,21 +412,34 @@ def test_extra_config_fields_cannot_contradict_the_choice():
 def test_memory_model_formulas_for_a_7b_model():
     n, dp, cp = 7_000_000_000, 4, 8  # bf16 params, fp32 grads, Adam; D = 32
     gib = {}
-    for states, shard in [("none", None), ("optimizer", None), ("optimizer", 8), ("optimizer+grads", None),
-                          ("optimizer+grads+params", None)]:
+    for states, shard in [
+        ("none", None),
+        ("optimizer", None),
+        ("optimizer", 8),
+        ("optimizer+grads", None),
+        ("optimizer+grads+params", None),
+    ]:
         gib[(states, shard)] = model_state_bytes_per_rank(n, HybridZeRO(states, shard_size=shard), dp, cp)
     assert gib[("none", None)] == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n}
     assert gib[("optimizer", None)] == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n // 32}
     assert gib[("optimizer", 8)]["optimizer"] == 12 * n // 8
     assert gib[("optimizer+grads", None)] == {"params": 2 * n, "grads": 4 * n // 32, "optimizer": 12 * n // 32}
-    assert gib[("optimizer+grads+params", None)] == {"params": 2 * n // 32, "grads": 4 * n // 32,
-                                                     "optimizer": 12 * n // 32}
+    assert gib[("optimizer+grads+params", None)] == {
+        "params": 2 * n // 32,
+        "grads": 4 * n // 32,
+        "optimizer": 12 * n // 32,
+    }
     wide = HybridZeRO("optimizer+grads+params", shard_size=8, optimizer_shard_size=32)
-    assert model_state_bytes_per_rank(n, wide, dp, cp) == {"params": 2 * n // 8, "grads": 4 * n // 8,
-                                                           "optimizer": 12 * n // 32}
+    assert model_state_bytes_per_rank(n, wide, dp, cp) == {
+        "params": 2 * n // 8,
+        "grads": 4 * n // 8,
+        "optimizer": 12 * n // 32,
+    }
     # fp32 params under Megatron's distributed optimizer: the optimizer updates the params in place (no main copy)
-    assert model_state_bytes_per_rank(n, HybridZeRO("optimizer"), dp, cp, param_dtype=torch.float32)["optimizer"] \
+    assert (
+        model_state_bytes_per_rank(n, HybridZeRO("optimizer"), dp, cp, param_dtype=torch.float32)["optimizer"]
         == 8 * n // 32
+    )
     assert model_state_bytes_per_rank(n, HybridZeRO("optimizer"), dp, cp, optimizer="sgd")["optimizer"] == 8 * n // 32
     # megatron-fsdp keeps an fp32 main-weight shard even for fp32 params: (8 + 4) bytes of optimizer state per param
     fsdp = HybridZeRO("optimizer", implementation="megatron_fsdp")
@@ -352,18 +447,49 @@ def test_memory_model_formulas_for_a_7b_model():
 
 
 # ---- Megatron-LM flags ---------------------------------------------------------------------------------------------
-FLAG_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "256",
-              "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4",
-              "--train-iters", "10", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-              "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-              "--no-bias-dropout-fusion", "--context-parallel-size", "4", "--bf16"]
+FLAG_MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "256",
+    "--max-position-embeddings",
+    "256",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-4",
+    "--train-iters",
+    "10",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--context-parallel-size",
+    "4",
+    "--bf16",
+]
 
 
-@pytest.mark.parametrize("hz", [
-    HybridZeRO("optimizer", shard_size=4),
-    HybridZeRO("optimizer+grads"),
-    HybridZeRO("optimizer+grads+params", shard_size=4, optimizer_shard_size=8, overlap_param_gather=True),
-], ids=["zero1_cp", "zero2", "zero3_hfsdp"])
+@pytest.mark.parametrize(
+    "hz",
+    [
+        HybridZeRO("optimizer", shard_size=4),
+        HybridZeRO("optimizer+grads"),
+        HybridZeRO("optimizer+grads+params", shard_size=4, optimizer_shard_size=8, overlap_param_gather=True),
+    ],
+    ids=["zero1_cp", "zero2", "zero3_hfsdp"],
+)
 def test_megatron_lm_flags_parse_to_the_same_choice(monkeypatch, hz):
     """megatron_cli_args, parsed and validated by Megatron-LM's own argument parser (8 ranks: dp 2 x cp 4)."""
     from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Set
 
 import pytest
 
@@ -17,7 +16,7 @@ NAME = PACKAGE.name
 PLAN_MAY_NOT_IMPORT = ("megatron_2d.bench", "megatron_2d.testing", "megatron_2d.megatron")
 
 
-def modules(root: Path = PACKAGE) -> Dict[str, Path]:
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
     """Dotted module name -> file, packages as their __init__.py."""
     out = {}
     for path in sorted(root.rglob("*.py")):
@@ -30,7 +29,8 @@ def modules(root: Path = PACKAGE) -> Dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(tree: ast.AST):
@@ -46,7 +46,7 @@ def _import_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(name: str, path: Path, known: Dict[str, Path], package: str = NAME) -> Set[str]:
+def imports_of(name: str, path: Path, known: dict[str, Path], package: str = NAME) -> set[str]:
     """The package's modules that ``name`` imports: ``from .x import y`` is module x.y when that is a module, else
     x; ``import a.b.c`` is the longest known prefix."""
     is_package = path.name == "__init__.py"
@@ -72,18 +72,18 @@ def imports_of(name: str, path: Path, known: Dict[str, Path], package: str = NAM
     return out
 
 
-def import_graph() -> Dict[str, Set[str]]:
+def import_graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports_of(name, path, known) for name, path in known.items()}
 
 
-def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan), each sorted."""
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on_stack: Set[str] = set()
-    found: List[List[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
@@ -117,24 +117,41 @@ def test_no_import_cycles():
     assert len(graph) > 50 and "megatron_2d.plan.cli" in graph["megatron_2d.plan.__main__"]
     loops = cycles(graph)
     assert not loops, "modules that import each other (directly or through others): " + "; ".join(
-        " <-> ".join(c) for c in loops)
+        " <-> ".join(c) for c in loops
+    )
 
 
 def test_plan_imports_no_bench_testing_or_megatron():
-    bad = {(m, t) for m, targets in import_graph().items() if m.startswith("megatron_2d.plan")
-           for t in targets if t.startswith(PLAN_MAY_NOT_IMPORT)}
+    bad = {
+        (m, t)
+        for m, targets in import_graph().items()
+        if m.startswith("megatron_2d.plan")
+        for t in targets
+        if t.startswith(PLAN_MAY_NOT_IMPORT)
+    }
     assert not bad, f"the planner must stand alone; it imports: {sorted(bad)}"
 
 
-@pytest.mark.parametrize("source, expected", [
-    # a lazy import inside a function closes a loop
-    ({"a": "from . import b\n", "b": "def f():\n    from .a import x\n"}, [["pkg.a", "pkg.b"]]),
-    # a loop through three modules, by absolute imports
-    ({"a": "import pkg.b\n", "b": "from pkg.c import y\n", "c": "import pkg.a as a\n"}, [["pkg.a", "pkg.b", "pkg.c"]]),
-    # imports for type checking only do not run: no loop
-    ({"a": "from .b import B\n", "b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n"},
-     []),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        # a lazy import inside a function closes a loop
+        ({"a": "from . import b\n", "b": "def f():\n    from .a import x\n"}, [["pkg.a", "pkg.b"]]),
+        # a loop through three modules, by absolute imports
+        (
+            {"a": "import pkg.b\n", "b": "from pkg.c import y\n", "c": "import pkg.a as a\n"},
+            [["pkg.a", "pkg.b", "pkg.c"]],
+        ),
+        # imports for type checking only do not run: no loop
+        (
+            {
+                "a": "from .b import B\n",
+                "b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n",
+            },
+            [],
+        ),
+    ],
+)
 def test_the_walker_finds_loops(tmp_path, source, expected):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
@@ -146,7 +163,7 @@ def test_the_walker_finds_loops(tmp_path, source, expected):
     assert cycles(graph) == expected
 
 
-def private_imports(root: Path = PACKAGE, package: str = NAME) -> List[str]:
+def private_imports(root: Path = PACKAGE, package: str = NAME) -> list[str]:
     """``module: from source import _name`` for every private name (one leading underscore) a module of the package
     takes from another of its modules."""
     found = []
@@ -156,8 +173,11 @@ def private_imports(root: Path = PACKAGE, package: str = NAME) -> List[str]:
                 continue
             if not (node.level or (node.module or "").split(".")[0] == package):
                 continue
-            found += [f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}" for a in node.names
-                      if a.name.startswith("_") and not a.name.startswith("__")]
+            found += [
+                f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
     return found
 
 

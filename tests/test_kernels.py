@@ -14,11 +14,14 @@ from megatron_2d.kernels.torch_flash import ANTICAUSAL, CAUSAL, FULL, band_piece
 from megatron_2d.testing.reference import TOLERANCES, attention_with_lse, norm_err
 from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
 
-CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]   # flash_attn2: tests/test_flash_attn_releases.py
+CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]  # flash_attn2: tests/test_flash_attn_releases.py
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FLASH_ONLY = {"torch_flash": ("bf16", "fp16")}   # PyTorch's CUDA flash kernel, run on CPU by torch_flash_on_cpu
-KERNEL_CASES = [(n, dt, c, h) for n, dt, c, h in itertools.product(CPU_KERNELS, DTYPES, [True, False], [4, 2, 1])
-                if dt in FLASH_ONLY.get(n, DTYPES)]
+FLASH_ONLY = {"torch_flash": ("bf16", "fp16")}  # PyTorch's CUDA flash kernel, run on CPU by torch_flash_on_cpu
+KERNEL_CASES = [
+    (n, dt, c, h)
+    for n, dt, c, h in itertools.product(CPU_KERNELS, DTYPES, [True, False], [4, 2, 1])
+    if dt in FLASH_ONLY.get(n, DTYPES)
+]
 
 
 def on_cpu(name):
@@ -32,8 +35,9 @@ def block_case(dtype, causal, hkv, scale=0.3, seed=2):
     g = torch.Generator().manual_seed(seed)
     b, sq, hq, d = 2, 16, 4, 32
     sk = sq if causal else 24
-    q, k, v = (torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
-               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    q, k, v = (
+        torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv))
+    )
     dout = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64).to(dtype)
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
     ref, ref_lse = attention_with_lse(*leaves, causal, scale)
@@ -41,8 +45,11 @@ def block_case(dtype, causal, hkv, scale=0.3, seed=2):
     return q, k, v, dout, dict(out=ref, lse=ref_lse, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
 
 
-@pytest.mark.parametrize("name, dtype, causal, hkv", KERNEL_CASES,
-                         ids=[f"{n}-{dt}-{'causal' if c else 'full'}-hkv{h}" for n, dt, c, h in KERNEL_CASES])
+@pytest.mark.parametrize(
+    "name, dtype, causal, hkv",
+    KERNEL_CASES,
+    ids=[f"{n}-{dt}-{'causal' if c else 'full'}-hkv{h}" for n, dt, c, h in KERNEL_CASES],
+)
 def test_kernel_forward_backward(name, dtype, causal, hkv):
     """Each CPU kernel, forward (out, lse) and backward (dq, dk, dv), against fp64 math on its own rounded inputs."""
     dtype = DTYPES[dtype]
@@ -57,8 +64,11 @@ def test_kernel_forward_backward(name, dtype, causal, hkv):
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     for key in ("dq", "dk", "dv"):
         assert got[key].dtype == dtype, key
-    bad = {key: norm_err(got[key], want[key]) for key in got
-           if not norm_err(got[key], want[key]) < TOLERANCES[dtype].of(key)}
+    bad = {
+        key: norm_err(got[key], want[key])
+        for key in got
+        if not norm_err(got[key], want[key]) < TOLERANCES[dtype].of(key)
+    }
     assert not bad, f"above the {dtype} per-output tolerances: {bad}"
     assert all(got[key].shape == want[key].shape for key in got)
 
@@ -85,6 +95,7 @@ class FakeFlashAttn2:
 
     def head_dim_problem(self, head_dim):
         from megatron_2d.kernels.flash_attn2 import flash_head_dim_problem
+
         return flash_head_dim_problem(head_dim)
 
 
@@ -95,7 +106,7 @@ def test_kernel_selection_on_cuda_devices(monkeypatch):
     import megatron_2d.kernels as kernels
 
     cuda = torch.device("cuda")
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)       # flash-attn not installed
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)  # flash-attn not installed
     for dtype in (torch.bfloat16, torch.float16):
         with pytest.warns(UserWarning, match="flash-attn is not installed: attention_2d uses PyTorch's own flash"):
             assert select_kernel(cuda, dtype, head_dim=128).name == "torch_flash"
@@ -112,11 +123,17 @@ def test_kernel_selection_on_cuda_devices(monkeypatch):
             assert select_kernel(cuda, torch.bfloat16, head_dim=d).name == "flash_attn2"
         assert select_kernel(cuda, torch.float16, "torch_flash", head_dim=64).name == "torch_flash"
     for name in ("flash_attn2", "torch_flash", None):
-        with pytest.raises(ValueError, match=r"head dim 60 is not supported by the flash kernels \(a multiple of "
-                                             r"8, at most 256; pad to 64\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"head dim 60 is not supported by the flash kernels \(a multiple of "
+            r"8, at most 256; pad to 64\)",
+        ):
             select_kernel(cuda, torch.bfloat16, name, head_dim=60)
-        with pytest.raises(ValueError, match=r"head dim 264 is not supported by the flash kernels \(a multiple of 8, "
-                                             r"at most 256\)$"):
+        with pytest.raises(
+            ValueError,
+            match=r"head dim 264 is not supported by the flash kernels \(a multiple of 8, "
+            r"at most 256\)$",
+        ):
             select_kernel(cuda, torch.bfloat16, name, head_dim=264)
     with pytest.raises(ValueError, match=r"'flash_attn2' does not run on device cuda with torch.float32"):
         select_kernel(cuda, torch.float32, "flash_attn2")
@@ -141,10 +158,13 @@ def test_torch_flash_pieces_cover_every_band_exactly_once():
                 assert 0 <= p.q_start < p.q_end <= nq and 0 <= p.k_start < p.k_end <= nk, (p, nq, nk, band)
                 ones = torch.ones(p.q_end - p.q_start, p.k_end - p.k_start, dtype=torch.int)
                 assert p.kind == FULL or ones.shape[0] == ones.shape[1], p
-                got[p.q_start:p.q_end, p.k_start:p.k_end] += {FULL: ones, CAUSAL: ones.tril(),
-                                                              ANTICAUSAL: ones.triu()}[p.kind]
+                got[p.q_start : p.q_end, p.k_start : p.k_end] += {
+                    FULL: ones,
+                    CAUSAL: ones.tril(),
+                    ANTICAUSAL: ones.triu(),
+                }[p.kind]
             assert torch.equal(got, want.int()), (sq, sk, lo, hi)
             cases += 1
     assert cases > 40000
-    assert [p.kind for p in band_pieces(Band(None, 0), 8, 8)] == [CAUSAL]    # native cases stay one call
+    assert [p.kind for p in band_pieces(Band(None, 0), 8, 8)] == [CAUSAL]  # native cases stay one call
     assert [p.kind for p in band_pieces(None, 8, 12)] == [FULL]

@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d  # noqa: E402
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
-
-from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -66,8 +65,9 @@ def run_all(rank, world):
         tg.init_parallel()
         ref_cfg = model_config(name)
         out[("ref", name)] = tg.forward_backward(tg.build_tiny_gpt(ref_cfg), tg.synthetic_batch(ref_cfg))
-        out[("ref_pipeline", name)] = tg.pipeline_forward_backward(tg.build_tiny_gpt(ref_cfg), ref_cfg,
-                                                                   tg.synthetic_batch(ref_cfg))
+        out[("ref_pipeline", name)] = tg.pipeline_forward_backward(
+            tg.build_tiny_gpt(ref_cfg), ref_cfg, tg.synthetic_batch(ref_cfg)
+        )
         # the 2d spec at CP=1 is plain attention
         out[("cp1_2d", name)] = tg.forward_backward(tg.build_tiny_gpt(ref_cfg, spec_2d()), tg.synthetic_batch(ref_cfg))
         for layout, (kwargs, settings) in LAYOUTS.items():
@@ -77,16 +77,21 @@ def run_all(rank, world):
         layout, kwargs, settings = PIPELINE
         tg.init_parallel(**kwargs)
         cfg = model_config(name, settings)
-        out[(layout, name)] = tg.pipeline_forward_backward(tg.build_tiny_gpt(cfg, spec_2d()), cfg,
-                                                           tg.synthetic_batch(cfg))
+        out[(layout, name)] = tg.pipeline_forward_backward(
+            tg.build_tiny_gpt(cfg, spec_2d()), cfg, tg.synthetic_batch(cfg)
+        )
     # softmax_scale from the config is honoured (the reference is Megatron's attention at CP=1 with the same scale)
     scaled = dict(MODELS["mha"], seed=5)
     tg.init_parallel()
     ref_cfg = tg.TinyGPTConfig(**scaled, config_overrides=dict(softmax_scale=0.05))
     out[("ref", "scaled")] = tg.forward_backward(tg.build_tiny_gpt(ref_cfg), tg.synthetic_batch(ref_cfg))
     tg.init_parallel(context_parallel_size=4)
-    cfg = tg.TinyGPTConfig(**scaled, config_class=TransformerConfig2D, cp_comm_type="2d",
-                           config_overrides=dict(softmax_scale=0.05, cp_2d_head_parallel_size=2))
+    cfg = tg.TinyGPTConfig(
+        **scaled,
+        config_class=TransformerConfig2D,
+        cp_comm_type="2d",
+        config_overrides=dict(softmax_scale=0.05, cp_2d_head_parallel_size=2),
+    )
     out[("cp4_2x2", "scaled")] = tg.forward_backward(tg.build_tiny_gpt(cfg, spec_2d()), tg.synthetic_batch(cfg))
     tg.init_parallel()
     ref_cfg = model_config("gqa")
@@ -116,23 +121,31 @@ def run_core_attention_alone(rank, world):
     cp_rank = tg.parallel_state.get_context_parallel_rank()
     errors = {}
     for mask in (AttnMaskType.no_mask, AttnMaskType.causal):
-        attention = spec.module(config=config, layer_number=1, attn_mask_type=mask, attention_type="self",
-                                cp_comm_type="2d",
-                                pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]),
-                                **spec.params)
+        attention = spec.module(
+            config=config,
+            layer_number=1,
+            attn_mask_type=mask,
+            attention_type="self",
+            cp_comm_type="2d",
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]),
+            **spec.params,
+        )
         g = torch.Generator().manual_seed(3)
-        q, k, v = (torch.randn(64, 1, h, 8, generator=g, dtype=torch.float64, requires_grad=True)
-                   for h in (8, 2, 2))
+        q, k, v = (torch.randn(64, 1, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (8, 2, 2))
         dout = torch.randn(64, 1, 8, 8, generator=g, dtype=torch.float64)
         expected = reference_attention(q, k, v, causal=mask == AttnMaskType.causal, scale=0.2)
         expected.backward(dout)
         shard = lambda x: shard_sequence(x.detach(), cp_rank, 4)  # noqa: E731
         ql, kl, vl = (shard(x).float().requires_grad_(True) for x in (q, k, v))
         out = attention(ql, kl, vl, None, attn_mask_type=mask)
-        assert out.shape == (16, 1, 64)                                    # [s/CP, b, heads * d]
+        assert out.shape == (16, 1, 64)  # [s/CP, b, heads * d]
         out.backward(shard(dout).float().view(16, 1, 64))
-        errors[mask.name] = max(rel_err(out.view(16, 1, 8, 8), shard(expected)), rel_err(ql.grad, shard(q.grad)),
-                                rel_err(kl.grad, shard(k.grad)), rel_err(vl.grad, shard(v.grad)))
+        errors[mask.name] = max(
+            rel_err(out.view(16, 1, 8, 8), shard(expected)),
+            rel_err(ql.grad, shard(q.grad)),
+            rel_err(kl.grad, shard(k.grad)),
+            rel_err(vl.grad, shard(v.grad)),
+        )
     destroy_2d_groups()
     return errors
 
@@ -184,34 +197,58 @@ def test_optimizer_steps_track_cp1(results):
 
 # ---- misconfiguration: clear errors ------------------------------------------------------------------------
 
-BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, attention_dropout=0.0,
-            context_parallel_size=4, cp_comm_type="2d")
+BASE = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=2,
+    attention_dropout=0.0,
+    context_parallel_size=4,
+    cp_comm_type="2d",
+)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(cp_2d_head_parallel_size=2, cp_2d_context_size=3),
-     r"head-parallel size x context size = 2 x 3 = 6 does not equal context_parallel_size 4"),
-    (dict(num_attention_heads=6, num_query_groups=6, hidden_size=60, cp_2d_head_parallel_size=4),
-     r"head-parallel size 4 does not divide the 6 attention heads per tensor-parallel rank .* valid head-parallel "
-     r"sizes for context_parallel_size=4: \[1, 2\]"),
-    (dict(cp_2d_head_parallel_size=2, cp_2d_ring_window=3),
-     r"ring window 3 does not divide the context size cp = CP/hp = 4/2 = 2; valid ring windows: \[1, 2\]"),
-    (dict(cp_2d_head_parallel_size=3), r"head-parallel size 3 does not divide the context-parallel size 4"),
-    (dict(cp_2d_head_parallel_size=2, cp_2d_placement="interleaved"),
-     r"cp_2d_placement 'interleaved' is not valid; choose one of \['head_first', 'context_first'\]"),
-    (dict(), r"cp_comm_type '2d' needs a head-parallel size .* valid for context_parallel_size=4: \[1, 2, 4\]"),
-    (dict(cp_2d_head_parallel_size=2, attention_dropout=0.1), r"attention_dropout=0.1: attention dropout is not supported"),
-    (dict(cp_comm_type="p2p", cp_2d_head_parallel_size=2),
-     r"2D settings \{'cp_2d_head_parallel_size': 2\} are set but cp_comm_type is \['p2p'\]"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            dict(cp_2d_head_parallel_size=2, cp_2d_context_size=3),
+            r"head-parallel size x context size = 2 x 3 = 6 does not equal context_parallel_size 4",
+        ),
+        (
+            dict(num_attention_heads=6, num_query_groups=6, hidden_size=60, cp_2d_head_parallel_size=4),
+            r"head-parallel size 4 does not divide the 6 attention heads per tensor-parallel rank .* "
+            r"valid head-parallel sizes for context_parallel_size=4: \[1, 2\]",
+        ),
+        (
+            dict(cp_2d_head_parallel_size=2, cp_2d_ring_window=3),
+            r"ring window 3 does not divide the context size cp = CP/hp = 4/2 = 2; valid ring windows: \[1, 2\]",
+        ),
+        (dict(cp_2d_head_parallel_size=3), r"head-parallel size 3 does not divide the context-parallel size 4"),
+        (
+            dict(cp_2d_head_parallel_size=2, cp_2d_placement="interleaved"),
+            r"cp_2d_placement 'interleaved' is not valid; choose one of \['head_first', 'context_first'\]",
+        ),
+        (dict(), r"cp_comm_type '2d' needs a head-parallel size .* valid for context_parallel_size=4: \[1, 2, 4\]"),
+        (
+            dict(cp_2d_head_parallel_size=2, attention_dropout=0.1),
+            r"attention_dropout=0.1: attention dropout is not supported",
+        ),
+        (
+            dict(cp_comm_type="p2p", cp_2d_head_parallel_size=2),
+            r"2D settings \{'cp_2d_head_parallel_size': 2\} are set but cp_comm_type is \['p2p'\]",
+        ),
+    ],
+)
 def test_config_refuses_misconfiguration(overrides, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig2D(**{**BASE, **overrides})
 
 
 def test_config_accepts_per_layer_lists():
-    config = TransformerConfig2D(**{**BASE, "cp_comm_type": ["2d", "2d"], "cp_2d_head_parallel_size": 4,
-                                    "cp_2d_placement": "context_first"})
+    config = TransformerConfig2D(
+        **{**BASE, "cp_comm_type": ["2d", "2d"], "cp_2d_head_parallel_size": 4, "cp_2d_placement": "context_first"}
+    )
     assert config.cp_2d_head_parallel_size == 4
 
 
@@ -224,8 +261,11 @@ def test_cp_2d_window_size_is_the_deprecated_name_of_cp_2d_ring_window():
     assert (config.cp_2d_ring_window, config.cp_2d_window_size) == (2, None)
     with pytest.warns(DeprecationWarning):
         TransformerConfig2D(**BASE, cp_2d_head_parallel_size=2, cp_2d_ring_window=2, cp_2d_window_size=2)
-    with pytest.raises(ValueError, match=r"cp_2d_ring_window=2 and its deprecated name cp_2d_window_size=1 are both "
-                                         r"set, to different values; set cp_2d_ring_window only"):
+    with pytest.raises(
+        ValueError,
+        match=r"cp_2d_ring_window=2 and its deprecated name cp_2d_window_size=1 are both "
+        r"set, to different values; set cp_2d_ring_window only",
+    ):
         TransformerConfig2D(**BASE, cp_2d_head_parallel_size=1, cp_2d_ring_window=2, cp_2d_window_size=1)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"\{'cp_2d_ring_window': 2\} are set"):
         TransformerConfig2D(**{**BASE, "cp_comm_type": "p2p"}, cp_2d_window_size=2)
@@ -234,8 +274,11 @@ def test_cp_2d_window_size_is_the_deprecated_name_of_cp_2d_ring_window():
 def test_double_ring_window_is_the_deprecated_name_of_ring_window():
     from megatron_2d.megatron.hybrid_spec import get_hybrid_stack_spec_2d
 
-    with pytest.warns(DeprecationWarning, match=r"get_gpt_layer_spec_2d\(double_ring_window=\) is deprecated .* "
-                                                r"use get_gpt_layer_spec_2d\(ring_window=\)"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"get_gpt_layer_spec_2d\(double_ring_window=\) is deprecated .* "
+        r"use get_gpt_layer_spec_2d\(ring_window=\)",
+    ):
         spec = get_gpt_layer_spec_2d(use_transformer_engine=False, double_ring_window=2)
     assert spec.submodules.self_attention.submodules.core_attention.params == {"ring_window": 2}
     with pytest.warns(DeprecationWarning, match=r"get_hybrid_stack_spec_2d\(double_ring_window=\) is deprecated"):
@@ -252,13 +295,21 @@ def run_misconfigured(rank, world, case):
         tg.forward_backward(tg.build_tiny_gpt(cfg, spec_2d()), tg.synthetic_batch(cfg))
     elif case == "thd":  # the core attention of a built model, called as SelfAttention calls it with THD input
         from megatron.core.packed_seq_params import PackedSeqParams
+
         tg.init_parallel(context_parallel_size=4)
         cfg = model_config("mha", (2, 1, "head_first"))
         attention = tg.build_tiny_gpt(cfg, spec_2d()).decoder.layers[0].self_attention.core_attention
-        q = torch.zeros(30, 4, 16)                              # the batch's split gives 32 tokens per rank
+        q = torch.zeros(30, 4, 16)  # the batch's split gives 32 tokens per rank
         bounds = torch.tensor([0, 64, 128], dtype=torch.int32)  # two packed documents
-        attention(q, q, q, None, attn_mask_type=None, attention_bias=None,
-                  packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds))
+        attention(
+            q,
+            q,
+            q,
+            None,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds),
+        )
     elif case == "2d_spec_without_2d_backend":
         tg.init_parallel(context_parallel_size=4)
         cfg = tg.TinyGPTConfig(**MODELS["mha"], cp_comm_type="p2p")
@@ -271,13 +322,19 @@ def run_misconfigured(rank, world, case):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case, message", [
-    ("indivisible_sequence", r"batch\['tokens'\]: sequence length 100 is not divisible by 2\*CP = 8"),
-    ("thd", r"q holds 30 tokens, but the PackedLayout gives this rank t_local = 32 slots \(T = 128 over CP = 4\)"),
-    ("2d_spec_without_2d_backend", r"the 2d layer spec is in use but cp_comm_type is 'p2p' for every layer"),
-    ("mixed_backends_without_te", r"layer 2 asks cp_comm_type 'p2p', which megatron-core runs through Transformer "
-                                  r"Engine, not installed here"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("indivisible_sequence", r"batch\['tokens'\]: sequence length 100 is not divisible by 2\*CP = 8"),
+        ("thd", r"q holds 30 tokens, but the PackedLayout gives this rank t_local = 32 slots \(T = 128 over CP = 4\)"),
+        ("2d_spec_without_2d_backend", r"the 2d layer spec is in use but cp_comm_type is 'p2p' for every layer"),
+        (
+            "mixed_backends_without_te",
+            r"layer 2 asks cp_comm_type 'p2p', which megatron-core runs through Transformer "
+            r"Engine, not installed here",
+        ),
+    ],
+)
 def test_misconfigured_runs_stop_with_clear_errors(case, message):
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(4, run_misconfigured, case, timeout_s=60)
@@ -302,9 +359,14 @@ def test_stock_hierarchical_sizes_give_head_then_context():
 
     from megatron_2d.megatron.settings import settings_from_config
 
-    config = SimpleNamespace(context_parallel_size=8, num_attention_heads=8, num_query_groups=2,
-                             tensor_model_parallel_size=1, attention_dropout=0.0,
-                             hierarchical_context_parallel_sizes=[2, 4])
+    config = SimpleNamespace(
+        context_parallel_size=8,
+        num_attention_heads=8,
+        num_query_groups=2,
+        tensor_model_parallel_size=1,
+        attention_dropout=0.0,
+        hierarchical_context_parallel_sizes=[2, 4],
+    )
     settings = settings_from_config(config)
     assert (settings.head_parallel_size, settings.context_size, settings.ring_window) == (2, 4, 1)
     config.hierarchical_context_parallel_sizes = [4, 2]
@@ -324,13 +386,16 @@ def test_layer_spec_carries_the_overrides_and_builds_mla():
 
     from megatron_2d.megatron.core_attention import CoreAttention2D
 
-    spec = get_gpt_layer_spec_2d(use_transformer_engine=False, head_parallel_size=2, placement="context_first",
-                                 kernel="torch_math")
+    spec = get_gpt_layer_spec_2d(
+        use_transformer_engine=False, head_parallel_size=2, placement="context_first", kernel="torch_math"
+    )
     core = spec.submodules.self_attention.submodules.core_attention
     assert core.module is CoreAttention2D
     assert core.params == {"head_parallel_size": 2, "placement": "context_first", "kernel": "torch_math"}
-    assert get_gpt_layer_spec_2d(use_transformer_engine=False).submodules.self_attention.submodules \
-        .core_attention.params == {}
+    assert (
+        get_gpt_layer_spec_2d(use_transformer_engine=False).submodules.self_attention.submodules.core_attention.params
+        == {}
+    )
     mla = get_gpt_layer_spec_2d(SimpleNamespace(multi_latent_attention=True), use_transformer_engine=False)
     assert mla.submodules.self_attention.module is MLASelfAttention
     assert mla.submodules.self_attention.submodules.core_attention.module is CoreAttention2D
@@ -346,11 +411,19 @@ def run_off_by_one_sinks_move(rank, world):
     cfg = model_config("gqa")
     cfg.config_overrides = dict(softmax_type="off-by-one", use_cpu_initialization=True)
     core = spec_2d().submodules.self_attention.submodules.core_attention
-    attention = core.module(config=tg.make_transformer_config(cfg), layer_number=1,
-                            attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type="2d",
-                            pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]), **core.params)
-    found = {"buffer": "softmax_offset" in dict(attention.named_buffers()),
-             "in_state_dict": "softmax_offset" in attention.state_dict()}
+    attention = core.module(
+        config=tg.make_transformer_config(cfg),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type="2d",
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]),
+        **core.params,
+    )
+    found = {
+        "buffer": "softmax_offset" in dict(attention.named_buffers()),
+        "in_state_dict": "softmax_offset" in attention.state_dict(),
+    }
     attention.to(torch.float64)
     found["dtype_after_to"] = attention.softmax_offset.dtype
     attention.to("meta")
@@ -362,5 +435,5 @@ def run_off_by_one_sinks_move(rank, world):
 @pytest.mark.distributed
 def test_off_by_one_sinks_move_with_the_module():
     assert run_on_ranks(1, run_off_by_one_sinks_move) == [
-        {"buffer": True, "in_state_dict": False, "dtype_after_to": torch.float64, "device_after_to": "meta"}]
-
+        {"buffer": True, "in_state_dict": False, "dtype_after_to": torch.float64, "device_after_to": "meta"}
+    ]

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing import tiny_gpt as tg
+from megatron_2d.testing.distributed import run_on_ranks
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -27,8 +27,9 @@ RTOL = 1e-5  # fp32; relative to each tensor's max magnitude
 CASES = {
     "mha": tg.TinyGPTConfig(num_attention_heads=4, num_query_groups=None, seq_length=64),
     # a per-layer cp_comm_type list: any strings reach each layer's core_attention constructor
-    "gqa": tg.TinyGPTConfig(num_attention_heads=8, num_query_groups=2, seq_length=96, seed=77,
-                            cp_comm_type=["ref-layer1", "ref-layer2"]),
+    "gqa": tg.TinyGPTConfig(
+        num_attention_heads=8, num_query_groups=2, seq_length=96, seed=77, cp_comm_type=["ref-layer1", "ref-layer2"]
+    ),
 }
 # (layout name, init_parallel kwargs) compared with CP=1
 LAYOUTS = {
@@ -71,32 +72,44 @@ class ReferenceCoreAttention(torch.nn.Module):
 
     seen = []  # (layer_number, cp_comm_type, cp size, hcp sizes) per construction, for the tests
 
-    def __init__(self, *, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None, local_only=False):
+    def __init__(
+        self,
+        *,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        cp_comm_type=None,
+        softmax_scale=None,
+        pg_collection=None,
+        local_only=False,
+    ):
         super().__init__()
         self.cp_group = pg_collection.cp
         self.softmax_scale = softmax_scale
         self.local_only = local_only
         hcp = pg_collection.hcp
         ReferenceCoreAttention.seen.append(
-            (layer_number, cp_comm_type, self.cp_group.size(), [g.size() for g in hcp] if hcp else None))
+            (layer_number, cp_comm_type, self.cp_group.size(), [g.size() for g in hcp] if hcp else None)
+        )
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         s_local, b, hq, d = query.shape
         cp, rank = self.cp_group.size(), self.cp_group.rank()
         chunk = s_local // 2
         q_pos = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in tg.zigzag_chunk_ids(rank, cp)])
         if cp > 1 and not self.local_only:
-            key = _AllGatherSeq.apply(key, self.cp_group)      # [s, b, hk, d]
+            key = _AllGatherSeq.apply(key, self.cp_group)  # [s, b, hk, d]
             value = _AllGatherSeq.apply(value, self.cp_group)
             k_pos = torch.arange(key.shape[0])
         else:
             k_pos = q_pos
         groups = hq // key.shape[2]
-        key = key.repeat_interleave(groups, dim=2)              # [s_k, b, hq, d]
+        key = key.repeat_interleave(groups, dim=2)  # [s_k, b, hq, d]
         value = value.repeat_interleave(groups, dim=2)
-        scale = self.softmax_scale if self.softmax_scale is not None else d ** -0.5
+        scale = self.softmax_scale if self.softmax_scale is not None else d**-0.5
         scores = torch.einsum("sbhd,tbhd->bhst", query, key) * scale
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
         out = torch.einsum("bhst,tbhd->sbhd", scores.softmax(dim=-1), value)
@@ -132,7 +145,8 @@ def _all_layouts(rank, world_size):
         tg.init_parallel(context_parallel_size=2)
         out[(name, "train_cp2")] = tg.train_steps(tg.build_tiny_gpt(cfg, ref_spec), cfg, steps=3)
         out[(name, "cp2_local_only")] = tg.forward_backward(
-            tg.build_tiny_gpt(cfg, tg.local_spec_with_core_attention(LocalOnlyCoreAttention)), batch)
+            tg.build_tiny_gpt(cfg, tg.local_spec_with_core_attention(LocalOnlyCoreAttention)), batch
+        )
         tg.init_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
         out[(name, "train_tp2_cp2")] = tg.train_steps(tg.build_tiny_gpt(cfg, ref_spec), cfg, steps=3)
 

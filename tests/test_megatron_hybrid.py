@@ -23,8 +23,7 @@ install_hybrid_cpu_shims()
 
 from megatron_2d.megatron import destroy_2d_groups  # noqa: E402
 from megatron_2d.megatron.core_attention import CoreAttention2D  # noqa: E402
-from megatron_2d.megatron.hybrid_spec import (check_hybrid_layers, get_hybrid_stack_spec_2d,  # noqa: E402
-                                              hybrid_stack_spec_2d_local)
+from megatron_2d.megatron.hybrid_spec import check_hybrid_layers, get_hybrid_stack_spec_2d, hybrid_stack_spec_2d_local  # noqa: E402
 from megatron_2d.testing import tiny_hybrid as th  # noqa: E402
 
 WORLD = 8
@@ -32,13 +31,16 @@ RTOL = 1e-5
 PATTERNS = ["*-*-", "M*-M*-", "G*-"]
 LAYOUTS = {"cp4 = hp 2 x cp 2": (4, (2, 1, "head_first")), "cp8 = hp 2 x cp 4, w 2": (8, (2, 2, "context_first"))}
 WINDOW = dict(window_size=(8, 0))
-CASES = {   # name -> (pattern, TinyGPTConfig fields of both runs, config fields of the 2D run only)
+CASES = {  # name -> (pattern, TinyGPTConfig fields of both runs, config fields of the 2D run only)
     # one entry per hybrid layer, as megatron-core 0.19 indexes them: attention layers are layers 1 and 3
     "window list [1, 0, 0, 0]": ("*-*-", dict(config_overrides=dict(WINDOW, window_attn_skip_freq=[1, 0, 0, 0])), {}),
     "window skip frequency 2": ("*-*-", dict(config_overrides=dict(WINDOW, window_attn_skip_freq=2)), {}),
     "cp_comm_type per hybrid layer": ("*-*-", {}, dict(cp_comm_type=["2d", "p2p", "2d", "p2p"])),
-    "Mamba without the memory-efficient path": ("M*-M*-", dict(config_overrides=dict(use_mamba_mem_eff_path=False)),
-                                                {}),
+    "Mamba without the memory-efficient path": (
+        "M*-M*-",
+        dict(config_overrides=dict(use_mamba_mem_eff_path=False)),
+        {},
+    ),
 }
 
 
@@ -51,8 +53,9 @@ def run_all(rank, world):
     for pattern in PATTERNS:
         tg.init_parallel()
         cfg = th.tiny_hybrid_config(pattern)
-        out[("ref", pattern)] = tg.forward_backward(th.build_tiny_hybrid(cfg, pattern, th.megatron_local_stack_spec()),
-                                                    tg.synthetic_batch(cfg))
+        out[("ref", pattern)] = tg.forward_backward(
+            th.build_tiny_hybrid(cfg, pattern, th.megatron_local_stack_spec()), tg.synthetic_batch(cfg)
+        )
         for layout, (cp, settings) in LAYOUTS.items():
             tg.init_parallel(context_parallel_size=cp)
             cfg = th.tiny_hybrid_config(pattern, settings)
@@ -61,8 +64,9 @@ def run_all(rank, world):
     for name, (pattern, fields, fields_2d) in CASES.items():
         tg.init_parallel()
         cfg = th.tiny_hybrid_config(pattern, **fields)
-        out[("ref", name)] = tg.forward_backward(th.build_tiny_hybrid(cfg, pattern, th.megatron_local_stack_spec()),
-                                                 tg.synthetic_batch(cfg))
+        out[("ref", name)] = tg.forward_backward(
+            th.build_tiny_hybrid(cfg, pattern, th.megatron_local_stack_spec()), tg.synthetic_batch(cfg)
+        )
         tg.init_parallel(context_parallel_size=4)
         cfg = th.tiny_hybrid_config(pattern, (2, 1, "head_first"), **fields)
         cfg.cp_comm_type = fields_2d.get("cp_comm_type", cfg.cp_comm_type)
@@ -118,7 +122,7 @@ def test_per_layer_settings_follow_megatron_hybrid_numbering(results, name):
     assert set(windows) == {1, 3} if CASES[name][0] == "*-*-" else {2, 5}
     if name == "window list [1, 0, 0, 0]":
         assert windows[1] is not None and windows[3] is None
-    if name == "window skip frequency 2":      # 1 % 2 and 3 % 2 are not 0: both attention layers are windowed
+    if name == "window skip frequency 2":  # 1 % 2 and 3 % 2 are not 0: both attention layers are windowed
         assert windows[1] is not None and windows[3] is not None
 
 
@@ -134,25 +138,48 @@ def test_mamba_hybrid_trains_like_cp1(results):
 def test_mamba_heads_that_do_not_divide_over_the_cp_group_are_refused_at_construction(results):
     assert results["refusal"].startswith(
         "Mamba layers split their heads over the whole CP group: 4 Mamba heads / TP 1 = 4 per TP rank do not "
-        "divide by context_parallel_size 8 (hp x cp); CP sizes Mamba can run: [1, 2, 4]")
+        "divide by context_parallel_size 8 (hp x cp); CP sizes Mamba can run: [1, 2, 4]"
+    )
 
 
 def hybrid_config(**fields):
-    base = dict(tensor_model_parallel_size=1, context_parallel_size=8, hidden_size=64, mamba_head_dim=16,
-                mamba_num_heads=None, mamba_num_groups=2, linear_num_key_heads=8, linear_num_value_heads=16,
-                cp_2d_packing="zigzag")
+    base = dict(
+        tensor_model_parallel_size=1,
+        context_parallel_size=8,
+        hidden_size=64,
+        mamba_head_dim=16,
+        mamba_num_heads=None,
+        mamba_num_groups=2,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        cp_2d_packing="zigzag",
+    )
     return types.SimpleNamespace(**{**base, **fields})
 
 
-@pytest.mark.parametrize("fields, layers, message", [
-    (dict(mamba_num_groups=3, mamba_num_heads=24), "M*",
-     r"mamba_num_groups 3 / TP 1 = 3 per TP rank and context_parallel_size 8 divide neither way"),
-    (dict(tensor_model_parallel_size=2), "M*", r"8 Mamba heads / TP 2 = 4 per TP rank do not divide by "
-                                                r"context_parallel_size 8 .* \[1, 2, 4\]"),
-    (dict(linear_num_key_heads=4), "G*", r"4 key / 16 value heads / TP 1 = 4 / 16 per TP rank do not both divide"),
-    (dict(cp_2d_packing="documents"), "M*G-", r"cp_2d_packing='documents' cannot run a model with GDN \(G\) and "
-                                              r"Mamba \(M\) layers"),
-])
+@pytest.mark.parametrize(
+    "fields, layers, message",
+    [
+        (
+            dict(mamba_num_groups=3, mamba_num_heads=24),
+            "M*",
+            r"mamba_num_groups 3 / TP 1 = 3 per TP rank and context_parallel_size 8 divide neither way",
+        ),
+        (
+            dict(tensor_model_parallel_size=2),
+            "M*",
+            r"8 Mamba heads / TP 2 = 4 per TP rank do not divide by "
+            r"context_parallel_size 8 .* \[1, 2, 4\]",
+        ),
+        (dict(linear_num_key_heads=4), "G*", r"4 key / 16 value heads / TP 1 = 4 / 16 per TP rank do not both divide"),
+        (
+            dict(cp_2d_packing="documents"),
+            "M*G-",
+            r"cp_2d_packing='documents' cannot run a model with GDN \(G\) and "
+            r"Mamba \(M\) layers",
+        ),
+    ],
+)
 def test_hybrid_layer_checks_name_the_values(fields, layers, message):
     with pytest.raises(ValueError, match=message):
         check_hybrid_layers(hybrid_config(**fields), layers)
@@ -173,7 +200,10 @@ def test_specs_are_megatrons_with_the_2d_core_attention():
     assert core.module is CoreAttention2D
     assert stock.submodules.attention_layer.submodules.self_attention.submodules.core_attention is not core
     assert te.submodules.mamba_layer.submodules.mixer.module is stock.submodules.mamba_layer.submodules.mixer.module
-    assert te.submodules.gdn_layer.submodules.self_attention.module is \
-        stock.submodules.gdn_layer.submodules.self_attention.module
-    assert get_hybrid_stack_spec_2d(False, head_parallel_size=2).submodules.attention_layer.submodules \
-        .self_attention.submodules.core_attention.params == {"head_parallel_size": 2}
+    assert (
+        te.submodules.gdn_layer.submodules.self_attention.module
+        is stock.submodules.gdn_layer.submodules.self_attention.module
+    )
+    assert get_hybrid_stack_spec_2d(
+        False, head_parallel_size=2
+    ).submodules.attention_layer.submodules.self_attention.submodules.core_attention.params == {"head_parallel_size": 2}

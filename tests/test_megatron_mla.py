@@ -23,19 +23,23 @@ pytestmark = pytest.mark.megatron
 
 WORLD = 8
 RTOL = 1e-5
-CKPT_PLUS = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                 selective_checkpoint_plus_plus=True)
-YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=0.9, mscale_all_dim=0.7,
-            original_max_position_embeddings=16)
+CKPT_PLUS = dict(
+    recompute_granularity="full",
+    recompute_method="uniform",
+    recompute_num_layers=1,
+    selective_checkpoint_plus_plus=True,
+)
+YARN = dict(
+    rope_type="yarn", rotary_scaling_factor=4.0, mscale=0.9, mscale_all_dim=0.7, original_max_position_embeddings=16
+)
 # name -> (init_parallel kwargs, 2D settings (hp, w, placement), extra config fields, reference)
 LAYOUTS = {
     "cp4_2x2_w2": (dict(context_parallel_size=4), (2, 2, "head_first"), {}, "ref"),
     "cp8_4x2_w2_context_first": (dict(context_parallel_size=8), (4, 2, "context_first"), {}, "ref"),
     "cp8_1x8_w2": (dict(context_parallel_size=8), (1, 2, "head_first"), {}, "ref"),
-    "tp2_cp4_2x2": (dict(tensor_model_parallel_size=2, context_parallel_size=4), (2, 1, "head_first"), {},
-                    "ref_tp2"),
+    "tp2_cp4_2x2": (dict(tensor_model_parallel_size=2, context_parallel_size=4), (2, 1, "head_first"), {}, "ref_tp2"),
     "cp4_2x2_ckpt++": (dict(context_parallel_size=4), (2, 1, "context_first"), CKPT_PLUS, "ref"),
-    "cp4_4x1_yarn": (dict(context_parallel_size=4), (4, 1, "head_first"), YARN, "ref_yarn"),     # no ring
+    "cp4_4x1_yarn": (dict(context_parallel_size=4), (4, 1, "head_first"), YARN, "ref_yarn"),  # no ring
     "cp4_2x2_yarn": (dict(context_parallel_size=4), (2, 1, "head_first"), YARN, "ref_yarn"),
 }
 RINGS = ("expanded", "latent")
@@ -77,9 +81,18 @@ def thd_padded_value(rank):
     cfg = tiny_mla_config((2, 1, "head_first"))
     config = tg.make_transformer_config(cfg)
     spec = mla_spec_2d().submodules.self_attention.submodules.core_attention
-    core = spec.module(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
-                       cp_comm_type="2d", softmax_scale=0.3, k_channels=20, v_channels=10,
-                       pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]), **spec.params)
+    core = spec.module(
+        config=config,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type="2d",
+        softmax_scale=0.3,
+        k_channels=20,
+        v_channels=10,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]),
+        **spec.params,
+    )
     cu = torch.tensor(np.cumsum([0, 16, 48, 32]), dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=48, max_seqlen_kv=48)
     layout = megatron_2d.PackedLayout(cu, core.groups, mode="zigzag")
@@ -92,12 +105,15 @@ def thd_padded_value(rank):
     unpadded_bytes = core.groups.comm_bytes.as_dict()
     core.groups.comm_bytes.reset()
     ql, kl, vl = (x.clone().requires_grad_(True) for x in (q, k, v))
-    padded = torch.nn.functional.pad(vl, (0, 10))                          # as Megatron pads V to 20
+    padded = torch.nn.functional.pad(vl, (0, 10))  # as Megatron pads V to 20
     out = core(ql, kl, padded, None, packed_seq_params=params).view(-1, 8, 20)
     out.backward(torch.nn.functional.pad(dout, (0, 10)))
-    return {"out": tg.max_relative_error(out[..., :10], expected), "pad": out[..., 10:].abs().max().item(),
-            "grads": max(tg.max_relative_error(a.grad, b.grad) for a, b in zip((ql, kl, vl), leaves)),
-            "same_bytes": core.groups.comm_bytes.as_dict() == unpadded_bytes}
+    return {
+        "out": tg.max_relative_error(out[..., :10], expected),
+        "pad": out[..., 10:].abs().max().item(),
+        "grads": max(tg.max_relative_error(a.grad, b.grad) for a, b in zip((ql, kl, vl), leaves)),
+        "same_bytes": core.groups.comm_bytes.as_dict() == unpadded_bytes,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +141,9 @@ def test_latent_ring_equals_expanded_ring_and_sends_less(results, layout):
     errors = tg.compare_results(latent, expanded)
     assert errors["grad:decoder.layers.0.self_attention.linear_kv_up_proj.weight"] < RTOL
     assert max(errors.values()) < RTOL, max(errors.items(), key=lambda kv: kv[1])
-    ring = lambda r: r["bytes"]["inner_ring"] + r["bytes"]["outer_ring"]          # noqa: E731
+    ring = lambda r: r["bytes"]["inner_ring"] + r["bytes"]["outer_ring"]  # noqa: E731
     kwargs, (hp, _, _), _, _ = LAYOUTS[layout]
-    if kwargs["context_parallel_size"] > hp:                                        # a ring exists (cp > 1)
+    if kwargs["context_parallel_size"] > hp:  # a ring exists (cp > 1)
         assert 0 < ring(latent) < ring(expanded)
     else:
         assert ring(latent) == ring(expanded) == 0 and latent["bytes"]["all_to_all"] > 0
@@ -149,28 +165,49 @@ def test_latent_ring_refuses_what_it_cannot_honour_by_name():
 
     from megatron_2d.megatron.mla import latent_ring_refusals
 
-    config = SimpleNamespace(fp8=None, fp4=None, apply_rope_fusion=False, recompute_granularity=None,
-                             recompute_modules=None)
-    module = SimpleNamespace(linear_kv_up_proj=SimpleNamespace(weight=None),
-                             core_attention=SimpleNamespace(latent_forward=None))
+    config = SimpleNamespace(
+        fp8=None, fp4=None, apply_rope_fusion=False, recompute_granularity=None, recompute_modules=None
+    )
+    module = SimpleNamespace(
+        linear_kv_up_proj=SimpleNamespace(weight=None), core_attention=SimpleNamespace(latent_forward=None)
+    )
     assert latent_ring_refusals(config, module) == []
-    bad_config = SimpleNamespace(fp8="hybrid", fp4=None, apply_rope_fusion=True, recompute_granularity="selective",
-                                 recompute_modules=["core_attn", "mla_up_proj"])
-    bad_module = SimpleNamespace(linear_kv_up_proj=SimpleNamespace(weight=None, layer_norm_weight=None),
-                                 core_attention=SimpleNamespace())
+    bad_config = SimpleNamespace(
+        fp8="hybrid",
+        fp4=None,
+        apply_rope_fusion=True,
+        recompute_granularity="selective",
+        recompute_modules=["core_attn", "mla_up_proj"],
+    )
+    bad_module = SimpleNamespace(
+        linear_kv_up_proj=SimpleNamespace(weight=None, layer_norm_weight=None), core_attention=SimpleNamespace()
+    )
     problems = "\n".join(latent_ring_refusals(bad_config, bad_module))
-    for name in ("fp8='hybrid'", "apply_rope_fusion=True", "recompute_modules 'mla_up_proj'",
-                 "linear_kv_up_proj fuses the kv layernorm", "core attention SimpleNamespace has no latent ring"):
+    for name in (
+        "fp8='hybrid'",
+        "apply_rope_fusion=True",
+        "recompute_modules 'mla_up_proj'",
+        "linear_kv_up_proj fuses the kv layernorm",
+        "core attention SimpleNamespace has no latent ring",
+    ):
         assert name in problems, (name, problems)
 
 
 def test_mla_ring_setting_is_checked():
     from megatron_2d.megatron import MLATransformerConfig2D, TransformerConfig2D
 
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=8, context_parallel_size=4, cp_comm_type="2d",
-                cp_2d_head_parallel_size=2, attention_dropout=0.0)
-    mla = dict(base, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8,
-               rope_type="rope")
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        context_parallel_size=4,
+        cp_comm_type="2d",
+        cp_2d_head_parallel_size=2,
+        attention_dropout=0.0,
+    )
+    mla = dict(
+        base, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope"
+    )
     assert MLATransformerConfig2D(**mla, cp_2d_mla_ring="latent").cp_2d_mla_ring == "latent"
     with pytest.raises(ValueError, match=r"cp_2d_mla_ring 'compressed' is not one of \['expanded', 'latent'\]"):
         MLATransformerConfig2D(**mla, cp_2d_mla_ring="compressed")
@@ -182,4 +219,4 @@ def test_mla_ring_setting_is_checked():
 def test_thd_value_padding_is_undone(results):
     r = results["thd_padded_value"]
     assert r["out"] < RTOL and r["pad"] == 0.0 and r["grads"] < RTOL
-    assert r["same_bytes"]                                  # no padding on the wire
+    assert r["same_bytes"]  # no padding on the wire

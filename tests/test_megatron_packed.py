@@ -15,17 +15,21 @@ import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d
 from megatron_2d.document_sharding import shard_documents
-from megatron_2d.megatron.packed_data import (documents_batch_on_this_cp_rank, get_thd_batch_on_this_cp_rank_2d,
-                                              groups_of_model, use_document_positions)
+from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d
+from megatron_2d.megatron.packed_data import (
+    documents_batch_on_this_cp_rank,
+    get_thd_batch_on_this_cp_rank_2d,
+    groups_of_model,
+    use_document_positions,
+)
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 LENGTHS = [5, 70, 13, 1, 150, 33, 40, 9, 100]
-PAD_TO = 16                                   # a multiple of 2*CP for CP 1, 4 and 8
+PAD_TO = 16  # a multiple of 2*CP for CP 1, 4 and 8
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=512, seed=11)
 LAYOUTS = {"cp4_2x2_w1": (4, (2, 1, "head_first")), "cp8_2x4_w2_context_first": (8, (2, 2, "context_first"))}
 RTOL = 1e-5
@@ -49,13 +53,18 @@ def packed_stream(pad_to):
 
 def real_tokens(batch, cu_real, cu_padded):
     """The unpadded stream of a padded batch (same tokens and labels)."""
-    keep = torch.cat([torch.arange(int(a), int(a) + int(r1 - r0))
-                      for a, r0, r1 in zip(cu_padded[:-1], cu_real[:-1], cu_real[1:])])
+    keep = torch.cat(
+        [torch.arange(int(a), int(a) + int(r1 - r0)) for a, r0, r1 in zip(cu_padded[:-1], cu_real[:-1], cu_real[1:])]
+    )
     return {k: v.index_select(1, keep) for k, v in batch.items()}
 
 
-CKPT_PLUS_PLUS = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                      selective_checkpoint_plus_plus=True)
+CKPT_PLUS_PLUS = dict(
+    recompute_granularity="full",
+    recompute_method="uniform",
+    recompute_num_layers=1,
+    selective_checkpoint_plus_plus=True,
+)
 
 
 def config(cp_settings=None, packing="zigzag", **overrides):
@@ -63,31 +72,49 @@ def config(cp_settings=None, packing="zigzag", **overrides):
     if cp_settings is not None:
         hp, w, placement = cp_settings
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement,
-                                    cp_2d_packing=packing, **overrides)
+        cfg.config_overrides = dict(
+            cp_2d_head_parallel_size=hp,
+            cp_2d_ring_window=w,
+            cp_2d_placement=placement,
+            cp_2d_packing=packing,
+            **overrides,
+        )
     return cfg
 
 
 def run_model(model, local, params):
     """Loss (sum over the CP group of masked per-token loss / masked tokens) and full gradients."""
     model.zero_grad(set_to_none=True)
-    per_token = model(input_ids=local["tokens"], position_ids=local.get("position_ids"), attention_mask=None,
-                      labels=local["labels"], packed_seq_params=params)
+    per_token = model(
+        input_ids=local["tokens"],
+        position_ids=local.get("position_ids"),
+        attention_mask=None,
+        labels=local["labels"],
+        packed_seq_params=params,
+    )
     count = local["loss_mask"].sum()
     total = tg.cp_sum(count)
     local_sum = (per_token.float() * local["loss_mask"]).sum()
     (local_sum / total).backward()
     tg.all_reduce_grads_over_cp(model)
-    return {"loss": tg.cp_sum(local_sum) / total, "grads": tg.full_gradients(model),
-            "per_token_finite": bool(torch.isfinite(per_token).all())}
+    return {
+        "loss": tg.cp_sum(local_sum) / total,
+        "grads": tg.full_gradients(model),
+        "per_token_finite": bool(torch.isfinite(per_token).all()),
+    }
 
 
 def megatron_params(cu_real, cu_padded):
     """PackedSeqParams as pretrain_gpt.py's forward_step builds them (global cu_seqlens)."""
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
-                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
-                           max_seqlen_q=int((cu_padded[1:] - cu_padded[:-1]).max()),
-                           max_seqlen_kv=int((cu_padded[1:] - cu_padded[:-1]).max()))
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_real,
+        cu_seqlens_kv=cu_real,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=int((cu_padded[1:] - cu_padded[:-1]).max()),
+        max_seqlen_kv=int((cu_padded[1:] - cu_padded[:-1]).max()),
+    )
 
 
 def run_all(rank, world):
@@ -110,18 +137,24 @@ def run_all(rank, world):
         out[(name, "documents")] = run_model(model, local, params)
         out[(name, "documents_stats")] = params.layout.stats()
         sharding = params.layout.sharding
-        fair = sum(LENGTHS) / sharding.cp               # longer documents are always sharded (memory)
-        out[(name, "documents_choice")] = (sharding.predicted_s, min(            # every k, placed for real
-            shard_documents(cu_real.numpy(), sharding.cp, settings[0], long_threshold=t).predicted_s
-            for t in [0] + sorted(LENGTHS) if t <= fair))
+        fair = sum(LENGTHS) / sharding.cp  # longer documents are always sharded (memory)
+        out[(name, "documents_choice")] = (
+            sharding.predicted_s,
+            min(  # every k, placed for real
+                shard_documents(cu_real.numpy(), sharding.cp, settings[0], long_threshold=t).predicted_s
+                for t in [0] + sorted(LENGTHS)
+                if t <= fair
+            ),
+        )
         # Selective Checkpoint++ (full-layer recompute that keeps attention) on packed batches
         model = use_document_positions(tg.build_tiny_gpt(config(settings, "documents", **CKPT_PLUS_PLUS), spec))
         local, params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
         out[(name, "documents_ckpt++")] = run_model(model, local, params)
         # a batch of the other layout than the config says is refused, not run
-        for packing, (batch_local, batch_params) in (("zigzag", (local, params)),
-                                                     ("documents", (get_thd_batch_on_this_cp_rank_2d(batch, cp_group),
-                                                                    megatron_params(cu_real, cu_padded)))):
+        for packing, (batch_local, batch_params) in (
+            ("zigzag", (local, params)),
+            ("documents", (get_thd_batch_on_this_cp_rank_2d(batch, cp_group), megatron_params(cu_real, cu_padded))),
+        ):
             try:
                 run_model(tg.build_tiny_gpt(config(settings, packing), spec), batch_local, batch_params)
             except ValueError as err:
@@ -154,10 +187,14 @@ def test_padding_changes_nothing_and_the_references_agree(results):
 
 def test_a_batch_in_the_other_layout_is_refused(results):
     for layout in LAYOUTS:
-        assert "expects packed batches in the 'zigzag' layout (cp_2d_packing 'zigzag') but the batch comes in the " \
-               "'documents' layout" in results[(layout, "refused", "zigzag")]
-        assert "expects packed batches in the 'documents' layout (cp_2d_packing 'documents') but the batch comes in " \
-               "the 'zigzag' layout" in results[(layout, "refused", "documents")]
+        assert (
+            "expects packed batches in the 'zigzag' layout (cp_2d_packing 'zigzag') but the batch comes in the "
+            "'documents' layout" in results[(layout, "refused", "zigzag")]
+        )
+        assert (
+            "expects packed batches in the 'documents' layout (cp_2d_packing 'documents') but the batch comes in "
+            "the 'zigzag' layout" in results[(layout, "refused", "documents")]
+        )
 
 
 def test_documents_layout_of_the_batch_is_the_cost_models_choice(results):

@@ -5,7 +5,8 @@ choices as Megatron-LM's gpt_builders.py). For every combination of the builder'
 qk_layernorm, qk_l2_norm, MoE experts with dense/MoE layer patterns and grouped GEMM, use_te_activation_func,
 --transformer-impl; megatron-core's TransformerConfig accepts all 48 per impl), the two specs have the same
 module at every node except core attention, which is CoreAttention2D in every layer; local specs also with apex's
-layer norm in play (faked), which megatron-core picks for LayerNorm models only. Transformer Engine cannot run here, so for
+layer norm in play (faked), which megatron-core picks for LayerNorm models only. Transformer Engine cannot run here,
+so for
 --transformer-impl transformer_engine the arguments each builder passes to Megatron's spec functions are compared
 instead (the functions recorded, both builders calling the same recorder).
 """
@@ -24,8 +25,13 @@ from megatron_2d.testing.distributed import run_on_ranks
 
 pytestmark = pytest.mark.megatron
 
-OPTIONS = dict(normalization=["LayerNorm", "RMSNorm"], qk_layernorm=[False, True], qk_l2_norm=[False, True],
-               moe=[None, (4, 1, False), (4, [1, 0], True)], use_te_activation_func=[False, True])
+OPTIONS = dict(
+    normalization=["LayerNorm", "RMSNorm"],
+    qk_layernorm=[False, True],
+    qk_l2_norm=[False, True],
+    moe=[None, (4, 1, False), (4, [1, 0], True)],
+    use_te_activation_func=[False, True],
+)
 
 
 def combinations():
@@ -38,12 +44,18 @@ def transformer_config(impl, options):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = options["moe"]
-    kwargs = dict(num_layers=2, hidden_size=64, num_attention_heads=4, transformer_impl=impl,
-                  normalization=options["normalization"], qk_layernorm=options["qk_layernorm"],
-                  qk_l2_norm=options["qk_l2_norm"], use_te_activation_func=options["use_te_activation_func"])
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        transformer_impl=impl,
+        normalization=options["normalization"],
+        qk_layernorm=options["qk_layernorm"],
+        qk_l2_norm=options["qk_l2_norm"],
+        use_te_activation_func=options["use_te_activation_func"],
+    )
     if moe is not None:
-        kwargs.update(num_moe_experts=moe[0], moe_layer_freq=moe[1], moe_grouped_gemm=moe[2],
-                      moe_ffn_hidden_size=32)
+        kwargs.update(num_moe_experts=moe[0], moe_layer_freq=moe[1], moe_grouped_gemm=moe[2], moe_ffn_hidden_size=32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return TransformerConfig(**kwargs)
@@ -96,18 +108,22 @@ def run_local_specs(rank, world):
     for apex, options in itertools.product((False, True), combinations()):
         norm = ApexFusedLayerNorm if apex else gpt_layer_specs.WrappedTorchNorm
 
-        def build(builder):                  # megatron's RMSNorm branch overwrites the module global: reset it
+        def build(builder):  # megatron's RMSNorm branch overwrites the module global: reset it
             backends.LNImpl = gpt_layer_specs.LNImpl = norm
-            return module_tree(builder(GPTModelConfig(transformer=transformer_config("local", options),
-                                                      vocab_size=128)))
+            return module_tree(
+                builder(GPTModelConfig(transformer=transformer_config("local", options), vocab_size=128))
+            )
 
         theirs, mine = build(lambda c: default_layer_spec(c, None)), build(get_gpt_layer_spec_2d)
         cores |= {name for path, (name, _) in mine.items() if path.endswith("core_attention")}
-        drop = lambda tree: {p: m for p, m in tree.items() if "core_attention" not in p}   # noqa: E731
+        drop = lambda tree: {p: m for p, m in tree.items() if "core_attention" not in p}  # noqa: E731
         if drop(mine) != drop(theirs):
             differences[(apex, str(options))] = sorted(set(drop(mine).items()) ^ set(drop(theirs).items()))[:4]
-        compared += apex and options["normalization"] == "LayerNorm" and \
-            any(m[0] == ApexFusedLayerNorm.__qualname__ for m in mine.values())
+        compared += (
+            apex
+            and options["normalization"] == "LayerNorm"
+            and any(m[0] == ApexFusedLayerNorm.__qualname__ for m in mine.values())
+        )
         compared += not apex
     return compared, differences, sorted(cores), CoreAttention2D.__qualname__
 
@@ -117,7 +133,7 @@ def test_local_specs_equal_megatrons_but_core_attention():
     compared, differences, cores, expected = run_on_ranks(1, run_local_specs)[0]
     assert not differences, differences
     assert cores == [expected]
-    assert compared == 48 + 24     # every combination; with apex, the 24 LayerNorm ones use its layer norm
+    assert compared == 48 + 24  # every combination; with apex, the 24 LayerNorm ones use its layer norm
 
 
 def run_transformer_engine_arguments(rank, world):
@@ -135,10 +151,11 @@ def run_transformer_engine_arguments(rank, world):
     def recorder(name):
         real = getattr(gpt_layer_specs, name)
 
-        @functools.wraps(real)                       # the real signature: both builders see the same parameters
+        @functools.wraps(real)  # the real signature: both builders see the same parameters
         def record(*args, **kwargs):
             calls.append((name, args, sorted(kwargs.items(), key=lambda kv: kv[0])))
-            return gpt_layer_specs.get_gpt_layer_local_spec()      # any layer spec: TE cannot build here
+            return gpt_layer_specs.get_gpt_layer_local_spec()  # any layer spec: TE cannot build here
+
         return record
 
     for module in (ours, megatron_builder):
@@ -169,12 +186,17 @@ def test_transformer_impl_decides_and_unsupported_builds_are_refused():
     from megatron_2d.megatron.spec import get_gpt_layer_spec_2d, transformer_engine_available
 
     assert not transformer_engine_available()
-    with pytest.raises(ValueError, match=r"transformer_impl is 'transformer_engine' but Transformer Engine is not "
-                                         r"installed; install it or use --transformer-impl local"):
+    with pytest.raises(
+        ValueError,
+        match=r"transformer_impl is 'transformer_engine' but Transformer Engine is not "
+        r"installed; install it or use --transformer-impl local",
+    ):
         get_gpt_layer_spec_2d(SimpleNamespace(transformer_impl="transformer_engine"))
-    for config, message in ((SimpleNamespace(transformer_impl="inference_optimized"), "training backend"),
-                            (SimpleNamespace(experimental_attention_variant="dsa"), "replaces core attention"),
-                            (SimpleNamespace(restore_modelopt_state=True), "ModelOpt layer specs")):
+    for config, message in (
+        (SimpleNamespace(transformer_impl="inference_optimized"), "training backend"),
+        (SimpleNamespace(experimental_attention_variant="dsa"), "replaces core attention"),
+        (SimpleNamespace(restore_modelopt_state=True), "ModelOpt layer specs"),
+    ):
         with pytest.raises(ValueError, match=message):
             get_gpt_layer_spec_2d(config)
 

@@ -23,14 +23,22 @@ MODELS = {
     # a window over several chunks on every layer (list form of window_attn_skip_freq)
     "wide_window": dict(num_layers=2, seed=22, overrides=dict(window_size=(70, 0), window_attn_skip_freq=[1, 1])),
     # gpt-oss style: learnable sinks, windowed and full layers alternating
-    "learnable_sinks": dict(num_layers=2, seed=23, overrides=dict(softmax_type="learnable", window_size=(40, 0),
-                                                                  window_attn_skip_freq=2)),
+    "learnable_sinks": dict(
+        num_layers=2, seed=23, overrides=dict(softmax_type="learnable", window_size=(40, 0), window_attn_skip_freq=2)
+    ),
     "off_by_one": dict(num_layers=2, seed=24, overrides=dict(softmax_type="off-by-one")),
     # honoured settings with no effect on the math: query-key layer scaling, and Megatron's selective recompute of
     # core attention (it re-runs CoreAttention2D under its checkpoint)
     "qk_layer_scaling_selective_recompute": dict(
-        num_layers=2, seed=25, overrides=dict(apply_query_key_layer_scaling=True, window_size=(12, 0),
-                                              recompute_granularity="selective", recompute_modules=["core_attn"])),
+        num_layers=2,
+        seed=25,
+        overrides=dict(
+            apply_query_key_layer_scaling=True,
+            window_size=(12, 0),
+            recompute_granularity="selective",
+            recompute_modules=["core_attn"],
+        ),
+    ),
 }
 # name -> (CP size, (hp, double-ring window, placement))
 LAYOUTS = {
@@ -42,8 +50,9 @@ LAYOUTS = {
 
 def config_of(name, layout=None):
     model = MODELS[name]
-    cfg = tg.TinyGPTConfig(**BASE, num_layers=model["num_layers"], seed=model["seed"],
-                           config_overrides=dict(model["overrides"]))
+    cfg = tg.TinyGPTConfig(
+        **BASE, num_layers=model["num_layers"], seed=model["seed"], config_overrides=dict(model["overrides"])
+    )
     if layout is not None:
         hp, w, placement = LAYOUTS[layout][1]
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
@@ -65,8 +74,12 @@ def run_all(rank, world):
     # Selective Checkpoint++ (full recompute that skips attention) keeps the sinks' gradient
     tg.init_parallel(context_parallel_size=4)
     cfg = config_of("learnable_sinks", "cp4_2x2_w2_head_first")
-    cfg.config_overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                                selective_checkpoint_plus_plus=True)
+    cfg.config_overrides.update(
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        selective_checkpoint_plus_plus=True,
+    )
     out["ckpt++"] = tg.forward_backward(tg.build_tiny_gpt(cfg, spec), tg.synthetic_batch(cfg))
     tg.init_parallel()
     off = config_of("sliding_window")
@@ -87,7 +100,7 @@ def test_matches_megatron_at_cp1(results, name, layout):
     actual, expected = results[(layout, name)], results[("ref", name)]
     assert set(actual["grads"]) == set(expected["grads"])
     sinks = [g for g in expected["grads"] if g.endswith("softmax_offset")]
-    assert len(sinks) == (2 if name == "learnable_sinks" else 0)   # the sink parameter, one per layer
+    assert len(sinks) == (2 if name == "learnable_sinks" else 0)  # the sink parameter, one per layer
     errors = tg.compare_results(actual, expected)
     bad = {k: e for k, e in errors.items() if not e < RTOL}
     assert not bad, f"relative errors above {RTOL}: {bad}"

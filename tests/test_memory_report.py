@@ -22,7 +22,7 @@ def test_recompute_modes(memory_report):
     rows = {r["mode"]: r for r in memory_report.report(args)}
     assert set(rows) == {"none", "selective", "full", "ckpt++"}
     act = {m: r["activation_MiB_per_layer"] for m, r in rows.items()}
-    assert act["full"] < act["ckpt++"] < act["none"]          # Checkpoint++ keeps attention only
+    assert act["full"] < act["ckpt++"] < act["none"]  # Checkpoint++ keeps attention only
     assert rows["ckpt++"]["extra_a2a_MiB"] == rows["ckpt++"]["extra_ring_MiB"] == 0
     assert rows["full"]["extra_ring_MiB"] > 0 and rows["full"]["extra_a2a_MiB"] > 0
     assert rows["full"]["extra_fwd_flops_vs_layer_fwd"] == pytest.approx(1.0)
@@ -35,6 +35,9 @@ def test_model_states_and_plot(memory_report, tmp_path):
     full = states["optimizer+grads+params, over 8 ranks"]
     assert full["params"] == pytest.approx(replicated["params"] / 8, rel=1e-3)
     assert full["optimizer"] == pytest.approx(replicated["optimizer"] / 8, rel=1e-3)
-    memory_report.plot([{"mode": "none", "activation_MiB_per_layer": 1.0, "extra_fwd_flops_vs_layer_fwd": 0.0}],
-                       list(states.values()), args.plot)
+    memory_report.plot(
+        [{"mode": "none", "activation_MiB_per_layer": 1.0, "extra_fwd_flops_vs_layer_fwd": 0.0}],
+        list(states.values()),
+        args.plot,
+    )
     assert (tmp_path / "m.png").stat().st_size > 1000

@@ -33,12 +33,16 @@ def test_merge_row_subsets_in_place():
     assert rel_err(out[:, 2:4], o) < 1e-12
 
 
-LARGE_LOGITS = [(torch.float32, 100.0), (torch.float32, -110.0), (torch.float64, 100.0), (torch.float64, -110.0),
-                (torch.float64, 750.0)]
+LARGE_LOGITS = [
+    (torch.float32, 100.0),
+    (torch.float32, -110.0),
+    (torch.float64, 100.0),
+    (torch.float64, -110.0),
+    (torch.float64, 750.0),
+]
 
 
-@pytest.mark.parametrize("dtype, logit", LARGE_LOGITS,
-                         ids=[f"{str(dt)[6:]}-logit{lg:+.0f}" for dt, lg in LARGE_LOGITS])
+@pytest.mark.parametrize("dtype, logit", LARGE_LOGITS, ids=[f"{str(dt)[6:]}-logit{lg:+.0f}" for dt, lg in LARGE_LOGITS])
 def test_merge_large_logits(dtype, logit):
     """Blocks whose scores sit near +-100: merging in the accumulators' dtype must stay exact. exp(100) overflows
     fp32 and exp(-110) underflows it; exp(750) overflows fp64 (fp32's lse cannot even hold 750 to 1e-6)."""
@@ -53,7 +57,7 @@ def test_merge_large_logits(dtype, logit):
     k_shift[..., 0] = (logit - base) / q[0, 0, :, 0].unsqueeze(0)
     k = k + k_shift
     full, full_lse = attention_with_lse(q, k, v, scale=scale)
-    assert (full_lse - logit).abs().max() < 20          # the logits really are near the target
+    assert (full_lse - logit).abs().max() < 20  # the logits really are near the target
     out = torch.zeros(1, 3, 2, 4, dtype=dtype)
     lse = torch.full((1, 2, 3), float("-inf"), dtype=dtype)
     for part in (slice(0, 2), slice(2, 7), slice(7, 9)):

@@ -22,71 +22,98 @@ import megatron_2d
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.base import PaddedValueKernel
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
-from megatron_2d.testing.reference import (TOLERANCE, packed_reference_attention, reference_attention,
-                                           reference_on_rank, rel_err, rounded)
+from megatron_2d.testing.reference import (
+    TOLERANCE,
+    packed_reference_attention,
+    reference_attention,
+    reference_on_rank,
+    rel_err,
+    rounded,
+)
 
 TIMEOUT = datetime.timedelta(seconds=60)
-DK, DV = 24, 16           # query/key and value head dims of the small cases (192 / 128 scaled down)
+DK, DV = 24, 16  # query/key and value head dims of the small cases (192 / 128 scaled down)
 
 # (world, hp, w, placement): head-only, ring-only (inner and outer), 2D with Double-Ring, context_first
-LAYOUTS = [(4, 1, 4, "head_first"), (4, 2, 1, "context_first"), (4, 4, 1, "head_first"),
-           (8, 2, 2, "head_first"), (8, 1, 2, "head_first"), (8, 8, 1, "head_first")]
+LAYOUTS = [
+    (4, 1, 4, "head_first"),
+    (4, 2, 1, "context_first"),
+    (4, 4, 1, "head_first"),
+    (8, 2, 2, "head_first"),
+    (8, 1, 2, "head_first"),
+    (8, 8, 1, "head_first"),
+]
 # (causal, sliding window, batch, kernel, K/V heads): full and causal, a window narrow enough for the neighbour
 # exchange and one the Double-Ring carries, a window open on both sides, batch 1 (point-to-point head exchange),
 # torch_math (native unequal head dims) besides cpu_flash (V padded), and one GQA case
-CASES = [(True, (-1, -1), 2, None, 8), (False, (-1, -1), 2, None, 8), (True, (3, 0), 2, None, 8),
-         (True, (40, 0), 1, None, 8), (False, (5, 7), 2, None, 8), (True, (-1, -1), 1, "torch_math", 8),
-         (False, (9, 2), 2, "torch_math", 8), (True, (-1, -1), 2, None, 2)]
+CASES = [
+    (True, (-1, -1), 2, None, 8),
+    (False, (-1, -1), 2, None, 8),
+    (True, (3, 0), 2, None, 8),
+    (True, (40, 0), 1, None, 8),
+    (False, (5, 7), 2, None, 8),
+    (True, (-1, -1), 1, "torch_math", 8),
+    (False, (9, 2), 2, "torch_math", 8),
+    (True, (-1, -1), 2, None, 2),
+]
 
 
 def _inputs(S, b, hq, hkv, dk, dv, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(S, b, h, d, generator=g, dtype=torch.float64)
-            for h, d in ((hq, dk), (hkv, dk), (hkv, dv), (hq, dv))]            # q, k, v, dout
+    return [
+        torch.randn(S, b, h, d, generator=g, dtype=torch.float64) for h, d in ((hq, dk), (hkv, dk), (hkv, dv), (hq, dv))
+    ]  # q, k, v, dout
 
 
 def mla_cases(rank, world, hp, w, placement):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    shard = lambda x: megatron_2d.shard_sequence(x.detach(), rank, world)     # noqa: E731
+    shard = lambda x: megatron_2d.shard_sequence(x.detach(), rank, world)  # noqa: E731
     errors = {}
     for i, (causal, window, batch, kernel, hkv) in enumerate(CASES):
         q, k, v, dout = _inputs(16 * world, batch, 8, hkv, DK, DV, seed=i)
         leaves = [x.requires_grad_(True) for x in (q, k, v)]
         reference_attention(*leaves, causal, 0.3, window=window).backward(dout)
         ql, kl, vl = (shard(x).float().requires_grad_(True) for x in (q, k, v))
-        out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, softmax_scale=0.3, kernel=kernel,
-                                       sliding_window=window)
+        out = megatron_2d.attention_2d(
+            ql, kl, vl, groups, causal=causal, softmax_scale=0.3, kernel=kernel, sliding_window=window
+        )
         assert out.shape == (16, batch, 8, DV) and out.is_contiguous()
         out.backward(shard(dout).float())
         with torch.no_grad():
             expected = reference_attention(q, k, v, causal, 0.3, window=window)
         errors[(causal, window, batch, kernel, hkv)] = max(
-            rel_err(a, shard(e)) for a, e in ((out, expected), (ql.grad, q.grad), (kl.grad, k.grad),
-                                              (vl.grad, v.grad)))
+            rel_err(a, shard(e)) for a, e in ((out, expected), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))
+        )
     # packed documents (THD), both modes, with a window
     cu = torch.tensor(np.cumsum([0, 3, 40, 9, 70, 6]), dtype=torch.int32)
     for mode in ("zigzag", "documents"):
         layout = megatron_2d.PackedLayout(cu, groups, mode=mode)
         q, k, v, dout = (x[:, 0] for x in _inputs(int(cu[-1]), 1, 8, 8, DK, DV, seed=11))
         leaves = [x.requires_grad_(True) for x in (q, k, v)]
-        packed_reference_attention(*leaves, cu, True, DK ** -0.5, window=(20, 0)).backward(dout)
+        packed_reference_attention(*leaves, cu, True, DK**-0.5, window=(20, 0)).backward(dout)
         ql, kl, vl = (layout.shard(x.detach()).float().requires_grad_(True) for x in (q, k, v))
         out = megatron_2d.attention_2d(ql, kl, vl, groups, sliding_window=(20, 0), packing=layout)
         out.backward(layout.shard(dout).float())
         with torch.no_grad():
-            expected = packed_reference_attention(q, k, v, cu, True, DK ** -0.5, window=(20, 0))
+            expected = packed_reference_attention(q, k, v, cu, True, DK**-0.5, window=(20, 0))
         errors[("packed", mode)] = max(
             ((a.double() - layout.shard(e)).abs().max() / e.abs().max()).item()
-            for a, e in ((out, expected), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)))
+            for a, e in ((out, expected), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))
+        )
     packings = [(cu, megatron_2d.PackedLayout(cu, groups, mode=mode)) for mode in ("zigzag", "documents")]
     errors.update(latent_cases(groups, rank, world, shard, packings))
     return errors
 
 
-NOPE, ROPE, VALUE, RANK = 6, 4, 5, 7        # qk_head_dim, qk_pos_emb_head_dim, v_head_dim, kv_lora_rank (small)
+NOPE, ROPE, VALUE, RANK = 6, 4, 5, 7  # qk_head_dim, qk_pos_emb_head_dim, v_head_dim, kv_lora_rank (small)
 # (causal, sliding window, batch, sinks): the latent ring on the Double-Ring, the neighbour exchange, batch 1
-LATENT_CASES = [(True, (-1, -1), 2, False), (False, (-1, -1), 1, False), (True, (3, 0), 2, False),
-                (True, (40, 0), 1, True), (False, (5, 7), 2, False)]
+LATENT_CASES = [
+    (True, (-1, -1), 2, False),
+    (False, (-1, -1), 1, False),
+    (True, (3, 0), 2, False),
+    (True, (40, 0), 1, True),
+    (False, (5, 7), 2, False),
+]
 
 
 def _latent_inputs(T, batch, hq, seed):
@@ -125,11 +152,21 @@ def latent_cases(groups, rank, world, shard, packings=()):
         ql, ll = (shard(x.detach()).float().requires_grad_(True) for x in (q, latent))
         wl = weight.detach().float().requires_grad_(True)
         sl = sinks.detach().float().requires_grad_(True) if with_sinks else None
-        out = megatron_2d.latent_attention_2d(ql, ll, wl, groups, nope_dim=NOPE, value_dim=VALUE, causal=causal,
-                                              softmax_scale=0.3, sliding_window=window, sinks=sl,
-                                              packing=packing[1] if packing else None)
+        out = megatron_2d.latent_attention_2d(
+            ql,
+            ll,
+            wl,
+            groups,
+            nope_dim=NOPE,
+            value_dim=VALUE,
+            causal=causal,
+            softmax_scale=0.3,
+            sliding_window=window,
+            sinks=sl,
+            packing=packing[1] if packing else None,
+        )
         out.backward(shard(dout).float())
-        replicated = [wl.grad] + ([sl.grad] if with_sinks else [])     # CP ranks hold shares: summed over CP
+        replicated = [wl.grad] + ([sl.grad] if with_sinks else [])  # CP ranks hold shares: summed over CP
         for grad in replicated:
             dist.all_reduce(grad)
         pairs = [(out, expected), (ql.grad, q.grad), (ll.grad, latent.grad)]
@@ -160,7 +197,7 @@ TE_MLA_CONFIGS = {
     "cp_3_2": (12, True, (512, 0), 2048),
     "cp_3_3": (12, False, (512, 512), 2048),
 }
-TE_TOLERANCES = {torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2)}   # run_attention_with_cp.py's, bf16
+TE_TOLERANCES = {torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2)}  # run_attention_with_cp.py's, bf16
 # TE's absolute bound is loose for outputs of a few hundredths (full attention averages many values), so each
 # tensor must also stay within our bf16 end-to-end bound relative to its largest value
 
@@ -169,7 +206,7 @@ def te_mla_config(rank, world, name):
     heads, causal, window, seq = TE_MLA_CONFIGS[name]
     groups = megatron_2d.build_2d_groups(2, 2, "head_first", timeout=TIMEOUT)
     q, k, v, dout = (rounded(x, torch.bfloat16).float() for x in _inputs(seq, 2, heads, heads, 192, 128, seed=3))
-    shard = lambda x: megatron_2d.shard_sequence(x, rank, world)               # noqa: E731
+    shard = lambda x: megatron_2d.shard_sequence(x, rank, world)  # noqa: E731
     expected = reference_on_rank(q, k, v, dout, rank, world, causal=causal, window=window, dtype=torch.float32)
     ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_(True) for x in (q, k, v))
     out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, sliding_window=window)
@@ -185,7 +222,7 @@ def te_mla_config(rank, world, name):
 @pytest.mark.parametrize("name", sorted(TE_MLA_CONFIGS))
 def test_transformer_engine_mla_cp_configs(name):
     for sent in run_on_ranks(4, te_mla_config, name, timeout_s=300):
-        assert sent["all_to_all"] > 0                        # hp 2 x cp 2: the head exchange and the ring both ran
+        assert sent["all_to_all"] > 0  # hp 2 x cp 2: the head exchange and the ring both ran
         assert sent["inner_ring"] + sent["neighbour"] > 0
 
 
@@ -206,20 +243,23 @@ def test_padded_value_kernel_matches_native_unequal_dims():
     q = torch.randn(2, 160, 4, 32, generator=g, dtype=torch.float64)
     k = torch.randn(2, 150, 2, 32, generator=g, dtype=torch.float64)
     v = torch.randn(2, 150, 2, 16, generator=g, dtype=torch.float64)
-    calls = (BlockCall(0, 160, 0, 150, None), BlockCall(0, 150, 0, 150, Band(None, 0)),
-             BlockCall(10, 160, 0, 150, Band(-20, 0)))                          # full, causal, narrow band (tiled)
+    calls = (
+        BlockCall(0, 160, 0, 150, None),
+        BlockCall(0, 150, 0, 150, Band(None, 0)),
+        BlockCall(10, 160, 0, 150, Band(-20, 0)),
+    )  # full, causal, narrow band (tiled)
     for call in calls:
         rows, keys = slice(call.q_start, call.q_end), slice(call.k_start, call.k_end)
-        (_, out, lse), = padded.forward_calls(q, k, v, (call,), 0, 0.2)
-        (_, out_ref, lse_ref), = math_kernel.forward_calls(q, k, v, (call,), 0, 0.2)
+        ((_, out, lse),) = padded.forward_calls(q, k, v, (call,), 0, 0.2)
+        ((_, out_ref, lse_ref),) = math_kernel.forward_calls(q, k, v, (call,), 0, 0.2)
         assert out.shape[-1] == 16 and rel_err(out, out_ref) < 1e-12 and rel_err(lse, lse_ref) < 1e-12
         full_out = torch.zeros(2, 160, 4, 16, dtype=torch.float64)
         full_lse = torch.zeros(2, 4, 160, dtype=torch.float64)
         full_out[:, rows], full_lse[:, :, rows] = out_ref, lse_ref
         dout = torch.randn(2, 160, 4, 16, generator=g, dtype=torch.float64)
-        kernel_dout, kernel_out = padded.backward_inputs(dout, full_out)          # padded once per backward
-        (_, *grads), = padded.backward_calls(kernel_dout, q, k, v, kernel_out, full_lse, (call,), 0, 0.2)
-        (_, *grads_ref), = math_kernel.backward_calls(dout, q, k, v, full_out, full_lse, (call,), 0, 0.2)
+        kernel_dout, kernel_out = padded.backward_inputs(dout, full_out)  # padded once per backward
+        ((_, *grads),) = padded.backward_calls(kernel_dout, q, k, v, kernel_out, full_lse, (call,), 0, 0.2)
+        ((_, *grads_ref),) = math_kernel.backward_calls(dout, q, k, v, full_out, full_lse, (call,), 0, 0.2)
         assert grads[2].shape[-1] == 16
         assert all(rel_err(a, e) < 1e-12 for a, e in zip(grads, grads_ref)), (call, keys)
 
@@ -256,16 +296,24 @@ def ring_bytes(rank, world, hp):
     rand = lambda *shape: (0.1 * torch.randn(*shape, generator=g)).to(torch.bfloat16).requires_grad_(True)  # noqa
     q, latent = rand(s_local, 1, heads, dk), rand(s_local, 1, d["rank"] + d["rope"])
     weight = rand(heads * (d["nope"] + d["value"]), d["rank"])
-    k, v = (x.to(torch.bfloat16).contiguous().requires_grad_(True)
-            for x in _expand(latent.detach().float(), weight.detach().float(), heads, d["nope"], d["value"], d["rank"]))
+    k, v = (
+        x.to(torch.bfloat16).contiguous().requires_grad_(True)
+        for x in _expand(latent.detach().float(), weight.detach().float(), heads, d["nope"], d["value"], d["rank"])
+    )
     sent = {}
-    for stage, run in (("expanded", lambda: megatron_2d.attention_2d(q, k, v, groups)),
-                       ("latent", lambda: megatron_2d.latent_attention_2d(q, latent, weight, groups,
-                                                                          nope_dim=d["nope"], value_dim=d["value"]))):
+    for stage, run in (
+        ("expanded", lambda: megatron_2d.attention_2d(q, k, v, groups)),
+        (
+            "latent",
+            lambda: megatron_2d.latent_attention_2d(
+                q, latent, weight, groups, nope_dim=d["nope"], value_dim=d["value"]
+            ),
+        ),
+    ):
         groups.comm_bytes.reset()
         run().float().sum().backward()
         counted = groups.comm_bytes.as_dict()
-        sent[stage] = (counted["inner_ring"] + counted["outer_ring"]) / (s_local * hp)   # per token of the block
+        sent[stage] = (counted["inner_ring"] + counted["outer_ring"]) / (s_local * hp)  # per token of the block
     return sent
 
 
@@ -274,9 +322,9 @@ def ring_bytes(rank, world, hp):
 def test_ring_bytes_follow_the_closed_form_and_the_latent_ring_sends_an_eighth(hp):
     world, d = 4, DSV3_TP8
     cp, local_heads = world // hp, d["heads"] // hp
-    expanded = ring_bytes_per_token(local_heads * (d["nope"] + d["rope"] + d["value"]), cp)   # K and V per head
-    latent = ring_bytes_per_token(d["rank"] + d["rope"], cp)                                 # once per token
+    expanded = ring_bytes_per_token(local_heads * (d["nope"] + d["rope"] + d["value"]), cp)  # K and V per head
+    latent = ring_bytes_per_token(d["rank"] + d["rope"], cp)  # once per token
     for sent in run_on_ranks(world, ring_bytes, hp, timeout_s=120):
         assert sent == {"expanded": expanded, "latent": latent}
-    if hp == 1:     # DeepSeek-V3 at TP 8: 576 values per token against 16 x 320 = 5120
+    if hp == 1:  # DeepSeek-V3 at TP 8: 576 values per token against 16 x 320 = 5120
         assert latent / expanded <= 1 / 8

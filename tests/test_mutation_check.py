@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("mutation_check",
-                                               Path(__file__).resolve().parent.parent / "tools" / "mutation_check.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "mutation_check", Path(__file__).resolve().parent.parent / "tools" / "mutation_check.py"
+)
 mc = importlib.util.module_from_spec(_SPEC)
 sys.modules.setdefault("mutation_check", mc)  # dataclasses look their module up
 _SPEC.loader.exec_module(mc)
@@ -47,15 +48,20 @@ def test_list_loads_and_snippets_must_occur_once(tmp_path):
     assert mc.pytest_command("py", mutations[0].tests)[-3:] == ["tests/test_a.py", "-k", "one or two"]
 
 
-@pytest.mark.parametrize("text, message", [
-    (ENTRY + ENTRY, "duplicate mutation id 'm1'"),
-    (ENTRY.replace('tests = ["tests/test_a.py", "-k", "one or two"]', 'tests = "tests/test_a.py"'),
-     "tests must be a non-empty list"),
-    (ENTRY.replace("x = 2", "x = 1"), "replaces its snippet by itself"),
-    (ENTRY.replace('id = "m1"', 'id = "m1"\nseverity = 3'), "unknown keys"),
-    (ENTRY.replace('file = "pkg/a.py"\n', ""), "lacks ['file']"),
-    ("", "no [[mutation]] tables"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (ENTRY + ENTRY, "duplicate mutation id 'm1'"),
+        (
+            ENTRY.replace('tests = ["tests/test_a.py", "-k", "one or two"]', 'tests = "tests/test_a.py"'),
+            "tests must be a non-empty list",
+        ),
+        (ENTRY.replace("x = 2", "x = 1"), "replaces its snippet by itself"),
+        (ENTRY.replace('id = "m1"', 'id = "m1"\nseverity = 3'), "unknown keys"),
+        (ENTRY.replace('file = "pkg/a.py"\n', ""), "lacks ['file']"),
+        ("", "no [[mutation]] tables"),
+    ],
+)
 def test_malformed_lists_are_refused(tmp_path, text, message):
     with pytest.raises(mc.MutationListError, match=message.replace("[", r"\[").replace("]", r"\]")):
         mc.load_mutations(write(tmp_path, text))

@@ -46,8 +46,9 @@ print("imported", len(names), "modules; nothing patched")
 
 @pytest.mark.slow
 def test_importing_every_module_patches_nothing():
-    out = subprocess.run([sys.executable, "-c", CHECK, str(REPO)], capture_output=True, text=True, timeout=600,
-                         cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK, str(REPO)], capture_output=True, text=True, timeout=600, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "nothing patched" in out.stdout
 

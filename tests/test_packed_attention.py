@@ -14,18 +14,18 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.document_sharding import PackingCost, shard_documents, zigzag_slots
 from megatron_2d.choices import PACKING_MODES
+from megatron_2d.document_sharding import PackingCost, shard_documents, zigzag_slots
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, packed_reference_attention, rel_err, rounded
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
 LENGTHS = {
-    "mixed": [1, 37, 200, 5, 64, 3, 90, 400, 11],          # length 1, lengths divisible by nothing
-    "one_long": [7, 700, 30, 2, 61],                       # one document longer than all the rest together
-    "single": [480],                                       # one document: the sbhd op's sequence
-    "per_sequence": [1, 37, 200, 5, 64, 3, 90, 400, 11, 1, 4],   # 816 = 17 * 48: the sequence mode at every CP here
+    "mixed": [1, 37, 200, 5, 64, 3, 90, 400, 11],  # length 1, lengths divisible by nothing
+    "one_long": [7, 700, 30, 2, 61],  # one document longer than all the rest together
+    "single": [480],  # one document: the sbhd op's sequence
+    "per_sequence": [1, 37, 200, 5, 64, 3, 90, 400, 11, 1, 4],  # 816 = 17 * 48: the sequence mode at every CP here
 }
 
 
@@ -34,18 +34,29 @@ def layout_case_keys(world):
     hand-picked lengths, the sequence mode (which cuts the stream into 2*CP chunks, so 2*CP must divide T) on
     ``per_sequence``."""
     assert all(sum(LENGTHS["per_sequence"]) % (2 * n) == 0 for n, _, _, _ in LAYOUTS)
-    return [(mode, name, causal) for mode in PACKING_MODES for name in LENGTHS
-            if (name == "per_sequence") == (mode == "sequence")
-            for causal in ((True, False) if name in ("mixed", "per_sequence") else (True,))]
+    return [
+        (mode, name, causal)
+        for mode in PACKING_MODES
+        for name in LENGTHS
+        if (name == "per_sequence") == (mode == "sequence")
+        for causal in ((True, False) if name in ("mixed", "per_sequence") else (True,))
+    ]
+
 
 # (world, hp, w, placement): worlds 1, 2, 4, 6, 8; the issue's layouts (hp x cp x w) 1x8x2, 2x4x2, 4x2x1, 8x1x1,
 # 2x3x1 at world 6; context_first wherever it is a different rank map
 LAYOUTS = [
     (1, 1, 1, "head_first"),
-    (2, 1, 2, "head_first"), (2, 2, 1, "head_first"),
-    (4, 1, 2, "head_first"), (4, 2, 1, "context_first"),
-    (6, 2, 1, "context_first"), (6, 1, 3, "head_first"),
-    (8, 1, 2, "head_first"), (8, 2, 2, "context_first"), (8, 4, 1, "head_first"), (8, 8, 1, "head_first"),
+    (2, 1, 2, "head_first"),
+    (2, 2, 1, "head_first"),
+    (4, 1, 2, "head_first"),
+    (4, 2, 1, "context_first"),
+    (6, 2, 1, "context_first"),
+    (6, 1, 3, "head_first"),
+    (8, 1, 2, "head_first"),
+    (8, 2, 2, "context_first"),
+    (8, 4, 1, "head_first"),
+    (8, 8, 1, "head_first"),
 ]
 
 
@@ -57,46 +68,53 @@ def packed_inputs(lengths, hq, hkv, d, seed=0):
     return cu, q, k, v, dout
 
 
-def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32, window=(-1, -1), sinks=False,
-               seed=0):
+def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32, window=(-1, -1), sinks=False, seed=0):
     """One case on this rank: (errors by output, padding checks, sink gradient of this rank's rows)."""
     cu, q, k, v, dout = packed_inputs(lengths, hq, hkv, d, seed)
     q, k, v, dout = (rounded(x, dtype) for x in (q, k, v, dout))
     sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64) if sinks else None
     layout = megatron_2d.PackedLayout(torch.tensor(cu, dtype=torch.int32), groups, mode=mode)
     leaves = [x.requires_grad_(True) for x in (q, k, v) + ((sink,) if sinks else ())]
-    ref = packed_reference_attention(q, k, v, cu, causal, d ** -0.5, window=window,
-                                     sinks=sink)
+    ref = packed_reference_attention(q, k, v, cu, causal, d**-0.5, window=window, sinks=sink)
     ref.backward(dout)
     ql, kl, vl = (layout.shard(x.detach()).to(dtype).requires_grad_(True) for x in (q, k, v))
     local_sink = sink.detach().float().requires_grad_(True) if sinks else None
-    out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, sliding_window=window, sinks=local_sink,
-                                   packing=layout)
+    out = megatron_2d.attention_2d(
+        ql, kl, vl, groups, causal=causal, sliding_window=window, sinks=local_sink, packing=layout
+    )
     out.backward(layout.shard(dout).to(dtype))
     pad = layout.local_indices() < 0
     grads = (out, ql.grad, kl.grad, vl.grad)
-    padding = {"no_nan": all(bool(torch.isfinite(x).all()) for x in grads),
-               "pad_zero": all(bool((x[pad] == 0).all()) for x in grads),
-               "pad_slots": int(pad.sum())}
+    padding = {
+        "no_nan": all(bool(torch.isfinite(x).all()) for x in grads),
+        "pad_zero": all(bool((x[pad] == 0).all()) for x in grads),
+        "pad_slots": int(pad.sum()),
+    }
     # max |error| on this rank's slots over max |reference| of the whole tensor (a rank may hold only tokens
     # whose reference gradient is exactly zero, e.g. first tokens of documents for dq)
-    errs = {name: ((a.double() - layout.shard(e.detach())).abs().max() / e.abs().max()).item()
-            for name, (a, e) in
-            dict(out=(out, ref), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad)).items()}
+    errs = {
+        name: ((a.double() - layout.shard(e.detach())).abs().max() / e.abs().max()).item()
+        for name, (a, e) in dict(
+            out=(out, ref), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad)
+        ).items()
+    }
     sink_grad = local_sink.grad.double() if sinks else None
     return errs, padding, sink_grad, (leaves[3].grad if sinks else None)
 
 
 def layout_cases(rank, world, hp, w, placement):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)           # GQA with K/V replication whenever hp > 1
-    return {(mode, name, causal): run_packed(groups, mode, LENGTHS[name], causal, hq, hkv)[:2]
-            for mode, name, causal in layout_case_keys(world)}
+    hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)  # GQA with K/V replication whenever hp > 1
+    return {
+        (mode, name, causal): run_packed(groups, mode, LENGTHS[name], causal, hq, hkv)[:2]
+        for mode, name, causal in layout_case_keys(world)
+    }
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, hp, w, placement", LAYOUTS,
-                         ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in LAYOUTS])
+@pytest.mark.parametrize(
+    "world, hp, w, placement", LAYOUTS, ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in LAYOUTS]
+)
 def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
     results = run_on_ranks(world, layout_cases, hp, w, placement)
     tol = TOLERANCE[torch.float32]
@@ -108,18 +126,21 @@ def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
             assert max(errs.values()) < tol, (rank, case, errs)
             assert padding["no_nan"] and padding["pad_zero"], (rank, case, padding)
     # zigzag pads every document to a multiple of 2*CP: padding slots exist and were checked
-    assert world == 1 or any(p["pad_slots"] for per_rank in results for (m, _, _), (_, p) in per_rank.items()
-                             if m == "zigzag")
+    assert world == 1 or any(
+        p["pad_slots"] for per_rank in results for (m, _, _), (_, p) in per_rank.items() if m == "zigzag"
+    )
 
 
-ONE_TOKEN_DOCUMENTS = [1] * 40 + [5, 9]     # issue 25's reproduction: garbage dq/dk reported at world 8
+ONE_TOKEN_DOCUMENTS = [1] * 40 + [5, 9]  # issue 25's reproduction: garbage dq/dk reported at world 8
 
 
 def one_token_documents(rank, world, hp, w):
     groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
     # the sequence mode cuts the stream into 2*CP chunks: a last document of 10 tokens makes T = 64
-    return {mode: run_packed(groups, mode, ONE_TOKEN_DOCUMENTS + ([10] if mode == "sequence" else []), True, 8, 8)[:2]
-            for mode in PACKING_MODES}
+    return {
+        mode: run_packed(groups, mode, ONE_TOKEN_DOCUMENTS + ([10] if mode == "sequence" else []), True, 8, 8)[:2]
+        for mode in PACKING_MODES
+    }
 
 
 @pytest.mark.distributed
@@ -135,7 +156,7 @@ def test_one_token_documents_at_world_8(hp, w):
 
 def tiny_documents(rank, world):
     groups = megatron_2d.build_2d_groups(1, 2, "head_first", timeout=TIMEOUT)
-    lengths = (np.arange(1000) % 3 + 1).tolist()                # 1000 documents of 1-3 tokens
+    lengths = (np.arange(1000) % 3 + 1).tolist()  # 1000 documents of 1-3 tokens
     return {mode: run_packed(groups, mode, lengths, True, 4, 2)[:2] for mode in ("zigzag", "documents")}
 
 
@@ -183,8 +204,9 @@ def single_document_equals_sbhd(rank, world):
     cu, q, k, v, dout = packed_inputs([2 * world * 24], 8, 2, 16)
     layout = megatron_2d.PackedLayout(cu, groups, mode="zigzag")
     thd = megatron_2d.attention_2d(*(layout.shard(x).float() for x in (q, k, v)), groups, packing=layout)
-    sbhd = megatron_2d.attention_2d(*(megatron_2d.shard_sequence(x, rank, world).unsqueeze(1).float()
-                                      for x in (q, k, v)), groups)
+    sbhd = megatron_2d.attention_2d(
+        *(megatron_2d.shard_sequence(x, rank, world).unsqueeze(1).float() for x in (q, k, v)), groups
+    )
     return rel_err(thd, sbhd.squeeze(1)), layout.padding_fraction
 
 
@@ -219,7 +241,7 @@ def test_zigzag_slots_equal_transformer_engine_partitioning(cp_size):
     padded = -(-lengths // (2 * cp_size)) * (2 * cp_size)
     cu_pad = np.concatenate([[0], np.cumsum(padded)])
     slots = zigzag_slots(cu, cp_size, padded)
-    assert cp_size == 1 or (slots == zigzag_slots(cu, cp_size)).all()     # the default padding is this one
+    assert cp_size == 1 or (slots == zigzag_slots(cu, cp_size)).all()  # the default padding is this one
     for rank in range(cp_size):
         expected = te_partitioned_indices(cu_pad.tolist(), int(cu_pad[-1]), cp_size, rank)
         # our slot -> padded-stream index: document start in the padded stream + position in the document
@@ -240,8 +262,10 @@ def test_documents_sharding_chooses_by_cost_and_keeps_short_documents_whole():
     lengths = np.maximum(1, rng.lognormal(5.5, 1.0, size=400).astype(np.int64))
     cu = np.concatenate([[0], np.cumsum(lengths)])
     desc = np.sort(lengths)[::-1]
-    costs = [PackingCost.from_hardware(445, 450), PackingCost(pair_s=3e-9, ring_token_s=5e-6, call_s=1e-4,
-                                                              ring_step_s=1e-3, overlap=0.0)]
+    costs = [
+        PackingCost.from_hardware(445, 450),
+        PackingCost(pair_s=3e-9, ring_token_s=5e-6, call_s=1e-4, ring_step_s=1e-3, overlap=0.0),
+    ]
     for cp, cost in [(2, costs[0]), (4, costs[1]), (8, costs[0]), (8, costs[1])]:
         p = shard_documents(cu, cp=cp, hp=2, cost=cost)
         every_k = [shard_documents(cu, cp, 2, long_threshold=int(desc[k]), cost=cost).predicted_s for k in range(40)]
@@ -253,13 +277,19 @@ def test_documents_sharding_chooses_by_cost_and_keeps_short_documents_whole():
         for doc in np.flatnonzero(p.owner >= 0)[:50]:
             view = p.views[p.owner[doc]].tolist()
             start = view.index(int(cu[doc]))
-            assert view[start:start + lengths[doc]] == list(range(cu[doc], cu[doc + 1]))
+            assert view[start : start + lengths[doc]] == list(range(cu[doc], cu[doc + 1]))
         # the loads it reports, measured independently from the views
-        load = np.array([sum(int(x - cu[np.searchsorted(cu, x, side='right') - 1]) + 1
-                             for x in view[view >= 0]) for view in p.views])
+        load = np.array(
+            [
+                sum(int(x - cu[np.searchsorted(cu, x, side="right") - 1]) + 1 for x in view[view >= 0])
+                for view in p.views
+            ]
+        )
         assert load.max() / load.mean() - 1 == pytest.approx(p.pair_imbalance, abs=1e-9)
-        padding = (p.views < 0).sum() - (p.view_len * cp - p.long_prefix * cp - (p.views[:, p.long_prefix:] >= 0).sum())
-        assert padding == (-lengths[p.long_docs] % (2 * cp)).sum()       # only the sharded pad, to 2*cp
+        padding = (p.views < 0).sum() - (
+            p.view_len * cp - p.long_prefix * cp - (p.views[:, p.long_prefix :] >= 0).sum()
+        )
+        assert padding == (-lengths[p.long_docs] % (2 * cp)).sum()  # only the sharded pad, to 2*cp
 
 
 def test_cost_model_prefers_whole_documents_when_the_ring_is_dear():
@@ -303,8 +333,17 @@ def refusals(rank, world):
 @pytest.mark.distributed
 def test_bad_packed_input_is_refused_with_the_values():
     for messages in run_on_ranks(4, refusals):
-        assert set(messages) == {"not_increasing", "not_zero", "float", "differing", "T_mismatch", "shard_T",
-                                 "other_groups", "thd_without_packing", "mode"}, messages
+        assert set(messages) == {
+            "not_increasing",
+            "not_zero",
+            "float",
+            "differing",
+            "T_mismatch",
+            "shard_T",
+            "other_groups",
+            "thd_without_packing",
+            "mode",
+        }, messages
         assert "cu_seqlens[1] = 5 and cu_seqlens[2] = 5" in messages["not_increasing"]
         assert "cu_seqlens[0] = 2" in messages["not_zero"]
         assert "differ across the ranks" in messages["differing"]
@@ -328,11 +367,17 @@ def disagreeing_cu_seqlens(rank, world, hp, differ_by):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, hp, differ_by", [(4, 2, "head_group"), (4, 2, "context_group"),
-                                                  (2, 1, "head_group"), (4, 1, "head_group"),
-                                                  (4, 4, "context_group")],
-                         ids=["hp2-cp2-across-head-groups", "hp2-cp2-across-context-groups", "hp1-cp2",
-                              "hp1-cp4", "hp4-cp1"])
+@pytest.mark.parametrize(
+    "world, hp, differ_by",
+    [
+        (4, 2, "head_group"),
+        (4, 2, "context_group"),
+        (2, 1, "head_group"),
+        (4, 1, "head_group"),
+        (4, 4, "context_group"),
+    ],
+    ids=["hp2-cp2-across-head-groups", "hp2-cp2-across-context-groups", "hp1-cp2", "hp1-cp4", "hp4-cp1"],
+)
 def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(world, hp, differ_by):
     """Ranks that agree with their own head group (or context group) but not with the rest of the CP group are
     refused on every rank: the check spans the whole CP group, at hp = 1 too."""
@@ -343,8 +388,7 @@ def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(world, hp, 
 @pytest.mark.distributed
 def test_a_failing_rank_fails_the_test():
     with pytest.raises(RankFailure):
-        run_on_ranks(2, lambda rank, world: megatron_2d.PackedLayout([0, 5 + rank],
-                                                                     megatron_2d.build_2d_groups(1, 1)))
+        run_on_ranks(2, lambda rank, world: megatron_2d.PackedLayout([0, 5 + rank], megatron_2d.build_2d_groups(1, 1)))
 
 
 def test_whole_documents_balance_tokens_as_well_as_pairs():
@@ -352,7 +396,7 @@ def test_whole_documents_balance_tokens_as_well_as_pairs():
     four of 1000 ~ the same pairs): the 2000 one-token documents must even the tokens out, not the pairs alone."""
     lengths = np.array([2000, 1000, 1000, 1000, 1000] + [1] * 2000)
     cu = np.concatenate([[0], np.cumsum(lengths)])
-    p = shard_documents(cu, cp=2, hp=1, long_threshold=10 ** 9)               # everything whole
+    p = shard_documents(cu, cp=2, hp=1, long_threshold=10**9)  # everything whole
     assert len(p.long_docs) == 0
     tokens = (p.views >= 0).sum(axis=1)
     assert tokens.max() / tokens.mean() - 1 < 0.01, tokens
@@ -369,13 +413,13 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
     from megatron_2d.groups import Groups2D
     from megatron_2d.topology import Layout2D, place_all_ranks
 
-    lengths = np.array(LENGTHS["mixed"] + LENGTHS["one_long"] + [21])     # 1632 = 34 * 48
+    lengths = np.array(LENGTHS["mixed"] + LENGTHS["one_long"] + [21])  # 1632 = 34 * 48
     cu = np.concatenate([[0], np.cumsum(lengths)])
     layout = Layout2D(CP, hp, 1, placement)
     places = place_all_ranks(layout, [list(range(CP))], CP)
     total = {True: 0, False: 0}
     for place in places.values():
-        if place.head_rank:                                      # one head rank per context rank: its view
+        if place.head_rank:  # one head rank per context rank: its view
             continue
         packed = megatron_2d.PackedLayout(cu, Groups2D(layout, place, None, None, None, None, None), mode=mode)
         for causal in (True, False):
@@ -384,11 +428,11 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
             if mode == "zigzag" and causal:
                 assert sum(len(calls) for calls in plans.values()) <= 4 * len(lengths) * (CP // hp)
     assert total[True] == int((lengths * (lengths + 1) // 2).sum())
-    assert total[False] == int((lengths ** 2).sum())
+    assert total[False] == int((lengths**2).sum())
 
 
 # -- sliding windows in packed batches: bytes follow the window ------------------------------------------
-LONG = [2 * 4 * c for c in (28, 32, 36)]            # three long documents, each > T / cp at CP = 4: chunks 28..36
+LONG = [2 * 4 * c for c in (28, 32, 36)]  # three long documents, each > T / cp at CP = 4: chunks 28..36
 
 
 def packed_window_bytes(rank, world, left):

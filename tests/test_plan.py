@@ -5,16 +5,31 @@ import json
 
 import pytest
 
-from megatron_2d.plan import (CLUSTER_PRESETS, MODEL_PRESETS, Layout, ModelSpec, ParallelSpec,
-                              PlanError, WorkCounts, calibrate, evaluate, fit_rates, get_cluster, get_model,
-                              layer_work, plan, replicated_kv_heads, work_counts)
-from megatron_2d.plan.cli import main, parse_seq
-from megatron_2d.plan.attention_time import flow_gbps, ring_times
-from megatron_2d.plan.memory import memory_bytes
-from megatron_2d.plan.links import IDEAL_LINKS
-from megatron_2d.plan.link_classes import LinkClass, LinkMap, link_map, peers
 from megatron_2d import topology
 from megatron_2d.block_plan import plan_block
+from megatron_2d.plan import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    Layout,
+    ModelSpec,
+    ParallelSpec,
+    PlanError,
+    WorkCounts,
+    calibrate,
+    evaluate,
+    fit_rates,
+    get_cluster,
+    get_model,
+    layer_work,
+    plan,
+    replicated_kv_heads,
+    work_counts,
+)
+from megatron_2d.plan.attention_time import flow_gbps, ring_times
+from megatron_2d.plan.cli import main, parse_seq
+from megatron_2d.plan.link_classes import LinkClass, LinkMap, link_map, peers
+from megatron_2d.plan.links import IDEAL_LINKS
+from megatron_2d.plan.memory import memory_bytes
 from megatron_2d.sequence_layout import zigzag_chunks
 
 GQA, MHA = get_model("7B-GQA"), get_model("7B-MHA")
@@ -25,6 +40,7 @@ K128 = 131072
 
 
 # -- formulas on hand-computed cases ------------------------------------------------------------------------------
+
 
 def test_layer_work_hand_computed():
     # 7B-GQA, S=128K, CP=64 as hp=8 x cp=8, TP=1, B=1. d = 4096/32 = 128, Ht = 32, Hkvt = 8, L = lcm(8, 8) = 8.
@@ -73,7 +89,7 @@ def test_ring_times_hand_computed():
     #            owner (outer link, 16.75-24.75, exposed) -> 24.75 ms
     # serial comm = 2*2*3*1 (kv inner) + 5*2 (dkv inner) + 2*1*4 (kv outer) + 2*8 (dkv outer + diagonal)
     #             = 12+10+8+16 = 46 ms
-    cluster = H100.with_(nvlink_gbps=100.0, links=IDEAL_LINKS)     # nominal rates (tests/test_plan_links.py: factors)
+    cluster = H100.with_(nvlink_gbps=100.0, links=IDEAL_LINKS)  # nominal rates (tests/test_plan_links.py: factors)
     links = LinkMap(a2a=(), inner=(LinkClass(1, 0, 0),), outer=(LinkClass(0, 1, 16),))
     work = layer_work(GQA, ParallelSpec(gpus=64), hp=1, cp=64, seq=K128)
     work = type(work)(**{**work.__dict__, "kv_bytes": 1e8, "dkv_bytes": 2e8})
@@ -99,7 +115,7 @@ def test_zigzag_steps_cost_half_a_block():
                 pairs = 0
                 for x in calls:
                     rows, keys = x.q_end - x.q_start, x.k_end - x.k_start
-                    assert x.band is None or (x.band.lo, x.band.hi, rows) == (None, 0, keys)   # full or causal
+                    assert x.band is None or (x.band.lo, x.band.hi, rows) == (None, 0, keys)  # full or causal
                     pairs += rows * keys if x.band is None else rows * (rows + 1) // 2
                 assert pairs == per_step + (c if src == r else 0), (cp, r, src)
 
@@ -131,11 +147,11 @@ def test_memory_hand_computed():
     # activations per token: 2 * ((4D + 2F + F) + (H + 2L + 2H) d) + 4H = 2 * (5120 + 1792) + 32 = 13856 bytes,
     # x 512 tokens x 2 layers = 14188544
     activations = 13856 * 512 * 2
-    logits = 4 * 512 * 1000                                            # fp32 logits of the local tokens
+    logits = 4 * 512 * 1000  # fp32 logits of the local tokens
     # K/V block: 2 bytes x 2 (k, v) x S/cp = 1024 tokens x L/hp = 1 head x 64 = 262144; dK/dV fp32: 524288.
     # Two of each in flight on the inner ring plus one of each for the outer ring (nw = 2 > 1): 3 x 786432.
     blocks = 3 * (262144 + 524288)
-    staging = 2 * 512 * 64 * (2 * 8 + 2 * 2)                            # one all-to-all copy of q, k, v, out
+    staging = 2 * 512 * 64 * (2 * 8 + 2 * 2)  # one all-to-all copy of q, k, v, out
     # parameters: per layer Q,O 2*512*512 + K,V 2*512*128 + MLP 3*512*1024 = 2228224; 2 layers + output layer
     # + embedding 2 * 512000: 5480448. bf16 weights + fp32 grads (6 bytes) + 12 bytes of optimizer state / 8.
     params = 2 * 2228224 + 2 * 1000 * 512
@@ -150,6 +166,7 @@ def test_memory_hand_computed():
 
 
 # -- link classes ------------------------------------------------------------------------------------------------
+
 
 def test_link_map_hand_cases():
     # 64 GPUs, 8 per node, TP=1. head_first hp=8: a head group is one node (7 NVLink peers); the ring connects
@@ -177,12 +194,15 @@ def _brute_force_peers(i, hp, cp, w, placement):
     for hr in range(hp):
         for cr in range(cp):
             grid[(hr, cr)] = cr * hp + hr if placement == "head_first" else hr * cp + cr
-    (hr, cr), = [k for k, v in grid.items() if v == i]
+    ((hr, cr),) = [k for k, v in grid.items() if v == i]
     window = [grid[(hr, x)] for x in range(cp) if x // w == cr // w]
     outer = [grid[(hr, x)] for x in range(cp) if x % w == cr % w]
-    nxt = lambda ring: ring[(ring.index(i) + 1) % len(ring)]                          # noqa: E731
-    return {"a2a": sorted(grid[(h, cr)] for h in range(hp) if h != hr),
-            "inner": [nxt(window)] if w > 1 else [], "outer": [nxt(outer)] if cp // w > 1 else []}
+    nxt = lambda ring: ring[(ring.index(i) + 1) % len(ring)]  # noqa: E731
+    return {
+        "a2a": sorted(grid[(h, cr)] for h in range(hp) if h != hr),
+        "inner": [nxt(window)] if w > 1 else [],
+        "outer": [nxt(outer)] if cp // w > 1 else [],
+    }
 
 
 @pytest.mark.parametrize("hp,cp,w", [(2, 8, 4), (4, 4, 2), (1, 16, 4), (8, 2, 1), (3, 6, 3)])
@@ -213,12 +233,17 @@ def test_placement_matches_megatron_2d_topology():
 
 # -- sanity properties -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("model", [GQA, MHA])
 def test_more_bandwidth_is_never_slower(model):
     par = ParallelSpec(gpus=64)
     base = {c.layout: c.estimate.time_s for c in plan(model, H100, par, K128) if c.feasible}
-    for faster in (H100.with_(nvlink_gbps=900.0), H100.with_(net_gbps_per_node=800.0),
-                   H100.with_(nics_per_node=4), H100.with_(hbm_gbps=6000.0)):
+    for faster in (
+        H100.with_(nvlink_gbps=900.0),
+        H100.with_(net_gbps_per_node=800.0),
+        H100.with_(nics_per_node=4),
+        H100.with_(hbm_gbps=6000.0),
+    ):
         # (4 NICs of 100 GB/s each instead of 8 of 50: each flow gets more when fewer than 8 flows leave a node)
         for c in plan(model, faster, par, K128):
             if c.feasible:
@@ -268,6 +293,7 @@ def test_ideal_cluster_time_is_compute_plus_exposed_parts():
 
 # -- feasibility -------------------------------------------------------------------------------------------------
 
+
 def _reason(layout, model=GQA, gpus=64, seq=K128, tp=1):
     c = evaluate(layout, model, H100, ParallelSpec(gpus=gpus, tp=tp), seq)
     assert not c.feasible and c.estimate is None and c.reason
@@ -298,11 +324,12 @@ def test_plan_lists_infeasible_baselines_last():
     assert flags == sorted(flags, reverse=True)
     kinds = {c.kind for c in cands if not c.feasible}
     assert {"a2a", "ds-ulysses", "a2a+p2p", "2d"} <= kinds
-    steps = [round(c.estimate.step_s, 9) for c in cands if c.feasible]    # ties ranked at 1e-9 s
+    steps = [round(c.estimate.step_s, 9) for c in cands if c.feasible]  # ties ranked at 1e-9 s
     assert steps == sorted(steps)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
+
 
 def test_errors_name_the_value_and_what_is_valid():
     with pytest.raises(PlanError, match=r"unknown model preset 'llama'.*7B-MHA, 7B-GQA"):
@@ -339,11 +366,13 @@ def test_parse_seq():
 
 # -- CLI ---------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("model", list(MODEL_PRESETS))
 @pytest.mark.parametrize("cluster", list(CLUSTER_PRESETS))
 def test_cli_runs_for_presets(model, cluster, capsys):
-    sizes = {"70B-GQA": ["--tp", "8", "--pp", "2", "--gpus", "256"],
-             "DSV3-MLA": ["--tp", "8", "--gpus", "64"]}.get(model, ["--gpus", "32"])
+    sizes = {"70B-GQA": ["--tp", "8", "--pp", "2", "--gpus", "256"], "DSV3-MLA": ["--tp", "8", "--gpus", "64"]}.get(
+        model, ["--gpus", "32"]
+    )
     assert main(["--model", model, "--cluster", cluster, *sizes, "--seq", "64K", "--top", "5"]) == 0
     out = capsys.readouterr().out
     cp = {"70B-GQA": 16, "DSV3-MLA": 8}.get(model, 32)
@@ -353,8 +382,21 @@ def test_cli_runs_for_presets(model, cluster, capsys):
 def test_cli_json_has_fields(capsys):
     main(["--model", "7B-GQA", "--cluster", "8xH100", "--gpus", "64", "--seq", "128K", "--json"])
     rows = json.loads(capsys.readouterr().out)
-    need = {"kind", "hp", "cp", "w", "placement", "time_ms", "mfu", "comm_ms", "compute_ms", "memory_gb",
-            "feasible", "reason", "flags"}
+    need = {
+        "kind",
+        "hp",
+        "cp",
+        "w",
+        "placement",
+        "time_ms",
+        "mfu",
+        "comm_ms",
+        "compute_ms",
+        "memory_gb",
+        "feasible",
+        "reason",
+        "flags",
+    }
     assert rows and all(need <= set(r) for r in rows)
     ok = [r for r in rows if r["feasible"]]
     assert ok[0]["step_ms"] == min(r["step_ms"] for r in ok)
@@ -367,19 +409,21 @@ def test_cli_flags_and_tp(capsys):
     rows = json.loads(capsys.readouterr().out)
     p2p = next(r for r in rows if r["kind"] == "p2p")
     assert p2p["flags"].startswith("--tensor-model-parallel-size 2 --context-parallel-size 32 --cp-comm-type p2p ")
-    assert "--use-distributed-optimizer" in p2p["flags"]                # every row's memory option is on the line
+    assert "--use-distributed-optimizer" in p2p["flags"]  # every row's memory option is on the line
     hier = next(r for r in rows if r["kind"] == "a2a+p2p" and r["hp"] == 4)
     assert "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 8" in hier["flags"]
 
 
 def test_cli_plot_writes_png(tmp_path, capsys):
     path = tmp_path / "plan.png"
-    main(["--model", "7B-GQA", "--gpus", "64", "--seq", "128K", "--plot", str(path), "--plot-seqs", "32K", "128K",
-          "1M"])
+    main(
+        ["--model", "7B-GQA", "--gpus", "64", "--seq", "128K", "--plot", str(path), "--plot-seqs", "32K", "128K", "1M"]
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- calibration -------------------------------------------------------------------------------------------------
+
 
 def test_fit_rates_recovers_known_rates():
     # t = flops/4e14 + nvl/3e11 + nic/4e10 on four independent samples: the fit is exact.
@@ -397,9 +441,13 @@ def test_fit_rates_recovers_known_rates():
 
 def test_calibrate_updates_cluster_figures():
     par = ParallelSpec(gpus=64)
-    layouts = [Layout("2d", 8, 8, 8, "head_first"), Layout("2d", 8, 8, 8, "context_first"),
-               Layout("p2p", 1, 64, 64), Layout("2d", 1, 64, 8)]
-    rate, nvl, nic = 3e14, 2e11, 3e10                    # "measured" machine: 30% efficiency, slower links
+    layouts = [
+        Layout("2d", 8, 8, 8, "head_first"),
+        Layout("2d", 8, 8, 8, "context_first"),
+        Layout("p2p", 1, 64, 64),
+        Layout("2d", 1, 64, 8),
+    ]
+    rate, nvl, nic = 3e14, 2e11, 3e10  # "measured" machine: 30% efficiency, slower links
 
     def measured(layout):
         wc = work_counts(layout, GQA, H100, par, K128)
@@ -417,6 +465,7 @@ def test_calibrate_updates_cluster_figures():
 
 # -- output paths ------------------------------------------------------------------------------------------------
 
+
 def test_print_plan_plain_and_rich():
     import io
 
@@ -425,7 +474,7 @@ def test_print_plan_plain_and_rich():
     par = ParallelSpec(gpus=16)
     cands = plan(GQA, H100, par, 65536)
     plain = io.StringIO()
-    print_plan(cands, GQA, H100, par, 65536, top=3, stream=plain)           # not a terminal: plain text
+    print_plan(cands, GQA, H100, par, 65536, top=3, stream=plain)  # not a terminal: plain text
     assert plain.getvalue().rstrip("\n") == format_plan(cands, GQA, H100, par, 65536, top=3)
     import rich  # noqa: F401  (a dev dependency: its absence is a failure, not a skip)
 
@@ -447,9 +496,11 @@ def test_enumerated_layouts_are_distinct(gpus):
         if layout.kind != "2d":
             continue
         hp, cp, w = layout.hp, layout.cp, layout.w
-        maps = tuple(tuple(sorted(peers(i, hp, cp, w, layout.placement)["a2a"])) +
-                     tuple(peers(i, hp, cp, w, layout.placement)["inner"] + peers(i, hp, cp, w, layout.placement)["outer"])
-                     for i in range(hp * cp))
+        maps = tuple(
+            tuple(sorted(peers(i, hp, cp, w, layout.placement)["a2a"]))
+            + tuple(peers(i, hp, cp, w, layout.placement)["inner"] + peers(i, hp, cp, w, layout.placement)["outer"])
+            for i in range(hp * cp)
+        )
         key = (hp, cp, w, maps)
         assert key not in seen, layout
         seen.add(key)

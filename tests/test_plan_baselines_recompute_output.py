@@ -16,10 +16,10 @@ from megatron_2d.plan import Layout, ParallelSpec, evaluate, get_cluster, get_mo
 from megatron_2d.plan.candidates import enumerate_layouts, megatron_flags
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.memory import memory_breakdown
-from megatron_2d.plan.step import recompute_extra_s, with_recompute
-from megatron_2d.plan.planner import ROW_KEYS, choose_recompute, recommended
 from megatron_2d.plan.memory_options import DIST_OPT
+from megatron_2d.plan.planner import ROW_KEYS, choose_recompute, recommended
 from megatron_2d.plan.report import format_plan
+from megatron_2d.plan.step import recompute_extra_s, with_recompute
 
 GQA, MHA = get_model("7B-GQA"), get_model("7B-MHA")
 H100 = get_cluster("8xH100")
@@ -28,6 +28,7 @@ GB = 1e9
 
 
 # -- Transformer Engine sends dK/dV in bf16; we send fp32 ------------------------------------------------------
+
 
 def test_te_rings_carry_bf16_dkv_ours_fp32():
     # 7B-GQA, S=64K on one node, CP=8 as a plain ring (hp=1): K/V block = 2 (k, v) * 2 bytes * S/8 = 8192 tokens
@@ -59,6 +60,7 @@ def test_layer_work_dkv_bytes_per_elem():
 
 # -- DeepSpeed-Ulysses repeats K/V heads for GQA ----------------------------------------------------------------
 
+
 def test_ds_ulysses_is_feasible_for_gqa_with_repeated_kv():
     # 7B-GQA (32 heads, 8 KV heads) at CP=16: Megatron/TE a2a refuses (16 does not divide 8 KV heads);
     # Megatron-DeepSpeed repeats K/V to all 32 heads, so each rank gets 2 K/V heads after the all-to-all.
@@ -79,6 +81,7 @@ def test_ds_ulysses_is_feasible_for_gqa_with_repeated_kv():
 
 # -- recompute modes: memory and time ---------------------------------------------------------------------------
 
+
 def test_memory_breakdown_hand_computed():
     # 7B-GQA, S=1M, CP=64 as hp=8 x cp=8, TP=1: tokens = 16384, D = 4096, F = 11008 (gated), Ht = 32, L = 8, d = 128
     mb = memory_breakdown(GQA, ParallelSpec(gpus=64), 8, 8, 8, M1)
@@ -94,7 +97,7 @@ def test_memory_breakdown_hand_computed():
         assert mb.kept_per_token(mode) == k
     assert mb.activations("none") == 16384 * 32 * a_none
     assert mb.activations("selective") == 16384 * 32 * 119296
-    assert mb.activations("full") == 16384 * (32 * 8192 + a_none)                # + the one rebuilt layer
+    assert mb.activations("full") == 16384 * (32 * 8192 + a_none)  # + the one rebuilt layer
     assert mb.activations("ckpt++") == 16384 * (32 * 28800 + a_none)
     # block recompute of n = 10 layers: 10 kept small, 22 kept whole, one rebuilt
     assert mb.activations("full", 10) == 16384 * (10 * 8192 + 22 * a_none + a_none)
@@ -115,7 +118,7 @@ def test_recompute_time_formulas():
     for mode, extra in (("selective", e.attn_fwd_s), ("full", e.attn_fwd_s + dense_fwd), ("ckpt++", dense_fwd)):
         r = with_recompute(e, mode)
         assert r.step_s - e.step_s == pytest.approx(32 * extra)
-        assert r.time_s == e.time_s                      # the attention layer itself is unchanged
+        assert r.time_s == e.time_s  # the attention layer itself is unchanged
         assert r.mfu == pytest.approx(e.mfu * e.step_s / r.step_s)
     assert with_recompute(e, "full", 8).step_s - e.step_s == pytest.approx(8 * (e.attn_fwd_s + dense_fwd))
     # at 1M tokens the attention dominates: ckpt++ is much cheaper than full, and needs more memory
@@ -126,8 +129,9 @@ def test_recompute_time_formulas():
 def test_ckpt_plus_plus_is_2d_only():
     c = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128, recompute="ckpt++")
     assert not c.feasible and "2D only" in c.reason
-    assert {o.recompute for o in evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64),
-                                          K128).options} == {"none", "selective", "full"}
+    assert {
+        o.recompute for o in evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128).options
+    } == {"none", "selective", "full"}
 
 
 def test_recompute_flags():
@@ -136,12 +140,15 @@ def test_recompute_flags():
     assert megatron_flags(lay, par, "selective").endswith("--recompute-activations")
     assert megatron_flags(lay, par, "ckpt++").endswith(
         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-        "--selective-checkpoint-plus-plus")
+        "--selective-checkpoint-plus-plus"
+    )
     assert megatron_flags(lay, par, "full", 5).endswith(
-        "--recompute-granularity full --recompute-method block --recompute-num-layers 5")
+        "--recompute-granularity full --recompute-method block --recompute-num-layers 5"
+    )
 
 
 # -- the recommendation fits in memory ---------------------------------------------------------------------------
+
 
 def test_one_million_tokens_no_longer_recommends_what_does_not_fit():
     # 7B-GQA, 1M tokens, 64 H100s, the distributed optimizer (memory options: test_plan_memory.py): without
@@ -163,7 +170,7 @@ def test_one_million_tokens_no_longer_recommends_what_does_not_fit():
 def test_cheapest_mode_that_fits_is_chosen():
     par, lay = ParallelSpec(gpus=64), Layout("2d", 8, 8, 8)
     roomy = H100.with_(gpu_memory_gb=1000.0)
-    assert evaluate(lay, GQA, roomy, par, M1).recompute == "none"          # everything fits: no recompute
+    assert evaluate(lay, GQA, roomy, par, M1).recompute == "none"  # everything fits: no recompute
     c = evaluate(lay, GQA, H100, par, M1, memory=DIST_OPT)
     assert c.feasible and c.recompute == "ckpt++"
     # block recompute: the fewest layers that fit, so one layer fewer would not fit
@@ -202,14 +209,31 @@ def test_no_feasible_layout_exits_non_zero_and_says_what_helps(capsys):
 
 # -- JSON: one schema with job metadata --------------------------------------------------------------------------
 
+
 def test_json_has_one_schema_with_job_metadata(capsys):
-    assert main(["--model", "7B-GQA", "--cluster", "8xH100", "--gpus", "64", "--seq", "1M", "--json", "--memory",
-                 "dist-opt"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "7B-GQA",
+                "--cluster",
+                "8xH100",
+                "--gpus",
+                "64",
+                "--seq",
+                "1M",
+                "--json",
+                "--memory",
+                "dist-opt",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     keys = {"job", "rank", "recommended", *ROW_KEYS}
     assert all(set(r) == keys for r in rows)
     kinds = {(r["feasible"], r["fits_memory"]) for r in rows}
-    assert (True, True) in kinds and (False, None) in kinds                  # feasible and infeasible rows
+    assert (True, True) in kinds and (False, None) in kinds  # feasible and infeasible rows
     assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
     assert [r["recommended"] for r in rows].count(True) == 1 and rows[0]["recommended"]
     job = rows[0]["job"]
@@ -230,6 +254,7 @@ def test_json_has_one_schema_with_job_metadata(capsys):
 
 
 # -- identical rows, --top, --plot --------------------------------------------------------------------------------
+
 
 def test_w1_and_wcp_are_one_row():
     layouts = enumerate_layouts(GQA, ParallelSpec(gpus=64))
@@ -270,7 +295,7 @@ def test_top_rejects_non_positive_and_shows_exactly_n(capsys):
 
 
 def test_plot_without_matplotlib_fails_cleanly(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)                 # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     path = tmp_path / "p.png"
     assert main(["--gpus", "64", "--seq", "128K", "--plot", str(path), "--plot-seqs", "128K"]) == 1
     out, err = capsys.readouterr()
@@ -286,9 +311,10 @@ def test_plot_with_nothing_feasible_still_writes(tmp_path, capsys):
 
 # -- presets and the grid ------------------------------------------------------------------------------------------
 
+
 def test_70b_at_tp8_has_one_kv_head_per_rank():
     m = get_model("70B-GQA")
-    par = ParallelSpec(gpus=256, tp=8, pp=2)                   # CP = 16
+    par = ParallelSpec(gpus=256, tp=8, pp=2)  # CP = 16
     cands = plan(m, H100, par, K128)
     for c in cands:
         if c.kind == "a2a+p2p":
@@ -296,7 +322,7 @@ def test_70b_at_tp8_has_one_kv_head_per_rank():
         if c.kind == "a2a":
             assert not c.feasible
     assert any(c.feasible and c.kind == "2d" and c.hp > 1 for c in cands)
-    assert any(c.feasible and c.kind == "ds-ulysses" for c in cands) is False   # 8 query heads per rank < 16
+    assert any(c.feasible and c.kind == "ds-ulysses" for c in cands) is False  # 8 query heads per rank < 16
     assert get_model("7B-KV4").kv_heads == 4 and get_model("8B-GQA").vocab == 128256
 
 
@@ -358,6 +384,7 @@ def test_grid_cli(capsys):
 
 
 # -- per-layer windows (the hook for mixed layers) ----------------------------------------------------------------
+
 
 def test_per_layer_window_pattern_is_the_layer_weighted_mean():
     from megatron_2d.plan.cli import parse_window

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import List, Optional
-
-import pytest
 
 import megatron.training.arguments as megatron_arguments
+import pytest
 
 from megatron_2d.choices import DKV_COMM_DTYPES
 from megatron_2d.megatron import MLATransformerConfig2D, TransformerConfig2D
@@ -24,22 +22,63 @@ from megatron_2d.plan.memory_options import MemoryPolicy, memory_options
 pytestmark = pytest.mark.megatron
 
 
-def model_flags(model: ModelSpec, seq: int) -> List[str]:
+def model_flags(model: ModelSpec, seq: int) -> list[str]:
     """The model's own flags (what the user's launch script already has)."""
-    flags = ["--num-layers", str(model.layers), "--hidden-size", str(model.hidden),
-             "--num-attention-heads", str(model.heads), "--ffn-hidden-size", str(model.ffn_hidden),
-             "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "1",
-             "--lr", "1e-4", "--train-iters", "10", "--mock-data", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", str(model.vocab), "--position-embedding-type", "rope", "--no-rope-fusion",
-             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-             "--no-bias-dropout-fusion", "--transformer-impl", "local", "--attention-dropout", "0"]
+    flags = [
+        "--num-layers",
+        str(model.layers),
+        "--hidden-size",
+        str(model.hidden),
+        "--num-attention-heads",
+        str(model.heads),
+        "--ffn-hidden-size",
+        str(model.ffn_hidden),
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--micro-batch-size",
+        "1",
+        "--lr",
+        "1e-4",
+        "--train-iters",
+        "10",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(model.vocab),
+        "--position-embedding-type",
+        "rope",
+        "--no-rope-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion",
+        "--no-bias-dropout-fusion",
+        "--transformer-impl",
+        "local",
+        "--attention-dropout",
+        "0",
+    ]
     if model.kv_heads != model.heads:
         flags += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
     if model.mla is not None:
         m = model.mla
-        flags += ["--multi-latent-attention", "--q-lora-rank", str(m.q_lora_rank), "--kv-lora-rank",
-                  str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim), "--qk-pos-emb-head-dim",
-                  str(m.qk_rope_dim), "--v-head-dim", str(m.v_head_dim), "--rope-type", "rope"]
+        flags += [
+            "--multi-latent-attention",
+            "--q-lora-rank",
+            str(m.q_lora_rank),
+            "--kv-lora-rank",
+            str(m.kv_lora_rank),
+            "--qk-head-dim",
+            str(m.qk_head_dim),
+            "--qk-pos-emb-head-dim",
+            str(m.qk_rope_dim),
+            "--v-head-dim",
+            str(m.v_head_dim),
+            "--rope-type",
+            "rope",
+        ]
     return flags
 
 
@@ -49,11 +88,11 @@ def parse(monkeypatch):
     monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
     monkeypatch.setenv("RANK", "0")
 
-    def run(flags: List[str], gpus: int, max_connections: Optional[str] = "1"):
+    def run(flags: list[str], gpus: int, max_connections: str | None = "1"):
         from megatron.training.global_vars import unset_global_variables
 
         monkeypatch.setenv("WORLD_SIZE", str(gpus))
-        if max_connections is None:      # megatron-fsdp refuses CUDA_DEVICE_MAX_CONNECTIONS=1, CP without it needs 1
+        if max_connections is None:  # megatron-fsdp refuses CUDA_DEVICE_MAX_CONNECTIONS=1, CP without it needs 1
             monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
         else:
             monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", max_connections)
@@ -61,7 +100,8 @@ def parse(monkeypatch):
         try:
             return megatron_arguments.parse_and_validate_args(extra_args_provider=add_2d_arguments)
         finally:
-            unset_global_variables()     # parse_and_validate_args keeps the args in megatron.training's globals
+            unset_global_variables()  # parse_and_validate_args keeps the args in megatron.training's globals
+
     yield run
 
 
@@ -75,7 +115,10 @@ def check_arrives(c: Candidate, args, parallel: ParallelSpec) -> None:
     if c.kind == "2d":
         assert config.cp_comm_type == "2d"
         assert (config.cp_2d_head_parallel_size, config.cp_2d_ring_window, config.cp_2d_placement) == (
-            layout.hp, layout.w, layout.placement)
+            layout.hp,
+            layout.w,
+            layout.placement,
+        )
         assert config.cp_2d_dkv_comm_dtype == c.dkv_comm_dtype
         assert config.cp_2d_mla_ring == (layout.mla_ring or "expanded")
         assert config.cp_2d_packing == (c.packing if c.packing == "documents" else "zigzag")
@@ -110,13 +153,21 @@ def check_states(zero, args, dp: int, cp: int) -> None:
 def choices(c: Candidate) -> dict:
     """What a row chooses, by dimension."""
     e = c.estimate
-    return {"kind": c.kind, "head_parallel": c.hp > 1, "double_ring": c.w < c.cp, "placement": c.placement,
-            "mla_ring": c.layout.mla_ring,
-            "packing": c.packing, "recompute": e.recompute, "block": e.recompute_layers not in (0, e.layers),
-            "states": e.states.option.label, "dkv": c.dkv_comm_dtype}
+    return {
+        "kind": c.kind,
+        "head_parallel": c.hp > 1,
+        "double_ring": c.w < c.cp,
+        "placement": c.placement,
+        "mla_ring": c.layout.mla_ring,
+        "packing": c.packing,
+        "recompute": e.recompute,
+        "block": e.recompute_layers not in (0, e.layers),
+        "states": e.states.option.label,
+        "dkv": c.dkv_comm_dtype,
+    }
 
 
-def varied_rows(cands: List[Candidate]) -> List[Candidate]:
+def varied_rows(cands: list[Candidate]) -> list[Candidate]:
     """The rows that run (ds-ulysses has no Megatron flag), each kept when it brings a value not seen before in
     some dimension of :func:`choices` (2D and stock rows apart): every choice the plan makes, in few rows."""
     seen, out = set(), []
@@ -140,11 +191,14 @@ JOBS = [
     ("MLA: the expanded and the latent ring", "DSV3-MLA", 64, 8, 1, 1 << 17, {}),
     ("packed documents", "7B-GQA", 32, 1, 1, 1 << 17, {"lengths": "one-half"}),
 ]
-EXPECTED = {"input-dtype riders": ("dkv", {"input"}), "selective recompute": ("recompute", {"selective"}),
-            "1M tokens: Checkpoint++, block recompute, fsdp-z3": ("block", {True}),
-            "fsdp-z2": ("states", {"fsdp-z2"}), "MLA: the expanded and the latent ring": ("mla_ring",
-                                                                                          {"expanded", "latent"}),
-            "packed documents": ("packing", {"zigzag", "documents"})}
+EXPECTED = {
+    "input-dtype riders": ("dkv", {"input"}),
+    "selective recompute": ("recompute", {"selective"}),
+    "1M tokens: Checkpoint++, block recompute, fsdp-z3": ("block", {True}),
+    "fsdp-z2": ("states", {"fsdp-z2"}),
+    "MLA: the expanded and the latent ring": ("mla_ring", {"expanded", "latent"}),
+    "packed documents": ("packing", {"zigzag", "documents"}),
+}
 
 
 @pytest.mark.parametrize("what, name, gpus, tp, pp, seq, keywords", JOBS, ids=[j[0] for j in JOBS])
@@ -168,7 +222,7 @@ def test_every_memory_option_arrives(parse):
     """Each memory option a 2D row may take (Hybrid ZeRO's partial sharding included), as the planner appends it."""
     model, parallel, seq = get_model("7B-GQA"), ParallelSpec(gpus=64, cp=8), 1 << 17
     c = next(c for c in plan(model, "8xH100", parallel, seq, memory=MemoryPolicy("all")) if c.kind == "2d")
-    layout_flags = c.flags[:c.flags.index(c.estimate.states.option.flags("2d", parallel.dp_size, 8))]
+    layout_flags = c.flags[: c.flags.index(c.estimate.states.option.flags("2d", parallel.dp_size, 8))]
     options = memory_options("2d", parallel, get_cluster("8xH100"), MemoryPolicy("all"), 8)
     assert {"dist-opt", "fsdp-z2", "fsdp-z3", "hz-z1/8", "hz-z3/8"} <= {o.label for o in options}
     for option in options:

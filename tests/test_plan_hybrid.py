@@ -25,13 +25,14 @@ def test_gpt_migration_pattern_plans_exactly_as_the_gpt():
 
 def test_mamba_layers_add_the_same_time_to_every_layout_and_attention_counts_only_star_layers():
     attention_only = steps(plan(**JOB, hybrid_pattern="*-" * 8))
-    hybrid = steps(plan(**JOB, hybrid_pattern="M-M-M*-" * 8))          # 8 attention, 24 Mamba layers
+    hybrid = steps(plan(**JOB, hybrid_pattern="M-M-M*-" * 8))  # 8 attention, 24 Mamba layers
     extra = {key: hybrid[key] - attention_only[key] for key in attention_only}
     assert min(extra.values()) > 0
     assert max(extra.values()) == pytest.approx(min(extra.values()), rel=1e-9)
     pattern = HybridPattern.parse("M-M-M*-" * 8)
     model, parallel = get_model("7B-GQA"), JOB["parallel"]
     from megatron_2d.plan.hardware import get_cluster
+
     per_step = pattern.ssm_step_s(pattern.attention_model(model), get_cluster("8xH100"), parallel, 64, JOB["seq"])
     assert min(extra.values()) == pytest.approx(per_step * 1e3, rel=1e-9)
     # beyond the projections' matmuls, the Mamba layers pay their all-to-alls over the whole CP group (64 ranks)
@@ -42,9 +43,12 @@ def test_mamba_layers_add_the_same_time_to_every_layout_and_attention_counts_onl
 
 
 def test_cp_sizes_the_ssm_heads_cannot_split_over_are_refused(capsys):
-    with pytest.raises(PlanError, match=r"GDN layers split their heads over the whole CP group: 16 key / 32 value "
-                                        r"heads / TP 1 = 16 / 32 per TP rank do not both divide by "
-                                        r"context_parallel_size 64"):
+    with pytest.raises(
+        PlanError,
+        match=r"GDN layers split their heads over the whole CP group: 16 key / 32 value "
+        r"heads / TP 1 = 16 / 32 per TP rank do not both divide by "
+        r"context_parallel_size 64",
+    ):
         plan(**JOB, hybrid_pattern="G*-")
     with pytest.raises(SystemExit) as stop:
         main(["--model", "7B-GQA", "--cluster", "8xH100", "--gpus", "64", "--seq", "1M", "--hybrid-pattern", "GX"])

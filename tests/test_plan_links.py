@@ -8,10 +8,10 @@ import json
 import pytest
 
 from megatron_2d.plan import Layout, ParallelSpec, PlanError, calibrate, evaluate, get_cluster, get_model, work_counts
-from megatron_2d.plan.cli import main
 from megatron_2d.plan.attention_time import class_time, layer_work, ring_times
-from megatron_2d.plan.links import IDEAL_LINKS, LinkEfficiency, overlapped
+from megatron_2d.plan.cli import main
 from megatron_2d.plan.link_classes import LinkClass, LinkMap
+from megatron_2d.plan.links import IDEAL_LINKS, LinkEfficiency, overlapped
 from megatron_2d.ring_schedule import double_ring_events, replay, slowed_finish
 
 GQA = get_model("7B-GQA")
@@ -42,8 +42,12 @@ def test_a_factor_is_the_same_as_that_much_less_bandwidth():
     par = ParallelSpec(gpus=64)
     halved = H100.with_(links=LinkEfficiency(0.5, 0.5, 0.5, 0.5))
     slower = H100.with_(nvlink_gbps=225.0, net_gbps_per_node=200.0, links=IDEAL_LINKS)
-    for layout in (Layout("p2p", 1, 64, 64), Layout("2d", 8, 8, 8), Layout("2d", 1, 64, 8), Layout("2d", 8, 8, 2,
-                                                                                                    "context_first")):
+    for layout in (
+        Layout("p2p", 1, 64, 64),
+        Layout("2d", 8, 8, 8),
+        Layout("2d", 1, 64, 8),
+        Layout("2d", 8, 8, 2, "context_first"),
+    ):
         a = evaluate(layout, GQA, halved, par, K128, recompute="none").estimate
         b = evaluate(layout, GQA, slower, par, K128, recompute="none").estimate
         assert a.time_s == pytest.approx(b.time_s) and a.a2a_s == pytest.approx(b.a2a_s), layout
@@ -51,7 +55,7 @@ def test_a_factor_is_the_same_as_that_much_less_bandwidth():
     only_a2a = H100.with_(links=replace_links(nvlink_a2a=0.4))
     e0 = evaluate(Layout("2d", 8, 1, 1), GQA, H100.with_(links=IDEAL_LINKS), ParallelSpec(gpus=8), K128).estimate
     e1 = evaluate(Layout("2d", 8, 1, 1), GQA, only_a2a, ParallelSpec(gpus=8), K128).estimate
-    transfer = e0.work.a2a_peer_bytes * 7 / (450e9)            # 7 NVLink peers per direction at 450 GB/s
+    transfer = e0.work.a2a_peer_bytes * 7 / (450e9)  # 7 NVLink peers per direction at 450 GB/s
     assert e1.a2a_s - e0.a2a_s == pytest.approx(2 * transfer * (1 / 0.4 - 1))
 
 
@@ -68,8 +72,8 @@ def test_slowed_compute_by_hand():
     assert slowed_finish(0.0, 2.0, [(1.0, 2.0)], 1.0) == pytest.approx(2.5)
     # overlapping intervals merge; work that ends inside a busy stretch: 0.5 of work in [0, 3] at half speed -> 1
     assert slowed_finish(0.0, 0.5, [(0.0, 2.0), (1.0, 3.0)], 1.0) == pytest.approx(1.0)
-    assert slowed_finish(5.0, 2.0, [(0.0, 1.0)], 1.0) == 7.0            # nothing in flight any more
-    assert slowed_finish(0.0, 2.0, [(0.0, 1.0)], 0.0) == 2.0            # no interference
+    assert slowed_finish(5.0, 2.0, [(0.0, 1.0)], 1.0) == 7.0  # nothing in flight any more
+    assert slowed_finish(0.0, 2.0, [(0.0, 1.0)], 0.0) == 2.0  # no interference
     # a transfer of 3 and a compute of 1 with x = 0.5: the compute takes 1.5, the transfer sets the time
     assert overlapped(1.0, 3.0, 0.5) == 3.0
     assert overlapped(1.0, 0.4, 0.5) == pytest.approx(0.4 + (1.0 - 0.4 / 1.5))
@@ -77,7 +81,7 @@ def test_slowed_compute_by_hand():
 
 def test_replay_with_interference_by_hand():
     links = {"inner_kv": "in", "inner_dkv": "in", "outer_kv": "out", "outer_dkv": "out", "final_dkv": "in"}
-    fwd = double_ring_events(2, 2, False)          # post kv, compute, wait kv, compute
+    fwd = double_ring_events(2, 2, False)  # post kv, compute, wait kv, compute
     t = {"inner_kv": 0.5, "outer_kv": 0.0, "inner_dkv": 0.0, "outer_dkv": 0.0}
     assert replay(fwd, 1.0, t, links) == 2.0
     # x = 1: the first compute does 0.25 while the K/V hop runs (0-0.5), then 0.75 at full speed: 1.25; + 1
@@ -94,8 +98,7 @@ def test_efficiency_and_interference_never_speed_a_plan_up():
     par = ParallelSpec(gpus=32)
     a100 = get_cluster("8xA100")
     for worse in (a100, a100.with_(links=LinkEfficiency(interference=0.3))):
-        ideal = {c.layout: c.estimate.time_s for c in
-                 _plan(a100.with_(links=IDEAL_LINKS), par) if c.runs}
+        ideal = {c.layout: c.estimate.time_s for c in _plan(a100.with_(links=IDEAL_LINKS), par) if c.runs}
         for c in _plan(worse, par):
             if c.runs:
                 assert c.estimate.time_s >= ideal[c.layout] * (1 - 1e-12), c.layout
@@ -119,12 +122,22 @@ def test_bad_factors_are_refused_naming_the_flag():
 def test_cli_flags(capsys):
     main(["--gpus", "16", "--seq", "64K", "--json", "--nvlink-p2p-eff", "0.5", "--interference", "0.1"])
     job = json.loads(capsys.readouterr().out)[0]["job"]
-    assert job["cluster"]["links"] == {"nvlink_p2p": 0.5, "nvlink_a2a": 0.8, "network_p2p": 0.94,
-                                       "network_a2a": 0.8, "interference": 0.1}
+    assert job["cluster"]["links"] == {
+        "nvlink_p2p": 0.5,
+        "nvlink_a2a": 0.8,
+        "network_p2p": 0.94,
+        "network_a2a": 0.8,
+        "interference": 0.1,
+    }
     main(["--gpus", "16", "--seq", "64K", "--json", "--ideal-links", "--net-a2a-eff", "0.9"])
     job = json.loads(capsys.readouterr().out)[0]["job"]
-    assert job["cluster"]["links"] == {"nvlink_p2p": 1.0, "nvlink_a2a": 1.0, "network_p2p": 1.0,
-                                       "network_a2a": 0.9, "interference": 0.0}
+    assert job["cluster"]["links"] == {
+        "nvlink_p2p": 1.0,
+        "nvlink_a2a": 1.0,
+        "network_p2p": 1.0,
+        "network_a2a": 0.9,
+        "interference": 0.0,
+    }
     with pytest.raises(SystemExit) as err:
         main(["--gpus", "16", "--seq", "64K", "--nvlink-a2a-eff", "0"])
     assert err.value.code == 2 and "--nvlink-a2a-eff" in capsys.readouterr().err
@@ -135,15 +148,26 @@ def test_calibrate_fits_ring_and_all_to_all_factors_apart():
     # move different mixes of bytes separate the five rates, and calibrate turns them into factors over the
     # nominal rates (450 GB/s NVLink, 50 GB/s per NIC).
     par = ParallelSpec(gpus=64)
-    layouts = [Layout("2d", 8, 8, 8, "head_first"), Layout("2d", 8, 8, 8, "context_first"), Layout("p2p", 1, 64, 64),
-               Layout("2d", 1, 64, 8), Layout("2d", 4, 16, 4, "head_first"), Layout("2d", 2, 32, 8, "context_first"),
-               Layout("2d", 16, 4, 4, "head_first")]
+    layouts = [
+        Layout("2d", 8, 8, 8, "head_first"),
+        Layout("2d", 8, 8, 8, "context_first"),
+        Layout("p2p", 1, 64, 64),
+        Layout("2d", 1, 64, 8),
+        Layout("2d", 4, 16, 4, "head_first"),
+        Layout("2d", 2, 32, 8, "context_first"),
+        Layout("2d", 16, 4, 4, "head_first"),
+    ]
     rate, nvl, nvl_a2a, nic, nic_a2a = 3e14, 300e9, 360e9, 45e9, 40e9
 
     def measured(layout):
         c = work_counts(layout, GQA, H100, par, K128)
-        return (c.flops / rate + (c.nvlink_bytes - c.nvlink_a2a_bytes) / nvl + c.nvlink_a2a_bytes / nvl_a2a
-                + (c.nic_bytes - c.nic_a2a_bytes) / nic + c.nic_a2a_bytes / nic_a2a)
+        return (
+            c.flops / rate
+            + (c.nvlink_bytes - c.nvlink_a2a_bytes) / nvl
+            + c.nvlink_a2a_bytes / nvl_a2a
+            + (c.nic_bytes - c.nic_a2a_bytes) / nic
+            + c.nic_a2a_bytes / nic_a2a
+        )
 
     cal, fit = calibrate(H100, [(l, measured(l)) for l in layouts], GQA, par, K128)
     assert fit.nvlink_a2a_bytes_per_s == pytest.approx(nvl_a2a) and fit.nic_bytes_per_s == pytest.approx(nic)
@@ -160,8 +184,12 @@ def test_fit_folds_the_all_to_all_when_apart_it_is_not_positive():
     # fit refuses; left to decide, it folds them into the ring's rate and gives every rate positive.
     from megatron_2d.plan import WorkCounts, fit_rates
 
-    counts = [WorkCounts(1e12, 1e9), WorkCounts(1e12, 3e9, nvlink_a2a_bytes=1e9),
-              WorkCounts(2e12, 1e9, nvlink_a2a_bytes=5e8), WorkCounts(1e12, 4e9, nvlink_a2a_bytes=2e9)]
+    counts = [
+        WorkCounts(1e12, 1e9),
+        WorkCounts(1e12, 3e9, nvlink_a2a_bytes=1e9),
+        WorkCounts(2e12, 1e9, nvlink_a2a_bytes=5e8),
+        WorkCounts(1e12, 4e9, nvlink_a2a_bytes=2e9),
+    ]
     samples = [(c, c.flops / 4e14 + c.nvlink_bytes / 3e11 - 1.2 * c.nvlink_a2a_bytes / 3e11) for c in counts]
     with pytest.raises(PlanError, match="non-positive time per unit for NVLink all-to-all"):
         fit_rates(samples, separate_a2a=True)

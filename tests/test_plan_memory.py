@@ -10,10 +10,18 @@ import pytest
 from megatron_2d.plan import Layout, ModelSpec, ParallelSpec, PlanError, evaluate, get_cluster, get_model, plan
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.links import IDEAL_LINKS, LinkEfficiency
-from megatron_2d.plan.memory_options import (DIST_OPT, MemoryPolicy, collective_s, hybrid_zero_options, memory_options,
-                                             sharding_cost, stock_options, with_memory)
+from megatron_2d.plan.memory_options import (
+    DIST_OPT,
+    MemoryPolicy,
+    collective_s,
+    hybrid_zero_options,
+    memory_options,
+    sharding_cost,
+    stock_options,
+    with_memory,
+)
 from megatron_2d.plan.planner import recommended
-from megatron_2d.zero_sharding import HybridZeRO, state_bytes_per_rank
+from megatron_2d.zero_sharding import state_bytes_per_rank
 
 H100 = get_cluster("8xH100")
 GQA = get_model("7B-GQA")
@@ -31,17 +39,17 @@ def test_small_model_parts_and_traffic_by_hand():
     # DP=2 x CP=8 = D = 16 ranks (2 nodes); N = 5480448 params per rank (TP = PP = 1); m = 4 micro-batches a step.
     par, N, layer = ParallelSpec(gpus=16, cp=8), 5480448, 2228224
     assert SMALL.total_params() == N and SMALL.layer_params() == layer
-    P, G = N / 2 * 2, N / 2 * 4          # one layer's bf16 params and fp32 grads, the embeddings spread over layers
+    P, G = N / 2 * 2, N / 2 * 4  # one layer's bf16 params and fp32 grads, the embeddings spread over layers
     # ZeRO-3 over the CP group (S = 8: one node, NVLink), 2 instances one node apart (the network, one NIC each)
     z3 = option("hz-z3/8", 2, 8)
     c = sharding_cost(z3, SMALL, NOMINAL, par, 8, fwd_compute_s=1e-5, bwd_compute_s=2e-5, accum_steps=4)
     assert (c.params, c.grads, c.optimizer) == (N * 2 / 8, N * 4 / 8, N * 12 / 8)
-    assert c.gathered == 2 * layer * 2 + layer * 4                    # two gathered layers + one layer's grads
-    ag, rs = 7 / 8 * P / 100e9, 7 / 8 * G / 100e9                      # ring over 8 ranks on NVLink
-    ar_out = 2 * (1 / 2) * (G / 8) / 50e9                              # all-reduce of a shard over 2 nodes
+    assert c.gathered == 2 * layer * 2 + layer * 4  # two gathered layers + one layer's grads
+    ag, rs = 7 / 8 * P / 100e9, 7 / 8 * G / 100e9  # ring over 8 ranks on NVLink
+    ar_out = 2 * (1 / 2) * (G / 8) / 50e9  # all-reduce of a shard over 2 nodes
     assert c.fwd_comm_s == pytest.approx(ag) and c.bwd_comm_s == pytest.approx(ag + rs + ar_out / 4)
     assert c.exposed_s == pytest.approx((ag - 1e-5) + (ag + rs + ar_out / 4 - 2e-5))
-    assert c.gather_bytes == pytest.approx(2 * 7 / 8 * P * 2)          # forward + backward, both layers
+    assert c.gather_bytes == pytest.approx(2 * 7 / 8 * P * 2)  # forward + backward, both layers
     assert c.scatter_bytes == pytest.approx((7 / 8 * G + 2 * (1 / 2) * G / 8 / 4) * 2)
     assert c.links == "nvlink" and c.model_states == c.params + c.grads + c.optimizer + c.gathered
     assert c.sharded == c.params + c.grads + c.optimizer
@@ -51,7 +59,7 @@ def test_small_model_parts_and_traffic_by_hand():
     assert (d.params, d.grads, d.optimizer, d.gathered) == (N * 2, N * 4, N * 12 / 16, 0.0)
     assert d.fwd_comm_s == pytest.approx(15 / 16 * P / 100e9 / 4)
     assert d.bwd_comm_s == pytest.approx(15 / 16 * G / 100e9 / 4)
-    assert d.exposed_s == 0.0 and d.links == "mixed"                    # hidden behind a second of compute
+    assert d.exposed_s == 0.0 and d.links == "mixed"  # hidden behind a second of compute
     assert d.sharded == d.optimizer
     # ZeRO-2 over all 16: grads sharded and reduce-scattered every micro-batch, params gathered once a step
     z2 = sharding_cost(stock_options(2, 8)[1], SMALL, NOMINAL, par, 8, 1.0, 1.0, accum_steps=4)
@@ -84,7 +92,7 @@ def test_with_memory_replaces_the_states_and_adds_the_exposed_sharding():
     par = ParallelSpec(gpus=64)
     base = evaluate(Layout("2d", 8, 8, 8), GQA, H100, par, 131072, recompute="none", memory=DIST_OPT).estimate
     z3 = option("hz-z3/8", 1, 64)
-    slow = H100.with_(links=LinkEfficiency(nvlink_a2a=0.01, network_a2a=0.01))     # sharding far from hidden
+    slow = H100.with_(links=LinkEfficiency(nvlink_a2a=0.01, network_a2a=0.01))  # sharding far from hidden
     e = with_memory(base, z3, GQA, slow, par, 64)
     assert e.states.option is z3 and e.states.exposed_s > 0
     assert e.memory.model_states == e.states.model_states
@@ -99,11 +107,20 @@ def test_with_memory_replaces_the_states_and_adds_the_exposed_sharding():
 
 
 def test_each_side_tries_its_own_options():
-    par = ParallelSpec(gpus=64, cp=16)                       # DP = 4, D = 64
-    labels = lambda kind, policy: [o.label for o in memory_options(kind, par, H100, policy)]      # noqa: E731
+    par = ParallelSpec(gpus=64, cp=16)  # DP = 4, D = 64
+    labels = lambda kind, policy: [o.label for o in memory_options(kind, par, H100, policy)]  # noqa: E731
     assert labels("p2p", MemoryPolicy()) == ["dist-opt", "fsdp-z2", "fsdp-z3"]
-    assert labels("2d", MemoryPolicy()) == ["dist-opt", "fsdp-z2", "fsdp-z3", "hz-z1/16", "hz-z1/8", "hz-z2/16",
-                                           "hz-z2/8", "hz-z3/16", "hz-z3/8"]
+    assert labels("2d", MemoryPolicy()) == [
+        "dist-opt",
+        "fsdp-z2",
+        "fsdp-z3",
+        "hz-z1/16",
+        "hz-z1/8",
+        "hz-z2/16",
+        "hz-z2/8",
+        "hz-z3/16",
+        "hz-z3/8",
+    ]
     assert labels("p2p", MemoryPolicy(fair=True)) == labels("2d", MemoryPolicy())
     assert labels("2d", MemoryPolicy("stock")) == labels("p2p", MemoryPolicy())
     assert labels("2d", DIST_OPT) == labels("ds-ulysses", DIST_OPT) == ["dist-opt"]
@@ -112,10 +129,11 @@ def test_each_side_tries_its_own_options():
     assert option("hz-z3/8", 4, 16).flags("2d", 4, 16) == (
         "--use-distributed-optimizer --num-distributed-optimizer-instances 8 --use-megatron-fsdp "
         "--data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor --overlap-grad-reduce "
-        "--overlap-param-gather")
+        "--overlap-param-gather"
+    )
     assert "--outer-dp-sharding-strategy optim --clip-grad 0.0" in option("hz-z3/8+opt/64", 4, 16).flags("2d", 4, 16)
     assert stock_options(4, 16)[0].flags("ds-ulysses", 4, 16) == "; DeepSpeed zero_optimization.stage 1 over 64 ranks"
-    assert MemoryPolicy(global_batch_tokens=4 << 20).accum_steps(131072, par) == 8     # 32 sequences over DP = 4
+    assert MemoryPolicy(global_batch_tokens=4 << 20).accum_steps(131072, par) == 8  # 32 sequences over DP = 4
     with pytest.raises(PlanError, match="memory choice 'zero' is not one of auto, dist-opt, stock, all"):
         MemoryPolicy("zero")
     with pytest.raises(PlanError, match="global_batch_tokens must be a positive integer"):
@@ -153,7 +171,7 @@ def test_rows_show_the_option_its_parts_and_traffic(capsys):
     parts = best["memory_parts_gb"]
     assert set(parts) == {"activations", "params", "grads", "optimizer", "gathered", "logits", "comm_buffers"}
     assert sum(parts.values()) == pytest.approx(best["memory_gb"], abs=0.05)
-    assert best["states"]["all_gather_mb"] > 0 and best["states"]["links"] == "network"       # TP = 8: a node each
+    assert best["states"]["all_gather_mb"] > 0 and best["states"]["links"] == "network"  # TP = 8: a node each
     assert set(best["memory_options"]) >= {"dist-opt", "fsdp-z2", "fsdp-z3"}
     assert best["memory_options"]["dist-opt"]["fits_memory"] is False
     assert main(["--model", "70B-GQA", "--tp", "8", "--gpus", "64", "--seq", "256K", "--memory", "dist-opt"]) == 1

@@ -8,21 +8,29 @@ import dataclasses
 import pytest
 
 from megatron_2d.plan import ParallelSpec, evaluate, plan, recommended
-from megatron_2d.plan.candidates import Layout
 from megatron_2d.plan.attention_time import layer_work
-from megatron_2d.plan.step import estimate
+from megatron_2d.plan.candidates import Layout
 from megatron_2d.plan.hardware import get_cluster, get_model
 from megatron_2d.plan.report import format_plan
+from megatron_2d.plan.step import estimate
 
 DSV3 = get_model("DSV3-MLA")
 
 
 def test_dsv3_preset_has_deepseek_v3_attention_and_active_parameters():
     m = DSV3.mla
-    assert (DSV3.layers, DSV3.hidden, DSV3.heads, m.kv_lora_rank, m.q_lora_rank, m.qk_head_dim, m.qk_rope_dim,
-            m.v_head_dim) == (61, 7168, 128, 512, 1536, 128, 64, 128)
+    assert (
+        DSV3.layers,
+        DSV3.hidden,
+        DSV3.heads,
+        m.kv_lora_rank,
+        m.q_lora_rank,
+        m.qk_head_dim,
+        m.qk_rope_dim,
+        m.v_head_dim,
+    ) == (61, 7168, 128, 512, 1536, 128, 64, 128)
     assert (DSV3.qk_dim, DSV3.v_dim) == (192, 128)
-    assert 36e9 < DSV3.matmul_params() + DSV3.vocab * DSV3.hidden < 39e9      # DeepSeek-V3: 37B activated
+    assert 36e9 < DSV3.matmul_params() + DSV3.vocab * DSV3.hidden < 39e9  # DeepSeek-V3: 37B activated
 
 
 @pytest.mark.parametrize("hp", [1, 2, 8])
@@ -34,7 +42,7 @@ def test_ring_bytes_per_token_are_the_op_closed_form(hp):
     latent = layer_work(DSV3, parallel, hp, 8 // hp, 131072, mla_ring="latent")
     assert expanded.kv_bytes / expanded.s_ctx_tokens == 2 * (16 // hp) * 320
     assert latent.kv_bytes / latent.s_ctx_tokens == 2 * 576
-    assert latent.dkv_bytes == 2 * latent.kv_bytes                           # fp32 riders
+    assert latent.dkv_bytes == 2 * latent.kv_bytes  # fp32 riders
     assert latent.fwd_flops == expanded.fwd_flops
     if hp == 1:
         assert latent.kv_bytes / expanded.kv_bytes <= 1 / 8
@@ -47,8 +55,9 @@ def test_latent_ring_pays_the_up_projection_in_every_ring_step():
     parallel = ParallelSpec(gpus=64, tp=8)
     slower = []
     for hp, cp in ((8, 1), (2, 4), (1, 8)):
-        e, l = (estimate(DSV3, cluster, parallel, hp, cp, cp, "head_first", 32768, mla_ring=r)
-                for r in (None, "latent"))
+        e, l = (
+            estimate(DSV3, cluster, parallel, hp, cp, cp, "head_first", 32768, mla_ring=r) for r in (None, "latent")
+        )
         slower.append(l.step_s - e.step_s)
     assert slower[0] < slower[1] < slower[2] and slower[2] > 0
 
@@ -70,8 +79,17 @@ def test_plan_compares_te_p2p_and_both_2d_rings_and_recommends_by_time(gpus):
 
 def test_latent_ring_needs_an_mla_model():
     with pytest.raises(ValueError, match="mla_ring 'latent' needs an MLA model"):
-        estimate(get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 1, 8, 8, "head_first", 65536,
-                 mla_ring="latent")
+        estimate(
+            get_model("7B-GQA"),
+            get_cluster("8xH100"),
+            ParallelSpec(gpus=8),
+            1,
+            8,
+            8,
+            "head_first",
+            65536,
+            mla_ring="latent",
+        )
     standard = evaluate(Layout("2d", 1, 8, 8), "7B-GQA", "8xH100", ParallelSpec(gpus=8), 65536)
     assert standard.layout.mla_ring is None and standard.to_dict()["mla_ring"] is None
 

@@ -54,7 +54,7 @@ def test_all_short_documents_documents_mode_has_no_ring_and_beats_zigzag():
 def test_one_document_equals_the_unpacked_causal_cost():
     for layout in _layouts() + _layouts("p2p") + _layouts("a2a+p2p"):
         plain = evaluate(layout, "7B-GQA", "8xH100", PARALLEL, SEQ)
-        for mode in (("zigzag", "documents") if layout.kind == "2d" else ("zigzag",)):
+        for mode in ("zigzag", "documents") if layout.kind == "2d" else ("zigzag",):
             packed = evaluate(layout, "7B-GQA", "8xH100", PARALLEL, SEQ, lengths=[SEQ], packing=mode)
             assert packed.packed.flops_fraction == pytest.approx(1.0)
             assert packed.packed.ring_fraction == pytest.approx(1.0) and packed.packed.padding_tokens == 0
@@ -83,6 +83,7 @@ def test_plan_rows_name_their_mode_and_refuse_lengths_that_do_not_sum():
     assert ("2d", "zigzag") in modes and ("2d", "documents") in modes and ("p2p", "zigzag") in modes
     assert all(c.to_dict()["packing"] in ("zigzag", "documents") for c in cands)
     from megatron_2d.plan.hardware import PlanError
+
     with pytest.raises(PlanError, match="sum to the sequence length"):
         plan("7B-GQA", "8xH100", PARALLEL, SEQ, lengths=lengths[:-1])
 
@@ -94,8 +95,9 @@ def test_cli_lengths_file_and_distribution(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert {r["packing"] for r in rows} == {"zigzag", "documents"}
     best_docs = min(r["time_ms"] for r in rows if r["packing"] == "documents" and r["time_ms"] is not None)
-    best_zig = min(r["time_ms"] for r in rows if r["kind"] == "2d" and r["packing"] == "zigzag"
-                   and r["time_ms"] is not None)
+    best_zig = min(
+        r["time_ms"] for r in rows if r["kind"] == "2d" and r["packing"] == "zigzag" and r["time_ms"] is not None
+    )
     assert best_docs < best_zig
     assert main(["--gpus", "16", "--seq", "16K", "--lengths-dist", "one-half"]) == 0
     assert "2d documents" in capsys.readouterr().out
@@ -106,10 +108,13 @@ def test_cli_lengths_file_and_distribution(tmp_path, capsys):
 
 def test_packed_planner_runs_without_torch():
     from tests.test_plan_without_torch import run_blocked
-    done = run_blocked("from megatron_2d.plan.cli import main\n"
-                       "import sys\n"
-                       "main(['--gpus', '16', '--seq', '16K', '--lengths-dist', 'lognormal', '--json'])\n"
-                       "assert 'torch' not in sys.modules\n")
+
+    done = run_blocked(
+        "from megatron_2d.plan.cli import main\n"
+        "import sys\n"
+        "main(['--gpus', '16', '--seq', '16K', '--lengths-dist', 'lognormal', '--json'])\n"
+        "assert 'torch' not in sys.modules\n"
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)[0]["packing"] in ("zigzag", "documents")
 
@@ -143,8 +148,10 @@ def test_packed_memory_counts_the_slots_each_rank_holds():
         packed = evaluate(layout, "7B-GQA", "8xH100", PARALLEL, SEQ, lengths=lengths, packing=mode)
         ratio = packed.estimate.memory.tokens / plain.estimate.memory.tokens
         assert ratio == pytest.approx(packed.packed.token_fraction)
-    assert evaluate(layout, "7B-GQA", "8xH100", PARALLEL, SEQ, lengths=lengths,
-                    packing="zigzag").packed.token_fraction > 1.5
+    assert (
+        evaluate(layout, "7B-GQA", "8xH100", PARALLEL, SEQ, lengths=lengths, packing="zigzag").packed.token_fraction
+        > 1.5
+    )
 
 
 def test_cli_window_with_lengths(capsys):

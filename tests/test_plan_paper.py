@@ -8,18 +8,29 @@ import json
 import pytest
 
 from megatron_2d.plan.cli import main
-from megatron_2d.plan.paper import (HEADLINE, PAPER_CLUSTER, REPORTED, TOLERANCE, Row, efficiency_to_match, explain,
-                                    format_reproduction, reported_for, reproduce, step_parts)
+from megatron_2d.plan.paper import (
+    HEADLINE,
+    PAPER_CLUSTER,
+    REPORTED,
+    TOLERANCE,
+    Row,
+    efficiency_to_match,
+    explain,
+    format_reproduction,
+    reported_for,
+    reproduce,
+    step_parts,
+)
 
 GQA_32 = dict(models=["7B-GQA"], gpus=[32])
 
 
 def test_reported_figures_and_their_sources():
     ratios = {(r.seq, r.baseline): r.ratio for r in REPORTED}
-    assert ratios[(131072, "Megatron-CP")] == pytest.approx(1.187, abs=1e-3)         # 838.1 / 706.2
-    assert ratios[(131072, "DS-Ulysses")] == pytest.approx(1.331, abs=1e-3)          # 838.1 / 629.9
-    assert ratios[(1 << 20, "DS-Ulysses")] == pytest.approx(1.227, abs=1e-3)         # 0.448 / 0.365
-    assert ratios[(1 << 20, "Megatron-CP")] is None                                  # out of memory
+    assert ratios[(131072, "Megatron-CP")] == pytest.approx(1.187, abs=1e-3)  # 838.1 / 706.2
+    assert ratios[(131072, "DS-Ulysses")] == pytest.approx(1.331, abs=1e-3)  # 838.1 / 629.9
+    assert ratios[(1 << 20, "DS-Ulysses")] == pytest.approx(1.227, abs=1e-3)  # 0.448 / 0.365
+    assert ratios[(1 << 20, "Megatron-CP")] is None  # out of memory
     assert all("not verified" in r.source for r in REPORTED) and HEADLINE == 2.88
     assert PAPER_CLUSTER.nics_per_node == 4 and PAPER_CLUSTER.net_gbps_per_node == 100.0
 
@@ -57,13 +68,14 @@ def test_the_link_factor_search_finds_the_reported_ratio():
     # at that factor the predicted ratio has crossed the reported one; a step above it, not yet
     from dataclasses import replace
 
-    from megatron_2d.plan.paper import _best
     from megatron_2d.plan import get_model
+    from megatron_2d.plan.paper import _best
 
     def ratio_at(x):
         links = replace(PAPER_CLUSTER.links, nvlink_a2a=x, network_a2a=x)
-        return Row("7B-GQA", 32, 131072, _best(get_model("7B-GQA"), PAPER_CLUSTER.with_(links=links), 32, 131072,
-                                               False)).ratio("DS-Ulysses")
+        return Row(
+            "7B-GQA", 32, 131072, _best(get_model("7B-GQA"), PAPER_CLUSTER.with_(links=links), 32, 131072, False)
+        ).ratio("DS-Ulysses")
 
     assert ratio_at(f) >= 1.33 > ratio_at(f + 0.01)
 
@@ -75,9 +87,9 @@ def test_cli_json(capsys):
     cell = rows[0]
     assert cell["reported_vs_DS-Ulysses"]["what"] == "tokens/GPU/s 838.1 vs 629.9"
     assert cell["2D"]["flags"].startswith("--context-parallel-size 32 --cp-comm-type 2d")
-    assert rows[1]["reported_vs_Megatron-CP"]["ratio"] is None                 # the paper's baseline ran out of memory
+    assert rows[1]["reported_vs_Megatron-CP"]["ratio"] is None  # the paper's baseline ran out of memory
     with pytest.raises(SystemExit) as err:
-        main(["paper", "--models", "70B-GQA"])                                    # the paper's models only
+        main(["paper", "--models", "70B-GQA"])  # the paper's models only
     assert err.value.code == 2 and "invalid choice: '70B-GQA'" in capsys.readouterr().err
-    assert main(["paper", "--gpus", "48", "--seqs", "128K", "--models", "7B-GQA"]) == 0   # 2 x 48 does not divide
+    assert main(["paper", "--gpus", "48", "--seqs", "128K", "--models", "7B-GQA"]) == 0  # 2 x 48 does not divide
     assert "none fits" in capsys.readouterr().out

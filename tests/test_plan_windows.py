@@ -19,7 +19,7 @@ def test_window_work_matches_the_neighbours_by_hand():
     # each taking the last 100 keys of one of its chunks.
     ww = window_work(1, 8, "head_first", 8192, 100)
     assert not ww.dense and ww.messages == 2 and ww.key_tokens == 200
-    assert window_work(1, 8, "head_first", 8192, 8191).dense          # a window over everything: the ring
+    assert window_work(1, 8, "head_first", 8192, 8191).dense  # a window over everything: the ring
     assert window_work(1, 8, "head_first", 8192, None).dense
 
 

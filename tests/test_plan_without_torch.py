@@ -26,14 +26,16 @@ def run_blocked(code: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_planner_imports_and_plans_without_torch():
-    done = run_blocked(textwrap.dedent("""
+    done = run_blocked(
+        textwrap.dedent("""
         import json, sys
         import megatron_2d.plan
         from megatron_2d.plan.cli import main
         assert "torch" not in sys.modules
         main(["--model", "7B-GQA", "--cluster", "8xH100", "--gpus", "64", "--seq", "128K", "--window", "4K",
               "--json"])
-    """))
+    """)
+    )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert rows and rows[0]["feasible"] and rows[0]["kind"] == "2d"

@@ -6,24 +6,52 @@ from __future__ import annotations
 import pathlib
 import sys
 
+import megatron.training.arguments as megatron_arguments  # noqa: E402
 import pytest
 
-import megatron.training.arguments as megatron_arguments  # noqa: E402
-
 from megatron_2d.megatron import TransformerConfig2D  # noqa: E402
-from megatron_2d.megatron.arguments import (  # noqa: E402
-    add_2d_arguments, gpt_config_from_args_2d, transformer_config_from_args_2d)
+from megatron_2d.megatron.arguments import add_2d_arguments, gpt_config_from_args_2d, transformer_config_from_args_2d  # noqa: E402
 from megatron_2d.megatron.spec import gpt_layer_spec_2d  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
-         "--num-query-groups", "2", "--seq-length", "256", "--max-position-embeddings", "256",
-         "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--train-iters", "10", "--mock-data",
-         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--position-embedding-type", "rope",
-         "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",  # fusions need CUDA/TE
-         "--transformer-impl", "local"]                          # no Transformer Engine here
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "8",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "256",
+    "--max-position-embeddings",
+    "256",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-4",
+    "--train-iters",
+    "10",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--position-embedding-type",
+    "rope",
+    "--no-rope-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",  # fusions need CUDA/TE
+    "--transformer-impl",
+    "local",
+]  # no Transformer Engine here
 
 
 @pytest.fixture
@@ -37,19 +65,38 @@ def parse(monkeypatch):
     def run(*flags, model=MODEL):
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt_2d.py", *model, *flags])
         return megatron_arguments.parse_and_validate_args(extra_args_provider=add_2d_arguments)
+
     yield run
     from megatron.training.global_vars import unset_global_variables
+
     unset_global_variables()  # parse_and_validate_args keeps the args in megatron.training's globals
 
 
 def test_2d_flags_build_the_2d_config_and_spec(parse):
-    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--cp-2d-ring-window", "2", "--cp-2d-placement", "context_first", "--attention-dropout", "0")
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--cp-2d-ring-window",
+        "2",
+        "--cp-2d-placement",
+        "context_first",
+        "--attention-dropout",
+        "0",
+    )
     config = gpt_config_from_args_2d(args)
     t = config.transformer
     assert isinstance(t, TransformerConfig2D)
-    assert (t.cp_comm_type, t.context_parallel_size, t.cp_2d_head_parallel_size, t.cp_2d_ring_window,
-            t.cp_2d_placement) == ("2d", 8, 2, 2, "context_first")
+    assert (
+        t.cp_comm_type,
+        t.context_parallel_size,
+        t.cp_2d_head_parallel_size,
+        t.cp_2d_ring_window,
+        t.cp_2d_placement,
+    ) == ("2d", 8, 2, 2, "context_first")
     assert args.spec == ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
     spec = config.transformer_layer_spec(t)
     assert spec.submodules.self_attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
@@ -58,8 +105,16 @@ def test_2d_flags_build_the_2d_config_and_spec(parse):
 def test_cp_2d_window_size_is_the_deprecated_spelling_of_cp_2d_ring_window(parse, capsys):
     """The old flag still works this release (a DeprecationWarning and a line on stderr naming the new one); both
     given with different values stop with an error naming both (the next test)."""
-    flags = ("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-             "--attention-dropout", "0")
+    flags = (
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--attention-dropout",
+        "0",
+    )
     with pytest.warns(DeprecationWarning, match=r"--cp-2d-window-size is deprecated .* use --cp-2d-ring-window"):
         args = parse(*flags, "--cp-2d-window-size", "2")
     assert "--cp-2d-window-size is deprecated" in capsys.readouterr().err
@@ -69,52 +124,130 @@ def test_cp_2d_window_size_is_the_deprecated_spelling_of_cp_2d_ring_window(parse
 
 def test_cp_2d_window_size_and_cp_2d_ring_window_differing_stop(parse):
     with pytest.warns(DeprecationWarning):
-        args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                     "--attention-dropout", "0", "--cp-2d-ring-window", "4", "--cp-2d-window-size", "2")
+        args = parse(
+            "--context-parallel-size",
+            "8",
+            "--cp-comm-type",
+            "2d",
+            "--cp-2d-head-parallel-size",
+            "2",
+            "--attention-dropout",
+            "0",
+            "--cp-2d-ring-window",
+            "4",
+            "--cp-2d-window-size",
+            "2",
+        )
     with pytest.raises(ValueError, match=r"cp_2d_ring_window=4 and its deprecated name cp_2d_window_size=2"):
         gpt_config_from_args_2d(args)
 
 
-MHA_MODEL = MODEL[:MODEL.index("--group-query-attention")] + MODEL[MODEL.index("--num-query-groups") + 2:]
-MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
-       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rope-type", "rope"]
+MHA_MODEL = MODEL[: MODEL.index("--group-query-attention")] + MODEL[MODEL.index("--num-query-groups") + 2 :]
+MLA = [
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    "32",
+    "--kv-lora-rank",
+    "16",
+    "--qk-head-dim",
+    "16",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "12",
+    "--rope-type",
+    "rope",
+]
 
 
 @pytest.mark.parametrize("ring", ["expanded", "latent"])
 def test_mla_flags_build_the_mla_2d_config_and_spec(parse, ring):
     from megatron_2d.megatron import MLATransformerConfig2D
 
-    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--cp-2d-ring-window", "2", "--attention-dropout", "0", "--cp-2d-mla-ring", ring, *MLA,
-                 model=MHA_MODEL)
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--cp-2d-ring-window",
+        "2",
+        "--attention-dropout",
+        "0",
+        "--cp-2d-mla-ring",
+        ring,
+        *MLA,
+        model=MHA_MODEL,
+    )
     config = gpt_config_from_args_2d(args)
     t = config.transformer
     assert isinstance(t, MLATransformerConfig2D)
-    assert (t.cp_2d_head_parallel_size, t.cp_2d_ring_window, t.cp_2d_mla_ring, t.kv_lora_rank, t.v_head_dim,
-            t.qk_head_dim, t.rope_type) == (2, 2, ring, 16, 12, 16, "rope")
+    assert (
+        t.cp_2d_head_parallel_size,
+        t.cp_2d_ring_window,
+        t.cp_2d_mla_ring,
+        t.kv_lora_rank,
+        t.v_head_dim,
+        t.qk_head_dim,
+        t.rope_type,
+    ) == (2, 2, ring, 16, 12, 16, "rope")
     attention = config.transformer_layer_spec(t).submodules.self_attention
     assert attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
     assert attention.module.__name__ == ("MLASelfAttention2D" if ring == "latent" else "MLASelfAttention")
 
 
 def test_checkpoint_plus_plus_flag_reaches_the_config(parse):
-    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--attention-dropout", "0", "--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1", "--selective-checkpoint-plus-plus")
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--attention-dropout",
+        "0",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+        "--selective-checkpoint-plus-plus",
+    )
     assert gpt_config_from_args_2d(args).transformer.selective_checkpoint_plus_plus is True
 
 
 def test_checkpoint_plus_plus_without_recompute_is_refused(parse):
-    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--attention-dropout", "0", "--selective-checkpoint-plus-plus")
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--attention-dropout",
+        "0",
+        "--selective-checkpoint-plus-plus",
+    )
     with pytest.raises(ValueError, match=r"recompute_granularity is None; set recompute_granularity='full'"):
         gpt_config_from_args_2d(args)
 
 
 def test_stock_flags_alone_select_hp_through_hierarchical_sizes(parse):
     from megatron_2d.megatron.settings import settings_from_config
-    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--hierarchical-context-parallel-sizes",
-                 "4", "2", "--attention-dropout", "0")
+
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--hierarchical-context-parallel-sizes",
+        "4",
+        "2",
+        "--attention-dropout",
+        "0",
+    )
     settings = settings_from_config(gpt_config_from_args_2d(args).transformer)
     assert (settings.head_parallel_size, settings.context_size, settings.placement) == (4, 2, "head_first")
 
@@ -125,12 +258,24 @@ def test_without_2d_the_entry_is_stock(parse):
     assert args.spec is None and config.transformer.cp_comm_type == "p2p"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--cp-2d-head-parallel-size", "2", "--cp-2d-context-size", "3"], r"2 x 3 = 6 does not equal context_parallel_size 8"),
-    (["--cp-2d-head-parallel-size", "16"], r"head-parallel size 16 does not divide the context-parallel size 8"),
-    (["--cp-2d-head-parallel-size", "2", "--cp-2d-ring-window", "3"], r"ring window 3 does not divide the context size"),
-    (["--cp-2d-head-parallel-size", "2", "--attention-dropout", "0.1"], r"attention_dropout=0.1: attention dropout is not supported"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--cp-2d-head-parallel-size", "2", "--cp-2d-context-size", "3"],
+            r"2 x 3 = 6 does not equal context_parallel_size 8",
+        ),
+        (["--cp-2d-head-parallel-size", "16"], r"head-parallel size 16 does not divide the context-parallel size 8"),
+        (
+            ["--cp-2d-head-parallel-size", "2", "--cp-2d-ring-window", "3"],
+            r"ring window 3 does not divide the context size",
+        ),
+        (
+            ["--cp-2d-head-parallel-size", "2", "--attention-dropout", "0.1"],
+            r"attention_dropout=0.1: attention dropout is not supported",
+        ),
+    ],
+)
 def test_misconfigured_command_lines(parse, flags, message):
     flags = ["--context-parallel-size", "8", "--cp-comm-type", "2d", *flags]
     if "--attention-dropout" not in flags:
@@ -148,34 +293,69 @@ def test_bad_placement_is_refused_by_the_parser(parse, capsys):
 
 @pytest.mark.parametrize("flag", ["--reset-attention-mask"])
 def test_document_masks_outside_thd_are_refused_by_the_library(parse, flag):
-    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--attention-dropout", "0", flag)
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--attention-dropout",
+        "0",
+        flag,
+    )
     with pytest.raises(ValueError, match=rf"{flag} gives document masks the 2d backend"):
         gpt_config_from_args_2d(args)
     with pytest.raises(ValueError, match=rf"{flag} gives document masks the 2d backend"):
         gpt_layer_spec_2d(transformer_config_from_args_2d(args))  # the --spec route
 
 
-@pytest.mark.parametrize("flags, mode", [(["--sft"], "zigzag"), (["--sft", "--dataloader-inter-document-masking"], "zigzag"),
-                                         (["--dataloader-inter-document-masking"], "sequence")])
+@pytest.mark.parametrize(
+    "flags, mode",
+    [
+        (["--sft"], "zigzag"),
+        (["--sft", "--dataloader-inter-document-masking"], "zigzag"),
+        (["--dataloader-inter-document-masking"], "sequence"),
+    ],
+)
 def test_thd_packed_documents_are_accepted(parse, flags, mode):
     """--sft batches are THD with Megatron's per-document zigzag split; --dataloader-inter-document-masking alone
     splits per sequence (the "sequence" layout, whose spec's self attention puts RoPE at document positions)."""
     from megatron_2d.megatron.launch_checks import packing_mode
     from megatron_2d.megatron.per_sequence import SelfAttention2D
 
-    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--attention-dropout", "0", *flags)
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--attention-dropout",
+        "0",
+        *flags,
+    )
     gpt_config_from_args_2d(args)
     config = transformer_config_from_args_2d(args)
-    assert packing_mode(config) == mode                    # from the launch's arguments (parse keeps them)
+    assert packing_mode(config) == mode  # from the launch's arguments (parse keeps them)
     spec = gpt_layer_spec_2d(config)
     assert (spec.submodules.self_attention.module is SelfAttention2D) == (mode == "sequence")
 
 
 def test_sequence_packing_with_sft_is_refused(parse):
-    args = parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-                 "--attention-dropout", "0", "--sft", "--cp-2d-packing", "sequence")
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--attention-dropout",
+        "0",
+        "--sft",
+        "--cp-2d-packing",
+        "sequence",
+    )
     with pytest.raises(ValueError, match="--sft batches are split per document"):
         gpt_config_from_args_2d(args)
 
@@ -183,11 +363,20 @@ def test_sequence_packing_with_sft_is_refused(parse):
 def launch_flags(mode):
     """The flags examples/launch/torchrun_gpt.sh passes for MODE (sourced from gpt_flags.sh)."""
     import subprocess
+
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "launch" / "gpt_flags.sh"
-    out = subprocess.run(["bash", "-c", f'source "{script}" && printf "%s\\n" "${{MODEL_FLAGS[@]}}" '
-                          f'"${{TRAIN_FLAGS[@]}}" "${{PARALLEL_FLAGS[@]}}" "${{CP_FLAGS[@]}}"'],
-                         env={"MODE": mode, "CP": "8", "HP": "2", "WINDOW": "2", "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'source "{script}" && printf "%s\\n" "${{MODEL_FLAGS[@]}}" '
+            f'"${{TRAIN_FLAGS[@]}}" "${{PARALLEL_FLAGS[@]}}" "${{CP_FLAGS[@]}}"',
+        ],
+        env={"MODE": mode, "CP": "8", "HP": "2", "WINDOW": "2", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.split("\n")[:-1]
 
 
@@ -196,14 +385,19 @@ def test_launch_script_flags_build_a_valid_config(monkeypatch, mode, comm_type):
     monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
     for key, value in (("WORLD_SIZE", "8"), ("RANK", "0"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")):
         monkeypatch.setenv(key, value)
-    cpu_only = ["--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-                "--no-bias-dropout-fusion"]
+    cpu_only = [
+        "--no-rope-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion",
+        "--no-bias-dropout-fusion",
+    ]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_2d.py", *launch_flags(mode), *cpu_only])
     try:
         args = megatron_arguments.parse_and_validate_args(extra_args_provider=add_2d_arguments)
         t = gpt_config_from_args_2d(args).transformer
     finally:
         from megatron.training.global_vars import unset_global_variables
+
         unset_global_variables()
     assert t.cp_comm_type == comm_type and t.context_parallel_size == 8 and t.num_query_groups == 8
     assert (t.cp_2d_head_parallel_size, t.cp_2d_ring_window) == ((2, 2) if mode == "2d" else (None, 1))

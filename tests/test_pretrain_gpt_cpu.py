@@ -17,10 +17,15 @@ import sys
 
 import pytest
 
-from megatron_2d.testing.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
 from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
+from megatron_2d.testing.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
 from megatron_2d.testing.pretrain_runs import (  # noqa: E402
-    lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes, write_document_dataset)
+    lm_losses,
+    per_iteration_losses,
+    run_pretrain,
+    run_pretrain_outcomes,
+    write_document_dataset,
+)
 
 pytestmark = pytest.mark.megatron
 
@@ -28,19 +33,75 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
 RTOL = 1e-5  # fp32
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
-         "--num-query-groups", "2", "--position-embedding-type", "rope", "--seq-length", "128",
-         "--max-position-embeddings", "128", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-         "--make-vocab-size-divisible-by", "64"]  # padded vocab 128 at TP=1 and TP=2: the same weights
-TRAIN = ["--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", str(ITERATIONS),
-         "--mock-data", "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
-         "--eval-iters", "0", "--eval-interval", "1000", "--distributed-timeout-minutes", "1"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "8",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--position-embedding-type",
+    "rope",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "64",
+]  # padded vocab 128 at TP=1 and TP=2: the same weights
+TRAIN = [
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "2",
+    "--lr",
+    "1e-3",
+    "--train-iters",
+    str(ITERATIONS),
+    "--mock-data",
+    "--seed",
+    "1234",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--distributed-timeout-minutes",
+    "1",
+]
 BASE = MODEL + TRAIN
-CP4_2D = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-          "--cp-2d-ring-window", "2"]
+CP4_2D = [
+    "--context-parallel-size",
+    "4",
+    "--cp-comm-type",
+    "2d",
+    "--cp-2d-head-parallel-size",
+    "2",
+    "--cp-2d-ring-window",
+    "2",
+]
 SPEC_2D = ["--spec", "megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
-RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-             "--selective-checkpoint-plus-plus"]
+RECOMPUTE = [
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+    "--selective-checkpoint-plus-plus",
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +139,11 @@ def layers_2d(monkeypatch):
     monkeypatch.setattr(CoreAttention2D, "__init__", init)
 
     def line(layer, hp, cp_size=4, window=1, placement="head_first", keeps=False):
-        return (f"[test] 2d layer {layer}: Settings2D(context_parallel_size={cp_size}, head_parallel_size={hp}, "
-                f"ring_window={window}, placement='{placement}') keeps attention: {keeps}")
+        return (
+            f"[test] 2d layer {layer}: Settings2D(context_parallel_size={cp_size}, head_parallel_size={hp}, "
+            f"ring_window={window}, placement='{placement}') keeps attention: {keeps}"
+        )
+
     return line
 
 
@@ -93,7 +157,8 @@ def losses(logs):
 def assert_same_losses(got, expected, iterations=range(1, ITERATIONS + 1), rtol=RTOL):
     for it in iterations:
         assert got[it] == pytest.approx(expected[it], rel=rtol), (
-            f"iteration {it}: lm loss {got[it]:.6E} vs {expected[it]:.6E}; all: {got} vs {expected}")
+            f"iteration {it}: lm loss {got[it]:.6E} vs {expected[it]:.6E}; all: {got} vs {expected}"
+        )
 
 
 @pytest.mark.distributed
@@ -111,8 +176,15 @@ def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, layers_2d, place
 
 @pytest.mark.distributed
 def test_unpatched_pretrain_gpt_with_spec_equals_cp1(scripts, reference, layers_2d):
-    flags = SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
-                       "--cp-comm-type", "2d"]
+    flags = SPEC_2D + [
+        "--context-parallel-size",
+        "4",
+        "--hierarchical-context-parallel-sizes",
+        "2",
+        "2",
+        "--cp-comm-type",
+        "2d",
+    ]
     logs = run_pretrain(4, scripts["stock"], BASE + flags)
     assert layers_2d(2, hp=2) in logs[0]
     assert_same_losses(losses(logs), reference)
@@ -155,16 +227,36 @@ def test_checkpoint_saved_at_cp4_resumes_at_other_2d_layouts(scripts, reference,
     metadata.json) is used. Megatron logs the second iteration of every run averaged with the first (see
     per_iteration_losses), so the runs are compared iteration by iteration after undoing that."""
     ckpt = tmp_path / "ckpt"
-    save = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-            "--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"]
+    save = [
+        "--context-parallel-size",
+        "4",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "2",
+        "--exit-interval",
+        "2",
+    ]
     first = lm_losses(run_pretrain(4, scripts["patched"], BASE + save)[-1])
     assert sorted(first) == [1, 2]
     assert_same_losses(first, reference, iterations=[1, 2])
     assert (ckpt / "iter_0000002" / "metadata.json").is_file()
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     for world_size, hp in ((4, 4), (2, 1)):
-        flags = ["--context-parallel-size", str(world_size), "--cp-comm-type", "2d", "--cp-2d-head-parallel-size",
-                 str(hp), "--load", str(ckpt)]
+        flags = [
+            "--context-parallel-size",
+            str(world_size),
+            "--cp-comm-type",
+            "2d",
+            "--cp-2d-head-parallel-size",
+            str(hp),
+            "--load",
+            str(ckpt),
+        ]
         logs = run_pretrain(world_size, scripts["patched"], BASE + flags)
         assert f"loading distributed checkpoint from {ckpt} at iteration 2" in logs[0]
         assert layers_2d(1, hp=hp, cp_size=world_size) in logs[0]
@@ -174,19 +266,42 @@ def test_checkpoint_saved_at_cp4_resumes_at_other_2d_layouts(scripts, reference,
 
 
 MISCONFIGURED = {
-    "hp does not divide CP": ("patched", CP4_2D[:4] + ["--cp-2d-head-parallel-size", "3"],
-                              "head-parallel size 3 does not divide the context-parallel size 4; valid head-parallel "
-                              "sizes for CP=4: [1, 2, 4]"),
-    "2D flags without --cp-comm-type 2d": ("patched", ["--context-parallel-size", "4", "--cp-2d-head-parallel-size",
-                                                       "2"], "are set but cp_comm_type is ['p2p']"),
-    "THD (patched)": ("patched", CP4_2D + ["--reset-attention-mask"],
-                      "--reset-attention-mask gives document masks the 2d backend"),
-    "--spec without --cp-comm-type 2d": ("stock", SPEC_2D + ["--context-parallel-size", "4",
-                                                             "--hierarchical-context-parallel-sizes", "2", "2"],
-                                         "the 2d layer spec is in use but cp_comm_type is 'p2p'"),
-    "THD (--spec)": ("stock", SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2",
-                                         "2", "--cp-comm-type", "2d", "--reset-attention-mask"],
-                     "--reset-attention-mask gives document masks the 2d backend"),
+    "hp does not divide CP": (
+        "patched",
+        CP4_2D[:4] + ["--cp-2d-head-parallel-size", "3"],
+        "head-parallel size 3 does not divide the context-parallel size 4; valid head-parallel "
+        "sizes for CP=4: [1, 2, 4]",
+    ),
+    "2D flags without --cp-comm-type 2d": (
+        "patched",
+        ["--context-parallel-size", "4", "--cp-2d-head-parallel-size", "2"],
+        "are set but cp_comm_type is ['p2p']",
+    ),
+    "THD (patched)": (
+        "patched",
+        CP4_2D + ["--reset-attention-mask"],
+        "--reset-attention-mask gives document masks the 2d backend",
+    ),
+    "--spec without --cp-comm-type 2d": (
+        "stock",
+        SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
+        "the 2d layer spec is in use but cp_comm_type is 'p2p'",
+    ),
+    "THD (--spec)": (
+        "stock",
+        SPEC_2D
+        + [
+            "--context-parallel-size",
+            "4",
+            "--hierarchical-context-parallel-sizes",
+            "2",
+            "2",
+            "--cp-comm-type",
+            "2d",
+            "--reset-attention-mask",
+        ],
+        "--reset-attention-mask gives document masks the 2d backend",
+    ),
 }
 
 
@@ -213,8 +328,13 @@ def test_make_target_runs_the_command_of_the_2d_parity_test():
     """`make pretrain-cpu` (tools/pretrain_gpt_cpu.sh, shown in the README) launches the flags tested above."""
     import subprocess
 
-    out = subprocess.run(["bash", str(REPO / "tools" / "pretrain_gpt_cpu.sh"), "--print-flags"], capture_output=True,
-                         text=True, check=True, timeout=30)
+    out = subprocess.run(
+        ["bash", str(REPO / "tools" / "pretrain_gpt_cpu.sh"), "--print-flags"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     assert out.stdout.split("\n")[:-1] == BASE + CP4_2D + ["--cp-2d-placement", "head_first"]
 
 
@@ -238,7 +358,7 @@ def document_data(tmp_path_factory):
     """BASE with --mock-data replaced by an indexed dataset of short documents."""
     prefix = write_document_dataset(tmp_path_factory.mktemp("documents") / "docs", DOCUMENT_LENGTHS, vocab=128)
     at = BASE.index("--mock-data")
-    return BASE[:at] + ["--data-path", prefix, "--split", "100,0,0"] + BASE[at + 1:]
+    return BASE[:at] + ["--data-path", prefix, "--split", "100,0,0"] + BASE[at + 1 :]
 
 
 @pytest.fixture(scope="module")
@@ -258,23 +378,31 @@ def test_example_documents_layout_equals_cp1(scripts, document_data, documents_c
     rank's, whole)."""
     monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
     example = REPO / "examples" / "pretrain_gpt_2d.py"
-    ref = losses(run_pretrain(1, example, document_data + DOCUMENTS + ["--cp-comm-type", "2d",
-                                                                       "--cp-2d-head-parallel-size", "1"]))
+    ref = losses(
+        run_pretrain(
+            1, example, document_data + DOCUMENTS + ["--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "1"]
+        )
+    )
     assert ref[ITERATIONS] < ref[1]
     assert_same_losses(documents_cp4, ref)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("route", ["patched", "spec"])
-def test_stock_inter_document_masking_equals_documents_layout(scripts, document_data, documents_cp4, layers_2d,
-                                                              route):
+def test_stock_inter_document_masking_equals_documents_layout(scripts, document_data, documents_cp4, layers_2d, route):
     """Stock pretrain_gpt.py with --dataloader-inter-document-masking and no other change (Megatron splits each
     packed batch per sequence; the 2d backend runs it as the "sequence" layout, RoPE at document positions)
     trains exactly as the documents layout does on the same data."""
-    flags = (CP4_2D if route == "patched" else SPEC_2D + ["--context-parallel-size", "4",
-                                                          "--hierarchical-context-parallel-sizes", "2", "2",
-                                                          "--cp-comm-type", "2d"])
-    logs = run_pretrain(4, scripts[route if route == "patched" else "stock"],
-                        document_data + flags + ["--dataloader-inter-document-masking"])
+    flags = (
+        CP4_2D
+        if route == "patched"
+        else SPEC_2D
+        + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2", "--cp-comm-type", "2d"]
+    )
+    logs = run_pretrain(
+        4,
+        scripts[route if route == "patched" else "stock"],
+        document_data + flags + ["--dataloader-inter-document-masking"],
+    )
     assert layers_2d(1, hp=2, window=2 if route == "patched" else 1) in logs[0]
     assert_same_losses(losses(logs), documents_cp4)

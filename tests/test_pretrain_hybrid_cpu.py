@@ -32,25 +32,33 @@ RTOL = 1e-5
 
 def make_flags(*env):
     """The flags of tools/pretrain_gpt_cpu.sh with ENTRY=hybrid (what `make pretrain-hybrid-cpu` runs)."""
-    out = subprocess.run(["bash", str(REPO / "tools" / "pretrain_gpt_cpu.sh"), "--print-flags"], capture_output=True,
-                         text=True, check=True, timeout=30, env={"ENTRY": "hybrid", "PATH": "/usr/bin:/bin", **dict(env)})
+    out = subprocess.run(
+        ["bash", str(REPO / "tools" / "pretrain_gpt_cpu.sh"), "--print-flags"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+        env={"ENTRY": "hybrid", "PATH": "/usr/bin:/bin", **dict(env)},
+    )
     return out.stdout.split("\n")[:-1]
 
 
 CP1 = make_flags(("CP", "1"))
 CP4 = make_flags()
-BASE = CP4[:CP4.index("--context-parallel-size")]
+BASE = CP4[: CP4.index("--context-parallel-size")]
 SPEC_2D = ["--spec", "megatron_2d.megatron.hybrid_spec", "hybrid_stack_spec_2d"]
 
 
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_lm")
-    paths = {"stock": copy_scripts(root / "stock", script="pretrain_hybrid.py"),
-             "patched": copy_scripts(root / "patched", patched=True, script="pretrain_hybrid.py")}
+    paths = {
+        "stock": copy_scripts(root / "stock", script="pretrain_hybrid.py"),
+        "patched": copy_scripts(root / "patched", patched=True, script="pretrain_hybrid.py"),
+    }
     folder = str(paths["stock"].parent)
     sys.path.insert(0, folder)
-    importlib.import_module("pretrain_hybrid")   # forked ranks find its imports loaded
+    importlib.import_module("pretrain_hybrid")  # forked ranks find its imports loaded
     yield paths
     sys.path.remove(folder)
     for name in ("pretrain_hybrid", "hybrid_builders", "model_provider"):
@@ -76,9 +84,18 @@ def reference(scripts):
 
 
 def test_make_target_flags():
-    assert "M*-M*-" in BASE and CP4[len(BASE):] == ["--context-parallel-size", "4", "--cp-comm-type", "2d",
-                                                    "--cp-2d-head-parallel-size", "2", "--cp-2d-ring-window", "2",
-                                                    "--cp-2d-placement", "head_first"]
+    assert "M*-M*-" in BASE and CP4[len(BASE) :] == [
+        "--context-parallel-size",
+        "4",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--cp-2d-ring-window",
+        "2",
+        "--cp-2d-placement",
+        "head_first",
+    ]
     assert CP1 == BASE[:8] + ["--spec", "megatron_2d.testing.hybrid_cpu", "megatron_local_hybrid_stack_spec"] + BASE[8:]
 
 
@@ -90,8 +107,15 @@ def test_patched_pretrain_hybrid_2d_equals_cp1(scripts, reference):
 
 @pytest.mark.distributed
 def test_unpatched_pretrain_hybrid_with_spec_equals_cp1(scripts, reference):
-    flags = SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
-                       "--cp-comm-type", "2d"]
+    flags = SPEC_2D + [
+        "--context-parallel-size",
+        "4",
+        "--hierarchical-context-parallel-sizes",
+        "2",
+        "2",
+        "--cp-comm-type",
+        "2d",
+    ]
     assert_same_losses(losses(run_pretrain(4, scripts["stock"], BASE + flags)), reference)
 
 
@@ -101,14 +125,31 @@ def test_checkpoint_saved_at_cp4_resumes_at_4x1_and_at_cp1(scripts, reference, t
     CP=4 as 4x1 and at CP=1 by the stock script with Megatron's own local spec: iterations 3-4 equal the
     uninterrupted run (compared per iteration, see per_iteration_losses)."""
     ckpt = tmp_path / "ckpt"
-    save = ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2",
-            "--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"]
+    save = [
+        "--context-parallel-size",
+        "4",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "2",
+        "--exit-interval",
+        "2",
+    ]
     first = lm_losses(run_pretrain(4, scripts["patched"], BASE + save)[-1])
     assert_same_losses(first, reference, iterations=[1, 2])
     assert (ckpt / "iter_0000002" / "metadata.json").is_file()
-    resumes = {"cp4 as 4x1": (4, scripts["patched"], BASE + ["--context-parallel-size", "4", "--cp-comm-type", "2d",
-                                                            "--cp-2d-head-parallel-size", "4"]),
-               "cp1, stock spec": (1, scripts["stock"], CP1)}
+    resumes = {
+        "cp4 as 4x1": (
+            4,
+            scripts["patched"],
+            BASE + ["--context-parallel-size", "4", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "4"],
+        ),
+        "cp1, stock spec": (1, scripts["stock"], CP1),
+    }
     for name, (world, script, flags) in resumes.items():
         logs = run_pretrain(world, script, flags + ["--load", str(ckpt)])
         assert f"loading distributed checkpoint from {ckpt} at iteration 2" in logs[0], name
@@ -118,14 +159,33 @@ def test_checkpoint_saved_at_cp4_resumes_at_4x1_and_at_cp1(scripts, reference, t
 
 
 MISCONFIGURED = {
-    "Mamba heads over CP (patched)": ("patched", CP4 + ["--mamba-num-heads", "6"],
-                                      "Mamba layers split their heads over the whole CP group: 6 Mamba heads"),
-    "Mamba heads over CP (--spec)": ("stock", BASE + SPEC_2D + ["--mamba-num-heads", "6", "--context-parallel-size", "4",
-                                                                "--hierarchical-context-parallel-sizes", "2", "2",
-                                                                "--cp-comm-type", "2d"],
-                                     "Mamba layers split their heads over the whole CP group: 6 Mamba heads"),
-    "documents layout with Mamba": ("patched", CP4 + ["--cp-2d-packing", "documents"],
-                                    "cp_2d_packing='documents' cannot run a model with Mamba (M) layers"),
+    "Mamba heads over CP (patched)": (
+        "patched",
+        CP4 + ["--mamba-num-heads", "6"],
+        "Mamba layers split their heads over the whole CP group: 6 Mamba heads",
+    ),
+    "Mamba heads over CP (--spec)": (
+        "stock",
+        BASE
+        + SPEC_2D
+        + [
+            "--mamba-num-heads",
+            "6",
+            "--context-parallel-size",
+            "4",
+            "--hierarchical-context-parallel-sizes",
+            "2",
+            "2",
+            "--cp-comm-type",
+            "2d",
+        ],
+        "Mamba layers split their heads over the whole CP group: 6 Mamba heads",
+    ),
+    "documents layout with Mamba": (
+        "patched",
+        CP4 + ["--cp-2d-packing", "documents"],
+        "cp_2d_packing='documents' cannot run a model with Mamba (M) layers",
+    ),
 }
 
 
@@ -137,11 +197,19 @@ def test_misconfigured_hybrid_launch_stops_every_rank_with_our_message(scripts, 
         assert outcome.exit_status != 0 and message in outcome.error, f"rank {rank}: {outcome.error}"
 
 
-
 # --- SFT: packed conversations (THD) through pretrain_hybrid.py --sft ---------------------------------------------
 
-SFT_FLAGS = ["--sft", "--tokenizer-type", "SFTTokenizer", "--sft-tokenizer-prompt-format", PROMPT_FORMAT,
-             "--split", "100,0,0", "--no-create-attention-mask-in-dataloader", "--calculate-per-token-loss"]
+SFT_FLAGS = [
+    "--sft",
+    "--tokenizer-type",
+    "SFTTokenizer",
+    "--sft-tokenizer-prompt-format",
+    PROMPT_FORMAT,
+    "--split",
+    "100,0,0",
+    "--no-create-attention-mask-in-dataloader",
+    "--calculate-per-token-loss",
+]
 """Megatron's SFT route: SFTTokenizer and SFTDataset (which refuses the default attention mask). Per-token loss: without
 it Megatron scales each CP rank's loss by that rank's own count of loss tokens, so with SFT's loss masks (prompts
 masked, uneven over the ranks) the gradient depends on the CP size whatever the attention (seen: CP=4 drifts from
@@ -158,8 +226,10 @@ def sft_corpus(tmp_path_factory):
         env.setenv("HF_HUB_OFFLINE", "1")
         env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
         env.setenv("TOKENIZERS_PARALLELISM", "false")
-        corpus = {"--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
-                  "--data-path": write_sft_conversations(root / "sft.jsonl")}
+        corpus = {
+            "--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
+            "--data-path": write_sft_conversations(root / "sft.jsonl"),
+        }
         check_sft_corpus(corpus["--tokenizer-model"], corpus["--data-path"])
         yield [item for flag, path in corpus.items() for item in (flag, str(path))]
 
@@ -178,29 +248,34 @@ def check_sft_corpus(tokenizer_dir, data_path, seq_length=128, cp_size=4):
         assert len(starts) >= 3, f"one conversation only: {messages}"
         padded = 0
         for begin, end in zip(starts, starts[1:]):
-            tokens, _ = tokenizer.tokenize_conversation(messages[begin:end], return_target=True,
-                                                        add_generation_prompt=False)
+            tokens, _ = tokenizer.tokenize_conversation(
+                messages[begin:end], return_target=True, add_generation_prompt=False
+            )
             padded += -(-len(tokens) // (2 * cp_size)) * 2 * cp_size
         assert padded <= seq_length, f"{padded} tokens at CP={cp_size}: {messages}"
-        one_token_answers += sum(m["role"] == "assistant" and len(tokenizer.text_to_ids(m["content"])) == 1
-                                 for m in messages)
+        one_token_answers += sum(
+            m["role"] == "assistant" and len(tokenizer.text_to_ids(m["content"])) == 1 for m in messages
+        )
     assert one_token_answers >= 5
 
 
 def sft_flags(pattern, corpus):
     """The make target's flags for ``pattern`` (model, schedule) with its mock data and NullTokenizer replaced."""
     flags = make_flags(("PATTERN", pattern))
-    flags = flags[:flags.index("--context-parallel-size")]
+    flags = flags[: flags.index("--context-parallel-size")]
     for flag, values in (("--tokenizer-type", 1), ("--vocab-size", 1), ("--mock-data", 0)):
         at = flags.index(flag)
-        flags = flags[:at] + flags[at + 1 + values:]
+        flags = flags[:at] + flags[at + 1 + values :]
     return flags + SFT_FLAGS + corpus
 
 
 SFT_2D_ROUTES = {
-    "*-*-": ("stock", SPEC_2D + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2",
-                                 "--cp-comm-type", "2d"]),
-    "M*-M*-": ("patched", CP4[len(BASE):]),
+    "*-*-": (
+        "stock",
+        SPEC_2D
+        + ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2", "--cp-comm-type", "2d"],
+    ),
+    "M*-M*-": ("patched", CP4[len(BASE) :]),
 }
 
 

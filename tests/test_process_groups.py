@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 def _ownership(rank, world):
     settings = Settings2D(world, 1, 2, "head_first")
-    first, second = SimpleNamespace(), SimpleNamespace()         # two models' configs with equal settings
+    first, second = SimpleNamespace(), SimpleNamespace()  # two models' configs with equal settings
     a = group_registry(first).groups_for(dist.group.WORLD, settings)
     b = group_registry(second).groups_for(dist.group.WORLD, settings)
     found = {
@@ -29,9 +29,12 @@ def _ownership(rank, world):
         "registry_type": isinstance(group_registry(first), GroupRegistry),
     }
     live = dist.distributed_c10d._world.pg_map
-    destroy_2d_groups(first)                                        # only the first model's groups
-    found["destroyed_first_only"] = (all(pg not in live for pg in a.process_groups())
-                                     and all(pg in live for pg in b.process_groups()) and bool(b.process_groups()))
+    destroy_2d_groups(first)  # only the first model's groups
+    found["destroyed_first_only"] = (
+        all(pg not in live for pg in a.process_groups())
+        and all(pg in live for pg in b.process_groups())
+        and bool(b.process_groups())
+    )
     destroy_2d_groups()
     found["destroyed_all"] = all(pg not in live for pg in b.process_groups())
     return found

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.comm import RingExchange
 from megatron_2d.double_ring import DoubleRing
 from megatron_2d.ring_schedule import CHANNEL_OF, CHANNELS, EventKind, double_ring_events, replay
 from megatron_2d.testing.distributed import run_on_ranks
@@ -26,9 +25,11 @@ def record_loop(rank, world, hp, w, backward):
         if exchange is None:
             continue
         if hasattr(exchange, "expect"):
+
             def expect(new_buffer, _orig=exchange.expect, _name=name):
                 log.append(("expect", _name))
                 return _orig(new_buffer)
+
             exchange.expect = expect
 
         def start(send, recv=None, _orig=exchange.start, _name=name):
@@ -39,15 +40,17 @@ def record_loop(rank, world, hp, w, backward):
             def wait():
                 log.append(("wait", _name))
                 return orig_wait()
+
             pending.wait = wait
             return pending
+
         exchange.start = start
-    kv = torch.full((1, 4, 1, 2 + 3), float(groups.place.context_rank))   # [b, keys, g, dk + dv]
+    kv = torch.full((1, 4, 1, 2 + 3), float(groups.place.context_rank))  # [b, keys, g, dk + dv]
 
     def compute(block, source, first_key):
         log.append(("compute", source))
-        assert first_key == 0                                    # the ring always holds whole blocks
-        assert torch.all(block == source), (source, block.flatten()[:2])   # the block really is source's
+        assert first_key == 0  # the ring always holds whole blocks
+        assert torch.all(block == source), (source, block.flatten()[:2])  # the block really is source's
         return [(0, 4, (torch.ones(1, 4, 1, 2), torch.ones(1, 4, 1, 3)))] if backward else None
 
     result = ring.run(kv, compute, dkv_dtype=torch.float32 if backward else None)
@@ -67,26 +70,31 @@ def record_loop(rank, world, hp, w, backward):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, hp, w", [(4, 1, 1), (4, 1, 2), (4, 1, 4), (8, 1, 2), (8, 2, 2), (8, 1, 4),
-                                          (6, 1, 3), (2, 2, 1)])
+@pytest.mark.parametrize(
+    "world, hp, w", [(4, 1, 1), (4, 1, 2), (4, 1, 4), (8, 1, 2), (8, 2, 2), (8, 1, 4), (6, 1, 3), (2, 2, 1)]
+)
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 def test_loop_follows_the_schedule(world, hp, w, backward):
     for log, expected, visited, own_grad in run_on_ranks(world, record_loop, hp, w, backward):
         assert log == expected
-        assert visited == list(range(world // hp))            # every context rank's block, once
-        if backward:                                           # every rank added 1 to my block's dK/dV
+        assert visited == list(range(world // hp))  # every context rank's block, once
+        if backward:  # every rank added 1 to my block's dK/dV
             assert own_grad == [float(world // hp)] * len(own_grad)
 
 
 def test_replay_by_hand():
     links = {"inner_kv": "in", "inner_dkv": "in", "outer_kv": "out", "outer_dkv": "out", "final_dkv": "in"}
-    fwd = double_ring_events(2, 2, False)          # post kv, compute, wait kv, compute
-    assert [e.kind for e in fwd] == [EventKind.POST_INNER_KV, EventKind.COMPUTE, EventKind.WAIT_INNER_KV,
-                                     EventKind.COMPUTE]
+    fwd = double_ring_events(2, 2, False)  # post kv, compute, wait kv, compute
+    assert [e.kind for e in fwd] == [
+        EventKind.POST_INNER_KV,
+        EventKind.COMPUTE,
+        EventKind.WAIT_INNER_KV,
+        EventKind.COMPUTE,
+    ]
     slow = {"inner_kv": 3.0, "outer_kv": 0.0, "inner_dkv": 0.0, "outer_dkv": 0.0}
-    assert replay(fwd, 1.0, slow, links) == 4.0    # the wait exposes 3 - 1
+    assert replay(fwd, 1.0, slow, links) == 4.0  # the wait exposes 3 - 1
     fast = dict(slow, inner_kv=0.5)
-    assert replay(fwd, 1.0, fast, links) == 2.0    # hidden behind the first compute
+    assert replay(fwd, 1.0, fast, links) == 2.0  # hidden behind the first compute
     # backward, cp = 2, w = 2: the own block's dK/dV stays home; the rider starts at step 1 on the neighbour's
     # block and takes its one hop, to the owner, exposed: 2 computes + 4
     bwd = double_ring_events(2, 2, True)
@@ -98,7 +106,13 @@ def test_replay_by_hand():
     links = dict(links, final_dkv="out")
     bwd = double_ring_events(4, 2, True)
     assert [e.channel for e in bwd if e.kind.posts] == [
-        "outer_kv", "inner_kv", "outer_dkv", "inner_kv", "inner_dkv", "final_dkv"]
+        "outer_kv",
+        "inner_kv",
+        "outer_dkv",
+        "inner_kv",
+        "inner_dkv",
+        "final_dkv",
+    ]
     t = {"inner_kv": 0.5, "outer_kv": 1.5, "inner_dkv": 0.5, "outer_dkv": 3.0, "final_dkv": 2.0}
     # round 0: outer kv 0-1.5, inner kv 0-0.5 | compute (own, kept home) 0-1 | compute 1-2 | carried (outer) 2-5
     # round 1: inner kv 2-2.5 | compute 2-3 | rider 3-3.5 | compute 3-4 | wait carried 5 | diagonal 5-7 | wait 7
@@ -130,7 +144,7 @@ def test_riders_move_cp_minus_1_times(cp, w):
     assert dkv.count("outer_dkv") == nw - 1 - (w == 1)
     assert dkv.count("final_dkv") == 1
     assert dkv.count("inner_dkv") == (nw - 1) * (w - 1) + max(w - 2, 0)
-    assert len(posts) - len(dkv) == cp - 1                    # K/V
+    assert len(posts) - len(dkv) == cp - 1  # K/V
 
 
 @pytest.mark.parametrize("cp, w", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4), (6, 3), (6, 2)])
@@ -149,4 +163,4 @@ def test_every_wait_but_the_last_hop_follows_a_compute(cp, w, backward):
         elif e.kind.waits:
             hidden_behind = computes - posted_at.pop(e.channel)
             assert hidden_behind >= (0 if e.kind is EventKind.WAIT_FINAL else 1), (e.kind, hidden_behind)
-    assert not posted_at                                       # every transfer is awaited
+    assert not posted_at  # every transfer is awaited

@@ -19,5 +19,7 @@ def test_shard_round_trip_matches_megatron():
 
 
 def test_shard_rejects_indivisible_sequence():
-    with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 2\*CP = 4.*multiple of 4 \(e.g. 8 or 12\)"):
+    with pytest.raises(
+        ValueError, match=r"sequence length 10 is not divisible by 2\*CP = 4.*multiple of 4 \(e.g. 8 or 12\)"
+    ):
         shard_sequence(torch.zeros(10), 0, 2)

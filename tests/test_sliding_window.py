@@ -24,7 +24,7 @@ from megatron_2d.block_plan import context_chunks, plan_block, plan_context_grou
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.cpu_flash import row_tiles
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.reference import TOLERANCE, attention_with_lse, reference_attention, rel_err
+from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
 from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
 from megatron_2d.topology import Layout2D
 
@@ -62,11 +62,11 @@ def test_band_trim_keeps_every_visible_pair_and_no_empty_row():
         inner = box.band or Band(None, None)
         nq, nk = box.q_end - box.q_start, box.k_end - box.k_start
         sub = torch.tensor([[inner.visible(i, j) for j in range(nk)] for i in range(nq)])
-        inside[box.q_start:box.q_end, box.k_start:box.k_end] = sub
+        inside[box.q_start : box.q_end, box.k_start : box.k_end] = sub
         assert torch.equal(inside, full), (band, sq, sk, box)
-        assert sub.any(dim=1).all() and sub.any(dim=0).all()      # no fully masked row or column
+        assert sub.any(dim=1).all() and sub.any(dim=0).all()  # no fully masked row or column
         if box.band is not None:
-            left, right = box.band.flash_window(nq, nk)           # expressible in flash-attn (bottom-right)
+            left, right = box.band.flash_window(nq, nk)  # expressible in flash-attn (bottom-right)
             assert left >= -1 and right >= -1
             r = torch.arange(nq).view(-1, 1) + (nk - nq)
             c = torch.arange(nk).view(1, -1)
@@ -78,15 +78,33 @@ def test_band_trim_keeps_every_visible_pair_and_no_empty_row():
             assert torch.equal(flash, sub), (box, left, right)
 
 
-@pytest.mark.parametrize("causal, window", [
-    (True, (0, 0)), (True, (1, 0)), (True, (3, 0)), (True, (4, 0)), (True, (9, -1)), (True, (100, 0)),
-    (False, (2, 3)), (False, (-1, 5)), (False, (6, -1)), (False, (0, 0)), (True, (-1, -1)), (False, (-1, -1)),
-], ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "causal, window",
+    [
+        (True, (0, 0)),
+        (True, (1, 0)),
+        (True, (3, 0)),
+        (True, (4, 0)),
+        (True, (9, -1)),
+        (True, (100, 0)),
+        (False, (2, 3)),
+        (False, (-1, 5)),
+        (False, (6, -1)),
+        (False, (0, 0)),
+        (True, (-1, -1)),
+        (False, (-1, -1)),
+    ],
+    ids=lambda x: str(x),
+)
 def test_plans_cover_each_visible_pair_exactly_once(causal, window):
     """For every context rank pair of several layouts, the calls tile exactly the token-level mask."""
     c = 4
-    for cp_size, hp, placement in [(4, 1, "head_first"), (4, 2, "context_first"), (6, 2, "head_first"),
-                                   (8, 4, "context_first")]:
+    for cp_size, hp, placement in [
+        (4, 1, "head_first"),
+        (4, 2, "context_first"),
+        (6, 2, "head_first"),
+        (8, 4, "context_first"),
+    ]:
         layout = Layout2D(cp_size, hp, 1, placement)
         win = SlidingWindow.of(window, causal, 2 * cp_size * c)
         plan = plan_context_group(layout, c, causal, win)
@@ -114,12 +132,12 @@ def test_window_plans_skip_blocks_and_flops():
     assert not plan.dense and plan_context_group(layout, c, True, SlidingWindow()).dense
     flops = sum(call.flops_units for calls in plan.calls.values() for call in calls)
     S = 16 * c
-    assert flops == sum(min(i, 5) + 1 for i in range(S))          # exactly the windowed causal pairs
+    assert flops == sum(min(i, 5) + 1 for i in range(S))  # exactly the windowed causal pairs
 
 
 def test_plan_without_window_keeps_zigzag_half_blocks():
     assert plan_block([1, 6], [0, 7], 4, True, SlidingWindow()) == plan_block([1, 6], [0, 7], 4, True)
-    assert len(plan_block([0, 3, 4, 7], [1, 2, 5, 6], 8, True)) == 2   # merged runs, not one call per chunk pair
+    assert len(plan_block([0, 3, 4, 7], [1, 2, 5, 6], 8, True)) == 2  # merged runs, not one call per chunk pair
 
 
 def test_sliding_window_rejects_bad_values():
@@ -129,20 +147,29 @@ def test_sliding_window_rejects_bad_values():
         SlidingWindow.of((-2, 0), True, 64)
     with pytest.raises(ValueError, match=r"must be a pair \(left, right\)"):
         SlidingWindow.of(16, True, 64)
-    assert SlidingWindow.of((63, 0), True, 64) == SlidingWindow(-1, 0)      # a window over everything is none
+    assert SlidingWindow.of((63, 0), True, 64) == SlidingWindow(-1, 0)  # a window over everything is none
 
 
-BAND_KERNELS = [("cpu_flash", torch.float32), ("cpu_flash", torch.bfloat16), ("torch_math", torch.float32),
-                ("torch_math", torch.bfloat16), ("torch_flash", torch.bfloat16)]   # torch_flash: fp16/bf16 only
+BAND_KERNELS = [
+    ("cpu_flash", torch.float32),
+    ("cpu_flash", torch.bfloat16),
+    ("torch_math", torch.float32),
+    ("torch_math", torch.bfloat16),
+    ("torch_flash", torch.bfloat16),
+]  # torch_flash: fp16/bf16 only
 
 
 @pytest.mark.parametrize("name, dtype", BAND_KERNELS, ids=[f"{n}-{str(dt)[6:]}" for n, dt in BAND_KERNELS])
-@pytest.mark.parametrize("band, sq, sk", [
-    (Band(-40, 0), 600, 600),        # narrow causal band over a long block: the CPU kernel tiles it
-    (Band(-3, 2), 300, 300),         # narrow two-sided band
-    (Band(0, None), 40, 40),         # keys at or after the query (a trimmed window tail)
-    (Band(-20, 20), 30, 50),         # rectangular
-], ids=["narrow_causal", "two_sided", "anti_causal", "rectangular"])
+@pytest.mark.parametrize(
+    "band, sq, sk",
+    [
+        (Band(-40, 0), 600, 600),  # narrow causal band over a long block: the CPU kernel tiles it
+        (Band(-3, 2), 300, 300),  # narrow two-sided band
+        (Band(0, None), 40, 40),  # keys at or after the query (a trimmed window tail)
+        (Band(-20, 20), 30, 50),  # rectangular
+    ],
+    ids=["narrow_causal", "two_sided", "anti_causal", "rectangular"],
+)
 def test_kernels_with_bands(name, dtype, band, sq, sk):
     torch.manual_seed(3)
     b, hq, hkv, d = 1, 4, 2, 16
@@ -151,7 +178,7 @@ def test_kernels_with_bands(name, dtype, band, sq, sk):
     v64 = torch.randn(b, sk, hkv, d, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(b, sq, hq, d, dtype=torch.float64)
     box = band.trim(sq, sk)
-    assert (box.q_start, box.q_end, box.k_start, box.k_end) == (0, sq, 0, sk)   # cases are pre-trimmed
+    assert (box.q_start, box.q_end, box.k_start, box.k_end) == (0, sq, 0, sk)  # cases are pre-trimmed
     mask_ok = torch.tensor([[band.visible(i, j) for j in range(sk)] for i in range(sq)])
     rep = hq // hkv
     scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64.repeat_interleave(rep, 2)) * 0.25
@@ -159,7 +186,7 @@ def test_kernels_with_bands(name, dtype, band, sq, sk):
     ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v64.repeat_interleave(rep, 2))
     ref.backward(dout)
     q, k, v = (x.detach().to(dtype) for x in (q64, k64, v64))
-    with torch_flash_on_cpu() if name == "torch_flash" else contextlib.nullcontext():   # its CUDA op on CPU
+    with torch_flash_on_cpu() if name == "torch_flash" else contextlib.nullcontext():  # its CUDA op on CPU
         kernel = select_kernel(torch.device("cpu"), dtype, name)
         out, lse = kernel.forward(q, k, v, band, 0.25)
         dq, dk, dv = kernel.backward(dout.to(dtype), q, k, v, out, lse, band, 0.25)
@@ -171,21 +198,27 @@ def test_kernels_with_bands(name, dtype, band, sq, sk):
 
 def test_cpu_tiles_follow_the_band():
     tiles = row_tiles(Band(-40, 0), 600, 600)
-    assert len(tiles) == 10                                        # 64-row tiles (the band is 41 wide)
+    assert len(tiles) == 10  # 64-row tiles (the band is 41 wide)
     assert max(t.k_end - t.k_start for t in tiles) <= 64 + 40
-    assert row_tiles(Band(None, 0), 600, 600)[0].band == Band(None, 0)   # causal: one native call
+    assert row_tiles(Band(None, 0), 600, 600)[0].band == Band(None, 0)  # causal: one native call
 
 
 # --------------------------------------------------------------------------------------- distributed runs
 # (world, hp, w, placement): worlds 1, 2, 4, 6, 8; inner/outer rings, both placements, head-only and ring-only.
 LAYOUTS = [
     (1, 1, 1, "head_first"),
-    (2, 1, 1, "head_first"), (2, 2, 1, "head_first"),
-    (4, 1, 2, "head_first"), (4, 2, 1, "context_first"), (4, 2, 2, "head_first"),
-    (6, 2, 1, "head_first"), (6, 3, 2, "context_first"),
-    (8, 1, 2, "head_first"), (8, 2, 2, "context_first"), (8, 4, 1, "head_first"),
+    (2, 1, 1, "head_first"),
+    (2, 2, 1, "head_first"),
+    (4, 1, 2, "head_first"),
+    (4, 2, 1, "context_first"),
+    (4, 2, 2, "head_first"),
+    (6, 2, 1, "head_first"),
+    (6, 3, 2, "context_first"),
+    (8, 1, 2, "head_first"),
+    (8, 2, 2, "context_first"),
+    (8, 4, 1, "head_first"),
 ]
-CHUNK = 8   # tokens per zigzag chunk: S = 2 * world * CHUNK
+CHUNK = 8  # tokens per zigzag chunk: S = 2 * world * CHUNK
 # (name, causal, window as a function of S)
 WINDOWS = [
     ("causal_below_chunk", True, lambda S: (3, 0)),
@@ -221,8 +254,11 @@ def run_case(rank, world, groups, dtype, causal, window, sink_kind, hq, hkv, see
     g = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(S, b, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(S, b, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
-    sinks = {"none": None, "off_by_one": torch.zeros(hq, dtype=torch.float64),
-             "learnable": torch.randn(hq, generator=g, dtype=torch.float64)}[sink_kind]
+    sinks = {
+        "none": None,
+        "off_by_one": torch.zeros(hq, dtype=torch.float64),
+        "learnable": torch.randn(hq, generator=g, dtype=torch.float64),
+    }[sink_kind]
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     ref_sinks = None if sinks is None else sinks.clone().requires_grad_(sink_kind == "learnable")
     ref = reference_attention(*leaves, causal, 0.3, window=window, sinks=ref_sinks)
@@ -233,11 +269,16 @@ def run_case(rank, world, groups, dtype, causal, window, sink_kind, hq, hkv, see
 
     ql, kl, vl = (shard(x).to(dtype).requires_grad_(True) for x in (q, k, v))
     my_sinks = None if sinks is None else sinks.to(torch.float32).requires_grad_(sink_kind == "learnable")
-    out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, softmax_scale=0.3, sliding_window=window,
-                                   sinks=my_sinks)
+    out = megatron_2d.attention_2d(
+        ql, kl, vl, groups, causal=causal, softmax_scale=0.3, sliding_window=window, sinks=my_sinks
+    )
     out.backward(shard(dout).to(dtype))
-    errors = [error(out, shard(ref)), error(ql.grad, shard(leaves[0].grad)),
-              error(kl.grad, shard(leaves[1].grad)), error(vl.grad, shard(leaves[2].grad))]
+    errors = [
+        error(out, shard(ref)),
+        error(ql.grad, shard(leaves[0].grad)),
+        error(kl.grad, shard(leaves[1].grad)),
+        error(vl.grad, shard(leaves[2].grad)),
+    ]
     if sink_kind == "learnable":
         grad = my_sinks.grad.clone()
         dist.all_reduce(grad)
@@ -254,8 +295,9 @@ def run_layout(rank, world, hp, w, placement):
     for (wname, causal, window_of), sink_kind, (hname, hq, hkv) in itertools.product(WINDOWS, SINKS, HEADS[hp]):
         if sink_kind != "none" and wname not in ("causal_below_chunk", "two_sided", "causal_beyond_sequence"):
             continue
-        worst[(wname, sink_kind, hname)] = run_case(rank, world, groups, torch.float32, causal, window_of(S),
-                                                    sink_kind, hq, hkv, seed=len(worst))
+        worst[(wname, sink_kind, hname)] = run_case(
+            rank, world, groups, torch.float32, causal, window_of(S), sink_kind, hq, hkv, seed=len(worst)
+        )
     return worst
 
 
@@ -268,16 +310,19 @@ def layout_errors():
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"N{n}-hp{h}-w{w}-{p}" for n, h, w, p in LAYOUTS])
 def test_windows_and_sinks_match_reference(layout_errors, layout):
     per_rank = layout_errors[layout]
-    bad = {case: err for rank_errors in per_rank for case, err in rank_errors.items()
-           if not err < TOLERANCE[torch.float32]}
-    assert len(per_rank[0]) == (len(WINDOWS) + 3 * 2) * len(HEADS[layout[1]])   # sinks on three windows
+    bad = {
+        case: err for rank_errors in per_rank for case, err in rank_errors.items() if not err < TOLERANCE[torch.float32]
+    }
+    assert len(per_rank[0]) == (len(WINDOWS) + 3 * 2) * len(HEADS[layout[1]])  # sinks on three windows
     assert not bad, bad
 
 
 def run_bf16(rank, world):
     groups = megatron_2d.build_2d_groups(2, 1, "head_first", timeout=TIMEOUT)
-    return [run_case(rank, world, groups, torch.bfloat16, True, (5, 0), "learnable", 8, 2, seed=11),
-            run_case(rank, world, groups, torch.bfloat16, False, (5, 2), "none", 8, 2, seed=12)]
+    return [
+        run_case(rank, world, groups, torch.bfloat16, True, (5, 0), "learnable", 8, 2, seed=11),
+        run_case(rank, world, groups, torch.bfloat16, False, (5, 2), "none", 8, 2, seed=12),
+    ]
 
 
 @pytest.mark.distributed
@@ -303,7 +348,7 @@ def neighbour_bytes_closed_form(rank, cp, left, b=1, g=2, d=16, elt=4, grad_elt=
     of its first chunk) and by r-1 (the last ``left`` of its second chunk), where those ranks exist. Each such
     rank gets that K/V slice in forward and again in backward, and returns its dK/dV partial (fp32)."""
     neighbours = (rank > 0) + (rank < cp - 1)
-    slice_elements = 2 * b * left * g * d              # K and V of ``left`` tokens
+    slice_elements = 2 * b * left * g * d  # K and V of ``left`` tokens
     return neighbours * slice_elements * (2 * elt + grad_elt)
 
 
@@ -325,6 +370,6 @@ def test_window_bytes_follow_closed_form_and_beat_the_ring(left):
 @pytest.mark.distributed
 def test_window_beyond_sequence_runs_the_ring():
     world = 4
-    wide = run_on_ranks(world, run_bytes, (10 ** 6, 0))
+    wide = run_on_ranks(world, run_bytes, (10**6, 0))
     causal = run_on_ranks(world, run_bytes, (-1, -1))
     assert wide == causal

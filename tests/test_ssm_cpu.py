@@ -67,8 +67,9 @@ def naive_conv(x, weight, bias, seq_idx=None, activation=None, initial=None):
     return F.silu(out) if activation else out
 
 
-def naive_scan(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial=None, seq_idx=None, softplus=True,
-               dt_limit=s.UNBOUNDED_DT):
+def naive_scan(
+    x, dt, A, B, C, D=None, z=None, dt_bias=None, initial=None, seq_idx=None, softplus=True, dt_limit=s.UNBOUNDED_DT
+):
     """Mamba-2: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t + D x_t, times silu(z_t)."""
     b, l, h, p = x.shape
     rep = h // B.shape[2]
@@ -80,9 +81,10 @@ def naive_scan(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial=None, seq_i
     for t in range(l):
         if seq_idx is not None and t > 0:
             state = state * (seq_idx[:, t] == seq_idx[:, t - 1]).to(x.dtype)[:, None, None, None]
-        Bt, Ct = B[:, t].repeat_interleave(rep, dim=1), C[:, t].repeat_interleave(rep, dim=1)   # [b, h, n]
-        state = (step[:, t] * A).exp()[..., None, None] * state + \
-            step[:, t][..., None, None] * x[:, t][..., None] * Bt[:, :, None, :]
+        Bt, Ct = B[:, t].repeat_interleave(rep, dim=1), C[:, t].repeat_interleave(rep, dim=1)  # [b, h, n]
+        state = (step[:, t] * A).exp()[..., None, None] * state + step[:, t][..., None, None] * x[:, t][..., None] * Bt[
+            :, :, None, :
+        ]
         y = (state * Ct[:, :, None, :]).sum(-1)
         if D is not None:
             y = y + x[:, t] * (D[:, None] if D.dim() == 1 else D)
@@ -118,7 +120,11 @@ def random_seq_idx(gen, b, l):
 @pytest.mark.parametrize("case", ["plain", "silu+bias", "seq_idx", "initial+final"])
 def test_causal_conv1d_fn_equals_naive_convolution(case):
     gen = torch.Generator().manual_seed(1)
-    x, weight, bias = torch.randn(2, 6, 23, generator=gen), torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    x, weight, bias = (
+        torch.randn(2, 6, 23, generator=gen),
+        torch.randn(6, 4, generator=gen),
+        torch.randn(6, generator=gen),
+    )
     kwargs = {}
     if case == "plain":
         bias = None
@@ -127,15 +133,19 @@ def test_causal_conv1d_fn_equals_naive_convolution(case):
     if case == "seq_idx":
         kwargs["seq_idx"] = random_seq_idx(gen, 2, 23)
     initial = torch.randn(2, 6, 3, generator=gen) if case == "initial+final" else None
-    stand_in = lambda x, w, b, i: s.causal_conv1d_fn(x, w, b, initial_states=i, **kwargs,  # noqa: E731
-                                                     return_final_states=i is not None)
-    naive = lambda x, w, b, i: (naive_conv(x, w, b, kwargs.get("seq_idx"), kwargs.get("activation"), i),) + (  # noqa
-        (torch.cat([i, x], -1)[..., -3:],) if i is not None else ())
+    stand_in = lambda x, w, b, i: s.causal_conv1d_fn(  # noqa: E731
+        x, w, b, initial_states=i, **kwargs, return_final_states=i is not None
+    )
+
+    def naive(x, w, b, i):
+        final = (torch.cat([i, x], -1)[..., -3:],) if i is not None else ()
+        return (naive_conv(x, w, b, kwargs.get("seq_idx"), kwargs.get("activation"), i),) + final
+
     assert_same_function(stand_in, naive, [x, weight, bias, initial], outputs=2)
 
 
 def test_varlen_states_are_the_last_inputs_of_each_sequence():
-    x = torch.arange(30.).reshape(10, 3)
+    x = torch.arange(30.0).reshape(10, 3)
     states = s.causal_conv1d_varlen_states(x, torch.tensor([0, 2, 10]), state_len=4)
     assert torch.equal(states[0], torch.cat([torch.zeros(3, 2), x[0:2].t()], dim=1))
     assert torch.equal(states[1], x[6:10].t())
@@ -169,9 +179,22 @@ def test_mamba_chunk_scan_combined_equals_recurrence(name):
         dt = dt.abs()
 
     def stand_in(x, dt, A, B, C, D, z, dt_bias, initial):
-        return s.mamba_chunk_scan_combined(x, dt, A, B, C, c["chunk"], D=D, z=z, dt_bias=dt_bias,
-                                           initial_states=initial, seq_idx=seq_idx, dt_softplus=softplus,
-                                           dt_limit=dt_limit, return_final_states=initial is not None)
+        return s.mamba_chunk_scan_combined(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            c["chunk"],
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            initial_states=initial,
+            seq_idx=seq_idx,
+            dt_softplus=softplus,
+            dt_limit=dt_limit,
+            return_final_states=initial is not None,
+        )
 
     def naive(x, dt, A, B, C, D, z, dt_bias, initial):
         y, final = naive_scan(x, dt, A, B, C, D, z, dt_bias, initial, seq_idx, softplus, dt_limit)
@@ -194,16 +217,36 @@ def test_mamba_split_conv1d_scan_combined_equals_conv_then_recurrence(rmsnorm):
     seq_idx = random_seq_idx(gen, b, l)
 
     def stand_in(zxbcdt, weight, bias, dt_bias, A, D, norm_weight):
-        return s.mamba_split_conv1d_scan_combined(zxbcdt, weight, bias, dt_bias, A, D, 8, seq_idx=seq_idx,
-                                                  rmsnorm_weight=norm_weight, headdim=p, ngroups=g,
-                                                  norm_before_gate=False)
+        return s.mamba_split_conv1d_scan_combined(
+            zxbcdt,
+            weight,
+            bias,
+            dt_bias,
+            A,
+            D,
+            8,
+            seq_idx=seq_idx,
+            rmsnorm_weight=norm_weight,
+            headdim=p,
+            ngroups=g,
+            norm_before_gate=False,
+        )
 
     def naive(zxbcdt, weight, bias, dt_bias, A, D, norm_weight):
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * g * n, h], dim=-1)
         xBC = naive_conv(xBC.transpose(1, 2), weight, bias, seq_idx, "silu").transpose(1, 2)
         x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
-        y, _ = naive_scan(x.reshape(b, l, h, p), dt, A, B.reshape(b, l, g, n), C.reshape(b, l, g, n), D,
-                          None if rmsnorm else z.reshape(b, l, h, p), dt_bias, seq_idx=seq_idx)
+        y, _ = naive_scan(
+            x.reshape(b, l, h, p),
+            dt,
+            A,
+            B.reshape(b, l, g, n),
+            C.reshape(b, l, g, n),
+            D,
+            None if rmsnorm else z.reshape(b, l, h, p),
+            dt_bias,
+            seq_idx=seq_idx,
+        )
         y = y.reshape(b, l, dim)
         if rmsnorm:
             gated = (y * F.silu(z)).reshape(b, l, g, dim // g)
@@ -226,8 +269,14 @@ def test_gated_rmsnorm_module(before):
     out = (grouped / (grouped.square().mean(-1, keepdim=True) + 1e-5).sqrt()).reshape(3, 12) * norm.weight
     out = out * F.silu(z) if before else out
     assert rel(norm(x, z), out) < RTOL
-    assert rel(norm(x), (x.reshape(3, 3, 4) / (x.reshape(3, 3, 4).square().mean(-1, keepdim=True) + 1e-5).sqrt())
-               .reshape(3, 12) * norm.weight) < RTOL
+    assert (
+        rel(
+            norm(x),
+            (x.reshape(3, 3, 4) / (x.reshape(3, 3, 4).square().mean(-1, keepdim=True) + 1e-5).sqrt()).reshape(3, 12)
+            * norm.weight,
+        )
+        < RTOL
+    )
 
 
 # ---- fla -----------------------------------------------------------------------------------------------------
@@ -247,7 +296,7 @@ def test_chunk_gated_delta_rule_equals_recurrence(name):
     t = c["t"]
     q, k = torch.randn(1, t, h, kd, generator=gen), torch.randn(1, t, h, kd, generator=gen)
     if not c.get("l2"):
-        q, k = s.l2norm(q), s.l2norm(k)      # as GDN passes them (normalised before the kernel)
+        q, k = s.l2norm(q), s.l2norm(k)  # as GDN passes them (normalised before the kernel)
     v = torch.randn(1, t, hv, vd, generator=gen)
     g, beta = -torch.rand(1, t, hv, generator=gen) * 0.5, torch.rand(1, t, hv, generator=gen)
     cu = torch.tensor(c["cu"]) if "cu" in c else None
@@ -255,9 +304,18 @@ def test_chunk_gated_delta_rule_equals_recurrence(name):
     scale = c.get("scale")
 
     def stand_in(q, k, v, g, beta, initial):
-        return s.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial,
-                                        output_final_state=initial is not None,
-                                        use_qk_l2norm_in_kernel=c.get("l2", False), cu_seqlens=cu)
+        return s.chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial,
+            output_final_state=initial is not None,
+            use_qk_l2norm_in_kernel=c.get("l2", False),
+            cu_seqlens=cu,
+        )
 
     def naive(q, k, v, g, beta, initial):
         if c.get("l2"):
@@ -266,8 +324,15 @@ def test_chunk_gated_delta_rule_equals_recurrence(name):
         bounds = c.get("cu", [0, t])
         outs, final = [], None
         for start, end in zip(bounds[:-1], bounds[1:]):
-            o, final = naive_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
-                                        beta[:, start:end], scale if scale is not None else kd ** -0.5, initial)
+            o, final = naive_delta_rule(
+                q[:, start:end],
+                k[:, start:end],
+                v[:, start:end],
+                g[:, start:end],
+                beta[:, start:end],
+                scale if scale is not None else kd**-0.5,
+                initial,
+            )
             outs.append(o)
         return torch.cat(outs, dim=1), final
 
@@ -276,12 +341,18 @@ def test_chunk_gated_delta_rule_equals_recurrence(name):
 
 def test_fla_causal_conv1d_keeps_taps_inside_each_sequence():
     gen = torch.Generator().manual_seed(6)
-    x, weight, bias = torch.randn(1, 19, 5, generator=gen), torch.randn(5, 4, generator=gen), torch.randn(5, generator=gen)
+    x, weight, bias = (
+        torch.randn(1, 19, 5, generator=gen),
+        torch.randn(5, 4, generator=gen),
+        torch.randn(5, generator=gen),
+    )
     cu = torch.tensor([0, 7, 19])
     seq_idx = torch.tensor([[0] * 7 + [1] * 12])
     assert_same_function(
         lambda x, w, b: s.fla_causal_conv1d(x, w, b, activation="silu", cu_seqlens=cu)[0],
-        lambda x, w, b: naive_conv(x.transpose(1, 2), w, b, seq_idx, "silu").transpose(1, 2), [x, weight, bias])
+        lambda x, w, b: naive_conv(x.transpose(1, 2), w, b, seq_idx, "silu").transpose(1, 2),
+        [x, weight, bias],
+    )
 
 
 def test_l2norm():
@@ -292,7 +363,14 @@ def test_l2norm():
 def test_arguments_the_stand_ins_do_not_implement_are_refused_by_name():
     x = torch.randn(1, 8, 2, 2)
     with pytest.raises(NotImplementedError, match="does not take cu_seqlens"):
-        s.mamba_chunk_scan_combined(x, torch.rand(1, 8, 2), -torch.ones(2), torch.randn(1, 8, 1, 2),
-                                    torch.randn(1, 8, 1, 2), 4, cu_seqlens=torch.tensor([0, 8]))
+        s.mamba_chunk_scan_combined(
+            x,
+            torch.rand(1, 8, 2),
+            -torch.ones(2),
+            torch.randn(1, 8, 1, 2),
+            torch.randn(1, 8, 1, 2),
+            4,
+            cu_seqlens=torch.tensor([0, 8]),
+        )
     with pytest.raises(NotImplementedError, match="does not take initial_state"):
         s.fla_causal_conv1d(torch.randn(1, 4, 2), torch.randn(2, 4), initial_state=torch.zeros(1, 2, 4))

@@ -55,18 +55,25 @@ def test_all_layouts_match_brute_force(CP, placement):
             layout = Layout2D(CP, hp, w, placement)
             cp_ranks = [3 * r + 1 for r in range(CP)]  # arbitrary global ranks
             expected = brute_force_groups(cp_ranks, hp, w, placement)
-            got = (sorted(layout.head_groups(cp_ranks)), sorted(layout.context_groups(cp_ranks)),
-                   sorted(layout.intra_window_groups(cp_ranks)), sorted(layout.inter_window_groups(cp_ranks)))
+            got = (
+                sorted(layout.head_groups(cp_ranks)),
+                sorted(layout.context_groups(cp_ranks)),
+                sorted(layout.intra_window_groups(cp_ranks)),
+                sorted(layout.inter_window_groups(cp_ranks)),
+            )
             assert got == expected, (CP, hp, w, placement)
 
 
 @pytest.mark.parametrize("placement", ["head_first", "context_first"])
-@pytest.mark.parametrize("world, CP, stride, hp, w", [
-    (4096, 64, 8, 8, 2),    # 64 CP groups over 4096 ranks, TP=8 innermost
-    (4096, 64, 8, 4, 4),
-    (2048, 32, 4, 2, 8),
-    (3072, 48, 2, 3, 4),
-])
+@pytest.mark.parametrize(
+    "world, CP, stride, hp, w",
+    [
+        (4096, 64, 8, 8, 2),  # 64 CP groups over 4096 ranks, TP=8 innermost
+        (4096, 64, 8, 4, 4),
+        (2048, 32, 4, 2, 8),
+        (3072, 48, 2, 3, 4),
+    ],
+)
 def test_large_virtual_world(world, CP, stride, hp, w, placement):
     lists = strided_cp_lists(world, CP, stride)
     layout = Layout2D(CP, hp, w, placement)
@@ -89,7 +96,7 @@ def test_placement_adjacency():
     cp_ranks = list(range(16))
     head_first = Layout2D(16, 4, 2, "head_first")
     context_first = Layout2D(16, 4, 2, "context_first")
-    assert head_first.head_groups(cp_ranks)[1] == [4, 5, 6, 7]        # head group on adjacent ranks
+    assert head_first.head_groups(cp_ranks)[1] == [4, 5, 6, 7]  # head group on adjacent ranks
     assert context_first.context_groups(cp_ranks)[1] == [4, 5, 6, 7]  # ring on adjacent ranks
     assert context_first.intra_window_groups(cp_ranks)[0] == [0, 1]
     assert context_first.inter_window_groups(cp_ranks)[0] == [0, 2]
@@ -102,25 +109,46 @@ def test_coords_round_trip():
             assert layout.index_of(*layout.coords_of(i)) == i
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(cp_size=8, head_parallel_size=3, ring_window=1), r"head-parallel size 3 does not divide .* 8; valid .* \[1, 2, 4, 8\]"),
-    (dict(cp_size=8, head_parallel_size=2, ring_window=3), r"ring window 3 does not divide .* cp = CP/hp = 8/2 = 4; valid ring windows: \[1, 2, 4\]"),
-    (dict(cp_size=8, head_parallel_size=2, ring_window=1, placement="interleaved"), r"placement 'interleaved' is not valid; choose one of \['head_first', 'context_first'\]"),
-    (dict(cp_size=0, head_parallel_size=1, ring_window=1), r"context-parallel size must be a positive integer, got 0"),
-    (dict(cp_size=4, head_parallel_size=2.0, ring_window=1), r"head-parallel size must be a positive integer, got 2.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(cp_size=8, head_parallel_size=3, ring_window=1),
+            r"head-parallel size 3 does not divide .* 8; valid .* \[1, 2, 4, 8\]",
+        ),
+        (
+            dict(cp_size=8, head_parallel_size=2, ring_window=3),
+            r"ring window 3 does not divide .* cp = CP/hp = 8/2 = 4; valid ring windows: \[1, 2, 4\]",
+        ),
+        (
+            dict(cp_size=8, head_parallel_size=2, ring_window=1, placement="interleaved"),
+            r"placement 'interleaved' is not valid; choose one of \['head_first', 'context_first'\]",
+        ),
+        (
+            dict(cp_size=0, head_parallel_size=1, ring_window=1),
+            r"context-parallel size must be a positive integer, got 0",
+        ),
+        (
+            dict(cp_size=4, head_parallel_size=2.0, ring_window=1),
+            r"head-parallel size must be a positive integer, got 2.0",
+        ),
+    ],
+)
 def test_layout_errors(kwargs, message):
     with pytest.raises(LayoutError, match=message):
         Layout2D(**kwargs)
 
 
-@pytest.mark.parametrize("lists, world, message", [
-    ([[0, 1], [1, 2]], 3, r"ranks \[1\] appear more than once"),
-    ([[0, 1], [2, 3]], 5, r"ranks \[4\] are missing from cp_rank_lists"),
-    ([[0, 1], [2]], 3, r"different sizes \[1, 2\]"),
-    ([[0, 7]], 2, r"rank 7 in cp_rank_lists is not a valid rank of a world of size 2"),
-    ([], 2, r"cp_rank_lists is empty"),
-])
+@pytest.mark.parametrize(
+    "lists, world, message",
+    [
+        ([[0, 1], [1, 2]], 3, r"ranks \[1\] appear more than once"),
+        ([[0, 1], [2, 3]], 5, r"ranks \[4\] are missing from cp_rank_lists"),
+        ([[0, 1], [2]], 3, r"different sizes \[1, 2\]"),
+        ([[0, 7]], 2, r"rank 7 in cp_rank_lists is not a valid rank of a world of size 2"),
+        ([], 2, r"cp_rank_lists is empty"),
+    ],
+)
 def test_rank_list_errors(lists, world, message):
     with pytest.raises(LayoutError, match=message):
         validate_cp_rank_lists(lists, world)
@@ -134,7 +162,9 @@ def test_rank_lists_must_match_layout_size():
 def test_window_size_is_the_deprecated_name_of_ring_window():
     """``window_size`` (the Double-Ring window's old name, also Megatron's sliding window) still works this release,
     with a DeprecationWarning naming ring_window; giving both names is a TypeError naming both."""
-    with pytest.warns(DeprecationWarning, match=r"Layout2D\(window_size=\) is deprecated .* use Layout2D\(ring_window=\)"):
+    with pytest.warns(
+        DeprecationWarning, match=r"Layout2D\(window_size=\) is deprecated .* use Layout2D\(ring_window=\)"
+    ):
         layout = Layout2D(cp_size=8, head_parallel_size=2, window_size=2)
     assert layout == Layout2D(8, 2, 2) and layout.ring_window == 2
     with pytest.warns(DeprecationWarning, match=r"Layout2D.window_size is deprecated .* use Layout2D.ring_window"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """attention_2d fwd+bwd for every 2D layout of CP = N on forked CPU ranks: see megatron_2d/bench/attention.py.
 
-    python tools/bench_attention.py --ranks 4
+python tools/bench_attention.py --ranks 4
 """
 
 from megatron_2d.bench.attention import main

@@ -31,8 +31,10 @@ def run(batch_seed: int, indices, modes, max_world: int):
     try:
         per_rank = run_on_ranks(batch.world, run_batch, batch, draws, expected, timeout_s=300)
     except RankFailure as err:
-        return [f"batch {batch_seed} (world {batch.world}, hp {batch.hp}, w {batch.w}, {batch.placement}) raised: "
-                f"{err}\n  draws: " + "\n  ".join(d.describe() for d in draws)], time.perf_counter() - start
+        return [
+            f"batch {batch_seed} (world {batch.world}, hp {batch.hp}, w {batch.w}, {batch.placement}) raised: "
+            f"{err}\n  draws: " + "\n  ".join(d.describe() for d in draws)
+        ], time.perf_counter() - start
     return failures(batch, draws, per_rank, [e[-1] for e in expected]), time.perf_counter() - start
 
 
@@ -62,9 +64,11 @@ def main(argv=None) -> int:
             problems += found
             done, seed = done + n, seed + 1
             bar.update(n)
-    print(f"{done} draws in {seed - args.seed} batches (seeds {args.seed}..{seed - 1}), "
-          f"{time.perf_counter() - start:.0f} s; slowest batch {slowest[1]} ({slowest[0]:.1f} s); "
-          f"{len(problems)} failed")
+    print(
+        f"{done} draws in {seed - args.seed} batches (seeds {args.seed}..{seed - 1}), "
+        f"{time.perf_counter() - start:.0f} s; slowest batch {slowest[1]} ({slowest[0]:.1f} s); "
+        f"{len(problems)} failed"
+    )
     return 1 if problems else 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import Dict, List, Optional
 
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
@@ -35,8 +34,12 @@ MODES = {
     "none": {},
     "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "ckpt++": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                   selective_checkpoint_plus_plus=True),
+    "ckpt++": dict(
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        selective_checkpoint_plus_plus=True,
+    ),
 }
 
 
@@ -45,7 +48,7 @@ class SavedTensorBytes:
 
     def __init__(self, params) -> None:
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.storages: Dict[int, int] = {}
+        self.storages: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -62,7 +65,7 @@ class SavedTensorBytes:
         return sum(self.storages.values())
 
 
-def layer_flops(args, cp: int) -> Dict[str, float]:
+def layer_flops(args, cp: int) -> dict[str, float]:
     """Forward FLOPs of one decoder layer on one rank: dense GEMMs and attention (causal: half the scores).
 
     dense = 2 * tokens * (h*(h + 2*kv*d) [QKV] + h*h [proj] + 2*h*ffn [MLP]);  tokens = b*s/CP
@@ -71,20 +74,27 @@ def layer_flops(args, cp: int) -> Dict[str, float]:
     h, d = args.hidden, args.hidden // args.heads
     tokens = args.batch * args.seq / cp
     dense = 2 * tokens * (h * (h + 2 * args.kv_heads * d) + h * h + 2 * h * 4 * h)
-    attention = 4 * args.batch * args.seq ** 2 * h / 2 / cp
+    attention = 4 * args.batch * args.seq**2 * h / 2 / cp
     return {"dense": dense, "attention": attention}
 
 
-def measure(rank, world, args) -> Dict[str, dict]:
+def measure(rank, world, args) -> dict[str, dict]:
     from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d
 
     tg.init_parallel(context_parallel_size=world)
     spec = get_gpt_layer_spec_2d(use_transformer_engine=False)
     out = {}
     for mode, recompute in MODES.items():
-        cfg = tg.TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                               num_query_groups=args.kv_heads, seq_length=args.seq, micro_batch_size=args.batch,
-                               config_class=TransformerConfig2D, cp_comm_type="2d")
+        cfg = tg.TinyGPTConfig(
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            num_query_groups=args.kv_heads,
+            seq_length=args.seq,
+            micro_batch_size=args.batch,
+            config_class=TransformerConfig2D,
+            cp_comm_type="2d",
+        )
         cfg.config_overrides = dict(cp_2d_head_parallel_size=args.hp, cp_2d_ring_window=args.window, **recompute)
         model = tg.build_tiny_gpt(cfg, spec)
         hooks = SavedTensorBytes(model.parameters())
@@ -98,40 +108,64 @@ def measure(rank, world, args) -> Dict[str, dict]:
         groups = model.decoder.layers[0].self_attention.core_attention.groups
         groups.comm_bytes.reset()
         tg.forward_backward(model, tg.synthetic_batch(cfg))
-        out[mode] = {"activation_bytes_per_layer": hooks.total / args.layers,
-                     "comm_bytes": groups.comm_bytes.as_dict()}
+        out[mode] = {"activation_bytes_per_layer": hooks.total / args.layers, "comm_bytes": groups.comm_bytes.as_dict()}
     return out
 
 
-def report(args) -> List[dict]:
+def report(args) -> list[dict]:
     per_rank = run_on_ranks(args.ranks, measure, args, timeout_s=600)
     flops = layer_flops(args, args.ranks)
-    extra_flops = {"none": 0.0, "selective": flops["attention"], "full": flops["dense"] + flops["attention"],
-                   "ckpt++": flops["dense"]}
+    extra_flops = {
+        "none": 0.0,
+        "selective": flops["attention"],
+        "full": flops["dense"] + flops["attention"],
+        "ckpt++": flops["dense"],
+    }
     base = per_rank[0]["none"]["comm_bytes"]
     rows = []
     for mode in MODES:
         act = max(r[mode]["activation_bytes_per_layer"] for r in per_rank)
         comm = per_rank[0][mode]["comm_bytes"]
-        rows.append({"mode": mode, "activation_MiB_per_layer": act / 2**20,
-                     "extra_fwd_GFLOP_per_layer": extra_flops[mode] / 1e9,
-                     "extra_fwd_flops_vs_layer_fwd": extra_flops[mode] / (flops["dense"] + flops["attention"]),
-                     "extra_a2a_MiB": (comm["all_to_all"] - base["all_to_all"]) / 2**20 / args.layers,
-                     "extra_ring_MiB": sum(comm[k] - base[k] for k in ("inner_ring", "outer_ring"))
-                     / 2**20 / args.layers})
+        rows.append(
+            {
+                "mode": mode,
+                "activation_MiB_per_layer": act / 2**20,
+                "extra_fwd_GFLOP_per_layer": extra_flops[mode] / 1e9,
+                "extra_fwd_flops_vs_layer_fwd": extra_flops[mode] / (flops["dense"] + flops["attention"]),
+                "extra_a2a_MiB": (comm["all_to_all"] - base["all_to_all"]) / 2**20 / args.layers,
+                "extra_ring_MiB": sum(comm[k] - base[k] for k in ("inner_ring", "outer_ring")) / 2**20 / args.layers,
+            }
+        )
     return rows
 
 
 def print_activation_table(rows, args) -> None:
-    render_table(f"Activations saved for backward per decoder layer, one micro-batch, per rank: "
-                 f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
-                 f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
-                 f"{args.ranks // args.hp}, w {args.window})",
-                 ["recompute mode", "activations MiB/layer", "extra fwd GFLOP/layer", "extra fwd / layer fwd",
-                  "extra a2a MiB/layer", "extra ring MiB/layer"],
-                 [[r["mode"], f"{r['activation_MiB_per_layer']:.2f}", f"{r['extra_fwd_GFLOP_per_layer']:.3f}",
-                   f"{100 * r['extra_fwd_flops_vs_layer_fwd']:.0f}%", f"{r['extra_a2a_MiB']:.2f}",
-                   f"{r['extra_ring_MiB']:.2f}"] for r in rows], width=160)
+    render_table(
+        f"Activations saved for backward per decoder layer, one micro-batch, per rank: "
+        f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
+        f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
+        f"{args.ranks // args.hp}, w {args.window})",
+        [
+            "recompute mode",
+            "activations MiB/layer",
+            "extra fwd GFLOP/layer",
+            "extra fwd / layer fwd",
+            "extra a2a MiB/layer",
+            "extra ring MiB/layer",
+        ],
+        [
+            [
+                r["mode"],
+                f"{r['activation_MiB_per_layer']:.2f}",
+                f"{r['extra_fwd_GFLOP_per_layer']:.3f}",
+                f"{100 * r['extra_fwd_flops_vs_layer_fwd']:.0f}%",
+                f"{r['extra_a2a_MiB']:.2f}",
+                f"{r['extra_ring_MiB']:.2f}",
+            ]
+            for r in rows
+        ],
+        width=160,
+    )
 
 
 def zero_choices(dp: int, cp: int):
@@ -142,12 +176,16 @@ def zero_choices(dp: int, cp: int):
     for states in ("optimizer", "optimizer+grads", "optimizer+grads+params"):
         for size in sorted({cp, dp * cp}):
             choices.append((f"{states}, over {size} ranks", HybridZeRO(sharded_states=states, shard_size=size)))
-    choices.append((f"optimizer+grads+params over {cp}, optimizer over {dp * cp}",
-                    HybridZeRO(sharded_states="optimizer+grads+params", shard_size=cp, optimizer_shard_size=dp * cp)))
+    choices.append(
+        (
+            f"optimizer+grads+params over {cp}, optimizer over {dp * cp}",
+            HybridZeRO(sharded_states="optimizer+grads+params", shard_size=cp, optimizer_shard_size=dp * cp),
+        )
+    )
     return choices
 
 
-def model_state_rows(args) -> List[dict]:
+def model_state_rows(args) -> list[dict]:
     from megatron_2d.megatron import model_state_bytes_per_rank
 
     rows = []
@@ -158,11 +196,13 @@ def model_state_rows(args) -> List[dict]:
 
 
 def print_model_state_table(rows, args) -> None:
-    render_table(f"Model states per rank, {args.model_params / 1e9:.1f}B parameters, bf16 params, fp32 grads, "
-                 f"Adam, DP={args.dp} x CP={args.ranks}",
-                 ["sharded states", "params GiB", "grads GiB", "optimizer GiB", "total GiB"],
-                 [[r["choice"], *(f"{r[k]:.2f}" for k in ("params", "grads", "optimizer", "total"))] for r in rows],
-                 width=160)
+    render_table(
+        f"Model states per rank, {args.model_params / 1e9:.1f}B parameters, bf16 params, fp32 grads, "
+        f"Adam, DP={args.dp} x CP={args.ranks}",
+        ["sharded states", "params GiB", "grads GiB", "optimizer GiB", "total GiB"],
+        [[r["choice"], *(f"{r[k]:.2f}" for k in ("params", "grads", "optimizer", "total"))] for r in rows],
+        width=160,
+    )
 
 
 def plot(activation_rows, state_rows, path: str) -> None:
@@ -193,7 +233,7 @@ def plot(activation_rows, state_rows, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def parse_args(argv: Optional[List[str]] = None):
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description="Activation and model-state memory per recompute / sharding choice")
     add_arguments(p, ranks=4, hp=2, window=1, layers=4, hidden=256, heads=8, kv_heads=2, seq=1024, batch=1)
     p.add_argument("--dp", type=int, default=2, help="data-parallel size for the model-state table")
@@ -202,9 +242,9 @@ def parse_args(argv: Optional[List[str]] = None):
     return p.parse_args(argv)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    install_megatron_cpu_shims()        # megatron-core on CPU ranks
+    install_megatron_cpu_shims()  # megatron-core on CPU ranks
     rows = report(args)
     print_activation_table(rows, args)
     states = model_state_rows(args)

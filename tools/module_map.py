@@ -14,16 +14,16 @@ import argparse
 import ast
 import sys
 from pathlib import Path
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "megatron_2d"
 
 
 class Module(NamedTuple):
-    name: str            # dotted, e.g. megatron_2d.plan.cli
-    path: str            # relative to the repository root, e.g. megatron_2d/plan/cli.py
-    summary: str         # first line of the module docstring ("" when it has none)
+    name: str  # dotted, e.g. megatron_2d.plan.cli
+    path: str  # relative to the repository root, e.g. megatron_2d/plan/cli.py
+    summary: str  # first line of the module docstring ("" when it has none)
     lines: int
 
 
@@ -52,7 +52,7 @@ def _order(path: Path, root: Path):
     return (len(rel.parts) > 2, rel.parent.as_posix(), rel.name != "__init__.py", rel.name)
 
 
-def modules(root: Path = REPO) -> List[Module]:
+def modules(root: Path = REPO) -> list[Module]:
     """Every .py file under ``root``/megatron_2d, in map order."""
     files = sorted((root / PACKAGE).rglob("*.py"), key=lambda p: _order(p, root))
     out = []
@@ -60,8 +60,14 @@ def modules(root: Path = REPO) -> List[Module]:
         if "__pycache__" in path.parts:
             continue
         source = path.read_text(encoding="utf-8")
-        out.append(Module(module_name(path, root), path.relative_to(root).as_posix(), first_docstring_line(source),
-                          len(source.splitlines())))
+        out.append(
+            Module(
+                module_name(path, root),
+                path.relative_to(root).as_posix(),
+                first_docstring_line(source),
+                len(source.splitlines()),
+            )
+        )
     return out
 
 
@@ -69,13 +75,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def markdown_table(mods: List[Module]) -> str:
+def markdown_table(mods: list[Module]) -> str:
     rows = ["| module | concern (first docstring line) | lines |", "|---|---|---:|"]
     rows += [f"| `{m.name}` | {_cell(m.summary)} | {m.lines} |" for m in mods]
     return "\n".join(rows)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=REPO, help="repository root holding megatron_2d/")
     args = parser.parse_args(argv)

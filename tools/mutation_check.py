@@ -39,9 +39,9 @@ import sys
 import tempfile
 import time
 import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LIST = REPO / "tools" / "mutations.toml"
@@ -57,7 +57,7 @@ class Mutation:
     file: str
     original: str
     replacement: str
-    tests: List[str]
+    tests: list[str]
     note: str = ""
     equivalent: bool = False
 
@@ -65,7 +65,7 @@ class Mutation:
 @dataclass
 class Outcome:
     mutation: Mutation
-    status: str                     # caught | survived | timeout | equivalent
+    status: str  # caught | survived | timeout | equivalent
     seconds: float
     detail: str = ""
     command: str = ""
@@ -75,7 +75,7 @@ class Outcome:
         return self.status in ("caught", "timeout")
 
 
-def load_mutations(path: Path) -> List[Mutation]:
+def load_mutations(path: Path) -> list[Mutation]:
     data = tomllib.loads(path.read_text())
     raw = data.get("mutation", [])
     if not raw:
@@ -118,8 +118,13 @@ def check_snippets(mutations: Sequence[Mutation], root: Path) -> None:
 def make_scratch(root: Path) -> Path:
     """A copy of the repository's tracked and untracked-but-not-ignored files, in a new temporary directory."""
     scratch = Path(tempfile.mkdtemp(prefix="m2d_mutation_"))
-    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard", "-z"],
-                            check=True, capture_output=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-co", "--exclude-standard", "-z"], check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = root / rel
         if src.is_file():
@@ -129,19 +134,21 @@ def make_scratch(root: Path) -> Path:
     return scratch
 
 
-def pytest_command(python: str, tests: Sequence[str]) -> List[str]:
+def pytest_command(python: str, tests: Sequence[str]) -> list[str]:
     """pytest's argv: each ``tests`` item is one argument (a "-k" expression stays one item)."""
     return [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
 
 
 def run_tests(scratch: Path, python: str, tests: Sequence[str], timeout: float):
-    env = dict(os.environ, PYTHONPATH=str(scratch) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PYTHONDONTWRITEBYTECODE="1")
+    env = dict(
+        os.environ, PYTHONPATH=str(scratch) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1"
+    )
     cmd = pytest_command(python, tests)
     start = time.monotonic()
     # a new session, so that a timeout kills pytest AND the ranks it forked (they would otherwise wait for gloo)
-    proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -193,14 +200,13 @@ def print_table(outcomes: Sequence[Outcome], pct: float, threshold: float) -> No
         table.add_column(col, overflow="fold")
     style = {"caught": "green", "timeout": "green", "survived": "bold red", "equivalent": "yellow"}
     for o in outcomes:
-        table.add_row(o.mutation.id, o.mutation.file, f"[{style[o.status]}]{o.status}[/]", f"{o.seconds:.1f}",
-                      o.detail)
+        table.add_row(o.mutation.id, o.mutation.file, f"[{style[o.status]}]{o.status}[/]", f"{o.seconds:.1f}", o.detail)
     console = Console(width=max(160, shutil.get_terminal_size().columns))
     console.print(table)
     console.print(f"caught {pct:.1f}% of non-equivalent mutations (threshold {threshold:g}%)")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--list", type=Path, default=DEFAULT_LIST, help="the mutation list (TOML)")
     p.add_argument("--only", action="append", default=[], help="run only these mutation ids (repeatable)")
@@ -244,8 +250,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for tests in selections:
                 rc, seconds, output = run_tests(scratch, args.python, tests, args.timeout * 2)
                 if rc != 0:
-                    print(f"error: the unmutated tests {list(tests)} fail (exit {rc}) in {seconds:.0f}s; every "
-                          f"mutation would look caught. Fix them first:\n{output}", file=sys.stderr)
+                    print(
+                        f"error: the unmutated tests {list(tests)} fail (exit {rc}) in {seconds:.0f}s; every "
+                        f"mutation would look caught. Fix them first:\n{output}",
+                        file=sys.stderr,
+                    )
                     return 2
             print(f"baseline: {len(selections)} test selections pass unmutated", flush=True)
         outcomes = []
@@ -267,9 +276,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_table(outcomes, pct, args.threshold)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([
-            {"id": o.mutation.id, "file": o.mutation.file, "status": o.status, "seconds": round(o.seconds, 1),
-             "detail": o.detail, "command": o.command} for o in outcomes], indent=1))
+        args.json.write_text(
+            json.dumps(
+                [
+                    {
+                        "id": o.mutation.id,
+                        "file": o.mutation.file,
+                        "status": o.status,
+                        "seconds": round(o.seconds, 1),
+                        "detail": o.detail,
+                        "command": o.command,
+                    }
+                    for o in outcomes
+                ],
+                indent=1,
+            )
+        )
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown_table(outcomes, pct))
@@ -279,8 +301,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def markdown_table(outcomes: Sequence[Outcome], pct: float) -> str:
     rows = ["| id | file | result | s | tests |", "|---|---|---|---|---|"]
     for o in outcomes:
-        rows.append(f"| {o.mutation.id} | {o.mutation.file} | {o.status} | {o.seconds:.0f} | "
-                    f"`{shlex.join(o.mutation.tests)}` |")
+        rows.append(
+            f"| {o.mutation.id} | {o.mutation.file} | {o.status} | {o.seconds:.0f} | `{shlex.join(o.mutation.tests)}` |"
+        )
     counted = [o for o in outcomes if o.status != "equivalent"]
     rows.append("")
     rows.append(f"caught {sum(o.caught for o in counted)} of {len(counted)} non-equivalent mutations ({pct:.1f}%)")

@@ -26,7 +26,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -36,17 +35,16 @@ from megatron_2d.testing.distributed import run_on_ranks
 from ..groups import build_groups_for_layout
 from ..topology import Layout2D
 from .cli import add_arguments, add_output_arguments, render_table
-from .harness import (DTYPES, bench_layouts, label, layout_record, make_inputs, retain_freed_memory,
-                      single_process_step)
+from .harness import DTYPES, bench_layouts, label, layout_record, make_inputs, retain_freed_memory, single_process_step
 
 
 @dataclass
 class Row:
     layout: Layout2D
     seconds: float
-    efficiency: float          # against the ideal with every core busy (see the module docstring)
-    efficiency_alone: float    # against the ideal of one process alone on an idle machine
-    bytes_sent: Dict[str, int]
+    efficiency: float  # against the ideal with every core busy (see the module docstring)
+    efficiency_alone: float  # against the ideal of one process alone on an idle machine
+    bytes_sent: dict[str, int]
 
 
 def bench_rank(rank, world, args, layouts, dtype):
@@ -68,6 +66,7 @@ def bench_rank(rank, world, args, layouts, dtype):
     rounds = range(args.repeats + 1)
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
+
         rounds = tqdm(rounds, desc=f"{world} ranks", unit="round", file=sys.stderr)
 
     def timed(fn) -> float:
@@ -78,11 +77,11 @@ def bench_rank(rank, world, args, layouts, dtype):
         return time.perf_counter() - t0
 
     def layout_step(groups) -> None:
-        ql, kl, vl = (x.detach().requires_grad_(True) for x in (q, k, v))   # fresh leaves, no copy
+        ql, kl, vl = (x.detach().requires_grad_(True) for x in (q, k, v))  # fresh leaves, no copy
         groups.comm_bytes.reset()
         megatron_2d.attention_2d(ql, kl, vl, groups, causal=args.causal).backward(dout)
 
-    for i in rounds:                              # round 0 warms up
+    for i in rounds:  # round 0 warms up
         alone = timed(baseline if rank == 0 else idle)
         busy = timed(baseline or idle)
         if i:
@@ -102,56 +101,82 @@ def run_benchmark(args):
     if args.seq % (2 * args.ranks):
         raise SystemExit(f"--seq {args.seq} must be divisible by 2*ranks = {2 * args.ranks}")
     layouts = bench_layouts(args.ranks, args.heads)  # hp must divide the query heads
-    share = min(args.ranks, os.cpu_count() or 1)     # the ideal: the single process's time / share
+    share = min(args.ranks, os.cpu_count() or 1)  # the ideal: the single process's time / share
     per_rank = run_on_ranks(args.ranks, bench_rank, args, layouts, dtype, timeout_s=args.timeout * 20)
     single = per_rank[0][0]
     rows = []
     for i, layout in enumerate(layouts):
-        seconds, sent = per_rank[0][1][i]         # barrier-timed: the same on every rank
+        seconds, sent = per_rank[0][1][i]  # barrier-timed: the same on every rank
 
         def efficiency(baseline):
             return statistics.median(s / share / t for s, t in zip(baseline, seconds))
 
-        rows.append(Row(layout, statistics.median(seconds), efficiency(single["busy"]), efficiency(single["alone"]),
-                        sent))
+        rows.append(
+            Row(layout, statistics.median(seconds), efficiency(single["busy"]), efficiency(single["alone"]), sent)
+        )
     rows.sort(key=lambda r: r.seconds)
     return rows, {kind: statistics.median(t) for kind, t in single.items()}, share
 
 
-def print_table(rows: List[Row], args, single: Dict[str, float], share: int) -> None:
-    title = (f"attention_2d fwd+bwd, {args.ranks} CPU ranks, S={args.seq} b={args.batch} hq={args.heads} "
-             f"hkv={args.kv_heads} d={args.dim} {args.dtype} {'causal' if args.causal else 'full'}; single-process "
-             f"{single['busy'] * 1e3:.0f} ms with {share} cores busy ({single['alone'] * 1e3:.0f} ms alone), ideal = "
-             f"single / {share}")
+def print_table(rows: list[Row], args, single: dict[str, float], share: int) -> None:
+    title = (
+        f"attention_2d fwd+bwd, {args.ranks} CPU ranks, S={args.seq} b={args.batch} hq={args.heads} "
+        f"hkv={args.kv_heads} d={args.dim} {args.dtype} {'causal' if args.causal else 'full'}; single-process "
+        f"{single['busy'] * 1e3:.0f} ms with {share} cores busy ({single['alone'] * 1e3:.0f} ms alone), ideal = "
+        f"single / {share}"
+    )
     header = ["layout", "time ms", "vs ideal", "vs ideal alone", "a2a MiB", "inner MiB", "outer MiB"]
-    body = [[label(r.layout), f"{r.seconds * 1e3:.0f}", f"{100 * r.efficiency:.0f}%",
-             f"{100 * r.efficiency_alone:.0f}%"] +
-            [f"{r.bytes_sent[k] / 2**20:.2f}" for k in ("all_to_all", "inner_ring", "outer_ring")] for r in rows]
+    body = [
+        [label(r.layout), f"{r.seconds * 1e3:.0f}", f"{100 * r.efficiency:.0f}%", f"{100 * r.efficiency_alone:.0f}%"]
+        + [f"{r.bytes_sent[k] / 2**20:.2f}" for k in ("all_to_all", "inner_ring", "outer_ring")]
+        for r in rows
+    ]
     render_table(title, header, body)
 
 
-def parse_args(argv: Optional[List[str]] = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p, ranks=8, seq=4096, batch=1, heads=8, kv_heads=8, dim=64, repeats=5, timeout=120.0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--system-malloc", action="store_true",
-                   help="keep glibc's default of returning freed memory (by default the ranks keep it, as a GPU "
-                        "caching allocator does, so fresh tensors cost no page faults)")
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="keep glibc's default of returning freed memory (by default the ranks keep it, as a GPU "
+        "caching allocator does, so fresh tensors cost no page faults)",
+    )
     add_output_arguments(p)
     return p.parse_args(argv)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows, single, share = run_benchmark(args)
     print_table(rows, args, single, share)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "single_s": single, "cores_shared": share,
-                       "rows": [dict(layout=layout_record(r.layout), seconds=r.seconds, efficiency=r.efficiency,
-                                     efficiency_alone=r.efficiency_alone, bytes_sent=r.bytes_sent,
-                                     label=label(r.layout)) for r in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "single_s": single,
+                    "cores_shared": share,
+                    "rows": [
+                        dict(
+                            layout=layout_record(r.layout),
+                            seconds=r.seconds,
+                            efficiency=r.efficiency,
+                            efficiency_alone=r.efficiency_alone,
+                            bytes_sent=r.bytes_sent,
+                            label=label(r.layout),
+                        )
+                        for r in rows
+                    ],
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ and its time less the model's fixed costs (latency, merges, all-to-all permutes:
 same cluster with unbounded compute and links). The ring sends' rate B and the all-to-alls' rate B_a2a are fitted
 apart when the layouts separate them (hp = 1, 1 < hp < N and hp = N together do). Then attn_efficiency = R / P1,
 nvlink_gbps = max(B, B_a2a) / f per rank and the link factors (megatron_2d.plan.links) nvlink_p2p = B / max,
-nvlink_a2a = B_a2a / max, and every layout is predicted by megatron_2d.plan.evaluate on the calibrated cluster and printed next to its
+nvlink_a2a = B_a2a / max, and every layout is predicted by megatron_2d.plan.evaluate on the calibrated cluster and
+printed next to its
 measurement ("predicted"), together with the same estimate with no overlap of communication and compute
 ("no-overlap": compute + every transfer serialised), which tells whether the rings' overlap assumption is what
 misses. Timing noise on a 2-core machine is large; the verdict lines say how far to trust the fit. With --from-json
@@ -32,21 +33,20 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..plan import (ClusterSpec, FitResult, Layout, ModelSpec, ParallelSpec, WorkCounts, evaluate, fit_rates,
-                    work_counts)
+from ..plan import ClusterSpec, FitResult, Layout, ModelSpec, ParallelSpec, WorkCounts, evaluate, fit_rates, work_counts
 from ..plan.links import IDEAL_LINKS, LinkEfficiency
 from ..testing.distributed import run_on_ranks
 from . import compare as bench_compare
 from .cli import add_arguments, add_output_arguments, render_table
 from .harness import time_call
 
-UNBOUNDED = 1e9      # TFLOP/s and GB/s that make kernels and transfers free (fixed costs only)
+UNBOUNDED = 1e9  # TFLOP/s and GB/s that make kernels and transfers free (fixed costs only)
 
 
 @dataclass
@@ -66,10 +66,11 @@ class MachineFigures:
     cores: int
     peak_flops: float
     copy_bytes_per_s: float
-    step_latency_s: Dict[int, float]
+    step_latency_s: dict[int, float]
 
 
 # -- measurements -----------------------------------------------------------------------------------------------
+
 
 def _best_seconds(fn, repeats: int = 5) -> float:
     return time_call(fn, repeats, reduce=min)
@@ -82,10 +83,10 @@ def measure_peak_flops(dtype: torch.dtype, n: int = 1024) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     seconds = _best_seconds(lambda: a @ b)
     torch.set_num_threads(threads)
-    return 2.0 * n ** 3 / seconds
+    return 2.0 * n**3 / seconds
 
 
-def measure_copy_bandwidth(elements: int = 2 ** 24) -> float:
+def measure_copy_bandwidth(elements: int = 2**24) -> float:
     """Single-thread bytes/s of a large fp32 copy, read + write."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -116,40 +117,64 @@ def measure_step_latency(n: int, steps: int = 100) -> float:
 
 
 def measure_machine(ns: Sequence[int], dtype: torch.dtype) -> MachineFigures:
-    return MachineFigures(cores=os.cpu_count() or 1, peak_flops=measure_peak_flops(dtype),
-                          copy_bytes_per_s=measure_copy_bandwidth(),
-                          step_latency_s={n: measure_step_latency(n) for n in ns})
+    return MachineFigures(
+        cores=os.cpu_count() or 1,
+        peak_flops=measure_peak_flops(dtype),
+        copy_bytes_per_s=measure_copy_bandwidth(),
+        step_latency_s={n: measure_step_latency(n) for n in ns},
+    )
 
 
 # -- the planner's view of this machine -------------------------------------------------------------------------
+
 
 def share(n: int, cores: int) -> float:
     """f = N / min(N, cores): ranks per core."""
     return n / min(n, cores)
 
 
-def bench_model(bench_args: Dict[str, object]) -> ModelSpec:
+def bench_model(bench_args: dict[str, object]) -> ModelSpec:
     """The benchmark's attention shape as a one-layer model (the MLP and vocabulary do not enter attention)."""
     heads, dim = int(bench_args["heads"]), int(bench_args["dim"])
-    return ModelSpec(f"bench hq={heads} hkv={bench_args['kv_heads']} d={dim}", layers=1, hidden=heads * dim,
-                     heads=heads, kv_heads=int(bench_args["kv_heads"]), ffn_hidden=1, vocab=1)
+    return ModelSpec(
+        f"bench hq={heads} hkv={bench_args['kv_heads']} d={dim}",
+        layers=1,
+        hidden=heads * dim,
+        heads=heads,
+        kv_heads=int(bench_args["kv_heads"]),
+        ffn_hidden=1,
+        vocab=1,
+    )
 
 
-def cpu_cluster(n: int, m: MachineFigures, attn_efficiency: float = 0.5, link_bytes_per_core: float = 1e9,
-                links: LinkEfficiency = IDEAL_LINKS) -> ClusterSpec:
+def cpu_cluster(
+    n: int,
+    m: MachineFigures,
+    attn_efficiency: float = 0.5,
+    link_bytes_per_core: float = 1e9,
+    links: LinkEfficiency = IDEAL_LINKS,
+) -> ClusterSpec:
     """This machine as a one-node cluster of n ranks (see the module docstring); ``links``: the factors of the ring
     sends and all-to-alls on its one "NVLink" (gloo's transfers) relative to ``link_bytes_per_core``."""
     f = share(n, m.cores)
-    return ClusterSpec(f"cpu x{n}", gpus_per_node=n, peak_tflops=m.peak_flops / f / 1e12,
-                       attn_efficiency=attn_efficiency, nvlink_gbps=link_bytes_per_core / f / 1e9,
-                       net_gbps_per_node=1.0, nics_per_node=1, hbm_gbps=m.copy_bytes_per_s / f / 1e9,
-                       step_latency_us=m.step_latency_s[n] * 1e6, gpu_memory_gb=1e3, links=links)
+    return ClusterSpec(
+        f"cpu x{n}",
+        gpus_per_node=n,
+        peak_tflops=m.peak_flops / f / 1e12,
+        attn_efficiency=attn_efficiency,
+        nvlink_gbps=link_bytes_per_core / f / 1e9,
+        net_gbps_per_node=1.0,
+        nics_per_node=1,
+        hbm_gbps=m.copy_bytes_per_s / f / 1e9,
+        step_latency_us=m.step_latency_s[n] * 1e6,
+        gpu_memory_gb=1e3,
+        links=links,
+    )
 
 
 def fixed_seconds(layout: Layout, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int) -> float:
     """The planner's time for ``layout`` with free kernels and links: latency, merges and permutes only."""
-    free = cluster.with_(peak_tflops=UNBOUNDED, attn_efficiency=1.0, nvlink_gbps=UNBOUNDED,
-                         net_gbps_per_node=UNBOUNDED)
+    free = cluster.with_(peak_tflops=UNBOUNDED, attn_efficiency=1.0, nvlink_gbps=UNBOUNDED, net_gbps_per_node=UNBOUNDED)
     return evaluate(layout, model, free, parallel, seq).estimate.time_s
 
 
@@ -162,14 +187,22 @@ def fit(samples: Sequence[Sample], model: ModelSpec, m: MachineFigures, seq: int
         f = share(s.n, m.cores)
         rest = s.seconds - fixed_seconds(s.layout, model, cluster, parallel, seq)
         if rest <= 0:
-            raise SystemExit(f"{s.layout.label()} at N={s.n}: measured {s.seconds * 1e3:.1f} ms is below the model's "
-                             f"fixed costs; the latency/bandwidth measurements do not fit this machine")
-        pairs.append((WorkCounts(c.flops * f, c.nvlink_bytes * f, c.nic_bytes * f, c.nvlink_a2a_bytes * f,
-                                 c.nic_a2a_bytes * f), rest))
+            raise SystemExit(
+                f"{s.layout.label()} at N={s.n}: measured {s.seconds * 1e3:.1f} ms is below the model's "
+                f"fixed costs; the latency/bandwidth measurements do not fit this machine"
+            )
+        pairs.append(
+            (
+                WorkCounts(
+                    c.flops * f, c.nvlink_bytes * f, c.nic_bytes * f, c.nvlink_a2a_bytes * f, c.nic_a2a_bytes * f
+                ),
+                rest,
+            )
+        )
     return fit_rates(pairs)
 
 
-def calibrated_cluster(n: int, m: MachineFigures, result: FitResult) -> Tuple[ClusterSpec, float]:
+def calibrated_cluster(n: int, m: MachineFigures, result: FitResult) -> tuple[ClusterSpec, float]:
     """The cluster for n ranks with the fitted figures; also the raw efficiency R / P1 (may exceed 1: capped).
     The link's nominal rate is the faster of the fitted ring and all-to-all rates; the factors (megatron_2d.plan.
     links) put each at its fitted rate."""
@@ -182,7 +215,8 @@ def calibrated_cluster(n: int, m: MachineFigures, result: FitResult) -> Tuple[Cl
 
 # -- samples ----------------------------------------------------------------------------------------------------
 
-def samples_from_json(data: Dict[str, object]) -> List[Sample]:
+
+def samples_from_json(data: dict[str, object]) -> list[Sample]:
     """Our timed 2D rows of one bench_compare --json output."""
     n = int(data["args"]["ranks"])
     out = []
@@ -190,16 +224,38 @@ def samples_from_json(data: Dict[str, object]) -> List[Sample]:
         if row["family"] != bench_compare.OURS or row["seconds"] is None:
             continue
         lay = row["layout"]
-        out.append(Sample(n, Layout("2d", lay["hp"], lay["cp"], lay["w"], lay["placement"]), row["seconds"],
-                          row["bytes"]["a2a"] + row["bytes"]["ring"]))
+        out.append(
+            Sample(
+                n,
+                Layout("2d", lay["hp"], lay["cp"], lay["w"], lay["placement"]),
+                row["seconds"],
+                row["bytes"]["a2a"] + row["bytes"]["ring"],
+            )
+        )
     return out
 
 
-def run_bench(n: int, args) -> Dict[str, object]:
+def run_bench(n: int, args) -> dict[str, object]:
     """bench_compare --no-peers at n ranks; returns what its --json would hold."""
-    argv = ["--ranks", str(n), "--no-peers", "--seq", str(args.seq), "--heads", str(args.heads), "--kv-heads",
-            str(args.kv_heads), "--dim", str(args.dim), "--batch", str(args.batch), "--dtype", args.dtype,
-            "--repeats", str(args.repeats)] + (["--quiet"] if args.quiet else [])
+    argv = [
+        "--ranks",
+        str(n),
+        "--no-peers",
+        "--seq",
+        str(args.seq),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--dim",
+        str(args.dim),
+        "--batch",
+        str(args.batch),
+        "--dtype",
+        args.dtype,
+        "--repeats",
+        str(args.repeats),
+    ] + (["--quiet"] if args.quiet else [])
     bargs = bench_compare.parse_args(argv)
     report = bench_compare.run_compare(bargs)
     bench_compare.print_report(report, bargs)
@@ -208,7 +264,8 @@ def run_bench(n: int, args) -> Dict[str, object]:
 
 # -- report -----------------------------------------------------------------------------------------------------
 
-def _ranks(values: Sequence[float]) -> List[float]:
+
+def _ranks(values: Sequence[float]) -> list[float]:
     """Ranks from 0, ties sharing their average rank."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     ranks = [0.0] * len(values)
@@ -239,12 +296,15 @@ def verdict(rel_errors: Sequence[float]) -> str:
         return f"GOOD: median |error| {med:.0%}, worst {worst:.0%}"
     if med < 0.25:
         return f"FAIR: median |error| {med:.0%}, worst {worst:.0%} - use the ranking, not the absolute times"
-    return (f"POOR: median |error| {med:.0%}, worst {worst:.0%} - the planner's model does not describe this "
-            f"machine well (see the notes below)")
+    return (
+        f"POOR: median |error| {med:.0%}, worst {worst:.0%} - the planner's model does not describe this "
+        f"machine well (see the notes below)"
+    )
 
 
-def report(samples: List[Sample], model: ModelSpec, m: MachineFigures, result: FitResult, seq: int,
-           batch: int) -> Dict[str, object]:
+def report(
+    samples: list[Sample], model: ModelSpec, m: MachineFigures, result: FitResult, seq: int, batch: int
+) -> dict[str, object]:
     """Print predicted vs measured for every sample and the summary; return it all as a dict."""
     rows, per_n = [], {}
     for s in sorted(samples, key=lambda s: (s.n, s.seconds)):
@@ -252,34 +312,77 @@ def report(samples: List[Sample], model: ModelSpec, m: MachineFigures, result: F
         parallel = ParallelSpec(gpus=s.n, cp=s.n, micro_batch=batch)
         e = evaluate(s.layout, model, cluster, parallel, seq).estimate
         err = e.time_s / s.seconds - 1
-        label = f"hp{s.layout.hp} x cp{s.layout.cp}  w{s.layout.w}  {s.layout.placement}"   # as bench_compare
-        rows.append({"n": s.n, "layout": label, "measured_ms": s.seconds * 1e3,
-                     "predicted_ms": e.time_s * 1e3, "rel_error": err, "compute_ms": e.compute_s * 1e3,
-                     "serial_ms": (e.compute_s + e.comm_total_s) * 1e3,
-                     "serial_rel_error": (e.compute_s + e.comm_total_s) / s.seconds - 1,
-                     "comm_exposed_ms": e.comm_s * 1e3, "model_mib": e.intra_bytes / 2 ** 20,
-                     "measured_mib": s.bytes_measured / 2 ** 20})
+        label = f"hp{s.layout.hp} x cp{s.layout.cp}  w{s.layout.w}  {s.layout.placement}"  # as bench_compare
+        rows.append(
+            {
+                "n": s.n,
+                "layout": label,
+                "measured_ms": s.seconds * 1e3,
+                "predicted_ms": e.time_s * 1e3,
+                "rel_error": err,
+                "compute_ms": e.compute_s * 1e3,
+                "serial_ms": (e.compute_s + e.comm_total_s) * 1e3,
+                "serial_rel_error": (e.compute_s + e.comm_total_s) / s.seconds - 1,
+                "comm_exposed_ms": e.comm_s * 1e3,
+                "model_mib": e.intra_bytes / 2**20,
+                "measured_mib": s.bytes_measured / 2**20,
+            }
+        )
         per_n.setdefault(s.n, []).append(rows[-1])
-    header = ["N", "layout", "measured ms", "predicted ms", "rel err", "compute ms", "exposed comm ms",
-              "no-overlap ms", "rel err", "model MiB", "measured MiB"]
-    body = [[str(r["n"]), r["layout"], f"{r['measured_ms']:.0f}", f"{r['predicted_ms']:.0f}",
-             f"{100 * r['rel_error']:+.0f}%", f"{r['compute_ms']:.0f}", f"{r['comm_exposed_ms']:.0f}",
-             f"{r['serial_ms']:.0f}", f"{100 * r['serial_rel_error']:+.0f}%",
-             f"{r['model_mib']:.2f}", f"{r['measured_mib']:.2f}"] for r in rows]
+    header = [
+        "N",
+        "layout",
+        "measured ms",
+        "predicted ms",
+        "rel err",
+        "compute ms",
+        "exposed comm ms",
+        "no-overlap ms",
+        "rel err",
+        "model MiB",
+        "measured MiB",
+    ]
+    body = [
+        [
+            str(r["n"]),
+            r["layout"],
+            f"{r['measured_ms']:.0f}",
+            f"{r['predicted_ms']:.0f}",
+            f"{100 * r['rel_error']:+.0f}%",
+            f"{r['compute_ms']:.0f}",
+            f"{r['comm_exposed_ms']:.0f}",
+            f"{r['serial_ms']:.0f}",
+            f"{100 * r['serial_rel_error']:+.0f}%",
+            f"{r['model_mib']:.2f}",
+            f"{r['measured_mib']:.2f}",
+        ]
+        for r in rows
+    ]
     raw_eff = result.flops_per_s / m.peak_flops
     link, a2a = result.nvlink_bytes_per_s, result.nvlink_a2a_bytes_per_s
-    render_table(f"planner calibrated on this CPU: {model.name}, S={seq}, b={batch}; predicted vs measured", header,
-                 body, width=175)
-    print(f"measured: {m.cores} cores; matmul peak {m.peak_flops / 1e9:.0f} GFLOP/s per core; copy "
-          f"{m.copy_bytes_per_s / 1e9:.1f} GB/s per core; ring-step latency "
-          + ", ".join(f"N={n}: {t * 1e3:.2f} ms" for n, t in m.step_latency_s.items()))
-    print(f"fitted (core-seconds, fixed costs removed): attention {result.flops_per_s / 1e9:.1f} GFLOP/s per core = "
-          f"efficiency {raw_eff:.3f} of peak{' (CAPPED at 1)' if raw_eff > 1 else ''}; link "
-          + (f"{link / 1e9:.2f} GB/s per core" if link else "not identifiable (no traffic)")
-          + (f" for ring sends, {a2a / 1e9:.2f} GB/s per core for all-to-alls (link factors p2p "
-             f"{link / max(link, a2a):.2f}, a2a {a2a / max(link, a2a):.2f})" if link and a2a else
-             " (ring and all-to-all not separable: one rate)")
-          + f"; fit RMS residual {result.rms_residual_s * 1e3:.1f} ms")
+    render_table(
+        f"planner calibrated on this CPU: {model.name}, S={seq}, b={batch}; predicted vs measured",
+        header,
+        body,
+        width=175,
+    )
+    print(
+        f"measured: {m.cores} cores; matmul peak {m.peak_flops / 1e9:.0f} GFLOP/s per core; copy "
+        f"{m.copy_bytes_per_s / 1e9:.1f} GB/s per core; ring-step latency "
+        + ", ".join(f"N={n}: {t * 1e3:.2f} ms" for n, t in m.step_latency_s.items())
+    )
+    print(
+        f"fitted (core-seconds, fixed costs removed): attention {result.flops_per_s / 1e9:.1f} GFLOP/s per core = "
+        f"efficiency {raw_eff:.3f} of peak{' (CAPPED at 1)' if raw_eff > 1 else ''}; link "
+        + (f"{link / 1e9:.2f} GB/s per core" if link else "not identifiable (no traffic)")
+        + (
+            f" for ring sends, {a2a / 1e9:.2f} GB/s per core for all-to-alls (link factors p2p "
+            f"{link / max(link, a2a):.2f}, a2a {a2a / max(link, a2a):.2f})"
+            if link and a2a
+            else " (ring and all-to-all not separable: one rate)"
+        )
+        + f"; fit RMS residual {result.rms_residual_s * 1e3:.1f} ms"
+    )
     summary = {}
     for n, rs in per_n.items():
         meas = [r["measured_ms"] for r in rs]
@@ -292,33 +395,67 @@ def report(samples: List[Sample], model: ModelSpec, m: MachineFigures, result: F
         serial_rho = spearman(meas, [r["serial_ms"] for r in rs])
         bias = statistics.fmean(r["rel_error"] for r in rs)
         spread = max(meas) / min(meas) - 1
-        summary[n] = {"verdict": verdict([r["rel_error"] for r in rs]), "bias": bias, "spearman": spearman(meas, pred),
-                      "measured_spread": spread, "measured_best": best_meas["layout"],
-                      "predicted_best": best_pred["layout"], "regret": regret,
-                      "no_overlap": {"verdict": verdict([r["serial_rel_error"] for r in rs]), "spearman": serial_rho,
-                                     "predicted_best": best_serial["layout"], "regret": serial_regret}}
-        print(f"N={n}: {summary[n]['verdict']}; mean signed error {bias:+.0%}; measured layouts span {spread:.0%}; "
-              f"rank correlation {summary[n]['spearman']:+.2f}; measured best {best_meas['layout']}, predicted best "
-              f"{best_pred['layout']} (it measured {regret:+.0%} vs the best)")
-        print(f"      no-overlap: {summary[n]['no_overlap']['verdict']}; rank correlation {serial_rho:+.2f}; "
-              f"predicted best {best_serial['layout']} (it measured {serial_regret:+.0%} vs the best)")
-    summary["all"] = {"verdict": verdict([r["rel_error"] for r in rows]),
-                      "no_overlap_verdict": verdict([r["serial_rel_error"] for r in rows])}
+        summary[n] = {
+            "verdict": verdict([r["rel_error"] for r in rs]),
+            "bias": bias,
+            "spearman": spearman(meas, pred),
+            "measured_spread": spread,
+            "measured_best": best_meas["layout"],
+            "predicted_best": best_pred["layout"],
+            "regret": regret,
+            "no_overlap": {
+                "verdict": verdict([r["serial_rel_error"] for r in rs]),
+                "spearman": serial_rho,
+                "predicted_best": best_serial["layout"],
+                "regret": serial_regret,
+            },
+        }
+        print(
+            f"N={n}: {summary[n]['verdict']}; mean signed error {bias:+.0%}; measured layouts span {spread:.0%}; "
+            f"rank correlation {summary[n]['spearman']:+.2f}; measured best {best_meas['layout']}, predicted best "
+            f"{best_pred['layout']} (it measured {regret:+.0%} vs the best)"
+        )
+        print(
+            f"      no-overlap: {summary[n]['no_overlap']['verdict']}; rank correlation {serial_rho:+.2f}; "
+            f"predicted best {best_serial['layout']} (it measured {serial_regret:+.0%} vs the best)"
+        )
+    summary["all"] = {
+        "verdict": verdict([r["rel_error"] for r in rows]),
+        "no_overlap_verdict": verdict([r["serial_rel_error"] for r in rows]),
+    }
     print(f"all samples: {summary['all']['verdict']}")
-    print(f"the same with no compute/communication overlap (compute + all communication serialised, Estimate."
-          f"comm_total_s): {summary['all']['no_overlap_verdict']}")
-    print("notes: gloo's transfers on CPU are memory copies done by the ranks' own cores, so they rarely overlap "
-          "compute as the model's rings assume; ranks share cores (f > 1), and 2-core timing noise is ~10-30%.")
-    fitted = {"flops_per_s_per_core": result.flops_per_s, "efficiency": raw_eff,
-              "link_bytes_per_s_per_core": link, "a2a_bytes_per_s_per_core": a2a,
-              "rms_residual_s": result.rms_residual_s}
-    return {"rows": rows, "summary": summary, "fit": fitted,
-            "machine": {"cores": m.cores, "peak_flops": m.peak_flops, "copy_bytes_per_s": m.copy_bytes_per_s,
-                        "step_latency_s": m.step_latency_s}}
+    print(
+        f"the same with no compute/communication overlap (compute + all communication serialised, Estimate."
+        f"comm_total_s): {summary['all']['no_overlap_verdict']}"
+    )
+    print(
+        "notes: gloo's transfers on CPU are memory copies done by the ranks' own cores, so they rarely overlap "
+        "compute as the model's rings assume; ranks share cores (f > 1), and 2-core timing noise is ~10-30%."
+    )
+    fitted = {
+        "flops_per_s_per_core": result.flops_per_s,
+        "efficiency": raw_eff,
+        "link_bytes_per_s_per_core": link,
+        "a2a_bytes_per_s_per_core": a2a,
+        "rms_residual_s": result.rms_residual_s,
+    }
+    return {
+        "rows": rows,
+        "summary": summary,
+        "fit": fitted,
+        "machine": {
+            "cores": m.cores,
+            "peak_flops": m.peak_flops,
+            "copy_bytes_per_s": m.copy_bytes_per_s,
+            "step_latency_s": m.step_latency_s,
+        },
+    }
 
 
-def parse_args(argv: Optional[List[str]] = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8], help="CP sizes to measure (default 4 8)")
     p.add_argument("--from-json", nargs="+", metavar="PATH", help="bench_compare.py --json outputs instead of running")
     add_arguments(p, seq=4096, batch=1, heads=8, kv_heads=8, dim=64, repeats=5)
@@ -327,7 +464,7 @@ def parse_args(argv: Optional[List[str]] = None):
     return p.parse_args(argv)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.from_json:
         runs = []

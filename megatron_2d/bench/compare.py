@@ -33,8 +33,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,7 @@ from megatron_2d.testing.reference import TOLERANCES, reference_on_rank
 
 from .cli import add_arguments, add_output_arguments, render_table
 from .harness import DTYPES, make_inputs, time_single_process
-from .runners import (OURS, RING_FLASH, Impl, Runner, TEContextParallel, all_impls, ring_flash_impl,  # noqa: F401
-                      te_impls)
+from .runners import OURS, RING_FLASH, Impl, Runner, TEContextParallel, all_impls, ring_flash_impl, te_impls  # noqa: F401
 
 TENSORS = ("out", "dq", "dk", "dv")
 
@@ -57,7 +56,8 @@ def _tolerance(dtype_name: str) -> float:
 
 # -- the correctness gate ---------------------------------------------------------------------------------------
 
-def error_parts(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> List[float]:
+
+def error_parts(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> list[float]:
     """[max |x - ref|, max |ref|] for out, dq, dk, dv in turn (8 numbers), on this rank's shards."""
     parts = []
     for x, r in zip(got, ref):
@@ -65,7 +65,7 @@ def error_parts(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> Lis
     return parts
 
 
-def relative_errors(parts: Sequence[float]) -> Dict[str, float]:
+def relative_errors(parts: Sequence[float]) -> dict[str, float]:
     """{'out': ..., 'dq': ..., 'dk': ..., 'dv': ...} from the (all-reduced) output of :func:`error_parts`;
     a NaN anywhere gives NaN (so it fails the tolerance)."""
     errs = {}
@@ -75,14 +75,15 @@ def relative_errors(parts: Sequence[float]) -> Dict[str, float]:
     return errs
 
 
-def passes(errors: Dict[str, float], dtype: torch.dtype) -> bool:
+def passes(errors: dict[str, float], dtype: torch.dtype) -> bool:
     """True when every relative error is finite and below the dtype's tolerance."""
     return all(math.isfinite(e) and e < TOLERANCES[dtype].gate for e in errors.values())
 
 
 # -- one rank ---------------------------------------------------------------------------------------------------
 
-def _all_max(values: Sequence[float], device: torch.device) -> List[float]:
+
+def _all_max(values: Sequence[float], device: torch.device) -> list[float]:
     """Element-wise max over all ranks (NaN propagates)."""
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     nan = torch.isnan(t).to(torch.float64)
@@ -107,11 +108,11 @@ def _time_once(runner: Runner, native: tuple, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _check(impl: Impl, rank, world, args, shards, ref, device) -> Tuple[Dict[str, object], Optional[tuple]]:
+def _check(impl: Impl, rank, world, args, shards, ref, device) -> tuple[dict[str, object], tuple | None]:
     """Build one implementation and check it against the reference: (result, (runner, native inputs) or None).
 
     Every rank reaches the same verdict (the failure flag and the errors are all-reduced)."""
-    result: Dict[str, object] = {"status": "ok", "seconds": None, "errors": None, "bytes": None}
+    result: dict[str, object] = {"status": "ok", "seconds": None, "errors": None, "bytes": None}
     failure, built = "", None
     try:
         runner = impl.build(rank, world, args)
@@ -119,7 +120,7 @@ def _check(impl: Impl, rank, world, args, shards, ref, device) -> Tuple[Dict[str
         got = runner.from_native(*runner.step(*native))
         parts = error_parts(got, ref)
         built = (runner, native)
-    except Exception as err:                           # reported as a row, the run goes on
+    except Exception as err:  # reported as a row, the run goes on
         failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
         parts = [math.nan] * 8
     failed = _all_max([1.0 if failure else 0.0], device)[0]
@@ -133,14 +134,14 @@ def _check(impl: Impl, rank, world, args, shards, ref, device) -> Tuple[Dict[str
     return result, built
 
 
-def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: str = "cpu") -> List[Dict[str, object]]:
+def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: str = "cpu") -> list[dict[str, object]]:
     """Every rank: the same inputs and fp64 reference; each implementation checked, then the correct ones timed.
 
     Timing goes round-robin (one fwd+bwd of each implementation per round, the first round a warm-up), so a slow
     phase of a shared machine hits every implementation alike; the time is the median over rounds of the slowest
     rank."""
     dev = torch.device(device)
-    full = [x.to(dev) for x in make_inputs(args, DTYPES[args.dtype])]     # q, k, v, dout [S, b, h, d]
+    full = [x.to(dev) for x in make_inputs(args, DTYPES[args.dtype])]  # q, k, v, dout [S, b, h, d]
     shards = [megatron_2d.shard_sequence(x, rank, world).contiguous() for x in full]
     ref = reference_on_rank(*full, rank, world, max_elements=2 ** (27 if dev.type == "cuda" else 24))
     del full
@@ -156,8 +157,9 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
     rounds = range(args.repeats + 1)
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
+
         rounds = tqdm(rounds, desc=f"{world} ranks, timing rounds", file=sys.stderr)
-    times: Dict[int, List[float]] = {i: [] for i, b in enumerate(built) if b}
+    times: dict[int, list[float]] = {i: [] for i, b in enumerate(built) if b}
     for r in rounds:
         for i in times:
             t = _time_once(*built[i], dev)
@@ -175,39 +177,41 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
 
 # -- the run ----------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Row:
     name: str
     family: str
     status: str
-    seconds: Optional[float]
-    efficiency: Optional[float]
-    errors: Optional[Dict[str, float]]
-    bytes: Optional[Dict[str, float]]
+    seconds: float | None
+    efficiency: float | None
+    errors: dict[str, float] | None
+    bytes: dict[str, float] | None
     bytes_source: str = ""
-    layout: Optional[Dict[str, object]] = None
-    ratios: Dict[str, float] = field(default_factory=dict)
+    layout: dict[str, object] | None = None
+    ratios: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class Report:
-    rows: List[Row]
+    rows: list[Row]
     single_s: float
     ideal_s: float
     device: str
-    single_runs_s: List[float] = field(default_factory=list)
+    single_runs_s: list[float] = field(default_factory=list)
     """CPU: the single-process time measured before and after the ranks ran; ``single_s`` is the smaller."""
 
 
-def _run_cuda(args, impls: List[Impl]):
-    """torchrun: one process per GPU, NCCL; returns (results, single-process seconds) on rank 0, (None, ..) elsewhere."""
+def _run_cuda(args, impls: list[Impl]):
+    """torchrun: one process per GPU, NCCL; returns (results, single-process seconds) on rank 0, (None, ..)
+    elsewhere."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=args.timeout))
     try:
         try:
             single = time_single_process(args, DTYPES[args.dtype], "cuda")
-        except (RuntimeError, ValueError) as err:      # e.g. out of memory without flash-attn: no ideal, go on
+        except (RuntimeError, ValueError) as err:  # e.g. out of memory without flash-attn: no ideal, go on
             print(f"rank {rank}: single-process timing failed ({type(err).__name__}); no 'vs ideal'", file=sys.stderr)
             single = math.nan
             torch.cuda.empty_cache()
@@ -217,7 +221,7 @@ def _run_cuda(args, impls: List[Impl]):
     return (results if rank == 0 else None), single
 
 
-def _finish(args, impls: List[Impl], results, single: float) -> Report:
+def _finish(args, impls: list[Impl], results, single: float) -> Report:
     """Rows from rank 0's results: efficiency vs ideal and the ratio to each family's best."""
     cores = os.cpu_count() or 1
     ideal = single / (min(args.ranks, cores) if args.device == "cpu" else args.ranks)
@@ -225,9 +229,20 @@ def _finish(args, impls: List[Impl], results, single: float) -> Report:
     for impl, r in zip(impls, results):
         seconds = r["seconds"]
         efficiency = ideal / seconds if seconds and math.isfinite(ideal) else None
-        rows.append(Row(impl.name, impl.family, r["status"], seconds, efficiency,
-                        r["errors"], r["bytes"], r.get("bytes_source", ""), impl.layout))
-    best: Dict[str, float] = {}
+        rows.append(
+            Row(
+                impl.name,
+                impl.family,
+                r["status"],
+                seconds,
+                efficiency,
+                r["errors"],
+                r["bytes"],
+                r.get("bytes_source", ""),
+                impl.layout,
+            )
+        )
+    best: dict[str, float] = {}
     for row in rows:
         if row.seconds is not None:
             best[row.family] = min(best.get(row.family, math.inf), row.seconds)
@@ -238,7 +253,7 @@ def _finish(args, impls: List[Impl], results, single: float) -> Report:
     return Report(rows, single, ideal, args.device)
 
 
-def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Optional[Report]:
+def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Report | None:
     """Run every implementation (plus ``extra_impls``) once; the Report (None on CUDA ranks other than 0)."""
     if args.seq % (2 * args.ranks):
         raise SystemExit(f"--seq {args.seq} must be divisible by 2*ranks = {2 * args.ranks}")
@@ -249,9 +264,10 @@ def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Optional[Report]:
         results, single = _run_cuda(args, impls)
         return _finish(args, impls, results, single) if results is not None else None
     before = time_single_process(args, DTYPES[args.dtype])
-    per_rank = run_on_ranks(args.ranks, compare_on_rank, args, impls, "cpu",
-                            timeout_s=args.timeout * (4 + 2 * len(impls)))
-    after = time_single_process(args, DTYPES[args.dtype])   # again: a shared machine's load drifts
+    per_rank = run_on_ranks(
+        args.ranks, compare_on_rank, args, impls, "cpu", timeout_s=args.timeout * (4 + 2 * len(impls))
+    )
+    after = time_single_process(args, DTYPES[args.dtype])  # again: a shared machine's load drifts
     report = _finish(args, impls, per_rank[0], min(before, after))
     report.single_runs_s = [before, after]
     return report
@@ -259,8 +275,9 @@ def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Optional[Report]:
 
 # -- output -----------------------------------------------------------------------------------------------------
 
+
 def _mib(x: float) -> str:
-    return f"{x / 2 ** 20:.2f}"
+    return f"{x / 2**20:.2f}"
 
 
 def _short(family: str) -> str:
@@ -270,13 +287,18 @@ def _short(family: str) -> str:
 def print_report(report: Report, args) -> None:
     """The table (fastest first; rows that were not timed last, their reasons below it)."""
     timed = [r.family for r in report.rows if r.seconds is not None]
-    families = [f for f in dict.fromkeys([OURS] + timed) if f in timed]            # ours first
+    families = [f for f in dict.fromkeys([OURS] + timed) if f in timed]  # ours first
     where = f"{args.ranks} CPU ranks" if report.device == "cpu" else f"{args.ranks} GPUs"
-    title = (f"attention fwd+bwd, {where}, S={args.seq} b={args.batch} hq={args.heads} hkv={args.kv_heads} "
-             f"d={args.dim} {args.dtype} causal; single-process {report.single_s * 1e3:.0f} ms, "
-             f"ideal {report.ideal_s * 1e3:.0f} ms; error tolerance {_tolerance(args.dtype):g}")
-    header = (["implementation", "time ms"] + [f"x vs {_short(f)}" for f in families] +
-              ["vs ideal", "a2a MiB", "ring MiB", "max rel err"])
+    title = (
+        f"attention fwd+bwd, {where}, S={args.seq} b={args.batch} hq={args.heads} hkv={args.kv_heads} "
+        f"d={args.dim} {args.dtype} causal; single-process {report.single_s * 1e3:.0f} ms, "
+        f"ideal {report.ideal_s * 1e3:.0f} ms; error tolerance {_tolerance(args.dtype):g}"
+    )
+    header = (
+        ["implementation", "time ms"]
+        + [f"x vs {_short(f)}" for f in families]
+        + ["vs ideal", "a2a MiB", "ring MiB", "max rel err"]
+    )
     body, notes = [], []
     for r in report.rows:
         worst = max(TENSORS, key=lambda t: r.errors[t] if math.isfinite(r.errors[t]) else math.inf) if r.errors else ""
@@ -288,19 +310,33 @@ def print_report(report: Report, args) -> None:
                 notes.append(f"{r.name}: {r.status}")
             continue
         mark = " f" if r.bytes_source == "closed form" else ""
-        body.append([r.name, f"{r.seconds * 1e3:.0f}"] + [f"{r.ratios[f]:.2f}" for f in families] +
-                    [f"{100 * r.efficiency:.0f}%" if r.efficiency is not None else "-", _mib(r.bytes["a2a"]) + mark, _mib(r.bytes["ring"]) + mark, err])
+        body.append(
+            [r.name, f"{r.seconds * 1e3:.0f}"]
+            + [f"{r.ratios[f]:.2f}" for f in families]
+            + [
+                f"{100 * r.efficiency:.0f}%" if r.efficiency is not None else "-",
+                _mib(r.bytes["a2a"]) + mark,
+                _mib(r.bytes["ring"]) + mark,
+                err,
+            ]
+        )
         if r.bytes.get("ring_counted", r.bytes["ring"]) != r.bytes["ring"]:
-            notes.append(f"warning: {r.name}: closed-form ring bytes {r.bytes['ring']:.0f} != counted "
-                         f"{r.bytes['ring_counted']:.0f}")
+            notes.append(
+                f"warning: {r.name}: closed-form ring bytes {r.bytes['ring']:.0f} != counted "
+                f"{r.bytes['ring_counted']:.0f}"
+            )
     render_table(title, header, body, width=150)
     if any(r.status == "MISMATCH" for r in report.rows):
-        notes.append(f"MISMATCH: a relative error above {_tolerance(args.dtype):g} against the fp64 reference "
-                     f"(see the JSON for out/dq/dk/dv); such rows are not timed")
+        notes.append(
+            f"MISMATCH: a relative error above {_tolerance(args.dtype):g} against the fp64 reference "
+            f"(see the JSON for out/dq/dk/dv); such rows are not timed"
+        )
     if len(report.single_runs_s) == 2 and max(report.single_runs_s) > 1.25 * min(report.single_runs_s):
         before, after = (t * 1e3 for t in report.single_runs_s)
-        notes.append(f"warning: the single-process time moved from {before:.0f} ms (before) to {after:.0f} ms (after): "
-                     f"the machine's load changed during the run; 'vs ideal' uses the smaller, compare rows with care")
+        notes.append(
+            f"warning: the single-process time moved from {before:.0f} ms (before) to {after:.0f} ms (after): "
+            f"the machine's load changed during the run; 'vs ideal' uses the smaller, compare rows with care"
+        )
     if any(r.bytes_source == "closed form" for r in report.rows):
         notes.append("f: bytes from the closed forms in megatron_2d/bench/runners.py's docstring (ours are measured)")
     for note in notes:
@@ -309,31 +345,50 @@ def print_report(report: Report, args) -> None:
 
 def write_json(report: Report, args, path: str) -> None:
     with open(path, "w") as f:
-        json.dump({"args": vars(args), "device": report.device, "single_s": report.single_s,
-                   "single_runs_s": report.single_runs_s,
-                   "ideal_s": report.ideal_s, "tolerance": _tolerance(args.dtype),
-                   "rows": [asdict(r) for r in report.rows]}, f, indent=1)
+        json.dump(
+            {
+                "args": vars(args),
+                "device": report.device,
+                "single_s": report.single_s,
+                "single_runs_s": report.single_runs_s,
+                "ideal_s": report.ideal_s,
+                "tolerance": _tolerance(args.dtype),
+                "rows": [asdict(r) for r in report.rows],
+            },
+            f,
+            indent=1,
+        )
 
 
-def parse_args(argv: Optional[List[str]] = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p, ranks=4, seq=4096, batch=1, heads=8, kv_heads=8, dim=64)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="default bf16 (ring-flash-attn's fp32 backward is wrong: a reused buffer is aliased)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="default bf16 (ring-flash-attn's fp32 backward is wrong: a reused buffer is aliased)",
+    )
     add_arguments(p, repeats=5)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: fork --ranks gloo ranks; cuda: run under torchrun (NCCL, one GPU per rank)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: fork --ranks gloo ranks; cuda: run under torchrun (NCCL, one GPU per rank)",
+    )
     p.add_argument("--no-peers", dest="peers", action="store_false", help="only our 2D layouts")
     add_arguments(p, timeout=120.0)
     add_output_arguments(p)
     args = p.parse_args(argv)
-    args.causal = True                              # zigzag rings (ours and the peers) are causal
+    args.causal = True  # zigzag rings (ours and the peers) are causal
     if args.device == "cuda":
         args.ranks = int(os.environ.get("WORLD_SIZE", args.ranks))
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = run_compare(args)
     if report is None:
@@ -341,7 +396,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     print_report(report, args)
     if args.json:
         write_json(report, args, args.json)
-
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-from typing import Dict, List, Optional
 
 import torch
 
@@ -24,26 +23,30 @@ from megatron_2d.testing.reference import reference_attention, rel_err
 from .cli import add_arguments, render_table
 
 
-def ring_errors(rank: int, world: int, seq_per_rank: int, heads: int, dim: int) -> Dict[str, float]:
+def ring_errors(rank: int, world: int, seq_per_rank: int, heads: int, dim: int) -> dict[str, float]:
     """Max relative error of this rank's dK and dV shard for both rider dtypes."""
     groups = megatron_2d.build_2d_groups(1, 1, timeout=datetime.timedelta(seconds=120))
     S = seq_per_rank * world
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(S, 1, heads, dim, generator=g).to(torch.bfloat16).double() for _ in range(4))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    reference_attention(*leaves, True, dim ** -0.5).backward(dout)
+    reference_attention(*leaves, True, dim**-0.5).backward(dout)
     out = {}
     for mode in DKV_COMM_DTYPES:
-        ql, kl, vl = (megatron_2d.shard_sequence(x, rank, world).to(torch.bfloat16).requires_grad_(True)
-                      for x in (q, k, v))
+        ql, kl, vl = (
+            megatron_2d.shard_sequence(x, rank, world).to(torch.bfloat16).requires_grad_(True) for x in (q, k, v)
+        )
         megatron_2d.attention_2d(ql, kl, vl, groups, dkv_comm_dtype=mode).backward(
-            megatron_2d.shard_sequence(dout, rank, world).to(torch.bfloat16))
-        out[mode] = max(rel_err(kl.grad, megatron_2d.shard_sequence(leaves[1].grad, rank, world)),
-                        rel_err(vl.grad, megatron_2d.shard_sequence(leaves[2].grad, rank, world)))
+            megatron_2d.shard_sequence(dout, rank, world).to(torch.bfloat16)
+        )
+        out[mode] = max(
+            rel_err(kl.grad, megatron_2d.shard_sequence(leaves[1].grad, rank, world)),
+            rel_err(vl.grad, megatron_2d.shard_sequence(leaves[2].grad, rank, world)),
+        )
     return out
 
 
-def simulated_errors(cp: int, numel: int = 1 << 16, seed: int = 0) -> Dict[str, float]:
+def simulated_errors(cp: int, numel: int = 1 << 16, seed: int = 0) -> dict[str, float]:
     """Rounding of a cp-hop rider sum: partials ~ N(0, 1) rounded to bf16, summed in fp32 or bf16 per hop."""
     g = torch.Generator().manual_seed(seed)
     partials = torch.randn(cp, numel, generator=g, dtype=torch.float64).to(torch.bfloat16)
@@ -55,7 +58,7 @@ def simulated_errors(cp: int, numel: int = 1 << 16, seed: int = 0) -> Dict[str, 
     return {"accumulator": rel_err(fp32, exact), "input": rel_err(bf16, exact)}
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     args = add_arguments(parser, seq_per_rank=256, heads=4, dim=64).parse_args(argv)
     body = []
@@ -66,8 +69,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     for cp in (8, 64):
         sim = simulated_errors(cp)
         body.append([str(cp), f"{sim['accumulator']:.2e}", f"{sim['input']:.2e}", "simulated rider sum"])
-    render_table("bf16 dK/dV: max relative error against fp64 on the same rounded inputs",
-                 ["cp", "riders in fp32 (accumulator)", "riders in bf16 (input, TE's bytes)", "how"], body, width=120)
+    render_table(
+        "bf16 dK/dV: max relative error against fp64 on the same rounded inputs",
+        ["cp", "riders in fp32 (accumulator)", "riders in bf16 (input, TE's bytes)", "how"],
+        body,
+        width=120,
+    )
 
 
 if __name__ == "__main__":

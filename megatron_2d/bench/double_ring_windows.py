@@ -3,7 +3,8 @@
     python tools/bench_double_ring.py --ranks 4      # hp = 1, w in every divisor of cp; fwd and bwd separately
 
 Times are medians over ``--repeats`` of the slowest rank, one run, the windows taking turns within each repeat;
-the ratios are medians of per-repeat ratios; compare rows of one run (the machine is noisy). On CPU ranks every "link" is a gloo memcpy on the same cores, so this checks the schedule's overheads
+the ratios are medians of per-repeat ratios; compare rows of one run (the machine is noisy). On CPU ranks every "link"
+is a gloo memcpy on the same cores, so this checks the schedule's overheads
 (posting, waiting, the closing and last hops), not the network overlap a GPU cluster would show.
 """
 
@@ -13,7 +14,6 @@ import argparse
 import datetime
 import statistics
 import time
-from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,14 +24,14 @@ from ..topology import divisors
 from .cli import add_arguments, render_table
 
 
-def bench_rank(rank: int, world: int, args, windows: List[int]) -> Dict[int, Tuple[List[float], List[float]]]:
+def bench_rank(rank: int, world: int, args, windows: list[int]) -> dict[int, tuple[list[float], list[float]]]:
     """(forward, backward) seconds of every repeat, by window; the windows take turns within each repeat, so a
     change of machine load (other jobs) hits every window alike."""
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(args.seq, 1, args.heads, args.dim, generator=g) for _ in range(4)]
     q, k, v, dout = (megatron_2d.shard_sequence(x, rank, world) for x in full)
     groups = {w: megatron_2d.build_2d_groups(args.hp, w, timeout=datetime.timedelta(seconds=300)) for w in windows}
-    out: Dict[int, Tuple[List[float], List[float]]] = {w: ([], []) for w in windows}
+    out: dict[int, tuple[list[float], list[float]]] = {w: ([], []) for w in windows}
     for i in range(args.repeats + 1):
         for w in windows:
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -41,31 +41,43 @@ def bench_rank(rank: int, world: int, args, windows: List[int]) -> Dict[int, Tup
             t1 = time.perf_counter()
             o.backward(dout)
             t2 = time.perf_counter()
-            if i:                                  # the first call builds the setup
+            if i:  # the first call builds the setup
                 out[w][0].append(t1 - t0)
                 out[w][1].append(t2 - t1)
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     args = add_arguments(parser, ranks=4, hp=1, seq=4096, heads=8, dim=64, repeats=3).parse_args(argv)
     cp = args.ranks // args.hp
     windows = divisors(cp)
     results = run_on_ranks(args.ranks, bench_rank, args, windows, timeout_s=1800)
     # slowest rank of each repeat, then medians over repeats; ratios are medians of the per-repeat ratios
-    slowest = {w: [[max(r[w][p][i] for r in results) for i in range(args.repeats)] for p in (0, 1)]
-               for w in windows}
+    slowest = {w: [[max(r[w][p][i] for r in results) for i in range(args.repeats)] for p in (0, 1)] for w in windows}
 
     def ratio(w: int, base: int) -> float:
         return statistics.median(b / c for b, c in zip(slowest[w][1], slowest[base][1]))
 
-    body = [[str(w), str(cp // w), f"{statistics.median(f) * 1e3:.0f}", f"{statistics.median(b) * 1e3:.0f}",
-             f"{ratio(w, 1):.2f}", f"{ratio(w, cp):.2f}"] for w, (f, b) in slowest.items()]
-    render_table(f"attention_2d on {args.ranks} CPU ranks, hp {args.hp} x cp {cp}, causal fp32, S={args.seq}, "
-                 f"{args.heads} heads, d={args.dim} (slowest rank, median of {args.repeats}, windows interleaved; "
-                 f"ratios: median of per-repeat ratios)",
-                 ["w", "windows", "forward ms", "backward ms", "backward vs w=1", "backward vs w=cp"], body, width=120)
+    body = [
+        [
+            str(w),
+            str(cp // w),
+            f"{statistics.median(f) * 1e3:.0f}",
+            f"{statistics.median(b) * 1e3:.0f}",
+            f"{ratio(w, 1):.2f}",
+            f"{ratio(w, cp):.2f}",
+        ]
+        for w, (f, b) in slowest.items()
+    ]
+    render_table(
+        f"attention_2d on {args.ranks} CPU ranks, hp {args.hp} x cp {cp}, causal fp32, S={args.seq}, "
+        f"{args.heads} heads, d={args.dim} (slowest rank, median of {args.repeats}, windows interleaved; "
+        f"ratios: median of per-repeat ratios)",
+        ["w", "windows", "forward ms", "backward ms", "backward vs w=1", "backward vs w=cp"],
+        body,
+        width=120,
+    )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """The shared harness of the attention benchmarks: dtypes, inputs, the single-process baseline, the layouts.
 
-    layouts = bench_layouts(cp_size=4, heads=8)         # every Layout2D of CP = 4 whose hp divides the heads
-    q, k, v, dout = make_inputs(args, torch.bfloat16)   # full [S, b, h, d] tensors, the same on every rank
+layouts = bench_layouts(cp_size=4, heads=8)         # every Layout2D of CP = 4 whose hp divides the heads
+q, k, v, dout = make_inputs(args, torch.bfloat16)   # full [S, b, h, d] tensors, the same on every rank
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List
 
 import torch
 
@@ -19,7 +18,7 @@ from ..topology import Layout2D, every_layout
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def bench_layouts(cp_size: int, heads: int) -> List[Layout2D]:
+def bench_layouts(cp_size: int, heads: int) -> list[Layout2D]:
     """Every 2D layout of CP = ``cp_size`` whose head-parallel size divides the query heads."""
     return [layout for layout in every_layout(cp_size) if heads % layout.head_parallel_size == 0]
 
@@ -29,10 +28,14 @@ def label(layout: Layout2D) -> str:
     return f"hp{layout.head_parallel_size} x cp{layout.context_size}  w{layout.ring_window}  {layout.placement}"
 
 
-def layout_record(layout: Layout2D) -> Dict[str, object]:
+def layout_record(layout: Layout2D) -> dict[str, object]:
     """A layout as the benchmarks' JSON rows carry it: {'hp', 'cp', 'w', 'placement'}."""
-    return {"hp": layout.head_parallel_size, "cp": layout.context_size, "w": layout.ring_window,
-            "placement": layout.placement}
+    return {
+        "hp": layout.head_parallel_size,
+        "cp": layout.context_size,
+        "w": layout.ring_window,
+        "placement": layout.placement,
+    }
 
 
 def retain_freed_memory() -> bool:
@@ -44,11 +47,11 @@ def retain_freed_memory() -> bool:
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None   # glibc only
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None  # glibc only
     if mallopt is None:
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3                    # <malloc.h>
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))   # 32 MiB: the max
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))  # 32 MiB: the max
 
 
 def time_call(fn, repeats: int, reduce=statistics.median) -> float:
@@ -62,7 +65,7 @@ def time_call(fn, repeats: int, reduce=statistics.median) -> float:
     return reduce(times)
 
 
-def make_inputs(args, dtype: torch.dtype, seed: int = 0) -> List[torch.Tensor]:
+def make_inputs(args, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     """q, k, v, dout: full [S, b, h, d] tensors of ``args`` (seq, batch, heads, kv_heads, dim), from one seed."""
     g = torch.Generator().manual_seed(seed)
     shape_q = (args.seq, args.batch, args.heads, args.dim)
@@ -77,8 +80,8 @@ def single_process_step(args, dtype: torch.dtype, device: str = "cpu"):
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     kernel = select_kernel(dev, dtype)
     q, k, v, dout = (x.transpose(0, 1).contiguous().to(dev) for x in make_inputs(args, dtype))  # [b, s, h, d]
-    scale = args.dim ** -0.5
-    band = Band(None, 0) if args.causal else None      # the kernels take a band since sliding windows landed
+    scale = args.dim**-0.5
+    band = Band(None, 0) if args.causal else None  # the kernels take a band since sliding windows landed
 
     def step() -> None:
         sync()

@@ -39,8 +39,8 @@ import hashlib
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -63,6 +63,7 @@ GRADS = ("out", "dq", "dk", "dv")
 
 # -- per-rank stats that do not come from a PackedLayout ------------------------------------------------------------
 
+
 def slot_pairs(slots: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
     """[ranks] causal pairs of each rank's real slots (each query sees its position + 1 keys of its document)."""
     return row_pairs(slots, cu_seqlens)
@@ -74,21 +75,22 @@ def _max_over_mean(x: np.ndarray) -> float:
 
 # -- the ranks --------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Case:
     """One distribution's batch: lengths and the fp32 tensors [T, h, d] (inherited by the forked ranks)."""
 
     name: str
     cu_seqlens: np.ndarray
-    tensors: Tuple[torch.Tensor, ...]          # q, k, v, dout fp32
-    reference: Tuple[torch.Tensor, ...]        # out, dq, dk, dv fp64 (packed)
+    tensors: tuple[torch.Tensor, ...]  # q, k, v, dout fp32
+    reference: tuple[torch.Tensor, ...]  # out, dq, dk, dv fp64 (packed)
 
 
 def _leaves(*xs):
     return [x.detach().clone().requires_grad_(True) for x in xs]
 
 
-def _time_step(step, repeats: int) -> Tuple[float, float]:
+def _time_step(step, repeats: int) -> tuple[float, float]:
     """(median wall s, median CPU s of this process) over ``repeats`` steps, the ranks started together."""
     walls, cpus = [], []
     for _ in range(repeats):
@@ -100,19 +102,21 @@ def _time_step(step, repeats: int) -> Tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _count_ring_flash_sends(module) -> Dict[str, int]:
+def _count_ring_flash_sends(module) -> dict[str, int]:
     """Bytes ring-flash-attn's RingComm.send_recv sends (the harness's counter, see bench.runners)."""
     return count_ring_comm_sends(module)
 
 
-def _errors(idx: torch.Tensor, results: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> List[float]:
+def _errors(idx: torch.Tensor, results: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> list[float]:
     """max |result - reference| over this rank's real slots, per output."""
     real = idx >= 0
-    return [float((r[real].to(torch.float64) - ref[idx[real]]).abs().max()) if real.any() else 0.0
-            for r, ref in zip(results, reference)]
+    return [
+        float((r[real].to(torch.float64) - ref[idx[real]]).abs().max()) if real.any() else 0.0
+        for r, ref in zip(results, reference)
+    ]
 
 
-def _agreed_errors(errs: List[float]) -> List[float]:
+def _agreed_errors(errs: list[float]) -> list[float]:
     t = torch.tensor(errs, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -125,8 +129,8 @@ def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCos
     1024 tokens sent round the context ring for the ring's per-step and per-token costs (a step moves K/V forward
     and K/V plus fp32 dK/dV backward: three such transfers). The cores the ring's copies use are the ones that
     compute (gloo): no overlap."""
-    from megatron_2d.block_plan import BlockCall
     from megatron_2d.band import Band
+    from megatron_2d.block_plan import BlockCall
     from megatron_2d.kernels import select_kernel
 
     kernel = select_kernel(torch.device("cpu"), torch.float32)
@@ -137,10 +141,11 @@ def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCos
         plan = [BlockCall(i * n, (i + 1) * n, i * n, (i + 1) * n, Band(None, 0)) for i in range(calls)]
 
         def step():
-            results = kernel.forward_calls(q, k, v, plan, 0, dim ** -0.5)
+            results = kernel.forward_calls(q, k, v, plan, 0, dim**-0.5)
             out = torch.cat([o for _, o, _ in results], dim=1)
             lse = torch.cat([l for _, _, l in results], dim=2)
-            kernel.backward_calls(do, q, k, v, out, lse, plan, 0, dim ** -0.5)
+            kernel.backward_calls(do, q, k, v, out, lse, plan, 0, dim**-0.5)
+
         return min(_timed(step) for _ in range(repeats))
 
     def ring_s(tokens: int) -> float:
@@ -151,10 +156,13 @@ def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCos
         recv = torch.empty_like(send)
 
         def step():
-            ops = [dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
-                   dist.P2POp(dist.irecv, recv, ranks[(me - 1) % len(ranks)], groups.context_kv_group)]
+            ops = [
+                dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
+                dist.P2POp(dist.irecv, recv, ranks[(me - 1) % len(ranks)], groups.context_kv_group),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
         return min(_timed(step) for _ in range(repeats))
 
     pair_s = kernel_s(1024, 1) / (1024 * 1025 / 2)
@@ -174,14 +182,14 @@ def _timed(step) -> float:
     return time.perf_counter() - t0
 
 
-def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], ring_flash) -> Dict:
+def bench_rank(rank, world, args, cases: list[Case], seq_case: Case | None, ring_flash) -> dict:
     """Every row of every case on this rank: {(case, row): {...}}."""
     timeout = datetime.timedelta(seconds=args.timeout)
     groups = megatron_2d.build_2d_groups(args.hp, args.window, args.placement, timeout=timeout)
     cp_index = groups.place.cp_index
-    scale = args.dim ** -0.5
+    scale = args.dim**-0.5
     tol = TOLERANCES[torch.float32].end_to_end
-    out: Dict = {}
+    out: dict = {}
     cost = calibrate_cost(groups, args.heads, args.dim)
     out["cost"] = cost
 
@@ -201,9 +209,10 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
         for mode in PACKING_MODES:
             if mode == "sequence" and int(case.cu_seqlens[-1]) % (2 * world):
                 continue
-            t0 = time.perf_counter()                  # layout build + this rank's plans (once per batch)
-            layout = megatron_2d.PackedLayout(case.cu_seqlens, groups, mode=mode,
-                                              **({"cost": cost} if mode == "documents" else {}))
+            t0 = time.perf_counter()  # layout build + this rank's plans (once per batch)
+            layout = megatron_2d.PackedLayout(
+                case.cu_seqlens, groups, mode=mode, **({"cost": cost} if mode == "documents" else {})
+            )
             layout.plans(True, SlidingWindow())
             layout_s = time.perf_counter() - t0
             idx = layout.local_indices()
@@ -226,9 +235,14 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
 
             run((case.name, mode), idx, once, timed, sent, case.reference, ref_max)
             stats = layout.stats()
-            out[(case.name, mode)].update(pairs=stats["pairs_max_over_mean"], tokens=stats["tokens_max_over_mean"],
-                                          padding=stats["padding_fraction"], ring_tokens=stats["ring_tokens"],
-                                          long_documents=stats["long_documents"], layout_s=layout_s)
+            out[(case.name, mode)].update(
+                pairs=stats["pairs_max_over_mean"],
+                tokens=stats["tokens_max_over_mean"],
+                padding=stats["padding_fraction"],
+                ring_tokens=stats["ring_tokens"],
+                long_documents=stats["long_documents"],
+                layout_s=layout_s,
+            )
 
         if ring_flash is not None:
             slots = zigzag_slots(case.cu_seqlens, world)
@@ -242,36 +256,49 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
             p = slot_pairs(slots, case.cu_seqlens)
             t = (slots >= 0).sum(axis=1)
             for name, dtype in (("ring-flash-attn", torch.float32), ("ring-flash-attn fp64", torch.float64)):
-                ql, kl, vl, dl = (x.index_select(0, idx.clamp(min=0)).masked_fill(pad, 0).to(dtype)
-                                  for x in (q, k, v, dout))
+                ql, kl, vl, dl = (
+                    x.index_select(0, idx.clamp(min=0)).masked_fill(pad, 0).to(dtype) for x in (q, k, v, dout)
+                )
 
                 def once_rf(ql=ql, kl=kl, vl=vl, dl=dl):
                     counter["bytes"] = 0
                     leaves = _leaves(ql, kl, vl)
-                    o = ring_flash.zigzag_ring_flash_attn_varlen_func(*leaves, cu_local, max_local,
-                                                                      softmax_scale=scale, causal=True, group=None)
+                    o = ring_flash.zigzag_ring_flash_attn_varlen_func(
+                        *leaves, cu_local, max_local, softmax_scale=scale, causal=True, group=None
+                    )
                     o.backward(dl)
                     return [o.detach()] + [x.grad for x in leaves]
 
                 def timed_rf(ql=ql, kl=kl, vl=vl, dl=dl):
                     leaves = _leaves(ql, kl, vl)
-                    ring_flash.zigzag_ring_flash_attn_varlen_func(*leaves, cu_local, max_local, softmax_scale=scale,
-                                                                  causal=True, group=None).backward(dl)
+                    ring_flash.zigzag_ring_flash_attn_varlen_func(
+                        *leaves, cu_local, max_local, softmax_scale=scale, causal=True, group=None
+                    ).backward(dl)
 
-                run((case.name, name), idx, once_rf, timed_rf,
-                    lambda: {"ring": counter["bytes"], "a2a": 0}, case.reference, ref_max)
-                out[(case.name, name)].update(pairs=_max_over_mean(p), tokens=_max_over_mean(t),
-                                              padding=float((slots < 0).mean()))
+                run(
+                    (case.name, name),
+                    idx,
+                    once_rf,
+                    timed_rf,
+                    lambda: {"ring": counter["bytes"], "a2a": 0},
+                    case.reference,
+                    ref_max,
+                )
+                out[(case.name, name)].update(
+                    pairs=_max_over_mean(p), tokens=_max_over_mean(t), padding=float((slots < 0).mean())
+                )
 
     if seq_case is not None:
-        q, k, v, dout = (megatron_2d.shard_sequence(x.unsqueeze(1), cp_index, groups.layout.cp_size)
-                         for x in seq_case.tensors)
+        q, k, v, dout = (
+            megatron_2d.shard_sequence(x.unsqueeze(1), cp_index, groups.layout.cp_size) for x in seq_case.tensors
+        )
         T = seq_case.tensors[0].shape[0]
         ref_max = [float(r.abs().max()) for r in seq_case.reference]
         chunk = T // (2 * groups.layout.cp_size)
         first, second = megatron_2d.zigzag_chunks(cp_index, groups.layout.cp_size)
-        idx = torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
-                         torch.arange(second * chunk, (second + 1) * chunk)])
+        idx = torch.cat(
+            [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
+        )
 
         def once_seq():
             groups.comm_bytes.reset()
@@ -294,6 +321,7 @@ def bench_rank(rank, world, args, cases: List[Case], seq_case: Optional[Case], r
 
 
 # -- driver -------------------------------------------------------------------------------------------------------
+
 
 def parse_tokens(text: str) -> int:
     t = text.strip().upper()
@@ -318,7 +346,7 @@ def cached_reference(args, tensors, cu: np.ndarray, scale: float):
     return ref
 
 
-def _tensors(T: int, heads: int, dim: int, seed: int) -> Tuple[torch.Tensor, ...]:
+def _tensors(T: int, heads: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(T, heads, dim, generator=g) for _ in range(4))
 
@@ -326,6 +354,7 @@ def _tensors(T: int, heads: int, dim: int, seed: int) -> Tuple[torch.Tensor, ...
 def load_ring_flash():
     """ring-flash-attn's zigzag varlen module through the CPU stand-in, or (None, reason)."""
     from megatron_2d.testing.flash_attn_cpu import flash_attn_stand_in, load_ring_flash_attn_module
+
     try:
         with flash_attn_stand_in():
             return load_ring_flash_attn_module("zigzag_ring_flash_attn_varlen"), ""
@@ -333,25 +362,31 @@ def load_ring_flash():
         return None, f"ring-flash-attn does not import: {err}"
 
 
-def build_cases(args) -> List[Case]:
+def build_cases(args) -> list[Case]:
     cases = []
-    scale = args.dim ** -0.5
+    scale = args.dim**-0.5
     tensors = _tensors(args.tokens, args.heads, args.dim, args.seed)
-    sources = [(f"file:{args.lengths}", read_lengths(args.lengths))] if args.lengths else \
-        [(name, document_lengths(name, args.tokens, args.seed)) for name in args.dists]
+    sources = (
+        [(f"file:{args.lengths}", read_lengths(args.lengths))]
+        if args.lengths
+        else [(name, document_lengths(name, args.tokens, args.seed)) for name in args.dists]
+    )
     for name, lengths in sources:
         cu = cu_seqlens_of(lengths)
         T = int(cu[-1])
         ts = tensors if T == args.tokens else _tensors(T, args.heads, args.dim, args.seed)
         t0 = time.perf_counter()
         reference = cached_reference(args, ts, cu, scale)
-        print(f"[{name}] {len(lengths)} documents, T={T}, longest {int(lengths.max())}: reference in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"[{name}] {len(lengths)} documents, T={T}, longest {int(lengths.max())}: reference in "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         cases.append(Case(name, cu, ts, reference))
     return cases
 
 
-def layout_build_times(documents: int, sizes: Sequence[Tuple[int, int]], seed: int = 0) -> Table:
+def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: int = 0) -> Table:
     """Time to build a PackedLayout and one rank's plans (what a batch costs before its first attention call),
     in one process, as CPU time (a loaded machine stretches wall time, not this): a rank's Groups2D without process
     groups (the cross-rank check then has nothing to do). Lognormal lengths (median ~400 tokens), the last one
@@ -364,8 +399,17 @@ def layout_build_times(documents: int, sizes: Sequence[Tuple[int, int]], seed: i
     lengths[-1] += -lengths.sum() % (2 * max(CP for CP, _ in sizes))
     cu = cu_seqlens_of(lengths.tolist())
     table = Table(title=f"PackedLayout build + plans (CPU time): {documents} documents, T={int(cu[-1])}")
-    for col in ("CP", "hp x cp", "mode", "layout ms", "plans ms", "calls", "mid-rank plans ms", "mid-rank calls",
-                "long documents"):
+    for col in (
+        "CP",
+        "hp x cp",
+        "mode",
+        "layout ms",
+        "plans ms",
+        "calls",
+        "mid-rank plans ms",
+        "mid-rank calls",
+        "long documents",
+    ):
         table.add_column(col, justify="right")
     for CP, hp in sizes:
         layout = Layout2D(CP, hp, 1)
@@ -373,23 +417,29 @@ def layout_build_times(documents: int, sizes: Sequence[Tuple[int, int]], seed: i
         mid = layout.index_of(0, layout.context_size // 2)
         for mode in PACKING_MODES:
             t0 = time.process_time()
-            packed = megatron_2d.PackedLayout(cu, Groups2D(layout, places[0], None, None, None, None, None),
-                                              mode=mode)
+            packed = megatron_2d.PackedLayout(cu, Groups2D(layout, places[0], None, None, None, None, None), mode=mode)
             t1 = time.process_time()
             plans = packed.plans(True, SlidingWindow())
             t2 = time.process_time()
-            other = megatron_2d.PackedLayout(cu, Groups2D(layout, places[mid], None, None, None, None, None),
-                                             mode=mode)
+            other = megatron_2d.PackedLayout(cu, Groups2D(layout, places[mid], None, None, None, None, None), mode=mode)
             t3 = time.process_time()
             other_plans = other.plans(True, SlidingWindow())
             t4 = time.process_time()
-            table.add_row(str(CP), f"{hp} x {CP // hp}", mode, f"{(t1 - t0) * 1e3:.0f}", f"{(t2 - t1) * 1e3:.0f}",
-                          str(sum(len(c) for c in plans.values())), f"{(t4 - t3) * 1e3:.0f}",
-                          str(sum(len(c) for c in other_plans.values())), str(packed.stats()["long_documents"]))
+            table.add_row(
+                str(CP),
+                f"{hp} x {CP // hp}",
+                mode,
+                f"{(t1 - t0) * 1e3:.0f}",
+                f"{(t2 - t1) * 1e3:.0f}",
+                str(sum(len(c) for c in plans.values())),
+                f"{(t4 - t3) * 1e3:.0f}",
+                str(sum(len(c) for c in other_plans.values())),
+                str(packed.stats()["long_documents"]),
+            )
     return table
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4, help="CPU ranks N = hp * cp (default 4)")
     parser.add_argument("--hp", type=int, default=1, help="head-parallel size (default 1: a ring of N)")
@@ -402,18 +452,29 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-sequence", action="store_true", help="skip the one-sequence row (its fp64 "
-                        "reference is the slowest part at large T)")
+    parser.add_argument(
+        "--no-sequence",
+        action="store_true",
+        help="skip the one-sequence row (its fp64 reference is the slowest part at large T)",
+    )
     parser.add_argument("--no-ring-flash", action="store_true", help="skip ring-flash-attn")
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "megatron_2d_bench"),
-                        help="directory for the fp64 references (reused across rank counts; '' = none)")
-    parser.add_argument("--layout-build", type=int, metavar="DOCUMENTS",
-                        help="only time building layouts and plans for this many documents at CP 8 to 1024")
+    parser.add_argument(
+        "--cache",
+        default=os.path.join(os.path.expanduser("~"), ".cache", "megatron_2d_bench"),
+        help="directory for the fp64 references (reused across rank counts; '' = none)",
+    )
+    parser.add_argument(
+        "--layout-build",
+        type=int,
+        metavar="DOCUMENTS",
+        help="only time building layouts and plans for this many documents at CP 8 to 1024",
+    )
     args = parser.parse_args(argv)
     if args.layout_build:
-        Console(width=190).print(layout_build_times(args.layout_build, [(8, 1), (64, 8), (128, 1), (1024, 8),
-                                                                         (1024, 1)], args.seed))
+        Console(width=190).print(
+            layout_build_times(args.layout_build, [(8, 1), (64, 8), (128, 1), (1024, 8), (1024, 1)], args.seed)
+        )
         return
     if args.ranks % args.hp:
         parser.error(f"--hp {args.hp} must divide --ranks {args.ranks}")
@@ -425,8 +486,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             parser.error(f"the one-sequence row needs --tokens divisible by 2 * ranks = {2 * args.ranks}")
         ts = _tensors(args.tokens, args.heads, args.dim, args.seed)
         t0 = time.perf_counter()
-        seq_case = Case("*", cu_seqlens_of([args.tokens]), ts,
-                        cached_reference(args, ts, cu_seqlens_of([args.tokens]), args.dim ** -0.5))
+        seq_case = Case(
+            "*",
+            cu_seqlens_of([args.tokens]),
+            ts,
+            cached_reference(args, ts, cu_seqlens_of([args.tokens]), args.dim**-0.5),
+        )
         print(f"[one sequence] reference in {time.perf_counter() - t0:.1f} s", flush=True)
     ring_flash, why = (None, "--no-ring-flash") if args.no_ring_flash else load_ring_flash()
     t0 = time.perf_counter()
@@ -435,7 +500,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     print_tables(args, cases, results, why)
 
 
-def merged(results: List[Dict], key) -> Dict:
+def merged(results: list[dict], key) -> dict:
     """One row from the ranks: slowest wall, busiest CPU, busiest rank's bytes; stats are global already."""
     rows = [r[key] for r in results]
     m = dict(rows[0])
@@ -449,18 +514,32 @@ def merged(results: List[Dict], key) -> Dict:
     return m
 
 
-def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: str) -> None:
+def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: str) -> None:
     console = Console(width=190)
-    mib = lambda n: f"{n / 2 ** 20:.2f}"  # noqa: E731
+    mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
     seq = merged(results, ("*", "one sequence")) if ("*", "one sequence") in results[0] else None
     for case in cases:
         lengths = np.diff(case.cu_seqlens)
-        table = Table(title=f"[{case.name}] {len(lengths)} documents (longest {int(lengths.max())}, median "
-                            f"{int(np.median(lengths))}), T={int(case.cu_seqlens[-1])}, fwd+bwd fp32 causal, "
-                            f"{args.heads} heads d={args.dim}, N={args.ranks} CPU ranks = hp{args.hp} x "
-                            f"cp{args.ranks // args.hp} w{args.window}")
-        for col in ("row", "check (rel err)", "wall ms", "vs zigzag", "cpu ms", "cpu vs zigzag", "ring MiB",
-                    "a2a MiB", "pairs max/mean", "tokens max/mean", "padding", "layout ms"):
+        table = Table(
+            title=f"[{case.name}] {len(lengths)} documents (longest {int(lengths.max())}, median "
+            f"{int(np.median(lengths))}), T={int(case.cu_seqlens[-1])}, fwd+bwd fp32 causal, "
+            f"{args.heads} heads d={args.dim}, N={args.ranks} CPU ranks = hp{args.hp} x "
+            f"cp{args.ranks // args.hp} w{args.window}"
+        )
+        for col in (
+            "row",
+            "check (rel err)",
+            "wall ms",
+            "vs zigzag",
+            "cpu ms",
+            "cpu vs zigzag",
+            "ring MiB",
+            "a2a MiB",
+            "pairs max/mean",
+            "tokens max/mean",
+            "padding",
+            "layout ms",
+        ):
             table.add_column(col, justify="right")
         rows = {}
         for name in (*PACKING_MODES, "ring-flash-attn", "ring-flash-attn fp64"):
@@ -478,13 +557,20 @@ def print_tables(args, cases: List[Case], results: List[Dict], ring_flash_why: s
             check = f"ok {r['rel_err']:.1e}" if r["ok"] else f"FAIL {r['rel_err']:.1e}"
             timed = r["ok"] and base is not None and base["ok"]
             label = name if name != "documents" else f"documents ({r['long_documents']} long)"
-            table.add_row(label, check,
-                          f"{r['wall'] * 1e3:.0f}" if r["ok"] else "not timed",
-                          f"{r['wall'] / base['wall']:.2f}" if timed else "",
-                          f"{r['cpu'] * 1e3:.0f}" if r["ok"] else "",
-                          f"{r['cpu'] / base['cpu']:.2f}" if timed else "",
-                          mib(r["ring"]), mib(r["a2a"]), f"{r['pairs']:.3f}", f"{r['tokens']:.3f}",
-                          f"{r['padding']:.3f}", f"{r['layout_s'] * 1e3:.1f}" if "layout_s" in r else "")
+            table.add_row(
+                label,
+                check,
+                f"{r['wall'] * 1e3:.0f}" if r["ok"] else "not timed",
+                f"{r['wall'] / base['wall']:.2f}" if timed else "",
+                f"{r['cpu'] * 1e3:.0f}" if r["ok"] else "",
+                f"{r['cpu'] / base['cpu']:.2f}" if timed else "",
+                mib(r["ring"]),
+                mib(r["a2a"]),
+                f"{r['pairs']:.3f}",
+                f"{r['tokens']:.3f}",
+                f"{r['padding']:.3f}",
+                f"{r['layout_s'] * 1e3:.1f}" if "layout_s" in r else "",
+            )
         console.print(table)
         console.print(cost_table(case.cu_seqlens, results[0]["cost"], args.ranks // args.hp, args.hp))
 
@@ -495,20 +581,42 @@ def cost_table(cu_seqlens: np.ndarray, cost: PackingCost, cp: int, hp: int) -> T
     lengths = np.diff(cu_seqlens)
     chosen = shard_documents(cu_seqlens, cp, hp, cost=cost)
     k_min = int((lengths > cu_seqlens[-1] / cp).sum())
-    ks = sorted({k_min, max(k_min, len(chosen.long_docs) - 1), len(chosen.long_docs),
-                 min(len(lengths), len(chosen.long_docs) + 1), len(lengths)})
+    ks = sorted(
+        {
+            k_min,
+            max(k_min, len(chosen.long_docs) - 1),
+            len(chosen.long_docs),
+            min(len(lengths), len(chosen.long_docs) + 1),
+            len(lengths),
+        }
+    )
     desc = np.sort(lengths)[::-1]
-    ks = sorted({len(shard_documents(cu_seqlens, cp, hp, cost=cost, long_threshold=int(desc[k]) if k < len(desc)
-                                     else 0).long_docs) for k in ks})         # equal lengths shard together
-    table = Table(title=f"documents mode's cost model (measured: pair {cost.pair_s * 1e9:.2f} ns, call "
-                        f"{cost.call_s * 1e6:.0f} us, ring token-step {cost.ring_token_s * 1e6:.2f} us, ring step "
-                        f"{cost.ring_step_s * 1e6:.0f} us, overlap {cost.overlap:g})")
+    ks = sorted(
+        {
+            len(
+                shard_documents(
+                    cu_seqlens, cp, hp, cost=cost, long_threshold=int(desc[k]) if k < len(desc) else 0
+                ).long_docs
+            )
+            for k in ks
+        }
+    )  # equal lengths shard together
+    table = Table(
+        title=f"documents mode's cost model (measured: pair {cost.pair_s * 1e9:.2f} ns, call "
+        f"{cost.call_s * 1e6:.0f} us, ring token-step {cost.ring_token_s * 1e6:.2f} us, ring step "
+        f"{cost.ring_step_s * 1e6:.0f} us, overlap {cost.overlap:g})"
+    )
     for col in ("k sharded", "predicted ms", "pairs max/mean", "ring prefix", "view slots"):
         table.add_column(col, justify="right")
     for k in ks:
         p = shard_documents(cu_seqlens, cp, hp, long_threshold=int(desc[k]) if k < len(desc) else 0, cost=cost)
-        table.add_row(f"{len(p.long_docs)}{' *' if k == len(chosen.long_docs) else ''}", f"{p.predicted_s * 1e3:.1f}",
-                      f"{1 + p.pair_imbalance:.3f}", str(p.long_prefix), str(p.view_len))
+        table.add_row(
+            f"{len(p.long_docs)}{' *' if k == len(chosen.long_docs) else ''}",
+            f"{p.predicted_s * 1e3:.1f}",
+            f"{1 + p.pair_imbalance:.3f}",
+            str(p.long_prefix),
+            str(p.view_len),
+        )
     return table
 
 

@@ -29,12 +29,11 @@ rank's local Q and K (V is the size of K), e is the input dtype's size, cp the r
 from __future__ import annotations
 
 import abc
-
 import argparse
 import datetime
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,7 @@ from .harness import bench_layouts, label, layout_record
 OURS = "2D (ours)"
 RING_FLASH = "ring-flash-attn zigzag"
 
-Tensors4 = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class Runner(abc.ABC):
@@ -68,7 +67,7 @@ class Runner(abc.ABC):
         """Native results -> sbhd shards (not timed)."""
         return out, dq, dk, dv
 
-    def bytes_sent(self) -> Dict[str, float]:
+    def bytes_sent(self) -> dict[str, float]:
         """Bytes this rank sent in the last ``step``, by kind; the same keys on every rank ('a2a' and 'ring').
         Every runner that reaches the byte count overrides it (a runner whose step fails never asks)."""
         raise NotImplementedError(f"{type(self).__name__} does not report the bytes it sends")
@@ -81,12 +80,12 @@ class Impl:
 
     name: str
     family: str
-    build: Optional[Callable[[int, int, argparse.Namespace], Runner]] = None
+    build: Callable[[int, int, argparse.Namespace], Runner] | None = None
     unavailable: str = ""
-    layout: Optional[Dict[str, object]] = None
+    layout: dict[str, object] | None = None
 
 
-def _leaves(*xs: torch.Tensor) -> List[torch.Tensor]:
+def _leaves(*xs: torch.Tensor) -> list[torch.Tensor]:
     """Fresh autograd leaves sharing the inputs' storage (no copy inside the timed region)."""
     return [x.detach().requires_grad_(True) for x in xs]
 
@@ -106,8 +105,12 @@ class Ours2D(Runner):
 
     def bytes_sent(self):
         sent = self.groups.comm_bytes.as_dict()
-        return {"a2a": sent["all_to_all"], "ring": sent["inner_ring"] + sent["outer_ring"],
-                "inner_ring": sent["inner_ring"], "outer_ring": sent["outer_ring"]}
+        return {
+            "a2a": sent["all_to_all"],
+            "ring": sent["inner_ring"] + sent["outer_ring"],
+            "inner_ring": sent["inner_ring"],
+            "outer_ring": sent["outer_ring"],
+        }
 
 
 def ring_flash_bytes(kv_elements: int, cp: int, element_size: int) -> int:
@@ -116,7 +119,7 @@ def ring_flash_bytes(kv_elements: int, cp: int, element_size: int) -> int:
     return 2 * kv_elements * ((cp - 1) * 2 * element_size + cp * 4)
 
 
-def count_ring_comm_sends(module) -> Dict[str, int]:
+def count_ring_comm_sends(module) -> dict[str, int]:
     """Wrap the RingComm.send_recv of our private copy of ring-flash-attn to count the bytes it sends (idempotent)."""
     cls = module.RingComm
     if not hasattr(cls, "_bench_sent"):
@@ -141,11 +144,11 @@ class RingFlashZigzag(Runner):
         self.func = module.zigzag_ring_flash_attn_func
         self.counter = count_ring_comm_sends(module)
         self.world = dist.get_world_size()
-        self.kv_shape: Tuple[int, ...] = ()
+        self.kv_shape: tuple[int, ...] = ()
         self.element_size = 0
 
     def to_native(self, q, k, v, dout):
-        return tuple(x.transpose(0, 1).contiguous() for x in (q, k, v, dout))   # [s, b, h, d] -> [b, s, h, d]
+        return tuple(x.transpose(0, 1).contiguous() for x in (q, k, v, dout))  # [s, b, h, d] -> [b, s, h, d]
 
     def step(self, q, k, v, dout):
         self.counter["bytes"] = 0
@@ -156,14 +159,16 @@ class RingFlashZigzag(Runner):
         return out.detach(), q.grad, k.grad, v.grad
 
     def from_native(self, out, dq, dk, dv):
-        return tuple(x.transpose(0, 1) for x in (out, dq, dk, dv))           # [b, s, h, d] -> [s, b, h, d]
+        return tuple(x.transpose(0, 1) for x in (out, dq, dk, dv))  # [b, s, h, d] -> [s, b, h, d]
 
     def bytes_sent(self):
         formula = ring_flash_bytes(math.prod(self.kv_shape), self.world, self.element_size)
         return {"a2a": 0, "ring": formula, "ring_counted": self.counter["bytes"]}
 
 
-def te_bytes(kind: str, q_elements: int, kv_elements: int, element_size: int, world: int, a2a_size: int) -> Dict[str, float]:
+def te_bytes(
+    kind: str, q_elements: int, kv_elements: int, element_size: int, world: int, a2a_size: int
+) -> dict[str, float]:
     """TE's bytes per rank per fwd+bwd for ``kind`` p2p / a2a / a2a+p2p (closed forms of the module docstring)."""
     a = {"p2p": 1, "a2a": world, "a2a+p2p": a2a_size}[kind]
     ring = world // a
@@ -177,14 +182,14 @@ class TEContextParallel(Runner):
     bytes_source = "closed form"
 
     def __init__(self, kind: str, a2a_size: int, args, world: int, timeout: datetime.timedelta):
-        import transformer_engine.pytorch as te                     # lazy: GPU-only dependency
+        import transformer_engine.pytorch as te  # lazy: GPU-only dependency
 
         self.kind, self.a2a_size, self.world = kind, a2a_size, world
         ranks = list(range(world))
         if kind == "a2a+p2p":
             # Megatron's hierarchical CP groups: the a2a level on adjacent ranks, the p2p level A apart. Every rank
             # creates every group (new_group is collective), keeping its own.
-            a2a_groups = [ranks[i:i + a2a_size] for i in range(0, world, a2a_size)]
+            a2a_groups = [ranks[i : i + a2a_size] for i in range(0, world, a2a_size)]
             p2p_groups = [ranks[j::a2a_size] for j in range(a2a_size)]
             mine = []
             for lists in (a2a_groups, p2p_groups):
@@ -195,15 +200,20 @@ class TEContextParallel(Runner):
             cp_group = mine
         else:
             cp_group = dist.new_group(ranks, timeout=timeout)
-        self.attn = te.DotProductAttention(num_attention_heads=args.heads, kv_channels=args.dim,
-                                           num_gqa_groups=args.kv_heads, attention_dropout=0.0,
-                                           qkv_format="sbhd", attn_mask_type="causal")
+        self.attn = te.DotProductAttention(
+            num_attention_heads=args.heads,
+            kv_channels=args.dim,
+            num_gqa_groups=args.kv_heads,
+            attention_dropout=0.0,
+            qkv_format="sbhd",
+            attn_mask_type="causal",
+        )
         self.attn.set_context_parallel_group(cp_group, ranks, torch.cuda.Stream(), kind)
         self.q_elements = self.kv_elements = self.element_size = 0
 
     def to_native(self, q, k, v, dout):
         s, b, h, d = dout.shape
-        return q, k, v, dout.reshape(s, b, h * d)                    # TE returns [s, b, h*d]
+        return q, k, v, dout.reshape(s, b, h * d)  # TE returns [s, b, h*d]
 
     def step(self, q, k, v, dout):
         self.q_elements, self.kv_elements, self.element_size = q.numel(), k.numel(), k.element_size()
@@ -219,11 +229,18 @@ class TEContextParallel(Runner):
         return te_bytes(self.kind, self.q_elements, self.kv_elements, self.element_size, self.world, self.a2a_size)
 
 
-def ours_impls(args) -> List[Impl]:
+def ours_impls(args) -> list[Impl]:
     """One row per 2D layout of CP = N whose hp divides the query heads."""
     timeout = datetime.timedelta(seconds=args.timeout)
-    return [Impl(label(layout), OURS, build=lambda rank, world, a, lay=layout: Ours2D(lay, timeout),
-                 layout=layout_record(layout)) for layout in bench_layouts(args.ranks, args.heads)]
+    return [
+        Impl(
+            label(layout),
+            OURS,
+            build=lambda rank, world, a, lay=layout: Ours2D(lay, timeout),
+            layout=layout_record(layout),
+        )
+        for layout in bench_layouts(args.ranks, args.heads)
+    ]
 
 
 def ring_flash_impl(args) -> Impl:
@@ -238,13 +255,13 @@ def ring_flash_impl(args) -> Impl:
             with flash_attn_stand_in():
                 module = load_ring_flash_attn_module("zigzag_ring_flash_attn")
         else:
-            module = load_ring_flash_attn_module("zigzag_ring_flash_attn")   # needs the real flash_attn
+            module = load_ring_flash_attn_module("zigzag_ring_flash_attn")  # needs the real flash_attn
     except ImportError as err:
         return Impl(RING_FLASH, RING_FLASH, unavailable=f"ring-flash-attn does not import: {err}")
     return Impl(RING_FLASH, RING_FLASH, build=lambda rank, world, a: RingFlashZigzag(module))
 
 
-def te_impls(args) -> List[Impl]:
+def te_impls(args) -> list[Impl]:
     """TE p2p, a2a and every a2a+p2p [A, N/A] (TE does not replicate K/V: A must divide hq and hkv)."""
     timeout = datetime.timedelta(seconds=args.timeout)
     n = args.ranks
@@ -253,17 +270,21 @@ def te_impls(args) -> List[Impl]:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except ImportError as err:
-        return [Impl(f"TE {kind}", f"TE {kind}", unavailable=f"transformer_engine does not import: {err}")
-                for kind in ("p2p", "a2a", "a2a+p2p")]
+        return [
+            Impl(f"TE {kind}", f"TE {kind}", unavailable=f"transformer_engine does not import: {err}")
+            for kind in ("p2p", "a2a", "a2a+p2p")
+        ]
 
     def impl(kind: str, a2a_size: int, name: str) -> Impl:
-        return Impl(name, f"TE {kind}", build=lambda rank, world, a: TEContextParallel(kind, a2a_size, a, world,
-                                                                                        timeout))
+        return Impl(
+            name, f"TE {kind}", build=lambda rank, world, a: TEContextParallel(kind, a2a_size, a, world, timeout)
+        )
 
     rows = [impl("p2p", 1, "TE p2p")]
     if args.heads % n or args.kv_heads % n:
-        rows.append(Impl("TE a2a", "TE a2a", unavailable=f"a2a needs CP={n} to divide hq={args.heads} and "
-                                                         f"hkv={args.kv_heads}"))
+        rows.append(
+            Impl("TE a2a", "TE a2a", unavailable=f"a2a needs CP={n} to divide hq={args.heads} and hkv={args.kv_heads}")
+        )
     else:
         rows.append(impl("a2a", n, "TE a2a"))
     sizes = [a for a in divisors(n)[1:-1] if args.heads % a == 0 and args.kv_heads % a == 0]
@@ -273,7 +294,7 @@ def te_impls(args) -> List[Impl]:
     return rows
 
 
-def all_impls(args) -> List[Impl]:
+def all_impls(args) -> list[Impl]:
     """Every row of one run: ours, then the peers (unless --no-peers)."""
     rows = ours_impls(args)
     if args.peers:

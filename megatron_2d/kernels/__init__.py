@@ -14,7 +14,7 @@ first step instead of in the first backward.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -24,7 +24,7 @@ from .flash_attn2 import FlashAttn2Kernel, flash_attn_available
 from .torch_flash import TorchFlashKernel
 from .torch_math import TorchMathKernel
 
-KERNELS: Dict[str, Callable[[], BlockKernel]] = {
+KERNELS: dict[str, Callable[[], BlockKernel]] = {
     "cpu_flash": CpuFlashKernel,
     "flash_attn2": FlashAttn2Kernel,
     "torch_flash": TorchFlashKernel,
@@ -40,17 +40,23 @@ def automatic_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda" and dtype in FLASH_DTYPES:
         if flash_attn_available():
             return "flash_attn2"
-        warnings.warn("flash-attn is not installed: attention_2d uses PyTorch's own flash kernel (torch_flash); "
-                      "install flash-attn 2 for its native sliding windows and varlen launches", stacklevel=4)
+        warnings.warn(
+            "flash-attn is not installed: attention_2d uses PyTorch's own flash kernel (torch_flash); "
+            "install flash-attn 2 for its native sliding windows and varlen launches",
+            stacklevel=4,
+        )
         return "torch_flash"
     if device.type == "cuda":
-        raise ValueError(f"attention_2d on CUDA runs flash kernels, which take fp16 or bf16, not {dtype}; run the "
-                         f"model in bf16/fp16 (Megatron: --bf16)")
+        raise ValueError(
+            f"attention_2d on CUDA runs flash kernels, which take fp16 or bf16, not {dtype}; run the "
+            f"model in bf16/fp16 (Megatron: --bf16)"
+        )
     raise ValueError(f"no attention kernel runs on device type {device.type!r}; kernels: {sorted(KERNELS)}")
 
 
-def select_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] = None,
-                  head_dim: Optional[int] = None) -> BlockKernel:
+def select_kernel(
+    device: torch.device, dtype: torch.dtype, name: str | None = None, head_dim: int | None = None
+) -> BlockKernel:
     """The block kernel for ``device``/``dtype`` (and q/k/v head dim ``head_dim``, checked when given): ``name``
     if given, else the best that runs there. Raises ValueError naming the problem."""
     chosen = automatic_kernel_name(device, dtype) if name is None else name
@@ -59,8 +65,10 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] 
     try:
         kernel = KERNELS[chosen]()
     except ImportError as err:
-        raise ValueError(f"attention kernel {chosen!r} is not available here ({err})"
-                         + ("; use kernel=None to choose automatically" if name is not None else "")) from err
+        raise ValueError(
+            f"attention kernel {chosen!r} is not available here ({err})"
+            + ("; use kernel=None to choose automatically" if name is not None else "")
+        ) from err
     if not kernel.supports(device, dtype):
         raise ValueError(f"attention kernel {chosen!r} does not run on device {device.type} with {dtype}")
     problem = None if head_dim is None else kernel.head_dim_problem(head_dim)
@@ -69,5 +77,13 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] 
     return kernel
 
 
-__all__ = ["BlockKernel", "KERNELS", "automatic_kernel_name", "select_kernel", "CpuFlashKernel", "FlashAttn2Kernel",
-           "TorchFlashKernel", "TorchMathKernel"]
+__all__ = [
+    "BlockKernel",
+    "KERNELS",
+    "automatic_kernel_name",
+    "select_kernel",
+    "CpuFlashKernel",
+    "FlashAttn2Kernel",
+    "TorchFlashKernel",
+    "TorchMathKernel",
+]

@@ -16,7 +16,8 @@ Layouts (the ring loop never sees a kernel's own signature or layout):
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,57 +51,101 @@ class BlockKernel(abc.ABC):
     needs_equal_head_dims: bool = True
     """Whether q, k and v must share their head dim (flash kernels); :meth:`for_head_dims` then pads V."""
 
-    def for_head_dims(self, key_dim: int, value_dim: int) -> "BlockKernel":
+    def for_head_dims(self, key_dim: int, value_dim: int) -> BlockKernel:
         """This kernel for keys of ``key_dim`` and values of ``value_dim``: itself, or wrapped so that V is padded
         to the key dim when it needs equal head dims."""
         if value_dim == key_dim or not self.needs_equal_head_dims:
             return self
         if value_dim > key_dim:
-            raise ValueError(f"value head dim {value_dim} exceeds the query/key head dim {key_dim}: the {self.name} "
-                             f"kernel needs equal head dims and pads V up to the key dim only")
+            raise ValueError(
+                f"value head dim {value_dim} exceeds the query/key head dim {key_dim}: the {self.name} "
+                f"kernel needs equal head dims and pads V up to the key dim only"
+            )
         return PaddedValueKernel(self, key_dim, value_dim)
 
-    def backward_inputs(self, dout: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def backward_inputs(self, dout: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(dout, out) as :meth:`backward_calls` takes them, made once per backward pass (identity here)."""
         return dout, out
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Optional[Band],
-                scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Band | None, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] in the accumulator dtype)."""
 
     @abc.abstractmethod
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, band: Optional[Band],
-                 scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        band: Band | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients (dq, dk, dv) of this block given the FINAL merged ``out`` and ``lse`` of the query rows."""
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with ``dtype``."""
         return True
 
-    def head_dim_problem(self, head_dim: int) -> Optional[str]:
+    def head_dim_problem(self, head_dim: int) -> str | None:
         """Why this kernel cannot take q/k/v of head dim ``head_dim`` (None if it can). A caller that pads the
         head dim (e.g. V to Q/K's) asks with the padded dim."""
         return None
 
-    def forward_calls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: Sequence["BlockCall"],
-                      first_key: int, scale: float) -> List[Tuple["BlockCall", torch.Tensor, torch.Tensor]]:
+    def forward_calls(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        calls: Sequence[BlockCall],
+        first_key: int,
+        scale: float,
+    ) -> list[tuple[BlockCall, torch.Tensor, torch.Tensor]]:
         """Every call of one block: [(call, out rows, lse rows)]; ``k``/``v`` hold the block's keys from
         ``first_key`` on. One kernel call per BlockCall here; kernels with a batched (varlen) form override."""
-        return [(c, *self.forward(q[:, c.q_start:c.q_end], k[:, c.k_start - first_key:c.k_end - first_key],
-                                  v[:, c.k_start - first_key:c.k_end - first_key], c.band, scale)) for c in calls]
+        return [
+            (
+                c,
+                *self.forward(
+                    q[:, c.q_start : c.q_end],
+                    k[:, c.k_start - first_key : c.k_end - first_key],
+                    v[:, c.k_start - first_key : c.k_end - first_key],
+                    c.band,
+                    scale,
+                ),
+            )
+            for c in calls
+        ]
 
-    def backward_calls(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, calls: Sequence["BlockCall"], first_key: int,
-                       scale: float) -> List[Tuple["BlockCall", torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def backward_calls(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        calls: Sequence[BlockCall],
+        first_key: int,
+        scale: float,
+    ) -> list[tuple[BlockCall, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Gradients of every call of one block: [(call, dq rows, dk keys, dv keys)] (see forward_calls); ``dout``
         and ``out`` as :meth:`backward_inputs` returned them."""
         results = []
         for c in calls:
             rows, keys = slice(c.q_start, c.q_end), slice(c.k_start - first_key, c.k_end - first_key)
-            results.append((c, *self.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
-                                              lse[:, :, rows], c.band, scale)))
+            results.append(
+                (
+                    c,
+                    *self.backward(
+                        dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows], c.band, scale
+                    ),
+                )
+            )
         return results
 
     def __repr__(self) -> str:
@@ -118,7 +163,7 @@ class PaddedValueKernel(BlockKernel):
         self.name = inner.name
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, self.key_dim - self.value_dim))     # [..., dv] -> [..., dk]
+        return torch.nn.functional.pad(x, (0, self.key_dim - self.value_dim))  # [..., dv] -> [..., dk]
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self.inner.supports(device, dtype)
@@ -128,20 +173,26 @@ class PaddedValueKernel(BlockKernel):
 
     def forward(self, q, k, v, band, scale):
         out, lse = self.inner.forward(q, k, self._pad(v), band, scale)
-        return out[..., :self.value_dim], lse
+        return out[..., : self.value_dim], lse
 
     def backward(self, dout, q, k, v, out, lse, band, scale):
         dq, dk, dv = self.inner.backward(self._pad(dout), q, k, self._pad(v), self._pad(out), lse, band, scale)
-        return dq, dk, dv[..., :self.value_dim]
+        return dq, dk, dv[..., : self.value_dim]
 
     def forward_calls(self, q, k, v, calls, first_key, scale):
-        return [(call, out[..., :self.value_dim], lse)
-                for call, out, lse in self.inner.forward_calls(q, k, self._pad(v), calls, first_key, scale)]
+        return [
+            (call, out[..., : self.value_dim], lse)
+            for call, out, lse in self.inner.forward_calls(q, k, self._pad(v), calls, first_key, scale)
+        ]
 
     def backward_calls(self, dout, q, k, v, out, lse, calls, first_key, scale):
         """``dout`` and ``out`` come padded (:meth:`backward_inputs`)."""
-        return [(call, dq, dk, dv[..., :self.value_dim]) for call, dq, dk, dv in
-                self.inner.backward_calls(dout, q, k, self._pad(v), out, lse, calls, first_key, scale)]
+        return [
+            (call, dq, dk, dv[..., : self.value_dim])
+            for call, dq, dk, dv in self.inner.backward_calls(
+                dout, q, k, self._pad(v), out, lse, calls, first_key, scale
+            )
+        ]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}: V {self.value_dim} padded to {self.key_dim}>"

@@ -9,8 +9,6 @@ the keys it can see; a tile costs at most (tile + width) keys per query instead 
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 import torch
 
 from ..band import Band, Trimmed
@@ -26,7 +24,7 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [b, s, h, d] <-> [b, h, s, d] (views)
 
 
-def row_tiles(band: Optional[Band], sq: int, sk: int) -> List[Trimmed]:
+def row_tiles(band: Band | None, sq: int, sk: int) -> list[Trimmed]:
     """The kernel calls for one banded call: itself, or row tiles trimmed to their keys (narrow bands)."""
     if band is None or band.lo is None or band.hi is None or 2 * (band.hi - band.lo + 1) > sk:
         return [Trimmed(0, sq, 0, sk, band)]
@@ -40,7 +38,7 @@ def row_tiles(band: Optional[Band], sq: int, sk: int) -> List[Trimmed]:
     return tiles
 
 
-def _mask_args(band: Optional[Band], sq: int, sk: int, q: torch.Tensor):
+def _mask_args(band: Band | None, sq: int, sk: int, q: torch.Tensor):
     """(is_causal, attn_mask) for the CPU kernel."""
     if band is None:
         return False, None
@@ -57,7 +55,7 @@ class CpuFlashKernel(BlockKernel):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu"
 
-    def forward(self, q, k, v, band, scale) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q, k, v, band, scale) -> tuple[torch.Tensor, torch.Tensor]:
         b, sq, hq, d = q.shape
         k, v = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
         acc = accumulator_dtype(q.dtype)
@@ -65,16 +63,15 @@ class CpuFlashKernel(BlockKernel):
         if len(tiles) == 1 and (tiles[0].q_start, tiles[0].q_end) == (0, sq):
             tile = tiles[0]
             causal, mask = _mask_args(tile.band, sq, tile.k_end - tile.k_start, q)
-            kt, vt = k[:, tile.k_start:tile.k_end], v[:, tile.k_start:tile.k_end]
+            kt, vt = k[:, tile.k_start : tile.k_end], v[:, tile.k_start : tile.k_end]
             out, lse = _flash(_t(q), _t(kt), _t(vt), 0.0, causal, attn_mask=mask, scale=scale)[:2]
-            return _t(out), lse.to(acc)                   # the kernel's out keeps [b, s, h, d] memory order
+            return _t(out), lse.to(acc)  # the kernel's out keeps [b, s, h, d] memory order
         out = torch.zeros_like(q)
         lse = torch.full((b, hq, sq), float("-inf"), dtype=acc, device=q.device)
         for tile in tiles:
             rows, keys = slice(tile.q_start, tile.q_end), slice(tile.k_start, tile.k_end)
             causal, mask = _mask_args(tile.band, tile.q_end - tile.q_start, tile.k_end - tile.k_start, q)
-            o, s = _flash(_t(q[:, rows]), _t(k[:, keys]), _t(v[:, keys]), 0.0, causal, attn_mask=mask,
-                          scale=scale)[:2]
+            o, s = _flash(_t(q[:, rows]), _t(k[:, keys]), _t(v[:, keys]), 0.0, causal, attn_mask=mask, scale=scale)[:2]
             out[:, rows] = _t(o)
             lse[:, :, rows] = s.to(acc)
         return out, lse
@@ -84,13 +81,22 @@ class CpuFlashKernel(BlockKernel):
         k_rep, v_rep = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
         lse = lse.to(accumulator_dtype(q.dtype))
         tiles = row_tiles(band, sq, k.shape[1])
-        dq = dk = dv = None                     # tiled calls accumulate in the accumulator dtype
+        dq = dk = dv = None  # tiled calls accumulate in the accumulator dtype
         for tile in tiles:
             rows, keys = slice(tile.q_start, tile.q_end), slice(tile.k_start, tile.k_end)
             causal, mask = _mask_args(tile.band, tile.q_end - tile.q_start, tile.k_end - tile.k_start, q)
-            g = _flash_backward(_t(dout[:, rows]), _t(q[:, rows]), _t(k_rep[:, keys]), _t(v_rep[:, keys]),
-                                _t(out[:, rows]), lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=mask,
-                                scale=scale)
+            g = _flash_backward(
+                _t(dout[:, rows]),
+                _t(q[:, rows]),
+                _t(k_rep[:, keys]),
+                _t(v_rep[:, keys]),
+                _t(out[:, rows]),
+                lse[:, :, rows].contiguous(),
+                0.0,
+                causal,
+                attn_mask=mask,
+                scale=scale,
+            )
             if dq is None:  # one call: its gradients are the block's (up to its key range)
                 if (tile.k_start, tile.k_end) == (0, k.shape[1]) and (tile.q_start, tile.q_end) == (0, sq):
                     return _t(g[0]), sum_kv_head_groups(_t(g[1]), hkv), sum_kv_head_groups(_t(g[2]), hkv)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ import torch
 from .base import BlockKernel, to_device_once
 
 MAX_HEAD_DIM = 256
-_GROUP_CACHE = 256          # blocks whose varlen index tensors are kept (a packed batch has one per context rank)
+_GROUP_CACHE = 256  # blocks whose varlen index tensors are kept (a packed batch has one per context rank)
 
 
 def _flash_attn_interface():
@@ -50,14 +51,17 @@ def flash_attn_version() -> str:
     return str(getattr(flash_attn, "__version__", "unknown"))
 
 
-def flash_head_dim_problem(head_dim: int) -> Optional[str]:
+def flash_head_dim_problem(head_dim: int) -> str | None:
     """Why flash-attn 2's kernels (and PyTorch's copy of them) cannot take ``head_dim`` (None if they can): its
     backward needs a multiple of 8 (the forward pads, the backward refuses), and at most 256."""
     if head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM:
         return None
     padded = head_dim + (-head_dim) % 8
-    return (f"head dim {head_dim} is not supported by the flash kernels (a multiple of 8, at most {MAX_HEAD_DIM}"
-            + (f"; pad to {padded}" if 0 < padded <= MAX_HEAD_DIM else "") + ")")
+    return (
+        f"head dim {head_dim} is not supported by the flash kernels (a multiple of 8, at most {MAX_HEAD_DIM}"
+        + (f"; pad to {padded}" if 0 < padded <= MAX_HEAD_DIM else "")
+        + ")"
+    )
 
 
 def flash_mask(band, sq: int, sk: int):
@@ -79,8 +83,14 @@ def undecorated(fn):
 _MATH = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "softmax_scale", "causal")
 _VARLEN = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 _WINDOW = ("window_size", "window_size_left", "window_size_right")
-_NEUTRAL = {"dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None,
-            "zero_tensors": False}
+_NEUTRAL = {
+    "dropout_p": 0.0,
+    "softcap": 0.0,
+    "alibi_slopes": None,
+    "deterministic": False,
+    "rng_state": None,
+    "zero_tensors": False,
+}
 
 
 class PrivateBackward:
@@ -97,15 +107,16 @@ class PrivateBackward:
         if not self._split_window and "window_size" not in params:
             missing.append("window_size (or window_size_left/right)")
         if missing or unknown:
-            raise ImportError(f"flash-attn {version}: {name}{inspect.signature(undecorated(self._fn))} "
-                              + (f"lacks {missing}" if missing else "")
-                              + (" and " if missing and unknown else "")
-                              + (f"needs {unknown}, which megatron_2d's flash_attn2 kernel does not fill"
-                                 if unknown else "")
-                              + "; supported: flash-attn 2.5 to 2.8")
+            raise ImportError(
+                f"flash-attn {version}: {name}{inspect.signature(undecorated(self._fn))} "
+                + (f"lacks {missing}" if missing else "")
+                + (" and " if missing and unknown else "")
+                + (f"needs {unknown}, which megatron_2d's flash_attn2 kernel does not fill" if unknown else "")
+                + "; supported: flash-attn 2.5 to 2.8"
+            )
         self._neutral = {p: v for p, v in _NEUTRAL.items() if p in params}
 
-    def __call__(self, window: Tuple[int, int], **values) -> None:
+    def __call__(self, window: tuple[int, int], **values) -> None:
         """Run the backward (it writes dq, dk, dv in place); ``values`` holds every parameter in ``_MATH``
         (and ``_VARLEN`` for the varlen function)."""
         if self._split_window:
@@ -119,15 +130,15 @@ class PrivateBackward:
 class VarlenGroup:
     """Calls with one flash mask, batched into one varlen launch (index tensors built once per plan)."""
 
-    calls: Tuple[Any, ...]
-    q_index: torch.Tensor          # [total_q] local query rows, call by call
-    k_index: torch.Tensor          # [total_k] key columns of the block (from first_key), call by call
-    cu_q: torch.Tensor             # [n + 1] int32
+    calls: tuple[Any, ...]
+    q_index: torch.Tensor  # [total_q] local query rows, call by call
+    k_index: torch.Tensor  # [total_k] key columns of the block (from first_key), call by call
+    cu_q: torch.Tensor  # [n + 1] int32
     cu_k: torch.Tensor
-    q_offsets: Tuple[int, ...]     # the same offsets as Python ints, to cut results
-    k_offsets: Tuple[int, ...]
+    q_offsets: tuple[int, ...]  # the same offsets as Python ints, to cut results
+    k_offsets: tuple[int, ...]
     causal: bool
-    window: Tuple[int, int]
+    window: tuple[int, int]
 
     @property
     def max_q(self) -> int:
@@ -143,15 +154,15 @@ def _ranges(starts: Sequence[int], ends: Sequence[int]) -> np.ndarray:
     return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(starts, ends)])
 
 
-def varlen_groups(calls: Sequence[Any], first_key: int, device) -> Tuple[List[VarlenGroup], List[Any]]:
+def varlen_groups(calls: Sequence[Any], first_key: int, device) -> tuple[list[VarlenGroup], list[Any]]:
     """(varlen groups of two or more calls sharing a flash mask, the calls left to run alone). Every index tensor
     of the block comes from one host buffer in one copy (:func:`~megatron_2d.kernels.base.to_device_once`)."""
-    by_mask: Dict[Tuple, List[Any]] = defaultdict(list)
+    by_mask: dict[tuple, list[Any]] = defaultdict(list)
     for call in calls:
         by_mask[flash_mask(call.band, call.q_end - call.q_start, call.k_end - call.k_start)].append(call)
     alone = [c for members in by_mask.values() if len(members) < 2 for c in members]
     batched = [(mask, members) for mask, members in by_mask.items() if len(members) >= 2]
-    pieces, layout = [], []                      # host arrays, and per group the lengths of its four pieces
+    pieces, layout = [], []  # host arrays, and per group the lengths of its four pieces
     for _, members in batched:
         q_idx = _ranges([c.q_start for c in members], [c.q_end for c in members])
         k_idx = _ranges([c.k_start - first_key for c in members], [c.k_end - first_key for c in members])
@@ -161,13 +172,24 @@ def varlen_groups(calls: Sequence[Any], first_key: int, device) -> Tuple[List[Va
         layout.append((q_off, k_off))
     if not batched:
         return [], alone
-    flat = to_device_once(np.concatenate(pieces), device)                 # one host-to-device copy per block
+    flat = to_device_once(np.concatenate(pieces), device)  # one host-to-device copy per block
     parts = iter(torch.split(flat, [len(p) for p in pieces]))
     groups = []
     for ((causal, window), members), (q_off, k_off) in zip(batched, layout):
         q_index, k_index, cu_q, cu_k = next(parts), next(parts), next(parts), next(parts)
-        groups.append(VarlenGroup(tuple(members), q_index, k_index, cu_q.to(torch.int32), cu_k.to(torch.int32),
-                                  tuple(q_off.tolist()), tuple(k_off.tolist()), causal, window))
+        groups.append(
+            VarlenGroup(
+                tuple(members),
+                q_index,
+                k_index,
+                cu_q.to(torch.int32),
+                cu_k.to(torch.int32),
+                tuple(q_off.tolist()),
+                tuple(k_off.tolist()),
+                causal,
+                window,
+            )
+        )
     return groups, alone
 
 
@@ -176,14 +198,14 @@ def packed_lse(lse: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
     (each sequence padded), cut back to its rows here."""
     if lse.dim() == 2:
         return lse
-    return torch.cat([lse[i, :, :b - a] for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))], dim=1)
+    return torch.cat([lse[i, :, : b - a] for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))], dim=1)
 
 
 def padded_lse(lse: torch.Tensor, offsets: Sequence[int], max_len: int) -> torch.Tensor:
     """[h, total_q] -> [n, h, max_seqlen] (the older varlen backward's layout), zero padded."""
     out = lse.new_zeros((len(offsets) - 1, lse.shape[0], max_len))
     for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-        out[i, :, :b - a] = lse[:, a:b]
+        out[i, :, : b - a] = lse[:, a:b]
     return out
 
 
@@ -202,15 +224,18 @@ class FlashAttn2Kernel(BlockKernel):
         self.version = flash_attn_version()
         self._backward = PrivateBackward(self._fa, "_flash_attn_backward", varlen=False, version=self.version)
         self._varlen = hasattr(self._fa, "flash_attn_varlen_func") and hasattr(self._fa, "_flash_attn_varlen_backward")
-        self._varlen_backward = (PrivateBackward(self._fa, "_flash_attn_varlen_backward", varlen=True,
-                                                 version=self.version) if self._varlen else None)
-        self._groups: "OrderedDict[Tuple, Tuple[List[VarlenGroup], List[Any]]]" = OrderedDict()
-        self._padded_varlen_lse = False       # the installed flash-attn's varlen lse layout, seen in forward
+        self._varlen_backward = (
+            PrivateBackward(self._fa, "_flash_attn_varlen_backward", varlen=True, version=self.version)
+            if self._varlen
+            else None
+        )
+        self._groups: OrderedDict[tuple, tuple[list[VarlenGroup], list[Any]]] = OrderedDict()
+        self._padded_varlen_lse = False  # the installed flash-attn's varlen lse layout, seen in forward
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
-    def head_dim_problem(self, head_dim: int) -> Optional[str]:
+    def head_dim_problem(self, head_dim: int) -> str | None:
         return flash_head_dim_problem(head_dim)
 
     def _grouped(self, calls, first_key: int, device):
@@ -231,13 +256,27 @@ class FlashAttn2Kernel(BlockKernel):
         groups, alone = self._grouped(calls, first_key, q.device)
         results = super().forward_calls(q, k, v, alone, first_key, scale)
         for g in groups:
-            qp, kp, vp = q[0].index_select(0, g.q_index), k[0].index_select(0, g.k_index), \
-                v[0].index_select(0, g.k_index)                                   # [total, h, d]
+            qp, kp, vp = (
+                q[0].index_select(0, g.q_index),
+                k[0].index_select(0, g.k_index),
+                v[0].index_select(0, g.k_index),
+            )  # [total, h, d]
             out, lse, _ = self._fa.flash_attn_varlen_func(
-                qp, kp, vp, g.cu_q, g.cu_k, g.max_q, g.max_k, dropout_p=0.0, softmax_scale=scale,
-                causal=g.causal, window_size=g.window, return_attn_probs=True)   # out [total_q, h, d]
+                qp,
+                kp,
+                vp,
+                g.cu_q,
+                g.cu_k,
+                g.max_q,
+                g.max_k,
+                dropout_p=0.0,
+                softmax_scale=scale,
+                causal=g.causal,
+                window_size=g.window,
+                return_attn_probs=True,
+            )  # out [total_q, h, d]
             self._padded_varlen_lse = lse.dim() == 3
-            lse = packed_lse(lse, g.q_offsets)                                    # [h, total_q]
+            lse = packed_lse(lse, g.q_offsets)  # [h, total_q]
             for c, a, b in zip(g.calls, g.q_offsets[:-1], g.q_offsets[1:]):
                 results.append((c, out[a:b].unsqueeze(0), lse[:, a:b].unsqueeze(0).float()))
         return results
@@ -248,30 +287,57 @@ class FlashAttn2Kernel(BlockKernel):
         groups, alone = self._grouped(calls, first_key, q.device)
         results = super().backward_calls(dout, q, k, v, out, lse, alone, first_key, scale)
         for g in groups:
-            rows = lambda x: x[0].index_select(0, g.q_index)                      # noqa: E731
+            rows = lambda x: x[0].index_select(0, g.q_index)  # noqa: E731
             qp, dp, op = rows(q), rows(dout), rows(out)
             kp, vp = k[0].index_select(0, g.k_index), v[0].index_select(0, g.k_index)
-            lp = lse[0].index_select(1, g.q_index).contiguous()                     # [h, total_q]
+            lp = lse[0].index_select(1, g.q_index).contiguous()  # [h, total_q]
             if self._padded_varlen_lse:
                 lp = padded_lse(lp, g.q_offsets, g.max_q)
             dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-            self._varlen_backward(g.window, dout=dp, q=qp, k=kp, v=vp, out=op, softmax_lse=lp, dq=dq, dk=dk, dv=dv,
-                                  cu_seqlens_q=g.cu_q, cu_seqlens_k=g.cu_k, max_seqlen_q=g.max_q,
-                                  max_seqlen_k=g.max_k, softmax_scale=scale, causal=g.causal)
-            for c, qa, qb, ka, kb in zip(g.calls, g.q_offsets[:-1], g.q_offsets[1:], g.k_offsets[:-1],
-                                         g.k_offsets[1:]):
+            self._varlen_backward(
+                g.window,
+                dout=dp,
+                q=qp,
+                k=kp,
+                v=vp,
+                out=op,
+                softmax_lse=lp,
+                dq=dq,
+                dk=dk,
+                dv=dv,
+                cu_seqlens_q=g.cu_q,
+                cu_seqlens_k=g.cu_k,
+                max_seqlen_q=g.max_q,
+                max_seqlen_k=g.max_k,
+                softmax_scale=scale,
+                causal=g.causal,
+            )
+            for c, qa, qb, ka, kb in zip(g.calls, g.q_offsets[:-1], g.q_offsets[1:], g.k_offsets[:-1], g.k_offsets[1:]):
                 results.append((c, dq[qa:qb].unsqueeze(0), dk[ka:kb].unsqueeze(0), dv[ka:kb].unsqueeze(0)))
         return results
 
     def forward(self, q, k, v, band, scale):
         causal, window = flash_mask(band, q.shape[1], k.shape[1])
-        out, lse, _ = self._fa.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal,
-                                               window_size=window, return_attn_probs=True)
+        out, lse, _ = self._fa.flash_attn_func(
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=window, return_attn_probs=True
+        )
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, band, scale):
         causal, window = flash_mask(band, q.shape[1], k.shape[1])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self._backward(window, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(), dq=dq,
-                       dk=dk, dv=dv, softmax_scale=scale, causal=causal)
+        self._backward(
+            window,
+            dout=dout.contiguous(),
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            softmax_lse=lse.contiguous(),
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            softmax_scale=scale,
+            causal=causal,
+        )
         return dq, dk, dv

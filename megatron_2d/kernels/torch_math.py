@@ -32,8 +32,8 @@ class TorchMathKernel(BlockKernel):
     def forward(self, q, k, v, band, scale):
         hq = q.shape[2]
         k, v = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
-        s = _scores(q, k, band, scale)                        # [b, h, sq, sk]
-        lse = torch.logsumexp(s, dim=-1)                      # [b, h, sq]
+        s = _scores(q, k, band, scale)  # [b, h, sq, sk]
+        lse = torch.logsumexp(s, dim=-1)  # [b, h, sq]
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(p.dtype))
         return out.to(q.dtype), lse
@@ -43,11 +43,11 @@ class TorchMathKernel(BlockKernel):
         k_rep, v_rep = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
         s = _scores(q, k_rep, band, scale)
         acc = s.dtype
-        p = torch.exp(s - lse.to(acc).unsqueeze(-1))          # [b, h, sq, sk]
+        p = torch.exp(s - lse.to(acc).unsqueeze(-1))  # [b, h, sq, sk]
         do = dout.to(acc)
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
         dp = torch.einsum("bqhd,bkhd->bhqk", do, v_rep.to(acc))
-        delta = (do * out.to(acc)).sum(-1).transpose(1, 2)    # [b, sq, h] -> [b, h, sq]
+        delta = (do * out.to(acc)).sum(-1).transpose(1, 2)  # [b, sq, h] -> [b, h, sq]
         ds = p * (dp - delta.unsqueeze(-1)) * scale
         dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_rep.to(acc))
         dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc))

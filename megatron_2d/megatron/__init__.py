@@ -18,16 +18,32 @@ from .process_groups import GroupRegistry, destroy_2d_groups, group_registry, gr
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, validate_2d_settings
 
 __all__ = [
-    "BACKEND_NAME", "CoreAttention2D", "GPT_LAYER_SPEC_2D", "HybridZeRO", "MLATransformerConfig2D",
-    "model_state_bytes_per_rank", "Settings2D", "TransformerConfig2D",
-    "GroupRegistry", "destroy_2d_groups", "get_gpt_layer_spec_2d", "group_registry", "gpt_layer_spec_2d", "groups_for", "settings_from_config",
+    "BACKEND_NAME",
+    "CoreAttention2D",
+    "GPT_LAYER_SPEC_2D",
+    "HybridZeRO",
+    "MLATransformerConfig2D",
+    "model_state_bytes_per_rank",
+    "Settings2D",
+    "TransformerConfig2D",
+    "GroupRegistry",
+    "destroy_2d_groups",
+    "get_gpt_layer_spec_2d",
+    "group_registry",
+    "gpt_layer_spec_2d",
+    "groups_for",
+    "settings_from_config",
     "validate_2d_settings",
 ]
 
 
 SPEC_NAMES = ("get_gpt_layer_spec_2d", "gpt_layer_spec_2d", "GPT_LAYER_SPEC_2D")
-HYBRID_NAMES = ("get_hybrid_stack_spec_2d", "hybrid_stack_spec_2d", "hybrid_stack_spec_2d_local",
-                "hybrid_stack_spec_2d_te")
+HYBRID_NAMES = (
+    "get_hybrid_stack_spec_2d",
+    "hybrid_stack_spec_2d",
+    "hybrid_stack_spec_2d_local",
+    "hybrid_stack_spec_2d_te",
+)
 
 
 def __getattr__(name: str):

@@ -26,38 +26,72 @@ HYBRID_SPEC = ["megatron_2d.megatron.hybrid_spec", "hybrid_stack_spec_2d"]
 def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """An ``extra_args_provider`` for megatron.training's parse_and_validate_args."""
     group = parser.add_argument_group(title="2D context parallelism (megatron_2d, --cp-comm-type 2d)")
-    group.add_argument("--cp-2d-head-parallel-size", type=int, default=None,
-                       help="hp: ranks per head group (all-to-all over heads); divides the context-parallel size "
-                            "and the attention heads per TP rank. K/V heads are replicated when hp exceeds them.")
-    group.add_argument("--cp-2d-context-size", type=int, default=None,
-                       help="cp: ranks per context ring; optional, checked to equal context-parallel-size / hp.")
-    group.add_argument("--cp-2d-ring-window", type=int, default=1,
-                       help="w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.")
+    group.add_argument(
+        "--cp-2d-head-parallel-size",
+        type=int,
+        default=None,
+        help="hp: ranks per head group (all-to-all over heads); divides the context-parallel size "
+        "and the attention heads per TP rank. K/V heads are replicated when hp exceeds them.",
+    )
+    group.add_argument(
+        "--cp-2d-context-size",
+        type=int,
+        default=None,
+        help="cp: ranks per context ring; optional, checked to equal context-parallel-size / hp.",
+    )
+    group.add_argument(
+        "--cp-2d-ring-window",
+        type=int,
+        default=1,
+        help="w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.",
+    )
     group.add_argument("--cp-2d-window-size", type=int, action=RenamedFlag, new_flag="--cp-2d-ring-window")
-    group.add_argument("--cp-2d-placement", choices=PLACEMENTS, default="head_first",
-                       help="head_first: head groups on adjacent ranks (all-to-all on NVLink); context_first: "
-                            "context rings on adjacent ranks (ring P2P on NVLink).")
-    group.add_argument("--cp-2d-dkv-comm-dtype", choices=DKV_COMM_DTYPES, default="accumulator",
-                       help="dK/dV riders in backward: fp32 (accumulator, exact) or the activation dtype (input, "
-                            "Transformer Engine's bytes, slightly larger error as the ring grows).")
-    group.add_argument("--cp-2d-packing", choices=PACKING_MODES, default="zigzag",
-                       help="packed documents (THD): zigzag = Megatron's per-document split (--sft batches); "
-                            "sequence = Megatron's per-sequence split (chosen by itself with "
-                            "--dataloader-inter-document-masking without --sft); documents = short documents whole "
-                            "on one context rank, long ones split (needs examples/pretrain_gpt_2d.py's data path, "
-                            "with --dataloader-inter-document-masking or --sft).")
-    group.add_argument("--cp-2d-mla-ring", choices=MLA_RINGS, default="expanded",
-                       help="with --multi-latent-attention: what travels the context ring. expanded = per-head K/V "
-                            "(as every CP backend sends them); latent = the compressed KV and rope key, "
-                            "up-projected by each rank for its own heads at every ring step (fewer bytes, more "
-                            "FLOPs; python -m megatron_2d.plan compares both).")
-    group.add_argument("--selective-checkpoint-plus-plus", action="store_true",
-                       help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
-                            "log-sum-exp from the forward pass so the recompute pass skips attention.")
-    group.add_argument("--selective-checkpoint-plus-plus-check", choices=RECOMPUTE_CHECKS,
-                       default="tolerance",
-                       help="how a recompute is compared with its first pass: within the dtype's rounding noise "
-                            "(tolerance), or bit for bit (bitwise, a debug mode).")
+    group.add_argument(
+        "--cp-2d-placement",
+        choices=PLACEMENTS,
+        default="head_first",
+        help="head_first: head groups on adjacent ranks (all-to-all on NVLink); context_first: "
+        "context rings on adjacent ranks (ring P2P on NVLink).",
+    )
+    group.add_argument(
+        "--cp-2d-dkv-comm-dtype",
+        choices=DKV_COMM_DTYPES,
+        default="accumulator",
+        help="dK/dV riders in backward: fp32 (accumulator, exact) or the activation dtype (input, "
+        "Transformer Engine's bytes, slightly larger error as the ring grows).",
+    )
+    group.add_argument(
+        "--cp-2d-packing",
+        choices=PACKING_MODES,
+        default="zigzag",
+        help="packed documents (THD): zigzag = Megatron's per-document split (--sft batches); "
+        "sequence = Megatron's per-sequence split (chosen by itself with "
+        "--dataloader-inter-document-masking without --sft); documents = short documents whole "
+        "on one context rank, long ones split (needs examples/pretrain_gpt_2d.py's data path, "
+        "with --dataloader-inter-document-masking or --sft).",
+    )
+    group.add_argument(
+        "--cp-2d-mla-ring",
+        choices=MLA_RINGS,
+        default="expanded",
+        help="with --multi-latent-attention: what travels the context ring. expanded = per-head K/V "
+        "(as every CP backend sends them); latent = the compressed KV and rope key, "
+        "up-projected by each rank for its own heads at every ring step (fewer bytes, more "
+        "FLOPs; python -m megatron_2d.plan compares both).",
+    )
+    group.add_argument(
+        "--selective-checkpoint-plus-plus",
+        action="store_true",
+        help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
+        "log-sum-exp from the forward pass so the recompute pass skips attention.",
+    )
+    group.add_argument(
+        "--selective-checkpoint-plus-plus-check",
+        choices=RECOMPUTE_CHECKS,
+        default="tolerance",
+        help="how a recompute is compared with its first pass: within the dtype's rounding noise "
+        "(tolerance), or bit for bit (bitwise, a debug mode).",
+    )
     return parser
 
 

@@ -23,9 +23,9 @@ in THD format is honoured (packed documents; each PackedSeqParams field is class
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from collections.abc import Callable
 
-HONOURED: Dict[str, str] = {
+HONOURED: dict[str, str] = {
     "context_parallel_size": "CP = hp x cp of the 2D layout",
     "cp_comm_type": "'2d' selects this backend (per-layer lists: other layers run TE's CP)",
     "hierarchical_context_parallel_sizes": "[hp, cp] when cp_2d_head_parallel_size is not given",
@@ -41,9 +41,11 @@ HONOURED: Dict[str, str] = {
     "window_size": "sliding window (left, right), TE's convention, on every windowed layer",
     "window_attn_skip_freq": "which layers are windowed (megatron's is_layer_window_attention)",
     "apply_query_key_layer_scaling": "no effect on the math: Megatron divides the scale by the layer number and "
-                                     "multiplies the scores back in the softmax; the op's scores are fp32",
+    "multiplies the scores back in the softmax; the op's scores are fp32",
     "attention_softmax_in_fp32": "always: the op's softmax, lse and accumulators are fp32 (fp64 for fp64)",
-    "fp16": "input dtype", "bf16": "input dtype", "params_dtype": "dtype of the softmax_offset parameter",
+    "fp16": "input dtype",
+    "bf16": "input dtype",
+    "params_dtype": "dtype of the softmax_offset parameter",
     "attention_backend": "no effect on the math: the 2d backend picks its block kernel by device",
     "flash_attention_version": "no effect on the math (kernel choice)",
     "masked_softmax_fusion": "no effect on the math (fusion choice)",
@@ -53,16 +55,16 @@ HONOURED: Dict[str, str] = {
     "init_method": "softmax_offset's initialisation",
     "use_cpu_initialization": "softmax_offset created on CPU when set",
     "multi_latent_attention": "MLA: Megatron's MLASelfAttention with CoreAttention2D (q/k head dim != v head dim, K "
-                              "and V sent unpadded); cp_2d_mla_ring chooses per-head K/V or the latent on the ring",
+    "and V sent unpadded); cp_2d_mla_ring chooses per-head K/V or the latent on the ring",
     "cuda_graph_modules": "decides whether training graphs capture core attention (see cuda_graph_impl)",
     "enable_cuda_graph": "deprecated: megatron's __post_init__ turns it into cuda_graph_impl='local' (checked)",
     "external_cuda_graph": "deprecated: megatron's __post_init__ turns it into cuda_graph_impl='transformer_engine' "
-                           "(checked)",
+    "(checked)",
     "cuda_graph_scope": "deprecated: megatron's __post_init__ moves it to cuda_graph_modules (checked)",
 }
 
 # MLATransformerConfig's own fields (megatron-core 0.19.2), classified the same way
-MLA_HONOURED: Dict[str, str] = {
+MLA_HONOURED: dict[str, str] = {
     "qk_head_dim": "q/k head dim (with qk_pos_emb_head_dim); the latent ring's K up-projection width",
     "qk_pos_emb_head_dim": "the rope part of q/k; the latent ring carries the rope key once per token",
     "v_head_dim": "value head dim (may differ from q/k's; no padding on the wire)",
@@ -71,16 +73,18 @@ MLA_HONOURED: Dict[str, str] = {
     "mscale": "through the softmax_scale MLA passes to core attention (YaRN)",
     "mscale_all_dim": "through the softmax_scale MLA passes to core attention (YaRN)",
     "rope_type": "'rope' and 'yarn': applied by Megatron's MLA before core attention (the latent ring applies the "
-                 "rope key's RoPE with Megatron's own function, at each token's true position)",
+    "rope key's RoPE with Megatron's own function, at each token's true position)",
 }
-MLA_REFUSED: Dict[str, str] = {
+MLA_REFUSED: dict[str, str] = {
     "cache_mla_latents": "caching MLA latents is for Megatron's dynamic inference backend (core attention then gets "
-                         "latents, not K/V); set cache_mla_latents=False",
+    "latents, not K/V); set cache_mla_latents=False",
 }
-MLA_OUTSIDE = tuple("""
+MLA_OUTSIDE = tuple(
+    """
     q_lora_rank rotary_base rotary_percent rotary_scaling_factor original_max_position_embeddings beta_fast
     beta_slow
-""".split())
+""".split()
+)
 
 
 def _is_set(name: str) -> Callable[[object], bool]:
@@ -89,24 +93,24 @@ def _is_set(name: str) -> Callable[[object], bool]:
 
 _KITCHEN = "kitchen attention replaces core attention; it cannot run with cp_comm_type '2d'"
 # name -> why a set (truthy) value is refused, and what would work
-_REFUSED_WHEN_SET: Dict[str, str] = {
+_REFUSED_WHEN_SET: dict[str, str] = {
     "attention_dropout": "attention dropout is not supported by the 2d backend (it would be silently ignored); "
-                         "set attention_dropout=0.0 (--attention-dropout 0)",
+    "set attention_dropout=0.0 (--attention-dropout 0)",
     "qk_clip": "qk-clip needs each layer's max attention logit, which the 2d backend does not compute; set "
-               "qk_clip=False or use a Transformer Engine CP backend",
+    "qk_clip=False or use a Transformer Engine CP backend",
     "log_max_attention_logit": "the max attention logit is not computed by the 2d backend; set "
-                               "log_max_attention_logit=False",
+    "log_max_attention_logit=False",
     "experimental_attention_variant": "experimental attention variants (gated_delta_net, dsa) are not supported by "
-                                      "the 2d backend; leave experimental_attention_variant unset",
+    "the 2d backend; leave experimental_attention_variant unset",
     "fp8_dot_product_attention": "fp8 dot-product attention is not implemented by the 2d backend; set "
-                                 "fp8_dot_product_attention=False (fp8 linear layers are fine)",
+    "fp8_dot_product_attention=False (fp8 linear layers are fine)",
     "fp8_multi_head_attention": "fp8 multi-head attention is not implemented by the 2d backend; set "
-                                "fp8_multi_head_attention=False",
+    "fp8_multi_head_attention=False",
     "use_kitchen_attention": _KITCHEN,
     "hybrid_context_parallel": "hybrid (dynamic) context parallelism changes the CP group per micro-batch; the 2d "
-                               "backend needs a fixed CP group; set hybrid_context_parallel=False",
+    "backend needs a fixed CP group; set hybrid_context_parallel=False",
     "deterministic_mode": "deterministic mode is not guaranteed by the 2d backend (flash-attn's backward adds dq "
-                          "with atomics); set deterministic_mode=False",
+    "with atomics); set deterministic_mode=False",
 }
 
 
@@ -115,7 +119,7 @@ def cuda_graph_captures_attention(config) -> bool:
     graphs (local / transformer_engine) of the whole layer (cuda_graph_modules empty) or of its attention."""
     impl = getattr(config, "cuda_graph_impl", "none")
     if getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False):
-        impl = "local"                                          # before megatron's __post_init__ migrates them
+        impl = "local"  # before megatron's __post_init__ migrates them
     if impl in (None, "none"):
         return False
     if impl == "full_iteration":
@@ -128,21 +132,27 @@ def cuda_graph_captures_attention(config) -> bool:
 
 def _cuda_graph_refusal(config) -> str:
     modules = [getattr(m, "name", m) for m in (getattr(config, "cuda_graph_modules", None) or [])]
-    scope = ("a full-iteration graph" if getattr(config, "cuda_graph_impl", None) == "full_iteration"
-             else f"cuda_graph_modules={modules} ({'the whole layer' if not modules else 'attention included'})")
-    return (f"CUDA graphs capturing core attention ({scope}) cannot replay the 2d backend: its point-to-point "
-            f"rings, per-batch plans and first-call setup run on the host; keep attention out of the graph "
-            f"(cuda_graph_modules without 'attn', e.g. ['mlp'] or ['moe_router', 'moe_preprocess']: "
-            f"--cuda-graph-modules mlp) or set cuda_graph_impl='none'")
+    scope = (
+        "a full-iteration graph"
+        if getattr(config, "cuda_graph_impl", None) == "full_iteration"
+        else f"cuda_graph_modules={modules} ({'the whole layer' if not modules else 'attention included'})"
+    )
+    return (
+        f"CUDA graphs capturing core attention ({scope}) cannot replay the 2d backend: its point-to-point "
+        f"rings, per-batch plans and first-call setup run on the host; keep attention out of the graph "
+        f"(cuda_graph_modules without 'attn', e.g. ['mlp'] or ['moe_router', 'moe_preprocess']: "
+        f"--cuda-graph-modules mlp) or set cuda_graph_impl='none'"
+    )
 
 
 # name -> (when it is refused, why and what would work; a callable gets the config)
-REFUSED: Dict[str, tuple] = {name: (_is_set(name), why) for name, why in _REFUSED_WHEN_SET.items()}
+REFUSED: dict[str, tuple] = {name: (_is_set(name), why) for name, why in _REFUSED_WHEN_SET.items()}
 REFUSED["kitchen_attention_backend"] = (_is_set("use_kitchen_attention"), _KITCHEN)
 REFUSED.update({name: (_is_set(name), why) for name, why in MLA_REFUSED.items()})
 REFUSED["cuda_graph_impl"] = (cuda_graph_captures_attention, _cuda_graph_refusal)
 
-OUTSIDE = tuple("""
+OUTSIDE = tuple(
+    """
     tensor_parallel_num_weight_shards gtp_weight_remat_size pipeline_model_parallel_comm_backend
     pipeline_model_parallel_size virtual_pipeline_model_parallel_size sequence_parallel
     max_seqlen_per_dp_cp_rank expert_model_parallel_size expert_tensor_parallel_size
@@ -209,15 +219,19 @@ OUTSIDE = tuple("""
     activation_offload_fraction moe_paged_stash moe_paged_stash_page_size
     moe_paged_stash_buffer_size_factor_cuda moe_paged_stash_buffer_size_factor_cpu
     fine_grained_offloading_max_inflight_offloads
-""".split())
+""".split()
+)
 
 MEGATRON_CORE_VERSION_CLASSIFIED = "0.19.2"
 
 
-def attention_refusals(config) -> List[str]:
+def attention_refusals(config) -> list[str]:
     """Messages for every setting of ``config`` the 2d backend refuses (empty when all is fine)."""
-    return [f"{name}={getattr(config, name, None)!r}: {why(config) if callable(why) else why}"
-            for name, (refused, why) in REFUSED.items() if refused(config)]
+    return [
+        f"{name}={getattr(config, name, None)!r}: {why(config) if callable(why) else why}"
+        for name, (refused, why) in REFUSED.items()
+        if refused(config)
+    ]
 
 
 def check_attention_settings(config) -> None:
@@ -228,7 +242,7 @@ def check_attention_settings(config) -> None:
 
 
 # -- packed_seq_params (a forward argument): every field of megatron-core 0.19.2's PackedSeqParams ------------------
-PACKED_SEQ_PARAMS: Dict[str, str] = {
+PACKED_SEQ_PARAMS: dict[str, str] = {
     "qkv_format": "honoured: 'thd' runs packed documents; other formats are refused",
     "cu_seqlens_q": "honoured: the real document boundaries (zigzag and sequence layouts)",
     "cu_seqlens_kv": "honoured: must equal cu_seqlens_q (self attention), else refused",
@@ -257,23 +271,32 @@ def same_values(a, b) -> bool:
     return bool(torch.equal(a, b.to(a.device)))
 
 
-def packed_seq_refusals(params) -> List[str]:
+def packed_seq_refusals(params) -> list[str]:
     """Why ``params`` (a PackedSeqParams) cannot run under the 2d backend; empty when it can."""
+
     def same(a, b) -> bool:
         return a is b or (a is not None and b is not None and same_values(a, b))
 
     problems = []
     if params.qkv_format != "thd":
-        problems.append(f"packed_seq_params with qkv_format {params.qkv_format!r} is not supported by the 2d "
-                        f"backend; packed documents come as 'thd'")
+        problems.append(
+            f"packed_seq_params with qkv_format {params.qkv_format!r} is not supported by the 2d "
+            f"backend; packed documents come as 'thd'"
+        )
     if params.cu_seqlens_kv is not None and not same(params.cu_seqlens_kv, params.cu_seqlens_q):
-        problems.append("cu_seqlens_kv differs from cu_seqlens_q: the 2d backend runs self attention over the same "
-                        "packed documents only")
+        problems.append(
+            "cu_seqlens_kv differs from cu_seqlens_q: the 2d backend runs self attention over the same "
+            "packed documents only"
+        )
     if not same(params.cu_seqlens_kv_padded, params.cu_seqlens_q_padded):
-        problems.append("cu_seqlens_kv_padded differs from cu_seqlens_q_padded: the 2d backend runs self attention "
-                        "over one packed layout")
+        problems.append(
+            "cu_seqlens_kv_padded differs from cu_seqlens_q_padded: the 2d backend runs self attention "
+            "over one packed layout"
+        )
     for name in ("local_cp_size", "cp_group"):
         if getattr(params, name, None) is not None:
-            problems.append(f"packed_seq_params.{name} is set (hybrid/dynamic context parallelism), which the 2d "
-                            f"backend does not support; drop --hybrid-context-parallel")
+            problems.append(
+                f"packed_seq_params.{name} is set (hybrid/dynamic context parallelism), which the 2d "
+                f"backend does not support; drop --hybrid-context-parallel"
+            )
     return problems

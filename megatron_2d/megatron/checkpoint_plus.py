@@ -23,16 +23,15 @@ keeper's next calls), and a failed check raises there, at most a few layer calls
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Deque, Optional, Tuple
 
 import torch
-
 from megatron.core.tensor_parallel.random import is_checkpointing
 
 from ..choices import RECOMPUTE_CHECKS, check_choice, choice_problem
 
-AttentionFn = Callable[..., torch.Tensor]   # (q, k, v[, sinks]) -> out
+AttentionFn = Callable[..., torch.Tensor]  # (q, k, v[, sinks]) -> out
 _SAMPLES = 64  # elements per input compared between the first pass and the recompute
 # max |recomputed - first| / max |first| over the sampled elements that "tolerance" allows: a few units of the
 # dtype's rounding, as a recompute whose reductions run in another order gives
@@ -56,7 +55,7 @@ class _Verdicts:
     """Device-side results of the recompute checks, read on the host only once their copy has landed."""
 
     def __init__(self) -> None:
-        self._pending: Deque[Tuple[torch.Tensor, Optional[torch.cuda.Event], str, float]] = deque()
+        self._pending: deque[tuple[torch.Tensor, torch.cuda.Event | None, str, float]] = deque()
 
     def add(self, difference: torch.Tensor, name: str, bound: float) -> None:
         event = None
@@ -74,20 +73,21 @@ class _Verdicts:
         """Raise for the first landed verdict that failed; never waits for the device."""
         while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
             host, _, name, bound = self._pending.popleft()
-            value = float(host.numpy())                  # host memory: no device read, no dispatch
-            if not value <= bound:                       # NaN fails too
+            value = float(host.numpy())  # host memory: no device read, no dispatch
+            if not value <= bound:  # NaN fails too
                 raise RuntimeError(
                     f"Selective Checkpoint++: the recomputed {name} differs from the first pass (max relative "
                     f"difference {value:.3g} over sampled elements, allowed {bound:g}): a non-deterministic "
                     f"recompute beyond rounding, or micro-batches replayed out of order; disable "
-                    f"selective_checkpoint_plus_plus for this run")
+                    f"selective_checkpoint_plus_plus for this run"
+                )
 
 
 @dataclass
 class _KeptAttention:
-    inputs: Tuple[torch.Tensor, ...]                          # detached leaves the kept graph starts from
-    output: torch.Tensor                                      # its output (the graph hangs off it)
-    fingerprints: Tuple[torch.Tensor, ...]
+    inputs: tuple[torch.Tensor, ...]  # detached leaves the kept graph starts from
+    output: torch.Tensor  # its output (the graph hangs off it)
+    fingerprints: tuple[torch.Tensor, ...]
 
 
 class _ReplayAttention(torch.autograd.Function):
@@ -107,7 +107,7 @@ class _ReplayAttention(torch.autograd.Function):
         grads = iter(torch.autograd.grad(kept.output, wanted, dout))
         out = [next(grads) if x.requires_grad else None for x in kept.inputs]
         kept.output = kept.inputs = None
-        return (None, *out)                               # one gradient per input of forward
+        return (None, *out)  # one gradient per input of forward
 
 
 class AttentionKeeper:
@@ -117,52 +117,67 @@ class AttentionKeeper:
     def __init__(self, check: str = "tolerance") -> None:
         check_choice("Selective Checkpoint++ check", check, RECOMPUTE_CHECKS)
         self.check = check
-        self._fifo: Deque[_KeptAttention] = deque()
+        self._fifo: deque[_KeptAttention] = deque()
         self._verdicts = _Verdicts()
 
     def __len__(self) -> int:
         return len(self._fifo)
 
-    def __call__(self, attention: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(
+        self,
+        attention: AttentionFn,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run ``attention`` (q, k, v[, sinks] -> out) under the Checkpoint++ rules."""
         extra = () if sinks is None else (sinks,)
         self._verdicts.poll()
         if not is_checkpointing():
-            return attention(q, k, v, *extra)             # not inside a full-layer checkpoint: plain attention
-        if not torch.is_grad_enabled():                   # first pass of a checkpointed layer: keep the graph
+            return attention(q, k, v, *extra)  # not inside a full-layer checkpoint: plain attention
+        if not torch.is_grad_enabled():  # first pass of a checkpointed layer: keep the graph
             inputs = tuple(x.detach().requires_grad_(True) for x in (q, k, v)) + tuple(
-                s.detach().requires_grad_(s.requires_grad) for s in extra)
+                s.detach().requires_grad_(s.requires_grad) for s in extra
+            )
             with torch.enable_grad():
                 out = attention(*inputs)
             self._fifo.append(_KeptAttention(inputs, out, tuple(_fingerprint(x) for x in (q, k, v))))
             return out.detach()
         if not self._fifo:
-            raise RuntimeError("Selective Checkpoint++: a recompute pass found no kept attention for this layer; "
-                               "the layer's first pass did not run inside megatron's checkpoint")
+            raise RuntimeError(
+                "Selective Checkpoint++: a recompute pass found no kept attention for this layer; "
+                "the layer's first pass did not run inside megatron's checkpoint"
+            )
         kept = self._fifo.popleft()
         for name, x, fp in zip("qkv", (q, k, v), kept.fingerprints):
             if x.shape != kept.inputs["qkv".index(name)].shape:
-                raise RuntimeError(f"Selective Checkpoint++: the recomputed {name} has shape {tuple(x.shape)}, the "
-                                   f"first pass {tuple(kept.inputs['qkv'.index(name)].shape)} (micro-batches "
-                                   f"replayed out of order?); disable selective_checkpoint_plus_plus for this run")
+                raise RuntimeError(
+                    f"Selective Checkpoint++: the recomputed {name} has shape {tuple(x.shape)}, the "
+                    f"first pass {tuple(kept.inputs['qkv'.index(name)].shape)} (micro-batches "
+                    f"replayed out of order?); disable selective_checkpoint_plus_plus for this run"
+                )
             bound = 0.0 if self.check == "bitwise" else RECOMPUTE_RTOL.get(x.dtype, 4e-2)
             self._verdicts.add(_relative_difference(x, fp), name, bound)
         return _ReplayAttention.apply(kept, q, k, v, *extra)
 
 
-def check_checkpoint_plus_config(config) -> Optional[str]:
+def check_checkpoint_plus_config(config) -> str | None:
     """Why Selective Checkpoint++ cannot be used with ``config`` (None if it can)."""
     if config.recompute_granularity != "full":
-        return (f"selective_checkpoint_plus_plus keeps attention across megatron's full-layer recompute, but "
-                f"recompute_granularity is {config.recompute_granularity!r}; set recompute_granularity='full' with "
-                f"recompute_method 'uniform' or 'block' and recompute_num_layers (--recompute-granularity full "
-                f"--recompute-method uniform --recompute-num-layers 1)")
+        return (
+            f"selective_checkpoint_plus_plus keeps attention across megatron's full-layer recompute, but "
+            f"recompute_granularity is {config.recompute_granularity!r}; set recompute_granularity='full' with "
+            f"recompute_method 'uniform' or 'block' and recompute_num_layers (--recompute-granularity full "
+            f"--recompute-method uniform --recompute-num-layers 1)"
+        )
     check = getattr(config, "selective_checkpoint_plus_plus_check", "tolerance")
     problem = choice_problem("selective_checkpoint_plus_plus_check", check, RECOMPUTE_CHECKS)
     if problem:
         return f"{problem} (--selective-checkpoint-plus-plus-check)"
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-        return ("selective_checkpoint_plus_plus is not supported with fp8/fp4 recompute (megatron then uses "
-                "Transformer Engine's checkpoint, which does not mark its passes)")
+        return (
+            "selective_checkpoint_plus_plus is not supported with fp8/fp4 recompute (megatron then uses "
+            "Transformer Engine's checkpoint, which does not mark its passes)"
+        )
     return None

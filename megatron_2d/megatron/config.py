@@ -4,7 +4,6 @@ with the 2D context-parallel settings (one set of fields, :class:`Fields2D`, sha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -21,17 +20,17 @@ from .settings import layer_comm_types, settings_from_config, uses_2d
 class Fields2D:
     """The 2D settings, mixed into megatron-core's config classes (see :class:`TransformerConfig2D`)."""
 
-    cp_2d_head_parallel_size: Optional[int] = None
+    cp_2d_head_parallel_size: int | None = None
     """hp: ranks per head group (all-to-all over heads). Must divide context_parallel_size and the heads per
     TP rank; K/V heads are replicated when hp exceeds them."""
 
-    cp_2d_context_size: Optional[int] = None
+    cp_2d_context_size: int | None = None
     """cp: ranks per context ring. Optional: derived as context_parallel_size / hp; if given, checked."""
 
     cp_2d_ring_window: int = 1
     """w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring. 1 = plain ring."""
 
-    cp_2d_window_size: Optional[int] = None
+    cp_2d_window_size: int | None = None
     """Deprecated name of cp_2d_ring_window (a DeprecationWarning; copied into it, and refused when both are set
     to different values)."""
 
@@ -66,7 +65,7 @@ class Fields2D:
     def __post_init__(self) -> None:
         renamed_field(self, "cp_2d_window_size", "cp_2d_ring_window", default=1)
         super().__post_init__()
-        group_registry(self)    # the model's 2D groups live here; Megatron's per-layer config copies share them
+        group_registry(self)  # the model's 2D groups live here; Megatron's per-layer config copies share them
         if self.selective_checkpoint_plus_plus:
             problem = check_checkpoint_plus_config(self)
             if problem:
@@ -78,14 +77,24 @@ class Fields2D:
             settings_from_config(self)
             check_attention_settings(self)
             return
-        given = {name: getattr(self, name) for name, default in (
-            ("cp_2d_head_parallel_size", None), ("cp_2d_context_size", None), ("cp_2d_ring_window", 1),
-            ("cp_2d_placement", "head_first"), ("cp_2d_dkv_comm_dtype", "accumulator"),
-            ("cp_2d_packing", "zigzag"), ("cp_2d_mla_ring", "expanded"))
-            if getattr(self, name) != default}
+        given = {
+            name: getattr(self, name)
+            for name, default in (
+                ("cp_2d_head_parallel_size", None),
+                ("cp_2d_context_size", None),
+                ("cp_2d_ring_window", 1),
+                ("cp_2d_placement", "head_first"),
+                ("cp_2d_dkv_comm_dtype", "accumulator"),
+                ("cp_2d_packing", "zigzag"),
+                ("cp_2d_mla_ring", "expanded"),
+            )
+            if getattr(self, name) != default
+        }
         if given:
-            raise ValueError(f"2D settings {given} are set but cp_comm_type is {layer_comm_types(self.cp_comm_type)}, "
-                             f"so they would be ignored; set cp_comm_type='2d' (--cp-comm-type 2d) or drop them")
+            raise ValueError(
+                f"2D settings {given} are set but cp_comm_type is {layer_comm_types(self.cp_comm_type)}, "
+                f"so they would be ignored; set cp_comm_type='2d' (--cp-comm-type 2d) or drop them"
+            )
 
 
 @dataclass

@@ -19,7 +19,6 @@ shared by every layer through the packed_seq_params object. Megatron's per-seque
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -48,9 +47,11 @@ def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
     except ImportError:
         HAVE_TE = False
     if not HAVE_TE:
-        raise ValueError(f"layer {kwargs['layer_number']} asks cp_comm_type {cp_comm_type!r}, which megatron-core "
-                         f"runs through Transformer Engine, not installed here; without TE every CP layer must use "
-                         f"'{BACKEND_NAME}'")
+        raise ValueError(
+            f"layer {kwargs['layer_number']} asks cp_comm_type {cp_comm_type!r}, which megatron-core "
+            f"runs through Transformer Engine, not installed here; without TE every CP layer must use "
+            f"'{BACKEND_NAME}'"
+        )
     return TEDotProductAttention(config=config, cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
 
 
@@ -74,14 +75,25 @@ class CoreAttention2D(MegatronModule):
     """
 
     @renamed_keywords(double_ring_window="ring_window")
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
-                 cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None, k_channels: Optional[int] = None,
-                 v_channels: Optional[int] = None, *, head_parallel_size: Optional[int] = None,
-                 ring_window: Optional[int] = None, placement: Optional[str] = None,
-                 kernel: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        cp_comm_type: str | None = None,
+        softmax_scale: float | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        *,
+        head_parallel_size: int | None = None,
+        ring_window: int | None = None,
+        placement: str | None = None,
+        kernel: str | None = None,
+    ) -> None:
         super().__init__(config=config)
-        self.v_channels = v_channels      # MLA's value head dim (its query/key head dim is k_channels)
+        self.v_channels = v_channels  # MLA's value head dim (its query/key head dim is k_channels)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.layer_number, self.attn_mask_type, self.kernel = layer_number, attn_mask_type, kernel
@@ -94,38 +106,55 @@ class CoreAttention2D(MegatronModule):
             cp_comm_type = BACKEND_NAME
         if cp_size > 1 and cp_comm_type != BACKEND_NAME:
             if not uses_2d(config.cp_comm_type):
-                raise ValueError(f"the 2d layer spec is in use but cp_comm_type is {config.cp_comm_type!r} for every "
-                                 f"layer, so no layer would run 2D attention; set cp_comm_type='2d' "
-                                 f"(--cp-comm-type 2d) or use megatron-core's own layer spec")
+                raise ValueError(
+                    f"the 2d layer spec is in use but cp_comm_type is {config.cp_comm_type!r} for every "
+                    f"layer, so no layer would run 2D attention; set cp_comm_type='2d' "
+                    f"(--cp-comm-type 2d) or use megatron-core's own layer spec"
+                )
             channels = {} if k_channels is None else dict(k_channels=k_channels, v_channels=v_channels)
-            self.delegate = _other_backend(config, cp_comm_type, pg_collection, layer_number=layer_number,
-                                           attn_mask_type=attn_mask_type, attention_type=attention_type,
-                                           softmax_scale=softmax_scale, **channels)
+            self.delegate = _other_backend(
+                config,
+                cp_comm_type,
+                pg_collection,
+                layer_number=layer_number,
+                attn_mask_type=attn_mask_type,
+                attention_type=attention_type,
+                softmax_scale=softmax_scale,
+                **channels,
+            )
             return
         check_attention_settings(config)
-        check_current_launch()      # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
+        check_current_launch()  # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
         if attention_type != "self":
             raise ValueError(f"the 2d backend supports self attention only, got attention_type {attention_type!r}")
         if attn_mask_type not in SUPPORTED_MASKS:
-            raise ValueError(f"attn_mask_type {attn_mask_type.name} is not supported by the 2d backend; supported: "
-                             f"{[m.name for m in SUPPORTED_MASKS]}")
+            raise ValueError(
+                f"attn_mask_type {attn_mask_type.name} is not supported by the 2d backend; supported: "
+                f"{[m.name for m in SUPPORTED_MASKS]}"
+            )
         if cp_size == 1:  # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
             self.settings = Settings2D(1, 1, 1, "head_first")
         else:
-            self.settings = settings_from_config(config, head_parallel_size=head_parallel_size,
-                                                 ring_window=ring_window, placement=placement)
+            self.settings = settings_from_config(
+                config, head_parallel_size=head_parallel_size, ring_window=ring_window, placement=placement
+            )
         self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
-        self.packing = packing_mode(config)       # the layout THD batches come in (config and launch)
+        self.packing = packing_mode(config)  # the layout THD batches come in (config and launch)
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
-        self.keeper = (AttentionKeeper(getattr(config, "selective_checkpoint_plus_plus_check", "tolerance"))
-                       if getattr(config, "selective_checkpoint_plus_plus", False) else None)
+        self.keeper = (
+            AttentionKeeper(getattr(config, "selective_checkpoint_plus_plus_check", "tolerance"))
+            if getattr(config, "selective_checkpoint_plus_plus", False)
+            else None
+        )
         self.sliding_window = None
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             left, right = config.window_size
             self.sliding_window = SlidingWindow(left, right)
             if attn_mask_type == AttnMaskType.causal and right not in (0, -1):
-                raise ValueError(f"window_size {tuple(config.window_size)} looks {right} tokens ahead on causal layer "
-                                 f"{layer_number}; a causal sliding window is (left, 0)")
+                raise ValueError(
+                    f"window_size {tuple(config.window_size)} looks {right} tokens ahead on causal layer "
+                    f"{layer_number}; a causal sliding window is (left, 0)"
+                )
         self.tp_group = pg_collection.tp
         self._init_softmax_offset(config, heads_per_partition=config.num_attention_heads // pg_collection.tp.size())
 
@@ -133,75 +162,129 @@ class CoreAttention2D(MegatronModule):
         """Megatron's softmax_offset: zeros for "off-by-one" (a non-persistent buffer, so that ``.cuda()`` /
         ``.to()`` move it with the module and checkpoints do not carry it, as Megatron's own), a parameter of one
         logit per local head for "learnable" (same name, so checkpoints and optimizers see the same key)."""
-        device = torch.device("cpu") if config.use_cpu_initialization or not torch.cuda.is_available() \
+        device = (
+            torch.device("cpu")
+            if config.use_cpu_initialization or not torch.cuda.is_available()
             else torch.device("cuda", torch.cuda.current_device())
+        )
         if config.softmax_type == "vanilla":
             self.softmax_offset = None
         elif config.softmax_type == "off-by-one":
-            self.register_buffer("softmax_offset", torch.zeros(heads_per_partition, device=device,
-                                                               dtype=config.params_dtype), persistent=False)
+            self.register_buffer(
+                "softmax_offset",
+                torch.zeros(heads_per_partition, device=device, dtype=config.params_dtype),
+                persistent=False,
+            )
         elif config.softmax_type == "learnable":
-            self.register_parameter("softmax_offset", torch.nn.Parameter(
-                torch.empty(heads_per_partition, device=device, dtype=config.params_dtype)))
+            self.register_parameter(
+                "softmax_offset",
+                torch.nn.Parameter(torch.empty(heads_per_partition, device=device, dtype=config.params_dtype)),
+            )
             if config.perform_initialization:
                 self.softmax_offset = config.init_method(self.softmax_offset)
         else:
-            raise ValueError(f"softmax_type {config.softmax_type!r} is not known to the 2d backend; choose one of "
-                             f"['vanilla', 'off-by-one', 'learnable']")
+            raise ValueError(
+                f"softmax_type {config.softmax_type!r} is not known to the 2d backend; choose one of "
+                f"['vanilla', 'off-by-one', 'learnable']"
+            )
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None):
         """The learnable softmax offset, sharded over TP like Megatron's own core attention."""
         if self.delegate is not None:
             return self.delegate.sharded_state_dict(prefix, sharded_offsets, metadata)
         state_dict = self.state_dict(prefix="", keep_vars=True) if self.config.softmax_type == "learnable" else {}
-        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
-                                                   tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        return make_sharded_tensors_for_checkpoint(
+            state_dict,
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
-                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
         """[s/CP, b, hq/tp, dk] x2 + [s/CP, b, hkv/tp, dv] -> [s/CP, b, hq/tp * dv] (dv = dk unless MLA)."""
         if self.delegate is not None:
-            return self.delegate(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                 attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            return self.delegate(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
         settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
         packed_width = value.shape[-1]
         if settings["packing"] is not None and self.v_channels is not None and packed_width > self.v_channels:
             # MLA under THD: Megatron pads V to the query's head dim before core attention and trims the output
             # after it; the op takes V as it is (no padding on the wire) and the output is padded back here
-            value = value[..., :self.v_channels]
+            value = value[..., : self.v_channels]
         out = self._run(_attention_with_sinks, (query, key, value), settings)
         if out.shape[-1] < packed_width:
             out = torch.nn.functional.pad(out, (0, packed_width - out.shape[-1]))
         return self._flatten_heads(out, settings["packing"])
 
-    def latent_forward(self, query: torch.Tensor, latent: torch.Tensor, up_weight: torch.Tensor,
-                       attention_mask: Optional[torch.Tensor], *, nope_dim: int, value_dim: int,
-                       attn_mask_type: Optional[AttnMaskType] = None, packed_seq_params=None) -> torch.Tensor:
+    def latent_forward(
+        self,
+        query: torch.Tensor,
+        latent: torch.Tensor,
+        up_weight: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        nope_dim: int,
+        value_dim: int,
+        attn_mask_type: AttnMaskType | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
         """MLA with the latent on the ring (cp_2d_mla_ring="latent", :mod:`megatron_2d.megatron.mla`): query
         [s/CP, b, hq/tp, dk], latent [s/CP, b, kv_lora_rank + rope dim], ``up_weight`` linear_kv_up_proj's weight
         -> [s/CP, b, hq/tp * dv] (THD: [t, ...] without b), through :func:`megatron_2d.latent_attention_2d`."""
         if self.delegate is not None:
-            raise ValueError(f"layer {self.layer_number} runs Transformer Engine's CP attention (its cp_comm_type is "
-                             f"not '2d'), which has no latent ring; use cp_2d_mla_ring='expanded'")
+            raise ValueError(
+                f"layer {self.layer_number} runs Transformer Engine's CP attention (its cp_comm_type is "
+                f"not '2d'), which has no latent ring; use cp_2d_mla_ring='expanded'"
+            )
         settings = self._call_settings(query, attn_mask_type, None, packed_seq_params)
         op = partial(_latent_attention_with_sinks, nope_dim=nope_dim, value_dim=value_dim)
         return self._flatten_heads(self._run(op, (query, latent, up_weight), settings), settings["packing"])
 
-    def _call_settings(self, query: torch.Tensor, attn_mask_type: Optional[AttnMaskType],
-                       attention_bias: Optional[torch.Tensor], packed_seq_params) -> dict:
+    def _call_settings(
+        self,
+        query: torch.Tensor,
+        attn_mask_type: AttnMaskType | None,
+        attention_bias: torch.Tensor | None,
+        packed_seq_params,
+    ) -> dict:
         """The op's keyword arguments for one call (its PackedLayout under "packing"), after the call's checks."""
         packing = self._packed_layout(packed_seq_params, query)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the 2d backend")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if mask_type not in SUPPORTED_MASKS:
-            raise ValueError(f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
-                             f"{[m.name for m in SUPPORTED_MASKS]}")
+            raise ValueError(
+                f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
+                f"{[m.name for m in SUPPORTED_MASKS]}"
+            )
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
-        return dict(groups=self.groups, causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
-                    kernel=self.kernel, sliding_window=window,
-                    dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"), packing=packing)
+        return dict(
+            groups=self.groups,
+            causal=mask_type == AttnMaskType.causal,
+            softmax_scale=self.softmax_scale,
+            kernel=self.kernel,
+            sliding_window=window,
+            dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"),
+            packing=packing,
+        )
 
     def _run(self, op, tensors, settings: dict) -> torch.Tensor:
         """``op(*tensors, sinks, **settings)``, through the Checkpoint++ keeper when it is on."""
@@ -213,8 +296,8 @@ class CoreAttention2D(MegatronModule):
     @staticmethod
     def _flatten_heads(out: torch.Tensor, packing) -> torch.Tensor:
         if packing is not None:
-            return out.reshape(out.shape[0], -1)                              # [t, hq/tp * dv]
-        return out.view(out.shape[0], out.shape[1], -1)                       # [s/CP, b, hq/tp * dv]
+            return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
+        return out.view(out.shape[0], out.shape[1], -1)  # [s/CP, b, hq/tp * dv]
 
     def _layout_of(self, packed_seq_params, mode: str) -> PackedLayout:
         """The layout of a THD batch Megatron split itself ("zigzag": per document, from cu_seqlens_q (real) and
@@ -224,17 +307,19 @@ class CoreAttention2D(MegatronModule):
         real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
         if mode == "sequence":
             from .per_sequence import sequence_params
+
             return sequence_params(packed_seq_params, self.groups, torch.device("cpu")).layout
         if padded is None or padded is real:
             return PackedLayout(torch.as_tensor(real).cpu(), self.groups, mode="zigzag")
-        if torch.as_tensor(padded).shape != torch.as_tensor(real).shape:            # refused by the layout
+        if torch.as_tensor(padded).shape != torch.as_tensor(real).shape:  # refused by the layout
             return PackedLayout(real, self.groups, mode="zigzag", cu_seqlens_padded=padded)
         both = torch.cat([torch.as_tensor(real).reshape(-1), torch.as_tensor(padded).reshape(-1)]).cpu()
         real, padded = both.split(both.shape[0] // 2)
-        return PackedLayout(real, self.groups, mode="zigzag",
-                            cu_seqlens_padded=None if torch.equal(real, padded) else padded)
+        return PackedLayout(
+            real, self.groups, mode="zigzag", cu_seqlens_padded=None if torch.equal(real, padded) else padded
+        )
 
-    def _packed_layout(self, packed_seq_params, query: torch.Tensor) -> Optional[PackedLayout]:
+    def _packed_layout(self, packed_seq_params, query: torch.Tensor) -> PackedLayout | None:
         """The PackedLayout of a THD batch (None for sbhd), built on the first layer and kept on the params."""
         if packed_seq_params is None:
             return None
@@ -242,7 +327,7 @@ class CoreAttention2D(MegatronModule):
             raise ValueError(f"THD query must be [t, heads, d], got {tuple(query.shape)}")
         cache = packed_seq_params.__dict__.setdefault("_megatron_2d_layouts", {})
         key = (self.groups.layout, self.groups.place)
-        if key not in cache:                 # once per batch: the first layer checks and builds, the rest reuse
+        if key not in cache:  # once per batch: the first layer checks and builds, the rest reuse
             problems = packed_seq_refusals(packed_seq_params)
             if problems:
                 raise ValueError("; ".join(problems))
@@ -250,11 +335,15 @@ class CoreAttention2D(MegatronModule):
             cache[key] = carried if carried is not None else self._layout_of(packed_seq_params, self.packing)
         layout, wanted = cache[key], self.packing
         if layout.mode != wanted and self.groups.layout.cp_size > 1:
-            raise ValueError(f"the 2d backend expects packed batches in the {wanted!r} layout (cp_2d_packing "
-                             f"{getattr(self.config, 'cp_2d_packing', 'zigzag')!r}) but the batch comes in the "
-                             f"{layout.mode!r} layout: "
-                             + ("build batches with megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank "
-                                "(examples/pretrain_gpt_2d.py does with --cp-2d-packing documents)"
-                                if wanted == "documents" else "set cp_2d_packing='documents' (--cp-2d-packing "
-                                                               "documents) for batches of that data path"))
+            raise ValueError(
+                f"the 2d backend expects packed batches in the {wanted!r} layout (cp_2d_packing "
+                f"{getattr(self.config, 'cp_2d_packing', 'zigzag')!r}) but the batch comes in the "
+                f"{layout.mode!r} layout: "
+                + (
+                    "build batches with megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank "
+                    "(examples/pretrain_gpt_2d.py does with --cp-2d-packing documents)"
+                    if wanted == "documents"
+                    else "set cp_2d_packing='documents' (--cp-2d-packing documents) for batches of that data path"
+                )
+            )
         return layout

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,7 +11,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from ..sequence_layout import check_divisible
 
 
-def get_batch_on_this_cp_rank_2d(batch: Dict[str, Any], cp_group: Optional[dist.ProcessGroup]) -> Dict[str, Any]:
+def get_batch_on_this_cp_rank_2d(batch: dict[str, Any], cp_group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Megatron's zigzag split of ``batch`` ([b, s] tensors; attention_mask [b, 1, s, s]) for this CP rank,
     after checking that every sequence divides into 2*CP chunks."""
     cp = cp_group.size() if cp_group is not None else 1

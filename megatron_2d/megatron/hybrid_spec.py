@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict, Optional
+from typing import Any
 
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -53,22 +53,24 @@ def megatron_hybrid_stack_spec(use_transformer_engine: bool) -> ModuleSpec:
     return copy_spec(get_hybrid_stack_modelopt_spec(local_core_attention=True), {Norm: WrappedTorchNorm})
 
 
-def copy_spec(node: Any, replace: Optional[Dict[Any, Any]] = None) -> Any:
+def copy_spec(node: Any, replace: dict[Any, Any] | None = None) -> Any:
     """A copy of a spec tree: ModuleSpecs, submodule dataclasses, partials, lists and dicts are copied, their leaves
     (module classes, functions) shared, each leaf found in ``replace`` swapped for its value. (A deep copy would also
     copy the leaves, which fails on the placeholders megatron-core puts in for Transformer Engine classes when TE
     is not installed.)"""
     replace = replace or {}
     if isinstance(node, functools.partial):
-        return functools.partial(copy_spec(node.func, replace), *node.args,
-                                 **{k: copy_spec(v, replace) for k, v in node.keywords.items()})
+        return functools.partial(
+            copy_spec(node.func, replace), *node.args, **{k: copy_spec(v, replace) for k, v in node.keywords.items()}
+        )
     if isinstance(node, list):
         return [copy_spec(item, replace) for item in node]
     if isinstance(node, dict):
         return {k: copy_spec(v, replace) for k, v in node.items()}
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return dataclasses.replace(node, **{f.name: copy_spec(getattr(node, f.name), replace)
-                                            for f in dataclasses.fields(node) if f.init})
+        return dataclasses.replace(
+            node, **{f.name: copy_spec(getattr(node, f.name), replace) for f in dataclasses.fields(node) if f.init}
+        )
     return replace.get(node, node) if _hashable(node) else node
 
 
@@ -93,9 +95,14 @@ class HybridStack2D(HybridStack):
 
 
 @renamed_keywords(double_ring_window="ring_window")
-def get_hybrid_stack_spec_2d(use_transformer_engine: Optional[bool] = None, *,
-                             head_parallel_size: Optional[int] = None, ring_window: Optional[int] = None,
-                             placement: Optional[str] = None, kernel: Optional[str] = None) -> ModuleSpec:
+def get_hybrid_stack_spec_2d(
+    use_transformer_engine: bool | None = None,
+    *,
+    head_parallel_size: int | None = None,
+    ring_window: int | None = None,
+    placement: str | None = None,
+    kernel: str | None = None,
+) -> ModuleSpec:
     """Megatron's hybrid stack spec (TE when installed, unless ``use_transformer_engine`` says otherwise) with
     :class:`CoreAttention2D` in the attention layer; the keyword settings override the config's ``cp_2d_*``
     (``double_ring_window=``: ring_window's deprecated name)."""
@@ -104,13 +111,19 @@ def get_hybrid_stack_spec_2d(use_transformer_engine: Optional[bool] = None, *,
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     spec = megatron_hybrid_stack_spec(use_te)
     if spec.module is not HybridStack:
-        raise TypeError(f"Megatron's hybrid stack spec builds {spec.module}, not HybridStack: megatron_2d's hybrid "
-                        f"spec needs updating for this megatron-core")
+        raise TypeError(
+            f"Megatron's hybrid stack spec builds {spec.module}, not HybridStack: megatron_2d's hybrid "
+            f"spec needs updating for this megatron-core"
+        )
     spec.module = HybridStack2D
     attention = getattr(spec.submodules, ATTENTION_SLOT).submodules.self_attention
-    params: Dict[str, Any] = {k: v for k, v in dict(head_parallel_size=head_parallel_size,
-                                                     ring_window=ring_window, placement=placement,
-                                                     kernel=kernel).items() if v is not None}
+    params: dict[str, Any] = {
+        k: v
+        for k, v in dict(
+            head_parallel_size=head_parallel_size, ring_window=ring_window, placement=placement, kernel=kernel
+        ).items()
+        if v is not None
+    }
     attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
     return spec
 

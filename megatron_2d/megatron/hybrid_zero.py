@@ -46,12 +46,16 @@ state up to Megatron's padding. Overlap of communication with compute is not exe
 
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 
-from ..zero_sharding import (IMPLEMENTATIONS, OPTIMIZERS, SHARDED_STATES, HybridZeRO,  # noqa: F401 (re-exported)
-                             distributed_optimizer_padding_bound, state_bytes_per_rank)
+from ..zero_sharding import (  # noqa: F401 (re-exported)
+    IMPLEMENTATIONS,
+    OPTIMIZERS,
+    SHARDED_STATES,
+    HybridZeRO,
+    distributed_optimizer_padding_bound,
+    state_bytes_per_rank,
+)
 
 
 def model_state_bytes_per_rank(
@@ -62,14 +66,20 @@ def model_state_bytes_per_rank(
     param_dtype: torch.dtype = torch.bfloat16,
     grad_dtype: torch.dtype = torch.float32,
     optimizer: str = "adam",
-) -> Dict[str, int]:
+) -> dict[str, int]:
     """Persistent bytes of model state one rank holds, as megatron-core keeps them: {params, grads, optimizer}.
 
     :func:`megatron_2d.zero_sharding.state_bytes_per_rank` (its docstring has the table) with the bytes per element
     of ``param_dtype`` and ``grad_dtype``; the planner calls the same function with byte counts."""
-    return state_bytes_per_rank(num_params, hybrid_zero, dp, cp,
-                                param_bytes=torch.empty((), dtype=param_dtype).element_size(),
-                                grad_bytes=torch.empty((), dtype=grad_dtype).element_size(), optimizer=optimizer)
+    return state_bytes_per_rank(
+        num_params,
+        hybrid_zero,
+        dp,
+        cp,
+        param_bytes=torch.empty((), dtype=param_dtype).element_size(),
+        grad_bytes=torch.empty((), dtype=grad_dtype).element_size(),
+        optimizer=optimizer,
+    )
 
 
 __all__ = [

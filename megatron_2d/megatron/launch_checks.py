@@ -20,15 +20,20 @@ construction).
 from __future__ import annotations
 
 import sys
-from typing import Optional, Tuple
 
-from ..hybrid_layers import (GDN, MAMBA, MAMBA_EXPAND, SSM_SYMBOLS, decoder_layers, gdn_cp_problem, mamba_cp_problem,
-                             mamba_num_heads)
+from ..hybrid_layers import (
+    GDN,
+    MAMBA,
+    MAMBA_EXPAND,
+    SSM_SYMBOLS,
+    decoder_layers,
+    gdn_cp_problem,
+    mamba_cp_problem,
+    mamba_num_heads,
+)
 from .settings import layer_comm_types, uses_2d
 
-PACKED_SEQUENCE_FLAGS: Tuple[Tuple[str, str], ...] = (
-    ("--reset-attention-mask", "reset_attention_mask"),
-)
+PACKED_SEQUENCE_FLAGS: tuple[tuple[str, str], ...] = (("--reset-attention-mask", "reset_attention_mask"),)
 """Document-masking flags whose batches the 2d backend would get wrong, with their argparse destinations:
 --reset-attention-mask builds a dense [s, s] mask (not THD). Packed documents reach the 2d backend as THD:
 --sft (Megatron's per-document zigzag split), --dataloader-inter-document-masking (Megatron's per-sequence split,
@@ -42,17 +47,21 @@ def check_launch_args(args) -> None:
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
     pattern = getattr(args, "hybrid_layer_pattern", None)
-    if pattern:      # pretrain_hybrid.py: Mamba / GDN layers against the CP group, before any model is built
+    if pattern:  # pretrain_hybrid.py: Mamba / GDN layers against the CP group, before any model is built
         check_hybrid_layers(args, decoder_layers(pattern))
     if given:
-        raise ValueError(f"{', '.join(given)} gives document masks the 2d backend (cp_comm_type "
-                         f"{layer_comm_types(args.cp_comm_type)}) would not see as packed THD batches; drop "
-                         f"{', '.join(given)} and pack documents as THD (--dataloader-inter-document-masking, --sft, "
-                         f"or the documents layout of megatron_2d.megatron.packed_data, see "
-                         f"examples/pretrain_gpt_2d.py)")
+        raise ValueError(
+            f"{', '.join(given)} gives document masks the 2d backend (cp_comm_type "
+            f"{layer_comm_types(args.cp_comm_type)}) would not see as packed THD batches; drop "
+            f"{', '.join(given)} and pack documents as THD (--dataloader-inter-document-masking, --sft, "
+            f"or the documents layout of megatron_2d.megatron.packed_data, see "
+            f"examples/pretrain_gpt_2d.py)"
+        )
     if getattr(args, "cp_2d_packing", "zigzag") == "sequence" and getattr(args, "sft", False):
-        raise ValueError("--cp-2d-packing sequence describes Megatron's per-sequence split, but --sft batches are "
-                         "split per document (zigzag): drop --cp-2d-packing or --sft")
+        raise ValueError(
+            "--cp-2d-packing sequence describes Megatron's per-sequence split, but --sft batches are "
+            "split per document (zigzag): drop --cp-2d-packing or --sft"
+        )
 
 
 def packing_mode(config) -> str:
@@ -66,8 +75,11 @@ def packing_mode(config) -> str:
     if chosen == "documents":
         return chosen
     launch = config if hasattr(config, "dataloader_inter_document_masking") else current_launch_args()
-    if launch is not None and getattr(launch, "dataloader_inter_document_masking", False) \
-            and not getattr(launch, "sft", False):
+    if (
+        launch is not None
+        and getattr(launch, "dataloader_inter_document_masking", False)
+        and not getattr(launch, "sft", False)
+    ):
         return "sequence"
     return chosen
 
@@ -84,15 +96,19 @@ def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -
         return
     names = {MAMBA: "Mamba (M)", GDN: "GDN (G)"}
     if getattr(config, "cp_2d_packing", "zigzag") == "documents" and getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(f"cp_2d_packing='documents' cannot run a model with {' and '.join(names[s] for s in present)}"
-                         f" layers: Megatron's Mamba/GDN context parallelism reads tokens in its zigzag order, and the"
-                         f" documents layout keeps short documents whole on one context rank; use cp_2d_packing="
-                         f"'zigzag' (--cp-2d-packing zigzag, Megatron's THD split, e.g. --sft batches)")
+        raise ValueError(
+            f"cp_2d_packing='documents' cannot run a model with {' and '.join(names[s] for s in present)}"
+            f" layers: Megatron's Mamba/GDN context parallelism reads tokens in its zigzag order, and the"
+            f" documents layout keeps short documents whole on one context rank; use cp_2d_packing="
+            f"'zigzag' (--cp-2d-packing zigzag, Megatron's THD split, e.g. --sft batches)"
+        )
     if packing_mode(config) == "sequence" and getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(f"Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
-                         f"without --sft) cannot run a model with {' and '.join(names[s] for s in present)} layers: "
-                         f"Megatron's Mamba/GDN context parallelism reads THD batches in the per-document order; use "
-                         f"--sft batches (Megatron's per-document split)")
+        raise ValueError(
+            f"Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
+            f"without --sft) cannot run a model with {' and '.join(names[s] for s in present)} layers: "
+            f"Megatron's Mamba/GDN context parallelism reads THD batches in the per-document order; use "
+            f"--sft batches (Megatron's per-document split)"
+        )
     tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     problems = []
     if MAMBA in present:
@@ -105,7 +121,7 @@ def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -
         raise ValueError("; ".join(problems))
 
 
-def current_launch_args() -> Optional[object]:
+def current_launch_args() -> object | None:
     """megatron.training's parsed arguments when a launch (pretrain_gpt.py) has set them, else None. megatron.training
     is not imported here: a library user who builds models directly has no launch to check."""
     global_vars = sys.modules.get("megatron.training.global_vars")

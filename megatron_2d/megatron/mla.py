@@ -19,14 +19,14 @@ Megatron's reduction over the data-parallel x CP group sums the shares.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
-
 import torch
 from megatron.core.models.common.embeddings import apply_rotary_pos_emb
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    gather_from_sequence_parallel_region,
-                                                    gather_from_tensor_model_parallel_region,
-                                                    scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention, MLASelfAttention
 from megatron.core.utils import get_pg_size
 
@@ -52,13 +52,17 @@ def check_mla_settings(config) -> None:
     from TransformerConfig2D and from the layer spec (plain TransformerConfigs)."""
     ring = check_mla_ring(mla_ring(config))
     if ring != "expanded" and not uses_mla(config):
-        raise ValueError(f"cp_2d_mla_ring {ring!r} chooses what multi-latent attention sends round the ring, but "
-                         f"multi_latent_attention is off, so it would be ignored; drop it or build an "
-                         f"MLATransformerConfig2D (--multi-latent-attention)")
+        raise ValueError(
+            f"cp_2d_mla_ring {ring!r} chooses what multi-latent attention sends round the ring, but "
+            f"multi_latent_attention is off, so it would be ignored; drop it or build an "
+            f"MLATransformerConfig2D (--multi-latent-attention)"
+        )
     if uses_mla(config) and packing_mode(config) == "sequence":
-        raise ValueError("Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
-                         "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
-                         "RoPE assumes the per-document split; use --sft batches or the documents layout")
+        raise ValueError(
+            "Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
+            "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
+            "RoPE assumes the per-document split; use --sft batches or the documents layout"
+        )
 
 
 def use_latent_ring(spec, config, use_transformer_engine: bool):
@@ -70,43 +74,57 @@ def use_latent_ring(spec, config, use_transformer_engine: bool):
         return spec
     attention = spec.submodules.self_attention
     if attention.module not in LATENT_CLASSES:
-        raise ValueError(f"cp_2d_mla_ring='latent' replaces Megatron's MLA self attention "
-                         f"({', '.join(c.__name__ for c in LATENT_CLASSES)}); this spec's is "
-                         f"{getattr(attention.module, '__name__', attention.module)}")
+        raise ValueError(
+            f"cp_2d_mla_ring='latent' replaces Megatron's MLA self attention "
+            f"({', '.join(c.__name__ for c in LATENT_CLASSES)}); this spec's is "
+            f"{getattr(attention.module, '__name__', attention.module)}"
+        )
     attention.module = LATENT_CLASSES[attention.module]
     if use_transformer_engine and getattr(config, "qk_layernorm", False):
         from megatron.core.models.backends import TESpecProvider
 
         backend = TESpecProvider()
         attention.submodules.kv_layernorm = backend.layer_norm(
-            rms_norm=getattr(config, "normalization", "RMSNorm") == "RMSNorm", for_qk=True)
+            rms_norm=getattr(config, "normalization", "RMSNorm") == "RMSNorm", for_qk=True
+        )
         attention.submodules.linear_kv_up_proj = backend.column_parallel_linear()
         spec.submodules.sharded_state_dict_keys_map = {
             **spec.submodules.sharded_state_dict_keys_map,
-            "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+            "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+        }
     return spec
 
 
-def latent_ring_refusals(config, module) -> List[str]:
+def latent_ring_refusals(config, module) -> list[str]:
     """What a latent-ring MLA layer cannot honour, by setting (empty when all is fine)."""
     problems = []
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-        problems.append(f"fp8={config.fp8!r} / fp4={config.fp4!r}: the latent ring runs the K/V up-projection itself, "
-                        f"in the activation dtype, where linear_kv_up_proj would run it quantized; use "
-                        f"cp_2d_mla_ring='expanded'")
+        problems.append(
+            f"fp8={config.fp8!r} / fp4={config.fp4!r}: the latent ring runs the K/V up-projection itself, "
+            f"in the activation dtype, where linear_kv_up_proj would run it quantized; use "
+            f"cp_2d_mla_ring='expanded'"
+        )
     if config.apply_rope_fusion:
-        problems.append("apply_rope_fusion=True: the latent ring applies RoPE to the rope key with Megatron's unfused "
-                        "function (the fused MLA kernel takes the up-projected K/V); set apply_rope_fusion=False "
-                        "(--no-rope-fusion)")
+        problems.append(
+            "apply_rope_fusion=True: the latent ring applies RoPE to the rope key with Megatron's unfused "
+            "function (the fused MLA kernel takes the up-projected K/V); set apply_rope_fusion=False "
+            "(--no-rope-fusion)"
+        )
     if config.recompute_granularity == "selective" and "mla_up_proj" in (config.recompute_modules or []):
-        problems.append("recompute_modules 'mla_up_proj': with cp_2d_mla_ring='latent' the K/V up-projection runs "
-                        "inside the ring and keeps nothing to recompute; drop 'mla_up_proj' from --recompute-modules")
+        problems.append(
+            "recompute_modules 'mla_up_proj': with cp_2d_mla_ring='latent' the K/V up-projection runs "
+            "inside the ring and keeps nothing to recompute; drop 'mla_up_proj' from --recompute-modules"
+        )
     if hasattr(module.linear_kv_up_proj, "layer_norm_weight"):
-        problems.append("linear_kv_up_proj fuses the kv layernorm (a layernorm+linear module), which must run before "
-                        "the latent travels; build the layer with megatron_2d's spec (get_gpt_layer_spec_2d)")
+        problems.append(
+            "linear_kv_up_proj fuses the kv layernorm (a layernorm+linear module), which must run before "
+            "the latent travels; build the layer with megatron_2d's spec (get_gpt_layer_spec_2d)"
+        )
     if not hasattr(module.core_attention, "latent_forward"):
-        problems.append(f"core attention {type(module.core_attention).__name__} has no latent ring; use "
-                        f"CoreAttention2D (get_gpt_layer_spec_2d)")
+        problems.append(
+            f"core attention {type(module.core_attention).__name__} has no latent ring; use "
+            f"CoreAttention2D (get_gpt_layer_spec_2d)"
+        )
     return problems
 
 
@@ -118,35 +136,72 @@ class LatentRingMixin:
         if problems:
             raise ValueError("settings not supported with cp_2d_mla_ring='latent':\n  " + "\n  ".join(problems))
 
-    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                attention_bias=None, packed_seq_params=None, position_ids=None, sequence_len_offset=None, *,
-                inference_params=None):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        position_ids=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ):
         """[s, b, h] -> ([s, b, h], bias), as MLASelfAttention, with the latent on the context ring."""
         if inference_context is not None or inference_params is not None:
             raise ValueError("cp_2d_mla_ring='latent' is for training; run inference with cp_2d_mla_ring='expanded'")
-        if key_value_states is not None or attention_bias is not None or rotary_pos_emb is not None \
-                or rotary_pos_cos is not None or rotary_pos_sin is not None or rotary_pos_cos_sin is not None:
-            raise ValueError("MLA self attention takes no key_value_states, attention_bias or rotary embeddings "
-                             "(it makes its own)")
+        if (
+            key_value_states is not None
+            or attention_bias is not None
+            or rotary_pos_emb is not None
+            or rotary_pos_cos is not None
+            or rotary_pos_sin is not None
+            or rotary_pos_cos_sin is not None
+        ):
+            raise ValueError(
+                "MLA self attention takes no key_value_states, attention_bias or rotary embeddings (it makes its own)"
+            )
         query, latent = self._query_and_latent(hidden_states, packed_seq_params)
         weight = self.linear_kv_up_proj.weight
         if self.checkpoint_core_attention and self.training:
-            out = self._checkpointed_attention_forward(query, latent, weight, attention_mask,
-                                                       packed_seq_params=packed_seq_params)
+            out = self._checkpointed_attention_forward(
+                query, latent, weight, attention_mask, packed_seq_params=packed_seq_params
+            )
         else:
             out = self._run_core_attention(query, latent, weight, attention_mask, packed_seq_params=packed_seq_params)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            out = out.reshape(out.size(0), 1, -1)                        # [t, h * dv] -> [t, 1, h * dv]
+            out = out.reshape(out.size(0), 1, -1)  # [t, h * dv] -> [t, 1, h * dv]
         return self.linear_proj(out)
 
-    def _run_core_attention(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                            packed_seq_params=None, **extra_kwargs):
+    def _run_core_attention(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **extra_kwargs,
+    ):
         """Core attention of (query, latent, up-projection weight), passed as Megatron's (query, key, value) so that
         its selective core-attention checkpoint wraps the latent ring too."""
-        return self.core_attention.latent_forward(query, key, value, attention_mask, nope_dim=self.config.qk_head_dim,
-                                                  value_dim=self.config.v_head_dim, attn_mask_type=attn_mask_type,
-                                                  packed_seq_params=packed_seq_params)
+        return self.core_attention.latent_forward(
+            query,
+            key,
+            value,
+            attention_mask,
+            nope_dim=self.config.qk_head_dim,
+            value_dim=self.config.v_head_dim,
+            attn_mask_type=attn_mask_type,
+            packed_seq_params=packed_seq_params,
+        )
 
     def _query_and_latent(self, hidden_states, packed_seq_params):
         """(query [s, b, n, qk + rope] after RoPE, latent [s, b, kv_lora_rank + rope]: the compressed KV after its
@@ -159,13 +214,16 @@ class LatentRingMixin:
         rotary, mscale = rotary if cfg.rope_type == "yarn" else (rotary, 1.0)
         cu_seqlens = None
         if thd:
-            cu_seqlens = packed_seq_params.cu_seqlens_q if packed_seq_params.cu_seqlens_q_padded is None \
+            cu_seqlens = (
+                packed_seq_params.cu_seqlens_q
+                if packed_seq_params.cu_seqlens_q_padded is None
                 else packed_seq_params.cu_seqlens_q_padded
+            )
 
         q_compressed, kv_combined = self._qkv_down_projection(hidden_states)
         widths = [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim]
         sequence_parallel = cfg.sequence_parallel and get_pg_size(self.tp_group) > 1
-        if kv_combined.size(-1) != sum(widths):                           # column-parallel down projection
+        if kv_combined.size(-1) != sum(widths):  # column-parallel down projection
             kv_compressed, k_pos_emb = torch.split(gather_from_tensor_model_parallel_region(kv_combined), widths, -1)
             if cfg.sequence_parallel:
                 kv_compressed = scatter_to_sequence_parallel_region(kv_compressed)
@@ -173,24 +231,32 @@ class LatentRingMixin:
             kv_compressed, k_pos_emb = torch.split(kv_combined, widths, -1)
             if sequence_parallel:
                 k_pos_emb = gather_from_sequence_parallel_region(k_pos_emb, group=self.tp_group)
-        if packed_seq_params is not None:                                  # THD: [t, 1, ...] -> [t, ...]
+        if packed_seq_params is not None:  # THD: [t, 1, ...] -> [t, ...]
             q_compressed, kv_compressed, k_pos_emb = (x.squeeze(1) for x in (q_compressed, kv_compressed, k_pos_emb))
         if cfg.q_lora_rank is not None:
             q, _ = self.linear_q_up_proj(self.q_layernorm(q_compressed))
         else:
             q, _ = self.linear_q_proj(q_compressed)
-        q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)   # [s, b, n, qk + rope]
+        q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)  # [s, b, n, qk + rope]
         if packed_seq_params is None or cfg.context_parallel_size == 1:
-            rotary = rotary[:q.shape[0]]
-        rope = dict(config=cfg, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=self.pg_collection.cp,
-                    mla_rotary_interleaved=True)
+            rotary = rotary[: q.shape[0]]
+        rope = dict(
+            config=cfg,
+            cu_seqlens=cu_seqlens,
+            mscale=mscale,
+            cp_group=self.pg_collection.cp,
+            mla_rotary_interleaved=True,
+        )
         q_nope, q_rope = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
         query = torch.cat([q_nope, apply_rotary_pos_emb(q_rope, rotary, **rope)], dim=-1)
-        k_rope = apply_rotary_pos_emb(k_pos_emb.unsqueeze(-2), rotary, **rope).squeeze(-2)       # [s, b, rope]
+        k_rope = apply_rotary_pos_emb(k_pos_emb.unsqueeze(-2), rotary, **rope).squeeze(-2)  # [s, b, rope]
         # the latent as linear_kv_up_proj (column parallel) takes it: gradient summed over TP
         latent = self.kv_layernorm(kv_compressed)
-        latent = gather_from_sequence_parallel_region(latent, group=self.tp_group) if sequence_parallel \
+        latent = (
+            gather_from_sequence_parallel_region(latent, group=self.tp_group)
+            if sequence_parallel
             else copy_to_tensor_model_parallel_region(latent, group=self.tp_group)
+        )
         return query.contiguous(), torch.cat([latent, k_rope], dim=-1)
 
 

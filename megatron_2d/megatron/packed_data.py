@@ -19,8 +19,9 @@ flattened first, as Megatron does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,25 +34,26 @@ from ..packed_layout import PackedLayout
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def thd_partitioned_indices(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int,
-                            cp_rank: int) -> torch.Tensor:
+def thd_partitioned_indices(
+    cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int
+) -> torch.Tensor:
     """Transformer Engine's ``thd_get_partitioned_indices`` without TE: LongTensor [total_tokens / CP] of the
     padded-stream tokens CP rank ``cp_rank`` holds (chunks r and 2*CP-1-r of every document), computed on
     ``cu_seqlens_padded``'s device with tensor ops only (no host-device synchronisation): local token j lies in
     the document whose local part [cu / CP) holds it, in the first half (chunk r) or the second (chunk 2CP-1-r)."""
     cu = torch.as_tensor(cu_seqlens_padded).reshape(-1).to(torch.int64)
-    if cu.device.type == "cpu" and int(cu[-1]) != int(total_tokens):       # checkable without a device read
+    if cu.device.type == "cpu" and int(cu[-1]) != int(total_tokens):  # checkable without a device read
         raise ValueError(f"cu_seqlens_padded ends at {int(cu[-1])} but the batch holds {total_tokens} tokens")
-    local = cu // cp_size                                                  # [D + 1] local part of each document
+    local = cu // cp_size  # [D + 1] local part of each document
     j = torch.arange(int(total_tokens) // cp_size, device=cu.device)
     doc = torch.searchsorted(local, j, right=True) - 1
     offset = j - local[doc]
-    half = (local[doc + 1] - local[doc]) // 2                             # chunk = padded length / 2CP
+    half = (local[doc + 1] - local[doc]) // 2  # chunk = padded length / 2CP
     chunk = torch.where(offset < half, cp_rank, 2 * cp_size - 2 - cp_rank)
     return cu[doc] + offset + half * chunk
 
 
-def get_thd_batch_on_this_cp_rank_2d(batch: Dict[str, Any], cp_group) -> Dict[str, Any]:
+def get_thd_batch_on_this_cp_rank_2d(batch: dict[str, Any], cp_group) -> dict[str, Any]:
     """Megatron's per-document THD split of ``batch`` for this CP rank (``cu_seqlens_padded`` if present, else
     ``cu_seqlens``, each document a multiple of 2*CP), with TE's partitioning done here. cu_seqlens stay global."""
     cp = cp_group.size() if cp_group is not None else 1
@@ -74,8 +76,8 @@ class PackedSeqParams2D(PackedSeqParams):
     reads it) and ``rope_positions`` each token's position in its document, arranged for Megatron's THD RoPE
     (see :func:`documents_batch_on_this_cp_rank`)."""
 
-    layout: Optional[PackedLayout] = None
-    rope_positions: Optional[torch.Tensor] = None
+    layout: PackedLayout | None = None
+    rope_positions: torch.Tensor | None = None
 
 
 def _rope_table(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -85,26 +87,28 @@ def _rope_table(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Te
     t = positions.shape[0]
     half = t // 2
     table = torch.zeros(cp_size * t, dtype=torch.long)
-    table[cp_rank * half:(cp_rank + 1) * half] = positions[:half]
-    table[cp_size * t - (cp_rank + 1) * half:cp_size * t - cp_rank * half] = positions[half:]
+    table[cp_rank * half : (cp_rank + 1) * half] = positions[:half]
+    table[cp_size * t - (cp_rank + 1) * half : cp_size * t - cp_rank * half] = positions[half:]
     return table
 
 
-def documents_batch_on_this_cp_rank(batch: Dict[str, Any], groups: Groups2D, cu_seqlens,
-                                    **layout_options) -> Tuple[Dict[str, Any], PackedSeqParams2D]:
+def documents_batch_on_this_cp_rank(
+    batch: dict[str, Any], groups: Groups2D, cu_seqlens, **layout_options
+) -> tuple[dict[str, Any], PackedSeqParams2D]:
     """This rank's tokens of ``batch`` ([1, T], real documents only) under the documents layout, and the
     PackedSeqParams to pass to the model. Padding slots get token 0, label 0, loss_mask 0, position 0.
     Collective over the CP group (it builds the layout)."""
     layout = PackedLayout(cu_seqlens, groups, mode="documents", **layout_options)
     device = batch["tokens"].device
-    idx = layout.device_tensor("local_indices", device)                  # copied once, non-blocking
+    idx = layout.device_tensor("local_indices", device)  # copied once, non-blocking
     gather, pad = idx.clamp(min=0), idx < 0
     out = dict(batch)
     for key in ("tokens", "labels", "loss_mask"):
         if batch.get(key) is not None:
             if batch[key].shape[1] != layout.total_tokens:
-                raise ValueError(f"batch[{key!r}] holds {batch[key].shape[1]} tokens, cu_seqlens says "
-                                 f"{layout.total_tokens}")
+                raise ValueError(
+                    f"batch[{key!r}] holds {batch[key].shape[1]} tokens, cu_seqlens says {layout.total_tokens}"
+                )
             out[key] = batch[key].index_select(1, gather).masked_fill(pad, 0)
     params = layout_params(layout, device)
     out["position_ids"] = to_device(layout.position_ids(), device).unsqueeze(0)
@@ -120,9 +124,16 @@ def layout_params(layout: PackedLayout, device: torch.device) -> PackedSeqParams
     cu = to_device(layout.cu_seqlens.astype(np.int32), device)
     table = _rope_table(layout.position_ids(), cp_size, layout.groups.place.cp_index)
     return PackedSeqParams2D(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=rope_cu,
-        cu_seqlens_kv_padded=rope_cu, max_seqlen_q=cp_size * t_local, max_seqlen_kv=cp_size * t_local,
-        layout=layout, rope_positions=to_device(table, device))
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=rope_cu,
+        cu_seqlens_kv_padded=rope_cu,
+        max_seqlen_q=cp_size * t_local,
+        max_seqlen_kv=cp_size * t_local,
+        layout=layout,
+        rope_positions=to_device(table, device),
+    )
 
 
 def token_weighted_loss(loss_func: Callable, cp_group, per_token_loss: bool) -> Callable:
@@ -133,6 +144,7 @@ def token_weighted_loss(loss_func: Callable, cp_group, per_token_loss: bool) -> 
     give, but the documents layout does not. The wrapped loss is rescaled by count / (CP-group count / CP), so each
     token weighs 1 / (CP-group count) as in the CP=1 run (one scalar all-reduce over the CP group, on the device;
     the report keeps the true sum). With per-token loss Megatron already divides by the global count."""
+
     def wrapped(*args, **kwargs):
         loss, num_tokens, report = loss_func(*args, **kwargs)
         if per_token_loss or cp_group is None or cp_group.size() == 1:
@@ -140,6 +152,7 @@ def token_weighted_loss(loss_func: Callable, cp_group, per_token_loss: bool) -> 
         total = num_tokens.detach().to(loss.dtype).clone()
         torch.distributed.all_reduce(total, group=cp_group)
         return loss * (num_tokens.to(loss.dtype) * cp_group.size() / total.clamp(min=1)), num_tokens, report
+
     return wrapped
 
 
@@ -154,31 +167,37 @@ class DocumentRotaryEmbedding(torch.nn.Module):
     def __init__(self, base: torch.nn.Module, config) -> None:
         super().__init__()
         if getattr(config, "apply_rope_fusion", False):
-            raise ValueError("the documents layout's RoPE needs apply_rope_fusion=False (--no-rope-fusion): "
-                             "Transformer Engine's fused THD RoPE assumes the zigzag split")
+            raise ValueError(
+                "the documents layout's RoPE needs apply_rope_fusion=False (--no-rope-fusion): "
+                "Transformer Engine's fused THD RoPE assumes the zigzag split"
+            )
         self.base = base
-        self._positions: Optional[torch.Tensor] = None
+        self._positions: torch.Tensor | None = None
 
-    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
-                           packed_seq_params=None, **kwargs) -> int:
+    def get_rotary_seq_len(
+        self, inference_context, transformer, transformer_input, transformer_config, packed_seq_params=None, **kwargs
+    ) -> int:
         self._positions = getattr(packed_seq_params, "rope_positions", None)
-        return self.base.get_rotary_seq_len(inference_context, transformer, transformer_input, transformer_config,
-                                            packed_seq_params, **kwargs)
+        return self.base.get_rotary_seq_len(
+            inference_context, transformer, transformer_input, transformer_config, packed_seq_params, **kwargs
+        )
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
         positions, self._positions = self._positions, None
         if positions is None:
             return self.base(max_seq_len, offset, packed_seq, cp_group)
         # positions < the longest document <= T <= max_seq_len (= CP * t_local): no read of the positions needed
-        emb = self.base.get_emb(max_seq_len)                               # [max_seq_len, 1, 1, dim]
-        return emb.index_select(0, positions.to(emb.device))              # [CP * t_local, 1, 1, dim]
+        emb = self.base.get_emb(max_seq_len)  # [max_seq_len, 1, 1, dim]
+        return emb.index_select(0, positions.to(emb.device))  # [CP * t_local, 1, 1, dim]
 
 
 def use_document_positions(model) -> Any:
     """Make ``model`` (a GPTModel with RoPE) apply RoPE at document positions for PackedSeqParams2D batches."""
     if not hasattr(model, "rotary_pos_emb") or getattr(model, "position_embedding_type", None) != "rope":
-        raise ValueError("the documents layout's data path supports RoPE models (position_embedding_type='rope'); "
-                         "learned absolute positions would read position_ids, which it also provides")
+        raise ValueError(
+            "the documents layout's data path supports RoPE models (position_embedding_type='rope'); "
+            "learned absolute positions would read position_ids, which it also provides"
+        )
     if not isinstance(model.rotary_pos_emb, DocumentRotaryEmbedding):
         model.rotary_pos_emb = DocumentRotaryEmbedding(model.rotary_pos_emb, model.config)
     return model

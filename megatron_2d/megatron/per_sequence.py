@@ -30,9 +30,11 @@ def sequence_params(params, groups, device: torch.device) -> PackedSeqParams2D:
     if key not in cache:
         padded = params.cu_seqlens_q_padded
         if padded is not None and padded is not params.cu_seqlens_q:
-            raise ValueError("a per-sequence split batch (--dataloader-inter-document-masking) came with "
-                             "cu_seqlens_q_padded; Megatron's per-sequence split pads no document, so the 2d backend "
-                             "cannot tell where its tokens are: drop the padding or use --sft")
+            raise ValueError(
+                "a per-sequence split batch (--dataloader-inter-document-masking) came with "
+                "cu_seqlens_q_padded; Megatron's per-sequence split pads no document, so the 2d backend "
+                "cannot tell where its tokens are: drop the padding or use --sft"
+            )
         layout = PackedLayout(torch.as_tensor(params.cu_seqlens_q).cpu(), groups, mode="sequence")
         cache[key] = layout_params(layout, device)
     return cache[key]
@@ -45,12 +47,17 @@ class SelfAttention2D(SelfAttention):
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         params = kwargs.get("packed_seq_params")
         groups = getattr(self.core_attention, "groups", None)
-        if (params is not None and params.qkv_format == "thd" and groups is not None and groups.layout.cp_size > 1
-                and getattr(params, "layout", None) is None):
+        if (
+            params is not None
+            and params.qkv_format == "thd"
+            and groups is not None
+            and groups.layout.cp_size > 1
+            and getattr(params, "layout", None) is None
+        ):
             derived = sequence_params(params, groups, hidden_states.device)
             kwargs["packed_seq_params"] = derived
-            emb = kwargs.get("rotary_pos_emb")            # [max document length, 1, 1, dim] (or a (q, k) pair)
-            if emb is not None:                          # -> [CP * t_local, 1, 1, dim] at document positions
-                pick = lambda e: e.index_select(0, derived.rope_positions)          # noqa: E731
+            emb = kwargs.get("rotary_pos_emb")  # [max document length, 1, 1, dim] (or a (q, k) pair)
+            if emb is not None:  # -> [CP * t_local, 1, 1, dim] at document positions
+                pick = lambda e: e.index_select(0, derived.rope_positions)  # noqa: E731
                 kwargs["rotary_pos_emb"] = tuple(map(pick, emb)) if isinstance(emb, tuple) else pick(emb)
         return super().forward(hidden_states, attention_mask, **kwargs)

@@ -15,23 +15,22 @@ for :func:`destroy_2d_groups` with no argument.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 from ..groups import Groups2D, build_groups_for_layout
 from .settings import Settings2D
 
-_LIVE: "weakref.WeakSet[GroupRegistry]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[GroupRegistry] = weakref.WeakSet()
 _ATTRIBUTE = "_megatron_2d_group_registry"
 
 
-def all_cp_rank_lists(cp_group: Optional[dist.ProcessGroup]) -> List[List[int]]:
+def all_cp_rank_lists(cp_group: dist.ProcessGroup | None) -> list[list[int]]:
     """The global ranks of every CP group of the job (each ordered by CP rank). Collective over the world."""
     mine = dist.get_process_group_ranks(cp_group) if cp_group is not None else [dist.get_rank()]
-    gathered: List[Optional[List[int]]] = [None] * dist.get_world_size()
+    gathered: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, list(mine))
-    lists: List[List[int]] = []
+    lists: list[list[int]] = []
     for ranks in gathered:
         if ranks not in lists:
             lists.append(ranks)
@@ -42,18 +41,20 @@ class GroupRegistry:
     """The 2D groups of one model: built on first use (collective), one set per (CP group, settings)."""
 
     def __init__(self) -> None:
-        self._built: Dict[Tuple, Groups2D] = {}
+        self._built: dict[tuple, Groups2D] = {}
         _LIVE.add(self)
 
-    def __deepcopy__(self, memo) -> "GroupRegistry":
-        return self             # a copied config belongs to the same model: same groups, same byte counter
+    def __deepcopy__(self, memo) -> GroupRegistry:
+        return self  # a copied config belongs to the same model: same groups, same byte counter
 
-    def groups_for(self, cp_group: Optional[dist.ProcessGroup], settings: Settings2D) -> Groups2D:
+    def groups_for(self, cp_group: dist.ProcessGroup | None, settings: Settings2D) -> Groups2D:
         """This rank's 2D groups inside ``cp_group`` (Megatron's CP group), built on first use (collective)."""
         cp_ranks = tuple(dist.get_process_group_ranks(cp_group)) if cp_group is not None else (dist.get_rank(),)
         if len(cp_ranks) != settings.context_parallel_size:
-            raise ValueError(f"the CP group has {len(cp_ranks)} ranks {list(cp_ranks)} but the 2D settings are for "
-                             f"context_parallel_size {settings.context_parallel_size}")
+            raise ValueError(
+                f"the CP group has {len(cp_ranks)} ranks {list(cp_ranks)} but the 2D settings are for "
+                f"context_parallel_size {settings.context_parallel_size}"
+            )
         key = (cp_ranks, settings)
         if key not in self._built:
             self._built[key] = build_groups_for_layout(settings.layout, all_cp_rank_lists(cp_group))
@@ -76,8 +77,9 @@ def group_registry(config) -> GroupRegistry:
     return registry
 
 
-def groups_for(cp_group: Optional[dist.ProcessGroup], settings: Settings2D,
-               registry: Optional[GroupRegistry] = None) -> Groups2D:
+def groups_for(
+    cp_group: dist.ProcessGroup | None, settings: Settings2D, registry: GroupRegistry | None = None
+) -> Groups2D:
     """This rank's 2D groups inside ``cp_group``, from ``registry`` (built there on first use); without a registry,
     new groups that belong to the caller. Collective when it builds."""
     if registry is None:

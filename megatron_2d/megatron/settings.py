@@ -7,9 +7,8 @@ them) are refused by :mod:`.attention_settings`, the one table of every config f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
-
 from types import SimpleNamespace
 
 from ..attention import kv_replication
@@ -19,7 +18,7 @@ from .attention_settings import check_attention_settings
 BACKEND_NAME = "2d"
 
 
-def layer_comm_types(cp_comm_type: Union[None, str, Sequence[str]]) -> List[Optional[str]]:
+def layer_comm_types(cp_comm_type: None | str | Sequence[str]) -> list[str | None]:
     """cp_comm_type as a list (one entry, or one per layer as Megatron allows)."""
     if cp_comm_type is None or isinstance(cp_comm_type, str):
         return [cp_comm_type]
@@ -46,30 +45,45 @@ class Settings2D:
 
     def __post_init__(self) -> None:
         # hp | CP, w | cp, positive sizes, a known placement (LayoutError is a ValueError)
-        object.__setattr__(self, "layout", Layout2D(self.context_parallel_size, self.head_parallel_size,
-                                                    self.ring_window, self.placement))
+        object.__setattr__(
+            self,
+            "layout",
+            Layout2D(self.context_parallel_size, self.head_parallel_size, self.ring_window, self.placement),
+        )
 
     @property
     def context_size(self) -> int:
         return self.layout.context_size
 
 
-def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Optional[int],
-                         context_size: Optional[int] = None, ring_window: int = 1, placement: str = "head_first",
-                         num_attention_heads: int, num_query_groups: Optional[int] = None,
-                         tensor_model_parallel_size: int = 1, attention_dropout: float = 0.0) -> Settings2D:
+def validate_2d_settings(
+    *,
+    context_parallel_size: int,
+    head_parallel_size: int | None,
+    context_size: int | None = None,
+    ring_window: int = 1,
+    placement: str = "head_first",
+    num_attention_heads: int,
+    num_query_groups: int | None = None,
+    tensor_model_parallel_size: int = 1,
+    attention_dropout: float = 0.0,
+) -> Settings2D:
     """Check 2D settings against the model and the parallel sizes; return them, or raise ValueError.
     ``attention_dropout`` is refused unless 0 (by :mod:`.attention_settings`' refusal of it, the one check)."""
     CP, tp = context_parallel_size, tensor_model_parallel_size
     if head_parallel_size is None:
-        raise ValueError(f"cp_comm_type '2d' needs a head-parallel size (cp_2d_head_parallel_size, "
-                         f"--cp-2d-head-parallel-size, or --hierarchical-context-parallel-sizes HP CP); valid for "
-                         f"context_parallel_size={CP}: {divisors(CP)}")
+        raise ValueError(
+            f"cp_comm_type '2d' needs a head-parallel size (cp_2d_head_parallel_size, "
+            f"--cp-2d-head-parallel-size, or --hierarchical-context-parallel-sizes HP CP); valid for "
+            f"context_parallel_size={CP}: {divisors(CP)}"
+        )
     hp = head_parallel_size
     if context_size is not None and hp * context_size != CP:
-        raise ValueError(f"head-parallel size x context size = {hp} x {context_size} = {hp * context_size} does not "
-                         f"equal context_parallel_size {CP}; choose hp and cp with hp * cp = {CP}, e.g. "
-                         f"{', '.join(f'{d}x{CP // d}' for d in divisors(CP))}")
+        raise ValueError(
+            f"head-parallel size x context size = {hp} x {context_size} = {hp * context_size} does not "
+            f"equal context_parallel_size {CP}; choose hp and cp with hp * cp = {CP}, e.g. "
+            f"{', '.join(f'{d}x{CP // d}' for d in divisors(CP))}"
+        )
     check_placement(placement, "cp_2d_placement")
     settings = Settings2D(CP, hp, ring_window, placement)
     if num_attention_heads % tp != 0:
@@ -78,9 +92,11 @@ def validate_2d_settings(*, context_parallel_size: int, head_parallel_size: Opti
     kv_heads = max(1, (num_query_groups or num_attention_heads) // tp)  # Megatron gives each TP rank >= 1 group
     if heads % hp != 0:
         valid = [d for d in divisors(CP) if heads % d == 0]
-        raise ValueError(f"head-parallel size {hp} does not divide the {heads} attention heads per tensor-parallel "
-                         f"rank (num_attention_heads {num_attention_heads} / TP {tp}); valid head-parallel sizes "
-                         f"for context_parallel_size={CP}: {valid}")
+        raise ValueError(
+            f"head-parallel size {hp} does not divide the {heads} attention heads per tensor-parallel "
+            f"rank (num_attention_heads {num_attention_heads} / TP {tp}); valid head-parallel sizes "
+            f"for context_parallel_size={CP}: {valid}"
+        )
     kv_replication(heads, kv_heads, hp)
     if attention_dropout:
         check_attention_settings(SimpleNamespace(attention_dropout=attention_dropout))
@@ -96,8 +112,10 @@ def settings_from_config(config, **overrides) -> Settings2D:
     if head_parallel_size is None and hierarchical:
         # stock flags: --hierarchical-context-parallel-sizes HP CP gives the head x context split
         if len(hierarchical) != 2:
-            raise ValueError(f"hierarchical_context_parallel_sizes {list(hierarchical)} cannot describe 2D attention; "
-                             f"give two sizes [hp, cp] (head-parallel, context) or set cp_2d_head_parallel_size")
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes {list(hierarchical)} cannot describe 2D attention; "
+                f"give two sizes [hp, cp] (head-parallel, context) or set cp_2d_head_parallel_size"
+            )
         head_parallel_size, context_size = hierarchical
     values = dict(
         head_parallel_size=head_parallel_size,
@@ -107,7 +125,10 @@ def settings_from_config(config, **overrides) -> Settings2D:
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return validate_2d_settings(
-        context_parallel_size=config.context_parallel_size, num_attention_heads=config.num_attention_heads,
+        context_parallel_size=config.context_parallel_size,
+        num_attention_heads=config.num_attention_heads,
         # MLA builds K/V per query head (num_query_groups does not apply)
         num_query_groups=None if getattr(config, "multi_latent_attention", False) else config.num_query_groups,
-        tensor_model_parallel_size=config.tensor_model_parallel_size, **values)
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        **values,
+    )

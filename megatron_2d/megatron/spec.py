@@ -19,10 +19,12 @@ for it. Only core attention differs from Megatron's own spec (tests/test_megatro
 from __future__ import annotations
 
 import inspect
-from typing import Optional, Union
 
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
-                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -34,7 +36,7 @@ from .mla import check_mla_settings, use_latent_ring
 from .per_sequence import SelfAttention2D
 from .settings import settings_from_config, uses_2d
 
-LayerSpec = Union[ModuleSpec, TransformerBlockSubmodules]
+LayerSpec = ModuleSpec | TransformerBlockSubmodules
 
 
 def transformer_engine_available() -> bool:
@@ -52,19 +54,24 @@ def transformer_config_of(config):
 
 def _refuse_unsupported(config, transformer) -> None:
     if getattr(transformer, "experimental_attention_variant", None) is not None:
-        raise ValueError(f"experimental_attention_variant {transformer.experimental_attention_variant!r} replaces "
-                         f"core attention; it cannot run with the 2d backend")
+        raise ValueError(
+            f"experimental_attention_variant {transformer.experimental_attention_variant!r} replaces "
+            f"core attention; it cannot run with the 2d backend"
+        )
     if getattr(transformer, "transformer_impl", None) == "inference_optimized":
-        raise ValueError("--transformer-impl inference_optimized builds inference layers; the 2d backend is a "
-                         "training backend: use --transformer-impl transformer_engine or local")
+        raise ValueError(
+            "--transformer-impl inference_optimized builds inference layers; the 2d backend is a "
+            "training backend: use --transformer-impl transformer_engine or local"
+        )
     if getattr(config, "restore_modelopt_state", False):
         raise ValueError("ModelOpt layer specs (--restore-modelopt-state) are not supported with the 2d backend")
     if type(transformer).__name__ == "HeterogeneousTransformerConfig":
-        raise ValueError("heterogeneous layer configs (--heterogeneous-layers-config-path) are not supported with "
-                         "the 2d backend")
+        raise ValueError(
+            "heterogeneous layer configs (--heterogeneous-layers-config-path) are not supported with the 2d backend"
+        )
 
 
-def _uses_transformer_engine(config, use_transformer_engine: Optional[bool]) -> bool:
+def _uses_transformer_engine(config, use_transformer_engine: bool | None) -> bool:
     """TE layers or local ones: ``use_transformer_engine`` if given, else the config's ``transformer_impl``, else
     (no config) TE's presence."""
     if use_transformer_engine is not None:
@@ -75,42 +82,61 @@ def _uses_transformer_engine(config, use_transformer_engine: Optional[bool]) -> 
         impl = getattr(transformer_config_of(config), "transformer_impl", "transformer_engine")
         use_te = impl == "transformer_engine"
     if use_te and not transformer_engine_available():
-        raise ValueError("transformer_impl is 'transformer_engine' but Transformer Engine is not installed; install "
-                         "it or use --transformer-impl local")
+        raise ValueError(
+            "transformer_impl is 'transformer_engine' but Transformer Engine is not installed; install "
+            "it or use --transformer-impl local"
+        )
     return use_te
 
 
-def megatron_gpt_spec(config, vp_stage: Optional[int] = None, use_transformer_engine: Optional[bool] = None
-                      ) -> LayerSpec:
+def megatron_gpt_spec(config, vp_stage: int | None = None, use_transformer_engine: bool | None = None) -> LayerSpec:
     """Megatron's own GPT layer spec (or, for MoE, decoder block spec) for ``config``, with the arguments its
     builder passes. ``use_transformer_engine`` overrides ``transformer_impl``; without a config, TE's presence
     decides."""
     t = transformer_config_of(config)
     _refuse_unsupported(config, t)
     use_te = _uses_transformer_engine(config, use_transformer_engine)
-    get = lambda name, default=None: getattr(t, name, default)   # noqa: E731  (config may be None)
+    get = lambda name, default=None: getattr(t, name, default)  # noqa: E731  (config may be None)
     if get("num_moe_experts"):
-        return get_gpt_decoder_block_spec(t, use_transformer_engine=use_te, normalization=get("normalization"),
-                                          qk_l2_norm=get("qk_l2_norm", False), vp_stage=vp_stage)
+        return get_gpt_decoder_block_spec(
+            t,
+            use_transformer_engine=use_te,
+            normalization=get("normalization"),
+            qk_l2_norm=get("qk_l2_norm", False),
+            vp_stage=vp_stage,
+        )
     if use_te:
-        fuser = ({"use_te_op_fuser": get("use_transformer_engine_op_fuser", False)}
-                 if "use_te_op_fuser" in inspect.signature(get_gpt_layer_with_transformer_engine_spec).parameters
-                 else {})                                     # as megatron.training's builder passes it
+        fuser = (
+            {"use_te_op_fuser": get("use_transformer_engine_op_fuser", False)}
+            if "use_te_op_fuser" in inspect.signature(get_gpt_layer_with_transformer_engine_spec).parameters
+            else {}
+        )  # as megatron.training's builder passes it
         return get_gpt_layer_with_transformer_engine_spec(
-            get("num_moe_experts"), get("moe_grouped_gemm", False), get("qk_layernorm", False),
-            get("multi_latent_attention", False), get("experimental_attention_variant"),
-            qk_l2_norm=get("qk_l2_norm", False), use_kitchen=get("use_kitchen", False),
+            get("num_moe_experts"),
+            get("moe_grouped_gemm", False),
+            get("qk_layernorm", False),
+            get("multi_latent_attention", False),
+            get("experimental_attention_variant"),
+            qk_l2_norm=get("qk_l2_norm", False),
+            use_kitchen=get("use_kitchen", False),
             use_te_activation_func=get("use_te_activation_func", False),
             use_kitchen_attention=get("use_kitchen_attention", False),
             kitchen_attention_backend=get("kitchen_attention_backend", "sdpa"),
             mla_down_proj_fusion=get("mla_down_proj_fusion", False),
-            use_grouped_gemm_for_dense_mlp=get("use_grouped_gemm_for_dense_mlp", False), **fuser)
+            use_grouped_gemm_for_dense_mlp=get("use_grouped_gemm_for_dense_mlp", False),
+            **fuser,
+        )
     return get_gpt_layer_local_spec(
-        get("num_moe_experts"), get("moe_grouped_gemm", False), get("qk_layernorm", False),
-        get("multi_latent_attention", False), get("experimental_attention_variant"),
-        normalization=get("normalization"), use_kitchen=get("use_kitchen", False),
+        get("num_moe_experts"),
+        get("moe_grouped_gemm", False),
+        get("qk_layernorm", False),
+        get("multi_latent_attention", False),
+        get("experimental_attention_variant"),
+        normalization=get("normalization"),
+        use_kitchen=get("use_kitchen", False),
         use_kitchen_attention=get("use_kitchen_attention", False),
-        kitchen_attention_backend=get("kitchen_attention_backend", "sdpa"))
+        kitchen_attention_backend=get("kitchen_attention_backend", "sdpa"),
+    )
 
 
 def layer_specs_of(spec: LayerSpec):
@@ -119,32 +145,42 @@ def layer_specs_of(spec: LayerSpec):
 
 
 @renamed_keywords(double_ring_window="ring_window")
-def get_gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None, *,
-                          use_transformer_engine: Optional[bool] = None, head_parallel_size: Optional[int] = None,
-                          ring_window: Optional[int] = None, placement: Optional[str] = None,
-                          kernel: Optional[str] = None) -> LayerSpec:
+def get_gpt_layer_spec_2d(
+    config=None,
+    vp_stage: int | None = None,
+    *,
+    use_transformer_engine: bool | None = None,
+    head_parallel_size: int | None = None,
+    ring_window: int | None = None,
+    placement: str | None = None,
+    kernel: str | None = None,
+) -> LayerSpec:
     """Megatron's GPT spec for ``config`` (a TransformerConfig, or pretrain's GPTModelConfig; see
     :func:`megatron_gpt_spec`) with :class:`CoreAttention2D` as core attention in every layer; the keyword
     settings override the config's ``cp_2d_*`` fields (``double_ring_window=``: ring_window's deprecated name).
     When packed batches come in Megatron's per-sequence split (:func:`packing_mode` "sequence"), self attention is
     :class:`SelfAttention2D` (RoPE at each token's position in its document)."""
     spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine)
-    params = {k: v for k, v in dict(head_parallel_size=head_parallel_size, ring_window=ring_window,
-                                    placement=placement, kernel=kernel).items() if v is not None}
+    params = {
+        k: v
+        for k, v in dict(
+            head_parallel_size=head_parallel_size, ring_window=ring_window, placement=placement, kernel=kernel
+        ).items()
+        if v is not None
+    }
     use_te = _uses_transformer_engine(config, use_transformer_engine)
     check_mla_settings(transformer_config_of(config))
     # Megatron's per-sequence split of packed documents: RoPE at each token's position in its document
     per_sequence = packing_mode(transformer_config_of(config)) == "sequence"
     for layer in layer_specs_of(spec):
-        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D,
-                                                                               params=params)
+        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
         if per_sequence:
             layer.submodules.self_attention.module = SelfAttention2D
-        use_latent_ring(layer, transformer_config_of(config), use_te)   # MLA: the latent ring when asked for
+        use_latent_ring(layer, transformer_config_of(config), use_te)  # MLA: the latent ring when asked for
     return spec
 
 
-def gpt_layer_spec_2d(config=None, vp_stage: Optional[int] = None) -> LayerSpec:
+def gpt_layer_spec_2d(config=None, vp_stage: int | None = None) -> LayerSpec:
     """For ``--spec megatron_2d.megatron.spec gpt_layer_spec_2d``: settings from the config / flags.
 
     The unpatched pretrain_gpt.py reaches the library only here, so the launch is checked here, on every rank before

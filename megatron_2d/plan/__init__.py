@@ -23,8 +23,18 @@ megatron_2d.plan``, ``... grid``, ``... paper``).
 from .attention_time import layer_work, replicated_kv_heads
 from .calibrate import FitResult, WorkCounts, calibrate, fit_rates, work_counts
 from .candidates import KINDS, Layout, check_layout, enumerate_layouts, megatron_flags
-from .hardware import (CLUSTER_PRESETS, MODEL_PRESETS, PRESETS, ClusterSpec, MLASpec, ModelSpec, ParallelSpec,
-                       PlanError, get_cluster, get_model)
+from .hardware import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    PRESETS,
+    ClusterSpec,
+    MLASpec,
+    ModelSpec,
+    ParallelSpec,
+    PlanError,
+    get_cluster,
+    get_model,
+)
 from .links import IDEAL_LINKS, LinkEfficiency
 from .memory import RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
 from .memory_options import MemoryPolicy
@@ -32,10 +42,41 @@ from .planner import AUTO, Candidate, best_by_kind, evaluate, plan, recommended
 from .step import Estimate, estimate, with_recompute
 
 __all__ = [
-    "AUTO", "CLUSTER_PRESETS", "Candidate", "ClusterSpec", "Estimate", "FitResult", "IDEAL_LINKS", "KINDS", "Layout",
-    "LinkEfficiency", "MLASpec", "MODEL_PRESETS", "MemoryBreakdown", "MemoryPolicy", "ModelSpec", "PRESETS",
-    "ParallelSpec", "PlanError", "RECOMPUTE_MODES",
-    "WorkCounts", "best_by_kind", "calibrate", "check_layout", "enumerate_layouts", "estimate", "evaluate",
-    "fit_rates", "get_cluster", "get_model", "layer_work", "megatron_flags", "memory_breakdown", "plan",
-    "recommended", "replicated_kv_heads", "with_recompute", "work_counts",
+    "AUTO",
+    "CLUSTER_PRESETS",
+    "Candidate",
+    "ClusterSpec",
+    "Estimate",
+    "FitResult",
+    "IDEAL_LINKS",
+    "KINDS",
+    "Layout",
+    "LinkEfficiency",
+    "MLASpec",
+    "MODEL_PRESETS",
+    "MemoryBreakdown",
+    "MemoryPolicy",
+    "ModelSpec",
+    "PRESETS",
+    "ParallelSpec",
+    "PlanError",
+    "RECOMPUTE_MODES",
+    "WorkCounts",
+    "best_by_kind",
+    "calibrate",
+    "check_layout",
+    "enumerate_layouts",
+    "estimate",
+    "evaluate",
+    "fit_rates",
+    "get_cluster",
+    "get_model",
+    "layer_work",
+    "megatron_flags",
+    "memory_breakdown",
+    "plan",
+    "recommended",
+    "replicated_kv_heads",
+    "with_recompute",
+    "work_counts",
 ]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 from ..choices import DKV_COMM_DTYPES, head_exchange_copies
 from ..ring_schedule import double_ring_events, final_hop_link, replay
@@ -38,8 +37,8 @@ from .link_classes import LinkClass, LinkMap
 from .links import overlapped
 from .windows import WindowWork
 
-BF16 = 2      # bytes per element of activations, K/V and the all-to-all tensors (bf16 training)
-FP32 = 4      # bytes per element of fp32 tensors (the ring's dK/dV accumulators, softmax lse, logits)
+BF16 = 2  # bytes per element of activations, K/V and the all-to-all tensors (bf16 training)
+FP32 = 4  # bytes per element of fp32 tensors (the ring's dK/dV accumulators, softmax lse, logits)
 RIDER_BYTES = {"accumulator": FP32, "input": BF16}
 """Bytes per element of the dK/dV partials that travel a ring in backward, by the op's ``dkv_comm_dtype``
 (:data:`megatron_2d.choices.DKV_COMM_DTYPES`) in bf16 training: the accumulator dtype (fp32, the op's default) or
@@ -52,6 +51,7 @@ BWD_FACTOR = 2.5
 GB = 1e9
 
 # -- shapes and work --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class LayerWork:
@@ -106,9 +106,17 @@ def replicated_kv_heads(kv_heads_tp: int, hp: int) -> int:
     return math.lcm(kv_heads_tp, hp)
 
 
-def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: int, causal: bool = True,
-               dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None,
-               mla_ring: Optional[str] = None) -> LayerWork:
+def layer_work(
+    model: ModelSpec,
+    parallel: ParallelSpec,
+    hp: int,
+    cp: int,
+    seq: int,
+    causal: bool = True,
+    dkv_bytes_per_elem: int = FP32,
+    kv_heads: int | None = None,
+    mla_ring: str | None = None,
+) -> LayerWork:
     """Work and message sizes of one layer on one rank for head-parallel size ``hp`` and context size ``cp``.
 
     ``dkv_bytes_per_elem``: bytes per element of the dK/dV partials on the ring (:data:`RIDER_BYTES`: 4 for the
@@ -137,23 +145,42 @@ def layer_work(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, seq: 
         keys = 1.0 if not causal or cp == 1 else (1 + 0.75 * (cp - 1)) / cp
         expand = 2.0 * B * s_ctx * keys * m.kv_lora_rank * q_heads * (m.qk_head_dim + m.v_head_dim)
         kv_up = 2.0 * B * s_loc * m.kv_lora_rank * Ht * (m.qk_head_dim + m.v_head_dim)
-        return LayerWork(fwd_flops=fwd, a2a_peer_bytes=a2a_peer, kv_bytes=kv,
-                         dkv_bytes=kv * dkv_bytes_per_elem / BF16, kv_heads_per_rank=int(q_heads),
-                         a2a_local_bytes=a2a_peer * hp, merge_fwd_bytes=3 * FP32 * B * s_ctx * q_heads * dv,
-                         # dQ, the block's per-head dK/dV partials (gathered before the up-projection's backward)
-                         # and its latent gradient
-                         merge_bwd_bytes=3 * FP32 * B * s_ctx * (q_heads * (2 * dk + dv) + m.latent_width),
-                         s_ctx_tokens=s_ctx, expand_flops=expand, kv_up_flops=kv_up)
+        return LayerWork(
+            fwd_flops=fwd,
+            a2a_peer_bytes=a2a_peer,
+            kv_bytes=kv,
+            dkv_bytes=kv * dkv_bytes_per_elem / BF16,
+            kv_heads_per_rank=int(q_heads),
+            a2a_local_bytes=a2a_peer * hp,
+            merge_fwd_bytes=3 * FP32 * B * s_ctx * q_heads * dv,
+            # dQ, the block's per-head dK/dV partials (gathered before the up-projection's backward)
+            # and its latent gradient
+            merge_bwd_bytes=3 * FP32 * B * s_ctx * (q_heads * (2 * dk + dv) + m.latent_width),
+            s_ctx_tokens=s_ctx,
+            expand_flops=expand,
+            kv_up_flops=kv_up,
+        )
     # All-to-all, forward: q (Ht heads), k and v (L heads, after replication), and the output (Ht heads), each
     # s_loc tokens; a rank keeps 1/hp of each and sends 1/hp to each of its hp-1 peers. Backward: dout, dq, dk, dv.
     a2a_peer = BF16 * B * s_loc * (Ht + L) * (dk + dv) / hp
     kv = BF16 * B * s_ctx * (L // hp) * (dk + dv)
     merge_f = 3 * FP32 * B * s_ctx * q_heads * dv
     merge_b = 3 * FP32 * B * s_ctx * (q_heads * dk + (L // hp) * (dk + dv))
-    return LayerWork(fwd_flops=fwd, a2a_peer_bytes=a2a_peer, kv_bytes=kv, dkv_bytes=kv * dkv_bytes_per_elem / BF16,
-                     kv_heads_per_rank=L // hp, a2a_local_bytes=a2a_peer * hp, merge_fwd_bytes=merge_f,
-                     merge_bwd_bytes=merge_b, s_ctx_tokens=s_ctx)
+    return LayerWork(
+        fwd_flops=fwd,
+        a2a_peer_bytes=a2a_peer,
+        kv_bytes=kv,
+        dkv_bytes=kv * dkv_bytes_per_elem / BF16,
+        kv_heads_per_rank=L // hp,
+        a2a_local_bytes=a2a_peer * hp,
+        merge_fwd_bytes=merge_f,
+        merge_bwd_bytes=merge_b,
+        s_ctx_tokens=s_ctx,
+    )
+
+
 # -- links ------------------------------------------------------------------------------------------------------
+
 
 def flow_gbps(cluster: ClusterSpec, node_flows: int) -> float:
     """Network bandwidth of one off-node flow: the node's bandwidth / max(flows, NICs).
@@ -174,23 +201,28 @@ def class_time(c: LinkClass, peer_bytes: float, cluster: ClusterSpec, kind: str 
     """
     eff = cluster.links
     intra = c.intra_peers * peer_bytes / (cluster.nvlink_gbps * eff.factor("nvlink", kind) * GB)
-    inter = (c.inter_peers * peer_bytes / (flow_gbps(cluster, c.node_flows) * eff.factor("network", kind) * GB)
-             if c.inter_peers else 0.0)
+    inter = (
+        c.inter_peers * peer_bytes / (flow_gbps(cluster, c.node_flows) * eff.factor("network", kind) * GB)
+        if c.inter_peers
+        else 0.0
+    )
     return max(intra, inter)
 
 
-def path_time(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec, kind: str = "p2p") -> float:
+def path_time(classes: tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec, kind: str = "p2p") -> float:
     """The slowest rank's time on a path: collectives and ring steps wait for the slowest member."""
     return max((class_time(c, peer_bytes, cluster, kind) for c in classes), default=0.0)
 
 
-def worst_class(classes: Tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec,
-                kind: str = "p2p") -> LinkClass:
+def worst_class(
+    classes: tuple[LinkClass, ...], peer_bytes: float, cluster: ClusterSpec, kind: str = "p2p"
+) -> LinkClass:
     """The class that sets ``path_time`` (an all-zero class when the path is unused)."""
     return max(classes, key=lambda c: class_time(c, peer_bytes, cluster, kind), default=LinkClass(0, 0, 0))
 
 
 # -- the head all-to-all, the ring and the neighbour exchange ---------------------------------------------------
+
 
 def head_exchange_time(work: LayerWork, links: LinkMap, cluster: ClusterSpec, batch: int, chunk_units: bool) -> float:
     """Seconds of one direction's head all-to-all (hp > 1): the transfer on the slowest rank's links, the copies of
@@ -214,12 +246,15 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
     ``work.dkv_bytes`` (fp32 for ours, bf16 for Transformer Engine).
     """
     kv, dkv = work.kv_bytes, work.dkv_bytes
-    last = final_hop_link(cp, w)                 # the last hop (window, slot) -> (window + 1, slot + 1)
-    transfer = {"inner_kv": path_time(links.inner, kv, cluster), "outer_kv": path_time(links.outer, kv, cluster),
-                "inner_dkv": path_time(links.inner, dkv, cluster), "outer_dkv": path_time(links.outer, dkv, cluster),
-                "final_dkv": path_time(getattr(links, last), dkv, cluster)}
-    link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer",
-               "final_dkv": last}
+    last = final_hop_link(cp, w)  # the last hop (window, slot) -> (window + 1, slot + 1)
+    transfer = {
+        "inner_kv": path_time(links.inner, kv, cluster),
+        "outer_kv": path_time(links.outer, kv, cluster),
+        "inner_dkv": path_time(links.inner, dkv, cluster),
+        "outer_dkv": path_time(links.outer, dkv, cluster),
+        "final_dkv": path_time(getattr(links, last), dkv, cluster),
+    }
+    link_of = {"inner_kv": "inner", "inner_dkv": "inner", "outer_kv": "outer", "outer_dkv": "outer", "final_dkv": last}
     forward, backward = double_ring_events(cp, w, False), double_ring_events(cp, w, True)
     fwd = replay(forward, tc, transfer, link_of, cluster.links.interference)
     bwd = replay(backward, tcb, transfer, link_of, cluster.links.interference)
@@ -227,8 +262,9 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
     return fwd, bwd, serial
 
 
-def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluster: ClusterSpec, cp: int,
-                    tc: float, tcb: float):
+def neighbour_times(
+    work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluster: ClusterSpec, cp: int, tc: float, tcb: float
+):
     """(forward, backward, serialised comm, K/V bytes of one message) of the neighbour exchange (sparse windows).
 
     The rank's visible work (cp steps' worth of ``tc`` already scaled by the window) is spread over its own block
@@ -251,6 +287,7 @@ def neighbour_times(work: LayerWork, ww: WindowWork, ring_links: LinkMap, cluste
 
 # -- traffic ----------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Traffic:
     """Bytes one rank sends, added up send by send: over NVLink (``intra``), over the network (``inter``), and the
@@ -261,7 +298,7 @@ class Traffic:
     inter: float = 0.0
     nic: float = 0.0
 
-    def add(self, classes: Tuple[LinkClass, ...], peer_bytes: float, times: float, kind: str = "p2p") -> None:
+    def add(self, classes: tuple[LinkClass, ...], peer_bytes: float, times: float, kind: str = "p2p") -> None:
         """``times`` sends of ``peer_bytes`` to each peer on a path, by the path's slowest rank class."""
         c = worst_class(classes, peer_bytes, self.cluster, kind)
         nics = self.cluster.nics_per_node
@@ -279,8 +316,11 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     unless w = cp).
     """
     sent = Traffic(cluster)
-    sends = Counter(e.channel for e in double_ring_events(cp, w, False) + double_ring_events(cp, w, True)
-                    if e.kind.startswith("post_"))
+    sends = Counter(
+        e.channel
+        for e in double_ring_events(cp, w, False) + double_ring_events(cp, w, True)
+        if e.kind.startswith("post_")
+    )
     sent.add(links.a2a, work.a2a_peer_bytes, 2, "a2a")
     sent.add(links.inner, work.kv_bytes, sends["inner_kv"])
     sent.add(links.outer, work.kv_bytes, sends["outer_kv"])

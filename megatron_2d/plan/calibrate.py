@@ -20,8 +20,8 @@ the bandwidth of one NIC: the node's network bandwidth is R_nic * nics_per_node.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -51,28 +51,34 @@ class FitResult:
     ``nvlink_bytes_per_s`` / ``nic_bytes_per_s`` are the ring (p2p) rates, or every transfer's when the all-to-all
     was not fitted apart (then the ``*_a2a_*`` rates are None)."""
 
-    flops_per_s: Optional[float]
-    nvlink_bytes_per_s: Optional[float]
-    nic_bytes_per_s: Optional[float]
+    flops_per_s: float | None
+    nvlink_bytes_per_s: float | None
+    nic_bytes_per_s: float | None
     rms_residual_s: float
-    nvlink_a2a_bytes_per_s: Optional[float] = None
-    nic_a2a_bytes_per_s: Optional[float] = None
+    nvlink_a2a_bytes_per_s: float | None = None
+    nic_a2a_bytes_per_s: float | None = None
 
 
-def work_counts(layout, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int,
-                causal: bool = True) -> WorkCounts:
+def work_counts(
+    layout, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int, causal: bool = True
+) -> WorkCounts:
     """The counts of one layout's attention layer (forward + backward) on its slowest rank."""
     cand = evaluate(layout, model, cluster, parallel, seq, causal)
-    if not cand.runs:                                 # a measured layout ran: the memory estimate is not a verdict
+    if not cand.runs:  # a measured layout ran: the memory estimate is not a verdict
         raise PlanError(f"cannot count work of an infeasible layout {layout.label()}: {cand.reason}")
     e = cand.estimate
-    a2a = replace(e.work, kv_bytes=0.0, dkv_bytes=0.0)            # the all-to-all's share of the traffic alone
+    a2a = replace(e.work, kv_bytes=0.0, dkv_bytes=0.0)  # the all-to-all's share of the traffic alone
     a2a_sent = traffic(a2a, e.links, cluster, layout.hp, layout.cp, layout.w)
-    return WorkCounts(flops=(1.0 + BWD_FACTOR) * e.work.fwd_flops, nvlink_bytes=e.intra_bytes,
-                      nic_bytes=e.inter_bytes_nic, nvlink_a2a_bytes=a2a_sent.intra, nic_a2a_bytes=a2a_sent.nic)
+    return WorkCounts(
+        flops=(1.0 + BWD_FACTOR) * e.work.fwd_flops,
+        nvlink_bytes=e.intra_bytes,
+        nic_bytes=e.inter_bytes_nic,
+        nvlink_a2a_bytes=a2a_sent.intra,
+        nic_a2a_bytes=a2a_sent.nic,
+    )
 
 
-def fit_rates(samples: Iterable[Tuple[WorkCounts, float]], separate_a2a: Optional[bool] = None) -> FitResult:
+def fit_rates(samples: Iterable[tuple[WorkCounts, float]], separate_a2a: bool | None = None) -> FitResult:
     """Least-squares fit of t = flops/R_attn + p2p and a2a bytes per link / their rates over (counts, seconds).
 
     Solves for the inverse rates with numpy's lstsq. ``separate_a2a``: fit the all-to-all rates apart from the
@@ -86,21 +92,35 @@ def fit_rates(samples: Iterable[Tuple[WorkCounts, float]], separate_a2a: Optiona
     for counts, t in samples:
         if not isinstance(counts, WorkCounts) or not t > 0:
             raise PlanError(f"each sample must be (WorkCounts, positive seconds), got ({counts!r}, {t!r})")
-    split = np.array([[c.flops, c.nvlink_bytes - c.nvlink_a2a_bytes, c.nvlink_a2a_bytes,
-                       c.nic_bytes - c.nic_a2a_bytes, c.nic_a2a_bytes] for c, _ in samples], dtype=float)
-    folded = split.copy()                       # one rate per link: every byte in its ring (p2p) column
+    split = np.array(
+        [
+            [
+                c.flops,
+                c.nvlink_bytes - c.nvlink_a2a_bytes,
+                c.nvlink_a2a_bytes,
+                c.nic_bytes - c.nic_a2a_bytes,
+                c.nic_a2a_bytes,
+            ]
+            for c, _ in samples
+        ],
+        dtype=float,
+    )
+    folded = split.copy()  # one rate per link: every byte in its ring (p2p) column
     folded[:, 1] += split[:, 2]
     folded[:, 3] += split[:, 4]
     folded[:, [2, 4]] = 0.0
     y = np.array([t for _, t in samples], dtype=float)
     if separate_a2a is None:
         used = [j for j in range(5) if np.any(split[:, j] > 0)]
-        apart = (np.any(split[:, [2, 4]] > 0) and len(samples) >= len(used)
-                 and np.linalg.matrix_rank(split[:, used] / split[:, used].max(axis=0)) == len(used))
+        apart = (
+            np.any(split[:, [2, 4]] > 0)
+            and len(samples) >= len(used)
+            and np.linalg.matrix_rank(split[:, used] / split[:, used].max(axis=0)) == len(used)
+        )
         if apart:
             try:
                 return _least_squares(split, y)
-            except PlanError:               # noisy samples: the five rates are not all positive; fold the a2a
+            except PlanError:  # noisy samples: the five rates are not all positive; fold the a2a
                 pass
         return _least_squares(folded, y)
     return _least_squares(split if separate_a2a else folded, y)
@@ -110,31 +130,40 @@ def _least_squares(A: np.ndarray, y: np.ndarray) -> FitResult:
     """The fit of ``y`` = A @ inverse rates over the columns of A that are not all zero (see :func:`fit_rates`)."""
     used = [j for j in range(5) if np.any(A[:, j] > 0)]
     if len(y) < len(used):
-        raise PlanError(f"{len(y)} samples cannot fit {len(used)} rates; add samples that vary "
-                        f"compute and traffic independently")
-    scale = A[:, used].max(axis=0)                 # columns differ by orders of magnitude: fit in scaled units
+        raise PlanError(
+            f"{len(y)} samples cannot fit {len(used)} rates; add samples that vary compute and traffic independently"
+        )
+    scale = A[:, used].max(axis=0)  # columns differ by orders of magnitude: fit in scaled units
     x, *_ = np.linalg.lstsq(A[:, used] / scale, y, rcond=None)
-    names = ("attention FLOP/s", "NVLink ring bytes/s", "NVLink all-to-all bytes/s", "NIC ring bytes/s",
-             "NIC all-to-all bytes/s")
-    rates: List[Optional[float]] = [None] * 5
+    names = (
+        "attention FLOP/s",
+        "NVLink ring bytes/s",
+        "NVLink all-to-all bytes/s",
+        "NIC ring bytes/s",
+        "NIC all-to-all bytes/s",
+    )
+    rates: list[float | None] = [None] * 5
     for j, xj, sc in zip(used, x, scale):
         if xj <= 0:
-            raise PlanError(f"the fit gave a non-positive time per unit for {names[j]} ({xj / sc:.3g}); the samples "
-                            f"do not separate it from the other terms")
+            raise PlanError(
+                f"the fit gave a non-positive time per unit for {names[j]} ({xj / sc:.3g}); the samples "
+                f"do not separate it from the other terms"
+            )
         rates[j] = float(sc / xj)
     rms = float(np.sqrt(np.mean((A[:, used] / scale @ x - y) ** 2)))
     return FitResult(rates[0], rates[1], rates[3], rms, nvlink_a2a_bytes_per_s=rates[2], nic_a2a_bytes_per_s=rates[4])
 
 
-def efficiency_factors(cluster: ClusterSpec, fit: FitResult) -> Dict[str, float]:
+def efficiency_factors(cluster: ClusterSpec, fit: FitResult) -> dict[str, float]:
     """ClusterSpec changes that make the cluster's effective rates the fitted ones: ``links`` factors = fitted
     rate / nominal rate (NVLink: ``nvlink_gbps``; network: one NIC's share of ``net_gbps_per_node``); a rate above
     its nominal raises the nominal to it (factor 1). An all-to-all rate not fitted apart takes the ring's factor."""
-    changes: Dict[str, object] = {}
+    changes: dict[str, object] = {}
     links = cluster.links
     for link, nominal_key, nominal, p2p, a2a in (
-            ("nvlink", "nvlink_gbps", cluster.nvlink_gbps * GB, fit.nvlink_bytes_per_s, fit.nvlink_a2a_bytes_per_s),
-            ("network", "net_gbps_per_node", cluster.nic_gbps * GB, fit.nic_bytes_per_s, fit.nic_a2a_bytes_per_s)):
+        ("nvlink", "nvlink_gbps", cluster.nvlink_gbps * GB, fit.nvlink_bytes_per_s, fit.nvlink_a2a_bytes_per_s),
+        ("network", "net_gbps_per_node", cluster.nic_gbps * GB, fit.nic_bytes_per_s, fit.nic_a2a_bytes_per_s),
+    ):
         if p2p is None and a2a is None:
             continue
         top = max(r for r in (p2p, a2a, nominal) if r is not None)
@@ -146,8 +175,14 @@ def efficiency_factors(cluster: ClusterSpec, fit: FitResult) -> Dict[str, float]
     return changes
 
 
-def calibrate(cluster: ClusterSpec, samples: Sequence[Tuple[object, float]], model: Union[ModelSpec, str],
-              parallel: ParallelSpec, seq: int, causal: bool = True) -> Tuple[ClusterSpec, FitResult]:
+def calibrate(
+    cluster: ClusterSpec,
+    samples: Sequence[tuple[object, float]],
+    model: ModelSpec | str,
+    parallel: ParallelSpec,
+    seq: int,
+    causal: bool = True,
+) -> tuple[ClusterSpec, FitResult]:
     """A copy of ``cluster`` with attention efficiency and link-efficiency factors fitted to measurements.
 
     ``samples`` are (layout, measured seconds for one layer's attention forward + backward) pairs, layouts being

@@ -25,7 +25,6 @@ can run without recompute, with Megatron's selective (core attention) or full re
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List, Optional
 
 from ..topology import Layout2D, LayoutError, divisors, every_layout
 from .hardware import ModelSpec, ParallelSpec
@@ -34,13 +33,20 @@ KINDS = ("2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses")
 STOCK_KINDS = KINDS[1:]
 TE_DKV_COMM_DTYPE = "input"
 """Transformer Engine's p2p backward sends dK/dV in the input dtype (bf16 training)."""
-RECOMPUTE_BY_KIND = {"2d": ("none", "selective", "full", "ckpt++"), "p2p": ("none", "selective", "full"),
-                     "a2a": ("none", "selective", "full"), "a2a+p2p": ("none", "selective", "full"),
-                     "ds-ulysses": ("none", "selective", "full")}
-RECOMPUTE_FLAGS = {"none": "", "selective": "--recompute-activations",
-                   "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
-                   "ckpt++": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-                             "--selective-checkpoint-plus-plus"}
+RECOMPUTE_BY_KIND = {
+    "2d": ("none", "selective", "full", "ckpt++"),
+    "p2p": ("none", "selective", "full"),
+    "a2a": ("none", "selective", "full"),
+    "a2a+p2p": ("none", "selective", "full"),
+    "ds-ulysses": ("none", "selective", "full"),
+}
+RECOMPUTE_FLAGS = {
+    "none": "",
+    "selective": "--recompute-activations",
+    "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    "ckpt++": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+    "--selective-checkpoint-plus-plus",
+}
 """pretrain_gpt.py arguments of each recompute mode (--recompute-activations is selective core attention)."""
 
 
@@ -50,7 +56,7 @@ def kind_dkv_comm_dtype(kind: str, dkv_comm_dtype: str = "accumulator") -> str:
     return TE_DKV_COMM_DTYPE if kind in ("p2p", "a2a+p2p") else dkv_comm_dtype
 
 
-def kind_kv_heads(kind: str, model: ModelSpec, parallel: ParallelSpec) -> Optional[int]:
+def kind_kv_heads(kind: str, model: ModelSpec, parallel: ParallelSpec) -> int | None:
     """K/V heads per TP rank after repetition when ``kind`` fixes them (DeepSpeed-Ulysses: all Ht query heads);
     None: the cost model's L = lcm(Hkvt, hp)."""
     return model.heads // parallel.tp if kind == "ds-ulysses" else None
@@ -66,7 +72,7 @@ class Layout:
     cp: int
     w: int
     placement: str = "head_first"
-    mla_ring: Optional[str] = None
+    mla_ring: str | None = None
     """2D layouts of an MLA model: "expanded" (per-head K/V on the ring) or "latent"; None otherwise."""
 
     @property
@@ -80,7 +86,7 @@ class Layout:
         return Layout2D(self.cp_size, self.hp, self.w, self.placement)
 
     @classmethod
-    def of(cls, kind: str, shape: Layout2D) -> "Layout":
+    def of(cls, kind: str, shape: Layout2D) -> Layout:
         return cls(kind, shape.head_parallel_size, shape.context_size, shape.ring_window, shape.placement)
 
     def label(self) -> str:
@@ -92,8 +98,9 @@ class Layout:
         return f"{self.kind} (CP={self.cp_size})"
 
 
-def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: int,
-                 window: Optional[int] = None) -> Optional[str]:
+def check_layout(
+    layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: int, window: int | None = None
+) -> str | None:
     """None when ``layout`` can run, else the reason (naming the values and what would be valid).
 
     ``window``: a sliding window of that many tokens; Transformer Engine refuses it with p2p and a2a+p2p CP."""
@@ -104,7 +111,7 @@ def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: 
     if k not in KINDS:
         return f"unknown kind {k!r}; valid kinds: {', '.join(KINDS)}"
     try:
-        layout.shape                  # the one validation of (hp, cp, w, placement): topology.Layout2D's
+        _ = layout.shape  # the one validation of (hp, cp, w, placement): topology.Layout2D's
     except LayoutError as err:
         return str(err)
     if hp * cp != CP:
@@ -115,8 +122,10 @@ def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: 
         what = "CP" if k == "ds-ulysses" else "2*CP (zigzag: two chunks per rank)"
         return f"sequence length {seq} is not divisible by {what} = {chunks}; pad to {-(-seq // chunks) * chunks}"
     if Ht % hp:
-        return (f"hp={hp} does not divide the {Ht} query heads per TP rank; valid hp: "
-                f"{[h for h in divisors(CP) if Ht % h == 0]}")
+        return (
+            f"hp={hp} does not divide the {Ht} query heads per TP rank; valid hp: "
+            f"{[h for h in divisors(CP) if Ht % h == 0]}"
+        )
     if k == "2d":
         return None
     if k == "p2p":
@@ -125,20 +134,24 @@ def check_layout(layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: 
         if cp != 1:
             return f"{k} is all-to-all only: hp must be CP={CP}"
         if k == "a2a" and Hkvt % hp:
-            return (f"degree {hp} does not divide the {Hkvt} KV heads per TP rank (Megatron/TE do not replicate "
-                    f"K/V; use 2d, which does)")
+            return (
+                f"degree {hp} does not divide the {Hkvt} KV heads per TP rank (Megatron/TE do not replicate "
+                f"K/V; use 2d, which does)"
+            )
         return None
     # a2a+p2p
     if not 1 < hp < CP or w != cp or layout.placement != "head_first":
         return "a2a+p2p needs 1 < A < CP, a single ring (w = cp) and the a2a level on adjacent ranks"
     if Hkvt % hp:
         valid = [a for a in divisors(CP) if 1 < a < CP and Hkvt % a == 0 and Ht % a == 0]
-        return (f"a2a size {hp} does not divide the {Hkvt} KV heads per TP rank (Megatron/TE do not replicate K/V); "
-                f"valid a2a sizes: {valid or 'none (2d replicates K/V)'}")
+        return (
+            f"a2a size {hp} does not divide the {Hkvt} KV heads per TP rank (Megatron/TE do not replicate K/V); "
+            f"valid a2a sizes: {valid or 'none (2d replicates K/V)'}"
+        )
     return None
 
 
-def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
+def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> list[Layout]:
     """Every 2D layout for CP, then the baselines, including ones that ``check_layout`` will reject.
 
     For 2D, hp runs over the divisors of CP; an hp that does not divide the heads appears once (as an infeasible
@@ -147,17 +160,18 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
     """
     CP = parallel.cp_size
     Ht = model.heads // parallel.tp
-    out: List[Layout] = []
-    for shape in every_layout(CP):          # by hp, then w, then placement
+    out: list[Layout] = []
+    for shape in every_layout(CP):  # by hp, then w, then placement
         hp, cp, w = shape.head_parallel_size, shape.context_size, shape.ring_window
         if Ht % hp:
-            if w == 1 and shape.placement == "head_first":      # once per hp
+            if w == 1 and shape.placement == "head_first":  # once per hp
                 out.append(Layout("2d", hp, cp, cp))
             continue
         if w > 1 or cp == 1:
             layout = Layout.of("2d", shape)
-            out.extend([layout] if model.mla is None else
-                       [replace(layout, mla_ring=ring) for ring in ("expanded", "latent")])
+            out.extend(
+                [layout] if model.mla is None else [replace(layout, mla_ring=ring) for ring in ("expanded", "latent")]
+            )
     out.append(Layout("p2p", 1, CP, CP))
     out.append(Layout("a2a", CP, 1, 1))
     out.extend(Layout("a2a+p2p", a, CP // a, CP // a) for a in divisors(CP) if 1 < a < CP)
@@ -165,8 +179,13 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> List[Layout]:
     return out
 
 
-def megatron_flags(layout: Layout, parallel: ParallelSpec, recompute: str = "none",
-                   block_layers: Optional[int] = None, dkv_comm_dtype: str = "accumulator") -> str:
+def megatron_flags(
+    layout: Layout,
+    parallel: ParallelSpec,
+    recompute: str = "none",
+    block_layers: int | None = None,
+    dkv_comm_dtype: str = "accumulator",
+) -> str:
     """The pretrain_gpt.py arguments that select ``layout`` (TP/PP included when > 1) and ``recompute``;
     ``block_layers``: recompute only that many layers per pipeline stage (--recompute-method block);
     ``dkv_comm_dtype``: how a 2D layout's dK/dV riders travel (``--cp-2d-dkv-comm-dtype``, when not the default)."""
@@ -175,8 +194,10 @@ def megatron_flags(layout: Layout, parallel: ParallelSpec, recompute: str = "non
         flags += f" --cp-2d-dkv-comm-dtype {dkv_comm_dtype}"
     extra = RECOMPUTE_FLAGS[recompute]
     if block_layers is not None and recompute in ("full", "ckpt++"):
-        extra = extra.replace("--recompute-method uniform --recompute-num-layers 1",
-                              f"--recompute-method block --recompute-num-layers {block_layers}")
+        extra = extra.replace(
+            "--recompute-method uniform --recompute-num-layers 1",
+            f"--recompute-method block --recompute-num-layers {block_layers}",
+        )
     if not extra:
         return flags
     if layout.kind == "ds-ulysses":
@@ -193,8 +214,10 @@ def _layout_flags(layout: Layout, parallel: ParallelSpec) -> str:
     cp = f"{pre}--context-parallel-size {layout.cp_size}"
     if layout.kind == "2d":
         ring = " --cp-2d-mla-ring latent" if layout.mla_ring == "latent" else ""
-        return (f"{cp} --cp-comm-type 2d --cp-2d-head-parallel-size {layout.hp} "
-                f"--cp-2d-ring-window {layout.w} --cp-2d-placement {layout.placement}{ring}")
+        return (
+            f"{cp} --cp-comm-type 2d --cp-2d-head-parallel-size {layout.hp} "
+            f"--cp-2d-ring-window {layout.w} --cp-2d-placement {layout.placement}{ring}"
+        )
     if layout.kind in ("p2p", "a2a"):
         return f"{cp} --cp-comm-type {layout.kind}"
     if layout.kind == "a2a+p2p":

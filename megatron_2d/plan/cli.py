@@ -19,16 +19,17 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from typing import List, Optional
 
 from ..choices import DKV_COMM_DTYPES
 from .console import parse_seq, parse_window
 from .grid import main as grid_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
 from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
-from .links import FLAGS as LINK_FLAGS, IDEAL_LINKS, LinkEfficiency
+from .links import FLAGS as LINK_FLAGS
+from .links import IDEAL_LINKS, LinkEfficiency
 from .memory import RECOMPUTE_MODES
-from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
+from .memory_options import CHOICES as MEMORY_CHOICES
+from .memory_options import MemoryPolicy
 from .paper import main as paper_main
 from .planner import AUTO, plan, recommended
 from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
@@ -39,7 +40,7 @@ DKV_DTYPE_ALIASES = {"fp32": "accumulator", "bf16": "input", "fp16": "input"}
 """``--dkv-dtype`` values (element types) as the op's ``dkv_comm_dtype`` names, for bf16 training."""
 
 
-def _cp(text: str) -> Optional[int]:
+def _cp(text: str) -> int | None:
     if text.lower() in ("all", "auto", "left"):
         return None
     if not text.isdigit() or int(text) < 1:
@@ -50,8 +51,10 @@ def _cp(text: str) -> Optional[int]:
 def _dkv_dtype_alias(text: str) -> str:
     """--dkv-dtype (the planner's earlier vocabulary) in the op's: fp32 -> accumulator, bf16 / fp16 -> input."""
     if text not in DKV_DTYPE_ALIASES:
-        raise argparse.ArgumentTypeError(f"--dkv-dtype {text!r} is not one of {list(DKV_DTYPE_ALIASES)} (or use "
-                                         f"--dkv-comm-dtype {{{','.join(DKV_COMM_DTYPES)}}})")
+        raise argparse.ArgumentTypeError(
+            f"--dkv-dtype {text!r} is not one of {list(DKV_DTYPE_ALIASES)} (or use "
+            f"--dkv-comm-dtype {{{','.join(DKV_COMM_DTYPES)}}})"
+        )
     return DKV_DTYPE_ALIASES[text]
 
 
@@ -70,13 +73,21 @@ def link_efficiency(args, base: LinkEfficiency) -> LinkEfficiency:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_2d.plan",
-                                description="Rank 2D-Attention (LoongTrain) layouts and Megatron's stock context "
-                                            "parallelism by predicted attention time.")
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_2d.plan",
+        description="Rank 2D-Attention (LoongTrain) layouts and Megatron's stock context "
+        "parallelism by predicted attention time.",
+    )
     g = p.add_argument_group("model")
     g.add_argument("--model", default="7B-GQA", help=f"preset: {', '.join(MODEL_PRESETS)} (default 7B-GQA)")
-    for name, hlp in (("layers", "layers"), ("hidden", "hidden size D"), ("heads", "query heads"),
-                      ("kv-heads", "key/value heads"), ("ffn", "MLP intermediate size"), ("vocab", "vocabulary")):
+    for name, hlp in (
+        ("layers", "layers"),
+        ("hidden", "hidden size D"),
+        ("heads", "query heads"),
+        ("kv-heads", "key/value heads"),
+        ("ffn", "MLP intermediate size"),
+        ("vocab", "vocabulary"),
+    ):
         g.add_argument(f"--{name}", type=int, help=f"override the preset's {hlp}")
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", default="8xH100", help=f"preset: {', '.join(CLUSTER_PRESETS)} (default 8xH100)")
@@ -89,13 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--net-gbps", type=float, help="network GB/s per node (all NICs)")
     c.add_argument("--nics", type=int, help="NICs per node")
     c.add_argument("--gpu-mem-gb", type=float, help="memory per GPU, GB")
-    c.add_argument("--mem-fraction", type=float,
-                   help="fraction of GPU memory a layout may use (default 0.9: context, NCCL, fragmentation)")
+    c.add_argument(
+        "--mem-fraction",
+        type=float,
+        help="fraction of GPU memory a layout may use (default 0.9: context, NCCL, fragmentation)",
+    )
     e = p.add_argument_group("link efficiency (megatron_2d.plan.links: defaults from published NCCL measurements)")
     for flag, what in LINK_FLAGS.values():
         e.add_argument(flag, type=float, metavar="X", help=what)
-    e.add_argument("--ideal-links", action="store_true",
-                   help="every flow at its nominal rate and no interference (then the flags above adjust that)")
+    e.add_argument(
+        "--ideal-links",
+        action="store_true",
+        help="every flow at its nominal rate and no interference (then the flags above adjust that)",
+    )
     j = p.add_argument_group("job")
     j.add_argument("--seq", type=parse_seq, required=True, help="sequence length: 131072, 128K or 1M")
     j.add_argument("--tp", type=int, default=1, help="tensor-parallel size (fixed)")
@@ -104,79 +121,146 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
-    j.add_argument("--hybrid-pattern", default=None, metavar="PATTERN",
-                   help="a HybridModel's --hybrid-layer-pattern (e.g. 'M*-M*-'): 2D costed on the attention layers "
-                        "('*', each with one MLP), Mamba (M) / GDN (G) layers' own all-to-all over the whole CP "
-                        "group added to every layout")
-    j.add_argument("--window", type=parse_window, default=None,
-                   help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer, or a per-layer pattern "
-                        "repeated over the layers, 'full' for a full causal layer (e.g. 128,full); p2p and a2a+p2p "
-                        "are then refused as Transformer Engine refuses them")
-    j.add_argument("--recompute", default=AUTO, choices=(AUTO,) + RECOMPUTE_MODES,
-                   help="activation recompute: auto (default: the fastest mode that fits in memory, per layout), "
-                        "or force one: none, selective (Megatron core attention), full, ckpt++ (Selective "
-                        "Checkpoint++, 2D only)")
-    j.add_argument("--memory", default="auto", choices=MEMORY_CHOICES,
-                   help="model-state options: auto (default: each side its own; 2D Hybrid ZeRO, stock the distributed "
-                        "optimizer and megatron-fsdp), dist-opt (everyone the distributed optimizer only), stock "
-                        "(everyone Megatron's own: 2D without Hybrid ZeRO's partial sharding), all (auto plus "
-                        "optimizer states sharded wider than params, which needs gradient clipping off)")
-    j.add_argument("--fair-memory", action="store_true",
-                   help="what-if: stock baselines get 2D's memory options (Hybrid ZeRO) and, hypothetically, "
-                        "Selective Checkpoint++, to separate what 2D gains by itself from what memory options give")
-    j.add_argument("--global-batch", type=parse_seq, default=4 << 20, metavar="TOKENS",
-                   help="tokens per optimizer step, e.g. 4M (default): per-step gradient and parameter communication "
-                        "is spread over its micro-batches")
-    j.add_argument("--dkv-comm-dtype", default="accumulator", choices=DKV_COMM_DTYPES,
-                   help="how the 2D ring's dK/dV partials travel, the op's --cp-2d-dkv-comm-dtype: accumulator "
-                        "(fp32, the default) or input (bf16; the recommended flags then carry it); Transformer "
-                        "Engine's rings are always modelled with input")
-    j.add_argument("--dkv-dtype", dest="dkv_comm_dtype", type=_dkv_dtype_alias, metavar="{fp32,bf16,fp16}",
-                   help="the older spelling of --dkv-comm-dtype: fp32 = accumulator, bf16 or fp16 = input")
+    j.add_argument(
+        "--hybrid-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="a HybridModel's --hybrid-layer-pattern (e.g. 'M*-M*-'): 2D costed on the attention layers "
+        "('*', each with one MLP), Mamba (M) / GDN (G) layers' own all-to-all over the whole CP "
+        "group added to every layout",
+    )
+    j.add_argument(
+        "--window",
+        type=parse_window,
+        default=None,
+        help="causal sliding window (tokens back, e.g. 4096 or 4K) on every layer, or a per-layer pattern "
+        "repeated over the layers, 'full' for a full causal layer (e.g. 128,full); p2p and a2a+p2p "
+        "are then refused as Transformer Engine refuses them",
+    )
+    j.add_argument(
+        "--recompute",
+        default=AUTO,
+        choices=(AUTO,) + RECOMPUTE_MODES,
+        help="activation recompute: auto (default: the fastest mode that fits in memory, per layout), "
+        "or force one: none, selective (Megatron core attention), full, ckpt++ (Selective "
+        "Checkpoint++, 2D only)",
+    )
+    j.add_argument(
+        "--memory",
+        default="auto",
+        choices=MEMORY_CHOICES,
+        help="model-state options: auto (default: each side its own; 2D Hybrid ZeRO, stock the distributed "
+        "optimizer and megatron-fsdp), dist-opt (everyone the distributed optimizer only), stock "
+        "(everyone Megatron's own: 2D without Hybrid ZeRO's partial sharding), all (auto plus "
+        "optimizer states sharded wider than params, which needs gradient clipping off)",
+    )
+    j.add_argument(
+        "--fair-memory",
+        action="store_true",
+        help="what-if: stock baselines get 2D's memory options (Hybrid ZeRO) and, hypothetically, "
+        "Selective Checkpoint++, to separate what 2D gains by itself from what memory options give",
+    )
+    j.add_argument(
+        "--global-batch",
+        type=parse_seq,
+        default=4 << 20,
+        metavar="TOKENS",
+        help="tokens per optimizer step, e.g. 4M (default): per-step gradient and parameter communication "
+        "is spread over its micro-batches",
+    )
+    j.add_argument(
+        "--dkv-comm-dtype",
+        default="accumulator",
+        choices=DKV_COMM_DTYPES,
+        help="how the 2D ring's dK/dV partials travel, the op's --cp-2d-dkv-comm-dtype: accumulator "
+        "(fp32, the default) or input (bf16; the recommended flags then carry it); Transformer "
+        "Engine's rings are always modelled with input",
+    )
+    j.add_argument(
+        "--dkv-dtype",
+        dest="dkv_comm_dtype",
+        type=_dkv_dtype_alias,
+        metavar="{fp32,bf16,fp16}",
+        help="the older spelling of --dkv-comm-dtype: fp32 = accumulator, bf16 or fp16 = input",
+    )
     k = p.add_argument_group("packed documents (THD)")
     src = k.add_mutually_exclusive_group()
-    src.add_argument("--lengths", metavar="FILE",
-                     help="document lengths of one packed sequence (one per line, or a JSON list), summing to --seq: "
-                          "each layout is predicted in both packed modes (2D zigzag and documents; stock THD zigzag)")
-    src.add_argument("--lengths-dist", choices=DISTRIBUTIONS,
-                     help="a named length distribution with --seq tokens in all (see megatron_2d.plan.lengths)")
+    src.add_argument(
+        "--lengths",
+        metavar="FILE",
+        help="document lengths of one packed sequence (one per line, or a JSON list), summing to --seq: "
+        "each layout is predicted in both packed modes (2D zigzag and documents; stock THD zigzag)",
+    )
+    src.add_argument(
+        "--lengths-dist",
+        choices=DISTRIBUTIONS,
+        help="a named length distribution with --seq tokens in all (see megatron_2d.plan.lengths)",
+    )
     k.add_argument("--lengths-seed", type=int, default=0, help="seed of --lengths-dist (default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=_positive, default=15, help="feasible layouts to list (default 15)")
     o.add_argument("--all", action="store_true", help="list every feasible layout")
-    o.add_argument("--json", action="store_true",
-                   help="print JSON: a list of objects with the same keys, one per candidate, each with the job's "
-                        "metadata ('job') and 'recommended'")
+    o.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON: a list of objects with the same keys, one per candidate, each with the job's "
+        "metadata ('job') and 'recommended'",
+    )
     o.add_argument("--plot", metavar="PATH", help="write a PNG of predicted time vs sequence length")
-    o.add_argument("--plot-seqs", type=parse_seq, nargs="+", default=list(DEFAULT_SEQS),
-                   help="sequence lengths for --plot (default 32K 64K 128K 256K 512K 1M)")
+    o.add_argument(
+        "--plot-seqs",
+        type=parse_seq,
+        nargs="+",
+        default=list(DEFAULT_SEQS),
+        help="sequence lengths for --plot (default 32K 64K 128K 256K 512K 1M)",
+    )
     return p
 
 
 def _specs(args):
     model = get_model(args.model)
-    overrides = {k: v for k, v in (("layers", args.layers), ("hidden", args.hidden), ("heads", args.heads),
-                                   ("kv_heads", args.kv_heads), ("ffn_hidden", args.ffn), ("vocab", args.vocab))
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("layers", args.layers),
+            ("hidden", args.hidden),
+            ("heads", args.heads),
+            ("kv_heads", args.kv_heads),
+            ("ffn_hidden", args.ffn),
+            ("vocab", args.vocab),
+        )
+        if v is not None
+    }
     if overrides:
         model = replace(model, name=f"{model.name}(custom)", **overrides)
     cluster = get_cluster(args.cluster)
-    changes = {k: v for k, v in (("gpus_per_node", args.gpus_per_node), ("peak_tflops", args.tflops),
-                                 ("attn_efficiency", args.attn_eff), ("dense_efficiency", args.dense_eff),
-                                 ("nvlink_gbps", args.nvlink_gbps), ("net_gbps_per_node", args.net_gbps),
-                                 ("nics_per_node", args.nics), ("gpu_memory_gb", args.gpu_mem_gb),
-                                 ("usable_memory_fraction", args.mem_fraction)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("gpus_per_node", args.gpus_per_node),
+            ("peak_tflops", args.tflops),
+            ("attn_efficiency", args.attn_eff),
+            ("dense_efficiency", args.dense_eff),
+            ("nvlink_gbps", args.nvlink_gbps),
+            ("net_gbps_per_node", args.net_gbps),
+            ("nics_per_node", args.nics),
+            ("gpu_memory_gb", args.gpu_mem_gb),
+            ("usable_memory_fraction", args.mem_fraction),
+        )
+        if v is not None
+    }
     links = link_efficiency(args, cluster.links)
     if links != cluster.links:
         changes["links"] = links
     if changes:
         cluster = cluster.with_(name=f"{cluster.name}(custom)", **changes)
-    parallel = ParallelSpec(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
-                            micro_batch=args.micro_batch)
+    parallel = ParallelSpec(
+        gpus=args.gpus, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, micro_batch=args.micro_batch
+    )
     return model, cluster, parallel
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grid"] or "--grid" in argv:
@@ -201,30 +285,64 @@ def main(argv: Optional[List[str]] = None) -> int:
         if lengths is not None and args.plot:
             raise PlanError("--plot sweeps sequence lengths; it does not take packed --lengths")
         memory = MemoryPolicy(args.memory, args.fair_memory, args.global_batch)
-        cands = plan(model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_comm_dtype,
-                     lengths=lengths, hybrid_pattern=args.hybrid_pattern, memory=memory)
+        cands = plan(
+            model,
+            cluster,
+            parallel,
+            args.seq,
+            causal,
+            args.window,
+            args.recompute,
+            args.dkv_comm_dtype,
+            lengths=lengths,
+            hybrid_pattern=args.hybrid_pattern,
+            memory=memory,
+        )
     except PlanError as err:
         parser.error(str(err))
     if args.json:
-        job = job_metadata(model, cluster, parallel, args.seq, causal, args.window, args.recompute,
-                           args.dkv_comm_dtype, memory)
+        job = job_metadata(
+            model, cluster, parallel, args.seq, causal, args.window, args.recompute, args.dkv_comm_dtype, memory
+        )
         print(plan_json(cands, job))
     else:
         if lengths is not None:
             srt = sorted(lengths)
-            print(f"packed: {len(lengths)} documents of {sum(lengths)} tokens ("
-                  f"{args.lengths or args.lengths_dist}), longest {srt[-1]}, median {srt[len(srt) // 2]}; "
-                  f"rows per layout: 2d zigzag / 2d documents / stock THD zigzag (padded to 2*CP)")
-        print_plan(cands, model, cluster, parallel, args.seq, None if args.all else args.top, causal,
-                   window=args.window, memory=memory)
+            print(
+                f"packed: {len(lengths)} documents of {sum(lengths)} tokens ("
+                f"{args.lengths or args.lengths_dist}), longest {srt[-1]}, median {srt[len(srt) // 2]}; "
+                f"rows per layout: 2d zigzag / 2d documents / stock THD zigzag (padded to 2*CP)"
+            )
+        print_plan(
+            cands,
+            model,
+            cluster,
+            parallel,
+            args.seq,
+            None if args.all else args.top,
+            causal,
+            window=args.window,
+            memory=memory,
+        )
     status = EXIT_OK if recommended(cands) is not None else EXIT_NO_FEASIBLE
     if status != EXIT_OK:
-        print("no feasible layout (see the plan above for the smallest memory found and what would help)",
-              file=sys.stderr)
+        print(
+            "no feasible layout (see the plan above for the smallest memory found and what would help)", file=sys.stderr
+        )
     if args.plot:
         try:
-            plot_sweep(args.plot, model, cluster, parallel, args.plot_seqs, causal, args.window, args.recompute,
-                       args.dkv_comm_dtype, memory)
+            plot_sweep(
+                args.plot,
+                model,
+                cluster,
+                parallel,
+                args.plot_seqs,
+                causal,
+                args.window,
+                args.recompute,
+                args.dkv_comm_dtype,
+                memory,
+            )
             print(f"wrote {args.plot}", file=sys.stderr)
         except PlotUnavailable as err:
             print(f"cannot write {args.plot}: {err}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, TextIO
+from typing import TextIO
 
 
 def parse_seq(text: str) -> int:
@@ -26,7 +26,7 @@ def parse_window(text: str):
     return tuple(None if p.lower() in ("full", "none", "-") else parse_seq(p) for p in parts)
 
 
-def terminal_console(stream: Optional[TextIO] = None, min_width: int = 120):
+def terminal_console(stream: TextIO | None = None, min_width: int = 120):
     """A rich Console on ``stream`` when it is a terminal and rich is installed, else None (print plain text)."""
     stream = sys.stdout if stream is None else stream
     if not stream.isatty():
@@ -37,5 +37,6 @@ def terminal_console(stream: Optional[TextIO] = None, min_width: int = 120):
         return None
     import shutil
 
-    return Console(file=stream, highlight=False, soft_wrap=True,
-                   width=max(shutil.get_terminal_size((160, 24)).columns, min_width))
+    return Console(
+        file=stream, highlight=False, soft_wrap=True, width=max(shutil.get_terminal_size((160, 24)).columns, min_width)
+    )

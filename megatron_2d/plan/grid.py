@@ -5,7 +5,8 @@ planner's best 2D plan and best stock plan (p2p, a2a, a2a+p2p, DeepSpeed-Ulysses
 that fits in memory, are compared by throughput per GPU: ratio = 2D tokens/GPU/s / stock tokens/GPU/s (> 1: 2D
 wins). Each side picks its own CP size among the divisors of the GPUs left by TP x PP, the rest being DP (a stock
 user would not run CP=1024 on 32K tokens); ``--fixed-cp`` gives CP all the GPUs left (DP = 1) instead. Each cell
-also says why the winner wins (codes below). Each side holds its model states its own way (memory options, :mod:`.memory_options`: the
+also says why the winner wins (codes below). Each side holds its model states its own way (memory options,
+:mod:`.memory_options`: the
 data-parallel gradient and parameter communication they cost is in the step); ``--fair-memory`` gives stock 2D's
 memory options and, hypothetically, Checkpoint++, so that what remains is 2D's own effect. Results are cached per
 cell.
@@ -15,20 +16,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
-from typing import Dict, List, Optional, Sequence, Tuple
+from functools import cache
 
 from ..topology import divisors
 from .candidates import STOCK_KINDS, Layout
 from .console import parse_seq, terminal_console
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
-from .memory_options import CHOICES as MEMORY_CHOICES, MemoryPolicy
+from .memory_options import CHOICES as MEMORY_CHOICES
+from .memory_options import MemoryPolicy
 from .planner import Candidate, evaluate, plan
 from .report import memory_policy_text, seq_label, states_label
 
 GRID_GPUS = (32, 64, 128, 256, 512, 1024)
-GRID_SEQS = tuple(1 << k for k in range(15, 23))           # 32K .. 4M
+GRID_SEQS = tuple(1 << k for k in range(15, 23))  # 32K .. 4M
 TIE = 0.02
 """Ratios within 2% of 1 are called a tie (the model is not that precise)."""
 
@@ -55,9 +57,9 @@ class Cell:
     model: str
     gpus: int
     seq: int
-    best_2d: Optional[Candidate]
-    best_stock: Optional[Candidate]
-    ratio: Optional[float]
+    best_2d: Candidate | None
+    best_stock: Candidate | None
+    ratio: float | None
     """2D tokens/s / stock tokens/s (None when either has no feasible plan)."""
     codes: str
     reason: str
@@ -73,9 +75,17 @@ def _twin(stock: Candidate) -> Layout:
     return Layout("2d", stock.hp, stock.cp, stock.cp, "head_first")
 
 
-def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands: Sequence[Candidate], model,
-            cluster, parallel, seq, stock_parallel=None,
-            memory: MemoryPolicy = MemoryPolicy()) -> Tuple[Optional[float], str, str]:
+def explain(
+    best_2d: Candidate | None,
+    best_stock: Candidate | None,
+    cands: Sequence[Candidate],
+    model,
+    cluster,
+    parallel,
+    seq,
+    stock_parallel=None,
+    memory: MemoryPolicy = MemoryPolicy(),
+) -> tuple[float | None, str, str]:
     """(ratio, codes, one-line reason) for one cell. ``parallel``/``stock_parallel``: the jobs the 2D and the stock
     plan were made for (the same unless each side picked its own CP); ``cands``: every candidate seen."""
     stock_parallel = stock_parallel or parallel
@@ -90,8 +100,11 @@ def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands
         return None, "U", "no 2D layout fits"
     e2, es = best_2d.estimate, best_stock.estimate
     ratio = e2.tokens_per_gpu_s / es.tokens_per_gpu_s
-    cps = (f" (CP {best_2d.layout.cp_size} vs {best_stock.layout.cp_size})"
-           if best_2d.layout.cp_size != best_stock.layout.cp_size else "")
+    cps = (
+        f" (CP {best_2d.layout.cp_size} vs {best_stock.layout.cp_size})"
+        if best_2d.layout.cp_size != best_stock.layout.cp_size
+        else ""
+    )
     codes = ""
     if ratio > 1 + TIE:
         cp2, cps_ = best_2d.layout.cp_size, best_stock.layout.cp_size
@@ -118,24 +131,38 @@ def explain(best_2d: Optional[Candidate], best_stock: Optional[Candidate], cands
             codes += layout_codes or "H"
         return ratio, codes, "2D wins: " + "; ".join(CODES[c][4:] for c in codes) + cps
     if ratio < 1 - TIE:
-        twin = evaluate(_twin(best_stock), model, cluster, stock_parallel, seq, recompute=es.recompute,
-                        dkv_comm_dtype="input", memory=memory)
+        twin = evaluate(
+            _twin(best_stock),
+            model,
+            cluster,
+            stock_parallel,
+            seq,
+            recompute=es.recompute,
+            dkv_comm_dtype="input",
+            memory=memory,
+        )
         same = twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6
         code = "B" if same else "U"
         return ratio, code, "stock wins: " + CODES[code][7:] + cps
     return ratio, "=", "tie" + cps
 
 
-def _cp_sizes(gpus: int, tp: int, pp: int, seq: int, free_cp: bool) -> List[Optional[int]]:
+def _cp_sizes(gpus: int, tp: int, pp: int, seq: int, free_cp: bool) -> list[int | None]:
     left = gpus // (tp * pp)
     if not free_cp:
         return [None]
     return [c for c in divisors(left) if seq % (2 * c) == 0]
 
 
-@lru_cache(maxsize=None)
-def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100", free_cp: bool = True,
-         memory: MemoryPolicy = MemoryPolicy()) -> Cell:
+@cache
+def cell(
+    model_name: str,
+    gpus: int,
+    seq: int,
+    cluster_name: str = "8xH100",
+    free_cp: bool = True,
+    memory: MemoryPolicy = MemoryPolicy(),
+) -> Cell:
     """The comparison for one (model, GPUs, sequence) on a preset cluster (cached). ``free_cp``: each side takes
     the CP size (a divisor of the GPUs left by TP x PP; DP the rest) with its best throughput per GPU; ``memory``:
     the memory options each side tries."""
@@ -143,8 +170,8 @@ def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100", fre
     sizes = GRID_MODELS[model_name]
     if gpus % (sizes["tp"] * sizes["pp"]):
         raise PlanError(f"{gpus} GPUs are not divisible by TP x PP = {sizes['tp']} x {sizes['pp']}")
-    seen: List[Candidate] = []
-    best: Dict[str, Tuple[Candidate, ParallelSpec]] = {}
+    seen: list[Candidate] = []
+    best: dict[str, tuple[Candidate, ParallelSpec]] = {}
     done = set()
     for cp in _cp_sizes(gpus, sizes["tp"], sizes["pp"], seq, free_cp):
         # CP ascending. Once a side runs without recompute, a larger CP only adds communication per token (the
@@ -160,21 +187,28 @@ def cell(model_name: str, gpus: int, seq: int, cluster_name: str = "8xH100", fre
             c = next((c for c in cands if c.feasible and c.kind in kinds), None)
             if c is not None and c.recompute == "none":
                 done.add(side)
-            if c is not None and (side not in best or
-                                  c.estimate.tokens_per_gpu_s > best[side][0].estimate.tokens_per_gpu_s):
+            if c is not None and (
+                side not in best or c.estimate.tokens_per_gpu_s > best[side][0].estimate.tokens_per_gpu_s
+            ):
                 best[side] = (c, parallel)
     if not seen:
         raise PlanError(f"sequence {seq} fits no CP size of {gpus} GPUs (2*CP must divide it)")
     b2, p2 = best.get("2d", (None, None))
     bs, ps = best.get("stock", (None, None))
-    ratio, codes, reason = explain(b2, bs, seen, model, cluster, p2 or ps or ParallelSpec(gpus=gpus, **sizes), seq,
-                                   ps, memory)
+    ratio, codes, reason = explain(
+        b2, bs, seen, model, cluster, p2 or ps or ParallelSpec(gpus=gpus, **sizes), seq, ps, memory
+    )
     return Cell(model_name, gpus, seq, b2, bs, ratio, codes, reason)
 
 
-def grid(models: Sequence[str] = tuple(GRID_MODELS), gpus: Sequence[int] = GRID_GPUS,
-         seqs: Sequence[int] = GRID_SEQS, cluster: str = "8xH100", free_cp: bool = True,
-         memory: MemoryPolicy = MemoryPolicy()) -> List[Cell]:
+def grid(
+    models: Sequence[str] = tuple(GRID_MODELS),
+    gpus: Sequence[int] = GRID_GPUS,
+    seqs: Sequence[int] = GRID_SEQS,
+    cluster: str = "8xH100",
+    free_cp: bool = True,
+    memory: MemoryPolicy = MemoryPolicy(),
+) -> list[Cell]:
     """Every cell of the grid (cells whose job is invalid, e.g. a sequence not divisible by 2*CP, are skipped)."""
     out = []
     for m in models:
@@ -187,7 +221,7 @@ def grid(models: Sequence[str] = tuple(GRID_MODELS), gpus: Sequence[int] = GRID_
     return out
 
 
-def summary(cells: Sequence[Cell]) -> Dict[str, int]:
+def summary(cells: Sequence[Cell]) -> dict[str, int]:
     """Counts: 2D wins, stock wins, ties, only 2D fits, nothing fits."""
     out = {"2d": 0, "stock": 0, "tie": 0, "2d only": 0, "stock only": 0, "none": 0}
     for c in cells:
@@ -202,12 +236,16 @@ def summary(cells: Sequence[Cell]) -> Dict[str, int]:
     return out
 
 
-def format_grid(cells: Sequence[Cell], cluster: str = "8xH100", free_cp: bool = True,
-                memory: MemoryPolicy = MemoryPolicy()) -> str:
+def format_grid(
+    cells: Sequence[Cell], cluster: str = "8xH100", free_cp: bool = True, memory: MemoryPolicy = MemoryPolicy()
+) -> str:
     """Plain text: one matrix per model (rows GPUs, columns sequence lengths), the code legend and a summary."""
-    cp = ("each side picks its CP size (DP the rest)" if free_cp else "CP = all GPUs left (DP = 1)")
-    lines = [f"Best 2D plan / best stock plan, throughput per GPU (> 1: 2D faster), on {cluster}; each with the "
-             f"cheapest recompute that fits; {cp}; {memory_policy_text(memory)}.", ""]
+    cp = "each side picks its CP size (DP the rest)" if free_cp else "CP = all GPUs left (DP = 1)"
+    lines = [
+        f"Best 2D plan / best stock plan, throughput per GPU (> 1: 2D faster), on {cluster}; each with the "
+        f"cheapest recompute that fits; {cp}; {memory_policy_text(memory)}.",
+        "",
+    ]
     models = list(dict.fromkeys(c.model for c in cells))
     for m in models:
         mine = [c for c in cells if c.model == m]
@@ -220,18 +258,26 @@ def format_grid(cells: Sequence[Cell], cluster: str = "8xH100", free_cp: bool = 
         header = ["GPUs"] + [seq_label(s) for s in seqs]
         rows = [[str(g)] + [by[(g, s)].text() if (g, s) in by else "" for s in seqs] for g in gpus]
         widths = [max(len(r[j]) for r in rows + [header]) for j in range(len(header))]
-        fmt = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths)).rstrip()          # noqa: E731
+        fmt = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
         lines += [fmt(header)] + [fmt(r) for r in rows] + [""]
     lines.append("Codes:")
     lines += [f"  {k}  {v}" for k, v in CODES.items()]
     s = summary(cells)
-    lines += ["", f"{len(cells)} cells: 2D faster in {s['2d']}, stock faster in {s['stock']}, tie in {s['tie']}, "
-                  f"only 2D fits in {s['2d only']}, only stock in {s['stock only']}, nothing fits in {s['none']}."]
+    lines += [
+        "",
+        f"{len(cells)} cells: 2D faster in {s['2d']}, stock faster in {s['stock']}, tie in {s['tie']}, "
+        f"only 2D fits in {s['2d only']}, only stock in {s['stock only']}, nothing fits in {s['none']}.",
+    ]
     return "\n".join(lines)
 
 
-def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None, free_cp: bool = True,
-               memory: MemoryPolicy = MemoryPolicy()) -> None:
+def print_grid(
+    cells: Sequence[Cell],
+    cluster: str = "8xH100",
+    stream=None,
+    free_cp: bool = True,
+    memory: MemoryPolicy = MemoryPolicy(),
+) -> None:
     """Print with rich when on a terminal, else ``format_grid``."""
     stream = stream or sys.stdout
     console = terminal_console(stream, min_width=120)
@@ -254,8 +300,11 @@ def print_grid(cells: Sequence[Cell], cluster: str = "8xH100", stream=None, free
             row = []
             for s in seqs:
                 c = by.get((g, s))
-                style = "" if c is None or c.ratio is None else ("green" if c.ratio > 1 + TIE else
-                                                                  "red" if c.ratio < 1 - TIE else "")
+                style = (
+                    ""
+                    if c is None or c.ratio is None
+                    else ("green" if c.ratio > 1 + TIE else "red" if c.ratio < 1 - TIE else "")
+                )
                 row.append(f"[{style}]{c.text()}[/]" if c and style else (c.text() if c else ""))
             table.add_row(str(g), *row)
         console.print(table)
@@ -267,48 +316,90 @@ def details(cells: Sequence[Cell]) -> str:
     """One line per cell: both plans and the reason."""
     out = []
     for c in cells:
-        two = (f"{c.best_2d.layout.label()} +{c.best_2d.recompute} {states_label(c.best_2d.estimate)}"
-               if c.best_2d else "-")
-        stock = (f"{c.best_stock.layout.label()} +{c.best_stock.recompute} {states_label(c.best_stock.estimate)}"
-                 if c.best_stock else "-")
+        two = (
+            f"{c.best_2d.layout.label()} +{c.best_2d.recompute} {states_label(c.best_2d.estimate)}"
+            if c.best_2d
+            else "-"
+        )
+        stock = (
+            f"{c.best_stock.layout.label()} +{c.best_stock.recompute} {states_label(c.best_stock.estimate)}"
+            if c.best_stock
+            else "-"
+        )
         ratio = f"{c.ratio:.2f}" if c.ratio is not None else "  - "
-        out.append(f"{c.model:<8} {c.gpus:>5} {seq_label(c.seq):>5}  {ratio}  2D: {two:<54} stock: {stock:<46} "
-                   f"{c.reason}")
+        out.append(
+            f"{c.model:<8} {c.gpus:>5} {seq_label(c.seq):>5}  {ratio}  2D: {two:<54} stock: {stock:<46} {c.reason}"
+        )
     return "\n".join(out)
 
 
-def grid_records(cells: Sequence[Cell]) -> List[Dict[str, object]]:
+def grid_records(cells: Sequence[Cell]) -> list[dict[str, object]]:
     """JSON-ready records, one per cell, all with the same keys (None where a side has no feasible plan)."""
-    def side(c: Optional[Candidate]) -> Optional[Dict[str, object]]:
+
+    def side(c: Candidate | None) -> dict[str, object] | None:
         if c is None:
             return None
         e = c.estimate
-        return {"label": c.layout.label(), "kind": c.kind, "cp_size": c.layout.cp_size, "hp": c.hp, "cp": c.cp,
-                "w": c.w, "placement": c.placement, "recompute": c.recompute,
-                "recompute_layers": e.recompute_layers, "states": states_label(e),
-                "step_ms": round(e.step_s * 1e3, 4),
-                "tokens_per_gpu_s": round(e.tokens_per_gpu_s, 2), "memory_gb": round(e.memory_gb, 2),
-                "flags": c.flags}
-    return [{"model": c.model, "tp": GRID_MODELS[c.model]["tp"], "pp": GRID_MODELS[c.model]["pp"], "gpus": c.gpus,
-             "seq": c.seq, "ratio": None if c.ratio is None else round(c.ratio, 4), "codes": c.codes,
-             "reason": c.reason, "best_2d": side(c.best_2d), "best_stock": side(c.best_stock)} for c in cells]
+        return {
+            "label": c.layout.label(),
+            "kind": c.kind,
+            "cp_size": c.layout.cp_size,
+            "hp": c.hp,
+            "cp": c.cp,
+            "w": c.w,
+            "placement": c.placement,
+            "recompute": c.recompute,
+            "recompute_layers": e.recompute_layers,
+            "states": states_label(e),
+            "step_ms": round(e.step_s * 1e3, 4),
+            "tokens_per_gpu_s": round(e.tokens_per_gpu_s, 2),
+            "memory_gb": round(e.memory_gb, 2),
+            "flags": c.flags,
+        }
+
+    return [
+        {
+            "model": c.model,
+            "tp": GRID_MODELS[c.model]["tp"],
+            "pp": GRID_MODELS[c.model]["pp"],
+            "gpus": c.gpus,
+            "seq": c.seq,
+            "ratio": None if c.ratio is None else round(c.ratio, 4),
+            "codes": c.codes,
+            "reason": c.reason,
+            "best_2d": side(c.best_2d),
+            "best_stock": side(c.best_stock),
+        }
+        for c in cells
+    ]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_2d.plan grid", description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster", default="8xH100", help="cluster preset (default 8xH100)")
     p.add_argument("--models", nargs="+", default=list(GRID_MODELS), choices=list(GRID_MODELS))
     p.add_argument("--gpus", nargs="+", type=int, default=list(GRID_GPUS))
-    p.add_argument("--seqs", nargs="+", type=parse_seq, default=list(GRID_SEQS),
-                   help="sequence lengths (default 32K .. 4M)")
+    p.add_argument(
+        "--seqs", nargs="+", type=parse_seq, default=list(GRID_SEQS), help="sequence lengths (default 32K .. 4M)"
+    )
     p.add_argument("--details", action="store_true", help="also list both plans and the reason for every cell")
     p.add_argument("--json", action="store_true", help="print the cells as a JSON list instead of the tables")
-    p.add_argument("--fixed-cp", action="store_true",
-                   help="CP takes all GPUs left by TP x PP (DP = 1) instead of each side picking its best CP")
-    p.add_argument("--memory", default="auto", choices=MEMORY_CHOICES,
-                   help="memory options (as for a plan): auto (default), dist-opt, all")
-    p.add_argument("--fair-memory", action="store_true",
-                   help="stock gets 2D's memory options and, hypothetically, Checkpoint++: what is left is 2D's own")
+    p.add_argument(
+        "--fixed-cp",
+        action="store_true",
+        help="CP takes all GPUs left by TP x PP (DP = 1) instead of each side picking its best CP",
+    )
+    p.add_argument(
+        "--memory",
+        default="auto",
+        choices=MEMORY_CHOICES,
+        help="memory options (as for a plan): auto (default), dist-opt, all",
+    )
+    p.add_argument(
+        "--fair-memory",
+        action="store_true",
+        help="stock gets 2D's memory options and, hypothetically, Checkpoint++: what is left is 2D's own",
+    )
     args = p.parse_args(argv)
     memory = MemoryPolicy(args.memory, args.fair_memory)
     try:

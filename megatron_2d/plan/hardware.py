@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional
 
 from ..topology import divisors
 from .errors import PlanError
@@ -76,7 +75,7 @@ class ModelSpec:
     """V, vocabulary size (output layer rows)."""
     gated_mlp: bool = True
     """SwiGLU: fc1 produces 2F (gate and up), so the MLP has 3*D*F weights instead of 2*D*F."""
-    mla: Optional[MLASpec] = None
+    mla: MLASpec | None = None
     """Multi-latent attention's dims (None: standard attention with head dim D / H). With MLA, kv_heads must equal
     heads (every head has its own K and V, made from the latent)."""
 
@@ -86,11 +85,13 @@ class ModelSpec:
         if self.mla is None and self.hidden % self.heads:
             raise PlanError(f"model hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.kv_heads:
-            raise PlanError(f"model kv_heads={self.kv_heads} must divide heads={self.heads} "
-                            f"(valid: {divisors(self.heads)})")
+            raise PlanError(
+                f"model kv_heads={self.kv_heads} must divide heads={self.heads} (valid: {divisors(self.heads)})"
+            )
         if self.mla is not None and self.kv_heads != self.heads:
-            raise PlanError(f"an MLA model has K/V per query head: kv_heads={self.kv_heads} must equal "
-                            f"heads={self.heads}")
+            raise PlanError(
+                f"an MLA model has K/V per query head: kv_heads={self.kv_heads} must equal heads={self.heads}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -121,8 +122,13 @@ class ModelSpec:
         if m is None:
             d = self.head_dim
             return 2 * D * H * d + 2 * D * self.kv_heads * d + mlp
-        attn = (D * m.q_lora_rank + m.q_lora_rank * H * self.qk_dim + D * m.latent_width + self.kv_up_params()
-                + H * m.v_head_dim * D)
+        attn = (
+            D * m.q_lora_rank
+            + m.q_lora_rank * H * self.qk_dim
+            + D * m.latent_width
+            + self.kv_up_params()
+            + H * m.v_head_dim * D
+        )
         return attn + mlp
 
     def matmul_params(self) -> int:
@@ -184,8 +190,11 @@ class ClusterSpec:
         _positive_int("cluster nics_per_node", self.nics_per_node)
         for name in ("peak_tflops", "nvlink_gbps", "net_gbps_per_node", "gpu_memory_gb", "hbm_gbps"):
             _positive(f"cluster {name}", getattr(self, name))
-        if isinstance(self.step_latency_us, bool) or not isinstance(self.step_latency_us, (int, float)) \
-                or not 0 <= self.step_latency_us < math.inf:
+        if (
+            isinstance(self.step_latency_us, bool)
+            or not isinstance(self.step_latency_us, (int, float))
+            or not 0 <= self.step_latency_us < math.inf
+        ):
             raise PlanError(f"cluster step_latency_us must be a finite number >= 0, got {self.step_latency_us!r}")
         _fraction("cluster attn_efficiency", self.attn_efficiency)
         _fraction("cluster dense_efficiency", self.dense_efficiency)
@@ -198,7 +207,7 @@ class ClusterSpec:
         """Bandwidth of one NIC (GB/s): the most one network flow gets."""
         return self.net_gbps_per_node / self.nics_per_node
 
-    def with_(self, **changes) -> "ClusterSpec":
+    def with_(self, **changes) -> ClusterSpec:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
@@ -215,10 +224,10 @@ class ParallelSpec:
     """World size."""
     tp: int = 1
     pp: int = 1
-    cp: Optional[int] = None
+    cp: int | None = None
     """Context-parallel size CP (Megatron's context_parallel_size, hp x cp of a 2D layout); None means all GPUs
     left: gpus / (tp * pp * dp)."""
-    dp: Optional[int] = None
+    dp: int | None = None
     """Data-parallel size; None means gpus / (tp * pp * cp) (or 1 when cp is None too)."""
     micro_batch: int = 1
     """B, sequences per micro-batch."""
@@ -234,16 +243,22 @@ class ParallelSpec:
             _positive_int("dp", self.dp)
         fixed = self.tp * self.pp * (self.dp or 1)
         if self.gpus % fixed:
-            raise PlanError(f"gpus={self.gpus} is not divisible by tp*pp*dp={self.tp}*{self.pp}*{self.dp or 1}"
-                            f"={fixed}; the GPUs left for CP must be a whole number")
+            raise PlanError(
+                f"gpus={self.gpus} is not divisible by tp*pp*dp={self.tp}*{self.pp}*{self.dp or 1}"
+                f"={fixed}; the GPUs left for CP must be a whole number"
+            )
         if self.cp is not None:
             if self.dp is None and self.gpus % (self.tp * self.pp * self.cp):
-                raise PlanError(f"gpus={self.gpus} is not divisible by tp*pp*cp={self.tp}*{self.pp}*{self.cp}"
-                                f"={self.tp * self.pp * self.cp}; valid CP sizes: "
-                                f"{divisors(self.gpus // (self.tp * self.pp))}")
+                raise PlanError(
+                    f"gpus={self.gpus} is not divisible by tp*pp*cp={self.tp}*{self.pp}*{self.cp}"
+                    f"={self.tp * self.pp * self.cp}; valid CP sizes: "
+                    f"{divisors(self.gpus // (self.tp * self.pp))}"
+                )
             if self.dp is not None and self.tp * self.pp * self.cp * self.dp != self.gpus:
-                raise PlanError(f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = "
-                                f"{self.tp * self.pp * self.cp * self.dp} != gpus={self.gpus}")
+                raise PlanError(
+                    f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = "
+                    f"{self.tp * self.pp * self.cp * self.dp} != gpus={self.gpus}"
+                )
 
     @property
     def cp_size(self) -> int:
@@ -260,15 +275,24 @@ class ParallelSpec:
 
 # -- presets ----------------------------------------------------------------------------------------------------
 
-MODEL_PRESETS: Dict[str, ModelSpec] = {
-    m.name: m for m in (
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
         ModelSpec("7B-MHA", layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000),
         ModelSpec("7B-GQA", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=11008, vocab=32000),
         ModelSpec("8B-GQA", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256),
         ModelSpec("70B-GQA", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab=128256),
         ModelSpec("7B-KV4", layers=28, hidden=3584, heads=28, kv_heads=4, ffn_hidden=18944, vocab=152064),
-        ModelSpec("DSV3-MLA", layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432, vocab=129280,
-                  mla=MLASpec(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_rope_dim=64, v_head_dim=128)),
+        ModelSpec(
+            "DSV3-MLA",
+            layers=61,
+            hidden=7168,
+            heads=128,
+            kv_heads=128,
+            ffn_hidden=18432,
+            vocab=129280,
+            mla=MLASpec(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_rope_dim=64, v_head_dim=128),
+        ),
     )
 }
 """7B-MHA / 7B-GQA: Llama-2-7B shapes with all 32 KV heads or 8. 8B-GQA and 70B-GQA: Llama-3 8B and 70B shapes
@@ -279,33 +303,62 @@ kv_lora_rank 512, qk 128 + rope 64, v 128); its MoE MLP as the dense SwiGLU of t
 routed of 2048 = 18432), about its 37B active parameters (expert parallelism and the other experts' memory are not
 modelled)."""
 
-GRID_MODELS: Dict[str, Dict[str, int]] = {
-    "8B-GQA": {"tp": 1, "pp": 1}, "70B-GQA": {"tp": 8, "pp": 2}, "7B-KV4": {"tp": 1, "pp": 1},
+GRID_MODELS: dict[str, dict[str, int]] = {
+    "8B-GQA": {"tp": 1, "pp": 1},
+    "70B-GQA": {"tp": 8, "pp": 2},
+    "7B-KV4": {"tp": 1, "pp": 1},
     "7B-MHA": {"tp": 1, "pp": 1},
 }
 """The parallel sizes the grid (``python -m megatron_2d.plan grid``) fixes for each model: 70B-GQA at TP=8 (one KV
 head per TP rank) with PP=2 so that its model states leave room for activations on 80 GB GPUs."""
 
-CLUSTER_PRESETS: Dict[str, ClusterSpec] = {
-    c.name: c for c in (
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    c.name: c
+    for c in (
         # H100 SXM: 989 TFLOP/s bf16, NVLink 4 450 GB/s/direction, 8 x 400 Gb/s NICs (field-and-peers.md).
-        ClusterSpec("8xH100", gpus_per_node=8, peak_tflops=989.0, attn_efficiency=0.45, nvlink_gbps=450.0,
-                    net_gbps_per_node=400.0, nics_per_node=8, gpu_memory_gb=80.0),
+        ClusterSpec(
+            "8xH100",
+            gpus_per_node=8,
+            peak_tflops=989.0,
+            attn_efficiency=0.45,
+            nvlink_gbps=450.0,
+            net_gbps_per_node=400.0,
+            nics_per_node=8,
+            gpu_memory_gb=80.0,
+        ),
         # H200 SXM: the H100's compute and links, 141 GB HBM3e.
-        ClusterSpec("8xH200", gpus_per_node=8, peak_tflops=989.0, attn_efficiency=0.45, nvlink_gbps=450.0,
-                    net_gbps_per_node=400.0, nics_per_node=8, gpu_memory_gb=141.0, hbm_gbps=4800.0),
+        ClusterSpec(
+            "8xH200",
+            gpus_per_node=8,
+            peak_tflops=989.0,
+            attn_efficiency=0.45,
+            nvlink_gbps=450.0,
+            net_gbps_per_node=400.0,
+            nics_per_node=8,
+            gpu_memory_gb=141.0,
+            hbm_gbps=4800.0,
+        ),
         # A100 SXM: 312 TFLOP/s bf16, NVLink 3 300 GB/s/direction, 8 x 200 Gb/s NICs; FlashAttention-2 reports
         # 50-70% of peak on A100, 0.5 assumed for forward+backward.
-        ClusterSpec("8xA100", gpus_per_node=8, peak_tflops=312.0, attn_efficiency=0.5, nvlink_gbps=300.0,
-                    net_gbps_per_node=200.0, nics_per_node=8, gpu_memory_gb=80.0, hbm_gbps=2039.0),
+        ClusterSpec(
+            "8xA100",
+            gpus_per_node=8,
+            peak_tflops=312.0,
+            attn_efficiency=0.5,
+            nvlink_gbps=300.0,
+            net_gbps_per_node=200.0,
+            nics_per_node=8,
+            gpu_memory_gb=80.0,
+            hbm_gbps=2039.0,
+        ),
     )
 }
 
-PRESETS: Dict[str, Dict[str, object]] = {"models": MODEL_PRESETS, "clusters": CLUSTER_PRESETS}
+PRESETS: dict[str, dict[str, object]] = {"models": MODEL_PRESETS, "clusters": CLUSTER_PRESETS}
 """Both preset tables: ``PRESETS["models"]["7B-GQA"]``, ``PRESETS["clusters"]["8xH100"]``."""
 
 
-def _lookup(table: Dict[str, object], kind: str, name: str):
+def _lookup(table: dict[str, object], kind: str, name: str):
     for key, value in table.items():
         if key.lower() == str(name).lower():
             return value

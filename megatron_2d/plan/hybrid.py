@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 from ..hybrid_layers import HybridLayerCounts, gdn_cp_problem, mamba_cp_problem, mamba_num_heads
-from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
 from .attention_time import path_time
+from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
 from .link_classes import link_map
 
 BF16 = 2
@@ -39,7 +38,7 @@ class HybridPattern:
     counts: HybridLayerCounts
 
     @classmethod
-    def parse(cls, pattern: str) -> "HybridPattern":
+    def parse(cls, pattern: str) -> HybridPattern:
         try:
             counts = HybridLayerCounts.of(pattern)
         except ValueError as err:
@@ -52,7 +51,7 @@ class HybridPattern:
         """The model as the attention cost sees it: one GPT layer per attention layer."""
         return dataclasses.replace(model, layers=self.counts.attention)
 
-    def problem(self, model: ModelSpec, tp: int, context_parallel: int) -> Optional[str]:
+    def problem(self, model: ModelSpec, tp: int, context_parallel: int) -> str | None:
         """Why Megatron's Mamba / GDN context parallelism cannot run at this CP size, or None."""
         problems = []
         if self.counts.mamba:
@@ -70,11 +69,11 @@ class HybridPattern:
         mamba_in = 2 * d_inner + 2 * MAMBA["groups"] * MAMBA["state"] + heads
         qk, v = GDN["key_heads"] * GDN["head_dim"], GDN["value_heads"] * GDN["head_dim"]
         gdn_in = 2 * qk + 2 * v + 2 * GDN["value_heads"]
-        return {"mamba": (mamba_in, d_inner, D * mamba_in + d_inner * D),
-                "gdn": (gdn_in, v, D * gdn_in + v * D)}
+        return {"mamba": (mamba_in, d_inner, D * mamba_in + d_inner * D), "gdn": (gdn_in, v, D * gdn_in + v * D)}
 
-    def ssm_step_s(self, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, context_parallel: int,
-                   seq: int) -> float:
+    def ssm_step_s(
+        self, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, context_parallel: int, seq: int
+    ) -> float:
         """Seconds per step of all Mamba / GDN layers: their all-to-alls over the whole CP group (in and out of the
         scan, forward and backward) and their projections' matmuls (6 x weights x tokens)."""
         tp, CP = parallel.tp, context_parallel
@@ -86,7 +85,7 @@ class HybridPattern:
         for family, layers in (("mamba", self.counts.mamba), ("gdn", self.counts.gdn)):
             channels_in, channels_out, weights = self._channels(model)[family]
             a2a = 0.0
-            if CP > 1:   # each rank sends 1/CP of its local tokens' channels to every CP peer
+            if CP > 1:  # each rank sends 1/CP of its local tokens' channels to every CP peer
                 for channels in (channels_in, channels_out):
                     a2a += 2 * path_time(links, BF16 * tokens / CP * channels / tp / CP, cluster, "a2a")  # fwd+bwd
             total += layers * (a2a + 6.0 * weights * tokens / group / dense_rate)
@@ -97,5 +96,6 @@ def with_extra_step(e, seconds: float):
     """Estimate ``e`` with ``seconds`` more per step (layout-independent layers): tokens/s and MFU follow (MFU keeps
     counting the attention model's FLOPs only)."""
     step = e.step_s + seconds
-    return dataclasses.replace(e, step_s=step, mfu=e.mfu * e.step_s / step,
-                               tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step)
+    return dataclasses.replace(
+        e, step_s=step, mfu=e.mfu * e.step_s / step, tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step
+    )

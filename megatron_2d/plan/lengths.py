@@ -13,7 +13,7 @@ Distributions (every one deterministic for a seed, summing to exactly ``total``,
 from __future__ import annotations
 
 import json
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ DISTRIBUTIONS = ("uniform", "lognormal", "one-half")
 
 def _fill(draw, total: int) -> np.ndarray:
     """Lengths from ``draw(n)`` until they reach ``total``; the last one is cut so that they sum to it."""
-    out: List[int] = []
+    out: list[int] = []
     acc = 0
     while acc < total:
         for x in draw(64):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Tuple
 
 from ..topology import PLACEMENTS, Layout2D
 
@@ -44,12 +43,12 @@ class LinkMap:
     of both rings.
     """
 
-    a2a: Tuple[LinkClass, ...]
-    inner: Tuple[LinkClass, ...]
-    outer: Tuple[LinkClass, ...]
+    a2a: tuple[LinkClass, ...]
+    inner: tuple[LinkClass, ...]
+    outer: tuple[LinkClass, ...]
 
     @staticmethod
-    def describe(classes: Tuple[LinkClass, ...]) -> str:
+    def describe(classes: tuple[LinkClass, ...]) -> str:
         """'nvlink', 'network', 'mixed' (some peers each way) or '-' (no traffic on this path)."""
         intra = any(c.intra_peers for c in classes)
         inter = any(c.inter_peers for c in classes)
@@ -58,7 +57,7 @@ class LinkMap:
         return "network" if inter else ("nvlink" if intra else "-")
 
 
-def peers(i: int, hp: int, cp: int, w: int, placement: str) -> Dict[str, List[int]]:
+def peers(i: int, hp: int, cp: int, w: int, placement: str) -> dict[str, list[int]]:
     """CP indices that CP index ``i`` sends to, per path: {'a2a': [...], 'inner': [...], 'outer': [...]}."""
     return Layout2D(hp * cp, hp, w, placement).send_peers(i)
 
@@ -77,11 +76,11 @@ def link_map(hp: int, cp: int, w: int, placement: str, tp: int, gpus_per_node: i
 @lru_cache(maxsize=4096)
 def _link_map(hp: int, cp: int, w: int, placement: str, tp: int, gpus_per_node: int, ranks: int) -> LinkMap:
     CP = hp * cp
-    per_rank: Dict[str, List[Tuple[int, int]]] = {"a2a": [], "inner": [], "outer": []}
-    node_flows: Dict[str, Dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}
+    per_rank: dict[str, list[tuple[int, int]]] = {"a2a": [], "inner": [], "outer": []}
+    node_flows: dict[str, dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}
     for g in range(ranks):
         i = (g // tp) % CP
-        base = g - tp * i                      # global rank of CP index 0 in this rank's group (same TP rank)
+        base = g - tp * i  # global rank of CP index 0 in this rank's group (same TP rank)
         node = g // gpus_per_node
         for path, idx in peers(i, hp, cp, w, placement).items():
             off = sum((base + tp * j) // gpus_per_node != node for j in idx)
@@ -89,7 +88,7 @@ def _link_map(hp: int, cp: int, w: int, placement: str, tp: int, gpus_per_node: 
             if off:
                 node_flows[path][node] = node_flows[path].get(node, 0) + 1
 
-    def classes(path: str, concurrent: Tuple[str, ...]) -> Tuple[LinkClass, ...]:
+    def classes(path: str, concurrent: tuple[str, ...]) -> tuple[LinkClass, ...]:
         out = set()
         for node, intra, inter in per_rank[path]:
             if intra or inter:

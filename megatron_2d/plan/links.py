@@ -42,8 +42,10 @@ LINK_CLASSES = ("nvlink", "network")
 TRAFFIC_KINDS = ("p2p", "a2a")
 FLAGS = {
     "nvlink_p2p": ("--nvlink-p2p-eff", "share of NVLink bandwidth a ring send gets (default 0.70)"),
-    "nvlink_a2a": ("--nvlink-a2a-eff", "share of NVLink bandwidth collectives get: all-to-all, all-gather, "
-                                       "reduce-scatter (default 0.80)"),
+    "nvlink_a2a": (
+        "--nvlink-a2a-eff",
+        "share of NVLink bandwidth collectives get: all-to-all, all-gather, reduce-scatter (default 0.80)",
+    ),
     "network_p2p": ("--net-p2p-eff", "share of a NIC's bandwidth a ring send gets (default 0.94)"),
     "network_a2a": ("--net-a2a-eff", "share of a NIC's bandwidth collectives get (default 0.80, assumed)"),
     "interference": ("--interference", "compute runs 1 + X times slower while its rank's transfers run (default 0)"),
@@ -68,8 +70,10 @@ class LinkEfficiency:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if f.name == "interference":
                 if not ok or value < 0:
-                    raise PlanError(f"link interference ({FLAGS[f.name][0]}) must be a finite number >= 0 (the "
-                                      f"slowdown of compute while transfers run, e.g. 0.1), got {value!r}")
+                    raise PlanError(
+                        f"link interference ({FLAGS[f.name][0]}) must be a finite number >= 0 (the "
+                        f"slowdown of compute while transfers run, e.g. 0.1), got {value!r}"
+                    )
             elif not ok or not 0 < value <= 1:
                 raise PlanError(f"link efficiency {f.name} ({FLAGS[f.name][0]}) must be in (0, 1], got {value!r}")
 
@@ -81,8 +85,10 @@ class LinkEfficiency:
 
     def describe(self) -> str:
         """'NVLink p2p 0.70 a2a 0.80, network p2p 0.94 a2a 0.80, interference 0'."""
-        return (f"NVLink p2p {self.nvlink_p2p:.2f} a2a {self.nvlink_a2a:.2f}, network p2p {self.network_p2p:.2f} "
-                f"a2a {self.network_a2a:.2f}, interference {self.interference:g}")
+        return (
+            f"NVLink p2p {self.nvlink_p2p:.2f} a2a {self.nvlink_a2a:.2f}, network p2p {self.network_p2p:.2f} "
+            f"a2a {self.network_a2a:.2f}, interference {self.interference:g}"
+        )
 
 
 IDEAL_LINKS = LinkEfficiency(1.0, 1.0, 1.0, 1.0, 0.0)

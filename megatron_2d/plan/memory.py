@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING
 
 from ..zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, layer_work, replicated_kv_heads
@@ -18,6 +18,7 @@ RECOMPUTE_MODES = ("none", "selective", "full", "ckpt++")
 """Activation recomputation: none; Megatron's selective recompute of core attention (--recompute-activations);
 Megatron's full-layer recompute (uniform, every layer); Selective Checkpoint++ (full recompute that keeps each
 layer's attention output + lse: 2D only). See :class:`MemoryBreakdown` and :func:`.step.recompute_extra_s`."""
+
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
@@ -94,16 +95,16 @@ class MemoryBreakdown:
             return self.layer_input + self.qkv + self.attn_out + self.lse
         raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
 
-    def activations(self, mode: str = "none", n: Optional[int] = None) -> float:
+    def activations(self, mode: str = "none", n: int | None = None) -> float:
         """Activation bytes with ``n`` layers recomputed under ``mode`` (None: all of them)."""
         n = self.layers if n is None or mode == "none" else n
         rebuilt = self.per_token_none if mode in ("full", "ckpt++") and n > 0 else 0.0
         return self.tokens * (n * self.kept_per_token(mode) + (self.layers - n) * self.per_token_none + rebuilt)
 
-    def total(self, mode: str = "none", n: Optional[int] = None) -> float:
+    def total(self, mode: str = "none", n: int | None = None) -> float:
         return self.activations(mode, n) + self.logits + self.comm_buffers + self.model_states
 
-    def layers_to_fit(self, mode: str, budget_bytes: float, step: int = 1) -> Optional[int]:
+    def layers_to_fit(self, mode: str, budget_bytes: float, step: int = 1) -> int | None:
         """The fewest recomputed layers (a multiple of ``step``, e.g. PP for per-stage block recompute) with which
         ``total(mode, n)`` fits ``budget_bytes``; None when even all layers do not fit."""
         # total(mode, n) for n >= 1 is linear in n: total(mode, 1) - (n - 1) * tokens * (A_none - kept)
@@ -114,16 +115,25 @@ class MemoryBreakdown:
         if saved <= 0:
             return None
         n = step + step * math.ceil((first - budget_bytes) / (saved * step) - 1e-12)
-        while n - step >= step and self.total(mode, n - step) <= budget_bytes:     # guard rounding
+        while n - step >= step and self.total(mode, n - step) <= budget_bytes:  # guard rounding
             n -= step
         while n <= self.layers and self.total(mode, n) > budget_bytes:
             n += step
         return n if n <= self.layers else None
 
 
-def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
-                     dkv_bytes_per_elem: int = FP32, kv_heads: Optional[int] = None,
-                     mla_ring: Optional[str] = None, packed: Optional["PackedWork"] = None) -> MemoryBreakdown:
+def memory_breakdown(
+    model: ModelSpec,
+    parallel: ParallelSpec,
+    hp: int,
+    cp: int,
+    w: int,
+    seq: int,
+    dkv_bytes_per_elem: int = FP32,
+    kv_heads: int | None = None,
+    mla_ring: str | None = None,
+    packed: PackedWork | None = None,
+) -> MemoryBreakdown:
     """The :class:`MemoryBreakdown` of one layout (``kv_heads``, ``dkv_bytes_per_elem``, ``mla_ring``: as
     :func:`.attention_time.layer_work`; the latent ring keeps the all-gathered latent, hp * (r + dr) per local
     token, for K/V).
@@ -139,28 +149,51 @@ def memory_breakdown(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int,
     kv_per_token = hp * model.mla.latent_width if mla_ring == "latent" else L * (dk + dv)
     tokens = B * seq / CP * (1.0 if packed is None else packed.token_fraction)
     fc1_out = (2 if model.gated_mlp else 1) * F
-    work = layer_work(model, parallel, hp, cp, seq, dkv_bytes_per_elem=dkv_bytes_per_elem, kv_heads=kv_heads,
-                      mla_ring=mla_ring)
+    work = layer_work(
+        model, parallel, hp, cp, seq, dkv_bytes_per_elem=dkv_bytes_per_elem, kv_heads=kv_heads, mla_ring=mla_ring
+    )
     nw = cp // w
     blocks = (2 + (1 if nw > 1 and w > 1 else 0)) * (work.kv_bytes + work.dkv_bytes) if cp > 1 else 0.0
-    if packed is not None:                  # the ring prefix, or two neighbour messages (K/V + dK/dV) in flight
+    if packed is not None:  # the ring prefix, or two neighbour messages (K/V + dK/dV) in flight
         prefix = packed.ring_fraction if packed.dense else packed.key_tokens / max(packed.messages, 1) / (seq / cp)
         blocks *= prefix if packed.ring_tokens else 0.0
     staging = BF16 * tokens * (Ht * (dk + dv) + kv_per_token) if hp > 1 else 0.0
-    states = state_bytes_per_rank(-(-model.total_params() // (tp * parallel.pp)), HybridZeRO("optimizer"),
-                                  parallel.dp_size, CP, param_bytes=BF16, grad_bytes=FP32)
+    states = state_bytes_per_rank(
+        -(-model.total_params() // (tp * parallel.pp)),
+        HybridZeRO("optimizer"),
+        parallel.dp_size,
+        CP,
+        param_bytes=BF16,
+        grad_bytes=FP32,
+    )
     return MemoryBreakdown(
-        tokens=tokens, layers=model.layers, layer_input=BF16 * D / tp,
-        dense_rest=BF16 * (3 * D + fc1_out + F) / tp, qkv=BF16 * (Ht * dk + kv_per_token), attn_out=BF16 * Ht * dv,
-        o_proj_in=BF16 * Ht * dv, lse=FP32 * Ht, logits=FP32 * tokens * model.vocab / tp,
+        tokens=tokens,
+        layers=model.layers,
+        layer_input=BF16 * D / tp,
+        dense_rest=BF16 * (3 * D + fc1_out + F) / tp,
+        qkv=BF16 * (Ht * dk + kv_per_token),
+        attn_out=BF16 * Ht * dv,
+        o_proj_in=BF16 * Ht * dv,
+        lse=FP32 * Ht,
+        logits=FP32 * tokens * model.vocab / tp,
         comm_buffers=blocks + staging,
-        model_states=float(sum(states.values())), sharded_states=float(states["optimizer"]))
+        model_states=float(sum(states.values())),
+        sharded_states=float(states["optimizer"]),
+    )
 
 
-def memory_bytes(model: ModelSpec, parallel: ParallelSpec, hp: int, cp: int, w: int, seq: int,
-                 recompute: str = "none", dkv_bytes_per_elem: int = FP32,
-                 kv_heads: Optional[int] = None, mla_ring: Optional[str] = None) -> Tuple[float, float]:
+def memory_bytes(
+    model: ModelSpec,
+    parallel: ParallelSpec,
+    hp: int,
+    cp: int,
+    w: int,
+    seq: int,
+    recompute: str = "none",
+    dkv_bytes_per_elem: int = FP32,
+    kv_heads: int | None = None,
+    mla_ring: str | None = None,
+) -> tuple[float, float]:
     """(total, activations) bytes per GPU under ``recompute`` (see :class:`MemoryBreakdown` for what is counted)."""
     mb = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_bytes_per_elem, kv_heads, mla_ring)
     return mb.total(recompute), mb.activations(recompute)
-

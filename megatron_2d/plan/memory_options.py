@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
 
 from ..zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, GB
@@ -112,42 +111,51 @@ class MemoryOption:
     def flags(self, kind: str, dp: int, cp: int) -> str:
         """The command-line arguments that turn this option on for ``kind`` (DeepSpeed's config for ds-ulysses)."""
         if kind == "ds-ulysses":
-            return (f"; DeepSpeed zero_optimization.stage {self.zero_stage} over "
-                    f"{self.zero.resolved_shard_size(dp, cp)} ranks")
+            return (
+                f"; DeepSpeed zero_optimization.stage {self.zero_stage} over "
+                f"{self.zero.resolved_shard_size(dp, cp)} ranks"
+            )
         return " ".join(self.zero.megatron_cli_args(dp, cp))
 
 
-def _zero(states: str, shard: Optional[int], opt_shard: Optional[int] = None) -> HybridZeRO:
-    return HybridZeRO(sharded_states=states, shard_size=shard, optimizer_shard_size=opt_shard,
-                      overlap_param_gather=True)
+def _zero(states: str, shard: int | None, opt_shard: int | None = None) -> HybridZeRO:
+    return HybridZeRO(
+        sharded_states=states, shard_size=shard, optimizer_shard_size=opt_shard, overlap_param_gather=True
+    )
 
 
-def stock_options(dp: int, cp: int) -> Tuple[MemoryOption, ...]:
+def stock_options(dp: int, cp: int) -> tuple[MemoryOption, ...]:
     """Megatron's own: the distributed optimizer, and megatron-fsdp's two sharding strategies over all D ranks."""
     out = [MemoryOption("dist-opt", _zero("optimizer", None), 0)]
     if dp * cp > 1:
-        out += [MemoryOption("fsdp-z2", _zero("optimizer+grads", None), 4),
-                MemoryOption("fsdp-z3", _zero("optimizer+grads+params", None), 8)]
+        out += [
+            MemoryOption("fsdp-z2", _zero("optimizer+grads", None), 4),
+            MemoryOption("fsdp-z3", _zero("optimizer+grads+params", None), 8),
+        ]
     return tuple(out)
 
 
-def hybrid_zero_options(dp: int, cp: int, ranks_per_node: int, wider_optimizer: bool) -> Tuple[MemoryOption, ...]:
+def hybrid_zero_options(dp: int, cp: int, ranks_per_node: int, wider_optimizer: bool) -> tuple[MemoryOption, ...]:
     """LoongTrain's Hybrid ZeRO: Megatron's own options (over all D ranks) and each sharded_states over S in {CP,
     ranks of the group on one node} (1 < S < D, dividing D); ``wider_optimizer``: also ZeRO-3 over S < D with the
     optimizer states over all D."""
     D = dp * cp
     sizes = sorted({s for s in (cp, ranks_per_node) if 1 < s < D and D % s == 0}, reverse=True)
-    out = list(stock_options(dp, cp))                     # over all D ranks: Megatron's own options
+    out = list(stock_options(dp, cp))  # over all D ranks: Megatron's own options
     for stage, states in ((1, "optimizer"), (2, "optimizer+grads"), (3, "optimizer+grads+params")):
         out += [MemoryOption(f"hz-z{stage}/{s}", _zero(states, s), 4 * (stage - 1) + 1) for s in sizes]
     if wider_optimizer:
-        out += [MemoryOption(f"hz-z3/{s}+opt/{D}", _zero("optimizer+grads+params", s, opt_shard=D), 11)
-                for s in sizes if s < D]
+        out += [
+            MemoryOption(f"hz-z3/{s}+opt/{D}", _zero("optimizer+grads+params", s, opt_shard=D), 11)
+            for s in sizes
+            if s < D
+        ]
     return tuple(out)
 
 
-def memory_options(kind: str, parallel: ParallelSpec, cluster: ClusterSpec, policy: MemoryPolicy,
-                   cp_size: Optional[int] = None) -> Tuple[MemoryOption, ...]:
+def memory_options(
+    kind: str, parallel: ParallelSpec, cluster: ClusterSpec, policy: MemoryPolicy, cp_size: int | None = None
+) -> tuple[MemoryOption, ...]:
     """The options ``kind`` tries under ``policy`` (see the module docstring)."""
     dp, cp = parallel.dp_size, cp_size or parallel.cp_size
     if policy.choice == "dist-opt":
@@ -159,6 +167,7 @@ def memory_options(kind: str, parallel: ParallelSpec, cluster: ClusterSpec, poli
 
 
 # -- communication --------------------------------------------------------------------------------------------------
+
 
 def collective_s(buffer_bytes: float, n: int, stride: int, cluster: ClusterSpec) -> float:
     """Seconds of a ring all-gather or reduce-scatter of a ``buffer_bytes`` buffer (the gathered size) over ``n``
@@ -215,8 +224,16 @@ class ShardingCost:
         return self.optimizer + (self.grads if stage >= 2 else 0.0) + (self.params if stage == 3 else 0.0)
 
 
-def sharding_cost(option: MemoryOption, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, cp_size: int,
-                  fwd_compute_s: float, bwd_compute_s: float, accum_steps: int = 1) -> ShardingCost:
+def sharding_cost(
+    option: MemoryOption,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    parallel: ParallelSpec,
+    cp_size: int,
+    fwd_compute_s: float,
+    bwd_compute_s: float,
+    accum_steps: int = 1,
+) -> ShardingCost:
     """The memory parts and per-layer communication of ``option`` for a layout with ``cp_size`` (see the module
     docstring); ``fwd_compute_s`` / ``bwd_compute_s``: one layer's forward / backward compute it overlaps."""
     tp, dp = parallel.tp, parallel.dp_size
@@ -229,22 +246,39 @@ def sharding_cost(option: MemoryOption, model: ModelSpec, cluster: ClusterSpec, 
     gathered = (2 * layer * BF16 if stage == 3 else 0.0) + (layer * FP32 if stage >= 2 else 0.0)
     P, G = model.total_params() / (tp * model.layers) * BF16, model.total_params() / (tp * model.layers) * FP32
     ag, rs = collective_s(P, S, tp, cluster), collective_s(G, S, tp, cluster)
-    outer = D // S                                   # instances of each shard (partial sharding; 1 when S = D)
+    outer = D // S  # instances of each shard (partial sharding; 1 when S = D)
     ar_out = 2 * collective_s(G / S, outer, tp * S, cluster)
     fwd = ag if stage == 3 else ag / m
     bwd = {1: rs / m, 2: rs, 3: ag + rs}[stage] + ar_out / m
     x = cluster.links.interference
     exposed = (overlapped(fwd_compute_s, fwd, x) - fwd_compute_s) + (overlapped(bwd_compute_s, bwd, x) - bwd_compute_s)
-    frac = lambda n: (n - 1) / n if n > 1 else 0.0                                                # noqa: E731
+    frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
     per_mb_ag = (2 if stage == 3 else 1 / m) * frac(S) * P
     per_mb_rs = (1 if stage >= 2 else 1 / m) * frac(S) * G + 2 * frac(outer) * G / S / m
-    return ShardingCost(option, float(parts["params"]), float(parts["grads"]), float(parts["optimizer"]), gathered,
-                        gather_bytes=per_mb_ag * model.layers, scatter_bytes=per_mb_rs * model.layers,
-                        fwd_comm_s=fwd, bwd_comm_s=bwd, exposed_s=exposed, links=collective_links(S, tp, cluster))
+    return ShardingCost(
+        option,
+        float(parts["params"]),
+        float(parts["grads"]),
+        float(parts["optimizer"]),
+        gathered,
+        gather_bytes=per_mb_ag * model.layers,
+        scatter_bytes=per_mb_rs * model.layers,
+        fwd_comm_s=fwd,
+        bwd_comm_s=bwd,
+        exposed_s=exposed,
+        links=collective_links(S, tp, cluster),
+    )
 
 
-def with_memory(e: Estimate, option: MemoryOption, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-                cp_size: int, accum_steps: int = 1) -> Estimate:
+def with_memory(
+    e: Estimate,
+    option: MemoryOption,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    parallel: ParallelSpec,
+    cp_size: int,
+    accum_steps: int = 1,
+) -> Estimate:
     """``e`` (recompute none) with its model states held as ``option``: memory parts from the option, its exposed
     sharding communication added to every layer of the step (MFU and tokens/s follow)."""
     if e.recompute != "none":
@@ -255,29 +289,56 @@ def with_memory(e: Estimate, option: MemoryOption, model: ModelSpec, cluster: Cl
     before = e.states.exposed_s if e.states is not None else 0.0
     step = e.step_s + e.layers * (cost.exposed_s - before)
     mem = dataclasses.replace(e.memory, model_states=cost.model_states, sharded_states=cost.sharded)
-    return dataclasses.replace(e, memory=mem, states=cost, step_s=step, mfu=e.mfu * e.step_s / step,
-                               tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step,
-                               memory_gb=mem.total("none") / GB)
+    return dataclasses.replace(
+        e,
+        memory=mem,
+        states=cost,
+        step_s=step,
+        mfu=e.mfu * e.step_s / step,
+        tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step,
+        memory_gb=mem.total("none") / GB,
+    )
 
 
-def states_record(cost: Optional[ShardingCost]) -> Optional[Dict[str, object]]:
+def states_record(cost: ShardingCost | None) -> dict[str, object] | None:
     """The JSON form of a ShardingCost (GB, MB, ms), None for None."""
     if cost is None:
         return None
-    return {"option": cost.option.label, "sharded_states": cost.option.zero.sharded_states,
-            "params_gb": round(cost.params / GB, 3), "grads_gb": round(cost.grads / GB, 3),
-            "optimizer_gb": round(cost.optimizer / GB, 3), "gathered_gb": round(cost.gathered / GB, 3),
-            "all_gather_mb": round(cost.gather_bytes / 1e6, 2), "reduce_scatter_mb": round(cost.scatter_bytes / 1e6, 2),
-            "exposed_ms_per_layer": round(cost.exposed_s * 1e3, 4), "links": cost.links}
+    return {
+        "option": cost.option.label,
+        "sharded_states": cost.option.zero.sharded_states,
+        "params_gb": round(cost.params / GB, 3),
+        "grads_gb": round(cost.grads / GB, 3),
+        "optimizer_gb": round(cost.optimizer / GB, 3),
+        "gathered_gb": round(cost.gathered / GB, 3),
+        "all_gather_mb": round(cost.gather_bytes / 1e6, 2),
+        "reduce_scatter_mb": round(cost.scatter_bytes / 1e6, 2),
+        "exposed_ms_per_layer": round(cost.exposed_s * 1e3, 4),
+        "links": cost.links,
+    }
 
 
 def describe(cost: ShardingCost, layers: int) -> str:
     """One line: the option, its state parts and its traffic."""
-    return (f"{cost.option.label}: params {cost.params / GB:.1f} + grads {cost.grads / GB:.1f} + optimizer "
-            f"{cost.optimizer / GB:.1f} + gathered {cost.gathered / GB:.1f} GB; per micro-batch all-gather "
-            f"{cost.gather_bytes / GB:.2f} GB, reduce-scatter {cost.scatter_bytes / GB:.2f} GB on {cost.links}, "
-            f"exposed {layers * cost.exposed_s * 1e3:.1f} ms")
+    return (
+        f"{cost.option.label}: params {cost.params / GB:.1f} + grads {cost.grads / GB:.1f} + optimizer "
+        f"{cost.optimizer / GB:.1f} + gathered {cost.gathered / GB:.1f} GB; per micro-batch all-gather "
+        f"{cost.gather_bytes / GB:.2f} GB, reduce-scatter {cost.scatter_bytes / GB:.2f} GB on {cost.links}, "
+        f"exposed {layers * cost.exposed_s * 1e3:.1f} ms"
+    )
 
 
-__all__ = ["CHOICES", "DIST_OPT", "MemoryOption", "MemoryPolicy", "ShardingCost", "collective_s", "hybrid_zero_options",
-           "memory_options", "sharding_cost", "states_record", "stock_options", "with_memory"]
+__all__ = [
+    "CHOICES",
+    "DIST_OPT",
+    "MemoryOption",
+    "MemoryPolicy",
+    "ShardingCost",
+    "collective_s",
+    "hybrid_zero_options",
+    "memory_options",
+    "sharding_cost",
+    "states_record",
+    "stock_options",
+    "with_memory",
+]

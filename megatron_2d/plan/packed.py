@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 import numpy as np
 
@@ -61,7 +60,7 @@ class PackedWork:
     """max / mean - 1 of attention pairs over the context ranks."""
     long_documents: int
     """Documents sharded over the context ranks (all of them in zigzag)."""
-    window: Optional[int] = None
+    window: int | None = None
     """The causal sliding window (tokens back) this work is for; None: none."""
     dense: bool = True
     """Every context rank sees keys of every other (the op runs the ring); else the neighbour exchange."""
@@ -71,12 +70,12 @@ class PackedWork:
     """Neighbour exchange: key tokens the busiest rank sends per pass, over its messages (per sequence)."""
 
 
-def modes_for(kind: str) -> Tuple[str, ...]:
+def modes_for(kind: str) -> tuple[str, ...]:
     """The packed modes a kind can run: ours both, stock kinds Megatron's THD zigzag."""
     return PACKED_MODES if kind == "2d" else ("zigzag",)
 
 
-def window_pairs(position: np.ndarray, left: Optional[int]) -> np.ndarray:
+def window_pairs(position: np.ndarray, left: int | None) -> np.ndarray:
     """Visible pairs of the first ``position`` tokens of a document (each query t sees min(t, left) + 1 keys)."""
     t = np.asarray(position, dtype=np.int64)
     if left is None:
@@ -85,13 +84,13 @@ def window_pairs(position: np.ndarray, left: Optional[int]) -> np.ndarray:
     return head * (head + 1) // 2 + np.maximum(t - left - 1, 0) * (left + 1)
 
 
-def _run_pairs(runs: Runs, views: int, left: Optional[int]) -> np.ndarray:
+def _run_pairs(runs: Runs, views: int, left: int | None) -> np.ndarray:
     """[views] visible pairs each view computes: a run of tokens pos .. pos + n - 1 holds f(pos + n) - f(pos)."""
     pairs_ = window_pairs(runs.pos + runs.length, left) - window_pairs(runs.pos, left)
     return np.bincount(runs.view, weights=pairs_, minlength=views)
 
 
-def _exchange(runs: Runs, cp: int, left: Optional[int]) -> Tuple[bool, int, int]:
+def _exchange(runs: Runs, cp: int, left: int | None) -> tuple[bool, int, int]:
     """(dense, messages, key tokens) of the op's choice: the ring unless some pair of context ranks sees nothing
     of each other (the same rule and budget as PackedLayout.neighbour_keys); then the busiest sender's messages."""
     if cp == 1:
@@ -116,16 +115,23 @@ def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str) -> P
     span = (hp * cp if placement == "head_first" else cp) * tp
     link = cluster.nvlink_gbps if span <= cluster.gpus_per_node else cluster.nic_gbps
     heads, kv_heads = max(model.heads // tp // hp, 1), max(model.kv_heads // tp // hp, 1)
-    cost = PackingCost.from_hardware(cluster.peak_tflops * cluster.attn_efficiency, link, q_heads=heads,
-                                     kv_heads=kv_heads, head_dim=model.head_dim, step_us=cluster.step_latency_us)
+    cost = PackingCost.from_hardware(
+        cluster.peak_tflops * cluster.attn_efficiency,
+        link,
+        q_heads=heads,
+        kv_heads=kv_heads,
+        head_dim=model.head_dim,
+        step_us=cluster.step_latency_us,
+    )
     # a view of hp * t_local slots is t_local tokens on each of its hp ranks: per view slot, 1 / hp of a token
     token_s = 6.0 * model.layer_params() / tp / hp / (cluster.peak_tflops * 1e12 * cluster.dense_efficiency)
     return dataclasses.replace(cost, token_s=token_s)
 
 
 @functools.lru_cache(maxsize=256)
-def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mode: str,
-                 left: Optional[int], cost: Optional[PackingCost]) -> PackedWork:
+def _packed_work(
+    lengths: tuple[int, ...], hp: int, cp: int, placement: str, mode: str, left: int | None, cost: PackingCost | None
+) -> PackedWork:
     cu = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
     S = int(cu[-1])
     CP = hp * cp
@@ -149,19 +155,35 @@ def _packed_work(lengths: Tuple[int, ...], hp: int, cp: int, placement: str, mod
     p = _run_pairs(runs, cp, left)
     base = float(pairs([S])[0]) / cp
     dense, messages, key_tokens = _exchange(runs, cp, left) if ring_tokens else (True, 0, 0)
-    return PackedWork(mode=mode, flops_fraction=float(p.max()) / base,
-                      ring_fraction=(ring_tokens / (S / cp)) if cp > 1 else 0.0,
-                      token_fraction=t_local / (S / CP),
-                      useful_fraction=float(window_pairs(np.diff(cu), left).sum()) / (S * S / 2.0),
-                      ring_tokens=ring_tokens if cp > 1 else 0, padding_tokens=padding,
-                      pair_imbalance=float(p.max() / p.mean() - 1.0) if p.mean() > 0 else 0.0,
-                      long_documents=long_docs, window=left, dense=dense, messages=messages, key_tokens=key_tokens)
+    return PackedWork(
+        mode=mode,
+        flops_fraction=float(p.max()) / base,
+        ring_fraction=(ring_tokens / (S / cp)) if cp > 1 else 0.0,
+        token_fraction=t_local / (S / CP),
+        useful_fraction=float(window_pairs(np.diff(cu), left).sum()) / (S * S / 2.0),
+        ring_tokens=ring_tokens if cp > 1 else 0,
+        padding_tokens=padding,
+        pair_imbalance=float(p.max() / p.mean() - 1.0) if p.mean() > 0 else 0.0,
+        long_documents=long_docs,
+        window=left,
+        dense=dense,
+        messages=messages,
+        key_tokens=key_tokens,
+    )
 
 
-def packed_work(lengths, hp: int, cp: int, placement: str, mode: str, window: Optional[int] = None,
-                cost: Optional[PackingCost] = None) -> PackedWork:
+def packed_work(
+    lengths, hp: int, cp: int, placement: str, mode: str, window: int | None = None, cost: PackingCost | None = None
+) -> PackedWork:
     """The :class:`PackedWork` of documents of ``lengths`` for the 2D layout (hp, cp) in ``mode`` under a causal
     sliding window of ``window`` tokens back (None: none), the documents mode placed by ``cost`` (see
     :func:`packing_cost`; None: the op's default), cached."""
-    return _packed_work(tuple(int(x) for x in lengths), int(hp), int(cp), str(placement), str(mode),
-                        None if window is None else int(window), cost)
+    return _packed_work(
+        tuple(int(x) for x in lengths),
+        int(hp),
+        int(cp),
+        str(placement),
+        str(mode),
+        None if window is None else int(window),
+        cost,
+    )

@@ -3,28 +3,73 @@ rank them by predicted step time."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..topology import divisors
-from .candidates import (KINDS, RECOMPUTE_BY_KIND, STOCK_KINDS, Layout, check_layout, enumerate_layouts,
-                         kind_dkv_comm_dtype, kind_kv_heads, megatron_flags)
 from .attention_time import RIDER_BYTES
-from .memory import RECOMPUTE_MODES
-from .step import Estimate, combine_layers, estimate, with_recompute
+from .candidates import (
+    KINDS,
+    RECOMPUTE_BY_KIND,
+    STOCK_KINDS,
+    Layout,
+    check_layout,
+    enumerate_layouts,
+    kind_dkv_comm_dtype,
+    kind_kv_heads,
+    megatron_flags,
+)
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
 from .hybrid import HybridPattern, with_extra_step
+from .memory import RECOMPUTE_MODES
 from .memory_options import MemoryPolicy, memory_options, states_record, with_memory
 from .packed import PackedWork, modes_for, packed_work, packing_cost
+from .step import Estimate, combine_layers, estimate, with_recompute
 
 AUTO = "auto"
 """``recompute=AUTO``: try every mode the kind supports and keep the fastest that fits in memory."""
 
-ROW_KEYS = ("kind", "hp", "cp", "w", "placement", "label", "feasible", "fits_memory", "reason", "note", "flags",
-            "recompute", "time_ms", "compute_ms", "comm_ms", "a2a_ms", "ring_exposed_ms", "comm_total_ms",
-            "recompute_ms", "recompute_layers", "step_ms", "mfu", "tokens_per_gpu_s", "memory_gb", "activation_gb",
-            "memory_budget_gb", "memory_parts_gb", "kv_heads_per_rank", "dkv_comm_dtype", "nvlink_mb", "network_mb",
-            "links", "recompute_options", "packing", "packed", "memory_option", "states", "memory_options", "mla_ring")
+ROW_KEYS = (
+    "kind",
+    "hp",
+    "cp",
+    "w",
+    "placement",
+    "label",
+    "feasible",
+    "fits_memory",
+    "reason",
+    "note",
+    "flags",
+    "recompute",
+    "time_ms",
+    "compute_ms",
+    "comm_ms",
+    "a2a_ms",
+    "ring_exposed_ms",
+    "comm_total_ms",
+    "recompute_ms",
+    "recompute_layers",
+    "step_ms",
+    "mfu",
+    "tokens_per_gpu_s",
+    "memory_gb",
+    "activation_gb",
+    "memory_budget_gb",
+    "memory_parts_gb",
+    "kv_heads_per_rank",
+    "dkv_comm_dtype",
+    "nvlink_mb",
+    "network_mb",
+    "links",
+    "recompute_options",
+    "packing",
+    "packed",
+    "memory_option",
+    "states",
+    "memory_options",
+    "mla_ring",
+)
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
@@ -41,15 +86,15 @@ class Candidate:
     feasible: bool
     reason: str
     flags: str
-    estimate: Optional[Estimate] = None
-    options: Tuple[Estimate, ...] = ()
+    estimate: Estimate | None = None
+    options: tuple[Estimate, ...] = ()
     note: str = ""
-    memory_budget_gb: Optional[float] = None
-    dkv_comm_dtype: Optional[str] = None
+    memory_budget_gb: float | None = None
+    dkv_comm_dtype: str | None = None
     """How the row's dK/dV riders travel: "accumulator" (fp32) or "input" (bf16)."""
-    packing: Optional[str] = None
+    packing: str | None = None
     """Packed documents: the mode this row runs ("zigzag": Megatron/TE THD; "documents": ours); None unpacked."""
-    packed: Optional[PackedWork] = None
+    packed: PackedWork | None = None
 
     kind = property(lambda self: self.layout.kind)
     hp = property(lambda self: self.layout.hp)
@@ -63,54 +108,72 @@ class Candidate:
         return self.estimate is not None
 
     @property
-    def fits_memory(self) -> Optional[bool]:
+    def fits_memory(self) -> bool | None:
         """The estimate's peak memory fits the budget (None when the layout cannot run)."""
         if self.estimate is None or self.memory_budget_gb is None:
             return None
         return self.estimate.memory_gb <= self.memory_budget_gb
 
     @property
-    def recompute(self) -> Optional[str]:
+    def recompute(self) -> str | None:
         """The recompute mode of ``estimate`` (None when the layout cannot run)."""
         return self.estimate.recompute if self.estimate else None
 
     @property
-    def time_ms(self) -> Optional[float]:
+    def time_ms(self) -> float | None:
         """Attention forward + backward of one layer, ms (None when the layout cannot run)."""
         return self.estimate.time_s * 1e3 if self.estimate else None
 
     @property
-    def step_ms(self) -> Optional[float]:
+    def step_ms(self) -> float | None:
         """Whole model, one micro-batch, recompute included, ms (None when the layout cannot run)."""
         return self.estimate.step_s * 1e3 if self.estimate else None
 
-    def to_dict(self) -> Dict[str, object]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-ready record with exactly the keys ``ROW_KEYS`` (times in ms, memory in GB, MFU as a fraction,
         links as nvlink/network/mixed/-); values that do not apply are None."""
         e = self.estimate
-        ms = lambda s: round(s * 1e3, 4)                                                     # noqa: E731
+        ms = lambda s: round(s * 1e3, 4)  # noqa: E731
         opts = mem_opts = None
         if self.options:
             budget = self.memory_budget_gb
             opts = {m: None for m in RECOMPUTE_MODES}
             for o in self.options:
                 if o.states is not None and e.states is not None and o.states.option != e.states.option:
-                    continue                                  # recompute options of the chosen memory option
-                opts[o.recompute] = {"step_ms": ms(o.step_s), "recompute_ms": ms(o.recompute_s),
-                                     "recompute_layers": o.recompute_layers,
-                                     "memory_gb": round(o.memory_gb, 2),
-                                     "fits_memory": None if budget is None else o.memory_gb <= budget}
+                    continue  # recompute options of the chosen memory option
+                opts[o.recompute] = {
+                    "step_ms": ms(o.step_s),
+                    "recompute_ms": ms(o.recompute_s),
+                    "recompute_layers": o.recompute_layers,
+                    "memory_gb": round(o.memory_gb, 2),
+                    "fits_memory": None if budget is None else o.memory_gb <= budget,
+                }
             mem_opts = {}
             for label in dict.fromkeys(o.states.option.label for o in self.options if o.states is not None):
-                best, fits = choose_recompute([o for o in self.options if o.states.option.label == label],
-                                              budget if budget is not None else float("inf"))
-                mem_opts[label] = {"recompute": best.recompute, "recompute_layers": best.recompute_layers,
-                                   "step_ms": ms(best.step_s), "memory_gb": round(best.memory_gb, 2),
-                                   "fits_memory": fits if budget is not None else None}
-        d: Dict[str, object] = {
-            "kind": self.kind, "hp": self.hp, "cp": self.cp, "w": self.w, "placement": self.placement,
-            "label": self.layout.label(), "feasible": self.feasible, "fits_memory": self.fits_memory,
-            "reason": self.reason, "note": self.note, "flags": self.flags, "recompute": self.recompute,
+                best, fits = choose_recompute(
+                    [o for o in self.options if o.states.option.label == label],
+                    budget if budget is not None else float("inf"),
+                )
+                mem_opts[label] = {
+                    "recompute": best.recompute,
+                    "recompute_layers": best.recompute_layers,
+                    "step_ms": ms(best.step_s),
+                    "memory_gb": round(best.memory_gb, 2),
+                    "fits_memory": fits if budget is not None else None,
+                }
+        d: dict[str, object] = {
+            "kind": self.kind,
+            "hp": self.hp,
+            "cp": self.cp,
+            "w": self.w,
+            "placement": self.placement,
+            "label": self.layout.label(),
+            "feasible": self.feasible,
+            "fits_memory": self.fits_memory,
+            "reason": self.reason,
+            "note": self.note,
+            "flags": self.flags,
+            "recompute": self.recompute,
             "time_ms": ms(e.time_s) if e else None,
             "compute_ms": ms(e.compute_s) if e else None,
             "comm_ms": ms(e.comm_s) if e else None,
@@ -125,13 +188,20 @@ class Candidate:
             "memory_gb": round(e.memory_gb, 2) if e else None,
             "activation_gb": round(e.activation_gb, 2) if e else None,
             "memory_budget_gb": None if self.memory_budget_gb is None else round(self.memory_budget_gb, 2),
-            "memory_parts_gb": ({"activations": round(e.activation_gb, 2),
-                                 **({k: round(getattr(e.states, k) / 1e9, 2)
-                                     for k in ("params", "grads", "optimizer", "gathered")} if e.states else
-                                    {"model_states": round(e.memory.model_states / 1e9, 2)}),
-                                 "logits": round(e.memory.logits / 1e9, 2),
-                                 "comm_buffers": round(e.memory.comm_buffers / 1e9, 2)}
-                                if e and e.memory else None),
+            "memory_parts_gb": (
+                {
+                    "activations": round(e.activation_gb, 2),
+                    **(
+                        {k: round(getattr(e.states, k) / 1e9, 2) for k in ("params", "grads", "optimizer", "gathered")}
+                        if e.states
+                        else {"model_states": round(e.memory.model_states / 1e9, 2)}
+                    ),
+                    "logits": round(e.memory.logits / 1e9, 2),
+                    "comm_buffers": round(e.memory.comm_buffers / 1e9, 2),
+                }
+                if e and e.memory
+                else None
+            ),
             "kv_heads_per_rank": e.work.kv_heads_per_rank if e else None,
             "dkv_comm_dtype": self.dkv_comm_dtype if e else None,
             "nvlink_mb": round(e.intra_bytes / 1e6, 2) if e else None,
@@ -139,12 +209,19 @@ class Candidate:
             "links": {p: e.links.describe(getattr(e.links, p)) for p in ("a2a", "inner", "outer")} if e else None,
             "recompute_options": opts,
             "packing": self.packing,
-            "packed": ({"flops_fraction": round(self.packed.flops_fraction, 4),
-                        "ring_fraction": round(self.packed.ring_fraction, 4),
-                        "token_fraction": round(self.packed.token_fraction, 4),
-                        "ring_tokens": self.packed.ring_tokens, "padding_tokens": self.packed.padding_tokens,
-                        "pair_imbalance": round(self.packed.pair_imbalance, 4),
-                        "long_documents": self.packed.long_documents} if self.packed else None),
+            "packed": (
+                {
+                    "flops_fraction": round(self.packed.flops_fraction, 4),
+                    "ring_fraction": round(self.packed.ring_fraction, 4),
+                    "token_fraction": round(self.packed.token_fraction, 4),
+                    "ring_tokens": self.packed.ring_tokens,
+                    "padding_tokens": self.packed.padding_tokens,
+                    "pair_imbalance": round(self.packed.pair_imbalance, 4),
+                    "long_documents": self.packed.long_documents,
+                }
+                if self.packed
+                else None
+            ),
             "memory_option": e.states.option.label if e and e.states else None,
             "states": states_record(e.states) if e else None,
             "memory_options": mem_opts,
@@ -169,20 +246,21 @@ def validate_job(model: ModelSpec, parallel: ParallelSpec, seq: int) -> None:
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
         raise PlanError(f"sequence length must be a positive integer, got {seq!r}")
     if model.heads % parallel.tp or model.kv_heads % parallel.tp:
-        raise PlanError(f"tp={parallel.tp} must divide heads={model.heads} and kv_heads={model.kv_heads}; valid tp: "
-                        f"{divisors(model.kv_heads)}")
+        raise PlanError(
+            f"tp={parallel.tp} must divide heads={model.heads} and kv_heads={model.kv_heads}; valid tp: "
+            f"{divisors(model.kv_heads)}"
+        )
     if model.layers % parallel.pp:
-        raise PlanError(f"pp={parallel.pp} does not divide layers={model.layers}; valid pp: "
-                        f"{divisors(model.layers)}")
+        raise PlanError(f"pp={parallel.pp} does not divide layers={model.layers}; valid pp: {divisors(model.layers)}")
 
 
-def kind_recompute_modes(kind: str, fair: bool = False) -> Tuple[str, ...]:
+def kind_recompute_modes(kind: str, fair: bool = False) -> tuple[str, ...]:
     """The recompute modes ``kind`` can use; ``fair`` (--fair-memory): stock kinds get Selective Checkpoint++ too,
     hypothetically (Megatron has no such option)."""
     return RECOMPUTE_MODES if fair and kind in STOCK_KINDS else RECOMPUTE_BY_KIND[kind]
 
 
-def _modes(kind: str, recompute: Union[str, Sequence[str]], fair: bool = False) -> Tuple[str, ...]:
+def _modes(kind: str, recompute: str | Sequence[str], fair: bool = False) -> tuple[str, ...]:
     allowed = kind_recompute_modes(kind, fair)
     wanted = allowed if recompute == AUTO else ((recompute,) if isinstance(recompute, str) else tuple(recompute))
     for m in wanted:
@@ -191,10 +269,11 @@ def _modes(kind: str, recompute: Union[str, Sequence[str]], fair: bool = False) 
     return tuple(m for m in RECOMPUTE_MODES if m in wanted and m in allowed)
 
 
-def choose_recompute(options: Sequence[Estimate], budget_gb: float) -> Tuple[Estimate, bool]:
+def choose_recompute(options: Sequence[Estimate], budget_gb: float) -> tuple[Estimate, bool]:
     """(chosen estimate, fits): the fastest option (step time) whose memory fits ``budget_gb``, ties to the
     simpler memory option, then to the earlier (cheaper) recompute mode; when none fits, the one with the least
     memory and False."""
+
     def simpler(o: Estimate):
         return (o.states.option.rank if o.states is not None else 0, RECOMPUTE_MODES.index(o.recompute))
 
@@ -213,19 +292,19 @@ def _fewest_layers(base: Estimate, mode: str, budget_gb: float, pp: int) -> Esti
     return with_recompute(base, mode)
 
 
-Window = Union[None, int, Sequence[Optional[int]]]
+Window = int | Sequence[int | None] | None
 """A sliding window for every layer (tokens back; None: full causal), or a per-layer pattern repeated over the
 layers (e.g. (4096, None): every other layer windowed, as gpt-oss alternates)."""
 
 
-def layer_windows(window: Window, layers: int) -> Dict[Optional[int], int]:
+def layer_windows(window: Window, layers: int) -> dict[int | None, int]:
     """{window: number of layers with it}; a sequence is a per-layer pattern, repeated cyclically over ``layers``."""
     if window is None or isinstance(window, int):
         return {window: layers}
     pattern = list(window)
     if not pattern:
         raise PlanError("a per-layer window pattern needs at least one entry (a window in tokens or None)")
-    out: Dict[Optional[int], int] = {}
+    out: dict[int | None, int] = {}
     for i in range(layers):
         w = pattern[i % len(pattern)]
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
@@ -234,11 +313,21 @@ def layer_windows(window: Window, layers: int) -> Dict[Optional[int], int]:
     return out
 
 
-def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str],
-             parallel: ParallelSpec, seq: int, causal: bool = True, window: Window = None,
-             recompute: Union[str, Sequence[str]] = AUTO, dkv_comm_dtype: str = "accumulator",
-             lengths: Optional[Sequence[int]] = None, packing: Optional[str] = None,
-             hybrid: Optional[HybridPattern] = None, memory: MemoryPolicy = MemoryPolicy()) -> Candidate:
+def evaluate(
+    layout: Layout,
+    model: ModelSpec | str,
+    cluster: ClusterSpec | str,
+    parallel: ParallelSpec,
+    seq: int,
+    causal: bool = True,
+    window: Window = None,
+    recompute: str | Sequence[str] = AUTO,
+    dkv_comm_dtype: str = "accumulator",
+    lengths: Sequence[int] | None = None,
+    packing: str | None = None,
+    hybrid: HybridPattern | None = None,
+    memory: MemoryPolicy = MemoryPolicy(),
+) -> Candidate:
     """Check and, when the layout can run, estimate it under each memory option and recompute mode and keep the
     fastest that fits.
 
@@ -260,17 +349,21 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
         model = hybrid.attention_model(model)
     validate_job(model, parallel, seq)
     if dkv_comm_dtype not in RIDER_BYTES:
-        raise PlanError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)} (the op's names: "
-                        f"'accumulator' sends fp32 dK/dV, 'input' the input dtype)")
+        raise PlanError(
+            f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)} (the op's names: "
+            f"'accumulator' sends fp32 dK/dV, 'input' the input dtype)"
+        )
     budget = cluster.memory_budget_gb
     mix = layer_windows(window, model.layers)
     windowed = next((w for w in mix if w is not None), None)
     reason = check_layout(layout, model, parallel, seq, windowed)
     modes = _modes(layout.kind, recompute, memory.fair) if layout.kind in RECOMPUTE_BY_KIND else ()
     if not reason and not modes:
-        reason = (f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only; "
-                  f"--fair-memory lends it to stock); {layout.kind} supports: "
-                  f"{', '.join(kind_recompute_modes(layout.kind, memory.fair))}")
+        reason = (
+            f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only; "
+            f"--fair-memory lends it to stock); {layout.kind} supports: "
+            f"{', '.join(kind_recompute_modes(layout.kind, memory.fair))}"
+        )
     packed = None
     note = ""
     if lengths is not None:
@@ -287,52 +380,107 @@ def evaluate(layout: Layout, model: Union[ModelSpec, str], cluster: Union[Cluste
             note = "documents mode: run examples/pretrain_gpt_2d.py (its data path splits the batch)"
     dkv = kind_dkv_comm_dtype(layout.kind, dkv_comm_dtype)
     if reason:
-        return Candidate(layout, False, reason, megatron_flags(layout, parallel, dkv_comm_dtype=dkv),
-                         memory_budget_gb=budget, packing=packing if lengths is not None else None)
+        return Candidate(
+            layout,
+            False,
+            reason,
+            megatron_flags(layout, parallel, dkv_comm_dtype=dkv),
+            memory_budget_gb=budget,
+            packing=packing if lengths is not None else None,
+        )
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
-    base = combine_layers([(estimate(model, cluster, parallel, layout.hp, layout.cp, layout.w, layout.placement, seq,
-                                     causal, win, dkv_comm_dtype=dkv, kv_heads=kv_heads,
-                                     packed=None if packed is None else packed_work(
-                                         lengths, layout.hp, layout.cp, layout.placement, packing, win, cost),
-                                     mla_ring="latent" if layout.mla_ring == "latent" else None), n)
-                           for win, n in mix.items()])
+    base = combine_layers(
+        [
+            (
+                estimate(
+                    model,
+                    cluster,
+                    parallel,
+                    layout.hp,
+                    layout.cp,
+                    layout.w,
+                    layout.placement,
+                    seq,
+                    causal,
+                    win,
+                    dkv_comm_dtype=dkv,
+                    kv_heads=kv_heads,
+                    packed=None
+                    if packed is None
+                    else packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, win, cost),
+                    mla_ring="latent" if layout.mla_ring == "latent" else None,
+                ),
+                n,
+            )
+            for win, n in mix.items()
+        ]
+    )
     if hybrid is not None:
         base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
-    held = [with_memory(base, o, model, cluster, parallel, layout.cp_size, memory.accum_steps(seq, parallel))
-            for o in memory_options(layout.kind, parallel, cluster, memory, layout.cp_size)]
+    held = [
+        with_memory(base, o, model, cluster, parallel, layout.cp_size, memory.accum_steps(seq, parallel))
+        for o in memory_options(layout.kind, parallel, cluster, memory, layout.cp_size)
+    ]
     options = tuple(_fewest_layers(b, m, budget, parallel.pp) for b in held for m in modes)
     chosen, fits = choose_recompute(options, budget)
     per_stage = chosen.recompute_layers // parallel.pp
     hypothetical = layout.kind != "2d" and chosen.recompute == "ckpt++"
-    flags = megatron_flags(layout, parallel, "full" if hypothetical else chosen.recompute,
-                           None if chosen.recompute_layers in (0, model.layers) else per_stage, dkv)
+    flags = megatron_flags(
+        layout,
+        parallel,
+        "full" if hypothetical else chosen.recompute,
+        None if chosen.recompute_layers in (0, model.layers) else per_stage,
+        dkv,
+    )
     if hypothetical:
-        note = (f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
-                f"option, the flags recompute fully")
+        note = (
+            f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
+            f"option, the flags recompute fully"
+        )
     if packing == "documents" and lengths is not None:
         flags += " --cp-2d-packing documents --dataloader-inter-document-masking --no-rope-fusion"
     mem_flags = chosen.states.option.flags(layout.kind, parallel.dp_size, layout.cp_size)
     flags += mem_flags if mem_flags.startswith(";") else " " + mem_flags
     why = ""
     if not fits:
-        why = (f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
-               f"and {chosen.states.option.label} "
-               f"(budget {budget:.1f} GB = {cluster.usable_memory_fraction:.0%} of {cluster.gpu_memory_gb:g} GB)")
-    return Candidate(layout, fits, why, flags, chosen, options, note=note, memory_budget_gb=budget,
-                     dkv_comm_dtype=dkv, packing=packing if lengths is not None else None, packed=packed)
+        why = (
+            f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
+            f"and {chosen.states.option.label} "
+            f"(budget {budget:.1f} GB = {cluster.usable_memory_fraction:.0%} of {cluster.gpu_memory_gb:g} GB)"
+        )
+    return Candidate(
+        layout,
+        fits,
+        why,
+        flags,
+        chosen,
+        options,
+        note=note,
+        memory_budget_gb=budget,
+        dkv_comm_dtype=dkv,
+        packing=packing if lengths is not None else None,
+        packed=packed,
+    )
 
 
 def _sort_key(c: Candidate):
     # Ties (e.g. all-hidden rings) go to stock kinds first (fewer moving parts), then less network traffic.
     e = c.estimate
-    return (round(e.step_s, 9), round(e.time_s, 9), KINDS.index(c.kind) == 0, round(e.inter_bytes), c.hp, -c.w,
-            c.placement)
+    return (
+        round(e.step_s, 9),
+        round(e.time_s, 9),
+        KINDS.index(c.kind) == 0,
+        round(e.inter_bytes),
+        c.hp,
+        -c.w,
+        c.placement,
+    )
 
 
-def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
+def _collapse_windows(cands: list[Candidate]) -> list[Candidate]:
     """With a sliding window the op may use the neighbour exchange, where the ring window w has no effect: keep
     one row per (hp, cp, placement), the one with w = cp, noting it."""
-    out: List[Candidate] = []
+    out: list[Candidate] = []
     seen = set()
     for c in sorted(cands, key=lambda c: -c.w):
         if c.kind == "2d" and c.estimate is not None and c.estimate.neighbour_exchange:
@@ -340,17 +488,30 @@ def _collapse_windows(cands: List[Candidate]) -> List[Candidate]:
             if key in seen:
                 continue
             seen.add(key)
-            c = replace(c, layout=replace(c.layout, w=c.cp), note="w has no effect (neighbour exchange)",
-                        flags=c.flags.replace(f"--cp-2d-ring-window {c.w} ", f"--cp-2d-ring-window {c.cp} "))
+            c = replace(
+                c,
+                layout=replace(c.layout, w=c.cp),
+                note="w has no effect (neighbour exchange)",
+                flags=c.flags.replace(f"--cp-2d-ring-window {c.w} ", f"--cp-2d-ring-window {c.cp} "),
+            )
         out.append(c)
     order = {id(c): i for i, c in enumerate(cands)}
     return sorted(out, key=lambda c: order.get(id(c), 0))
 
 
-def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], parallel: ParallelSpec, seq: int,
-         causal: bool = True, window: Window = None, recompute: Union[str, Sequence[str]] = AUTO,
-         dkv_comm_dtype: str = "accumulator", lengths: Optional[Sequence[int]] = None,
-         hybrid_pattern: Optional[str] = None, memory: MemoryPolicy = MemoryPolicy()) -> List[Candidate]:
+def plan(
+    model: ModelSpec | str,
+    cluster: ClusterSpec | str,
+    parallel: ParallelSpec,
+    seq: int,
+    causal: bool = True,
+    window: Window = None,
+    recompute: str | Sequence[str] = AUTO,
+    dkv_comm_dtype: str = "accumulator",
+    lengths: Sequence[int] | None = None,
+    hybrid_pattern: str | None = None,
+    memory: MemoryPolicy = MemoryPolicy(),
+) -> list[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.
 
@@ -378,38 +539,70 @@ def plan(model: Union[ModelSpec, str], cluster: Union[ClusterSpec, str], paralle
     if lengths is not None:
         lengths = [int(x) for x in lengths]
         if not lengths or min(lengths) < 1 or sum(lengths) != seq:
-            raise PlanError(f"packed document lengths must be positive and sum to the sequence length {seq}; got "
-                            f"{len(lengths)} lengths summing to {sum(lengths)}")
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_comm_dtype, lengths, mode,
-                          hybrid=hybrid, memory=memory)
-                 for l in enumerate_layouts(model, parallel) for mode in modes_for(l.kind)]
+            raise PlanError(
+                f"packed document lengths must be positive and sum to the sequence length {seq}; got "
+                f"{len(lengths)} lengths summing to {sum(lengths)}"
+            )
+        cands = [
+            evaluate(
+                l,
+                model,
+                cluster,
+                parallel,
+                seq,
+                causal,
+                window,
+                recompute,
+                dkv_comm_dtype,
+                lengths,
+                mode,
+                hybrid=hybrid,
+                memory=memory,
+            )
+            for l in enumerate_layouts(model, parallel)
+            for mode in modes_for(l.kind)
+        ]
     else:
-        cands = [evaluate(l, model, cluster, parallel, seq, causal, window, recompute, dkv_comm_dtype, hybrid=hybrid,
-                          memory=memory)
-                 for l in enumerate_layouts(model, parallel)]
+        cands = [
+            evaluate(
+                l,
+                model,
+                cluster,
+                parallel,
+                seq,
+                causal,
+                window,
+                recompute,
+                dkv_comm_dtype,
+                hybrid=hybrid,
+                memory=memory,
+            )
+            for l in enumerate_layouts(model, parallel)
+        ]
     if window is not None:
         cands = _collapse_windows(cands)
     ok = sorted((c for c in cands if c.feasible), key=_sort_key)
-    oom = sorted((c for c in cands if not c.feasible and c.runs),
-                 key=lambda c: (c.estimate.memory_gb, c.estimate.step_s))
+    oom = sorted(
+        (c for c in cands if not c.feasible and c.runs), key=lambda c: (c.estimate.memory_gb, c.estimate.step_s)
+    )
     cannot, seen = [], set()
     for c in cands:
-        if not c.runs and c.layout not in seen:                      # one row per layout, not per packed mode
+        if not c.runs and c.layout not in seen:  # one row per layout, not per packed mode
             seen.add(c.layout)
             cannot.append(c)
     return ok + oom + cannot
 
 
-def recommended(candidates: Sequence[Candidate]) -> Optional[Candidate]:
+def recommended(candidates: Sequence[Candidate]) -> Candidate | None:
     """The recommendation: the first feasible candidate (fastest step that fits in memory), or None."""
     return next((c for c in candidates if c.feasible), None)
 
 
-def best_by_kind(candidates: Sequence[Candidate]) -> Dict[str, Candidate]:
+def best_by_kind(candidates: Sequence[Candidate]) -> dict[str, Candidate]:
     """The first (fastest) candidate of each kind; when a kind has no feasible layout, its first layout that runs
     (least memory), else its first infeasible one."""
-    out: Dict[str, Candidate] = {}
-    rank = lambda c: 2 if c.feasible else (1 if c.runs else 0)                                # noqa: E731
+    out: dict[str, Candidate] = {}
+    rank = lambda c: 2 if c.feasible else (1 if c.runs else 0)  # noqa: E731
     for c in candidates:
         if c.kind not in out or rank(c) > rank(out[c.kind]):
             out[c.kind] = c

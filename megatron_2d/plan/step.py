@@ -8,11 +8,23 @@ Notation: :mod:`.attention_time`'s.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING
 
-from .attention_time import (BF16, BWD_FACTOR, GB, MLA_RINGS, RIDER_BYTES, LayerWork, head_exchange_time, layer_work,
-                             neighbour_times, ring_times, traffic)
+from .attention_time import (
+    BF16,
+    BWD_FACTOR,
+    GB,
+    MLA_RINGS,
+    RIDER_BYTES,
+    LayerWork,
+    head_exchange_time,
+    layer_work,
+    neighbour_times,
+    ring_times,
+    traffic,
+)
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .link_classes import LinkMap, link_map
 from .memory import RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
@@ -68,11 +80,11 @@ class Estimate:
     dense_layer_s: float = 0.0
     """One layer's non-attention GEMMs, forward + backward (6 * layer_params * tokens / (TP*CP) / dense rate)."""
     layers: int = 0
-    memory: Optional["MemoryBreakdown"] = None
+    memory: MemoryBreakdown | None = None
     """The parts ``memory_gb`` is made of, for every recompute mode."""
     neighbour_exchange: bool = False
     """A sliding window made the op exchange K/V with neighbours only (the ring window w then has no effect)."""
-    states: Optional["ShardingCost"] = None
+    states: ShardingCost | None = None
     """How the model states are held (a memory option, :mod:`.memory_options`) and what that sends; None: the
     distributed optimizer of ``memory``, its communication not modelled."""
 
@@ -80,7 +92,6 @@ class Estimate:
     def comm_s(self) -> float:
         """Exposed communication: time_s - compute_s."""
         return self.time_s - self.compute_s
-
 
 
 def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float) -> float:
@@ -105,11 +116,22 @@ def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float) -> float
     raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
 
 
-_PER_LAYER_FIELDS = ("time_s", "compute_s", "kernel_s", "a2a_s", "ring_exposed_s", "comm_total_s", "intra_bytes",
-                     "inter_bytes", "inter_bytes_nic", "attn_fwd_s", "step_s")
+_PER_LAYER_FIELDS = (
+    "time_s",
+    "compute_s",
+    "kernel_s",
+    "a2a_s",
+    "ring_exposed_s",
+    "comm_total_s",
+    "intra_bytes",
+    "inter_bytes",
+    "inter_bytes_nic",
+    "attn_fwd_s",
+    "step_s",
+)
 
 
-def combine_layers(parts: Sequence[Tuple["Estimate", int]]) -> "Estimate":
+def combine_layers(parts: Sequence[tuple[Estimate, int]]) -> Estimate:
     """One estimate for a model whose layers differ (e.g. per-layer sliding windows): ``parts`` are (estimate as
     if every layer were like this one, number of such layers), all with recompute "none". Per-layer times and
     bytes become the layer-weighted mean (so layers * time_s is the sum over layers), and so does the step (each
@@ -121,16 +143,33 @@ def combine_layers(parts: Sequence[Tuple["Estimate", int]]) -> "Estimate":
         return parts[0][0]
     first = parts[0][0]
     mean = {f: sum(getattr(e, f) * n for e, n in parts) / total for f in _PER_LAYER_FIELDS}
-    flops_share = sum(e.mfu * e.step_s * n for e, n in parts) / total        # model FLOPs / (group * peak)
-    return dataclasses.replace(first, **mean, mfu=flops_share / mean["step_s"],
-                               tokens_per_gpu_s=first.tokens_per_gpu_s * first.step_s / mean["step_s"],
-                               neighbour_exchange=all(e.neighbour_exchange for e, _ in parts))
+    flops_share = sum(e.mfu * e.step_s * n for e, n in parts) / total  # model FLOPs / (group * peak)
+    return dataclasses.replace(
+        first,
+        **mean,
+        mfu=flops_share / mean["step_s"],
+        tokens_per_gpu_s=first.tokens_per_gpu_s * first.step_s / mean["step_s"],
+        neighbour_exchange=all(e.neighbour_exchange for e, _ in parts),
+    )
 
 
-def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
-             placement: str, seq: int, causal: bool = True, window: Optional[int] = None,
-             recompute: str = "none", dkv_comm_dtype: str = "accumulator", kv_heads: Optional[int] = None,
-             packed: Optional["PackedWork"] = None, mla_ring: Optional[str] = None) -> Estimate:
+def estimate(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    parallel: ParallelSpec,
+    hp: int,
+    cp: int,
+    w: int,
+    placement: str,
+    seq: int,
+    causal: bool = True,
+    window: int | None = None,
+    recompute: str = "none",
+    dkv_comm_dtype: str = "accumulator",
+    kv_heads: int | None = None,
+    packed: PackedWork | None = None,
+    mla_ring: str | None = None,
+) -> Estimate:
     """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
 
     ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
@@ -148,11 +187,28 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp:
     ``mla_ring``: "latent" for an MLA model whose 2D ring carries the latent: smaller blocks, and every ring step
     up-projects the keys it reads (``LayerWork.expand_flops`` at the dense GEMM rate, 3x in backward) in place of
     the layer's own K/V up-projection."""
-    return with_recompute(_estimate_none(model, cluster, parallel, hp, cp, w, placement, seq, causal, window,
-                                         dkv_comm_dtype, kv_heads, packed, mla_ring), recompute)
+    return with_recompute(
+        _estimate_none(
+            model,
+            cluster,
+            parallel,
+            hp,
+            cp,
+            w,
+            placement,
+            seq,
+            causal,
+            window,
+            dkv_comm_dtype,
+            kv_heads,
+            packed,
+            mla_ring,
+        ),
+        recompute,
+    )
 
 
-def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "Estimate":
+def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimate:
     """``e`` (any mode) re-derived for recompute ``mode`` on ``layers`` of the model's layers (None: all; only
     full and ckpt++ can recompute some layers): memory from its breakdown, step time, MFU, tokens/s.
 
@@ -163,46 +219,75 @@ def with_recompute(e: "Estimate", mode: str, layers: Optional[int] = None) -> "E
     extra = recompute_extra_s(mode, e.attn_fwd_s, e.dense_layer_s / 3.0)
     step = e.step_s - e.recompute_layers * e.recompute_s + n * extra
     mem = e.memory
-    return dataclasses.replace(e, recompute=mode, recompute_s=extra, recompute_layers=n, step_s=step,
-                               mfu=e.mfu * e.step_s / step, tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step,
-                               memory_gb=mem.total(mode, n) / GB, activation_gb=mem.activations(mode, n) / GB)
+    return dataclasses.replace(
+        e,
+        recompute=mode,
+        recompute_s=extra,
+        recompute_layers=n,
+        step_s=step,
+        mfu=e.mfu * e.step_s / step,
+        tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step,
+        memory_gb=mem.total(mode, n) / GB,
+        activation_gb=mem.activations(mode, n) / GB,
+    )
 
 
-def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, hp: int, cp: int, w: int,
-                   placement: str, seq: int, causal: bool, window: Optional[int], dkv_comm_dtype: str,
-                   kv_heads: Optional[int], packed: Optional["PackedWork"] = None,
-                   mla_ring: Optional[str] = None) -> "Estimate":
+def _estimate_none(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    parallel: ParallelSpec,
+    hp: int,
+    cp: int,
+    w: int,
+    placement: str,
+    seq: int,
+    causal: bool,
+    window: int | None,
+    dkv_comm_dtype: str,
+    kv_heads: int | None,
+    packed: PackedWork | None = None,
+    mla_ring: str | None = None,
+) -> Estimate:
     if dkv_comm_dtype not in RIDER_BYTES:
         raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)}")
     if mla_ring is not None and (mla_ring not in MLA_RINGS or model.mla is None):
         raise ValueError(f"mla_ring {mla_ring!r} needs an MLA model and one of {MLA_RINGS}")
     dkv_elem = RIDER_BYTES[dkv_comm_dtype]
-    work = layer_work(model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads,
-                      mla_ring=mla_ring)
+    work = layer_work(
+        model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads, mla_ring=mla_ring
+    )
     local_only = False
     if packed is None:
         ww = window_work(hp, cp, placement, seq, window if causal else None)
         work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
     else:
         if not causal or packed.window != (window if window is not None and window < seq - 1 else None):
-            raise ValueError(f"packed work for window {packed.window} does not match the estimate's causal window "
-                             f"{window} (packed documents are modelled for causal attention)")
+            raise ValueError(
+                f"packed work for window {packed.window} does not match the estimate's causal window "
+                f"{window} (packed documents are modelled for causal attention)"
+            )
         # the packed work's own transport: its flops already count the window, the neighbour exchange its keys
         ww = WindowWork(1.0, packed.dense, packed.messages, packed.key_tokens)
         tf, rf = packed.token_fraction, packed.ring_fraction if packed.dense else 1.0
-        work = dataclasses.replace(work, fwd_flops=work.fwd_flops * packed.flops_fraction,
-                                   kv_bytes=work.kv_bytes * rf, dkv_bytes=work.dkv_bytes * rf,
-                                   s_ctx_tokens=work.s_ctx_tokens * rf, a2a_peer_bytes=work.a2a_peer_bytes * tf,
-                                   a2a_local_bytes=work.a2a_local_bytes * tf,
-                                   merge_fwd_bytes=work.merge_fwd_bytes * tf, merge_bwd_bytes=work.merge_bwd_bytes * tf)
-        local_only = cp > 1 and packed.ring_tokens == 0            # the op skips the ring: one local block
+        work = dataclasses.replace(
+            work,
+            fwd_flops=work.fwd_flops * packed.flops_fraction,
+            kv_bytes=work.kv_bytes * rf,
+            dkv_bytes=work.dkv_bytes * rf,
+            s_ctx_tokens=work.s_ctx_tokens * rf,
+            a2a_peer_bytes=work.a2a_peer_bytes * tf,
+            a2a_local_bytes=work.a2a_local_bytes * tf,
+            merge_fwd_bytes=work.merge_fwd_bytes * tf,
+            merge_bwd_bytes=work.merge_bwd_bytes * tf,
+        )
+        local_only = cp > 1 and packed.ring_tokens == 0  # the op skips the ring: one local block
     links = link_map(hp, cp, w, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
     attn_rate = cluster.peak_tflops * 1e12 * cluster.attn_efficiency
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
-    kernel = work.fwd_flops / cp / attn_rate                          # one step's forward kernel (zigzag: equal)
-    merge = cp > 1                                                    # a single block needs no merge
+    kernel = work.fwd_flops / cp / attn_rate  # one step's forward kernel (zigzag: equal)
+    merge = cp > 1  # a single block needs no merge
     dense_rate = cluster.peak_tflops * 1e12 * cluster.dense_efficiency
-    expand = work.expand_flops * ww.fraction / dense_rate             # the latent ring's up-projection per step
+    expand = work.expand_flops * ww.fraction / dense_rate  # the latent ring's up-projection per step
     tc = kernel + lat + (work.merge_fwd_bytes / hbm if merge else 0.0) + expand
     tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0) + 3 * expand
     # one direction's all-to-alls (nothing when hp == 1)
@@ -218,31 +303,49 @@ def _estimate_none(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpe
         ring_links = link_map(hp, cp, cp, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
         fwd, bwd, ring_serial, msg = neighbour_times(work, ww, ring_links, cluster, cp, tc, tcb)
         sent = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, hp, cp, w)
-        sent.add(ring_links.inner, msg, 2 * ww.messages)                             # K/V, forward and backward
-        sent.add(ring_links.inner, msg * dkv_elem / BF16, ww.messages)               # dK/dV partials
+        sent.add(ring_links.inner, msg, 2 * ww.messages)  # K/V, forward and backward
+        sent.add(ring_links.inner, msg * dkv_elem / BF16, ww.messages)  # dK/dV partials
     compute = (tc + tcb) if local_only else cp * (tc + tcb)
     time = 2 * a2a_one + fwd + bwd
     mem = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_elem, kv_heads, mla_ring, packed)
 
     # Whole model (6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal halved).
     B, S, CP, tp = parallel.micro_batch, seq, hp * cp, parallel.tp
-    group = tp * CP                                          # GPUs sharing one micro-batch's layer work
-    slots = 1.0 if packed is None else packed.token_fraction           # padding slots run the linear layers too
+    group = tp * CP  # GPUs sharing one micro-batch's layer work
+    slots = 1.0 if packed is None else packed.token_fraction  # padding slots run the linear layers too
     # (the latent ring up-projects K/V inside attention, in the ring steps above, instead of in the layer)
     dense_layer = (6.0 * model.layer_params() * B * S / group - 3.0 * work.kv_up_flops) / dense_rate * slots
     logits = 6.0 * model.vocab * model.hidden * B * S / group / dense_rate * slots
     step = model.layers * (time + dense_layer) + logits
-    attn_model_flops = (3.0 * 2.0 * B * S * S * model.heads * (model.qk_dim + model.v_dim) * (0.5 if causal else 1.0)
-                        * ww.fraction)
+    attn_model_flops = (
+        3.0 * 2.0 * B * S * S * model.heads * (model.qk_dim + model.v_dim) * (0.5 if causal else 1.0) * ww.fraction
+    )
     if packed is not None:
-        attn_model_flops *= packed.useful_fraction                    # only pairs within a document count
+        attn_model_flops *= packed.useful_fraction  # only pairs within a document count
     model_flops = 6.0 * model.matmul_params() * B * S + model.layers * attn_model_flops
     mfu = model_flops / group / step / (cluster.peak_tflops * 1e12)
-    return Estimate(time_s=time, compute_s=compute, kernel_s=(1.0 + BWD_FACTOR) * work.fwd_flops / attn_rate,
-                    a2a_s=2 * a2a_one, ring_exposed_s=fwd + bwd - compute,
-                    comm_total_s=2 * a2a_one + ring_serial, intra_bytes=sent.intra, inter_bytes=sent.inter,
-                    inter_bytes_nic=sent.nic, memory_gb=mem.total("none") / GB,
-                    activation_gb=mem.activations("none") / GB, step_s=step,
-                    tokens_per_gpu_s=B * S / group / step, mfu=mfu, work=work, links=links,
-                    recompute="none", recompute_s=0.0, attn_fwd_s=a2a_one + fwd, dense_layer_s=dense_layer,
-                    layers=model.layers, memory=mem, neighbour_exchange=not ww.dense)
+    return Estimate(
+        time_s=time,
+        compute_s=compute,
+        kernel_s=(1.0 + BWD_FACTOR) * work.fwd_flops / attn_rate,
+        a2a_s=2 * a2a_one,
+        ring_exposed_s=fwd + bwd - compute,
+        comm_total_s=2 * a2a_one + ring_serial,
+        intra_bytes=sent.intra,
+        inter_bytes=sent.inter,
+        inter_bytes_nic=sent.nic,
+        memory_gb=mem.total("none") / GB,
+        activation_gb=mem.activations("none") / GB,
+        step_s=step,
+        tokens_per_gpu_s=B * S / group / step,
+        mfu=mfu,
+        work=work,
+        links=links,
+        recompute="none",
+        recompute_s=0.0,
+        attn_fwd_s=a2a_one + fwd,
+        dense_layer_s=dense_layer,
+        layers=model.layers,
+        memory=mem,
+        neighbour_exchange=not ww.dense,
+    )

@@ -11,7 +11,6 @@ charged the full ring (a conservative bound, stated in the row's reason).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from ..band import SlidingWindow
 from ..block_plan import plan_context_group
@@ -42,7 +41,7 @@ def visible_fraction(seq: int, left: int) -> float:
     return pairs / (seq * (seq + 1) / 2)
 
 
-def window_work(hp: int, cp: int, placement: str, seq: int, left: Optional[int]) -> WindowWork:
+def window_work(hp: int, cp: int, placement: str, seq: int, left: int | None) -> WindowWork:
     """The work and neighbour traffic of a causal window of ``left`` tokens for the 2D layout (hp, cp)."""
     if left is None or left < 0 or left >= seq - 1 or cp == 1:
         return WindowWork(visible_fraction(seq, -1 if left is None else left), True, 0, 0)
@@ -53,7 +52,9 @@ def window_work(hp: int, cp: int, placement: str, seq: int, left: Optional[int])
     plan = plan_context_group(Layout2D(hp * cp, hp, 1, placement), chunk, True, SlidingWindow(left, 0))
     if plan.dense:
         return WindowWork(fraction, True, 0, 0)
-    sent = [[hull[1] - hull[0] for (dst, src), hull in plan.keys.items() if src == r and dst != r and hull]
-            for r in range(cp)]
+    sent = [
+        [hull[1] - hull[0] for (dst, src), hull in plan.keys.items() if src == r and dst != r and hull]
+        for r in range(cp)
+    ]
     busiest = max(sent, key=sum)
     return WindowWork(fraction, False, len(busiest), sum(busiest))

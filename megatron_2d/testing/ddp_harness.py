@@ -12,7 +12,8 @@ NCCL's PREMUL_SUM path, and memory peaks (the transient all-gathered layers of m
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,18 +25,22 @@ from megatron_2d.testing.megatron_cpu import (  # noqa: F401  (re-exported for t
 )
 
 
-
 # --------------------------------------------------------------------------------------------------
 # Harness: parallel state, wrapping, one training step through Megatron's schedule, bytes held
 # --------------------------------------------------------------------------------------------------
-def init_parallel(context_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1,
-                  seed: int = 1234, **kwargs: Any) -> None:
+def init_parallel(
+    context_parallel_size: int = 1, num_distributed_optimizer_instances: int = 1, seed: int = 1234, **kwargs: Any
+) -> None:
     """``tiny_gpt.init_parallel`` with ``num_distributed_optimizer_instances`` (partial sharding builds its groups
     in ``initialize_model_parallel``); replaces any previous layout."""
     from megatron_2d.testing import tiny_gpt
 
-    tiny_gpt.init_parallel(context_parallel_size=context_parallel_size, seed=seed,
-                           num_distributed_optimizer_instances=num_distributed_optimizer_instances, **kwargs)
+    tiny_gpt.init_parallel(
+        context_parallel_size=context_parallel_size,
+        seed=seed,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        **kwargs,
+    )
 
 
 def wrap_model(model: torch.nn.Module, ddp_config) -> torch.nn.Module:
@@ -74,12 +79,13 @@ def _forward_step(data_iterator, model):
     from megatron_2d.testing.tiny_gpt import shard_batch_for_cp
 
     local = shard_batch_for_cp(next(data_iterator))
-    output = model(input_ids=local["tokens"], position_ids=local["position_ids"], attention_mask=None,
-                   labels=local["labels"])  # [b, s/cp]
+    output = model(
+        input_ids=local["tokens"], position_ids=local["position_ids"], attention_mask=None, labels=local["labels"]
+    )  # [b, s/cp]
     return output, functools.partial(_per_token_loss_func, local["loss_mask"])
 
 
-def data_parallel_share(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def data_parallel_share(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This DP rank's samples of a full batch (its b/dp consecutive samples)."""
     from megatron.core import parallel_state
 
@@ -88,10 +94,10 @@ def data_parallel_share(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tenso
     if b % dp:
         raise ValueError(f"batch of {b} samples does not split over {dp} data-parallel ranks")
     share = b // dp
-    return {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
+    return {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
 
 
-def train_step(wrapped: torch.nn.Module, optimizer, batch: Dict[str, torch.Tensor], seq_length: int) -> Dict[str, Any]:
+def train_step(wrapped: torch.nn.Module, optimizer, batch: dict[str, torch.Tensor], seq_length: int) -> dict[str, Any]:
     """One Megatron training step on a full (unsharded) batch: this DP rank's samples, zigzag-sharded over CP, one
     micro-batch through ``get_forward_backward_func()`` (which calls ``finalize_model_grads``), then
     ``optimizer.step()``. The model config must have ``calculate_per_token_loss=True`` so the gradient is that of
@@ -108,16 +114,24 @@ def train_step(wrapped: torch.nn.Module, optimizer, batch: Dict[str, torch.Tenso
         wrapped.zero_grad_buffer()
         optimizer.zero_grad()
         reports = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter([mine]), model=[wrapped], num_microbatches=1,
-            seq_length=seq_length, micro_batch_size=mine["tokens"].shape[0], forward_only=False)
+            forward_step_func=_forward_step,
+            data_iterator=iter([mine]),
+            model=[wrapped],
+            num_microbatches=1,
+            seq_length=seq_length,
+            micro_batch_size=mine["tokens"].shape[0],
+            forward_only=False,
+        )
         _, grad_norm, _ = optimizer.step()
     local_sum = reports[0]["local_sum"]
     dist.all_reduce(local_sum, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return {"loss": float(local_sum / batch["loss_mask"].sum()),
-            "grad_norm": None if grad_norm is None else float(grad_norm)}
+    return {
+        "loss": float(local_sum / batch["loss_mask"].sum()),
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+    }
 
 
-def full_parameters(wrapped: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def full_parameters(wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of a Megatron-DDP-wrapped tiny GPT by canonical name, after forcing the param all-gather
     that ``overlap_param_gather`` defers to the next forward."""
     from megatron_2d.testing.tiny_gpt import canonical_parameters
@@ -129,14 +143,14 @@ def full_parameters(wrapped: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 # ---- bytes held ---------------------------------------------------------------------------------------------------
-def _local(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is None:
         return None
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 
 
-def _storage_bytes(tensors: Sequence[Optional[torch.Tensor]], exclude: Sequence[torch.Tensor] = ()) -> int:
+def _storage_bytes(tensors: Sequence[torch.Tensor | None], exclude: Sequence[torch.Tensor] = ()) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views counted once), minus storages in ``exclude``."""
     seen = {_local(t).untyped_storage().data_ptr() for t in exclude if _local(t) is not None}
     total = 0
@@ -151,31 +165,42 @@ def _storage_bytes(tensors: Sequence[Optional[torch.Tensor]], exclude: Sequence[
     return total
 
 
-def _inner_optimizers(optimizer) -> List[Any]:
+def _inner_optimizers(optimizer) -> list[Any]:
     chained = getattr(optimizer, "chained_optimizers", None)
     return [o.optimizer for o in (chained if chained is not None else [optimizer]) if o.optimizer is not None]
 
 
-def optimizer_state_tensors(optimizer) -> List[torch.Tensor]:
+def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     """The state tensors (Adam exp_avg/exp_avg_sq, SGD momentum) this rank's torch optimizer holds."""
-    return [v for inner in _inner_optimizers(optimizer) for state in inner.state.values()
-            for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return [
+        v
+        for inner in _inner_optimizers(optimizer)
+        for state in inner.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    ]
 
 
-def optimizer_main_params(optimizer) -> List[torch.Tensor]:
+def optimizer_main_params(optimizer) -> list[torch.Tensor]:
     """The (main) params this rank's torch optimizer updates: fp32 shards, or views of fp32 model params."""
     return [p for inner in _inner_optimizers(optimizer) for group in inner.param_groups for p in group["params"]]
 
 
-def _buffers(wrapped: torch.nn.Module, kind: str) -> List[torch.Tensor]:
+def _buffers(wrapped: torch.nn.Module, kind: str) -> list[torch.Tensor]:
     """megatron-fsdp buffers of one kind ('params' or 'grads') on this rank, helpers included."""
-    names = {"params": ("model_weight_buffer", "transpose_weight_buffer", "hfsdp_helper_wbuf", "hfsdp_helper_wtbuf"),
-             "grads": ("main_grad_buffer", "hfsdp_helper_gbuf")}[kind]
-    return [getattr(group, name).data for group in wrapped.param_and_grad_buffer.parameter_groups for name in names
-            if getattr(group, name, None) is not None and getattr(group, name).data is not None]
+    names = {
+        "params": ("model_weight_buffer", "transpose_weight_buffer", "hfsdp_helper_wbuf", "hfsdp_helper_wtbuf"),
+        "grads": ("main_grad_buffer", "hfsdp_helper_gbuf"),
+    }[kind]
+    return [
+        getattr(group, name).data
+        for group in wrapped.param_and_grad_buffer.parameter_groups
+        for name in names
+        if getattr(group, name, None) is not None and getattr(group, name).data is not None
+    ]
 
 
-def model_state_bytes(wrapped: torch.nn.Module, optimizer) -> Dict[str, int]:
+def model_state_bytes(wrapped: torch.nn.Module, optimizer) -> dict[str, int]:
     """Persistent model-state bytes this rank holds, measured on the real objects (distinct storages):
 
     ``params``: the model's parameters (megatron-fsdp: its weight buffers); ``grads``: the DDP grad buffers

@@ -17,7 +17,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,10 +62,11 @@ def run_on_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     threads_per_rank: int = 1,
     **kwargs: Any,
-) -> List[Any]:
+) -> list[Any]:
     """Fork ``world_size`` ranks running ``fn(rank, world_size, *args, **kwargs)``; return their results by rank.
 
-    Results are pickled in the rank, so they may hold tensors. Raises RankFailure with the first failing rank's traceback, or when ``timeout_s`` passes.
+    Results are pickled in the rank, so they may hold tensors. Raises RankFailure with the first failing rank's
+    traceback, or when ``timeout_s`` passes.
     """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
@@ -98,8 +100,9 @@ def run_on_ranks(
                     try:
                         rank, ok, value = results.get(timeout=2.0)
                     except queue.Empty:
-                        raise RankFailure(f"rank(s) {dead} died with exit codes "
-                                          f"{[procs[i].exitcode for i in dead]} and no report")
+                        raise RankFailure(
+                            f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]} and no report"
+                        ) from None
                 else:
                     continue
             if not ok:

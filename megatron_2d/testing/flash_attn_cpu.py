@@ -41,7 +41,7 @@ import importlib
 import importlib.util
 import sys
 import types
-from typing import Iterator, Optional, Tuple
+from collections.abc import Iterator
 
 import torch
 
@@ -75,13 +75,13 @@ def _check_dtypes(strict: bool, *tensors: torch.Tensor) -> None:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type (CPU stand-in of flash-attn 2)")
 
 
-def _visible(s_q: int, s_k: int, causal: bool, left: int, right: int, device) -> Optional[torch.Tensor]:
+def _visible(s_q: int, s_k: int, causal: bool, left: int, right: int, device) -> torch.Tensor | None:
     """[s_q, s_k] bool mask of visible keys (None: all), flash-attn's bottom-right aligned convention."""
     if causal:
         right = 0
     if left < 0 and right < 0:
         return None
-    i = torch.arange(s_q, device=device).unsqueeze(1) + (s_k - s_q)     # query i's aligned key position
+    i = torch.arange(s_q, device=device).unsqueeze(1) + (s_k - s_q)  # query i's aligned key position
     j = torch.arange(s_k, device=device).unsqueeze(0)
     mask = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
     if left >= 0:
@@ -113,13 +113,13 @@ def flash_forward(q, k, v, scale, causal, left, right, softcap):
     """(out [b, s_q, h, d] in q's dtype, lse [b, h, s_q] fp32)."""
     if _fast_path(q, k, causal, left, right, softcap):
         out, lse = _KERNEL.forward(q, k, v, Band(None, 0) if causal else None, scale)
-        return out, lse.float()                                             # flash-attn's lse is fp32 always
+        return out, lse.float()  # flash-attn's lse is fp32 always
     s = _scores(q, k, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
-    lse = torch.logsumexp(s, dim=-1)                                        # -inf for empty rows
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)                     # empty rows: 0
+    lse = torch.logsumexp(s, dim=-1)  # -inf for empty rows
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # empty rows: 0
     rep = q.shape[2] // k.shape[2]
     out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(p.dtype).repeat_interleave(rep, dim=2))
-    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))                 # flash-attn: +inf for empty rows
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # flash-attn: +inf for empty rows
     return out.to(q.dtype), lse.float()
 
 
@@ -131,14 +131,14 @@ def flash_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     hq, hkv = q.shape[2], k.shape[2]
     s = _scores(q, k, scale, softcap, _visible(q.shape[1], k.shape[1], causal, left, right, q.device))
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))                            # [b, h, s_q, s_k]; lse = +inf rows: 0
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))  # [b, h, s_q, s_k]; lse = +inf rows: 0
     do, k_rep, v_rep = dout.to(acc), repeat_kv_heads(k.to(acc), hq), repeat_kv_heads(v.to(acc), hq)
     # the softmax's own gradient uses rowsum(dout * out) with the FINAL out, as flash-attn's backward does
-    delta = (do * out.to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)        # [b, h, s_q, 1]
-    ds = p * (torch.einsum("bqhd,bkhd->bhqk", do, v_rep) - delta)           # d(loss)/d(scores)
-    if softcap > 0:                                                          # scores = softcap * tanh(raw / softcap)
+    delta = (do * out.to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)  # [b, h, s_q, 1]
+    ds = p * (torch.einsum("bqhd,bkhd->bhqk", do, v_rep) - delta)  # d(loss)/d(scores)
+    if softcap > 0:  # scores = softcap * tanh(raw / softcap)
         ds = ds * (1 - (s.masked_fill(torch.isneginf(s), 0.0) / softcap) ** 2)
-    ds = ds * scale                                                          # raw = scale * q.k
+    ds = ds * scale  # raw = scale * q.k
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_rep)
     dk = sum_kv_head_groups(torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc)), hkv)
     dv = sum_kv_head_groups(torch.einsum("bhqk,bqhd->bkhd", p, do), hkv)
@@ -176,47 +176,136 @@ def _build_api(strict_dtypes: bool) -> types.SimpleNamespace:
         out, lse = flash_forward(q, k, v, scale_of(q, softmax_scale), causal, left, right, softcap)
         return out.contiguous(), lse.contiguous()
 
-    def bwd_core(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, left, right, softcap,
-                 alibi_slopes):
+    def bwd_core(
+        dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes
+    ):
         _refuse_unsupported(dropout_p, alibi_slopes)
         _check_dtypes(strict_dtypes, q, k, v)
-        grads = flash_backward(dout, q, k, v, out, lse.contiguous(), scale_of(q, softmax_scale), causal, left,
-                               right, softcap)
+        grads = flash_backward(
+            dout, q, k, v, out, lse.contiguous(), scale_of(q, softmax_scale), causal, left, right, softcap
+        )
         _write_grads(dq, dk, dv, grads)
         return _softmax_d(dout, out, _round_up(q.shape[1], 128))
 
-    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
-                            window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
-        out, lse = fwd_core(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                            softcap, alibi_slopes)
+    def _flash_attn_forward(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+    ):
+        out, lse = fwd_core(
+            q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes
+        )
         return out, lse, torch.empty((0,), dtype=q.dtype), None
 
-    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                             deterministic=False, rng_state=None):
-        return bwd_core(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                        window_size_left, window_size_right, softcap, alibi_slopes)
+    def _flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
+    ):
+        return bwd_core(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            dq,
+            dk,
+            dv,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+            alibi_slopes,
+        )
 
-    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                   softmax_scale, causal, window_size_left=-1, window_size_right=-1,
-                                   softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
-                                   leftpad_k=None, seqused_k=None):
+    def _flash_attn_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+        block_table=None,
+        leftpad_k=None,
+        seqused_k=None,
+    ):
         if block_table is not None or leftpad_k is not None or seqused_k is not None:
             raise NotImplementedError("CPU flash_attn stand-in: block_table / leftpad_k / seqused_k")
         outs, lses = [], []
-        for qi, ki, vi in zip(_varlen_split(q, cu_seqlens_q), _varlen_split(k, cu_seqlens_k),
-                              _varlen_split(v, cu_seqlens_k)):
-            o, l = fwd_core(qi, ki, vi, dropout_p, softmax_scale, causal, window_size_left,
-                            window_size_right, softcap, alibi_slopes)
+        for qi, ki, vi in zip(
+            _varlen_split(q, cu_seqlens_q), _varlen_split(k, cu_seqlens_k), _varlen_split(v, cu_seqlens_k)
+        ):
+            o, l = fwd_core(
+                qi, ki, vi, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes
+            )
             outs.append(o[0])
-            lses.append(l[0])                                            # [h, s_i]
-        return (torch.cat(outs).contiguous(), torch.cat(lses, dim=1).contiguous(),
-                torch.empty((0,), dtype=q.dtype), None)
+            lses.append(l[0])  # [h, s_i]
+        return (
+            torch.cat(outs).contiguous(),
+            torch.cat(lses, dim=1).contiguous(),
+            torch.empty((0,), dtype=q.dtype),
+            None,
+        )
 
-    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                                    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, rng_state=None):
+    def _flash_attn_varlen_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
+    ):
         if dq is None or dk is None or dv is None:
             raise ValueError("CPU flash_attn stand-in: dq, dk and dv output buffers are required")
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -225,42 +314,97 @@ def _build_api(strict_dtypes: bool) -> types.SimpleNamespace:
             rq, rk = slice(cq[n], cq[n + 1]), slice(ck[n], ck[n + 1])
             sub = [x[r].unsqueeze(0) for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))]
             lse = softmax_lse[:, rq].unsqueeze(0)
-            d = bwd_core(*sub, lse, dq[rq].unsqueeze(0), dk[rk].unsqueeze(0), dv[rk].unsqueeze(0), dropout_p,
-                         softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes)
-            ds.append(d[0, :, :cq[n + 1] - cq[n]])
+            d = bwd_core(
+                *sub,
+                lse,
+                dq[rq].unsqueeze(0),
+                dk[rk].unsqueeze(0),
+                dv[rk].unsqueeze(0),
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size_left,
+                window_size_right,
+                softcap,
+                alibi_slopes,
+            )
+            ds.append(d[0, :, : cq[n + 1] - cq[n]])
         total = q.shape[0] + 128 * (len(cq) - 1)
         d = torch.cat(ds, dim=1)
         return torch.nn.functional.pad(d, (0, total - d.shape[1])).contiguous()
 
-    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-        return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs)
+    def flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+    ):
+        return _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                               block_table=None):
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+        block_table=None,
+    ):
         out, lse, s_dmask, _ = _flash_attn_varlen_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-            window_size[0], window_size[1], softcap, alibi_slopes, False, block_table)
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size[0],
+            window_size[1],
+            softcap,
+            alibi_slopes,
+            False,
+            block_table,
+        )
         return (out, lse, s_dmask) if return_attn_probs else out
 
     def _public(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
         """flash_attn_func's forward (no autograd here: the wrapper under test calls the backward itself)."""
-        out, lse = fwd_core(q, k, v, dropout_p, softmax_scale, causal, window_size[0], window_size[1], softcap,
-                            alibi_slopes)
+        out, lse = fwd_core(
+            q, k, v, dropout_p, softmax_scale, causal, window_size[0], window_size[1], softcap, alibi_slopes
+        )
         return (out, lse, torch.empty((0,), dtype=q.dtype)) if return_attn_probs else out
 
-    ns = types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
-                               _flash_attn_varlen_forward=_flash_attn_varlen_forward,
-                               _flash_attn_varlen_backward=_flash_attn_varlen_backward)
+    ns = types.SimpleNamespace(
+        flash_attn_func=flash_attn_func,
+        flash_attn_varlen_func=flash_attn_varlen_func,
+        _flash_attn_varlen_forward=_flash_attn_varlen_forward,
+        _flash_attn_varlen_backward=_flash_attn_varlen_backward,
+    )
     ns._flash_attn_forward = _flash_attn_forward
     ns._flash_attn_backward = _flash_attn_backward
     return ns
 
 
-def flash_attn_modules(strict_dtypes: bool = True) -> Tuple[types.ModuleType, types.ModuleType]:
+def flash_attn_modules(strict_dtypes: bool = True) -> tuple[types.ModuleType, types.ModuleType]:
     """Fresh ``flash_attn`` and ``flash_attn.flash_attn_interface`` modules of the stand-in, for sys.modules."""
     api = _build_api(strict_dtypes)
     interface = types.ModuleType("flash_attn.flash_attn_interface")
@@ -270,7 +414,7 @@ def flash_attn_modules(strict_dtypes: bool = True) -> Tuple[types.ModuleType, ty
             setattr(interface, name, fn)
     package = types.ModuleType("flash_attn")
     package.__doc__ = interface.__doc__
-    package.__path__ = []                       # a package, so "import flash_attn.flash_attn_interface" resolves
+    package.__path__ = []  # a package, so "import flash_attn.flash_attn_interface" resolves
     package.__version__ = STAND_IN_VERSION
     package.flash_attn_interface = interface
     package.flash_attn_func = interface.flash_attn_func
@@ -289,12 +433,18 @@ flash_attn_func = _CURRENT.flash_attn_func
 flash_attn_varlen_func = _CURRENT.flash_attn_varlen_func
 
 
-def _stand_in_modules() -> Tuple[types.ModuleType, types.ModuleType]:
+def _stand_in_modules() -> tuple[types.ModuleType, types.ModuleType]:
     """The modules :func:`flash_attn_stand_in` installs: any float dtype, whose private functions are this
     module's own (so callers can check identity)."""
     package, interface = flash_attn_modules(strict_dtypes=False)
-    for name in ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
-                 "_flash_attn_varlen_backward", "flash_attn_func", "flash_attn_varlen_func"):
+    for name in (
+        "_flash_attn_forward",
+        "_flash_attn_backward",
+        "_flash_attn_varlen_forward",
+        "_flash_attn_varlen_backward",
+        "flash_attn_func",
+        "flash_attn_varlen_func",
+    ):
         setattr(interface, name, globals()[name])
     return package, interface
 
@@ -345,9 +495,10 @@ def load_ring_flash_attn_module(name: str = "zigzag_ring_flash_attn") -> types.M
     """
     spec = importlib.util.find_spec("ring_flash_attn")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("ring-flash-attn is not installed: pip install ring-flash-attn "
-                          "(it is listed in requirements-dev.txt)")
-    package: Optional[types.ModuleType] = sys.modules.get(_PRIVATE_PACKAGE)
+        raise ImportError(
+            "ring-flash-attn is not installed: pip install ring-flash-attn (it is listed in requirements-dev.txt)"
+        )
+    package: types.ModuleType | None = sys.modules.get(_PRIVATE_PACKAGE)
     if package is None:
         package = types.ModuleType(_PRIVATE_PACKAGE)
         package.__path__ = list(spec.submodule_search_locations)

@@ -39,8 +39,8 @@ import pathlib
 import subprocess
 import sys
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -51,21 +51,90 @@ RELEASES = ("2.5.8", "2.6.3", "2.7.4.post1", "2.8.3.post2")
 RELEASES_ENV = "MEGATRON_2D_FLASH_ATTN_RELEASES"
 
 _ARGS_2_5 = {
-    "fwd": ("q", "k", "v", "out_", "alibi_slopes_", "p_dropout", "softmax_scale", "is_causal", "window_size_left",
-            "window_size_right", "return_softmax", "gen_"),
-    "varlen_fwd": ("q", "k", "v", "out_", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table_",
-                   "alibi_slopes_", "max_seqlen_q", "max_seqlen_k", "p_dropout", "softmax_scale", "zero_tensors",
-                   "is_causal", "window_size_left", "window_size_right", "return_softmax", "gen_"),
-    "bwd": ("dout", "q", "k", "v", "out", "softmax_lse", "dq_", "dk_", "dv_", "alibi_slopes_", "p_dropout",
-            "softmax_scale", "is_causal", "window_size_left", "window_size_right", "deterministic", "gen_",
-            "rng_state"),
-    "varlen_bwd": ("dout", "q", "k", "v", "out", "softmax_lse", "dq_", "dk_", "dv_", "cu_seqlens_q", "cu_seqlens_k",
-                   "alibi_slopes_", "max_seqlen_q", "max_seqlen_k", "p_dropout", "softmax_scale", "zero_tensors",
-                   "is_causal", "window_size_left", "window_size_right", "deterministic", "gen_", "rng_state"),
+    "fwd": (
+        "q",
+        "k",
+        "v",
+        "out_",
+        "alibi_slopes_",
+        "p_dropout",
+        "softmax_scale",
+        "is_causal",
+        "window_size_left",
+        "window_size_right",
+        "return_softmax",
+        "gen_",
+    ),
+    "varlen_fwd": (
+        "q",
+        "k",
+        "v",
+        "out_",
+        "cu_seqlens_q",
+        "cu_seqlens_k",
+        "seqused_k",
+        "block_table_",
+        "alibi_slopes_",
+        "max_seqlen_q",
+        "max_seqlen_k",
+        "p_dropout",
+        "softmax_scale",
+        "zero_tensors",
+        "is_causal",
+        "window_size_left",
+        "window_size_right",
+        "return_softmax",
+        "gen_",
+    ),
+    "bwd": (
+        "dout",
+        "q",
+        "k",
+        "v",
+        "out",
+        "softmax_lse",
+        "dq_",
+        "dk_",
+        "dv_",
+        "alibi_slopes_",
+        "p_dropout",
+        "softmax_scale",
+        "is_causal",
+        "window_size_left",
+        "window_size_right",
+        "deterministic",
+        "gen_",
+        "rng_state",
+    ),
+    "varlen_bwd": (
+        "dout",
+        "q",
+        "k",
+        "v",
+        "out",
+        "softmax_lse",
+        "dq_",
+        "dk_",
+        "dv_",
+        "cu_seqlens_q",
+        "cu_seqlens_k",
+        "alibi_slopes_",
+        "max_seqlen_q",
+        "max_seqlen_k",
+        "p_dropout",
+        "softmax_scale",
+        "zero_tensors",
+        "is_causal",
+        "window_size_left",
+        "window_size_right",
+        "deterministic",
+        "gen_",
+        "rng_state",
+    ),
 }
 
 
-def _with(args: Tuple[str, ...], after: str, name: str) -> Tuple[str, ...]:
+def _with(args: tuple[str, ...], after: str, name: str) -> tuple[str, ...]:
     i = args.index(after) + 1
     return args[:i] + (name,) + args[i:]
 
@@ -79,17 +148,16 @@ class ExtensionABI:
     """How one release's C++ extension is called and what it returns."""
 
     name: str
-    args: Dict[str, Tuple[str, ...]]    # function -> its positional parameters, in order
-    fwd_returns_inputs: bool            # fwd returns (out, q, k, v, out_padded, lse, S_dmask, rng_state)
-    padded_varlen_lse: bool             # varlen lse [batch, h, max_seqlen_q] (else [h, total_q])
-    fwd_pads_head_dim: bool             # fwd pads a head dim that is not a multiple of 8 (else refuses it)
+    args: dict[str, tuple[str, ...]]  # function -> its positional parameters, in order
+    fwd_returns_inputs: bool  # fwd returns (out, q, k, v, out_padded, lse, S_dmask, rng_state)
+    padded_varlen_lse: bool  # varlen lse [batch, h, max_seqlen_q] (else [h, total_q])
+    fwd_pads_head_dim: bool  # fwd pads a head dim that is not a multiple of 8 (else refuses it)
 
 
 ABIS = {
     "2.5": ExtensionABI("2.5", _ARGS_2_5, fwd_returns_inputs=True, padded_varlen_lse=True, fwd_pads_head_dim=True),
     "2.6": ExtensionABI("2.6", _ARGS_2_6, fwd_returns_inputs=True, padded_varlen_lse=False, fwd_pads_head_dim=True),
-    "2.7": ExtensionABI("2.7", _ARGS_2_6, fwd_returns_inputs=False, padded_varlen_lse=False,
-                        fwd_pads_head_dim=False),
+    "2.7": ExtensionABI("2.7", _ARGS_2_6, fwd_returns_inputs=False, padded_varlen_lse=False, fwd_pads_head_dim=False),
 }
 
 
@@ -104,15 +172,18 @@ def abi_of(version: str) -> ExtensionABI:
 
 # ---- the CPU extension ----------------------------------------------------------------------------------------
 
-def _bind(abi: ExtensionABI, fn: str, args: tuple) -> Dict[str, object]:
+
+def _bind(abi: ExtensionABI, fn: str, args: tuple) -> dict[str, object]:
     names = abi.args[fn]
     if len(args) != len(names):
-        raise TypeError(f"{fn}(): flash-attn {abi.name}'s extension takes {len(names)} positional arguments "
-                        f"({', '.join(names)}), got {len(args)}")
+        raise TypeError(
+            f"{fn}(): flash-attn {abi.name}'s extension takes {len(names)} positional arguments "
+            f"({', '.join(names)}), got {len(args)}"
+        )
     return dict(zip(names, args))
 
 
-def _check(a: Dict[str, object], abi: ExtensionABI, fn: str) -> None:
+def _check(a: dict[str, object], abi: ExtensionABI, fn: str) -> None:
     """The C++ checks that matter here, with the C++ messages; NotImplementedError for what is not emulated."""
     q = a["q"]
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -122,14 +193,16 @@ def _check(a: Dict[str, object], abi: ExtensionABI, fn: str) -> None:
     d = q.shape[-1]
     backward = fn.endswith("bwd")
     if d > 256:
-        raise RuntimeError(f"FlashAttention {'backward' if backward else 'forward'} only supports head dimension "
-                           f"at most 256")
+        raise RuntimeError(
+            f"FlashAttention {'backward' if backward else 'forward'} only supports head dimension at most 256"
+        )
     if d % 8 and backward:
         raise RuntimeError("head_size should be a multiple of 8")
     if d % 8 and not abi.fwd_pads_head_dim:
         raise RuntimeError("query, key, value, and out_ must have a head_size that is a multiple of 8")
-    unsupported = [name for name in ("alibi_slopes_", "block_table_", "seqused_k", "leftpad_k_")
-                   if a.get(name) is not None]
+    unsupported = [
+        name for name in ("alibi_slopes_", "block_table_", "seqused_k", "leftpad_k_") if a.get(name) is not None
+    ]
     if a["p_dropout"]:
         unsupported.append(f"p_dropout={a['p_dropout']}")
     if a.get("return_softmax"):
@@ -138,7 +211,7 @@ def _check(a: Dict[str, object], abi: ExtensionABI, fn: str) -> None:
         raise NotImplementedError(f"CPU flash_attn_2_cuda ({fn}): {', '.join(unsupported)} not emulated")
 
 
-def _window(a: Dict[str, object], sk: int) -> Tuple[bool, int, int, float]:
+def _window(a: dict[str, object], sk: int) -> tuple[bool, int, int, float]:
     """(causal, left, right, softcap) as the C++ normalises them: causal sets right = 0, bounds >= s_k unbound."""
     causal, left, right = bool(a["is_causal"]), int(a["window_size_left"]), int(a["window_size_right"])
     left = -1 if left >= sk else left
@@ -169,7 +242,7 @@ def _fwd(abi: ExtensionABI, *args):
     q, k, v = (_pad8(a[n]) for n in ("q", "k", "v"))
     causal, left, right, softcap = _window(a, k.shape[1])
     out_padded, lse = flash_forward(q, k, v, float(a["softmax_scale"]), causal, left, right, softcap)
-    out = _into(a["out_"], out_padded[..., :a["q"].shape[-1]])
+    out = _into(a["out_"], out_padded[..., : a["q"].shape[-1]])
     rest = (lse.contiguous(), torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64))
     return [out, q, k, v, out_padded, *rest] if abi.fwd_returns_inputs else [out, *rest]
 
@@ -180,17 +253,18 @@ def _bwd(abi: ExtensionABI, *args):
     dout, q, k, v, out = (a[n] for n in ("dout", "q", "k", "v", "out"))
     if q.shape[-1] != dout.shape[-1] + (-dout.shape[-1] % 8):
         raise RuntimeError("head_size must be head_size_og rounded to a multiple of 8")
-    dout = _pad8(dout)                                                        # the C++ pads dout to q's head dim
+    dout = _pad8(dout)  # the C++ pads dout to q's head dim
     causal, left, right, softcap = _window(a, k.shape[1])
-    grads = flash_backward(dout, q, k, v, out, a["softmax_lse"], float(a["softmax_scale"]), causal, left, right,
-                           softcap)
+    grads = flash_backward(
+        dout, q, k, v, out, a["softmax_lse"], float(a["softmax_scale"]), causal, left, right, softcap
+    )
     dq, dk, dv = (_into(a[name], g) for name, g in zip(("dq_", "dk_", "dv_"), grads))
-    d = (dout.float() * out.float()).sum(-1).transpose(1, 2)                 # rowsum(dout * out) [b, h, s_q]
+    d = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # rowsum(dout * out) [b, h, s_q]
     softmax_d = torch.nn.functional.pad(d, (0, _round_up(q.shape[1], 128) - q.shape[1]))
     return [dq, dk, dv, softmax_d]
 
 
-def _sequences(a: Dict[str, object]) -> List[Tuple[slice, slice]]:
+def _sequences(a: dict[str, object]) -> list[tuple[slice, slice]]:
     """(query rows, key rows) of each sequence of a varlen call (host reads of cu_seqlens: CPU only)."""
     cq, ck = a["cu_seqlens_q"].tolist(), a["cu_seqlens_k"].tolist()
     return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
@@ -202,15 +276,26 @@ def _varlen_fwd(abi: ExtensionABI, *args):
     q, k, v = a["q"], a["k"], a["v"]
     seqs, max_q = _sequences(a), int(a["max_seqlen_q"])
     out = torch.empty_like(q)
-    lse = (torch.full((len(seqs), q.shape[1], max_q), float("inf")) if abi.padded_varlen_lse
-           else torch.empty(q.shape[1], q.shape[0]))
+    lse = (
+        torch.full((len(seqs), q.shape[1], max_q), float("inf"))
+        if abi.padded_varlen_lse
+        else torch.empty(q.shape[1], q.shape[0])
+    )
     for n, (rq, rk) in enumerate(seqs):
         causal, left, right, softcap = _window(a, rk.stop - rk.start)
-        o, s = flash_forward(q[rq].unsqueeze(0), k[rk].unsqueeze(0), v[rk].unsqueeze(0), float(a["softmax_scale"]),
-                             causal, left, right, softcap)
+        o, s = flash_forward(
+            q[rq].unsqueeze(0),
+            k[rk].unsqueeze(0),
+            v[rk].unsqueeze(0),
+            float(a["softmax_scale"]),
+            causal,
+            left,
+            right,
+            softcap,
+        )
         out[rq] = o[0]
         if abi.padded_varlen_lse:
-            lse[n, :, :rq.stop - rq.start] = s[0]
+            lse[n, :, : rq.stop - rq.start] = s[0]
         else:
             lse[:, rq] = s[0]
     out = _into(a["out_"], out)
@@ -226,16 +311,23 @@ def _varlen_bwd(abi: ExtensionABI, *args):
     seqs = _sequences(a)
     for n, (rq, rk) in enumerate(seqs):
         causal, left, right, softcap = _window(a, rk.stop - rk.start)
-        rows = lse[n, :, :rq.stop - rq.start] if abi.padded_varlen_lse else lse[:, rq]
-        g = flash_backward(*(x[r].unsqueeze(0) for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))),
-                           rows.unsqueeze(0).contiguous(), float(a["softmax_scale"]), causal, left, right, softcap)
+        rows = lse[n, :, : rq.stop - rq.start] if abi.padded_varlen_lse else lse[:, rq]
+        g = flash_backward(
+            *(x[r].unsqueeze(0) for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))),
+            rows.unsqueeze(0).contiguous(),
+            float(a["softmax_scale"]),
+            causal,
+            left,
+            right,
+            softcap,
+        )
         dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
-    d = (dout.float() * out.float()).sum(-1).t()                              # [h, total_q]
+    d = (dout.float() * out.float()).sum(-1).t()  # [h, total_q]
     if abi.padded_varlen_lse:
         rounded = _round_up(int(a["max_seqlen_q"]), 128)
         softmax_d = torch.zeros(len(seqs), q.shape[1], rounded)
         for n, (rq, _) in enumerate(seqs):
-            softmax_d[n, :, :rq.stop - rq.start] = d[:, rq]
+            softmax_d[n, :, : rq.stop - rq.start] = d[:, rq]
     else:
         softmax_d = torch.nn.functional.pad(d, (0, 128 * len(seqs)))
     grads = (_into(a[name], g) for name, g in zip(("dq_", "dk_", "dv_"), (dq, dk, dv)))
@@ -253,16 +345,19 @@ def cpu_extension(abi: ExtensionABI) -> types.ModuleType:
     module.__doc__ = f"CPU stand-in of flash-attn's compiled extension, ABI {abi.name} (megatron_2d.testing)"
     module.abi, module.calls = abi, collections.Counter()
     for name, impl in (("fwd", _fwd), ("bwd", _bwd), ("varlen_fwd", _varlen_fwd), ("varlen_bwd", _varlen_bwd)):
+
         def call(*args, _impl=impl, _name=name):
             module.calls[_name] += 1
             with torch._C.DisableTorchFunction(), _disable_current_modes():
                 return _impl(abi, *args)
+
         call.__name__ = call.__qualname__ = name
         setattr(module, name, call)
     return module
 
 
 # ---- the installed releases -----------------------------------------------------------------------------------
+
 
 def releases_dir() -> pathlib.Path:
     """Where the releases are installed: $MEGATRON_2D_FLASH_ATTN_RELEASES, else <venv>/flash-attn-releases."""
@@ -277,8 +372,12 @@ def is_installed(version: str) -> bool:
     return (release_path(version) / "flash_attn" / "flash_attn_interface.py").is_file()
 
 
-CUSTOM_OPS = ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
-              "_flash_attn_varlen_backward")
+CUSTOM_OPS = (
+    "_flash_attn_forward",
+    "_flash_attn_backward",
+    "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_backward",
+)
 
 
 def load_release(version: str) -> types.ModuleType:
@@ -286,9 +385,11 @@ def load_release(version: str) -> types.ModuleType:
     ``flash_attn.flash_attn_interface``. Replaces any flash_attn already imported in this process, so call it
     once per process (forked ranks)."""
     if not is_installed(version):
-        raise FileNotFoundError(f"flash-attn {version} is not installed under {releases_dir()}; run "
-                                f"'python -m megatron_2d.testing.flash_attn_package install' (tools/install.sh "
-                                f"does)")
+        raise FileNotFoundError(
+            f"flash-attn {version} is not installed under {releases_dir()}; run "
+            f"'python -m megatron_2d.testing.flash_attn_package install' (tools/install.sh "
+            f"does)"
+        )
     for name in [n for n in sys.modules if n == "flash_attn" or n.startswith(("flash_attn.", "flash_attn_2_cuda"))]:
         del sys.modules[name]
     sys.modules["flash_attn_2_cuda"] = cpu_extension(abi_of(version))
@@ -299,16 +400,17 @@ def load_release(version: str) -> types.ModuleType:
     finally:
         sys.path.remove(path)
     if importlib.import_module("flash_attn").__version__ != version:
-        raise ImportError(f"imported flash_attn {sys.modules['flash_attn'].__version__} from {path}, "
-                          f"expected {version}")
+        raise ImportError(
+            f"imported flash_attn {sys.modules['flash_attn'].__version__} from {path}, expected {version}"
+        )
     for name in CUSTOM_OPS:
         op = getattr(interface, name, None)
-        if hasattr(op, "register_kernel"):              # a torch.library custom op (2.7 on), "cuda" only
+        if hasattr(op, "register_kernel"):  # a torch.library custom op (2.7 on), "cuda" only
             op.register_kernel("cpu")(op._init_fn)
     return interface
 
 
-def install(versions: Sequence[str] = RELEASES, python: str = sys.executable) -> List[str]:
+def install(versions: Sequence[str] = RELEASES, python: str = sys.executable) -> list[str]:
     """Install each missing release's Python layer into its own folder (no CUDA build; at once); returns the
     versions installed now. pip caches the downloads, so a second setup does not fetch them again."""
     missing = [v for v in versions if not is_installed(v)]
@@ -317,9 +419,25 @@ def install(versions: Sequence[str] = RELEASES, python: str = sys.executable) ->
     def one(version: str) -> str:
         target = release_path(version)
         staging = target.with_name(target.name + ".partial")
-        subprocess.run([python, "-m", "pip", "install", "--quiet", "--quiet", "--disable-pip-version-check",
-                        "--no-build-isolation", "--no-deps", "--upgrade", "--target", str(staging),
-                        f"flash-attn=={version}"], env=env, check=True)
+        subprocess.run(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-build-isolation",
+                "--no-deps",
+                "--upgrade",
+                "--target",
+                str(staging),
+                f"flash-attn=={version}",
+            ],
+            env=env,
+            check=True,
+        )
         staging.rename(target)
         return version
 
@@ -334,8 +452,10 @@ def main(argv: Sequence[str] = ()) -> int:
     if args.command == "install":
         releases_dir().mkdir(parents=True, exist_ok=True)
         done = install()
-        print(f"flash-attn releases in {releases_dir()}: {', '.join(RELEASES)}"
-              + (f" (installed now: {', '.join(done)})" if done else ""))
+        print(
+            f"flash-attn releases in {releases_dir()}: {', '.join(RELEASES)}"
+            + (f" (installed now: {', '.join(done)})" if done else "")
+        )
     else:
         for version in RELEASES:
             print(version, "installed" if is_installed(version) else "missing", release_path(version))

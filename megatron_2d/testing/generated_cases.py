@@ -28,8 +28,8 @@ the allocator happened to hold.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -41,8 +41,13 @@ from .reference import TOLERANCE, packed_reference_attention, rel_err, rounded
 
 _TIMEOUT = datetime.timedelta(seconds=60)
 _ATEN = torch.ops.aten
-_EMPTY_OPS = (_ATEN.empty.memory_format, _ATEN.empty_like.default, _ATEN.new_empty.default,
-              _ATEN.empty_strided.default, _ATEN.new_empty_strided.default)
+_EMPTY_OPS = (
+    _ATEN.empty.memory_format,
+    _ATEN.empty_like.default,
+    _ATEN.new_empty.default,
+    _ATEN.empty_strided.default,
+    _ATEN.new_empty_strided.default,
+)
 
 
 class PoisonedEmpty(TorchDispatchMode):
@@ -65,7 +70,7 @@ class Batch:
     hp: int
     w: int
     placement: str
-    rank_order: Tuple[int, ...]   # the CP group's global ranks by CP rank (cp_rank_lists; not always ascending)
+    rank_order: tuple[int, ...]  # the CP group's global ranks by CP rank (cp_rank_lists; not always ascending)
 
     @property
     def cp(self) -> int:
@@ -78,16 +83,16 @@ class Draw:
 
     batch_seed: int
     index: int
-    mode: Optional[str]
-    lengths: Tuple[int, ...]
-    end_padding: int              # zigzag: extra padded slots after the last document (Megatron's padded stream)
+    mode: str | None
+    lengths: tuple[int, ...]
+    end_padding: int  # zigzag: extra padded slots after the last document (Megatron's padded stream)
     batch: int
     hq: int
     hkv: int
-    d: int                        # query/key head dim
-    dv: int                       # value head dim (MLA: smaller than d)
+    d: int  # query/key head dim
+    dv: int  # value head dim (MLA: smaller than d)
     causal: bool
-    window: Tuple[int, int]
+    window: tuple[int, int]
     sinks: bool
     kernel: str
     dkv_comm_dtype: str
@@ -99,10 +104,15 @@ class Draw:
         return ", ".join(f"{k}={v}" for k, v in fields.items()) + f", lengths={shown}"
 
 
-def layouts(max_world: int = 8) -> List[Tuple[int, int, int, str]]:
+def layouts(max_world: int = 8) -> list[tuple[int, int, int, str]]:
     """Every (world, hp, w, placement) up to ``max_world``: hp | world, w | cp."""
-    return [(world, hp, w, placement) for world in range(1, max_world + 1) for hp in divisors(world)
-            for w in divisors(world // hp) for placement in PLACEMENTS]
+    return [
+        (world, hp, w, placement)
+        for world in range(1, max_world + 1)
+        for hp in divisors(world)
+        for w in divisors(world // hp)
+        for placement in PLACEMENTS
+    ]
 
 
 def draw_batch(seed: int, max_world: int = 8) -> Batch:
@@ -117,20 +127,21 @@ def draw_batch(seed: int, max_world: int = 8) -> Batch:
     return Batch(seed, world, hp, w, placement, order)
 
 
-def _document_lengths(rng: np.random.Generator) -> List[int]:
+def _document_lengths(rng: np.random.Generator) -> list[int]:
     """Lengths from one of the mixes that hand-picked tests miss."""
     mix = rng.choice(["ones", "small", "giant", "tiny_many", "awkward", "single", "lognormal"])
-    if mix == "ones":              # mostly one-token documents (trailing EODs, empty turns) and a few longer ones
+    if mix == "ones":  # mostly one-token documents (trailing EODs, empty turns) and a few longer ones
         lengths = [1] * int(rng.integers(1, 60)) + rng.integers(2, 20, size=int(rng.integers(0, 4))).tolist()
     elif mix == "small":
         lengths = rng.integers(1, 24, size=int(rng.integers(1, 30))).tolist()
-    elif mix == "giant":           # one document longer than all the others together
+    elif mix == "giant":  # one document longer than all the others together
         lengths = rng.integers(1, 6, size=int(rng.integers(0, 12))).tolist() + [int(rng.integers(80, 400))]
-    elif mix == "tiny_many":       # hundreds of one- to three-token documents
+    elif mix == "tiny_many":  # hundreds of one- to three-token documents
         lengths = rng.integers(1, 4, size=int(rng.integers(100, 300))).tolist()
-    elif mix == "awkward":         # primes: divisible by nothing the layout uses
-        lengths = rng.choice([1, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 97],
-                             size=int(rng.integers(1, 14))).tolist()
+    elif mix == "awkward":  # primes: divisible by nothing the layout uses
+        lengths = rng.choice(
+            [1, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 97], size=int(rng.integers(1, 14))
+        ).tolist()
     elif mix == "single":
         lengths = [int(rng.integers(1, 300))]
     else:
@@ -139,7 +150,7 @@ def _document_lengths(rng: np.random.Generator) -> List[int]:
     return [int(lengths[i]) for i in order]
 
 
-def _window(rng: np.random.Generator, causal: bool, longest: int) -> Tuple[int, int]:
+def _window(rng: np.random.Generator, causal: bool, longest: int) -> tuple[int, int]:
     """No window, or one from a single key to wider than the longest document."""
     if rng.random() < 0.4:
         return (-1, -1)
@@ -147,7 +158,7 @@ def _window(rng: np.random.Generator, causal: bool, longest: int) -> Tuple[int, 
     if causal:
         return (max(1, reach()), 0)
     left, right = reach(), reach()
-    unbounded = rng.integers(0, 3)           # 0: both bounded, 1: left unbounded, 2: right unbounded
+    unbounded = rng.integers(0, 3)  # 0: both bounded, 1: left unbounded, 2: right unbounded
     return (-1 if unbounded == 1 else left, -1 if unbounded == 2 else right)
 
 
@@ -156,34 +167,49 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
     rng = np.random.default_rng([batch.seed, 1, index])
     mode = None if rng.random() < 0.3 else str(rng.choice(list(modes)))
     hq = batch.hp * int(rng.choice([1, 2]))
-    hkv = int(rng.choice(divisors(hq)))             # hkv < hp replicates K/V heads
+    hkv = int(rng.choice(divisors(hq)))  # hkv < hp replicates K/V heads
     causal = bool(rng.random() < 0.7)
     if mode is None:
         chunk = int(rng.integers(1, 10))
         lengths = (2 * batch.world * chunk,)
-        batch_size = int(rng.choice([1, 2]))        # batch 1 takes the point-to-point head exchange
+        batch_size = int(rng.choice([1, 2]))  # batch 1 takes the point-to-point head exchange
         end_padding = 0
     else:
         lengths = tuple(_document_lengths(rng))
-        if mode == "sequence":                      # Megatron's per-sequence split: 2*CP divides the stream
+        if mode == "sequence":  # Megatron's per-sequence split: 2*CP divides the stream
             lengths += ((-sum(lengths)) % (2 * batch.world),) if sum(lengths) % (2 * batch.world) else ()
         batch_size = 1
         end_padding = 2 * batch.world * int(rng.integers(1, 3)) if mode == "zigzag" and rng.random() < 0.3 else 0
     d = int(rng.choice([8, 16]))
     dv = d // 2 if rng.random() < 0.25 else d
-    return Draw(batch.seed, index, mode, lengths, end_padding, batch_size, hq, hkv, d, dv, causal, _window(rng, causal, max(lengths)), bool(rng.random() < 0.3),
-                "torch_math" if rng.random() < 0.15 else "cpu_flash",
-                "input" if rng.random() < 0.2 else "accumulator")
+    return Draw(
+        batch.seed,
+        index,
+        mode,
+        lengths,
+        end_padding,
+        batch_size,
+        hq,
+        hkv,
+        d,
+        dv,
+        causal,
+        _window(rng, causal, max(lengths)),
+        bool(rng.random() < 0.3),
+        "torch_math" if rng.random() < 0.15 else "cpu_flash",
+        "input" if rng.random() < 0.2 else "accumulator",
+    )
 
 
-def _inputs(draw: Draw) -> Tuple[torch.Tensor, ...]:
+def _inputs(draw: Draw) -> tuple[torch.Tensor, ...]:
     """fp64 q [T, b, hq, d], k [T, b, hkv, d], v [T, b, hkv, dv], dout [T, b, hq, dv], sinks [hq] (or None),
     rounded to fp32."""
     g = torch.Generator().manual_seed(draw.batch_seed * 100_003 + draw.index)
     total = sum(draw.lengths)
-    q, k, v, dout = (rounded(torch.randn(total, draw.batch, h, dim, generator=g, dtype=torch.float64),
-                             torch.float32)
-                     for h, dim in ((draw.hq, draw.d), (draw.hkv, draw.d), (draw.hkv, draw.dv), (draw.hq, draw.dv)))
+    q, k, v, dout = (
+        rounded(torch.randn(total, draw.batch, h, dim, generator=g, dtype=torch.float64), torch.float32)
+        for h, dim in ((draw.hq, draw.d), (draw.hkv, draw.d), (draw.hkv, draw.dv), (draw.hq, draw.dv))
+    )
     sinks = rounded(torch.randn(draw.hq, generator=g, dtype=torch.float64), torch.float32) if draw.sinks else None
     return q, k, v, dout, sinks
 
@@ -198,15 +224,21 @@ its fp64 answer fails rather than judging the op by a bound that would hide a bu
 OUTPUTS = ("out", "dq", "dk", "dv", "dsinks")
 
 
-def _oracle(draw: Draw, dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], ...]:
+def _oracle(draw: Draw, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
     """(out, dq, dk, dv, d sinks or None) of the per-document oracle in ``dtype``, every batch row on its own."""
     q, k, v, dout, sinks = (None if x is None else x.to(dtype) for x in _inputs(draw))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     sink_leaf = None if sinks is None else sinks.clone().requires_grad_(True)
     cu = np.concatenate([[0], np.cumsum(draw.lengths)])
-    out = torch.stack([packed_reference_attention(*(x[:, i] for x in leaves), cu, draw.causal, draw.d ** -0.5,
-                                                  window=draw.window, sinks=sink_leaf)
-                       for i in range(draw.batch)], dim=1)                          # [T, b, hq, d]
+    out = torch.stack(
+        [
+            packed_reference_attention(
+                *(x[:, i] for x in leaves), cu, draw.causal, draw.d**-0.5, window=draw.window, sinks=sink_leaf
+            )
+            for i in range(draw.batch)
+        ],
+        dim=1,
+    )  # [T, b, hq, d]
     out.backward(dout)
     return (out.detach(), *(x.grad for x in leaves), None if sink_leaf is None else sink_leaf.grad)
 
@@ -217,12 +249,15 @@ def expected_results(draw: Draw):
     that is larger. Computed once, in the parent, before the ranks fork."""
     expected = _oracle(draw, torch.float64)
     in_fp32 = _oracle(draw, torch.float32)
-    bounds = {name: min(FP32_FLOOR_CAP, max(TOLERANCE[torch.float32], FP32_FLOOR_FACTOR * rel_err(got, want)))
-              for name, got, want in zip(OUTPUTS, in_fp32, expected) if want is not None}
+    bounds = {
+        name: min(FP32_FLOOR_CAP, max(TOLERANCE[torch.float32], FP32_FLOOR_FACTOR * rel_err(got, want)))
+        for name, got, want in zip(OUTPUTS, in_fp32, expected)
+        if want is not None
+    }
     return (*expected, bounds)
 
 
-def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> Dict[str, object]:
+def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[str, object]:
     """Run one draw on this rank: errors of its slots (max |error| / max |reference| of the whole tensor) against
     ``expected`` (from :func:`expected_results`), the padding and finiteness checks, and this rank's share of
     d sinks."""
@@ -230,7 +265,7 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> Dict[s
 
     q, k, v, dout, sinks = _inputs(draw)
     if draw.mode is None:
-        shard = lambda x: megatron_2d.shard_sequence(x, cp_rank, cp_size)          # noqa: E731
+        shard = lambda x: megatron_2d.shard_sequence(x, cp_rank, cp_size)  # noqa: E731
         pad = torch.zeros(q.shape[0] // cp_size, dtype=torch.bool)
         packing = None
     else:
@@ -242,17 +277,24 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> Dict[s
             padded[-1] += draw.end_padding
             padded = np.concatenate([[0], np.cumsum(padded)])
         packing = megatron_2d.PackedLayout(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
-        shard = lambda x: packing.shard(x[:, 0])                                    # noqa: E731  [t_local, h, d]
+        shard = lambda x: packing.shard(x[:, 0])  # noqa: E731  [t_local, h, d]
         pad = packing.local_indices() < 0
     local = [shard(x).float().requires_grad_(True) for x in (q, k, v)]
     local_sinks = None if sinks is None else sinks.float().requires_grad_(True)
     with PoisonedEmpty():
-        out = megatron_2d.attention_2d(*local, groups, causal=draw.causal, sliding_window=draw.window,
-                                       sinks=local_sinks, kernel=draw.kernel, dkv_comm_dtype=draw.dkv_comm_dtype,
-                                       packing=packing)
+        out = megatron_2d.attention_2d(
+            *local,
+            groups,
+            causal=draw.causal,
+            sliding_window=draw.window,
+            sinks=local_sinks,
+            kernel=draw.kernel,
+            dkv_comm_dtype=draw.dkv_comm_dtype,
+            packing=packing,
+        )
         out.backward(shard(dout).float())
     actual = (out.detach(), *(x.grad for x in local))
-    result: Dict[str, object] = {}
+    result: dict[str, object] = {}
     for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
         scale = e.abs().max().item()
         result[name] = (a.double() - shard(e)).abs().max().item() / (scale if scale > 0 else 1.0)
@@ -267,21 +309,29 @@ def run_batch(rank: int, world: int, batch: Batch, draws: Sequence[Draw], expect
     """On every rank of a fork: build the batch's groups once, then run its draws."""
     import megatron_2d
 
-    groups = megatron_2d.build_2d_groups(batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order],
-                                         timeout=_TIMEOUT)
+    groups = megatron_2d.build_2d_groups(
+        batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order], timeout=_TIMEOUT
+    )
     cp_rank = batch.rank_order.index(rank)
     return [run_draw(draw, e, groups, cp_rank, world) for draw, e in zip(draws, expected)]
 
 
-def failures(batch: Batch, draws: Sequence[Draw], per_rank: Sequence[Sequence[Dict[str, object]]],
-             bounds: Sequence[Dict[str, float]]) -> List[str]:
+def failures(
+    batch: Batch,
+    draws: Sequence[Draw],
+    per_rank: Sequence[Sequence[dict[str, object]]],
+    bounds: Sequence[dict[str, float]],
+) -> list[str]:
     """What went wrong in each draw of a batch (empty when every check held), with the replay command.
     ``bounds``: each draw's bound per output (the last item of :func:`expected_results`)."""
     found = []
     for j, draw in enumerate(draws):
         results, bound = [r[j] for r in per_rank], bounds[j]
-        problems = [f"{name} error {max(r[name] for r in results):.2e} (bound {bound[name]:.2e})"
-                    for name in ("out", "dq", "dk", "dv") if not max(r[name] for r in results) < bound[name]]
+        problems = [
+            f"{name} error {max(r[name] for r in results):.2e} (bound {bound[name]:.2e})"
+            for name in ("out", "dq", "dk", "dv")
+            if not max(r[name] for r in results) < bound[name]
+        ]
         if not all(r["finite"] for r in results):
             problems.append("non-finite values")
         if not all(r["padding_zero"] for r in results):
@@ -293,7 +343,10 @@ def failures(batch: Batch, draws: Sequence[Draw], per_rank: Sequence[Sequence[Di
             if not err < bound["dsinks"]:
                 problems.append(f"dsinks error {err:.2e} (bound {bound['dsinks']:.2e})")
         if problems:
-            found.append(f"{'; '.join(problems)} | world={batch.world} hp={batch.hp} cp={batch.cp} w={batch.w} "
-                         f"{batch.placement} ranks={list(batch.rank_order)} | {draw.describe()} | replay: python tools/fuzz_attention.py "
-                         f"--replay {batch.seed}:{draw.index}")
+            found.append(
+                f"{'; '.join(problems)} | world={batch.world} hp={batch.hp} cp={batch.cp} w={batch.w} "
+                f"{batch.placement} ranks={list(batch.rank_order)} | {draw.describe()} | "
+                f"replay: python tools/fuzz_attention.py "
+                f"--replay {batch.seed}:{draw.index}"
+            )
     return found

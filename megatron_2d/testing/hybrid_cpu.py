@@ -31,7 +31,7 @@ STAND_IN_VERSIONS = {"mamba_ssm": "2.3.2", "causal_conv1d": "1.7.0", "fla": "0.6
 def _module(name: str, **attributes) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__dict__.update(attributes, __megatron_2d_cpu_stand_in__=True)
-    module.__path__ = []          # a package, so that submodules import
+    module.__path__ = []  # a package, so that submodules import
     sys.modules[name] = module
     return module
 
@@ -44,8 +44,11 @@ def _register_stand_ins() -> None:
     _module("mamba_ssm.ops")
     _module("mamba_ssm.ops.triton")
     _module("mamba_ssm.ops.triton.layernorm_gated", RMSNorm=s.RMSNormGated, rmsnorm_fn=s.rmsnorm_fn)
-    _module("mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=s.mamba_chunk_scan_combined,
-            mamba_split_conv1d_scan_combined=s.mamba_split_conv1d_scan_combined)
+    _module(
+        "mamba_ssm.ops.triton.ssd_combined",
+        mamba_chunk_scan_combined=s.mamba_chunk_scan_combined,
+        mamba_split_conv1d_scan_combined=s.mamba_split_conv1d_scan_combined,
+    )
     _module("causal_conv1d", __version__=STAND_IN_VERSIONS["causal_conv1d"], causal_conv1d_fn=s.causal_conv1d_fn)
     _module("causal_conv1d.causal_conv1d_varlen", causal_conv1d_varlen_states=s.causal_conv1d_varlen_states)
     _module("fla", __version__=STAND_IN_VERSIONS["fla"])
@@ -61,8 +64,12 @@ def _rebind_megatron_ssm() -> None:
     from megatron.core.ssm.gated_delta_net import common
 
     before = common._GDNBase
-    for name in ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.gated_delta_net.gdn",
-                 "megatron.core.ssm.gated_delta_net", "megatron.core.ssm.mamba_mixer"):
+    for name in (
+        "megatron.core.ssm.gated_delta_net.common",
+        "megatron.core.ssm.gated_delta_net.gdn",
+        "megatron.core.ssm.gated_delta_net",
+        "megatron.core.ssm.mamba_mixer",
+    ):
         module = importlib.import_module(name)
         importlib.reload(module)
     from megatron.core.ssm import gated_delta_net, mamba_mixer

@@ -17,7 +17,8 @@ T the packed stream). Blocks and riders are the op's: K and V side by side, [b, 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -38,18 +39,22 @@ class LoopbackTransport:
     """Context rank ``rank``'s transport in a one-process run: every source block, directly (see the module); a
     :class:`~megatron_2d.transport.Transport` whose backward returns zeros (the dK/dV are in the mailbox)."""
 
-    traffic_kinds: ClassVar[Tuple[str, ...]] = ()          # one process: nothing is sent
+    traffic_kinds: ClassVar[tuple[str, ...]] = ()  # one process: nothing is sent
 
-    def __init__(self, rank: int, blocks: Sequence[torch.Tensor], mailbox: Dict[int, List[torch.Tensor]],
-                 ring_keys: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        blocks: Sequence[torch.Tensor],
+        mailbox: dict[int, list[torch.Tensor]],
+        ring_keys: int | None = None,
+    ) -> None:
         self.rank, self.blocks, self.mailbox, self.ring_keys = rank, blocks, mailbox, ring_keys
 
-    def run(self, kv: torch.Tensor, compute: ComputeFn,
-            dkv_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         for src, block in enumerate(self.blocks):
             block = kv if src == self.rank else block
             if self.ring_keys is not None and src != self.rank:
-                block = block[:, :self.ring_keys]                      # only the ring prefix travels
+                block = block[:, : self.ring_keys]  # only the ring prefix travels
             partials = compute(block, src, 0)
             if dkv_dtype is not None:
                 buffer = torch.empty(block.shape, dtype=dkv_dtype, device=block.device)
@@ -64,13 +69,15 @@ def virtual_groups(layout: Layout2D, cp_index: int) -> Groups2D:
     return Groups2D(layout, place, None, None, None, None, None)
 
 
-def _token_indices(layout: Layout2D, tokens: int, packing: Optional[PackedLayout]) -> List[np.ndarray]:
+def _token_indices(layout: Layout2D, tokens: int, packing: PackedLayout | None) -> list[np.ndarray]:
     """Per context rank, the global token of each row of its ring layout (-1: padding)."""
     if packing is not None:
         return [np.asarray(view) for view in packing.views]
     c = tokens // (2 * layout.cp_size)
-    return [np.concatenate([np.arange(x * c, (x + 1) * c) for x in context_chunks(layout, r)])
-            for r in range(layout.context_size)]
+    return [
+        np.concatenate([np.arange(x * c, (x + 1) * c) for x in context_chunks(layout, r)])
+        for r in range(layout.context_size)
+    ]
 
 
 def _gather(x: torch.Tensor, index: np.ndarray) -> torch.Tensor:
@@ -90,16 +97,27 @@ def _scatter(rows: Sequence[torch.Tensor], indices: Sequence[np.ndarray], like: 
     return out
 
 
-def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, layout: Layout2D,
-                       kernel: BlockKernel, causal: bool = True, window: Tuple[int, int] = (-1, -1),
-                       scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                       dkv_comm_dtype: str = "accumulator", cu_seqlens=None, packing_mode: str = "zigzag"):
+def loopback_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    layout: Layout2D,
+    kernel: BlockKernel,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dkv_comm_dtype: str = "accumulator",
+    cu_seqlens=None,
+    packing_mode: str = "zigzag",
+):
     """(out, dq, dk, dv, dsinks) of the whole sequence, every context rank of ``layout`` run in turn (module
     docstring). ``cu_seqlens``: packed documents in ``packing_mode``; the tensors are then the packed stream."""
     check_dkv_comm_dtype(dkv_comm_dtype)
     b, T, hq, d = q.shape
     cp = layout.context_size
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     packing, ring_keys = None, None
     if cu_seqlens is not None:
         packing = PackedLayout(cu_seqlens, virtual_groups(layout, 0), mode=packing_mode)
@@ -109,18 +127,24 @@ def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
         sliding = SlidingWindow.of(window, causal, T)
         plan = plan_context_group(layout, T // (2 * layout.cp_size), causal, sliding)
     indices = _token_indices(layout, T, packing)
-    kv_rows = [torch.cat([_gather(k, i), _gather(v, i)], dim=-1) for i in indices]   # [b, S, hkv, dk + dv] per rank
+    kv_rows = [torch.cat([_gather(k, i), _gather(v, i)], dim=-1) for i in indices]  # [b, S, hkv, dk + dv] per rank
     kernel = kernel.for_head_dims(d, v.shape[-1])
-    mailbox: Dict[int, List[torch.Tensor]] = defaultdict(list)
+    mailbox: dict[int, list[torch.Tensor]] = defaultdict(list)
     outs, dqs, dsinks = [], [], []
     for r in range(cp):
         if packing is not None:
-            plans = PackedLayout(cu_seqlens, virtual_groups(layout, layout.index_of(0, r)),
-                                 mode=packing_mode).plans(causal, sliding)
+            plans = PackedLayout(cu_seqlens, virtual_groups(layout, layout.index_of(0, r)), mode=packing_mode).plans(
+                causal, sliding
+            )
         else:
             plans = {src: plan.calls[(r, src)] for src in range(cp)}
-        rc = RingContext(transport=LoopbackTransport(r, kv_rows, mailbox, ring_keys), kernel=kernel, plans=plans,
-                         scale=scale, rider_dtype=rider_dtype(q.dtype, dkv_comm_dtype))
+        rc = RingContext(
+            transport=LoopbackTransport(r, kv_rows, mailbox, ring_keys),
+            kernel=kernel,
+            plans=plans,
+            scale=scale,
+            rider_dtype=rider_dtype(q.dtype, dkv_comm_dtype),
+        )
         qr = _gather(q, indices[r]).requires_grad_(True)
         kvr = kv_rows[r].detach().requires_grad_(True)
         sr = None if sinks is None else sinks.detach().clone().requires_grad_(True)
@@ -134,8 +158,13 @@ def loopback_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
     for r in range(cp):
         total = torch.zeros(kv_rows[r].shape, dtype=mailbox[r][0].dtype, device=q.device)
         for part in mailbox[r]:
-            total[:, :part.shape[1]] += part
+            total[:, : part.shape[1]] += part
         dkvs.append(total)
-    dk, dv = ([x[..., :d] for x in dkvs], [x[..., d:] for x in dkvs])                   # K | V side by side
-    return (_scatter(outs, indices, dout), _scatter(dqs, indices, q), _scatter(dk, indices, k),
-            _scatter(dv, indices, v), sum(dsinks) if dsinks else None)
+    dk, dv = ([x[..., :d] for x in dkvs], [x[..., d:] for x in dkvs])  # K | V side by side
+    return (
+        _scatter(outs, indices, dout),
+        _scatter(dqs, indices, q),
+        _scatter(dk, indices, k),
+        _scatter(dv, indices, v),
+        sum(dsinks) if dsinks else None,
+    )

@@ -4,7 +4,8 @@ Test support only: nothing on the library's runtime path imports this module, an
 module of the package) patches nothing. Shims 1-6 are applied by an explicit ``install_megatron_cpu_shims()``
 (the test harness, tests/conftest.py, and the demo call it), which is idempotent (a second call changes nothing),
 safe to call before or after ``import megatron.core``, and refuses (``CudaAvailableError``) where CUDA is
-available: the shims exist for CPU-only machines and would hide real device placement on a GPU. Each shim is the smallest change that was needed; why it is
+available: the shims exist for CPU-only machines and would hide real device placement on a GPU. Each shim is the
+smallest change that was needed; why it is
 needed is written next to it. Fusions (bias-gelu, bias-dropout-add, RoPE, softmax) are left off: they
 are off by default in 0.19.2 and would cost an inductor compile per process on CPU.
 
@@ -29,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import typing
-from typing import Any, Dict, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -41,12 +43,14 @@ class CudaAvailableError(RuntimeError):
     """The CPU shims were asked for on a machine with CUDA."""
 
 
-def refuse_with_cuda(what: str = "megatron_2d.testing.megatron_cpu",
-                     instead: str = "run megatron-core on the GPU without them") -> None:
+def refuse_with_cuda(
+    what: str = "megatron_2d.testing.megatron_cpu", instead: str = "run megatron-core on the GPU without them"
+) -> None:
     """CudaAvailableError when CUDA is available: the CPU shims are for CPU-only machines."""
     if torch.cuda.is_available():
-        raise CudaAvailableError(f"{what} maps CUDA to the CPU for tests on CPU-only machines; CUDA is available "
-                                 f"here, so {instead} instead")
+        raise CudaAvailableError(
+            f"{what} maps CUDA to the CPU for tests on CPU-only machines; CUDA is available here, so {instead} instead"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,11 +189,11 @@ def cpu_get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_grou
     cp_rank = cp_group.rank()
     shape = pos_emb.shape
     # [..., s, ...] -> [..., 2*cp, s/(2*cp), ...]
-    chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+    chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1 :])
     index = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=pos_emb.device)
     chunks = chunks.index_select(seq_dim, index)
     # [..., 2, s/(2*cp), ...] -> [..., s/cp, ...]
-    return chunks.reshape(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
+    return chunks.reshape(*shape[:seq_dim], -1, *shape[seq_dim + 1 :])
 
 
 _ROPE_MODULES = (
@@ -333,7 +337,7 @@ def install_megatron_cpu_shims(import_training: bool = False) -> None:
 # --------------------------------------------------------------------------------------------------
 _DDP_INSTALLED = False
 
-CPU_DDP_CONFIG_OVERRIDES: Dict[str, Any] = {"gradient_reduce_div_fusion": False}
+CPU_DDP_CONFIG_OVERRIDES: dict[str, Any] = {"gradient_reduce_div_fusion": False}
 """DistributedDataParallelConfig fields needed on gloo: no PREMUL_SUM reduce op (megatron-fsdp divides in a
 separate multiply instead)."""
 
@@ -355,7 +359,7 @@ class CpuStream:
     def wait_event(self, event) -> None:
         """No-op, as ``wait_stream``."""
 
-    def record_event(self, event=None) -> "CpuEvent":
+    def record_event(self, event=None) -> CpuEvent:
         event = event if event is not None else CpuEvent()
         event.record(self)
         return event
@@ -394,7 +398,7 @@ class CpuStreamContext:
     def __init__(self, stream=None) -> None:
         self.stream = stream
 
-    def __enter__(self) -> "CpuStreamContext":
+    def __enter__(self) -> CpuStreamContext:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -441,7 +445,7 @@ def _install_device_mesh_shim() -> None:
 def _cuda_type_name(cpu_type_name: str) -> str:
     """'torch.FloatTensor' -> 'torch.cuda.FloatTensor' (names already naming cuda are kept)."""
     if cpu_type_name.startswith("torch.") and not cpu_type_name.startswith("torch.cuda."):
-        return "torch.cuda." + cpu_type_name[len("torch."):]
+        return "torch.cuda." + cpu_type_name[len("torch.") :]
     return cpu_type_name
 
 
@@ -489,7 +493,6 @@ def install_megatron_ddp_cpu_shims() -> None:
         _install_stream_shims()
         _install_device_mesh_shim()
         _DDP_INSTALLED = True
-
 
 
 def shims_installed() -> bool:

@@ -21,8 +21,9 @@ import subprocess
 TAG = "core_v0.19.0"
 SCRIPTS = ("pretrain_gpt.py", "gpt_builders.py", "pretrain_hybrid.py", "hybrid_builders.py", "model_provider.py")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-PATCHES = tuple(REPO_ROOT / "patches" / f"megatron-lm-{TAG}-{entry}-2d.patch" for entry in ("pretrain_gpt",
-                                                                                             "pretrain_hybrid"))
+PATCHES = tuple(
+    REPO_ROOT / "patches" / f"megatron-lm-{TAG}-{entry}-2d.patch" for entry in ("pretrain_gpt", "pretrain_hybrid")
+)
 
 
 def megatron_lm_dir() -> pathlib.Path:
@@ -34,7 +35,8 @@ def megatron_lm_dir() -> pathlib.Path:
         raise FileNotFoundError(
             f"Megatron-LM's {TAG} entry scripts are missing from {folder} ({', '.join(missing)}); they are expected "
             f"in <repo>/../shared/megatron-lm/{TAG} (a copy of NVIDIA/Megatron-LM's top-level files at tag {TAG}), "
-            f"or set MEGATRON_LM_DIR to a folder that has them")
+            f"or set MEGATRON_LM_DIR to a folder that has them"
+        )
     return folder
 
 
@@ -59,8 +61,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dest", help="folder to copy the scripts into")
     parser.add_argument("--patched", action="store_true", help="apply the project's 2d patches to the copy")
-    parser.add_argument("--script", default="pretrain_gpt.py", choices=("pretrain_gpt.py", "pretrain_hybrid.py"),
-                        help="the entry script whose path is printed")
+    parser.add_argument(
+        "--script",
+        default="pretrain_gpt.py",
+        choices=("pretrain_gpt.py", "pretrain_hybrid.py"),
+        help="the entry script whose path is printed",
+    )
     args = parser.parse_args(argv)
     print(copy_scripts(args.dest, patched=args.patched, script=args.script))
 

@@ -1,7 +1,7 @@
 """Guards that fail on host-device synchronisation, for hot-path tests (a CPU run shows what a GPU run would sync).
 
-    with NoHostDataInOp(), NoSyncOps():
-        step()
+with NoHostDataInOp(), NoSyncOps():
+    step()
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ class NoSyncOps(TorchDispatchMode):
     """Fails on the aten ops behind a device-to-host read (a scalar read, ``torch.equal``'s verdict) or a tensor
     made from Python data."""
 
-    FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default,
-                 torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.equal.default}
+    FORBIDDEN = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.lift_fresh.default,
+        torch.ops.aten.lift_fresh_copy.default,
+        torch.ops.aten.equal.default,
+    }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.FORBIDDEN:

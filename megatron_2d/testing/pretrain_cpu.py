@@ -43,19 +43,31 @@ import functools
 import os
 import runpy
 import sys
-from typing import Iterator, List, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from .hybrid_cpu import install_hybrid_cpu_shims
 from .megatron_cpu import CudaAvailableError, install_megatron_ddp_cpu_shims, megatron_ddp_on_cpu  # noqa: F401
 from .megatron_cpu import refuse_with_cuda as _refuse_with_cuda
-from .hybrid_cpu import install_hybrid_cpu_shims
 
 _INSTALLED = False
 
-CPU_FLAGS = ["--distributed-backend", "gloo", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
-             "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-             "--no-persist-layer-norm", "--transformer-impl", "local", "--num-workers", "0"]
+CPU_FLAGS = [
+    "--distributed-backend",
+    "gloo",
+    "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--transformer-impl",
+    "local",
+    "--num-workers",
+    "0",
+]
 """Flags every CPU run gets (after the user's): gloo; weights drawn on the CPU, which makes them independent of the TP
 size; no fused CUDA/TE/apex kernels; the local layers; data loaded in the rank (forked ranks may not fork loaders)."""
 
@@ -183,7 +195,7 @@ def init_gloo_from_env(timeout_s: float = 120.0) -> None:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def main(argv: List[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """``python -m megatron_2d.testing.pretrain_cpu SCRIPT [flags...]`` under torchrun."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):

@@ -17,11 +17,11 @@ import queue
 import re
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
 
 from .distributed import run_on_ranks
-from .pretrain_cpu import refuse_with_cuda, install_pretrain_cpu_shims, run_script
+from .pretrain_cpu import install_pretrain_cpu_shims, refuse_with_cuda, run_script
 
 DEFAULT_TIMEOUT_S = 150.0
 
@@ -33,16 +33,16 @@ class RankOutcome:
     """How one rank's run ended: exit status as ``python script`` would report it, the error, and its log."""
 
     exit_status: int
-    error: Optional[str]
+    error: str | None
     log: str
 
 
-def lm_losses(log: str) -> Dict[int, float]:
+def lm_losses(log: str) -> dict[int, float]:
     """``{iteration: lm loss}`` from Megatron's training log lines (``... iteration 3/ 4 | ... | lm loss: X |``)."""
     return {int(it): float(loss) for it, loss in ITERATION_LOSS.findall(log)}
 
 
-def per_iteration_losses(logged: Dict[int, float]) -> Dict[int, float]:
+def per_iteration_losses(logged: dict[int, float]) -> dict[int, float]:
     """Each iteration's own loss from a run's logged ``lm loss`` values at ``--log-interval 1``.
 
     megatron.training logs the first iteration of every run (fresh or resumed) without resetting its loss
@@ -95,13 +95,14 @@ def _use_in_process_write_results() -> None:
     filesystem_async._results_queue = queue.Queue()
 
 
-def _run_rank(rank: int, world_size: int, script: str, argv: Sequence[str], log_dir: str,
-              must_succeed: bool) -> RankOutcome:
+def _run_rank(
+    rank: int, world_size: int, script: str, argv: Sequence[str], log_dir: str, must_succeed: bool
+) -> RankOutcome:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     install_pretrain_cpu_shims()
     _use_in_process_write_results()
     path = os.path.join(log_dir, f"rank{rank}.log")
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     with open(path, "w") as log:
         # fds 1 and 2 for C-level output, sys.stdout/stderr for Python's (pytest replaces them with its own)
         os.dup2(log.fileno(), 1)
@@ -121,27 +122,31 @@ def _run_rank(rank: int, world_size: int, script: str, argv: Sequence[str], log_
     if error is None or _exit_status(error) == 0:  # Megatron leaves with sys.exit(0) at --exit-interval
         return RankOutcome(0, None, text)
     if must_succeed:  # fail the whole run now instead of leaving the other ranks in a collective
-        raise RuntimeError(f"{type(error).__name__}: {error}\n--- end of this rank's log ---\n{text[-4000:]}") from error
+        raise RuntimeError(
+            f"{type(error).__name__}: {error}\n--- end of this rank's log ---\n{text[-4000:]}"
+        ) from error
     return RankOutcome(_exit_status(error), f"{type(error).__name__}: {error}", text)
 
 
-def _run(world_size: int, script: os.PathLike, argv: Sequence[str], timeout_s: float,
-         must_succeed: bool) -> List[RankOutcome]:
+def _run(
+    world_size: int, script: os.PathLike, argv: Sequence[str], timeout_s: float, must_succeed: bool
+) -> list[RankOutcome]:
     refuse_with_cuda()  # before forking; the shims themselves are installed in the ranks, not in the caller
     with tempfile.TemporaryDirectory(prefix="m2d_pretrain_") as log_dir:
-        return run_on_ranks(world_size, _run_rank, str(script), list(argv), log_dir, must_succeed,
-                            timeout_s=timeout_s)
+        return run_on_ranks(world_size, _run_rank, str(script), list(argv), log_dir, must_succeed, timeout_s=timeout_s)
 
 
-def run_pretrain(world_size: int, script: os.PathLike, argv: Sequence[str],
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> List[str]:
+def run_pretrain(
+    world_size: int, script: os.PathLike, argv: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[str]:
     """Run ``script`` (its ``__main__``) with ``argv`` on ``world_size`` forked ranks; the per-rank logs. The first
     rank that fails ends the run at once: RankFailure with its error and the tail of its log."""
     return [outcome.log for outcome in _run(world_size, script, argv, timeout_s, must_succeed=True)]
 
 
-def run_pretrain_outcomes(world_size: int, script: os.PathLike, argv: Sequence[str],
-                          timeout_s: float = DEFAULT_TIMEOUT_S) -> List[RankOutcome]:
+def run_pretrain_outcomes(
+    world_size: int, script: os.PathLike, argv: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[RankOutcome]:
     """As :func:`run_pretrain` for runs expected to fail: every rank's outcome. Raises RankFailure only when a rank
     dies or the run outlives ``timeout_s`` (a rank left waiting for one that stopped)."""
     return _run(world_size, script, argv, timeout_s, must_succeed=False)

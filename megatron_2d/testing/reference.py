@@ -26,8 +26,8 @@ precision, so their bounds are a few ulps of the dtype times the ring length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -46,7 +46,7 @@ class Tolerance:
     dq: float
     dk: float
     dv: float
-    benchmark: Optional[float] = None
+    benchmark: float | None = None
     """rel_err bound of the benchmarks' correctness gate (tools/bench_compare.py), at their larger sizes; the
     end-to-end bound when None."""
 
@@ -71,7 +71,7 @@ TOLERANCES = {
 TOLERANCE = {dtype: t.end_to_end for dtype, t in TOLERANCES.items()}
 
 
-def hidden_keys(offset: torch.Tensor, causal: bool, window: Tuple[int, int]) -> torch.Tensor:
+def hidden_keys(offset: torch.Tensor, causal: bool, window: tuple[int, int]) -> torch.Tensor:
     """Where query i must not see key j, from ``offset`` = j - i: after it (``causal``), or outside the sliding
     ``window`` (left, right; -1 unbounded)."""
     left, right = window
@@ -94,7 +94,7 @@ def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0, window
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     sq, sk = scores.shape[-2:]
-    offset = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1)          # j - i
+    offset = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1)  # j - i
     scores = scores.masked_fill(hidden_keys(offset, causal, window).to(scores.device), float("-inf"))
     if sinks is not None:
         sink_col = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
@@ -107,8 +107,14 @@ def attention_with_lse(q, k, v, causal: bool = False, scale: float = 1.0, window
 
 # (s_q, s_k, causal, window, softcap) of flash-attn's conventions: causal aligned bottom-right with more keys than
 # queries and with fewer (the first rows see nothing), a causal window, a two-sided window, softcap
-FLASH_CONVENTION_CASES = [(8, 8, True, (-1, -1), 0.0), (6, 10, True, (-1, -1), 0.0), (10, 6, True, (-1, -1), 0.0),
-                          (12, 12, True, (3, -1), 0.0), (8, 12, False, (2, 1), 0.0), (8, 8, False, (-1, -1), 5.0)]
+FLASH_CONVENTION_CASES = [
+    (8, 8, True, (-1, -1), 0.0),
+    (6, 10, True, (-1, -1), 0.0),
+    (10, 6, True, (-1, -1), 0.0),
+    (12, 12, True, (3, -1), 0.0),
+    (8, 12, False, (2, 1), 0.0),
+    (8, 8, False, (-1, -1), 5.0),
+]
 
 
 def flash_reference(q, k, v, dout, scale: float, causal: bool = False, window=(-1, -1), softcap: float = 0.0):
@@ -119,7 +125,7 @@ def flash_reference(q, k, v, dout, scale: float, causal: bool = False, window=(-
     sq, sk = q.shape[1], k.shape[1]
     left, right = window
     right = 0 if causal else right
-    offset = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1) - (sk - sq)      # j - aligned i
+    offset = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1) - (sk - sq)  # j - aligned i
     visible = torch.ones(sq, sk, dtype=torch.bool)
     if left >= 0:
         visible &= offset >= -left
@@ -132,8 +138,9 @@ def flash_reference(q, k, v, dout, scale: float, causal: bool = False, window=(-
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0),
-                       v64.repeat_interleave(rep, dim=2))
+    out = torch.einsum(
+        "bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0), v64.repeat_interleave(rep, dim=2)
+    )
     out.backward(dout.double())
     lse = lse.detach().masked_fill(~visible.any(1), float("inf"))
     return out.detach(), lse, q64.grad, k64.grad, v64.grad
@@ -141,8 +148,9 @@ def flash_reference(q, k, v, dout, scale: float, causal: bool = False, window=(-
 
 def reference_attention(q, k, v, causal: bool, scale: float, window=(-1, -1), sinks=None) -> torch.Tensor:
     """Full-sequence attention in Megatron's sbhd: q [S, b, hq, d], k/v [S, b, hkv, d] -> [S, b, hq, d]."""
-    out, _ = attention_with_lse(*(x.transpose(0, 1) for x in (q, k, v)), causal=causal, scale=scale,
-                                window=window, sinks=sinks)
+    out, _ = attention_with_lse(
+        *(x.transpose(0, 1) for x in (q, k, v)), causal=causal, scale=scale, window=window, sinks=sinks
+    )
     return out.transpose(0, 1)
 
 
@@ -163,19 +171,35 @@ def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float64)
 
 
-def packed_reference_attention(q, k, v, cu_seqlens, causal: bool, scale: float, window=(-1, -1),
-                               sinks=None) -> torch.Tensor:
+def packed_reference_attention(
+    q, k, v, cu_seqlens, causal: bool, scale: float, window=(-1, -1), sinks=None
+) -> torch.Tensor:
     """Packed documents in THD: q [T, hq, d], k/v [T, hkv, d] -> [T, hq, d], each document attending only to
     itself (``cu_seqlens``: cumulative document lengths from 0; masks over positions within the document)."""
     bounds = [int(x) for x in cu_seqlens]
-    outs = [reference_attention(*(x[a:b].unsqueeze(1) for x in (q, k, v)), causal=causal, scale=scale,
-                                window=window, sinks=sinks).squeeze(1) for a, b in zip(bounds[:-1], bounds[1:])]
+    outs = [
+        reference_attention(
+            *(x[a:b].unsqueeze(1) for x in (q, k, v)), causal=causal, scale=scale, window=window, sinks=sinks
+        ).squeeze(1)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(outs, dim=0)
 
-def blockwise_reference(q, k, v, dout, cu_seqlens=None, *, rows: Optional[Sequence[Tuple[int, int]]] = None,
-                        causal: bool = True, window: Tuple[int, int] = (-1, -1), scale: Optional[float] = None,
-                        max_elements: int = 2 ** 24,
-                        dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, ...]:
+
+def blockwise_reference(
+    q,
+    k,
+    v,
+    dout,
+    cu_seqlens=None,
+    *,
+    rows: Sequence[tuple[int, int]] | None = None,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+    max_elements: int = 2**24,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, ...]:
     """Exact attention and its gradients in ``dtype`` (fp64 by default), one block of query rows at a time: the
     one blockwise reference (the benchmarks' sizes, where :func:`reference_attention`'s full score matrix would not
     fit).
@@ -194,24 +218,31 @@ def blockwise_reference(q, k, v, dout, cu_seqlens=None, *, rows: Optional[Sequen
         scores, p, dp, ds [b, hkv, g, n, m];   lse, delta [b, hkv, g, n, 1]
         a block holds at most max(1, max_elements / (b hq (e - a))) rows
     """
-    if q.dim() == 3:                                            # packed THD: one batch entry
-        results = blockwise_reference(*(x.unsqueeze(1) for x in (q, k, v, dout)), cu_seqlens, rows=rows,
-                                      causal=causal, window=window, scale=scale, max_elements=max_elements,
-                                      dtype=dtype)
+    if q.dim() == 3:  # packed THD: one batch entry
+        results = blockwise_reference(
+            *(x.unsqueeze(1) for x in (q, k, v, dout)),
+            cu_seqlens,
+            rows=rows,
+            causal=causal,
+            window=window,
+            scale=scale,
+            max_elements=max_elements,
+            dtype=dtype,
+        )
         return tuple(x.squeeze(1) for x in results)
     S, b, hq, dk = q.shape
     hkv, dv = k.shape[2], v.shape[3]
     g = hq // hkv
-    scale = dk ** -0.5 if scale is None else scale
+    scale = dk**-0.5 if scale is None else scale
     left, right = window
     bounds = [0, S] if cu_seqlens is None else [int(x) for x in cu_seqlens]
     documents = list(zip(bounds[:-1], bounds[1:]))
-    cast = lambda x: x.to(dtype)                                                         # noqa: E731
-    q5, do5 = cast(q).view(S, b, hkv, g, dk), cast(dout).view(S, b, hkv, g, dv)         # [S, b, hkv, g, d]
-    kc, vc = cast(k), cast(v)                                                           # [S, b, hkv, d]
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    q5, do5 = cast(q).view(S, b, hkv, g, dk), cast(dout).view(S, b, hkv, g, dv)  # [S, b, hkv, g, d]
+    kc, vc = cast(k), cast(v)  # [S, b, hkv, d]
     dk_acc, dv_acc = torch.zeros_like(kc), torch.zeros_like(vc)
     outs, dqs = [], []
-    for r0, r1 in ([(0, S)] if rows is None else rows):
+    for r0, r1 in [(0, S)] if rows is None else rows:
         for a, e in documents:
             s0, s1 = max(r0, a), min(r1, e)
             if s0 >= s1:
@@ -223,8 +254,9 @@ def blockwise_reference(q, k, v, dout, cu_seqlens=None, *, rows: Optional[Sequen
                 hi = p1 if causal else (e if right == -1 else min(e, p1 + right))
                 qb, dob, kb, vb = q5[p0:p1], do5[p0:p1], kc[lo:hi], vc[lo:hi]
                 scores = torch.einsum("nbhgd,mbhd->bhgnm", qb, kb) * scale
-                offset = (torch.arange(lo, hi, device=q.device)[None, :]
-                          - torch.arange(p0, p1, device=q.device)[:, None])              # [n, m]: key - query
+                offset = (
+                    torch.arange(lo, hi, device=q.device)[None, :] - torch.arange(p0, p1, device=q.device)[:, None]
+                )  # [n, m]: key - query
                 scores.masked_fill_(hidden_keys(offset, causal, window), float("-inf"))
                 p = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
                 out = torch.einsum("bhgnm,mbhd->nbhgd", p, vb)
@@ -240,9 +272,19 @@ def blockwise_reference(q, k, v, dout, cu_seqlens=None, *, rows: Optional[Sequen
     return out, dq, dk_acc, dv_acc
 
 
-def reference_on_rank(q, k, v, dout, rank: int, world: int, max_elements: int = 2 ** 24, causal: bool = True,
-                      window: Tuple[int, int] = (-1, -1), scale: Optional[float] = None,
-                      dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, ...]:
+def reference_on_rank(
+    q,
+    k,
+    v,
+    dout,
+    rank: int,
+    world: int,
+    max_elements: int = 2**24,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, ...]:
     """Exact attention in ``dtype`` (fp64 by default): this rank's zigzag shards of out, dq, dk, dv from the FULL
     sbhd inputs q [S, b, hq, dk], k [S, b, hkv, dk], v [S, b, hkv, dv], causal or not, with a sliding ``window``
     (left, right; -1 unbounded) as in :func:`attention_with_lse`.
@@ -252,12 +294,13 @@ def reference_on_rank(q, k, v, dout, rank: int, world: int, max_elements: int = 
     """
     chunk = q.shape[0] // (2 * world)
     rows = [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(rank, world)]
-    out, dq, dk_acc, dv_acc = blockwise_reference(q, k, v, dout, rows=rows, causal=causal, window=window,
-                                                  scale=scale, max_elements=max_elements, dtype=dtype)
+    out, dq, dk_acc, dv_acc = blockwise_reference(
+        q, k, v, dout, rows=rows, causal=causal, window=window, scale=scale, max_elements=max_elements, dtype=dtype
+    )
     if world > 1:
         import torch.distributed as dist
 
         dist.all_reduce(dk_acc)
         dist.all_reduce(dv_acc)
-    shard = lambda x: shard_sequence(x, rank, world)                                      # noqa: E731
+    shard = lambda x: shard_sequence(x, rank, world)  # noqa: E731
     return out, dq, shard(dk_acc), shard(dv_acc)

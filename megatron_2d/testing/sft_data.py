@@ -18,11 +18,15 @@ import json
 import os
 import pathlib
 import random
-from typing import Dict, List
 
 PROMPT_FORMAT = "nemotron-h-aligned"
-SPECIAL_TOKENS = {"unk": "<unk>", "eos": "<eos>", "pad": "<SPECIAL_233>", "system": "<SPECIAL_10>",
-                  "turn": "<SPECIAL_11>"}
+SPECIAL_TOKENS = {
+    "unk": "<unk>",
+    "eos": "<eos>",
+    "pad": "<SPECIAL_233>",
+    "system": "<SPECIAL_10>",
+    "turn": "<SPECIAL_11>",
+}
 WORDS = [f"w{i}" for i in range(40)]
 ROLE_WORDS = ["System", "User", "Assistant"]
 
@@ -36,8 +40,12 @@ def write_sft_tokenizer(directory: os.PathLike) -> pathlib.Path:
     words = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk"]))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, unk_token=SPECIAL_TOKENS["unk"], eos_token=SPECIAL_TOKENS["eos"],
-        pad_token=SPECIAL_TOKENS["pad"], additional_special_tokens=[SPECIAL_TOKENS["system"], SPECIAL_TOKENS["turn"]])
+        tokenizer_object=words,
+        unk_token=SPECIAL_TOKENS["unk"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        pad_token=SPECIAL_TOKENS["pad"],
+        additional_special_tokens=[SPECIAL_TOKENS["system"], SPECIAL_TOKENS["turn"]],
+    )
     directory = pathlib.Path(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -47,7 +55,7 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def conversation(rng: random.Random, turn_words: List[int]) -> List[Dict[str, str]]:
+def conversation(rng: random.Random, turn_words: list[int]) -> list[dict[str, str]]:
     """A system message, then user / assistant turns with ``turn_words`` words each (user, assistant, user, ...)."""
     messages = [{"role": "system", "content": _text(rng, 2)}]
     for turn, words in enumerate(turn_words):
@@ -55,14 +63,15 @@ def conversation(rng: random.Random, turn_words: List[int]) -> List[Dict[str, st
     return messages
 
 
-def conversation_tokens(messages: List[Dict[str, str]]) -> int:
+def conversation_tokens(messages: list[dict[str, str]]) -> int:
     """Tokens the prompt format renders ``messages`` (one conversation) into (see the module docstring)."""
     extra = {"system": 2, "user": 4, "assistant": 0}
     return sum(extra[m["role"]] + len(m["content"].split()) for m in messages)
 
 
-def write_sft_conversations(path: os.PathLike, lines: int = 12, seq_length: int = 128, pad_multiple: int = 8,
-                            seed: int = 0) -> pathlib.Path:
+def write_sft_conversations(
+    path: os.PathLike, lines: int = 12, seq_length: int = 128, pad_multiple: int = 8, seed: int = 0
+) -> pathlib.Path:
     """``lines`` jsonl lines, each 2-4 conversations packed into one ``messages`` list (a new conversation starts at
     each system message), of 1-2 user / assistant rounds with turns of 1-9 words (one-token assistant turns
     included). A line fits in ``seq_length`` tokens even with each conversation padded to a multiple of
@@ -71,7 +80,7 @@ def write_sft_conversations(path: os.PathLike, lines: int = 12, seq_length: int 
     path = pathlib.Path(path)
     with open(path, "w") as out:
         for _ in range(lines):
-            messages: List[Dict[str, str]] = []
+            messages: list[dict[str, str]] = []
             padded = 0
             for _ in range(rng.randint(2, 4)):
                 candidate = conversation(rng, [rng.choice([1, 1, 2, 5, 9]) for _ in range(2 * rng.randint(1, 2))])

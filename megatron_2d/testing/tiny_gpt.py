@@ -27,12 +27,12 @@ from __future__ import annotations
 import copy
 import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -46,7 +46,7 @@ from megatron_2d.sequence_layout import unshard_sequence
 from megatron_2d.testing.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
 from megatron_2d.topology import zigzag_chunks
 
-Batch = Dict[str, torch.Tensor]
+Batch = dict[str, torch.Tensor]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -56,7 +56,7 @@ def init_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
-    hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
+    hierarchical_context_parallel_sizes: Sequence[int] | None = None,
     seed: int = 1234,
     **initialize_kwargs: Any,
 ) -> None:
@@ -69,8 +69,10 @@ def init_parallel(
     ``install_megatron_cpu_shims()`` (tests/conftest.py and the demo do; forked ranks inherit them).
     """
     if not shims_installed():
-        raise RuntimeError("tiny_gpt runs megatron-core on CPU ranks: call megatron_2d.testing.megatron_cpu."
-                           "install_megatron_cpu_shims() first (importing this module patches nothing)")
+        raise RuntimeError(
+            "tiny_gpt runs megatron-core on CPU ranks: call megatron_2d.testing.megatron_cpu."
+            "install_megatron_cpu_shims() first (importing this module patches nothing)"
+        )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _destroy_subgroups()
@@ -115,9 +117,9 @@ class TinyGPTConfig:
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
     """None: multi-head attention; else GQA with this many K/V heads (divisible by tp)."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """None: 4 * hidden_size."""
     vocab_size: int = 128
     seq_length: int = 64
@@ -126,9 +128,9 @@ class TinyGPTConfig:
     seed: int = 1234
     """Seeds the weights (with each parameter's canonical name) and the synthetic batch."""
     position_embedding_type: str = "rope"
-    cp_comm_type: Optional[Union[str, List[str]]] = None
+    cp_comm_type: str | list[str] | None = None
     """Passed to TransformerConfig; reaches the core_attention constructor when cp > 1."""
-    config_overrides: Dict[str, Any] = field(default_factory=dict)
+    config_overrides: dict[str, Any] = field(default_factory=dict)
     """Extra TransformerConfig fields (or fields of ``config_class``)."""
     config_class: type = TransformerConfig
     """A TransformerConfig subclass may add fields for a custom core attention."""
@@ -141,7 +143,7 @@ def make_transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
     if query_groups % tp:
         raise ValueError(f"num_query_groups={query_groups} must be divisible by tp={tp}")
     hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
-    kwargs: Dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
@@ -150,9 +152,7 @@ def make_transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
-        hierarchical_context_parallel_sizes=(
-            [g.size() for g in hcp] if hcp else None
-        ),
+        hierarchical_context_parallel_sizes=([g.size() for g in hcp] if hcp else None),
         cp_comm_type=cfg.cp_comm_type,
         sequence_parallel=False,  # the torch norm fallback (no apex) asserts with SP
         use_cpu_initialization=True,
@@ -165,7 +165,7 @@ def make_transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
     return cfg.config_class(**kwargs)
 
 
-def local_spec_with_core_attention(core_attention: Optional[Any] = None, **spec_kwargs) -> ModuleSpec:
+def local_spec_with_core_attention(core_attention: Any | None = None, **spec_kwargs) -> ModuleSpec:
     """Megatron's local GPT layer spec, with ``core_attention`` (a class or ModuleSpec) put into
     ``spec.submodules.self_attention.submodules.core_attention``. None keeps the local
     DotProductAttention (which only supports cp == 1)."""
@@ -175,10 +175,10 @@ def local_spec_with_core_attention(core_attention: Optional[Any] = None, **spec_
     return spec
 
 
-def canonical_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+def canonical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Parameters keyed by the name they have in the PP=1 model (global decoder layer indices)."""
     layers = model.decoder.layers if getattr(model, "decoder", None) is not None else []
-    out: Dict[str, torch.nn.Parameter] = {}
+    out: dict[str, torch.nn.Parameter] = {}
     for name, param in model.named_parameters():
         match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
         if match:
@@ -229,7 +229,7 @@ def reset_parameters_deterministically(model: torch.nn.Module, seed: int) -> Non
 
 def build_tiny_gpt(
     cfg: TinyGPTConfig,
-    layer_spec: Optional[ModuleSpec] = None,
+    layer_spec: ModuleSpec | None = None,
 ) -> GPTModel:
     """Build the tiny GPTModel for this rank's PP stage, with layout-independent weights.
 
@@ -264,7 +264,7 @@ def synthetic_batch(cfg: TinyGPTConfig, step: int = 0) -> Batch:
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     stream = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=gen)
     loss_mask = torch.ones(b, s)
-    loss_mask[-1, s - s // 8:] = 0.0
+    loss_mask[-1, s - s // 8 :] = 0.0
     return {
         "tokens": stream[:, :-1].contiguous(),
         "labels": stream[:, 1:].contiguous(),
@@ -279,7 +279,7 @@ def shard_batch_for_cp(batch: Batch) -> Batch:
     return get_batch_on_this_cp_rank_2d(batch, parallel_state.get_context_parallel_group())
 
 
-def zigzag_chunk_ids(cp_rank: int, cp_size: int) -> List[int]:
+def zigzag_chunk_ids(cp_rank: int, cp_size: int) -> list[int]:
     """Indices of the 2*cp sequence chunks that CP rank ``cp_rank`` holds, in its local order (topology's)."""
     return list(zigzag_chunks(cp_rank, cp_size))
 
@@ -312,14 +312,14 @@ def all_reduce_grads_over_cp(model: torch.nn.Module) -> None:
             dist.all_reduce(param.grad, group=group)
 
 
-def full_gradients(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This stage's gradients keyed by canonical name, gathered over TP into unsharded tensors.
 
     Call after ``all_reduce_grads_over_cp``. Parameters without a gradient get zeros.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for name, param in canonical_parameters(model).items():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         grad = grad.detach().contiguous()
@@ -331,12 +331,12 @@ def full_gradients(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _merge_over_pp(local: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _merge_over_pp(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return local
-    gathered: List[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    gathered: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(gathered, local, group=parallel_state.get_pipeline_model_parallel_group())
-    merged: Dict[str, torch.Tensor] = {}
+    merged: dict[str, torch.Tensor] = {}
     for part in gathered:
         merged.update(part)
     return merged
@@ -370,7 +370,7 @@ def cp_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def forward_backward(model: GPTModel, batch: Batch) -> Dict[str, Any]:
+def forward_backward(model: GPTModel, batch: Batch) -> dict[str, Any]:
     """One forward and backward of ``batch`` (full, unsharded) on a PP=1 model.
 
     Returns, identical on every rank:
@@ -398,7 +398,7 @@ def train_steps(
     steps: int = 3,
     optimizer: str = "adam",
     lr: float = 1e-2,
-) -> List[float]:
+) -> list[float]:
     """Train ``steps`` steps on ``synthetic_batch(cfg, step)`` with a torch.optim optimizer
     ("sgd" or "adam"), gradients summed over CP; returns each step's loss (before its update)."""
     if optimizer == "sgd":
@@ -422,7 +422,7 @@ def train_steps(
 
 def pipeline_forward_backward(
     model: GPTModel, cfg: TinyGPTConfig, batch: Batch, num_microbatches: int = 2
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Forward and backward through megatron's ``get_forward_backward_func()`` schedule (1F1B under
     PP>1, no pipelining under PP=1), ``batch`` split into ``num_microbatches`` along b.
 
@@ -433,7 +433,7 @@ def pipeline_forward_backward(
     if b % num_microbatches:
         raise ValueError(f"micro_batch_size={b} not divisible by num_microbatches={num_microbatches}")
     mbs = b // num_microbatches
-    microbatches = [{k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()} for i in range(num_microbatches)]
+    microbatches = [{k: v[i * mbs : (i + 1) * mbs] for k, v in batch.items()} for i in range(num_microbatches)]
 
     def loss_func(loss_mask, global_tokens, per_token):
         local_sum = (per_token.float() * loss_mask).sum()
@@ -462,7 +462,7 @@ def pipeline_forward_backward(
         loss = sum(cp_sum(r["local_sum"]) / r["tokens"] for r in reports) / num_microbatches
     else:
         loss = None
-    losses: List[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    losses: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(losses, loss, group=parallel_state.get_pipeline_model_parallel_group())
     return {"loss": losses[-1], "grads": _merge_over_pp(full_gradients(model))}
 
@@ -477,7 +477,7 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def compare_results(actual: Dict[str, Any], expected: Dict[str, Any]) -> Dict[str, float]:
+def compare_results(actual: dict[str, Any], expected: dict[str, Any]) -> dict[str, float]:
     """Relative errors of every entry ``forward_backward``/``pipeline_forward_backward`` return:
     keys ``loss``, ``per_token_loss`` (if present) and ``grad:<name>``. Raises if gradient names differ."""
     errors = {"loss": max_relative_error(torch.as_tensor(actual["loss"]), torch.as_tensor(expected["loss"]))}

@@ -7,13 +7,12 @@ shares (``tg.forward_backward``, ``tg.train_steps`` and ``tg.compare_results`` t
     cfg = tiny_hybrid_config("M*-M*-", settings=(2, 1, "head_first"))
     model = build_tiny_hybrid(cfg, "M*-M*-", get_hybrid_stack_spec_2d(use_transformer_engine=False))
 
-Sizes: hidden 64, silu activation (GDN's conv needs silu), 4 attention heads / 2 KV heads, Mamba 8 heads of 16 in 2 groups (state 16), GDN 8 key / 16 value
+Sizes: hidden 64, silu activation (GDN's conv needs silu), 4 attention heads / 2 KV heads, Mamba 8 heads of 16 in 2
+groups (state 16), GDN 8 key / 16 value
 heads of 8: every head count divides over CP = 8, as Megatron's Mamba/GDN context parallelism needs.
 """
 
 from __future__ import annotations
-
-from typing import Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -23,11 +22,20 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_2d.hybrid_layers import decoder_layers
 from megatron_2d.testing import tiny_gpt as tg
 
-SSM_SIZES = dict(activation_func=torch.nn.functional.silu, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2, linear_conv_kernel_dim=4,
-                 linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=8, linear_num_value_heads=16)
+SSM_SIZES = dict(
+    activation_func=torch.nn.functional.silu,
+    mamba_state_dim=16,
+    mamba_head_dim=16,
+    mamba_num_groups=2,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+)
 
 
-def tiny_hybrid_config(pattern: str, settings: Optional[Tuple[int, int, str]] = None, **fields) -> tg.TinyGPTConfig:
+def tiny_hybrid_config(pattern: str, settings: tuple[int, int, str] | None = None, **fields) -> tg.TinyGPTConfig:
     """TinyGPTConfig of a hybrid ``pattern`` (one config layer per pattern symbol); with 2D settings (hp, w,
     placement): TransformerConfig2D and cp_comm_type "2d". ``fields`` set TinyGPTConfig fields."""
     sizes = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=64)
@@ -54,11 +62,16 @@ def build_tiny_hybrid(cfg: tg.TinyGPTConfig, pattern: str, stack_spec: ModuleSpe
     every parameter drawn in its full shape from (seed, name))."""
     config = tg.make_transformer_config(cfg)
     torch.manual_seed(cfg.seed)
-    model = HybridModel(config=config, hybrid_stack_spec=stack_spec, vocab_size=cfg.vocab_size,
-                        max_sequence_length=cfg.seq_length, hybrid_layer_pattern=pattern,
-                        pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage(),
-                        share_embeddings_and_output_weights=False,
-                        position_embedding_type=cfg.position_embedding_type)
+    model = HybridModel(
+        config=config,
+        hybrid_stack_spec=stack_spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        hybrid_layer_pattern=pattern,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type=cfg.position_embedding_type,
+    )
     tg.reset_parameters_deterministically(model, cfg.seed)
     return model

@@ -15,7 +15,7 @@ torch_flash kernel never asks for it). Both contexts also let the kernel class a
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -42,23 +42,51 @@ def _forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mas
         raise NotImplementedError("CPU stand-in: dropout and the debug mask are not emulated")
     rep = query.shape[1] // key.shape[1]
     key, value = (x.repeat_interleave(rep, dim=1) for x in (key, value))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal,
-                                                                          scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, scale=scale
+    )
     empty = query.new_empty(0, dtype=torch.int32)
-    return (out, lse.float(), empty, empty.clone(), query.shape[2], key.shape[2],
-            query.new_zeros(2, dtype=torch.int64), query.new_empty(0, dtype=torch.int64), query.new_empty(0))
+    return (
+        out,
+        lse.float(),
+        empty,
+        empty.clone(),
+        query.shape[2],
+        key.shape[2],
+        query.new_zeros(2, dtype=torch.int64),
+        query.new_empty(0, dtype=torch.int64),
+        query.new_empty(0),
+    )
 
 
-def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-              philox_seed, philox_offset, *, scale=None):
+def _backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
+    scale=None,
+):
     _check(query, key, is_causal)
     if (max_q, max_k) != (query.shape[2], key.shape[2]):
-        raise RuntimeError(f"max_q/max_k {(max_q, max_k)} differ from the sequence lengths "
-                           f"{(query.shape[2], key.shape[2])}")
+        raise RuntimeError(
+            f"max_q/max_k {(max_q, max_k)} differ from the sequence lengths {(query.shape[2], key.shape[2])}"
+        )
     hkv, rep = key.shape[1], query.shape[1] // key.shape[1]
     key_rep, value_rep = (x.repeat_interleave(rep, dim=1) for x in (key, value))
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key_rep, value_rep, out, logsumexp, 0.0, is_causal, scale=scale)
+        grad_out, query, key_rep, value_rep, out, logsumexp, 0.0, is_causal, scale=scale
+    )
     b, _, sk, d = dk.shape
     return dq, dk.view(b, hkv, rep, sk, d).sum(2), dv.view(b, hkv, rep, sk, d).sum(2)
 
