@@ -543,42 +543,25 @@ def plan(
                 f"packed document lengths must be positive and sum to the sequence length {seq}; got "
                 f"{len(lengths)} lengths summing to {sum(lengths)}"
             )
-        cands = [
-            evaluate(
-                l,
-                model,
-                cluster,
-                parallel,
-                seq,
-                causal,
-                window,
-                recompute,
-                dkv_comm_dtype,
-                lengths,
-                mode,
-                hybrid=hybrid,
-                memory=memory,
-            )
-            for l in enumerate_layouts(model, parallel)
-            for mode in modes_for(l.kind)
-        ]
-    else:
-        cands = [
-            evaluate(
-                l,
-                model,
-                cluster,
-                parallel,
-                seq,
-                causal,
-                window,
-                recompute,
-                dkv_comm_dtype,
-                hybrid=hybrid,
-                memory=memory,
-            )
-            for l in enumerate_layouts(model, parallel)
-        ]
+    cands = [
+        evaluate(
+            l,
+            model,
+            cluster,
+            parallel,
+            seq,
+            causal,
+            window,
+            recompute,
+            dkv_comm_dtype,
+            lengths,
+            mode,
+            hybrid=hybrid,
+            memory=memory,
+        )
+        for l in enumerate_layouts(model, parallel)
+        for mode in (modes_for(l.kind) if lengths is not None else (None,))  # packed: every mode of the kind
+    ]
     if window is not None:
         cands = _collapse_windows(cands)
     ok = sorted((c for c in cands if c.feasible), key=_sort_key)
