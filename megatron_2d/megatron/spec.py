@@ -34,6 +34,7 @@ from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, packing_mode
 from .mla import check_mla_settings, use_latent_ring
 from .per_sequence import SelfAttention2D
+from .process_groups import build_model_groups
 from .settings import settings_from_config, uses_2d
 
 LayerSpec = ModuleSpec | TransformerBlockSubmodules
@@ -159,7 +160,11 @@ def get_gpt_layer_spec_2d(
     :func:`megatron_gpt_spec`) with :class:`CoreAttention2D` as core attention in every layer; the keyword
     settings override the config's ``cp_2d_*`` fields (``double_ring_window=``: ring_window's deprecated name).
     When packed batches come in Megatron's per-sequence split (:func:`packing_mode` "sequence"), self attention is
-    :class:`SelfAttention2D` (RoPE at each token's position in its document)."""
+    :class:`SelfAttention2D` (RoPE at each token's position in its document).
+
+    With a config, and once megatron's parallel state is initialized, it also builds the model's 2D groups
+    (:func:`.process_groups.build_model_groups`, collective): call it on every rank, as Megatron's builder does,
+    including ranks whose pipeline stage holds no layer."""
     spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine)
     params = {
         k: v
@@ -177,6 +182,8 @@ def get_gpt_layer_spec_2d(
         if per_sequence:
             layer.submodules.self_attention.module = SelfAttention2D
         use_latent_ring(layer, transformer_config_of(config), use_te)  # MLA: the latent ring when asked for
+    if config is not None:  # Megatron's builder calls this on every rank, whatever layers (if any) the rank holds
+        build_model_groups(transformer_config_of(config), **params)
     return spec
 
 
