@@ -4,6 +4,7 @@
     lm_losses(logs[-1])  ->  {1: 4.881578, 2: 4.818399, ...}                 # Megatron logs on the last rank
     grad_norms(logs[-1]) ->  {1: 1.5309872627258301, ...}                    # full precision, checked against
                                                                              # Megatron's own 3-decimal line
+    assert_same_training(trained(logs[-1]), trained(reference_logs[-1]), rtol=1e-5)   # both, every iteration
 
 Ranks are forked from the calling process (see :func:`megatron_2d.testing.distributed.run_on_ranks`): the parent
 imports torch, megatron.training and the script's dependencies once, each rank then only trains. The CPU mappings
@@ -84,10 +85,50 @@ def per_iteration_losses(logged: dict[int, float]) -> dict[int, float]:
     return losses
 
 
-def write_document_dataset(prefix: os.PathLike, lengths: Sequence[int], vocab: int, seed: int = 0) -> str:
+@dataclass(frozen=True)
+class Trained:
+    """What one run logged per iteration: Megatron's ``lm loss`` and the optimizer's grad norm."""
+
+    losses: dict[int, float]
+    grad_norms: dict[int, float]
+
+    def per_iteration(self) -> Trained:
+        """With each iteration's own loss (:func:`per_iteration_losses`; grad norms are logged per iteration)."""
+        return Trained(per_iteration_losses(self.losses), self.grad_norms)
+
+
+def trained(log: str) -> Trained:
+    """The lm loss and grad norm of every iteration ``log`` (the last rank's, where Megatron logs) shows."""
+    return Trained(lm_losses(log), grad_norms(log))
+
+
+def assert_same_training(got: Trained, expected: Trained, rtol: float, iterations=None) -> None:
+    """AssertionError unless ``got`` logged the loss and the grad norm of ``expected`` within ``rtol`` at each of
+    ``iterations`` (default: every iteration ``expected`` logged), naming every value that differs."""
+    iterations = sorted(expected.losses) if iterations is None else list(iterations)
+    wrong = []
+    for name, a, e in (("lm loss", got.losses, expected.losses), ("grad norm", got.grad_norms, expected.grad_norms)):
+        missing = [it for it in iterations if it not in a or it not in e]
+        if missing:
+            wrong.append(f"{name}: iterations {missing} not logged ({sorted(a)} vs {sorted(e)})")
+            continue
+        wrong += [
+            f"iteration {it} {name}: {a[it]!r} vs {e[it]!r} (relative {abs(a[it] - e[it]) / abs(e[it]):.1e})"
+            for it in iterations
+            if abs(a[it] - e[it]) > rtol * abs(e[it])
+        ]
+    if wrong:
+        raise AssertionError(f"not the same training within {rtol:g}:\n" + "\n".join(wrong))
+
+
+def write_document_dataset(
+    prefix: os.PathLike, lengths: Sequence[int], vocab: int, seed: int = 0, append_eod: bool = False
+) -> str:
     """A Megatron indexed dataset (``prefix``.bin / .idx, what ``--data-path prefix`` reads) of one document per
     length, random token ids below ``vocab - 1``; returns the prefix. For runs whose samples must cut through
-    many documents (Megatron's mock data has documents of up to 4096 tokens)."""
+    many documents (Megatron's mock data has documents of up to 4096 tokens). ``append_eod``: each document ends
+    with NullTokenizer's end-of-document id, ``vocab - 1`` (as Megatron's preprocess_data.py --append-eod writes
+    them; --eod-mask-loss masks those tokens)."""
     import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
@@ -96,7 +137,8 @@ def write_document_dataset(prefix: os.PathLike, lengths: Sequence[int], vocab: i
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.int32)
     for length in lengths:
-        builder.add_item(torch.from_numpy(rng.integers(0, vocab - 1, size=int(length), dtype=np.int64)))
+        tokens = rng.integers(0, vocab - 1, size=int(length), dtype=np.int64)
+        builder.add_item(torch.from_numpy(np.append(tokens, vocab - 1) if append_eod else tokens))
         builder.end_document()
     builder.finalize(get_idx_path(prefix))
     return prefix
