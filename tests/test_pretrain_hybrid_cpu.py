@@ -12,7 +12,6 @@ hidden 64, 8 heads / 2 KV heads, Mamba 8 heads of 16 in 2 groups, RoPE, seq 128,
 from __future__ import annotations
 
 import importlib
-import json
 import pathlib
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from megatron_2d.testing.pretrain_runs import (
     trained,
 )
 from megatron_2d.testing.reference import TOLERANCE
-from megatron_2d.testing.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
+from megatron_2d.testing.sft_data import PROMPT_FORMAT
 
 pytestmark = pytest.mark.megatron
 
@@ -259,51 +258,8 @@ SFT_FLAGS = [
 ]
 """Megatron's SFT route: SFTTokenizer and SFTDataset (which refuses the default attention mask). Per-token loss: without
 it Megatron scales each CP rank's loss by that rank's own count of loss tokens, so with SFT's loss masks (prompts
-masked, uneven over the ranks) the gradient depends on the CP size whatever the attention (seen: CP=4 drifts from
-CP=1 by 3e-4 from iteration 2 without it)."""
-
-
-@pytest.fixture(scope="module")
-def sft_corpus(tmp_path_factory):
-    """The flags naming the tiny tokenizer and jsonl of megatron_2d.testing.sft_data. The forked ranks inherit an
-    offline Hugging Face with its datasets cache in tmp. (``datasets`` is imported in the ranks, not here: pyarrow
-    starts a jemalloc thread at import, and the ranks are forked from this process.)"""
-    root = tmp_path_factory.mktemp("sft")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HUB_OFFLINE", "1")
-        env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
-        env.setenv("TOKENIZERS_PARALLELISM", "false")
-        corpus = {
-            "--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
-            "--data-path": write_sft_conversations(root / "sft.jsonl"),
-        }
-        check_sft_corpus(corpus["--tokenizer-model"], corpus["--data-path"])
-        yield [item for flag, path in corpus.items() for item in (flag, str(path))]
-
-
-def check_sft_corpus(tokenizer_dir, data_path, seq_length=128, cp_size=4):
-    """What the test relies on, as Megatron's SFTTokenizer renders it: every sample packs several conversations, some
-    answers are one token, and no conversation is truncated at CP=1 or at ``cp_size`` (SFTDataset pads each one to a
-    multiple of 2 * CP there)."""
-    from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer
-
-    tokenizer = SFTTokenizer(str(tokenizer_dir), PROMPT_FORMAT)
-    one_token_answers = 0
-    for line in data_path.read_text().splitlines():
-        messages = json.loads(line)["messages"]
-        starts = [i for i, m in enumerate(messages) if m["role"] == "system"] + [len(messages)]
-        assert len(starts) >= 3, f"one conversation only: {messages}"
-        padded = 0
-        for begin, end in zip(starts, starts[1:]):
-            tokens, _ = tokenizer.tokenize_conversation(
-                messages[begin:end], return_target=True, add_generation_prompt=False
-            )
-            padded += -(-len(tokens) // (2 * cp_size)) * 2 * cp_size
-        assert padded <= seq_length, f"{padded} tokens at CP={cp_size}: {messages}"
-        one_token_answers += sum(
-            m["role"] == "assistant" and len(tokenizer.text_to_ids(m["content"])) == 1 for m in messages
-        )
-    assert one_token_answers >= 5
+masked, uneven over the ranks) the gradient depends on the CP size whatever the attention; the launch checks refuse
+--sft at CP > 1 without it (the last test here; tests/test_pretrain_loss_scaling.py measures it)."""
 
 
 def sft_flags(pattern, corpus):
@@ -338,3 +294,14 @@ def test_sft_packed_conversations_at_2d_cp4_equal_cp1(scripts, sft_corpus, patte
     reference = training(run_pretrain(1, scripts["stock"], base + SPEC_2D))
     script, route = SFT_2D_ROUTES[pattern]
     assert_same(training(run_pretrain(4, scripts[script], base + route)), reference)
+
+
+@pytest.mark.distributed
+def test_sft_without_per_token_loss_stops_every_rank_with_our_message(scripts, sft_corpus):
+    """pretrain_hybrid.py --sft at 2D CP=4 without --calculate-per-token-loss would train differently than at CP=1
+    (each CP rank's loss divided by its own count of loss tokens; tests/test_pretrain_loss_scaling.py measures it
+    on pretrain_gpt.py): refused at launch on every rank."""
+    flags = [f for f in sft_flags("M*-M*-", sft_corpus) if f != "--calculate-per-token-loss"]
+    message = "--sft at --context-parallel-size 4 (cp_comm_type ['2d']) needs --calculate-per-token-loss"
+    for rank, outcome in enumerate(run_pretrain_outcomes(4, scripts["patched"], flags + CP4[len(BASE) :], 90)):
+        assert outcome.exit_status != 0 and message in (outcome.error or ""), f"rank {rank}: {outcome.error}"
