@@ -27,6 +27,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..deprecation import renamed_keywords
 from .attention_settings import check_attention_settings
@@ -182,8 +183,8 @@ def get_gpt_layer_spec_2d(
         if per_sequence:
             layer.submodules.self_attention.module = SelfAttention2D
         use_latent_ring(layer, transformer_config_of(config), use_te)  # MLA: the latent ring when asked for
-    if config is not None:  # Megatron's builder calls this on every rank, whatever layers (if any) the rank holds
-        build_model_groups(transformer_config_of(config), **params)
+    if isinstance(transformer_config_of(config), TransformerConfig):  # a model's config, not a few spec choices
+        build_model_groups(transformer_config_of(config), **params)  # Megatron's builder calls this on every rank
     return spec
 
 
