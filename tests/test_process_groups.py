@@ -177,6 +177,29 @@ def _construction(rank, world):
         )
     out["gpt"] = calls
     out["gpt layers"] = len(layers_2d(model))
+
+    # interleaved (virtual) pipeline, layout 'E|tt|tt|L': two chunks per rank, each built from the same config (as
+    # Megatron's builder does); stage 0's first chunk and stage 1's second hold no decoder layer
+    tg.init_parallel(pipeline_model_parallel_size=2, context_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    cfg.num_layers = 4
+    cfg.config_overrides["pipeline_model_parallel_layout"] = "E|tt|tt|L"
+    config = tg.make_transformer_config(cfg)
+    out["virtual"] = []
+    for vp_stage in range(2):
+        calls = []
+        with recorded_collectives(calls):
+            spec = get_gpt_layer_spec_2d(config, vp_stage, use_transformer_engine=False)
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=cfg.vocab_size,
+                max_sequence_length=cfg.seq_length,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=False,
+                vp_stage=vp_stage,
+            )
+        out["virtual"].append((calls, len(layers_2d(chunk))))
     destroy_2d_groups()
     return out
 
@@ -184,8 +207,9 @@ def _construction(rank, world):
 @pytest.mark.megatron
 def test_model_construction_runs_the_same_collectives_on_every_rank_whatever_it_builds():
     """PP 2 x CP 2 (hp x cp = 1 x 2 for the hybrid, 2 x 1 for GPT): a HybridModel 'M-|*-' (stage 0 builds no
-    attention layer) and a GPTModel with pipeline layout 'Ett|L' (stage 1 builds no decoder layer) build their 2D
-    groups with the same collectives on every rank, once: built again from the same config, a model runs none.
+    attention layer), a GPTModel with pipeline layout 'Ett|L' (stage 1 builds no decoder layer) and one with the
+    interleaved layout 'E|tt|tt|L' (two chunks per rank, one of them empty) build their 2D groups with the same
+    collectives on every rank, once: built again from the same config, a model or chunk runs none.
     (Before the groups were built at construction, the stage with attention waited for the other forever.)"""
     results = run_on_ranks(4, _construction, timeout_s=60)
     by_stage = {stage: [r for r in results if r["stage"] == stage] for stage in (0, 1)}
@@ -199,4 +223,9 @@ def test_model_construction_runs_the_same_collectives_on_every_rank_whatever_it_
         )
         assert all(c == calls[0] for c in calls), f"{key}: ranks ran different collectives: {calls}"
     assert all(r["hybrid layers share the registry's groups"] for r in results)
+    # virtual pipeline: the first chunk builds the groups on every rank, the second finds them built
+    assert [[n for _, n in r["virtual"]] for r in results] == [[0, 2], [0, 2], [2, 0], [2, 0]]
+    first_chunk = [r["virtual"][0][0] for r in results]
+    assert first_chunk[0] and all(c == first_chunk[0] for c in first_chunk), first_chunk
+    assert all(r["virtual"][1][0] == [] for r in results)
     assert all(r["hybrid, built again from the same config"] == [] for r in results)
