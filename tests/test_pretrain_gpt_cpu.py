@@ -156,9 +156,9 @@ def training(logs):
     return found
 
 
-def assert_same(got, expected, iterations=range(1, ITERATIONS + 1), rtol=RTOL):
+def assert_same(got, expected, iterations=range(1, ITERATIONS + 1), rtol=RTOL, grad_norm_rtol=None):
     """The same lm loss and grad norm at each iteration (see assert_same_training)."""
-    assert_same_training(got, expected, rtol, iterations)
+    assert_same_training(got, expected, rtol, iterations, grad_norm_rtol)
 
 
 @pytest.mark.distributed
@@ -363,10 +363,10 @@ def test_misconfigured_command_line_stops_every_rank_with_our_message(scripts, c
 @pytest.mark.distributed
 def test_bf16_2d_close_to_cp1(scripts):
     """--bf16 (megatron's Float16Module, fp32 main params; the CPU runs bf16 matmuls): CP=4 2D within bf16 rounding of
-    CP=1 (seen: 2e-5 relative)."""
+    CP=1, the loss within 2e-4 and the grad norm (of bf16 gradients) within the bf16 tolerance of the table."""
     expected = training(run_pretrain(1, scripts["stock"], BASE + ["--bf16"]))
     got = training(run_pretrain(4, scripts["patched"], BASE + ["--bf16"] + CP4_2D))
-    assert_same(got, expected, rtol=2e-4)
+    assert_same(got, expected, rtol=2e-4, grad_norm_rtol=TOLERANCE[torch.bfloat16])
 
 
 def test_make_target_runs_the_command_of_the_2d_parity_test():

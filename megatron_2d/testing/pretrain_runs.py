@@ -102,12 +102,19 @@ def trained(log: str) -> Trained:
     return Trained(lm_losses(log), grad_norms(log))
 
 
-def assert_same_training(got: Trained, expected: Trained, rtol: float, iterations=None) -> None:
-    """AssertionError unless ``got`` logged the loss and the grad norm of ``expected`` within ``rtol`` at each of
-    ``iterations`` (default: every iteration ``expected`` logged), naming every value that differs."""
+def assert_same_training(
+    got: Trained, expected: Trained, rtol: float, iterations=None, grad_norm_rtol: float | None = None
+) -> None:
+    """AssertionError unless ``got`` logged the loss and the grad norm of ``expected`` within ``rtol`` (the grad
+    norm within ``grad_norm_rtol`` when given) at each of ``iterations`` (default: every iteration ``expected``
+    logged), naming every value that differs."""
     iterations = sorted(expected.losses) if iterations is None else list(iterations)
+    norm_rtol = rtol if grad_norm_rtol is None else grad_norm_rtol
     wrong = []
-    for name, a, e in (("lm loss", got.losses, expected.losses), ("grad norm", got.grad_norms, expected.grad_norms)):
+    for name, a, e, tol in (
+        ("lm loss", got.losses, expected.losses, rtol),
+        ("grad norm", got.grad_norms, expected.grad_norms, norm_rtol),
+    ):
         missing = [it for it in iterations if it not in a or it not in e]
         if missing:
             wrong.append(f"{name}: iterations {missing} not logged ({sorted(a)} vs {sorted(e)})")
@@ -115,10 +122,10 @@ def assert_same_training(got: Trained, expected: Trained, rtol: float, iteration
         wrong += [
             f"iteration {it} {name}: {a[it]!r} vs {e[it]!r} (relative {abs(a[it] - e[it]) / abs(e[it]):.1e})"
             for it in iterations
-            if abs(a[it] - e[it]) > rtol * abs(e[it])
+            if abs(a[it] - e[it]) > tol * abs(e[it])
         ]
     if wrong:
-        raise AssertionError(f"not the same training within {rtol:g}:\n" + "\n".join(wrong))
+        raise AssertionError(f"not the same training within {rtol:g} (grad norm {norm_rtol:g}):\n" + "\n".join(wrong))
 
 
 def write_document_dataset(
