@@ -20,6 +20,7 @@ Megatron's reduction over the data-parallel x CP group sums the shares.
 from __future__ import annotations
 
 import torch
+from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.models.common.embeddings import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -81,8 +82,6 @@ def use_latent_ring(spec, config, use_transformer_engine: bool):
         )
     attention.module = LATENT_CLASSES[attention.module]
     if use_transformer_engine and getattr(config, "qk_layernorm", False):
-        from megatron.core.models.backends import TESpecProvider
-
         backend = TESpecProvider()
         attention.submodules.kv_layernorm = backend.layer_norm(
             rms_norm=getattr(config, "normalization", "RMSNorm") == "RMSNorm", for_qk=True
