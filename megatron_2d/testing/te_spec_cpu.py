@@ -35,7 +35,7 @@ TE_VERSION = "2.12.0"
 
 PLACEHOLDER_BASES = {"TEFusedMLP": "MLP", "TEFusedMLPWithGroupedLinear": "TEFusedMLP"}
 """The bases megatron-core's extension module gives the TE classes whose class attributes the spec builders read
-(``TEFusedMLP.as_mlp_submodule``, from MLP); a name is a placeholder's or megatron-core's ``MLP``."""
+(``TEFusedMLP.as_mlp_submodule``, from MLP): another placeholder's name, or "MLP" for megatron-core's MLP."""
 
 BUILT_AT_IMPORT = ("megatron.core.models.hybrid.hybrid_layer_specs",)
 """Modules whose spec objects are made when they are imported (``hybrid_stack_spec``)."""
@@ -104,7 +104,6 @@ def te_spec_placeholders() -> Iterator[dict[str, list[str]]]:
         mcore_utils._te_version = Version(TE_VERSION)
         for name in BUILT_AT_IMPORT:
             importlib.reload(sys.modules[name])
-            rebound.setdefault(name, []).append("(re-executed)")
         yield rebound
     finally:
         mcore_utils._te_version = saved_version
