@@ -13,15 +13,14 @@ importable: run from a Megatron-LM checkout, or point MEGATRON_LM_DIR at one.
 Without ``--cp-comm-type 2d`` it trains exactly like pretrain_gpt.py with stock context parallelism.
 
 Packed documents (THD): ``--sft`` batches run as pretrain_gpt.py builds them (Megatron's per-document zigzag,
-``--cp-2d-packing zigzag``, the default), and so do ``--dataloader-inter-document-masking`` batches (Megatron's
-per-sequence split: the "sequence" layout, chosen by itself). ``--cp-2d-packing documents`` with
-``--dataloader-inter-document-masking``
-(or ``--sft``) switches to the documents layout: short documents stay whole on one context rank and only long
-ones travel the ring. Its batches come from :func:`documents_forward_step` here (the data path of
+``--cp-2d-packing zigzag``, the default; at CP > 1 with --calculate-per-token-loss, which the launch checks ask
+for), and so do ``--dataloader-inter-document-masking`` batches (Megatron's per-sequence split: the "sequence"
+layout, chosen by itself). ``--cp-2d-packing documents`` with ``--dataloader-inter-document-masking`` (or
+``--sft``) switches to the documents layout: short documents stay whole on one context rank and only long ones
+travel the ring. Its batches come from :func:`documents_forward_step` here (the data path of
 megatron_2d.megatron.packed_data, RoPE at each token's position in its document, the loss weighing every token
 equally whatever each CP rank holds; needs --no-rope-fusion and pipeline-parallel size 1). A stock pretrain_gpt.py
-user turns it on by running this entry instead, with the
-same flags plus ``--cp-2d-packing documents``.
+user turns it on by running this entry instead, with the same flags plus ``--cp-2d-packing documents``.
 """
 
 from __future__ import annotations

@@ -9,12 +9,14 @@ A test that forks ranks without the `distributed` marker fails at once (see _ran
 fast set cannot silently gain a multi-rank test."""
 
 import contextlib
+import json
 
 import pytest
 import torch
 
 from megatron_2d.testing import distributed as _distributed
 from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
+from megatron_2d.testing.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
 
 torch.set_num_threads(1)
 
@@ -60,3 +62,46 @@ def pytest_runtest_setup(item):  # module-scoped fixtures (e.g. `results`) fork 
 def pytest_runtest_call(item):
     with _ranks_refused_unless_marked(item):
         yield
+
+
+@pytest.fixture(scope="module")
+def sft_corpus(tmp_path_factory):
+    """The flags naming the tiny tokenizer and jsonl of megatron_2d.testing.sft_data (for Megatron's --sft route).
+    The forked ranks inherit an offline Hugging Face with its datasets cache in tmp. (``datasets`` is imported in the
+    ranks, not here: pyarrow starts a jemalloc thread at import, and the ranks are forked from this process.)"""
+    root = tmp_path_factory.mktemp("sft")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
+        env.setenv("TOKENIZERS_PARALLELISM", "false")
+        corpus = {
+            "--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
+            "--data-path": write_sft_conversations(root / "sft.jsonl"),
+        }
+        check_sft_corpus(corpus["--tokenizer-model"], corpus["--data-path"])
+        yield [item for flag, path in corpus.items() for item in (flag, str(path))]
+
+
+def check_sft_corpus(tokenizer_dir, data_path, seq_length=128, cp_size=4):
+    """What the SFT tests rely on, as Megatron's SFTTokenizer renders it: every sample packs several conversations,
+    some answers are one token, and no conversation is truncated at CP=1 or at ``cp_size`` (SFTDataset pads each
+    one to a multiple of 2 * CP there)."""
+    from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer
+
+    tokenizer = SFTTokenizer(str(tokenizer_dir), PROMPT_FORMAT)
+    one_token_answers = 0
+    for line in data_path.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        starts = [i for i, m in enumerate(messages) if m["role"] == "system"] + [len(messages)]
+        assert len(starts) >= 3, f"one conversation only: {messages}"
+        padded = 0
+        for begin, end in zip(starts, starts[1:]):
+            tokens, _ = tokenizer.tokenize_conversation(
+                messages[begin:end], return_target=True, add_generation_prompt=False
+            )
+            padded += -(-len(tokens) // (2 * cp_size)) * 2 * cp_size
+        assert padded <= seq_length, f"{padded} tokens at CP={cp_size}: {messages}"
+        one_token_answers += sum(
+            m["role"] == "assistant" and len(tokenizer.text_to_ids(m["content"])) == 1 for m in messages
+        )
+    assert one_token_answers >= 5

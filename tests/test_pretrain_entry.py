@@ -4,6 +4,7 @@ layer spec; misconfigured command lines stop with a clear error before any model
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 
 import megatron.training.arguments as megatron_arguments  # noqa: E402
@@ -313,8 +314,8 @@ def test_document_masks_outside_thd_are_refused_by_the_library(parse, flag):
 @pytest.mark.parametrize(
     "flags, mode",
     [
-        (["--sft"], "zigzag"),
-        (["--sft", "--dataloader-inter-document-masking"], "zigzag"),
+        (["--sft", "--calculate-per-token-loss"], "zigzag"),
+        (["--sft", "--dataloader-inter-document-masking", "--calculate-per-token-loss"], "zigzag"),
         (["--dataloader-inter-document-masking"], "sequence"),
     ],
 )
@@ -340,6 +341,75 @@ def test_thd_packed_documents_are_accepted(parse, flags, mode):
     assert packing_mode(config) == mode  # from the launch's arguments (parse keeps them)
     spec = gpt_layer_spec_2d(config)
     assert (spec.submodules.self_attention.module is SelfAttention2D) == (mode == "sequence")
+
+
+TWO_D = ["--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2", "--attention-dropout", "0"]
+
+
+@pytest.mark.parametrize(
+    "flags, uneven",
+    [
+        ([], None),
+        (["--dataloader-inter-document-masking"], None),
+        (["--eod-mask-loss"], "--eod-mask-loss"),
+        (["--dataloader-inter-document-masking", "--eod-mask-loss"], "--eod-mask-loss"),
+        (["--sft"], "--sft"),
+        (["--sft", "--eod-mask-loss"], "--sft and --eod-mask-loss"),
+        (["--sft", "--calculate-per-token-loss"], None),
+        (["--eod-mask-loss", "--calculate-per-token-loss"], None),
+        (["--dataloader-inter-document-masking", "--eod-mask-loss", "--cp-2d-packing", "documents"], None),
+    ],
+)
+def test_loss_normalised_per_cp_rank_over_uneven_loss_masks_is_refused(parse, flags, uneven):
+    """Exactly the launches tests/test_pretrain_loss_scaling.py measures training differently at CP > 1 than at
+    CP = 1: loss masks that zero tokens unevenly over the CP ranks (--sft, --eod-mask-loss) without
+    --calculate-per-token-loss, outside the documents layout (whose loss weighs every token itself)."""
+    args = parse("--context-parallel-size", "8", *TWO_D, *flags)
+    if uneven is None:
+        gpt_config_from_args_2d(args)
+        return
+    message = (
+        f"{uneven} at --context-parallel-size 8 (cp_comm_type ['2d']) needs --calculate-per-token-loss: without "
+        f"it Megatron divides each CP rank's loss by that rank's own count of loss tokens, which {uneven} make "
+        f"uneven over the CP ranks, so the gradients would depend on the CP size"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gpt_config_from_args_2d(args)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gpt_layer_spec_2d(transformer_config_from_args_2d(args))  # the --spec route
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--context-parallel-size", "1", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "1", "--sft"],
+        ["--context-parallel-size", "8", "--cp-comm-type", "p2p", "--sft"],  # not the 2d backend
+    ],
+)
+def test_uneven_loss_masks_are_left_alone_without_2d_cp(parse, flags):
+    """At CP = 1 nothing depends on the CP size; without the 2d backend the launch is stock Megatron's."""
+    gpt_config_from_args_2d(parse(*flags, "--attention-dropout", "0"))
+
+
+READY_SPEC = ["--spec", "megatron_2d.megatron.spec", "GPT_LAYER_SPEC_2D"]
+
+
+@pytest.mark.parametrize(
+    "layout, spec, refused",
+    [
+        ("Ett|L", READY_SPEC, True),  # stage 1 holds no decoder layer and the ready spec is never called there
+        ("Et|tL", READY_SPEC, False),  # every stage holds a layer: each builds the groups at its first one
+        ("Ett|L", ["--spec", "megatron_2d.megatron.spec", "gpt_layer_spec_2d"], False),  # called on every stage
+    ],
+)
+def test_ready_gpt_spec_under_a_pipeline_layout_with_an_empty_stage_is_refused(parse, layout, spec, refused):
+    pp = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", layout]
+    args = parse("--context-parallel-size", "4", *TWO_D, *pp, *spec)
+    if not refused:
+        gpt_config_from_args_2d(args)
+        return
+    with pytest.raises(ValueError, match=r"gives pipeline stages \[1\] no decoder layer, and --spec megatron_2d"):
+        gpt_config_from_args_2d(args)
 
 
 def test_sequence_packing_with_sft_is_refused(parse):

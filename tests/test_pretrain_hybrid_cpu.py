@@ -12,22 +12,28 @@ hidden 64, 8 heads / 2 KV heads, Mamba 8 heads of 16 in 2 groups, RoPE, seq 128,
 from __future__ import annotations
 
 import importlib
-import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_2d.testing.megatron_lm import copy_scripts
-from megatron_2d.testing.pretrain_runs import lm_losses, per_iteration_losses, run_pretrain, run_pretrain_outcomes
-from megatron_2d.testing.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
+from megatron_2d.testing.pretrain_runs import (
+    assert_same_training,
+    run_pretrain,
+    run_pretrain_outcomes,
+    trained,
+)
+from megatron_2d.testing.reference import TOLERANCE
+from megatron_2d.testing.sft_data import PROMPT_FORMAT
 
 pytestmark = pytest.mark.megatron
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
-RTOL = 1e-5
+RTOL = TOLERANCE[torch.float32]
 
 
 def make_flags(*env):
@@ -65,21 +71,21 @@ def scripts(tmp_path_factory):
         sys.modules.pop(name, None)
 
 
-def losses(logs):
-    found = lm_losses(logs[-1])
-    assert sorted(found) == list(range(1, ITERATIONS + 1)), f"missing iterations in the log:\n{logs[-1][-3000:]}"
+def training(logs):
+    """The lm loss and grad norm per iteration from the last rank's log (Megatron logs there), checked complete."""
+    found = trained(logs[-1])
+    assert sorted(found.losses) == list(range(1, ITERATIONS + 1)), f"missing iterations:\n{logs[-1][-3000:]}"
     return found
 
 
-def assert_same_losses(got, expected, iterations=range(1, ITERATIONS + 1)):
-    for it in iterations:
-        assert got[it] == pytest.approx(expected[it], rel=RTOL), f"iteration {it}: {got} vs {expected}"
+def assert_same(got, expected, iterations=range(1, ITERATIONS + 1)):
+    assert_same_training(got, expected, RTOL, iterations)
 
 
 @pytest.fixture(scope="module")
 def reference(scripts):
-    found = losses(run_pretrain(1, scripts["stock"], CP1))
-    assert found[ITERATIONS] < found[1]
+    found = training(run_pretrain(1, scripts["stock"], CP1))
+    assert found.losses[ITERATIONS] < found.losses[1]
     return found
 
 
@@ -102,7 +108,7 @@ def test_make_target_flags():
 @pytest.mark.distributed
 def test_patched_pretrain_hybrid_2d_equals_cp1(scripts, reference):
     logs = run_pretrain(4, scripts["patched"], CP4)
-    assert_same_losses(losses(logs), reference)
+    assert_same(training(logs), reference)
 
 
 @pytest.mark.distributed
@@ -116,7 +122,7 @@ def test_unpatched_pretrain_hybrid_with_spec_equals_cp1(scripts, reference):
         "--cp-comm-type",
         "2d",
     ]
-    assert_same_losses(losses(run_pretrain(4, scripts["stock"], BASE + flags)), reference)
+    assert_same(training(run_pretrain(4, scripts["stock"], BASE + flags)), reference)
 
 
 @pytest.mark.distributed
@@ -139,8 +145,8 @@ def test_checkpoint_saved_at_cp4_resumes_at_4x1_and_at_cp1(scripts, reference, t
         "--exit-interval",
         "2",
     ]
-    first = lm_losses(run_pretrain(4, scripts["patched"], BASE + save)[-1])
-    assert_same_losses(first, reference, iterations=[1, 2])
+    first = trained(run_pretrain(4, scripts["patched"], BASE + save)[-1])
+    assert_same(first, reference, iterations=[1, 2])
     assert (ckpt / "iter_0000002" / "metadata.json").is_file()
     resumes = {
         "cp4 as 4x1": (
@@ -153,9 +159,49 @@ def test_checkpoint_saved_at_cp4_resumes_at_4x1_and_at_cp1(scripts, reference, t
     for name, (world, script, flags) in resumes.items():
         logs = run_pretrain(world, script, flags + ["--load", str(ckpt)])
         assert f"loading distributed checkpoint from {ckpt} at iteration 2" in logs[0], name
-        resumed = lm_losses(logs[-1])
-        assert sorted(resumed) == [3, 4], f"{name}: {resumed}"
-        assert_same_losses(per_iteration_losses(resumed), per_iteration_losses(reference), iterations=[3, 4])
+        resumed = trained(logs[-1])
+        assert sorted(resumed.losses) == [3, 4], f"{name}: {resumed}"
+        assert_same(resumed.per_iteration(), reference.per_iteration(), iterations=[3, 4])
+
+
+PIPELINE_PATTERN = "M-|*-"
+PP2 = ["--pipeline-model-parallel-size", "2"]
+PIPELINE_BASE = make_flags(("PATTERN", PIPELINE_PATTERN))
+PIPELINE_BASE = PIPELINE_BASE[: PIPELINE_BASE.index("--context-parallel-size")] + PP2
+PIPELINE_2D_ROUTES = {
+    "patched, hp 1 x cp 2": (
+        "patched",
+        ["--context-parallel-size", "2", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "1"],
+    ),
+    "--spec, hp 2 x cp 1": (
+        "stock",
+        SPEC_2D
+        + ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1", "--cp-comm-type", "2d"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_reference(scripts):
+    """PP=2 at CP=1 with Megatron's local hybrid spec (megatron seeds each pipeline stage differently, so the
+    reference keeps PP=2)."""
+    logs = run_pretrain(2, scripts["stock"], make_flags(("CP", "1"), ("PATTERN", PIPELINE_PATTERN)) + PP2)
+    found = training(logs)
+    assert found.losses[ITERATIONS] < found.losses[1]
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("route", list(PIPELINE_2D_ROUTES))
+def test_pipeline_stage_without_attention_at_2d_cp2_equals_cp1(scripts, pipeline_reference, route):
+    """--pipeline-model-parallel-size 2 with pattern 'M-|*-': the first stage holds a Mamba and an MLP layer and
+    no attention layer, yet joins the collectives that build the 2D groups (at the model's construction, on every
+    rank), so the run trains; loss and grad norm per iteration equal PP=2 at CP=1. (When the first 2d attention
+    layer built the groups, the second stage waited for the first until the 60 s timeout.)"""
+    script, flags = PIPELINE_2D_ROUTES[route]
+    logs = run_pretrain(4, scripts[script], PIPELINE_BASE + flags, timeout_s=60)
+    assert "layers='M-'" in logs[0] and "layers='*-'" in logs[2]  # Megatron's log of each stage's layers
+    assert_same(training(logs), pipeline_reference)
 
 
 MISCONFIGURED = {
@@ -212,51 +258,8 @@ SFT_FLAGS = [
 ]
 """Megatron's SFT route: SFTTokenizer and SFTDataset (which refuses the default attention mask). Per-token loss: without
 it Megatron scales each CP rank's loss by that rank's own count of loss tokens, so with SFT's loss masks (prompts
-masked, uneven over the ranks) the gradient depends on the CP size whatever the attention (seen: CP=4 drifts from
-CP=1 by 3e-4 from iteration 2 without it)."""
-
-
-@pytest.fixture(scope="module")
-def sft_corpus(tmp_path_factory):
-    """The flags naming the tiny tokenizer and jsonl of megatron_2d.testing.sft_data. The forked ranks inherit an
-    offline Hugging Face with its datasets cache in tmp. (``datasets`` is imported in the ranks, not here: pyarrow
-    starts a jemalloc thread at import, and the ranks are forked from this process.)"""
-    root = tmp_path_factory.mktemp("sft")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HUB_OFFLINE", "1")
-        env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
-        env.setenv("TOKENIZERS_PARALLELISM", "false")
-        corpus = {
-            "--tokenizer-model": write_sft_tokenizer(root / "tokenizer"),
-            "--data-path": write_sft_conversations(root / "sft.jsonl"),
-        }
-        check_sft_corpus(corpus["--tokenizer-model"], corpus["--data-path"])
-        yield [item for flag, path in corpus.items() for item in (flag, str(path))]
-
-
-def check_sft_corpus(tokenizer_dir, data_path, seq_length=128, cp_size=4):
-    """What the test relies on, as Megatron's SFTTokenizer renders it: every sample packs several conversations, some
-    answers are one token, and no conversation is truncated at CP=1 or at ``cp_size`` (SFTDataset pads each one to a
-    multiple of 2 * CP there)."""
-    from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer
-
-    tokenizer = SFTTokenizer(str(tokenizer_dir), PROMPT_FORMAT)
-    one_token_answers = 0
-    for line in data_path.read_text().splitlines():
-        messages = json.loads(line)["messages"]
-        starts = [i for i, m in enumerate(messages) if m["role"] == "system"] + [len(messages)]
-        assert len(starts) >= 3, f"one conversation only: {messages}"
-        padded = 0
-        for begin, end in zip(starts, starts[1:]):
-            tokens, _ = tokenizer.tokenize_conversation(
-                messages[begin:end], return_target=True, add_generation_prompt=False
-            )
-            padded += -(-len(tokens) // (2 * cp_size)) * 2 * cp_size
-        assert padded <= seq_length, f"{padded} tokens at CP={cp_size}: {messages}"
-        one_token_answers += sum(
-            m["role"] == "assistant" and len(tokenizer.text_to_ids(m["content"])) == 1 for m in messages
-        )
-    assert one_token_answers >= 5
+masked, uneven over the ranks) the gradient depends on the CP size whatever the attention; the launch checks refuse
+--sft at CP > 1 without it (the last test here; tests/test_pretrain_loss_scaling.py measures it)."""
 
 
 def sft_flags(pattern, corpus):
@@ -288,6 +291,17 @@ def test_sft_packed_conversations_at_2d_cp4_equal_cp1(scripts, sft_corpus, patte
     script with our spec on one rank: Megatron's local attention refuses packed batches (and TE's does not run on
     CPU), so its attention is ours at CP=1, the packed reference tests/test_megatron_hybrid_packed.py uses."""
     base = sft_flags(pattern, sft_corpus)
-    reference = losses(run_pretrain(1, scripts["stock"], base + SPEC_2D))
+    reference = training(run_pretrain(1, scripts["stock"], base + SPEC_2D))
     script, route = SFT_2D_ROUTES[pattern]
-    assert_same_losses(losses(run_pretrain(4, scripts[script], base + route)), reference)
+    assert_same(training(run_pretrain(4, scripts[script], base + route)), reference)
+
+
+@pytest.mark.distributed
+def test_sft_without_per_token_loss_stops_every_rank_with_our_message(scripts, sft_corpus):
+    """pretrain_hybrid.py --sft at 2D CP=4 without --calculate-per-token-loss would train differently than at CP=1
+    (each CP rank's loss divided by its own count of loss tokens; tests/test_pretrain_loss_scaling.py measures it
+    on pretrain_gpt.py): refused at launch on every rank."""
+    flags = [f for f in sft_flags("M*-M*-", sft_corpus) if f != "--calculate-per-token-loss"]
+    message = "--sft at --context-parallel-size 4 (cp_comm_type ['2d']) needs --calculate-per-token-loss"
+    for rank, outcome in enumerate(run_pretrain_outcomes(4, scripts["patched"], flags + CP4[len(BASE) :], 90)):
+        assert outcome.exit_status != 0 and message in (outcome.error or ""), f"rank {rank}: {outcome.error}"

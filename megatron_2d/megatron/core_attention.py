@@ -36,7 +36,7 @@ from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
 from .launch_checks import check_current_launch, packing_mode
 from .process_groups import group_registry
-from .settings import BACKEND_NAME, Settings2D, settings_from_config, uses_2d
+from .settings import BACKEND_NAME, layer_settings, uses_2d
 
 SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
@@ -142,12 +142,10 @@ class CoreAttention2D(MegatronModule):
                 f"attn_mask_type {attn_mask_type.name} is not supported by the 2d backend; supported: "
                 f"{[m.name for m in SUPPORTED_MASKS]}"
             )
-        if cp_size == 1:  # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
-            self.settings = Settings2D(1, 1, 1, "head_first")
-        else:
-            self.settings = settings_from_config(
-                config, head_parallel_size=head_parallel_size, ring_window=ring_window, placement=placement
-            )
+        # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
+        self.settings = layer_settings(
+            config, cp_size, head_parallel_size=head_parallel_size, ring_window=ring_window, placement=placement
+        )
         self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         self.packing = packing_mode(config)  # the layout THD batches come in (config and launch)
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)

@@ -9,10 +9,11 @@ pretrain_hybrid.py's builder reads ``--spec`` with megatron's ``import_module``,
 (never by ``import megatron_2d``). Each is a copy of Megatron's spec with the attention layer's core attention
 replaced by :class:`CoreAttention2D`; Mamba, GDN, MLP, MoE, DSA/MLA and MTP slots stay Megatron's, so Megatron's
 later changes to them reach our users. The stack module is :class:`HybridStack2D`, Megatron's HybridStack that first
-checks the launch and its layers against the CP group (:func:`.launch_checks.check_hybrid_layers`), on every rank
-and every route, before any layer is built. The TE variant copies ``hybrid_layer_specs.hybrid_stack_spec``; the local
-variant copies Megatron's local hybrid spec (``get_hybrid_stack_modelopt_spec(local_core_attention=True)``) with its
-Transformer Engine norms replaced by megatron-core's ``WrappedTorchNorm``. (HybridStack builds its final norm as
+checks the launch and its layers against the CP group (:func:`.launch_checks.check_hybrid_layers`) and then builds
+the model's 2D groups, on every rank and every route, before any layer is built (a pipeline stage of Mamba layers
+only takes part too). The TE variant copies ``hybrid_layer_specs.hybrid_stack_spec``; the local variant copies
+Megatron's local hybrid spec (``get_hybrid_stack_modelopt_spec(local_core_attention=True)``) with its Transformer
+Engine norms replaced by megatron-core's ``WrappedTorchNorm``. (HybridStack builds its final norm as
 ``TENorm`` whatever the spec says, so the local variant still needs TE for that one norm.)
 
 Per-layer settings follow megatron-core 0.19: HybridStack numbers its layers 1..N over the whole pattern (every
@@ -36,6 +37,7 @@ from ..deprecation import renamed_keywords
 from ..hybrid_layers import MAMBA_EXPAND
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, check_hybrid_layers
+from .process_groups import build_model_groups
 
 ATTENTION_SLOT = "attention_layer"
 
@@ -84,14 +86,28 @@ def _hashable(node: Any) -> bool:
 
 class HybridStack2D(HybridStack):
     """Megatron's HybridStack that first checks the launch (:mod:`.launch_checks`, when megatron.training runs one)
-    and its layers against the CP group (:func:`check_hybrid_layers`)."""
+    and its layers against the CP group (:func:`check_hybrid_layers`), then builds the model's 2D groups
+    (:func:`.process_groups.build_model_groups`): on every pipeline stage, before any layer, whether or not the
+    stage holds an attention layer."""
 
     def __init__(self, config, submodules, *args, **kwargs) -> None:
         mixer = getattr(getattr(submodules.mamba_layer, "submodules", None), "mixer", None)
         expand = getattr(mixer, "params", {}).get("expand", MAMBA_EXPAND)
         check_current_launch()
         check_hybrid_layers(config, "".join(kwargs.get("layer_type_list") or []), expand)
+        core_attention = core_attention_spec(submodules)
+        if core_attention is not None:
+            pg_collection = kwargs.get("pg_collection")
+            build_model_groups(config, getattr(pg_collection, "cp", None), **core_attention.params)
         super().__init__(config, submodules, *args, **kwargs)
+
+
+def core_attention_spec(submodules) -> ModuleSpec | None:
+    """The CoreAttention2D spec of a hybrid stack's attention layer, or None when its core attention is another."""
+    layer = getattr(submodules, ATTENTION_SLOT, None)
+    attention = getattr(getattr(layer, "submodules", None), "self_attention", None)
+    core = getattr(getattr(attention, "submodules", None), "core_attention", None)
+    return core if isinstance(core, ModuleSpec) and core.module is CoreAttention2D else None
 
 
 @renamed_keywords(double_ring_window="ring_window")

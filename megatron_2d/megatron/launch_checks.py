@@ -12,9 +12,12 @@ Every route into the library reaches them, on every rank, before any model is tr
 
 Model-level settings are validated by ``settings_from_config`` (hp, window, placement, heads), the attention
 settings by :mod:`.attention_settings` (dropout among them) and MLA's by :func:`.mla.check_mla_settings`; this module
-covers what only the command line knows (how the data is packed, :func:`packing_mode`; a hybrid model's layer
-pattern) and the hybrid layers' needs of the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at
-construction).
+covers what only the command line knows (how the data is packed, :func:`packing_mode`; whether the loss would be
+normalised per CP rank over uneven loss masks, :func:`loss_scaling_problem`; a hybrid model's layer pattern; a ready
+spec under a pipeline layout with empty stages, :func:`ready_spec_pipeline_problem`) and the hybrid layers' needs of
+the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at construction). They run before any
+collective of the library: the model's 2D groups are built after them, at its construction
+(:mod:`.process_groups`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,76 @@ def check_launch_args(args) -> None:
             "--cp-2d-packing sequence describes Megatron's per-sequence split, but --sft batches are "
             "split per document (zigzag): drop --cp-2d-packing or --sft"
         )
+    for problem in (loss_scaling_problem(args), ready_spec_pipeline_problem(args)):
+        if problem:
+            raise ValueError(problem)
+
+
+UNEVEN_LOSS_MASK_FLAGS: tuple[tuple[str, str], ...] = (("--sft", "sft"), ("--eod-mask-loss", "eod_mask_loss"))
+"""Flags whose loss masks zero tokens unevenly over the CP ranks, with their argparse destinations: --sft masks
+prompts and padding, --eod-mask-loss the end-of-document tokens. tests/test_pretrain_loss_scaling.py measures which
+launches train differently at CP = 2 than at CP = 1 without --calculate-per-token-loss: these, whatever the packing
+(unpacked, --sft's per-document split, --dataloader-inter-document-masking's per-sequence split), except the
+documents layout; plain pretraining and --dataloader-inter-document-masking alone (every loss mask all ones) do
+not."""
+
+
+def loss_scaling_problem(args) -> str | None:
+    """Why this 2d launch would train differently at its CP size than at CP = 1, or None.
+
+    Without --calculate-per-token-loss Megatron's schedule divides each CP rank's loss sum by that rank's own count
+    of loss tokens and the gradient reduction averages the ranks: the gradient is the mean over tokens only when
+    every CP rank holds as many loss tokens, which a loss mask that zeros tokens here and there
+    (:data:`UNEVEN_LOSS_MASK_FLAGS`) breaks. The documents layout's loss (examples/pretrain_gpt_2d.py,
+    :func:`.packed_data.token_weighted_loss`) weighs every token equally itself."""
+    cp_size = getattr(args, "context_parallel_size", 1)
+    if cp_size == 1 or getattr(args, "calculate_per_token_loss", False):
+        return None
+    if getattr(args, "cp_2d_packing", "zigzag") == "documents":
+        return None
+    uneven = [flag for flag, dest in UNEVEN_LOSS_MASK_FLAGS if getattr(args, dest, False)]
+    if not uneven:
+        return None
+    return (
+        f"{' and '.join(uneven)} at --context-parallel-size {cp_size} (cp_comm_type "
+        f"{layer_comm_types(args.cp_comm_type)}) needs --calculate-per-token-loss: without it Megatron divides each "
+        f"CP rank's loss by that rank's own count of loss tokens, which {' and '.join(uneven)} make uneven over "
+        f"the CP ranks, so the gradients would depend on the CP size (a different run than at CP = 1); add "
+        f"--calculate-per-token-loss (or, for GPT, pack the documents with --cp-2d-packing documents through "
+        f"examples/pretrain_gpt_2d.py, whose loss weighs every token equally)"
+    )
+
+
+READY_GPT_SPEC = "GPT_LAYER_SPEC_2D"
+
+
+def ready_spec_pipeline_problem(args) -> str | None:
+    """Why ``--spec megatron_2d.megatron.spec GPT_LAYER_SPEC_2D`` cannot run this launch's pipeline, or None.
+
+    Megatron's builder calls spec functions (``gpt_layer_spec_2d``) on every rank, and they build the model's 2D
+    groups there (:func:`.process_groups.build_model_groups`); a ready spec is not called, so the groups are built
+    by the first 2d layer of each rank. A pipeline stage that holds no decoder or MTP layer in
+    ``--pipeline-model-parallel-layout`` builds none and would leave the others waiting for it."""
+    spec = getattr(args, "spec", None)
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if not spec or spec[-1] != READY_GPT_SPEC or not str(spec[0]).startswith("megatron_2d") or layout is None:
+        return None
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    if not isinstance(layout, PipelineParallelLayerLayout):
+        layout = PipelineParallelLayerLayout(layout, args.pipeline_model_parallel_size)
+    stages = layout.layout
+    with_layers = (LayerType.decoder, LayerType.mtp)
+    empty = [pp for pp, chunks in enumerate(stages) if not any(t in with_layers for chunk in chunks for t in chunk)]
+    if not empty:
+        return None
+    return (
+        f"--pipeline-model-parallel-layout {str(layout)!r} gives pipeline stages {empty} no decoder layer, and "
+        f"--spec {' '.join(spec)} is a ready spec that Megatron does not call: those stages would never join "
+        f"the collectives that build the 2D groups (a hang); use --spec megatron_2d.megatron.spec "
+        f"gpt_layer_spec_2d, which builds them on every stage"
+    )
 
 
 def packing_mode(config) -> str:

@@ -1,7 +1,25 @@
 """2D process groups for Megatron's CP groups, owned by the model configuration that builds them.
 
-Building them is collective over the whole world (every rank creates every group in the same order), so it
-happens at model construction, which all ranks run together, never in forward.
+When they are built. Building them is collective over the whole world: every rank gathers every CP group's ranks,
+checks that all ranks ask for the same layout and creates every group in the same order. A pipeline stage that holds
+no 2d attention layer (a Mamba-only stage of a hybrid pattern such as ``'M-|*-'``, a GPT stage of
+``--pipeline-model-parallel-layout`` without decoder layers) must take part all the same, or the other ranks wait
+for it forever. So the model's construction builds them, on every rank and before any layer, whatever the rank
+builds: :func:`build_model_groups`, called by
+
+  * ``HybridStack2D`` (every HybridModel route: pretrain_hybrid.py patched or with ``--spec``, and Python users of
+    the hybrid specs), with the settings of its spec's CoreAttention2D;
+  * the GPT spec functions, ``get_gpt_layer_spec_2d(config)`` and ``gpt_layer_spec_2d`` (pretrain_gpt.py patched
+    or with ``--spec``, examples/pretrain_gpt_2d.py): Megatron's GPT builder calls them on every rank, once per
+    virtual pipeline stage.
+
+Models built twice from one config, and virtual pipeline stages, find them built (one set per CP group and settings,
+the same decision on every rank). Each CoreAttention2D then takes its groups from the registry. A model built
+without either (layers from a hand-made ModuleSpec of CoreAttention2D, or the ready ``GPT_LAYER_SPEC_2D``, which
+Megatron does not call) builds them at its first 2d layer, which is safe only when every rank builds one; once a
+model's construction has built its groups, a layer asking for others is refused (building them then would leave the
+ranks without that layer behind). Nothing is built in forward, nor by the launch checks: on the patched routes those
+run before torch.distributed is initialized, and the groups belong to the model's config, which they do not see.
 
 Ownership: a :class:`GroupRegistry` holds the groups one model builds, one set per (CP group, settings). It lives
 on the model's TransformerConfig (``group_registry(config)``), so the layers of one model share their groups and
@@ -19,7 +37,7 @@ import weakref
 import torch.distributed as dist
 
 from ..groups import Groups2D, build_groups_for_layout
-from .settings import Settings2D
+from .settings import Settings2D, layer_settings, uses_2d
 
 _LIVE: weakref.WeakSet[GroupRegistry] = weakref.WeakSet()
 _ATTRIBUTE = "_megatron_2d_group_registry"
@@ -27,9 +45,8 @@ _ATTRIBUTE = "_megatron_2d_group_registry"
 
 def all_cp_rank_lists(cp_group: dist.ProcessGroup | None) -> list[list[int]]:
     """The global ranks of every CP group of the job (each ordered by CP rank). Collective over the world."""
-    mine = dist.get_process_group_ranks(cp_group) if cp_group is not None else [dist.get_rank()]
     gathered: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(mine))
+    dist.all_gather_object(gathered, list(cp_ranks_of(cp_group)))
     lists: list[list[int]] = []
     for ranks in gathered:
         if ranks not in lists:
@@ -37,25 +54,56 @@ def all_cp_rank_lists(cp_group: dist.ProcessGroup | None) -> list[list[int]]:
     return sorted(lists)
 
 
+def cp_ranks_of(cp_group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``cp_group`` in CP rank order (this rank alone when None)."""
+    return tuple(dist.get_process_group_ranks(cp_group)) if cp_group is not None else (dist.get_rank(),)
+
+
 class GroupRegistry:
-    """The 2D groups of one model: built on first use (collective), one set per (CP group, settings)."""
+    """The 2D groups of one model, one set per (CP group, settings): built by :meth:`build` at the model's
+    construction (collective), or at first use by a model built without it."""
 
     def __init__(self) -> None:
         self._built: dict[tuple, Groups2D] = {}
+        self._built_at_construction = False
         _LIVE.add(self)
 
     def __deepcopy__(self, memo) -> GroupRegistry:
         return self  # a copied config belongs to the same model: same groups, same byte counter
 
+    def build(self, cp_group: dist.ProcessGroup | None, settings: Settings2D) -> Groups2D:
+        """This rank's 2D groups inside ``cp_group`` for ``settings``, built unless they are (collective: every
+        rank calls it in the same order, with its own CP group and the same settings), and the model's groups
+        marked as built at its construction (see :meth:`groups_for`)."""
+        self._built_at_construction = True
+        return self._get(cp_group, settings)
+
     def groups_for(self, cp_group: dist.ProcessGroup | None, settings: Settings2D) -> Groups2D:
-        """This rank's 2D groups inside ``cp_group`` (Megatron's CP group), built on first use (collective)."""
-        cp_ranks = tuple(dist.get_process_group_ranks(cp_group)) if cp_group is not None else (dist.get_rank(),)
+        """This rank's 2D groups inside ``cp_group`` (Megatron's CP group) for a layer: those :meth:`build` made;
+        built here on first use (collective) only when the model's construction built none. ValueError for
+        groups its construction did not build."""
+        key = self._key(cp_group, settings)
+        if key not in self._built and self._built_at_construction:
+            built = [f"CP ranks {list(ranks)} with {s}" for ranks, s in self._built]
+            raise ValueError(
+                f"a 2d attention layer asks for the 2D groups of CP ranks {list(key[0])} with {settings}, but "
+                f"the model's construction built {built}: building them now would leave the ranks that build no "
+                f"such layer (e.g. pipeline stages without attention) behind in the collectives; build the layer "
+                f"with the model's own spec settings and process groups"
+            )
+        return self._get(cp_group, settings)
+
+    def _key(self, cp_group: dist.ProcessGroup | None, settings: Settings2D) -> tuple:
+        cp_ranks = cp_ranks_of(cp_group)
         if len(cp_ranks) != settings.context_parallel_size:
             raise ValueError(
                 f"the CP group has {len(cp_ranks)} ranks {list(cp_ranks)} but the 2D settings are for "
                 f"context_parallel_size {settings.context_parallel_size}"
             )
-        key = (cp_ranks, settings)
+        return (cp_ranks, settings)
+
+    def _get(self, cp_group: dist.ProcessGroup | None, settings: Settings2D) -> Groups2D:
+        key = self._key(cp_group, settings)
         if key not in self._built:
             self._built[key] = build_groups_for_layout(settings.layout, all_cp_rank_lists(cp_group))
         return self._built[key]
@@ -85,6 +133,34 @@ def groups_for(
     if registry is None:
         return build_groups_for_layout(settings.layout, all_cp_rank_lists(cp_group))
     return registry.groups_for(cp_group, settings)
+
+
+def build_model_groups(config, cp_group: dist.ProcessGroup | None = None, **overrides) -> Groups2D | None:
+    """Build the 2D groups that the 2d core attention layers of the model ``config`` configures will ask for, on
+    this rank as on every other, whether or not this rank builds such a layer (collective over the world; see the
+    module docstring for who calls it). Settings: the config's with the layer spec's ``overrides``
+    (:func:`.settings.layer_settings`); ``cp_group``: the layers' CP group, megatron's by default. Builds nothing
+    (None) before torch.distributed and megatron's parallel state are initialized (a spec made for inspection),
+    or when no layer would build groups (CP > 1 without the "2d" backend: the layers delegate or refuse)."""
+    if cp_group is None:
+        cp_group = _megatron_cp_group()
+        if cp_group is None:
+            return None
+    cp_size = dist.get_world_size(cp_group)
+    if cp_size > 1 and not uses_2d(config.cp_comm_type):
+        return None
+    return group_registry(config).build(cp_group, layer_settings(config, cp_size, **overrides))
+
+
+def _megatron_cp_group() -> dist.ProcessGroup | None:
+    """megatron's CP group, or None before torch.distributed and megatron's parallel state are initialized."""
+    if not dist.is_initialized():
+        return None
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def destroy_2d_groups(owner=None) -> None:

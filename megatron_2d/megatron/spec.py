@@ -27,6 +27,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..deprecation import renamed_keywords
 from .attention_settings import check_attention_settings
@@ -34,6 +35,7 @@ from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, packing_mode
 from .mla import check_mla_settings, use_latent_ring
 from .per_sequence import SelfAttention2D
+from .process_groups import build_model_groups
 from .settings import settings_from_config, uses_2d
 
 LayerSpec = ModuleSpec | TransformerBlockSubmodules
@@ -161,7 +163,11 @@ def get_gpt_layer_spec_2d(
     :func:`megatron_gpt_spec`) with :class:`CoreAttention2D` as core attention in every layer; the keyword
     settings override the config's ``cp_2d_*`` fields (``double_ring_window=``: ring_window's deprecated name).
     When packed batches come in Megatron's per-sequence split (:func:`packing_mode` "sequence"), self attention is
-    :class:`SelfAttention2D` (RoPE at each token's position in its document)."""
+    :class:`SelfAttention2D` (RoPE at each token's position in its document).
+
+    With a config, and once megatron's parallel state is initialized, it also builds the model's 2D groups
+    (:func:`.process_groups.build_model_groups`, collective): call it on every rank, as Megatron's builder does,
+    including ranks whose pipeline stage holds no layer."""
     spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine)
     params = {
         k: v
@@ -179,6 +185,8 @@ def get_gpt_layer_spec_2d(
         if per_sequence:
             layer.submodules.self_attention.module = SelfAttention2D
         use_latent_ring(layer, transformer_config_of(config), use_te)  # MLA: the latent ring when asked for
+    if isinstance(transformer_config_of(config), TransformerConfig):  # a model's config, not a few spec choices
+        build_model_groups(transformer_config_of(config), **params)  # Megatron's builder calls this on every rank
     return spec
 
 

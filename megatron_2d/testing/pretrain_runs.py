@@ -2,6 +2,9 @@
 
     logs = run_pretrain(4, script, ["--context-parallel-size", "4", ...])    # one log text per rank
     lm_losses(logs[-1])  ->  {1: 4.881578, 2: 4.818399, ...}                 # Megatron logs on the last rank
+    grad_norms(logs[-1]) ->  {1: 1.5309872627258301, ...}                    # full precision, checked against
+                                                                             # Megatron's own 3-decimal line
+    assert_same_training(trained(logs[-1]), trained(reference_logs[-1]), rtol=1e-5)   # both, every iteration
 
 Ranks are forked from the calling process (see :func:`megatron_2d.testing.distributed.run_on_ranks`): the parent
 imports torch, megatron.training and the script's dependencies once, each rank then only trains. The CPU mappings
@@ -11,6 +14,8 @@ its stdout and stderr to its own file (it exits after the run), so the log is ex
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import queue
@@ -26,6 +31,9 @@ from .pretrain_cpu import install_pretrain_cpu_shims, refuse_with_cuda, run_scri
 DEFAULT_TIMEOUT_S = 150.0
 
 ITERATION_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.Ee+-]+) \|")
+ITERATION_GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| grad norm: ([0-9.Ee+-]+) \|")
+FULL_GRAD_NORM = re.compile(r"^\[pretrain_runs\] iteration (\d+) grad norm (\S+)$", re.MULTILINE)
+"""The line each rank prints (:func:`_print_full_grad_norms`) with the grad norm Megatron logs to 3 decimals."""
 
 
 @dataclass
@@ -40,6 +48,23 @@ class RankOutcome:
 def lm_losses(log: str) -> dict[int, float]:
     """``{iteration: lm loss}`` from Megatron's training log lines (``... iteration 3/ 4 | ... | lm loss: X |``)."""
     return {int(it): float(loss) for it, loss in ITERATION_LOSS.findall(log)}
+
+
+def grad_norms(log: str) -> dict[int, float]:
+    """``{iteration: grad norm}`` of the iterations Megatron logged, at full precision: the norm its optimizer step
+    returned, as ``training_log`` received it (printed by the rank, :func:`_print_full_grad_norms`), each checked
+    against the value of Megatron's own log line (``... | grad norm: 1.531 |``, 3 decimals), so that both read the
+    same quantity. ValueError when a logged iteration has no full-precision line or the two disagree."""
+    full = {int(it): norm for it, norm in FULL_GRAD_NORM.findall(log)}
+    logged = {int(it): float(norm) for it, norm in ITERATION_GRAD_NORM.findall(log)}
+    missing = sorted(set(logged) - {it for it, norm in full.items() if norm != "None"})
+    if missing:
+        raise ValueError(f"iterations {missing} logged a grad norm but printed none at full precision")
+    found = {it: float(full[it]) for it in sorted(logged)}
+    differing = {it: (found[it], logged[it]) for it in found if abs(found[it] - logged[it]) > 5.01e-4}
+    if differing:
+        raise ValueError(f"full-precision grad norms differ from Megatron's logged ones: {differing}")
+    return found
 
 
 def per_iteration_losses(logged: dict[int, float]) -> dict[int, float]:
@@ -60,10 +85,57 @@ def per_iteration_losses(logged: dict[int, float]) -> dict[int, float]:
     return losses
 
 
-def write_document_dataset(prefix: os.PathLike, lengths: Sequence[int], vocab: int, seed: int = 0) -> str:
+@dataclass(frozen=True)
+class Trained:
+    """What one run logged per iteration: Megatron's ``lm loss`` and the optimizer's grad norm."""
+
+    losses: dict[int, float]
+    grad_norms: dict[int, float]
+
+    def per_iteration(self) -> Trained:
+        """With each iteration's own loss (:func:`per_iteration_losses`; grad norms are logged per iteration)."""
+        return Trained(per_iteration_losses(self.losses), self.grad_norms)
+
+
+def trained(log: str) -> Trained:
+    """The lm loss and grad norm of every iteration ``log`` (the last rank's, where Megatron logs) shows."""
+    return Trained(lm_losses(log), grad_norms(log))
+
+
+def assert_same_training(
+    got: Trained, expected: Trained, rtol: float, iterations=None, grad_norm_rtol: float | None = None
+) -> None:
+    """AssertionError unless ``got`` logged the loss and the grad norm of ``expected`` within ``rtol`` (the grad
+    norm within ``grad_norm_rtol`` when given) at each of ``iterations`` (default: every iteration ``expected``
+    logged), naming every value that differs."""
+    iterations = sorted(expected.losses) if iterations is None else list(iterations)
+    norm_rtol = rtol if grad_norm_rtol is None else grad_norm_rtol
+    wrong = []
+    for name, a, e, tol in (
+        ("lm loss", got.losses, expected.losses, rtol),
+        ("grad norm", got.grad_norms, expected.grad_norms, norm_rtol),
+    ):
+        missing = [it for it in iterations if it not in a or it not in e]
+        if missing:
+            wrong.append(f"{name}: iterations {missing} not logged ({sorted(a)} vs {sorted(e)})")
+            continue
+        wrong += [
+            f"iteration {it} {name}: {a[it]!r} vs {e[it]!r} (relative {abs(a[it] - e[it]) / abs(e[it]):.1e})"
+            for it in iterations
+            if abs(a[it] - e[it]) > tol * abs(e[it])
+        ]
+    if wrong:
+        raise AssertionError(f"not the same training within {rtol:g} (grad norm {norm_rtol:g}):\n" + "\n".join(wrong))
+
+
+def write_document_dataset(
+    prefix: os.PathLike, lengths: Sequence[int], vocab: int, seed: int = 0, append_eod: bool = False
+) -> str:
     """A Megatron indexed dataset (``prefix``.bin / .idx, what ``--data-path prefix`` reads) of one document per
     length, random token ids below ``vocab - 1``; returns the prefix. For runs whose samples must cut through
-    many documents (Megatron's mock data has documents of up to 4096 tokens)."""
+    many documents (Megatron's mock data has documents of up to 4096 tokens). ``append_eod``: each document ends
+    with NullTokenizer's end-of-document id, ``vocab - 1`` (as Megatron's preprocess_data.py --append-eod writes
+    them; --eod-mask-loss masks those tokens)."""
     import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
@@ -72,7 +144,8 @@ def write_document_dataset(prefix: os.PathLike, lengths: Sequence[int], vocab: i
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.int32)
     for length in lengths:
-        builder.add_item(torch.from_numpy(rng.integers(0, vocab - 1, size=int(length), dtype=np.int64)))
+        tokens = rng.integers(0, vocab - 1, size=int(length), dtype=np.int64)
+        builder.add_item(torch.from_numpy(np.append(tokens, vocab - 1) if append_eod else tokens))
         builder.end_document()
     builder.finalize(get_idx_path(prefix))
     return prefix
@@ -95,12 +168,34 @@ def _use_in_process_write_results() -> None:
     filesystem_async._results_queue = queue.Queue()
 
 
+def _print_full_grad_norms() -> None:
+    """Megatron logs the grad norm to 3 decimals (``f"{grad_norm:.3f}"``): too coarse to compare runs at fp32
+    tolerance. ``train`` calls ``training_log`` by its module-level name every iteration with the norm its optimizer
+    step returned; wrapped here (in the forked rank only), it prints that norm in full first."""
+    from megatron.training import training
+
+    original = training.training_log
+    if getattr(original, "_m2d_full_grad_norm", False):
+        return
+
+    @functools.wraps(original)
+    def training_log(*args, **kwargs):
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        iteration, norm = bound.arguments["iteration"], bound.arguments["grad_norm"]
+        print(f"[pretrain_runs] iteration {iteration} grad norm {norm if norm is None else repr(float(norm))}")
+        return original(*args, **kwargs)
+
+    training_log._m2d_full_grad_norm = True  # type: ignore[attr-defined]
+    training.training_log = training_log
+
+
 def _run_rank(
     rank: int, world_size: int, script: str, argv: Sequence[str], log_dir: str, must_succeed: bool
 ) -> RankOutcome:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     install_pretrain_cpu_shims()
     _use_in_process_write_results()
+    _print_full_grad_norms()
     path = os.path.join(log_dir, f"rank{rank}.log")
     error: BaseException | None = None
     with open(path, "w") as log:

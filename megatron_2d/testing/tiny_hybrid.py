@@ -18,6 +18,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_2d.hybrid_layers import decoder_layers
 from megatron_2d.testing import tiny_gpt as tg
@@ -57,10 +58,13 @@ def megatron_local_stack_spec() -> ModuleSpec:
     return megatron_hybrid_stack_spec(use_transformer_engine=False)
 
 
-def build_tiny_hybrid(cfg: tg.TinyGPTConfig, pattern: str, stack_spec: ModuleSpec) -> HybridModel:
-    """This rank's HybridModel (PP=1) of ``pattern`` with layout-independent weights (tiny_gpt's canonical names:
-    every parameter drawn in its full shape from (seed, name))."""
-    config = tg.make_transformer_config(cfg)
+def build_tiny_hybrid(
+    cfg: tg.TinyGPTConfig, pattern: str, stack_spec: ModuleSpec, config: TransformerConfig | None = None
+) -> HybridModel:
+    """This rank's HybridModel of ``pattern`` (its pipeline stage's part, split at ``|``) with layout-independent
+    weights (tiny_gpt's canonical names: every parameter drawn in its full shape from (seed, name)). ``config``:
+    the TransformerConfig to build from, made from ``cfg`` when None (pass one to build two models from it)."""
+    config = tg.make_transformer_config(cfg) if config is None else config
     torch.manual_seed(cfg.seed)
     model = HybridModel(
         config=config,
