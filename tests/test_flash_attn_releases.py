@@ -200,6 +200,7 @@ def run_release_kernel(rank, world, version):
         }
         if bad:
             problems[("convention", sq, sk, causal, window, softcap)] = bad
+    problems.update(varlen_window_against_max_seqlen_k(interface))
     with kernel_on_cpu(FlashAttn2Kernel):
         kernel = select_kernel(torch.device("cpu"), torch.bfloat16, "flash_attn2", head_dim=32)
         facts["backward_is_custom_op"] = hasattr(interface._flash_attn_backward, "_init_fn")
@@ -271,6 +272,26 @@ def varlen_equals_single_calls(kernel):
         for c, *want in BlockKernel.backward_calls(kernel, dout, q, k, v, out, lse, calls, f, 0.3):
             if not all(torch.equal(a, b) for a, b in zip(grads[c], want)):
                 problems[("varlen backward", f, c)] = "differs from the single call"
+    return problems
+
+
+def varlen_window_against_max_seqlen_k(interface):
+    """The extension normalises a varlen call's window against max_seqlen_k, as the C++ does (not against each
+    sequence): window (-1, 2) keeps its right side on a sequence of 4 queries and 2 keys when another has 6 keys,
+    so that sequence's first query sees key 0 only."""
+    cu_q, cu_k = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 2, 8], dtype=torch.int32)
+    q, k, v = (randn(8, h, 16, seed=s, dtype=torch.bfloat16) for s, h in ((51, 4), (52, 2), (53, 2)))
+    out, lse, _ = interface.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 4, 6, softmax_scale=0.4, window_size=(-1, 2), return_attn_probs=True
+    )
+    lse = packed_lse(lse, (0, 4, 8))
+    problems = {}
+    for n in range(2):
+        rq, rk = slice(int(cu_q[n]), int(cu_q[n + 1])), slice(int(cu_k[n]), int(cu_k[n + 1]))
+        want = flash_reference(q[rq][None], k[rk][None], v[rk][None], q[rq][None], 0.4, False, (-1, 2))
+        errors = (rel_err(out[rq], want[0][0]), rel_err(lse[:, rq], want[1][0]))
+        if not max(errors) < TOLERANCES[torch.bfloat16].end_to_end:
+            problems[("varlen window against max_seqlen_k", n)] = errors
     return problems
 
 

@@ -13,7 +13,14 @@ from megatron_2d.band import Band, flash_boxes, flash_expressible
 from megatron_2d.kernels import KERNELS, select_kernel
 from megatron_2d.kernels.flash_windows import flash_mask
 from megatron_2d.testing.flash_attn_cpu import kernel_window
-from megatron_2d.testing.reference import TOLERANCES, attention_with_lse, norm_err, rel_err
+from megatron_2d.testing.reference import (
+    FLASH_CONVENTION_CASES,
+    TOLERANCES,
+    attention_with_lse,
+    flash_reference,
+    norm_err,
+    rel_err,
+)
 from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
 
 CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]  # flash_attn2: tests/test_flash_attn_releases.py
@@ -218,3 +225,80 @@ def test_torch_flash_runs_a_narrow_window_in_one_launch():
     for key, got, want in (("dk", dk, leaves[1].grad), ("dv", dv, leaves[2].grad)):
         assert norm_err(got, want) < tol.of(key), key
     assert rel_err(out, ref) < tol.end_to_end
+
+
+TORCH_FLASH_CASES = [  # (s_q, s_k, causal, window as passed, window as the C++ runs it)
+    *((sq, sk, c, w, w) for sq, sk, c, w, cap in FLASH_CONVENTION_CASES if not cap),
+    (4, 2, False, (-1, 2), (-1, -1)),  # right >= s_k: unbounded, so the first row sees key 1 too
+    (10, 4, False, (3, -1), (3, 4)),  # an unbounded right side next to a bounded left one: s_k
+    (10, 4, False, (3, 9), (3, 4)),  # a right side >= s_k next to a bounded left one: s_k
+]
+
+
+@pytest.mark.parametrize("sq, sk, causal, window, runs_as", TORCH_FLASH_CASES)
+def test_torch_flash_stand_in_runs_windows_as_the_cpp_does(sq, sk, causal, window, runs_as):
+    """PyTorch's flash ops on CPU (testing.torch_flash_cpu) against fp64 in flash-attn's conventions (masks
+    bottom-right, GQA, empty rows at lse +inf), with the window their C++ really runs (tests above: the kernel
+    never passes one it would change)."""
+    q, dout = (torch.randn(2, sq, 4, 16, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2))
+    k, v = (torch.randn(2, sk, 2, 16, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (3, 4))
+    with torch_flash_on_cpu():
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q,
+            k,
+            v,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            False,
+            scale=0.4,
+            window_size_left=window[0],
+            window_size_right=window[1],
+        )
+        grads = torch.ops.aten._flash_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            rng,
+            unused,
+            scale=0.4,
+            window_size_left=window[0],
+            window_size_right=window[1],
+        )
+    want = flash_reference(q, k, v, dout, 0.4, causal, runs_as)
+    empty = torch.isinf(want[1])
+    assert lse.dtype == torch.float32 and torch.equal(torch.isinf(lse), empty)
+    got = (out, lse.masked_fill(empty, 0), *grads)
+    ref = (want[0], want[1].masked_fill(empty, 0), *want[2:])
+    for key, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, ref):  # tiny blocks: a mask error is O(1)
+        assert g.shape == w.shape and rel_err(g, w) < TOLERANCES[torch.bfloat16].end_to_end, key
+
+
+def test_torch_flash_stand_in_varlen_window_against_max_k():
+    """A varlen call (cum_seq given) runs one window normalised against max_k, each sequence on its own lengths."""
+    cu_q, cu_k = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 2, 8], dtype=torch.int32)
+    q, k, v = (
+        torch.randn(8, h, 16, generator=torch.Generator().manual_seed(s)).bfloat16()
+        for s, h in ((5, 4), (6, 2), (7, 2))
+    )
+    with torch_flash_on_cpu():
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, 4, 6, 0.0, False, False, scale=0.4, window_size_left=None, window_size_right=2
+        )
+    assert lse.shape == (4, 8)
+    for rq, rk in ((slice(0, 4), slice(0, 2)), (slice(4, 8), slice(2, 8))):
+        want = flash_reference(q[rq][None], k[rk][None], v[rk][None], q[rq][None], 0.4, False, (-1, 2))
+        assert rel_err(out[rq], want[0][0]) < TOLERANCES[torch.bfloat16].end_to_end
+        assert rel_err(lse[:, rq], want[1][0]) < TOLERANCES[torch.bfloat16].end_to_end
