@@ -5,7 +5,9 @@ Functions, and from 2.7 on its ``torch.library`` custom ops); only the compiled 
 whose ``fwd``, ``bwd``, ``varlen_fwd`` and ``varlen_bwd`` take exactly the C++ functions' positional arguments of
 that release (``csrc/flash_attn/flash_api.cpp``, in the order the release's interface passes them) and compute them
 on CPU (:func:`megatron_2d.testing.flash_attn_cpu.flash_forward` / ``flash_backward``: fp32 accumulation, masks
-aligned bottom-right, lse = +inf for rows that see no key). From 2.7 the custom ops are registered for "cuda" only;
+aligned bottom-right, lse = +inf for rows that see no key), with the window the C++ hands its kernels
+(:func:`~megatron_2d.testing.flash_attn_cpu.kernel_window`: normalised against s_k, or a varlen call's
+max_seqlen_k). From 2.7 the custom ops are registered for "cuda" only;
 :func:`load_release` registers each op's own body (``_init_fn``) as its CPU kernel, so calls go through the real
 custom-op objects.
 
