@@ -114,9 +114,16 @@ def _visible(s_q: int, s_k: int, causal: bool, left: int, right: int, device) ->
     return mask
 
 
-def _fast_path(q, k, causal, left, right, softcap) -> bool:
-    """torch's CPU flash kernel does plain (or top-left causal) attention: use it where that is the same thing."""
-    return softcap == 0.0 and (left, right) == _UNBOUNDED and (not causal or q.shape[1] == k.shape[1])
+FAST_BACKWARD_PAIRS = 128 * 128
+"""The (query, key) pairs from which the backward takes torch's CPU flash kernel too (below, its fixed cost is
+more than the einsum's: docs/testing.md)."""
+
+
+def _fast_path(q, k, causal, left, right, softcap, backward: bool = False) -> bool:
+    """torch's CPU flash kernel does plain (or top-left causal) attention: use it where that is the same thing
+    (the backward on blocks of :data:`FAST_BACKWARD_PAIRS` pairs or more)."""
+    plain = softcap == 0.0 and (left, right) == _UNBOUNDED and (not causal or q.shape[1] == k.shape[1])
+    return plain and (not backward or q.shape[1] * k.shape[1] >= FAST_BACKWARD_PAIRS)
 
 
 def _scores(q, k, scale, softcap, mask):
@@ -149,7 +156,7 @@ def flash_forward(q, k, v, scale, causal, left, right, softcap):
 def flash_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
     """(dq, dk, dv) in the inputs' dtype, from the final out and lse (flash-attn recomputes P from lse), in closed
     form: no autograd, so that it also runs inside a torch custom op's kernel, where autograd is off."""
-    if _fast_path(q, k, causal, left, right, softcap):
+    if _fast_path(q, k, causal, left, right, softcap, backward=True):
         return _KERNEL.backward(dout, q, k, v, out, lse, Band(None, 0) if causal else None, scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     hq, hkv = q.shape[2], k.shape[2]
