@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..band import Band, flash_boxes
+from ..band import Band, Trimmed, flash_boxes
 from .base import BlockKernel, accumulator_dtype
 
 MAX_HEAD_DIM = 256
@@ -45,11 +45,7 @@ def flash_mask(band: Band | None, sq: int, sk: int) -> tuple[bool, tuple[int, in
 
 def _whole(boxes, sq: int, sk: int, band: Band | None) -> bool:
     """Whether ``boxes`` is the one box of the whole sq x sk block with ``band``: the call runs as given."""
-    return (
-        len(boxes) == 1
-        and (boxes[0].q_start, boxes[0].q_end, boxes[0].k_start, boxes[0].k_end) == (0, sq, 0, sk)
-        and (boxes[0].band == band)
-    )
+    return len(boxes) == 1 and boxes[0] == Trimmed(0, sq, 0, sk, band)
 
 
 def flash_calls(calls: Sequence) -> list:
@@ -98,7 +94,7 @@ class FlashWindowKernel(BlockKernel):
         boxes = flash_boxes(band, sq, sk)
         if _whole(boxes, sq, sk, band):
             return self.forward_box(q, k, v, *flash_mask(band, sq, sk), scale)
-        out = q.new_zeros(q.shape)
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=torch.float32, device=q.device)
         for b in boxes:
             rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
