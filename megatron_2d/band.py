@@ -160,9 +160,11 @@ def flash_expressible(band: Band | None, sq: int, sk: int) -> bool:
 
     Their ``flash_api.cpp`` turns a window side >= seqlen_k (varlen: >= max_seqlen_k) into -1, and then
     (``set_params_fprop``) sets a -1 side to seqlen_k (varlen: max_seqlen_k) when the other side is bounded. A
-    left side of seqlen_k or more never hides a key of the block; a right side of R >= seqlen_k does once the
-    block has more than R + 1 queries, where its rows would see either every later key (R unbounded) or too
-    few. So, with left = sk - sq - lo and right = hi - (sk - sq) (both >= 0 on a trimmed box):
+    left side of seqlen_k or more hides no key of the block, so neither step changes it. A right side R hides
+    keys only on a block of more than R + 1 queries; there, R >= seqlen_k shows the rows every later key (left
+    side unbounded) or, R having become seqlen_k, fewer keys than R (left side bounded), and an unbounded right
+    side next to a bounded left one becomes seqlen_k. So, with left = sk - sq - lo and right = hi - (sk - sq)
+    (both >= 0 on a trimmed box):
         left bounded    left < sk
         right bounded   right < sk
         right -1        sq <= sk + 1 when the left side is bounded
