@@ -71,7 +71,9 @@ class Band:
     def flash_window(self, sq: int, sk: int) -> tuple[int, int]:
         """flash-attn's (window_left, window_right) for this band: its masks align to the bottom-right corner.
 
-        On a trimmed box both are >= 0 or -1 (the last row sees the last column's neighbourhood)."""
+        Raises ValueError where flash-attn's kernels would run another mask (:func:`flash_expressible`): a side
+        < 0 (an untrimmed band), or a box taller than its window lets them keep (split it with
+        :func:`flash_boxes`)."""
         d = sk - sq
         left = -1 if self.lo is None else d - self.lo
         right = -1 if self.hi is None else self.hi - d
@@ -79,6 +81,12 @@ class Band:
             raise ValueError(
                 f"band {self} on a {sq}x{sk} block is not expressible as a flash-attn window "
                 f"(left {left}, right {right}); trim it first"
+            )
+        if not flash_expressible(self, sq, sk):
+            raise ValueError(
+                f"band {self} on a {sq}x{sk} block is not expressible as a flash-attn window "
+                f"(left {left}, right {right}): flash-attn's kernels would run another mask on it; split it "
+                f"with flash_boxes"
             )
         return left, right
 
@@ -143,3 +151,76 @@ class SlidingWindow:
         lo = None if self.left == -1 else -self.left
         hi = 0 if causal else (None if self.right == -1 else self.right)
         return None if lo is None and hi is None else Band(lo, hi)
+
+
+def flash_expressible(band: Band | None, sq: int, sk: int) -> bool:
+    """Whether flash-attn's kernels (flash-attn 2.5 to 2.8 and PyTorch's copy of them, dense and varlen) run
+    ``band`` on an sq x sk block as its (causal, window) says: no band, the causal square, or a window
+    (:meth:`Band.flash_window`) that their C++ keeps.
+
+    Their ``flash_api.cpp`` turns a window side >= seqlen_k (varlen: >= max_seqlen_k) into -1, and then
+    (``set_params_fprop``) sets a -1 side to seqlen_k (varlen: max_seqlen_k) when the other side is bounded. A
+    left side of seqlen_k or more hides no key of the block, so neither step changes it. A right side R hides
+    keys only on a block of more than R + 1 queries; there, R >= seqlen_k shows the rows every later key (left
+    side unbounded) or, R having become seqlen_k, fewer keys than R (left side bounded), and an unbounded right
+    side next to a bounded left one becomes seqlen_k. So, with left = sk - sq - lo and right = hi - (sk - sq)
+    (both >= 0 on a trimmed box):
+        left bounded    left < sk
+        right bounded   right < sk
+        right -1        sq <= sk + 1 when the left side is bounded
+    Each holds for a varlen group's max_seqlen_k if it holds for the call's own sk (max_seqlen_k >= sk)."""
+    if band is None or band.is_causal_square(sq, sk):
+        return True
+    d = sk - sq
+    if band.lo is not None and not 0 <= d - band.lo < sk:
+        return False
+    if band.hi is not None:
+        return 0 <= band.hi - d < sk
+    return band.lo is None or sq <= sk + 1
+
+
+def flash_boxes(band: Band | None, sq: int, sk: int) -> list[Trimmed]:
+    """The visible pairs of an sq x sk block under ``band``, as trimmed boxes (block coordinates) that flash-attn's
+    kernels run as given (:func:`flash_expressible`): the block's own trimmed box when they can, else its rows
+    split where a side of the band stops cutting. Every visible pair is in exactly one box, every row of the box
+    in one piece (so pieces never need merging). Empty when nothing is visible.
+
+    In a trimmed box of nq x nk with band (lo, hi), rows [0, a) with a = nk - 1 - hi are the ones the right side
+    cuts, rows [b, nq) with b = 1 - lo the ones the left side cuts, and rows in between see every key. The top
+    rows run with the band (their last row sees the box's last key: right 0), the middle rows as one full box,
+    the bottom rows with the left side alone (no more rows than keys); neighbouring pieces are joined where the
+    join still runs as given.
+
+        >>> flash_boxes(Band(None, 0), 4, 2)      # the first row must not see key 1
+        [Trimmed(q_start=0, q_end=1, k_start=0, k_end=1, band=None), \
+Trimmed(q_start=1, q_end=4, k_start=0, k_end=2, band=None)]
+        >>> flash_boxes(Band(-4, 4), 8, 8)        # square: one box
+        [Trimmed(q_start=0, q_end=8, k_start=0, k_end=8, band=Band(lo=-4, hi=4))]
+    """
+    box = Trimmed(0, sq, 0, sk, None) if band is None else band.trim(sq, sk)
+    if box is None:
+        return []
+    nq, nk = box.q_end - box.q_start, box.k_end - box.k_start
+    if flash_expressible(box.band, nq, nk):
+        return [box]
+    lo, hi = box.band.lo, box.band.hi
+    a = 0 if hi is None else nk - 1 - hi
+    b = nq if lo is None else max(a, 1 - lo)
+    for cuts in ((0, a, nq), (0, b, nq), (0, a, b, nq)):
+        pieces = [_rows_of(box, r0, r1) for r0, r1 in zip(cuts, cuts[1:]) if r0 < r1]
+        if all(flash_expressible(p.band, p.q_end - p.q_start, p.k_end - p.k_start) for p in pieces):
+            return pieces
+    raise AssertionError(f"flash_boxes: no split of {box} runs as given")  # unreachable: the three pieces do
+
+
+def _rows_of(box: Trimmed, r0: int, r1: int) -> Trimmed:
+    """Rows [r0, r1) of a trimmed box (box coordinates) as their own trimmed box, in the block's coordinates."""
+    nk = box.k_end - box.k_start
+    part = box.band.shifted(r0, 0).trim(r1 - r0, nk) if box.band is not None else Trimmed(0, r1 - r0, 0, nk, None)
+    return Trimmed(
+        box.q_start + r0 + part.q_start,
+        box.q_start + r0 + part.q_end,
+        box.k_start + part.k_start,
+        box.k_start + part.k_end,
+        part.band,
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import functools
 import inspect
 import itertools
 
@@ -165,8 +166,11 @@ def private_call(interface, abi, q, k, v, dout, scale, causal, window, softcap):
     return out, lse, dq, dk, dv
 
 
-# trimmed bands as the ring passes them (local top-left coordinates: key j visible from query i iff lo <= j - i <= hi)
+# trimmed bands as the ring passes them (local top-left coordinates: key j visible from query i iff lo <= j - i <= hi);
+# the last ones on blocks with more queries than keys, where flash-attn's C++ would change their window (the right
+# side reaching s_k becomes unbounded; an unbounded right side becomes s_k when the left one is bounded)
 BANDS = [(16, 16, -5, 0), (12, 20, -2, 9), (16, 16, None, 3), (16, 16, -4, None), (10, 16, -3, 6)]
+TALL_BANDS = [(64, 16, None, 0), (56, 16, -40, None), (48, 12, -36, 0), (40, 16, -30, 4)]
 
 
 def run_release_kernel(rank, world, version):
@@ -196,6 +200,7 @@ def run_release_kernel(rank, world, version):
         }
         if bad:
             problems[("convention", sq, sk, causal, window, softcap)] = bad
+    problems.update(varlen_window_against_max_seqlen_k(interface))
     with kernel_on_cpu(FlashAttn2Kernel):
         kernel = select_kernel(torch.device("cpu"), torch.bfloat16, "flash_attn2", head_dim=32)
         facts["backward_is_custom_op"] = hasattr(interface._flash_attn_backward, "_init_fn")
@@ -209,8 +214,9 @@ def run_release_kernel(rank, world, version):
             bad = errors_vs_reference(got, flash_reference(q, k, v, dout, 0.3, causal), dtype)
             if bad or lse.dtype != torch.float32 or got[2].dtype != dtype:
                 problems[("kernel", str(dtype), causal, hkv)] = bad or "dtypes"
-        for sq, sk, lo, hi in BANDS:
+        for sq, sk, lo, hi in BANDS + TALL_BANDS:
             box = Band(lo, hi).trim(sq, sk)
+            assert (box.q_start, box.q_end, box.k_start, box.k_end, box.band) == (0, sq, 0, sk, Band(lo, hi))
             q, dout = (
                 randn(1, sq, 4, 32, seed=15, dtype=torch.bfloat16),
                 randn(1, sq, 4, 32, seed=16, dtype=torch.bfloat16),
@@ -223,6 +229,7 @@ def run_release_kernel(rank, world, version):
             if bad:
                 problems[("band", sq, sk, lo, hi)] = bad
         problems.update(varlen_equals_single_calls(kernel))
+        problems.update(tall_calls_in_one_block(kernel))
         facts["padded_varlen_lse"] = kernel._padded_varlen_lse
         # a head dim the backward cannot take: refused at selection (before, it passed forward and failed backward)
         try:
@@ -268,6 +275,68 @@ def varlen_equals_single_calls(kernel):
     return problems
 
 
+def varlen_window_against_max_seqlen_k(interface):
+    """The extension normalises a varlen call's window against max_seqlen_k, as the C++ does (not against each
+    sequence): window (-1, 2) keeps its right side on a sequence of 4 queries and 2 keys when another has 6 keys,
+    so that sequence's first query sees key 0 only."""
+    cu_q, cu_k = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 2, 8], dtype=torch.int32)
+    q, k, v = (randn(8, h, 16, seed=s, dtype=torch.bfloat16) for s, h in ((51, 4), (52, 2), (53, 2)))
+    out, lse, _ = interface.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 4, 6, softmax_scale=0.4, window_size=(-1, 2), return_attn_probs=True
+    )
+    lse = packed_lse(lse, (0, 4, 8))
+    problems = {}
+    for n in range(2):
+        rq, rk = slice(int(cu_q[n]), int(cu_q[n + 1])), slice(int(cu_k[n]), int(cu_k[n + 1]))
+        want = flash_reference(q[rq][None], k[rk][None], v[rk][None], q[rq][None], 0.4, False, (-1, 2))
+        errors = (rel_err(out[rq], want[0][0]), rel_err(lse[:, rq], want[1][0]))
+        if not max(errors) < TOLERANCES[torch.bfloat16].end_to_end:
+            problems[("varlen window against max_seqlen_k", n)] = errors
+    return problems
+
+
+def tall_calls_in_one_block(kernel):
+    """Calls of one block with more queries than keys (as packed plans with a non-causal window make them), two of
+    each band so that they share varlen launches: each call's out, lse, dq, dk, dv against fp64 on its own box."""
+    problems = {}
+    f = 3  # the block's keys start at first_key
+    calls = [
+        BlockCall(0, 4, f + 0, f + 2, Band(None, 0)),
+        BlockCall(4, 11, f + 2, f + 4, Band(-5, None)),
+        BlockCall(11, 15, f + 4, f + 6, Band(None, 0)),
+        BlockCall(15, 22, f + 6, f + 8, Band(-5, None)),
+        BlockCall(22, 30, f + 8, f + 11, Band(-6, 0)),
+    ]
+    q, dout = randn(1, 30, 4, 16, seed=41, dtype=torch.bfloat16), randn(1, 30, 4, 16, seed=42, dtype=torch.bfloat16)
+    k, v = randn(1, 14, 2, 16, seed=43, dtype=torch.bfloat16), randn(1, 14, 2, 16, seed=44, dtype=torch.bfloat16)
+    for batched in (True, False):  # the kernel's varlen launches, and one call at a time
+        forward = kernel.forward_calls if batched else functools.partial(BlockKernel.forward_calls, kernel)
+        backward = kernel.backward_calls if batched else functools.partial(BlockKernel.backward_calls, kernel)
+        out, lse = torch.zeros_like(q), torch.zeros(1, 4, 30)
+        for c, o, l in forward(q, k, v, calls, f, 0.3):
+            out[:, c.q_start : c.q_end], lse[:, :, c.q_start : c.q_end] = o, l
+        dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+        for c, gq, gk, gv in backward(dout, q, k, v, out, lse, calls, f, 0.3):
+            dq[:, c.q_start : c.q_end] += gq.float()
+            dk[:, c.k_start - f : c.k_end - f] += gk.float()
+            dv[:, c.k_start - f : c.k_end - f] += gv.float()
+        for c in calls:
+            rows, keys = slice(c.q_start, c.q_end), slice(c.k_start - f, c.k_end - f)
+            nq, nk = c.q_end - c.q_start, c.k_end - c.k_start
+            lo, hi = c.band.lo, c.band.hi
+            window = (-1 if lo is None else nk - nq - lo, -1 if hi is None else hi - (nk - nq))  # top-left band
+            want = flash_reference(q[:, rows], k[:, keys], v[:, keys], dout[:, rows], 0.3, False, window)
+            got = (out[:, rows], lse[:, :, rows], dq[:, rows], dk[:, keys], dv[:, keys])
+            bad = {
+                key: rel_err(g, w)
+                for key, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)
+                if not rel_err(g, w) < TOLERANCES[torch.bfloat16].end_to_end
+            }
+            if bad:
+                problems[("tall call", "varlen" if batched else "single", c)] = bad
+    return problems
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("version", fap.RELEASES)
 def test_kernel_through_release(version):
@@ -283,6 +352,18 @@ def test_kernel_through_release(version):
 
 
 # ---- attention_2d with kernel="flash_attn2" on 4 ranks, per release ----------------------------------------------
+
+
+# (mode, causal, sliding window) of the packed cases: causal, and non-causal windows bounded on both sides, on the
+# left only and on the right only (zigzag mode: their plans hold calls with more queries than keys)
+PACKED_CASES = [
+    ("zigzag", True, (-1, -1)),
+    ("zigzag", False, (4, 4)),
+    ("zigzag", False, (9, -1)),
+    ("zigzag", False, (-1, 9)),
+    ("documents", True, (-1, -1)),
+    ("documents", False, (4, 4)),
+]
 
 
 def run_release_ring(rank, world, version):
@@ -315,7 +396,8 @@ def run_release_ring(rank, world, version):
             ):
                 errors[(causal, hkv, window, key)] = norm_err(a, shard(e))
         before = extension.calls["varlen_fwd"], extension.calls["varlen_bwd"]
-        for mode in ("zigzag", "documents"):
+        tall = 0  # windowed calls with more queries than keys + 1: those whose window flash-attn's C++ would change
+        for mode, causal, window in PACKED_CASES:
             lengths = [3, 40, 1, 17, 64, 9, 5, 30]
             cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
             layout = megatron_2d.PackedLayout(cu, groups, mode=mode)
@@ -326,10 +408,12 @@ def run_release_ring(rank, world, version):
             )
             for x in (q, k, v):
                 x.requires_grad_(True)
-            ref = packed_reference_attention(q, k, v, cu, True, 32**-0.5)
+            ref = packed_reference_attention(q, k, v, cu, causal, 32**-0.5, window=window)
             ref.backward(dout)
             ql, kl, vl = (layout.shard(x.detach()).bfloat16().requires_grad_(True) for x in (q, k, v))
-            out = megatron_2d.attention_2d(ql, kl, vl, groups, kernel="flash_attn2", packing=layout)
+            out = megatron_2d.attention_2d(
+                ql, kl, vl, groups, causal=causal, kernel="flash_attn2", packing=layout, sliding_window=window
+            )
             out.backward(layout.shard(dout).bfloat16())
             for key, a, e in (
                 ("out", out, ref),
@@ -337,22 +421,33 @@ def run_release_ring(rank, world, version):
                 ("dk", kl.grad, k.grad),
                 ("dv", vl.grad, v.grad),
             ):
-                errors[(mode, key)] = norm_err(a, layout.shard(e.detach()))
+                errors[(mode, causal, window, key)] = norm_err(a, layout.shard(e.detach()))
+            if window != (-1, -1):
+                plans = layout.plans(causal, megatron_2d.SlidingWindow.of(window, causal, layout.max_document_length))
+                tall += sum(
+                    c.band is not None and c.q_end - c.q_start > c.k_end - c.k_start + 1
+                    for calls in plans.values()
+                    for c in calls
+                )
     varlen = (extension.calls["varlen_fwd"] - before[0], extension.calls["varlen_bwd"] - before[1])
-    return errors, varlen
+    return errors, varlen, tall
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("version", fap.RELEASES)
 def test_attention_2d_through_release(version):
     """hp 2 x cp 2 (context_first): head all-to-all and ring, flash_attn2 in every block; packed documents go
-    through the release's varlen functions (both lse layouts across the releases)."""
+    through the release's varlen functions (both lse layouts across the releases), causal and with non-causal
+    sliding windows, whose plans hold calls with more queries than keys (where flash-attn's C++ would change the
+    window: the kernel splits them)."""
     tol = TOLERANCES[torch.bfloat16]
-    for errors, (varlen_fwd, varlen_bwd) in run_on_ranks(4, run_release_ring, version, timeout_s=180):
+    results = run_on_ranks(4, run_release_ring, version, timeout_s=180)
+    for errors, (varlen_fwd, varlen_bwd), _ in results:
         bad = {case: e for case, e in errors.items() if not e < tol.of(case[-1])}
         assert not bad, bad
-        assert len(errors) == 4 * 4 + 2 * 4
+        assert len(errors) == 4 * 4 + len(PACKED_CASES) * 4
         assert varlen_fwd > 0 and varlen_bwd > 0
+    assert sum(tall for _, _, tall in results) > 0  # the cases reach the blocks this is about
 
 
 def test_varlen_lse_layouts_round_trip():

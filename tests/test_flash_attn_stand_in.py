@@ -157,3 +157,30 @@ def test_stand_in_has_flash_attns_signatures():
     public = list(inspect.signature(interface.flash_attn_func).parameters)
     assert public[:7] == ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size"]
     assert public[-1] == "return_attn_probs" and "softcap" in public
+
+
+# ---- the C++'s window normalisation, which the CPU stand-ins of the compiled kernels apply ---------------------
+
+
+@pytest.mark.parametrize(
+    "causal, window, seqlen_k, expected",
+    [
+        (False, (-1, -1), 8, (False, -1, -1)),  # no window
+        (True, (-1, -1), 8, (True, -1, -1)),  # causal
+        (False, (-1, 0), 8, (True, -1, -1)),  # set_params_fprop: left < 0 and right == 0 is the causal kernel
+        (True, (3, -1), 8, (False, 3, 0)),  # causal caps the right side at 0
+        (False, (3, 2), 8, (False, 3, 2)),  # kept
+        (False, (8, 2), 8, (False, 8, 2)),  # left >= s_k: -1, then s_k again, the right side being bounded
+        (False, (2, 8), 8, (False, 2, 8)),  # right >= s_k: -1, then s_k
+        (False, (2, 20), 8, (False, 2, 8)),  # right 20 runs as 8: too few keys once a block has 10+ queries
+        (False, (-1, 8), 8, (False, -1, -1)),  # right >= s_k with the left unbounded: no window (every later key)
+        (False, (3, -1), 8, (False, 3, 8)),  # an unbounded side next to a bounded one: s_k
+        (False, (9, 9), 8, (False, -1, -1)),  # both >= s_k: no window
+        (False, (-1, 5), 8, (False, 8, 5)),
+    ],
+)
+def test_kernel_window_is_the_cpp_normalisation(causal, window, seqlen_k, expected):
+    """flash_api.cpp (flash-attn 2.5.8 to 2.8.3 and PyTorch's copy): mha_fwd / mha_bwd turn a side >= seqlen_k
+    into -1 and causal into right = 0; set_params_fprop takes left < 0 with right == 0 as causal and sets a -1 side
+    to seqlen_k when the other side is bounded (varlen: max_seqlen_k throughout)."""
+    assert flash_attn_cpu.kernel_window(causal, *window, seqlen_k) == expected

@@ -8,7 +8,9 @@ import torch
 
 from megatron_2d.choices import PACKING_MODES
 from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.flash_attn_package import RELEASES
 from megatron_2d.testing.generated_cases import (
+    FLASH_KERNELS,
     PoisonedEmpty,
     draw_batch,
     draw_case,
@@ -17,7 +19,7 @@ from megatron_2d.testing.generated_cases import (
     run_batch,
 )
 
-BATCHES = range(24)  # 24 forked batches x 8 draws: about a minute on 2 cores
+BATCHES = range(24)  # 24 forked batches x 8 draws: about a minute and a half on 2 cores
 DRAWS_PER_BATCH = 8
 
 
@@ -62,7 +64,13 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
     assert any(d.window != (-1, -1) and not d.causal for d in draws)
     assert any(d.sinks for d in draws) and any(not d.causal for d in draws)
     assert any(d.hkv < b.hp for b, ds in batches for d in ds)  # K/V replication
-    assert any(d.batch == 2 for d in draws) and {d.kernel for d in draws} == {"cpu_flash", "torch_math"}
+    assert any(d.batch == 2 for d in draws)
+    assert {d.kernel for d in draws} == {"cpu_flash", "torch_math", "flash_attn2", "torch_flash"}
+    assert all((d.dtype == "bfloat16") == (d.kernel in FLASH_KERNELS) for d in draws)
+    for kernel in FLASH_KERNELS:  # the plans whose tall blocks flash-attn's C++ would give other windows
+        windowed = [d for d in packed if d.kernel == kernel and not d.causal and d.window != (-1, -1)]
+        assert len(windowed) >= 3 and {d.mode for d in windowed} >= {"zigzag", "sequence"}, kernel
+    assert {b.flash_attn for b, ds in batches if any(d.kernel == "flash_attn2" for d in ds)} == set(RELEASES)
     assert {d.dkv_comm_dtype for d in draws} == {"accumulator", "input"}
     assert any(d.dv < d.d and d.mode is None for d in draws) and any(d.dv < d.d and d.mode for d in draws)
 

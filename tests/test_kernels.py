@@ -1,5 +1,6 @@
 """The local attention kernels (megatron_2d.kernels): each CPU kernel's forward and backward against fp64 math,
-kernel selection on CPU and (faked) CUDA devices, and the torch_flash kernel's band pieces."""
+kernel selection on CPU and (faked) CUDA devices, the flash kernels' boxes (every small box and band, through the
+C++'s window normalisation) and the torch_flash kernel's launches."""
 
 import contextlib
 import itertools
@@ -8,10 +9,18 @@ import warnings
 import pytest
 import torch
 
-from megatron_2d.band import Band
+from megatron_2d.band import Band, flash_boxes, flash_expressible
 from megatron_2d.kernels import KERNELS, select_kernel
-from megatron_2d.kernels.torch_flash import ANTICAUSAL, CAUSAL, FULL, band_pieces
-from megatron_2d.testing.reference import TOLERANCES, attention_with_lse, norm_err
+from megatron_2d.kernels.flash_windows import flash_mask
+from megatron_2d.testing.flash_attn_cpu import kernel_window
+from megatron_2d.testing.reference import (
+    FLASH_CONVENTION_CASES,
+    TOLERANCES,
+    attention_with_lse,
+    flash_reference,
+    norm_err,
+    rel_err,
+)
 from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
 
 CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]  # flash_attn2: tests/test_flash_attn_releases.py
@@ -94,7 +103,7 @@ class FakeFlashAttn2:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
     def head_dim_problem(self, head_dim):
-        from megatron_2d.kernels.flash_attn2 import flash_head_dim_problem
+        from megatron_2d.kernels.flash_windows import flash_head_dim_problem
 
         return flash_head_dim_problem(head_dim)
 
@@ -141,30 +150,155 @@ def test_kernel_selection_on_cuda_devices(monkeypatch):
         select_kernel(torch.device("mps"), torch.float32)
 
 
+def kernel_mask(causal, left, right, nq, nk):
+    """[nq, nk] bool: what flash-attn's CUDA kernels show, given (causal, left, right) as :func:`kernel_window`
+    returns them: causal and local masks aligned bottom-right, -1 = no bound (read from its mask.h)."""
+    offset = torch.arange(nk).view(1, -1) - torch.arange(nq).view(-1, 1) - (nk - nq)  # j - aligned i
+    if causal:
+        return offset <= 0
+    if (left, right) == (-1, -1):
+        return torch.ones(nq, nk, dtype=torch.bool)
+    return (offset >= -left) & (offset <= right)
+
+
 @pytest.mark.slow
-def test_torch_flash_pieces_cover_every_band_exactly_once():
-    """The torch_flash kernel's pieces (full rectangles, causal and anti-causal squares) of every trimmed band on
-    blocks up to 12 x 12 add up to the band's mask, each visible pair once, all inside the block."""
-    cases = 0
+def test_flash_boxes_run_every_small_band_exactly():
+    """Every band on every block up to 12 x 12: the boxes of flash_boxes, each run with its flash mask through
+    the C++'s window normalisation (dense: against its own s_k; varlen: against any larger max_seqlen_k of its
+    group), show exactly the band's visible pairs, each once; the block's own box stays one launch when its
+    window is kept, and no call takes more than three."""
+    cases = split = 0
     for sq, sk in itertools.product(range(1, 13), repeat=2):
         for lo, hi in itertools.product([None, *range(-13, 13)], repeat=2):
-            box = Band(lo, hi).trim(sq, sk) if (lo, hi) != (None, None) else None
-            if box is None:
-                continue
-            nq, nk, band = box.q_end - box.q_start, box.k_end - box.k_start, box.band
-            want = torch.tensor([[band is None or band.visible(i, j) for j in range(nk)] for i in range(nq)])
-            got = torch.zeros(nq, nk, dtype=torch.int)
-            for p in band_pieces(band, nq, nk):
-                assert 0 <= p.q_start < p.q_end <= nq and 0 <= p.k_start < p.k_end <= nk, (p, nq, nk, band)
-                ones = torch.ones(p.q_end - p.q_start, p.k_end - p.k_start, dtype=torch.int)
-                assert p.kind == FULL or ones.shape[0] == ones.shape[1], p
-                got[p.q_start : p.q_end, p.k_start : p.k_end] += {
-                    FULL: ones,
-                    CAUSAL: ones.tril(),
-                    ANTICAUSAL: ones.triu(),
-                }[p.kind]
-            assert torch.equal(got, want.int()), (sq, sk, lo, hi)
+            band = None if (lo, hi) == (None, None) else Band(lo, hi)
+            want = torch.tensor([[band is None or band.visible(i, j) for j in range(sk)] for i in range(sq)])
+            boxes = flash_boxes(band, sq, sk)
+            assert len(boxes) <= 3, (sq, sk, band, boxes)
+            for max_k_extra in (0, 1, 7):  # dense, and varlen groups whose max_seqlen_k exceeds the box's keys
+                got = torch.zeros(sq, sk, dtype=torch.int)
+                for b in boxes:
+                    nq, nk = b.q_end - b.q_start, b.k_end - b.k_start
+                    assert 0 <= b.q_start < b.q_end <= sq and 0 <= b.k_start < b.k_end <= sk, (b, sq, sk)
+                    causal, (left, right) = flash_mask(b.band, nq, nk)
+                    seen = kernel_mask(*kernel_window(causal, left, right, nk + max_k_extra), nq, nk)
+                    got[b.q_start : b.q_end, b.k_start : b.k_end] += seen.int()
+                assert torch.equal(got, want.int()), (sq, sk, band, boxes, max_k_extra)
+            rows = [r for b in boxes for r in range(b.q_start, b.q_end)]
+            assert len(rows) == len(set(rows)), (sq, sk, band, boxes)  # rows in one box each: nothing to merge
+            box = band.trim(sq, sk) if band is not None else None
+            if box is not None and flash_expressible(box.band, box.q_end - box.q_start, box.k_end - box.k_start):
+                assert boxes == [box]
+            split += len(boxes) > 1
             cases += 1
-    assert cases > 40000
-    assert [p.kind for p in band_pieces(Band(None, 0), 8, 8)] == [CAUSAL]  # native cases stay one call
-    assert [p.kind for p in band_pieces(None, 8, 12)] == [FULL]
+    assert cases > 90000 and split > 1000
+
+
+def test_flash_window_refuses_a_window_the_kernels_would_change():
+    """The issue's block: 4 queries on 2 keys, key j visible from query i iff j <= i. Its window (-1, 2) would
+    reach every key (2 >= s_k), so it is refused, and flash_boxes runs the first row on its own."""
+    with pytest.raises(ValueError, match=r"flash-attn's kernels would run another mask on it; split it"):
+        Band(None, 0).flash_window(4, 2)
+    assert [(b.q_start, b.q_end, b.k_start, b.k_end, b.band) for b in flash_boxes(Band(None, 0), 4, 2)] == [
+        (0, 1, 0, 1, None),
+        (1, 4, 0, 2, None),
+    ]
+    assert Band(-4, 4).flash_window(8, 8) == (4, 4) and Band(None, 2).flash_window(2, 4) == (-1, 0)
+
+
+def test_torch_flash_runs_a_narrow_window_in_one_launch():
+    """A 16-key window on a 1024-token block: one forward and one backward launch of the windowed CUDA op
+    (the kernel before cut it into ~3 launches per 16 rows), exact against fp64 math on its rounded inputs."""
+    g = torch.Generator().manual_seed(5)
+    s, band = 1024, Band(-15, 0)
+    q, k, v, dout = (torch.randn(1, s, 2, 8, generator=g, dtype=torch.float64).bfloat16() for _ in range(4))
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref, ref_lse = attention_with_lse(*leaves, True, 0.3, window=(15, 0))
+    ref.backward(dout.double())
+    with torch_flash_on_cpu() as launches:
+        kernel = select_kernel(torch.device("cpu"), torch.bfloat16, "torch_flash")
+        out, lse = kernel.forward(q, k, v, band, 0.3)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, band, 0.3)
+    assert dict(launches) == {"forward": 1, "backward": 1}
+    tol = TOLERANCES[torch.bfloat16]
+    for key, got, want in (("out", out, ref), ("lse", lse, ref_lse), ("dq", dq, leaves[0].grad)):
+        assert norm_err(got, want) < tol.of(key), key
+    for key, got, want in (("dk", dk, leaves[1].grad), ("dv", dv, leaves[2].grad)):
+        assert norm_err(got, want) < tol.of(key), key
+    assert rel_err(out, ref) < tol.end_to_end
+
+
+TORCH_FLASH_CASES = [  # (s_q, s_k, causal, window as passed, window as the C++ runs it)
+    *((sq, sk, c, w, w) for sq, sk, c, w, cap in FLASH_CONVENTION_CASES if not cap),
+    (4, 2, False, (-1, 2), (-1, -1)),  # right >= s_k: unbounded, so the first row sees key 1 too
+    (10, 4, False, (3, -1), (3, 4)),  # an unbounded right side next to a bounded left one: s_k
+    (10, 4, False, (3, 9), (3, 4)),  # a right side >= s_k next to a bounded left one: s_k
+]
+
+
+@pytest.mark.parametrize("sq, sk, causal, window, runs_as", TORCH_FLASH_CASES)
+def test_torch_flash_stand_in_runs_windows_as_the_cpp_does(sq, sk, causal, window, runs_as):
+    """PyTorch's flash ops on CPU (testing.torch_flash_cpu) against fp64 in flash-attn's conventions (masks
+    bottom-right, GQA, empty rows at lse +inf), with the window their C++ really runs (tests above: the kernel
+    never passes one it would change)."""
+    q, dout = (torch.randn(2, sq, 4, 16, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2))
+    k, v = (torch.randn(2, sk, 2, 16, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (3, 4))
+    with torch_flash_on_cpu():
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q,
+            k,
+            v,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            False,
+            scale=0.4,
+            window_size_left=window[0],
+            window_size_right=window[1],
+        )
+        grads = torch.ops.aten._flash_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            rng,
+            unused,
+            scale=0.4,
+            window_size_left=window[0],
+            window_size_right=window[1],
+        )
+    want = flash_reference(q, k, v, dout, 0.4, causal, runs_as)
+    empty = torch.isinf(want[1])
+    assert lse.dtype == torch.float32 and torch.equal(torch.isinf(lse), empty)
+    got = (out, lse.masked_fill(empty, 0), *grads)
+    ref = (want[0], want[1].masked_fill(empty, 0), *want[2:])
+    for key, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, ref):  # tiny blocks: a mask error is O(1)
+        assert g.shape == w.shape and rel_err(g, w) < TOLERANCES[torch.bfloat16].end_to_end, key
+
+
+def test_torch_flash_stand_in_varlen_window_against_max_k():
+    """A varlen call (cum_seq given) runs one window normalised against max_k, each sequence on its own lengths."""
+    cu_q, cu_k = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 2, 8], dtype=torch.int32)
+    q, k, v = (
+        torch.randn(8, h, 16, generator=torch.Generator().manual_seed(s)).bfloat16()
+        for s, h in ((5, 4), (6, 2), (7, 2))
+    )
+    with torch_flash_on_cpu():
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, 4, 6, 0.0, False, False, scale=0.4, window_size_left=None, window_size_right=2
+        )
+    assert lse.shape == (4, 8)
+    for rq, rk in ((slice(0, 4), slice(0, 2)), (slice(4, 8), slice(2, 8))):
+        want = flash_reference(q[rq][None], k[rk][None], v[rk][None], q[rq][None], 0.4, False, (-1, 2))
+        assert rel_err(out[rq], want[0][0]) < TOLERANCES[torch.bfloat16].end_to_end
+        assert rel_err(lse[:, rq], want[1][0]) < TOLERANCES[torch.bfloat16].end_to_end

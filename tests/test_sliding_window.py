@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_2d
-from megatron_2d.band import Band, SlidingWindow
+from megatron_2d.band import Band, SlidingWindow, flash_expressible
 from megatron_2d.block_plan import context_chunks, plan_block, plan_context_group
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.cpu_flash import row_tiles
@@ -65,7 +65,10 @@ def test_band_trim_keeps_every_visible_pair_and_no_empty_row():
         inside[box.q_start : box.q_end, box.k_start : box.k_end] = sub
         assert torch.equal(inside, full), (band, sq, sk, box)
         assert sub.any(dim=1).all() and sub.any(dim=0).all()  # no fully masked row or column
-        if box.band is not None:
+        if box.band is not None and not flash_expressible(box.band, nq, nk):  # split: tests/test_kernels.py
+            with pytest.raises(ValueError, match="split it with flash_boxes"):
+                box.band.flash_window(nq, nk)
+        elif box.band is not None:
             left, right = box.band.flash_window(nq, nk)  # expressible in flash-attn (bottom-right)
             assert left >= -1 and right >= -1
             r = torch.arange(nq).view(-1, 1) + (nk - nq)

@@ -106,7 +106,9 @@ class BlockKernel(abc.ABC):
         scale: float,
     ) -> list[tuple[BlockCall, torch.Tensor, torch.Tensor]]:
         """Every call of one block: [(call, out rows, lse rows)]; ``k``/``v`` hold the block's keys from
-        ``first_key`` on. One kernel call per BlockCall here; kernels with a batched (varlen) form override."""
+        ``first_key`` on. One kernel call per BlockCall here; kernels with a batched (varlen) form override, and
+        may return a call as calls on disjoint parts of its rows (the flash kernels, where their window would not
+        keep its band: :func:`~megatron_2d.kernels.flash_windows.flash_calls`)."""
         return [
             (
                 c,

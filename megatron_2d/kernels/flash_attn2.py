@@ -7,6 +7,9 @@ are ``torch.library`` custom ops: their own signature reads ``(*args, **kwargs)`
 from the function behind the op (``_init_fn``). A release whose backward needs a parameter this kernel does not
 fill is refused when the kernel is built (at kernel selection), naming the release.
 
+A call whose band flash-attn's C++ would run as another window (a block with more queries than keys) runs as the
+boxes of :func:`megatron_2d.band.flash_boxes` (:mod:`megatron_2d.kernels.flash_windows`), dense and varlen alike.
+
 Many calls on one block (packed documents: one per pair of same-document runs) go to flash-attn's varlen kernel,
 one launch per mask kind: the calls' query rows and key columns are gathered into packed [total, h, d] tensors
 with ``cu_seqlens``, and the outputs / log-sum-exp / gradients are cut back per call. The index tensors of a block
@@ -24,9 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import BlockKernel, to_device_once
+from .base import to_device_once
+from .flash_windows import FlashWindowKernel, flash_calls, flash_mask
 
-MAX_HEAD_DIM = 256
 _GROUP_CACHE = 256  # blocks whose varlen index tensors are kept (a packed batch has one per context rank)
 
 
@@ -49,28 +52,6 @@ def flash_attn_version() -> str:
     import flash_attn
 
     return str(getattr(flash_attn, "__version__", "unknown"))
-
-
-def flash_head_dim_problem(head_dim: int) -> str | None:
-    """Why flash-attn 2's kernels (and PyTorch's copy of them) cannot take ``head_dim`` (None if they can): its
-    backward needs a multiple of 8 (the forward pads, the backward refuses), and at most 256."""
-    if head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM:
-        return None
-    padded = head_dim + (-head_dim) % 8
-    return (
-        f"head dim {head_dim} is not supported by the flash kernels (a multiple of 8, at most {MAX_HEAD_DIM}"
-        + (f"; pad to {padded}" if 0 < padded <= MAX_HEAD_DIM else "")
-        + ")"
-    )
-
-
-def flash_mask(band, sq: int, sk: int):
-    """(causal, (window_left, window_right)) for flash-attn from a trimmed band (masks align bottom-right)."""
-    if band is None:
-        return False, (-1, -1)
-    if band.is_causal_square(sq, sk):
-        return True, (-1, -1)
-    return False, band.flash_window(sq, sk)
 
 
 def undecorated(fn):
@@ -209,10 +190,10 @@ def padded_lse(lse: torch.Tensor, offsets: Sequence[int], max_len: int) -> torch
     return out
 
 
-class FlashAttn2Kernel(BlockKernel):
+class FlashAttn2Kernel(FlashWindowKernel):
     """flash-attn 2: forward through its public functions (returning lse), backward through its private ones.
 
-    Bands become flash-attn's ``window_size`` (>= 2.3). Calls must come trimmed
+    Bands become flash-attn's ``window_size`` (>= 2.3), split where it would not keep them. Calls must come trimmed
     (:meth:`megatron_2d.band.Band.trim`): flash-attn returns lse = +inf for a row that sees no key, which the
     log-sum-exp merge would turn into NaN; trimmed calls have no such row.
     """
@@ -232,20 +213,15 @@ class FlashAttn2Kernel(BlockKernel):
         self._groups: OrderedDict[tuple, tuple[list[VarlenGroup], list[Any]]] = OrderedDict()
         self._padded_varlen_lse = False  # the installed flash-attn's varlen lse layout, seen in forward
 
-    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-
-    def head_dim_problem(self, head_dim: int) -> str | None:
-        return flash_head_dim_problem(head_dim)
-
     def _grouped(self, calls, first_key: int, device):
-        """Varlen groups of one block's calls, built on first use (plans are fixed per layer and batch) and kept
-        for the last ``_GROUP_CACHE`` blocks (a new packed batch brings new plans)."""
+        """Varlen groups of one block's calls (as :func:`~megatron_2d.kernels.flash_windows.flash_calls` splits
+        them), built on first use (plans are fixed per layer and batch) and kept for the last ``_GROUP_CACHE``
+        blocks (a new packed batch brings new plans)."""
         key = (tuple(calls), first_key, device)
         if key in self._groups:
             self._groups.move_to_end(key)
         else:
-            self._groups[key] = varlen_groups(calls, first_key, device)
+            self._groups[key] = varlen_groups(flash_calls(calls), first_key, device)
             if len(self._groups) > _GROUP_CACHE:
                 self._groups.popitem(last=False)
         return self._groups[key]
@@ -316,24 +292,22 @@ class FlashAttn2Kernel(BlockKernel):
                 results.append((c, dq[qa:qb].unsqueeze(0), dk[ka:kb].unsqueeze(0), dv[ka:kb].unsqueeze(0)))
         return results
 
-    def forward(self, q, k, v, band, scale):
-        causal, window = flash_mask(band, q.shape[1], k.shape[1])
+    def forward_box(self, q, k, v, causal, window, scale):
         out, lse, _ = self._fa.flash_attn_func(
             q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=window, return_attn_probs=True
         )
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, band, scale):
-        causal, window = flash_mask(band, q.shape[1], k.shape[1])
+    def backward_box(self, dout, q, k, v, out, lse, causal, window, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._backward(
             window,
-            dout=dout.contiguous(),
+            dout=dout,
             q=q,
             k=k,
             v=v,
             out=out,
-            softmax_lse=lse.contiguous(),
+            softmax_lse=lse,
             dq=dq,
             dk=dk,
             dv=dv,

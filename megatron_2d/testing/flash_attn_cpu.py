@@ -75,6 +75,29 @@ def _check_dtypes(strict: bool, *tensors: torch.Tensor) -> None:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type (CPU stand-in of flash-attn 2)")
 
 
+def kernel_window(causal: bool, left: int, right: int, seqlen_k: int) -> tuple[bool, int, int]:
+    """(causal, left, right) as flash-attn's C++ hands a mask to its CUDA kernels: ``csrc/flash_attn/flash_api.cpp``
+    of flash-attn 2.5.8, 2.6.3, 2.7.4.post1 and 2.8.3, and PyTorch's copy
+    (``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``), read there:
+
+        mha_fwd, mha_bwd                  window_size_left/right >= seqlen_k become -1; is_causal sets right = 0
+        mha_varlen_fwd, mha_varlen_bwd    the same against max_seqlen_k (the call's argument, not each sequence's)
+        set_params_fprop (both)           is_causal = left < 0 && right == 0; then a side < 0 becomes seqlen_k
+                                          (varlen: max_seqlen_k) when the other side is >= 0
+
+    ``seqlen_k``: the block's key count, or a varlen call's max_seqlen_k. Returned as :func:`flash_forward` takes
+    it: (True, -1, -1) for the causal mask, (False, -1, -1) for none, else (False, left, right), both >= 0 (the
+    kernels' local mask, on each sequence's own lengths). mha_fwd's ``seqlen_q == 1`` turns causal off, which
+    changes no mask of one query row, so it is left out."""
+    left = -1 if left >= seqlen_k else left
+    right = 0 if causal else (-1 if right >= seqlen_k else right)
+    if left < 0 and right == 0:
+        return True, -1, -1
+    if left < 0 and right < 0:
+        return False, -1, -1
+    return False, seqlen_k if left < 0 else left, seqlen_k if right < 0 else right
+
+
 def _visible(s_q: int, s_k: int, causal: bool, left: int, right: int, device) -> torch.Tensor | None:
     """[s_q, s_k] bool mask of visible keys (None: all), flash-attn's bottom-right aligned convention."""
     if causal:
@@ -91,9 +114,16 @@ def _visible(s_q: int, s_k: int, causal: bool, left: int, right: int, device) ->
     return mask
 
 
-def _fast_path(q, k, causal, left, right, softcap) -> bool:
-    """torch's CPU flash kernel does plain (or top-left causal) attention: use it where that is the same thing."""
-    return softcap == 0.0 and (left, right) == _UNBOUNDED and (not causal or q.shape[1] == k.shape[1])
+FAST_BACKWARD_PAIRS = 128 * 128
+"""The (query, key) pairs from which the backward takes torch's CPU flash kernel too (below, its fixed cost is
+more than the einsum's: docs/testing.md)."""
+
+
+def _fast_path(q, k, causal, left, right, softcap, backward: bool = False) -> bool:
+    """torch's CPU flash kernel does plain (or top-left causal) attention: use it where that is the same thing
+    (the backward on blocks of :data:`FAST_BACKWARD_PAIRS` pairs or more)."""
+    plain = softcap == 0.0 and (left, right) == _UNBOUNDED and (not causal or q.shape[1] == k.shape[1])
+    return plain and (not backward or q.shape[1] * k.shape[1] >= FAST_BACKWARD_PAIRS)
 
 
 def _scores(q, k, scale, softcap, mask):
@@ -126,7 +156,7 @@ def flash_forward(q, k, v, scale, causal, left, right, softcap):
 def flash_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
     """(dq, dk, dv) in the inputs' dtype, from the final out and lse (flash-attn recomputes P from lse), in closed
     form: no autograd, so that it also runs inside a torch custom op's kernel, where autograd is off."""
-    if _fast_path(q, k, causal, left, right, softcap):
+    if _fast_path(q, k, causal, left, right, softcap, backward=True):
         return _KERNEL.backward(dout, q, k, v, out, lse, Band(None, 0) if causal else None, scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     hq, hkv = q.shape[2], k.shape[2]

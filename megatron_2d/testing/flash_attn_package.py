@@ -5,7 +5,9 @@ Functions, and from 2.7 on its ``torch.library`` custom ops); only the compiled 
 whose ``fwd``, ``bwd``, ``varlen_fwd`` and ``varlen_bwd`` take exactly the C++ functions' positional arguments of
 that release (``csrc/flash_attn/flash_api.cpp``, in the order the release's interface passes them) and compute them
 on CPU (:func:`megatron_2d.testing.flash_attn_cpu.flash_forward` / ``flash_backward``: fp32 accumulation, masks
-aligned bottom-right, lse = +inf for rows that see no key). From 2.7 the custom ops are registered for "cuda" only;
+aligned bottom-right, lse = +inf for rows that see no key), with the window the C++ hands its kernels
+(:func:`~megatron_2d.testing.flash_attn_cpu.kernel_window`: normalised against s_k, or a varlen call's
+max_seqlen_k). From 2.7 the custom ops are registered for "cuda" only;
 :func:`load_release` registers each op's own body (``_init_fn``) as its CPU kernel, so calls go through the real
 custom-op objects.
 
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .flash_attn_cpu import flash_backward, flash_forward
+from .flash_attn_cpu import flash_backward, flash_forward, kernel_window
 
 RELEASES = ("2.5.8", "2.6.3", "2.7.4.post1", "2.8.3.post2")
 RELEASES_ENV = "MEGATRON_2D_FLASH_ATTN_RELEASES"
@@ -211,11 +213,12 @@ def _check(a: dict[str, object], abi: ExtensionABI, fn: str) -> None:
         raise NotImplementedError(f"CPU flash_attn_2_cuda ({fn}): {', '.join(unsupported)} not emulated")
 
 
-def _window(a: dict[str, object], sk: int) -> tuple[bool, int, int, float]:
-    """(causal, left, right, softcap) as the C++ normalises them: causal sets right = 0, bounds >= s_k unbound."""
-    causal, left, right = bool(a["is_causal"]), int(a["window_size_left"]), int(a["window_size_right"])
-    left = -1 if left >= sk else left
-    right = 0 if causal else (-1 if right >= sk else right)
+def _window(a: dict[str, object], seqlen_k: int) -> tuple[bool, int, int, float]:
+    """(causal, left, right, softcap) as the C++ hands them to its kernels (:func:`kernel_window`): ``seqlen_k``
+    is the block's key count, or a varlen call's max_seqlen_k."""
+    causal, left, right = kernel_window(
+        bool(a["is_causal"]), int(a["window_size_left"]), int(a["window_size_right"]), seqlen_k
+    )
     return causal, left, right, float(a.get("softcap", 0.0))
 
 
@@ -281,8 +284,8 @@ def _varlen_fwd(abi: ExtensionABI, *args):
         if abi.padded_varlen_lse
         else torch.empty(q.shape[1], q.shape[0])
     )
+    causal, left, right, softcap = _window(a, int(a["max_seqlen_k"]))
     for n, (rq, rk) in enumerate(seqs):
-        causal, left, right, softcap = _window(a, rk.stop - rk.start)
         o, s = flash_forward(
             q[rq].unsqueeze(0),
             k[rk].unsqueeze(0),
@@ -309,8 +312,8 @@ def _varlen_bwd(abi: ExtensionABI, *args):
     dout, q, k, v, out, lse = (a[n] for n in ("dout", "q", "k", "v", "out", "softmax_lse"))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     seqs = _sequences(a)
+    causal, left, right, softcap = _window(a, int(a["max_seqlen_k"]))
     for n, (rq, rk) in enumerate(seqs):
-        causal, left, right, softcap = _window(a, rk.stop - rk.start)
         rows = lse[n, :, : rq.stop - rq.start] if abi.padded_varlen_lse else lse[:, rq]
         g = flash_backward(
             *(x[r].unsqueeze(0) for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))),

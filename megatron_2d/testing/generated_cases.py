@@ -5,12 +5,17 @@ placement, and the CP group's rank order, ``cp_rank_lists``, not always ascendin
 else: unpacked (sbhd, one document per batch row) or packed in each of :data:`megatron_2d.choices.PACKING_MODES`,
 value head dims below the query/key dim (MLA), document lengths (one-token documents, lengths that divide nothing,
 one giant document among tiny ones, hundreds of tiny ones, padding at the end of the stream), GQA ratios with K/V
-replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. Every draw is
-checked against :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence is one
-document): out, dq, dk, dv and d sinks, with padding slots exactly zero and everything finite.
+replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. The kernels are
+the CPU ones in fp32, and the CUDA ones in bf16 through their CPU stand-ins: ``flash_attn2`` through a real
+flash-attn release (one per batch, :mod:`megatron_2d.testing.flash_attn_package`) and ``torch_flash`` through
+PyTorch's flash ops on CPU (:mod:`megatron_2d.testing.torch_flash_cpu`), both of which run windows as flash-attn's
+C++ does. Every draw is checked against :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a
+plain sequence is one document): out, dq, dk, dv and d sinks, with padding slots exactly zero and everything
+finite.
 
-The bound is the fp32 tolerance (``TOLERANCE[torch.float32]``, max |error| / max |reference|), except where the
-draw is so ill-conditioned that plain fp32 attention on one process (the same oracle run in fp32) misses it: tiny
+The bound is the tolerance of the draw's dtype (``TOLERANCE``, max |error| / max |reference|; a bf16 draw's inputs are
+bf16 numbers, so its bound covers the kernels' and the outputs' rounding), except where an fp32 draw is so
+ill-conditioned that plain fp32 attention on one process (the same oracle run in fp32) misses it: tiny
 problems whose gradients cancel (a 2-token document's dq, d sinks summed over a few tokens) are off by ~1e-5 in
 fp32 whatever computes them. There an output may be at most :data:`FP32_FLOOR_FACTOR` times as far off as that
 single-process fp32 result; a real bug (a missed block, a wrong merge) is off by orders of magnitude more.
@@ -27,9 +32,10 @@ the allocator happened to hold.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -37,6 +43,7 @@ import torch._dynamo  # noqa: F401  a dispatch mode imports it on first use: onc
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..topology import PLACEMENTS, divisors
+from .flash_attn_package import RELEASES
 from .reference import TOLERANCE, packed_reference_attention, rel_err, rounded
 
 _TIMEOUT = datetime.timedelta(seconds=60)
@@ -71,6 +78,7 @@ class Batch:
     w: int
     placement: str
     rank_order: tuple[int, ...]  # the CP group's global ranks by CP rank (cp_rank_lists; not always ascending)
+    flash_attn: str  # the flash-attn release its flash_attn2 draws run through (one release per process)
 
     @property
     def cp(self) -> int:
@@ -96,6 +104,11 @@ class Draw:
     sinks: bool
     kernel: str
     dkv_comm_dtype: str
+    dtype: str = "float32"  # "bfloat16" for the CUDA kernels (FLASH_KERNELS), which take fp16/bf16 only
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
     def describe(self) -> str:
         fields = asdict(self)
@@ -124,7 +137,7 @@ def draw_batch(seed: int, max_world: int = 8) -> Batch:
     pool = double_ring_2d if double_ring_2d and rng.random() < 0.2 else every
     world, hp, w, placement = pool[int(rng.integers(len(pool)))]
     order = tuple(int(r) for r in rng.permutation(world)) if rng.random() < 0.25 else tuple(range(world))
-    return Batch(seed, world, hp, w, placement, order)
+    return Batch(seed, world, hp, w, placement, order, str(rng.choice(RELEASES)))
 
 
 def _document_lengths(rng: np.random.Generator) -> list[int]:
@@ -162,6 +175,15 @@ def _window(rng: np.random.Generator, causal: bool, longest: int) -> tuple[int, 
     return (-1 if unbounded == 1 else left, -1 if unbounded == 2 else right)
 
 
+FLASH_KERNELS = ("flash_attn2", "torch_flash")
+"""The CUDA kernels, drawn in bf16 through their CPU stand-ins (see the module)."""
+FLASH_SHARE = 0.3
+"""The share of draws that run a CUDA kernel (drawn from a stream of their own, so the other draws stay as
+they were). Of their packed draws, :data:`FLASH_NON_CAUSAL` turn non-causal with a window of their own: the
+plans with blocks of more queries than keys, whose windows flash-attn's C++ would change."""
+FLASH_NON_CAUSAL = 0.4
+
+
 def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
     """Draw ``index`` of ``batch``: a pure function of (batch.seed, index)."""
     rng = np.random.default_rng([batch.seed, 1, index])
@@ -182,7 +204,7 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
         end_padding = 2 * batch.world * int(rng.integers(1, 3)) if mode == "zigzag" and rng.random() < 0.3 else 0
     d = int(rng.choice([8, 16]))
     dv = d // 2 if rng.random() < 0.25 else d
-    return Draw(
+    draw = Draw(
         batch.seed,
         index,
         mode,
@@ -199,15 +221,22 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
         "torch_math" if rng.random() < 0.15 else "cpu_flash",
         "input" if rng.random() < 0.2 else "accumulator",
     )
+    flash = np.random.default_rng([batch.seed, 2, index])
+    if flash.random() >= FLASH_SHARE:
+        return draw
+    draw = replace(draw, kernel=str(flash.choice(FLASH_KERNELS)), dtype="bfloat16")
+    if mode is not None and flash.random() < FLASH_NON_CAUSAL:
+        draw = replace(draw, causal=False, window=_window(flash, False, max(lengths)))
+    return draw
 
 
 def _inputs(draw: Draw) -> tuple[torch.Tensor, ...]:
-    """fp64 q [T, b, hq, d], k [T, b, hkv, d], v [T, b, hkv, dv], dout [T, b, hq, dv], sinks [hq] (or None),
-    rounded to fp32."""
+    """fp64 q [T, b, hq, d], k [T, b, hkv, d], v [T, b, hkv, dv], dout [T, b, hq, dv] rounded to the draw's
+    dtype, sinks [hq] (or None) rounded to fp32."""
     g = torch.Generator().manual_seed(draw.batch_seed * 100_003 + draw.index)
     total = sum(draw.lengths)
     q, k, v, dout = (
-        rounded(torch.randn(total, draw.batch, h, dim, generator=g, dtype=torch.float64), torch.float32)
+        rounded(torch.randn(total, draw.batch, h, dim, generator=g, dtype=torch.float64), draw.torch_dtype)
         for h, dim in ((draw.hq, draw.d), (draw.hkv, draw.d), (draw.hkv, draw.dv), (draw.hq, draw.dv))
     )
     sinks = rounded(torch.randn(draw.hq, generator=g, dtype=torch.float64), torch.float32) if draw.sinks else None
@@ -248,6 +277,8 @@ def expected_results(draw: Draw):
     :data:`OUTPUTS`): the fp32 tolerance, or :data:`FP32_FLOOR_FACTOR` times the fp32 oracle's own error where
     that is larger. Computed once, in the parent, before the ranks fork."""
     expected = _oracle(draw, torch.float64)
+    if draw.torch_dtype != torch.float32:
+        return (*expected, {name: TOLERANCE[draw.torch_dtype] for name, e in zip(OUTPUTS, expected) if e is not None})
     in_fp32 = _oracle(draw, torch.float32)
     bounds = {
         name: min(FP32_FLOOR_CAP, max(TOLERANCE[torch.float32], FP32_FLOOR_FACTOR * rel_err(got, want)))
@@ -279,7 +310,7 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
         packing = megatron_2d.PackedLayout(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
         shard = lambda x: packing.shard(x[:, 0])  # noqa: E731  [t_local, h, d]
         pad = packing.local_indices() < 0
-    local = [shard(x).float().requires_grad_(True) for x in (q, k, v)]
+    local = [shard(x).to(draw.torch_dtype).requires_grad_(True) for x in (q, k, v)]
     local_sinks = None if sinks is None else sinks.float().requires_grad_(True)
     with PoisonedEmpty():
         out = megatron_2d.attention_2d(
@@ -292,7 +323,7 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
             dkv_comm_dtype=draw.dkv_comm_dtype,
             packing=packing,
         )
-        out.backward(shard(dout).float())
+        out.backward(shard(dout).to(draw.torch_dtype))
     actual = (out.detach(), *(x.grad for x in local))
     result: dict[str, object] = {}
     for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
@@ -305,6 +336,23 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
     return result
 
 
+def cuda_kernels_on_cpu(batch: Batch, draws: Sequence[Draw]) -> contextlib.ExitStack:
+    """The CPU stand-ins the draws' CUDA kernels need, entered: the batch's flash-attn release (imported once into
+    this process) for flash_attn2, PyTorch's flash ops on CPU for torch_flash."""
+    from ..kernels import FlashAttn2Kernel
+    from . import flash_attn_package
+    from .torch_flash_cpu import kernel_on_cpu, torch_flash_on_cpu
+
+    stack = contextlib.ExitStack()
+    kernels = {d.kernel for d in draws}
+    if "flash_attn2" in kernels:
+        flash_attn_package.load_release(batch.flash_attn)
+        stack.enter_context(kernel_on_cpu(FlashAttn2Kernel))
+    if "torch_flash" in kernels:
+        stack.enter_context(torch_flash_on_cpu())
+    return stack
+
+
 def run_batch(rank: int, world: int, batch: Batch, draws: Sequence[Draw], expected: Sequence[tuple]):
     """On every rank of a fork: build the batch's groups once, then run its draws."""
     import megatron_2d
@@ -313,7 +361,8 @@ def run_batch(rank: int, world: int, batch: Batch, draws: Sequence[Draw], expect
         batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order], timeout=_TIMEOUT
     )
     cp_rank = batch.rank_order.index(rank)
-    return [run_draw(draw, e, groups, cp_rank, world) for draw, e in zip(draws, expected)]
+    with cuda_kernels_on_cpu(batch, draws):
+        return [run_draw(draw, e, groups, cp_rank, world) for draw, e in zip(draws, expected)]
 
 
 def failures(
@@ -345,7 +394,8 @@ def failures(
         if problems:
             found.append(
                 f"{'; '.join(problems)} | world={batch.world} hp={batch.hp} cp={batch.cp} w={batch.w} "
-                f"{batch.placement} ranks={list(batch.rank_order)} | {draw.describe()} | "
+                f"{batch.placement} ranks={list(batch.rank_order)} flash-attn {batch.flash_attn} | "
+                f"{draw.describe()} | "
                 f"replay: python tools/fuzz_attention.py "
                 f"--replay {batch.seed}:{draw.index}"
             )
