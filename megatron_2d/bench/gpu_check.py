@@ -59,6 +59,7 @@ from megatron_2d.band import Band
 from megatron_2d.block_plan import BlockCall
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.base import band_mask
+from megatron_2d.merge import merge_attention_
 from megatron_2d.testing.reference import (
     TOLERANCES,
     attention_with_lse,
@@ -157,24 +158,29 @@ def tall_calls(seq: int) -> list[BlockCall]:
 
 def calls_error(kernel, calls: list[BlockCall], seq, d, device) -> float:
     """``kernel.forward_calls`` / ``backward_calls`` on one seq x seq block (the batched, varlen, path of kernels
-    that have one) for calls with disjoint rows and keys, each call against its own fp64 block."""
+    that have one) for calls with disjoint rows and keys, each call against its own fp64 block. The kernel's
+    results are gathered as the ring gathers them (it may return a call as pieces): outputs merged by log-sum-exp
+    into their rows, dQ added into their rows, dK/dV into their keys."""
     q, dout = (seeded(1, seq, 8, d, device=device, seed=50 + j) for j in (0, 1))
     k, v = (seeded(1, seq, 2, d, device=device, seed=50 + j) for j in (2, 3))
     scale = d**-0.5
     qb, kb, vb, doutb = (x.to(DTYPE) for x in (q, k, v, dout))
-    out = torch.zeros_like(qb)
+    out = torch.zeros(1, seq, 8, d, device=device)
     lse = torch.full((1, 8, seq), float("-inf"), device=device)
     for c, o, m in kernel.forward_calls(qb, kb, vb, calls, 0, scale):
-        out[:, c.q_start : c.q_end], lse[:, :, c.q_start : c.q_end] = o, m
+        merge_attention_(out[:, c.q_start : c.q_end], lse[:, :, c.q_start : c.q_end], o, m)
+    out = out.to(DTYPE)
     dout_in, out_in = kernel.backward_inputs(doutb, out)
-    grads = {
-        c: (dq, dk, dv) for c, dq, dk, dv in kernel.backward_calls(dout_in, qb, kb, vb, out_in, lse, calls, 0, scale)
-    }
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
+    for c, dq_c, dk_c, dv_c in kernel.backward_calls(dout_in, qb, kb, vb, out_in, lse, calls, 0, scale):
+        dq[:, c.q_start : c.q_end] += dq_c
+        dk[:, c.k_start : c.k_end] += dk_c
+        dv[:, c.k_start : c.k_end] += dv_c
     errors = []
     for c in calls:
         rows, keys = slice(c.q_start, c.q_end), slice(c.k_start, c.k_end)
         want = block_reference(q[:, rows], k[:, keys], v[:, keys], dout[:, rows], c.band, scale)
-        got = (out[:, rows], lse[:, :, rows], *grads[c])
+        got = (out[:, rows], lse[:, :, rows], dq[:, rows], dk[:, keys], dv[:, keys])
         errors.append(worst(zip(("out", "lse", "dq", "dk", "dv"), got, want)))
     return max(errors)
 

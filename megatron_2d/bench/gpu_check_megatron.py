@@ -259,10 +259,12 @@ def check_layers(kind: str, use_te: bool, kernel: str | None, device: torch.devi
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
-def check_checkpoint_plus(kernel: str | None, device: torch.device) -> float:
+def check_checkpoint_plus(kernel: str | None, device: torch.device) -> tuple[float, str]:
     """A 2-layer 2d GPT with Selective Checkpoint++ against the same model without recompute (Transformer Engine
-    layers where they run, else local): loss and gradients, and attention run once per layer (a recompute of it
-    would run it twice)."""
+    layers where they run, else local): loss and gradients of two steps on the same batch, and attention run once
+    per layer and step (a recompute of it would run it twice). The keeper reads its recompute checks' verdicts
+    (device-side, copied without blocking) at its next call: the second step reads the first step's, after a device
+    synchronisation, so a failed check fails the row."""
     from ..megatron import core_attention
 
     use_te = transformer_engine_problem(device) is None
@@ -282,12 +284,18 @@ def check_checkpoint_plus(kernel: str | None, device: torch.device) -> float:
 
         core_attention._attention_with_sinks = counted
         try:
-            actual = loss_and_grads(model, cfg, device)
+            first = loss_and_grads(model, cfg, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the first step's verdicts have landed: the second step reads them
+            second = loss_and_grads(model, cfg, device)
         finally:
             core_attention._attention_with_sinks = original
-        if len(calls) != cfg.num_layers:
-            raise AssertionError(f"attention ran {len(calls)} times for {cfg.num_layers} layers (recomputed?)")
-        return worst_difference(actual, expected), "TE layers" if use_te else "local layers"
+        if len(calls) != 2 * cfg.num_layers:
+            raise AssertionError(
+                f"attention ran {len(calls)} times in 2 steps of {cfg.num_layers} layers (recomputed?)"
+            )
+        error = max(worst_difference(first, expected), worst_difference(second, expected))
+        return error, "TE layers" if use_te else "local layers"
 
 
 def megatron_items(device: torch.device, kernel: str | None) -> list[Item]:
