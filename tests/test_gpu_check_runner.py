@@ -24,32 +24,39 @@ from megatron_2d.bench.gpu_check_runner import FAIL, NOT_RUN, OK, Row, alive, ru
 MARKER = "MEGATRON_2D_GPU_CHECK_TEST"
 
 
-def marked_processes(marker: str) -> set[int]:
-    """The running processes (zombies excluded) whose environment holds ``MARKER=marker``."""
-    found = set()
+def marked_processes(marker: str) -> dict[int, str]:
+    """{pid: command line} of the running processes (zombies excluded) whose environment holds ``MARKER=marker``."""
+    found = {}
     needle = f"{MARKER}={marker}".encode()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0") and alive(int(entry)):
-                        found.add(int(entry))
+                    marked = needle in f.read().split(b"\0")
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
-                pass
+                continue
+            if marked and alive(int(entry)):
+                found[int(entry)] = command
     return found
 
 
 class Watch:
-    """Polls /proc for the marked processes while a run goes on: every pid seen."""
+    """Polls /proc for the marked processes while a run goes on: {pid: command line} of every one seen."""
 
     def __init__(self, marker: str):
-        self.marker, self.seen, self._stop = marker, set(), threading.Event()
+        self.marker, self.seen, self._stop = marker, {}, threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self):
         while not self._stop.is_set():
-            self.seen |= marked_processes(self.marker)
-            time.sleep(0.2)
+            self.seen.update(marked_processes(self.marker))
+            time.sleep(0.1)
+
+    def count(self, text: str, unless: str = "\0") -> int:
+        """How many of the processes seen had ``text`` in their command line (and not ``unless``)."""
+        return sum(text in command and unless not in command for command in self.seen.values())
 
     def __enter__(self):
         self._thread.start()
@@ -66,12 +73,13 @@ FAKE_WORKER = textwrap.dedent(
     start = int(sys.argv[1])
     def emit(kind, value):
         print("GPU-CHECK", kind, json.dumps(value), flush=True)
-    emit("PLAN", [["fake", f"case {i}"] for i in range(4)])
-    for i in range(start, 4):
+    emit("PLAN", [["fake", f"case {i}"] for i in range(5)])
+    for i in range(start, 5):
         emit("START", i)
-        if i == 1:  # hangs, with a child in a session of its own (as torchrun starts its ranks)
+        if i in (1, 3):  # a child in a session of its own (as torchrun starts its ranks), holding the pipe
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-            time.sleep(600)
+            time.sleep(600 if i == 1 else 1)  # 1 hangs; 3 dies and leaves its child behind
+            sys.exit(4)
         if i == 2:
             print("the worker crashed", file=sys.stderr)
             sys.exit(3)
@@ -87,16 +95,17 @@ def test_a_hung_case_is_a_failed_row_and_the_rest_still_run(tmp_path):
     marker = uuid.uuid4().hex
     env = dict(os.environ, **{MARKER: marker})
     with Watch(marker) as watch:
-        rows = run_streamed("fake worker", lambda start: [sys.executable, str(script), str(start)], 3.0, env)
+        rows = run_streamed("fake worker", lambda start: [sys.executable, str(script), str(start)], 5.0, env)
     assert rows == [
         Row("fake", "case 0", OK, "fine"),
-        Row("fake", "case 1", FAIL, "timed out after 3 s"),
+        Row("fake", "case 1", FAIL, "timed out after 5 s"),
         Row("fake", "case 2", FAIL, "worker exited with code 3: the worker crashed"),
-        Row("fake", "case 3", OK, "fine"),
+        Row("fake", "case 3", FAIL, "worker exited with code 4"),
+        Row("fake", "case 4", OK, "fine"),
     ]
-    assert len(watch.seen) >= 4  # the three workers and the hung case's child were seen
-    assert not marked_processes(marker)  # and none survives
-    assert summary(rows) == "2 passed, 2 failed"
+    assert watch.count("sleep(600)") == 2 and watch.count(str(script)) >= 2  # the children and workers were seen
+    assert not marked_processes(marker)  # and none survives, the orphan of case 3 included
+    assert summary(rows) == "2 passed, 3 failed"
 
 
 def test_summary_never_counts_a_row_that_did_not_run_as_passed():
@@ -132,5 +141,6 @@ def test_gpu_check_survives_a_distributed_case_that_hangs_in_a_collective(capsys
     assert rows[hung].result == FAIL and rows[hung].detail == "timed out after 20 s", rows[hung]
     assert hung < len(rows) - 1 and all(r.result == OK for i, r in enumerate(rows) if i != hung), rows
     assert status == 1 and "Double-Ring cp2 w2" in out and out.rstrip().endswith(summary(rows))
-    assert len(watch.seen) >= 6  # torchrun and its two ranks, twice, were seen
+    assert watch.count("torch.distributed.run") == 2  # two torchruns were seen (the first one ended at the hang)
+    assert watch.count("gpu_check_distributed", unless="torch.distributed.run") == 4  # and their two ranks each
     assert not marked_processes(marker)  # and none survives

@@ -14,7 +14,8 @@ Protocol (stdout lines; everything else a worker prints is ignored): ``GPU-CHECK
 (the worker's cases, the same on every start), then per case ``GPU-CHECK START i`` and ``GPU-CHECK ROW {"index": i,
 "result": ..., "detail": ...}``. A worker started with ``start`` runs cases ``start`` on. A worker under torchrun
 reports from rank 0. torchrun starts its ranks in sessions of their own, so killing the worker's process group
-would leave them running: the tree is found through /proc (Linux) before it is signalled.
+would leave them running: every process seen under the worker while it runs (read from /proc, Linux) is
+signalled too, also one whose parent has died meanwhile.
 """
 
 from __future__ import annotations
@@ -102,10 +103,66 @@ def run_worker(items: Sequence[Item], start: int = 0, report: bool = True, hang:
 # ---- the parent's side ----------------------------------------------------------------------------------------
 
 
-def _read_lines(stream, into: queue.Queue) -> None:
-    for line in stream:
-        into.put(line.rstrip("\n"))
-    into.put(None)
+class _Worker:
+    """One started worker: its protocol messages as they come, with every process it has started tracked."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None) -> None:
+        self.stderr = tempfile.TemporaryFile(mode="w+", errors="replace")
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+        )
+        self.tree: dict[int, int] = {}  # every process seen under it (pid: start time), kept if reparented
+        self.other: deque[str] = deque(maxlen=5)  # its last lines outside the protocol
+        self._lines: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def message(self, timeout: float):
+        """The next (kind, value) of the protocol; None when the worker has ended (its output read to the end, or
+        the worker gone while a process it left holds the pipe); raises TimeoutError when nothing came for
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.tree.update(process_tree(self.proc.pid))
+            exited = self.proc.poll() is not None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                line = self._lines.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if exited:  # gone a second ago, and nothing more came
+                    return None
+                continue
+            if line is None:
+                return None
+            kind, _, payload = line[len(PREFIX) :].partition(" ") if line.startswith(PREFIX) else ("", "", "")
+            try:
+                return kind, json.loads(payload)
+            except ValueError:
+                self.other.append(line)
+
+    def end(self, grace: float) -> str:
+        """End the worker and everything it started; the tail of what it wrote (stderr, else other output)."""
+        kill_tree(self.proc, grace, self.tree)
+        self._reader.join(grace)  # the pipe ends once every process that held it is gone
+        if not self._reader.is_alive():
+            self.proc.stdout.close()
+        self.stderr.seek(0)
+        tail = " ".join((self.stderr.read().strip() or " ".join(self.other)).split())[-300:]
+        self.stderr.close()
+        return tail
 
 
 def run_streamed(
@@ -125,54 +182,38 @@ def run_streamed(
     rows: dict[int, Row] = {}
     start = 0
     while plan is None or start < len(plan):
-        with tempfile.TemporaryFile(mode="w+") as stderr:
-            proc = subprocess.Popen(
-                command(start), stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, start_new_session=True
-            )
-            lines: queue.Queue = queue.Queue()
-            reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
-            reader.start()
-            current, next_index, other = None, start, deque(maxlen=5)
-            listed = timed_out = False
-            try:
-                while True:
-                    try:
-                        line = lines.get(timeout=timeout if listed else startup)
-                    except queue.Empty:
-                        timed_out = True
-                        break
-                    if line is None:
-                        break
-                    if not line.startswith(PREFIX):
-                        other.append(line)
-                        continue
-                    kind, _, payload = line[len(PREFIX) :].partition(" ")
-                    value = json.loads(payload)
-                    if kind == "PLAN":
-                        plan, listed = value, True
-                    elif kind == "START":
-                        current = value
-                    elif kind == "ROW" and plan is not None:
-                        item, case = plan[value["index"]]
-                        rows[value["index"]] = Row(item, case, value["result"], value["detail"])
-                        current, next_index = None, value["index"] + 1
-            finally:
-                kill_tree(proc, grace)
-                reader.join(grace)  # the pipe ends once every process that held it is gone
-                if not reader.is_alive():
-                    proc.stdout.close()
-            stderr.seek(0)
-            tail = " ".join((stderr.read().strip() or " ".join(other)).split())[-300:]
+        worker = _Worker(command(start), env)
+        current, next_index = None, start
+        listed = timed_out = False
+        try:
+            while True:
+                try:
+                    message = worker.message(timeout if listed else startup)
+                except TimeoutError:
+                    timed_out = True
+                    break
+                if message is None:
+                    break
+                kind, value = message
+                if kind == "PLAN":
+                    plan, listed = value, True
+                elif kind == "START":
+                    current = value
+                elif kind == "ROW" and plan is not None:
+                    item, case = plan[value["index"]]
+                    rows[value["index"]] = Row(item, case, value["result"], value["detail"])
+                    current, next_index = None, value["index"] + 1
+        finally:
+            tail = worker.end(grace)
+        code = worker.proc.returncode
         if timed_out:
-            waited = timeout if listed else startup
-            why = f"timed out after {waited:g} s" + (
-                "" if current is not None or not listed else " (before the case started)"
-            )
+            before = " (before the case started)" if current is None and listed else ""
+            why = f"timed out after {timeout if listed else startup:g} s{before}"
         else:
-            why = f"worker exited with code {proc.returncode}" + (f": {tail}" if tail else "")
+            why = f"worker exited with code {code}" + (f": {tail}" if tail else "")
         if plan is None:  # nothing to attribute it to but the worker
             return [Row(label, "worker", FAIL, f"{why} before listing its cases")]
-        if next_index >= len(plan) and not timed_out and proc.returncode == 0:
+        if next_index >= len(plan) and not timed_out and code == 0:
             break
         failed = current if current is not None else next_index
         if failed >= len(plan):  # every case reported, then the worker failed (e.g. at its shutdown)
@@ -224,7 +265,13 @@ def alive(pid: int, started: int | None = None) -> bool:
     return stat is not None and (started is None or stat[2] == started)
 
 
-def _signal_all(tree: dict[int, int], sig: int) -> None:
+def _signal_all(group: int, tree: dict[int, int], sig: int) -> None:
+    """``sig`` to the process group ``group`` (the worker's own session) and to every live process of ``tree``
+    (torchrun's ranks run in sessions of their own)."""
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
     for pid, started in tree.items():
         if alive(pid, started):
             try:
@@ -233,18 +280,19 @@ def _signal_all(tree: dict[int, int], sig: int) -> None:
                 pass
 
 
-def kill_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """End ``proc`` and every process under it: SIGTERM, ``grace`` seconds, then SIGKILL for what is left (also
-    what was reparented meanwhile: the tree is read before the first signal and again before the second)."""
-    if proc.poll() is None or process_tree(proc.pid):
-        tree = process_tree(proc.pid)
-        _signal_all(tree, signal.SIGTERM)
+def kill_tree(proc: subprocess.Popen, grace: float = 5.0, known: dict[int, int] | None = None) -> None:
+    """End ``proc`` and every process under it (and those of ``known``, {pid: start time}, seen under it earlier
+    and reparented since): SIGTERM, up to ``grace`` seconds, then SIGKILL for what is left; the tree is read again
+    before each signal."""
+    tree = {**(known or {}), **process_tree(proc.pid)}
+    if proc.poll() is None or any(alive(p, s) for p, s in tree.items()):
+        _signal_all(proc.pid, tree, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(alive(p, s) for p, s in tree.items()):
             proc.poll()  # reap the direct child as soon as it exits
             time.sleep(0.05)
         tree.update(process_tree(proc.pid))
-        _signal_all(tree, signal.SIGKILL)
+        _signal_all(proc.pid, tree, signal.SIGKILL)
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:  # stuck in the kernel (a wedged device): nothing more a signal can do
