@@ -1,11 +1,12 @@
 """gpu-check's Megatron items: small models built from the 2d specs against Megatron's own, and Checkpoint++.
 
-    megatron NAME SPEC   a 2-layer model from the 2d spec (Transformer Engine's or local layers) against the same
+    megatron KIND        a 2-layer model from the 2d spec (Transformer Engine's or local layers) against the same
                          model from Megatron's own spec, same weights, one forward + backward at CP = 1 on one
                          device: GPT (GQA, RoPE), MLA with the latent ring and qk_layernorm (RMSNorm), a HybridModel
                          stack "*-" (attention and MLP layers through HybridStack2D)
-    checkpoint++         Selective Checkpoint++ (full-layer recompute that keeps attention) against no recompute:
-                         loss and gradients, and attention run once per layer
+    checkpoint++         Selective Checkpoint++ (full-layer recompute that keeps attention) against the same bf16
+                         model without recompute: loss and gradients of two steps, attention run once per layer and
+                         step, and the keeper's recompute checks read (they are read at its next call)
 
 The 2d model runs in bf16 (the flash kernels' dtype), Megatron's in fp32 from the same (bf16) weights. The measure
 (:func:`worst_difference`) is the worst norm-wise relative difference of the loss, the whole gradient and each
@@ -123,8 +124,13 @@ def tiny_config(kind: str, device: torch.device, two_d: bool, dtype: torch.dtype
 
         overrides.update(SSM_SIZES)
     classes = (MLATransformerConfig2D, MLATransformerConfig) if mla else (TransformerConfig2D, TransformerConfig)
+    layers = 2
+    if kind.startswith("hybrid"):
+        from ..hybrid_layers import decoder_layers
+
+        layers = len(decoder_layers(HYBRID_PATTERN))
     return tg.TinyGPTConfig(
-        num_layers=2,
+        num_layers=layers,
         hidden_size=sizes.hidden,
         num_attention_heads=sizes.heads,
         num_query_groups=None if mla else sizes.query_groups,
