@@ -12,6 +12,8 @@ share; measured 23% on linear_kv_down_proj), which CP must reproduce, not fix.
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 
@@ -168,8 +170,13 @@ def test_latent_ring_refuses_what_it_cannot_honour_by_name():
     config = SimpleNamespace(
         fp8=None, fp4=None, apply_rope_fusion=False, recompute_granularity=None, recompute_modules=None
     )
+
+    def latent_ring_forward(query, key, value, attention_mask, *, latent=None): ...
+
+    def plain_forward(query, key, value, attention_mask): ...
+
     module = SimpleNamespace(
-        linear_kv_up_proj=SimpleNamespace(weight=None), core_attention=SimpleNamespace(latent_forward=None)
+        linear_kv_up_proj=SimpleNamespace(weight=None), core_attention=SimpleNamespace(forward=latent_ring_forward)
     )
     assert latent_ring_refusals(config, module) == []
     bad_config = SimpleNamespace(
@@ -180,7 +187,8 @@ def test_latent_ring_refuses_what_it_cannot_honour_by_name():
         recompute_modules=["core_attn", "mla_up_proj"],
     )
     bad_module = SimpleNamespace(
-        linear_kv_up_proj=SimpleNamespace(weight=None, layer_norm_weight=None), core_attention=SimpleNamespace()
+        linear_kv_up_proj=SimpleNamespace(weight=None, layer_norm_weight=None),
+        core_attention=SimpleNamespace(forward=plain_forward),
     )
     problems = "\n".join(latent_ring_refusals(bad_config, bad_module))
     for name in (
@@ -220,3 +228,139 @@ def test_thd_value_padding_is_undone(results):
     r = results["thd_padded_value"]
     assert r["out"] < RTOL and r["pad"] == 0.0 and r["grads"] < RTOL
     assert r["same_bytes"]  # no padding on the wire
+
+
+# ---- Megatron DDP's parameter all-gather (distributed optimizer, overlap_param_gather) and the latent ring ----------
+DDP_WORLD, DDP_DP, DDP_CP = 4, 2, 2
+DDP_STEPS = 2
+WATCHED = ("self_attention.linear_kv_up_proj.weight", "self_attention.core_attention.softmax_offset")
+
+
+def _record_param_sync(wrapped, events):
+    """Wrap each bucket group's finish_param_sync (an instance attribute over the class method) to append
+    ("finished", group) once it returns: the moment Megatron's pre-hook has waited for that group's all-gather."""
+    for group in wrapped.bucket_groups:
+        original = group.finish_param_sync
+
+        def finish(*args, _original=original, _group=group, **kwargs):
+            result = _original(*args, **kwargs)
+            events.append(("finished", id(_group)))
+            return result
+
+        group.finish_param_sync = finish
+
+
+def _record_latent_reads(wrapped, events, watched):
+    """Append ("read", name, its group's all-gather done, its group finished before in this step) where the latent
+    ring takes linear_kv_up_proj's weight and softmax_offset: megatron_2d's latent op, rebound in this (forked) rank
+    for the rest of its life."""
+    import megatron_2d.megatron.core_attention as core_attention
+
+    original = core_attention._latent_attention_with_sinks
+
+    def latent_op(q, latent, up_weight, sinks=None, **kwargs):
+        for name, tensor in (("linear_kv_up_proj.weight", up_weight), ("softmax_offset", sinks)):
+            group = watched.get(id(tensor))
+            if group is not None:
+                done = group.param_gather_dispatched and group.param_gather_handle is None
+                events.append(("read", name, done, ("finished", id(group)) in events))
+        return original(q, latent, up_weight, sinks, **kwargs)
+
+    core_attention._latent_attention_with_sinks = latent_op
+
+
+def run_param_gather(rank, world):
+    """DP 2 x CP 2 (hp 1, ring of 2), the latent ring with learnable sinks, 2 Adam steps through Megatron's schedule
+    with its DDP and distributed optimizer, bucket_size 1 (one parameter per bucket group), overlap_param_gather off
+    and on; on: the order in which the latent ring's parameters are gathered and read."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_2d.testing import ddp_harness as mcpu
+
+    out = {}
+    for overlap in (False, True):
+        mcpu.init_parallel(context_parallel_size=DDP_CP)
+        cfg = tiny_mla_config((1, 1, "head_first"), "latent", softmax_type="learnable", calculate_per_token_loss=True)
+        cfg.micro_batch_size = 4  # 2 samples per DP rank
+        model = tg.build_tiny_gpt(cfg, mla_spec_2d("latent"))
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,  # both runs: the same buckets (bucket_size applies only with it)
+            overlap_param_gather=overlap,
+            bucket_size=1,
+            **mcpu.CPU_DDP_CONFIG_OVERRIDES,
+        )
+        wrapped = mcpu.wrap_model(model, ddp_config)
+        optimizer = mcpu.build_optimizer(
+            wrapped,
+            OptimizerConfig(lr=1e-2, use_distributed_optimizer=True, overlap_param_gather=overlap, clip_grad=1e9),
+        )
+        named = tg.canonical_parameters(wrapped.module)
+        params = [named[f"decoder.layers.{layer}.{name}"] for layer in range(cfg.num_layers) for name in WATCHED]
+        watched = {id(p): wrapped.param_to_bucket_group.get(p) for p in params}  # id -> its bucket group
+        groups = [g for g in watched.values() if g is not None]
+        events = []
+        if overlap:
+            _record_param_sync(wrapped, events)
+            _record_latent_reads(wrapped, events, watched)
+        run = out[overlap] = {
+            "losses": [],
+            "grad_norms": [],
+            "reads": [],
+            "own_groups": len(groups) == len(WATCHED) * cfg.num_layers
+            and all(len([p for b in g.buckets for p in b.params_list]) == 1 for g in groups),
+        }
+        for step in range(DDP_STEPS):
+            events.clear()
+            try:
+                result = mcpu.train_step(wrapped, optimizer, tg.synthetic_batch(cfg, step), cfg.seq_length)
+            except AssertionError:  # Megatron's own check, on every rank alike (no collective started)
+                run["error"] = f"step {step}: {traceback.format_exc(limit=-3)}"
+                break
+            finally:
+                run["reads"].append([e for e in events if e[0] == "read"])
+            run["losses"].append(result["loss"])
+            run["grad_norms"].append(result["grad_norm"])
+        if "error" not in run:
+            run["grads"] = dict(enumerate(mcpu.reduced_gradient_shards(wrapped)))  # step 2's, as the optimizer used
+            run["params"] = mcpu.full_parameters(wrapped)
+    return out
+
+
+@pytest.fixture(scope="module")
+def param_gather():
+    return run_on_ranks(DDP_WORLD, run_param_gather, timeout_s=300)
+
+
+@pytest.mark.distributed
+def test_latent_ring_reads_its_parameters_after_their_all_gather(param_gather):
+    """With overlap_param_gather, Megatron's DDP waits for a parameter's all-gather only in the forward pre-hook of
+    the module that owns it: the latent ring must read linear_kv_up_proj's weight and the learnable softmax_offset
+    after their bucket groups (each its own, bucket_size 1) finished, in every step, on every rank."""
+    for rank, out in enumerate(param_gather):
+        on = out[True]
+        assert on["own_groups"], rank
+        assert len(on["reads"]) == DDP_STEPS or "error" in on, rank
+        for step, reads in enumerate(on["reads"]):
+            # 2 layers x (weight, offset), once each per forward (no recompute here)
+            assert sorted(name for _, name, _, _ in reads) == sorted(["linear_kv_up_proj.weight", "softmax_offset"] * 2)
+            late = [(name, done, finished) for _, name, done, finished in reads if not (done and finished)]
+            assert not late, (rank, step, late)
+
+
+@pytest.mark.distributed
+def test_latent_ring_trains_the_same_with_and_without_overlap_param_gather(param_gather):
+    """Two Adam steps: the same losses, gradient norms, reduced gradients (each rank's shard of every bucket) and
+    updated parameters with overlap_param_gather as without (overlap_grad_reduce in both), on every rank."""
+    for rank, out in enumerate(param_gather):
+        on, off = out[True], out[False]
+        assert "error" not in on and "error" not in off, (on.get("error"), off.get("error"))
+        assert len(on["losses"]) == DDP_STEPS and on["losses"][0] != on["losses"][1]  # the update moved the loss
+        for a, b in zip(on["losses"] + on["grad_norms"], off["losses"] + off["grad_norms"]):
+            assert abs(a - b) <= RTOL * abs(b), (rank, on["losses"], off["losses"], on["grad_norms"], off["grad_norms"])
+        for kind in ("grads", "params"):
+            errors = {n: tg.max_relative_error(on[kind][n], off[kind][n]) for n in off[kind]}
+            bad = {n: e for n, e in errors.items() if not e < RTOL}
+            assert len(errors) > 20 and not bad, (rank, kind, bad)
+        assert max(g.abs().max().item() for g in on["grads"].values()) > 0

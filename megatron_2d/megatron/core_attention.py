@@ -18,6 +18,7 @@ shared by every layer through the packed_seq_params object. Megatron's per-seque
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -38,6 +39,15 @@ from .process_groups import group_registry
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, uses_2d
 
 SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
+
+
+@dataclass(frozen=True)
+class LatentDims:
+    """Selects the latent ring in :meth:`CoreAttention2D.forward`: each head's rows of linear_kv_up_proj's weight
+    are ``nope_dim`` rows of K (without RoPE), then ``value_dim`` rows of V."""
+
+    nope_dim: int
+    value_dim: int
 
 
 def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
@@ -211,8 +221,17 @@ class CoreAttention2D(MegatronModule):
         attn_mask_type: AttnMaskType | None = None,
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
+        *,
+        latent: LatentDims | None = None,
     ) -> torch.Tensor:
-        """[s/CP, b, hq/tp, dk] x2 + [s/CP, b, hkv/tp, dv] -> [s/CP, b, hq/tp * dv] (dv = dk unless MLA)."""
+        """[s/CP, b, hq/tp, dk] x2 + [s/CP, b, hkv/tp, dv] -> [s/CP, b, hq/tp * dv] (dv = dk unless MLA).
+
+        With ``latent`` (MLA's latent ring, cp_2d_mla_ring="latent", :mod:`megatron_2d.megatron.mla`): ``key`` is
+        the latent [s/CP, b, kv_lora_rank + rope dim] and ``value`` linear_kv_up_proj's weight; the output is the
+        same, through :func:`megatron_2d.latent_attention_2d`. A module call either way, so that every forward
+        pre-hook of this module runs (Megatron's DDP waits there for softmax_offset's all-gather)."""
+        if latent is not None:
+            return self._latent_forward(query, key, value, latent, attn_mask_type, attention_bias, packed_seq_params)
         if self.delegate is not None:
             return self.delegate(
                 query,
@@ -234,28 +253,17 @@ class CoreAttention2D(MegatronModule):
             out = torch.nn.functional.pad(out, (0, packed_width - out.shape[-1]))
         return self._flatten_heads(out, settings["packing"])
 
-    def latent_forward(
-        self,
-        query: torch.Tensor,
-        latent: torch.Tensor,
-        up_weight: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        *,
-        nope_dim: int,
-        value_dim: int,
-        attn_mask_type: AttnMaskType | None = None,
-        packed_seq_params=None,
+    def _latent_forward(
+        self, query, latent, up_weight, dims: LatentDims, attn_mask_type, attention_bias, packed_seq_params
     ) -> torch.Tensor:
-        """MLA with the latent on the ring (cp_2d_mla_ring="latent", :mod:`megatron_2d.megatron.mla`): query
-        [s/CP, b, hq/tp, dk], latent [s/CP, b, kv_lora_rank + rope dim], ``up_weight`` linear_kv_up_proj's weight
-        -> [s/CP, b, hq/tp * dv] (THD: [t, ...] without b), through :func:`megatron_2d.latent_attention_2d`."""
+        """The latent ring (see :meth:`forward`): [s/CP, b, hq/tp * dv] (THD: [t, ...] without b)."""
         if self.delegate is not None:
             raise ValueError(
                 f"layer {self.layer_number} runs Transformer Engine's CP attention (its cp_comm_type is "
                 f"not '2d'), which has no latent ring; use cp_2d_mla_ring='expanded'"
             )
-        settings = self._call_settings(query, attn_mask_type, None, packed_seq_params)
-        op = partial(_latent_attention_with_sinks, nope_dim=nope_dim, value_dim=value_dim)
+        settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
+        op = partial(_latent_attention_with_sinks, nope_dim=dims.nope_dim, value_dim=dims.value_dim)
         return self._flatten_heads(self._run(op, (query, latent, up_weight), settings), settings["packing"])
 
     def _call_settings(

@@ -7,7 +7,7 @@
     parameters and checkpoint keys, whose forward stops before the K/V up-projection: it computes the queries as
     Megatron does, the latent (kv_compressed after kv_layernorm) and the rope key (after RoPE at each token's true
     position) on this rank's tokens, and hands them with linear_kv_up_proj's weight to
-    :func:`megatron_2d.latent_attention_2d` (through ``CoreAttention2D.latent_forward``): the ring carries
+    :func:`megatron_2d.latent_attention_2d` (a call of its core attention with ``latent=``): the ring carries
     kv_lora_rank + rope dim values per token instead of heads x (qk + v head dims), and each rank up-projects
     every block it receives for its own heads.
 
@@ -15,11 +15,19 @@ The latent enters the up-projection as Megatron's column-parallel linear_kv_up_p
 over TP (all-gathered over the sequence and reduce-scattered under sequence parallelism); the rope key's is not, as
 in Megatron. The up-projection weight's gradient comes from the ring (each rank: its heads, its queries), and
 Megatron's reduction over the data-parallel x CP group sums the shares.
+
+Megatron's DDP waits for a parameter's all-gather (distributed optimizer with --overlap-param-gather) in the forward
+pre-hook of the module owning it. The latent ring calls its core attention as a module (softmax_offset) and reads
+linear_kv_up_proj's weight only after that module's forward pre-hooks ran (:func:`after_forward_pre_hooks`), since
+the weight is consumed inside the ring, not by the module's forward.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.models.common.embeddings import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -29,8 +37,10 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention, MLASelfAttention
 from megatron.core.utils import get_pg_size
+from torch.nn.modules.module import _global_forward_pre_hooks
 
 from ..choices import check_mla_ring
+from .core_attention import LatentDims
 from .launch_checks import packing_mode
 
 LATENT = "latent"
@@ -81,8 +91,6 @@ def use_latent_ring(spec, config, use_transformer_engine: bool):
         )
     attention.module = LATENT_CLASSES[attention.module]
     if use_transformer_engine and getattr(config, "qk_layernorm", False):
-        from megatron.core.models.backends import TESpecProvider
-
         backend = TESpecProvider()
         attention.submodules.kv_layernorm = backend.layer_norm(
             rms_norm=getattr(config, "normalization", "RMSNorm") == "RMSNorm", for_qk=True
@@ -120,12 +128,25 @@ def latent_ring_refusals(config, module) -> list[str]:
             "linear_kv_up_proj fuses the kv layernorm (a layernorm+linear module), which must run before "
             "the latent travels; build the layer with megatron_2d's spec (get_gpt_layer_spec_2d)"
         )
-    if not hasattr(module.core_attention, "latent_forward"):
+    if "latent" not in inspect.signature(module.core_attention.forward).parameters:
         problems.append(
             f"core attention {type(module.core_attention).__name__} has no latent ring; use "
             f"CoreAttention2D (get_gpt_layer_spec_2d)"
         )
     return problems
+
+
+def after_forward_pre_hooks(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``, after running its forward pre-hooks (the global ones first, as ``module(...)`` does) without its
+    forward, for parameters read by another computation. Called with no inputs: a hook's replacement inputs are
+    not used. Megatron's DDP finishes the parameter all-gather of ``module`` here (``finish_param_sync``)."""
+    args, kwargs = (), {}
+    for hook_id, hook in (*_global_forward_pre_hooks.items(), *module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, args, kwargs)
+        else:
+            hook(module, args)
+    return module
 
 
 class LatentRingMixin:
@@ -168,7 +189,7 @@ class LatentRingMixin:
                 "MLA self attention takes no key_value_states, attention_bias or rotary embeddings (it makes its own)"
             )
         query, latent = self._query_and_latent(hidden_states, packed_seq_params)
-        weight = self.linear_kv_up_proj.weight
+        weight = after_forward_pre_hooks(self.linear_kv_up_proj).weight  # its all-gather done (DDP's hook)
         if self.checkpoint_core_attention and self.training:
             out = self._checkpointed_attention_forward(
                 query, latent, weight, attention_mask, packed_seq_params=packed_seq_params
@@ -191,16 +212,17 @@ class LatentRingMixin:
         **extra_kwargs,
     ):
         """Core attention of (query, latent, up-projection weight), passed as Megatron's (query, key, value) so that
-        its selective core-attention checkpoint wraps the latent ring too."""
-        return self.core_attention.latent_forward(
+        its selective core-attention checkpoint wraps the latent ring too; a module call (its forward pre-hooks
+        run)."""
+        return self.core_attention(
             query,
             key,
             value,
             attention_mask,
-            nope_dim=self.config.qk_head_dim,
-            value_dim=self.config.v_head_dim,
             attn_mask_type=attn_mask_type,
+            attention_bias=attention_bias,
             packed_seq_params=packed_seq_params,
+            latent=LatentDims(self.config.qk_head_dim, self.config.v_head_dim),
         )
 
     def _query_and_latent(self, hidden_states, packed_seq_params):

@@ -140,8 +140,10 @@ def megatron_gpt_spec(config, vp_stage: int | None = None, use_transformer_engin
 
 
 def layer_specs_of(spec: LayerSpec):
-    """The transformer layer specs of a layer spec (itself) or of a block spec (each of its layers)."""
-    return list(spec.layer_specs) if isinstance(spec, TransformerBlockSubmodules) else [spec]
+    """The distinct transformer layer specs of a layer spec (itself) or of a block spec (each one once: Megatron's
+    block spec lists one object for all its dense layers and one for all its MoE layers)."""
+    layers = list(spec.layer_specs) if isinstance(spec, TransformerBlockSubmodules) else [spec]
+    return list({id(layer): layer for layer in layers}.values())
 
 
 @renamed_keywords(double_ring_window="ring_window")

@@ -142,6 +142,23 @@ def full_parameters(wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in canonical_parameters(wrapped.module).items()}
 
 
+def reduced_gradient_shards(wrapped: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients this rank's distributed optimizer steps with after a step's reduce-scatter: its shard of every
+    bucket's grad buffer, bucket by bucket in DDP's order (the rest of a grad buffer is scratch space whose content
+    differs between overlapped and synchronous reductions)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    return [
+        shard_buffer(bucket.grad_data, group.intra_distributed_optimizer_instance_size)[
+            group.intra_distributed_optimizer_instance_rank
+        ]
+        .detach()
+        .clone()
+        for group in wrapped.bucket_groups + wrapped.expert_parallel_bucket_groups
+        for bucket in group.buckets
+    ]
+
+
 # ---- bytes held ---------------------------------------------------------------------------------------------------
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is None:
@@ -235,6 +252,7 @@ __all__ = [
     "model_state_bytes",
     "optimizer_main_params",
     "optimizer_state_tensors",
+    "reduced_gradient_shards",
     "train_step",
     "wrap_model",
 ]
