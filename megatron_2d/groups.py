@@ -105,11 +105,27 @@ def _create(
     return mine
 
 
-def warm_up_p2p(group: dist.ProcessGroup | None) -> None:
-    """One collective on a group whose point-to-point traffic may involve only some of its ranks: NCCL requires
-    every rank of a group to take part in its first batched P2P call."""
-    if group is not None and traffic_backend(group) == "nccl":
-        dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)
+def warm_up_p2p(group: dist.ProcessGroup | None, ring: Sequence[int], position: int) -> None:
+    """One batched ring step in both directions on a group whose point-to-point traffic may involve only some of
+    its ranks (the context groups: neighbour exchange, the Double-Ring's last dK/dV hop). ``ring``: the group's
+    global ranks in ring order, ``position`` this rank's place in it. Each rank sends one element to its next and
+    its previous rank and receives one from each (one message each way on a ring of 2).
+
+    ProcessGroupNCCL makes a group's communicator at its first call, and a batched P2P call uses the group's whole
+    communicator, as collectives do (its ``pointToPoint``), so every rank must join the first batch
+    (``batch_isend_irecv``'s documentation); later batches may involve some ranks only. NCCL (2.22 on, with
+    NCCL_RUNTIME_CONNECT=1, the default) connects peers and allocates their buffers at first use: an all_reduce
+    here would set up collective (ring/tree) channels on communicators that never run one, where this step
+    connects only the +1 and -1 neighbours, the pairs a sliding window's neighbour exchange uses. gloo needs none."""
+    if group is None or traffic_backend(group) != "nccl":
+        return
+    device, size = collective_device(group), len(ring)
+    next_rank, prev_rank = ring[(position + 1) % size], ring[(position - 1) % size]
+    peers = [next_rank] if next_rank == prev_rank else [next_rank, prev_rank]
+    ops = [dist.P2POp(dist.isend, torch.zeros(1, device=device), peer, group) for peer in peers]
+    ops += [dist.P2POp(dist.irecv, torch.empty(1, device=device), peer, group) for peer in peers]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 @renamed_keywords(window_size="ring_window")
@@ -183,6 +199,7 @@ def _build(
         context_kv_group=_create(context, timeout, backend),
         context_dkv_group=_create(context, timeout, backend),
     )
-    warm_up_p2p(groups.context_kv_group)
-    warm_up_p2p(groups.context_dkv_group)
+    place = places[rank]
+    warm_up_p2p(groups.context_kv_group, place.context_group, place.context_rank)
+    warm_up_p2p(groups.context_dkv_group, place.context_group, place.context_rank)
     return groups

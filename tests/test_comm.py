@@ -69,16 +69,21 @@ def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
     group = object()
     assert traffic_backend(group) == "nccl"
     assert groups_module.collective_device(group) == torch.device("cuda", 0)
-    asked, reduced = [], []
+    asked, reduced = [], []  # devices of the warm-up's tensors, its batched P2P calls
+
+    empty = torch.empty
 
     def zeros_on_meta(*shape, device=None):  # records the device the warm-up asks for
         asked.append(torch.device(device))
-        return torch.empty(shape, device="meta")
+        return empty(shape, device="meta")
 
     monkeypatch.setattr(torch, "zeros", zeros_on_meta)
-    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(group))
-    groups_module.warm_up_p2p(group)
-    assert asked == [torch.device("cuda", 0)] and reduced == [group]  # the warm-up ran, with a CUDA tensor
+    monkeypatch.setattr(torch, "empty", zeros_on_meta)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group: (op, peer, group))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: reduced.append(ops) or [])
+    groups_module.warm_up_p2p(group, [5, 6, 7], 0)
+    assert asked == [torch.device("cuda", 0)] * 4  # the warm-up ran, with CUDA tensors
+    assert reduced == [[(dist.isend, 6, group), (dist.isend, 7, group), (dist.irecv, 6, group), (dist.irecv, 7, group)]]
     assert not DirectExchange(group, 1, 0, CommCounter(), "inner_ring")._receive_early
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU job on the same group: gloo
     assert traffic_backend(group) == "gloo"
@@ -86,3 +91,77 @@ def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
         backend["name"] = name
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         assert traffic_backend(group) == expected, name
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "barrier",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce",
+    "gather",
+    "scatter",
+    "monitored_barrier",
+)
+
+
+def _warm_up_traffic(rank, world, hp, w):
+    """build_2d_groups with the warm-up's NCCL branch taken (gloo carries it) and every torch.distributed call
+    recorded: per context group, its batched P2P calls (op, peer) and any collective on it."""
+    import torch.distributed as dist
+
+    import megatron_2d.groups as groups_module
+
+    calls = []
+    saved = {name: getattr(dist, name) for name in (*COLLECTIVES, "batch_isend_irecv")}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            if name == "batch_isend_irecv":
+                ops = args[0]
+                calls.append((name, ops[0].group, [("send" if op.op is dist.isend else "recv", op.peer) for op in ops]))
+            else:
+                calls.append((name, kwargs.get("group"), None))
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    saved_backend = groups_module.traffic_backend
+    groups_module.traffic_backend = lambda group: "nccl"  # the branch an NCCL job takes; tensors stay on the CPU
+    for name in saved:
+        setattr(dist, name, recording(name))
+    try:
+        groups = groups_module.build_2d_groups(hp, w)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        groups_module.traffic_backend = saved_backend
+    ring, position = groups.place.context_group, groups.place.context_rank
+    found = {}
+    for kind, group in (("kv", groups.context_kv_group), ("dkv", groups.context_dkv_group)):
+        on_group = [(name, ops) for name, g, ops in calls if g is group]
+        found[kind] = on_group
+    groups.destroy()
+    return list(ring), position, found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world,hp,w", [(2, 1, 1), (3, 1, 1), (4, 1, 2), (4, 2, 1), (8, 2, 2)])
+def test_p2p_warm_up_is_one_ring_step_each_way_and_no_collective(world, hp, w):
+    """Each context group gets one batch_isend_irecv: a send to the next and to the previous rank of the context
+    ring and a receive from each (one each way on a ring of 2), and no collective (an all_reduce would set up
+    NCCL's collective channels on communicators that carry point-to-point traffic only)."""
+    from megatron_2d.testing.distributed import run_on_ranks
+
+    for ring, position, found in run_on_ranks(world, _warm_up_traffic, hp, w):
+        nxt, prv = ring[(position + 1) % len(ring)], ring[(position - 1) % len(ring)]
+        peers = [nxt] if nxt == prv else [nxt, prv]
+        expected = [("send", p) for p in peers] + [("recv", p) for p in peers]
+        for kind in ("kv", "dkv"):
+            assert found[kind] == [("batch_isend_irecv", expected)], (kind, ring, position, found[kind])

@@ -1,13 +1,15 @@
 """tools/gpu_smoke.py (make gpu-check) is what a session lent a GPU runs: its CPU dry run keeps every item working.
 
 The dry run plays the CUDA kernels through their stand-ins (torch_flash: CPU kernels for PyTorch's CUDA flash ops;
-flash_attn2: the real flash-attn 2.8.3.post2 package over its CPU extension) and runs the distributed item on two
-CPU ranks under torchrun (gloo). Items that need CUDA (peak memory, graph capture) must say so, never pass.
+flash_attn2: the real flash-attn 2.8.3.post2 package over its CPU extension), megatron-core through the CPU shims,
+and runs the distributed item on two CPU ranks under torchrun (gloo). Items that need CUDA (peak memory, graph
+capture) or Transformer Engine (the TE-spec Megatron rows) must say so, never pass, and the summary counts them.
 """
 
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,16 +18,18 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ITEMS = [
-    "kernel flash_attn2",
-    "kernel torch_flash",
-    "loopback flash_attn2",
-    "loopback torch_flash",
-    "attention_2d flash_attn2",
-    "attention_2d torch_flash",
-    "no host sync",
-    "distributed 2 ranks",
-]
+KERNELS = ("flash_attn2", "torch_flash")
+MEGATRON_KINDS = ("GPT", "MLA latent, qk_layernorm", "hybrid *-")
+
+
+def table_rows(lines: list[str]) -> list[tuple[str, str, str, str]]:
+    """(item, case, result, detail) of every table row (columns are two or more spaces apart)."""
+    rows = []
+    for line in lines:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 4 and cells[2] in ("ok", "FAIL", "not run"):
+            rows.append(tuple(cells))
+    return rows
 
 
 def test_gpu_check_dry_run_on_cpu():
@@ -34,17 +38,36 @@ def test_gpu_check_dry_run_on_cpu():
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     lines = run.stdout.splitlines()
-    failed = [line for line in lines if " FAIL " in line]
-    assert run.returncode == 0 and not failed, "\n".join(failed) + run.stderr[-3000:]
-    assert lines[-1] == "all passed"
-    rows = [line for line in lines if line.split("  ")[0].strip()]
-    for item in ITEMS:
-        assert any(line.startswith(item) and " ok " in line for line in rows), item
-    for d in (64, 128, 192):  # every kernel at every head dim
-        assert sum(f"d={d}:" in line and " ok " in line for line in rows) == 2, d
-    assert sum(line.startswith("loopback") and " ok " in line for line in rows) == 2 * 6
-    for item in ("peak memory", "CUDA graph capture"):
-        assert any(line.startswith(item) and "not run" in line and "needs CUDA" in line for line in rows), item
+    rows = table_rows(lines)
+    failed = [row for row in rows if row[2] == "FAIL"]
+    assert run.returncode == 0 and not failed, "\n".join(map(str, failed)) + run.stderr[-3000:]
+
+    def ok(item: str, case: str = "") -> int:
+        return sum(r[0] == item and case in r[1] and r[2] == "ok" for r in rows)
+
+    for kernel in KERNELS:
+        for d in (64, 128, 192):  # every kernel at every head dim
+            assert ok(f"kernel {kernel}", f"d={d}:") == 1, (kernel, d)
+        assert ok(f"tall bands {kernel}") == 1, kernel
+        assert ok(f"loopback {kernel}") == 6, kernel
+        assert ok(f"attention_2d {kernel}") == 2, kernel
+        assert ok("no host sync", kernel) == 1, kernel
+        for case in ("packed zigzag, ", "packed documents, window, ", "packed zigzag, two-sided window, "):
+            assert ok("distributed 2 ranks", case + kernel) == 1, (case, kernel)
+    assert ok("distributed 2 ranks") == 4 + 3 * len(KERNELS)
+    for kind in MEGATRON_KINDS:
+        assert ok(f"megatron {kind}", "local spec") == 1, kind
+    assert ok("checkpoint++") == 1
+
+    not_run = [r for r in rows if r[2] == "not run"]
+    te_rows = [r for r in not_run if r[0].startswith("megatron") and r[1].startswith("TE spec")]
+    assert sorted(r[0] for r in te_rows) == sorted(f"megatron {kind}" for kind in MEGATRON_KINDS)
+    assert all(r[3] == "transformer_engine not importable" for r in te_rows), te_rows
+    cuda_rows = [r for r in not_run if r[0] in ("peak memory", "CUDA graph capture")]
+    assert len(cuda_rows) == len(KERNELS) + 1 and all("needs CUDA" in r[3] for r in cuda_rows), cuda_rows
+    assert len(not_run) == len(te_rows) + len(cuda_rows), not_run
+    passed = sum(r[2] == "ok" for r in rows)
+    assert lines[-1] == f"{passed} passed, 0 failed, {len(not_run)} not run (not passes)"  # never "all passed"

@@ -7,6 +7,9 @@ Items (errors are the worst output's norm_err over its bound in megatron_2d.test
 against fp64 math on the same rounded inputs; a row passes below 1):
     kernel NAME d=D            one block forward + backward per mask: causal square, full rectangle, a causal
                                sliding-window band, a two-sided band; GQA (8 query, 2 K/V heads); d = 64, 128, 192
+    tall bands NAME            trimmed blocks with 4x more queries than keys whose band bounds the right side
+                               (causal-like and two-sided), dense and as one batched (varlen) pair of calls: where
+                               flash-attn reads a window side >= the keys as unbounded (issue 29, item 2)
     loopback NAME CASE         the ring's device work for plans of cp > 1 on one device (every context rank in turn,
                                megatron_2d.testing.loopback): 2D CP 8 = hp 2 x cp 4 (w 2, context_first), a sliding
                                window that leaves ranks nothing to see (the neighbour exchange's plans), packed
@@ -15,38 +18,48 @@ against fp64 math on the same rounded inputs; a row passes below 1):
     attention_2d NAME          the op end to end on a one-rank group (NCCL on CUDA), plain and packed
     no host sync               the first call on a new packed batch (its layout built before) under
                                torch.cuda.set_sync_debug_mode("error"); on CPU the guards of testing.no_sync
+    megatron KIND, checkpoint++  Megatron models from the 2d specs (TE's and local layers) against Megatron's own,
+                               and Selective Checkpoint++ against no recompute (gpu_check_megatron)
     peak memory                one long layer's forward + backward: measured peak over the planner's attention
                                memory (linear in the sequence; bound 6x; a score matrix would be ~1000x) (CUDA)
     CUDA graph capture         attention_2d refuses to run inside torch.cuda.graph (CUDA)
-    distributed N ranks        with >= 2 GPUs, torchrun over them (NCCL): head exchange (batch 1 and 2), Double-Ring,
-                               neighbour exchange, 2D, against the reference; the dry run uses 2 CPU ranks (gloo)
+    distributed N ranks        with >= 2 GPUs, torchrun over them (NCCL), gpu_check_distributed: head exchange,
+                               Double-Ring, neighbour exchange, 2D, and for each kernel packed documents (plain and
+                               windowed); the dry run uses 2 CPU ranks (gloo)
 The dry run plays the CUDA kernels through their stand-ins: torch_flash through CPU kernels for PyTorch's flash ops,
-flash_attn2 through the real flash-attn 2.8.3.post2 package over a CPU extension (when installed).
+flash_attn2 through the real flash-attn 2.8.3.post2 package over a CPU extension (when installed), and megatron-core
+through the CPU shims of megatron_2d.testing. Items that cannot run here (CUDA only, Transformer Engine) say "not
+run", which is not a pass.
+
+How it runs (gpu_check_runner): this process starts workers and keeps the time. The single-device items run in one
+worker process, the distributed cases in a torchrun; each item and case has ``--timeout`` seconds (a worker's
+start-up counts against its first). One that hangs is a FAIL row "timed out after N s": its worker's whole process
+tree is ended (SIGTERM, then SIGKILL) and a new worker runs the items after it. The table is always printed; the
+exit status is 1 when a row failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import itertools
-import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import megatron_2d
 from megatron_2d.band import Band
+from megatron_2d.block_plan import BlockCall
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.base import band_mask
+from megatron_2d.merge import merge_attention_
 from megatron_2d.testing.reference import (
     TOLERANCES,
     attention_with_lse,
@@ -57,12 +70,14 @@ from megatron_2d.testing.reference import (
     rounded,
 )
 
+from .gpu_check_runner import FAIL, NOT_RUN, Item, NotRun, Row, run_streamed, run_worker, summary
+
 DTYPE = torch.bfloat16
 HEAD_DIMS = (64, 128, 192)
 DOCS = [3, 200, 1, 57, 128, 33, 90, 256, 40]  # packed document lengths (cut to the run's size)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Sizes:
     kernel_seq: int  # one block's queries
     loop_seq: int  # tokens of the loopback / world-1 runs
@@ -74,14 +89,6 @@ SIZES = {
     "cuda": Sizes(kernel_seq=1024, loop_seq=2048, memory_seq=32768, dist_seq=4096),
     "cpu": Sizes(kernel_seq=64, loop_seq=128, memory_seq=1024, dist_seq=64),
 }
-
-
-@dataclass
-class Row:
-    item: str
-    case: str
-    result: str  # "ok", "FAIL", or "not run"
-    detail: str
 
 
 def seeded(*shape, device, dtype=DTYPE, seed=0) -> torch.Tensor:
@@ -112,6 +119,22 @@ def block_reference(q, k, v, dout, band, scale):
     return out.detach(), torch.logsumexp(s, -1).detach(), *(x.grad for x in leaves)
 
 
+def block_error(kernel, band, sq, sk, d, device, seed) -> float:
+    """One block forward + backward of ``kernel`` under ``band`` (GQA 8/2) against fp64: worst error / bound."""
+    q, dout = (seeded(1, sq, 8, d, device=device, seed=seed + j) for j in (0, 1))
+    k, v = (seeded(1, sk, 2, d, device=device, seed=seed + j) for j in (2, 3))
+    want = block_reference(q, k, v, dout, band, d**-0.5)
+    out, lse = kernel.forward(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), band, d**-0.5)
+    grads = kernel.backward(dout.to(DTYPE), q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), out, lse, band, d**-0.5)
+    return worst(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want))
+
+
+def trimmed_as_is(band: Band | None, sq: int, sk: int) -> bool:
+    """Whether ``band`` on an sq x sk block is as the planner hands calls to kernels: trimming keeps it whole."""
+    box = band.trim(sq, sk) if band is not None else None
+    return box is None or (box.q_start, box.q_end, box.k_start, box.k_end, box.band) == (0, sq, 0, sk, band)
+
+
 def check_kernel(name, device, d, seq) -> float:
     kernel = select_kernel(device, DTYPE, name, head_dim=d)
     width = max(8, seq // 8)
@@ -121,17 +144,58 @@ def check_kernel(name, device, d, seq) -> float:
         (Band(-width, 0), seq, seq),
         (Band(-width, width // 2), seq, seq),
     ]  # causal, full, causal window, two-sided band
+    assert all(trimmed_as_is(*m) for m in masks)
+    return max(block_error(kernel, band, sq, sk, d, device, seed=10 * i) for i, (band, sq, sk) in enumerate(masks))
+
+
+def tall_calls(seq: int) -> list[BlockCall]:
+    """Two calls of one seq x seq block, each 2 key columns under 4 query rows (in units of seq / 8) with the band
+    Band(None, 0): issue 29's BlockCall(0, 4, 2, 4, Band(None, 0)) of a packed plan with a two-sided window, scaled.
+    Their right window side is as wide as their keys, and so is the batch's longest key run."""
+    u = seq // 8
+    return [BlockCall(0, 4 * u, 2 * u, 4 * u, Band(None, 0)), BlockCall(4 * u, 8 * u, 6 * u, 8 * u, Band(None, 0))]
+
+
+def calls_error(kernel, calls: list[BlockCall], seq, d, device) -> float:
+    """``kernel.forward_calls`` / ``backward_calls`` on one seq x seq block (the batched, varlen, path of kernels
+    that have one) for calls with disjoint rows and keys, each call against its own fp64 block. The kernel's
+    results are gathered as the ring gathers them (it may return a call as pieces): outputs merged by log-sum-exp
+    into their rows, dQ added into their rows, dK/dV into their keys."""
+    q, dout = (seeded(1, seq, 8, d, device=device, seed=50 + j) for j in (0, 1))
+    k, v = (seeded(1, seq, 2, d, device=device, seed=50 + j) for j in (2, 3))
+    scale = d**-0.5
+    qb, kb, vb, doutb = (x.to(DTYPE) for x in (q, k, v, dout))
+    out = torch.zeros(1, seq, 8, d, device=device)
+    lse = torch.full((1, 8, seq), float("-inf"), device=device)
+    for c, o, m in kernel.forward_calls(qb, kb, vb, calls, 0, scale):
+        merge_attention_(out[:, c.q_start : c.q_end], lse[:, :, c.q_start : c.q_end], o, m)
+    out = out.to(DTYPE)
+    dout_in, out_in = kernel.backward_inputs(doutb, out)
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
+    for c, dq_c, dk_c, dv_c in kernel.backward_calls(dout_in, qb, kb, vb, out_in, lse, calls, 0, scale):
+        dq[:, c.q_start : c.q_end] += dq_c
+        dk[:, c.k_start : c.k_end] += dk_c
+        dv[:, c.k_start : c.k_end] += dv_c
     errors = []
-    for i, (band, sq, sk) in enumerate(masks):
-        box = band.trim(sq, sk) if band is not None else None
-        assert box is None or (box.q_start, box.q_end, box.k_start, box.k_end) == (0, sq, 0, sk)
-        q, dout = (seeded(1, sq, 8, d, device=device, seed=10 * i + j) for j in (0, 1))
-        k, v = (seeded(1, sk, 2, d, device=device, seed=10 * i + j) for j in (2, 3))
-        want = block_reference(q, k, v, dout, band, d**-0.5)
-        out, lse = kernel.forward(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), band, d**-0.5)
-        grads = kernel.backward(dout.to(DTYPE), q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), out, lse, band, d**-0.5)
-        errors.append(worst(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want)))
+    for c in calls:
+        rows, keys = slice(c.q_start, c.q_end), slice(c.k_start, c.k_end)
+        want = block_reference(q[:, rows], k[:, keys], v[:, keys], dout[:, rows], c.band, scale)
+        got = (out[:, rows], lse[:, :, rows], dq[:, rows], dk[:, keys], dv[:, keys])
+        errors.append(worst(zip(("out", "lse", "dq", "dk", "dv"), got, want)))
     return max(errors)
+
+
+def check_tall_bands(name, device, d, seq) -> float:
+    """Trimmed blocks with sq = 4 sk whose band bounds the right side: flash-attn's window right side is then
+    right = hi + (sq - sk) >= sk, which its C++ reads as unbounded (rows would see later keys). Dense: the
+    causal-like Band(None, 0) and a two-sided band; batched: :func:`tall_calls`."""
+    kernel = select_kernel(device, DTYPE, name, head_dim=d)
+    masks = [(Band(None, 0), seq, seq // 4), (Band(-(7 * seq // 8), seq // 16), seq, seq // 4)]
+    assert all(trimmed_as_is(band, sq, sk) and band.hi + (sq - sk) >= sk for band, sq, sk in masks)
+    dense = max(
+        block_error(kernel, band, sq, sk, d, device, seed=30 + 10 * i) for i, (band, sq, sk) in enumerate(masks)
+    )
+    return max(dense, calls_error(kernel, tall_calls(seq), seq, d, device))
 
 
 # ---- the ring's device work on one device (loopback) ---------------------------------------------------------
@@ -264,6 +328,8 @@ def check_peak_memory(name, device, seq) -> float:
     """Measured peak of one layer's forward + backward over the planner's attention memory (CUDA)."""
     heads, kv_heads, d = 32, 8, 128
     estimate = planner_attention_bytes(seq, heads, kv_heads, d)
+    if device.type != "cuda":
+        raise NotRun(f"needs CUDA (planner's attention memory {estimate / 2**20:.1f} MiB)")
     groups = megatron_2d.build_2d_groups(1, 1)
     q, k, v, dout = (torch.randn(seq, 1, h, d, device=device, dtype=DTYPE) for h in (heads, kv_heads, kv_heads, heads))
     leaves = [x.requires_grad_(True) for x in (q, k, v)]
@@ -276,6 +342,8 @@ def check_peak_memory(name, device, seq) -> float:
 
 
 def check_graph_capture_refused(name, device) -> float:
+    if device.type != "cuda":
+        raise NotRun("needs CUDA")
     groups = megatron_2d.build_2d_groups(1, 1)
     q = torch.randn(256, 1, 8, 64, device=device, dtype=DTYPE)
     graph = torch.cuda.CUDAGraph()
@@ -289,117 +357,7 @@ def check_graph_capture_refused(name, device) -> float:
     raise AssertionError("attention_2d ran inside a CUDA graph capture")
 
 
-# ---- several devices: torchrun ---------------------------------------------------------------------------------
-
-
-def distributed_cases(world: int):
-    """(case, hp, w, placement, batch, window) of the distributed check for ``world`` ranks."""
-    hp = max(h for h in (1, 2, 4, 8) if world % h == 0)
-    cases = [
-        (f"head exchange hp{hp} b1", hp, 1, "head_first", 1, None),
-        (f"head exchange hp{hp} b2", hp, 1, "head_first", 2, None),
-        (f"Double-Ring cp{world} w{world}", 1, world, "head_first", 1, None),
-        (f"sliding window cp{world}", 1, 1, "head_first", 1, 4 * world),
-    ]  # neighbour exchange from cp 4
-    if world >= 4 and world % 4 == 0:
-        cases.append((f"2D hp2 x cp{world // 2} w2", 2, 2, "context_first", 1, None))
-    return cases
-
-
-def worker(args) -> int:
-    """One torchrun rank: every distributed case against the reference; rank 0 prints one JSON line per case."""
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    seq = SIZES[device.type].dist_seq
-    for case, hp, w, placement, batch, window in distributed_cases(world):
-        try:
-            groups = megatron_2d.build_2d_groups(hp, w, placement)
-            q, k, v, dout = (seeded(seq, batch, h, 64, device=device, seed=i) for i, h in enumerate((8, 2, 2, 8)))
-            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-            win = (-1, -1) if window is None else (seq // window, 0)
-            ref = reference_attention(*leaves, True, 64**-0.5, window=win)
-            ref.backward(dout)
-            shard = lambda x: megatron_2d.shard_sequence(x.detach(), rank, world)  # noqa: E731
-            local = [shard(x).to(DTYPE).requires_grad_(True) for x in (q, k, v)]
-            out = megatron_2d.attention_2d(*local, groups, sliding_window=win)  # the automatic kernel
-            out.backward(shard(dout).to(DTYPE))
-            err = worst(
-                zip(
-                    ("out", "dq", "dk", "dv"),
-                    (out, *(x.grad for x in local)),
-                    (shard(ref), *(shard(x.grad) for x in leaves)),
-                )
-            )
-            err_t = torch.tensor([err], dtype=torch.float64, device=device)
-            dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
-            exchange, rc = next(iter(groups.op_cache.values()))
-            path = (
-                "no head exchange"
-                if exchange.group is None
-                else ("head exchange point-to-point" if exchange.point_to_point(batch) else "head all-to-all")
-            )
-            result = dict(case=case, error=float(err_t.cpu()), path=f"{path}, {type(rc.transport).__name__}")
-        except Exception as exc:  # noqa: BLE001  (reported as a row)
-            result = dict(case=case, failure=f"{type(exc).__name__}: {exc}"[:300])
-        if rank == 0:
-            print("GPU-CHECK " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
-    return 0
-
-
-def run_distributed(device: torch.device, world: int, timeout: float) -> list[Row]:
-    root = pathlib.Path(megatron_2d.__file__).resolve().parents[1]
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-        OMP_NUM_THREADS="1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        "-m",
-        "megatron_2d.bench.gpu_check",
-        "--worker",
-        "--device",
-        device.type,
-    ]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    rows = []
-    for line in run.stdout.splitlines():
-        if line.startswith("GPU-CHECK "):
-            r = json.loads(line[len("GPU-CHECK ") :])
-            if "failure" in r:
-                rows.append(Row(f"distributed {world} ranks", r["case"], "FAIL", r["failure"]))
-            else:
-                rows.append(
-                    Row(
-                        f"distributed {world} ranks",
-                        r["case"],
-                        "ok" if r["error"] < 1 else "FAIL",
-                        f"worst error / bound {r['error']:.2f} ({r['path']})",
-                    )
-                )
-    expected = len(distributed_cases(world))
-    if run.returncode != 0 or len(rows) != expected:
-        rows.append(
-            Row(
-                f"distributed {world} ranks",
-                "torchrun",
-                "FAIL",
-                f"exit {run.returncode}, {len(rows)}/{expected} cases; {run.stderr.strip()[-300:]}",
-            )
-        )
-    return rows
-
-
-# ---- the run ------------------------------------------------------------------------------------------------
+# ---- the items, their worker and the run ------------------------------------------------------------------------
 
 
 def cuda_kernel_stand_ins(stack: contextlib.ExitStack) -> list[str]:
@@ -423,81 +381,158 @@ def cuda_kernels() -> list[str]:
     return (["flash_attn2"] if flash_attn_available() else []) + ["torch_flash"]
 
 
-def collect(
-    device: torch.device, names: list[str], sizes: Sizes, rows: list[Row], distributed: int, timeout: float
-) -> None:
-    def add(item: str, case: str, fn: Callable[[], float], bound: float = 1.0, label: str = "worst error / bound"):
-        start = time.perf_counter()
-        try:
-            value = fn()
-        except Exception as exc:  # noqa: BLE001  one broken case must not hide others
-            rows.append(Row(item, case, "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
-            return
-        rows.append(
-            Row(
-                item,
-                case,
-                "ok" if value < bound else "FAIL",
-                f"{label} {value:.2f} ({time.perf_counter() - start:.1f} s)",
-            )
-        )
+def kernels_here(device: torch.device, stack: contextlib.ExitStack) -> list[str]:
+    """The CUDA kernels this run checks: the installed ones on CUDA, their stand-ins on CPU (entered on ``stack``)."""
+    if device.type == "cuda":
+        return cuda_kernels()
+    return cuda_kernel_stand_ins(stack)
 
-    for name in names:
-        for d in HEAD_DIMS:
-            add(
-                f"kernel {name}",
-                f"d={d}: causal, full, windows, GQA",
-                lambda: check_kernel(name, device, d, sizes.kernel_seq),
-            )
-    for name in names:
-        for case, options in LOOPBACK_CASES.items():
-            add(f"loopback {name}", case, lambda: check_loopback(name, device, sizes.loop_seq, **options))
-    for name in names:
-        for packed in (False, True):
-            add(
-                f"attention_2d {name}",
-                "world 1, " + ("packed documents" if packed else "causal"),
-                lambda: check_world_one(name, device, sizes.loop_seq, packed),
-            )
-    for name in names:
-        add(
+
+def single_device_items(device: torch.device, names: list[str], sizes: Sizes) -> list[Item]:
+    """Every item of the single-device worker, in table order (the same list on every start)."""
+    from .gpu_check_megatron import megatron_items
+
+    items = [
+        Item(
+            f"kernel {name}",
+            f"d={d}: causal, full, windows, GQA",
+            lambda n=name, d=d: check_kernel(n, device, d, sizes.kernel_seq),
+        )
+        for name in names
+        for d in HEAD_DIMS
+    ]
+    items += [
+        Item(
+            f"tall bands {name}",
+            "d=128: sq = 4 sk, right side bounded: causal-like, two-sided, varlen pair",
+            lambda n=name: check_tall_bands(n, device, 128, sizes.kernel_seq),
+        )
+        for name in names
+    ]
+    items += [
+        Item(f"loopback {name}", case, lambda n=name, o=options: check_loopback(n, device, sizes.loop_seq, **o))
+        for name in names
+        for case, options in LOOPBACK_CASES.items()
+    ]
+    items += [
+        Item(
+            f"attention_2d {name}",
+            "world 1, " + ("packed documents" if packed else "causal"),
+            lambda n=name, p=packed: check_world_one(n, device, sizes.loop_seq, p),
+        )
+        for name in names
+        for packed in (False, True)
+    ]
+    items += [
+        Item(
             "no host sync",
             f"new packed batch, {name}",
-            lambda: check_no_sync_new_batch(name, device, sizes.loop_seq),
+            lambda n=name: check_no_sync_new_batch(n, device, sizes.loop_seq),
             label="syncs",
         )
-    if device.type == "cuda":
-        for name in names:
-            add(
-                "peak memory",
-                f"{name}, S={sizes.memory_seq}, 32/8 heads, d=128",
-                lambda: check_peak_memory(name, device, sizes.memory_seq),
-                bound=6.0,
-                label="measured / planner's attention memory",
-            )
-        add(
+        for name in names
+    ]
+    items += megatron_items(device, names[0])
+    items += [
+        Item(
+            "peak memory",
+            f"{name}, S={sizes.memory_seq}, 32/8 heads, d=128",
+            lambda n=name: check_peak_memory(n, device, sizes.memory_seq),
+            bound=6.0,
+            label="measured / planner's attention memory",
+        )
+        for name in names
+    ]
+    items.append(
+        Item(
             "CUDA graph capture",
             "attention_2d refuses",
             lambda: check_graph_capture_refused(names[0], device),
             label="",
         )
-    else:
-        estimate = planner_attention_bytes(sizes.memory_seq, 32, 8, 128)
-        rows.append(
-            Row(
-                "peak memory",
-                f"S={sizes.memory_seq}",
-                "not run",
-                f"needs CUDA (planner's attention memory {estimate / 2**20:.1f} MiB)",
-            )
-        )
-        rows.append(Row("CUDA graph capture", "attention_2d refuses", "not run", "needs CUDA"))
-    if distributed >= 2:
-        rows.extend(run_distributed(device, distributed, timeout))
-    else:
-        rows.append(
-            Row("distributed", "NCCL ring, head and neighbour exchange", "not run", "one device: needs >= 2 GPUs")
-        )
+    )
+    return items
+
+
+@contextlib.contextmanager
+def one_rank_world(device: torch.device):
+    """The one-rank default process group the single-device items run on (NCCL on CUDA, gloo on CPU)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{tempfile.mktemp()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def items_worker(args) -> int:
+    """The single-device worker: set up the device (on CPU: the kernels' and megatron-core's stand-ins), then run
+    the items from ``--resume-at`` on (gpu_check_runner's protocol)."""
+    device = torch.device(args.device)
+    with contextlib.ExitStack() as stack:
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+        else:
+            from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+
+            torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+            install_hybrid_cpu_shims()  # megatron-core's CPU shims, HybridStack's TENorm, the Mamba/GDN stand-ins
+        names = kernels_here(device, stack)
+        stack.enter_context(one_rank_world(device))
+        run_worker(single_device_items(device, names, SIZES[device.type]), args.resume_at, hang=args.hang)
+    return 0
+
+
+def worker_env() -> dict[str, str]:
+    """The workers' environment: this checkout first on the path, one CPU thread per process."""
+    root = pathlib.Path(megatron_2d.__file__).resolve().parents[1]
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+    )
+
+
+def worker_command(launcher: list[str], module: str, args, *flags: str):
+    """The command that starts a worker from case ``start`` (gpu_check_runner's contract)."""
+
+    def command(start: int) -> list[str]:
+        hang = [x for h in args.hang for x in ("--hang", h)]
+        return [*launcher, "-m", module, *flags, "--device", args.device, "--resume-at", str(start), *hang]
+
+    return command
+
+
+def single_device_rows(args, env: dict[str, str]) -> list[Row]:
+    """The single-device worker's rows (each item ``args.timeout`` seconds)."""
+    items = worker_command([sys.executable], "megatron_2d.bench.gpu_check", args, "--items")
+    return run_streamed("single-device items", items, args.timeout, env, startup=args.startup_timeout)
+
+
+def distributed_rows(args, world: int, env: dict[str, str]) -> list[Row]:
+    """The distributed cases' rows: torchrun over ``world`` ranks (each case ``args.timeout`` seconds)."""
+    if world < 2:
+        return [Row("distributed", "NCCL ring, head and neighbour exchange", NOT_RUN, "one device: needs >= 2 GPUs")]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    cases = worker_command(torchrun, "megatron_2d.bench.gpu_check_distributed", args)
+    return run_streamed(f"distributed {world} ranks", cases, args.timeout, env, startup=args.startup_timeout)
+
+
+def report(title: str, rows: list[Row]) -> int:
+    """Print the table and its summary; the exit status: 1 when a row failed, else 0."""
+    from megatron_2d.bench.cli import format_table
+
+    print(
+        format_table(title, ["item", "case", "result", "detail"], [[r.item, r.case, r.result, r.detail] for r in rows])
+    )
+    print(summary(rows))
+    return 1 if any(r.result == FAIL for r in rows) else 0
 
 
 def main(argv=None) -> int:
@@ -507,51 +542,29 @@ def main(argv=None) -> int:
     p.add_argument(
         "--ranks", type=int, default=None, help="ranks of the distributed check (default: every GPU; the dry run: 2)"
     )
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds for the distributed check")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for each item and each distributed case")
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds for a worker to start (imports, device set-up)"
+    )
+    p.add_argument("--items", action="store_true", help=argparse.SUPPRESS)  # the single-device worker
+    p.add_argument("--resume-at", type=int, default=0, help=argparse.SUPPRESS)
+    # test hook (tests/test_gpu_check_runner.py): the items and cases whose "item: case" contains it sleep
+    p.add_argument("--hang", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
-        return worker(args)
     if args.dry_run:
         args.device = "cpu"
+    if args.items:
+        return items_worker(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: run with --dry-run for the CPU check", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    rows: list[Row] = []
-    with contextlib.ExitStack() as stack:
-        if device.type == "cuda":
-            torch.cuda.set_device(0)
-            names, world = cuda_kernels(), torch.cuda.device_count() if args.ranks is None else args.ranks
-        else:
-            torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-            names, world = cuda_kernel_stand_ins(stack), 2 if args.ranks is None else args.ranks
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"file://{tempfile.mktemp()}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            collect(device, names, SIZES[device.type], rows, world, args.timeout)
-        finally:
-            dist.destroy_process_group()
-    from megatron_2d.bench.cli import format_table
-
+    world = args.ranks if args.ranks is not None else (torch.cuda.device_count() if device.type == "cuda" else 2)
+    env = worker_env()
+    rows = single_device_rows(args, env) + distributed_rows(args, world, env)
     what = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU dry run (CUDA kernels through stand-ins)"
-    print(
-        format_table(
-            f"gpu-check on {what}: {len(rows)} items, {time.perf_counter() - start:.0f} s",
-            ["item", "case", "result", "detail"],
-            [[r.item, r.case, r.result, r.detail] for r in rows],
-        )
-    )
-    failed = [r for r in rows if r.result == "FAIL"]
-    print("all passed" if not failed else f"{len(failed)} failed")
-    return 1 if failed else 0
+    return report(f"gpu-check on {what}: {len(rows)} items, {time.perf_counter() - start:.0f} s", rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""gpu-check's new items can fail: each is run here on a correct path (it passes) and on a broken one (it fails).
+
+tall bands     a kernel that reads a right window side >= its keys as unbounded, as flash-attn's C++ does
+megatron GPT   a 2d core attention with a 5% wrong softmax scale; a TE row without Transformer Engine
+checkpoint++   a keeper that lets the recompute run attention again
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_2d.band import Band
+from megatron_2d.bench import gpu_check
+from megatron_2d.kernels.cpu_flash import CpuFlashKernel
+
+CPU = torch.device("cpu")
+
+
+class RightSideClamped(CpuFlashKernel):
+    """The CPU kernel, but a band's right side that reaches the block's last key column or beyond, counted from
+    the bottom-right corner as flash-attn does (hi + sq - sk >= sk), is dropped: those rows see later keys."""
+
+    @staticmethod
+    def _clamped(band, sq, sk):
+        if band is not None and band.hi is not None and band.hi + sq - sk >= sk:
+            return None if band.lo is None else Band(band.lo, None)
+        return band
+
+    def forward(self, q, k, v, band, scale):
+        return super().forward(q, k, v, self._clamped(band, q.shape[1], k.shape[1]), scale)
+
+    def backward(self, dout, q, k, v, out, lse, band, scale):
+        return super().backward(dout, q, k, v, out, lse, self._clamped(band, q.shape[1], k.shape[1]), scale)
+
+
+def test_tall_bands_pass_on_a_correct_kernel_and_fail_where_the_right_side_is_read_as_unbounded(monkeypatch):
+    assert gpu_check.check_tall_bands("cpu_flash", CPU, 64, 64) < 1
+    monkeypatch.setattr(gpu_check, "select_kernel", lambda *args, **kwargs: RightSideClamped())
+    assert gpu_check.check_tall_bands("cpu_flash", CPU, 64, 64) > 10
+    calls = gpu_check.tall_calls(64)  # the batched pair alone fails too
+    assert gpu_check.calls_error(RightSideClamped(), calls, 64, 64, CPU) > 10
+    assert gpu_check.calls_error(CpuFlashKernel(), calls, 64, 64, CPU) < 1
+
+
+def _megatron_rows(rank, world):
+    from megatron_2d.bench import gpu_check_megatron as gm
+    from megatron_2d.bench.gpu_check_runner import NotRun
+    from megatron_2d.megatron import checkpoint_plus, core_attention
+
+    found = {
+        "gpt": gm.check_layers("GPT", False, "cpu_flash", CPU),
+        "mla": gm.check_layers("MLA latent, qk_layernorm", False, "cpu_flash", CPU),
+        "ckpt": gm.check_checkpoint_plus("cpu_flash", CPU)[0],
+    }
+    try:
+        gm.check_layers("GPT", True, "cpu_flash", CPU)
+    except NotRun as why:
+        found["te"] = str(why)
+    original = core_attention.CoreAttention2D._call_settings
+
+    def wrong_scale(self, *args, **kwargs):
+        settings = original(self, *args, **kwargs)
+        settings["softmax_scale"] = 1.05 * (settings["softmax_scale"] or args[0].shape[-1] ** -0.5)
+        return settings
+
+    core_attention.CoreAttention2D._call_settings = wrong_scale
+    try:
+        found["gpt_wrong_scale"] = gm.check_layers("GPT", False, "cpu_flash", CPU)
+    finally:
+        core_attention.CoreAttention2D._call_settings = original
+    keep = checkpoint_plus.AttentionKeeper.__call__
+    checkpoint_plus.AttentionKeeper.__call__ = lambda self, attention, *tensors: attention(*tensors)
+    try:
+        gm.check_checkpoint_plus("cpu_flash", CPU)
+    except AssertionError as err:
+        found["ckpt_recomputed"] = str(err)
+    finally:
+        checkpoint_plus.AttentionKeeper.__call__ = keep
+    difference = checkpoint_plus._relative_difference
+    checkpoint_plus._relative_difference = lambda x, first: torch.ones((), device=x.device)  # every check fails
+    try:
+        gm.check_checkpoint_plus("cpu_flash", CPU)
+    except RuntimeError as err:
+        found["ckpt_check_failed"] = str(err)
+    finally:
+        checkpoint_plus._relative_difference = difference
+    return found
+
+
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_megatron_rows_pass_and_fail_where_they_should():
+    from megatron_2d.testing.distributed import run_on_ranks
+
+    (found,) = run_on_ranks(1, _megatron_rows)
+    assert found["gpt"] < 1 and found["mla"] < 1 and found["ckpt"] < 1, found
+    assert found["gpt_wrong_scale"] > 1, found  # a 5% wrong softmax scale fails the row
+    assert found["te"] == "transformer_engine not importable"
+    assert "Selective Checkpoint++: the recomputed q differs" in found.get("ckpt_check_failed", ""), found
+    assert found.get("ckpt_recomputed") == "attention ran 8 times in 2 steps of 2 layers (recomputed?)", found
