@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_2d.band import Band, flash_boxes, flash_expressible
-from megatron_2d.kernels import KERNELS, select_kernel
-from megatron_2d.kernels.flash_windows import flash_mask
+from megatron_2d.kernels import KERNELS, select_kernel, torch_cudnn
+from megatron_2d.kernels.flash_windows import flash_head_dim_problem, flash_mask
 from megatron_2d.testing.flash_attn_cpu import kernel_window
 from megatron_2d.testing.reference import (
     FLASH_CONVENTION_CASES,
@@ -21,11 +21,13 @@ from megatron_2d.testing.reference import (
     norm_err,
     rel_err,
 )
+from megatron_2d.testing.torch_cudnn_cpu import torch_cudnn_on_cpu
 from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
 
-CPU_KERNELS = [name for name in KERNELS if name != "flash_attn2"]  # flash_attn2: tests/test_flash_attn_releases.py
+PACKAGE_KERNELS = ("flash_attn2", "te_fused")  # tests/test_flash_attn_releases.py, tests/test_te_releases.py
+CPU_KERNELS = [name for name in KERNELS if name not in PACKAGE_KERNELS]
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FLASH_ONLY = {"torch_flash": ("bf16", "fp16")}  # PyTorch's CUDA flash kernel, run on CPU by torch_flash_on_cpu
+FLASH_ONLY = {name: ("bf16", "fp16") for name in ("torch_flash", "torch_cudnn")}  # CUDA ops, run on CPU by stand-ins
 KERNEL_CASES = [
     (n, dt, c, h)
     for n, dt, c, h in itertools.product(CPU_KERNELS, DTYPES, [True, False], [4, 2, 1])
@@ -34,8 +36,8 @@ KERNEL_CASES = [
 
 
 def on_cpu(name):
-    """The context a kernel needs to run on CPU here (torch_flash: CPU kernels for PyTorch's CUDA flash ops)."""
-    return torch_flash_on_cpu() if name == "torch_flash" else contextlib.nullcontext()
+    """The context a kernel needs to run on CPU here (CPU kernels for PyTorch's CUDA flash or cuDNN ops)."""
+    return {"torch_flash": torch_flash_on_cpu, "torch_cudnn": torch_cudnn_on_cpu}.get(name, contextlib.nullcontext)()
 
 
 def block_case(dtype, causal, hkv, scale=0.3, seed=2):
@@ -93,61 +95,97 @@ def test_kernel_selection():
         select_kernel(torch.device("cpu"), torch.bfloat16, "torch_flash")
 
 
-class FakeFlashAttn2:
-    """Plays the flash_attn2 kernel class for selection tests: an installed flash-attn (the real packages run in
-    tests/test_flash_attn_releases.py, each in its own process)."""
+class FakePackageKernel:
+    """Plays a kernel over an installed package (flash-attn, Transformer Engine) for selection tests: the real
+    packages run in tests/test_flash_attn_releases.py and tests/test_te_releases.py, each in its own process."""
 
-    name = "flash_attn2"
+    def __init__(self, name, problem=flash_head_dim_problem):
+        self.name, self._problem = name, problem
 
     def supports(self, device, dtype):
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
     def head_dim_problem(self, head_dim):
-        from megatron_2d.kernels.flash_windows import flash_head_dim_problem
+        return self._problem(head_dim)
 
-        return flash_head_dim_problem(head_dim)
+
+def fake_device(monkeypatch, capability, installed=()):
+    """A CUDA device of ``capability`` (no CUDA tensor is made) with the package kernels in ``installed``."""
+    import megatron_2d.kernels as kernels
+
+    monkeypatch.setattr(kernels, "cuda_capability", lambda device: capability)
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: "flash_attn2" in installed)
+    monkeypatch.setattr(kernels, "te_fused_available", lambda: "te_fused" in installed)
+    monkeypatch.setattr(torch_cudnn, "device_capability", lambda: capability or (8, 0))
+    monkeypatch.setitem(kernels.KERNELS, "flash_attn2", lambda: FakePackageKernel("flash_attn2"))
+    cudnn_problem = lambda d: torch_cudnn.cudnn_head_dim_problem(d, capability or (8, 0))  # noqa: E731
+    monkeypatch.setitem(kernels.KERNELS, "te_fused", lambda: FakePackageKernel("te_fused", cudnn_problem))
+    return torch.device("cuda")
 
 
 def test_kernel_selection_on_cuda_devices(monkeypatch):
-    """The choice on a CUDA device (no CUDA tensor is made): flash-attn 2 for fp16/bf16 when it imports, else
-    PyTorch's own flash kernel with a warning; fp32/fp64 refused (no kernel that materialises scores on CUDA);
-    head dims the flash kernels cannot take refused at selection, automatic or named."""
-    import megatron_2d.kernels as kernels
-
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)  # flash-attn not installed
-    for dtype in (torch.bfloat16, torch.float16):
-        with pytest.warns(UserWarning, match="flash-attn is not installed: attention_2d uses PyTorch's own flash"):
-            assert select_kernel(cuda, dtype, head_dim=128).name == "torch_flash"
-    for dtype in (torch.float32, torch.float64):
-        with pytest.raises(ValueError, match=rf"flash kernels, which take fp16 or bf16, not {dtype}"):
-            select_kernel(cuda, dtype)
-    with pytest.raises(ValueError, match=r"'torch_math' does not run on device cuda"):
-        select_kernel(cuda, torch.float32, "torch_math")
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)
-    monkeypatch.setitem(kernels.KERNELS, "flash_attn2", FakeFlashAttn2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for d in (64, 128, 192, 256, 8):
-            assert select_kernel(cuda, torch.bfloat16, head_dim=d).name == "flash_attn2"
-        assert select_kernel(cuda, torch.float16, "torch_flash", head_dim=64).name == "torch_flash"
-    for name in ("flash_attn2", "torch_flash", None):
+    """The choice on a CUDA device, by compute capability: Hopper and later prefer TE's fused attention, then
+    PyTorch's cuDNN ops, flash-attn 2, PyTorch's flash op; Ampere prefers flash-attn 2. Each kernel passed over is a
+    one-line warning naming why; fp32/fp64 refused; a named kernel is refused, not replaced."""
+    with torch_cudnn_on_cpu():  # the real TorchCudnnKernel (its schema check) builds here
+        cuda = fake_device(monkeypatch, (9, 0), installed=("te_fused", "flash_attn2"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert select_kernel(cuda, torch.bfloat16, head_dim=128).name == "te_fused"
+            assert select_kernel(cuda, torch.bfloat16, head_dim=192).name == "te_fused"  # MLA's 192 / 128
+            assert select_kernel(cuda, torch.float16, "flash_attn2", head_dim=64).name == "flash_attn2"
+            assert select_kernel(cuda, torch.float16, "torch_cudnn", head_dim=64).name == "torch_cudnn"
+        cuda = fake_device(monkeypatch, (9, 0), installed=("flash_attn2",))  # no TE: cuDNN through PyTorch
+        with pytest.warns(UserWarning, match=r"^attention_2d passes over kernel te_fused: Transformer Engine is not "
+                          r"importable; using torch_cudnn$"):  # fmt: skip
+            assert select_kernel(cuda, torch.bfloat16, head_dim=128).name == "torch_cudnn"
+        cuda = fake_device(monkeypatch, (9, 0), installed=("te_fused", "flash_attn2"))
+        with pytest.raises(ValueError, match=r"no attention kernel takes torch.bfloat16 with head dim 264 here: "
+                           r"te_fused: head dim 264 is not supported by cuDNN's fused attention on sm90 .*; "
+                           r"torch_cudnn: .*; flash_attn2: .*; torch_flash: head dim 264"):  # fmt: skip
+            select_kernel(cuda, torch.bfloat16, head_dim=264)  # at most 256 everywhere: every candidate named
+        cuda = fake_device(monkeypatch, (8, 0), installed=("te_fused", "flash_attn2"))  # Ampere: flash-attn 2 first
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert select_kernel(cuda, torch.bfloat16, head_dim=128).name == "flash_attn2"
+        cuda = fake_device(monkeypatch, (8, 0), installed=())
+        with pytest.warns(UserWarning, match=r"passes over kernel flash_attn2: flash-attn is not installed; using "
+                          r"torch_flash"):  # fmt: skip
+            assert select_kernel(cuda, torch.bfloat16, head_dim=128).name == "torch_flash"
+        with pytest.raises(ValueError, match=r"'torch_cudnn': head dim 192 is not supported by cuDNN's fused "
+                           r"attention on sm80 \(a multiple of 8, at most 128\)"):  # fmt: skip
+            select_kernel(cuda, torch.bfloat16, "torch_cudnn", head_dim=192)
+        for dtype in (torch.float32, torch.float64):
+            with pytest.raises(ValueError, match=rf"fused kernels \(flash_attn2, torch_flash, torch_cudnn\), "
+                               rf"which take fp16 or bf16, not {dtype}"):  # fmt: skip
+                select_kernel(cuda, dtype)
+        with pytest.raises(ValueError, match=r"'torch_math' does not run on device cuda"):
+            select_kernel(cuda, torch.float32, "torch_math")
         with pytest.raises(
-            ValueError,
-            match=r"head dim 60 is not supported by the flash kernels \(a multiple of "
-            r"8, at most 256; pad to 64\)",
+            ValueError, match=r"'te_fused' is not available here \(Transformer Engine is not importable"
         ):
-            select_kernel(cuda, torch.bfloat16, name, head_dim=60)
-        with pytest.raises(
-            ValueError,
-            match=r"head dim 264 is not supported by the flash kernels \(a multiple of 8, "
-            r"at most 256\)$",
-        ):
-            select_kernel(cuda, torch.bfloat16, name, head_dim=264)
-    with pytest.raises(ValueError, match=r"'flash_attn2' does not run on device cuda with torch.float32"):
-        select_kernel(cuda, torch.float32, "flash_attn2")
+            select_kernel(cuda, torch.bfloat16, "te_fused")
+        cuda = fake_device(monkeypatch, (8, 0), installed=("flash_attn2",))
+        for name in ("flash_attn2", "torch_flash"):
+            with pytest.raises(ValueError, match=r"head dim 60 is not supported by the flash kernels \(a multiple of "
+                               r"8, at most 256; pad to 64\)"):  # fmt: skip
+                select_kernel(cuda, torch.bfloat16, name, head_dim=60)
+        with pytest.raises(ValueError, match=r"'flash_attn2' does not run on device cuda with torch.float32"):
+            select_kernel(cuda, torch.float32, "flash_attn2")
     with pytest.raises(ValueError, match=r"no attention kernel runs on device type 'mps'"):
         select_kernel(torch.device("mps"), torch.float32)
+
+
+def test_a_head_dim_falls_to_the_next_kernel_with_a_notice(monkeypatch):
+    """On Ampere without flash-attn: head dim 192 goes to PyTorch's flash op (the pass over flash-attn noticed);
+    264 fits no kernel (cuDNN trains at most 128 there, the flash kernels 256) and the error names each."""
+    with torch_cudnn_on_cpu():
+        cuda = fake_device(monkeypatch, (8, 6), installed=())
+        with pytest.warns(UserWarning, match=r"passes over kernel flash_attn2: flash-attn is not installed"):
+            assert select_kernel(cuda, torch.bfloat16, head_dim=192).name == "torch_flash"
+        with pytest.raises(ValueError, match=r"torch_flash: head dim 264 .*; torch_cudnn: head dim 264 is not "
+                           r"supported by cuDNN's fused attention on sm86"):  # fmt: skip
+            select_kernel(cuda, torch.bfloat16, head_dim=264)
 
 
 def kernel_mask(causal, left, right, nq, nk):

@@ -1,14 +1,18 @@
 """Local block kernels behind one interface, chosen by device (overridable by name).
 
     cpu_flash    torch's CPU flash kernel                          CPU, any float dtype
+    te_fused     Transformer Engine's fused attention (cuDNN)      CUDA, fp16/bf16, when TE imports (2.5 to 2.20)
+    torch_cudnn  PyTorch's cuDNN attention ops                     CUDA, fp16/bf16
     flash_attn2  flash-attn 2                                      CUDA, fp16/bf16, when installed (2.5 to 2.8)
     torch_flash  PyTorch's own CUDA flash kernel (no flash-attn)   CUDA, fp16/bf16
     torch_math   explicit [b, h, s_q, s_k] scores, in fp32/fp64   CPU only (a reference: memory quadratic)
 
-Automatic choice: cpu_flash on CPU; on CUDA flash_attn2 when flash-attn imports, else torch_flash (fp16/bf16 only:
-both flash kernels refuse fp32, and a kernel that materialises scores would not fit at long-context block sizes).
-Head dims are checked at selection (flash kernels: a multiple of 8, at most 256), so a bad one fails before the
-first step instead of in the first backward.
+Automatic choice (:func:`kernel_preference`): cpu_flash on CPU; on CUDA, by compute capability, Hopper and later
+(sm90+) te_fused, torch_cudnn, flash_attn2, torch_flash (cuDNN's kernels are the fast ones there, flash-attn 2's are
+Ampere's), before Hopper flash_attn2, torch_flash, torch_cudnn. The first that imports and takes the dtype and head
+dim is chosen; each one passed over says why in a one-line notice, and the choice is printed once per distinct
+choice (rank 0). fp32 on CUDA is refused (every CUDA kernel takes fp16/bf16; one materialising scores would not fit
+at long-context block sizes). A kernel named explicitly is checked the same way and refused, not replaced.
 """
 
 from __future__ import annotations
@@ -21,69 +25,140 @@ import torch
 from .base import BlockKernel
 from .cpu_flash import CpuFlashKernel
 from .flash_attn2 import FlashAttn2Kernel, flash_attn_available
+from .te_fused import TeFusedKernel, te_fused_available
+from .torch_cudnn import TorchCudnnKernel
 from .torch_flash import TorchFlashKernel
 from .torch_math import TorchMathKernel
 
 KERNELS: dict[str, Callable[[], BlockKernel]] = {
     "cpu_flash": CpuFlashKernel,
+    "te_fused": TeFusedKernel,
+    "torch_cudnn": TorchCudnnKernel,
     "flash_attn2": FlashAttn2Kernel,
     "torch_flash": TorchFlashKernel,
     "torch_math": TorchMathKernel,
 }
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+HOPPER_ORDER = ("te_fused", "torch_cudnn", "flash_attn2", "torch_flash")
+AMPERE_ORDER = ("flash_attn2", "torch_flash", "torch_cudnn")
+_NOT_INSTALLED = {  # kernels over a package that may be missing: what it means when it does not import
+    "te_fused": "Transformer Engine is not importable",
+    "flash_attn2": "flash-attn is not installed",
+}
+_ANNOUNCED: set[str] = set()  # the choices already printed (a log, not a setting: it steers nothing)
 
 
-def automatic_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
-    """The kernel chosen when none is named (raises where none fits)."""
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device``; None where no CUDA runtime answers (tests fake one)."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def kernel_preference(device: torch.device) -> tuple[str, ...]:
+    """The kernels tried, in order, on ``device`` (a capability that cannot be read orders as before Hopper)."""
     if device.type == "cpu":
-        return "cpu_flash"
-    if device.type == "cuda" and dtype in FLASH_DTYPES:
-        if flash_attn_available():
-            return "flash_attn2"
-        warnings.warn(
-            "flash-attn is not installed: attention_2d uses PyTorch's own flash kernel (torch_flash); "
-            "install flash-attn 2 for its native sliding windows and varlen launches",
-            stacklevel=4,
-        )
-        return "torch_flash"
-    if device.type == "cuda":
+        return ("cpu_flash",)
+    if device.type != "cuda":
+        raise ValueError(f"no attention kernel runs on device type {device.type!r}; kernels: {sorted(KERNELS)}")
+    capability = cuda_capability(device)
+    return HOPPER_ORDER if capability is not None and capability >= (9, 0) else AMPERE_ORDER
+
+
+def _build(name: str) -> BlockKernel:
+    """The kernel ``name``, built (schema and signature checks included); raises ImportError when it cannot be."""
+    available = {"te_fused": te_fused_available, "flash_attn2": flash_attn_available}.get(name)
+    if available is not None and not available():
+        raise ImportError(_NOT_INSTALLED[name])
+    return KERNELS[name]()
+
+
+def _problem(kernel: BlockKernel, device, dtype, head_dim) -> str | None:
+    if not kernel.supports(device, dtype):
+        return f"does not run on device {device.type} with {dtype}"
+    return None if head_dim is None else kernel.head_dim_problem(head_dim)
+
+
+def announce(message: str) -> None:
+    """Print ``message`` once per process, on rank 0 (or where torch.distributed is not initialised)."""
+    if message in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(message)
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"megatron_2d: {message}", flush=True)
+
+
+def automatic_kernel(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> BlockKernel:
+    """The first kernel of :func:`kernel_preference` that builds and takes ``dtype`` and ``head_dim``; a one-line
+    warning for each one passed over. Raises ValueError naming every candidate's problem when none fits."""
+    order = kernel_preference(device)
+    if device.type == "cuda" and dtype not in CUDA_DTYPES:
         raise ValueError(
-            f"attention_2d on CUDA runs flash kernels, which take fp16 or bf16, not {dtype}; run the "
-            f"model in bf16/fp16 (Megatron: --bf16)"
+            f"attention_2d on CUDA runs fused kernels ({', '.join(order)}), which take fp16 or bf16, not {dtype}; "
+            f"run the model in bf16/fp16 (Megatron: --bf16)"
         )
-    raise ValueError(f"no attention kernel runs on device type {device.type!r}; kernels: {sorted(KERNELS)}")
+    passed: list[str] = []
+    for name in order:
+        try:
+            kernel = _build(name)
+        except ImportError as err:
+            passed.append(f"{name}: {err}")
+            continue
+        problem = _problem(kernel, device, dtype, head_dim)
+        if problem is not None:
+            passed.append(f"{name}: {problem}")
+            continue
+        for reason in passed:
+            warnings.warn(f"attention_2d passes over kernel {reason}; using {name}", stacklevel=4)
+        what = f"{dtype}".replace("torch.", "") + ("" if head_dim is None else f", head dim {head_dim}")
+        announce(f"attention kernel {name} ({what} on {device.type}" + _capability_note(device) + ")")
+        return kernel
+    raise ValueError(f"no attention kernel takes {dtype} with head dim {head_dim} here: " + "; ".join(passed))
+
+
+def _capability_note(device: torch.device) -> str:
+    capability = cuda_capability(device) if device.type == "cuda" else None
+    return "" if capability is None else f" sm{capability[0]}{capability[1]}"
+
+
+def automatic_kernel_name(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str:
+    """The name of the kernel chosen when none is named (raises where none fits)."""
+    return automatic_kernel(device, dtype, head_dim).name
 
 
 def select_kernel(
     device: torch.device, dtype: torch.dtype, name: str | None = None, head_dim: int | None = None
 ) -> BlockKernel:
     """The block kernel for ``device``/``dtype`` (and q/k/v head dim ``head_dim``, checked when given): ``name``
-    if given, else the best that runs there. Raises ValueError naming the problem."""
-    chosen = automatic_kernel_name(device, dtype) if name is None else name
-    if chosen not in KERNELS:
-        raise ValueError(f"unknown attention kernel {chosen!r}; choose one of {sorted(KERNELS)} or None (automatic)")
+    if given, else the best that runs there (:func:`automatic_kernel`). Raises ValueError naming the problem."""
+    if name is None:
+        return automatic_kernel(device, dtype, head_dim)
+    if name not in KERNELS:
+        raise ValueError(f"unknown attention kernel {name!r}; choose one of {sorted(KERNELS)} or None (automatic)")
     try:
-        kernel = KERNELS[chosen]()
+        kernel = _build(name)
     except ImportError as err:
-        raise ValueError(
-            f"attention kernel {chosen!r} is not available here ({err})"
-            + ("; use kernel=None to choose automatically" if name is not None else "")
-        ) from err
+        raise ValueError(f"attention kernel {name!r} is not available here ({err})") from err
     if not kernel.supports(device, dtype):
-        raise ValueError(f"attention kernel {chosen!r} does not run on device {device.type} with {dtype}")
+        raise ValueError(f"attention kernel {name!r} does not run on device {device.type} with {dtype}")
     problem = None if head_dim is None else kernel.head_dim_problem(head_dim)
     if problem is not None:
-        raise ValueError(f"attention kernel {chosen!r}: {problem}")
+        raise ValueError(f"attention kernel {name!r}: {problem}")
     return kernel
 
 
 __all__ = [
     "BlockKernel",
     "KERNELS",
+    "automatic_kernel",
     "automatic_kernel_name",
+    "kernel_preference",
     "select_kernel",
     "CpuFlashKernel",
     "FlashAttn2Kernel",
+    "TeFusedKernel",
+    "TorchCudnnKernel",
     "TorchFlashKernel",
     "TorchMathKernel",
 ]
