@@ -65,7 +65,8 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
     assert any(d.sinks for d in draws) and any(not d.causal for d in draws)
     assert any(d.hkv < b.hp for b, ds in batches for d in ds)  # K/V replication
     assert any(d.batch == 2 for d in draws)
-    assert {d.kernel for d in draws} == {"cpu_flash", "torch_math", "flash_attn2", "torch_flash"}
+    assert {d.kernel for d in draws} == {"cpu_flash", "torch_math", *FLASH_KERNELS}
+    assert set(FLASH_KERNELS) == {"flash_attn2", "torch_flash", "torch_cudnn"}
     assert all((d.dtype == "bfloat16") == (d.kernel in FLASH_KERNELS) for d in draws)
     for kernel in FLASH_KERNELS:  # the plans whose tall blocks flash-attn's C++ would give other windows
         windowed = [d for d in packed if d.kernel == kernel and not d.causal and d.window != (-1, -1)]

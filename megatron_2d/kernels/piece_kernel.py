@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..merge import merge_attention_
-from .base import BlockKernel, accumulator_dtype, to_device_once
+from .base import BlockKernel, PaddedValueKernel, accumulator_dtype, to_device_once
 from .pieces import Piece, band_pieces, whole_block_mask
 
 _GROUP_CACHE = 256
@@ -146,6 +146,15 @@ class PieceKernel(BlockKernel):
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+    def for_head_dims(self, key_dim: int, value_dim: int) -> BlockKernel:
+        """Itself when cuDNN takes V's head dim as it is (a multiple of 8: d_qk != d_v is fine), else V padded to
+        the key dim (:class:`~megatron_2d.kernels.base.PaddedValueKernel`)."""
+        if value_dim % 8 == 0:
+            return self
+        if value_dim > key_dim:
+            raise ValueError(f"value head dim {value_dim}: not a multiple of 8, and above the key head dim {key_dim}")
+        return PaddedValueKernel(self, key_dim, value_dim)
 
     def _plan(self, calls, first_key: int, batch: int, sq: int, sk: int, device):
         """(calls run whole as (call, mask), varlen groups of the other calls' pieces) for one block, cached."""

@@ -7,11 +7,12 @@ value head dims below the query/key dim (MLA), document lengths (one-token docum
 one giant document among tiny ones, hundreds of tiny ones, padding at the end of the stream), GQA ratios with K/V
 replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. The kernels are
 the CPU ones in fp32, and the CUDA ones in bf16 through their CPU stand-ins: ``flash_attn2`` through a real
-flash-attn release (one per batch, :mod:`megatron_2d.testing.flash_attn_package`) and ``torch_flash`` through
+flash-attn release (one per batch, :mod:`megatron_2d.testing.flash_attn_package`), ``torch_flash`` through
 PyTorch's flash ops on CPU (:mod:`megatron_2d.testing.torch_flash_cpu`), both of which run windows as flash-attn's
-C++ does. Every draw is checked against :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a
-plain sequence is one document): out, dq, dk, dv and d sinks, with padding slots exactly zero and everything
-finite.
+C++ does, and ``torch_cudnn`` through PyTorch's cuDNN ops on CPU (:mod:`megatron_2d.testing.torch_cudnn_cpu`); a
+draw's CUDA kernel rotates with its index, so each reaches every kind of plan. Every draw is checked against
+:func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence is one document): out,
+dq, dk, dv and d sinks, with padding slots exactly zero and everything finite.
 
 The bound is the tolerance of the draw's dtype (``TOLERANCE``, max |error| / max |reference|; a bf16 draw's inputs are
 bf16 numbers, so its bound covers the kernels' and the outputs' rounding), except where an fp32 draw is so
@@ -175,8 +176,9 @@ def _window(rng: np.random.Generator, causal: bool, longest: int) -> tuple[int, 
     return (-1 if unbounded == 1 else left, -1 if unbounded == 2 else right)
 
 
-FLASH_KERNELS = ("flash_attn2", "torch_flash")
-"""The CUDA kernels, drawn in bf16 through their CPU stand-ins (see the module)."""
+FLASH_KERNELS = ("flash_attn2", "torch_flash", "torch_cudnn")
+"""The CUDA kernels, drawn in bf16 through their CPU stand-ins (see the module). te_fused is not drawn: its CPU
+stand-in needs a Transformer Engine release imported into the process (tests/test_te_releases.py runs it)."""
 FLASH_SHARE = 0.3
 """The share of draws that run a CUDA kernel (drawn from a stream of their own, so the other draws stay as
 they were). Of their packed draws, :data:`FLASH_NON_CAUSAL` turn non-causal with a window of their own: the
@@ -224,7 +226,7 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
     flash = np.random.default_rng([batch.seed, 2, index])
     if flash.random() >= FLASH_SHARE:
         return draw
-    draw = replace(draw, kernel=str(flash.choice(FLASH_KERNELS)), dtype="bfloat16")
+    draw = replace(draw, kernel=FLASH_KERNELS[(batch.seed + index) % len(FLASH_KERNELS)], dtype="bfloat16")
     if mode is not None and flash.random() < FLASH_NON_CAUSAL:
         draw = replace(draw, causal=False, window=_window(flash, False, max(lengths)))
     return draw
@@ -338,9 +340,10 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
 
 def cuda_kernels_on_cpu(batch: Batch, draws: Sequence[Draw]) -> contextlib.ExitStack:
     """The CPU stand-ins the draws' CUDA kernels need, entered: the batch's flash-attn release (imported once into
-    this process) for flash_attn2, PyTorch's flash ops on CPU for torch_flash."""
+    this process) for flash_attn2, PyTorch's flash ops on CPU for torch_flash, its cuDNN ops for torch_cudnn."""
     from ..kernels import FlashAttn2Kernel
     from . import flash_attn_package
+    from .torch_cudnn_cpu import torch_cudnn_on_cpu
     from .torch_flash_cpu import kernel_on_cpu, torch_flash_on_cpu
 
     stack = contextlib.ExitStack()
@@ -350,6 +353,8 @@ def cuda_kernels_on_cpu(batch: Batch, draws: Sequence[Draw]) -> contextlib.ExitS
         stack.enter_context(kernel_on_cpu(FlashAttn2Kernel))
     if "torch_flash" in kernels:
         stack.enter_context(torch_flash_on_cpu())
+    if "torch_cudnn" in kernels:
+        stack.enter_context(torch_cudnn_on_cpu())
     return stack
 
 
