@@ -1,0 +1,463 @@
+"""Real Transformer Engine releases on CPU: each release's own Python layer over a CPU ``transformer_engine_torch``.
+
+What runs is the release's ``transformer_engine`` package as published (the pure-Python ``transformer-engine`` wheel:
+``transformer_engine.pytorch`` imported whole, ``cpp_extensions.fused_attn_fwd`` / ``fused_attn_bwd`` as TE's
+``context_parallel.py`` calls them); only the compiled parts are replaced:
+
+    libtransformer_engine.so, cuDNN, NVRTC   not loaded: the release's own switch for that, NVTE_PROJECT_BUILDING
+                                             (set while the package imports), skips its ctypes loads
+    transformer_engine_torch                 a module made here (:func:`cpu_extension`): its enums hold the member
+                                             names the release's Python layer references (read from its source),
+                                             the other names it imports are placeholders that raise when called,
+                                             and ``fused_attn_fwd`` / ``fused_attn_bwd`` take the release's
+                                             positional arguments (:data:`ABIS`) and compute on CPU
+    load_framework_extension("torch")        the release's loader of that shared object, made a no-op for it
+
+The CPU functions compute what TE's F16_arbitrary_seqlen backend computes for the calls the te_fused kernel makes,
+and refuse the rest (NotImplementedError): layouts bshd_bshd_bshd and thd_thd_thd; masks no_mask, causal and
+padding variants (causal top-left, ``*_bottom_right`` bottom-right); window (-1, -1), or (-1, 0) with a causal mask;
+no bias, dropout, FP8, paged K/V or non-vanilla softmax. Outputs ``[O, softmax stats (natural-log log-sum-exp, fp32),
+rng_state]``: stats [b, h, s_q, 1] for bshd, for thd [total_q, h, 1] or, as older TE / cuDNN lay them out,
+[b, h, max_seqlen_q, 1] (``thd_stats``). Math: torch's CPU flash kernel (V zero-padded to q's head dim).
+
+Setup (``tools/install.sh`` runs it; each release installs once into its own folder, nothing is compiled, and the
+packages TE's PyTorch layer imports from 2.8 on, onnxscript and onnx, into one more):
+
+    python -m megatron_2d.testing.te_package install
+
+Use, in a process that will import no other release (forked ranks):
+
+    fused_attn = load_release("2.20.2")       # transformer_engine.pytorch.cpp_extensions.fused_attn
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import concurrent.futures
+import enum
+import importlib
+import os
+import pathlib
+import subprocess
+import sys
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..band import Band
+from ..kernels.cpu_flash import CpuFlashKernel
+from ..kernels.torch_math import TorchMathKernel
+
+RELEASES = ("2.5.0", "2.8.0", "2.12.0", "2.20.2")
+RELEASES_ENV = "MEGATRON_2D_TE_RELEASES"
+DEPENDENCIES = ("onnxscript==0.7.2", "onnx==1.23.2", "onnx_ir==1.1.0", "ml_dtypes==0.7.0", "protobuf==7.36.2")
+"""What ``transformer_engine.pytorch`` imports from 2.8 on beyond torch (``export.py``: onnxscript, onnx)."""
+DEPENDENCIES_DIR = "_deps"
+
+_FWD_2_5 = (
+    "max_seqlen_q", "max_seqlen_kv", "is_training", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+    "attn_bias_type", "attn_mask_type", "window_size", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "fake_dtype",
+    "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k", "page_table_v", "s_quantizer", "o_quantizer",
+    "attn_bias", "rng_gen", "rng_elts_per_thread",
+)  # fmt: skip
+_BWD_2_5 = (
+    "max_seqlen_q", "max_seqlen_kv", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout", "attn_bias_type",
+    "attn_mask_type", "window_size", "deterministic", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "o", "d_o",
+    "fake_dtype", "dqkv_dtype", "aux_ctx_tensors", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer",
+    "dp_quantizer", "dqkv_quantizer",
+)  # fmt: skip
+
+
+def _with(args: tuple[str, ...], after: str, *names: str) -> tuple[str, ...]:
+    i = args.index(after) + 1
+    return args[:i] + names + args[i:]
+
+
+_FWD_2_8 = _with(_with(_FWD_2_5, "attn_mask_type", "softmax_type"), "attn_bias", "softmax_offset")
+_BWD_2_8 = _with(_BWD_2_5, "attn_mask_type", "softmax_type")
+_FWD_2_12 = _with(_FWD_2_8, "window_size", "bottom_right_diagonal") + ("return_max_logit", "cuda_graph")
+_BWD_2_12 = _with(_BWD_2_8, "window_size", "bottom_right_diagonal") + ("cuda_graph",)
+_FWD_2_20 = _with(_FWD_2_12, "qkv_layout", "o_format", "qkv_scale_inv_format")
+_BWD_2_20 = tuple(
+    a
+    for a in _with(_BWD_2_12, "qkv_layout", "o_format", "do_format", "dqkv_layout", "qkv_scale_inv_format",
+                   "do_scale_inv_format")
+    if a != "dqkv_dtype"
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExtensionABI:
+    """How one release family's Python layer calls ``tex.fused_attn_fwd`` / ``fused_attn_bwd``: the positional
+    parameters, named as the Python layer names what it passes (an enum argument by the string it is looked up
+    from), and how many gradients the backward returns after dQ, dK, dV."""
+
+    name: str
+    fwd: tuple[str, ...]
+    bwd: tuple[str, ...]
+    extra_grads: int
+
+
+ABIS = {
+    "2.5": ExtensionABI("2.5", _FWD_2_5, _BWD_2_5, extra_grads=1),  # dBias
+    "2.8": ExtensionABI("2.8", _FWD_2_8, _BWD_2_8, extra_grads=2),  # dBias, dSoftmaxOffset
+    "2.12": ExtensionABI("2.12", _FWD_2_12, _BWD_2_12, extra_grads=2),
+    "2.20": ExtensionABI("2.20", _FWD_2_20, _BWD_2_20, extra_grads=2),
+}
+
+
+def abi_of(version: str) -> ExtensionABI:
+    """The extension ABI of a TE release (2.5 to 2.20)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) < (2, 5) or (major, minor) > (2, 20):
+        raise ValueError(f"Transformer Engine {version}: no CPU extension for this release; known: 2.5 to 2.20")
+    key = "2.5" if minor < 8 else "2.8" if minor < 12 else "2.12" if minor < 20 else "2.20"
+    return ABIS[key]
+
+
+# ---- the enums: the member names each release's Python layer references --------------------------------------
+
+
+def referenced_names(package: pathlib.Path) -> tuple[dict[str, list[str]], list[str]]:
+    """What the PyTorch layer under ``package`` takes from ``transformer_engine_torch``: ({enum: member names} as it
+    references them, ``tex.Enum.member`` or ``Enum.member`` for an enum imported by name; enums are its capitalised
+    names), and every other name it reads from the module (``tex.name`` or imported by name)."""
+    found: dict[str, set[str]] = collections.defaultdict(set)
+    imported: set[str] = set()
+    for path in sorted((package / "pytorch").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        module_aliases, name_aliases = set(), {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                module_aliases |= {a.asname or a.name for a in node.names if a.name == "transformer_engine_torch"}
+            elif isinstance(node, ast.ImportFrom) and node.module == "transformer_engine_torch":
+                name_aliases.update({a.asname or a.name: a.name for a in node.names if a.name != "*"})
+        imported |= set(name_aliases.values())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr.startswith("__"):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in module_aliases:
+                imported.add(node.attr)  # tex.name: bound when the module imports if in a signature or a default
+            if (
+                isinstance(owner, ast.Attribute)
+                and isinstance(owner.value, ast.Name)
+                and owner.value.id in module_aliases
+            ):
+                name = owner.attr
+            elif isinstance(owner, ast.Name) and owner.id in name_aliases:
+                name = name_aliases[owner.id]
+            else:
+                continue
+            if name[:1].isupper():
+                found[name].add(node.attr)
+    return {name: sorted(members) for name, members in found.items()}, sorted(imported - set(found))
+
+
+def _not_emulated(name: str):
+    """A name of the compiled extension the te_fused kernel never calls: a class, or a function that says so."""
+    if name[:1].isupper():
+        return type(name, (), {"__module__": "transformer_engine_torch"})
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError(f"CPU transformer_engine_torch: {name} is not emulated")
+
+    missing.__name__ = missing.__qualname__ = name
+    return missing
+
+
+def _enum(name: str, members: Sequence[str]) -> type[enum.IntEnum]:
+    """A pybind-like enum: a class whose int-valued members carry ``.name`` and ``__members__``."""
+    return enum.IntEnum(name, [(m, i) for i, m in enumerate(members)], module="transformer_engine_torch")
+
+
+# ---- the CPU functions ----------------------------------------------------------------------------------------
+
+
+def _math(q: torch.Tensor, v: torch.Tensor):
+    return TorchMathKernel() if v.shape[-1] > q.shape[-1] else CpuFlashKernel().for_head_dims(q.shape[-1], v.shape[-1])
+
+
+def _bind(names: tuple[str, ...], fn: str, args: tuple) -> dict[str, object]:
+    if len(args) != len(names):
+        raise TypeError(f"{fn}(): takes {len(names)} positional arguments ({', '.join(names)}), got {len(args)}")
+    return dict(zip(names, args))
+
+
+_FORMATS = {"NVTE_BSHD_BSHD_BSHD": "bshd", "NVTE_THD_THD_THD": "thd"}
+_MASKS = {  # mask -> (padding, causal alignment or None)
+    "NVTE_NO_MASK": (False, None),
+    "NVTE_CAUSAL_MASK": (False, "top_left"),
+    "NVTE_CAUSAL_BOTTOM_RIGHT_MASK": (False, "bottom_right"),
+    "NVTE_PADDING_MASK": (True, None),
+    "NVTE_PADDING_CAUSAL_MASK": (True, "top_left"),
+    "NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK": (True, "bottom_right"),
+}
+
+
+def _call(a: dict[str, object]) -> tuple[str, str | None]:
+    """(format, causal alignment) of a call, after the checks; NotImplementedError for what is not emulated."""
+    q, k, v = a["q"], a["k"], a["v"]
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise RuntimeError(f"fused attention F16_arbitrary_seqlen takes fp16/bf16 q, k, v, got {q.dtype}")
+    if a["fake_dtype"] != q.dtype:
+        raise RuntimeError(f"fake_dtype {a['fake_dtype']} is not q's dtype {q.dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.shape[-1] % 8 or x.shape[-1] > 256:
+            raise RuntimeError(f"cuDNN fused attention: {name} head dim {x.shape[-1]} is not a multiple of 8 <= 256")
+    if q.shape[-2] % k.shape[-2] or k.shape[-2] != v.shape[-2]:
+        raise RuntimeError("K/V heads must divide the query heads")
+    layout, mask = a["qkv_layout"].name, a["attn_mask_type"].name
+    unsupported = [] if layout in _FORMATS else [f"qkv_layout {layout}"]
+    if a["attn_bias_type"].name != "NVTE_NO_BIAS":
+        unsupported.append(a["attn_bias_type"].name)
+    if "softmax_type" in a and a["softmax_type"].name != "NVTE_VANILLA_SOFTMAX":
+        unsupported.append(a["softmax_type"].name)
+    if a["dropout"]:
+        unsupported.append(f"dropout {a['dropout']}")
+    for name in ("page_table_k", "page_table_v", "s_quantizer", "o_quantizer", "dp_quantizer", "dqkv_quantizer"):
+        if a.get(name) is not None:
+            unsupported.append(name)
+    padding, causal = _MASKS.get(mask, (None, None))
+    window = tuple(a["window_size"])
+    if window not in ((-1, -1), (-1, 0)) or (window == (-1, 0)) != (causal is not None):
+        unsupported.append(f"window {window} with {mask}")
+    if unsupported:
+        raise NotImplementedError(f"CPU transformer_engine_torch: {', '.join(unsupported)} not emulated")
+    fmt = _FORMATS[layout]
+    if padding is None or padding != (fmt == "thd"):
+        raise NotImplementedError(f"CPU transformer_engine_torch: {mask} with {layout} not emulated")
+    if "bottom_right_diagonal" in a and a["bottom_right_diagonal"] != (causal == "bottom_right"):
+        raise RuntimeError(f"bottom_right_diagonal {a['bottom_right_diagonal']} contradicts {mask}")
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        padded = a[name]
+        if padded is not None and not torch.equal(padded, a[name.replace("_padded", "")]):
+            raise NotImplementedError(f"CPU transformer_engine_torch: {name} with padding between sequences")
+    return fmt, causal
+
+
+def _sequences(a: dict[str, object], fmt: str) -> list[tuple[slice, slice]]:
+    """(query rows, key rows) of each sequence: the batch rows (bshd) or cu_seqlens' runs (thd, host reads)."""
+    cq, ck = a["cu_seqlens_q"].tolist(), a["cu_seqlens_kv"].tolist()
+    batch = a["q"].shape[0] if fmt == "bshd" else len(cq) - 1
+    if len(cq) != batch + 1 or len(ck) != batch + 1 or a["cu_seqlens_q"].dtype != torch.int32:
+        raise RuntimeError(f"cu_seqlens must be int32 with batch + 1 = {batch + 1} entries")
+    if fmt == "bshd":
+        sq, sk = a["q"].shape[1], a["k"].shape[1]
+        if cq != [i * sq for i in range(batch + 1)] or ck != [i * sk for i in range(batch + 1)]:
+            raise NotImplementedError("CPU transformer_engine_torch: bshd with sequences shorter than the tensor")
+        return [(slice(i, i + 1), slice(i, i + 1)) for i in range(batch)]
+    runs = [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(batch)]
+    if (
+        max(r.stop - r.start for r, _ in runs) > a["max_seqlen_q"]
+        or max(r.stop - r.start for _, r in runs) > a["max_seqlen_kv"]
+    ):
+        raise RuntimeError("a sequence is longer than max_seqlen_q / max_seqlen_kv")
+    return runs
+
+
+def _band(causal: str | None, sq: int, sk: int) -> Band | None:
+    if causal is None:
+        return None
+    if causal == "bottom_right" and sk < sq:
+        raise NotImplementedError("CPU transformer_engine_torch: bottom-right causal rows that see no key")
+    return Band(None, 0 if causal == "top_left" else sk - sq)
+
+
+def _fwd(abi: ExtensionABI, thd_stats: str, *args):
+    a = _bind(abi.fwd, "fused_attn_fwd", args)
+    fmt, causal = _call(a)
+    q, k, v = a["q"], a["k"], a["v"]
+    scale = float(a["attn_scale"])
+    runs = _sequences(a, fmt)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if fmt == "bshd":
+        b, sq, h = q.shape[:3]
+        stats = torch.empty(b, h, sq, 1)
+    else:
+        h, max_q = q.shape[1], int(a["max_seqlen_q"])
+        stats = torch.empty(q.shape[0], h, 1) if thd_stats == "packed" else torch.zeros(len(runs), h, max_q, 1)
+    for n, (rq, rk) in enumerate(runs):
+        qs, ks, vs = (x[r] if fmt == "bshd" else x[r][None] for x, r in ((q, rq), (k, rk), (v, rk)))
+        o, lse = _math(q, v).forward(qs, ks, vs, _band(causal, qs.shape[1], ks.shape[1]), scale)
+        if fmt == "bshd":
+            out[rq], stats[rq, :, :, 0] = o, lse.float()
+        else:
+            out[rq] = o[0]
+            if thd_stats == "packed":
+                stats[rq, :, 0] = lse[0].float().t()
+            else:
+                stats[n, :, : rq.stop - rq.start, 0] = lse[0].float()
+    return [out, stats, torch.zeros(2, dtype=torch.int64)]
+
+
+def _bwd(abi: ExtensionABI, thd_stats: str, *args):
+    a = _bind(abi.bwd, "fused_attn_bwd", args)
+    fmt, causal = _call(a)
+    q, k, v, o, d_o = a["q"], a["k"], a["v"], a["o"], a["d_o"]
+    stats, _rng_state = a["aux_ctx_tensors"]
+    runs = _sequences(a, fmt)
+    expected = (
+        (q.shape[0], q.shape[2], q.shape[1], 1)
+        if fmt == "bshd"
+        else (q.shape[0], q.shape[1], 1)
+        if thd_stats == "packed"
+        else (len(runs), q.shape[1], int(a["max_seqlen_q"]), 1)
+    )
+    if tuple(stats.shape) != expected or stats.dtype != torch.float32:
+        raise RuntimeError(f"softmax stats {tuple(stats.shape)} {stats.dtype}, expected {expected} fp32")
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    for n, (rq, rk) in enumerate(runs):
+        if fmt == "bshd":
+            xs, lse = [x[r] for x, r in ((d_o, rq), (q, rq), (k, rk), (v, rk), (o, rq))], stats[rq, :, :, 0]
+        else:
+            xs = [x[r][None] for x, r in ((d_o, rq), (q, rq), (k, rk), (v, rk), (o, rq))]
+            rows = stats[rq, :, 0].t() if thd_stats == "packed" else stats[n, :, : rq.stop - rq.start, 0]
+            lse = rows[None].contiguous()
+        g = _math(q, v).backward(*xs, lse, _band(causal, xs[1].shape[1], xs[2].shape[1]), float(a["attn_scale"]))
+        for buffer, r, grad in ((dq, rq, g[0]), (dk, rk, g[1]), (dv, rk, g[2])):
+            buffer[r] = grad if fmt == "bshd" else grad[0]
+    return [dq, dk, dv] + [None] * abi.extra_grads
+
+
+def cpu_extension(
+    abi: ExtensionABI, enums: dict[str, list[str]], others: Sequence[str] = (), thd_stats: str = "packed"
+) -> types.ModuleType:
+    """A ``transformer_engine_torch`` module of one ABI: ``enums`` as pybind-like enums, ``others`` as names that
+    are not emulated (:func:`_not_emulated`), ``fused_attn_fwd`` / ``fused_attn_bwd`` on CPU; ``module.calls``
+    counts the calls. ``thd_stats``: "packed" or "padded" (see the module). To its callers it is compiled code:
+    Python's torch function and dispatch modes do not see inside."""
+    if thd_stats not in ("packed", "padded"):
+        raise ValueError(f"thd_stats must be 'packed' or 'padded', got {thd_stats!r}")
+    module = types.ModuleType("transformer_engine_torch")
+    module.__doc__ = f"CPU stand-in of Transformer Engine's compiled extension, ABI {abi.name} (megatron_2d.testing)"
+    module.abi, module.thd_stats, module.calls = abi, thd_stats, collections.Counter()
+    for name, members in enums.items():
+        setattr(module, name, _enum(name, members))
+    for name in others:
+        setattr(module, name, _not_emulated(name))
+    for name, impl in (("fused_attn_fwd", _fwd), ("fused_attn_bwd", _bwd)):
+
+        def call(*args, _impl=impl, _name=name):
+            module.calls[_name] += 1
+            with torch._C.DisableTorchFunction(), _disable_current_modes():
+                return _impl(abi, thd_stats, *args)
+
+        call.__name__ = call.__qualname__ = name
+        setattr(module, name, call)
+    return module
+
+
+# ---- the installed releases -----------------------------------------------------------------------------------
+
+
+def releases_dir() -> pathlib.Path:
+    """Where the releases are installed: $MEGATRON_2D_TE_RELEASES, else <venv>/te-releases."""
+    return pathlib.Path(os.environ.get(RELEASES_ENV) or pathlib.Path(sys.prefix) / "te-releases")
+
+
+def release_path(version: str) -> pathlib.Path:
+    return releases_dir() / version
+
+
+def is_installed(version: str) -> bool:
+    deps = releases_dir() / DEPENDENCIES_DIR / "onnxscript"
+    return (release_path(version) / "transformer_engine" / "pytorch" / "__init__.py").is_file() and deps.is_dir()
+
+
+def _drop_modules() -> None:
+    for name in [n for n in sys.modules if n.split(".")[0] in ("transformer_engine", "transformer_engine_torch")]:
+        del sys.modules[name]
+
+
+def load_release(version: str, thd_stats: str = "packed") -> types.ModuleType:
+    """Import TE ``version`` (installed by :func:`install`) over the CPU extension of its ABI; returns its
+    ``transformer_engine.pytorch.cpp_extensions.fused_attn``. Replaces any TE already imported in this process,
+    so call it once per process (forked ranks)."""
+    if not is_installed(version):
+        raise FileNotFoundError(
+            f"Transformer Engine {version} is not installed under {releases_dir()}; run "
+            f"'python -m megatron_2d.testing.te_package install' (tools/install.sh does)"
+        )
+    _drop_modules()
+    root = release_path(version)
+    enums, others = referenced_names(root / "transformer_engine")
+    sys.modules["transformer_engine_torch"] = cpu_extension(abi_of(version), enums, others, thd_stats)
+    paths = [str(root), str(releases_dir() / DEPENDENCIES_DIR)]
+    sys.path[:0] = paths
+    building = os.environ.get("NVTE_PROJECT_BUILDING")
+    os.environ["NVTE_PROJECT_BUILDING"] = "1"  # the release's own switch: no ctypes loads of its shared objects
+    try:
+        # transformer_engine.common first, under a bare parent, so that its loader of the compiled framework
+        # extension can be told the stand-in is loaded before the package's __init__ imports transformer_engine.pytorch
+        parent = types.ModuleType("transformer_engine")
+        parent.__path__ = [str(root / "transformer_engine")]
+        sys.modules["transformer_engine"] = parent
+        common = importlib.import_module("transformer_engine.common")
+        common.load_framework_extension = lambda framework: None
+        del sys.modules["transformer_engine"]
+        package = importlib.import_module("transformer_engine")
+        package.common = common
+        importlib.import_module("transformer_engine.pytorch")
+        fused_attn = importlib.import_module("transformer_engine.pytorch.cpp_extensions.fused_attn")
+    finally:
+        for path in paths:
+            sys.path.remove(path)
+        if building is None:
+            os.environ.pop("NVTE_PROJECT_BUILDING", None)
+        else:
+            os.environ["NVTE_PROJECT_BUILDING"] = building
+    if package.__version__ != version:
+        raise ImportError(f"imported transformer_engine {package.__version__} from {root}, expected {version}")
+    return fused_attn
+
+
+def _pip(target: pathlib.Path, requirements: Sequence[str], python: str) -> None:
+    staging = target.with_name(target.name + ".partial")
+    subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--quiet", "--disable-pip-version-check", "--no-deps",
+         "--no-compile", "--upgrade", "--target", str(staging), *requirements],
+        check=True,
+    )  # fmt: skip
+    staging.rename(target)
+
+
+def install(versions: Sequence[str] = RELEASES, python: str = sys.executable) -> list[str]:
+    """Install each missing release's Python layer (the pure-Python ``transformer-engine`` wheel, no CUDA parts)
+    into its own folder and the packages it imports into one more; returns what was installed now. pip caches the
+    downloads, so a second setup does not fetch them again."""
+    done = []
+    deps = releases_dir() / DEPENDENCIES_DIR
+    if not (deps / "onnxscript").is_dir():
+        _pip(deps, DEPENDENCIES, python)
+        done.append(DEPENDENCIES_DIR)
+    missing = [v for v in versions if not (release_path(v) / "transformer_engine").is_dir()]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(missing))) as pool:
+        list(pool.map(lambda v: _pip(release_path(v), [f"transformer-engine=={v}"], python), missing))
+    return done + missing
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(description="Install Transformer Engine releases (Python layer) for CPU tests")
+    parser.add_argument("command", choices=["install", "list"])
+    args = parser.parse_args(argv or None)
+    if args.command == "install":
+        releases_dir().mkdir(parents=True, exist_ok=True)
+        done = install()
+        print(
+            f"Transformer Engine releases in {releases_dir()}: {', '.join(RELEASES)}"
+            + (f" (installed now: {', '.join(done)})" if done else "")
+        )
+    else:
+        for version in RELEASES:
+            print(version, "installed" if is_installed(version) else "missing", release_path(version))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
