@@ -6,7 +6,7 @@ STAMP := $(VENV)/.megatron_2d-installed
 .PHONY: install demo test test-fast lint bench pretrain-cpu pretrain-hybrid-cpu mutation fuzz gpu-check clean
 install: $(STAMP)
 
-$(STAMP): tools/install.sh pyproject.toml megatron_2d/testing/flash_attn_package.py
+$(STAMP): tools/install.sh pyproject.toml megatron_2d/testing/flash_attn_package.py megatron_2d/testing/te_package.py
 	bash tools/install.sh
 	touch $@
 

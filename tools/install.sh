@@ -8,7 +8,10 @@
 #     `dev` extra (tests, demo, benchmarks, ruff);
 #   - the real flash-attn releases the CPU tests run (their Python layer only, nothing compiled), each in its own
 #     folder under $VENV/flash-attn-releases, skipped when present (megatron_2d/testing/flash_attn_package.py);
-#     pip caches the downloads, so a second setup does not fetch them again.
+#     pip caches the downloads, so a second setup does not fetch them again;
+#   - likewise the real Transformer Engine releases (the pure-Python transformer-engine wheel of each, nothing
+#     compiled) and what their PyTorch layer imports (onnxscript, onnx), under $VENV/te-releases
+#     (megatron_2d/testing/te_package.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -25,4 +28,5 @@ PIP=("$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-che
 "${PIP[@]}" -e ".[dev]"
 "${PIP[@]}" "setuptools>=70.1" wheel                 # flash-attn's setup.py imports wheel.bdist_wheel
 "$VENV/bin/python" -m megatron_2d.testing.flash_attn_package install
+"$VENV/bin/python" -m megatron_2d.testing.te_package install
 "$VENV/bin/python" -c "import torch, megatron.core, megatron_2d; print('installed: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| megatron_2d', megatron_2d.__version__)" 2>/dev/null
