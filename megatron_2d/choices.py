@@ -11,6 +11,8 @@ same function, which names the setting as that route spells it.
     MLA_RINGS         what travels the ring under multi-latent attention: cp_2d_mla_ring, --cp-2d-mla-ring
     RECOMPUTE_CHECKS  how Selective Checkpoint++ compares a recompute: selective_checkpoint_plus_plus_check,
                       --selective-checkpoint-plus-plus-check
+    KERNELS           the block kernel attention runs (None: chosen by device, megatron_2d.kernels):
+                      attention_2d(kernel=), cp_2d_kernel, --cp-2d-kernel; the planner's --kernel takes the CUDA ones
     head_exchange_point_to_point / head_exchange_copies
                       which path the head all-to-all takes, and so how many copies it makes (the op and the
                       planner's cost model both ask here)
@@ -30,6 +32,7 @@ PACKING_MODES = ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
 MLA_RINGS = ("expanded", "latent")
 RECOMPUTE_CHECKS = ("tolerance", "bitwise")
+KERNELS = ("te_fused", "torch_cudnn", "flash_attn2", "torch_flash", "cpu_flash", "torch_math")
 
 
 def choice_problem(setting: str, value, choices: Sequence[str]) -> str | None:
@@ -60,6 +63,11 @@ def check_dkv_comm_dtype(value, setting: str = "dkv_comm_dtype") -> str:
 def check_mla_ring(value, setting: str = "cp_2d_mla_ring") -> str:
     """What travels the ring under MLA (:data:`MLA_RINGS`), checked."""
     return check_choice(setting, value, MLA_RINGS)
+
+
+def check_kernel(value, setting: str = "kernel") -> str | None:
+    """A block kernel's name (:data:`KERNELS`) or None (chosen by device), checked."""
+    return None if value is None else check_choice(setting, value, KERNELS)
 
 
 def head_exchange_point_to_point(backend: str, batch: int, chunk_units: bool) -> bool:

@@ -340,3 +340,11 @@ def test_torch_flash_stand_in_varlen_window_against_max_k():
         want = flash_reference(q[rq][None], k[rk][None], v[rk][None], q[rq][None], 0.4, False, (-1, 2))
         assert rel_err(out[rq], want[0][0]) < TOLERANCES[torch.bfloat16].end_to_end
         assert rel_err(lse[:, rq], want[1][0]) < TOLERANCES[torch.bfloat16].end_to_end
+
+
+def test_the_kernel_names_are_the_choices():
+    """The one list of kernel names (megatron_2d.choices.KERNELS, what --cp-2d-kernel and cp_2d_kernel take) is the
+    registry's."""
+    from megatron_2d.choices import KERNELS as NAMES
+
+    assert set(KERNELS) == set(NAMES) and len(NAMES) == len(set(NAMES))

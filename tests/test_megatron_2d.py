@@ -106,7 +106,8 @@ def run_all(rank, world):
 
 def run_core_attention_alone(rank, world):
     """CoreAttention2D built as Megatron builds it (CP=4 as 2x2, context_first, GQA), for AttnMaskType.no_mask and
-    causal, with the config's softmax_scale: output and dq/dk/dv against the reference on the whole sequence."""
+    causal, with the config's softmax_scale and kernel: output and dq/dk/dv against the reference on the whole
+    sequence."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -116,6 +117,7 @@ def run_core_attention_alone(rank, world):
     tg.init_parallel(context_parallel_size=4)
     cfg = model_config("gqa", (2, 1, "context_first"))
     cfg.config_overrides["softmax_scale"] = 0.2
+    cfg.config_overrides["cp_2d_kernel"] = "torch_math"  # the config's kernel, which every 2d layer runs
     config = tg.make_transformer_config(cfg)
     spec = spec_2d().submodules.self_attention.submodules.core_attention
     cp_rank = tg.parallel_state.get_context_parallel_rank()
@@ -130,6 +132,7 @@ def run_core_attention_alone(rank, world):
             pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]),
             **spec.params,
         )
+        assert attention.kernel == "torch_math"
         g = torch.Generator().manual_seed(3)
         q, k, v = (torch.randn(64, 1, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (8, 2, 2))
         dout = torch.randn(64, 1, 8, 8, generator=g, dtype=torch.float64)
@@ -237,6 +240,10 @@ BASE = dict(
         (
             dict(cp_comm_type="p2p", cp_2d_head_parallel_size=2),
             r"2D settings \{'cp_2d_head_parallel_size': 2\} are set but cp_comm_type is \['p2p'\]",
+        ),
+        (
+            dict(cp_2d_head_parallel_size=2, cp_2d_kernel="flash_attn3"),
+            r"cp_2d_kernel 'flash_attn3' is not one of \['te_fused', 'torch_cudnn', 'flash_attn2', 'torch_flash', ",
         ),
     ],
 )

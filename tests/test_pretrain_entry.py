@@ -219,6 +219,40 @@ def test_checkpoint_plus_plus_flag_reaches_the_config(parse):
     assert gpt_config_from_args_2d(args).transformer.selective_checkpoint_plus_plus is True
 
 
+def test_kernel_flag_reaches_every_2d_layer(parse):
+    """--cp-2d-kernel lands in the config's cp_2d_kernel, which each CoreAttention2D runs (its spec names none)."""
+    from megatron_2d.megatron.core_attention import CoreAttention2D
+
+    args = parse(
+        "--context-parallel-size",
+        "8",
+        "--cp-comm-type",
+        "2d",
+        "--cp-2d-head-parallel-size",
+        "2",
+        "--attention-dropout",
+        "0",
+        "--cp-2d-kernel",
+        "torch_cudnn",
+    )
+    config = gpt_config_from_args_2d(args)
+    assert config.transformer.cp_2d_kernel == "torch_cudnn"
+    core = config.transformer_layer_spec(config.transformer).submodules.self_attention.submodules.core_attention
+    assert core.module is CoreAttention2D and core.params.get("kernel") is None  # the config's field is read
+
+
+def test_kernel_flag_without_2d_is_refused(parse):
+    args = parse("--context-parallel-size", "8", "--cp-comm-type", "p2p", "--cp-2d-kernel", "te_fused")
+    with pytest.raises(ValueError, match=r"2D settings \{'cp_2d_kernel': 'te_fused'\} are set but cp_comm_type"):
+        gpt_config_from_args_2d(args)
+
+
+def test_unknown_kernel_is_refused_by_the_parser(parse, capsys):
+    with pytest.raises(SystemExit):
+        parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-kernel", "flash_attn3")
+    assert "invalid choice: 'flash_attn3'" in capsys.readouterr().err
+
+
 def test_checkpoint_plus_plus_without_recompute_is_refused(parse):
     args = parse(
         "--context-parallel-size",

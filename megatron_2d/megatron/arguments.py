@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..choices import DKV_COMM_DTYPES, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
+from ..choices import DKV_COMM_DTYPES, KERNELS, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
 from ..deprecation import RenamedFlag
 from ..topology import PLACEMENTS
 from .launch_checks import check_launch_args
@@ -78,6 +78,13 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "(as every CP backend sends them); latent = the compressed KV and rope key, "
         "up-projected by each rank for its own heads at every ring step (fewer bytes, more "
         "FLOPs; python -m megatron_2d.plan compares both).",
+    )
+    group.add_argument(
+        "--cp-2d-kernel",
+        choices=KERNELS,
+        default=None,
+        help="the block kernel of every 2d attention layer; default: chosen by device (Hopper and later: te_fused, "
+        "torch_cudnn, flash_attn2, torch_flash; Ampere: flash_attn2 first), printed once on rank 0.",
     )
     group.add_argument(
         "--selective-checkpoint-plus-plus",

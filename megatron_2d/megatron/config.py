@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from ..choices import check_dkv_comm_dtype, check_packing_mode
+from ..choices import check_dkv_comm_dtype, check_kernel, check_packing_mode
 from ..deprecation import renamed_field
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
@@ -58,6 +58,10 @@ class Fields2D:
     each rank for its own heads at every ring step: (heads per TP rank / hp) x (qk + v head dims) / (kv_lora_rank
     + rope dim) times fewer ring bytes, about 9x for DeepSeek-V3 at TP 8 and hp 1, for the repeated
     up-projection's FLOPs; see megatron_2d.megatron.mla)."""
+    cp_2d_kernel: str | None = None
+    """The block kernel every 2d attention layer runs (a :data:`megatron_2d.choices.KERNELS` name); None: chosen by
+    device (Hopper and later: te_fused, torch_cudnn, flash_attn2, torch_flash; before: flash_attn2 first), each
+    choice printed once on rank 0. A layer spec's ``kernel`` overrides it."""
     selective_checkpoint_plus_plus_check: str = "tolerance"
     """How Selective Checkpoint++ compares a recompute with its first pass: "tolerance" (the dtype's rounding
     noise allowed, as GPU recomputes through atomics give) or "bitwise" (a debug mode). Neither syncs the host."""
@@ -73,6 +77,7 @@ class Fields2D:
         if uses_2d(self.cp_comm_type):
             check_dkv_comm_dtype(self.cp_2d_dkv_comm_dtype, "cp_2d_dkv_comm_dtype")
             check_packing_mode(self.cp_2d_packing, "cp_2d_packing")
+            check_kernel(self.cp_2d_kernel, "cp_2d_kernel")
             check_mla_settings(self)
             settings_from_config(self)
             check_attention_settings(self)
@@ -87,6 +92,7 @@ class Fields2D:
                 ("cp_2d_dkv_comm_dtype", "accumulator"),
                 ("cp_2d_packing", "zigzag"),
                 ("cp_2d_mla_ring", "expanded"),
+                ("cp_2d_kernel", None),
             )
             if getattr(self, name) != default
         }

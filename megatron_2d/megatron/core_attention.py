@@ -79,9 +79,10 @@ class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
     Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, ring_window (deprecated
-    name: double_ring_window), placement, and kernel (a :mod:`megatron_2d.kernels` name;
-    chosen by device when None). Megatron's sliding window (config.window_size, window_attn_skip_freq) and
-    softmax_type ("off-by-one", "learnable": attention sinks, parameter ``softmax_offset``) are honoured.
+    name: double_ring_window), placement, and kernel (a :mod:`megatron_2d.kernels` name; the config's
+    cp_2d_kernel when None, chosen by device when that is None too). Megatron's sliding window (config.window_size,
+    window_attn_skip_freq) and softmax_type ("off-by-one", "learnable": attention sinks, parameter
+    ``softmax_offset``) are honoured.
     """
 
     @renamed_keywords(double_ring_window="ring_window")
@@ -106,7 +107,8 @@ class CoreAttention2D(MegatronModule):
         self.v_channels = v_channels  # MLA's value head dim (its query/key head dim is k_channels)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        self.layer_number, self.attn_mask_type, self.kernel = layer_number, attn_mask_type, kernel
+        self.layer_number, self.attn_mask_type = layer_number, attn_mask_type
+        self.kernel = kernel if kernel is not None else getattr(config, "cp_2d_kernel", None)
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         cp_size = pg_collection.cp.size() if pg_collection.cp is not None else 1
         self.delegate = None
