@@ -240,13 +240,15 @@ class PackingCost:
 
 
 def default_cost() -> PackingCost:
-    """The planner's 8xH100 figures (attention at its modelled efficiency, the ring on NVLink), MHA bf16, head dim
-    128: what :func:`shard_documents` assumes without a cost (pass ``PackedLayout(..., cost=)`` for a cluster's
-    own, e.g. its inter-node links, or a measured one)."""
+    """The planner's 8xH100 figures (attention at the modelled efficiency of the kernel 2D selects there, the ring
+    on NVLink), MHA bf16, head dim 128: what :func:`shard_documents` assumes without a cost (pass
+    ``PackedLayout(..., cost=)`` for a cluster's own, e.g. its inter-node links, or a measured one)."""
     from .plan.hardware import get_cluster
+    from .plan.kernel_rates import SELECTED_KERNEL
 
     h100 = get_cluster("8xH100")
-    return PackingCost.from_hardware(h100.peak_tflops * h100.attn_efficiency, h100.nvlink_gbps)
+    rate = h100.peak_tflops * h100.kernel_efficiency(SELECTED_KERNEL[h100.arch])
+    return PackingCost.from_hardware(rate, h100.nvlink_gbps)
 
 
 def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCost) -> np.ndarray:

@@ -238,7 +238,7 @@ def test_json_has_one_schema_with_job_metadata(capsys):
     assert [r["recommended"] for r in rows].count(True) == 1 and rows[0]["recommended"]
     job = rows[0]["job"]
     assert all(r["job"] == job for r in rows)
-    assert job["schema_version"] == 4 and job["seq"] == M1 and job["model"]["name"] == "7B-GQA"
+    assert job["schema_version"] == 5 and job["seq"] == M1 and job["model"]["name"] == "7B-GQA"
     assert job["memory"] == {"choice": "dist-opt", "fair": False, "global_batch_tokens": 4 << 20}
     assert job["parallel"] == {"gpus": 64, "tp": 1, "pp": 1, "dp": 1, "cp": 64, "micro_batch": 1}
     assert job["cluster"]["memory_budget_gb"] == pytest.approx(72.0) and job["recompute"] == "auto"

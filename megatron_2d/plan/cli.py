@@ -24,6 +24,7 @@ from ..choices import DKV_COMM_DTYPES
 from .console import parse_seq, parse_window
 from .grid import main as grid_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
+from .kernel_rates import PLANNED_KERNELS
 from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
 from .links import FLAGS as LINK_FLAGS
 from .links import IDEAL_LINKS, LinkEfficiency
@@ -94,7 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpus", type=int, required=True, help="total GPUs (world size)")
     c.add_argument("--gpus-per-node", type=int, help="GPUs per NVLink node")
     c.add_argument("--tflops", type=float, help="dense bf16 peak per GPU, TFLOP/s")
-    c.add_argument("--attn-eff", type=float, help="attention-kernel efficiency (fraction of peak)")
+    c.add_argument(
+        "--attn-eff",
+        type=float,
+        help="attention-kernel efficiency (fraction of peak) for every kernel, e.g. a measured one (default: "
+        "each kernel's published rate on the cluster's architecture, megatron_2d.plan.kernel_rates)",
+    )
+    c.add_argument(
+        "--kernel",
+        choices=PLANNED_KERNELS,
+        default=None,
+        help="the attention kernel 2D runs (default: what its selection picks, as stock TE's: te_fused on "
+        "Hopper, flash_attn2 on Ampere); the flags then carry --cp-2d-kernel. Stock runs TE's kernel",
+    )
     c.add_argument("--dense-eff", type=float, help="dense-GEMM efficiency for the non-attention part (default 0.6)")
     c.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction")
     c.add_argument("--net-gbps", type=float, help="network GB/s per node (all NICs)")
@@ -297,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths=lengths,
             hybrid_pattern=args.hybrid_pattern,
             memory=memory,
+            kernel=args.kernel,
         )
     except PlanError as err:
         parser.error(str(err))

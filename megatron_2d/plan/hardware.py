@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from ..topology import divisors
 from .errors import PlanError
+from .kernel_rates import ARCHITECTURES, kernel_rate
 from .links import LinkEfficiency
 
 
@@ -149,9 +150,10 @@ class ClusterSpec:
     """GPUs in one NVLink domain (one node)."""
     peak_tflops: float
     """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM: 989; A100: 312)."""
-    attn_efficiency: float
-    """Fraction of peak the attention kernel reaches over forward+backward on zigzag half blocks (an assumption
-    until calibrated: FlashAttention-2 ~35% of peak on H100, FlashAttention-3 up to ~75% forward)."""
+    attn_efficiency: float | None
+    """Fraction of peak the attention kernel reaches over forward+backward on zigzag half blocks, whatever kernel
+    runs (a calibration's or --attn-eff's measured figure); None: each kernel's own rate on ``arch``
+    (:mod:`megatron_2d.plan.kernel_rates`, cited there), as the presets leave it."""
     nvlink_gbps: float
     """NVLink bandwidth per GPU per direction, GB/s (NVLink 4: 450; NVLink 3: 300)."""
     net_gbps_per_node: float
@@ -179,6 +181,9 @@ class ClusterSpec:
     """Share of the nominal NVLink / network bandwidth that ring sends (p2p) and collectives (a2a) get, and the
     slowdown of compute while transfers run (:mod:`megatron_2d.plan.links`: defaults from published NCCL
     measurements; ``links.IDEAL_LINKS`` for none)."""
+    arch: str = "hopper"
+    """GPU architecture, for the kernels' rates and which kernel each side runs: "hopper" (H100, H200: sm90) or
+    "ampere" (A100: sm80)."""
 
     @property
     def memory_budget_gb(self) -> float:
@@ -196,7 +201,10 @@ class ClusterSpec:
             or not 0 <= self.step_latency_us < math.inf
         ):
             raise PlanError(f"cluster step_latency_us must be a finite number >= 0, got {self.step_latency_us!r}")
-        _fraction("cluster attn_efficiency", self.attn_efficiency)
+        if self.attn_efficiency is not None:
+            _fraction("cluster attn_efficiency", self.attn_efficiency)
+        if self.arch not in ARCHITECTURES:
+            raise PlanError(f"cluster arch {self.arch!r} is not one of {list(ARCHITECTURES)}")
         _fraction("cluster dense_efficiency", self.dense_efficiency)
         _fraction("cluster usable_memory_fraction", self.usable_memory_fraction)
         if not isinstance(self.links, LinkEfficiency):
@@ -206,6 +214,13 @@ class ClusterSpec:
     def nic_gbps(self) -> float:
         """Bandwidth of one NIC (GB/s): the most one network flow gets."""
         return self.net_gbps_per_node / self.nics_per_node
+
+    def kernel_efficiency(self, kernel: str) -> float:
+        """The share of peak ``kernel`` reaches here: ``attn_efficiency`` when set, else the kernel's rate on
+        ``arch`` (:func:`megatron_2d.plan.kernel_rates.kernel_rate`)."""
+        if self.attn_efficiency is not None:
+            return self.attn_efficiency
+        return kernel_rate(self.arch, kernel).efficiency
 
     def with_(self, **changes) -> ClusterSpec:
         """A copy with some fields changed (validated again)."""
@@ -320,7 +335,7 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
             "8xH100",
             gpus_per_node=8,
             peak_tflops=989.0,
-            attn_efficiency=0.45,
+            attn_efficiency=None,
             nvlink_gbps=450.0,
             net_gbps_per_node=400.0,
             nics_per_node=8,
@@ -331,20 +346,21 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
             "8xH200",
             gpus_per_node=8,
             peak_tflops=989.0,
-            attn_efficiency=0.45,
+            attn_efficiency=None,
             nvlink_gbps=450.0,
             net_gbps_per_node=400.0,
             nics_per_node=8,
             gpu_memory_gb=141.0,
             hbm_gbps=4800.0,
         ),
-        # A100 SXM: 312 TFLOP/s bf16, NVLink 3 300 GB/s/direction, 8 x 200 Gb/s NICs; FlashAttention-2 reports
-        # 50-70% of peak on A100, 0.5 assumed for forward+backward.
+        # A100 SXM: 312 TFLOP/s bf16, NVLink 3 300 GB/s/direction, 8 x 200 Gb/s NICs; its kernels' rates in
+        # kernel_rates (FlashAttention-2 reports 50-73% of peak on A100, 0.5 assumed for forward+backward).
         ClusterSpec(
             "8xA100",
             gpus_per_node=8,
             peak_tflops=312.0,
-            attn_efficiency=0.5,
+            attn_efficiency=None,
+            arch="ampere",
             nvlink_gbps=300.0,
             net_gbps_per_node=200.0,
             nics_per_node=8,

@@ -39,6 +39,7 @@ from ..document_sharding import PackingCost, pairs, shard_documents
 from ..packed_plan import Runs, key_intervals
 from ..packed_views import zigzag_runs, zigzag_view_len
 from ..topology import Layout2D
+from .kernel_rates import SELECTED_KERNEL
 
 PACKED_MODES = ("zigzag", "documents")
 
@@ -106,9 +107,9 @@ def _exchange(runs: Runs, cp: int, left: int | None) -> tuple[bool, int, int]:
     return False, len(np.unique(cross[cross[:, 1] == busiest, 0])), int(sent[busiest])
 
 
-def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str) -> PackingCost:
-    """The documents mode's cost model for this job and layout from the planner's figures: attention at the
-    cluster's attention efficiency on a context rank's heads, the ring on NVLink when the context group fits in
+def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str, kernel: str | None = None) -> PackingCost:
+    """The documents mode's cost model for this job and layout from the planner's figures: attention at
+    ``kernel``'s efficiency (None: 2D's selection on the cluster) on a context rank's heads, the ring on NVLink when the context group fits in
     a node (head_first spreads it over hp * cp * TP consecutive GPUs, context_first over cp * TP), else on one NIC,
     its step latency, transfers overlapped; a token costs the layer's linear layers on it (6 * layer weights / TP
     FLOPs at the dense efficiency), so padding and token imbalance are priced too."""
@@ -116,7 +117,7 @@ def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str) -> P
     link = cluster.nvlink_gbps if span <= cluster.gpus_per_node else cluster.nic_gbps
     heads, kv_heads = max(model.heads // tp // hp, 1), max(model.kv_heads // tp // hp, 1)
     cost = PackingCost.from_hardware(
-        cluster.peak_tflops * cluster.attn_efficiency,
+        cluster.peak_tflops * cluster.kernel_efficiency(SELECTED_KERNEL[cluster.arch] if kernel is None else kernel),
         link,
         q_heads=heads,
         kv_heads=kv_heads,

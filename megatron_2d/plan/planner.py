@@ -21,6 +21,7 @@ from .candidates import (
 )
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
 from .hybrid import HybridPattern, with_extra_step
+from .kernel_rates import SELECTED_KERNEL, side_kernel
 from .memory import RECOMPUTE_MODES
 from .memory_options import MemoryPolicy, memory_options, states_record, with_memory
 from .packed import PackedWork, modes_for, packed_work, packing_cost
@@ -69,6 +70,7 @@ ROW_KEYS = (
     "states",
     "memory_options",
     "mla_ring",
+    "kernel",
 )
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
@@ -95,6 +97,9 @@ class Candidate:
     packing: str | None = None
     """Packed documents: the mode this row runs ("zigzag": Megatron/TE THD; "documents": ours); None unpacked."""
     packed: PackedWork | None = None
+    kernel: str | None = None
+    """The attention kernel the row runs (:mod:`megatron_2d.plan.kernel_rates`): stock TE's, 2D its selection's
+    or ``--kernel``'s."""
 
     kind = property(lambda self: self.layout.kind)
     hp = property(lambda self: self.layout.hp)
@@ -226,6 +231,7 @@ class Candidate:
             "states": states_record(e.states) if e else None,
             "memory_options": mem_opts,
             "mla_ring": self.layout.mla_ring,
+            "kernel": self.kernel,
         }
         assert tuple(d) == ROW_KEYS
         return d
@@ -327,6 +333,7 @@ def evaluate(
     packing: str | None = None,
     hybrid: HybridPattern | None = None,
     memory: MemoryPolicy = MemoryPolicy(),
+    kernel: str | None = None,
 ) -> Candidate:
     """Check and, when the layout can run, estimate it under each memory option and recompute mode and keep the
     fastest that fits.
@@ -343,10 +350,18 @@ def evaluate(
     "accumulator", fp32, the default; "input", bf16), emitted in the flags when not the default; Transformer
     Engine's rings always send the input dtype (see candidates.kind_dkv_comm_dtype). ``hybrid``: a HybridModel
     pattern (:mod:`megatron_2d.plan.hybrid`): the layout's attention is costed on its attention layers, its Mamba /
-    GDN layers' own all-to-alls are added."""
+    GDN layers' own all-to-alls are added. ``kernel``: the kernel 2D layouts run (None: what its selection picks on
+    the cluster's architecture; stock layouts always run Transformer Engine's, :mod:`.kernel_rates`), in the flags
+    as ``--cp-2d-kernel`` when it is not the selection's."""
     model, cluster = _resolve(model, cluster)
     if hybrid is not None:
         model = hybrid.attention_model(model)
+    runs_kernel = side_kernel(layout.kind, cluster.arch, kernel)
+    kernel_flag = (
+        f" --cp-2d-kernel {runs_kernel}"
+        if layout.kind == "2d" and runs_kernel != SELECTED_KERNEL[cluster.arch]
+        else ""
+    )
     validate_job(model, parallel, seq)
     if dkv_comm_dtype not in RIDER_BYTES:
         raise PlanError(
@@ -372,7 +387,7 @@ def evaluate(
         if not causal:
             raise PlanError("packed lengths are modelled for causal attention (drop --no-causal)")
         if not reason:
-            cost = packing_cost(model, cluster, parallel.tp, layout.hp, layout.cp, layout.placement)
+            cost = packing_cost(model, cluster, parallel.tp, layout.hp, layout.cp, layout.placement, runs_kernel)
             packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, windowed, cost)
         if layout.kind == "a2a+p2p":
             note = "THD with a2a+p2p is not in a Transformer Engine release"
@@ -384,9 +399,10 @@ def evaluate(
             layout,
             False,
             reason,
-            megatron_flags(layout, parallel, dkv_comm_dtype=dkv),
+            megatron_flags(layout, parallel, dkv_comm_dtype=dkv) + kernel_flag,
             memory_budget_gb=budget,
             packing=packing if lengths is not None else None,
+            kernel=runs_kernel,
         )
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
     base = combine_layers(
@@ -409,6 +425,7 @@ def evaluate(
                     if packed is None
                     else packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, win, cost),
                     mla_ring="latent" if layout.mla_ring == "latent" else None,
+                    kernel=runs_kernel,
                 ),
                 n,
             )
@@ -432,6 +449,7 @@ def evaluate(
         None if chosen.recompute_layers in (0, model.layers) else per_stage,
         dkv,
     )
+    flags += kernel_flag
     if hypothetical:
         note = (
             f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
@@ -460,6 +478,7 @@ def evaluate(
         dkv_comm_dtype=dkv,
         packing=packing if lengths is not None else None,
         packed=packed,
+        kernel=runs_kernel,
     )
 
 
@@ -511,6 +530,7 @@ def plan(
     lengths: Sequence[int] | None = None,
     hybrid_pattern: str | None = None,
     memory: MemoryPolicy = MemoryPolicy(),
+    kernel: str | None = None,
 ) -> list[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.
@@ -519,6 +539,7 @@ def plan(
     row, when feasible, is the recommendation (see :func:`recommended`). ``lengths``: document lengths of a packed
     batch (summing to ``seq``): one row per layout and packed mode (2D: zigzag and documents; stock: THD zigzag).
     ``hybrid_pattern``: a HybridModel's ``--hybrid-layer-pattern`` (see :mod:`megatron_2d.plan.hybrid`).
+    ``kernel``: the attention kernel of the 2D rows (None: its selection's; see :func:`evaluate`).
 
     >>> from megatron_2d.plan import plan, ParallelSpec
     >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
@@ -558,6 +579,7 @@ def plan(
             mode,
             hybrid=hybrid,
             memory=memory,
+            kernel=kernel,
         )
         for l in enumerate_layouts(model, parallel)
         for mode in (modes_for(l.kind) if lengths is not None else (None,))  # packed: every mode of the kind

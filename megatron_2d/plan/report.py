@@ -20,7 +20,7 @@ from .memory_options import MemoryPolicy
 from .memory_options import describe as describe_states
 from .planner import AUTO, Candidate, best_by_kind, recommended
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _LINK = {"nvlink": "NVL", "network": "NET", "mixed": "mix", "-": "-"}
 _COLUMNS = (
     "#",
@@ -170,6 +170,22 @@ def memory_policy_text(memory: MemoryPolicy) -> str:
     return f"memory options: {who}{extra}; global batch {memory.global_batch_tokens / 2**20:g}M tokens (--global-batch)"
 
 
+def kernels_line(candidates: Sequence[Candidate], cluster: ClusterSpec) -> str:
+    """Which attention kernel each side runs, at what share of peak (a measured --attn-eff replaces every rate)."""
+    parts = []
+    for side, kinds in (("stock (TE)", ["p2p", "a2a", "a2a+p2p"]), ("ds-ulysses", ["ds-ulysses"]), ("2D", ["2d"])):
+        kernel = next((c.kernel for c in candidates if c.kind in kinds and c.kernel), None)
+        if kernel is not None:
+            rate = cluster.kernel_efficiency(kernel)
+            parts.append(f"{side} {kernel} at {100 * rate:.1f}% of peak")
+    origin = (
+        "--attn-eff / calibrated, every kernel"
+        if cluster.attn_efficiency is not None
+        else f"{cluster.arch}; rates and sources: megatron_2d.plan.kernel_rates"
+    )
+    return f"attention kernels: {', '.join(parts)} ({origin})"
+
+
 def _sections(
     candidates: Sequence[Candidate],
     model: ModelSpec,
@@ -206,6 +222,7 @@ def _sections(
         f"link efficiency: {cluster.links.describe()}; states = how model states are held (dist-opt: "
         f"distributed optimizer, fsdp-zN: megatron-fsdp ZeRO-N, hz-zN/S: Hybrid ZeRO-N over S ranks), its "
         f"communication in step ms; {memory_policy_text(memory)}",
+        kernels_line(candidates, cluster),
     ]
     rows = [_row(i + 1, c, cluster) for i, c in enumerate(shown)]
     foot: list[str] = []
@@ -221,7 +238,7 @@ def _sections(
             foot.append(f"... {len(feasible) - len(shown)} more feasible layouts (--all to list them)")
         foot += [
             "",
-            f"Recommended: {best.layout.label()}, recompute={recompute_label(best.estimate)}, "
+            f"Recommended: {best.layout.label()}, kernel {best.kernel}, recompute={recompute_label(best.estimate)}, "
             f"states={states_label(best.estimate)}: {best.step_ms:,.0f} ms per step, {best.time_ms:.2f} ms "
             f"attention per layer, MFU {100 * best.estimate.mfu:.1f}%, {best.estimate.memory_gb:.1f} GB "
             f"per GPU",

@@ -26,6 +26,7 @@ from .attention_time import (
     traffic,
 )
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
+from .kernel_rates import SELECTED_KERNEL
 from .link_classes import LinkMap, link_map
 from .memory import RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
 from .windows import WindowWork, window_work
@@ -169,6 +170,7 @@ def estimate(
     kv_heads: int | None = None,
     packed: PackedWork | None = None,
     mla_ring: str | None = None,
+    kernel: str | None = None,
 ) -> Estimate:
     """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
 
@@ -186,7 +188,9 @@ def estimate(
     activation memory scale with the slots per rank (padding included).
     ``mla_ring``: "latent" for an MLA model whose 2D ring carries the latent: smaller blocks, and every ring step
     up-projects the keys it reads (``LayerWork.expand_flops`` at the dense GEMM rate, 3x in backward) in place of
-    the layer's own K/V up-projection."""
+    the layer's own K/V up-projection.
+    ``kernel``: the attention kernel the layout runs (its rate: ``cluster.kernel_efficiency``); None: what 2D's
+    kernel selection picks on the cluster's architecture (:mod:`.kernel_rates`)."""
     return with_recompute(
         _estimate_none(
             model,
@@ -203,6 +207,7 @@ def estimate(
             kv_heads,
             packed,
             mla_ring,
+            SELECTED_KERNEL[cluster.arch] if kernel is None else kernel,
         ),
         recompute,
     )
@@ -247,6 +252,7 @@ def _estimate_none(
     kv_heads: int | None,
     packed: PackedWork | None = None,
     mla_ring: str | None = None,
+    kernel: str = "te_fused",
 ) -> Estimate:
     if dkv_comm_dtype not in RIDER_BYTES:
         raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)}")
@@ -282,7 +288,7 @@ def _estimate_none(
         )
         local_only = cp > 1 and packed.ring_tokens == 0  # the op skips the ring: one local block
     links = link_map(hp, cp, w, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
-    attn_rate = cluster.peak_tflops * 1e12 * cluster.attn_efficiency
+    attn_rate = cluster.peak_tflops * 1e12 * cluster.kernel_efficiency(kernel)
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
     kernel = work.fwd_flops / cp / attn_rate  # one step's forward kernel (zigzag: equal)
     merge = cp > 1  # a single block needs no merge

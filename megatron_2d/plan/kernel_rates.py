@@ -1,0 +1,89 @@
+"""Which attention kernel each side runs, and the share of peak each kernel reaches, by GPU architecture.
+
+    stock (Megatron CP)  Transformer Engine's choice: FusedAttention (cuDNN) on Hopper and later, flash-attn 2 before
+                         (TE's ``get_attention_backend``, ``attention/dot_product_attention/utils.py``: "Disabling
+                         FlashAttention to give FusedAttention preference on Hopper+ for performance reasons");
+                         DeepSpeed-Ulysses (Megatron-DeepSpeed) runs flash-attn 2 as its local attention
+    2D (megatron_2d)     what ``megatron_2d.kernels`` selects where stock runs (TE importable): te_fused on Hopper,
+                         flash_attn2 before; ``--kernel`` runs another (then the flags carry ``--cp-2d-kernel``)
+
+Efficiencies are forward + backward together, flops-weighted (the backward does 2.5x the forward's FLOPs):
+``3.5 / (1 / fwd + 2.5 / bwd)`` over the peak, from published single-GPU figures at long blocks (16K tokens, head
+dim 128); a ring step's blocks are shorter and run lower, which a calibration (``megatron_2d.plan.calibrate``,
+``--attn-eff``) replaces with a measurement. Rows marked estimated have no published figure of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..choices import KERNELS
+from .errors import PlanError
+
+ARCHITECTURES = ("ampere", "hopper")
+
+FA3_PAPER = "FlashAttention-3 paper (Shah et al., arXiv 2407.08608), H100 SXM5, head dim 128, 16K tokens"
+FA2_PAPER = "FlashAttention-2 paper (Dao, arXiv 2307.08691), A100"
+
+
+def fwd_bwd_efficiency(fwd_tflops: float, bwd_tflops: float, peak_tflops: float) -> float:
+    """The forward + backward share of peak from each pass's rate (backward FLOPs = 2.5 x forward)."""
+    return 3.5 / (1.0 / fwd_tflops + 2.5 / bwd_tflops) / peak_tflops
+
+
+@dataclass(frozen=True)
+class KernelRate:
+    """One kernel's share of peak on one architecture, and where the figure comes from."""
+
+    efficiency: float
+    source: str
+    estimated: bool = False
+
+
+_CUDNN_H100 = fwd_bwd_efficiency(539, 516, 989)  # the paper's cuDNN bars: causal forward, backward
+_FA2_H100 = fwd_bwd_efficiency(335, 322, 989)  # its FlashAttention-2 bars
+
+KERNEL_RATES: dict[tuple[str, str], KernelRate] = {
+    ("hopper", "te_fused"): KernelRate(_CUDNN_H100, f"{FA3_PAPER}: cuDNN 539 TFLOP/s causal forward, 516 backward"),
+    ("hopper", "torch_cudnn"): KernelRate(
+        _CUDNN_H100, "the same cuDNN kernels as te_fused, through PyTorch's ops (pieces for bands)", estimated=True
+    ),
+    ("hopper", "flash_attn2"): KernelRate(
+        _FA2_H100, f"{FA3_PAPER}: FlashAttention-2 335 TFLOP/s causal forward, 322 backward"
+    ),
+    ("hopper", "torch_flash"): KernelRate(_FA2_H100, "PyTorch's copy of FlashAttention-2's kernels", estimated=True),
+    ("ampere", "flash_attn2"): KernelRate(
+        0.5, f"{FA2_PAPER}: 50-73% of peak forward, up to 72% forward + backward; 0.5 assumed for ring blocks"
+    ),
+    ("ampere", "torch_flash"): KernelRate(0.5, "PyTorch's copy of FlashAttention-2's kernels", estimated=True),
+    ("ampere", "te_fused"): KernelRate(0.45, "cuDNN before Hopper: no published figure used", estimated=True),
+    ("ampere", "torch_cudnn"): KernelRate(0.45, "cuDNN before Hopper: no published figure used", estimated=True),
+}
+STOCK_KERNEL = {"hopper": "te_fused", "ampere": "flash_attn2"}
+"""The kernel Transformer Engine runs for stock CP (see the module)."""
+SELECTED_KERNEL = {"hopper": "te_fused", "ampere": "flash_attn2"}
+"""What megatron_2d.kernels selects where stock runs: the first of its order per architecture that is installed
+with TE (tests/test_plan_kernels.py checks it against the selection)."""
+PLANNED_KERNELS = tuple(k for k in KERNELS if any(k == name for _, name in KERNEL_RATES))
+"""The kernels the planner prices (``--kernel``): the CUDA ones."""
+
+
+def kernel_rate(arch: str, kernel: str) -> KernelRate:
+    """The rate of ``kernel`` on ``arch``, or PlanError naming the valid ones."""
+    if arch not in ARCHITECTURES:
+        raise PlanError(f"cluster arch {arch!r} is not one of {list(ARCHITECTURES)}")
+    if (arch, kernel) not in KERNEL_RATES:
+        raise PlanError(f"kernel {kernel!r} is not one the planner prices; choose one of {list(PLANNED_KERNELS)}")
+    return KERNEL_RATES[(arch, kernel)]
+
+
+def side_kernel(kind: str, arch: str, kernel: str | None = None) -> str:
+    """The kernel a layout of ``kind`` runs: Megatron's stock kinds TE's (:data:`STOCK_KERNEL`), DeepSpeed-Ulysses
+    flash-attn 2, 2D ``kernel`` or the selection's (:data:`SELECTED_KERNEL`)."""
+    if kind == "ds-ulysses":
+        return "flash_attn2"
+    if kind != "2d":
+        return STOCK_KERNEL[arch]
+    chosen = SELECTED_KERNEL[arch] if kernel is None else kernel
+    kernel_rate(arch, chosen)  # validated
+    return chosen

@@ -1,0 +1,86 @@
+"""The planner knows which attention kernel each side runs: per-kernel, per-architecture rates (with their sources),
+stock on Transformer Engine's kernel, 2D on what its selection picks, --kernel overriding 2D's, and the flags and
+the report naming it."""
+
+import json
+
+import pytest
+
+from megatron_2d.plan import ParallelSpec, plan
+from megatron_2d.plan.cli import main
+from megatron_2d.plan.hardware import CLUSTER_PRESETS, PlanError, get_cluster
+from megatron_2d.plan.kernel_rates import (
+    ARCHITECTURES,
+    KERNEL_RATES,
+    PLANNED_KERNELS,
+    SELECTED_KERNEL,
+    STOCK_KERNEL,
+    fwd_bwd_efficiency,
+    kernel_rate,
+    side_kernel,
+)
+from megatron_2d.plan.planner import recommended
+
+JOB = dict(model="7B-GQA", cluster="8xH100", parallel=ParallelSpec(gpus=64), seq=131072)
+
+
+def test_every_planned_kernel_has_a_sourced_rate_on_every_architecture():
+    assert set(PLANNED_KERNELS) == {"te_fused", "torch_cudnn", "flash_attn2", "torch_flash"}
+    for arch in ARCHITECTURES:
+        for kernel in PLANNED_KERNELS:
+            rate = kernel_rate(arch, kernel)
+            assert 0 < rate.efficiency <= 1 and rate.source
+    # the published figures behind the Hopper rows: FA3 paper, H100, head dim 128, 16K tokens
+    assert KERNEL_RATES[("hopper", "te_fused")].efficiency == pytest.approx(fwd_bwd_efficiency(539, 516, 989))
+    assert KERNEL_RATES[("hopper", "flash_attn2")].efficiency == pytest.approx(fwd_bwd_efficiency(335, 322, 989))
+    assert not KERNEL_RATES[("hopper", "te_fused")].estimated and KERNEL_RATES[("hopper", "torch_cudnn")].estimated
+    assert fwd_bwd_efficiency(100, 100, 100) == pytest.approx(1.0)  # equal rates: the rate itself
+    assert {c.arch for c in CLUSTER_PRESETS.values()} == set(ARCHITECTURES)
+    with pytest.raises(PlanError, match=r"kernel 'cpu_flash' is not one the planner prices"):
+        kernel_rate("hopper", "cpu_flash")
+
+
+def test_the_planner_assumes_what_the_selection_picks_where_stock_runs(monkeypatch):
+    """Stock CP needs Transformer Engine, so where it runs 2D's selection finds TE: its first choice on Hopper, and
+    flash-attn 2 (also in NGC images) first before Hopper."""
+    import megatron_2d.kernels as kernels
+
+    assert kernels.HOPPER_ORDER[0] == SELECTED_KERNEL["hopper"] == STOCK_KERNEL["hopper"] == "te_fused"
+    assert kernels.AMPERE_ORDER[0] == SELECTED_KERNEL["ampere"] == STOCK_KERNEL["ampere"] == "flash_attn2"
+    assert side_kernel("a2a+p2p", "hopper", "flash_attn2") == "te_fused"  # --kernel is 2D's only
+    assert side_kernel("ds-ulysses", "hopper") == "flash_attn2"
+
+
+def test_each_side_runs_its_kernel_and_kernel_overrides_2d():
+    """The default: both sides TE's cuDNN kernel on H100 (same compute); --kernel flash_attn2: 2D's attention
+    compute grows by the rate ratio, stock's does not move, and 2D's flags carry --cp-2d-kernel."""
+    same = plan(**JOB)
+    fa2 = plan(**JOB, kernel="flash_attn2")
+    by_label = lambda cands: {(c.kind, c.layout.label()): c for c in cands if c.feasible}  # noqa: E731
+    a, b = by_label(same), by_label(fa2)
+    ratio = KERNEL_RATES[("hopper", "te_fused")].efficiency / KERNEL_RATES[("hopper", "flash_attn2")].efficiency
+    for key, c in a.items():
+        assert c.kernel == ("flash_attn2" if c.kind == "ds-ulysses" else "te_fused")
+        if c.kind == "2d":
+            assert b[key].kernel == "flash_attn2" and "--cp-2d-kernel flash_attn2" in b[key].flags
+            assert "--cp-2d-kernel" not in c.flags
+            assert b[key].estimate.kernel_s == pytest.approx(c.estimate.kernel_s * ratio)
+        else:
+            assert b[key].kernel == c.kernel and b[key].estimate.step_s == pytest.approx(c.estimate.step_s)
+    assert recommended(same).kernel == "te_fused"
+    one = plan(**{**JOB, "cluster": get_cluster("8xH100").with_(attn_efficiency=0.45)}, kernel="flash_attn2")
+    assert len({round(c.estimate.kernel_s / c.estimate.work.fwd_flops, 18) for c in one if c.feasible}) == 1
+
+
+def test_the_report_and_json_name_the_kernels(capsys):
+    assert main(["--model", "7B-GQA", "--gpus", "64", "--seq", "128K", "--kernel", "torch_cudnn", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "attention kernels: stock (TE) te_fused at 52.8% of peak" in out and "2D torch_cudnn at 52.8%" in out
+    assert "Recommended: " in out and ", kernel " in out
+    assert main(["--model", "7B-GQA", "--gpus", "64", "--seq", "128K", "--kernel", "flash_attn2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["kernel"] for r in rows if r["kind"] == "2d"} == {"flash_attn2"}
+    assert {r["kernel"] for r in rows if r["kind"] in ("p2p", "a2a+p2p") and r["feasible"]} == {"te_fused"}
+    with pytest.raises(SystemExit):
+        main(["--model", "7B-GQA", "--gpus", "64", "--seq", "128K", "--kernel", "cpu_flash"])
+    assert "invalid choice: 'cpu_flash'" in capsys.readouterr().err
