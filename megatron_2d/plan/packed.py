@@ -109,10 +109,11 @@ def _exchange(runs: Runs, cp: int, left: int | None) -> tuple[bool, int, int]:
 
 def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str, kernel: str | None = None) -> PackingCost:
     """The documents mode's cost model for this job and layout from the planner's figures: attention at
-    ``kernel``'s efficiency (None: 2D's selection on the cluster) on a context rank's heads, the ring on NVLink when the context group fits in
-    a node (head_first spreads it over hp * cp * TP consecutive GPUs, context_first over cp * TP), else on one NIC,
-    its step latency, transfers overlapped; a token costs the layer's linear layers on it (6 * layer weights / TP
-    FLOPs at the dense efficiency), so padding and token imbalance are priced too."""
+    ``kernel``'s efficiency (None: 2D's selection on the cluster) on a context rank's heads, the ring on NVLink
+    when the context group fits in a node (head_first spreads it over hp * cp * TP consecutive GPUs, context_first
+    over cp * TP), else on one NIC, its step latency, transfers overlapped; a token costs the layer's linear
+    layers on it (6 * layer weights / TP FLOPs at the dense efficiency), so padding and token imbalance are priced
+    too."""
     span = (hp * cp if placement == "head_first" else cp) * tp
     link = cluster.nvlink_gbps if span <= cluster.gpus_per_node else cluster.nic_gbps
     heads, kv_heads = max(model.heads // tp // hp, 1), max(model.kv_heads // tp // hp, 1)

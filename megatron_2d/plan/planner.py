@@ -358,9 +358,7 @@ def evaluate(
         model = hybrid.attention_model(model)
     runs_kernel = side_kernel(layout.kind, cluster.arch, kernel)
     kernel_flag = (
-        f" --cp-2d-kernel {runs_kernel}"
-        if layout.kind == "2d" and runs_kernel != SELECTED_KERNEL[cluster.arch]
-        else ""
+        f" --cp-2d-kernel {runs_kernel}" if layout.kind == "2d" and runs_kernel != SELECTED_KERNEL[cluster.arch] else ""
     )
     validate_job(model, parallel, seq)
     if dkv_comm_dtype not in RIDER_BYTES:
