@@ -1,6 +1,8 @@
 """gpu-check's new items can fail: each is run here on a correct path (it passes) and on a broken one (it fails).
 
 tall bands     a kernel that reads a right window side >= its keys as unbounded, as flash-attn's C++ does
+MLA dims, varlen  a kernel blind to bands (every call unmasked)
+timing         not run without CUDA (never a pass)
 megatron GPT   a 2d core attention with a 5% wrong softmax scale; a TE row without Transformer Engine
 checkpoint++   a keeper that lets the recompute run attention again
 """
@@ -99,3 +101,29 @@ def test_megatron_rows_pass_and_fail_where_they_should():
     assert found["te"] == "transformer_engine not importable"
     assert "Selective Checkpoint++: the recomputed q differs" in found.get("ckpt_check_failed", ""), found
     assert found.get("ckpt_recomputed") == "attention ran 8 times in 2 steps of 2 layers (recomputed?)", found
+
+
+class BandBlind(CpuFlashKernel):
+    """The CPU kernel, but every call runs unmasked: causal calls and windows see every key."""
+
+    def forward(self, q, k, v, band, scale):
+        return super().forward(q, k, v, None, scale)
+
+    def backward(self, dout, q, k, v, out, lse, band, scale):
+        return super().backward(dout, q, k, v, out, lse, None, scale)
+
+
+def test_mla_dims_and_varlen_pass_on_a_correct_kernel_and_fail_on_one_blind_to_bands(monkeypatch):
+    """The MLA-dims item (q/k 192, v 128: causal, a window) and the varlen item (a packed block's calls)."""
+    assert gpu_check.check_mla_dims("cpu_flash", CPU, 64) < 1
+    assert gpu_check.check_varlen("cpu_flash", CPU, 64, 64) < 1
+    monkeypatch.setattr(gpu_check, "select_kernel", lambda *args, **kwargs: BandBlind())
+    assert gpu_check.check_mla_dims("cpu_flash", CPU, 64) > 10
+    assert gpu_check.check_varlen("cpu_flash", CPU, 64, 64) > 10
+
+
+def test_timing_needs_cuda_and_is_not_a_pass_here():
+    from megatron_2d.bench.gpu_check_runner import NOT_RUN, Item, run_item
+
+    row = run_item(Item("timing te_fused", "32K", lambda: gpu_check.check_timing("te_fused", CPU), bound=3.0))
+    assert row.result == NOT_RUN and row.detail == "timing needs CUDA"

@@ -110,7 +110,8 @@ def run_case(case: Case, device: torch.device, rank: int, world: int) -> tuple[f
             ("out", "dq", "dk", "dv"),
             (out, *(x.grad for x in local)),
             (shard(ref), *(shard(x.grad) for x in leaves)),
-        )
+        ),
+        kernel=case.kernel,
     )
     return err, transport_of(cache, case.batch)
 

@@ -18,7 +18,8 @@ calls them:
 No sliding window is exposed by these ops (attn_bias would be a materialised [s_q, s_k] mask that skips no work), so
 a band runs as the pieces of :mod:`megatron_2d.kernels.pieces`, batched into varlen launches
 (:mod:`megatron_2d.kernels.piece_kernel`). Head dims: a multiple of 8, at most 128 before Hopper and 256 from sm90
-(cuDNN's support matrix for the backward). The ops' schemas are checked when the kernel is built.
+(cuDNN's support matrix for the backward). The ops' schemas, and cuDNN >= 9.0 on CUDA, are checked when the kernel
+is built.
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ def _ops():
     return torch.ops.aten._cudnn_attention_forward.default, torch.ops.aten._cudnn_attention_backward.default
 
 
+MIN_CUDNN = 90000
+"""cuDNN 9.0: the first with SDPA training on Hopper (and the ragged layouts the varlen launches use)."""
+
+
+def check_cudnn() -> None:
+    """Refuse a CUDA PyTorch without cuDNN 9 (its attention ops would fail at the first call)."""
+    if not torch.cuda.is_available():
+        return  # CPU: the stand-in (megatron_2d.testing.torch_cudnn_cpu) plays the ops
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if version is None or version < MIN_CUDNN:
+        raise ImportError(f"PyTorch's cuDNN attention needs cuDNN >= 9.0; this torch {torch.__version__} has {version}")
+
+
 def check_schemas() -> None:
     """Refuse a PyTorch whose cuDNN attention ops lack an argument this kernel passes (by name and position)."""
     for op, expected in zip(_ops(), (FORWARD_ARGS, BACKWARD_ARGS)):
@@ -104,6 +118,7 @@ class TorchCudnnKernel(PieceKernel):
 
     def __init__(self) -> None:
         check_schemas()
+        check_cudnn()
         super().__init__()
         self._philox: dict = {}  # device -> (seed, offset): read by the backward only with dropout
 
