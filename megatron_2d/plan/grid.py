@@ -24,6 +24,7 @@ from ..topology import divisors
 from .candidates import STOCK_KINDS, Layout
 from .console import parse_seq, terminal_console
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
+from .kernel_rates import PLANNED_KERNELS, STOCK_KERNEL
 from .memory_options import CHOICES as MEMORY_CHOICES
 from .memory_options import MemoryPolicy
 from .planner import Candidate, evaluate, plan
@@ -46,6 +47,7 @@ CODES = {
     "M": "stock: no stock layout fits in memory",
     "I": "stock: no stock layout can run (heads/KV heads/sequence)",
     "B": "stock: Transformer Engine's dK/dV travel in bf16, ours in fp32 (same layout otherwise)",
+    "F": "stock: Transformer Engine's kernel is faster than the one 2D runs (--kernel), the same layout otherwise",
     "U": "stock: a stock layout 2D does not cover better (e.g. DeepSpeed-Ulysses)",
     "=": "tie: within 2% (often the same layout, or attention compute dominating both)",
     "X": "neither fits in memory (or can run)",
@@ -85,6 +87,7 @@ def explain(
     seq,
     stock_parallel=None,
     memory: MemoryPolicy = MemoryPolicy(),
+    kernel: str | None = None,
 ) -> tuple[float | None, str, str]:
     """(ratio, codes, one-line reason) for one cell. ``parallel``/``stock_parallel``: the jobs the 2D and the stock
     plan were made for (the same unless each side picked its own CP); ``cands``: every candidate seen."""
@@ -116,7 +119,9 @@ def explain(
             codes += "R"
         if memory.choice in ("auto", "all") and not memory.fair:
             # would 2D lose its lead with Megatron's own memory options only?
-            plain = evaluate(best_2d.layout, model, cluster, parallel, seq, memory=replace(memory, choice="stock"))
+            plain = evaluate(
+                best_2d.layout, model, cluster, parallel, seq, memory=replace(memory, choice="stock"), kernel=kernel
+            )
             if not plain.feasible or plain.estimate.tokens_per_gpu_s < e2.tokens_per_gpu_s * (1 - TIE):
                 codes += "Z"
         # attention per token of a GPU (time_s covers S/CP tokens), at the same or a larger CP than stock's
@@ -131,18 +136,25 @@ def explain(
             codes += layout_codes or "H"
         return ratio, codes, "2D wins: " + "; ".join(CODES[c][4:] for c in codes) + cps
     if ratio < 1 - TIE:
-        twin = evaluate(
-            _twin(best_stock),
-            model,
-            cluster,
-            stock_parallel,
-            seq,
-            recompute=es.recompute,
-            dkv_comm_dtype="input",
-            memory=memory,
-        )
-        same = twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6
-        code = "B" if same else "U"
+
+        def same_as_stock(dkv: str, twin_kernel: str | None) -> bool:
+            twin = evaluate(
+                _twin(best_stock),
+                model,
+                cluster,
+                stock_parallel,
+                seq,
+                recompute=es.recompute,
+                dkv_comm_dtype=dkv,
+                memory=memory,
+                kernel=twin_kernel,
+            )
+            return twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6
+
+        if best_2d.kernel != best_stock.kernel and same_as_stock("input", best_stock.kernel):
+            code = "F" if not same_as_stock("input", kernel) else "B"
+        else:
+            code = "B" if same_as_stock("input", kernel) else "U"
         return ratio, code, "stock wins: " + CODES[code][7:] + cps
     return ratio, "=", "tie" + cps
 
@@ -162,10 +174,11 @@ def cell(
     cluster_name: str = "8xH100",
     free_cp: bool = True,
     memory: MemoryPolicy = MemoryPolicy(),
+    kernel: str | None = None,
 ) -> Cell:
     """The comparison for one (model, GPUs, sequence) on a preset cluster (cached). ``free_cp``: each side takes
     the CP size (a divisor of the GPUs left by TP x PP; DP the rest) with its best throughput per GPU; ``memory``:
-    the memory options each side tries."""
+    the memory options each side tries; ``kernel``: 2D's attention kernel (None: its selection's)."""
     model, cluster = get_model(model_name), get_cluster(cluster_name)
     sizes = GRID_MODELS[model_name]
     if gpus % (sizes["tp"] * sizes["pp"]):
@@ -179,7 +192,7 @@ def cell(
         if len(done) == 2:
             break
         parallel = ParallelSpec(gpus=gpus, tp=sizes["tp"], pp=sizes["pp"], cp=cp)
-        cands = plan(model, cluster, parallel, seq, memory=memory)
+        cands = plan(model, cluster, parallel, seq, memory=memory, kernel=kernel)
         seen += cands
         for side, kinds in (("2d", ("2d",)), ("stock", STOCK_KINDS)):
             if side in done:
@@ -196,7 +209,7 @@ def cell(
     b2, p2 = best.get("2d", (None, None))
     bs, ps = best.get("stock", (None, None))
     ratio, codes, reason = explain(
-        b2, bs, seen, model, cluster, p2 or ps or ParallelSpec(gpus=gpus, **sizes), seq, ps, memory
+        b2, bs, seen, model, cluster, p2 or ps or ParallelSpec(gpus=gpus, **sizes), seq, ps, memory, kernel
     )
     return Cell(model_name, gpus, seq, b2, bs, ratio, codes, reason)
 
@@ -208,6 +221,7 @@ def grid(
     cluster: str = "8xH100",
     free_cp: bool = True,
     memory: MemoryPolicy = MemoryPolicy(),
+    kernel: str | None = None,
 ) -> list[Cell]:
     """Every cell of the grid (cells whose job is invalid, e.g. a sequence not divisible by 2*CP, are skipped)."""
     out = []
@@ -215,7 +229,7 @@ def grid(
         for g in gpus:
             for s in seqs:
                 try:
-                    out.append(cell(m, g, s, cluster, free_cp, memory))
+                    out.append(cell(m, g, s, cluster, free_cp, memory, kernel))
                 except PlanError:
                     continue
     return out
@@ -246,6 +260,13 @@ def format_grid(
         f"cheapest recompute that fits; {cp}; {memory_policy_text(memory)}.",
         "",
     ]
+    ran = next((c.best_2d.kernel for c in cells if c.best_2d is not None), None)
+    if ran is not None:
+        arch = get_cluster(cluster).arch
+        lines[-1:-1] = [
+            f"Attention kernels: 2D {ran}, Megatron's stock CP {STOCK_KERNEL[arch]} (Transformer Engine's), "
+            f"DeepSpeed-Ulysses flash_attn2; rates: megatron_2d.plan.kernel_rates."
+        ]
     models = list(dict.fromkeys(c.model for c in cells))
     for m in models:
         mine = [c for c in cells if c.model == m]
@@ -400,11 +421,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="stock gets 2D's memory options and, hypothetically, Checkpoint++: what is left is 2D's own",
     )
+    p.add_argument(
+        "--kernel",
+        choices=PLANNED_KERNELS,
+        default=None,
+        help="the attention kernel 2D runs (default: its selection's, as stock TE's); stock runs TE's kernel",
+    )
     args = p.parse_args(argv)
     memory = MemoryPolicy(args.memory, args.fair_memory)
     try:
         get_cluster(args.cluster)
-        cells = grid(args.models, args.gpus, args.seqs, args.cluster, not args.fixed_cp, memory)
+        cells = grid(args.models, args.gpus, args.seqs, args.cluster, not args.fixed_cp, memory, args.kernel)
     except PlanError as err:
         p.error(str(err))
     if args.json:
