@@ -156,6 +156,45 @@ def test_flash_attn_varlen_index_tensors_of_a_new_batch_make_no_sync():
     assert run_on_ranks(1, run_flash_attn_varlen_new_batch) == [(1, 2, 0)]  # built under the guards
 
 
+def run_cudnn_pieces_new_batch(rank, world, kernel_name):
+    """The cuDNN kernels' varlen pieces on a batch they have not seen (packed calls and a windowed call): building
+    the pieces' index tensors and running forward and backward make no host sync (torch_cudnn through PyTorch's
+    cuDNN ops on CPU; te_fused through the real TE 2.20.2 Python layer over its CPU extension)."""
+    from megatron_2d.band import Band
+    from megatron_2d.block_plan import BlockCall
+    from megatron_2d.kernels.te_fused import TeFusedKernel
+    from megatron_2d.kernels.torch_cudnn import TorchCudnnKernel
+    from megatron_2d.testing.te_package import load_release
+    from megatron_2d.testing.torch_cudnn_cpu import torch_cudnn_on_cpu
+
+    if kernel_name == "te_fused":
+        load_release("2.20.2")
+        context, make = contextlib.nullcontext(), TeFusedKernel
+    else:
+        context, make = torch_cudnn_on_cpu(), TorchCudnnKernel
+    g = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 24, 4, 16, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, 20, 2, 16, generator=g).bfloat16() for _ in range(2))
+    out, lse = torch.zeros_like(q), torch.zeros(1, 4, 24)
+    calls = [
+        BlockCall(0, 6, 0, 6, Band(None, 0)),
+        BlockCall(6, 10, 6, 10, Band(None, 0)),
+        BlockCall(10, 16, 2, 9, None),
+        BlockCall(16, 24, 8, 20, Band(-3, 4)),
+    ]
+    with context:
+        kernel = make()
+        with NoHostDataInOp(), NoSyncOps():
+            kernel.forward_calls(q, k, v, calls, 0, 0.3)
+            kernel.backward_calls(dout, q, k, v, out, lse, calls, 0, 0.3)
+    return len(kernel._groups)
+
+
+@pytest.mark.parametrize("kernel_name", ["torch_cudnn", "te_fused"])
+def test_cudnn_kernels_pieces_of_a_new_batch_make_no_sync(kernel_name):
+    assert run_on_ranks(1, run_cudnn_pieces_new_batch, kernel_name) == [1]  # built under the guards
+
+
 def run_new_packed_batches_guarded(rank, world):
     """Every packed mode, hp 2 x cp 2 and hp 1 x cp 4: a layout built ahead of the step (host cu_seqlens), then its
     FIRST attention call (the per-batch setup: head exchange order, plans, ring or neighbour exchange) under the

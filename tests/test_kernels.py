@@ -348,3 +348,11 @@ def test_the_kernel_names_are_the_choices():
     from megatron_2d.choices import KERNELS as NAMES
 
     assert set(KERNELS) == set(NAMES) and len(NAMES) == len(set(NAMES))
+
+
+def test_the_choice_is_printed_once(capsys):
+    """The automatic choice is printed (rank 0, or no process group) once per distinct choice, not per call."""
+    for _ in range(3):
+        assert select_kernel(torch.device("cpu"), torch.float32, head_dim=40).name == "cpu_flash"
+    lines = [x for x in capsys.readouterr().out.splitlines() if "head dim 40" in x]
+    assert lines == ["megatron_2d: attention kernel cpu_flash (float32, head dim 40 on cpu)"]
