@@ -1,365 +1,265 @@
-"""Selective Checkpoint++: full-layer recompute that keeps attention from the forward pass.
+"""Selective Checkpoint++ (megatron_2d/megatron/checkpoint_plus.py, megatron_2d/kept_forward.py): full-layer
+recompute that keeps attention's output and log-sum-exp ("outputs") or also its head-layout inputs
+("attention-inputs") from the first pass, under both keep policies.
 
-Against the same model without recompute: equal gradients (fp32, 1e-6), the attention forward (the ring Function)
-run once per layer per micro-batch, no extra all-to-all or ring bytes (so none in the recompute pass), kept
-tensors released after backward with no growth over steps; with megatron's uniform and block recompute, under
-the pipeline schedule with several micro-batches in flight. All cases run in one fork of 4 ranks.
+Op level, generated: the seeded draws of :mod:`megatron_2d.testing.generated_cases` (layouts of up to 4 ranks,
+unpacked and every packed mode, windows, sinks, GQA replication, MLA's narrower values, batch 1 and 2, both
+kernels and dK/dV dtypes), each through attention_2d and latent_attention_2d inside megatron's own checkpoint:
+output and gradients bit for bit those without recompute, no kernel forward and no ring byte in the recompute,
+the head all-to-alls of one forward sent again by "outputs" and nothing by "attention-inputs", nothing kept that
+shares storage with the inputs.
+
+Model level, generated: megatron-core GPT and MLA models (both rings) over every layout of CP 4 and CP 2, with TP 2,
+PP 2 under 1F1B and the interleaved schedule, windows, sinks, packed batches (zigzag, documents), block recompute:
+loss and every gradient against the same model without recompute, kernel forwards, bytes, and, with saved-tensor
+hooks, that nothing saved or kept shares storage with Megatron's QKV projection output or the rotated q and k.
+Sequence parallelism cannot run on CPU ranks (megatron-core's torch LayerNorm asserts "sequence parallel not
+supported by torch LayerNorm" without apex), so TP runs without it; the core attention's inputs have the same
+shapes either way.
+
+All model cases run in one fork of 4 ranks.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 
+import numpy as np
 import pytest
 import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.random import is_checkpointing
 
-from megatron_2d import ring_attention  # noqa: E402
-from megatron_2d.megatron import (  # noqa: E402
-    TransformerConfig2D,
-    checkpoint_plus,  # noqa: E402
-    get_gpt_layer_spec_2d,
+import megatron_2d
+from megatron_2d.choices import CHECKPOINT_KEEPS, PACKING_MODES
+from megatron_2d.kernels.base import BlockKernel
+from megatron_2d.megatron import TransformerConfig2D, checkpoint_plus, get_gpt_layer_spec_2d
+from megatron_2d.megatron.core_attention import CoreAttention2D
+from megatron_2d.megatron.packed_data import (
+    documents_batch_on_this_cp_rank,
+    get_thd_batch_on_this_cp_rank_2d,
+    groups_of_model,
+    use_document_positions,
 )
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.generated_cases import draw_batch, draw_case
+from megatron_2d.testing.mla import mla_spec_2d, tiny_mla_config
+from megatron_2d.testing.reference import TOLERANCES
+from megatron_2d.topology import every_layout
 
-RTOL = 1e-6
-LAYERS = 2
-RECOMPUTE = {
-    "none": {},
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "ckpt++_uniform": dict(
-        recompute_granularity="full",
-        recompute_method="uniform",
-        recompute_num_layers=1,
-        selective_checkpoint_plus_plus=True,
-    ),
-    # block: only the first layer of each stage is checkpointed; the other runs plain attention
-    "ckpt++_block": dict(
-        recompute_granularity="full",
-        recompute_method="block",
-        recompute_num_layers=1,
-        selective_checkpoint_plus_plus=True,
-    ),
-}
+RTOL = TOLERANCES[torch.float32].dq  # model gradients against the same model without recompute
+HEAD_KINDS = ("all_to_all",)
+RING_KINDS = ("inner_ring", "outer_ring", "neighbour")
 
 
-def model_config(recompute, hp, micro_batch_size=2, **kwargs):
-    cfg = tg.TinyGPTConfig(
-        num_layers=LAYERS,
-        hidden_size=64,
-        num_attention_heads=8,
-        num_query_groups=2,
-        seq_length=64,
-        micro_batch_size=micro_batch_size,
-        config_class=TransformerConfig2D,
-        cp_comm_type="2d",
-        **kwargs,
-    )
-    cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_ring_window=1, **RECOMPUTE[recompute])
-    return cfg
+class KernelForwards:
+    """Counts calls of every block kernel's forward (the attention's O(S^2) work), while installed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._originals = []
+        todo = [BlockKernel]
+        while todo:
+            cls = todo.pop()
+            todo.extend(cls.__subclasses__())
+            if "forward" in cls.__dict__ and not getattr(cls.__dict__["forward"], "__isabstractmethod__", False):
+                self._wrap(cls)
+
+    def _wrap(self, cls) -> None:
+        original = cls.__dict__["forward"]
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+
+        self._originals.append((cls, original))
+        cls.forward = counted
+
+    def restore(self) -> None:
+        for cls, original in self._originals:
+            cls.forward = original
 
 
-class Counters:
-    """Counts ring-attention forwards (the attention forward: its kernels and ring traffic)."""
-
-    def __init__(self):
-        self.forwards = 0
-        original_forward = ring_attention.RingAttention.forward
-
-        def counting_forward(ctx, *args):
-            self.forwards += 1
-            return original_forward(ctx, *args)
-
-        ring_attention.RingAttention.forward = staticmethod(counting_forward)
-        self._original_forward = original_forward
-
-    def restore(self):
-        ring_attention.RingAttention.forward = staticmethod(self._original_forward)
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Bit for bit equal, or both None (a rank whose keys no query sees gets no weight gradient)."""
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-def keepers(model):
-    return [layer.self_attention.core_attention.keeper for layer in model.decoder.layers]
+def _difference(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
 
 
-def watch_kept(model, refs):
-    """Weak references to every kept output, collected after each forward."""
-    for keeper in keepers(model):
-        if keeper is not None:
-            refs.extend(weakref.ref(entry.output) for entry in keeper._fifo)
+# ---- op level: generated draws through megatron's checkpoint ----------------------------------------------------
+
+OP_BATCHES = range(8)
+OP_DRAWS = 4
+ROPE_DIM, LATENT_RANK = 4, 12  # the latent op: q/k head dim = nope + rope, latent = rank + rope
 
 
-def run_case(recompute, counters, pipeline=False):
-    cfg = model_config(recompute, hp=2, micro_batch_size=4 if pipeline else 2)
-    model = tg.build_tiny_gpt(cfg, get_gpt_layer_spec_2d(use_transformer_engine=False))
-    groups = model.decoder.layers[0].self_attention.core_attention.groups
-    groups.comm_bytes.reset()
-    counters.forwards = 0
-    if pipeline:
-        result = tg.pipeline_forward_backward(model, cfg, tg.synthetic_batch(cfg), num_microbatches=4)
+def op_draws():
+    return [(draw_batch(seed, max_world=4), seed) for seed in OP_BATCHES]
+
+
+def _op_inputs(draw, latent: bool):
+    """Full (unsharded) fp32 tensors of ``draw``: (q, k, v) or MLA's (q, latent, up weight); dout; sinks or None."""
+    g = torch.Generator().manual_seed(draw.batch_seed * 100_003 + draw.index)
+    total, b = sum(draw.lengths), draw.batch
+    q = torch.randn(total, b, draw.hq, draw.d, generator=g)
+    if latent:
+        second = torch.randn(total, b, LATENT_RANK + ROPE_DIM, generator=g)
+        third = torch.randn(draw.hq * (draw.d - ROPE_DIM + draw.dv), LATENT_RANK, generator=g) * 0.3
     else:
-        result = tg.forward_backward(model, tg.synthetic_batch(cfg))
-    result["forwards"] = counters.forwards
-    result["bytes"] = groups.comm_bytes.as_dict()
-    result["kept_after"] = [len(k) for k in keepers(model) if k is not None]
-    return result, model, cfg
+        second = torch.randn(total, b, draw.hkv, draw.d, generator=g)
+        third = torch.randn(total, b, draw.hkv, draw.dv, generator=g)
+    dout = torch.randn(total, b, draw.hq, draw.dv, generator=g)
+    sinks = torch.randn(draw.hq, generator=g) if draw.sinks else None
+    return (q, second, third), dout, sinks
 
 
-def run_all(rank, world):
-    counters = Counters()
-    out = {}
-    tg.init_parallel(context_parallel_size=4)
-    for recompute in RECOMPUTE:
-        out[recompute] = run_case(recompute, counters)[0]
-    # several steps: every kept tensor is released after its backward, nothing accumulates
-    _, model, cfg = run_case("ckpt++_uniform", counters)
-    refs, lengths = [], []
-    original_call = checkpoint_plus.AttentionKeeper.__call__
+def _op_case(draw, groups, cp_rank: int, cp_size: int, latent: bool, kernels: KernelForwards) -> dict:
+    tensors, dout, sinks = _op_inputs(draw, latent)
+    packing = None
+    if draw.mode is None:
+        shard = lambda x: megatron_2d.shard_sequence(x, cp_rank, cp_size)  # noqa: E731
+    else:
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(draw.lengths)]))
+        packing = megatron_2d.PackedLayout(cu, groups, mode=draw.mode)
+        shard = lambda x: packing.shard(x[:, 0])  # noqa: E731
+    local = [shard(x) for x in tensors[:2]] + [tensors[2] if latent else shard(tensors[2])]
+    settings = dict(
+        causal=draw.causal,
+        sliding_window=draw.window,
+        kernel=draw.kernel,
+        dkv_comm_dtype=draw.dkv_comm_dtype,
+        packing=packing,
+    )
 
-    def watching_call(self, *args):
-        result = original_call(self, *args)
-        watch_kept(model, refs)
-        return result
+    def op(a, b, c, s=None, kept=None):
+        if latent:
+            dims = dict(nope_dim=draw.d - ROPE_DIM, value_dim=draw.dv)
+            return megatron_2d.latent_attention_2d(a, b, c, groups, sinks=s, kept=kept, **dims, **settings)
+        return megatron_2d.attention_2d(a, b, c, groups, sinks=s, kept=kept, **settings)
 
-    checkpoint_plus.AttentionKeeper.__call__ = watching_call
-    for step in range(3):
-        tg.forward_backward(model, tg.synthetic_batch(cfg, step))
-        gc.collect()
-        lengths.append([len(k) for k in keepers(model)])
-    checkpoint_plus.AttentionKeeper.__call__ = original_call
-    out["steps"] = {"lengths": lengths, "watched": len(refs), "alive": sum(r() is not None for r in refs)}
-    # pipeline schedule: PP=2 x CP=2 (2 x 1), 4 micro-batches in flight through 1F1B
-    tg.init_parallel(pipeline_model_parallel_size=2, context_parallel_size=2)
-    for recompute in ("none", "ckpt++_uniform"):
-        out[("pp", recompute)] = run_case(recompute, counters, pipeline=True)[0]
-    counters.restore()
-    return out if rank == 0 else None
+    def leaves():
+        return [x.clone().requires_grad_(True) for x in local], (
+            None if sinks is None else sinks.clone().requires_grad_(True)
+        )
+
+    # without recompute
+    xs, s = leaves()
+    groups.comm_bytes.reset()
+    before = kernels.count
+    out = op(*xs, s)
+    forward = {"bytes": groups.comm_bytes.as_dict(), "kernels": kernels.count - before}
+    out.backward(shard(dout))
+    expected = [out.detach(), *(x.grad for x in xs), *(() if s is None else (s.grad,))]
+    result = {"plain": {"forward": forward, "bytes": groups.comm_bytes.as_dict()}}
+    for keep in CHECKPOINT_KEEPS:
+        keeper = checkpoint_plus.AttentionKeeper(keep=keep)
+        passes, held = [], []
+
+        def measured(*args, **kwargs):
+            before_bytes, before_kernels = groups.comm_bytes.as_dict(), kernels.count
+            y = op(*args, **kwargs)
+            passes.append(
+                {
+                    "bytes": _difference(groups.comm_bytes.as_dict(), before_bytes),
+                    "kernels": kernels.count - before_kernels,
+                }
+            )
+            return y
+
+        xs, s = leaves()
+
+        def layer(a, b, c):
+            y = keeper(measured, a, b, c, s)
+            if not torch.is_grad_enabled():
+                held.extend(keeper.kept_tensors())
+            return y
+
+        groups.comm_bytes.reset()
+        out = tensor_parallel.checkpoint(layer, False, *xs)  # megatron's full-layer checkpoint
+        inputs = {x.untyped_storage().data_ptr() for x in xs}
+        kept = {t.untyped_storage().data_ptr() for t in held if t.numel()}
+        out.backward(shard(dout))
+        got = [out.detach(), *(x.grad for x in xs), *(() if s is None else (s.grad,))]
+        result[keep] = {
+            "equal": [_same(a, e) for a, e in zip(got, expected)],
+            "passes": passes,
+            "bytes": groups.comm_bytes.as_dict(),
+            "shares_input_storage": bool(kept & inputs),
+            "kept": len(held),
+            "left": len(keeper),
+        }
+    return result
+
+
+def run_op_batch(rank, world, batch, draws):
+    tg.init_parallel()  # megatron's RNG tracker, which its checkpoint forks
+    groups = megatron_2d.build_2d_groups(batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order])
+    cp_rank = batch.rank_order.index(rank)
+    kernels = KernelForwards()
+    try:
+        return {
+            (draw.index, latent): _op_case(draw, groups, cp_rank, world, latent, kernels)
+            for draw in draws
+            for latent in (False, True)
+        }
+    finally:
+        kernels.restore()
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_on_ranks(4, run_all, timeout_s=240)[0]
-
-
-def assert_same_gradients(actual, expected):
-    assert set(actual["grads"]) == set(expected["grads"]) and len(expected["grads"]) >= 20
-    for name, grad in expected["grads"].items():
-        assert tg.max_relative_error(actual["grads"][name], grad) < RTOL, name
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("recompute", ["full", "ckpt++_uniform", "ckpt++_block"])
-def test_gradients_equal_no_recompute(results, recompute):
-    assert_same_gradients(results[recompute], results["none"])
-    assert abs(float(results[recompute]["loss"]) - float(results["none"]["loss"])) <= RTOL * float(
-        results["none"]["loss"]
-    )
+def op_results():
+    out = {}
+    for batch, seed in op_draws():
+        draws = [draw_case(batch, i, PACKING_MODES) for i in range(OP_DRAWS)]
+        for (index, latent), result in run_on_ranks(batch.world, run_op_batch, batch, draws, timeout_s=180)[0].items():
+            out[(seed, index, latent)] = (batch, draws[index], result)
+    return out
 
 
 @pytest.mark.distributed
-def test_attention_forward_runs_once_per_layer(results):
-    assert results["none"]["forwards"] == LAYERS
-    assert results["full"]["forwards"] == 2 * LAYERS  # plain full recompute runs attention twice
-    assert results["ckpt++_uniform"]["forwards"] == LAYERS
-    assert results["ckpt++_block"]["forwards"] == LAYERS
+@pytest.mark.parametrize("keep", CHECKPOINT_KEEPS)
+def test_op_gradients_bit_for_bit_without_recompute(op_results, keep):
+    bad = [(k, r[keep]["equal"]) for k, (_, _, r) in op_results.items() if not all(r[keep]["equal"])]
+    assert not bad, bad
+    assert all(len(r[keep]["equal"]) >= 4 for _, _, r in op_results.values())
 
 
 @pytest.mark.distributed
-def test_no_communication_in_the_recompute_pass(results):
-    none, full = results["none"]["bytes"], results["full"]["bytes"]
-    assert none["all_to_all"] > 0 and none["outer_ring"] > 0
-    assert full["all_to_all"] > none["all_to_all"] and full["outer_ring"] > none["outer_ring"]
-    for recompute in ("ckpt++_uniform", "ckpt++_block"):
-        assert results[recompute]["bytes"] == none, recompute
+@pytest.mark.parametrize("keep", CHECKPOINT_KEEPS)
+def test_op_recompute_runs_no_kernel_forward_and_sends_what_its_policy_says(op_results, keep):
+    for key, (_, _, r) in op_results.items():
+        first, recompute = r[keep]["passes"]
+        plain = r["plain"]
+        assert first == plain["forward"], key  # the first pass is a plain forward
+        assert recompute["kernels"] == 0 < first["kernels"], key
+        assert all(recompute["bytes"][k] == 0 for k in RING_KINDS), key
+        head = {k: first["bytes"][k] if keep == "outputs" else 0 for k in HEAD_KINDS}
+        assert {k: recompute["bytes"][k] for k in HEAD_KINDS} == head, key
+        assert r[keep]["bytes"] == {k: plain["bytes"][k] + recompute["bytes"][k] for k in plain["bytes"]}, key
+    assert any(r[keep]["passes"][0]["bytes"]["all_to_all"] > 0 for _, _, r in op_results.values())
 
 
 @pytest.mark.distributed
-def test_kept_tensors_are_released(results):
-    for recompute in ("ckpt++_uniform", "ckpt++_block"):
-        assert results[recompute]["kept_after"] == [0] * LAYERS
-    steps = results["steps"]
-    assert steps["lengths"] == [[0] * LAYERS] * 3
-    assert steps["watched"] >= 3 and steps["alive"] == 0
+@pytest.mark.parametrize("keep", CHECKPOINT_KEEPS)
+def test_op_keeps_nothing_of_its_inputs_and_releases_what_it_kept(op_results, keep):
+    for key, (_, _, r) in op_results.items():
+        assert not r[keep]["shares_input_storage"], key
+        assert r[keep]["kept"] >= (2 if keep == "outputs" else 5) and r[keep]["left"] == 0, key
 
 
-@pytest.mark.distributed
-def test_pipeline_schedule_with_micro_batches_in_flight(results):
-    ckpt, none = results[("pp", "ckpt++_uniform")], results[("pp", "none")]
-    assert_same_gradients(ckpt, none)
-    assert ckpt["forwards"] == none["forwards"] == 4 * LAYERS // 2  # 4 micro-batches x this stage's layer
-    assert ckpt["bytes"] == none["bytes"] and ckpt["kept_after"] == [0]
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (dict(), r"recompute_granularity is None; set recompute_granularity='full'"),
-        (dict(recompute_granularity="selective"), r"recompute_granularity is 'selective'"),
-    ],
-)
-def test_misuse_is_refused(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        TransformerConfig2D(
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=8,
-            attention_dropout=0.0,
-            selective_checkpoint_plus_plus=True,
-            **overrides,
-        )
-
-
-# ---- the keeper alone (one process): replay, and refusal of a recompute that differs --------------------------
-
-
-def _attention(q, k, v):
-    from megatron_2d.testing.reference import reference_attention
-
-    return reference_attention(q, k, v, True, 0.25)
-
-
-def _first_pass(keeper, q, k, v):
-    """What megatron's checkpointed forward does: the layer under no_grad, inside its checkpoint."""
-    with torch.no_grad():
-        return keeper(_attention, q, k, v)
-
-
-@pytest.fixture
-def checkpointing(monkeypatch):
-    monkeypatch.setattr(checkpoint_plus, "is_checkpointing", lambda: True)
-
-
-def _qkv(seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(16, 1, 4, 8, generator=g, dtype=torch.float64) for _ in range(3)]
-
-
-def test_keeper_replays_the_first_pass(checkpointing):
-    keeper = checkpoint_plus.AttentionKeeper()
-    q, k, v = _qkv(0)
-    first = _first_pass(keeper, q, k, v)
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out = keeper(_attention, *leaves)  # the recompute pass: grad enabled
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    plain = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    _attention(*plain).backward(dout)
-    assert torch.equal(out, first) and len(keeper) == 0
-    for got, want in zip(leaves, plain):
-        assert torch.allclose(got.grad, want.grad, rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_recompute_that_differs_is_refused(checkpointing, which):
-    """A recomputed input that is not the first pass's (here: another micro-batch's q, k or v) must raise, not
-    silently return the kept output of different inputs."""
-    keeper = checkpoint_plus.AttentionKeeper()
-    q, k, v = _qkv(1)
-    _first_pass(keeper, q, k, v)
-    other = dict(zip("qkv", _qkv(2)))
-    inputs = {"q": q, "k": k, "v": v, which: other[which]}
-    with pytest.raises(RuntimeError, match=f"the recomputed {which} differs from the first pass"):
-        keeper(_attention, *(inputs[n].requires_grad_(True) for n in "qkv"))
-
-
-def test_recompute_differing_in_one_token_is_refused(checkpointing):
-    """A recompute that differs in the last token only (e.g. a non-deterministic op near the end)."""
-    keeper = checkpoint_plus.AttentionKeeper()
-    q, k, v = _qkv(6)
-    _first_pass(keeper, q, k, v)
-    k2 = k.clone()
-    k2[-1] += 1.0
-    with pytest.raises(RuntimeError, match="the recomputed k differs from the first pass"):
-        keeper(_attention, *(x.requires_grad_(True) for x in (q, k2, v)))
-
-
-def test_recompute_out_of_order_is_refused(checkpointing):
-    keeper = checkpoint_plus.AttentionKeeper()
-    first, second = _qkv(3), _qkv(4)
-    _first_pass(keeper, *first)
-    _first_pass(keeper, *second)
-    with pytest.raises(RuntimeError, match="differs from the first pass"):
-        keeper(_attention, *(x.requires_grad_(True) for x in second))  # micro-batch 2 replayed first
-
-
-def test_recompute_without_a_first_pass_is_refused(checkpointing):
-    keeper = checkpoint_plus.AttentionKeeper()
-    with pytest.raises(RuntimeError, match="found no kept attention"):
-        keeper(_attention, *(x.requires_grad_(True) for x in _qkv(5)))
-
-
-def _bf16_qkv(seed):
-    return [x.bfloat16() for x in _qkv(seed)]
-
-
-def _one_ulp_off(x):
-    """x with every element moved by one bf16 ulp: what a recompute whose sums ran in another order gives."""
-    return (x.view(torch.int16) + 1).view(torch.bfloat16)
-
-
-@pytest.mark.parametrize("check", ["tolerance", "bitwise"])
-def test_rounding_noise_passes_the_tolerance_check_only(checkpointing, check):
-    """GPUs recompute MoE permutations with atomics, so a recompute may differ in the last bits: "tolerance"
-    (default) accepts that, "bitwise" (the debug mode) refuses it; a replay of another micro-batch is refused by
-    both."""
-
-    def bf16_attention(q, k, v):
-        return _attention(q.double(), k.double(), v.double()).bfloat16()
-
-    keeper = checkpoint_plus.AttentionKeeper(check)
-    q, k, v = _bf16_qkv(7)
-    with torch.no_grad():
-        keeper(bf16_attention, q, k, v)
-    noisy = [_one_ulp_off(x).requires_grad_(True) for x in (q, k, v)]
-    if check == "tolerance":
-        keeper(bf16_attention, *noisy)
-    else:
-        with pytest.raises(
-            RuntimeError,
-            match=r"the recomputed q differs from the first pass \(max relative "
-            r"difference .* allowed 0\)",
-        ):
-            keeper(bf16_attention, *noisy)
-    with torch.no_grad():
-        keeper(bf16_attention, q, k, v)
-    with pytest.raises(RuntimeError, match=r"the recomputed q differs from the first pass"):
-        keeper(bf16_attention, *(x.requires_grad_(True) for x in _bf16_qkv(8)))
-
-
-def test_recompute_check_makes_no_host_sync(checkpointing):
-    """The check runs under the hot-path guards (no scalar read, no torch.equal, no tensor from Python data); its
-    verdict is read from host memory (on CUDA: a pinned copy, once landed)."""
-    from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
-
-    keeper = checkpoint_plus.AttentionKeeper()
-    q, k, v = _qkv(9)
-    _first_pass(keeper, q, k, v)
-    with NoHostDataInOp(), NoSyncOps():
-        keeper(_attention, *(x.clone().requires_grad_(True) for x in (q, k, v)))
-    with pytest.raises(AssertionError, match="hot path"), NoSyncOps():
-        torch.equal(q, k)  # the guard catches what the old check did
-
-
-def test_unknown_check_is_refused():
-    with pytest.raises(ValueError, match=r"check 'exact' is not one of \['tolerance', 'bitwise'\]"):
-        checkpoint_plus.AttentionKeeper("exact")
-    with pytest.raises(ValueError, match=r"selective_checkpoint_plus_plus_check 'exact' is not one of"):
-        TransformerConfig2D(
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=8,
-            attention_dropout=0.0,
-            recompute_granularity="full",
-            recompute_method="uniform",
-            recompute_num_layers=1,
-            selective_checkpoint_plus_plus=True,
-            selective_checkpoint_plus_plus_check="exact",
-        )
-
-
-def test_fp8_recompute_is_refused():
-    from types import SimpleNamespace
-
-    why = checkpoint_plus.check_checkpoint_plus_config(SimpleNamespace(recompute_granularity="full", fp8="hybrid"))
-    assert why is not None and "not supported with fp8/fp4 recompute" in why
-    assert checkpoint_plus.check_checkpoint_plus_config(SimpleNamespace(recompute_granularity="full")) is None
+def test_op_draws_cover_the_op(op_results):
+    """The generated op cases reach every path the keeper must replay (a generator change that loses one fails)."""
+    cases = [(b, d, latent) for (_, _, latent), (b, d, _) in op_results.items()]
+    assert {d.mode for _, d, _ in cases} == {None, *PACKING_MODES}
+    assert {latent for _, _, latent in cases} == {False, True}
+    assert {b.hp for b, _, _ in cases} >= {1, 2, 4} and any(b.hp > 1 and b.cp > 1 for b, _, _ in cases)
+    assert any(d.window != (-1, -1) for _, d, _ in cases) and any(d.sinks for _, d, _ in cases)
+    assert any(d.hkv < b.hp for b, d, latent in cases if not latent)  # K/V replicated
+    assert any(d.dv < d.d for _, d, _ in cases) and {d.batch for _, d, _ in cases} == {1, 2}
+    assert {d.kernel for _, d, _ in cases} == {"cpu_flash", "torch_math"}
