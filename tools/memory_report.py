@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from megatron_2d.bench.cli import add_arguments, render_table  # noqa: E402
 from megatron_2d.choices import CHECKPOINT_KEEPS  # noqa: E402
+from megatron_2d.megatron.checkpoint_plus import fingerprint_elements  # noqa: E402
 from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
 from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
@@ -75,21 +76,23 @@ def kept_formula(args, full_bytes: float) -> dict[str, float]:
     sizes of what the policy adds (per rank, fp32; s = seq / CP tokens, h = heads, g = K/V heads, d head dim,
     L = lcm(g, hp) K/V heads after replication):
 
-        ckpt++ outputs           = full + out + lse                  out = b*s*h*d*4 (the ring's output, head
-                                                                     layout), lse = b*s*h*4
-        ckpt++ attention-inputs  = full + q + kv + out + lse + out'  q = b*s*h*d*4, kv = b*s*L*2d*4 (the head
-                                                                     exchange's outputs), out' = out after the
-                                                                     inverse exchange (hp > 1; at hp 1 a view)
+        ckpt++ outputs           = full + out + lse + c                  out = b*s*h*d*4 (the ring's output,
+                                                                         head layout), lse = b*s*h*4
+        ckpt++ attention-inputs  = full + q + kv + out + lse + out' + c  q = b*s*h*d*4, kv = b*s*L*2d*4 (the
+                                                                         head exchange's outputs), out' = out
+                                                                         after the inverse exchange (hp > 1;
+                                                                         at hp 1 a view of out)
 
-    The keeper's recompute check adds a few sampled elements per input (under 1 KiB per layer)."""
+    c: the elements the recompute check samples from q, k and v in the first pass (64 or 65 each, fp32)."""
     b, s, h, g, hp = args.batch, args.seq // args.ranks, args.heads, args.kv_heads, args.hp
     d = args.hidden // h
     kv_heads = math.lcm(g, hp)
     out, lse = b * s * h * d * FP32, b * s * h * FP32
     q, kv = b * s * h * d * FP32, b * s * kv_heads * 2 * d * FP32
+    check = FP32 * sum(fingerprint_elements(n) for n in (b * s * h * d, b * s * g * d, b * s * g * d))
     return {
-        "ckpt++ outputs": full_bytes + out + lse,
-        "ckpt++ attention-inputs": full_bytes + q + kv + out + lse + (out if hp > 1 else 0),
+        "ckpt++ outputs": full_bytes + out + lse + check,
+        "ckpt++ attention-inputs": full_bytes + q + kv + out + lse + (out if hp > 1 else 0) + check,
     }
 
 
@@ -177,7 +180,7 @@ def report(args) -> list[dict]:
 
 def print_activation_table(rows, args) -> None:
     render_table(
-        f"Activations saved for backward per decoder layer, one micro-batch, per rank: "
+        f"Activations kept for backward per decoder layer, one micro-batch, per rank: "
         f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
         f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
         f"{args.ranks // args.hp}, w {args.window})",
@@ -202,7 +205,7 @@ def print_activation_table(rows, args) -> None:
             ]
             for r in rows
         ],
-        width=160,
+        width=180,
     )
 
 

@@ -52,7 +52,16 @@ RECOMPUTE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     """A few evenly spaced elements of ``x``, compared between the first pass and the recompute."""
     flat = x.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // _SAMPLES)].clone()
+    return flat[:: _sample_step(flat.numel())].clone()
+
+
+def _sample_step(numel: int) -> int:
+    return max(1, numel // _SAMPLES)
+
+
+def fingerprint_elements(numel: int) -> int:
+    """How many elements of an input of ``numel`` elements the first pass keeps for the check (64 or 65)."""
+    return -(-numel // _sample_step(numel))
 
 
 def _relative_difference(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
