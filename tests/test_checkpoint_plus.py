@@ -255,6 +255,7 @@ def test_op_keeps_nothing_of_its_inputs_and_releases_what_it_kept(op_results, ke
         assert r[keep]["kept"] >= (2 if keep == "outputs" else 5) and r[keep]["left"] == 0, key
 
 
+@pytest.mark.distributed
 def test_op_draws_cover_the_op(op_results):
     """The generated op cases reach every path the keeper must replay (a generator change that loses one fails)."""
     cases = [(b, d, latent) for (_, _, latent), (b, d, _) in op_results.items()]
@@ -688,6 +689,8 @@ def test_a_different_replay_is_caught(models, feature, keep, check):
     assert f"the recomputed {name} differs from the first pass" in models[("different", feature, keep, check)]
 
 
+@pytest.mark.distributed
+@pytest.mark.megatron
 def test_model_cases_cover_every_layout_feature_and_schedule(models):
     cases = models["cases"]
     for cp in (2, 4):

@@ -255,7 +255,7 @@ def plot(activation_rows, state_rows, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     modes = [r["mode"] for r in activation_rows]
     left.bar(modes, [r["activation_MiB_per_layer"] for r in activation_rows], color="tab:blue")
-    left.set_ylabel("activations saved per layer (MiB)")
+    left.set_ylabel("activations kept for backward per layer (MiB)")
     twin = left.twinx()
     twin.plot(modes, [100 * r["extra_fwd_flops_vs_layer_fwd"] for r in activation_rows], "o-", color="tab:red")
     twin.set_ylabel("extra forward FLOPs (% of a layer forward)", color="tab:red")
