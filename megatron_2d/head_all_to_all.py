@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .choices import head_exchange_point_to_point
 from .comm import CommCounter, all_gather_counted, all_to_all_counted, to_device, traffic_backend
+from .kept_forward import KeptForward
 
 Widths = tuple[int, ...]  # the head dims of one group's tensors, in order
 
@@ -402,7 +403,9 @@ class HeadAllToAll(torch.autograd.Function):
     its backward is unchanged."""
 
     @staticmethod
-    def forward(ctx, exchange: HeadExchange, direction: Direction, layout, kept, *tensors: torch.Tensor):
+    def forward(
+        ctx, exchange: HeadExchange, direction: Direction, layout, kept: KeptForward | None, *tensors: torch.Tensor
+    ):
         ctx.exchange, ctx.direction = exchange, direction
         to_heads = direction is Direction.TO_HEADS
         if to_heads:
@@ -433,7 +436,7 @@ class HeadAllGather(torch.autograd.Function):
     (point "gather")."""
 
     @staticmethod
-    def forward(ctx, exchange: HeadExchange, kept, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, exchange: HeadExchange, kept: KeptForward | None, x: torch.Tensor) -> torch.Tensor:
         ctx.exchange = exchange
         replayed = kept.replay("gather") if kept is not None else None
         if replayed is not None:

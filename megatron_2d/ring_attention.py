@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from .block_plan import BlockCall
+from .kept_forward import KeptForward
 from .kernels import BlockKernel
 from .kernels.base import accumulator_dtype
 from .merge import merge_attention_
@@ -182,7 +183,7 @@ class RingAttention(torch.autograd.Function):
         kv: torch.Tensor,
         sinks: torch.Tensor | None,
         rc: RingContext,
-        kept=None,
+        kept: KeptForward | None = None,
         expander: KVExpander | None = None,
         *params: torch.Tensor,
     ) -> torch.Tensor:
