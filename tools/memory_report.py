@@ -80,8 +80,8 @@ def kept_formula(args, full_bytes: float) -> dict[str, float]:
                                                                          head layout), lse = b*s*h*4
         ckpt++ attention-inputs  = full + q + kv + out + lse + out' + c  q = b*s*h*d*4, kv = b*s*L*2d*4 (the
                                                                          head exchange's outputs), out' = out
-                                                                         after the inverse exchange (hp > 1;
-                                                                         at hp 1 a view of out)
+                                                                         after the inverse exchange (none at
+                                                                         hp 1 with b 1: a view of out)
 
     c: the elements the recompute check samples from q, k and v in the first pass (64 or 65 each, fp32)."""
     b, s, h, g, hp = args.batch, args.seq // args.ranks, args.heads, args.kv_heads, args.hp
@@ -92,7 +92,7 @@ def kept_formula(args, full_bytes: float) -> dict[str, float]:
     check = FP32 * sum(fingerprint_elements(n) for n in (b * s * h * d, b * s * g * d, b * s * g * d))
     return {
         "ckpt++ outputs": full_bytes + out + lse + check,
-        "ckpt++ attention-inputs": full_bytes + q + kv + out + lse + (out if hp > 1 else 0) + check,
+        "ckpt++ attention-inputs": full_bytes + q + kv + out + lse + (out if hp > 1 or b > 1 else 0) + check,
     }
 
 
