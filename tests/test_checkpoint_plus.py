@@ -10,9 +10,10 @@ the head all-to-alls of one forward sent again by "outputs" and nothing by "atte
 shares storage with the inputs.
 
 Model level, generated: megatron-core GPT and MLA models (both rings) over every layout of CP 4 and CP 2, with TP 2,
-PP 2 under 1F1B and the interleaved schedule, windows, sinks, packed batches (zigzag, documents), block recompute:
-loss and every gradient against the same model without recompute, kernel forwards, bytes, and, with saved-tensor
-hooks, that nothing saved or kept shares storage with Megatron's QKV projection output or the rotated q and k.
+PP 2 under 1F1B and the interleaved schedule, windows, sinks, packed batches (zigzag, documents, sequence), block
+recompute: loss and every gradient against the same model without recompute, kernel forwards, bytes, and, with
+saved-tensor hooks, that nothing saved or kept shares storage with Megatron's QKV projection output or the rotated
+q and k.
 Sequence parallelism cannot run on CPU ranks (megatron-core's torch LayerNorm asserts "sequence parallel not
 supported by torch LayerNorm" without apex), so TP runs without it; the core attention's inputs have the same
 shapes either way.
@@ -296,8 +297,9 @@ FEATURES = {
     "mla_expanded": {},
     "packed_zigzag": {},
     "off_by_one_sinks": dict(softmax_type="off-by-one"),
+    "packed_sequence": {},
 }
-PACKED_LENGTHS = [5, 30, 13, 1, 50, 9, 20]  # documents of one packed stream
+PACKED_LENGTHS = [5, 30, 13, 1, 50, 9, 20]  # documents of one packed stream (128 tokens: 2*CP divides it)
 PACKED_PAD = 8  # zigzag: each document padded to a multiple of 2*CP
 
 
@@ -352,7 +354,7 @@ def model_config(feature: str, parallel: str, settings, recompute: str, check: s
             cp_comm_type="2d",
             seed=31,
         )
-        packing = {"packed_documents": "documents"}.get(feature, "zigzag")
+        packing = {"packed_documents": "documents", "packed_sequence": "sequence"}.get(feature, "zigzag")
         cfg.config_overrides = dict(
             cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement, cp_2d_packing=packing, **fields
         )
@@ -362,11 +364,10 @@ def model_config(feature: str, parallel: str, settings, recompute: str, check: s
 
 
 def build(feature: str, parallel: str, cfg):
-    spec = (
-        mla_spec_2d(feature.split("_")[1])
-        if feature.startswith("mla")
-        else get_gpt_layer_spec_2d(use_transformer_engine=False)
-    )
+    if feature.startswith("mla"):
+        spec = mla_spec_2d(feature.split("_")[1])
+    else:  # from the config, as pretrain builds it (the per-sequence split's SelfAttention2D)
+        spec = get_gpt_layer_spec_2d(tg.make_transformer_config(cfg), use_transformer_engine=False)
     if "interleaved" in parallel:
         return [tg.build_tiny_gpt(cfg, spec, vp_stage=i) for i in range(2)]
     model = tg.build_tiny_gpt(cfg, spec)
@@ -374,8 +375,8 @@ def build(feature: str, parallel: str, cfg):
 
 
 def packed_step(model, feature: str) -> dict:
-    """One forward and backward of a packed stream (zigzag: Megatron's THD split of the padded stream;
-    documents: our data path), loss and full gradients."""
+    """One forward and backward of a packed stream (zigzag: Megatron's THD split of the padded stream; sequence:
+    Megatron's per-sequence split of the unpadded one; documents: our data path), loss and full gradients."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     g = torch.Generator().manual_seed(5)
@@ -389,6 +390,12 @@ def packed_step(model, feature: str) -> dict:
     batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
     if feature == "packed_documents":
         local, params = documents_batch_on_this_cp_rank(batch, groups_of_model(model), cu_real)
+    elif feature == "packed_sequence":  # the whole stream cut into 2*CP chunks, global cu_seqlens, no padding
+        local = tg.shard_batch_for_cp(batch)
+        longest = max(PACKED_LENGTHS)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
     else:
         cp_group = tg.parallel_state.get_context_parallel_group()
         local = get_thd_batch_on_this_cp_rank_2d(dict(batch, cu_seqlens=cu_real, cu_seqlens_padded=cu_padded), cp_group)
@@ -536,6 +543,7 @@ def model_step(feature: str, parallel: str, settings, recompute: str, check: str
     result.update(watched)
     result["bytes"] = groups.comm_bytes.as_dict()
     result["kept_alive"] = sum(r() is not None for r in kept)
+    result["self_attention"] = type(chunks[0].decoder.layers[0].self_attention).__name__
     result["fifo_after"] = sum(len(k) for k in keepers if k is not None)
     return result
 
@@ -698,6 +706,13 @@ def test_model_cases_cover_every_layout_feature_and_schedule(models):
         assert {s for _, p, s in cases if PARALLEL[p][1] == cp} == layouts, cp
     assert {f for f, _, _ in cases} == set(FEATURES) and {p for _, p, _ in cases} == set(PARALLEL)
     assert {models[(f, p, k)]["check"] for f, p, _ in cases for k in CHECKPOINT_KEEPS} == {"tolerance", "bitwise"}
+    # Megatron's per-sequence split runs through the spec's SelfAttention2D, MLA's latent ring through its own
+    assert {models[(f, p, "outputs")]["self_attention"] for f, p, _ in cases if f == "packed_sequence"} == {
+        "SelfAttention2D"
+    }
+    assert {models[(f, p, "outputs")]["self_attention"] for f, p, _ in cases if f == "mla_latent"} == {
+        "MLASelfAttention2D"
+    }
 
 
 # ---- the keeper alone (one process): refusal of a recompute that differs, settings ----------------------------
