@@ -11,6 +11,9 @@ same function, which names the setting as that route spells it.
     MLA_RINGS         what travels the ring under multi-latent attention: cp_2d_mla_ring, --cp-2d-mla-ring
     RECOMPUTE_CHECKS  how Selective Checkpoint++ compares a recompute: selective_checkpoint_plus_plus_check,
                       --selective-checkpoint-plus-plus-check
+    CHECKPOINT_KEEPS  what Selective Checkpoint++ keeps of attention between the first pass and the recompute:
+                      selective_checkpoint_plus_plus_keep, --selective-checkpoint-plus-plus-keep ("outputs": out
+                      and lse, the default; "attention-inputs": also the head-layout q and K/V, see kept_forward.py)
     head_exchange_point_to_point / head_exchange_copies
                       which path the head all-to-all takes, and so how many copies it makes (the op and the
                       planner's cost model both ask here)
@@ -30,6 +33,7 @@ PACKING_MODES = ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
 MLA_RINGS = ("expanded", "latent")
 RECOMPUTE_CHECKS = ("tolerance", "bitwise")
+CHECKPOINT_KEEPS = ("outputs", "attention-inputs")  # the first is the default
 
 
 def choice_problem(setting: str, value, choices: Sequence[str]) -> str | None:
