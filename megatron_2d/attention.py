@@ -38,6 +38,7 @@ from .choices import check_dkv_comm_dtype
 from .double_ring import DoubleRing
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllToAll, HeadExchange, ascending_order
+from .kept_forward import KeptForward
 from .kernels import select_kernel
 from .kernels.base import accumulator_dtype
 from .neighbour_exchange import NeighbourExchange
@@ -241,6 +242,7 @@ def attention_2d(
     sinks: torch.Tensor | None = None,
     dkv_comm_dtype: str = "accumulator",
     packing: PackedLayout | None = None,
+    kept: KeptForward | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, dk], k [s, b, hkv, dk],
     v [s, b, hkv, dv], or for packed documents q [t_local, hq, dk], k [t_local, hkv, dk], v [t_local, hkv, dv] with
@@ -266,6 +268,9 @@ def attention_2d(
         packing: a :class:`megatron_2d.PackedLayout` of these groups: THD tensors of packed documents, attention
             within each document only (causal and the window over positions within the document); padding
             slots give exact zeros in the output and the gradients.
+        kept: Selective Checkpoint++'s record of this call (:class:`megatron_2d.kept_forward.KeptForward`): the
+            first pass records into it, the recompute returns what it kept instead of computing (None: a plain
+            call; see :mod:`megatron_2d.megatron.checkpoint_plus`).
     Returns out [s, b, hq, dv] (or [t_local, hq, dv] with packing) in q's dtype. Bytes sent are added to
     ``groups.comm_bytes``.
     """
@@ -283,9 +288,9 @@ def attention_2d(
         q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=v.shape[-1]
     )
     # one all-to-all for q, k and v: q [b, S, hq/hp, dk], K/V side by side as the ring sends them [b, S, hkv'/hp, dk+dv]
-    q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), q, k, v)
-    out = RingAttention.apply(q, kv, local_sinks, rc)  # [b, S, hq/hp, dv]
-    (out,) = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, out)  # [s, b, hq, dv]
+    q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), kept, q, k, v)
+    out = RingAttention.apply(q, kv, local_sinks, rc, kept)  # [b, S, hq/hp, dv]
+    (out,) = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
     return out.squeeze(1) if packing is not None else out
 
 

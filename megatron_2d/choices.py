@@ -13,6 +13,9 @@ same function, which names the setting as that route spells it.
                       --selective-checkpoint-plus-plus-check
     KERNELS           the block kernel attention runs (None: chosen by device, megatron_2d.kernels):
                       attention_2d(kernel=), cp_2d_kernel, --cp-2d-kernel; the planner's --kernel takes the CUDA ones
+    CHECKPOINT_KEEPS  what Selective Checkpoint++ keeps of attention between the first pass and the recompute:
+                      selective_checkpoint_plus_plus_keep, --selective-checkpoint-plus-plus-keep ("outputs": out
+                      and lse, the default; "attention-inputs": also the head-layout q and K/V, see kept_forward.py)
     head_exchange_point_to_point / head_exchange_copies
                       which path the head all-to-all takes, and so how many copies it makes (the op and the
                       planner's cost model both ask here)
@@ -33,6 +36,7 @@ DKV_COMM_DTYPES = ("accumulator", "input")
 MLA_RINGS = ("expanded", "latent")
 RECOMPUTE_CHECKS = ("tolerance", "bitwise")
 KERNELS = ("te_fused", "torch_cudnn", "flash_attn2", "torch_flash", "cpu_flash", "torch_math")
+CHECKPOINT_KEEPS = ("outputs", "attention-inputs")  # the first is the default
 
 
 def choice_problem(setting: str, value, choices: Sequence[str]) -> str | None:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .choices import head_exchange_point_to_point
 from .comm import CommCounter, all_gather_counted, all_to_all_counted, to_device, traffic_backend
+from .kept_forward import KeptForward
 
 Widths = tuple[int, ...]  # the head dims of one group's tensors, in order
 
@@ -396,16 +397,28 @@ class HeadAllToAll(torch.autograd.Function):
 
     TO_HEADS: ``tensors`` [2c, b, H_i, d_i], ``layout`` their group sizes -> one [b, S, H_i/hp, D] per group.
     TO_TOKENS: ``tensors`` groups [b, S, Hl, D], ``layout`` each group's widths (None: one tensor per group) ->
-    their tensors [2c, b, H, d_i]."""
+    their tensors [2c, b, H, d_i].
+    ``kept``: Selective Checkpoint++'s record of the call (:class:`megatron_2d.kept_forward.KeptForward`, at point
+    "to_heads" / "to_tokens"; None for a plain call): a replayed exchange returns the kept result and sends nothing,
+    its backward is unchanged."""
 
     @staticmethod
-    def forward(ctx, exchange: HeadExchange, direction: Direction, layout, *tensors: torch.Tensor):
+    def forward(
+        ctx, exchange: HeadExchange, direction: Direction, layout, kept: KeptForward | None, *tensors: torch.Tensor
+    ):
         ctx.exchange, ctx.direction = exchange, direction
-        if direction is Direction.TO_HEADS:
+        to_heads = direction is Direction.TO_HEADS
+        if to_heads:
             ctx.widths = group_widths(tensors, layout)
-            return tuple(exchange.to_heads(tensors, layout))
-        ctx.widths = [(t.shape[-1],) for t in tensors] if layout is None else [tuple(w) for w in layout]
-        return tuple(exchange.to_tokens(tensors, ctx.widths))
+        else:
+            ctx.widths = [(t.shape[-1],) for t in tensors] if layout is None else [tuple(w) for w in layout]
+        replayed = kept.replay(direction.value) if kept is not None else None
+        if replayed is not None:
+            return replayed
+        out = tuple(exchange.to_heads(tensors, layout) if to_heads else exchange.to_tokens(tensors, ctx.widths))
+        if kept is not None:
+            kept.record(direction.value, out)
+        return out
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -414,18 +427,25 @@ class HeadAllToAll(torch.autograd.Function):
             back = ctx.exchange.to_tokens(grads, ctx.widths)
         else:
             back = ctx.exchange.to_heads(grads, [len(w) for w in ctx.widths])
-        return (None, None, None, *back)
+        return (None, None, None, None, *back)
 
 
 class HeadAllGather(torch.autograd.Function):
     """A tensor shared by every head, [2c, b, F] -> [b, S, F] over the head group (all-gather); backward sums the
-    head ranks' gradients of each token (the reverse all-to-all, summed)."""
+    head ranks' gradients of each token (the reverse all-to-all, summed). ``kept``: as :class:`HeadAllToAll`'s
+    (point "gather")."""
 
     @staticmethod
-    def forward(ctx, exchange: HeadExchange, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, exchange: HeadExchange, kept: KeptForward | None, x: torch.Tensor) -> torch.Tensor:
         ctx.exchange = exchange
-        return exchange.gather(x)
+        replayed = kept.replay("gather") if kept is not None else None
+        if replayed is not None:
+            return replayed[0]
+        out = exchange.gather(x)
+        if kept is not None:
+            kept.record("gather", (out,))
+        return out
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        return None, ctx.exchange.gather_backward(dy.contiguous())
+        return None, None, ctx.exchange.gather_backward(dy.contiguous())

@@ -27,6 +27,7 @@ import torch
 from .attention import check_inputs, check_packed, check_sinks, prepare_call
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllGather, HeadAllToAll
+from .kept_forward import KeptForward
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention
 
@@ -89,6 +90,7 @@ def latent_attention_2d(
     sinks: torch.Tensor | None = None,
     dkv_comm_dtype: str = "accumulator",
     packing: PackedLayout | None = None,
+    kept: KeptForward | None = None,
 ) -> torch.Tensor:
     """MLA's attention over the whole CP group with the latent on the ring (see the module docstring).
 
@@ -100,7 +102,8 @@ def latent_attention_2d(
         up_weight: [hq * (dn + dv), r] the K/V up-projection weight of this TP rank's hq heads (Megatron's
             linear_kv_up_proj.weight: per head dn rows of K, then dv rows of V).
         nope_dim, value_dim: dn (qk_head_dim) and dv (v_head_dim).
-        The other arguments are :func:`megatron_2d.attention_2d`'s; ``dkv_comm_dtype`` applies to d(latent).
+        The other arguments are :func:`megatron_2d.attention_2d`'s; ``dkv_comm_dtype`` applies to d(latent);
+            ``kept`` keeps the gathered latent where attention_2d's keeps the K/V block.
     Returns out [s, b, hq, dv] (or [t_local, hq, dv]) in q's dtype.
     """
     if packing is not None:
@@ -118,9 +121,9 @@ def latent_attention_2d(
     )
     hl, head_rank = hq // hp, groups.place.head_rank
     weight = up_weight.view(hq, nope_dim + value_dim, latent_dim)[head_rank * hl : (head_rank + 1) * hl]
-    (q,) = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1,), q)  # [b, S, hl, dk]
-    block = HeadAllGather.apply(exchange, latent.contiguous())  # [b, S, r + dr]
+    (q,) = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1,), kept, q)  # [b, S, hl, dk]
+    block = HeadAllGather.apply(exchange, kept, latent.contiguous())  # [b, S, r + dr]
     expander = LatentExpander(latent_dim, nope_dim, value_dim)
-    out = RingAttention.apply(q, block, local_sinks, rc, expander, weight)  # [b, S, hl, dv]
-    (out,) = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, out)  # [s, b, hq, dv]
+    out = RingAttention.apply(q, block, local_sinks, rc, kept, expander, weight)  # [b, S, hl, dv]
+    (out,) = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
     return out.squeeze(1) if packing is not None else out

@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from .block_plan import BlockCall
+from .kept_forward import KeptForward
 from .kernels import BlockKernel
 from .kernels.base import accumulator_dtype
 from .merge import merge_attention_
@@ -129,11 +130,51 @@ class _Expansion:
         return [(lo, lo + leaf.shape[1], (d_block,))]
 
 
+def _forward(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None, rc: RingContext, expansion: _Expansion):
+    """The ring's forward: (out [b, S, h, dv] in q's dtype, lse [b, h, S] in the accumulator dtype)."""
+    b, S, h, dk = q.shape
+    dv = kv.shape[-1] - dk if expansion.expander is None else expansion.expander.value_dim
+    acc = accumulator_dtype(q.dtype)
+    # the first kernel call's results when it covers every row (the own block without a window), else zeros
+    accumulators: list[torch.Tensor] = []  # [out_acc [b, S, h, dv], lse_acc [b, h, S]]
+
+    def start() -> None:
+        if not accumulators:
+            accumulators.extend(
+                (
+                    torch.zeros(b, S, h, dv, dtype=acc, device=q.device),
+                    torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device),
+                )
+            )
+
+    def compute(block, source: int, first_key: int) -> None:
+        if not rc.plans[source]:
+            return
+        k, v, first_key, _ = expansion.keys(block, source, first_key)
+        for call, out_blk, lse_blk in rc.kernel.forward_calls(q, k, v, rc.plans[source], first_key, rc.scale):
+            if not accumulators and (call.q_start, call.q_end) == (0, S):
+                accumulators.extend((out_blk.to(acc), lse_blk.to(acc)))  # adopted, not copied
+            else:
+                start()
+                rows = slice(call.q_start, call.q_end)
+                merge_attention_(accumulators[0][:, rows], accumulators[1][:, :, rows], out_blk, lse_blk)
+
+    rc.transport.run(kv, compute)
+    start()  # (no call at all: nothing visible)
+    out_acc, lse_acc = accumulators
+    if sinks is not None:
+        apply_sinks_(out_acc, lse_acc, sinks)
+    return out_acc.to(q.dtype), lse_acc
+
+
 class RingAttention(torch.autograd.Function):
     """out = softmax(q k^T * scale, masked [+ sinks]) v over the whole context group; exact forward and backward.
 
     ``kv`` is the block that travels: K and V side by side (``expander`` None), or the expander's input, which
-    then makes each step's (k, v) with ``params`` (see the module docstring)."""
+    then makes each step's (k, v) with ``params`` (see the module docstring). ``kept``: Selective Checkpoint++'s
+    record of the call (:class:`megatron_2d.kept_forward.KeptForward`, point "ring"; None for a plain call): a
+    replayed ring returns the kept out and lse without running the transport or the kernels, and its backward
+    starts from them."""
 
     @staticmethod
     def forward(
@@ -142,44 +183,18 @@ class RingAttention(torch.autograd.Function):
         kv: torch.Tensor,
         sinks: torch.Tensor | None,
         rc: RingContext,
+        kept: KeptForward | None = None,
         expander: KVExpander | None = None,
         *params: torch.Tensor,
     ) -> torch.Tensor:
-        b, S, h, dk = q.shape
-        expansion = _Expansion(dk, expander, params, rc.key_spans)
-        dv = kv.shape[-1] - dk if expander is None else expander.value_dim
-        acc = accumulator_dtype(q.dtype)
-        # the first kernel call's results when it covers every row (the own block without a window), else zeros
-        accumulators: list[torch.Tensor] = []  # [out_acc [b, S, h, dv], lse_acc [b, h, S]]
-
-        def start() -> None:
-            if not accumulators:
-                accumulators.extend(
-                    (
-                        torch.zeros(b, S, h, dv, dtype=acc, device=q.device),
-                        torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device),
-                    )
-                )
-
-        def compute(block, source: int, first_key: int) -> None:
-            if not rc.plans[source]:
-                return
-            k, v, first_key, _ = expansion.keys(block, source, first_key)
-            for call, out_blk, lse_blk in rc.kernel.forward_calls(q, k, v, rc.plans[source], first_key, rc.scale):
-                if not accumulators and (call.q_start, call.q_end) == (0, S):
-                    accumulators.extend((out_blk.to(acc), lse_blk.to(acc)))  # adopted, not copied
-                else:
-                    start()
-                    rows = slice(call.q_start, call.q_end)
-                    merge_attention_(accumulators[0][:, rows], accumulators[1][:, :, rows], out_blk, lse_blk)
-
-        rc.transport.run(kv, compute)
-        start()  # (no call at all: nothing visible)
-        out_acc, lse_acc = accumulators
-        if sinks is not None:
-            apply_sinks_(out_acc, lse_acc, sinks)
-        out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse_acc, sinks, *params)
+        replayed = kept.replay("ring") if kept is not None else None
+        if replayed is not None:
+            out, lse = replayed
+        else:
+            out, lse = _forward(q, kv, sinks, rc, _Expansion(q.shape[-1], expander, params, rc.key_spans))
+            if kept is not None:
+                kept.record("ring", (out, lse))
+        ctx.save_for_backward(q, kv, out, lse, sinks, *params)
         ctx.rc, ctx.expander = rc, expander
         return out
 
@@ -213,4 +228,4 @@ class RingAttention(torch.autograd.Function):
         dq = dq_acc[0] if dq_acc else torch.zeros_like(q)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[2] else None
         d_params = [g.to(p.dtype) for p, g in zip(params, expansion.param_grads)] or [None] * len(params)
-        return (dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None, None, *d_params)
+        return (dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None, None, None, *d_params)

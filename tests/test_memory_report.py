@@ -17,14 +17,26 @@ def memory_report():
 
 
 @pytest.mark.distributed
-def test_recompute_modes(memory_report):
-    args = memory_report.parse_args(["--layers", "2", "--hidden", "64", "--seq", "128", "--plot", ""])
+@pytest.mark.parametrize("hp, batch", [(1, 1), (2, 1), (1, 2)])
+def test_recompute_modes(memory_report, hp, batch):
+    """The measured activations of each Checkpoint++ keep policy match its formula (full recompute's measured
+    bytes plus what the policy keeps: out + lse for "outputs") within 2%; "outputs" sends full recompute's
+    all-to-all bytes again and no ring byte, "attention-inputs" nothing."""
+    flags = ["--layers", "2", "--hidden", "64", "--seq", "128", "--hp", str(hp), "--batch", str(batch), "--plot", ""]
+    args = memory_report.parse_args(flags)
     rows = {r["mode"]: r for r in memory_report.report(args)}
-    assert set(rows) == {"none", "selective", "full", "ckpt++"}
+    assert set(rows) == {"none", "selective", "full", "ckpt++ outputs", "ckpt++ attention-inputs"}
     act = {m: r["activation_MiB_per_layer"] for m, r in rows.items()}
-    assert act["full"] < act["ckpt++"] < act["none"]  # Checkpoint++ keeps attention only
-    assert rows["ckpt++"]["extra_a2a_MiB"] == rows["ckpt++"]["extra_ring_MiB"] == 0
-    assert rows["full"]["extra_ring_MiB"] > 0 and rows["full"]["extra_a2a_MiB"] > 0
+    assert act["full"] < act["ckpt++ outputs"] < act["ckpt++ attention-inputs"] < act["none"]
+    for mode in ("ckpt++ outputs", "ckpt++ attention-inputs"):
+        assert act[mode] == pytest.approx(rows[mode]["formula_MiB_per_layer"], rel=0.02), mode
+    out_lse = batch * ((128 // 4) * 8 * 8 * 4 + (128 // 4) * 8 * 4)  # b x s/CP tokens x 8 heads x d 8, fp32; lse
+    check = 3 * 64 * 4  # the recompute check's samples of q, k and v
+    assert rows["ckpt++ outputs"]["formula_MiB_per_layer"] - act["full"] == pytest.approx((out_lse + check) / 2**20)
+    inputs = rows["ckpt++ attention-inputs"]
+    assert inputs["extra_a2a_MiB"] == inputs["extra_ring_MiB"] == rows["ckpt++ outputs"]["extra_ring_MiB"] == 0
+    assert rows["ckpt++ outputs"]["extra_a2a_MiB"] == rows["full"]["extra_a2a_MiB"]
+    assert (rows["full"]["extra_a2a_MiB"] > 0) == (hp > 1) and rows["full"]["extra_ring_MiB"] > 0
     assert rows["full"]["extra_fwd_flops_vs_layer_fwd"] == pytest.approx(1.0)
 
 

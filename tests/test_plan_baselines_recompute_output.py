@@ -15,7 +15,7 @@ import pytest
 from megatron_2d.plan import Layout, ParallelSpec, evaluate, get_cluster, get_model, layer_work, plan
 from megatron_2d.plan.candidates import enumerate_layouts, megatron_flags
 from megatron_2d.plan.cli import main
-from megatron_2d.plan.memory import memory_breakdown
+from megatron_2d.plan.memory import CHECKPOINT_PLUS_MODES, RECOMPUTE_MODES, memory_breakdown
 from megatron_2d.plan.memory_options import DIST_OPT
 from megatron_2d.plan.planner import ROW_KEYS, choose_recompute, recommended
 from megatron_2d.plan.report import format_plan
@@ -92,13 +92,24 @@ def test_memory_breakdown_hand_computed():
     assert mb.attn_out == mb.o_proj_in == 8192 and mb.lse == 128
     a_none = 127616
     assert mb.per_token_none == a_none
-    kept = {"none": a_none, "selective": a_none - 8192 - 128, "full": 8192, "ckpt++": 8192 + 12288 + 8192 + 128}
+    kept = {
+        "none": a_none,
+        "selective": a_none - 8192 - 128,
+        "full": 8192,
+        "ckpt++": 8192 + 8192 + 128,  # layer input + out + lse
+        "ckpt++inputs": 8192 + 12288 + 8192 + 128 + 8192,  # + head-layout q/K/V, the output in both layouts
+    }
+    assert set(kept) == set(RECOMPUTE_MODES)
     for mode, k in kept.items():
         assert mb.kept_per_token(mode) == k
     assert mb.activations("none") == 16384 * 32 * a_none
     assert mb.activations("selective") == 16384 * 32 * 119296
     assert mb.activations("full") == 16384 * (32 * 8192 + a_none)  # + the one rebuilt layer
-    assert mb.activations("ckpt++") == 16384 * (32 * 28800 + a_none)
+    assert mb.activations("ckpt++") == 16384 * (32 * 16512 + a_none)
+    assert mb.activations("ckpt++inputs") == 16384 * (32 * 36992 + a_none)
+    # hp 1 with one sequence: the output after the (empty) exchange is a view of the ring's, kept once
+    hp1 = memory_breakdown(GQA, ParallelSpec(gpus=64), 1, 64, 64, M1)
+    assert hp1.out_view and hp1.kept_per_token("ckpt++inputs") == 8192 + hp1.qkv + 8192 + 128
     # block recompute of n = 10 layers: 10 kept small, 22 kept whole, one rebuilt
     assert mb.activations("full", 10) == 16384 * (10 * 8192 + 22 * a_none + a_none)
     # the total adds logits (fp32, 16384 x 32000), buffers and model states to every mode alike
@@ -108,22 +119,30 @@ def test_memory_breakdown_hand_computed():
 
 
 def test_recompute_time_formulas():
-    assert recompute_extra_s("none", 3.0, 2.0) == 0.0
-    assert recompute_extra_s("selective", 3.0, 2.0) == 3.0
-    assert recompute_extra_s("full", 3.0, 2.0) == 5.0
-    assert recompute_extra_s("ckpt++", 3.0, 2.0) == 2.0
+    assert recompute_extra_s("none", 3.0, 2.0, 0.5) == 0.0
+    assert recompute_extra_s("selective", 3.0, 2.0, 0.5) == 3.0
+    assert recompute_extra_s("full", 3.0, 2.0, 0.5) == 5.0
+    assert recompute_extra_s("ckpt++", 3.0, 2.0, 0.5) == 2.5  # the layer and the head all-to-alls again
+    assert recompute_extra_s("ckpt++inputs", 3.0, 2.0, 0.5) == 2.0  # the layer without attention
     c = evaluate(Layout("2d", 8, 8, 8), GQA, H100, ParallelSpec(gpus=64), M1, recompute="none")
     e = c.estimate
-    dense_fwd = e.dense_layer_s / 3
-    for mode, extra in (("selective", e.attn_fwd_s), ("full", e.attn_fwd_s + dense_fwd), ("ckpt++", dense_fwd)):
+    dense_fwd, a2a_fwd = e.dense_layer_s / 3, e.a2a_s / 2
+    assert a2a_fwd > 0
+    for mode, extra in (
+        ("selective", e.attn_fwd_s),
+        ("full", e.attn_fwd_s + dense_fwd),
+        ("ckpt++", dense_fwd + a2a_fwd),
+        ("ckpt++inputs", dense_fwd),
+    ):
         r = with_recompute(e, mode)
         assert r.step_s - e.step_s == pytest.approx(32 * extra)
         assert r.time_s == e.time_s  # the attention layer itself is unchanged
         assert r.mfu == pytest.approx(e.mfu * e.step_s / r.step_s)
     assert with_recompute(e, "full", 8).step_s - e.step_s == pytest.approx(8 * (e.attn_fwd_s + dense_fwd))
-    # at 1M tokens the attention dominates: ckpt++ is much cheaper than full, and needs more memory
-    full, ckpt = with_recompute(e, "full"), with_recompute(e, "ckpt++")
-    assert ckpt.step_s < full.step_s and ckpt.memory_gb > full.memory_gb
+    # at 1M tokens the attention dominates: ckpt++ is much cheaper than full, and needs more memory; keeping the
+    # attention inputs too saves the all-to-alls for more memory still
+    full, ckpt, inputs = (with_recompute(e, m) for m in ("full", "ckpt++", "ckpt++inputs"))
+    assert inputs.step_s < ckpt.step_s < full.step_s and inputs.memory_gb > ckpt.memory_gb > full.memory_gb
 
 
 def test_ckpt_plus_plus_is_2d_only():
@@ -132,16 +151,22 @@ def test_ckpt_plus_plus_is_2d_only():
     assert {
         o.recompute for o in evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128).options
     } == {"none", "selective", "full"}
+    c = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128, recompute="ckpt++inputs")
+    assert not c.feasible and "2D only" in c.reason
 
 
 def test_recompute_flags():
     lay, par = Layout("2d", 8, 8, 8), ParallelSpec(gpus=64)
     assert megatron_flags(lay, par, "none") == megatron_flags(lay, par)
     assert megatron_flags(lay, par, "selective").endswith("--recompute-activations")
-    assert megatron_flags(lay, par, "ckpt++").endswith(
-        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-        "--selective-checkpoint-plus-plus"
-    )
+    for mode, keep in (("ckpt++", "outputs"), ("ckpt++inputs", "attention-inputs")):
+        assert megatron_flags(lay, par, mode).endswith(
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+            f"--selective-checkpoint-plus-plus --selective-checkpoint-plus-plus-keep {keep}"
+        )
+        assert "--recompute-method block --recompute-num-layers 3 --selective-checkpoint-plus-plus " in (
+            megatron_flags(lay, par, mode, 3)
+        )
     assert megatron_flags(lay, par, "full", 5).endswith(
         "--recompute-granularity full --recompute-method block --recompute-num-layers 5"
     )
@@ -159,9 +184,9 @@ def test_one_million_tokens_no_longer_recommends_what_does_not_fit():
     assert best is cands[0] and best.feasible
     assert best.estimate.memory_gb <= H100.memory_budget_gb == pytest.approx(72.0)
     assert all(c.estimate.memory_gb <= H100.memory_budget_gb for c in cands if c.feasible)
-    # ckpt++ wins here (it skips the attention in the recompute); stock must recompute attention
-    assert best.kind == "2d" and best.recompute == "ckpt++"
-    assert best.options[-1].recompute == "ckpt++"
+    # Checkpoint++ wins here (it skips the attention in the recompute); stock must recompute attention
+    assert best.kind == "2d" and best.recompute in CHECKPOINT_PLUS_MODES
+    assert [o.recompute for o in best.options] == list(RECOMPUTE_MODES)
     for c in cands:
         if c.feasible and c.kind != "2d":
             assert c.recompute in ("selective", "full") and c.step_ms > best.step_ms
@@ -172,11 +197,15 @@ def test_cheapest_mode_that_fits_is_chosen():
     roomy = H100.with_(gpu_memory_gb=1000.0)
     assert evaluate(lay, GQA, roomy, par, M1).recompute == "none"  # everything fits: no recompute
     c = evaluate(lay, GQA, H100, par, M1, memory=DIST_OPT)
-    assert c.feasible and c.recompute == "ckpt++"
+    assert c.feasible and c.recompute in CHECKPOINT_PLUS_MODES
     # block recompute: the fewest layers that fit, so one layer fewer would not fit
-    n = c.estimate.recompute_layers
+    n, mode = c.estimate.recompute_layers, c.recompute
     mb = c.estimate.memory
-    assert 0 < n < 32 and mb.total("ckpt++", n) <= H100.memory_budget_gb * GB < mb.total("ckpt++", n - 1)
+    assert 0 < n < 32 and mb.total(mode, n) <= H100.memory_budget_gb * GB < mb.total(mode, n - 1)
+    # both keep policies fit; the one chosen is the faster
+    both = {o.recompute: o for o in c.options if o.recompute in CHECKPOINT_PLUS_MODES}
+    assert all(o.memory_gb <= H100.memory_budget_gb for o in both.values())
+    assert c.estimate is min(both.values(), key=lambda o: o.step_s)
     assert f"--recompute-method block --recompute-num-layers {n}" in c.flags
     # forcing a mode that does not fit makes the layout infeasible, with the memory in the reason
     forced = evaluate(lay, GQA, H100, par, M1, recompute="none", memory=DIST_OPT)
@@ -238,17 +267,18 @@ def test_json_has_one_schema_with_job_metadata(capsys):
     assert [r["recommended"] for r in rows].count(True) == 1 and rows[0]["recommended"]
     job = rows[0]["job"]
     assert all(r["job"] == job for r in rows)
-    assert job["schema_version"] == 5 and job["seq"] == M1 and job["model"]["name"] == "7B-GQA"
+    assert job["schema_version"] == 6 and job["seq"] == M1 and job["model"]["name"] == "7B-GQA"
     assert job["memory"] == {"choice": "dist-opt", "fair": False, "global_batch_tokens": 4 << 20}
     assert job["parallel"] == {"gpus": 64, "tp": 1, "pp": 1, "dp": 1, "cp": 64, "micro_batch": 1}
     assert job["cluster"]["memory_budget_gb"] == pytest.approx(72.0) and job["recompute"] == "auto"
     best = rows[0]
-    assert best["recompute"] == "ckpt++" and best["memory_gb"] <= best["memory_budget_gb"]
+    assert best["recompute"] in CHECKPOINT_PLUS_MODES and best["memory_gb"] <= best["memory_budget_gb"]
     assert sum(best["memory_parts_gb"].values()) == pytest.approx(best["memory_gb"], abs=0.05)
-    assert set(best["recompute_options"]) == {"none", "selective", "full", "ckpt++"}
+    assert set(best["recompute_options"]) == {"none", "selective", "full", "ckpt++", "ckpt++inputs"}
     assert best["recompute_options"]["none"]["fits_memory"] is False
     stock = next(r for r in rows if r["kind"] == "p2p")
-    assert stock["recompute_options"]["ckpt++"] is None and stock["dkv_comm_dtype"] == "input"
+    assert stock["recompute_options"]["ckpt++"] is stock["recompute_options"]["ckpt++inputs"] is None
+    assert stock["dkv_comm_dtype"] == "input"
     bad = next(r for r in rows if not r["feasible"] and r["fits_memory"] is None)
     assert bad["time_ms"] is None and bad["links"] is None and bad["reason"]
 

@@ -17,6 +17,7 @@ from megatron_2d.megatron.arguments import add_2d_arguments, transformer_config_
 from megatron_2d.plan import Candidate, ModelSpec, ParallelSpec, get_cluster, get_model, plan
 from megatron_2d.plan.cli import main as plan_main
 from megatron_2d.plan.lengths import document_lengths
+from megatron_2d.plan.memory import CHECKPOINT_PLUS_MODES
 from megatron_2d.plan.memory_options import MemoryPolicy, memory_options
 
 pytestmark = pytest.mark.megatron
@@ -129,9 +130,11 @@ def check_arrives(c: Candidate, args, parallel: ParallelSpec) -> None:
         assert config.cp_comm_type == c.kind
     # recompute: the mode, and for block recompute the layers per pipeline stage
     mode = "full" if c.note.startswith("hypothetical") else e.recompute
-    granularity = {"none": None, "selective": "selective", "full": "full", "ckpt++": "full"}[mode]
+    granularity = {"none": None, "selective": "selective"}.get(mode, "full")
     assert config.recompute_granularity == granularity
-    assert getattr(config, "selective_checkpoint_plus_plus", False) == (mode == "ckpt++")
+    assert getattr(config, "selective_checkpoint_plus_plus", False) == (mode in CHECKPOINT_PLUS_MODES)
+    if mode in CHECKPOINT_PLUS_MODES:  # the keep policy the planner costed
+        assert config.selective_checkpoint_plus_plus_keep == CHECKPOINT_PLUS_MODES[mode]
     if granularity == "full":
         block = e.recompute_layers not in (0, e.layers)
         assert config.recompute_method == ("block" if block else "uniform")
@@ -185,6 +188,7 @@ JOBS = [
     ("GQA: windows, placements, stock kinds", "7B-GQA", 64, 1, 1, 1 << 17, {}),
     ("input-dtype riders", "7B-GQA", 64, 1, 1, 1 << 17, {"dkv_comm_dtype": "input"}),
     ("1M tokens: Checkpoint++, block recompute, fsdp-z3", "7B-GQA", 64, 1, 1, 1 << 20, {}),
+    ("1M tokens: both Checkpoint++ keep policies", "7B-GQA", 64, 1, 1, 1 << 20, {"recompute": CHECKPOINT_PLUS_MODES}),
     ("selective recompute", "7B-GQA", 32, 1, 1, 1 << 17, {"recompute": "selective"}),
     ("fsdp-z2", "8B-GQA", 32, 1, 1, 1 << 18, {}),
     ("TP 8 x PP 2", "70B-GQA", 128, 8, 2, 1 << 16, {}),
@@ -195,6 +199,7 @@ EXPECTED = {
     "input-dtype riders": ("dkv", {"input"}),
     "selective recompute": ("recompute", {"selective"}),
     "1M tokens: Checkpoint++, block recompute, fsdp-z3": ("block", {True}),
+    "1M tokens: both Checkpoint++ keep policies": ("recompute", set(CHECKPOINT_PLUS_MODES)),
     "fsdp-z2": ("states", {"fsdp-z2"}),
     "MLA: the expanded and the latent ring": ("mla_ring", {"expanded", "latent"}),
     "packed documents": ("packing", {"zigzag", "documents"}),

@@ -4,21 +4,25 @@
     python tools/memory_report.py [--ranks 4 --hp 2 --window 1 --layers 4 --hidden 256 --heads 8 --kv-heads 2
                                    --seq 1024 --plot memory.png]
 
-Activations: bytes saved for backward by the decoder layers of one micro-batch on one rank, measured with
-torch's saved-tensor hooks on forked CPU ranks (unique storages, parameters excluded), for
-    none           no recompute
-    selective      megatron's selective recompute of core attention (recompute_modules=["core_attn"])
-    full           megatron's full-layer recompute (uniform, 1 layer per checkpoint)
-    ckpt++         full-layer recompute with Selective Checkpoint++ (attention kept, not recomputed)
-with the extra forward FLOPs each mode spends in backward (closed form, per rank) and the extra all-to-all and
-ring bytes it sends (measured). Model states: bytes per rank under each Hybrid ZeRO choice, from
-megatron_2d.megatron.model_state_bytes_per_rank (megatron-core's layouts; checked against the real optimizer in
-tests/test_hybrid_zero.py), for --model-params parameters (default: a 7B model) in bf16 with fp32 grads and Adam.
+Activations: bytes kept for backward by the decoder layers of one micro-batch on one rank, measured on forked CPU
+ranks as the unique storages (parameters excluded) of every tensor autograd saved during the forward (torch's
+saved-tensor hooks) and of every tensor Selective Checkpoint++'s keepers hold at its end, for
+    none                     no recompute
+    selective                megatron's selective recompute of core attention (recompute_modules=["core_attn"])
+    full                     megatron's full-layer recompute (uniform, 1 layer per checkpoint)
+    ckpt++ outputs           full-layer recompute with Selective Checkpoint++ keeping the attention output and lse
+    ckpt++ attention-inputs  ... keeping also the head-layout q and K/V (and the output in both layouts)
+with the extra forward FLOPs each mode spends in backward (closed form, per rank), the extra all-to-all and ring
+bytes it sends (measured), and for the Checkpoint++ rows the bytes their policy should keep (:func:`kept_formula`:
+full's measured bytes plus the kept tensors' sizes). Model states: bytes per rank under each Hybrid ZeRO choice,
+from megatron_2d.megatron.model_state_bytes_per_rank (megatron-core's layouts; checked against the real optimizer
+in tests/test_hybrid_zero.py), for --model-params parameters (default: a 7B model) in bf16 with fp32 grads and Adam.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import warnings
 
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
@@ -26,21 +30,23 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 import torch  # noqa: E402
 
 from megatron_2d.bench.cli import add_arguments, render_table  # noqa: E402
+from megatron_2d.choices import CHECKPOINT_KEEPS  # noqa: E402
+from megatron_2d.megatron.checkpoint_plus import fingerprint_elements  # noqa: E402
 from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
 from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
 
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 MODES = {
     "none": {},
     "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "ckpt++": dict(
-        recompute_granularity="full",
-        recompute_method="uniform",
-        recompute_num_layers=1,
-        selective_checkpoint_plus_plus=True,
-    ),
+    "full": FULL,
+    **{
+        f"ckpt++ {keep}": dict(FULL, selective_checkpoint_plus_plus=True, selective_checkpoint_plus_plus_keep=keep)
+        for keep in CHECKPOINT_KEEPS
+    },
 }
+FP32 = 4  # the report's models train in fp32 (so do their log-sum-exps)
 
 
 class SavedTensorBytes:
@@ -63,6 +69,31 @@ class SavedTensorBytes:
     @property
     def total(self) -> int:
         return sum(self.storages.values())
+
+
+def kept_formula(args, full_bytes: float) -> dict[str, float]:
+    """Bytes per layer each Checkpoint++ policy should keep, from full recompute's measured ``full_bytes`` and the
+    sizes of what the policy adds (per rank, fp32; s = seq / CP tokens, h = heads, g = K/V heads, d head dim,
+    L = lcm(g, hp) K/V heads after replication):
+
+        ckpt++ outputs           = full + out + lse + c                  out = b*s*h*d*4 (the ring's output,
+                                                                         head layout), lse = b*s*h*4
+        ckpt++ attention-inputs  = full + q + kv + out + lse + out' + c  q = b*s*h*d*4, kv = b*s*L*2d*4 (the
+                                                                         head exchange's outputs), out' = out
+                                                                         after the inverse exchange (none at
+                                                                         hp 1 with b 1: a view of out)
+
+    c: the elements the recompute check samples from q, k and v in the first pass (64 or 65 each, fp32)."""
+    b, s, h, g, hp = args.batch, args.seq // args.ranks, args.heads, args.kv_heads, args.hp
+    d = args.hidden // h
+    kv_heads = math.lcm(g, hp)
+    out, lse = b * s * h * d * FP32, b * s * h * FP32
+    q, kv = b * s * h * d * FP32, b * s * kv_heads * 2 * d * FP32
+    check = FP32 * sum(fingerprint_elements(n) for n in (b * s * h * d, b * s * g * d, b * s * g * d))
+    return {
+        "ckpt++ outputs": full_bytes + out + lse + check,
+        "ckpt++ attention-inputs": full_bytes + q + kv + out + lse + (out if hp > 1 or b > 1 else 0) + check,
+    }
 
 
 def layer_flops(args, cp: int) -> dict[str, float]:
@@ -99,10 +130,15 @@ def measure(rank, world, args) -> dict[str, dict]:
         model = tg.build_tiny_gpt(cfg, spec)
         hooks = SavedTensorBytes(model.parameters())
         decoder_forward = model.decoder.forward
+        keepers = [layer.self_attention.core_attention.keeper for layer in model.decoder.layers]
 
         def hooked_forward(*a, **k):
             with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                return decoder_forward(*a, **k)
+                out = decoder_forward(*a, **k)
+            for keeper in keepers:  # what Checkpoint++ holds until the recompute
+                for t in keeper.kept_tensors() if keeper is not None else ():
+                    hooks.pack(t)
+            return out
 
         model.decoder.forward = hooked_forward
         groups = model.decoder.layers[0].self_attention.core_attention.groups
@@ -119,17 +155,20 @@ def report(args) -> list[dict]:
         "none": 0.0,
         "selective": flops["attention"],
         "full": flops["dense"] + flops["attention"],
-        "ckpt++": flops["dense"],
+        **{f"ckpt++ {keep}": flops["dense"] for keep in CHECKPOINT_KEEPS},
     }
     base = per_rank[0]["none"]["comm_bytes"]
+    activations = {mode: max(r[mode]["activation_bytes_per_layer"] for r in per_rank) for mode in MODES}
+    formula = kept_formula(args, activations["full"])
     rows = []
     for mode in MODES:
-        act = max(r[mode]["activation_bytes_per_layer"] for r in per_rank)
+        act = activations[mode]
         comm = per_rank[0][mode]["comm_bytes"]
         rows.append(
             {
                 "mode": mode,
                 "activation_MiB_per_layer": act / 2**20,
+                "formula_MiB_per_layer": formula[mode] / 2**20 if mode in formula else None,
                 "extra_fwd_GFLOP_per_layer": extra_flops[mode] / 1e9,
                 "extra_fwd_flops_vs_layer_fwd": extra_flops[mode] / (flops["dense"] + flops["attention"]),
                 "extra_a2a_MiB": (comm["all_to_all"] - base["all_to_all"]) / 2**20 / args.layers,
@@ -141,13 +180,14 @@ def report(args) -> list[dict]:
 
 def print_activation_table(rows, args) -> None:
     render_table(
-        f"Activations saved for backward per decoder layer, one micro-batch, per rank: "
+        f"Activations kept for backward per decoder layer, one micro-batch, per rank: "
         f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
         f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
         f"{args.ranks // args.hp}, w {args.window})",
         [
             "recompute mode",
             "activations MiB/layer",
+            "formula MiB/layer",
             "extra fwd GFLOP/layer",
             "extra fwd / layer fwd",
             "extra a2a MiB/layer",
@@ -156,7 +196,8 @@ def print_activation_table(rows, args) -> None:
         [
             [
                 r["mode"],
-                f"{r['activation_MiB_per_layer']:.2f}",
+                f"{r['activation_MiB_per_layer']:.3f}",
+                "-" if r["formula_MiB_per_layer"] is None else f"{r['formula_MiB_per_layer']:.3f}",
                 f"{r['extra_fwd_GFLOP_per_layer']:.3f}",
                 f"{100 * r['extra_fwd_flops_vs_layer_fwd']:.0f}%",
                 f"{r['extra_a2a_MiB']:.2f}",
@@ -164,7 +205,7 @@ def print_activation_table(rows, args) -> None:
             ]
             for r in rows
         ],
-        width=160,
+        width=180,
     )
 
 
@@ -214,11 +255,12 @@ def plot(activation_rows, state_rows, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     modes = [r["mode"] for r in activation_rows]
     left.bar(modes, [r["activation_MiB_per_layer"] for r in activation_rows], color="tab:blue")
-    left.set_ylabel("activations saved per layer (MiB)")
+    left.set_ylabel("activations kept for backward per layer (MiB)")
     twin = left.twinx()
     twin.plot(modes, [100 * r["extra_fwd_flops_vs_layer_fwd"] for r in activation_rows], "o-", color="tab:red")
     twin.set_ylabel("extra forward FLOPs (% of a layer forward)", color="tab:red")
     left.set_title("Recompute modes (measured activations)")
+    left.tick_params(axis="x", labelrotation=20)
     labels = [r["choice"] for r in state_rows]
     bottom = [0.0] * len(state_rows)
     for key, color in (("params", "tab:green"), ("grads", "tab:orange"), ("optimizer", "tab:purple")):

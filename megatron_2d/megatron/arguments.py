@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..choices import DKV_COMM_DTYPES, KERNELS, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
+from ..choices import CHECKPOINT_KEEPS, DKV_COMM_DTYPES, KERNELS, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
 from ..deprecation import RenamedFlag
 from ..topology import PLACEMENTS
 from .launch_checks import check_launch_args
@@ -98,6 +98,14 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default="tolerance",
         help="how a recompute is compared with its first pass: within the dtype's rounding noise "
         "(tolerance), or bit for bit (bitwise, a debug mode).",
+    )
+    group.add_argument(
+        "--selective-checkpoint-plus-plus-keep",
+        choices=CHECKPOINT_KEEPS,
+        default=CHECKPOINT_KEEPS[0],
+        help="what Selective Checkpoint++ keeps of attention until the recompute: outputs = the attention "
+        "output and its log-sum-exp (the recompute runs the head all-to-alls again, not the ring); "
+        "attention-inputs = also the head-layout q and K/V (more memory; the recompute sends nothing).",
     )
     return parser
 

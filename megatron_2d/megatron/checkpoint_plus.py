@@ -1,23 +1,33 @@
 """Selective Checkpoint++: full-layer recompute that does not recompute attention.
 
 Megatron's full recompute runs a layer's forward twice: once under ``torch.no_grad`` inside its checkpoint, and
-again during backward to rebuild the graph. With Checkpoint++ the first pass runs the 2D attention WITH its own
-small autograd graph (detached inputs), keeps that graph (the saved head-layout q/k/v, output and log-sum-exp) and
-its output in a per-layer FIFO; the recompute pass rebuilds everything else (norms, QKV projection, MLP) and takes
-the attention output from the FIFO instead of re-running the all-to-alls, the ring and the kernels. The backward of
-that output runs the kept graph, so dQ/dK/dV are exactly those of the first pass.
+again during backward to rebuild the graph. With Checkpoint++ the first pass keeps some of the attention's
+intermediates per layer and micro-batch (a :class:`megatron_2d.kept_forward.KeptForward`, in a per-layer FIFO), and
+the recompute pass rebuilds the layer as full recompute does but takes those intermediates instead of computing
+them. The attention's backward is the op's own, from what the recompute saved, so dQ/dK/dV are exactly those of a
+run without recompute. What is kept is the keep policy (``keep``, :data:`megatron_2d.choices.CHECKPOINT_KEEPS`):
+
+    outputs           (default, LoongTrain's) the ring's output and log-sum-exp: the recompute rebuilds q, k, v from
+                      the layer input and runs the head all-to-alls again, but not the ring or the kernels' forward
+    attention-inputs  also the head exchange's outputs (head-layout q and K/V) and the output after the inverse
+                      exchange: the recompute sends nothing
+
+Neither keeps anything in token layout of q, k or v (not Megatron's QKV projection output, of which v is a view,
+nor the rotated q and k): the first pass runs under no_grad as Megatron's, and the op records only its own results.
 
 Passes are told apart by megatron-core's own flag ``tensor_parallel.random.is_checkpointing()`` (set in both the
 checkpointed forward and its recompute) and the grad mode (off in the first, on in the recompute). Micro-batches
 are replayed in the order they ran forward, which is what every megatron-core schedule does (1F1B, interleaved:
 each virtual stage has its own layers and FIFOs).
 
-The recompute is checked against the first pass on a sample of q, k and v (``check``): "tolerance" (default)
-allows the dtype's rounding noise (max |difference| / max |first| up to ``RECOMPUTE_RTOL``), as GPUs recompute
-MoE permutations with atomics and differ bitwise; "bitwise" (a debug mode) allows none. A replay of another
-micro-batch differs by O(1) and is refused either way. The check costs no host sync: the verdict is computed on
-the device and copied to pinned host memory without blocking; it is read once the copy has landed (polled at the
-keeper's next calls), and a failed check raises there, at most a few layer calls after the recompute.
+The recompute is checked against the first pass on a sample of the attention's inputs (q, k and v, or MLA's q,
+latent and up-projection weight): a few elements of each are copied in the first pass and compared with the
+recomputed ones (``check``): "tolerance" (default) allows the dtype's rounding noise (max |difference| / max
+|first| up to ``RECOMPUTE_RTOL``), as GPUs recompute MoE permutations with atomics and differ bitwise; "bitwise" (a
+debug mode) allows none. A replay of another micro-batch differs by O(1) and is refused either way. The check costs
+no host sync: the verdict is computed on the device and copied to pinned host memory without blocking; it is read
+once the copy has landed (polled at the keeper's next calls), and a failed check raises there, at most a few layer
+calls after the recompute.
 """
 
 from __future__ import annotations
@@ -29,9 +39,10 @@ from dataclasses import dataclass
 import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
 
-from ..choices import RECOMPUTE_CHECKS, check_choice, choice_problem
+from ..choices import CHECKPOINT_KEEPS, RECOMPUTE_CHECKS, check_choice, choice_problem
+from ..kept_forward import KeptForward
 
-AttentionFn = Callable[..., torch.Tensor]  # (q, k, v[, sinks]) -> out
+AttentionFn = Callable[..., torch.Tensor]  # (q, k, v[, sinks], kept=None) -> out
 _SAMPLES = 64  # elements per input compared between the first pass and the recompute
 # max |recomputed - first| / max |first| over the sampled elements that "tolerance" allows: a few units of the
 # dtype's rounding, as a recompute whose reductions run in another order gives
@@ -41,7 +52,16 @@ RECOMPUTE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     """A few evenly spaced elements of ``x``, compared between the first pass and the recompute."""
     flat = x.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // _SAMPLES)].clone()
+    return flat[:: _sample_step(flat.numel())].clone()
+
+
+def _sample_step(numel: int) -> int:
+    return max(1, numel // _SAMPLES)
+
+
+def fingerprint_elements(numel: int) -> int:
+    """How many elements of an input of ``numel`` elements the first pass keeps for the check (64 or 65)."""
+    return -(-numel // _sample_step(numel))
 
 
 def _relative_difference(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
@@ -84,44 +104,32 @@ class _Verdicts:
 
 
 @dataclass
-class _KeptAttention:
-    inputs: tuple[torch.Tensor, ...]  # detached leaves the kept graph starts from
-    output: torch.Tensor  # its output (the graph hangs off it)
+class _Kept:
+    """One call's entry in the FIFO: what the op kept, and what the recompute is checked against."""
+
+    forward: KeptForward
+    shapes: tuple[torch.Size, ...]
     fingerprints: tuple[torch.Tensor, ...]
 
 
-class _ReplayAttention(torch.autograd.Function):
-    """Forward: the kept output. Backward: the kept graph's dQ/dK/dV (and d sinks, when the sinks are learnable:
-    they are an input here so autograd delivers their gradient to the parameter), then the graph is released."""
-
-    @staticmethod
-    def forward(ctx, kept: _KeptAttention, q, k, v, sinks=None):
-        ctx.kept = kept
-        return kept.output.detach()
-
-    @staticmethod
-    def backward(ctx, dout):
-        kept: _KeptAttention = ctx.kept
-        ctx.kept = None
-        wanted = [x for x in kept.inputs if x.requires_grad]
-        grads = iter(torch.autograd.grad(kept.output, wanted, dout))
-        out = [next(grads) if x.requires_grad else None for x in kept.inputs]
-        kept.output = kept.inputs = None
-        return (None, *out)  # one gradient per input of forward
-
-
 class AttentionKeeper:
-    """The per-layer FIFO of kept attention results (one entry per micro-batch between forward and backward);
-    ``check`` is how a recompute is compared with its first pass ("tolerance" or "bitwise", see the module)."""
+    """The per-layer FIFO of kept attention (one entry per micro-batch between forward and backward); ``check`` is
+    how a recompute is compared with its first pass ("tolerance" or "bitwise"), ``keep`` what is kept ("outputs" or
+    "attention-inputs"; see the module)."""
 
-    def __init__(self, check: str = "tolerance") -> None:
+    def __init__(self, check: str = "tolerance", keep: str = CHECKPOINT_KEEPS[0]) -> None:
         check_choice("Selective Checkpoint++ check", check, RECOMPUTE_CHECKS)
         self.check = check
-        self._fifo: deque[_KeptAttention] = deque()
+        self.keep = check_choice("Selective Checkpoint++ keep", keep, CHECKPOINT_KEEPS)
+        self._fifo: deque[_Kept] = deque()
         self._verdicts = _Verdicts()
 
     def __len__(self) -> int:
         return len(self._fifo)
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the FIFO holds now: the kept intermediates and the fingerprints (memory accounting)."""
+        return [t for entry in self._fifo for t in (*entry.forward.tensors(), *entry.fingerprints)]
 
     def __call__(
         self,
@@ -130,36 +138,37 @@ class AttentionKeeper:
         k: torch.Tensor,
         v: torch.Tensor,
         sinks: torch.Tensor | None = None,
+        names: tuple[str, str, str] = ("q", "k", "v"),
     ) -> torch.Tensor:
-        """Run ``attention`` (q, k, v[, sinks] -> out) under the Checkpoint++ rules."""
+        """Run ``attention`` (q, k, v[, sinks], kept= -> out) under the Checkpoint++ rules; ``names`` name the three
+        tensors in the check's messages."""
         extra = () if sinks is None else (sinks,)
+        inputs = (q, k, v)
         self._verdicts.poll()
         if not is_checkpointing():
-            return attention(q, k, v, *extra)  # not inside a full-layer checkpoint: plain attention
-        if not torch.is_grad_enabled():  # first pass of a checkpointed layer: keep the graph
-            inputs = tuple(x.detach().requires_grad_(True) for x in (q, k, v)) + tuple(
-                s.detach().requires_grad_(s.requires_grad) for s in extra
-            )
-            with torch.enable_grad():
-                out = attention(*inputs)
-            self._fifo.append(_KeptAttention(inputs, out, tuple(_fingerprint(x) for x in (q, k, v))))
-            return out.detach()
+            return attention(*inputs, *extra)  # not inside a full-layer checkpoint: plain attention
+        if not torch.is_grad_enabled():  # first pass of a checkpointed layer: record
+            kept = KeptForward(self.keep, inputs)
+            out = attention(*inputs, *extra, kept=kept)
+            self._fifo.append(_Kept(kept, tuple(x.shape for x in inputs), tuple(_fingerprint(x) for x in inputs)))
+            return out
         if not self._fifo:
             raise RuntimeError(
                 "Selective Checkpoint++: a recompute pass found no kept attention for this layer; "
                 "the layer's first pass did not run inside megatron's checkpoint"
             )
-        kept = self._fifo.popleft()
-        for name, x, fp in zip("qkv", (q, k, v), kept.fingerprints):
-            if x.shape != kept.inputs["qkv".index(name)].shape:
+        entry = self._fifo.popleft()
+        for name, x, shape, fp in zip(names, inputs, entry.shapes, entry.fingerprints):
+            if x.shape != shape:
                 raise RuntimeError(
                     f"Selective Checkpoint++: the recomputed {name} has shape {tuple(x.shape)}, the "
-                    f"first pass {tuple(kept.inputs['qkv'.index(name)].shape)} (micro-batches "
-                    f"replayed out of order?); disable selective_checkpoint_plus_plus for this run"
+                    f"first pass {tuple(shape)} (micro-batches replayed out of order?); disable "
+                    f"selective_checkpoint_plus_plus for this run"
                 )
             bound = 0.0 if self.check == "bitwise" else RECOMPUTE_RTOL.get(x.dtype, 4e-2)
             self._verdicts.add(_relative_difference(x, fp), name, bound)
-        return _ReplayAttention.apply(kept, q, k, v, *extra)
+        entry.forward.start_replay()
+        return attention(*inputs, *extra, kept=entry.forward)
 
 
 def check_checkpoint_plus_config(config) -> str | None:
@@ -175,6 +184,10 @@ def check_checkpoint_plus_config(config) -> str | None:
     problem = choice_problem("selective_checkpoint_plus_plus_check", check, RECOMPUTE_CHECKS)
     if problem:
         return f"{problem} (--selective-checkpoint-plus-plus-check)"
+    keep = getattr(config, "selective_checkpoint_plus_plus_keep", CHECKPOINT_KEEPS[0])
+    problem = choice_problem("selective_checkpoint_plus_plus_keep", keep, CHECKPOINT_KEEPS)
+    if problem:
+        return f"{problem} (--selective-checkpoint-plus-plus-keep)"
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         return (
             "selective_checkpoint_plus_plus is not supported with fp8/fp4 recompute (megatron then uses "

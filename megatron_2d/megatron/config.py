@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from ..choices import check_dkv_comm_dtype, check_kernel, check_packing_mode
+from ..choices import CHECKPOINT_KEEPS, check_dkv_comm_dtype, check_kernel, check_packing_mode
 from ..deprecation import renamed_field
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
@@ -50,7 +50,8 @@ class Fields2D:
 
     selective_checkpoint_plus_plus: bool = False
     """Selective Checkpoint++: with full-layer recompute, keep each layer's attention output and log-sum-exp from
-    the forward pass so the recompute pass skips attention (its kernels, all-to-alls and ring traffic)."""
+    the forward pass so the recompute pass skips the attention's kernels and ring traffic (what else is kept, and
+    so which all-to-alls the recompute runs: ``selective_checkpoint_plus_plus_keep``)."""
 
     cp_2d_mla_ring: str = "expanded"
     """What travels the context ring under multi-latent attention (MLA): "expanded" (per-head K and V, as every
@@ -65,6 +66,10 @@ class Fields2D:
     selective_checkpoint_plus_plus_check: str = "tolerance"
     """How Selective Checkpoint++ compares a recompute with its first pass: "tolerance" (the dtype's rounding
     noise allowed, as GPU recomputes through atomics give) or "bitwise" (a debug mode). Neither syncs the host."""
+    selective_checkpoint_plus_plus_keep: str = CHECKPOINT_KEEPS[0]
+    """What Selective Checkpoint++ keeps of attention until the recompute: "outputs" (the default, LoongTrain's:
+    the attention output and its log-sum-exp; the recompute runs the head all-to-alls again, not the ring) or
+    "attention-inputs" (also the head-layout q and K/V: the recompute sends nothing). See docs/memory.md."""
 
     def __post_init__(self) -> None:
         renamed_field(self, "cp_2d_window_size", "cp_2d_ring_window", default=1)
@@ -74,6 +79,20 @@ class Fields2D:
             problem = check_checkpoint_plus_config(self)
             if problem:
                 raise ValueError(problem)
+        else:
+            unused = {
+                name: getattr(self, name)
+                for name, default in (
+                    ("selective_checkpoint_plus_plus_check", "tolerance"),
+                    ("selective_checkpoint_plus_plus_keep", CHECKPOINT_KEEPS[0]),
+                )
+                if getattr(self, name) != default
+            }
+            if unused:
+                raise ValueError(
+                    f"{unused} set without selective_checkpoint_plus_plus, so they would be ignored; set "
+                    f"selective_checkpoint_plus_plus=True (--selective-checkpoint-plus-plus) or drop them"
+                )
         if uses_2d(self.cp_comm_type):
             check_dkv_comm_dtype(self.cp_2d_dkv_comm_dtype, "cp_2d_dkv_comm_dtype")
             check_packing_mode(self.cp_2d_packing, "cp_2d_packing")

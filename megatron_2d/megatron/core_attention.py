@@ -29,6 +29,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 
 from ..attention import attention_2d
 from ..band import SlidingWindow
+from ..choices import CHECKPOINT_KEEPS
 from ..deprecation import renamed_keywords
 from ..latent_attention import latent_attention_2d
 from ..packed_layout import PackedLayout
@@ -152,7 +153,10 @@ class CoreAttention2D(MegatronModule):
         self.packing = packing_mode(config)  # the layout THD batches come in (config and launch)
         # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
         self.keeper = (
-            AttentionKeeper(getattr(config, "selective_checkpoint_plus_plus_check", "tolerance"))
+            AttentionKeeper(
+                getattr(config, "selective_checkpoint_plus_plus_check", "tolerance"),
+                getattr(config, "selective_checkpoint_plus_plus_keep", CHECKPOINT_KEEPS[0]),
+            )
             if getattr(config, "selective_checkpoint_plus_plus", False)
             else None
         )
@@ -264,7 +268,8 @@ class CoreAttention2D(MegatronModule):
             )
         settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
         op = partial(_latent_attention_with_sinks, nope_dim=dims.nope_dim, value_dim=dims.value_dim)
-        return self._flatten_heads(self._run(op, (query, latent, up_weight), settings), settings["packing"])
+        out = self._run(op, (query, latent, up_weight), settings, names=("q", "latent", "up_weight"))
+        return self._flatten_heads(out, settings["packing"])
 
     def _call_settings(
         self,
@@ -294,12 +299,13 @@ class CoreAttention2D(MegatronModule):
             packing=packing,
         )
 
-    def _run(self, op, tensors, settings: dict) -> torch.Tensor:
-        """``op(*tensors, sinks, **settings)``, through the Checkpoint++ keeper when it is on."""
+    def _run(self, op, tensors, settings: dict, names=("q", "k", "v")) -> torch.Tensor:
+        """``op(*tensors, sinks, **settings)``, through the Checkpoint++ keeper when it is on (``names``: the
+        tensors' names in its messages)."""
         attention = partial(op, **settings)
         if self.keeper is None:
             return attention(*tensors, self.softmax_offset)
-        return self.keeper(attention, *tensors, self.softmax_offset)
+        return self.keeper(attention, *tensors, self.softmax_offset, names=names)
 
     @staticmethod
     def _flatten_heads(out: torch.Tensor, packing) -> torch.Tensor:

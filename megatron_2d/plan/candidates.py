@@ -28,24 +28,23 @@ from dataclasses import dataclass, replace
 
 from ..topology import Layout2D, LayoutError, divisors, every_layout
 from .hardware import ModelSpec, ParallelSpec
+from .memory import CHECKPOINT_PLUS_MODES, LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES
 
 KINDS = ("2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses")
 STOCK_KINDS = KINDS[1:]
 TE_DKV_COMM_DTYPE = "input"
 """Transformer Engine's p2p backward sends dK/dV in the input dtype (bf16 training)."""
-RECOMPUTE_BY_KIND = {
-    "2d": ("none", "selective", "full", "ckpt++"),
-    "p2p": ("none", "selective", "full"),
-    "a2a": ("none", "selective", "full"),
-    "a2a+p2p": ("none", "selective", "full"),
-    "ds-ulysses": ("none", "selective", "full"),
-}
+STOCK_RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_BY_KIND = {kind: RECOMPUTE_MODES if kind == "2d" else STOCK_RECOMPUTE for kind in KINDS}
+_FULL_FLAGS = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 RECOMPUTE_FLAGS = {
     "none": "",
     "selective": "--recompute-activations",
-    "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
-    "ckpt++": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-    "--selective-checkpoint-plus-plus",
+    "full": _FULL_FLAGS,
+    **{
+        mode: f"{_FULL_FLAGS} --selective-checkpoint-plus-plus --selective-checkpoint-plus-plus-keep {keep}"
+        for mode, keep in CHECKPOINT_PLUS_MODES.items()
+    },
 }
 """pretrain_gpt.py arguments of each recompute mode (--recompute-activations is selective core attention)."""
 
@@ -193,7 +192,7 @@ def megatron_flags(
     if layout.kind == "2d" and dkv_comm_dtype != "accumulator":
         flags += f" --cp-2d-dkv-comm-dtype {dkv_comm_dtype}"
     extra = RECOMPUTE_FLAGS[recompute]
-    if block_layers is not None and recompute in ("full", "ckpt++"):
+    if block_layers is not None and recompute in LAYER_RECOMPUTE_MODES:
         extra = extra.replace(
             "--recompute-method uniform --recompute-num-layers 1",
             f"--recompute-method block --recompute-num-layers {block_layers}",

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(AUTO,) + RECOMPUTE_MODES,
         help="activation recompute: auto (default: the fastest mode that fits in memory, per layout), "
         "or force one: none, selective (Megatron core attention), full, ckpt++ (Selective "
-        "Checkpoint++, 2D only)",
+        "Checkpoint++ keeping attention outputs, 2D only), ckpt++inputs (keeping its head-layout inputs too)",
     )
     j.add_argument(
         "--memory",

@@ -25,6 +25,7 @@ from .candidates import STOCK_KINDS, Layout
 from .console import parse_seq, terminal_console
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
 from .kernel_rates import PLANNED_KERNELS, STOCK_KERNEL
+from .memory import CHECKPOINT_PLUS_MODES
 from .memory_options import CHOICES as MEMORY_CHOICES
 from .memory_options import MemoryPolicy
 from .planner import Candidate, evaluate, plan
@@ -111,7 +112,7 @@ def explain(
     codes = ""
     if ratio > 1 + TIE:
         cp2, cps_ = best_2d.layout.cp_size, best_stock.layout.cp_size
-        if e2.recompute == "ckpt++" and es.recompute in ("selective", "full"):
+        if e2.recompute in CHECKPOINT_PLUS_MODES and es.recompute in ("selective", "full"):
             codes += "C"
         elif cp2 < cps_:
             codes += "S"

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..choices import CHECKPOINT_KEEPS
 from ..zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, layer_work, replicated_kv_heads
 from .hardware import ModelSpec, ParallelSpec
@@ -14,10 +15,16 @@ from .hardware import ModelSpec, ParallelSpec
 if TYPE_CHECKING:
     from .packed import PackedWork
 
-RECOMPUTE_MODES = ("none", "selective", "full", "ckpt++")
+CHECKPOINT_PLUS_MODES = dict(zip(("ckpt++", "ckpt++inputs"), CHECKPOINT_KEEPS))
+"""Selective Checkpoint++'s modes and the keep policy each runs (--selective-checkpoint-plus-plus-keep): "ckpt++"
+keeps the attention output + lse ("outputs"), "ckpt++inputs" also the head-layout q/K/V ("attention-inputs")."""
+RECOMPUTE_MODES = ("none", "selective", "full", *CHECKPOINT_PLUS_MODES)
 """Activation recomputation: none; Megatron's selective recompute of core attention (--recompute-activations);
 Megatron's full-layer recompute (uniform, every layer); Selective Checkpoint++ (full recompute that keeps each
-layer's attention output + lse: 2D only). See :class:`MemoryBreakdown` and :func:`.step.recompute_extra_s`."""
+layer's attention output + lse, and with "ckpt++inputs" its head-layout inputs: 2D only). See
+:class:`MemoryBreakdown` and :func:`.step.recompute_extra_s`."""
+LAYER_RECOMPUTE_MODES = ("full", *CHECKPOINT_PLUS_MODES)
+"""The modes that recompute whole layers, so can recompute some of them (--recompute-method block)."""
 
 
 @dataclass(frozen=True)
@@ -40,20 +47,24 @@ class MemoryBreakdown:
     1F1B keeps PP micro-batches of layers/PP layers on stage 0: ``layers`` layers' worth in all. Kept per token
     per layer, by recompute mode:
 
-        none       A_none
-        selective  A_none - attn_out - lse       Megatron's core-attention checkpoint re-saves q, k, v; flash
-                                                 attention stores nothing quadratic, so only its output and lse
-                                                 go (an upper bound on the saving: tools/memory_report.py
-                                                 measures none on our op)
-        full       layer_input                   only the checkpointed layer inputs
-        ckpt++     layer_input + qkv + attn_out + lse   the inputs plus the kept attention graph
-                                                 (megatron_2d/megatron/checkpoint_plus.py; measured within 1% of
-                                                 full + these parts by tools/memory_report.py)
+        none          A_none
+        selective     A_none - attn_out - lse     Megatron's core-attention checkpoint re-saves q, k, v; flash
+                                                  attention stores nothing quadratic, so only its output and lse
+                                                  go (an upper bound on the saving: tools/memory_report.py
+                                                  measures none on our op)
+        full          layer_input                 only the checkpointed layer inputs
+        ckpt++        layer_input + attn_out + lse        Selective Checkpoint++ keeping "outputs"
+        ckpt++inputs  layer_input + qkv + attn_out + lse [+ o_proj_in]   keeping "attention-inputs": also the
+                                                  head exchange's outputs, and the output after the inverse
+                                                  exchange unless that is a view of the ring's (hp 1, one
+                                                  sequence: ``out_view``)
+                      (megatron_2d/kept_forward.py; tools/memory_report.py measures both within 2% of full +
+                      these parts)
 
     and full / ckpt++ also hold one rebuilt layer (A_none) during its backward. With n of the layers recomputed
     (Megatron's --recompute-method block; n = layers for uniform) and the others kept whole:
 
-        activations(mode, n) = tokens * (n * kept(mode) + (layers - n) * A_none + [n > 0, full/ckpt++] * A_none)
+        activations(mode, n) = tokens * (n * kept(mode) + (layers - n) * A_none + [n > 0, layer mode] * A_none)
         total(mode, n)       = activations(mode, n) + logits + comm_buffers + model_states
     """
 
@@ -77,6 +88,8 @@ class MemoryBreakdown:
     state_bytes_per_rank, the library's own count); a memory option (:mod:`.memory_options`) replaces it."""
     sharded_states: float = 0.0
     """The part of ``model_states`` sharded over DP x CP (the optimizer's 12 bytes per parameter)."""
+    out_view: bool = False
+    """The output after the inverse exchange is a view of the ring's (hp 1 and one sequence per micro-batch)."""
 
     @property
     def per_token_none(self) -> float:
@@ -92,13 +105,15 @@ class MemoryBreakdown:
         if mode == "full":
             return self.layer_input
         if mode == "ckpt++":
-            return self.layer_input + self.qkv + self.attn_out + self.lse
+            return self.layer_input + self.attn_out + self.lse
+        if mode == "ckpt++inputs":
+            return self.layer_input + self.qkv + self.attn_out + self.lse + (0.0 if self.out_view else self.o_proj_in)
         raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
 
     def activations(self, mode: str = "none", n: int | None = None) -> float:
         """Activation bytes with ``n`` layers recomputed under ``mode`` (None: all of them)."""
         n = self.layers if n is None or mode == "none" else n
-        rebuilt = self.per_token_none if mode in ("full", "ckpt++") and n > 0 else 0.0
+        rebuilt = self.per_token_none if mode in LAYER_RECOMPUTE_MODES and n > 0 else 0.0
         return self.tokens * (n * self.kept_per_token(mode) + (self.layers - n) * self.per_token_none + rebuilt)
 
     def total(self, mode: str = "none", n: int | None = None) -> float:
@@ -179,6 +194,7 @@ def memory_breakdown(
         comm_buffers=blocks + staging,
         model_states=float(sum(states.values())),
         sharded_states=float(states["optimizer"]),
+        out_view=hp == 1 and B == 1,
     )
 
 

@@ -22,7 +22,7 @@ from .candidates import (
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
 from .hybrid import HybridPattern, with_extra_step
 from .kernel_rates import SELECTED_KERNEL, side_kernel
-from .memory import RECOMPUTE_MODES
+from .memory import CHECKPOINT_PLUS_MODES, LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES
 from .memory_options import MemoryPolicy, memory_options, states_record, with_memory
 from .packed import PackedWork, modes_for, packed_work, packing_cost
 from .step import Estimate, combine_layers, estimate, with_recompute
@@ -292,7 +292,7 @@ def choose_recompute(options: Sequence[Estimate], budget_gb: float) -> tuple[Est
 def _fewest_layers(base: Estimate, mode: str, budget_gb: float, pp: int) -> Estimate:
     """Full and ckpt++ recompute only as many layers as memory needs (Megatron's block method: the same number
     on every pipeline stage, so a multiple of PP); all of them when even that does not fit."""
-    if mode in ("full", "ckpt++"):
+    if mode in LAYER_RECOMPUTE_MODES:
         n = base.memory.layers_to_fit(mode, budget_gb * 1e9, pp)
         return with_recompute(base, mode, n)
     return with_recompute(base, mode)
@@ -439,7 +439,7 @@ def evaluate(
     options = tuple(_fewest_layers(b, m, budget, parallel.pp) for b in held for m in modes)
     chosen, fits = choose_recompute(options, budget)
     per_stage = chosen.recompute_layers // parallel.pp
-    hypothetical = layout.kind != "2d" and chosen.recompute == "ckpt++"
+    hypothetical = layout.kind != "2d" and chosen.recompute in CHECKPOINT_PLUS_MODES
     flags = megatron_flags(
         layout,
         parallel,

@@ -16,11 +16,12 @@ from dataclasses import asdict
 from .candidates import STOCK_KINDS
 from .console import terminal_console
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
+from .memory import LAYER_RECOMPUTE_MODES
 from .memory_options import MemoryPolicy
 from .memory_options import describe as describe_states
 from .planner import AUTO, Candidate, best_by_kind, recommended
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6  # 6: the kernels each side runs; 5: recompute mode "ckpt++inputs"
 _LINK = {"nvlink": "NVL", "network": "NET", "mixed": "mix", "-": "-"}
 _COLUMNS = (
     "#",
@@ -85,8 +86,9 @@ def _row(i: int, c: Candidate, cluster: ClusterSpec) -> list[str]:
 
 
 def recompute_label(e) -> str:
-    """'none', 'selective', 'full', 'ckpt++', or 'ckpt++ 23/32' when only some layers are recomputed."""
-    if e.recompute in ("full", "ckpt++") and e.recompute_layers < e.layers:
+    """'none', 'selective', 'full', 'ckpt++', 'ckpt++inputs', or 'ckpt++ 23/32' when only some layers are
+    recomputed."""
+    if e.recompute in LAYER_RECOMPUTE_MODES and e.recompute_layers < e.layers:
         return f"{e.recompute} {e.recompute_layers}/{e.layers}"
     return e.recompute
 
@@ -215,8 +217,9 @@ def _sections(
         f"{win}; memory budget {cluster.memory_budget_gb:.1f} GB per GPU",
         "attn ms = one layer's attention forward+backward on one GPU (compute + exposed communication); "
         "comm/comp = all communication, unoverlapped, / compute;",
-        "recompute = the cheapest mode that fits (ckpt++ = Selective Checkpoint++); step ms = whole model, one "
-        "micro-batch, recompute included; ranked by step ms.",
+        "recompute = the cheapest mode that fits (ckpt++ = Selective Checkpoint++ keeping attention outputs, "
+        "ckpt++inputs = keeping its head-layout inputs too); step ms = whole model, one micro-batch, recompute "
+        "included; ranked by step ms.",
         "MFU and tok/GPU/s are for the whole model (pipeline bubbles and TP communication not modelled). "
         "Links: NVL = NVLink, NET = network, mix = both.",
         f"link efficiency: {cluster.links.describe()}; states = how model states are held (dist-opt: "

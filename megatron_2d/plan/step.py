@@ -28,7 +28,7 @@ from .attention_time import (
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .kernel_rates import SELECTED_KERNEL
 from .link_classes import LinkMap, link_map
-from .memory import RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
+from .memory import LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
 from .windows import WindowWork, window_work
 
 if TYPE_CHECKING:
@@ -95,16 +95,19 @@ class Estimate:
         return self.time_s - self.compute_s
 
 
-def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float) -> float:
+def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float, a2a_fwd_s: float) -> float:
     """Seconds one layer's recompute adds to a step (one micro-batch), run again in backward:
 
-        none       0
-        selective  attn_fwd                the attention forward again, with its all-to-alls and ring
-        full       attn_fwd + dense_fwd    the whole layer forward again
-        ckpt++     dense_fwd               the layer forward again without attention (kept, not recomputed)
+        none          0
+        selective     attn_fwd                the attention forward again, with its all-to-alls and ring
+        full          attn_fwd + dense_fwd    the whole layer forward again
+        ckpt++        dense_fwd + a2a_fwd     the layer forward again without the ring and kernels (their
+                                              output and lse kept), with the head all-to-alls ("outputs")
+        ckpt++inputs  dense_fwd               ... and without the all-to-alls (their outputs kept too)
 
     attn_fwd = one direction's all-to-alls + the forward ring (or neighbour exchange), as in ``Estimate``;
-    dense_fwd = 2 * layer_params * tokens / (TP*CP) / dense rate (a third of the dense 6*N*tokens).
+    a2a_fwd = those all-to-alls alone (``Estimate.a2a_s`` / 2; 0 at hp = 1); dense_fwd = 2 * layer_params *
+    tokens / (TP*CP) / dense rate (a third of the dense 6*N*tokens).
     """
     if mode == "none":
         return 0.0
@@ -113,6 +116,8 @@ def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float) -> float
     if mode == "full":
         return attn_fwd_s + dense_fwd_s
     if mode == "ckpt++":
+        return dense_fwd_s + a2a_fwd_s
+    if mode == "ckpt++inputs":
         return dense_fwd_s
     raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
 
@@ -215,13 +220,13 @@ def estimate(
 
 def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimate:
     """``e`` (any mode) re-derived for recompute ``mode`` on ``layers`` of the model's layers (None: all; only
-    full and ckpt++ can recompute some layers): memory from its breakdown, step time, MFU, tokens/s.
+    LAYER_RECOMPUTE_MODES can recompute some layers): memory from its breakdown, step time, MFU, tokens/s.
 
         step = layers_total * (time_s + dense_layer) + n * recompute_extra_s(mode) + output layer
     """
-    n = e.layers if layers is None or mode in ("none", "selective") else layers
+    n = e.layers if layers is None or mode not in LAYER_RECOMPUTE_MODES else layers
     n = 0 if mode == "none" else n
-    extra = recompute_extra_s(mode, e.attn_fwd_s, e.dense_layer_s / 3.0)
+    extra = recompute_extra_s(mode, e.attn_fwd_s, e.dense_layer_s / 3.0, e.a2a_s / 2.0)
     step = e.step_s - e.recompute_layers * e.recompute_s + n * extra
     mem = e.memory
     return dataclasses.replace(

@@ -230,25 +230,29 @@ def reset_parameters_deterministically(model: torch.nn.Module, seed: int) -> Non
 def build_tiny_gpt(
     cfg: TinyGPTConfig,
     layer_spec: ModuleSpec | None = None,
+    vp_stage: int | None = None,
 ) -> GPTModel:
     """Build the tiny GPTModel for this rank's PP stage, with layout-independent weights.
 
     ``layer_spec`` defaults to ``get_gpt_layer_local_spec()``; use ``local_spec_with_core_attention``
     to plug in a core attention. Embeddings and output layer are untied (no embedding group needed
-    under PP).
+    under PP). ``vp_stage``: the model chunk of this virtual pipeline stage (interleaved schedule: parallel
+    state and ``cfg`` with virtual_pipeline_model_parallel_size; build one chunk per stage).
     """
     config = make_transformer_config(cfg)
     spec = layer_spec if layer_spec is not None else get_gpt_layer_local_spec()
     torch.manual_seed(cfg.seed)  # torch 2.13 seeds processes differently; megatron draws first
+    virtual = dict(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(**virtual),
+        post_process=parallel_state.is_pipeline_last_stage(**virtual),
         share_embeddings_and_output_weights=False,
         position_embedding_type=cfg.position_embedding_type,
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     reset_parameters_deterministically(model, cfg.seed)
     return model
@@ -421,14 +425,16 @@ def train_steps(
 
 
 def pipeline_forward_backward(
-    model: GPTModel, cfg: TinyGPTConfig, batch: Batch, num_microbatches: int = 2
+    model: GPTModel | Sequence[GPTModel], cfg: TinyGPTConfig, batch: Batch, num_microbatches: int = 2
 ) -> dict[str, Any]:
     """Forward and backward through megatron's ``get_forward_backward_func()`` schedule (1F1B under
-    PP>1, no pipelining under PP=1), ``batch`` split into ``num_microbatches`` along b.
+    PP>1, interleaved for a list of virtual-stage chunks, no pipelining under PP=1), ``batch`` split into
+    ``num_microbatches`` along b.
 
     Returns, identical on every rank: ``loss`` (mean over microbatches of each microbatch's masked
     mean loss) and ``grads`` (all stages' gradients, summed over CP, gathered over TP, by canonical name).
     """
+    chunks = list(model) if isinstance(model, Sequence) else [model]
     b = batch["tokens"].shape[0]
     if b % num_microbatches:
         raise ValueError(f"micro_batch_size={b} not divisible by num_microbatches={num_microbatches}")
@@ -446,25 +452,29 @@ def pipeline_forward_backward(
         out, local = _run_on_cp_shard(module, full)
         return out, lambda t: loss_func(local["loss_mask"], full["loss_mask"].sum().to(torch.int), t)
 
-    model.zero_grad(set_to_none=True)
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
     with cuda_to_cpu():
         reports = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(microbatches),
-            model=[model],
+            data_iterator=iter(microbatches) if len(chunks) == 1 else [iter(microbatches) for _ in chunks],
+            model=chunks,
             num_microbatches=num_microbatches,
             seq_length=cfg.seq_length,
             micro_batch_size=mbs,
             forward_only=False,
         )
-    all_reduce_grads_over_cp(model)
+    grads: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        all_reduce_grads_over_cp(chunk)
+        grads.update(full_gradients(chunk))
     if parallel_state.is_pipeline_last_stage():
         loss = sum(cp_sum(r["local_sum"]) / r["tokens"] for r in reports) / num_microbatches
     else:
         loss = None
     losses: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(losses, loss, group=parallel_state.get_pipeline_model_parallel_group())
-    return {"loss": losses[-1], "grads": _merge_over_pp(full_gradients(model))}
+    return {"loss": losses[-1], "grads": _merge_over_pp(grads)}
 
 
 # --------------------------------------------------------------------------------------------------
