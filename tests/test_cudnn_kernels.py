@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_2d.band import Band
-from megatron_2d.block_plan import BlockCall
 from megatron_2d.kernels import select_kernel
+from megatron_2d.kernels.merge import merge_attention_
 from megatron_2d.kernels.pieces import band_pieces
-from megatron_2d.merge import merge_attention_
+from megatron_2d.layout.band import Band
+from megatron_2d.layout.block_calls import BlockCall
 from megatron_2d.testing.reference import TOLERANCES, attention_with_lse, norm_err, rel_err
 from megatron_2d.testing.torch_cudnn_cpu import torch_cudnn_on_cpu
 

@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from megatron_2d.band import Band, flash_boxes, flash_expressible
 from megatron_2d.kernels import KERNELS, select_kernel, torch_cudnn
 from megatron_2d.kernels.flash_windows import flash_head_dim_problem, flash_mask
+from megatron_2d.layout.band import Band, flash_boxes, flash_expressible
 from megatron_2d.testing.flash_attn_cpu import kernel_window
 from megatron_2d.testing.reference import (
     FLASH_CONVENTION_CASES,
@@ -343,9 +343,9 @@ def test_torch_flash_stand_in_varlen_window_against_max_k():
 
 
 def test_the_kernel_names_are_the_choices():
-    """The one list of kernel names (megatron_2d.choices.KERNELS, what --cp-2d-kernel and cp_2d_kernel take) is the
+    """The one list of kernel names (megatron_2d.layout.choices.KERNELS, what --cp-2d-kernel and cp_2d_kernel take) is the
     registry's."""
-    from megatron_2d.choices import KERNELS as NAMES
+    from megatron_2d.layout.choices import KERNELS as NAMES
 
     assert set(KERNELS) == set(NAMES) and len(NAMES) == len(set(NAMES))
 

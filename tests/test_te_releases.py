@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.band import Band
-from megatron_2d.block_plan import BlockCall
+from megatron_2d.kernels.merge import merge_attention_
 from megatron_2d.kernels.te_fused import TeFusedKernel
-from megatron_2d.merge import merge_attention_
+from megatron_2d.layout.band import Band
+from megatron_2d.layout.block_calls import BlockCall
 from megatron_2d.testing import te_package as tep
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import (

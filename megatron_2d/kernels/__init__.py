@@ -30,7 +30,7 @@ from .torch_cudnn import TorchCudnnKernel
 from .torch_flash import TorchFlashKernel
 from .torch_math import TorchMathKernel
 
-KERNELS: dict[str, Callable[[], BlockKernel]] = {  # by megatron_2d.choices.KERNELS' names
+KERNELS: dict[str, Callable[[], BlockKernel]] = {  # by megatron_2d.layout.choices.KERNELS' names
     "cpu_flash": CpuFlashKernel,
     "te_fused": TeFusedKernel,
     "torch_cudnn": TorchCudnnKernel,

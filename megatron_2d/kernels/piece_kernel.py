@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..merge import merge_attention_
 from .base import BlockKernel, PaddedValueKernel, accumulator_dtype, to_device_once
+from .merge import merge_attention_
 from .pieces import Piece, band_pieces, whole_block_mask
 
 _GROUP_CACHE = 256

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..band import Band, Trimmed
+from ..layout.band import Band, Trimmed
 
 MASKS = ("full", "causal", "anti")
 

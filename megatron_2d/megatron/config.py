@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from ..choices import CHECKPOINT_KEEPS, check_dkv_comm_dtype, check_kernel, check_packing_mode
 from ..deprecation import renamed_field
+from ..layout.choices import CHECKPOINT_KEEPS, check_dkv_comm_dtype, check_kernel, check_packing_mode
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
 from .mla import check_mla_settings
@@ -60,7 +60,7 @@ class Fields2D:
     + rope dim) times fewer ring bytes, about 9x for DeepSeek-V3 at TP 8 and hp 1, for the repeated
     up-projection's FLOPs; see megatron_2d.megatron.mla)."""
     cp_2d_kernel: str | None = None
-    """The block kernel every 2d attention layer runs (a :data:`megatron_2d.choices.KERNELS` name); None: chosen by
+    """The block kernel every 2d attention layer runs (a :data:`megatron_2d.layout.choices.KERNELS` name); None: chosen by
     device (Hopper and later: te_fused, torch_cudnn, flash_attn2, torch_flash; before: flash_attn2 first), each
     choice printed once on rank 0. A layer spec's ``kernel`` overrides it."""
     selective_checkpoint_plus_plus_check: str = "tolerance"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..choices import KERNELS
+from ..layout.choices import KERNELS
 from .errors import PlanError
 
 ARCHITECTURES = ("ampere", "hopper")

@@ -49,9 +49,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..band import Band
 from ..kernels.cpu_flash import CpuFlashKernel
 from ..kernels.torch_math import TorchMathKernel
+from ..layout.band import Band
 
 RELEASES = ("2.5.0", "2.8.0", "2.12.0", "2.20.2")
 RELEASES_ENV = "MEGATRON_2D_TE_RELEASES"
