@@ -11,7 +11,7 @@ $(STAMP): tools/install.sh pyproject.toml megatron_2d/testing/flash_attn_package
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m megatron_2d.demo
+	$(PY) -m megatron_2d.testing.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -36,7 +36,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4
-	$(PY) -m megatron_2d.demo
+	$(PY) -m megatron_2d.testing.demo
 
 # On a machine with GPUs (e.g. an NGC container with this checkout): every GPU path, one table, pass/fail per item
 # (tools/gpu_smoke.py; under 5 minutes on one H100). Uses the machine's own Python and torch, not .venv (whose

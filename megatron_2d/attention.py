@@ -15,7 +15,7 @@ Notation
       --inverse all-to-all-->   out [s_local, b, hq, dv]
 
 The K/V transport: the Double-Ring when every context rank sees keys of every other (causal, full, wide
-windows); the neighbour exchange (:mod:`megatron_2d.neighbour_exchange`) when a sliding window leaves some
+windows); the neighbour exchange (:mod:`megatron_2d.transport.neighbour_exchange`) when a sliding window leaves some
 pairs with nothing to see, so that steps and bytes follow the window instead of the sequence.
 
 Packed documents (THD, ``packing=PackedLayout``): q [t_local, hq, d], k/v [t_local, hkv, d] hold the slots of
@@ -32,20 +32,20 @@ import math
 
 import torch
 
-from .band import SlidingWindow
-from .block_plan import plan_context_group
-from .choices import check_dkv_comm_dtype
-from .double_ring import DoubleRing
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllToAll, HeadExchange, ascending_order
 from .kept_forward import KeptForward
 from .kernels import select_kernel
 from .kernels.base import accumulator_dtype
-from .neighbour_exchange import NeighbourExchange
+from .layout.band import SlidingWindow
+from .layout.block_calls import plan_context_group
+from .layout.choices import check_dkv_comm_dtype
+from .layout.topology import divisors
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
-from .topology import divisors
-from .transport import LocalBlock, Transport
+from .transport.base import LocalBlock, Transport
+from .transport.double_ring import DoubleRing
+from .transport.neighbour_exchange import NeighbourExchange
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .block_plan import received_chunks
-from .comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
 from .deprecation import renamed_keywords, warn_renamed
-from .topology import Layout2D, LayoutError, RankPlace, place_all_ranks
+from .layout.block_calls import received_chunks
+from .layout.topology import Layout2D, LayoutError, RankPlace, place_all_ranks
+from .transport.comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
 
 
 @dataclass

@@ -19,7 +19,7 @@ copies once: one message per (group, peer, unit), each unit received straight in
 or sent straight from it (to_tokens), this rank's own units copied directly. NCCL keeps the collective (the
 point-to-point path was measured on gloo only).
 
-Head ranks follow the placement (:class:`~megatron_2d.topology.RankPlace`), which need not be the group's rank
+Head ranks follow the placement (:class:`~megatron_2d.layout.topology.RankPlace`), which need not be the group's rank
 order (``cp_rank_lists`` not ascending): the collective's slices are reordered to head ranks, and the
 point-to-point messages address the peers' global ranks.
 
@@ -42,9 +42,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .choices import head_exchange_point_to_point
-from .comm import CommCounter, all_gather_counted, all_to_all_counted, to_device, traffic_backend
 from .kept_forward import KeptForward
+from .layout.choices import head_exchange_point_to_point
+from .transport.comm import CommCounter, all_gather_counted, all_to_all_counted, to_device, traffic_backend
 
 Widths = tuple[int, ...]  # the head dims of one group's tensors, in order
 
@@ -343,7 +343,7 @@ class HeadExchange:
 
     def point_to_point(self, batch: int) -> bool:
         """Whether the exchange of a batch of ``batch`` sequences goes by point-to-point messages, unit by unit
-        (:func:`megatron_2d.choices.head_exchange_point_to_point`, which the planner's copy count follows)."""
+        (:func:`megatron_2d.layout.choices.head_exchange_point_to_point`, which the planner's copy count follows)."""
         return head_exchange_point_to_point(self.backend, batch, bool(self.positions))
 
     def unit(self, tokens: int) -> int:

@@ -11,7 +11,7 @@ The op's autograd Functions each take a :class:`KeptForward` (None for a plain c
 
 At a point it keeps, the first pass records the Function's results; in the recompute the Function returns them
 instead of running (no message, no kernel) and saves for its backward what a run would have saved, so the backward
-is the Function's own. What each keep policy (:data:`megatron_2d.choices.CHECKPOINT_KEEPS`) keeps:
+is the Function's own. What each keep policy (:data:`megatron_2d.layout.choices.CHECKPOINT_KEEPS`) keeps:
 
     outputs           ring: the recompute runs both head exchanges again, as full recompute does, but neither the
                       ring nor the kernels' forward; the ring's backward starts from the kept out and lse
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .choices import CHECKPOINT_KEEPS, check_choice
+from .layout.choices import CHECKPOINT_KEEPS, check_choice
 
 POINTS = ("to_heads", "gather", "ring", "to_tokens")
 KEPT_POINTS = {"outputs": ("ring",), "attention-inputs": POINTS}

@@ -5,7 +5,7 @@
     q_local = layout.shard(q)        # [T, hq, d] -> [t_local, hq, d] (padding slots zero)
     out = megatron_2d.attention_2d(q_local, k_local, v_local, groups, packing=layout)
 
-Modes (sharding math in :mod:`megatron_2d.document_sharding`, views in :mod:`megatron_2d.packed_views`):
+Modes (sharding math in :mod:`megatron_2d.packing.sharding`, views in :mod:`megatron_2d.packing.views`):
     zigzag      Megatron / Transformer Engine THD: every document padded to a multiple of 2*CP, CP rank i holds
                 its chunks i and 2*CP-1-i; every document's K/V travel the whole ring.
     documents   short documents whole on one context rank (local attention, no ring traffic), long ones
@@ -29,12 +29,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .band import SlidingWindow
-from .block_plan import BlockCall
-from .choices import check_packing_mode
-from .comm import check_same_on_every_rank, to_device
 from .deprecation import warn_renamed
-from .document_sharding import (
+from .groups import Groups2D
+from .layout.band import SlidingWindow
+from .layout.block_calls import BlockCall
+from .layout.choices import check_packing_mode
+from .layout.topology import Layout2D
+from .packing.calls import Runs, key_intervals, plan_view
+from .packing.sharding import (
     DocumentSharding,
     PackingCost,
     documents_slots,
@@ -42,11 +44,9 @@ from .document_sharding import (
     shard_documents,
     zigzag_rows,
 )
-from .groups import Groups2D
-from .neighbour_exchange import KeyIntervals
-from .packed_plan import Runs, key_intervals, plan_view
-from .packed_views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
-from .topology import Layout2D
+from .packing.views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
+from .transport.comm import check_same_on_every_rank, to_device
+from .transport.neighbour_exchange import KeyIntervals
 
 
 class NeighbourKeys(NamedTuple):
@@ -89,12 +89,12 @@ class PackedLayout:
         cu_seqlens: cumulative real document lengths [D + 1], from 0, identical on every rank (int32/int64; a
             host array or CPU tensor keeps the build free of device reads).
         groups: from :func:`megatron_2d.build_2d_groups`; the layout only serves these groups.
-        mode: "zigzag", "documents" or "sequence" (:data:`megatron_2d.choices.PACKING_MODES`).
+        mode: "zigzag", "documents" or "sequence" (:data:`megatron_2d.layout.choices.PACKING_MODES`).
         cu_seqlens_padded: zigzag only: Megatron's padded cumulative lengths (each document a multiple of
             2*CP and at least its real length); default: each length rounded up to a multiple of 2*CP.
         long_threshold: documents only: shard documents longer than this (default: the cost rule of
-            :func:`megatron_2d.document_sharding.shard_documents`).
-        cost: documents only: the :class:`megatron_2d.document_sharding.PackingCost` that rule predicts step
+            :func:`megatron_2d.packing.sharding.shard_documents`).
+        cost: documents only: the :class:`megatron_2d.packing.sharding.PackingCost` that rule predicts step
             times with (default: the planner's H100 figures); identical on every rank.
     """
 

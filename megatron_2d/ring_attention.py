@@ -27,12 +27,12 @@ from typing import Protocol
 
 import torch
 
-from .block_plan import BlockCall
 from .kept_forward import KeptForward
 from .kernels import BlockKernel
 from .kernels.base import accumulator_dtype
-from .merge import merge_attention_
-from .transport import Partials, Transport, gather_partials
+from .kernels.merge import merge_attention_
+from .layout.block_calls import BlockCall
+from .transport.base import Partials, Transport, gather_partials
 
 
 def split_kv(block: torch.Tensor, key_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

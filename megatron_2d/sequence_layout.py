@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .topology import zigzag_chunks
+from .layout.topology import zigzag_chunks
 
 
 def check_divisible(seq_len: int, cp_size: int) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import megatron_2d
 import megatron_2d.groups
-import megatron_2d.topology
+import megatron_2d.layout.topology
 from megatron_2d.plan import Layout as PlanLayout
 from megatron_2d.plan import ModelSpec, ParallelSpec, evaluate, get_cluster
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
@@ -166,7 +166,7 @@ def test_parametrization_is_distinct():
     """Every fp32 layout is a different rank map, and every head variant of an hp a different replication case."""
     maps = set()
     for world, hp, cp, w, placement in LAYOUTS:
-        layout = megatron_2d.topology.Layout2D(world, hp, w, placement)
+        layout = megatron_2d.layout.topology.Layout2D(world, hp, w, placement)
         key = (
             world,
             w,
@@ -241,7 +241,8 @@ def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
 
 
 def expected_bytes(world, hp, w, hq, hkv, s_local, batch, d, elt):
-    """Closed-form bytes one rank sends for one forward+backward (see megatron_2d.double_ring for the schedule)."""
+    """Closed-form bytes one rank sends for one forward+backward (see megatron_2d.transport.double_ring for the
+    schedule)."""
     cp, windows = world // hp, world // hp // w
     heads_kv = math.lcm(hkv, hp)  # K/V heads after replication
     token_head_bytes = s_local * batch * d * elt

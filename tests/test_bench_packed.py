@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_2d.bench.packed import main, slot_pairs
-from megatron_2d.document_sharding import zigzag_slots
+from megatron_2d.packing.sharding import zigzag_slots
 from megatron_2d.plan.lengths import cu_seqlens_of
 from megatron_2d.testing.reference import blockwise_reference, packed_reference_attention
 

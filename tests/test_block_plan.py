@@ -1,9 +1,9 @@
-"""The block plan (megatron_2d.block_plan): which query/key ranges of a zigzag block pair are computed."""
+"""The block plan (megatron_2d.layout.block_calls): which query/key ranges of a zigzag block pair are computed."""
 
 import torch
 
-from megatron_2d.band import Band
-from megatron_2d.block_plan import BlockCall, plan_block
+from megatron_2d.layout.band import Band
+from megatron_2d.layout.block_calls import BlockCall, plan_block
 
 
 def test_plan_zigzag_half_blocks():

@@ -35,9 +35,10 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.random import is_checkpointing
 
 import megatron_2d
-from megatron_2d.choices import CHECKPOINT_KEEPS, PACKING_MODES
 from megatron_2d.kept_forward import KeptForward
 from megatron_2d.kernels.base import BlockKernel
+from megatron_2d.layout.choices import CHECKPOINT_KEEPS, PACKING_MODES
+from megatron_2d.layout.topology import every_layout
 from megatron_2d.megatron import TransformerConfig2D, checkpoint_plus, get_gpt_layer_spec_2d
 from megatron_2d.megatron.core_attention import CoreAttention2D
 from megatron_2d.megatron.packed_data import (
@@ -51,7 +52,6 @@ from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.generated_cases import cuda_kernels_on_cpu, draw_batch, draw_case
 from megatron_2d.testing.mla import mla_spec_2d, tiny_mla_config
 from megatron_2d.testing.reference import TOLERANCES
-from megatron_2d.topology import every_layout
 
 RTOL = TOLERANCES[torch.float32].dq  # model gradients against the same model without recompute
 HEAD_KINDS = ("all_to_all",)

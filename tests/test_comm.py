@@ -1,12 +1,12 @@
-"""Communication pieces (megatron_2d.comm, megatron_2d.groups): the byte counter, ring and direct exchanges (the
-direct one on forked gloo ranks), the traffic backend of multi-backend groups."""
+"""Communication pieces (megatron_2d.transport.comm, megatron_2d.groups): the byte counter, ring and direct exchanges
+(the direct one on forked gloo ranks), the traffic backend of multi-backend groups."""
 
 import pytest
 import torch
 
 
 def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
-    from megatron_2d.comm import COMM_KINDS, CommCounter, RingExchange
+    from megatron_2d.transport.comm import COMM_KINDS, CommCounter, RingExchange
 
     counter = CommCounter()
     counter.add("inner_ring", 10)
@@ -31,7 +31,7 @@ def test_direct_exchange_receives_into_the_expected_buffer(receive_early):
     def body(rank, world, receive_early):
         import torch.distributed as dist
 
-        from megatron_2d.comm import CommCounter, DirectExchange
+        from megatron_2d.transport.comm import CommCounter, DirectExchange
 
         counter = CommCounter()
         peer = (rank + 1) % world
@@ -60,7 +60,7 @@ def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
     import torch.distributed as dist
 
     import megatron_2d.groups as groups_module
-    from megatron_2d.comm import CommCounter, DirectExchange, traffic_backend
+    from megatron_2d.transport.comm import CommCounter, DirectExchange, traffic_backend
 
     backend = {"name": "cpu:gloo,cuda:nccl"}
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.band import Band
-from megatron_2d.block_plan import BlockCall
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.base import BlockKernel
 from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel, packed_lse, padded_lse
+from megatron_2d.layout.band import Band
+from megatron_2d.layout.block_calls import BlockCall
 from megatron_2d.testing import flash_attn_package as fap
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import (

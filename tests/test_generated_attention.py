@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_2d.choices import PACKING_MODES
+from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.flash_attn_package import RELEASES
 from megatron_2d.testing.generated_cases import (

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.choices import PACKING_MODES
+from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
@@ -128,9 +128,9 @@ def test_dkv_comm_dtype_is_checked():
 def run_flash_attn_varlen_new_batch(rank, world):
     """flash-attn's varlen path on the calls of a batch it has not seen: building the block's index tensors and
     running forward and backward make no host sync (the real flash-attn 2.8 Python layer over the CPU extension)."""
-    from megatron_2d.band import Band
-    from megatron_2d.block_plan import BlockCall
     from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel
+    from megatron_2d.layout.band import Band
+    from megatron_2d.layout.block_calls import BlockCall
     from megatron_2d.testing.flash_attn_package import load_release
 
     load_release("2.8.3.post2")
@@ -162,7 +162,7 @@ def run_new_packed_batches_guarded(rank, world):
     guards; the result equals the same batch run unguarded on a layout built the same way."""
     import numpy as np
 
-    from megatron_2d.neighbour_exchange import NeighbourExchange
+    from megatron_2d.transport.neighbour_exchange import NeighbourExchange
 
     cu = np.cumsum([0, 1, 37, 5, 90, 3, 64, 1, 11])  # 212 tokens: 2*CP divides 208 + 4
     cu[-1] += (-cu[-1]) % (2 * world)

@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from megatron_2d.band import Band, flash_boxes, flash_expressible
 from megatron_2d.kernels import KERNELS, select_kernel
 from megatron_2d.kernels.flash_windows import flash_mask
+from megatron_2d.layout.band import Band, flash_boxes, flash_expressible
 from megatron_2d.testing.flash_attn_cpu import kernel_window
 from megatron_2d.testing.reference import (
     FLASH_CONVENTION_CASES,

@@ -15,7 +15,6 @@ import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_2d.document_sharding import shard_documents
 from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d
 from megatron_2d.megatron.packed_data import (
     documents_batch_on_this_cp_rank,
@@ -23,6 +22,7 @@ from megatron_2d.megatron.packed_data import (
     groups_of_model,
     use_document_positions,
 )
+from megatron_2d.packing.sharding import shard_documents
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 

@@ -1,10 +1,10 @@
-"""The (out, lse) merge of attention blocks (megatron_2d.merge): exact against one softmax over all keys, in
+"""The (out, lse) merge of attention blocks (megatron_2d.kernels.merge): exact against one softmax over all keys, in
 place on row views, near-overflow logits, the empty accumulator."""
 
 import pytest
 import torch
 
-from megatron_2d.merge import merge_attention_
+from megatron_2d.kernels.merge import merge_attention_
 from megatron_2d.testing.reference import attention_with_lse, rel_err
 
 

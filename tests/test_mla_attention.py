@@ -229,8 +229,8 @@ def test_transformer_engine_mla_cp_configs(name):
 def test_padded_value_kernel_matches_native_unequal_dims():
     """cpu_flash needs equal head dims: for dv < dk it runs through PaddedValueKernel, which must equal torch_math
     (native unequal dims) call by call, banded calls (tiled) included."""
-    from megatron_2d.band import Band
-    from megatron_2d.block_plan import BlockCall
+    from megatron_2d.layout.band import Band
+    from megatron_2d.layout.block_calls import BlockCall
 
     flash = select_kernel(torch.device("cpu"), torch.float64, "cpu_flash")
     math_kernel = select_kernel(torch.device("cpu"), torch.float64, "torch_math")

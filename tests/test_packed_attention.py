@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.choices import PACKING_MODES
-from megatron_2d.document_sharding import PackingCost, shard_documents, zigzag_slots
+from megatron_2d.layout.choices import PACKING_MODES
+from megatron_2d.packing.sharding import PackingCost, shard_documents, zigzag_slots
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, packed_reference_attention, rel_err, rounded
 
@@ -409,9 +409,9 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
     """Kernel calls cover exactly the visible (query, key) pairs: summed over every context rank and source block,
     sum L(L+1)/2 for causal and sum L^2 without a mask, nothing across documents or on padding; and the zigzag
     ring order keeps each document to a few calls per block however many head ranks deliver its chunks."""
-    from megatron_2d.band import SlidingWindow
     from megatron_2d.groups import Groups2D
-    from megatron_2d.topology import Layout2D, place_all_ranks
+    from megatron_2d.layout.band import SlidingWindow
+    from megatron_2d.layout.topology import Layout2D, place_all_ranks
 
     lengths = np.array(LENGTHS["mixed"] + LENGTHS["one_long"] + [21])  # 1632 = 34 * 48
     cu = np.concatenate([[0], np.cumsum(lengths)])

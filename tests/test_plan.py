@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from megatron_2d import topology
-from megatron_2d.block_plan import plan_block
+from megatron_2d.layout import topology
+from megatron_2d.layout.block_calls import plan_block
 from megatron_2d.plan import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
@@ -214,7 +214,7 @@ def test_peers_match_brute_force(hp, cp, w, placement):
 
 
 def test_placement_matches_megatron_2d_topology():
-    # The planner's rank maps must agree with the implementation's (megatron_2d.topology), when importable.
+    # The planner's rank maps must agree with the implementation's (megatron_2d.layout.topology), when importable.
     for hp, cp, w in [(2, 4, 2), (4, 2, 1), (2, 8, 4)]:
         for placement in ("head_first", "context_first"):
             lay = topology.Layout2D(cp_size=hp * cp, head_parallel_size=hp, ring_window=w, placement=placement)

@@ -11,7 +11,7 @@ import sys
 import megatron.training.arguments as megatron_arguments
 import pytest
 
-from megatron_2d.choices import DKV_COMM_DTYPES
+from megatron_2d.layout.choices import DKV_COMM_DTYPES
 from megatron_2d.megatron import MLATransformerConfig2D, TransformerConfig2D
 from megatron_2d.megatron.arguments import add_2d_arguments, transformer_config_from_args_2d
 from megatron_2d.plan import Candidate, ModelSpec, ParallelSpec, get_cluster, get_model, plan

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from megatron_2d.layout.ring_schedule import double_ring_events, replay, slowed_finish
 from megatron_2d.plan import Layout, ParallelSpec, PlanError, calibrate, evaluate, get_cluster, get_model, work_counts
 from megatron_2d.plan.attention_time import class_time, layer_work, ring_times
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.link_classes import LinkClass, LinkMap
 from megatron_2d.plan.links import IDEAL_LINKS, LinkEfficiency, overlapped
-from megatron_2d.ring_schedule import double_ring_events, replay, slowed_finish
 
 GQA = get_model("7B-GQA")
 H100 = get_cluster("8xH100")

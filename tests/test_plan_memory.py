@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from megatron_2d.layout.zero_sharding import state_bytes_per_rank
 from megatron_2d.plan import Layout, ModelSpec, ParallelSpec, PlanError, evaluate, get_cluster, get_model, plan
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.links import IDEAL_LINKS, LinkEfficiency
@@ -21,7 +22,6 @@ from megatron_2d.plan.memory_options import (
     with_memory,
 )
 from megatron_2d.plan.planner import recommended
-from megatron_2d.zero_sharding import state_bytes_per_rank
 
 H100 = get_cluster("8xH100")
 GQA = get_model("7B-GQA")

@@ -123,8 +123,8 @@ def test_window_with_packed_lengths_follows_the_op():
     """A causal window over long documents: the visible pairs per rank (brute force over the op's own views), and
     the neighbour exchange's busiest sender in closed form (hp 1, CP 4: a middle rank sends each neighbour the last
     ``left`` keys of one chunk per document); a window reaching every rank keeps the ring."""
-    from megatron_2d.packed_views import materialise, zigzag_runs
-    from megatron_2d.topology import Layout2D
+    from megatron_2d.layout.topology import Layout2D
+    from megatron_2d.packing.views import materialise, zigzag_runs
 
     lengths, left = [2 * 4 * c for c in (28, 32, 36)], 5
     w = packed_work(lengths, 1, 4, "head_first", "zigzag", left)

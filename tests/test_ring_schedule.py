@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.double_ring import DoubleRing
-from megatron_2d.ring_schedule import CHANNEL_OF, CHANNELS, EventKind, double_ring_events, replay
+from megatron_2d.layout.ring_schedule import CHANNEL_OF, CHANNELS, EventKind, double_ring_events, replay
 from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.transport.double_ring import DoubleRing
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -125,7 +125,7 @@ def test_replay_by_hand():
 def test_every_event_kind_is_one_action_and_the_loop_runs_each():
     """Each kind posts, expects, waits or works locally (exactly one), local work has no channel; kinds compare
     equal to their names, which the planner's replay may read. (The ring loop's table of one method per kind is
-    built when megatron_2d.double_ring is imported, above: a kind without a method fails that import.)"""
+    built when megatron_2d.transport.double_ring is imported, above: a kind without a method fails that import.)"""
     for kind in EventKind:
         actions = [kind.posts, kind.expects, kind.waits, kind.channel is None]
         assert actions.count(True) == 1, (kind, actions)

@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 import megatron_2d
-from megatron_2d.band import Band, SlidingWindow, flash_expressible
-from megatron_2d.block_plan import context_chunks, plan_block, plan_context_group
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.cpu_flash import row_tiles
+from megatron_2d.layout.band import Band, SlidingWindow, flash_expressible
+from megatron_2d.layout.block_calls import context_chunks, plan_block, plan_context_group
+from megatron_2d.layout.topology import Layout2D
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
 from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
-from megatron_2d.topology import Layout2D
 
 TIMEOUT = datetime.timedelta(seconds=60)
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from megatron_2d.topology import Layout2D, LayoutError, place_all_ranks, validate_cp_rank_lists
+from megatron_2d.layout.topology import Layout2D, LayoutError, place_all_ranks, validate_cp_rank_lists
 
 
 def divisors(n):

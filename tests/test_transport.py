@@ -1,4 +1,4 @@
-"""The dK/dV transport's partial blocks (megatron_2d.transport): gathered and added into one key buffer."""
+"""The dK/dV transport's partial blocks (megatron_2d.transport.base): gathered and added into one key buffer."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ import torch
     ],
 )
 def test_gather_partials_writes_every_key(ranges, first_key):
-    from megatron_2d.transport import add_partials, gather_partials
+    from megatron_2d.transport.base import add_partials, gather_partials
 
     gen = torch.Generator().manual_seed(0)
     # dK (width 3) and dV (width 2) side by side in the block format [b, keys, g, dk + dv]

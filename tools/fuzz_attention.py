@@ -17,7 +17,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from megatron_2d.choices import PACKING_MODES
+from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.generated_cases import draw_batch, draw_case, expected_results, failures, run_batch
 

@@ -30,7 +30,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 import torch  # noqa: E402
 
 from megatron_2d.bench.cli import add_arguments, render_table  # noqa: E402
-from megatron_2d.choices import CHECKPOINT_KEEPS  # noqa: E402
+from megatron_2d.layout.choices import CHECKPOINT_KEEPS  # noqa: E402
 from megatron_2d.megatron.checkpoint_plus import fingerprint_elements  # noqa: E402
 from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402

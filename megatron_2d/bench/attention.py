@@ -33,7 +33,7 @@ import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
 
 from ..groups import build_groups_for_layout
-from ..topology import Layout2D
+from ..layout.topology import Layout2D
 from .cli import add_arguments, add_output_arguments, render_table
 from .harness import DTYPES, bench_layouts, label, layout_record, make_inputs, retain_freed_memory, single_process_step
 

@@ -16,7 +16,7 @@ import datetime
 import torch
 
 import megatron_2d
-from megatron_2d.choices import DKV_COMM_DTYPES
+from megatron_2d.layout.choices import DKV_COMM_DTYPES
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import reference_attention, rel_err
 

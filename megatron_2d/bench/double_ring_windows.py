@@ -20,7 +20,7 @@ import torch
 import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
 
-from ..topology import divisors
+from ..layout.topology import divisors
 from .cli import add_arguments, render_table
 
 

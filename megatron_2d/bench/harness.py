@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from ..band import Band
 from ..kernels import select_kernel
-from ..topology import Layout2D, every_layout
+from ..layout.band import Band
+from ..layout.topology import Layout2D, every_layout
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

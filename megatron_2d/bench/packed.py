@@ -49,10 +49,10 @@ from rich.console import Console
 from rich.table import Table
 
 import megatron_2d
-from megatron_2d.band import SlidingWindow
 from megatron_2d.bench.runners import count_ring_comm_sends
-from megatron_2d.choices import PACKING_MODES
-from megatron_2d.document_sharding import PackingCost, row_pairs, shard_documents, zigzag_slots
+from megatron_2d.layout.band import SlidingWindow
+from megatron_2d.layout.choices import PACKING_MODES
+from megatron_2d.packing.sharding import PackingCost, row_pairs, shard_documents, zigzag_slots
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, blockwise_reference
@@ -129,9 +129,9 @@ def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCos
     1024 tokens sent round the context ring for the ring's per-step and per-token costs (a step moves K/V forward
     and K/V plus fp32 dK/dV backward: three such transfers). The cores the ring's copies use are the ones that
     compute (gloo): no overlap."""
-    from megatron_2d.band import Band
-    from megatron_2d.block_plan import BlockCall
     from megatron_2d.kernels import select_kernel
+    from megatron_2d.layout.band import Band
+    from megatron_2d.layout.block_calls import BlockCall
 
     kernel = select_kernel(torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -393,7 +393,7 @@ def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: i
     lengthened so that 2*CP divides T (the sequence mode); ``sizes``: (CP, hp) pairs. Plans are rank 0's, and
     those of the context rank in the middle (zigzag's rank 0 sees only its own first chunks)."""
     from megatron_2d.groups import Groups2D
-    from megatron_2d.topology import Layout2D, place_all_ranks
+    from megatron_2d.layout.topology import Layout2D, place_all_ranks
 
     lengths = np.maximum(1, np.random.default_rng(seed).lognormal(6, 1.2, size=documents).astype(np.int64))
     lengths[-1] += -lengths.sum() % (2 * max(CP for CP, _ in sizes))

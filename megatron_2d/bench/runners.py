@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..attention import attention_2d
 from ..groups import build_groups_for_layout
-from ..topology import Layout2D, divisors
+from ..layout.topology import Layout2D, divisors
 from .harness import bench_layouts, label, layout_record
 
 OURS = "2D (ours)"

@@ -17,8 +17,8 @@ import datetime
 import torch
 
 import megatron_2d
-from megatron_2d.band import Band
 from megatron_2d.kernels import select_kernel
+from megatron_2d.layout.band import Band
 from megatron_2d.testing.distributed import run_on_ranks
 
 from .cli import add_arguments, render_table

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..band import Band, Trimmed
+from ..layout.band import Band, Trimmed
 from .base import BlockKernel, accumulator_dtype, band_mask, repeat_kv_heads, sum_kv_head_groups
 
 TILE_ROWS = 64

@@ -8,7 +8,7 @@ from the function behind the op (``_init_fn``). A release whose backward needs a
 fill is refused when the kernel is built (at kernel selection), naming the release.
 
 A call whose band flash-attn's C++ would run as another window (a block with more queries than keys) runs as the
-boxes of :func:`megatron_2d.band.flash_boxes` (:mod:`megatron_2d.kernels.flash_windows`), dense and varlen alike.
+boxes of :func:`megatron_2d.layout.band.flash_boxes` (:mod:`megatron_2d.kernels.flash_windows`), dense and varlen alike.
 
 Many calls on one block (packed documents: one per pair of same-document runs) go to flash-attn's varlen kernel,
 one launch per mask kind: the calls' query rows and key columns are gathered into packed [total, h, d] tensors
@@ -194,7 +194,7 @@ class FlashAttn2Kernel(FlashWindowKernel):
     """flash-attn 2: forward through its public functions (returning lse), backward through its private ones.
 
     Bands become flash-attn's ``window_size`` (>= 2.3), split where it would not keep them. Calls must come trimmed
-    (:meth:`megatron_2d.band.Band.trim`): flash-attn returns lse = +inf for a row that sees no key, which the
+    (:meth:`megatron_2d.layout.band.Band.trim`): flash-attn returns lse = +inf for a row that sees no key, which the
     log-sum-exp merge would turn into NaN; trimmed calls have no such row.
     """
 

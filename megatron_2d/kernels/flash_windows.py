@@ -2,8 +2,8 @@
 
 Both run a mask as (causal, (window_left, window_right)), aligned to the block's bottom-right corner, through the
 same C++ (``flash_api.cpp``), which changes some windows on blocks with more queries than keys
-(:func:`megatron_2d.band.flash_expressible`). :class:`FlashWindowKernel` therefore runs a call as the boxes of
-:func:`megatron_2d.band.flash_boxes`: one launch when its window is kept as given, else one per box. The boxes
+(:func:`megatron_2d.layout.band.flash_expressible`). :class:`FlashWindowKernel` therefore runs a call as the boxes of
+:func:`megatron_2d.layout.band.flash_boxes`: one launch when its window is kept as given, else one per box. The boxes
 split the call's rows, so each row's out and lse come from one launch (no merge); their dK/dV add up over keys.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..band import Band, Trimmed, flash_boxes
+from ..layout.band import Band, Trimmed, flash_boxes
 from .base import BlockKernel, accumulator_dtype
 
 MAX_HEAD_DIM = 256
@@ -34,7 +34,7 @@ def flash_head_dim_problem(head_dim: int) -> str | None:
 
 
 def flash_mask(band: Band | None, sq: int, sk: int) -> tuple[bool, tuple[int, int]]:
-    """(causal, (window_left, window_right)) of one box from :func:`~megatron_2d.band.flash_boxes` (raises
+    """(causal, (window_left, window_right)) of one box from :func:`~megatron_2d.layout.band.flash_boxes` (raises
     ValueError for a band the flash kernels would run otherwise, see :meth:`Band.flash_window`)."""
     if band is None:
         return False, (-1, -1)
@@ -50,7 +50,7 @@ def _whole(boxes, sq: int, sk: int, band: Band | None) -> bool:
 
 def flash_calls(calls: Sequence) -> list:
     """The calls of one block as the flash kernels run them: each call, or where its window would not be kept,
-    its boxes (:func:`~megatron_2d.band.flash_boxes`) as calls of the same type, in block coordinates."""
+    its boxes (:func:`~megatron_2d.layout.band.flash_boxes`) as calls of the same type, in block coordinates."""
     runnable = []
     for call in calls:
         sq, sk = call.q_end - call.q_start, call.k_end - call.k_start

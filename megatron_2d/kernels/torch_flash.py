@@ -5,7 +5,7 @@
 query-head groups (GQA) in the kernel, the log-sum-exp returned, and ``window_size_left`` / ``window_size_right``
 in flash-attn's bottom-right convention. So a banded call is one launch with its window, as with flash-attn
 (:class:`~megatron_2d.kernels.flash_windows.FlashWindowKernel`), split only where their shared C++ would run
-another window (:func:`megatron_2d.band.flash_boxes`).
+another window (:func:`megatron_2d.layout.band.flash_boxes`).
 
 The ops' schemas are checked when the kernel is built: a PyTorch whose ops take other arguments is refused at
 kernel selection, naming its version.

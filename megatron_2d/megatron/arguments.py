@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..choices import CHECKPOINT_KEEPS, DKV_COMM_DTYPES, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
 from ..deprecation import RenamedFlag
-from ..topology import PLACEMENTS
+from ..layout.choices import CHECKPOINT_KEEPS, DKV_COMM_DTYPES, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
+from ..layout.topology import PLACEMENTS
 from .launch_checks import check_launch_args
 from .settings import uses_2d
 

@@ -5,7 +5,7 @@ again during backward to rebuild the graph. With Checkpoint++ the first pass kee
 intermediates per layer and micro-batch (a :class:`megatron_2d.kept_forward.KeptForward`, in a per-layer FIFO), and
 the recompute pass rebuilds the layer as full recompute does but takes those intermediates instead of computing
 them. The attention's backward is the op's own, from what the recompute saved, so dQ/dK/dV are exactly those of a
-run without recompute. What is kept is the keep policy (``keep``, :data:`megatron_2d.choices.CHECKPOINT_KEEPS`):
+run without recompute. What is kept is the keep policy (``keep``, :data:`megatron_2d.layout.choices.CHECKPOINT_KEEPS`):
 
     outputs           (default, LoongTrain's) the ring's output and log-sum-exp: the recompute rebuilds q, k, v from
                       the layer input and runs the head all-to-alls again, but not the ring or the kernels' forward
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
 
-from ..choices import CHECKPOINT_KEEPS, RECOMPUTE_CHECKS, check_choice, choice_problem
 from ..kept_forward import KeptForward
+from ..layout.choices import CHECKPOINT_KEEPS, RECOMPUTE_CHECKS, check_choice, choice_problem
 
 AttentionFn = Callable[..., torch.Tensor]  # (q, k, v[, sinks], kept=None) -> out
 _SAMPLES = 64  # elements per input compared between the first pass and the recompute

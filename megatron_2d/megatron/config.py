@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from ..choices import CHECKPOINT_KEEPS, check_dkv_comm_dtype, check_packing_mode
 from ..deprecation import renamed_field
+from ..layout.choices import CHECKPOINT_KEEPS, check_dkv_comm_dtype, check_packing_mode
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
 from .mla import check_mla_settings

@@ -28,10 +28,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
 from ..attention import attention_2d
-from ..band import SlidingWindow
-from ..choices import CHECKPOINT_KEEPS
 from ..deprecation import renamed_keywords
 from ..latent_attention import latent_attention_2d
+from ..layout.band import SlidingWindow
+from ..layout.choices import CHECKPOINT_KEEPS
 from ..packed_layout import PackedLayout
 from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper

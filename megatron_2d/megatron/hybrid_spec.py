@@ -34,7 +34,7 @@ from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..deprecation import renamed_keywords
-from ..hybrid_layers import MAMBA_EXPAND
+from ..layout.hybrid_layers import MAMBA_EXPAND
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, check_hybrid_layers
 from .process_groups import build_model_groups

@@ -5,11 +5,11 @@ model states (parameters, gradients, optimizer states) can be sharded over all D
 ``dp_cp`` group, or only over part of it. LoongTrain (arXiv 2406.18485) calls this Hybrid ZeRO and lets one pick
 which states are sharded and how widely. megatron-core already implements every piece; this module
 only validates a choice and writes it into megatron-core's own configs. It contains no sharding logic. The choice
-and its byte counts live in the torch-free :mod:`megatron_2d.zero_sharding` (re-exported here), which the planner
+and its byte counts live in the torch-free :mod:`megatron_2d.layout.zero_sharding` (re-exported here), which the planner
 uses too.
 
 Notation: ``cp`` in this module is Megatron's whole context-parallel size CP (context_parallel_size), not the
-context-ring size cp = CP / hp of a 2D layout (:mod:`megatron_2d.topology`); ``dp`` the data-parallel size.
+context-ring size cp = CP / hp of a 2D layout (:mod:`megatron_2d.layout.topology`); ``dp`` the data-parallel size.
 
 What megatron-core does (read from its 0.19.2 source):
 
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from ..zero_sharding import (  # noqa: F401 (re-exported)
+from ..layout.zero_sharding import (  # noqa: F401 (re-exported)
     IMPLEMENTATIONS,
     OPTIMIZERS,
     SHARDED_STATES,
@@ -69,8 +69,8 @@ def model_state_bytes_per_rank(
 ) -> dict[str, int]:
     """Persistent bytes of model state one rank holds, as megatron-core keeps them: {params, grads, optimizer}.
 
-    :func:`megatron_2d.zero_sharding.state_bytes_per_rank` (its docstring has the table) with the bytes per element
-    of ``param_dtype`` and ``grad_dtype``; the planner calls the same function with byte counts."""
+    :func:`megatron_2d.layout.zero_sharding.state_bytes_per_rank` (its docstring has the table) with the bytes per
+    element of ``param_dtype`` and ``grad_dtype``; the planner calls the same function with byte counts."""
     return state_bytes_per_rank(
         num_params,
         hybrid_zero,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-from ..hybrid_layers import (
+from ..layout.hybrid_layers import (
     GDN,
     MAMBA,
     MAMBA_EXPAND,
@@ -138,7 +138,7 @@ def ready_spec_pipeline_problem(args) -> str | None:
 
 
 def packing_mode(config) -> str:
-    """The layout THD batches come in (a :data:`megatron_2d.choices.PACKING_MODES` name): "documents" when
+    """The layout THD batches come in (a :data:`megatron_2d.layout.choices.PACKING_MODES` name): "documents" when
     ``config.cp_2d_packing`` says so (the batches come from megatron_2d.megatron.packed_data); "sequence" when the
     launch makes Megatron split them per sequence (--dataloader-inter-document-masking without --sft:
     ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``) or the config says so; else "zigzag"

@@ -39,7 +39,7 @@ from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttenti
 from megatron.core.utils import get_pg_size
 from torch.nn.modules.module import _global_forward_pre_hooks
 
-from ..choices import check_mla_ring
+from ..layout.choices import check_mla_ring
 from .core_attention import LatentDims
 from .launch_checks import packing_mode
 

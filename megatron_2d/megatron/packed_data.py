@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..comm import to_device
 from ..groups import Groups2D
 from ..packed_layout import PackedLayout
+from ..transport.comm import to_device
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from ..attention import kv_replication
-from ..topology import Layout2D, check_placement, divisors
+from ..layout.topology import Layout2D, check_placement, divisors
 from .attention_settings import check_attention_settings
 
 BACKEND_NAME = "2d"
@@ -34,8 +34,8 @@ def uses_2d(cp_comm_type) -> bool:
 class Settings2D:
     """A model's 2D layout in Megatron's words: hp x cp = CP, the Double-Ring window w, placement.
 
-    The layout itself is ``layout``, the one :class:`~megatron_2d.topology.Layout2D`, made (and so validated) once
-    when the settings are; the groups are built from it."""
+    The layout itself is ``layout``, the one :class:`~megatron_2d.layout.topology.Layout2D`, made (and so validated)
+    once when the settings are; the groups are built from it."""
 
     context_parallel_size: int
     head_parallel_size: int

@@ -30,8 +30,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from ..choices import DKV_COMM_DTYPES, head_exchange_copies
-from ..ring_schedule import double_ring_events, final_hop_link, replay
+from ..layout.choices import DKV_COMM_DTYPES, head_exchange_copies
+from ..layout.ring_schedule import double_ring_events, final_hop_link, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .link_classes import LinkClass, LinkMap
 from .links import overlapped
@@ -41,7 +41,7 @@ BF16 = 2  # bytes per element of activations, K/V and the all-to-all tensors (bf
 FP32 = 4  # bytes per element of fp32 tensors (the ring's dK/dV accumulators, softmax lse, logits)
 RIDER_BYTES = {"accumulator": FP32, "input": BF16}
 """Bytes per element of the dK/dV partials that travel a ring in backward, by the op's ``dkv_comm_dtype``
-(:data:`megatron_2d.choices.DKV_COMM_DTYPES`) in bf16 training: the accumulator dtype (fp32, the op's default) or
+(:data:`megatron_2d.layout.choices.DKV_COMM_DTYPES`) in bf16 training: the accumulator dtype (fp32, the op's default) or
 the input dtype (bf16: Transformer Engine's rings, and the op with ``--cp-2d-dkv-comm-dtype input``)."""
 assert tuple(RIDER_BYTES) == DKV_COMM_DTYPES
 BACKEND = "nccl"
@@ -226,7 +226,7 @@ def worst_class(
 
 def head_exchange_time(work: LayerWork, links: LinkMap, cluster: ClusterSpec, batch: int, chunk_units: bool) -> float:
     """Seconds of one direction's head all-to-all (hp > 1): the transfer on the slowest rank's links, the copies of
-    the op's path (:func:`megatron_2d.choices.head_exchange_copies` on NCCL: two), each read and written once in
+    the op's path (:func:`megatron_2d.layout.choices.head_exchange_copies` on NCCL: two), each read and written once in
     HBM, and the fixed latency. ``chunk_units``: the zigzag chunks of an unpacked batch (not packed documents)."""
     copies = head_exchange_copies(BACKEND, batch, chunk_units)
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
@@ -236,8 +236,8 @@ def head_exchange_time(work: LayerWork, links: LinkMap, cluster: ClusterSpec, ba
 def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w: int, tc: float, tcb: float):
     """(forward, backward, serialised comm) seconds of the (double) ring; ``tc``/``tcb`` are one step's work.
 
-    Not a closed form: the op's own schedule (:func:`megatron_2d.ring_schedule.double_ring_events`, the events the
-    ring loop executes) is replayed with modelled times: a compute takes ``tc`` (``tcb``), a K/V (dK/dV) transfer
+    Not a closed form: the op's own schedule (:func:`megatron_2d.layout.ring_schedule.double_ring_events`, the events
+    the ring loop executes) is replayed with modelled times: a compute takes ``tc`` (``tcb``), a K/V (dK/dV) transfer
     takes its path time on the inner or outer links, transfers on one link go one after another, and a wait
     blocks until its transfer is done. Forward reduces to the paper's Double-Ring formula
         R = w*Tc + (w-1)*relu(T_in(kv) - Tc),   fwd = nw*R + (nw-1)*relu(T_out(kv) - R);
@@ -311,7 +311,7 @@ def traffic(work: LayerWork, links: LinkMap, cluster: ClusterSpec, hp: int, cp: 
     """The bytes one rank sends per layer, forward + backward, through the all-to-all and the (double) ring.
 
     Message counts: all-to-all 2 x (hp-1) per-peer chunks; the ring's K/V and dK/dV sends are counted off the
-    schedule the loop runs (:func:`megatron_2d.ring_schedule.double_ring_events`, forward and backward): K/V
+    schedule the loop runs (:func:`megatron_2d.layout.ring_schedule.double_ring_events`, forward and backward): K/V
     nw*(w-1) inner and nw-1 outer sends in each direction, dK/dV cp-1 sends (the last hop on the outer links
     unless w = cp).
     """

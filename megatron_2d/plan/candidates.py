@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..topology import Layout2D, LayoutError, divisors, every_layout
+from ..layout.topology import Layout2D, LayoutError, divisors, every_layout
 from .hardware import ModelSpec, ParallelSpec
 from .memory import CHECKPOINT_PLUS_MODES, LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES
 
@@ -50,7 +50,7 @@ RECOMPUTE_FLAGS = {
 
 
 def kind_dkv_comm_dtype(kind: str, dkv_comm_dtype: str = "accumulator") -> str:
-    """How the dK/dV partials of ``kind`` travel (:data:`megatron_2d.choices.DKV_COMM_DTYPES`): Transformer
+    """How the dK/dV partials of ``kind`` travel (:data:`megatron_2d.layout.choices.DKV_COMM_DTYPES`): Transformer
     Engine's rings in the input dtype; ours as ``dkv_comm_dtype`` says (the op's ``--cp-2d-dkv-comm-dtype``)."""
     return TE_DKV_COMM_DTYPE if kind in ("p2p", "a2a+p2p") else dkv_comm_dtype
 

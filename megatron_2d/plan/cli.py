@@ -20,7 +20,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..choices import DKV_COMM_DTYPES
+from ..layout.choices import DKV_COMM_DTYPES
 from .console import parse_seq, parse_window
 from .grid import main as grid_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..topology import divisors
+from ..layout.topology import divisors
 from .errors import PlanError
 from .links import LinkEfficiency
 

@@ -9,7 +9,7 @@ What changes against a GPT of the same ``ModelSpec``:
   CP group (hp x cp ranks, every layout alike) before and after their scan, forward and backward, plus their
   projections' matmuls. Both are added to every layout's step time; their activation memory is not modelled.
 * A layout whose CP size the Mamba / GDN heads cannot split over is infeasible, with Megatron's rule in our words
-  (:mod:`megatron_2d.hybrid_layers`).
+  (:mod:`megatron_2d.layout.hybrid_layers`).
 
 Mamba/GDN sizes are megatron-core's defaults (Mamba: expand 2, head dim 64, state 128, 8 groups; GDN: 16 key heads
 and 32 value heads of 128), Nemotron-H / Qwen3-Next-like.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..hybrid_layers import HybridLayerCounts, gdn_cp_problem, mamba_cp_problem, mamba_num_heads
+from ..layout.hybrid_layers import HybridLayerCounts, gdn_cp_problem, mamba_cp_problem, mamba_num_heads
 from .attention_time import path_time
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
 from .link_classes import link_map

@@ -1,6 +1,6 @@
 """Which links each communication of a 2D layout uses: NVLink inside a node, or the network between nodes.
 
-Pure rank math on top of ``megatron_2d.topology.Layout2D`` (its index_of / coords_of give a rank's CP index i
+Pure rank math on top of ``megatron_2d.layout.topology.Layout2D`` (its index_of / coords_of give a rank's CP index i
 from its head rank hr and context rank cr, for either placement, and its send_peers the peers below):
 
     global rank      g = base + tp * i      (Megatron order tp-cp-ep-dp-pp: TP innermost, so CP ranks are TP apart;
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..topology import PLACEMENTS, Layout2D
+from ..layout.topology import PLACEMENTS, Layout2D
 
 
 @dataclass(frozen=True)

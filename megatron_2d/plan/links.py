@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from ..ring_schedule import slowed_finish
+from ..layout.ring_schedule import slowed_finish
 from .errors import PlanError
 
 LINK_CLASSES = ("nvlink", "network")

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..choices import CHECKPOINT_KEEPS
-from ..zero_sharding import HybridZeRO, state_bytes_per_rank
+from ..layout.choices import CHECKPOINT_KEEPS
+from ..layout.zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, layer_work, replicated_kv_heads
 from .hardware import ModelSpec, ParallelSpec
 
@@ -84,7 +84,7 @@ class MemoryBreakdown:
     k, v, out."""
     model_states: float
     """bf16 weights + fp32 gradients of N/(TP*PP) parameters, and fp32 master weights + Adam moments (12 bytes
-    per parameter) sharded over DP x CP (Megatron's distributed optimizer: megatron_2d.zero_sharding's
+    per parameter) sharded over DP x CP (Megatron's distributed optimizer: megatron_2d.layout.zero_sharding's
     state_bytes_per_rank, the library's own count); a memory option (:mod:`.memory_options`) replaces it."""
     sharded_states: float = 0.0
     """The part of ``model_states`` sharded over DP x CP (the optimizer's 12 bytes per parameter)."""

@@ -1,7 +1,7 @@
 """Memory options as a planned dimension: how each side holds its model states, what that leaves in memory, and
 what the sharding costs in communication.
 
-Every option is a :class:`megatron_2d.zero_sharding.HybridZeRO` choice (which states are sharded over how many of
+Every option is a :class:`megatron_2d.layout.zero_sharding.HybridZeRO` choice (which states are sharded over how many of
 the D = DP x CP ranks of Megatron's dp_cp group) and its bytes come from that module's ``state_bytes_per_rank``, the
 function the library's own memory accounting uses (bf16 params, fp32 grads, Adam):
 
@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..zero_sharding import HybridZeRO, state_bytes_per_rank
+from ..layout.zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, GB
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
 from .links import overlapped

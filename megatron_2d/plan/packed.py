@@ -2,8 +2,8 @@
 
 For a packed batch of documents with lengths L_j (sum = S, the job's sequence length) the op computes attention
 within each document only (and within a causal sliding window of ``left`` tokens, if any). Per layout (hp, cp)
-and packed mode the planner takes, from the op's own document sharding and views (:mod:`megatron_2d.document_sharding`,
-:mod:`megatron_2d.packed_views`, numpy only):
+and packed mode the planner takes, from the op's own document sharding and views (:mod:`megatron_2d.packing.sharding`,
+:mod:`megatron_2d.packing.views`, numpy only):
 
     flops_fraction   max over context ranks of the (query, key) pairs its view computes (within documents and
                      the window), divided by pairs(S) / cp (what each rank computes for one unmasked causal
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..band import Band
-from ..document_sharding import PackingCost, pairs, shard_documents
-from ..packed_plan import Runs, key_intervals
-from ..packed_views import zigzag_runs, zigzag_view_len
-from ..topology import Layout2D
+from ..layout.band import Band
+from ..layout.topology import Layout2D
+from ..packing.calls import Runs, key_intervals
+from ..packing.sharding import PackingCost, pairs, shard_documents
+from ..packing.views import zigzag_runs, zigzag_view_len
 
 PACKED_MODES = ("zigzag", "documents")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..topology import divisors
+from ..layout.topology import divisors
 from .attention_time import RIDER_BYTES
 from .candidates import (
     KINDS,
@@ -339,7 +339,7 @@ def evaluate(
 
     ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
     AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_comm_dtype``: how the 2D ring's
-    dK/dV partials travel, the op's ``--cp-2d-dkv-comm-dtype`` (:data:`megatron_2d.choices.DKV_COMM_DTYPES`:
+    dK/dV partials travel, the op's ``--cp-2d-dkv-comm-dtype`` (:data:`megatron_2d.layout.choices.DKV_COMM_DTYPES`:
     "accumulator", fp32, the default; "input", bf16), emitted in the flags when not the default; Transformer
     Engine's rings always send the input dtype (see candidates.kind_dkv_comm_dtype). ``hybrid``: a HybridModel
     pattern (:mod:`megatron_2d.plan.hybrid`): the layout's attention is costed on its attention layers, its Mamba /

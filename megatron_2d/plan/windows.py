@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..band import SlidingWindow
-from ..block_plan import plan_context_group
-from ..topology import Layout2D
+from ..layout.band import SlidingWindow
+from ..layout.block_calls import plan_context_group
+from ..layout.topology import Layout2D
 
 MAX_EXACT_CP = 64
 

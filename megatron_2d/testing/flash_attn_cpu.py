@@ -45,9 +45,9 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_2d.band import Band
 from megatron_2d.kernels import CpuFlashKernel
 from megatron_2d.kernels.base import repeat_kv_heads, sum_kv_head_groups
+from megatron_2d.layout.band import Band
 
 _KERNEL = CpuFlashKernel()
 _PRIVATE_PACKAGE = "_ring_flash_attn_core"

@@ -2,7 +2,7 @@
 
 A *batch* fixes what every rank must agree on before any tensor moves: the world size and the 2D layout (hp, w,
 placement, and the CP group's rank order, ``cp_rank_lists``, not always ascending). Its *draws* then vary everything
-else: unpacked (sbhd, one document per batch row) or packed in each of :data:`megatron_2d.choices.PACKING_MODES`,
+else: unpacked (sbhd, one document per batch row) or packed in each of :data:`megatron_2d.layout.choices.PACKING_MODES`,
 value head dims below the query/key dim (MLA), document lengths (one-token documents, lengths that divide nothing,
 one giant document among tiny ones, hundreds of tiny ones, padding at the end of the stream), GQA ratios with K/V
 replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. The kernels are
@@ -42,7 +42,7 @@ import torch
 import torch._dynamo  # noqa: F401  a dispatch mode imports it on first use: once here, not in every forked rank
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..topology import PLACEMENTS, divisors
+from ..layout.topology import PLACEMENTS, divisors
 from .flash_attn_package import RELEASES
 from .reference import TOLERANCE, packed_reference_attention, rel_err, rounded
 

@@ -24,20 +24,20 @@ import numpy as np
 import torch
 
 from ..attention import rider_dtype
-from ..band import SlidingWindow
-from ..block_plan import context_chunks, plan_context_group
-from ..choices import check_dkv_comm_dtype
 from ..groups import Groups2D
 from ..kernels import BlockKernel
+from ..layout.band import SlidingWindow
+from ..layout.block_calls import context_chunks, plan_context_group
+from ..layout.choices import check_dkv_comm_dtype
+from ..layout.topology import Layout2D, place_all_ranks
 from ..packed_layout import PackedLayout
 from ..ring_attention import RingAttention, RingContext
-from ..topology import Layout2D, place_all_ranks
-from ..transport import ComputeFn, gather_partials
+from ..transport.base import ComputeFn, gather_partials
 
 
 class LoopbackTransport:
     """Context rank ``rank``'s transport in a one-process run: every source block, directly (see the module); a
-    :class:`~megatron_2d.transport.Transport` whose backward returns zeros (the dK/dV are in the mailbox)."""
+    :class:`~megatron_2d.transport.base.Transport` whose backward returns zeros (the dK/dV are in the mailbox)."""
 
     traffic_kinds: ClassVar[tuple[str, ...]] = ()  # one process: nothing is sent
 

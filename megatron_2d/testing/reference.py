@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layout.topology import zigzag_chunks
 from ..sequence_layout import shard_sequence
-from ..topology import zigzag_chunks
 
 
 @dataclass(frozen=True)

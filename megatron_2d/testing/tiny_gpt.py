@@ -40,11 +40,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_2d.layout.topology import zigzag_chunks
 from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d
 from megatron_2d.megatron.process_groups import destroy_2d_groups
 from megatron_2d.sequence_layout import unshard_sequence
 from megatron_2d.testing.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
-from megatron_2d.topology import zigzag_chunks
 
 Batch = dict[str, torch.Tensor]
 

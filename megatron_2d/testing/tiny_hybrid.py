@@ -20,7 +20,7 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_2d.hybrid_layers import decoder_layers
+from megatron_2d.layout.hybrid_layers import decoder_layers
 from megatron_2d.testing import tiny_gpt as tg
 
 SSM_SIZES = dict(

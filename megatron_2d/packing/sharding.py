@@ -1,5 +1,6 @@
 """Document sharding: where each token of a packed batch goes, Megatron's per-document or per-sequence zigzag, or
-whole short documents. (Placement, head_first or context_first, is the rank order of :mod:`megatron_2d.topology`.)
+whole short documents. (Placement, head_first or context_first, is the rank order of
+:mod:`megatron_2d.layout.topology`.)
 
 Pure numpy, no torch: the op's :class:`megatron_2d.PackedLayout` and the planner use the same sharding.
 
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .packed_plan import Runs
+    from .calls import Runs
 
 
 def pairs(lengths) -> np.ndarray:
@@ -122,15 +123,15 @@ class DocumentSharding:
 
     @functools.cached_property
     def runs(self) -> Runs:
-        """The runs of every view (:mod:`megatron_2d.packed_views`)."""
-        from .packed_views import documents_runs
+        """The runs of every view (:mod:`megatron_2d.packing.views`)."""
+        from .views import documents_runs
 
         return documents_runs(self.cu_seqlens, self.long_docs, self.owner, self.cp)
 
     @functools.cached_property
     def views(self) -> np.ndarray:
         """[cp, view_len] slots of each context rank's view (materialised on first use)."""
-        from .packed_views import materialise
+        from .views import materialise
 
         return materialise(self.runs, self.cu_seqlens, self.cp, self.view_len)
 
@@ -243,7 +244,7 @@ def default_cost() -> PackingCost:
     """The planner's 8xH100 figures (attention at its modelled efficiency, the ring on NVLink), MHA bf16, head dim
     128: what :func:`shard_documents` assumes without a cost (pass ``PackedLayout(..., cost=)`` for a cluster's
     own, e.g. its inter-node links, or a measured one)."""
-    from .plan.hardware import get_cluster
+    from ..plan.hardware import get_cluster
 
     h100 = get_cluster("8xH100")
     return PackingCost.from_hardware(h100.peak_tflops * h100.attn_efficiency, h100.nvlink_gbps)
@@ -334,7 +335,7 @@ def shard_documents(
 
 def documents_slots(sharding: DocumentSharding, layout) -> np.ndarray:
     """[CP, t_local] slots of each CP rank: head rank hr of context rank cr holds slice hr of cr's view
-    (``layout``: a :class:`megatron_2d.topology.Layout2D`)."""
+    (``layout``: a :class:`megatron_2d.layout.topology.Layout2D`)."""
     hp, cp = layout.head_parallel_size, layout.context_size
     views = sharding.views
     slots = np.empty((layout.cp_size, views.shape[1] // hp), dtype=np.int64)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .deprecation import renamed_keywords, warn_renamed
+from ..deprecation import renamed_keywords, warn_renamed
 
 PLACEMENTS = ("head_first", "context_first")
 

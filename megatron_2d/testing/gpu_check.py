@@ -55,11 +55,11 @@ import torch
 import torch.distributed as dist
 
 import megatron_2d
-from megatron_2d.band import Band
-from megatron_2d.block_plan import BlockCall
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.base import band_mask
-from megatron_2d.merge import merge_attention_
+from megatron_2d.kernels.merge import merge_attention_
+from megatron_2d.layout.band import Band
+from megatron_2d.layout.block_calls import BlockCall
 from megatron_2d.testing.reference import (
     TOLERANCES,
     attention_with_lse,
@@ -213,8 +213,8 @@ LOOPBACK_CASES = {  # case -> (CP, hp, w, placement, causal, window as a fractio
 def check_loopback(
     name, device, seq, layout, causal=True, window=None, sinks=False, packing=None, dkv="accumulator"
 ) -> float:
+    from megatron_2d.layout.topology import Layout2D
     from megatron_2d.testing.loopback import loopback_attention
-    from megatron_2d.topology import Layout2D
 
     d, scale = 128 if device.type == "cuda" else 64, None
     q, k, v, dout = (seeded(1, seq, h, d, device=device, seed=i) for i, h in enumerate((8, 2, 2, 8)))
@@ -511,7 +511,7 @@ def worker_command(launcher: list[str], module: str, args, *flags: str):
 
 def single_device_rows(args, env: dict[str, str]) -> list[Row]:
     """The single-device worker's rows (each item ``args.timeout`` seconds)."""
-    items = worker_command([sys.executable], "megatron_2d.bench.gpu_check", args, "--items")
+    items = worker_command([sys.executable], "megatron_2d.testing.gpu_check", args, "--items")
     return run_streamed("single-device items", items, args.timeout, env, startup=args.startup_timeout)
 
 
@@ -520,7 +520,7 @@ def distributed_rows(args, world: int, env: dict[str, str]) -> list[Row]:
     if world < 2:
         return [Row("distributed", "NCCL ring, head and neighbour exchange", NOT_RUN, "one device: needs >= 2 GPUs")]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    cases = worker_command(torchrun, "megatron_2d.bench.gpu_check_distributed", args)
+    cases = worker_command(torchrun, "megatron_2d.testing.gpu_check_distributed", args)
     return run_streamed(f"distributed {world} ranks", cases, args.timeout, env, startup=args.startup_timeout)
 
 

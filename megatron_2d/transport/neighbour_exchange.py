@@ -17,8 +17,8 @@ Bytes per rank: the visible key slice of its block once per rank that sees it, a
 The receiver computes on the keys as they arrive: block position p holds the p-th selected key, so its calls
 against that source are planned in those packed coordinates (:meth:`KeyIntervals.packed`), ``first_key`` the first
 interval's start (a hull's calls need no change). Slices are sent and received in buffers of one
-:class:`~megatron_2d.comm.BufferPool` per run (as large as the largest slice), reused from offset to offset; a slice
-that is contiguous in the block is sent as it is.
+:class:`~megatron_2d.transport.comm.BufferPool` per run (as large as the largest slice), reused from offset to
+offset; a slice that is contiguous in the block is sent as it is.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from .base import ComputeFn, gather_partials, home_gradient
 from .comm import BufferPool, PendingExchange, post_direct
-from .transport import ComputeFn, gather_partials, home_gradient
 
 if TYPE_CHECKING:
-    from .groups import Groups2D
+    from ..groups import Groups2D
 
 KeyRange = tuple[int, int] | None
 
@@ -86,7 +86,8 @@ def _selection(keys) -> KeyIntervals | None:
 
 
 class NeighbourExchange:
-    """Direct sparse K/V (and dK/dV) exchange over one context group (a :class:`~megatron_2d.transport.Transport`)."""
+    """Direct sparse K/V (and dK/dV) exchange over one context group (a
+    :class:`~megatron_2d.transport.base.Transport`)."""
 
     traffic_kinds: ClassVar[tuple[str, ...]] = ("neighbour",)
 
@@ -129,7 +130,7 @@ class NeighbourExchange:
         return self._post(self.kv_group, send, (self.rank + o) % self.cp, recv, (self.rank - o) % self.cp)
 
     def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """:meth:`~megatron_2d.transport.Transport.run`: ``compute`` sees every block this rank's queries see."""
+        """:meth:`~megatron_2d.transport.base.Transport.run`: ``compute`` sees every block this rank's queries see."""
         buffers = (kv.shape[0], self.buffer_keys, *kv.shape[2:])  # [b, most keys sent at once, ...]
         kv_pool = BufferPool(buffers, kv.dtype, kv.device)
         pending = self._post_kv(kv, self.steps[0], kv_pool) if self.steps else None

@@ -2,8 +2,8 @@
 
 A transport shows ``compute`` every K/V block this rank's queries see, this rank's own first, and in backward
 brings home the dK/dV partials other ranks computed on its block. :class:`Transport` is the contract;
-:class:`~megatron_2d.double_ring.DoubleRing` (every block round the inner and outer rings),
-:class:`~megatron_2d.neighbour_exchange.NeighbourExchange` (each block straight to the ranks that see it) and
+:class:`~megatron_2d.transport.double_ring.DoubleRing` (every block round the inner and outer rings),
+:class:`~megatron_2d.transport.neighbour_exchange.NeighbourExchange` (each block straight to the ranks that see it) and
 :class:`LocalBlock` (no other rank's keys are visible: nothing moves) implement it, and so does the one-process
 :class:`megatron_2d.testing.loopback.LoopbackTransport`.
 
@@ -38,8 +38,8 @@ class Transport(Protocol):
         dkv_dtype None in forward, which returns None. In backward the dtype the dK/dV partials accumulate and
                   travel in; returns this rank's dK/dV [b, S, ...] (shaped like ``kv``, in ``dkv_dtype``): its own
                   block's partials plus every partial other ranks computed on its keys.
-    ``traffic_kinds``: what it sends, as the kinds (:data:`megatron_2d.comm.COMM_KINDS`) under which every byte it
-    sends is added to its groups' ``comm_bytes`` ("inner_ring" / "outer_ring" for the Double-Ring, "neighbour"
+    ``traffic_kinds``: what it sends, as the kinds (:data:`megatron_2d.transport.comm.COMM_KINDS`) under which every
+    byte it sends is added to its groups' ``comm_bytes`` ("inner_ring" / "outer_ring" for the Double-Ring, "neighbour"
     for the neighbour exchange, none for a local block); the planner's traffic model counts the same kinds.
     No host-device synchronisation: transfers are posted and awaited, never read on the host.
     """

@@ -2,7 +2,7 @@
 
 After the head all-to-all a context rank holds 2*hp chunks (of c tokens) of the 2*CP-chunk zigzag sequence,
 stored in ascending global order. Query chunk x against key chunk y sees the keys allowed by the global band
-(causality and the sliding window, see :mod:`megatron_2d.band`) shifted by (y - x) * c; each chunk pair is
+(causality and the sliding window, see :mod:`megatron_2d.layout.band`) shifted by (y - x) * c; each chunk pair is
 trimmed to the box that holds its visible keys (pairs that see nothing cost no call), then calls that see every
 key of their box are merged, first along keys, then along queries, into as few calls as possible.
 

@@ -17,7 +17,7 @@ same function, which names the setting as that route spells it.
     head_exchange_point_to_point / head_exchange_copies
                       which path the head all-to-all takes, and so how many copies it makes (the op and the
                       planner's cost model both ask here)
-(The placements are :data:`megatron_2d.topology.PLACEMENTS`, beside the rank math they choose.)
+(The placements are :data:`megatron_2d.layout.topology.PLACEMENTS`, beside the rank math they choose.)
 
     >>> check_dkv_comm_dtype("fp8", "cp_2d_dkv_comm_dtype")
     Traceback (most recent call last):

@@ -1,6 +1,6 @@
 """gpu-check's distributed part: one torchrun rank (NCCL on GPUs, gloo in the dry run) running every case.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=N -m megatron_2d.bench.gpu_check_distributed \
+    python -m torch.distributed.run --standalone --nproc-per-node=N -m megatron_2d.testing.gpu_check_distributed \
         --device cuda --resume-at 0           (started by gpu_check, which keeps each case's time)
 
 Cases, each forward + backward of attention_2d against the single-process reference, sharded as users shard:

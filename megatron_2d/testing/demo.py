@@ -3,7 +3,7 @@
 The model is a HybridModel of attention and MLP layers (pattern '*-' per GPT block, Megatron's successor to
 GPTModel; ``--pattern 'M*-M*-'`` puts Mamba layers beside the 2D attention layers).
 
-    python -m megatron_2d.demo [--ranks 8] [--hp 2] [--window 2] [--placement head_first] [--steps 8]
+    python -m megatron_2d.testing.demo [--ranks 8] [--hp 2] [--window 2] [--placement head_first] [--steps 8]
                                [--sliding-window TOKENS] [--pattern '*-*-*-*-']
 
 Forks N gloo ranks; trains the model for a few Adam steps at CP=1 and at CP=N (hp x N/hp, Double-Ring window w)

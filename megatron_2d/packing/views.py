@@ -1,9 +1,9 @@
 """Every context rank's ring view of a packed batch, as runs (numpy over all views at once, no per-rank loops).
 
 A context rank's view is what it holds after the head all-to-all, in the order its ring uses (see
-:mod:`megatron_2d.document_sharding` for the layouts). Materialising every view costs CP * t_local slots (every
+:mod:`megatron_2d.packing.sharding` for the layouts). Materialising every view costs CP * t_local slots (every
 document padded to 2*CP in zigzag), so the layout describes them by their runs instead: stretches of consecutive
-tokens of one document (:class:`megatron_2d.packed_plan.Runs`), computed here from the layout's arithmetic. A
+tokens of one document (:class:`megatron_2d.packing.calls.Runs`), computed here from the layout's arithmetic. A
 piece is the part of one zigzag chunk (or one whole document) that holds real tokens; pieces are enumerated in
 (document, position) order and joined into runs where a view holds them side by side.
 
@@ -13,7 +13,7 @@ piece is the part of one zigzag chunk (or one whole document) that holds real to
     sequence   Megatron's per-sequence zigzag of the whole packed stream (chunks of T / 2CP tokens that cut
                through documents), each view in ascending chunk order
 
-    >>> from megatron_2d.topology import Layout2D
+    >>> from megatron_2d.layout.topology import Layout2D
     >>> runs = zigzag_runs(np.array([0, 3, 7]), Layout2D(2, 1, 1))
     >>> materialise(runs, np.array([0, 3, 7]), 2, 4)      # = zigzag_slots(cu, 2)
     array([[ 0, -1,  3,  6],
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .packed_plan import Runs, ranges
-from .topology import Layout2D
+from ..layout.topology import Layout2D
+from .calls import Runs, ranges
 
 
 def context_rank_of(layout: Layout2D, cp_index: np.ndarray) -> np.ndarray:

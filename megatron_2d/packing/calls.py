@@ -1,13 +1,13 @@
 """Kernel calls for packed documents: one call per pair of same-document runs, none across documents.
 
 Notation
-    view    a context rank's slots after the head all-to-all (see :mod:`megatron_2d.document_sharding`):
+    view    a context rank's slots after the head all-to-all (see :mod:`megatron_2d.packing.sharding`):
             each the token's index in the packed stream, or -1 for padding
     run     a maximal stretch of view slots holding consecutive tokens of one document: (view, start, length,
             doc, pos), pos = position in the document of its first token
 A query run at document position pq against a key run at pk sees key j from query i iff the mask's band holds
 the offset (pk + j) - (pq + i): the global band (causal, sliding window) shifted by pk - pq, then trimmed to the
-run pair's box (the arithmetic of :meth:`megatron_2d.band.Band.trim`, here on arrays). Padding is in no run: it
+run pair's box (the arithmetic of :meth:`megatron_2d.layout.band.Band.trim`, here on arrays). Padding is in no run: it
 never attends and is never seen.
 
 Everything is numpy over all runs of all views at once (no per-rank or per-run Python loops); only the final
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .band import Band
-from .block_plan import BlockCall
+from ..layout.band import Band
+from ..layout.block_calls import BlockCall
 
 # stand-ins for an unbounded band side in integer arithmetic (far beyond any position)
 _NEG, _POS = -(1 << 60), 1 << 60

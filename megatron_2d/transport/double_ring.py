@@ -1,4 +1,4 @@
-"""The Double-Ring loop: it executes :func:`megatron_2d.ring_schedule.double_ring_events`, the one description
+"""The Double-Ring loop: it executes :func:`megatron_2d.layout.ring_schedule.double_ring_events`, the one description
 of the schedule (the planner replays the same events), for every ring variant, forward and backward.
 
 Notation: a context group of cp ranks is cut into W = cp / w windows of w ranks. A rank is (window, slot),
@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..layout.ring_schedule import EventKind, double_ring_events, final_hop_link
+from .base import ComputeFn, Partials, add_partials, gather_partials, home_gradient
 from .comm import BufferPool, DirectExchange, PendingExchange, RingExchange
-from .ring_schedule import EventKind, double_ring_events, final_hop_link
-from .transport import ComputeFn, Partials, add_partials, gather_partials, home_gradient
 
 if TYPE_CHECKING:
-    from .groups import Groups2D
+    from ..groups import Groups2D
 
 
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
-    last dK/dV hop (a :class:`~megatron_2d.transport.Transport`)."""
+    last dK/dV hop (a :class:`~megatron_2d.transport.base.Transport`)."""
 
     traffic_kinds: ClassVar[tuple[str, ...]] = ("inner_ring", "outer_ring")
 
@@ -63,7 +63,7 @@ class DoubleRing:
         return window * self.w + slot
 
     def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """:meth:`~megatron_2d.transport.Transport.run`: visit every context rank's K/V block with ``compute``,
+        """:meth:`~megatron_2d.transport.base.Transport.run`: visit every context rank's K/V block with ``compute``,
         following the schedule's events. With ``ring_keys`` the travelling blocks and riders hold the first
         ``ring_keys`` keys (a copy of this rank's, [b, ring_keys, ...]); the own block is computed whole."""
         loop = _RingLoop(self, kv, compute, dkv_dtype)
@@ -74,7 +74,7 @@ class DoubleRing:
 
 class _RingLoop:
     """The state of one :meth:`DoubleRing.run`: the blocks and riders held, the transfers in flight, and one
-    method per :class:`~megatron_2d.ring_schedule.EventKind` (:data:`_ACTIONS`)."""
+    method per :class:`~megatron_2d.layout.ring_schedule.EventKind` (:data:`_ACTIONS`)."""
 
     def __init__(self, ring: DoubleRing, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None) -> None:
         self.ring, self.compute_fn, self.dkv_dtype, self.whole = ring, compute, dkv_dtype, kv

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..testing.reference import TOLERANCES, norm_err
 from .gpu_check_runner import Item, NotRun
+from .reference import TOLERANCES, norm_err
 
 DTYPE = torch.bfloat16
 LAYER_KINDS = ("GPT", "MLA latent, qk_layernorm", "hybrid *-")
@@ -85,7 +85,7 @@ def megatron_state(device: torch.device, seed: int = 1234) -> Iterator[None]:
         if device.type == "cuda":
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         else:
-            from ..testing.megatron_cpu import model_parallel_cpu_manual_seed
+            from .megatron_cpu import model_parallel_cpu_manual_seed
 
             model_parallel_cpu_manual_seed(seed)
         yield
@@ -100,7 +100,7 @@ def tiny_config(kind: str, device: torch.device, two_d: bool, dtype: torch.dtype
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from ..megatron import MLATransformerConfig2D, TransformerConfig2D
-    from ..testing import tiny_gpt as tg
+    from . import tiny_gpt as tg
 
     sizes = MODEL_SIZES[device.type]
     overrides = dict(
@@ -120,13 +120,13 @@ def tiny_config(kind: str, device: torch.device, two_d: bool, dtype: torch.dtype
         if two_d:
             overrides["cp_2d_mla_ring"] = "latent"
     if kind.startswith("hybrid"):
-        from ..testing.tiny_hybrid import SSM_SIZES
+        from .tiny_hybrid import SSM_SIZES
 
         overrides.update(SSM_SIZES)
     classes = (MLATransformerConfig2D, MLATransformerConfig) if mla else (TransformerConfig2D, TransformerConfig)
     layers = 2
     if kind.startswith("hybrid"):
-        from ..hybrid_layers import decoder_layers
+        from ..layout.hybrid_layers import decoder_layers
 
         layers = len(decoder_layers(HYBRID_PATTERN))
     return tg.TinyGPTConfig(
@@ -151,13 +151,13 @@ def build_model(kind: str, cfg, use_te: bool, kernel: str | None, device: torch.
     from ..megatron import get_gpt_layer_spec_2d
     from ..megatron.hybrid_spec import get_hybrid_stack_spec_2d, megatron_hybrid_stack_spec
     from ..megatron.spec import layer_specs_of, megatron_gpt_spec
-    from ..testing import tiny_gpt as tg
-    from ..testing.mla import ReferenceMLACoreAttention
+    from . import tiny_gpt as tg
+    from .mla import ReferenceMLACoreAttention
 
     two_d = cfg.cp_comm_type == "2d"
     config = tg.make_transformer_config(cfg)
     if kind.startswith("hybrid"):
-        from ..testing.tiny_hybrid import build_tiny_hybrid
+        from .tiny_hybrid import build_tiny_hybrid
 
         spec = get_hybrid_stack_spec_2d(use_te, kernel=kernel) if two_d else megatron_hybrid_stack_spec(use_te)
         return build_tiny_hybrid(cfg, HYBRID_PATTERN, spec).to(device)
@@ -212,7 +212,7 @@ def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
 def loss_and_grads(model: torch.nn.Module, cfg, device: torch.device) -> tuple[torch.Tensor, dict]:
     """One forward + backward of the tiny model's synthetic batch: (masked mean loss, gradients by checkpoint
     name)."""
-    from ..testing import tiny_gpt as tg
+    from . import tiny_gpt as tg
 
     batch = {k: v.to(device) for k, v in tg.synthetic_batch(cfg).items()}
     model.zero_grad(set_to_none=True)

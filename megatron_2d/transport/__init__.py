@@ -1,0 +1,2 @@
+"""How K/V blocks reach the ranks that need them: the Transport contract, the Double-Ring, the neighbour
+exchange, the local block, and the communication helpers (byte counter, point-to-point exchanges)."""
