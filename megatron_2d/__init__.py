@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "attention_2d": "attention",
-    "kv_replication": "attention",
+    "kv_replication": "layout.heads",
     "latent_attention_2d": "latent_attention",
     "Groups2D": "groups",
     "build_2d_groups": "groups",

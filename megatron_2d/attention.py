@@ -28,8 +28,6 @@ see nothing of others (windows, or documents that do not cross ranks).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .groups import Groups2D
@@ -40,7 +38,7 @@ from .kernels.base import accumulator_dtype
 from .layout.band import SlidingWindow
 from .layout.block_calls import plan_context_group
 from .layout.choices import check_dkv_comm_dtype
-from .layout.topology import divisors
+from .layout.heads import kv_replication
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
 from .transport.base import LocalBlock, Transport
@@ -50,29 +48,44 @@ from .transport.neighbour_exchange import NeighbourExchange
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def kv_replication(num_q_heads: int, num_kv_heads: int, head_parallel_size: int) -> int:
-    """How many times each K/V head is repeated so that hp ranks split them evenly; raises if impossible."""
-    hq, hkv, hp = num_q_heads, num_kv_heads, head_parallel_size
-    if hq % hp != 0:
-        valid = divisors(hq)
+def _refuse_thd_without_packing(q: torch.Tensor, names: str) -> None:
+    if q.dim() == 3:
         raise ValueError(
-            f"head-parallel size {hp} does not divide the {hq} query heads on this rank; "
-            f"valid head-parallel sizes: {valid}"
+            f"{names} must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
+            f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
+            f"token belongs to"
         )
-    if hkv < 1 or hq % hkv != 0:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} K/V heads; GQA needs hkv dividing hq")
-    return math.lcm(hkv, hp) // hkv
+
+
+def _check_dtype(q: torch.Tensor) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+
+
+def _check_local_length(q: torch.Tensor, packed: bool) -> None:
+    if q.shape[0] % 2 != 0 and not packed:
+        raise ValueError(
+            f"the local sequence length {q.shape[0]} must be even: it holds two zigzag chunks "
+            f"(the global sequence must be divisible by 2*CP)"
+        )
+
+
+def check_query(q: torch.Tensor, packed: bool = False) -> None:
+    """Refuse a q the op cannot take by itself (4-D [s, b, hq, dk], a supported dtype, an even s), naming the values
+    (``packed``: THD's, as [t_local, 1, hq, dk]): MLA's check, whose latent is then checked against q."""
+    if not packed:
+        _refuse_thd_without_packing(q, "q")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [s, b, heads, d] (Megatron sbhd), got shape {tuple(q.shape)}")
+    _check_dtype(q)
+    _check_local_length(q, packed)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> None:
     """Refuse q, k, v the op cannot take (shapes, dtypes, devices), naming the values (``packed``: THD's, as
     [t_local, 1, heads, d])."""
-    if q.dim() == 3 and not packed:
-        raise ValueError(
-            f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
-            f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
-            f"token belongs to"
-        )
+    if not packed:
+        _refuse_thd_without_packing(q, "q, k, v")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd), got shapes "
@@ -87,15 +100,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on sequence, batch and head dim")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    _check_dtype(q)
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[0] % 2 != 0 and not packed:
-        raise ValueError(
-            f"the local sequence length {q.shape[0]} must be even: it holds two zigzag chunks "
-            f"(the global sequence must be divisible by 2*CP)"
-        )
+    _check_local_length(q, packed)
 
 
 def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -207,8 +215,8 @@ def _packed_setup(
     return cached
 
 
-def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
-    """Refuse THD q, k, v that do not fit ``packing`` (a PackedLayout of these groups), then :func:`check_inputs`."""
+def check_packing(groups: Groups2D, packing) -> None:
+    """Refuse a ``packing`` that is not a PackedLayout of these groups."""
     if not isinstance(packing, PackedLayout):
         raise TypeError(f"packing must be a megatron_2d.PackedLayout, got {type(packing).__name__}")
     if (packing.groups.layout, packing.groups.place) != (groups.layout, groups.place):
@@ -216,18 +224,37 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
             "this PackedLayout was built for other groups than the ones passed to attention_2d; "
             "build it with PackedLayout(cu_seqlens, groups) for these groups"
         )
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"with packing, q, k, v must be 3-D [t_local, heads, d] (THD), got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+
+
+def _check_packed_tokens(q: torch.Tensor, groups: Groups2D, packing: PackedLayout) -> None:
+    """Refuse a THD q [t, hq, dk] whose t is not the layout's t_local."""
     if q.shape[0] != packing.local_tokens:
         raise ValueError(
             f"q holds {q.shape[0]} tokens, but the PackedLayout gives this rank t_local = "
             f"{packing.local_tokens} slots (T = {packing.total_tokens} over CP = "
             f"{groups.layout.cp_size}); shard the tensors with layout.shard"
         )
+
+
+def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
+    """Refuse THD q, k, v that do not fit ``packing`` (a PackedLayout of these groups), then :func:`check_inputs`."""
+    check_packing(groups, packing)
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"with packing, q, k, v must be 3-D [t_local, heads, d] (THD), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    _check_packed_tokens(q, groups, packing)
     check_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), packed=True)
+
+
+def check_packed_query(q: torch.Tensor, groups: Groups2D, packing) -> None:
+    """Refuse a THD q [t_local, hq, dk] that does not fit ``packing``, then :func:`check_query` (MLA's check)."""
+    check_packing(groups, packing)
+    if q.dim() != 3:
+        raise ValueError(f"with packing, q must be 3-D [t_local, heads, d] (THD), got shape {tuple(q.shape)}")
+    _check_packed_tokens(q, groups, packing)
+    check_query(q.unsqueeze(1), packed=True)
 
 
 def attention_2d(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from ..attention import kv_replication
+from ..layout.heads import check_head_split, kv_replication
 from ..layout.topology import Layout2D, check_placement, divisors
 from .attention_settings import check_attention_settings
 
@@ -90,13 +90,13 @@ def validate_2d_settings(
         raise ValueError(f"num_attention_heads {num_attention_heads} is not divisible by tensor parallel size {tp}")
     heads = num_attention_heads // tp
     kv_heads = max(1, (num_query_groups or num_attention_heads) // tp)  # Megatron gives each TP rank >= 1 group
-    if heads % hp != 0:
-        valid = [d for d in divisors(CP) if heads % d == 0]
-        raise ValueError(
-            f"head-parallel size {hp} does not divide the {heads} attention heads per tensor-parallel "
-            f"rank (num_attention_heads {num_attention_heads} / TP {tp}); valid head-parallel sizes "
-            f"for context_parallel_size={CP}: {valid}"
-        )
+    check_head_split(
+        heads,
+        hp,
+        heads=f"attention heads per tensor-parallel rank (num_attention_heads {num_attention_heads} / TP {tp})",
+        sizes=divisors(CP),
+        sizes_for=f" for context_parallel_size={CP}",
+    )
     kv_replication(heads, kv_heads, hp)
     if attention_dropout:
         check_attention_settings(SimpleNamespace(attention_dropout=attention_dropout))

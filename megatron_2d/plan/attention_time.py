@@ -26,11 +26,11 @@ figures are in hardware.py. Assumptions are marked as such.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
 from ..layout.choices import DKV_COMM_DTYPES, head_exchange_copies
+from ..layout.heads import replicated_kv_heads
 from ..layout.ring_schedule import double_ring_events, final_hop_link, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .link_classes import LinkClass, LinkMap
@@ -96,14 +96,6 @@ class LayerWork:
 
 MLA_RINGS = ("expanded", "latent")
 """What a 2D MLA layer's ring carries: per-head K/V ("expanded", as every CP backend) or the latent ("latent")."""
-
-
-def replicated_kv_heads(kv_heads_tp: int, hp: int) -> int:
-    """L = lcm(Hkvt, hp): K/V heads after replication (factor L/Hkvt), so hp ranks each get whole heads.
-
-    Equals max(Hkvt, hp) whenever one divides the other (the paper's max(H_kv, d_hp)).
-    """
-    return math.lcm(kv_heads_tp, hp)
 
 
 def layer_work(
