@@ -28,6 +28,9 @@ see nothing of others (windows, or documents that do not cross ranks).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
 import torch
 
 from .groups import Groups2D
@@ -36,9 +39,10 @@ from .kept_forward import KeptForward
 from .kernels import select_kernel
 from .kernels.base import accumulator_dtype
 from .layout.band import SlidingWindow
-from .layout.block_calls import plan_context_group
+from .layout.block_calls import BlockCall, ContextPlan, plan_context_group
 from .layout.choices import check_dkv_comm_dtype
 from .layout.heads import kv_replication
+from .layout.transports import transport_kind
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
 from .transport.base import LocalBlock, Transport
@@ -127,9 +131,58 @@ def check_not_capturing(device: torch.device) -> None:
         )
 
 
-def _transport(groups: Groups2D, plan) -> Transport:
-    """The Double-Ring when every pair of context ranks has keys to see, else the neighbour exchange."""
-    return DoubleRing(groups) if plan.dense else NeighbourExchange(groups, plan.keys)
+@dataclass(frozen=True)
+class KeyRoutes:
+    """What the transport of a kind needs to know of one mask besides the groups."""
+
+    keys: Mapping | None = None
+    """neighbour: the keys of src's block dst's calls read, per (dst, src) (hulls, or KeyIntervals)."""
+    offsets: Sequence[int] | None = None
+    """neighbour: the offsets dst - src (mod cp) some pair needs (None: found from ``keys``)."""
+    ring_keys: int | None = None
+    """double_ring: the first keys of each block that travel (None: all)."""
+
+
+def _local_block(groups: Groups2D, routes: KeyRoutes) -> Transport:
+    return LocalBlock(groups.place.context_rank)
+
+
+def _neighbour_exchange(groups: Groups2D, routes: KeyRoutes) -> Transport:
+    return NeighbourExchange(groups, routes.keys, routes.offsets)
+
+
+def _double_ring(groups: Groups2D, routes: KeyRoutes) -> Transport:
+    return DoubleRing(groups, ring_keys=routes.ring_keys)
+
+
+TRANSPORTS: dict[str, Callable[[Groups2D, KeyRoutes], Transport]] = {
+    "local": _local_block,
+    "neighbour": _neighbour_exchange,
+    "double_ring": _double_ring,
+}
+"""The transport of each kind of :func:`megatron_2d.layout.transports.transport_kind`, built for one rank."""
+
+
+def zigzag_route(groups: Groups2D, s_local: int, plan: ContextPlan) -> tuple[str, KeyRoutes]:
+    """(transport kind, routes) of zigzag shards of ``s_local`` tokens per rank under the mask of ``plan``: every key
+    of a block may travel; the neighbour exchange sends the hull of the keys each pair's calls read."""
+    kind = transport_kind(groups.context_size, groups.head_parallel_size * s_local, plan.dense)
+    return kind, KeyRoutes(keys=plan.keys)
+
+
+def packed_route(
+    groups: Groups2D, packing: PackedLayout, causal: bool, window: SlidingWindow
+) -> tuple[str, KeyRoutes, dict[int, tuple[BlockCall, ...]]]:
+    """(transport kind, routes, this rank's calls per source) of one packed batch and mask: the ring carries the
+    layout's ring prefix; the neighbour exchange the keys each pair's calls read, packed together (the calls then
+    in those packed coordinates)."""
+    ring_tokens, cp = packing.ring_tokens, groups.context_size
+    neighbours = None if ring_tokens == 0 or cp == 1 else packing.neighbour_keys(causal, window)
+    kind = transport_kind(cp, ring_tokens, neighbours is None)
+    if kind == "neighbour":
+        return kind, KeyRoutes(keys=neighbours.keys, offsets=neighbours.offsets), neighbours.plans
+    ring_keys = ring_tokens if ring_tokens < packing.view_len else None
+    return kind, KeyRoutes(ring_keys=ring_keys), packing.plans(causal, window)
 
 
 def rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
@@ -160,8 +213,9 @@ def _setup(
             groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group
         )
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
+        kind, routes = zigzag_route(groups, s_local, plan)
         rc = RingContext(
-            transport=_transport(groups, plan),
+            transport=TRANSPORTS[kind](groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
             plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
             scale=scale,
@@ -196,16 +250,9 @@ def _packed_setup(
             per_token=packing.head_unit == "token",
             head_ranks=groups.place.head_group,
         )
-        view_tokens, plans = packing.view_len, packing.plans(causal, window)
-        neighbours = None if packing.ring_tokens == 0 else packing.neighbour_keys(causal, window)
-        if packing.ring_tokens == 0 or groups.context_size == 1:
-            transport = LocalBlock(groups.place.context_rank)
-        elif neighbours is not None:  # some context ranks see nothing of others: direct exchange
-            transport, plans = NeighbourExchange(groups, neighbours.keys, neighbours.offsets), neighbours.plans
-        else:
-            transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
+        kind, routes, plans = packed_route(groups, packing, causal, window)
         rc = RingContext(
-            transport=transport,
+            transport=TRANSPORTS[kind](groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
             plans=plans,
             scale=scale,

@@ -28,7 +28,7 @@ from .attention_time import (
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .link_classes import LinkMap, link_map
 from .memory import LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
-from .windows import WindowWork, window_work
+from .windows import packed_window_work, window_work
 
 if TYPE_CHECKING:
     from .memory_options import ShardingCost
@@ -261,7 +261,6 @@ def _estimate_none(
     work = layer_work(
         model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads, mla_ring=mla_ring
     )
-    local_only = False
     if packed is None:
         ww = window_work(hp, cp, placement, seq, window if causal else None)
         work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
@@ -272,7 +271,7 @@ def _estimate_none(
                 f"{window} (packed documents are modelled for causal attention)"
             )
         # the packed work's own transport: its flops already count the window, the neighbour exchange its keys
-        ww = WindowWork(1.0, packed.dense, packed.messages, packed.key_tokens)
+        ww = packed_window_work(packed, cp)
         tf, rf = packed.token_fraction, packed.ring_fraction if packed.dense else 1.0
         work = dataclasses.replace(
             work,
@@ -285,7 +284,9 @@ def _estimate_none(
             merge_fwd_bytes=work.merge_fwd_bytes * tf,
             merge_bwd_bytes=work.merge_bwd_bytes * tf,
         )
-        local_only = cp > 1 and packed.ring_tokens == 0  # the op skips the ring: one local block
+    # one local block of cp steps' work (one context rank: the schedule's replay of its own block, the same cost
+    # with the latent ring's up-projection of it)
+    local_only = ww.transport == "local" and cp > 1
     links = link_map(hp, cp, w, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
     attn_rate = cluster.peak_tflops * 1e12 * cluster.attn_efficiency
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
@@ -301,7 +302,7 @@ def _estimate_none(
         tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
         fwd, bwd, ring_serial = tc, tcb, 0.0
         sent = traffic(work, links, cluster, hp, cp, w)
-    elif ww.dense:
+    elif ww.transport != "neighbour":
         fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
         sent = traffic(work, links, cluster, hp, cp, w)
     else:
@@ -352,5 +353,5 @@ def _estimate_none(
         dense_layer_s=dense_layer,
         layers=model.layers,
         memory=mem,
-        neighbour_exchange=not ww.dense,
+        neighbour_exchange=ww.transport == "neighbour",
     )
