@@ -58,7 +58,6 @@ from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, blockwise_reference
 
 ROWS = (*PACKING_MODES, "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
-GRADS = ("out", "dq", "dk", "dv")
 
 
 # -- per-rank stats that do not come from a PackedLayout ------------------------------------------------------------

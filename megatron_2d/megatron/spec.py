@@ -98,7 +98,10 @@ def megatron_gpt_spec(config, vp_stage: int | None = None, use_transformer_engin
     t = transformer_config_of(config)
     _refuse_unsupported(config, t)
     use_te = _uses_transformer_engine(config, use_transformer_engine)
-    get = lambda name, default=None: getattr(t, name, default)  # noqa: E731  (config may be None)
+
+    def get(name: str, default=None):
+        return getattr(t, name, default)  # t is None without a config
+
     if get("num_moe_experts"):
         return get_gpt_decoder_block_spec(
             t,

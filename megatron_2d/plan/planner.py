@@ -73,6 +73,11 @@ ROW_KEYS = (
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
+def ms(seconds: float) -> float:
+    """Seconds as milliseconds, rounded for the JSON records."""
+    return round(seconds * 1e3, 4)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A layout with its verdict.
@@ -133,7 +138,6 @@ class Candidate:
         """A JSON-ready record with exactly the keys ``ROW_KEYS`` (times in ms, memory in GB, MFU as a fraction,
         links as nvlink/network/mixed/-); values that do not apply are None."""
         e = self.estimate
-        ms = lambda s: round(s * 1e3, 4)  # noqa: E731
         opts = mem_opts = None
         if self.options:
             budget = self.memory_budget_gb
@@ -585,8 +589,12 @@ def best_by_kind(candidates: Sequence[Candidate]) -> dict[str, Candidate]:
     """The first (fastest) candidate of each kind; when a kind has no feasible layout, its first layout that runs
     (least memory), else its first infeasible one."""
     out: dict[str, Candidate] = {}
-    rank = lambda c: 2 if c.feasible else (1 if c.runs else 0)  # noqa: E731
     for c in candidates:
-        if c.kind not in out or rank(c) > rank(out[c.kind]):
+        if c.kind not in out or _standing(c) > _standing(out[c.kind]):
             out[c.kind] = c
     return out
+
+
+def _standing(c: Candidate) -> int:
+    """2 for a feasible candidate, 1 for one that runs but does not fit, 0 for one that cannot run."""
+    return 2 if c.feasible else (1 if c.runs else 0)
