@@ -334,11 +334,9 @@ def attention_2d(
             the CP group (as Megatron reduces replicated weights) it is the full gradient.
         dkv_comm_dtype: how dK/dV partials travel the ring in backward: "accumulator" (fp32, fp64 for fp64
             inputs: exact, the default) or "input" (q's dtype: Transformer Engine's bytes, rounded once per hop).
-            A hop adds its partials to the travelling rider in that dtype. bf16 dK/dV max relative error against
-            fp64 on the same rounded inputs (tools/dkv_dtype_error.py; 256 tokens per rank, ring hp 1 x cp):
-            cp 2: 6.5e-3 both; cp 4: 5.9e-3 vs 8.3e-3; cp 8: 8.2e-3 vs 1.2e-2; a simulated 64-hop rider sum
-            alone: 2.6e-8 vs 1.9e-2 (the bf16 output itself rounds at ~4e-3). The error of "input" grows with
-            the ring, so "accumulator" stays the default; "input" saves a third of the backward ring bytes.
+            A hop adds its partials to the travelling rider in that dtype. The error of "input" grows with the
+            ring (measured figures: docs/op.md, "Communication"), so "accumulator" stays the default; "input"
+            saves a third of the backward ring bytes.
         packing: a :class:`megatron_2d.PackedLayout` of these groups: THD tensors of packed documents, attention
             within each document only (causal and the window over positions within the document); padding
             slots give exact zeros in the output and the gradients.
