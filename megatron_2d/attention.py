@@ -28,6 +28,7 @@ see nothing of others (windows, or documents that do not cross ranks).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -225,6 +226,26 @@ def _setup(
     return cached
 
 
+class _GroupsKey:
+    """A cache key naming one Groups2D object (a mutable dataclass: unhashable) without keeping it alive: equal only
+    to a key of the same live object, so a Groups2D built after another was collected never meets its entries,
+    even at the same address."""
+
+    __slots__ = ("_ref", "_hash")
+
+    def __init__(self, groups: Groups2D) -> None:
+        self._ref, self._hash = weakref.ref(groups), id(groups)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _GroupsKey):
+            return NotImplemented
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
+
+
 def _packed_setup(
     groups: Groups2D,
     packing: PackedLayout,
@@ -237,8 +258,9 @@ def _packed_setup(
     dkv_comm_dtype: str,
     head_dims: tuple[int, int],
 ):
-    """(head exchange, ring context) for one packed batch and call signature, cached on the layout."""
-    key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
+    """(head exchange, ring context) for one packed batch and call signature, cached on the layout (per groups
+    object: another Groups2D of the same layout has process groups and a byte counter of its own)."""
+    key = (_GroupsKey(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = packing.op_cache.get(key)
     if cached is None:
         heads = HeadExchange.build(
