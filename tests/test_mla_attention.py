@@ -44,7 +44,7 @@ LAYOUTS = [
     (8, 8, 1, "head_first"),
 ]
 # (causal, sliding window, batch, kernel, K/V heads): full and causal, a window narrow enough for the neighbour
-# exchange and one the Double-Ring carries, a window open on both sides, batch 1 (point-to-point head exchange),
+# exchange and one the Double-Ring carries, a window open on both sides, batch 1,
 # torch_math (native unequal head dims) besides cpu_flash (V padded), and one GQA case
 CASES = [
     (True, (-1, -1), 2, None, 8),

@@ -14,9 +14,6 @@ same function, which names the setting as that route spells it.
     CHECKPOINT_KEEPS  what Selective Checkpoint++ keeps of attention between the first pass and the recompute:
                       selective_checkpoint_plus_plus_keep, --selective-checkpoint-plus-plus-keep ("outputs": out
                       and lse, the default; "attention-inputs": also the head-layout q and K/V, see kept_forward.py)
-    head_exchange_point_to_point / head_exchange_copies
-                      which path the head all-to-all takes, and so how many copies it makes (the op and the
-                      planner's cost model both ask here)
 (The placements are :data:`megatron_2d.layout.topology.PLACEMENTS`, beside the rank math they choose.)
 
     >>> check_dkv_comm_dtype("fp8", "cp_2d_dkv_comm_dtype")
@@ -64,16 +61,3 @@ def check_dkv_comm_dtype(value, setting: str = "dkv_comm_dtype") -> str:
 def check_mla_ring(value, setting: str = "cp_2d_mla_ring") -> str:
     """What travels the ring under MLA (:data:`MLA_RINGS`), checked."""
     return check_choice(setting, value, MLA_RINGS)
-
-
-def head_exchange_point_to_point(backend: str, batch: int, chunk_units: bool) -> bool:
-    """Whether the head exchange goes by point-to-point messages rather than one collective all-to-all: batch 1
-    with zigzag chunk units (not the per-token order of packed documents) on gloo, where it was measured faster.
-    NCCL keeps the collective until a GPU measurement says otherwise."""
-    return backend == "gloo" and batch == 1 and chunk_units
-
-
-def head_exchange_copies(backend: str, batch: int, chunk_units: bool) -> int:
-    """Copies of the data one direction of the head exchange makes on each rank: 2 for the collective (into the
-    send buffer, out of the receive buffer), 1 point to point (units land in place; one pack or unpack copy)."""
-    return 1 if head_exchange_point_to_point(backend, batch, chunk_units) else 2

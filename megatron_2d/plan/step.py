@@ -367,7 +367,7 @@ def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTi
     tc = kernel + lat + (work.merge_fwd_bytes / hbm if merge else 0.0) + expand
     tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0) + 3 * expand
     # one direction's all-to-alls (nothing when hp == 1)
-    a2a_one = head_exchange_time(work, links, cluster, parallel.micro_batch, j.packed is None) if hp > 1 else 0.0
+    a2a_one = head_exchange_time(work, links, cluster) if hp > 1 else 0.0
     if local_only:
         tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
         fwd, bwd, ring_serial = tc, tcb, 0.0
