@@ -192,3 +192,14 @@ def test_the_private_import_check_can_fail(tmp_path):
     (package / "a.py").write_text("def _helper():\n    pass\n")
     (package / "b.py").write_text("from .a import _helper\nfrom pkg.a import __doc__\n")
     assert private_imports(package, "pkg") == ["pkg.b: from .a import _helper"]
+
+
+def test_public_names_come_from_this_package():
+    """Every ``megatron_2d.<name>`` resolves to a module of this package (a stale entry of the lazy export table
+    would fail, or, with an editable install of another checkout on the path, quietly load that checkout's code)."""
+    import importlib
+
+    for name in megatron_2d.__all__:
+        module = importlib.import_module(f"megatron_2d.{megatron_2d._EXPORTS[name]}")
+        assert Path(module.__file__).resolve().is_relative_to(PACKAGE.resolve()), (name, module.__file__)
+        assert getattr(megatron_2d, name) is getattr(module, name)
