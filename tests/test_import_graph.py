@@ -203,3 +203,25 @@ def test_public_names_come_from_this_package():
         module = importlib.import_module(f"megatron_2d.{megatron_2d._EXPORTS[name]}")
         assert Path(module.__file__).resolve().is_relative_to(PACKAGE.resolve()), (name, module.__file__)
         assert getattr(megatron_2d, name) is getattr(module, name)
+
+
+def test_the_op_never_loads_the_planner():
+    """A documents-mode sharding built without a cost (what ``PackedLayout(mode="documents")`` and the Megatron data
+    path build) takes its default figures from the pure layer: no module of megatron_2d.plan is loaded (the
+    planner's __init__ loads 17), and the default is the planner's 8xH100 preset, figure for figure."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from megatron_2d.packing.sharding import default_cost, shard_documents\n"
+        "shard_documents(np.array([0, 5, 900, 1000]), 4, 2)\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('megatron_2d.plan'))\n"
+        "assert not loaded, loaded\n"
+        "from megatron_2d.packing.sharding import PackingCost\n"
+        "from megatron_2d.plan.hardware import get_cluster\n"
+        "h = get_cluster('8xH100')\n"
+        "assert default_cost() == PackingCost.from_hardware(h.peak_tflops * h.attn_efficiency, h.nvlink_gbps)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
