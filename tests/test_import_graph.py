@@ -205,6 +205,7 @@ def test_public_names_come_from_this_package():
         assert getattr(megatron_2d, name) is getattr(module, name)
 
 
+@pytest.mark.slow
 def test_the_op_never_loads_the_planner():
     """A documents-mode sharding built without a cost (what ``PackedLayout(mode="documents")`` and the Megatron data
     path build) takes its default figures from the pure layer: no module of megatron_2d.plan is loaded (the

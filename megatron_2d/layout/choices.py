@@ -5,7 +5,8 @@ the names from here, and every route a setting comes in by (an op keyword, a con
 same function, which names the setting as that route spells it.
 
     PACKING_MODES     how packed documents (THD) are laid out over the CP group:
-                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing
+                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing (the names of the modes
+                      :mod:`megatron_2d.packing.modes` registers, where each mode is a class)
     DKV_COMM_DTYPES   the dtype dK/dV riders travel in, backward: attention_2d(dkv_comm_dtype=), cp_2d_dkv_comm_dtype,
                       --cp-2d-dkv-comm-dtype ("accumulator": fp32, exact; "input": the activation dtype)
     MLA_RINGS         what travels the ring under multi-latent attention: cp_2d_mla_ring, --cp-2d-mla-ring
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-PACKING_MODES = ("zigzag", "documents", "sequence")
+from ..packing.modes import mode_names
+
+PACKING_MODES = mode_names()  # ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
 MLA_RINGS = ("expanded", "latent")
 RECOMPUTE_CHECKS = ("tolerance", "bitwise")
@@ -52,8 +55,8 @@ def check_choice(setting: str, value, choices: Sequence[str]) -> str:
 
 
 def check_packing_mode(value, setting: str = "mode") -> str:
-    """The packed-documents layout (:data:`PACKING_MODES`), checked."""
-    return check_choice(setting, value, PACKING_MODES)
+    """The packed-documents layout (a registered mode: :data:`PACKING_MODES`, or one a test registered), checked."""
+    return check_choice(setting, value, mode_names())
 
 
 def check_dkv_comm_dtype(value, setting: str = "dkv_comm_dtype") -> str:
