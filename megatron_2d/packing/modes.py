@@ -41,10 +41,11 @@ class PackingMode:
     """One packed batch laid out in one mode over a 2D ``layout`` (see the module docstring); subclasses set the
     class attributes and :meth:`__init__`'s sharding.
 
-    Attributes of an instance: ``cu_seqlens`` [D + 1] (int64), ``layout``, ``runs`` (every context rank's view),
-    ``view_len`` (slots of every view, hp * t_local), ``ring_tokens`` (the view's prefix the ring carries, 0: nothing
-    travels), ``long_documents`` (documents spread over the context ranks), ``sharding`` (the documents mode's
-    :class:`.sharding.DocumentSharding`, else None)."""
+    Attributes of an instance: ``cu_seqlens`` [D + 1] (int64), ``layout``, ``runs`` (every context rank's view, in
+    the order its ring uses, sorted by (doc, pos)), ``view_len`` (slots of every view, hp * t_local),
+    ``ring_tokens`` (the prefix of every view the ring carries: every key a context rank's queries see in another
+    context rank's view lies in it; 0: nothing travels), ``long_documents`` (documents spread over the context
+    ranks), ``sharding`` (the documents mode's :class:`.sharding.DocumentSharding`, else None)."""
 
     name: ClassVar[str]
     """The mode's name: ``PackedLayout(mode=)``, ``cp_2d_packing``, ``--cp-2d-packing``."""
@@ -58,8 +59,8 @@ class PackingMode:
     data_path: ClassVar[str] = ""
     """Where batches of a mode without a Megatron split come from (named in the error for a batch that does not)."""
     token_weighted_loss: ClassVar[bool] = False
-    """Its data path's loss weighs every token equally by itself (:func:`megatron_2d.megatron.packed_data.
-    token_weighted_loss`), so uneven loss masks over the CP ranks need no --calculate-per-token-loss."""
+    """Its data path's loss weighs every token equally by itself (``packed_data.token_weighted_loss``), so uneven loss
+    masks over the CP ranks need no --calculate-per-token-loss."""
     planned: ClassVar[bool] = False
     """The planner models 2D layouts in this mode (``python -m megatron_2d.plan --packed-lengths``)."""
     stock: ClassVar[bool] = False
