@@ -129,15 +129,19 @@ def test_a_setting_added_to_the_table_gets_its_flag_check_and_refusal(monkeypatc
 
     @dataclasses.dataclass
     class Extended(Fields2D):
-        cp_2d_new_thing: str = fields._setting("a", "a new setting.", choices=("a", "b"))
+        cp_2d_new_thing: str | None = fields._setting(
+            None, "a new setting (None: chosen by the library).", choices=("a", "b")
+        )
 
     monkeypatch.setattr(fields, "Fields2D", Extended)
     parser = add_2d_arguments(argparse.ArgumentParser())
     assert parser.parse_args(["--cp-2d-new-thing", "b"]).cp_2d_new_thing == "b"
+    assert parser.parse_args([]).cp_2d_new_thing is None
     assert fields.ignored_settings(SimpleNamespace(cp_2d_new_thing="b"), NEEDS_2D) == {"cp_2d_new_thing": "b"}
+    fields.check_values(SimpleNamespace(), NEEDS_2D)  # its default is valid
     with pytest.raises(ValueError, match=r"cp_2d_new_thing 'c' is not one of \['a', 'b'\]"):
         fields.check_values(SimpleNamespace(cp_2d_new_thing="c"), NEEDS_2D)
-    assert "`--cp-2d-new-thing` (`cp_2d_new_thing`)" in fields.flag_table()
+    assert "| `--cp-2d-new-thing` (`cp_2d_new_thing`) | not set | a, b | `--cp-comm-type 2d` |" in fields.flag_table()
 
 
 def defaulted_reads(source: str) -> list[str]:

@@ -182,8 +182,8 @@ def check_checkpoint_plus_config(config) -> str | None:
             f"--recompute-method uniform --recompute-num-layers 1)"
         )
     values = fields_2d(config)
-    for f, setting in table():  # the values of its settings (check, keep)
-        if setting.needs == NEEDS_CHECKPOINT_PLUS:
+    for f, setting in table():  # the values of its settings (check, keep); as check_values, with the flag
+        if setting.needs == NEEDS_CHECKPOINT_PLUS and getattr(values, f.name) != f.default:
             try:
                 setting.validate(f.name, getattr(values, f.name))
             except ValueError as error:

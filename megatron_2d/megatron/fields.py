@@ -158,10 +158,10 @@ def fields_2d(config) -> Fields2D:
 
 def check_values(config, needs: str) -> None:
     """ValueError naming the first setting that needs ``needs`` whose value in ``config`` is not valid (its name,
-    its value, the valid ones)."""
+    its value, the valid ones). A default is valid (None, say, for "chosen by the library")."""
     values = fields_2d(config)
     for f, setting in table():
-        if setting.needs == needs:
+        if setting.needs == needs and getattr(values, f.name) != f.default:
             setting.validate(f.name, getattr(values, f.name))
 
 
