@@ -29,7 +29,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .deprecation import warn_renamed
 from .groups import Groups2D
 from .layout.band import SlidingWindow
 from .layout.block_calls import BlockCall
@@ -97,12 +96,6 @@ class PackedLayout:
         cost: documents only: the :class:`megatron_2d.packing.sharding.PackingCost` that rule predicts step
             times with (default: the planner's H100 figures); identical on every rank.
     """
-
-    @property
-    def placement(self) -> DocumentSharding | None:
-        """Deprecated name of :attr:`sharding` (a DeprecationWarning): the documents mode's document sharding."""
-        warn_renamed("PackedLayout.placement", "PackedLayout.sharding")
-        return self.sharding
 
     def __init__(
         self,

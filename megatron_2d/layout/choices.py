@@ -4,6 +4,8 @@ Pure Python (no torch): the op, ``TransformerConfig2D``, the command-line flags,
 the names from here, and every route a setting comes in by (an op keyword, a config field, a flag) is checked by the
 same function, which names the setting as that route spells it.
 
+    PLACEMENTS        how the head and context groups lie on the ranks of a CP group: build_2d_groups(placement=),
+                      cp_2d_placement, --cp-2d-placement (the rank math they choose: topology.py, which checks them)
     PACKING_MODES     how packed documents (THD) are laid out over the CP group:
                       PackedLayout(mode=), cp_2d_packing, --cp-2d-packing
     DKV_COMM_DTYPES   the dtype dK/dV riders travel in, backward: attention_2d(dkv_comm_dtype=), cp_2d_dkv_comm_dtype,
@@ -17,7 +19,6 @@ same function, which names the setting as that route spells it.
     head_exchange_point_to_point / head_exchange_copies
                       which path the head all-to-all takes, and so how many copies it makes (the op and the
                       planner's cost model both ask here)
-(The placements are :data:`megatron_2d.layout.topology.PLACEMENTS`, beside the rank math they choose.)
 
     >>> check_dkv_comm_dtype("fp8", "cp_2d_dkv_comm_dtype")
     Traceback (most recent call last):
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+PLACEMENTS = ("head_first", "context_first")
 PACKING_MODES = ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
 MLA_RINGS = ("expanded", "latent")

@@ -34,6 +34,7 @@ from ..layout.hybrid_layers import (
     mamba_cp_problem,
     mamba_num_heads,
 )
+from .fields import fields_2d
 from .settings import layer_comm_types, uses_2d
 
 PACKED_SEQUENCE_FLAGS: tuple[tuple[str, str], ...] = (("--reset-attention-mask", "reset_attention_mask"),)
@@ -60,7 +61,7 @@ def check_launch_args(args) -> None:
             f"or the documents layout of megatron_2d.megatron.packed_data, see "
             f"examples/pretrain_gpt_2d.py)"
         )
-    if getattr(args, "cp_2d_packing", "zigzag") == "sequence" and getattr(args, "sft", False):
+    if fields_2d(args).cp_2d_packing == "sequence" and getattr(args, "sft", False):
         raise ValueError(
             "--cp-2d-packing sequence describes Megatron's per-sequence split, but --sft batches are "
             "split per document (zigzag): drop --cp-2d-packing or --sft"
@@ -90,7 +91,7 @@ def loss_scaling_problem(args) -> str | None:
     cp_size = getattr(args, "context_parallel_size", 1)
     if cp_size == 1 or getattr(args, "calculate_per_token_loss", False):
         return None
-    if getattr(args, "cp_2d_packing", "zigzag") == "documents":
+    if fields_2d(args).cp_2d_packing == "documents":
         return None
     uneven = [flag for flag, dest in UNEVEN_LOSS_MASK_FLAGS if getattr(args, dest, False)]
     if not uneven:
@@ -144,7 +145,7 @@ def packing_mode(config) -> str:
     ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``) or the config says so; else "zigzag"
     (Megatron's per-document split, --sft). ``config``: a TransformerConfig (the launch is the current one, if
     any) or megatron.training's args (the launch itself)."""
-    chosen = getattr(config, "cp_2d_packing", "zigzag") or "zigzag"
+    chosen = fields_2d(config).cp_2d_packing
     if chosen == "documents":
         return chosen
     launch = config if hasattr(config, "dataloader_inter_document_masking") else current_launch_args()
@@ -168,7 +169,7 @@ def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -
     if not present:
         return
     names = {MAMBA: "Mamba (M)", GDN: "GDN (G)"}
-    if getattr(config, "cp_2d_packing", "zigzag") == "documents" and getattr(config, "context_parallel_size", 1) > 1:
+    if fields_2d(config).cp_2d_packing == "documents" and getattr(config, "context_parallel_size", 1) > 1:
         raise ValueError(
             f"cp_2d_packing='documents' cannot run a model with {' and '.join(names[s] for s in present)}"
             f" layers: Megatron's Mamba/GDN context parallelism reads tokens in its zigzag order, and the"
