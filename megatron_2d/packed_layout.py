@@ -24,11 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .deprecation import warn_renamed
 from .groups import Groups2D
 from .layout.band import SlidingWindow
 from .layout.block_calls import BlockCall
-from .layout.choices import check_packing_mode
 from .packing.calls import Runs, key_intervals, plan_view
 from .packing.modes import PackingMode, mode_class
 from .packing.sharding import DocumentSharding, PackingCost
@@ -87,12 +85,6 @@ class PackedLayout:
             times with (default: the planner's H100 figures); identical on every rank.
     """
 
-    @property
-    def placement(self) -> DocumentSharding | None:
-        """Deprecated name of :attr:`sharding` (a DeprecationWarning): the documents mode's document sharding."""
-        warn_renamed("PackedLayout.placement", "PackedLayout.sharding")
-        return self.sharding
-
     def __init__(
         self,
         cu_seqlens,
@@ -103,7 +95,7 @@ class PackedLayout:
         long_threshold: int | None = None,
         cost: PackingCost | None = None,
     ) -> None:
-        check_packing_mode(mode, "PackedLayout mode")
+        mode_class(mode, "PackedLayout mode")
         if not isinstance(groups, Groups2D):
             raise TypeError(f"PackedLayout needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
         cu = _as_cu_seqlens(cu_seqlens, "cu_seqlens")

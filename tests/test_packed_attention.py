@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.layout.choices import PACKING_MODES, check_packing_mode
+from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.packing.calls import Runs
-from megatron_2d.packing.modes import PackingMode, mode_names, register, unregister
+from megatron_2d.packing.modes import PackingMode, mode_class, mode_names, register, unregister
 from megatron_2d.packing.sharding import PackingCost, shard_documents, zigzag_slots
 from megatron_2d.packing.views import context_rank_of
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
@@ -502,16 +502,32 @@ def contiguous_mode():
 
 def test_a_registered_mode_is_a_mode_everywhere_a_name_is_checked(contiguous_mode):
     assert mode_names() == (*PACKING_MODES, "contiguous") and PACKING_MODES == ("zigzag", "documents", "sequence")
-    assert check_packing_mode("contiguous") == "contiguous"
+    assert mode_class("contiguous", "cp_2d_packing") is ContiguousMode
     with pytest.raises(ValueError, match="registered already"):
         register(ContiguousMode)
     with pytest.raises(TypeError, match="PackingMode subclass"):
         register(int)
 
 
+@pytest.mark.slow
+def test_a_library_mode_not_listed_in_the_choices_fails_the_import():
+    """The registry checks the library's modes against layout.choices.PACKING_MODES (the flag's choices) when
+    imported: a subprocess whose PACKING_MODES lacks one cannot import the modes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import megatron_2d.layout.choices as c\n"
+        "c.PACKING_MODES = ('zigzag', 'documents')\n"
+        "import megatron_2d.packing.modes\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0 and "list a new mode's name there too" in done.stderr, done.stderr
+
+
 def test_an_unregistered_mode_is_refused_with_the_registered_names():
     with pytest.raises(ValueError, match=r"'contiguous' is not one of \['zigzag', 'documents', 'sequence'\]"):
-        check_packing_mode("contiguous", "PackedLayout mode")
+        mode_class("contiguous", "PackedLayout mode")
 
 
 @pytest.mark.parametrize("CP, hp, placement", [(8, 1, "head_first"), (8, 2, "context_first"), (6, 3, "head_first")])
@@ -589,10 +605,12 @@ def test_a_test_mode_in_the_megatron_checks(contiguous_mode):
     from types import SimpleNamespace
 
     from megatron_2d.megatron import launch_checks
+    from megatron_2d.megatron.fields import NEEDS_2D, check_values
 
     config = SimpleNamespace(
         cp_2d_packing="contiguous", context_parallel_size=2, dataloader_inter_document_masking=True
     )
+    check_values(config, NEEDS_2D)  # the config route's check of cp_2d_packing asks the registry
     assert launch_checks.packing_mode(config) == "contiguous" and launch_checks.megatron_split(config) is None
     with pytest.raises(ValueError, match="cp_2d_packing='contiguous' cannot run a model with Mamba"):
         launch_checks.check_hybrid_layers(config, "M*")

@@ -4,9 +4,11 @@ Pure Python (no torch): the op, ``TransformerConfig2D``, the command-line flags,
 the names from here, and every route a setting comes in by (an op keyword, a config field, a flag) is checked by the
 same function, which names the setting as that route spells it.
 
+    PLACEMENTS        how the head and context groups lie on the ranks of a CP group: build_2d_groups(placement=),
+                      cp_2d_placement, --cp-2d-placement (the rank math they choose: topology.py, which checks them)
     PACKING_MODES     how packed documents (THD) are laid out over the CP group:
-                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing (the names of the modes
-                      :mod:`megatron_2d.packing.modes` registers, where each mode is a class)
+                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing (each mode is a class of
+                      :mod:`megatron_2d.packing.modes`, whose registry checks the names and holds these)
     DKV_COMM_DTYPES   the dtype dK/dV riders travel in, backward: attention_2d(dkv_comm_dtype=), cp_2d_dkv_comm_dtype,
                       --cp-2d-dkv-comm-dtype ("accumulator": fp32, exact; "input": the activation dtype)
     MLA_RINGS         what travels the ring under multi-latent attention: cp_2d_mla_ring, --cp-2d-mla-ring
@@ -18,7 +20,6 @@ same function, which names the setting as that route spells it.
     head_exchange_point_to_point / head_exchange_copies
                       which path the head all-to-all takes, and so how many copies it makes (the op and the
                       planner's cost model both ask here)
-(The placements are :data:`megatron_2d.layout.topology.PLACEMENTS`, beside the rank math they choose.)
 
     >>> check_dkv_comm_dtype("fp8", "cp_2d_dkv_comm_dtype")
     Traceback (most recent call last):
@@ -30,9 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..packing.modes import mode_names
-
-PACKING_MODES = mode_names()  # ("zigzag", "documents", "sequence")
+PLACEMENTS = ("head_first", "context_first")
+PACKING_MODES = ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
 MLA_RINGS = ("expanded", "latent")
 RECOMPUTE_CHECKS = ("tolerance", "bitwise")
@@ -52,11 +52,6 @@ def check_choice(setting: str, value, choices: Sequence[str]) -> str:
     if problem:
         raise ValueError(problem)
     return value
-
-
-def check_packing_mode(value, setting: str = "mode") -> str:
-    """The packed-documents layout (a registered mode: :data:`PACKING_MODES`, or one a test registered), checked."""
-    return check_choice(setting, value, mode_names())
 
 
 def check_dkv_comm_dtype(value, setting: str = "dkv_comm_dtype") -> str:

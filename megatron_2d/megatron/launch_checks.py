@@ -35,6 +35,7 @@ from ..layout.hybrid_layers import (
     mamba_num_heads,
 )
 from ..packing.modes import PackingMode, megatron_split_mode, mode_class
+from .fields import fields_2d
 from .settings import layer_comm_types, uses_2d
 
 PACKED_SEQUENCE_FLAGS: tuple[tuple[str, str], ...] = (("--reset-attention-mask", "reset_attention_mask"),)
@@ -135,9 +136,9 @@ def ready_spec_pipeline_problem(args) -> str | None:
 
 
 def chosen_mode(config) -> type[PackingMode]:
-    """The packing mode ``config.cp_2d_packing`` names (zigzag when unset; a :mod:`megatron_2d.packing.modes`
-    class)."""
-    return mode_class(getattr(config, "cp_2d_packing", "zigzag") or "zigzag", "cp_2d_packing")
+    """The packing mode ``config.cp_2d_packing`` names (a :mod:`megatron_2d.packing.modes` class; the table's
+    default when ``config`` has none)."""
+    return mode_class(fields_2d(config).cp_2d_packing, "cp_2d_packing")
 
 
 def packing_mode(config) -> str:

@@ -41,6 +41,7 @@ from torch.nn.modules.module import _global_forward_pre_hooks
 
 from ..layout.choices import check_mla_ring
 from .core_attention import LatentDims
+from .fields import fields_2d
 from .launch_checks import megatron_split
 
 LATENT = "latent"
@@ -52,7 +53,7 @@ def uses_mla(config) -> bool:
 
 def mla_ring(config) -> str:
     """What the ring carries for ``config``'s MLA layers: "expanded" (the default) or "latent"."""
-    return getattr(config, "cp_2d_mla_ring", "expanded")
+    return fields_2d(config).cp_2d_mla_ring
 
 
 def check_mla_settings(config) -> None:

@@ -29,7 +29,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..deprecation import renamed_keywords
 from .attention_settings import check_attention_settings
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, megatron_split
@@ -148,7 +147,6 @@ def layer_specs_of(spec: LayerSpec):
     return list({id(layer): layer for layer in layers}.values())
 
 
-@renamed_keywords(double_ring_window="ring_window")
 def get_gpt_layer_spec_2d(
     config=None,
     vp_stage: int | None = None,
@@ -161,7 +159,7 @@ def get_gpt_layer_spec_2d(
 ) -> LayerSpec:
     """Megatron's GPT spec for ``config`` (a TransformerConfig, or pretrain's GPTModelConfig; see
     :func:`megatron_gpt_spec`) with :class:`CoreAttention2D` as core attention in every layer; the keyword
-    settings override the config's ``cp_2d_*`` fields (``double_ring_window=``: ring_window's deprecated name).
+    settings override the config's ``cp_2d_*`` fields.
     When packed batches come in Megatron's per-sequence split (:func:`.launch_checks.megatron_split`), self
     attention is :class:`SelfAttention2D` (RoPE at each token's position in its document).
 

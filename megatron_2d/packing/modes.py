@@ -15,9 +15,11 @@ the order the head all-to-all delivers them in (:meth:`PackingMode.head_order`).
 needs elsewhere: which of Megatron's batch splits gives it (``megatron_split``), whether Megatron's Mamba / GDN
 layers can read its tokens (:meth:`PackingMode.ssm_problem`), its loss and launch rules, and what the planner models
 (``planned``, ``stock``, its flags). :class:`megatron_2d.PackedLayout` (torch), the Megatron glue and the planner
-consult these classes; :data:`megatron_2d.layout.choices.PACKING_MODES` is the registry's names.
+consult these classes.
 
-A new mode is a subclass decorated with :func:`register` (tests/test_packed_attention.py registers one).
+A new mode is a subclass decorated with :func:`register`; a library mode's name is also listed in
+:data:`megatron_2d.layout.choices.PACKING_MODES` (the flag's choices; checked here at import), a test's own mode is
+registered by the test (tests/test_packed_attention.py registers one).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..layout.choices import PACKING_MODES, check_choice
 from ..layout.topology import Layout2D
 from .calls import Runs
 from .sharding import DocumentSharding, PackingCost, documents_slots, sequence_rows, shard_documents, zigzag_rows
@@ -167,10 +170,9 @@ def mode_names() -> tuple[str, ...]:
 
 
 def mode_class(name: str, setting: str = "packing mode") -> type[PackingMode]:
-    """The mode registered as ``name``, or ValueError naming ``setting``, the value and the registered names."""
-    if name not in _MODES:
-        raise ValueError(f"{setting} {name!r} is not one of {list(_MODES)}")
-    return _MODES[name]
+    """The mode registered as ``name``, or ValueError naming ``setting``, the value and the registered names: the
+    one check of a packing mode's name, on every route (``PackedLayout(mode=)``, ``cp_2d_packing``, the flag)."""
+    return _MODES[check_choice(setting, name, mode_names())]
 
 
 def megatron_split_mode(split: str) -> type[PackingMode]:
@@ -303,6 +305,12 @@ class SequenceMode(PackingMode):
             )
         return None
 
+
+if mode_names() != PACKING_MODES:
+    raise ImportError(
+        f"the library's packing modes {mode_names()} are not megatron_2d.layout.choices.PACKING_MODES "
+        f"{PACKING_MODES}: list a new mode's name there too"
+    )
 
 __all__ = [
     "MEGATRON_SPLITS",
