@@ -21,11 +21,11 @@ _EXPORTS = {
     "build_2d_groups": "groups",
     "shard_sequence": "sequence_layout",
     "unshard_sequence": "sequence_layout",
-    "zigzag_chunks": "topology",
-    "PLACEMENTS": "topology",
-    "Layout2D": "topology",
-    "LayoutError": "topology",
-    "SlidingWindow": "band",
+    "zigzag_chunks": "layout.topology",
+    "PLACEMENTS": "layout.topology",
+    "Layout2D": "layout.topology",
+    "LayoutError": "layout.topology",
+    "SlidingWindow": "layout.band",
     "PackedLayout": "packed_layout",
 }
 

@@ -31,6 +31,7 @@ from ..attention import attention_2d
 from ..latent_attention import latent_attention_2d
 from ..layout.band import SlidingWindow
 from ..packed_layout import PackedLayout
+from ..packing.modes import mode_class
 from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
 from .fields import fields_2d
@@ -307,12 +308,13 @@ class CoreAttention2D(MegatronModule):
         return out.view(out.shape[0], out.shape[1], -1)  # [s/CP, b, hq/tp * dv]
 
     def _layout_of(self, packed_seq_params, mode: str) -> PackedLayout:
-        """The layout of a THD batch Megatron split itself ("zigzag": per document, from cu_seqlens_q (real) and
-        cu_seqlens_q_padded; "sequence": per sequence). The cu_seqlens live on the GPU in Megatron's batches:
-        reading them is this batch's one device-to-host copy (a layout built ahead, as the data path's
-        PackedSeqParams2D carry, needs none)."""
+        """The layout of a THD batch Megatron split itself, by the split of ``mode``
+        (:attr:`megatron_2d.packing.modes.PackingMode.megatron_split`): per sequence, the sequence layout; per
+        document (or a batch that should have carried its layout), the zigzag layout of cu_seqlens_q (real) and
+        cu_seqlens_q_padded. The cu_seqlens live on the GPU in Megatron's batches: reading them is this batch's one
+        device-to-host copy (a layout built ahead, as the data path's PackedSeqParams2D carry, needs none)."""
         real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
-        if mode == "sequence":
+        if mode_class(mode).megatron_split == "per-sequence":
             from .per_sequence import sequence_params
 
             return sequence_params(packed_seq_params, self.groups, torch.device("cpu")).layout
@@ -347,10 +349,10 @@ class CoreAttention2D(MegatronModule):
                 f"{fields_2d(self.config).cp_2d_packing!r}) but the batch comes in the "
                 f"{layout.mode!r} layout: "
                 + (
-                    "build batches with megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank "
-                    "(examples/pretrain_gpt_2d.py does with --cp-2d-packing documents)"
-                    if wanted == "documents"
-                    else "set cp_2d_packing='documents' (--cp-2d-packing documents) for batches of that data path"
+                    f"build batches with {mode_class(wanted).data_path}"
+                    if mode_class(wanted).megatron_split is None
+                    else f"set cp_2d_packing={layout.mode!r} (--cp-2d-packing {layout.mode}) for batches of that "
+                    f"data path"
                 )
             )
         return layout

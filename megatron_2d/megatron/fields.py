@@ -33,6 +33,7 @@ from ..layout.choices import (
     check_choice,
 )
 from ..layout.topology import check_placement
+from ..packing.modes import mode_class
 
 NEEDS_2D = "--cp-comm-type 2d"
 """A setting of the 2d backend: refused, as it would be ignored, unless some layer's cp_comm_type is "2d"."""
@@ -110,6 +111,7 @@ class Fields2D:
         "rank, long ones split; needs the data path of megatron_2d.megatron.packed_data, as "
         "examples/pretrain_gpt_2d.py has). Unpacked batches ignore it.",
         choices=PACKING_MODES,
+        check=mode_class,  # any registered mode (megatron_2d.packing.modes)
     )
     cp_2d_mla_ring: str = _setting(
         "expanded",

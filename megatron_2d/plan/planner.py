@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..layout.topology import divisors
+from ..packing.modes import mode_class
 from .attention_time import RIDER_BYTES
 from .candidates import (
     KINDS,
@@ -376,8 +377,8 @@ def evaluate(
             packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, windowed, cost)
         if layout.kind == "a2a+p2p":
             note = "THD with a2a+p2p is not in a Transformer Engine release"
-        elif packing == "documents":
-            note = "documents mode: run examples/pretrain_gpt_2d.py (its data path splits the batch)"
+        else:
+            note = mode_class(packing).planner_note
     dkv = kind_dkv_comm_dtype(layout.kind, dkv_comm_dtype)
     if reason:
         return Candidate(
@@ -437,8 +438,8 @@ def evaluate(
             f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
             f"option, the flags recompute fully"
         )
-    if packing == "documents" and lengths is not None:
-        flags += " --cp-2d-packing documents --dataloader-inter-document-masking --no-rope-fusion"
+    if lengths is not None:
+        flags += mode_class(packing).planner_flags
     mem_flags = chosen.states.option.flags(layout.kind, parallel.dp_size, layout.cp_size)
     flags += mem_flags if mem_flags.startswith(";") else " " + mem_flags
     why = ""

@@ -31,7 +31,7 @@ from .memory import LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES, MemoryBreakdown, mem
 from .windows import WindowWork, window_work
 
 if TYPE_CHECKING:
-    from .memory_options import ShardingCost
+    from .model_states import ShardingCost
     from .packed import PackedWork
 
 
