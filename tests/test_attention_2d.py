@@ -428,35 +428,6 @@ def test_bad_layouts_raise_on_every_rank(kwargs, message):
         run_on_ranks(4, run_bad_layout, kwargs, timeout_s=30)
 
 
-def run_deprecated_window_size(rank, world):
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        groups = megatron_2d.build_2d_groups(1, window_size=2, timeout=TIMEOUT)
-        window = groups.window_size
-    return groups.ring_window, window, [str(w.message) for w in caught if w.category is DeprecationWarning]
-
-
-@pytest.mark.distributed
-def test_window_size_is_the_deprecated_name_of_ring_window():
-    """build_2d_groups(window_size=) and Groups2D.window_size still work this release, each with a DeprecationWarning
-    naming ring_window; giving both names is a TypeError naming both (before any collective: no rank waits)."""
-    for ring_window, window, messages in run_on_ranks(2, run_deprecated_window_size, timeout_s=30):
-        assert (ring_window, window) == (2, 2)
-        assert any(
-            "build_2d_groups(window_size=) is deprecated" in m and "build_2d_groups(ring_window=)" in m
-            for m in messages
-        ), messages
-        assert any("Groups2D.window_size is deprecated" in m and "Groups2D.ring_window" in m for m in messages)
-    for call in (
-        lambda: megatron_2d.build_2d_groups(1, ring_window=2, window_size=2),
-        lambda: megatron_2d.build_2d_groups(1, 2, window_size=2),
-    ):
-        with pytest.raises(TypeError, match=r"got both ring_window= and its deprecated name window_size="):
-            call()
-
-
 def run_multi_group(rank, world):
     """Two CP groups of 4 ranks (strided like TP=2): each computes its own sequence independently."""
     lists = [[0, 2, 4, 6], [1, 3, 5, 7]]

@@ -36,7 +36,6 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 
 import megatron_2d
 from megatron_2d.kept_forward import KeptForward
-from megatron_2d.kernels.base import BlockKernel
 from megatron_2d.layout.choices import CHECKPOINT_KEEPS, PACKING_MODES
 from megatron_2d.layout.topology import every_layout
 from megatron_2d.megatron import TransformerConfig2D, checkpoint_plus, get_gpt_layer_spec_2d
@@ -50,40 +49,13 @@ from megatron_2d.megatron.packed_data import (
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.generated_cases import cuda_kernels_on_cpu, draw_batch, draw_case
+from megatron_2d.testing.kernel_counts import KernelForwards
 from megatron_2d.testing.mla import mla_spec_2d, tiny_mla_config
 from megatron_2d.testing.reference import TOLERANCES
 
 RTOL = TOLERANCES[torch.float32].dq  # model gradients against the same model without recompute
 HEAD_KINDS = ("all_to_all",)
 RING_KINDS = ("inner_ring", "outer_ring", "neighbour")
-
-
-class KernelForwards:
-    """Counts calls of every block kernel's forward (the attention's O(S^2) work), while installed."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._originals = []
-        todo = [BlockKernel]
-        while todo:
-            cls = todo.pop()
-            todo.extend(cls.__subclasses__())
-            if "forward" in cls.__dict__ and not getattr(cls.__dict__["forward"], "__isabstractmethod__", False):
-                self._wrap(cls)
-
-    def _wrap(self, cls) -> None:
-        original = cls.__dict__["forward"]
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return original(*args, **kwargs)
-
-        self._originals.append((cls, original))
-        cls.forward = counted
-
-    def restore(self) -> None:
-        for cls, original in self._originals:
-            cls.forward = original
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

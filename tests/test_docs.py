@@ -104,3 +104,29 @@ def test_relative_links_point_to_existing_files(path):
         if not (path.parent / file_part).exists():
             broken.append(target)
     assert not broken, f"{path.relative_to(REPO)}: links to missing files: {broken}"
+
+
+CONFLICT_MARKER = re.compile(r"^(<<<<<<<|>>>>>>>) ", re.M)
+
+
+def conflict_markers(text: str) -> list[int]:
+    """Line numbers of merge-conflict markers left in ``text``."""
+    return [text.count("\n", 0, m.start()) + 1 for m in CONFLICT_MARKER.finditer(text)]
+
+
+def test_no_merge_conflict_markers_left_in_the_tree():
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    found = {}
+    for name in tracked:
+        path = REPO / name
+        if path.suffix in {".py", ".md", ".toml", ".txt", ".sh", ".patch", ".cfg"} and path.is_file():
+            lines = conflict_markers(path.read_text(encoding="utf-8", errors="replace"))
+            if lines:
+                found[name] = lines
+    assert not found, f"merge-conflict markers left in: {found}"
+
+
+def test_the_conflict_check_finds_markers():
+    assert conflict_markers("a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> branch\n") == [2, 6]

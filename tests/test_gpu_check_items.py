@@ -70,7 +70,7 @@ def _megatron_rows(rank, world):
     finally:
         core_attention.CoreAttention2D._call_settings = original
     keep = checkpoint_plus.AttentionKeeper.__call__
-    checkpoint_plus.AttentionKeeper.__call__ = lambda self, attention, *tensors: attention(*tensors)
+    checkpoint_plus.AttentionKeeper.__call__ = lambda self, attention, *tensors, **_: attention(*tensors)
     try:
         gm.check_checkpoint_plus("cpu_flash", CPU)
     except AssertionError as err:
@@ -98,4 +98,5 @@ def test_megatron_rows_pass_and_fail_where_they_should():
     assert found["gpt_wrong_scale"] > 1, found  # a 5% wrong softmax scale fails the row
     assert found["te"] == "transformer_engine not importable"
     assert "Selective Checkpoint++: the recomputed q differs" in found.get("ckpt_check_failed", ""), found
-    assert found.get("ckpt_recomputed") == "attention ran 8 times in 2 steps of 2 layers (recomputed?)", found
+    recomputed = found.get("ckpt_recomputed", "")  # the keeper bypassed: the recompute runs the kernels again
+    assert recomputed.startswith("the block kernels ran") and "(attention recomputed?)" in recomputed, found

@@ -18,7 +18,7 @@ from megatron_2d.layout.block_calls import plan_context_group
 from megatron_2d.layout.topology import Layout2D, divisors
 from megatron_2d.layout.transports import TRANSPORT_KINDS, transport_kind
 from megatron_2d.packed_layout import PackedLayout
-from megatron_2d.plan.packed import PACKED_MODES, packed_work
+from megatron_2d.plan.packed import modes_for, packed_work
 from megatron_2d.plan.windows import MAX_EXACT_CP, packed_window_work, window_work
 from megatron_2d.testing.loopback import virtual_groups
 from megatron_2d.transport.base import LocalBlock
@@ -87,7 +87,7 @@ def _lengths(rng: np.random.Generator, total: int, kind: str) -> list[int]:
     return np.diff(np.concatenate([[0], cuts, [total]])).tolist()
 
 
-@pytest.mark.parametrize("mode", PACKED_MODES)
+@pytest.mark.parametrize("mode", modes_for("2d"))
 def test_packed_op_and_planner_agree_on_the_transport(mode):
     rng = np.random.default_rng(7)
     seen = set()
@@ -109,3 +109,18 @@ def test_packed_op_and_planner_agree_on_the_transport(mode):
                 assert op == {planner.transport}, (layout, mode, lengths, left, op, planner)
                 seen.add(planner.transport)
     assert seen == set(TRANSPORT_KINDS)  # cp 1 is local in every mode; documents that cross no rank too
+
+
+def test_the_planner_refuses_a_kind_it_has_no_cost_for():
+    """A new kind reaches the planner through the shared rule; until plan/step.py charges it, estimates fail."""
+    from megatron_2d.plan import ParallelSpec, get_cluster, get_model, step
+    from megatron_2d.plan.windows import WindowWork
+
+    job = step._Job(
+        get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 2, 4, 1, "head_first", 8192, True, None,
+        "accumulator", None, None, None,
+    )  # fmt: skip
+    work, ww = step._windowed_work(job)
+    assert ww.transport == "double_ring" and step._attention_times(job, work, ww).time > 0
+    with pytest.raises(ValueError, match="no cost model for transport kind 'pigeon'"):
+        step._attention_times(job, work, WindowWork(1.0, True, 0, 0, "pigeon"))

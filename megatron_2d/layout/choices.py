@@ -4,8 +4,11 @@ Pure Python (no torch): the op, ``TransformerConfig2D``, the command-line flags,
 the names from here, and every route a setting comes in by (an op keyword, a config field, a flag) is checked by the
 same function, which names the setting as that route spells it.
 
+    PLACEMENTS        how the head and context groups lie on the ranks of a CP group: build_2d_groups(placement=),
+                      cp_2d_placement, --cp-2d-placement (the rank math they choose: topology.py, which checks them)
     PACKING_MODES     how packed documents (THD) are laid out over the CP group:
-                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing
+                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing (each mode is a class of
+                      :mod:`megatron_2d.packing.modes`, whose registry checks the names and holds these)
     DKV_COMM_DTYPES   the dtype dK/dV riders travel in, backward: attention_2d(dkv_comm_dtype=), cp_2d_dkv_comm_dtype,
                       --cp-2d-dkv-comm-dtype ("accumulator": fp32, exact; "input": the activation dtype)
     MLA_RINGS         what travels the ring under multi-latent attention: cp_2d_mla_ring, --cp-2d-mla-ring
@@ -14,7 +17,6 @@ same function, which names the setting as that route spells it.
     CHECKPOINT_KEEPS  what Selective Checkpoint++ keeps of attention between the first pass and the recompute:
                       selective_checkpoint_plus_plus_keep, --selective-checkpoint-plus-plus-keep ("outputs": out
                       and lse, the default; "attention-inputs": also the head-layout q and K/V, see kept_forward.py)
-(The placements are :data:`megatron_2d.layout.topology.PLACEMENTS`, beside the rank math they choose.)
 
     >>> check_dkv_comm_dtype("fp8", "cp_2d_dkv_comm_dtype")
     Traceback (most recent call last):
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+PLACEMENTS = ("head_first", "context_first")
 PACKING_MODES = ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
 MLA_RINGS = ("expanded", "latent")
@@ -46,11 +49,6 @@ def check_choice(setting: str, value, choices: Sequence[str]) -> str:
     if problem:
         raise ValueError(problem)
     return value
-
-
-def check_packing_mode(value, setting: str = "mode") -> str:
-    """The packed-documents layout (:data:`PACKING_MODES`), checked."""
-    return check_choice(setting, value, PACKING_MODES)
 
 
 def check_dkv_comm_dtype(value, setting: str = "dkv_comm_dtype") -> str:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from ..layout.heads import check_head_split, kv_replication
 from ..layout.topology import Layout2D, check_placement, divisors
 from .attention_settings import check_attention_settings
+from .fields import fields_2d
 
 BACKEND_NAME = "2d"
 
@@ -104,10 +105,11 @@ def validate_2d_settings(
 
 
 def settings_from_config(config, **overrides) -> Settings2D:
-    """Validated settings from a TransformerConfig (fields ``cp_2d_*`` when present), with overrides. (Its attention
-    settings, dropout included, are :func:`.attention_settings.check_attention_settings`' to refuse.)"""
-    head_parallel_size = getattr(config, "cp_2d_head_parallel_size", None)
-    context_size = getattr(config, "cp_2d_context_size", None)
+    """Validated settings from a TransformerConfig (its ``cp_2d_*`` fields, :func:`.fields.fields_2d`), with
+    overrides. (Its attention settings, dropout included, are :func:`.attention_settings.check_attention_settings`'
+    to refuse.)"""
+    fields = fields_2d(config)
+    head_parallel_size, context_size = fields.cp_2d_head_parallel_size, fields.cp_2d_context_size
     hierarchical = getattr(config, "hierarchical_context_parallel_sizes", None)
     if head_parallel_size is None and hierarchical:
         # stock flags: --hierarchical-context-parallel-sizes HP CP gives the head x context split
@@ -120,8 +122,8 @@ def settings_from_config(config, **overrides) -> Settings2D:
     values = dict(
         head_parallel_size=head_parallel_size,
         context_size=context_size,
-        ring_window=getattr(config, "cp_2d_ring_window", 1),
-        placement=getattr(config, "cp_2d_placement", "head_first"),
+        ring_window=fields.cp_2d_ring_window,
+        placement=fields.cp_2d_placement,
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return validate_2d_settings(

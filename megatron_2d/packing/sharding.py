@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..layout.costs import H100
+
 if TYPE_CHECKING:
     from .calls import Runs
 
@@ -241,13 +243,10 @@ class PackingCost:
 
 
 def default_cost() -> PackingCost:
-    """The planner's 8xH100 figures (attention at its modelled efficiency, the ring on NVLink), MHA bf16, head dim
-    128: what :func:`shard_documents` assumes without a cost (pass ``PackedLayout(..., cost=)`` for a cluster's
-    own, e.g. its inter-node links, or a measured one)."""
-    from ..plan.hardware import get_cluster
-
-    h100 = get_cluster("8xH100")
-    return PackingCost.from_hardware(h100.peak_tflops * h100.attn_efficiency, h100.nvlink_gbps)
+    """The H100 figures of :mod:`megatron_2d.layout.costs` (the planner's 8xH100 preset: attention at its
+    modelled efficiency, the ring on NVLink), MHA bf16, head dim 128: what :func:`shard_documents` assumes without a
+    cost (pass ``PackedLayout(..., cost=)`` for a cluster's own, e.g. its inter-node links, or a measured one)."""
+    return PackingCost.from_hardware(H100.peak_tflops * H100.attn_efficiency, H100.nvlink_gbps)
 
 
 def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCost) -> np.ndarray:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..layout.topology import divisors
+from ..packing.modes import mode_class
 from .attention_time import RIDER_BYTES
 from .candidates import (
     KINDS,
@@ -433,9 +434,7 @@ def _packing_note(layout: Layout, packing: str | None) -> str:
     """What a packed row's numbers do not show about running it."""
     if layout.kind == "a2a+p2p":
         return "THD with a2a+p2p is not in a Transformer Engine release"
-    if packing == "documents":
-        return "documents mode: run examples/pretrain_gpt_2d.py (its data path splits the batch)"
-    return ""
+    return mode_class(packing).planner_note
 
 
 def _packed_work(layout: Layout, lengths, packing: str, window: int | None, cost) -> PackedWork:
@@ -515,8 +514,8 @@ def _flags(
         None if chosen.recompute_layers in (0, model.layers) else per_stage,
         dkv,
     )
-    if packing == "documents":
-        flags += " --cp-2d-packing documents --dataloader-inter-document-masking --no-rope-fusion"
+    if packing is not None:
+        flags += mode_class(packing).planner_flags
     mem_flags = chosen.states.option.flags(layout.kind, parallel.dp_size, layout.cp_size)
     flags += mem_flags if mem_flags.startswith(";") else " " + mem_flags
     return flags, hypothetical

@@ -32,7 +32,7 @@ from .memory import LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES, MemoryBreakdown, mem
 from .windows import WindowWork, packed_window_work, window_work
 
 if TYPE_CHECKING:
-    from .memory_options import ShardingCost
+    from .model_states import ShardingCost
     from .packed import PackedWork
 
 
@@ -372,11 +372,13 @@ def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTi
         tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
         fwd, bwd, ring_serial = tc, tcb, 0.0
         sent = traffic(work, links, cluster, hp, cp, w)
-    elif ww.transport != "neighbour":
+    elif ww.transport in ("double_ring", "local"):
         fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
         sent = traffic(work, links, cluster, hp, cp, w)
-    else:
+    elif ww.transport == "neighbour":
         fwd, bwd, ring_serial, sent = _neighbour_exchange_times(job, work, ww, links, tc, tcb)
+    else:
+        raise ValueError(f"the planner has no cost model for transport kind {ww.transport!r}")
     compute = (tc + tcb) if local_only else cp * (tc + tcb)
     return _AttentionTimes(a2a_one, fwd, bwd, ring_serial, compute, sent, links)
 

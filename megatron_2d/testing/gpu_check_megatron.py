@@ -271,7 +271,7 @@ def check_checkpoint_plus(kernel: str | None, device: torch.device) -> tuple[flo
     per layer and step (a recompute of it would run it twice). The keeper reads its recompute checks' verdicts
     (device-side, copied without blocking) at its next call: the second step reads the first step's, after a device
     synchronisation, so a failed check fails the row."""
-    from ..megatron import core_attention
+    from ..testing.kernel_counts import KernelForwards
 
     use_te = transformer_engine_problem(device) is None
     with megatron_state(device):
@@ -280,25 +280,17 @@ def check_checkpoint_plus(kernel: str | None, device: torch.device) -> tuple[flo
         plain = build_model("GPT", plain_cfg, use_te, kernel, device)
         model = build_model("GPT", cfg, use_te, kernel, device)
         copy_weights(plain, model)
-        expected = loss_and_grads(plain, plain_cfg, device)
-        calls = []
-        original = core_attention._attention_with_sinks
-
-        def counted(*args, **kwargs):
-            calls.append(1)
-            return original(*args, **kwargs)
-
-        core_attention._attention_with_sinks = counted
-        try:
+        with KernelForwards() as plain_forwards:
+            expected = loss_and_grads(plain, plain_cfg, device)
+        with KernelForwards() as forwards:
             first = loss_and_grads(model, cfg, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()  # the first step's verdicts have landed: the second step reads them
             second = loss_and_grads(model, cfg, device)
-        finally:
-            core_attention._attention_with_sinks = original
-        if len(calls) != 2 * cfg.num_layers:
+        if plain_forwards.count == 0 or forwards.count != 2 * plain_forwards.count:
             raise AssertionError(
-                f"attention ran {len(calls)} times in 2 steps of {cfg.num_layers} layers (recomputed?)"
+                f"the block kernels ran {forwards.count} forwards in 2 steps with Checkpoint++, against "
+                f"{plain_forwards.count} in 1 step without recompute (attention recomputed?)"
             )
         error = max(worst_difference(first, expected), worst_difference(second, expected))
         return error, "TE layers" if use_te else "local layers"
