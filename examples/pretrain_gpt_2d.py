@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_and_validate_args(
         extra_args_provider=add_2d_arguments, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}
     )
-    documents = getattr(args, "cp_2d_packing", "zigzag") == "documents"
+    documents = args.cp_2d_packing == "documents"  # add_2d_arguments' flag
     forward_step = documents_forward_step(stock) if documents else stock.forward_step
     pretrain(
         pretrain_cfg_container_from_args(args, gpt_config_from_args_2d(args)),

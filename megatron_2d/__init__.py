@@ -15,17 +15,17 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "attention_2d": "attention",
-    "kv_replication": "attention",
+    "kv_replication": "layout.heads",
     "latent_attention_2d": "latent_attention",
     "Groups2D": "groups",
     "build_2d_groups": "groups",
     "shard_sequence": "sequence_layout",
     "unshard_sequence": "sequence_layout",
-    "zigzag_chunks": "topology",
-    "PLACEMENTS": "topology",
-    "Layout2D": "topology",
-    "LayoutError": "topology",
-    "SlidingWindow": "band",
+    "zigzag_chunks": "layout.topology",
+    "PLACEMENTS": "layout.topology",
+    "Layout2D": "layout.topology",
+    "LayoutError": "layout.topology",
+    "SlidingWindow": "layout.band",
     "PackedLayout": "packed_layout",
 }
 

@@ -28,7 +28,9 @@ see nothing of others (windows, or documents that do not cross ranks).
 
 from __future__ import annotations
 
-import math
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,9 +40,10 @@ from .kept_forward import KeptForward
 from .kernels import select_kernel
 from .kernels.base import accumulator_dtype
 from .layout.band import SlidingWindow
-from .layout.block_calls import plan_context_group
+from .layout.block_calls import BlockCall, ContextPlan, plan_context_group
 from .layout.choices import check_dkv_comm_dtype
-from .layout.topology import divisors
+from .layout.heads import kv_replication
+from .layout.transports import transport_kind
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
 from .transport.base import LocalBlock, Transport
@@ -50,29 +53,44 @@ from .transport.neighbour_exchange import NeighbourExchange
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def kv_replication(num_q_heads: int, num_kv_heads: int, head_parallel_size: int) -> int:
-    """How many times each K/V head is repeated so that hp ranks split them evenly; raises if impossible."""
-    hq, hkv, hp = num_q_heads, num_kv_heads, head_parallel_size
-    if hq % hp != 0:
-        valid = divisors(hq)
+def _refuse_thd_without_packing(q: torch.Tensor, names: str) -> None:
+    if q.dim() == 3:
         raise ValueError(
-            f"head-parallel size {hp} does not divide the {hq} query heads on this rank; "
-            f"valid head-parallel sizes: {valid}"
+            f"{names} must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
+            f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
+            f"token belongs to"
         )
-    if hkv < 1 or hq % hkv != 0:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} K/V heads; GQA needs hkv dividing hq")
-    return math.lcm(hkv, hp) // hkv
+
+
+def _check_dtype(q: torch.Tensor) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+
+
+def _check_local_length(q: torch.Tensor, packed: bool) -> None:
+    if q.shape[0] % 2 != 0 and not packed:
+        raise ValueError(
+            f"the local sequence length {q.shape[0]} must be even: it holds two zigzag chunks "
+            f"(the global sequence must be divisible by 2*CP)"
+        )
+
+
+def check_query(q: torch.Tensor, packed: bool = False) -> None:
+    """Refuse a q the op cannot take by itself (4-D [s, b, hq, dk], a supported dtype, an even s), naming the values
+    (``packed``: THD's, as [t_local, 1, hq, dk]): MLA's check, whose latent is then checked against q."""
+    if not packed:
+        _refuse_thd_without_packing(q, "q")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [s, b, heads, d] (Megatron sbhd), got shape {tuple(q.shape)}")
+    _check_dtype(q)
+    _check_local_length(q, packed)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> None:
     """Refuse q, k, v the op cannot take (shapes, dtypes, devices), naming the values (``packed``: THD's, as
     [t_local, 1, heads, d])."""
-    if q.dim() == 3 and not packed:
-        raise ValueError(
-            f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
-            f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
-            f"token belongs to"
-        )
+    if not packed:
+        _refuse_thd_without_packing(q, "q, k, v")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be 4-D [s, b, heads, d] (Megatron sbhd), got shapes "
@@ -87,15 +105,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on sequence, batch and head dim")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    _check_dtype(q)
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[0] % 2 != 0 and not packed:
-        raise ValueError(
-            f"the local sequence length {q.shape[0]} must be even: it holds two zigzag chunks "
-            f"(the global sequence must be divisible by 2*CP)"
-        )
+    _check_local_length(q, packed)
 
 
 def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -119,9 +132,58 @@ def check_not_capturing(device: torch.device) -> None:
         )
 
 
-def _transport(groups: Groups2D, plan) -> Transport:
-    """The Double-Ring when every pair of context ranks has keys to see, else the neighbour exchange."""
-    return DoubleRing(groups) if plan.dense else NeighbourExchange(groups, plan.keys)
+@dataclass(frozen=True)
+class KeyRoutes:
+    """What the transport of a kind needs to know of one mask besides the groups."""
+
+    keys: Mapping | None = None
+    """neighbour: the keys of src's block dst's calls read, per (dst, src) (hulls, or KeyIntervals)."""
+    offsets: Sequence[int] | None = None
+    """neighbour: the offsets dst - src (mod cp) some pair needs (None: found from ``keys``)."""
+    ring_keys: int | None = None
+    """double_ring: the first keys of each block that travel (None: all)."""
+
+
+def _local_block(groups: Groups2D, routes: KeyRoutes) -> Transport:
+    return LocalBlock(groups.place.context_rank)
+
+
+def _neighbour_exchange(groups: Groups2D, routes: KeyRoutes) -> Transport:
+    return NeighbourExchange(groups, routes.keys, routes.offsets)
+
+
+def _double_ring(groups: Groups2D, routes: KeyRoutes) -> Transport:
+    return DoubleRing(groups, ring_keys=routes.ring_keys)
+
+
+TRANSPORTS: dict[str, Callable[[Groups2D, KeyRoutes], Transport]] = {
+    "local": _local_block,
+    "neighbour": _neighbour_exchange,
+    "double_ring": _double_ring,
+}
+"""The transport of each kind of :func:`megatron_2d.layout.transports.transport_kind`, built for one rank."""
+
+
+def zigzag_route(groups: Groups2D, s_local: int, plan: ContextPlan) -> tuple[str, KeyRoutes]:
+    """(transport kind, routes) of zigzag shards of ``s_local`` tokens per rank under the mask of ``plan``: every key
+    of a block may travel; the neighbour exchange sends the hull of the keys each pair's calls read."""
+    kind = transport_kind(groups.context_size, groups.head_parallel_size * s_local, plan.dense)
+    return kind, KeyRoutes(keys=plan.keys)
+
+
+def packed_route(
+    groups: Groups2D, packing: PackedLayout, causal: bool, window: SlidingWindow
+) -> tuple[str, KeyRoutes, dict[int, tuple[BlockCall, ...]]]:
+    """(transport kind, routes, this rank's calls per source) of one packed batch and mask: the ring carries the
+    layout's ring prefix; the neighbour exchange the keys each pair's calls read, packed together (the calls then
+    in those packed coordinates)."""
+    ring_tokens, cp = packing.ring_tokens, groups.context_size
+    neighbours = None if ring_tokens == 0 or cp == 1 else packing.neighbour_keys(causal, window)
+    kind = transport_kind(cp, ring_tokens, neighbours is None)
+    if kind == "neighbour":
+        return kind, KeyRoutes(keys=neighbours.keys, offsets=neighbours.offsets), neighbours.plans
+    ring_keys = ring_tokens if ring_tokens < packing.view_len else None
+    return kind, KeyRoutes(ring_keys=ring_keys), packing.plans(causal, window)
 
 
 def rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
@@ -152,8 +214,9 @@ def _setup(
             groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group
         )
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
+        kind, routes = zigzag_route(groups, s_local, plan)
         rc = RingContext(
-            transport=_transport(groups, plan),
+            transport=TRANSPORTS[kind](groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
             plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
             scale=scale,
@@ -161,6 +224,26 @@ def _setup(
         )
         cached = groups.op_cache[key] = (heads, rc)
     return cached
+
+
+class _GroupsKey:
+    """A cache key naming one Groups2D object (a mutable dataclass: unhashable) without keeping it alive: equal only
+    to a key of the same live object, so a Groups2D built after another was collected never meets its entries,
+    even at the same address."""
+
+    __slots__ = ("_ref", "_hash")
+
+    def __init__(self, groups: Groups2D) -> None:
+        self._ref, self._hash = weakref.ref(groups), id(groups)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _GroupsKey):
+            return NotImplemented
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
 
 
 def _packed_setup(
@@ -175,8 +258,9 @@ def _packed_setup(
     dkv_comm_dtype: str,
     head_dims: tuple[int, int],
 ):
-    """(head exchange, ring context) for one packed batch and call signature, cached on the layout."""
-    key = (id(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
+    """(head exchange, ring context) for one packed batch and call signature, cached on the layout (per groups
+    object: another Groups2D of the same layout has process groups and a byte counter of its own)."""
+    key = (_GroupsKey(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = packing.op_cache.get(key)
     if cached is None:
         heads = HeadExchange.build(
@@ -188,16 +272,9 @@ def _packed_setup(
             per_token=packing.head_unit == "token",
             head_ranks=groups.place.head_group,
         )
-        view_tokens, plans = packing.view_len, packing.plans(causal, window)
-        neighbours = None if packing.ring_tokens == 0 else packing.neighbour_keys(causal, window)
-        if packing.ring_tokens == 0 or groups.context_size == 1:
-            transport = LocalBlock(groups.place.context_rank)
-        elif neighbours is not None:  # some context ranks see nothing of others: direct exchange
-            transport, plans = NeighbourExchange(groups, neighbours.keys, neighbours.offsets), neighbours.plans
-        else:
-            transport = DoubleRing(groups, ring_keys=packing.ring_tokens if packing.ring_tokens < view_tokens else None)
+        kind, routes, plans = packed_route(groups, packing, causal, window)
         rc = RingContext(
-            transport=transport,
+            transport=TRANSPORTS[kind](groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
             plans=plans,
             scale=scale,
@@ -207,8 +284,8 @@ def _packed_setup(
     return cached
 
 
-def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
-    """Refuse THD q, k, v that do not fit ``packing`` (a PackedLayout of these groups), then :func:`check_inputs`."""
+def check_packing(groups: Groups2D, packing) -> None:
+    """Refuse a ``packing`` that is not a PackedLayout of these groups."""
     if not isinstance(packing, PackedLayout):
         raise TypeError(f"packing must be a megatron_2d.PackedLayout, got {type(packing).__name__}")
     if (packing.groups.layout, packing.groups.place) != (groups.layout, groups.place):
@@ -216,18 +293,37 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Grou
             "this PackedLayout was built for other groups than the ones passed to attention_2d; "
             "build it with PackedLayout(cu_seqlens, groups) for these groups"
         )
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"with packing, q, k, v must be 3-D [t_local, heads, d] (THD), got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+
+
+def _check_packed_tokens(q: torch.Tensor, groups: Groups2D, packing: PackedLayout) -> None:
+    """Refuse a THD q [t, hq, dk] whose t is not the layout's t_local."""
     if q.shape[0] != packing.local_tokens:
         raise ValueError(
             f"q holds {q.shape[0]} tokens, but the PackedLayout gives this rank t_local = "
             f"{packing.local_tokens} slots (T = {packing.total_tokens} over CP = "
             f"{groups.layout.cp_size}); shard the tensors with layout.shard"
         )
+
+
+def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
+    """Refuse THD q, k, v that do not fit ``packing`` (a PackedLayout of these groups), then :func:`check_inputs`."""
+    check_packing(groups, packing)
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"with packing, q, k, v must be 3-D [t_local, heads, d] (THD), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    _check_packed_tokens(q, groups, packing)
     check_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), packed=True)
+
+
+def check_packed_query(q: torch.Tensor, groups: Groups2D, packing) -> None:
+    """Refuse a THD q [t_local, hq, dk] that does not fit ``packing``, then :func:`check_query` (MLA's check)."""
+    check_packing(groups, packing)
+    if q.dim() != 3:
+        raise ValueError(f"with packing, q must be 3-D [t_local, heads, d] (THD), got shape {tuple(q.shape)}")
+    _check_packed_tokens(q, groups, packing)
+    check_query(q.unsqueeze(1), packed=True)
 
 
 def attention_2d(
@@ -260,11 +356,9 @@ def attention_2d(
             the CP group (as Megatron reduces replicated weights) it is the full gradient.
         dkv_comm_dtype: how dK/dV partials travel the ring in backward: "accumulator" (fp32, fp64 for fp64
             inputs: exact, the default) or "input" (q's dtype: Transformer Engine's bytes, rounded once per hop).
-            A hop adds its partials to the travelling rider in that dtype. bf16 dK/dV max relative error against
-            fp64 on the same rounded inputs (tools/dkv_dtype_error.py; 256 tokens per rank, ring hp 1 x cp):
-            cp 2: 6.5e-3 both; cp 4: 5.9e-3 vs 8.3e-3; cp 8: 8.2e-3 vs 1.2e-2; a simulated 64-hop rider sum
-            alone: 2.6e-8 vs 1.9e-2 (the bf16 output itself rounds at ~4e-3). The error of "input" grows with
-            the ring, so "accumulator" stays the default; "input" saves a third of the backward ring bytes.
+            A hop adds its partials to the travelling rider in that dtype. The error of "input" grows with the
+            ring (measured figures: docs/op.md, "Communication"), so "accumulator" stays the default; "input"
+            saves a third of the backward ring bytes.
         packing: a :class:`megatron_2d.PackedLayout` of these groups: THD tensors of packed documents, attention
             within each document only (causal and the window over positions within the document); padding
             slots give exact zeros in the output and the gradients.

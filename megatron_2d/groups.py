@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .deprecation import renamed_keywords, warn_renamed
 from .layout.block_calls import received_chunks
 from .layout.topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 from .transport.comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
@@ -48,12 +47,6 @@ class Groups2D:
 
     @property
     def ring_window(self) -> int:
-        return self.layout.ring_window
-
-    @property
-    def window_size(self) -> int:
-        """Deprecated name of :attr:`ring_window` (a DeprecationWarning)."""
-        warn_renamed("Groups2D.window_size", "Groups2D.ring_window")
         return self.layout.ring_window
 
     def received_chunks(self, context_rank: int) -> tuple[int, ...]:
@@ -128,7 +121,6 @@ def warm_up_p2p(group: dist.ProcessGroup | None, ring: Sequence[int], position: 
         work.wait()
 
 
-@renamed_keywords(window_size="ring_window")
 def build_2d_groups(
     head_parallel_size: int,
     ring_window: int = 1,
@@ -142,7 +134,6 @@ def build_2d_groups(
     Args:
         head_parallel_size: hp, ranks per head group (all-to-all over heads).
         ring_window: w, context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.
-            (``window_size=``, its deprecated name, still works this release, with a DeprecationWarning.)
         placement: "head_first" (head groups on adjacent ranks) or "context_first" (context rings adjacent).
         cp_rank_lists: global ranks of every CP group (each list ordered by CP rank); default one group of all ranks.
         timeout: timeout of the new process groups (when None: the default group's, else torch's default).

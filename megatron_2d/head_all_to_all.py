@@ -13,15 +13,12 @@ to_heads:   tensors [2c, b, H_i, d_i] (this rank's zigzag shard, all heads) -> o
 to_tokens:  groups [b, S, Hl, D] and the widths (d_i) of each group's tensors -> tensors [2c, b, H, d_i] (the
             inverse, also one all-to-all).
 Each is the other's backward. As an all-to-all, each direction copies the data twice, once into the send buffer and
-once out of the receive buffer (hp = 1 sends nothing: views, and one concatenating copy for a group of n > 1). With
-batch 1 and chunk units (Megatron's usual long-sequence case) on gloo, the exchange is point-to-point instead and
-copies once: one message per (group, peer, unit), each unit received straight into its ascending place (to_heads)
-or sent straight from it (to_tokens), this rank's own units copied directly. NCCL keeps the collective (the
-point-to-point path was measured on gloo only).
+once out of the receive buffer (hp = 1 sends nothing: views, and one concatenating copy for a group of n > 1), at
+every batch size and on every backend (a point-to-point variant for batch 1 on gloo measured no faster:
+docs/benchmarks.md).
 
 Head ranks follow the placement (:class:`~megatron_2d.layout.topology.RankPlace`), which need not be the group's rank
-order (``cp_rank_lists`` not ascending): the collective's slices are reordered to head ranks, and the
-point-to-point messages address the peers' global ranks.
+order (``cp_rank_lists`` not ascending): the collective's slices are reordered to head ranks.
 
 ``order`` sorts the units as received (by head rank, then zigzag half) into ascending order; a unit is a chunk of c
 tokens, or, for packed documents (``per_token``), a single token (Megatron's zigzag, so that each document's
@@ -43,8 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .kept_forward import KeptForward
-from .layout.choices import head_exchange_point_to_point
-from .transport.comm import CommCounter, all_gather_counted, all_to_all_counted, to_device, traffic_backend
+from .transport.comm import CommCounter, all_gather_counted, all_to_all_counted, to_device
 
 Widths = tuple[int, ...]  # the head dims of one group's tensors, in order
 
@@ -182,96 +178,6 @@ def _into_received(dst: torch.Tensor, y: torch.Tensor, order: torch.Tensor | Non
     return dst
 
 
-def _unit_pairs(ex: HeadExchange, unit: int, units: int):
-    """(head rank, unit j, its rows among that rank's 2c tokens, its rows among the S ascending tokens) for each of
-    the ``units`` units of ``unit`` tokens that this rank exchanges with every head rank (itself included)."""
-    for peer in range(ex.head_parallel_size):
-        for j in range(units):
-            p = ex.positions[peer * units + j]
-            yield peer, j, slice(j * unit, (j + 1) * unit), slice(p * unit, (p + 1) * unit)
-
-
-def _direct_to_heads(
-    xs: Sequence[torch.Tensor], grouping: Sequence[int], ex: HeadExchange, unit: int
-) -> list[torch.Tensor]:
-    """:func:`to_heads` for batch 1 by point-to-point messages: one pack copy of the heads sent to each peer (the
-    group's tensors side by side), no receive-side copy (each unit lands in its ascending place of the output
-    groups), this rank's own heads copied straight into place."""
-    two_c, b = xs[0].shape[:2]
-    hp, me, units = ex.head_parallel_size, ex.head_rank, two_c // unit
-    outs, ops, sent = [], [], 0
-    for g, (first, n) in enumerate(zip(_group_starts(grouping), grouping)):
-        members = xs[first : first + n]
-        hl, ws = members[0].shape[2] // hp, tuple(x.shape[-1] for x in members)
-        out = members[0].new_empty(b, hp * two_c, hl, sum(ws))  # [b, S (ascending), Hl, D]
-        outs.append(out)
-        by_rank = [x.view(two_c, b, hp, hl, x.shape[-1]) for x in members]
-        send = {}
-        for peer in range(hp):
-            if peer != me:
-                send[peer] = members[0].new_empty(two_c, b, hl, sum(ws))  # [2c, b, Hl, D]
-                for x, dst in zip(by_rank, _parts(send[peer], ws)):
-                    dst.copy_(x[:, :, peer])
-        for peer, j, rows, place in _unit_pairs(ex, unit, units):
-            dst = out[:, place]  # [b = 1, unit, Hl, D], contiguous
-            if peer == me:
-                for x, part in zip(by_rank, _parts(dst, ws)):
-                    part.copy_(x[rows, :, me].transpose(0, 1))
-                continue
-            tag = g * units + j
-            ops += [
-                dist.P2POp(dist.isend, send[peer][rows], ex.peers[peer], ex.group, tag),
-                dist.P2POp(dist.irecv, dst, ex.peers[peer], ex.group, tag),
-            ]
-            sent += dst.numel() * dst.element_size()
-    _run(ops, ex, sent)
-    return outs
-
-
-def _direct_to_tokens(
-    ys: Sequence[torch.Tensor], widths: Sequence[Widths], ex: HeadExchange, unit: int
-) -> list[torch.Tensor]:
-    """:func:`to_tokens` for batch 1 by point-to-point messages: units sent straight from the (contiguous) groups,
-    one copy of everything received into the outputs."""
-    b, S = ys[0].shape[:2]
-    hp, me = ex.head_parallel_size, ex.head_rank
-    two_c = S // hp
-    units = two_c // unit
-    outs, received, ops, sent = [], [], [], 0
-    for g, (y, ws) in enumerate(zip(ys, widths)):
-        y = y.contiguous()
-        hl = y.shape[2]
-        group_outs = [y.new_empty(two_c, b, hp, hl, w) for w in ws]  # [2c, b, H = hp * Hl, d_i]
-        recv = {peer: y.new_empty(two_c, b, hl, y.shape[-1]) for peer in range(hp) if peer != me}  # [2c, b, Hl, D]
-        for peer, j, rows, place in _unit_pairs(ex, unit, units):
-            src = y[:, place]  # [b = 1, unit, Hl, D], contiguous
-            if peer == me:
-                for out, part in zip(group_outs, _parts(src, ws)):
-                    out[rows, :, me].copy_(part.transpose(0, 1))
-                continue
-            tag = g * units + j
-            ops += [
-                dist.P2POp(dist.isend, src, ex.peers[peer], ex.group, tag),
-                dist.P2POp(dist.irecv, recv[peer][rows], ex.peers[peer], ex.group, tag),
-            ]
-            sent += src.numel() * src.element_size()
-        outs += group_outs
-        received.append((group_outs, recv, ws))
-    _run(ops, ex, sent)
-    for group_outs, recv, ws in received:
-        for peer, buf in recv.items():
-            for out, part in zip(group_outs, _parts(buf, ws)):
-                out[:, :, peer].copy_(part)
-    return [out.flatten(2, 3) for out in outs]
-
-
-def _run(ops: list, ex: HeadExchange, sent: int) -> None:
-    """Post every message of one exchange at once, wait for all of them and count the bytes sent."""
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    ex.counter.add("all_to_all", sent)
-
-
 class Direction(enum.Enum):
     """Which way the head all-to-all goes."""
 
@@ -289,11 +195,7 @@ class HeadExchange:
     group: dist.ProcessGroup | None
     counter: CommCounter
     per_token: bool = False  # order permutes single tokens (packed documents), not chunks
-    positions: tuple[int, ...] = ()  # ascending place of each received unit (host ints, for the direct path)
-    peers: tuple[int, ...] = ()  # global rank of each head rank
-    head_rank: int = 0
     head_of_group: tuple[int, ...] | None = None  # head rank of each group rank, where the two differ
-    backend: str | None = None  # the group's traffic backend (it chooses the path: point_to_point)
 
     @classmethod
     def build(
@@ -310,21 +212,15 @@ class HeadExchange:
         or a CPU LongTensor made ahead, e.g. by a PackedLayout) or None (the ring takes the units in the order
         received). The order goes to the device once, pinned and non-blocking: no host-device synchronisation.
         ``head_ranks``: the global ranks of the head group by head rank (the placement's order; default the group's
-        own order).
-
-        Batch 1 goes point to point only on gloo, where it was measured faster (one copy per direction instead
-        of two); on NCCL the collective all-to-all stays, until a GPU measurement says otherwise."""
+        own order)."""
         host = None if order is None else order.numpy() if isinstance(order, torch.Tensor) else np.asarray(order)
         if host is not None and np.array_equal(host, np.arange(len(host))):
-            order = host = None
+            order = None
         if isinstance(order, np.ndarray):
             order = torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
         as_tensor = None if order is None else to_device(order, torch.device(device))
-        positions = ()  # chunk units: the ascending place of each received unit
-        if host is not None and not per_token:
-            positions = tuple(np.argsort(host).tolist())
         if group is None:
-            return cls(hp, as_tensor, None, counter, per_token, positions)
+            return cls(hp, as_tensor, None, counter, per_token)
         by_group = tuple(dist.get_process_group_ranks(group))  # global ranks by group rank (ascending)
         peers = by_group if head_ranks is None else tuple(head_ranks)
         head_of_group = tuple(peers.index(r) for r in by_group)
@@ -334,25 +230,14 @@ class HeadExchange:
             group,
             counter,
             per_token,
-            positions,
-            peers,
-            peers.index(dist.get_rank()),
             None if head_of_group == tuple(range(hp)) else head_of_group,
-            traffic_backend(group),
         )
-
-    def point_to_point(self, batch: int) -> bool:
-        """Whether the exchange of a batch of ``batch`` sequences goes by point-to-point messages, unit by unit
-        (:func:`megatron_2d.layout.choices.head_exchange_point_to_point`, which the planner's copy count follows)."""
-        return head_exchange_point_to_point(self.backend, batch, bool(self.positions))
 
     def unit(self, tokens: int) -> int:
         """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""
         return 1 if self.per_token else tokens // 2
 
     def to_heads(self, xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> list[torch.Tensor]:
-        if self.point_to_point(xs[0].shape[1]):
-            return _direct_to_heads(xs, grouping, self, self.unit(xs[0].shape[0]))
         return to_heads(
             xs,
             grouping,
@@ -366,8 +251,6 @@ class HeadExchange:
 
     def to_tokens(self, ys: Sequence[torch.Tensor], widths: Sequence[Widths]) -> list[torch.Tensor]:
         unit = self.unit(ys[0].shape[1] // self.head_parallel_size)
-        if self.point_to_point(ys[0].shape[0]):
-            return _direct_to_tokens(ys, widths, self, unit)
         return to_tokens(
             ys, widths, self.head_parallel_size, self.order, unit, self.group, self.counter, self.head_of_group
         )

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from .attention import check_inputs, check_packed, check_sinks, prepare_call
+from .attention import check_packed_query, check_query, check_sinks, prepare_call
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllGather, HeadAllToAll
 from .kept_forward import KeptForward
+from .layout.heads import check_head_split
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention
 
@@ -107,15 +108,14 @@ def latent_attention_2d(
     Returns out [s, b, hq, dv] (or [t_local, hq, dv]) in q's dtype.
     """
     if packing is not None:
-        check_packed(q, q, q, groups, packing)
+        check_packed_query(q, groups, packing)
         q, latent = q.unsqueeze(1), latent.unsqueeze(1)  # [t_local, 1, ...]
     else:
-        check_inputs(q, q, q)
+        check_query(q)
     latent_dim = _check_latent(q, latent, up_weight, nope_dim, value_dim)
     check_sinks(sinks, q)
     hq, hp = q.shape[2], groups.head_parallel_size
-    if hq % hp:
-        raise ValueError(f"head-parallel size {hp} does not divide the {hq} query heads on this rank")
+    check_head_split(hq, hp)
     exchange, rc, local_sinks = prepare_call(
         q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=value_dim
     )

@@ -5,14 +5,9 @@
     q_local = layout.shard(q)        # [T, hq, d] -> [t_local, hq, d] (padding slots zero)
     out = megatron_2d.attention_2d(q_local, k_local, v_local, groups, packing=layout)
 
-Modes (sharding math in :mod:`megatron_2d.packing.sharding`, views in :mod:`megatron_2d.packing.views`):
-    zigzag      Megatron / Transformer Engine THD: every document padded to a multiple of 2*CP, CP rank i holds
-                its chunks i and 2*CP-1-i; every document's K/V travel the whole ring.
-    documents   short documents whole on one context rank (local attention, no ring traffic), long ones
-                zigzag-sharded over the context ranks; the ring carries the long tokens only.
-    sequence    Megatron's per-sequence zigzag (``--dataloader-inter-document-masking``): the whole packed stream
-                of T tokens (T divisible by 2*CP) cut into 2*CP chunks, CP rank i holding chunks i and 2*CP-1-i,
-                documents masked; no padding, every token travels the ring.
+Modes: "zigzag" (Megatron / Transformer Engine THD), "documents" (short documents whole on one context rank, long
+ones zigzag-sharded) and "sequence" (Megatron's per-sequence zigzag), each a class of
+:mod:`megatron_2d.packing.modes`, which lays the batch out (pure numpy); this object adds the torch side.
 Building a layout is collective over the CP group (it checks that every rank passed the same ``cu_seqlens``);
 everything else is numpy over all ranks at once (no per-rank loops), describing every view by its runs. It holds
 what the op needs for this batch (plans, index tensors), so calls on it make no host work and no host-device
@@ -29,22 +24,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .deprecation import warn_renamed
 from .groups import Groups2D
 from .layout.band import SlidingWindow
 from .layout.block_calls import BlockCall
-from .layout.choices import check_packing_mode
-from .layout.topology import Layout2D
 from .packing.calls import Runs, key_intervals, plan_view
-from .packing.sharding import (
-    DocumentSharding,
-    PackingCost,
-    documents_slots,
-    sequence_rows,
-    shard_documents,
-    zigzag_rows,
-)
-from .packing.views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
+from .packing.modes import PackingMode, mode_class
+from .packing.sharding import DocumentSharding, PackingCost
+from .packing.views import materialise
 from .transport.comm import check_same_on_every_rank, to_device
 from .transport.neighbour_exchange import KeyIntervals
 
@@ -89,7 +75,8 @@ class PackedLayout:
         cu_seqlens: cumulative real document lengths [D + 1], from 0, identical on every rank (int32/int64; a
             host array or CPU tensor keeps the build free of device reads).
         groups: from :func:`megatron_2d.build_2d_groups`; the layout only serves these groups.
-        mode: "zigzag", "documents" or "sequence" (:data:`megatron_2d.layout.choices.PACKING_MODES`).
+        mode: "zigzag", "documents" or "sequence" (:data:`megatron_2d.layout.choices.PACKING_MODES`; any mode of
+            :mod:`megatron_2d.packing.modes`' registry).
         cu_seqlens_padded: zigzag only: Megatron's padded cumulative lengths (each document a multiple of
             2*CP and at least its real length); default: each length rounded up to a multiple of 2*CP.
         long_threshold: documents only: shard documents longer than this (default: the cost rule of
@@ -97,12 +84,6 @@ class PackedLayout:
         cost: documents only: the :class:`megatron_2d.packing.sharding.PackingCost` that rule predicts step
             times with (default: the planner's H100 figures); identical on every rank.
     """
-
-    @property
-    def placement(self) -> DocumentSharding | None:
-        """Deprecated name of :attr:`sharding` (a DeprecationWarning): the documents mode's document sharding."""
-        warn_renamed("PackedLayout.placement", "PackedLayout.sharding")
-        return self.sharding
 
     def __init__(
         self,
@@ -114,49 +95,33 @@ class PackedLayout:
         long_threshold: int | None = None,
         cost: PackingCost | None = None,
     ) -> None:
-        check_packing_mode(mode, "PackedLayout mode")
+        mode_class(mode, "PackedLayout mode")
         if not isinstance(groups, Groups2D):
             raise TypeError(f"PackedLayout needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
         cu = _as_cu_seqlens(cu_seqlens, "cu_seqlens")
         self.cu_seqlens, self.groups, self.mode = cu, groups, mode
-        layout: Layout2D = groups.layout
-        CP, hp, cp = layout.cp_size, layout.head_parallel_size, layout.context_size
-        self.sharding: DocumentSharding | None = None
+        layout = groups.layout
         padded = None
         if cu_seqlens_padded is not None:
-            if mode != "zigzag":
+            if not mode_class(mode).takes_padded_lengths:
                 raise ValueError(
                     f"cu_seqlens_padded describes Megatron's per-document zigzag padding; the "
                     f"{mode} mode pads on its own: pass it only with mode='zigzag'"
                 )
             padded = np.diff(_as_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded"))
-            real = np.diff(cu)
-            if padded.shape != real.shape or (padded < real).any() or (padded % (2 * CP)).any():
-                raise ValueError(
-                    f"cu_seqlens_padded must give every document a length that is a multiple of "
-                    f"2*CP = {2 * CP} and at least its real length; got padded lengths "
-                    f"{padded[:8].tolist()} for real lengths {real[:8].tolist()} (first 8)"
-                )
-        self._padded = padded
-        if mode == "zigzag":
-            self.runs: Runs = zigzag_runs(cu, layout, padded)
-            self.view_len = zigzag_view_len(cu, layout, padded)
-            self.ring_tokens = self.view_len
-        elif mode == "documents":
-            self.sharding = shard_documents(cu, cp, hp, long_threshold=long_threshold, cost=cost)
-            self.runs = self.sharding.runs
-            self.view_len, self.ring_tokens = self.sharding.view_len, self.sharding.long_prefix
-        else:
-            if int(cu[-1]) % (2 * CP):
-                raise ValueError(
-                    f"the sequence mode cuts the packed stream into 2*CP = {2 * CP} equal chunks, as "
-                    f"Megatron's per-sequence split does, but it holds T = {int(cu[-1])} tokens; pad "
-                    f"the packed sequence to a multiple of {2 * CP} (Megatron's --seq-length must be)"
-                )
-            self.runs = sequence_runs(cu, layout)
-            self.view_len = self.ring_tokens = int(cu[-1]) // cp
-        order, self.head_unit = self._head_order(layout)
+        self._batch: PackingMode = mode_class(mode)(
+            cu, layout, padded_lengths=padded, long_threshold=long_threshold, cost=cost
+        )
+        self.runs: Runs = self._batch.runs
+        self.view_len, self.ring_tokens = self._batch.view_len, self._batch.ring_tokens
+        self.sharding: DocumentSharding | None = self._batch.sharding
+        order = None if layout.head_parallel_size == 1 else self._batch.head_order(groups.place.context_rank)
         self.head_order: torch.Tensor | None = None if order is None else torch.from_numpy(order)
+        """The order of this context rank's head all-to-all (a CPU tensor): ascending unit i of the ring's view is
+        unit head_order[i] as received (by head rank, then zigzag half); None when the received order is the
+        ring's."""
+        self.head_unit = "token" if order is None else self._batch.head_unit
+        """What ``head_order`` sorts: "token" or "chunk" (of T / 2CP tokens)."""
         fingerprint = zlib.crc32(cu.tobytes()) ^ (
             zlib.crc32(repr((mode, long_threshold, cost, None if padded is None else padded.tolist())).encode()) << 31
         )
@@ -176,57 +141,17 @@ class PackedLayout:
     # -- slots -------------------------------------------------------------------------------------
     def slots_of(self, cp_indices) -> np.ndarray:
         """[len(cp_indices), t_local] the slots of these CP ranks (stream index, -1 = padding)."""
-        layout = self.groups.layout
-        idx = np.asarray(cp_indices, dtype=np.int64)
-        if self.mode == "zigzag":
-            if layout.cp_size == 1 and self._padded is None:
-                return np.tile(np.arange(self.total_tokens, dtype=np.int64), (len(idx), 1))
-            return zigzag_rows(self.cu_seqlens, layout.cp_size, idx, self._padded)
-        if self.mode == "sequence":
-            return sequence_rows(self.total_tokens, layout.cp_size, idx)
-        hp, t_local = layout.head_parallel_size, self.local_tokens
-        cr = context_rank_of(layout, idx)
-        hr = idx % hp if layout.placement == "head_first" else idx // layout.context_size
-        wanted, row_view = np.unique(cr, return_inverse=True)  # the views asked for, materialised
-        mine = np.isin(self.runs.view, wanted)
-        runs = self.runs.select(mine)
-        full = materialise(
-            Runs(np.searchsorted(wanted, runs.view), runs.start, runs.length, runs.doc, runs.pos),
-            self.cu_seqlens,
-            len(wanted),
-            self.view_len,
-        )
-        return full.reshape(len(wanted), hp, t_local)[row_view, hr]
+        return self._batch.slots_of(cp_indices)
 
     @functools.cached_property
     def slots(self) -> np.ndarray:
         """[CP, t_local] every rank's slots (materialised on first use: CP * t_local entries)."""
-        layout = self.groups.layout
-        if self.mode == "documents":
-            return documents_slots(self.sharding, layout)
-        return self.slots_of(np.arange(layout.cp_size))
+        return self._batch.all_slots()
 
     @functools.cached_property
     def views(self) -> np.ndarray:
         """[cp, hp * t_local] every context rank's ring view (materialised on first use)."""
         return materialise(self.runs, self.cu_seqlens, self.groups.layout.context_size, self.view_len)
-
-    def _head_order(self, layout: Layout2D):
-        """(order, unit) of this context rank's head all-to-all (kept as a CPU tensor ``head_order``): ascending
-        unit i of the ring's view is unit order[i] as received (by head rank, then zigzag half); None when the
-        received order is the ring's.
-        zigzag sorts single tokens (each document's chunks from the hp head ranks become contiguous), sequence
-        sorts chunks of T / 2CP (the sbhd path's order); documents views are built in ring order."""
-        hp = layout.head_parallel_size
-        if hp == 1 or self.mode == "documents":
-            return None, "token"
-        cr = self.groups.place.context_rank
-        indices = layout.index_of(np.arange(hp), cr)
-        if self.mode == "sequence":
-            received = np.stack([indices, 2 * layout.cp_size - 1 - indices], axis=1).reshape(-1)  # chunk ids
-            return np.argsort(received, kind="stable"), "chunk"
-        received = self.slots_of(indices).reshape(-1)
-        return np.argsort(np.where(received < 0, np.iinfo(np.int64).max, received), kind="stable"), "token"
 
     # -- tokens ------------------------------------------------------------------------------------
     @property
@@ -303,9 +228,7 @@ class PackedLayout:
             "padding_fraction": self.padding_fraction,
             "ring_tokens": self.ring_tokens,
             "view_tokens": self.view_len,
-            "long_documents": (
-                int(len(self.sharding.long_docs)) if self.sharding is not None else len(self.cu_seqlens) - 1
-            ),
+            "long_documents": self._batch.long_documents,
         }
 
     # -- plans -------------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ def run_grid(rank, world, hp, w, placement):
         worst[(causal, "scale0.21", 32)] = check_case(
             groups, rank, world, torch.float32, causal, hq, hkv, 32, scale=0.21
         )
-    # batch 1 (the head exchange's point-to-point path), with the most K/V replication and without
+    # batch 1, with the most K/V replication and without
     for hq, hkv in (head_variants(hp)[0], head_variants(hp)[-1]):
         worst[(True, "b1-" + variant_id(hq, hkv, hp), 32)] = check_case(
             groups, rank, world, torch.float32, True, hq, hkv, 32, batch=1
@@ -241,7 +241,8 @@ def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
 
 
 def expected_bytes(world, hp, w, hq, hkv, s_local, batch, d, elt):
-    """Closed-form bytes one rank sends for one forward+backward (see megatron_2d.transport.double_ring for the schedule)."""
+    """Closed-form bytes one rank sends for one forward+backward (see megatron_2d.transport.double_ring for the
+    schedule)."""
     cp, windows = world // hp, world // hp // w
     heads_kv = math.lcm(hkv, hp)  # K/V heads after replication
     token_head_bytes = s_local * batch * d * elt
@@ -281,20 +282,19 @@ BYTE_CASES = [
 
 @pytest.mark.distributed
 def test_bytes_batch_one():
-    """Batch 1 takes the head exchange's point-to-point path: the same bytes as the all-to-all."""
+    """Batch 1: the same bytes as the closed form."""
     for hkv in (8, 1):  # K/V split, and replicated
         per_rank = run_on_ranks(8, run_bytes, 2, 2, "context_first", hkv, torch.float32, 1)
         expected = expected_bytes(8, 2, 2, 8, hkv, s_local=8, batch=1, d=64, elt=4)
         assert all(got == expected for got in per_rank), (per_rank[0], expected)
 
 
-def run_head_exchange_path(rank, world, backend):
-    """Batch 1 with the head exchange seeing ``backend``: which exchange functions ran, and the error."""
+def run_head_exchange_path(rank, world):
+    """Batch 1: which exchange functions ran, and the error."""
     import megatron_2d.head_all_to_all as exchange
 
-    exchange.traffic_backend = lambda group: backend  # this forked rank's view of the group's backend
     used = set()
-    for name in ("_direct_to_heads", "_direct_to_tokens", "to_heads", "to_tokens"):
+    for name in ("to_heads", "to_tokens"):
 
         def recorded(*args, _fn=getattr(exchange, name), _name=name, **kwargs):  # noqa: B008  (bound per name)
             used.add(_name)
@@ -306,12 +306,11 @@ def run_head_exchange_path(rank, world, backend):
 
 
 @pytest.mark.distributed
-def test_head_exchange_point_to_point_on_gloo_only():
-    """Batch 1: point to point where it was measured (gloo), the collective all-to-all on NCCL (faked here:
-    the exchange is told its group is NCCL's, the messages still go over gloo); exact both ways."""
-    for backend, path in (("gloo", ["_direct_to_heads", "_direct_to_tokens"]), ("nccl", ["to_heads", "to_tokens"])):
-        for err, used in run_on_ranks(4, run_head_exchange_path, backend):
-            assert used == path and err < TOLERANCE[torch.float32], (backend, used, err)
+def test_one_head_exchange_at_batch_one():
+    """Batch 1 on gloo takes the collective all-to-all like any batch (docs/benchmarks.md: a point-to-point path
+    measured no faster there), exactly."""
+    for err, used in run_on_ranks(4, run_head_exchange_path):
+        assert used == ["to_heads", "to_tokens"] and err < TOLERANCE[torch.float32], (used, err)
 
 
 def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
@@ -429,35 +428,6 @@ def test_bad_layouts_raise_on_every_rank(kwargs, message):
         run_on_ranks(4, run_bad_layout, kwargs, timeout_s=30)
 
 
-def run_deprecated_window_size(rank, world):
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        groups = megatron_2d.build_2d_groups(1, window_size=2, timeout=TIMEOUT)
-        window = groups.window_size
-    return groups.ring_window, window, [str(w.message) for w in caught if w.category is DeprecationWarning]
-
-
-@pytest.mark.distributed
-def test_window_size_is_the_deprecated_name_of_ring_window():
-    """build_2d_groups(window_size=) and Groups2D.window_size still work this release, each with a DeprecationWarning
-    naming ring_window; giving both names is a TypeError naming both (before any collective: no rank waits)."""
-    for ring_window, window, messages in run_on_ranks(2, run_deprecated_window_size, timeout_s=30):
-        assert (ring_window, window) == (2, 2)
-        assert any(
-            "build_2d_groups(window_size=) is deprecated" in m and "build_2d_groups(ring_window=)" in m
-            for m in messages
-        ), messages
-        assert any("Groups2D.window_size is deprecated" in m and "Groups2D.ring_window" in m for m in messages)
-    for call in (
-        lambda: megatron_2d.build_2d_groups(1, ring_window=2, window_size=2),
-        lambda: megatron_2d.build_2d_groups(1, 2, window_size=2),
-    ):
-        with pytest.raises(TypeError, match=r"got both ring_window= and its deprecated name window_size="):
-            call()
-
-
 def run_multi_group(rank, world):
     """Two CP groups of 4 ranks (strided like TP=2): each computes its own sequence independently."""
     lists = [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -482,7 +452,7 @@ def test_several_cp_groups():
 
 # ---- CP rank lists in any order ------------------------------------------------------------------------------
 # torch's new_group sorts its ranks, so a head group's group ranks need not be its head ranks (the placement's);
-# the head exchange routes by head rank on both paths (collective: batch 2; point-to-point: batch 1) and the
+# the head exchange routes by head rank (batch 2 and batch 1) and the
 # sinks slice follows the same head rank. Orders: reversed, shuffled, and two strided lists in descending order.
 RANK_ORDERS = [
     (2, 2, "head_first", [[7, 6, 5, 4, 3, 2, 1, 0]]),

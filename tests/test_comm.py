@@ -1,5 +1,5 @@
-"""Communication pieces (megatron_2d.transport.comm, megatron_2d.groups): the byte counter, ring and direct exchanges (the
-direct one on forked gloo ranks), the traffic backend of multi-backend groups."""
+"""Communication pieces (megatron_2d.transport.comm, megatron_2d.groups): the byte counter, ring and direct exchanges
+(the direct one on forked gloo ranks), the traffic backend of multi-backend groups."""
 
 import pytest
 import torch

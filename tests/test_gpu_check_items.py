@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_2d.bench import gpu_check
 from megatron_2d.kernels.cpu_flash import CpuFlashKernel
 from megatron_2d.layout.band import Band
+from megatron_2d.testing import gpu_check
 
 CPU = torch.device("cpu")
 
@@ -46,8 +46,8 @@ def test_tall_bands_pass_on_a_correct_kernel_and_fail_where_the_right_side_is_re
 
 
 def _megatron_rows(rank, world):
-    from megatron_2d.bench import gpu_check_megatron as gm
     from megatron_2d.megatron import checkpoint_plus, core_attention
+    from megatron_2d.testing import gpu_check_megatron as gm
     from megatron_2d.testing.gpu_check_runner import NotRun
 
     found = {

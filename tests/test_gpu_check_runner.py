@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from megatron_2d.bench import gpu_check
+from megatron_2d.testing import gpu_check
 from megatron_2d.testing.gpu_check_runner import FAIL, NOT_RUN, OK, Row, alive, run_streamed, summary
 
 MARKER = "MEGATRON_2D_GPU_CHECK_TEST"

@@ -60,7 +60,7 @@ def run_twice_guarded(rank, world, hp, w, window, batch, latent=False):
 @pytest.mark.parametrize(
     "hp, w, window, batch",
     [(2, 1, (-1, -1), 2), (2, 1, (-1, -1), 1), (1, 2, (-1, -1), 2), (1, 1, (3, 0), 2)],
-    ids=["2d_outer_ring", "2d_batch1_point_to_point", "ring_inner", "window_neighbour_exchange"],
+    ids=["2d_outer_ring", "2d_batch1", "ring_inner", "window_neighbour_exchange"],
 )
 def test_second_call_makes_no_setup_and_no_sync(hp, w, window, batch):
     assert all(run_on_ranks(4, run_twice_guarded, hp, w, window, batch))
@@ -69,7 +69,7 @@ def test_second_call_makes_no_setup_and_no_sync(hp, w, window, batch):
 @pytest.mark.parametrize(
     "hp, w, window, batch",
     [(2, 2, (-1, -1), 2), (2, 1, (-1, -1), 1), (1, 1, (3, 0), 2)],
-    ids=["2d_double_ring", "2d_batch1_point_to_point", "window_neighbour_exchange"],
+    ids=["2d_double_ring", "2d_batch1", "window_neighbour_exchange"],
 )
 def test_latent_ring_second_call_makes_no_setup_and_no_sync(hp, w, window, batch):
     assert all(run_on_ranks(4, run_twice_guarded, hp, w, window, batch, latent=True))

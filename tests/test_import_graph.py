@@ -192,3 +192,40 @@ def test_the_private_import_check_can_fail(tmp_path):
     (package / "a.py").write_text("def _helper():\n    pass\n")
     (package / "b.py").write_text("from .a import _helper\nfrom pkg.a import __doc__\n")
     assert private_imports(package, "pkg") == ["pkg.b: from .a import _helper"]
+
+
+def test_public_names_come_from_this_package():
+    """Every ``megatron_2d.<name>`` resolves to a module of this package (a stale entry of the lazy export table
+    would fail, or, with an editable install of another checkout on the path, quietly load that checkout's code)."""
+    import importlib
+
+    for name in megatron_2d.__all__:
+        module = importlib.import_module(f"megatron_2d.{megatron_2d._EXPORTS[name]}")
+        assert Path(module.__file__).resolve().is_relative_to(PACKAGE.resolve()), (name, module.__file__)
+        assert getattr(megatron_2d, name) is getattr(module, name)
+
+
+@pytest.mark.slow
+def test_the_op_never_loads_the_planner():
+    """A documents-mode sharding built without a cost (what ``PackedLayout(mode="documents")`` and the Megatron data
+    path build) takes its default figures from the pure layer: no module of megatron_2d.plan is loaded (the
+    planner's __init__ loads 17), and the default is the planner's 8xH100 preset on the kernel 2D selects there,
+    figure for figure."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from megatron_2d.packing.sharding import default_cost, shard_documents\n"
+        "shard_documents(np.array([0, 5, 900, 1000]), 4, 2)\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('megatron_2d.plan'))\n"
+        "assert not loaded, loaded\n"
+        "from megatron_2d.packing.sharding import PackingCost\n"
+        "from megatron_2d.plan.hardware import get_cluster\n"
+        "from megatron_2d.plan.kernel_rates import SELECTED_KERNEL\n"
+        "h = get_cluster('8xH100')\n"
+        "rate = h.peak_tflops * h.kernel_efficiency(SELECTED_KERNEL[h.arch])\n"
+        "assert default_cost() == PackingCost.from_hardware(rate, h.nvlink_gbps)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

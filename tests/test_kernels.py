@@ -343,8 +343,8 @@ def test_torch_flash_stand_in_varlen_window_against_max_k():
 
 
 def test_the_kernel_names_are_the_choices():
-    """The one list of kernel names (megatron_2d.layout.choices.KERNELS, what --cp-2d-kernel and cp_2d_kernel take) is the
-    registry's."""
+    """The one list of kernel names (megatron_2d.layout.choices.KERNELS, what --cp-2d-kernel and cp_2d_kernel
+    take) is the registry's."""
     from megatron_2d.layout.choices import KERNELS as NAMES
 
     assert set(KERNELS) == set(NAMES) and len(NAMES) == len(set(NAMES))

@@ -259,41 +259,6 @@ def test_config_accepts_per_layer_lists():
     assert config.cp_2d_head_parallel_size == 4
 
 
-def test_cp_2d_window_size_is_the_deprecated_name_of_cp_2d_ring_window():
-    """The old config field still works this release (copied into cp_2d_ring_window, with a DeprecationWarning
-    naming it); both set to different values is a ValueError naming both; without the 2d backend it is refused
-    like the new one."""
-    with pytest.warns(DeprecationWarning, match=r"cp_2d_window_size is deprecated .* use cp_2d_ring_window"):
-        config = TransformerConfig2D(**BASE, cp_2d_head_parallel_size=2, cp_2d_window_size=2)
-    assert (config.cp_2d_ring_window, config.cp_2d_window_size) == (2, None)
-    with pytest.warns(DeprecationWarning):
-        TransformerConfig2D(**BASE, cp_2d_head_parallel_size=2, cp_2d_ring_window=2, cp_2d_window_size=2)
-    with pytest.raises(
-        ValueError,
-        match=r"cp_2d_ring_window=2 and its deprecated name cp_2d_window_size=1 are both "
-        r"set, to different values; set cp_2d_ring_window only",
-    ):
-        TransformerConfig2D(**BASE, cp_2d_head_parallel_size=1, cp_2d_ring_window=2, cp_2d_window_size=1)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"\{'cp_2d_ring_window': 2\} are set"):
-        TransformerConfig2D(**{**BASE, "cp_comm_type": "p2p"}, cp_2d_window_size=2)
-
-
-def test_double_ring_window_is_the_deprecated_name_of_ring_window():
-    from megatron_2d.megatron.hybrid_spec import get_hybrid_stack_spec_2d
-
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"get_gpt_layer_spec_2d\(double_ring_window=\) is deprecated .* "
-        r"use get_gpt_layer_spec_2d\(ring_window=\)",
-    ):
-        spec = get_gpt_layer_spec_2d(use_transformer_engine=False, double_ring_window=2)
-    assert spec.submodules.self_attention.submodules.core_attention.params == {"ring_window": 2}
-    with pytest.warns(DeprecationWarning, match=r"get_hybrid_stack_spec_2d\(double_ring_window=\) is deprecated"):
-        get_hybrid_stack_spec_2d(use_transformer_engine=False, double_ring_window=2)
-    with pytest.raises(TypeError, match=r"got both ring_window= and its deprecated name double_ring_window="):
-        get_gpt_layer_spec_2d(use_transformer_engine=False, ring_window=2, double_ring_window=2)
-
-
 def run_misconfigured(rank, world, case):
     if case == "indivisible_sequence":
         tg.init_parallel(context_parallel_size=4)

@@ -44,7 +44,7 @@ LAYOUTS = [
     (8, 8, 1, "head_first"),
 ]
 # (causal, sliding window, batch, kernel, K/V heads): full and causal, a window narrow enough for the neighbour
-# exchange and one the Double-Ring carries, a window open on both sides, batch 1 (point-to-point head exchange),
+# exchange and one the Double-Ring carries, a window open on both sides, batch 1,
 # torch_math (native unequal head dims) besides cpu_flash (V padded), and one GQA case
 CASES = [
     (True, (-1, -1), 2, None, 8),
@@ -328,3 +328,26 @@ def test_ring_bytes_follow_the_closed_form_and_the_latent_ring_sends_an_eighth(h
         assert sent == {"expanded": expanded, "latent": latent}
     if hp == 1:  # DeepSeek-V3 at TP 8: 576 values per token against 16 x 320 = 5120
         assert latent / expanded <= 1 / 8
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, message",
+    [
+        (
+            (8, 4, 24),
+            torch.float32,
+            r"q must be 4-D \[s, b, heads, d\] \(Megatron sbhd\); a 3-D \(THD\) q \(8, 4, 24\)",
+        ),
+        ((8, 1, 4, 24, 1), torch.float32, r"q must be 4-D \[s, b, heads, d\] \(Megatron sbhd\), got shape"),
+        ((8, 1, 4, 24), torch.int32, r"dtype torch.int32 is not supported"),
+        ((7, 1, 4, 24), torch.float32, r"the local sequence length 7 must be even"),
+    ],
+)
+def test_latent_query_check_names_q_alone(shape, dtype, message):
+    """MLA's op checks q by itself (there are no k and v): check_query, not check_inputs(q, q, q)."""
+    from megatron_2d.attention import check_query
+
+    with pytest.raises(ValueError, match=message):
+        check_query(torch.zeros(shape, dtype=dtype))
+    check_query(torch.zeros(8, 1, 4, 24))
+    check_query(torch.zeros(7, 1, 4, 24), packed=True)  # THD slots as [t_local, 1, heads, d]: any count

@@ -15,7 +15,10 @@ import torch
 
 import megatron_2d
 from megatron_2d.layout.choices import PACKING_MODES
+from megatron_2d.packing.calls import Runs
+from megatron_2d.packing.modes import PackingMode, mode_class, mode_names, register, unregister
 from megatron_2d.packing.sharding import PackingCost, shard_documents, zigzag_slots
+from megatron_2d.packing.views import context_rank_of
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, packed_reference_attention, rel_err, rounded
 
@@ -463,3 +466,153 @@ def test_packed_window_bytes_follow_closed_form(left):
             assert windowed["neighbour"] == neighbours * len(LONG) * left * 2 * g * d * 12, (rank, mode, windowed)
             assert windowed["inner_ring"] == windowed["outer_ring"] == 0 and ring["neighbour"] == 0
             assert windowed["neighbour"] <= sum(ring.values()) * left / 28 / 2
+
+
+# -- a packing mode of the test's own: the PackingMode interface is all a mode needs ---------------------
+class ContiguousMode(PackingMode):
+    """The packed stream cut into CP contiguous pieces of K = T / CP tokens, CP rank i holding the i-th (documents
+    masked, no padding); a context rank's view is its hp ranks' pieces by head rank, all of it on the ring. Not a
+    library mode (causal work is unbalanced: the last rank computes most); it is written against the interface
+    only, registered here, and runs through PackedLayout and attention_2d without any library file knowing it."""
+
+    name = "contiguous"
+
+    def __init__(self, cu_seqlens, layout, **options) -> None:
+        super().__init__(cu_seqlens, layout)
+        T, CP, cp, hp = self.total_tokens, layout.cp_size, layout.context_size, layout.head_parallel_size
+        if T % CP:
+            raise ValueError(f"the contiguous mode needs T = {T} divisible by CP = {CP}")
+        K, cu = T // CP, self.cu_seqlens
+        bounds = np.union1d(cu, np.arange(CP) * K)  # a run starts at every document and every piece
+        start = bounds[:-1]
+        doc = np.searchsorted(cu, start, side="right") - 1
+        index = start // K  # the CP rank holding the run
+        head_rank = index % hp if layout.placement == "head_first" else index // cp
+        view = context_rank_of(layout, index)
+        self.runs = Runs(view, head_rank * K + start - index * K, np.diff(bounds), doc, start - cu[doc])
+        self.view_len = self.ring_tokens = hp * K
+
+
+@pytest.fixture
+def contiguous_mode():
+    register(ContiguousMode)
+    yield ContiguousMode
+    unregister(ContiguousMode.name)
+
+
+def test_a_registered_mode_is_a_mode_everywhere_a_name_is_checked(contiguous_mode):
+    assert mode_names() == (*PACKING_MODES, "contiguous") and PACKING_MODES == ("zigzag", "documents", "sequence")
+    assert mode_class("contiguous", "cp_2d_packing") is ContiguousMode
+    with pytest.raises(ValueError, match="registered already"):
+        register(ContiguousMode)
+    with pytest.raises(TypeError, match="PackingMode subclass"):
+        register(int)
+
+
+@pytest.mark.slow
+def test_a_library_mode_not_listed_in_the_choices_fails_the_import():
+    """The registry checks the library's modes against layout.choices.PACKING_MODES (the flag's choices) when
+    imported: a subprocess whose PACKING_MODES lacks one cannot import the modes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import megatron_2d.layout.choices as c\n"
+        "c.PACKING_MODES = ('zigzag', 'documents')\n"
+        "import megatron_2d.packing.modes\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0 and "list a new mode's name there too" in done.stderr, done.stderr
+
+
+def test_an_unregistered_mode_is_refused_with_the_registered_names():
+    with pytest.raises(ValueError, match=r"'contiguous' is not one of \['zigzag', 'documents', 'sequence'\]"):
+        mode_class("contiguous", "PackedLayout mode")
+
+
+@pytest.mark.parametrize("CP, hp, placement", [(8, 1, "head_first"), (8, 2, "context_first"), (6, 3, "head_first")])
+def test_a_test_modes_calls_are_each_documents_own_attention(contiguous_mode, CP, hp, placement):
+    """The mode's slots are its pieces, and its kernel calls (derived by the library from its runs alone) cover
+    exactly each document's visible pairs."""
+    from megatron_2d.groups import Groups2D
+    from megatron_2d.layout.band import SlidingWindow
+    from megatron_2d.layout.topology import Layout2D, place_all_ranks
+
+    lengths = np.array(LENGTHS["mixed"] + LENGTHS["one_long"] + [21])  # 1632 = 34 * 48
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    layout = Layout2D(CP, hp, 1, placement)
+    places = place_all_ranks(layout, [list(range(CP))], CP)
+    total = {True: 0, False: 0}
+    for place in places.values():
+        packed = megatron_2d.PackedLayout(cu, Groups2D(layout, place, None, None, None, None, None), mode="contiguous")
+        K = int(cu[-1]) // CP
+        assert (packed.local_indices().numpy() == np.arange(place.cp_index * K, (place.cp_index + 1) * K)).all()
+        assert (packed.slots == np.arange(CP * K).reshape(CP, K)).all()
+        if place.head_rank:  # one head rank per context rank: its view
+            continue
+        for causal in (True, False):
+            total[causal] += sum(
+                c.flops_units for calls in packed.plans(causal, SlidingWindow()).values() for c in calls
+            )
+    assert total[True] == int((lengths * (lengths + 1) // 2).sum())
+    assert total[False] == int((lengths**2).sum())
+
+
+CONTIGUOUS_LAYOUTS = [
+    (2, 1, 1, "head_first"),
+    (4, 2, 1, "context_first"),
+    (8, 2, 2, "head_first"),
+    (8, 4, 1, "context_first"),
+]
+
+
+def contiguous_cases(rank, world, hp, w, placement):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+    hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)
+    lengths = LENGTHS["per_sequence"]  # T = 816: divisible by every CP here
+    out = {}
+    for case, causal, window in ((True, True, (-1, -1)), (False, False, (-1, -1)), ("window", True, (20, 0))):
+        groups.comm_bytes.reset()
+        errs, padding, _, _ = run_packed(groups, "contiguous", lengths, causal, hq, hkv, window=window)
+        sent = groups.comm_bytes.as_dict()
+        out[case] = errs, padding, sent["neighbour"] + sent["inner_ring"] + sent["outer_ring"]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world, hp, w, placement",
+    CONTIGUOUS_LAYOUTS,
+    ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in CONTIGUOUS_LAYOUTS],
+)
+def test_a_test_mode_runs_exactly_through_attention_2d(contiguous_mode, world, hp, w, placement):
+    """Forward and backward of the test's own mode against the per-document fp64 reference (causal, unmasked,
+    a sliding window), on forked ranks: PackedLayout, the head all-to-all, the ring or neighbour exchange (K/V
+    bytes counted) and the kernel calls all come from the mode's runs."""
+    for rank, per_rank in enumerate(run_on_ranks(world, contiguous_cases, hp, w, placement)):
+        assert set(per_rank) == {True, False, "window"}
+        for case, (errs, padding, kv_bytes) in per_rank.items():
+            assert max(errs.values()) < TOLERANCE[torch.float32], (rank, case, errs)
+            assert padding["no_nan"] and padding["pad_zero"] and padding["pad_slots"] == 0, (rank, case, padding)
+            assert (kv_bytes > 0) == (world > hp), (rank, case, kv_bytes)  # K/V cross context ranks
+
+
+@pytest.mark.megatron
+def test_a_test_mode_in_the_megatron_checks(contiguous_mode):
+    """The Megatron glue asks the mode: a mode without a Megatron split keeps the configured name (its batches
+    carry their layout), and Mamba / GDN layers are refused for a mode that does not say it keeps Megatron's
+    per-document order; uneven loss masks need --calculate-per-token-loss."""
+    from types import SimpleNamespace
+
+    from megatron_2d.megatron import launch_checks
+    from megatron_2d.megatron.fields import NEEDS_2D, check_values
+
+    config = SimpleNamespace(
+        cp_2d_packing="contiguous", context_parallel_size=2, dataloader_inter_document_masking=True
+    )
+    check_values(config, NEEDS_2D)  # the config route's check of cp_2d_packing asks the registry
+    assert launch_checks.packing_mode(config) == "contiguous" and launch_checks.megatron_split(config) is None
+    with pytest.raises(ValueError, match="cp_2d_packing='contiguous' cannot run a model with Mamba"):
+        launch_checks.check_hybrid_layers(config, "M*")
+    args = SimpleNamespace(cp_2d_packing="contiguous", context_parallel_size=2, sft=True, cp_comm_type="2d")
+    assert "--calculate-per-token-loss" in launch_checks.loss_scaling_problem(args)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_2d import topology
+from megatron_2d.layout import topology
 from megatron_2d.layout.block_calls import plan_block
 from megatron_2d.plan import (
     CLUSTER_PRESETS,

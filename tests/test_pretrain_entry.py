@@ -103,44 +103,12 @@ def test_2d_flags_build_the_2d_config_and_spec(parse):
     assert spec.submodules.self_attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
 
 
-def test_cp_2d_window_size_is_the_deprecated_spelling_of_cp_2d_ring_window(parse, capsys):
-    """The old flag still works this release (a DeprecationWarning and a line on stderr naming the new one); both
-    given with different values stop with an error naming both (the next test)."""
-    flags = (
-        "--context-parallel-size",
-        "8",
-        "--cp-comm-type",
-        "2d",
-        "--cp-2d-head-parallel-size",
-        "2",
-        "--attention-dropout",
-        "0",
-    )
-    with pytest.warns(DeprecationWarning, match=r"--cp-2d-window-size is deprecated .* use --cp-2d-ring-window"):
-        args = parse(*flags, "--cp-2d-window-size", "2")
-    assert "--cp-2d-window-size is deprecated" in capsys.readouterr().err
-    with pytest.warns(DeprecationWarning, match=r"cp_2d_window_size is deprecated .* use cp_2d_ring_window"):
-        assert gpt_config_from_args_2d(args).transformer.cp_2d_ring_window == 2
-
-
-def test_cp_2d_window_size_and_cp_2d_ring_window_differing_stop(parse):
-    with pytest.warns(DeprecationWarning):
-        args = parse(
-            "--context-parallel-size",
-            "8",
-            "--cp-comm-type",
-            "2d",
-            "--cp-2d-head-parallel-size",
-            "2",
-            "--attention-dropout",
-            "0",
-            "--cp-2d-ring-window",
-            "4",
-            "--cp-2d-window-size",
-            "2",
-        )
-    with pytest.raises(ValueError, match=r"cp_2d_ring_window=4 and its deprecated name cp_2d_window_size=2"):
-        gpt_config_from_args_2d(args)
+def test_the_old_spelling_cp_2d_window_size_stops_at_parse(parse, capsys):
+    """--cp-2d-window-size (the Double-Ring window's name before 0.1.0 was released) is no flag: the command line
+    stops at parse, naming it, rather than running with the default window."""
+    with pytest.raises(SystemExit):
+        parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-window-size", "2")
+    assert "unrecognized arguments: --cp-2d-window-size 2" in capsys.readouterr().err
 
 
 MHA_MODEL = MODEL[: MODEL.index("--group-query-attention")] + MODEL[MODEL.index("--num-query-groups") + 2 :]

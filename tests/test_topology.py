@@ -157,18 +157,3 @@ def test_rank_list_errors(lists, world, message):
 def test_rank_lists_must_match_layout_size():
     with pytest.raises(LayoutError, match=r"CP groups have 2 ranks but the layout expects CP=4"):
         place_all_ranks(Layout2D(4, 2, 1), [[0, 1], [2, 3]], 4)
-
-
-def test_window_size_is_the_deprecated_name_of_ring_window():
-    """``window_size`` (the Double-Ring window's old name, also Megatron's sliding window) still works this release,
-    with a DeprecationWarning naming ring_window; giving both names is a TypeError naming both."""
-    with pytest.warns(
-        DeprecationWarning, match=r"Layout2D\(window_size=\) is deprecated .* use Layout2D\(ring_window=\)"
-    ):
-        layout = Layout2D(cp_size=8, head_parallel_size=2, window_size=2)
-    assert layout == Layout2D(8, 2, 2) and layout.ring_window == 2
-    with pytest.warns(DeprecationWarning, match=r"Layout2D.window_size is deprecated .* use Layout2D.ring_window"):
-        assert layout.window_size == 2
-    for call in (lambda: Layout2D(8, 2, ring_window=2, window_size=2), lambda: Layout2D(8, 2, 2, window_size=4)):
-        with pytest.raises(TypeError, match=r"Layout2D\(\) got both ring_window= and its deprecated name window_size="):
-            call()

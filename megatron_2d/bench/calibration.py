@@ -306,12 +306,33 @@ def report(
     samples: list[Sample], model: ModelSpec, m: MachineFigures, result: FitResult, seq: int, batch: int
 ) -> dict[str, object]:
     """Print predicted vs measured for every sample and the summary; return it all as a dict."""
-    rows, per_n = [], {}
+    rows = _sample_rows(samples, model, m, result, seq, batch)
+    _print_rows(rows, model, seq, batch)
+    _print_fit(m, result)
+    per_n: dict[int, list[dict[str, object]]] = {}
+    for r in rows:
+        per_n.setdefault(r["n"], []).append(r)
+    summary: dict[object, dict[str, object]] = {}
+    for n, rs in per_n.items():
+        summary[n] = _layouts_summary(rs)
+        _print_layouts_summary(n, summary[n])
+    summary["all"] = {
+        "verdict": verdict([r["rel_error"] for r in rows]),
+        "no_overlap_verdict": verdict([r["serial_rel_error"] for r in rows]),
+    }
+    _print_overall(summary["all"])
+    return {"rows": rows, "summary": summary, "fit": _fitted(m, result), "machine": _machine(m)}
+
+
+def _sample_rows(
+    samples: list[Sample], model: ModelSpec, m: MachineFigures, result: FitResult, seq: int, batch: int
+) -> list[dict[str, object]]:
+    """One record per sample (by N, then measured time): measured against the calibrated planner's prediction."""
+    rows = []
     for s in sorted(samples, key=lambda s: (s.n, s.seconds)):
-        cluster, raw_eff = calibrated_cluster(s.n, m, result)
+        cluster, _ = calibrated_cluster(s.n, m, result)
         parallel = ParallelSpec(gpus=s.n, cp=s.n, micro_batch=batch)
         e = evaluate(s.layout, model, cluster, parallel, seq).estimate
-        err = e.time_s / s.seconds - 1
         label = f"hp{s.layout.hp} x cp{s.layout.cp}  w{s.layout.w}  {s.layout.placement}"  # as bench_compare
         rows.append(
             {
@@ -319,7 +340,7 @@ def report(
                 "layout": label,
                 "measured_ms": s.seconds * 1e3,
                 "predicted_ms": e.time_s * 1e3,
-                "rel_error": err,
+                "rel_error": e.time_s / s.seconds - 1,
                 "compute_ms": e.compute_s * 1e3,
                 "serial_ms": (e.compute_s + e.comm_total_s) * 1e3,
                 "serial_rel_error": (e.compute_s + e.comm_total_s) / s.seconds - 1,
@@ -328,20 +349,25 @@ def report(
                 "measured_mib": s.bytes_measured / 2**20,
             }
         )
-        per_n.setdefault(s.n, []).append(rows[-1])
-    header = [
-        "N",
-        "layout",
-        "measured ms",
-        "predicted ms",
-        "rel err",
-        "compute ms",
-        "exposed comm ms",
-        "no-overlap ms",
-        "rel err",
-        "model MiB",
-        "measured MiB",
-    ]
+    return rows
+
+
+ROW_HEADER = [
+    "N",
+    "layout",
+    "measured ms",
+    "predicted ms",
+    "rel err",
+    "compute ms",
+    "exposed comm ms",
+    "no-overlap ms",
+    "rel err",
+    "model MiB",
+    "measured MiB",
+]
+
+
+def _print_rows(rows: list[dict[str, object]], model: ModelSpec, seq: int, batch: int) -> None:
     body = [
         [
             str(r["n"]),
@@ -358,14 +384,18 @@ def report(
         ]
         for r in rows
     ]
-    raw_eff = result.flops_per_s / m.peak_flops
-    link, a2a = result.nvlink_bytes_per_s, result.nvlink_a2a_bytes_per_s
     render_table(
         f"planner calibrated on this CPU: {model.name}, S={seq}, b={batch}; predicted vs measured",
-        header,
+        ROW_HEADER,
         body,
         width=175,
     )
+
+
+def _print_fit(m: MachineFigures, result: FitResult) -> None:
+    """What was measured on the machine, and the rates fitted to the samples."""
+    raw_eff = result.flops_per_s / m.peak_flops
+    link, a2a = result.nvlink_bytes_per_s, result.nvlink_a2a_bytes_per_s
     print(
         f"measured: {m.cores} cores; matmul peak {m.peak_flops / 1e9:.0f} GFLOP/s per core; copy "
         f"{m.copy_bytes_per_s / 1e9:.1f} GB/s per core; ring-step latency "
@@ -383,72 +413,72 @@ def report(
         )
         + f"; fit RMS residual {result.rms_residual_s * 1e3:.1f} ms"
     )
-    summary = {}
-    for n, rs in per_n.items():
-        meas = [r["measured_ms"] for r in rs]
-        pred = [r["predicted_ms"] for r in rs]
-        best_meas = min(rs, key=lambda r: r["measured_ms"])
-        best_pred = min(rs, key=lambda r: r["predicted_ms"])
-        best_serial = min(rs, key=lambda r: r["serial_ms"])
-        regret = best_pred["measured_ms"] / best_meas["measured_ms"] - 1
-        serial_regret = best_serial["measured_ms"] / best_meas["measured_ms"] - 1
-        serial_rho = spearman(meas, [r["serial_ms"] for r in rs])
-        bias = statistics.fmean(r["rel_error"] for r in rs)
-        spread = max(meas) / min(meas) - 1
-        summary[n] = {
-            "verdict": verdict([r["rel_error"] for r in rs]),
-            "bias": bias,
-            "spearman": spearman(meas, pred),
-            "measured_spread": spread,
-            "measured_best": best_meas["layout"],
-            "predicted_best": best_pred["layout"],
-            "regret": regret,
-            "no_overlap": {
-                "verdict": verdict([r["serial_rel_error"] for r in rs]),
-                "spearman": serial_rho,
-                "predicted_best": best_serial["layout"],
-                "regret": serial_regret,
-            },
-        }
-        print(
-            f"N={n}: {summary[n]['verdict']}; mean signed error {bias:+.0%}; measured layouts span {spread:.0%}; "
-            f"rank correlation {summary[n]['spearman']:+.2f}; measured best {best_meas['layout']}, predicted best "
-            f"{best_pred['layout']} (it measured {regret:+.0%} vs the best)"
-        )
-        print(
-            f"      no-overlap: {summary[n]['no_overlap']['verdict']}; rank correlation {serial_rho:+.2f}; "
-            f"predicted best {best_serial['layout']} (it measured {serial_regret:+.0%} vs the best)"
-        )
-    summary["all"] = {
-        "verdict": verdict([r["rel_error"] for r in rows]),
-        "no_overlap_verdict": verdict([r["serial_rel_error"] for r in rows]),
+
+
+def _layouts_summary(rs: list[dict[str, object]]) -> dict[str, object]:
+    """How well the predictions of one N's layouts rank and match the measurements, with and without overlap."""
+    meas = [r["measured_ms"] for r in rs]
+    best_meas = min(rs, key=lambda r: r["measured_ms"])
+    best_pred = min(rs, key=lambda r: r["predicted_ms"])
+    best_serial = min(rs, key=lambda r: r["serial_ms"])
+    return {
+        "verdict": verdict([r["rel_error"] for r in rs]),
+        "bias": statistics.fmean(r["rel_error"] for r in rs),
+        "spearman": spearman(meas, [r["predicted_ms"] for r in rs]),
+        "measured_spread": max(meas) / min(meas) - 1,
+        "measured_best": best_meas["layout"],
+        "predicted_best": best_pred["layout"],
+        "regret": best_pred["measured_ms"] / best_meas["measured_ms"] - 1,
+        "no_overlap": {
+            "verdict": verdict([r["serial_rel_error"] for r in rs]),
+            "spearman": spearman(meas, [r["serial_ms"] for r in rs]),
+            "predicted_best": best_serial["layout"],
+            "regret": best_serial["measured_ms"] / best_meas["measured_ms"] - 1,
+        },
     }
-    print(f"all samples: {summary['all']['verdict']}")
+
+
+def _print_layouts_summary(n: int, s: dict[str, object]) -> None:
+    serial = s["no_overlap"]
+    print(
+        f"N={n}: {s['verdict']}; mean signed error {s['bias']:+.0%}; measured layouts span "
+        f"{s['measured_spread']:.0%}; rank correlation {s['spearman']:+.2f}; measured best {s['measured_best']}, "
+        f"predicted best {s['predicted_best']} (it measured {s['regret']:+.0%} vs the best)"
+    )
+    print(
+        f"      no-overlap: {serial['verdict']}; rank correlation {serial['spearman']:+.2f}; "
+        f"predicted best {serial['predicted_best']} (it measured {serial['regret']:+.0%} vs the best)"
+    )
+
+
+def _print_overall(overall: dict[str, object]) -> None:
+    print(f"all samples: {overall['verdict']}")
     print(
         f"the same with no compute/communication overlap (compute + all communication serialised, Estimate."
-        f"comm_total_s): {summary['all']['no_overlap_verdict']}"
+        f"comm_total_s): {overall['no_overlap_verdict']}"
     )
     print(
         "notes: gloo's transfers on CPU are memory copies done by the ranks' own cores, so they rarely overlap "
         "compute as the model's rings assume; ranks share cores (f > 1), and 2-core timing noise is ~10-30%."
     )
-    fitted = {
+
+
+def _fitted(m: MachineFigures, result: FitResult) -> dict[str, object]:
+    return {
         "flops_per_s_per_core": result.flops_per_s,
-        "efficiency": raw_eff,
-        "link_bytes_per_s_per_core": link,
-        "a2a_bytes_per_s_per_core": a2a,
+        "efficiency": result.flops_per_s / m.peak_flops,
+        "link_bytes_per_s_per_core": result.nvlink_bytes_per_s,
+        "a2a_bytes_per_s_per_core": result.nvlink_a2a_bytes_per_s,
         "rms_residual_s": result.rms_residual_s,
     }
+
+
+def _machine(m: MachineFigures) -> dict[str, object]:
     return {
-        "rows": rows,
-        "summary": summary,
-        "fit": fitted,
-        "machine": {
-            "cores": m.cores,
-            "peak_flops": m.peak_flops,
-            "copy_bytes_per_s": m.copy_bytes_per_s,
-            "step_latency_s": m.step_latency_s,
-        },
+        "cores": m.cores,
+        "peak_flops": m.peak_flops,
+        "copy_bytes_per_s": m.copy_bytes_per_s,
+        "step_latency_s": m.step_latency_s,
     }
 
 

@@ -58,7 +58,6 @@ from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, blockwise_reference
 
 ROWS = (*PACKING_MODES, "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
-GRADS = ("out", "dq", "dk", "dv")
 
 
 # -- per-rank stats that do not come from a PackedLayout ------------------------------------------------------------
@@ -186,138 +185,149 @@ def bench_rank(rank, world, args, cases: list[Case], seq_case: Case | None, ring
     """Every row of every case on this rank: {(case, row): {...}}."""
     timeout = datetime.timedelta(seconds=args.timeout)
     groups = megatron_2d.build_2d_groups(args.hp, args.window, args.placement, timeout=timeout)
-    cp_index = groups.place.cp_index
-    scale = args.dim**-0.5
-    tol = TOLERANCES[torch.float32].end_to_end
-    out: dict = {}
+    rows = _Rows({}, TOLERANCES[torch.float32].end_to_end, args.repeats)
     cost = calibrate_cost(groups, args.heads, args.dim)
-    out["cost"] = cost
+    rows.out["cost"] = cost
+    for case in cases:
+        _bench_packing_modes(rows, groups, world, case, cost)
+        if ring_flash is not None:
+            _bench_ring_flash(rows, rank, world, case, ring_flash, args.dim**-0.5)
+    if seq_case is not None:
+        _bench_one_sequence(rows, groups, seq_case)
+    return rows.out
 
-    def run(key, idx, step_once, step_timed, bytes_fn, ref, ref_max):
+
+@dataclass
+class _Rows:
+    """The records of one rank's rows, {(case, row): {...}}, and how each is checked and timed."""
+
+    out: dict
+    tol: float
+    repeats: int
+
+    def run(self, key, idx, step_once, step_timed, bytes_fn, ref, ref_max) -> dict:
         """Check once (every rank agrees on pass/fail), then time; records errors, bytes and times."""
         results = step_once()
         errs = _agreed_errors(_errors(idx, results, ref))
         rel = [e / m for e, m in zip(errs, ref_max)]
-        entry = {"rel_err": max(rel), "ok": max(rel) <= tol, "bytes": bytes_fn()}
+        entry = {"rel_err": max(rel), "ok": max(rel) <= self.tol, "bytes": bytes_fn()}
         if entry["ok"]:
-            entry["wall"], entry["cpu"] = _time_step(step_timed, args.repeats)
-        out[key] = entry
+            entry["wall"], entry["cpu"] = _time_step(step_timed, self.repeats)
+        self.out[key] = entry
+        return entry
 
-    for case in cases:
-        q, k, v, dout = case.tensors
-        ref_max = [float(r.abs().max()) for r in case.reference]
-        for mode in PACKING_MODES:
-            if mode == "sequence" and int(case.cu_seqlens[-1]) % (2 * world):
-                continue
-            t0 = time.perf_counter()  # layout build + this rank's plans (once per batch)
-            layout = megatron_2d.PackedLayout(
-                case.cu_seqlens, groups, mode=mode, **({"cost": cost} if mode == "documents" else {})
-            )
-            layout.plans(True, SlidingWindow())
-            layout_s = time.perf_counter() - t0
-            idx = layout.local_indices()
-            ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
 
-            def once(layout=layout, ql=ql, kl=kl, vl=vl, dl=dl):
-                groups.comm_bytes.reset()
-                leaves = _leaves(ql, kl, vl)
-                o = megatron_2d.attention_2d(*leaves, groups, causal=True, packing=layout)
-                o.backward(dl)
-                return [o.detach()] + [x.grad for x in leaves]
+def _ours_sent(groups) -> dict[str, int]:
+    """What the op sent since the counter was reset: ring (Double-Ring or neighbour exchange) and all-to-all."""
+    b = groups.comm_bytes.as_dict()
+    return {"ring": b["inner_ring"] + b["outer_ring"] + b["neighbour"], "a2a": b["all_to_all"]}
 
-            def timed(layout=layout, ql=ql, kl=kl, vl=vl, dl=dl):
-                leaves = _leaves(ql, kl, vl)
-                megatron_2d.attention_2d(*leaves, groups, causal=True, packing=layout).backward(dl)
 
-            def sent():
-                b = groups.comm_bytes.as_dict()
-                return {"ring": b["inner_ring"] + b["outer_ring"] + b["neighbour"], "a2a": b["all_to_all"]}
-
-            run((case.name, mode), idx, once, timed, sent, case.reference, ref_max)
-            stats = layout.stats()
-            out[(case.name, mode)].update(
-                pairs=stats["pairs_max_over_mean"],
-                tokens=stats["tokens_max_over_mean"],
-                padding=stats["padding_fraction"],
-                ring_tokens=stats["ring_tokens"],
-                long_documents=stats["long_documents"],
-                layout_s=layout_s,
-            )
-
-        if ring_flash is not None:
-            slots = zigzag_slots(case.cu_seqlens, world)
-            idx = torch.from_numpy(slots[rank].copy())
-            pad = (idx < 0).view(-1, 1, 1)
-            padded = np.diff(case.cu_seqlens)
-            padded = -(-padded // (2 * world)) * (2 * world)
-            cu_local = torch.from_numpy(np.concatenate([[0], np.cumsum(padded // world)])).to(torch.int32)
-            max_local = int((padded // world).max())
-            counter = _count_ring_flash_sends(ring_flash)
-            p = slot_pairs(slots, case.cu_seqlens)
-            t = (slots >= 0).sum(axis=1)
-            for name, dtype in (("ring-flash-attn", torch.float32), ("ring-flash-attn fp64", torch.float64)):
-                ql, kl, vl, dl = (
-                    x.index_select(0, idx.clamp(min=0)).masked_fill(pad, 0).to(dtype) for x in (q, k, v, dout)
-                )
-
-                def once_rf(ql=ql, kl=kl, vl=vl, dl=dl):
-                    counter["bytes"] = 0
-                    leaves = _leaves(ql, kl, vl)
-                    o = ring_flash.zigzag_ring_flash_attn_varlen_func(
-                        *leaves, cu_local, max_local, softmax_scale=scale, causal=True, group=None
-                    )
-                    o.backward(dl)
-                    return [o.detach()] + [x.grad for x in leaves]
-
-                def timed_rf(ql=ql, kl=kl, vl=vl, dl=dl):
-                    leaves = _leaves(ql, kl, vl)
-                    ring_flash.zigzag_ring_flash_attn_varlen_func(
-                        *leaves, cu_local, max_local, softmax_scale=scale, causal=True, group=None
-                    ).backward(dl)
-
-                run(
-                    (case.name, name),
-                    idx,
-                    once_rf,
-                    timed_rf,
-                    lambda: {"ring": counter["bytes"], "a2a": 0},
-                    case.reference,
-                    ref_max,
-                )
-                out[(case.name, name)].update(
-                    pairs=_max_over_mean(p), tokens=_max_over_mean(t), padding=float((slots < 0).mean())
-                )
-
-    if seq_case is not None:
-        q, k, v, dout = (
-            megatron_2d.shard_sequence(x.unsqueeze(1), cp_index, groups.layout.cp_size) for x in seq_case.tensors
+def _bench_packing_modes(rows: _Rows, groups, world: int, case: Case, cost: PackingCost) -> None:
+    """The op on the case's packed batch in every packing mode (the sequence mode where 2*CP divides T)."""
+    q, k, v, dout = case.tensors
+    ref_max = [float(r.abs().max()) for r in case.reference]
+    for mode in PACKING_MODES:
+        if mode == "sequence" and int(case.cu_seqlens[-1]) % (2 * world):
+            continue
+        t0 = time.perf_counter()  # layout build + this rank's plans (once per batch)
+        layout = megatron_2d.PackedLayout(
+            case.cu_seqlens, groups, mode=mode, **({"cost": cost} if mode == "documents" else {})
         )
-        T = seq_case.tensors[0].shape[0]
-        ref_max = [float(r.abs().max()) for r in seq_case.reference]
-        chunk = T // (2 * groups.layout.cp_size)
-        first, second = megatron_2d.zigzag_chunks(cp_index, groups.layout.cp_size)
-        idx = torch.cat(
-            [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
-        )
+        layout.plans(True, SlidingWindow())
+        layout_s = time.perf_counter() - t0
+        idx = layout.local_indices()
+        ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
 
-        def once_seq():
+        def once(layout=layout, ql=ql, kl=kl, vl=vl, dl=dl):
             groups.comm_bytes.reset()
-            leaves = _leaves(q, k, v)
-            o = megatron_2d.attention_2d(*leaves, groups, causal=True)
-            o.backward(dout)
-            return [x.squeeze(1) for x in [o.detach()] + [y.grad for y in leaves]]
+            leaves = _leaves(ql, kl, vl)
+            o = megatron_2d.attention_2d(*leaves, groups, causal=True, packing=layout)
+            o.backward(dl)
+            return [o.detach()] + [x.grad for x in leaves]
 
-        def timed_seq():
-            leaves = _leaves(q, k, v)
-            megatron_2d.attention_2d(*leaves, groups, causal=True).backward(dout)
+        def timed(layout=layout, ql=ql, kl=kl, vl=vl, dl=dl):
+            leaves = _leaves(ql, kl, vl)
+            megatron_2d.attention_2d(*leaves, groups, causal=True, packing=layout).backward(dl)
 
-        def sent_seq():
-            b = groups.comm_bytes.as_dict()
-            return {"ring": b["inner_ring"] + b["outer_ring"] + b["neighbour"], "a2a": b["all_to_all"]}
+        entry = rows.run((case.name, mode), idx, once, timed, lambda: _ours_sent(groups), case.reference, ref_max)
+        stats = layout.stats()
+        entry.update(
+            pairs=stats["pairs_max_over_mean"],
+            tokens=stats["tokens_max_over_mean"],
+            padding=stats["padding_fraction"],
+            ring_tokens=stats["ring_tokens"],
+            long_documents=stats["long_documents"],
+            layout_s=layout_s,
+        )
 
-        run(("*", "one sequence"), idx, once_seq, timed_seq, sent_seq, seq_case.reference, ref_max)
-        out[("*", "one sequence")].update(pairs=1.0, tokens=1.0, padding=0.0)
-    return out
+
+def _bench_ring_flash(rows: _Rows, rank: int, world: int, case: Case, ring_flash, scale: float) -> None:
+    """ring-flash-attn's zigzag varlen ring on the same batch (Megatron's per-document zigzag slots), fp32 and fp64."""
+    q, k, v, dout = case.tensors
+    ref_max = [float(r.abs().max()) for r in case.reference]
+    slots = zigzag_slots(case.cu_seqlens, world)
+    idx = torch.from_numpy(slots[rank].copy())
+    pad = (idx < 0).view(-1, 1, 1)
+    padded = np.diff(case.cu_seqlens)
+    padded = -(-padded // (2 * world)) * (2 * world)
+    cu_local = torch.from_numpy(np.concatenate([[0], np.cumsum(padded // world)])).to(torch.int32)
+    max_local = int((padded // world).max())
+    counter = _count_ring_flash_sends(ring_flash)
+    p = slot_pairs(slots, case.cu_seqlens)
+    t = (slots >= 0).sum(axis=1)
+    for name, dtype in (("ring-flash-attn", torch.float32), ("ring-flash-attn fp64", torch.float64)):
+        ql, kl, vl, dl = (x.index_select(0, idx.clamp(min=0)).masked_fill(pad, 0).to(dtype) for x in (q, k, v, dout))
+
+        def once_rf(ql=ql, kl=kl, vl=vl, dl=dl):
+            counter["bytes"] = 0
+            leaves = _leaves(ql, kl, vl)
+            o = ring_flash.zigzag_ring_flash_attn_varlen_func(
+                *leaves, cu_local, max_local, softmax_scale=scale, causal=True, group=None
+            )
+            o.backward(dl)
+            return [o.detach()] + [x.grad for x in leaves]
+
+        def timed_rf(ql=ql, kl=kl, vl=vl, dl=dl):
+            leaves = _leaves(ql, kl, vl)
+            ring_flash.zigzag_ring_flash_attn_varlen_func(
+                *leaves, cu_local, max_local, softmax_scale=scale, causal=True, group=None
+            ).backward(dl)
+
+        def sent_rf():
+            return {"ring": counter["bytes"], "a2a": 0}
+
+        entry = rows.run((case.name, name), idx, once_rf, timed_rf, sent_rf, case.reference, ref_max)
+        entry.update(pairs=_max_over_mean(p), tokens=_max_over_mean(t), padding=float((slots < 0).mean()))
+
+
+def _bench_one_sequence(rows: _Rows, groups, seq_case: Case) -> None:
+    """The op on the whole batch as one sequence (no document masking): the unpacked baseline."""
+    cp_index, cp_size = groups.place.cp_index, groups.layout.cp_size
+    q, k, v, dout = (megatron_2d.shard_sequence(x.unsqueeze(1), cp_index, cp_size) for x in seq_case.tensors)
+    T = seq_case.tensors[0].shape[0]
+    ref_max = [float(r.abs().max()) for r in seq_case.reference]
+    chunk = T // (2 * cp_size)
+    first, second = megatron_2d.zigzag_chunks(cp_index, cp_size)
+    idx = torch.cat(
+        [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
+    )
+
+    def once_seq():
+        groups.comm_bytes.reset()
+        leaves = _leaves(q, k, v)
+        o = megatron_2d.attention_2d(*leaves, groups, causal=True)
+        o.backward(dout)
+        return [x.squeeze(1) for x in [o.detach()] + [y.grad for y in leaves]]
+
+    def timed_seq():
+        leaves = _leaves(q, k, v)
+        megatron_2d.attention_2d(*leaves, groups, causal=True).backward(dout)
+
+    entry = rows.run(
+        ("*", "one sequence"), idx, once_seq, timed_seq, lambda: _ours_sent(groups), seq_case.reference, ref_max
+    )
+    entry.update(pairs=1.0, tokens=1.0, padding=0.0)
 
 
 # -- driver -------------------------------------------------------------------------------------------------------

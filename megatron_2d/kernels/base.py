@@ -9,8 +9,9 @@ Layouts (the ring loop never sees a kernel's own signature or layout):
     lse                [b, h_q, s_q]      softmax log-sum-exp (natural log) of the scaled scores, in
                                           ``accumulator_dtype(q.dtype)`` (fp32; fp64 for fp64 inputs)
 
-``band`` (:class:`megatron_2d.layout.band.Band`, local top-left coordinates) says which keys each query sees: None = all,
-``Band(None, 0)`` on a square block = causal. Calls come trimmed (:meth:`Band.trim`): no query row is fully masked.
+``band`` (:class:`megatron_2d.layout.band.Band`, local top-left coordinates) says which keys each query sees:
+None = all, ``Band(None, 0)`` on a square block = causal. Calls come trimmed (:meth:`Band.trim`): no query row is
+fully masked.
 """
 
 from __future__ import annotations

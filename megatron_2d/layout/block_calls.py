@@ -45,10 +45,14 @@ class BlockCall(NamedTuple):
         nq, nk = self.q_end - self.q_start, self.k_end - self.k_start
         if self.band is None:
             return nq * nk
-        lo, hi = self.band.lo, self.band.hi
-        first = (lambda i: 0) if lo is None else (lambda i: max(0, i + lo))  # noqa: E731
-        last = (lambda i: nk - 1) if hi is None else (lambda i: min(nk - 1, i + hi))  # noqa: E731
-        return sum(max(0, last(i) - first(i) + 1) for i in range(nq))
+        return sum(_visible_keys(self.band, i, nk) for i in range(nq))
+
+
+def _visible_keys(band: Band, row: int, keys: int) -> int:
+    """How many of ``keys`` local keys query row ``row`` sees under ``band``."""
+    first = 0 if band.lo is None else max(0, row + band.lo)
+    last = keys - 1 if band.hi is None else min(keys - 1, row + band.hi)
+    return max(0, last - first + 1)
 
 
 def merge_calls(calls: list[BlockCall], along_keys: bool) -> list[BlockCall]:

@@ -4,8 +4,11 @@ Pure Python (no torch): the op, ``TransformerConfig2D``, the command-line flags,
 the names from here, and every route a setting comes in by (an op keyword, a config field, a flag) is checked by the
 same function, which names the setting as that route spells it.
 
+    PLACEMENTS        how the head and context groups lie on the ranks of a CP group: build_2d_groups(placement=),
+                      cp_2d_placement, --cp-2d-placement (the rank math they choose: topology.py, which checks them)
     PACKING_MODES     how packed documents (THD) are laid out over the CP group:
-                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing
+                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing (each mode is a class of
+                      :mod:`megatron_2d.packing.modes`, whose registry checks the names and holds these)
     DKV_COMM_DTYPES   the dtype dK/dV riders travel in, backward: attention_2d(dkv_comm_dtype=), cp_2d_dkv_comm_dtype,
                       --cp-2d-dkv-comm-dtype ("accumulator": fp32, exact; "input": the activation dtype)
     MLA_RINGS         what travels the ring under multi-latent attention: cp_2d_mla_ring, --cp-2d-mla-ring
@@ -16,10 +19,6 @@ same function, which names the setting as that route spells it.
     CHECKPOINT_KEEPS  what Selective Checkpoint++ keeps of attention between the first pass and the recompute:
                       selective_checkpoint_plus_plus_keep, --selective-checkpoint-plus-plus-keep ("outputs": out
                       and lse, the default; "attention-inputs": also the head-layout q and K/V, see kept_forward.py)
-    head_exchange_point_to_point / head_exchange_copies
-                      which path the head all-to-all takes, and so how many copies it makes (the op and the
-                      planner's cost model both ask here)
-(The placements are :data:`megatron_2d.layout.topology.PLACEMENTS`, beside the rank math they choose.)
 
     >>> check_dkv_comm_dtype("fp8", "cp_2d_dkv_comm_dtype")
     Traceback (most recent call last):
@@ -31,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+PLACEMENTS = ("head_first", "context_first")
 PACKING_MODES = ("zigzag", "documents", "sequence")
 DKV_COMM_DTYPES = ("accumulator", "input")
 MLA_RINGS = ("expanded", "latent")
@@ -54,11 +54,6 @@ def check_choice(setting: str, value, choices: Sequence[str]) -> str:
     return value
 
 
-def check_packing_mode(value, setting: str = "mode") -> str:
-    """The packed-documents layout (:data:`PACKING_MODES`), checked."""
-    return check_choice(setting, value, PACKING_MODES)
-
-
 def check_dkv_comm_dtype(value, setting: str = "dkv_comm_dtype") -> str:
     """The dK/dV riders' dtype name (:data:`DKV_COMM_DTYPES`), checked."""
     return check_choice(setting, value, DKV_COMM_DTYPES)
@@ -72,16 +67,3 @@ def check_mla_ring(value, setting: str = "cp_2d_mla_ring") -> str:
 def check_kernel(value, setting: str = "kernel") -> str | None:
     """A block kernel's name (:data:`KERNELS`) or None (chosen by device), checked."""
     return None if value is None else check_choice(setting, value, KERNELS)
-
-
-def head_exchange_point_to_point(backend: str, batch: int, chunk_units: bool) -> bool:
-    """Whether the head exchange goes by point-to-point messages rather than one collective all-to-all: batch 1
-    with zigzag chunk units (not the per-token order of packed documents) on gloo, where it was measured faster.
-    NCCL keeps the collective until a GPU measurement says otherwise."""
-    return backend == "gloo" and batch == 1 and chunk_units
-
-
-def head_exchange_copies(backend: str, batch: int, chunk_units: bool) -> int:
-    """Copies of the data one direction of the head exchange makes on each rank: 2 for the collective (into the
-    send buffer, out of the receive buffer), 1 point to point (units land in place; one pack or unpack copy)."""
-    return 1 if head_exchange_point_to_point(backend, batch, chunk_units) else 2

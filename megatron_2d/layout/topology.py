@@ -31,9 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..deprecation import renamed_keywords, warn_renamed
-
-PLACEMENTS = ("head_first", "context_first")
+from .choices import PLACEMENTS
 
 
 class LayoutError(ValueError):
@@ -64,8 +62,7 @@ def zigzag_chunks(cp_index: int, cp_size: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Layout2D:
     """The shape of 2D context parallelism inside one CP group of ``cp_size`` ranks: ``head_parallel_size`` (hp),
-    ``ring_window`` (w, the Double-Ring window) and ``placement``. (``window_size=`` is the deprecated name of
-    ``ring_window``: see :mod:`megatron_2d.deprecation`.)"""
+    ``ring_window`` (w, the Double-Ring window) and ``placement``."""
 
     cp_size: int
     head_parallel_size: int
@@ -89,12 +86,6 @@ class Layout2D:
                 f"ring window {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "
                 f"valid ring windows: {divisors(cp)}"
             )
-
-    @property
-    def window_size(self) -> int:
-        """Deprecated name of :attr:`ring_window` (a DeprecationWarning)."""
-        warn_renamed("Layout2D.window_size", "Layout2D.ring_window")
-        return self.ring_window
 
     @property
     def context_size(self) -> int:
@@ -176,10 +167,6 @@ class Layout2D:
     def inter_window_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
         """The outer rings: the context ranks with the same slot in every window (cp / w ranks each)."""
         return self._map(cp_ranks, self._inter_window_indices())
-
-
-# the generated constructor also takes ring_window's deprecated name, window_size= (with a DeprecationWarning)
-Layout2D.__init__ = renamed_keywords(window_size="ring_window")(Layout2D.__init__)
 
 
 def every_layout(cp_size: int) -> list[Layout2D]:

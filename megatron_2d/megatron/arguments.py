@@ -3,19 +3,16 @@
     --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-ring-window 2
     --cp-2d-placement head_first --attention-dropout 0.0
 
-Flag destinations equal TransformerConfig2D's field names, so megatron.training's
-``core_transformer_config_from_args(args, config_class=TransformerConfig2D)`` copies them into the config. The
-deprecated spelling --cp-2d-window-size lands in the config's deprecated field cp_2d_window_size, which the config
-checks against cp_2d_ring_window (the one validation path).
+The flags are the settings of the one table, :class:`.fields.Fields2D` (names, types, choices, defaults and help
+from there); their destinations equal TransformerConfig2D's field names, so megatron.training's
+``core_transformer_config_from_args(args, config_class=TransformerConfig2D)`` copies them into the config.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ..deprecation import RenamedFlag
-from ..layout.choices import CHECKPOINT_KEEPS, DKV_COMM_DTYPES, KERNELS, MLA_RINGS, PACKING_MODES, RECOMPUTE_CHECKS
-from ..layout.topology import PLACEMENTS
+from .fields import flag, flag_options, table
 from .launch_checks import check_launch_args
 from .settings import uses_2d
 
@@ -24,89 +21,11 @@ HYBRID_SPEC = ["megatron_2d.megatron.hybrid_spec", "hybrid_stack_spec_2d"]
 
 
 def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """An ``extra_args_provider`` for megatron.training's parse_and_validate_args."""
+    """An ``extra_args_provider`` for megatron.training's parse_and_validate_args: one flag per setting of the
+    table (:mod:`.fields`), its destination the setting's name."""
     group = parser.add_argument_group(title="2D context parallelism (megatron_2d, --cp-comm-type 2d)")
-    group.add_argument(
-        "--cp-2d-head-parallel-size",
-        type=int,
-        default=None,
-        help="hp: ranks per head group (all-to-all over heads); divides the context-parallel size "
-        "and the attention heads per TP rank. K/V heads are replicated when hp exceeds them.",
-    )
-    group.add_argument(
-        "--cp-2d-context-size",
-        type=int,
-        default=None,
-        help="cp: ranks per context ring; optional, checked to equal context-parallel-size / hp.",
-    )
-    group.add_argument(
-        "--cp-2d-ring-window",
-        type=int,
-        default=1,
-        help="w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.",
-    )
-    group.add_argument("--cp-2d-window-size", type=int, action=RenamedFlag, new_flag="--cp-2d-ring-window")
-    group.add_argument(
-        "--cp-2d-placement",
-        choices=PLACEMENTS,
-        default="head_first",
-        help="head_first: head groups on adjacent ranks (all-to-all on NVLink); context_first: "
-        "context rings on adjacent ranks (ring P2P on NVLink).",
-    )
-    group.add_argument(
-        "--cp-2d-dkv-comm-dtype",
-        choices=DKV_COMM_DTYPES,
-        default="accumulator",
-        help="dK/dV riders in backward: fp32 (accumulator, exact) or the activation dtype (input, "
-        "Transformer Engine's bytes, slightly larger error as the ring grows).",
-    )
-    group.add_argument(
-        "--cp-2d-packing",
-        choices=PACKING_MODES,
-        default="zigzag",
-        help="packed documents (THD): zigzag = Megatron's per-document split (--sft batches); "
-        "sequence = Megatron's per-sequence split (chosen by itself with "
-        "--dataloader-inter-document-masking without --sft); documents = short documents whole "
-        "on one context rank, long ones split (needs examples/pretrain_gpt_2d.py's data path, "
-        "with --dataloader-inter-document-masking or --sft).",
-    )
-    group.add_argument(
-        "--cp-2d-mla-ring",
-        choices=MLA_RINGS,
-        default="expanded",
-        help="with --multi-latent-attention: what travels the context ring. expanded = per-head K/V "
-        "(as every CP backend sends them); latent = the compressed KV and rope key, "
-        "up-projected by each rank for its own heads at every ring step (fewer bytes, more "
-        "FLOPs; python -m megatron_2d.plan compares both).",
-    )
-    group.add_argument(
-        "--cp-2d-kernel",
-        choices=KERNELS,
-        default=None,
-        help="the block kernel of every 2d attention layer; default: chosen by device (Hopper and later: te_fused, "
-        "torch_cudnn, flash_attn2, torch_flash; Ampere: flash_attn2 first), printed once on rank 0.",
-    )
-    group.add_argument(
-        "--selective-checkpoint-plus-plus",
-        action="store_true",
-        help="Selective Checkpoint++: with --recompute-granularity full, keep attention outputs and "
-        "log-sum-exp from the forward pass so the recompute pass skips attention.",
-    )
-    group.add_argument(
-        "--selective-checkpoint-plus-plus-check",
-        choices=RECOMPUTE_CHECKS,
-        default="tolerance",
-        help="how a recompute is compared with its first pass: within the dtype's rounding noise "
-        "(tolerance), or bit for bit (bitwise, a debug mode).",
-    )
-    group.add_argument(
-        "--selective-checkpoint-plus-plus-keep",
-        choices=CHECKPOINT_KEEPS,
-        default=CHECKPOINT_KEEPS[0],
-        help="what Selective Checkpoint++ keeps of attention until the recompute: outputs = the attention "
-        "output and its log-sum-exp (the recompute runs the head all-to-alls again, not the ring); "
-        "attention-inputs = also the head-layout q and K/V (more memory; the recompute sends nothing).",
-    )
+    for f, _ in table():
+        group.add_argument(flag(f.name), **flag_options(f))
     return parser
 
 
@@ -117,7 +36,7 @@ def transformer_config_from_args_2d(args: argparse.Namespace):
 
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from .config import Fields2D, MLATransformerConfig2D, TransformerConfig2D
+    from .config import MLATransformerConfig2D, TransformerConfig2D
 
     config = core_transformer_config_from_args(args, config_class=TransformerConfig2D)
     if isinstance(config, TransformerConfig2D) or not getattr(args, "multi_latent_attention", False):
@@ -125,7 +44,7 @@ def transformer_config_from_args_2d(args: argparse.Namespace):
     # megatron.training builds its own MLATransformerConfig for --multi-latent-attention whatever class it is
     # given: rebuild it with the 2D fields (from the same args)
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Fields2D) if hasattr(args, f.name)})
+    values.update({f.name: getattr(args, f.name) for f, _ in table() if hasattr(args, f.name)})
     return MLATransformerConfig2D(**values)
 
 

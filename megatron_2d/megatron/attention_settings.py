@@ -222,8 +222,6 @@ OUTSIDE = tuple(
 """.split()
 )
 
-MEGATRON_CORE_VERSION_CLASSIFIED = "0.19.2"
-
 
 def attention_refusals(config) -> list[str]:
     """Messages for every setting of ``config`` the 2d backend refuses (empty when all is fine)."""

@@ -40,7 +40,8 @@ import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
 
 from ..kept_forward import KeptForward
-from ..layout.choices import CHECKPOINT_KEEPS, RECOMPUTE_CHECKS, check_choice, choice_problem
+from ..layout.choices import CHECKPOINT_KEEPS, RECOMPUTE_CHECKS, check_choice
+from .fields import NEEDS_CHECKPOINT_PLUS, fields_2d, flag, table
 
 AttentionFn = Callable[..., torch.Tensor]  # (q, k, v[, sinks], kept=None) -> out
 _SAMPLES = 64  # elements per input compared between the first pass and the recompute
@@ -180,14 +181,13 @@ def check_checkpoint_plus_config(config) -> str | None:
             f"recompute_method 'uniform' or 'block' and recompute_num_layers (--recompute-granularity full "
             f"--recompute-method uniform --recompute-num-layers 1)"
         )
-    check = getattr(config, "selective_checkpoint_plus_plus_check", "tolerance")
-    problem = choice_problem("selective_checkpoint_plus_plus_check", check, RECOMPUTE_CHECKS)
-    if problem:
-        return f"{problem} (--selective-checkpoint-plus-plus-check)"
-    keep = getattr(config, "selective_checkpoint_plus_plus_keep", CHECKPOINT_KEEPS[0])
-    problem = choice_problem("selective_checkpoint_plus_plus_keep", keep, CHECKPOINT_KEEPS)
-    if problem:
-        return f"{problem} (--selective-checkpoint-plus-plus-keep)"
+    values = fields_2d(config)
+    for f, setting in table():  # the values of its settings (check, keep); as check_values, with the flag
+        if setting.needs == NEEDS_CHECKPOINT_PLUS and getattr(values, f.name) != f.default:
+            try:
+                setting.validate(f.name, getattr(values, f.name))
+            except ValueError as error:
+                return f"{error} ({flag(f.name)})"
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         return (
             "selective_checkpoint_plus_plus is not supported with fp8/fp4 recompute (megatron then uses "

@@ -28,13 +28,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
 from ..attention import attention_2d
-from ..deprecation import renamed_keywords
 from ..latent_attention import latent_attention_2d
 from ..layout.band import SlidingWindow
-from ..layout.choices import CHECKPOINT_KEEPS
 from ..packed_layout import PackedLayout
+from ..packing.modes import mode_class
 from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
+from .fields import fields_2d
 from .launch_checks import check_current_launch, packing_mode
 from .process_groups import group_registry
 from .settings import BACKEND_NAME, layer_settings, uses_2d
@@ -79,14 +79,13 @@ def _latent_attention_with_sinks(q, latent, up_weight, sinks=None, **kwargs):
 class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
-    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, ring_window (deprecated
-    name: double_ring_window), placement, and kernel (a :mod:`megatron_2d.kernels` name; the config's
-    cp_2d_kernel when None, chosen by device when that is None too). Megatron's sliding window (config.window_size,
-    window_attn_skip_freq) and softmax_type ("off-by-one", "learnable": attention sinks, parameter
-    ``softmax_offset``) are honoured.
+    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, ring_window, placement, and
+    kernel (a :mod:`megatron_2d.kernels` name; the config's
+    cp_2d_kernel when None, chosen by device when that is None too). Megatron's sliding window
+    (config.window_size, window_attn_skip_freq) and softmax_type ("off-by-one", "learnable": attention sinks,
+    parameter ``softmax_offset``) are honoured.
     """
 
-    @renamed_keywords(double_ring_window="ring_window")
     def __init__(
         self,
         config,
@@ -109,7 +108,7 @@ class CoreAttention2D(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.layer_number, self.attn_mask_type = layer_number, attn_mask_type
-        self.kernel = kernel if kernel is not None else getattr(config, "cp_2d_kernel", None)
+        self.kernel = kernel if kernel is not None else fields_2d(config).cp_2d_kernel
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         cp_size = pg_collection.cp.size() if pg_collection.cp is not None else 1
         self.delegate = None
@@ -151,13 +150,10 @@ class CoreAttention2D(MegatronModule):
         )
         self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         self.packing = packing_mode(config)  # the layout THD batches come in (config and launch)
-        # Selective Checkpoint++ (a config field of TransformerConfig2D; validated there)
+        fields = fields_2d(config)  # Selective Checkpoint++: fields of TransformerConfig2D, validated there
         self.keeper = (
-            AttentionKeeper(
-                getattr(config, "selective_checkpoint_plus_plus_check", "tolerance"),
-                getattr(config, "selective_checkpoint_plus_plus_keep", CHECKPOINT_KEEPS[0]),
-            )
-            if getattr(config, "selective_checkpoint_plus_plus", False)
+            AttentionKeeper(fields.selective_checkpoint_plus_plus_check, fields.selective_checkpoint_plus_plus_keep)
+            if fields.selective_checkpoint_plus_plus
             else None
         )
         self.sliding_window = None
@@ -295,7 +291,7 @@ class CoreAttention2D(MegatronModule):
             softmax_scale=self.softmax_scale,
             kernel=self.kernel,
             sliding_window=window,
-            dkv_comm_dtype=getattr(self.config, "cp_2d_dkv_comm_dtype", "accumulator"),
+            dkv_comm_dtype=fields_2d(self.config).cp_2d_dkv_comm_dtype,
             packing=packing,
         )
 
@@ -314,12 +310,13 @@ class CoreAttention2D(MegatronModule):
         return out.view(out.shape[0], out.shape[1], -1)  # [s/CP, b, hq/tp * dv]
 
     def _layout_of(self, packed_seq_params, mode: str) -> PackedLayout:
-        """The layout of a THD batch Megatron split itself ("zigzag": per document, from cu_seqlens_q (real) and
-        cu_seqlens_q_padded; "sequence": per sequence). The cu_seqlens live on the GPU in Megatron's batches:
-        reading them is this batch's one device-to-host copy (a layout built ahead, as the data path's
-        PackedSeqParams2D carry, needs none)."""
+        """The layout of a THD batch Megatron split itself, by the split of ``mode``
+        (:attr:`megatron_2d.packing.modes.PackingMode.megatron_split`): per sequence, the sequence layout; per
+        document (or a batch that should have carried its layout), the zigzag layout of cu_seqlens_q (real) and
+        cu_seqlens_q_padded. The cu_seqlens live on the GPU in Megatron's batches: reading them is this batch's one
+        device-to-host copy (a layout built ahead, as the data path's PackedSeqParams2D carry, needs none)."""
         real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
-        if mode == "sequence":
+        if mode_class(mode).megatron_split == "per-sequence":
             from .per_sequence import sequence_params
 
             return sequence_params(packed_seq_params, self.groups, torch.device("cpu")).layout
@@ -351,13 +348,13 @@ class CoreAttention2D(MegatronModule):
         if layout.mode != wanted and self.groups.layout.cp_size > 1:
             raise ValueError(
                 f"the 2d backend expects packed batches in the {wanted!r} layout (cp_2d_packing "
-                f"{getattr(self.config, 'cp_2d_packing', 'zigzag')!r}) but the batch comes in the "
+                f"{fields_2d(self.config).cp_2d_packing!r}) but the batch comes in the "
                 f"{layout.mode!r} layout: "
                 + (
-                    "build batches with megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank "
-                    "(examples/pretrain_gpt_2d.py does with --cp-2d-packing documents)"
-                    if wanted == "documents"
-                    else "set cp_2d_packing='documents' (--cp-2d-packing documents) for batches of that data path"
+                    f"build batches with {mode_class(wanted).data_path}"
+                    if mode_class(wanted).megatron_split is None
+                    else f"set cp_2d_packing={layout.mode!r} (--cp-2d-packing {layout.mode}) for batches of that "
+                    f"data path"
                 )
             )
         return layout

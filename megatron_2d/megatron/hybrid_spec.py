@@ -33,7 +33,6 @@ from typing import Any
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..deprecation import renamed_keywords
 from ..layout.hybrid_layers import MAMBA_EXPAND
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, check_hybrid_layers
@@ -110,7 +109,6 @@ def core_attention_spec(submodules) -> ModuleSpec | None:
     return core if isinstance(core, ModuleSpec) and core.module is CoreAttention2D else None
 
 
-@renamed_keywords(double_ring_window="ring_window")
 def get_hybrid_stack_spec_2d(
     use_transformer_engine: bool | None = None,
     *,
@@ -120,8 +118,7 @@ def get_hybrid_stack_spec_2d(
     kernel: str | None = None,
 ) -> ModuleSpec:
     """Megatron's hybrid stack spec (TE when installed, unless ``use_transformer_engine`` says otherwise) with
-    :class:`CoreAttention2D` in the attention layer; the keyword settings override the config's ``cp_2d_*``
-    (``double_ring_window=``: ring_window's deprecated name)."""
+    :class:`CoreAttention2D` in the attention layer; the keyword settings override the config's ``cp_2d_*``."""
     from .spec import transformer_engine_available
 
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine

@@ -69,8 +69,8 @@ def model_state_bytes_per_rank(
 ) -> dict[str, int]:
     """Persistent bytes of model state one rank holds, as megatron-core keeps them: {params, grads, optimizer}.
 
-    :func:`megatron_2d.layout.zero_sharding.state_bytes_per_rank` (its docstring has the table) with the bytes per element
-    of ``param_dtype`` and ``grad_dtype``; the planner calls the same function with byte counts."""
+    :func:`megatron_2d.layout.zero_sharding.state_bytes_per_rank` (its docstring has the table) with the bytes per
+    element of ``param_dtype`` and ``grad_dtype``; the planner calls the same function with byte counts."""
     return state_bytes_per_rank(
         num_params,
         hybrid_zero,

@@ -34,6 +34,8 @@ from ..layout.hybrid_layers import (
     mamba_cp_problem,
     mamba_num_heads,
 )
+from ..packing.modes import PackingMode, megatron_split_mode, mode_class
+from .fields import fields_2d
 from .settings import layer_comm_types, uses_2d
 
 PACKED_SEQUENCE_FLAGS: tuple[tuple[str, str], ...] = (("--reset-attention-mask", "reset_attention_mask"),)
@@ -60,12 +62,8 @@ def check_launch_args(args) -> None:
             f"or the documents layout of megatron_2d.megatron.packed_data, see "
             f"examples/pretrain_gpt_2d.py)"
         )
-    if getattr(args, "cp_2d_packing", "zigzag") == "sequence" and getattr(args, "sft", False):
-        raise ValueError(
-            "--cp-2d-packing sequence describes Megatron's per-sequence split, but --sft batches are "
-            "split per document (zigzag): drop --cp-2d-packing or --sft"
-        )
-    for problem in (loss_scaling_problem(args), ready_spec_pipeline_problem(args)):
+    checks = (chosen_mode(args).launch_problem, loss_scaling_problem, ready_spec_pipeline_problem)
+    for problem in (check(args) for check in checks):
         if problem:
             raise ValueError(problem)
 
@@ -90,7 +88,7 @@ def loss_scaling_problem(args) -> str | None:
     cp_size = getattr(args, "context_parallel_size", 1)
     if cp_size == 1 or getattr(args, "calculate_per_token_loss", False):
         return None
-    if getattr(args, "cp_2d_packing", "zigzag") == "documents":
+    if chosen_mode(args).token_weighted_loss:
         return None
     uneven = [flag for flag, dest in UNEVEN_LOSS_MASK_FLAGS if getattr(args, dest, False)]
     if not uneven:
@@ -137,24 +135,36 @@ def ready_spec_pipeline_problem(args) -> str | None:
     )
 
 
+def chosen_mode(config) -> type[PackingMode]:
+    """The packing mode ``config.cp_2d_packing`` names (a :mod:`megatron_2d.packing.modes` class; the table's
+    default when ``config`` has none)."""
+    return mode_class(fields_2d(config).cp_2d_packing, "cp_2d_packing")
+
+
 def packing_mode(config) -> str:
-    """The layout THD batches come in (a :data:`megatron_2d.layout.choices.PACKING_MODES` name): "documents" when
-    ``config.cp_2d_packing`` says so (the batches come from megatron_2d.megatron.packed_data); "sequence" when the
-    launch makes Megatron split them per sequence (--dataloader-inter-document-masking without --sft:
-    ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``) or the config says so; else "zigzag"
-    (Megatron's per-document split, --sft). ``config``: a TransformerConfig (the launch is the current one, if
-    any) or megatron.training's args (the launch itself)."""
-    chosen = getattr(config, "cp_2d_packing", "zigzag") or "zigzag"
-    if chosen == "documents":
-        return chosen
+    """The layout THD batches come in (a :data:`megatron_2d.layout.choices.PACKING_MODES` name): the configured
+    mode when only this library's data path builds its batches (documents: megatron_2d.megatron.packed_data);
+    "sequence" when the launch makes Megatron split them per sequence (--dataloader-inter-document-masking without
+    --sft: ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``) or the config says so; else the
+    configured one ("zigzag": Megatron's per-document split, --sft). ``config``: a TransformerConfig (the launch is
+    the current one, if any) or megatron.training's args (the launch itself)."""
+    chosen = chosen_mode(config)
+    if chosen.megatron_split is None:
+        return chosen.name
     launch = config if hasattr(config, "dataloader_inter_document_masking") else current_launch_args()
     if (
         launch is not None
         and getattr(launch, "dataloader_inter_document_masking", False)
         and not getattr(launch, "sft", False)
     ):
-        return "sequence"
-    return chosen
+        return megatron_split_mode("per-sequence").name
+    return chosen.name
+
+
+def megatron_split(config) -> str | None:
+    """Which of Megatron's splits (:data:`megatron_2d.packing.modes.MEGATRON_SPLITS`) gives the THD batches of
+    :func:`packing_mode`; None: this library's data path builds them."""
+    return mode_class(packing_mode(config)).megatron_split
 
 
 def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -> None:
@@ -162,26 +172,18 @@ def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -
     TransformerConfig, or megatron.training's args, which carry the same names):
 
     * Mamba / GDN heads that do not divide over TP x CP (their all-to-all spans the whole CP group, hp x cp);
-    * Mamba / GDN layers with ``cp_2d_packing="documents"``: they read tokens in Megatron's zigzag order, and the
-      documents layout keeps short documents whole on one rank instead (they would run on misordered tokens)."""
+    * Mamba / GDN layers on tokens in a packing mode that does not keep Megatron's per-document order
+      (:meth:`megatron_2d.packing.modes.PackingMode.ssm_problem`): the documents layout keeps short documents whole
+      on one rank, Megatron's per-sequence split cuts the stream regardless of documents (they would run on
+      misordered tokens)."""
     present = sorted(set(layers) & SSM_SYMBOLS)
     if not present:
         return
     names = {MAMBA: "Mamba (M)", GDN: "GDN (G)"}
-    if getattr(config, "cp_2d_packing", "zigzag") == "documents" and getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(
-            f"cp_2d_packing='documents' cannot run a model with {' and '.join(names[s] for s in present)}"
-            f" layers: Megatron's Mamba/GDN context parallelism reads tokens in its zigzag order, and the"
-            f" documents layout keeps short documents whole on one context rank; use cp_2d_packing="
-            f"'zigzag' (--cp-2d-packing zigzag, Megatron's THD split, e.g. --sft batches)"
-        )
-    if packing_mode(config) == "sequence" and getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(
-            f"Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
-            f"without --sft) cannot run a model with {' and '.join(names[s] for s in present)} layers: "
-            f"Megatron's Mamba/GDN context parallelism reads THD batches in the per-document order; use "
-            f"--sft batches (Megatron's per-document split)"
-        )
+    if getattr(config, "context_parallel_size", 1) > 1:
+        problem = mode_class(packing_mode(config)).ssm_problem(" and ".join(names[s] for s in present))
+        if problem:
+            raise ValueError(problem)
     tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     problems = []
     if MAMBA in present:

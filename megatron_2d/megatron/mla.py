@@ -41,7 +41,8 @@ from torch.nn.modules.module import _global_forward_pre_hooks
 
 from ..layout.choices import check_mla_ring
 from .core_attention import LatentDims
-from .launch_checks import packing_mode
+from .fields import fields_2d
+from .launch_checks import megatron_split
 
 LATENT = "latent"
 
@@ -52,7 +53,7 @@ def uses_mla(config) -> bool:
 
 def mla_ring(config) -> str:
     """What the ring carries for ``config``'s MLA layers: "expanded" (the default) or "latent"."""
-    return getattr(config, "cp_2d_mla_ring", "expanded")
+    return fields_2d(config).cp_2d_mla_ring
 
 
 def check_mla_settings(config) -> None:
@@ -67,7 +68,7 @@ def check_mla_settings(config) -> None:
             f"multi_latent_attention is off, so it would be ignored; drop it or build an "
             f"MLATransformerConfig2D (--multi-latent-attention)"
         )
-    if uses_mla(config) and packing_mode(config) == "sequence":
+    if uses_mla(config) and megatron_split(config) == "per-sequence":
         raise ValueError(
             "Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
             "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from ..attention import kv_replication
+from ..layout.heads import check_head_split, kv_replication
 from ..layout.topology import Layout2D, check_placement, divisors
 from .attention_settings import check_attention_settings
+from .fields import fields_2d
 
 BACKEND_NAME = "2d"
 
@@ -34,8 +35,8 @@ def uses_2d(cp_comm_type) -> bool:
 class Settings2D:
     """A model's 2D layout in Megatron's words: hp x cp = CP, the Double-Ring window w, placement.
 
-    The layout itself is ``layout``, the one :class:`~megatron_2d.layout.topology.Layout2D`, made (and so validated) once
-    when the settings are; the groups are built from it."""
+    The layout itself is ``layout``, the one :class:`~megatron_2d.layout.topology.Layout2D`, made (and so validated)
+    once when the settings are; the groups are built from it."""
 
     context_parallel_size: int
     head_parallel_size: int
@@ -90,13 +91,13 @@ def validate_2d_settings(
         raise ValueError(f"num_attention_heads {num_attention_heads} is not divisible by tensor parallel size {tp}")
     heads = num_attention_heads // tp
     kv_heads = max(1, (num_query_groups or num_attention_heads) // tp)  # Megatron gives each TP rank >= 1 group
-    if heads % hp != 0:
-        valid = [d for d in divisors(CP) if heads % d == 0]
-        raise ValueError(
-            f"head-parallel size {hp} does not divide the {heads} attention heads per tensor-parallel "
-            f"rank (num_attention_heads {num_attention_heads} / TP {tp}); valid head-parallel sizes "
-            f"for context_parallel_size={CP}: {valid}"
-        )
+    check_head_split(
+        heads,
+        hp,
+        heads=f"attention heads per tensor-parallel rank (num_attention_heads {num_attention_heads} / TP {tp})",
+        sizes=divisors(CP),
+        sizes_for=f" for context_parallel_size={CP}",
+    )
     kv_replication(heads, kv_heads, hp)
     if attention_dropout:
         check_attention_settings(SimpleNamespace(attention_dropout=attention_dropout))
@@ -104,10 +105,11 @@ def validate_2d_settings(
 
 
 def settings_from_config(config, **overrides) -> Settings2D:
-    """Validated settings from a TransformerConfig (fields ``cp_2d_*`` when present), with overrides. (Its attention
-    settings, dropout included, are :func:`.attention_settings.check_attention_settings`' to refuse.)"""
-    head_parallel_size = getattr(config, "cp_2d_head_parallel_size", None)
-    context_size = getattr(config, "cp_2d_context_size", None)
+    """Validated settings from a TransformerConfig (its ``cp_2d_*`` fields, :func:`.fields.fields_2d`), with
+    overrides. (Its attention settings, dropout included, are :func:`.attention_settings.check_attention_settings`'
+    to refuse.)"""
+    fields = fields_2d(config)
+    head_parallel_size, context_size = fields.cp_2d_head_parallel_size, fields.cp_2d_context_size
     hierarchical = getattr(config, "hierarchical_context_parallel_sizes", None)
     if head_parallel_size is None and hierarchical:
         # stock flags: --hierarchical-context-parallel-sizes HP CP gives the head x context split
@@ -120,8 +122,8 @@ def settings_from_config(config, **overrides) -> Settings2D:
     values = dict(
         head_parallel_size=head_parallel_size,
         context_size=context_size,
-        ring_window=getattr(config, "cp_2d_ring_window", 1),
-        placement=getattr(config, "cp_2d_placement", "head_first"),
+        ring_window=fields.cp_2d_ring_window,
+        placement=fields.cp_2d_placement,
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return validate_2d_settings(

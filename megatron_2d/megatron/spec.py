@@ -29,10 +29,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..deprecation import renamed_keywords
 from .attention_settings import check_attention_settings
 from .core_attention import CoreAttention2D
-from .launch_checks import check_current_launch, packing_mode
+from .launch_checks import check_current_launch, megatron_split
 from .mla import check_mla_settings, use_latent_ring
 from .per_sequence import SelfAttention2D
 from .process_groups import build_model_groups
@@ -98,7 +97,10 @@ def megatron_gpt_spec(config, vp_stage: int | None = None, use_transformer_engin
     t = transformer_config_of(config)
     _refuse_unsupported(config, t)
     use_te = _uses_transformer_engine(config, use_transformer_engine)
-    get = lambda name, default=None: getattr(t, name, default)  # noqa: E731  (config may be None)
+
+    def get(name: str, default=None):
+        return getattr(t, name, default)  # t is None without a config
+
     if get("num_moe_experts"):
         return get_gpt_decoder_block_spec(
             t,
@@ -148,7 +150,6 @@ def layer_specs_of(spec: LayerSpec):
     return list({id(layer): layer for layer in layers}.values())
 
 
-@renamed_keywords(double_ring_window="ring_window")
 def get_gpt_layer_spec_2d(
     config=None,
     vp_stage: int | None = None,
@@ -161,9 +162,9 @@ def get_gpt_layer_spec_2d(
 ) -> LayerSpec:
     """Megatron's GPT spec for ``config`` (a TransformerConfig, or pretrain's GPTModelConfig; see
     :func:`megatron_gpt_spec`) with :class:`CoreAttention2D` as core attention in every layer; the keyword
-    settings override the config's ``cp_2d_*`` fields (``double_ring_window=``: ring_window's deprecated name).
-    When packed batches come in Megatron's per-sequence split (:func:`packing_mode` "sequence"), self attention is
-    :class:`SelfAttention2D` (RoPE at each token's position in its document).
+    settings override the config's ``cp_2d_*`` fields.
+    When packed batches come in Megatron's per-sequence split (:func:`.launch_checks.megatron_split`), self
+    attention is :class:`SelfAttention2D` (RoPE at each token's position in its document).
 
     With a config, and once megatron's parallel state is initialized, it also builds the model's 2D groups
     (:func:`.process_groups.build_model_groups`, collective): call it on every rank, as Megatron's builder does,
@@ -179,7 +180,7 @@ def get_gpt_layer_spec_2d(
     use_te = _uses_transformer_engine(config, use_transformer_engine)
     check_mla_settings(transformer_config_of(config))
     # Megatron's per-sequence split of packed documents: RoPE at each token's position in its document
-    per_sequence = packing_mode(transformer_config_of(config)) == "sequence"
+    per_sequence = megatron_split(transformer_config_of(config)) == "per-sequence"
     for layer in layer_specs_of(spec):
         layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
         if per_sequence:

@@ -1,5 +1,6 @@
 """Document sharding: where each token of a packed batch goes, Megatron's per-document or per-sequence zigzag, or
-whole short documents. (Placement, head_first or context_first, is the rank order of :mod:`megatron_2d.layout.topology`.)
+whole short documents. (Placement, head_first or context_first, is the rank order of
+:mod:`megatron_2d.layout.topology`.)
 
 Pure numpy, no torch: the op's :class:`megatron_2d.PackedLayout` and the planner use the same sharding.
 
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ..layout.costs import H100
 
 if TYPE_CHECKING:
     from .calls import Runs
@@ -240,15 +243,10 @@ class PackingCost:
 
 
 def default_cost() -> PackingCost:
-    """The planner's 8xH100 figures (attention at the modelled efficiency of the kernel 2D selects there, the ring
-    on NVLink), MHA bf16, head dim 128: what :func:`shard_documents` assumes without a cost (pass
-    ``PackedLayout(..., cost=)`` for a cluster's own, e.g. its inter-node links, or a measured one)."""
-    from ..plan.hardware import get_cluster
-    from ..plan.kernel_rates import SELECTED_KERNEL
-
-    h100 = get_cluster("8xH100")
-    rate = h100.peak_tflops * h100.kernel_efficiency(SELECTED_KERNEL[h100.arch])
-    return PackingCost.from_hardware(rate, h100.nvlink_gbps)
+    """The H100 figures of :mod:`megatron_2d.layout.costs` (the planner's 8xH100 preset: attention at its
+    modelled efficiency, the ring on NVLink), MHA bf16, head dim 128: what :func:`shard_documents` assumes without a
+    cost (pass ``PackedLayout(..., cost=)`` for a cluster's own, e.g. its inter-node links, or a measured one)."""
+    return PackingCost.from_hardware(H100.peak_tflops * H100.attn_efficiency, H100.nvlink_gbps)
 
 
 def _screen(lengths: np.ndarray, by_length: np.ndarray, cp: int, cost: PackingCost) -> np.ndarray:

@@ -20,7 +20,8 @@ GPUs and lengths), paper (LoongTrain's reported figures), console (terminal help
 megatron_2d.plan``, ``... grid``, ``... paper``).
 """
 
-from .attention_time import layer_work, replicated_kv_heads
+from ..layout.heads import replicated_kv_heads
+from .attention_time import layer_work
 from .calibrate import FitResult, WorkCounts, calibrate, fit_rates, work_counts
 from .candidates import KINDS, Layout, check_layout, enumerate_layouts, megatron_flags
 from .hardware import (

@@ -26,11 +26,11 @@ figures are in hardware.py. Assumptions are marked as such.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
-from ..layout.choices import DKV_COMM_DTYPES, head_exchange_copies
+from ..layout.choices import DKV_COMM_DTYPES
+from ..layout.heads import replicated_kv_heads
 from ..layout.ring_schedule import double_ring_events, final_hop_link, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .link_classes import LinkClass, LinkMap
@@ -44,8 +44,9 @@ RIDER_BYTES = {"accumulator": FP32, "input": BF16}
 (:data:`megatron_2d.layout.choices.DKV_COMM_DTYPES`) in bf16 training: the accumulator dtype (fp32, the op's default) or
 the input dtype (bf16: Transformer Engine's rings, and the op with ``--cp-2d-dkv-comm-dtype input``)."""
 assert tuple(RIDER_BYTES) == DKV_COMM_DTYPES
-BACKEND = "nccl"
-"""The planner models GPU clusters: NCCL carries every transfer (it decides the head exchange's path)."""
+HEAD_EXCHANGE_COPIES = 2
+"""Copies of the data one direction of the op's head all-to-all makes on each rank: into the send buffer and out of
+the receive buffer (:mod:`megatron_2d.head_all_to_all`, on every backend and batch size)."""
 BWD_FACTOR = 2.5
 """Backward attention time / forward (FlashAttention recomputes P in backward: 2.5x the forward FLOPs executed)."""
 GB = 1e9
@@ -74,7 +75,7 @@ class LayerWork:
     """L/hp (the latent ring: the query heads of the rank, which it up-projects K/V for)."""
     a2a_local_bytes: float
     """Bytes of q, k, v and out on one rank before/after the all-to-all (one direction), each copied
-    :func:`head_exchange_copies` times (the collective: into the send buffer and out of the receive buffer)."""
+    :data:`HEAD_EXCHANGE_COPIES` times (into the send buffer and out of the receive buffer)."""
     merge_fwd_bytes: float
     """HBM traffic of one forward ring step's merge: read and write the fp32 output accumulator and read the
     step's output, 3 * 4 * s_ctx * (Ht/hp) * dv (a fused out/lse merge; lse is negligible)."""
@@ -96,14 +97,6 @@ class LayerWork:
 
 MLA_RINGS = ("expanded", "latent")
 """What a 2D MLA layer's ring carries: per-head K/V ("expanded", as every CP backend) or the latent ("latent")."""
-
-
-def replicated_kv_heads(kv_heads_tp: int, hp: int) -> int:
-    """L = lcm(Hkvt, hp): K/V heads after replication (factor L/Hkvt), so hp ranks each get whole heads.
-
-    Equals max(Hkvt, hp) whenever one divides the other (the paper's max(H_kv, d_hp)).
-    """
-    return math.lcm(kv_heads_tp, hp)
 
 
 def layer_work(
@@ -224,20 +217,19 @@ def worst_class(
 # -- the head all-to-all, the ring and the neighbour exchange ---------------------------------------------------
 
 
-def head_exchange_time(work: LayerWork, links: LinkMap, cluster: ClusterSpec, batch: int, chunk_units: bool) -> float:
-    """Seconds of one direction's head all-to-all (hp > 1): the transfer on the slowest rank's links, the copies of
-    the op's path (:func:`megatron_2d.layout.choices.head_exchange_copies` on NCCL: two), each read and written once in
-    HBM, and the fixed latency. ``chunk_units``: the zigzag chunks of an unpacked batch (not packed documents)."""
-    copies = head_exchange_copies(BACKEND, batch, chunk_units)
+def head_exchange_time(work: LayerWork, links: LinkMap, cluster: ClusterSpec) -> float:
+    """Seconds of one direction's head all-to-all (hp > 1): the transfer on the slowest rank's links, the op's
+    :data:`HEAD_EXCHANGE_COPIES` copies, each read and written once in HBM, and the fixed latency."""
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
-    return path_time(links.a2a, work.a2a_peer_bytes, cluster, "a2a") + 2 * copies * work.a2a_local_bytes / hbm + lat
+    copies = 2 * HEAD_EXCHANGE_COPIES * work.a2a_local_bytes / hbm  # each copy reads and writes once
+    return path_time(links.a2a, work.a2a_peer_bytes, cluster, "a2a") + copies + lat
 
 
 def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w: int, tc: float, tcb: float):
     """(forward, backward, serialised comm) seconds of the (double) ring; ``tc``/``tcb`` are one step's work.
 
-    Not a closed form: the op's own schedule (:func:`megatron_2d.layout.ring_schedule.double_ring_events`, the events the
-    ring loop executes) is replayed with modelled times: a compute takes ``tc`` (``tcb``), a K/V (dK/dV) transfer
+    Not a closed form: the op's own schedule (:func:`megatron_2d.layout.ring_schedule.double_ring_events`, the events
+    the ring loop executes) is replayed with modelled times: a compute takes ``tc`` (``tcb``), a K/V (dK/dV) transfer
     takes its path time on the inner or outer links, transfers on one link go one after another, and a wait
     blocks until its transfer is done. Forward reduces to the paper's Double-Ring formula
         R = w*Tc + (w-1)*relu(T_in(kv) - Tc),   fwd = nw*R + (nw-1)*relu(T_out(kv) - R);

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..layout.heads import head_split_problem, valid_head_parallel_sizes
 from ..layout.topology import Layout2D, LayoutError, divisors, every_layout
 from .hardware import ModelSpec, ParallelSpec
 from .memory import CHECKPOINT_PLUS_MODES, LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES
@@ -120,10 +121,10 @@ def check_layout(
     if seq % chunks:
         what = "CP" if k == "ds-ulysses" else "2*CP (zigzag: two chunks per rank)"
         return f"sequence length {seq} is not divisible by {what} = {chunks}; pad to {-(-seq // chunks) * chunks}"
-    if Ht % hp:
+    if head_split_problem(Ht, hp):
         return (
             f"hp={hp} does not divide the {Ht} query heads per TP rank; valid hp: "
-            f"{[h for h in divisors(CP) if Ht % h == 0]}"
+            f"{valid_head_parallel_sizes(Ht, divisors(CP))}"
         )
     if k == "2d":
         return None

@@ -79,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rank 2D-Attention (LoongTrain) layouts and Megatron's stock context "
         "parallelism by predicted attention time.",
     )
+    _model_arguments(p)
+    _cluster_arguments(p)
+    _link_arguments(p)
+    _job_arguments(p)
+    _packed_arguments(p)
+    _output_arguments(p)
+    return p
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model preset and its overrides."""
     g = p.add_argument_group("model")
     g.add_argument("--model", default="7B-GQA", help=f"preset: {', '.join(MODEL_PRESETS)} (default 7B-GQA)")
     for name, hlp in (
@@ -90,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("vocab", "vocabulary"),
     ):
         g.add_argument(f"--{name}", type=int, help=f"override the preset's {hlp}")
+
+
+def _cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The cluster preset and its overrides."""
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", default="8xH100", help=f"preset: {', '.join(CLUSTER_PRESETS)} (default 8xH100)")
     c.add_argument("--gpus", type=int, required=True, help="total GPUs (world size)")
@@ -118,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="fraction of GPU memory a layout may use (default 0.9: context, NCCL, fragmentation)",
     )
+
+
+def _link_arguments(p: argparse.ArgumentParser) -> None:
+    """Link efficiency and interference (defaults: megatron_2d.plan.links)."""
     e = p.add_argument_group("link efficiency (megatron_2d.plan.links: defaults from published NCCL measurements)")
     for flag, what in LINK_FLAGS.values():
         e.add_argument(flag, type=float, metavar="X", help=what)
@@ -126,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every flow at its nominal rate and no interference (then the flags above adjust that)",
     )
+
+
+def _job_arguments(p: argparse.ArgumentParser) -> None:
+    """The job: sequence, parallel sizes, mask; then how it may hold its memory."""
     j = p.add_argument_group("job")
     j.add_argument("--seq", type=parse_seq, required=True, help="sequence length: 131072, 128K or 1M")
     j.add_argument("--tp", type=int, default=1, help="tensor-parallel size (fixed)")
@@ -150,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
         "repeated over the layers, 'full' for a full causal layer (e.g. 128,full); p2p and a2a+p2p "
         "are then refused as Transformer Engine refuses them",
     )
+    _memory_arguments(j)
+
+
+def _memory_arguments(j: argparse._ArgumentGroup) -> None:
+    """Recompute, model-state options and the dK/dV riders' dtype (in the job's group)."""
     j.add_argument(
         "--recompute",
         default=AUTO,
@@ -196,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{fp32,bf16,fp16}",
         help="the older spelling of --dkv-comm-dtype: fp32 = accumulator, bf16 or fp16 = input",
     )
+
+
+def _packed_arguments(p: argparse.ArgumentParser) -> None:
+    """Packed documents: their lengths, from a file or a named distribution."""
     k = p.add_argument_group("packed documents (THD)")
     src = k.add_mutually_exclusive_group()
     src.add_argument(
@@ -210,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a named length distribution with --seq tokens in all (see megatron_2d.plan.lengths)",
     )
     k.add_argument("--lengths-seed", type=int, default=0, help="seed of --lengths-dist (default 0)")
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
+    """What to print or plot."""
     o = p.add_argument_group("output")
     o.add_argument("--top", type=_positive, default=15, help="feasible layouts to list (default 15)")
     o.add_argument("--all", action="store_true", help="list every feasible layout")
@@ -227,7 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_SEQS),
         help="sequence lengths for --plot (default 32K 64K 128K 256K 512K 1M)",
     )
-    return p
 
 
 def _specs(args):

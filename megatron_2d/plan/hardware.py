@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ..layout.costs import H100
 from ..layout.topology import divisors
 from .errors import PlanError
 from .kernel_rates import ARCHITECTURES, kernel_rate
@@ -330,13 +331,13 @@ head per TP rank) with PP=2 so that its model states leave room for activations 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     c.name: c
     for c in (
-        # H100 SXM: 989 TFLOP/s bf16, NVLink 4 450 GB/s/direction, 8 x 400 Gb/s NICs (field-and-peers.md).
+        # H100 SXM: the GPU figures of megatron_2d.layout.costs, 8 x 400 Gb/s NICs (field-and-peers.md).
         ClusterSpec(
             "8xH100",
             gpus_per_node=8,
-            peak_tflops=989.0,
+            peak_tflops=H100.peak_tflops,
             attn_efficiency=None,
-            nvlink_gbps=450.0,
+            nvlink_gbps=H100.nvlink_gbps,
             net_gbps_per_node=400.0,
             nics_per_node=8,
             gpu_memory_gb=80.0,
@@ -345,9 +346,9 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         ClusterSpec(
             "8xH200",
             gpus_per_node=8,
-            peak_tflops=989.0,
+            peak_tflops=H100.peak_tflops,
             attn_efficiency=None,
-            nvlink_gbps=450.0,
+            nvlink_gbps=H100.nvlink_gbps,
             net_gbps_per_node=400.0,
             nics_per_node=8,
             gpu_memory_gb=141.0,

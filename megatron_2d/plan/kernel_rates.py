@@ -18,17 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout.choices import KERNELS
+from ..layout.costs import H100_CUDNN_EFFICIENCY, fwd_bwd_efficiency
 from .errors import PlanError
 
 ARCHITECTURES = ("ampere", "hopper")
 
 FA3_PAPER = "FlashAttention-3 paper (Shah et al., arXiv 2407.08608), H100 SXM5, head dim 128, 16K tokens"
 FA2_PAPER = "FlashAttention-2 paper (Dao, arXiv 2307.08691), A100"
-
-
-def fwd_bwd_efficiency(fwd_tflops: float, bwd_tflops: float, peak_tflops: float) -> float:
-    """The forward + backward share of peak from each pass's rate (backward FLOPs = 2.5 x forward)."""
-    return 3.5 / (1.0 / fwd_tflops + 2.5 / bwd_tflops) / peak_tflops
 
 
 @dataclass(frozen=True)
@@ -40,7 +36,7 @@ class KernelRate:
     estimated: bool = False
 
 
-_CUDNN_H100 = fwd_bwd_efficiency(539, 516, 989)  # the paper's cuDNN bars: causal forward, backward
+_CUDNN_H100 = H100_CUDNN_EFFICIENCY  # the paper's cuDNN bars: causal forward 539, backward 516 TFLOP/s
 _FA2_H100 = fwd_bwd_efficiency(335, 322, 989)  # its FlashAttention-2 bars
 
 KERNEL_RATES: dict[tuple[str, str], KernelRate] = {

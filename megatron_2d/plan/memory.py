@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..layout.choices import CHECKPOINT_KEEPS
+from ..layout.heads import replicated_kv_heads
 from ..layout.zero_sharding import HybridZeRO, state_bytes_per_rank
-from .attention_time import BF16, FP32, layer_work, replicated_kv_heads
+from .attention_time import BF16, FP32, layer_work
 from .hardware import ModelSpec, ParallelSpec
 
 if TYPE_CHECKING:

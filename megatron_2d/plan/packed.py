@@ -19,9 +19,10 @@ and packed mode the planner takes, from the op's own document sharding and views
                      activation memory scale with it
     useful_fraction  sum_j visible pairs(L_j) / (S^2 / 2): the model FLOPs that count for MFU
 
-Modes: "zigzag" (Megatron / Transformer Engine THD: what every stock kind runs, and our zigzag mode) and
-"documents" (ours only: short documents whole on one context rank; which ones is chosen by predicted step time
-with the job's own figures, :func:`packing_cost`). Stock Transformer Engine p2p and a2a+p2p are
+Modes (:mod:`megatron_2d.packing.modes`, those ``planned``): "zigzag" (Megatron / Transformer Engine THD: what every
+stock kind runs, the ``stock`` mode, and our zigzag mode) and "documents" (ours only: short documents whole on one
+context rank; which ones is chosen by predicted step time with the job's own figures, :func:`packing_cost`). Each
+mode lays the batch out as the op does, and the work is read off its runs. Stock Transformer Engine p2p and a2a+p2p are
 modelled as THD zigzag with every document padded to a multiple of 2*CP (a2a+p2p with THD is not in a TE
 release: a row says so); a2a and DeepSpeed-Ulysses have no ring (their fraction is the padded pairs over hp = CP).
 """
@@ -37,11 +38,9 @@ import numpy as np
 from ..layout.band import Band
 from ..layout.topology import Layout2D
 from ..packing.calls import Runs, key_intervals
-from ..packing.sharding import PackingCost, pairs, shard_documents
-from ..packing.views import zigzag_runs, zigzag_view_len
+from ..packing.modes import mode_class, mode_names
+from ..packing.sharding import PackingCost, pairs
 from .kernel_rates import SELECTED_KERNEL
-
-PACKED_MODES = ("zigzag", "documents")
 
 
 @dataclass(frozen=True)
@@ -72,8 +71,10 @@ class PackedWork:
 
 
 def modes_for(kind: str) -> tuple[str, ...]:
-    """The packed modes a kind can run: ours both, stock kinds Megatron's THD zigzag."""
-    return PACKED_MODES if kind == "2d" else ("zigzag",)
+    """The packed modes the planner models for a kind: 2D every ``planned`` mode (zigzag and documents), stock
+    kinds the ``stock`` one (Megatron's THD zigzag)."""
+    stock = kind != "2d"
+    return tuple(name for name in mode_names() if (mode_class(name).stock if stock else mode_class(name).planned))
 
 
 def window_pairs(position: np.ndarray, left: int | None) -> np.ndarray:
@@ -140,19 +141,10 @@ def _packed_work(
     layout = Layout2D(CP, hp, 1, placement)
     if left is not None and left >= S - 1:
         left = None
-    if mode == "zigzag":
-        runs = zigzag_runs(cu, layout)
-        ring_tokens = zigzag_view_len(cu, layout)
-        t_local = ring_tokens // hp
-        long_docs = len(lengths)
-    elif mode == "documents":
-        sharding = shard_documents(cu, cp, hp, cost=cost)
-        runs = sharding.runs
-        ring_tokens = int(sharding.long_prefix) if cp > 1 else 0
-        t_local = sharding.view_len // hp
-        long_docs = int(len(sharding.long_docs))
-    else:
-        raise ValueError(f"packed mode {mode!r} is not one of {PACKED_MODES}")
+    if mode not in modes_for("2d"):
+        raise ValueError(f"packed mode {mode!r} is not one of {modes_for('2d')}")
+    batch = mode_class(mode)(cu, layout, cost=cost)
+    runs, ring_tokens, t_local = batch.runs, batch.ring_tokens, batch.view_len // hp
     padding = t_local * CP - S
     p = _run_pairs(runs, cp, left)
     base = float(pairs([S])[0]) / cp
@@ -166,7 +158,7 @@ def _packed_work(
         ring_tokens=ring_tokens if cp > 1 else 0,
         padding_tokens=padding,
         pair_imbalance=float(p.max() / p.mean() - 1.0) if p.mean() > 0 else 0.0,
-        long_documents=long_docs,
+        long_documents=batch.long_documents,
         window=left,
         dense=dense,
         messages=messages,

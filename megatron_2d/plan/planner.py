@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..layout.topology import divisors
+from ..packing.modes import mode_class
 from .attention_time import RIDER_BYTES
 from .candidates import (
     KINDS,
@@ -75,6 +76,11 @@ ROW_KEYS = (
 """The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
+def ms(seconds: float) -> float:
+    """Seconds as milliseconds, rounded for the JSON records."""
+    return round(seconds * 1e3, 4)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A layout with its verdict.
@@ -138,7 +144,6 @@ class Candidate:
         """A JSON-ready record with exactly the keys ``ROW_KEYS`` (times in ms, memory in GB, MFU as a fraction,
         links as nvlink/network/mixed/-); values that do not apply are None."""
         e = self.estimate
-        ms = lambda s: round(s * 1e3, 4)  # noqa: E731
         opts = mem_opts = None
         if self.options:
             budget = self.memory_budget_gb
@@ -361,36 +366,16 @@ def evaluate(
         f" --cp-2d-kernel {runs_kernel}" if layout.kind == "2d" and runs_kernel != SELECTED_KERNEL[cluster.arch] else ""
     )
     validate_job(model, parallel, seq)
-    if dkv_comm_dtype not in RIDER_BYTES:
-        raise PlanError(
-            f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)} (the op's names: "
-            f"'accumulator' sends fp32 dK/dV, 'input' the input dtype)"
-        )
+    _check_dkv_comm_dtype(dkv_comm_dtype)
     budget = cluster.memory_budget_gb
     mix = layer_windows(window, model.layers)
     windowed = next((w for w in mix if w is not None), None)
-    reason = check_layout(layout, model, parallel, seq, windowed)
     modes = _modes(layout.kind, recompute, memory.fair) if layout.kind in RECOMPUTE_BY_KIND else ()
-    if not reason and not modes:
-        reason = (
-            f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only; "
-            f"--fair-memory lends it to stock); {layout.kind} supports: "
-            f"{', '.join(kind_recompute_modes(layout.kind, memory.fair))}"
-        )
-    packed = None
-    note = ""
+    reason = check_layout(layout, model, parallel, seq, windowed)
+    reason = reason or _recompute_refusal(layout, recompute, memory, modes)
     if lengths is not None:
-        if packing not in modes_for(layout.kind):
-            raise PlanError(f"packed mode {packing!r} is not one of {modes_for(layout.kind)} for kind {layout.kind}")
-        if not causal:
-            raise PlanError("packed lengths are modelled for causal attention (drop --no-causal)")
-        if not reason:
-            cost = packing_cost(model, cluster, parallel.tp, layout.hp, layout.cp, layout.placement, runs_kernel)
-            packed = packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, windowed, cost)
-        if layout.kind == "a2a+p2p":
-            note = "THD with a2a+p2p is not in a Transformer Engine release"
-        elif packing == "documents":
-            note = "documents mode: run examples/pretrain_gpt_2d.py (its data path splits the batch)"
+        _check_packed_job(layout, packing, causal)
+    note = _packing_note(layout, packing) if lengths is not None else ""
     dkv = kind_dkv_comm_dtype(layout.kind, dkv_comm_dtype)
     if reason:
         return Candidate(
@@ -402,8 +387,97 @@ def evaluate(
             packing=packing if lengths is not None else None,
             kernel=runs_kernel,
         )
+    cost = packed = None
+    if lengths is not None:
+        cost = packing_cost(model, cluster, parallel.tp, layout.hp, layout.cp, layout.placement, runs_kernel)
+        packed = _packed_work(layout, lengths, packing, windowed, cost)
+    base = _layer_mix_estimate(
+        layout, model, cluster, parallel, seq, causal, mix, dkv, lengths, packing, cost, runs_kernel
+    )
+    if hybrid is not None:
+        base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
+    options = _options(base, layout, model, cluster, parallel, seq, memory, modes)
+    chosen, fits = choose_recompute(options, budget)
+    flags, hypothetical = _flags(
+        layout, model, parallel, chosen, dkv, packing if lengths is not None else None, kernel_flag
+    )
+    if hypothetical:
+        note = (
+            f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
+            f"option, the flags recompute fully"
+        )
+    return Candidate(
+        layout,
+        fits,
+        "" if fits else _out_of_memory(chosen, cluster),
+        flags,
+        chosen,
+        options,
+        note=note,
+        memory_budget_gb=budget,
+        dkv_comm_dtype=dkv,
+        packing=packing if lengths is not None else None,
+        packed=packed,
+        kernel=runs_kernel,
+    )
+
+
+def _check_dkv_comm_dtype(dkv_comm_dtype: str) -> None:
+    if dkv_comm_dtype not in RIDER_BYTES:
+        raise PlanError(
+            f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)} (the op's names: "
+            f"'accumulator' sends fp32 dK/dV, 'input' the input dtype)"
+        )
+
+
+def _recompute_refusal(layout: Layout, recompute, memory: MemoryPolicy, modes: tuple[str, ...]) -> str:
+    """Why the layout cannot run with the recompute asked for ("" when some mode is left)."""
+    if modes:
+        return ""
+    return (
+        f"recompute {recompute!r} is not available for {layout.kind} (Selective Checkpoint++ is 2D only; "
+        f"--fair-memory lends it to stock); {layout.kind} supports: "
+        f"{', '.join(kind_recompute_modes(layout.kind, memory.fair))}"
+    )
+
+
+def _check_packed_job(layout: Layout, packing: str | None, causal: bool) -> None:
+    """Errors no layout of this kind can fix for a packed batch."""
+    if packing not in modes_for(layout.kind):
+        raise PlanError(f"packed mode {packing!r} is not one of {modes_for(layout.kind)} for kind {layout.kind}")
+    if not causal:
+        raise PlanError("packed lengths are modelled for causal attention (drop --no-causal)")
+
+
+def _packing_note(layout: Layout, packing: str | None) -> str:
+    """What a packed row's numbers do not show about running it."""
+    if layout.kind == "a2a+p2p":
+        return "THD with a2a+p2p is not in a Transformer Engine release"
+    return mode_class(packing).planner_note
+
+
+def _packed_work(layout: Layout, lengths, packing: str, window: int | None, cost) -> PackedWork:
+    return packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, window, cost)
+
+
+def _layer_mix_estimate(
+    layout: Layout,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    parallel: ParallelSpec,
+    seq: int,
+    causal: bool,
+    mix: dict[int | None, int],
+    dkv: str,
+    lengths,
+    packing: str | None,
+    cost,
+    kernel: str,
+) -> Estimate:
+    """The estimate without recompute, its layers weighted by window (``mix``: window -> layers), on ``kernel``."""
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
-    base = combine_layers(
+    mla_ring = "latent" if layout.mla_ring == "latent" else None
+    return combine_layers(
         [
             (
                 estimate(
@@ -419,64 +493,71 @@ def evaluate(
                     win,
                     dkv_comm_dtype=dkv,
                     kv_heads=kv_heads,
-                    packed=None
-                    if packed is None
-                    else packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, win, cost),
-                    mla_ring="latent" if layout.mla_ring == "latent" else None,
-                    kernel=runs_kernel,
+                    packed=None if lengths is None else _packed_work(layout, lengths, packing, win, cost),
+                    mla_ring=mla_ring,
+                    kernel=kernel,
                 ),
                 n,
             )
             for win, n in mix.items()
         ]
     )
-    if hybrid is not None:
-        base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
+
+
+def _options(
+    base: Estimate,
+    layout: Layout,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    parallel: ParallelSpec,
+    seq: int,
+    memory: MemoryPolicy,
+    modes: tuple[str, ...],
+) -> tuple[Estimate, ...]:
+    """``base`` under every memory option of the kind and every recompute mode (as few layers as memory needs)."""
     held = [
         with_memory(base, o, model, cluster, parallel, layout.cp_size, memory.accum_steps(seq, parallel))
         for o in memory_options(layout.kind, parallel, cluster, memory, layout.cp_size)
     ]
-    options = tuple(_fewest_layers(b, m, budget, parallel.pp) for b in held for m in modes)
-    chosen, fits = choose_recompute(options, budget)
+    return tuple(_fewest_layers(b, m, cluster.memory_budget_gb, parallel.pp) for b in held for m in modes)
+
+
+def _flags(
+    layout: Layout,
+    model: ModelSpec,
+    parallel: ParallelSpec,
+    chosen: Estimate,
+    dkv: str,
+    packing: str | None,
+    kernel_flag: str,
+) -> tuple[str, bool]:
+    """(Megatron flags of the chosen estimate, whether they stand for a hypothetical Checkpoint++ of stock);
+    ``kernel_flag``: ``--cp-2d-kernel`` where the layout runs another kernel than the selection's."""
     per_stage = chosen.recompute_layers // parallel.pp
     hypothetical = layout.kind != "2d" and chosen.recompute in CHECKPOINT_PLUS_MODES
-    flags = megatron_flags(
-        layout,
-        parallel,
-        "full" if hypothetical else chosen.recompute,
-        None if chosen.recompute_layers in (0, model.layers) else per_stage,
-        dkv,
-    )
-    flags += kernel_flag
-    if hypothetical:
-        note = (
-            f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
-            f"option, the flags recompute fully"
+    flags = (
+        megatron_flags(
+            layout,
+            parallel,
+            "full" if hypothetical else chosen.recompute,
+            None if chosen.recompute_layers in (0, model.layers) else per_stage,
+            dkv,
         )
-    if packing == "documents" and lengths is not None:
-        flags += " --cp-2d-packing documents --dataloader-inter-document-masking --no-rope-fusion"
+        + kernel_flag
+    )
+    if packing is not None:
+        flags += mode_class(packing).planner_flags
     mem_flags = chosen.states.option.flags(layout.kind, parallel.dp_size, layout.cp_size)
     flags += mem_flags if mem_flags.startswith(";") else " " + mem_flags
-    why = ""
-    if not fits:
-        why = (
-            f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
-            f"and {chosen.states.option.label} "
-            f"(budget {budget:.1f} GB = {cluster.usable_memory_fraction:.0%} of {cluster.gpu_memory_gb:g} GB)"
-        )
-    return Candidate(
-        layout,
-        fits,
-        why,
-        flags,
-        chosen,
-        options,
-        note=note,
-        memory_budget_gb=budget,
-        dkv_comm_dtype=dkv,
-        packing=packing if lengths is not None else None,
-        packed=packed,
-        kernel=runs_kernel,
+    return flags, hypothetical
+
+
+def _out_of_memory(chosen: Estimate, cluster: ClusterSpec) -> str:
+    return (
+        f"out of memory: needs {chosen.memory_gb:.1f} GB per GPU even with recompute={chosen.recompute} "
+        f"and {chosen.states.option.label} "
+        f"(budget {cluster.memory_budget_gb:.1f} GB = {cluster.usable_memory_fraction:.0%} of "
+        f"{cluster.gpu_memory_gb:g} GB)"
     )
 
 
@@ -605,8 +686,12 @@ def best_by_kind(candidates: Sequence[Candidate]) -> dict[str, Candidate]:
     """The first (fastest) candidate of each kind; when a kind has no feasible layout, its first layout that runs
     (least memory), else its first infeasible one."""
     out: dict[str, Candidate] = {}
-    rank = lambda c: 2 if c.feasible else (1 if c.runs else 0)  # noqa: E731
     for c in candidates:
-        if c.kind not in out or rank(c) > rank(out[c.kind]):
+        if c.kind not in out or _standing(c) > _standing(out[c.kind]):
             out[c.kind] = c
     return out
+
+
+def _standing(c: Candidate) -> int:
+    """2 for a feasible candidate, 1 for one that runs but does not fit, 0 for one that cannot run."""
+    return 2 if c.feasible else (1 if c.runs else 0)

@@ -19,6 +19,7 @@ from .attention_time import (
     MLA_RINGS,
     RIDER_BYTES,
     LayerWork,
+    Traffic,
     head_exchange_time,
     layer_work,
     neighbour_times,
@@ -29,10 +30,10 @@ from .hardware import ClusterSpec, ModelSpec, ParallelSpec
 from .kernel_rates import SELECTED_KERNEL
 from .link_classes import LinkMap, link_map
 from .memory import LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
-from .windows import WindowWork, window_work
+from .windows import WindowWork, packed_window_work, window_work
 
 if TYPE_CHECKING:
-    from .memory_options import ShardingCost
+    from .model_states import ShardingCost
     from .packed import PackedWork
 
 
@@ -196,26 +197,25 @@ def estimate(
     the layer's own K/V up-projection.
     ``kernel``: the attention kernel the layout runs (its rate: ``cluster.kernel_efficiency``); None: what 2D's
     kernel selection picks on the cluster's architecture (:mod:`.kernel_rates`)."""
-    return with_recompute(
-        _estimate_none(
-            model,
-            cluster,
-            parallel,
-            hp,
-            cp,
-            w,
-            placement,
-            seq,
-            causal,
-            window,
-            dkv_comm_dtype,
-            kv_heads,
-            packed,
-            mla_ring,
-            SELECTED_KERNEL[cluster.arch] if kernel is None else kernel,
-        ),
-        recompute,
+    runs = SELECTED_KERNEL[cluster.arch] if kernel is None else kernel
+    job = _Job(
+        model,
+        cluster,
+        parallel,
+        hp,
+        cp,
+        w,
+        placement,
+        seq,
+        causal,
+        window,
+        dkv_comm_dtype,
+        kv_heads,
+        packed,
+        mla_ring,
+        runs,
     )
+    return with_recompute(_estimate_none(job), recompute)
 
 
 def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimate:
@@ -242,58 +242,144 @@ def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimat
     )
 
 
-def _estimate_none(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    parallel: ParallelSpec,
-    hp: int,
-    cp: int,
-    w: int,
-    placement: str,
-    seq: int,
-    causal: bool,
-    window: int | None,
-    dkv_comm_dtype: str,
-    kv_heads: int | None,
-    packed: PackedWork | None = None,
-    mla_ring: str | None = None,
-    kernel: str = "te_fused",
-) -> Estimate:
-    if dkv_comm_dtype not in RIDER_BYTES:
-        raise ValueError(f"dkv_comm_dtype {dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)}")
-    if mla_ring is not None and (mla_ring not in MLA_RINGS or model.mla is None):
-        raise ValueError(f"mla_ring {mla_ring!r} needs an MLA model and one of {MLA_RINGS}")
-    dkv_elem = RIDER_BYTES[dkv_comm_dtype]
-    work = layer_work(
-        model, parallel, hp, cp, seq, causal, dkv_bytes_per_elem=dkv_elem, kv_heads=kv_heads, mla_ring=mla_ring
+@dataclass(frozen=True)
+class _Job:
+    """What one estimate is asked for: :func:`estimate`'s arguments but the recompute mode."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    parallel: ParallelSpec
+    hp: int
+    cp: int
+    w: int
+    placement: str
+    seq: int
+    causal: bool
+    window: int | None
+    dkv_comm_dtype: str
+    kv_heads: int | None
+    packed: PackedWork | None
+    mla_ring: str | None
+    kernel: str
+    """The attention kernel (:mod:`.kernel_rates`), whose rate on the cluster the kernels' time takes."""
+
+
+@dataclass(frozen=True)
+class _AttentionTimes:
+    """One layer's attention on one rank: seconds, and the bytes it sends."""
+
+    a2a_one: float
+    """One direction's all-to-alls (0 at hp = 1)."""
+    fwd: float
+    bwd: float
+    ring_serial: float
+    """Every transfer of the transport, serialised."""
+    compute: float
+    sent: Traffic
+    links: LinkMap
+
+    @property
+    def time(self) -> float:
+        return 2 * self.a2a_one + self.fwd + self.bwd
+
+
+def _estimate_none(job: _Job) -> Estimate:
+    _check_job(job)
+    work, ww = _windowed_work(job)
+    t = _attention_times(job, work, ww)
+    j, model, cluster = job, job.model, job.cluster
+    dkv_elem = RIDER_BYTES[j.dkv_comm_dtype]
+    mem = memory_breakdown(model, j.parallel, j.hp, j.cp, j.w, j.seq, dkv_elem, j.kv_heads, j.mla_ring, j.packed)
+    dense_layer, step, mfu, tokens_per_gpu_s = _whole_model(job, work, ww, t.time)
+    attn_rate = cluster.peak_tflops * 1e12 * cluster.kernel_efficiency(j.kernel)
+    return Estimate(
+        time_s=t.time,
+        compute_s=t.compute,
+        kernel_s=(1.0 + BWD_FACTOR) * work.fwd_flops / attn_rate,
+        a2a_s=2 * t.a2a_one,
+        ring_exposed_s=t.fwd + t.bwd - t.compute,
+        comm_total_s=2 * t.a2a_one + t.ring_serial,
+        intra_bytes=t.sent.intra,
+        inter_bytes=t.sent.inter,
+        inter_bytes_nic=t.sent.nic,
+        memory_gb=mem.total("none") / GB,
+        activation_gb=mem.activations("none") / GB,
+        step_s=step,
+        tokens_per_gpu_s=tokens_per_gpu_s,
+        mfu=mfu,
+        work=work,
+        links=t.links,
+        recompute="none",
+        recompute_s=0.0,
+        attn_fwd_s=t.a2a_one + t.fwd,
+        dense_layer_s=dense_layer,
+        layers=model.layers,
+        memory=mem,
+        neighbour_exchange=ww.transport == "neighbour",
     )
-    local_only = False
-    if packed is None:
-        ww = window_work(hp, cp, placement, seq, window if causal else None)
-        work = dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction)
-    else:
-        if not causal or packed.window != (window if window is not None and window < seq - 1 else None):
-            raise ValueError(
-                f"packed work for window {packed.window} does not match the estimate's causal window "
-                f"{window} (packed documents are modelled for causal attention)"
-            )
-        # the packed work's own transport: its flops already count the window, the neighbour exchange its keys
-        ww = WindowWork(1.0, packed.dense, packed.messages, packed.key_tokens)
-        tf, rf = packed.token_fraction, packed.ring_fraction if packed.dense else 1.0
-        work = dataclasses.replace(
-            work,
-            fwd_flops=work.fwd_flops * packed.flops_fraction,
-            kv_bytes=work.kv_bytes * rf,
-            dkv_bytes=work.dkv_bytes * rf,
-            s_ctx_tokens=work.s_ctx_tokens * rf,
-            a2a_peer_bytes=work.a2a_peer_bytes * tf,
-            a2a_local_bytes=work.a2a_local_bytes * tf,
-            merge_fwd_bytes=work.merge_fwd_bytes * tf,
-            merge_bwd_bytes=work.merge_bwd_bytes * tf,
+
+
+def _check_job(job: _Job) -> None:
+    if job.dkv_comm_dtype not in RIDER_BYTES:
+        raise ValueError(f"dkv_comm_dtype {job.dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)}")
+    if job.mla_ring is not None and (job.mla_ring not in MLA_RINGS or job.model.mla is None):
+        raise ValueError(f"mla_ring {job.mla_ring!r} needs an MLA model and one of {MLA_RINGS}")
+    packed, window = job.packed, job.window
+    if packed is not None and (
+        not job.causal or packed.window != (window if window is not None and window < job.seq - 1 else None)
+    ):
+        raise ValueError(
+            f"packed work for window {packed.window} does not match the estimate's causal window "
+            f"{window} (packed documents are modelled for causal attention)"
         )
-        local_only = cp > 1 and packed.ring_tokens == 0  # the op skips the ring: one local block
-    links = link_map(hp, cp, w, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
-    attn_rate = cluster.peak_tflops * 1e12 * cluster.kernel_efficiency(kernel)
+
+
+def _windowed_work(job: _Job) -> tuple[LayerWork, WindowWork]:
+    """One layer's work on one rank with what the window or the packed batch leaves of it, and its transport."""
+    j = job
+    work = layer_work(
+        j.model,
+        j.parallel,
+        j.hp,
+        j.cp,
+        j.seq,
+        j.causal,
+        dkv_bytes_per_elem=RIDER_BYTES[j.dkv_comm_dtype],
+        kv_heads=j.kv_heads,
+        mla_ring=j.mla_ring,
+    )
+    packed = j.packed
+    if packed is None:
+        ww = window_work(j.hp, j.cp, j.placement, j.seq, j.window if j.causal else None)
+        return dataclasses.replace(work, fwd_flops=work.fwd_flops * ww.fraction), ww
+    # the packed work's own transport: its flops already count the window, the neighbour exchange its keys
+    ww = packed_window_work(packed, j.cp)
+    tf, rf = packed.token_fraction, packed.ring_fraction if packed.dense else 1.0
+    work = dataclasses.replace(
+        work,
+        fwd_flops=work.fwd_flops * packed.flops_fraction,
+        kv_bytes=work.kv_bytes * rf,
+        dkv_bytes=work.dkv_bytes * rf,
+        s_ctx_tokens=work.s_ctx_tokens * rf,
+        a2a_peer_bytes=work.a2a_peer_bytes * tf,
+        a2a_local_bytes=work.a2a_local_bytes * tf,
+        merge_fwd_bytes=work.merge_fwd_bytes * tf,
+        merge_bwd_bytes=work.merge_bwd_bytes * tf,
+    )
+    return work, ww
+
+
+def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTimes:
+    """The all-to-alls and the transport of ``ww`` (ring, neighbour exchange or one local block) around the
+    kernels: one ring step's work Tc (Tcb backward) is its kernel, merge traffic, latency and the latent ring's
+    up-projection."""
+    j, cluster, parallel = job, job.cluster, job.parallel
+    hp, cp, w = j.hp, j.cp, j.w
+    # one local block of cp steps' work (one context rank: the schedule's replay of its own block, the same cost
+    # with the latent ring's up-projection of it)
+    local_only = ww.transport == "local" and cp > 1
+    links = link_map(hp, cp, w, j.placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
+    attn_rate = cluster.peak_tflops * 1e12 * cluster.kernel_efficiency(j.kernel)
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
     kernel = work.fwd_flops / cp / attn_rate  # one step's forward kernel (zigzag: equal)
     merge = cp > 1  # a single block needs no merge
@@ -302,61 +388,54 @@ def _estimate_none(
     tc = kernel + lat + (work.merge_fwd_bytes / hbm if merge else 0.0) + expand
     tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0) + 3 * expand
     # one direction's all-to-alls (nothing when hp == 1)
-    a2a_one = head_exchange_time(work, links, cluster, parallel.micro_batch, packed is None) if hp > 1 else 0.0
+    a2a_one = head_exchange_time(work, links, cluster) if hp > 1 else 0.0
     if local_only:
         tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
         fwd, bwd, ring_serial = tc, tcb, 0.0
         sent = traffic(work, links, cluster, hp, cp, w)
-    elif ww.dense:
+    elif ww.transport in ("double_ring", "local"):
         fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
         sent = traffic(work, links, cluster, hp, cp, w)
+    elif ww.transport == "neighbour":
+        fwd, bwd, ring_serial, sent = _neighbour_exchange_times(job, work, ww, links, tc, tcb)
     else:
-        ring_links = link_map(hp, cp, cp, placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
-        fwd, bwd, ring_serial, msg = neighbour_times(work, ww, ring_links, cluster, cp, tc, tcb)
-        sent = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, hp, cp, w)
-        sent.add(ring_links.inner, msg, 2 * ww.messages)  # K/V, forward and backward
-        sent.add(ring_links.inner, msg * dkv_elem / BF16, ww.messages)  # dK/dV partials
+        raise ValueError(f"the planner has no cost model for transport kind {ww.transport!r}")
     compute = (tc + tcb) if local_only else cp * (tc + tcb)
-    time = 2 * a2a_one + fwd + bwd
-    mem = memory_breakdown(model, parallel, hp, cp, w, seq, dkv_elem, kv_heads, mla_ring, packed)
+    return _AttentionTimes(a2a_one, fwd, bwd, ring_serial, compute, sent, links)
 
-    # Whole model (6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal halved).
-    B, S, CP, tp = parallel.micro_batch, seq, hp * cp, parallel.tp
+
+def _neighbour_exchange_times(
+    job: _Job, work: LayerWork, ww: WindowWork, links: LinkMap, tc: float, tcb: float
+) -> tuple[float, float, float, Traffic]:
+    """(forward, backward, serialised comm, traffic) of the neighbour exchange: its messages on the context group's
+    links (K/V forward and backward, the dK/dV partials in the rider dtype) instead of the ring's."""
+    j, cluster = job, job.cluster
+    ring_links = link_map(j.hp, j.cp, j.cp, j.placement, j.parallel.tp, cluster.gpus_per_node, j.parallel.gpus)
+    fwd, bwd, ring_serial, msg = neighbour_times(work, ww, ring_links, cluster, j.cp, tc, tcb)
+    sent = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, j.hp, j.cp, j.w)
+    sent.add(ring_links.inner, msg, 2 * ww.messages)  # K/V, forward and backward
+    sent.add(ring_links.inner, msg * RIDER_BYTES[j.dkv_comm_dtype] / BF16, ww.messages)  # dK/dV partials
+    return fwd, bwd, ring_serial, sent
+
+
+def _whole_model(job: _Job, work: LayerWork, ww: WindowWork, time: float) -> tuple[float, float, float, float]:
+    """(dense layer seconds, step seconds, MFU, tokens per GPU per second) of the whole model around attention
+    layers of ``time``: 6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal
+    halved."""
+    model, cluster, parallel, packed = job.model, job.cluster, job.parallel, job.packed
+    B, S, CP, tp = parallel.micro_batch, job.seq, job.hp * job.cp, parallel.tp
     group = tp * CP  # GPUs sharing one micro-batch's layer work
+    dense_rate = cluster.peak_tflops * 1e12 * cluster.dense_efficiency
     slots = 1.0 if packed is None else packed.token_fraction  # padding slots run the linear layers too
-    # (the latent ring up-projects K/V inside attention, in the ring steps above, instead of in the layer)
+    # (the latent ring up-projects K/V inside attention, in the ring steps, instead of in the layer)
     dense_layer = (6.0 * model.layer_params() * B * S / group - 3.0 * work.kv_up_flops) / dense_rate * slots
     logits = 6.0 * model.vocab * model.hidden * B * S / group / dense_rate * slots
     step = model.layers * (time + dense_layer) + logits
     attn_model_flops = (
-        3.0 * 2.0 * B * S * S * model.heads * (model.qk_dim + model.v_dim) * (0.5 if causal else 1.0) * ww.fraction
+        3.0 * 2.0 * B * S * S * model.heads * (model.qk_dim + model.v_dim) * (0.5 if job.causal else 1.0) * ww.fraction
     )
     if packed is not None:
         attn_model_flops *= packed.useful_fraction  # only pairs within a document count
     model_flops = 6.0 * model.matmul_params() * B * S + model.layers * attn_model_flops
     mfu = model_flops / group / step / (cluster.peak_tflops * 1e12)
-    return Estimate(
-        time_s=time,
-        compute_s=compute,
-        kernel_s=(1.0 + BWD_FACTOR) * work.fwd_flops / attn_rate,
-        a2a_s=2 * a2a_one,
-        ring_exposed_s=fwd + bwd - compute,
-        comm_total_s=2 * a2a_one + ring_serial,
-        intra_bytes=sent.intra,
-        inter_bytes=sent.inter,
-        inter_bytes_nic=sent.nic,
-        memory_gb=mem.total("none") / GB,
-        activation_gb=mem.activations("none") / GB,
-        step_s=step,
-        tokens_per_gpu_s=B * S / group / step,
-        mfu=mfu,
-        work=work,
-        links=links,
-        recompute="none",
-        recompute_s=0.0,
-        attn_fwd_s=a2a_one + fwd,
-        dense_layer_s=dense_layer,
-        layers=model.layers,
-        memory=mem,
-        neighbour_exchange=not ww.dense,
-    )
+    return dense_layer, step, mfu, B * S / group / step

@@ -196,7 +196,7 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
     if mode is None:
         chunk = int(rng.integers(1, 10))
         lengths = (2 * batch.world * chunk,)
-        batch_size = int(rng.choice([1, 2]))  # batch 1 takes the point-to-point head exchange
+        batch_size = int(rng.choice([1, 2]))
         end_padding = 0
     else:
         lengths = tuple(_document_lengths(rng))

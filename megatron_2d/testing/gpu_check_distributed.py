@@ -4,7 +4,7 @@
         --device cuda --resume-at 0           (started by gpu_check, which keeps each case's time)
 
 Cases, each forward + backward of attention_2d against the single-process reference, sharded as users shard:
-    head exchange hpH b1, b2   the automatic kernel; batch 1 takes the point-to-point head exchange
+    head exchange hpH b1, b2   the automatic kernel, batch 1 and 2
     Double-Ring cpN wN         the whole world one context ring
     sliding window cpN         the neighbour exchange from cp 4
     2D hp2 x cpN/2 w2          with 4 ranks or more
@@ -113,17 +113,13 @@ def run_case(case: Case, device: torch.device, rank: int, world: int) -> tuple[f
         ),
         kernel=case.kernel,
     )
-    return err, transport_of(cache, case.batch)
+    return err, transport_of(cache)
 
 
-def transport_of(cache: dict, batch: int) -> str:
+def transport_of(cache: dict) -> str:
     """Which head exchange and K/V transport the op's cached setup took."""
     exchange, rc = next(iter(cache.values()))
-    path = (
-        "no head exchange"
-        if exchange.group is None
-        else ("head exchange point-to-point" if exchange.point_to_point(batch) else "head all-to-all")
-    )
+    path = "no head exchange" if exchange.group is None else "head all-to-all"
     return f"{path}, {type(rc.transport).__name__}"
 
 

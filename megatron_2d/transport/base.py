@@ -38,8 +38,8 @@ class Transport(Protocol):
         dkv_dtype None in forward, which returns None. In backward the dtype the dK/dV partials accumulate and
                   travel in; returns this rank's dK/dV [b, S, ...] (shaped like ``kv``, in ``dkv_dtype``): its own
                   block's partials plus every partial other ranks computed on its keys.
-    ``traffic_kinds``: what it sends, as the kinds (:data:`megatron_2d.transport.comm.COMM_KINDS`) under which every byte it
-    sends is added to its groups' ``comm_bytes`` ("inner_ring" / "outer_ring" for the Double-Ring, "neighbour"
+    ``traffic_kinds``: what it sends, as the kinds (:data:`megatron_2d.transport.comm.COMM_KINDS`) under which every
+    byte it sends is added to its groups' ``comm_bytes`` ("inner_ring" / "outer_ring" for the Double-Ring, "neighbour"
     for the neighbour exchange, none for a local block); the planner's traffic model counts the same kinds.
     No host-device synchronisation: transfers are posted and awaited, never read on the host.
     """

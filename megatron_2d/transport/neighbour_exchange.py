@@ -17,8 +17,8 @@ Bytes per rank: the visible key slice of its block once per rank that sees it, a
 The receiver computes on the keys as they arrive: block position p holds the p-th selected key, so its calls
 against that source are planned in those packed coordinates (:meth:`KeyIntervals.packed`), ``first_key`` the first
 interval's start (a hull's calls need no change). Slices are sent and received in buffers of one
-:class:`~megatron_2d.transport.comm.BufferPool` per run (as large as the largest slice), reused from offset to offset; a slice
-that is contiguous in the block is sent as it is.
+:class:`~megatron_2d.transport.comm.BufferPool` per run (as large as the largest slice), reused from offset to
+offset; a slice that is contiguous in the block is sent as it is.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def _selection(keys) -> KeyIntervals | None:
 
 
 class NeighbourExchange:
-    """Direct sparse K/V (and dK/dV) exchange over one context group (a :class:`~megatron_2d.transport.base.Transport`)."""
+    """Direct sparse K/V (and dK/dV) exchange over one context group (a
+    :class:`~megatron_2d.transport.base.Transport`)."""
 
     traffic_kinds: ClassVar[tuple[str, ...]] = ("neighbour",)
 
