@@ -118,7 +118,7 @@ def test_the_planner_refuses_a_kind_it_has_no_cost_for():
 
     job = step._Job(
         get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 2, 4, 1, "head_first", 8192, True, None,
-        "accumulator", None, None, None,
+        "accumulator", None, None, None, "te_fused",
     )  # fmt: skip
     work, ww = step._windowed_work(job)
     assert ww.transport == "double_ring" and step._attention_times(job, work, ww).time > 0
