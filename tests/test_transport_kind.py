@@ -124,3 +124,51 @@ def test_the_planner_refuses_a_kind_it_has_no_cost_for():
     assert ww.transport == "double_ring" and step._attention_times(job, work, ww).time > 0
     with pytest.raises(ValueError, match="no cost model for transport kind 'pigeon'"):
         step._attention_times(job, work, WindowWork(1.0, True, 0, 0, "pigeon"))
+
+
+def test_every_transport_of_the_folder_is_in_the_one_table():
+    """docs/architecture.md's "where to add" row: a transport is its module in transport/, a kind and the rule in
+    layout/transports.py, a row of TRANSPORTS and the planner's cost. Every class of transport/ that meets the
+    Transport contract is in the table (a new module not wired in fails here), under its kind."""
+    import importlib
+    import pkgutil
+
+    import megatron_2d.transport as folder
+
+    found = set()
+    for info in pkgutil.iter_modules(folder.__path__):
+        module = importlib.import_module(f"{folder.__name__}.{info.name}")
+        found |= {
+            cls
+            for cls in vars(module).values()
+            if isinstance(cls, type) and cls.__module__ == module.__name__ and hasattr(cls, "run")
+            and hasattr(cls, "traffic_kinds")
+        }  # fmt: skip
+    built = {
+        "local": TRANSPORTS["local"](virtual_groups(Layout2D(8, 2, 2), 0), KeyRoutes()),
+        "neighbour": TRANSPORTS["neighbour"](
+            virtual_groups(Layout2D(8, 2, 2), 0),
+            KeyRoutes(keys=plan_context_group(Layout2D(8, 2, 2), 4, True, SlidingWindow(2, 0)).keys),
+        ),
+        "double_ring": TRANSPORTS["double_ring"](virtual_groups(Layout2D(2, 2, 1), 0), KeyRoutes()),
+    }
+    assert set(built) == set(TRANSPORTS) == set(TRANSPORT_KINDS)
+    assert found == {type(t) for t in built.values()}, found
+
+
+def test_the_planner_costs_every_kind():
+    """Each kind of the shared rule has a cost in plan/step.py (the fourth file of a new transport)."""
+    from megatron_2d.plan import ParallelSpec, get_cluster, get_model, step
+    from megatron_2d.plan.windows import WindowWork
+
+    job = step._Job(
+        get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 2, 4, 1, "head_first", 8192, True, None,
+        "accumulator", None, None, None,
+    )  # fmt: skip
+    work, _ = step._windowed_work(job)
+    for kind in TRANSPORT_KINDS:
+        dense = kind != "neighbour"
+        assert (
+            step._attention_times(job, work, WindowWork(1.0, dense, 0 if dense else 2, 0 if dense else 64, kind)).time
+            > 0
+        )
