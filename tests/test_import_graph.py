@@ -5,7 +5,8 @@ has a test on a synthetic package that shows it can fail.
   checker follows ties the modules together as much as one that runs). Importing ``pkg.sub.mod`` runs
   ``pkg/__init__`` and ``pkg/sub/__init__`` first, so it is an edge to those packages too, except the importer's own
   enclosing packages (already run when it runs). A package's lazy export table (``_EXPORTS``, resolved by its
-  ``__getattr__``) is an edge to each module it names.
+  ``__getattr__``) is an edge to each module it names, and a module that scans its folder (``pkgutil.iter_modules``,
+  as transport/kinds.py does) has an edge to each module there.
 - **The pure layer** (``layout/``, ``packing/``) imports from the package only the pure layer, and, itself or
   through any package module it reaches, only the standard library (``packing/``: and numpy): no torch, and no
   library that loads it (megatron-core).
@@ -68,6 +69,14 @@ def _lazy_exports(tree: ast.Module) -> list[str]:
     return []
 
 
+def _scans_its_folder(tree: ast.AST) -> bool:
+    return any(
+        isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) == "iter_modules" or getattr(node.func, "id", None) == "iter_modules")
+        for node in ast.walk(tree)
+    )
+
+
 def imports_of(name: str, path: Path, known: dict[str, Path], package: str = NAME) -> set[str]:
     """The package's modules that importing ``name`` runs: ``from .x import y`` is module x.y when that is a module,
     else x; ``import a.b.c`` is the longest known prefix; each target's enclosing packages come with it, except
@@ -81,6 +90,9 @@ def imports_of(name: str, path: Path, known: dict[str, Path], package: str = NAM
         return dotted
 
     targets = [f"{name}.{m}" for m in _lazy_exports(tree)] if is_package else []
+    if _scans_its_folder(tree):
+        folder = name if is_package else name.rsplit(".", 1)[0]
+        targets += [m for m in known if m.rsplit(".", 1)[0] == folder]
     for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
             targets += [a.name for a in node.names]
@@ -314,6 +326,16 @@ def _write_package(root: Path, source: dict[str, str], package: str = "pkg") -> 
         ),
         # a package's lazy export table names modules it imports on first use
         ({"": '_EXPORTS = {"f": "a"}\n', "a": "import pkg\n"}, [["pkg", "pkg.a"]]),
+        # a module that scans its folder imports every module there
+        (
+            {
+                "sub": "",
+                "sub.kinds": "import pkgutil\npkgutil.iter_modules([])\n",
+                "sub.a": "from pkg import b\n",
+                "b": "from .sub.kinds import table\n",
+            },
+            [["pkg.b", "pkg.sub.a", "pkg.sub.kinds"]],
+        ),  # fmt: skip
         # ... but a module's own enclosing packages have run before it: siblings importing siblings is no loop
         ({"sub": "from .a import x\n", "sub.a": "from pkg.sub.b import y\n", "sub.b": ""}, []),
     ],

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_2d.attention import TRANSPORTS, KeyRoutes, packed_route, zigzag_route
+from megatron_2d.attention import packed_route, zigzag_route
 from megatron_2d.layout.band import SlidingWindow
 from megatron_2d.layout.block_calls import plan_context_group
 from megatron_2d.layout.topology import Layout2D, divisors
@@ -21,8 +21,9 @@ from megatron_2d.packed_layout import PackedLayout
 from megatron_2d.plan.packed import modes_for, packed_work
 from megatron_2d.plan.windows import MAX_EXACT_CP, packed_window_work, window_work
 from megatron_2d.testing.loopback import virtual_groups
-from megatron_2d.transport.base import LocalBlock
+from megatron_2d.transport.base import KeyRoutes, LocalBlock
 from megatron_2d.transport.double_ring import DoubleRing
+from megatron_2d.transport.kinds import transport_classes
 from megatron_2d.transport.neighbour_exchange import NeighbourExchange
 
 
@@ -34,13 +35,15 @@ def test_the_rule():
 
 
 def test_the_op_builds_each_kind_from_one_table():
-    assert set(TRANSPORTS) == set(TRANSPORT_KINDS)
+    assert set(transport_classes()) == set(TRANSPORT_KINDS)
     layout = Layout2D(8, 2, 2)
     groups = virtual_groups(layout, 0)  # no process groups: transports whose construction posts nothing
     plan = plan_context_group(layout, 4, True, SlidingWindow(2, 0))
-    assert type(TRANSPORTS["local"](groups, KeyRoutes())) is LocalBlock
-    assert type(TRANSPORTS["neighbour"](groups, KeyRoutes(keys=plan.keys))) is NeighbourExchange
-    ring = TRANSPORTS["double_ring"](virtual_groups(Layout2D(2, 2, 1), 0), KeyRoutes(ring_keys=3))  # cp 1: no hop
+    assert type(transport_classes()["local"].for_routes(groups, KeyRoutes())) is LocalBlock
+    assert type(transport_classes()["neighbour"].for_routes(groups, KeyRoutes(keys=plan.keys))) is NeighbourExchange
+    ring = transport_classes()["double_ring"].for_routes(
+        virtual_groups(Layout2D(2, 2, 1), 0), KeyRoutes(ring_keys=3)
+    )  # cp 1: no hop
     assert type(ring) is DoubleRing and ring.ring_keys == 3
 
 
@@ -126,34 +129,54 @@ def test_the_planner_refuses_a_kind_it_has_no_cost_for():
         step._attention_times(job, work, WindowWork(1.0, True, 0, 0, "pigeon"))
 
 
-def test_every_transport_of_the_folder_is_in_the_one_table():
-    """docs/architecture.md's "where to add" row: a transport is its module in transport/, a kind and the rule in
-    layout/transports.py, a row of TRANSPORTS and the planner's cost. Every class of transport/ that meets the
-    Transport contract is in the table (a new module not wired in fails here), under its kind."""
-    import importlib
-    import pkgutil
+def test_the_table_is_every_transport_of_the_folder():
+    """docs/architecture.md's "where to add" row: a transport is its module in transport/ (a class with ``kind`` and
+    ``for_routes``), its kind and rule in layout/transports.py and the planner's cost; the op's table is read from
+    the folder, one class per kind of the rule."""
+    assert transport_classes() == {"local": LocalBlock, "neighbour": NeighbourExchange, "double_ring": DoubleRing}
+    assert list(transport_classes()) == list(TRANSPORT_KINDS)
 
-    import megatron_2d.transport as folder
 
-    found = set()
-    for info in pkgutil.iter_modules(folder.__path__):
-        module = importlib.import_module(f"{folder.__name__}.{info.name}")
-        found |= {
-            cls
-            for cls in vars(module).values()
-            if isinstance(cls, type) and cls.__module__ == module.__name__ and hasattr(cls, "run")
-            and hasattr(cls, "traffic_kinds")
-        }  # fmt: skip
-    built = {
-        "local": TRANSPORTS["local"](virtual_groups(Layout2D(8, 2, 2), 0), KeyRoutes()),
-        "neighbour": TRANSPORTS["neighbour"](
-            virtual_groups(Layout2D(8, 2, 2), 0),
-            KeyRoutes(keys=plan_context_group(Layout2D(8, 2, 2), 4, True, SlidingWindow(2, 0)).keys),
+_A_TRANSPORT = (
+    "class {name}:\n    kind = {kind!r}\n    traffic_kinds = ()\n\n    @classmethod\n"
+    "    def for_routes(cls, groups, routes):\n        return cls()\n"
+)
+
+
+@pytest.mark.parametrize(
+    "classes, message",
+    [
+        ({"a": [("A", "local"), ("B", "neighbour")], "b": [("C", "double_ring")]}, None),
+        ({"a": [("A", "local"), ("B", "neighbour")]}, r"kinds without a class \['double_ring'\]"),
+        (
+            {"a": [("A", "local"), ("B", "neighbour"), ("C", "double_ring")], "b": [("D", "neighbour")]},
+            r"kinds with several \{'neighbour': \['B', 'D'\]\}",
         ),
-        "double_ring": TRANSPORTS["double_ring"](virtual_groups(Layout2D(2, 2, 1), 0), KeyRoutes()),
-    }
-    assert set(built) == set(TRANSPORTS) == set(TRANSPORT_KINDS)
-    assert found == {type(t) for t in built.values()}, found
+        (
+            {"a": [("A", "local"), ("B", "neighbour"), ("C", "double_ring"), ("D", "pigeon")]},
+            r"kinds the rule does not know \['pigeon'\]",
+        ),
+    ],
+)
+def test_the_table_finds_each_transport_and_refuses_gaps(tmp_path, monkeypatch, classes, message):
+    from megatron_2d.transport.kinds import find_transports
+
+    name = f"fake_transports_{len(classes)}_{len(str(classes))}"  # one package name per case: imports are cached
+    package = tmp_path / name
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for module, defined in classes.items():
+        (package / f"{module}.py").write_text("\n\n".join(_A_TRANSPORT.format(name=n, kind=k) for n, k in defined))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if message is None:
+        assert [(k, c.__name__) for k, c in find_transports(name).items()] == [
+            ("local", "A"),
+            ("neighbour", "B"),
+            ("double_ring", "C"),
+        ]
+    else:
+        with pytest.raises(RuntimeError, match=message):
+            find_transports(name)
 
 
 def test_the_planner_costs_every_kind():
