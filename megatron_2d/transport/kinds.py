@@ -26,8 +26,8 @@ def transport_classes() -> dict[str, type[Transport]]:
 
 def find_transports(package: str) -> dict[str, type[Transport]]:
     """kind -> the one class of that kind (a ``kind`` string and ``for_routes``) in the modules of ``package``, in
-    the order of TRANSPORT_KINDS. Raises RuntimeError when a kind has no class, two classes claim one, or a class claims a kind
-    the rule does not know."""
+    the order of TRANSPORT_KINDS. Raises RuntimeError when a kind has no class, two classes claim one, or a class
+    claims a kind the rule does not know."""
     found: dict[str, list[type]] = {}
     for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
         module = importlib.import_module(f"{package}.{info.name}")
