@@ -29,8 +29,6 @@ see nothing of others (windows, or documents that do not cross ranks).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -46,9 +44,8 @@ from .layout.heads import kv_replication
 from .layout.transports import transport_kind
 from .packed_layout import PackedLayout
 from .ring_attention import RingAttention, RingContext
-from .transport.base import LocalBlock, Transport
-from .transport.double_ring import DoubleRing
-from .transport.neighbour_exchange import NeighbourExchange
+from .transport.base import KeyRoutes
+from .transport.kinds import transport_classes
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -132,38 +129,6 @@ def check_not_capturing(device: torch.device) -> None:
         )
 
 
-@dataclass(frozen=True)
-class KeyRoutes:
-    """What the transport of a kind needs to know of one mask besides the groups."""
-
-    keys: Mapping | None = None
-    """neighbour: the keys of src's block dst's calls read, per (dst, src) (hulls, or KeyIntervals)."""
-    offsets: Sequence[int] | None = None
-    """neighbour: the offsets dst - src (mod cp) some pair needs (None: found from ``keys``)."""
-    ring_keys: int | None = None
-    """double_ring: the first keys of each block that travel (None: all)."""
-
-
-def _local_block(groups: Groups2D, routes: KeyRoutes) -> Transport:
-    return LocalBlock(groups.place.context_rank)
-
-
-def _neighbour_exchange(groups: Groups2D, routes: KeyRoutes) -> Transport:
-    return NeighbourExchange(groups, routes.keys, routes.offsets)
-
-
-def _double_ring(groups: Groups2D, routes: KeyRoutes) -> Transport:
-    return DoubleRing(groups, ring_keys=routes.ring_keys)
-
-
-TRANSPORTS: dict[str, Callable[[Groups2D, KeyRoutes], Transport]] = {
-    "local": _local_block,
-    "neighbour": _neighbour_exchange,
-    "double_ring": _double_ring,
-}
-"""The transport of each kind of :func:`megatron_2d.layout.transports.transport_kind`, built for one rank."""
-
-
 def zigzag_route(groups: Groups2D, s_local: int, plan: ContextPlan) -> tuple[str, KeyRoutes]:
     """(transport kind, routes) of zigzag shards of ``s_local`` tokens per rank under the mask of ``plan``: every key
     of a block may travel; the neighbour exchange sends the hull of the keys each pair's calls read."""
@@ -216,7 +181,7 @@ def _setup(
         plan = plan_context_group(groups.layout, s_local // 2, causal, window)
         kind, routes = zigzag_route(groups, s_local, plan)
         rc = RingContext(
-            transport=TRANSPORTS[kind](groups, routes),
+            transport=transport_classes()[kind].for_routes(groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
             plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
             scale=scale,
@@ -274,7 +239,7 @@ def _packed_setup(
         )
         kind, routes, plans = packed_route(groups, packing, causal, window)
         rc = RingContext(
-            transport=TRANSPORTS[kind](groups, routes),
+            transport=transport_classes()[kind].for_routes(groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
             plans=plans,
             scale=scale,

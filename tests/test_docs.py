@@ -4,10 +4,14 @@
   and formatting may change freely; regenerate the map with ``python tools/module_map.py``)
 - README.md is short (at most 160 lines) and has no line over 120 characters
 - every relative link in README.md and docs/*.md points to an existing file
+- the tree as docs/architecture.md shows it: every folder of megatron_2d/ states its one concern in its
+  ``__init__`` docstring and is in the doc's tree; the root holds at most 8 modules; every library file the "Where
+  to add" table names exists
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -130,3 +134,36 @@ def test_no_merge_conflict_markers_left_in_the_tree():
 
 def test_the_conflict_check_finds_markers():
     assert conflict_markers("a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> branch\n") == [2, 6]
+
+
+PACKAGE = REPO / "megatron_2d"
+
+
+def _section(text: str, title: str) -> str:
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_every_folder_states_its_concern_and_is_in_the_tree():
+    tree = _section(ARCHITECTURE.read_text(), "The tree")
+    folders = sorted({p.parent for p in PACKAGE.rglob("*.py")} - {PACKAGE})
+    assert len(folders) >= 8, folders
+    for folder in folders:
+        init = folder / "__init__.py"
+        assert init.exists(), f"{folder.relative_to(REPO)} has no __init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(REPO)} states no concern"
+        assert re.search(rf"^\s+{folder.name}/\s", tree, re.M), f"{folder.name}/ is not in the architecture tree"
+
+
+def test_the_root_holds_at_most_8_modules():
+    modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= 8, modules
+
+
+def test_the_where_to_add_table_names_existing_files():
+    table = _section(ARCHITECTURE.read_text(), "Where to add")
+    named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py)`", table))
+    assert {"packing/modes.py", "layout/transports.py", "kernels/__init__.py", "megatron/fields.py"} <= named
+    missing = [n for n in sorted(named) if not ((PACKAGE / n).exists() or (REPO / n).exists())]
+    assert not missing, f"the Where to add table names files that do not exist: {missing}"

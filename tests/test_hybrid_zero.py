@@ -21,8 +21,10 @@ import torch.distributed as dist
 from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d  # noqa: E402
 from megatron_2d.megatron.hybrid_zero import (  # noqa: E402
     HybridZeRO,
+    distributed_data_parallel_config,
     distributed_optimizer_padding_bound,
     model_state_bytes_per_rank,
+    optimizer_config,
 )
 from megatron_2d.testing import ddp_harness as mcpu
 from megatron_2d.testing import tiny_gpt as tg
@@ -105,7 +107,7 @@ def _train_case(hz: HybridZeRO, rank: int, bf16: bool = False):
         if hz.backend == "megatron_fsdp":
             ddp_extra.update(megatron_fsdp_main_grads_dtype=torch.float32)
         model = _bf16_model(model)
-    wrapped = mcpu.wrap_model(model, hz.distributed_data_parallel_config(DP, CP, **ddp_extra))
+    wrapped = mcpu.wrap_model(model, distributed_data_parallel_config(hz, DP, CP, **ddp_extra))
     # clip_grad far above the gradient norm: Megatron then computes (and reports) the norm but never clips. The
     # wider optimizer shard refuses clipping (its norm is wrong, see below), so that case measures around the check.
     opt_kwargs = dict(lr=LR, weight_decay=0.0, clip_grad=1e9)
@@ -116,7 +118,7 @@ def _train_case(hz: HybridZeRO, rank: int, bf16: bool = False):
 
         opt_config = OptimizerConfig(**hz.optimizer_config_kwargs(DP, CP), **opt_kwargs)
     else:
-        opt_config = hz.optimizer_config(DP, CP, **opt_kwargs)
+        opt_config = optimizer_config(hz, DP, CP, **opt_kwargs)
     optimizer = mcpu.build_optimizer(wrapped, opt_config)
     steps = [
         mcpu.train_step(wrapped, optimizer, tg.synthetic_batch(cfg, step), cfg.seq_length)
@@ -323,14 +325,14 @@ def test_bf16_sharded_training_matches_bf16_unsharded(results, name):
     ],
 )
 def test_choices_map_to_megatron_configs(hz, expected):
-    ddp_config = hz.distributed_data_parallel_config(DP, CP)
+    ddp_config = distributed_data_parallel_config(hz, DP, CP)
     for key, value in expected.items():
         assert getattr(ddp_config, key) == value, key
     assert hz.initialize_model_parallel_kwargs(DP, CP) == {
         "num_distributed_optimizer_instances": ddp_config.num_distributed_optimizer_instances
     }
-    optimizer_config = hz.optimizer_config(DP, CP, lr=1e-4, clip_grad=0.0)
-    assert optimizer_config.use_distributed_optimizer == ddp_config.use_distributed_optimizer
+    opt_config = optimizer_config(hz, DP, CP, lr=1e-4, clip_grad=0.0)
+    assert opt_config.use_distributed_optimizer == ddp_config.use_distributed_optimizer
 
 
 @pytest.mark.parametrize(
@@ -396,17 +398,17 @@ def test_invalid_choices_are_refused_with_the_valid_ones(kwargs, dp, cp, message
 def test_wider_optimizer_shard_refuses_gradient_clipping():
     hz = HybridZeRO("optimizer+grads+params", shard_size=4, optimizer_shard_size=8)
     with pytest.raises(ValueError, match=r"clip_grad 1.0 is not supported with optimizer_shard_size 8 > shard_size 4"):
-        hz.optimizer_config(DP, CP, lr=1e-4)  # OptimizerConfig's default clip_grad is 1.0
-    assert hz.optimizer_config(DP, CP, lr=1e-4, clip_grad=0.0).clip_grad == 0.0
+        optimizer_config(hz, DP, CP, lr=1e-4)  # OptimizerConfig's default clip_grad is 1.0
+    assert optimizer_config(hz, DP, CP, lr=1e-4, clip_grad=0.0).clip_grad == 0.0
     flags = hz.megatron_cli_args(DP, CP)
     assert flags[flags.index("--clip-grad") + 1] == "0.0"
 
 
 def test_extra_config_fields_cannot_contradict_the_choice():
     hz = HybridZeRO("optimizer", shard_size=4)
-    assert hz.distributed_data_parallel_config(DP, CP, grad_reduce_in_fp32=True).grad_reduce_in_fp32
+    assert distributed_data_parallel_config(hz, DP, CP, grad_reduce_in_fp32=True).grad_reduce_in_fp32
     with pytest.raises(ValueError, match=r"conflict.*num_distributed_optimizer_instances': \(2, 1\)"):
-        hz.distributed_data_parallel_config(DP, CP, num_distributed_optimizer_instances=1)
+        distributed_data_parallel_config(hz, DP, CP, num_distributed_optimizer_instances=1)
 
 
 def test_memory_model_formulas_for_a_7b_model():

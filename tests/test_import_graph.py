@@ -1,10 +1,25 @@
-"""The package's import graph, read from the source with ``ast``: no module imports itself through others (lazy
-imports inside functions count; imports under ``if TYPE_CHECKING:`` do not run and are left out), and the planner
-(megatron_2d.plan) imports nothing from the benchmarks, the test support or the Megatron integration."""
+"""The package's import graph, read from the source with ``ast``, and the house's import rules over it. Each rule
+has a test on a synthetic package that shows it can fail.
+
+- **No cycle.** Lazy imports inside functions count, and so do imports under ``if TYPE_CHECKING:`` (a loop a type
+  checker follows ties the modules together as much as one that runs). Importing ``pkg.sub.mod`` runs
+  ``pkg/__init__`` and ``pkg/sub/__init__`` first, so it is an edge to those packages too, except the importer's own
+  enclosing packages (already run when it runs). A package's lazy export table (``_EXPORTS``, resolved by its
+  ``__getattr__``) is an edge to each module it names, and a module that scans its folder (``pkgutil.iter_modules``,
+  as transport/kinds.py does) has an edge to each module there.
+- **The pure layer** (``layout/``, ``packing/``) imports from the package only the pure layer, and, itself or
+  through any package module it reaches, only the standard library (``packing/``: and numpy): no torch, and no
+  library that loads it (megatron-core).
+- **The planner** (``plan/``) imports from the package only the pure layer and itself, and no torch library.
+- **The runtime** (every module but the test support, ``testing/``, and the benchmarks, ``bench/``) imports
+  neither.
+"""
 
 from __future__ import annotations
 
 import ast
+import sys
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -13,7 +28,13 @@ import megatron_2d
 
 PACKAGE = Path(megatron_2d.__file__).parent
 NAME = PACKAGE.name
-PLAN_MAY_NOT_IMPORT = ("megatron_2d.bench", "megatron_2d.testing", "megatron_2d.megatron")
+STDLIB = frozenset(sys.stdlib_module_names)
+# folder of the pure layer -> the libraries it may import
+PURE = {"layout": STDLIB, "packing": STDLIB | {"numpy"}}
+PLANNER = "plan"
+TEST_SUPPORT = ("testing", "bench")
+# libraries that are torch or import it: the planner's "no torch"
+TORCH_LIBRARIES = frozenset({"torch", "megatron", "transformer_engine", "flash_attn", "triton", "apex"})
 
 
 def modules(root: Path = PACKAGE) -> dict[str, Path]:
@@ -27,54 +48,89 @@ def modules(root: Path = PACKAGE) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+def _import_nodes(tree: ast.AST):
+    """Every Import / ImportFrom node, at any depth (functions, classes, try blocks, ``if TYPE_CHECKING:``)."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _lazy_exports(tree: ast.Module) -> list[str]:
+    """The module names (relative to the package) of a top-level ``_EXPORTS = {"name": "module", ...}`` table."""
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
+            and isinstance(node.value, ast.Dict)
+        ):
+            return [v.value for v in node.value.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+    return []
+
+
+def _scans_its_folder(tree: ast.AST) -> bool:
+    return any(
+        isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) == "iter_modules" or getattr(node.func, "id", None) == "iter_modules")
+        for node in ast.walk(tree)
     )
 
 
-def _import_nodes(tree: ast.AST):
-    """Every Import / ImportFrom node, at any depth (functions, classes, try blocks), except under TYPE_CHECKING."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        stack.extend(ast.iter_child_nodes(node))
-
-
 def imports_of(name: str, path: Path, known: dict[str, Path], package: str = NAME) -> set[str]:
-    """The package's modules that ``name`` imports: ``from .x import y`` is module x.y when that is a module, else
-    x; ``import a.b.c`` is the longest known prefix."""
+    """The package's modules that importing ``name`` runs: ``from .x import y`` is module x.y when that is a module,
+    else x; ``import a.b.c`` is the longest known prefix; each target's enclosing packages come with it, except
+    those enclosing ``name`` itself."""
     is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), str(path))
 
     def known_prefix(dotted: str) -> str:
         while dotted not in known and "." in dotted:
             dotted = dotted.rsplit(".", 1)[0]
         return dotted
 
-    out = set()
-    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+    targets = [f"{name}.{m}" for m in _lazy_exports(tree)] if is_package else []
+    if _scans_its_folder(tree):
+        folder = name if is_package else name.rsplit(".", 1)[0]
+        targets += [m for m in known if m.rsplit(".", 1)[0] == folder]
+    for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
+            targets += [a.name for a in node.names]
         else:
             if node.level:
                 base = name.split(".")[: len(name.split(".")) - (node.level - (1 if is_package else 0))]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
-        out.update(known_prefix(t) for t in targets if t == package or t.startswith(package + "."))
+            targets += [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
+    out = set()
+    for target in (known_prefix(t) for t in targets if _within(t, package)):
+        parts = target.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if not _within(name, ".".join(parts[:i])))
+        out.add(target)
     out.discard(name)
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    known = modules()
-    return {name: imports_of(name, path, known) for name, path in known.items()}
+def libraries_of(path: Path, package: str = NAME) -> set[str]:
+    """The top-level names of what a module imports from outside the package (``numpy``, ``torch``, ``math``)."""
+    out = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    out.discard(package)
+    return out
+
+
+def import_graph(root: Path = PACKAGE, package: str = NAME) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imports_of(name, path, known, package) for name, path in known.items()}
+
+
+def library_imports(root: Path = PACKAGE, package: str = NAME) -> dict[str, set[str]]:
+    return {name: libraries_of(path, package) for name, path in modules(root).items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -112,6 +168,64 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _reached(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every module ``start`` reaches (itself included) -> the chain of imports that reaches it first."""
+    chains = {start: [start]}
+    queue = deque([start])
+    while queue:
+        v = queue.popleft()
+        for w in sorted(graph.get(v, ())):
+            if w not in chains:
+                chains[w] = chains[v] + [w]
+                queue.append(w)
+    return chains
+
+
+def pure_layer_violations(graph: dict[str, set[str]], libraries: dict[str, set[str]], package: str = NAME) -> list[str]:
+    """What the pure layer imports against its rule: a package module outside it, or a library its folder may not
+    import, by the module itself or by any package module it reaches (with the chain that reaches it)."""
+    pure = [f"{package}.{folder}" for folder in PURE]
+    found = []
+    for name in sorted(graph):
+        folder = next((f for f in PURE if _within(name, f"{package}.{f}")), None)
+        if folder is None:
+            continue
+        found += [
+            f"{name} imports {t} (not in the pure layer)"
+            for t in sorted(graph[name])
+            if not any(_within(t, p) for p in pure)
+        ]
+        for reached, chain in sorted(_reached(graph, name).items()):
+            found += [
+                f"{' -> '.join(chain)} imports {lib}"
+                for lib in sorted(libraries.get(reached, ()))
+                if lib not in PURE[folder]
+            ]
+    return found
+
+
+def planner_violations(graph: dict[str, set[str]], libraries: dict[str, set[str]], package: str = NAME) -> list[str]:
+    """What the planner imports against its rule: a package module outside the pure layer and itself, or torch."""
+    allowed = [f"{package}.{f}" for f in (*PURE, PLANNER)]
+    found = []
+    for name in sorted(m for m in graph if _within(m, f"{package}.{PLANNER}")):
+        found += [f"{name} imports {t}" for t in sorted(graph[name]) if not any(_within(t, p) for p in allowed)]
+        found += [f"{name} imports {lib}" for lib in sorted(libraries.get(name, set()) & TORCH_LIBRARIES)]
+    return found
+
+
+def runtime_violations(graph: dict[str, set[str]], package: str = NAME) -> list[str]:
+    """Runtime modules (all but the test support and the benchmarks) that import the test support or benchmarks."""
+    support = [f"{package}.{f}" for f in TEST_SUPPORT]
+    return [
+        f"{name} imports {t}"
+        for name in sorted(graph)
+        if not any(_within(name, p) for p in support)
+        for t in sorted(graph[name])
+        if any(_within(t, p) for p in support)
+    ]
+
+
 def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 50 and "megatron_2d.plan.cli" in graph["megatron_2d.plan.__main__"]
@@ -121,15 +235,64 @@ def test_no_import_cycles():
     )
 
 
-def test_plan_imports_no_bench_testing_or_megatron():
-    bad = {
-        (m, t)
-        for m, targets in import_graph().items()
-        if m.startswith("megatron_2d.plan")
-        for t in targets
-        if t.startswith(PLAN_MAY_NOT_IMPORT)
-    }
-    assert not bad, f"the planner must stand alone; it imports: {sorted(bad)}"
+def test_the_issue_cycles_are_gone():
+    """The two cycles issue 31 named, by their edges today: the document sharding reaches no planner module, and
+    the planner's step no longer reaches its memory options, which import it (plan/model_states.py holds the types
+    the step needs back)."""
+    graph = import_graph()
+    reached = _reached(graph, "megatron_2d.packing.sharding")
+    assert not [m for m in reached if _within(m, "megatron_2d.plan")], reached
+    assert "megatron_2d.plan.step" in graph["megatron_2d.plan.memory_options"]
+    assert "megatron_2d.plan.memory_options" not in _reached(graph, "megatron_2d.plan.step")
+
+
+def test_the_pure_layer_imports_no_torch():
+    graph = import_graph()
+    assert {"megatron_2d.layout.topology", "megatron_2d.packing.modes"} <= set(graph)
+    assert pure_layer_violations(graph, library_imports()) == []
+
+
+def test_the_planner_imports_only_the_pure_layer():
+    assert planner_violations(import_graph(), library_imports()) == []
+
+
+def test_the_runtime_imports_no_test_support():
+    assert runtime_violations(import_graph()) == []
+
+
+def test_the_pure_layer_loads_no_torch_when_imported():
+    """The same rule as the process sees it: importing every module of the pure layer loads no torch, no
+    megatron-core and no package module outside the pure layer (the package root's lazy exports stay unloaded)."""
+    import subprocess
+
+    pure = sorted(m for m in modules() if any(_within(m, f"{NAME}.{f}") for f in PURE))
+    code = (
+        "import importlib, sys\n"
+        f"for m in {pure!r}:\n"
+        "    importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron') or (m.startswith("
+        "'megatron_2d.') and not m.startswith(('megatron_2d.layout', 'megatron_2d.packing'))))\n"
+        "assert not bad, bad\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def _write_package(root: Path, source: dict[str, str], package: str = "pkg") -> Path:
+    """A package under ``root`` from {dotted module: text}; every folder gets an (empty unless given) __init__."""
+    top = root / package
+    for name, text in {"": "", **source}.items():
+        parts = name.split(".") if name else []
+        folder = top.joinpath(*parts)
+        is_package = not parts or any(other.startswith(name + ".") for other in source)
+        path = folder / "__init__.py" if is_package else folder.with_suffix(".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for i in range(len(parts)):  # enclosing folders are packages
+            init = top.joinpath(*parts[:i]) / "__init__.py"
+            if not init.exists():
+                init.write_text("")
+        path.write_text(text)
+    return top
 
 
 @pytest.mark.parametrize(
@@ -142,25 +305,116 @@ def test_plan_imports_no_bench_testing_or_megatron():
             {"a": "import pkg.b\n", "b": "from pkg.c import y\n", "c": "import pkg.a as a\n"},
             [["pkg.a", "pkg.b", "pkg.c"]],
         ),
-        # imports for type checking only do not run: no loop
+        # imports for type checking count: a loop
         (
             {
                 "a": "from .b import B\n",
                 "b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n",
             },
-            [],
+            [["pkg.a", "pkg.b"]],
         ),
+        # importing a submodule runs its package's __init__ first: the issue's sharding -> plan -> plan.packed ->
+        # sharding, where the sharding imported plan.hardware and plan/__init__ imported plan.packed
+        (
+            {
+                "sharding": "def cost():\n    from .plan.hardware import get\n",
+                "plan": "from .packed import P\n",
+                "plan.hardware": "",
+                "plan.packed": "from ..sharding import shard\n",
+            },
+            [["pkg.plan", "pkg.plan.packed", "pkg.sharding"]],
+        ),
+        # a package's lazy export table names modules it imports on first use
+        ({"": '_EXPORTS = {"f": "a"}\n', "a": "import pkg\n"}, [["pkg", "pkg.a"]]),
+        # a module that scans its folder imports every module there
+        (
+            {
+                "sub": "",
+                "sub.kinds": "import pkgutil\npkgutil.iter_modules([])\n",
+                "sub.a": "from pkg import b\n",
+                "b": "from .sub.kinds import table\n",
+            },
+            [["pkg.b", "pkg.sub.a", "pkg.sub.kinds"]],
+        ),  # fmt: skip
+        # ... but a module's own enclosing packages have run before it: siblings importing siblings is no loop
+        ({"sub": "from .a import x\n", "sub.a": "from pkg.sub.b import y\n", "sub.b": ""}, []),
     ],
 )
 def test_the_walker_finds_loops(tmp_path, source, expected):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    for name, text in source.items():
-        (pkg / f"{name}.py").write_text(text)
-    known = modules(pkg)
-    graph = {name: imports_of(name, path, known, "pkg") for name, path in known.items()}
-    assert cycles(graph) == expected
+    root = _write_package(tmp_path, source)
+    assert cycles(import_graph(root, "pkg")) == expected
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ({"layout.a": "import torch\n"}, ["pkg.layout.a imports torch"]),
+        ({"layout.a": "def f():\n    from megatron.core import x\n"}, ["pkg.layout.a imports megatron"]),
+        ({"layout.a": "import numpy\n"}, ["pkg.layout.a imports numpy"]),
+        ({"packing.a": "import numpy as np\nimport math\n", "layout.a": "from dataclasses import field\n"}, []),
+        # through another module of the pure layer, with the chain that reaches it
+        (
+            {"packing.a": "from ..layout import b\n", "layout.b": "import torch.nn\n"},
+            ["pkg.layout.b imports torch", "pkg.packing.a -> pkg.layout.b imports torch"],
+        ),
+        # through a runtime module: it leaves the pure layer, and it brings torch
+        (
+            {"packing.a": "from pkg.groups import G\n", "groups": "import torch\n"},
+            ["pkg.packing.a imports pkg.groups (not in the pure layer)", "pkg.packing.a -> pkg.groups imports torch"],
+        ),
+        # the package root (its lazy exports) is outside the pure layer too
+        ({"layout.a": "from pkg import attention_2d\n"}, ["pkg.layout.a imports pkg (not in the pure layer)"]),
+    ],
+)
+def test_the_pure_layer_rule_can_fail(tmp_path, source, expected):
+    root = _write_package(tmp_path, source)
+    assert pure_layer_violations(import_graph(root, "pkg"), library_imports(root, "pkg"), "pkg") == expected
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ({"plan.a": "from ..layout.b import x\nfrom ..packing import c\nfrom . import d\n"}, []),
+        (
+            {"plan.a": "from ..bench import runner\n"},
+            ["pkg.plan.a imports pkg.bench", "pkg.plan.a imports pkg.bench.runner"],
+        ),
+        (
+            {"plan.a": "def f():\n    import pkg.megatron.config\n"},
+            ["pkg.plan.a imports pkg.megatron", "pkg.plan.a imports pkg.megatron.config"],
+        ),
+        ({"plan.a": "from pkg import PackedLayout\n"}, ["pkg.plan.a imports pkg"]),
+        ({"plan.a": "import torch.distributed as dist\n"}, ["pkg.plan.a imports torch"]),
+    ],
+)
+def test_the_planner_rule_can_fail(tmp_path, source, expected):
+    source = {"layout.b": "", "packing.c": "", "plan.d": "", "bench.runner": "", "megatron.config": "", **source}
+    root = _write_package(tmp_path, source)
+    assert planner_violations(import_graph(root, "pkg"), library_imports(root, "pkg"), "pkg") == expected
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (
+            {"demo": "from .testing import reference\n"},
+            ["pkg.demo imports pkg.testing", "pkg.demo imports pkg.testing.reference"],
+        ),
+        (
+            {"megatron.spec": "def f():\n    from ..bench.runners import R\n"},
+            ["pkg.megatron.spec imports pkg.bench", "pkg.megatron.spec imports pkg.bench.runners"],
+        ),
+        (
+            {"": '_EXPORTS = {"demo": "testing.reference"}\n'},
+            ["pkg imports pkg.testing", "pkg imports pkg.testing.reference"],
+        ),
+        # the test support and the benchmarks may use each other and the runtime
+        ({"bench.runners": "from ..testing import reference\nfrom .. import demo\n", "demo": ""}, []),
+    ],
+)
+def test_the_runtime_rule_can_fail(tmp_path, source, expected):
+    root = _write_package(tmp_path, {"testing.reference": "", "bench.runners": "", **source})
+    assert runtime_violations(import_graph(root, "pkg"), "pkg") == expected
 
 
 def private_imports(root: Path = PACKAGE, package: str = NAME) -> list[str]:

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_2d.attention import TRANSPORTS, KeyRoutes, packed_route, zigzag_route
+from megatron_2d.attention import packed_route, zigzag_route
 from megatron_2d.layout.band import SlidingWindow
 from megatron_2d.layout.block_calls import plan_context_group
 from megatron_2d.layout.topology import Layout2D, divisors
@@ -21,8 +21,9 @@ from megatron_2d.packed_layout import PackedLayout
 from megatron_2d.plan.packed import modes_for, packed_work
 from megatron_2d.plan.windows import MAX_EXACT_CP, packed_window_work, window_work
 from megatron_2d.testing.loopback import virtual_groups
-from megatron_2d.transport.base import LocalBlock
+from megatron_2d.transport.base import KeyRoutes, LocalBlock
 from megatron_2d.transport.double_ring import DoubleRing
+from megatron_2d.transport.kinds import transport_classes
 from megatron_2d.transport.neighbour_exchange import NeighbourExchange
 
 
@@ -34,13 +35,15 @@ def test_the_rule():
 
 
 def test_the_op_builds_each_kind_from_one_table():
-    assert set(TRANSPORTS) == set(TRANSPORT_KINDS)
+    assert set(transport_classes()) == set(TRANSPORT_KINDS)
     layout = Layout2D(8, 2, 2)
     groups = virtual_groups(layout, 0)  # no process groups: transports whose construction posts nothing
     plan = plan_context_group(layout, 4, True, SlidingWindow(2, 0))
-    assert type(TRANSPORTS["local"](groups, KeyRoutes())) is LocalBlock
-    assert type(TRANSPORTS["neighbour"](groups, KeyRoutes(keys=plan.keys))) is NeighbourExchange
-    ring = TRANSPORTS["double_ring"](virtual_groups(Layout2D(2, 2, 1), 0), KeyRoutes(ring_keys=3))  # cp 1: no hop
+    assert type(transport_classes()["local"].for_routes(groups, KeyRoutes())) is LocalBlock
+    assert type(transport_classes()["neighbour"].for_routes(groups, KeyRoutes(keys=plan.keys))) is NeighbourExchange
+    ring = transport_classes()["double_ring"].for_routes(
+        virtual_groups(Layout2D(2, 2, 1), 0), KeyRoutes(ring_keys=3)
+    )  # cp 1: no hop
     assert type(ring) is DoubleRing and ring.ring_keys == 3
 
 
@@ -124,3 +127,71 @@ def test_the_planner_refuses_a_kind_it_has_no_cost_for():
     assert ww.transport == "double_ring" and step._attention_times(job, work, ww).time > 0
     with pytest.raises(ValueError, match="no cost model for transport kind 'pigeon'"):
         step._attention_times(job, work, WindowWork(1.0, True, 0, 0, "pigeon"))
+
+
+def test_the_table_is_every_transport_of_the_folder():
+    """docs/architecture.md's "where to add" row: a transport is its module in transport/ (a class with ``kind`` and
+    ``for_routes``), its kind and rule in layout/transports.py and the planner's cost; the op's table is read from
+    the folder, one class per kind of the rule."""
+    assert transport_classes() == {"local": LocalBlock, "neighbour": NeighbourExchange, "double_ring": DoubleRing}
+    assert list(transport_classes()) == list(TRANSPORT_KINDS)
+
+
+_A_TRANSPORT = (
+    "class {name}:\n    kind = {kind!r}\n    traffic_kinds = ()\n\n    @classmethod\n"
+    "    def for_routes(cls, groups, routes):\n        return cls()\n"
+)
+
+
+@pytest.mark.parametrize(
+    "classes, message",
+    [
+        ({"a": [("A", "local"), ("B", "neighbour")], "b": [("C", "double_ring")]}, None),
+        ({"a": [("A", "local"), ("B", "neighbour")]}, r"kinds without a class \['double_ring'\]"),
+        (
+            {"a": [("A", "local"), ("B", "neighbour"), ("C", "double_ring")], "b": [("D", "neighbour")]},
+            r"kinds with several \{'neighbour': \['B', 'D'\]\}",
+        ),
+        (
+            {"a": [("A", "local"), ("B", "neighbour"), ("C", "double_ring"), ("D", "pigeon")]},
+            r"kinds the rule does not know \['pigeon'\]",
+        ),
+    ],
+)
+def test_the_table_finds_each_transport_and_refuses_gaps(tmp_path, monkeypatch, classes, message):
+    from megatron_2d.transport.kinds import find_transports
+
+    name = f"fake_transports_{len(classes)}_{len(str(classes))}"  # one package name per case: imports are cached
+    package = tmp_path / name
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for module, defined in classes.items():
+        (package / f"{module}.py").write_text("\n\n".join(_A_TRANSPORT.format(name=n, kind=k) for n, k in defined))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if message is None:
+        assert [(k, c.__name__) for k, c in find_transports(name).items()] == [
+            ("local", "A"),
+            ("neighbour", "B"),
+            ("double_ring", "C"),
+        ]
+    else:
+        with pytest.raises(RuntimeError, match=message):
+            find_transports(name)
+
+
+def test_the_planner_costs_every_kind():
+    """Each kind of the shared rule has a cost in plan/step.py (the fourth file of a new transport)."""
+    from megatron_2d.plan import ParallelSpec, get_cluster, get_model, step
+    from megatron_2d.plan.windows import WindowWork
+
+    job = step._Job(
+        get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 2, 4, 1, "head_first", 8192, True, None,
+        "accumulator", None, None, None, "te_fused",
+    )  # fmt: skip
+    work, _ = step._windowed_work(job)
+    for kind in TRANSPORT_KINDS:
+        dense = kind != "neighbour"
+        assert (
+            step._attention_times(job, work, WindowWork(1.0, dense, 0 if dense else 2, 0 if dense else 64, kind)).time
+            > 0
+        )

@@ -11,9 +11,10 @@ other (:attr:`megatron_2d.layout.block_calls.ContextPlan.dense`; for packed docu
                  see it, only the keys they read (NeighbourExchange)
     double_ring  every pair sees something: every block round the inner and outer rings (DoubleRing)
 
-The op builds the transport of a kind from one table (``megatron_2d.attention.TRANSPORTS``); the planner charges
-the kind's times (:mod:`megatron_2d.plan.windows`, :mod:`megatron_2d.plan.step`). A new transport is its module
-in ``transport/``, a kind here and a row in that table.
+The op builds the transport of a kind from the table of the transport folder
+(:func:`megatron_2d.transport.kinds.transport_classes`: each class names its kind); the planner charges the kind's
+times (:mod:`megatron_2d.plan.windows`, :mod:`megatron_2d.plan.step`). A new transport is its module in
+``transport/``, a kind here, and its cost in the planner.
 
     >>> transport_kind(context_size=4, ring_tokens=512, every_pair_sees=False)
     'neighbour'

@@ -3,9 +3,9 @@ integration (:mod:`megatron_2d.megatron.hybrid_zero`, which re-exports everythin
 (:mod:`megatron_2d.plan.memory_options`) share one definition and cannot disagree.
 
 A choice (:class:`HybridZeRO`) says which model states are sharded over the D = dp x cp ranks of Megatron's
-``dp_cp`` group and over how many of them; its methods write it into megatron-core's own configs (imported lazily,
-only when called) or as Megatron-LM flags. :func:`state_bytes_per_rank` is the persistent model state a rank holds
-under a choice.
+``dp_cp`` group and over how many of them; its methods give the fields of megatron-core's own configs (which
+:mod:`megatron_2d.megatron.hybrid_zero` builds) or the Megatron-LM flags. :func:`state_bytes_per_rank` is the
+persistent model state a rank holds under a choice.
 """
 
 from __future__ import annotations
@@ -189,41 +189,12 @@ class HybridZeRO:
             kwargs["outer_dp_sharding_strategy"] = "optim" if self.has_wider_optimizer_shard(dp, cp) else "no_shard"
         return kwargs
 
-    def distributed_data_parallel_config(self, dp: int, cp: int, **extra: Any):
-        """A ``DistributedDataParallelConfig`` with this choice; ``extra`` sets its other fields (e.g.
-        ``grad_reduce_in_fp32``). A conflicting extra field is refused."""
-        from megatron.core.distributed import DistributedDataParallelConfig
-
-        return DistributedDataParallelConfig(**_merge(self.ddp_config_kwargs(dp, cp), extra, "DDP config"))
-
     def optimizer_config_kwargs(self, dp: int, cp: int) -> dict[str, Any]:
         """Fields of megatron-core's ``OptimizerConfig`` that express this choice."""
         return {
             "use_distributed_optimizer": self.ddp_config_kwargs(dp, cp)["use_distributed_optimizer"],
             "overlap_param_gather": self.overlap_param_gather,
         }
-
-    def optimizer_config(self, dp: int, cp: int, **extra: Any):
-        """An ``OptimizerConfig`` with this choice; ``extra`` sets the rest (lr, optimizer, bf16, ...).
-
-        With ``optimizer_shard_size`` wider than ``shard_size`` gradient clipping is refused: megatron-core 0.19.2
-        reduces the gradient norm of megatron-fsdp over one optimizer instance (``shard_size`` ranks per TP/PP
-        slot) while outer 'optim' spreads the gradient shards over all dp x cp ranks, so the norm misses
-        (D - S)/D of the squared gradient (seen on CPU ranks: 0.70 instead of 0.97) and clipping would scale by a
-        wrong factor. Pass ``clip_grad=0.0``.
-        """
-        from megatron.core.optimizer import OptimizerConfig
-
-        kwargs = _merge(self.optimizer_config_kwargs(dp, cp), extra, "optimizer config")
-        clip = kwargs.get("clip_grad", OptimizerConfig.clip_grad)
-        if self.has_wider_optimizer_shard(dp, cp) and clip > 0:
-            raise ValueError(
-                f"clip_grad {clip} is not supported with optimizer_shard_size "
-                f"{self.resolved_optimizer_shard_size(dp, cp)} > shard_size {self.resolved_shard_size(dp, cp)}: "
-                f"megatron-core 0.19.2 computes the gradient norm over one optimizer instance only, so clipping "
-                f"would use a wrong norm; pass clip_grad=0.0 (OptimizerConfig defaults to 1.0)"
-            )
-        return OptimizerConfig(**kwargs)
 
     def has_wider_optimizer_shard(self, dp: int, cp: int) -> bool:
         """True when optimizer states are sharded over more ranks than parameters/gradients (HFSDP outer 'optim')."""
@@ -253,16 +224,6 @@ class HybridZeRO:
         if self.overlap_param_gather:
             args.append("--overlap-param-gather")
         return args
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any], what: str) -> dict[str, Any]:
-    clashes = {k: (base[k], v) for k, v in extra.items() if k in base and base[k] != v}
-    if clashes:
-        raise ValueError(
-            f"{what}: these fields are set by HybridZeRO and conflict with the extra values "
-            f"(HybridZeRO value, extra value): {clashes}"
-        )
-    return {**base, **extra}
 
 
 # ---- memory model -----------------------------------------------------------------------------------------------

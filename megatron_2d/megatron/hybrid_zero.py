@@ -30,7 +30,7 @@ What megatron-core does (read from its 0.19.2 source):
   groups; ``outer_dp_sharding_strategy='optim'`` additionally shards the optimizer state over all D ranks while
   params/grads stay sharded over S (only with 'optim_grads_params'): LoongTrain's "optimizer states sharded more
   widely than parameters and gradients". megatron-core 0.19.2 then reduces the gradient norm over S ranks only,
-  so gradient clipping is refused for that choice (``HybridZeRO.optimizer_config``).
+  so gradient clipping is refused for that choice (:func:`optimizer_config`).
 
 Seen on 8 CPU ranks (tests/test_hybrid_zero.py, DP=2 x CP=4 with 2D attention): every choice below trains a tiny
 GPT to the losses and gradient norms of unsharded training within 1e-5, and each rank holds 1/S of the sharded
@@ -38,13 +38,15 @@ state up to Megatron's padding. Overlap of communication with compute is not exe
 
     hz = HybridZeRO(sharded_states="optimizer", shard_size=4)           # ZeRO-1 over each CP group of 4
     initialize_model_parallel(..., **hz.initialize_model_parallel_kwargs(dp=2, cp=4))
-    ddp_model = DistributedDataParallel(config, hz.distributed_data_parallel_config(dp=2, cp=4), model)
-    optimizer = get_megatron_optimizer(hz.optimizer_config(dp=2, cp=4, lr=1e-4), [ddp_model])
+    ddp_model = DistributedDataParallel(config, distributed_data_parallel_config(hz, dp=2, cp=4), model)
+    optimizer = get_megatron_optimizer(optimizer_config(hz, dp=2, cp=4, lr=1e-4), [ddp_model])
     # megatron-fsdp choices: FullyShardedDataParallel(config, ddp_config, model) instead (hz.backend says which)
     hz.megatron_cli_args(dp=2, cp=4)   # the same choice as Megatron-LM flags
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -82,10 +84,54 @@ def model_state_bytes_per_rank(
     )
 
 
+def distributed_data_parallel_config(hybrid_zero: HybridZeRO, dp: int, cp: int, **extra: Any):
+    """A megatron-core ``DistributedDataParallelConfig`` with this choice; ``extra`` sets its other fields (e.g.
+    ``grad_reduce_in_fp32``). A conflicting extra field is refused."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(**_merge(hybrid_zero.ddp_config_kwargs(dp, cp), extra, "DDP config"))
+
+
+def optimizer_config(hybrid_zero: HybridZeRO, dp: int, cp: int, **extra: Any):
+    """A megatron-core ``OptimizerConfig`` with this choice; ``extra`` sets the rest (lr, optimizer, bf16, ...).
+
+    With ``optimizer_shard_size`` wider than ``shard_size`` gradient clipping is refused: megatron-core 0.19.2
+    reduces the gradient norm of megatron-fsdp over one optimizer instance (``shard_size`` ranks per TP/PP
+    slot) while outer 'optim' spreads the gradient shards over all dp x cp ranks, so the norm misses
+    (D - S)/D of the squared gradient (seen on CPU ranks: 0.70 instead of 0.97) and clipping would scale by a
+    wrong factor. Pass ``clip_grad=0.0``.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    kwargs = _merge(hybrid_zero.optimizer_config_kwargs(dp, cp), extra, "optimizer config")
+    clip = kwargs.get("clip_grad", OptimizerConfig.clip_grad)
+    if hybrid_zero.has_wider_optimizer_shard(dp, cp) and clip > 0:
+        raise ValueError(
+            f"clip_grad {clip} is not supported with optimizer_shard_size "
+            f"{hybrid_zero.resolved_optimizer_shard_size(dp, cp)} > shard_size "
+            f"{hybrid_zero.resolved_shard_size(dp, cp)}: "
+            f"megatron-core 0.19.2 computes the gradient norm over one optimizer instance only, so clipping "
+            f"would use a wrong norm; pass clip_grad=0.0 (OptimizerConfig defaults to 1.0)"
+        )
+    return OptimizerConfig(**kwargs)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any], what: str) -> dict[str, Any]:
+    clashes = {k: (base[k], v) for k, v in extra.items() if k in base and base[k] != v}
+    if clashes:
+        raise ValueError(
+            f"{what}: these fields are set by HybridZeRO and conflict with the extra values "
+            f"(HybridZeRO value, extra value): {clashes}"
+        )
+    return {**base, **extra}
+
+
 __all__ = [
     "HybridZeRO",
     "IMPLEMENTATIONS",
     "SHARDED_STATES",
+    "distributed_data_parallel_config",
     "distributed_optimizer_padding_bound",
     "model_state_bytes_per_rank",
+    "optimizer_config",
 ]

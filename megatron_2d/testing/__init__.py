@@ -1,1 +1,2 @@
-"""Support for multi-rank tests, demos and benchmarks on CPU (never used on the GPU runtime path)."""
+"""Test support: multi-rank tests, CPU shims and stand-ins, the reference and its tolerances, the demo and the GPU
+check (the runtime never imports it)."""

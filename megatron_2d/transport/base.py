@@ -14,10 +14,14 @@ gradient covers keys [k_start, k_end) of one source block, as its last-dim piece
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ..groups import Groups2D
 
 # compute(block, source_context_rank, first_key) -> None (forward) or a list of (k_start, k_end, parts): the partial
 # gradient of the source's keys [k_start, k_end), as the block's last-dim pieces (dk, dv) or the whole (d block,);
@@ -26,8 +30,24 @@ Partials = list[tuple[int, int, tuple[torch.Tensor, ...]]]
 ComputeFn = Callable[[torch.Tensor, int, int], Partials | None]
 
 
+@dataclass(frozen=True)
+class KeyRoutes:
+    """What the transport of a kind needs to know of one mask besides the groups."""
+
+    keys: Mapping | None = None
+    """neighbour: the keys of src's block dst's calls read, per (dst, src) (hulls, or KeyIntervals)."""
+    offsets: Sequence[int] | None = None
+    """neighbour: the offsets dst - src (mod cp) some pair needs (None: found from ``keys``)."""
+    ring_keys: int | None = None
+    """double_ring: the first keys of each block that travel (None: all)."""
+
+
 class Transport(Protocol):
     """How the K/V blocks of one context group reach the ranks whose queries see them.
+
+    ``kind``: the kind of :func:`megatron_2d.layout.transports.transport_kind` it is the transport of, and
+    ``for_routes(groups, routes)`` builds it for one rank from its groups and the :class:`KeyRoutes` of a mask (the
+    op finds both through :func:`megatron_2d.transport.kinds.transport_classes`).
 
     ``run(kv, compute, dkv_dtype)``:
         kv        this rank's whole block [b, S, ...] (read only: received blocks go to buffers of the transport's
@@ -44,7 +64,11 @@ class Transport(Protocol):
     No host-device synchronisation: transfers are posted and awaited, never read on the host.
     """
 
+    kind: ClassVar[str]
     traffic_kinds: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def for_routes(cls, groups: Groups2D, routes: KeyRoutes) -> Transport: ...
 
     def run(
         self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None
@@ -106,10 +130,15 @@ def home_gradient(
 class LocalBlock:
     """The transport when no other context rank's keys are visible (whole documents only): nothing moves."""
 
+    kind: ClassVar[str] = "local"
     traffic_kinds: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, context_rank: int) -> None:
         self.context_rank = context_rank
+
+    @classmethod
+    def for_routes(cls, groups: Groups2D, routes: KeyRoutes) -> LocalBlock:
+        return cls(groups.place.context_rank)
 
     def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """:meth:`Transport.run` for the own block only."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..layout.ring_schedule import EventKind, double_ring_events, final_hop_link
-from .base import ComputeFn, Partials, add_partials, gather_partials, home_gradient
+from .base import ComputeFn, KeyRoutes, Partials, add_partials, gather_partials, home_gradient
 from .comm import BufferPool, DirectExchange, PendingExchange, RingExchange
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
     last dK/dV hop (a :class:`~megatron_2d.transport.base.Transport`)."""
 
+    kind: ClassVar[str] = "double_ring"
     traffic_kinds: ClassVar[tuple[str, ...]] = ("inner_ring", "outer_ring")
 
     def __init__(self, groups: Groups2D, ring_keys: int | None = None) -> None:
@@ -70,6 +71,10 @@ class DoubleRing:
         for event in double_ring_events(self.cp, self.w, dkv_dtype is not None):
             _ACTIONS[event.kind](loop, event)
         return loop.home
+
+    @classmethod
+    def for_routes(cls, groups: Groups2D, routes: KeyRoutes) -> DoubleRing:
+        return cls(groups, ring_keys=routes.ring_keys)
 
 
 class _RingLoop:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
-from .base import ComputeFn, gather_partials, home_gradient
+from .base import ComputeFn, KeyRoutes, gather_partials, home_gradient
 from .comm import BufferPool, PendingExchange, post_direct
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ class NeighbourExchange:
     """Direct sparse K/V (and dK/dV) exchange over one context group (a
     :class:`~megatron_2d.transport.base.Transport`)."""
 
+    kind: ClassVar[str] = "neighbour"
     traffic_kinds: ClassVar[tuple[str, ...]] = ("neighbour",)
 
     def __init__(
@@ -116,6 +117,10 @@ class NeighbourExchange:
         self.buffer_keys = max(
             (sel.size for _, give, take in self.steps for sel in (give, take) if sel is not None), default=0
         )
+
+    @classmethod
+    def for_routes(cls, groups: Groups2D, routes: KeyRoutes) -> NeighbourExchange:
+        return cls(groups, routes.keys, routes.offsets)
 
     def _post(self, group, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> PendingExchange:
         """Send ``send`` to context rank ``dst`` and receive into ``recv`` from ``src`` (either may be None)."""
