@@ -8,7 +8,7 @@ importable: run from a Megatron-LM checkout, or point MEGATRON_LM_DIR at one.
 
     MEGATRON_LM_DIR=/path/to/Megatron-LM torchrun --nproc-per-node 8 examples/pretrain_gpt_2d.py \\
         <usual pretrain_gpt flags> --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 \\
-        --cp-2d-ring-window 2 --cp-2d-placement head_first --attention-dropout 0.0
+        --cp-2d-inner-ring-size 2 --cp-2d-placement head_first --attention-dropout 0.0
 
 Without ``--cp-comm-type 2d`` it trains exactly like pretrain_gpt.py with stock context parallelism.
 

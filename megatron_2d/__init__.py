@@ -1,7 +1,7 @@
 """megatron_2d: LoongTrain's 2D-Attention (head x context parallelism with Double-Ring) for Megatron-LM.
 
     import megatron_2d
-    groups = megatron_2d.build_2d_groups(head_parallel_size=2, ring_window=2, placement="head_first")
+    groups = megatron_2d.build_2d_groups(head_parallel_size=2, inner_ring_size=2, placement="head_first")
     out = megatron_2d.attention_2d(q, k, v, groups, causal=True)     # q [s_local, b, hq, d] (sbhd)
     groups.comm_bytes.as_dict()                                      # bytes sent by kind
 
@@ -19,14 +19,14 @@ _EXPORTS = {
     "latent_attention_2d": "latent_attention",
     "Groups2D": "groups",
     "build_2d_groups": "groups",
-    "shard_sequence": "sequence_layout",
-    "unshard_sequence": "sequence_layout",
+    "shard_sequence": "sequence_sharding",
+    "unshard_sequence": "sequence_sharding",
     "zigzag_chunks": "layout.topology",
     "PLACEMENTS": "layout.topology",
     "Layout2D": "layout.topology",
     "LayoutError": "layout.topology",
     "SlidingWindow": "layout.band",
-    "PackedLayout": "packed_layout",
+    "PackedSharding": "packed_sharding",
 }
 
 __all__ = sorted(_EXPORTS)

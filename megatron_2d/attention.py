@@ -18,8 +18,8 @@ The K/V transport: the Double-Ring when every context rank sees keys of every ot
 windows); the neighbour exchange (:mod:`megatron_2d.transport.neighbour_exchange`) when a sliding window leaves some
 pairs with nothing to see, so that steps and bytes follow the window instead of the sequence.
 
-Packed documents (THD, ``packing=PackedLayout``): q [t_local, hq, d], k/v [t_local, hkv, d] hold the slots of
-:class:`megatron_2d.PackedLayout`; they run the same path with batch 1, the all-to-all keeping the received
+Packed documents (THD, ``packing=PackedSharding``): q [t_local, hq, d], k/v [t_local, hkv, d] hold the slots of
+:class:`megatron_2d.PackedSharding`; they run the same path with batch 1, the all-to-all keeping the received
 order, and kernel calls planned per pair of same-document runs. The ring carries the layout's ring prefix
 (all slots for zigzag and sequence, the long documents' for the documents mode); no ring at all when that is
 empty; the neighbour exchange, with only the keys each rank's calls read packed together, when some context ranks
@@ -33,16 +33,16 @@ import weakref
 import torch
 
 from .groups import Groups2D
-from .head_all_to_all import Direction, HeadAllToAll, HeadExchange, ascending_order
+from .head_all_to_all import Direction, HeadAllToAll, HeadRoute, ascending_order
 from .kept_forward import KeptForward
 from .kernels import select_kernel
 from .kernels.base import accumulator_dtype
 from .layout.band import SlidingWindow
-from .layout.block_calls import BlockCall, ContextPlan, plan_context_group
+from .layout.block_calls import BlockCall, ContextCalls, context_calls
 from .layout.choices import check_dkv_comm_dtype
 from .layout.heads import kv_replication
 from .layout.transports import transport_kind
-from .packed_layout import PackedLayout
+from .packed_sharding import PackedSharding
 from .ring_attention import RingAttention, RingContext
 from .transport.base import KeyRoutes
 from .transport.kinds import transport_classes
@@ -54,7 +54,7 @@ def _refuse_thd_without_packing(q: torch.Tensor, names: str) -> None:
     if q.dim() == 3:
         raise ValueError(
             f"{names} must be 4-D [s, b, heads, d] (Megatron sbhd); a 3-D (THD) q {tuple(q.shape)} "
-            f"needs packing=megatron_2d.PackedLayout(cu_seqlens, groups) to say which document each "
+            f"needs packing=megatron_2d.PackedSharding(cu_seqlens, groups) to say which document each "
             f"token belongs to"
         )
 
@@ -129,7 +129,7 @@ def check_not_capturing(device: torch.device) -> None:
         )
 
 
-def zigzag_route(groups: Groups2D, s_local: int, plan: ContextPlan) -> tuple[str, KeyRoutes]:
+def zigzag_route(groups: Groups2D, s_local: int, plan: ContextCalls) -> tuple[str, KeyRoutes]:
     """(transport kind, routes) of zigzag shards of ``s_local`` tokens per rank under the mask of ``plan``: every key
     of a block may travel; the neighbour exchange sends the hull of the keys each pair's calls read."""
     kind = transport_kind(groups.context_size, groups.head_parallel_size * s_local, plan.dense)
@@ -137,7 +137,7 @@ def zigzag_route(groups: Groups2D, s_local: int, plan: ContextPlan) -> tuple[str
 
 
 def packed_route(
-    groups: Groups2D, packing: PackedLayout, causal: bool, window: SlidingWindow
+    groups: Groups2D, packing: PackedSharding, causal: bool, window: SlidingWindow
 ) -> tuple[str, KeyRoutes, dict[int, tuple[BlockCall, ...]]]:
     """(transport kind, routes, this rank's calls per source) of one packed batch and mask: the ring carries the
     layout's ring prefix; the neighbour exchange the keys each pair's calls read, packed together (the calls then
@@ -146,9 +146,9 @@ def packed_route(
     neighbours = None if ring_tokens == 0 or cp == 1 else packing.neighbour_keys(causal, window)
     kind = transport_kind(cp, ring_tokens, neighbours is None)
     if kind == "neighbour":
-        return kind, KeyRoutes(keys=neighbours.keys, offsets=neighbours.offsets), neighbours.plans
+        return kind, KeyRoutes(keys=neighbours.keys, offsets=neighbours.offsets), neighbours.calls
     ring_keys = ring_tokens if ring_tokens < packing.view_len else None
-    return kind, KeyRoutes(ring_keys=ring_keys), packing.plans(causal, window)
+    return kind, KeyRoutes(ring_keys=ring_keys), packing.calls(causal, window)
 
 
 def rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
@@ -168,22 +168,22 @@ def _setup(
     dkv_comm_dtype: str,
     head_dims: tuple[int, int],
 ):
-    """(head exchange, ring context) for one call signature: built on first use, then cached on ``groups``, so a
+    """(head all-to-all, ring context) for one call signature: built on first use, then cached on ``groups``, so a
     call makes no host-device copy, builds no plan and creates no tensor from Python data."""
     key = (device, dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = groups.op_cache.get(key)
     if cached is None:
         place = groups.place
         order = ascending_order(groups.received_chunks(place.context_rank))
-        heads = HeadExchange.build(
+        heads = HeadRoute.build(
             groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group
         )
-        plan = plan_context_group(groups.layout, s_local // 2, causal, window)
+        plan = context_calls(groups.layout, s_local // 2, causal, window)
         kind, routes = zigzag_route(groups, s_local, plan)
         rc = RingContext(
             transport=transport_classes()[kind].for_routes(groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-            plans={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
+            calls={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
             scale=scale,
             rider_dtype=rider_dtype(dtype, dkv_comm_dtype),
         )
@@ -213,7 +213,7 @@ class _GroupsKey:
 
 def _packed_setup(
     groups: Groups2D,
-    packing: PackedLayout,
+    packing: PackedSharding,
     device: torch.device,
     dtype: torch.dtype,
     causal: bool,
@@ -223,12 +223,12 @@ def _packed_setup(
     dkv_comm_dtype: str,
     head_dims: tuple[int, int],
 ):
-    """(head exchange, ring context) for one packed batch and call signature, cached on the layout (per groups
+    """(head all-to-all, ring context) for one packed batch and call signature, cached on the layout (per groups
     object: another Groups2D of the same layout has process groups and a byte counter of its own)."""
     key = (_GroupsKey(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = packing.op_cache.get(key)
     if cached is None:
-        heads = HeadExchange.build(
+        heads = HeadRoute.build(
             groups.head_parallel_size,
             packing.head_order,
             groups.head_group,
@@ -241,7 +241,7 @@ def _packed_setup(
         rc = RingContext(
             transport=transport_classes()[kind].for_routes(groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-            plans=plans,
+            calls=plans,
             scale=scale,
             rider_dtype=rider_dtype(dtype, dkv_comm_dtype),
         )
@@ -250,28 +250,28 @@ def _packed_setup(
 
 
 def check_packing(groups: Groups2D, packing) -> None:
-    """Refuse a ``packing`` that is not a PackedLayout of these groups."""
-    if not isinstance(packing, PackedLayout):
-        raise TypeError(f"packing must be a megatron_2d.PackedLayout, got {type(packing).__name__}")
+    """Refuse a ``packing`` that is not a PackedSharding of these groups."""
+    if not isinstance(packing, PackedSharding):
+        raise TypeError(f"packing must be a megatron_2d.PackedSharding, got {type(packing).__name__}")
     if (packing.groups.layout, packing.groups.place) != (groups.layout, groups.place):
         raise ValueError(
-            "this PackedLayout was built for other groups than the ones passed to attention_2d; "
-            "build it with PackedLayout(cu_seqlens, groups) for these groups"
+            "this PackedSharding was built for other groups than the ones passed to attention_2d; "
+            "build it with PackedSharding(cu_seqlens, groups) for these groups"
         )
 
 
-def _check_packed_tokens(q: torch.Tensor, groups: Groups2D, packing: PackedLayout) -> None:
+def _check_packed_tokens(q: torch.Tensor, groups: Groups2D, packing: PackedSharding) -> None:
     """Refuse a THD q [t, hq, dk] whose t is not the layout's t_local."""
     if q.shape[0] != packing.local_tokens:
         raise ValueError(
-            f"q holds {q.shape[0]} tokens, but the PackedLayout gives this rank t_local = "
+            f"q holds {q.shape[0]} tokens, but the PackedSharding gives this rank t_local = "
             f"{packing.local_tokens} slots (T = {packing.total_tokens} over CP = "
             f"{groups.layout.cp_size}); shard the tensors with layout.shard"
         )
 
 
 def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups2D, packing) -> None:
-    """Refuse THD q, k, v that do not fit ``packing`` (a PackedLayout of these groups), then :func:`check_inputs`."""
+    """Refuse THD q, k, v that do not fit ``packing`` (a PackedSharding of these groups), then :func:`check_inputs`."""
     check_packing(groups, packing)
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
@@ -302,7 +302,7 @@ def attention_2d(
     sliding_window: tuple[int, int] | None = (-1, -1),
     sinks: torch.Tensor | None = None,
     dkv_comm_dtype: str = "accumulator",
-    packing: PackedLayout | None = None,
+    packing: PackedSharding | None = None,
     kept: KeptForward | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, dk], k [s, b, hkv, dk],
@@ -324,7 +324,7 @@ def attention_2d(
             A hop adds its partials to the travelling rider in that dtype. The error of "input" grows with the
             ring (measured figures: docs/op.md, "Communication"), so "accumulator" stays the default; "input"
             saves a third of the backward ring bytes.
-        packing: a :class:`megatron_2d.PackedLayout` of these groups: THD tensors of packed documents, attention
+        packing: a :class:`megatron_2d.PackedSharding` of these groups: THD tensors of packed documents, attention
             within each document only (causal and the window over positions within the document); padding
             slots give exact zeros in the output and the gradients.
         kept: Selective Checkpoint++'s record of this call (:class:`megatron_2d.kept_forward.KeptForward`): the
@@ -362,10 +362,10 @@ def prepare_call(
     sliding_window,
     sinks: torch.Tensor | None,
     dkv_comm_dtype: str,
-    packing: PackedLayout | None,
+    packing: PackedSharding | None,
     value_dim: int,
 ):
-    """What one call needs besides its tensors, from q [s_local, b, hq, dk]: (head exchange, ring context, this
+    """What one call needs besides its tensors, from q [s_local, b, hq, dk]: (head all-to-all, ring context, this
     rank's sinks [hq/hp] or None); the setup is cached per signature (see :func:`_setup`)."""
     s_local, _, hq, dk = q.shape
     seq_len = packing.max_document_length if packing is not None else s_local * groups.layout.cp_size

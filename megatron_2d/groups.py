@@ -46,8 +46,8 @@ class Groups2D:
         return self.layout.context_size
 
     @property
-    def ring_window(self) -> int:
-        return self.layout.ring_window
+    def inner_ring_size(self) -> int:
+        return self.layout.inner_ring_size
 
     def received_chunks(self, context_rank: int) -> tuple[int, ...]:
         """Chunk ids in the order the all-to-all delivers them: by head rank, then first/second zigzag half."""
@@ -123,7 +123,7 @@ def warm_up_p2p(group: dist.ProcessGroup | None, ring: Sequence[int], position: 
 
 def build_2d_groups(
     head_parallel_size: int,
-    ring_window: int = 1,
+    inner_ring_size: int = 1,
     placement: str = "head_first",
     cp_rank_lists: Sequence[Sequence[int]] | None = None,
     timeout: datetime.timedelta | None = None,
@@ -133,15 +133,15 @@ def build_2d_groups(
 
     Args:
         head_parallel_size: hp, ranks per head group (all-to-all over heads).
-        ring_window: w, context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.
+        inner_ring_size: w, context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.
         placement: "head_first" (head groups on adjacent ranks) or "context_first" (context rings adjacent).
         cp_rank_lists: global ranks of every CP group (each list ordered by CP rank); default one group of all ranks.
         timeout: timeout of the new process groups (when None: the default group's, else torch's default).
         backend: backend of the new groups (the default group's when None).
     """
     lists = [list(range(dist.get_world_size()))] if cp_rank_lists is None else [list(r) for r in cp_rank_lists]
-    _check_same_arguments(head_parallel_size, ring_window, placement, lists)  # before validating: no rank hangs
-    layout = Layout2D(len(lists[0]) if lists else 0, head_parallel_size, ring_window, placement)
+    _check_same_arguments(head_parallel_size, inner_ring_size, placement, lists)  # before validating: no rank hangs
+    layout = Layout2D(len(lists[0]) if lists else 0, head_parallel_size, inner_ring_size, placement)
     return _build(layout, lists, timeout, backend)
 
 
@@ -153,14 +153,14 @@ def build_groups_for_layout(
 ) -> Groups2D:
     """:func:`build_2d_groups` for a validated layout (collective: every rank passes the same layout and lists)."""
     lists = [list(r) for r in cp_rank_lists]
-    _check_same_arguments(layout.head_parallel_size, layout.ring_window, layout.placement, lists)
+    _check_same_arguments(layout.head_parallel_size, layout.inner_ring_size, layout.placement, lists)
     return _build(layout, lists, timeout, backend)
 
 
-def _check_same_arguments(head_parallel_size, ring_window, placement, lists: list[list[int]]) -> None:
+def _check_same_arguments(head_parallel_size, inner_ring_size, placement, lists: list[list[int]]) -> None:
     """LayoutError on every rank unless all ranks passed the same (hp, w, placement, cp_rank_lists)."""
     check_same_on_every_rank(
-        (head_parallel_size, ring_window, placement, lists),
+        (head_parallel_size, inner_ring_size, placement, lists),
         [dist.group.WORLD],
         "build_2d_groups called with different arguments (hp, w, placement, cp_rank_lists)",
         error=LayoutError,
@@ -178,7 +178,7 @@ def _build(
         return [list(g) for cp_ranks in lists for g in getattr(layout, kind)(cp_ranks)]
 
     head = _create(all_of("head_groups"), timeout, backend)
-    intra, inter, context = all_of("intra_window_groups"), all_of("inter_window_groups"), all_of("context_groups")
+    intra, inter, context = all_of("inner_ring_groups"), all_of("outer_ring_groups"), all_of("context_groups")
     groups = Groups2D(
         layout=layout,
         place=places[rank],

@@ -186,9 +186,9 @@ class Direction(enum.Enum):
 
 
 @dataclass(frozen=True)
-class HeadExchange:
+class HeadRoute:
     """Everything the head all-to-all needs besides the tensors, built once per call signature and cached with the
-    ring context (``Groups2D.op_cache``, or the PackedLayout's for packed documents)."""
+    ring context (``Groups2D.op_cache``, or the PackedSharding's for packed documents)."""
 
     head_parallel_size: int
     order: torch.Tensor | None  # unit index (as received) of each ascending position (a device tensor)
@@ -207,9 +207,9 @@ class HeadExchange:
         device,
         per_token: bool = False,
         head_ranks: Sequence[int] | None = None,
-    ) -> HeadExchange:
+    ) -> HeadRoute:
         """From ``order`` (ascending unit i is unit order[i] as received, see :func:`ascending_order`: a numpy array
-        or a CPU LongTensor made ahead, e.g. by a PackedLayout) or None (the ring takes the units in the order
+        or a CPU LongTensor made ahead, e.g. by a PackedSharding) or None (the ring takes the units in the order
         received). The order goes to the device once, pinned and non-blocking: no host-device synchronisation.
         ``head_ranks``: the global ranks of the head group by head rank (the placement's order; default the group's
         own order)."""
@@ -287,7 +287,7 @@ class HeadAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, exchange: HeadExchange, direction: Direction, layout, kept: KeptForward | None, *tensors: torch.Tensor
+        ctx, exchange: HeadRoute, direction: Direction, layout, kept: KeptForward | None, *tensors: torch.Tensor
     ):
         ctx.exchange, ctx.direction = exchange, direction
         to_heads = direction is Direction.TO_HEADS
@@ -319,7 +319,7 @@ class HeadAllGather(torch.autograd.Function):
     (point "gather")."""
 
     @staticmethod
-    def forward(ctx, exchange: HeadExchange, kept: KeptForward | None, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, exchange: HeadRoute, kept: KeptForward | None, x: torch.Tensor) -> torch.Tensor:
         ctx.exchange = exchange
         replayed = kept.replay("gather") if kept is not None else None
         if replayed is not None:

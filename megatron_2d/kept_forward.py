@@ -3,7 +3,7 @@ returns in place of computing them.
 
 The op's autograd Functions each take a :class:`KeptForward` (None for a plain call) at one named point:
 
-    to_heads    the head exchange's outputs: q [b, S, hq/hp, dk] and the K/V block [b, S, hkv'/hp, dk + dv]
+    to_heads    the head all-to-all's outputs: q [b, S, hq/hp, dk] and the K/V block [b, S, hkv'/hp, dk + dv]
                 (MLA's latent ring: q alone)
     gather      MLA's latent ring: the latent gathered over the head group [b, S, r + dr]
     ring        the ring's output [b, S, hq/hp, dv] and its log-sum-exp [b, hq/hp, S] (accumulator dtype)

@@ -9,7 +9,7 @@ up-projection rows of its own heads (:class:`LatentExpander`, the ring's expande
 Notation
     hq  heads on this TP rank       hp, cp  head-parallel and context sizes      hl = hq / hp   heads of this rank
     dn  per-head key dim without rope (qk_head_dim)   dr  rope dim   dk = dn + dr   dv  value head dim
-    r   kv_lora_rank       S  tokens of this context rank after the head exchange
+    r   kv_lora_rank       S  tokens of this context rank after the head all-to-all
 
     q [s_local, b, hq, dk]  --head all-to-all-->  [b, S, hl, dk]
     latent [s_local, b, r + dr]  --all-gather over the head group-->  block [b, S, r + dr]  (every head needs it)
@@ -29,7 +29,7 @@ from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllGather, HeadAllToAll
 from .kept_forward import KeptForward
 from .layout.heads import check_head_split
-from .packed_layout import PackedLayout
+from .packed_sharding import PackedSharding
 from .ring_attention import RingAttention
 
 
@@ -90,7 +90,7 @@ def latent_attention_2d(
     sliding_window: tuple[int, int] | None = (-1, -1),
     sinks: torch.Tensor | None = None,
     dkv_comm_dtype: str = "accumulator",
-    packing: PackedLayout | None = None,
+    packing: PackedSharding | None = None,
     kept: KeptForward | None = None,
 ) -> torch.Tensor:
     """MLA's attention over the whole CP group with the latent on the ring (see the module docstring).

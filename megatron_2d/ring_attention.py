@@ -55,7 +55,7 @@ class RingContext:
 
     transport: Transport
     kernel: BlockKernel
-    plans: dict[int, tuple[BlockCall, ...]]  # source context rank -> kernel calls against its K/V block
+    calls: dict[int, tuple[BlockCall, ...]]  # source context rank -> kernel calls against its K/V block
     scale: float
     rider_dtype: torch.dtype  # dtype of the dK/dV partials that travel (see attention_2d)
     key_spans: dict[int, tuple[int, int]] = field(init=False, repr=False)
@@ -64,7 +64,7 @@ class RingContext:
     def __post_init__(self) -> None:
         self.key_spans = {
             src: (min(c.k_start for c in calls), max(c.k_end for c in calls))
-            for src, calls in self.plans.items()
+            for src, calls in self.calls.items()
             if calls
         }
 
@@ -148,10 +148,10 @@ def _forward(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None, rc: 
             )
 
     def compute(block, source: int, first_key: int) -> None:
-        if not rc.plans[source]:
+        if not rc.calls[source]:
             return
         k, v, first_key, _ = expansion.keys(block, source, first_key)
-        for call, out_blk, lse_blk in rc.kernel.forward_calls(q, k, v, rc.plans[source], first_key, rc.scale):
+        for call, out_blk, lse_blk in rc.kernel.forward_calls(q, k, v, rc.calls[source], first_key, rc.scale):
             if not accumulators and (call.q_start, call.q_end) == (0, S):
                 accumulators.extend((out_blk.to(acc), lse_blk.to(acc)))  # adopted, not copied
             else:
@@ -208,12 +208,12 @@ class RingAttention(torch.autograd.Function):
         dq_acc: list[torch.Tensor] = []  # the first call's dq when it covers every row, else zeros
 
         def compute(block, source: int, first_key: int) -> Partials:
-            if not rc.plans[source]:
+            if not rc.calls[source]:
                 return []
             k, v, k_first, graph = expansion.keys(block, source, first_key, grad=True)
             kernel_partials = []
             for call, dq, dk, dv in rc.kernel.backward_calls(
-                kernel_dout, q, k, v, kernel_out, lse, rc.plans[source], k_first, rc.scale
+                kernel_dout, q, k, v, kernel_out, lse, rc.calls[source], k_first, rc.scale
             ):
                 if not dq_acc and (call.q_start, call.q_end) == (0, q.shape[1]):
                     dq_acc.append(dq.to(lse.dtype))  # adopted, not copied

@@ -17,8 +17,7 @@ import torch.distributed as dist
 import megatron_2d
 import megatron_2d.groups
 import megatron_2d.layout.topology
-from megatron_2d.plan import Layout as PlanLayout
-from megatron_2d.plan import ModelSpec, ParallelSpec, evaluate, get_cluster
+from megatron_2d.plan import ModelSpec, ParallelSpec, Scheme, evaluate, get_cluster
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.reference import (
     TOLERANCE,
@@ -318,7 +317,7 @@ def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
     model = ModelSpec("op", layers=1, hidden=8 * 64, heads=8, kv_heads=hkv, ffn_hidden=64, vocab=64)
     cluster = get_cluster("8xH100").with_(gpus_per_node=gpus_per_node)
     e = evaluate(
-        PlanLayout("2d", hp, world // hp, w, placement),
+        Scheme("2d", hp, world // hp, w, placement),
         model,
         cluster,
         ParallelSpec(gpus=world, micro_batch=2),
@@ -408,19 +407,19 @@ def run_bad_layout(rank, world, kwargs):
     "kwargs, message",
     [
         (
-            dict(head_parallel_size=3, ring_window=1),
+            dict(head_parallel_size=3, inner_ring_size=1),
             r"head-parallel size 3 does not divide the context-parallel size 4",
         ),
         (
-            dict(head_parallel_size=1, ring_window=3),
-            r"ring window 3 does not divide the context size cp = CP/hp = 4/1 = 4",
+            dict(head_parallel_size=1, inner_ring_size=3),
+            r"inner ring size 3 does not divide the context size cp = CP/hp = 4/1 = 4",
         ),
-        (dict(head_parallel_size=2, ring_window=1, placement="ring_first"), r"placement 'ring_first' is not valid"),
+        (dict(head_parallel_size=2, inner_ring_size=1, placement="ring_first"), r"placement 'ring_first' is not valid"),
         (
-            dict(head_parallel_size=2, ring_window=1, cp_rank_lists=[[0, 1], [1, 2]]),
+            dict(head_parallel_size=2, inner_ring_size=1, cp_rank_lists=[[0, 1], [1, 2]]),
             r"ranks \[1\] appear more than once",
         ),
-        (dict(head_parallel_size=2, ring_window=1, cp_rank_lists=[[0, 1]]), r"ranks \[2, 3\] are missing"),
+        (dict(head_parallel_size=2, inner_ring_size=1, cp_rank_lists=[[0, 1]]), r"ranks \[2, 3\] are missing"),
     ],
 )
 def test_bad_layouts_raise_on_every_rank(kwargs, message):
@@ -452,7 +451,7 @@ def test_several_cp_groups():
 
 # ---- CP rank lists in any order ------------------------------------------------------------------------------
 # torch's new_group sorts its ranks, so a head group's group ranks need not be its head ranks (the placement's);
-# the head exchange routes by head rank (batch 2 and batch 1) and the
+# the head all-to-all routes by head rank (batch 2 and batch 1) and the
 # sinks slice follows the same head rank. Orders: reversed, shuffled, and two strided lists in descending order.
 RANK_ORDERS = [
     (2, 2, "head_first", [[7, 6, 5, 4, 3, 2, 1, 0]]),
@@ -475,7 +474,7 @@ def run_rank_order(rank, world, hp, w, placement, lists):
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks)]
         if packed:
             cu = torch.tensor([0, 5, 17, 18, seq])
-            layout = megatron_2d.PackedLayout(cu, groups, mode="zigzag")
+            layout = megatron_2d.PackedSharding(cu, groups, mode="zigzag")
             ref = packed_reference_attention(*(x[:, 0] for x in leaves[:3]), cu, causal, 32**-0.5, sinks=leaves[3])
             ref.backward(dout[:, 0])
             shard = lambda x: layout.shard(x.detach()[:, 0] if x.dim() == 4 else x.detach())  # noqa: E731

@@ -267,7 +267,7 @@ def test_calibration_recovers_known_rates_and_reads_bench_json():
     samples = []
     for n in (4, 8):
         parallel = cal.ParallelSpec(gpus=n, cp=n)
-        for layout in (cal.Layout("2d", 1, n, n), cal.Layout("2d", 2, n // 2, 1), cal.Layout("2d", n, 1, 1)):
+        for layout in (cal.Scheme("2d", 1, n, n), cal.Scheme("2d", 2, n // 2, 1), cal.Scheme("2d", n, 1, 1)):
             c = cal.work_counts(layout, model, cal.cpu_cluster(n, machine), parallel, seq)
             fixed = cal.fixed_seconds(layout, model, cal.cpu_cluster(n, machine), parallel, seq)
             t = fixed + cal.share(n, machine.cores) * (c.flops / rate + c.nvlink_bytes / link)
@@ -285,7 +285,7 @@ def test_calibration_recovers_known_rates_and_reads_bench_json():
         "layout": {"hp": 2, "cp": 2, "w": 1, "placement": "context_first"},
     }
     data = {"args": {"ranks": 4}, "rows": [row, dict(row, family=bench_compare.RING_FLASH, layout=None)]}
-    assert cal.samples_from_json(data) == [cal.Sample(4, cal.Layout("2d", 2, 2, 1, "context_first"), 0.5, 30)]
+    assert cal.samples_from_json(data) == [cal.Sample(4, cal.Scheme("2d", 2, 2, 1, "context_first"), 0.5, 30)]
 
 
 def test_spearman_handles_ties():

@@ -104,7 +104,7 @@ def _op_case(draw, groups, cp_rank: int, cp_size: int, latent: bool, kernels: Ke
         shard = lambda x: megatron_2d.shard_sequence(x, cp_rank, cp_size)  # noqa: E731
     else:
         cu = torch.from_numpy(np.concatenate([[0], np.cumsum(draw.lengths)]))
-        packing = megatron_2d.PackedLayout(cu, groups, mode=draw.mode)
+        packing = megatron_2d.PackedSharding(cu, groups, mode=draw.mode)
         shard = lambda x: packing.shard(x[:, 0])  # noqa: E731
     local = [shard(x) for x in tensors[:2]] + [tensors[2] if latent else shard(tensors[2])]
     settings = dict(
@@ -299,7 +299,7 @@ def model_cases():
                 chosen.append(feature)
         for feature in chosen:
             layout = next(layouts[cp])
-            cases.append((feature, parallel, (layout.head_parallel_size, layout.ring_window, layout.placement)))
+            cases.append((feature, parallel, (layout.head_parallel_size, layout.inner_ring_size, layout.placement)))
     return cases
 
 
@@ -332,7 +332,11 @@ def model_config(feature: str, parallel: str, settings, recompute: str, check: s
         )
         packing = {"packed_documents": "documents", "packed_sequence": "sequence"}.get(feature, "zigzag")
         cfg.config_overrides = dict(
-            cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement, cp_2d_packing=packing, **fields
+            cp_2d_head_parallel_size=hp,
+            cp_2d_inner_ring_size=w,
+            cp_2d_placement=placement,
+            cp_2d_packing=packing,
+            **fields,
         )
     if pipeline:
         cfg.micro_batch_size = 4
@@ -580,7 +584,7 @@ def run_models(rank, world):
             out[(feature, parallel, recompute)] = model_step(feature, parallel, settings, recompute, check)
             out[(feature, parallel, recompute)]["check"] = check
     tg.init_parallel(context_parallel_size=4)
-    # full recompute on the first unpacked CP-4 GPT case with a head exchange, for its bytes and kernel forwards
+    # full recompute on the first unpacked CP-4 GPT case with a head all-to-all, for its bytes and kernel forwards
     feature, _, settings = next(
         c for c in out["cases"] if c[1] == "cp4" and c[2][0] > 1 and not c[0].startswith(("mla", "packed"))
     )
@@ -677,7 +681,7 @@ def test_a_different_replay_is_caught(models, feature, keep, check):
 def test_model_cases_cover_every_layout_feature_and_schedule(models):
     cases = models["cases"]
     for cp in (2, 4):
-        layouts = {(l.head_parallel_size, l.ring_window, l.placement) for l in every_layout(cp)}
+        layouts = {(l.head_parallel_size, l.inner_ring_size, l.placement) for l in every_layout(cp)}
         assert {s for _, p, s in cases if PARALLEL[p][1] == cp} == layouts, cp
     assert {f for f, _, _ in cases} == set(FEATURES) and {p for _, p, _ in cases} == set(PARALLEL)
     assert {models[(f, p, k)]["check"] for f, p, _ in cases for k in CHECKPOINT_KEEPS} == {"tolerance", "bitwise"}

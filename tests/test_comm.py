@@ -6,7 +6,7 @@ import torch
 
 
 def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
-    from megatron_2d.transport.comm import COMM_KINDS, CommCounter, RingExchange
+    from megatron_2d.transport.comm import COMM_KINDS, CommCounter, RingChannel
 
     counter = CommCounter()
     counter.add("inner_ring", 10)
@@ -18,8 +18,8 @@ def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
     counter.reset()
     assert set(counter.as_dict().values()) == {0}
     with pytest.raises(ValueError, match=r"a ring exchange needs at least 2 ranks, got \[3\]"):
-        RingExchange(None, [3], 0, counter, "inner_ring")
-    ring = RingExchange(None, [4, 9, 2], 0, counter, "outer_ring")  # ring order, not rank order
+        RingChannel(None, [3], 0, counter, "inner_ring")
+    ring = RingChannel(None, [4, 9, 2], 0, counter, "outer_ring")  # ring order, not rank order
     assert (ring.next_rank, ring.prev_rank) == (9, 2)
 
 
@@ -31,11 +31,11 @@ def test_direct_exchange_receives_into_the_expected_buffer(receive_early):
     def body(rank, world, receive_early):
         import torch.distributed as dist
 
-        from megatron_2d.transport.comm import CommCounter, DirectExchange
+        from megatron_2d.transport.comm import CommCounter, DirectChannel
 
         counter = CommCounter()
         peer = (rank + 1) % world
-        exchange = DirectExchange(dist.group.WORLD, peer, (rank - 1) % world, counter, "outer_ring")
+        exchange = DirectChannel(dist.group.WORLD, peer, (rank - 1) % world, counter, "outer_ring")
         exchange._receive_early = receive_early  # NCCL's path: the receive is posted with the send
         made = []
         exchange.expect(lambda: made.append(torch.full((3,), -1.0)) or made[-1])
@@ -60,7 +60,7 @@ def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
     import torch.distributed as dist
 
     import megatron_2d.groups as groups_module
-    from megatron_2d.transport.comm import CommCounter, DirectExchange, traffic_backend
+    from megatron_2d.transport.comm import CommCounter, DirectChannel, traffic_backend
 
     backend = {"name": "cpu:gloo,cuda:nccl"}
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
@@ -84,7 +84,7 @@ def test_backend_detection_accepts_multi_backend_strings(monkeypatch):
     groups_module.warm_up_p2p(group, [5, 6, 7], 0)
     assert asked == [torch.device("cuda", 0)] * 4  # the warm-up ran, with CUDA tensors
     assert reduced == [[(dist.isend, 6, group), (dist.isend, 7, group), (dist.irecv, 6, group), (dist.irecv, 7, group)]]
-    assert not DirectExchange(group, 1, 0, CommCounter(), "inner_ring")._receive_early
+    assert not DirectChannel(group, 1, 0, CommCounter(), "inner_ring")._receive_early
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU job on the same group: gloo
     assert traffic_backend(group) == "gloo"
     for name, expected in (("nccl", "nccl"), ("gloo", "gloo"), ("cuda:nccl", "nccl"), ("cpu:gloo", "gloo")):

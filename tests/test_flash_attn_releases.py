@@ -296,7 +296,7 @@ def varlen_window_against_max_seqlen_k(interface):
 
 
 def tall_calls_in_one_block(kernel):
-    """Calls of one block with more queries than keys (as packed plans with a non-causal window make them), two of
+    """Calls of one block with more queries than keys (as packed calls with a non-causal window make them), two of
     each band so that they share varlen launches: each call's out, lse, dq, dk, dv against fp64 on its own box."""
     problems = {}
     f = 3  # the block's keys start at first_key
@@ -400,7 +400,7 @@ def run_release_ring(rank, world, version):
         for mode, causal, window in PACKED_CASES:
             lengths = [3, 40, 1, 17, 64, 9, 5, 30]
             cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
-            layout = megatron_2d.PackedLayout(cu, groups, mode=mode)
+            layout = megatron_2d.PackedSharding(cu, groups, mode=mode)
             g = torch.Generator().manual_seed(4)
             q, k, v, dout = (
                 rounded(torch.randn(int(cu[-1]), h, 32, generator=g, dtype=torch.float64), torch.bfloat16)
@@ -423,7 +423,7 @@ def run_release_ring(rank, world, version):
             ):
                 errors[(mode, causal, window, key)] = norm_err(a, layout.shard(e.detach()))
             if window != (-1, -1):
-                plans = layout.plans(causal, megatron_2d.SlidingWindow.of(window, causal, layout.max_document_length))
+                plans = layout.calls(causal, megatron_2d.SlidingWindow.of(window, causal, layout.max_document_length))
                 tall += sum(
                     c.band is not None and c.q_end - c.q_start > c.k_end - c.k_start + 1
                     for calls in plans.values()

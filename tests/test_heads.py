@@ -21,7 +21,7 @@ from megatron_2d.layout.heads import (
 )
 from megatron_2d.layout.topology import divisors
 from megatron_2d.plan import ParallelSpec, get_model
-from megatron_2d.plan.candidates import Layout, check_layout
+from megatron_2d.plan.candidates import Scheme, check_scheme
 
 PACKAGE = Path(megatron_2d.__file__).parent
 
@@ -81,7 +81,7 @@ def test_planner_and_settings_refuse_the_same_head_splits(heads_, hp):
     from megatron_2d.megatron.settings import validate_2d_settings
 
     model = dataclasses.replace(get_model("7B-GQA"), heads=heads_, kv_heads=4, hidden=heads_ * 128)
-    reason = check_layout(Layout("2d", hp, 1, 1), model, ParallelSpec(gpus=hp), seq=4 * hp)
+    reason = check_scheme(Scheme("2d", hp, 1, 1), model, ParallelSpec(gpus=hp), seq=4 * hp)
     kwargs = dict(context_parallel_size=hp, head_parallel_size=hp, num_attention_heads=heads_, num_query_groups=4)
     if heads_ % hp:
         assert reason == (

@@ -39,7 +39,7 @@ LR = 1e-2
 MODEL = dict(
     num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=96, micro_batch_size=4, seed=77
 )  # micro_batch_size = global batch: 2 samples per DP rank
-SETTINGS_2D = dict(cp_2d_head_parallel_size=2, cp_2d_ring_window=2, cp_2d_placement="head_first")
+SETTINGS_2D = dict(cp_2d_head_parallel_size=2, cp_2d_inner_ring_size=2, cp_2d_placement="head_first")
 
 CASES = {
     # name: HybridZeRO (every one with dp=2, cp=4: D = 8 ranks)

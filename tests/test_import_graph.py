@@ -383,7 +383,7 @@ def test_the_pure_layer_rule_can_fail(tmp_path, source, expected):
             {"plan.a": "def f():\n    import pkg.megatron.config\n"},
             ["pkg.plan.a imports pkg.megatron", "pkg.plan.a imports pkg.megatron.config"],
         ),
-        ({"plan.a": "from pkg import PackedLayout\n"}, ["pkg.plan.a imports pkg"]),
+        ({"plan.a": "from pkg import PackedSharding\n"}, ["pkg.plan.a imports pkg"]),
         ({"plan.a": "import torch.distributed as dist\n"}, ["pkg.plan.a imports torch"]),
     ],
 )
@@ -461,7 +461,7 @@ def test_public_names_come_from_this_package():
 
 @pytest.mark.slow
 def test_the_op_never_loads_the_planner():
-    """A documents-mode sharding built without a cost (what ``PackedLayout(mode="documents")`` and the Megatron data
+    """A documents-mode sharding built without a cost (what ``PackedSharding(mode="documents")`` and the Megatron data
     path build) takes its default figures from the pure layer: no module of megatron_2d.plan is loaded (the
     planner's __init__ loads 17), and the default is the planner's 8xH100 preset on the kernel 2D selects there,
     figure for figure."""

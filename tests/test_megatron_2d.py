@@ -45,7 +45,7 @@ def model_config(name, settings=None):
         hp, w, placement = settings
         cfg.config_class = TransformerConfig2D
         cfg.cp_comm_type = "2d"
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement)
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=hp, cp_2d_inner_ring_size=w, cp_2d_placement=placement)
     return cfg
 
 
@@ -224,8 +224,8 @@ BASE = dict(
             r"valid head-parallel sizes for context_parallel_size=4: \[1, 2\]",
         ),
         (
-            dict(cp_2d_head_parallel_size=2, cp_2d_ring_window=3),
-            r"ring window 3 does not divide the context size cp = CP/hp = 4/2 = 2; valid ring windows: \[1, 2\]",
+            dict(cp_2d_head_parallel_size=2, cp_2d_inner_ring_size=3),
+            r"inner ring size 3 does not divide the context size cp = CP/hp = 4/2 = 2; valid inner ring sizes: \[1, 2\]",
         ),
         (dict(cp_2d_head_parallel_size=3), r"head-parallel size 3 does not divide the context-parallel size 4"),
         (
@@ -298,7 +298,10 @@ def run_misconfigured(rank, world, case):
     "case, message",
     [
         ("indivisible_sequence", r"batch\['tokens'\]: sequence length 100 is not divisible by 2\*CP = 8"),
-        ("thd", r"q holds 30 tokens, but the PackedLayout gives this rank t_local = 32 slots \(T = 128 over CP = 4\)"),
+        (
+            "thd",
+            r"q holds 30 tokens, but the PackedSharding gives this rank t_local = 32 slots \(T = 128 over CP = 4\)",
+        ),
         ("2d_spec_without_2d_backend", r"the 2d layer spec is in use but cp_comm_type is 'p2p' for every layer"),
         (
             "mixed_backends_without_te",
@@ -340,7 +343,7 @@ def test_stock_hierarchical_sizes_give_head_then_context():
         hierarchical_context_parallel_sizes=[2, 4],
     )
     settings = settings_from_config(config)
-    assert (settings.head_parallel_size, settings.context_size, settings.ring_window) == (2, 4, 1)
+    assert (settings.head_parallel_size, settings.context_size, settings.inner_ring_size) == (2, 4, 1)
     config.hierarchical_context_parallel_sizes = [4, 2]
     assert settings_from_config(config).head_parallel_size == 4
     config.hierarchical_context_parallel_sizes = [2, 2, 2]

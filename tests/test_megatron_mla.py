@@ -97,7 +97,7 @@ def thd_padded_value(rank):
     )
     cu = torch.tensor(np.cumsum([0, 16, 48, 32]), dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=48, max_seqlen_kv=48)
-    layout = megatron_2d.PackedLayout(cu, core.groups, mode="zigzag")
+    layout = megatron_2d.PackedSharding(cu, core.groups, mode="zigzag")
     g = torch.Generator().manual_seed(9)
     q, k, v, dout = (layout.shard(torch.randn(96, 8, d, generator=g)) for d in (20, 20, 10, 10))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]

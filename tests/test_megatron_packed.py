@@ -74,7 +74,7 @@ def config(cp_settings=None, packing="zigzag", **overrides):
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
         cfg.config_overrides = dict(
             cp_2d_head_parallel_size=hp,
-            cp_2d_ring_window=w,
+            cp_2d_inner_ring_size=w,
             cp_2d_placement=placement,
             cp_2d_packing=packing,
             **overrides,

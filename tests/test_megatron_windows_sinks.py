@@ -40,7 +40,7 @@ MODELS = {
         ),
     ),
 }
-# name -> (CP size, (hp, double-ring window, placement))
+# name -> (CP size, (hp, Double-Ring inner ring size, placement))
 LAYOUTS = {
     "cp4_2x2_w2_head_first": (4, (2, 2, "head_first")),
     "cp8_1x8_w2": (8, (1, 2, "head_first")),
@@ -56,7 +56,7 @@ def config_of(name, layout=None):
     if layout is not None:
         hp, w, placement = LAYOUTS[layout][1]
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, "2d"
-        cfg.config_overrides.update(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement)
+        cfg.config_overrides.update(cp_2d_head_parallel_size=hp, cp_2d_inner_ring_size=w, cp_2d_placement=placement)
     return cfg
 
 

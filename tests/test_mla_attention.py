@@ -87,7 +87,7 @@ def mla_cases(rank, world, hp, w, placement):
     # packed documents (THD), both modes, with a window
     cu = torch.tensor(np.cumsum([0, 3, 40, 9, 70, 6]), dtype=torch.int32)
     for mode in ("zigzag", "documents"):
-        layout = megatron_2d.PackedLayout(cu, groups, mode=mode)
+        layout = megatron_2d.PackedSharding(cu, groups, mode=mode)
         q, k, v, dout = (x[:, 0] for x in _inputs(int(cu[-1]), 1, 8, 8, DK, DV, seed=11))
         leaves = [x.requires_grad_(True) for x in (q, k, v)]
         packed_reference_attention(*leaves, cu, True, DK**-0.5, window=(20, 0)).backward(dout)
@@ -100,7 +100,7 @@ def mla_cases(rank, world, hp, w, placement):
             ((a.double() - layout.shard(e)).abs().max() / e.abs().max()).item()
             for a, e in ((out, expected), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))
         )
-    packings = [(cu, megatron_2d.PackedLayout(cu, groups, mode=mode)) for mode in ("zigzag", "documents")]
+    packings = [(cu, megatron_2d.PackedSharding(cu, groups, mode=mode)) for mode in ("zigzag", "documents")]
     errors.update(latent_cases(groups, rank, world, shard, packings))
     return errors
 
@@ -222,7 +222,7 @@ def te_mla_config(rank, world, name):
 @pytest.mark.parametrize("name", sorted(TE_MLA_CONFIGS))
 def test_transformer_engine_mla_cp_configs(name):
     for sent in run_on_ranks(4, te_mla_config, name, timeout_s=300):
-        assert sent["all_to_all"] > 0  # hp 2 x cp 2: the head exchange and the ring both ran
+        assert sent["all_to_all"] > 0  # hp 2 x cp 2: the head all-to-all and the ring both ran
         assert sent["inner_ring"] + sent["neighbour"] > 0
 
 

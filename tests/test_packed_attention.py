@@ -1,6 +1,6 @@
 """Packed documents (THD) through attention_2d on forked gloo ranks, against a per-document reference.
 
-Every rank builds the same packed global tensors, shards them with the users' helper (``PackedLayout.shard``),
+Every rank builds the same packed global tensors, shards them with the users' helper (``PackedSharding.shard``),
 runs the op, and compares its slots of out and of dq/dk/dv with the same slots of a single-process fp64
 reference in which each document attends only to itself.
 """
@@ -76,7 +76,7 @@ def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32
     cu, q, k, v, dout = packed_inputs(lengths, hq, hkv, d, seed)
     q, k, v, dout = (rounded(x, dtype) for x in (q, k, v, dout))
     sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64) if sinks else None
-    layout = megatron_2d.PackedLayout(torch.tensor(cu, dtype=torch.int32), groups, mode=mode)
+    layout = megatron_2d.PackedSharding(torch.tensor(cu, dtype=torch.int32), groups, mode=mode)
     leaves = [x.requires_grad_(True) for x in (q, k, v) + ((sink,) if sinks else ())]
     ref = packed_reference_attention(q, k, v, cu, causal, d**-0.5, window=window, sinks=sink)
     ref.backward(dout)
@@ -205,7 +205,7 @@ def single_document_equals_sbhd(rank, world):
     must give the sbhd op's result."""
     groups = megatron_2d.build_2d_groups(2, 1, "head_first", timeout=TIMEOUT)
     cu, q, k, v, dout = packed_inputs([2 * world * 24], 8, 2, 16)
-    layout = megatron_2d.PackedLayout(cu, groups, mode="zigzag")
+    layout = megatron_2d.PackedSharding(cu, groups, mode="zigzag")
     thd = megatron_2d.attention_2d(*(layout.shard(x).float() for x in (q, k, v)), groups, packing=layout)
     sbhd = megatron_2d.attention_2d(
         *(megatron_2d.shard_sequence(x, rank, world).unsqueeze(1).float() for x in (q, k, v)), groups
@@ -319,17 +319,17 @@ def refusals(rank, world):
         except (ValueError, TypeError) as err:
             messages[name] = str(err)
 
-    refused("not_increasing", lambda: megatron_2d.PackedLayout([0, 5, 5, 9], groups))
-    refused("not_zero", lambda: megatron_2d.PackedLayout([2, 5, 9], groups))
-    refused("float", lambda: megatron_2d.PackedLayout(torch.tensor([0.0, 4.0]), groups))
-    refused("differing", lambda: megatron_2d.PackedLayout([0, 5, 9 + rank], groups))
-    layout = megatron_2d.PackedLayout([0, 5, 40], groups)
+    refused("not_increasing", lambda: megatron_2d.PackedSharding([0, 5, 5, 9], groups))
+    refused("not_zero", lambda: megatron_2d.PackedSharding([2, 5, 9], groups))
+    refused("float", lambda: megatron_2d.PackedSharding(torch.tensor([0.0, 4.0]), groups))
+    refused("differing", lambda: megatron_2d.PackedSharding([0, 5, 9 + rank], groups))
+    layout = megatron_2d.PackedSharding([0, 5, 40], groups)
     q = torch.randn(layout.local_tokens, 4, 8)
     refused("T_mismatch", lambda: megatron_2d.attention_2d(q[:-1], q[:-1], q[:-1], groups, packing=layout))
     refused("shard_T", lambda: layout.shard(torch.randn(39, 4, 8)))
     refused("other_groups", lambda: megatron_2d.attention_2d(q, q, q, other, packing=layout))
     refused("thd_without_packing", lambda: megatron_2d.attention_2d(q, q, q, groups))
-    refused("mode", lambda: megatron_2d.PackedLayout([0, 5], groups, mode="whole"))
+    refused("mode", lambda: megatron_2d.PackedSharding([0, 5], groups, mode="whole"))
     return messages
 
 
@@ -363,7 +363,7 @@ def disagreeing_cu_seqlens(rank, world, hp, differ_by):
     place = groups.place
     extra = place.context_rank if differ_by == "head_group" else place.head_rank
     try:
-        megatron_2d.PackedLayout([0, 5, 9 + extra], groups)
+        megatron_2d.PackedSharding([0, 5, 9 + extra], groups)
     except ValueError as err:
         return str(err)
     return None
@@ -391,7 +391,9 @@ def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(world, hp, 
 @pytest.mark.distributed
 def test_a_failing_rank_fails_the_test():
     with pytest.raises(RankFailure):
-        run_on_ranks(2, lambda rank, world: megatron_2d.PackedLayout([0, 5 + rank], megatron_2d.build_2d_groups(1, 1)))
+        run_on_ranks(
+            2, lambda rank, world: megatron_2d.PackedSharding([0, 5 + rank], megatron_2d.build_2d_groups(1, 1))
+        )
 
 
 def test_whole_documents_balance_tokens_as_well_as_pairs():
@@ -424,9 +426,9 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
     for place in places.values():
         if place.head_rank:  # one head rank per context rank: its view
             continue
-        packed = megatron_2d.PackedLayout(cu, Groups2D(layout, place, None, None, None, None, None), mode=mode)
+        packed = megatron_2d.PackedSharding(cu, Groups2D(layout, place, None, None, None, None, None), mode=mode)
         for causal in (True, False):
-            plans = packed.plans(causal, SlidingWindow())
+            plans = packed.calls(causal, SlidingWindow())
             total[causal] += sum(c.flops_units for calls in plans.values() for c in calls)
             if mode == "zigzag" and causal:
                 assert sum(len(calls) for calls in plans.values()) <= 4 * len(lengths) * (CP // hp)
@@ -473,7 +475,7 @@ class ContiguousMode(PackingMode):
     """The packed stream cut into CP contiguous pieces of K = T / CP tokens, CP rank i holding the i-th (documents
     masked, no padding); a context rank's view is its hp ranks' pieces by head rank, all of it on the ring. Not a
     library mode (causal work is unbalanced: the last rank computes most); it is written against the interface
-    only, registered here, and runs through PackedLayout and attention_2d without any library file knowing it."""
+    only, registered here, and runs through PackedSharding and attention_2d without any library file knowing it."""
 
     name = "contiguous"
 
@@ -527,7 +529,7 @@ def test_a_library_mode_not_listed_in_the_choices_fails_the_import():
 
 def test_an_unregistered_mode_is_refused_with_the_registered_names():
     with pytest.raises(ValueError, match=r"'contiguous' is not one of \['zigzag', 'documents', 'sequence'\]"):
-        mode_class("contiguous", "PackedLayout mode")
+        mode_class("contiguous", "PackedSharding mode")
 
 
 @pytest.mark.parametrize("CP, hp, placement", [(8, 1, "head_first"), (8, 2, "context_first"), (6, 3, "head_first")])
@@ -544,7 +546,9 @@ def test_a_test_modes_calls_are_each_documents_own_attention(contiguous_mode, CP
     places = place_all_ranks(layout, [list(range(CP))], CP)
     total = {True: 0, False: 0}
     for place in places.values():
-        packed = megatron_2d.PackedLayout(cu, Groups2D(layout, place, None, None, None, None, None), mode="contiguous")
+        packed = megatron_2d.PackedSharding(
+            cu, Groups2D(layout, place, None, None, None, None, None), mode="contiguous"
+        )
         K = int(cu[-1]) // CP
         assert (packed.local_indices().numpy() == np.arange(place.cp_index * K, (place.cp_index + 1) * K)).all()
         assert (packed.slots == np.arange(CP * K).reshape(CP, K)).all()
@@ -552,7 +556,7 @@ def test_a_test_modes_calls_are_each_documents_own_attention(contiguous_mode, CP
             continue
         for causal in (True, False):
             total[causal] += sum(
-                c.flops_units for calls in packed.plans(causal, SlidingWindow()).values() for c in calls
+                c.flops_units for calls in packed.calls(causal, SlidingWindow()).values() for c in calls
             )
     assert total[True] == int((lengths * (lengths + 1) // 2).sum())
     assert total[False] == int((lengths**2).sum())
@@ -587,7 +591,7 @@ def contiguous_cases(rank, world, hp, w, placement):
 )
 def test_a_test_mode_runs_exactly_through_attention_2d(contiguous_mode, world, hp, w, placement):
     """Forward and backward of the test's own mode against the per-document fp64 reference (causal, unmasked,
-    a sliding window), on forked ranks: PackedLayout, the head all-to-all, the ring or neighbour exchange (K/V
+    a sliding window), on forked ranks: PackedSharding, the head all-to-all, the ring or neighbour exchange (K/V
     bytes counted) and the kernel calls all come from the mode's runs."""
     for rank, per_rank in enumerate(run_on_ranks(world, contiguous_cases, hp, w, placement)):
         assert set(per_rank) == {True, False, "window"}

@@ -1,4 +1,4 @@
-"""The packed op's setup cache (on the PackedLayout) is per Groups2D object: another Groups2D of the same layout and
+"""The packed op's setup cache (on the PackedSharding) is per Groups2D object: another Groups2D of the same layout and
 place (its own process groups and byte counter) never gets the setup built for a first one, not even when it lands
 at the address of one since collected. One process: groups without process groups (hp = cp = 1) build setups."""
 
@@ -13,27 +13,27 @@ from megatron_2d import attention
 from megatron_2d.groups import Groups2D
 from megatron_2d.layout.band import SlidingWindow
 from megatron_2d.layout.topology import Layout2D
-from megatron_2d.packed_layout import PackedLayout
+from megatron_2d.packed_sharding import PackedSharding
 from megatron_2d.testing.loopback import virtual_groups
 
 CU = np.array([0, 5, 12, 16])
 WINDOW = SlidingWindow.of((-1, -1), True, 16)
 
 
-def _setup(groups: Groups2D, packing: PackedLayout):
+def _setup(groups: Groups2D, packing: PackedSharding):
     return attention._packed_setup(
         groups, packing, torch.device("cpu"), torch.float32, True, WINDOW, 0.25, None, "accumulator", (8, 8)
     )
 
 
 def _twin(groups: Groups2D) -> Groups2D:
-    """Another Groups2D of the same layout and place (check_packed lets it use the same PackedLayout)."""
+    """Another Groups2D of the same layout and place (check_packed lets it use the same PackedSharding)."""
     return Groups2D(groups.layout, groups.place, None, None, None, None, None)
 
 
 def test_each_groups_object_gets_its_own_setup():
     first = virtual_groups(Layout2D(1, 1, 1), 0)
-    packing = PackedLayout(CU, first)
+    packing = PackedSharding(CU, first)
     heads, rc = _setup(first, packing)
     assert _setup(first, packing) == (heads, rc)  # cached
     second = _twin(first)
@@ -48,7 +48,7 @@ def test_a_collected_groups_setup_is_never_met_again(monkeypatch):
     is not the next one's."""
     monkeypatch.setattr(attention, "id", lambda obj: 0, raising=False)  # the op's id(): every object at address 0
     owner = virtual_groups(Layout2D(1, 1, 1), 0)
-    packing = PackedLayout(CU, owner)
+    packing = PackedSharding(CU, owner)
     first = _twin(owner)
     stale_heads, _ = _setup(first, packing)
     del first

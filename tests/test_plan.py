@@ -6,14 +6,14 @@ import json
 import pytest
 
 from megatron_2d.layout import topology
-from megatron_2d.layout.block_calls import plan_block
+from megatron_2d.layout.block_calls import block_pair_calls
 from megatron_2d.plan import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
-    Layout,
     ModelSpec,
     ParallelSpec,
     PlanError,
+    Scheme,
     WorkCounts,
     calibrate,
     evaluate,
@@ -30,7 +30,7 @@ from megatron_2d.plan.cli import main, parse_seq
 from megatron_2d.plan.link_classes import LinkClass, LinkMap, link_map, peers
 from megatron_2d.plan.links import IDEAL_LINKS
 from megatron_2d.plan.memory import memory_bytes
-from megatron_2d.sequence_layout import zigzag_chunks
+from megatron_2d.sequence_sharding import zigzag_chunks
 
 GQA, MHA = get_model("7B-GQA"), get_model("7B-MHA")
 H100 = get_cluster("8xH100")
@@ -101,7 +101,7 @@ def test_ring_times_hand_computed():
 
 def test_zigzag_steps_cost_half_a_block():
     # layer_work charges every one of a rank's cp ring steps fwd_flops / cp: half a (S/cp)^2 block. Count the
-    # query-key pairs the op's own block plan (block_plan.plan_block on the zigzag chunks of sequence_layout)
+    # query-key pairs the op's own block calls (block_calls.block_pair_calls on the zigzag chunks of sequence_sharding)
     # computes at each step: every off-diagonal step is exactly that; the diagonal step adds the c diagonal
     # entries of its 2 causal chunks (2c(2c+1)/2 = (2c)^2/2 + c), which the model neglects.
     model = ModelSpec("one-head", layers=1, hidden=64, heads=1, kv_heads=1, ffn_hidden=64, vocab=64)
@@ -111,7 +111,7 @@ def test_zigzag_steps_cost_half_a_block():
         assert per_step == (S / cp) ** 2 / 2
         for r in range(cp):
             for src in range(cp):
-                calls = plan_block(zigzag_chunks(r, cp), zigzag_chunks(src, cp), c, causal=True)
+                calls = block_pair_calls(zigzag_chunks(r, cp), zigzag_chunks(src, cp), c, causal=True)
                 pairs = 0
                 for x in calls:
                     rows, keys = x.q_end - x.q_start, x.k_end - x.k_start
@@ -127,13 +127,13 @@ def test_traffic_hand_computed():
     # hp=8 x cp=8, w=8, head_first: the all-to-all inside a node (7 NVLink peers), one ring across nodes, no outer
     # ring. NVLink: 2 directions x 7 peers x 5242880 = 73400320. Network: K/V 2 x 7 sends + dK/dV 7 sends
     # = 14 x 8388608 + 7 x 16777216 = 117440512 + 117440512 = 234881024.
-    e = evaluate(Layout("2d", 8, 8, 8, "head_first"), GQA, H100, par, K128).estimate
+    e = evaluate(Scheme("2d", 8, 8, 8, "head_first"), GQA, H100, par, K128).estimate
     assert (e.intra_bytes, e.inter_bytes) == (73400320, 234881024)
     # hp=1 x cp=64, w=8 (Double-Ring): 8 inner rings per window inside nodes, the outer ring across nodes (nw=8).
     # NVLink: K/V 2 x 8 x 7 = 112 sends + dK/dV 7 x 7 + 6 = 55 sends (round 0's rider starts at step 1: the own
     # block's dK/dV stays home) = 939524096 + 922746880 = 1862270976.
     # Network: K/V 2 x 7 = 14 sends + dK/dV 7 outer + 1 diagonal = 8 sends = 117440512 + 134217728 = 251658240.
-    e = evaluate(Layout("2d", 1, 64, 8, "head_first"), GQA, H100, par, K128).estimate
+    e = evaluate(Scheme("2d", 1, 64, 8, "head_first"), GQA, H100, par, K128).estimate
     assert (e.intra_bytes, e.inter_bytes) == (1862270976, 251658240)
     # 8 ring flows per node over 8 NICs: one NIC's worth per flow, so the NIC-normalised bytes are the same
     assert e.inter_bytes_nic == 251658240
@@ -159,7 +159,7 @@ def test_memory_hand_computed():
     total, act = memory_bytes(model, par, hp=2, cp=4, w=2, seq=4096)
     assert act == activations
     assert total == activations + logits + blocks + staging + states == 61009920
-    e = evaluate(Layout("2d", 2, 4, 2, "context_first"), model, H100, par, 4096).estimate
+    e = evaluate(Scheme("2d", 2, 4, 2, "context_first"), model, H100, par, 4096).estimate
     assert e.memory_gb == 61009920 / 1e9 and e.activation_gb == activations / 1e9
     # a single ring (w = cp): no outer-ring blocks
     assert memory_bytes(model, par, hp=2, cp=4, w=4, seq=4096)[0] == total - (262144 + 524288)
@@ -217,17 +217,17 @@ def test_placement_matches_megatron_2d_topology():
     # The planner's rank maps must agree with the implementation's (megatron_2d.layout.topology), when importable.
     for hp, cp, w in [(2, 4, 2), (4, 2, 1), (2, 8, 4)]:
         for placement in ("head_first", "context_first"):
-            lay = topology.Layout2D(cp_size=hp * cp, head_parallel_size=hp, ring_window=w, placement=placement)
+            lay = topology.Layout2D(cp_size=hp * cp, head_parallel_size=hp, inner_ring_size=w, placement=placement)
             ranks = list(range(hp * cp))
             for i in ranks:
                 p = peers(i, hp, cp, w, placement)
                 hg = next(g for g in lay.head_groups(ranks) if i in g)
                 assert sorted(p["a2a"]) == sorted(set(hg) - {i})
                 if w > 1:
-                    ring = next(g for g in lay.intra_window_groups(ranks) if i in g)
+                    ring = next(g for g in lay.inner_ring_groups(ranks) if i in g)
                     assert p["inner"] == [ring[(ring.index(i) + 1) % len(ring)]]
                 if cp // w > 1:
-                    ring = next(g for g in lay.inter_window_groups(ranks) if i in g)
+                    ring = next(g for g in lay.outer_ring_groups(ranks) if i in g)
                     assert p["outer"] == [ring[(ring.index(i) + 1) % len(ring)]]
 
 
@@ -237,7 +237,7 @@ def test_placement_matches_megatron_2d_topology():
 @pytest.mark.parametrize("model", [GQA, MHA])
 def test_more_bandwidth_is_never_slower(model):
     par = ParallelSpec(gpus=64)
-    base = {c.layout: c.estimate.time_s for c in plan(model, H100, par, K128) if c.feasible}
+    base = {c.scheme: c.estimate.time_s for c in plan(model, H100, par, K128) if c.feasible}
     for faster in (
         H100.with_(nvlink_gbps=900.0),
         H100.with_(net_gbps_per_node=800.0),
@@ -247,7 +247,7 @@ def test_more_bandwidth_is_never_slower(model):
         # (4 NICs of 100 GB/s each instead of 8 of 50: each flow gets more when fewer than 8 flows leave a node)
         for c in plan(model, faster, par, K128):
             if c.feasible:
-                assert c.estimate.time_s <= base[c.layout] * (1 + 1e-12), c.layout
+                assert c.estimate.time_s <= base[c.scheme] * (1 + 1e-12), c.scheme
 
 
 def test_longer_sequences_move_toward_compute_bound():
@@ -257,7 +257,7 @@ def test_longer_sequences_move_toward_compute_bound():
     for s in seqs:
         for c in plan(GQA, H100, par, s):
             if c.feasible and c.estimate.comm_total_s > 0:
-                ratios.setdefault(c.layout, []).append(c.estimate.comm_total_s / c.estimate.compute_s)
+                ratios.setdefault(c.scheme, []).append(c.estimate.comm_total_s / c.estimate.compute_s)
     assert ratios
     for layout, r in ratios.items():
         assert len(r) == len(seqs)
@@ -270,16 +270,16 @@ def test_2d_with_hp1_single_ring_equals_p2p_when_dkv_dtypes_match(tp, gpus, seq)
     # same ring costs the same; with the default (fp32) it is never faster and sends more bytes.
     par = ParallelSpec(gpus=gpus, tp=tp)
     CP = par.cp_size
-    p2p = evaluate(Layout("p2p", 1, CP, CP), GQA, H100, par, seq, recompute="none").estimate
-    same = evaluate(Layout("2d", 1, CP, CP), GQA, H100, par, seq, recompute="none", dkv_comm_dtype="input").estimate
+    p2p = evaluate(Scheme("p2p", 1, CP, CP), GQA, H100, par, seq, recompute="none").estimate
+    same = evaluate(Scheme("2d", 1, CP, CP), GQA, H100, par, seq, recompute="none", dkv_comm_dtype="input").estimate
     assert same.time_s == p2p.time_s and same.comm_total_s == p2p.comm_total_s
-    ours = evaluate(Layout("2d", 1, CP, CP), GQA, H100, par, seq, recompute="none").estimate
+    ours = evaluate(Scheme("2d", 1, CP, CP), GQA, H100, par, seq, recompute="none").estimate
     assert ours.time_s >= p2p.time_s and ours.intra_bytes + ours.inter_bytes > p2p.intra_bytes + p2p.inter_bytes
 
 
 def test_plain_ring_at_64_gpus_is_comm_bound_like_the_paper_reports():
     # field-and-peers.md: at 64 GPUs, 128K tokens, GQA, ring communication ~1.8x the compute.
-    e = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128).estimate
+    e = evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128).estimate
     assert 1.2 < e.comm_total_s / e.compute_s < 2.5
 
 
@@ -302,20 +302,20 @@ def _reason(layout, model=GQA, gpus=64, seq=K128, tp=1):
 
 def test_infeasible_layouts_have_reasons():
     # Baselines refuse hp beyond the KV heads (no replication); 2d replicates and stays feasible.
-    assert "KV heads" in _reason(Layout("a2a", 16, 1, 1), gpus=16)
-    assert "KV heads" in _reason(Layout("a2a+p2p", 16, 4, 4))
-    assert evaluate(Layout("2d", 16, 1, 1), GQA, H100, ParallelSpec(gpus=16), K128).feasible
+    assert "KV heads" in _reason(Scheme("a2a", 16, 1, 1), gpus=16)
+    assert "KV heads" in _reason(Scheme("a2a+p2p", 16, 4, 4))
+    assert evaluate(Scheme("2d", 16, 1, 1), GQA, H100, ParallelSpec(gpus=16), K128).feasible
     # hp beyond the query heads
-    assert "query heads" in _reason(Layout("a2a", 64, 1, 1))
+    assert "query heads" in _reason(Scheme("a2a", 64, 1, 1))
     # w not dividing cp
-    assert "ring window 3 does not divide the context size cp = CP/hp = 64/8 = 8" in _reason(Layout("2d", 8, 8, 3))
+    assert "inner ring size 3 does not divide the context size cp = CP/hp = 64/8 = 8" in _reason(Scheme("2d", 8, 8, 3))
     # hp not dividing the heads (24 heads, CP=16)
     m24 = ModelSpec("24h", layers=4, hidden=3072, heads=24, kv_heads=8, ffn_hidden=8192, vocab=32000)
-    assert "does not divide the 24 query heads" in _reason(Layout("2d", 16, 1, 1), model=m24, gpus=16)
+    assert "does not divide the 24 query heads" in _reason(Scheme("2d", 16, 1, 1), model=m24, gpus=16)
     # hp*cp must be the CP size; sequence divisibility; bad placement
-    assert "!= CP=64" in _reason(Layout("2d", 4, 8, 8))
-    assert "2*CP" in _reason(Layout("p2p", 1, 64, 64), seq=K128 + 64)
-    assert "placement" in _reason(Layout("2d", 8, 8, 8, "diagonal"))
+    assert "!= CP=64" in _reason(Scheme("2d", 4, 8, 8))
+    assert "2*CP" in _reason(Scheme("p2p", 1, 64, 64), seq=K128 + 64)
+    assert "placement" in _reason(Scheme("2d", 8, 8, 8, "diagonal"))
 
 
 def test_plan_lists_infeasible_baselines_last():
@@ -442,10 +442,10 @@ def test_fit_rates_recovers_known_rates():
 def test_calibrate_updates_cluster_figures():
     par = ParallelSpec(gpus=64)
     layouts = [
-        Layout("2d", 8, 8, 8, "head_first"),
-        Layout("2d", 8, 8, 8, "context_first"),
-        Layout("p2p", 1, 64, 64),
-        Layout("2d", 1, 64, 8),
+        Scheme("2d", 8, 8, 8, "head_first"),
+        Scheme("2d", 8, 8, 8, "context_first"),
+        Scheme("p2p", 1, 64, 64),
+        Scheme("2d", 1, 64, 8),
     ]
     rate, nvl, nic = 3e14, 2e11, 3e10  # "measured" machine: 30% efficiency, slower links
 
@@ -508,6 +508,6 @@ def test_enumerated_layouts_are_distinct(gpus):
 
 
 def plan_candidates_layouts(gpus):
-    from megatron_2d.plan.candidates import enumerate_layouts
+    from megatron_2d.plan.candidates import enumerate_schemes
 
-    return enumerate_layouts(GQA, ParallelSpec(gpus=gpus))
+    return enumerate_schemes(GQA, ParallelSpec(gpus=gpus))

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from megatron_2d.plan import Layout, ParallelSpec, evaluate, get_cluster, get_model, layer_work, plan
-from megatron_2d.plan.candidates import enumerate_layouts, megatron_flags
+from megatron_2d.plan import ParallelSpec, Scheme, evaluate, get_cluster, get_model, layer_work, plan
+from megatron_2d.plan.candidates import enumerate_schemes, megatron_flags
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.memory import CHECKPOINT_PLUS_MODES, RECOMPUTE_MODES, memory_breakdown
 from megatron_2d.plan.memory_options import DIST_OPT
@@ -36,18 +36,18 @@ def test_te_rings_carry_bf16_dkv_ours_fp32():
     # dK/dV blocks (backward): p2p (bf16 dK/dV) 14 + 7 = 21 blocks, ours (fp32 dK/dV, twice the bytes) 14 + 14 = 28.
     par = ParallelSpec(gpus=8)
     kv = 2 * 2 * 8192 * 8 * 128
-    p2p = evaluate(Layout("p2p", 1, 8, 8), GQA, H100, par, K64, recompute="none")
-    ours = evaluate(Layout("2d", 1, 8, 8), GQA, H100, par, K64, recompute="none")
+    p2p = evaluate(Scheme("p2p", 1, 8, 8), GQA, H100, par, K64, recompute="none")
+    ours = evaluate(Scheme("2d", 1, 8, 8), GQA, H100, par, K64, recompute="none")
     assert p2p.dkv_comm_dtype == "input" and ours.dkv_comm_dtype == "accumulator"
     assert p2p.estimate.work.kv_bytes == kv and p2p.estimate.work.dkv_bytes == kv
     assert ours.estimate.work.dkv_bytes == 2 * kv
     assert p2p.estimate.intra_bytes == 21 * kv and p2p.estimate.inter_bytes == 0
     assert ours.estimate.intra_bytes == 28 * kv
     # a2a+p2p is Transformer Engine's ring too; a2a has no ring (dtype irrelevant but reported)
-    hier = evaluate(Layout("a2a+p2p", 2, 4, 4), GQA, H100, par, K64, recompute="none")
+    hier = evaluate(Scheme("a2a+p2p", 2, 4, 4), GQA, H100, par, K64, recompute="none")
     assert hier.estimate.work.dkv_bytes == hier.estimate.work.kv_bytes
     # the op's input-dtype riders (--cp-2d-dkv-comm-dtype input) make our ring the same as TE's, and the flags say so
-    same = evaluate(Layout("2d", 1, 8, 8), GQA, H100, par, K64, recompute="none", dkv_comm_dtype="input")
+    same = evaluate(Scheme("2d", 1, 8, 8), GQA, H100, par, K64, recompute="none", dkv_comm_dtype="input")
     assert same.estimate.intra_bytes == 21 * kv and same.estimate.time_s == p2p.estimate.time_s
     assert same.flags.count("--cp-2d-dkv-comm-dtype input") == 1 and "dkv" not in ours.flags + p2p.flags
 
@@ -65,17 +65,17 @@ def test_ds_ulysses_is_feasible_for_gqa_with_repeated_kv():
     # 7B-GQA (32 heads, 8 KV heads) at CP=16: Megatron/TE a2a refuses (16 does not divide 8 KV heads);
     # Megatron-DeepSpeed repeats K/V to all 32 heads, so each rank gets 2 K/V heads after the all-to-all.
     par = ParallelSpec(gpus=16)
-    ds = evaluate(Layout("ds-ulysses", 16, 1, 1), GQA, H100, par, K128)
+    ds = evaluate(Scheme("ds-ulysses", 16, 1, 1), GQA, H100, par, K128)
     assert ds.feasible and ds.estimate.work.kv_heads_per_rank == 2
     # all-to-all bytes per peer: 2 bytes * S/CP = 8192 tokens * 128 * (2*32 q/out + 2*32 repeated k/v) / 16
     assert ds.estimate.work.a2a_peer_bytes == 2 * 8192 * 128 * 128 / 16 == 16777216
     # ours replicates only to lcm(8, 16) = 16 K/V heads: fewer bytes for the same degree
-    ours = evaluate(Layout("2d", 16, 1, 1), GQA, H100, par, K128)
+    ours = evaluate(Scheme("2d", 16, 1, 1), GQA, H100, par, K128)
     assert ours.estimate.work.a2a_peer_bytes == 2 * 8192 * 128 * (64 + 32) / 16
-    a2a = evaluate(Layout("a2a", 16, 1, 1), GQA, H100, par, K128)
+    a2a = evaluate(Scheme("a2a", 16, 1, 1), GQA, H100, par, K128)
     assert not a2a.feasible and "KV heads" in a2a.reason
     # still capped by the query heads
-    bad = evaluate(Layout("ds-ulysses", 64, 1, 1), GQA, H100, ParallelSpec(gpus=64), K128)
+    bad = evaluate(Scheme("ds-ulysses", 64, 1, 1), GQA, H100, ParallelSpec(gpus=64), K128)
     assert not bad.feasible and "query heads" in bad.reason
 
 
@@ -124,7 +124,7 @@ def test_recompute_time_formulas():
     assert recompute_extra_s("full", 3.0, 2.0, 0.5) == 5.0
     assert recompute_extra_s("ckpt++", 3.0, 2.0, 0.5) == 2.5  # the layer and the head all-to-alls again
     assert recompute_extra_s("ckpt++inputs", 3.0, 2.0, 0.5) == 2.0  # the layer without attention
-    c = evaluate(Layout("2d", 8, 8, 8), GQA, H100, ParallelSpec(gpus=64), M1, recompute="none")
+    c = evaluate(Scheme("2d", 8, 8, 8), GQA, H100, ParallelSpec(gpus=64), M1, recompute="none")
     e = c.estimate
     dense_fwd, a2a_fwd = e.dense_layer_s / 3, e.a2a_s / 2
     assert a2a_fwd > 0
@@ -146,17 +146,17 @@ def test_recompute_time_formulas():
 
 
 def test_ckpt_plus_plus_is_2d_only():
-    c = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128, recompute="ckpt++")
+    c = evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128, recompute="ckpt++")
     assert not c.feasible and "2D only" in c.reason
     assert {
-        o.recompute for o in evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128).options
+        o.recompute for o in evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128).options
     } == {"none", "selective", "full"}
-    c = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128, recompute="ckpt++inputs")
+    c = evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, ParallelSpec(gpus=64), K128, recompute="ckpt++inputs")
     assert not c.feasible and "2D only" in c.reason
 
 
 def test_recompute_flags():
-    lay, par = Layout("2d", 8, 8, 8), ParallelSpec(gpus=64)
+    lay, par = Scheme("2d", 8, 8, 8), ParallelSpec(gpus=64)
     assert megatron_flags(lay, par, "none") == megatron_flags(lay, par)
     assert megatron_flags(lay, par, "selective").endswith("--recompute-activations")
     for mode, keep in (("ckpt++", "outputs"), ("ckpt++inputs", "attention-inputs")):
@@ -193,7 +193,7 @@ def test_one_million_tokens_no_longer_recommends_what_does_not_fit():
 
 
 def test_cheapest_mode_that_fits_is_chosen():
-    par, lay = ParallelSpec(gpus=64), Layout("2d", 8, 8, 8)
+    par, lay = ParallelSpec(gpus=64), Scheme("2d", 8, 8, 8)
     roomy = H100.with_(gpu_memory_gb=1000.0)
     assert evaluate(lay, GQA, roomy, par, M1).recompute == "none"  # everything fits: no recompute
     c = evaluate(lay, GQA, H100, par, M1, memory=DIST_OPT)
@@ -287,17 +287,17 @@ def test_json_has_one_schema_with_job_metadata(capsys):
 
 
 def test_w1_and_wcp_are_one_row():
-    layouts = enumerate_layouts(GQA, ParallelSpec(gpus=64))
+    layouts = enumerate_schemes(GQA, ParallelSpec(gpus=64))
     assert not [l for l in layouts if l.kind == "2d" and l.w == 1 and l.cp > 1]
-    assert Layout("2d", 1, 64, 64) in layouts and Layout("2d", 64, 1, 1) in layouts
+    assert Scheme("2d", 1, 64, 64) in layouts and Scheme("2d", 64, 1, 1) in layouts
     # w = 1 is still accepted and costs exactly what w = cp costs
     par = ParallelSpec(gpus=64)
-    a = evaluate(Layout("2d", 8, 8, 1), GQA, H100, par, K128).estimate
-    b = evaluate(Layout("2d", 8, 8, 8), GQA, H100, par, K128).estimate
+    a = evaluate(Scheme("2d", 8, 8, 1), GQA, H100, par, K128).estimate
+    b = evaluate(Scheme("2d", 8, 8, 8), GQA, H100, par, K128).estimate
     assert a.time_s == b.time_s and a.memory_gb == b.memory_gb
     rows = [c for c in plan(GQA, H100, par, K128) if c.kind == "2d" and c.feasible]
     assert not [c for c in rows if c.w == 1 and c.cp > 1]
-    assert len({c.layout for c in rows}) == len(rows)
+    assert len({c.scheme for c in rows}) == len(rows)
 
 
 def test_window_neighbour_exchange_rows_are_collapsed():
@@ -307,7 +307,7 @@ def test_window_neighbour_exchange_rows_are_collapsed():
     keys = [(c.hp, c.cp, c.placement) for c in nx]
     assert len(keys) == len(set(keys))
     assert all(c.note == "w has no effect (neighbour exchange)" and c.w == c.cp for c in nx)
-    assert all(f"--cp-2d-ring-window {c.cp} " in c.flags for c in nx)
+    assert all(f"--cp-2d-inner-ring-size {c.cp} " in c.flags for c in nx)
 
 
 def test_top_rejects_non_positive_and_shows_exactly_n(capsys):
@@ -362,10 +362,10 @@ def test_grid_cells_and_reasons():
 
     # 8B-GQA at 512 GPUs, 32K with CP forced to 512: communication-bound; 2D goes beyond the 8 KV heads (K)
     c = cell("8B-GQA", 512, 32768, free_cp=False)
-    assert c.ratio > 1.2 and "K" in c.codes and c.best_2d.hp > 8 and c.best_2d.layout.cp_size == 512
+    assert c.ratio > 1.2 and "K" in c.codes and c.best_2d.hp > 8 and c.best_2d.scheme.cp_size == 512
     # ... but a stock user would pick a small CP (DP the rest): then it is a tie at the same CP
     c = cell("8B-GQA", 512, 32768)
-    assert c.codes == "=" and c.best_2d.layout.cp_size == c.best_stock.layout.cp_size < 512
+    assert c.codes == "=" and c.best_2d.scheme.cp_size == c.best_stock.scheme.cp_size < 512
     assert c.best_2d.estimate.tokens_per_gpu_s / c.best_stock.estimate.tokens_per_gpu_s == c.ratio
     # 8B-GQA at 32 GPUs, 1M: even with sharded states neither fits without recompute; 2D's ckpt++ beats stock's
     # recompute of attention (at 256K, ZeRO-3 lets both run without recompute: test_plan_memory.py)
@@ -377,8 +377,8 @@ def test_grid_cells_and_reasons():
     assert c.ratio is None and c.codes == "X" and "least memory" in c.reason
     # stock wins honestly: TE's ring with bf16 dK/dV against the same ring of ours (fp32), across nodes
     par = ParallelSpec(gpus=64)
-    ours = evaluate(Layout("2d", 1, 64, 64), GQA, H100, par, K128)
-    te = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, K128)
+    ours = evaluate(Scheme("2d", 1, 64, 64), GQA, H100, par, K128)
+    te = evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, par, K128)
     ratio, codes, reason = explain(ours, te, [ours, te], GQA, H100, par, K128)
     assert ratio < 0.98 and codes == "B" and reason.startswith("stock wins")
     # 70B-GQA (TP=8) at 512 GPUs, 256K: ckpt++ fits at a smaller CP than stock needs without recompute
@@ -423,7 +423,7 @@ def test_per_layer_window_pattern_is_the_layer_weighted_mean():
     assert parse_window("4K") == 4096 and parse_window("4K,full") == (4096, None)
     assert layer_windows((4096, None), 32) == {4096: 16, None: 16}
     assert layer_windows((128, 128, None), 4) == {128: 3, None: 1}
-    par, lay = ParallelSpec(gpus=64), Layout("2d", 8, 8, 8)
+    par, lay = ParallelSpec(gpus=64), Scheme("2d", 8, 8, 8)
     full = evaluate(lay, GQA, H100, par, K128, recompute="none").estimate
     win = evaluate(lay, GQA, H100, par, K128, window=4096, recompute="none").estimate
     mix = evaluate(lay, GQA, H100, par, K128, window=(4096, None), recompute="none").estimate
@@ -433,7 +433,7 @@ def test_per_layer_window_pattern_is_the_layer_weighted_mean():
     assert mix.step_s == pytest.approx((full.step_s + win.step_s) / 2)
     assert mix.memory_gb == full.memory_gb and not mix.neighbour_exchange
     # a windowed layer anywhere makes Transformer Engine's rings refuse the model
-    p2p = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, K128, window=(4096, None))
+    p2p = evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, par, K128, window=(4096, None))
     assert not p2p.feasible and "refuses sliding-window" in p2p.reason
 
 

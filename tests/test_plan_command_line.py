@@ -1,6 +1,6 @@
 """The planner's command lines reproduce its plans: each planned row's flags, given to Megatron's own argument
 parser (with the 2d flags) and turned into a TransformerConfig2D as pretrain does, arrive as every choice the row
-models: the CP layout, the Double-Ring window and placement, the dK/dV rider dtype, the MLA ring, the recompute
+models: the CP layout, the Double-Ring inner ring size and placement, the dK/dV rider dtype, the MLA ring, the recompute
 mode and its layers, the memory option and the packed-documents mode. Stock rows arrive as Megatron's own CP."""
 
 from __future__ import annotations
@@ -108,14 +108,14 @@ def parse(monkeypatch):
 
 def check_arrives(c: Candidate, args, parallel: ParallelSpec) -> None:
     """Every choice ``c`` models, read back from the parsed ``args`` and the config built from them."""
-    e, layout = c.estimate, c.layout
+    e, layout = c.estimate, c.scheme
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (parallel.tp, parallel.pp)
     assert args.context_parallel_size == layout.cp_size
     config = transformer_config_from_args_2d(args)
     assert isinstance(config, (TransformerConfig2D, MLATransformerConfig2D))
     if c.kind == "2d":
         assert config.cp_comm_type == "2d"
-        assert (config.cp_2d_head_parallel_size, config.cp_2d_ring_window, config.cp_2d_placement) == (
+        assert (config.cp_2d_head_parallel_size, config.cp_2d_inner_ring_size, config.cp_2d_placement) == (
             layout.hp,
             layout.w,
             layout.placement,
@@ -161,7 +161,7 @@ def choices(c: Candidate) -> dict:
         "head_parallel": c.hp > 1,
         "double_ring": c.w < c.cp,
         "placement": c.placement,
-        "mla_ring": c.layout.mla_ring,
+        "mla_ring": c.scheme.mla_ring,
         "packing": c.packing,
         "recompute": e.recompute,
         "block": e.recompute_layers not in (0, e.layers),

@@ -56,7 +56,7 @@ def test_each_side_runs_its_kernel_and_kernel_overrides_2d():
     compute grows by the rate ratio, stock's does not move, and 2D's flags carry --cp-2d-kernel."""
     same = plan(**JOB)
     fa2 = plan(**JOB, kernel="flash_attn2")
-    by_label = lambda cands: {(c.kind, c.layout.label()): c for c in cands if c.feasible}  # noqa: E731
+    by_label = lambda cands: {(c.kind, c.scheme.label()): c for c in cands if c.feasible}  # noqa: E731
     a, b = by_label(same), by_label(fa2)
     ratio = KERNEL_RATES[("hopper", "te_fused")].efficiency / KERNEL_RATES[("hopper", "flash_attn2")].efficiency
     for key, c in a.items():

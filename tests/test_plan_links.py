@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_2d.layout.ring_schedule import double_ring_events, replay, slowed_finish
-from megatron_2d.plan import Layout, ParallelSpec, PlanError, calibrate, evaluate, get_cluster, get_model, work_counts
+from megatron_2d.plan import ParallelSpec, PlanError, Scheme, calibrate, evaluate, get_cluster, get_model, work_counts
 from megatron_2d.plan.attention_time import class_time, layer_work, ring_times
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.link_classes import LinkClass, LinkMap
@@ -43,18 +43,18 @@ def test_a_factor_is_the_same_as_that_much_less_bandwidth():
     halved = H100.with_(links=LinkEfficiency(0.5, 0.5, 0.5, 0.5))
     slower = H100.with_(nvlink_gbps=225.0, net_gbps_per_node=200.0, links=IDEAL_LINKS)
     for layout in (
-        Layout("p2p", 1, 64, 64),
-        Layout("2d", 8, 8, 8),
-        Layout("2d", 1, 64, 8),
-        Layout("2d", 8, 8, 2, "context_first"),
+        Scheme("p2p", 1, 64, 64),
+        Scheme("2d", 8, 8, 8),
+        Scheme("2d", 1, 64, 8),
+        Scheme("2d", 8, 8, 2, "context_first"),
     ):
         a = evaluate(layout, GQA, halved, par, K128, recompute="none").estimate
         b = evaluate(layout, GQA, slower, par, K128, recompute="none").estimate
         assert a.time_s == pytest.approx(b.time_s) and a.a2a_s == pytest.approx(b.a2a_s), layout
     # the all-to-all uses the a2a factor, the ring the p2p factor
     only_a2a = H100.with_(links=replace_links(nvlink_a2a=0.4))
-    e0 = evaluate(Layout("2d", 8, 1, 1), GQA, H100.with_(links=IDEAL_LINKS), ParallelSpec(gpus=8), K128).estimate
-    e1 = evaluate(Layout("2d", 8, 1, 1), GQA, only_a2a, ParallelSpec(gpus=8), K128).estimate
+    e0 = evaluate(Scheme("2d", 8, 1, 1), GQA, H100.with_(links=IDEAL_LINKS), ParallelSpec(gpus=8), K128).estimate
+    e1 = evaluate(Scheme("2d", 8, 1, 1), GQA, only_a2a, ParallelSpec(gpus=8), K128).estimate
     transfer = e0.work.a2a_peer_bytes * 7 / (450e9)  # 7 NVLink peers per direction at 450 GB/s
     assert e1.a2a_s - e0.a2a_s == pytest.approx(2 * transfer * (1 / 0.4 - 1))
 
@@ -98,10 +98,10 @@ def test_efficiency_and_interference_never_speed_a_plan_up():
     par = ParallelSpec(gpus=32)
     a100 = get_cluster("8xA100")
     for worse in (a100, a100.with_(links=LinkEfficiency(interference=0.3))):
-        ideal = {c.layout: c.estimate.time_s for c in _plan(a100.with_(links=IDEAL_LINKS), par) if c.runs}
+        ideal = {c.scheme: c.estimate.time_s for c in _plan(a100.with_(links=IDEAL_LINKS), par) if c.runs}
         for c in _plan(worse, par):
             if c.runs:
-                assert c.estimate.time_s >= ideal[c.layout] * (1 - 1e-12), c.layout
+                assert c.estimate.time_s >= ideal[c.scheme] * (1 - 1e-12), c.scheme
 
 
 def _plan(cluster, par):
@@ -149,13 +149,13 @@ def test_calibrate_fits_ring_and_all_to_all_factors_apart():
     # nominal rates (450 GB/s NVLink, 50 GB/s per NIC).
     par = ParallelSpec(gpus=64)
     layouts = [
-        Layout("2d", 8, 8, 8, "head_first"),
-        Layout("2d", 8, 8, 8, "context_first"),
-        Layout("p2p", 1, 64, 64),
-        Layout("2d", 1, 64, 8),
-        Layout("2d", 4, 16, 4, "head_first"),
-        Layout("2d", 2, 32, 8, "context_first"),
-        Layout("2d", 16, 4, 4, "head_first"),
+        Scheme("2d", 8, 8, 8, "head_first"),
+        Scheme("2d", 8, 8, 8, "context_first"),
+        Scheme("p2p", 1, 64, 64),
+        Scheme("2d", 1, 64, 8),
+        Scheme("2d", 4, 16, 4, "head_first"),
+        Scheme("2d", 2, 32, 8, "context_first"),
+        Scheme("2d", 16, 4, 4, "head_first"),
     ]
     rate, nvl, nvl_a2a, nic, nic_a2a = 3e14, 300e9, 360e9, 45e9, 40e9
 

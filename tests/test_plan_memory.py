@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_2d.layout.zero_sharding import state_bytes_per_rank
-from megatron_2d.plan import Layout, ModelSpec, ParallelSpec, PlanError, evaluate, get_cluster, get_model, plan
+from megatron_2d.plan import ModelSpec, ParallelSpec, PlanError, Scheme, evaluate, get_cluster, get_model, plan
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.links import IDEAL_LINKS, LinkEfficiency
 from megatron_2d.plan.memory_options import (
@@ -90,7 +90,7 @@ def test_collectives_by_hand():
 
 def test_with_memory_replaces_the_states_and_adds_the_exposed_sharding():
     par = ParallelSpec(gpus=64)
-    base = evaluate(Layout("2d", 8, 8, 8), GQA, H100, par, 131072, recompute="none", memory=DIST_OPT).estimate
+    base = evaluate(Scheme("2d", 8, 8, 8), GQA, H100, par, 131072, recompute="none", memory=DIST_OPT).estimate
     z3 = option("hz-z3/8", 1, 64)
     slow = H100.with_(links=LinkEfficiency(nvlink_a2a=0.01, network_a2a=0.01))  # sharding far from hidden
     e = with_memory(base, z3, GQA, slow, par, 64)
@@ -154,12 +154,12 @@ def test_70b_tp8_256k_on_64_h100s_is_feasible_with_sharded_states():
 
 def test_fair_memory_lends_stock_hybrid_zero_and_checkpoint_plus_plus():
     par = ParallelSpec(gpus=64)
-    own = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, 1 << 20)
-    fair = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, 1 << 20, memory=MemoryPolicy(fair=True))
+    own = evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, par, 1 << 20)
+    fair = evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, par, 1 << 20, memory=MemoryPolicy(fair=True))
     assert own.recompute in ("selective", "full") and fair.recompute == "ckpt++" and fair.step_ms < own.step_ms
     assert "hypothetical" in fair.note and "--selective-checkpoint-plus-plus" not in fair.flags
     assert "--recompute-granularity full" in fair.flags
-    forced = evaluate(Layout("p2p", 1, 64, 64), GQA, H100, par, 1 << 20, recompute="ckpt++")
+    forced = evaluate(Scheme("p2p", 1, 64, 64), GQA, H100, par, 1 << 20, recompute="ckpt++")
     assert not forced.feasible and "--fair-memory lends it to stock" in forced.reason
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_2d.plan import ParallelSpec, evaluate, plan, recommended
 from megatron_2d.plan.attention_time import layer_work
-from megatron_2d.plan.candidates import Layout
+from megatron_2d.plan.candidates import Scheme
 from megatron_2d.plan.hardware import get_cluster, get_model
 from megatron_2d.plan.report import format_plan
 from megatron_2d.plan.step import estimate
@@ -66,11 +66,11 @@ def test_latent_ring_pays_the_up_projection_in_every_ring_step():
 def test_plan_compares_te_p2p_and_both_2d_rings_and_recommends_by_time(gpus):
     cands = plan(DSV3, "8xH100", ParallelSpec(gpus=gpus, tp=8), seq=131072)
     feasible = [c for c in cands if c.feasible]
-    rings = {c.layout.mla_ring for c in feasible if c.kind == "2d"}
+    rings = {c.scheme.mla_ring for c in feasible if c.kind == "2d"}
     assert rings == {"expanded", "latent"} and any(c.kind == "p2p" for c in cands if c.runs)
     best = recommended(cands)
     assert best is feasible[0] and best.step_ms == min(c.step_ms for c in feasible)
-    latent = next(c for c in feasible if c.layout.mla_ring == "latent")
+    latent = next(c for c in feasible if c.scheme.mla_ring == "latent")
     assert "--cp-2d-mla-ring latent" in latent.flags and latent.to_dict()["mla_ring"] == "latent"
     text = format_plan(cands, DSV3, get_cluster("8xH100"), ParallelSpec(gpus=gpus, tp=8), 131072)
     assert "2d latent" in text and "2d expanded" in text and "Best 2D layout of each MLA ring" in text
@@ -90,8 +90,8 @@ def test_latent_ring_needs_an_mla_model():
             65536,
             mla_ring="latent",
         )
-    standard = evaluate(Layout("2d", 1, 8, 8), "7B-GQA", "8xH100", ParallelSpec(gpus=8), 65536)
-    assert standard.layout.mla_ring is None and standard.to_dict()["mla_ring"] is None
+    standard = evaluate(Scheme("2d", 1, 8, 8), "7B-GQA", "8xH100", ParallelSpec(gpus=8), 65536)
+    assert standard.scheme.mla_ring is None and standard.to_dict()["mla_ring"] is None
 
 
 def test_mla_models_keep_one_kv_head_per_query_head():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_2d.plan import ParallelSpec, evaluate, plan
-from megatron_2d.plan.candidates import enumerate_layouts
+from megatron_2d.plan.candidates import enumerate_schemes
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.hardware import get_model
 from megatron_2d.plan.lengths import DISTRIBUTIONS, document_lengths, parse_lengths
@@ -19,7 +19,7 @@ PARALLEL = ParallelSpec(gpus=16)
 
 
 def _layouts(kind="2d"):
-    return [l for l in enumerate_layouts(get_model("7B-GQA"), PARALLEL) if l.kind == kind and l.cp > 1]
+    return [l for l in enumerate_schemes(get_model("7B-GQA"), PARALLEL) if l.kind == kind and l.cp > 1]
 
 
 @pytest.mark.parametrize("name", DISTRIBUTIONS)

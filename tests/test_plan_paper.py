@@ -40,7 +40,7 @@ def test_rows_ratios_and_explanations():
     short, long = rows
     for r in rows:
         two = r.best["2D"]
-        assert two is not None and two.kind == "2d" and two.layout.cp_size == 32
+        assert two is not None and two.kind == "2d" and two.scheme.cp_size == 32
         for b in ("Megatron-CP", "DS-Ulysses"):
             assert r.ratio(b) == pytest.approx(two.estimate.mfu / r.best[b].estimate.mfu)
             parts = step_parts(r.best[b])

@@ -81,7 +81,7 @@ def test_2d_flags_build_the_2d_config_and_spec(parse):
         "2d",
         "--cp-2d-head-parallel-size",
         "2",
-        "--cp-2d-ring-window",
+        "--cp-2d-inner-ring-size",
         "2",
         "--cp-2d-placement",
         "context_first",
@@ -95,7 +95,7 @@ def test_2d_flags_build_the_2d_config_and_spec(parse):
         t.cp_comm_type,
         t.context_parallel_size,
         t.cp_2d_head_parallel_size,
-        t.cp_2d_ring_window,
+        t.cp_2d_inner_ring_size,
         t.cp_2d_placement,
     ) == ("2d", 8, 2, 2, "context_first")
     assert args.spec == ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
@@ -104,7 +104,7 @@ def test_2d_flags_build_the_2d_config_and_spec(parse):
 
 
 def test_the_old_spelling_cp_2d_window_size_stops_at_parse(parse, capsys):
-    """--cp-2d-window-size (the Double-Ring window's name before 0.1.0 was released) is no flag: the command line
+    """--cp-2d-window-size (the Double-Ring inner ring size's name before 0.1.0 was released) is no flag: the command line
     stops at parse, naming it, rather than running with the default window."""
     with pytest.raises(SystemExit):
         parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-window-size", "2")
@@ -140,7 +140,7 @@ def test_mla_flags_build_the_mla_2d_config_and_spec(parse, ring):
         "2d",
         "--cp-2d-head-parallel-size",
         "2",
-        "--cp-2d-ring-window",
+        "--cp-2d-inner-ring-size",
         "2",
         "--attention-dropout",
         "0",
@@ -154,7 +154,7 @@ def test_mla_flags_build_the_mla_2d_config_and_spec(parse, ring):
     assert isinstance(t, MLATransformerConfig2D)
     assert (
         t.cp_2d_head_parallel_size,
-        t.cp_2d_ring_window,
+        t.cp_2d_inner_ring_size,
         t.cp_2d_mla_ring,
         t.kv_lora_rank,
         t.v_head_dim,
@@ -270,8 +270,8 @@ def test_without_2d_the_entry_is_stock(parse):
         ),
         (["--cp-2d-head-parallel-size", "16"], r"head-parallel size 16 does not divide the context-parallel size 8"),
         (
-            ["--cp-2d-head-parallel-size", "2", "--cp-2d-ring-window", "3"],
-            r"ring window 3 does not divide the context size",
+            ["--cp-2d-head-parallel-size", "2", "--cp-2d-inner-ring-size", "3"],
+            r"inner ring size 3 does not divide the context size",
         ),
         (
             ["--cp-2d-head-parallel-size", "2", "--attention-dropout", "0.1"],
@@ -472,4 +472,4 @@ def test_launch_script_flags_build_a_valid_config(monkeypatch, mode, comm_type):
 
         unset_global_variables()
     assert t.cp_comm_type == comm_type and t.context_parallel_size == 8 and t.num_query_groups == 8
-    assert (t.cp_2d_head_parallel_size, t.cp_2d_ring_window) == ((2, 2) if mode == "2d" else (None, 1))
+    assert (t.cp_2d_head_parallel_size, t.cp_2d_inner_ring_size) == ((2, 2) if mode == "2d" else (None, 1))

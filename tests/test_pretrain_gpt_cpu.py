@@ -91,7 +91,7 @@ CP4_2D = [
     "2d",
     "--cp-2d-head-parallel-size",
     "2",
-    "--cp-2d-ring-window",
+    "--cp-2d-inner-ring-size",
     "2",
 ]
 SPEC_2D = ["--spec", "megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
@@ -143,7 +143,7 @@ def layers_2d(monkeypatch):
     def line(layer, hp, cp_size=4, window=1, placement="head_first", keeps=False):
         return (
             f"[test] 2d layer {layer}: Settings2D(context_parallel_size={cp_size}, head_parallel_size={hp}, "
-            f"ring_window={window}, placement='{placement}') keeps attention: {keeps}"
+            f"inner_ring_size={window}, placement='{placement}') keeps attention: {keeps}"
         )
 
     return line

@@ -97,7 +97,7 @@ def test_make_target_flags():
         "2d",
         "--cp-2d-head-parallel-size",
         "2",
-        "--cp-2d-ring-window",
+        "--cp-2d-inner-ring-size",
         "2",
         "--cp-2d-placement",
         "head_first",

@@ -66,7 +66,7 @@ def test_a_layer_asking_for_groups_the_construction_did_not_build_is_refused():
         assert found["hit"]
         assert found["refusal"].startswith(
             "a 2d attention layer asks for the 2D groups of CP ranks [0, 1] with Settings2D(context_parallel_size=2, "
-            "head_parallel_size=2, ring_window=1, placement='head_first'), but the model's construction built "
+            "head_parallel_size=2, inner_ring_size=1, placement='head_first'), but the model's construction built "
             '["CP ranks [0, 1] with Settings2D(context_parallel_size=2, head_parallel_size=1'
         ), found["refusal"]
 

@@ -53,7 +53,11 @@ def test_the_table_is_the_fields_of_both_configs():
         config_fields = {f.name: f for f in dataclasses.fields(config_class)}
         for f, _ in table():
             assert config_fields[f.name].default == f.default, (config_class.__name__, f.name)
-    assert [f.name for f, _ in table()][:3] == ["cp_2d_head_parallel_size", "cp_2d_context_size", "cp_2d_ring_window"]
+    assert [f.name for f, _ in table()][:3] == [
+        "cp_2d_head_parallel_size",
+        "cp_2d_context_size",
+        "cp_2d_inner_ring_size",
+    ]
 
 
 def test_the_flags_are_the_table():
@@ -70,8 +74,8 @@ def test_the_flags_are_the_table():
         elif not setting.choices:
             assert action.type is int
     assert vars(parser.parse_args([])) == {f.name: f.default for f, _ in table()}
-    values = parser.parse_args(["--cp-2d-ring-window", "2", "--cp-2d-mla-ring", "latent"])
-    assert (values.cp_2d_ring_window, values.cp_2d_mla_ring) == (2, "latent")
+    values = parser.parse_args(["--cp-2d-inner-ring-size", "2", "--cp-2d-mla-ring", "latent"])
+    assert (values.cp_2d_inner_ring_size, values.cp_2d_mla_ring) == (2, "latent")
 
 
 def test_a_flag_refuses_a_value_outside_its_choices(capsys):
@@ -170,6 +174,6 @@ def test_no_library_code_spells_a_default_of_the_table():
 
 
 def test_the_default_check_finds_a_spelled_default():
-    assert defaulted_reads('w = getattr(config, "cp_2d_ring_window", 1)\nx = getattr(c, "other", 1)') == [
-        "getattr(config, 'cp_2d_ring_window', 1)"
+    assert defaulted_reads('w = getattr(config, "cp_2d_inner_ring_size", 1)\nx = getattr(c, "other", 1)') == [
+        "getattr(config, 'cp_2d_inner_ring_size', 1)"
     ]

@@ -1,6 +1,6 @@
 """Sliding windows and attention sinks under 2D attention.
 
-Pure pieces (bands, block plans, kernels) against token-level masks; then attention_2d on forked gloo ranks:
+Pure pieces (bands, block calls, kernels) against token-level masks; then attention_2d on forked gloo ranks:
 forward out AND dq/dk/dv/d sinks against the single-process reference (the same global tensors, sharded with
 ``shard_sequence``), over windows smaller than a chunk, spanning chunks, larger than the sequence and non-causal
 (left, right) windows; learnable and off-by-one sinks; worlds 1-8; several (hp, cp, w), both placements, GQA with
@@ -22,7 +22,7 @@ import megatron_2d
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.cpu_flash import row_tiles
 from megatron_2d.layout.band import Band, SlidingWindow, flash_expressible
-from megatron_2d.layout.block_calls import context_chunks, plan_block, plan_context_group
+from megatron_2d.layout.block_calls import block_pair_calls, context_calls, context_chunks
 from megatron_2d.layout.topology import Layout2D
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
@@ -110,7 +110,7 @@ def test_plans_cover_each_visible_pair_exactly_once(causal, window):
     ]:
         layout = Layout2D(cp_size, hp, 1, placement)
         win = SlidingWindow.of(window, causal, 2 * cp_size * c)
-        plan = plan_context_group(layout, c, causal, win)
+        plan = context_calls(layout, c, causal, win)
         for (dst, src), calls in plan.calls.items():
             q_pos = [x * c + t for x in context_chunks(layout, dst) for t in range(c)]
             k_pos = [y * c + t for y in context_chunks(layout, src) for t in range(c)]
@@ -127,20 +127,20 @@ def test_plans_cover_each_visible_pair_exactly_once(causal, window):
 def test_window_plans_skip_blocks_and_flops():
     """A window shorter than a chunk: hp=1 context rank r sees only its neighbours r-1 and r+1."""
     layout, c = Layout2D(8, 1, 1), 16
-    plan = plan_context_group(layout, c, True, SlidingWindow.of((5, 0), True, 16 * c))
+    plan = context_calls(layout, c, True, SlidingWindow.of((5, 0), True, 16 * c))
     for (dst, src), hull in plan.keys.items():
         assert (hull is not None) == (abs(dst - src) <= 1), (dst, src, hull)
     # own block: each query sees itself and up to 5 keys back (6 pairs per row, fewer at each chunk's start
     # only where the previous chunk lives elsewhere)
-    assert not plan.dense and plan_context_group(layout, c, True, SlidingWindow()).dense
+    assert not plan.dense and context_calls(layout, c, True, SlidingWindow()).dense
     flops = sum(call.flops_units for calls in plan.calls.values() for call in calls)
     S = 16 * c
     assert flops == sum(min(i, 5) + 1 for i in range(S))  # exactly the windowed causal pairs
 
 
 def test_plan_without_window_keeps_zigzag_half_blocks():
-    assert plan_block([1, 6], [0, 7], 4, True, SlidingWindow()) == plan_block([1, 6], [0, 7], 4, True)
-    assert len(plan_block([0, 3, 4, 7], [1, 2, 5, 6], 8, True)) == 2  # merged runs, not one call per chunk pair
+    assert block_pair_calls([1, 6], [0, 7], 4, True, SlidingWindow()) == block_pair_calls([1, 6], [0, 7], 4, True)
+    assert len(block_pair_calls([0, 3, 4, 7], [1, 2, 5, 6], 8, True)) == 2  # merged runs, not one call per chunk pair
 
 
 def test_sliding_window_rejects_bad_values():

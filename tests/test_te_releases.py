@@ -206,7 +206,7 @@ def run_release_ring(rank, world, version):
         for mode, causal in (("zigzag", True), ("documents", True), ("zigzag", False)):
             lengths = [3, 40, 1, 17, 64, 9, 5, 30]
             cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
-            layout = megatron_2d.PackedLayout(cu, groups, mode=mode)
+            layout = megatron_2d.PackedSharding(cu, groups, mode=mode)
             g = torch.Generator().manual_seed(4)
             q, k, v, dout = (
                 rounded(torch.randn(int(cu[-1]), h, 32, generator=g, dtype=torch.float64), torch.bfloat16)

@@ -58,8 +58,8 @@ def test_all_layouts_match_brute_force(CP, placement):
             got = (
                 sorted(layout.head_groups(cp_ranks)),
                 sorted(layout.context_groups(cp_ranks)),
-                sorted(layout.intra_window_groups(cp_ranks)),
-                sorted(layout.inter_window_groups(cp_ranks)),
+                sorted(layout.inner_ring_groups(cp_ranks)),
+                sorted(layout.outer_ring_groups(cp_ranks)),
             )
             assert got == expected, (CP, hp, w, placement)
 
@@ -86,8 +86,8 @@ def test_large_virtual_world(world, CP, stride, hp, w, placement):
             p = places[rank]
             assert list(p.head_group) in heads and rank in p.head_group and len(p.head_group) == hp
             assert list(p.context_group) in contexts and len(p.context_group) == cp
-            assert list(p.intra_window_group) in intra and len(p.intra_window_group) == w
-            assert list(p.inter_window_group) in inter and len(p.inter_window_group) == cp // w
+            assert list(p.inner_ring_group) in intra and len(p.inner_ring_group) == w
+            assert list(p.outer_ring_group) in inter and len(p.outer_ring_group) == cp // w
             assert p.head_group[p.head_rank] == rank and p.context_group[p.context_rank] == rank
             assert p.cp_ranks[p.cp_index] == rank
 
@@ -98,8 +98,8 @@ def test_placement_adjacency():
     context_first = Layout2D(16, 4, 2, "context_first")
     assert head_first.head_groups(cp_ranks)[1] == [4, 5, 6, 7]  # head group on adjacent ranks
     assert context_first.context_groups(cp_ranks)[1] == [4, 5, 6, 7]  # ring on adjacent ranks
-    assert context_first.intra_window_groups(cp_ranks)[0] == [0, 1]
-    assert context_first.inter_window_groups(cp_ranks)[0] == [0, 2]
+    assert context_first.inner_ring_groups(cp_ranks)[0] == [0, 1]
+    assert context_first.outer_ring_groups(cp_ranks)[0] == [0, 2]
 
 
 def test_coords_round_trip():
@@ -113,23 +113,23 @@ def test_coords_round_trip():
     "kwargs, message",
     [
         (
-            dict(cp_size=8, head_parallel_size=3, ring_window=1),
+            dict(cp_size=8, head_parallel_size=3, inner_ring_size=1),
             r"head-parallel size 3 does not divide .* 8; valid .* \[1, 2, 4, 8\]",
         ),
         (
-            dict(cp_size=8, head_parallel_size=2, ring_window=3),
-            r"ring window 3 does not divide .* cp = CP/hp = 8/2 = 4; valid ring windows: \[1, 2, 4\]",
+            dict(cp_size=8, head_parallel_size=2, inner_ring_size=3),
+            r"inner ring size 3 does not divide .* cp = CP/hp = 8/2 = 4; valid inner ring sizes: \[1, 2, 4\]",
         ),
         (
-            dict(cp_size=8, head_parallel_size=2, ring_window=1, placement="interleaved"),
+            dict(cp_size=8, head_parallel_size=2, inner_ring_size=1, placement="interleaved"),
             r"placement 'interleaved' is not valid; choose one of \['head_first', 'context_first'\]",
         ),
         (
-            dict(cp_size=0, head_parallel_size=1, ring_window=1),
+            dict(cp_size=0, head_parallel_size=1, inner_ring_size=1),
             r"context-parallel size must be a positive integer, got 0",
         ),
         (
-            dict(cp_size=4, head_parallel_size=2.0, ring_window=1),
+            dict(cp_size=4, head_parallel_size=2.0, inner_ring_size=1),
             r"head-parallel size must be a positive integer, got 2.0",
         ),
     ],

@@ -2,7 +2,7 @@
 layouts, windows and packed batches, the transport the op builds and the one the planner charges are the same kind.
 
 The op's side is its own routing code (``zigzag_route`` / ``packed_route`` of megatron_2d.attention, on the plans
-and PackedLayout of each context rank, built over virtual groups: no process groups needed to choose); the planner's
+and PackedSharding of each context rank, built over virtual groups: no process groups needed to choose); the planner's
 is ``window_work`` / ``packed_window_work`` (megatron_2d.plan.windows), as ``estimate`` calls them."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 
 from megatron_2d.attention import packed_route, zigzag_route
 from megatron_2d.layout.band import SlidingWindow
-from megatron_2d.layout.block_calls import plan_context_group
+from megatron_2d.layout.block_calls import context_calls
 from megatron_2d.layout.topology import Layout2D, divisors
 from megatron_2d.layout.transports import TRANSPORT_KINDS, transport_kind
-from megatron_2d.packed_layout import PackedLayout
+from megatron_2d.packed_sharding import PackedSharding
 from megatron_2d.plan.packed import modes_for, packed_work
 from megatron_2d.plan.windows import MAX_EXACT_CP, packed_window_work, window_work
 from megatron_2d.testing.loopback import virtual_groups
@@ -38,7 +38,7 @@ def test_the_op_builds_each_kind_from_one_table():
     assert set(transport_classes()) == set(TRANSPORT_KINDS)
     layout = Layout2D(8, 2, 2)
     groups = virtual_groups(layout, 0)  # no process groups: transports whose construction posts nothing
-    plan = plan_context_group(layout, 4, True, SlidingWindow(2, 0))
+    plan = context_calls(layout, 4, True, SlidingWindow(2, 0))
     assert type(transport_classes()["local"].for_routes(groups, KeyRoutes())) is LocalBlock
     assert type(transport_classes()["neighbour"].for_routes(groups, KeyRoutes(keys=plan.keys))) is NeighbourExchange
     ring = transport_classes()["double_ring"].for_routes(
@@ -58,7 +58,7 @@ def _op_kinds_zigzag(layout: Layout2D, chunk: int, causal: bool, left: int | Non
     """The kind every context rank's _setup chooses (prepare_call's window, _setup's plan, zigzag_route)."""
     seq = 2 * layout.cp_size * chunk
     window = SlidingWindow.of((-1, -1) if left is None else (left, 0), causal, seq)
-    plan = plan_context_group(layout, chunk, causal, window)
+    plan = context_calls(layout, chunk, causal, window)
     return {
         zigzag_route(virtual_groups(layout, layout.index_of(0, cr)), 2 * chunk, plan)[0]
         for cr in range(layout.context_size)
@@ -104,7 +104,7 @@ def test_packed_op_and_planner_agree_on_the_transport(mode):
                 planner = packed_window_work(packed_work(lengths, hp, cp, layout.placement, mode, left), cp)
                 op = set()
                 for cr in range(cp):
-                    packing = PackedLayout(cu, virtual_groups(layout, layout.index_of(0, cr)), mode=mode)
+                    packing = PackedSharding(cu, virtual_groups(layout, layout.index_of(0, cr)), mode=mode)
                     window = SlidingWindow.of(
                         (-1, -1) if left is None else (left, 0), True, packing.max_document_length
                     )

@@ -79,7 +79,7 @@ def kept_formula(args, full_bytes: float) -> dict[str, float]:
         ckpt++ outputs           = full + out + lse + c                  out = b*s*h*d*4 (the ring's output,
                                                                          head layout), lse = b*s*h*4
         ckpt++ attention-inputs  = full + q + kv + out + lse + out' + c  q = b*s*h*d*4, kv = b*s*L*2d*4 (the
-                                                                         head exchange's outputs), out' = out
+                                                                         head all-to-all's outputs), out' = out
                                                                          after the inverse exchange (none at
                                                                          hp 1 with b 1: a view of out)
 
@@ -126,7 +126,7 @@ def measure(rank, world, args) -> dict[str, dict]:
             config_class=TransformerConfig2D,
             cp_comm_type="2d",
         )
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=args.hp, cp_2d_ring_window=args.window, **recompute)
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=args.hp, cp_2d_inner_ring_size=args.window, **recompute)
         model = tg.build_tiny_gpt(cfg, spec)
         hooks = SavedTensorBytes(model.parameters())
         decoder_forward = model.decoder.forward

@@ -29,7 +29,7 @@ FLAGS+=(
   --distributed-timeout-minutes 1
 )
 if [ "$CP" != 1 ]; then
-  FLAGS+=(--context-parallel-size "$CP" --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-ring-window 2
+  FLAGS+=(--context-parallel-size "$CP" --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-inner-ring-size 2
           --cp-2d-placement head_first)
 fi
 if [ "${1:-}" = "--print-flags" ]; then printf '%s\n' "${FLAGS[@]}"; exit 0; fi

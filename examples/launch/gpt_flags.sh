@@ -24,7 +24,7 @@ case "$MODE" in
   p2p)     CP_FLAGS=(--cp-comm-type p2p) ;;
   a2a)     CP_FLAGS=(--cp-comm-type a2a) ;;
   a2a+p2p) CP_FLAGS=(--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes "$HP" "$((CP / HP))") ;;
-  2d)      CP_FLAGS=(--cp-comm-type 2d --cp-2d-head-parallel-size "$HP" --cp-2d-ring-window "$WINDOW"
+  2d)      CP_FLAGS=(--cp-comm-type 2d --cp-2d-head-parallel-size "$HP" --cp-2d-inner-ring-size "$WINDOW"
                      --cp-2d-placement "$PLACEMENT") ;;
   *) echo "MODE must be p2p, a2a, a2a+p2p or 2d, got '$MODE'" >&2; exit 2 ;;
 esac

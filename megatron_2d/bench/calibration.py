@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..plan import ClusterSpec, FitResult, Layout, ModelSpec, ParallelSpec, WorkCounts, evaluate, fit_rates, work_counts
+from ..plan import ClusterSpec, FitResult, ModelSpec, ParallelSpec, Scheme, WorkCounts, evaluate, fit_rates, work_counts
 from ..plan.links import IDEAL_LINKS, LinkEfficiency
 from ..testing.distributed import run_on_ranks
 from . import compare as bench_compare
@@ -54,7 +54,7 @@ class Sample:
     """One measured 2D layout: CP size n, the planner's layout, seconds and measured bytes sent per rank."""
 
     n: int
-    layout: Layout
+    scheme: Scheme
     seconds: float
     bytes_measured: float
 
@@ -172,7 +172,7 @@ def cpu_cluster(
     )
 
 
-def fixed_seconds(layout: Layout, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int) -> float:
+def fixed_seconds(layout: Scheme, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int) -> float:
     """The planner's time for ``layout`` with free kernels and links: latency, merges and permutes only."""
     free = cluster.with_(peak_tflops=UNBOUNDED, attn_efficiency=1.0, nvlink_gbps=UNBOUNDED, net_gbps_per_node=UNBOUNDED)
     return evaluate(layout, model, free, parallel, seq).estimate.time_s
@@ -183,12 +183,12 @@ def fit(samples: Sequence[Sample], model: ModelSpec, m: MachineFigures, seq: int
     pairs = []
     for s in samples:
         cluster, parallel = cpu_cluster(s.n, m), ParallelSpec(gpus=s.n, cp=s.n, micro_batch=batch)
-        c = work_counts(s.layout, model, cluster, parallel, seq)
+        c = work_counts(s.scheme, model, cluster, parallel, seq)
         f = share(s.n, m.cores)
-        rest = s.seconds - fixed_seconds(s.layout, model, cluster, parallel, seq)
+        rest = s.seconds - fixed_seconds(s.scheme, model, cluster, parallel, seq)
         if rest <= 0:
             raise SystemExit(
-                f"{s.layout.label()} at N={s.n}: measured {s.seconds * 1e3:.1f} ms is below the model's "
+                f"{s.scheme.label()} at N={s.n}: measured {s.seconds * 1e3:.1f} ms is below the model's "
                 f"fixed costs; the latency/bandwidth measurements do not fit this machine"
             )
         pairs.append(
@@ -227,7 +227,7 @@ def samples_from_json(data: dict[str, object]) -> list[Sample]:
         out.append(
             Sample(
                 n,
-                Layout("2d", lay["hp"], lay["cp"], lay["w"], lay["placement"]),
+                Scheme("2d", lay["hp"], lay["cp"], lay["w"], lay["placement"]),
                 row["seconds"],
                 row["bytes"]["a2a"] + row["bytes"]["ring"],
             )
@@ -332,8 +332,8 @@ def _sample_rows(
     for s in sorted(samples, key=lambda s: (s.n, s.seconds)):
         cluster, _ = calibrated_cluster(s.n, m, result)
         parallel = ParallelSpec(gpus=s.n, cp=s.n, micro_batch=batch)
-        e = evaluate(s.layout, model, cluster, parallel, seq).estimate
-        label = f"hp{s.layout.hp} x cp{s.layout.cp}  w{s.layout.w}  {s.layout.placement}"  # as bench_compare
+        e = evaluate(s.scheme, model, cluster, parallel, seq).estimate
+        label = f"hp{s.scheme.hp} x cp{s.scheme.cp}  w{s.scheme.w}  {s.scheme.placement}"  # as bench_compare
         rows.append(
             {
                 "n": s.n,

@@ -15,7 +15,7 @@ from typing import TextIO
 HELP = {
     "ranks": "CPU ranks = CP size",
     "hp": "head-parallel size",
-    "window": "Double-Ring window",
+    "window": "Double-Ring inner ring size",
     "seq": "global sequence length",
     "batch": "micro-batch size",
     "heads": "query heads",

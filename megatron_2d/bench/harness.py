@@ -25,7 +25,7 @@ def bench_layouts(cp_size: int, heads: int) -> list[Layout2D]:
 
 def label(layout: Layout2D) -> str:
     """A layout's row name: 'hp2 x cp2  w1  head_first'."""
-    return f"hp{layout.head_parallel_size} x cp{layout.context_size}  w{layout.ring_window}  {layout.placement}"
+    return f"hp{layout.head_parallel_size} x cp{layout.context_size}  w{layout.inner_ring_size}  {layout.placement}"
 
 
 def layout_record(layout: Layout2D) -> dict[str, object]:
@@ -33,7 +33,7 @@ def layout_record(layout: Layout2D) -> dict[str, object]:
     return {
         "hp": layout.head_parallel_size,
         "cp": layout.context_size,
-        "w": layout.ring_window,
+        "w": layout.inner_ring_size,
         "placement": layout.placement,
     }
 

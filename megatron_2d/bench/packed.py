@@ -5,9 +5,9 @@ ring-flash-attn's zigzag varlen ring.
     python tools/bench_packed.py --ranks 4 --tokens 32K --hp 2 --dists one-half
 
 Rows (same q, k, v, dout, fp32, causal, hq = hkv heads of dim d):
-    zigzag          attention_2d(packing=PackedLayout(cu, groups, "zigzag")): Megatron/TE THD, every document
+    zigzag          attention_2d(packing=PackedSharding(cu, groups, "zigzag")): Megatron/TE THD, every document
                     padded to 2*CP and split over every CP rank
-    documents       attention_2d(packing=PackedLayout(cu, groups, "documents")): short documents whole on one
+    documents       attention_2d(packing=PackedSharding(cu, groups, "documents")): short documents whole on one
                     context rank, long ones zigzag-sharded; the ring carries the long prefix only
     one sequence    the same T tokens as ONE causal sequence (sbhd attention_2d, shard_sequence): what attention
                     costs when the document boundaries are ignored (padding-free, balanced, every pair computed)
@@ -60,7 +60,7 @@ from megatron_2d.testing.reference import TOLERANCES, blockwise_reference
 ROWS = (*PACKING_MODES, "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
 
 
-# -- per-rank stats that do not come from a PackedLayout ------------------------------------------------------------
+# -- per-rank stats that do not come from a PackedSharding ------------------------------------------------------------
 
 
 def slot_pairs(slots: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
@@ -231,10 +231,10 @@ def _bench_packing_modes(rows: _Rows, groups, world: int, case: Case, cost: Pack
         if mode == "sequence" and int(case.cu_seqlens[-1]) % (2 * world):
             continue
         t0 = time.perf_counter()  # layout build + this rank's plans (once per batch)
-        layout = megatron_2d.PackedLayout(
+        layout = megatron_2d.PackedSharding(
             case.cu_seqlens, groups, mode=mode, **({"cost": cost} if mode == "documents" else {})
         )
-        layout.plans(True, SlidingWindow())
+        layout.calls(True, SlidingWindow())
         layout_s = time.perf_counter() - t0
         idx = layout.local_indices()
         ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
@@ -397,7 +397,7 @@ def build_cases(args) -> list[Case]:
 
 
 def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: int = 0) -> Table:
-    """Time to build a PackedLayout and one rank's plans (what a batch costs before its first attention call),
+    """Time to build a PackedSharding and one rank's plans (what a batch costs before its first attention call),
     in one process, as CPU time (a loaded machine stretches wall time, not this): a rank's Groups2D without process
     groups (the cross-rank check then has nothing to do). Lognormal lengths (median ~400 tokens), the last one
     lengthened so that 2*CP divides T (the sequence mode); ``sizes``: (CP, hp) pairs. Plans are rank 0's, and
@@ -408,7 +408,7 @@ def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: i
     lengths = np.maximum(1, np.random.default_rng(seed).lognormal(6, 1.2, size=documents).astype(np.int64))
     lengths[-1] += -lengths.sum() % (2 * max(CP for CP, _ in sizes))
     cu = cu_seqlens_of(lengths.tolist())
-    table = Table(title=f"PackedLayout build + plans (CPU time): {documents} documents, T={int(cu[-1])}")
+    table = Table(title=f"PackedSharding build + plans (CPU time): {documents} documents, T={int(cu[-1])}")
     for col in (
         "CP",
         "hp x cp",
@@ -427,13 +427,17 @@ def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: i
         mid = layout.index_of(0, layout.context_size // 2)
         for mode in PACKING_MODES:
             t0 = time.process_time()
-            packed = megatron_2d.PackedLayout(cu, Groups2D(layout, places[0], None, None, None, None, None), mode=mode)
+            packed = megatron_2d.PackedSharding(
+                cu, Groups2D(layout, places[0], None, None, None, None, None), mode=mode
+            )
             t1 = time.process_time()
-            plans = packed.plans(True, SlidingWindow())
+            plans = packed.calls(True, SlidingWindow())
             t2 = time.process_time()
-            other = megatron_2d.PackedLayout(cu, Groups2D(layout, places[mid], None, None, None, None, None), mode=mode)
+            other = megatron_2d.PackedSharding(
+                cu, Groups2D(layout, places[mid], None, None, None, None, None), mode=mode
+            )
             t3 = time.process_time()
-            other_plans = other.plans(True, SlidingWindow())
+            other_plans = other.calls(True, SlidingWindow())
             t4 = time.process_time()
             table.add_row(
                 str(CP),
@@ -453,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4, help="CPU ranks N = hp * cp (default 4)")
     parser.add_argument("--hp", type=int, default=1, help="head-parallel size (default 1: a ring of N)")
-    parser.add_argument("--window", type=int, default=1, help="Double-Ring window w (default 1)")
+    parser.add_argument("--window", type=int, default=1, help="Double-Ring inner ring size w (default 1)")
     parser.add_argument("--placement", default="head_first")
     parser.add_argument("--tokens", type=parse_tokens, default=16384, help="total tokens T, e.g. 16K (default)")
     parser.add_argument("--dists", nargs="+", default=list(DISTRIBUTIONS), choices=DISTRIBUTIONS)

@@ -10,11 +10,11 @@ Without a window this gives zigzag's half blocks: the own block is one causal ca
 is all queries against the first half of its keys, a block from a later rank the second half of the queries
 against all keys. context_first gives the same FLOPs in more, smaller calls.
 
-    >>> plan_block([1, 6], [0, 7], chunk_len=4, causal=True)   # K from an earlier rank: Q vs first half of K
+    >>> block_pair_calls([1, 6], [0, 7], chunk_len=4, causal=True)   # K from an earlier rank: Q vs first half of K
     [BlockCall(q_start=0, q_end=8, k_start=0, k_end=4, band=None)]
-    >>> plan_block([1, 6], [2, 5], chunk_len=4, causal=True)   # K from a later rank: second half of Q vs all K
+    >>> block_pair_calls([1, 6], [2, 5], chunk_len=4, causal=True)   # K from a later rank: second half of Q vs all K
     [BlockCall(q_start=4, q_end=8, k_start=0, k_end=8, band=None)]
-    >>> plan_block([1, 6], [0, 7], chunk_len=4, causal=True, window=SlidingWindow(2, 0))  # only chunk 0's tail
+    >>> block_pair_calls([1, 6], [0, 7], chunk_len=4, causal=True, window=SlidingWindow(2, 0))  # only chunk 0's tail
     [BlockCall(q_start=0, q_end=2, k_start=2, k_end=4, band=Band(lo=0, hi=None))]
 """
 
@@ -31,7 +31,7 @@ from .topology import Layout2D, zigzag_chunks
 
 class BlockCall(NamedTuple):
     """Local query rows [q_start, q_end) attend to local keys [k_start, k_end) under ``band`` (None = all).
-    (A named tuple: packed plans make thousands per batch.)"""
+    (A named tuple: packed calls make thousands per batch.)"""
 
     q_start: int
     q_end: int
@@ -75,7 +75,7 @@ def merge_calls(calls: list[BlockCall], along_keys: bool) -> list[BlockCall]:
     return merged
 
 
-def plan_block(
+def block_pair_calls(
     q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: int, causal: bool, window: SlidingWindow | None = None
 ) -> list[BlockCall]:
     """The kernel calls for queries holding ``q_chunks`` against keys holding ``kv_chunks`` (both ascending).
@@ -119,7 +119,7 @@ def context_chunks(layout: Layout2D, context_rank: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ContextPlan:
+class ContextCalls:
     """Every context rank's kernel calls against every context rank's K/V block, for one mask.
 
     calls[(dst, src)]: dst's calls on src's block; keys[(dst, src)]: the hull (k_lo, k_hi) of src's local keys
@@ -135,16 +135,14 @@ class ContextPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_context_group(
-    layout: Layout2D, chunk_len: int, causal: bool, window: SlidingWindow | None = None
-) -> ContextPlan:
-    """The :class:`ContextPlan` of one context group (pure and cached: the same for every call of a layer)."""
+def context_calls(layout: Layout2D, chunk_len: int, causal: bool, window: SlidingWindow | None = None) -> ContextCalls:
+    """The :class:`ContextCalls` of one context group (pure and cached: the same for every call of a layer)."""
     cp = layout.context_size
     chunks = [context_chunks(layout, cr) for cr in range(cp)]
     calls, keys = {}, {}
     for dst in range(cp):
         for src in range(cp):
-            plan = tuple(plan_block(chunks[dst], chunks[src], chunk_len, causal, window))
+            plan = tuple(block_pair_calls(chunks[dst], chunks[src], chunk_len, causal, window))
             calls[(dst, src)] = plan
             keys[(dst, src)] = (min(c.k_start for c in plan), max(c.k_end for c in plan)) if plan else None
-    return ContextPlan(calls, keys)
+    return ContextCalls(calls, keys)

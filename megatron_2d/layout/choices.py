@@ -7,7 +7,7 @@ same function, which names the setting as that route spells it.
     PLACEMENTS        how the head and context groups lie on the ranks of a CP group: build_2d_groups(placement=),
                       cp_2d_placement, --cp-2d-placement (the rank math they choose: topology.py, which checks them)
     PACKING_MODES     how packed documents (THD) are laid out over the CP group:
-                      PackedLayout(mode=), cp_2d_packing, --cp-2d-packing (each mode is a class of
+                      PackedSharding(mode=), cp_2d_packing, --cp-2d-packing (each mode is a class of
                       :mod:`megatron_2d.packing.modes`, whose registry checks the names and holds these)
     DKV_COMM_DTYPES   the dtype dK/dV riders travel in, backward: attention_2d(dkv_comm_dtype=), cp_2d_dkv_comm_dtype,
                       --cp-2d-dkv-comm-dtype ("accumulator": fp32, exact; "input": the activation dtype)

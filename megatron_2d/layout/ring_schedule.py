@@ -1,6 +1,6 @@
 """The Double-Ring schedule as data: one description that the ring loop executes and the planner replays.
 
-Notation: a context group of cp ranks cut into nw = cp / w windows of w ranks; a rank is (window, slot), context
+Notation: a context group of cp ranks cut into nw = cp / w inner rings of w ranks; a rank is (window, slot), context
 rank window * w + slot. Round o = 0..nw-1, step t = 0..w-1: the rank holds the K/V block of context rank
 source(o, t) = (window - o, slot - t) (mod nw, mod w). Channels (one transfer of each in flight at a time, each on
 its own process group): "inner_kv", "outer_kv" (K/V blocks), "inner_dkv", "outer_dkv", "final_dkv" (dK/dV

@@ -4,7 +4,7 @@ Notation
     CP   size of one context-parallel group (a list of global ranks, Megatron's CP group)
     hp   head-parallel size: ranks in a head group (all-to-all over heads, Ulysses style)
     cp   context size = CP / hp: ranks in a context group (ring attention)
-    w    ring window: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring
+    w    inner ring size: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring
     i    a rank's index in its CP rank list (its Megatron CP rank)
     hr   head rank: index inside the head group, 0 <= hr < hp
     cr   context rank: index inside the context group, 0 <= cr < cp
@@ -15,14 +15,14 @@ Placement maps (hr, cr) to i:
 
 Windows cut a context group by context rank: window = cr // w, slot = cr % w.
 
-    >>> layout = Layout2D(cp_size=8, head_parallel_size=2, ring_window=2, placement="head_first")
+    >>> layout = Layout2D(cp_size=8, head_parallel_size=2, inner_ring_size=2, placement="head_first")
     >>> layout.head_groups([0, 1, 2, 3, 4, 5, 6, 7])
     [[0, 1], [2, 3], [4, 5], [6, 7]]
     >>> layout.context_groups([0, 1, 2, 3, 4, 5, 6, 7])
     [[0, 2, 4, 6], [1, 3, 5, 7]]
-    >>> layout.intra_window_groups([0, 1, 2, 3, 4, 5, 6, 7])
+    >>> layout.inner_ring_groups([0, 1, 2, 3, 4, 5, 6, 7])
     [[0, 2], [4, 6], [1, 3], [5, 7]]
-    >>> layout.inter_window_groups([0, 1, 2, 3, 4, 5, 6, 7])
+    >>> layout.outer_ring_groups([0, 1, 2, 3, 4, 5, 6, 7])
     [[0, 4], [2, 6], [1, 5], [3, 7]]
 """
 
@@ -62,16 +62,16 @@ def zigzag_chunks(cp_index: int, cp_size: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Layout2D:
     """The shape of 2D context parallelism inside one CP group of ``cp_size`` ranks: ``head_parallel_size`` (hp),
-    ``ring_window`` (w, the Double-Ring window) and ``placement``."""
+    ``inner_ring_size`` (w, the Double-Ring inner ring size) and ``placement``."""
 
     cp_size: int
     head_parallel_size: int
-    ring_window: int
+    inner_ring_size: int
     placement: str = "head_first"
 
     def __post_init__(self) -> None:
-        CP, hp, w = self.cp_size, self.head_parallel_size, self.ring_window
-        for name, value in (("context-parallel size", CP), ("head-parallel size", hp), ("ring window", w)):
+        CP, hp, w = self.cp_size, self.head_parallel_size, self.inner_ring_size
+        for name, value in (("context-parallel size", CP), ("head-parallel size", hp), ("inner ring size", w)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
         check_placement(self.placement)
@@ -83,8 +83,8 @@ class Layout2D:
         cp = CP // hp
         if cp % w != 0:
             raise LayoutError(
-                f"ring window {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "
-                f"valid ring windows: {divisors(cp)}"
+                f"inner ring size {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "
+                f"valid inner ring sizes: {divisors(cp)}"
             )
 
     @property
@@ -93,9 +93,9 @@ class Layout2D:
         return self.cp_size // self.head_parallel_size
 
     @property
-    def num_windows(self) -> int:
+    def num_inner_rings(self) -> int:
         """cp / w: ranks in the outer ring."""
-        return self.context_size // self.ring_window
+        return self.context_size // self.inner_ring_size
 
     # -- index maps -------------------------------------------------------------------------------
     def index_of(self, head_rank: int, context_rank: int) -> int:
@@ -117,10 +117,10 @@ class Layout2D:
         inner ring, (hr, window*w + (slot+1) % w), when w > 1; 'outer' the next rank of its outer ring,
         (hr, (cr + w) % cp), when cp / w > 1.
 
-        >>> Layout2D(cp_size=8, head_parallel_size=2, ring_window=2).send_peers(0)
+        >>> Layout2D(cp_size=8, head_parallel_size=2, inner_ring_size=2).send_peers(0)
         {'a2a': [1], 'inner': [2], 'outer': [4]}
         """
-        hp, cp, w = self.head_parallel_size, self.context_size, self.ring_window
+        hp, cp, w = self.head_parallel_size, self.context_size, self.inner_ring_size
         hr, cr = self.coords_of(index)
         window, slot = divmod(cr, w)
         return {
@@ -138,12 +138,12 @@ class Layout2D:
         hp, cp = self.head_parallel_size, self.context_size
         return [[self.index_of(hr, cr) for cr in range(cp)] for hr in range(hp)]
 
-    def _intra_window_indices(self) -> list[list[int]]:
-        w = self.ring_window
-        return [ctx[k * w : (k + 1) * w] for ctx in self._context_group_indices() for k in range(self.num_windows)]
+    def _inner_ring_indices(self) -> list[list[int]]:
+        w = self.inner_ring_size
+        return [ctx[k * w : (k + 1) * w] for ctx in self._context_group_indices() for k in range(self.num_inner_rings)]
 
-    def _inter_window_indices(self) -> list[list[int]]:
-        w = self.ring_window
+    def _outer_ring_indices(self) -> list[list[int]]:
+        w = self.inner_ring_size
         return [ctx[slot::w] for ctx in self._context_group_indices() for slot in range(w)]
 
     # -- groups, as lists of global ranks -----------------------------------------------------------
@@ -160,20 +160,20 @@ class Layout2D:
         """The hp context groups (cp ranks each, ordered by context rank)."""
         return self._map(cp_ranks, self._context_group_indices())
 
-    def intra_window_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
+    def inner_ring_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
         """The inner rings: w consecutive context ranks of each context group."""
-        return self._map(cp_ranks, self._intra_window_indices())
+        return self._map(cp_ranks, self._inner_ring_indices())
 
-    def inter_window_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
+    def outer_ring_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
         """The outer rings: the context ranks with the same slot in every window (cp / w ranks each)."""
-        return self._map(cp_ranks, self._inter_window_indices())
+        return self._map(cp_ranks, self._outer_ring_indices())
 
 
 def every_layout(cp_size: int) -> list[Layout2D]:
     """Every layout of a CP group of ``cp_size`` ranks, by hp, then w, then placement; the two placements are the
     same layout when hp or cp is 1 (listed once, as head_first).
 
-    >>> [(l.head_parallel_size, l.ring_window, l.placement) for l in every_layout(4)][:4]
+    >>> [(l.head_parallel_size, l.inner_ring_size, l.placement) for l in every_layout(4)][:4]
     [(1, 1, 'head_first'), (1, 2, 'head_first'), (1, 4, 'head_first'), (2, 1, 'head_first')]
     """
     out = []
@@ -194,8 +194,8 @@ class RankPlace:
     context_rank: int  # cr
     head_group: tuple[int, ...]  # global ranks, by head rank
     context_group: tuple[int, ...]  # global ranks, by context rank
-    intra_window_group: tuple[int, ...]
-    inter_window_group: tuple[int, ...]
+    inner_ring_group: tuple[int, ...]
+    outer_ring_group: tuple[int, ...]
 
 
 def validate_cp_rank_lists(cp_rank_lists: Sequence[Sequence[int]], world_size: int) -> list[list[int]]:
@@ -231,8 +231,8 @@ def place_all_ranks(layout: Layout2D, cp_rank_lists: Sequence[Sequence[int]], wo
     for cp_ranks in lists:
         heads = layout.head_groups(cp_ranks)
         ctxs = layout.context_groups(cp_ranks)
-        intra = layout.intra_window_groups(cp_ranks)
-        inter = layout.inter_window_groups(cp_ranks)
+        intra = layout.inner_ring_groups(cp_ranks)
+        inter = layout.outer_ring_groups(cp_ranks)
         group_of = {}
         for kind, groups in (("head", heads), ("context", ctxs), ("intra", intra), ("inter", inter)):
             for g in groups:
@@ -247,7 +247,7 @@ def place_all_ranks(layout: Layout2D, cp_rank_lists: Sequence[Sequence[int]], wo
                 context_rank=cr,
                 head_group=group_of[("head", rank)],
                 context_group=group_of[("context", rank)],
-                intra_window_group=group_of[("intra", rank)],
-                inter_window_group=group_of[("inter", rank)],
+                inner_ring_group=group_of[("intra", rank)],
+                outer_ring_group=group_of[("inter", rank)],
             )
     return places

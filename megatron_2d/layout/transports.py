@@ -3,8 +3,8 @@
 The rule reads three facts of the call: the context size cp, the ring tokens (the keys of each context rank's
 block that other ranks may see: every key for zigzag shards, the long documents' prefix for the documents mode,
 none when no document crosses a context rank) and whether every pair of context ranks sees some key of each
-other (:attr:`megatron_2d.layout.block_calls.ContextPlan.dense`; for packed documents,
-:meth:`megatron_2d.PackedLayout.neighbour_keys` being None).
+other (:attr:`megatron_2d.layout.block_calls.ContextCalls.dense`; for packed documents,
+:meth:`megatron_2d.PackedSharding.neighbour_keys` being None).
 
     local        nothing moves: one context rank, or no key that another rank sees (LocalBlock)
     neighbour    some pair of context ranks sees nothing of each other: each block goes straight to the ranks that

@@ -2,7 +2,7 @@
 
     from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d
     config = TransformerConfig2D(..., context_parallel_size=8, cp_comm_type="2d", cp_2d_head_parallel_size=2,
-                                 cp_2d_ring_window=2, cp_2d_placement="head_first", attention_dropout=0.0)
+                                 cp_2d_inner_ring_size=2, cp_2d_placement="head_first", attention_dropout=0.0)
     model = GPTModel(config, get_gpt_layer_spec_2d(config), ...)
     model = HybridModel(config, get_hybrid_stack_spec_2d(), ..., hybrid_layer_pattern="M*-M*-")
 

@@ -1,6 +1,6 @@
 """pretrain_gpt / pretrain_hybrid command-line flags for the 2d backend, and the model config built from them.
 
-    --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-ring-window 2
+    --context-parallel-size 8 --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-inner-ring-size 2
     --cp-2d-placement head_first --attention-dropout 0.0
 
 The flags are the settings of the one table, :class:`.fields.Fields2D` (names, types, choices, defaults and help

@@ -289,7 +289,7 @@ def packed_seq_refusals(params) -> list[str]:
     if not same(params.cu_seqlens_kv_padded, params.cu_seqlens_q_padded):
         problems.append(
             "cu_seqlens_kv_padded differs from cu_seqlens_q_padded: the 2d backend runs self attention "
-            "over one packed layout"
+            "over one packed sharding"
         )
     for name in ("local_cp_size", "cp_group"):
         if getattr(params, name, None) is not None:

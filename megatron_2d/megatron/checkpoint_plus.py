@@ -9,7 +9,7 @@ run without recompute. What is kept is the keep policy (``keep``, :data:`megatro
 
     outputs           (default, LoongTrain's) the ring's output and log-sum-exp: the recompute rebuilds q, k, v from
                       the layer input and runs the head all-to-alls again, but not the ring or the kernels' forward
-    attention-inputs  also the head exchange's outputs (head-layout q and K/V) and the output after the inverse
+    attention-inputs  also the head all-to-all's outputs (head-layout q and K/V) and the output after the inverse
                       exchange: the recompute sends nothing
 
 Neither keeps anything in token layout of q, k or v (not Megatron's QKV projection output, of which v is a view,

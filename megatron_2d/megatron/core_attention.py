@@ -30,7 +30,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 from ..attention import attention_2d
 from ..latent_attention import latent_attention_2d
 from ..layout.band import SlidingWindow
-from ..packed_layout import PackedLayout
+from ..packed_sharding import PackedSharding
 from ..packing.modes import mode_class
 from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
@@ -79,7 +79,7 @@ def _latent_attention_with_sinks(q, latent, up_weight, sinks=None, **kwargs):
 class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
-    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, ring_window, placement, and
+    Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, inner_ring_size, placement, and
     kernel (a :mod:`megatron_2d.kernels` name; the config's
     cp_2d_kernel when None, chosen by device when that is None too). Megatron's sliding window
     (config.window_size, window_attn_skip_freq) and softmax_type ("off-by-one", "learnable": attention sinks,
@@ -99,7 +99,7 @@ class CoreAttention2D(MegatronModule):
         v_channels: int | None = None,
         *,
         head_parallel_size: int | None = None,
-        ring_window: int | None = None,
+        inner_ring_size: int | None = None,
         placement: str | None = None,
         kernel: str | None = None,
     ) -> None:
@@ -146,7 +146,7 @@ class CoreAttention2D(MegatronModule):
             )
         # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
         self.settings = layer_settings(
-            config, cp_size, head_parallel_size=head_parallel_size, ring_window=ring_window, placement=placement
+            config, cp_size, head_parallel_size=head_parallel_size, inner_ring_size=inner_ring_size, placement=placement
         )
         self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         self.packing = packing_mode(config)  # the layout THD batches come in (config and launch)
@@ -274,8 +274,8 @@ class CoreAttention2D(MegatronModule):
         attention_bias: torch.Tensor | None,
         packed_seq_params,
     ) -> dict:
-        """The op's keyword arguments for one call (its PackedLayout under "packing"), after the call's checks."""
-        packing = self._packed_layout(packed_seq_params, query)
+        """The op's keyword arguments for one call (its PackedSharding under "packing"), after the call's checks."""
+        packing = self._packed_sharding(packed_seq_params, query)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the 2d backend")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -309,7 +309,7 @@ class CoreAttention2D(MegatronModule):
             return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
         return out.view(out.shape[0], out.shape[1], -1)  # [s/CP, b, hq/tp * dv]
 
-    def _layout_of(self, packed_seq_params, mode: str) -> PackedLayout:
+    def _layout_of(self, packed_seq_params, mode: str) -> PackedSharding:
         """The layout of a THD batch Megatron split itself, by the split of ``mode``
         (:attr:`megatron_2d.packing.modes.PackingMode.megatron_split`): per sequence, the sequence layout; per
         document (or a batch that should have carried its layout), the zigzag layout of cu_seqlens_q (real) and
@@ -321,17 +321,17 @@ class CoreAttention2D(MegatronModule):
 
             return sequence_params(packed_seq_params, self.groups, torch.device("cpu")).layout
         if padded is None or padded is real:
-            return PackedLayout(torch.as_tensor(real).cpu(), self.groups, mode="zigzag")
+            return PackedSharding(torch.as_tensor(real).cpu(), self.groups, mode="zigzag")
         if torch.as_tensor(padded).shape != torch.as_tensor(real).shape:  # refused by the layout
-            return PackedLayout(real, self.groups, mode="zigzag", cu_seqlens_padded=padded)
+            return PackedSharding(real, self.groups, mode="zigzag", cu_seqlens_padded=padded)
         both = torch.cat([torch.as_tensor(real).reshape(-1), torch.as_tensor(padded).reshape(-1)]).cpu()
         real, padded = both.split(both.shape[0] // 2)
-        return PackedLayout(
+        return PackedSharding(
             real, self.groups, mode="zigzag", cu_seqlens_padded=None if torch.equal(real, padded) else padded
         )
 
-    def _packed_layout(self, packed_seq_params, query: torch.Tensor) -> PackedLayout | None:
-        """The PackedLayout of a THD batch (None for sbhd), built on the first layer and kept on the params."""
+    def _packed_sharding(self, packed_seq_params, query: torch.Tensor) -> PackedSharding | None:
+        """The PackedSharding of a THD batch (None for sbhd), built on the first layer and kept on the params."""
         if packed_seq_params is None:
             return None
         if query.dim() != 3:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from ..sequence_layout import check_divisible
+from ..sequence_sharding import check_divisible
 
 
 def get_batch_on_this_cp_rank_2d(batch: dict[str, Any], cp_group: dist.ProcessGroup | None) -> dict[str, Any]:

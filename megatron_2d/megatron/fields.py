@@ -10,10 +10,10 @@ Code reads ``config.cp_2d_*`` from the table: on a TransformerConfig2D directly,
 plain TransformerConfig on the ``--spec`` route, megatron.training's arguments, a test's namespace) through
 :func:`fields_2d`, which fills in the table's defaults for the settings it lacks.
 
-    >>> fields_2d(object()).cp_2d_ring_window
+    >>> fields_2d(object()).cp_2d_inner_ring_size
     1
-    >>> flag("cp_2d_ring_window")
-    '--cp-2d-ring-window'
+    >>> flag("cp_2d_inner_ring_size")
+    '--cp-2d-inner-ring-size'
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Fields2D:
         "cp: ranks per context ring. Optional: context-parallel size / hp; checked against it when given.",
         type=int,
     )
-    cp_2d_ring_window: int = _setting(
+    cp_2d_inner_ring_size: int = _setting(
         1, "w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring. 1: one plain ring."
     )
     cp_2d_placement: str = _setting(

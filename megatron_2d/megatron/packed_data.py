@@ -6,7 +6,7 @@ zigzag     Megatron's ``get_batch_on_this_cp_rank`` splits THD batches with TE's
            so CPU and TE-less runs get the layout CoreAttention2D expects; Megatron builds ``PackedSeqParams`` as
            usual and RoPE stays Megatron's.
 documents  :func:`documents_batch_on_this_cp_rank` gives each rank the tokens of a
-           :class:`megatron_2d.PackedLayout` in documents mode and a :class:`PackedSeqParams2D` carrying that
+           :class:`megatron_2d.PackedSharding` in documents mode and a :class:`PackedSeqParams2D` carrying that
            layout; :func:`use_document_positions` makes the model's RoPE use each token's position within its
            document (Megatron's THD RoPE assumes the zigzag split).
 sequence   Megatron splits the batch itself (per sequence, ``--dataloader-inter-document-masking``); the 2d layer
@@ -28,7 +28,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..groups import Groups2D
-from ..packed_layout import PackedLayout
+from ..packed_sharding import PackedSharding
 from ..transport.comm import to_device
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -76,7 +76,7 @@ class PackedSeqParams2D(PackedSeqParams):
     reads it) and ``rope_positions`` each token's position in its document, arranged for Megatron's THD RoPE
     (see :func:`documents_batch_on_this_cp_rank`)."""
 
-    layout: PackedLayout | None = None
+    layout: PackedSharding | None = None
     rope_positions: torch.Tensor | None = None
 
 
@@ -98,7 +98,7 @@ def documents_batch_on_this_cp_rank(
     """This rank's tokens of ``batch`` ([1, T], real documents only) under the documents layout, and the
     PackedSeqParams to pass to the model. Padding slots get token 0, label 0, loss_mask 0, position 0.
     Collective over the CP group (it builds the layout)."""
-    layout = PackedLayout(cu_seqlens, groups, mode="documents", **layout_options)
+    layout = PackedSharding(cu_seqlens, groups, mode="documents", **layout_options)
     device = batch["tokens"].device
     idx = layout.device_tensor("local_indices", device)  # copied once, non-blocking
     gather, pad = idx.clamp(min=0), idx < 0
@@ -115,7 +115,7 @@ def documents_batch_on_this_cp_rank(
     return out, params
 
 
-def layout_params(layout: PackedLayout, device: torch.device) -> PackedSeqParams2D:
+def layout_params(layout: PackedSharding, device: torch.device) -> PackedSeqParams2D:
     """PackedSeqParams2D of a batch laid out by ``layout`` (carried, for CoreAttention2D): Megatron's THD RoPE sees
     one sequence of CP * t_local tokens, and ``rope_positions`` puts each local token's position in its document
     where that RoPE reads this rank's rows (:func:`_rope_table`); index tensors copied pinned and non-blocking."""

@@ -3,7 +3,7 @@
 With that flag (and without --sft) pretrain_gpt.py splits each packed batch with
 ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``: the whole sequence cut into 2*CP chunks, CP
 rank i holding chunks i and 2*CP-1-i, whatever the documents; the PackedSeqParams keep the global cu_seqlens for
-the masks. That is the "sequence" layout of :class:`megatron_2d.PackedLayout`, built from those cu_seqlens.
+the masks. That is the "sequence" layout of :class:`megatron_2d.PackedSharding`, built from those cu_seqlens.
 
 Megatron's THD RoPE, applied inside SelfAttention before core attention, assumes the per-document split (it cuts
 the local tokens into cu_seqlens / CP pieces), so it cannot place these tokens. :class:`SelfAttention2D`, the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-from ..packed_layout import PackedLayout
+from ..packed_sharding import PackedSharding
 from .packed_data import PackedSeqParams2D, layout_params
 
 
@@ -35,7 +35,7 @@ def sequence_params(params, groups, device: torch.device) -> PackedSeqParams2D:
                 "cu_seqlens_q_padded; Megatron's per-sequence split pads no document, so the 2d backend "
                 "cannot tell where its tokens are: drop the padding or use --sft"
             )
-        layout = PackedLayout(torch.as_tensor(params.cu_seqlens_q).cpu(), groups, mode="sequence")
+        layout = PackedSharding(torch.as_tensor(params.cu_seqlens_q).cpu(), groups, mode="sequence")
         cache[key] = layout_params(layout, device)
     return cache[key]
 

@@ -33,14 +33,14 @@ def uses_2d(cp_comm_type) -> bool:
 
 @dataclass(frozen=True)
 class Settings2D:
-    """A model's 2D layout in Megatron's words: hp x cp = CP, the Double-Ring window w, placement.
+    """A model's 2D layout in Megatron's words: hp x cp = CP, the Double-Ring inner ring size w, placement.
 
     The layout itself is ``layout``, the one :class:`~megatron_2d.layout.topology.Layout2D`, made (and so validated)
     once when the settings are; the groups are built from it."""
 
     context_parallel_size: int
     head_parallel_size: int
-    ring_window: int = 1
+    inner_ring_size: int = 1
     placement: str = "head_first"
     layout: Layout2D = field(init=False, repr=False, compare=False)
 
@@ -49,7 +49,7 @@ class Settings2D:
         object.__setattr__(
             self,
             "layout",
-            Layout2D(self.context_parallel_size, self.head_parallel_size, self.ring_window, self.placement),
+            Layout2D(self.context_parallel_size, self.head_parallel_size, self.inner_ring_size, self.placement),
         )
 
     @property
@@ -62,7 +62,7 @@ def validate_2d_settings(
     context_parallel_size: int,
     head_parallel_size: int | None,
     context_size: int | None = None,
-    ring_window: int = 1,
+    inner_ring_size: int = 1,
     placement: str = "head_first",
     num_attention_heads: int,
     num_query_groups: int | None = None,
@@ -86,7 +86,7 @@ def validate_2d_settings(
             f"{', '.join(f'{d}x{CP // d}' for d in divisors(CP))}"
         )
     check_placement(placement, "cp_2d_placement")
-    settings = Settings2D(CP, hp, ring_window, placement)
+    settings = Settings2D(CP, hp, inner_ring_size, placement)
     if num_attention_heads % tp != 0:
         raise ValueError(f"num_attention_heads {num_attention_heads} is not divisible by tensor parallel size {tp}")
     heads = num_attention_heads // tp
@@ -122,7 +122,7 @@ def settings_from_config(config, **overrides) -> Settings2D:
     values = dict(
         head_parallel_size=head_parallel_size,
         context_size=context_size,
-        ring_window=fields.cp_2d_ring_window,
+        inner_ring_size=fields.cp_2d_inner_ring_size,
         placement=fields.cp_2d_placement,
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -139,7 +139,7 @@ def settings_from_config(config, **overrides) -> Settings2D:
 def layer_settings(config, cp_size: int, **overrides) -> Settings2D:
     """The settings a 2d core attention layer of ``config`` runs with inside a CP group of ``cp_size`` ranks: one
     rank's trivial layout at CP = 1 (nothing to split; the config's 2D fields are not read), else
-    :func:`settings_from_config` with the layer spec's ``overrides`` (head_parallel_size, ring_window, placement)."""
+    :func:`settings_from_config` with the layer spec's ``overrides`` (head_parallel_size, inner_ring_size, placement)."""
     if cp_size == 1:
         return Settings2D(1, 1, 1, "head_first")
     return settings_from_config(config, **overrides)

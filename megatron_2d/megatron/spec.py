@@ -156,7 +156,7 @@ def get_gpt_layer_spec_2d(
     *,
     use_transformer_engine: bool | None = None,
     head_parallel_size: int | None = None,
-    ring_window: int | None = None,
+    inner_ring_size: int | None = None,
     placement: str | None = None,
     kernel: str | None = None,
 ) -> LayerSpec:
@@ -173,7 +173,7 @@ def get_gpt_layer_spec_2d(
     params = {
         k: v
         for k, v in dict(
-            head_parallel_size=head_parallel_size, ring_window=ring_window, placement=placement, kernel=kernel
+            head_parallel_size=head_parallel_size, inner_ring_size=inner_ring_size, placement=placement, kernel=kernel
         ).items()
         if v is not None
     }

@@ -15,9 +15,9 @@ calls become :class:`BlockCall` objects.
 
     >>> cu = np.array([0, 3, 7])                                   # documents of 3 and 4 tokens, zigzag on 2 ranks
     >>> runs = runs_of_views(np.array([[0, -1, 3, 6], [1, 2, 4, 5]]), cu)
-    >>> plan_view(runs, 0, Band(None, 0))[1]      # view 0's queries on view 1's keys: token 6 sees 4 and 5
+    >>> view_calls(runs, 0, Band(None, 0))[1]      # view 0's queries on view 1's keys: token 6 sees 4 and 5
     (BlockCall(q_start=3, q_end=4, k_start=2, k_end=4, band=None),)
-    >>> plan_view(runs, 1, Band(None, 0))[1]      # its own keys: one causal call per document
+    >>> view_calls(runs, 1, Band(None, 0))[1]      # its own keys: one causal call per document
     (BlockCall(q_start=0, q_end=2, k_start=0, k_end=2, band=Band(lo=None, hi=0)), \
 BlockCall(q_start=2, q_end=4, k_start=2, k_end=4, band=Band(lo=None, hi=0)))
 """
@@ -165,7 +165,9 @@ def _merge(calls: np.ndarray, along_keys: bool) -> np.ndarray:
     return out
 
 
-def plan_view(runs: Runs, me: int, band: Band | None, ring_keys: int | None = None) -> dict[int, tuple[BlockCall, ...]]:
+def view_calls(
+    runs: Runs, me: int, band: Band | None, ring_keys: int | None = None
+) -> dict[int, tuple[BlockCall, ...]]:
     """Kernel calls of view ``me``'s queries against every view's keys under the global ``band`` (None: every key
     of the same document): {source view: calls}, views without a call left out. ``ring_keys``: the keys of other
     views that travel (a prefix); a call reading beyond it would be a layout bug (AssertionError)."""

@@ -14,7 +14,7 @@ length and the prefix of it that travels the ring, which tokens a CP rank holds 
 the order the head all-to-all delivers them in (:meth:`PackingMode.head_order`). The class answers what the mode
 needs elsewhere: which of Megatron's batch splits gives it (``megatron_split``), whether Megatron's Mamba / GDN
 layers can read its tokens (:meth:`PackingMode.ssm_problem`), its loss and launch rules, and what the planner models
-(``planned``, ``stock``, its flags). :class:`megatron_2d.PackedLayout` (torch), the Megatron glue and the planner
+(``planned``, ``stock``, its flags). :class:`megatron_2d.PackedSharding` (torch), the Megatron glue and the planner
 consult these classes.
 
 A new mode is a subclass decorated with :func:`register`; a library mode's name is also listed in
@@ -51,9 +51,9 @@ class PackingMode:
     ranks), ``sharding`` (the documents mode's :class:`.sharding.DocumentSharding`, else None)."""
 
     name: ClassVar[str]
-    """The mode's name: ``PackedLayout(mode=)``, ``cp_2d_packing``, ``--cp-2d-packing``."""
+    """The mode's name: ``PackedSharding(mode=)``, ``cp_2d_packing``, ``--cp-2d-packing``."""
     takes_padded_lengths: ClassVar[bool] = False
-    """It lays documents out padded as Megatron's ``cu_seqlens_padded`` says (``PackedLayout(cu_seqlens_padded=)``)."""
+    """It lays documents out padded as Megatron's ``cu_seqlens_padded`` says (``PackedSharding(cu_seqlens_padded=)``)."""
     head_unit: ClassVar[str] = "token"
     """What :meth:`head_order` sorts: single tokens ("token") or zigzag chunks of equal length ("chunk")."""
     megatron_split: ClassVar[str | None] = None
@@ -171,7 +171,7 @@ def mode_names() -> tuple[str, ...]:
 
 def mode_class(name: str, setting: str = "packing mode") -> type[PackingMode]:
     """The mode registered as ``name``, or ValueError naming ``setting``, the value and the registered names: the
-    one check of a packing mode's name, on every route (``PackedLayout(mode=)``, ``cp_2d_packing``, the flag)."""
+    one check of a packing mode's name, on every route (``PackedSharding(mode=)``, ``cp_2d_packing``, the flag)."""
     return _MODES[check_choice(setting, name, mode_names())]
 
 

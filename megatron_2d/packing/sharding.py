@@ -2,7 +2,7 @@
 whole short documents. (Placement, head_first or context_first, is the rank order of
 :mod:`megatron_2d.layout.topology`.)
 
-Pure numpy, no torch: the op's :class:`megatron_2d.PackedLayout` and the planner use the same sharding.
+Pure numpy, no torch: the op's :class:`megatron_2d.PackedSharding` and the planner use the same sharding.
 
 Notation
     D documents of lengths L_j (``cu_seqlens``: cumulative, from 0), T = sum L_j real tokens
@@ -245,7 +245,7 @@ class PackingCost:
 def default_cost() -> PackingCost:
     """The H100 figures of :mod:`megatron_2d.layout.costs` (the planner's 8xH100 preset: attention at its
     modelled efficiency, the ring on NVLink), MHA bf16, head dim 128: what :func:`shard_documents` assumes without a
-    cost (pass ``PackedLayout(..., cost=)`` for a cluster's own, e.g. its inter-node links, or a measured one)."""
+    cost (pass ``PackedSharding(..., cost=)`` for a cluster's own, e.g. its inter-node links, or a measured one)."""
     return PackingCost.from_hardware(H100.peak_tflops * H100.attn_efficiency, H100.nvlink_gbps)
 
 

@@ -2,7 +2,7 @@
 
     from megatron_2d.plan import plan, ParallelSpec
     cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)   # fastest feasible first
-    best = cands[0]; best.layout, best.time_ms, best.flags, best.to_dict()
+    best = cands[0]; best.scheme, best.time_ms, best.flags, best.to_dict()
 
 Each layout is estimated under every memory option (how model states are held: the distributed optimizer,
 megatron-fsdp, Hybrid ZeRO for 2D) and recompute mode its kind supports (none, Megatron selective, full, Selective
@@ -23,7 +23,7 @@ megatron_2d.plan``, ``... grid``, ``... paper``).
 from ..layout.heads import replicated_kv_heads
 from .attention_time import layer_work
 from .calibrate import FitResult, WorkCounts, calibrate, fit_rates, work_counts
-from .candidates import KINDS, Layout, check_layout, enumerate_layouts, megatron_flags
+from .candidates import KINDS, Scheme, check_scheme, enumerate_schemes, megatron_flags
 from .hardware import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
@@ -51,7 +51,7 @@ __all__ = [
     "FitResult",
     "IDEAL_LINKS",
     "KINDS",
-    "Layout",
+    "Scheme",
     "LinkEfficiency",
     "MLASpec",
     "MODEL_PRESETS",
@@ -65,8 +65,8 @@ __all__ = [
     "WorkCounts",
     "best_by_kind",
     "calibrate",
-    "check_layout",
-    "enumerate_layouts",
+    "check_scheme",
+    "enumerate_schemes",
     "estimate",
     "evaluate",
     "fit_rates",

@@ -186,7 +186,7 @@ def calibrate(
     """A copy of ``cluster`` with attention efficiency and link-efficiency factors fitted to measurements.
 
     ``samples`` are (layout, measured seconds for one layer's attention forward + backward) pairs, layouts being
-    ``candidates.Layout`` objects run with ``model``, ``parallel`` and ``seq``. Terms no sample exercised keep the
+    ``candidates.Scheme`` objects run with ``model``, ``parallel`` and ``seq``. Terms no sample exercised keep the
     cluster's figures; the attention efficiency is capped at 1; the link factors are the fitted rates over the
     nominal ones (:func:`efficiency_factors`), for ring sends and all-to-alls apart when the samples separate them.
     """

@@ -63,7 +63,7 @@ def kind_kv_heads(kind: str, model: ModelSpec, parallel: ParallelSpec) -> int | 
 
 
 @dataclass(frozen=True)
-class Layout:
+class Scheme:
     """One way to run attention over a CP group: ``kind`` with head-parallel size ``hp``, ring length ``cp``,
     window ``w`` (w == cp: one ring, no outer ring) and ``placement`` of the ranks."""
 
@@ -82,12 +82,12 @@ class Layout:
     @property
     def shape(self) -> Layout2D:
         """The (hp, cp, w, placement) part as the project's one layout type, with its rank math; LayoutError when
-        it is not a valid layout (``check_layout`` returns that message as the reason)."""
+        it is not a valid layout (``check_scheme`` returns that message as the reason)."""
         return Layout2D(self.cp_size, self.hp, self.w, self.placement)
 
     @classmethod
-    def of(cls, kind: str, shape: Layout2D) -> Layout:
-        return cls(kind, shape.head_parallel_size, shape.context_size, shape.ring_window, shape.placement)
+    def of(cls, kind: str, shape: Layout2D) -> Scheme:
+        return cls(kind, shape.head_parallel_size, shape.context_size, shape.inner_ring_size, shape.placement)
 
     def label(self) -> str:
         if self.kind == "2d":
@@ -98,8 +98,8 @@ class Layout:
         return f"{self.kind} (CP={self.cp_size})"
 
 
-def check_layout(
-    layout: Layout, model: ModelSpec, parallel: ParallelSpec, seq: int, window: int | None = None
+def check_scheme(
+    layout: Scheme, model: ModelSpec, parallel: ParallelSpec, seq: int, window: int | None = None
 ) -> str | None:
     """None when ``layout`` can run, else the reason (naming the values and what would be valid).
 
@@ -151,8 +151,8 @@ def check_layout(
     return None
 
 
-def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> list[Layout]:
-    """Every 2D layout for CP, then the baselines, including ones that ``check_layout`` will reject.
+def enumerate_schemes(model: ModelSpec, parallel: ParallelSpec) -> list[Scheme]:
+    """Every 2D layout for CP, then the baselines, including ones that ``check_scheme`` will reject.
 
     For 2D, hp runs over the divisors of CP; an hp that does not divide the heads appears once (as an infeasible
     row). When hp == 1 or cp == 1 the two placements are the same layout, listed once as head_first; w = 1 is the
@@ -160,27 +160,27 @@ def enumerate_layouts(model: ModelSpec, parallel: ParallelSpec) -> list[Layout]:
     """
     CP = parallel.cp_size
     Ht = model.heads // parallel.tp
-    out: list[Layout] = []
+    out: list[Scheme] = []
     for shape in every_layout(CP):  # by hp, then w, then placement
-        hp, cp, w = shape.head_parallel_size, shape.context_size, shape.ring_window
+        hp, cp, w = shape.head_parallel_size, shape.context_size, shape.inner_ring_size
         if Ht % hp:
             if w == 1 and shape.placement == "head_first":  # once per hp
-                out.append(Layout("2d", hp, cp, cp))
+                out.append(Scheme("2d", hp, cp, cp))
             continue
         if w > 1 or cp == 1:
-            layout = Layout.of("2d", shape)
+            layout = Scheme.of("2d", shape)
             out.extend(
                 [layout] if model.mla is None else [replace(layout, mla_ring=ring) for ring in ("expanded", "latent")]
             )
-    out.append(Layout("p2p", 1, CP, CP))
-    out.append(Layout("a2a", CP, 1, 1))
-    out.extend(Layout("a2a+p2p", a, CP // a, CP // a) for a in divisors(CP) if 1 < a < CP)
-    out.append(Layout("ds-ulysses", CP, 1, 1))
+    out.append(Scheme("p2p", 1, CP, CP))
+    out.append(Scheme("a2a", CP, 1, 1))
+    out.extend(Scheme("a2a+p2p", a, CP // a, CP // a) for a in divisors(CP) if 1 < a < CP)
+    out.append(Scheme("ds-ulysses", CP, 1, 1))
     return out
 
 
 def megatron_flags(
-    layout: Layout,
+    layout: Scheme,
     parallel: ParallelSpec,
     recompute: str = "none",
     block_layers: int | None = None,
@@ -205,7 +205,7 @@ def megatron_flags(
     return f"{flags} {extra}"
 
 
-def _layout_flags(layout: Layout, parallel: ParallelSpec) -> str:
+def _layout_flags(layout: Scheme, parallel: ParallelSpec) -> str:
     pre = ""
     if parallel.tp > 1:
         pre += f"--tensor-model-parallel-size {parallel.tp} "
@@ -216,7 +216,7 @@ def _layout_flags(layout: Layout, parallel: ParallelSpec) -> str:
         ring = " --cp-2d-mla-ring latent" if layout.mla_ring == "latent" else ""
         return (
             f"{cp} --cp-comm-type 2d --cp-2d-head-parallel-size {layout.hp} "
-            f"--cp-2d-ring-window {layout.w} --cp-2d-placement {layout.placement}{ring}"
+            f"--cp-2d-inner-ring-size {layout.w} --cp-2d-placement {layout.placement}{ring}"
         )
     if layout.kind in ("p2p", "a2a"):
         return f"{cp} --cp-comm-type {layout.kind}"

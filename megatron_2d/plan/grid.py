@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from ..layout.topology import divisors
-from .candidates import STOCK_KINDS, Layout
+from .candidates import STOCK_KINDS, Scheme
 from .console import parse_seq, terminal_console
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
 from .kernel_rates import PLANNED_KERNELS, STOCK_KERNEL
@@ -73,9 +73,9 @@ class Cell:
         return f"{self.ratio:.2f} {self.codes}"
 
 
-def _twin(stock: Candidate) -> Layout:
+def _twin(stock: Candidate) -> Scheme:
     """The 2D layout that runs the same schedule as a stock one."""
-    return Layout("2d", stock.hp, stock.cp, stock.cp, "head_first")
+    return Scheme("2d", stock.hp, stock.cp, stock.cp, "head_first")
 
 
 def explain(
@@ -105,13 +105,13 @@ def explain(
     e2, es = best_2d.estimate, best_stock.estimate
     ratio = e2.tokens_per_gpu_s / es.tokens_per_gpu_s
     cps = (
-        f" (CP {best_2d.layout.cp_size} vs {best_stock.layout.cp_size})"
-        if best_2d.layout.cp_size != best_stock.layout.cp_size
+        f" (CP {best_2d.scheme.cp_size} vs {best_stock.scheme.cp_size})"
+        if best_2d.scheme.cp_size != best_stock.scheme.cp_size
         else ""
     )
     codes = ""
     if ratio > 1 + TIE:
-        cp2, cps_ = best_2d.layout.cp_size, best_stock.layout.cp_size
+        cp2, cps_ = best_2d.scheme.cp_size, best_stock.scheme.cp_size
         if e2.recompute in CHECKPOINT_PLUS_MODES and es.recompute in ("selective", "full"):
             codes += "C"
         elif cp2 < cps_:
@@ -121,7 +121,7 @@ def explain(
         if memory.choice in ("auto", "all") and not memory.fair:
             # would 2D lose its lead with Megatron's own memory options only?
             plain = evaluate(
-                best_2d.layout, model, cluster, parallel, seq, memory=replace(memory, choice="stock"), kernel=kernel
+                best_2d.scheme, model, cluster, parallel, seq, memory=replace(memory, choice="stock"), kernel=kernel
             )
             if not plain.feasible or plain.estimate.tokens_per_gpu_s < e2.tokens_per_gpu_s * (1 - TIE):
                 codes += "Z"
@@ -339,12 +339,12 @@ def details(cells: Sequence[Cell]) -> str:
     out = []
     for c in cells:
         two = (
-            f"{c.best_2d.layout.label()} +{c.best_2d.recompute} {states_label(c.best_2d.estimate)}"
+            f"{c.best_2d.scheme.label()} +{c.best_2d.recompute} {states_label(c.best_2d.estimate)}"
             if c.best_2d
             else "-"
         )
         stock = (
-            f"{c.best_stock.layout.label()} +{c.best_stock.recompute} {states_label(c.best_stock.estimate)}"
+            f"{c.best_stock.scheme.label()} +{c.best_stock.recompute} {states_label(c.best_stock.estimate)}"
             if c.best_stock
             else "-"
         )
@@ -363,9 +363,9 @@ def grid_records(cells: Sequence[Cell]) -> list[dict[str, object]]:
             return None
         e = c.estimate
         return {
-            "label": c.layout.label(),
+            "label": c.scheme.label(),
             "kind": c.kind,
-            "cp_size": c.layout.cp_size,
+            "cp_size": c.scheme.cp_size,
             "hp": c.hp,
             "cp": c.cp,
             "w": c.w,

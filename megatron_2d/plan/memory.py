@@ -56,7 +56,7 @@ class MemoryBreakdown:
         full          layer_input                 only the checkpointed layer inputs
         ckpt++        layer_input + attn_out + lse        Selective Checkpoint++ keeping "outputs"
         ckpt++inputs  layer_input + qkv + attn_out + lse [+ o_proj_in]   keeping "attention-inputs": also the
-                                                  head exchange's outputs, and the output after the inverse
+                                                  head all-to-all's outputs, and the output after the inverse
                                                   exchange unless that is a view of the ring's (hp 1, one
                                                   sequence: ``out_view``)
                       (megatron_2d/kept_forward.py; tools/memory_report.py measures both within 2% of full +

@@ -13,7 +13,7 @@ and packed mode the planner takes, from the op's own document sharding and views
                      whole view (every document padded to 2*CP), the documents mode only the long documents'
                      chunks (0: no ring at all, the op runs one local block)
     dense            whether every context rank sees keys of every other; if not, the op uses the neighbour
-                     exchange (:meth:`megatron_2d.PackedLayout.neighbour_keys`): ``messages`` and ``key_tokens``
+                     exchange (:meth:`megatron_2d.PackedSharding.neighbour_keys`): ``messages`` and ``key_tokens``
                      are the busiest rank's K/V messages and key tokens per pass, exactly the keys the calls read
     token_fraction   slots per rank (real + padding) / (S / CP): the linear layers, the all-to-all and the
                      activation memory scale with it
@@ -94,7 +94,7 @@ def _run_pairs(runs: Runs, views: int, left: int | None) -> np.ndarray:
 
 def _exchange(runs: Runs, cp: int, left: int | None) -> tuple[bool, int, int]:
     """(dense, messages, key tokens) of the op's choice: the ring unless some pair of context ranks sees nothing
-    of each other (the same rule and budget as PackedLayout.neighbour_keys); then the busiest sender's messages."""
+    of each other (the same rule and budget as PackedSharding.neighbour_keys); then the busiest sender's messages."""
     if cp == 1:
         return True, 0, 0
     found = key_intervals(runs, Band(None if left is None else -left, 0))

@@ -329,7 +329,7 @@ def records(rows: Sequence[Row]) -> list[dict[str, object]]:
                 None
                 if c is None
                 else {
-                    "label": c.layout.label(),
+                    "label": c.scheme.label(),
                     "mfu": round(c.estimate.mfu, 4),
                     "recompute": c.recompute,
                     "states": states_label(c.estimate),

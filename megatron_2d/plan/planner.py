@@ -13,9 +13,9 @@ from .candidates import (
     KINDS,
     RECOMPUTE_BY_KIND,
     STOCK_KINDS,
-    Layout,
-    check_layout,
-    enumerate_layouts,
+    Scheme,
+    check_scheme,
+    enumerate_schemes,
     kind_dkv_comm_dtype,
     kind_kv_heads,
     megatron_flags,
@@ -90,7 +90,7 @@ class Candidate:
     recompute mode, or, when no mode fits, the one that needs the least memory. ``options`` are the estimates of
     every recompute mode tried (RECOMPUTE_MODES order). ``note``: anything the row's numbers do not show."""
 
-    layout: Layout
+    scheme: Scheme
     feasible: bool
     reason: str
     flags: str
@@ -107,11 +107,11 @@ class Candidate:
     """The attention kernel the row runs (:mod:`megatron_2d.plan.kernel_rates`): stock TE's, 2D its selection's
     or ``--kernel``'s."""
 
-    kind = property(lambda self: self.layout.kind)
-    hp = property(lambda self: self.layout.hp)
-    cp = property(lambda self: self.layout.cp)
-    w = property(lambda self: self.layout.w)
-    placement = property(lambda self: self.layout.placement)
+    kind = property(lambda self: self.scheme.kind)
+    hp = property(lambda self: self.scheme.hp)
+    cp = property(lambda self: self.scheme.cp)
+    w = property(lambda self: self.scheme.w)
+    placement = property(lambda self: self.scheme.placement)
 
     @property
     def runs(self) -> bool:
@@ -177,7 +177,7 @@ class Candidate:
             "cp": self.cp,
             "w": self.w,
             "placement": self.placement,
-            "label": self.layout.label(),
+            "label": self.scheme.label(),
             "feasible": self.feasible,
             "fits_memory": self.fits_memory,
             "reason": self.reason,
@@ -235,7 +235,7 @@ class Candidate:
             "memory_option": e.states.option.label if e and e.states else None,
             "states": states_record(e.states) if e else None,
             "memory_options": mem_opts,
-            "mla_ring": self.layout.mla_ring,
+            "mla_ring": self.scheme.mla_ring,
             "kernel": self.kernel,
         }
         assert tuple(d) == ROW_KEYS
@@ -325,7 +325,7 @@ def layer_windows(window: Window, layers: int) -> dict[int | None, int]:
 
 
 def evaluate(
-    layout: Layout,
+    layout: Scheme,
     model: ModelSpec | str,
     cluster: ClusterSpec | str,
     parallel: ParallelSpec,
@@ -371,7 +371,7 @@ def evaluate(
     mix = layer_windows(window, model.layers)
     windowed = next((w for w in mix if w is not None), None)
     modes = _modes(layout.kind, recompute, memory.fair) if layout.kind in RECOMPUTE_BY_KIND else ()
-    reason = check_layout(layout, model, parallel, seq, windowed)
+    reason = check_scheme(layout, model, parallel, seq, windowed)
     reason = reason or _recompute_refusal(layout, recompute, memory, modes)
     if lengths is not None:
         _check_packed_job(layout, packing, causal)
@@ -430,7 +430,7 @@ def _check_dkv_comm_dtype(dkv_comm_dtype: str) -> None:
         )
 
 
-def _recompute_refusal(layout: Layout, recompute, memory: MemoryPolicy, modes: tuple[str, ...]) -> str:
+def _recompute_refusal(layout: Scheme, recompute, memory: MemoryPolicy, modes: tuple[str, ...]) -> str:
     """Why the layout cannot run with the recompute asked for ("" when some mode is left)."""
     if modes:
         return ""
@@ -441,7 +441,7 @@ def _recompute_refusal(layout: Layout, recompute, memory: MemoryPolicy, modes: t
     )
 
 
-def _check_packed_job(layout: Layout, packing: str | None, causal: bool) -> None:
+def _check_packed_job(layout: Scheme, packing: str | None, causal: bool) -> None:
     """Errors no layout of this kind can fix for a packed batch."""
     if packing not in modes_for(layout.kind):
         raise PlanError(f"packed mode {packing!r} is not one of {modes_for(layout.kind)} for kind {layout.kind}")
@@ -449,19 +449,19 @@ def _check_packed_job(layout: Layout, packing: str | None, causal: bool) -> None
         raise PlanError("packed lengths are modelled for causal attention (drop --no-causal)")
 
 
-def _packing_note(layout: Layout, packing: str | None) -> str:
+def _packing_note(layout: Scheme, packing: str | None) -> str:
     """What a packed row's numbers do not show about running it."""
     if layout.kind == "a2a+p2p":
         return "THD with a2a+p2p is not in a Transformer Engine release"
     return mode_class(packing).planner_note
 
 
-def _packed_work(layout: Layout, lengths, packing: str, window: int | None, cost) -> PackedWork:
+def _packed_work(layout: Scheme, lengths, packing: str, window: int | None, cost) -> PackedWork:
     return packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, window, cost)
 
 
 def _layer_mix_estimate(
-    layout: Layout,
+    layout: Scheme,
     model: ModelSpec,
     cluster: ClusterSpec,
     parallel: ParallelSpec,
@@ -506,7 +506,7 @@ def _layer_mix_estimate(
 
 def _options(
     base: Estimate,
-    layout: Layout,
+    layout: Scheme,
     model: ModelSpec,
     cluster: ClusterSpec,
     parallel: ParallelSpec,
@@ -523,7 +523,7 @@ def _options(
 
 
 def _flags(
-    layout: Layout,
+    layout: Scheme,
     model: ModelSpec,
     parallel: ParallelSpec,
     chosen: Estimate,
@@ -576,7 +576,7 @@ def _sort_key(c: Candidate):
 
 
 def _collapse_windows(cands: list[Candidate]) -> list[Candidate]:
-    """With a sliding window the op may use the neighbour exchange, where the ring window w has no effect: keep
+    """With a sliding window the op may use the neighbour exchange, where the inner ring size w has no effect: keep
     one row per (hp, cp, placement), the one with w = cp, noting it."""
     out: list[Candidate] = []
     seen = set()
@@ -588,9 +588,9 @@ def _collapse_windows(cands: list[Candidate]) -> list[Candidate]:
             seen.add(key)
             c = replace(
                 c,
-                layout=replace(c.layout, w=c.cp),
+                layout=replace(c.scheme, w=c.cp),
                 note="w has no effect (neighbour exchange)",
-                flags=c.flags.replace(f"--cp-2d-ring-window {c.w} ", f"--cp-2d-ring-window {c.cp} "),
+                flags=c.flags.replace(f"--cp-2d-inner-ring-size {c.w} ", f"--cp-2d-inner-ring-size {c.cp} "),
             )
         out.append(c)
     order = {id(c): i for i, c in enumerate(cands)}
@@ -660,7 +660,7 @@ def plan(
             memory=memory,
             kernel=kernel,
         )
-        for l in enumerate_layouts(model, parallel)
+        for l in enumerate_schemes(model, parallel)
         for mode in (modes_for(l.kind) if lengths is not None else (None,))  # packed: every mode of the kind
     ]
     if window is not None:
@@ -671,8 +671,8 @@ def plan(
     )
     cannot, seen = [], set()
     for c in cands:
-        if not c.runs and c.layout not in seen:  # one row per layout, not per packed mode
-            seen.add(c.layout)
+        if not c.runs and c.scheme not in seen:  # one row per layout, not per packed mode
+            seen.add(c.scheme)
             cannot.append(c)
     return ok + oom + cannot
 

@@ -61,7 +61,7 @@ def _row(i: int, c: Candidate, cluster: ClusterSpec) -> list[str]:
     mem = f"{e.memory_gb:.1f}" + ("!" if not c.fits_memory else "")
     ratio = e.comm_total_s / e.compute_s if e.compute_s else float("inf")
     w = "any" if c.note.startswith("w has no effect") else str(c.w)
-    kind = " ".join(x for x in (c.kind, c.packing, c.layout.mla_ring) if x)
+    kind = " ".join(x for x in (c.kind, c.packing, c.scheme.mla_ring) if x)
     return [
         str(i),
         kind,
@@ -151,7 +151,7 @@ def memory_advice(c: Candidate, cluster: ClusterSpec, parallel: ParallelSpec) ->
         )
     tips.append(f"GPUs with more memory (budget now {budget:.1f} GB)")
     return (
-        f"smallest memory found: {e.memory_gb:.1f} GB per GPU ({c.layout.label()}, "
+        f"smallest memory found: {e.memory_gb:.1f} GB per GPU ({c.scheme.label()}, "
         f"recompute={recompute_label(e)}), {e.memory_gb - budget:.1f} GB over the budget; what would help: "
         + "; ".join(tips)
     )
@@ -241,7 +241,7 @@ def _sections(
             foot.append(f"... {len(feasible) - len(shown)} more feasible layouts (--all to list them)")
         foot += [
             "",
-            f"Recommended: {best.layout.label()}, kernel {best.kernel}, recompute={recompute_label(best.estimate)}, "
+            f"Recommended: {best.scheme.label()}, kernel {best.kernel}, recompute={recompute_label(best.estimate)}, "
             f"states={states_label(best.estimate)}: {best.step_ms:,.0f} ms per step, {best.time_ms:.2f} ms "
             f"attention per layer, MFU {100 * best.estimate.mfu:.1f}%, {best.estimate.memory_gb:.1f} GB "
             f"per GPU",
@@ -253,11 +253,11 @@ def _sections(
         if model.mla is not None:
             foot.append("Best 2D layout of each MLA ring (expanded: per-head K/V; latent: --cp-2d-mla-ring latent):")
             for ring in ("expanded", "latent"):
-                c = next((c for c in candidates if c.layout.mla_ring == ring and c.feasible), None)
+                c = next((c for c in candidates if c.scheme.mla_ring == ring and c.feasible), None)
                 if c is not None:
                     foot.append(
                         f"  {ring:<10} {c.step_ms:11,.0f} ms/step ({c.step_ms / best.step_ms:.2f}x the "
-                        f"recommended), {c.time_ms:.2f} ms attention/layer, {c.layout.label()}, "
+                        f"recommended), {c.time_ms:.2f} ms attention/layer, {c.scheme.label()}, "
                         f"recompute={recompute_label(c.estimate)}"
                     )
         foot.append("Best of each stock baseline:")
@@ -277,12 +277,12 @@ def _sections(
     if oom:
         foot += ["", f"Do not fit in memory with any recompute mode ({len(oom)}):"]
         listed = oom if top is None else oom[: max(top, 1)]
-        foot += [f"  {c.layout.label():<34} {c.reason}" for c in listed]
+        foot += [f"  {c.scheme.label():<34} {c.reason}" for c in listed]
         if len(listed) < len(oom):
             foot.append(f"  ... {len(oom) - len(listed)} more (--all to list them)")
     if infeasible:
         foot += ["", f"Infeasible ({len(infeasible)}):"]
-        foot += [f"  {c.layout.label():<34} {c.reason}" for c in infeasible]
+        foot += [f"  {c.scheme.label():<34} {c.reason}" for c in infeasible]
     return head, rows, foot
 
 

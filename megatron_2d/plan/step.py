@@ -85,7 +85,7 @@ class Estimate:
     memory: MemoryBreakdown | None = None
     """The parts ``memory_gb`` is made of, for every recompute mode."""
     neighbour_exchange: bool = False
-    """A sliding window made the op exchange K/V with neighbours only (the ring window w then has no effect)."""
+    """A sliding window made the op exchange K/V with neighbours only (the inner ring size w then has no effect)."""
     states: ShardingCost | None = None
     """How the model states are held (a memory option, :mod:`.memory_options`) and what that sends; None: the
     distributed optimizer of ``memory``, its communication not modelled."""
@@ -178,7 +178,7 @@ def estimate(
     mla_ring: str | None = None,
     kernel: str | None = None,
 ) -> Estimate:
-    """Predict one layout. Assumes the layout is valid (see candidates.check_layout).
+    """Predict one layout. Assumes the layout is valid (see candidates.check_scheme).
 
     ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
     visible pairs only, and its transport is the op's own choice (see :mod:`.windows`).

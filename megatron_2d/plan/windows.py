@@ -3,7 +3,7 @@
 For a causal window of ``left`` tokens over S tokens, attention keeps sum_i (min(i, left) + 1) of the S(S+1)/2
 causal pairs. The op (``megatron_2d.attention_2d``) plans every context-rank pair from the zigzag chunks; when some
 pairs see nothing it uses the neighbour exchange instead of the ring, sending each rank only the key slices its
-queries see. The planner asks the op's own plan (``plan_context_group``) which pairs talk and how many keys they
+queries see. The planner asks the op's own plan (``context_calls``) which pairs talk and how many keys they
 move, and the op's own rule (:func:`megatron_2d.layout.transports.transport_kind`) which transport follows, so it
 cannot recommend a ring that carries blocks nobody sees. Context groups beyond MAX_EXACT_CP ranks are charged the
 full ring (a conservative bound, stated in the row's reason).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..layout.band import SlidingWindow
-from ..layout.block_calls import plan_context_group
+from ..layout.block_calls import context_calls
 from ..layout.topology import Layout2D
 from ..layout.transports import transport_kind
 
@@ -57,7 +57,7 @@ def window_work(hp: int, cp: int, placement: str, seq: int, left: int | None) ->
     if cp > MAX_EXACT_CP:
         return _ring_work(fraction, cp, seq)
     chunk = seq // (2 * hp * cp)
-    plan = plan_context_group(Layout2D(hp * cp, hp, 1, placement), chunk, True, SlidingWindow(left, 0))
+    plan = context_calls(Layout2D(hp * cp, hp, 1, placement), chunk, True, SlidingWindow(left, 0))
     if transport_kind(cp, seq, plan.dense) != "neighbour":
         return _ring_work(fraction, cp, seq)
     sent = [

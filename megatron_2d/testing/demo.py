@@ -6,7 +6,7 @@ GPTModel; ``--pattern 'M*-M*-'`` puts Mamba layers beside the 2D attention layer
     python -m megatron_2d.testing.demo [--ranks 8] [--hp 2] [--window 2] [--placement head_first] [--steps 8]
                                [--sliding-window TOKENS] [--pattern '*-*-*-*-']
 
-Forks N gloo ranks; trains the model for a few Adam steps at CP=1 and at CP=N (hp x N/hp, Double-Ring window w)
+Forks N gloo ranks; trains the model for a few Adam steps at CP=1 and at CP=N (hp x N/hp, Double-Ring inner ring size w)
 with the "2d" backend, and prints both losses per step and the bytes each rank sent per step, by kind.
 """
 

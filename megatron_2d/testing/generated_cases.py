@@ -309,7 +309,7 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
             padded = -(-padded // (2 * cp_size)) * (2 * cp_size)
             padded[-1] += draw.end_padding
             padded = np.concatenate([[0], np.cumsum(padded)])
-        packing = megatron_2d.PackedLayout(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
+        packing = megatron_2d.PackedSharding(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
         shard = lambda x: packing.shard(x[:, 0])  # noqa: E731  [t_local, h, d]
         pad = packing.local_indices() < 0
     local = [shard(x).to(draw.torch_dtype).requires_grad_(True) for x in (q, k, v)]

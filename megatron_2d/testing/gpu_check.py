@@ -29,7 +29,7 @@ against fp64 math on the same rounded inputs; a row passes below 1):
     peak memory                one long layer's forward + backward: measured peak over the planner's attention
                                memory (linear in the sequence; bound 6x; a score matrix would be ~1000x) (CUDA)
     CUDA graph capture         attention_2d refuses to run inside torch.cuda.graph (CUDA)
-    distributed N ranks        with >= 2 GPUs, torchrun over them (NCCL), gpu_check_distributed: head exchange,
+    distributed N ranks        with >= 2 GPUs, torchrun over them (NCCL), gpu_check_distributed: head all-to-all,
                                Double-Ring, neighbour exchange, 2D, and for each kernel packed documents (plain and
                                windowed); the dry run uses 2 CPU ranks (gloo)
 The dry run plays the CUDA kernels through their stand-ins: torch_flash and torch_cudnn through CPU kernels for
@@ -292,7 +292,7 @@ def check_timing(name, device) -> tuple[float, str]:
 
 LOOPBACK_CASES = {  # case -> (CP, hp, w, placement, causal, window as a fraction of the sequence, packing, ...)
     "2D CP8 = 2x4 w2 context_first": dict(layout=(8, 2, 2, "context_first")),
-    "window S/16 (neighbour plans)": dict(layout=(8, 1, 1, "head_first"), window=16),
+    "window S/16 (neighbour calls)": dict(layout=(8, 1, 1, "head_first"), window=16),
     "full, sinks": dict(layout=(4, 2, 1, "head_first"), causal=False, sinks=True),
     "packed zigzag (varlen)": dict(layout=(4, 2, 1, "head_first"), packing="zigzag"),
     "packed documents, window": dict(layout=(4, 1, 2, "head_first"), packing="documents", window=32),
@@ -355,7 +355,7 @@ def check_world_one(name, device, seq, packed) -> float:
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     if packed:
         cu = torch.tensor([0] + [x for x in itertools.accumulate(DOCS) if x < seq] + [seq])
-        layout = megatron_2d.PackedLayout(cu, groups, mode="documents")
+        layout = megatron_2d.PackedSharding(cu, groups, mode="documents")
         ref = packed_reference_attention(*(x[:, 0] for x in leaves), cu, True, 128**-0.5)
         ref.backward(dout[:, 0])
         local = [layout.shard(x[:, 0]).to(DTYPE).requires_grad_(True) for x in (q, k, v)]
@@ -376,7 +376,7 @@ def check_no_sync_new_batch(name, device, seq) -> float:
     """The first call on a packed batch the op has not seen: plans, index tensors and setup are built there."""
     groups = megatron_2d.build_2d_groups(1, 1)
     cu = torch.tensor([0, 7, seq // 3, seq // 2 + 5, seq])
-    layout = megatron_2d.PackedLayout(cu, groups, mode="zigzag")  # the batch's layout, built outside
+    layout = megatron_2d.PackedSharding(cu, groups, mode="zigzag")  # the batch's layout, built outside
     q, k, v, dout = (
         layout.shard(seeded(seq, h, 64, device=device, seed=i).to(DTYPE)) for i, h in enumerate((8, 2, 2, 8))
     )

@@ -4,7 +4,7 @@
         --device cuda --resume-at 0           (started by gpu_check, which keeps each case's time)
 
 Cases, each forward + backward of attention_2d against the single-process reference, sharded as users shard:
-    head exchange hpH b1, b2   the automatic kernel, batch 1 and 2
+    head all-to-all hpH b1, b2   the automatic kernel, batch 1 and 2
     Double-Ring cpN wN         the whole world one context ring
     sliding window cpN         the neighbour exchange from cp 4
     2D hp2 x cpN/2 w2          with 4 ranks or more
@@ -44,7 +44,7 @@ class Case:
     batch: int = 1
     window: int | None = None  # the sliding window's side, as a fraction 1/window of the sequence
     causal: bool = True
-    packing: str | None = None  # PackedLayout mode
+    packing: str | None = None  # PackedSharding mode
     kernel: str | None = None  # None: the automatic kernel
 
 
@@ -52,8 +52,8 @@ def distributed_cases(world: int, kernels: list[str]) -> list[Case]:
     """The cases for ``world`` ranks, packed ones for each of ``kernels``."""
     hp = max(h for h in (1, 2, 4, 8) if world % h == 0)
     cases = [
-        Case(f"head exchange hp{hp} b1", hp),
-        Case(f"head exchange hp{hp} b2", hp, batch=2),
+        Case(f"head all-to-all hp{hp} b1", hp),
+        Case(f"head all-to-all hp{hp} b2", hp, batch=2),
         Case(f"Double-Ring cp{world} w{world}", 1, w=world),
         Case(f"sliding window cp{world}", 1, window=4 * world),  # neighbour exchange from cp 4
     ]
@@ -96,7 +96,7 @@ def run_case(case: Case, device: torch.device, rank: int, world: int) -> tuple[f
         q, k, v, dout = (seeded(seq, h, d, device=device, seed=i) for i, h in enumerate(heads))
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         cu = torch.tensor([0] + [x for x in itertools.accumulate(DOCS) if x < seq] + [seq])
-        layout = megatron_2d.PackedLayout(cu, groups, mode=case.packing)
+        layout = megatron_2d.PackedSharding(cu, groups, mode=case.packing)
         ref = packed_reference_attention(*leaves, cu, case.causal, d**-0.5, window=win)
         ref.backward(dout)
         shard, cache = (lambda x: layout.shard(x.detach())), layout.op_cache  # noqa: E731
@@ -117,9 +117,9 @@ def run_case(case: Case, device: torch.device, rank: int, world: int) -> tuple[f
 
 
 def transport_of(cache: dict) -> str:
-    """Which head exchange and K/V transport the op's cached setup took."""
+    """Which head all-to-all and K/V transport the op's cached setup took."""
     exchange, rc = next(iter(cache.values()))
-    path = "no head exchange" if exchange.group is None else "head all-to-all"
+    path = "no head all-to-all" if exchange.group is None else "head all-to-all"
     return f"{path}, {type(rc.transport).__name__}"
 
 

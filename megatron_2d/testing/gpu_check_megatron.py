@@ -111,7 +111,7 @@ def tiny_config(kind: str, device: torch.device, two_d: bool, dtype: torch.dtype
         **fields,
     )
     if two_d:
-        overrides.update(cp_2d_head_parallel_size=1, cp_2d_ring_window=1)  # CP = 1: one rank, nothing to split
+        overrides.update(cp_2d_head_parallel_size=1, cp_2d_inner_ring_size=1)  # CP = 1: one rank, nothing to split
     mla = kind.startswith("MLA")
     if mla:
         overrides.update(

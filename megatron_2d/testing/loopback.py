@@ -6,7 +6,7 @@ context rank r in turn with a :class:`LoopbackTransport` that feeds ``compute`` 
 Double-Ring or the neighbour exchange would deliver them, and files each block's dK/dV partial in a mailbox (in
 the rider dtype, as riders accumulate); a rank's dK/dV is the sum of what every rank filed for it. Each virtual
 rank computes all heads (the head split only partitions them), so any (hp, cp, w, placement) layout, sliding
-windows and packed documents (PackedLayout over virtual groups) run on one GPU (tools/gpu_smoke.py).
+windows and packed documents (PackedSharding over virtual groups) run on one GPU (tools/gpu_smoke.py).
 
     out, dq, dk, dv, dsinks = loopback_attention(q, k, v, dout, Layout2D(8, 2, 2), causal=True, kernel=kernel)
 
@@ -27,10 +27,10 @@ from ..attention import rider_dtype
 from ..groups import Groups2D
 from ..kernels import BlockKernel
 from ..layout.band import SlidingWindow
-from ..layout.block_calls import context_chunks, plan_context_group
+from ..layout.block_calls import context_calls, context_chunks
 from ..layout.choices import check_dkv_comm_dtype
 from ..layout.topology import Layout2D, place_all_ranks
-from ..packed_layout import PackedLayout
+from ..packed_sharding import PackedSharding
 from ..ring_attention import RingAttention, RingContext
 from ..transport.base import ComputeFn, gather_partials
 
@@ -64,12 +64,12 @@ class LoopbackTransport:
 
 
 def virtual_groups(layout: Layout2D, cp_index: int) -> Groups2D:
-    """The Groups2D of one rank of ``layout`` without process groups (plans and PackedLayout need only places)."""
+    """The Groups2D of one rank of ``layout`` without process groups (plans and PackedSharding need only places)."""
     place = place_all_ranks(layout, [list(range(layout.cp_size))], layout.cp_size)[cp_index]
     return Groups2D(layout, place, None, None, None, None, None)
 
 
-def _token_indices(layout: Layout2D, tokens: int, packing: PackedLayout | None) -> list[np.ndarray]:
+def _token_indices(layout: Layout2D, tokens: int, packing: PackedSharding | None) -> list[np.ndarray]:
     """Per context rank, the global token of each row of its ring layout (-1: padding)."""
     if packing is not None:
         return [np.asarray(view) for view in packing.views]
@@ -120,12 +120,12 @@ def loopback_attention(
     scale = d**-0.5 if scale is None else scale
     packing, ring_keys = None, None
     if cu_seqlens is not None:
-        packing = PackedLayout(cu_seqlens, virtual_groups(layout, 0), mode=packing_mode)
+        packing = PackedSharding(cu_seqlens, virtual_groups(layout, 0), mode=packing_mode)
         sliding = SlidingWindow.of(window, causal, packing.max_document_length)
         ring_keys = packing.ring_tokens if packing.ring_tokens < packing.views.shape[1] else None
     else:
         sliding = SlidingWindow.of(window, causal, T)
-        plan = plan_context_group(layout, T // (2 * layout.cp_size), causal, sliding)
+        plan = context_calls(layout, T // (2 * layout.cp_size), causal, sliding)
     indices = _token_indices(layout, T, packing)
     kv_rows = [torch.cat([_gather(k, i), _gather(v, i)], dim=-1) for i in indices]  # [b, S, hkv, dk + dv] per rank
     kernel = kernel.for_head_dims(d, v.shape[-1])
@@ -133,7 +133,7 @@ def loopback_attention(
     outs, dqs, dsinks = [], [], []
     for r in range(cp):
         if packing is not None:
-            plans = PackedLayout(cu_seqlens, virtual_groups(layout, layout.index_of(0, r)), mode=packing_mode).plans(
+            plans = PackedSharding(cu_seqlens, virtual_groups(layout, layout.index_of(0, r)), mode=packing_mode).calls(
                 causal, sliding
             )
         else:
@@ -141,7 +141,7 @@ def loopback_attention(
         rc = RingContext(
             transport=LoopbackTransport(r, kv_rows, mailbox, ring_keys),
             kernel=kernel,
-            plans=plans,
+            calls=plans,
             scale=scale,
             rider_dtype=rider_dtype(q.dtype, dkv_comm_dtype),
         )

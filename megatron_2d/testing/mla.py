@@ -82,6 +82,6 @@ def tiny_mla_config(settings: tuple | None = None, ring: str = "expanded", **ove
         hp, w, placement = settings
         cfg.config_class, cfg.cp_comm_type = MLATransformerConfig2D, "2d"
         cfg.config_overrides.update(
-            cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement, cp_2d_mla_ring=ring
+            cp_2d_head_parallel_size=hp, cp_2d_inner_ring_size=w, cp_2d_placement=placement, cp_2d_mla_ring=ring
         )
     return cfg

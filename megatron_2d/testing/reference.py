@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout.topology import zigzag_chunks
-from ..sequence_layout import shard_sequence
+from ..sequence_sharding import shard_sequence
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_2d.layout.topology import zigzag_chunks
 from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d
 from megatron_2d.megatron.process_groups import destroy_2d_groups
-from megatron_2d.sequence_layout import unshard_sequence
+from megatron_2d.sequence_sharding import unshard_sequence
 from megatron_2d.testing.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
 
 Batch = dict[str, torch.Tensor]
@@ -289,7 +289,7 @@ def zigzag_chunk_ids(cp_rank: int, cp_size: int) -> list[int]:
 
 
 def unshard_cp(per_rank: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
-    """Inverse of the zigzag split: ``per_rank[r]`` is CP rank r's local tensor (sequence_layout's)."""
+    """Inverse of the zigzag split: ``per_rank[r]`` is CP rank r's local tensor (sequence_sharding's)."""
     return unshard_sequence(per_rank, seq_dim=seq_dim)
 
 

@@ -47,7 +47,7 @@ def tiny_hybrid_config(pattern: str, settings: tuple[int, int, str] | None = Non
 
         hp, w, placement = settings
         cfg.config_class, cfg.cp_comm_type = TransformerConfig2D, cfg.cp_comm_type or "2d"
-        cfg.config_overrides.update(cp_2d_head_parallel_size=hp, cp_2d_ring_window=w, cp_2d_placement=placement)
+        cfg.config_overrides.update(cp_2d_head_parallel_size=hp, cp_2d_inner_ring_size=w, cp_2d_placement=placement)
     return cfg
 
 

@@ -2,10 +2,10 @@
 collectives.
 
     CommCounter       bytes this rank sent, by kind (all_to_all, inner_ring, outer_ring, neighbour)
-    RingExchange      send to the next rank of a ring, receive from the previous one (the Double-Ring's rings)
-    DirectExchange    send to one fixed rank, receive from another, the receive postable early (the last dK/dV hop)
-    post_direct       one send and/or receive between any two ranks (the neighbour exchange, DirectExchange)
-    PendingExchange   a transfer in flight: ``wait()`` gives what arrived, ``sent`` what left (both transports)
+    RingChannel      send to the next rank of a ring, receive from the previous one (the Double-Ring's rings)
+    DirectChannel    send to one fixed rank, receive from another, the receive postable early (the last dK/dV hop)
+    post_direct       one send and/or receive between any two ranks (the neighbour exchange, DirectChannel)
+    PendingTransfer   a transfer in flight: ``wait()`` gives what arrived, ``sent`` what left (both transports)
     BufferPool        send and receive buffers of one run, reused from step to step (both transports)
     all_to_all_counted, all_gather_counted   the head group's collectives, bytes counted
     check_same_on_every_rank   refuse, on every rank at once, a value that differs between ranks (build time)
@@ -118,7 +118,7 @@ class CommCounter:
         return f"CommCounter({self.as_dict()})"
 
 
-class PendingExchange:
+class PendingTransfer:
     """A transfer in flight: ``wait()`` returns the received tensor (None when nothing is received) once the send and
     the receive have completed; ``sent`` is the tensor sent (None when nothing is sent), free again after the wait."""
 
@@ -127,7 +127,7 @@ class PendingExchange:
         works: list,
         received: torch.Tensor | None,
         sent: torch.Tensor | None = None,
-        owner: RingExchange | None = None,
+        owner: RingChannel | None = None,
     ) -> None:
         self._works, self._received, self.sent, self._owner = works, received, sent, owner
 
@@ -139,7 +139,7 @@ class PendingExchange:
         return self._received
 
 
-class RingExchange:
+class RingChannel:
     """Send to the next rank and receive from the previous rank of one ring (one process group).
 
     ``ring`` lists the ring's global ranks in ring order; ``position`` is this rank's place in it. One exchange
@@ -156,7 +156,7 @@ class RingExchange:
         self.prev_rank = ring[(position - 1) % len(ring)]
         self._in_flight = False
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor | None = None) -> PendingExchange:
+    def start(self, send: torch.Tensor, recv: torch.Tensor | None = None) -> PendingTransfer:
         """Post the send of ``send`` and the receive into ``recv`` (allocated if None); return at once."""
         if self._in_flight:
             raise RuntimeError(f"{self.kind} exchange started while the previous one is still in flight")
@@ -169,12 +169,12 @@ class RingExchange:
         works = dist.batch_isend_irecv(ops)
         self._in_flight = True
         self.counter.add(self.kind, send.numel() * send.element_size())
-        return PendingExchange(works, recv, send, owner=self)
+        return PendingTransfer(works, recv, send, owner=self)
 
 
-class DirectExchange:
+class DirectChannel:
     """Send to one fixed rank and receive from another over one process group (not a ring: for example the
-    Double-Ring's last dK/dV hop); the same ``start``/``wait`` contract as :class:`RingExchange`, and the receive
+    Double-Ring's last dK/dV hop); the same ``start``/``wait`` contract as :class:`RingChannel`, and the receive
     can be posted ahead of the send (:meth:`expect`)."""
 
     def __init__(self, group: dist.ProcessGroup, dst: int, src: int, counter: CommCounter, kind: str) -> None:
@@ -195,7 +195,7 @@ class DirectExchange:
             works = post_direct(self.group, None, self.next_rank, recv, self.prev_rank, self.counter, self.kind)
         self._expected = (new_buffer, recv, works)
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor | None = None) -> PendingExchange:
+    def start(self, send: torch.Tensor, recv: torch.Tensor | None = None) -> PendingTransfer:
         """Post the send of ``send`` to ``dst`` and the receive from ``src`` into the expected buffer, else into
         ``recv`` (allocated if None)."""
         early = None
@@ -213,7 +213,7 @@ class DirectExchange:
             self.counter,
             self.kind,
         )
-        return PendingExchange(works + (early or []), recv, send, owner=self)
+        return PendingTransfer(works + (early or []), recv, send, owner=self)
 
 
 def post_direct(

@@ -1,7 +1,7 @@
 """The Double-Ring loop: it executes :func:`megatron_2d.layout.ring_schedule.double_ring_events`, the one description
 of the schedule (the planner replays the same events), for every ring variant, forward and backward.
 
-Notation: a context group of cp ranks is cut into W = cp / w windows of w ranks. A rank is (window, slot),
+Notation: a context group of cp ranks is cut into W = cp / w inner rings of w ranks. A rank is (window, slot),
 context rank cr = window * w + slot. At round o, step t it holds the block of (window - o, slot - t).
     w = cp: one window, a plain ring on the inner links;  w = 1: a plain ring on the outer links.
 K/V blocks move on the inner and outer rings, each transfer posted before the compute it overlaps. Backward sends
@@ -18,7 +18,7 @@ import torch
 
 from ..layout.ring_schedule import EventKind, double_ring_events, final_hop_link
 from .base import ComputeFn, KeyRoutes, Partials, add_partials, gather_partials, home_gradient
-from .comm import BufferPool, DirectExchange, PendingExchange, RingExchange
+from .comm import BufferPool, DirectChannel, PendingTransfer, RingChannel
 
 if TYPE_CHECKING:
     from ..groups import Groups2D
@@ -38,28 +38,28 @@ class DoubleRing:
         prefix that other context ranks see); the own block is still computed whole. None: all keys travel."""
         layout, place, counter = groups.layout, groups.place, groups.comm_bytes
         self.ring_keys = ring_keys
-        self.cp, self.w, self.num_windows = layout.context_size, layout.ring_window, layout.num_windows
+        self.cp, self.w, self.num_inner_rings = layout.context_size, layout.inner_ring_size, layout.num_inner_rings
         self.window, self.slot = divmod(place.context_rank, self.w)
 
         def exchange(group, ranks, position, kind):
-            return None if group is None else RingExchange(group, ranks, position, counter, kind)
+            return None if group is None else RingChannel(group, ranks, position, counter, kind)
 
-        self.inner_kv = exchange(groups.inner_kv_group, place.intra_window_group, self.slot, "inner_ring")
-        self.inner_dkv = exchange(groups.inner_dkv_group, place.intra_window_group, self.slot, "inner_ring")
-        self.outer_kv = exchange(groups.outer_kv_group, place.inter_window_group, self.window, "outer_ring")
-        self.outer_dkv = exchange(groups.outer_dkv_group, place.inter_window_group, self.window, "outer_ring")
+        self.inner_kv = exchange(groups.inner_kv_group, place.inner_ring_group, self.slot, "inner_ring")
+        self.inner_dkv = exchange(groups.inner_dkv_group, place.inner_ring_group, self.slot, "inner_ring")
+        self.outer_kv = exchange(groups.outer_kv_group, place.outer_ring_group, self.window, "outer_ring")
+        self.outer_dkv = exchange(groups.outer_dkv_group, place.outer_ring_group, self.window, "outer_ring")
         self.final_dkv = None
         if self.cp > 1:
-            ranks, nw, w = place.context_group, self.num_windows, self.w
+            ranks, nw, w = place.context_group, self.num_inner_rings, self.w
             dst = ((self.window + 1) % nw) * w + (self.slot + 1) % w
             src = ((self.window - 1) % nw) * w + (self.slot - 1) % w
-            self.final_dkv = DirectExchange(
+            self.final_dkv = DirectChannel(
                 groups.context_dkv_group, ranks[dst], ranks[src], counter, f"{final_hop_link(self.cp, self.w)}_ring"
             )
 
     def source(self, outer_step: int, inner_step: int) -> int:
         """Context rank whose K/V this rank holds at (outer_step, inner_step)."""
-        window = (self.window - outer_step) % self.num_windows
+        window = (self.window - outer_step) % self.num_inner_rings
         slot = (self.slot - inner_step) % self.w
         return window * self.w + slot
 
@@ -88,7 +88,7 @@ class _RingLoop:
         self.kv = self.anchor = self.block = kv  # the caller's block is read only: never put in a pool
         self.kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
         self.riders = BufferPool(kv.shape, dkv_dtype, kv.device) if dkv_dtype is not None else None
-        self.pending: dict[str, PendingExchange] = {}
+        self.pending: dict[str, PendingTransfer] = {}
         self.partials: Partials | None = None  # of the latest compute
         self.own_partials: Partials | None = None  # of the own block, kept home
         self.mine: torch.Tensor | None = None  # the rider this rank holds (None: a new one)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .base import ComputeFn, KeyRoutes, gather_partials, home_gradient
-from .comm import BufferPool, PendingExchange, post_direct
+from .comm import BufferPool, PendingTransfer, post_direct
 
 if TYPE_CHECKING:
     from ..groups import Groups2D
@@ -96,7 +96,7 @@ class NeighbourExchange:
         self, groups: Groups2D, keys: dict[tuple[int, int], KeyRange], offsets: Sequence[int] | None = None
     ) -> None:
         """This rank's exchange from its place and groups, for the keys each context rank sees of each other's
-        block (the hulls of a :class:`ContextPlan`, or :class:`KeyIntervals`). ``offsets``: the offsets some
+        block (the hulls of a :class:`ContextCalls`, or :class:`KeyIntervals`). ``offsets``: the offsets some
         rank needs, when the caller knows them (else found from ``keys``, which must then hold every pair)."""
         place = groups.place
         cp = len(place.context_group)
@@ -122,12 +122,12 @@ class NeighbourExchange:
     def for_routes(cls, groups: Groups2D, routes: KeyRoutes) -> NeighbourExchange:
         return cls(groups, routes.keys, routes.offsets)
 
-    def _post(self, group, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> PendingExchange:
+    def _post(self, group, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> PendingTransfer:
         """Send ``send`` to context rank ``dst`` and receive into ``recv`` from ``src`` (either may be None)."""
         works = post_direct(group, send, self.ranks[dst], recv, self.ranks[src], self.counter, "neighbour")
-        return PendingExchange(works, recv, send)
+        return PendingTransfer(works, recv, send)
 
-    def _post_kv(self, kv: torch.Tensor, step, pool: BufferPool) -> PendingExchange:
+    def _post_kv(self, kv: torch.Tensor, step, pool: BufferPool) -> PendingTransfer:
         """Post one offset's K/V exchange: my keys that rank r+o sees, and the keys of r-o's block that I see."""
         o, give, take = step
         send = None if give is None else give.gather(kv, pool)

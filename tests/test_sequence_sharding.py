@@ -1,9 +1,9 @@
-"""Sequence sharding (megatron_2d.sequence_layout): the zigzag split and its inverse, as Megatron splits."""
+"""Sequence sharding (megatron_2d.sequence_sharding): the zigzag split and its inverse, as Megatron splits."""
 
 import pytest
 import torch
 
-from megatron_2d.sequence_layout import shard_sequence, unshard_sequence
+from megatron_2d.sequence_sharding import shard_sequence, unshard_sequence
 
 
 def test_shard_round_trip_matches_megatron():

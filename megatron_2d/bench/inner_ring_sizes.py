@@ -1,4 +1,4 @@
-"""Double-Ring window w on CPU ranks: forward and backward time of each w for one context group.
+"""Double-Ring inner ring size w on CPU ranks: forward and backward time of each w for one context group.
 
     python tools/bench_double_ring.py --ranks 4      # hp = 1, w in every divisor of cp; fwd and bwd separately
 

@@ -1,6 +1,6 @@
-"""``PackedLayout``: which packed-document tokens each rank holds, and the kernel calls that follow from it.
+"""``PackedSharding``: which packed-document tokens each rank holds, and the kernel calls that follow from it.
 
-    layout = megatron_2d.PackedLayout(cu_seqlens, groups, mode="zigzag")   # or mode="documents"
+    layout = megatron_2d.PackedSharding(cu_seqlens, groups, mode="zigzag")   # or mode="documents"
     idx = layout.local_indices()     # LongTensor [t_local]: packed-stream index of each local slot, -1 = padding
     q_local = layout.shard(q)        # [T, hq, d] -> [t_local, hq, d] (padding slots zero)
     out = megatron_2d.attention_2d(q_local, k_local, v_local, groups, packing=layout)
@@ -27,7 +27,7 @@ import torch
 from .groups import Groups2D
 from .layout.band import SlidingWindow
 from .layout.block_calls import BlockCall
-from .packing.calls import Runs, key_intervals, plan_view
+from .packing.calls import Runs, key_intervals, view_calls
 from .packing.modes import PackingMode, mode_class
 from .packing.sharding import DocumentSharding, PackingCost
 from .packing.views import materialise
@@ -36,11 +36,11 @@ from .transport.neighbour_exchange import KeyIntervals
 
 
 class NeighbourKeys(NamedTuple):
-    """The neighbour exchange of one packed batch and mask (see :meth:`PackedLayout.neighbour_keys`)."""
+    """The neighbour exchange of one packed batch and mask (see :meth:`PackedSharding.neighbour_keys`)."""
 
     keys: dict[tuple[int, int], KeyIntervals]  # (dst, src) -> the keys of src's block dst's calls read
     offsets: list[int]  # the offsets dst - src (mod cp) some pair needs
-    plans: dict[int, tuple[BlockCall, ...]]  # this rank's calls, neighbours' keys in packed coordinates
+    calls: dict[int, tuple[BlockCall, ...]]  # this rank's calls, neighbours' keys in packed coordinates
 
 
 def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
@@ -68,7 +68,7 @@ def _as_cu_seqlens(cu_seqlens, name: str) -> np.ndarray:
     return cu
 
 
-class PackedLayout:
+class PackedSharding:
     """The layout of one packed batch over the 2D CP group of ``groups`` (see the module docstring).
 
     Args:
@@ -95,9 +95,9 @@ class PackedLayout:
         long_threshold: int | None = None,
         cost: PackingCost | None = None,
     ) -> None:
-        mode_class(mode, "PackedLayout mode")
+        mode_class(mode, "PackedSharding mode")
         if not isinstance(groups, Groups2D):
-            raise TypeError(f"PackedLayout needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
+            raise TypeError(f"PackedSharding needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
         cu = _as_cu_seqlens(cu_seqlens, "cu_seqlens")
         self.cu_seqlens, self.groups, self.mode = cu, groups, mode
         layout = groups.layout
@@ -129,7 +129,7 @@ class PackedLayout:
         check_same_on_every_rank(
             (mode, cu, long_threshold, cost, padded),
             [groups.head_group, groups.context_kv_group],
-            "PackedLayout: cu_seqlens (or the layout options) differ across the ranks of this CP group",
+            "PackedSharding: cu_seqlens (or the layout options) differ across the ranks of this CP group",
             fingerprint=fingerprint,
         )
         self._local_indices = torch.from_numpy(self.slots_of([groups.place.cp_index])[0])
@@ -195,7 +195,7 @@ class PackedLayout:
         """This rank's slots of the packed tensor ``x`` [T, ...] -> [t_local, ...]; padding slots are zero."""
         if x.shape[0] != self.total_tokens:
             raise ValueError(
-                f"PackedLayout.shard: the tensor has {x.shape[0]} tokens along dim 0, but cu_seqlens "
+                f"PackedSharding.shard: the tensor has {x.shape[0]} tokens along dim 0, but cu_seqlens "
                 f"describes T = {self.total_tokens}"
             )
         idx = self.device_tensor("local_indices", x.device)
@@ -232,12 +232,12 @@ class PackedLayout:
         }
 
     # -- plans -------------------------------------------------------------------------------------
-    def plans(self, causal: bool, window: SlidingWindow) -> dict[int, tuple[BlockCall, ...]]:
+    def calls(self, causal: bool, window: SlidingWindow) -> dict[int, tuple[BlockCall, ...]]:
         """This context rank's kernel calls against every context rank's block (cached per mask)."""
         key = (causal, window)
         if key not in self._plans:
             me, cp = self.groups.place.context_rank, self.groups.layout.context_size
-            found = plan_view(self.runs, me, window.band(causal), ring_keys=self.ring_tokens)
+            found = view_calls(self.runs, me, window.band(causal), ring_keys=self.ring_tokens)
             self._plans[key] = {src: found.get(src, ()) for src in range(cp)}
         return self._plans[key]
 
@@ -268,7 +268,7 @@ class PackedLayout:
         for first, end in zip(starts.tolist(), np.append(starts[1:], len(mine)).tolist()):
             rows = found[mine[first:end]]
             keys[(int(rows[0, 0]), int(rows[0, 1]))] = KeyIntervals(tuple(map(tuple, rows[:, 2:4].tolist())))
-        plans = dict(self.plans(causal, window))
+        plans = dict(self.calls(causal, window))
         for src_rank, calls in plans.items():
             sel = keys.get((me, src_rank))
             if src_rank == me or sel is None or len(sel.intervals) == 1 or not calls:
@@ -280,9 +280,9 @@ class PackedLayout:
 
     def __repr__(self) -> str:
         return (
-            f"PackedLayout(mode={self.mode!r}, documents={len(self.cu_seqlens) - 1}, T={self.total_tokens}, "
+            f"PackedSharding(mode={self.mode!r}, documents={len(self.cu_seqlens) - 1}, T={self.total_tokens}, "
             f"t_local={self.local_tokens}, padding={self.padding_fraction:.3f})"
         )
 
 
-__all__ = ["PackedLayout"]
+__all__ = ["PackedSharding"]
