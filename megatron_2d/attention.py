@@ -119,7 +119,7 @@ def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
 
 
 def check_not_capturing(device: torch.device) -> None:
-    """Refuse to run inside a CUDA graph capture: the rings' point-to-point messages, the per-batch plans and the
+    """Refuse to run inside a CUDA graph capture: the rings' point-to-point messages, the per-batch calls and the
     first-call setup run on the host, so a replayed graph would move stale data (megatron: keep attention out of
     cuda_graph_modules; the config check refuses training graphs that capture it)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -129,11 +129,11 @@ def check_not_capturing(device: torch.device) -> None:
         )
 
 
-def zigzag_route(groups: Groups2D, s_local: int, plan: ContextCalls) -> tuple[str, KeyRoutes]:
-    """(transport kind, routes) of zigzag shards of ``s_local`` tokens per rank under the mask of ``plan``: every key
-    of a block may travel; the neighbour exchange sends the hull of the keys each pair's calls read."""
-    kind = transport_kind(groups.context_size, groups.head_parallel_size * s_local, plan.dense)
-    return kind, KeyRoutes(keys=plan.keys)
+def zigzag_route(groups: Groups2D, s_local: int, group_calls: ContextCalls) -> tuple[str, KeyRoutes]:
+    """(transport kind, routes) of zigzag shards of ``s_local`` tokens per rank under the mask of ``group_calls``:
+    every key of a block may travel; the neighbour exchange sends the hull of the keys each pair's calls read."""
+    kind = transport_kind(groups.context_size, groups.head_parallel_size * s_local, group_calls.dense)
+    return kind, KeyRoutes(keys=group_calls.keys)
 
 
 def packed_route(
@@ -169,7 +169,7 @@ def _setup(
     head_dims: tuple[int, int],
 ):
     """(head all-to-all, ring context) for one call signature: built on first use, then cached on ``groups``, so a
-    call makes no host-device copy, builds no plan and creates no tensor from Python data."""
+    call makes no host-device copy, builds no calls and creates no tensor from Python data."""
     key = (device, dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     cached = groups.op_cache.get(key)
     if cached is None:
@@ -178,12 +178,12 @@ def _setup(
         heads = HeadRoute.build(
             groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group
         )
-        plan = context_calls(groups.layout, s_local // 2, causal, window)
-        kind, routes = zigzag_route(groups, s_local, plan)
+        group_calls = context_calls(groups.layout, s_local // 2, causal, window)
+        kind, routes = zigzag_route(groups, s_local, group_calls)
         rc = RingContext(
             transport=transport_classes()[kind].for_routes(groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-            calls={src: plan.calls[(place.context_rank, src)] for src in range(groups.context_size)},
+            calls={src: group_calls.calls[(place.context_rank, src)] for src in range(groups.context_size)},
             scale=scale,
             rider_dtype=rider_dtype(dtype, dkv_comm_dtype),
         )
@@ -237,11 +237,11 @@ def _packed_setup(
             per_token=packing.head_unit == "token",
             head_ranks=groups.place.head_group,
         )
-        kind, routes, plans = packed_route(groups, packing, causal, window)
+        kind, routes, calls = packed_route(groups, packing, causal, window)
         rc = RingContext(
             transport=transport_classes()[kind].for_routes(groups, routes),
             kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-            calls=plans,
+            calls=calls,
             scale=scale,
             rider_dtype=rider_dtype(dtype, dkv_comm_dtype),
         )
@@ -343,13 +343,13 @@ def attention_2d(
     replicas = kv_replication(q.shape[2], k.shape[2], groups.head_parallel_size)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=2), v.repeat_interleave(replicas, dim=2)
-    exchange, rc, local_sinks = prepare_call(
+    route, rc, local_sinks = prepare_call(
         q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=v.shape[-1]
     )
     # one all-to-all for q, k and v: q [b, S, hq/hp, dk], K/V side by side as the ring sends them [b, S, hkv'/hp, dk+dv]
-    q, kv = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1, 2), kept, q, k, v)
+    q, kv = HeadAllToAll.apply(route, Direction.TO_HEADS, (1, 2), kept, q, k, v)
     out = RingAttention.apply(q, kv, local_sinks, rc, kept)  # [b, S, hq/hp, dv]
-    (out,) = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
+    (out,) = HeadAllToAll.apply(route, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
     return out.squeeze(1) if packing is not None else out
 
 
@@ -374,13 +374,11 @@ def prepare_call(
     check_dkv_comm_dtype(dkv_comm_dtype)
     head_dims = (dk, value_dim)
     if packing is not None:
-        exchange, rc = _packed_setup(
+        route, rc = _packed_setup(
             groups, packing, q.device, q.dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims
         )
     else:
-        exchange, rc = _setup(
-            groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims
-        )
+        route, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
     local_heads, head_rank = hq // groups.head_parallel_size, groups.place.head_rank
     local_sinks = None if sinks is None else sinks[head_rank * local_heads : (head_rank + 1) * local_heads]
-    return exchange, rc, local_sinks
+    return route, rc, local_sinks

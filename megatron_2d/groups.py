@@ -35,7 +35,7 @@ class Groups2D:
     context_dkv_group: dist.ProcessGroup | None = None
     comm_bytes: CommCounter = field(default_factory=CommCounter)
     op_cache: dict = field(default_factory=dict, repr=False, compare=False)
-    """attention_2d's per-signature setup (plans, transports, kernel, index tensors), owned by these groups."""
+    """attention_2d's per-signature setup (calls, transports, kernel, index tensors), owned by these groups."""
 
     @property
     def head_parallel_size(self) -> int:
@@ -133,7 +133,7 @@ def build_2d_groups(
 
     Args:
         head_parallel_size: hp, ranks per head group (all-to-all over heads).
-        inner_ring_size: w, context ranks per inner ring (Double-Ring); cp / w windows form the outer ring.
+        inner_ring_size: w, context ranks per inner ring (Double-Ring); cp / w inner rings form the outer ring.
         placement: "head_first" (head groups on adjacent ranks) or "context_first" (context rings adjacent).
         cp_rank_lists: global ranks of every CP group (each list ordered by CP rank); default one group of all ranks.
         timeout: timeout of the new process groups (when None: the default group's, else torch's default).

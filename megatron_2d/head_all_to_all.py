@@ -2,7 +2,7 @@
 
 Notation
     hp  head-parallel size     c  zigzag chunk length = s_local / 2     H  heads of a tensor, Hl = H / hp
-    S   tokens of the context rank after the exchange = 2 * hp * c (its 2*hp chunks in ascending global order)
+    S   tokens of the context rank after the all-to-all = 2 * hp * c (its 2*hp chunks in ascending global order)
     d_i head dim of tensor i    D  the head dims of one group's tensors summed (K and V: dk + dv)
     F   values per token of all groups sent to one head rank = sum over groups of Hl * D
 
@@ -234,7 +234,7 @@ class HeadRoute:
         )
 
     def unit(self, tokens: int) -> int:
-        """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the exchange)."""
+        """Tokens per permuted unit for a tensor of ``tokens`` tokens on this rank (before the all-to-all)."""
         return 1 if self.per_token else tokens // 2
 
     def to_heads(self, xs: Sequence[torch.Tensor], grouping: Sequence[int]) -> list[torch.Tensor]:
@@ -276,29 +276,29 @@ class HeadRoute:
 
 
 class HeadAllToAll(torch.autograd.Function):
-    """The head all-to-all in ``direction`` over several tensors at once; its backward is the reverse exchange.
+    """The head all-to-all in ``direction`` over several tensors at once; its backward is the reverse all-to-all.
 
-    TO_HEADS: ``tensors`` [2c, b, H_i, d_i], ``layout`` their group sizes -> one [b, S, H_i/hp, D] per group.
-    TO_TOKENS: ``tensors`` groups [b, S, Hl, D], ``layout`` each group's widths (None: one tensor per group) ->
+    TO_HEADS: ``tensors`` [2c, b, H_i, d_i], ``grouping`` their group sizes -> one [b, S, H_i/hp, D] per group.
+    TO_TOKENS: ``tensors`` groups [b, S, Hl, D], ``grouping`` each group's widths (None: one tensor per group) ->
     their tensors [2c, b, H, d_i].
     ``kept``: Selective Checkpoint++'s record of the call (:class:`megatron_2d.kept_forward.KeptForward`, at point
-    "to_heads" / "to_tokens"; None for a plain call): a replayed exchange returns the kept result and sends nothing,
+    "to_heads" / "to_tokens"; None for a plain call): a replayed all-to-all returns the kept result and sends nothing,
     its backward is unchanged."""
 
     @staticmethod
     def forward(
-        ctx, exchange: HeadRoute, direction: Direction, layout, kept: KeptForward | None, *tensors: torch.Tensor
+        ctx, route: HeadRoute, direction: Direction, grouping, kept: KeptForward | None, *tensors: torch.Tensor
     ):
-        ctx.exchange, ctx.direction = exchange, direction
+        ctx.route, ctx.direction = route, direction
         to_heads = direction is Direction.TO_HEADS
         if to_heads:
-            ctx.widths = group_widths(tensors, layout)
+            ctx.widths = group_widths(tensors, grouping)
         else:
-            ctx.widths = [(t.shape[-1],) for t in tensors] if layout is None else [tuple(w) for w in layout]
+            ctx.widths = [(t.shape[-1],) for t in tensors] if grouping is None else [tuple(w) for w in grouping]
         replayed = kept.replay(direction.value) if kept is not None else None
         if replayed is not None:
             return replayed
-        out = tuple(exchange.to_heads(tensors, layout) if to_heads else exchange.to_tokens(tensors, ctx.widths))
+        out = tuple(route.to_heads(tensors, grouping) if to_heads else route.to_tokens(tensors, ctx.widths))
         if kept is not None:
             kept.record(direction.value, out)
         return out
@@ -307,9 +307,9 @@ class HeadAllToAll(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         grads = [g.contiguous() for g in grads]
         if ctx.direction is Direction.TO_HEADS:
-            back = ctx.exchange.to_tokens(grads, ctx.widths)
+            back = ctx.route.to_tokens(grads, ctx.widths)
         else:
-            back = ctx.exchange.to_heads(grads, [len(w) for w in ctx.widths])
+            back = ctx.route.to_heads(grads, [len(w) for w in ctx.widths])
         return (None, None, None, None, *back)
 
 
@@ -319,16 +319,16 @@ class HeadAllGather(torch.autograd.Function):
     (point "gather")."""
 
     @staticmethod
-    def forward(ctx, exchange: HeadRoute, kept: KeptForward | None, x: torch.Tensor) -> torch.Tensor:
-        ctx.exchange = exchange
+    def forward(ctx, route: HeadRoute, kept: KeptForward | None, x: torch.Tensor) -> torch.Tensor:
+        ctx.route = route
         replayed = kept.replay("gather") if kept is not None else None
         if replayed is not None:
             return replayed[0]
-        out = exchange.gather(x)
+        out = route.gather(x)
         if kept is not None:
             kept.record("gather", (out,))
         return out
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        return None, None, ctx.exchange.gather_backward(dy.contiguous())
+        return None, None, ctx.route.gather_backward(dy.contiguous())

@@ -7,7 +7,7 @@ The op's autograd Functions each take a :class:`KeptForward` (None for a plain c
                 (MLA's latent ring: q alone)
     gather      MLA's latent ring: the latent gathered over the head group [b, S, r + dr]
     ring        the ring's output [b, S, hq/hp, dv] and its log-sum-exp [b, hq/hp, S] (accumulator dtype)
-    to_tokens   the output after the inverse exchange [s, b, hq, dv]
+    to_tokens   the output after the inverse all-to-all [s, b, hq, dv]
 
 At a point it keeps, the first pass records the Function's results; in the recompute the Function returns them
 instead of running (no message, no kernel) and saves for its backward what a run would have saved, so the backward

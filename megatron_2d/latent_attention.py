@@ -116,14 +116,14 @@ def latent_attention_2d(
     check_sinks(sinks, q)
     hq, hp = q.shape[2], groups.head_parallel_size
     check_head_split(hq, hp)
-    exchange, rc, local_sinks = prepare_call(
+    route, rc, local_sinks = prepare_call(
         q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=value_dim
     )
     hl, head_rank = hq // hp, groups.place.head_rank
     weight = up_weight.view(hq, nope_dim + value_dim, latent_dim)[head_rank * hl : (head_rank + 1) * hl]
-    (q,) = HeadAllToAll.apply(exchange, Direction.TO_HEADS, (1,), kept, q)  # [b, S, hl, dk]
-    block = HeadAllGather.apply(exchange, kept, latent.contiguous())  # [b, S, r + dr]
+    (q,) = HeadAllToAll.apply(route, Direction.TO_HEADS, (1,), kept, q)  # [b, S, hl, dk]
+    block = HeadAllGather.apply(route, kept, latent.contiguous())  # [b, S, r + dr]
     expander = LatentExpander(latent_dim, nope_dim, value_dim)
     out = RingAttention.apply(q, block, local_sinks, rc, kept, expander, weight)  # [b, S, hl, dv]
-    (out,) = HeadAllToAll.apply(exchange, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
+    (out,) = HeadAllToAll.apply(route, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
     return out.squeeze(1) if packing is not None else out

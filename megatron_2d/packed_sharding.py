@@ -10,7 +10,7 @@ ones zigzag-sharded) and "sequence" (Megatron's per-sequence zigzag), each a cla
 :mod:`megatron_2d.packing.modes`, which lays the batch out (pure numpy); this object adds the torch side.
 Building a layout is collective over the CP group (it checks that every rank passed the same ``cu_seqlens``);
 everything else is numpy over all ranks at once (no per-rank loops), describing every view by its runs. It holds
-what the op needs for this batch (plans, index tensors), so calls on it make no host work and no host-device
+what the op needs for this batch (calls, index tensors), so calls on it make no host work and no host-device
 synchronisation; build it ahead of the step (see the README, "Packed documents") to keep it off the critical path.
 """
 
@@ -231,7 +231,7 @@ class PackedSharding:
             "long_documents": self._batch.long_documents,
         }
 
-    # -- plans -------------------------------------------------------------------------------------
+    # -- calls -------------------------------------------------------------------------------------
     def calls(self, causal: bool, window: SlidingWindow) -> dict[int, tuple[BlockCall, ...]]:
         """This context rank's kernel calls against every context rank's block (cached per mask)."""
         key = (causal, window)
@@ -268,15 +268,15 @@ class PackedSharding:
         for first, end in zip(starts.tolist(), np.append(starts[1:], len(mine)).tolist()):
             rows = found[mine[first:end]]
             keys[(int(rows[0, 0]), int(rows[0, 1]))] = KeyIntervals(tuple(map(tuple, rows[:, 2:4].tolist())))
-        plans = dict(self.calls(causal, window))
-        for src_rank, calls in plans.items():
+        by_source = dict(self.calls(causal, window))
+        for src_rank, calls in by_source.items():
             sel = keys.get((me, src_rank))
             if src_rank == me or sel is None or len(sel.intervals) == 1 or not calls:
                 continue
             k = np.array([(c.k_start, c.k_end - 1) for c in calls])
             k = sel.packed(k.reshape(-1)).reshape(-1, 2)
-            plans[src_rank] = tuple(c._replace(k_start=int(a), k_end=int(b) + 1) for c, (a, b) in zip(calls, k))
-        return NeighbourKeys(keys, offsets, plans)
+            by_source[src_rank] = tuple(c._replace(k_start=int(a), k_end=int(b) + 1) for c, (a, b) in zip(calls, k))
+        return NeighbourKeys(keys, offsets, by_source)
 
     def __repr__(self) -> str:
         return (

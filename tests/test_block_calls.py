@@ -15,7 +15,7 @@ def test_plan_zigzag_half_blocks():
 
 
 def test_plan_matches_token_mask():
-    """Every plan, for arbitrary disjoint chunk sets, reproduces the token-level causal mask exactly."""
+    """Every pair's calls, for arbitrary disjoint chunk sets, reproduces the token-level causal mask exactly."""
     c = 2
     for q_chunks, kv_chunks in [([0, 3, 4, 7], [1, 2, 5, 6]), ([1, 2, 5, 6], [0, 3, 4, 7]), ([2, 9], [0, 1, 10, 11])]:
         mask = torch.zeros(len(q_chunks) * c, len(kv_chunks) * c, dtype=torch.bool)

@@ -17,7 +17,7 @@ def test_comm_counter_counts_by_kind_and_refuses_unknown_kinds():
         counter.add("ring", 1)
     counter.reset()
     assert set(counter.as_dict().values()) == {0}
-    with pytest.raises(ValueError, match=r"a ring exchange needs at least 2 ranks, got \[3\]"):
+    with pytest.raises(ValueError, match=r"a ring channel needs at least 2 ranks, got \[3\]"):
         RingChannel(None, [3], 0, counter, "inner_ring")
     ring = RingChannel(None, [4, 9, 2], 0, counter, "outer_ring")  # ring order, not rank order
     assert (ring.next_rank, ring.prev_rank) == (9, 2)

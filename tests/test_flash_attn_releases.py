@@ -355,7 +355,7 @@ def test_kernel_through_release(version):
 
 
 # (mode, causal, sliding window) of the packed cases: causal, and non-causal windows bounded on both sides, on the
-# left only and on the right only (zigzag mode: their plans hold calls with more queries than keys)
+# left only and on the right only (zigzag mode: their calls include some with more queries than keys)
 PACKED_CASES = [
     ("zigzag", True, (-1, -1)),
     ("zigzag", False, (4, 4)),
@@ -423,10 +423,11 @@ def run_release_ring(rank, world, version):
             ):
                 errors[(mode, causal, window, key)] = norm_err(a, layout.shard(e.detach()))
             if window != (-1, -1):
-                plans = layout.calls(causal, megatron_2d.SlidingWindow.of(window, causal, layout.max_document_length))
+                sliding = megatron_2d.SlidingWindow.of(window, causal, layout.max_document_length)
+                by_source = layout.calls(causal, sliding)
                 tall += sum(
                     c.band is not None and c.q_end - c.q_start > c.k_end - c.k_start + 1
-                    for calls in plans.values()
+                    for calls in by_source.values()
                     for c in calls
                 )
     varlen = (extension.calls["varlen_fwd"] - before[0], extension.calls["varlen_bwd"] - before[1])
@@ -438,7 +439,7 @@ def run_release_ring(rank, world, version):
 def test_attention_2d_through_release(version):
     """hp 2 x cp 2 (context_first): head all-to-all and ring, flash_attn2 in every block; packed documents go
     through the release's varlen functions (both lse layouts across the releases), causal and with non-causal
-    sliding windows, whose plans hold calls with more queries than keys (where flash-attn's C++ would change the
+    sliding windows, whose calls include some with more queries than keys (where flash-attn's C++ would change the
     window: the kernel splits them)."""
     tol = TOLERANCES[torch.bfloat16]
     results = run_on_ranks(4, run_release_ring, version, timeout_s=180)

@@ -68,7 +68,7 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
     assert {d.kernel for d in draws} == {"cpu_flash", "torch_math", *FLASH_KERNELS}
     assert set(FLASH_KERNELS) == {"flash_attn2", "torch_flash", "torch_cudnn"}
     assert all((d.dtype == "bfloat16") == (d.kernel in FLASH_KERNELS) for d in draws)
-    for kernel in FLASH_KERNELS:  # the plans whose tall blocks flash-attn's C++ would give other windows
+    for kernel in FLASH_KERNELS:  # the calls whose tall blocks flash-attn's C++ would give other windows
         windowed = [d for d in packed if d.kernel == kernel and not d.causal and d.window != (-1, -1)]
         assert len(windowed) >= 3 and {d.mode for d in windowed} >= {"zigzag", "sequence"}, kernel
     assert {b.flash_attn for b, ds in batches if any(d.kernel == "flash_attn2" for d in ds)} == set(RELEASES)

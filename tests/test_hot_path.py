@@ -197,7 +197,7 @@ def test_cudnn_kernels_pieces_of_a_new_batch_make_no_sync(kernel_name):
 
 def run_new_packed_batches_guarded(rank, world):
     """Every packed mode, hp 2 x cp 2 and hp 1 x cp 4: a layout built ahead of the step (host cu_seqlens), then its
-    FIRST attention call (the per-batch setup: head all-to-all order, plans, ring or neighbour exchange) under the
+    FIRST attention call (the per-batch setup: head all-to-all order, calls, ring or neighbour exchange) under the
     guards; the result equals the same batch run unguarded on a layout built the same way."""
     import numpy as np
 

@@ -225,7 +225,8 @@ BASE = dict(
         ),
         (
             dict(cp_2d_head_parallel_size=2, cp_2d_inner_ring_size=3),
-            r"inner ring size 3 does not divide the context size cp = CP/hp = 4/2 = 2; valid inner ring sizes: \[1, 2\]",
+            r"inner ring size 3 does not divide the context size cp = CP/hp = 4/2 = 2; "
+            r"valid inner ring sizes: \[1, 2\]",
         ),
         (dict(cp_2d_head_parallel_size=3), r"head-parallel size 3 does not divide the context-parallel size 4"),
         (

@@ -2,8 +2,8 @@
 layers (with their own all-to-all context parallelism over the whole CP group) train exactly as at CP=1.
 
 The reference is stock megatron-core at CP=1: Megatron's local hybrid stack spec with its DotProductAttention. Every
-layout (CP=4 as hp 2 x cp 2; CP=8 as hp 2 x cp 4, Double-Ring inner ring size 2) must give the same per-token loss and every
-parameter gradient (fp32, 1e-5 relative). Mamba/GDN kernels are the CPU stand-ins of megatron_2d.testing.ssm_cpu
+layout (CP=4 as hp 2 x cp 2; CP=8 as hp 2 x cp 4, Double-Ring inner ring size 2) must give the same per-token loss and
+every parameter gradient (fp32, 1e-5 relative). Mamba/GDN kernels are the CPU stand-ins of megatron_2d.testing.ssm_cpu
 (tests/test_ssm_cpu.py checks them). All cases run in ONE fork of 8 ranks.
 """
 

@@ -428,10 +428,10 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
             continue
         packed = megatron_2d.PackedSharding(cu, Groups2D(layout, place, None, None, None, None, None), mode=mode)
         for causal in (True, False):
-            plans = packed.calls(causal, SlidingWindow())
-            total[causal] += sum(c.flops_units for calls in plans.values() for c in calls)
+            by_source = packed.calls(causal, SlidingWindow())
+            total[causal] += sum(c.flops_units for calls in by_source.values() for c in calls)
             if mode == "zigzag" and causal:
-                assert sum(len(calls) for calls in plans.values()) <= 4 * len(lengths) * (CP // hp)
+                assert sum(len(calls) for calls in by_source.values()) <= 4 * len(lengths) * (CP // hp)
     assert total[True] == int((lengths * (lengths + 1) // 2).sum())
     assert total[False] == int((lengths**2).sum())
 

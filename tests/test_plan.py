@@ -83,7 +83,7 @@ def test_ring_times_hand_computed():
     # bwd, replaying the loop's events by hand (ms; K/V and dK/dV share each link, one transfer at a time):
     #   round 0: kv hops end at 1, 2.25, 5.5; step 0 (own block) keeps its dK/dV home; riders leave after steps
     #            1-2 and end at 4.5, 7.5; step 3 (5.5-6.75) waits for the last at 7.5 and closes the round: the
-    #            rider goes to the next window (outer, 7.5-15.5; the outer K/V arrived at 4);
+    #            rider goes to the next inner ring (outer, 7.5-15.5; the outer K/V arrived at 4);
     #   round 1: kv hops end at 8.5, 11.75, 14.75; riders end at 10.75, 13.75, 16.75; step 3 (14.75-16) waits for
     #            the last at 16.75, adds the carried rider (arrived at 15.5) and sends the sum diagonally to its
     #            owner (outer link, 16.75-24.75, exposed) -> 24.75 ms
@@ -129,7 +129,7 @@ def test_traffic_hand_computed():
     # = 14 x 8388608 + 7 x 16777216 = 117440512 + 117440512 = 234881024.
     e = evaluate(Scheme("2d", 8, 8, 8, "head_first"), GQA, H100, par, K128).estimate
     assert (e.intra_bytes, e.inter_bytes) == (73400320, 234881024)
-    # hp=1 x cp=64, w=8 (Double-Ring): 8 inner rings per window inside nodes, the outer ring across nodes (nw=8).
+    # hp=1 x cp=64, w=8 (Double-Ring): 8 ranks per inner ring inside nodes, the outer ring across nodes (nw=8).
     # NVLink: K/V 2 x 8 x 7 = 112 sends + dK/dV 7 x 7 + 6 = 55 sends (round 0's rider starts at step 1: the own
     # block's dK/dV stays home) = 939524096 + 922746880 = 1862270976.
     # Network: K/V 2 x 7 = 14 sends + dK/dV 7 outer + 1 diagonal = 8 sends = 117440512 + 134217728 = 251658240.
@@ -195,12 +195,12 @@ def _brute_force_peers(i, hp, cp, w, placement):
         for cr in range(cp):
             grid[(hr, cr)] = cr * hp + hr if placement == "head_first" else hr * cp + cr
     ((hr, cr),) = [k for k, v in grid.items() if v == i]
-    window = [grid[(hr, x)] for x in range(cp) if x // w == cr // w]
+    inner = [grid[(hr, x)] for x in range(cp) if x // w == cr // w]
     outer = [grid[(hr, x)] for x in range(cp) if x % w == cr % w]
     nxt = lambda ring: ring[(ring.index(i) + 1) % len(ring)]  # noqa: E731
     return {
         "a2a": sorted(grid[(h, cr)] for h in range(hp) if h != hr),
-        "inner": [nxt(window)] if w > 1 else [],
+        "inner": [nxt(inner)] if w > 1 else [],
         "outer": [nxt(outer)] if cp // w > 1 else [],
     }
 

@@ -103,12 +103,13 @@ def test_2d_flags_build_the_2d_config_and_spec(parse):
     assert spec.submodules.self_attention.submodules.core_attention.module.__name__ == "CoreAttention2D"
 
 
-def test_the_old_spelling_cp_2d_window_size_stops_at_parse(parse, capsys):
-    """--cp-2d-window-size (the Double-Ring inner ring size's name before 0.1.0 was released) is no flag: the command line
-    stops at parse, naming it, rather than running with the default window."""
+@pytest.mark.parametrize("old", ["--cp-2d-window-size", "--cp-2d-ring" + "-window"])  # split: a rename leaves it
+def test_the_old_spellings_of_the_inner_ring_size_stop_at_parse(parse, capsys, old):
+    """The earlier names of --cp-2d-inner-ring-size (before 0.1.0 was released) are no flags, kept as no aliases: the
+    command line stops at parse, naming the flag, rather than running with the default inner ring size."""
     with pytest.raises(SystemExit):
-        parse("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-window-size", "2")
-    assert "unrecognized arguments: --cp-2d-window-size 2" in capsys.readouterr().err
+        parse("--context-parallel-size", "8", "--cp-comm-type", "2d", old, "2")
+    assert f"unrecognized arguments: {old} 2" in capsys.readouterr().err
 
 
 MHA_MODEL = MODEL[: MODEL.index("--group-query-attention")] + MODEL[MODEL.index("--num-query-groups") + 2 :]

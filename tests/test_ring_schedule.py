@@ -101,8 +101,8 @@ def test_replay_by_hand():
     t = {"inner_kv": 0.5, "outer_kv": 0.0, "inner_dkv": 0.0, "outer_dkv": 0.0, "final_dkv": 4.0}
     # post kv 0-0.5 | compute 0-1 | wait kv | compute 1-2 | last hop 2-6 | wait 6
     assert replay(bwd, 1.0, t, links) == 6.0
-    # backward, cp = 4, w = 2 (two windows): no aligning hop; the outer rider has a round to arrive; the last hop
-    # goes diagonally to (window + 1, slot + 1), on the outer link
+    # backward, cp = 4, w = 2 (two inner rings): no aligning hop; the outer rider has a round to arrive; the last hop
+    # goes diagonally to (ring + 1, slot + 1), on the outer link
     links = dict(links, final_dkv="out")
     bwd = double_ring_events(4, 2, True)
     assert [e.channel for e in bwd if e.kind.posts] == [

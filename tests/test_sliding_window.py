@@ -110,8 +110,8 @@ def test_plans_cover_each_visible_pair_exactly_once(causal, window):
     ]:
         layout = Layout2D(cp_size, hp, 1, placement)
         win = SlidingWindow.of(window, causal, 2 * cp_size * c)
-        plan = context_calls(layout, c, causal, win)
-        for (dst, src), calls in plan.calls.items():
+        group_calls = context_calls(layout, c, causal, win)
+        for (dst, src), calls in group_calls.calls.items():
             q_pos = [x * c + t for x in context_chunks(layout, dst) for t in range(c)]
             k_pos = [y * c + t for y in context_chunks(layout, src) for t in range(c)]
             covered = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int)
@@ -121,19 +121,19 @@ def test_plans_cover_each_visible_pair_exactly_once(causal, window):
                     for j in range(call.k_start, call.k_end):
                         covered[i, j] += band.visible(i - call.q_start, j - call.k_start)
             assert torch.equal(covered, token_mask(q_pos, k_pos, causal, window).int()), (layout, dst, src)
-            assert (plan.keys[(dst, src)] is None) == (not calls)
+            assert (group_calls.keys[(dst, src)] is None) == (not calls)
 
 
 def test_window_plans_skip_blocks_and_flops():
     """A window shorter than a chunk: hp=1 context rank r sees only its neighbours r-1 and r+1."""
     layout, c = Layout2D(8, 1, 1), 16
-    plan = context_calls(layout, c, True, SlidingWindow.of((5, 0), True, 16 * c))
-    for (dst, src), hull in plan.keys.items():
+    group_calls = context_calls(layout, c, True, SlidingWindow.of((5, 0), True, 16 * c))
+    for (dst, src), hull in group_calls.keys.items():
         assert (hull is not None) == (abs(dst - src) <= 1), (dst, src, hull)
     # own block: each query sees itself and up to 5 keys back (6 pairs per row, fewer at each chunk's start
     # only where the previous chunk lives elsewhere)
-    assert not plan.dense and context_calls(layout, c, True, SlidingWindow()).dense
-    flops = sum(call.flops_units for calls in plan.calls.values() for call in calls)
+    assert not group_calls.dense and context_calls(layout, c, True, SlidingWindow()).dense
+    flops = sum(call.flops_units for calls in group_calls.calls.values() for call in calls)
     S = 16 * c
     assert flops == sum(min(i, 5) + 1 for i in range(S))  # exactly the windowed causal pairs
 

@@ -12,7 +12,7 @@ def divisors(n):
 
 
 def brute_force_groups(cp_ranks, hp, w, placement):
-    """Groups by definition, pairwise: which CP indices share a head group / context group / window / slot."""
+    """Groups by definition, pairwise: which CP indices share a head group / context group / inner ring / slot."""
     CP = len(cp_ranks)
     cp = CP // hp
 

@@ -1,7 +1,7 @@
 """One transport rule (megatron_2d.layout.transports.transport_kind) for the op and the planner: over generated
 layouts, windows and packed batches, the transport the op builds and the one the planner charges are the same kind.
 
-The op's side is its own routing code (``zigzag_route`` / ``packed_route`` of megatron_2d.attention, on the plans
+The op's side is its own routing code (``zigzag_route`` / ``packed_route`` of megatron_2d.attention, on the calls
 and PackedSharding of each context rank, built over virtual groups: no process groups needed to choose); the planner's
 is ``window_work`` / ``packed_window_work`` (megatron_2d.plan.windows), as ``estimate`` calls them."""
 
@@ -38,9 +38,9 @@ def test_the_op_builds_each_kind_from_one_table():
     assert set(transport_classes()) == set(TRANSPORT_KINDS)
     layout = Layout2D(8, 2, 2)
     groups = virtual_groups(layout, 0)  # no process groups: transports whose construction posts nothing
-    plan = context_calls(layout, 4, True, SlidingWindow(2, 0))
+    group_calls = context_calls(layout, 4, True, SlidingWindow(2, 0))
     assert type(transport_classes()["local"].for_routes(groups, KeyRoutes())) is LocalBlock
-    assert type(transport_classes()["neighbour"].for_routes(groups, KeyRoutes(keys=plan.keys))) is NeighbourExchange
+    assert type(transport_classes()["neighbour"].for_routes(groups, KeyRoutes(keys=group_calls.keys))) is NeighbourExchange
     ring = transport_classes()["double_ring"].for_routes(
         virtual_groups(Layout2D(2, 2, 1), 0), KeyRoutes(ring_keys=3)
     )  # cp 1: no hop
@@ -55,12 +55,12 @@ def _layouts(sizes=(2, 4, 8, 16)):
 
 
 def _op_kinds_zigzag(layout: Layout2D, chunk: int, causal: bool, left: int | None) -> set[str]:
-    """The kind every context rank's _setup chooses (prepare_call's window, _setup's plan, zigzag_route)."""
+    """The kind every context rank's _setup chooses (prepare_call's window, _setup's calls, zigzag_route)."""
     seq = 2 * layout.cp_size * chunk
     window = SlidingWindow.of((-1, -1) if left is None else (left, 0), causal, seq)
-    plan = context_calls(layout, chunk, causal, window)
+    group_calls = context_calls(layout, chunk, causal, window)
     return {
-        zigzag_route(virtual_groups(layout, layout.index_of(0, cr)), 2 * chunk, plan)[0]
+        zigzag_route(virtual_groups(layout, layout.index_of(0, cr)), 2 * chunk, group_calls)[0]
         for cr in range(layout.context_size)
     }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Memory report for a model and a 2D layout: activations per recompute mode, and model states per sharding choice.
 
-    python tools/memory_report.py [--ranks 4 --hp 2 --window 1 --layers 4 --hidden 256 --heads 8 --kv-heads 2
+    python tools/memory_report.py [--ranks 4 --hp 2 --inner-ring-size 1 --layers 4 --hidden 256 --heads 8 --kv-heads 2
                                    --seq 1024 --plot memory.png]
 
 Activations: bytes kept for backward by the decoder layers of one micro-batch on one rank, measured on forked CPU
@@ -126,7 +126,9 @@ def measure(rank, world, args) -> dict[str, dict]:
             config_class=TransformerConfig2D,
             cp_comm_type="2d",
         )
-        cfg.config_overrides = dict(cp_2d_head_parallel_size=args.hp, cp_2d_inner_ring_size=args.window, **recompute)
+        cfg.config_overrides = dict(
+            cp_2d_head_parallel_size=args.hp, cp_2d_inner_ring_size=args.inner_ring_size, **recompute
+        )
         model = tg.build_tiny_gpt(cfg, spec)
         hooks = SavedTensorBytes(model.parameters())
         decoder_forward = model.decoder.forward
@@ -183,7 +185,7 @@ def print_activation_table(rows, args) -> None:
         f"Activations kept for backward per decoder layer, one micro-batch, per rank: "
         f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
         f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
-        f"{args.ranks // args.hp}, w {args.window})",
+        f"{args.ranks // args.hp}, w {args.inner_ring_size})",
         [
             "recompute mode",
             "activations MiB/layer",
@@ -277,7 +279,7 @@ def plot(activation_rows, state_rows, path: str) -> None:
 
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description="Activation and model-state memory per recompute / sharding choice")
-    add_arguments(p, ranks=4, hp=2, window=1, layers=4, hidden=256, heads=8, kv_heads=2, seq=1024, batch=1)
+    add_arguments(p, ranks=4, hp=2, inner_ring_size=1, layers=4, hidden=256, heads=8, kv_heads=2, seq=1024, batch=1)
     p.add_argument("--dp", type=int, default=2, help="data-parallel size for the model-state table")
     p.add_argument("--model-params", type=int, default=6_738_415_616, help="parameters (default: a 7B model)")
     p.add_argument("--plot", default="memory_report.png", help="PNG of both tables ('' for none)")

@@ -15,7 +15,7 @@ from typing import TextIO
 HELP = {
     "ranks": "CPU ranks = CP size",
     "hp": "head-parallel size",
-    "window": "Double-Ring inner ring size",
+    "inner_ring_size": "Double-Ring inner ring size w",
     "seq": "global sequence length",
     "batch": "micro-batch size",
     "heads": "query heads",

@@ -2,7 +2,7 @@
 
     python tools/bench_double_ring.py --ranks 4      # hp = 1, w in every divisor of cp; fwd and bwd separately
 
-Times are medians over ``--repeats`` of the slowest rank, one run, the windows taking turns within each repeat;
+Times are medians over ``--repeats`` of the slowest rank, one run, the sizes taking turns within each repeat;
 the ratios are medians of per-repeat ratios; compare rows of one run (the machine is noisy). On CPU ranks every "link"
 is a gloo memcpy on the same cores, so this checks the schedule's overheads
 (posting, waiting, the closing and last hops), not the network overlap a GPU cluster would show.
@@ -24,16 +24,16 @@ from ..layout.topology import divisors
 from .cli import add_arguments, render_table
 
 
-def bench_rank(rank: int, world: int, args, windows: list[int]) -> dict[int, tuple[list[float], list[float]]]:
-    """(forward, backward) seconds of every repeat, by window; the windows take turns within each repeat, so a
-    change of machine load (other jobs) hits every window alike."""
+def bench_rank(rank: int, world: int, args, sizes: list[int]) -> dict[int, tuple[list[float], list[float]]]:
+    """(forward, backward) seconds of every repeat, by inner ring size; the sizes take turns within each repeat, so a
+    change of machine load (other jobs) hits every size alike."""
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(args.seq, 1, args.heads, args.dim, generator=g) for _ in range(4)]
     q, k, v, dout = (megatron_2d.shard_sequence(x, rank, world) for x in full)
-    groups = {w: megatron_2d.build_2d_groups(args.hp, w, timeout=datetime.timedelta(seconds=300)) for w in windows}
-    out: dict[int, tuple[list[float], list[float]]] = {w: ([], []) for w in windows}
+    groups = {w: megatron_2d.build_2d_groups(args.hp, w, timeout=datetime.timedelta(seconds=300)) for w in sizes}
+    out: dict[int, tuple[list[float], list[float]]] = {w: ([], []) for w in sizes}
     for i in range(args.repeats + 1):
-        for w in windows:
+        for w in sizes:
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
             torch.distributed.barrier()
             t0 = time.perf_counter()
@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     args = add_arguments(parser, ranks=4, hp=1, seq=4096, heads=8, dim=64, repeats=3).parse_args(argv)
     cp = args.ranks // args.hp
-    windows = divisors(cp)
-    results = run_on_ranks(args.ranks, bench_rank, args, windows, timeout_s=1800)
+    sizes = divisors(cp)
+    results = run_on_ranks(args.ranks, bench_rank, args, sizes, timeout_s=1800)
     # slowest rank of each repeat, then medians over repeats; ratios are medians of the per-repeat ratios
-    slowest = {w: [[max(r[w][p][i] for r in results) for i in range(args.repeats)] for p in (0, 1)] for w in windows}
+    slowest = {w: [[max(r[w][p][i] for r in results) for i in range(args.repeats)] for p in (0, 1)] for w in sizes}
 
     def ratio(w: int, base: int) -> float:
         return statistics.median(b / c for b, c in zip(slowest[w][1], slowest[base][1]))
@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
     render_table(
         f"attention_2d on {args.ranks} CPU ranks, hp {args.hp} x cp {cp}, causal fp32, S={args.seq}, "
-        f"{args.heads} heads, d={args.dim} (slowest rank, median of {args.repeats}, windows interleaved; "
+        f"{args.heads} heads, d={args.dim} (slowest rank, median of {args.repeats}, sizes interleaved; "
         f"ratios: median of per-repeat ratios)",
-        ["w", "windows", "forward ms", "backward ms", "backward vs w=1", "backward vs w=cp"],
+        ["w", "inner rings", "forward ms", "backward ms", "backward vs w=1", "backward vs w=cp"],
         body,
         width=120,
     )

@@ -137,13 +137,13 @@ def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCos
 
     def kernel_s(n: int, calls: int) -> float:
         q, k, v, do = (torch.randn(1, n * calls, heads, dim, generator=g) for _ in range(4))
-        plan = [BlockCall(i * n, (i + 1) * n, i * n, (i + 1) * n, Band(None, 0)) for i in range(calls)]
+        diagonal = [BlockCall(i * n, (i + 1) * n, i * n, (i + 1) * n, Band(None, 0)) for i in range(calls)]
 
         def step():
-            results = kernel.forward_calls(q, k, v, plan, 0, dim**-0.5)
+            results = kernel.forward_calls(q, k, v, diagonal, 0, dim**-0.5)
             out = torch.cat([o for _, o, _ in results], dim=1)
             lse = torch.cat([l for _, _, l in results], dim=2)
-            kernel.backward_calls(do, q, k, v, out, lse, plan, 0, dim**-0.5)
+            kernel.backward_calls(do, q, k, v, out, lse, diagonal, 0, dim**-0.5)
 
         return min(_timed(step) for _ in range(repeats))
 
@@ -184,7 +184,7 @@ def _timed(step) -> float:
 def bench_rank(rank, world, args, cases: list[Case], seq_case: Case | None, ring_flash) -> dict:
     """Every row of every case on this rank: {(case, row): {...}}."""
     timeout = datetime.timedelta(seconds=args.timeout)
-    groups = megatron_2d.build_2d_groups(args.hp, args.window, args.placement, timeout=timeout)
+    groups = megatron_2d.build_2d_groups(args.hp, args.inner_ring_size, args.placement, timeout=timeout)
     rows = _Rows({}, TOLERANCES[torch.float32].end_to_end, args.repeats)
     cost = calibrate_cost(groups, args.heads, args.dim)
     rows.out["cost"] = cost
@@ -230,7 +230,7 @@ def _bench_packing_modes(rows: _Rows, groups, world: int, case: Case, cost: Pack
     for mode in PACKING_MODES:
         if mode == "sequence" and int(case.cu_seqlens[-1]) % (2 * world):
             continue
-        t0 = time.perf_counter()  # layout build + this rank's plans (once per batch)
+        t0 = time.perf_counter()  # sharding build + this rank's calls (once per batch)
         layout = megatron_2d.PackedSharding(
             case.cu_seqlens, groups, mode=mode, **({"cost": cost} if mode == "documents" else {})
         )
@@ -397,7 +397,7 @@ def build_cases(args) -> list[Case]:
 
 
 def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: int = 0) -> Table:
-    """Time to build a PackedSharding and one rank's plans (what a batch costs before its first attention call),
+    """Time to build a PackedSharding and one rank's calls (what a batch costs before its first attention call),
     in one process, as CPU time (a loaded machine stretches wall time, not this): a rank's Groups2D without process
     groups (the cross-rank check then has nothing to do). Lognormal lengths (median ~400 tokens), the last one
     lengthened so that 2*CP divides T (the sequence mode); ``sizes``: (CP, hp) pairs. Plans are rank 0's, and
@@ -408,15 +408,15 @@ def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: i
     lengths = np.maximum(1, np.random.default_rng(seed).lognormal(6, 1.2, size=documents).astype(np.int64))
     lengths[-1] += -lengths.sum() % (2 * max(CP for CP, _ in sizes))
     cu = cu_seqlens_of(lengths.tolist())
-    table = Table(title=f"PackedSharding build + plans (CPU time): {documents} documents, T={int(cu[-1])}")
+    table = Table(title=f"PackedSharding build + calls (CPU time): {documents} documents, T={int(cu[-1])}")
     for col in (
         "CP",
         "hp x cp",
         "mode",
         "layout ms",
-        "plans ms",
+        "calls ms",
         "calls",
-        "mid-rank plans ms",
+        "mid-rank calls ms",
         "mid-rank calls",
         "long documents",
     ):
@@ -431,13 +431,13 @@ def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: i
                 cu, Groups2D(layout, places[0], None, None, None, None, None), mode=mode
             )
             t1 = time.process_time()
-            plans = packed.calls(True, SlidingWindow())
+            own = packed.calls(True, SlidingWindow())
             t2 = time.process_time()
             other = megatron_2d.PackedSharding(
                 cu, Groups2D(layout, places[mid], None, None, None, None, None), mode=mode
             )
             t3 = time.process_time()
-            other_plans = other.calls(True, SlidingWindow())
+            other_calls = other.calls(True, SlidingWindow())
             t4 = time.process_time()
             table.add_row(
                 str(CP),
@@ -445,9 +445,9 @@ def layout_build_times(documents: int, sizes: Sequence[tuple[int, int]], seed: i
                 mode,
                 f"{(t1 - t0) * 1e3:.0f}",
                 f"{(t2 - t1) * 1e3:.0f}",
-                str(sum(len(c) for c in plans.values())),
+                str(sum(len(c) for c in own.values())),
                 f"{(t4 - t3) * 1e3:.0f}",
-                str(sum(len(c) for c in other_plans.values())),
+                str(sum(len(c) for c in other_calls.values())),
                 str(packed.stats()["long_documents"]),
             )
     return table
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4, help="CPU ranks N = hp * cp (default 4)")
     parser.add_argument("--hp", type=int, default=1, help="head-parallel size (default 1: a ring of N)")
-    parser.add_argument("--window", type=int, default=1, help="Double-Ring inner ring size w (default 1)")
+    parser.add_argument("--inner-ring-size", type=int, default=1, help="Double-Ring inner ring size w (default 1)")
     parser.add_argument("--placement", default="head_first")
     parser.add_argument("--tokens", type=parse_tokens, default=16384, help="total tokens T, e.g. 16K (default)")
     parser.add_argument("--dists", nargs="+", default=list(DISTRIBUTIONS), choices=DISTRIBUTIONS)
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         "--layout-build",
         type=int,
         metavar="DOCUMENTS",
-        help="only time building layouts and plans for this many documents at CP 8 to 1024",
+        help="only time building shardings and calls for this many documents at CP 8 to 1024",
     )
     args = parser.parse_args(argv)
     if args.layout_build:
@@ -538,7 +538,7 @@ def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: s
             title=f"[{case.name}] {len(lengths)} documents (longest {int(lengths.max())}, median "
             f"{int(np.median(lengths))}), T={int(case.cu_seqlens[-1])}, fwd+bwd fp32 causal, "
             f"{args.heads} heads d={args.dim}, N={args.ranks} CPU ranks = hp{args.hp} x "
-            f"cp{args.ranks // args.hp} w{args.window}"
+            f"cp{args.ranks // args.hp} w{args.inner_ring_size}"
         )
         for col in (
             "row",

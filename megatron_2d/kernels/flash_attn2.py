@@ -109,7 +109,7 @@ class PrivateBackward:
 
 @dataclass(frozen=True)
 class VarlenGroup:
-    """Calls with one flash mask, batched into one varlen launch (index tensors built once per plan)."""
+    """Calls with one flash mask, batched into one varlen launch (index tensors built once per list of calls)."""
 
     calls: tuple[Any, ...]
     q_index: torch.Tensor  # [total_q] local query rows, call by call
@@ -215,8 +215,8 @@ class FlashAttn2Kernel(FlashWindowKernel):
 
     def _grouped(self, calls, first_key: int, device):
         """Varlen groups of one block's calls (as :func:`~megatron_2d.kernels.flash_windows.flash_calls` splits
-        them), built on first use (plans are fixed per layer and batch) and kept for the last ``_GROUP_CACHE``
-        blocks (a new packed batch brings new plans)."""
+        them), built on first use (calls are fixed per layer and batch) and kept for the last ``_GROUP_CACHE``
+        blocks (a new packed batch brings new calls)."""
         key = (tuple(calls), first_key, device)
         if key in self._groups:
             self._groups.move_to_end(key)

@@ -142,7 +142,7 @@ def context_calls(layout: Layout2D, chunk_len: int, causal: bool, window: Slidin
     calls, keys = {}, {}
     for dst in range(cp):
         for src in range(cp):
-            plan = tuple(block_pair_calls(chunks[dst], chunks[src], chunk_len, causal, window))
-            calls[(dst, src)] = plan
-            keys[(dst, src)] = (min(c.k_start for c in plan), max(c.k_end for c in plan)) if plan else None
+            pair = tuple(block_pair_calls(chunks[dst], chunks[src], chunk_len, causal, window))
+            calls[(dst, src)] = pair
+            keys[(dst, src)] = (min(c.k_start for c in pair), max(c.k_end for c in pair)) if pair else None
     return ContextCalls(calls, keys)

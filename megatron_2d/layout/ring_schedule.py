@@ -1,8 +1,8 @@
 """The Double-Ring schedule as data: one description that the ring loop executes and the planner replays.
 
-Notation: a context group of cp ranks cut into nw = cp / w inner rings of w ranks; a rank is (window, slot), context
-rank window * w + slot. Round o = 0..nw-1, step t = 0..w-1: the rank holds the K/V block of context rank
-source(o, t) = (window - o, slot - t) (mod nw, mod w). Channels (one transfer of each in flight at a time, each on
+Notation: a context group of cp ranks cut into nw = cp / w inner rings of w ranks; a rank is (ring, slot), context
+rank ring * w + slot. Round o = 0..nw-1, step t = 0..w-1: the rank holds the K/V block of context rank
+source(o, t) = (ring - o, slot - t) (mod nw, mod w). Channels (one transfer of each in flight at a time, each on
 its own process group): "inner_kv", "outer_kv" (K/V blocks), "inner_dkv", "outer_dkv", "final_dkv" (dK/dV
 riders).
 
@@ -16,14 +16,14 @@ Backward adds the riders; no transfer is awaited before one compute has run sinc
   * every other round's rider starts empty at step 0 on the anchor block (round 0's at step 1), gathers each
     step's partial dK/dV and follows its block round the inner ring (post inner_dkv after each step but the last,
     wait for the neighbour's at the next step); it ends the round on the rank that computed the block's last step,
-    (window, slot) for the block of (window - o, slot + 1);
+    (ring, slot) for the block of (ring - o, slot + 1);
   * that rank closes the round: it adds the rider carried over the outer ring for the same block from earlier
-    rounds (posted a whole round ago by (window - 1, slot), which ended round o - 1 on the same block) and posts
-    the sum to (window + 1, slot), which ends round o + 1 on that block (with w = 1, round 0 is the own block
+    rounds (posted a whole round ago by (ring - 1, slot), which ended round o - 1 on the same block) and posts
+    the sum to (ring + 1, slot), which ends round o + 1 on that block (with w = 1, round 0 is the own block
     alone: no rider, nothing carried into round 1; and a round is one step, so from round 2 on the rank takes
     the carried rider before accumulating and adds the step's partials straight into it: no rider of its own);
   * after the last round the closed rider takes one hop, exposed (nothing is left to compute), to its block's
-    owner (window + 1, slot + 1), who adds it to the home accumulator: a direct send over the context group on a
+    owner (ring + 1, slot + 1), who adds it to the home accumulator: a direct send over the context group on a
     channel of its own ("final_dkv"), which crosses the outer links unless w = cp (:func:`final_hop_link`).
 No rider ever travels back to where its round began. K/V moves cp - 1 times per rank, and so do the riders (as in
 Transformer Engine's ring): (nw - 1) * (w - 1) + max(w - 2, 0) inner hops, nw - 1 - [w = 1] outer hops and the
@@ -51,7 +51,7 @@ class EventKind(enum.StrEnum):
     """One kind of action in the schedule. A member equals its value (a str), which names it in docs and logs."""
 
     EXPECT_FINAL = "expect_final"  # post the receive of the last hop's rider ahead (where the backend can)
-    POST_OUTER_KV = "post_outer_kv"  # send the anchor block to the next window, receive the previous one's
+    POST_OUTER_KV = "post_outer_kv"  # send the anchor block to the next inner ring, receive the previous one's
     WAIT_OUTER_KV = "wait_outer_kv"  # the next round's anchor has arrived
     POST_INNER_KV = "post_inner_kv"  # send the block round the inner ring, receive the next step's
     WAIT_INNER_KV = "wait_inner_kv"  # the next step's block has arrived
@@ -63,7 +63,7 @@ class EventKind(enum.StrEnum):
     POST_RIDER = "post_rider"  # pass the rider on round the inner ring (with its block)
     WAIT_CARRIED = "wait_carried"  # the rider carried over the outer ring has arrived: add it
     TAKE_CARRIED = "take_carried"  # the carried rider has arrived: it becomes the rider (w = 1)
-    POST_CARRIED = "post_carried"  # carry the closed rider over the outer ring to the next window
+    POST_CARRIED = "post_carried"  # carry the closed rider over the outer ring to the next inner ring
     POST_FINAL = "post_final"  # the last hop: the closed rider to its block's owner
     WAIT_FINAL = "wait_final"  # the rider of this rank's own block has arrived
 
@@ -112,8 +112,8 @@ _POSTS = frozenset({_K.POST_INNER_KV, _K.POST_OUTER_KV, _K.POST_RIDER, _K.POST_C
 
 
 def final_hop_link(cp: int, w: int) -> str:
-    """The links the last hop, (window, slot) -> (window + 1, slot + 1), crosses: "inner" when there is one window
-    (it is the inner ring's next rank), else "outer" (it leaves the window)."""
+    """The links the last hop, (ring, slot) -> (ring + 1, slot + 1), crosses: "inner" when there is one inner ring
+    (it is the inner ring's next rank), else "outer" (it leaves its inner ring)."""
     return "inner" if w == cp else "outer"
 
 
@@ -133,7 +133,7 @@ class Event:
 def double_ring_events(cp: int, w: int, backward: bool) -> tuple[Event, ...]:
     """Every action of one rank, in program order (the same on every rank)."""
     if cp < 1 or w < 1 or cp % w:
-        raise ValueError(f"window {w} must divide the context size {cp}")
+        raise ValueError(f"inner ring size {w} must divide the context size {cp}")
     nw = cp // w
     ev = [Event(_K.EXPECT_FINAL)] if backward and cp > 1 else []
     for o in range(nw):

@@ -4,7 +4,7 @@ Notation
     CP   size of one context-parallel group (a list of global ranks, Megatron's CP group)
     hp   head-parallel size: ranks in a head group (all-to-all over heads, Ulysses style)
     cp   context size = CP / hp: ranks in a context group (ring attention)
-    w    inner ring size: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring
+    w    inner ring size: context ranks per inner ring (Double-Ring); cp / w inner rings form the outer ring
     i    a rank's index in its CP rank list (its Megatron CP rank)
     hr   head rank: index inside the head group, 0 <= hr < hp
     cr   context rank: index inside the context group, 0 <= cr < cp
@@ -13,7 +13,7 @@ Placement maps (hr, cr) to i:
     head_first     i = cr * hp + hr   (a head group is hp adjacent ranks: the all-to-all stays on fast links)
     context_first  i = hr * cp + cr   (a context group is cp adjacent ranks: the ring stays on fast links)
 
-Windows cut a context group by context rank: window = cr // w, slot = cr % w.
+Inner rings cut a context group by context rank: ring = cr // w, slot = cr % w.
 
     >>> layout = Layout2D(cp_size=8, head_parallel_size=2, inner_ring_size=2, placement="head_first")
     >>> layout.head_groups([0, 1, 2, 3, 4, 5, 6, 7])
@@ -114,7 +114,7 @@ class Layout2D:
 
     def send_peers(self, index: int) -> dict[str, list[int]]:
         """CP indices CP index i sends to, per path: 'a2a' the rest of its head group; 'inner' the next rank of its
-        inner ring, (hr, window*w + (slot+1) % w), when w > 1; 'outer' the next rank of its outer ring,
+        inner ring, (hr, ring*w + (slot+1) % w), when w > 1; 'outer' the next rank of its outer ring,
         (hr, (cr + w) % cp), when cp / w > 1.
 
         >>> Layout2D(cp_size=8, head_parallel_size=2, inner_ring_size=2).send_peers(0)
@@ -122,10 +122,10 @@ class Layout2D:
         """
         hp, cp, w = self.head_parallel_size, self.context_size, self.inner_ring_size
         hr, cr = self.coords_of(index)
-        window, slot = divmod(cr, w)
+        ring, slot = divmod(cr, w)
         return {
             "a2a": [self.index_of(h, cr) for h in range(hp) if h != hr],
-            "inner": [self.index_of(hr, window * w + (slot + 1) % w)] if w > 1 else [],
+            "inner": [self.index_of(hr, ring * w + (slot + 1) % w)] if w > 1 else [],
             "outer": [self.index_of(hr, (cr + w) % cp)] if cp // w > 1 else [],
         }
 
@@ -165,7 +165,7 @@ class Layout2D:
         return self._map(cp_ranks, self._inner_ring_indices())
 
     def outer_ring_groups(self, cp_ranks: Sequence[int]) -> list[list[int]]:
-        """The outer rings: the context ranks with the same slot in every window (cp / w ranks each)."""
+        """The outer rings: the context ranks with the same slot in every inner ring (cp / w ranks each)."""
         return self._map(cp_ranks, self._outer_ring_indices())
 
 

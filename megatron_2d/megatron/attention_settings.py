@@ -139,7 +139,7 @@ def _cuda_graph_refusal(config) -> str:
     )
     return (
         f"CUDA graphs capturing core attention ({scope}) cannot replay the 2d backend: its point-to-point "
-        f"rings, per-batch plans and first-call setup run on the host; keep attention out of the graph "
+        f"rings, per-batch calls and first-call setup run on the host; keep attention out of the graph "
         f"(cuda_graph_modules without 'attn', e.g. ['mlp'] or ['moe_router', 'moe_preprocess']: "
         f"--cuda-graph-modules mlp) or set cuda_graph_impl='none'"
     )

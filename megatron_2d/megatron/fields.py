@@ -90,7 +90,7 @@ class Fields2D:
         type=int,
     )
     cp_2d_inner_ring_size: int = _setting(
-        1, "w: context ranks per inner ring (Double-Ring); cp / w windows form the outer ring. 1: one plain ring."
+        1, "w: context ranks per inner ring (Double-Ring); cp / w inner rings form the outer ring. 1: one plain ring."
     )
     cp_2d_placement: str = _setting(
         "head_first",

@@ -139,7 +139,8 @@ def settings_from_config(config, **overrides) -> Settings2D:
 def layer_settings(config, cp_size: int, **overrides) -> Settings2D:
     """The settings a 2d core attention layer of ``config`` runs with inside a CP group of ``cp_size`` ranks: one
     rank's trivial layout at CP = 1 (nothing to split; the config's 2D fields are not read), else
-    :func:`settings_from_config` with the layer spec's ``overrides`` (head_parallel_size, inner_ring_size, placement)."""
+    :func:`settings_from_config` with the layer spec's ``overrides`` (head_parallel_size, inner_ring_size,
+    placement)."""
     if cp_size == 1:
         return Settings2D(1, 1, 1, "head_first")
     return settings_from_config(config, **overrides)

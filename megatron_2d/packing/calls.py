@@ -181,7 +181,7 @@ def view_calls(
     calls = _merge(_merge(calls, along_keys=True), along_keys=False)
     calls = calls[np.lexsort((calls[:, 3], calls[:, 1], calls[:, 0]))]
     if ring_keys is not None and (calls[calls[:, 0] != me, 4] > ring_keys).any():
-        raise AssertionError(f"packed plan reads keys beyond the ring prefix {ring_keys}")
+        raise AssertionError(f"packed calls read keys beyond the ring prefix {ring_keys}")
     # one Band object per distinct band; calls as named tuples, one slice of the sorted calls per source
     kinds, kind_of = np.unique(calls[:, 5:7], axis=0, return_inverse=True)
     bands = [

@@ -53,7 +53,8 @@ class PackingMode:
     name: ClassVar[str]
     """The mode's name: ``PackedSharding(mode=)``, ``cp_2d_packing``, ``--cp-2d-packing``."""
     takes_padded_lengths: ClassVar[bool] = False
-    """It lays documents out padded as Megatron's ``cu_seqlens_padded`` says (``PackedSharding(cu_seqlens_padded=)``)."""
+    """It lays documents out padded as Megatron's ``cu_seqlens_padded`` says
+    (``PackedSharding(cu_seqlens_padded=)``)."""
     head_unit: ClassVar[str] = "token"
     """What :meth:`head_order` sorts: single tokens ("token") or zigzag chunks of equal length ("chunk")."""
     megatron_split: ClassVar[str | None] = None

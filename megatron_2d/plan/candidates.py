@@ -1,7 +1,7 @@
 """The layouts a planner compares: every 2D (hp, cp, w, placement) for a CP size and the stock baselines.
 
 Kinds
-    2d          this project: hp x cp, window w, head_first | context_first, K/V replicated when hp > Hkv;
+    2d          this project: hp x cp, inner ring size w, head_first | context_first, K/V replicated when hp > Hkv;
                 dK/dV travel the ring in fp32 by default ("accumulator") or in the input dtype ("input",
                 ``--cp-2d-dkv-comm-dtype input``)
     p2p         Megatron/TE ring (zigzag), hp = 1, no window; dK/dV in the input dtype  --cp-comm-type p2p
@@ -15,7 +15,7 @@ Kinds
 For an MLA model every 2D layout comes twice: the ring carrying per-head K/V (``mla_ring`` "expanded", as every
 stock kind) and carrying the latent ("latent", ``--cp-2d-mla-ring latent``).
 
-Layouts with w = 1 and w = cp are the same single ring (the one-rank windows' outer ring visits the same peers in
+Layouts with w = 1 and w = cp are the same single ring (the one-rank inner rings' outer ring visits the same peers in
 the same order), so only w = cp is enumerated.
 
 Recompute modes per kind (``RECOMPUTE_BY_KIND``): Selective Checkpoint++ is this project's (2d only); every kind

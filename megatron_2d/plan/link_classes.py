@@ -8,7 +8,7 @@ from its head rank hr and context rank cr, for either placement, and its send_pe
     node             n = g // gpus_per_node
 
     all-to-all peers   the other hp - 1 ranks of the head group: (hr', cr) for hr' != hr
-    inner ring peer    (hr, window*w + (slot+1) % w) with window = cr // w, slot = cr % w     (when w > 1)
+    inner ring peer    (hr, ring*w + (slot+1) % w) with ring = cr // w, slot = cr % w     (when w > 1)
     outer ring peer    (hr, (cr + w) % cp)                                                   (when cp / w > 1)
 
 The pattern repeats every lcm(gpus_per_node, TP*CP) global ranks, so one period describes the whole cluster.

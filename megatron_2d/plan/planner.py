@@ -588,7 +588,7 @@ def _collapse_windows(cands: list[Candidate]) -> list[Candidate]:
             seen.add(key)
             c = replace(
                 c,
-                layout=replace(c.scheme, w=c.cp),
+                scheme=replace(c.scheme, w=c.cp),
                 note="w has no effect (neighbour exchange)",
                 flags=c.flags.replace(f"--cp-2d-inner-ring-size {c.w} ", f"--cp-2d-inner-ring-size {c.cp} "),
             )

@@ -3,7 +3,7 @@
 The model is a HybridModel of attention and MLP layers (pattern '*-' per GPT block, Megatron's successor to
 GPTModel; ``--pattern 'M*-M*-'`` puts Mamba layers beside the 2D attention layers).
 
-    python -m megatron_2d.testing.demo [--ranks 8] [--hp 2] [--window 2] [--placement head_first] [--steps 8]
+    python -m megatron_2d.testing.demo [--ranks 8] [--hp 2] [--inner-ring-size 2] [--placement head_first] [--steps 8]
                                [--sliding-window TOKENS] [--pattern '*-*-*-*-']
 
 Forks N gloo ranks; trains the model for a few Adam steps at CP=1 and at CP=N (hp x N/hp, Double-Ring inner ring size w)
@@ -29,7 +29,7 @@ def train(rank, world, args, context_parallel: bool):
     from megatron_2d.megatron.hybrid_spec import hybrid_stack_spec_2d_local
     from megatron_2d.testing import tiny_hybrid as th
 
-    settings = (args.hp, args.window, args.placement) if context_parallel else None
+    settings = (args.hp, args.inner_ring_size, args.placement) if context_parallel else None
     overrides = dict(window_size=(args.sliding_window, 0)) if args.sliding_window is not None else {}
     cfg = th.tiny_hybrid_config(
         args.pattern,
@@ -57,7 +57,7 @@ def run(rank, world, args):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Tiny GPT: 2D context parallelism vs CP=1 on CPU ranks")
-    add_arguments(p, ranks=8, hp=2, window=2)
+    add_arguments(p, ranks=8, hp=2, inner_ring_size=2)
     p.add_argument("--placement", default="head_first", choices=["head_first", "context_first"])
     add_arguments(p, steps=8, hidden=128, heads=8, kv_heads=2, seq=256, lr=3e-3)
     p.add_argument(
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     (ref_losses, _), (losses, sent) = run_on_ranks(args.ranks, run, args, timeout_s=600)[0]
 
     cp = args.ranks // args.hp
-    layout = f"2D: CP={args.ranks} = hp {args.hp} x cp {cp}, w {args.window}, {args.placement}"
+    layout = f"2D: CP={args.ranks} = hp {args.hp} x cp {cp}, w {args.inner_ring_size}, {args.placement}"
     if args.sliding_window is not None:
         layout += f", sliding window {args.sliding_window}"
     render_table(

@@ -182,7 +182,7 @@ stand-in needs a Transformer Engine release imported into the process (tests/tes
 FLASH_SHARE = 0.3
 """The share of draws that run a CUDA kernel (drawn from a stream of their own, so the other draws stay as
 they were). Of their packed draws, :data:`FLASH_NON_CAUSAL` turn non-causal with a window of their own: the
-plans with blocks of more queries than keys, whose windows flash-attn's C++ would change."""
+calls on blocks of more queries than keys, whose windows flash-attn's C++ would change."""
 FLASH_NON_CAUSAL = 0.4
 
 

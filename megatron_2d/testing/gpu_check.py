@@ -16,9 +16,9 @@ against fp64 math on the same rounded inputs; a row passes below 1):
     tall bands NAME            trimmed blocks with 4x more queries than keys whose band bounds the right side
                                (causal-like and two-sided), dense and as one batched (varlen) pair of calls: where
                                flash-attn reads a window side >= the keys as unbounded (issue 29, item 2)
-    loopback NAME CASE         the ring's device work for plans of cp > 1 on one device (every context rank in turn,
+    loopback NAME CASE         the ring's device work for the calls of cp > 1 on one device (every context rank in turn,
                                megatron_2d.testing.loopback): 2D CP 8 = hp 2 x cp 4 (w 2, context_first), a sliding
-                               window that leaves ranks nothing to see (the neighbour exchange's plans), packed
+                               window that leaves ranks nothing to see (the neighbour exchange's calls), packed
                                documents (zigzag and documents modes: varlen launches), sinks, dK/dV riders in the
                                input dtype (dkv_comm_dtype="input", end-to-end bound)
     attention_2d NAME          the op end to end on a one-rank group (NCCL on CUDA), plain and packed
@@ -373,7 +373,7 @@ def check_world_one(name, device, seq, packed) -> float:
 
 
 def check_no_sync_new_batch(name, device, seq) -> float:
-    """The first call on a packed batch the op has not seen: plans, index tensors and setup are built there."""
+    """The first call on a packed batch the op has not seen: calls, index tensors and setup are built there."""
     groups = megatron_2d.build_2d_groups(1, 1)
     cu = torch.tensor([0, 7, seq // 3, seq // 2 + 5, seq])
     layout = megatron_2d.PackedSharding(cu, groups, mode="zigzag")  # the batch's layout, built outside

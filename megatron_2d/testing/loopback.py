@@ -1,7 +1,7 @@
-"""Every context rank of a 2D layout in one process: the op's ring attention with plans of cp > 1 on one device.
+"""Every context rank of a 2D layout in one process: the op's ring attention with the calls of cp > 1 on one device.
 
 The head all-to-all and the ring only move data; what runs on the device is the block kernels on each context
-rank's plans, the log-sum-exp merges, the sinks and the dK/dV accumulation. :func:`loopback_attention` plays each
+rank's calls, the log-sum-exp merges, the sinks and the dK/dV accumulation. :func:`loopback_attention` plays each
 context rank r in turn with a :class:`LoopbackTransport` that feeds ``compute`` every source's K/V block, as the
 Double-Ring or the neighbour exchange would deliver them, and files each block's dK/dV partial in a mailbox (in
 the rider dtype, as riders accumulate); a rank's dK/dV is the sum of what every rank filed for it. Each virtual
@@ -64,7 +64,7 @@ class LoopbackTransport:
 
 
 def virtual_groups(layout: Layout2D, cp_index: int) -> Groups2D:
-    """The Groups2D of one rank of ``layout`` without process groups (plans and PackedSharding need only places)."""
+    """The Groups2D of one rank of ``layout`` without process groups (calls and PackedSharding need only places)."""
     place = place_all_ranks(layout, [list(range(layout.cp_size))], layout.cp_size)[cp_index]
     return Groups2D(layout, place, None, None, None, None, None)
 
@@ -125,7 +125,7 @@ def loopback_attention(
         ring_keys = packing.ring_tokens if packing.ring_tokens < packing.views.shape[1] else None
     else:
         sliding = SlidingWindow.of(window, causal, T)
-        plan = context_calls(layout, T // (2 * layout.cp_size), causal, sliding)
+        group_calls = context_calls(layout, T // (2 * layout.cp_size), causal, sliding)
     indices = _token_indices(layout, T, packing)
     kv_rows = [torch.cat([_gather(k, i), _gather(v, i)], dim=-1) for i in indices]  # [b, S, hkv, dk + dv] per rank
     kernel = kernel.for_head_dims(d, v.shape[-1])
@@ -133,15 +133,15 @@ def loopback_attention(
     outs, dqs, dsinks = [], [], []
     for r in range(cp):
         if packing is not None:
-            plans = PackedSharding(cu_seqlens, virtual_groups(layout, layout.index_of(0, r)), mode=packing_mode).calls(
+            calls = PackedSharding(cu_seqlens, virtual_groups(layout, layout.index_of(0, r)), mode=packing_mode).calls(
                 causal, sliding
             )
         else:
-            plans = {src: plan.calls[(r, src)] for src in range(cp)}
+            calls = {src: group_calls.calls[(r, src)] for src in range(cp)}
         rc = RingContext(
             transport=LoopbackTransport(r, kv_rows, mailbox, ring_keys),
             kernel=kernel,
-            calls=plans,
+            calls=calls,
             scale=scale,
             rider_dtype=rider_dtype(q.dtype, dkv_comm_dtype),
         )

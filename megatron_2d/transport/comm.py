@@ -1,4 +1,4 @@
-"""Communication helpers: the byte counter, the point-to-point exchanges of the K/V transports and the head group's
+"""Communication helpers: the byte counter, the point-to-point channels of the K/V transports and the head group's
 collectives.
 
     CommCounter       bytes this rank sent, by kind (all_to_all, inner_ring, outer_ring, neighbour)
@@ -142,7 +142,7 @@ class PendingTransfer:
 class RingChannel:
     """Send to the next rank and receive from the previous rank of one ring (one process group).
 
-    ``ring`` lists the ring's global ranks in ring order; ``position`` is this rank's place in it. One exchange
+    ``ring`` lists the ring's global ranks in ring order; ``position`` is this rank's place in it. One transfer
     per instance may be in flight; separate traffic (K/V vs dK/dV) uses separate instances and groups.
     """
 
@@ -150,7 +150,7 @@ class RingChannel:
         self, group: dist.ProcessGroup, ring: Sequence[int], position: int, counter: CommCounter, kind: str
     ) -> None:
         if len(ring) < 2:
-            raise ValueError(f"a ring exchange needs at least 2 ranks, got {list(ring)}")
+            raise ValueError(f"a ring channel needs at least 2 ranks, got {list(ring)}")
         self.group, self.kind, self.counter = group, kind, counter
         self.next_rank = ring[(position + 1) % len(ring)]
         self.prev_rank = ring[(position - 1) % len(ring)]
@@ -159,7 +159,7 @@ class RingChannel:
     def start(self, send: torch.Tensor, recv: torch.Tensor | None = None) -> PendingTransfer:
         """Post the send of ``send`` and the receive into ``recv`` (allocated if None); return at once."""
         if self._in_flight:
-            raise RuntimeError(f"{self.kind} exchange started while the previous one is still in flight")
+            raise RuntimeError(f"{self.kind} transfer started while the previous one is still in flight")
         if recv is None:
             recv = torch.empty_like(send)
         ops = [

@@ -1,12 +1,12 @@
 """The Double-Ring loop: it executes :func:`megatron_2d.layout.ring_schedule.double_ring_events`, the one description
 of the schedule (the planner replays the same events), for every ring variant, forward and backward.
 
-Notation: a context group of cp ranks is cut into W = cp / w inner rings of w ranks. A rank is (window, slot),
-context rank cr = window * w + slot. At round o, step t it holds the block of (window - o, slot - t).
-    w = cp: one window, a plain ring on the inner links;  w = 1: a plain ring on the outer links.
+Notation: a context group of cp ranks is cut into W = cp / w inner rings of w ranks. A rank is (ring, slot),
+context rank cr = ring * w + slot. At round o, step t it holds the block of (ring - o, slot - t).
+    w = cp: one inner ring, a plain ring on the inner links;  w = 1: a plain ring on the outer links.
 K/V blocks move on the inner and outer rings, each transfer posted before the compute it overlaps. Backward sends
 dK/dV "riders" with the blocks (see ring_schedule for when each is posted and awaited); a rider's last hop, from
-(window, slot) to its block's owner (window + 1, slot + 1), is a direct send over the context group, its receive
+(ring, slot) to its block's owner (ring + 1, slot + 1), is a direct send over the context group, its receive
 expected from the start. The own block's dK/dV stays home; K/V and riders move cp-1 times per rank.
 """
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class DoubleRing:
-    """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV exchanges, and the
+    """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV channels, and the
     last dK/dV hop (a :class:`~megatron_2d.transport.base.Transport`)."""
 
     kind: ClassVar[str] = "double_ring"
@@ -39,29 +39,29 @@ class DoubleRing:
         layout, place, counter = groups.layout, groups.place, groups.comm_bytes
         self.ring_keys = ring_keys
         self.cp, self.w, self.num_inner_rings = layout.context_size, layout.inner_ring_size, layout.num_inner_rings
-        self.window, self.slot = divmod(place.context_rank, self.w)
+        self.inner_ring, self.slot = divmod(place.context_rank, self.w)
 
-        def exchange(group, ranks, position, kind):
+        def channel(group, ranks, position, kind):
             return None if group is None else RingChannel(group, ranks, position, counter, kind)
 
-        self.inner_kv = exchange(groups.inner_kv_group, place.inner_ring_group, self.slot, "inner_ring")
-        self.inner_dkv = exchange(groups.inner_dkv_group, place.inner_ring_group, self.slot, "inner_ring")
-        self.outer_kv = exchange(groups.outer_kv_group, place.outer_ring_group, self.window, "outer_ring")
-        self.outer_dkv = exchange(groups.outer_dkv_group, place.outer_ring_group, self.window, "outer_ring")
+        self.inner_kv = channel(groups.inner_kv_group, place.inner_ring_group, self.slot, "inner_ring")
+        self.inner_dkv = channel(groups.inner_dkv_group, place.inner_ring_group, self.slot, "inner_ring")
+        self.outer_kv = channel(groups.outer_kv_group, place.outer_ring_group, self.inner_ring, "outer_ring")
+        self.outer_dkv = channel(groups.outer_dkv_group, place.outer_ring_group, self.inner_ring, "outer_ring")
         self.final_dkv = None
         if self.cp > 1:
             ranks, nw, w = place.context_group, self.num_inner_rings, self.w
-            dst = ((self.window + 1) % nw) * w + (self.slot + 1) % w
-            src = ((self.window - 1) % nw) * w + (self.slot - 1) % w
+            dst = ((self.inner_ring + 1) % nw) * w + (self.slot + 1) % w
+            src = ((self.inner_ring - 1) % nw) * w + (self.slot - 1) % w
             self.final_dkv = DirectChannel(
                 groups.context_dkv_group, ranks[dst], ranks[src], counter, f"{final_hop_link(self.cp, self.w)}_ring"
             )
 
     def source(self, outer_step: int, inner_step: int) -> int:
         """Context rank whose K/V this rank holds at (outer_step, inner_step)."""
-        window = (self.window - outer_step) % self.num_inner_rings
+        ring = (self.inner_ring - outer_step) % self.num_inner_rings
         slot = (self.slot - inner_step) % self.w
-        return window * self.w + slot
+        return ring * self.w + slot
 
     def run(self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """:meth:`~megatron_2d.transport.base.Transport.run`: visit every context rank's K/V block with ``compute``,
@@ -97,8 +97,7 @@ class _RingLoop:
 
     def post(self, channel: str, send: torch.Tensor, pool: BufferPool | None) -> None:
         """Post a transfer (into a buffer of ``pool``; None: into the buffer it expects)."""
-        exchange = getattr(self.ring, channel)
-        self.pending[channel] = exchange.start(send, None if pool is None else pool.get())
+        self.pending[channel] = getattr(self.ring, channel).start(send, None if pool is None else pool.get())
 
     def wait(self, channel: str):
         """(received, sent) of the channel's transfer in flight, once both have completed."""
