@@ -242,17 +242,17 @@ def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
 def expected_bytes(world, hp, w, hq, hkv, s_local, batch, d, elt):
     """Closed-form bytes one rank sends for one forward+backward (see megatron_2d.transport.double_ring for the
     schedule)."""
-    cp, windows = world // hp, world // hp // w
+    cp, nw = world // hp, world // hp // w
     heads_kv = math.lcm(hkv, hp)  # K/V heads after replication
     token_head_bytes = s_local * batch * d * elt
     # forward: q, k, v to heads and out back; backward: dout to heads, dq, dk, dv back
     a2a = (hp - 1) * token_head_bytes * (4 * hq + 4 * heads_kv) // hp
     kv_block = 2 * batch * (hp * s_local) * (heads_kv // hp) * d  # elements in one packed K/V block
-    inner_kv, outer_kv = windows * (w - 1), windows - 1  # sends per pass (forward, then backward)
+    inner_kv, outer_kv = nw * (w - 1), nw - 1  # sends per pass (forward, then backward)
     # dK/dV: the own block's stays home, so round 0's rider starts at step 1; the last hop is inner only at w = cp,
     # and with w = 1 round 0 carries nothing over the outer ring
-    inner_dkv = (windows - 1) * (w - 1) + max(w - 2, 0) + (1 if windows == 1 and w > 1 else 0)
-    outer_dkv = windows - (1 if w == 1 else 0) if windows > 1 else 0
+    inner_dkv = (nw - 1) * (w - 1) + max(w - 2, 0) + (1 if nw == 1 and w > 1 else 0)
+    outer_dkv = nw - (1 if w == 1 else 0) if nw > 1 else 0
     inner = 2 * inner_kv * kv_block * elt + inner_dkv * kv_block * 4
     outer = 2 * outer_kv * kv_block * elt + outer_dkv * kv_block * 4
     assert inner_kv + outer_kv == cp - 1 and inner_dkv + outer_dkv == cp - 1

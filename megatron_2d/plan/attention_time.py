@@ -10,8 +10,8 @@ Notation (per TP rank; every quantity is for one transformer layer and one rank 
     dk, dv   query/key and value head dims (d and d; MLA: dn + dr and dv, e.g. 192 and 128)
     r, dr    MLA's kv_lora_rank and rope dim: the latent ring carries r + dr values per token
     CP       context-parallel size = hp * cp
-    hp       head-parallel size (all-to-all group);  cp  context size (ring length);  w  window (inner ring)
-    nw       windows = cp / w (outer ring length)
+    hp       head-parallel size (all-to-all group);  cp  context size (ring length);  w  inner ring size
+    nw       inner rings = cp / w (outer ring length)
     L        K/V heads after replication = lcm(Hkvt, hp) (DeepSpeed-Ulysses repeats them to Ht);  a rank holds
              L/hp of them after the all-to-all
     s_loc    S/CP tokens per rank before the all-to-all;  s_ctx = S/cp tokens per rank inside the ring
@@ -238,7 +238,7 @@ def ring_times(work: LayerWork, links: LinkMap, cluster: ClusterSpec, cp: int, w
     ``work.dkv_bytes`` (fp32 for ours, bf16 for Transformer Engine).
     """
     kv, dkv = work.kv_bytes, work.dkv_bytes
-    last = final_hop_link(cp, w)  # the last hop (window, slot) -> (window + 1, slot + 1)
+    last = final_hop_link(cp, w)  # the last hop (ring, slot) -> (ring + 1, slot + 1)
     transfer = {
         "inner_kv": path_time(links.inner, kv, cluster),
         "outer_kv": path_time(links.outer, kv, cluster),

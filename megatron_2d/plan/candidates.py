@@ -65,7 +65,7 @@ def kind_kv_heads(kind: str, model: ModelSpec, parallel: ParallelSpec) -> int | 
 @dataclass(frozen=True)
 class Scheme:
     """One way to run attention over a CP group: ``kind`` with head-parallel size ``hp``, ring length ``cp``,
-    window ``w`` (w == cp: one ring, no outer ring) and ``placement`` of the ranks."""
+    inner ring size ``w`` (w == cp: one ring, no outer ring) and ``placement`` of the ranks."""
 
     kind: str
     hp: int
