@@ -39,13 +39,14 @@ RETIRED = {
     r"(?i)" + W + r"ring windows?" + E: "inner ring size",
     W + r"[Hh]ead exchange" + E: "head all-to-all",
 }
-SUFFIXES = (".py", ".md", ".toml", ".sh")
+SUFFIXES = (".py", ".md", ".toml", ".sh", ".sbatch", ".yaml", ".patch")
 
 
 def scanned_files(root: Path = REPO) -> list[Path]:
-    """The package, its tests, tools, docs, examples and README (this file, which lists the names, excepted)."""
-    found = [root / "README.md"]
-    for folder in ("megatron_2d", "tests", "tools", "docs", "examples"):
+    """The package, its tests, tools, docs, examples, patches, README and Makefile (this file excepted: it lists the
+    names)."""
+    found = [root / "README.md", root / "Makefile"]
+    for folder in ("megatron_2d", "tests", "tools", "docs", "examples", "patches"):
         found += [p for p in sorted((root / folder).rglob("*")) if p.is_file() and p.suffix in SUFFIXES]
     return [p for p in found if p.resolve() != THIS and "__pycache__" not in p.parts]
 
