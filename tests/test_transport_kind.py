@@ -40,7 +40,8 @@ def test_the_op_builds_each_kind_from_one_table():
     groups = virtual_groups(layout, 0)  # no process groups: transports whose construction posts nothing
     group_calls = context_calls(layout, 4, True, SlidingWindow(2, 0))
     assert type(transport_classes()["local"].for_routes(groups, KeyRoutes())) is LocalBlock
-    assert type(transport_classes()["neighbour"].for_routes(groups, KeyRoutes(keys=group_calls.keys))) is NeighbourExchange
+    neighbour = transport_classes()["neighbour"].for_routes(groups, KeyRoutes(keys=group_calls.keys))
+    assert type(neighbour) is NeighbourExchange
     ring = transport_classes()["double_ring"].for_routes(
         virtual_groups(Layout2D(2, 2, 1), 0), KeyRoutes(ring_keys=3)
     )  # cp 1: no hop
