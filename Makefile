@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_2d-installed
 
-.PHONY: install demo test test-fast lint bench pretrain-cpu pretrain-hybrid-cpu mutation fuzz gpu-check clean
+.PHONY: install demo test test-fast lint bench pretrain-cpu pretrain-hybrid-cpu mutation fuzz fuzz-megatron gpu-check clean
 install: $(STAMP)
 
 $(STAMP): tools/install.sh pyproject.toml megatron_2d/testing/flash_attn_package.py megatron_2d/testing/te_package.py
@@ -56,6 +56,14 @@ FUZZ_DRAWS ?= 2000
 FUZZ_SEED ?= 1000
 fuzz: $(STAMP)
 	$(PY) tools/fuzz_attention.py --draws $(FUZZ_DRAWS) --seed $(FUZZ_SEED)
+
+# Generated Megatron configurations (model x TP/PP x 2D layout x DP x model states x attention x data x recompute x
+# dtype) trained against CP=1 (CI runs a fixed budget in tests/test_generated_configs.py); every failure prints its
+# replay command, and the refused and skipped draws are counted by rule. FUZZ_MEGATRON_DRAWS=N FUZZ_MEGATRON_SEED=S.
+FUZZ_MEGATRON_DRAWS ?= 300
+FUZZ_MEGATRON_SEED ?= 1000
+fuzz-megatron: $(STAMP)
+	$(PY) tools/fuzz_megatron.py --draws $(FUZZ_MEGATRON_DRAWS) --seed $(FUZZ_MEGATRON_SEED)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

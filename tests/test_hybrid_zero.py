@@ -150,9 +150,11 @@ def run_all(rank, world):
     tg.init_parallel()
     ref_cfg = _model_config(1)
     ref_model = tg.build_tiny_gpt(ref_cfg)
+    reference = tg.train_steps(ref_model, ref_cfg, steps=STEPS, optimizer="adam", lr=LR)
     out = {
         "reference": {
-            "losses": tg.train_steps(ref_model, ref_cfg, steps=STEPS, optimizer="adam", lr=LR),
+            "losses": reference.losses,
+            "grad_norms": reference.grad_norms,
             "params": {n: p.detach().clone() for n, p in tg.canonical_parameters(ref_model).items()},
         }
     }
@@ -206,6 +208,15 @@ def test_gradient_norms_match_unsharded(results, name):
     assert all(g is not None and g > 0 for g in expected)
     actual = results[0][name]["grad_norms"]
     assert all(abs(a - e) / e < RTOL for a, e in zip(actual, expected)), (name, actual, expected)
+
+
+@pytest.mark.distributed
+def test_unsharded_gradient_norms_match_the_reference(results):
+    """Megatron's optimizer over unsharded DDP computes the norm of the single-process reference's gradients."""
+    expected = results[0]["reference"]["grad_norms"]
+    actual = results[0]["unsharded"]["grad_norms"]
+    assert len(actual) == len(expected) == STEPS
+    assert all(abs(a - e) / e < RTOL for a, e in zip(actual, expected)), (actual, expected)
 
 
 def _l2_relative(actual: torch.Tensor, expected: torch.Tensor) -> float:

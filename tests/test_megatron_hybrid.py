@@ -12,10 +12,12 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
 from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+from megatron_2d.testing.reference import TOLERANCES
 
 pytestmark = pytest.mark.megatron
 
@@ -128,10 +130,17 @@ def test_per_layer_settings_follow_megatron_hybrid_numbering(results, name):
 
 @pytest.mark.distributed
 def test_mamba_hybrid_trains_like_cp1(results):
+    """Three Adam steps (lr 1e-2) at CP=8 against CP=1: the losses within RTOL, the gradient norms within the table's
+    training bounds (iteration 1's, then the later ones': Adam turns the rounding-level differences of gradient
+    elements near zero into whole updates, so the later norms move further; docs/testing.md)."""
     actual, expected = results["train"], results["ref_train"]
-    assert expected[0] != expected[-1]
-    for a, e in zip(actual, expected):
+    tol = TOLERANCES[torch.float32].training
+    assert expected.losses[0] != expected.losses[-1]
+    for a, e in zip(actual.losses, expected.losses):
         assert abs(a - e) <= RTOL * abs(e), (actual, expected)
+    norm_errors = [abs(a - e) / e for a, e in zip(actual.grad_norms, expected.grad_norms)]
+    assert len(norm_errors) == 3 and norm_errors[0] <= tol.grad_norm, norm_errors
+    assert max(norm_errors[1:]) <= tol.later_grad_norm, norm_errors
 
 
 @pytest.mark.distributed

@@ -83,7 +83,8 @@ def config(cp_settings=None, packing="zigzag", **overrides):
 
 
 def run_model(model, local, params):
-    """Loss (sum over the CP group of masked per-token loss / masked tokens) and full gradients."""
+    """Loss (sum over the CP group of masked per-token loss / masked tokens), full gradients and the gradient norm
+    Megatron's optimizer computes."""
     model.zero_grad(set_to_none=True)
     per_token = model(
         input_ids=local["tokens"],
@@ -100,6 +101,7 @@ def run_model(model, local, params):
     return {
         "loss": tg.cp_sum(local_sum) / total,
         "grads": tg.full_gradients(model),
+        "grad_norm": tg.megatron_grad_norm(model),
         "per_token_finite": bool(torch.isfinite(per_token).all()),
     }
 

@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
 from .fields import NEEDS_2D, NEEDS_CHECKPOINT_PLUS, Fields2D, check_values, ignored_settings
+from .launch_checks import documents_layout_problem
 from .mla import check_mla_settings
 from .process_groups import group_registry
 from .settings import layer_comm_types, settings_from_config, uses_2d
@@ -34,6 +35,9 @@ class Checked2D(Fields2D):
                 )
         if uses_2d(self.cp_comm_type):
             check_values(self, NEEDS_2D)
+            problem = documents_layout_problem(self)
+            if problem:
+                raise ValueError(problem)
             check_mla_settings(self)
             settings_from_config(self)
             check_attention_settings(self)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -171,7 +172,9 @@ class CoreAttention2D(MegatronModule):
     def _init_softmax_offset(self, config, heads_per_partition: int) -> None:
         """Megatron's softmax_offset: zeros for "off-by-one" (a non-persistent buffer, so that ``.cuda()`` /
         ``.to()`` move it with the module and checkpoints do not carry it, as Megatron's own), a parameter of one
-        logit per local head for "learnable" (same name, so checkpoints and optimizers see the same key)."""
+        logit per local head for "learnable" (same name, so checkpoints and optimizers see the same key), marked
+        tensor-parallel along its heads (Megatron's DotProductAttention leaves it unmarked, so megatron-core 0.19.2
+        counts only TP rank 0's heads in the gradient norm)."""
         device = (
             torch.device("cpu")
             if config.use_cpu_initialization or not torch.cuda.is_available()
@@ -192,6 +195,9 @@ class CoreAttention2D(MegatronModule):
             )
             if config.perform_initialization:
                 self.softmax_offset = config.init_method(self.softmax_offset)
+            # one logit per head, split over TP with the heads: a tensor-parallel parameter (partition dim 0), so
+            # that the gradient norm counts every TP rank's share, not TP rank 0's alone as for a replicated one
+            tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         else:
             raise ValueError(
                 f"softmax_type {config.softmax_type!r} is not known to the 2d backend; choose one of "

@@ -35,7 +35,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..layout.hybrid_layers import MAMBA_EXPAND
 from .core_attention import CoreAttention2D
-from .launch_checks import check_current_launch, check_hybrid_layers
+from .launch_checks import check_current_launch, check_hybrid_layers, packing_mode
+from .per_sequence import SelfAttention2D
 from .process_groups import build_model_groups
 
 ATTENTION_SLOT = "attention_layer"
@@ -98,7 +99,28 @@ class HybridStack2D(HybridStack):
         if core_attention is not None:
             pg_collection = kwargs.get("pg_collection")
             build_model_groups(config, getattr(pg_collection, "cp", None), **core_attention.params)
+            if packing_mode(config) == "sequence":
+                submodules = per_sequence_attention(submodules)
         super().__init__(config, submodules, *args, **kwargs)
+
+
+def per_sequence_attention(submodules):
+    """A copy of hybrid stack ``submodules`` whose attention layer's self attention is :class:`SelfAttention2D`
+    (RoPE at each token's position in its document), as the GPT spec chooses it for Megatron's per-sequence split of
+    packed documents (--dataloader-inter-document-masking): Megatron's own THD RoPE assumes the per-document split
+    and cannot place these tokens."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    submodules = copy_spec(submodules)
+    attention = getattr(submodules, ATTENTION_SLOT).submodules.self_attention
+    if attention.module is not SelfAttention:
+        raise ValueError(
+            f"Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking) needs the "
+            f"hybrid attention layer's self attention to be Megatron's SelfAttention (megatron_2d replaces it with "
+            f"SelfAttention2D); this spec's is {getattr(attention.module, '__name__', attention.module)}"
+        )
+    attention.module = SelfAttention2D
+    return submodules
 
 
 def core_attention_spec(submodules) -> ModuleSpec | None:

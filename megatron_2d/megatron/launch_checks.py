@@ -14,8 +14,10 @@ Model-level settings are validated by ``settings_from_config`` (hp, window, plac
 settings by :mod:`.attention_settings` (dropout among them) and MLA's by :func:`.mla.check_mla_settings`; this module
 covers what only the command line knows (how the data is packed, :func:`packing_mode`; whether the loss would be
 normalised per CP rank over uneven loss masks, :func:`loss_scaling_problem`; a hybrid model's layer pattern; a ready
-spec under a pipeline layout with empty stages, :func:`ready_spec_pipeline_problem`) and the hybrid layers' needs of
-the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at construction). They run before any
+spec under a pipeline layout with empty stages, :func:`ready_spec_pipeline_problem`; compositions of Megatron's own
+options that megatron-core 0.19.2 cannot start, :func:`megatron_composition_problems`), the hybrid layers' needs of
+the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at construction) and what the documents
+layout's data path can run (:func:`documents_layout_problem`, also run by ``TransformerConfig2D``). They run before any
 collective of the library: the model's 2D groups are built after them, at its construction
 (:mod:`.process_groups`).
 """
@@ -62,10 +64,78 @@ def check_launch_args(args) -> None:
             f"or the documents layout of megatron_2d.megatron.packed_data, see "
             f"examples/pretrain_gpt_2d.py)"
         )
-    checks = (chosen_mode(args).launch_problem, loss_scaling_problem, ready_spec_pipeline_problem)
-    for problem in (check(args) for check in checks):
+    checks = (
+        chosen_mode(args).launch_problem,
+        loss_scaling_problem,
+        ready_spec_pipeline_problem,
+        documents_layout_problem,
+    )
+    problems = [check(args) for check in checks] + megatron_composition_problems(args)
+    for problem in problems:
         if problem:
             raise ValueError(problem)
+
+
+def documents_layout_problem(config) -> str | None:
+    """Why the documents layout (``cp_2d_packing="documents"``) cannot run with ``config`` (a TransformerConfig or
+    megatron.training's args: the same names), or None. Its data path
+    (:func:`megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank`) lays each micro-batch out afresh, so
+    every CP rank holds as many slots as the fullest one needs that batch: not the fixed [seq_length / CP] tensors
+    Megatron's pipeline schedule sends between stages, and a stage without attention has no layout to build."""
+    if fields_2d(config).cp_2d_packing != "documents" or getattr(config, "context_parallel_size", 1) == 1:
+        return None
+    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1:
+        return (
+            f"cp_2d_packing='documents' (--cp-2d-packing documents) runs with pipeline_model_parallel_size 1 only, "
+            f"not {pp}: the documents layout gives every micro-batch its own number of tokens per CP rank, and "
+            f"Megatron's pipeline schedule sends fixed [seq_length / CP] activations between stages; use "
+            f"cp_2d_packing='zigzag' (--sft batches, Megatron's per-document split) with pipeline parallelism"
+        )
+    return None
+
+
+def megatron_composition_problems(args) -> list[str]:
+    """What megatron-core 0.19.2 itself cannot start in this launch, found before it fails deep inside (an einops
+    error in megatron-fsdp, an assertion in initialize_model_parallel), with what would work. ``args``:
+    megatron.training's parsed arguments."""
+    problems = []
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if getattr(args, "use_megatron_fsdp", False) and pp > 1:
+        problems.append(
+            f"--use-megatron-fsdp with --pipeline-model-parallel-size {pp}: megatron-core 0.19.2's megatron-fsdp "
+            f"lays its device mesh over the data-parallel x tensor-parallel ranks of the whole world "
+            f"(mcore_fsdp_adapter._get_dp_tp_mesh), which has no room for pipeline stages, and fails when it wraps "
+            f"the model; use --pipeline-model-parallel-size 1 with megatron-fsdp, or the distributed optimizer "
+            f"(--use-distributed-optimizer, Hybrid ZeRO's 'optimizer' choice) with pipeline parallelism"
+        )
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if (
+        instances > 1
+        and pp > 1
+        and getattr(args, "use_distributed_optimizer", False)
+        and not getattr(args, "use_megatron_fsdp", False)
+        and getattr(args, "overlap_grad_reduce", False)
+        and getattr(args, "align_grad_reduce", True)
+    ):
+        problems.append(
+            f"--num-distributed-optimizer-instances {instances} (partial sharding of the distributed optimizer, "
+            f"Hybrid ZeRO's shard_size < dp x cp) with --overlap-grad-reduce and --pipeline-model-parallel-size "
+            f"{pp}: megatron-core 0.19.2 reduces the first iteration's gradients twice there (the pipeline schedule "
+            f"starts each bucket's reduction through --align-grad-reduce's grad_sync_func, and with several "
+            f"instances that reduction is synchronous, so finish_grad_sync does not see it and starts it again), "
+            f"a wrong first update; add --no-align-grad-reduce, or drop --overlap-grad-reduce, or shard over all "
+            f"dp x cp ranks (--num-distributed-optimizer-instances 1)"
+        )
+    if getattr(args, "use_tp_pp_dp_mapping", False) and pp > 1 and cp > 1:
+        problems.append(
+            f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp} and --context-parallel-size {cp}: "
+            f"megatron-core 0.19.2's initialize_model_parallel builds the experts' rank grid without CP, so under "
+            f"the tp-cp-ep-pp-dp order their data-parallel size (dp x {cp}) differs from the data-parallel size (dp) "
+            f"and it asserts; drop --use-tp-pp-dp-mapping (Megatron's default tp-cp-ep-dp-pp order)"
+        )
+    return problems
 
 
 UNEVEN_LOSS_MASK_FLAGS: tuple[tuple[str, str], ...] = (("--sft", "sft"), ("--eod-mask-loss", "eod_mask_loss"))

@@ -157,7 +157,8 @@ def token_weighted_loss(loss_func: Callable, cp_group, per_token_loss: bool) -> 
 
 
 class DocumentRotaryEmbedding(torch.nn.Module):
-    """The model's RotaryEmbedding, reading each token's position in its document from PackedSeqParams2D.
+    """The model's RotaryEmbedding (or YarnRotaryEmbedding), reading each token's position in its document from
+    PackedSeqParams2D.
 
     GPTModel asks ``get_rotary_seq_len(..., packed_seq_params)`` and then calls the module for the table; with
     ``rope_positions`` present the table is the base embedding at those positions (laid out as
@@ -187,16 +188,25 @@ class DocumentRotaryEmbedding(torch.nn.Module):
         if positions is None:
             return self.base(max_seq_len, offset, packed_seq, cp_group)
         # positions < the longest document <= T <= max_seq_len (= CP * t_local): no read of the positions needed
-        emb = self.base.get_emb(max_seq_len)  # [max_seq_len, 1, 1, dim]
+        emb = self.base.get_emb(max_seq_len)  # [max_seq_len, 1, 1, dim]; YaRN: (that table, its mscale)
+        if isinstance(emb, tuple):
+            table, mscale = emb
+            return table.index_select(0, positions.to(table.device)), mscale
         return emb.index_select(0, positions.to(emb.device))  # [CP * t_local, 1, 1, dim]
 
 
+ROTARY_TYPES = ("rope", "yarn")
+"""The position embeddings whose tables :class:`DocumentRotaryEmbedding` reads at document positions."""
+
+
 def use_document_positions(model) -> Any:
-    """Make ``model`` (a GPTModel with RoPE) apply RoPE at document positions for PackedSeqParams2D batches."""
-    if not hasattr(model, "rotary_pos_emb") or getattr(model, "position_embedding_type", None) != "rope":
+    """Make ``model`` (a GPTModel or HybridModel with RoPE or YaRN) apply its rotary embedding at document positions
+    for PackedSeqParams2D batches."""
+    if not hasattr(model, "rotary_pos_emb") or getattr(model, "position_embedding_type", None) not in ROTARY_TYPES:
         raise ValueError(
-            "the documents layout's data path supports RoPE models (position_embedding_type='rope'); "
-            "learned absolute positions would read position_ids, which it also provides"
+            f"the documents layout's data path supports rotary models (position_embedding_type one of "
+            f"{list(ROTARY_TYPES)}), not {getattr(model, 'position_embedding_type', None)!r}; learned absolute "
+            f"positions would read position_ids, which it also provides"
         )
     if not isinstance(model.rotary_pos_emb, DocumentRotaryEmbedding):
         model.rotary_pos_emb = DocumentRotaryEmbedding(model.rotary_pos_emb, model.config)

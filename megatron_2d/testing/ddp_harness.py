@@ -43,10 +43,11 @@ def init_parallel(
     )
 
 
-def wrap_model(model: torch.nn.Module, ddp_config) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, ddp_config, disable_bucketing: bool = False) -> torch.nn.Module:
     """Megatron's ``DistributedDataParallel``, or megatron-fsdp's ``FullyShardedDataParallel`` when
     ``ddp_config.use_megatron_fsdp``, around ``model`` on the CPU; sets the config hooks Megatron-LM's training
-    loop sets (``no_sync_func``, ``finalize_model_grads_func``)."""
+    loop sets (``no_sync_func``, ``finalize_model_grads_func``). ``disable_bucketing``: as Megatron-LM passes it
+    for every virtual pipeline chunk but the first."""
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
     with megatron_ddp_on_cpu():
@@ -55,21 +56,36 @@ def wrap_model(model: torch.nn.Module, ddp_config) -> torch.nn.Module:
 
             wrapped = FullyShardedDataParallel(model.config, ddp_config, model, device=torch.device("cpu"))
         else:
-            wrapped = DistributedDataParallel(model.config, ddp_config, model)
+            wrapped = DistributedDataParallel(model.config, ddp_config, model, disable_bucketing=disable_bucketing)
     wrapped.config.no_sync_func = wrapped.no_sync
     wrapped.config.finalize_model_grads_func = finalize_model_grads
     return wrapped
 
 
-def build_optimizer(wrapped: torch.nn.Module, optimizer_config):
-    """``get_megatron_optimizer`` for one wrapped model chunk (no gloo side groups: gloo is the default backend)."""
+def wrap_chunks(chunks: Sequence[torch.nn.Module], ddp_config) -> list[torch.nn.Module]:
+    """:func:`wrap_model` on each model chunk (virtual pipeline stages), bucketing the first only, and the config
+    hooks Megatron-LM sets for several chunks (one ``no_sync`` over all of them)."""
+    wrapped = [wrap_model(chunk, ddp_config, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    config = wrapped[0].config  # one config object for every chunk
+    if len(wrapped) > 1:
+        config.no_sync_func = [c.no_sync for c in wrapped]
+    if ddp_config.overlap_grad_reduce:  # Megatron-LM's --align-grad-reduce (its default)
+        grad_sync = [c.start_grad_sync for c in wrapped]
+        config.grad_sync_func = grad_sync if len(wrapped) > 1 else grad_sync[0]
+    return wrapped
+
+
+def build_optimizer(wrapped: torch.nn.Module | Sequence[torch.nn.Module], optimizer_config):
+    """``get_megatron_optimizer`` for the wrapped model chunk(s) (no gloo side groups: gloo is the default
+    backend)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
+    chunks = list(wrapped) if isinstance(wrapped, Sequence) else [wrapped]
     with megatron_ddp_on_cpu():
-        return get_megatron_optimizer(optimizer_config, [wrapped], use_gloo_process_groups=False)
+        return get_megatron_optimizer(optimizer_config, chunks, use_gloo_process_groups=False)
 
 
-def _per_token_loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor):
+def per_token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor):
     """Megatron's 3-tuple loss contract: (sum of masked per-token loss, tokens, report)."""
     local_sum = (per_token.float() * loss_mask).sum()
     return local_sum, loss_mask.sum().to(torch.int), {"local_sum": local_sum.detach().clone()}
@@ -82,7 +98,7 @@ def _forward_step(data_iterator, model):
     output = model(
         input_ids=local["tokens"], position_ids=local["position_ids"], attention_mask=None, labels=local["labels"]
     )  # [b, s/cp]
-    return output, functools.partial(_per_token_loss_func, local["loss_mask"])
+    return output, functools.partial(per_token_loss, local["loss_mask"])
 
 
 def data_parallel_share(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -97,38 +113,59 @@ def data_parallel_share(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
 
 
+def schedule_step(
+    chunks: Sequence[torch.nn.Module],
+    optimizer,
+    forward_step,
+    microbatches: Sequence[Any],
+    seq_length: int,
+    micro_batch_size: int,
+    before_step=None,
+) -> tuple[list[dict], float | None]:
+    """One Megatron training step: ``microbatches`` (this DP rank's) through ``get_forward_backward_func()`` on the
+    wrapped model chunks (each chunk reads its own iterator over them), which calls ``finalize_model_grads``; then
+    ``before_step()`` if given (the reduced gradients are in place) and ``optimizer.step()``. Returns the loss
+    reports of this rank (the last pipeline stage's; empty elsewhere) and the gradient norm the optimizer reports
+    (None unless ``clip_grad`` > 0), equal on every rank."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    with megatron_ddp_on_cpu():
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        iterators = [iter(microbatches) for _ in chunks]
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=list(chunks),
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
+        if before_step is not None:
+            before_step()
+        _, grad_norm, _ = optimizer.step()
+    return list(reports), None if grad_norm is None else float(grad_norm)
+
+
 def train_step(wrapped: torch.nn.Module, optimizer, batch: dict[str, torch.Tensor], seq_length: int) -> dict[str, Any]:
     """One Megatron training step on a full (unsharded) batch: this DP rank's samples, zigzag-sharded over CP, one
-    micro-batch through ``get_forward_backward_func()`` (which calls ``finalize_model_grads``), then
-    ``optimizer.step()``. The model config must have ``calculate_per_token_loss=True`` so the gradient is that of
-    sum(masked per-token loss) / (tokens in the global batch).
+    micro-batch through :func:`schedule_step`. The model config must have ``calculate_per_token_loss=True`` so the
+    gradient is that of sum(masked per-token loss) / (tokens in the global batch).
 
     Returns ``loss`` (the global-batch mean, before the update) and ``grad_norm`` (as the optimizer reports it;
     None unless ``clip_grad`` > 0), equal on every rank.
     """
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     mine = data_parallel_share(batch)
-    with megatron_ddp_on_cpu():
-        wrapped.zero_grad_buffer()
-        optimizer.zero_grad()
-        reports = get_forward_backward_func()(
-            forward_step_func=_forward_step,
-            data_iterator=iter([mine]),
-            model=[wrapped],
-            num_microbatches=1,
-            seq_length=seq_length,
-            micro_batch_size=mine["tokens"].shape[0],
-            forward_only=False,
-        )
-        _, grad_norm, _ = optimizer.step()
+    reports, grad_norm = schedule_step(
+        [wrapped], optimizer, _forward_step, [mine], seq_length, micro_batch_size=mine["tokens"].shape[0]
+    )
     local_sum = reports[0]["local_sum"]
     dist.all_reduce(local_sum, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return {
-        "loss": float(local_sum / batch["loss_mask"].sum()),
-        "grad_norm": None if grad_norm is None else float(grad_norm),
-    }
+    return {"loss": float(local_sum / batch["loss_mask"].sum()), "grad_norm": grad_norm}
 
 
 def full_parameters(wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -140,6 +177,80 @@ def full_parameters(wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
         if wrapped.ddp_config.use_distributed_optimizer:
             wrapped.start_param_sync(force_sync=True)
     return {name: p.detach().clone() for name, p in canonical_parameters(wrapped.module).items()}
+
+
+def full_gradients(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Every gradient of the wrapped model chunks after a step's reduction (call it between ``finalize_model_grads``
+    and ``optimizer.step()``, e.g. as :func:`schedule_step`'s ``before_step``), by canonical name, gathered to its
+    full shape: over the shard group (distributed optimizer: each bucket's reduce-scattered shards; megatron-fsdp:
+    each grad buffer's shards), over TP and over the pipeline stages. Collective over the world."""
+    from megatron_2d.testing.tiny_gpt import gather_over_tensor_parallel, merge_over_pipeline
+
+    local: dict[str, torch.Tensor] = {}
+    for wrapped in chunks:
+        with megatron_ddp_on_cpu():
+            grads = _fsdp_gradients(wrapped) if wrapped.ddp_config.use_megatron_fsdp else _ddp_gradients(wrapped)
+        local.update(gather_over_tensor_parallel(grads))
+    return merge_over_pipeline(local)
+
+
+def unwrapped(wrapped: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / megatron-fsdp and Float16Module."""
+    module = wrapped.module
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _ddp_gradients(wrapped) -> dict[str, tuple[torch.Tensor, torch.nn.Parameter]]:
+    """{canonical name: (full-over-DP main_grad, param)} of a DDP-wrapped chunk; the distributed optimizer's shards
+    are all-gathered into their grad buffers first (their other slots are scratch space after a reduce-scatter)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    from megatron_2d.testing.tiny_gpt import canonical_parameters
+
+    if wrapped.ddp_config.use_distributed_optimizer:
+        for group in wrapped.bucket_groups + wrapped.expert_parallel_bucket_groups:
+            size = group.intra_distributed_optimizer_instance_size
+            for bucket in group.buckets:
+                shard = shard_buffer(bucket.grad_data, size)[group.intra_distributed_optimizer_instance_rank].clone()
+                dist.all_gather_into_tensor(
+                    bucket.grad_data, shard, group=group.intra_distributed_optimizer_instance_group
+                )
+    return {
+        name: (p.main_grad.detach().float().clone(), p) for name, p in canonical_parameters(unwrapped(wrapped)).items()
+    }
+
+
+def _fsdp_gradients(wrapped) -> dict[str, tuple[torch.Tensor, torch.nn.Parameter]]:
+    """{canonical name: (full-over-DP gradient, param)} of a megatron-fsdp-wrapped chunk: each parameter group's
+    main-grad buffer, its shards all-gathered over the buffer's group where it is sharded."""
+    from megatron_2d.testing.tiny_gpt import canonical_name
+
+    buffer = wrapped.param_and_grad_buffer
+    model = unwrapped(wrapped)
+    out: dict[str, tuple[torch.Tensor, torch.nn.Parameter]] = {}
+    gathered: dict[int, torch.Tensor] = {}  # id(grad buffer) -> its whole bucket
+    for name, param in buffer.optimizer_named_parameters:
+        orig = param.orig_param
+        group = buffer.parameter_groups[buffer.param_to_param_group[orig]]
+        gbuf = group.main_grad_buffer
+        if gbuf is None:
+            continue
+        if id(gbuf) not in gathered:
+            if gbuf.is_data_distributed:  # equal shards (megatron-fsdp pads the bucket)
+                shard = gbuf.get_shard_from_local_buffer().detach().clone()
+                parts = [torch.empty_like(shard) for _ in range(gbuf.dp_world_size)]
+                dist.all_gather(parts, shard, group=gbuf.data_parallel_group)
+                gathered[id(gbuf)] = torch.cat(parts)
+            else:
+                gathered[id(gbuf)] = gbuf.data
+        index = gbuf.item_index_map[gbuf.param_idx[orig]]
+        start = index.global_data_index - gbuf.bucket_index.global_data_index
+        local_shape = orig.to_local().shape if hasattr(orig, "to_local") else orig.shape
+        grad = gathered[id(gbuf)][start : start + index.size].view(local_shape).float().clone()
+        out[canonical_name(model, name.removeprefix("module."))] = (grad, orig)
+    return out
 
 
 def reduced_gradient_shards(wrapped: torch.nn.Module) -> list[torch.Tensor]:
@@ -245,6 +356,7 @@ __all__ = [
     "CPU_DDP_CONFIG_OVERRIDES",
     "build_optimizer",
     "data_parallel_share",
+    "full_gradients",
     "full_parameters",
     "init_parallel",
     "install_megatron_ddp_cpu_shims",
@@ -252,7 +364,11 @@ __all__ = [
     "model_state_bytes",
     "optimizer_main_params",
     "optimizer_state_tensors",
+    "per_token_loss",
     "reduced_gradient_shards",
+    "schedule_step",
     "train_step",
+    "unwrapped",
+    "wrap_chunks",
     "wrap_model",
 ]

@@ -46,7 +46,7 @@ def train(rank, world, args, context_parallel: bool):
     attention = next(m for m in model.modules() if isinstance(m, CoreAttention2D))
     counter = attention.groups.comm_bytes  # shared by all layers
     counter.reset()
-    losses = tg.train_steps(model, cfg, steps=args.steps, optimizer="adam", lr=args.lr)
+    losses = tg.train_steps(model, cfg, steps=args.steps, optimizer="adam", lr=args.lr).losses
     per_step = {kind: n // args.steps for kind, n in counter.as_dict().items()}
     return losses, per_step
 

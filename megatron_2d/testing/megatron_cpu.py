@@ -19,7 +19,7 @@ Shims (see each function):
   7. ``cuda_to_cpu()`` TorchFunctionMode     pipeline schedules hard-code ``device="cuda"`` (inside the block).
   8. megatron DDP / distributed optimizer / megatron-fsdp on gloo (``install_megatron_ddp_cpu_shims()``,
      ``megatron_ddp_on_cpu()``): 8a CUDA streams and events, 8b CPU device meshes, 8c inside the block only:
-     integer devices -> cpu, CUDA tensor type names, ``current_device() == 0``.
+     integer devices -> cpu, CUDA tensor type names, ``current_device() == 0``; 8d the CUDA generator's state.
 
 The tiny-GPT harness does not wrap the model in megatron's DistributedDataParallel: it sums gradients over the
 CP group itself, as DDP's dp_cp all-reduce would (the tests of DDP itself use shims 8).
@@ -331,7 +331,10 @@ def install_megatron_cpu_shims(import_training: bool = False) -> None:
 #  8b. DeviceMesh.from_group(device_type="cuda") builds a CPU mesh (megatron-fsdp's DTensor meshes).
 #  8c. Inside megatron_ddp_on_cpu() only: cuda/integer devices -> cpu (CudaToCpuMode), Tensor.type() answers with
 #  CUDA type names (megatron's optimizers accept only torch.cuda.*Tensor params), torch.cuda.current_device()
-#  returns 0 (megatron-fsdp formats it into "cuda:N").
+#  returns 0 (megatron-fsdp formats it into "cuda:N") where the mode is active (not in backward: the autograd
+#  engine runs it without the caller's modes, and there it stays the cpu device of shim 2).
+#  8d. torch.cuda.get_rng_state / set_rng_state read and set a CPU generator standing in for the CUDA one, which
+#  nothing draws from on CPU ranks: megatron-fsdp copies TP rank 0's RNG states to the other TP ranks at wrapping.
 #  Config, not a shim: gloo has no ReduceOp.PREMUL_SUM, so megatron-fsdp runs with
 #  gradient_reduce_div_fusion=False (CPU_DDP_CONFIG_OVERRIDES).
 # --------------------------------------------------------------------------------------------------
@@ -412,6 +415,14 @@ def _current_stream(device=None) -> CpuStream:
     return _DEFAULT_STREAM
 
 
+_CUDA_GENERATOR_STAND_IN = torch.Generator()
+
+
+def _install_cuda_rng_state_shims() -> None:
+    torch.cuda.get_rng_state = lambda device="cuda": _CUDA_GENERATOR_STAND_IN.get_state()  # type: ignore[assignment]
+    torch.cuda.set_rng_state = lambda state, device="cuda": _CUDA_GENERATOR_STAND_IN.set_state(state)  # type: ignore
+
+
 def _install_stream_shims() -> None:
     torch.cuda.Stream = CpuStream  # type: ignore[misc, assignment]
     torch.cuda.Event = CpuEvent  # type: ignore[misc, assignment]
@@ -477,7 +488,15 @@ def megatron_ddp_on_cpu() -> Iterator[None]:
     """
     install_megatron_ddp_cpu_shims()
     saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+
+    def current_device():
+        # 0 where the mode maps integer devices to cpu; the autograd engine runs backward (recomputes, TP
+        # collectives' backward) without the caller's torch-function modes, so there it is shim 2's cpu device
+        if any(isinstance(m, MegatronDDPOnCpuMode) for m in torch.overrides._get_current_function_mode_stack()):
+            return 0
+        return saved()
+
+    torch.cuda.current_device = current_device  # type: ignore[assignment]
     try:
         with MegatronDDPOnCpuMode():
             yield
@@ -486,12 +505,13 @@ def megatron_ddp_on_cpu() -> Iterator[None]:
 
 
 def install_megatron_ddp_cpu_shims() -> None:
-    """Apply ``install_megatron_cpu_shims`` and shims 8a, 8b (idempotent; refuses where CUDA is available)."""
+    """Apply ``install_megatron_cpu_shims`` and shims 8a, 8b, 8d (idempotent; refuses where CUDA is available)."""
     global _DDP_INSTALLED
     install_megatron_cpu_shims()
     if not _DDP_INSTALLED:
         _install_stream_shims()
         _install_device_mesh_shim()
+        _install_cuda_rng_state_shims()
         _DDP_INSTALLED = True
 
 

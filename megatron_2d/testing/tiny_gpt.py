@@ -175,17 +175,19 @@ def local_spec_with_core_attention(core_attention: Any | None = None, **spec_kwa
     return spec
 
 
+def canonical_name(model: torch.nn.Module, name: str) -> str:
+    """The name parameter ``name`` of ``model`` (one pipeline stage or virtual chunk) has in the PP=1 model: its
+    decoder layer index made global (``decoder.layers.<layer_number - 1>``)."""
+    match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if not match:
+        return name
+    layers = model.decoder.layers
+    return f"decoder.layers.{layers[int(match.group(1))].layer_number - 1}.{match.group(2)}"
+
+
 def canonical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Parameters keyed by the name they have in the PP=1 model (global decoder layer indices)."""
-    layers = model.decoder.layers if getattr(model, "decoder", None) is not None else []
-    out: dict[str, torch.nn.Parameter] = {}
-    for name, param in model.named_parameters():
-        match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
-        if match:
-            global_index = layers[int(match.group(1))].layer_number - 1
-            name = f"decoder.layers.{global_index}.{match.group(2)}"
-        out[name] = param
-    return out
+    return {canonical_name(model, name): param for name, param in model.named_parameters()}
 
 
 def _is_tp_sharded(param: torch.Tensor) -> bool:
@@ -230,16 +232,19 @@ def reset_parameters_deterministically(model: torch.nn.Module, seed: int) -> Non
 def build_tiny_gpt(
     cfg: TinyGPTConfig,
     layer_spec: ModuleSpec | None = None,
+    config: TransformerConfig | None = None,
     vp_stage: int | None = None,
 ) -> GPTModel:
-    """Build the tiny GPTModel for this rank's PP stage, with layout-independent weights.
+    """Build the tiny GPTModel for this rank's PP stage (virtual stage ``vp_stage`` under interleaved PP), with
+    layout-independent weights.
 
     ``layer_spec`` defaults to ``get_gpt_layer_local_spec()``; use ``local_spec_with_core_attention``
-    to plug in a core attention. Embeddings and output layer are untied (no embedding group needed
-    under PP). ``vp_stage``: the model chunk of this virtual pipeline stage (interleaved schedule: parallel
-    state and ``cfg`` with virtual_pipeline_model_parallel_size; build one chunk per stage).
+    to plug in a core attention. ``config``: the TransformerConfig to build from, made from ``cfg`` when None (pass
+    the one a spec function was given, as Megatron's builder does). Embeddings and output layer are untied (no
+    embedding group needed under PP). ``vp_stage``: the model chunk of this virtual pipeline stage (interleaved
+    schedule: parallel state and ``cfg`` with virtual_pipeline_model_parallel_size; build one chunk per stage).
     """
-    config = make_transformer_config(cfg)
+    config = make_transformer_config(cfg) if config is None else config
     spec = layer_spec if layer_spec is not None else get_gpt_layer_local_spec()
     torch.manual_seed(cfg.seed)  # torch 2.13 seeds processes differently; megatron draws first
     virtual = dict(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
@@ -316,16 +321,13 @@ def all_reduce_grads_over_cp(model: torch.nn.Module) -> None:
             dist.all_reduce(param.grad, group=group)
 
 
-def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This stage's gradients keyed by canonical name, gathered over TP into unsharded tensors.
-
-    Call after ``all_reduce_grads_over_cp``. Parameters without a gradient get zeros.
-    """
+def gather_over_tensor_parallel(grads: dict[str, tuple[torch.Tensor, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """{name: (this TP rank's tensor, its parameter)} -> {name: the tensor at the parameter's full shape},
+    TP-sharded ones all-gathered over the TP group along their partition dim (the same names on every TP rank)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     out: dict[str, torch.Tensor] = {}
-    for name, param in canonical_parameters(model).items():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+    for name, (grad, param) in grads.items():
         grad = grad.detach().contiguous()
         if _is_tp_sharded(param):
             parts = [torch.empty_like(grad) for _ in range(tp)]
@@ -335,12 +337,38 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _merge_over_pp(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's gradients keyed by canonical name, gathered over TP into unsharded tensors.
+
+    Call after ``all_reduce_grads_over_cp``. Parameters without a gradient get zeros.
+    """
+    return gather_over_tensor_parallel(
+        {
+            name: (param.grad if param.grad is not None else torch.zeros_like(param), param)
+            for name, param in canonical_parameters(model).items()
+        }
+    )
+
+
+def full_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """This stage's parameters by canonical name, with their full (TP-unsharded) shapes."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in canonical_parameters(model).items():
+        shape = list(param.shape)
+        if _is_tp_sharded(param):
+            shape[param.partition_dim] *= tp
+        out[name] = tuple(shape)
+    return out
+
+
+def merge_over_pipeline(local: dict[str, Any]) -> dict[str, Any]:
+    """The union of every pipeline stage's ``local`` dict (collective over the PP group)."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return local
     gathered: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(gathered, local, group=parallel_state.get_pipeline_model_parallel_group())
-    merged: dict[str, torch.Tensor] = {}
+    merged: dict[str, Any] = {}
     for part in gathered:
         merged.update(part)
     return merged
@@ -380,7 +408,8 @@ def forward_backward(model: GPTModel, batch: Batch) -> dict[str, Any]:
     Returns, identical on every rank:
       ``loss``           sum(per-token loss * mask) / mask.sum() over the full batch (0-dim tensor);
       ``per_token_loss`` ``[b, s]`` in full sequence order;
-      ``grads``          {canonical name: full gradient of ``loss``}, summed over CP, gathered over TP.
+      ``grads``          {canonical name: full gradient of ``loss``}, summed over CP, gathered over TP;
+      ``grad_norm``      the gradient norm Megatron's optimizer computes (:func:`megatron_grad_norm`).
     """
     if parallel_state.get_pipeline_model_parallel_world_size() != 1:
         raise ValueError("forward_backward needs PP=1; use pipeline_forward_backward")
@@ -393,7 +422,37 @@ def forward_backward(model: GPTModel, batch: Batch) -> dict[str, Any]:
         "loss": cp_sum(local_sum) / num_tokens,
         "per_token_loss": _gather_cp_sequence(per_token, seq_dim=1),
         "grads": full_gradients(model),
+        "grad_norm": megatron_grad_norm(model),
     }
+
+
+def megatron_grad_norm(model: torch.nn.Module | Sequence[torch.nn.Module]) -> float:
+    """The L2 norm of ``model``'s gradients (a model, or its virtual pipeline chunks; summed over CP already) as
+    Megatron's optimizer computes it for clipping: its own filter (no shared parameters, no tensor-parallel
+    duplicates) and ``get_grad_norm_fp32`` over the model-parallel group. A parameter with wrong TP attributes (a
+    TP-sharded one counted on TP rank 0 only, a replicated one on every TP rank) changes it at TP > 1; the same on
+    every rank."""
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+    from megatron.core.transformer.module import param_is_not_shared
+
+    grads = [
+        p.grad.float()
+        for chunk in (model if isinstance(model, Sequence) else [model])
+        for p in chunk.parameters()
+        if p.grad is not None and param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
+    ]
+    with cuda_to_cpu():
+        norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+    return float(norm)
+
+
+@dataclass
+class TrainedSteps:
+    """What :func:`train_steps` saw: each step's loss (before its update) and its gradient norm (Megatron's)."""
+
+    losses: list[float]
+    grad_norms: list[float]
 
 
 def train_steps(
@@ -402,16 +461,17 @@ def train_steps(
     steps: int = 3,
     optimizer: str = "adam",
     lr: float = 1e-2,
-) -> list[float]:
+) -> TrainedSteps:
     """Train ``steps`` steps on ``synthetic_batch(cfg, step)`` with a torch.optim optimizer
-    ("sgd" or "adam"), gradients summed over CP; returns each step's loss (before its update)."""
+    ("sgd" or "adam"), gradients summed over CP; returns each step's loss (before its update) and the gradient
+    norm Megatron's optimizer would compute (:func:`megatron_grad_norm`)."""
     if optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     elif optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     else:
         raise ValueError(f"optimizer must be 'sgd' or 'adam', not {optimizer!r}")
-    losses = []
+    run = TrainedSteps([], [])
     for step in range(steps):
         batch = synthetic_batch(cfg, step)
         opt.zero_grad(set_to_none=True)
@@ -419,9 +479,10 @@ def train_steps(
         local_sum, _ = _local_loss(model, batch)
         (local_sum / num_tokens).backward()
         all_reduce_grads_over_cp(model)
+        run.grad_norms.append(megatron_grad_norm(model))
         opt.step()
-        losses.append(float(cp_sum(local_sum) / num_tokens))
-    return losses
+        run.losses.append(float(cp_sum(local_sum) / num_tokens))
+    return run
 
 
 def pipeline_forward_backward(
@@ -432,7 +493,8 @@ def pipeline_forward_backward(
     ``num_microbatches`` along b.
 
     Returns, identical on every rank: ``loss`` (mean over microbatches of each microbatch's masked
-    mean loss) and ``grads`` (all stages' gradients, summed over CP, gathered over TP, by canonical name).
+    mean loss), ``grads`` (all stages' gradients, summed over CP, gathered over TP, by canonical name) and
+    ``grad_norm`` (:func:`megatron_grad_norm`).
     """
     chunks = list(model) if isinstance(model, Sequence) else [model]
     b = batch["tokens"].shape[0]
@@ -474,7 +536,7 @@ def pipeline_forward_backward(
         loss = None
     losses: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(losses, loss, group=parallel_state.get_pipeline_model_parallel_group())
-    return {"loss": losses[-1], "grads": _merge_over_pp(grads)}
+    return {"loss": losses[-1], "grads": merge_over_pipeline(grads), "grad_norm": megatron_grad_norm(chunks)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -489,8 +551,10 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def compare_results(actual: dict[str, Any], expected: dict[str, Any]) -> dict[str, float]:
     """Relative errors of every entry ``forward_backward``/``pipeline_forward_backward`` return:
-    keys ``loss``, ``per_token_loss`` (if present) and ``grad:<name>``. Raises if gradient names differ."""
+    keys ``loss``, ``grad_norm``, ``per_token_loss`` (if present) and ``grad:<name>``. Raises if gradient names
+    differ."""
     errors = {"loss": max_relative_error(torch.as_tensor(actual["loss"]), torch.as_tensor(expected["loss"]))}
+    errors["grad_norm"] = abs(actual["grad_norm"] - expected["grad_norm"]) / abs(expected["grad_norm"])
     if "per_token_loss" in expected:
         errors["per_token_loss"] = max_relative_error(actual["per_token_loss"], expected["per_token_loss"])
     if set(actual["grads"]) != set(expected["grads"]):
@@ -507,16 +571,22 @@ def compare_results(actual: dict[str, Any], expected: dict[str, Any]) -> dict[st
 
 __all__ = [
     "TinyGPTConfig",
+    "TrainedSteps",
     "all_reduce_grads_over_cp",
     "build_tiny_gpt",
+    "canonical_name",
     "canonical_parameters",
     "compare_results",
     "forward_backward",
     "full_gradients",
+    "full_shapes",
+    "gather_over_tensor_parallel",
     "init_parallel",
     "local_spec_with_core_attention",
     "make_transformer_config",
+    "merge_over_pipeline",
     "max_relative_error",
+    "megatron_grad_norm",
     "pipeline_forward_backward",
     "reset_parameters_deterministically",
     "shard_batch_for_cp",

@@ -59,11 +59,16 @@ def megatron_local_stack_spec() -> ModuleSpec:
 
 
 def build_tiny_hybrid(
-    cfg: tg.TinyGPTConfig, pattern: str, stack_spec: ModuleSpec, config: TransformerConfig | None = None
+    cfg: tg.TinyGPTConfig,
+    pattern: str,
+    stack_spec: ModuleSpec,
+    config: TransformerConfig | None = None,
+    vp_stage: int | None = None,
 ) -> HybridModel:
-    """This rank's HybridModel of ``pattern`` (its pipeline stage's part, split at ``|``) with layout-independent
-    weights (tiny_gpt's canonical names: every parameter drawn in its full shape from (seed, name)). ``config``:
-    the TransformerConfig to build from, made from ``cfg`` when None (pass one to build two models from it)."""
+    """This rank's HybridModel of ``pattern`` (its pipeline stage's part, split at ``|``; virtual stage ``vp_stage``
+    under interleaved PP) with layout-independent weights (tiny_gpt's canonical names: every parameter drawn in its
+    full shape from (seed, name)). ``config``: the TransformerConfig to build from, made from ``cfg`` when None
+    (pass one to build two models from it)."""
     config = tg.make_transformer_config(cfg) if config is None else config
     torch.manual_seed(cfg.seed)
     model = HybridModel(
@@ -72,10 +77,11 @@ def build_tiny_hybrid(
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         hybrid_layer_pattern=pattern,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=False,
         position_embedding_type=cfg.position_embedding_type,
+        vp_stage=vp_stage,
     )
     tg.reset_parameters_deterministically(model, cfg.seed)
     return model

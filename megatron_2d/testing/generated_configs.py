@@ -1,0 +1,633 @@
+"""Generated Megatron configurations: one seeded generator of whole training setups for the 2d backend.
+
+A *scenario* fixes what the CP = 1 reference shares: the model (GPTModel dense or small MoE, HybridModel layers with
+``M`` ``G`` ``*`` ``-`` ``E``, MLA), its attention settings (sliding windows with a skip frequency or a list, sinks,
+softmax scale, qk_layernorm, GQA, RoPE or YaRN), the data (sbhd, or THD packed documents in one packing mode, with
+one-token documents, end padding, a CP rank that holds only padding) and the dtype. Its *draws* then vary how the
+same training is laid out: TP (with or without sequence parallelism), PP and virtual PP (the ``|`` splits of a
+hybrid pattern), the 2D layout (hp, cp, inner ring size, placement, Megatron's rank order), DP, the model states
+(DDP, distributed optimizer with overlapped grad reduce and param gather, megatron-fsdp ZeRO-2/3, Hybrid ZeRO), the
+recompute mode and, for MLA, the ring. Pure Python and numpy: drawing and the coverage check need no torch.
+
+Each draw trains a few iterations through Megatron's own schedule (:mod:`megatron_2d.testing.config_runs`) and is
+compared with its scenario's reference (:func:`reference_of`): the same training at CP = 1, DP = 1, PP = 1, unsharded
+DDP, no recompute, at TP = 1 where the model at TP = 1 is the same model, else at the draw's TP (see
+:func:`reference_tp`), with Megatron's own core attention where it is the same model (sbhd, non-MLA, sinks not split
+over TP) and otherwise the independent :class:`~megatron_2d.testing.reference_core_attention.ReferenceCoreAttention`.
+
+Invalid combinations are named here, not silently dropped (:func:`expected_refusal`, :func:`skip_reason`): a
+refusal is a combination the library must refuse, on every rank, with the documented message (the draw asserts
+it); a skip is one that cannot run on this CPU machine, with the reason. Both are counted. The tables are in
+docs/testing.md ("Generated Megatron configurations").
+
+Every draw is a pure function of (scenario seed, draw index), so a failure replays from those alone:
+
+    python tools/fuzz_megatron.py --replay 1234:2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+MODELS = ("gpt", "gpt_moe", "hybrid", "mla")
+HYBRID_LAYERS = ("M*-", "*-G*", "M-*E", "G*M-", "*E-M", "M*G-", "*-*-")
+"""Hybrid layer strings (the pattern without ``|``); every one has an attention layer, and the draws' ``|`` splits
+give some pipeline stages none (``'M-|*E'``)."""
+DATA = ("sbhd", "zigzag", "sequence", "documents")
+"""sbhd batches, or THD packed documents in one of the packing modes (Megatron's per-document split ``--sft``, its
+per-sequence split ``--dataloader-inter-document-masking``, the documents layout of
+megatron_2d.megatron.packed_data)."""
+LENGTH_MIXES = ("ones", "small", "giant", "single", "all_padding_rank")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+POSITIONS = ("rope", "yarn")
+WINDOWS = ("none", "every_layer", "skip_freq", "skip_list")
+DTYPES = ("fp32", "bf16")
+STATES = ("ddp", "distributed_optimizer", "fsdp_zero2", "fsdp_zero3", "hybrid_zero")
+RECOMPUTE = ("none", "selective", "full", "checkpoint_plus_plus")
+CHECKPOINT_PLUS_PLUS_KEEP: tuple[str | None, ...] = (None,)
+"""The keep-policy axis of Selective Checkpoint++ (``selective_checkpoint_plus_plus_keep``, to come): None is
+today's behaviour. Add the policy names here and set the field in :func:`config_models._recompute_fields`."""
+ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-dp-cp-ep-pp")
+"""Megatron's rank order (``initialize_model_parallel(order=)``): its default, ``--use-tp-pp-dp-mapping``'s, and one
+that strides the CP groups across the data-parallel ranks (CP ranks not consecutive)."""
+MLA_RINGS = ("expanded", "latent")
+PLACEMENTS = ("head_first", "context_first")
+MAX_WORLD = 8
+ITERATIONS = 3
+GLOBAL_BATCH = 4
+"""Samples (sbhd) or packed sequences (THD) per iteration, split over DP and micro-batches."""
+DRAWS_PER_SCENARIO = 3
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What a scenario's draws and their CP = 1 reference share."""
+
+    seed: int
+    model: str
+    layers: str  # one symbol per decoder layer (GPT and MLA: "*" per transformer layer)
+    heads: int
+    query_groups: int
+    moe: bool  # MoE MLPs (GPT's small MoE, or the E layers of a hybrid pattern)
+    ssm_heads: int  # Mamba heads (and GDN key heads; GDN value heads twice as many): 8, or 4 (larger head dims)
+    window: str
+    window_size: int
+    softmax_type: str
+    softmax_scale: float | None
+    qk_layernorm: bool
+    position: str
+    data: str
+    seq_length: int  # sbhd: the sequence; THD: the longest packed sequence's real tokens bound
+    lengths: tuple[tuple[int, ...], ...]  # THD: document lengths of each of the GLOBAL_BATCH packed sequences
+    end_padding: int  # THD zigzag: extra padded slots after the last document, in units of 2 * CP
+    dtype: str
+    tp: int | None  # MLA: the scenario's TP (the reference's); None: each draw picks its own
+
+    def windowed_layers(self) -> list[int]:
+        """Layer numbers (1-based, over the whole pattern) Megatron windows (``is_layer_window_attention``)."""
+        n = len(self.layers)
+        if self.window == "none":
+            return []
+        if self.window == "every_layer":
+            return list(range(1, n + 1))
+        if self.window == "skip_freq":
+            return [i for i in range(1, n + 1) if i % 2 != 0]
+        return [i + 1 for i, on in enumerate(self.skip_list()) if on]
+
+    def skip_list(self) -> list[int]:
+        """``window_attn_skip_freq`` as a list (1 = windowed), for window 'skip_list'."""
+        return [(i + self.seed) % 2 for i in range(len(self.layers))] if self.window == "skip_list" else []
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One layout of a scenario's training."""
+
+    scenario: Scenario
+    index: int
+    tp: int
+    sequence_parallel: bool
+    pp: int
+    vpp: int | None
+    splits: tuple[int, ...]  # hybrid: where the pp * vpp segments start (layer indices), else ()
+    hp: int
+    cp: int
+    inner_ring_size: int
+    placement: str
+    order: str
+    dp: int
+    state: str
+    shard_size: int | None  # hybrid_zero: ranks the states are sharded over (< dp x CP)
+    zero_states: str | None  # hybrid_zero: which states are sharded ('optimizer', 'optimizer+grads+params')
+    wider_optimizer_shard: bool  # hybrid_zero: optimizer states over all dp x CP ranks (megatron-fsdp outer 'optim')
+    recompute: str
+    checkpoint_plus_plus_keep: str | None
+    mla_ring: str
+    reference: bool = False
+    perturbed: bool = False  # a reference with every parameter moved by one rounding step (see perturbed_twin_of)
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.hp * self.cp
+
+    @property
+    def megatron_fsdp(self) -> bool:
+        """Whether the model states are megatron-fsdp's (else Megatron's DDP, with or without its distributed
+        optimizer)."""
+        return self.state in ("fsdp_zero2", "fsdp_zero3") or self.zero_states == "optimizer+grads+params"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.context_parallel_size * self.dp
+
+    @property
+    def pattern(self) -> str:
+        """The hybrid layer pattern with this draw's ``|`` splits."""
+        layers = self.scenario.layers
+        bounds = [*self.splits, len(layers)]
+        return "|".join(layers[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.scenario_batches // self.micro_batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return 1 if self.scenario.data != "sbhd" else max(1, self.scenario_batches // 2)
+
+    @property
+    def scenario_batches(self) -> int:
+        """Samples (or packed sequences) of one iteration on one DP rank."""
+        return GLOBAL_BATCH // self.dp
+
+    def replay(self) -> str:
+        return f"python tools/fuzz_megatron.py --replay {self.scenario.seed}:{self.index}"
+
+    def describe(self) -> str:
+        s = asdict(self.scenario)
+        lengths = s.pop("lengths")
+        shown = [list(x) if len(x) <= 10 else f"{list(x[:10])}...({len(x)} documents)" for x in lengths]
+        mine = {k: v for k, v in asdict(self).items() if k not in ("scenario", "reference")}
+        return (
+            ", ".join(f"{k}={v}" for k, v in s.items())
+            + f", lengths={shown} | "
+            + ", ".join(f"{k}={v}" for k, v in mine.items())
+        )
+
+
+# ---- drawing -------------------------------------------------------------------------------------------------------
+def _document_lengths(rng: np.random.Generator, mix: str, bound: int) -> tuple[int, ...]:
+    """Document lengths of one packed sequence (at most ``bound`` real tokens)."""
+    if mix == "ones":  # mostly one-token documents, a few longer ones
+        lengths = [1] * int(rng.integers(3, 12)) + rng.integers(2, 12, size=int(rng.integers(1, 3))).tolist()
+    elif mix == "small":
+        lengths = rng.integers(1, 16, size=int(rng.integers(2, 7))).tolist()
+    elif mix == "giant":  # one document longer than the others together
+        lengths = rng.integers(1, 4, size=int(rng.integers(0, 5))).tolist() + [int(rng.integers(bound // 2, bound))]
+    elif mix == "single":
+        lengths = [int(rng.integers(bound // 3, bound))]
+    else:  # a few one-token documents: under zigzag or documents every CP rank but one or two holds padding only
+        lengths = [1] * int(rng.integers(1, 3))
+    lengths = [int(x) for x in lengths]
+    while sum(lengths) > bound:
+        lengths.pop(0)
+    return tuple(lengths[i] for i in rng.permutation(len(lengths)))
+
+
+def _choice(rng: np.random.Generator, values: Sequence):
+    return values[int(rng.integers(len(values)))]
+
+
+RARE = 0.25
+"""How often a draw keeps a value that makes its combination one the library refuses (or cannot run here) once
+drawn: such draws are quick and counted, but most of the budget goes to combinations that train."""
+
+
+def _choice_keeping_rare(rng: np.random.Generator, values: Sequence, invalid) -> object:
+    """A uniform choice from ``values``; one for which ``invalid(value)`` holds is kept only with probability
+    :data:`RARE` (else drawn again among the others, when there are any)."""
+    value = _choice(rng, values)
+    valid = [v for v in values if not invalid(v)]
+    if invalid(value) and valid and rng.random() >= RARE:
+        value = _choice(rng, valid)
+    return value
+
+
+def draw_scenario(seed: int) -> Scenario:
+    """Scenario ``seed``: a pure function of it."""
+    rng = np.random.default_rng([seed, 0])
+    model = _choice(rng, MODELS)
+    if model == "hybrid":
+        layers = _choice(rng, HYBRID_LAYERS)
+    else:
+        layers = "*" * int(_choice(rng, (2, 4)))
+    ssm = model == "hybrid" and any(x in layers for x in "MG")
+    heads = 8 if model == "mla" else int(_choice(rng, (4, 8)))
+    # K/V heads divide over TP (megatron-core needs it); fewer of them than hp replicates them
+    query_groups = heads if model == "mla" else int(_choice(rng, [d for d in divisors(heads) if d >= 2]))
+    refused_data = {"mla": ("sequence", "documents")}.get(model, ("sequence", "documents") if ssm else ())
+    data = _choice_keeping_rare(rng, DATA, lambda x: x in refused_data)
+    mixes = [_choice(rng, LENGTH_MIXES) for _ in range(GLOBAL_BATCH)]
+    seq_length = int(_choice(rng, (32, 48, 64)))
+    lengths = tuple(_document_lengths(rng, mix, seq_length) for mix in mixes) if data != "sbhd" else ()
+    return Scenario(
+        seed=seed,
+        model=model,
+        layers=layers,
+        heads=heads,
+        query_groups=query_groups,
+        moe=model == "gpt_moe" or "E" in layers,
+        ssm_heads=4 if ssm and rng.random() < 0.3 else 8,
+        window=_choice(rng, WINDOWS),
+        window_size=int(_choice(rng, (1, 3, 7, 20))),
+        softmax_type=_choice(rng, SOFTMAX_TYPES),
+        softmax_scale=None if rng.random() < 0.7 else 0.2,
+        qk_layernorm=bool(rng.random() < (0.3 if model != "hybrid" else 0.3 * RARE)),
+        position=_choice(rng, POSITIONS),
+        data=data,
+        seq_length=seq_length,
+        lengths=lengths,
+        end_padding=int(rng.integers(0, 3)) if data == "zigzag" else 0,
+        dtype="bf16" if rng.random() < 0.25 else "fp32",
+        tp=int(_choice(rng, (1, 2))) if model == "mla" else None,
+    )
+
+
+def _splits(rng: np.random.Generator, layers: str, segments: int) -> tuple[int, ...]:
+    """Start layer of each of ``segments`` non-empty segments (the first at 0)."""
+    if segments == 1:
+        return (0,)
+    inner = sorted(int(x) for x in rng.choice(np.arange(1, len(layers)), size=segments - 1, replace=False))
+    return (0, *inner)
+
+
+def draw_config(seed: int, index: int) -> Draw:
+    """Draw ``index`` of scenario ``seed``: a pure function of both."""
+    scenario = draw_scenario(seed)
+    rng = np.random.default_rng([seed, 1, index])
+    if scenario.tp is not None:
+        tp = scenario.tp
+    else:  # MoE at TP 2 needs sequence parallelism, which cannot run here
+        tp = int(_choice_keeping_rare(rng, (1, 2), lambda t: scenario.moe and t > 1))
+    sequence_parallel = tp > 1 and rng.random() < 0.2
+    pp = int(_choice_keeping_rare(rng, (1, 2), lambda p: scenario.data == "documents" and p > 1))
+    vpp = 2 if pp == 2 and len(scenario.layers) >= 4 and rng.random() < 0.4 else None
+    segments = pp * (vpp or 1)
+    splits = _splits(rng, scenario.layers, segments) if scenario.model == "hybrid" else ()
+    room = MAX_WORLD // (tp * pp)  # ranks left for CP x DP
+    sizes = [(c, d) for c in (2, 4, 8) for d in (1, 2) if c * d <= room]
+    CP, dp = _choice(rng, sizes)
+    hp = int(_choice(rng, divisors(CP)))
+    inner_ring_size = int(_choice(rng, divisors(CP // hp)))
+    D = dp * CP
+    partial = divisors(D)[1:-1]  # shard sizes of partial sharding
+    states = [s for s in STATES if s != "hybrid_zero" or partial]
+    state = _choice_keeping_rare(rng, states, lambda x: pp > 1 and x in ("fsdp_zero2", "fsdp_zero3"))
+    shard_size = int(_choice(rng, partial)) if state == "hybrid_zero" else None
+    wider = bool(state == "hybrid_zero" and rng.random() < 0.2)
+    zero_states = None
+    if state == "hybrid_zero":
+        zero_states = "optimizer+grads+params" if wider else _choice(rng, ("optimizer", "optimizer+grads+params"))
+    order = _choice_keeping_rare(rng, ORDERS, lambda o: pp > 1 and o == "tp-cp-ep-pp-dp")
+    recompute = _choice(rng, RECOMPUTE)
+    return Draw(
+        scenario=scenario,
+        index=index,
+        tp=tp,
+        sequence_parallel=bool(sequence_parallel),
+        pp=pp,
+        vpp=vpp,
+        splits=splits,
+        hp=hp,
+        cp=CP // hp,
+        inner_ring_size=inner_ring_size,
+        placement=_choice(rng, PLACEMENTS),
+        order=order,
+        dp=dp,
+        state=state,
+        shard_size=shard_size,
+        zero_states=zero_states,
+        wider_optimizer_shard=wider,
+        recompute=recompute,
+        checkpoint_plus_plus_keep=(
+            _choice(rng, CHECKPOINT_PLUS_PLUS_KEEP) if recompute == "checkpoint_plus_plus" else None
+        ),
+        mla_ring=_choice(rng, MLA_RINGS) if scenario.model == "mla" else "expanded",
+    )
+
+
+def scenario_draws(seed: int, count: int = DRAWS_PER_SCENARIO) -> list[Draw]:
+    return [draw_config(seed, i) for i in range(count)]
+
+
+def reference_tp(draw: Draw) -> int:
+    """The reference's TP: 1, except where megatron-core's model at the draw's TP is another model than at TP = 1:
+    MLA (without sequence parallelism its rope key's gradient keeps only the local heads' share, see
+    tests/test_megatron_mla.py) and Mamba / GDN layers (their fused input projections are split over TP per
+    component, which weights drawn in the full shape and cut into TP chunks do not reproduce). A TP = 1 reference
+    is the stronger check: it also sees TP attributes (which parameters the gradient norm counts on every TP rank)."""
+    s = draw.scenario
+    if s.model == "mla" or (s.model == "hybrid" and any(x in s.layers for x in "MG")):
+        return draw.tp
+    return 1
+
+
+def perturbed_twin_of(draw: Draw) -> Draw:
+    """``draw``'s reference with every initial parameter moved by one rounding step of its dtype (seeded signs): how
+    far rounding alone moves this model's loss, gradient norm and gradients. The draw's bounds are the table's or a
+    multiple of that spread, whichever is larger (:func:`config_runs.compare`): a model that amplifies rounding (a
+    near-zero group under Mamba's gated RMSNorm) gets a floor measured on itself, not a looser table."""
+    return replace(reference_of(draw), perturbed=True)
+
+
+def reference_of(draw: Draw) -> Draw:
+    """The CP = 1 training ``draw`` is compared with (see the module docstring); equal for every draw of a
+    scenario that shares the reference TP, so it is computed once per (scenario, TP)."""
+    return replace(
+        draw,
+        index=-1,
+        tp=reference_tp(draw),
+        sequence_parallel=False,
+        pp=1,
+        vpp=None,
+        splits=(0,) if draw.scenario.model == "hybrid" else (),
+        hp=1,
+        cp=1,
+        inner_ring_size=1,
+        placement="head_first",
+        order=ORDERS[0],
+        dp=1,
+        state="ddp",
+        shard_size=None,
+        zero_states=None,
+        wider_optimizer_shard=False,
+        recompute="none",
+        checkpoint_plus_plus_keep=None,
+        mla_ring="expanded",
+        reference=True,
+    )
+
+
+# ---- what cannot run: refusals the library must give, and skips ----------------------------------------------------
+MAMBA_GROUPS = 2  # testing/tiny_hybrid.py's; its Mamba heads: hidden 64 x expand 2 / head dim (16 or 32)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination that cannot run: ``applies(draw)``; ``message``: a refusal's expected text (a substring of
+    the library's error) or a skip's reason."""
+
+    name: str
+    applies: object  # Callable[[Draw], bool]
+    message: str
+
+
+def _heads_per_tp(d: Draw) -> int:
+    return d.scenario.heads // d.tp
+
+
+def _mamba_fails(d: Draw) -> bool:
+    heads, groups, CP = d.scenario.ssm_heads // d.tp, MAMBA_GROUPS // d.tp, d.context_parallel_size
+    return heads % CP != 0 or (groups < CP and CP % groups != 0) or (groups >= CP and groups % CP != 0)
+
+
+def _gdn_fails(d: Draw) -> bool:
+    CP = d.context_parallel_size
+    return (d.scenario.ssm_heads // d.tp) % CP != 0 or (2 * d.scenario.ssm_heads // d.tp) % CP != 0
+
+
+def _has(d: Draw, symbols: str) -> bool:
+    return d.scenario.model == "hybrid" and any(s in d.scenario.layers for s in symbols)
+
+
+REFUSALS: tuple[Rule, ...] = (
+    Rule(
+        "hp_does_not_divide_heads",
+        lambda d: _heads_per_tp(d) % d.hp != 0,
+        "does not divide the",
+    ),
+    Rule("mamba_heads_over_tp_x_cp", lambda d: _has(d, "M") and _mamba_fails(d), "Mamba layers split"),
+    Rule("gdn_heads_over_tp_x_cp", lambda d: _has(d, "G") and _gdn_fails(d), "GDN layers split their heads"),
+    Rule(
+        "documents_layout_with_mamba_or_gdn",
+        lambda d: d.scenario.data == "documents" and _has(d, "MG"),
+        "cp_2d_packing='documents' cannot run a model with",
+    ),
+    Rule(
+        "sequence_split_with_mamba_or_gdn",
+        lambda d: d.scenario.data == "sequence" and _has(d, "MG"),
+        "Megatron's per-sequence split of packed documents",
+    ),
+    Rule(
+        "sequence_split_with_mla",
+        lambda d: d.scenario.data == "sequence" and d.scenario.model == "mla",
+        "with multi-latent attention is not supported by the 2d backend",
+    ),
+    Rule(
+        "documents_layout_with_mla",
+        lambda d: d.scenario.data == "documents" and d.scenario.model == "mla",
+        "cp_2d_packing='documents' (--cp-2d-packing documents) with multi-latent attention",
+    ),
+    Rule(
+        "documents_layout_with_pipeline",
+        lambda d: d.scenario.data == "documents" and d.pp > 1,
+        "runs with pipeline_model_parallel_size 1 only",
+    ),
+    Rule(
+        "megatron_fsdp_with_pipeline",
+        lambda d: d.megatron_fsdp and d.pp > 1,
+        "--use-megatron-fsdp with --pipeline-model-parallel-size",
+    ),
+    Rule(
+        "partial_distributed_optimizer_with_pipeline_and_aligned_grad_reduce",
+        lambda d: d.zero_states == "optimizer" and d.pp > 1,
+        "--num-distributed-optimizer-instances",
+    ),
+    Rule(
+        "tp_pp_dp_mapping_with_context_and_pipeline",
+        lambda d: d.order == "tp-cp-ep-pp-dp" and d.pp > 1,
+        "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size",
+    ),
+    Rule(
+        "hybrid_zero_wider_optimizer_shard_with_clipping",
+        lambda d: d.state == "hybrid_zero" and d.wider_optimizer_shard,
+        "is not supported with optimizer_shard_size",
+    ),
+)
+"""Combinations the library refuses. Several may apply to one draw; the library's first check to see one raises, so
+its message must be one of theirs."""
+
+SKIPS: tuple[Rule, ...] = (
+    Rule(
+        "sequence_parallel_without_apex",
+        lambda d: d.sequence_parallel,
+        "sequence parallelism needs apex's or Transformer Engine's norms: megatron-core 0.19.2's torch norm "
+        "(WrappedTorchNorm, the local spec's norm on a machine without them) asserts not sequence_parallel",
+    ),
+    Rule(
+        "moe_with_tensor_parallelism_without_sequence_parallelism",
+        lambda d: d.scenario.moe and d.tp > 1,
+        "megatron-core 0.19.2's MoE layer raises in training with TP > 1 unless sequence parallelism is on (which "
+        "cannot run here, see sequence_parallel_without_apex)",
+    ),
+    Rule(
+        "bf16_with_gdn",
+        lambda d: d.scenario.dtype == "bf16" and _has(d, "G"),
+        "Gated DeltaNet layers amplify rounding-level differences of their inputs about a hundredfold in the "
+        "gradients (fp32: 2e-5 from 1e-7), so two bf16 layouts differ by tens of percent however exact both are; "
+        "the fp32 draws compare GDN models",
+    ),
+    Rule(
+        "qk_layernorm_in_the_local_hybrid_spec",
+        lambda d: d.scenario.model == "hybrid" and d.scenario.qk_layernorm,
+        "Megatron's local hybrid stack spec (get_hybrid_stack_modelopt_spec, the CPU spec) has no q/k layernorm "
+        "modules, and megatron-core refuses qk_layernorm without them; its Transformer Engine spec has them (GPU)",
+    ),
+)
+"""Combinations that cannot run on this CPU machine, with why (counted, never run)."""
+
+
+def expected_refusals(draw: Draw) -> list[Rule]:
+    """Every refusal that applies to ``draw`` (empty: it must train)."""
+    return [r for r in REFUSALS if r.applies(draw)]
+
+
+def skip_reason(draw: Draw) -> Rule | None:
+    return next((r for r in SKIPS if r.applies(draw)), None)
+
+
+# ---- coverage (no training) ----------------------------------------------------------------------------------------
+def cp_rank_holds_only_padding(draw: Draw) -> bool:
+    """Whether, in some packed sequence of the draw, some CP rank holds no real token (zigzag and documents)."""
+    from ..packing.sharding import shard_documents, zigzag_rows
+
+    CP = draw.context_parallel_size
+    for lengths in draw.scenario.lengths:
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        if draw.scenario.data == "zigzag":
+            rows = zigzag_rows(cu, CP, range(CP))
+            if ((rows >= 0).sum(axis=1) == 0).any():
+                return True
+        elif draw.scenario.data == "documents":
+            sharding = shard_documents(cu, draw.cp, draw.hp)
+            views = sharding.views  # [cp, view_len]: each context rank's view, hp slices of it per head rank
+            per_rank = views.reshape(draw.cp, draw.hp, -1)
+            if ((per_rank >= 0).sum(axis=2) == 0).any():
+                return True
+    return False
+
+
+EXPECTED_VALUES: dict[str, set] = {
+    "model": set(MODELS),
+    "hybrid_symbol": set("MG*-E"),
+    "stage_without_attention": {True},
+    "mla_ring": set(MLA_RINGS),
+    "tp": {1, 2},
+    "sequence_parallel": {True, False},
+    "pp": {1, 2},
+    "vpp": {None, 2},
+    "hp": {1, 2, 4, 8},
+    "cp": {1, 2, 4, 8},
+    "double_ring": {True},
+    "placement": set(PLACEMENTS),
+    "order": set(ORDERS),
+    "dp": {1, 2},
+    "state": set(STATES),
+    "hybrid_zero_states": {"optimizer", "optimizer+grads+params"},
+    "wider_optimizer_shard": {True},
+    "window": set(WINDOWS),
+    "softmax_type": set(SOFTMAX_TYPES),
+    "softmax_scale": {True, False},
+    "qk_layernorm": {True, False},
+    "kv_replication": {True, False},
+    "position": set(POSITIONS),
+    "data": set(DATA),
+    "end_padding": {True},
+    "one_token_documents": {True},
+    "padding_only_rank": {True},
+    "recompute": set(RECOMPUTE),
+    "checkpoint_plus_plus_keep": set(CHECKPOINT_PLUS_PLUS_KEEP),
+    "dtype": set(DTYPES),
+}
+"""Every value each axis must take over enough draws (:func:`missing_corners`); ``hybrid_symbol`` counts each
+symbol of a hybrid pattern on its own."""
+
+
+def axis_values(draw: Draw) -> dict[str, set]:
+    """The values each axis of :data:`EXPECTED_VALUES` takes in ``draw`` (a set per axis; empty where the axis
+    does not apply)."""
+    s = draw.scenario
+    lengths = [x for seq in s.lengths for x in seq]
+    hybrid = s.model == "hybrid"
+    return {
+        "model": {s.model},
+        "hybrid_symbol": set(s.layers) if hybrid else set(),
+        "stage_without_attention": {hybrid and draw.pp > 1 and any("*" not in seg for seg in draw.pattern.split("|"))},
+        "mla_ring": {draw.mla_ring} if s.model == "mla" else set(),
+        "tp": {draw.tp},
+        "sequence_parallel": {draw.sequence_parallel},
+        "pp": {draw.pp},
+        "vpp": {draw.vpp},
+        "hp": {draw.hp},
+        "cp": {draw.cp},
+        "double_ring": {1 < draw.inner_ring_size < draw.cp},
+        "placement": {draw.placement},
+        "order": {draw.order},
+        "dp": {draw.dp},
+        "state": {draw.state},
+        "hybrid_zero_states": {draw.zero_states} if draw.zero_states else set(),
+        "wider_optimizer_shard": {draw.wider_optimizer_shard},
+        "window": {s.window},
+        "softmax_type": {s.softmax_type},
+        "softmax_scale": {s.softmax_scale is not None},
+        "qk_layernorm": {s.qk_layernorm},
+        "kv_replication": {s.model != "mla" and max(1, s.query_groups // draw.tp) < draw.hp},
+        "position": {s.position},
+        "data": {s.data},
+        "end_padding": {s.end_padding > 0},
+        "one_token_documents": {1 in lengths},
+        "padding_only_rank": {cp_rank_holds_only_padding(draw)},
+        "recompute": {draw.recompute},
+        "checkpoint_plus_plus_keep": {draw.checkpoint_plus_plus_keep}
+        if draw.recompute == "checkpoint_plus_plus"
+        else set(),
+        "dtype": {s.dtype},
+    }
+
+
+def missing_corners(draws: Sequence[Draw]) -> dict[str, set]:
+    """The axis values of :data:`EXPECTED_VALUES` that none of ``draws`` takes (empty: every corner drawn)."""
+    seen: dict[str, set] = {axis: set() for axis in EXPECTED_VALUES}
+    for draw in draws:
+        for axis, values in axis_values(draw).items():
+            seen[axis] |= values
+    return {axis: want - seen[axis] for axis, want in EXPECTED_VALUES.items() if want - seen[axis]}
+
+
+def trains(draw: Draw) -> bool:
+    """Whether ``draw`` is expected to train (no refusal, no skip)."""
+    return skip_reason(draw) is None and not expected_refusals(draw)
+
+
+def ci_seeds(count: int = 8, candidates: int = 120) -> list[int]:
+    """The scenarios CI trains: greedily, the scenario among seeds 0..candidates-1 whose draws expected to train add
+    the most axis values not yet covered (ties: the lower seed), ``count`` times; a pure function of the
+    generator."""
+    values = {
+        seed: [(axis, v) for d in scenario_draws(seed) if trains(d) for axis, vs in axis_values(d).items() for v in vs]
+        for seed in range(candidates)
+    }
+    chosen: list[int] = []
+    seen: set = set()
+    for _ in range(count):
+        seed = max((s for s in values if s not in chosen), key=lambda s: (len(set(values[s]) - seen), -s))
+        chosen.append(seed)
+        seen |= set(values[seed])
+    return sorted(chosen)
