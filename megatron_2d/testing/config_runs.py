@@ -82,10 +82,12 @@ def _setup(draw: Draw, launch_args):
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    wrapped = mcpu.wrap_chunks(chunks, hz.distributed_data_parallel_config(draw.dp, CP, **ddp_extra(draw, hz)))
+    from ..megatron.hybrid_zero import distributed_data_parallel_config, optimizer_config
+
+    wrapped = mcpu.wrap_chunks(chunks, distributed_data_parallel_config(hz, draw.dp, CP, **ddp_extra(draw, hz)))
     dtype = DTYPES[draw.scenario.dtype]
-    optimizer_config = hz.optimizer_config(draw.dp, CP, **OPTIMIZER, bf16=dtype == torch.bfloat16, params_dtype=dtype)
-    return wrapped, mcpu.build_optimizer(wrapped, optimizer_config), tg.merge_over_pipeline(shapes)
+    config = optimizer_config(hz, draw.dp, CP, **OPTIMIZER, bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    return wrapped, mcpu.build_optimizer(wrapped, config), tg.merge_over_pipeline(shapes)
 
 
 def _perturb(chunks: list[torch.nn.Module], seed: int) -> None:
