@@ -401,7 +401,11 @@ def packed_step(model, feature: str) -> dict:
     local_sum = (per_token.float() * local["loss_mask"]).sum()
     (local_sum / total).backward()
     tg.all_reduce_grads_over_cp(model)
-    return {"loss": tg.cp_sum(local_sum) / total, "grads": tg.full_gradients(model)}
+    return {
+        "loss": tg.cp_sum(local_sum) / total,
+        "grads": tg.full_gradients(model),
+        "grad_norm": tg.megatron_grad_norm(model),
+    }
 
 
 class Watch:
