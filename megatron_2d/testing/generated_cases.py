@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layout.topology import PLACEMENTS, divisors
 from .flash_attn_package import RELEASES
-from .reference import TOLERANCE, TOLERANCES, packed_reference_attention, rel_err, rounded, sink_err, sink_term_scale
+from .reference import TOLERANCE, TOLERANCES, packed_reference_attention, rel_err, rounded, sink_err, sink_terms
 
 _TIMEOUT = datetime.timedelta(seconds=60)
 _ATEN = torch.ops.aten
@@ -279,15 +279,21 @@ def _oracle(draw: Draw, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
 
 
 def sink_scale(draw: Draw) -> torch.Tensor | None:
-    """[hq]: the per-row terms' magnitudes summed, the scale d sinks' error is measured against (None without
-    sinks); every batch row's terms add up, as its gradient does."""
-    if not draw.sinks:
-        return None
+    """[hq]: the magnitudes of d sinks' per-row terms (:func:`draw_sink_terms`) summed, the scale its error is
+    measured against (None without sinks)."""
+    return draw_sink_terms(draw).abs().sum((0, 1)) if draw.sinks else None
+
+
+def draw_sink_terms(draw: Draw) -> torch.Tensor:
+    """[T, b, hq]: the fp64 per-row terms whose sum is d sinks, every batch row's adding up as its gradient does."""
     q, k, v, dout, sinks = _inputs(draw)
     cu = np.concatenate([[0], np.cumsum(draw.lengths)])
-    return sum(
-        sink_term_scale(*(x[:, i] for x in (q, k, v, dout)), sinks, cu, draw.causal, draw.d**-0.5, draw.window)
-        for i in range(draw.batch)
+    return torch.stack(
+        [
+            sink_terms(*(x[:, i] for x in (q, k, v, dout)), sinks, cu, draw.causal, draw.d**-0.5, draw.window)
+            for i in range(draw.batch)
+        ],
+        dim=1,
     )
 
 
@@ -303,7 +309,9 @@ def expected_results(draw: Draw):
     parent, before the ranks fork."""
     expected = _oracle(draw, torch.float64)
     scale = sink_scale(draw)
-    tolerance = {name: TOLERANCE[draw.torch_dtype] for name in OUTPUTS} | {"dsinks": TOLERANCES[draw.torch_dtype].dsinks}
+    tolerance = {name: TOLERANCE[draw.torch_dtype] for name in OUTPUTS} | {
+        "dsinks": TOLERANCES[draw.torch_dtype].dsinks
+    }
     if draw.torch_dtype != torch.float32:
         return (*expected, scale, {name: tolerance[name] for name, e in zip(OUTPUTS, expected) if e is not None})
     in_fp32 = _oracle(draw, torch.float32)

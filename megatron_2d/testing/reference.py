@@ -21,7 +21,7 @@ The sinks gradient of a head is one scalar, a sum over every query row of signed
 nearly cancels (the sum is often 100-500 times smaller than the sum of the terms' magnitudes). Its rounding scales
 with the terms, not with the sum, so its measure is
     sink_err(a, e, s)  max over heads |a - e| / s      s: the head's sum over query rows of |p_sink * (dout . out)|
-                                                       (sink_term_scale), from the inputs rounded to the dtype
+                                                       (sink_terms), from the inputs rounded to the dtype
 and ``TOLERANCES[dtype].dsinks`` bounds it (docs/testing.md, generated cases, has the measurements).
 
 How the per-output bounds were set (tests/test_attention_2d.py, CP 2..8, causal and full, MHA/GQA): bf16 out
@@ -73,8 +73,10 @@ class Tolerance:
 # bf16 keeps 8 mantissa bits (eps 2^-8 = 3.9e-3): inputs rounded to bf16 plus a bf16 output give ~1e-2 end to end.
 TOLERANCES = {
     torch.float64: Tolerance(end_to_end=1e-10, out=1e-12, lse=1e-12, dq=1e-12, dk=1e-12, dv=1e-12, dsinks=1e-12),
-    torch.float32: Tolerance(end_to_end=1e-5, out=2e-6, lse=1e-6, dq=2e-6, dk=2e-6, dv=2e-6, dsinks=2e-6, benchmark=1e-4),
-    torch.float16: Tolerance(end_to_end=5e-3, out=4.2e-4, lse=2e-5, dq=5.0e-4, dk=9e-4, dv=9e-4, dsinks=1e-3),
+    torch.float32: Tolerance(
+        end_to_end=1e-5, out=2e-6, lse=1e-6, dq=2e-6, dk=2e-6, dv=2e-6, dsinks=2e-6, benchmark=1e-4
+    ),
+    torch.float16: Tolerance(end_to_end=5e-3, out=4.2e-4, lse=2e-5, dq=5.0e-4, dk=9e-4, dv=9e-4, dsinks=6e-4),
     torch.bfloat16: Tolerance(end_to_end=2e-2, out=3.3e-3, lse=2e-5, dq=3.7e-3, dk=7e-3, dv=7e-3, dsinks=5e-3),
 }
 # Relative tolerance (max |err| / max |ref|) against an fp64 reference of the unrounded inputs, keyed by dtype.
@@ -178,24 +180,24 @@ def norm_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def sink_err(actual: torch.Tensor, expected: torch.Tensor, term_scale: torch.Tensor) -> float:
     """max over heads |actual - expected| / term_scale, in fp64: the sinks gradient's error against the scale of
-    its per-row terms (:func:`sink_term_scale`), not against itself, which cancels."""
+    its per-row terms (:func:`sink_terms`, their magnitudes summed), not against itself, which cancels."""
     expected = expected.to(torch.float64)
     return ((actual.to(torch.float64) - expected).abs() / term_scale.to(torch.float64)).max().item()
 
 
-def sink_term_scale(q, k, v, dout, sinks, cu_seqlens, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
-    """[hq]: each head's sum over query rows of |p_sink * (dout . out)|, the magnitudes of the terms whose signed
-    sum is the sinks gradient (p_sink = exp(sink - lse), the sink's share of the row), per document of
-    ``cu_seqlens`` as in :func:`packed_reference_attention`; q [T, hq, d], k/v [T, hkv, d], dout [T, hq, dv]."""
+def sink_terms(q, k, v, dout, sinks, cu_seqlens, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
+    """[T, hq]: the per-row terms -p_sink * (dout . out) whose sum over rows is each head's sinks gradient
+    (p_sink = exp(sink - lse), the sink's share of the row), in fp64, per document of ``cu_seqlens`` as in
+    :func:`packed_reference_attention`; q [T, hq, d], k/v [T, hkv, d], dout [T, hq, dv]. Their magnitudes summed
+    are the scale of :func:`sink_err`."""
     bounds = [int(x) for x in cu_seqlens]
-    total = torch.zeros(q.shape[1], dtype=torch.float64)
+    terms = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         doc = [x[a:b].unsqueeze(0).double() for x in (q, k, v)]  # [1, s, h, d]
         out, lse = attention_with_lse(*doc, causal=causal, scale=scale, window=window, sinks=sinks.double())
-        p_sink = torch.exp(sinks.double().view(-1, 1) - lse[0])  # [hq, s]
-        dot = (dout[a:b].double() * out[0]).sum(-1).transpose(0, 1)  # [hq, s]
-        total += (p_sink * dot).abs().sum(-1)
-    return total
+        p_sink = torch.exp(sinks.double() - lse[0].transpose(0, 1))  # [s, hq]
+        terms.append(-p_sink * (dout[a:b].double() * out[0]).sum(-1))
+    return torch.cat(terms)
 
 
 def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
