@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_2d.layout.choices import PACKING_MODES
+from megatron_2d.sequence_sharding import shard_sequence
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.flash_attn_package import RELEASES
 from megatron_2d.testing.generated_cases import (
@@ -14,6 +15,7 @@ from megatron_2d.testing.generated_cases import (
     PoisonedEmpty,
     draw_batch,
     draw_case,
+    draw_sink_terms,
     expected_results,
     failures,
     run_batch,
@@ -88,3 +90,45 @@ def test_poisoned_allocations_read_as_nan():
         ints = torch.empty(3, dtype=torch.int64)
     assert all(bool(torch.isnan(x).all()) for x in fresh)
     assert ints.dtype == torch.int64  # integer buffers are left alone (no NaN to put there)
+
+
+def _sink_failures(batch_seed: int, index: int, shares_of):
+    """failures() of a draw whose ranks report only d sinks: ``shares_of(draw, terms)`` gives each rank's share
+    (terms: the fp64 per-row terms, [T, b, hq]); every other output is reported exact."""
+    batch = draw_batch(batch_seed)
+    draw = draw_case(batch, index, PACKING_MODES)
+    expected = expected_results(draw)
+    results = [
+        {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0, "finite": True, "padding_zero": True}
+        | {"dsinks": share, "dsinks_expected": expected[4], "dsinks_scale": expected[5]}
+        for share in shares_of(draw, draw_sink_terms(draw))
+    ]
+    return failures(batch, [draw], [[r] for r in results], [expected[-1]])
+
+
+def _rank_shares(world: int, missing: int | None = None):
+    """Each CP rank's exact share of d sinks (its zigzag rows' terms summed); rank ``missing`` reports zero."""
+    return lambda draw, terms: [
+        torch.zeros(draw.hq, dtype=torch.float64) if r == missing else shard_sequence(terms, r, world).sum((0, 1))
+        for r in range(world)
+    ]
+
+
+def test_dsinks_check_fails_a_missing_rank_and_a_five_percent_error():
+    """Negative controls of d sinks' bound (sink_err against the per-row terms' scale, TOLERANCES[dtype].dsinks):
+    the exact shares pass, and defects fail. 1123:2 (bf16, hp=1 cp=6, one head whose 168 terms cancel 449-fold)
+    and 1104:5 (bf16, cp=8, two heads) are unpacked, so each rank's share is its zigzag rows' terms."""
+    assert not _sink_failures(1123, 2, _rank_shares(6))
+    assert not _sink_failures(1104, 5, _rank_shares(8))
+    # one rank's rows missing: caught for every rank whose rows carry more than the bound of the terms' scale
+    # (1123:2's rank 1 carries 6e-4 of it, below bf16's 5e-3, and 1104:5's rank 6 4e-3: docs/testing.md)
+    for seed, index, world, ranks in ((1123, 2, 6, (0, 2, 3, 4, 5)), (1104, 5, 8, (0, 1, 2, 3, 4, 5, 7))):
+        for r in ranks:
+            found = _sink_failures(seed, index, _rank_shares(world, missing=r))
+            assert len(found) == 1 and "dsinks error" in found[0], (seed, index, r)
+    # the whole gradient 5% off, where the draw's terms cancel less than 0.05 / 5e-3 = 10-fold (1105:2: packed,
+    # bf16, four heads cancelling 1.2- to 6.1-fold; 1104:5: 3.6- and 17-fold)
+    for seed, index in ((1105, 2), (1104, 5)):
+        found = _sink_failures(seed, index, lambda draw, terms: [1.05 * terms.sum((0, 1))])
+        assert len(found) == 1 and "dsinks error" in found[0], (seed, index)
+        assert not _sink_failures(seed, index, lambda draw, terms: [terms.sum((0, 1))])

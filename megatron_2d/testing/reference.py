@@ -7,7 +7,8 @@ Two measures of error, both against an fp64 reference:
                                                    rounding to the dtype, so only the computation's own error is
                                                    left (kernel, merge, accumulators, the final rounding)
 
-``TOLERANCES[dtype]`` holds both: ``end_to_end`` for rel_err, and per output (out, lse, dq, dk, dv) for norm_err.
+``TOLERANCES[dtype]`` holds both: ``end_to_end`` for rel_err, and per output (out, lse, dq, dk, dv) for norm_err;
+``dsinks`` is the sinks gradient's bound under a third measure, sink_err (below).
 ``TOLERANCE[dtype]`` is the end-to-end column alone, for callers that need one number per dtype. The benchmarks'
 correctness gate uses ``TOLERANCES[dtype].gate``: the end-to-end bound, except fp32, looser (1e-4) at their sizes.
 
@@ -15,6 +16,13 @@ Two references: ``reference_attention`` (autograd on the whole problem, for test
 is it per document of ``cu_seqlens``) and ``blockwise_reference`` (fp64 with its gradients, one block of query rows
 at a time, for the benchmarks' sizes; over ``cu_seqlens``, a plain sequence being one document [0, S];
 ``reference_on_rank`` is it on one rank's zigzag shards).
+
+The sinks gradient of a head is one scalar, a sum over every query row of signed terms -p_sink * (dout . out), which
+nearly cancels (the sum is often 100-500 times smaller than the sum of the terms' magnitudes). Its rounding scales
+with the terms, not with the sum, so its measure is
+    sink_err(a, e, s)  max over heads |a - e| / s      s: the head's sum over query rows of |p_sink * (dout . out)|
+                                                       (sink_terms), from the inputs rounded to the dtype
+and ``TOLERANCES[dtype].dsinks`` bounds it (docs/testing.md, generated cases, has the measurements).
 
 How the per-output bounds were set (tests/test_attention_2d.py, CP 2..8, causal and full, MHA/GQA): bf16 out
 stays at 2.6-2.7e-3 and dq at 3.1-3.2e-3 whatever the CP size, with fp32 accumulators; accumulating out or dq in
@@ -68,6 +76,8 @@ class Tolerance:
     dq: float
     dk: float
     dv: float
+    dsinks: float
+    """sink_err bound of the sinks gradient: relative to the sum of its per-row terms' magnitudes."""
     benchmark: float | None = None
     """rel_err bound of the benchmarks' correctness gate (tools/bench_compare.py), at their larger sizes; the
     end-to-end bound when None."""
@@ -80,13 +90,13 @@ class Tolerance:
         return self.end_to_end if self.benchmark is None else self.benchmark
 
     def of(self, output: str) -> float:
-        """The bound of one output: 'out', 'lse', 'dq', 'dk' or 'dv'."""
+        """The bound of one output: 'out', 'lse', 'dq', 'dk', 'dv' or 'dsinks'."""
         return getattr(self, output)
 
 
 # bf16 keeps 8 mantissa bits (eps 2^-8 = 3.9e-3): inputs rounded to bf16 plus a bf16 output give ~1e-2 end to end.
 TOLERANCES = {
-    torch.float64: Tolerance(end_to_end=1e-10, out=1e-12, lse=1e-12, dq=1e-12, dk=1e-12, dv=1e-12),
+    torch.float64: Tolerance(end_to_end=1e-10, out=1e-12, lse=1e-12, dq=1e-12, dk=1e-12, dv=1e-12, dsinks=1e-12),
     torch.float32: Tolerance(
         end_to_end=1e-5,
         out=2e-6,
@@ -94,10 +104,11 @@ TOLERANCES = {
         dq=2e-6,
         dk=2e-6,
         dv=2e-6,
+        dsinks=2e-6,
         benchmark=1e-4,
         training=TrainingTolerance(loss=1e-5, grad_norm=1e-5, grad=1e-4, later_grad_norm=1e-4),
     ),
-    torch.float16: Tolerance(end_to_end=5e-3, out=4.2e-4, lse=2e-5, dq=5.0e-4, dk=9e-4, dv=9e-4),
+    torch.float16: Tolerance(end_to_end=5e-3, out=4.2e-4, lse=2e-5, dq=5.0e-4, dk=9e-4, dv=9e-4, dsinks=6e-4),
     torch.bfloat16: Tolerance(
         end_to_end=2e-2,
         out=3.3e-3,
@@ -105,6 +116,7 @@ TOLERANCES = {
         dq=3.7e-3,
         dk=7e-3,
         dv=7e-3,
+        dsinks=5e-3,
         training=TrainingTolerance(loss=5e-3, grad_norm=1e-2, grad=1e-1, later_grad_norm=2e-1),
     ),
 }
@@ -205,6 +217,28 @@ def norm_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected||_2 / ||expected||_2, in fp64 (NaN or inf anywhere gives NaN or inf)."""
     expected = expected.to(torch.float64)
     return ((actual.to(torch.float64) - expected).norm() / expected.norm()).item()
+
+
+def sink_err(actual: torch.Tensor, expected: torch.Tensor, term_scale: torch.Tensor) -> float:
+    """max over heads |actual - expected| / term_scale, in fp64: the sinks gradient's error against the scale of
+    its per-row terms (:func:`sink_terms`, their magnitudes summed), not against itself, which cancels."""
+    expected = expected.to(torch.float64)
+    return ((actual.to(torch.float64) - expected).abs() / term_scale.to(torch.float64)).max().item()
+
+
+def sink_terms(q, k, v, dout, sinks, cu_seqlens, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
+    """[T, hq]: the per-row terms -p_sink * (dout . out) whose sum over rows is each head's sinks gradient
+    (p_sink = exp(sink - lse), the sink's share of the row), in fp64, per document of ``cu_seqlens`` as in
+    :func:`packed_reference_attention`; q [T, hq, d], k/v [T, hkv, d], dout [T, hq, dv]. Their magnitudes summed
+    are the scale of :func:`sink_err`."""
+    bounds = [int(x) for x in cu_seqlens]
+    terms = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        doc = [x[a:b].unsqueeze(0).double() for x in (q, k, v)]  # [1, s, h, d]
+        out, lse = attention_with_lse(*doc, causal=causal, scale=scale, window=window, sinks=sinks.double())
+        p_sink = torch.exp(sinks.double() - lse[0].transpose(0, 1))  # [s, hq]
+        terms.append(-p_sink * (dout[a:b].double() * out[0]).sum(-1))
+    return torch.cat(terms)
 
 
 def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
