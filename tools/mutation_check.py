@@ -143,6 +143,8 @@ def run_tests(scratch: Path, python: str, tests: Sequence[str], timeout: float):
     env = dict(
         os.environ, PYTHONPATH=str(scratch) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1"
     )
+    # the scratch copy has no ../shared beside it: point the pretrain tests at the checkout's Megatron-LM scripts
+    env.setdefault("MEGATRON_LM_DIR", str(REPO.parent / "shared" / "megatron-lm" / "core_v0.19.0"))
     cmd = pytest_command(python, tests)
     start = time.monotonic()
     # a new session, so that a timeout kills pytest AND the ranks it forked (they would otherwise wait for gloo)
