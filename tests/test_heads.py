@@ -93,3 +93,15 @@ def test_planner_and_settings_refuse_the_same_head_splits(heads_, hp):
     else:
         assert reason is None
         validate_2d_settings(**kwargs)
+
+
+@pytest.mark.parametrize("dropout", [0.1, 1e-6])
+def test_settings_refuse_attention_dropout(dropout):
+    """validate_2d_settings (the public check launch scripts call) refuses any attention dropout, however small;
+    0 passes."""
+    from megatron_2d.megatron.settings import validate_2d_settings
+
+    kwargs = dict(context_parallel_size=4, head_parallel_size=2, num_attention_heads=8, num_query_groups=2)
+    validate_2d_settings(**kwargs, attention_dropout=0.0)
+    with pytest.raises(ValueError, match=f"attention_dropout={dropout}: attention dropout is not supported"):
+        validate_2d_settings(**kwargs, attention_dropout=dropout)

@@ -463,6 +463,29 @@ def test_calibrate_updates_cluster_figures():
         fit_rates([])
 
 
+def test_calibrate_raises_a_nominal_below_the_measured_rate():
+    """A link measured faster than its nominal rate raises the nominal to it (factor 1). The network's nominal is
+    per node: a fitted per-NIC rate is scaled by the NICs of a node before it is stored."""
+    par = ParallelSpec(gpus=64)
+    layouts = [
+        Scheme("2d", 8, 8, 8, "head_first"),
+        Scheme("2d", 8, 8, 8, "context_first"),
+        Scheme("p2p", 1, 64, 64),
+        Scheme("2d", 1, 64, 8),
+    ]
+    rate, nvl, nic = 3e14, 600e9, 80e9  # both links faster than nominal (450 GB/s NVLink, 50 GB/s per NIC)
+
+    def measured(layout):
+        wc = work_counts(layout, GQA, H100, par, K128)
+        return wc.flops / rate + wc.nvlink_bytes / nvl + wc.nic_bytes / nic
+
+    cal, _ = calibrate(H100, [(l, measured(l)) for l in layouts], GQA, par, K128)
+    assert cal.nvlink_gbps == pytest.approx(600.0)
+    assert cal.net_gbps_per_node == pytest.approx(80.0 * H100.nics_per_node)
+    assert cal.nic_gbps == pytest.approx(80.0)
+    assert cal.links.nvlink_p2p == pytest.approx(1.0) and cal.links.network_p2p == pytest.approx(1.0)
+
+
 # -- output paths ------------------------------------------------------------------------------------------------
 
 
