@@ -123,7 +123,7 @@ def warm_up_p2p(group: dist.ProcessGroup | None, ring: Sequence[int], position: 
 
 def build_2d_groups(
     head_parallel_size: int,
-    inner_ring_size: int = 1,
+    inner_ring_size: int | None = None,
     placement: str = "head_first",
     cp_rank_lists: Sequence[Sequence[int]] | None = None,
     timeout: datetime.timedelta | None = None,
@@ -134,6 +134,7 @@ def build_2d_groups(
     Args:
         head_parallel_size: hp, ranks per head group (all-to-all over heads).
         inner_ring_size: w, context ranks per inner ring (Double-Ring); cp / w inner rings form the outer ring.
+            None (the default): w = cp, one ring.
         placement: "head_first" (head groups on adjacent ranks) or "context_first" (context rings adjacent).
         cp_rank_lists: global ranks of every CP group (each list ordered by CP rank); default one group of all ranks.
         timeout: timeout of the new process groups (when None: the default group's, else torch's default).

@@ -164,3 +164,36 @@ def test_every_wait_but_the_last_hop_follows_a_compute(cp, w, backward):
             hidden_behind = computes - posted_at.pop(e.channel)
             assert hidden_behind >= (0 if e.kind is EventKind.WAIT_FINAL else 1), (e.kind, hidden_behind)
     assert not posted_at  # every transfer is awaited
+
+
+# the outer ring at w = 1 does what the inner ring does at w = cp, event by event
+_OUTER_AS_INNER = {
+    EventKind.POST_OUTER_KV: EventKind.POST_INNER_KV,
+    EventKind.WAIT_OUTER_KV: EventKind.WAIT_INNER_KV,
+    EventKind.POST_CARRIED: EventKind.POST_RIDER,
+    EventKind.TAKE_CARRIED: EventKind.WAIT_RIDER,
+}
+
+
+def _as_inner(event):
+    kind = _OUTER_AS_INNER.get(event.kind, event.kind)
+    offset = event.source_offset
+    return kind, None if offset is None else (offset[1], offset[0])  # (outer step, inner step) swapped
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("backward", [False, True])
+def test_one_rank_inner_rings_are_the_one_ring(cp, backward):
+    """w = 1 and w = cp are the same ring: the same events (outer ring for inner ring), every rank sending to the
+    same rank on it and holding the same blocks in the same order. So neither default can be the slower one; the
+    planner and the benchmarks list the ring once, as w = cp."""
+    one_rank = [_as_inner(e) for e in double_ring_events(cp, 1, backward)]
+    one_ring = [(e.kind, e.source_offset) for e in double_ring_events(cp, cp, backward)]
+    assert one_rank == one_ring
+    assert any(kind in _OUTER_AS_INNER for kind in (e.kind for e in double_ring_events(cp, 1, backward)))
+    for hp in (1, 2):
+        w1, wcp = megatron_2d.Layout2D(hp * cp, hp, 1), megatron_2d.Layout2D(hp * cp, hp, cp)
+        assert wcp == megatron_2d.Layout2D(hp * cp, hp)  # the default
+        for index in range(hp * cp):
+            assert w1.send_peers(index)["outer"] == wcp.send_peers(index)["inner"]
+            assert w1.send_peers(index)["inner"] == wcp.send_peers(index)["outer"] == []

@@ -1,6 +1,6 @@
 """The shared harness of the attention benchmarks: dtypes, inputs, the single-process baseline, the layouts.
 
-layouts = bench_layouts(cp_size=4, heads=8)         # every Layout2D of CP = 4 whose hp divides the heads
+layouts = bench_layouts(cp_size=4, heads=8)         # the Layout2Ds of CP = 4 whose hp divides the heads
 q, k, v, dout = make_inputs(args, torch.bfloat16)   # full [S, b, h, d] tensors, the same on every rank
 """
 
@@ -19,8 +19,13 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, 
 
 
 def bench_layouts(cp_size: int, heads: int) -> list[Layout2D]:
-    """Every 2D layout of CP = ``cp_size`` whose head-parallel size divides the query heads."""
-    return [layout for layout in every_layout(cp_size) if heads % layout.head_parallel_size == 0]
+    """Every 2D layout of CP = ``cp_size`` whose head-parallel size divides the query heads; w = 1 only where
+    cp = 1, since it is the same ring as w = cp (as the planner lists it: ``plan.candidates.enumerate_schemes``)."""
+    return [
+        layout
+        for layout in every_layout(cp_size)
+        if heads % layout.head_parallel_size == 0 and (layout.inner_ring_size > 1 or layout.context_size == 1)
+    ]
 
 
 def label(layout: Layout2D) -> str:

@@ -457,7 +457,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4, help="CPU ranks N = hp * cp (default 4)")
     parser.add_argument("--hp", type=int, default=1, help="head-parallel size (default 1: a ring of N)")
-    parser.add_argument("--inner-ring-size", type=int, default=1, help="Double-Ring inner ring size w (default 1)")
+    parser.add_argument(
+        "--inner-ring-size", type=int, default=None, help="Double-Ring inner ring size w (default: cp, one ring)"
+    )
     parser.add_argument("--placement", default="head_first")
     parser.add_argument("--tokens", type=parse_tokens, default=16384, help="total tokens T, e.g. 16K (default)")
     parser.add_argument("--dists", nargs="+", default=list(DISTRIBUTIONS), choices=DISTRIBUTIONS)
@@ -538,7 +540,7 @@ def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: s
             title=f"[{case.name}] {len(lengths)} documents (longest {int(lengths.max())}, median "
             f"{int(np.median(lengths))}), T={int(case.cu_seqlens[-1])}, fwd+bwd fp32 causal, "
             f"{args.heads} heads d={args.dim}, N={args.ranks} CPU ranks = hp{args.hp} x "
-            f"cp{args.ranks // args.hp} w{args.inner_ring_size}"
+            f"cp{args.ranks // args.hp} w{args.inner_ring_size or args.ranks // args.hp}"
         )
         for col in (
             "row",

@@ -59,21 +59,33 @@ def zigzag_chunks(cp_index: int, cp_size: int) -> tuple[int, int]:
     return cp_index, 2 * cp_size - 1 - cp_index
 
 
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Layout2D:
     """The shape of 2D context parallelism inside one CP group of ``cp_size`` ranks: ``head_parallel_size`` (hp),
-    ``inner_ring_size`` (w, the Double-Ring inner ring size) and ``placement``."""
+    ``inner_ring_size`` (w, the Double-Ring inner ring size; None, the default: w = cp, one ring) and
+    ``placement``.
+
+    w = 1 and w = cp are the same ring (the same ranks in the same order, the same schedule and bytes; only the
+    byte counter's label differs, outer_ring vs inner_ring); the default is the one ring of all cp ranks.
+
+    >>> Layout2D(8, 2).inner_ring_size
+    4
+    """
 
     cp_size: int
     head_parallel_size: int
-    inner_ring_size: int
+    inner_ring_size: int | None = None
     placement: str = "head_first"
 
     def __post_init__(self) -> None:
-        CP, hp, w = self.cp_size, self.head_parallel_size, self.inner_ring_size
-        for name, value in (("context-parallel size", CP), ("head-parallel size", hp), ("inner ring size", w)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        CP, hp = self.cp_size, self.head_parallel_size
+        for name, value in (("context-parallel size", CP), ("head-parallel size", hp)):
+            _check_positive(name, value)
         check_placement(self.placement)
         if CP % hp != 0:
             raise LayoutError(
@@ -81,6 +93,10 @@ class Layout2D:
                 f"valid head-parallel sizes for CP={CP}: {divisors(CP)}"
             )
         cp = CP // hp
+        if self.inner_ring_size is None:
+            object.__setattr__(self, "inner_ring_size", cp)  # one ring
+        w = self.inner_ring_size
+        _check_positive("inner ring size", w)
         if cp % w != 0:
             raise LayoutError(
                 f"inner ring size {w} does not divide the context size cp = CP/hp = {CP}/{hp} = {cp}; "

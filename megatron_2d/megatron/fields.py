@@ -10,8 +10,8 @@ Code reads ``config.cp_2d_*`` from the table: on a TransformerConfig2D directly,
 plain TransformerConfig on the ``--spec`` route, megatron.training's arguments, a test's namespace) through
 :func:`fields_2d`, which fills in the table's defaults for the settings it lacks.
 
-    >>> fields_2d(object()).cp_2d_inner_ring_size
-    1
+    >>> fields_2d(object()).cp_2d_placement
+    'head_first'
     >>> flag("cp_2d_inner_ring_size")
     '--cp-2d-inner-ring-size'
 """
@@ -89,8 +89,11 @@ class Fields2D:
         "cp: ranks per context ring. Optional: context-parallel size / hp; checked against it when given.",
         type=int,
     )
-    cp_2d_inner_ring_size: int = _setting(
-        1, "w: context ranks per inner ring (Double-Ring); cp / w inner rings form the outer ring. 1: one plain ring."
+    cp_2d_inner_ring_size: int | None = _setting(
+        None,
+        "w: context ranks per inner ring (Double-Ring); cp / w inner rings form the outer ring. Default: cp, one "
+        "plain ring (w = 1 is the same ring); python -m megatron_2d.plan recommends one for a cluster.",
+        type=int,
     )
     cp_2d_placement: str = _setting(
         "head_first",

@@ -40,17 +40,16 @@ class Settings2D:
 
     context_parallel_size: int
     head_parallel_size: int
-    inner_ring_size: int = 1
+    inner_ring_size: int | None = None
+    """w; None: w = cp (one ring), resolved here."""
     placement: str = "head_first"
     layout: Layout2D = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # hp | CP, w | cp, positive sizes, a known placement (LayoutError is a ValueError)
-        object.__setattr__(
-            self,
-            "layout",
-            Layout2D(self.context_parallel_size, self.head_parallel_size, self.inner_ring_size, self.placement),
-        )
+        layout = Layout2D(self.context_parallel_size, self.head_parallel_size, self.inner_ring_size, self.placement)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "inner_ring_size", layout.inner_ring_size)
 
     @property
     def context_size(self) -> int:
@@ -62,7 +61,7 @@ def validate_2d_settings(
     context_parallel_size: int,
     head_parallel_size: int | None,
     context_size: int | None = None,
-    inner_ring_size: int = 1,
+    inner_ring_size: int | None = None,
     placement: str = "head_first",
     num_attention_heads: int,
     num_query_groups: int | None = None,
