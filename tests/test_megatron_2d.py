@@ -345,7 +345,8 @@ def test_stock_hierarchical_sizes_give_head_then_context():
         hierarchical_context_parallel_sizes=[2, 4],
     )
     settings = settings_from_config(config)
-    assert (settings.head_parallel_size, settings.context_size, settings.inner_ring_size) == (2, 4, 4)  # w: one ring by default
+    # w: one ring by default
+    assert (settings.head_parallel_size, settings.context_size, settings.inner_ring_size) == (2, 4, 4)
     config.hierarchical_context_parallel_sizes = [4, 2]
     assert settings_from_config(config).head_parallel_size == 4
     config.hierarchical_context_parallel_sizes = [2, 2, 2]
