@@ -172,7 +172,7 @@ class PaddedValueKernel(BlockKernel):
         return self.inner.supports(device, dtype)
 
     def backward_inputs(self, dout, out):
-        return self._pad(dout), self._pad(out)
+        return self.inner.backward_inputs(self._pad(dout), self._pad(out))
 
     def forward(self, q, k, v, band, scale):
         out, lse = self.inner.forward(q, k, self._pad(v), band, scale)

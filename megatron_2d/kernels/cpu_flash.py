@@ -48,7 +48,8 @@ def _mask_args(band: Band | None, sq: int, sk: int, q: torch.Tensor):
 
 
 class CpuFlashKernel(BlockKernel):
-    """``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward; K/V heads expanded for GQA."""
+    """``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward; K/V heads expanded for GQA. The
+    backward computes in the accumulator dtype (fp32 for bf16 / fp16 inputs)."""
 
     name = "cpu_flash"
 
@@ -76,10 +77,18 @@ class CpuFlashKernel(BlockKernel):
             lse[:, :, rows] = s.to(acc)
         return out, lse
 
+    def backward_inputs(self, dout, out):
+        acc = accumulator_dtype(out.dtype)
+        return dout.to(acc), out.to(acc)  # cast once per backward pass, not once per block
+
     def backward(self, dout, q, k, v, out, lse, band, scale):
-        sq, hq, hkv = q.shape[1], q.shape[2], k.shape[2]
+        sq, hq, hkv, dtype = q.shape[1], q.shape[2], k.shape[2], q.dtype
+        acc = accumulator_dtype(dtype)
+        # bf16 / fp16 run in the accumulator dtype: torch's CPU backward in half precision is several times slower
+        # than upcast + fp32 on CPUs without half-precision matrix units (docs/benchmarks.md), and no less exact.
+        dout, q, k, v, out = (x.to(acc) for x in (dout, q, k, v, out))
         k_rep, v_rep = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
-        lse = lse.to(accumulator_dtype(q.dtype))
+        lse = lse.to(acc)
         tiles = row_tiles(band, sq, k.shape[1])
         dq = dk = dv = None  # tiled calls accumulate in the accumulator dtype
         for tile in tiles:
@@ -99,7 +108,8 @@ class CpuFlashKernel(BlockKernel):
             )
             if dq is None:  # one call: its gradients are the block's (up to its key range)
                 if (tile.k_start, tile.k_end) == (0, k.shape[1]) and (tile.q_start, tile.q_end) == (0, sq):
-                    return _t(g[0]), sum_kv_head_groups(_t(g[1]), hkv), sum_kv_head_groups(_t(g[2]), hkv)
+                    dq, dk, dv = _t(g[0]), sum_kv_head_groups(_t(g[1]), hkv), sum_kv_head_groups(_t(g[2]), hkv)
+                    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
                 dq, dk, dv = (torch.zeros(x.shape, dtype=lse.dtype, device=x.device) for x in (q, k_rep, v_rep))
             dq[:, rows] += _t(g[0])
             dk[:, keys] += _t(g[1])
