@@ -7,7 +7,20 @@ Implementations (rows)
     TE p2p / a2a / a2a+p2p  Transformer Engine's DotProductAttention with its context parallelism, set up as stock
                             Megatron's TEDotProductAttention does (sbhd, causal, Megatron's zigzag shards; a2a+p2p
                             with [a2a group of A adjacent ranks, p2p group of ranks A apart]); --device cuda only
-    yunchang (USP) is left out: on CPU its torch path has no backward.
+    USP ulysses U x ring R  yunchang 0.6.4's LongContextAttention(ring_impl_type="zigzag") over its own groups
+                            (set_seq_parallel_pg(U, R, ...): Ulysses groups of U adjacent ranks), inputs by its
+                            zigzag_extract_local; one row per U | N that divides hq and hkv (else n/a: its
+                            all_to_all_4D cannot split fewer heads than U), and, where hkv < N, Ulysses N with K/V
+                            repeated to N heads by the caller (inside the timed step, autograd sums the gradients).
+                            On CPU over the flash_attn stand-in with __version__ 2.7.4 (yunchang calls the pre-2.6.3
+                            API below 2.6.3). Adapted: in a ring of one rank (U = N) its backward's last hop (dK/dV
+                            home) is a local copy, since gloo cannot send to itself (runners.local_ring_comm).
+    torch CP allgather /    PyTorch's context parallelism as torchtitan wires it: _ContextParallel (SDPA) on the
+    alltoall                attention module by parallelize_module, inputs by _context_parallel_shard with the
+                            head-tail load balancer (torch's zigzag), torch's CP dispatcher; K/V rotation by
+                            set_rotate_method. GQA by SDPA's enable_gqa (K/V heads stay hkv). On CPU the SDPA op has
+                            no CP rule in torch: megatron_2d.bench.torch_cp_cpu registers one that runs torch's
+                            _templated_ring_attention(_backward) with our cpu_flash kernel per block.
 
 Bytes per rank of the peers (closed forms). Nq = b*(S/N)*hq*d and Nkv = b*(S/N)*hkv*d are the elements of this
 rank's local Q and K (V is the size of K), e is the input dtype's size, cp the ring length:
@@ -24,6 +37,18 @@ rank's local Q and K (V is the size of K), e is the input dtype's size, cp the r
                                         a2a = 2*(2*Nq + 2*Nkv)*e*(A-1)/A, ring = 2*Nkv*e*3*(P-1)
     The TE forms are read off TE's context_parallel.py (AttnFuncWithCPAndKVP2P, AttnFuncWithCPAndQKVOA2A) and
     are not checked by running TE here.
+    USP [U, R]              Ulysses: q, k, v, out forward and dout, dq, dk, dv backward, each sending (U-1)/U of
+                            itself; then ring-flash-attn's zigzag ring over R ranks on K/V of Nkv elements again
+                            (U times the tokens, 1/U of the heads); Nkv after the caller's repeat where K/V are
+                            repeated (hkv -> N heads)
+                                        a2a = 2*(2*Nq + 2*Nkv)*e*(U-1)/U, ring = 2*Nkv*((R-1)*2*e + R*4) (0 for R = 1:
+                                        the hop home is a local copy)
+                            Checked: the ranks count what its RingComm sends (a mismatch is printed).
+    torch CP (both)         forward: K and V (N-1) times in the input dtype (all-gather: each rank's K/V to the N-1
+                            others once; all-to-all: one hop per step); backward: the same again, and dK, dV N times
+                            in fp32 (_cp_options.convert_to_f32; always all-to-all, the last hop brings them home)
+                                                                        ring = 2*Nkv*((N-1)*2*e + N*4)
+                            Read off torch 2.13's _context_parallel/_attention.py; not counted.
 """
 
 from __future__ import annotations
