@@ -12,13 +12,20 @@ ranks: megatron_2d.testing.reference.reference_on_rank). An implementation above
 table, megatron_2d.testing.reference.TOLERANCES[dtype].gate) is reported as MISMATCH, one that raises as ERROR,
 one that cannot run here as n/a; none of them is timed.
 
+    python tools/bench_compare.py --ranks 4 --peers usp,torch-cp  # only these peers (default all; --no-peers)
+
+Timing (as tools/bench_attention.py): rounds, the first a warm-up; each times the single-process baseline (the
+local kernel's fwd+bwd on the full problem, one thread: rank 0 alone, then min(N, cores) ranks at once; on GPUs
+every rank), then one fwd+bwd of every correct implementation, in an order that rotates from round to round.
+The ranks keep freed memory (--system-malloc turns that off). After the table, "matched layouts": for each USP
+row (Ulysses U x ring R), the best 2D row of hp = U, cp = R and its time / the USP row's.
+
 Columns
-    time ms          median over --repeats rounds (after the check run and a warm-up round) of the slowest
-                     rank; the rounds go round-robin over the implementations
+    time ms          median over --repeats rounds of the slowest rank
     x vs <family>    time / the best time of that family in this run (2D (ours), each peer)
-    vs ideal         ideal / time; ideal = single-process kernel fwd+bwd on the full problem / min(N, cores) on
-                     CPU (one thread, as bench_attention.py; timed before and after the ranks, the smaller is
-                     used and a drift is reported), / N on GPUs
+    vs ideal         median over rounds of ideal / time, ideal = that round's baseline run by min(N, cores) ranks
+                     at once / min(N, cores) (on GPUs: by every rank / N)
+    vs ideal alone   the same with the baseline run by rank 0 alone on an otherwise idle machine
     a2a, ring MiB    bytes one rank sends per fwd+bwd: ours measured (groups.comm_bytes), peers by closed form (f)
     err              max relative error, max |x - ref| / max |ref| over the whole tensor, of out/dq/dk/dv
 """
