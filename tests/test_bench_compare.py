@@ -16,6 +16,7 @@ import torch
 
 import megatron_2d
 from megatron_2d.bench import compare as bench_compare
+from megatron_2d.bench import runners as bench_runners
 from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
@@ -236,7 +237,9 @@ def test_bench_compare_end_to_end_json(tmp_path, capsys):
             str(path),
         ]
     )
-    assert "ring-flash-attn zigzag" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "note: ring-flash-attn: zigzag_ring_flash_attn_func" in printed and "matched layouts" in printed
+    assert "per-block kernel: megatron_2d's cpu_flash, as every row" in printed
     data = json.loads(path.read_text())
     assert data["args"]["dtype"] == "bf16"
     rows = {r["name"]: r for r in data["rows"]}
@@ -244,15 +247,195 @@ def test_bench_compare_end_to_end_json(tmp_path, capsys):
     assert ring is not None and ring["status"] == "ok", f"ring-flash-attn row: {ring}"
     assert ring["bytes"]["ring_counted"] == ring["bytes"]["ring"]  # the closed form is what it sends
     timed = [r for r in data["rows"] if not r["status"].startswith("n/a")]
-    assert len(timed) == 9  # 8 layouts of CP=4 with hp | 4, ring-flash
+    # 5 layouts of CP=4 with hp | 4 (w = 1 only at cp = 1), ring-flash, USP U=1, U=2 and U=4 with K/V repeated,
+    # torch CP x 2
+    assert len(timed) == 11
     for r in timed:
         assert r["status"] == "ok", r
         assert math.isfinite(r["seconds"]) and r["seconds"] > 0, r
+        assert math.isfinite(r["efficiency"]) and math.isfinite(r["efficiency_alone"]), r
         assert max(r["errors"].values()) < BF16_TOLERANCE, r
-        assert set(r["ratios"]) == {bench_compare.OURS, bench_compare.RING_FLASH}
-    assert [r["status"] for r in data["rows"] if r["status"].startswith("n/a")] == [
-        "n/a: Transformer Engine CP needs CUDA (--device cuda)"
+        fams = {bench_compare.OURS, bench_compare.RING_FLASH, bench_compare.USP, bench_compare.TORCH_CP}
+        assert set(r["ratios"]) == fams
+    assert sorted(r["status"] for r in data["rows"] if r["status"].startswith("n/a")) == [
+        "n/a: Transformer Engine CP needs CUDA (--device cuda)",
+        "n/a: yunchang's Ulysses all-to-all splits the heads over U=4 ranks: U must divide hq=4 and hkv=2 "
+        "(its all_to_all_4D raises otherwise)",
     ]
+    # the round order rotates: with one timed round there is one order, of every timed row
+    assert len(data["order"]) == 1 and len(data["order"][0]) == 11
+
+
+# -- the peers: USP (yunchang) and torch CP ---------------------------------------------------------------------
+
+
+def _peer_args(world, hkv, *extra):
+    return bench_compare.parse_args(
+        ["--ranks", str(world), "--seq", "256", "--heads", "4", "--kv-heads", str(hkv), "--dim", "16"]
+        + ["--repeats", "1", "--quiet", *extra]
+    )
+
+
+def _peer_rows(args, impls):
+    out = run_on_ranks(args.ranks, bench_compare.compare_on_rank, args, impls, "cpu", timeout_s=240)[0]
+    return {impl.name: r for impl, r in zip(impls, out["rows"])}, out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world,hkv", [(2, 4), (2, 1), (4, 4), (4, 2)], ids=["n2-mha", "n2-mqa", "n4-mha", "n4-gqa"])
+def test_usp_and_torch_cp_pass_the_fp64_gate(world, hkv):
+    args = _peer_args(world, hkv)
+    impls = bench_compare.usp_impls(args) + bench_compare.torch_cp_impls(args)
+    rows, _ = _peer_rows(args, impls)
+    expected = {f"USP ulysses{u} x ring{world // u}" for u in (1, 2, 4) if world % u == 0}
+    expected |= {"torch CP allgather", "torch CP alltoall"}
+    if hkv < world:
+        expected.add(f"USP ulysses{world} x ring1, K/V repeated by the caller")
+    assert set(rows) == expected
+    for name, r in rows.items():
+        if world > hkv and name == f"USP ulysses{world} x ring1":  # yunchang cannot split hkv < U heads
+            assert r["status"] == (
+                f"n/a: yunchang's Ulysses all-to-all splits the heads over U={world} ranks: U must divide hq=4 and "
+                f"hkv={hkv} (its all_to_all_4D raises otherwise)"
+            )
+            continue
+        assert r["status"] == "ok", (name, r)
+        assert max(r["errors"].values()) < BF16_TOLERANCE, (name, r)
+        if name.startswith("USP"):
+            assert r["bytes"]["ring_counted"] == r["bytes"]["ring"], (name, r["bytes"])
+
+
+class _Perturbed(bench_compare.Runner):
+    """A peer's runner whose output is 10% off: the gate must catch it."""
+
+    def __init__(self, inner):
+        self.inner, self.bytes_source = inner, inner.bytes_source
+
+    def to_native(self, *xs):
+        return self.inner.to_native(*xs)
+
+    def step(self, *xs):
+        out, dq, dk, dv = self.inner.step(*xs)
+        return out * 1.1, dq, dk, dv
+
+    def from_native(self, *xs):
+        return self.inner.from_native(*xs)
+
+    def bytes_sent(self):
+        return self.inner.bytes_sent()
+
+
+@pytest.mark.distributed
+def test_a_wrong_peer_is_reported_mismatch():
+    args = _peer_args(2, 2)
+    usp, cp = bench_compare.usp_impls(args)[0], bench_compare.torch_cp_impls(args)[0]
+    impls = [
+        bench_compare.Impl(
+            f"perturbed {impl.name}", impl.family, build=lambda r, w, a, b=impl.build: _Perturbed(b(r, w, a))
+        )
+        for impl in (usp, cp)
+    ] + [usp]
+    rows, _ = _peer_rows(args, impls)
+    for impl in impls[:2]:
+        r = rows[impl.name]
+        assert r["status"] == "MISMATCH" and r["seconds"] is None, r
+        assert r["errors"]["out"] > 0.05 and r["errors"]["dq"] < BF16_TOLERANCE
+    assert rows[usp.name]["status"] == "ok"
+
+
+def test_peer_bytes_closed_forms():
+    # this rank's shard at N = 4: S/N = 64 tokens, b=1, hq=4, hkv=2, d=16, bf16 (2 bytes)
+    nq, nkv, e = 64 * 4 * 16, 64 * 2 * 16, 2
+    # USP [U=2, R=2]: K/V after the all-to-all: 128 tokens x 1 head, the same element count
+    assert bench_runners.usp_bytes(nq, nkv, e, 2, 2) == {
+        "a2a": 2 * (2 * nq + 2 * nkv) * e / 2,
+        "ring": 2 * nkv * (1 * 2 * e + 2 * 4),
+    }
+    assert bench_runners.usp_bytes(nq, nkv, e, 4, 1) == {"a2a": 2 * (2 * nq + 2 * nkv) * e * 3 / 4, "ring": 0}
+    assert bench_runners.usp_bytes(nq, nkv, e, 1, 4)["a2a"] == 0
+    assert bench_runners.torch_cp_bytes(nkv, 4, e) == {"a2a": 0, "ring": 2 * nkv * (3 * 2 * e + 4 * 4)}
+
+
+def test_peers_flag():
+    assert bench_compare.parse_args([]).peers == bench_compare.PEERS
+    assert bench_compare.parse_args(["--peers", "all"]).peers == bench_compare.PEERS
+    assert bench_compare.parse_args(["--peers", "torch-cp,usp"]).peers == ("usp", "torch-cp")
+    assert bench_compare.parse_args(["--no-peers"]).peers == ()
+    with pytest.raises(SystemExit):
+        bench_compare.parse_args(["--peers", "usp,megatron"])
+    args = _peer_args(2, 2, "--peers", "torch-cp")
+    families = {impl.family for impl in bench_compare.all_impls(args)}
+    assert families == {bench_compare.OURS, bench_compare.TORCH_CP}
+    assert bench_compare.parse_args(["--system-malloc"]).system_malloc
+
+
+def test_round_order_puts_every_implementation_at_every_position():
+    timed = [0, 2, 3, 5, 8]
+    orders = [bench_compare.round_order(timed, r) for r in range(1, 1 + len(timed))]
+    for order in orders:
+        assert sorted(order) == timed
+    for position in range(len(timed)):
+        assert sorted(order[position] for order in orders) == timed
+    assert bench_compare.round_order([], 3) == []
+
+
+def test_matched_layouts_pairs_usp_rows_with_the_best_2d_row():
+    Row = bench_compare.Row
+
+    def row(name, family, seconds, hp, cp):
+        return Row(name, family, "ok", seconds, None, None, None, layout={"hp": hp, "cp": cp, "w": cp})
+
+    rows = [
+        row("hp2 x cp2 a", bench_compare.OURS, 3.0, 2, 2),
+        row("hp2 x cp2 b", bench_compare.OURS, 2.0, 2, 2),
+        row("hp4 x cp1", bench_compare.OURS, 1.0, 4, 1),
+        row("USP ulysses2 x ring2", bench_compare.USP, 4.0, 2, 2),
+        row("USP ulysses1 x ring4", bench_compare.USP, 4.0, 1, 4),  # no 2D row of hp1 x cp4 here
+    ]
+    assert bench_compare.matched_layouts(rows) == [("USP ulysses2 x ring2", "hp2 x cp2 b", 0.5)]
+
+
+def test_flash_attn_stand_in_version_is_a_parameter():
+    if flash_attn_cpu.real_flash_attn_present() or torch.cuda.is_available():
+        pytest.skip("the stand-in never shadows a real flash_attn")
+    with flash_attn_cpu.flash_attn_stand_in(version=flash_attn_cpu.FLASH_ATTN_2_7_VERSION):
+        import flash_attn
+
+        assert flash_attn.__version__ == flash_attn_cpu.FLASH_ATTN_2_7_VERSION
+        assert not flash_attn_cpu.real_flash_attn_present()
+    with flash_attn_cpu.flash_attn_stand_in():
+        import flash_attn
+
+        assert flash_attn.__version__ == flash_attn_cpu.STAND_IN_VERSION
+
+
+def test_torch_cp_cpu_rule_is_scoped():
+    from torch.distributed.tensor import DTensor
+
+    from megatron_2d.bench import torch_cp_cpu
+
+    handlers = lambda: DTensor._op_dispatcher._custom_op_handlers  # noqa: E731
+    strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    assert torch_cp_cpu.CPU_SDPA not in handlers() and torch_cp_cpu.CPU_SDPA not in strategies
+    with torch_cp_cpu.cpu_sdpa_context_parallel():
+        assert handlers()[torch_cp_cpu.CPU_SDPA] is handlers()[torch_cp_cpu.CPU_SDPA_BACKWARD]
+        assert torch_cp_cpu.CPU_SDPA in strategies and torch_cp_cpu.CPU_SDPA_BACKWARD in strategies
+    assert torch_cp_cpu.CPU_SDPA not in handlers() and torch_cp_cpu.CPU_SDPA_BACKWARD not in strategies
+
+
+def test_torch_cp_block_adapter_matches_torch_sdpa():
+    from megatron_2d.bench import torch_cp_cpu
+
+    q, k, v, dout = (_randn(1, 2, 32, 8, seed=i) for i in range(4))  # [b, h, s, d]
+    for causal in (True, False):
+        qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+        ref.backward(dout)
+        out, lse = torch_cp_cpu.block_forward(q, k, v, is_causal=causal)
+        grads = torch_cp_cpu.block_backward(dout, q, k, v, out, lse, is_causal=causal)
+        assert out.shape == q.shape and lse.shape == (1, 2, 32)
+        for got, want in zip((out, *grads), (ref, qr.grad, kr.grad, vr.grad)):
+            assert rel_err(got, want) < 1e-6
 
 
 # -- calibration (tools/calibrate_planner.py: megatron_2d.bench.calibration) ---------------------------------------

@@ -12,13 +12,20 @@ ranks: megatron_2d.testing.reference.reference_on_rank). An implementation above
 table, megatron_2d.testing.reference.TOLERANCES[dtype].gate) is reported as MISMATCH, one that raises as ERROR,
 one that cannot run here as n/a; none of them is timed.
 
+    python tools/bench_compare.py --ranks 4 --peers usp,torch-cp  # only these peers (default all; --no-peers)
+
+Timing (as tools/bench_attention.py): rounds, the first a warm-up; each times the single-process baseline (the
+local kernel's fwd+bwd on the full problem, one thread: rank 0 alone, then min(N, cores) ranks at once; on GPUs
+every rank), then one fwd+bwd of every correct implementation, in an order that rotates from round to round.
+The ranks keep freed memory (--system-malloc turns that off). After the table, "matched layouts": for each USP
+row (Ulysses U x ring R), the best 2D row of hp = U, cp = R and its time / the USP row's.
+
 Columns
-    time ms          median over --repeats rounds (after the check run and a warm-up round) of the slowest
-                     rank; the rounds go round-robin over the implementations
+    time ms          median over --repeats rounds of the slowest rank
     x vs <family>    time / the best time of that family in this run (2D (ours), each peer)
-    vs ideal         ideal / time; ideal = single-process kernel fwd+bwd on the full problem / min(N, cores) on
-                     CPU (one thread, as bench_attention.py; timed before and after the ranks, the smaller is
-                     used and a drift is reported), / N on GPUs
+    vs ideal         median over rounds of ideal / time, ideal = that round's baseline run by min(N, cores) ranks
+                     at once / min(N, cores) (on GPUs: by every rank / N)
+    vs ideal alone   the same with the baseline run by rank 0 alone on an otherwise idle machine
     a2a, ring MiB    bytes one rank sends per fwd+bwd: ours measured (groups.comm_bytes), peers by closed form (f)
     err              max relative error, max |x - ref| / max |ref| over the whole tensor, of out/dq/dk/dv
 """
@@ -44,8 +51,23 @@ from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_on_rank
 
 from .cli import add_arguments, add_output_arguments, render_table
-from .harness import DTYPES, make_inputs, time_single_process
-from .runners import OURS, RING_FLASH, Impl, Runner, TEContextParallel, all_impls, ring_flash_impl, te_impls  # noqa: F401
+from .harness import DTYPES, make_inputs, retain_freed_memory, single_process_step
+from .runners import (  # noqa: F401
+    OURS,
+    PEERS,
+    RING_FLASH,
+    TORCH_CP,
+    USP,
+    YUNCHANG_VERSION,
+    Impl,
+    Runner,
+    TEContextParallel,
+    all_impls,
+    ring_flash_impl,
+    te_impls,
+    torch_cp_impls,
+    usp_impls,
+)
 
 TENSORS = ("out", "dq", "dk", "dv")
 
@@ -99,13 +121,7 @@ def _sync(device: torch.device) -> None:
 
 def _time_once(runner: Runner, native: tuple, device: torch.device) -> float:
     """Seconds of one fwd+bwd on this rank, all ranks starting together and waiting for the slowest."""
-    _sync(device)
-    dist.barrier()
-    t0 = time.perf_counter()
-    runner.step(*native)
-    _sync(device)
-    dist.barrier()
-    return time.perf_counter() - t0
+    return _time_call(lambda: runner.step(*native), device)
 
 
 def _check(impl: Impl, rank, world, args, shards, ref, device) -> tuple[dict[str, object], tuple | None]:
@@ -134,13 +150,29 @@ def _check(impl: Impl, rank, world, args, shards, ref, device) -> tuple[dict[str
     return result, built
 
 
-def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: str = "cpu") -> list[dict[str, object]]:
+def round_order(indices: Sequence[int], round_index: int) -> list[int]:
+    """The order of the implementations in one timing round: ``indices`` rotated by the round, so that over
+    len(indices) rounds each implementation runs once at every position (none always first after the baseline)."""
+    k = round_index % len(indices) if indices else 0
+    return list(indices[k:]) + list(indices[:k])
+
+
+def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: str = "cpu") -> dict[str, object]:
     """Every rank: the same inputs and fp64 reference; each implementation checked, then the correct ones timed.
 
-    Timing goes round-robin (one fwd+bwd of each implementation per round, the first round a warm-up), so a slow
-    phase of a shared machine hits every implementation alike; the time is the median over rounds of the slowest
-    rank."""
+    Timing goes in rounds (the first a warm-up), as bench_attention's: a round times the single-process baseline
+    twice, rank 0 alone and then the first min(N, cores) ranks at once (every rank on GPUs), and then one fwd+bwd
+    of each implementation, in an order that rotates from round to round (:func:`round_order`); so a slow phase of
+    a shared machine hits every implementation and the baseline alike. Times are barrier to barrier (the slowest
+    rank's). A row's time is its median over rounds; its efficiencies the medians of per-round ratios, ideal /
+    time, ideal = the baseline of the same round / min(N, cores) (N on GPUs). The ranks keep freed memory
+    (harness.retain_freed_memory) unless ``args.system_malloc``.
+
+    Returns {"rows": a result per implementation, "order": the order of each timed round, "single": {"alone",
+    "busy"}: the baseline's seconds per timed round}."""
     dev = torch.device(device)
+    if not getattr(args, "system_malloc", False):
+        retain_freed_memory()
     full = [x.to(dev) for x in make_inputs(args, DTYPES[args.dtype])]  # q, k, v, dout [S, b, h, d]
     shards = [megatron_2d.shard_sequence(x, rank, world).contiguous() for x in full]
     ref = reference_on_rank(*full, rank, world, max_elements=2 ** (27 if dev.type == "cuda" else 24))
@@ -154,25 +186,66 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
             result, runner = _check(impl, rank, world, args, shards, ref, dev)
             results.append(result)
             built.append(runner)
+    share = _share(world, dev.type)
+    baseline = None
+    if rank < share:
+        try:
+            baseline = single_process_step(args, DTYPES[args.dtype], device)
+        except (RuntimeError, ValueError) as err:  # e.g. out of memory on a GPU without flash-attn: no ideal
+            print(f"rank {rank}: no single-process baseline ({type(err).__name__}); no 'vs ideal'", file=sys.stderr)
+    failed = _all_max([1.0 if rank < share and baseline is None else 0.0], dev)[0]
+    step = (lambda: None) if failed or baseline is None else baseline
     rounds = range(args.repeats + 1)
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
 
         rounds = tqdm(rounds, desc=f"{world} ranks, timing rounds", file=sys.stderr)
-    times: dict[int, list[float]] = {i: [] for i, b in enumerate(built) if b}
+    timed = [i for i, b in enumerate(built) if b]
+    times: dict[int, list[float]] = {i: [] for i in timed}
+    single: dict[str, list[float]] = {"alone": [], "busy": []}
+    orders = []
+    idle = lambda: None  # noqa: E731
     for r in rounds:
-        for i in times:
-            t = _time_once(*built[i], dev)
-            if r:
-                times[i].append(t)
+        alone = _time_call(step if rank == 0 else idle, dev)
+        busy = _time_call(step, dev)
+        order = round_order(timed, r)
+        seconds = {i: _time_once(*built[i], dev) for i in order}
+        if r:
+            single["alone"].append(alone)
+            single["busy"].append(busy)
+            orders.append(order)
+            for i in order:
+                times[i].append(seconds[i])
+    if failed:
+        single = {kind: [math.nan] * len(t) for kind, t in single.items()}
+    single = {kind: _all_max(t, dev) for kind, t in single.items()}
     for i, samples in times.items():
         runner = built[i][0]
-        results[i]["seconds"] = _all_max([statistics.median(samples)], dev)[0]
+        samples = _all_max(samples, dev)  # per round, the slowest rank
+        results[i]["seconds"] = statistics.median(samples)
+        for key, kind in (("efficiency", "busy"), ("efficiency_alone", "alone")):
+            results[i][key] = statistics.median(s / share / t for s, t in zip(single[kind], samples))
         sent = runner.bytes_sent()
         keys = sorted(sent)
         results[i]["bytes"] = dict(zip(keys, _all_max([float(sent[k]) for k in keys], dev)))
         results[i]["bytes_source"] = runner.bytes_source
-    return results
+    return {"rows": results, "order": orders, "single": single}
+
+
+def _share(world: int, device_type: str) -> int:
+    """What the ideal divides the single-process time by: min(N, cores) on CPU, N on GPUs."""
+    return min(world, os.cpu_count() or 1) if device_type == "cpu" else world
+
+
+def _time_call(fn, device: torch.device) -> float:
+    """Seconds of ``fn()`` barrier to barrier (the slowest rank's)."""
+    _sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
@@ -190,56 +263,59 @@ class Row:
     bytes_source: str = ""
     layout: dict[str, object] | None = None
     ratios: dict[str, float] = field(default_factory=dict)
+    efficiency_alone: float | None = None
 
 
 @dataclass
 class Report:
     rows: list[Row]
     single_s: float
+    """The single-process baseline's median seconds, min(N, cores) ranks running it at once (N GPUs)."""
     ideal_s: float
     device: str
+    single_alone_s: float = math.nan
+    """The same, rank 0 alone on an otherwise idle machine."""
     single_runs_s: list[float] = field(default_factory=list)
-    """CPU: the single-process time measured before and after the ranks ran; ``single_s`` is the smaller."""
+    """The baseline alone, per timed round (a spread says the machine's load changed during the run)."""
+    order: list[list[int]] = field(default_factory=list)
+    """The implementations' indices (into the run's rows before sorting) in each timed round's order."""
 
 
 def _run_cuda(args, impls: list[Impl]):
-    """torchrun: one process per GPU, NCCL; returns (results, single-process seconds) on rank 0, (None, ..)
-    elsewhere."""
+    """torchrun: one process per GPU, NCCL; returns compare_on_rank's result on rank 0, None elsewhere."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        try:
-            single = time_single_process(args, DTYPES[args.dtype], "cuda")
-        except (RuntimeError, ValueError) as err:  # e.g. out of memory without flash-attn: no ideal, go on
-            print(f"rank {rank}: single-process timing failed ({type(err).__name__}); no 'vs ideal'", file=sys.stderr)
-            single = math.nan
-            torch.cuda.empty_cache()
-        results = compare_on_rank(rank, world, args, impls, "cuda")
+        out = compare_on_rank(rank, world, args, impls, "cuda")
     finally:
         dist.destroy_process_group()
-    return (results if rank == 0 else None), single
+    return out if rank == 0 else None
 
 
-def _finish(args, impls: list[Impl], results, single: float) -> Report:
-    """Rows from rank 0's results: efficiency vs ideal and the ratio to each family's best."""
-    cores = os.cpu_count() or 1
-    ideal = single / (min(args.ranks, cores) if args.device == "cpu" else args.ranks)
+def _finish(args, impls: list[Impl], out: dict[str, object]) -> Report:
+    """Rows from rank 0's results: efficiencies and the ratio to each family's best."""
+    single = out["single"]
+    busy = statistics.median(single["busy"]) if single["busy"] else math.nan
+    alone = statistics.median(single["alone"]) if single["alone"] else math.nan
+    share = _share(args.ranks, args.device)
     rows = []
-    for impl, r in zip(impls, results):
-        seconds = r["seconds"]
-        efficiency = ideal / seconds if seconds and math.isfinite(ideal) else None
+    for impl, r in zip(impls, out["rows"]):
+        ok = r["seconds"] is not None
         rows.append(
             Row(
                 impl.name,
                 impl.family,
                 r["status"],
-                seconds,
-                efficiency,
+                r["seconds"],
+                r.get("efficiency") if ok and math.isfinite(r.get("efficiency", math.nan)) else None,
                 r["errors"],
                 r["bytes"],
                 r.get("bytes_source", ""),
                 impl.layout,
+                efficiency_alone=r.get("efficiency_alone")
+                if ok and math.isfinite(r.get("efficiency_alone", math.nan))
+                else None,
             )
         )
     best: dict[str, float] = {}
@@ -250,7 +326,7 @@ def _finish(args, impls: list[Impl], results, single: float) -> Report:
         if row.seconds is not None:
             row.ratios = {family: row.seconds / t for family, t in best.items()}
     rows.sort(key=lambda r: (r.seconds is None, r.seconds or 0.0))
-    return Report(rows, single, ideal, args.device)
+    return Report(rows, busy, busy / share, args.device, alone, list(single["alone"]), out["order"])
 
 
 def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Report | None:
@@ -261,16 +337,42 @@ def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Report | None:
         raise SystemExit(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     impls = all_impls(args) + list(extra_impls)
     if args.device == "cuda":
-        results, single = _run_cuda(args, impls)
-        return _finish(args, impls, results, single) if results is not None else None
-    before = time_single_process(args, DTYPES[args.dtype])
+        out = _run_cuda(args, impls)
+        return _finish(args, impls, out) if out is not None else None
     per_rank = run_on_ranks(
         args.ranks, compare_on_rank, args, impls, "cpu", timeout_s=args.timeout * (4 + 2 * len(impls))
     )
-    after = time_single_process(args, DTYPES[args.dtype])  # again: a shared machine's load drifts
-    report = _finish(args, impls, per_rank[0], min(before, after))
-    report.single_runs_s = [before, after]
-    return report
+    return _finish(args, impls, per_rank[0])
+
+
+def matched_layouts(rows: Sequence[Row]) -> list[tuple[str, str, float]]:
+    """For each timed USP row (Ulysses U x ring R): (its name, the best timed 2D row of hp = U, cp = R, that row's
+    time / the USP row's); rows without a timed 2D match are left out."""
+    ours = [r for r in rows if r.family == OURS and r.seconds is not None and r.layout]
+    out = []
+    for usp in rows:
+        if usp.family != USP or usp.seconds is None or not usp.layout:
+            continue
+        match = [r for r in ours if (r.layout["hp"], r.layout["cp"]) == (usp.layout["hp"], usp.layout["cp"])]
+        if match:
+            best = min(match, key=lambda r: r.seconds)
+            out.append((usp.name, best.name, best.seconds / usp.seconds))
+    return out
+
+
+ADAPTATIONS = {
+    RING_FLASH: "ring-flash-attn: zigzag_ring_flash_attn_func on our zigzag shards (its layout); on CPU its "
+    "flash_attn kernels are the stand-in (megatron_2d.testing.flash_attn_cpu)",
+    USP: "USP: yunchang {version} LongContextAttention(ring_impl_type='zigzag') over its set_seq_parallel_pg groups, "
+    "inputs by its zigzag_extract_local; on CPU over the flash_attn stand-in as flash-attn 2.7 (yunchang picks the "
+    "call convention by version); a ring of one rank (ulysses N) brings dK/dV home by a local copy instead of a "
+    "gloo send to itself; 'K/V repeated by the caller': K/V heads repeated to N before the call (autograd sums "
+    "their gradients)",
+    TORCH_CP: "torch CP: _ContextParallel (SDPA) by parallelize_module, inputs by _context_parallel_shard with the "
+    "head-tail load balancer, set_rotate_method per row; GQA by SDPA's enable_gqa; on CPU a CP sharding rule for "
+    "the CPU SDPA op runs torch's _templated_ring_attention(_backward) (megatron_2d/bench/torch_cp_cpu.py); "
+    "per-block kernel: megatron_2d's cpu_flash, as every row",
+}
 
 
 # -- output -----------------------------------------------------------------------------------------------------
@@ -291,13 +393,14 @@ def print_report(report: Report, args) -> None:
     where = f"{args.ranks} CPU ranks" if report.device == "cpu" else f"{args.ranks} GPUs"
     title = (
         f"attention fwd+bwd, {where}, S={args.seq} b={args.batch} hq={args.heads} hkv={args.kv_heads} "
-        f"d={args.dim} {args.dtype} causal; single-process {report.single_s * 1e3:.0f} ms, "
-        f"ideal {report.ideal_s * 1e3:.0f} ms; error tolerance {_tolerance(args.dtype):g}"
+        f"d={args.dim} {args.dtype} causal; single-process {report.single_s * 1e3:.0f} ms "
+        f"({report.single_alone_s * 1e3:.0f} ms alone), ideal = single / {_share(args.ranks, args.device)}; "
+        f"error tolerance {_tolerance(args.dtype):g}"
     )
     header = (
         ["implementation", "time ms"]
         + [f"x vs {_short(f)}" for f in families]
-        + ["vs ideal", "a2a MiB", "ring MiB", "max rel err"]
+        + ["vs ideal", "vs ideal alone", "a2a MiB", "ring MiB", "max rel err"]
     )
     body, notes = [], []
     for r in report.rows:
@@ -305,7 +408,7 @@ def print_report(report: Report, args) -> None:
         err = f"{r.errors[worst]:.1e} {worst}" if r.errors else "-"
         if r.seconds is None:
             kind = r.status.split(":")[0]
-            body.append([r.name, kind] + ["-"] * (len(families) + 3) + [err])
+            body.append([r.name, kind] + ["-"] * (len(families) + 4) + [err])
             if r.status != kind:
                 notes.append(f"{r.name}: {r.status}")
             continue
@@ -315,6 +418,7 @@ def print_report(report: Report, args) -> None:
             + [f"{r.ratios[f]:.2f}" for f in families]
             + [
                 f"{100 * r.efficiency:.0f}%" if r.efficiency is not None else "-",
+                f"{100 * r.efficiency_alone:.0f}%" if r.efficiency_alone is not None else "-",
                 _mib(r.bytes["a2a"]) + mark,
                 _mib(r.bytes["ring"]) + mark,
                 err,
@@ -325,18 +429,28 @@ def print_report(report: Report, args) -> None:
                 f"warning: {r.name}: closed-form ring bytes {r.bytes['ring']:.0f} != counted "
                 f"{r.bytes['ring_counted']:.0f}"
             )
-    render_table(title, header, body, width=150)
+    render_table(title, header, body, width=170)
+    matched = matched_layouts(report.rows)
+    if matched:
+        print("matched layouts: the best 2D row of the same hp x cp, its time / the USP row's (< 1: ours faster)")
+        for usp_name, ours_name, ratio in matched:
+            print(f"  {usp_name:<52} {ours_name:<34} {ratio:.2f}")
     if any(r.status == "MISMATCH" for r in report.rows):
         notes.append(
             f"MISMATCH: a relative error above {_tolerance(args.dtype):g} against the fp64 reference "
             f"(see the JSON for out/dq/dk/dv); such rows are not timed"
         )
-    if len(report.single_runs_s) == 2 and max(report.single_runs_s) > 1.25 * min(report.single_runs_s):
-        before, after = (t * 1e3 for t in report.single_runs_s)
+    runs = [t for t in report.single_runs_s if math.isfinite(t)]
+    if runs and max(runs) > 1.25 * min(runs):
         notes.append(
-            f"warning: the single-process time moved from {before:.0f} ms (before) to {after:.0f} ms (after): "
-            f"the machine's load changed during the run; 'vs ideal' uses the smaller, compare rows with care"
+            f"warning: the single-process time (alone) moved between {min(runs) * 1e3:.0f} and "
+            f"{max(runs) * 1e3:.0f} ms over the rounds: the machine's load changed during the run; the "
+            f"efficiencies are per-round ratios, compare rows with care"
         )
+    families_run = {r.family for r in report.rows if not r.status.startswith("n/a")}
+    for family, text in ADAPTATIONS.items():
+        if family in families_run:
+            notes.append("note: " + text.format(version=YUNCHANG_VERSION))
     if any(r.bytes_source == "closed form" for r in report.rows):
         notes.append("f: bytes from the closed forms in megatron_2d/bench/runners.py's docstring (ours are measured)")
     for note in notes:
@@ -350,7 +464,9 @@ def write_json(report: Report, args, path: str) -> None:
                 "args": vars(args),
                 "device": report.device,
                 "single_s": report.single_s,
+                "single_alone_s": report.single_alone_s,
                 "single_runs_s": report.single_runs_s,
+                "order": report.order,
                 "ideal_s": report.ideal_s,
                 "tolerance": _tolerance(args.dtype),
                 "rows": [asdict(r) for r in report.rows],
@@ -358,6 +474,17 @@ def write_json(report: Report, args, path: str) -> None:
             f,
             indent=1,
         )
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    """--peers: 'all' or comma-separated names of :data:`PEERS` -> the names, in PEERS's order."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return PEERS
+    unknown = [n for n in names if n not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {unknown or [text]}: choose from {', '.join(PEERS)} or all")
+    return tuple(n for n in PEERS if n in names)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -378,7 +505,19 @@ def parse_args(argv: list[str] | None = None):
         default="cpu",
         help="cpu: fork --ranks gloo ranks; cuda: run under torchrun (NCCL, one GPU per rank)",
     )
-    p.add_argument("--no-peers", dest="peers", action="store_false", help="only our 2D layouts")
+    p.add_argument(
+        "--peers",
+        type=parse_peers,
+        default=PEERS,
+        help=f"the peers to run, comma-separated from {', '.join(PEERS)}, or 'all' (default all)",
+    )
+    p.add_argument("--no-peers", dest="peers", action="store_const", const=(), help="only our 2D layouts")
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="keep glibc's default of returning freed memory (by default the ranks keep it, as a GPU caching "
+        "allocator does, so fresh tensors cost no page faults)",
+    )
     add_arguments(p, timeout=120.0)
     add_output_arguments(p)
     args = p.parse_args(argv)

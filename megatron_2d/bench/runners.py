@@ -7,7 +7,20 @@ Implementations (rows)
     TE p2p / a2a / a2a+p2p  Transformer Engine's DotProductAttention with its context parallelism, set up as stock
                             Megatron's TEDotProductAttention does (sbhd, causal, Megatron's zigzag shards; a2a+p2p
                             with [a2a group of A adjacent ranks, p2p group of ranks A apart]); --device cuda only
-    yunchang (USP) is left out: on CPU its torch path has no backward.
+    USP ulysses U x ring R  yunchang 0.6.4's LongContextAttention(ring_impl_type="zigzag") over its own groups
+                            (set_seq_parallel_pg(U, R, ...): Ulysses groups of U adjacent ranks), inputs by its
+                            zigzag_extract_local; one row per U | N that divides hq and hkv (else n/a: its
+                            all_to_all_4D cannot split fewer heads than U), and, where hkv < N, Ulysses N with K/V
+                            repeated to N heads by the caller (inside the timed step, autograd sums the gradients).
+                            On CPU over the flash_attn stand-in with __version__ 2.7.4 (yunchang calls the pre-2.6.3
+                            API below 2.6.3). Adapted: in a ring of one rank (U = N) its backward's last hop (dK/dV
+                            home) is a local copy, since gloo cannot send to itself (runners.local_ring_comm).
+    torch CP allgather /    PyTorch's context parallelism as torchtitan wires it: _ContextParallel (SDPA) on the
+    alltoall                attention module by parallelize_module, inputs by _context_parallel_shard with the
+                            head-tail load balancer (torch's zigzag), torch's CP dispatcher; K/V rotation by
+                            set_rotate_method. GQA by SDPA's enable_gqa (K/V heads stay hkv). On CPU the SDPA op has
+                            no CP rule in torch: megatron_2d.bench.torch_cp_cpu registers one that runs torch's
+                            _templated_ring_attention(_backward) with our cpu_flash kernel per block.
 
 Bytes per rank of the peers (closed forms). Nq = b*(S/N)*hq*d and Nkv = b*(S/N)*hkv*d are the elements of this
 rank's local Q and K (V is the size of K), e is the input dtype's size, cp the ring length:
@@ -24,6 +37,18 @@ rank's local Q and K (V is the size of K), e is the input dtype's size, cp the r
                                         a2a = 2*(2*Nq + 2*Nkv)*e*(A-1)/A, ring = 2*Nkv*e*3*(P-1)
     The TE forms are read off TE's context_parallel.py (AttnFuncWithCPAndKVP2P, AttnFuncWithCPAndQKVOA2A) and
     are not checked by running TE here.
+    USP [U, R]              Ulysses: q, k, v, out forward and dout, dq, dk, dv backward, each sending (U-1)/U of
+                            itself; then ring-flash-attn's zigzag ring over R ranks on K/V of Nkv elements again
+                            (U times the tokens, 1/U of the heads); Nkv after the caller's repeat where K/V are
+                            repeated (hkv -> N heads)
+                                        a2a = 2*(2*Nq + 2*Nkv)*e*(U-1)/U, ring = 2*Nkv*((R-1)*2*e + R*4) (0 for R = 1:
+                                        the hop home is a local copy)
+                            Checked: the ranks count what its RingComm sends (a mismatch is printed).
+    torch CP (both)         forward: K and V (N-1) times in the input dtype (all-gather: each rank's K/V to the N-1
+                            others once; all-to-all: one hop per step); backward: the same again, and dK, dV N times
+                            in fp32 (_cp_options.convert_to_f32; always all-to-all, the last hop brings them home)
+                                                                        ring = 2*Nkv*((N-1)*2*e + N*4)
+                            Read off torch 2.13's _context_parallel/_attention.py; not counted.
 """
 
 from __future__ import annotations
@@ -32,6 +57,7 @@ import abc
 import argparse
 import datetime
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,10 +67,16 @@ import torch.distributed as dist
 from ..attention import attention_2d
 from ..groups import build_groups_for_layout
 from ..layout.topology import Layout2D, divisors
+from ..sequence_sharding import shard_sequence, unshard_sequence
 from .harness import bench_layouts, label, layout_record
 
 OURS = "2D (ours)"
 RING_FLASH = "ring-flash-attn zigzag"
+USP = "USP (yunchang)"
+TORCH_CP = "torch CP"
+PEERS = ("ring-flash-attn", "usp", "torch-cp", "te")
+"""The names --peers takes (or 'all')."""
+YUNCHANG_VERSION = "0.6.4"
 
 Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -229,6 +261,216 @@ class TEContextParallel(Runner):
         return te_bytes(self.kind, self.q_elements, self.kv_elements, self.element_size, self.world, self.a2a_size)
 
 
+def full_from_zigzag(x: torch.Tensor) -> torch.Tensor:
+    """This rank's zigzag shard [s, b, h, d] -> the full [S, b, h, d] (all-gather over the default group; the
+    peers' input resharding, not timed)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return unshard_sequence(parts)
+
+
+def full_from_positions(x: torch.Tensor, positions: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """Every rank's ``x`` holds the tokens at ``positions`` (1-D, this rank's) along ``seq_dim``: the full tensor
+    (all-gather over the default group, not timed)."""
+    world = dist.get_world_size()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    where = [torch.empty_like(positions) for _ in range(world)]
+    dist.all_gather(where, positions.contiguous())
+    shape = list(x.shape)
+    shape[seq_dim] *= world
+    full = x.new_empty(shape)
+    full.index_copy_(seq_dim, torch.cat(where), torch.cat(parts, dim=seq_dim))
+    return full
+
+
+# -- USP: yunchang's LongContextAttention --------------------------------------------------------------------------
+
+
+def usp_bytes(q_elements: int, kv_elements: int, element_size: int, ulysses: int, ring: int) -> dict[str, float]:
+    """yunchang USP's bytes per rank per fwd+bwd (closed forms of the module docstring); ``kv_elements``: K as
+    LongContextAttention is given it (after the caller's repeat, if any)."""
+    a2a = 2 * (2 * q_elements + 2 * kv_elements) * element_size * (ulysses - 1) / ulysses
+    return {"a2a": a2a, "ring": ring_flash_bytes(kv_elements, ring, element_size) if ring > 1 else 0}
+
+
+def load_yunchang(device: str):
+    """Import yunchang (the pip package): on CPU with the flash_attn stand-in installed as flash-attn 2.7 (yunchang
+    picks its call convention by ``flash_attn.__version__``); raises ImportError naming the problem."""
+    from megatron_2d.testing.flash_attn_cpu import FLASH_ATTN_2_7_VERSION, flash_attn_stand_in
+
+    if "yunchang" not in sys.modules and device == "cpu":
+        with flash_attn_stand_in(version=FLASH_ATTN_2_7_VERSION):
+            import yunchang
+    else:
+        import yunchang
+    from yunchang.kernels import attention
+
+    if not attention.HAS_FLASH_ATTN:
+        raise ImportError("yunchang was imported without flash_attn (import it through runners.load_yunchang)")
+    if attention.flash_attn.__version__ < "2.6.3":
+        raise ImportError(f"yunchang sees flash_attn {attention.flash_attn.__version__} < 2.6.3 (the old API)")
+    return yunchang
+
+
+def local_ring_comm(zigzag_module) -> dict[str, int]:
+    """Give yunchang's zigzag ring (``zigzag_module``: yunchang.ring.zigzag_ring_flash_attn, in this process) a
+    RingComm that counts the bytes it sends and, in a ring of one rank, hands a tensor to itself by a local copy
+    (its backward sends dK/dV one hop home; gloo cannot send to itself). Idempotent; returns the counter."""
+    base = zigzag_module.RingComm
+    if hasattr(base, "_bench_sent"):
+        return base._bench_sent
+    counter = {"bytes": 0}
+
+    class BenchRingComm(base):
+        _bench_sent = counter
+
+        def send_recv(self, to_send, recv_tensor=None):
+            if self.world_size > 1:
+                counter["bytes"] += to_send.numel() * to_send.element_size()
+                return super().send_recv(to_send, recv_tensor)
+            res = torch.empty_like(to_send) if recv_tensor is None else recv_tensor
+            self._ops.append((to_send, res))
+            return res
+
+        def commit(self):
+            if self.world_size > 1:
+                return super().commit()
+            for to_send, res in self._ops:
+                res.copy_(to_send)  # what the send would deliver, read when the send would start
+
+        def wait(self):
+            if self.world_size > 1:
+                return super().wait()
+            self._ops = []
+
+    zigzag_module.RingComm = BenchRingComm
+    return counter
+
+
+class YunchangUSP(Runner):
+    """yunchang's LongContextAttention (Ulysses x zigzag ring) over its own process groups (set_seq_parallel_pg),
+    inputs sharded by its zigzag_extract_local ([b, s_local, h, d]); ``kv_repeat`` > 1: the caller repeats each K/V
+    head that many times first (inside the timed step)."""
+
+    bytes_source = "closed form"
+
+    def __init__(self, module, ulysses: int, ring: int, kv_repeat: int = 1):
+        import yunchang.ring.zigzag_ring_flash_attn as zigzag
+        from yunchang.globals import PROCESS_GROUP
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.ulysses, self.ring, self.kv_repeat = ulysses, ring, kv_repeat
+        module.set_seq_parallel_pg(ulysses, ring, self.rank, self.world)
+        self.groups = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
+        self.attn = module.LongContextAttention(ring_impl_type="zigzag")
+        self.extract = module.EXTRACT_FUNC_DICT["zigzag"]
+        self.counter = local_ring_comm(zigzag)
+        self.positions = torch.empty(0)
+        self.sizes = (0, 0, 0)
+        self.counted = 0
+
+    def _set_groups(self) -> None:
+        from yunchang.globals import PROCESS_GROUP
+
+        PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = self.groups  # what zigzag_extract_local reads
+
+    def to_native(self, q, k, v, dout):
+        self._set_groups()
+        full = [full_from_zigzag(x).transpose(0, 1) for x in (q, k, v, dout)]  # [S, b, h, d] -> [b, S, h, d]
+        seq = full[0].shape[1]
+        self.positions = self.extract(torch.arange(seq).unsqueeze(0), self.rank, self.world, self.ring, self.ulysses)[0]
+        return tuple(self.extract(x, self.rank, self.world, self.ring, self.ulysses) for x in full)
+
+    def step(self, q, k, v, dout):
+        self.counter["bytes"] = 0
+        q, k, v = _leaves(q, k, v)
+        k_in, v_in = (x.repeat_interleave(self.kv_repeat, dim=2) if self.kv_repeat > 1 else x for x in (k, v))
+        self.sizes = (q.numel(), k_in.numel(), k.element_size())
+        out = self.attn(q, k_in, v_in, causal=True)
+        out.backward(dout)
+        self.counted = self.counter["bytes"]  # the counter is shared by every USP row
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def from_native(self, out, dq, dk, dv):
+        rank, world = self.rank, self.world
+        return tuple(  # [b, s_local, h, d] in yunchang's order -> full [b, S, h, d] -> our zigzag [s, b, h, d]
+            shard_sequence(full_from_positions(x, self.positions, 1).transpose(0, 1), rank, world)
+            for x in (out, dq, dk, dv)
+        )
+
+    def bytes_sent(self):
+        q_elements, kv_elements, element_size = self.sizes
+        sent = usp_bytes(q_elements, kv_elements, element_size, self.ulysses, self.ring)
+        return {**sent, "ring_counted": self.counted}
+
+
+# -- PyTorch's context parallelism ------------------------------------------------------------------------------
+
+
+def torch_cp_bytes(kv_elements: int, world: int, element_size: int) -> dict[str, float]:
+    """torch CP's bytes per rank per fwd+bwd, either rotation (closed form of the module docstring)."""
+    return {"a2a": 0, "ring": ring_flash_bytes(kv_elements, world, element_size)}
+
+
+class _SDPA(torch.nn.Module):
+    """The attention module torch CP wraps: causal SDPA, [b, h, s, d], GQA by SDPA's enable_gqa."""
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class TorchContextParallel(Runner):
+    """PyTorch's context parallelism as torchtitan wires it: ``_ContextParallel`` (SDPA) applied to the attention
+    module by parallelize_module over a 1-D mesh of all ranks, inputs sharded by ``_context_parallel_shard`` with
+    the head-tail load balancer, torch's CP dispatcher enabled; K/V rotation ``rotate`` ('allgather' or
+    'alltoall', set_rotate_method). On CPU the SDPA op runs torch's templated ring through
+    :mod:`megatron_2d.bench.torch_cp_cpu`."""
+
+    bytes_source = "closed form"
+
+    def __init__(self, rotate: str, args, world: int, device: str):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if device == "cpu":
+            from .torch_cp_cpu import enable_in_this_process
+
+            enable_in_this_process()
+        else:
+            cp._enable_context_parallel_dispatcher()
+        self.cp, self.rotate, self.rank, self.world = cp, rotate, dist.get_rank(), world
+        self.mesh = init_device_mesh(device, (world,))
+        self.module = parallelize_module(
+            _SDPA(), self.mesh, cp._ContextParallel(seq_dim=2, attention_type=cp._ContextParallel.AttentionType.SDPA)
+        )
+        self.balancer = _HeadTailLoadBalancer(args.seq, world, device)
+        self.sizes = (0, 0)
+
+    def to_native(self, q, k, v, dout):
+        full = [full_from_zigzag(x).permute(1, 2, 0, 3).contiguous() for x in (q, k, v, dout)]  # -> [b, h, S, d]
+        return tuple(self.cp._context_parallel_shard(self.mesh, full, [2] * 4, load_balancer=self.balancer))
+
+    def step(self, q, k, v, dout):
+        self.cp.set_rotate_method(self.rotate)  # torch's options are global: set them for this row
+        self.cp._cp_options.enable_load_balance = True
+        self.sizes = (k.numel(), k.element_size())
+        q, k, v = _leaves(q, k, v)
+        out = self.module(q, k, v)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def from_native(self, out, dq, dk, dv):
+        full = self.cp.context_parallel_unshard(self.mesh, [out, dq, dk, dv], [2] * 4, load_balancer=self.balancer)
+        return tuple(shard_sequence(x.permute(2, 0, 1, 3), self.rank, self.world) for x in full)  # -> [s, b, h, d]
+
+    def bytes_sent(self):
+        kv_elements, element_size = self.sizes
+        return torch_cp_bytes(kv_elements, self.world, element_size)
+
+
 def ours_impls(args) -> list[Impl]:
     """One row per 2D layout of CP = N whose hp divides the query heads."""
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -294,10 +536,67 @@ def te_impls(args) -> list[Impl]:
     return rows
 
 
+def usp_impls(args) -> list[Impl]:
+    """One row per (Ulysses degree U, ring degree N/U) yunchang accepts (U divides hq and hkv; otherwise an n/a row
+    with the reason), and, where hkv < N, Ulysses N with K/V repeated to N heads by the caller."""
+    n, hq, hkv = args.ranks, args.heads, args.kv_heads
+    try:
+        module = load_yunchang(args.device)
+    except ImportError as err:
+        return [
+            Impl(USP, USP, unavailable=f"yunchang does not import (pip install yunchang=={YUNCHANG_VERSION}): {err}")
+        ]
+
+    def impl(name: str, ulysses: int, kv_repeat: int = 1) -> Impl:
+        return Impl(
+            name,
+            USP,
+            build=lambda rank, world, a: YunchangUSP(module, ulysses, n // ulysses, kv_repeat),
+            layout={"hp": ulysses, "cp": n // ulysses},
+        )
+
+    rows = []
+    for u in divisors(n):
+        name = f"USP ulysses{u} x ring{n // u}"
+        if hq % u or hkv % u:
+            reason = (
+                f"yunchang's Ulysses all-to-all splits the heads over U={u} ranks: U must divide hq={hq} and "
+                f"hkv={hkv} (its all_to_all_4D raises otherwise)"
+            )
+            rows.append(Impl(name, USP, unavailable=reason))
+        else:
+            rows.append(impl(name, u))
+    if hkv < n and n % hkv == 0 and hq % n == 0:
+        rows.append(impl(f"USP ulysses{n} x ring1, K/V repeated by the caller", n, kv_repeat=n // hkv))
+    return rows
+
+
+def torch_cp_impls(args) -> list[Impl]:
+    """torch CP with its head-tail load balancer, one row per K/V rotation (all-gather, all-to-all)."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: F401
+    except ImportError as err:
+        return [Impl(TORCH_CP, TORCH_CP, unavailable=f"torch {torch.__version__} has no context parallelism: {err}")]
+    return [
+        Impl(
+            f"{TORCH_CP} {rotate}",
+            TORCH_CP,
+            build=lambda rank, world, a, r=rotate: TorchContextParallel(r, a, world, a.device),
+        )
+        for rotate in ("allgather", "alltoall")
+    ]
+
+
 def all_impls(args) -> list[Impl]:
-    """Every row of one run: ours, then the peers (unless --no-peers)."""
+    """Every row of one run: ours, then the peers ``args.peers`` names (see :data:`PEERS`)."""
     rows = ours_impls(args)
-    if args.peers:
+    peers = set(args.peers)
+    if "ring-flash-attn" in peers:
         rows.append(ring_flash_impl(args))
+    if "usp" in peers:
+        rows += usp_impls(args)
+    if "torch-cp" in peers:
+        rows += torch_cp_impls(args)
+    if "te" in peers:
         rows += te_impls(args)
     return rows

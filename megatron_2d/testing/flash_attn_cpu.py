@@ -1,9 +1,11 @@
 """A CPU stand-in for flash-attn 2's Python API, so that code written against flash-attn runs on CPU ranks.
 
-Its user: ring-flash-attn's rings in the benchmarks (tools/bench_compare.py, tools/bench_packed.py):
+Its users: ring-flash-attn's rings in the benchmarks (tools/bench_compare.py, tools/bench_packed.py):
 ring-flash-attn 0.1.8 imports ``flash_attn.flash_attn_interface._flash_attn_forward`` / ``_flash_attn_backward``
 and calls them by keyword, introspecting their signature; the benchmarks also run it in fp32/fp64, which the real
-package refuses. :func:`flash_attn_stand_in` installs it. Our own flash_attn2 kernel is tested through the REAL
+package refuses. And yunchang's USP in tools/bench_compare.py, which picks the call convention by
+``flash_attn.__version__``: installed for it with ``version=FLASH_ATTN_2_7_VERSION``.
+:func:`flash_attn_stand_in` installs it. Our own flash_attn2 kernel is tested through the REAL
 flash-attn releases instead (:mod:`megatron_2d.testing.flash_attn_package`, tests/test_flash_attn_releases.py);
 the math below is shared with that package's CPU extension.
 
@@ -52,6 +54,10 @@ from megatron_2d.layout.band import Band
 _KERNEL = CpuFlashKernel()
 _PRIVATE_PACKAGE = "_ring_flash_attn_core"
 STAND_IN_VERSION = "0.0.0+megatron_2d.cpu_stand_in"
+FLASH_ATTN_2_7_VERSION = "2.7.4.post1+megatron_2d.cpu_stand_in"
+"""A ``__version__`` for callers that pick flash-attn's call convention by version: yunchang 0.6.4 compares
+``flash_attn.__version__ < '2.6.3'`` and calls the pre-2.6.3 API below it; the stand-in's API is 2.7's."""
+STAND_IN_MARK = "_megatron_2d_cpu_stand_in"
 _UNBOUNDED = (-1, -1)
 
 
@@ -434,8 +440,11 @@ def _build_api(strict_dtypes: bool) -> types.SimpleNamespace:
     return ns
 
 
-def flash_attn_modules(strict_dtypes: bool = True) -> tuple[types.ModuleType, types.ModuleType]:
-    """Fresh ``flash_attn`` and ``flash_attn.flash_attn_interface`` modules of the stand-in, for sys.modules."""
+def flash_attn_modules(
+    strict_dtypes: bool = True, version: str = STAND_IN_VERSION
+) -> tuple[types.ModuleType, types.ModuleType]:
+    """Fresh ``flash_attn`` and ``flash_attn.flash_attn_interface`` modules of the stand-in, for sys.modules;
+    ``version`` is the package's ``__version__`` (e.g. :data:`FLASH_ATTN_2_7_VERSION`)."""
     api = _build_api(strict_dtypes)
     interface = types.ModuleType("flash_attn.flash_attn_interface")
     interface.__doc__ = "CPU stand-in of flash-attn's API (megatron_2d.testing.flash_attn_cpu); not flash-attn."
@@ -445,7 +454,8 @@ def flash_attn_modules(strict_dtypes: bool = True) -> tuple[types.ModuleType, ty
     package = types.ModuleType("flash_attn")
     package.__doc__ = interface.__doc__
     package.__path__ = []  # a package, so "import flash_attn.flash_attn_interface" resolves
-    package.__version__ = STAND_IN_VERSION
+    package.__version__ = version
+    setattr(package, STAND_IN_MARK, True)
     package.flash_attn_interface = interface
     package.flash_attn_func = interface.flash_attn_func
     if hasattr(interface, "flash_attn_varlen_func"):
@@ -463,10 +473,10 @@ flash_attn_func = _CURRENT.flash_attn_func
 flash_attn_varlen_func = _CURRENT.flash_attn_varlen_func
 
 
-def _stand_in_modules() -> tuple[types.ModuleType, types.ModuleType]:
+def _stand_in_modules(version: str = STAND_IN_VERSION) -> tuple[types.ModuleType, types.ModuleType]:
     """The modules :func:`flash_attn_stand_in` installs: any float dtype, whose private functions are this
     module's own (so callers can check identity)."""
-    package, interface = flash_attn_modules(strict_dtypes=False)
+    package, interface = flash_attn_modules(strict_dtypes=False, version=version)
     for name in (
         "_flash_attn_forward",
         "_flash_attn_backward",
@@ -483,29 +493,31 @@ def real_flash_attn_present() -> bool:
     """True when an installed flash_attn (not this stand-in) can be imported by name."""
     module = sys.modules.get("flash_attn")
     if module is not None:
-        return getattr(module, "__version__", None) != STAND_IN_VERSION
+        return not getattr(module, STAND_IN_MARK, False)
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def install_flash_attn_stand_in() -> bool:
+def install_flash_attn_stand_in(version: str = STAND_IN_VERSION) -> bool:
     """Put the stand-in into ``sys.modules`` for the rest of this process; returns whether it was installed.
+    ``version``: the package's ``__version__`` (see :data:`FLASH_ATTN_2_7_VERSION`).
 
     Does nothing (returns False) when the real flash_attn is importable or CUDA is available: on a GPU the real
     kernels must be used, never this one. Meant for forked benchmark ranks; tests prefer :func:`flash_attn_stand_in`.
     """
     if real_flash_attn_present() or torch.cuda.is_available():
         return False
-    package, interface = _stand_in_modules()
+    package, interface = _stand_in_modules(version)
     sys.modules["flash_attn"] = package
     sys.modules["flash_attn.flash_attn_interface"] = interface
     return True
 
 
 @contextlib.contextmanager
-def flash_attn_stand_in() -> Iterator[bool]:
-    """Install the stand-in for the duration of the block (see :func:`install_flash_attn_stand_in`); yields whether
-    it was installed. Modules imported inside the block keep their references to the stand-in functions."""
-    installed = install_flash_attn_stand_in()
+def flash_attn_stand_in(version: str = STAND_IN_VERSION) -> Iterator[bool]:
+    """Install the stand-in for the duration of the block (see :func:`install_flash_attn_stand_in`, ``version``
+    likewise); yields whether it was installed. Modules imported inside the block keep their references to the
+    stand-in functions (and to the package, whose ``__version__`` they may read later)."""
+    installed = install_flash_attn_stand_in(version)
     try:
         yield installed
     finally:
