@@ -17,6 +17,7 @@ import torch
 import megatron_2d
 from megatron_2d.bench import compare as bench_compare
 from megatron_2d.bench import runners as bench_runners
+from megatron_2d.bench.harness import round_order
 from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCE, reference_attention, rel_err
@@ -371,12 +372,12 @@ def test_peers_flag():
 
 def test_round_order_puts_every_implementation_at_every_position():
     timed = [0, 2, 3, 5, 8]
-    orders = [bench_compare.round_order(timed, r) for r in range(1, 1 + len(timed))]
+    orders = [round_order(timed, r) for r in range(1, 1 + len(timed))]
     for order in orders:
         assert sorted(order) == timed
     for position in range(len(timed)):
         assert sorted(order[position] for order in orders) == timed
-    assert bench_compare.round_order([], 3) == []
+    assert round_order([], 3) == []
 
 
 def test_matched_layouts_pairs_usp_rows_with_the_best_2d_row():

@@ -34,8 +34,17 @@ from megatron_2d.testing.distributed import run_on_ranks
 
 from ..groups import build_groups_for_layout
 from ..layout.topology import Layout2D
-from .cli import add_arguments, add_output_arguments, render_table
-from .harness import DTYPES, bench_layouts, label, layout_record, make_inputs, retain_freed_memory, single_process_step
+from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
+from .harness import (
+    DTYPES,
+    bench_layouts,
+    label,
+    layout_record,
+    make_inputs,
+    retain_freed_memory,
+    round_order,
+    single_process_step,
+)
 
 
 @dataclass
@@ -87,10 +96,10 @@ def bench_rank(rank, world, args, layouts, dtype):
         if i:
             single["alone"].append(alone)
             single["busy"].append(busy)
-        for j in (i + n for n in range(len(layouts))):
-            seconds = timed(lambda: layout_step(all_groups[j % len(layouts)]))
+        for j in round_order(range(len(layouts)), i):
+            seconds = timed(lambda: layout_step(all_groups[j]))
             if i:
-                times[j % len(layouts)].append(seconds)
+                times[j].append(seconds)
     return single, [(t, groups.comm_bytes.as_dict()) for t, groups in zip(times, all_groups)]
 
 
@@ -141,12 +150,7 @@ def parse_args(argv: list[str] | None = None):
     add_arguments(p, ranks=8, seq=4096, batch=1, heads=8, kv_heads=8, dim=64, repeats=5, timeout=120.0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument(
-        "--system-malloc",
-        action="store_true",
-        help="keep glibc's default of returning freed memory (by default the ranks keep it, as a GPU "
-        "caching allocator does, so fresh tensors cost no page faults)",
-    )
+    add_malloc_argument(p)
     add_output_arguments(p)
     return p.parse_args(argv)
 

@@ -53,6 +53,17 @@ def add_output_arguments(
     return parser
 
 
+def add_malloc_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--system-malloc``: the ranks keep glibc's default instead of ``harness.retain_freed_memory``."""
+    parser.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="keep glibc's default of returning freed memory (by default the ranks keep it, as a GPU caching "
+        "allocator does, so fresh tensors cost no page faults)",
+    )
+    return parser
+
+
 def render_table(
     title: str,
     header: Sequence[str],

@@ -50,8 +50,8 @@ import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_on_rank
 
-from .cli import add_arguments, add_output_arguments, render_table
-from .harness import DTYPES, make_inputs, retain_freed_memory, single_process_step
+from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
+from .harness import DTYPES, make_inputs, retain_freed_memory, round_order, single_process_step
 from .runners import (  # noqa: F401
     OURS,
     PEERS,
@@ -150,19 +150,12 @@ def _check(impl: Impl, rank, world, args, shards, ref, device) -> tuple[dict[str
     return result, built
 
 
-def round_order(indices: Sequence[int], round_index: int) -> list[int]:
-    """The order of the implementations in one timing round: ``indices`` rotated by the round, so that over
-    len(indices) rounds each implementation runs once at every position (none always first after the baseline)."""
-    k = round_index % len(indices) if indices else 0
-    return list(indices[k:]) + list(indices[:k])
-
-
 def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: str = "cpu") -> dict[str, object]:
     """Every rank: the same inputs and fp64 reference; each implementation checked, then the correct ones timed.
 
     Timing goes in rounds (the first a warm-up), as bench_attention's: a round times the single-process baseline
     twice, rank 0 alone and then the first min(N, cores) ranks at once (every rank on GPUs), and then one fwd+bwd
-    of each implementation, in an order that rotates from round to round (:func:`round_order`); so a slow phase of
+    of each implementation, in an order that rotates from round to round (harness.round_order); so a slow phase of
     a shared machine hits every implementation and the baseline alike. Times are barrier to barrier (the slowest
     rank's). A row's time is its median over rounds; its efficiencies the medians of per-round ratios, ideal /
     time, ideal = the baseline of the same round / min(N, cores) (N on GPUs). The ranks keep freed memory
@@ -512,12 +505,7 @@ def parse_args(argv: list[str] | None = None):
         help=f"the peers to run, comma-separated from {', '.join(PEERS)}, or 'all' (default all)",
     )
     p.add_argument("--no-peers", dest="peers", action="store_const", const=(), help="only our 2D layouts")
-    p.add_argument(
-        "--system-malloc",
-        action="store_true",
-        help="keep glibc's default of returning freed memory (by default the ranks keep it, as a GPU caching "
-        "allocator does, so fresh tensors cost no page faults)",
-    )
+    add_malloc_argument(p)
     add_arguments(p, timeout=120.0)
     add_output_arguments(p)
     args = p.parse_args(argv)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -57,6 +58,13 @@ def retain_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))  # 32 MiB: the max
+
+
+def round_order(indices: Sequence[int], round_index: int) -> list[int]:
+    """The order of the rows (layouts, implementations) in one timing round: ``indices`` rotated by the round, so
+    that over len(indices) rounds each runs once at every position (none always first)."""
+    k = round_index % len(indices) if indices else 0
+    return list(indices[k:]) + list(indices[:k])
 
 
 def time_call(fn, repeats: int, reduce=statistics.median) -> float:

@@ -2,7 +2,8 @@
 
     python tools/bench_double_ring.py --ranks 4      # hp = 1, w in every divisor of cp; fwd and bwd separately
 
-Times are medians over ``--repeats`` of the slowest rank, one run, the sizes taking turns within each repeat;
+Times are medians over ``--repeats`` of the slowest rank, one run, the sizes taking turns within each repeat in an
+order that rotates from repeat to repeat (the ranks keep freed memory: --system-malloc turns that off);
 the ratios are medians of per-repeat ratios; compare rows of one run (the machine is noisy). On CPU ranks every "link"
 is a gloo memcpy on the same cores, so this checks the schedule's overheads
 (posting, waiting, the closing and last hops), not the network overlap a GPU cluster would show.
@@ -21,19 +22,22 @@ import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
 
 from ..layout.topology import divisors
-from .cli import add_arguments, render_table
+from .cli import add_arguments, add_malloc_argument, render_table
+from .harness import retain_freed_memory, round_order
 
 
 def bench_rank(rank: int, world: int, args, sizes: list[int]) -> dict[int, tuple[list[float], list[float]]]:
     """(forward, backward) seconds of every repeat, by inner ring size; the sizes take turns within each repeat, so a
-    change of machine load (other jobs) hits every size alike."""
+    change of machine load (other jobs) hits every size alike; the order rotates, so that none always goes first."""
+    if not args.system_malloc:
+        retain_freed_memory()
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(args.seq, 1, args.heads, args.dim, generator=g) for _ in range(4)]
     q, k, v, dout = (megatron_2d.shard_sequence(x, rank, world) for x in full)
     groups = {w: megatron_2d.build_2d_groups(args.hp, w, timeout=datetime.timedelta(seconds=300)) for w in sizes}
     out: dict[int, tuple[list[float], list[float]]] = {w: ([], []) for w in sizes}
     for i in range(args.repeats + 1):
-        for w in sizes:
+        for w in round_order(sizes, i):
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
             torch.distributed.barrier()
             t0 = time.perf_counter()
@@ -49,7 +53,9 @@ def bench_rank(rank: int, world: int, args, sizes: list[int]) -> dict[int, tuple
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = add_arguments(parser, ranks=4, hp=1, seq=4096, heads=8, dim=64, repeats=3).parse_args(argv)
+    args = add_malloc_argument(add_arguments(parser, ranks=4, hp=1, seq=4096, heads=8, dim=64, repeats=3)).parse_args(
+        argv
+    )
     cp = args.ranks // args.hp
     sizes = divisors(cp)
     results = run_on_ranks(args.ranks, bench_rank, args, sizes, timeout_s=1800)
