@@ -99,10 +99,15 @@ def results():
     return run_on_ranks(WORLD, run_all, timeout_s=400)[0]
 
 
+GRAD_RTOL = TOLERANCES[torch.float32].training.grad  # a parameter's gradient, as the generated configurations
+
+
 def assert_matches(actual, expected):
+    """Loss and gradient norm within RTOL; each parameter's gradient within the table's fp32 training bound (Mamba's
+    conv1d weight gradient sums many rounded terms: 1.16e-5 on one machine, under 1e-5 on another)."""
     errors = tg.compare_results(actual, expected)
-    bad = {k: e for k, e in errors.items() if not e < RTOL}
-    assert not bad, f"relative errors above {RTOL}: {bad}"
+    bad = {k: e for k, e in errors.items() if not e < (GRAD_RTOL if k.startswith("grad:") else RTOL)}
+    assert not bad, f"relative errors above {RTOL} (loss, grad norm) or {GRAD_RTOL} (gradients): {bad}"
 
 
 @pytest.mark.distributed

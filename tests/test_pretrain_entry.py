@@ -473,4 +473,4 @@ def test_launch_script_flags_build_a_valid_config(monkeypatch, mode, comm_type):
 
         unset_global_variables()
     assert t.cp_comm_type == comm_type and t.context_parallel_size == 8 and t.num_query_groups == 8
-    assert (t.cp_2d_head_parallel_size, t.cp_2d_inner_ring_size) == ((2, 2) if mode == "2d" else (None, 1))
+    assert (t.cp_2d_head_parallel_size, t.cp_2d_inner_ring_size) == ((2, 2) if mode == "2d" else (None, None))

@@ -140,10 +140,11 @@ def layers_2d(monkeypatch):
 
     monkeypatch.setattr(CoreAttention2D, "__init__", init)
 
-    def line(layer, hp, cp_size=4, window=1, placement="head_first", keeps=False):
+    def line(layer, hp, cp_size=4, inner_ring_size=None, placement="head_first", keeps=False):
+        w = cp_size // hp if inner_ring_size is None else inner_ring_size  # default: one ring of all cp ranks
         return (
             f"[test] 2d layer {layer}: Settings2D(context_parallel_size={cp_size}, head_parallel_size={hp}, "
-            f"inner_ring_size={window}, placement='{placement}') keeps attention: {keeps}"
+            f"inner_ring_size={w}, placement='{placement}') keeps attention: {keeps}"
         )
 
     return line
@@ -170,7 +171,9 @@ def test_reference_trains(reference):
 @pytest.mark.parametrize("placement", ["head_first", "context_first"])
 def test_patched_pretrain_gpt_2d_equals_cp1(scripts, reference, layers_2d, placement):
     logs = run_pretrain(4, scripts["patched"], BASE + CP4_2D + ["--cp-2d-placement", placement])
-    assert all(layers_2d(layer, hp=2, window=2, placement=placement) in log for log in logs for layer in (1, 2))
+    assert all(
+        layers_2d(layer, hp=2, inner_ring_size=2, placement=placement) in log for log in logs for layer in (1, 2)
+    )
     assert_same(training(logs), reference)
 
 
@@ -194,7 +197,7 @@ def test_unpatched_pretrain_gpt_with_spec_equals_cp1(scripts, reference, layers_
 def test_example_entry_equals_cp1(scripts, reference, layers_2d, monkeypatch):
     monkeypatch.setenv("MEGATRON_LM_DIR", str(scripts["stock"].parent))
     logs = run_pretrain(4, REPO / "examples" / "pretrain_gpt_2d.py", BASE + CP4_2D)
-    assert layers_2d(2, hp=2, window=2) in logs[0]
+    assert layers_2d(2, hp=2, inner_ring_size=2) in logs[0]
     assert_same(training(logs), reference)
 
 
@@ -204,7 +207,7 @@ def test_tp2_cp4_distributed_optimizer_recompute_equals_cp1(scripts, reference, 
     reference."""
     flags = ["--tensor-model-parallel-size", "2", *CP4_2D, "--use-distributed-optimizer", *RECOMPUTE]
     logs = run_pretrain(8, scripts["patched"], BASE + flags)
-    assert layers_2d(1, hp=2, window=2, keeps=True) in logs[0]
+    assert layers_2d(1, hp=2, inner_ring_size=2, keeps=True) in logs[0]
     assert re.search(r"use_distributed_optimizer \.+ True", logs[0])  # megatron's argument dump
     assert_same(training(logs), reference)
 
@@ -216,7 +219,10 @@ def test_pp2_cp4_distributed_optimizer_equals_cp1(scripts, layers_2d):
     pp = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
     expected = training(run_pretrain(2, scripts["stock"], BASE + pp))
     logs = run_pretrain(8, scripts["patched"], BASE + pp + CP4_2D + RECOMPUTE)
-    assert layers_2d(1, hp=2, window=2, keeps=True) in logs[0] and layers_2d(2, hp=2, window=2, keeps=True) in logs[-1]
+    assert (
+        layers_2d(1, hp=2, inner_ring_size=2, keeps=True) in logs[0]
+        and layers_2d(2, hp=2, inner_ring_size=2, keeps=True) in logs[-1]
+    )
     assert_same(training(logs), expected)
 
 
@@ -449,5 +455,5 @@ def test_stock_inter_document_masking_equals_documents_layout(scripts, document_
         scripts[route if route == "patched" else "stock"],
         document_data + flags + ["--dataloader-inter-document-masking"],
     )
-    assert layers_2d(1, hp=2, window=2 if route == "patched" else 1) in logs[0]
+    assert layers_2d(1, hp=2, inner_ring_size=2)  # patched: the flag; spec: the default, cp in logs[0]
     assert_same(training(logs), documents_cp4)
