@@ -14,7 +14,7 @@ Implementations (rows)
                             repeated to N heads by the caller (inside the timed step, autograd sums the gradients).
                             On CPU over the flash_attn stand-in with __version__ 2.7.4 (yunchang calls the pre-2.6.3
                             API below 2.6.3). Adapted: in a ring of one rank (U = N) its backward's last hop (dK/dV
-                            home) is a local copy, since gloo cannot send to itself (runners.local_ring_comm).
+                            home) is a local copy, since gloo cannot send to itself (runners.count_ring_comm_sends).
     torch CP allgather /    PyTorch's context parallelism as torchtitan wires it: _ContextParallel (SDPA) on the
     alltoall                attention module by parallelize_module, inputs by _context_parallel_shard with the
                             head-tail load balancer (torch's zigzag), torch's CP dispatcher; K/V rotation by
@@ -152,19 +152,38 @@ def ring_flash_bytes(kv_elements: int, cp: int, element_size: int) -> int:
 
 
 def count_ring_comm_sends(module) -> dict[str, int]:
-    """Wrap the RingComm.send_recv of our private copy of ring-flash-attn to count the bytes it sends (idempotent)."""
-    cls = module.RingComm
-    if not hasattr(cls, "_bench_sent"):
-        counter = {"bytes": 0}
-        original = cls.send_recv
+    """Give a ring module of ring-flash-attn (our private copy) or of yunchang (whose RingComm is ring-flash-attn's)
+    a RingComm that counts the bytes it sends and, in a ring of one rank, hands a tensor to itself by a local copy
+    (the backward sends dK/dV one hop home; gloo cannot send to itself). Idempotent; returns the counter."""
+    base = module.RingComm
+    if hasattr(base, "_bench_sent"):
+        return base._bench_sent
+    counter = {"bytes": 0}
+
+    class BenchRingComm(base):
+        _bench_sent = counter
 
         def send_recv(self, to_send, recv_tensor=None):
-            counter["bytes"] += to_send.numel() * to_send.element_size()
-            return original(self, to_send, recv_tensor)
+            if self.world_size > 1:
+                counter["bytes"] += to_send.numel() * to_send.element_size()
+                return super().send_recv(to_send, recv_tensor)
+            res = torch.empty_like(to_send) if recv_tensor is None else recv_tensor
+            self._ops.append((to_send, res))
+            return res
 
-        cls.send_recv = send_recv
-        cls._bench_sent = counter
-    return cls._bench_sent
+        def commit(self):
+            if self.world_size > 1:
+                return super().commit()
+            for to_send, res in self._ops:
+                res.copy_(to_send)  # what the send would deliver, read when the send would start
+
+        def wait(self):
+            if self.world_size > 1:
+                return super().wait()
+            self._ops = []
+
+    module.RingComm = BenchRingComm
+    return counter
 
 
 class RingFlashZigzag(Runner):
@@ -313,41 +332,6 @@ def load_yunchang(device: str):
     return yunchang
 
 
-def local_ring_comm(zigzag_module) -> dict[str, int]:
-    """Give yunchang's zigzag ring (``zigzag_module``: yunchang.ring.zigzag_ring_flash_attn, in this process) a
-    RingComm that counts the bytes it sends and, in a ring of one rank, hands a tensor to itself by a local copy
-    (its backward sends dK/dV one hop home; gloo cannot send to itself). Idempotent; returns the counter."""
-    base = zigzag_module.RingComm
-    if hasattr(base, "_bench_sent"):
-        return base._bench_sent
-    counter = {"bytes": 0}
-
-    class BenchRingComm(base):
-        _bench_sent = counter
-
-        def send_recv(self, to_send, recv_tensor=None):
-            if self.world_size > 1:
-                counter["bytes"] += to_send.numel() * to_send.element_size()
-                return super().send_recv(to_send, recv_tensor)
-            res = torch.empty_like(to_send) if recv_tensor is None else recv_tensor
-            self._ops.append((to_send, res))
-            return res
-
-        def commit(self):
-            if self.world_size > 1:
-                return super().commit()
-            for to_send, res in self._ops:
-                res.copy_(to_send)  # what the send would deliver, read when the send would start
-
-        def wait(self):
-            if self.world_size > 1:
-                return super().wait()
-            self._ops = []
-
-    zigzag_module.RingComm = BenchRingComm
-    return counter
-
-
 class YunchangUSP(Runner):
     """yunchang's LongContextAttention (Ulysses x zigzag ring) over its own process groups (set_seq_parallel_pg),
     inputs sharded by its zigzag_extract_local ([b, s_local, h, d]); ``kv_repeat`` > 1: the caller repeats each K/V
@@ -365,7 +349,7 @@ class YunchangUSP(Runner):
         self.groups = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
         self.attn = module.LongContextAttention(ring_impl_type="zigzag")
         self.extract = module.EXTRACT_FUNC_DICT["zigzag"]
-        self.counter = local_ring_comm(zigzag)
+        self.counter = count_ring_comm_sends(zigzag)
         self.positions = torch.empty(0)
         self.sizes = (0, 0, 0)
         self.counted = 0
