@@ -240,6 +240,7 @@ def test_bench_compare_end_to_end_json(tmp_path, capsys):
     )
     printed = capsys.readouterr().out
     assert "note: ring-flash-attn: zigzag_ring_flash_attn_func" in printed and "matched layouts" in printed
+    assert "inner ring size: the default (one ring, w = cp)" in printed  # hp1 x cp4 runs w = 2 and w = 4
     assert "per-block kernel: megatron_2d's cpu_flash, as every row" in printed
     data = json.loads(path.read_text())
     assert data["args"]["dtype"] == "bf16"
@@ -255,6 +256,7 @@ def test_bench_compare_end_to_end_json(tmp_path, capsys):
         assert r["status"] == "ok", r
         assert math.isfinite(r["seconds"]) and r["seconds"] > 0, r
         assert math.isfinite(r["efficiency"]) and math.isfinite(r["efficiency_alone"]), r
+        assert r["cpu_seconds"] > 0 and len(r["round_seconds"]) == 1, r
         assert max(r["errors"].values()) < BF16_TOLERANCE, r
         fams = {bench_compare.OURS, bench_compare.RING_FLASH, bench_compare.USP, bench_compare.TORCH_CP}
         assert set(r["ratios"]) == fams
@@ -380,20 +382,69 @@ def test_round_order_puts_every_implementation_at_every_position():
     assert round_order([], 3) == []
 
 
-def test_matched_layouts_pairs_usp_rows_with_the_best_2d_row():
-    Row = bench_compare.Row
+def _timed_row(name, family, seconds, hp, cp, rounds=(), cpu=None):
+    return bench_compare.Row(
+        name,
+        family,
+        "ok",
+        seconds,
+        None,
+        None,
+        None,
+        layout={"hp": hp, "cp": cp, "w": cp},
+        cpu_seconds=cpu,
+        round_seconds=list(rounds),
+    )
 
-    def row(name, family, seconds, hp, cp):
-        return Row(name, family, "ok", seconds, None, None, None, layout={"hp": hp, "cp": cp, "w": cp})
+
+def test_matched_layouts_pairs_usp_rows_with_the_best_2d_row():
+    rows = [
+        _timed_row("hp2 x cp2 a", bench_compare.OURS, 3.0, 2, 2, (3.0, 3.0, 3.0), cpu=6.0),
+        _timed_row("hp2 x cp2 b", bench_compare.OURS, 2.0, 2, 2, (2.0, 1.0, 4.5), cpu=3.0),
+        _timed_row("hp4 x cp1", bench_compare.OURS, 1.0, 4, 1),
+        _timed_row("USP ulysses2 x ring2", bench_compare.USP, 4.0, 2, 2, (4.0, 2.0, 4.0), cpu=4.0),
+        _timed_row("USP ulysses1 x ring4", bench_compare.USP, 4.0, 1, 4),  # no 2D row of hp1 x cp4 here
+    ]
+    (m,) = bench_compare.matched_layouts(rows)
+    assert (m.row, m.against, m.ratio, m.cpu_ratio) == ("hp2 x cp2 b", "USP ulysses2 x ring2", 0.5, 0.75)
+    assert m.round_ratios == (0.5, 0.5, 1.125)  # paired by round
+    assert m.verdict == "within noise"  # the third round disagrees
+
+
+def test_default_windows_pairs_one_ring_with_the_fastest_other_window():
+    def row(name, seconds, w, placement="head_first", hp=1, cp=4):
+        r = _timed_row(name, bench_compare.OURS, seconds, hp, cp, (seconds,) * 3)
+        r.layout.update(w=w, placement=placement)
+        return r
 
     rows = [
-        row("hp2 x cp2 a", bench_compare.OURS, 3.0, 2, 2),
-        row("hp2 x cp2 b", bench_compare.OURS, 2.0, 2, 2),
-        row("hp4 x cp1", bench_compare.OURS, 1.0, 4, 1),
-        row("USP ulysses2 x ring2", bench_compare.USP, 4.0, 2, 2),
-        row("USP ulysses1 x ring4", bench_compare.USP, 4.0, 1, 4),  # no 2D row of hp1 x cp4 here
+        row("w4", 1.0, 4),
+        row("w2", 1.1, 2),
+        row("w1", 1.2, 1),
+        row("w4 context_first", 1.0, 4, "context_first"),  # no other w of its placement
+        row("hp2 w2", 2.0, 2, hp=2, cp=2),
     ]
-    assert bench_compare.matched_layouts(rows) == [("USP ulysses2 x ring2", "hp2 x cp2 b", 0.5)]
+    (m,) = bench_compare.default_windows(rows)
+    assert (m.row, m.against, m.verdict) == ("w4", "w2", "faster")
+    assert m.ratio == pytest.approx(1.0 / 1.1)
+
+
+@pytest.mark.parametrize(
+    "ours,usp,verdict",
+    [
+        ((1.0, 1.0, 1.0), (1.1, 1.2, 1.05), "faster"),
+        ((1.1, 1.2, 1.05), (1.0, 1.0, 1.0), "slower"),
+        ((1.0, 1.0, 1.0), (1.0, 1.2, 1.2), "within noise"),  # a tie is not a lead
+        ((1.0, 1.0), (2.0, 2.0), "-"),  # two rounds cannot tell
+    ],
+)
+def test_matched_verdict_needs_every_round_to_agree(ours, usp, verdict):
+    rows = [
+        _timed_row("hp2 x cp1", bench_compare.OURS, 1.0, 2, 1, ours),
+        _timed_row("USP ulysses2 x ring1", bench_compare.USP, 1.0, 2, 1, usp),
+    ]
+    (m,) = bench_compare.matched_layouts(rows)
+    assert m.verdict == verdict and m.cpu_ratio is None
 
 
 def test_flash_attn_stand_in_version_is_a_parameter():

@@ -18,10 +18,15 @@ Timing (as tools/bench_attention.py): rounds, the first a warm-up; each times th
 local kernel's fwd+bwd on the full problem, one thread: rank 0 alone, then min(N, cores) ranks at once; on GPUs
 every rank), then one fwd+bwd of every correct implementation, in an order that rotates from round to round.
 The ranks keep freed memory (--system-malloc turns that off). After the table, "matched layouts": for each USP
-row (Ulysses U x ring R), the best 2D row of hp = U, cp = R and its time / the USP row's.
+row (Ulysses U x ring R), the best 2D row of hp = U, cp = R: its time / the USP row's, the range of that ratio
+over the rounds (both rows are timed in every round), their CPU times' ratio, and a verdict: "ours faster" or
+"ours slower" where every round (at least 3) agrees, "within noise" where the rounds disagree. Then "inner ring
+size": for each hp x cp timed with several w, the default (one ring, w = cp) against the fastest other w, alike.
 
 Columns
     time ms          median over --repeats rounds of the slowest rank
+    cpu ms           median over rounds of the CPU time of the step summed over the ranks, every thread (gloo's
+                     too): the work, which does not depend on how N ranks share fewer cores (CPU ranks only)
     x vs <family>    time / the best time of that family in this run (2D (ours), each peer)
     vs ideal         median over rounds of ideal / time, ideal = that round's baseline run by min(N, cores) ranks
                      at once / min(N, cores) (on GPUs: by every rank / N)
@@ -114,14 +119,30 @@ def _all_max(values: Sequence[float], device: torch.device) -> list[float]:
     return [math.nan if n else x for x, n in zip(t.tolist(), nan.tolist())]
 
 
+def _all_sum(values: Sequence[float], device: torch.device) -> list[float]:
+    """Element-wise sum over all ranks."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _time_once(runner: Runner, native: tuple, device: torch.device) -> float:
-    """Seconds of one fwd+bwd on this rank, all ranks starting together and waiting for the slowest."""
-    return _time_call(lambda: runner.step(*native), device)
+def _time_once(runner: Runner, native: tuple, device: torch.device) -> tuple[float, float]:
+    """One fwd+bwd, all ranks starting together: (seconds to the slowest rank's end, the CPU seconds this process
+    spent inside the step, every thread counted: the kernel's, the copies', gloo's)."""
+    cpu = []
+
+    def step() -> None:
+        t0 = time.process_time()
+        runner.step(*native)
+        _sync(device)
+        cpu.append(time.process_time() - t0)
+
+    return _time_call(step, device), cpu[0]
 
 
 def _check(impl: Impl, rank, world, args, shards, ref, device) -> tuple[dict[str, object], tuple | None]:
@@ -158,8 +179,10 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
     of each implementation, in an order that rotates from round to round (harness.round_order); so a slow phase of
     a shared machine hits every implementation and the baseline alike. Times are barrier to barrier (the slowest
     rank's). A row's time is its median over rounds; its efficiencies the medians of per-round ratios, ideal /
-    time, ideal = the baseline of the same round / min(N, cores) (N on GPUs). The ranks keep freed memory
-    (harness.retain_freed_memory) unless ``args.system_malloc``.
+    time, ideal = the baseline of the same round / min(N, cores) (N on GPUs). Its CPU time (CPU ranks) is the
+    median over rounds of the CPU seconds the step took, summed over the ranks: the work, which the scheduling of
+    N ranks on fewer cores does not change. The ranks keep freed memory (harness.retain_freed_memory) unless
+    ``args.system_malloc``.
 
     Returns {"rows": a result per implementation, "order": the order of each timed round, "single": {"alone",
     "busy"}: the baseline's seconds per timed round}."""
@@ -195,6 +218,7 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
         rounds = tqdm(rounds, desc=f"{world} ranks, timing rounds", file=sys.stderr)
     timed = [i for i, b in enumerate(built) if b]
     times: dict[int, list[float]] = {i: [] for i in timed}
+    cpu_times: dict[int, list[float]] = {i: [] for i in timed}
     single: dict[str, list[float]] = {"alone": [], "busy": []}
     orders = []
     idle = lambda: None  # noqa: E731
@@ -202,13 +226,14 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
         alone = _time_call(step if rank == 0 else idle, dev)
         busy = _time_call(step, dev)
         order = round_order(timed, r)
-        seconds = {i: _time_once(*built[i], dev) for i in order}
+        measured = {i: _time_once(*built[i], dev) for i in order}
         if r:
             single["alone"].append(alone)
             single["busy"].append(busy)
             orders.append(order)
             for i in order:
-                times[i].append(seconds[i])
+                times[i].append(measured[i][0])
+                cpu_times[i].append(measured[i][1])
     if failed:
         single = {kind: [math.nan] * len(t) for kind, t in single.items()}
     single = {kind: _all_max(t, dev) for kind, t in single.items()}
@@ -216,6 +241,9 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
         runner = built[i][0]
         samples = _all_max(samples, dev)  # per round, the slowest rank
         results[i]["seconds"] = statistics.median(samples)
+        results[i]["round_seconds"] = samples
+        cpu = _all_sum(cpu_times[i], dev)  # per round, all ranks
+        results[i]["cpu_seconds"] = statistics.median(cpu) if dev.type == "cpu" else None
         for key, kind in (("efficiency", "busy"), ("efficiency_alone", "alone")):
             results[i][key] = statistics.median(s / share / t for s, t in zip(single[kind], samples))
         sent = runner.bytes_sent()
@@ -257,6 +285,10 @@ class Row:
     layout: dict[str, object] | None = None
     ratios: dict[str, float] = field(default_factory=dict)
     efficiency_alone: float | None = None
+    cpu_seconds: float | None = None
+    """Median over rounds of the step's CPU seconds summed over the ranks (CPU ranks only)."""
+    round_seconds: list[float] = field(default_factory=list)
+    """The slowest rank's seconds in each timed round (the rounds of every row are the same rounds)."""
 
 
 @dataclass
@@ -309,6 +341,8 @@ def _finish(args, impls: list[Impl], out: dict[str, object]) -> Report:
                 efficiency_alone=r.get("efficiency_alone")
                 if ok and math.isfinite(r.get("efficiency_alone", math.nan))
                 else None,
+                cpu_seconds=r.get("cpu_seconds"),
+                round_seconds=list(r.get("round_seconds", [])),
             )
         )
     best: dict[str, float] = {}
@@ -338,18 +372,70 @@ def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Report | None:
     return _finish(args, impls, per_rank[0])
 
 
-def matched_layouts(rows: Sequence[Row]) -> list[tuple[str, str, float]]:
-    """For each timed USP row (Ulysses U x ring R): (its name, the best timed 2D row of hp = U, cp = R, that row's
-    time / the USP row's); rows without a timed 2D match are left out."""
-    ours = [r for r in rows if r.family == OURS and r.seconds is not None and r.layout]
+MIN_ROUNDS_FOR_VERDICT = 3
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Two rows timed in the same rounds: ``row``'s time / ``against``'s."""
+
+    row: str
+    against: str
+    ratio: float
+    """The ratio of the median times (< 1: ``row`` faster)."""
+    round_ratios: tuple[float, ...] = ()
+    """The ratio in each round (both rows timed in it, at rotated positions)."""
+    cpu_ratio: float | None = None
+    """The ratio of their CPU seconds over all ranks: the work, apart from how N ranks share the cores."""
+
+    @property
+    def verdict(self) -> str:
+        """'faster' / 'slower' (``row`` against ``against``) where every round agrees, at least
+        MIN_ROUNDS_FOR_VERDICT of them; 'within noise' where the rounds disagree; '-' with too few rounds."""
+        if len(self.round_ratios) < MIN_ROUNDS_FOR_VERDICT:
+            return "-"
+        if max(self.round_ratios) < 1:
+            return "faster"
+        if min(self.round_ratios) > 1:
+            return "slower"
+        return "within noise"
+
+
+def paired(row: Row, against: Row) -> Paired:
+    rounds = tuple(a / b for a, b in zip(row.round_seconds, against.round_seconds))
+    cpu = row.cpu_seconds / against.cpu_seconds if row.cpu_seconds and against.cpu_seconds else None
+    return Paired(row.name, against.name, row.seconds / against.seconds, rounds, cpu)
+
+
+def _timed_ours(rows: Sequence[Row]) -> list[Row]:
+    return [r for r in rows if r.family == OURS and r.seconds is not None and r.layout]
+
+
+def matched_layouts(rows: Sequence[Row]) -> list[Paired]:
+    """For each timed USP row (Ulysses U x ring R), the best timed 2D row of hp = U, cp = R against it; rows
+    without a timed 2D match are left out."""
+    ours = _timed_ours(rows)
     out = []
     for usp in rows:
         if usp.family != USP or usp.seconds is None or not usp.layout:
             continue
         match = [r for r in ours if (r.layout["hp"], r.layout["cp"]) == (usp.layout["hp"], usp.layout["cp"])]
         if match:
-            best = min(match, key=lambda r: r.seconds)
-            out.append((usp.name, best.name, best.seconds / usp.seconds))
+            out.append(paired(min(match, key=lambda r: r.seconds), usp))
+    return out
+
+
+def default_windows(rows: Sequence[Row]) -> list[Paired]:
+    """For each hp x cp x placement timed with more than one inner ring size: the default (one ring, w = cp)
+    against the fastest other w."""
+    ours = _timed_ours(rows)
+    out = []
+    for key in dict.fromkeys((r.layout["hp"], r.layout["cp"], r.layout["placement"]) for r in ours):
+        same = [r for r in ours if (r.layout["hp"], r.layout["cp"], r.layout["placement"]) == key]
+        default = [r for r in same if r.layout["w"] == key[1]]
+        others = [r for r in same if r.layout["w"] != key[1]]
+        if default and others:
+            out.append(paired(default[0], min(others, key=lambda r: r.seconds)))
     return out
 
 
@@ -379,6 +465,13 @@ def _short(family: str) -> str:
     return "best 2D" if family == OURS else family
 
 
+def _paired_figures(m: Paired, subject: str) -> str:
+    spread = f"({min(m.round_ratios):.2f}-{max(m.round_ratios):.2f})" if m.round_ratios else ""
+    cpu = f"cpu {m.cpu_ratio:.2f}" if m.cpu_ratio is not None else ""
+    verdict = m.verdict if m.verdict in ("-", "within noise") else f"{subject} {m.verdict}"
+    return f"time {m.ratio:.2f} {spread:<11} {cpu:<9} {verdict}"
+
+
 def print_report(report: Report, args) -> None:
     """The table (fastest first; rows that were not timed last, their reasons below it)."""
     timed = [r.family for r in report.rows if r.seconds is not None]
@@ -391,7 +484,7 @@ def print_report(report: Report, args) -> None:
         f"error tolerance {_tolerance(args.dtype):g}"
     )
     header = (
-        ["implementation", "time ms"]
+        ["implementation", "time ms", "cpu ms"]
         + [f"x vs {_short(f)}" for f in families]
         + ["vs ideal", "vs ideal alone", "a2a MiB", "ring MiB", "max rel err"]
     )
@@ -401,13 +494,13 @@ def print_report(report: Report, args) -> None:
         err = f"{r.errors[worst]:.1e} {worst}" if r.errors else "-"
         if r.seconds is None:
             kind = r.status.split(":")[0]
-            body.append([r.name, kind] + ["-"] * (len(families) + 4) + [err])
+            body.append([r.name, kind] + ["-"] * (len(families) + 5) + [err])
             if r.status != kind:
                 notes.append(f"{r.name}: {r.status}")
             continue
         mark = " f" if r.bytes_source == "closed form" else ""
         body.append(
-            [r.name, f"{r.seconds * 1e3:.0f}"]
+            [r.name, f"{r.seconds * 1e3:.0f}", f"{r.cpu_seconds * 1e3:.0f}" if r.cpu_seconds is not None else "-"]
             + [f"{r.ratios[f]:.2f}" for f in families]
             + [
                 f"{100 * r.efficiency:.0f}%" if r.efficiency is not None else "-",
@@ -425,9 +518,20 @@ def print_report(report: Report, args) -> None:
     render_table(title, header, body, width=170)
     matched = matched_layouts(report.rows)
     if matched:
-        print("matched layouts: the best 2D row of the same hp x cp, its time / the USP row's (< 1: ours faster)")
-        for usp_name, ours_name, ratio in matched:
-            print(f"  {usp_name:<52} {ours_name:<34} {ratio:.2f}")
+        print(
+            "matched layouts: the best 2D row of the same hp x cp against the USP row: time ours / USP (< 1: ours "
+            "faster), its range over the rounds, CPU time ours / USP (all ranks), and whether every round agrees"
+        )
+        for m in matched:
+            print(f"  {m.against:<46} {m.row:<32} {_paired_figures(m, 'ours')}")
+    windows = default_windows(report.rows)
+    if windows:
+        print(
+            "inner ring size: the default (one ring, w = cp) against the fastest other w of the same hp x cp: "
+            "time default / other, its range, CPU time default / other"
+        )
+        for m in windows:
+            print(f"  {m.row:<46} {m.against:<32} {_paired_figures(m, 'default')}")
     if any(r.status == "MISMATCH" for r in report.rows):
         notes.append(
             f"MISMATCH: a relative error above {_tolerance(args.dtype):g} against the fp64 reference "
