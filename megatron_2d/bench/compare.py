@@ -242,8 +242,8 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
         samples = _all_max(samples, dev)  # per round, the slowest rank
         results[i]["seconds"] = statistics.median(samples)
         results[i]["round_seconds"] = samples
-        cpu = _all_sum(cpu_times[i], dev)  # per round, all ranks
-        results[i]["cpu_seconds"] = statistics.median(cpu) if dev.type == "cpu" else None
+        if dev.type == "cpu":  # the same on every rank; on GPUs the host's CPU time is not the step's work
+            results[i]["cpu_seconds"] = statistics.median(_all_sum(cpu_times[i], dev))  # per round, all ranks
         for key, kind in (("efficiency", "busy"), ("efficiency_alone", "alone")):
             results[i][key] = statistics.median(s / share / t for s, t in zip(single[kind], samples))
         sent = runner.bytes_sent()
@@ -402,6 +402,7 @@ class Paired:
 
 
 def paired(row: Row, against: Row) -> Paired:
+    """``row`` against ``against``: their median times, each round's and their CPU times, as ratios."""
     rounds = tuple(a / b for a, b in zip(row.round_seconds, against.round_seconds))
     cpu = row.cpu_seconds / against.cpu_seconds if row.cpu_seconds and against.cpu_seconds else None
     return Paired(row.name, against.name, row.seconds / against.seconds, rounds, cpu)
