@@ -9,7 +9,8 @@ each the smallest change found to be needed, all restored on exit (tests/test_te
 
   C1. Streams: ``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``current_stream`` / ``default_stream`` are the
       in-order CPU no-ops of :mod:`.megatron_cpu` and ``current_device()`` is the cpu device. TE's two-stream
-      overlap runs serially, as everything does on CPU.
+      overlap runs serially, as everything does on CPU. NVTX ranges (2.5's ``prepare_forward`` opens one; CPU
+      builds of torch have no NVTX) are no-ops.
   C2. The modelled GPU: TE's ``get_device_compute_capability`` answers :attr:`ModelledGPU.compute_capability`,
       rebound where TE's modules hold it (it decides real branches: below (10, 0) at CP = 2, p2p batches its send
       and receive, ``batch_isend_irecv``). ``torch.cuda.get_device_properties`` stays untouched (inductor reads it).
@@ -72,6 +73,9 @@ asserts."""
 
 EXTENSION = "megatron.core.extensions.transformer_engine"
 
+_ACTIVE: list[TEOnCPU] = []
+"""The contexts entered in this process (or in its parent before a fork), innermost last."""
+
 
 @dataclass(frozen=True)
 class ModelledGPU:
@@ -107,6 +111,15 @@ class TEOnCPU:
     @property
     def transformer_engine(self) -> types.ModuleType:
         return sys.modules["transformer_engine"]
+
+
+def _no_op(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _no_range(*args, **kwargs) -> Iterator[None]:
+    yield
 
 
 # ---- C3: a CUDA device for named functions only -------------------------------------------------------------------
@@ -277,6 +290,10 @@ def te_context_parallel_on_cpu(
         megatron: also make megatron-core's TE extension (``TEDotProductAttention``) use this release.
     """
     megatron_cpu.refuse_with_cuda("megatron_2d.testing.te_context_parallel", "run Transformer Engine itself")
+    outer = _ACTIVE[-1] if _ACTIVE else None
+    if outer is not None and (outer.version, outer.gpu) == (version, gpu) and (outer.megatron_extension or not megatron):
+        yield outer  # already inside such a context (entered by this process, or by its parent before the fork)
+        return
     restorer = _Restorer()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_release(version, thd_stats))
@@ -291,6 +308,8 @@ def te_context_parallel_on_cpu(
             ("current_device", megatron_cpu._cpu_current_device),
         ):
             restorer.set(torch.cuda, name, value)
+        for name, value in (("range_push", _no_op), ("range_pop", _no_op), ("range", _no_range)):
+            restorer.set(torch.cuda.nvtx, name, value)
         # C2
         utils = sys.modules[PACKAGE + "utils"]
         original = utils.get_device_compute_capability
@@ -320,7 +339,7 @@ def te_context_parallel_on_cpu(
             restorer.set(dist, name, repeatable)
         # C6
         extension = stack.enter_context(_megatron_extension(restorer)) if megatron else None
-        yield TEOnCPU(
+        active = TEOnCPU(
             version=version,
             gpu=gpu,
             context_parallel=sys.modules[PACKAGE + "attention.dot_product_attention.context_parallel"],
@@ -328,3 +347,6 @@ def te_context_parallel_on_cpu(
             megatron_extension=extension,
             claimed=codes,
         )
+        _ACTIVE.append(active)
+        stack.callback(_ACTIVE.pop)
+        yield active

@@ -13,12 +13,21 @@ What runs is the release's ``transformer_engine`` package as published (the pure
                                              positional arguments (:data:`ABIS`) and compute on CPU
     load_framework_extension("torch")        the release's loader of that shared object, made a no-op for it
 
-The CPU functions compute what TE's F16_arbitrary_seqlen backend computes for the calls the te_fused kernel makes,
-and refuse the rest (NotImplementedError): layouts bshd_bshd_bshd and thd_thd_thd; masks no_mask, causal and
-padding variants (causal top-left, ``*_bottom_right`` bottom-right); window (-1, -1), or (-1, 0) with a causal mask;
-no bias, dropout, FP8, paged K/V or non-vanilla softmax. Outputs ``[O, softmax stats (natural-log log-sum-exp, fp32),
-rng_state]``: stats [b, h, s_q, 1] for bshd, for thd [total_q, h, 1] or, as older TE / cuDNN lay them out,
-[b, h, max_seqlen_q, 1] (``thd_stats``). Math: torch's CPU flash kernel (V zero-padded to q's head dim).
+The CPU functions compute what TE's F16_arbitrary_seqlen backend computes for the calls the te_fused kernel and
+TE's own context parallelism make, and refuse the rest (NotImplementedError): layouts (:data:`LAYOUTS`) bshd, sbhd,
+thd, and 2.5's bs2hd / sb2hd (K and V interleaved; dK and dV come back interleaved in one dKV buffer, as the
+extension allocates them); masks no_mask, causal and padding variants (causal top-left, ``*_bottom_right``
+bottom-right); window (-1, -1), or (-1, 0) with a causal mask (a causal mask reads (-1, -1) as (-1, 0)); no bias,
+dropout, FP8, paged K/V, max logit or non-vanilla softmax. Tensors are read as the extension reads them: from their
+data pointer with their layout's strides. THD sequences start at ``cu_seqlens_*_padded`` and hold
+``cu_seqlens_*`` real tokens (TE's padding between sequences); O and the gradients are zero elsewhere, and a query
+run whose sequence has no key in the call gets O = 0 and stats -inf (what TE's merges then ignore). Outputs
+``[O, softmax stats (natural-log log-sum-exp, fp32), rng_state]``: stats [b, h, s_q, 1] for bshd / sbhd, for thd
+[total_q, h, 1] or, as older TE / cuDNN lay them out, [b, h, max_seqlen_q, 1] (``thd_stats``, which also picks the
+cuDNN version the extension reports, :data:`CUDNN_VERSIONS`). ``get_fused_attn_backend`` answers
+F16_arbitrary_seqlen for exactly the calls the functions compute, in each release's ABI. The ``tex.thd_*`` helpers
+of TE's THD context parallelism are :mod:`.te_thd_cpu`'s. Math: torch's CPU flash kernel (V zero-padded to q's head
+dim).
 
 Setup (``tools/install.sh`` runs it; each release installs once into its own folder, nothing is compiled, and the
 packages TE's PyTorch layer imports from 2.8 on, onnxscript and onnx, into one more):
@@ -361,6 +370,12 @@ def _fwd(abi: ExtensionABI, thd_stats: str, *args):
     for n, (rq, rk) in enumerate(runs):
         if rq.stop == rq.start:
             continue
+        if rk.stop == rk.start:  # no key of the sequence in this call: out stays 0, stats -inf (merges ignore it)
+            if thd_stats == "packed":
+                stats[rq] = float("-inf")
+            else:
+                stats[n, :, : rq.stop - rq.start] = float("-inf")
+            continue
         qs, ks, vs = q[rq][None], k[rk][None], v[rk][None]
         o, lse = _math(q, v).forward(qs, ks, vs, _band(call.causal, qs.shape[1], ks.shape[1]), scale)
         out[rq] = o[0]
@@ -406,7 +421,7 @@ def _bwd(abi: ExtensionABI, thd_stats: str, *args):
             _bshd(buffer, call.fmt).copy_(grad)
         return [dq, dk, dv] + [None] * abi.extra_grads
     for n, (rq, rk) in enumerate(runs):
-        if rq.stop == rq.start:
+        if rq.stop == rq.start or rk.stop == rk.start:
             continue
         xs = [x[r][None] for x, r in ((d_o, rq), (q, rq), (k, rk), (v, rk), (o, rq))]
         rows = stats[rq, :, 0].t() if thd_stats == "packed" else stats[n, :, : rq.stop - rq.start, 0]

@@ -15,9 +15,9 @@ even length; a sequence's first half is its tokens [cu[s], (cu[s] + cu[s+1]) / 2
                                                       2.20: (out, out_, old_lse, lse, lse_, ...) rescales online:
                                                       out = out * exp(old_lse - lse) + out_ * exp(lse_ - lse)
     thd_grad_correction(g, g_, cu, first, second)     per half: "copy", "add", "none" (2.20: "zero"), in place
-  2.20 only:
     thd_get_partitioned_indices(cu, t, cp, rank)      the tokens of CP rank ``rank`` (chunks rank, 2cp-1-rank of
-                                                      every sequence), int32
+                                                      every sequence), int32 (megatron-core's THD split calls it)
+  2.19 on (the 2.20 ABI here):
     thd_sequence_order_to_cp_rank_order(x, cu, cp, t) / thd_cp_rank_order_to_sequence_order(...): the reorders
     thd_copy_valid_tokens_from_per_split_to_rank_local(out, x, cu_padded, cu): the real tokens of x into out
 
@@ -324,12 +324,12 @@ def functions(abi: str) -> dict[str, Callable]:
         "thd_read_second_half_lse": thd_read_second_half_lse,
         "thd_out_correction": thd_out_correction,
         "thd_grad_correction": lambda *args: _grad_correction(_GRAD_MODES, *args),
+        "thd_get_partitioned_indices": thd_get_partitioned_indices,
     }
     if abi == "2.20":
         table.update(
             thd_out_correction=thd_out_correction_online,
             thd_grad_correction=lambda *args: _grad_correction(_GRAD_MODES_2_20, *args),
-            thd_get_partitioned_indices=thd_get_partitioned_indices,
             thd_sequence_order_to_cp_rank_order=thd_sequence_order_to_cp_rank_order,
             thd_cp_rank_order_to_sequence_order=thd_cp_rank_order_to_sequence_order,
             thd_copy_valid_tokens_from_per_split_to_rank_local=thd_copy_valid_tokens_from_per_split_to_rank_local,
