@@ -291,7 +291,8 @@ def te_context_parallel_on_cpu(
     """
     megatron_cpu.refuse_with_cuda("megatron_2d.testing.te_context_parallel", "run Transformer Engine itself")
     outer = _ACTIVE[-1] if _ACTIVE else None
-    if outer is not None and (outer.version, outer.gpu) == (version, gpu) and (outer.megatron_extension or not megatron):
+    reusable = outer is not None and (outer.version, outer.gpu) == (version, gpu)
+    if reusable and (outer.megatron_extension is not None or not megatron):
         yield outer  # already inside such a context (entered by this process, or by its parent before the fork)
         return
     restorer = _Restorer()
