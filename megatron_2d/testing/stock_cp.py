@@ -88,12 +88,18 @@ class StockCPCase:
 
 
 def expected_refusal(version: str, case: StockCPCase) -> str | None:
-    """Why ``version`` of TE refuses ``case``, or None: THD before the release that runs it with the comm type
-    (:data:`THD_FROM`)."""
-    if case.qkv_format == "thd" and _version(version) < _version(THD_FROM[case.comm]):
-        return f"THD with {case.comm} from TE {THD_FROM[case.comm]}"
+    """Why ``version`` of TE refuses ``case`` (an assertion of its own), or None. THD: before the release that runs
+    it with the comm type (:data:`THD_FROM`); a2a+p2p with one level of size 1 runs as the other level's comm type,
+    and 2.5 converts it before its THD check (so [1, cp] runs as p2p there), 2.8 to 2.18 check first. MLA head dims
+    (value dim below the query/key dim): p2p only (a2a+p2p [cp, 1] is a2a)."""
     if case.value_dim != case.head_dim and case.runs_as in ("a2a", "all_gather"):
         return f"MLA head dims with {case.runs_as}"
+    if case.qkv_format != "thd":
+        return None
+    release = _version(version)
+    comm = case.runs_as if case.comm == "a2a+p2p" and release < (2, 8) else case.comm
+    if release < _version(THD_FROM[comm]):
+        return f"THD with {comm} from TE {THD_FROM[comm]}"
     return None
 
 

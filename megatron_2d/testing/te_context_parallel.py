@@ -127,6 +127,14 @@ def _no_range(*args, **kwargs) -> Iterator[None]:
 _IS_CUDA = torch._C.TensorBase.is_cuda
 
 
+def _reader(frame: types.FrameType | None) -> types.CodeType | None:
+    """The code that read a tensor property: the first frame above ``frame`` that is not a torch function mode's
+    handler (modes entered after this context, e.g. megatron_ddp_on_cpu's, pass the read on from theirs)."""
+    while frame is not None and frame.f_code.co_name == "__torch_function__":
+        frame = frame.f_back
+    return None if frame is None else frame.f_code
+
+
 class _CudaClaim(TorchFunctionMode):
     """``tensor.is_cuda`` is True when read by one of ``codes``' frames; every other torch call passes through."""
 
@@ -135,7 +143,7 @@ class _CudaClaim(TorchFunctionMode):
         self.codes = codes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__self__", None) is _IS_CUDA and sys._getframe(1).f_code in self.codes:
+        if getattr(func, "__self__", None) is _IS_CUDA and _reader(sys._getframe(1)) in self.codes:
             return True
         return func(*args, **(kwargs or {}))
 
