@@ -303,8 +303,9 @@ def run_case(
 ) -> dict[str, object]:
     """Run ``case`` on this rank's CP group through TE (``route``, :data:`ROUTES`), forward and backward.
 
-    Returns {"case": asdict, "errors": {output: norm_err of the whole tensor}, "calls": extension calls} or, when TE
-    refuses it, {"case": ..., "refused": TE's message}. Every rank of the CP group gets the same answer."""
+    Returns {"case": asdict, "route", "calls": extension calls, "errors": {output: norm_err of the whole tensor}
+    (on the CP group's first rank only)} or, when TE refuses it, {"case", "route", "refused": TE's message} (on
+    every rank: TE asserts before any collective)."""
     rank = dist.get_rank() if rank is None else rank
     cp_group, cp_ranks, cp_rank = groups.of(case, rank)
     whole = groups.whole(case, rank)
@@ -345,24 +346,29 @@ def run_case(
         result["refused"] = str(error)
         return result
     out.backward(shard(dout))
-    expected = _reference(case, q, k, v, dout, bounds)
-    result["errors"] = {
-        name: _whole_error(value, expected[name], whole, thd)
-        for name, value in zip(OUTPUTS, (out, ql.grad, kl.grad, vl.grad))
-    }
     result["calls"] = dict(te.extension.calls)
+    wholes = [_whole(value, whole, thd, cp_rank) for value in (out, ql.grad, kl.grad, vl.grad)]
+    if cp_rank == 0:  # the group's first rank measures (the others' shards gathered to it)
+        expected = _reference(case, q, k, v, dout, bounds)
+        result["errors"] = {name: norm_err(w, expected[name]) for name, w in zip(OUTPUTS, wholes)}
     return result
 
 
-def _whole_error(local: torch.Tensor, expected: torch.Tensor, group, thd) -> float:
-    """norm_err of the whole tensor: the CP group's shards gathered (THD: the real tokens only, each placed at its
-    source token; ``thd`` = (source of each padded token, every CP rank's indices into the padded stream))."""
-    parts = _gather(local.detach(), group)
+def _whole(local: torch.Tensor, group, thd, cp_rank: int) -> torch.Tensor | None:
+    """The whole tensor on the group's first rank (None elsewhere): the CP group's shards gathered (THD: the real
+    tokens only, each at its source token; ``thd`` = (source of each padded token, every CP rank's indices into the
+    padded stream))."""
+    local = local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))] if cp_rank == 0 else None
+    dist.gather(local, parts, group_dst=0, group=group)
+    if cp_rank != 0:
+        return None
     if thd is None:
-        return norm_err(unshard_sequence(parts, seq_dim=0), expected)
+        return unshard_sequence(parts, seq_dim=0).double()
     source, indices = thd
-    whole = torch.zeros(expected.shape, dtype=torch.float64)
+    tokens = int((source >= 0).sum())
+    whole = torch.zeros(tokens, *local.shape[1:], dtype=torch.float64)
     for part, index in zip(parts, indices):
         real = source[index] >= 0
         whole[source[index][real]] = part[real].double()
-    return norm_err(whole, expected)
+    return whole

@@ -10,7 +10,8 @@ each the smallest change found to be needed, all restored on exit (tests/test_te
   C1. Streams: ``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``current_stream`` / ``default_stream`` are the
       in-order CPU no-ops of :mod:`.megatron_cpu` and ``current_device()`` is the cpu device. TE's two-stream
       overlap runs serially, as everything does on CPU. NVTX ranges (2.5's ``prepare_forward`` opens one; CPU
-      builds of torch have no NVTX) are no-ops.
+      builds of torch have no NVTX) are no-ops, and ``torch.cuda.device(cpu device)`` selects nothing (2.8's
+      ``DotProductAttention.forward`` enters it with the query's device).
   C2. The modelled GPU: TE's ``get_device_compute_capability`` answers :attr:`ModelledGPU.compute_capability`,
       rebound where TE's modules hold it (it decides real branches: below (10, 0) at CP = 2, p2p batches its send
       and receive, ``batch_isend_irecv``). ``torch.cuda.get_device_properties`` stays untouched (inductor reads it).
@@ -120,6 +121,18 @@ def _no_op(*args, **kwargs) -> None:
 @contextlib.contextmanager
 def _no_range(*args, **kwargs) -> Iterator[None]:
     yield
+
+
+def _device_context(original):
+    """``torch.cuda.device(d)``: nothing to select for a CPU device (2.8's DotProductAttention.forward enters
+    ``torch.cuda.device(query.device)``); any other device goes to torch's own."""
+
+    def device(d):
+        if isinstance(d, torch.device) and d.type == "cpu" or d == "cpu":
+            return contextlib.nullcontext()
+        return original(d)
+
+    return device
 
 
 # ---- C3: a CUDA device for named functions only -------------------------------------------------------------------
@@ -319,6 +332,7 @@ def te_context_parallel_on_cpu(
             restorer.set(torch.cuda, name, value)
         for name, value in (("range_push", _no_op), ("range_pop", _no_op), ("range", _no_range)):
             restorer.set(torch.cuda.nvtx, name, value)
+        restorer.set(torch.cuda, "device", _device_context(torch.cuda.device))
         # C2
         utils = sys.modules[PACKAGE + "utils"]
         original = utils.get_device_compute_capability
