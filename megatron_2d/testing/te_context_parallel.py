@@ -20,7 +20,8 @@ each the smallest change found to be needed, all restored on exit (tests/test_te
       ``DotProductAttention.forward``, ``FusedAttention.forward`` (2.20: of cu_seqlens in
       ``get_thd_partitioned_indices``). Those functions' own frames (found by code object) get True; every other
       caller, TE's other code included, the true answer. ``is_available`` is wrapped; ``Tensor.is_cuda`` is
-      answered by a TorchFunctionMode active in the context.
+      answered by a TorchFunctionMode active in the context (or, with ``claim_cuda=False``, only inside
+      ``TEOnCPU.claiming()``: a mode makes every torch call of its block pass through Python).
   C4. Point-to-point requests whose ``wait()`` may be repeated: gloo's send/recv ``Work.wait()`` is not idempotent
       (a second wait blocks for good) and TE's p2p backward waits twice on the same requests. ``isend`` and
       ``irecv`` (so ``batch_isend_irecv`` of P2POps made of them) return requests whose second ``wait()`` returns
@@ -104,6 +105,15 @@ class TEOnCPU:
     """megatron-core's ``extensions.transformer_engine`` with TE loaded (``megatron=True``)."""
     claimed: frozenset = field(default_factory=frozenset)
     """The code objects that see a CUDA device (C3)."""
+    claims_throughout: bool = True
+    """Whether ``tensor.is_cuda`` is claimed (C3's TorchFunctionMode active) for the whole block, or only inside
+    :meth:`claiming`."""
+
+    def claiming(self) -> contextlib.AbstractContextManager:
+        """A block in which TE's named functions read ``tensor.is_cuda`` as True (nothing to do when the context
+        claims throughout): for callers that keep the mode off their own code (benchmarks time other rows in the
+        same ranks)."""
+        return contextlib.nullcontext() if self.claims_throughout else _CudaClaim(self.claimed)
 
     @property
     def attn_forward_func_with_cp(self):
@@ -234,6 +244,11 @@ class _Restorer:
         self.saved.clear()
 
 
+def active() -> TEOnCPU | None:
+    """The innermost context entered in this process (or in its parent before the fork), if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 def loaded_release() -> str | None:
     """The Transformer Engine release loaded in this process, if any."""
     package = sys.modules.get("transformer_engine")
@@ -300,7 +315,11 @@ def _te_modules() -> list[types.ModuleType]:
 
 @contextlib.contextmanager
 def te_context_parallel_on_cpu(
-    version: str, gpu: ModelledGPU = H100, thd_stats: str = "packed", megatron: bool = False
+    version: str,
+    gpu: ModelledGPU = H100,
+    thd_stats: str = "packed",
+    megatron: bool = False,
+    claim_cuda: bool = True,
 ) -> Iterator[TEOnCPU]:
     """Within: Transformer Engine ``version``'s context parallelism runs on CPU ranks (C1-C6 of the module).
 
@@ -309,12 +328,17 @@ def te_context_parallel_on_cpu(
         gpu: the modelled GPU (its compute capability picks TE's branches).
         thd_stats: the stand-in's THD softmax-stats layout, "packed" (cuDNN >= 9.6) or "padded".
         megatron: also make megatron-core's TE extension (``TEDotProductAttention``) use this release.
-    """
+        claim_cuda: C3's ``tensor.is_cuda`` claim throughout the block; False: only inside the yielded
+            :meth:`TEOnCPU.claiming` (``attn_forward_func_with_cp`` needs none; TE's modules do in forward).
+
+    Inside such a context (of this process, or of its parent before a fork) another one of the same release and
+    GPU adds nothing but the claim it asks for."""
     megatron_cpu.refuse_with_cuda("megatron_2d.testing.te_context_parallel", "run Transformer Engine itself")
     outer = _ACTIVE[-1] if _ACTIVE else None
     reusable = outer is not None and (outer.version, outer.gpu) == (version, gpu)
     if reusable and (outer.megatron_extension is not None or not megatron):
-        yield outer  # already inside such a context (entered by this process, or by its parent before the fork)
+        with outer.claiming() if claim_cuda else contextlib.nullcontext():
+            yield outer
         return
     restorer = _Restorer()
     with contextlib.ExitStack() as stack:
@@ -353,7 +377,8 @@ def te_context_parallel_on_cpu(
             return sys._getframe(1).f_code in codes or is_available()
 
         restorer.set(torch.cuda, "is_available", claimed_is_available)
-        stack.enter_context(_CudaClaim(codes))
+        if claim_cuda:
+            stack.enter_context(_CudaClaim(codes))
         # C4: in torch.distributed and in distributed_c10d, whose P2POp accepts only its own isend / irecv
         c10d = dist.distributed_c10d
         for name in ("isend", "irecv"):
@@ -369,6 +394,7 @@ def te_context_parallel_on_cpu(
             extension=sys.modules["transformer_engine_torch"],
             megatron_extension=extension,
             claimed=codes,
+            claims_throughout=claim_cuda,
         )
         _ACTIVE.append(active)
         stack.callback(_ACTIVE.pop)
