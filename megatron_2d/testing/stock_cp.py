@@ -159,14 +159,16 @@ def _draw(rng: random.Random, cp, comm, a2a, causal, fmt, dtype) -> StockCPCase:
 
 
 class StockCPGroups:
-    """The process groups of every case's layout on a world of ``world`` ranks, made by every rank in one order:
-    the world cut into world / cp CP groups of consecutive ranks, each cut for a2a+p2p into consecutive a2a groups
-    and strided p2p groups (megatron-core's hierarchical groups)."""
+    """The process groups of stock CP layouts ((cp, a2a level) pairs) on a world of ``world`` ranks, made by every
+    rank in one order: the world cut into world / cp CP groups of consecutive ranks, each cut for a2a+p2p into
+    consecutive a2a groups and strided p2p groups (megatron-core's hierarchical groups). ``layouts``: the pairs, or
+    cases (their cp and a2a)."""
 
-    def __init__(self, world: int, cases) -> None:
+    def __init__(self, world: int, layouts) -> None:
         self.world = world
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for cp, a2a in sorted({(c.cp, c.a2a) for c in cases}):
+        pairs = {(x.cp, x.a2a) if isinstance(x, StockCPCase) else tuple(x) for x in layouts}
+        for cp, a2a in sorted(pairs):
             if world % cp:
                 raise ValueError(f"a world of {world} ranks does not split into CP groups of {cp}")
             for first in range(0, world, cp):
@@ -188,14 +190,19 @@ class StockCPGroups:
 
     def of(self, case: StockCPCase, rank: int):
         """(cp_group argument of attn_forward_func_with_cp, the CP group's global ranks, this rank's CP rank)."""
-        first = rank - rank % case.cp
-        ranks = list(range(first, first + case.cp))
+        return self.layout(case.cp, case.comm, case.a2a, rank)
+
+    def layout(self, cp: int, comm: str, a2a: int, rank: int):
+        """As :meth:`of`, for CP size ``cp``, cp_comm_type ``comm`` and a2a level ``a2a``."""
+        first = rank - rank % cp
+        ranks = list(range(first, first + cp))
         whole = self.groups[tuple(ranks)]
-        if case.comm != "a2a+p2p":
+        if comm != "a2a+p2p":
             return whole, ranks, rank - first
-        a2a = next(g for g in self._levels(first, case.cp, case.a2a)[: case.cp // case.a2a] if rank in g)
-        p2p = next(g for g in self._levels(first, case.cp, case.a2a)[case.cp // case.a2a :] if rank in g)
-        return [self.groups[tuple(a2a)], self.groups[tuple(p2p)]], ranks, rank - first
+        levels = self._levels(first, cp, a2a)
+        a2a_group = next(g for g in levels[: cp // a2a] if rank in g)
+        p2p_group = next(g for g in levels[cp // a2a :] if rank in g)
+        return [self.groups[tuple(a2a_group)], self.groups[tuple(p2p_group)]], ranks, rank - first
 
     def whole(self, case: StockCPCase, rank: int) -> dist.ProcessGroup:
         first = rank - rank % case.cp
@@ -232,24 +239,27 @@ def _reference(case: StockCPCase, q, k, v, dout, bounds: list[int]) -> dict[str,
     return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 
 
-def _thd_layout(te, case: StockCPCase, cp_rank: int):
+def thd_layout(te, documents, cp: int, cp_rank: int):
     """(cu_seqlens of the real lengths, cu_seqlens_padded, the padded stream's source token or -1 for padding,
-    this rank's indices into the padded stream), by TE's padding rule and partition."""
-    factor = 2 * case.cp
-    cu = torch.tensor([0, *torch.tensor(case.documents).cumsum(0).tolist()], dtype=torch.int32)
+    this rank's indices into the padded stream) of documents of lengths ``documents``, by TE's padding rule
+    (every document to a multiple of 2 cp: TE's ``pad_thd_sequences_for_cp`` from 2.8) and partition
+    (``tex.thd_get_partitioned_indices``, what megatron-core's per-document split calls)."""
+    factor = 2 * cp
+    documents = [int(n) for n in documents]
+    cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()], dtype=torch.int32)
     tokens = torch.arange(int(cu[-1]))
     pad = getattr(te.context_parallel, "pad_thd_sequences_for_cp", None)
-    padded_lengths = [-(-n // factor) * factor for n in case.documents]
+    padded_lengths = [-(-n // factor) * factor for n in documents]
     cu_padded = torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()], dtype=torch.int32)
     if pad is not None:  # TE's own rule, from 2.8
         source, _, cu_te = pad(tokens, tokens, cu, factor, padding_token_id=-1, padding_label_id=-1)
         if not torch.equal(cu_te.to(torch.int32), cu_padded):
-            raise AssertionError(f"TE pads {case.documents} to {cu_te.tolist()}, expected {cu_padded.tolist()}")
+            raise AssertionError(f"TE pads {documents} to {cu_te.tolist()}, expected {cu_padded.tolist()}")
     else:
         source = torch.full((int(cu_padded[-1]),), -1)
         for a, b, p in zip(cu[:-1].tolist(), cu[1:].tolist(), cu_padded[:-1].tolist()):
             source[p : p + b - a] = tokens[a:b]
-    local = te.extension.thd_get_partitioned_indices(cu_padded, int(cu_padded[-1]), case.cp, cp_rank).long()
+    local = te.extension.thd_get_partitioned_indices(cu_padded, int(cu_padded[-1]), cp, cp_rank).long()
     return cu, cu_padded, source, local
 
 
@@ -323,7 +333,7 @@ def run_case(
             cu_seqlens_kv_padded=None,
         )  # fmt: skip
     else:
-        cu, cu_padded, source, local = _thd_layout(te, case, cp_rank)
+        cu, cu_padded, source, local = thd_layout(te, case.documents, case.cp, cp_rank)
         _shard_thd_check(te, case, cu_padded, source, local, whole)
         q, k, v, dout = _inputs(case, int(cu[-1]))
         bounds, thd = cu.tolist(), (source, _gather(local, whole))
