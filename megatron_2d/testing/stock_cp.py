@@ -209,6 +209,34 @@ class StockCPGroups:
         return self.groups[tuple(range(first, first + case.cp))]
 
 
+@dataclass
+class InstalledTE:
+    """The installed Transformer Engine (on GPUs) as :func:`run_case` takes TE; on CPU ranks it takes the
+    :class:`~.te_context_parallel.TEOnCPU` of TE's CPU context."""
+
+    transformer_engine: object
+    context_parallel: object
+    extension: object
+
+    @property
+    def attn_forward_func_with_cp(self):
+        return self.context_parallel.attn_forward_func_with_cp
+
+    @property
+    def version(self) -> str:
+        return str(self.transformer_engine.__version__)
+
+
+def installed_te() -> InstalledTE:
+    """The installed Transformer Engine; ImportError when it does not import."""
+    import transformer_engine
+    import transformer_engine.pytorch  # noqa: F401
+    import transformer_engine_torch
+    from transformer_engine.pytorch.attention.dot_product_attention import context_parallel
+
+    return InstalledTE(transformer_engine, context_parallel, transformer_engine_torch)
+
+
 # ---- one case -------------------------------------------------------------------------------------------------------
 
 
@@ -239,11 +267,12 @@ def _reference(case: StockCPCase, q, k, v, dout, bounds: list[int]) -> dict[str,
     return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 
 
-def thd_layout(te, documents, cp: int, cp_rank: int):
+def thd_layout(te, documents, cp: int, cp_rank: int, device: torch.device | None = None):
     """(cu_seqlens of the real lengths, cu_seqlens_padded, the padded stream's source token or -1 for padding,
     this rank's indices into the padded stream) of documents of lengths ``documents``, by TE's padding rule
     (every document to a multiple of 2 cp: TE's ``pad_thd_sequences_for_cp`` from 2.8) and partition
-    (``tex.thd_get_partitioned_indices``, what megatron-core's per-document split calls)."""
+    (``tex.thd_get_partitioned_indices``, what megatron-core's per-document split calls; on ``device``, where the
+    real extension runs). The returned tensors are on the CPU."""
     factor = 2 * cp
     documents = [int(n) for n in documents]
     cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()], dtype=torch.int32)
@@ -259,25 +288,27 @@ def thd_layout(te, documents, cp: int, cp_rank: int):
         source = torch.full((int(cu_padded[-1]),), -1)
         for a, b, p in zip(cu[:-1].tolist(), cu[1:].tolist(), cu_padded[:-1].tolist()):
             source[p : p + b - a] = tokens[a:b]
-    local = te.extension.thd_get_partitioned_indices(cu_padded, int(cu_padded[-1]), cp, cp_rank).long()
+    on = cu_padded if device is None else cu_padded.to(device)
+    local = te.extension.thd_get_partitioned_indices(on, int(cu_padded[-1]), cp, cp_rank).long().cpu()
     return cu, cu_padded, source, local
 
 
-def _shard_thd_check(te, case, cu_padded, source, local, group) -> None:
+def _shard_thd_check(te, case, cu_padded, source, local, group, device) -> None:
     """TE's own THD batch split (from 2.8) picks the same tokens as the partition helper."""
     split = getattr(te.context_parallel, "get_batch_on_this_cp_rank", None)
     if split is None:
         return
-    positions = torch.arange(int(cu_padded[-1]))
-    mine = split(cu_padded, positions, positions, positions, group, "thd")[0]
+    positions = torch.arange(int(cu_padded[-1]), device=device)
+    mine = split(cu_padded.to(device), positions, positions, positions, group, "thd")[0].cpu()
     if not torch.equal(mine, local):
         raise AssertionError(f"{case.name}: TE's get_batch_on_this_cp_rank picks {mine.tolist()}, not {local.tolist()}")
 
 
-def _gather(local: torch.Tensor, group) -> list[torch.Tensor]:
+def _gather(local: torch.Tensor, group, device: torch.device) -> list[torch.Tensor]:
+    local = local.to(device).contiguous()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return parts
+    dist.all_gather(parts, local, group=group)
+    return [p.cpu() for p in parts]
 
 
 ROUTES = ("function", "module")
@@ -309,13 +340,20 @@ def _call_te(te, case: StockCPCase, route: str, q, k, v, meta: dict, cp_group, c
 
 
 def run_case(
-    te, case: StockCPCase, groups: StockCPGroups, route: str = "function", rank: int | None = None
+    te,
+    case: StockCPCase,
+    groups: StockCPGroups,
+    route: str = "function",
+    rank: int | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, object]:
     """Run ``case`` on this rank's CP group through TE (``route``, :data:`ROUTES`), forward and backward.
 
     Returns {"case": asdict, "route", "calls": extension calls, "errors": {output: norm_err of the whole tensor}
     (on the CP group's first rank only)} or, when TE refuses it, {"case", "route", "refused": TE's message} (on
-    every rank: TE asserts before any collective)."""
+    every rank: TE asserts before any collective). ``device``: where TE runs (the CPU when None); the reference is
+    computed on the CPU."""
+    device = torch.device("cpu") if device is None else device
     rank = dist.get_rank() if rank is None else rank
     cp_group, cp_ranks, cp_rank = groups.of(case, rank)
     whole = groups.whole(case, rank)
@@ -325,38 +363,41 @@ def run_case(
         bounds, thd = [], None
 
         def shard(x):
-            return shard_sequence(x, cp_rank, case.cp).to(case.dtype).contiguous()
+            return shard_sequence(x, cp_rank, case.cp).to(device, case.dtype).contiguous()
 
-        cu = torch.arange(0, (case.batch + 1) * tokens, tokens, dtype=torch.int32)
+        cu = torch.arange(0, (case.batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
         meta = dict(
             cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=tokens, max_seqlen_kv=tokens, cu_seqlens_q_padded=None,
             cu_seqlens_kv_padded=None,
         )  # fmt: skip
     else:
-        cu, cu_padded, source, local = thd_layout(te, case.documents, case.cp, cp_rank)
-        _shard_thd_check(te, case, cu_padded, source, local, whole)
+        cu, cu_padded, source, local = thd_layout(te, case.documents, case.cp, cp_rank, device)
+        _shard_thd_check(te, case, cu_padded, source, local, whole, device)
         q, k, v, dout = _inputs(case, int(cu[-1]))
-        bounds, thd = cu.tolist(), (source, _gather(local, whole))
+        bounds, thd = cu.tolist(), (source, _gather(local, whole, device))
 
         def shard(x):
             padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[source]  # padding: the zero row
-            return padded[local].to(case.dtype).contiguous()
+            return padded[local].to(device, case.dtype).contiguous()
 
         longest = max(int(b - a) for a, b in zip(cu_padded[:-1], cu_padded[1:]))
+        cu_on, padded_on = cu.to(device), cu_padded.to(device)
         meta = dict(
-            cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-            cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+            cu_seqlens_q=cu_on, cu_seqlens_kv=cu_on, max_seqlen_q=longest, max_seqlen_kv=longest,
+            cu_seqlens_q_padded=padded_on, cu_seqlens_kv_padded=padded_on,
         )  # fmt: skip
     ql, kl, vl = (shard(x).requires_grad_(True) for x in (q, k, v))
     result: dict[str, object] = {"case": asdict(case) | {"dtype": str(case.dtype)}, "route": route}
-    te.extension.calls.clear()
+    calls = getattr(te.extension, "calls", None)  # the CPU extension counts its calls
+    if calls is not None:
+        calls.clear()
     try:
         out = _call_te(te, case, route, ql, kl, vl, meta, cp_group, cp_ranks)
     except AssertionError as error:  # TE's own refusal (raised on every rank before any collective)
         result["refused"] = str(error)
         return result
     out.backward(shard(dout))
-    result["calls"] = dict(te.extension.calls)
+    result["calls"] = dict(calls) if calls is not None else {"fused_attn_fwd": 1, "fused_attn_bwd": 1}
     wholes = [_whole(value, whole, thd, cp_rank) for value in (out, ql.grad, kl.grad, vl.grad)]
     if cp_rank == 0:  # the group's first rank measures (the others' shards gathered to it)
         expected = _reference(case, q, k, v, dout, bounds)
@@ -373,6 +414,7 @@ def _whole(local: torch.Tensor, group, thd, cp_rank: int) -> torch.Tensor | None
     dist.gather(local, parts, group_dst=0, group=group)
     if cp_rank != 0:
         return None
+    parts = [p.cpu() for p in parts]
     if thd is None:
         return unshard_sequence(parts, seq_dim=0).double()
     source, indices = thd

@@ -26,8 +26,8 @@ each the smallest change found to be needed, all restored on exit (tests/test_te
       (a second wait blocks for good) and TE's p2p backward waits twice on the same requests. ``isend`` and
       ``irecv`` (so ``batch_isend_irecv`` of P2POps made of them) return requests whose second ``wait()`` returns
       at once, as NCCL's do.
-  C5. The release is loaded (:func:`.te_package.load_release`, ``NVTE_TORCH_COMPILE=0``: no torch.compile of TE's
-      jit functions, ~29 s a process) unless that release is already loaded; one the context loaded is unloaded
+  C5. The release is loaded (:func:`.te_package.load_release`, with ``NVTE_TORCH_COMPILE=0``: no torch.compile of
+      TE's jit functions, ~29 s a process) unless that release is already loaded; one the context loaded is unloaded
       on exit. Another release loaded in the process is refused (one TE per process).
   C6. With ``megatron=True``: ``megatron.core.extensions.transformer_engine`` is executed again with TE loaded
       (megatron-core decides ``HAVE_TE`` at import) and megatron-core's cached TE version is cleared; its previous
@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import os
 import sys
 import types
 from collections.abc import Iterator
@@ -270,15 +269,7 @@ def _release(version: str, thd_stats: str) -> Iterator[bool]:
             raise ValueError(f"Transformer Engine {version} is loaded with thd_stats={stats!r}, asked {thd_stats!r}")
         yield False
         return
-    saved = os.environ.get("NVTE_TORCH_COMPILE")
-    os.environ["NVTE_TORCH_COMPILE"] = "0"
-    try:
-        te_package.load_release(version, thd_stats)
-    finally:
-        if saved is None:
-            os.environ.pop("NVTE_TORCH_COMPILE", None)
-        else:
-            os.environ["NVTE_TORCH_COMPILE"] = saved
+    te_package.load_release(version, thd_stats)  # NVTE_TORCH_COMPILE=0 unless set
     try:
         yield True
     finally:
