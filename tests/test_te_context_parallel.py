@@ -201,3 +201,35 @@ def backend_query_calls(version: str) -> list[int]:
 def test_backend_query_takes_each_releases_arguments(version):
     """The stand-in's get_fused_attn_backend takes the release's positional arguments (2.20: one params object)."""
     assert backend_query_calls(version) == [len(tep.BACKEND_QUERIES[tep.abi_of(version).name])]
+
+
+def test_stand_in_refuses_what_it_does_not_compute():
+    """The CPU extension's check of a call (and of a backend query): what cuDNN's F16 backend would run, as TE's CP
+    calls it, and nothing else."""
+    from types import SimpleNamespace as Named
+
+    call = dict(
+        qkv_layout=Named(name="NVTE_SBHD_SBHD_SBHD"),
+        attn_mask_type=Named(name="NVTE_CAUSAL_MASK"),
+        attn_bias_type=Named(name="NVTE_NO_BIAS"),
+        dropout=0.0,
+        window_size=(-1, -1),  # causal with (-1, -1): read as (-1, 0), as cuDNN does
+    )
+    assert tep._unsupported(call) == []
+    assert tep._unsupported({**call, "window_size": (8, 0)}) == ["window (8, 0) with NVTE_CAUSAL_MASK"]
+    assert tep._unsupported({**call, "attn_mask_type": Named(name="NVTE_PADDING_MASK")}) == [
+        "NVTE_PADDING_MASK with NVTE_SBHD_SBHD_SBHD"
+    ]
+    assert tep._unsupported({**call, "qkv_layout": Named(name="NVTE_SB3HD"), "dropout": 0.1}) == [
+        "qkv_layout NVTE_SB3HD",
+        "dropout 0.1",
+    ]
+    with pytest.raises(TypeError, match="window_size must be a pair"):
+        tep._unsupported({**call, "window_size": None})
+
+
+def test_stock_groups_refuse_a_world_the_cp_size_does_not_divide():
+    from megatron_2d.testing.stock_cp import StockCPGroups
+
+    with pytest.raises(ValueError, match="a world of 6 ranks does not split into CP groups of 4"):
+        StockCPGroups(6, [(4, 2)])
