@@ -39,7 +39,15 @@ from .config_models import (
     tiny_config,
 )
 from .distributed import RankFailure, run_on_ranks
-from .generated_configs import ITERATIONS, Draw, expected_refusals, perturbed_twin_of, reference_of, skip_reason
+from .generated_configs import (
+    ITERATIONS,
+    Draw,
+    expected_refusals,
+    norm_route,
+    perturbed_twin_of,
+    reference_of,
+    skip_reason,
+)
 from .reference import TOLERANCES
 
 
@@ -255,11 +263,19 @@ def compare(draw: Draw, got: list[RankResult], expected: RankResult, twin: RankR
 
 def run_configuration(draw: Draw, references: dict | None = None, timeout_s: float = 240) -> Outcome:
     """Run ``draw`` and compare it with its reference (computed once per reference draw, kept in
-    ``references``)."""
-    start = time.perf_counter()
+    ``references``); the ranks are forked inside the draw's norm route (:func:`generated_configs.norm_route`), which
+    its reference shares."""
     skip = skip_reason(draw)
     if skip is not None:
         return Outcome(draw, "skipped", f"{skip.name}: {skip.message}")
+    from .sp_norms import norm_route as norms
+
+    with norms(norm_route(draw)):
+        return _run_and_compare(draw, references, timeout_s)
+
+
+def _run_and_compare(draw: Draw, references: dict | None, timeout_s: float) -> Outcome:
+    start = time.perf_counter()
     refusals = expected_refusals(draw)
     try:
         got = _launch(draw, timeout_s)
