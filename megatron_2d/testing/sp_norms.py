@@ -227,7 +227,11 @@ def te_norms(version: str = TE_RELEASE) -> Iterator[types.ModuleType]:
     from megatron.core import utils as mcore_utils
     from packaging.version import Version
 
+    from ..megatron import hybrid_spec, spec  # noqa: F401  (their ready specs are built at import: before TE shows)
+    from .hybrid_cpu import install_hybrid_cpu_shims
     from .te_package import load_release
+
+    install_hybrid_cpu_shims()  # its H1 binds HybridStack's final norm to the torch norm: first, then TENorm over it
 
     previous = {
         n: m for n, m in sys.modules.items() if n.split(".")[0] in ("transformer_engine", "transformer_engine_torch")

@@ -154,7 +154,7 @@ def make_transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         hierarchical_context_parallel_sizes=([g.size() for g in hcp] if hcp else None),
         cp_comm_type=cfg.cp_comm_type,
-        sequence_parallel=False,  # the torch norm fallback (no apex) asserts with SP
+        sequence_parallel=False,  # the torch norm asserts with SP: see megatron_2d.testing.sp_norms
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
@@ -321,6 +321,17 @@ def all_reduce_grads_over_cp(model: torch.nn.Module) -> None:
             dist.all_reduce(param.grad, group=group)
 
 
+def all_reduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """Under sequence parallelism, sum over TP the gradients of parameters marked ``sequence_parallel`` (norms,
+    duplicated linears: each TP rank saw its share of the sequence), as Megatron's ``finalize_model_grads`` does."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1 or not model.config.sequence_parallel:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for param in model.parameters():
+        if param.grad is not None and getattr(param, "sequence_parallel", False):
+            dist.all_reduce(param.grad, group=group)
+
+
 def gather_over_tensor_parallel(grads: dict[str, tuple[torch.Tensor, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
     """{name: (this TP rank's tensor, its parameter)} -> {name: the tensor at the parameter's full shape},
     TP-sharded ones all-gathered over the TP group along their partition dim (the same names on every TP rank)."""
@@ -418,6 +429,7 @@ def forward_backward(model: GPTModel, batch: Batch) -> dict[str, Any]:
     local_sum, per_token = _local_loss(model, batch)
     (local_sum / num_tokens).backward()
     all_reduce_grads_over_cp(model)
+    all_reduce_sequence_parallel_grads(model)
     return {
         "loss": cp_sum(local_sum) / num_tokens,
         "per_token_loss": _gather_cp_sequence(per_token, seq_dim=1),
@@ -479,6 +491,7 @@ def train_steps(
         local_sum, _ = _local_loss(model, batch)
         (local_sum / num_tokens).backward()
         all_reduce_grads_over_cp(model)
+        all_reduce_sequence_parallel_grads(model)
         run.grad_norms.append(megatron_grad_norm(model))
         opt.step()
         run.losses.append(float(cp_sum(local_sum) / num_tokens))
@@ -529,6 +542,7 @@ def pipeline_forward_backward(
     grads: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         all_reduce_grads_over_cp(chunk)
+        all_reduce_sequence_parallel_grads(chunk)
         grads.update(full_gradients(chunk))
     if parallel_state.is_pipeline_last_stage():
         loss = sum(cp_sum(r["local_sum"]) / r["tokens"] for r in reports) / num_microbatches
@@ -573,6 +587,7 @@ __all__ = [
     "TinyGPTConfig",
     "TrainedSteps",
     "all_reduce_grads_over_cp",
+    "all_reduce_sequence_parallel_grads",
     "build_tiny_gpt",
     "canonical_name",
     "canonical_parameters",
