@@ -546,6 +546,8 @@ EXPECTED_VALUES: dict[str, set] = {
     "tp": {1, 2},
     "sequence_parallel": {True, False},
     "sequence_parallel_model": set(MODELS),
+    "sequence_parallel_with": {"checkpoint_plus_plus", "thd", "window", "sinks", "mamba", "gdn", "moe", "pipeline"}
+    | {f"mla_{ring}" for ring in MLA_RINGS},
     "moe_with_tensor_parallelism": {True},
     "normalization": set(NORMALIZATIONS),
     "norm_route": {"torch", "apex", "te"},
@@ -592,6 +594,7 @@ def axis_values(draw: Draw) -> dict[str, set]:
         "tp": {draw.tp},
         "sequence_parallel": {draw.sequence_parallel},
         "sequence_parallel_model": {s.model} if draw.sequence_parallel else set(),
+        "sequence_parallel_with": sequence_parallel_with(draw),
         "moe_with_tensor_parallelism": {s.moe and draw.tp > 1},
         "normalization": {s.normalization},
         "norm_route": {norm_route(draw)},
@@ -622,6 +625,27 @@ def axis_values(draw: Draw) -> dict[str, set]:
         else set(),
         "dtype": {s.dtype},
     }
+
+
+def sequence_parallel_with(draw: Draw) -> set[str]:
+    """What a sequence-parallel draw runs SP with (empty without SP): the SP-specific paths of the 2d backend and of
+    Megatron around it (Checkpoint++'s kept inputs, packed documents padded by TP x 2 x CP, windows, sinks, Mamba and
+    GDN layers, MoE, pipeline stages, both MLA rings)."""
+    if not draw.sequence_parallel:
+        return set()
+    s = draw.scenario
+    tags = {
+        "checkpoint_plus_plus": draw.recompute == "checkpoint_plus_plus",
+        "thd": s.data != "sbhd",
+        "window": s.window != "none",
+        "sinks": s.softmax_type != "vanilla",
+        "mamba": _has(draw, "M"),
+        "gdn": _has(draw, "G"),
+        "moe": s.moe,
+        "pipeline": draw.pp > 1,
+        f"mla_{draw.mla_ring}": s.model == "mla",
+    }
+    return {tag for tag, on in tags.items() if on}
 
 
 def missing_corners(draws: Sequence[Draw]) -> dict[str, set]:
