@@ -87,6 +87,9 @@ def test_te_norms_run_tes_own_norms_over_cpu_kernels_and_leave_nothing_patched()
     raises as without TE)."""
     from megatron.core.extensions import transformer_engine as te_ext
 
+    from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+
+    install_hybrid_cpu_shims()  # te_norms installs them (their final-norm binding stays): compare after that
     bindings = [(m, n, v) for m, n, v in sp_norms.te_bindings(None) if m.startswith("megatron")]
     before = _bindings_now(bindings)
     cases = [(n, z) for n in ("RMSNorm", "LayerNorm") for z in (False, True)]
@@ -124,6 +127,32 @@ def _mla_spec(spec, down: str):
     return spec
 
 
+def _op_with_and_without_sp(rank, world):
+    """GPT at TP 2 x 2D CP 2 (hp 2), with SP and without (TE's norms both times): what each CoreAttention2D takes
+    and returns in the forward, the op's bytes, and the training results."""
+    from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d
+
+    tg.init_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    out = {}
+    for sp in (False, True):
+        cfg = tg.TinyGPTConfig(
+            num_attention_heads=8, num_query_groups=2, config_class=TransformerConfig2D, cp_comm_type="2d"
+        )
+        cfg.config_overrides = dict(cp_2d_head_parallel_size=2, sequence_parallel=sp)
+        spec = get_gpt_layer_spec_2d(use_transformer_engine=False)
+        model = tg.build_tiny_gpt(cfg, sp_norms.with_te_norms(spec))  # the same norm kernels either way
+        seen = []
+        for layer in model.decoder.layers:
+            layer.self_attention.core_attention.register_forward_hook(
+                lambda module, args, output: seen.append([t.detach().clone() for t in (*args[:3], output)])
+            )
+        groups = model.decoder.layers[0].self_attention.core_attention.groups
+        groups.comm_bytes.reset()
+        result = tg.forward_backward(model, tg.synthetic_batch(cfg))
+        out[sp] = dict(seen=seen, comm=groups.comm_bytes.as_dict(), result=result)
+    return out
+
+
 def _mla_sequence_parallel(rank, world):
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -154,6 +183,7 @@ def _mla_sequence_parallel(rank, world):
                 )
                 got = tg.forward_backward(model, tg.synthetic_batch(cfg))
                 out[(ring, down)] = tg.compare_results(got, ref)
+        out["op"] = _op_with_and_without_sp(rank, world)
         return out
     except Exception:
         return traceback.format_exc()
@@ -177,3 +207,18 @@ def test_mla_with_sequence_parallelism_trains_as_at_cp1(mla_errors, ring, down):
     errors = mla_errors[(ring, down)]
     bad = {k: v for k, v in errors.items() if not v <= MLA_RTOL}
     assert not bad, bad
+
+
+@pytest.mark.distributed
+def test_sequence_parallelism_changes_nothing_inside_the_2d_op(mla_errors):
+    """SP changes nothing the 2d op sees: at TP 2 x 2D CP 2 each CoreAttention2D gets the same q, k, v (Megatron's
+    column-parallel QKV projection all-gathers the SP shard first) and returns the same output, bit for bit, and the
+    op sends the same bytes (head all-to-all and ring); the whole training step agrees to rounding (the norms and
+    the TP reductions outside it run on SP shards, reduce-scatter instead of all-reduce)."""
+    without, with_sp = mla_errors["op"][False], mla_errors["op"][True]
+    assert len(without["seen"]) == len(with_sp["seen"]) == 2  # two layers, one call each
+    for a, b in zip(without["seen"], with_sp["seen"]):
+        assert all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+    assert with_sp["comm"] == without["comm"] and sum(without["comm"].values()) > 0
+    errors = tg.compare_results(with_sp["result"], without["result"])
+    assert max(errors.values()) < MLA_RTOL, errors
