@@ -316,7 +316,7 @@ def test_pretrain_hybrid_with_sequence_parallelism_equals_cp1(scripts):
     from megatron_2d.testing.sp_norms import te_norms
 
     tp_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hybrid-layer-pattern", "M*-"]
-    spec = ["--spec", "megatron_2d.testing.hybrid_cpu"]
+    spec = ["--spec", "megatron_2d.testing.sp_norms"]
     cp2 = ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1", "--cp-comm-type", "2d"]
     with te_norms():
         reference = training(

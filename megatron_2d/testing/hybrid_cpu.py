@@ -134,26 +134,3 @@ def _megatron_local_hybrid_stack_spec():
 
 
 megatron_local_hybrid_stack_spec = _megatron_local_hybrid_stack_spec()
-
-
-def _with_te_norms(spec):
-    from .sp_norms import with_te_norms
-
-    return with_te_norms(spec)
-
-
-megatron_local_hybrid_stack_spec_te_norms = _with_te_norms(megatron_local_hybrid_stack_spec)
-"""``megatron_local_hybrid_stack_spec`` with Transformer Engine's norms (TENorm): under sequence parallelism, built
-inside :func:`megatron_2d.testing.sp_norms.te_norms` (``--spec megatron_2d.testing.hybrid_cpu
-megatron_local_hybrid_stack_spec_te_norms``)."""
-
-
-def _hybrid_stack_spec_2d_te_norms():
-    from megatron_2d.megatron.hybrid_spec import hybrid_stack_spec_2d_local
-
-    return _with_te_norms(hybrid_stack_spec_2d_local)
-
-
-hybrid_stack_spec_2d_te_norms = _hybrid_stack_spec_2d_te_norms()
-"""megatron_2d's local hybrid stack spec with Transformer Engine's norms, for sequence parallelism on CPU ranks (as
-:data:`megatron_local_hybrid_stack_spec_te_norms`)."""

@@ -275,3 +275,17 @@ def norm_route(route: str) -> Iterator[None]:
     context = {"torch": contextlib.nullcontext, "apex": apex_layer_norm, "te": te_norms}[route]
     with context():
         yield
+
+
+def _te_norm_hybrid_specs():
+    from ..megatron.hybrid_spec import hybrid_stack_spec_2d_local
+    from .hybrid_cpu import megatron_local_hybrid_stack_spec
+
+    return with_te_norms(megatron_local_hybrid_stack_spec), with_te_norms(hybrid_stack_spec_2d_local)
+
+
+megatron_local_hybrid_stack_spec_te_norms, hybrid_stack_spec_2d_te_norms = _te_norm_hybrid_specs()
+"""For pretrain_hybrid.py under sequence parallelism, run inside :func:`te_norms` (``--spec
+megatron_2d.testing.sp_norms NAME``): Megatron's local hybrid stack spec (the CP = 1 reference's,
+``hybrid_cpu.megatron_local_hybrid_stack_spec``) and megatron_2d's local 2D one, each with ``TENorm`` in its norm
+slots."""
