@@ -58,6 +58,8 @@ def megatron_flags(draw: Draw) -> list[str]:
     ]
     if draw.sequence_parallel:
         flags.append("--sequence-parallel")
+    if draw.ep > 1:
+        flags += ["--expert-model-parallel-size", str(draw.ep)]
     if s.normalization != "LayerNorm":
         flags += ["--normalization", s.normalization]
     if s.query_groups != s.heads and s.model != "mla":
@@ -150,7 +152,7 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
         # top-2 of 2 experts: no routing decision that rounding could flip; no biases (megatron-core 0.19.2 allows
         # MoE biases only without expert tensor parallelism)
         fields.update(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0)
-        fields.update(moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+        fields.update(moe_token_dispatcher_type="alltoall", add_bias_linear=False, expert_model_parallel_size=draw.ep)
     if s.model == "hybrid":
         fields.update(SSM_SIZES, **ssm_sizes(s))
     config_class: type

@@ -77,6 +77,7 @@ def _setup(draw: Draw, launch_args):
         virtual_pipeline_model_parallel_size=draw.vpp,
         order=draw.order,
         seed=draw.scenario.seed,
+        expert_model_parallel_size=draw.ep,
         **hz.initialize_model_parallel_kwargs(draw.dp, CP),
     )
     cfg = tiny_config(draw)
@@ -95,7 +96,7 @@ def _setup(draw: Draw, launch_args):
     wrapped = mcpu.wrap_chunks(chunks, distributed_data_parallel_config(hz, draw.dp, CP, **ddp_extra(draw, hz)))
     dtype = DTYPES[draw.scenario.dtype]
     config = optimizer_config(hz, draw.dp, CP, **OPTIMIZER, bf16=dtype == torch.bfloat16, params_dtype=dtype)
-    return wrapped, mcpu.build_optimizer(wrapped, config), tg.merge_over_pipeline(shapes)
+    return wrapped, mcpu.build_optimizer(wrapped, config), tg.merge_over_expert_parallel(tg.merge_over_pipeline(shapes))
 
 
 def _perturb(chunks: list[torch.nn.Module], seed: int) -> None:

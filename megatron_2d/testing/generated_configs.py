@@ -7,8 +7,8 @@ in one packing mode, with one-token documents, end padding, a CP rank that holds
 *draws* then vary how the same training is laid out: TP (mostly with sequence parallelism, as real jobs run it;
 always for MoE), PP and virtual PP (the ``|`` splits of a hybrid pattern), the 2D layout (hp, cp, inner ring size,
 placement, Megatron's rank order), DP, the model states (DDP, distributed optimizer with overlapped grad reduce and
-param gather, megatron-fsdp ZeRO-2/3, Hybrid ZeRO), the recompute mode and, for MLA, the ring. Pure Python and
-numpy: drawing and the coverage check need no torch.
+param gather, megatron-fsdp ZeRO-2/3, Hybrid ZeRO), the recompute mode, for MoE the expert-parallel size and, for
+MLA, the ring. Pure Python and numpy: drawing and the coverage check need no torch.
 
 Each draw trains a few iterations through Megatron's own schedule (:mod:`megatron_2d.testing.config_runs`) and is
 compared with its scenario's reference (:func:`reference_of`): the same training at CP = 1, DP = 1, PP = 1, unsharded
@@ -141,6 +141,7 @@ class Draw:
     mla_ring: str
     reference: bool = False
     perturbed: bool = False  # a reference with every parameter moved by one rounding step (see perturbed_twin_of)
+    ep: int = 1  # MoE: expert-parallel size (carved from DP x CP, as Megatron's expert grid does)
 
     @property
     def context_parallel_size(self) -> int:
@@ -307,6 +308,8 @@ def draw_config(seed: int, index: int) -> Draw:
         zero_states = "optimizer+grads+params" if wider else _choice(rng, ("optimizer", "optimizer+grads+params"))
     order = _choice_keeping_rare(rng, ORDERS, lambda o: pp > 1 and o == "tp-cp-ep-pp-dp")
     recompute = _choice(rng, RECOMPUTE)
+    # MoE: expert parallelism over 2 of the DP x CP ranks, half the time (its own stream: the rest as before)
+    ep = 2 if scenario.moe and np.random.default_rng([seed, 3, index]).random() < 0.5 else 1
     return Draw(
         scenario=scenario,
         index=index,
@@ -330,6 +333,7 @@ def draw_config(seed: int, index: int) -> Draw:
             _choice(rng, CHECKPOINT_PLUS_PLUS_KEEP) if recompute == "checkpoint_plus_plus" else None
         ),
         mla_ring=_choice(rng, MLA_RINGS) if scenario.model == "mla" else "expanded",
+        ep=ep,
     )
 
 
@@ -383,6 +387,7 @@ def reference_of(draw: Draw) -> Draw:
         checkpoint_plus_plus_keep=None,
         mla_ring="expanded",
         reference=True,
+        ep=1,
     )
 
 
@@ -499,6 +504,13 @@ SKIPS: tuple[Rule, ...] = (
         "the fp32 draws compare GDN models",
     ),
     Rule(
+        "megatron_fsdp_expert_mesh_with_cp_strided_over_dp",
+        lambda d: d.megatron_fsdp and d.ep > 1 and d.order == "tp-dp-cp-ep-pp",
+        "megatron-core 0.19.2's megatron-fsdp asserts at wrapping that its expert device mesh matches the expert "
+        "data-parallel group (mcore_fsdp_adapter._check_mesh_ranks_and_group_ranks_are_consistent), which it does "
+        "not when CP ranks are strided over DP (order tp-dp-cp-ep-pp) with EP > 1; Megatron's default order runs",
+    ),
+    Rule(
         "qk_layernorm_in_the_local_hybrid_spec",
         lambda d: d.scenario.model == "hybrid" and d.scenario.qk_layernorm,
         "Megatron's local hybrid stack spec (get_hybrid_stack_modelopt_spec, the CPU spec) has no q/k layernorm "
@@ -549,6 +561,8 @@ EXPECTED_VALUES: dict[str, set] = {
     "sequence_parallel_with": {"checkpoint_plus_plus", "thd", "window", "sinks", "mamba", "gdn", "moe", "pipeline"}
     | {f"mla_{ring}" for ring in MLA_RINGS},
     "moe_with_tensor_parallelism": {True},
+    "ep": {1, 2},
+    "expert_parallelism_with_tensor_parallelism": {True},
     "normalization": set(NORMALIZATIONS),
     "norm_route": {"torch", "apex", "te"},
     "pp": {1, 2},
@@ -596,6 +610,8 @@ def axis_values(draw: Draw) -> dict[str, set]:
         "sequence_parallel_model": {s.model} if draw.sequence_parallel else set(),
         "sequence_parallel_with": sequence_parallel_with(draw),
         "moe_with_tensor_parallelism": {s.moe and draw.tp > 1},
+        "ep": {draw.ep},
+        "expert_parallelism_with_tensor_parallelism": {draw.ep > 1 and draw.tp > 1},
         "normalization": {s.normalization},
         "norm_route": {norm_route(draw)},
         "pp": {draw.pp},

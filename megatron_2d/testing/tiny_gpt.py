@@ -175,9 +175,23 @@ def local_spec_with_core_attention(core_attention: Any | None = None, **spec_kwa
     return spec
 
 
+_LOCAL_EXPERT = re.compile(r"(.*\.experts)\.local_experts\.(\d+)\.(.*)")
+
+
+def _global_expert(model: torch.nn.Module, name: str) -> str:
+    """``name`` with a local expert's index made global under expert parallelism (EP rank x local experts + i)."""
+    match = _LOCAL_EXPERT.match(name)
+    if match is None or parallel_state.get_expert_model_parallel_world_size() == 1:
+        return name
+    experts, index, rest = match.groups()
+    first = parallel_state.get_expert_model_parallel_rank() * model.get_submodule(experts).num_local_experts
+    return f"{experts}.local_experts.{first + int(index)}.{rest}"
+
+
 def canonical_name(model: torch.nn.Module, name: str) -> str:
-    """The name parameter ``name`` of ``model`` (one pipeline stage or virtual chunk) has in the PP=1 model: its
-    decoder layer index made global (``decoder.layers.<layer_number - 1>``)."""
+    """The name parameter ``name`` of ``model`` (one pipeline stage or virtual chunk) has in the PP=1, EP=1 model:
+    its decoder layer index made global (``decoder.layers.<layer_number - 1>``), and its expert index."""
+    name = _global_expert(model, name)
     match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
     if not match:
         return name
@@ -371,6 +385,20 @@ def full_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
             shape[param.partition_dim] *= tp
         out[name] = tuple(shape)
     return out
+
+
+def merge_over_expert_parallel(local: dict[str, Any]) -> dict[str, Any]:
+    """The union of every expert-parallel rank's ``local`` dict (collective over the EP group): each holds its own
+    experts."""
+    size = parallel_state.get_expert_model_parallel_world_size()
+    if size == 1:
+        return local
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, local, group=parallel_state.get_expert_model_parallel_group())
+    merged: dict[str, Any] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
 
 
 def merge_over_pipeline(local: dict[str, Any]) -> dict[str, Any]:
@@ -599,6 +627,7 @@ __all__ = [
     "init_parallel",
     "local_spec_with_core_attention",
     "make_transformer_config",
+    "merge_over_expert_parallel",
     "merge_over_pipeline",
     "max_relative_error",
     "megatron_grad_norm",
