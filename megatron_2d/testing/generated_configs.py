@@ -511,6 +511,14 @@ SKIPS: tuple[Rule, ...] = (
         "not when CP ranks are strided over DP (order tp-dp-cp-ep-pp) with EP > 1; Megatron's default order runs",
     ),
     Rule(
+        "partial_distributed_optimizer_with_experts_and_cp_strided_over_dp",
+        lambda d: d.zero_states == "optimizer" and d.ep > 1 and d.order == "tp-dp-cp-ep-pp",
+        "megatron-core 0.19.2 computes rank-dependent gradient norms with num_distributed_optimizer_instances > 1, "
+        "EP > 1 and CP ranks strided over DP (order tp-dp-cp-ep-pp, not a Megatron-LM flag): draw 5009:0 logged "
+        "1.0206 and 1.0195 against the reference's 1.0353 at iteration 1, and trains exactly with Megatron's default "
+        "order, with the unpartitioned distributed optimizer, or at EP 1 (an upstream defect, not a CPU limit)",
+    ),
+    Rule(
         "qk_layernorm_in_the_local_hybrid_spec",
         lambda d: d.scenario.model == "hybrid" and d.scenario.qk_layernorm,
         "Megatron's local hybrid stack spec (get_hybrid_stack_modelopt_spec, the CPU spec) has no q/k layernorm "
