@@ -433,8 +433,8 @@ def test_sequence_packing_with_sft_is_refused(parse):
         gpt_config_from_args_2d(args)
 
 
-def launch_flags(mode):
-    """The flags examples/launch/torchrun_gpt.sh passes for MODE (sourced from gpt_flags.sh)."""
+def launch_flags(mode, tp=1):
+    """The flags examples/launch/torchrun_gpt.sh passes for MODE and TP (sourced from gpt_flags.sh)."""
     import subprocess
 
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "launch" / "gpt_flags.sh"
@@ -445,7 +445,7 @@ def launch_flags(mode):
             f'source "{script}" && printf "%s\\n" "${{MODEL_FLAGS[@]}}" '
             f'"${{TRAIN_FLAGS[@]}}" "${{PARALLEL_FLAGS[@]}}" "${{CP_FLAGS[@]}}"',
         ],
-        env={"MODE": mode, "CP": "8", "HP": "2", "WINDOW": "2", "PATH": "/usr/bin:/bin"},
+        env={"MODE": mode, "CP": "8", "HP": "2", "WINDOW": "2", "TP": str(tp), "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         check=True,
@@ -474,3 +474,22 @@ def test_launch_script_flags_build_a_valid_config(monkeypatch, mode, comm_type):
         unset_global_variables()
     assert t.cp_comm_type == comm_type and t.context_parallel_size == 8 and t.num_query_groups == 8
     assert (t.cp_2d_head_parallel_size, t.cp_2d_inner_ring_size) == ((2, 2) if mode == "2d" else (None, None))
+
+
+def test_launch_script_turns_sequence_parallelism_on_with_tp(monkeypatch):
+    """With TP > 1 the launch flags add --sequence-parallel, as Megatron-Bridge's and NeMo's recipes do, and the
+    config takes it (TP 2 x 2D CP 8 on 16 ranks); at TP 1 they do not."""
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    for key, value in (("WORLD_SIZE", "16"), ("RANK", "0"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")):
+        monkeypatch.setenv(key, value)
+    assert "--sequence-parallel" not in launch_flags("2d") and "--sequence-parallel" in launch_flags("2d", tp=2)
+    cpu_only = ["--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_2d.py", *launch_flags("2d", tp=2), *cpu_only])
+    try:
+        args = megatron_arguments.parse_and_validate_args(extra_args_provider=add_2d_arguments)
+        t = gpt_config_from_args_2d(args).transformer
+    finally:
+        from megatron.training.global_vars import unset_global_variables
+
+        unset_global_variables()
+    assert t.sequence_parallel and t.tensor_model_parallel_size == 2 and t.cp_2d_head_parallel_size == 2

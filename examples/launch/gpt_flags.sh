@@ -20,6 +20,8 @@ TRAIN_FLAGS=(
   --log-interval 1 --eval-iters 0 --log-throughput --timing-log-level 1
 )
 PARALLEL_FLAGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --context-parallel-size "$CP")
+# with TP, sequence parallelism, as Megatron-Bridge's and NeMo's recipes run it (the 2d backend is the same under it)
+if [ "$TP" -gt 1 ]; then PARALLEL_FLAGS+=(--sequence-parallel); fi
 case "$MODE" in
   p2p)     CP_FLAGS=(--cp-comm-type p2p) ;;
   a2a)     CP_FLAGS=(--cp-comm-type a2a) ;;

@@ -92,6 +92,15 @@ def documents_layout_problem(config) -> str | None:
             f"Megatron's pipeline schedule sends fixed [seq_length / CP] activations between stages; use "
             f"cp_2d_packing='zigzag' (--sft batches, Megatron's per-document split) with pipeline parallelism"
         )
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if getattr(config, "sequence_parallel", False) and tp > 1:
+        return (
+            f"cp_2d_packing='documents' (--cp-2d-packing documents) with --sequence-parallel at "
+            f"tensor_model_parallel_size {tp}: the documents layout gives each CP rank as many slots as the batch "
+            f"needs, not a multiple of TP, and sequence parallelism splits every rank's tokens over TP (Megatron's "
+            f"padding rule: the packed length divisible by TP x 2 x CP); use cp_2d_packing='zigzag' (--sft "
+            f"batches padded by that rule) with sequence parallelism"
+        )
     return None
 
 

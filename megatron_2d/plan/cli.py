@@ -156,6 +156,11 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
     j.add_argument("--dp", type=int, help="data-parallel size (default: what is left after --cp, or 1)")
     j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    j.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="TP without Megatron's --sequence-parallel (the activation model assumes it on by default)",
+    )
     j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     j.add_argument(
         "--hybrid-pattern",
@@ -303,7 +308,13 @@ def _specs(args):
     if changes:
         cluster = cluster.with_(name=f"{cluster.name}(custom)", **changes)
     parallel = ParallelSpec(
-        gpus=args.gpus, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, micro_batch=args.micro_batch
+        gpus=args.gpus,
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        sequence_parallel=not args.no_sequence_parallel,
     )
     return model, cluster, parallel
 

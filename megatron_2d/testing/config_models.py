@@ -11,7 +11,7 @@ import torch
 
 from . import ddp_harness as mcpu
 from . import tiny_gpt as tg
-from .generated_configs import Draw, Scenario
+from .generated_configs import Draw, Scenario, norm_route
 
 VOCAB = 128
 HIDDEN = 64
@@ -56,6 +56,12 @@ def megatron_flags(draw: Draw) -> list[str]:
         *("--tensor-model-parallel-size", str(draw.tp), "--pipeline-model-parallel-size", str(draw.pp)),
         *("--context-parallel-size", str(draw.context_parallel_size), "--calculate-per-token-loss"),
     ]
+    if draw.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if draw.ep > 1:
+        flags += ["--expert-model-parallel-size", str(draw.ep)]
+    if s.normalization != "LayerNorm":
+        flags += ["--normalization", s.normalization]
     if s.query_groups != s.heads and s.model != "mla":
         flags += ["--group-query-attention", "--num-query-groups", str(s.query_groups)]
     if draw.context_parallel_size > 1:
@@ -123,6 +129,8 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
     dtype = DTYPES[s.dtype]
     fields: dict[str, Any] = dict(
         calculate_per_token_loss=True,
+        sequence_parallel=draw.sequence_parallel,
+        normalization=s.normalization,
         softmax_type=s.softmax_type,
         qk_layernorm=s.qk_layernorm,
         params_dtype=dtype,
@@ -144,7 +152,7 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
         # top-2 of 2 experts: no routing decision that rounding could flip; no biases (megatron-core 0.19.2 allows
         # MoE biases only without expert tensor parallelism)
         fields.update(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0)
-        fields.update(moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+        fields.update(moe_token_dispatcher_type="alltoall", add_bias_linear=False, expert_model_parallel_size=draw.ep)
     if s.model == "hybrid":
         fields.update(SSM_SIZES, **ssm_sizes(s))
     config_class: type
@@ -202,16 +210,23 @@ def megatron_attention_is_the_reference(draw: Draw) -> bool:
     return s.data == "sbhd" and s.model != "mla" and not (s.softmax_type == "learnable" and draw.tp > 1)
 
 
+def _norms(draw: Draw, spec):
+    """``spec`` with Transformer Engine's norms where the draw's norm route is "te" (:func:`norm_route`)."""
+    from .sp_norms import with_te_norms
+
+    return with_te_norms(spec) if norm_route(draw) == "te" else spec
+
+
 def _gpt_spec(draw: Draw, config, vp_stage):
     from ..megatron.spec import get_gpt_layer_spec_2d, layer_specs_of, megatron_gpt_spec
     from .reference_core_attention import ReferenceCoreAttention
 
     if draw.context_parallel_size > 1:
-        return get_gpt_layer_spec_2d(config, vp_stage, use_transformer_engine=False)
+        return _norms(draw, get_gpt_layer_spec_2d(config, vp_stage, use_transformer_engine=False))
     spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine=False)
     if not megatron_attention_is_the_reference(draw):
         _swap_core_attention(layer_specs_of(spec), ReferenceCoreAttention)
-    return spec
+    return _norms(draw, spec)
 
 
 def _hybrid_spec(draw: Draw):
@@ -219,11 +234,11 @@ def _hybrid_spec(draw: Draw):
     from .reference_core_attention import ReferenceCoreAttention
 
     if draw.context_parallel_size > 1:
-        return get_hybrid_stack_spec_2d(use_transformer_engine=False)
+        return _norms(draw, get_hybrid_stack_spec_2d(use_transformer_engine=False))
     spec = megatron_hybrid_stack_spec(use_transformer_engine=False)
     if not megatron_attention_is_the_reference(draw):
         _swap_core_attention([getattr(spec.submodules, ATTENTION_SLOT)], ReferenceCoreAttention)
-    return spec
+    return _norms(draw, spec)
 
 
 def build_chunks(draw: Draw, cfg: tg.TinyGPTConfig) -> list[torch.nn.Module]:

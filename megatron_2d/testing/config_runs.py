@@ -39,7 +39,15 @@ from .config_models import (
     tiny_config,
 )
 from .distributed import RankFailure, run_on_ranks
-from .generated_configs import ITERATIONS, Draw, expected_refusals, perturbed_twin_of, reference_of, skip_reason
+from .generated_configs import (
+    ITERATIONS,
+    Draw,
+    expected_refusals,
+    norm_route,
+    perturbed_twin_of,
+    reference_of,
+    skip_reason,
+)
 from .reference import TOLERANCES
 
 
@@ -69,6 +77,7 @@ def _setup(draw: Draw, launch_args):
         virtual_pipeline_model_parallel_size=draw.vpp,
         order=draw.order,
         seed=draw.scenario.seed,
+        expert_model_parallel_size=draw.ep,
         **hz.initialize_model_parallel_kwargs(draw.dp, CP),
     )
     cfg = tiny_config(draw)
@@ -87,7 +96,7 @@ def _setup(draw: Draw, launch_args):
     wrapped = mcpu.wrap_chunks(chunks, distributed_data_parallel_config(hz, draw.dp, CP, **ddp_extra(draw, hz)))
     dtype = DTYPES[draw.scenario.dtype]
     config = optimizer_config(hz, draw.dp, CP, **OPTIMIZER, bf16=dtype == torch.bfloat16, params_dtype=dtype)
-    return wrapped, mcpu.build_optimizer(wrapped, config), tg.merge_over_pipeline(shapes)
+    return wrapped, mcpu.build_optimizer(wrapped, config), tg.merge_over_expert_parallel(tg.merge_over_pipeline(shapes))
 
 
 def _perturb(chunks: list[torch.nn.Module], seed: int) -> None:
@@ -255,11 +264,19 @@ def compare(draw: Draw, got: list[RankResult], expected: RankResult, twin: RankR
 
 def run_configuration(draw: Draw, references: dict | None = None, timeout_s: float = 240) -> Outcome:
     """Run ``draw`` and compare it with its reference (computed once per reference draw, kept in
-    ``references``)."""
-    start = time.perf_counter()
+    ``references``); the ranks are forked inside the draw's norm route (:func:`generated_configs.norm_route`), which
+    its reference shares."""
     skip = skip_reason(draw)
     if skip is not None:
         return Outcome(draw, "skipped", f"{skip.name}: {skip.message}")
+    from .sp_norms import norm_route as norms
+
+    with norms(norm_route(draw)):
+        return _run_and_compare(draw, references, timeout_s)
+
+
+def _run_and_compare(draw: Draw, references: dict | None, timeout_s: float) -> Outcome:
+    start = time.perf_counter()
     refusals = expected_refusals(draw)
     try:
         got = _launch(draw, timeout_s)

@@ -184,14 +184,18 @@ def full_gradients(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]
     and ``optimizer.step()``, e.g. as :func:`schedule_step`'s ``before_step``), by canonical name, gathered to its
     full shape: over the shard group (distributed optimizer: each bucket's reduce-scattered shards; megatron-fsdp:
     each grad buffer's shards), over TP and over the pipeline stages. Collective over the world."""
-    from megatron_2d.testing.tiny_gpt import gather_over_tensor_parallel, merge_over_pipeline
+    from megatron_2d.testing.tiny_gpt import (
+        gather_over_tensor_parallel,
+        merge_over_expert_parallel,
+        merge_over_pipeline,
+    )
 
     local: dict[str, torch.Tensor] = {}
     for wrapped in chunks:
         with megatron_ddp_on_cpu():
             grads = _fsdp_gradients(wrapped) if wrapped.ddp_config.use_megatron_fsdp else _ddp_gradients(wrapped)
         local.update(gather_over_tensor_parallel(grads))
-    return merge_over_pipeline(local)
+    return merge_over_expert_parallel(merge_over_pipeline(local))
 
 
 def unwrapped(wrapped: torch.nn.Module) -> torch.nn.Module:

@@ -37,13 +37,14 @@ import ast
 import collections
 import concurrent.futures
 import enum
+import functools
 import importlib
 import os
 import pathlib
 import subprocess
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -326,12 +327,17 @@ def _bwd(abi: ExtensionABI, thd_stats: str, *args):
 
 
 def cpu_extension(
-    abi: ExtensionABI, enums: dict[str, list[str]], others: Sequence[str] = (), thd_stats: str = "packed"
+    abi: ExtensionABI,
+    enums: dict[str, list[str]],
+    others: Sequence[str] = (),
+    thd_stats: str = "packed",
+    kernels: dict[str, Callable] | None = None,
 ) -> types.ModuleType:
     """A ``transformer_engine_torch`` module of one ABI: ``enums`` as pybind-like enums, ``others`` as names that
-    are not emulated (:func:`_not_emulated`), ``fused_attn_fwd`` / ``fused_attn_bwd`` on CPU; ``module.calls``
-    counts the calls. ``thd_stats``: "packed" or "padded" (see the module). To its callers it is compiled code:
-    Python's torch function and dispatch modes do not see inside."""
+    are not emulated (:func:`_not_emulated`), ``fused_attn_fwd`` / ``fused_attn_bwd`` on CPU, and ``kernels``
+    ({name: CPU function}, e.g. the norms of :mod:`.sp_norms`); ``module.calls`` counts the calls. ``thd_stats``:
+    "packed" or "padded" (see the module). To its callers it is compiled code: Python's torch function and dispatch
+    modes do not see inside."""
     if thd_stats not in ("packed", "padded"):
         raise ValueError(f"thd_stats must be 'packed' or 'padded', got {thd_stats!r}")
     module = types.ModuleType("transformer_engine_torch")
@@ -341,12 +347,16 @@ def cpu_extension(
         setattr(module, name, _enum(name, members))
     for name in others:
         setattr(module, name, _not_emulated(name))
-    for name, impl in (("fused_attn_fwd", _fwd), ("fused_attn_bwd", _bwd)):
+    impls = {
+        "fused_attn_fwd": functools.partial(_fwd, abi, thd_stats),
+        "fused_attn_bwd": functools.partial(_bwd, abi, thd_stats),
+    }
+    for name, impl in {**impls, **(kernels or {})}.items():
 
         def call(*args, _impl=impl, _name=name):
             module.calls[_name] += 1
             with torch._C.DisableTorchFunction(), _disable_current_modes():
-                return _impl(abi, thd_stats, *args)
+                return _impl(*args)
 
         call.__name__ = call.__qualname__ = name
         setattr(module, name, call)
@@ -375,10 +385,12 @@ def _drop_modules() -> None:
         del sys.modules[name]
 
 
-def load_release(version: str, thd_stats: str = "packed") -> types.ModuleType:
-    """Import TE ``version`` (installed by :func:`install`) over the CPU extension of its ABI; returns its
-    ``transformer_engine.pytorch.cpp_extensions.fused_attn``. Replaces any TE already imported in this process,
-    so call it once per process (forked ranks)."""
+def load_release(
+    version: str, thd_stats: str = "packed", kernels: dict[str, Callable] | None = None
+) -> types.ModuleType:
+    """Import TE ``version`` (installed by :func:`install`) over the CPU extension of its ABI (with ``kernels``, see
+    :func:`cpu_extension`); returns its ``transformer_engine.pytorch.cpp_extensions.fused_attn``. Replaces any TE
+    already imported in this process, so call it once per process (forked ranks)."""
     if not is_installed(version):
         raise FileNotFoundError(
             f"Transformer Engine {version} is not installed under {releases_dir()}; run "
@@ -387,7 +399,7 @@ def load_release(version: str, thd_stats: str = "packed") -> types.ModuleType:
     _drop_modules()
     root = release_path(version)
     enums, others = referenced_names(root / "transformer_engine")
-    sys.modules["transformer_engine_torch"] = cpu_extension(abi_of(version), enums, others, thd_stats)
+    sys.modules["transformer_engine_torch"] = cpu_extension(abi_of(version), enums, others, thd_stats, kernels)
     paths = [str(root), str(releases_dir() / DEPENDENCIES_DIR)]
     sys.path[:0] = paths
     building = os.environ.get("NVTE_PROJECT_BUILDING")
