@@ -37,9 +37,11 @@ from . import netns
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """Signals that, in the owning process, tear the cluster down before the process ends."""
-TBF_LATENCY_S = 0.1
-"""The longest a packet may wait in a link's shaper: its queue holds rate x this (at least MIN_QUEUE_BYTES)."""
-MIN_QUEUE_BYTES = 256 << 10
+QUEUE_BYTES = 16 << 20
+"""What a shaper may hold before it drops: large, so that nothing is dropped. GPU fabrics are lossless (NVLink,
+InfiniBand credits, RoCE with PFC) and a host's NIC queue pushes back instead of dropping; with a queue of
+100 ms of rate, four ranks' flows converging on one port dropped packets, and each drop cost a TCP retransmission
+timeout (>= 200 ms): an 8-rank all-to-all took 2-7x its time at the rate."""
 MAX_NODE_MBIT = 2000.0
 """Above about 2 Gbit/s per node the links are bound by the CPU (the copies through veth and bridges), not by
 the shaper: measured 10-18 Gbit/s unshaped and noisy on this machine kind (the shared notes)."""
@@ -123,9 +125,7 @@ class ClusterShape:
 
 def tbf(rate_mbit: float, burst_kib: int) -> str:
     """A tbf root qdisc's parameters at ``rate_mbit``."""
-    rate_bytes = rate_mbit * 1e6 / 8
-    limit = max(int(rate_bytes * TBF_LATENCY_S), MIN_QUEUE_BYTES) + (burst_kib << 10)
-    return f"root tbf rate {int(rate_mbit * 1e6)}bit burst {burst_kib << 10} limit {limit}"
+    return f"root tbf rate {int(rate_mbit * 1e6)}bit burst {burst_kib << 10} limit {QUEUE_BYTES}"
 
 
 _SERIALS = iter(range(1 << 30))
@@ -249,6 +249,13 @@ class EmulatedCluster:
         netns.delete_owned(self.owner)
         self.built = False
         _restore_handlers()
+
+    def sent_bytes(self, rank: int) -> dict[str, int]:
+        """Bytes rank ``rank`` has sent so far on each of its links: {"nic": ..., "nvl": ...} (interface counters)."""
+        import json
+
+        links = json.loads(netns.run(["ip", "-n", self.rank_namespace(rank), "-s", "-j", "link", "show"]))
+        return {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in links if link["ifname"] in ("nic", "nvl")}
 
     def enter_rank(self, rank: int) -> None:
         """In a forked rank, before any socket: join rank ``rank``'s namespace and make gloo use its NIC."""
