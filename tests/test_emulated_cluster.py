@@ -118,7 +118,10 @@ def test_shared_nics_shape_their_uplinks():
 def _build_then(action: str, ready_fd: int) -> None:
     """In a forked child: build a cluster, report its tag, then die by ``action`` (never returns)."""
     try:
-        with EmulatedCluster(SHAPE) as cluster:
+        with EmulatedCluster(SHAPE, keep=action == "keep") as cluster:
+            if action == "keep":
+                os.write(ready_fd, cluster.owner.tag.encode())
+                sys.exit(0)  # atexit runs: a kept cluster stays
             os.write(ready_fd, cluster.owner.tag.encode())
             if action == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -149,6 +152,20 @@ def test_sigterm_tears_down():
     os.kill(pid, signal.SIGTERM)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM  # SystemExit from the handler
+    assert [n for n in netns.own_namespaces() if n.startswith(tag + "-")] == []
+
+
+@needs_namespaces
+@pytest.mark.distributed
+def test_kept_cluster_outlives_its_run_and_sweeps():
+    pid, tag = _child_cluster("keep")
+    os.waitpid(pid, 0)
+    try:
+        assert len([n for n in netns.own_namespaces() if n.startswith(tag + "-")]) == 5 and "k" in tag.split("x")[1]
+        netns.sweep_stale()  # a sweep spares what was kept
+        assert len([n for n in netns.own_namespaces() if n.startswith(tag + "-")]) == 5
+    finally:
+        netns.sweep_stale(include_kept=True)  # what `tools/emulated_cluster.py down` does
     assert [n for n in netns.own_namespaces() if n.startswith(tag + "-")] == []
 
 

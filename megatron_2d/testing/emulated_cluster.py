@@ -174,7 +174,7 @@ def _restore_handlers() -> None:
 @atexit.register
 def _tear_down_at_exit() -> None:
     for cluster in list(_LIVE):
-        if cluster.owner.pid == os.getpid():
+        if cluster.owner.pid == os.getpid() and not cluster.keep:
             cluster.tear_down()
 
 
