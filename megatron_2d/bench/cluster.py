@@ -49,6 +49,7 @@ from ..plan.kernel_rates import SELECTED_KERNEL
 from ..plan.link_classes import LinkClass
 from ..testing.distributed import run_on_ranks
 from ..testing.emulated_cluster import ClusterShape, EmulatedCluster
+from .harness import measure_copy_bandwidth
 
 GPU_PRESETS: dict[str, ClusterSpec] = {
     "dgx-h100": get_cluster("8xH100"),
@@ -389,8 +390,6 @@ def bench_cluster(args, world: int, dtype: torch.dtype) -> Iterator[BenchCluster
     problem = namespaces_problem()
     if problem:
         raise SystemExit(f"the emulated cluster cannot be built here: {problem}")
-    from .calibration import measure_copy_bandwidth
-
     job = Job.of(args)
     print(f"measuring the CPU kernel's rate with {world} ranks at once ...", file=sys.stderr)
     cpu_flops = measure_kernel_rate(job, world, dtype)

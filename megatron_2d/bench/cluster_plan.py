@@ -2,7 +2,7 @@
 bench_compare, the rows it predicts within 25%, and the measured time of the 2D layout it recommends.
 
 The planner's cluster is the emulated one as measured (:func:`megatron_2d.bench.cluster.emulated_cluster_spec`);
-its model is the benchmark's attention shape as one layer (:func:`megatron_2d.bench.calibration.bench_model`).
+its model is the benchmark's attention shape as one layer (:func:`megatron_2d.bench.harness.bench_model`).
 Rows and the planner's kinds:
 
     2D hp x cp  w  placement     2d (hp, cp, w, placement)
@@ -23,6 +23,7 @@ import statistics
 
 from ..plan import ParallelSpec, Scheme, evaluate
 from .cli import render_table
+from .harness import bench_model
 from .runners import OURS, RING_FLASH, USP
 
 WITHIN = 0.25
@@ -53,8 +54,6 @@ def scheme_of(row, args) -> Scheme | None:
 
 def planner_rows(report, args, spec) -> list[dict[str, object]]:
     """One record per timed row: measured and predicted seconds, the prediction's parts."""
-    from .calibration import bench_model  # calibration runs bench_compare: imported where used
-
     model = bench_model(vars(args))
     parallel = ParallelSpec(gpus=args.ranks, cp=args.ranks, micro_batch=args.batch)
     out = []
