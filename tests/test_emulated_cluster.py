@@ -1,7 +1,8 @@
 """The emulated multi-node cluster (megatron_2d.testing.emulated_cluster): built and torn down with nothing left,
-also after SIGTERM and SIGKILL; a 2D attention step on ranks in separate namespaces, exact against the reference,
-whose bytes cross the shaped links; Megatron-LM's pretrain_gpt.py launched by examples/launch/slurm_gpt.sbatch, one
-torchrun per node (examples/launch/torchrun_gpt.sh), its loss against CP = 1.
+also after SIGTERM and SIGKILL; a 2D attention step and a stock CP step (Transformer Engine's own, issue 40's
+TE-on-CPU path) on ranks in separate namespaces, exact against the reference, the 2D one's bytes crossing the
+shaped links; Megatron-LM's pretrain_gpt.py launched by examples/launch/slurm_gpt.sbatch, one torchrun per node
+(examples/launch/torchrun_gpt.sh), its loss against CP = 1.
 
 No timing is asserted. Where namespaces cannot be made (not root, no iproute2) the tests that need them skip with
 the reason; the shape's and the refusal's checks run everywhere.
@@ -227,6 +228,44 @@ def test_2d_step_across_namespaces_is_exact():
     for r in range(SHAPE.world):  # every rank sent K/V over both tiers (rings and all-to-alls of every layout)
         sent = {link: after[r][link] - before[r][link] for link in ("nic", "nvl")}
         assert sent["nic"] > 100_000 and sent["nvl"] > 100_000, (r, sent)
+
+
+# -- stock Megatron CP (Transformer Engine's context_parallel.py) across namespaces ------------------------------
+
+TE_RELEASE = "2.20.2"
+
+
+def _stock_steps(rank, world, cases):
+    from megatron_2d.testing.stock_cp import StockCPGroups, run_case
+    from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+
+    with te_context_parallel_on_cpu(TE_RELEASE) as te:  # entered by the parent before the fork: reused
+        groups = StockCPGroups(world, cases)
+        return [run_case(te, case, groups) for case in cases]
+
+
+@needs_namespaces
+@pytest.mark.distributed
+def test_stock_cp_step_across_namespaces_is_exact():
+    """Transformer Engine's own p2p ring and a2a+p2p [2, 2] (a2a inside a node, the ring across nodes) on the 2 x 2
+    cluster, forward and backward, against the fp64 reference within TE's own bounds (StockCPTolerance)."""
+    from megatron_2d.testing.cluster_launch import run_on_cluster
+    from megatron_2d.testing.stock_cp import StockCPCase
+    from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+
+    common = dict(cp=4, causal=True, qkv_format="sbhd", dtype=torch.bfloat16, batch=1, heads=4, groups=2)
+    cases = [
+        StockCPCase(comm="p2p", a2a=1, head_dim=32, value_dim=32, chunk=8, **common),
+        StockCPCase(comm="a2a+p2p", a2a=2, head_dim=32, value_dim=32, chunk=8, seed=1, **common),
+    ]
+    with te_context_parallel_on_cpu(TE_RELEASE), EmulatedCluster(SHAPE) as cluster:
+        results = run_on_cluster(cluster, _stock_steps, cases, timeout_s=120)
+    bound = TOLERANCES[torch.bfloat16].stock_cp
+    for rank, per_case in enumerate(results):
+        for case, result in zip(cases, per_case):
+            assert "refused" not in result, (case.name, result)
+            bad = {k: e for k, e in result["errors"].items() if not e <= bound.of(k)}
+            assert not bad, (rank, case.name, bad)
 
 
 # -- pretrain_gpt.py, one torchrun per node -----------------------------------------------------------------------
