@@ -101,7 +101,10 @@ class Job:
         """From a benchmark's flags: --seq (bench_packed: --tokens), --batch (1), --heads, --kv-heads (= heads)."""
         seq = getattr(args, "seq", None) or args.tokens
         heads = args.heads
-        return cls(seq, getattr(args, "batch", 1), heads, getattr(args, "kv_heads", None) or heads, args.dim)
+        kv_heads = getattr(args, "kv_heads", None) or heads
+        if heads % kv_heads:
+            raise SystemExit(f"--kv-heads {kv_heads} must divide --heads {heads}")
+        return cls(seq, getattr(args, "batch", 1), heads, kv_heads, args.dim)
 
 
 def _kernel_seconds(rank, world, args, dtype, repeats):
