@@ -22,7 +22,7 @@ import torch
 
 import megatron_2d
 from megatron_2d.testing import netns
-from megatron_2d.testing.emulated_cluster import ClusterShape, ClusterShapeError, EmulatedCluster
+from megatron_2d.testing.emulated_cluster import ClusterShape, ClusterShapeError, EmulatedCluster, _tear_down_at_exit
 from megatron_2d.testing.reference import TOLERANCE, TOLERANCES, reference_attention, rel_err
 
 PROBLEM = netns.namespaces_problem()
@@ -122,7 +122,8 @@ def _build_then(action: str, ready_fd: int) -> None:
         with EmulatedCluster(SHAPE, keep=action == "keep") as cluster:
             if action == "keep":
                 os.write(ready_fd, cluster.owner.tag.encode())
-                sys.exit(0)  # atexit runs: a kept cluster stays
+                _tear_down_at_exit()  # what the interpreter's exit runs (os._exit below skips it): kept stays
+                os._exit(0)
             os.write(ready_fd, cluster.owner.tag.encode())
             if action == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -173,13 +174,15 @@ def test_kept_cluster_outlives_its_run_and_sweeps():
 @needs_namespaces
 @pytest.mark.distributed
 def test_killed_run_is_swept():
-    pid, tag = _child_cluster("sigkill")
-    os.waitpid(pid, 0)
-    left = sorted(n for n in netns.own_namespaces() if n.startswith(tag + "-"))
-    assert len(left) == 5  # SIGKILL leaves them
-    with EmulatedCluster(SHAPE) as cluster:  # the next build sweeps what dead owners left, and only that
-        assert [n for n in netns.own_namespaces() if n.startswith(tag + "-")] == []
-        assert len(_namespaces_of(cluster.owner)) == 5
+    with EmulatedCluster(SHAPE) as running:  # a live owner's cluster: never swept
+        pid, tag = _child_cluster("sigkill")
+        os.waitpid(pid, 0)
+        left = sorted(n for n in netns.own_namespaces() if n.startswith(tag + "-"))
+        assert len(left) == 5  # SIGKILL leaves them
+        with EmulatedCluster(SHAPE) as cluster:  # the next build sweeps what dead owners left, and only that
+            assert [n for n in netns.own_namespaces() if n.startswith(tag + "-")] == []
+            assert len(_namespaces_of(cluster.owner)) == 5
+            assert sorted(_namespaces_of(running.owner)) == sorted(running.namespaces())
 
 
 # -- a 2D step across namespaces ----------------------------------------------------------------------------------
