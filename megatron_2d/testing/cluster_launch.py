@@ -41,6 +41,8 @@ from .cluster_worker import CLUSTER_ENV, NODES_ENV, RANK_FLAGS_ENV
 from .distributed import DEFAULT_TIMEOUT_S, run_on_ranks
 from .emulated_cluster import EmulatedCluster
 
+MASTER_PORT = "6000"
+"""As slurm_gpt.sbatch sets it: each node's namespace has its own ports, so it is free in every cluster."""
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN_GPT = os.path.join(REPO_ROOT, "examples", "launch", "torchrun_gpt.sh")
 SLURM_GPT = os.path.join(REPO_ROOT, "examples", "launch", "slurm_gpt.sbatch")
@@ -197,10 +199,6 @@ def check_runs(runs: Sequence[NodeRun], what: str, tail: int = 3000) -> None:
         raise LaunchFailure(f"{what} failed on nodes {[r.node for r in bad]}:\n{shown}")
 
 
-def _port() -> str:
-    return "6000"  # as slurm_gpt.sbatch: every node's namespace is its own, so the port is always free
-
-
 def run_torchrun_gpt(
     cluster: EmulatedCluster,
     mode_env: Mapping[str, str],
@@ -219,7 +217,7 @@ def run_torchrun_gpt(
                 "NNODES": str(cluster.shape.nodes),
                 "NODE_RANK": str(node),
                 "MASTER_ADDR": cluster.address(0, 0),
-                "MASTER_PORT": _port(),
+                "MASTER_PORT": MASTER_PORT,
             }
 
         return _run_nodes(
