@@ -49,6 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 import megatron_2d
+from megatron_2d.bench.cluster import add_cluster_arguments, bench_cluster
 from megatron_2d.bench.runners import count_ring_comm_sends
 from megatron_2d.layout.band import SlidingWindow
 from megatron_2d.layout.choices import PACKING_MODES
@@ -155,9 +156,9 @@ def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCos
         recv = torch.empty_like(send)
 
         def step():
-            ops = [
-                dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
+            ops = [  # the receive first, as the op's ring steps post them
                 dist.P2POp(dist.irecv, recv, ranks[(me - 1) % len(ranks)], groups.context_kv_group),
+                dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
             ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -480,6 +481,7 @@ def main(argv: list[str] | None = None) -> None:
         default=os.path.join(os.path.expanduser("~"), ".cache", "megatron_2d_bench"),
         help="directory for the fp64 references (reused across rank counts; '' = none)",
     )
+    add_cluster_arguments(parser)
     parser.add_argument(
         "--layout-build",
         type=int,
@@ -511,7 +513,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[one sequence] reference in {time.perf_counter() - t0:.1f} s", flush=True)
     ring_flash, why = (None, "--no-ring-flash") if args.no_ring_flash else load_ring_flash()
     t0 = time.perf_counter()
-    results = run_on_ranks(args.ranks, bench_rank, args, cases, seq_case, ring_flash, timeout_s=args.timeout)
+    with bench_cluster(args, args.ranks, torch.float32) as cluster:
+        setup = cluster.rank_setup if cluster else None
+        results = run_on_ranks(
+            args.ranks, bench_rank, args, cases, seq_case, ring_flash, timeout_s=args.timeout, rank_setup=setup
+        )
     print(f"ranks done in {time.perf_counter() - t0:.1f} s", flush=True)
     print_tables(args, cases, results, why)
 
