@@ -37,6 +37,7 @@ from ..layout.hybrid_layers import (
     mamba_num_heads,
 )
 from ..packing.modes import PackingMode, megatron_split_mode, mode_class
+from .dynamic import dynamic_config_problems, is_dynamic
 from .fields import fields_2d
 from .settings import layer_comm_types, uses_2d
 
@@ -70,10 +71,71 @@ def check_launch_args(args) -> None:
         ready_spec_pipeline_problem,
         documents_layout_problem,
     )
-    problems = [check(args) for check in checks] + megatron_composition_problems(args)
+    problems = dynamic_launch_problems(args) + [check(args) for check in checks] + megatron_composition_problems(args)
     for problem in problems:
         if problem:
             raise ValueError(problem)
+
+
+def dynamic_launch_problems(args) -> list[str]:
+    """What a ``--hybrid-context-parallel`` launch with the 2d backend cannot run (``args``: megatron.training's
+    parsed arguments), each naming the flags and what would work: the model settings of
+    :func:`.dynamic.dynamic_config_problems`, then what only the command line knows. Empty without hybrid CP."""
+    if not is_dynamic(args):
+        return []
+    problems = dynamic_config_problems(args)
+    if not hasattr(args, "cp_2d_dynamic_layouts"):
+        problems.append(
+            "--hybrid-context-parallel through pretrain_gpt.py without the 2d flags (the --spec route): "
+            "megatron-core 0.19.2 hands pretrain_gpt.py's get_batch its hybrid sub-samples without the batch "
+            "dimension and cu_seqlens it reads (an IndexError on the first step); run the patched pretrain_gpt.py "
+            "or examples/pretrain_gpt_2d.py, whose forward step adds them (megatron_2d.megatron.dynamic_data)"
+        )
+    if getattr(args, "dataloader_type", "single") != "single":
+        problems.append(
+            f"--hybrid-context-parallel needs --dataloader-type single (megatron-core 0.19.2's hybrid sampler), "
+            f"not {args.dataloader_type!r}"
+        )
+    if getattr(args, "rerun_mode", "disabled") != "disabled":
+        problems.append(
+            f"--hybrid-context-parallel with --rerun-mode {args.rerun_mode}: megatron-core 0.19.2's train() wraps "
+            f"the hybrid data iterator in a plain iter(), and the rerun state machine then asserts 'data iterator "
+            f"is not wrapped with RerunDataIterator' before iteration 1 (fixed after 0.19 by Megatron-LM #6822); "
+            f"add --rerun-mode disabled"
+        )
+    if not getattr(args, "sft", False):
+        masking = getattr(args, "dataloader_inter_document_masking", False)
+        problems.append(
+            "--hybrid-context-parallel needs packed samples that say where each sequence ends (cu_seqlens): "
+            "Megatron's hybrid data wrapper unpacks them into their sequences; "
+            + (
+                "--dataloader-inter-document-masking without --sft makes megatron-core 0.19.2 split each sequence "
+                "over the static CP group, not its hybrid one; use --sft"
+                if masking
+                else "use --sft (SFTDataset's packed conversations)"
+            )
+        )
+    if getattr(args, "eval_iters", 0) and getattr(args, "eval_interval", None):
+        problems.append(
+            f"--eval-iters {args.eval_iters} with --hybrid-context-parallel: megatron-core 0.19.2 evaluates through "
+            f"the hybrid schedule with an unwrapped validation iterator (it reads a raw batch as scheduled "
+            f"sub-samples); add --eval-iters 0"
+        )
+    others = sorted({t for t in layer_comm_types(args.cp_comm_type) if t != "2d"}, key=str)
+    if others:
+        problems.append(
+            f"--cp-comm-type {' '.join(map(str, layer_comm_types(args.cp_comm_type)))} mixes the 2d backend with "
+            f"{others} under --hybrid-context-parallel; give every layer 2d"
+        )
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    ssm = sorted(set(decoder_layers(pattern)) & SSM_SYMBOLS) if pattern else []
+    if ssm:
+        problems.append(
+            f"--hybrid-layer-pattern {pattern!r} with --hybrid-context-parallel: its {', '.join(ssm)} layers run "
+            f"Megatron's context parallelism over the static CP group, not each micro-batch's hybrid group; use "
+            f"attention and MLP layers only ('*', '-', 'E')"
+        )
+    return problems
 
 
 def documents_layout_problem(config) -> str | None:
@@ -219,6 +281,10 @@ def packing_mode(config) -> str:
     configured one ("zigzag": Megatron's per-document split, --sft). ``config``: a TransformerConfig (the launch is
     the current one, if any) or megatron.training's args (the launch itself)."""
     chosen = chosen_mode(config)
+    if is_dynamic(config) and chosen.megatron_split is not None:
+        # hybrid CP: Megatron splits each sub-sample over its own group per sequence (get_batch_on_this_cp_rank's
+        # hybrid branch); the documents layout is refused with hybrid CP
+        return megatron_split_mode("per-sequence").name
     if chosen.megatron_split is None:
         return chosen.name
     launch = config if hasattr(config, "dataloader_inter_document_masking") else current_launch_args()

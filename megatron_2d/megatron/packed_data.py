@@ -115,22 +115,27 @@ def documents_batch_on_this_cp_rank(
     return out, params
 
 
-def layout_params(layout: PackedSharding, device: torch.device) -> PackedSeqParams2D:
+def layout_params(
+    layout: PackedSharding, device: torch.device, rope_place: tuple[int, int] | None = None
+) -> PackedSeqParams2D:
     """PackedSeqParams2D of a batch laid out by ``layout`` (carried, for CoreAttention2D): Megatron's THD RoPE sees
     one sequence of CP * t_local tokens, and ``rope_positions`` puts each local token's position in its document
-    where that RoPE reads this rank's rows (:func:`_rope_table`); index tensors copied pinned and non-blocking."""
+    where that RoPE reads this rank's rows (:func:`_rope_table`); index tensors copied pinned and non-blocking.
+    ``rope_place``: (size, rank) of the CP group Megatron's RoPE splits by, when it is not the layout's (hybrid
+    CP: RoPE reads the static CP group, the layout is the micro-batch's own group)."""
     cp_size, t_local = layout.groups.layout.cp_size, layout.local_tokens
-    rope_cu = to_device(np.array([0, cp_size * t_local], dtype=np.int32), device)
+    rope_size, rope_rank = (cp_size, layout.groups.place.cp_index) if rope_place is None else rope_place
+    rope_cu = to_device(np.array([0, rope_size * t_local], dtype=np.int32), device)
     cu = to_device(layout.cu_seqlens.astype(np.int32), device)
-    table = _rope_table(layout.position_ids(), cp_size, layout.groups.place.cp_index)
+    table = _rope_table(layout.position_ids(), rope_size, rope_rank)
     return PackedSeqParams2D(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
         cu_seqlens_q_padded=rope_cu,
         cu_seqlens_kv_padded=rope_cu,
-        max_seqlen_q=cp_size * t_local,
-        max_seqlen_kv=cp_size * t_local,
+        max_seqlen_q=rope_size * t_local,
+        max_seqlen_kv=rope_size * t_local,
         layout=layout,
         rope_positions=to_device(table, device),
     )

@@ -1,0 +1,233 @@
+"""Megatron's hybrid (dynamic) context parallelism on forked CPU ranks, against the same training at CP = 1.
+
+Test support (never imported by the library). Inside ``run_on_ranks`` every rank:
+
+    samples = packed_samples(lengths, seed)                 # SFTDataset-like packed samples of this global batch
+    ref = reference_step(cfg, samples)                      # CP = 1: every sequence, Megatron's own local attention
+    got = hybrid_step(cfg, samples, dp=2, cp=2, max_seqlen_per_rank=8, layouts="4=2x2")
+    compare_results(got, ref)                               # loss, grad norm, every gradient
+
+:func:`hybrid_step` runs Megatron's own machinery: ``initialize_model_parallel(hybrid_context_parallel=True)``,
+``HybridCPDataLoaderWrapper`` (it gathers the sequence lengths over DP, schedules them with
+``BalancedCPScheduler`` and reroutes the sequences with ``all_to_all_single``), ``get_forward_backward_func()``
+(which runs ``hybrid_context_parallel_forward_backward``: ranks run different numbers of sequences, one group of
+CP groups at a time), pretrain_gpt.py's batch path (:func:`megatron_2d.megatron.dynamic_data.hybrid_sample_batch`,
+``flatten_batch_for_packed_sequences``, ``get_batch_on_this_cp_rank(is_hybrid_cp=True)``, its PackedSeqParams) and
+pretrain_gpt.py's loss (sum over tokens, count). Gradients are summed over the DP x CP group and divided by the
+global token count, as Megatron's DDP does with ``--calculate-per-token-loss``. It also returns which CP group
+size each sequence ran on (from the sub-samples this rank received), so a test can check that the lengths land in
+the sizes it means.
+
+:func:`reference_step` is the CP = 1 training of the same sequences on one rank, each one its own sbhd batch through
+megatron-core's local GPT spec (its DotProductAttention): the same loss (sum over every loss token / their count)
+and gradients, computed without anything this project wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_2d.megatron.config import TransformerConfig2D
+from megatron_2d.megatron.dynamic_data import hybrid_sample_batch
+from megatron_2d.testing.megatron_cpu import cuda_to_cpu
+from megatron_2d.testing.tiny_gpt import (
+    TinyGPTConfig,
+    build_tiny_gpt,
+    full_gradients,
+    init_parallel,
+    make_transformer_config,
+    megatron_grad_norm,
+)
+
+Sample = dict[str, torch.Tensor]
+
+
+def packed_samples(
+    lengths: list[list[int]], vocab: int, seed: int = 0, masked_prompt: int = 2
+) -> list[Sample]:
+    """One packed sample per entry of ``lengths`` (its sequences' lengths), as SFTDataset gives them: tokens,
+    labels, loss_mask (each sequence's first ``masked_prompt`` tokens masked, as a prompt), position_ids
+    restarting at each sequence, ``cu_seqlens`` padded to the sample's length + 1 with its last entry (so that
+    samples collate), ``max_seqlen``. Deterministic in ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for doc_lengths in lengths:
+        total = sum(doc_lengths)
+        stream = torch.randint(0, vocab, (total + 1,), generator=gen)
+        mask = torch.ones(total)
+        positions = torch.cat([torch.arange(n) for n in doc_lengths])
+        cu = np.concatenate([[0], np.cumsum(doc_lengths)])
+        for start, n in zip(cu[:-1], doc_lengths):
+            mask[start : start + min(masked_prompt, n - 1)] = 0.0
+        cu_padded = torch.full((total + 1,), total, dtype=torch.int32)
+        cu_padded[: len(cu)] = torch.from_numpy(cu).to(torch.int32)
+        samples.append(
+            {
+                "tokens": stream[:-1].clone(),
+                "labels": stream[1:].clone(),
+                "loss_mask": mask,
+                "position_ids": positions,
+                "cu_seqlens": cu_padded,
+                "max_seqlen": torch.tensor(max(doc_lengths), dtype=torch.int32),
+            }
+        )
+    return samples
+
+
+def _sequences(samples: list[Sample]) -> list[Sample]:
+    """Every sequence of ``samples``, each as its own 1-D sub-sample (what Megatron's unpack_batch cuts)."""
+    out = []
+    for sample in samples:
+        cu = sample["cu_seqlens"].tolist()
+        for start, end in zip(cu[:-1], cu[1:]):
+            if end > start:
+                out.append({k: sample[k][start:end] for k in ("tokens", "labels", "loss_mask", "position_ids")})
+    return out
+
+
+def reference_step(cfg: TinyGPTConfig, samples: list[Sample]) -> dict[str, Any]:
+    """The CP = 1 training step of every sequence of ``samples`` on this rank alone (module docstring): ``loss``,
+    ``grad_norm``, ``grads`` (by canonical name)."""
+    init_parallel(context_parallel_size=1, seed=cfg.seed)
+    model = build_tiny_gpt(cfg)
+    sequences = _sequences(samples)
+    total = sum(float(s["loss_mask"].sum()) for s in sequences)
+    loss = torch.zeros(())
+    for s in sequences:
+        per_token = model(
+            input_ids=s["tokens"].unsqueeze(0),
+            position_ids=s["position_ids"].unsqueeze(0),
+            attention_mask=None,
+            labels=s["labels"].unsqueeze(0),
+        )
+        part = (per_token.float() * s["loss_mask"].unsqueeze(0)).sum()
+        (part / total).backward()
+        loss = loss + part.detach()
+    return {"loss": loss / total, "grads": full_gradients(model), "grad_norm": megatron_grad_norm(model)}
+
+
+def dynamic_config(cfg: TinyGPTConfig, max_seqlen_per_rank: int, layouts: str | None) -> TinyGPTConfig:
+    """``cfg`` for the 2d backend under hybrid CP: TransformerConfig2D with hybrid_context_parallel,
+    max_seqlen_per_dp_cp_rank, per-token loss, no RoPE fusion, and ``layouts`` (cp_2d_dynamic_layouts)."""
+    overrides = dict(
+        cfg.config_overrides,
+        hybrid_context_parallel=True,
+        max_seqlen_per_dp_cp_rank=max_seqlen_per_rank,
+        calculate_per_token_loss=True,
+        apply_rope_fusion=False,
+        cp_2d_dynamic_layouts=layouts,
+    )
+    return replace(cfg, cp_comm_type="2d", config_class=TransformerConfig2D, config_overrides=overrides)
+
+
+def _loss_func(loss_mask, per_token):
+    """pretrain_gpt.py's loss: (sum over this rank's tokens, their count, report)."""
+    loss = (per_token.view(-1).float() * loss_mask.view(-1).float()).sum()
+    tokens = loss_mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.detach().clone().view(1), tokens.view(1).float()])}
+
+
+def _forward_step(seen: list, data_iterator, model):
+    """pretrain_gpt.py's forward_step on a hybrid sub-sample: the bridge, Megatron's flatten and hybrid CP split,
+    its PackedSeqParams; records the sub-sample's (length, CP size)."""
+    from megatron.core.utils import flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank
+
+    raw = next(data_iterator)
+    batch = flatten_batch_for_packed_sequences(hybrid_sample_batch(raw))
+    seen.append((int(raw["tokens"].shape[0]), int(batch["local_cp_size"][0])))
+    batch = get_batch_on_this_cp_rank(
+        batch,
+        is_hybrid_cp=True,
+        cp_group=parallel_state.get_context_parallel_group(),
+        hybrid_cp_group_func=parallel_state.get_hybrid_data_context_parallel_groups,
+    )
+    cu = batch["cu_seqlens"].squeeze(0)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=int(batch["max_seqlen"].item()),
+        max_seqlen_kv=int(batch["max_seqlen"].item()),
+        local_cp_size=int(batch["local_cp_size"].item()),
+        cp_group=batch.get("hybrid_cp_group"),
+    )
+    out = model(
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        packed_seq_params=params,
+    )
+    return out, partial(_loss_func, batch["loss_mask"])
+
+
+def _dp_share(samples: list[Sample], dp: int) -> list[Sample]:
+    """This rank's data-parallel share of the global batch (samples dealt round-robin over the DP ranks)."""
+    return samples[parallel_state.get_data_parallel_rank() :: dp]
+
+
+def hybrid_step(
+    cfg: TinyGPTConfig,
+    samples: list[Sample],
+    context_parallel_size: int,
+    max_seqlen_per_rank: int,
+    layouts: str | None = None,
+    tensor_model_parallel_size: int = 1,
+) -> dict[str, Any]:
+    """One training step of ``samples`` under Megatron's hybrid CP with the 2d backend on this world (DP = world /
+    (TP x CP)): ``loss``, ``grad_norm``, ``grads`` like :func:`reference_step`, plus ``sizes``: every
+    (sequence length, CP group size) the DP x CP ranks ran, gathered."""
+    from megatron.core.datasets.data_schedule import HybridCPDataLoaderWrapper
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_2d.megatron.spec import get_gpt_layer_spec_2d
+
+    init_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        seed=cfg.seed,
+        hybrid_context_parallel=True,
+    )
+    dyn = dynamic_config(cfg, max_seqlen_per_rank, layouts)
+    config = make_transformer_config(dyn)
+    model = build_tiny_gpt(dyn, get_gpt_layer_spec_2d(config, use_transformer_engine=False), config)
+    dp = parallel_state.get_data_parallel_world_size()
+    mine = _dp_share(samples, dp)
+    seen: list[tuple[int, int]] = []
+    model.zero_grad(set_to_none=True)
+    with cuda_to_cpu():
+        wrapper = HybridCPDataLoaderWrapper(iter([mine]), config)
+        reports = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, seen),
+            data_iterator=iter(wrapper),
+            model=[model],
+            num_microbatches=len(mine),
+            seq_length=cfg.seq_length,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    total = torch.tensor(float(sum(float(s["loss_mask"].sum()) for s in samples)))
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+            param.grad /= total
+    local = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
+    dist.all_reduce(local, group=group)
+    sizes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, seen if parallel_state.get_tensor_model_parallel_rank() == 0 else [], group=group)
+    return {
+        "loss": local[0] / total,
+        "grads": full_gradients(model),
+        "grad_norm": megatron_grad_norm(model),
+        "sizes": sorted(x for part in sizes for x in part),
+    }
