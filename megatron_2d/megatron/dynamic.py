@@ -326,4 +326,3 @@ def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | Non
     from .per_sequence import sequence_params
 
     return sequence_params(params, groups, device, rope_group=rope_group)
-

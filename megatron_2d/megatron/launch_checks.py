@@ -121,6 +121,15 @@ def dynamic_launch_problems(args) -> list[str]:
             f"the hybrid schedule with an unwrapped validation iterator (it reads a raw batch as scheduled "
             f"sub-samples); add --eval-iters 0"
         )
+    longest, seq = getattr(args, "max_seqlen_per_dp_cp_rank", None), getattr(args, "seq_length", None)
+    ranks = (getattr(args, "data_parallel_size", None) or 1) * (getattr(args, "context_parallel_size", 1) or 1)
+    if longest and seq and seq > ranks * longest:
+        problems.append(
+            f"--seq-length {seq} > DP x CP x --max-seqlen-per-dp-cp-rank = {ranks} x {longest} = {ranks * longest}: "
+            f"a sequence of up to {seq} tokens (SFTDataset's last conversation takes a pack's end padding) would need "
+            f"more ranks than the DP x CP group has, and megatron-core 0.19.2's scheduler stops with an assertion "
+            f"('cannot reditribute'); raise --max-seqlen-per-dp-cp-rank to at least {-(-seq // ranks)}"
+        )
     others = sorted({t for t in layer_comm_types(args.cp_comm_type) if t != "2d"}, key=str)
     if others:
         problems.append(

@@ -231,9 +231,7 @@ def plan_length_mix(
     replicas = dp_cp_size // static_cp
     capacity = static_cp * max_seqlen_per_rank  # SFTDataset pads a pack to its length: the last document absorbs it
     sample_costs = [
-        _step_s(
-            model, cluster, static_layout, tp, capacity, [*s[:-1], capacity - sum(s[:-1])] if len(s) > 1 else None
-        )
+        _step_s(model, cluster, static_layout, tp, capacity, [*s[:-1], capacity - sum(s[:-1])] if len(s) > 1 else None)
         for s in samples
     ]
     static_s = max(_least_loaded([0.0] * replicas, sample_costs))

@@ -50,9 +50,7 @@ from megatron_2d.testing.tiny_gpt import (
 Sample = dict[str, torch.Tensor]
 
 
-def packed_samples(
-    lengths: list[list[int]], vocab: int, seed: int = 0, masked_prompt: int = 2
-) -> list[Sample]:
+def packed_samples(lengths: list[list[int]], vocab: int, seed: int = 0, masked_prompt: int = 2) -> list[Sample]:
     """One packed sample per entry of ``lengths`` (its sequences' lengths), as SFTDataset gives them: tokens,
     labels, loss_mask (each sequence's first ``masked_prompt`` tokens masked, as a prompt), position_ids
     restarting at each sequence, ``cu_seqlens`` padded to the sample's length + 1 with its last entry (so that
