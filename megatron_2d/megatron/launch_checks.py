@@ -37,7 +37,7 @@ from ..layout.hybrid_layers import (
     mamba_num_heads,
 )
 from ..packing.modes import PackingMode, megatron_split_mode, mode_class
-from .dynamic import dynamic_config_problems, is_dynamic
+from .dynamic import dynamic_config_problems, dynamic_layouts, is_dynamic
 from .fields import fields_2d
 from .settings import layer_comm_types, uses_2d
 
@@ -136,6 +136,11 @@ def dynamic_launch_problems(args) -> list[str]:
             f"--cp-comm-type {' '.join(map(str, layer_comm_types(args.cp_comm_type)))} mixes the 2d backend with "
             f"{others} under --hybrid-context-parallel; give every layer 2d"
         )
+    if not problems and longest:  # the per-size layouts against the model's heads and the run's group sizes
+        try:
+            dynamic_layouts(args, ranks)
+        except ValueError as err:
+            problems.append(str(err))
     pattern = getattr(args, "hybrid_layer_pattern", None)
     ssm = sorted(set(decoder_layers(pattern)) & SSM_SYMBOLS) if pattern else []
     if ssm:
