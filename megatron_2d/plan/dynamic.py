@@ -26,7 +26,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..layout.dynamic import hybrid_group_sizes, hybrid_slices, megatron_cp_size
+from ..layout.dynamic import format_dynamic_layouts, hybrid_group_sizes, hybrid_slices, megatron_cp_size
 from ..layout.heads import head_split_problem
 from ..layout.topology import Layout2D, every_layout
 from .candidates import Scheme
@@ -79,12 +79,7 @@ def layout_for_size(
 ) -> tuple[Layout2D, float]:
     """The rule's layout for a group of ``size`` ranks running sequences of up to ``seq`` tokens, and its predicted
     attention time of one layer (forward + backward, seconds). See the module docstring."""
-    candidates = size_candidates(model, size, tp, placement)
-    if not candidates:
-        raise PlanError(
-            f"no 2D layout of a group of {size} ranks splits the {model.heads // tp} query heads per TP rank "
-            f"(head-parallel sizes must divide them)"
-        )
+    candidates = size_candidates(model, size, tp, placement)  # never empty: hp = 1 splits any heads
 
     def key(layout: Layout2D):
         ties = (layout.inner_ring_size != layout.context_size, layout.placement != "head_first")
@@ -131,12 +126,57 @@ class MixPlan:
 
     @property
     def winner(self) -> str:
+        """ "dynamic", "static", or "tie" (within 0.1%)."""
+        if abs(self.dynamic_s - self.static_s) <= 1e-3 * max(self.dynamic_s, self.static_s):
+            return "tie"
         return "dynamic" if self.dynamic_s < self.static_s else "static"
 
     @property
     def speedup(self) -> float:
         """The winner's advantage: the slower time over the faster."""
         return max(self.static_s, self.dynamic_s) / min(self.static_s, self.dynamic_s)
+
+    def flags(self, max_seqlen_per_rank: int) -> str:
+        """The dynamic run's pretrain_gpt.py flags (the layouts pinned, so the run uses what was planned)."""
+        shown = {g: layout for g, layout in self.dynamic_layouts.items() if g > 1}
+        pinned = f" --cp-2d-dynamic-layouts '{format_dynamic_layouts(shown)}'" if shown else ""
+        return (
+            f"--hybrid-context-parallel --max-seqlen-per-dp-cp-rank {max_seqlen_per_rank} --cp-comm-type 2d"
+            f"{pinned} --calculate-per-token-loss --sft --rerun-mode disabled --no-rope-fusion"
+        )
+
+    def describe(self, lengths: Sequence[int], max_seqlen_per_rank: int) -> list[str]:
+        """The plan as lines of text."""
+        srt = sorted(lengths)
+        static = self.static_layout
+        return [
+            f"sequence mix: {len(srt)} sequences, {sum(srt)} tokens, longest {srt[-1]}, median {srt[len(srt) // 2]};"
+            f" max_seqlen_per_dp_cp_rank {max_seqlen_per_rank}",
+            f"static:  CP {self.static_cp} (2d hp {static.head_parallel_size} x cp {static.context_size}, w "
+            f"{static.inner_ring_size}, {static.placement}), {self.static_samples} packed samples of "
+            f"{self.static_cp * max_seqlen_per_rank} tokens: {self.static_s * 1e3:.1f} ms",
+            f"dynamic: sequences per CP group size {self.sequences_by_size}, layouts "
+            f"'{format_dynamic_layouts({g: v for g, v in self.dynamic_layouts.items() if g > 1}) or '-'}': "
+            f"{self.dynamic_s * 1e3:.1f} ms (list scheduling, no barriers between Megatron's rounds: optimistic)",
+            f"static and dynamic tie ({self.speedup:.3f}x)"
+            if self.winner == "tie"
+            else f"{self.winner} wins by {self.speedup:.2f}x",
+            f"flags: {self.flags(max_seqlen_per_rank)}",
+        ]
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready record (times in ms)."""
+        return {
+            "static_ms": round(self.static_s * 1e3, 4),
+            "dynamic_ms": round(self.dynamic_s * 1e3, 4),
+            "winner": self.winner,
+            "speedup": round(self.speedup, 4),
+            "static_cp": self.static_cp,
+            "static_layout": format_dynamic_layouts({self.static_cp: self.static_layout}),
+            "static_samples": self.static_samples,
+            "dynamic_layouts": format_dynamic_layouts({g: v for g, v in self.dynamic_layouts.items() if g > 1}),
+            "sequences_by_size": {str(g): n for g, n in self.sequences_by_size.items()},
+        }
 
 
 def _step_s(
