@@ -24,6 +24,7 @@ collective of the library: the model's 2D groups are built after them, at its co
 
 from __future__ import annotations
 
+import re
 import sys
 
 from ..layout.hybrid_layers import (
@@ -115,11 +116,12 @@ def dynamic_launch_problems(args) -> list[str]:
                 else "use --sft (SFTDataset's packed conversations)"
             )
         )
-    if getattr(args, "eval_iters", 0) and getattr(args, "eval_interval", None):
+    if validates(args):
         problems.append(
-            f"--eval-iters {args.eval_iters} with --hybrid-context-parallel: megatron-core 0.19.2 evaluates through "
-            f"the hybrid schedule with an unwrapped validation iterator (it reads a raw batch as scheduled "
-            f"sub-samples); add --eval-iters 0"
+            f"--eval-iters {args.eval_iters} with validation data (--split {getattr(args, 'split', None)}) and "
+            f"--hybrid-context-parallel: megatron-core 0.19.2 evaluates through the hybrid schedule with an "
+            f"unwrapped validation iterator, which reads a raw batch as scheduled sub-samples (an IndexError in "
+            f"hybrid_cp_schedule.py at the first evaluation); add --eval-iters 0"
         )
     longest, seq = getattr(args, "max_seqlen_per_dp_cp_rank", None), getattr(args, "seq_length", None)
     ranks = (getattr(args, "data_parallel_size", None) or 1) * (getattr(args, "context_parallel_size", 1) or 1)
@@ -150,6 +152,23 @@ def dynamic_launch_problems(args) -> list[str]:
             f"attention and MLP layers only ('*', '-', 'E')"
         )
     return problems
+
+
+def validates(args) -> bool:
+    """Whether a launch evaluates on validation data (megatron.training's do_valid): --eval-iters > 0 with a
+    validation split, a validation path, mock data or --full-validation; True when the split cannot be read."""
+    if not getattr(args, "eval_iters", 0):
+        return False
+    if any(getattr(args, name, None) for name in ("valid_data_path", "mock_data", "full_validation")):
+        return True
+    split = getattr(args, "split", None)
+    if split is None:
+        return getattr(args, "data_path", None) is not None
+    try:
+        weights = [float(part) for part in re.split(r"[,/]", str(split)) if part.strip()]
+    except ValueError:
+        return True
+    return len(weights) > 1 and weights[1] > 0
 
 
 def documents_layout_problem(config) -> str | None:
