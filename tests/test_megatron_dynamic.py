@@ -55,6 +55,7 @@ def run_world(rank, world):
             out[name] = hybrid_step(CFG, samples, cp, LONGEST, layouts)
     if world == 4:
         out["refusals"] = refusals(samples)
+        out["packed micro-batch"] = packed_microbatch(samples)
     return out
 
 
@@ -87,6 +88,16 @@ def refusals(samples):
     found["no collective at g=1"] = one_rank_batch_sends_nothing(model, samples)
     found["bypass"] = bypassing_self_attention(core)
     return found
+
+
+def packed_microbatch(samples):
+    """A micro-batch of two sequences (16 and 12 tokens: 28, a multiple of 2 x 2) on groups of 2, against CP = 1."""
+    from megatron_2d.testing.dynamic_cp import hybrid_model, packed_microbatch_step, packed_samples, reference_step
+
+    sample = packed_samples([[16, 12]], CFG.vocab_size, seed=5)
+    expected = reference_step(CFG, sample)
+    model, _ = hybrid_model(CFG, 1, LONGEST, "2=2x1")
+    return packed_microbatch_step(model, sample[0], 2), expected
 
 
 def one_rank_batch_sends_nothing(model, samples):
@@ -196,3 +207,10 @@ def test_per_call_refusals(results):
     assert found["no collective at g=1"] is None
     assert "reached the 2d core attention without its layout" in found["bypass"]
     assert "SelfAttention2D" in found["bypass"]
+
+
+def test_a_micro_batch_of_several_sequences_runs_the_sequence_layout(results):
+    """Megatron's dev branch packs hybrid micro-batches (several sequences, one group size): the 2d backend runs
+    them in Megatron's per-sequence split (the sequence layout on the group's 2D groups)."""
+    got, expected = results[4]["packed micro-batch"]
+    assert_matches(got, expected)

@@ -292,6 +292,12 @@ class CoreAttention2D(MegatronModule):
                 attention_bias=attention_bias,
                 packed_seq_params=packed_seq_params,
             )
+        sequence_groups = getattr(packed_seq_params, "groups", None)
+        if sequence_groups is not None:  # hybrid CP, one sequence: Megatron's 2 x g zigzag is the sbhd layout
+            q, k, v = (x.unsqueeze(1) for x in (query, key, value))  # [t, h, d] -> [t, b=1, h, d]
+            settings = self._call_settings(q, attn_mask_type, attention_bias, None, groups=sequence_groups)
+            out = self._run(_attention_with_sinks, (q, k, v), settings)
+            return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
         settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
         packed_width = value.shape[-1]
         if settings["packing"] is not None and self.v_channels is not None and packed_width > self.v_channels:
@@ -323,8 +329,10 @@ class CoreAttention2D(MegatronModule):
         attn_mask_type: AttnMaskType | None,
         attention_bias: torch.Tensor | None,
         packed_seq_params,
+        groups=None,
     ) -> dict:
-        """The op's keyword arguments for one call (its PackedSharding under "packing"), after the call's checks."""
+        """The op's keyword arguments for one call (its PackedSharding under "packing"), after the call's checks;
+        ``groups``: the call's 2D groups when not the layer's or the layout's (a hybrid-CP sequence's)."""
         packing = self._packed_sharding(packed_seq_params, query)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the 2d backend")
@@ -335,7 +343,7 @@ class CoreAttention2D(MegatronModule):
                 f"{[m.name for m in SUPPORTED_MASKS]}"
             )
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
-        groups = packing.groups if packing is not None else self.groups
+        groups = groups if groups is not None else packing.groups if packing is not None else self.groups
         if groups is None:
             raise ValueError(self._dynamic_batch_problem(packed_seq_params))
         return dict(

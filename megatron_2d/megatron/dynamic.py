@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..groups import Groups2D, build_groups_for_layout
 from ..layout.dynamic import (
@@ -258,6 +259,13 @@ class DynamicGroups:
             self._checked[id(cp_group)] = size
         return self.groups[size]
 
+    def batch_params(self, params, rope_group: dist.ProcessGroup | None, t_local: int, device) -> PackedSeqParams:
+        """The PackedSeqParams a hybrid-CP micro-batch (``params``: Megatron's, with local_cp_size and cp_group)
+        runs with: :func:`dynamic_params` on its group's 2D groups (:meth:`for_batch`). ``t_local``: this rank's
+        tokens of it; ``rope_group``: the CP group Megatron's THD RoPE splits by."""
+        groups = self.for_batch(params.local_cp_size, params.cp_group)
+        return dynamic_params(params, groups, rope_group, t_local, device)
+
     def static_groups(self, cp_group: dist.ProcessGroup | None) -> Groups2D | None:
         """The groups of the model's static CP group (for a batch without local_cp_size): the slice of its size
         when it is one (Megatron's CP groups are slices of the DP x CP groups in its default rank order), else
@@ -319,10 +327,53 @@ def build_dynamic_groups(layouts: DynamicLayouts, dp_cp_group: dist.ProcessGroup
     return DynamicGroups(layouts, groups, mine)
 
 
-def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | None, device: torch.device):
-    """The PackedSeqParams2D of a hybrid-CP micro-batch (Megatron's per-sequence split over ``groups``' CP group:
-    the sequence layout), with its RoPE table laid out for ``rope_group`` (the static CP group Megatron's THD
-    RoPE reads); cached on ``params`` (one build per micro-batch, the first layer's)."""
+@dataclass
+class SequenceParams2D(PackedSeqParams):
+    """The PackedSeqParams of a hybrid-CP micro-batch that is one sequence (what megatron-core 0.19.2's hybrid
+    schedule gives): ``groups`` are its CP group's 2D groups, on which CoreAttention2D runs it as an unpacked
+    sequence (Megatron's 2 x g zigzag is the sbhd layout: no packed layout to build, no host read); the THD fields
+    and ``rope_positions`` are those Megatron's THD RoPE reads (:func:`dynamic_params`)."""
+
+    groups: Groups2D | None = None
+    rope_positions: torch.Tensor | None = None
+
+
+def zigzag_positions(t_local: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """[t_local] positions of the tokens CP rank ``cp_rank`` of ``cp_size`` holds of one sequence in Megatron's
+    zigzag (chunks r and 2 x CP - 1 - r of t_local / 2 tokens)."""
+    half = t_local // 2
+    chunks = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=device)
+    return (chunks[:, None] * half + torch.arange(half, device=device)).reshape(-1)
+
+
+def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | None, t_local: int, device):
+    """The PackedSeqParams a hybrid-CP micro-batch runs with on ``groups`` (its CP group's), its RoPE table laid out
+    for ``rope_group`` (the static CP group Megatron's THD RoPE splits by); cached on ``params`` (one build per
+    micro-batch, the first layer's). One sequence (cu_seqlens [0, L], as the hybrid schedule gives):
+    :class:`SequenceParams2D`, read off the shapes alone. Several documents: Megatron's per-sequence split over
+    the group, the sequence layout (:func:`megatron_2d.megatron.per_sequence.sequence_params`)."""
+    from .packed_data import _rope_table
     from .per_sequence import sequence_params
 
-    return sequence_params(params, groups, device, rope_group=rope_group)
+    cu = params.cu_seqlens_q
+    padded = params.cu_seqlens_q_padded
+    if cu is None or cu.shape[-1] != 2 or (padded is not None and padded is not cu):
+        return sequence_params(params, groups, device, rope_group=rope_group)
+    cache = params.__dict__.setdefault("_megatron_2d_dynamic", {})
+    key = (groups.layout, groups.place, t_local)
+    if key not in cache:
+        rope_size, rope_rank = (rope_group.size(), rope_group.rank()) if rope_group is not None else (1, 0)
+        positions = zigzag_positions(t_local, groups.layout.cp_size, groups.place.cp_index, device)
+        rope_cu = torch.tensor([0, rope_size * t_local], dtype=torch.int32, device=device)
+        cache[key] = SequenceParams2D(
+            qkv_format="thd",
+            cu_seqlens_q=rope_cu,
+            cu_seqlens_kv=rope_cu,
+            cu_seqlens_q_padded=rope_cu,
+            cu_seqlens_kv_padded=rope_cu,
+            max_seqlen_q=rope_size * t_local,
+            max_seqlen_kv=rope_size * t_local,
+            groups=groups,
+            rope_positions=_rope_table(positions, rope_size, rope_rank),
+        )
+    return cache[key]

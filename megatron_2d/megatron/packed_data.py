@@ -86,7 +86,7 @@ def _rope_table(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Te
     [r * t/2, (r+1) * t/2) then [CP*t - (r+1) * t/2, CP*t - r * t/2) (its zigzag), so they are put there."""
     t = positions.shape[0]
     half = t // 2
-    table = torch.zeros(cp_size * t, dtype=torch.long)
+    table = torch.zeros(cp_size * t, dtype=torch.long, device=positions.device)
     table[cp_rank * half : (cp_rank + 1) * half] = positions[:half]
     table[cp_size * t - (cp_rank + 1) * half : cp_size * t - cp_rank * half] = positions[half:]
     return table

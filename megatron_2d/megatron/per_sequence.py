@@ -55,18 +55,19 @@ class SelfAttention2D(SelfAttention):
         params = kwargs.get("packed_seq_params")
         groups = getattr(self.core_attention, "groups", None)
         dynamic = getattr(self.core_attention, "dynamic", None)
-        rope_group = None
+        derived = None
         if dynamic is not None and params is not None and getattr(params, "local_cp_size", None) is not None:
-            groups = dynamic.for_batch(params.local_cp_size, params.cp_group)  # hybrid CP: this micro-batch's
-            rope_group = self.pg_collection.cp  # Megatron's THD RoPE splits by the static CP group
-        if (
+            # hybrid CP: the micro-batch's own group; Megatron's THD RoPE splits by the static CP group
+            derived = dynamic.batch_params(params, self.pg_collection.cp, hidden_states.shape[0], hidden_states.device)
+        elif (
             params is not None
             and params.qkv_format == "thd"
             and groups is not None
-            and (groups.layout.cp_size > 1 or rope_group is not None)
+            and groups.layout.cp_size > 1
             and getattr(params, "layout", None) is None
         ):
-            derived = sequence_params(params, groups, hidden_states.device, rope_group)
+            derived = sequence_params(params, groups, hidden_states.device)
+        if derived is not None:
             kwargs["packed_seq_params"] = derived
             emb = kwargs.get("rotary_pos_emb")  # [max document length, 1, 1, dim] (or a (q, k) pair)
             if emb is not None:  # -> [CP * t_local, 1, 1, dim] at document positions

@@ -193,20 +193,21 @@ def _step_s(
     return cand.estimate.step_s
 
 
-def _pack(lengths: Sequence[int], capacity: int, size: int) -> list[list[int]]:
-    """First-fit decreasing into samples of ``capacity`` tokens, each document padded to 2 * size (Megatron's THD
-    zigzag: SFTDataset pads every conversation to a multiple of 2 * CP)."""
+def pack_sequences(lengths: Sequence[int], capacity: int, size: int) -> list[list[int]]:
+    """First-fit decreasing into samples of ``capacity`` tokens, each sequence counted padded to 2 * size (Megatron's
+    THD zigzag: SFTDataset pads every conversation to a multiple of 2 * CP); the indices of each sample's
+    sequences, in the order they were placed."""
     samples: list[list[int]] = []
     room: list[int] = []
-    for length in sorted(lengths, reverse=True):
-        padded = _padded(length, size)
-        for i, free in enumerate(room):
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        padded = _padded(lengths[i], size)
+        for k, free in enumerate(room):
             if padded <= free:
-                samples[i].append(padded)
-                room[i] -= padded
+                samples[k].append(i)
+                room[k] -= padded
                 break
         else:
-            samples.append([padded])
+            samples.append([i])
             room.append(capacity - padded)
     return samples
 
@@ -267,7 +268,10 @@ def plan_length_mix(
     # static: CP for the longest, packed samples over DP replicas
     static_cp = next(s for s in sizes if s >= max(need.values()))
     static_layout = rule.get(static_cp, trivial)
-    samples = _pack(lengths, static_cp * max_seqlen_per_rank, static_cp)
+    samples = [
+        [_padded(lengths[i], static_cp) for i in sample]
+        for sample in pack_sequences(lengths, static_cp * max_seqlen_per_rank, static_cp)
+    ]
     replicas = dp_cp_size // static_cp
     capacity = static_cp * max_seqlen_per_rank  # SFTDataset pads a pack to its length: the last document absorbs it
     sample_costs = [
