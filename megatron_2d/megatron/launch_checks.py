@@ -92,7 +92,7 @@ def dynamic_launch_problems(args) -> list[str]:
             "dimension and cu_seqlens it reads (an IndexError on the first step); run the patched pretrain_gpt.py "
             "or examples/pretrain_gpt_2d.py, whose forward step adds them (megatron_2d.megatron.dynamic_data)"
         )
-    if getattr(args, "dataloader_type", "single") != "single":
+    if (getattr(args, "dataloader_type", None) or "single") != "single":  # None: validate_args makes it single
         problems.append(
             f"--hybrid-context-parallel needs --dataloader-type single (megatron-core 0.19.2's hybrid sampler), "
             f"not {args.dataloader_type!r}"

@@ -166,14 +166,37 @@ def _loss_func(loss_mask, per_token):
     return loss, tokens, {"lm loss": torch.cat([loss.detach().clone().view(1), tokens.view(1).float()])}
 
 
-def _forward_step(seen: list, data_iterator, model):
-    """pretrain_gpt.py's forward_step on a hybrid sub-sample: the bridge, Megatron's flatten and hybrid CP split,
-    its PackedSeqParams; records the sub-sample's (length, CP size)."""
-    from megatron.core.utils import flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank
+def hybrid_forward_step(data_iterator, model, seen: list | None = None, loss=None):
+    """pretrain_gpt.py's forward_step on a hybrid sub-sample: the bridge (TP rank 0, which holds the data), Megatron's
+    broadcast over TP, flatten and hybrid CP split, its PackedSeqParams; records the sub-sample's (length, CP size)
+    in ``seen`` (TP rank 0). ``loss(loss_mask, output)``: pretrain_gpt.py's (sum, count, report) by default."""
+    from megatron.core.utils import (
+        flatten_batch_for_packed_sequences,
+        get_batch_on_this_cp_rank,
+        get_batch_on_this_tp_rank,
+    )
 
-    raw = next(data_iterator)
-    batch = flatten_batch_for_packed_sequences(hybrid_sample_batch(raw))
-    seen.append((int(raw["tokens"].shape[0]), int(batch["local_cp_size"][0])))
+    batch = {}
+    if data_iterator is not None:  # TP rank 0: the hybrid schedule gives the others None
+        raw = next(data_iterator)
+        batch = hybrid_sample_batch(raw)
+        batch.setdefault("cu_seqlens_padded", None)  # pretrain_gpt.py's get_batch gives every key it reads
+        if seen is not None:
+            seen.append((int(raw["tokens"].shape[0]), int(batch["local_cp_size"][0])))
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        has_cu_seqlens=True,
+        is_hybrid_cp=True,
+        create_attention_mask_in_dataloader=False,
+        broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
+        broadcast_group=parallel_state.get_tensor_model_parallel_group(),
+        cp_size=parallel_state.get_context_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        micro_batch_size=1,
+        seq_length=0,  # hybrid CP broadcasts each sub-sample's length
+        mtp_on_this_rank=False,
+    )
+    batch = flatten_batch_for_packed_sequences(batch)
     batch = get_batch_on_this_cp_rank(
         batch,
         is_hybrid_cp=True,
@@ -198,7 +221,7 @@ def _forward_step(seen: list, data_iterator, model):
         loss_mask=batch["loss_mask"],
         packed_seq_params=params,
     )
-    return out, partial(_loss_func, batch["loss_mask"])
+    return out, partial(_loss_func if loss is None else loss, batch["loss_mask"])
 
 
 def _dp_share(samples: list[Sample], dp: int) -> list[Sample]:
@@ -231,7 +254,7 @@ def hybrid_train_step(model, config, samples: list[Sample], seen: list | None = 
     with cuda_to_cpu():
         wrapper = HybridCPDataLoaderWrapper(iter([mine]), config)
         reports = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, [] if seen is None else seen),
+            forward_step_func=partial(hybrid_forward_step, seen=seen),
             data_iterator=iter(wrapper),
             model=[model],
             num_microbatches=len(mine),
