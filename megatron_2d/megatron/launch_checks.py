@@ -55,6 +55,9 @@ def check_launch_args(args) -> None:
     if not uses_2d(getattr(args, "cp_comm_type", None)):
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
+    dynamic = dynamic_launch_problems(args)
+    if dynamic:  # first: hybrid CP changes what the checks below would say (its split is per sequence)
+        raise ValueError(dynamic[0])
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:  # pretrain_hybrid.py: Mamba / GDN layers against the CP group, before any model is built
         check_hybrid_layers(args, decoder_layers(pattern))
@@ -72,7 +75,7 @@ def check_launch_args(args) -> None:
         ready_spec_pipeline_problem,
         documents_layout_problem,
     )
-    problems = dynamic_launch_problems(args) + [check(args) for check in checks] + megatron_composition_problems(args)
+    problems = [check(args) for check in checks] + megatron_composition_problems(args)
     for problem in problems:
         if problem:
             raise ValueError(problem)
@@ -124,8 +127,9 @@ def dynamic_launch_problems(args) -> list[str]:
             f"hybrid_cp_schedule.py at the first evaluation); add --eval-iters 0"
         )
     longest, seq = getattr(args, "max_seqlen_per_dp_cp_rank", None), getattr(args, "seq_length", None)
-    ranks = (getattr(args, "data_parallel_size", None) or 1) * (getattr(args, "context_parallel_size", 1) or 1)
-    if longest and seq and seq > ranks * longest:
+    dp = getattr(args, "data_parallel_size", None)  # set by megatron's validate_args (None: parsed only)
+    ranks = dp * (getattr(args, "context_parallel_size", 1) or 1) if dp else None
+    if ranks and longest and seq and seq > ranks * longest:
         problems.append(
             f"--seq-length {seq} > DP x CP x --max-seqlen-per-dp-cp-rank = {ranks} x {longest} = {ranks * longest}: "
             f"a sequence of up to {seq} tokens (SFTDataset's last conversation takes a pack's end padding) would need "
@@ -138,7 +142,7 @@ def dynamic_launch_problems(args) -> list[str]:
             f"--cp-comm-type {' '.join(map(str, layer_comm_types(args.cp_comm_type)))} mixes the 2d backend with "
             f"{others} under --hybrid-context-parallel; give every layer 2d"
         )
-    if not problems and longest:  # the per-size layouts against the model's heads and the run's group sizes
+    if not problems and longest and ranks:  # the per-size layouts against the heads and the run's group sizes
         try:
             dynamic_layouts(args, ranks)
         except ValueError as err:
