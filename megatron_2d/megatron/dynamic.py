@@ -352,7 +352,7 @@ def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | Non
     micro-batch, the first layer's). One sequence (cu_seqlens [0, L], as the hybrid schedule gives):
     :class:`SequenceParams2D`, read off the shapes alone. Several documents: Megatron's per-sequence split over
     the group, the sequence layout (:func:`megatron_2d.megatron.per_sequence.sequence_params`)."""
-    from .packed_data import _rope_table
+    from .packed_data import rope_table
     from .per_sequence import sequence_params
 
     cu = params.cu_seqlens_q
@@ -374,6 +374,6 @@ def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | Non
             max_seqlen_q=rope_size * t_local,
             max_seqlen_kv=rope_size * t_local,
             groups=groups,
-            rope_positions=_rope_table(positions, rope_size, rope_rank),
+            rope_positions=rope_table(positions, rope_size, rope_rank),
         )
     return cache[key]

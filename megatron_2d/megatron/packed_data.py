@@ -80,7 +80,7 @@ class PackedSeqParams2D(PackedSeqParams):
     rope_positions: torch.Tensor | None = None
 
 
-def _rope_table(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def rope_table(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """[CP * t_local] positions such that Megatron's THD RoPE, given one sequence of CP * t_local tokens and a
     frequency table of that length, reads ``positions`` [t_local] for this rank: it takes rows
     [r * t/2, (r+1) * t/2) then [CP*t - (r+1) * t/2, CP*t - r * t/2) (its zigzag), so they are put there."""
@@ -120,14 +120,14 @@ def layout_params(
 ) -> PackedSeqParams2D:
     """PackedSeqParams2D of a batch laid out by ``layout`` (carried, for CoreAttention2D): Megatron's THD RoPE sees
     one sequence of CP * t_local tokens, and ``rope_positions`` puts each local token's position in its document
-    where that RoPE reads this rank's rows (:func:`_rope_table`); index tensors copied pinned and non-blocking.
+    where that RoPE reads this rank's rows (:func:`rope_table`); index tensors copied pinned and non-blocking.
     ``rope_place``: (size, rank) of the CP group Megatron's RoPE splits by, when it is not the layout's (hybrid
     CP: RoPE reads the static CP group, the layout is the micro-batch's own group)."""
     cp_size, t_local = layout.groups.layout.cp_size, layout.local_tokens
     rope_size, rope_rank = (cp_size, layout.groups.place.cp_index) if rope_place is None else rope_place
     rope_cu = to_device(np.array([0, rope_size * t_local], dtype=np.int32), device)
     cu = to_device(layout.cu_seqlens.astype(np.int32), device)
-    table = _rope_table(layout.position_ids(), rope_size, rope_rank)
+    table = rope_table(layout.position_ids(), rope_size, rope_rank)
     return PackedSeqParams2D(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -167,7 +167,7 @@ class DocumentRotaryEmbedding(torch.nn.Module):
 
     GPTModel asks ``get_rotary_seq_len(..., packed_seq_params)`` and then calls the module for the table; with
     ``rope_positions`` present the table is the base embedding at those positions (laid out as
-    :func:`_rope_table` says), otherwise the base module answers unchanged. The positions are kept between
+    :func:`rope_table` says), otherwise the base module answers unchanged. The positions are kept between
     the two calls of one forward only."""
 
     def __init__(self, base: torch.nn.Module, config) -> None:
