@@ -86,7 +86,7 @@ def refusals(samples):
         except ValueError as err:
             found[what] = str(err)
     found["no collective at g=1"] = one_rank_batch_sends_nothing(model, samples)
-    found["bypass"] = bypassing_self_attention(core)
+    found.update(bypassing_self_attention(core))
     return found
 
 
@@ -158,19 +158,31 @@ def one_rank_batch_sends_nothing(model, samples):
 
 
 def bypassing_self_attention(core):
-    """A hybrid micro-batch handed to the core attention directly (not through SelfAttention2D): the error."""
+    """What the core attention says of batches that did not come through SelfAttention2D under hybrid CP: a hybrid
+    micro-batch (refused), a THD batch without its group (refused), an sbhd batch at the static CP size 1 (runs:
+    the static groups are the one-rank slice)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4, local_cp_size=1
-    )
-    q = torch.zeros(4, 8, 8)
-    try:
-        core(q, q[:, :2], q[:, :2], None, packed_seq_params=params)
-    except ValueError as err:
-        return str(err)
-    return None
+    found = {}
+    for name, local_cp_size in (("bypass", 1), ("no group", None)):
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=4,
+            max_seqlen_kv=4,
+            local_cp_size=local_cp_size,
+        )
+        q = torch.zeros(4, 8, 8)
+        try:
+            core(q, q[:, :2], q[:, :2], None, packed_seq_params=params)
+            found[name] = None
+        except ValueError as err:
+            found[name] = str(err)
+    q = torch.randn(4, 1, 8, 8)
+    found["sbhd shape"] = tuple(core(q, q[:, :, :2], q[:, :, :2], None).shape)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +219,8 @@ def test_per_call_refusals(results):
     assert found["no collective at g=1"] is None
     assert "reached the 2d core attention without its layout" in found["bypass"]
     assert "SelfAttention2D" in found["bypass"]
+    assert "every micro-batch brings its CP group" in found["no group"]
+    assert found["sbhd shape"] == (4, 1, 64)
 
 
 def test_a_micro_batch_of_several_sequences_runs_the_sequence_layout(results):

@@ -21,6 +21,9 @@ model's construction has built its groups, a layer asking for others is refused 
 ranks without that layer behind). Nothing is built in forward, nor by the launch checks: on the patched routes those
 run before torch.distributed is initialized, and the groups belong to the model's config, which they do not see.
 
+Hybrid (dynamic) CP (:mod:`.dynamic`): the same registry builds, at the same moment, the 2D groups of every CP group
+size and slice of the DP x CP groups (:meth:`GroupRegistry.build_dynamic`), one set per (DP x CP group, layouts).
+
 Ownership: a :class:`GroupRegistry` holds the groups one model builds, one set per (CP group, settings). It lives
 on the model's TransformerConfig (``group_registry(config)``), so the layers of one model share their groups and
 their byte counter, and two models built from two configs get their own groups and counters even when their
