@@ -126,7 +126,7 @@ def one_ring_layouts(ranks: int) -> str:
 
 
 def build_row(row: str, job: Job, ranks: int):
-    """(step function, its loss reader) of one row on this rank; parallel state and model built here."""
+    """One row's training step on this rank (it returns the loss reports); parallel state and model built here."""
     from ..layout.topology import Layout2D
     from ..megatron.dynamic import RULE_CLUSTER, rule_model
     from ..plan.dynamic import layout_for_size
