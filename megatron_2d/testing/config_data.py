@@ -186,3 +186,30 @@ def forward_step(draw: Draw, data_iterator, model):
         packed_seq_params=params,
     )
     return output, functools.partial(mcpu.per_token_loss, local["loss_mask"])
+
+
+# ---- hybrid (dynamic) CP: Megatron's data wrapper unpacks the packed sequences ---------------------------------------
+def dynamic_samples(draw: Draw, iteration: int) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's packed sequences of one iteration as SFTDataset gives them to Megatron's hybrid data wrapper
+    (1-D tensors, cu_seqlens of the real documents, max_seqlen); the CP = 1 reference packs the same documents."""
+    from megatron.core import parallel_state
+
+    s, share = draw.scenario, draw.scenario_batches
+    dp_rank = parallel_state.get_data_parallel_rank()
+    out = []
+    for sequence in range(dp_rank * share, (dp_rank + 1) * share):
+        docs = documents(s, iteration, sequence)
+        lengths = [d["tokens"].shape[0] for d in docs]
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+        cat = {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
+        cat["position_ids"] = _positions(cat, cu)["position_ids"][0]
+        out.append({**cat, "cu_seqlens": cu, "max_seqlen": torch.tensor(max(lengths), dtype=torch.int32)})
+    return out
+
+
+def dynamic_forward_step(draw: Draw, data_iterator, model):
+    """pretrain_gpt.py's forward step on one of Megatron's hybrid sub-samples (megatron_2d.testing.dynamic_cp), with
+    the runs' per-token loss."""
+    from .dynamic_cp import hybrid_forward_step
+
+    return hybrid_forward_step(data_iterator, model, loss=mcpu.per_token_loss)

@@ -64,7 +64,19 @@ def megatron_flags(draw: Draw) -> list[str]:
         flags += ["--normalization", s.normalization]
     if s.query_groups != s.heads and s.model != "mla":
         flags += ["--group-query-attention", "--num-query-groups", str(s.query_groups)]
-    if draw.context_parallel_size > 1:
+    if draw.dynamic:  # hybrid CP: a layout per group size, no static one
+        flags += [
+            "--cp-comm-type",
+            "2d",
+            "--cp-2d-placement",
+            draw.placement,
+            "--rerun-mode",
+            "disabled",
+            "--no-rope-fusion",
+        ]
+        flags += ["--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", str(draw.max_seqlen_per_rank)]
+        flags += ["--cp-2d-dynamic-layouts", draw.dynamic_layouts] if draw.dynamic_layouts else []
+    elif draw.context_parallel_size > 1:
         flags += ["--cp-comm-type", "2d", "--cp-2d-head-parallel-size", str(draw.hp)]
         flags += ["--cp-2d-inner-ring-size", str(draw.inner_ring_size), "--cp-2d-placement", draw.placement]
         if s.data == "documents":
@@ -168,7 +180,16 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
 
         config_class = TransformerConfig
     cp_comm_type = None
-    if draw.context_parallel_size > 1:
+    if draw.dynamic:  # hybrid CP: each group size's layout (given or the rule's), no static one
+        config_class = MLATransformerConfig2D if s.model == "mla" else TransformerConfig2D
+        cp_comm_type = "2d"
+        fields.update(
+            hybrid_context_parallel=True,
+            max_seqlen_per_dp_cp_rank=draw.max_seqlen_per_rank,
+            cp_2d_dynamic_layouts=draw.dynamic_layouts,
+            cp_2d_placement=draw.placement,
+        )
+    elif draw.context_parallel_size > 1:
         config_class = MLATransformerConfig2D if s.model == "mla" else TransformerConfig2D
         cp_comm_type = "2d"
         fields.update(

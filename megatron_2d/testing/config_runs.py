@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import ddp_harness as mcpu
 from . import tiny_gpt as tg
-from .config_data import forward_step, microbatches
+from .config_data import dynamic_forward_step, dynamic_samples, forward_step, microbatches
 from .config_models import (
     DTYPES,
     OPTIMIZER,
@@ -78,6 +78,7 @@ def _setup(draw: Draw, launch_args):
         order=draw.order,
         seed=draw.scenario.seed,
         expert_model_parallel_size=draw.ep,
+        **({"hybrid_context_parallel": True} if draw.dynamic else {}),
         **hz.initialize_model_parallel_kwargs(draw.dp, CP),
     )
     cfg = tiny_config(draw)
@@ -121,9 +122,17 @@ def train_draw(rank: int, world: int, draw: Draw, launch_args) -> RankResult:
     except ValueError as err:
         return RankResult(refused=str(err))
     result = RankResult(shapes=shapes)
-    step_func = functools.partial(forward_step, draw)
+    step_func = functools.partial(dynamic_forward_step if draw.dynamic else forward_step, draw)
     for iteration in range(ITERATIONS):
-        batches, seq_length = microbatches(draw, iteration)
+        data_iterator = None
+        if draw.dynamic:  # Megatron's hybrid data wrapper over this DP rank's packed sequences
+            from megatron.core.datasets.data_schedule import HybridCPDataLoaderWrapper
+
+            batches = dynamic_samples(draw, iteration)
+            seq_length = max(int(b["cu_seqlens"][-1]) for b in batches)
+            data_iterator = iter(HybridCPDataLoaderWrapper(iter([batches]), mcpu.unwrapped(wrapped[0]).config))
+        else:
+            batches, seq_length = microbatches(draw, iteration)
         grads: dict[str, torch.Tensor] = {}
 
         def keep_gradients(grads=grads):
@@ -137,6 +146,7 @@ def train_draw(rank: int, world: int, draw: Draw, launch_args) -> RankResult:
             seq_length,
             micro_batch_size=draw.micro_batch_size,
             before_step=keep_gradients if iteration == 0 else None,
+            data_iterator=data_iterator,
         )
         totals = torch.zeros(2, dtype=torch.float64)  # (sum of masked per-token loss, loss tokens)
         for report in reports:

@@ -121,19 +121,21 @@ def schedule_step(
     seq_length: int,
     micro_batch_size: int,
     before_step=None,
+    data_iterator=None,
 ) -> tuple[list[dict], float | None]:
     """One Megatron training step: ``microbatches`` (this DP rank's) through ``get_forward_backward_func()`` on the
     wrapped model chunks (each chunk reads its own iterator over them), which calls ``finalize_model_grads``; then
     ``before_step()`` if given (the reduced gradients are in place) and ``optimizer.step()``. Returns the loss
     reports of this rank (the last pipeline stage's; empty elsewhere) and the gradient norm the optimizer reports
-    (None unless ``clip_grad`` > 0), equal on every rank."""
+    (None unless ``clip_grad`` > 0), equal on every rank. ``data_iterator``: one chunk's iterator, in place of one
+    over ``microbatches`` (hybrid CP: Megatron's data wrapper over them)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     with megatron_ddp_on_cpu():
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        iterators = [iter(microbatches) for _ in chunks]
+        iterators = [iter(microbatches) for _ in chunks] if data_iterator is None else [data_iterator]
         reports = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0],

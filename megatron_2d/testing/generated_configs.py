@@ -68,6 +68,10 @@ ITERATIONS = 3
 GLOBAL_BATCH = 4
 """Samples (sbhd) or packed sequences (THD) per iteration, split over DP and micro-batches."""
 DRAWS_PER_SCENARIO = 3
+DYNAMIC_SHARE = 0.35
+"""How often a draw of a packed (--sft, zigzag) scenario trains under Megatron's hybrid (dynamic) CP instead: its
+DP x CP ranks give each document its own CP group (:func:`_with_dynamic_cp`, drawn from a stream of its own, so
+the other draws' choices do not move)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -142,6 +146,14 @@ class Draw:
     reference: bool = False
     perturbed: bool = False  # a reference with every parameter moved by one rounding step (see perturbed_twin_of)
     ep: int = 1  # MoE: expert-parallel size (carved from DP x CP, as Megatron's expert grid does)
+    max_seqlen_per_rank: int | None = None  # hybrid (dynamic) CP's --max-seqlen-per-dp-cp-rank; None: static CP
+    dynamic_layouts: str | None = None  # hybrid CP: --cp-2d-dynamic-layouts (None: every size by the rule)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the draw trains under Megatron's hybrid (dynamic) CP (its static layout is then hp 1 x one ring,
+        unused: every document runs on its own group with that size's layout)."""
+        return self.max_seqlen_per_rank is not None
 
     @property
     def context_parallel_size(self) -> int:
@@ -310,7 +322,7 @@ def draw_config(seed: int, index: int) -> Draw:
     recompute = _choice(rng, RECOMPUTE)
     # MoE: expert parallelism over 2 of the DP x CP ranks, half the time (its own stream: the rest as before)
     ep = 2 if scenario.moe and np.random.default_rng([seed, 3, index]).random() < 0.5 else 1
-    return Draw(
+    draw = Draw(
         scenario=scenario,
         index=index,
         tp=tp,
@@ -334,6 +346,45 @@ def draw_config(seed: int, index: int) -> Draw:
         ),
         mla_ring=_choice(rng, MLA_RINGS) if scenario.model == "mla" else "expanded",
         ep=ep,
+    )
+    return _with_dynamic_cp(draw)
+
+
+def _with_dynamic_cp(draw: Draw) -> Draw:
+    """``draw`` under hybrid (dynamic) CP, for a share :data:`DYNAMIC_SHARE` of the packed scenarios' draws (from
+    the stream [seed, 4, index]): --max-seqlen-per-dp-cp-rank = seq_length / (DP x CP), rounded up, so the documents
+    land in groups of every size; a layout for some of the group sizes (an hp splitting the heads per TP rank, an
+    inner ring size, a placement), the rule for the others."""
+    from ..layout.dynamic import hybrid_group_sizes
+
+    s = draw.scenario
+    rng = np.random.default_rng([s.seed, 4, draw.index])  # its own stream (3 is expert parallelism's)
+    refused_model = s.model == "mla" or _has(draw, "MG")  # refused with hybrid CP: drawn rarely
+    if s.data != "zigzag" or rng.random() >= DYNAMIC_SHARE * (RARE if refused_model else 1.0):
+        return draw
+    ranks = draw.dp * draw.context_parallel_size
+    entries = []
+    for size in hybrid_group_sizes(ranks)[1:]:
+        if rng.random() < 0.4:
+            continue  # the rule's
+        hp = int(_choice(rng, [h for h in divisors(size) if (s.heads // draw.tp) % h == 0]))  # refused: unit tests
+        w = int(_choice(rng, divisors(size // hp)))
+        entries.append(f"{size}={hp}x{size // hp}/{w}@{_choice(rng, PLACEMENTS)}")
+    # megatron-core 0.19.2 refuses hybrid CP with pipelining and megatron-fsdp: kept rarely (the refusals are drawn)
+    staged = {}
+    if draw.pp > 1 and rng.random() >= RARE:
+        staged = dict(pp=1, vpp=None, splits=(0,) if s.model == "hybrid" else ())
+    if draw.megatron_fsdp and rng.random() >= RARE:
+        state = _choice(rng, ("ddp", "distributed_optimizer"))
+        staged.update(state=state, shard_size=None, zero_states=None, wider_optimizer_shard=False)
+    return replace(
+        draw,
+        **staged,
+        hp=1,
+        cp=draw.context_parallel_size,
+        inner_ring_size=draw.context_parallel_size,
+        max_seqlen_per_rank=-(-s.seq_length // ranks),
+        dynamic_layouts=",".join(entries) or None,
     )
 
 
@@ -388,6 +439,8 @@ def reference_of(draw: Draw) -> Draw:
         mla_ring="expanded",
         reference=True,
         ep=1,
+        max_seqlen_per_rank=None,
+        dynamic_layouts=None,
     )
 
 
@@ -485,6 +538,22 @@ REFUSALS: tuple[Rule, ...] = (
         "documents_layout_with_sequence_parallelism",
         lambda d: d.scenario.data == "documents" and d.sequence_parallel,
         "cp_2d_packing='documents' (--cp-2d-packing documents) with --sequence-parallel",
+    ),
+    Rule(
+        "dynamic_cp_with_pipeline",
+        lambda d: d.dynamic and d.pp > 1,
+        "hybrid_context_parallel with pipeline_model_parallel_size",
+    ),
+    Rule("dynamic_cp_with_megatron_fsdp", lambda d: d.dynamic and d.megatron_fsdp, "with megatron-fsdp is refused"),
+    Rule(
+        "dynamic_cp_with_mla",
+        lambda d: d.dynamic and d.scenario.model == "mla",
+        "hybrid_context_parallel with multi-latent attention is refused",
+    ),
+    Rule(
+        "dynamic_cp_with_mamba_or_gdn",
+        lambda d: d.dynamic and _has(d, "MG"),
+        "Megatron's context parallelism over the static CP group, not each micro-batch's hybrid group",
     ),
     Rule(
         "hybrid_zero_wider_optimizer_shard_with_clipping",
@@ -597,6 +666,8 @@ EXPECTED_VALUES: dict[str, set] = {
     "recompute": set(RECOMPUTE),
     "checkpoint_plus_plus_keep": set(CHECKPOINT_PLUS_PLUS_KEEP),
     "dtype": set(DTYPES),
+    "dynamic": {True, False},
+    "dynamic_group_size": {1, 2, 4, 8},
 }
 """Every value each axis must take over enough draws (:func:`missing_corners`); ``hybrid_symbol`` counts each
 symbol of a hybrid pattern on its own."""
@@ -648,6 +719,8 @@ def axis_values(draw: Draw) -> dict[str, set]:
         if draw.recompute == "checkpoint_plus_plus"
         else set(),
         "dtype": {s.dtype},
+        "dynamic": {draw.dynamic},
+        "dynamic_group_size": dynamic_group_sizes(draw),
     }
 
 
@@ -670,6 +743,17 @@ def sequence_parallel_with(draw: Draw) -> set[str]:
         f"mla_{draw.mla_ring}": s.model == "mla",
     }
     return {tag for tag, on in tags.items() if on}
+
+
+def dynamic_group_sizes(draw: Draw) -> set[int]:
+    """The CP group sizes Megatron's hybrid CP gives the draw's documents (empty for a static draw)."""
+    from ..layout.dynamic import hybrid_group_sizes, megatron_cp_size
+
+    if not draw.dynamic:
+        return set()
+    sizes = hybrid_group_sizes(draw.dp * draw.context_parallel_size)
+    needs = {megatron_cp_size(n, draw.max_seqlen_per_rank) for seq in draw.scenario.lengths for n in seq}
+    return {next((g for g in sizes if g >= need), need) for need in needs}
 
 
 def missing_corners(draws: Sequence[Draw]) -> dict[str, set]:
