@@ -53,7 +53,6 @@ BASE = dict(
         (dict(qk_clip=True), r"qk_clip=True: qk-clip needs each layer's max attention logit"),
         (dict(log_max_attention_logit=True), r"log_max_attention_logit=True: the max attention logit is not computed"),
         (dict(deterministic_mode=True), r"deterministic_mode=True: deterministic mode is not guaranteed"),
-        (dict(hybrid_context_parallel=True), r"hybrid_context_parallel=True: hybrid \(dynamic\) context parallelism"),
         (dict(fp8_dot_product_attention=True), r"fp8_dot_product_attention=True: fp8 dot-product attention"),
         (dict(fp8_multi_head_attention=True), r"fp8_multi_head_attention=True: fp8 multi-head attention"),
         (dict(use_kitchen_attention=True), r"use_kitchen_attention=True: kitchen attention replaces core attention"),

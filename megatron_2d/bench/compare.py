@@ -13,6 +13,13 @@ table, megatron_2d.testing.reference.TOLERANCES[dtype].gate) is reported as MISM
 one that cannot run here as n/a; none of them is timed.
 
     python tools/bench_compare.py --ranks 4 --peers usp,torch-cp  # only these peers (default all; --no-peers)
+    python tools/bench_compare.py --ranks 8 --nodes 2 --cluster dgx-h100 --gpu-seq 65536  # an emulated cluster
+    python tools/bench_compare.py --ranks 8 --no-peers --send-first   # each 2D layout with the posting order of
+                                                                      # before issue 41 too, paired by round
+
+On an emulated cluster (--cluster / --net-mbit: megatron_2d.bench.cluster) the ranks run in its network
+namespaces, and after the table the planner's prediction for the emulated cluster as measured is printed beside
+every row it has a kind for (megatron_2d.bench.cluster_plan).
 
 Timing (as tools/bench_attention.py): rounds, the first a warm-up; each times the single-process baseline (the
 local kernel's fwd+bwd on the full problem, one thread: rank 0 alone, then min(N, cores) ranks at once; on GPUs
@@ -57,11 +64,14 @@ from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_on_rank
 
 from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
+from .cluster import add_cluster_arguments, bench_cluster
+from .cluster_plan import print_planner_check
 from .harness import DTYPES, make_inputs, retain_freed_memory, round_order, single_process_step
 from .runners import (  # noqa: F401
     OURS,
     PEERS,
     RING_FLASH,
+    SEND_FIRST,
     TE_RELEASE,
     TORCH_CP,
     USP,
@@ -358,8 +368,9 @@ def _finish(args, impls: list[Impl], out: dict[str, object]) -> Report:
     return Report(rows, busy, busy / share, args.device, alone, list(single["alone"]), out["order"])
 
 
-def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Report | None:
-    """Run every implementation (plus ``extra_impls``) once; the Report (None on CUDA ranks other than 0)."""
+def run_compare(args, extra_impls: Sequence[Impl] = (), rank_setup=None) -> Report | None:
+    """Run every implementation (plus ``extra_impls``) once; the Report (None on CUDA ranks other than 0).
+    ``rank_setup(rank)`` runs first in each forked rank (an emulated cluster's ranks enter their namespaces)."""
     if args.seq % (2 * args.ranks):
         raise SystemExit(f"--seq {args.seq} must be divisible by 2*ranks = {2 * args.ranks}")
     if args.heads % args.kv_heads:
@@ -377,7 +388,13 @@ def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Report | None:
                     if i.context and i.context[0] == key:
                         i.unavailable = f"{key}: {type(err).__name__}: {err}"[:160]
         per_rank = run_on_ranks(
-            args.ranks, compare_on_rank, args, impls, "cpu", timeout_s=args.timeout * (4 + 2 * len(impls))
+            args.ranks,
+            compare_on_rank,
+            args,
+            impls,
+            "cpu",
+            timeout_s=args.timeout * (4 + 2 * len(impls)),
+            rank_setup=rank_setup,
         )
     return _finish(args, impls, per_rank[0])
 
@@ -442,6 +459,12 @@ def matched_layouts(rows: Sequence[Row]) -> list[Paired]:
         if match:
             out.append(paired(min(match, key=lambda r: r.seconds), usp))
     return out
+
+
+def posting_orders(rows: Sequence[Row]) -> list[Paired]:
+    """For each layout timed both ways (``--send-first``): receive first (now) against send first (before)."""
+    before = {r.name.removesuffix(" (send first)"): r for r in rows if r.family == SEND_FIRST and r.seconds}
+    return [paired(r, before[r.name]) for r in _timed_ours(rows) if r.name in before]
 
 
 def default_windows(rows: Sequence[Row]) -> list[Paired]:
@@ -549,6 +572,14 @@ def print_report(report: Report, args) -> None:
         )
         for m in matched:
             print(f"  {m.against:<46} {m.row:<32} {_paired_figures(m, 'ours')}")
+    orders = posting_orders(report.rows)
+    if orders:
+        print(
+            "posting order: each layout with its receives posted first (now) against its sends first (before issue "
+            "41): time now / before (< 1: the fix is faster), its range over the rounds, CPU time now / before"
+        )
+        for m in orders:
+            print(f"  {m.row:<46} {'(send first)':<32} {_paired_figures(m, 'now')}")
     windows = default_windows(report.rows)
     if windows:
         print(
@@ -581,10 +612,12 @@ def print_report(report: Report, args) -> None:
         print(note)
 
 
-def write_json(report: Report, args, path: str) -> None:
+def write_json(report: Report, args, path: str, extra: dict | None = None) -> None:
+    """The run as JSON: its args, the baseline, the rows, and ``extra`` (the emulated cluster and the planner)."""
     with open(path, "w") as f:
         json.dump(
             {
+                **(extra or {}),
                 "args": vars(args),
                 "device": report.device,
                 "single_s": report.single_s,
@@ -649,9 +682,15 @@ def parse_args(argv: list[str] | None = None):
         help="our rows' dK/dV riders: fp32 ('accumulator', the default of attention_2d), the input dtype ('input', "
         "TE's bytes), or a row of each (default both)",
     )
+    p.add_argument(
+        "--send-first",
+        action="store_true",
+        help="also time every 2D layout with the transport's posting order of before issue 41 (sends first)",
+    )
     add_malloc_argument(p)
     add_arguments(p, timeout=120.0)
     add_output_arguments(p)
+    add_cluster_arguments(p)
     args = p.parse_args(argv)
     args.causal = True  # zigzag rings (ours and the peers) are causal
     if args.device == "cuda":
@@ -661,12 +700,16 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report = run_compare(args)
+    with bench_cluster(args, args.ranks, DTYPES[args.dtype]) as cluster:
+        report = run_compare(args, rank_setup=cluster.rank_setup if cluster else None)
     if report is None:
         return
     print_report(report, args)
+    extra = {}
+    if cluster is not None:
+        extra = {"cluster": cluster.to_dict(), "planner": print_planner_check(report, args, cluster)}
     if args.json:
-        write_json(report, args, args.json)
+        write_json(report, args, args.json, extra)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from rich.console import Console
 from rich.table import Table
 
 import megatron_2d
+from megatron_2d.bench.cluster import add_cluster_arguments, bench_cluster
 from megatron_2d.bench.harness import DTYPES
 from megatron_2d.bench.runners import TE_RELEASE, count_collective_sends, count_ring_comm_sends
 from megatron_2d.layout.band import SlidingWindow
@@ -166,9 +167,9 @@ def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCos
         recv = torch.empty_like(send)
 
         def step():
-            ops = [
-                dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
+            ops = [  # the receive first, as the op's ring steps post them
                 dist.P2POp(dist.irecv, recv, ranks[(me - 1) % len(ranks)], groups.context_kv_group),
+                dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
             ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -578,6 +579,7 @@ def main(argv: list[str] | None = None) -> None:
         default=os.path.join(os.path.expanduser("~"), ".cache", "megatron_2d_bench"),
         help="directory for the fp64 references (reused across rank counts; '' = none)",
     )
+    add_cluster_arguments(parser)
     parser.add_argument(
         "--layout-build",
         type=int,
@@ -619,9 +621,19 @@ def main(argv: list[str] | None = None) -> None:
 
             stack.enter_context(te_context_parallel_on_cpu(args.te_release, claim_cuda=False))
             te_rows = te_thd_rows(args.ranks, args.heads, args.te_release)
+        cluster = stack.enter_context(bench_cluster(args, args.ranks, DTYPES[args.dtype]))
+        setup = cluster.rank_setup if cluster else None
         t0 = time.perf_counter()
         results = run_on_ranks(
-            args.ranks, bench_rank, args, cases, seq_case, ring_flash, te_rows, timeout_s=args.timeout
+            args.ranks,
+            bench_rank,
+            args,
+            cases,
+            seq_case,
+            ring_flash,
+            te_rows,
+            timeout_s=args.timeout,
+            rank_setup=setup,
         )
     print(f"ranks done in {time.perf_counter() - t0:.1f} s", flush=True)
     print_tables(args, cases, results, why, te_rows, te_why)

@@ -2,6 +2,8 @@
 
 Implementations (rows)
     2D (ours)               attention_2d for every (hp, cp, w, placement) of CP = N, as tools/bench_attention.py
+    2D send first           (--send-first) the same layouts with the transport posting its sends before its receives,
+                            as before issue 41 (megatron_2d.bench.send_first): before/after in the same rounds
     ring-flash-attn zigzag  zigzag_ring_flash_attn_func of ring-flash-attn (pip); on CPU its flash_attn kernels are
                             the stand-in of megatron_2d.testing.flash_attn_cpu (never on GPU)
     TE p2p / a2a / a2a+p2p  Transformer Engine's DotProductAttention with its context parallelism, set up as stock
@@ -77,6 +79,8 @@ from ..sequence_sharding import shard_sequence, unshard_sequence
 from .harness import bench_layouts, label, layout_record
 
 OURS = "2D (ours)"
+SEND_FIRST = "2D send first"
+"""Our rows with the transport's posting order of before issue 41 (``--send-first``)."""
 RING_FLASH = "ring-flash-attn zigzag"
 USP = "USP (yunchang)"
 TORCH_CP = "torch CP"
@@ -131,17 +135,30 @@ def _leaves(*xs: torch.Tensor) -> list[torch.Tensor]:
 
 
 class Ours2D(Runner):
-    """megatron_2d.attention_2d with one 2D layout (over all ranks); dK/dV riders in ``dkv_comm_dtype``."""
+    """megatron_2d.attention_2d with one 2D layout (over all ranks); dK/dV riders in ``dkv_comm_dtype``;
+    ``send_first``: with the transport's posting order of before issue 41 (:mod:`megatron_2d.bench.send_first`)."""
 
-    def __init__(self, layout: Layout2D, timeout: datetime.timedelta, dkv_comm_dtype: str = "accumulator"):
+    def __init__(
+        self,
+        layout: Layout2D,
+        timeout: datetime.timedelta,
+        send_first: bool = False,
+        dkv_comm_dtype: str = "accumulator",
+    ):
         self.groups = build_groups_for_layout(layout, [list(range(dist.get_world_size()))], timeout=timeout)
         self.dkv_comm_dtype = dkv_comm_dtype
+        self.order = contextlib.nullcontext
+        if send_first:
+            from .send_first import send_first as order
+
+            self.order = order
 
     def step(self, q, k, v, dout):
         self.groups.comm_bytes.reset()
         q, k, v = _leaves(q, k, v)
-        out = attention_2d(q, k, v, self.groups, causal=True, dkv_comm_dtype=self.dkv_comm_dtype)
-        out.backward(dout)
+        with self.order():
+            out = attention_2d(q, k, v, self.groups, causal=True, dkv_comm_dtype=self.dkv_comm_dtype)
+            out.backward(dout)
         return out.detach(), q.grad, k.grad, v.grad
 
     def bytes_sent(self):
@@ -551,19 +568,26 @@ class TorchContextParallel(Runner):
 
 def ours_impls(args) -> list[Impl]:
     """One row per 2D layout of CP = N whose hp divides the query heads, per dK/dV rider dtype of
-    ``args.dkv_comm_dtype`` ("accumulator", "input" or "both"; rows with "input" are named "... dK/dV in <dtype>")."""
+    ``args.dkv_comm_dtype`` ("accumulator", "input" or "both"; rows with "input" are named "... dK/dV in <dtype>");
+    with ``args.send_first`` each fp32-rider row again with the posting order of before issue 41 (family
+    :data:`SEND_FIRST`)."""
     timeout = datetime.timedelta(seconds=args.timeout)
     which = getattr(args, "dkv_comm_dtype", "accumulator")
     kinds = ["accumulator", "input"] if which == "both" else [which]
+    orders = (False, True) if getattr(args, "send_first", False) else (False,)
     return [
         Impl(
-            label(layout) + (f"  dK/dV in {args.dtype}" if kind == "input" else ""),
-            OURS,
-            build=lambda rank, world, a, lay=layout, kind=kind: Ours2D(lay, timeout, kind),
+            label(layout)
+            + (f"  dK/dV in {args.dtype}" if kind == "input" else "")
+            + (" (send first)" if first else ""),
+            SEND_FIRST if first else OURS,
+            build=lambda rank, world, a, lay=layout, first=first, kind=kind: Ours2D(lay, timeout, first, kind),
             layout={**layout_record(layout), "dkv": kind},
         )
         for kind in kinds
         for layout in bench_layouts(args.ranks, args.heads)
+        for first in orders
+        if not (first and kind == "input")
     ]
 
 

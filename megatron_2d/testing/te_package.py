@@ -53,7 +53,7 @@ import pathlib
 import subprocess
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -483,12 +483,17 @@ def _fused_attn_backend(module: types.ModuleType, abi: ExtensionABI, *args):
 
 
 def cpu_extension(
-    abi: ExtensionABI, enums: dict[str, list[str]], others: Sequence[str] = (), thd_stats: str = "packed"
+    abi: ExtensionABI,
+    enums: dict[str, list[str]],
+    others: Sequence[str] = (),
+    thd_stats: str = "packed",
+    kernels: dict[str, Callable] | None = None,
 ) -> types.ModuleType:
     """A ``transformer_engine_torch`` module of one ABI: ``enums`` as pybind-like enums, ``others`` as names that
-    are not emulated (:func:`_not_emulated`), ``fused_attn_fwd`` / ``fused_attn_bwd`` on CPU; ``module.calls``
-    counts the calls. ``thd_stats``: "packed" or "padded" (see the module). To its callers it is compiled code:
-    Python's torch function and dispatch modes do not see inside."""
+    are not emulated (:func:`_not_emulated`), ``fused_attn_fwd`` / ``fused_attn_bwd`` on CPU, and ``kernels``
+    ({name: CPU function}, e.g. the norms of :mod:`.sp_norms`); ``module.calls`` counts the calls. ``thd_stats``:
+    "packed" or "padded" (see the module). To its callers it is compiled code: Python's torch function and dispatch
+    modes do not see inside."""
     if thd_stats not in ("packed", "padded"):
         raise ValueError(f"thd_stats must be 'packed' or 'padded', got {thd_stats!r}")
     module = types.ModuleType("transformer_engine_torch")
@@ -505,6 +510,7 @@ def cpu_extension(
         "get_fused_attn_backend": functools.partial(_fused_attn_backend, module, abi),
         "get_cudnn_version": lambda: version[0] * 10000 + version[1] * 100 + version[2],  # cuDNN 9's encoding
         **te_thd_cpu.functions(abi.name),
+        **(kernels or {}),
     }
     for name, impl in functions.items():
 
@@ -541,9 +547,11 @@ def unload_release() -> None:
         del sys.modules[name]
 
 
-def load_release(version: str, thd_stats: str = "packed") -> types.ModuleType:
-    """Import TE ``version`` (installed by :func:`install`) over the CPU extension of its ABI, with
-    ``NVTE_TORCH_COMPILE=0`` unless the caller set it; returns its
+def load_release(
+    version: str, thd_stats: str = "packed", kernels: dict[str, Callable] | None = None
+) -> types.ModuleType:
+    """Import TE ``version`` (installed by :func:`install`) over the CPU extension of its ABI (with ``kernels``, see
+    :func:`cpu_extension`), with ``NVTE_TORCH_COMPILE=0`` unless the caller set it; returns its
     ``transformer_engine.pytorch.cpp_extensions.fused_attn``. Replaces any TE already imported in this process, so
     call it once per process (forked ranks)."""
     if not is_installed(version):
@@ -554,7 +562,7 @@ def load_release(version: str, thd_stats: str = "packed") -> types.ModuleType:
     unload_release()
     root = release_path(version)
     enums, others = referenced_names(root / "transformer_engine")
-    sys.modules["transformer_engine_torch"] = cpu_extension(abi_of(version), enums, others, thd_stats)
+    sys.modules["transformer_engine_torch"] = cpu_extension(abi_of(version), enums, others, thd_stats, kernels)
     paths = [str(root), str(releases_dir() / DEPENDENCIES_DIR)]
     sys.path[:0] = paths
     building = os.environ.get("NVTE_PROJECT_BUILDING")
