@@ -45,6 +45,7 @@ Columns
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -71,6 +72,7 @@ from .runners import (  # noqa: F401
     PEERS,
     RING_FLASH,
     SEND_FIRST,
+    TE_RELEASE,
     TORCH_CP,
     USP,
     YUNCHANG_VERSION,
@@ -377,15 +379,23 @@ def run_compare(args, extra_impls: Sequence[Impl] = (), rank_setup=None) -> Repo
     if args.device == "cuda":
         out = _run_cuda(args, impls)
         return _finish(args, impls, out) if out is not None else None
-    per_rank = run_on_ranks(
-        args.ranks,
-        compare_on_rank,
-        args,
-        impls,
-        "cpu",
-        timeout_s=args.timeout * (4 + 2 * len(impls)),
-        rank_setup=rank_setup,
-    )
+    with contextlib.ExitStack() as stack:  # the contexts rows need around the forked run (TE's CPU context), once
+        for key, factory in dict(i.context for i in impls if i.context and not i.unavailable).items():
+            try:
+                stack.enter_context(factory())
+            except Exception as err:  # the rows that need it become n/a rows
+                for i in impls:
+                    if i.context and i.context[0] == key:
+                        i.unavailable = f"{key}: {type(err).__name__}: {err}"[:160]
+        per_rank = run_on_ranks(
+            args.ranks,
+            compare_on_rank,
+            args,
+            impls,
+            "cpu",
+            timeout_s=args.timeout * (4 + 2 * len(impls)),
+            rank_setup=rank_setup,
+        )
     return _finish(args, impls, per_rank[0])
 
 
@@ -426,7 +436,15 @@ def paired(row: Row, against: Row) -> Paired:
 
 
 def _timed_ours(rows: Sequence[Row]) -> list[Row]:
-    return [r for r in rows if r.family == OURS and r.seconds is not None and r.layout]
+    """Our timed rows with the default dK/dV riders (fp32; the "dK/dV in <dtype>" rows stand beside TE's)."""
+    return [
+        r
+        for r in rows
+        if r.family == OURS
+        and r.seconds is not None
+        and r.layout
+        and r.layout.get("dkv", "accumulator") == "accumulator"
+    ]
 
 
 def matched_layouts(rows: Sequence[Row]) -> list[Paired]:
@@ -471,6 +489,11 @@ ADAPTATIONS = {
     "call convention by version); a ring of one rank (ulysses N) brings dK/dV home by a local copy instead of a "
     "gloo send to itself; 'K/V repeated by the caller': K/V heads repeated to N before the call (autograd sums "
     "their gradients)",
+    "TE": "TE rows on CPU ranks: Transformer Engine {te_release}'s own DotProductAttention and context_parallel.py "
+    "(megatron_2d.testing.te_context_parallel), unchanged; its fused attention is the CPU stand-in of its compiled "
+    "extension, the cpu_flash kernel our rows run; TE merges partial outputs and moves dK/dV in the input dtype "
+    "(ours: fp32 riders by default, the 'dK/dV in <dtype>' rows move TE's bytes); its two CUDA streams run in order, "
+    "as everything does on CPU; bytes: closed forms, checked against what TE's code sent (a mismatch is printed)",
     TORCH_CP: "torch CP: _ContextParallel (SDPA) by parallelize_module, inputs by _context_parallel_shard with the "
     "head-tail load balancer, set_rotate_method per row; GQA by SDPA's enable_gqa; on CPU a CP sharding rule for "
     "the CPU SDPA op runs torch's _templated_ring_attention(_backward) (megatron_2d/bench/torch_cp_cpu.py); "
@@ -534,11 +557,12 @@ def print_report(report: Report, args) -> None:
                 err,
             ]
         )
-        if r.bytes.get("ring_counted", r.bytes["ring"]) != r.bytes["ring"]:
-            notes.append(
-                f"warning: {r.name}: closed-form ring bytes {r.bytes['ring']:.0f} != counted "
-                f"{r.bytes['ring_counted']:.0f}"
-            )
+        for kind in ("ring", "a2a"):
+            if r.bytes.get(f"{kind}_counted", r.bytes[kind]) != r.bytes[kind]:
+                notes.append(
+                    f"warning: {r.name}: closed-form {kind} bytes {r.bytes[kind]:.0f} != counted "
+                    f"{r.bytes[f'{kind}_counted']:.0f}"
+                )
     render_table(title, header, body, width=170)
     matched = matched_layouts(report.rows)
     if matched:
@@ -577,9 +601,11 @@ def print_report(report: Report, args) -> None:
             f"efficiencies are per-round ratios, compare rows with care"
         )
     families_run = {r.family for r in report.rows if not r.status.startswith("n/a")}
+    if report.device == "cpu":
+        families_run |= {"TE" for f in families_run if f.startswith("TE ")}
     for family, text in ADAPTATIONS.items():
         if family in families_run:
-            notes.append("note: " + text.format(version=YUNCHANG_VERSION))
+            notes.append("note: " + text.format(version=YUNCHANG_VERSION, te_release=getattr(args, "te_release", "")))
     if any(r.bytes_source == "closed form" for r in report.rows):
         notes.append("f: bytes from the closed forms in megatron_2d/bench/runners.py's docstring (ours are measured)")
     for note in notes:
@@ -643,6 +669,19 @@ def parse_args(argv: list[str] | None = None):
         help=f"the peers to run, comma-separated from {', '.join(PEERS)}, or 'all' (default all)",
     )
     p.add_argument("--no-peers", dest="peers", action="store_const", const=(), help="only our 2D layouts")
+    p.add_argument(
+        "--te-release",
+        default=TE_RELEASE,
+        help=f"the Transformer Engine release of the TE rows on CPU ranks (default {TE_RELEASE}; "
+        "megatron_2d.testing.te_package installs 2.5.0, 2.8.0, 2.12.0, 2.20.2)",
+    )
+    p.add_argument(
+        "--dkv-comm-dtype",
+        choices=("accumulator", "input", "both"),
+        default="both",
+        help="our rows' dK/dV riders: fp32 ('accumulator', the default of attention_2d), the input dtype ('input', "
+        "TE's bytes), or a row of each (default both)",
+    )
     p.add_argument(
         "--send-first",
         action="store_true",

@@ -71,8 +71,9 @@ class StockCPTolerance:
     """Transformer Engine's OWN bounds, not the project's: its context parallelism (stock Megatron CP, every comm
     type, sbhd and THD, CP 2 and 4, each installed release) against the fp64 reference of the rounded inputs, per
     output (norm_err), as measured on TE's real code (tests/test_te_context_parallel.py; docs/testing.md has the
-    figures). TE merges partial outputs and moves dK/dV in the input dtype, so they exceed the project's own
-    per-output bounds where the project keeps fp32 (bf16 p2p at CP 4: out 3.4e-3 on 2.12.0)."""
+    figures: the largest of 1056 generated cases, x 1.2). TE merges partial outputs, corrects THD gradients and moves
+    dK/dV in the input dtype, so they exceed the project's own per-output bounds where the project keeps fp32 (bf16
+    p2p at CP 4: out 3.8e-3 on 2.20.2; THD p2p with small documents: dk 5.1e-3)."""
 
     out: float
     dq: float
@@ -137,7 +138,7 @@ TOLERANCES = {
         dk=9e-4,
         dv=9e-4,
         dsinks=6e-4,
-        stock_cp=StockCPTolerance(out=5e-4, dq=6e-4, dk=6e-4, dv=6e-4),
+        stock_cp=StockCPTolerance(out=5.7e-4, dq=7.2e-4, dk=7.1e-4, dv=5.7e-4),
     ),
     torch.bfloat16: Tolerance(
         end_to_end=2e-2,
@@ -148,7 +149,7 @@ TOLERANCES = {
         dv=7e-3,
         dsinks=5e-3,
         training=TrainingTolerance(loss=5e-3, grad_norm=1e-2, grad=1e-1, later_grad_norm=2e-1),
-        stock_cp=StockCPTolerance(out=4e-3, dq=4.5e-3, dk=4.5e-3, dv=4.5e-3),
+        stock_cp=StockCPTolerance(out=4.6e-3, dq=5.7e-3, dk=6.2e-3, dv=4.4e-3),
     ),
 }
 # Relative tolerance (max |err| / max |ref|) against an fp64 reference of the unrounded inputs, keyed by dtype.

@@ -88,12 +88,18 @@ class StockCPCase:
 
 
 def expected_refusal(version: str, case: StockCPCase) -> str | None:
-    """Why ``version`` of TE refuses ``case``, or None: THD before the release that runs it with the comm type
-    (:data:`THD_FROM`)."""
-    if case.qkv_format == "thd" and _version(version) < _version(THD_FROM[case.comm]):
-        return f"THD with {case.comm} from TE {THD_FROM[case.comm]}"
+    """Why ``version`` of TE refuses ``case`` (an assertion of its own), or None. THD: before the release that runs
+    it with the comm type (:data:`THD_FROM`); a2a+p2p with one level of size 1 runs as the other level's comm type,
+    and 2.5 converts it before its THD check (so [1, cp] runs as p2p there), 2.8 to 2.18 check first. MLA head dims
+    (value dim below the query/key dim): p2p only (a2a+p2p [cp, 1] is a2a)."""
     if case.value_dim != case.head_dim and case.runs_as in ("a2a", "all_gather"):
         return f"MLA head dims with {case.runs_as}"
+    if case.qkv_format != "thd":
+        return None
+    release = _version(version)
+    comm = case.runs_as if case.comm == "a2a+p2p" and release < (2, 8) else case.comm
+    if release < _version(THD_FROM[comm]):
+        return f"THD with {comm} from TE {THD_FROM[comm]}"
     return None
 
 
@@ -153,14 +159,16 @@ def _draw(rng: random.Random, cp, comm, a2a, causal, fmt, dtype) -> StockCPCase:
 
 
 class StockCPGroups:
-    """The process groups of every case's layout on a world of ``world`` ranks, made by every rank in one order:
-    the world cut into world / cp CP groups of consecutive ranks, each cut for a2a+p2p into consecutive a2a groups
-    and strided p2p groups (megatron-core's hierarchical groups)."""
+    """The process groups of stock CP layouts ((cp, a2a level) pairs) on a world of ``world`` ranks, made by every
+    rank in one order: the world cut into world / cp CP groups of consecutive ranks, each cut for a2a+p2p into
+    consecutive a2a groups and strided p2p groups (megatron-core's hierarchical groups). ``layouts``: the pairs, or
+    cases (their cp and a2a)."""
 
-    def __init__(self, world: int, cases) -> None:
+    def __init__(self, world: int, layouts) -> None:
         self.world = world
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for cp, a2a in sorted({(c.cp, c.a2a) for c in cases}):
+        pairs = {(x.cp, x.a2a) if isinstance(x, StockCPCase) else tuple(x) for x in layouts}
+        for cp, a2a in sorted(pairs):
             if world % cp:
                 raise ValueError(f"a world of {world} ranks does not split into CP groups of {cp}")
             for first in range(0, world, cp):
@@ -182,18 +190,51 @@ class StockCPGroups:
 
     def of(self, case: StockCPCase, rank: int):
         """(cp_group argument of attn_forward_func_with_cp, the CP group's global ranks, this rank's CP rank)."""
-        first = rank - rank % case.cp
-        ranks = list(range(first, first + case.cp))
+        return self.layout(case.cp, case.comm, case.a2a, rank)
+
+    def layout(self, cp: int, comm: str, a2a: int, rank: int):
+        """As :meth:`of`, for CP size ``cp``, cp_comm_type ``comm`` and a2a level ``a2a``."""
+        first = rank - rank % cp
+        ranks = list(range(first, first + cp))
         whole = self.groups[tuple(ranks)]
-        if case.comm != "a2a+p2p":
+        if comm != "a2a+p2p":
             return whole, ranks, rank - first
-        a2a = next(g for g in self._levels(first, case.cp, case.a2a)[: case.cp // case.a2a] if rank in g)
-        p2p = next(g for g in self._levels(first, case.cp, case.a2a)[case.cp // case.a2a :] if rank in g)
-        return [self.groups[tuple(a2a)], self.groups[tuple(p2p)]], ranks, rank - first
+        levels = self._levels(first, cp, a2a)
+        a2a_group = next(g for g in levels[: cp // a2a] if rank in g)
+        p2p_group = next(g for g in levels[cp // a2a :] if rank in g)
+        return [self.groups[tuple(a2a_group)], self.groups[tuple(p2p_group)]], ranks, rank - first
 
     def whole(self, case: StockCPCase, rank: int) -> dist.ProcessGroup:
         first = rank - rank % case.cp
         return self.groups[tuple(range(first, first + case.cp))]
+
+
+@dataclass
+class InstalledTE:
+    """The installed Transformer Engine (on GPUs) as :func:`run_case` takes TE; on CPU ranks it takes the
+    :class:`~.te_context_parallel.TEOnCPU` of TE's CPU context."""
+
+    transformer_engine: object
+    context_parallel: object
+    extension: object
+
+    @property
+    def attn_forward_func_with_cp(self):
+        return self.context_parallel.attn_forward_func_with_cp
+
+    @property
+    def version(self) -> str:
+        return str(self.transformer_engine.__version__)
+
+
+def installed_te() -> InstalledTE:
+    """The installed Transformer Engine; ImportError when it does not import."""
+    import transformer_engine
+    import transformer_engine.pytorch  # noqa: F401
+    import transformer_engine_torch
+    from transformer_engine.pytorch.attention.dot_product_attention import context_parallel
+
+    return InstalledTE(transformer_engine, context_parallel, transformer_engine_torch)
 
 
 # ---- one case -------------------------------------------------------------------------------------------------------
@@ -226,42 +267,48 @@ def _reference(case: StockCPCase, q, k, v, dout, bounds: list[int]) -> dict[str,
     return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 
 
-def _thd_layout(te, case: StockCPCase, cp_rank: int):
+def thd_layout(te, documents, cp: int, cp_rank: int, device: torch.device | None = None):
     """(cu_seqlens of the real lengths, cu_seqlens_padded, the padded stream's source token or -1 for padding,
-    this rank's indices into the padded stream), by TE's padding rule and partition."""
-    factor = 2 * case.cp
-    cu = torch.tensor([0, *torch.tensor(case.documents).cumsum(0).tolist()], dtype=torch.int32)
+    this rank's indices into the padded stream) of documents of lengths ``documents``, by TE's padding rule
+    (every document to a multiple of 2 cp: TE's ``pad_thd_sequences_for_cp`` from 2.8) and partition
+    (``tex.thd_get_partitioned_indices``, what megatron-core's per-document split calls; on ``device``, where the
+    real extension runs). The returned tensors are on the CPU."""
+    factor = 2 * cp
+    documents = [int(n) for n in documents]
+    cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()], dtype=torch.int32)
     tokens = torch.arange(int(cu[-1]))
     pad = getattr(te.context_parallel, "pad_thd_sequences_for_cp", None)
-    padded_lengths = [-(-n // factor) * factor for n in case.documents]
+    padded_lengths = [-(-n // factor) * factor for n in documents]
     cu_padded = torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()], dtype=torch.int32)
     if pad is not None:  # TE's own rule, from 2.8
         source, _, cu_te = pad(tokens, tokens, cu, factor, padding_token_id=-1, padding_label_id=-1)
         if not torch.equal(cu_te.to(torch.int32), cu_padded):
-            raise AssertionError(f"TE pads {case.documents} to {cu_te.tolist()}, expected {cu_padded.tolist()}")
+            raise AssertionError(f"TE pads {documents} to {cu_te.tolist()}, expected {cu_padded.tolist()}")
     else:
         source = torch.full((int(cu_padded[-1]),), -1)
         for a, b, p in zip(cu[:-1].tolist(), cu[1:].tolist(), cu_padded[:-1].tolist()):
             source[p : p + b - a] = tokens[a:b]
-    local = te.extension.thd_get_partitioned_indices(cu_padded, int(cu_padded[-1]), case.cp, cp_rank).long()
+    on = cu_padded if device is None else cu_padded.to(device)
+    local = te.extension.thd_get_partitioned_indices(on, int(cu_padded[-1]), cp, cp_rank).long().cpu()
     return cu, cu_padded, source, local
 
 
-def _shard_thd_check(te, case, cu_padded, source, local, group) -> None:
+def _shard_thd_check(te, case, cu_padded, source, local, group, device) -> None:
     """TE's own THD batch split (from 2.8) picks the same tokens as the partition helper."""
     split = getattr(te.context_parallel, "get_batch_on_this_cp_rank", None)
     if split is None:
         return
-    positions = torch.arange(int(cu_padded[-1]))
-    mine = split(cu_padded, positions, positions, positions, group, "thd")[0]
+    positions = torch.arange(int(cu_padded[-1]), device=device)
+    mine = split(cu_padded.to(device), positions, positions, positions, group, "thd")[0].cpu()
     if not torch.equal(mine, local):
         raise AssertionError(f"{case.name}: TE's get_batch_on_this_cp_rank picks {mine.tolist()}, not {local.tolist()}")
 
 
-def _gather(local: torch.Tensor, group) -> list[torch.Tensor]:
+def _gather(local: torch.Tensor, group, device: torch.device) -> list[torch.Tensor]:
+    local = local.to(device).contiguous()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return parts
+    dist.all_gather(parts, local, group=group)
+    return [p.cpu() for p in parts]
 
 
 ROUTES = ("function", "module")
@@ -293,12 +340,20 @@ def _call_te(te, case: StockCPCase, route: str, q, k, v, meta: dict, cp_group, c
 
 
 def run_case(
-    te, case: StockCPCase, groups: StockCPGroups, route: str = "function", rank: int | None = None
+    te,
+    case: StockCPCase,
+    groups: StockCPGroups,
+    route: str = "function",
+    rank: int | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, object]:
     """Run ``case`` on this rank's CP group through TE (``route``, :data:`ROUTES`), forward and backward.
 
-    Returns {"case": asdict, "errors": {output: norm_err of the whole tensor}, "calls": extension calls} or, when TE
-    refuses it, {"case": ..., "refused": TE's message}. Every rank of the CP group gets the same answer."""
+    Returns {"case": asdict, "route", "calls": extension calls, "errors": {output: norm_err of the whole tensor}
+    (on the CP group's first rank only)} or, when TE refuses it, {"case", "route", "refused": TE's message} (on
+    every rank: TE asserts before any collective). ``device``: where TE runs (the CPU when None); the reference is
+    computed on the CPU."""
+    device = torch.device("cpu") if device is None else device
     rank = dist.get_rank() if rank is None else rank
     cp_group, cp_ranks, cp_rank = groups.of(case, rank)
     whole = groups.whole(case, rank)
@@ -308,55 +363,64 @@ def run_case(
         bounds, thd = [], None
 
         def shard(x):
-            return shard_sequence(x, cp_rank, case.cp).to(case.dtype).contiguous()
+            return shard_sequence(x, cp_rank, case.cp).to(device, case.dtype).contiguous()
 
-        cu = torch.arange(0, (case.batch + 1) * tokens, tokens, dtype=torch.int32)
+        cu = torch.arange(0, (case.batch + 1) * tokens, tokens, dtype=torch.int32, device=device)
         meta = dict(
             cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=tokens, max_seqlen_kv=tokens, cu_seqlens_q_padded=None,
             cu_seqlens_kv_padded=None,
         )  # fmt: skip
     else:
-        cu, cu_padded, source, local = _thd_layout(te, case, cp_rank)
-        _shard_thd_check(te, case, cu_padded, source, local, whole)
+        cu, cu_padded, source, local = thd_layout(te, case.documents, case.cp, cp_rank, device)
+        _shard_thd_check(te, case, cu_padded, source, local, whole, device)
         q, k, v, dout = _inputs(case, int(cu[-1]))
-        bounds, thd = cu.tolist(), (source, _gather(local, whole))
+        bounds, thd = cu.tolist(), (source, _gather(local, whole, device))
 
         def shard(x):
             padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[source]  # padding: the zero row
-            return padded[local].to(case.dtype).contiguous()
+            return padded[local].to(device, case.dtype).contiguous()
 
         longest = max(int(b - a) for a, b in zip(cu_padded[:-1], cu_padded[1:]))
+        cu_on, padded_on = cu.to(device), cu_padded.to(device)
         meta = dict(
-            cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-            cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+            cu_seqlens_q=cu_on, cu_seqlens_kv=cu_on, max_seqlen_q=longest, max_seqlen_kv=longest,
+            cu_seqlens_q_padded=padded_on, cu_seqlens_kv_padded=padded_on,
         )  # fmt: skip
     ql, kl, vl = (shard(x).requires_grad_(True) for x in (q, k, v))
     result: dict[str, object] = {"case": asdict(case) | {"dtype": str(case.dtype)}, "route": route}
-    te.extension.calls.clear()
+    calls = getattr(te.extension, "calls", None)  # the CPU extension counts its calls
+    if calls is not None:
+        calls.clear()
     try:
         out = _call_te(te, case, route, ql, kl, vl, meta, cp_group, cp_ranks)
     except AssertionError as error:  # TE's own refusal (raised on every rank before any collective)
         result["refused"] = str(error)
         return result
     out.backward(shard(dout))
-    expected = _reference(case, q, k, v, dout, bounds)
-    result["errors"] = {
-        name: _whole_error(value, expected[name], whole, thd)
-        for name, value in zip(OUTPUTS, (out, ql.grad, kl.grad, vl.grad))
-    }
-    result["calls"] = dict(te.extension.calls)
+    result["calls"] = dict(calls) if calls is not None else {"fused_attn_fwd": 1, "fused_attn_bwd": 1}
+    wholes = [_whole(value, whole, thd, cp_rank) for value in (out, ql.grad, kl.grad, vl.grad)]
+    if cp_rank == 0:  # the group's first rank measures (the others' shards gathered to it)
+        expected = _reference(case, q, k, v, dout, bounds)
+        result["errors"] = {name: norm_err(w, expected[name]) for name, w in zip(OUTPUTS, wholes)}
     return result
 
 
-def _whole_error(local: torch.Tensor, expected: torch.Tensor, group, thd) -> float:
-    """norm_err of the whole tensor: the CP group's shards gathered (THD: the real tokens only, each placed at its
-    source token; ``thd`` = (source of each padded token, every CP rank's indices into the padded stream))."""
-    parts = _gather(local.detach(), group)
+def _whole(local: torch.Tensor, group, thd, cp_rank: int) -> torch.Tensor | None:
+    """The whole tensor on the group's first rank (None elsewhere): the CP group's shards gathered (THD: the real
+    tokens only, each at its source token; ``thd`` = (source of each padded token, every CP rank's indices into the
+    padded stream))."""
+    local = local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))] if cp_rank == 0 else None
+    dist.gather(local, parts, group_dst=0, group=group)
+    if cp_rank != 0:
+        return None
+    parts = [p.cpu() for p in parts]
     if thd is None:
-        return norm_err(unshard_sequence(parts, seq_dim=0), expected)
+        return unshard_sequence(parts, seq_dim=0).double()
     source, indices = thd
-    whole = torch.zeros(expected.shape, dtype=torch.float64)
+    tokens = int((source >= 0).sum())
+    whole = torch.zeros(tokens, *local.shape[1:], dtype=torch.float64)
     for part, index in zip(parts, indices):
         real = source[index] >= 0
         whole[source[index][real]] = part[real].double()
-    return norm_err(whole, expected)
+    return whole

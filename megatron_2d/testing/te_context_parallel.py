@@ -10,7 +10,8 @@ each the smallest change found to be needed, all restored on exit (tests/test_te
   C1. Streams: ``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``current_stream`` / ``default_stream`` are the
       in-order CPU no-ops of :mod:`.megatron_cpu` and ``current_device()`` is the cpu device. TE's two-stream
       overlap runs serially, as everything does on CPU. NVTX ranges (2.5's ``prepare_forward`` opens one; CPU
-      builds of torch have no NVTX) are no-ops.
+      builds of torch have no NVTX) are no-ops, and ``torch.cuda.device(cpu device)`` selects nothing (2.8's
+      ``DotProductAttention.forward`` enters it with the query's device).
   C2. The modelled GPU: TE's ``get_device_compute_capability`` answers :attr:`ModelledGPU.compute_capability`,
       rebound where TE's modules hold it (it decides real branches: below (10, 0) at CP = 2, p2p batches its send
       and receive, ``batch_isend_irecv``). ``torch.cuda.get_device_properties`` stays untouched (inductor reads it).
@@ -19,13 +20,14 @@ each the smallest change found to be needed, all restored on exit (tests/test_te
       ``DotProductAttention.forward``, ``FusedAttention.forward`` (2.20: of cu_seqlens in
       ``get_thd_partitioned_indices``). Those functions' own frames (found by code object) get True; every other
       caller, TE's other code included, the true answer. ``is_available`` is wrapped; ``Tensor.is_cuda`` is
-      answered by a TorchFunctionMode active in the context.
+      answered by a TorchFunctionMode active in the context (or, with ``claim_cuda=False``, only inside
+      ``TEOnCPU.claiming()``: a mode makes every torch call of its block pass through Python).
   C4. Point-to-point requests whose ``wait()`` may be repeated: gloo's send/recv ``Work.wait()`` is not idempotent
       (a second wait blocks for good) and TE's p2p backward waits twice on the same requests. ``isend`` and
       ``irecv`` (so ``batch_isend_irecv`` of P2POps made of them) return requests whose second ``wait()`` returns
       at once, as NCCL's do.
-  C5. The release is loaded (:func:`.te_package.load_release`, ``NVTE_TORCH_COMPILE=0``: no torch.compile of TE's
-      jit functions, ~29 s a process) unless that release is already loaded; one the context loaded is unloaded
+  C5. The release is loaded (:func:`.te_package.load_release`, with ``NVTE_TORCH_COMPILE=0``: no torch.compile of
+      TE's jit functions, ~29 s a process) unless that release is already loaded; one the context loaded is unloaded
       on exit. Another release loaded in the process is refused (one TE per process).
   C6. With ``megatron=True``: ``megatron.core.extensions.transformer_engine`` is executed again with TE loaded
       (megatron-core decides ``HAVE_TE`` at import) and megatron-core's cached TE version is cleared; its previous
@@ -46,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import os
 import sys
 import types
 from collections.abc import Iterator
@@ -103,6 +104,15 @@ class TEOnCPU:
     """megatron-core's ``extensions.transformer_engine`` with TE loaded (``megatron=True``)."""
     claimed: frozenset = field(default_factory=frozenset)
     """The code objects that see a CUDA device (C3)."""
+    claims_throughout: bool = True
+    """Whether ``tensor.is_cuda`` is claimed (C3's TorchFunctionMode active) for the whole block, or only inside
+    :meth:`claiming`."""
+
+    def claiming(self) -> contextlib.AbstractContextManager:
+        """A block in which TE's named functions read ``tensor.is_cuda`` as True (nothing to do when the context
+        claims throughout): for callers that keep the mode off their own code (benchmarks time other rows in the
+        same ranks)."""
+        return contextlib.nullcontext() if self.claims_throughout else _CudaClaim(self.claimed)
 
     @property
     def attn_forward_func_with_cp(self):
@@ -122,9 +132,29 @@ def _no_range(*args, **kwargs) -> Iterator[None]:
     yield
 
 
+def _device_context(original):
+    """``torch.cuda.device(d)``: nothing to select for a CPU device (2.8's DotProductAttention.forward enters
+    ``torch.cuda.device(query.device)``); any other device goes to torch's own."""
+
+    def device(d):
+        if isinstance(d, torch.device) and d.type == "cpu" or d == "cpu":
+            return contextlib.nullcontext()
+        return original(d)
+
+    return device
+
+
 # ---- C3: a CUDA device for named functions only -------------------------------------------------------------------
 
 _IS_CUDA = torch._C.TensorBase.is_cuda
+
+
+def _reader(frame: types.FrameType | None) -> types.CodeType | None:
+    """The code that read a tensor property: the first frame above ``frame`` that is not a torch function mode's
+    handler (modes entered after this context, e.g. megatron_ddp_on_cpu's, pass the read on from theirs)."""
+    while frame is not None and frame.f_code.co_name == "__torch_function__":
+        frame = frame.f_back
+    return None if frame is None else frame.f_code
 
 
 class _CudaClaim(TorchFunctionMode):
@@ -135,7 +165,7 @@ class _CudaClaim(TorchFunctionMode):
         self.codes = codes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__self__", None) is _IS_CUDA and sys._getframe(1).f_code in self.codes:
+        if getattr(func, "__self__", None) is _IS_CUDA and _reader(sys._getframe(1)) in self.codes:
             return True
         return func(*args, **(kwargs or {}))
 
@@ -213,6 +243,11 @@ class _Restorer:
         self.saved.clear()
 
 
+def active() -> TEOnCPU | None:
+    """The innermost context entered in this process (or in its parent before the fork), if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 def loaded_release() -> str | None:
     """The Transformer Engine release loaded in this process, if any."""
     package = sys.modules.get("transformer_engine")
@@ -234,15 +269,7 @@ def _release(version: str, thd_stats: str) -> Iterator[bool]:
             raise ValueError(f"Transformer Engine {version} is loaded with thd_stats={stats!r}, asked {thd_stats!r}")
         yield False
         return
-    saved = os.environ.get("NVTE_TORCH_COMPILE")
-    os.environ["NVTE_TORCH_COMPILE"] = "0"
-    try:
-        te_package.load_release(version, thd_stats)
-    finally:
-        if saved is None:
-            os.environ.pop("NVTE_TORCH_COMPILE", None)
-        else:
-            os.environ["NVTE_TORCH_COMPILE"] = saved
+    te_package.load_release(version, thd_stats)  # NVTE_TORCH_COMPILE=0 unless set
     try:
         yield True
     finally:
@@ -279,7 +306,11 @@ def _te_modules() -> list[types.ModuleType]:
 
 @contextlib.contextmanager
 def te_context_parallel_on_cpu(
-    version: str, gpu: ModelledGPU = H100, thd_stats: str = "packed", megatron: bool = False
+    version: str,
+    gpu: ModelledGPU = H100,
+    thd_stats: str = "packed",
+    megatron: bool = False,
+    claim_cuda: bool = True,
 ) -> Iterator[TEOnCPU]:
     """Within: Transformer Engine ``version``'s context parallelism runs on CPU ranks (C1-C6 of the module).
 
@@ -288,12 +319,17 @@ def te_context_parallel_on_cpu(
         gpu: the modelled GPU (its compute capability picks TE's branches).
         thd_stats: the stand-in's THD softmax-stats layout, "packed" (cuDNN >= 9.6) or "padded".
         megatron: also make megatron-core's TE extension (``TEDotProductAttention``) use this release.
-    """
+        claim_cuda: C3's ``tensor.is_cuda`` claim throughout the block; False: only inside the yielded
+            :meth:`TEOnCPU.claiming` (``attn_forward_func_with_cp`` needs none; TE's modules do in forward).
+
+    Inside such a context (of this process, or of its parent before a fork) another one of the same release and
+    GPU adds nothing but the claim it asks for."""
     megatron_cpu.refuse_with_cuda("megatron_2d.testing.te_context_parallel", "run Transformer Engine itself")
     outer = _ACTIVE[-1] if _ACTIVE else None
     reusable = outer is not None and (outer.version, outer.gpu) == (version, gpu)
     if reusable and (outer.megatron_extension is not None or not megatron):
-        yield outer  # already inside such a context (entered by this process, or by its parent before the fork)
+        with outer.claiming() if claim_cuda else contextlib.nullcontext():
+            yield outer
         return
     restorer = _Restorer()
     with contextlib.ExitStack() as stack:
@@ -311,6 +347,7 @@ def te_context_parallel_on_cpu(
             restorer.set(torch.cuda, name, value)
         for name, value in (("range_push", _no_op), ("range_pop", _no_op), ("range", _no_range)):
             restorer.set(torch.cuda.nvtx, name, value)
+        restorer.set(torch.cuda, "device", _device_context(torch.cuda.device))
         # C2
         utils = sys.modules[PACKAGE + "utils"]
         original = utils.get_device_compute_capability
@@ -331,7 +368,8 @@ def te_context_parallel_on_cpu(
             return sys._getframe(1).f_code in codes or is_available()
 
         restorer.set(torch.cuda, "is_available", claimed_is_available)
-        stack.enter_context(_CudaClaim(codes))
+        if claim_cuda:
+            stack.enter_context(_CudaClaim(codes))
         # C4: in torch.distributed and in distributed_c10d, whose P2POp accepts only its own isend / irecv
         c10d = dist.distributed_c10d
         for name in ("isend", "irecv"):
@@ -347,6 +385,7 @@ def te_context_parallel_on_cpu(
             extension=sys.modules["transformer_engine_torch"],
             megatron_extension=extension,
             claimed=codes,
+            claims_throughout=claim_cuda,
         )
         _ACTIVE.append(active)
         stack.callback(_ACTIVE.pop)

@@ -551,8 +551,9 @@ def load_release(
     version: str, thd_stats: str = "packed", kernels: dict[str, Callable] | None = None
 ) -> types.ModuleType:
     """Import TE ``version`` (installed by :func:`install`) over the CPU extension of its ABI (with ``kernels``, see
-    :func:`cpu_extension`); returns its ``transformer_engine.pytorch.cpp_extensions.fused_attn``. Replaces any TE
-    already imported in this process, so call it once per process (forked ranks)."""
+    :func:`cpu_extension`), with ``NVTE_TORCH_COMPILE=0`` unless the caller set it; returns its
+    ``transformer_engine.pytorch.cpp_extensions.fused_attn``. Replaces any TE already imported in this process, so
+    call it once per process (forked ranks)."""
     if not is_installed(version):
         raise FileNotFoundError(
             f"Transformer Engine {version} is not installed under {releases_dir()}; run "
@@ -566,6 +567,9 @@ def load_release(
     sys.path[:0] = paths
     building = os.environ.get("NVTE_PROJECT_BUILDING")
     os.environ["NVTE_PROJECT_BUILDING"] = "1"  # the release's own switch: no ctypes loads of its shared objects
+    compiling = os.environ.get("NVTE_TORCH_COMPILE")
+    if compiling is None:  # TE's jit functions (its CP's merges) uncompiled: torch.compile costs ~29 s a process
+        os.environ["NVTE_TORCH_COMPILE"] = "0"
     try:
         # transformer_engine.common first, under a bare parent, so that its loader of the compiled framework
         # extension can be told the stand-in is loaded before the package's __init__ imports transformer_engine.pytorch
@@ -586,6 +590,8 @@ def load_release(
             os.environ.pop("NVTE_PROJECT_BUILDING", None)
         else:
             os.environ["NVTE_PROJECT_BUILDING"] = building
+        if compiling is None:
+            os.environ.pop("NVTE_TORCH_COMPILE", None)
     if package.__version__ != version:
         raise ImportError(f"imported transformer_engine {package.__version__} from {root}, expected {version}")
     return fused_attn
