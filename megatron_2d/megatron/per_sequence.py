@@ -57,8 +57,11 @@ class SelfAttention2D(SelfAttention):
         dynamic = getattr(self.core_attention, "dynamic", None)
         derived = None
         if dynamic is not None and params is not None and getattr(params, "local_cp_size", None) is not None:
-            # hybrid CP: the micro-batch's own group; Megatron's THD RoPE splits by the static CP group
-            derived = dynamic.batch_params(params, self.pg_collection.cp, hidden_states.shape[0], hidden_states.device)
+            # hybrid CP: the micro-batch's own group; Megatron's THD RoPE splits by the static CP group. Under
+            # sequence parallelism hidden_states hold this rank's 1/TP of the tokens: the QKV projection gathers
+            # them before RoPE and core attention, which see all t_local
+            t_local = hidden_states.shape[0] * (self.tp_group.size() if self.config.sequence_parallel else 1)
+            derived = dynamic.batch_params(params, self.pg_collection.cp, t_local, hidden_states.device)
         elif (
             params is not None
             and params.qkv_format == "thd"
