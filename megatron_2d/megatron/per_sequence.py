@@ -15,7 +15,8 @@ else is Megatron's SelfAttention.
 Hybrid (dynamic) CP batches (``packed_seq_params.local_cp_size`` set, :mod:`megatron_2d.megatron.dynamic`) are
 Megatron's per-sequence split too, over the micro-batch's own CP group: :class:`SelfAttention2D` builds their
 sequence layout on the 2D groups of that group, with the RoPE table laid out for the static CP group that
-Megatron's THD RoPE splits by.
+Megatron's THD RoPE splits by. Under sequence parallelism the layer's hidden states hold 1/TP of the micro-batch's
+tokens on this rank; RoPE and core attention get them gathered by the QKV projection, and are laid out for those.
 """
 
 from __future__ import annotations
