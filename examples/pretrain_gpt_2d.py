@@ -102,6 +102,9 @@ def documents_forward_step(stock):
             )
         gpt = use_document_positions(unwrap_model(model))
         local, params = documents_batch_on_this_cp_rank(batch, groups_of_model(gpt), batch["cu_seqlens"].reshape(-1))
+        moe = (
+            {"padding_mask": local["padding"]} if args.num_experts else {}
+        )  # the routers leave the layout's padding out
         output = model(
             local["tokens"],
             local["position_ids"],
@@ -109,6 +112,7 @@ def documents_forward_step(stock):
             labels=local["labels"],
             loss_mask=local["loss_mask"],
             packed_seq_params=params,
+            **moe,
         )
         loss = token_weighted_loss(
             partial(stock.loss_func, local["loss_mask"], model=model),

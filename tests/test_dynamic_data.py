@@ -102,3 +102,60 @@ def test_forward_step_is_wrapped_only_under_hybrid_cp():
     assert forward_step_2d(forward_step, sp)(iter([sub_sample(3, 2)]), "m") == "m"
     assert seen[-1]["tokens"].shape == (1, 8)  # 2 x lcm(2, 4): each of the 2 CP ranks' 4 tokens over 4 TP ranks
     assert dynamic_forward_step(forward_step)(None, "m") == "m" and seen[-1] is None  # TP ranks but the first
+
+
+# ---- MoE: the bridge's padding is kept out of the routers (router_padding_mask) -------------------------------------
+def _params(padded, g, rank):
+    cu = torch.tensor([0, padded], dtype=torch.int32)
+    group = None if g == 1 else SimpleNamespace(rank=lambda: rank)
+    return SimpleNamespace(cu_seqlens_q=cu, local_cp_size=g, cp_group=group)
+
+
+@pytest.mark.parametrize(
+    "length, g, rank, padded_at",
+    [
+        (13, 2, 0, [5, 6, 7]),  # 16 tokens in 4 chunks of 4: rank 0 holds chunks 0 and 3 (positions 0-3, 12-15)
+        (13, 2, 1, []),  # chunks 1 and 2: positions 4-11, no padding
+        (9, 4, 0, [2, 3]),  # 16 tokens in 8 chunks of 2: rank 0 holds chunks 0 and 7 (positions 0, 1, 14, 15)
+        (9, 4, 3, [3]),  # chunks 3 and 4: positions 6, 7, 8, 9
+        (5, 1, 0, [5]),  # one rank: 6 tokens, the last padded
+    ],
+)
+def test_router_padding_mask_marks_this_ranks_padding_in_megatrons_zigzag(length, g, rank, padded_at):
+    from megatron_2d.megatron.dynamic_data import router_padding_mask
+
+    padded = padded_length(length, g)
+    local = padded // g
+    mask = router_padding_mask(_params(padded, g, rank), local, length)
+    # the zigzag positions of this rank's tokens, the way get_batch_on_this_cp_rank cuts them
+    chunk = padded // (2 * g)
+    positions = [c * chunk + i for c in (rank, 2 * g - 1 - rank) for i in range(chunk)]
+    assert mask.shape == (1, local) and mask.dtype == torch.bool
+    assert [i for i, p in enumerate(positions) if p >= length] == padded_at == mask[0].nonzero().flatten().tolist()
+
+
+def test_moe_forward_step_calls_the_model_with_the_bridges_padding_mask():
+    """With MoE (``--num-experts``), the wrapped forward step calls the model with the padding mask of what the
+    bridge padded; a given mask, a batch without PackedSeqParams or one without padding is left alone."""
+    calls = []
+
+    class Model(torch.nn.Module):
+        def forward(self, tokens, packed_seq_params=None, padding_mask=None):
+            calls.append(padding_mask)
+            return tokens
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return model(batch["tokens"], packed_seq_params=_params(batch["tokens"].shape[1], 1, 0))
+
+    moe = SimpleNamespace(hybrid_context_parallel=True, num_experts=4)
+    forward_step_2d(forward_step, moe)(iter([sub_sample(5, 1)]), Model())
+    assert calls[-1].tolist() == [[False] * 5 + [True]]
+    forward_step_2d(forward_step, moe)(iter([sub_sample(6, 1)]), Model())
+    assert calls[-1] is None  # nothing padded
+    forward_step_2d(forward_step, SimpleNamespace(hybrid_context_parallel=True))(iter([sub_sample(5, 1)]), Model())
+    assert calls[-1] is None  # a dense model: no mask
+    model = Model()
+    forward_step_2d(forward_step, moe)(iter([sub_sample(5, 1)]), model)
+    model(torch.zeros(1, 6), packed_seq_params=_params(6, 1, 0))
+    assert calls[-1] is None and not model._forward_pre_hooks  # the hook lives for one forward step

@@ -530,6 +530,35 @@ def test_hybrid_flags_build_the_config_with_per_size_layouts(parse):
         (["--cp-2d-dynamic-layouts", "8=8x1,4=4"], HYBRID_MODEL, None),  # valid: checked as not refused
         (["--tensor-model-parallel-size", "2", "--sequence-parallel"], HYBRID_MODEL, None),  # TP 2 + SP runs
         (["--num-experts", "4", "--expert-model-parallel-size", "2"], HYBRID_MODEL, "expert_model_parallel_size 2"),
+        # MoE router statistics under hybrid CP (megatron_2d.megatron.dynamic.moe_router_problems)
+        (["--num-experts", "4", "--moe-aux-loss-coeff", "1e-2"], HYBRID_MODEL, "with the MoE aux_loss"),
+        (
+            ["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"],
+            HYBRID_MODEL,
+            "with the MoE seq_aux_loss (--moe-router-load-balancing-type seq_aux_loss, --moe-aux-loss-coeff 0.001)",
+        ),
+        (
+            [
+                *("--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "global_aux_loss"),
+                *("--moe-aux-loss-coeff", "0", "1e-2"),
+            ],
+            HYBRID_MODEL,
+            "with the MoE global_aux_loss (--moe-aux-loss-coeff 0.01)",
+        ),
+        (
+            ["--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing"],
+            HYBRID_MODEL,
+            "with --moe-router-load-balancing-type quantile_balancing",
+        ),
+        (
+            ["--num-experts", "4", "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"],
+            HYBRID_MODEL,
+            "with --moe-router-enable-expert-bias",
+        ),
+        (["--num-experts", "4", "--moe-z-loss-coeff", "1e-3"], HYBRID_MODEL, None),  # the z-loss runs
+        (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], HYBRID_MODEL, None),  # per rank
+        (["--num-experts", "4", "--moe-aux-loss-coeff", "0"], HYBRID_MODEL, None),  # plain top-k routing runs
+        (["--moe-aux-loss-coeff", "1e-2"], HYBRID_MODEL, None),  # no MoE layer: nothing to refuse
         (["--cp-2d-dynamic-layouts", "2=2x2"], HYBRID_MODEL, "hp x cp = 2 x 2 = 4 is not the group size 2"),
         ([], HYBRID_MODEL, None),
     ],
@@ -570,9 +599,28 @@ def test_hybrid_refusals_on_the_config_route():
         (dict(cp_2d_dynamic_layouts="16=16"), "size 16: head-parallel size 16 does not divide the 8 attention heads"),
         (dict(hybrid_context_parallel=False, cp_2d_dynamic_layouts="4=2"), "set without hybrid_context_parallel"),
         (dict(num_moe_experts=4, expert_model_parallel_size=2), "with expert_model_parallel_size 2: megatron-core"),
+        (dict(num_moe_experts=4, moe_aux_loss_coeff=1e-2), "with the MoE aux_loss"),
+        (
+            dict(
+                num_moe_experts=4,
+                moe_router_load_balancing_type=["seq_aux_loss", "aux_loss"],
+                moe_aux_loss_coeff=[1e-3, 0.0],
+            ),
+            "with the MoE seq_aux_loss",
+        ),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2),
+            "with the MoE global_aux_loss",
+        ),
+        (
+            dict(num_moe_experts=4, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
+            "with --moe-router-enable-expert-bias",
+        ),
     ]:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             TransformerConfig2D(**{**base, **change})
+    moe = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
+    assert TransformerConfig2D(**base, **moe, moe_z_loss_coeff=1e-3).moe_z_loss_coeff == 1e-3  # the z-loss runs
 
 
 def test_hybrid_refuses_rope_fusion_and_mla():

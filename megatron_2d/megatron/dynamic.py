@@ -155,7 +155,8 @@ def dynamic_config_problems(config) -> list[str]:
     megatron.training's args), each naming the setting and what would work; empty when it can (or when hybrid CP
     is off). Upstream's own refusals (pipeline parallelism, megatron-fsdp, MLA, no per-token loss, CUDA graphs) are
     repeated here so that every route (the Python config included) stops before any collective, with what upstream
-    does not refuse but hangs on (expert parallelism)."""
+    does not refuse but hangs on or computes wrongly (expert parallelism, MoE router statistics:
+    :func:`moe_router_problems`)."""
     if not is_dynamic(config):
         return []
     problems = []
@@ -179,6 +180,7 @@ def dynamic_config_problems(config) -> list[str]:
             f"(Megatron-LM's open dynamic-CP series clamps the group sizes for it, PR #7146); use "
             f"--expert-model-parallel-size 1"
         )
+    problems += moe_router_problems(config)
     if getattr(config, "use_megatron_fsdp", False):
         problems.append("hybrid_context_parallel with megatron-fsdp is refused by megatron-core 0.19.2; drop it")
     if getattr(config, "multi_latent_attention", False):
@@ -215,6 +217,62 @@ def dynamic_config_problems(config) -> list[str]:
             "cp_2d_packing='documents' with hybrid_context_parallel: Megatron's hybrid schedule unpacks every "
             "sample into its sequences and runs each on its own CP group (Megatron's per-sequence split), so there "
             "is no packed batch to lay out by documents; drop --cp-2d-packing documents"
+        )
+    return problems
+
+
+def router_load_balancing(config) -> dict[str, float]:
+    """The MoE router's load-balancing types with their coefficients (``moe_router_load_balancing_type`` and
+    ``moe_aux_loss_coeff``, each a value or a list, as megatron-core and its flags take them); empty without MoE
+    (``num_moe_experts`` / ``--num-experts``)."""
+    if not (getattr(config, "num_moe_experts", None) or getattr(config, "num_experts", None)):
+        return {}
+    types = getattr(config, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
+    coeffs = getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0
+    types = list(types) if isinstance(types, (list, tuple)) else [types]
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(types)
+    return {kind: float(coeff) for kind, coeff in zip(types, coeffs)}
+
+
+def moe_router_problems(config) -> list[str]:
+    """What megatron-core 0.19.2's MoE router computes wrongly or hangs on under hybrid (dynamic) CP, each naming the
+    setting and what runs (the z-loss and plain top-k routing do; :mod:`.dynamic_data` keeps the bridge's padding
+    out of them). Measured on CPU ranks against CP = 1 (docs/megatron.md)."""
+    balancing = router_load_balancing(config)
+    problems = []
+    upstream = "Megatron-LM's open dynamic-CP series reduces the router's statistics over the runtime group, PR #7146"
+    local = [kind for kind in ("aux_loss", "seq_aux_loss") if balancing.get(kind, 0.0) > 0]
+    if local:
+        problems.append(
+            f"hybrid_context_parallel with the MoE {' and '.join(local)} (--moe-router-load-balancing-type "
+            f"{' '.join(local)}, --moe-aux-loss-coeff {' '.join(str(balancing[k]) for k in local)}): megatron-core "
+            f"0.19.2's router sums each micro-batch's expert counts over the static TP x CP group, not over the "
+            f"micro-batch's hybrid CP group, so at static CP 1 each rank balances its share of a sequence alone (the "
+            f"router gradients differ from CP = 1's: measured 4-7%) and at static CP > 1 the ranks of the static "
+            f"group, which run other micro-batches, wait on each other until the timeout ({upstream}); use "
+            f"--moe-aux-loss-coeff 0 (the z-loss, --moe-z-loss-coeff, runs) or static CP"
+        )
+    if balancing.get("global_aux_loss", 0.0) > 0:
+        problems.append(
+            f"hybrid_context_parallel with the MoE global_aux_loss (--moe-aux-loss-coeff "
+            f"{balancing['global_aux_loss']}): megatron-core 0.19.2's router all-reduces every micro-batch's expert "
+            f"counts over the TP x DP x CP group, whose ranks run different numbers of micro-batches under hybrid CP, "
+            f"so they wait on each other until the timeout ({upstream}); use --moe-aux-loss-coeff 0 or static CP"
+        )
+    if "quantile_balancing" in balancing:
+        problems.append(
+            "hybrid_context_parallel with --moe-router-load-balancing-type quantile_balancing: megatron-core 0.19.2's "
+            "router gathers every micro-batch's logits over the static TP x CP group (one rank's share of a sequence "
+            "at static CP 1, other ranks' micro-batches at static CP > 1) and takes no padding mask, which the "
+            "hybrid bridge's padding needs; use another --moe-router-load-balancing-type (aux-loss-free: 'none')"
+        )
+    if getattr(config, "moe_router_enable_expert_bias", False) and balancing:
+        problems.append(
+            "hybrid_context_parallel with --moe-router-enable-expert-bias: the expert bias is updated from every "
+            "routed token's count, and hybrid CP pads each sequence to a multiple of 2 x its CP group size "
+            "(megatron_2d.megatron.dynamic_data), tokens a CP = 1 step would not count; megatron-core 0.19.2's router "
+            "fails on the padding mask that leaves them out (router.py _apply_expert_bias: a [tokens] mask against "
+            "the [tokens, experts] routing map); drop --moe-router-enable-expert-bias or use static CP"
         )
     return problems
 

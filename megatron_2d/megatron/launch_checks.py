@@ -200,6 +200,17 @@ def documents_layout_problem(config) -> str | None:
             f"padding rule: the packed length divisible by TP x 2 x CP); use cp_2d_packing='zigzag' (--sft "
             f"batches padded by that rule) with sequence parallelism"
         )
+    if getattr(config, "moe_router_enable_expert_bias", False) and (
+        getattr(config, "num_moe_experts", None) or getattr(config, "num_experts", None)
+    ):
+        return (
+            "cp_2d_packing='documents' (--cp-2d-packing documents) with --moe-router-enable-expert-bias: the documents "
+            "layout pads each CP rank's slots, and its data path gives a MoE model their padding mask so that the "
+            "router's losses and expert counts leave them out (a CP = 1 step has no such tokens); megatron-core "
+            "0.19.2's router fails on a padding mask with the expert bias (router.py _apply_expert_bias: a [tokens] "
+            "mask against the [tokens, experts] routing map); use cp_2d_packing='zigzag' (--sft batches) or drop "
+            "--moe-router-enable-expert-bias"
+        )
     return None
 
 

@@ -96,8 +96,10 @@ def documents_batch_on_this_cp_rank(
     batch: dict[str, Any], groups: Groups2D, cu_seqlens, **layout_options
 ) -> tuple[dict[str, Any], PackedSeqParams2D]:
     """This rank's tokens of ``batch`` ([1, T], real documents only) under the documents layout, and the
-    PackedSeqParams to pass to the model. Padding slots get token 0, label 0, loss_mask 0, position 0.
-    Collective over the CP group (it builds the layout)."""
+    PackedSeqParams to pass to the model. Padding slots get token 0, label 0, loss_mask 0, position 0, and
+    ``padding`` ([1, t] bool) marks them: give it to a MoE model as ``padding_mask``, or its router counts them in
+    its z-loss and load-balancing losses (which a CP = 1 step of the documents does not have). Collective over the
+    CP group (it builds the layout)."""
     layout = PackedSharding(cu_seqlens, groups, mode="documents", **layout_options)
     device = batch["tokens"].device
     idx = layout.device_tensor("local_indices", device)  # copied once, non-blocking
@@ -112,6 +114,7 @@ def documents_batch_on_this_cp_rank(
             out[key] = batch[key].index_select(1, gather).masked_fill(pad, 0)
     params = layout_params(layout, device)
     out["position_ids"] = to_device(layout.position_ids(), device).unsqueeze(0)
+    out["padding"] = pad.reshape(1, -1)  # [1, t]
     return out, params
 
 

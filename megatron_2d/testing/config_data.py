@@ -57,7 +57,8 @@ def _pad(doc: dict[str, torch.Tensor], to: int) -> dict[str, torch.Tensor]:
 
 @dataclass
 class PackedSequence:
-    """One packed sequence as the draw's data path gives it to Megatron: [1, T] tensors and cu_seqlens."""
+    """One packed sequence as the draw's data path gives it to Megatron: [1, T] tensors and cu_seqlens; ``real`` is
+    1 at the documents' tokens and 0 at the padding the data path adds (:func:`router_padding_mask`)."""
 
     batch: dict[str, torch.Tensor]
     cu_seqlens: torch.Tensor  # real documents (sequence mode: the filler document included)
@@ -72,7 +73,7 @@ def packed_sequence(draw: Draw, iteration: int, sequence: int, total: int | None
     """Packed sequence ``sequence`` of an iteration in the draw's packing mode, ``total`` slots long (the common
     length of the micro-batches under PP; None: as long as it needs)."""
     s, CP = draw.scenario, draw.context_parallel_size
-    docs = documents(s, iteration, sequence)
+    docs = [dict(d, real=torch.ones(d["tokens"].shape[0])) for d in documents(s, iteration, sequence)]
     lengths = [d["tokens"].shape[0] for d in docs]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     granule = sequence_granule(draw)
@@ -141,9 +142,31 @@ def microbatches(draw: Draw, iteration: int) -> tuple[list[Any], int]:
     return packed, max(p.tokens for p in packed) if total is None else total
 
 
+def masks_router_padding(draw: Draw) -> bool:
+    """Whether the draw's model is called with the padding mask of its data path's padding: for the documents
+    layout's MoE models (as examples/pretrain_gpt_2d.py calls them: the layout's padding is the 2d backend's), and
+    for the MoE z-loss scenarios, whose z-loss would count the padding to 2 x CP (x TP) that a CP = 1 reference does
+    not have (pretrain_gpt.py passes none: Megatron's z-loss at CP > 1 then differs from CP = 1's whatever the
+    attention backend, docs/testing.md), so that it is compared with CP = 1's on the same real tokens. Not with the
+    expert bias: megatron-core 0.19.2's router fails on a padding mask there (refused with the documents layout)."""
+    s = draw.scenario
+    documents = s.data == "documents" and draw.context_parallel_size > 1
+    return s.moe and s.moe_router != "expert_bias" and (documents or s.moe_router == "z_loss")
+
+
+def router_padding_mask(local: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """[b, t] bool, True at this rank's padding tokens (the documents layout's ``padding``, else ``real`` 0), or
+    None when it holds none."""
+    padding = local.get("padding")
+    if padding is None and local.get("real") is not None:
+        padding = local["real"] == 0
+    return padding if padding is not None and bool(padding.any()) else None
+
+
 def forward_step(draw: Draw, data_iterator, model):
     """Megatron's forward_step for the draw's data path: this CP rank's share of the micro-batch, the model, and
-    the per-token loss (sum, tokens, report)."""
+    the per-token loss (sum, tokens, report); with :func:`masks_router_padding`, the padding mask of the data
+    path's padding."""
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -166,6 +189,10 @@ def forward_step(draw: Draw, data_iterator, model):
             local = get_thd_batch_on_this_cp_rank_2d(
                 dict(item.batch, cu_seqlens=item.cu_seqlens, cu_seqlens_padded=padded), cp_group
             )
+            cu_split = dict(cu_seqlens=item.cu_seqlens, cu_seqlens_padded=padded)  # ``real`` split like the tokens
+            local["real"] = get_thd_batch_on_this_cp_rank_2d(dict(cu_split, tokens=item.batch["real"]), cp_group)[
+                "tokens"
+            ]
         cu = padded if padded is not None else item.cu_seqlens  # as pretrain_gpt.py / pretrain_hybrid.py build it
         longest = int((cu[1:] - cu[:-1]).max())
         params = PackedSeqParams(
@@ -178,12 +205,14 @@ def forward_step(draw: Draw, data_iterator, model):
             max_seqlen_kv=longest,
             total_tokens=int(cu[-1]),
         )
+    padding = router_padding_mask(local) if masks_router_padding(draw) else None
     output = model(
         input_ids=local["tokens"],
         position_ids=local["position_ids"],
         attention_mask=None,
         labels=local["labels"],
         packed_seq_params=params,
+        **({} if padding is None else {"padding_mask": padding}),
     )
     return output, functools.partial(mcpu.per_token_loss, local["loss_mask"])
 

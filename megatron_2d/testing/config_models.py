@@ -11,7 +11,7 @@ import torch
 
 from . import ddp_harness as mcpu
 from . import tiny_gpt as tg
-from .generated_configs import Draw, Scenario, norm_route
+from .generated_configs import MOE_LOSS_COEFF, Draw, Scenario, norm_route
 
 VOCAB = 128
 HIDDEN = 64
@@ -58,6 +58,8 @@ def megatron_flags(draw: Draw) -> list[str]:
     ]
     if draw.sequence_parallel:
         flags.append("--sequence-parallel")
+    if s.moe:
+        flags += ["--num-experts", "2", "--moe-router-topk", "2", *moe_router_flags(s)]
     if draw.ep > 1:
         flags += ["--expert-model-parallel-size", str(draw.ep)]
     if s.normalization != "LayerNorm":
@@ -102,6 +104,28 @@ def megatron_flags(draw: Draw) -> list[str]:
     if draw.recompute == "checkpoint_plus_plus":
         flags.append("--selective-checkpoint-plus-plus")
     return flags + hybrid_zero(draw).megatron_cli_args(draw.dp, draw.context_parallel_size)
+
+
+def moe_router_fields(s: Scenario) -> dict[str, Any]:
+    """The TransformerConfig fields of the scenario's MoE router (generated_configs.MOE_ROUTERS)."""
+    if s.moe_router in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+        return dict(moe_router_load_balancing_type=s.moe_router, moe_aux_loss_coeff=MOE_LOSS_COEFF)
+    if s.moe_router == "z_loss":
+        return dict(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=MOE_LOSS_COEFF)
+    if s.moe_router == "expert_bias":
+        return dict(moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    return dict(moe_aux_loss_coeff=0.0)
+
+
+def moe_router_flags(s: Scenario) -> list[str]:
+    """The pretrain_gpt.py flags of :func:`moe_router_fields`."""
+    if s.moe_router in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+        return ["--moe-router-load-balancing-type", s.moe_router, "--moe-aux-loss-coeff", str(MOE_LOSS_COEFF)]
+    if s.moe_router == "z_loss":
+        return ["--moe-z-loss-coeff", str(MOE_LOSS_COEFF)]
+    if s.moe_router == "expert_bias":
+        return ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
+    return []
 
 
 def parse_megatron_flags(flags: list[str]):
@@ -163,7 +187,7 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
     if s.moe:
         # top-2 of 2 experts: no routing decision that rounding could flip; no biases (megatron-core 0.19.2 allows
         # MoE biases only without expert tensor parallelism)
-        fields.update(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0)
+        fields.update(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64, **moe_router_fields(s))
         fields.update(moe_token_dispatcher_type="alltoall", add_bias_linear=False, expert_model_parallel_size=draw.ep)
     if s.model == "hybrid":
         fields.update(SSM_SIZES, **ssm_sizes(s))

@@ -36,7 +36,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_2d.megatron.config import TransformerConfig2D
-from megatron_2d.megatron.dynamic_data import hybrid_sample_batch, sequence_parallel_size
+from megatron_2d.megatron.dynamic_data import dynamic_forward_step, sequence_parallel_size
 from megatron_2d.testing.megatron_cpu import cuda_to_cpu
 from megatron_2d.testing.tiny_gpt import (
     TinyGPTConfig,
@@ -127,9 +127,17 @@ def _sequences(samples: list[Sample]) -> list[Sample]:
 
 def reference_step(cfg: TinyGPTConfig, samples: list[Sample]) -> dict[str, Any]:
     """The CP = 1 training step of every sequence of ``samples`` on this rank alone (module docstring): ``loss``,
-    ``grad_norm``, ``grads`` (by canonical name)."""
+    ``grad_norm``, ``grads`` (by canonical name). Each sequence is its own micro-batch, as under hybrid CP, so
+    per-micro-batch statistics (MoE auxiliary losses) are those of one sequence; its summed loss is backpropagated
+    and the gradients divided by the token count at the end, as Megatron's ``finalize_model_grads`` does with
+    per-token loss (a MoE model's router losses are added to the gradients unscaled, as its schedule sets them)."""
     init_parallel(context_parallel_size=1, seed=cfg.seed)
-    model = build_tiny_gpt(cfg)
+    config = make_transformer_config(cfg)
+    model = build_tiny_gpt(cfg, reference_spec(config), config)
+    if config.num_moe_experts:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))  # what the schedule sets with per-token loss
     sequences = _sequences(samples)
     total = sum(float(s["loss_mask"].sum()) for s in sequences)
     loss = torch.zeros(())
@@ -141,9 +149,19 @@ def reference_step(cfg: TinyGPTConfig, samples: list[Sample]) -> dict[str, Any]:
             labels=s["labels"].unsqueeze(0),
         )
         part = (per_token.float() * s["loss_mask"].unsqueeze(0)).sum()
-        (part / total).backward()
+        part.backward()
         loss = loss + part.detach()
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad /= total
     return {"loss": loss / total, "grads": full_gradients(model), "grad_norm": megatron_grad_norm(model)}
+
+
+def reference_spec(config):
+    """The CP = 1 reference's layer spec: Megatron's local GPT spec (its MoE decoder block spec for a MoE config)."""
+    from megatron_2d.megatron.spec import megatron_gpt_spec
+
+    return megatron_gpt_spec(config, use_transformer_engine=False) if config.num_moe_experts else None
 
 
 def dynamic_config(cfg: TinyGPTConfig, max_seqlen_per_rank: int, layouts: str | None) -> TinyGPTConfig:
@@ -168,24 +186,37 @@ def _loss_func(loss_mask, per_token):
 
 
 def hybrid_forward_step(data_iterator, model, seen: list | None = None, loss=None):
-    """pretrain_gpt.py's forward_step on a hybrid sub-sample: the bridge (TP rank 0, which holds the data; padded
-    for the TP split under sequence parallelism, as forward_step_2d does), Megatron's broadcast over TP, flatten and
-    hybrid CP split, its PackedSeqParams; records the sub-sample's (length, CP size) in ``seen`` (TP rank 0).
-    ``loss(loss_mask, output)``: pretrain_gpt.py's (sum, count, report) by default."""
+    """pretrain_gpt.py's forward_step on a hybrid sub-sample, wrapped by the bridge as the patched pretrain_gpt.py
+    wraps it (:func:`megatron_2d.megatron.dynamic_data.dynamic_forward_step`: TP rank 0, which holds the data, pads
+    it for the CP and TP splits; a MoE model is called with the padding mask of that padding); records the
+    sub-sample's (length, CP size) in ``seen`` (TP rank 0). ``loss(loss_mask, output)``: pretrain_gpt.py's (sum,
+    count, report) by default."""
+    from megatron.core.utils import get_model_config
+
+    if data_iterator is not None and seen is not None:
+        raw = next(data_iterator)
+        seen.append((int(raw["tokens"].shape[0]), int(raw["local_cp_size"])))
+        data_iterator = iter([raw])
+    config = get_model_config(model)
+    step = dynamic_forward_step(
+        partial(_pretrain_forward_step, loss=loss), sequence_parallel_size(config), moe=bool(config.num_moe_experts)
+    )
+    return step(data_iterator, model)
+
+
+def _pretrain_forward_step(data_iterator, model, loss=None):
+    """pretrain_gpt.py's forward_step under hybrid CP on a bridged batch: Megatron's broadcast over TP, flatten and
+    hybrid CP split, its PackedSeqParams, the model, the loss."""
     from megatron.core.utils import (
         flatten_batch_for_packed_sequences,
         get_batch_on_this_cp_rank,
         get_batch_on_this_tp_rank,
-        get_model_config,
     )
 
     batch = {}
     if data_iterator is not None:  # TP rank 0: the hybrid schedule gives the others None
-        raw = next(data_iterator)
-        batch = hybrid_sample_batch(raw, sequence_parallel_size(get_model_config(model)))
+        batch = next(data_iterator)
         batch.setdefault("cu_seqlens_padded", None)  # pretrain_gpt.py's get_batch gives every key it reads
-        if seen is not None:
-            seen.append((int(raw["tokens"].shape[0]), int(batch["local_cp_size"][0])))
     batch = get_batch_on_this_tp_rank(
         batch,
         has_cu_seqlens=True,

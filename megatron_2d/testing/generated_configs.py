@@ -68,6 +68,16 @@ ITERATIONS = 3
 GLOBAL_BATCH = 4
 """Samples (sbhd) or packed sequences (THD) per iteration, split over DP and micro-batches."""
 DRAWS_PER_SCENARIO = 3
+MOE_ROUTERS = ("plain", "aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss", "expert_bias")
+"""What a MoE scenario's router adds to its top-k routing: nothing ("plain"), one of megatron-core's load-balancing
+losses (``--moe-router-load-balancing-type``, coefficient :data:`MOE_LOSS_COEFF`), the z-loss
+(``--moe-z-loss-coeff``), or the aux-loss-free expert bias (``--moe-router-enable-expert-bias``, sigmoid scores).
+With the scenarios' top-2 of 2 experts every token goes to both experts, so the load-balancing losses are constants
+(no gradient) and the expert bias never moves: the draws run their collectives (and the refusals under hybrid CP);
+the z-loss changes the gradients. Their math against CP = 1 with 4 experts: tests/test_megatron_dynamic.py."""
+MOE_ROUTER_SHARE = 0.5
+"""How often a MoE scenario's router is not "plain" (drawn from a stream of its own, [seed, 5])."""
+MOE_LOSS_COEFF = 1e-2
 DYNAMIC_SHARE = 0.35
 """How often a draw of a packed (--sft, zigzag) scenario trains under Megatron's hybrid (dynamic) CP instead: its
 DP x CP ranks give each document its own CP group (:func:`_with_dynamic_cp`, drawn from a stream of its own, so
@@ -102,6 +112,7 @@ class Scenario:
     end_padding: int  # THD zigzag: extra padded slots after the last document, in units of 2 * CP
     dtype: str
     tp: int | None  # MLA: the scenario's TP (the reference's); None: each draw picks its own
+    moe_router: str = "plain"  # MoE: what the router adds to top-k routing (MOE_ROUTERS)
 
     def windowed_layers(self) -> list[int]:
         """Layer numbers (1-based, over the whole pattern) Megatron windows (``is_layer_window_attention``)."""
@@ -280,7 +291,15 @@ def draw_scenario(seed: int) -> Scenario:
         end_padding=int(rng.integers(0, 3)) if data == "zigzag" else 0,
         dtype="bf16" if rng.random() < 0.25 else "fp32",
         tp=int(_choice(rng, (1, 2))) if model == "mla" else None,
+        moe_router=_moe_router(seed) if model == "gpt_moe" or "E" in layers else "plain",
     )
+
+
+def _moe_router(seed: int) -> str:
+    """A MoE scenario's router (:data:`MOE_ROUTERS`), from its own stream: numpy reads [seed, k] as [seed, k, 0], so
+    k is none of the per-draw streams' (1, 3, 4) nor a scenario stream's (0, 2)."""
+    rng = np.random.default_rng([seed, 5])
+    return "plain" if rng.random() >= MOE_ROUTER_SHARE else str(_choice(rng, MOE_ROUTERS[1:]))
 
 
 def _splits(rng: np.random.Generator, layers: str, segments: int) -> tuple[int, ...]:
@@ -360,7 +379,8 @@ def _with_dynamic_cp(draw: Draw) -> Draw:
 
     s = draw.scenario
     rng = np.random.default_rng([s.seed, 4, draw.index])  # its own stream (3 is expert parallelism's)
-    refused_model = s.model == "mla" or _has(draw, "MG")  # refused with hybrid CP: drawn rarely
+    # refused with hybrid CP: drawn rarely
+    refused_model = s.model == "mla" or _has(draw, "MG")
     if s.data != "zigzag" or rng.random() >= DYNAMIC_SHARE * (RARE if refused_model else 1.0):
         return draw
     ranks = draw.dp * draw.context_parallel_size
@@ -390,6 +410,11 @@ def _with_dynamic_cp(draw: Draw) -> Draw:
         max_seqlen_per_rank=-(-s.seq_length // ranks),
         dynamic_layouts=",".join(entries) or None,
     )
+
+
+HYBRID_REFUSED_ROUTERS = ("aux_loss", "seq_aux_loss", "global_aux_loss", "expert_bias")
+"""The MoE routers megatron-core 0.19.2 gets wrong or hangs on under hybrid CP (refused by the 2d backend,
+megatron_2d.megatron.dynamic.moe_router_problems)."""
 
 
 def scenario_draws(seed: int, count: int = DRAWS_PER_SCENARIO) -> list[Draw]:
@@ -555,6 +580,23 @@ REFUSALS: tuple[Rule, ...] = (
         "hybrid_context_parallel with expert_model_parallel_size 2",
     ),
     Rule(
+        "dynamic_cp_with_moe_load_balancing_loss",
+        lambda d: d.dynamic and d.scenario.moe_router in ("aux_loss", "seq_aux_loss", "global_aux_loss"),
+        "hybrid_context_parallel with the MoE ",
+    ),
+    Rule(
+        "dynamic_cp_with_moe_expert_bias",
+        lambda d: d.dynamic and d.scenario.moe_router == "expert_bias",
+        "hybrid_context_parallel with --moe-router-enable-expert-bias",
+    ),
+    Rule(
+        "documents_layout_with_moe_expert_bias",
+        lambda d: (
+            d.scenario.data == "documents" and d.context_parallel_size > 1 and d.scenario.moe_router == "expert_bias"
+        ),
+        "cp_2d_packing='documents' (--cp-2d-packing documents) with --moe-router-enable-expert-bias",
+    ),
+    Rule(
         "dynamic_cp_with_mla",
         lambda d: d.dynamic and d.scenario.model == "mla",
         "hybrid_context_parallel with multi-latent attention is refused",
@@ -647,6 +689,8 @@ EXPECTED_VALUES: dict[str, set] = {
     "sequence_parallel_with": {"checkpoint_plus_plus", "thd", "window", "sinks", "mamba", "gdn", "moe", "pipeline"}
     | {f"mla_{ring}" for ring in MLA_RINGS},
     "moe_with_tensor_parallelism": {True},
+    "moe_router": set(MOE_ROUTERS),
+    "dynamic_moe_router": set(MOE_ROUTERS),
     "ep": {1, 2},
     "expert_parallelism_with_tensor_parallelism": {True},
     "normalization": set(NORMALIZATIONS),
@@ -698,6 +742,8 @@ def axis_values(draw: Draw) -> dict[str, set]:
         "sequence_parallel_model": {s.model} if draw.sequence_parallel else set(),
         "sequence_parallel_with": sequence_parallel_with(draw),
         "moe_with_tensor_parallelism": {s.moe and draw.tp > 1},
+        "moe_router": {s.moe_router} if s.moe else set(),
+        "dynamic_moe_router": {s.moe_router} if s.moe and draw.dynamic else set(),
         "ep": {draw.ep},
         "expert_parallelism_with_tensor_parallelism": {draw.ep > 1 and draw.tp > 1},
         "normalization": {s.normalization},
