@@ -8,8 +8,11 @@ Megatron's grad norm and every gradient with the CP = 1 step of the same sequenc
 local attention (:mod:`megatron_2d.testing.dynamic_cp`). Layouts: the planner's rule, and given ones with K/V
 heads replicated inside a group (hp above the 2 K/V heads), Double-Ring, context_first. TP 2 and 4 with sequence
 parallelism (apex's LayerNorm stood in, megatron_2d.testing.sp_norms) x DP x CP 4 and 2 against the TP = 1, CP = 1
-step: each rank's hidden states hold 1/TP of its sequence chunk until the QKV projection gathers them. Two forked
-worlds (4 and 8 ranks) run every case, then the refusals the per-call path makes.
+step: each rank's hidden states hold 1/TP of its sequence chunk until the QKV projection gathers them. MoE (4
+experts, top 2, all-to-all dispatch at EP 1): the z-loss under hybrid CP (TP 1, and TP 2 + SP) with the bridge's
+padding kept out of the router, against CP = 1; megatron-core's load-balancing loss under hybrid CP (refused: the
+test shows why); the router losses at a static 2D CP size against CP = 1. Two forked worlds (4 and 8 ranks) run
+every case, then the refusals the per-call path makes.
 """
 
 from __future__ import annotations
@@ -49,6 +52,32 @@ sequence, 50 tokens, on all 4 and 2 DP x CP ranks. At TP 4 the bridge pads each 
 g x lcm(2, 4) (e.g. 9 tokens on one rank to 12, not 10): GPTModel's embedding scatters each rank's tokens over TP."""
 
 
+MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_token_dispatcher_type="alltoall",
+    add_bias_linear=False,
+)
+"""4 experts, top 2: the routing and the load-balancing losses depend on the tokens (the generator's top 2 of 2 experts
+make those losses constants)."""
+ROUTERS = {
+    "z_loss": dict(moe_z_loss_coeff=0.1),
+    "aux_loss + seq_aux_loss + z_loss": dict(
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+        moe_aux_loss_coeff=[0.1, 0.05],
+        moe_z_loss_coeff=0.1,
+    ),
+}
+STATIC_SAMPLES = [[8, 16, 32], [24, 8], [8, 8, 16], [16, 8, 8]]
+"""Documents of multiples of 2 x CP = 8 tokens: nothing padded, so the router sees the CP = 1 step's tokens."""
+
+
+def moe(router=None, model=CFG):
+    """``model`` with MoE MLPs (:data:`MOE`) and ``router``'s loss (:data:`ROUTERS`; None: plain top-k routing)."""
+    return replace(model, config_overrides=dict(model.config_overrides, **MOE, **ROUTERS.get(router, {})))
+
+
 def expected_sizes(world, longest=LONGEST):
     """(length, CP size) of every sequence, once per rank that runs it: Megatron's rule
     max(1, 2^ceil(log2(L / longest)))."""
@@ -63,8 +92,13 @@ def run_world(rank, world):
 
     samples = packed_samples(SAMPLES[world], CFG.vocab_size, seed=world)
     out = {"reference": reference_step(CFG, samples)}
+    from megatron_2d.testing.megatron_cpu import install_megatron_ddp_cpu_shims
+
+    install_megatron_ddp_cpu_shims()  # MoE's all-to-all token dispatcher makes a CUDA stream
     if world == 8:
         out["reference mha"] = reference_step(MHA, samples)
+        out["reference moe z_loss"] = reference_step(moe("z_loss"), samples)
+        out["tp2 sp moe z_loss"] = sequence_parallel_step(samples, 2, "2=2x1,4=2x2", 2, 16, moe("z_loss"))
     for name, (size, cp, layouts) in CASES.items():
         if size == world and name not in SEQUENCE_PARALLEL:
             out[name] = hybrid_step(CFG, samples, cp, LONGEST, layouts)
@@ -73,7 +107,29 @@ def run_world(rank, world):
     if world == 4:
         out["refusals"] = refusals(samples)
         out["packed micro-batch"] = packed_microbatch(samples)
+        out["moe"] = moe_cases(samples)
     return out
+
+
+def moe_cases(samples):
+    """MoE under hybrid CP at DP x CP = 4 (the samples' sequences padded by the bridge: 5 tokens to 6, 3 to 4, ...):
+    the z-loss; megatron-core's load-balancing losses with their refusal lifted; the router losses at static CP 4 =
+    2 x 2 (no padding) against CP = 1."""
+    from megatron_2d.megatron import dynamic
+    from megatron_2d.testing.dynamic_cp import hybrid_step, packed_samples, reference_step, static_step
+
+    z, every = moe("z_loss"), moe("aux_loss + seq_aux_loss + z_loss")
+    found = {"reference z_loss": reference_step(z, samples), "reference every loss": reference_step(every, samples)}
+    found["hybrid z_loss"] = hybrid_step(z, samples, 1, LONGEST)
+    problems = dynamic.moe_router_problems
+    dynamic.moe_router_problems = lambda config: []
+    try:  # what the refusal keeps users from: megatron-core 0.19.2's load-balancing losses under hybrid CP
+        found["hybrid every loss unrefused"] = hybrid_step(every, samples, 1, LONGEST)
+    finally:
+        dynamic.moe_router_problems = problems
+    unpadded = packed_samples(STATIC_SAMPLES, CFG.vocab_size, seed=7)
+    found["static every loss"] = (static_step(every, unpadded, 4, 2), static_step(every, unpadded, 1, 1))
+    return found
 
 
 def sequence_parallel_step(samples, cp, layouts, tp, longest, model):
@@ -260,4 +316,38 @@ def test_a_micro_batch_of_several_sequences_runs_the_sequence_layout(results):
     """Megatron's dev branch packs hybrid micro-batches (several sequences, one group size): the 2d backend runs
     them in Megatron's per-sequence split (the sequence layout on the group's 2D groups)."""
     got, expected = results[4]["packed micro-batch"]
+    assert_matches(got, expected)
+
+
+# ---- MoE ------------------------------------------------------------------------------------------------------------
+def test_moe_z_loss_under_hybrid_cp_matches_cp1(results):
+    """The z-loss sums over tokens, so it needs no group: under hybrid CP (TP 1 at DP x CP 4; TP 2 + SP at DP x CP 4,
+    static CP 2) it equals CP = 1's once the bridge's padding is out of the router (left in, it moved the gradients
+    by 76%: docs/megatron.md). The sequences are padded (lengths not multiples of 2 x g, or g x 2 x TP)."""
+    assert_matches(results[4]["moe"]["hybrid z_loss"], results[4]["moe"]["reference z_loss"])
+    tp2 = results[8]["tp2 sp moe z_loss"]
+    assert_matches(tp2, results[8]["reference moe z_loss"])
+    assert tp2["sequence_parallel"]
+    padded = [(n, g) for n, g in results[4]["moe"]["hybrid z_loss"]["sizes"] if n % (2 * g)]
+    assert padded and [(n, g) for n, g in tp2["sizes"] if n % (4 * g)]
+
+
+def test_megatron_load_balancing_losses_under_hybrid_cp_are_why_they_are_refused(results):
+    """megatron-core 0.19.2's load-balancing losses sum each micro-batch's expert counts over the static TP x CP
+    group: at static CP 1 every rank balances its share of a sequence alone, and the router gradients differ from
+    CP = 1's (measured 6%; at static CP > 1 the ranks wait on each other instead). When this test fails,
+    megatron-core reduces over the micro-batch's group and the refusal (megatron_2d.megatron.dynamic.
+    moe_router_problems) can go."""
+    found = results[4]["moe"]
+    errors = compare_results(found["hybrid every loss unrefused"], found["reference every loss"])
+    router = {k: e for k, e in errors.items() if k.endswith("mlp.router.weight")}
+    assert len(router) == 2 and max(router.values()) > 1e-2, router
+    assert errors["loss"] < RTOL  # the loss itself is right: only the router's gradients are wrong
+
+
+def test_moe_router_losses_at_a_static_2d_cp_size_match_cp1(results):
+    """The load-balancing losses reduce over the static TP x CP group, which at a static CP size is the one holding
+    the micro-batch: with aux_loss, seq_aux_loss and the z-loss, CP 4 as hp x cp = 2 x 2 equals CP = 1 (packed
+    documents of multiples of 2 x CP: no padding)."""
+    got, expected = results[4]["moe"]["static every loss"]
     assert_matches(got, expected)

@@ -130,8 +130,10 @@ def reference_step(cfg: TinyGPTConfig, samples: list[Sample]) -> dict[str, Any]:
     ``grad_norm``, ``grads`` (by canonical name). Each sequence is its own micro-batch, as under hybrid CP, so
     per-micro-batch statistics (MoE auxiliary losses) are those of one sequence; its summed loss is backpropagated
     and the gradients divided by the token count at the end, as Megatron's ``finalize_model_grads`` does with
-    per-token loss (a MoE model's router losses are added to the gradients unscaled, as its schedule sets them)."""
+    per-token loss (``calculate_per_token_loss``, which hybrid CP needs: a MoE router then weighs its losses by
+    the micro-batch's tokens, and the schedule adds them unscaled)."""
     init_parallel(context_parallel_size=1, seed=cfg.seed)
+    cfg = replace(cfg, config_overrides=dict(cfg.config_overrides, calculate_per_token_loss=True))  # as hybrid CP's
     config = make_transformer_config(cfg)
     model = build_tiny_gpt(cfg, reference_spec(config), config)
     if config.num_moe_experts:
