@@ -35,7 +35,8 @@ def run(batch_seed: int, indices, modes, max_world: int):
             f"batch {batch_seed} (world {batch.world}, hp {batch.hp}, w {batch.w}, {batch.placement}) raised: "
             f"{err}\n  draws: " + "\n  ".join(d.describe() for d in draws)
         ], time.perf_counter() - start
-    return failures(batch, draws, per_rank, [e[-1] for e in expected]), time.perf_counter() - start
+    bounds, logits = [e[-1] for e in expected], [e[-2] for e in expected]
+    return failures(batch, draws, per_rank, bounds, logits), time.perf_counter() - start
 
 
 def main(argv=None) -> int:

@@ -19,6 +19,10 @@ padding variants (causal top-left, ``*_bottom_right`` bottom-right); window (-1,
 no bias, dropout, FP8, paged K/V or non-vanilla softmax. Outputs ``[O, softmax stats (natural-log log-sum-exp, fp32),
 rng_state]``: stats [b, h, s_q, 1] for bshd, for thd [total_q, h, 1] or, as older TE / cuDNN lay them out,
 [b, h, max_seqlen_q, 1] (``thd_stats``). Math: torch's CPU flash kernel (V zero-padded to q's head dim).
+With ``return_max_logit`` (2.12's and 2.20's ABI) the forward also returns cuDNN's per-row max of the scaled, masked
+scores (fp32, laid out as the stats; rows of the padded THD layout that hold no query carry garbage, as unwritten
+device memory would): ``[O, Max, Sum_Exp, rng_state]`` for 2.12 (the Python layer makes the stats Max +
+log(Sum_Exp)), ``[O, Stats, Max, rng_state]`` for 2.20.
 
 Setup (``tools/install.sh`` runs it; each release installs once into its own folder, nothing is compiled, and the
 packages TE's PyTorch layer imports from 2.8 on, onnxscript and onnx, into one more):
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..kernels.base import band_mask
 from ..kernels.cpu_flash import CpuFlashKernel
 from ..kernels.torch_math import TorchMathKernel
 from ..layout.band import Band
@@ -183,6 +188,20 @@ def _math(q: torch.Tensor, v: torch.Tensor):
     return TorchMathKernel() if v.shape[-1] > q.shape[-1] else CpuFlashKernel().for_head_dims(q.shape[-1], v.shape[-1])
 
 
+def _row_max(q: torch.Tensor, k: torch.Tensor, band: Band | None, scale: float) -> torch.Tensor:
+    """[b, h, s_q] fp32: each query row's max of scale * q . k over the keys ``band`` lets it see (scores in fp32,
+    as cuDNN keeps them)."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if band is not None:
+        scores = scores + band_mask(band, q.shape[1], k.shape[1], torch.float32, q.device)
+    return scores.amax(dim=-1)
+
+
+UNWRITTEN = 1.0e4
+"""What the stand-in leaves in the max rows of the padded THD layout that hold no query (see the module)."""
+
+
 def _bind(names: tuple[str, ...], fn: str, args: tuple) -> dict[str, object]:
     if len(args) != len(names):
         raise TypeError(f"{fn}(): takes {len(names)} positional arguments ({', '.join(names)}), got {len(args)}")
@@ -282,18 +301,28 @@ def _fwd(abi: ExtensionABI, thd_stats: str, *args):
     else:
         h, max_q = q.shape[1], int(a["max_seqlen_q"])
         stats = torch.empty(q.shape[0], h, 1) if thd_stats == "packed" else torch.zeros(len(runs), h, max_q, 1)
+    with_max = bool(a.get("return_max_logit", False))
+    maxes = torch.full_like(stats, UNWRITTEN)
     for n, (rq, rk) in enumerate(runs):
         qs, ks, vs = (x[r] if fmt == "bshd" else x[r][None] for x, r in ((q, rq), (k, rk), (v, rk)))
-        o, lse = _math(q, v).forward(qs, ks, vs, _band(causal, qs.shape[1], ks.shape[1]), scale)
+        band = _band(causal, qs.shape[1], ks.shape[1])
+        o, lse = _math(q, v).forward(qs, ks, vs, band, scale)
+        row_max = _row_max(qs, ks, band, scale) if with_max else lse.float()
         if fmt == "bshd":
-            out[rq], stats[rq, :, :, 0] = o, lse.float()
+            out[rq], stats[rq, :, :, 0], maxes[rq, :, :, 0] = o, lse.float(), row_max
         else:
             out[rq] = o[0]
             if thd_stats == "packed":
-                stats[rq, :, 0] = lse[0].float().t()
+                stats[rq, :, 0], maxes[rq, :, 0] = lse[0].float().t(), row_max[0].t()
             else:
-                stats[n, :, : rq.stop - rq.start, 0] = lse[0].float()
-    return [out, stats, torch.zeros(2, dtype=torch.int64)]
+                rows = slice(0, rq.stop - rq.start)
+                stats[n, :, rows, 0], maxes[n, :, rows, 0] = lse[0].float(), row_max[0]
+    rng_state = torch.zeros(2, dtype=torch.int64)
+    if not with_max:
+        return [out, stats, rng_state]
+    if abi.name == "2.12":  # Max, then Sum_Exp = sum exp(s - max): the Python layer adds log(Sum_Exp) to Max
+        return [out, maxes, torch.exp(stats - maxes), rng_state]
+    return [out, stats, maxes, rng_state]
 
 
 def _bwd(abi: ExtensionABI, thd_stats: str, *args):
