@@ -3,7 +3,8 @@
 A *scenario* fixes what the CP = 1 reference shares: the model (GPTModel dense or small MoE, HybridModel layers with
 ``M`` ``G`` ``*`` ``-`` ``E``, MLA), its attention settings (sliding windows with a skip frequency or a list, sinks,
 softmax scale, qk_layernorm, GQA, RoPE or YaRN), the data (sbhd, or THD packed documents in one packing mode, with
-one-token documents, end padding, a CP rank that holds only padding) and the dtype. Its *draws* then vary how the
+one-token documents, end padding, a CP rank that holds only padding), the dtype and QK-clip (MuonClip after every
+step, at a threshold the max logits of these models exceed, so that it clips). Its *draws* then vary how the
 same training is laid out: TP (with or without sequence parallelism), PP and virtual PP (the ``|`` splits of a
 hybrid pattern), the 2D layout (hp, cp, inner ring size, placement, Megatron's rank order), DP, the model states
 (DDP, distributed optimizer with overlapped grad reduce and param gather, megatron-fsdp ZeRO-2/3, Hybrid ZeRO), the
@@ -54,6 +55,16 @@ ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-dp-cp-ep-pp")
 """Megatron's rank order (``initialize_model_parallel(order=)``): its default, ``--use-tp-pp-dp-mapping``'s, and one
 that strides the CP groups across the data-parallel ranks (CP ranks not consecutive)."""
 MLA_RINGS = ("expanded", "latent")
+QK_CLIP_PADDED_DATA = ("zigzag", "sequence")
+"""Data whose batches at CP > 1 give core attention padding as document tokens (see the skip rule
+``qk_clip_with_padding_as_documents``)."""
+QK_CLIP_SHARE = 0.3
+"""The share of scenarios that train with QK-clip (drawn from a stream of their own: the other fields stay as they
+were)."""
+QK_CLIP_THRESHOLD = 1.0
+"""QK-clip's threshold in those scenarios: below the max attention logit of the first iterations of every model here
+(weights ~ N(0, 1/fan_in) give logits of order one, their max over a batch a few), so the clip scales weights in
+each step (config_runs checks that it did)."""
 PLACEMENTS = ("head_first", "context_first")
 MAX_WORLD = 8
 ITERATIONS = 3
@@ -89,6 +100,7 @@ class Scenario:
     end_padding: int  # THD zigzag: extra padded slots after the last document, in units of 2 * CP
     dtype: str
     tp: int | None  # MLA: the scenario's TP (the reference's); None: each draw picks its own
+    qk_clip: bool = False  # QK-clip after every optimizer step (QK_CLIP_THRESHOLD)
 
     def windowed_layers(self) -> list[int]:
         """Layer numbers (1-based, over the whole pattern) Megatron windows (``is_layer_window_attention``)."""
@@ -257,7 +269,15 @@ def draw_scenario(seed: int) -> Scenario:
         end_padding=int(rng.integers(0, 3)) if data == "zigzag" else 0,
         dtype="bf16" if rng.random() < 0.25 else "fp32",
         tp=int(_choice(rng, (1, 2))) if model == "mla" else None,
+        qk_clip=_qk_clip(seed, data),
     )
+
+
+def _qk_clip(seed: int, data: str) -> bool:
+    """Whether scenario ``seed`` trains with QK-clip (its own stream); with data whose max logit counts padding at
+    CP > 1 (the rule ``qk_clip_with_padding_as_documents``) kept only with probability :data:`RARE`."""
+    rng = np.random.default_rng([seed, 2])
+    return bool(rng.random() < QK_CLIP_SHARE and (data not in QK_CLIP_PADDED_DATA or rng.random() < RARE))
 
 
 def _splits(rng: np.random.Generator, layers: str, segments: int) -> tuple[int, ...]:
@@ -466,6 +486,16 @@ its message must be one of theirs."""
 
 SKIPS: tuple[Rule, ...] = (
     Rule(
+        "qk_clip_with_padding_as_documents",
+        lambda d: d.scenario.qk_clip and d.scenario.data in QK_CLIP_PADDED_DATA and d.context_parallel_size > 1,
+        "Megatron's packed batches at CP > 1 give core attention padding as document tokens (--sft pads each "
+        "document to a multiple of 2 * CP and pretrain_gpt.py passes the padded lengths as cu_seqlens_q; "
+        "--dataloader-inter-document-masking's split adds a filler document): the padding rows' logits enter the "
+        "max attention logit, Transformer Engine's as the 2d backend's, so QK-clip's statistic and clip are not "
+        "those of CP = 1, whose batch has no padding (the op's own max excludes padding it is told of: "
+        "tests/test_generated_attention.py)",
+    ),
+    Rule(
         "sequence_parallel_without_apex",
         lambda d: d.sequence_parallel,
         "sequence parallelism needs apex's or Transformer Engine's norms: megatron-core 0.19.2's torch norm "
@@ -555,6 +585,8 @@ EXPECTED_VALUES: dict[str, set] = {
     "recompute": set(RECOMPUTE),
     "checkpoint_plus_plus_keep": set(CHECKPOINT_PLUS_PLUS_KEEP),
     "dtype": set(DTYPES),
+    "qk_clip": {True, False},
+    "qk_clip_with": {"distributed_optimizer", "tp2", "mla", "mamba", "bf16", "pp2"},
 }
 """Every value each axis must take over enough draws (:func:`missing_corners`); ``hybrid_symbol`` counts each
 symbol of a hybrid pattern on its own."""
@@ -599,6 +631,26 @@ def axis_values(draw: Draw) -> dict[str, set]:
         if draw.recompute == "checkpoint_plus_plus"
         else set(),
         "dtype": {s.dtype},
+        "qk_clip": {s.qk_clip},
+        "qk_clip_with": _qk_clip_with(draw) if s.qk_clip else set(),
+    }
+
+
+def _qk_clip_with(draw: Draw) -> set[str]:
+    """What a QK-clip draw combines it with, of what megatron-core 0.19.2's own clip_qk cannot run or did not test
+    (the distributed optimizer's shards, TP, MLA, Mamba layers, bf16, pipeline stages)."""
+    s = draw.scenario
+    return {
+        name
+        for name, present in (
+            ("distributed_optimizer", draw.state in ("distributed_optimizer", "hybrid_zero")),
+            ("tp2", draw.tp > 1),
+            ("mla", s.model == "mla"),
+            ("mamba", _has(draw, "M")),
+            ("bf16", s.dtype == "bf16"),
+            ("pp2", draw.pp > 1),
+        )
+        if present
     }
 
 
