@@ -128,6 +128,15 @@ def megatron_composition_problems(args) -> list[str]:
             f"a wrong first update; add --no-align-grad-reduce, or drop --overlap-grad-reduce, or shard over all "
             f"dp x cp ranks (--num-distributed-optimizer-instances 1)"
         )
+    if getattr(args, "qk_clip", False) and getattr(args, "use_megatron_fsdp", False):
+        problems.append(
+            "--qk-clip with --use-megatron-fsdp: megatron-core 0.19.2's clip_qk rescales each attention layer's "
+            "weight and main_param as whole tensors, but megatron-fsdp keeps the weights and the fp32 main weights "
+            "as shards of its own buffers, so the clip acts on tensors its next parameter update overwrites (on CPU "
+            "ranks the max logit of the next step moved 300% away from CP = 1's); use the distributed optimizer "
+            "(--use-distributed-optimizer, Hybrid ZeRO's 'optimizer' choice) with QK-clip, or only log the max "
+            "(--log-max-attention-logit)"
+        )
     if getattr(args, "use_tp_pp_dp_mapping", False) and pp > 1 and cp > 1:
         problems.append(
             f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp} and --context-parallel-size {cp}: "

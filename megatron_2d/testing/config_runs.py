@@ -317,9 +317,12 @@ def _qk_clip_problems(got: list[RankResult], expected: RankResult, twin: RankRes
     return problems
 
 
-def run_configuration(draw: Draw, references: dict | None = None, timeout_s: float = 240) -> Outcome:
+def run_configuration(
+    draw: Draw, references: dict | None = None, timeout_s: float = 240, with_twin: bool = True
+) -> Outcome:
     """Run ``draw`` and compare it with its reference (computed once per reference draw, kept in
-    ``references``)."""
+    ``references``); ``with_twin`` False: at the table's bounds alone, without the perturbed twin's floor (and its
+    run)."""
     start = time.perf_counter()
     skip = skip_reason(draw)
     if skip is not None:
@@ -347,7 +350,7 @@ def run_configuration(draw: Draw, references: dict | None = None, timeout_s: flo
             references[reference] = _launch(reference, timeout_s)[0]
         except RankFailure as err:
             return Outcome(draw, "fail", f"reference raised: {err}", time.perf_counter() - start)
-    twin = perturbed_twin_of(draw)
+    twin = perturbed_twin_of(draw) if with_twin else reference
     if twin not in references:
         try:
             references[twin] = _launch(twin, timeout_s)[0]

@@ -476,6 +476,11 @@ REFUSALS: tuple[Rule, ...] = (
         "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size",
     ),
     Rule(
+        "qk_clip_with_megatron_fsdp",
+        lambda d: d.scenario.qk_clip and d.megatron_fsdp,
+        "--qk-clip with --use-megatron-fsdp: megatron-core 0.19.2's clip_qk",
+    ),
+    Rule(
         "hybrid_zero_wider_optimizer_shard_with_clipping",
         lambda d: d.state == "hybrid_zero" and d.wider_optimizer_shard,
         "is not supported with optimizer_shard_size",
