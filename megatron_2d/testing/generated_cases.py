@@ -14,7 +14,8 @@ PyTorch's flash ops on CPU (:mod:`megatron_2d.testing.torch_flash_cpu`), both of
 C++ does, and ``torch_cudnn`` through PyTorch's cuDNN ops on CPU (:mod:`megatron_2d.testing.torch_cudnn_cpu`); a
 draw's CUDA kernel rotates with its index, so each reaches every kind of plan. Every draw is checked against
 :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence is one document): out,
-dq, dk, dv and d sinks, with padding slots exactly zero and everything finite.
+dq, dk, dv and d sinks, with padding slots exactly zero and everything finite (padding slots of q, k, v hold
+:data:`PADDING_VALUE`, not zeros, so that anything that reads them shows).
 
 The bound is the tolerance of the draw's dtype (``TOLERANCE``, max |error| / max |reference|; a bf16 draw's inputs are
 bf16 numbers, so its bound covers the kernels' and the outputs' rounding), except where an fp32 draw is so
@@ -272,6 +273,9 @@ FP32_FLOOR_CAP = 1e-3
 its fp64 answer fails rather than judging the op by a bound that would hide a bug."""
 
 OUTPUTS = ("out", "dq", "dk", "dv", "dsinks")
+PADDING_VALUE = 4.0
+"""What the padding slots of q, k and v hold: a q . k of 16 d between two of them, above every real logit, so that a
+max logit (or an output) that reached a padding slot shows."""
 
 
 def _oracle(draw: Draw, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
@@ -373,7 +377,10 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
         packing = megatron_2d.PackedSharding(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
         shard = lambda x: packing.shard(x[:, 0])  # noqa: E731  [t_local, h, d]
         pad = packing.local_indices() < 0
-    local = [shard(x).to(draw.torch_dtype).requires_grad_(True) for x in (q, k, v)]
+    local = [shard(x).to(draw.torch_dtype) for x in (q, k, v)]
+    for x in local:  # padding holds whatever its tokens carry (Megatron's pad tokens): here values no pair may see
+        x[pad] = PADDING_VALUE
+    local = [x.requires_grad_(True) for x in local]
     local_sinks = None if sinks is None else sinks.float().requires_grad_(True)
     with PoisonedEmpty():
         out = megatron_2d.attention_2d(
