@@ -201,15 +201,16 @@ class PaddedValueKernel(BlockKernel):
         dq, dk, dv = self.inner.backward(self._pad(dout), q, k, self._pad(v), self._pad(out), lse, band, scale)
         return dq, dk, dv[..., : self.value_dim]
 
+    def _cut(self, results):
+        """The inner kernel's per-call results with the output cut back to V's width."""
+        return [(call, out[..., : self.value_dim], lse) for call, out, lse in results]
+
     def forward_calls(self, q, k, v, calls, first_key, scale):
-        return [
-            (call, out[..., : self.value_dim], lse)
-            for call, out, lse in self.inner.forward_calls(q, k, self._pad(v), calls, first_key, scale)
-        ]
+        return self._cut(self.inner.forward_calls(q, k, self._pad(v), calls, first_key, scale))
 
     def forward_calls_with_max(self, q, k, v, calls, first_key, scale):
         results, max_logit = self.inner.forward_calls_with_max(q, k, self._pad(v), calls, first_key, scale)
-        return [(call, out[..., : self.value_dim], lse) for call, out, lse in results], max_logit
+        return self._cut(results), max_logit
 
     def backward_calls(self, dout, q, k, v, out, lse, calls, first_key, scale):
         """``dout`` and ``out`` come padded (:meth:`backward_inputs`)."""
