@@ -211,3 +211,44 @@ def test_megatron_clip_qk_fails_where_ours_clips_by_the_formula():
             assert r["theirs"] in ("AttributeError", "RuntimeError"), (rank, name, r)
             assert r["logged"] == pytest.approx(THRESHOLD / ETA) and r["cleared"], (rank, name, r)
             assert r["error"] < (1e-6 if name == "fp32" else 4e-3), (rank, name, r)  # bf16 weights: one rounding
+
+
+# ---- CoreAttention2D's current_max_attn_logits ------------------------------------------------------------------
+def _bare_core_attention(delegate=None):
+    """A CoreAttention2D with only what its max-logit bookkeeping reads (no groups, no model)."""
+    from megatron_2d.megatron.core_attention import CoreAttention2D
+
+    core = CoreAttention2D.__new__(CoreAttention2D)
+    torch.nn.Module.__init__(core)
+    core.delegate, core.max_logits = delegate, True
+    core.current_max_attn_logits = None
+    return core
+
+
+def test_core_attention_keeps_the_running_max_as_te_dot_product_attention():
+    """Per call the op's (out, max_logit): out passes through; the max joins the running max detached, in the
+    output's dtype (TE's max has O's dtype), until Megatron's clip sets it back to None."""
+    core = _bare_core_attention()
+    out = torch.randn(3)
+    first = torch.tensor([1.0, 5.0], requires_grad=True) * 1.0  # part of a graph, as no max the op returns is
+    assert core._keep_max_logit((out, first), torch.bfloat16) is out
+    kept = core.current_max_attn_logits
+    assert kept.dtype == torch.bfloat16 and not kept.requires_grad and kept.grad_fn is None
+    core._keep_max_logit((out, torch.tensor([3.0, 2.0])), torch.bfloat16)
+    assert core.current_max_attn_logits.tolist() == [3.0, 5.0]  # the running max over micro-batches
+    core.current_max_attn_logits = None  # what megatron-core's clip_qk does after clipping
+    core._keep_max_logit((out, torch.tensor([0.5, 0.25])), torch.float32)
+    assert core.current_max_attn_logits.tolist() == [0.5, 0.25]
+
+
+def test_a_layer_on_transformer_engines_cp_keeps_tes_max():
+    """A layer whose cp_comm_type delegates to TEDotProductAttention reads and resets the delegate's attribute, so
+    that megatron-core's clip_qk, which reads self_attention.core_attention, sees TE's max."""
+    from types import SimpleNamespace
+
+    delegate = SimpleNamespace()
+    core = _bare_core_attention(delegate)
+    delegate.current_max_attn_logits = tes = torch.tensor([2.0])  # what TEDotProductAttention's forward keeps
+    assert core.current_max_attn_logits is tes
+    core.current_max_attn_logits = None
+    assert delegate.current_max_attn_logits is None and core.current_max_attn_logits is None
