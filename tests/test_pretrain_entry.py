@@ -546,3 +546,37 @@ def test_qk_clip_with_megatron_fsdp_is_refused(parse_2d, monkeypatch):
     args = parse_2d(*QK_CLIP_2D, "--qk-clip", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor")
     with pytest.raises(ValueError, match=r"--qk-clip with --use-megatron-fsdp: megatron-core 0.19.2's clip_qk"):
         gpt_config_from_args_2d(args)
+
+
+def test_the_spec_route_with_megatrons_own_clip_step_is_refused_where_it_fails(monkeypatch):
+    """The unpatched --spec route keeps megatron-core's clip step: a launch it fails on is refused at model
+    construction (check_current_launch), naming what fails and the routes that work; with the 2d clip step none."""
+    import argparse
+
+    from megatron.core.optimizer.qk_clip import clip_qk as megatron_clip_qk
+    from megatron.training import training
+
+    from megatron_2d.megatron import qk_clip
+    from megatron_2d.megatron.launch_checks import qk_clip_step_problem
+
+    monkeypatch.setattr(training, "clip_qk", megatron_clip_qk)
+
+    def launch(**flags):
+        base = dict(cp_comm_type="2d", qk_clip=True, log_max_attention_logit=False, bf16=True, fp16=False)
+        base.update(tensor_model_parallel_size=1, multi_latent_attention=False, use_distributed_optimizer=False)
+        return argparse.Namespace(**{**base, **flags})
+
+    assert qk_clip_step_problem(launch()) is None  # bf16, TP 1, DDP: megatron-core's runs
+    assert "an fp32 model" in qk_clip_step_problem(launch(bf16=False))
+    assert "GQA / MHA at --tensor-model-parallel-size > 1" in qk_clip_step_problem(launch(tensor_model_parallel_size=2))
+    assert qk_clip_step_problem(launch(tensor_model_parallel_size=2, multi_latent_attention=True)) is None
+    assert "flat main-param shards" in qk_clip_step_problem(launch(use_distributed_optimizer=True))
+    assert "Mamba / GDN layers" in qk_clip_step_problem(launch(hybrid_layer_pattern="M*-"))
+    logging_only = launch(qk_clip=False, log_max_attention_logit=True, tensor_model_parallel_size=2)
+    assert qk_clip_step_problem(logging_only) is None  # no clip: the view of linear_qkv is not reached
+    assert "--log-max-attention-logit with megatron-core" in qk_clip_step_problem(
+        launch(qk_clip=False, log_max_attention_logit=True, bf16=False)
+    )
+    assert qk_clip_step_problem(launch(cp_comm_type="p2p", bf16=False)) is None  # not a 2d launch
+    monkeypatch.setattr(training, "clip_qk", qk_clip.clip_qk)
+    assert qk_clip_step_problem(launch(bf16=False, use_distributed_optimizer=True)) is None
