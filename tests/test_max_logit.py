@@ -61,7 +61,7 @@ def test_band_max_logit_of_a_band_that_shows_nothing_is_minus_inf():
 
 
 # ---- the op on 4 ranks ------------------------------------------------------------------------------------------
-LAYOUTS = [(2, 2, "head_first"), (1, 2, "context_first"), (4, 1, "head_first")]  # (hp, w, placement): CP 4
+LAYOUTS = [(2, 2, "head_first"), (4, 1, "context_first")]  # (hp, w, placement) of CP 4
 
 
 def _op_cases(rank, world):
@@ -76,7 +76,7 @@ def _op_cases(rank, world):
     for hp, w, placement in LAYOUTS:
         groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
         for kernel in ("cpu_flash", "torch_math"):
-            for causal, window in ((True, (-1, -1)), (False, (5, 2)), (True, (7, 0))):
+            for causal, window in ((True, (-1, -1)), (False, (5, 2))):
                 runs = []
                 for with_max in (True, False):
                     leaves = [shard(x).requires_grad_(True) for x in full]
@@ -133,12 +133,13 @@ def op_results():
 
 @pytest.mark.distributed
 def test_the_ops_max_logit_is_exact_and_changes_nothing_else(op_results):
-    """CP 4 in three layouts (2D with a double ring of 2, a context ring, heads only), K/V replicated, cpu_flash and
-    torch_math, causal, a two-sided and a causal window: the max is the brute force's within fp32 rounding and the
-    same on every rank, and out, dq, dk, dv are bitwise those of the call without it."""
+    """CP 4 in two layouts (2D hp 2 x cp 2 with a double ring of 2; heads only, hp 4), K/V replicated, cpu_flash and
+    torch_math, causal and a two-sided window: the max is the brute force's within fp32 rounding and the same on
+    every rank, and out, dq, dk, dv are bitwise those of the call without it (every layout, mask and packing mode:
+    tests/test_generated_attention.py)."""
     for results in op_results:
         cases = {key: value for key, value in results.items() if isinstance(key, tuple)}
-        assert len(cases) == len(LAYOUTS) * 2 * 3
+        assert len(cases) == len(LAYOUTS) * 2 * 2
         for case, (error, same, unchanged) in cases.items():
             assert error < 2e-6 and same and unchanged, (case, error, same, unchanged)
 
