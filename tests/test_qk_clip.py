@@ -8,6 +8,7 @@ included, is checked against the formula."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,6 +100,24 @@ def test_training_with_qk_clip_equals_cp1(name, references):
     print(outcome.line(), {k: f"{v:.1e}" for k, v in outcome.errors.items()})
     assert outcome.status == "pass", outcome.line()
     assert "max_logit" in outcome.errors and "weights" in outcome.errors
+
+
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_megatron_cores_own_clip_step_works_unchanged_where_it_runs(references, monkeypatch):
+    """Where megatron-core 0.19.2's own clip step runs (bf16 through Float16Module, DDP, TP 1, no Mamba), it reads
+    CoreAttention2D's current_max_attn_logits as it reads TEDotProductAttention's: the training loop's step is
+    megatron.core.optimizer.qk_clip.clip_qk itself here, and 2D CP 4 (hp 2 x cp 2) equals CP = 1."""
+    from megatron.core.optimizer.qk_clip import clip_qk as megatron_clip_qk
+
+    from megatron_2d.megatron import qk_clip
+
+    monkeypatch.setattr(qk_clip, "clip_qk", megatron_clip_qk)  # config_runs' clip step, in the forked ranks too
+    scenario = _scenario(4205, "gpt", "**", heads=8, groups=2, dtype="bf16", tp=None)
+    draw = replace(_draw(scenario), tp=1, state="ddp")
+    outcome = run_configuration(draw, references, with_twin=False)
+    print(outcome.line(), {k: f"{v:.1e}" for k, v in outcome.errors.items()})
+    assert outcome.status == "pass", outcome.line()
 
 
 # ---- megatron-core's own clip_qk, and the clip's formula ---------------------------------------------------------
