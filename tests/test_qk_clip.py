@@ -203,7 +203,18 @@ def _clip_cases(rank, world):
                 wrapped.zero_grad_buffer()
                 optimizer.zero_grad()
                 optimizer.step()
-        results[name] = dict(theirs=theirs, logged=logged, cleared=cleared, error=max(errors))
+        # --log-max-attention-logit alone: the max logged and reset, no weight touched
+        for layer in mcpu.unwrapped(wrapped).decoder.layers:
+            layer.self_attention.core_attention.current_max_attn_logits = torch.full((HEADS // tp,), 7.0)
+        weights = mcpu.full_weights([wrapped])
+        log_only = clip_qk([wrapped], log_max_only=True)
+        untouched = all(torch.equal(w, mcpu.full_weights([wrapped])[n]) for n, w in weights.items())
+        log_cleared = all(
+            layer.self_attention.core_attention.current_max_attn_logits is None
+            for layer in mcpu.unwrapped(wrapped).decoder.layers
+        )
+        logging_alone = (log_only, untouched, log_cleared)
+        results[name] = dict(theirs=theirs, logged=logged, cleared=cleared, error=max(errors), log_only=logging_alone)
     return results
 
 
@@ -222,7 +233,7 @@ def test_megatron_clip_qk_fails_where_ours_clips_by_the_formula():
     at TP 2 (its view of linear_qkv: RuntimeError) and under the distributed optimizer in bf16 (a flat main-param
     shard, RuntimeError, or None, AttributeError, by rank); ours clips each as the formula says (eta 0.5, alpha 0.5)
     in the weights and in the fp32 main params (a learning-rate-0 step copies them back), logs the max and resets
-    it."""
+    it; logging alone (--log-max-attention-logit) logs and resets, touching no weight."""
     ranks = run_on_ranks(2, _clip_cases, timeout_s=120)
     for rank, results in enumerate(ranks):
         assert results["fp32"]["theirs"] == "AttributeError" and results["tp2"]["theirs"] == "RuntimeError", results
@@ -230,6 +241,7 @@ def test_megatron_clip_qk_fails_where_ours_clips_by_the_formula():
             assert r["theirs"] in ("AttributeError", "RuntimeError"), (rank, name, r)
             assert r["logged"] == pytest.approx(THRESHOLD / ETA) and r["cleared"], (rank, name, r)
             assert r["error"] < (1e-6 if name == "fp32" else 4e-3), (rank, name, r)  # bf16 weights: one rounding
+            assert r["log_only"] == (7.0, True, True), (rank, name, r)
 
 
 # ---- CoreAttention2D's current_max_attn_logits ------------------------------------------------------------------
