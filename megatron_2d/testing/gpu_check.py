@@ -260,9 +260,12 @@ def check_max_logit(name, device, d, seq) -> float:
         _, got = kernel.forward_calls_with_max(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), calls, 0, d**-0.5)
         want = torch.full((8,), float("-inf"), dtype=torch.float64, device=device)
         for c in calls:
-            s = torch.einsum(
-                "bqhd,bkhd->bhqk", q[:, c.q_start : c.q_end], k[:, c.k_start : c.k_end].repeat_interleave(4, 2)
-            ) * d**-0.5
+            s = (
+                torch.einsum(
+                    "bqhd,bkhd->bhqk", q[:, c.q_start : c.q_end], k[:, c.k_start : c.k_end].repeat_interleave(4, 2)
+                )
+                * d**-0.5
+            )
             if c.band is not None:
                 s = s + band_mask(c.band, s.shape[-2], s.shape[-1], s.dtype, s.device)
             want = torch.maximum(want, s.amax(dim=(0, 2, 3)))
