@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_2d-installed
 
-.PHONY: install demo test test-fast lint bench pretrain-cpu pretrain-hybrid-cpu mutation fuzz fuzz-megatron gpu-check clean
+.PHONY: install demo test test-fast lint bench pretrain-cpu pretrain-stock-cpu pretrain-hybrid-cpu mutation fuzz fuzz-megatron gpu-check clean
 install: $(STAMP)
 
 $(STAMP): tools/install.sh pyproject.toml megatron_2d/testing/flash_attn_package.py megatron_2d/testing/te_package.py
@@ -24,6 +24,12 @@ test-fast: $(STAMP)
 # Megatron-LM's pretrain_gpt.py (patched) with 2D CP on 4 CPU ranks under torchrun (needs ../shared/megatron-lm).
 pretrain-cpu: $(STAMP)
 	PY=$(PY) bash tools/pretrain_gpt_cpu.sh
+
+# Stock Megatron CP beside it: the unpatched pretrain_gpt.py with --cp-comm-type a2a+p2p (hierarchical 2 x 2), bf16,
+# megatron-core's TEDotProductAttention over Transformer Engine 2.20.2's own context_parallel.py on 4 CPU ranks
+# (STOCK_CP=p2p|a2a|all_gather and TE_RELEASE=2.5.0|2.8.0|2.12.0 to vary; tests/test_megatron_stock_cp.py).
+pretrain-stock-cpu: $(STAMP)
+	STOCK_CP=a2a+p2p PY=$(PY) bash tools/pretrain_gpt_cpu.sh
 
 # Megatron-LM's pretrain_hybrid.py (patched): Mamba + 2D attention layers ('M*-M*-'), CP=4 on 4 CPU ranks.
 pretrain-hybrid-cpu: $(STAMP)

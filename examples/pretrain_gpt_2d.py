@@ -21,6 +21,11 @@ travel the ring. Its batches come from :func:`documents_forward_step` here (the 
 megatron_2d.megatron.packed_data, RoPE at each token's position in its document, the loss weighing every token
 equally whatever each CP rank holds; needs --no-rope-fusion and pipeline-parallel size 1). A stock pretrain_gpt.py
 user turns it on by running this entry instead, with the same flags plus ``--cp-2d-packing documents``.
+
+Dynamic (hybrid) CP: ``--hybrid-context-parallel --max-seqlen-per-dp-cp-rank M --sft --calculate-per-token-loss
+--rerun-mode disabled --no-rope-fusion`` with ``--cp-comm-type 2d`` runs each sequence on its own CP group with that
+size's 2D layout (``--cp-2d-dynamic-layouts``, else the planner's rule); the forward step reads Megatron's hybrid
+sub-samples through megatron_2d.megatron.dynamic_data (docs/megatron.md, "Dynamic (hybrid) context parallelism").
 """
 
 from __future__ import annotations
@@ -129,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         parse_and_validate_args_2d,
         use_clip_qk_2d,
     )
+    from megatron_2d.megatron.dynamic_data import forward_step_2d
 
     stock.train_valid_test_datasets_provider.is_distributed = True  # as pretrain_gpt.py's __main__
     args = parse_and_validate_args_2d(
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     use_clip_qk_2d(args)
     documents = args.cp_2d_packing == "documents"  # add_2d_arguments' flag
-    forward_step = documents_forward_step(stock) if documents else stock.forward_step
+    # --hybrid-context-parallel: Megatron's hybrid sub-samples in pretrain_gpt's batch schema (dynamic_data)
+    forward_step = documents_forward_step(stock) if documents else forward_step_2d(stock.forward_step, args)
     pretrain(
         pretrain_cfg_container_from_args(args, gpt_config_from_args_2d(args)),
         stock.train_valid_test_datasets_provider,

@@ -51,7 +51,6 @@ BASE = dict(
     "setting, message",
     [
         (dict(deterministic_mode=True), r"deterministic_mode=True: deterministic mode is not guaranteed"),
-        (dict(hybrid_context_parallel=True), r"hybrid_context_parallel=True: hybrid \(dynamic\) context parallelism"),
         (dict(fp8_dot_product_attention=True), r"fp8_dot_product_attention=True: fp8 dot-product attention"),
         (dict(fp8_multi_head_attention=True), r"fp8_multi_head_attention=True: fp8 multi-head attention"),
         (

@@ -248,10 +248,13 @@ def test_bench_compare_end_to_end_json(tmp_path, capsys):
     ring = rows.get(bench_compare.RING_FLASH)
     assert ring is not None and ring["status"] == "ok", f"ring-flash-attn row: {ring}"
     assert ring["bytes"]["ring_counted"] == ring["bytes"]["ring"]  # the closed form is what it sends
+    assert "note: TE rows on CPU ranks: Transformer Engine 2.20.2's own DotProductAttention" in printed
     timed = [r for r in data["rows"] if not r["status"].startswith("n/a")]
-    # 5 layouts of CP=4 with hp | 4 (w = 1 only at cp = 1), ring-flash, USP U=1, U=2 and U=4 with K/V repeated,
-    # torch CP x 2
-    assert len(timed) == 11
+    # 5 layouts of CP=4 with hp | 4 (w = 1 only at cp = 1) with fp32 dK/dV riders and again with bf16 ones,
+    # ring-flash, USP U=1, U=2 and U=4 with K/V repeated, torch CP x 2, TE p2p, a2a+p2p [2, 2] and all_gather
+    assert len(timed) == 19
+    assert sum(r["name"].endswith("dK/dV in bf16") for r in timed) == 5
+    te_families = {"TE p2p", "TE a2a+p2p", "TE all_gather"}
     for r in timed:
         assert r["status"] == "ok", r
         assert math.isfinite(r["seconds"]) and r["seconds"] > 0, r
@@ -259,14 +262,16 @@ def test_bench_compare_end_to_end_json(tmp_path, capsys):
         assert r["cpu_seconds"] > 0 and len(r["round_seconds"]) == 1, r
         assert max(r["errors"].values()) < BF16_TOLERANCE, r
         fams = {bench_compare.OURS, bench_compare.RING_FLASH, bench_compare.USP, bench_compare.TORCH_CP}
-        assert set(r["ratios"]) == fams
+        assert set(r["ratios"]) == fams | te_families
+        if r["family"] in te_families:  # TE's code sent what the closed forms say
+            assert (r["bytes"]["ring_counted"], r["bytes"]["a2a_counted"]) == (r["bytes"]["ring"], r["bytes"]["a2a"])
     assert sorted(r["status"] for r in data["rows"] if r["status"].startswith("n/a")) == [
-        "n/a: Transformer Engine CP needs CUDA (--device cuda)",
+        "n/a: a2a needs CP=4 to divide hq=4 and hkv=2",
         "n/a: yunchang's Ulysses all-to-all splits the heads over U=4 ranks: U must divide hq=4 and hkv=2 "
         "(its all_to_all_4D raises otherwise)",
     ]
     # the round order rotates: with one timed round there is one order, of every timed row
-    assert len(data["order"]) == 1 and len(data["order"][0]) == 11
+    assert len(data["order"]) == 1 and len(data["order"][0]) == 19
 
 
 # -- the peers: USP (yunchang) and torch CP ---------------------------------------------------------------------
@@ -532,100 +537,52 @@ def test_spearman_handles_ties():
     assert math.isnan(cal.spearman([1, 2, 3], [7, 7, 7]))
 
 
-# -- the TE glue, with a stand-in DotProductAttention (Transformer Engine itself needs CUDA) ----------------------
+# -- the TE rows: Transformer Engine's own DotProductAttention and context_parallel.py on CPU ranks ---------------
 
 
-class _GatherSeq(torch.autograd.Function):
-    """All-gather of the zigzag shards along s over ``group``; backward: all-reduce the gradient, keep this shard."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return megatron_2d.unshard_sequence(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        rank, world = torch.distributed.get_rank(ctx.group), torch.distributed.get_world_size(ctx.group)
-        return megatron_2d.shard_sequence(grad, rank, world), None
-
-
-class FakeTEDotProductAttention(torch.nn.Module):
-    """What tools/bench_compare.py needs of TE's DotProductAttention: records its CP settings and computes causal
-    attention by gathering the zigzag shards over all ranks (sbhd in, [s, b, h*d] out)."""
-
-    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format, attn_mask_type):
-        super().__init__()
-        assert (qkv_format, attn_mask_type, attention_dropout) == ("sbhd", "causal", 0.0)
-        self.heads, self.kv_heads, self.dim = num_attention_heads, num_gqa_groups, kv_channels
-        self.cp = None
-
-    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type):
-        groups = cp_group if isinstance(cp_group, list) else [cp_group]
-        self.cp = ([torch.distributed.get_process_group_ranks(g) for g in groups], list(cp_global_ranks), cp_comm_type)
-
-    def forward(self, q, k, v):
-        world = torch.distributed.group.WORLD
-        q, k, v = (_GatherSeq.apply(x, world) for x in (q, k, v))  # [S, b, h, d]
-        g = self.heads // self.kv_heads
-        out = torch.nn.functional.scaled_dot_product_attention(  # [b, h, S, d]
-            q.permute(1, 2, 0, 3),
-            k.repeat_interleave(g, 2).permute(1, 2, 0, 3),
-            v.repeat_interleave(g, 2).permute(1, 2, 0, 3),
-            is_causal=True,
-        )
-        rank, n = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        out = megatron_2d.shard_sequence(out.permute(2, 0, 1, 3), rank, n)  # [s, b, h, d]
-        return out.reshape(out.shape[0], out.shape[1], -1)
-
-
-def _run_te_glue(rank, world, args, kinds):
-    import types
-    from unittest import mock
-
-    te = types.ModuleType("transformer_engine")
-    te.pytorch = types.ModuleType("transformer_engine.pytorch")
-    te.pytorch.DotProductAttention = FakeTEDotProductAttention
-    full = bench_compare.make_inputs(args, torch.float64)
+def _run_te_rows(rank, world, args, kinds):
+    full = bench_compare.make_inputs(args, torch.bfloat16)
     shards = [megatron_2d.shard_sequence(x, rank, world) for x in full]
-    ref = bench_compare.reference_on_rank(*full, rank, world)
+    ref = bench_compare.reference_on_rank(*(x.double() for x in full), rank, world)
     out = {}
-    with (
-        mock.patch.dict(sys.modules, {"transformer_engine": te, "transformer_engine.pytorch": te.pytorch}),
-        mock.patch.object(torch.cuda, "Stream", lambda: "stream"),
-    ):
-        for kind, a2a_size in kinds:
-            runner = bench_compare.TEContextParallel(kind, a2a_size, args, world, bench_compare.datetime.timedelta(30))
-            got = runner.from_native(*runner.step(*runner.to_native(*shards)))
-            errors = bench_compare.relative_errors(bench_compare.error_parts(got, ref))
-            out[(kind, a2a_size)] = (runner.attn.cp, errors, runner.bytes_sent())
+    for kind, a2a_size in kinds:
+        runner = bench_compare.TEContextParallel(kind, a2a_size, args, world, bench_compare.datetime.timedelta(30))
+        got = runner.from_native(*runner.step(*runner.to_native(*shards)))
+        errors = bench_compare.relative_errors(bench_compare.error_parts(got, ref))
+        groups = runner.attn.cp_group if isinstance(runner.attn.cp_group, list) else [runner.attn.cp_group]
+        cp = ([torch.distributed.get_process_group_ranks(g) for g in groups], runner.attn.cp_global_ranks)
+        out[(kind, a2a_size)] = (cp, errors, runner.bytes_sent())
     return out
 
 
 @pytest.mark.distributed
-def test_te_runner_glue_with_a_stand_in_dot_product_attention():
-    args = _tiny_args("--dtype", "fp64", "--kv-heads", "4")  # hkv = 4: every kind is valid TE at N = 4
-    kinds = [("p2p", 1), ("a2a", 4), ("a2a+p2p", 2)]
-    per_rank = run_on_ranks(4, _run_te_glue, args, kinds)
+def test_te_rows_run_transformer_engine_on_cpu_ranks():
+    """Each TE row runs TE's own code (the bench's release, in its CPU context entered by the parent): Megatron's
+    groups, within the bf16 gate of fp64, and the bytes TE's code sent are the closed forms'."""
+    from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+
+    args = _tiny_args("--kv-heads", "4")  # hkv = 4: every kind is valid TE at N = 4
+    kinds = [("p2p", 1), ("a2a", 4), ("a2a+p2p", 2), ("all_gather", 1)]
+    with te_context_parallel_on_cpu(args.te_release, claim_cuda=False):
+        per_rank = run_on_ranks(4, _run_te_rows, args, kinds, timeout_s=120)
     for rank, results in enumerate(per_rank):
-        for (kind, _a2a_size), (cp, errors, _sent) in results.items():
-            groups, global_ranks, comm_type = cp
-            assert comm_type == kind and global_ranks == [0, 1, 2, 3]
+        for (kind, _a2a_size), (cp, errors, sent) in results.items():
+            groups, global_ranks = cp
+            assert global_ranks == [0, 1, 2, 3]
             if kind == "a2a+p2p":  # Megatron's hierarchical groups: a2a on adjacent ranks, p2p 2 apart
                 assert groups == [[0, 1] if rank < 2 else [2, 3], [0, 2] if rank % 2 == 0 else [1, 3]]
             else:
                 assert groups == [[0, 1, 2, 3]]
-            assert max(errors.values()) < 1e-10, (kind, errors)
-    # Closed forms for this rank's shard: S/N = 32 tokens, b=1, hq=hkv=4, d=16, fp64 (8 bytes).
+            assert bench_compare.passes(errors, torch.bfloat16), (kind, errors)
+            assert sent["a2a_counted"] == sent["a2a"] and sent["ring_counted"] == sent["ring"], (kind, sent)
+    # Closed forms for this rank's shard: S/N = 32 tokens, b=1, hq=hkv=4, d=16, bf16 (2 bytes).
     nq = nkv = 32 * 4 * 16
-    e = 8
-    sent = {k: v[2] for k, v in per_rank[0].items()}
+    e = 2
+    sent = {k: {n: v[2][n] for n in ("a2a", "ring")} for k, v in per_rank[0].items()}
     assert sent[("p2p", 1)] == {"a2a": 0, "ring": 2 * nkv * e * 3 * 3}
     assert sent[("a2a", 4)] == {"a2a": 2 * (2 * nq + 2 * nkv) * e * 3 / 4, "ring": 0}
     assert sent[("a2a+p2p", 2)] == {"a2a": 2 * (2 * nq + 2 * nkv) * e / 2, "ring": 2 * nkv * e * 3}
+    assert sent[("all_gather", 1)] == {"a2a": 0, "ring": 2 * nkv * e * 3 * 3}
 
 
 def test_te_rows_follow_what_te_accepts(monkeypatch):
@@ -638,6 +595,13 @@ def test_te_rows_follow_what_te_accepts(monkeypatch):
     args = bench_compare.parse_args(["--ranks", "8", "--heads", "8", "--kv-heads", "2"])
     args.device = "cuda"
     rows = {r.name: r for r in bench_compare.te_impls(args)}
-    assert set(rows) == {"TE p2p", "TE a2a", "TE a2a+p2p [2, 4]"}  # TE does not replicate K/V: A | hkv
+    assert set(rows) == {"TE p2p", "TE a2a", "TE a2a+p2p [2, 4]", "TE all_gather"}  # A | hkv: no K/V replication
     assert rows["TE a2a"].unavailable.startswith("a2a needs CP=8 to divide")
-    assert rows["TE p2p"].build and rows["TE a2a+p2p [2, 4]"].build
+    assert rows["TE p2p"].build and rows["TE a2a+p2p [2, 4]"].build and rows["TE all_gather"].build
+    assert all(r.context is None for r in rows.values())  # CUDA: the installed TE, no CPU context
+    args.device = "cpu"  # CPU ranks: the same rows, TE's CPU context entered by the parent
+    cpu_rows = {r.name: r for r in bench_compare.te_impls(args)}
+    assert set(cpu_rows) == set(rows) and cpu_rows["TE p2p"].context[0] == f"TE {args.te_release}"
+    args.te_release = "9.9.9"
+    (missing,) = bench_compare.te_impls(args)
+    assert missing.unavailable.startswith("Transformer Engine 9.9.9 is not installed")

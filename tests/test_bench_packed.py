@@ -63,7 +63,22 @@ def test_every_row_is_checked_and_ours_pass(capsys, tmp_path):
         assert "ok " in line and "not timed" not in line, line
     # ring-flash-attn 0.1.8's fp32 backward aliases a reused buffer: the check catches it
     assert "FAIL" in next(l for l in out.splitlines() if l.startswith("│") and "ring-flash-attn │" in l)
+    assert "n/a" in next(l for l in out.splitlines() if l.startswith("│") and "TE 2.20.2" in l)  # fp32: no TE rows
     assert "documents mode's cost model (measured: pair" in out and " * │" in out  # its choice, explained
+
+
+@pytest.mark.distributed
+def test_te_thd_rows_beside_ours_in_bf16(capsys, tmp_path):
+    """--dtype bf16: every row in bf16, and Transformer Engine's own THD context parallelism (2.20.2 on CPU ranks:
+    p2p, a2a, all_gather at CP 2) on the same batch, each checked against fp64 and timed; in fp32 the TE rows say
+    why they cannot run."""
+    args = ["--ranks", "2", "--tokens", "512", "--repeats", "1", "--dists", "one-half", "--heads", "2", "--dim", "16"]
+    main(args + ["--cache", str(tmp_path), "--dtype", "bf16", "--no-sequence", "--no-ring-flash"])
+    out = capsys.readouterr().out
+    for row in ("zigzag", "documents (", "TE p2p", "TE a2a", "TE all_gather"):
+        line = next(l for l in out.splitlines() if l.startswith("│") and f" {row}" in l)
+        assert "ok " in line and "not timed" not in line, line
+    assert "Transformer Engine 2.20.2's own THD context parallelism" in out
 
 
 def test_layout_build_table():

@@ -9,14 +9,14 @@ output and gradients bit for bit those without recompute, no kernel forward and 
 the head all-to-alls of one forward sent again by "outputs" and nothing by "attention-inputs", nothing kept that
 shares storage with the inputs.
 
-Model level, generated: megatron-core GPT and MLA models (both rings) over every layout of CP 4 and CP 2, with TP 2,
-PP 2 under 1F1B and the interleaved schedule, windows, sinks, packed batches (zigzag, documents, sequence), block
-recompute: loss and every gradient against the same model without recompute, kernel forwards, bytes, and, with
-saved-tensor hooks, that nothing saved or kept shares storage with Megatron's QKV projection output or the rotated
-q and k.
-Sequence parallelism cannot run on CPU ranks (megatron-core's torch LayerNorm asserts "sequence parallel not
-supported by torch LayerNorm" without apex), so TP runs without it; the core attention's inputs have the same
-shapes either way.
+Model level, generated: megatron-core GPT and MLA models (both rings) over every layout of CP 4 and CP 2, with TP 2
+and sequence parallelism, PP 2 under 1F1B and the interleaved schedule, windows, sinks, packed batches (zigzag,
+documents, sequence), block recompute: loss and every gradient against the same model without recompute, kernel
+forwards, bytes, and, with saved-tensor hooks, that nothing saved or kept shares storage with Megatron's QKV
+projection output or the rotated q and k. Under sequence parallelism the layer's checkpointed input is the TP rank's
+sequence shard, while what Checkpoint++ keeps is attention's, after the QKV projection gathered the sequence: the
+same checks hold there. The SP case builds Transformer Engine's norms over CPU kernels (megatron_2d.testing.sp_norms:
+torch's norm refuses SP; the whole fork runs inside its context).
 
 All model cases run in one fork of 4 ranks.
 """
@@ -52,6 +52,7 @@ from megatron_2d.testing.generated_cases import cuda_kernels_on_cpu, draw_batch,
 from megatron_2d.testing.kernel_counts import KernelForwards
 from megatron_2d.testing.mla import mla_spec_2d, tiny_mla_config
 from megatron_2d.testing.reference import TOLERANCES
+from megatron_2d.testing.sp_norms import te_norms, with_te_norms
 
 RTOL = TOLERANCES[torch.float32].dq  # model gradients against the same model without recompute
 HEAD_KINDS = ("all_to_all",)
@@ -253,7 +254,7 @@ PARALLEL = {
     # name -> (init_parallel kwargs, CP size, micro-batches through megatron's schedule (None: plain step),
     #          how many features run at this size (None: every feature))
     "cp4": (dict(context_parallel_size=4), 4, None, None),
-    "tp2_cp2": (dict(tensor_model_parallel_size=2, context_parallel_size=2), 2, None, 4),
+    "tp2_sp_cp2": (dict(tensor_model_parallel_size=2, context_parallel_size=2), 2, None, 4),  # with SP
     "pp2_cp2_1f1b": (dict(pipeline_model_parallel_size=2, context_parallel_size=2), 2, 4, 3),
     "pp2_cp2_interleaved": (
         dict(pipeline_model_parallel_size=2, context_parallel_size=2, virtual_pipeline_model_parallel_size=2),
@@ -279,8 +280,15 @@ PACKED_LENGTHS = [5, 30, 13, 1, 50, 9, 20]  # documents of one packed stream (12
 PACKED_PAD = 8  # zigzag: each document padded to a multiple of 2*CP
 
 
+def sequence_parallel(parallel: str) -> bool:
+    return "_sp_" in parallel
+
+
 def supported(feature: str, parallel: str) -> bool:
-    """Packed batches run the plain step (the tiny pipeline harness feeds sbhd micro-batches)."""
+    """Packed batches run the plain step (the tiny pipeline harness feeds sbhd micro-batches); the documents layout
+    refuses sequence parallelism."""
+    if feature == "packed_documents" and sequence_parallel(parallel):
+        return False
     return not (feature.startswith("packed") and PARALLEL[parallel][2] is not None)
 
 
@@ -314,6 +322,8 @@ def model_config(feature: str, parallel: str, settings, recompute: str, check: s
         fields["selective_checkpoint_plus_plus"] = True
     if "interleaved" in parallel:
         fields["virtual_pipeline_model_parallel_size"] = 2
+    if sequence_parallel(parallel):
+        fields["sequence_parallel"] = True
     if feature.startswith("mla"):
         cfg = tiny_mla_config(settings, feature.split("_")[1], **fields)
         cfg.num_layers = layers
@@ -348,6 +358,8 @@ def build(feature: str, parallel: str, cfg):
         spec = mla_spec_2d(feature.split("_")[1])
     else:  # from the config, as pretrain builds it (the per-sequence split's SelfAttention2D)
         spec = get_gpt_layer_spec_2d(tg.make_transformer_config(cfg), use_transformer_engine=False)
+    if sequence_parallel(parallel):
+        spec = with_te_norms(spec)
     if "interleaved" in parallel:
         return [tg.build_tiny_gpt(cfg, spec, vp_stage=i) for i in range(2)]
     model = tg.build_tiny_gpt(cfg, spec)
@@ -605,7 +617,8 @@ def run_models(rank, world):
 
 @pytest.fixture(scope="module")
 def models():
-    return run_on_ranks(4, run_models, timeout_s=400)[0]
+    with te_norms():
+        return run_on_ranks(4, run_models, timeout_s=400)[0]
 
 
 def _cases(models):

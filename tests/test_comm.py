@@ -165,3 +165,58 @@ def test_p2p_warm_up_is_one_ring_step_each_way_and_no_collective(world, hp, w):
         expected = [("send", p) for p in peers] + [("recv", p) for p in peers]
         for kind in ("kv", "dkv"):
             assert found[kind] == [("batch_isend_irecv", expected)], (kind, ring, position, found[kind])
+
+
+def test_receives_are_posted_before_sends(monkeypatch):
+    """Ring steps and direct hops post the receive first: on gloo a send posted first holds back the peer's
+    payload on their shared connection (comm.post_direct; 2-rank ring 434 ms against 228 on the emulated cluster)."""
+    import torch.distributed as dist
+
+    from megatron_2d.transport.comm import CommCounter, RingChannel, post_direct
+
+    posted = []
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group: (op, peer))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: posted.append(ops) or [])
+    x = torch.zeros(2)
+    RingChannel(None, [4, 9, 2], 0, CommCounter(), "inner_ring").start(x)
+    post_direct(None, x, 7, torch.zeros(2), 5, CommCounter(), "outer_ring")
+    post_direct(None, x, 7, None, 5, CommCounter(), "outer_ring")
+    assert posted == [
+        [(dist.irecv, 2), (dist.isend, 9)],
+        [(dist.irecv, 5), (dist.isend, 7)],
+        [(dist.isend, 7)],
+    ]
+
+
+def _pair_all_to_all(rank, world):
+    import torch.distributed as dist
+
+    from megatron_2d.transport.comm import CommCounter, all_to_all_counted
+
+    pairs = [dist.new_group([0, 3]), dist.new_group([1, 2])]  # group ranks are not global ranks
+    group = pairs[0] if rank in (0, 3) else pairs[1]
+    counter = CommCounter()
+    send = torch.arange(2 * 3, dtype=torch.float32).view(2, 3) + 10 * rank  # [hp, ...]
+    collective, used = dist.all_to_all_single, []
+    dist.all_to_all_single = lambda *args, **kwargs: used.append(1) or collective(*args, **kwargs)
+    try:
+        got = all_to_all_counted(send, group, counter)
+    finally:
+        dist.all_to_all_single = collective
+    ref = torch.empty_like(send)
+    dist.all_to_all_single(ref, send, group=group)  # gloo's own all-to-all
+    return got.tolist(), ref.tolist(), counter.as_dict()["all_to_all"], used
+
+
+@pytest.mark.distributed
+def test_two_rank_all_to_all_matches_gloos_own():
+    """The receive-first exchange that replaces gloo's all-to-all between two ranks gives its result and count."""
+    from megatron_2d.testing.distributed import run_on_ranks
+
+    for rank, (got, ref, sent, used) in enumerate(run_on_ranks(4, _pair_all_to_all)):
+        assert got == ref and used == [], (rank, used)  # the exchange, not gloo's collective
+        peer = {0: 3, 3: 0, 1: 2, 2: 1}[rank]
+        me = 0 if rank < peer else 1  # group rank
+        assert got[me] == [10.0 * rank + 3 * me + i for i in range(3)]  # own slice kept
+        assert got[1 - me] == [10.0 * peer + 3 * me + i for i in range(3)]  # the peer's slice for me
+        assert sent == 3 * 4  # one slice of 3 fp32 sent

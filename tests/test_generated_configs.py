@@ -97,9 +97,15 @@ def test_draws_are_a_function_of_their_seed():
 
 
 def test_draws_of_a_scenario_share_their_reference():
+    """Draws share their scenario's reference by (reference TP, SP): a sequence-parallel draw's is at its own TP
+    with SP (scenario 11: two draws at TP 1 share the TP = 1 reference, one at TP 2 with SP has its own)."""
     draws = scenario_draws(11)
-    assert len({reference_of(d) for d in draws}) == 1
-    assert all(reference_of(d).context_parallel_size == 1 and reference_of(d).dp == 1 for d in draws)
+    assert [(d.tp, d.sequence_parallel) for d in draws] == [(1, False), (1, False), (2, True)]
+    assert reference_of(draws[0]) == reference_of(draws[1]) != reference_of(draws[2])
+    for d in draws:
+        ref = reference_of(d)
+        assert ref.context_parallel_size == 1 and ref.dp == 1 and ref.sequence_parallel == d.sequence_parallel
+        assert ref.tp == (d.tp if d.sequence_parallel else 1)
 
 
 # ---- the launch checks the generator made necessary (no ranks: the parsed flags of a draw) --------------------------
@@ -136,10 +142,8 @@ def test_documents_layout_refuses_pipeline_parallelism_in_the_config():
 def _draw(seed, index, **expected):
     """Draw ``seed:index``, checked to still be the configuration the regression is about (a change to the generator
     that moves it fails here, naming the draw to pick again). QK-clip, drawn from a stream of its own after these
-    regressions were found, is held off unless ``qk_clip`` is expected."""
-    draw = draw_config(seed, index)
-    if "qk_clip" not in expected:
-        draw = replace(draw, scenario=replace(draw.scenario, qk_clip=False))
+    regressions were found, is held off unless ``qk_clip`` is expected (``draw_config(qk_clip=False)``)."""
+    draw = draw_config(seed, index, qk_clip="qk_clip" in expected)
     values = {**vars(draw.scenario), **{k: getattr(draw, k) for k in ("tp", "pp", "state", "zero_states", "order")}}
     values["reference_tp"] = reference_of(draw).tp
     values["refusals"] = [r.name for r in expected_refusals(draw)]
@@ -154,12 +158,13 @@ def _refused_by(outcome, rule: str) -> None:
 
 @pytest.mark.megatron
 @pytest.mark.distributed
-def test_draw_110_0_learnable_sinks_at_tp2_are_a_tensor_parallel_parameter(references):
+def test_draw_60_1_learnable_sinks_at_tp2_are_a_tensor_parallel_parameter(references):
     """Learnable sinks at TP 2: CoreAttention2D marks ``softmax_offset`` tensor-parallel along its heads, so the
     gradient norm counts every TP rank's heads and layout-independent weights split it like the heads. Before, it was
     unmarked (as in megatron-core's DotProductAttention): its full shape read (4,) instead of (8,), and the losses
-    and gradient norms differed from the TP=1 reference from iteration 1."""
-    draw = _draw(110, 0, softmax_type="learnable", tp=2, reference_tp=1, refusals=[])
+    and gradient norms differed from the TP=1 reference from iteration 1 (draw 110:0 then, which now runs sequence
+    parallelism and is compared at TP 2)."""
+    draw = _draw(60, 1, softmax_type="learnable", tp=2, reference_tp=1, refusals=[])
     outcome = run_configuration(draw, references)
     assert outcome.status == "pass", outcome.line()
 
@@ -178,11 +183,11 @@ def test_draw_330_0_hybrid_model_under_the_per_sequence_split_trains(references)
 
 @pytest.mark.megatron
 @pytest.mark.distributed
-def test_draw_113_2_documents_layout_with_yarn_trains(references):
+def test_draw_6_0_documents_layout_with_yarn_trains(references):
     """The documents layout with YaRN (--position-embedding-type yarn): use_document_positions reads YaRN's table at
     document positions (its (table, mscale) pair kept). Before, it raised in the first forward ("supports RoPE
-    models")."""
-    draw = _draw(113, 2, data="documents", position="yarn", refusals=[])
+    models"; draw 113:2 then, which now runs sequence parallelism and is refused)."""
+    draw = _draw(6, 0, data="documents", position="yarn", refusals=[])
     outcome = run_configuration(draw, references)
     assert outcome.status == "pass", outcome.line()
 
@@ -201,6 +206,8 @@ def test_draw_trains_within_its_perturbed_twins_floor(seed, index, dtype, refere
     iteration-1 grad norm bound and 3020:0 / 3045:0 the bf16 gradient bound; two CP=1 core attentions (Megatron's
     and ReferenceCoreAttention) differ as much on 3032. Measurements: docs/testing.md."""
     draw = _draw(seed, index, dtype=dtype, refusals=[])
+    # the model they were found on: LayerNorm, as every GPT and hybrid scenario had before the normalization axis
+    draw = replace(draw, scenario=replace(draw.scenario, normalization="LayerNorm"))
     outcome = run_configuration(draw, references)
     assert outcome.status == "pass", outcome.line()
     assert outcome.errors["floored"] == 1.0, outcome.errors  # the table alone would fail it: the floor is needed
@@ -222,7 +229,14 @@ REFUSED_DRAWS = [
     ),
     (18, 1, "megatron_fsdp_with_pipeline", "an einops error from megatron-fsdp's device mesh at wrapping"),
     (109, 2, "tp_pp_dp_mapping_with_context_and_pipeline", "an AssertionError in initialize_model_parallel"),
-    (208, 0, "documents_layout_with_mla", "raised in the first forward ('supports RoPE models')"),
+    (
+        113,
+        2,
+        "documents_layout_with_sequence_parallelism",
+        "trained as at CP=1 with the check off (its slot counts happened to divide by TP); the layout does not "
+        "ensure that, and Megatron's sequence-parallel split needs it",
+    ),
+    (385, 2, "documents_layout_with_mla", "raised in the first forward ('supports RoPE models'; draw 208:0 then)"),
 ]
 
 

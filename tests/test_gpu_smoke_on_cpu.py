@@ -3,7 +3,8 @@
 The dry run plays the CUDA kernels through their stand-ins (torch_flash, torch_cudnn: CPU kernels for PyTorch's CUDA
 flash and cuDNN ops; flash_attn2: the real flash-attn 2.8.3.post2 package over its CPU extension; te_fused: the real
 Transformer Engine 2.20.2 Python layer over its CPU extension), megatron-core through the CPU shims,
-and runs the distributed item on two CPU ranks under torchrun (gloo). Items that need CUDA (peak memory, graph
+and runs the distributed item on two CPU ranks under torchrun (gloo), stock Megatron CP (TE's own context_parallel.py
+in its CPU context) among them. Items that need CUDA (peak memory, graph
 capture, timing) or Transformer Engine's compiled layers (the TE-spec Megatron rows) must say so, never pass, and
 the summary counts them.
 """
@@ -61,6 +62,9 @@ def test_gpu_check_dry_run_on_cpu():
         for case in ("packed zigzag, ", "packed documents, window, ", "packed zigzag, two-sided window, "):
             assert ok("distributed 2 ranks", case + kernel) == 1, (case, kernel)
     assert ok("distributed 2 ranks") == 4 + 3 * len(KERNELS)
+    # stock Megatron CP beside them: TE 2.20.2's own DotProductAttention in its CPU context, each comm type at CP 2
+    for case in ("p2p cp2 sbhd", "a2a cp2 sbhd", "all_gather cp2 sbhd", "p2p cp2 thd"):
+        assert ok("stock TE, 2 ranks", case) == 1, case
     for kind in MEGATRON_KINDS:
         assert ok(f"megatron {kind}", "local spec") == 1, kind
     assert ok("checkpoint++") == 1

@@ -9,6 +9,7 @@ import sys
 
 import megatron.training.arguments as megatron_arguments  # noqa: E402
 import pytest
+import torch
 
 from megatron_2d.megatron import TransformerConfig2D  # noqa: E402
 from megatron_2d.megatron.arguments import add_2d_arguments, gpt_config_from_args_2d, transformer_config_from_args_2d  # noqa: E402
@@ -433,8 +434,8 @@ def test_sequence_packing_with_sft_is_refused(parse):
         gpt_config_from_args_2d(args)
 
 
-def launch_flags(mode):
-    """The flags examples/launch/torchrun_gpt.sh passes for MODE (sourced from gpt_flags.sh)."""
+def launch_flags(mode, tp=1):
+    """The flags examples/launch/torchrun_gpt.sh passes for MODE and TP (sourced from gpt_flags.sh)."""
     import subprocess
 
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "launch" / "gpt_flags.sh"
@@ -445,7 +446,7 @@ def launch_flags(mode):
             f'source "{script}" && printf "%s\\n" "${{MODEL_FLAGS[@]}}" '
             f'"${{TRAIN_FLAGS[@]}}" "${{PARALLEL_FLAGS[@]}}" "${{CP_FLAGS[@]}}"',
         ],
-        env={"MODE": mode, "CP": "8", "HP": "2", "WINDOW": "2", "PATH": "/usr/bin:/bin"},
+        env={"MODE": mode, "CP": "8", "HP": "2", "WINDOW": "2", "TP": str(tp), "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         check=True,
@@ -580,3 +581,121 @@ def test_the_spec_route_with_megatrons_own_clip_step_is_refused_where_it_fails(m
     assert qk_clip_step_problem(launch(cp_comm_type="p2p", bf16=False)) is None  # not a 2d launch
     monkeypatch.setattr(training, "clip_qk", qk_clip.clip_qk)
     assert qk_clip_step_problem(launch(bf16=False, use_distributed_optimizer=True)) is None
+
+
+def test_launch_script_turns_sequence_parallelism_on_with_tp(monkeypatch):
+    """With TP > 1 the launch flags add --sequence-parallel, as Megatron-Bridge's and NeMo's recipes do, and the
+    config takes it (TP 2 x 2D CP 8 on 16 ranks); at TP 1 they do not."""
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    for key, value in (("WORLD_SIZE", "16"), ("RANK", "0"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")):
+        monkeypatch.setenv(key, value)
+    assert "--sequence-parallel" not in launch_flags("2d") and "--sequence-parallel" in launch_flags("2d", tp=2)
+    cpu_only = ["--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_2d.py", *launch_flags("2d", tp=2), *cpu_only])
+    try:
+        args = megatron_arguments.parse_and_validate_args(extra_args_provider=add_2d_arguments)
+        t = gpt_config_from_args_2d(args).transformer
+    finally:
+        from megatron.training.global_vars import unset_global_variables
+
+        unset_global_variables()
+    assert t.sequence_parallel and t.tensor_model_parallel_size == 2 and t.cp_2d_head_parallel_size == 2
+
+
+# --- hybrid (dynamic) CP: the launch checks of megatron_2d.megatron.launch_checks.dynamic_launch_problems ----------
+
+HYBRID = [
+    *("--context-parallel-size 2 --cp-comm-type 2d --hybrid-context-parallel --max-seqlen-per-dp-cp-rank 64").split(),
+    *("--calculate-per-token-loss --rerun-mode disabled --attention-dropout 0 --eval-iters 0").split(),
+]
+HYBRID_MODEL = [f for f in MODEL if f != "--mock-data"] + ["--sft"]  # 8 ranks: DP 4 x CP 2
+
+
+def test_hybrid_flags_build_the_config_with_per_size_layouts(parse):
+    args = parse(*HYBRID, "--cp-2d-dynamic-layouts", "4=4x1,8=2x4/2", model=HYBRID_MODEL)
+    t = gpt_config_from_args_2d(args).transformer
+    assert (
+        t.hybrid_context_parallel and t.cp_2d_dynamic_layouts == "4=4x1,8=2x4/2" and t.max_seqlen_per_dp_cp_rank == 64
+    )
+    spec = gpt_config_from_args_2d(args).transformer_layer_spec(t)
+    assert spec.submodules.self_attention.module.__name__ == "SelfAttention2D"
+
+
+@pytest.mark.parametrize(
+    "flags, model, message",
+    [
+        ([], MODEL, "needs packed samples that say where each sequence ends (cu_seqlens)"),
+        (["--dataloader-inter-document-masking"], MODEL, "split each sequence over the static CP group"),
+        (["--rerun-mode", "validate_results"], HYBRID_MODEL, "add --rerun-mode disabled"),
+        (["--eval-iters", "2", "--data-path", "x", "--split", "90,10,0"], HYBRID_MODEL, "add --eval-iters 0"),
+        (["--eval-iters", "2", "--data-path", "x", "--split", "100,0,0"], HYBRID_MODEL, None),  # nothing to validate
+        (["--max-seqlen-per-dp-cp-rank", "16"], HYBRID_MODEL, "raise --max-seqlen-per-dp-cp-rank to at least 32"),
+        (["--cp-2d-head-parallel-size", "2"], HYBRID_MODEL, "describe one static 2D layout"),
+        (["--cp-2d-packing", "documents"], HYBRID_MODEL, "no packed batch to lay out by documents"),
+        (["--cp-2d-dynamic-layouts", "16=2"], HYBRID_MODEL, "group sizes [16], which this run has no groups of"),
+        (["--cp-2d-dynamic-layouts", "8=8x1,4=4"], HYBRID_MODEL, None),  # valid: checked as not refused
+        (["--cp-2d-dynamic-layouts", "2=2x2"], HYBRID_MODEL, "hp x cp = 2 x 2 = 4 is not the group size 2"),
+        ([], HYBRID_MODEL, None),
+    ],
+)
+def test_hybrid_launch_checks_name_the_flag(parse, flags, model, message):
+    from megatron_2d.megatron.launch_checks import check_launch_args
+
+    args = parse(*HYBRID, *flags, model=model)
+    if message is None:
+        check_launch_args(args)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_launch_args(args)
+
+
+def test_hybrid_refusals_on_the_config_route():
+    """TransformerConfig2D refuses, naming the setting, what hybrid CP cannot run (Python users never see the
+    launch checks)."""
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=2,
+        cp_comm_type="2d",
+        hybrid_context_parallel=True,
+        max_seqlen_per_dp_cp_rank=64,
+        calculate_per_token_loss=True,
+        apply_rope_fusion=False,
+        attention_dropout=0.0,
+    )
+    assert TransformerConfig2D(**base, cp_2d_dynamic_layouts="4=4x1").cp_2d_dynamic_layouts == "4=4x1"
+    for change, message in [
+        (dict(max_seqlen_per_dp_cp_rank=None), "needs max_seqlen_per_dp_cp_rank"),
+        (dict(calculate_per_token_loss=False), "needs calculate_per_token_loss"),
+        (dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32), "pipeline_model_parallel_size 2"),
+        (dict(context_parallel_size=2, cp_2d_inner_ring_size=2), "describe one static 2D layout"),
+        (dict(cp_2d_dynamic_layouts="8=16"), "head-parallel size 16 does not divide"),
+        (dict(cp_2d_dynamic_layouts="16=16"), "size 16: head-parallel size 16 does not divide the 8 attention heads"),
+        (dict(hybrid_context_parallel=False, cp_2d_dynamic_layouts="4=2"), "set without hybrid_context_parallel"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TransformerConfig2D(**{**base, **change})
+
+
+def test_hybrid_refuses_rope_fusion_and_mla():
+    """Checks megatron-core's own config validation reaches first here (no TE: no RoPE fusion; MLA's own refusal):
+    asked of the one function every route calls."""
+    from types import SimpleNamespace
+
+    from megatron_2d.megatron.dynamic import dynamic_config_problems
+
+    ok = dict(hybrid_context_parallel=True, max_seqlen_per_dp_cp_rank=64, calculate_per_token_loss=True)
+    assert dynamic_config_problems(SimpleNamespace(**ok)) == []
+    assert (
+        dynamic_config_problems(SimpleNamespace(**{**ok, "hybrid_context_parallel": False, "apply_rope_fusion": True}))
+        == []
+    )
+    for change, message in [
+        (dict(apply_rope_fusion=True), "needs apply_rope_fusion=False (--no-rope-fusion)"),
+        (dict(multi_latent_attention=True), "with multi-latent attention is refused by megatron-core 0.19.2"),
+        (dict(use_megatron_fsdp=True), "with megatron-fsdp is refused"),
+        (dict(hierarchical_context_parallel_sizes=[2, 2]), "give them with --cp-2d-dynamic-layouts"),
+    ]:
+        problems = dynamic_config_problems(SimpleNamespace(**{**ok, **change}))
+        assert len(problems) == 1 and message in problems[0], problems

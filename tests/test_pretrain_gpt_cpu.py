@@ -474,3 +474,23 @@ def test_patched_pretrain_gpt_trains_with_qk_clip(scripts, reference):
     assert_same(got, reference, iterations=[1])
     moved = [abs(got.losses[i] / reference.losses[i] - 1) for i in (3, 4)]
     assert min(moved) > 3 * RTOL, (moved, got.losses, reference.losses)
+
+
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.mark.distributed
+def test_pretrain_gpt_with_sequence_parallelism_equals_cp1(scripts, layers_2d):
+    """pretrain_gpt.py --sequence-parallel at TP 2 x 2D CP 2 (hp 2: K/V replicated) logs the lm loss and grad norm
+    of TP 2 + SP at CP = 1 (the unpatched script). The local spec's LayerNorm with SP is megatron-core's
+    FusedLayerNorm over apex's function stood in (megatron_2d.testing.sp_norms; torch's norm refuses SP), entered
+    before the ranks fork."""
+    from megatron_2d.testing.sp_norms import apex_layer_norm
+
+    cp2 = ["--context-parallel-size", "2", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2"]
+    with apex_layer_norm():
+        reference = training(run_pretrain(2, scripts["stock"], BASE + TP2_SP))
+        logs = run_pretrain(4, scripts["patched"], BASE + TP2_SP + cp2)
+    assert all(layers_2d(layer, hp=2, cp_size=2) in log for log in logs for layer in (1, 2))
+    assert reference.losses[ITERATIONS] < reference.losses[1]
+    assert_same(training(logs), reference, grad_norm_rtol=RTOL)

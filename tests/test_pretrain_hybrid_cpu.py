@@ -305,3 +305,23 @@ def test_sft_without_per_token_loss_stops_every_rank_with_our_message(scripts, s
     message = "--sft at --context-parallel-size 4 (cp_comm_type ['2d']) needs --calculate-per-token-loss"
     for rank, outcome in enumerate(run_pretrain_outcomes(4, scripts["patched"], flags + CP4[len(BASE) :], 90)):
         assert outcome.exit_status != 0 and message in (outcome.error or ""), f"rank {rank}: {outcome.error}"
+
+
+@pytest.mark.distributed
+def test_pretrain_hybrid_with_sequence_parallelism_equals_cp1(scripts):
+    """pretrain_hybrid.py --sequence-parallel at TP 2 x 2D CP 2 (hp 2), pattern 'M*-', logs the lm loss and grad norm
+    of TP 2 + SP at CP = 1, both the unpatched script with --spec. HybridStack's final norm is TENorm whatever the
+    spec says, and the local specs' torch norms refuse SP, so both runs build Transformer Engine's norms (its
+    release's Python over CPU kernels, megatron_2d.testing.sp_norms), entered before the ranks fork."""
+    from megatron_2d.testing.sp_norms import te_norms
+
+    tp_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hybrid-layer-pattern", "M*-"]
+    spec = ["--spec", "megatron_2d.testing.sp_norms"]
+    cp2 = ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1", "--cp-comm-type", "2d"]
+    with te_norms():
+        reference = training(
+            run_pretrain(2, scripts["stock"], BASE + tp_sp + spec + ["megatron_local_hybrid_stack_spec_te_norms"])
+        )
+        got = training(run_pretrain(4, scripts["stock"], BASE + tp_sp + spec + ["hybrid_stack_spec_2d_te_norms"] + cp2))
+    assert reference.losses[ITERATIONS] < reference.losses[1]
+    assert_same(got, reference)

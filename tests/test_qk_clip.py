@@ -31,6 +31,7 @@ def _scenario(seed: int, model: str, layers: str, heads: int, groups: int, dtype
         query_groups=groups,
         moe=False,
         ssm_heads=8,
+        normalization="LayerNorm",  # megatron-core's default, as before the generator drew it
         window="none",
         window_size=1,
         softmax_type="vanilla",
@@ -118,6 +119,36 @@ def test_megatron_cores_own_clip_step_works_unchanged_where_it_runs(references, 
     outcome = run_configuration(draw, references, with_twin=False)
     print(outcome.line(), {k: f"{v:.1e}" for k, v in outcome.errors.items()})
     assert outcome.status == "pass", outcome.line()
+
+
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_qk_clip_under_hybrid_cp_equals_cp1(references, monkeypatch):
+    """QK-clip under hybrid (dynamic) CP, DP 2 x CP 2 with the distributed optimizer: documents of 8 to 32 tokens on
+    groups of 1, 2 and 4 (``--max-seqlen-per-dp-cp-rank 8``; group 4 at hp 2 x cp 2), each micro-batch's max logit
+    reduced over its own group, the clip step's over DP x CP. Every document length is a multiple of 2 x its
+    group size, so no padding reaches core attention (the generated hybrid draws are skipped by
+    qk_clip_with_padding_as_documents: hybrid_sample_batch pads each sequence at its end, as part of its
+    document); loss, grad norm, logged max logit and weights equal CP = 1's. A one-sequence micro-batch used to
+    hand the op's (out, max_logit) pair on unread (AttributeError in the first forward)."""
+    from megatron_2d.testing import generated_configs
+
+    lengths = ((8, 24), (16, 16), (32,), (8, 8, 16))
+    scenario = replace(_scenario(4206, "gpt", "**", heads=8, groups=2, dtype="fp32", tp=None), data="zigzag")
+    scenario = replace(scenario, seq_length=32, lengths=lengths)
+    draw = replace(
+        _draw(scenario), tp=1, hp=1, cp=2, inner_ring_size=2, dp=2, max_seqlen_per_rank=8,
+        dynamic_layouts="4=2x2/2@head_first",
+    )  # fmt: skip
+    assert generated_configs.dynamic_group_sizes(draw) == {1, 2, 4}
+    assert all(n % (2 * 4) == 0 for sequence in lengths for n in sequence)  # no padding in any group
+    assert not generated_configs.expected_refusals(draw)
+    assert generated_configs.skip_reason(draw).name == "qk_clip_with_padding_as_documents"
+    monkeypatch.setattr("megatron_2d.testing.config_runs.skip_reason", lambda d: None)  # nothing padded here
+    outcome = run_configuration(draw, references, with_twin=False)
+    print(outcome.line(), {k: f"{v:.1e}" for k, v in outcome.errors.items()})
+    assert outcome.status == "pass", outcome.line()
+    assert "max_logit" in outcome.errors and "weights" in outcome.errors
 
 
 # ---- megatron-core's own clip_qk, and the clip's formula ---------------------------------------------------------

@@ -72,7 +72,7 @@ def test_the_flags_are_the_table():
         if isinstance(f.default, bool):
             assert isinstance(action, argparse._StoreTrueAction)
         elif not setting.choices:
-            assert action.type is int
+            assert action.type is (setting.type or type(f.default)) and action.type in (int, str)
     assert vars(parser.parse_args([])) == {f.name: f.default for f, _ in table()}
     values = parser.parse_args(["--cp-2d-inner-ring-size", "2", "--cp-2d-mla-ring", "latent"])
     assert (values.cp_2d_inner_ring_size, values.cp_2d_mla_ring) == (2, "latent")

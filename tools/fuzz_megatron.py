@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="first scenario seed; scenarios take seed, seed+1, ...")
     parser.add_argument("--replay", metavar="SEED:INDEX", help="run one draw again and print its result")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take (default 300)")
+    parser.add_argument("--log", metavar="PATH", help="append each draw's outcome line to PATH as it finishes")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -79,6 +80,9 @@ def main(argv=None) -> int:
                 outcome = run_configuration(draw_config(seed, index), references, timeout_s=args.timeout)
                 if outcome.status == "fail":
                     tqdm.write(f"{outcome.line()} [{_errors(outcome.errors)}]")
+                if args.log:
+                    with open(args.log, "a") as log:
+                        log.write(f"{outcome.seconds:.1f}s {outcome.line()}\n")
                 outcomes.append(outcome)
                 bar.update(1)
             seed += 1

@@ -2,7 +2,12 @@
 """Memory report for a model and a 2D layout: activations per recompute mode, and model states per sharding choice.
 
     python tools/memory_report.py [--ranks 4 --hp 2 --inner-ring-size 1 --layers 4 --hidden 256 --heads 8 --kv-heads 2
-                                   --seq 1024 --plot memory.png]
+                                   --seq 1024 --plot memory.png] [--tp 2 [--sequence-parallel]]
+
+``--tp``: the ranks are TP x CP (CP = ranks / TP); ``--sequence-parallel``: Megatron's SP (its norms: megatron-core's
+FusedLayerNorm over apex's function stood in, megatron_2d.testing.sp_norms). The planner's activation model
+(megatron_2d.plan.memory) assumes SP unless ParallelSpec(sequence_parallel=False); tests/test_memory_report.py
+compares both with it.
 
 Activations: bytes kept for backward by the decoder layers of one micro-batch on one rank, measured on forked CPU
 ranks as the unique storages (parameters excluded) of every tensor autograd saved during the forward (torch's
@@ -22,6 +27,7 @@ in tests/test_hybrid_zero.py), for --model-params parameters (default: a 7B mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import warnings
 
@@ -84,7 +90,13 @@ def kept_formula(args, full_bytes: float) -> dict[str, float]:
                                                                          hp 1 with b 1: a view of out)
 
     c: the elements the recompute check samples from q, k and v in the first pass (64 or 65 each, fp32)."""
-    b, s, h, g, hp = args.batch, args.seq // args.ranks, args.heads, args.kv_heads, args.hp
+    b, s, h, g, hp = (
+        args.batch,
+        args.seq // (args.ranks // args.tp),
+        args.heads // args.tp,
+        args.kv_heads // args.tp,
+        args.hp,
+    )
     d = args.hidden // h
     kv_heads = math.lcm(g, hp)
     out, lse = b * s * h * d * FP32, b * s * h * FP32
@@ -97,10 +109,11 @@ def kept_formula(args, full_bytes: float) -> dict[str, float]:
 
 
 def layer_flops(args, cp: int) -> dict[str, float]:
-    """Forward FLOPs of one decoder layer on one rank: dense GEMMs and attention (causal: half the scores).
+    """Forward FLOPs of one decoder layer on one rank: dense GEMMs and attention (causal: half the scores); ``cp``:
+    the ranks sharing the layer (TP x CP: TP splits the GEMMs and the heads).
 
-    dense = 2 * tokens * (h*(h + 2*kv*d) [QKV] + h*h [proj] + 2*h*ffn [MLP]);  tokens = b*s/CP
-    attention = 4 * b * s^2 * h / 2 (causal) / CP   (QK^T and PV, shared evenly by the zigzag layout)
+    dense = 2 * tokens * (h*(h + 2*kv*d) [QKV] + h*h [proj] + 2*h*ffn [MLP]);  tokens = b*s/cp
+    attention = 4 * b * s^2 * h / 2 (causal) / cp   (QK^T and PV, shared evenly by the zigzag layout)
     """
     h, d = args.hidden, args.hidden // args.heads
     tokens = args.batch * args.seq / cp
@@ -112,7 +125,7 @@ def layer_flops(args, cp: int) -> dict[str, float]:
 def measure(rank, world, args) -> dict[str, dict]:
     from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d
 
-    tg.init_parallel(context_parallel_size=world)
+    tg.init_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=world // args.tp)
     spec = get_gpt_layer_spec_2d(use_transformer_engine=False)
     out = {}
     for mode, recompute in MODES.items():
@@ -127,7 +140,10 @@ def measure(rank, world, args) -> dict[str, dict]:
             cp_comm_type="2d",
         )
         cfg.config_overrides = dict(
-            cp_2d_head_parallel_size=args.hp, cp_2d_inner_ring_size=args.inner_ring_size, **recompute
+            cp_2d_head_parallel_size=args.hp,
+            cp_2d_inner_ring_size=args.inner_ring_size,
+            sequence_parallel=args.sequence_parallel,
+            **recompute,
         )
         model = tg.build_tiny_gpt(cfg, spec)
         hooks = SavedTensorBytes(model.parameters())
@@ -151,7 +167,10 @@ def measure(rank, world, args) -> dict[str, dict]:
 
 
 def report(args) -> list[dict]:
-    per_rank = run_on_ranks(args.ranks, measure, args, timeout_s=600)
+    from megatron_2d.testing.sp_norms import apex_layer_norm
+
+    with apex_layer_norm() if args.sequence_parallel else contextlib.nullcontext():
+        per_rank = run_on_ranks(args.ranks, measure, args, timeout_s=600)
     flops = layer_flops(args, args.ranks)
     extra_flops = {
         "none": 0.0,
@@ -184,8 +203,8 @@ def print_activation_table(rows, args) -> None:
     render_table(
         f"Activations kept for backward per decoder layer, one micro-batch, per rank: "
         f"{args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, seq "
-        f"{args.seq}, b {args.batch}, fp32, CP={args.ranks} (hp {args.hp} x cp "
-        f"{args.ranks // args.hp}, w {args.inner_ring_size})",
+        f"{args.seq}, b {args.batch}, fp32, TP={args.tp}{' with SP' if args.sequence_parallel else ''} x "
+        f"CP={args.ranks // args.tp} (hp {args.hp} x cp {args.ranks // args.tp // args.hp}, w {args.inner_ring_size})",
         [
             "recompute mode",
             "activations MiB/layer",
@@ -280,6 +299,8 @@ def plot(activation_rows, state_rows, path: str) -> None:
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description="Activation and model-state memory per recompute / sharding choice")
     add_arguments(p, ranks=4, hp=2, inner_ring_size=1, layers=4, hidden=256, heads=8, kv_heads=2, seq=1024, batch=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the ranks are TP x CP; default 1)")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (TP > 1)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel size for the model-state table")
     p.add_argument("--model-params", type=int, default=6_738_415_616, help="parameters (default: a 7B model)")
     p.add_argument("--plot", default="memory_report.png", help="PNG of both tables ('' for none)")

@@ -7,12 +7,18 @@
 #   bash tools/pretrain_gpt_cpu.sh --print-flags    # the pretrain_gpt flags, one a line
 #   ENTRY=hybrid [PATTERN='M*-M*-'] bash tools/pretrain_gpt_cpu.sh   # pretrain_hybrid.py: Mamba + 2D attention
 #     (CPU stand-ins for the Mamba/GDN kernels; the CP=1 reference runs Megatron's local hybrid spec)
+#   STOCK_CP=a2a+p2p [TE_RELEASE=2.20.2] bash tools/pretrain_gpt_cpu.sh   # stock Megatron CP instead of 2D: the
+#     unpatched pretrain_gpt.py, --bf16, megatron-core's TEDotProductAttention over Transformer Engine's own
+#     context_parallel.py (megatron_2d.testing.stock_cp_spec); STOCK_CP=p2p | a2a | a2a+p2p (hierarchical 2 x CP/2)
+#     | all_gather
 # Needs <repo>/../shared/megatron-lm/core_v0.19.0 (or MEGATRON_LM_DIR). Stops after TIMEOUT seconds (default 120).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 CP="${CP:-4}"
 ENTRY="${ENTRY:-gpt}"
+STOCK_CP="${STOCK_CP:-}"
+LAUNCH=()
 
 if [ "$ENTRY" = hybrid ]; then
   FLAGS=(--hybrid-layer-pattern "${PATTERN:-M*-M*-}" --mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2)
@@ -28,7 +34,14 @@ FLAGS+=(
   --attention-dropout 0 --hidden-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 1000
   --distributed-timeout-minutes 1
 )
-if [ "$CP" != 1 ]; then
+if [ -n "$STOCK_CP" ]; then
+  FLAGS+=(--bf16 --spec megatron_2d.testing.stock_cp_spec gpt_layer_spec_stock_cp)
+  if [ "$CP" != 1 ]; then
+    FLAGS+=(--context-parallel-size "$CP" --cp-comm-type "$STOCK_CP")
+    [ "$STOCK_CP" = "a2a+p2p" ] && FLAGS+=(--hierarchical-context-parallel-sizes 2 $((CP / 2)))
+  fi
+  LAUNCH=(--te-release "${TE_RELEASE:-2.20.2}")
+elif [ "$CP" != 1 ]; then
   FLAGS+=(--context-parallel-size "$CP" --cp-comm-type 2d --cp-2d-head-parallel-size 2 --cp-2d-inner-ring-size 2
           --cp-2d-placement head_first)
 fi
@@ -36,8 +49,8 @@ if [ "${1:-}" = "--print-flags" ]; then printf '%s\n' "${FLAGS[@]}"; exit 0; fi
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-PATCHED=--patched; [ "$CP" = 1 ] && PATCHED=
+PATCHED=--patched; { [ "$CP" = 1 ] || [ -n "$STOCK_CP" ]; } && PATCHED=
 SCRIPT="$("$PY" -m megatron_2d.testing.megatron_lm "$WORK" $PATCHED --script "pretrain_$ENTRY.py")"
 # torchrun terminates its workers on SIGTERM; -k kills it if it does not stop.
 exec timeout -k 10 "${TIMEOUT:-120}" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$CP" \
-  -m megatron_2d.testing.pretrain_cpu "$SCRIPT" "${FLAGS[@]}" "$@"
+  -m megatron_2d.testing.pretrain_cpu "${LAUNCH[@]}" "$SCRIPT" "${FLAGS[@]}" "$@"

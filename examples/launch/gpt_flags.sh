@@ -17,9 +17,11 @@ TRAIN_FLAGS=(
   --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0
   --bf16 --use-distributed-optimizer --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
-  --log-interval 1 --eval-iters 0 --log-throughput --timing-log-level 1
+  --log-interval 1 --eval-iters 0 --eval-interval 1000 --log-throughput --timing-log-level 1
 )
 PARALLEL_FLAGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --context-parallel-size "$CP")
+# with TP, sequence parallelism, as Megatron-Bridge's and NeMo's recipes run it (the 2d backend is the same under it)
+if [ "$TP" -gt 1 ]; then PARALLEL_FLAGS+=(--sequence-parallel); fi
 case "$MODE" in
   p2p)     CP_FLAGS=(--cp-comm-type p2p) ;;
   a2a)     CP_FLAGS=(--cp-comm-type a2a) ;;

@@ -35,6 +35,7 @@ from megatron_2d.testing.distributed import run_on_ranks
 from ..groups import build_groups_for_layout
 from ..layout.topology import Layout2D
 from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
+from .cluster import add_cluster_arguments, bench_cluster
 from .harness import (
     DTYPES,
     bench_layouts,
@@ -103,7 +104,7 @@ def bench_rank(rank, world, args, layouts, dtype):
     return single, [(t, groups.comm_bytes.as_dict()) for t, groups in zip(times, all_groups)]
 
 
-def run_benchmark(args):
+def run_benchmark(args, rank_setup=None):
     """(rows, single-process seconds {"alone", "busy"}, the share of cores the ideal divides by). A layout's
     efficiency is the median over rounds of ideal / its time in the same round."""
     dtype = DTYPES[args.dtype]
@@ -111,7 +112,9 @@ def run_benchmark(args):
         raise SystemExit(f"--seq {args.seq} must be divisible by 2*ranks = {2 * args.ranks}")
     layouts = bench_layouts(args.ranks, args.heads)  # hp must divide the query heads
     share = min(args.ranks, os.cpu_count() or 1)  # the ideal: the single process's time / share
-    per_rank = run_on_ranks(args.ranks, bench_rank, args, layouts, dtype, timeout_s=args.timeout * 20)
+    per_rank = run_on_ranks(
+        args.ranks, bench_rank, args, layouts, dtype, timeout_s=args.timeout * 20, rank_setup=rank_setup
+    )
     single = per_rank[0][0]
     rows = []
     for i, layout in enumerate(layouts):
@@ -152,18 +155,21 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--no-causal", dest="causal", action="store_false")
     add_malloc_argument(p)
     add_output_arguments(p)
+    add_cluster_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rows, single, share = run_benchmark(args)
+    with bench_cluster(args, args.ranks, DTYPES[args.dtype]) as cluster:
+        rows, single, share = run_benchmark(args, rank_setup=cluster.rank_setup if cluster else None)
     print_table(rows, args, single, share)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
                     "args": vars(args),
+                    "cluster": cluster.to_dict() if cluster else None,
                     "single_s": single,
                     "cores_shared": share,
                     "rows": [

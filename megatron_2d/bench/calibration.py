@@ -44,7 +44,7 @@ from ..plan.links import IDEAL_LINKS, LinkEfficiency
 from ..testing.distributed import run_on_ranks
 from . import compare as bench_compare
 from .cli import add_arguments, add_output_arguments, render_table
-from .harness import time_call
+from .harness import bench_model, measure_copy_bandwidth, time_call  # noqa: F401 (bench_model: re-exported)
 
 UNBOUNDED = 1e9  # TFLOP/s and GB/s that make kernels and transfers free (fixed costs only)
 
@@ -86,16 +86,6 @@ def measure_peak_flops(dtype: torch.dtype, n: int = 1024) -> float:
     return 2.0 * n**3 / seconds
 
 
-def measure_copy_bandwidth(elements: int = 2**24) -> float:
-    """Single-thread bytes/s of a large fp32 copy, read + write."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    x, y = torch.randn(elements), torch.empty(elements)
-    seconds = _best_seconds(lambda: y.copy_(x))
-    torch.set_num_threads(threads)
-    return 2.0 * 4 * elements / seconds
-
-
 def _ring_step_latency(rank: int, world: int, steps: int) -> float:
     """Median seconds of one ring step (isend to rank+1, irecv from rank-1) of a 4-byte message."""
     send, recv = torch.zeros(1), torch.empty(1)
@@ -131,20 +121,6 @@ def measure_machine(ns: Sequence[int], dtype: torch.dtype) -> MachineFigures:
 def share(n: int, cores: int) -> float:
     """f = N / min(N, cores): ranks per core."""
     return n / min(n, cores)
-
-
-def bench_model(bench_args: dict[str, object]) -> ModelSpec:
-    """The benchmark's attention shape as a one-layer model (the MLP and vocabulary do not enter attention)."""
-    heads, dim = int(bench_args["heads"]), int(bench_args["dim"])
-    return ModelSpec(
-        f"bench hq={heads} hkv={bench_args['kv_heads']} d={dim}",
-        layers=1,
-        hidden=heads * dim,
-        heads=heads,
-        kv_heads=int(bench_args["kv_heads"]),
-        ffn_hidden=1,
-        vocab=1,
-    )
 
 
 def cpu_cluster(

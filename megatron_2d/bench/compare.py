@@ -13,6 +13,13 @@ table, megatron_2d.testing.reference.TOLERANCES[dtype].gate) is reported as MISM
 one that cannot run here as n/a; none of them is timed.
 
     python tools/bench_compare.py --ranks 4 --peers usp,torch-cp  # only these peers (default all; --no-peers)
+    python tools/bench_compare.py --ranks 8 --nodes 2 --cluster dgx-h100 --gpu-seq 65536  # an emulated cluster
+    python tools/bench_compare.py --ranks 8 --no-peers --send-first   # each 2D layout with the posting order of
+                                                                      # before issue 41 too, paired by round
+
+On an emulated cluster (--cluster / --net-mbit: megatron_2d.bench.cluster) the ranks run in its network
+namespaces, and after the table the planner's prediction for the emulated cluster as measured is printed beside
+every row it has a kind for (megatron_2d.bench.cluster_plan).
 
 Timing (as tools/bench_attention.py): rounds, the first a warm-up; each times the single-process baseline (the
 local kernel's fwd+bwd on the full problem, one thread: rank 0 alone, then min(N, cores) ranks at once; on GPUs
@@ -38,6 +45,7 @@ Columns
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -56,11 +64,15 @@ from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_on_rank
 
 from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
+from .cluster import add_cluster_arguments, bench_cluster
+from .cluster_plan import print_planner_check
 from .harness import DTYPES, make_inputs, retain_freed_memory, round_order, single_process_step
 from .runners import (  # noqa: F401
     OURS,
     PEERS,
     RING_FLASH,
+    SEND_FIRST,
+    TE_RELEASE,
     TORCH_CP,
     USP,
     YUNCHANG_VERSION,
@@ -356,8 +368,9 @@ def _finish(args, impls: list[Impl], out: dict[str, object]) -> Report:
     return Report(rows, busy, busy / share, args.device, alone, list(single["alone"]), out["order"])
 
 
-def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Report | None:
-    """Run every implementation (plus ``extra_impls``) once; the Report (None on CUDA ranks other than 0)."""
+def run_compare(args, extra_impls: Sequence[Impl] = (), rank_setup=None) -> Report | None:
+    """Run every implementation (plus ``extra_impls``) once; the Report (None on CUDA ranks other than 0).
+    ``rank_setup(rank)`` runs first in each forked rank (an emulated cluster's ranks enter their namespaces)."""
     if args.seq % (2 * args.ranks):
         raise SystemExit(f"--seq {args.seq} must be divisible by 2*ranks = {2 * args.ranks}")
     if args.heads % args.kv_heads:
@@ -366,9 +379,23 @@ def run_compare(args, extra_impls: Sequence[Impl] = ()) -> Report | None:
     if args.device == "cuda":
         out = _run_cuda(args, impls)
         return _finish(args, impls, out) if out is not None else None
-    per_rank = run_on_ranks(
-        args.ranks, compare_on_rank, args, impls, "cpu", timeout_s=args.timeout * (4 + 2 * len(impls))
-    )
+    with contextlib.ExitStack() as stack:  # the contexts rows need around the forked run (TE's CPU context), once
+        for key, factory in dict(i.context for i in impls if i.context and not i.unavailable).items():
+            try:
+                stack.enter_context(factory())
+            except Exception as err:  # the rows that need it become n/a rows
+                for i in impls:
+                    if i.context and i.context[0] == key:
+                        i.unavailable = f"{key}: {type(err).__name__}: {err}"[:160]
+        per_rank = run_on_ranks(
+            args.ranks,
+            compare_on_rank,
+            args,
+            impls,
+            "cpu",
+            timeout_s=args.timeout * (4 + 2 * len(impls)),
+            rank_setup=rank_setup,
+        )
     return _finish(args, impls, per_rank[0])
 
 
@@ -409,7 +436,15 @@ def paired(row: Row, against: Row) -> Paired:
 
 
 def _timed_ours(rows: Sequence[Row]) -> list[Row]:
-    return [r for r in rows if r.family == OURS and r.seconds is not None and r.layout]
+    """Our timed rows with the default dK/dV riders (fp32; the "dK/dV in <dtype>" rows stand beside TE's)."""
+    return [
+        r
+        for r in rows
+        if r.family == OURS
+        and r.seconds is not None
+        and r.layout
+        and r.layout.get("dkv", "accumulator") == "accumulator"
+    ]
 
 
 def matched_layouts(rows: Sequence[Row]) -> list[Paired]:
@@ -424,6 +459,12 @@ def matched_layouts(rows: Sequence[Row]) -> list[Paired]:
         if match:
             out.append(paired(min(match, key=lambda r: r.seconds), usp))
     return out
+
+
+def posting_orders(rows: Sequence[Row]) -> list[Paired]:
+    """For each layout timed both ways (``--send-first``): receive first (now) against send first (before)."""
+    before = {r.name.removesuffix(" (send first)"): r for r in rows if r.family == SEND_FIRST and r.seconds}
+    return [paired(r, before[r.name]) for r in _timed_ours(rows) if r.name in before]
 
 
 def default_windows(rows: Sequence[Row]) -> list[Paired]:
@@ -448,6 +489,11 @@ ADAPTATIONS = {
     "call convention by version); a ring of one rank (ulysses N) brings dK/dV home by a local copy instead of a "
     "gloo send to itself; 'K/V repeated by the caller': K/V heads repeated to N before the call (autograd sums "
     "their gradients)",
+    "TE": "TE rows on CPU ranks: Transformer Engine {te_release}'s own DotProductAttention and context_parallel.py "
+    "(megatron_2d.testing.te_context_parallel), unchanged; its fused attention is the CPU stand-in of its compiled "
+    "extension, the cpu_flash kernel our rows run; TE merges partial outputs and moves dK/dV in the input dtype "
+    "(ours: fp32 riders by default, the 'dK/dV in <dtype>' rows move TE's bytes); its two CUDA streams run in order, "
+    "as everything does on CPU; bytes: closed forms, checked against what TE's code sent (a mismatch is printed)",
     TORCH_CP: "torch CP: _ContextParallel (SDPA) by parallelize_module, inputs by _context_parallel_shard with the "
     "head-tail load balancer, set_rotate_method per row; GQA by SDPA's enable_gqa; on CPU a CP sharding rule for "
     "the CPU SDPA op runs torch's _templated_ring_attention(_backward) (megatron_2d/bench/torch_cp_cpu.py); "
@@ -511,11 +557,12 @@ def print_report(report: Report, args) -> None:
                 err,
             ]
         )
-        if r.bytes.get("ring_counted", r.bytes["ring"]) != r.bytes["ring"]:
-            notes.append(
-                f"warning: {r.name}: closed-form ring bytes {r.bytes['ring']:.0f} != counted "
-                f"{r.bytes['ring_counted']:.0f}"
-            )
+        for kind in ("ring", "a2a"):
+            if r.bytes.get(f"{kind}_counted", r.bytes[kind]) != r.bytes[kind]:
+                notes.append(
+                    f"warning: {r.name}: closed-form {kind} bytes {r.bytes[kind]:.0f} != counted "
+                    f"{r.bytes[f'{kind}_counted']:.0f}"
+                )
     render_table(title, header, body, width=170)
     matched = matched_layouts(report.rows)
     if matched:
@@ -525,6 +572,14 @@ def print_report(report: Report, args) -> None:
         )
         for m in matched:
             print(f"  {m.against:<46} {m.row:<32} {_paired_figures(m, 'ours')}")
+    orders = posting_orders(report.rows)
+    if orders:
+        print(
+            "posting order: each layout with its receives posted first (now) against its sends first (before issue "
+            "41): time now / before (< 1: the fix is faster), its range over the rounds, CPU time now / before"
+        )
+        for m in orders:
+            print(f"  {m.row:<46} {'(send first)':<32} {_paired_figures(m, 'now')}")
     windows = default_windows(report.rows)
     if windows:
         print(
@@ -546,19 +601,23 @@ def print_report(report: Report, args) -> None:
             f"efficiencies are per-round ratios, compare rows with care"
         )
     families_run = {r.family for r in report.rows if not r.status.startswith("n/a")}
+    if report.device == "cpu":
+        families_run |= {"TE" for f in families_run if f.startswith("TE ")}
     for family, text in ADAPTATIONS.items():
         if family in families_run:
-            notes.append("note: " + text.format(version=YUNCHANG_VERSION))
+            notes.append("note: " + text.format(version=YUNCHANG_VERSION, te_release=getattr(args, "te_release", "")))
     if any(r.bytes_source == "closed form" for r in report.rows):
         notes.append("f: bytes from the closed forms in megatron_2d/bench/runners.py's docstring (ours are measured)")
     for note in notes:
         print(note)
 
 
-def write_json(report: Report, args, path: str) -> None:
+def write_json(report: Report, args, path: str, extra: dict | None = None) -> None:
+    """The run as JSON: its args, the baseline, the rows, and ``extra`` (the emulated cluster and the planner)."""
     with open(path, "w") as f:
         json.dump(
             {
+                **(extra or {}),
                 "args": vars(args),
                 "device": report.device,
                 "single_s": report.single_s,
@@ -610,9 +669,28 @@ def parse_args(argv: list[str] | None = None):
         help=f"the peers to run, comma-separated from {', '.join(PEERS)}, or 'all' (default all)",
     )
     p.add_argument("--no-peers", dest="peers", action="store_const", const=(), help="only our 2D layouts")
+    p.add_argument(
+        "--te-release",
+        default=TE_RELEASE,
+        help=f"the Transformer Engine release of the TE rows on CPU ranks (default {TE_RELEASE}; "
+        "megatron_2d.testing.te_package installs 2.5.0, 2.8.0, 2.12.0, 2.20.2)",
+    )
+    p.add_argument(
+        "--dkv-comm-dtype",
+        choices=("accumulator", "input", "both"),
+        default="both",
+        help="our rows' dK/dV riders: fp32 ('accumulator', the default of attention_2d), the input dtype ('input', "
+        "TE's bytes), or a row of each (default both)",
+    )
+    p.add_argument(
+        "--send-first",
+        action="store_true",
+        help="also time every 2D layout with the transport's posting order of before issue 41 (sends first)",
+    )
     add_malloc_argument(p)
     add_arguments(p, timeout=120.0)
     add_output_arguments(p)
+    add_cluster_arguments(p)
     args = p.parse_args(argv)
     args.causal = True  # zigzag rings (ours and the peers) are causal
     if args.device == "cuda":
@@ -622,12 +700,16 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report = run_compare(args)
+    with bench_cluster(args, args.ranks, DTYPES[args.dtype]) as cluster:
+        report = run_compare(args, rank_setup=cluster.rank_setup if cluster else None)
     if report is None:
         return
     print_report(report, args)
+    extra = {}
+    if cluster is not None:
+        extra = {"cluster": cluster.to_dict(), "planner": print_planner_check(report, args, cluster)}
     if args.json:
-        write_json(report, args, args.json)
+        write_json(report, args, args.json, extra)
 
 
 if __name__ == "__main__":

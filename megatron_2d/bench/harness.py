@@ -2,6 +2,7 @@
 
 layouts = bench_layouts(cp_size=4, heads=8)         # the Layout2Ds of CP = 4 whose hp divides the heads
 q, k, v, dout = make_inputs(args, torch.bfloat16)   # full [S, b, h, d] tensors, the same on every rank
+model = bench_model(vars(args))                      # the attention shape as the planner's one-layer model
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from ..kernels import select_kernel
 from ..layout.band import Band
 from ..layout.topology import Layout2D, every_layout
+from ..plan import ModelSpec
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -113,3 +115,28 @@ def time_single_process(args, dtype: torch.dtype, device: str = "cpu") -> float:
         return time_call(single_process_step(args, dtype, device), args.repeats)
     finally:
         torch.set_num_threads(threads)
+
+
+def measure_copy_bandwidth(elements: int = 2**24) -> float:
+    """Single-thread bytes/s of a large fp32 copy, read + write (the best of a few runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x, y = torch.randn(elements), torch.empty(elements)
+    seconds = time_call(lambda: y.copy_(x), 5, reduce=min)
+    torch.set_num_threads(threads)
+    return 2.0 * 4 * elements / seconds
+
+
+def bench_model(bench_args: dict[str, object]) -> ModelSpec:
+    """The benchmark's attention shape as a one-layer model for the planner (the MLP and vocabulary do not enter
+    attention)."""
+    heads, dim = int(bench_args["heads"]), int(bench_args["dim"])
+    return ModelSpec(
+        f"bench hq={heads} hkv={bench_args['kv_heads']} d={dim}",
+        layers=1,
+        hidden=heads * dim,
+        heads=heads,
+        kv_heads=int(bench_args["kv_heads"]),
+        ffn_hidden=1,
+        vocab=1,
+    )

@@ -23,6 +23,7 @@ from megatron_2d.testing.distributed import run_on_ranks
 
 from ..layout.topology import divisors
 from .cli import add_arguments, add_malloc_argument, render_table
+from .cluster import add_cluster_arguments, bench_cluster
 from .harness import retain_freed_memory, round_order
 
 
@@ -53,12 +54,13 @@ def bench_rank(rank: int, world: int, args, sizes: list[int]) -> dict[int, tuple
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = add_malloc_argument(add_arguments(parser, ranks=4, hp=1, seq=4096, heads=8, dim=64, repeats=3)).parse_args(
-        argv
-    )
+    add_arguments(parser, ranks=4, hp=1, seq=4096, heads=8, dim=64, repeats=3)
+    args = add_cluster_arguments(add_malloc_argument(parser)).parse_args(argv)
     cp = args.ranks // args.hp
     sizes = divisors(cp)
-    results = run_on_ranks(args.ranks, bench_rank, args, sizes, timeout_s=1800)
+    with bench_cluster(args, args.ranks, torch.float32) as cluster:
+        setup = cluster.rank_setup if cluster else None
+        results = run_on_ranks(args.ranks, bench_rank, args, sizes, timeout_s=1800, rank_setup=setup)
     # slowest rank of each repeat, then medians over repeats; ratios are medians of the per-repeat ratios
     slowest = {w: [[max(r[w][p][i] for r in results) for i in range(args.repeats)] for p in (0, 1)] for w in sizes}
 

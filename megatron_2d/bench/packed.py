@@ -4,7 +4,7 @@ ring-flash-attn's zigzag varlen ring.
     python tools/bench_packed.py --ranks 8                       # 16K tokens, the three length distributions
     python tools/bench_packed.py --ranks 4 --tokens 32K --hp 2 --dists one-half
 
-Rows (same q, k, v, dout, fp32, causal, hq = hkv heads of dim d):
+Rows (same q, k, v, dout, fp32 or --dtype, causal, hq = hkv heads of dim d):
     zigzag          attention_2d(packing=PackedSharding(cu, groups, "zigzag")): Megatron/TE THD, every document
                     padded to 2*CP and split over every CP rank
     documents       attention_2d(packing=PackedSharding(cu, groups, "documents")): short documents whole on one
@@ -18,9 +18,17 @@ Rows (same q, k, v, dout, fp32, causal, hq = hkv heads of dim d):
                     the check and is not timed; its bytes are still counted
     ring-flash-attn fp64  the same in fp64 (the cast copies, the result is right): timed, but in fp64
                     arithmetic, so its time is an upper bound for what fp32 would cost
+    TE p2p / a2a /  stock Megatron's packed CP: Transformer Engine --te-release's own THD context parallelism
+    a2a+p2p [A, P]  (attn_forward_func_with_cp with qkv_format "thd", pad_between_seqs, as its DotProductAttention
+    / all_gather    calls it) on CPU ranks (megatron_2d.testing.te_context_parallel): every document padded to a
+                    multiple of 2*CP by TE's rule and split by TE's partition (megatron_2d.testing.stock_cp.
+                    thd_layout); each comm type the release runs with THD; bf16 only (--dtype bf16: TE's fused
+                    attention takes fp16 / bf16), the cpu_flash kernel inside; bytes counted as TE's code sends them
+
+    python tools/bench_packed.py --ranks 4 --dtype bf16          # every row in bf16, beside TE's THD rows
 
 Every row is first run once and checked against an fp64 single-process reference (out, dq, dk, dv; max |err| /
-max |ref| under TOLERANCES[fp32].end_to_end); a row that fails is reported as failing and not timed. The reference
+max |ref| under TOLERANCES[dtype].end_to_end); a row that fails is reported as failing and not timed. The reference
 is the project's one blockwise fp64 reference (:func:`megatron_2d.testing.reference.blockwise_reference`, per
 document of cu_seqlens, one block of query rows at a time), because the dense one needs T^2 memory.
 
@@ -34,6 +42,7 @@ document and of real tokens; padding = padding slots / all slots. Timing is not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import os
@@ -49,13 +58,16 @@ from rich.console import Console
 from rich.table import Table
 
 import megatron_2d
-from megatron_2d.bench.runners import count_ring_comm_sends
+from megatron_2d.bench.cluster import add_cluster_arguments, bench_cluster
+from megatron_2d.bench.harness import DTYPES
+from megatron_2d.bench.runners import TE_RELEASE, count_collective_sends, count_ring_comm_sends
 from megatron_2d.layout.band import SlidingWindow
 from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.packing.sharding import PackingCost, row_pairs, shard_documents, zigzag_slots
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, blockwise_reference
+from megatron_2d.testing.stock_cp import StockCPGroups
 
 ROWS = (*PACKING_MODES, "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
 
@@ -155,9 +167,9 @@ def calibrate_cost(groups, heads: int, dim: int, repeats: int = 5) -> PackingCos
         recv = torch.empty_like(send)
 
         def step():
-            ops = [
-                dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
+            ops = [  # the receive first, as the op's ring steps post them
                 dist.P2POp(dist.irecv, recv, ranks[(me - 1) % len(ranks)], groups.context_kv_group),
+                dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], groups.context_kv_group),
             ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -181,19 +193,24 @@ def _timed(step) -> float:
     return time.perf_counter() - t0
 
 
-def bench_rank(rank, world, args, cases: list[Case], seq_case: Case | None, ring_flash) -> dict:
-    """Every row of every case on this rank: {(case, row): {...}}."""
+def bench_rank(rank, world, args, cases: list[Case], seq_case: Case | None, ring_flash, te_rows=()) -> dict:
+    """Every row of every case on this rank: {(case, row): {...}}. ``te_rows``: (name, cp_comm_type, a2a level) of
+    TE's THD context parallelism, run inside TE's CPU context (entered by the parent)."""
     timeout = datetime.timedelta(seconds=args.timeout)
     groups = megatron_2d.build_2d_groups(args.hp, args.inner_ring_size, args.placement, timeout=timeout)
-    rows = _Rows({}, TOLERANCES[torch.float32].end_to_end, args.repeats)
+    dtype = DTYPES[args.dtype]
+    rows = _Rows({}, TOLERANCES[dtype].end_to_end, args.repeats)
     cost = calibrate_cost(groups, args.heads, args.dim)
     rows.out["cost"] = cost
+    te_groups = StockCPGroups(world, [(world, a2a) for _, _, a2a in te_rows]) if te_rows else None
     for case in cases:
-        _bench_packing_modes(rows, groups, world, case, cost)
+        _bench_packing_modes(rows, groups, world, case, cost, dtype)
         if ring_flash is not None:
-            _bench_ring_flash(rows, rank, world, case, ring_flash, args.dim**-0.5)
+            _bench_ring_flash(rows, rank, world, case, ring_flash, args.dim**-0.5, dtype)
+        for name, kind, a2a in te_rows:
+            _bench_te_thd(rows, rank, world, case, name, kind, a2a, te_groups, args.dim**-0.5, dtype)
     if seq_case is not None:
-        _bench_one_sequence(rows, groups, seq_case)
+        _bench_one_sequence(rows, groups, seq_case, dtype)
     return rows.out
 
 
@@ -223,7 +240,7 @@ def _ours_sent(groups) -> dict[str, int]:
     return {"ring": b["inner_ring"] + b["outer_ring"] + b["neighbour"], "a2a": b["all_to_all"]}
 
 
-def _bench_packing_modes(rows: _Rows, groups, world: int, case: Case, cost: PackingCost) -> None:
+def _bench_packing_modes(rows: _Rows, groups, world: int, case: Case, cost: PackingCost, dtype) -> None:
     """The op on the case's packed batch in every packing mode (the sequence mode where 2*CP divides T)."""
     q, k, v, dout = case.tensors
     ref_max = [float(r.abs().max()) for r in case.reference]
@@ -237,7 +254,7 @@ def _bench_packing_modes(rows: _Rows, groups, world: int, case: Case, cost: Pack
         layout.calls(True, SlidingWindow())
         layout_s = time.perf_counter() - t0
         idx = layout.local_indices()
-        ql, kl, vl, dl = (layout.shard(x) for x in (q, k, v, dout))
+        ql, kl, vl, dl = (layout.shard(x).to(dtype) for x in (q, k, v, dout))
 
         def once(layout=layout, ql=ql, kl=kl, vl=vl, dl=dl):
             groups.comm_bytes.reset()
@@ -262,7 +279,7 @@ def _bench_packing_modes(rows: _Rows, groups, world: int, case: Case, cost: Pack
         )
 
 
-def _bench_ring_flash(rows: _Rows, rank: int, world: int, case: Case, ring_flash, scale: float) -> None:
+def _bench_ring_flash(rows: _Rows, rank: int, world: int, case: Case, ring_flash, scale: float, dtype) -> None:
     """ring-flash-attn's zigzag varlen ring on the same batch (Megatron's per-document zigzag slots), fp32 and fp64."""
     q, k, v, dout = case.tensors
     ref_max = [float(r.abs().max()) for r in case.reference]
@@ -276,8 +293,10 @@ def _bench_ring_flash(rows: _Rows, rank: int, world: int, case: Case, ring_flash
     counter = _count_ring_flash_sends(ring_flash)
     p = slot_pairs(slots, case.cu_seqlens)
     t = (slots >= 0).sum(axis=1)
-    for name, dtype in (("ring-flash-attn", torch.float32), ("ring-flash-attn fp64", torch.float64)):
-        ql, kl, vl, dl = (x.index_select(0, idx.clamp(min=0)).masked_fill(pad, 0).to(dtype) for x in (q, k, v, dout))
+    for name, row_dtype in (("ring-flash-attn", dtype), ("ring-flash-attn fp64", torch.float64)):
+        ql, kl, vl, dl = (
+            x.index_select(0, idx.clamp(min=0)).masked_fill(pad, 0).to(row_dtype) for x in (q, k, v, dout)
+        )
 
         def once_rf(ql=ql, kl=kl, vl=vl, dl=dl):
             counter["bytes"] = 0
@@ -301,10 +320,79 @@ def _bench_ring_flash(rows: _Rows, rank: int, world: int, case: Case, ring_flash
         entry.update(pairs=_max_over_mean(p), tokens=_max_over_mean(t), padding=float((slots < 0).mean()))
 
 
-def _bench_one_sequence(rows: _Rows, groups, seq_case: Case) -> None:
+def te_thd_rows(world: int, heads: int, release: str) -> list[tuple[str, str, int]]:
+    """(name, cp_comm_type, a2a level) of TE's THD context parallelism at CP = ``world`` that ``release`` runs
+    (megatron_2d.testing.stock_cp.THD_FROM) and the heads allow (a2a levels must divide them)."""
+    from megatron_2d.testing.stock_cp import THD_FROM
+
+    version = tuple(int(x) for x in release.split(".")[:2])
+
+    def accepts(kind: str) -> bool:
+        return version >= tuple(int(x) for x in THD_FROM[kind].split("."))
+
+    rows = [("TE p2p", "p2p", 1)] if accepts("p2p") else []
+    if accepts("a2a") and heads % world == 0:
+        rows.append(("TE a2a", "a2a", world))
+    if accepts("a2a+p2p"):
+        rows += [(f"TE a2a+p2p [{a}, {world // a}]", "a2a+p2p", a) for a in range(2, world) if world % a == 0
+                 and heads % a == 0]  # fmt: skip
+    if accepts("all_gather"):
+        rows.append(("TE all_gather", "all_gather", 1))
+    return rows
+
+
+def _bench_te_thd(rows: _Rows, rank, world, case: Case, name, kind, a2a, te_groups, scale, dtype) -> None:
+    """TE's THD context parallelism (attn_forward_func_with_cp, as TE's DotProductAttention calls it for a packed
+    batch) on the same batch: every document padded to a multiple of 2 CP by TE's rule and split by TE's partition
+    (megatron_2d.testing.stock_cp.thd_layout); its sends counted (count_collective_sends)."""
+    from megatron_2d.testing.stock_cp import thd_layout
+    from megatron_2d.testing.te_context_parallel import active
+
+    te = active()
+    q, k, v, dout = case.tensors
+    ref_max = [float(r.abs().max()) for r in case.reference]
+    cp_group, ranks, cp_rank = te_groups.layout(world, kind, a2a, rank)
+    cu, cu_padded, source, local = thd_layout(te, np.diff(case.cu_seqlens), world, cp_rank)
+    idx = source[local]  # this rank's slots: source token, -1 for padding
+    ql, kl, vl, dl = (torch.cat([x, x.new_zeros(1, *x.shape[1:])])[idx].to(dtype) for x in (q, k, v, dout))
+    longest = int((cu_padded[1:] - cu_padded[:-1]).max())
+    counted: dict[str, float] = {}
+
+    def call(leaves):
+        return te.attn_forward_func_with_cp(
+            True, *leaves, cu, cu, longest, longest, cu_padded, cu_padded, 0.0, cp_group, ranks, torch.cuda.Stream(),
+            kind, softmax_scale=scale, qkv_format="thd", attn_mask_type="padding_causal", use_fused_attention=True,
+            window_size=(-1, 0), pad_between_seqs=True,
+        )  # fmt: skip
+
+    def once_te():
+        counted.clear()
+        leaves = _leaves(ql, kl, vl)
+        with count_collective_sends(counted):
+            o = call(leaves)
+            o.backward(dl)
+        return [o.detach()] + [x.grad for x in leaves]
+
+    def timed_te():
+        leaves = _leaves(ql, kl, vl)
+        call(leaves).backward(dl)
+
+    def sent_te():
+        ring = counted.get("p2p", 0) + counted.get("all_gather", 0) + counted.get("reduce_scatter", 0)
+        return {"ring": ring, "a2a": counted.get("a2a", 0)}
+
+    entry = rows.run((case.name, name), idx, once_te, timed_te, sent_te, case.reference, ref_max)
+    slots = [torch.empty_like(idx) for _ in range(world)]
+    dist.all_gather(slots, idx)
+    slots = torch.stack(slots).numpy()
+    p, t = slot_pairs(slots, case.cu_seqlens), (slots >= 0).sum(axis=1)
+    entry.update(pairs=_max_over_mean(p), tokens=_max_over_mean(t), padding=float((slots < 0).mean()))
+
+
+def _bench_one_sequence(rows: _Rows, groups, seq_case: Case, dtype) -> None:
     """The op on the whole batch as one sequence (no document masking): the unpacked baseline."""
     cp_index, cp_size = groups.place.cp_index, groups.layout.cp_size
-    q, k, v, dout = (megatron_2d.shard_sequence(x.unsqueeze(1), cp_index, cp_size) for x in seq_case.tensors)
+    q, k, v, dout = (megatron_2d.shard_sequence(x.unsqueeze(1), cp_index, cp_size).to(dtype) for x in seq_case.tensors)
     T = seq_case.tensors[0].shape[0]
     ref_max = [float(r.abs().max()) for r in seq_case.reference]
     chunk = T // (2 * cp_size)
@@ -474,12 +562,24 @@ def main(argv: list[str] | None = None) -> None:
         help="skip the one-sequence row (its fp64 reference is the slowest part at large T)",
     )
     parser.add_argument("--no-ring-flash", action="store_true", help="skip ring-flash-attn")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="every row's dtype (default fp32; TE's THD rows need bf16: its fused attention takes fp16 / bf16)",
+    )
+    parser.add_argument(
+        "--te-release",
+        default=TE_RELEASE,
+        help=f"the Transformer Engine release of the TE THD rows (default {TE_RELEASE}; 'none' to skip them)",
+    )
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument(
         "--cache",
         default=os.path.join(os.path.expanduser("~"), ".cache", "megatron_2d_bench"),
         help="directory for the fp64 references (reused across rank counts; '' = none)",
     )
+    add_cluster_arguments(parser)
     parser.add_argument(
         "--layout-build",
         type=int,
@@ -510,10 +610,33 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"[one sequence] reference in {time.perf_counter() - t0:.1f} s", flush=True)
     ring_flash, why = (None, "--no-ring-flash") if args.no_ring_flash else load_ring_flash()
-    t0 = time.perf_counter()
-    results = run_on_ranks(args.ranks, bench_rank, args, cases, seq_case, ring_flash, timeout_s=args.timeout)
+    te_rows, te_why = [], ""
+    with contextlib.ExitStack() as stack:
+        if args.te_release == "none":
+            te_why = "--te-release none"
+        elif args.dtype == "fp32":
+            te_why = "TE's fused attention takes fp16 / bf16: --dtype bf16"
+        else:
+            from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+
+            stack.enter_context(te_context_parallel_on_cpu(args.te_release, claim_cuda=False))
+            te_rows = te_thd_rows(args.ranks, args.heads, args.te_release)
+        cluster = stack.enter_context(bench_cluster(args, args.ranks, DTYPES[args.dtype]))
+        setup = cluster.rank_setup if cluster else None
+        t0 = time.perf_counter()
+        results = run_on_ranks(
+            args.ranks,
+            bench_rank,
+            args,
+            cases,
+            seq_case,
+            ring_flash,
+            te_rows,
+            timeout_s=args.timeout,
+            rank_setup=setup,
+        )
     print(f"ranks done in {time.perf_counter() - t0:.1f} s", flush=True)
-    print_tables(args, cases, results, why)
+    print_tables(args, cases, results, why, te_rows, te_why)
 
 
 def merged(results: list[dict], key) -> dict:
@@ -530,7 +653,7 @@ def merged(results: list[dict], key) -> dict:
     return m
 
 
-def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: str) -> None:
+def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: str, te_rows=(), te_why="") -> None:
     console = Console(width=190)
     mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
     seq = merged(results, ("*", "one sequence")) if ("*", "one sequence") in results[0] else None
@@ -538,7 +661,7 @@ def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: s
         lengths = np.diff(case.cu_seqlens)
         table = Table(
             title=f"[{case.name}] {len(lengths)} documents (longest {int(lengths.max())}, median "
-            f"{int(np.median(lengths))}), T={int(case.cu_seqlens[-1])}, fwd+bwd fp32 causal, "
+            f"{int(np.median(lengths))}), T={int(case.cu_seqlens[-1])}, fwd+bwd {args.dtype} causal, "
             f"{args.heads} heads d={args.dim}, N={args.ranks} CPU ranks = hp{args.hp} x "
             f"cp{args.ranks // args.hp} w{args.inner_ring_size or args.ranks // args.hp}"
         )
@@ -558,16 +681,19 @@ def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: s
         ):
             table.add_column(col, justify="right")
         rows = {}
-        for name in (*PACKING_MODES, "ring-flash-attn", "ring-flash-attn fp64"):
+        te_names = [name for name, _, _ in te_rows]
+        for name in (*PACKING_MODES, "ring-flash-attn", "ring-flash-attn fp64", *te_names):
             if (case.name, name) in results[0]:
                 rows[name] = merged(results, (case.name, name))
         if seq is not None:
             rows["one sequence"] = seq
         base = rows.get("zigzag")
-        for name in ROWS:
+        for name in (*ROWS, *te_names, *([] if te_names else ["TE"])):
             if name not in rows:
                 if name == "ring-flash-attn":
                     table.add_row(name, f"n/a: {ring_flash_why}", *[""] * 10)
+                if name == "TE":
+                    table.add_row(f"TE {args.te_release}", f"n/a: {te_why}", *[""] * 10)
                 continue
             r = rows[name]
             check = f"ok {r['rel_err']:.1e}" if r["ok"] else f"FAIL {r['rel_err']:.1e}"
@@ -588,6 +714,12 @@ def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: s
                 f"{r['layout_s'] * 1e3:.1f}" if "layout_s" in r else "",
             )
         console.print(table)
+        if te_names:
+            console.print(
+                f"TE rows: Transformer Engine {args.te_release}'s own THD context parallelism "
+                "(attn_forward_func_with_cp, pad_between_seqs) on CPU ranks, its fused attention the cpu_flash "
+                "kernel; every document padded to a multiple of 2 x CP by TE's rule; bytes counted as TE's code sent"
+            )
         console.print(cost_table(case.cu_seqlens, results[0]["cost"], args.ranks // args.hp, args.hp))
 
 

@@ -2,11 +2,15 @@
 
 Implementations (rows)
     2D (ours)               attention_2d for every (hp, cp, w, placement) of CP = N, as tools/bench_attention.py
+    2D send first           (--send-first) the same layouts with the transport posting its sends before its receives,
+                            as before issue 41 (megatron_2d.bench.send_first): before/after in the same rounds
     ring-flash-attn zigzag  zigzag_ring_flash_attn_func of ring-flash-attn (pip); on CPU its flash_attn kernels are
                             the stand-in of megatron_2d.testing.flash_attn_cpu (never on GPU)
     TE p2p / a2a / a2a+p2p  Transformer Engine's DotProductAttention with its context parallelism, set up as stock
-                            Megatron's TEDotProductAttention does (sbhd, causal, Megatron's zigzag shards; a2a+p2p
-                            with [a2a group of A adjacent ranks, p2p group of ranks A apart]); --device cuda only
+    / all_gather            Megatron's TEDotProductAttention does (sbhd, causal, Megatron's zigzag shards; a2a+p2p
+                            with [a2a group of A adjacent ranks, p2p group of ranks A apart]). On CUDA the installed
+                            TE; on CPU ranks TE --te-release's own code in its CPU context
+                            (megatron_2d.testing.te_context_parallel), its fused attention the cpu_flash kernel
     USP ulysses U x ring R  yunchang 0.6.4's LongContextAttention(ring_impl_type="zigzag") over its own groups
                             (set_seq_parallel_pg(U, R, ...): Ulysses groups of U adjacent ranks), inputs by its
                             zigzag_extract_local; one row per U | N that divides hq and hkv (else n/a: its
@@ -35,8 +39,11 @@ rank's local Q and K (V is the size of K), e is the input dtype's size, cp the r
     TE a2a+p2p [A, P]       that all-to-all over A ranks, then the p2p ring over P = N/A ranks, whose K/V blocks
                             have Nkv elements again (A times the tokens, 1/A of the heads)
                                         a2a = 2*(2*Nq + 2*Nkv)*e*(A-1)/A, ring = 2*Nkv*e*3*(P-1)
-    The TE forms are read off TE's context_parallel.py (AttnFuncWithCPAndKVP2P, AttnFuncWithCPAndQKVOA2A) and
-    are not checked by running TE here.
+    TE all_gather           K and V all-gathered in forward and again in backward, dK and dV reduce-scattered, all
+                            in the input dtype                          ring = 2*Nkv*e*3*(N-1)
+    The TE forms are read off TE's context_parallel.py (AttnFuncWithCPAndKVP2P, AttnFuncWithCPAndQKVOA2A,
+    AttnFuncWithCPAndKVAllGather) and checked on CPU ranks against what TE's code sends (isend, all_to_all_single,
+    all_gather_into_tensor, reduce_scatter_tensor counted: count_collective_sends; a mismatch is printed).
     USP [U, R]              Ulysses: q, k, v, out forward and dout, dq, dk, dv backward, each sending (U-1)/U of
                             itself; then ring-flash-attn's zigzag ring over R ranks on K/V of Nkv elements again
                             (U times the tokens, 1/U of the heads); Nkv after the caller's repeat where K/V are
@@ -55,10 +62,11 @@ from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import datetime
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +79,8 @@ from ..sequence_sharding import shard_sequence, unshard_sequence
 from .harness import bench_layouts, label, layout_record
 
 OURS = "2D (ours)"
+SEND_FIRST = "2D send first"
+"""Our rows with the transport's posting order of before issue 41 (``--send-first``)."""
 RING_FLASH = "ring-flash-attn zigzag"
 USP = "USP (yunchang)"
 TORCH_CP = "torch CP"
@@ -115,6 +125,8 @@ class Impl:
     build: Callable[[int, int, argparse.Namespace], Runner] | None = None
     unavailable: str = ""
     layout: dict[str, object] | None = None
+    context: tuple[str, Callable[[], contextlib.AbstractContextManager]] | None = None
+    """(key, factory) of a context the parent enters around the forked run, once per key (TE's CPU context)."""
 
 
 def _leaves(*xs: torch.Tensor) -> list[torch.Tensor]:
@@ -123,16 +135,30 @@ def _leaves(*xs: torch.Tensor) -> list[torch.Tensor]:
 
 
 class Ours2D(Runner):
-    """megatron_2d.attention_2d with one 2D layout (over all ranks)."""
+    """megatron_2d.attention_2d with one 2D layout (over all ranks); dK/dV riders in ``dkv_comm_dtype``;
+    ``send_first``: with the transport's posting order of before issue 41 (:mod:`megatron_2d.bench.send_first`)."""
 
-    def __init__(self, layout: Layout2D, timeout: datetime.timedelta):
+    def __init__(
+        self,
+        layout: Layout2D,
+        timeout: datetime.timedelta,
+        send_first: bool = False,
+        dkv_comm_dtype: str = "accumulator",
+    ):
         self.groups = build_groups_for_layout(layout, [list(range(dist.get_world_size()))], timeout=timeout)
+        self.dkv_comm_dtype = dkv_comm_dtype
+        self.order = contextlib.nullcontext
+        if send_first:
+            from .send_first import send_first as order
+
+            self.order = order
 
     def step(self, q, k, v, dout):
         self.groups.comm_bytes.reset()
         q, k, v = _leaves(q, k, v)
-        out = attention_2d(q, k, v, self.groups, causal=True)
-        out.backward(dout)
+        with self.order():
+            out = attention_2d(q, k, v, self.groups, causal=True, dkv_comm_dtype=self.dkv_comm_dtype)
+            out.backward(dout)
         return out.detach(), q.grad, k.grad, v.grad
 
     def bytes_sent(self):
@@ -220,22 +246,96 @@ class RingFlashZigzag(Runner):
 def te_bytes(
     kind: str, q_elements: int, kv_elements: int, element_size: int, world: int, a2a_size: int
 ) -> dict[str, float]:
-    """TE's bytes per rank per fwd+bwd for ``kind`` p2p / a2a / a2a+p2p (closed forms of the module docstring)."""
+    """TE's bytes per rank per fwd+bwd for ``kind`` p2p / a2a / a2a+p2p / all_gather (closed forms of the module
+    docstring; all_gather's K/V gather and dK/dV reduce-scatter under "ring", the CP level)."""
+    if kind == "all_gather":  # K, V gathered in forward and again in backward; dK, dV reduce-scattered
+        return {"a2a": 0, "ring": 2 * kv_elements * element_size * 3 * (world - 1)}
     a = {"p2p": 1, "a2a": world, "a2a+p2p": a2a_size}[kind]
     ring = world // a
     a2a = 2 * (2 * q_elements + 2 * kv_elements) * element_size * (a - 1) / a
     return {"a2a": a2a, "ring": 2 * kv_elements * element_size * 3 * (ring - 1)}
 
 
+_COUNTED = {  # torch.distributed function -> (counter key, bytes one rank sends, from its input's bytes and n ranks)
+    "isend": ("p2p", lambda nbytes, n: nbytes),
+    "all_to_all_single": ("a2a", lambda nbytes, n: nbytes * (n - 1) / n),
+    "all_gather_into_tensor": ("all_gather", lambda nbytes, n: nbytes * (n - 1)),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda nbytes, n: nbytes * (n - 1) / n),
+}
+_ARGS = {
+    "isend": (0, 2),
+    "all_to_all_single": (1, 4),
+    "all_gather_into_tensor": (1, 2),
+    "reduce_scatter_tensor": (1, 3),
+}
+"""Positions of (input tensor, group) in each function's signature."""
+
+
+@contextlib.contextmanager
+def count_collective_sends(counter: dict[str, float]) -> Iterator[None]:
+    """Inside: the bytes this rank sends through torch.distributed's isend, all_to_all_single,
+    all_gather_into_tensor and reduce_scatter_tensor are added to ``counter`` (:data:`_COUNTED`'s keys; a
+    collective's as a ring algorithm sends them: (n-1)/n of its input, (n-1) inputs for an all-gather), each call
+    once (a torch function mode that passes the call on re-enters it). For runners whose code calls
+    torch.distributed by attribute (TE's context_parallel.py)."""
+    c10d = dist.distributed_c10d
+    saved = {name: getattr(dist, name) for name in _COUNTED}
+    saved_c10d_isend = c10d.isend
+    depth = [0]
+
+    def counting(name: str):
+        key, sent = _COUNTED[name]
+        original = saved[name]
+
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                at, group_at = _ARGS[name]
+                tensor = args[at] if len(args) > at else kwargs.get("tensor", kwargs.get("input"))
+                group = args[group_at] if len(args) > group_at else kwargs.get("group")
+                nbytes = tensor.numel() * tensor.element_size()
+                counter[key] = counter.get(key, 0) + sent(nbytes, dist.get_world_size(group))
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        call.__name__ = call.__qualname__ = name
+        return call
+
+    try:
+        for name in _COUNTED:
+            setattr(dist, name, counting(name))
+        c10d.isend = dist.isend  # P2POp accepts only distributed_c10d's own isend
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        c10d.isend = saved_c10d_isend
+
+
 class TEContextParallel(Runner):
-    """Transformer Engine's DotProductAttention with context parallelism ``kind`` over all ranks (CUDA only)."""
+    """Transformer Engine's DotProductAttention with context parallelism ``kind`` over all ranks, set up as
+    megatron-core's TEDotProductAttention sets it up. On CUDA the installed TE; on CPU ranks the release of TE's CPU
+    context that the parent entered (megatron_2d.testing.te_context_parallel), whose fused attention is the CPU
+    stand-in's (the cpu_flash kernel, as our rows run), and whose sends are counted beside the closed forms."""
 
     bytes_source = "closed form"
 
     def __init__(self, kind: str, a2a_size: int, args, world: int, timeout: datetime.timedelta):
-        import transformer_engine.pytorch as te  # lazy: GPU-only dependency
+        import transformer_engine.pytorch as te  # lazy: GPU-only dependency (on CPU: the context's release)
 
         self.kind, self.a2a_size, self.world = kind, a2a_size, world
+        self.claim, self.counted = contextlib.nullcontext, None
+        if args.device == "cpu":
+            from megatron_2d.testing.te_context_parallel import active
+
+            context = active()
+            if context is None:
+                raise RuntimeError(
+                    "TE rows on CPU ranks run inside te_context_parallel_on_cpu (bench_compare enters it)"
+                )
+            self.claim, self.counted = context.claiming, {}
         ranks = list(range(world))
         if kind == "a2a+p2p":
             # Megatron's hierarchical CP groups: the a2a level on adjacent ranks, the p2p level A apart. Every rank
@@ -251,14 +351,15 @@ class TEContextParallel(Runner):
             cp_group = mine
         else:
             cp_group = dist.new_group(ranks, timeout=timeout)
-        self.attn = te.DotProductAttention(
-            num_attention_heads=args.heads,
-            kv_channels=args.dim,
-            num_gqa_groups=args.kv_heads,
-            attention_dropout=0.0,
-            qkv_format="sbhd",
-            attn_mask_type="causal",
-        )
+        with self.claim():  # TE's base module asserts a CUDA device in __init__
+            self.attn = te.DotProductAttention(
+                num_attention_heads=args.heads,
+                kv_channels=args.dim,
+                num_gqa_groups=args.kv_heads,
+                attention_dropout=0.0,
+                qkv_format="sbhd",
+                attn_mask_type="causal",
+            )
         self.attn.set_context_parallel_group(cp_group, ranks, torch.cuda.Stream(), kind)
         self.q_elements = self.kv_elements = self.element_size = 0
 
@@ -269,15 +370,25 @@ class TEContextParallel(Runner):
     def step(self, q, k, v, dout):
         self.q_elements, self.kv_elements, self.element_size = q.numel(), k.numel(), k.element_size()
         q, k, v = _leaves(q, k, v)
-        out = self.attn(q, k, v)
-        out.backward(dout)
+        counting = contextlib.nullcontext() if self.counted is None else count_collective_sends(self.counted)
+        if self.counted is not None:
+            self.counted.clear()
+        with counting:
+            with self.claim():  # TE checks q, k, v are CUDA tensors in forward (on CPU: claimed to those checks)
+                out = self.attn(q, k, v)
+            out.backward(dout)
         return out.detach(), q.grad, k.grad, v.grad
 
     def from_native(self, out, dq, dk, dv):
         return out.view(dq.shape), dq, dk, dv
 
     def bytes_sent(self):
-        return te_bytes(self.kind, self.q_elements, self.kv_elements, self.element_size, self.world, self.a2a_size)
+        sent = te_bytes(self.kind, self.q_elements, self.kv_elements, self.element_size, self.world, self.a2a_size)
+        if self.counted is not None:  # what TE's code sent, by the same split: head all-to-all vs the CP level
+            c = self.counted
+            sent["a2a_counted"] = c.get("a2a", 0)
+            sent["ring_counted"] = c.get("p2p", 0) + c.get("all_gather", 0) + c.get("reduce_scatter", 0)
+        return sent
 
 
 def full_from_zigzag(x: torch.Tensor) -> torch.Tensor:
@@ -456,16 +567,27 @@ class TorchContextParallel(Runner):
 
 
 def ours_impls(args) -> list[Impl]:
-    """One row per 2D layout of CP = N whose hp divides the query heads."""
+    """One row per 2D layout of CP = N whose hp divides the query heads, per dK/dV rider dtype of
+    ``args.dkv_comm_dtype`` ("accumulator", "input" or "both"; rows with "input" are named "... dK/dV in <dtype>");
+    with ``args.send_first`` each fp32-rider row again with the posting order of before issue 41 (family
+    :data:`SEND_FIRST`)."""
     timeout = datetime.timedelta(seconds=args.timeout)
+    which = getattr(args, "dkv_comm_dtype", "accumulator")
+    kinds = ["accumulator", "input"] if which == "both" else [which]
+    orders = (False, True) if getattr(args, "send_first", False) else (False,)
     return [
         Impl(
-            label(layout),
-            OURS,
-            build=lambda rank, world, a, lay=layout: Ours2D(lay, timeout),
-            layout=layout_record(layout),
+            label(layout)
+            + (f"  dK/dV in {args.dtype}" if kind == "input" else "")
+            + (" (send first)" if first else ""),
+            SEND_FIRST if first else OURS,
+            build=lambda rank, world, a, lay=layout, first=first, kind=kind: Ours2D(lay, timeout, first, kind),
+            layout={**layout_record(layout), "dkv": kind},
         )
+        for kind in kinds
         for layout in bench_layouts(args.ranks, args.heads)
+        for first in orders
+        if not (first and kind == "input")
     ]
 
 
@@ -487,23 +609,44 @@ def ring_flash_impl(args) -> Impl:
     return Impl(RING_FLASH, RING_FLASH, build=lambda rank, world, a: RingFlashZigzag(module))
 
 
+TE_RELEASE = "2.20.2"
+"""The Transformer Engine release of the TE rows on CPU ranks (--te-release)."""
+
+
 def te_impls(args) -> list[Impl]:
-    """TE p2p, a2a and every a2a+p2p [A, N/A] (TE does not replicate K/V: A must divide hq and hkv)."""
+    """TE p2p, a2a, every a2a+p2p [A, N/A] with both levels > 1 ([1, N] and [N, 1] are TE's p2p and a2a), and
+    all_gather (TE does not replicate K/V: the a2a level must divide hq and hkv). On CPU ranks: TE ``args.te_release``
+    in its CPU context, which the parent enters around the forked run (``Impl.context``)."""
     timeout = datetime.timedelta(seconds=args.timeout)
     n = args.ranks
-    if args.device != "cuda":
-        return [Impl("TE p2p / a2a / a2a+p2p", "TE", unavailable="Transformer Engine CP needs CUDA (--device cuda)")]
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError as err:
-        return [
-            Impl(f"TE {kind}", f"TE {kind}", unavailable=f"transformer_engine does not import: {err}")
-            for kind in ("p2p", "a2a", "a2a+p2p")
-        ]
+    context = None
+    if args.device == "cpu":
+        from megatron_2d.testing import te_package
+        from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+
+        release = getattr(args, "te_release", TE_RELEASE)
+        if not te_package.is_installed(release):
+            where = f"{te_package.releases_dir()} (python -m megatron_2d.testing.te_package install)"
+            return [
+                Impl(f"TE {release}", "TE", unavailable=f"Transformer Engine {release} is not installed under {where}")
+            ]
+        # the CUDA claim only around TE's own forward: the mode's per-op cost stays off the other rows
+        context = (f"TE {release}", lambda: te_context_parallel_on_cpu(release, claim_cuda=False))
+    else:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except ImportError as err:
+            return [
+                Impl(f"TE {kind}", f"TE {kind}", unavailable=f"transformer_engine does not import: {err}")
+                for kind in ("p2p", "a2a", "a2a+p2p", "all_gather")
+            ]
 
     def impl(kind: str, a2a_size: int, name: str) -> Impl:
         return Impl(
-            name, f"TE {kind}", build=lambda rank, world, a: TEContextParallel(kind, a2a_size, a, world, timeout)
+            name,
+            f"TE {kind}",
+            build=lambda rank, world, a: TEContextParallel(kind, a2a_size, a, world, timeout),
+            context=context,
         )
 
     rows = [impl("p2p", 1, "TE p2p")]
@@ -517,6 +660,7 @@ def te_impls(args) -> list[Impl]:
     rows += [impl("a2a+p2p", a, f"TE a2a+p2p [{a}, {n // a}]") for a in sizes]
     if not sizes:
         rows.append(Impl("TE a2a+p2p", "TE a2a+p2p", unavailable=f"no a2a size 1 < A < {n} divides hq and hkv"))
+    rows.append(impl("all_gather", 1, "TE all_gather"))
     return rows
 
 

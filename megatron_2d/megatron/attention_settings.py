@@ -64,6 +64,8 @@ HONOURED: dict[str, str] = {
     "external_cuda_graph": "deprecated: megatron's __post_init__ turns it into cuda_graph_impl='transformer_engine' "
     "(checked)",
     "cuda_graph_scope": "deprecated: megatron's __post_init__ moves it to cuda_graph_modules (checked)",
+    "hybrid_context_parallel": "hybrid (dynamic) CP: each micro-batch runs on its own CP group with its size's 2D "
+    "layout (megatron_2d.megatron.dynamic; what it cannot run is refused there)",
 }
 
 # MLATransformerConfig's own fields (megatron-core 0.19.2), classified the same way
@@ -102,8 +104,6 @@ _REFUSED_WHEN_SET: dict[str, str] = {
     "experimental_attention_variant": "experimental attention variants (gated_delta_net, dsa) are not supported by "
     "the 2d backend; leave experimental_attention_variant unset",
     "use_kitchen_attention": _KITCHEN,
-    "hybrid_context_parallel": "hybrid (dynamic) context parallelism changes the CP group per micro-batch; the 2d "
-    "backend needs a fixed CP group; set hybrid_context_parallel=False",
     "deterministic_mode": "deterministic mode is not guaranteed by the 2d backend (flash-attn's backward adds dq "
     "with atomics); set deterministic_mode=False",
 }
@@ -266,8 +266,9 @@ PACKED_SEQ_PARAMS: dict[str, str] = {
     "cu_seqlens_kv_padded": "honoured: must equal cu_seqlens_q_padded, else refused",
     "max_seqlen_q": "no effect on the math: the layout knows every length (RoPE reads it outside)",
     "max_seqlen_kv": "no effect on the math (as max_seqlen_q)",
-    "local_cp_size": "refused when set: hybrid (dynamic) context parallelism",
-    "cp_group": "refused when set: hybrid (dynamic) context parallelism brings its own CP group",
+    "local_cp_size": "honoured under hybrid_context_parallel: picks the micro-batch's CP group size and layout "
+    "(through the 2d spec's SelfAttention2D; refused on a batch that bypasses it)",
+    "cp_group": "honoured under hybrid_context_parallel: checked to be this rank's hybrid group of that size",
     "total_tokens": "no effect: Mamba bookkeeping (seq_idx)",
     "seq_idx": "no effect: Mamba's per-token sequence index",
     "tokens_per_sample": "no effect: Megatron's per-sample length, for its statistics",
@@ -312,7 +313,8 @@ def packed_seq_refusals(params) -> list[str]:
     for name in ("local_cp_size", "cp_group"):
         if getattr(params, name, None) is not None:
             problems.append(
-                f"packed_seq_params.{name} is set (hybrid/dynamic context parallelism), which the 2d "
-                f"backend does not support; drop --hybrid-context-parallel"
+                f"packed_seq_params.{name} is set (hybrid/dynamic context parallelism) on a batch the 2d backend "
+                f"gets without its layout: hybrid CP runs with hybrid_context_parallel=True in the model config "
+                f"and the 2d layer spec (its self attention, SelfAttention2D, lays each micro-batch out)"
             )
     return problems

@@ -9,7 +9,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
-from .fields import NEEDS_2D, NEEDS_CHECKPOINT_PLUS, Fields2D, check_values, ignored_settings
+from .dynamic import check_dynamic_config, given_layouts, is_dynamic
+from .fields import NEEDS_2D, NEEDS_CHECKPOINT_PLUS, NEEDS_HYBRID, Fields2D, check_values, ignored_settings
 from .launch_checks import documents_layout_problem
 from .mla import check_mla_settings
 from .process_groups import group_registry
@@ -33,13 +34,25 @@ class Checked2D(Fields2D):
                     f"{unused} set without selective_checkpoint_plus_plus, so they would be ignored; set "
                     f"selective_checkpoint_plus_plus=True (--selective-checkpoint-plus-plus) or drop them"
                 )
+        if not (is_dynamic(self) and uses_2d(self.cp_comm_type)):
+            unused = ignored_settings(self, NEEDS_HYBRID)
+            if unused:
+                raise ValueError(
+                    f"{unused} set without hybrid_context_parallel and cp_comm_type '2d', so they would be ignored; "
+                    f"set hybrid_context_parallel=True (--hybrid-context-parallel) with cp_comm_type='2d' or drop them"
+                )
         if uses_2d(self.cp_comm_type):
             check_values(self, NEEDS_2D)
+            check_values(self, NEEDS_HYBRID)
             problem = documents_layout_problem(self)
             if problem:
                 raise ValueError(problem)
             check_mla_settings(self)
-            settings_from_config(self)
+            if is_dynamic(self):  # each CP group size has its layout: checked here, chosen at construction
+                check_dynamic_config(self)
+                given_layouts(self)
+            else:
+                settings_from_config(self)
             check_attention_settings(self)
             return
         given = ignored_settings(self, NEEDS_2D)

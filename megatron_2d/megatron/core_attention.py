@@ -41,10 +41,11 @@ from ..packed_sharding import PackedSharding
 from ..packing.modes import mode_class
 from .attention_settings import check_attention_settings, packed_seq_refusals
 from .checkpoint_plus import AttentionKeeper
+from .dynamic import check_dynamic_config, is_dynamic
 from .fields import fields_2d
 from .launch_checks import check_current_launch, packing_mode
 from .process_groups import group_registry
-from .settings import BACKEND_NAME, layer_settings, uses_2d
+from .settings import BACKEND_NAME, layer_comm_types, layer_settings, uses_2d
 
 SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
@@ -144,6 +145,7 @@ class CoreAttention2D(MegatronModule):
             return
         check_attention_settings(config)
         check_current_launch()  # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
+        check_dynamic_config(config)
         if attention_type != "self":
             raise ValueError(f"the 2d backend supports self attention only, got attention_type {attention_type!r}")
         if attn_mask_type not in SUPPORTED_MASKS:
@@ -151,11 +153,22 @@ class CoreAttention2D(MegatronModule):
                 f"attn_mask_type {attn_mask_type.name} is not supported by the 2d backend; supported: "
                 f"{[m.name for m in SUPPORTED_MASKS]}"
             )
-        # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
-        self.settings = layer_settings(
-            config, cp_size, head_parallel_size=head_parallel_size, inner_ring_size=inner_ring_size, placement=placement
-        )
-        self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
+        self.dynamic = None
+        if is_dynamic(config):  # hybrid CP: each micro-batch brings its group, run with its size's layout
+            self._check_dynamic_layer(config, attn_mask_type, head_parallel_size, inner_ring_size, placement)
+            self.settings = None
+            self.dynamic = group_registry(config).dynamic_for(config)
+            self.groups = self.dynamic.static_groups(pg_collection.cp)  # batches without local_cp_size (or None)
+        else:
+            # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
+            self.settings = layer_settings(
+                config,
+                cp_size,
+                head_parallel_size=head_parallel_size,
+                inner_ring_size=inner_ring_size,
+                placement=placement,
+            )
+            self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         self.packing = packing_mode(config)  # the layout THD batches come in (config and launch)
         fields = fields_2d(config)  # Selective Checkpoint++: fields of TransformerConfig2D, validated there
         self.keeper = (
@@ -201,6 +214,37 @@ class CoreAttention2D(MegatronModule):
         current = self.current_max_attn_logits
         self.current_max_attn_logits = batch_max if current is None else torch.max(current, batch_max)
         return out
+
+    @staticmethod
+    def _check_dynamic_layer(config, attn_mask_type, head_parallel_size, inner_ring_size, placement) -> None:
+        """What a layer cannot run under hybrid CP: a static layout from its spec (each group size has its own),
+        a layer of another backend (this one swaps the batch's PackedSeqParams for its own layout), or a mask
+        that is not causal (the data path pads each sequence at its end, which only a causal mask ignores)."""
+        overrides = {
+            k: v
+            for k, v in dict(
+                head_parallel_size=head_parallel_size, inner_ring_size=inner_ring_size, placement=placement
+            ).items()
+            if v is not None
+        }
+        if overrides:
+            raise ValueError(
+                f"the layer spec gives CoreAttention2D a static 2D layout {overrides}, which hybrid context "
+                f"parallelism does not run (each CP group size has its own: cp_2d_dynamic_layouts)"
+            )
+        others = sorted({t for t in layer_comm_types(config.cp_comm_type) if t != BACKEND_NAME}, key=str)
+        if others:
+            raise ValueError(
+                f"cp_comm_type {layer_comm_types(config.cp_comm_type)} mixes the 2d backend with {others} under "
+                f"hybrid context parallelism; every layer must be '{BACKEND_NAME}' (the 2d spec's self attention "
+                f"lays each micro-batch out for its own CP group, which other backends would not read)"
+            )
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(
+                f"attn_mask_type {attn_mask_type.name} under hybrid context parallelism: the 2d backend's hybrid "
+                f"data path pads each sequence at its end to a multiple of 2 x its CP group size, which only a "
+                f"causal mask leaves out of the real tokens' attention; use a causal model"
+            )
 
     def _init_softmax_offset(self, config, heads_per_partition: int) -> None:
         """Megatron's softmax_offset: zeros for "off-by-one" (a non-persistent buffer, so that ``.cuda()`` /
@@ -281,6 +325,12 @@ class CoreAttention2D(MegatronModule):
                 attention_bias=attention_bias,
                 packed_seq_params=packed_seq_params,
             )
+        sequence_groups = getattr(packed_seq_params, "groups", None)
+        if sequence_groups is not None:  # hybrid CP, one sequence: Megatron's 2 x g zigzag is the sbhd layout
+            q, k, v = (x.unsqueeze(1) for x in (query, key, value))  # [t, h, d] -> [t, b=1, h, d]
+            settings = self._call_settings(q, attn_mask_type, attention_bias, None, groups=sequence_groups)
+            out = self._keep_max_logit(self._run(_attention_with_sinks, (q, k, v), settings), query.dtype)
+            return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
         settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
         packed_width = value.shape[-1]
         if settings["packing"] is not None and self.v_channels is not None and packed_width > self.v_channels:
@@ -312,8 +362,10 @@ class CoreAttention2D(MegatronModule):
         attn_mask_type: AttnMaskType | None,
         attention_bias: torch.Tensor | None,
         packed_seq_params,
+        groups=None,
     ) -> dict:
-        """The op's keyword arguments for one call (its PackedSharding under "packing"), after the call's checks."""
+        """The op's keyword arguments for one call (its PackedSharding under "packing"), after the call's checks;
+        ``groups``: the call's 2D groups when not the layer's or the layout's (a hybrid-CP sequence's)."""
         packing = self._packed_sharding(packed_seq_params, query)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the 2d backend")
@@ -324,8 +376,11 @@ class CoreAttention2D(MegatronModule):
                 f"{[m.name for m in SUPPORTED_MASKS]}"
             )
         window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
+        groups = groups if groups is not None else packing.groups if packing is not None else self.groups
+        if groups is None:
+            raise ValueError(self._dynamic_batch_problem(packed_seq_params))
         return dict(
-            groups=self.groups,
+            groups=groups,
             causal=mask_type == AttnMaskType.causal,
             softmax_scale=self.softmax_scale,
             kernel=self.kernel,
@@ -348,6 +403,22 @@ class CoreAttention2D(MegatronModule):
         if packing is not None:
             return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
         return out.view(out.shape[0], out.shape[1], -1)  # [s/CP, b, hq/tp * dv]
+
+    def _dynamic_batch_problem(self, packed_seq_params) -> str:
+        """Why a batch cannot run on this layer under hybrid CP (it came without its layout, or without its
+        group where the static CP group has no 2D groups)."""
+        if packed_seq_params is not None and getattr(packed_seq_params, "local_cp_size", None) is not None:
+            return (
+                "a hybrid context-parallel micro-batch (packed_seq_params.local_cp_size set) reached the 2d core "
+                "attention without its layout: build the model with the 2d layer spec (get_gpt_layer_spec_2d / "
+                "gpt_layer_spec_2d), whose self attention (SelfAttention2D) lays the micro-batch out for its CP "
+                "group and puts RoPE at each token's position"
+            )
+        return (
+            "under hybrid context parallelism every micro-batch brings its CP group (packed_seq_params.local_cp_size "
+            "and cp_group, as Megatron's hybrid schedule sets them); this one does not, and the model's static CP "
+            "group is not one of the hybrid groups the 2D groups were built for"
+        )
 
     def _layout_of(self, packed_seq_params, mode: str) -> PackedSharding:
         """The layout of a THD batch Megatron split itself, by the split of ``mode``
@@ -376,16 +447,19 @@ class CoreAttention2D(MegatronModule):
             return None
         if query.dim() != 3:
             raise ValueError(f"THD query must be [t, heads, d], got {tuple(query.shape)}")
+        carried = getattr(packed_seq_params, "layout", None)
+        groups = carried.groups if carried is not None else self.groups
+        if groups is None or (self.dynamic is not None and carried is None):
+            raise ValueError(self._dynamic_batch_problem(packed_seq_params))
         cache = packed_seq_params.__dict__.setdefault("_megatron_2d_layouts", {})
-        key = (self.groups.layout, self.groups.place)
+        key = (groups.layout, groups.place)
         if key not in cache:  # once per batch: the first layer checks and builds, the rest reuse
             problems = packed_seq_refusals(packed_seq_params)
             if problems:
                 raise ValueError("; ".join(problems))
-            carried = getattr(packed_seq_params, "layout", None)
             cache[key] = carried if carried is not None else self._layout_of(packed_seq_params, self.packing)
         layout, wanted = cache[key], self.packing
-        if layout.mode != wanted and self.groups.layout.cp_size > 1:
+        if layout.mode != wanted and layout.groups.layout.cp_size > 1:
             raise ValueError(
                 f"the 2d backend expects packed batches in the {wanted!r} layout (cp_2d_packing "
                 f"{fields_2d(self.config).cp_2d_packing!r}) but the batch comes in the "

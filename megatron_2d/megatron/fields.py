@@ -34,13 +34,17 @@ from ..layout.choices import (
     check_choice,
     check_kernel,
 )
-from ..layout.topology import check_placement
+from ..layout.dynamic import parse_dynamic_layouts
+from ..layout.topology import LayoutError, check_placement
 from ..packing.modes import mode_class
 
 NEEDS_2D = "--cp-comm-type 2d"
 """A setting of the 2d backend: refused, as it would be ignored, unless some layer's cp_comm_type is "2d"."""
 NEEDS_CHECKPOINT_PLUS = "--selective-checkpoint-plus-plus"
 """A setting of Selective Checkpoint++: refused, as it would be ignored, unless selective_checkpoint_plus_plus."""
+NEEDS_HYBRID = "--hybrid-context-parallel"
+"""A setting of hybrid (dynamic) context parallelism under the 2d backend: refused, as it would be ignored, unless
+hybrid_context_parallel (and some layer's cp_comm_type is "2d")."""
 
 _KEY = "megatron_2d"  # the key of a field's Setting in its dataclasses metadata
 
@@ -71,6 +75,16 @@ class Setting:
 def _setting(default, doc: str, **kwargs) -> Any:
     """One field of the table: its default, and its :class:`Setting` in the field's metadata."""
     return dataclasses.field(default=default, metadata={_KEY: Setting(doc, **kwargs)})
+
+
+def check_dynamic_layouts_text(value, name: str) -> None:
+    """ValueError naming ``name`` unless ``value`` is a list of per-size layouts (:mod:`megatron_2d.layout.dynamic`)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string of SIZE=HP[xCP][/W][@PLACEMENT] entries, got {value!r}")
+    try:
+        parse_dynamic_layouts(value)
+    except LayoutError as err:
+        raise ValueError(f"{name}: {err}") from None
 
 
 @dataclass
@@ -133,6 +147,16 @@ class Fields2D:
         "(docs/op.md). A layer spec's kernel overrides it.",
         choices=KERNELS,
         check=check_kernel,
+    )
+    cp_2d_dynamic_layouts: str | None = _setting(
+        None,
+        "hybrid (dynamic) CP: the 2D layout of each CP group size, comma-separated SIZE=HP[xCP][/W][@PLACEMENT] "
+        "entries, e.g. '4=2x2,8=2x4/2' (hp ranks per head group, cp = SIZE/hp per ring, inner ring size W, default "
+        "cp; placement default --cp-2d-placement). Sizes not given: the planner's rule, printed at launch "
+        "(docs/megatron.md); python -m megatron_2d.plan --dynamic prints the flag for a cluster.",
+        type=str,
+        needs=NEEDS_HYBRID,
+        check=check_dynamic_layouts_text,
     )
     selective_checkpoint_plus_plus: bool = _setting(
         False,

@@ -24,6 +24,7 @@ collective of the library: the model's 2D groups are built after them, at its co
 
 from __future__ import annotations
 
+import re
 import sys
 
 from ..layout.hybrid_layers import (
@@ -37,6 +38,7 @@ from ..layout.hybrid_layers import (
     mamba_num_heads,
 )
 from ..packing.modes import PackingMode, megatron_split_mode, mode_class
+from .dynamic import dynamic_config_problems, dynamic_layouts, is_dynamic
 from .fields import fields_2d
 from .settings import layer_comm_types, uses_2d
 
@@ -53,6 +55,9 @@ def check_launch_args(args) -> None:
     if not uses_2d(getattr(args, "cp_comm_type", None)):
         return
     given = [flag for flag, dest in PACKED_SEQUENCE_FLAGS if getattr(args, dest, False)]
+    dynamic = dynamic_launch_problems(args)
+    if dynamic:  # first: hybrid CP changes what the checks below would say (its split is per sequence)
+        raise ValueError(dynamic[0])
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:  # pretrain_hybrid.py: Mamba / GDN layers against the CP group, before any model is built
         check_hybrid_layers(args, decoder_layers(pattern))
@@ -76,6 +81,100 @@ def check_launch_args(args) -> None:
             raise ValueError(problem)
 
 
+def dynamic_launch_problems(args) -> list[str]:
+    """What a ``--hybrid-context-parallel`` launch with the 2d backend cannot run (``args``: megatron.training's
+    parsed arguments), each naming the flags and what would work: the model settings of
+    :func:`.dynamic.dynamic_config_problems`, then what only the command line knows. Empty without hybrid CP."""
+    if not is_dynamic(args):
+        return []
+    problems = dynamic_config_problems(args)
+    if not hasattr(args, "cp_2d_dynamic_layouts"):
+        problems.append(
+            "--hybrid-context-parallel through pretrain_gpt.py without the 2d flags (the --spec route): "
+            "megatron-core 0.19.2 hands pretrain_gpt.py's get_batch its hybrid sub-samples without the batch "
+            "dimension and cu_seqlens it reads (an IndexError on the first step); run the patched pretrain_gpt.py "
+            "or examples/pretrain_gpt_2d.py, whose forward step adds them (megatron_2d.megatron.dynamic_data)"
+        )
+    if (getattr(args, "dataloader_type", None) or "single") != "single":  # None: validate_args makes it single
+        problems.append(
+            f"--hybrid-context-parallel needs --dataloader-type single (megatron-core 0.19.2's hybrid sampler), "
+            f"not {args.dataloader_type!r}"
+        )
+    if getattr(args, "rerun_mode", "disabled") != "disabled":
+        problems.append(
+            f"--hybrid-context-parallel with --rerun-mode {args.rerun_mode}: megatron-core 0.19.2's train() wraps "
+            f"the hybrid data iterator in a plain iter(), and the rerun state machine then asserts 'data iterator "
+            f"is not wrapped with RerunDataIterator' before iteration 1 (fixed after 0.19 by Megatron-LM #6822); "
+            f"add --rerun-mode disabled"
+        )
+    if not getattr(args, "sft", False):
+        masking = getattr(args, "dataloader_inter_document_masking", False)
+        problems.append(
+            "--hybrid-context-parallel needs packed samples that say where each sequence ends (cu_seqlens): "
+            "Megatron's hybrid data wrapper unpacks them into their sequences; "
+            + (
+                "--dataloader-inter-document-masking without --sft makes megatron-core 0.19.2 split each sequence "
+                "over the static CP group, not its hybrid one; use --sft"
+                if masking
+                else "use --sft (SFTDataset's packed conversations)"
+            )
+        )
+    if validates(args):
+        problems.append(
+            f"--eval-iters {args.eval_iters} with validation data (--split {getattr(args, 'split', None)}) and "
+            f"--hybrid-context-parallel: megatron-core 0.19.2 evaluates through the hybrid schedule with an "
+            f"unwrapped validation iterator, which reads a raw batch as scheduled sub-samples (an IndexError in "
+            f"hybrid_cp_schedule.py at the first evaluation); add --eval-iters 0"
+        )
+    longest, seq = getattr(args, "max_seqlen_per_dp_cp_rank", None), getattr(args, "seq_length", None)
+    dp = getattr(args, "data_parallel_size", None)  # set by megatron's validate_args (None: parsed only)
+    ranks = dp * (getattr(args, "context_parallel_size", 1) or 1) if dp else None
+    if ranks and longest and seq and seq > ranks * longest:
+        problems.append(
+            f"--seq-length {seq} > DP x CP x --max-seqlen-per-dp-cp-rank = {ranks} x {longest} = {ranks * longest}: "
+            f"a sequence of up to {seq} tokens (SFTDataset's last conversation takes a pack's end padding) would need "
+            f"more ranks than the DP x CP group has, and megatron-core 0.19.2's scheduler stops with an assertion "
+            f"('cannot reditribute'); raise --max-seqlen-per-dp-cp-rank to at least {-(-seq // ranks)}"
+        )
+    others = sorted({t for t in layer_comm_types(args.cp_comm_type) if t != "2d"}, key=str)
+    if others:
+        problems.append(
+            f"--cp-comm-type {' '.join(map(str, layer_comm_types(args.cp_comm_type)))} mixes the 2d backend with "
+            f"{others} under --hybrid-context-parallel; give every layer 2d"
+        )
+    if not problems and longest and ranks:  # the per-size layouts against the heads and the run's group sizes
+        try:
+            dynamic_layouts(args, ranks)
+        except ValueError as err:
+            problems.append(str(err))
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    ssm = sorted(set(decoder_layers(pattern)) & SSM_SYMBOLS) if pattern else []
+    if ssm:
+        problems.append(
+            f"--hybrid-layer-pattern {pattern!r} with --hybrid-context-parallel: its {', '.join(ssm)} layers run "
+            f"Megatron's context parallelism over the static CP group, not each micro-batch's hybrid group; use "
+            f"attention and MLP layers only ('*', '-', 'E')"
+        )
+    return problems
+
+
+def validates(args) -> bool:
+    """Whether a launch evaluates on validation data (megatron.training's do_valid): --eval-iters > 0 with a
+    validation split, a validation path, mock data or --full-validation; True when the split cannot be read."""
+    if not getattr(args, "eval_iters", 0):
+        return False
+    if any(getattr(args, name, None) for name in ("valid_data_path", "mock_data", "full_validation")):
+        return True
+    split = getattr(args, "split", None)
+    if split is None:
+        return getattr(args, "data_path", None) is not None
+    try:
+        weights = [float(part) for part in re.split(r"[,/]", str(split)) if part.strip()]
+    except ValueError:
+        return True
+    return len(weights) > 1 and weights[1] > 0
+
+
 def documents_layout_problem(config) -> str | None:
     """Why the documents layout (``cp_2d_packing="documents"``) cannot run with ``config`` (a TransformerConfig or
     megatron.training's args: the same names), or None. Its data path
@@ -91,6 +190,15 @@ def documents_layout_problem(config) -> str | None:
             f"not {pp}: the documents layout gives every micro-batch its own number of tokens per CP rank, and "
             f"Megatron's pipeline schedule sends fixed [seq_length / CP] activations between stages; use "
             f"cp_2d_packing='zigzag' (--sft batches, Megatron's per-document split) with pipeline parallelism"
+        )
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if getattr(config, "sequence_parallel", False) and tp > 1:
+        return (
+            f"cp_2d_packing='documents' (--cp-2d-packing documents) with --sequence-parallel at "
+            f"tensor_model_parallel_size {tp}: the documents layout gives each CP rank as many slots as the batch "
+            f"needs, not a multiple of TP, and sequence parallelism splits every rank's tokens over TP (Megatron's "
+            f"padding rule: the packed length divisible by TP x 2 x CP); use cp_2d_packing='zigzag' (--sft "
+            f"batches padded by that rule) with sequence parallelism"
         )
     return None
 
@@ -228,6 +336,10 @@ def packing_mode(config) -> str:
     configured one ("zigzag": Megatron's per-document split, --sft). ``config``: a TransformerConfig (the launch is
     the current one, if any) or megatron.training's args (the launch itself)."""
     chosen = chosen_mode(config)
+    if is_dynamic(config) and chosen.megatron_split is not None:
+        # hybrid CP: Megatron splits each sub-sample over its own group per sequence (get_batch_on_this_cp_rank's
+        # hybrid branch); the documents layout is refused with hybrid CP
+        return megatron_split_mode("per-sequence").name
     if chosen.megatron_split is None:
         return chosen.name
     launch = config if hasattr(config, "dataloader_inter_document_masking") else current_launch_args()

@@ -80,13 +80,13 @@ class PackedSeqParams2D(PackedSeqParams):
     rope_positions: torch.Tensor | None = None
 
 
-def _rope_table(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def rope_table(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """[CP * t_local] positions such that Megatron's THD RoPE, given one sequence of CP * t_local tokens and a
     frequency table of that length, reads ``positions`` [t_local] for this rank: it takes rows
     [r * t/2, (r+1) * t/2) then [CP*t - (r+1) * t/2, CP*t - r * t/2) (its zigzag), so they are put there."""
     t = positions.shape[0]
     half = t // 2
-    table = torch.zeros(cp_size * t, dtype=torch.long)
+    table = torch.zeros(cp_size * t, dtype=torch.long, device=positions.device)
     table[cp_rank * half : (cp_rank + 1) * half] = positions[:half]
     table[cp_size * t - (cp_rank + 1) * half : cp_size * t - cp_rank * half] = positions[half:]
     return table
@@ -115,22 +115,27 @@ def documents_batch_on_this_cp_rank(
     return out, params
 
 
-def layout_params(layout: PackedSharding, device: torch.device) -> PackedSeqParams2D:
+def layout_params(
+    layout: PackedSharding, device: torch.device, rope_place: tuple[int, int] | None = None
+) -> PackedSeqParams2D:
     """PackedSeqParams2D of a batch laid out by ``layout`` (carried, for CoreAttention2D): Megatron's THD RoPE sees
     one sequence of CP * t_local tokens, and ``rope_positions`` puts each local token's position in its document
-    where that RoPE reads this rank's rows (:func:`_rope_table`); index tensors copied pinned and non-blocking."""
+    where that RoPE reads this rank's rows (:func:`rope_table`); index tensors copied pinned and non-blocking.
+    ``rope_place``: (size, rank) of the CP group Megatron's RoPE splits by, when it is not the layout's (hybrid
+    CP: RoPE reads the static CP group, the layout is the micro-batch's own group)."""
     cp_size, t_local = layout.groups.layout.cp_size, layout.local_tokens
-    rope_cu = to_device(np.array([0, cp_size * t_local], dtype=np.int32), device)
+    rope_size, rope_rank = (cp_size, layout.groups.place.cp_index) if rope_place is None else rope_place
+    rope_cu = to_device(np.array([0, rope_size * t_local], dtype=np.int32), device)
     cu = to_device(layout.cu_seqlens.astype(np.int32), device)
-    table = _rope_table(layout.position_ids(), cp_size, layout.groups.place.cp_index)
+    table = rope_table(layout.position_ids(), rope_size, rope_rank)
     return PackedSeqParams2D(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
         cu_seqlens_q_padded=rope_cu,
         cu_seqlens_kv_padded=rope_cu,
-        max_seqlen_q=cp_size * t_local,
-        max_seqlen_kv=cp_size * t_local,
+        max_seqlen_q=rope_size * t_local,
+        max_seqlen_kv=rope_size * t_local,
         layout=layout,
         rope_positions=to_device(table, device),
     )
@@ -162,7 +167,7 @@ class DocumentRotaryEmbedding(torch.nn.Module):
 
     GPTModel asks ``get_rotary_seq_len(..., packed_seq_params)`` and then calls the module for the table; with
     ``rope_positions`` present the table is the base embedding at those positions (laid out as
-    :func:`_rope_table` says), otherwise the base module answers unchanged. The positions are kept between
+    :func:`rope_table` says), otherwise the base module answers unchanged. The positions are kept between
     the two calls of one forward only."""
 
     def __init__(self, base: torch.nn.Module, config) -> None:

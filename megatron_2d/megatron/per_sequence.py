@@ -11,6 +11,11 @@ the local tokens into cu_seqlens / CP pieces), so it cannot place these tokens. 
 :func:`megatron_2d.megatron.packed_data.layout_params` (built once per batch, shared by every layer) and the RoPE
 table into each token's position within its document, the way the documents layout's data path does. Everything
 else is Megatron's SelfAttention.
+
+Hybrid (dynamic) CP batches (``packed_seq_params.local_cp_size`` set, :mod:`megatron_2d.megatron.dynamic`) are
+Megatron's per-sequence split too, over the micro-batch's own CP group: :class:`SelfAttention2D` builds their
+sequence layout on the 2D groups of that group, with the RoPE table laid out for the static CP group that
+Megatron's THD RoPE splits by.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from ..packed_sharding import PackedSharding
 from .packed_data import PackedSeqParams2D, layout_params
 
 
-def sequence_params(params, groups, device: torch.device) -> PackedSeqParams2D:
-    """The PackedSeqParams2D of the sequence layout of Megatron's ``params`` (cached on ``params``: one build
-    per batch, the first layer's; reading the batch's cu_seqlens from the GPU is its one device-to-host copy)."""
+def sequence_params(params, groups, device: torch.device, rope_group=None) -> PackedSeqParams2D:
+    """The PackedSeqParams2D of the sequence layout of Megatron's ``params`` on ``groups`` (cached on ``params``:
+    one build per batch, the first layer's; reading the batch's cu_seqlens from the GPU is its one device-to-host
+    copy). ``rope_group``: the CP group Megatron's THD RoPE splits by, when it is not ``groups``' (hybrid CP)."""
     cache = params.__dict__.setdefault("_megatron_2d_sequence", {})
-    key = (groups.layout, groups.place)
+    rope_place = None if rope_group is None else (rope_group.size(), rope_group.rank())
+    key = (groups.layout, groups.place, rope_place)
     if key not in cache:
         padded = params.cu_seqlens_q_padded
         if padded is not None and padded is not params.cu_seqlens_q:
@@ -36,7 +43,7 @@ def sequence_params(params, groups, device: torch.device) -> PackedSeqParams2D:
                 "cannot tell where its tokens are: drop the padding or use --sft"
             )
         layout = PackedSharding(torch.as_tensor(params.cu_seqlens_q).cpu(), groups, mode="sequence")
-        cache[key] = layout_params(layout, device)
+        cache[key] = layout_params(layout, device, rope_place)
     return cache[key]
 
 
@@ -47,7 +54,12 @@ class SelfAttention2D(SelfAttention):
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         params = kwargs.get("packed_seq_params")
         groups = getattr(self.core_attention, "groups", None)
-        if (
+        dynamic = getattr(self.core_attention, "dynamic", None)
+        derived = None
+        if dynamic is not None and params is not None and getattr(params, "local_cp_size", None) is not None:
+            # hybrid CP: the micro-batch's own group; Megatron's THD RoPE splits by the static CP group
+            derived = dynamic.batch_params(params, self.pg_collection.cp, hidden_states.shape[0], hidden_states.device)
+        elif (
             params is not None
             and params.qkv_format == "thd"
             and groups is not None
@@ -55,6 +67,7 @@ class SelfAttention2D(SelfAttention):
             and getattr(params, "layout", None) is None
         ):
             derived = sequence_params(params, groups, hidden_states.device)
+        if derived is not None:
             kwargs["packed_seq_params"] = derived
             emb = kwargs.get("rotary_pos_emb")  # [max document length, 1, 1, dim] (or a (q, k) pair)
             if emb is not None:  # -> [CP * t_local, 1, 1, dim] at document positions

@@ -21,6 +21,9 @@ model's construction has built its groups, a layer asking for others is refused 
 ranks without that layer behind). Nothing is built in forward, nor by the launch checks: on the patched routes those
 run before torch.distributed is initialized, and the groups belong to the model's config, which they do not see.
 
+Hybrid (dynamic) CP (:mod:`.dynamic`): the same registry builds, at the same moment, the 2D groups of every CP group
+size and slice of the DP x CP groups (:meth:`GroupRegistry.build_dynamic`), one set per (DP x CP group, layouts).
+
 Ownership: a :class:`GroupRegistry` holds the groups one model builds, one set per (CP group, settings). It lives
 on the model's TransformerConfig (``group_registry(config)``), so the layers of one model share their groups and
 their byte counter, and two models built from two configs get their own groups and counters even when their
@@ -37,6 +40,8 @@ import weakref
 import torch.distributed as dist
 
 from ..groups import Groups2D, build_groups_for_layout
+from .dynamic import DynamicGroups, build_dynamic_groups, check_dynamic_config, dynamic_layouts, is_dynamic
+from .fields import fields_2d
 from .settings import Settings2D, layer_settings, uses_2d
 
 _LIVE: weakref.WeakSet[GroupRegistry] = weakref.WeakSet()
@@ -65,6 +70,7 @@ class GroupRegistry:
 
     def __init__(self) -> None:
         self._built: dict[tuple, Groups2D] = {}
+        self._dynamic: dict[tuple, DynamicGroups] = {}
         self._built_at_construction = False
         _LIVE.add(self)
 
@@ -108,11 +114,47 @@ class GroupRegistry:
             self._built[key] = build_groups_for_layout(settings.layout, all_cp_rank_lists(cp_group))
         return self._built[key]
 
+    def build_dynamic(self, config) -> DynamicGroups:
+        """The 2D groups of every CP group size of hybrid (dynamic) CP for ``config`` (:mod:`.dynamic`), built unless
+        they are (collective: every rank calls it in the same order), printed once on rank 0, and the model's
+        groups marked as built at its construction."""
+        self._built_at_construction = True
+        return self._get_dynamic(config, announce=True)
+
+    def dynamic_for(self, config) -> DynamicGroups:
+        """A layer's hybrid-CP groups: those :meth:`build_dynamic` made; built here (collective) only when the
+        model's construction built none. ValueError for groups its construction did not build."""
+        key = self._dynamic_key(config)
+        if key not in self._dynamic and self._built_at_construction:
+            raise ValueError(
+                f"a 2d attention layer asks for the hybrid context-parallel groups of DP x CP ranks {list(key[0])}, "
+                f"but the model's construction built other groups: build the layer with the model's own config "
+                f"and process groups"
+            )
+        return self._get_dynamic(config, announce=False)
+
+    @staticmethod
+    def _dynamic_key(config) -> tuple:
+        group = _megatron_dp_cp_group()
+        return (cp_ranks_of(group), fields_2d(config).cp_2d_dynamic_layouts, config.max_seqlen_per_dp_cp_rank)
+
+    def _get_dynamic(self, config, announce: bool) -> DynamicGroups:
+        key = self._dynamic_key(config)
+        if key not in self._dynamic:
+            layouts = dynamic_layouts(config, len(key[0]))
+            self._dynamic[key] = build_dynamic_groups(layouts, _megatron_dp_cp_group())
+            if dist.get_rank() == 0:
+                print(f"megatron_2d: {layouts.describe(fields_2d(config).cp_2d_placement)}", flush=True)
+        return self._dynamic[key]
+
     def destroy(self) -> None:
         """Destroy the process groups built so far and forget them."""
         for groups in self._built.values():
             groups.destroy()
+        for dynamic in self._dynamic.values():
+            dynamic.destroy()
         self._built.clear()
+        self._dynamic.clear()
 
 
 def group_registry(config) -> GroupRegistry:
@@ -149,6 +191,9 @@ def build_model_groups(config, cp_group: dist.ProcessGroup | None = None, **over
     cp_size = dist.get_world_size(cp_group)
     if cp_size > 1 and not uses_2d(config.cp_comm_type):
         return None
+    if is_dynamic(config):  # hybrid CP: every group size's groups; the layers check their settings
+        check_dynamic_config(config)
+        return group_registry(config).build_dynamic(config).static_groups(cp_group)
     return group_registry(config).build(cp_group, layer_settings(config, cp_size, **overrides))
 
 
@@ -161,6 +206,13 @@ def _megatron_cp_group() -> dist.ProcessGroup | None:
     if not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_context_parallel_group()
+
+
+def _megatron_dp_cp_group() -> dist.ProcessGroup | None:
+    """megatron's data-parallel x context-parallel group (hybrid CP cuts its groups from it)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def destroy_2d_groups(owner=None) -> None:

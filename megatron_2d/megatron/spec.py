@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention_settings import check_attention_settings
 from .core_attention import CoreAttention2D
+from .dynamic import check_dynamic_config, given_layouts, is_dynamic
 from .launch_checks import check_current_launch, megatron_split
 from .mla import check_mla_settings, use_latent_ring
 from .per_sequence import SelfAttention2D
@@ -198,7 +199,11 @@ def gpt_layer_spec_2d(config=None, vp_stage: int | None = None) -> LayerSpec:
     the model is built: the command line (:mod:`.launch_checks`) and, under CP > 1 with "2d", the 2D settings."""
     check_current_launch()
     t = transformer_config_of(config)
-    if t is not None and getattr(t, "context_parallel_size", 1) > 1 and uses_2d(t.cp_comm_type):
+    if t is not None and is_dynamic(t) and uses_2d(t.cp_comm_type):
+        check_dynamic_config(t)  # each CP group size's layout is chosen when the groups are built
+        given_layouts(t)
+        check_attention_settings(t)
+    elif t is not None and getattr(t, "context_parallel_size", 1) > 1 and uses_2d(t.cp_comm_type):
         settings_from_config(t)
         check_attention_settings(t)
     return get_gpt_layer_spec_2d(config, vp_stage)

@@ -9,6 +9,8 @@
     python -m megatron_2d.plan --model 70B-GQA --tp 8 --gpus 64 --seq 256K      # Hybrid ZeRO, Checkpoint++ planned
     python -m megatron_2d.plan --gpus 32 --seq 1M --fair-memory   # stock gets the same memory options (what-if)
     python -m megatron_2d.plan paper                   # LoongTrain's reported figures next to the planner's
+    python -m megatron_2d.plan --dynamic --gpus 8 --seq 256K --mix long-tail --max-seqlen-per-rank 4K
+                                                       # a global batch's sequences: static CP vs hybrid (dynamic) CP
 
 Exit status: 0 with a recommendation; 1 when no layout is feasible (the plan is still printed, with the smallest
 memory found and what would help) or when --plot cannot be written; 2 for bad arguments.
@@ -25,7 +27,7 @@ from .console import parse_seq, parse_window
 from .grid import main as grid_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
 from .kernel_rates import PLANNED_KERNELS
-from .lengths import DISTRIBUTIONS, document_lengths, read_lengths
+from .lengths import DISTRIBUTIONS, SEQUENCE_MIXES, document_lengths, read_lengths, sequence_lengths
 from .links import FLAGS as LINK_FLAGS
 from .links import IDEAL_LINKS, LinkEfficiency
 from .memory import RECOMPUTE_MODES
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _link_arguments(p)
     _job_arguments(p)
     _packed_arguments(p)
+    _dynamic_arguments(p)
     _output_arguments(p)
     return p
 
@@ -163,6 +166,11 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
     j.add_argument("--dp", type=int, help="data-parallel size (default: what is left after --cp, or 1)")
     j.add_argument("--cp", type=_cp, default=None, help="context-parallel size, or 'all' GPUs left (default)")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    j.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="TP without Megatron's --sequence-parallel (the activation model assumes it on by default)",
+    )
     j.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     j.add_argument(
         "--hybrid-pattern",
@@ -251,6 +259,29 @@ def _packed_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--lengths-seed", type=int, default=0, help="seed of --lengths-dist (default 0)")
 
 
+def _dynamic_arguments(p: argparse.ArgumentParser) -> None:
+    """Dynamic (hybrid) context parallelism: a global batch's sequence lengths planned both ways."""
+    d = p.add_argument_group("dynamic (hybrid) context parallelism (megatron_2d.plan.dynamic)")
+    d.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="plan one global batch of sequences both ways: one static CP size (for the longest) with packed "
+        "samples, and Megatron's hybrid CP (a CP group per sequence) with a 2D layout per group size; says which "
+        "wins and by how much. --gpus counts the DP x CP ranks (times --tp); lengths from --lengths or --mix",
+    )
+    d.add_argument(
+        "--mix",
+        choices=SEQUENCE_MIXES,
+        help="a named sequence mix with --seq tokens in all (see megatron_2d.plan.lengths)",
+    )
+    d.add_argument(
+        "--max-seqlen-per-rank",
+        type=parse_seq,
+        metavar="TOKENS",
+        help="Megatron's --max-seqlen-per-dp-cp-rank (default: the longest sequence / the DP x CP ranks)",
+    )
+
+
 def _output_arguments(p: argparse.ArgumentParser) -> None:
     """What to print or plot."""
     o = p.add_argument_group("output")
@@ -310,7 +341,13 @@ def _specs(args):
     if changes:
         cluster = cluster.with_(name=f"{cluster.name}(custom)", **changes)
     parallel = ParallelSpec(
-        gpus=args.gpus, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, micro_batch=args.micro_batch
+        gpus=args.gpus,
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        sequence_parallel=not args.no_sequence_parallel,
     )
     return model, cluster, parallel
 
@@ -324,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         return paper_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.dynamic:
+        return _dynamic_main(args, parser)
+    if args.mix or args.max_seqlen_per_rank:
+        parser.error("--mix and --max-seqlen-per-rank plan a sequence mix: add --dynamic")
     try:
         model, cluster, parallel = _specs(args)
         causal = not args.no_causal
@@ -405,3 +446,44 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cannot write {args.plot}: {err}", file=sys.stderr)
             status = EXIT_NO_FEASIBLE if status == EXIT_OK else status
     return status
+
+
+def _dynamic_main(args, parser: argparse.ArgumentParser) -> int:
+    """``--dynamic``: a global batch's sequences, static CP vs hybrid CP (megatron_2d.plan.dynamic)."""
+    import json
+
+    from .dynamic import plan_length_mix
+
+    try:
+        if args.pp != 1:
+            raise PlanError("--dynamic plans megatron-core 0.19's hybrid CP, which runs without pipelining: --pp 1")
+        if args.lengths_dist:
+            raise PlanError("--lengths-dist names documents of one packed sequence; with --dynamic use --mix")
+        if bool(args.lengths) == bool(args.mix):
+            raise PlanError("--dynamic needs the sequence lengths: --lengths FILE or --mix NAME (with --seq tokens)")
+        model, cluster, _ = _specs(replace_cp(args))
+        if args.gpus % args.tp:
+            raise PlanError(f"--gpus {args.gpus} is not divisible by --tp {args.tp}")
+        ranks = args.gpus // args.tp
+        try:
+            lengths = (
+                read_lengths(args.lengths).tolist()
+                if args.lengths
+                else sequence_lengths(args.mix, args.seq, args.lengths_seed).tolist()
+            )
+        except (OSError, ValueError) as err:
+            raise PlanError(f"--lengths: {err}") from None
+        longest = args.max_seqlen_per_rank or -(-max(lengths) // ranks)
+        result = plan_length_mix(model, cluster, ranks, lengths, longest, args.tp)
+    except PlanError as err:
+        parser.error(str(err))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print("\n".join(result.describe(lengths, longest)))
+    return EXIT_OK
+
+
+def replace_cp(args):
+    """``args`` with the job's parallel sizes reset (--dynamic chooses CP itself)."""
+    return argparse.Namespace(**{**vars(args), "cp": None, "dp": None})

@@ -247,6 +247,9 @@ class ParallelSpec:
     """Data-parallel size; None means gpus / (tp * pp * cp) (or 1 when cp is None too)."""
     micro_batch: int = 1
     """B, sequences per micro-batch."""
+    sequence_parallel: bool = True
+    """Megatron's --sequence-parallel (it takes effect at TP > 1): the activations outside attention and the MLP
+    (norm inputs and outputs, the checkpointed layer input) are split over TP too. On by default, as TP jobs run."""
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)

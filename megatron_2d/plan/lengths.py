@@ -18,6 +18,16 @@ from collections.abc import Sequence
 import numpy as np
 
 DISTRIBUTIONS = ("uniform", "lognormal", "one-half")
+SEQUENCE_MIXES = ("long-tail", "equal")
+"""Sequence-length mixes of one global batch (each sequence trained on its own, as hybrid CP runs them), for the
+planner's ``--dynamic`` and tools/bench_dynamic.py (:func:`sequence_lengths`):
+
+    long-tail   SFT-like: long sequences uniform in [total / 16, total / 8] until they hold a quarter of the
+                tokens, the rest short ones uniform in [total / 256, total / 128], shuffled (at 256K tokens: a few
+                of 16-32K among many of 1-2K)
+    equal       every sequence total / 8 tokens (no tail and no packing waste: one CP size fits every sequence,
+                and a static run packs one sequence per sample)
+"""
 
 
 def _fill(draw, total: int) -> np.ndarray:
@@ -58,6 +68,26 @@ def document_lengths(name: str, total: int, seed: int = 0) -> np.ndarray:
     short = _fill(lambda n: rng.integers(max(1, int(mean / 2)), max(1, int(1.5 * mean)) + 1, size=n), rest)
     at = int(rng.integers(0, len(short) + 1))
     return np.concatenate([short[:at], [long], short[at:]]).astype(np.int64)
+
+
+def sequence_lengths(name: str, total: int, seed: int = 0) -> np.ndarray:
+    """The sequence lengths of the named mix (:data:`SEQUENCE_MIXES`), int64, summing to exactly ``total`` (the last
+    one cut), every length >= 1; deterministic for a seed."""
+    if name not in SEQUENCE_MIXES:
+        raise ValueError(f"unknown sequence mix {name!r}; choose one of {', '.join(SEQUENCE_MIXES)}")
+    if isinstance(total, bool) or int(total) < 1:
+        raise ValueError(f"the total token count must be a positive integer, got {total!r}")
+    total = int(total)
+    rng = np.random.default_rng(seed)
+    long_lo, long_hi = max(1, total // 16), max(1, total // 8)
+    if name == "equal":
+        return _fill(lambda n: np.full(n, long_hi), total)
+    long: list[int] = []
+    while sum(long) < total // 4:  # whole long sequences (none cut) until a quarter of the tokens
+        long.append(min(int(rng.integers(long_lo, long_hi + 1)), total - sum(long)))
+    rest = total - sum(long)
+    short = _fill(lambda n: rng.integers(max(1, total // 256), max(1, total // 128) + 1, size=n), rest) if rest else []
+    return rng.permutation(np.concatenate([np.asarray(long, dtype=np.int64), short])).astype(np.int64)
 
 
 def cu_seqlens_of(lengths: Sequence[int]) -> np.ndarray:

@@ -32,11 +32,14 @@ LAYER_RECOMPUTE_MODES = ("full", *CHECKPOINT_PLUS_MODES)
 class MemoryBreakdown:
     """Peak memory per GPU, in parts, from which every recompute mode's peak is derived (bytes).
 
-    Activations are counted per local token (``tokens`` = B * S / CP) per layer, bf16, TP-sharded with sequence
-    parallelism. Parts of one layer (Korthikanti et al. 2022's 34*s*b*h per layer, with flash attention):
+    Activations are counted per local token (``tokens`` = B * S / CP) per layer, bf16, TP-sharded, and with
+    sequence parallelism (``ParallelSpec.sequence_parallel``, on by default) the norm inputs and the linears' inputs
+    sequence-sharded over TP too (SP = TP with it, 1 without). Parts of one layer (Korthikanti et al. 2022's
+    34*s*b*h/TP per layer with SP, (10 + 24/TP)*s*b*h without, with flash attention; no dropout masks):
 
-        layer_input  = 2 * D/TP                 the layer's input (first norm's input)
-        dense_rest   = 2 * (3D + F' + F)/TP     QKV-GEMM input, pre-MLP norm input, fc1 input, fc1 output
+        layer_input  = 2 * D/SP                 the layer's input (first norm's input)
+        dense_rest   = 2 * (3D/SP + (F' + F)/TP)  QKV-GEMM input, pre-MLP norm input, fc1 input (Megatron's linears
+                                                save their input sequence-sharded under SP), fc1 output
                                                 (F' = 2F gated, else F), fc2 input
         qkv          = 2 * (Ht*dk + L*(dk+dv))  q, k, v in the attention's layout (K/V after replication to L;
                                                 the latent ring: Ht*dk + hp*(r + dr), the all-gathered latent)
@@ -158,6 +161,7 @@ def memory_breakdown(
     padding: ``token_fraction`` * S / CP), and the ring's blocks in flight hold the ring prefix (or, with the
     neighbour exchange, the busiest rank's messages)."""
     B, tp, D, F = parallel.micro_batch, parallel.tp, model.hidden, model.ffn_hidden
+    sp = tp if parallel.sequence_parallel else 1
     dk, dv = model.qk_dim, model.v_dim
     CP = hp * cp
     Ht, Hkvt = model.heads // tp, model.kv_heads // tp
@@ -185,8 +189,8 @@ def memory_breakdown(
     return MemoryBreakdown(
         tokens=tokens,
         layers=model.layers,
-        layer_input=BF16 * D / tp,
-        dense_rest=BF16 * (3 * D + fc1_out + F) / tp,
+        layer_input=BF16 * D / sp,
+        dense_rest=BF16 * (3 * D / sp + (fc1_out + F) / tp),
         qkv=BF16 * (Ht * dk + kv_per_token),
         attn_out=BF16 * Ht * dv,
         o_proj_in=BF16 * Ht * dv,

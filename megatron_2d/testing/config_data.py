@@ -2,7 +2,9 @@
 gives them to Megatron's schedule: sbhd samples, or packed THD sequences in the draw's packing mode (Megatron's
 per-document zigzag with each document padded to 2 * CP and padding at the end, its per-sequence split with a filler
 document, or the documents layout of :mod:`megatron_2d.megatron.packed_data`); the CP = 1 reference takes the real
-documents unpadded. Every rank makes the same full batch; each takes its DP share and its CP split."""
+documents unpadded. Under sequence parallelism every packed sequence is padded at its end by Megatron's rule (its
+length a multiple of TP x 2 x CP; the reference's of 2 x TP, with a filler document out of the loss). Every rank
+makes the same full batch; each takes its DP share and its CP split."""
 
 from __future__ import annotations
 
@@ -73,26 +75,34 @@ def packed_sequence(draw: Draw, iteration: int, sequence: int, total: int | None
     docs = documents(s, iteration, sequence)
     lengths = [d["tokens"].shape[0] for d in docs]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-    if draw.reference or s.data == "documents":
+    granule = sequence_granule(draw)
+    if (draw.reference and not draw.sequence_parallel) or s.data == "documents":
         cat = {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
         return PackedSequence(_positions(cat, cu), cu)
-    if s.data == "zigzag":
+    if s.data == "zigzag" and not draw.reference:
         padded = [-(-n // (2 * CP)) * 2 * CP for n in lengths]
-        padded[-1] += s.end_padding * 2 * CP
+        padded[-1] += s.end_padding * 2 * CP + (-sum(padded) - s.end_padding * 2 * CP) % granule
         if total is not None:
             padded[-1] += total - sum(padded)
         cat = {k: torch.cat([_pad(d, p)[k] for d, p in zip(docs, padded)]) for k in docs[0]}
         cu_padded = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32)
         return PackedSequence(_positions(cat, cu_padded), cu, cu_padded)
-    # sequence: a filler document (out of the loss) makes the stream a multiple of 2 * CP long
+    # sequence (and a sequence-parallel reference): a filler document (out of the loss) makes the stream a multiple
+    # of the granule long
     real = sum(lengths)
-    target = total if total is not None else -(-real // (2 * CP)) * 2 * CP
+    target = total if total is not None else -(-real // granule) * granule
     if target > real:
         docs.append(_pad({k: v[:0] for k, v in docs[0].items()}, target - real))
         lengths.append(target - real)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     cat = {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
     return PackedSequence(_positions(cat, cu), cu)
+
+
+def sequence_granule(draw: Draw) -> int:
+    """What a packed sequence's length must be a multiple of: 2 x CP, and TP x 2 x CP under sequence parallelism
+    (Megatron's rule: every CP rank's tokens split over TP)."""
+    return 2 * draw.context_parallel_size * (draw.tp if draw.sequence_parallel else 1)
 
 
 def _positions(cat: dict[str, torch.Tensor], cu: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -176,3 +186,30 @@ def forward_step(draw: Draw, data_iterator, model):
         packed_seq_params=params,
     )
     return output, functools.partial(mcpu.per_token_loss, local["loss_mask"])
+
+
+# ---- hybrid (dynamic) CP: Megatron's data wrapper unpacks the packed sequences ---------------------------------------
+def dynamic_samples(draw: Draw, iteration: int) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's packed sequences of one iteration as SFTDataset gives them to Megatron's hybrid data wrapper
+    (1-D tensors, cu_seqlens of the real documents, max_seqlen); the CP = 1 reference packs the same documents."""
+    from megatron.core import parallel_state
+
+    s, share = draw.scenario, draw.scenario_batches
+    dp_rank = parallel_state.get_data_parallel_rank()
+    out = []
+    for sequence in range(dp_rank * share, (dp_rank + 1) * share):
+        docs = documents(s, iteration, sequence)
+        lengths = [d["tokens"].shape[0] for d in docs]
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+        cat = {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
+        cat["position_ids"] = _positions(cat, cu)["position_ids"][0]
+        out.append({**cat, "cu_seqlens": cu, "max_seqlen": torch.tensor(max(lengths), dtype=torch.int32)})
+    return out
+
+
+def dynamic_forward_step(draw: Draw, data_iterator, model):
+    """pretrain_gpt.py's forward step on one of Megatron's hybrid sub-samples (megatron_2d.testing.dynamic_cp), with
+    the runs' per-token loss."""
+    from .dynamic_cp import hybrid_forward_step
+
+    return hybrid_forward_step(data_iterator, model, loss=mcpu.per_token_loss)

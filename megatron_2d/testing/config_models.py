@@ -11,7 +11,7 @@ import torch
 
 from . import ddp_harness as mcpu
 from . import tiny_gpt as tg
-from .generated_configs import QK_CLIP_THRESHOLD, Draw, Scenario
+from .generated_configs import QK_CLIP_THRESHOLD, Draw, Scenario, norm_route
 
 VOCAB = 128
 HIDDEN = 64
@@ -56,9 +56,27 @@ def megatron_flags(draw: Draw) -> list[str]:
         *("--tensor-model-parallel-size", str(draw.tp), "--pipeline-model-parallel-size", str(draw.pp)),
         *("--context-parallel-size", str(draw.context_parallel_size), "--calculate-per-token-loss"),
     ]
+    if draw.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if draw.ep > 1:
+        flags += ["--expert-model-parallel-size", str(draw.ep)]
+    if s.normalization != "LayerNorm":
+        flags += ["--normalization", s.normalization]
     if s.query_groups != s.heads and s.model != "mla":
         flags += ["--group-query-attention", "--num-query-groups", str(s.query_groups)]
-    if draw.context_parallel_size > 1:
+    if draw.dynamic:  # hybrid CP: a layout per group size, no static one
+        flags += [
+            "--cp-comm-type",
+            "2d",
+            "--cp-2d-placement",
+            draw.placement,
+            "--rerun-mode",
+            "disabled",
+            "--no-rope-fusion",
+        ]
+        flags += ["--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", str(draw.max_seqlen_per_rank)]
+        flags += ["--cp-2d-dynamic-layouts", draw.dynamic_layouts] if draw.dynamic_layouts else []
+    elif draw.context_parallel_size > 1:
         flags += ["--cp-comm-type", "2d", "--cp-2d-head-parallel-size", str(draw.hp)]
         flags += ["--cp-2d-inner-ring-size", str(draw.inner_ring_size), "--cp-2d-placement", draw.placement]
         if s.data == "documents":
@@ -125,6 +143,8 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
     dtype = DTYPES[s.dtype]
     fields: dict[str, Any] = dict(
         calculate_per_token_loss=True,
+        sequence_parallel=draw.sequence_parallel,
+        normalization=s.normalization,
         softmax_type=s.softmax_type,
         qk_layernorm=s.qk_layernorm,
         params_dtype=dtype,
@@ -148,7 +168,7 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
         # top-2 of 2 experts: no routing decision that rounding could flip; no biases (megatron-core 0.19.2 allows
         # MoE biases only without expert tensor parallelism)
         fields.update(num_moe_experts=2, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0)
-        fields.update(moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+        fields.update(moe_token_dispatcher_type="alltoall", add_bias_linear=False, expert_model_parallel_size=draw.ep)
     if s.model == "hybrid":
         fields.update(SSM_SIZES, **ssm_sizes(s))
     config_class: type
@@ -164,7 +184,16 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
 
         config_class = TransformerConfig
     cp_comm_type = None
-    if draw.context_parallel_size > 1:
+    if draw.dynamic:  # hybrid CP: each group size's layout (given or the rule's), no static one
+        config_class = MLATransformerConfig2D if s.model == "mla" else TransformerConfig2D
+        cp_comm_type = "2d"
+        fields.update(
+            hybrid_context_parallel=True,
+            max_seqlen_per_dp_cp_rank=draw.max_seqlen_per_rank,
+            cp_2d_dynamic_layouts=draw.dynamic_layouts,
+            cp_2d_placement=draw.placement,
+        )
+    elif draw.context_parallel_size > 1:
         config_class = MLATransformerConfig2D if s.model == "mla" else TransformerConfig2D
         cp_comm_type = "2d"
         fields.update(
@@ -209,16 +238,23 @@ def megatron_attention_is_the_reference(draw: Draw) -> bool:
     )
 
 
+def _norms(draw: Draw, spec):
+    """``spec`` with Transformer Engine's norms where the draw's norm route is "te" (:func:`norm_route`)."""
+    from .sp_norms import with_te_norms
+
+    return with_te_norms(spec) if norm_route(draw) == "te" else spec
+
+
 def _gpt_spec(draw: Draw, config, vp_stage):
     from ..megatron.spec import get_gpt_layer_spec_2d, layer_specs_of, megatron_gpt_spec
     from .reference_core_attention import ReferenceCoreAttention
 
     if draw.context_parallel_size > 1:
-        return get_gpt_layer_spec_2d(config, vp_stage, use_transformer_engine=False)
+        return _norms(draw, get_gpt_layer_spec_2d(config, vp_stage, use_transformer_engine=False))
     spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine=False)
     if not megatron_attention_is_the_reference(draw):
         _swap_core_attention(layer_specs_of(spec), ReferenceCoreAttention)
-    return spec
+    return _norms(draw, spec)
 
 
 def _hybrid_spec(draw: Draw):
@@ -226,11 +262,11 @@ def _hybrid_spec(draw: Draw):
     from .reference_core_attention import ReferenceCoreAttention
 
     if draw.context_parallel_size > 1:
-        return get_hybrid_stack_spec_2d(use_transformer_engine=False)
+        return _norms(draw, get_hybrid_stack_spec_2d(use_transformer_engine=False))
     spec = megatron_hybrid_stack_spec(use_transformer_engine=False)
     if not megatron_attention_is_the_reference(draw):
         _swap_core_attention([getattr(spec.submodules, ATTENTION_SLOT)], ReferenceCoreAttention)
-    return spec
+    return _norms(draw, spec)
 
 
 def build_chunks(draw: Draw, cfg: tg.TinyGPTConfig) -> list[torch.nn.Module]:

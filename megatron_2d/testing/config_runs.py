@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import ddp_harness as mcpu
 from . import tiny_gpt as tg
-from .config_data import forward_step, microbatches
+from .config_data import dynamic_forward_step, dynamic_samples, forward_step, microbatches
 from .config_models import (
     DTYPES,
     OPTIMIZER,
@@ -43,7 +43,15 @@ from .config_models import (
     tiny_config,
 )
 from .distributed import RankFailure, run_on_ranks
-from .generated_configs import ITERATIONS, Draw, expected_refusals, perturbed_twin_of, reference_of, skip_reason
+from .generated_configs import (
+    ITERATIONS,
+    Draw,
+    expected_refusals,
+    norm_route,
+    perturbed_twin_of,
+    reference_of,
+    skip_reason,
+)
 from .reference import TOLERANCES
 
 
@@ -75,6 +83,8 @@ def _setup(draw: Draw, launch_args):
         virtual_pipeline_model_parallel_size=draw.vpp,
         order=draw.order,
         seed=draw.scenario.seed,
+        expert_model_parallel_size=draw.ep,
+        **({"hybrid_context_parallel": True} if draw.dynamic else {}),
         **hz.initialize_model_parallel_kwargs(draw.dp, CP),
     )
     cfg = tiny_config(draw)
@@ -93,7 +103,7 @@ def _setup(draw: Draw, launch_args):
     wrapped = mcpu.wrap_chunks(chunks, distributed_data_parallel_config(hz, draw.dp, CP, **ddp_extra(draw, hz)))
     dtype = DTYPES[draw.scenario.dtype]
     config = optimizer_config(hz, draw.dp, CP, **OPTIMIZER, bf16=dtype == torch.bfloat16, params_dtype=dtype)
-    return wrapped, mcpu.build_optimizer(wrapped, config), tg.merge_over_pipeline(shapes)
+    return wrapped, mcpu.build_optimizer(wrapped, config), tg.merge_over_expert_parallel(tg.merge_over_pipeline(shapes))
 
 
 def _perturb(chunks: list[torch.nn.Module], seed: int) -> None:
@@ -118,9 +128,17 @@ def train_draw(rank: int, world: int, draw: Draw, launch_args) -> RankResult:
     except ValueError as err:
         return RankResult(refused=str(err))
     result = RankResult(shapes=shapes)
-    step_func = functools.partial(forward_step, draw)
+    step_func = functools.partial(dynamic_forward_step if draw.dynamic else forward_step, draw)
     for iteration in range(ITERATIONS):
-        batches, seq_length = microbatches(draw, iteration)
+        data_iterator = None
+        if draw.dynamic:  # Megatron's hybrid data wrapper over this DP rank's packed sequences
+            from megatron.core.datasets.data_schedule import HybridCPDataLoaderWrapper
+
+            batches = dynamic_samples(draw, iteration)
+            seq_length = max(int(b["cu_seqlens"][-1]) for b in batches)
+            data_iterator = iter(HybridCPDataLoaderWrapper(iter([batches]), mcpu.unwrapped(wrapped[0]).config))
+        else:
+            batches, seq_length = microbatches(draw, iteration)
         grads: dict[str, torch.Tensor] = {}
 
         def keep_gradients(grads=grads):
@@ -134,6 +152,7 @@ def train_draw(rank: int, world: int, draw: Draw, launch_args) -> RankResult:
             seq_length,
             micro_batch_size=draw.micro_batch_size,
             before_step=keep_gradients if iteration == 0 else None,
+            data_iterator=data_iterator,
         )
         totals = torch.zeros(2, dtype=torch.float64)  # (sum of masked per-token loss, loss tokens)
         for report in reports:
@@ -321,12 +340,20 @@ def run_configuration(
     draw: Draw, references: dict | None = None, timeout_s: float = 240, with_twin: bool = True
 ) -> Outcome:
     """Run ``draw`` and compare it with its reference (computed once per reference draw, kept in
-    ``references``); ``with_twin`` False: at the table's bounds alone, without the perturbed twin's floor (and its
-    run)."""
-    start = time.perf_counter()
+    ``references``); the ranks are forked inside the draw's norm route (:func:`generated_configs.norm_route`), which
+    its reference shares; ``with_twin`` False: at the table's bounds alone, without the perturbed twin's floor (and
+    its run)."""
     skip = skip_reason(draw)
     if skip is not None:
         return Outcome(draw, "skipped", f"{skip.name}: {skip.message}")
+    from .sp_norms import norm_route as norms
+
+    with norms(norm_route(draw)):
+        return _run_and_compare(draw, references, timeout_s, with_twin)
+
+
+def _run_and_compare(draw: Draw, references: dict | None, timeout_s: float, with_twin: bool) -> Outcome:
+    start = time.perf_counter()
     refusals = expected_refusals(draw)
     try:
         got = _launch(draw, timeout_s)

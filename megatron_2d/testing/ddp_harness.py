@@ -121,19 +121,21 @@ def schedule_step(
     seq_length: int,
     micro_batch_size: int,
     before_step=None,
+    data_iterator=None,
 ) -> tuple[list[dict], float | None]:
     """One Megatron training step: ``microbatches`` (this DP rank's) through ``get_forward_backward_func()`` on the
     wrapped model chunks (each chunk reads its own iterator over them), which calls ``finalize_model_grads``; then
     ``before_step()`` if given (the reduced gradients are in place) and ``optimizer.step()``. Returns the loss
     reports of this rank (the last pipeline stage's; empty elsewhere) and the gradient norm the optimizer reports
-    (None unless ``clip_grad`` > 0), equal on every rank."""
+    (None unless ``clip_grad`` > 0), equal on every rank. ``data_iterator``: one chunk's iterator, in place of one
+    over ``microbatches`` (hybrid CP: Megatron's data wrapper over them)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     with megatron_ddp_on_cpu():
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        iterators = [iter(microbatches) for _ in chunks]
+        iterators = [iter(microbatches) for _ in chunks] if data_iterator is None else [data_iterator]
         reports = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -200,14 +202,18 @@ def full_gradients(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]
     and ``optimizer.step()``, e.g. as :func:`schedule_step`'s ``before_step``), by canonical name, gathered to its
     full shape: over the shard group (distributed optimizer: each bucket's reduce-scattered shards; megatron-fsdp:
     each grad buffer's shards), over TP and over the pipeline stages. Collective over the world."""
-    from megatron_2d.testing.tiny_gpt import gather_over_tensor_parallel, merge_over_pipeline
+    from megatron_2d.testing.tiny_gpt import (
+        gather_over_tensor_parallel,
+        merge_over_expert_parallel,
+        merge_over_pipeline,
+    )
 
     local: dict[str, torch.Tensor] = {}
     for wrapped in chunks:
         with megatron_ddp_on_cpu():
             grads = _fsdp_gradients(wrapped) if wrapped.ddp_config.use_megatron_fsdp else _ddp_gradients(wrapped)
         local.update(gather_over_tensor_parallel(grads))
-    return merge_over_pipeline(local)
+    return merge_over_expert_parallel(merge_over_pipeline(local))
 
 
 def unwrapped(wrapped: torch.nn.Module) -> torch.nn.Module:

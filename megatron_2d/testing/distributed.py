@@ -30,8 +30,10 @@ class RankFailure(RuntimeError):
     """A forked rank raised, timed out, or died."""
 
 
-def _rank_main(rank, world_size, store_path, timeout_s, fn, args, kwargs, results):
+def _rank_main(rank, world_size, store_path, timeout_s, fn, args, kwargs, results, rank_setup=None):
     try:
+        if rank_setup is not None:
+            rank_setup(rank)  # e.g. join the rank's network namespace, before any socket is opened
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
@@ -61,12 +63,15 @@ def run_on_ranks(
     *args: Any,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     threads_per_rank: int = 1,
+    rank_setup: Callable[[int], None] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Fork ``world_size`` ranks running ``fn(rank, world_size, *args, **kwargs)``; return their results by rank.
 
     Results are pickled in the rank, so they may hold tensors. Raises RankFailure with the first failing rank's
-    traceback, or when ``timeout_s`` passes.
+    traceback, or when ``timeout_s`` passes. ``rank_setup(rank)`` runs first in each rank, before its process group
+    exists (the emulated cluster's ranks enter their network namespaces there:
+    :func:`megatron_2d.testing.cluster_launch.run_on_cluster`).
     """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
@@ -77,7 +82,7 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, store_path, timeout_s, fn, args, kwargs, results),
+            args=(r, world_size, store_path, timeout_s, fn, args, kwargs, results, rank_setup),
             daemon=True,
         )
         for r in range(world_size)

@@ -19,7 +19,8 @@ Shims (see each function):
   7. ``cuda_to_cpu()`` TorchFunctionMode     pipeline schedules hard-code ``device="cuda"`` (inside the block).
   8. megatron DDP / distributed optimizer / megatron-fsdp on gloo (``install_megatron_ddp_cpu_shims()``,
      ``megatron_ddp_on_cpu()``): 8a CUDA streams and events, 8b CPU device meshes, 8c inside the block only:
-     integer devices -> cpu, CUDA tensor type names, ``current_device() == 0``; 8d the CUDA generator's state.
+     integer devices -> cpu, CUDA tensor type names, ``current_device() == 0``; 8d the CUDA generator's state;
+     8e MoE's all-to-all split sizes as numpy arrays (expert parallelism).
 
 The tiny-GPT harness does not wrap the model in megatron's DistributedDataParallel: it sums gradients over the
 CP group itself, as DDP's dp_cp all-reduce would (the tests of DDP itself use shims 8).
@@ -504,14 +505,30 @@ def megatron_ddp_on_cpu() -> Iterator[None]:
         torch.cuda.current_device = saved  # type: ignore[assignment]
 
 
+def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for CPU tensors: megatron converts the all-to-all split sizes to numpy
+    only when it copies them from a CUDA device, and ``all_to_all_single`` takes a sequence of ints, not a tensor."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _install_moe_split_sizes_shim() -> None:
+    """8e: the token dispatcher's ``maybe_move_tensor_to_cpu`` (imported by name) answers numpy for CPU tensors."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
+
+
 def install_megatron_ddp_cpu_shims() -> None:
-    """Apply ``install_megatron_cpu_shims`` and shims 8a, 8b, 8d (idempotent; refuses where CUDA is available)."""
+    """Apply ``install_megatron_cpu_shims`` and shims 8a, 8b, 8d, 8e (idempotent; refuses where CUDA is available)."""
     global _DDP_INSTALLED
     install_megatron_cpu_shims()
     if not _DDP_INSTALLED:
         _install_stream_shims()
         _install_device_mesh_shim()
         _install_cuda_rng_state_shims()
+        _install_moe_split_sizes_shim()
         _DDP_INSTALLED = True
 
 

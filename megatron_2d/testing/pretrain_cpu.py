@@ -33,6 +33,10 @@ Two ways in:
 
     # torchrun: python -m megatron_2d.testing.pretrain_cpu SCRIPT [pretrain flags...]
     torchrun --nproc-per-node 4 -m megatron_2d.testing.pretrain_cpu pretrain_gpt.py --context-parallel-size 4 ...
+
+    # stock Megatron CP (Transformer Engine's context_parallel.py, megatron_2d.testing.stock_cp_spec):
+    torchrun ... -m megatron_2d.testing.pretrain_cpu --te-release 2.20.2 pretrain_gpt.py --bf16 \
+        --spec megatron_2d.testing.stock_cp_spec gpt_layer_spec_stock_cp --cp-comm-type p2p ...
 """
 
 from __future__ import annotations
@@ -169,10 +173,12 @@ def cpu_pretrain() -> Iterator[None]:
         yield
 
 
-def run_script(script: str, argv: Sequence[str]) -> None:
+def run_script(script: str, argv: Sequence[str], te_release: str | None = None) -> None:
     """Run ``script``'s ``__main__`` (e.g. Megatron-LM's pretrain_gpt.py) with ``argv`` and the CPU flags, as
     ``python script argv...`` would, on this already-initialized rank. The script's folder is put first on
-    sys.path (pretrain_gpt.py imports its sibling gpt_builders / model_provider)."""
+    sys.path (pretrain_gpt.py imports its sibling gpt_builders / model_provider). ``te_release``: inside
+    Transformer Engine's CPU context of that release, megatron-core included (stock CP,
+    :mod:`.stock_cp_spec`)."""
     script = os.path.abspath(script)
     folder = os.path.dirname(script)
     if folder not in sys.path:
@@ -181,7 +187,12 @@ def run_script(script: str, argv: Sequence[str]) -> None:
     saved_argv = sys.argv
     sys.argv = [script, *argv, *CPU_FLAGS]
     try:
-        with cpu_pretrain():
+        with contextlib.ExitStack() as stack:
+            if te_release is not None:
+                from .te_context_parallel import te_context_parallel_on_cpu
+
+                stack.enter_context(te_context_parallel_on_cpu(te_release, megatron=True))
+            stack.enter_context(cpu_pretrain())
             runpy.run_path(script, run_name="__main__")
     finally:
         sys.argv = saved_argv
@@ -196,14 +207,20 @@ def init_gloo_from_env(timeout_s: float = 120.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m megatron_2d.testing.pretrain_cpu SCRIPT [flags...]`` under torchrun."""
+    """``python -m megatron_2d.testing.pretrain_cpu [--te-release VERSION] SCRIPT [flags...]`` under torchrun."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    te_release = None
+    if argv[:1] == ["--te-release"] and len(argv) > 1:
+        te_release, argv = argv[1], argv[2:]
     if not argv or argv[0].startswith("-"):
-        raise SystemExit("usage: torchrun --nproc-per-node N -m megatron_2d.testing.pretrain_cpu SCRIPT [flags...]")
+        raise SystemExit(
+            "usage: torchrun --nproc-per-node N -m megatron_2d.testing.pretrain_cpu [--te-release VERSION] SCRIPT "
+            "[flags...]"
+        )
     torch.set_num_threads(1)
     install_pretrain_cpu_shims()
     init_gloo_from_env()
-    run_script(argv[0], argv[1:])
+    run_script(argv[0], argv[1:], te_release)
 
 
 if __name__ == "__main__":

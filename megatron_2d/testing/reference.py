@@ -8,7 +8,8 @@ Two measures of error, both against an fp64 reference:
                                                    left (kernel, merge, accumulators, the final rounding)
 
 ``TOLERANCES[dtype]`` holds both: ``end_to_end`` for rel_err, and per output (out, lse, dq, dk, dv) for norm_err;
-``dsinks`` is the sinks gradient's bound under a third measure, sink_err (below).
+``dsinks`` is the sinks gradient's bound under a third measure, sink_err (below); ``stock_cp`` holds Transformer
+Engine's own bounds for its context parallelism (norm_err per output), measured on its code, labelled as TE's.
 ``TOLERANCE[dtype]`` is the end-to-end column alone, for callers that need one number per dtype. The benchmarks'
 correctness gate uses ``TOLERANCES[dtype].gate``: the end-to-end bound, except fp32, looser (1e-4) at their sizes.
 
@@ -68,6 +69,24 @@ class TrainingTolerance:
 
 
 @dataclass(frozen=True)
+class StockCPTolerance:
+    """Transformer Engine's OWN bounds, not the project's: its context parallelism (stock Megatron CP, every comm
+    type, sbhd and THD, CP 2 and 4, each installed release) against the fp64 reference of the rounded inputs, per
+    output (norm_err), as measured on TE's real code (tests/test_te_context_parallel.py; docs/testing.md has the
+    figures: the largest of 1056 generated cases, x 1.2). TE merges partial outputs, corrects THD gradients and moves
+    dK/dV in the input dtype, so they exceed the project's own per-output bounds where the project keeps fp32 (bf16
+    p2p at CP 4: out 3.8e-3 on 2.20.2; THD p2p with small documents: dk 5.1e-3)."""
+
+    out: float
+    dq: float
+    dk: float
+    dv: float
+
+    def of(self, output: str) -> float:
+        return getattr(self, output)
+
+
+@dataclass(frozen=True)
 class Tolerance:
     """Error bounds for one dtype: ``end_to_end`` (rel_err, unrounded reference) and per output (norm_err, the
     reference computed from the rounded inputs); ``training`` for whole Megatron training runs."""
@@ -83,12 +102,15 @@ class Tolerance:
     max_logit: float
     """rel_err bound of the max logit (``return_max_logit``) against the fp64 max over the allowed pairs of the
     inputs rounded to the dtype: the scores' accumulation in fp32 (fp64 for fp64) and, on CUDA and from Transformer
-    Engine, the max rounded once to the dtype (2^-9 relative in bf16, 2^-12 in fp16)."""
+    Engine, the max rounded once to the dtype (up to 2^-8 relative in bf16, 2^-11 in fp16)."""
     benchmark: float | None = None
     """rel_err bound of the benchmarks' correctness gate (tools/bench_compare.py), at their larger sizes; the
     end-to-end bound when None."""
     training: TrainingTolerance | None = None
     """Bounds of the generated Megatron configurations against CP = 1 (None: no training runs in this dtype)."""
+    stock_cp: StockCPTolerance | None = None
+    """Transformer Engine's own measured bounds for its context parallelism (None: TE's fused attention does not
+    run this dtype)."""
 
     @property
     def gate(self) -> float:
@@ -118,7 +140,15 @@ TOLERANCES = {
         training=TrainingTolerance(loss=1e-5, grad_norm=1e-5, grad=1e-4, later_grad_norm=1e-4, weights=1e-5),
     ),
     torch.float16: Tolerance(
-        end_to_end=5e-3, out=4.2e-4, lse=2e-5, dq=5.0e-4, dk=9e-4, dv=9e-4, dsinks=6e-4, max_logit=5e-4
+        end_to_end=5e-3,
+        out=4.2e-4,
+        lse=2e-5,
+        dq=5.0e-4,
+        dk=9e-4,
+        dv=9e-4,
+        dsinks=6e-4,
+        max_logit=5e-4,
+        stock_cp=StockCPTolerance(out=5.7e-4, dq=7.2e-4, dk=7.1e-4, dv=5.7e-4),
     ),
     torch.bfloat16: Tolerance(
         end_to_end=2e-2,
@@ -130,6 +160,7 @@ TOLERANCES = {
         dsinks=5e-3,
         max_logit=4e-3,
         training=TrainingTolerance(loss=5e-3, grad_norm=1e-2, grad=1e-1, later_grad_norm=2e-1, weights=1e-2),
+        stock_cp=StockCPTolerance(out=4.6e-3, dq=5.7e-3, dk=6.2e-3, dv=4.4e-3),
     ),
 }
 # Relative tolerance (max |err| / max |ref|) against an fp64 reference of the unrounded inputs, keyed by dtype.

@@ -154,7 +154,7 @@ def make_transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         hierarchical_context_parallel_sizes=([g.size() for g in hcp] if hcp else None),
         cp_comm_type=cfg.cp_comm_type,
-        sequence_parallel=False,  # the torch norm fallback (no apex) asserts with SP
+        sequence_parallel=False,  # the torch norm asserts with SP: see megatron_2d.testing.sp_norms
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
@@ -175,9 +175,23 @@ def local_spec_with_core_attention(core_attention: Any | None = None, **spec_kwa
     return spec
 
 
+_LOCAL_EXPERT = re.compile(r"(.*\.experts)\.local_experts\.(\d+)\.(.*)")
+
+
+def _global_expert(model: torch.nn.Module, name: str) -> str:
+    """``name`` with a local expert's index made global under expert parallelism (EP rank x local experts + i)."""
+    match = _LOCAL_EXPERT.match(name)
+    if match is None or parallel_state.get_expert_model_parallel_world_size() == 1:
+        return name
+    experts, index, rest = match.groups()
+    first = parallel_state.get_expert_model_parallel_rank() * model.get_submodule(experts).num_local_experts
+    return f"{experts}.local_experts.{first + int(index)}.{rest}"
+
+
 def canonical_name(model: torch.nn.Module, name: str) -> str:
-    """The name parameter ``name`` of ``model`` (one pipeline stage or virtual chunk) has in the PP=1 model: its
-    decoder layer index made global (``decoder.layers.<layer_number - 1>``)."""
+    """The name parameter ``name`` of ``model`` (one pipeline stage or virtual chunk) has in the PP=1, EP=1 model:
+    its decoder layer index made global (``decoder.layers.<layer_number - 1>``), and its expert index."""
+    name = _global_expert(model, name)
     match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
     if not match:
         return name
@@ -321,6 +335,17 @@ def all_reduce_grads_over_cp(model: torch.nn.Module) -> None:
             dist.all_reduce(param.grad, group=group)
 
 
+def all_reduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """Under sequence parallelism, sum over TP the gradients of parameters marked ``sequence_parallel`` (norms,
+    duplicated linears: each TP rank saw its share of the sequence), as Megatron's ``finalize_model_grads`` does."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1 or not model.config.sequence_parallel:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for param in model.parameters():
+        if param.grad is not None and getattr(param, "sequence_parallel", False):
+            dist.all_reduce(param.grad, group=group)
+
+
 def gather_over_tensor_parallel(grads: dict[str, tuple[torch.Tensor, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
     """{name: (this TP rank's tensor, its parameter)} -> {name: the tensor at the parameter's full shape},
     TP-sharded ones all-gathered over the TP group along their partition dim (the same names on every TP rank)."""
@@ -360,6 +385,20 @@ def full_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
             shape[param.partition_dim] *= tp
         out[name] = tuple(shape)
     return out
+
+
+def merge_over_expert_parallel(local: dict[str, Any]) -> dict[str, Any]:
+    """The union of every expert-parallel rank's ``local`` dict (collective over the EP group): each holds its own
+    experts."""
+    size = parallel_state.get_expert_model_parallel_world_size()
+    if size == 1:
+        return local
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, local, group=parallel_state.get_expert_model_parallel_group())
+    merged: dict[str, Any] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
 
 
 def merge_over_pipeline(local: dict[str, Any]) -> dict[str, Any]:
@@ -418,6 +457,7 @@ def forward_backward(model: GPTModel, batch: Batch) -> dict[str, Any]:
     local_sum, per_token = _local_loss(model, batch)
     (local_sum / num_tokens).backward()
     all_reduce_grads_over_cp(model)
+    all_reduce_sequence_parallel_grads(model)
     return {
         "loss": cp_sum(local_sum) / num_tokens,
         "per_token_loss": _gather_cp_sequence(per_token, seq_dim=1),
@@ -479,6 +519,7 @@ def train_steps(
         local_sum, _ = _local_loss(model, batch)
         (local_sum / num_tokens).backward()
         all_reduce_grads_over_cp(model)
+        all_reduce_sequence_parallel_grads(model)
         run.grad_norms.append(megatron_grad_norm(model))
         opt.step()
         run.losses.append(float(cp_sum(local_sum) / num_tokens))
@@ -529,6 +570,7 @@ def pipeline_forward_backward(
     grads: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         all_reduce_grads_over_cp(chunk)
+        all_reduce_sequence_parallel_grads(chunk)
         grads.update(full_gradients(chunk))
     if parallel_state.is_pipeline_last_stage():
         loss = sum(cp_sum(r["local_sum"]) / r["tokens"] for r in reports) / num_microbatches
@@ -573,6 +615,7 @@ __all__ = [
     "TinyGPTConfig",
     "TrainedSteps",
     "all_reduce_grads_over_cp",
+    "all_reduce_sequence_parallel_grads",
     "build_tiny_gpt",
     "canonical_name",
     "canonical_parameters",
@@ -584,6 +627,7 @@ __all__ = [
     "init_parallel",
     "local_spec_with_core_attention",
     "make_transformer_config",
+    "merge_over_expert_parallel",
     "merge_over_pipeline",
     "max_relative_error",
     "megatron_grad_norm",

@@ -1,0 +1,296 @@
+"""Dynamic (hybrid) context parallelism under 2D on CPU ranks: the step time of one global batch of a sequence mix,
+dynamic against static, through Megatron's own schedules.
+
+    python tools/bench_dynamic.py --ranks 8 --mix long-tail --tokens 16K --max-seqlen-per-rank 256
+    python tools/bench_dynamic.py --ranks 8 --mix equal --tokens 16K --max-seqlen-per-rank 256
+
+The batch (the same in every row): one global batch of the mix's sequences (megatron_2d.plan.lengths.SEQUENCE_MIXES;
+long-tail at 16K tokens: ~118 sequences of 64-128 tokens and 3 of 1-2K, the issue's "1-2K with a few at 16-32K"
+scaled by 1/16 for CPU ranks), packed first-fit decreasing into samples of seq_length = CP_static x
+max_seqlen_per_rank tokens as Megatron's SFTDataset gives them (each sequence padded to the row's 2 x CP, the last
+one of a pack taking the pack's end padding, prompts of 2 tokens masked). Model: a tiny megatron-core GPTModel with
+the 2d spec (fp32, GQA), one training step (forward, backward, the gradients' all-reduce over DP x CP).
+
+Rows
+    dynamic 2D        --hybrid-context-parallel: Megatron's HybridCPDataLoaderWrapper (lengths gathered over DP,
+                      BalancedCPScheduler, sequences rerouted by all_to_all) and its hybrid schedule (one sequence
+                      per micro-batch, a barrier between rounds); each CP group size runs its 2D layout (--layouts,
+                      else the planner's rule, megatron_2d.plan.dynamic)
+    dynamic, one ring the same, every group size as hp 1 x one ring of g ranks: the layout stock dynamic CP runs
+                      (Transformer Engine's p2p), here on this project's op
+    static 2D         --context-parallel-size CP_static (what Megatron gives the longest sequence), DP = N / CP_static;
+                      each packed sample one THD micro-batch (Megatron's per-document zigzag) through Megatron's
+                      no-pipelining schedule; the rule's layout for CP_static
+    static, one ring  the same with hp 1 x one ring of CP_static: stock static p2p's layout, on this project's op
+    stock dynamic CP, static stock CP: Transformer Engine's own p2p (context_parallel.py) on CPU ranks, from issue 40's
+                      branch ``stockcp`` (megatron_2d.testing.te_context_parallel and its stock spec); reported as
+                      n/a until that branch lands (:data:`STOCK_HOOK`)
+
+Columns: wall ms = median over the timed steps of the slowest rank's step (8 ranks on 2 shared cores: roughly the
+sum of the ranks' work over 2); cpu ms = median of the CPU seconds the ranks spent per step, summed over ranks (the
+work, apart from how the ranks share cores); "vs static 2D" = static 2D's wall / the row's (above 1: faster);
+loss = the step's loss, which every row must give alike (the same training: "check" says MISMATCH otherwise).
+Rows run in rounds, rotated each round (harness.round_order); each round rebuilds the row's parallel state and model
+(its 2D groups), warms up one step and times ``--repeats`` steps. Timing is not a test: compare rows of one run, on
+a quiet machine (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..layout.dynamic import format_dynamic_layouts, hybrid_group_sizes, megatron_cp_size, parse_dynamic_layouts
+from ..plan.console import parse_seq
+from ..plan.dynamic import pack_sequences
+from ..plan.lengths import SEQUENCE_MIXES, sequence_lengths
+from .cli import add_arguments, add_output_arguments, render_table
+from .harness import round_order
+
+ROWS = ("dynamic 2D", "dynamic, one ring", "static 2D", "static, one ring", "stock dynamic CP", "static stock CP")
+STOCK_HOOK = (
+    "n/a: Transformer Engine's p2p on CPU ranks comes from branch stockcp (issue 40: its stock-CP spec); wire it "
+    "in megatron_2d.bench.dynamic.stock_row when merged"
+)
+LOSS_RTOL = 1e-5  # fp32: the rows' losses agree to the training tolerance (testing.reference)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank runs: the mix, the model, the sizes."""
+
+    mix: str
+    tokens: int
+    max_seqlen_per_rank: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    layouts: str | None
+    rounds: int
+    repeats: int
+    seed: int = 0
+
+
+def sequences(job: Job) -> list[int]:
+    return sequence_lengths(job.mix, job.tokens, job.seed).tolist()
+
+
+def static_cp(job: Job, ranks: int) -> int:
+    """The static CP size: the group size Megatron gives the longest sequence (the next it built)."""
+    need = megatron_cp_size(max(sequences(job)), job.max_seqlen_per_rank)
+    return next(s for s in hybrid_group_sizes(ranks) if s >= need)
+
+
+def samples_for(job: Job, ranks: int, pad_unit: int):
+    """The global batch as SFTDataset packs it (module docstring), each sequence padded to a multiple of
+    ``pad_unit`` tokens; the sequences' content does not depend on the padding (every row trains the same data)."""
+    from ..testing.dynamic_cp import sequence_samples
+
+    lengths = sequences(job)
+    capacity = static_cp(job, ranks) * job.max_seqlen_per_rank
+    packs = pack_sequences(lengths, capacity, pad_unit // 2)
+    padded = []
+    for indices in packs:
+        slots = [-(-lengths[i] // pad_unit) * pad_unit for i in indices]
+        slots[-1] += capacity - sum(slots)  # the last conversation takes the pack's end padding
+        padded.append(slots)
+    return packs, sequence_samples(lengths, packs, padded, vocab=128, seed=job.seed)
+
+
+def tiny_config(job: Job):
+    from ..testing.tiny_gpt import TinyGPTConfig
+
+    return TinyGPTConfig(
+        num_layers=job.layers,
+        hidden_size=job.hidden,
+        num_attention_heads=job.heads,
+        num_query_groups=job.kv_heads,
+        vocab_size=128,
+        seq_length=job.tokens,
+        config_overrides=dict(apply_rope_fusion=False),
+    )
+
+
+def one_ring_layouts(ranks: int) -> str:
+    """Every group size as hp 1 x one ring of all its ranks (stock dynamic CP's layout)."""
+    from ..layout.topology import Layout2D
+
+    return format_dynamic_layouts({g: Layout2D(g, 1) for g in hybrid_group_sizes(ranks) if g > 1})
+
+
+def build_row(row: str, job: Job, ranks: int):
+    """One row's training step on this rank (it returns the loss reports); parallel state and model built here."""
+    from ..layout.topology import Layout2D
+    from ..megatron.dynamic import RULE_CLUSTER, rule_model
+    from ..plan.dynamic import layout_for_size
+    from ..plan.hardware import get_cluster
+    from ..testing import dynamic_cp
+
+    cfg = tiny_config(job)
+    if row.startswith("dynamic"):
+        layouts = one_ring_layouts(ranks) if row == "dynamic, one ring" else job.layouts
+        _, samples = samples_for(job, ranks, pad_unit=2)
+        model, config = dynamic_cp.hybrid_model(cfg, 1, job.max_seqlen_per_rank, layouts)
+        return lambda: dynamic_cp.hybrid_train_step(model, config, samples)
+    cp = static_cp(job, ranks)
+    _, samples = samples_for(job, ranks, pad_unit=2 * cp)
+    layout = Layout2D(cp, 1)  # static, one ring (and CP = 1)
+    if row == "static 2D" and cp > 1:  # the layout dynamic 2D runs at this size: given, else the rule's
+        given = parse_dynamic_layouts(job.layouts).get(cp)
+        rule = layout_for_size(
+            rule_model(_rule_source(job)), get_cluster(RULE_CLUSTER), cp, cp * job.max_seqlen_per_rank
+        )
+        layout = given if given is not None else rule[0]
+    model = dynamic_cp.static_model(
+        cfg, cp, layout.head_parallel_size, inner_ring_size=layout.inner_ring_size, placement=layout.placement
+    )
+    return lambda: dynamic_cp.static_train_step(model, samples)
+
+
+def _rule_source(job: Job):
+    """The fields the rule reads of a model config, for the static row's layout (the same rule as dynamic 2D)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        num_attention_heads=job.heads,
+        num_query_groups=job.kv_heads,
+        kv_channels=job.hidden // job.heads,
+        hidden_size=job.hidden,
+        num_layers=job.layers,
+        ffn_hidden_size=4 * job.hidden,
+    )
+
+
+def _loss(reports) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    local = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
+    dist.all_reduce(local, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return local
+
+
+def run_ranks(rank: int, world: int, job: Job, rows: list[str]) -> dict:
+    """Every row, ``job.rounds`` rounds (rotated), on this rank: per row the steps' (wall s of the slowest rank, CPU
+    s summed over ranks) and the step's loss."""
+    from ..testing.megatron_cpu import install_megatron_cpu_shims
+
+    install_megatron_cpu_shims()
+    timed: dict[str, list[tuple[float, float]]] = {row: [] for row in rows}
+    losses: dict[str, float] = {}
+    for r in range(job.rounds):
+        for i in round_order(list(range(len(rows))), r):
+            row = rows[i]
+            step = build_row(row, job, world)
+            loss = _loss(step())  # warm-up
+            losses[row] = float(loss[0] / loss[1])
+            for _ in range(job.repeats):
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                step()
+                wall = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+                both = wall.clone()
+                dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+                dist.all_reduce(both, op=dist.ReduceOp.SUM)
+                timed[row].append((float(wall[0]), float(both[1])))
+    return {"timed": timed, "losses": losses}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser, ranks=8, layers=2, hidden=128, heads=8, kv_heads=2, repeats=2)
+    parser.add_argument("--mix", choices=SEQUENCE_MIXES, default="long-tail", help="sequence mix (default long-tail)")
+    parser.add_argument("--tokens", type=parse_seq, default=16384, help="tokens of the global batch (default 16K)")
+    parser.add_argument(
+        "--max-seqlen-per-rank", type=parse_seq, default=256, help="--max-seqlen-per-dp-cp-rank (default 256)"
+    )
+    parser.add_argument("--layouts", default=None, help="--cp-2d-dynamic-layouts of dynamic 2D (default: the rule)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every row, rotated (default 3)")
+    parser.add_argument("--rows", nargs="+", default=list(ROWS[:4]), choices=ROWS, help="rows to run")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    job = Job(
+        args.mix,
+        args.tokens,
+        args.max_seqlen_per_rank,
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.kv_heads,
+        args.layouts,
+        args.rounds,
+        args.repeats,
+    )
+    runnable = [row for row in args.rows if not row.startswith(("stock", "static stock"))]
+    from ..testing.distributed import run_on_ranks
+    from ..testing.megatron_cpu import install_megatron_cpu_shims
+
+    install_megatron_cpu_shims()
+    result = run_on_ranks(args.ranks, run_ranks, job, runnable, timeout_s=args.timeout)[0]
+    print(describe(job, args.ranks))
+    records = table(result, args.rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"job": vars(args), "rows": records}, fh, indent=1)
+
+
+def describe(job: Job, ranks: int) -> str:
+    lengths = sorted(sequences(job))
+    sizes = {}
+    for n in lengths:
+        g = megatron_cp_size(n, job.max_seqlen_per_rank)
+        sizes[g] = sizes.get(g, 0) + 1
+    return (
+        f"{job.mix}: {len(lengths)} sequences, {sum(lengths)} tokens, longest {lengths[-1]}, median "
+        f"{lengths[len(lengths) // 2]}; {ranks} ranks, max_seqlen_per_dp_cp_rank {job.max_seqlen_per_rank}: "
+        f"sequences per CP size {dict(sorted(sizes.items()))}, static CP {static_cp(job, ranks)}; model "
+        f"{job.layers} layers, hidden {job.hidden}, {job.heads} heads / {job.kv_heads} K/V"
+    )
+
+
+def table(result: dict, rows: list[str]) -> list[dict]:
+    """Print the table; the JSON records."""
+    timed, losses = result["timed"], result["losses"]
+    median = {row: statistics.median(w for w, _ in timed[row]) for row in timed}
+    cpu = {row: statistics.median(c for _, c in timed[row]) for row in timed}
+    base = median.get("static 2D")
+    first = next(iter(losses.values()), None)
+    body, records = [], []
+    for row in rows:
+        if row not in timed:
+            body.append([row, "-", "-", "-", "-", STOCK_HOOK])
+            records.append({"row": row, "note": STOCK_HOOK})
+            continue
+        same = abs(losses[row] - first) <= LOSS_RTOL * abs(first)
+        ratio = f"{base / median[row]:.2f}x" if base else "-"
+        body.append(
+            [
+                row,
+                f"{median[row] * 1e3:.0f}",
+                f"{cpu[row] * 1e3:.0f}",
+                ratio,
+                f"{losses[row]:.6f}",
+                "ok" if same else "MISMATCH",
+            ]
+        )
+        records.append(
+            {
+                "row": row,
+                "wall_ms": median[row] * 1e3,
+                "cpu_ms": cpu[row] * 1e3,
+                "loss": losses[row],
+                "same": same,
+                "steps": [[w * 1e3, c * 1e3] for w, c in timed[row]],
+            }
+        )
+    render_table(
+        "dynamic vs static CP, one training step", ["row", "wall ms", "cpu ms", "vs static 2D", "loss", "check"], body
+    )
+    return records

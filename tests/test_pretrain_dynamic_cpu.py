@@ -1,0 +1,95 @@
+"""``pretrain_gpt.py --hybrid-context-parallel`` with the 2d flags: Megatron's own training loop (Megatron-LM
+core_v0.19.0, patched) on forked CPU ranks, dynamic (hybrid) CP with a 2D layout per group size, logs the CP = 1
+lm loss and grad norm.
+
+Data: Megatron's --sft route (SFTTokenizer, SFTDataset's packed conversations, prompts masked; the tiny corpus of
+megatron_2d.testing.sft_data): Megatron's hybrid wrapper unpacks every sample into its conversations and gives each
+its own CP group; the last conversation of a pack takes the pack's end padding, so at --max-seqlen-per-dp-cp-rank
+32 on DP x CP = 4 ranks the conversations run on 1 rank and the padded ones on 2 or 4. The CP = 1 reference is the
+stock script with the 2d spec on one rank (Megatron's local attention refuses packed batches). Runs: 2 layers,
+hidden 64, 8 heads / 2 K/V heads, RoPE, seq 128, global batch 4, 3 iterations.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from megatron_2d.testing.megatron_lm import copy_scripts
+from megatron_2d.testing.pretrain_runs import assert_same_training, run_pretrain, run_pretrain_outcomes, trained
+from megatron_2d.testing.reference import TOLERANCE
+from megatron_2d.testing.sft_data import PROMPT_FORMAT
+
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
+ITERATIONS = 3
+BASE = [
+    *("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2").split(),
+    *("--position-embedding-type rope --seq-length 128 --max-position-embeddings 128").split(),
+    *("--make-vocab-size-divisible-by 64 --micro-batch-size 1 --global-batch-size 4 --lr 1e-3").split(),
+    *(f"--train-iters {ITERATIONS} --seed 1234 --attention-dropout 0 --hidden-dropout 0 --log-interval 1").split(),
+    *("--eval-iters 0 --eval-interval 1000 --distributed-timeout-minutes 1").split(),
+    *(f"--sft --tokenizer-type SFTTokenizer --sft-tokenizer-prompt-format {PROMPT_FORMAT} --split 100,0,0").split(),
+    *("--no-create-attention-mask-in-dataloader --calculate-per-token-loss").split(),
+]
+SPEC_2D = ["--spec", "megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
+HYBRID = [
+    *("--hybrid-context-parallel --max-seqlen-per-dp-cp-rank 32 --rerun-mode disabled --cp-comm-type 2d").split(),
+    *("--context-parallel-size 2 --cp-2d-dynamic-layouts 2=2x1,4=4x1").split(),  # DP 2 x CP 2; K/V replicated at 4
+]
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_lm")
+    paths = {"stock": copy_scripts(root / "stock"), "patched": copy_scripts(root / "patched", patched=True)}
+    folder = str(paths["stock"].parent)
+    sys.path.insert(0, folder)
+    importlib.import_module("pretrain_gpt")  # forked ranks find its imports loaded
+    yield paths
+    sys.path.remove(folder)
+    for name in ("pretrain_gpt", "gpt_builders", "model_provider"):
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def group_sizes(monkeypatch):
+    """Every hybrid micro-batch a forked rank runs prints its CP group size (the layers ask per call)."""
+    from megatron_2d.megatron.dynamic import DynamicGroups
+
+    original = DynamicGroups.for_batch
+
+    def for_batch(self, local_cp_size, cp_group):
+        print(f"[test] hybrid micro-batch on a CP group of {int(local_cp_size)}")
+        return original(self, local_cp_size, cp_group)
+
+    monkeypatch.setattr(DynamicGroups, "for_batch", for_batch)
+
+
+def training(logs):
+    found = trained(logs[-1])
+    assert sorted(found.losses) == list(range(1, ITERATIONS + 1)), f"missing iterations:\n{logs[-1][-3000:]}"
+    return found
+
+
+def test_patched_pretrain_gpt_hybrid_cp_equals_cp1(scripts, sft_corpus, group_sizes):
+    reference = training(run_pretrain(1, scripts["stock"], BASE + sft_corpus + SPEC_2D))
+    assert reference.losses[ITERATIONS] < reference.losses[1]
+    logs = run_pretrain(4, scripts["patched"], BASE + sft_corpus + HYBRID)
+    assert "--cp-2d-dynamic-layouts '2=2x1,4=4x1' (all given by --cp-2d-dynamic-layouts)" in logs[0]
+    sizes = {int(line.split()[-1]) for log in logs for line in log.splitlines() if "hybrid micro-batch" in line}
+    assert sizes == {1, 2, 4}
+    assert_same_training(training(logs), reference, TOLERANCE[torch.float32])
+
+
+def test_unpatched_route_is_refused_on_every_rank(scripts, sft_corpus):
+    """The --spec route has no bridge for megatron-core 0.19.2's hybrid sub-samples (it would stop with an
+    IndexError in get_batch): every rank stops at the launch check with the reason."""
+    flags = BASE + sft_corpus + SPEC_2D + ["--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", "32"]
+    flags += ["--rerun-mode", "disabled", "--cp-comm-type", "2d"]
+    message = "--hybrid-context-parallel through pretrain_gpt.py without the 2d flags (the --spec route)"
+    for rank, outcome in enumerate(run_pretrain_outcomes(4, scripts["stock"], flags, timeout_s=90)):
+        assert outcome.exit_status != 0 and message in (outcome.error or ""), f"rank {rank}: {outcome.error}"
