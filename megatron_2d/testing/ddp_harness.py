@@ -183,9 +183,14 @@ def full_parameters(wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Every weight of Megatron-DDP-wrapped model chunks by canonical name, in fp32 at its full shape (gathered over
-    TP and the pipeline stages), after forcing the distributed optimizer's param all-gather that
-    ``overlap_param_gather`` defers to the next forward. Collective over the world."""
-    from megatron_2d.testing.tiny_gpt import canonical_parameters, gather_over_tensor_parallel, merge_over_pipeline
+    TP, the pipeline stages and the expert-parallel ranks), after forcing the distributed optimizer's param
+    all-gather that ``overlap_param_gather`` defers to the next forward. Collective over the world."""
+    from megatron_2d.testing.tiny_gpt import (
+        canonical_parameters,
+        gather_over_tensor_parallel,
+        merge_over_expert_parallel,
+        merge_over_pipeline,
+    )
 
     local: dict[str, torch.Tensor] = {}
     for wrapped in chunks:
@@ -194,7 +199,7 @@ def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
                 wrapped.start_param_sync(force_sync=True)
         params = canonical_parameters(unwrapped(wrapped))
         local.update(gather_over_tensor_parallel({n: (p.detach().float(), p) for n, p in params.items()}))
-    return merge_over_pipeline(local)
+    return merge_over_expert_parallel(merge_over_pipeline(local))
 
 
 def full_gradients(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:

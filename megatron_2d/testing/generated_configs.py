@@ -725,7 +725,7 @@ EXPECTED_VALUES: dict[str, set] = {
     "dynamic": {True, False},
     "dynamic_group_size": {1, 2, 4, 8},
     "qk_clip": {True, False},
-    "qk_clip_with": {"distributed_optimizer", "tp2", "mla", "mamba", "bf16", "pp2"},
+    "qk_clip_with": {"distributed_optimizer", "tp2", "mla", "mamba", "bf16", "pp2", "sequence_parallel", "ep2"},
 }
 """Every value each axis must take over enough draws (:func:`missing_corners`); ``hybrid_symbol`` counts each
 symbol of a hybrid pattern on its own."""
@@ -786,7 +786,8 @@ def axis_values(draw: Draw) -> dict[str, set]:
 
 def _qk_clip_with(draw: Draw) -> set[str]:
     """What a QK-clip draw combines it with, of what megatron-core 0.19.2's own clip_qk cannot run or did not test
-    (the distributed optimizer's shards, TP, MLA, Mamba layers, bf16, pipeline stages)."""
+    (the distributed optimizer's shards, TP, MLA, Mamba layers, bf16, pipeline stages, sequence parallelism, expert
+    parallelism's weights on other ranks)."""
     s = draw.scenario
     return {
         name
@@ -797,6 +798,8 @@ def _qk_clip_with(draw: Draw) -> set[str]:
             ("mamba", _has(draw, "M")),
             ("bf16", s.dtype == "bf16"),
             ("pp2", draw.pp > 1),
+            ("sequence_parallel", draw.sequence_parallel),
+            ("ep2", draw.ep > 1),
         )
         if present
     }
