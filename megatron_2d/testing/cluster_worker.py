@@ -11,6 +11,8 @@ Slurm stand-ins start quickly.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shlex
 import subprocess
@@ -28,8 +30,9 @@ TE_RELEASE_ENV = "M2D_TE_RELEASE"
 """When set, the Transformer Engine release whose CPU context each CPU worker runs in (stock Megatron CP:
 megatron_2d.testing.te_context_parallel, with megatron-core's TE extension; the claim only around TE's attention,
 megatron_2d.testing.stock_cp_spec)."""
-_HELD: list = []
-"""The contexts a worker holds for its whole process (it only runs the script)."""
+_HELD = contextlib.ExitStack()
+"""The contexts a worker holds for its whole process (it only runs the script), closed at exit (atexit, before the
+interpreter tears modules down) in reverse order."""
 
 
 def node_address(node: int) -> str:
@@ -52,15 +55,12 @@ def start_worker() -> None:
 
     torch.set_num_threads(1)
     install_pretrain_cpu_shims()
-    held = []
     if os.environ.get(TE_RELEASE_ENV):
         from .te_context_parallel import te_context_parallel_on_cpu
 
-        held.append(te_context_parallel_on_cpu(os.environ[TE_RELEASE_ENV], megatron=True, claim_cuda=False))
-    held.append(megatron_ddp_on_cpu())
-    for context in held:  # held for the whole process: a context manager no longer referenced would be closed
-        context.__enter__()  # (and its mode popped)
-    _HELD.extend(held)
+        _HELD.enter_context(te_context_parallel_on_cpu(os.environ[TE_RELEASE_ENV], megatron=True, claim_cuda=False))
+    _HELD.enter_context(megatron_ddp_on_cpu())
+    atexit.register(_HELD.close)
     sys.argv += shlex.split(os.environ.get(RANK_FLAGS_ENV, "")) + CPU_FLAGS
 
 
