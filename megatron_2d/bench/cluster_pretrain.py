@@ -246,6 +246,14 @@ def print_results(results: list[ModeResult], reference: dict[int, float], args) 
         ["mode", "ms / iteration", "x vs best 2D (per round)", "losses vs CP=1"],
         body,
     )
+    best_stock = min((r for r in timed if not r.name.startswith("2d")), key=lambda r: r.seconds, default=None)
+    if best2d and best_stock:
+        rounds = [a / b for a, b in zip(best_stock.round_seconds, best2d.round_seconds)]
+        print(
+            f"best 2D ({best2d.name}) against best stock ({best_stock.name}): "
+            f"{best_stock.seconds / best2d.seconds:.2f}x (per round {min(rounds):.2f}-{max(rounds):.2f}; above 1: "
+            f"2D faster)"
+        )
     for r in results:
         if r.status != "ok":
             print(f"{r.name}: {r.status}")
