@@ -49,7 +49,6 @@ ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration 
 STOCK_SPEC = ["--spec", "megatron_2d.testing.stock_cp_spec", "gpt_layer_spec_stock_cp"]
 """The layer spec of the stock modes (megatron_2d.testing.stock_cp_spec): stock CP as Megatron runs it, with the
 linears on CPU."""
-STOCK_COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather")
 
 
 @dataclass(frozen=True)

@@ -62,12 +62,13 @@ def claiming_attention(attention: type) -> type:
 
 
 def _refuse_te_final_norm() -> None:
-    """RuntimeError when GPTModel would build its final norm as TE's TENorm, which the CPU extension does not run:
-    ``transformer_block`` picks its norm class when first imported, TENorm if TE is loaded then."""
+    """RuntimeError when, in TE's CPU context, GPTModel would build its final norm as TE's TENorm, which the CPU
+    extension does not run: ``transformer_block`` picks its norm class when first imported, TENorm if TE is loaded
+    then. (With a real TE on GPUs TENorm runs.)"""
     from megatron.core.transformer import transformer_block
 
     norm = transformer_block.LayerNormImpl
-    if norm.__module__ == EXTENSION:
+    if active() is not None and norm.__module__ == EXTENSION:
         raise RuntimeError(
             f"megatron.core.transformer.transformer_block was first imported inside Transformer Engine's CPU context, "
             f"so GPTModel's final norm is TE's {norm.__name__}, whose kernels the CPU extension does not run: import "
