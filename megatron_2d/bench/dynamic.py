@@ -73,6 +73,12 @@ ROWS = ("dynamic 2D", "dynamic, one ring", "static 2D", "static, one ring", "sto
 STOCK_ROWS = ROWS[4:]
 """The rows that run Transformer Engine's context parallelism (megatron_2d.testing.stock_dynamic_cp)."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+STOCK_DYNAMIC_NOTE = (
+    "note: stock dynamic CP = megatron-core 0.19.2's hybrid CP over TEDotProductAttention and Transformer Engine "
+    "{release}'s p2p, with Megatron-LM #6821's two fixes (RoPE on the micro-batch's CP group, TE's CP stream "
+    "allocated): 0.19.2 as released stops at the first micro-batch on a group of 2 or more "
+    "(megatron_2d.testing.stock_dynamic_cp)"
+)
 
 
 @dataclass(frozen=True)
@@ -291,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         result = run_on_ranks(args.ranks, run_ranks, job, runnable, timeout_s=args.timeout)[0]
     print(describe(job, args.ranks))
     records = table(result, args.rows, DTYPES[job.dtype], notes)
+    if "stock dynamic CP" in result["timed"]:
+        print(STOCK_DYNAMIC_NOTE.format(release=args.te_release))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"job": vars(args), "rows": records}, fh, indent=1)
