@@ -8,7 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_2d.megatron.dynamic_data import dynamic_forward_step, forward_step_2d, hybrid_sample_batch, padded_length
+from megatron_2d.megatron.dynamic_data import (
+    dynamic_forward_step,
+    forward_step_2d,
+    hybrid_sample_batch,
+    padded_length,
+    sequence_parallel_size,
+)
 
 pytestmark = pytest.mark.megatron
 
@@ -35,6 +41,18 @@ def test_padded_to_2g_at_the_end(length, g, padded):
     assert batch["cu_seqlens"].tolist() == [[0, padded]] and batch["cu_seqlens"].dtype == torch.int32
     assert batch["max_seqlen"].tolist() == [padded] and batch["local_cp_size"].tolist() == [g]
     assert batch["local_cp_size"].dtype == torch.int32 and batch["max_seqlen"].dtype == torch.int32
+
+
+@pytest.mark.parametrize(
+    "length, g, tp, padded", [(9, 1, 2, 10), (9, 1, 4, 12), (13, 2, 4, 16), (13, 4, 4, 16), (17, 2, 3, 24)]
+)
+def test_padded_for_the_tp_split_under_sequence_parallelism(length, g, tp, padded):
+    """Under SP each of the g ranks' L / g tokens split over TP: L a multiple of g x lcm(2, TP) (9 tokens at TP 4 on
+    one rank: 12, where 2 x g alone gives 10, which GPTModel's embedding cannot scatter over 4 ranks)."""
+    batch = hybrid_sample_batch(sub_sample(length, g), sp_size=tp)
+    assert padded_length(length, g, tp) == padded and batch["tokens"].shape == (1, padded)
+    assert padded % (2 * g) == 0 and (padded // g) % tp == 0
+    assert batch["cu_seqlens"].tolist() == [[0, padded]] and (batch["loss_mask"][0, length:] == 0).all()
 
 
 def test_megatrons_cp_split_takes_it():
@@ -79,4 +97,8 @@ def test_forward_step_is_wrapped_only_under_hybrid_cp():
     assert forward_step_2d(forward_step, SimpleNamespace(hybrid_context_parallel=False)) is forward_step
     wrapped = forward_step_2d(forward_step, SimpleNamespace(hybrid_context_parallel=True))
     assert wrapped(iter([sub_sample(3, 2)]), "m") == "m" and seen[-1]["tokens"].shape == (1, 4)
+    sp = SimpleNamespace(hybrid_context_parallel=True, sequence_parallel=True, tensor_model_parallel_size=4)
+    assert sequence_parallel_size(sp) == 4 and sequence_parallel_size(SimpleNamespace(sequence_parallel=False)) == 1
+    assert forward_step_2d(forward_step, sp)(iter([sub_sample(3, 2)]), "m") == "m"
+    assert seen[-1]["tokens"].shape == (1, 8)  # 2 x lcm(2, 4): each of the 2 CP ranks' 4 tokens over 4 TP ranks
     assert dynamic_forward_step(forward_step)(None, "m") == "m" and seen[-1] is None  # TP ranks but the first

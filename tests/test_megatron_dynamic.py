@@ -6,11 +6,15 @@ runs each group size with its own 2D layout. Each case trains one step of packed
 masked) on DP x CP = 4 and 8 ranks, the sequences landing in groups of 1, 2, 4 and 8 ranks, and compares the loss,
 Megatron's grad norm and every gradient with the CP = 1 step of the same sequences through megatron-core's own
 local attention (:mod:`megatron_2d.testing.dynamic_cp`). Layouts: the planner's rule, and given ones with K/V
-heads replicated inside a group (hp above the 2 K/V heads), Double-Ring, context_first. Two forked worlds (4 and 8
-ranks) run every case, then the refusals the per-call path makes.
+heads replicated inside a group (hp above the 2 K/V heads), Double-Ring, context_first. TP 2 and 4 with sequence
+parallelism (apex's LayerNorm stood in, megatron_2d.testing.sp_norms) x DP x CP 4 and 2 against the TP = 1, CP = 1
+step: each rank's hidden states hold 1/TP of its sequence chunk until the QKV projection gathers them. Two forked
+worlds (4 and 8 ranks) run every case, then the refusals the per-call path makes.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,14 +38,23 @@ CASES = {  # name: (world, context_parallel_size, cp_2d_dynamic_layouts)
     "dpcp4 cp4 context_first": (4, 4, "4=2x2@context_first"),
     "dpcp8 cp2 double-ring": (8, 2, "2=2x1,4=4x1,8=2x4/2"),
     "dpcp8 cp1 replicated x4": (8, 1, "8=8x1"),
+    "tp2 sp dpcp4 cp2": (8, 2, "2=2x1,4=2x2"),  # TP 2 + SP: 4 heads, 1 K/V head per TP rank (replicated at hp 2)
+    "tp4 sp dpcp2 cp1 mha": (8, 1, "2=2x1"),  # TP 4 + SP: 2 heads and 2 K/V heads per TP rank
 }
+MHA = TinyGPTConfig(num_attention_heads=8, hidden_size=64, seq_length=128)
+"""CFG with 8 K/V heads (TP 4 needs the K/V heads divisible by 4)."""
+SEQUENCE_PARALLEL = {"tp2 sp dpcp4 cp2": (2, 16, CFG), "tp4 sp dpcp2 cp1 mha": (4, 32, MHA)}
+"""Cases with sequence parallelism: (TP, max_seqlen_per_dp_cp_rank, model). 16 and 32 put the world's longest
+sequence, 50 tokens, on all 4 and 2 DP x CP ranks. At TP 4 the bridge pads each sequence to a multiple of
+g x lcm(2, 4) (e.g. 9 tokens on one rank to 12, not 10): GPTModel's embedding scatters each rank's tokens over TP."""
 
 
-def expected_sizes(world):
-    """(length, CP size) of every sequence, once per rank that runs it: Megatron's rule max(1, 2^ceil(log2(L/8)))."""
+def expected_sizes(world, longest=LONGEST):
+    """(length, CP size) of every sequence, once per rank that runs it: Megatron's rule
+    max(1, 2^ceil(log2(L / longest)))."""
     from megatron_2d.layout.dynamic import megatron_cp_size
 
-    sizes = [(n, megatron_cp_size(n, LONGEST)) for sample in SAMPLES[world] for n in sample]
+    sizes = [(n, megatron_cp_size(n, longest)) for sample in SAMPLES[world] for n in sample]
     return sorted(x for n, g in sizes for x in [(n, g)] * g)
 
 
@@ -50,13 +63,29 @@ def run_world(rank, world):
 
     samples = packed_samples(SAMPLES[world], CFG.vocab_size, seed=world)
     out = {"reference": reference_step(CFG, samples)}
+    if world == 8:
+        out["reference mha"] = reference_step(MHA, samples)
     for name, (size, cp, layouts) in CASES.items():
-        if size == world:
+        if size == world and name not in SEQUENCE_PARALLEL:
             out[name] = hybrid_step(CFG, samples, cp, LONGEST, layouts)
+        elif size == world:
+            out[name] = sequence_parallel_step(samples, cp, layouts, *SEQUENCE_PARALLEL[name])
     if world == 4:
         out["refusals"] = refusals(samples)
         out["packed micro-batch"] = packed_microbatch(samples)
     return out
+
+
+def sequence_parallel_step(samples, cp, layouts, tp, longest, model):
+    """:func:`hybrid_step` of ``model`` at TP ``tp`` with sequence parallelism: LayerNorm through megatron-core's
+    FusedLayerNorm (apex's function stood in, the route its local specs take when apex is installed), scoped to this
+    step."""
+    from megatron_2d.testing import sp_norms
+    from megatron_2d.testing.dynamic_cp import hybrid_step
+
+    cfg = replace(model, config_overrides=dict(model.config_overrides, sequence_parallel=True))
+    with sp_norms.apex_layer_norm():
+        return hybrid_step(cfg, samples, cp, longest, layouts, tensor_model_parallel_size=tp)
 
 
 def refusals(samples):
@@ -201,13 +230,17 @@ def assert_matches(actual, expected):
 def test_hybrid_schedule_matches_cp1(results, case):
     world = CASES[case][0]
     got = results[world][case]
-    assert got["sizes"] == expected_sizes(world)  # every sequence ran on the group size Megatron's rule gives
-    assert_matches(got, results[world]["reference"])
+    _, longest, model = SEQUENCE_PARALLEL.get(case, (1, LONGEST, CFG))
+    assert got["sizes"] == expected_sizes(world, longest)  # every sequence ran on the group size Megatron's rule gives
+    assert_matches(got, results[world]["reference" if model is CFG else "reference mha"])
 
 
 def test_sequences_land_in_groups_of_1_2_4_and_8(results):
     assert {g for _, g in results[4]["dpcp4 cp1 rule"]["sizes"]} == {1, 2, 4}
     assert {g for _, g in results[8]["dpcp8 cp2 double-ring"]["sizes"]} == {1, 2, 4, 8}
+    for case, groups in {"tp2 sp dpcp4 cp2": {1, 2, 4}, "tp4 sp dpcp2 cp1 mha": {1, 2}}.items():
+        assert results[8][case]["sequence_parallel"] and {g for _, g in results[8][case]["sizes"]} == groups
+    assert not results[8]["dpcp8 cp2 double-ring"]["sequence_parallel"]
 
 
 def test_per_call_refusals(results):

@@ -40,6 +40,11 @@ HYBRID = [
     *("--hybrid-context-parallel --max-seqlen-per-dp-cp-rank 32 --rerun-mode disabled --cp-comm-type 2d").split(),
     *("--context-parallel-size 2 --cp-2d-dynamic-layouts 2=2x1,4=4x1").split(),  # DP 2 x CP 2; K/V replicated at 4
 ]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+HYBRID_TP2_SP = [  # with TP2_SP on 4 ranks: DP 1 x CP 2, 128 tokens on the 2 DP x CP ranks; K/V replicated at 2
+    *("--hybrid-context-parallel --max-seqlen-per-dp-cp-rank 64 --rerun-mode disabled --cp-comm-type 2d").split(),
+    *("--context-parallel-size 2 --cp-2d-dynamic-layouts 2=2x1").split(),
+]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +87,22 @@ def test_patched_pretrain_gpt_hybrid_cp_equals_cp1(scripts, sft_corpus, group_si
     assert "--cp-2d-dynamic-layouts '2=2x1,4=4x1' (all given by --cp-2d-dynamic-layouts)" in logs[0]
     sizes = {int(line.split()[-1]) for log in logs for line in log.splitlines() if "hybrid micro-batch" in line}
     assert sizes == {1, 2, 4}
+    assert_same_training(training(logs), reference, TOLERANCE[torch.float32])
+
+
+def test_patched_pretrain_gpt_hybrid_cp_with_sequence_parallelism_equals_cp1(scripts, sft_corpus, group_sizes):
+    """--tensor-model-parallel-size 2 --sequence-parallel with --hybrid-context-parallel (TP 2 x DP 1 x CP 2, K/V
+    replicated at hp 2) logs the lm loss and grad norm of TP 2 + SP at CP = 1: the forward step pads each sequence
+    for its TP split, the 2d self attention reads the gathered sequence. LayerNorm with SP: megatron-core's
+    FusedLayerNorm over apex's function stood in (megatron_2d.testing.sp_norms), entered before the ranks fork."""
+    from megatron_2d.testing.sp_norms import apex_layer_norm
+
+    with apex_layer_norm():
+        reference = training(run_pretrain(2, scripts["stock"], BASE + sft_corpus + SPEC_2D + TP2_SP))
+        logs = run_pretrain(4, scripts["patched"], BASE + sft_corpus + HYBRID_TP2_SP + TP2_SP)
+    sizes = {int(line.split()[-1]) for log in logs for line in log.splitlines() if "hybrid micro-batch" in line}
+    assert sizes == {1, 2}
+    assert reference.losses[ITERATIONS] < reference.losses[1]
     assert_same_training(training(logs), reference, TOLERANCE[torch.float32])
 
 

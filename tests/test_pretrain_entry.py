@@ -634,6 +634,8 @@ def test_hybrid_flags_build_the_config_with_per_size_layouts(parse):
         (["--cp-2d-packing", "documents"], HYBRID_MODEL, "no packed batch to lay out by documents"),
         (["--cp-2d-dynamic-layouts", "16=2"], HYBRID_MODEL, "group sizes [16], which this run has no groups of"),
         (["--cp-2d-dynamic-layouts", "8=8x1,4=4"], HYBRID_MODEL, None),  # valid: checked as not refused
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel"], HYBRID_MODEL, None),  # TP 2 + SP runs
+        (["--num-experts", "4", "--expert-model-parallel-size", "2"], HYBRID_MODEL, "expert_model_parallel_size 2"),
         (["--cp-2d-dynamic-layouts", "2=2x2"], HYBRID_MODEL, "hp x cp = 2 x 2 = 4 is not the group size 2"),
         ([], HYBRID_MODEL, None),
     ],
@@ -673,6 +675,7 @@ def test_hybrid_refusals_on_the_config_route():
         (dict(cp_2d_dynamic_layouts="8=16"), "head-parallel size 16 does not divide"),
         (dict(cp_2d_dynamic_layouts="16=16"), "size 16: head-parallel size 16 does not divide the 8 attention heads"),
         (dict(hybrid_context_parallel=False, cp_2d_dynamic_layouts="4=2"), "set without hybrid_context_parallel"),
+        (dict(num_moe_experts=4, expert_model_parallel_size=2), "with expert_model_parallel_size 2: megatron-core"),
     ]:
         with pytest.raises(ValueError, match=message):
             TransformerConfig2D(**{**base, **change})

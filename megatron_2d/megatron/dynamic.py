@@ -154,7 +154,8 @@ def dynamic_config_problems(config) -> list[str]:
     """What the 2d backend cannot run under hybrid (dynamic) CP in ``config`` (a TransformerConfig or
     megatron.training's args), each naming the setting and what would work; empty when it can (or when hybrid CP
     is off). Upstream's own refusals (pipeline parallelism, megatron-fsdp, MLA, no per-token loss, CUDA graphs) are
-    repeated here so that every route (the Python config included) stops before any collective."""
+    repeated here so that every route (the Python config included) stops before any collective, with what upstream
+    does not refuse but hangs on (expert parallelism)."""
     if not is_dynamic(config):
         return []
     problems = []
@@ -168,6 +169,15 @@ def dynamic_config_problems(config) -> list[str]:
         problems.append(
             f"hybrid_context_parallel with pipeline_model_parallel_size {pp}: megatron-core 0.19.2's hybrid schedule "
             f"runs without pipelining (training/arguments.py refuses it too); use --pipeline-model-parallel-size 1"
+        )
+    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    if ep > 1:
+        problems.append(
+            f"hybrid_context_parallel with expert_model_parallel_size {ep}: megatron-core 0.19.2's hybrid schedule "
+            f"runs different numbers of sequences on the ranks of an expert-parallel group, and every MoE layer's "
+            f"token dispatch is a collective over that group, so the ranks wait on each other until the timeout "
+            f"(Megatron-LM's open dynamic-CP series clamps the group sizes for it, PR #7146); use "
+            f"--expert-model-parallel-size 1"
         )
     if getattr(config, "use_megatron_fsdp", False):
         problems.append("hybrid_context_parallel with megatron-fsdp is refused by megatron-core 0.19.2; drop it")

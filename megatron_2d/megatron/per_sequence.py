@@ -15,7 +15,8 @@ else is Megatron's SelfAttention.
 Hybrid (dynamic) CP batches (``packed_seq_params.local_cp_size`` set, :mod:`megatron_2d.megatron.dynamic`) are
 Megatron's per-sequence split too, over the micro-batch's own CP group: :class:`SelfAttention2D` builds their
 sequence layout on the 2D groups of that group, with the RoPE table laid out for the static CP group that
-Megatron's THD RoPE splits by.
+Megatron's THD RoPE splits by. Under sequence parallelism the layer's hidden states hold 1/TP of the micro-batch's
+tokens on this rank; RoPE and core attention get them gathered by the QKV projection, and are laid out for those.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ class SelfAttention2D(SelfAttention):
         dynamic = getattr(self.core_attention, "dynamic", None)
         derived = None
         if dynamic is not None and params is not None and getattr(params, "local_cp_size", None) is not None:
-            # hybrid CP: the micro-batch's own group; Megatron's THD RoPE splits by the static CP group
-            derived = dynamic.batch_params(params, self.pg_collection.cp, hidden_states.shape[0], hidden_states.device)
+            # hybrid CP: the micro-batch's own group; Megatron's THD RoPE splits by the static CP group. Under
+            # sequence parallelism hidden_states hold this rank's 1/TP of the tokens: the QKV projection gathers
+            # them before RoPE and core attention, which see all t_local
+            t_local = hidden_states.shape[0] * (self.tp_group.size() if self.config.sequence_parallel else 1)
+            derived = dynamic.batch_params(params, self.pg_collection.cp, t_local, hidden_states.device)
         elif (
             params is not None
             and params.qkv_format == "thd"

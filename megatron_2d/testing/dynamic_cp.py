@@ -36,10 +36,11 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_2d.megatron.config import TransformerConfig2D
-from megatron_2d.megatron.dynamic_data import hybrid_sample_batch
+from megatron_2d.megatron.dynamic_data import hybrid_sample_batch, sequence_parallel_size
 from megatron_2d.testing.megatron_cpu import cuda_to_cpu
 from megatron_2d.testing.tiny_gpt import (
     TinyGPTConfig,
+    all_reduce_sequence_parallel_grads,
     build_tiny_gpt,
     full_gradients,
     init_parallel,
@@ -167,19 +168,21 @@ def _loss_func(loss_mask, per_token):
 
 
 def hybrid_forward_step(data_iterator, model, seen: list | None = None, loss=None):
-    """pretrain_gpt.py's forward_step on a hybrid sub-sample: the bridge (TP rank 0, which holds the data), Megatron's
-    broadcast over TP, flatten and hybrid CP split, its PackedSeqParams; records the sub-sample's (length, CP size)
-    in ``seen`` (TP rank 0). ``loss(loss_mask, output)``: pretrain_gpt.py's (sum, count, report) by default."""
+    """pretrain_gpt.py's forward_step on a hybrid sub-sample: the bridge (TP rank 0, which holds the data; padded
+    for the TP split under sequence parallelism, as forward_step_2d does), Megatron's broadcast over TP, flatten and
+    hybrid CP split, its PackedSeqParams; records the sub-sample's (length, CP size) in ``seen`` (TP rank 0).
+    ``loss(loss_mask, output)``: pretrain_gpt.py's (sum, count, report) by default."""
     from megatron.core.utils import (
         flatten_batch_for_packed_sequences,
         get_batch_on_this_cp_rank,
         get_batch_on_this_tp_rank,
+        get_model_config,
     )
 
     batch = {}
     if data_iterator is not None:  # TP rank 0: the hybrid schedule gives the others None
         raw = next(data_iterator)
-        batch = hybrid_sample_batch(raw)
+        batch = hybrid_sample_batch(raw, sequence_parallel_size(get_model_config(model)))
         batch.setdefault("cu_seqlens_padded", None)  # pretrain_gpt.py's get_batch gives every key it reads
         if seen is not None:
             seen.append((int(raw["tokens"].shape[0]), int(batch["local_cp_size"][0])))
@@ -230,13 +233,23 @@ def _dp_share(samples: list[Sample], dp: int) -> list[Sample]:
 
 
 def hybrid_model(
-    cfg: TinyGPTConfig, context_parallel_size: int, max_seqlen_per_rank: int, layouts: str | None = None
+    cfg: TinyGPTConfig,
+    context_parallel_size: int,
+    max_seqlen_per_rank: int,
+    layouts: str | None = None,
+    tensor_model_parallel_size: int = 1,
 ) -> tuple[torch.nn.Module, Any]:
     """(model, its TransformerConfig2D) on this world under hybrid CP (parallel state initialized here, with
-    ``hybrid_context_parallel=True``; DP = world / CP), built with the 2d GPT spec."""
+    ``hybrid_context_parallel=True``; DP = world / (TP x CP)), built with the 2d GPT spec (sequence parallelism:
+    ``sequence_parallel`` in ``cfg.config_overrides``, built inside a norm route of megatron_2d.testing.sp_norms)."""
     from megatron_2d.megatron.spec import get_gpt_layer_spec_2d
 
-    init_parallel(context_parallel_size=context_parallel_size, seed=cfg.seed, hybrid_context_parallel=True)
+    init_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        seed=cfg.seed,
+        hybrid_context_parallel=True,
+    )
     dyn = dynamic_config(cfg, max_seqlen_per_rank, layouts)
     config = make_transformer_config(dyn)
     return build_tiny_gpt(dyn, get_gpt_layer_spec_2d(config, use_transformer_engine=False), config), config
@@ -244,8 +257,9 @@ def hybrid_model(
 
 def hybrid_train_step(model, config, samples: list[Sample], seen: list | None = None) -> list[dict]:
     """Forward and backward of this rank's DP share of ``samples`` through Megatron's hybrid CP (data wrapper,
-    scheduler, schedule), then the gradients summed over the DP x CP group (DDP's reduction, unscaled); the loss
-    reports. ``seen`` collects each sub-sample's (length, CP size)."""
+    scheduler, schedule; under TP only the first TP rank reads it, as in Megatron), then the gradients summed over
+    the DP x CP group (DDP's reduction, unscaled) and, under sequence parallelism, the norms' over TP
+    (finalize_model_grads'); the loss reports. ``seen`` collects each sub-sample's (length, CP size)."""
     from megatron.core.datasets.data_schedule import HybridCPDataLoaderWrapper
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -263,6 +277,7 @@ def hybrid_train_step(model, config, samples: list[Sample], seen: list | None = 
             forward_only=False,
         )
     reduce_gradients(model)
+    all_reduce_sequence_parallel_grads(model)
     return reports
 
 
@@ -283,11 +298,13 @@ def hybrid_step(
     context_parallel_size: int,
     max_seqlen_per_rank: int,
     layouts: str | None = None,
+    tensor_model_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """One training step of ``samples`` under Megatron's hybrid CP with the 2d backend on this world (DP = world /
-    CP): ``loss``, ``grad_norm``, ``grads`` like :func:`reference_step`, plus ``sizes``: every (sequence length, CP
-    group size) the DP x CP ranks ran, gathered."""
-    model, config = hybrid_model(cfg, context_parallel_size, max_seqlen_per_rank, layouts)
+    (TP x CP)): ``loss``, ``grad_norm``, ``grads`` like :func:`reference_step`, plus ``sizes``: every (sequence
+    length, CP group size) the DP x CP ranks ran, gathered (from the first TP rank, which reads the data), and
+    ``sequence_parallel``: whether it ran sequence parallelism (at TP > 1)."""
+    model, config = hybrid_model(cfg, context_parallel_size, max_seqlen_per_rank, layouts, tensor_model_parallel_size)
     seen: list[tuple[int, int]] = []
     reports = hybrid_train_step(model, config, samples, seen)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -297,6 +314,7 @@ def hybrid_step(
             param.grad /= total
     local = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
     dist.all_reduce(local, group=group)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     sizes: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(sizes, seen, group=group)
     return {
@@ -304,6 +322,7 @@ def hybrid_step(
         "grads": full_gradients(model),
         "grad_norm": megatron_grad_norm(model),
         "sizes": sorted(x for part in sizes for x in part),
+        "sequence_parallel": bool(config.sequence_parallel) and tp > 1,
     }
 
 
