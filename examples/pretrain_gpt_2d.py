@@ -131,15 +131,20 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_2d.megatron.arguments import add_2d_arguments, gpt_config_from_args_2d
+    from megatron_2d.megatron.arguments import (
+        add_2d_arguments,
+        gpt_config_from_args_2d,
+        parse_and_validate_args_2d,
+        use_clip_qk_2d,
+    )
     from megatron_2d.megatron.dynamic_data import forward_step_2d
 
     stock.train_valid_test_datasets_provider.is_distributed = True  # as pretrain_gpt.py's __main__
-    args = parse_and_validate_args(
+    args = parse_and_validate_args_2d(
         extra_args_provider=add_2d_arguments, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}
     )
+    use_clip_qk_2d(args)
     documents = args.cp_2d_packing == "documents"  # add_2d_arguments' flag
     # --hybrid-context-parallel: Megatron's hybrid sub-samples in pretrain_gpt's batch schema (dynamic_data)
     forward_step = documents_forward_step(stock) if documents else forward_step_2d(stock.forward_step, args)

@@ -24,6 +24,10 @@ order, and kernel calls planned per pair of same-document runs. The ring carries
 (all slots for zigzag and sequence, the long documents' for the documents mode); no ring at all when that is
 empty; the neighbour exchange, with only the keys each rank's calls read packed together, when some context ranks
 see nothing of others (windows, or documents that do not cross ranks).
+
+The max logit (``return_max_logit``, QK-clip): each rank's ring gives the max of scale * q . k over its heads' rows
+and every key they see, [hq/hp]; it goes into its heads' slots of a [hq] tensor (-inf elsewhere), which one MAX
+all-reduce over the head group and one over the context group make the whole CP group's, equal on every rank.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllToAll, HeadRoute, ascending_order
@@ -304,7 +309,8 @@ def attention_2d(
     dkv_comm_dtype: str = "accumulator",
     packing: PackedSharding | None = None,
     kept: KeptForward | None = None,
-) -> torch.Tensor:
+    return_max_logit: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, dk], k [s, b, hkv, dk],
     v [s, b, hkv, dv], or for packed documents q [t_local, hq, dk], k [t_local, hkv, dk], v [t_local, hkv, dv] with
     ``packing``. dv may differ from dk (MLA: 192 / 128): K and V travel side by side, unpadded.
@@ -330,8 +336,14 @@ def attention_2d(
         kept: Selective Checkpoint++'s record of this call (:class:`megatron_2d.kept_forward.KeptForward`): the
             first pass records into it, the recompute returns what it kept instead of computing (None: a plain
             call; see :mod:`megatron_2d.megatron.checkpoint_plus`).
-    Returns out [s, b, hq, dv] (or [t_local, hq, dv] with packing) in q's dtype. Bytes sent are added to
-    ``groups.comm_bytes``.
+        return_max_logit: also return max_logit [hq], per query head of q (in q's head order), the max of
+            softmax_scale * q . k over exactly the (query, key) pairs the mask lets see, over the whole CP group,
+            equal on every rank of it; in the accumulator dtype (fp32; fp64 for fp64 inputs), not differentiable.
+            Sinks are not q . k logits and stay out (as in Transformer Engine); a head that sees nothing gets
+            -inf. Costs two all-reduces of hq values and, unless the kernel's launch gives it (te_fused on TE 2.9+),
+            one more q k^T pass per block (:mod:`megatron_2d.kernels.max_logit`). Out and gradients are unchanged.
+    Returns out [s, b, hq, dv] (or [t_local, hq, dv] with packing) in q's dtype, and max_logit [hq] when
+    ``return_max_logit``. Bytes sent are added to ``groups.comm_bytes`` (the max logit's all-reduces are not).
     """
     check_not_capturing(q.device)
     if packing is not None:
@@ -347,10 +359,30 @@ def attention_2d(
         q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=v.shape[-1]
     )
     # one all-to-all for q, k and v: q [b, S, hq/hp, dk], K/V side by side as the ring sends them [b, S, hkv'/hp, dk+dv]
+    hq = q.shape[2]
     q, kv = HeadAllToAll.apply(route, Direction.TO_HEADS, (1, 2), kept, q, k, v)
-    out = RingAttention.apply(q, kv, local_sinks, rc, kept)  # [b, S, hq/hp, dv]
+    out, local_max = RingAttention.apply(q, kv, local_sinks, rc, kept, return_max_logit)  # [b, S, hq/hp, dv]
     (out,) = HeadAllToAll.apply(route, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
-    return out.squeeze(1) if packing is not None else out
+    out = out.squeeze(1) if packing is not None else out
+    return (out, group_max_logit(local_max, groups, hq, kept)) if return_max_logit else out
+
+
+def group_max_logit(local_max: torch.Tensor | None, groups: Groups2D, hq: int, kept: KeptForward | None):
+    """max_logit [hq] of the whole CP group from this rank's ring's [hq/hp] (see the module): this rank's heads'
+    slots, -inf elsewhere, all-reduced (MAX) over the head group, then over the context group. Selective
+    Checkpoint++'s recompute gives back the kept result (point "max_logit") without reducing again."""
+    replayed = kept.replay("max_logit") if kept is not None else None
+    if replayed is not None:
+        return replayed[0]
+    heads, rank = local_max.shape[0], groups.place.head_rank
+    result = local_max.new_full((hq,), float("-inf"))
+    result[rank * heads : (rank + 1) * heads] = local_max
+    for group in (groups.head_group, groups.context_kv_group):
+        if group is not None:
+            dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
+    if kept is not None:
+        kept.record("max_logit", (result,))
+    return result
 
 
 def prepare_call(

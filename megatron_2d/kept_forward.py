@@ -8,13 +8,15 @@ The op's autograd Functions each take a :class:`KeptForward` (None for a plain c
     gather      MLA's latent ring: the latent gathered over the head group [b, S, r + dr]
     ring        the ring's output [b, S, hq/hp, dv] and its log-sum-exp [b, hq/hp, S] (accumulator dtype)
     to_tokens   the output after the inverse all-to-all [s, b, hq, dv]
+    max_logit   the max logit [hq] over the CP group (``return_max_logit``), after its reductions
 
 At a point it keeps, the first pass records the Function's results; in the recompute the Function returns them
 instead of running (no message, no kernel) and saves for its backward what a run would have saved, so the backward
 is the Function's own. What each keep policy (:data:`megatron_2d.layout.choices.CHECKPOINT_KEEPS`) keeps:
 
-    outputs           ring: the recompute runs both head exchanges again, as full recompute does, but neither the
-                      ring nor the kernels' forward; the ring's backward starts from the kept out and lse
+    outputs           ring (and max_logit): the recompute runs both head exchanges again, as full recompute does,
+                      but neither the ring nor the kernels' forward; the ring's backward starts from the kept out
+                      and lse
     attention-inputs  every point: the recompute sends nothing and runs no attention; the exchanges' backward runs
                       inside the replay's backward
 
@@ -30,8 +32,8 @@ import torch
 
 from .layout.choices import CHECKPOINT_KEEPS, check_choice
 
-POINTS = ("to_heads", "gather", "ring", "to_tokens")
-KEPT_POINTS = {"outputs": ("ring",), "attention-inputs": POINTS}
+POINTS = ("to_heads", "gather", "ring", "to_tokens", "max_logit")
+KEPT_POINTS = {"outputs": ("ring", "max_logit"), "attention-inputs": POINTS}
 assert set(KEPT_POINTS) == set(CHECKPOINT_KEEPS)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import check_packed_query, check_query, check_sinks, prepare_call
+from .attention import check_packed_query, check_query, check_sinks, group_max_logit, prepare_call
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllGather, HeadAllToAll
 from .kept_forward import KeptForward
@@ -92,7 +92,8 @@ def latent_attention_2d(
     dkv_comm_dtype: str = "accumulator",
     packing: PackedSharding | None = None,
     kept: KeptForward | None = None,
-) -> torch.Tensor:
+    return_max_logit: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA's attention over the whole CP group with the latent on the ring (see the module docstring).
 
     Args:
@@ -104,8 +105,9 @@ def latent_attention_2d(
             linear_kv_up_proj.weight: per head dn rows of K, then dv rows of V).
         nope_dim, value_dim: dn (qk_head_dim) and dv (v_head_dim).
         The other arguments are :func:`megatron_2d.attention_2d`'s; ``dkv_comm_dtype`` applies to d(latent);
-            ``kept`` keeps the gathered latent where attention_2d's keeps the K/V block.
-    Returns out [s, b, hq, dv] (or [t_local, hq, dv]) in q's dtype.
+            ``kept`` keeps the gathered latent where attention_2d's keeps the K/V block; ``return_max_logit``: the
+            max over q . k with each step's up-projected keys (k = [c W_k^h, k_rope]).
+    Returns out [s, b, hq, dv] (or [t_local, hq, dv]) in q's dtype, and max_logit [hq] when ``return_max_logit``.
     """
     if packing is not None:
         check_packed_query(q, groups, packing)
@@ -124,6 +126,7 @@ def latent_attention_2d(
     (q,) = HeadAllToAll.apply(route, Direction.TO_HEADS, (1,), kept, q)  # [b, S, hl, dk]
     block = HeadAllGather.apply(route, kept, latent.contiguous())  # [b, S, r + dr]
     expander = LatentExpander(latent_dim, nope_dim, value_dim)
-    out = RingAttention.apply(q, block, local_sinks, rc, kept, expander, weight)  # [b, S, hl, dv]
+    out, local_max = RingAttention.apply(q, block, local_sinks, rc, kept, return_max_logit, expander, weight)
     (out,) = HeadAllToAll.apply(route, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
-    return out.squeeze(1) if packing is not None else out
+    out = out.squeeze(1) if packing is not None else out
+    return (out, group_max_logit(local_max, groups, hq, kept)) if return_max_logit else out

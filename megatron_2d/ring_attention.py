@@ -17,6 +17,11 @@ Sinks (gpt-oss, Megatron's softmax_type "learnable" / "off-by-one") add exp(sink
 denominator: once the transport has visited every block, lse' = logaddexp(lse, sink) and out' = out *
 exp(lse - lse'). The kernels' backward with (out', lse') is then exact for q, k, v, and
 d sink_h = -sum over rows of exp(sink_h - lse') * (dout . out') (the sink's value vector is zero).
+
+The max logit (``max_logit`` True, QK-clip): max_logit [h], the max of scale * q . k over every pair this rank's
+calls see, from every block the transport brought (:meth:`~megatron_2d.kernels.base.BlockKernel.
+forward_calls_with_max`), in the accumulator dtype; not a differentiable output. Sinks are not q . k logits and stay
+out of it, as in Transformer Engine (its max is taken before the sink column joins the scores).
 """
 
 from __future__ import annotations
@@ -130,11 +135,20 @@ class _Expansion:
         return [(lo, lo + leaf.shape[1], (d_block,))]
 
 
-def _forward(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None, rc: RingContext, expansion: _Expansion):
-    """The ring's forward: (out [b, S, h, dv] in q's dtype, lse [b, h, S] in the accumulator dtype)."""
+def _forward(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    sinks: torch.Tensor | None,
+    rc: RingContext,
+    expansion: _Expansion,
+    max_logit: bool = False,
+):
+    """The ring's forward: (out [b, S, h, dv] in q's dtype, lse [b, h, S] in the accumulator dtype, max_logit [h]
+    in the accumulator dtype, or None unless ``max_logit``)."""
     b, S, h, dk = q.shape
     dv = kv.shape[-1] - dk if expansion.expander is None else expansion.expander.value_dim
     acc = accumulator_dtype(q.dtype)
+    max_acc = torch.full((h,), float("-inf"), dtype=acc, device=q.device) if max_logit else None
     # the first kernel call's results when it covers every row (the own block without a window), else zeros
     accumulators: list[torch.Tensor] = []  # [out_acc [b, S, h, dv], lse_acc [b, h, S]]
 
@@ -151,7 +165,12 @@ def _forward(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None, rc: 
         if not rc.calls[source]:
             return
         k, v, first_key, _ = expansion.keys(block, source, first_key)
-        for call, out_blk, lse_blk in rc.kernel.forward_calls(q, k, v, rc.calls[source], first_key, rc.scale):
+        if max_acc is None:
+            results = rc.kernel.forward_calls(q, k, v, rc.calls[source], first_key, rc.scale)
+        else:
+            results, block_max = rc.kernel.forward_calls_with_max(q, k, v, rc.calls[source], first_key, rc.scale)
+            torch.maximum(max_acc, block_max, out=max_acc)
+        for call, out_blk, lse_blk in results:
             if not accumulators and (call.q_start, call.q_end) == (0, S):
                 accumulators.extend((out_blk.to(acc), lse_blk.to(acc)))  # adopted, not copied
             else:
@@ -164,7 +183,7 @@ def _forward(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None, rc: 
     out_acc, lse_acc = accumulators
     if sinks is not None:
         apply_sinks_(out_acc, lse_acc, sinks)
-    return out_acc.to(q.dtype), lse_acc
+    return out_acc.to(q.dtype), lse_acc, max_acc
 
 
 class RingAttention(torch.autograd.Function):
@@ -174,7 +193,8 @@ class RingAttention(torch.autograd.Function):
     then makes each step's (k, v) with ``params`` (see the module docstring). ``kept``: Selective Checkpoint++'s
     record of the call (:class:`megatron_2d.kept_forward.KeptForward`, point "ring"; None for a plain call): a
     replayed ring returns the kept out and lse without running the transport or the kernels, and its backward
-    starts from them."""
+    starts from them. Returns (out, max_logit [h] or None): the max when ``max_logit`` and the ring ran (a replay
+    gives None: the reduced max is kept at the call's "max_logit" point)."""
 
     @staticmethod
     def forward(
@@ -184,22 +204,27 @@ class RingAttention(torch.autograd.Function):
         sinks: torch.Tensor | None,
         rc: RingContext,
         kept: KeptForward | None = None,
+        max_logit: bool = False,
         expander: KVExpander | None = None,
         *params: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         replayed = kept.replay("ring") if kept is not None else None
+        local_max = None
         if replayed is not None:
             out, lse = replayed
         else:
-            out, lse = _forward(q, kv, sinks, rc, _Expansion(q.shape[-1], expander, params, rc.key_spans))
+            expansion = _Expansion(q.shape[-1], expander, params, rc.key_spans)
+            out, lse, local_max = _forward(q, kv, sinks, rc, expansion, max_logit)
             if kept is not None:
                 kept.record("ring", (out, lse))
         ctx.save_for_backward(q, kv, out, lse, sinks, *params)
         ctx.rc, ctx.expander = rc, expander
-        return out
+        if local_max is not None:
+            ctx.mark_non_differentiable(local_max)
+        return out, local_max
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor):
+    def backward(ctx, dout: torch.Tensor, _d_max_logit=None):
         q, kv, out, lse, sinks, *params = ctx.saved_tensors
         rc: RingContext = ctx.rc
         expansion = _Expansion(q.shape[-1], ctx.expander, params, rc.key_spans)
@@ -228,4 +253,4 @@ class RingAttention(torch.autograd.Function):
         dq = dq_acc[0] if dq_acc else torch.zeros_like(q)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[2] else None
         d_params = [g.to(p.dtype) for p, g in zip(params, expansion.param_grads)] or [None] * len(params)
-        return (dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None, None, None, *d_params)
+        return (dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None, None, None, None, *d_params)

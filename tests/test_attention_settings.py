@@ -50,11 +50,17 @@ BASE = dict(
 @pytest.mark.parametrize(
     "setting, message",
     [
-        (dict(qk_clip=True), r"qk_clip=True: qk-clip needs each layer's max attention logit"),
-        (dict(log_max_attention_logit=True), r"log_max_attention_logit=True: the max attention logit is not computed"),
         (dict(deterministic_mode=True), r"deterministic_mode=True: deterministic mode is not guaranteed"),
         (dict(fp8_dot_product_attention=True), r"fp8_dot_product_attention=True: fp8 dot-product attention"),
         (dict(fp8_multi_head_attention=True), r"fp8_multi_head_attention=True: fp8 multi-head attention"),
+        (
+            dict(fp8_dot_product_attention=True, qk_clip=True),
+            r"fp8_dot_product_attention=True: .* \(with qk_clip / log_max_attention_logit no backend runs it",
+        ),
+        (
+            dict(fp8_multi_head_attention=True, log_max_attention_logit=True),
+            r"fp8_multi_head_attention=True: .* Transformer Engine switches every attention backend off",
+        ),
         (dict(use_kitchen_attention=True), r"use_kitchen_attention=True: kitchen attention replaces core attention"),
         (dict(experimental_attention_variant="dsa"), r"experimental_attention_variant='dsa': experimental attention"),
         (dict(cache_mla_latents=True), r"cache_mla_latents=True: caching MLA latents is for Megatron's dynamic"),
@@ -73,7 +79,7 @@ def test_refused_settings_name_themselves(setting, message):
 @pytest.mark.parametrize(
     "setting, message",
     [
-        (dict(qk_clip=True), r"qk_clip=True"),
+        (dict(qk_clip=True, fp8_dot_product_attention=True), r"fp8_dot_product_attention=True.*qk_clip"),
         (dict(deterministic_mode=True), r"deterministic_mode=True"),
         (dict(attention_dropout=0.1), r"attention_dropout=0.1: attention dropout is not supported by the 2d backend"),
     ],
@@ -90,8 +96,10 @@ def test_honoured_settings_build():
         window_attn_skip_freq=2,
         softmax_type="learnable",
         apply_query_key_layer_scaling=True,
+        qk_clip=True,
+        log_max_attention_logit=True,
     )
-    assert attention_refusals(config) == [] and config.window_size == (64, 0)
+    assert attention_refusals(config) == [] and config.window_size == (64, 0) and config.qk_clip
 
 
 def test_dkv_comm_dtype_setting_is_checked():

@@ -54,3 +54,20 @@ def test_every_layout_has_a_row_with_exact_bytes(tmp_path):
     # cp 2: K/V once forward and once backward, the fp32 dK/dV rider once (the neighbour's block, back to it)
     ring = 2 * (2 * tensor) + 2 * tensor
     assert rows["hp1 x cp2  w2  head_first"]["bytes_sent"]["inner_ring"] == ring
+
+
+def test_the_max_logit_benchmark_gives_every_kernel_and_mask_a_row(tmp_path):
+    """tools/bench_max_logit.py (megatron_2d.bench.max_logit): a row per CPU kernel and mask, times positive and
+    finite both ways (no timing asserted)."""
+    from megatron_2d.bench import max_logit as bench_max_logit
+
+    out = tmp_path / "rows.json"
+    flags = "--ranks 2 --hp 2 --seq 64 --heads 2 --kv-heads 1 --dim 8 --window 5 --repeats 1 --quiet"
+    bench_max_logit.main([*flags.split(), "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["kernel"], r["mask"]) for r in rows} == {
+        (k, m) for k in bench_max_logit.KERNELS for m in ("causal", "full", "causal window 5")
+    }
+    for r in rows:
+        values = [r[f"{what}{part}"] for what in ("step", "forward") for part in ("_s", "_max_logit_s", "_ratio")]
+        assert all(math.isfinite(x) and x > 0 for x in values), r

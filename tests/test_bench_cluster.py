@@ -133,13 +133,41 @@ def test_end_to_end_modes():
     names = [m.name for m in modes]
     assert "2d hp1 w4 head_first" in names and "2d hp4 w1 head_first" in names
     assert "2d hp2 w2 context_first" in names and "2d hp1 w1 head_first" not in names  # w = 1: the same ring
-    assert names[-3:] == ["p2p", "a2a", "a2a+p2p [2]"] and all(m.stock for m in modes[-3:])
-    assert parse_modes("2d:2:2:context_first,a2a+p2p:2", 4) == [Mode("2d", 2, 2, "context_first"), Mode("a2a+p2p", 2)]
+    assert names[-4:] == ["p2p", "a2a", "a2a+p2p [2]", "all_gather"] and all(m.stock for m in modes[-4:])
+    assert parse_modes("2d:2:2:context_first,a2a+p2p:2,all_gather", 4) == [
+        Mode("2d", 2, 2, "context_first"),
+        Mode("a2a+p2p", 2),
+        Mode("all_gather"),
+    ]
     assert Mode("2d", 2, 4).env(8) == {"MODE": "2d", "CP": "8", "HP": "2", "WINDOW": "4", "PLACEMENT": "head_first"}
     with pytest.raises(argparse.ArgumentTypeError, match="expected 2d:HP:W"):
         parse_modes("2d:2", 4)
     log = " [t] iteration        2/       4 | consumed samples: 2 | elapsed time per iteration (ms): 812.5 | lm"
     assert iteration_seconds(log) == {2: 0.8125}
+
+
+def test_end_to_end_stock_modes():
+    """A stock mode launches with the TE release its workers run in and the stock-CP spec, and torchrun_gpt.sh's
+    flags for its comm type; a mode TE refuses for the heads is refused by name before any launch."""
+    from megatron_2d.bench.cluster_pretrain import STOCK_SPEC, launch_of, parse_args, stock_refusal
+    from megatron_2d.testing.cluster_launch import launch_flags
+    from megatron_2d.testing.cluster_worker import TE_RELEASE_ENV
+
+    base = {"SEQ": "256"}
+    env, flags = launch_of(Mode("a2a+p2p", 2), 8, base, ["--x"], "2.20.2")
+    assert env[TE_RELEASE_ENV] == "2.20.2" and flags == ["--x", *STOCK_SPEC]
+    hierarchical = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "4"]
+    assert launch_flags(env, ["CP_FLAGS"]) == hierarchical
+    env, flags = launch_of(Mode("all_gather"), 8, base, ["--x"], "2.20.2")
+    assert launch_flags(env, ["CP_FLAGS"]) == ["--cp-comm-type", "all_gather"]
+    env, flags = launch_of(Mode("2d", 2, 4), 8, base, ["--x"], "2.20.2")
+    assert TE_RELEASE_ENV not in env and flags == ["--x"]
+    args = parse_args(["--ranks", "8", "--net-mbit", "50", "--heads", "8", "--kv-heads", "2"])
+    assert stock_refusal(Mode("p2p"), args) is None and stock_refusal(Mode("a2a+p2p", 2), args) is None
+    assert "divide CP=8, the 8 query heads and the 2 K/V heads" in stock_refusal(Mode("a2a"), args)
+    assert "all-to-all of 4 ranks" in stock_refusal(Mode("a2a+p2p", 4), args)
+    args.te_release = "0.0.1"
+    assert "Transformer Engine 0.0.1 is not installed" in stock_refusal(Mode("p2p"), args)
 
 
 def test_send_first_swaps_the_posting_order_and_restores_it(monkeypatch):

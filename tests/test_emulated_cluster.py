@@ -283,15 +283,29 @@ MODE = {"MODE": "2d", "CP": "4", "HP": "2", "WINDOW": "2", "SEQ": "128", "TRAIN_
 def test_pretrain_gpt_one_torchrun_per_node(tmp_path):
     """slurm_gpt.sbatch as Slurm runs it (srun once per node), which runs torchrun_gpt.sh on each node: one
     iteration of pretrain_gpt.py (examples/pretrain_gpt_2d.py) with hp 2 x cp 2 across 2 nodes; its loss and
-    grad norm against CP = 1 of the same flags (forked, stock pretrain_gpt.py), in bf16 as gpt_flags.sh trains."""
-    from megatron_2d.testing.cluster_launch import TINY_GPT, check_runs, launch_flags, run_slurm_gpt
+    grad norm against CP = 1 of the same flags (forked, stock pretrain_gpt.py), in bf16 as gpt_flags.sh trains.
+    Then stock Megatron CP as the end-to-end benchmark launches it (torchrun_gpt.sh per node, MODE=a2a+p2p HP=2:
+    Transformer Engine's a2a inside each node, its ring across; the stock-CP spec, each worker in TE's CPU context):
+    its loss against the same CP = 1."""
+    from megatron_2d.bench.cluster_pretrain import Mode, launch_of
+    from megatron_2d.bench.runners import TE_RELEASE
+    from megatron_2d.testing.cluster_launch import (
+        TINY_GPT,
+        check_runs,
+        launch_flags,
+        run_slurm_gpt,
+        run_torchrun_gpt,
+    )
     from megatron_2d.testing.megatron_lm import copy_scripts
     from megatron_2d.testing.pretrain_runs import ITERATION_GRAD_NORM, lm_losses, run_pretrain
 
     script = copy_scripts(tmp_path / "megatron_lm")
+    stock_env, stock_flags = launch_of(Mode("a2a+p2p", 2), SHAPE.world, MODE, TINY_GPT, TE_RELEASE)
     with EmulatedCluster(SHAPE) as cluster:
         runs = run_slurm_gpt(cluster, MODE, rank_flags=TINY_GPT, timeout_s=240, megatron_lm_dir=str(script.parent))
+        stock = run_torchrun_gpt(cluster, stock_env, stock_flags, timeout_s=240, megatron_lm_dir=str(script.parent))
     check_runs(runs, "slurm_gpt.sbatch on the emulated cluster")
+    check_runs(stock, "stock a2a+p2p [2, 2] on the emulated cluster")
     log = runs[0].log
     assert "srun: fatal" not in log and {line.split(":")[0] for line in log.splitlines() if ":" in line} >= {"0", "1"}
     got = lm_losses(log)
@@ -305,3 +319,5 @@ def test_pretrain_gpt_one_torchrun_per_node(tmp_path):
         [float(n) for _, n in ITERATION_GRAD_NORM.findall(reference)],
     )
     assert abs(norms[0][0] - norms[1][0]) <= tol.grad_norm * norms[1][0] + 5e-4, norms  # logged to 3 decimals
+    got = lm_losses(stock[-1].log)  # the last node holds the last rank, which logs
+    assert list(got) == [1] and abs(got[1] - want[1]) <= tol.loss * abs(want[1]), (got, want)

@@ -3,6 +3,8 @@ in CI; ``make fuzz`` runs as many as asked. A failure names its replay command."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ def test_generated_draws_match_the_per_document_reference(seed):
     draws = [draw_case(batch, i, PACKING_MODES) for i in range(DRAWS_PER_BATCH)]
     expected = [expected_results(d) for d in draws]
     per_rank = run_on_ranks(batch.world, run_batch, batch, draws, expected, timeout_s=180)
-    problems = failures(batch, draws, per_rank, [e[-1] for e in expected])
+    problems = failures(batch, draws, per_rank, [e[-1] for e in expected], [e[-2] for e in expected])
     assert not problems, "\n".join(problems)
 
 
@@ -76,6 +78,17 @@ def test_the_ci_draws_cover_what_hand_picked_cases_miss():
     assert {b.flash_attn for b, ds in batches if any(d.kernel == "flash_attn2" for d in ds)} == set(RELEASES)
     assert {d.dkv_comm_dtype for d in draws} == {"accumulator", "input"}
     assert any(d.dv < d.d and d.mode is None for d in draws) and any(d.dv < d.d and d.mode for d in draws)
+    # the max logit (QK-clip) in every layout kind, mask and packing mode, with every kernel kind
+    logits = [(b, d) for b, ds in batches for d in ds if d.max_logit]
+    assert any(not d.max_logit for d in draws) and {d.mode for _, d in logits} == {None, *PACKING_MODES}
+    assert any(b.hp > 1 and b.cp > 1 for b, _ in logits) and any(b.hp > 1 and 1 < b.w < b.cp for b, _ in logits)
+    assert any(d.causal and d.window != (-1, -1) for _, d in logits) and any(not d.causal for _, d in logits)
+    assert any(d.window != (-1, -1) and not d.causal for _, d in logits)
+    assert (
+        any(d.hkv < b.hp for b, d in logits) and any(d.sinks for _, d in logits) and any(d.dv < d.d for _, d in logits)
+    )
+    assert any(d.end_padding for _, d in logits) and any(d.batch == 2 for _, d in logits)
+    assert {d.kernel for _, d in logits} == {"cpu_flash", "torch_math", *FLASH_KERNELS}
 
 
 def test_draws_are_a_function_of_their_seed():
@@ -99,11 +112,11 @@ def _sink_failures(batch_seed: int, index: int, shares_of):
     draw = draw_case(batch, index, PACKING_MODES)
     expected = expected_results(draw)
     results = [
-        {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0, "finite": True, "padding_zero": True}
+        {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0, "finite": True, "padding_zero": True, "max_logit": expected[6]}
         | {"dsinks": share, "dsinks_expected": expected[4], "dsinks_scale": expected[5]}
         for share in shares_of(draw, draw_sink_terms(draw))
     ]
-    return failures(batch, [draw], [[r] for r in results], [expected[-1]])
+    return failures(batch, [draw], [[r] for r in results], [expected[-1]], [expected[6]])
 
 
 def _rank_shares(world: int, missing: int | None = None):
@@ -132,3 +145,27 @@ def test_dsinks_check_fails_a_missing_rank_and_a_five_percent_error():
         found = _sink_failures(seed, index, lambda draw, terms: [1.05 * terms.sum((0, 1))])
         assert len(found) == 1 and "dsinks error" in found[0], (seed, index)
         assert not _sink_failures(seed, index, lambda draw, terms: [terms.sum((0, 1))])
+
+
+def test_max_logit_check_fails_a_wrong_or_uneven_max():
+    """Negative controls of the max logit's check: the exact max passes; a max 1% off (a missed block) fails, and so
+    does one rank holding another value than the others (a reduction that missed a group)."""
+    batch = draw_batch(0)
+    draw = next(d for d in (draw_case(batch, i, PACKING_MODES) for i in range(40)) if d.max_logit)
+    expected = expected_results(draw)
+    exact = expected[6]
+
+    def found(per_rank_max):
+        results = [
+            {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0, "finite": True, "padding_zero": True, "max_logit": m}
+            | {"dsinks": None, "dsinks_expected": None, "dsinks_scale": None}
+            for m in per_rank_max
+        ]
+        undrawn_sinks = replace(draw, sinks=False)
+        return failures(batch, [undrawn_sinks], [[r] for r in results], [expected[-1]], [exact])
+
+    assert not found([exact, exact.clone()])
+    off = exact.clone()
+    off[int(off.argmax())] *= 0.99
+    assert "max_logit error" in found([off, off.clone()])[0]
+    assert "max_logit differs between ranks" in found([exact, exact + 1e-9])[0]

@@ -128,3 +128,19 @@ def test_timing_needs_cuda_and_is_not_a_pass_here():
 
     row = run_item(Item("timing te_fused", "32K", lambda: gpu_check.check_timing("te_fused", CPU), bound=3.0))
     assert row.result == NOT_RUN and row.detail == "timing needs CUDA"
+
+
+class MaxBlindToBands(CpuFlashKernel):
+    """The CPU kernel whose max logit comes from its calls with their bands dropped (every key of a causal call)."""
+
+    def forward_calls_with_max(self, q, k, v, calls, first_key, scale):
+        from megatron_2d.layout.block_calls import BlockCall
+
+        unmasked = [BlockCall(c.q_start, c.q_end, c.k_start, c.k_end, None) for c in calls]
+        return super().forward_calls_with_max(q, k, v, unmasked, first_key, scale)
+
+
+def test_max_logit_item_passes_on_a_correct_kernel_and_fails_on_one_blind_to_bands(monkeypatch):
+    assert gpu_check.check_max_logit("cpu_flash", CPU, 64, 64) < 1
+    monkeypatch.setattr(gpu_check, "select_kernel", lambda *args, **kwargs: MaxBlindToBands())
+    assert gpu_check.check_max_logit("cpu_flash", CPU, 64, 64) > 1

@@ -48,19 +48,25 @@ LAYOUTS = [  # (CP, cp_comm_type, hierarchical sizes, K/V heads of the 4 query h
 ]
 
 
-def tiny_run(rank, world, version, cp, comm, hierarchical, groups):
+def tiny_run(rank, world, version, cp, comm, hierarchical, groups, qk_clip=False):
+    """One forward and backward of the tiny GPT; with ``qk_clip`` each layer's current_max_attn_logits too (what
+    TEDotProductAttention keeps from TE's return_max_logit)."""
     with te_context_parallel_on_cpu(version, megatron=True) as te:
         tg.init_parallel(context_parallel_size=cp, hierarchical_context_parallel_sizes=hierarchical)
         cfg = tg.TinyGPTConfig(
             num_query_groups=groups,
             cp_comm_type=comm,
-            config_overrides={"bf16": True, "params_dtype": torch.bfloat16},
+            config_overrides={"bf16": True, "params_dtype": torch.bfloat16, **({"qk_clip": True} if qk_clip else {})},
         )
         spec = tg.local_spec_with_core_attention(te.megatron_extension.TEDotProductAttention)
         model = tg.build_tiny_gpt(cfg, spec)
         te.extension.calls.clear()
         result = tg.forward_backward(model, tg.synthetic_batch(cfg))
         result["calls"] = dict(te.extension.calls)
+        if qk_clip:
+            result["max_logits"] = [
+                layer.self_attention.core_attention.current_max_attn_logits.float() for layer in model.decoder.layers
+            ]
         return result
 
 
@@ -82,6 +88,32 @@ def test_tiny_gpt_stock_cp_equals_cp1(version, layouts):
         if not (errors["loss"] < BF16.loss and errors["grad_norm"] < BF16.grad_norm and grads < BF16.grad):
             bad[(cp, comm)] = (errors["loss"], errors["grad_norm"], grads)
         assert got["calls"]["fused_attn_fwd"] > 0 and got["calls"]["fused_attn_bwd"] > 0, (cp, comm, got["calls"])
+    assert not bad, bad
+
+
+@pytest.mark.distributed
+def test_tiny_gpt_stock_cp_keeps_the_max_logit_of_cp1():
+    """qk_clip with stock CP (TE 2.20.2's return_max_logit through megatron-core's TEDotProductAttention, the CPU
+    extension emitting cuDNN's Max statistic): every rank's current_max_attn_logits of every layer equals CP = 1's
+    within one bf16 rounding of each (2^-7 relative), at CP 4 with p2p, a2a and a2a+p2p [2, 2]."""
+    layouts = [LAYOUTS[1], LAYOUTS[3], LAYOUTS[4]]
+    with te_context_parallel_on_cpu(NEWEST, megatron=True):
+        references = {g: run_on_ranks(1, tiny_run, NEWEST, 1, None, None, g, True)[0] for *_, g in layouts}
+        outcomes = {
+            (cp, comm): (groups, run_on_ranks(cp, tiny_run, NEWEST, cp, comm, hier, groups, True, timeout_s=120))
+            for cp, comm, hier, groups in layouts
+        }
+    bad = {}
+    for key, (groups, ranks) in outcomes.items():
+        expected = references[groups]["max_logits"]
+        assert len(expected) == 2 and all(m.shape == (4,) for m in expected)
+        errors = [
+            ((got - want).abs().max() / want.abs().max()).item()
+            for result in ranks
+            for got, want in zip(result["max_logits"], expected)
+        ]
+        if not max(errors) <= 2**-7:
+            bad[key] = errors
     assert not bad, bad
 
 

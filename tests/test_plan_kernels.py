@@ -84,3 +84,56 @@ def test_the_report_and_json_name_the_kernels(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "7B-GQA", "--gpus", "64", "--seq", "128K", "--kernel", "cpu_flash"])
     assert "invalid choice: 'cpu_flash'" in capsys.readouterr().err
+
+
+# ---- QK-clip: the max attention logit ---------------------------------------------------------------------------
+def test_the_kernels_whose_launch_gives_the_max_logit_are_the_ones_the_planner_prices_free():
+    """LAUNCH_MAX_LOGIT is the kernels whose forward launches take ``max_logit`` (te_fused, from TE 2.9 on): every
+    other kernel runs the op's separate pass."""
+    import inspect
+
+    from megatron_2d.kernels import KERNELS
+    from megatron_2d.plan.kernel_rates import LAUNCH_MAX_LOGIT
+
+    def launches_give_it(cls) -> bool:
+        launch = getattr(cls, "dense_forward", None)
+        return launch is not None and "max_logit" in inspect.signature(launch).parameters
+
+    assert {name for name, cls in KERNELS.items() if launches_give_it(cls)} == set(LAUNCH_MAX_LOGIT)
+
+
+def test_the_max_logit_is_charged_per_kernel_and_recomputed_with_the_forward():
+    """A kernel without it in its launch pays a q k^T pass per ring step (max_logit_pass_s: 2 dk FLOPs per visible
+    pair at the dense rate, a score written and read in bf16) and two all-reduces' latency; te_fused the latency
+    alone; selective recompute runs the forward, so the pass, again; Checkpoint++ keeps it."""
+    from megatron_2d.plan.attention_time import MAX_LOGIT_REDUCTIONS, max_logit_pass_s
+    from megatron_2d.plan.hardware import get_model
+    from megatron_2d.plan.step import estimate
+
+    model, cluster, parallel = get_model("7B-GQA"), get_cluster("8xA100"), ParallelSpec(gpus=64, tp=8, cp=8)
+    layout = (2, 4, 4, "head_first", 131072)
+    lat = cluster.step_latency_us * 1e-6
+    for kernel, free in (("te_fused", True), ("flash_attn2", False)):
+        base = estimate(model, cluster, parallel, *layout, kernel=kernel)
+        clipped = estimate(model, cluster, parallel, *layout, kernel=kernel, max_logit=True)
+        per_step = max_logit_pass_s(base.work.fwd_flops / 4, model.qk_dim, model.v_dim, cluster)
+        expected = MAX_LOGIT_REDUCTIONS * lat + (0.0 if free else 4 * per_step)
+        assert clipped.max_logit_s == pytest.approx(expected)
+        assert clipped.time_s - base.time_s == pytest.approx(expected, rel=1e-6)
+        for mode, again in (("selective", 2), ("ckpt++", 1)):
+            with_mode = estimate(model, cluster, parallel, *layout, kernel=kernel, max_logit=True, recompute=mode)
+            plain = estimate(model, cluster, parallel, *layout, kernel=kernel, recompute=mode)
+            added = (with_mode.step_s - plain.step_s) / model.layers
+            assert added == pytest.approx(again * expected if mode == "selective" else expected, rel=1e-6), mode
+    # the pass on A100 at 128K: a sizeable share of the layer's attention (docs/benchmarks.md)
+    assert 0.1 < (expected - MAX_LOGIT_REDUCTIONS * lat) / base.time_s < 0.5
+
+
+def test_stock_runs_tes_fused_attention_under_qk_clip():
+    """Transformer Engine switches FlashAttention off for return_max_logit: stock CP on Ampere then runs its fused
+    attention, whose launch gives the max."""
+    assert side_kernel("p2p", "ampere") == "flash_attn2" and side_kernel("p2p", "ampere", qk_clip=True) == "te_fused"
+    assert side_kernel("2d", "ampere", qk_clip=True) == "flash_attn2"  # 2D keeps its selection (the pass)
+    cands = plan(**{**JOB, "cluster": "8xA100"}, qk_clip=True)
+    assert {c.kernel for c in cands if c.kind == "p2p"} == {"te_fused"}
+    assert all(c.estimate.max_logit_s > 0 for c in cands if c.runs)

@@ -477,6 +477,112 @@ def test_launch_script_flags_build_a_valid_config(monkeypatch, mode, comm_type):
     assert (t.cp_2d_head_parallel_size, t.cp_2d_inner_ring_size) == ((2, 2) if mode == "2d" else (None, None))
 
 
+# ---- QK-clip: Megatron's Transformer Engine check, the clip step, what cannot run ------------------------------------
+QK_CLIP_2D = [
+    *("--context-parallel-size", "8", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2"),
+    *("--attention-dropout", "0"),
+]
+
+
+@pytest.fixture
+def parse_2d(parse, monkeypatch):
+    """parse_and_validate_args_2d on the same simulated job as ``parse`` (each call a launch of its own)."""
+    from megatron.training.global_vars import unset_global_variables
+
+    from megatron_2d.megatron.arguments import parse_and_validate_args_2d
+
+    def run(*flags, model=MODEL):
+        unset_global_variables()
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *model, *flags])
+        return parse_and_validate_args_2d(extra_args_provider=add_2d_arguments)
+
+    return run
+
+
+@pytest.mark.parametrize("flag", ["--qk-clip", "--log-max-attention-logit"])
+def test_qk_clip_needs_no_transformer_engine_under_2d(parse, parse_2d, flag):
+    """Megatron's validate_args asserts TE >= 2.9 for --qk-clip / --log-max-attention-logit (there is none here);
+    the 2d entry leaves that check out when every CP layer is 2d, the flag reaches the config, and Megatron's own
+    validation is restored afterwards."""
+    with pytest.raises(AssertionError, match="only supported with TE >= 2.9.0"):
+        parse(*QK_CLIP_2D, flag)
+    args = parse_2d(*QK_CLIP_2D, flag, "--qk-clip-threshold", "50")
+    dest = flag.removeprefix("--").replace("-", "_")
+    assert getattr(args, dest) is True and megatron_arguments.validate_args.__name__ == "validate_args"
+    assert getattr(gpt_config_from_args_2d(args).transformer, dest) is True
+
+
+def test_qk_clip_checks_megatron_makes_still_apply_under_2d(parse_2d):
+    with pytest.raises(ValueError, match=r"--qk-clip-alpha 1.5 must be between 0.0 and 1.0"):
+        parse_2d(*QK_CLIP_2D, "--qk-clip", "--qk-clip-alpha", "1.5")
+    with pytest.raises(ValueError, match=r"--qk-clip-threshold -1.0 must be greater than 0"):
+        parse_2d(*QK_CLIP_2D, "--qk-clip", "--qk-clip-threshold", "-1")
+
+
+def test_layers_on_transformer_engine_keep_megatrons_qk_clip_check(parse_2d):
+    """A per-layer cp_comm_type list with Transformer Engine layers needs TE's return_max_logit: Megatron's check."""
+    flags = ["--context-parallel-size", "8", "--cp-comm-type", "2d", "p2p", "--cp-2d-head-parallel-size", "2"]
+    with pytest.raises(AssertionError, match="only supported with TE >= 2.9.0"):
+        parse_2d(*flags, "--qk-clip", "--attention-dropout", "0")
+
+
+def test_the_2d_entry_gives_the_training_loop_its_clip_step(parse_2d, monkeypatch):
+    from megatron.core.optimizer.qk_clip import clip_qk as megatron_clip_qk
+    from megatron.training import training
+
+    from megatron_2d.megatron import qk_clip
+    from megatron_2d.megatron.arguments import use_clip_qk_2d
+
+    monkeypatch.setattr(training, "clip_qk", megatron_clip_qk)
+    use_clip_qk_2d(parse_2d("--context-parallel-size", "8"))  # no 2d layer: Megatron's own
+    assert training.clip_qk is megatron_clip_qk
+    use_clip_qk_2d(parse_2d(*QK_CLIP_2D))  # no QK-clip
+    assert training.clip_qk is megatron_clip_qk
+    use_clip_qk_2d(parse_2d(*QK_CLIP_2D, "--log-max-attention-logit"))
+    assert training.clip_qk is qk_clip.clip_qk
+
+
+def test_qk_clip_with_megatron_fsdp_is_refused(parse_2d, monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")  # megatron-fsdp asserts on 1
+    args = parse_2d(*QK_CLIP_2D, "--qk-clip", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor")
+    with pytest.raises(ValueError, match=r"--qk-clip with --use-megatron-fsdp: megatron-core 0.19.2's clip_qk"):
+        gpt_config_from_args_2d(args)
+
+
+def test_the_spec_route_with_megatrons_own_clip_step_is_refused_where_it_fails(monkeypatch):
+    """The unpatched --spec route keeps megatron-core's clip step: a launch it fails on is refused at model
+    construction (check_current_launch), naming what fails and the routes that work; with the 2d clip step none."""
+    import argparse
+
+    from megatron.core.optimizer.qk_clip import clip_qk as megatron_clip_qk
+    from megatron.training import training
+
+    from megatron_2d.megatron import qk_clip
+    from megatron_2d.megatron.launch_checks import qk_clip_step_problem
+
+    monkeypatch.setattr(training, "clip_qk", megatron_clip_qk)
+
+    def launch(**flags):
+        base = dict(cp_comm_type="2d", qk_clip=True, log_max_attention_logit=False, bf16=True, fp16=False)
+        base.update(tensor_model_parallel_size=1, multi_latent_attention=False, use_distributed_optimizer=False)
+        return argparse.Namespace(**{**base, **flags})
+
+    assert qk_clip_step_problem(launch()) is None  # bf16, TP 1, DDP: megatron-core's runs
+    assert "an fp32 model" in qk_clip_step_problem(launch(bf16=False))
+    assert "GQA / MHA at --tensor-model-parallel-size > 1" in qk_clip_step_problem(launch(tensor_model_parallel_size=2))
+    assert qk_clip_step_problem(launch(tensor_model_parallel_size=2, multi_latent_attention=True)) is None
+    assert "flat main-param shards" in qk_clip_step_problem(launch(use_distributed_optimizer=True))
+    assert "Mamba / GDN layers" in qk_clip_step_problem(launch(hybrid_layer_pattern="M*-"))
+    logging_only = launch(qk_clip=False, log_max_attention_logit=True, tensor_model_parallel_size=2)
+    assert qk_clip_step_problem(logging_only) is None  # no clip: the view of linear_qkv is not reached
+    assert "--log-max-attention-logit with megatron-core" in qk_clip_step_problem(
+        launch(qk_clip=False, log_max_attention_logit=True, bf16=False)
+    )
+    assert qk_clip_step_problem(launch(cp_comm_type="p2p", bf16=False)) is None  # not a 2d launch
+    monkeypatch.setattr(training, "clip_qk", qk_clip.clip_qk)
+    assert qk_clip_step_problem(launch(bf16=False, use_distributed_optimizer=True)) is None
+
+
 def test_launch_script_turns_sequence_parallelism_on_with_tp(monkeypatch):
     """With TP > 1 the launch flags add --sequence-parallel, as Megatron-Bridge's and NeMo's recipes do, and the
     config takes it (TP 2 x 2D CP 8 on 16 ranks); at TP 1 they do not."""

@@ -137,6 +137,41 @@ def test_stock_cp_exact_per_release(version):
     assert "p2p" in accepted  # THD runs in every release
 
 
+# ---- the max logit (QK-clip) through TE's own context parallelism -------------------------------------------------
+MAX_LOGIT_RELEASES = [v for v in RELEASES if "return_max_logit" in tep.abi_of(v).fwd]  # TE 2.9 on
+
+
+def run_max_logit(rank, world, version, cases):
+    with tcp.te_context_parallel_on_cpu(version) as te:
+        groups = StockCPGroups(world, cases)
+        return [run_case(te, c, groups, max_logit=True) for c in cases]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("version", MAX_LOGIT_RELEASES)
+def test_stock_cp_max_logit_per_release(version):
+    """TE's CP with ``return_max_logit`` (what megatron-core's TEDotProductAttention asks for under QK-clip), each
+    comm type at CP 4, sbhd and THD, causal and full: every rank's max logit is the fp64 max over the pairs each head
+    sees, within the dtype's max_logit bound, with the CPU extension emitting the Max statistic in each release's
+    ABI. Except TE 2.12 on THD: its fused_attn_fwd takes the max over every row of the packed Max tensor, the rows
+    between TE's padded documents included (cuDNN leaves them unwritten: the stand-in's UNWRITTEN), so its max
+    logit is garbage there; 2.20 masks those rows out (its fused_attn_fwd, "CP may pass nonzero padded offsets")."""
+    cases = [c for c in generated_cases(400, cp_sizes=(4,), splits="proper") if expected_refusal(version, c) is None]
+    assert {c.qkv_format for c in cases} == {"sbhd", "thd"}
+    with tcp.te_context_parallel_on_cpu(version):
+        results = run_on_ranks(4, run_max_logit, version, cases, timeout_s=300)
+    bad = {}
+    for i, case in enumerate(cases):
+        errors = [outcomes[i]["max_logit_error"] for outcomes in results]
+        if version == "2.12.0" and case.qkv_format == "thd":
+            ok = all(e > 100 for e in errors)  # UNWRITTEN (1e4) won over logits of a few: TE 2.12's defect
+        else:
+            ok = all(e <= TOLERANCES[case.dtype].max_logit for e in errors)
+        if not ok:
+            bad[case.name] = errors
+    assert not bad, bad
+
+
 # ---- the claims, read from each release's source ------------------------------------------------------------------
 
 

@@ -5,7 +5,8 @@
 
 Each batch forks its world's ranks once (world 1-8, a random 2D layout) and runs its draws there; see
 megatron_2d/testing/generated_cases.py for what a draw varies. Every failure prints its replay command; the exit
-status is 1 when any draw failed.
+status is 1 when any draw failed. The summary gives the largest max logit error per dtype (the draws that ask for
+it), against its bound.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from tqdm import tqdm
 from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
 from megatron_2d.testing.generated_cases import draw_batch, draw_case, expected_results, failures, run_batch
+from megatron_2d.testing.reference import TOLERANCES, rel_err
 
 
 def run(batch_seed: int, indices, modes, max_world: int):
-    """(failure lines, seconds) of some draws of one batch."""
+    """(failure lines, seconds, [(dtype, max logit error)] of the draws that ask for it) of some draws of one
+    batch."""
     batch = draw_batch(batch_seed, max_world)
     draws = [draw_case(batch, i, modes) for i in indices]
     start = time.perf_counter()
@@ -31,11 +34,21 @@ def run(batch_seed: int, indices, modes, max_world: int):
     try:
         per_rank = run_on_ranks(batch.world, run_batch, batch, draws, expected, timeout_s=300)
     except RankFailure as err:
-        return [
-            f"batch {batch_seed} (world {batch.world}, hp {batch.hp}, w {batch.w}, {batch.placement}) raised: "
-            f"{err}\n  draws: " + "\n  ".join(d.describe() for d in draws)
-        ], time.perf_counter() - start
-    return failures(batch, draws, per_rank, [e[-1] for e in expected]), time.perf_counter() - start
+        return (
+            [
+                f"batch {batch_seed} (world {batch.world}, hp {batch.hp}, w {batch.w}, {batch.placement}) raised: "
+                f"{err}\n  draws: " + "\n  ".join(d.describe() for d in draws)
+            ],
+            time.perf_counter() - start,
+            [],
+        )
+    bounds, logits = [e[-1] for e in expected], [e[-2] for e in expected]
+    logit_errors = [
+        (d.dtype, max(rel_err(r[j]["max_logit"], logits[j]) for r in per_rank))
+        for j, d in enumerate(draws)
+        if d.max_logit
+    ]
+    return failures(batch, draws, per_rank, bounds, logits), time.perf_counter() - start, logit_errors
 
 
 def main(argv=None) -> int:
@@ -49,15 +62,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.replay:
         batch_seed, index = (int(x) for x in args.replay.split(":"))
-        problems, _ = run(batch_seed, [index], PACKING_MODES, args.max_world)
+        problems, _, _ = run(batch_seed, [index], PACKING_MODES, args.max_world)
         print("\n".join(problems) if problems else f"draw {args.replay}: exact")
         return 1 if problems else 0
-    start, done, problems, slowest = time.perf_counter(), 0, [], (0.0, None)
+    start, done, problems, slowest, logit_errors = time.perf_counter(), 0, [], (0.0, None), []
     with tqdm(total=args.draws, unit="draw") as bar:
         seed = args.seed
         while done < args.draws:
             n = min(args.per_batch, args.draws - done)
-            found, seconds = run(seed, range(n), PACKING_MODES, args.max_world)
+            found, seconds, errors = run(seed, range(n), PACKING_MODES, args.max_world)
+            logit_errors += errors
             slowest = max(slowest, (seconds, seed), key=lambda x: x[0])
             for line in found:
                 tqdm.write(f"FAIL {line}")
@@ -69,6 +83,10 @@ def main(argv=None) -> int:
         f"{time.perf_counter() - start:.0f} s; slowest batch {slowest[1]} ({slowest[0]:.1f} s); "
         f"{len(problems)} failed"
     )
+    for dtype in sorted({d for d, _ in logit_errors}):
+        errors = [e for d, e in logit_errors if d == dtype]
+        bound = TOLERANCES[getattr(torch, dtype)].max_logit
+        print(f"max logit, {dtype}: {len(errors)} draws, largest error {max(errors):.2e} (bound {bound:.0e})")
     return 1 if problems else 0
 
 

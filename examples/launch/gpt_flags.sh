@@ -1,6 +1,7 @@
 # shellcheck shell=bash disable=SC2034  # arrays are used by the scripts that source this file
 # Shared by the launch scripts: one GPT model and the context-parallel flags of each mode, so the modes can be
-# compared side by side on the same model. Source it after setting MODE (p2p | a2a | a2a+p2p | 2d) and CP.
+# compared side by side on the same model. Source it after setting MODE and CP.
+#   MODE: p2p | a2a | a2a+p2p | all_gather (stock Megatron CP, Transformer Engine's) | 2d
 #   HP, CP_INNER, WINDOW, PLACEMENT tune the modes that take them (defaults below).
 : "${MODE:=2d}" "${CP:=8}" "${HP:=2}" "${WINDOW:=2}" "${PLACEMENT:=head_first}" "${SEQ:=131072}"
 : "${TP:=1}" "${PP:=1}" "${MBS:=1}" "${GBS:=8}" "${TRAIN_ITERS:=50}"
@@ -25,9 +26,10 @@ if [ "$TP" -gt 1 ]; then PARALLEL_FLAGS+=(--sequence-parallel); fi
 case "$MODE" in
   p2p)     CP_FLAGS=(--cp-comm-type p2p) ;;
   a2a)     CP_FLAGS=(--cp-comm-type a2a) ;;
+  all_gather) CP_FLAGS=(--cp-comm-type all_gather) ;;
   a2a+p2p) CP_FLAGS=(--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes "$HP" "$((CP / HP))") ;;
   2d)      CP_FLAGS=(--cp-comm-type 2d --cp-2d-head-parallel-size "$HP" --cp-2d-inner-ring-size "$WINDOW"
                      --cp-2d-placement "$PLACEMENT") ;;
-  *) echo "MODE must be p2p, a2a, a2a+p2p or 2d, got '$MODE'" >&2; exit 2 ;;
+  *) echo "MODE must be p2p, a2a, a2a+p2p, all_gather or 2d, got '$MODE'" >&2; exit 2 ;;
 esac
 export CUDA_DEVICE_MAX_CONNECTIONS=1

@@ -2,7 +2,7 @@
 iteration and the losses of each context-parallel mode, the same model, data and length.
 
     python tools/emulated_cluster.py pretrain --nodes 2 --ranks 8 --cluster dgx-h100 --gpu-seq 65536
-    python tools/emulated_cluster.py pretrain --nodes 2 --ranks 8 --net-mbit 50 --modes 2d:2:4,2d:1:4,p2p
+    python tools/emulated_cluster.py pretrain --nodes 2 --ranks 8 --net-mbit 50 --modes 2d:2:4,2d:1:4,p2p,a2a+p2p:2
 
 Every mode runs ``examples/launch/torchrun_gpt.sh`` on each node (:func:`megatron_2d.testing.cluster_launch.
 run_torchrun_gpt`) with MODE, CP = ranks, HP, WINDOW, PLACEMENT and the model flags below (later flags win over
@@ -12,10 +12,16 @@ mode's time is its median over rounds, each mode against the best 2D paired by r
 are compared with CP = 1 (the same flags on one forked rank, stock pretrain_gpt.py, no cluster) at the bf16 training
 tolerance (megatron_2d.testing.reference).
 
-Modes: ``2d:HP:WINDOW[:PLACEMENT]`` (default every hp and window of CP that the planner lists), ``p2p``, ``a2a``,
-``a2a+p2p:A``. The stock modes run Transformer Engine's context parallelism, which on CPU ranks needs the
-TE-on-CPU path of issue 40 (branch stockcp): until it is merged they are reported n/a, with the reason (the hook:
-:data:`STOCK_MODES_ON_CPU`).
+Modes: ``2d:HP:WINDOW[:PLACEMENT]`` (default every hp and window of CP that the planner lists), and stock Megatron
+CP: ``p2p``, ``a2a``, ``a2a+p2p:A`` (``--hierarchical-context-parallel-sizes A CP/A``: a2a over A adjacent ranks,
+the ring across), ``all_gather``. A stock mode runs the same pretrain_gpt.py flags with its ``--cp-comm-type`` and
+the stock-CP spec (:data:`STOCK_SPEC`: megatron-core's local linears and norms, its own TEDotProductAttention over
+Transformer Engine ``--te-release``'s context_parallel.py), each torchrun worker inside TE's CPU context
+(:data:`megatron_2d.testing.cluster_worker.TE_RELEASE_ENV`; TE's fused attention is the CPU stand-in's kernel, the
+cpu_flash kernel the 2D modes run). Modes TE refuses for the model's heads (its a2a level must divide the query and
+the K/V heads: TE does not replicate K/V) are reported n/a with that reason, before any launch. Every side trains
+in bf16 (gpt_flags.sh's ``--bf16``, the CP = 1 reference included), the only dtype besides fp16 that TE's fused
+attention takes.
 """
 
 from __future__ import annotations
@@ -32,18 +38,17 @@ import torch
 
 from ..layout.topology import divisors
 from ..testing.cluster_launch import LaunchFailure, check_runs, launch_flags, run_torchrun_gpt
+from ..testing.cluster_worker import TE_RELEASE_ENV
 from ..testing.reference import TOLERANCES
 from .cli import render_table
 from .cluster import add_cluster_arguments, bench_cluster
 from .harness import round_order
+from .runners import TE_RELEASE
 
 ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-STOCK_MODES_ON_CPU: str | None = (
-    "stock Megatron CP (Transformer Engine's context_parallel.py) on CPU ranks needs issue 40's TE-on-CPU path "
-    "(branch stockcp), not merged here"
-)
-"""Why the stock modes cannot run on CPU ranks here; None once issue 40's TE-on-CPU path is installed in the
-workers (megatron_2d.testing.cluster_worker.start_worker is where it goes) and the stock spec is passed."""
+STOCK_SPEC = ["--spec", "megatron_2d.testing.stock_cp_spec", "gpt_layer_spec_stock_cp"]
+"""The layer spec of the stock modes (megatron_2d.testing.stock_cp_spec): stock CP as Megatron runs it, with the
+linears on CPU."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,10 @@ class Mode:
             return f"2d hp{self.hp} w{self.window} {self.placement}"
         return self.mode if self.mode != "a2a+p2p" else f"a2a+p2p [{self.hp}]"
 
+    def a2a_size(self, cp: int) -> int:
+        """The ranks of a stock mode's head all-to-all (1: none)."""
+        return {"a2a": cp, "a2a+p2p": self.hp}.get(self.mode, 1)
+
     def env(self, cp: int) -> dict[str, str]:
         return {
             "MODE": self.mode,
@@ -76,7 +85,8 @@ class Mode:
 
 
 def parse_modes(text: str, cp: int) -> list[Mode]:
-    """--modes: comma-separated ``2d:HP:W[:PLACEMENT]``, ``p2p``, ``a2a``, ``a2a+p2p:A`` or ``all``."""
+    """--modes: comma-separated ``2d:HP:W[:PLACEMENT]``, ``p2p``, ``a2a``, ``a2a+p2p:A``, ``all_gather`` or
+    ``all``."""
     if text == "all":
         modes = [
             Mode("2d", hp, w, p)
@@ -85,18 +95,21 @@ def parse_modes(text: str, cp: int) -> list[Mode]:
             for p in (("head_first", "context_first") if 1 < hp < cp else ("head_first",))
             if w > 1 or hp == cp
         ]
-        return modes + [Mode("p2p"), Mode("a2a")] + [Mode("a2a+p2p", a) for a in divisors(cp)[1:-1]]
+        stock = [Mode("p2p"), Mode("a2a")] + [Mode("a2a+p2p", a) for a in divisors(cp)[1:-1]]
+        return modes + stock + [Mode("all_gather")]
     modes = []
     for item in text.split(","):
         parts = item.strip().split(":")
         if parts[0] == "2d" and len(parts) in (3, 4):
             modes.append(Mode("2d", int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else "head_first"))
-        elif parts[0] in ("p2p", "a2a") and len(parts) == 1:
+        elif parts[0] in ("p2p", "a2a", "all_gather") and len(parts) == 1:
             modes.append(Mode(parts[0]))
         elif parts[0] == "a2a+p2p" and len(parts) == 2:
             modes.append(Mode("a2a+p2p", int(parts[1])))
         else:
-            raise argparse.ArgumentTypeError(f"mode {item!r}: expected 2d:HP:W[:PLACEMENT], p2p, a2a or a2a+p2p:A")
+            raise argparse.ArgumentTypeError(
+                f"mode {item!r}: expected 2d:HP:W[:PLACEMENT], p2p, a2a, a2a+p2p:A or all_gather"
+            )
     return modes
 
 
@@ -110,6 +123,33 @@ def model_flags(args) -> list[str]:
         *("--lr-warmup-iters", "0", "--distributed-timeout-minutes", str(max(1, math.ceil(args.timeout / 60)))),
         "--no-bias-swiglu-fusion",
     ]
+
+
+def stock_refusal(mode: Mode, args) -> str | None:
+    """Why stock ``mode`` cannot run this job (None: it can): TE not installed, or a head all-to-all that does not
+    divide CP, the query heads or the K/V heads (TE does not replicate K/V)."""
+    from ..testing import te_package
+
+    if not te_package.is_installed(args.te_release):
+        return (
+            f"Transformer Engine {args.te_release} is not installed under {te_package.releases_dir()} "
+            f"(python -m megatron_2d.testing.te_package install)"
+        )
+    a2a, cp = mode.a2a_size(args.ranks), args.ranks
+    if cp % a2a or args.heads % a2a or args.kv_heads % a2a:
+        return (
+            f"TE's {mode.mode} needs its all-to-all of {a2a} ranks to divide CP={cp}, the {args.heads} query heads "
+            f"and the {args.kv_heads} K/V heads"
+        )
+    return None
+
+
+def launch_of(mode: Mode, cp: int, env: dict[str, str], flags: list[str], te_release: str):
+    """(torchrun_gpt.sh's environment, the ranks' extra flags) of ``mode``: a stock mode adds the TE release its
+    workers run in and the stock-CP spec."""
+    if not mode.stock:
+        return env | mode.env(cp), flags
+    return env | mode.env(cp) | {TE_RELEASE_ENV: te_release}, flags + STOCK_SPEC
 
 
 @dataclass
@@ -141,8 +181,9 @@ def run(args) -> tuple[list[ModeResult], dict[int, float], object]:
     results = {m.name: ModeResult(m.name) for m in modes}
     runnable = []
     for m in modes:
-        if m.stock and STOCK_MODES_ON_CPU:
-            results[m.name].status = f"n/a: {STOCK_MODES_ON_CPU}"
+        why = stock_refusal(m, args) if m.stock else None
+        if why:
+            results[m.name].status = f"n/a: {why}"
         else:
             runnable.append(m)
     with tempfile.TemporaryDirectory(prefix="m2d_cluster_pretrain_") as tmp:
@@ -156,8 +197,9 @@ def run(args) -> tuple[list[ModeResult], dict[int, float], object]:
                     result = results[mode.name]
                     if result.status != "ok":
                         continue
+                    mode_env, rank_flags = launch_of(mode, cp, env, flags, args.te_release)
                     runs = run_torchrun_gpt(
-                        cluster.cluster, env | mode.env(cp), flags, timeout_s=args.timeout, megatron_lm_dir=megatron_lm
+                        cluster.cluster, mode_env, rank_flags, timeout_s=args.timeout, megatron_lm_dir=megatron_lm
                     )
                     try:
                         check_runs(runs, f"{mode.name}, round {r}")
@@ -203,6 +245,14 @@ def print_results(results: list[ModeResult], reference: dict[int, float], args) 
         ["mode", "ms / iteration", "x vs best 2D (per round)", "losses vs CP=1"],
         body,
     )
+    best_stock = min((r for r in timed if not r.name.startswith("2d")), key=lambda r: r.seconds, default=None)
+    if best2d and best_stock:
+        rounds = [a / b for a, b in zip(best_stock.round_seconds, best2d.round_seconds)]
+        print(
+            f"best 2D ({best2d.name}) against best stock ({best_stock.name}): "
+            f"{best_stock.seconds / best2d.seconds:.2f}x (per round {min(rounds):.2f}-{max(rounds):.2f}; above 1: "
+            f"2D faster)"
+        )
     for r in results:
         if r.status != "ok":
             print(f"{r.name}: {r.status}")
@@ -220,6 +270,11 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=4, help="iterations per launch (the first is not timed)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    p.add_argument(
+        "--te-release",
+        default=TE_RELEASE,
+        help=f"the Transformer Engine release of the stock modes on CPU ranks (default {TE_RELEASE})",
+    )
     p.add_argument("--json")
     add_cluster_arguments(p)
     args = p.parse_args(argv)

@@ -8,8 +8,9 @@ The batch (the same in every row): one global batch of the mix's sequences (mega
 long-tail at 16K tokens: ~118 sequences of 64-128 tokens and 3 of 1-2K, the issue's "1-2K with a few at 16-32K"
 scaled by 1/16 for CPU ranks), packed first-fit decreasing into samples of seq_length = CP_static x
 max_seqlen_per_rank tokens as Megatron's SFTDataset gives them (each sequence padded to the row's 2 x CP, the last
-one of a pack taking the pack's end padding, prompts of 2 tokens masked). Model: a tiny megatron-core GPTModel with
-the 2d spec (fp32, GQA), one training step (forward, backward, the gradients' all-reduce over DP x CP).
+one of a pack taking the pack's end padding, prompts of 2 tokens masked). Model: a tiny megatron-core GPTModel (GQA,
+--dtype, bf16 by default: Transformer Engine's fused attention takes bf16 / fp16 only, so the stock rows need it and
+every row runs it), one training step (forward, backward, the gradients' all-reduce over DP x CP).
 
 Rows
     dynamic 2D        --hybrid-context-parallel: Megatron's HybridCPDataLoaderWrapper (lengths gathered over DP,
@@ -22,14 +23,25 @@ Rows
                       each packed sample one THD micro-batch (Megatron's per-document zigzag) through Megatron's
                       no-pipelining schedule; the rule's layout for CP_static
     static, one ring  the same with hp 1 x one ring of CP_static: stock static p2p's layout, on this project's op
-    stock dynamic CP, static stock CP: Transformer Engine's own p2p (context_parallel.py) on CPU ranks, from issue 40's
-                      branch ``stockcp`` (megatron_2d.testing.te_context_parallel and its stock spec); reported as
-                      n/a until that branch lands (:data:`STOCK_HOOK`)
+    stock dynamic CP  --hybrid-context-parallel with megatron-core's own TEDotProductAttention over Transformer
+                      Engine --te-release's p2p (context_parallel.py, in TE's CPU context), which re-binds TE's CP
+                      group from each micro-batch's PackedSeqParams.cp_group; the same data wrapper, scheduler and
+                      schedule as dynamic 2D. megatron-core 0.19.2 as released crashes on this path at the first
+                      micro-batch of a group of 2 or more (RoPE on the static group; TE's CP stream never allocated):
+                      the row runs with Megatron-LM #6821's two fixes (megatron_2d.testing.stock_dynamic_cp)
+    static stock CP   --cp-comm-type p2p at CP_static with TEDotProductAttention: TE's own THD context parallelism
+                      over the same packed micro-batches as static 2D (each document padded to 2 x CP)
+
+The stock rows run the stock-CP spec (megatron_2d.testing.stock_cp_spec: megatron-core's local linears and norms);
+the 2D rows the 2d spec, whose linears and norms are the same local ones. The TE context is entered by the parent
+with the CUDA claim only around TE's attention forward (every other op of every row runs without it); TE's fused
+attention is the CPU stand-in's, the cpu_flash kernel the 2D rows run.
 
 Columns: wall ms = median over the timed steps of the slowest rank's step (8 ranks on 2 shared cores: roughly the
 sum of the ranks' work over 2); cpu ms = median of the CPU seconds the ranks spent per step, summed over ranks (the
 work, apart from how the ranks share cores); "vs static 2D" = static 2D's wall / the row's (above 1: faster);
-loss = the step's loss, which every row must give alike (the same training: "check" says MISMATCH otherwise).
+loss = the step's loss, which every row must give alike (the same training: "check" says MISMATCH beyond the
+dtype's training bound, megatron_2d.testing.reference, of static 2D's loss, or of the first row's without it).
 Rows run in rounds, rotated each round (harness.round_order); each round rebuilds the row's parallel state and model
 (its 2D groups), warms up one step and times ``--repeats`` steps. Timing is not a test: compare rows of one run, on
 a quiet machine (docs/benchmarks.md).
@@ -38,9 +50,11 @@ a quiet machine (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,15 +64,21 @@ from ..layout.dynamic import format_dynamic_layouts, hybrid_group_sizes, megatro
 from ..plan.console import parse_seq
 from ..plan.dynamic import pack_sequences
 from ..plan.lengths import SEQUENCE_MIXES, sequence_lengths
+from ..testing.reference import TOLERANCES
 from .cli import add_arguments, add_output_arguments, render_table
 from .harness import round_order
+from .runners import TE_RELEASE
 
 ROWS = ("dynamic 2D", "dynamic, one ring", "static 2D", "static, one ring", "stock dynamic CP", "static stock CP")
-STOCK_HOOK = (
-    "n/a: Transformer Engine's p2p on CPU ranks comes from branch stockcp (issue 40: its stock-CP spec); wire it "
-    "in megatron_2d.bench.dynamic.stock_row when merged"
+STOCK_ROWS = ROWS[4:]
+"""The rows that run Transformer Engine's context parallelism (megatron_2d.testing.stock_dynamic_cp)."""
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+STOCK_DYNAMIC_NOTE = (
+    "note: stock dynamic CP = megatron-core 0.19.2's hybrid CP over TEDotProductAttention and Transformer Engine "
+    "{release}'s p2p, with Megatron-LM #6821's two fixes (RoPE on the micro-batch's CP group, TE's CP stream "
+    "allocated): 0.19.2 as released stops at the first micro-batch on a group of 2 or more "
+    "(megatron_2d.testing.stock_dynamic_cp)"
 )
-LOSS_RTOL = 1e-5  # fp32: the rows' losses agree to the training tolerance (testing.reference)
 
 
 @dataclass(frozen=True)
@@ -76,6 +96,8 @@ class Job:
     rounds: int
     repeats: int
     seed: int = 0
+    dtype: str = "fp32"
+    """A key of :data:`DTYPES`: the model's parameters and activations."""
 
 
 def sequences(job: Job) -> list[int]:
@@ -107,6 +129,8 @@ def samples_for(job: Job, ranks: int, pad_unit: int):
 def tiny_config(job: Job):
     from ..testing.tiny_gpt import TinyGPTConfig
 
+    dtype = DTYPES[job.dtype]
+    precision = dict(bf16=True, params_dtype=dtype) if dtype == torch.bfloat16 else {}
     return TinyGPTConfig(
         num_layers=job.layers,
         hidden_size=job.hidden,
@@ -114,7 +138,7 @@ def tiny_config(job: Job):
         num_query_groups=job.kv_heads,
         vocab_size=128,
         seq_length=job.tokens,
-        config_overrides=dict(apply_rope_fusion=False),
+        config_overrides=dict(apply_rope_fusion=False, **precision),
     )
 
 
@@ -134,6 +158,8 @@ def build_row(row: str, job: Job, ranks: int):
     from ..testing import dynamic_cp
 
     cfg = tiny_config(job)
+    if row in STOCK_ROWS:
+        return build_stock_row(row, job, ranks, cfg)
     if row.startswith("dynamic"):
         layouts = one_ring_layouts(ranks) if row == "dynamic, one ring" else job.layouts
         _, samples = samples_for(job, ranks, pad_unit=2)
@@ -151,6 +177,26 @@ def build_row(row: str, job: Job, ranks: int):
     model = dynamic_cp.static_model(
         cfg, cp, layout.head_parallel_size, inner_ring_size=layout.inner_ring_size, placement=layout.placement
     )
+    return lambda: dynamic_cp.static_train_step(model, samples)
+
+
+def build_stock_row(row: str, job: Job, ranks: int, cfg):
+    """A stock row's training step (module docstring): megatron-core's TEDotProductAttention over TE's p2p, in the
+    TE context the parent entered; the same samples as the 2D row of the same kind."""
+    from ..testing import dynamic_cp, stock_dynamic_cp
+
+    if row == "stock dynamic CP":
+        _, samples = samples_for(job, ranks, pad_unit=2)
+        model, config = stock_dynamic_cp.stock_hybrid_model(cfg, job.max_seqlen_per_rank)
+
+        def step():
+            with stock_dynamic_cp.hybrid_cp_fixes():
+                return dynamic_cp.hybrid_train_step(model, config, samples)
+
+        return step
+    cp = static_cp(job, ranks)
+    _, samples = samples_for(job, ranks, pad_unit=2 * cp)
+    model = stock_dynamic_cp.stock_static_model(cfg, cp)
     return lambda: dynamic_cp.static_train_step(model, samples)
 
 
@@ -212,10 +258,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--layouts", default=None, help="--cp-2d-dynamic-layouts of dynamic 2D (default: the rule)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every row, rotated (default 3)")
-    parser.add_argument("--rows", nargs="+", default=list(ROWS[:4]), choices=ROWS, help="rows to run")
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, help="rows to run (default all)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="bf16", help="every row's dtype (default bf16; the stock rows need it)"
+    )
+    parser.add_argument(
+        "--te-release",
+        default=TE_RELEASE,
+        help=f"the Transformer Engine release of the stock rows (default {TE_RELEASE})",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
+    stock = [row for row in args.rows if row in STOCK_ROWS]
+    if stock and args.dtype != "bf16":
+        parser.error(
+            f"rows {stock} run Transformer Engine's fused attention, which takes bf16 / fp16 only: --dtype bf16, or "
+            f"leave them out of --rows"
+        )
     job = Job(
         args.mix,
         args.tokens,
@@ -227,18 +287,53 @@ def main(argv: list[str] | None = None) -> None:
         args.layouts,
         args.rounds,
         args.repeats,
+        dtype=args.dtype,
     )
-    runnable = [row for row in args.rows if not row.startswith(("stock", "static stock"))]
     from ..testing.distributed import run_on_ranks
-    from ..testing.megatron_cpu import install_megatron_cpu_shims
 
-    install_megatron_cpu_shims()
-    result = run_on_ranks(args.ranks, run_ranks, job, runnable, timeout_s=args.timeout)[0]
+    notes = {row: why for row in stock if (why := stock_unavailable(args.te_release))}
+    runnable = [row for row in args.rows if row not in notes]
+    with stock_context(args.te_release if set(stock) - set(notes) else None):
+        result = run_on_ranks(args.ranks, run_ranks, job, runnable, timeout_s=args.timeout)[0]
     print(describe(job, args.ranks))
-    records = table(result, args.rows)
+    records = table(result, args.rows, DTYPES[job.dtype], notes)
+    if "stock dynamic CP" in result["timed"]:
+        print(STOCK_DYNAMIC_NOTE.format(release=args.te_release))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"job": vars(args), "rows": records}, fh, indent=1)
+
+
+def stock_unavailable(release: str) -> str | None:
+    """Why the stock rows cannot run here (None: they can)."""
+    from ..testing import te_package
+
+    if te_package.is_installed(release):
+        return None
+    return (
+        f"n/a: Transformer Engine {release} is not installed under {te_package.releases_dir()} "
+        f"(python -m megatron_2d.testing.te_package install)"
+    )
+
+
+@contextlib.contextmanager
+def stock_context(release: str | None) -> Iterator[None]:
+    """The CPU shims, and with ``release`` Transformer Engine's CPU context with megatron-core's TE extension, for
+    the ranks forked inside (the claim only around TE's attention: megatron_2d.testing.stock_cp_spec). The model
+    modules are imported first, without TE: GPTModel's final norm and the 2d spec module's default spec are chosen
+    when first imported, and must be the local ones (megatron_2d.testing.stock_cp_spec refuses TE's norm)."""
+    from ..megatron import spec  # noqa: F401
+    from ..testing import dynamic_cp, stock_dynamic_cp  # noqa: F401
+    from ..testing.megatron_cpu import install_megatron_cpu_shims
+
+    install_megatron_cpu_shims()
+    if release is None:
+        yield
+        return
+    from ..testing.te_context_parallel import te_context_parallel_on_cpu
+
+    with te_context_parallel_on_cpu(release, megatron=True, claim_cuda=False):
+        yield
 
 
 def describe(job: Job, ranks: int) -> str:
@@ -255,20 +350,25 @@ def describe(job: Job, ranks: int) -> str:
     )
 
 
-def table(result: dict, rows: list[str]) -> list[dict]:
-    """Print the table; the JSON records."""
+def table(
+    result: dict, rows: list[str], dtype: torch.dtype = torch.float32, notes: dict[str, str] | None = None
+) -> list[dict]:
+    """Print the table; the JSON records. ``notes``: why a row did not run."""
     timed, losses = result["timed"], result["losses"]
     median = {row: statistics.median(w for w, _ in timed[row]) for row in timed}
     cpu = {row: statistics.median(c for _, c in timed[row]) for row in timed}
     base = median.get("static 2D")
-    first = next(iter(losses.values()), None)
+    reference = losses.get("static 2D", next(iter(losses.values()), None))
+    bound = TOLERANCES[dtype].training.loss
     body, records = [], []
     for row in rows:
         if row not in timed:
-            body.append([row, "-", "-", "-", "-", STOCK_HOOK])
-            records.append({"row": row, "note": STOCK_HOOK})
+            note = (notes or {}).get(row, "n/a: not run")
+            body.append([row, "-", "-", "-", "-", note])
+            records.append({"row": row, "note": note})
             continue
-        same = abs(losses[row] - first) <= LOSS_RTOL * abs(first)
+        error = abs(losses[row] - reference) / abs(reference)
+        same = error <= bound
         ratio = f"{base / median[row]:.2f}x" if base else "-"
         body.append(
             [
@@ -277,7 +377,7 @@ def table(result: dict, rows: list[str]) -> list[dict]:
                 f"{cpu[row] * 1e3:.0f}",
                 ratio,
                 f"{losses[row]:.6f}",
-                "ok" if same else "MISMATCH",
+                f"{'ok' if same else 'MISMATCH'} {error:.1e}",
             ]
         )
         records.append(
@@ -287,10 +387,17 @@ def table(result: dict, rows: list[str]) -> list[dict]:
                 "cpu_ms": cpu[row] * 1e3,
                 "loss": losses[row],
                 "same": same,
+                "loss_error": error,
                 "steps": [[w * 1e3, c * 1e3] for w, c in timed[row]],
             }
         )
     render_table(
-        "dynamic vs static CP, one training step", ["row", "wall ms", "cpu ms", "vs static 2D", "loss", "check"], body
+        f"dynamic vs static CP, one training step ({_DTYPE_NAMES[dtype]}; loss check: relative to "
+        f"{'static 2D' if 'static 2D' in losses else 'the first row'}, bound {bound:g})",
+        ["row", "wall ms", "cpu ms", "vs static 2D", "loss", "check"],
+        body,
     )
     return records
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

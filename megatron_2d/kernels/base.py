@@ -12,6 +12,10 @@ Layouts (the ring loop never sees a kernel's own signature or layout):
 ``band`` (:class:`megatron_2d.layout.band.Band`, local top-left coordinates) says which keys each query sees:
 None = all, ``Band(None, 0)`` on a square block = causal. Calls come trimmed (:meth:`Band.trim`): no query row is
 fully masked.
+
+The max logit (QK-clip): :meth:`BlockKernel.forward_calls_with_max` returns a block's results and max_logit [h_q]
+(accumulator dtype), the max of scale * q . k over the calls' visible pairs: by default :meth:`forward_calls` and a
+separate pass (:mod:`megatron_2d.kernels.max_logit`); a kernel whose launches return it overrides the method.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 
 from ..layout.band import Band
+from .max_logit import calls_max_logit
 
 if TYPE_CHECKING:
     from ..layout.block_calls import BlockCall
@@ -124,6 +129,20 @@ class BlockKernel(abc.ABC):
             for c in calls
         ]
 
+    def forward_calls_with_max(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        calls: Sequence[BlockCall],
+        first_key: int,
+        scale: float,
+    ) -> tuple[list[tuple[BlockCall, torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """(:meth:`forward_calls`' results, max_logit [h_q] over the calls' visible pairs, in the accumulator
+        dtype): here a separate pass over the block (:func:`~megatron_2d.kernels.max_logit.calls_max_logit`)."""
+        results = self.forward_calls(q, k, v, calls, first_key, scale)
+        return results, calls_max_logit(q, k, calls, first_key, scale, accumulator_dtype(q.dtype))
+
     def backward_calls(
         self,
         dout: torch.Tensor,
@@ -182,11 +201,16 @@ class PaddedValueKernel(BlockKernel):
         dq, dk, dv = self.inner.backward(self._pad(dout), q, k, self._pad(v), self._pad(out), lse, band, scale)
         return dq, dk, dv[..., : self.value_dim]
 
+    def _cut(self, results):
+        """The inner kernel's per-call results with the output cut back to V's width."""
+        return [(call, out[..., : self.value_dim], lse) for call, out, lse in results]
+
     def forward_calls(self, q, k, v, calls, first_key, scale):
-        return [
-            (call, out[..., : self.value_dim], lse)
-            for call, out, lse in self.inner.forward_calls(q, k, self._pad(v), calls, first_key, scale)
-        ]
+        return self._cut(self.inner.forward_calls(q, k, self._pad(v), calls, first_key, scale))
+
+    def forward_calls_with_max(self, q, k, v, calls, first_key, scale):
+        results, max_logit = self.inner.forward_calls_with_max(q, k, self._pad(v), calls, first_key, scale)
+        return self._cut(results), max_logit
 
     def backward_calls(self, dout, q, k, v, out, lse, calls, first_key, scale):
         """``dout`` and ``out`` come padded (:meth:`backward_inputs`)."""

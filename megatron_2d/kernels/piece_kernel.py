@@ -13,7 +13,9 @@ sequence lengths; index tensors of a block are built on the host and reach the d
 
 A subclass supplies the four launches (:meth:`PieceKernel.dense_forward` and ``dense_backward`` on [b, s, h, d],
 ``varlen_forward`` and ``varlen_backward`` on THD) and may bound what its varlen backward takes
-(:meth:`PieceKernel.varlen_backward_limit`): longer pieces' backward then runs one dense launch each.
+(:meth:`PieceKernel.varlen_backward_limit`): longer pieces' backward then runs one dense launch each. A subclass
+whose forward launches return the max logit sets ``launch_max_logit``: the block's max is then the max of its
+launches' (a launch that cannot say returns None for it, and the block takes the separate pass).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from .base import BlockKernel, PaddedValueKernel, accumulator_dtype, to_device_once
+from .max_logit import calls_max_logit
 from .merge import merge_attention_
 from .pieces import Piece, band_pieces, whole_block_mask
 
@@ -116,6 +119,9 @@ class PieceKernel(BlockKernel):
     """A kernel over launches with no mask or the causal square; see the module."""
 
     needs_equal_head_dims = False
+    launch_max_logit = False
+    """Whether ``dense_forward`` / ``varlen_forward`` take ``max_logit=True`` and then return a third item: the
+    launch's max logit [h] (any float dtype), or None where this launch cannot give it."""
 
     def __init__(self) -> None:
         self._groups: OrderedDict[tuple, tuple[list, list[VarlenGroup]]] = OrderedDict()
@@ -179,27 +185,60 @@ class PieceKernel(BlockKernel):
         return self._groups[key]
 
     def forward_calls(self, q, k, v, calls, first_key, scale):
+        return self._forward_calls(q, k, v, calls, first_key, scale, None)
+
+    def forward_calls_with_max(self, q, k, v, calls, first_key, scale):
+        if not self.launch_max_logit:
+            return super().forward_calls_with_max(q, k, v, calls, first_key, scale)
+        maxes: list = []
+        results = self._forward_calls(q, k, v, calls, first_key, scale, maxes)
+        acc = accumulator_dtype(q.dtype)
+        if any(m is None for m in maxes):  # a launch that could not give it: the separate pass over the block
+            return results, calls_max_logit(q, k, calls, first_key, scale, acc)
+        max_logit = torch.full((q.shape[2],), float("-inf"), dtype=acc, device=q.device)
+        for m in maxes:
+            torch.maximum(max_logit, m.to(acc), out=max_logit)
+        return results, max_logit
+
+    def _forward_calls(self, q, k, v, calls, first_key, scale, maxes: list | None):
+        """forward_calls' results; with ``maxes`` (a list), every launch asked for its max logit, appended there."""
         whole, groups = self._plan(calls, first_key, q.shape[0], q.shape[1], k.shape[1], q.device)
+        launch = {} if maxes is None else {"max_logit": True}
+
+        def outputs(returned):
+            if maxes is None:
+                return returned
+            maxes.append(returned[2])
+            return returned[:2]
+
         results = []
         for c, mask in whole:
             keys = slice(c.k_start - first_key, c.k_end - first_key)
-            out, lse = self.dense_forward(
-                *(x.contiguous() for x in (q[:, c.q_start : c.q_end], k[:, keys], v[:, keys])), mask == "causal", scale
+            out, lse = outputs(
+                self.dense_forward(
+                    *(x.contiguous() for x in (q[:, c.q_start : c.q_end], k[:, keys], v[:, keys])),
+                    mask == "causal",
+                    scale,
+                    **launch,
+                )
             )
             results.append((c, out, lse))
         b = q.shape[0]
         qf, kf, vf = _flat(q), _flat(k), _flat(v)
         for g in groups:
-            out, lse = self.varlen_forward(
-                qf.index_select(0, g.q_index),
-                kf.index_select(0, g.k_index),
-                vf.index_select(0, g.k_index),
-                g.cu_q,
-                g.cu_k,
-                g.max_q,
-                g.max_k,
-                g.causal,
-                scale,
+            out, lse = outputs(
+                self.varlen_forward(
+                    qf.index_select(0, g.q_index),
+                    kf.index_select(0, g.k_index),
+                    vf.index_select(0, g.k_index),
+                    g.cu_q,
+                    g.cu_k,
+                    g.max_q,
+                    g.max_k,
+                    g.causal,
+                    scale,
+                    **launch,
+                )
             )  # out [total_q, h, dv], lse [h, total_q]
             for p, a, e in zip(g.pieces, g.q_offsets[:-1], g.q_offsets[1:]):
                 o = out[a:e].view(b, p.rows, *out.shape[1:])  # [b, rows, h, dv]

@@ -17,6 +17,11 @@ refused when the kernel is built. Causal masks go only to square pieces (every d
 bands run as pieces (:mod:`megatron_2d.kernels.piece_kernel`), and sinks never reach the kernel (the ring adds them
 once, after its merge), so softmax_type stays "vanilla". Head dims: cuDNN's (:func:`~megatron_2d.kernels.
 torch_cudnn.cudnn_head_dim_problem`), d_qk != d_v allowed.
+
+The max logit (QK-clip): from 2.9 on ``fused_attn_fwd(return_max_logit=True)`` returns cuDNN's per-row max reduced to
+[h] (in O's dtype), which the kernel takes per launch (``launch_max_logit``); a THD launch whose max comes back per
+padded sequence ([h, 1] from 2.12 with an older cuDNN, padded rows included) gives none, and the block then takes the
+separate pass (:mod:`megatron_2d.kernels.max_logit`), as releases before 2.9 always do.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ _FILLED = {  # parameters the kernel passes (or leaves at a neutral default), by
     "fwd": {
         "is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "fake_dtype",
         "fused_attention_backend", "attn_scale", "dropout", "qkv_layout", "o_format", "attn_mask_type",
-        "window_size",
+        "window_size", "return_max_logit",
     },
     "bwd": {
         "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "o", "d_o", "fake_dtype",
@@ -105,6 +110,7 @@ class TeFusedKernel(PieceKernel):
         self._fwd = TeFunction(fused_attn.fused_attn_fwd, "fwd", self.version)
         self._bwd = TeFunction(fused_attn.fused_attn_bwd, "bwd", self.version)
         self._backend = fused_attn.FusedAttnBackend["F16_arbitrary_seqlen"]
+        self.launch_max_logit = "return_max_logit" in self._fwd.params  # TE 2.9 and later
         self._rng: dict = {}  # device -> the forward's rng_state, which the backward takes back (unread: no dropout)
         self._full_cu: dict = {}  # (batch, s, device) -> cu_seqlens of a dense batch
         self._padded_thd_stats = False  # the THD stats layout the installed TE / cuDNN returned, seen in forward
@@ -143,8 +149,10 @@ class TeFusedKernel(PieceKernel):
             window_size=window,
         )
 
-    def _forward(self, q, k, v, cu_q, cu_k, max_q, max_k, fmt, causal, scale):
-        out, aux = self._fwd(
+    def _forward(self, q, k, v, cu_q, cu_k, max_q, max_k, fmt, causal, scale, max_logit=False):
+        """(out, softmax stats) of one launch; with ``max_logit`` a third item, TE's max logit [h] or None where it
+        came back otherwise shaped (see the module)."""
+        out, aux, *returned = self._fwd(
             is_training=True,
             max_seqlen_q=max_q,
             max_seqlen_kv=max_k,
@@ -153,10 +161,13 @@ class TeFusedKernel(PieceKernel):
             q=q,
             k=k,
             v=v,
+            return_max_logit=max_logit,
             **self._common(fmt, q, scale, causal, fmt == "thd"),
         )
         self._rng[q.device] = aux[1]
-        return out, aux[0]
+        if not max_logit:
+            return out, aux[0]
+        return out, aux[0], returned[0] if returned[0].dim() == 1 else None
 
     def _backward(self, dout, q, k, v, out, stats, cu_q, cu_k, max_q, max_k, fmt, causal, scale):
         if q.device not in self._rng:  # a backward before any forward in this process: take a forward's rng_state
@@ -178,26 +189,26 @@ class TeFusedKernel(PieceKernel):
         )
         return tuple(grads[:3])
 
-    def dense_forward(self, q, k, v, causal, scale):
+    def dense_forward(self, q, k, v, causal, scale, max_logit=False):
         b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        out, stats = self._forward(q, k, v, self._cu(b, sq, q.device), self._cu(b, sk, q.device), sq, sk, "bshd",
-                                   causal, scale)  # fmt: skip
-        return out, stats.view(b, q.shape[2], sq)  # [b, h, s_q, 1] -> [b, h, s_q]
+        out, stats, *m = self._forward(q, k, v, self._cu(b, sq, q.device), self._cu(b, sk, q.device), sq, sk,
+                                       "bshd", causal, scale, max_logit)  # fmt: skip
+        return out, stats.view(b, q.shape[2], sq), *m  # stats [b, h, s_q, 1] -> [b, h, s_q]
 
     def dense_backward(self, dout, q, k, v, out, lse, causal, scale):
         b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
         cu_q, cu_k = self._cu(b, sq, q.device), self._cu(b, sk, q.device)
         return self._backward(dout, q, k, v, out, lse.unsqueeze(-1), cu_q, cu_k, sq, sk, "bshd", causal, scale)
 
-    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-        out, stats = self._forward(q, k, v, cu_q, cu_k, max_q, max_k, "thd", causal, scale)
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, max_logit=False):
+        out, stats, *m = self._forward(q, k, v, cu_q, cu_k, max_q, max_k, "thd", causal, scale, max_logit)
         self._padded_thd_stats = stats.dim() == 4
         if self._padded_thd_stats:  # [n, h, max_q, 1], each sequence's rows first: back to [h, total_q]
             seq, pos = _thd_rows(cu_q, q.shape[0])
             lse = stats[seq, :, pos, 0].t()
         else:
             lse = stats.view(q.shape[0], q.shape[1]).t()  # [total_q, h, 1] -> [h, total_q]
-        return out, lse
+        return out, lse, *m
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
         if self._padded_thd_stats:

@@ -6,6 +6,13 @@
 The flags are the settings of the one table, :class:`.fields.Fields2D` (names, types, choices, defaults and help
 from there); their destinations equal TransformerConfig2D's field names, so megatron.training's
 ``core_transformer_config_from_args(args, config_class=TransformerConfig2D)`` copies them into the config.
+
+QK-clip (``--qk-clip``, ``--log-max-attention-logit``): Megatron-LM's validate_args demands Transformer Engine 2.9 or
+later for them (TEDotProductAttention's ``return_max_logit``), which a launch whose every CP layer runs the 2d backend
+does not use: :func:`parse_and_validate_args_2d` leaves that one check out there (and makes Megatron's others:
+0 < alpha < 1, threshold > 0), and :func:`use_clip_qk_2d` gives the training loop the clip step that reaches fp32
+models, TP > 1, hybrid stacks and the distributed optimizer's shards (:mod:`.qk_clip`). The patched pretrain_gpt.py /
+pretrain_hybrid.py and examples/pretrain_gpt_2d.py call both.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import argparse
 
 from .fields import flag, flag_options, table
 from .launch_checks import check_launch_args
-from .settings import uses_2d
+from .settings import BACKEND_NAME, layer_comm_types, uses_2d
 
 SPEC = ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
 HYBRID_SPEC = ["megatron_2d.megatron.hybrid_spec", "hybrid_stack_spec_2d"]
@@ -27,6 +34,70 @@ def add_2d_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     for f, _ in table():
         group.add_argument(flag(f.name), **flag_options(f))
     return parser
+
+
+QK_CLIP_FLAGS = (("--qk-clip", "qk_clip"), ("--log-max-attention-logit", "log_max_attention_logit"))
+"""The flags of the max attention logit, with their argparse destinations."""
+
+
+def only_2d_layers(cp_comm_type) -> bool:
+    """Whether every CP layer runs the 2d backend (none delegates to Transformer Engine's CP attention)."""
+    return all(kind == BACKEND_NAME for kind in layer_comm_types(cp_comm_type))
+
+
+def check_qk_clip_args(args) -> None:
+    """Megatron-LM's checks of --qk-clip other than the Transformer Engine version (training/arguments.py)."""
+    if getattr(args, "qk_clip", False):
+        if not 0.0 < args.qk_clip_alpha < 1.0:
+            raise ValueError(f"--qk-clip-alpha {args.qk_clip_alpha} must be between 0.0 and 1.0 when using --qk-clip")
+        if not args.qk_clip_threshold > 0:
+            raise ValueError(f"--qk-clip-threshold {args.qk_clip_threshold} must be greater than 0 with --qk-clip")
+
+
+def parse_and_validate_args_2d(**kwargs) -> argparse.Namespace:
+    """megatron.training's ``parse_and_validate_args(**kwargs)``, except that a launch whose every CP layer runs the
+    2d backend does not need Transformer Engine 2.9 for --qk-clip / --log-max-attention-logit (the 2d op computes the
+    max logit itself; Megatron's other QK-clip checks still apply, :func:`check_qk_clip_args`). Layers that run TE's
+    CP attention keep Megatron's check whole."""
+    from megatron.training import arguments
+
+    validate = arguments.validate_args
+
+    def validate_2d(args, defaults={}):  # noqa: B006  (megatron's own signature)
+        deferred = {}
+        if only_2d_layers(getattr(args, "cp_comm_type", None)) and not arguments.is_te_min_version("2.9.0"):
+            deferred = {dest: True for _, dest in QK_CLIP_FLAGS if getattr(args, dest, False)}
+        for dest in deferred:
+            setattr(args, dest, False)  # what Megatron's validation reads of them is its TE check alone
+        try:
+            return validate(args, defaults)
+        finally:
+            for dest in deferred:
+                setattr(args, dest, True)
+            if deferred:
+                check_qk_clip_args(args)
+
+    arguments.validate_args = validate_2d
+    try:
+        return arguments.parse_and_validate_args(**kwargs)
+    finally:
+        arguments.validate_args = validate
+
+
+def use_clip_qk_2d(args: argparse.Namespace) -> None:
+    """Make :func:`megatron_2d.megatron.qk_clip.clip_qk` the clip step of megatron.training's loop (its
+    ``training.clip_qk``, called after every optimizer step) when this launch runs the 2d backend with --qk-clip or
+    --log-max-attention-logit; megatron-core 0.19.2's own fails on fp32 models, GQA at TP > 1, hybrid stacks with
+    Mamba / GDN layers and the distributed optimizer's shards (see :mod:`.qk_clip`)."""
+    if not uses_2d(getattr(args, "cp_comm_type", None)):
+        return
+    if not any(getattr(args, dest, False) for _, dest in QK_CLIP_FLAGS):
+        return
+    from megatron.training import training
+
+    from .qk_clip import clip_qk
+
+    training.clip_qk = clip_qk
 
 
 def transformer_config_from_args_2d(args: argparse.Namespace):

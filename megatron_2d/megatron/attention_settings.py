@@ -38,6 +38,9 @@ HONOURED: dict[str, str] = {
     "mup_base_head_dim": "through softmax_scale",
     "mup_attn_scale_power": "through softmax_scale",
     "softmax_type": "'off-by-one' and 'learnable' as attention sinks (same softmax_offset parameter and key)",
+    "qk_clip": "the op returns each head's max attention logit over the CP group (return_max_logit); core attention "
+    "keeps current_max_attn_logits as TEDotProductAttention does, for Megatron's clip_qk",
+    "log_max_attention_logit": "as qk_clip: current_max_attn_logits for Megatron's logging",
     "window_size": "sliding window (left, right), TE's convention, on every windowed layer",
     "window_attn_skip_freq": "which layers are windowed (megatron's is_layer_window_attention)",
     "apply_query_key_layer_scaling": "no effect on the math: Megatron divides the scale by the layer number and "
@@ -98,16 +101,8 @@ _KITCHEN = "kitchen attention replaces core attention; it cannot run with cp_com
 _REFUSED_WHEN_SET: dict[str, str] = {
     "attention_dropout": "attention dropout is not supported by the 2d backend (it would be silently ignored); "
     "set attention_dropout=0.0 (--attention-dropout 0)",
-    "qk_clip": "qk-clip needs each layer's max attention logit, which the 2d backend does not compute; set "
-    "qk_clip=False or use a Transformer Engine CP backend",
-    "log_max_attention_logit": "the max attention logit is not computed by the 2d backend; set "
-    "log_max_attention_logit=False",
     "experimental_attention_variant": "experimental attention variants (gated_delta_net, dsa) are not supported by "
     "the 2d backend; leave experimental_attention_variant unset",
-    "fp8_dot_product_attention": "fp8 dot-product attention is not implemented by the 2d backend; set "
-    "fp8_dot_product_attention=False (fp8 linear layers are fine)",
-    "fp8_multi_head_attention": "fp8 multi-head attention is not implemented by the 2d backend; set "
-    "fp8_multi_head_attention=False",
     "use_kitchen_attention": _KITCHEN,
     "deterministic_mode": "deterministic mode is not guaranteed by the 2d backend (flash-attn's backward adds dq "
     "with atomics); set deterministic_mode=False",
@@ -145,8 +140,31 @@ def _cuda_graph_refusal(config) -> str:
     )
 
 
+def _fp8_attention_refusal(what: str, name: str, hint: str = "") -> Callable[[object], str]:
+    """Why FP8 attention is refused, and with QK-clip on, that Transformer Engine has no backend for it either."""
+
+    def why(config) -> str:
+        text = f"{what} is not implemented by the 2d backend; set {name}=False{hint}"
+        if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+            text += (
+                " (with qk_clip / log_max_attention_logit no backend runs it: Transformer Engine switches every "
+                "attention backend off for the max logit under FP8 attention)"
+            )
+        return text
+
+    return why
+
+
 # name -> (when it is refused, why and what would work; a callable gets the config)
 REFUSED: dict[str, tuple] = {name: (_is_set(name), why) for name, why in _REFUSED_WHEN_SET.items()}
+REFUSED["fp8_dot_product_attention"] = (
+    _is_set("fp8_dot_product_attention"),
+    _fp8_attention_refusal("fp8 dot-product attention", "fp8_dot_product_attention", " (fp8 linear layers are fine)"),
+)
+REFUSED["fp8_multi_head_attention"] = (
+    _is_set("fp8_multi_head_attention"),
+    _fp8_attention_refusal("fp8 multi-head attention", "fp8_multi_head_attention"),
+)
 REFUSED["kitchen_attention_backend"] = (_is_set("use_kitchen_attention"), _KITCHEN)
 REFUSED.update({name: (_is_set(name), why) for name, why in MLA_REFUSED.items()})
 REFUSED["cuda_graph_impl"] = (cuda_graph_captures_attention, _cuda_graph_refusal)

@@ -14,6 +14,12 @@ Packed documents (``packed_seq_params`` with qkv_format "thd"): query [t, hq/tp,
 Megatron's zigzag built from cu_seqlens_q (real lengths) and cu_seqlens_q_padded; it is built once per batch and
 shared by every layer through the packed_seq_params object. Megatron's per-sequence split
 (--dataloader-inter-document-masking) is the "sequence" layout (:mod:`megatron_2d.megatron.per_sequence`).
+
+QK-clip (``config.qk_clip`` or ``log_max_attention_logit``): as megatron-core 0.19.2's TEDotProductAttention,
+``current_max_attn_logits`` is the running max over the micro-batches since the last clip of the max attention
+logit per query head of this TP partition ([heads / tp], detached, in the output's dtype as TE returns it), None
+before the first; Megatron's ``clip_qk`` all-reduces it, clips the weights and sets it back to None. The op gives
+it reduced over the CP group (``return_max_logit``); a layer that delegates to TE's CP attention keeps TE's.
 """
 
 from __future__ import annotations
@@ -181,6 +187,33 @@ class CoreAttention2D(MegatronModule):
                 )
         self.tp_group = pg_collection.tp
         self._init_softmax_offset(config, heads_per_partition=config.num_attention_heads // pg_collection.tp.size())
+        self.max_logits = bool(config.qk_clip or config.log_max_attention_logit)
+        self.current_max_attn_logits = None
+
+    @property
+    def current_max_attn_logits(self) -> torch.Tensor | None:
+        """[heads / tp]: the running max attention logit since the last clip (see the module), or None."""
+        if self.delegate is not None:
+            return getattr(self.delegate, "current_max_attn_logits", None)
+        return self.__dict__.get("_max_attn_logits")
+
+    @current_max_attn_logits.setter
+    def current_max_attn_logits(self, value: torch.Tensor | None) -> None:
+        if self.delegate is not None:
+            self.delegate.current_max_attn_logits = value
+        else:
+            self.__dict__["_max_attn_logits"] = value
+
+    def _keep_max_logit(self, result, dtype: torch.dtype):
+        """The op's output from ``result``; with QK-clip, ``result`` is (out, max_logit), whose max joins the
+        running max (detached, in ``dtype``), as TEDotProductAttention keeps it."""
+        if not self.max_logits:
+            return result
+        out, batch_max = result
+        batch_max = batch_max.detach().to(dtype)
+        current = self.current_max_attn_logits
+        self.current_max_attn_logits = batch_max if current is None else torch.max(current, batch_max)
+        return out
 
     @staticmethod
     def _check_dynamic_layer(config, attn_mask_type, head_parallel_size, inner_ring_size, placement) -> None:
@@ -296,7 +329,7 @@ class CoreAttention2D(MegatronModule):
         if sequence_groups is not None:  # hybrid CP, one sequence: Megatron's 2 x g zigzag is the sbhd layout
             q, k, v = (x.unsqueeze(1) for x in (query, key, value))  # [t, h, d] -> [t, b=1, h, d]
             settings = self._call_settings(q, attn_mask_type, attention_bias, None, groups=sequence_groups)
-            out = self._run(_attention_with_sinks, (q, k, v), settings)
+            out = self._keep_max_logit(self._run(_attention_with_sinks, (q, k, v), settings), query.dtype)
             return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
         settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
         packed_width = value.shape[-1]
@@ -304,7 +337,7 @@ class CoreAttention2D(MegatronModule):
             # MLA under THD: Megatron pads V to the query's head dim before core attention and trims the output
             # after it; the op takes V as it is (no padding on the wire) and the output is padded back here
             value = value[..., : self.v_channels]
-        out = self._run(_attention_with_sinks, (query, key, value), settings)
+        out = self._keep_max_logit(self._run(_attention_with_sinks, (query, key, value), settings), query.dtype)
         if out.shape[-1] < packed_width:
             out = torch.nn.functional.pad(out, (0, packed_width - out.shape[-1]))
         return self._flatten_heads(out, settings["packing"])
@@ -321,7 +354,7 @@ class CoreAttention2D(MegatronModule):
         settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
         op = partial(_latent_attention_with_sinks, nope_dim=dims.nope_dim, value_dim=dims.value_dim)
         out = self._run(op, (query, latent, up_weight), settings, names=("q", "latent", "up_weight"))
-        return self._flatten_heads(out, settings["packing"])
+        return self._flatten_heads(self._keep_max_logit(out, query.dtype), settings["packing"])
 
     def _call_settings(
         self,
@@ -354,6 +387,7 @@ class CoreAttention2D(MegatronModule):
             sliding_window=window,
             dkv_comm_dtype=fields_2d(self.config).cp_2d_dkv_comm_dtype,
             packing=packing,
+            return_max_logit=self.max_logits,
         )
 
     def _run(self, op, tensors, settings: dict, names=("q", "k", "v")) -> torch.Tensor:

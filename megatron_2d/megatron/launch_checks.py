@@ -247,6 +247,15 @@ def megatron_composition_problems(args) -> list[str]:
             f"a wrong first update; add --no-align-grad-reduce, or drop --overlap-grad-reduce, or shard over all "
             f"dp x cp ranks (--num-distributed-optimizer-instances 1)"
         )
+    if getattr(args, "qk_clip", False) and getattr(args, "use_megatron_fsdp", False):
+        problems.append(
+            "--qk-clip with --use-megatron-fsdp: megatron-core 0.19.2's clip_qk rescales each attention layer's "
+            "weight and main_param as whole tensors, but megatron-fsdp keeps the weights and the fp32 main weights "
+            "as shards of its own buffers, so the clip acts on tensors its next parameter update overwrites (on CPU "
+            "ranks the max logit of the next step moved 300% away from CP = 1's); use the distributed optimizer "
+            "(--use-distributed-optimizer, Hybrid ZeRO's 'optimizer' choice) with QK-clip, or only log the max "
+            "(--log-max-attention-logit)"
+        )
     if getattr(args, "use_tp_pp_dp_mapping", False) and pp > 1 and cp > 1:
         problems.append(
             f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp} and --context-parallel-size {cp}: "
@@ -401,8 +410,45 @@ def current_launch_args() -> object | None:
         return None
 
 
+def qk_clip_step_problem(args) -> str | None:
+    """Why this launch's training loop would fail at its first QK-clip step, or None: the loop's ``clip_qk`` is
+    megatron-core 0.19.2's own (the unpatched ``--spec`` route; the 2d entry routes give it
+    :func:`megatron_2d.megatron.qk_clip.clip_qk`) and the launch is one that fails in it (see
+    :mod:`megatron_2d.megatron.qk_clip`)."""
+    clip, log = getattr(args, "qk_clip", False), getattr(args, "log_max_attention_logit", False)
+    if not (clip or log) or not uses_2d(getattr(args, "cp_comm_type", None)):
+        return None
+    loop = sys.modules.get("megatron.training.training")
+    from .qk_clip import clip_qk
+
+    if loop is None or getattr(loop, "clip_qk", None) is clip_qk:
+        return None
+    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    pattern = getattr(args, "hybrid_layer_pattern", None) or ""
+    failing = []
+    if not half:
+        failing.append("an fp32 model (it reads model_chunk.module.module.decoder, which only Float16Module has)")
+    if pattern and set(decoder_layers(pattern)) & SSM_SYMBOLS:
+        failing.append("Mamba / GDN layers (it reads every decoder layer's self_attention)")
+    if clip and getattr(args, "tensor_model_parallel_size", 1) > 1 and not getattr(args, "multi_latent_attention", 0):
+        failing.append("GQA / MHA at --tensor-model-parallel-size > 1 (its view of linear_qkv's weight)")
+    if clip and half and getattr(args, "use_distributed_optimizer", False):
+        failing.append("the distributed optimizer in bf16 / fp16 (its flat main-param shards)")
+    if not failing:
+        return None
+    return (
+        f"{'--qk-clip' if clip else '--log-max-attention-logit'} with megatron-core 0.19.2's own clip step fails "
+        f"after the first optimizer step for {'; '.join(failing)}; launch through the patched pretrain_gpt.py / "
+        f"pretrain_hybrid.py or examples/pretrain_gpt_2d.py, whose training loop runs "
+        f"megatron_2d.megatron.qk_clip.clip_qk (megatron_2d.megatron.arguments.use_clip_qk_2d(args))"
+    )
+
+
 def check_current_launch() -> None:
-    """:func:`check_launch_args` on the current launch's arguments, if any."""
+    """:func:`check_launch_args` on the current launch's arguments, if any, and :func:`qk_clip_step_problem`."""
     args = current_launch_args()
     if args is not None:
         check_launch_args(args)
+        problem = qk_clip_step_problem(args)
+        if problem:
+            raise ValueError(problem)

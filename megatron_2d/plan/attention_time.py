@@ -47,6 +47,12 @@ assert tuple(RIDER_BYTES) == DKV_COMM_DTYPES
 HEAD_EXCHANGE_COPIES = 2
 """Copies of the data one direction of the op's head all-to-all makes on each rank: into the send buffer and out of
 the receive buffer (:mod:`megatron_2d.head_all_to_all`, on every backend and batch size)."""
+MAX_LOGIT_SCORE_BYTES = 2 * BF16
+"""HBM bytes per score of the op's separate max-logit pass (a kernel without it in its launch, QK-clip): each tile of
+q k^T scores is written once and read once by the amax, in bf16 on CUDA (:mod:`megatron_2d.kernels.max_logit`)."""
+MAX_LOGIT_REDUCTIONS = 2
+"""All-reduces of the max logit per layer and forward: over the head group and over the context group (a few
+hundred bytes each: their latency)."""
 BWD_FACTOR = 2.5
 """Backward attention time / forward (FlashAttention recomputes P in backward: 2.5x the forward FLOPs executed)."""
 GB = 1e9
@@ -170,6 +176,15 @@ def layer_work(
         merge_bwd_bytes=merge_b,
         s_ctx_tokens=s_ctx,
     )
+
+
+def max_logit_pass_s(step_flops: float, qk_dim: int, v_dim: int, cluster: ClusterSpec) -> float:
+    """Seconds of the op's separate max-logit pass over one ring step whose attention kernel does ``step_flops``
+    forward FLOPs (2 (dk + dv) per visible pair): q k^T again for those pairs (2 dk FLOPs each, at the dense GEMM
+    rate) and each score written and read once (:data:`MAX_LOGIT_SCORE_BYTES`, HBM); 0 for no pairs."""
+    pairs = step_flops / (2.0 * (qk_dim + v_dim))
+    gemm = 2.0 * qk_dim * pairs / (cluster.peak_tflops * 1e12 * cluster.dense_efficiency)
+    return gemm + pairs * MAX_LOGIT_SCORE_BYTES / (cluster.hbm_gbps * GB)
 
 
 # -- links ------------------------------------------------------------------------------------------------------

@@ -126,6 +126,13 @@ def _cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="the attention kernel 2D runs (default: what its selection picks, as stock TE's: te_fused on "
         "Hopper, flash_attn2 on Ampere); the flags then carry --cp-2d-kernel. Stock runs TE's kernel",
     )
+    c.add_argument(
+        "--qk-clip",
+        action="store_true",
+        help="QK-clip (Megatron's --qk-clip / --log-max-attention-logit): every attention forward also computes the "
+        "max attention logit; charged as a separate q k^T pass per ring step unless the kernel's launch returns it "
+        "(te_fused: TE 2.9+), plus two all-reduces",
+    )
     c.add_argument("--dense-eff", type=float, help="dense-GEMM efficiency for the non-attention part (default 0.6)")
     c.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU per direction")
     c.add_argument("--net-gbps", type=float, help="network GB/s per node (all NICs)")
@@ -387,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             hybrid_pattern=args.hybrid_pattern,
             memory=memory,
             kernel=args.kernel,
+            qk_clip=args.qk_clip,
         )
     except PlanError as err:
         parser.error(str(err))

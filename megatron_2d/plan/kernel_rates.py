@@ -60,6 +60,10 @@ STOCK_KERNEL = {"hopper": "te_fused", "ampere": "flash_attn2"}
 SELECTED_KERNEL = {"hopper": "te_fused", "ampere": "flash_attn2"}
 """What megatron_2d.kernels selects where stock runs: the first of its order per architecture that is installed
 with TE (tests/test_plan_kernels.py checks it against the selection)."""
+LAUNCH_MAX_LOGIT = ("te_fused",)
+"""The kernels whose launch returns the max attention logit (QK-clip): Transformer Engine's fused attention from 2.9 on
+(``fused_attn_fwd(return_max_logit=True)``, cuDNN's row max, assumed installed); every other kernel runs the op's
+separate pass (:mod:`megatron_2d.kernels.max_logit`; tests/test_plan_kernels.py checks the two agree)."""
 PLANNED_KERNELS = tuple(k for k in KERNELS if any(k == name for _, name in KERNEL_RATES))
 """The kernels the planner prices (``--kernel``): the CUDA ones."""
 
@@ -73,13 +77,14 @@ def kernel_rate(arch: str, kernel: str) -> KernelRate:
     return KERNEL_RATES[(arch, kernel)]
 
 
-def side_kernel(kind: str, arch: str, kernel: str | None = None) -> str:
-    """The kernel a layout of ``kind`` runs: Megatron's stock kinds TE's (:data:`STOCK_KERNEL`), DeepSpeed-Ulysses
-    flash-attn 2, 2D ``kernel`` or the selection's (:data:`SELECTED_KERNEL`)."""
+def side_kernel(kind: str, arch: str, kernel: str | None = None, qk_clip: bool = False) -> str:
+    """The kernel a layout of ``kind`` runs: Megatron's stock kinds TE's (:data:`STOCK_KERNEL`; with ``qk_clip``
+    its fused attention: TE switches FlashAttention off for ``return_max_logit``, ``get_attention_backend``),
+    DeepSpeed-Ulysses flash-attn 2, 2D ``kernel`` or the selection's (:data:`SELECTED_KERNEL`)."""
     if kind == "ds-ulysses":
         return "flash_attn2"
     if kind != "2d":
-        return STOCK_KERNEL[arch]
+        return "te_fused" if qk_clip else STOCK_KERNEL[arch]
     chosen = SELECTED_KERNEL[arch] if kernel is None else kernel
     kernel_rate(arch, chosen)  # validated
     return chosen

@@ -339,6 +339,7 @@ def evaluate(
     hybrid: HybridPattern | None = None,
     memory: MemoryPolicy = MemoryPolicy(),
     kernel: str | None = None,
+    qk_clip: bool = False,
 ) -> Candidate:
     """Check and, when the layout can run, estimate it under each memory option and recompute mode and keep the
     fastest that fits.
@@ -357,11 +358,13 @@ def evaluate(
     pattern (:mod:`megatron_2d.plan.hybrid`): the layout's attention is costed on its attention layers, its Mamba /
     GDN layers' own all-to-alls are added. ``kernel``: the kernel 2D layouts run (None: what its selection picks on
     the cluster's architecture; stock layouts always run Transformer Engine's, :mod:`.kernel_rates`), in the flags
-    as ``--cp-2d-kernel`` when it is not the selection's."""
+    as ``--cp-2d-kernel`` when it is not the selection's. ``qk_clip``: QK-clip's max attention logit in every
+    forward (:func:`megatron_2d.plan.step.estimate`'s ``max_logit``: free in a kernel's launch that returns it,
+    Transformer Engine's for stock, else the op's separate pass)."""
     model, cluster = _resolve(model, cluster)
     if hybrid is not None:
         model = hybrid.attention_model(model)
-    runs_kernel = side_kernel(layout.kind, cluster.arch, kernel)
+    runs_kernel = side_kernel(layout.kind, cluster.arch, kernel, qk_clip)
     kernel_flag = (
         f" --cp-2d-kernel {runs_kernel}" if layout.kind == "2d" and runs_kernel != SELECTED_KERNEL[cluster.arch] else ""
     )
@@ -392,7 +395,7 @@ def evaluate(
         cost = packing_cost(model, cluster, parallel.tp, layout.hp, layout.cp, layout.placement, runs_kernel)
         packed = _packed_work(layout, lengths, packing, windowed, cost)
     base = _layer_mix_estimate(
-        layout, model, cluster, parallel, seq, causal, mix, dkv, lengths, packing, cost, runs_kernel
+        layout, model, cluster, parallel, seq, causal, mix, dkv, lengths, packing, cost, runs_kernel, qk_clip
     )
     if hybrid is not None:
         base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
@@ -473,8 +476,10 @@ def _layer_mix_estimate(
     packing: str | None,
     cost,
     kernel: str,
+    qk_clip: bool = False,
 ) -> Estimate:
-    """The estimate without recompute, its layers weighted by window (``mix``: window -> layers), on ``kernel``."""
+    """The estimate without recompute, its layers weighted by window (``mix``: window -> layers), on ``kernel``
+    (with the max logit under ``qk_clip``)."""
     kv_heads = kind_kv_heads(layout.kind, model, parallel)
     mla_ring = "latent" if layout.mla_ring == "latent" else None
     return combine_layers(
@@ -496,6 +501,7 @@ def _layer_mix_estimate(
                     packed=None if lengths is None else _packed_work(layout, lengths, packing, win, cost),
                     mla_ring=mla_ring,
                     kernel=kernel,
+                    max_logit=qk_clip,
                 ),
                 n,
             )
@@ -610,6 +616,7 @@ def plan(
     hybrid_pattern: str | None = None,
     memory: MemoryPolicy = MemoryPolicy(),
     kernel: str | None = None,
+    qk_clip: bool = False,
 ) -> list[Candidate]:
     """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
     ones that run but do not fit (least memory first), then those that cannot run, with reasons.
@@ -618,7 +625,8 @@ def plan(
     row, when feasible, is the recommendation (see :func:`recommended`). ``lengths``: document lengths of a packed
     batch (summing to ``seq``): one row per layout and packed mode (2D: zigzag and documents; stock: THD zigzag).
     ``hybrid_pattern``: a HybridModel's ``--hybrid-layer-pattern`` (see :mod:`megatron_2d.plan.hybrid`).
-    ``kernel``: the attention kernel of the 2D rows (None: its selection's; see :func:`evaluate`).
+    ``kernel``: the attention kernel of the 2D rows (None: its selection's; see :func:`evaluate`). ``qk_clip``:
+    every layout's attention also computes the max logit (see :func:`evaluate`).
 
     >>> from megatron_2d.plan import plan, ParallelSpec
     >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
@@ -659,6 +667,7 @@ def plan(
             hybrid=hybrid,
             memory=memory,
             kernel=kernel,
+            qk_clip=qk_clip,
         )
         for l in enumerate_schemes(model, parallel)
         for mode in (modes_for(l.kind) if lengths is not None else (None,))  # packed: every mode of the kind

@@ -16,18 +16,20 @@ from .attention_time import (
     BF16,
     BWD_FACTOR,
     GB,
+    MAX_LOGIT_REDUCTIONS,
     MLA_RINGS,
     RIDER_BYTES,
     LayerWork,
     Traffic,
     head_exchange_time,
     layer_work,
+    max_logit_pass_s,
     neighbour_times,
     ring_times,
     traffic,
 )
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
-from .kernel_rates import SELECTED_KERNEL
+from .kernel_rates import LAUNCH_MAX_LOGIT, SELECTED_KERNEL
 from .link_classes import LinkMap, link_map
 from .memory import LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
 from .windows import WindowWork, packed_window_work, window_work
@@ -84,6 +86,10 @@ class Estimate:
     layers: int = 0
     memory: MemoryBreakdown | None = None
     """The parts ``memory_gb`` is made of, for every recompute mode."""
+    max_logit_s: float = 0.0
+    """What QK-clip's max attention logit adds to the layer's forward (``max_logit``): the op's separate pass in each
+    ring step unless the kernel's launch gives it (:data:`.kernel_rates.LAUNCH_MAX_LOGIT`), and its two
+    all-reduces' latency; the recompute modes that run the attention forward again pay it again."""
     neighbour_exchange: bool = False
     """A sliding window made the op exchange K/V with neighbours only (the inner ring size w then has no effect)."""
     states: ShardingCost | None = None
@@ -135,6 +141,7 @@ _PER_LAYER_FIELDS = (
     "inter_bytes_nic",
     "attn_fwd_s",
     "step_s",
+    "max_logit_s",
 )
 
 
@@ -177,6 +184,7 @@ def estimate(
     packed: PackedWork | None = None,
     mla_ring: str | None = None,
     kernel: str | None = None,
+    max_logit: bool = False,
 ) -> Estimate:
     """Predict one layout. Assumes the layout is valid (see candidates.check_scheme).
 
@@ -196,7 +204,9 @@ def estimate(
     up-projects the keys it reads (``LayerWork.expand_flops`` at the dense GEMM rate, 3x in backward) in place of
     the layer's own K/V up-projection.
     ``kernel``: the attention kernel the layout runs (its rate: ``cluster.kernel_efficiency``); None: what 2D's
-    kernel selection picks on the cluster's architecture (:mod:`.kernel_rates`)."""
+    kernel selection picks on the cluster's architecture (:mod:`.kernel_rates`).
+    ``max_logit``: the layer's forward also computes the max attention logit (QK-clip, ``--qk-clip``):
+    ``Estimate.max_logit_s``."""
     runs = SELECTED_KERNEL[cluster.arch] if kernel is None else kernel
     job = _Job(
         model,
@@ -214,6 +224,7 @@ def estimate(
         packed,
         mla_ring,
         runs,
+        max_logit,
     )
     return with_recompute(_estimate_none(job), recompute)
 
@@ -262,6 +273,8 @@ class _Job:
     mla_ring: str | None
     kernel: str
     """The attention kernel (:mod:`.kernel_rates`), whose rate on the cluster the kernels' time takes."""
+    max_logit: bool = False
+    """QK-clip: the forward computes the max attention logit too."""
 
 
 @dataclass(frozen=True)
@@ -277,6 +290,8 @@ class _AttentionTimes:
     compute: float
     sent: Traffic
     links: LinkMap
+    max_logit: float = 0.0
+    """What the max logit adds to the forward (``Estimate.max_logit_s``)."""
 
     @property
     def time(self) -> float:
@@ -316,6 +331,7 @@ def _estimate_none(job: _Job) -> Estimate:
         layers=model.layers,
         memory=mem,
         neighbour_exchange=ww.transport == "neighbour",
+        max_logit_s=t.max_logit,
     )
 
 
@@ -385,12 +401,16 @@ def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTi
     merge = cp > 1  # a single block needs no merge
     dense_rate = cluster.peak_tflops * 1e12 * cluster.dense_efficiency
     expand = work.expand_flops * ww.fraction / dense_rate  # the latent ring's up-projection per step
-    tc = kernel + lat + (work.merge_fwd_bytes / hbm if merge else 0.0) + expand
+    # QK-clip: the max logit pass of each step (unless the kernel's launch gives it), and its reductions
+    passes = j.max_logit and j.kernel not in LAUNCH_MAX_LOGIT
+    max_pass = max_logit_pass_s(work.fwd_flops / cp, j.model.qk_dim, j.model.v_dim, cluster) if passes else 0.0
+    reductions = MAX_LOGIT_REDUCTIONS * lat if j.max_logit else 0.0
+    tc = kernel + lat + (work.merge_fwd_bytes / hbm if merge else 0.0) + expand + max_pass
     tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0) + 3 * expand
     # one direction's all-to-alls (nothing when hp == 1)
     a2a_one = head_exchange_time(work, links, cluster) if hp > 1 else 0.0
     if local_only:
-        tc, tcb = cp * kernel + lat, cp * BWD_FACTOR * kernel + lat
+        tc, tcb = cp * (kernel + max_pass) + lat, cp * BWD_FACTOR * kernel + lat
         fwd, bwd, ring_serial = tc, tcb, 0.0
         sent = traffic(work, links, cluster, hp, cp, w)
     elif ww.transport in ("double_ring", "local"):
@@ -401,7 +421,8 @@ def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTi
     else:
         raise ValueError(f"the planner has no cost model for transport kind {ww.transport!r}")
     compute = (tc + tcb) if local_only else cp * (tc + tcb)
-    return _AttentionTimes(a2a_one, fwd, bwd, ring_serial, compute, sent, links)
+    added = (max_pass if local_only else cp * max_pass) + reductions
+    return _AttentionTimes(a2a_one, fwd + reductions, bwd, ring_serial, compute, sent, links, added)
 
 
 def _neighbour_exchange_times(

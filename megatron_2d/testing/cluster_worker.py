@@ -11,6 +11,8 @@ Slurm stand-ins start quickly.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shlex
 import subprocess
@@ -24,7 +26,13 @@ CLUSTER_ENV = "M2D_CLUSTER"
 NODES_ENV = "M2D_CLUSTER_NODES"
 RANK_FLAGS_ENV = "M2D_RANK_FLAGS"
 """Flags each CPU worker appends to its script's command line (shlex-quoted)."""
-_CPU_PLACEMENTS = None
+TE_RELEASE_ENV = "M2D_TE_RELEASE"
+"""When set, the Transformer Engine release whose CPU context each CPU worker runs in (stock Megatron CP:
+megatron_2d.testing.te_context_parallel, with megatron-core's TE extension; the claim only around TE's attention,
+megatron_2d.testing.stock_cp_spec)."""
+_HELD = contextlib.ExitStack()
+"""The contexts a worker holds for its whole process (it only runs the script), closed at exit (atexit, before the
+interpreter tears modules down) in reverse order."""
 
 
 def node_address(node: int) -> str:
@@ -34,7 +42,9 @@ def node_address(node: int) -> str:
 
 def start_worker() -> None:
     """In a torchrun worker of an emulated node: join the rank's namespace, make gloo use its NIC, install the
-    CPU shims of megatron.training and append the CPU flags and ``M2D_RANK_FLAGS`` to the command line."""
+    CPU shims of megatron.training (and, with ``M2D_TE_RELEASE``, enter that Transformer Engine release's CPU
+    context, as ``pretrain_cpu --te-release`` does) and append the CPU flags and ``M2D_RANK_FLAGS`` to the command
+    line."""
     node, local = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
     netns.enter_namespace(f"{os.environ[CLUSTER_ENV]}-n{node}r{local}")
     os.environ["GLOO_SOCKET_IFNAME"] = "nic"
@@ -45,9 +55,12 @@ def start_worker() -> None:
 
     torch.set_num_threads(1)
     install_pretrain_cpu_shims()
-    global _CPU_PLACEMENTS
-    _CPU_PLACEMENTS = megatron_ddp_on_cpu()  # held for the whole process (it only runs the script): a context
-    _CPU_PLACEMENTS.__enter__()  # manager no longer referenced would be closed, and its mode popped
+    if os.environ.get(TE_RELEASE_ENV):
+        from .te_context_parallel import te_context_parallel_on_cpu
+
+        _HELD.enter_context(te_context_parallel_on_cpu(os.environ[TE_RELEASE_ENV], megatron=True, claim_cuda=False))
+    _HELD.enter_context(megatron_ddp_on_cpu())
+    atexit.register(_HELD.close)
     sys.argv += shlex.split(os.environ.get(RANK_FLAGS_ENV, "")) + CPU_FLAGS
 
 

@@ -11,7 +11,7 @@ import torch
 
 from . import ddp_harness as mcpu
 from . import tiny_gpt as tg
-from .generated_configs import MOE_LOSS_COEFF, Draw, Scenario, norm_route
+from .generated_configs import MOE_LOSS_COEFF, QK_CLIP_THRESHOLD, Draw, Scenario, norm_route
 
 VOCAB = 128
 HIDDEN = 64
@@ -103,6 +103,8 @@ def megatron_flags(draw: Draw) -> list[str]:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(len(s.layers) // (draw.pp * draw.vpp))]
     if draw.recompute == "checkpoint_plus_plus":
         flags.append("--selective-checkpoint-plus-plus")
+    if s.qk_clip:
+        flags += ["--qk-clip", "--qk-clip-threshold", str(QK_CLIP_THRESHOLD)]
     return flags + hybrid_zero(draw).megatron_cli_args(draw.dp, draw.context_parallel_size)
 
 
@@ -174,6 +176,8 @@ def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
         bf16=dtype == torch.bfloat16,
         **_recompute_fields(draw),
     )
+    if s.qk_clip:
+        fields.update(qk_clip=True, qk_clip_threshold=QK_CLIP_THRESHOLD)
     if draw.vpp:
         # as Megatron-LM sets them for the interleaved schedule (its default --overlap-p2p-communication): with
         # batched p2p, PP = 2 would post two sends and two receives between the same two ranks in one batch, which
@@ -249,10 +253,13 @@ def _swap_core_attention(layer_specs, core_attention) -> None:
 
 def megatron_attention_is_the_reference(draw: Draw) -> bool:
     """Whether Megatron's local DotProductAttention is the reference's core attention: it has no THD path, does not
-    take MLA's head dims, and leaves learnable sinks unmarked for TP (each TP rank's heads would get the same
-    values from a full-shape draw); :class:`ReferenceCoreAttention` stands in there."""
+    take MLA's head dims, leaves learnable sinks unmarked for TP (each TP rank's heads would get the same values
+    from a full-shape draw) and keeps no max attention logit (QK-clip); :class:`ReferenceCoreAttention` stands in
+    there."""
     s = draw.scenario
-    return s.data == "sbhd" and s.model != "mla" and not (s.softmax_type == "learnable" and draw.tp > 1)
+    return (
+        s.data == "sbhd" and s.model != "mla" and not (s.softmax_type == "learnable" and draw.tp > 1) and not s.qk_clip
+    )
 
 
 def _norms(draw: Draw, spec):

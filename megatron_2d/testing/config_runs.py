@@ -8,7 +8,11 @@ optimizer (Hybrid ZeRO's choice); a ValueError up to there is the draw's refusal
 ``ITERATIONS`` Adam steps through Megatron's schedule (``get_forward_backward_func``, ``finalize_model_grads``,
 ``optimizer.step()``) on the scenario's batches (this DP rank's share, in micro-batches, split over CP as the
 draw's data path splits them). Per iteration: the loss and the gradient norm the optimizer computes; the
-parameters' canonical names and full shapes; after iteration 1's reduction, every gradient at its full shape.
+parameters' canonical names and full shapes; after iteration 1's reduction, every gradient at its full shape. With
+QK-clip (the scenario's ``qk_clip``), after every ``optimizer.step()`` the clip step of Megatron-LM's training loop
+(:func:`megatron_2d.megatron.qk_clip.clip_qk`, which runs megatron-core's own on each attention layer), whose
+logged max logit is kept per iteration, and after the last iteration every weight at its full shape (Megatron's DDP
+and distributed optimizer; megatron-fsdp's sharded weights are compared through the losses).
 
 The reference is the same function on :func:`generated_configs.reference_of`'s draw (CP = 1, one rank unless MLA's
 TP), with Megatron's own core attention or :class:`.reference_core_attention.ReferenceCoreAttention`. What it
@@ -59,6 +63,8 @@ class RankResult:
     grad_norms: list[float | None] = field(default_factory=list)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] | None = None  # rank 0 only
+    max_logits: list[float] = field(default_factory=list)  # QK-clip: each iteration's logged max, over all ranks
+    weights: dict[str, torch.Tensor] | None = None  # QK-clip: after the last iteration, rank 0 only
     seconds: float = 0.0
 
 
@@ -162,8 +168,23 @@ def train_draw(rank: int, world: int, draw: Draw, launch_args) -> RankResult:
         result.grad_norms.append(grad_norm)
         if iteration == 0 and rank == 0:
             result.grads = grads
+        if draw.scenario.qk_clip:
+            result.max_logits.append(_clip(wrapped))
+    if draw.scenario.qk_clip and not draw.megatron_fsdp:
+        weights = mcpu.full_weights(wrapped)
+        result.weights = weights if rank == 0 else None
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _clip(chunks) -> float:
+    """The training loop's QK-clip step after ``optimizer.step()``; its logged max logit over every rank (each TP
+    rank and pipeline stage logs its own heads' and layers')."""
+    from ..megatron.qk_clip import clip_qk
+
+    logged = torch.tensor([clip_qk(chunks)], dtype=torch.float64)
+    dist.all_reduce(logged, op=dist.ReduceOp.MAX)
+    return float(logged)
 
 
 # ---- a draw against its reference ------------------------------------------------------------------------------------
@@ -190,6 +211,13 @@ def errors_against(got: list[RankResult], expected: RankResult) -> dict[str, flo
     every rank; ``grad_norm_1`` iteration 1's), ``grad`` (iteration 1, max |error| / max |reference| per tensor)
     and ``grad_l2`` (||error|| / ||reference|| per tensor)."""
     worst = {"loss": 0.0, "grad_norm_1": 0.0, "grad_norm": 0.0, "grad": 0.0, "grad_l2": 0.0}
+    if expected.max_logits:
+        worst["max_logit"] = max(_relative(a, e) for r in got for a, e in zip(r.max_logits, expected.max_logits))
+    if expected.weights and got[0].weights:
+        worst["weights"] = max(
+            tg.max_relative_error(got[0].weights[n].double(), w.double()) if n in got[0].weights else float("inf")
+            for n, w in expected.weights.items()
+        )
     for r in got:
         for a, e in zip(r.losses, expected.losses):
             worst["loss"] = max(worst["loss"], abs(a - e) / abs(e))
@@ -269,23 +297,62 @@ def compare(draw: Draw, got: list[RankResult], expected: RankResult, twin: RankR
             bad[name] = f"{err:.2e} (bound {bound:.2g})"
     if bad:
         problems.append(f"iteration 1 gradients off (table bound {tol.grad:g}, or the twin's floor): {bad}")
+    if draw.scenario.qk_clip:
+        problems += _qk_clip_problems(got, expected, twin, tol)
     return problems
 
 
-def run_configuration(draw: Draw, references: dict | None = None, timeout_s: float = 240) -> Outcome:
+def _qk_clip_problems(got: list[RankResult], expected: RankResult, twin: RankResult, tol) -> list[str]:
+    """QK-clip's checks (see :func:`compare`): the reference clipped (its first max logit is above the threshold),
+    each iteration's logged max logit, and every weight after the last iteration."""
+    from .generated_configs import QK_CLIP_THRESHOLD
+
+    problems = []
+    if not (expected.max_logits and expected.max_logits[0] > QK_CLIP_THRESHOLD):
+        problems.append(
+            f"the reference's max logits {expected.max_logits} never exceed the QK-clip threshold "
+            f"{QK_CLIP_THRESHOLD}: the clip did not act, so the draw would check nothing"
+        )
+    for it, e in enumerate(expected.max_logits):
+        bound = _bound(tol.grad_norm if it == 0 else tol.later_grad_norm, _relative(twin.max_logits[it], e))
+        for rank, r in enumerate(got):
+            if len(r.max_logits) != len(expected.max_logits) or not _relative(r.max_logits[it], e) <= bound:
+                problems.append(
+                    f"iteration {it + 1} rank {rank}: max logits {r.max_logits} vs {e:.9g} (bound {bound:.2g})"
+                )
+    if expected.weights is not None and got[0].weights is not None:
+        bad = {}
+        for name, want in expected.weights.items():
+            have = got[0].weights.get(name)
+            if have is None or have.shape != want.shape:
+                bad[name] = "missing" if have is None else f"shape {tuple(have.shape)}"
+                continue
+            err = tg.max_relative_error(have.double(), want.double())
+            bound = _bound(tol.weights, tg.max_relative_error(twin.weights[name].double(), want.double()))
+            if not err <= bound:
+                bad[name] = f"{err:.2e} (bound {bound:.2g})"
+        if bad:
+            problems.append(f"weights after the last iteration off (table bound {tol.weights:g}): {bad}")
+    return problems
+
+
+def run_configuration(
+    draw: Draw, references: dict | None = None, timeout_s: float = 240, with_twin: bool = True
+) -> Outcome:
     """Run ``draw`` and compare it with its reference (computed once per reference draw, kept in
     ``references``); the ranks are forked inside the draw's norm route (:func:`generated_configs.norm_route`), which
-    its reference shares."""
+    its reference shares; ``with_twin`` False: at the table's bounds alone, without the perturbed twin's floor (and
+    its run)."""
     skip = skip_reason(draw)
     if skip is not None:
         return Outcome(draw, "skipped", f"{skip.name}: {skip.message}")
     from .sp_norms import norm_route as norms
 
     with norms(norm_route(draw)):
-        return _run_and_compare(draw, references, timeout_s)
+        return _run_and_compare(draw, references, timeout_s, with_twin)
 
 
-def _run_and_compare(draw: Draw, references: dict | None, timeout_s: float) -> Outcome:
+def _run_and_compare(draw: Draw, references: dict | None, timeout_s: float, with_twin: bool) -> Outcome:
     start = time.perf_counter()
     refusals = expected_refusals(draw)
     try:
@@ -310,7 +377,7 @@ def _run_and_compare(draw: Draw, references: dict | None, timeout_s: float) -> O
             references[reference] = _launch(reference, timeout_s)[0]
         except RankFailure as err:
             return Outcome(draw, "fail", f"reference raised: {err}", time.perf_counter() - start)
-    twin = perturbed_twin_of(draw)
+    twin = perturbed_twin_of(draw) if with_twin else reference
     if twin not in references:
         try:
             references[twin] = _launch(twin, timeout_s)[0]

@@ -181,6 +181,27 @@ def full_parameters(wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in canonical_parameters(wrapped.module).items()}
 
 
+def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Every weight of Megatron-DDP-wrapped model chunks by canonical name, in fp32 at its full shape (gathered over
+    TP, the pipeline stages and the expert-parallel ranks), after forcing the distributed optimizer's param
+    all-gather that ``overlap_param_gather`` defers to the next forward. Collective over the world."""
+    from megatron_2d.testing.tiny_gpt import (
+        canonical_parameters,
+        gather_over_tensor_parallel,
+        merge_over_expert_parallel,
+        merge_over_pipeline,
+    )
+
+    local: dict[str, torch.Tensor] = {}
+    for wrapped in chunks:
+        with megatron_ddp_on_cpu():
+            if wrapped.ddp_config.use_distributed_optimizer:
+                wrapped.start_param_sync(force_sync=True)
+        params = canonical_parameters(unwrapped(wrapped))
+        local.update(gather_over_tensor_parallel({n: (p.detach().float(), p) for n, p in params.items()}))
+    return merge_over_expert_parallel(merge_over_pipeline(local))
+
+
 def full_gradients(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Every gradient of the wrapped model chunks after a step's reduction (call it between ``finalize_model_grads``
     and ``optimizer.step()``, e.g. as :func:`schedule_step`'s ``before_step``), by canonical name, gathered to its
@@ -364,6 +385,7 @@ __all__ = [
     "data_parallel_share",
     "full_gradients",
     "full_parameters",
+    "full_weights",
     "init_parallel",
     "install_megatron_ddp_cpu_shims",
     "megatron_ddp_on_cpu",

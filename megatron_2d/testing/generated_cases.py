@@ -5,14 +5,17 @@ placement, and the CP group's rank order, ``cp_rank_lists``, not always ascendin
 else: unpacked (sbhd, one document per batch row) or packed in each of :data:`megatron_2d.layout.choices.PACKING_MODES`,
 value head dims below the query/key dim (MLA), document lengths (one-token documents, lengths that divide nothing,
 one giant document among tiny ones, hundreds of tiny ones, padding at the end of the stream), GQA ratios with K/V
-replication, causal or full attention, sliding windows, sinks, batch size, kernel and dK/dV dtype. The kernels are
+replication, causal or full attention, sliding windows, sinks, batch size, kernel, dK/dV dtype and whether the op
+also returns the max logit (QK-clip: checked against a brute-force fp64 max over the allowed pairs, on every rank,
+forward only; out and the gradients of such a draw are checked as any other's). The kernels are
 the CPU ones in fp32, and the CUDA ones in bf16 through their CPU stand-ins: ``flash_attn2`` through a real
 flash-attn release (one per batch, :mod:`megatron_2d.testing.flash_attn_package`), ``torch_flash`` through
 PyTorch's flash ops on CPU (:mod:`megatron_2d.testing.torch_flash_cpu`), both of which run windows as flash-attn's
 C++ does, and ``torch_cudnn`` through PyTorch's cuDNN ops on CPU (:mod:`megatron_2d.testing.torch_cudnn_cpu`); a
 draw's CUDA kernel rotates with its index, so each reaches every kind of plan. Every draw is checked against
 :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence is one document): out,
-dq, dk, dv and d sinks, with padding slots exactly zero and everything finite.
+dq, dk, dv and d sinks, with padding slots exactly zero and everything finite (padding slots of q, k, v hold
+:data:`PADDING_VALUE`, not zeros, so that anything that reads them shows).
 
 The bound is the tolerance of the draw's dtype (``TOLERANCE``, max |error| / max |reference|; a bf16 draw's inputs are
 bf16 numbers, so its bound covers the kernels' and the outputs' rounding), except where an fp32 draw is so
@@ -49,7 +52,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layout.topology import PLACEMENTS, divisors
 from .flash_attn_package import RELEASES
-from .reference import TOLERANCE, TOLERANCES, packed_reference_attention, rel_err, rounded, sink_err, sink_terms
+from .reference import (
+    TOLERANCE,
+    TOLERANCES,
+    max_logit_reference,
+    packed_reference_attention,
+    rel_err,
+    rounded,
+    sink_err,
+    sink_terms,
+)
 
 _TIMEOUT = datetime.timedelta(seconds=60)
 _ATEN = torch.ops.aten
@@ -110,6 +122,7 @@ class Draw:
     kernel: str
     dkv_comm_dtype: str
     dtype: str = "float32"  # "bfloat16" for the CUDA kernels (FLASH_KERNELS), which take fp16/bf16 only
+    max_logit: bool = False  # return_max_logit (drawn from a stream of its own: the other fields stay as they were)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -188,6 +201,8 @@ FLASH_SHARE = 0.3
 they were). Of their packed draws, :data:`FLASH_NON_CAUSAL` turn non-causal with a window of their own: the
 calls on blocks of more queries than keys, whose windows flash-attn's C++ would change."""
 FLASH_NON_CAUSAL = 0.4
+MAX_LOGIT_SHARE = 0.5
+"""The share of draws that ask the op for the max logit too."""
 
 
 def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
@@ -227,6 +242,7 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
         "torch_math" if rng.random() < 0.15 else "cpu_flash",
         "input" if rng.random() < 0.2 else "accumulator",
     )
+    draw = replace(draw, max_logit=bool(np.random.default_rng([batch.seed, 3, index]).random() < MAX_LOGIT_SHARE))
     flash = np.random.default_rng([batch.seed, 2, index])
     if flash.random() >= FLASH_SHARE:
         return draw
@@ -257,6 +273,9 @@ FP32_FLOOR_CAP = 1e-3
 its fp64 answer fails rather than judging the op by a bound that would hide a bug."""
 
 OUTPUTS = ("out", "dq", "dk", "dv", "dsinks")
+PADDING_VALUE = 4.0
+"""What the padding slots of q, k and v hold: a q . k of 16 d between two of them, above every real logit, so that a
+max logit (or an output) that reached a padding slot shows."""
 
 
 def _oracle(draw: Draw, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
@@ -302,25 +321,38 @@ def output_error(name: str, actual: torch.Tensor, expected: torch.Tensor, scale:
     return sink_err(actual, expected, scale) if name == "dsinks" else rel_err(actual, expected)
 
 
+def expected_max_logit(draw: Draw) -> torch.Tensor | None:
+    """[hq]: the brute-force fp64 max logit over the draw's allowed pairs (its inputs rounded to its dtype), or None
+    when the draw does not ask for it."""
+    if not draw.max_logit:
+        return None
+    q, k, *_ = _inputs(draw)
+    cu = np.concatenate([[0], np.cumsum(draw.lengths)])
+    return max_logit_reference(q, k, cu, draw.causal, draw.d**-0.5, draw.window)
+
+
 def expected_results(draw: Draw):
-    """(out, dq, dk, dv, d sinks) of the per-document fp64 oracle, d sinks' scale (:func:`sink_scale`) and, last,
-    each output's bound (a dict by :data:`OUTPUTS`): the dtype's tolerance (``dsinks``' own for d sinks), or for
-    fp32 :data:`FP32_FLOOR_FACTOR` times the fp32 oracle's own error where that is larger. Computed once, in the
-    parent, before the ranks fork."""
+    """(out, dq, dk, dv, d sinks) of the per-document fp64 oracle, d sinks' scale (:func:`sink_scale`), the max
+    logit (:func:`expected_max_logit`) and, last, each output's bound (a dict by :data:`OUTPUTS`, and "max_logit"):
+    the dtype's tolerance (``dsinks``' and ``max_logit``'s own), or for fp32 :data:`FP32_FLOOR_FACTOR` times the
+    fp32 oracle's own error where that is larger. Computed once, in the parent, before the ranks fork."""
     expected = _oracle(draw, torch.float64)
     scale = sink_scale(draw)
+    max_logit = expected_max_logit(draw)
+    logit_bound = {} if max_logit is None else {"max_logit": TOLERANCES[draw.torch_dtype].max_logit}
     tolerance = {name: TOLERANCE[draw.torch_dtype] for name in OUTPUTS} | {
         "dsinks": TOLERANCES[draw.torch_dtype].dsinks
     }
     if draw.torch_dtype != torch.float32:
-        return (*expected, scale, {name: tolerance[name] for name, e in zip(OUTPUTS, expected) if e is not None})
+        bounds = {name: tolerance[name] for name, e in zip(OUTPUTS, expected) if e is not None}
+        return (*expected, scale, max_logit, bounds | logit_bound)
     in_fp32 = _oracle(draw, torch.float32)
     bounds = {
         name: min(FP32_FLOOR_CAP, max(tolerance[name], FP32_FLOOR_FACTOR * output_error(name, got, want, scale)))
         for name, got, want in zip(OUTPUTS, in_fp32, expected)
         if want is not None
     }
-    return (*expected, scale, bounds)
+    return (*expected, scale, max_logit, bounds | logit_bound)
 
 
 def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[str, object]:
@@ -345,7 +377,10 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
         packing = megatron_2d.PackedSharding(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
         shard = lambda x: packing.shard(x[:, 0])  # noqa: E731  [t_local, h, d]
         pad = packing.local_indices() < 0
-    local = [shard(x).to(draw.torch_dtype).requires_grad_(True) for x in (q, k, v)]
+    local = [shard(x).to(draw.torch_dtype) for x in (q, k, v)]
+    for x in local:  # padding holds whatever its tokens carry (Megatron's pad tokens): here values no pair may see
+        x[pad] = PADDING_VALUE
+    local = [x.requires_grad_(True) for x in local]
     local_sinks = None if sinks is None else sinks.float().requires_grad_(True)
     with PoisonedEmpty():
         out = megatron_2d.attention_2d(
@@ -357,7 +392,9 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
             kernel=draw.kernel,
             dkv_comm_dtype=draw.dkv_comm_dtype,
             packing=packing,
+            return_max_logit=draw.max_logit,
         )
+        out, max_logit = out if draw.max_logit else (out, None)
         out.backward(shard(dout).to(draw.torch_dtype))
     actual = (out.detach(), *(x.grad for x in local))
     result: dict[str, object] = {}
@@ -368,6 +405,7 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
     result["padding_zero"] = all(bool((a[pad] == 0).all()) for a in actual)
     result["dsinks"] = None if local_sinks is None else local_sinks.grad.double()
     result["dsinks_expected"], result["dsinks_scale"] = expected[4], expected[5]
+    result["max_logit"] = None if max_logit is None else max_logit.double()
     return result
 
 
@@ -408,9 +446,11 @@ def failures(
     draws: Sequence[Draw],
     per_rank: Sequence[Sequence[dict[str, object]]],
     bounds: Sequence[dict[str, float]],
+    expected_logits: Sequence[torch.Tensor | None] = (),
 ) -> list[str]:
     """What went wrong in each draw of a batch (empty when every check held), with the replay command.
-    ``bounds``: each draw's bound per output (the last item of :func:`expected_results`)."""
+    ``bounds``: each draw's bound per output (the last item of :func:`expected_results`); ``expected_logits``: each
+    draw's max logit (its item before; needed when a draw asks for it)."""
     found = []
     for j, draw in enumerate(draws):
         results, bound = [r[j] for r in per_rank], bounds[j]
@@ -421,6 +461,13 @@ def failures(
         ]
         if not all(r["finite"] for r in results):
             problems.append("non-finite values")
+        if draw.max_logit:
+            got = [r["max_logit"] for r in results]
+            err = max(rel_err(m, expected_logits[j]) for m in got)
+            if not err < bound["max_logit"]:
+                problems.append(f"max_logit error {err:.2e} (bound {bound['max_logit']:.2e})")
+            if not all(torch.equal(m, got[0]) for m in got):
+                problems.append("max_logit differs between ranks")
         if not all(r["padding_zero"] for r in results):
             problems.append("padding slots not zero")
         if draw.sinks:

@@ -3,12 +3,13 @@
 A *scenario* fixes what the CP = 1 reference shares: the model (GPTModel dense or small MoE, HybridModel layers with
 ``M`` ``G`` ``*`` ``-`` ``E``, MLA; LayerNorm or RMSNorm), its attention settings (sliding windows with a skip
 frequency or a list, sinks, softmax scale, qk_layernorm, GQA, RoPE or YaRN), the data (sbhd, or THD packed documents
-in one packing mode, with one-token documents, end padding, a CP rank that holds only padding) and the dtype. Its
-*draws* then vary how the same training is laid out: TP (mostly with sequence parallelism, as real jobs run it;
-always for MoE), PP and virtual PP (the ``|`` splits of a hybrid pattern), the 2D layout (hp, cp, inner ring size,
-placement, Megatron's rank order), DP, the model states (DDP, distributed optimizer with overlapped grad reduce and
-param gather, megatron-fsdp ZeRO-2/3, Hybrid ZeRO), the recompute mode, for MoE the expert-parallel size and, for
-MLA, the ring. Pure Python and numpy: drawing and the coverage check need no torch.
+in one packing mode, with one-token documents, end padding, a CP rank that holds only padding), the dtype and QK-clip
+(MuonClip after every step, at a threshold the max logits of these models exceed, so that it clips). Its *draws* then
+vary how the same training is laid out: TP (mostly with sequence parallelism, as real jobs run it; always for MoE),
+PP and virtual PP (the ``|`` splits of a hybrid pattern), the 2D layout (hp, cp, inner ring size, placement,
+Megatron's rank order), DP, the model states (DDP, distributed optimizer with overlapped grad reduce and param
+gather, megatron-fsdp ZeRO-2/3, Hybrid ZeRO), the recompute mode, for MoE the expert-parallel size and, for MLA, the
+ring. Pure Python and numpy: drawing and the coverage check need no torch.
 
 Each draw trains a few iterations through Megatron's own schedule (:mod:`megatron_2d.testing.config_runs`) and is
 compared with its scenario's reference (:func:`reference_of`): the same training at CP = 1, DP = 1, PP = 1, unsharded
@@ -62,6 +63,16 @@ ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-dp-cp-ep-pp")
 """Megatron's rank order (``initialize_model_parallel(order=)``): its default, ``--use-tp-pp-dp-mapping``'s, and one
 that strides the CP groups across the data-parallel ranks (CP ranks not consecutive)."""
 MLA_RINGS = ("expanded", "latent")
+QK_CLIP_PADDED_DATA = ("zigzag", "sequence")
+"""Data whose batches at CP > 1 give core attention padding as document tokens (see the skip rule
+``qk_clip_with_padding_as_documents``)."""
+QK_CLIP_SHARE = 0.3
+"""The share of scenarios that train with QK-clip (drawn from a stream of their own: the other fields stay as they
+were)."""
+QK_CLIP_THRESHOLD = 1.0
+"""QK-clip's threshold in those scenarios: below the max attention logit of the first iterations of every model here
+(weights ~ N(0, 1/fan_in) give logits of order one, their max over a batch a few), so the clip scales weights in
+each step (config_runs checks that it did)."""
 PLACEMENTS = ("head_first", "context_first")
 MAX_WORLD = 8
 ITERATIONS = 3
@@ -76,7 +87,7 @@ With the scenarios' top-2 of 2 experts every token goes to both experts, so the 
 (no gradient) and the expert bias never moves: the draws run their collectives (and the refusals under hybrid CP);
 the z-loss changes the gradients. Their math against CP = 1 with 4 experts: tests/test_megatron_dynamic.py."""
 MOE_ROUTER_SHARE = 0.5
-"""How often a MoE scenario's router is not "plain" (drawn from a stream of its own, [seed, 5])."""
+"""How often a MoE scenario's router is not "plain" (drawn from a stream of its own, [seed, 6])."""
 MOE_LOSS_COEFF = 1e-2
 DYNAMIC_SHARE = 0.35
 """How often a draw of a packed (--sft, zigzag) scenario trains under Megatron's hybrid (dynamic) CP instead: its
@@ -113,6 +124,7 @@ class Scenario:
     dtype: str
     tp: int | None  # MLA: the scenario's TP (the reference's); None: each draw picks its own
     moe_router: str = "plain"  # MoE: what the router adds to top-k routing (MOE_ROUTERS)
+    qk_clip: bool = False  # QK-clip after every optimizer step (QK_CLIP_THRESHOLD)
 
     def windowed_layers(self) -> list[int]:
         """Layer numbers (1-based, over the whole pattern) Megatron windows (``is_layer_window_attention``)."""
@@ -292,14 +304,25 @@ def draw_scenario(seed: int) -> Scenario:
         dtype="bf16" if rng.random() < 0.25 else "fp32",
         tp=int(_choice(rng, (1, 2))) if model == "mla" else None,
         moe_router=_moe_router(seed) if model == "gpt_moe" or "E" in layers else "plain",
+        qk_clip=_qk_clip(seed, data),
     )
 
 
 def _moe_router(seed: int) -> str:
     """A MoE scenario's router (:data:`MOE_ROUTERS`), from its own stream: numpy reads [seed, k] as [seed, k, 0], so
-    k is none of the per-draw streams' (1, 3, 4) nor a scenario stream's (0, 2)."""
-    rng = np.random.default_rng([seed, 5])
+    k is none of the per-draw streams' (1, 3, 4) nor another scenario stream's (0, 2, and 5: QK-clip's)."""
+    rng = np.random.default_rng([seed, 6])
     return "plain" if rng.random() >= MOE_ROUTER_SHARE else str(_choice(rng, MOE_ROUTERS[1:]))
+
+
+def _qk_clip(seed: int, data: str) -> bool:
+    """Whether scenario ``seed`` trains with QK-clip (its own stream); with data whose max logit counts padding at
+    CP > 1 (the rule ``qk_clip_with_padding_as_documents``) kept only with probability :data:`RARE`."""
+    # its own stream: [seed, 0] is the scenario's, [seed, 2] the normalization's, and [seed, k] is numpy's stream of
+    # [seed, k, 0] (SeedSequence pads the entropy with zeros), so no draw stream [seed, k, index] may use 5 either
+    # (6 is the MoE router's)
+    rng = np.random.default_rng([seed, 5])
+    return bool(rng.random() < QK_CLIP_SHARE and (data not in QK_CLIP_PADDED_DATA or rng.random() < RARE))
 
 
 def _splits(rng: np.random.Generator, layers: str, segments: int) -> tuple[int, ...]:
@@ -310,9 +333,12 @@ def _splits(rng: np.random.Generator, layers: str, segments: int) -> tuple[int, 
     return (0, *inner)
 
 
-def draw_config(seed: int, index: int) -> Draw:
-    """Draw ``index`` of scenario ``seed``: a pure function of both."""
+def draw_config(seed: int, index: int, qk_clip: bool = True) -> Draw:
+    """Draw ``index`` of scenario ``seed``: a pure function of both. ``qk_clip`` False: the draw as the generator
+    made it before it drew QK-clip (the scenario without it; what the regressions found before then ran)."""
     scenario = draw_scenario(seed)
+    if not qk_clip:
+        scenario = replace(scenario, qk_clip=False)
     rng = np.random.default_rng([seed, 1, index])
     if scenario.tp is not None:
         tp = scenario.tp
@@ -366,7 +392,19 @@ def draw_config(seed: int, index: int) -> Draw:
         mla_ring=_choice(rng, MLA_RINGS) if scenario.model == "mla" else "expanded",
         ep=ep,
     )
-    return _with_dynamic_cp(draw)
+    return _with_qk_clip(_with_dynamic_cp(draw))
+
+
+def _with_qk_clip(draw: Draw) -> Draw:
+    """A QK-clip draw on megatron-fsdp (refused: ``qk_clip_with_megatron_fsdp``) kept in a share :data:`RARE` of
+    them, the others moved to DDP or the distributed optimizer (from the stream [seed, 6, index]: its own)."""
+    if not (draw.scenario.qk_clip and draw.megatron_fsdp):
+        return draw
+    rng = np.random.default_rng([draw.scenario.seed, 6, draw.index])
+    if rng.random() < RARE:
+        return draw
+    state = _choice(rng, ("ddp", "distributed_optimizer"))
+    return replace(draw, state=state, shard_size=None, zero_states=None, wider_optimizer_shard=False)
 
 
 def _with_dynamic_cp(draw: Draw) -> Draw:
@@ -564,6 +602,11 @@ REFUSALS: tuple[Rule, ...] = (
         "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size",
     ),
     Rule(
+        "qk_clip_with_megatron_fsdp",
+        lambda d: d.scenario.qk_clip and d.megatron_fsdp,
+        "--qk-clip with --use-megatron-fsdp: megatron-core 0.19.2's clip_qk",
+    ),
+    Rule(
         "documents_layout_with_sequence_parallelism",
         lambda d: d.scenario.data == "documents" and d.sequence_parallel,
         "cp_2d_packing='documents' (--cp-2d-packing documents) with --sequence-parallel",
@@ -616,6 +659,21 @@ REFUSALS: tuple[Rule, ...] = (
 its message must be one of theirs."""
 
 SKIPS: tuple[Rule, ...] = (
+    Rule(
+        "qk_clip_with_padding_as_documents",
+        lambda d: (
+            d.scenario.qk_clip and d.scenario.data in QK_CLIP_PADDED_DATA and (d.context_parallel_size > 1 or d.dynamic)
+        ),
+        "Megatron's packed batches at CP > 1 give core attention padding as document tokens (--sft pads each "
+        "document to a multiple of 2 * CP and pretrain_gpt.py passes the padded lengths as cu_seqlens_q; "
+        "--dataloader-inter-document-masking's split adds a filler document; under hybrid CP "
+        "dynamic_data.hybrid_sample_batch pads each sequence at its end to a multiple of 2 x its group size (more "
+        "under SP), as "
+        "part of its document): the padding rows' logits enter the "
+        "max attention logit, Transformer Engine's as the 2d backend's, so QK-clip's statistic and clip are not "
+        "those of CP = 1, whose batch has no padding (the op's own max excludes padding it is told of: "
+        "tests/test_generated_attention.py)",
+    ),
     Rule(
         "bf16_with_gdn",
         lambda d: d.scenario.dtype == "bf16" and _has(d, "G"),
@@ -721,6 +779,8 @@ EXPECTED_VALUES: dict[str, set] = {
     "dtype": set(DTYPES),
     "dynamic": {True, False},
     "dynamic_group_size": {1, 2, 4, 8},
+    "qk_clip": {True, False},
+    "qk_clip_with": {"distributed_optimizer", "tp2", "mla", "mamba", "bf16", "pp2", "sequence_parallel", "ep2"},
 }
 """Every value each axis must take over enough draws (:func:`missing_corners`); ``hybrid_symbol`` counts each
 symbol of a hybrid pattern on its own."""
@@ -776,6 +836,29 @@ def axis_values(draw: Draw) -> dict[str, set]:
         "dtype": {s.dtype},
         "dynamic": {draw.dynamic},
         "dynamic_group_size": dynamic_group_sizes(draw),
+        "qk_clip": {s.qk_clip},
+        "qk_clip_with": _qk_clip_with(draw) if s.qk_clip else set(),
+    }
+
+
+def _qk_clip_with(draw: Draw) -> set[str]:
+    """What a QK-clip draw combines it with, of what megatron-core 0.19.2's own clip_qk cannot run or did not test
+    (the distributed optimizer's shards, TP, MLA, Mamba layers, bf16, pipeline stages, sequence parallelism, expert
+    parallelism's weights on other ranks)."""
+    s = draw.scenario
+    return {
+        name
+        for name, present in (
+            ("distributed_optimizer", draw.state in ("distributed_optimizer", "hybrid_zero")),
+            ("tp2", draw.tp > 1),
+            ("mla", s.model == "mla"),
+            ("mamba", _has(draw, "M")),
+            ("bf16", s.dtype == "bf16"),
+            ("pp2", draw.pp > 1),
+            ("sequence_parallel", draw.sequence_parallel),
+            ("ep2", draw.ep > 1),
+        )
+        if present
     }
 
 

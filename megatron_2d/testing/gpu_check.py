@@ -10,6 +10,9 @@ against fp64 math on the same rounded inputs; a row passes below 1):
     MLA dims NAME              one block with d_qk 192, d_v 128 (MLA's), causal and a window, forward + backward
     varlen NAME                a packed block's calls (causal squares, full rectangles, a tall causal call, a band)
                                through forward_calls / backward_calls: the kernels' batched (varlen) launches
+    max logit NAME             QK-clip's max attention logit of a causal block and of a packed block's calls
+                               (forward_calls_with_max: te_fused from TE's launches, the others' separate pass)
+                               against an fp64 brute force (rel_err over TOLERANCES[bf16].max_logit)
     timing NAME                one 32K causal block (16 query, 4 K/V heads, d 128) forward + backward: TFLOP/s and
                                the share of peak beside the planner's assumed efficiency for the kernel; fails when
                                the kernel runs at under a third of what the planner assumes (CUDA)
@@ -244,6 +247,30 @@ def packed_calls(seq: int) -> list[BlockCall]:
 def check_varlen(name, device, d, seq) -> float:
     """A packed block's calls through forward_calls / backward_calls (the batched launches), against fp64."""
     return calls_error(select_kernel(device, DTYPE, name, head_dim=d), packed_calls(seq), seq, d, device)
+
+
+def check_max_logit(name, device, d, seq) -> float:
+    """``kernel.forward_calls_with_max`` on one causal seq x seq block and on a packed block's calls (GQA 8/2): the
+    max attention logit against an fp64 brute force over the calls' visible pairs, rel_err / its bound."""
+    kernel = select_kernel(device, DTYPE, name, head_dim=d)
+    q, k = seeded(1, seq, 8, d, device=device, seed=90), seeded(1, seq, 2, d, device=device, seed=91)
+    v = seeded(1, seq, 2, d, device=device, seed=92)
+    errors = []
+    for calls in ([BlockCall(0, seq, 0, seq, Band(None, 0))], packed_calls(seq)):
+        _, got = kernel.forward_calls_with_max(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), calls, 0, d**-0.5)
+        want = torch.full((8,), float("-inf"), dtype=torch.float64, device=device)
+        for c in calls:
+            s = (
+                torch.einsum(
+                    "bqhd,bkhd->bhqk", q[:, c.q_start : c.q_end], k[:, c.k_start : c.k_end].repeat_interleave(4, 2)
+                )
+                * d**-0.5
+            )
+            if c.band is not None:
+                s = s + band_mask(c.band, s.shape[-2], s.shape[-1], s.dtype, s.device)
+            want = torch.maximum(want, s.amax(dim=(0, 2, 3)))
+        errors.append(rel_err(got, want) / TOLERANCES[DTYPE].max_logit)
+    return max(errors)
 
 
 TIMING = dict(seq=32768, heads=16, kv_heads=4, d=128)  # one 32K causal block
@@ -521,6 +548,14 @@ def single_device_items(device: torch.device, names: list[str], sizes: Sizes) ->
             f"varlen {name}",
             "d=128: a packed block's calls, batched launches",
             lambda n=name: check_varlen(n, device, 128, sizes.kernel_seq),
+        )
+        for name in names
+    ]
+    items += [
+        Item(
+            f"max logit {name}",
+            "d=128: a causal block, a packed block's calls",
+            lambda n=name: check_max_logit(n, device, 128, sizes.kernel_seq),
         )
         for name in names
     ]

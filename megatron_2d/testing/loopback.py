@@ -148,7 +148,7 @@ def loopback_attention(
         qr = _gather(q, indices[r]).requires_grad_(True)
         kvr = kv_rows[r].detach().requires_grad_(True)
         sr = None if sinks is None else sinks.detach().clone().requires_grad_(True)
-        out = RingAttention.apply(qr, kvr, sr, rc)
+        out, _ = RingAttention.apply(qr, kvr, sr, rc)
         out.backward(_gather(dout, indices[r]))
         outs.append(out.detach())
         dqs.append(qr.grad)

@@ -12,6 +12,10 @@ Shapes: sbhd q/k [s, b, h, dk], v [s, b, h, dv] -> [s, b, h * dv]; THD q/k [t, h
 (under THD Megatron pads MLA's V to the query head dim dv' and trims the output after core attention: the padding
 is cut here and the output padded back with zeros). Under THD each document of ``cu_seqlens_q`` attends only to
 itself; slots past a document's real length in ``cu_seqlens_q_padded`` are padding (zero output, seen by nobody).
+
+QK-clip (``qk_clip`` / ``log_max_attention_logit``): ``current_max_attn_logits`` as TEDotProductAttention keeps it
+(running max over micro-batches, detached, in the output's dtype), from a brute-force max over each document's allowed
+pairs (:func:`megatron_2d.testing.reference.max_logit_reference`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from .reference import reference_attention
+from .reference import max_logit_reference, reference_attention
 
 
 class ReferenceCoreAttention(MegatronModule):
@@ -60,6 +64,22 @@ class ReferenceCoreAttention(MegatronModule):
             self.register_buffer("softmax_offset", torch.zeros(heads, dtype=config.params_dtype), persistent=False)
         else:
             self.softmax_offset = None
+        self.max_logits = bool(config.qk_clip or config.log_max_attention_logit)
+        self.current_max_attn_logits = None
+
+    def _keep_max_logit(self, documents, dtype) -> None:
+        """Fold the max logit of ``documents`` ([(q, k) as [s, b, h, d]], each one sequence) into the running max."""
+        if not self.max_logits:
+            return
+        batch_max = torch.stack(
+            [
+                max_logit_reference(q, k, [0, q.shape[0]], self.causal, self.softmax_scale, self.window)
+                for q, k in documents
+            ]
+        ).amax(0)
+        batch_max = batch_max.to(dtype)
+        current = self.current_max_attn_logits
+        self.current_max_attn_logits = batch_max if current is None else torch.max(current, batch_max)
 
     def _attend(self, q, k, v):
         """[s, b, h, d] -> [s, b, h, dv], computed in fp32 (fp64 stays fp64) and returned in the inputs' dtype."""
@@ -76,6 +96,7 @@ class ReferenceCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("ReferenceCoreAttention takes no attention_bias")
         if packed_seq_params is None:
+            self._keep_max_logit([(query.detach(), key.detach())], query.dtype)
             out = self._attend(query, key, value)  # [s, b, h, dv]
             return out.reshape(out.shape[0], out.shape[1], -1)
         width = value.shape[-1]
@@ -84,6 +105,12 @@ class ReferenceCoreAttention(MegatronModule):
         real = [int(x) for x in packed_seq_params.cu_seqlens_q]
         padded = packed_seq_params.cu_seqlens_q_padded
         starts = real if padded is None else [int(x) for x in padded]
+        documents = [
+            (query[begin : begin + b - a].detach().unsqueeze(1), key[begin : begin + b - a].detach().unsqueeze(1))
+            for begin, a, b in zip(starts[:-1], real[:-1], real[1:])
+            if b > a
+        ]
+        self._keep_max_logit(documents, query.dtype)
         out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])  # [t, h, dv]; padding stays zero
         for begin, a, b in zip(starts[:-1], real[:-1], real[1:]):
             rows = slice(begin, begin + b - a)

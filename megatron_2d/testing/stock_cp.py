@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..sequence_sharding import shard_sequence, unshard_sequence
-from .reference import attention_with_lse, norm_err, rounded
+from .reference import attention_with_lse, norm_err, rel_err, rounded
 
 COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather")
 FORMATS = ("sbhd", "thd")
@@ -267,6 +267,24 @@ def _reference(case: StockCPCase, q, k, v, dout, bounds: list[int]) -> dict[str,
     return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 
 
+def _reference_max_logit(case: StockCPCase, q, k, bounds: list[int]) -> torch.Tensor:
+    """[h] fp64: each query head's max of scale * q . k over the pairs its mask allows (THD: within each document of
+    ``bounds``, real tokens only)."""
+    scale = case.head_dim**-0.5
+    k = k.repeat_interleave(case.heads // case.groups, dim=-2)  # each query head's K/V head
+    if case.qkv_format == "sbhd":  # [s, b, h, d]: one sequence per batch row
+        runs = [(q[:, i], k[:, i]) for i in range(q.shape[1])]
+    else:
+        runs = [(q[a:b], k[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    best = torch.full((case.heads,), float("-inf"), dtype=torch.float64)
+    for qs, ks in runs:
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if case.causal:
+            scores = scores.masked_fill(torch.ones(len(qs), len(ks), dtype=torch.bool).triu(1), float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(1, 2)))
+    return best
+
+
 def thd_layout(te, documents, cp: int, cp_rank: int, device: torch.device | None = None):
     """(cu_seqlens of the real lengths, cu_seqlens_padded, the padded stream's source token or -1 for padding,
     this rank's indices into the padded stream) of documents of lengths ``documents``, by TE's padding rule
@@ -316,8 +334,11 @@ ROUTES = ("function", "module")
 megatron-core's TEDotProductAttention is: backend query, TE's checks, then the same function)."""
 
 
-def _call_te(te, case: StockCPCase, route: str, q, k, v, meta: dict, cp_group, cp_ranks) -> torch.Tensor:
-    """TE's CP attention of this rank's shards, by ``route``; out [tokens(, b), h, dv]."""
+def _call_te(
+    te, case: StockCPCase, route: str, q, k, v, meta: dict, cp_group, cp_ranks, max_logit: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """TE's CP attention of this rank's shards, by ``route``; out [tokens(, b), h, dv], and with ``max_logit``
+    (the function route, TE 2.9 on) TE's max logit [h] too."""
     scale = case.head_dim**-0.5
     causal_mask = "causal" if case.qkv_format == "sbhd" else "padding_causal"
     mask = causal_mask if case.causal else "no_mask" if case.qkv_format == "sbhd" else "padding"
@@ -327,8 +348,10 @@ def _call_te(te, case: StockCPCase, route: str, q, k, v, meta: dict, cp_group, c
             meta["cu_seqlens_q_padded"], meta["cu_seqlens_kv_padded"], 0.0, cp_group, cp_ranks, torch.cuda.Stream(),
             case.comm, softmax_scale=scale, qkv_format=case.qkv_format, attn_mask_type=mask,
             use_fused_attention=True, window_size=(-1, 0) if case.causal else (-1, -1),
-            pad_between_seqs=case.qkv_format == "thd",
+            pad_between_seqs=case.qkv_format == "thd", **({"return_max_logit": True} if max_logit else {}),
         )  # fmt: skip
+    if max_logit:
+        raise ValueError("max_logit: through the function route only")
     channels = case.head_dim if case.value_dim == case.head_dim else (case.head_dim, case.value_dim)
     module = te.transformer_engine.pytorch.DotProductAttention(
         case.heads, channels, num_gqa_groups=case.groups, qkv_format=case.qkv_format, attn_mask_type=mask,
@@ -346,13 +369,16 @@ def run_case(
     route: str = "function",
     rank: int | None = None,
     device: torch.device | None = None,
+    max_logit: bool = False,
 ) -> dict[str, object]:
     """Run ``case`` on this rank's CP group through TE (``route``, :data:`ROUTES`), forward and backward.
 
     Returns {"case": asdict, "route", "calls": extension calls, "errors": {output: norm_err of the whole tensor}
     (on the CP group's first rank only)} or, when TE refuses it, {"case", "route", "refused": TE's message} (on
     every rank: TE asserts before any collective). ``device``: where TE runs (the CPU when None); the reference is
-    computed on the CPU."""
+    computed on the CPU. ``max_logit``: TE's ``return_max_logit`` too (QK-clip's statistic), and on every rank
+    "max_logit_error", the rel_err of this rank's max logit [h] against the fp64 max over the pairs the mask lets
+    each head see (real tokens only)."""
     device = torch.device("cpu") if device is None else device
     rank = dist.get_rank() if rank is None else rank
     cp_group, cp_ranks, cp_rank = groups.of(case, rank)
@@ -392,10 +418,13 @@ def run_case(
     if calls is not None:
         calls.clear()
     try:
-        out = _call_te(te, case, route, ql, kl, vl, meta, cp_group, cp_ranks)
+        out = _call_te(te, case, route, ql, kl, vl, meta, cp_group, cp_ranks, max_logit)
     except AssertionError as error:  # TE's own refusal (raised on every rank before any collective)
         result["refused"] = str(error)
         return result
+    if max_logit:
+        out, got = out
+        result["max_logit_error"] = rel_err(got.detach().cpu().double(), _reference_max_logit(case, q, k, bounds))
     out.backward(shard(dout))
     result["calls"] = dict(calls) if calls is not None else {"fused_attn_fwd": 1, "fused_attn_bwd": 1}
     wholes = [_whole(value, whole, thd, cp_rank) for value in (out, ql.grad, kl.grad, vl.grad)]

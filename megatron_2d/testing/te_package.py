@@ -18,13 +18,17 @@ TE's own context parallelism make, and refuse the rest (NotImplementedError): la
 thd, and 2.5's bs2hd / sb2hd (K and V interleaved; dK and dV come back interleaved in one dKV buffer, as the
 extension allocates them); masks no_mask, causal and padding variants (causal top-left, ``*_bottom_right``
 bottom-right); window (-1, -1), or (-1, 0) with a causal mask (a causal mask reads (-1, -1) as (-1, 0)); no bias,
-dropout, FP8, paged K/V, max logit or non-vanilla softmax. Tensors are read as the extension reads them: from their
-data pointer with their layout's strides. THD sequences start at ``cu_seqlens_*_padded`` and hold
-``cu_seqlens_*`` real tokens (TE's padding between sequences); O and the gradients are zero elsewhere, and a query
-run whose sequence has no key in the call gets O = 0 and stats -inf (what TE's merges then ignore). Outputs
-``[O, softmax stats (natural-log log-sum-exp, fp32), rng_state]``: stats [b, h, s_q, 1] for bshd / sbhd, for thd
-[total_q, h, 1] or, as older TE / cuDNN lay them out, [b, h, max_seqlen_q, 1] (``thd_stats``, which also picks the
-cuDNN version the extension reports, :data:`CUDNN_VERSIONS`). ``get_fused_attn_backend`` answers
+dropout, FP8, paged K/V or non-vanilla softmax. Tensors are read as the extension reads them: from their data
+pointer with their layout's strides. THD sequences start at ``cu_seqlens_*_padded`` and hold ``cu_seqlens_*`` real
+tokens (TE's padding between sequences); O and the gradients are zero elsewhere, and a query run whose sequence has
+no key in the call gets O = 0 and stats -inf (what TE's merges then ignore). Outputs ``[O, softmax stats
+(natural-log log-sum-exp, fp32), rng_state]``: stats [b, h, s_q, 1] for bshd / sbhd, for thd [total_q, h, 1] or, as
+older TE / cuDNN lay them out, [b, h, max_seqlen_q, 1] (``thd_stats``, which also picks the cuDNN version the
+extension reports, :data:`CUDNN_VERSIONS`). With ``return_max_logit`` (2.12's and 2.20's ABI) the forward also
+returns cuDNN's per-row max of the scaled, masked scores (fp32, laid out as the stats; -inf for a query run with no
+key in the call; THD rows that hold no query, the padded layout's and TE's padding between sequences, carry
+garbage, as unwritten device memory would): ``[O, Max, Sum_Exp, rng_state]`` for 2.12 (the Python layer makes the
+stats Max + log(Sum_Exp)), ``[O, Stats, Max, rng_state]`` for 2.20. ``get_fused_attn_backend`` answers
 F16_arbitrary_seqlen for exactly the calls the functions compute, in each release's ABI. The ``tex.thd_*`` helpers
 of TE's THD context parallelism are :mod:`.te_thd_cpu`'s. Math: torch's CPU flash kernel (V zero-padded to q's head
 dim).
@@ -59,6 +63,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..kernels.base import band_mask
 from ..kernels.cpu_flash import CpuFlashKernel
 from ..kernels.torch_math import TorchMathKernel
 from ..layout.band import Band
@@ -204,6 +209,20 @@ def _math(q: torch.Tensor, v: torch.Tensor):
     return TorchMathKernel() if v.shape[-1] > q.shape[-1] else CpuFlashKernel().for_head_dims(q.shape[-1], v.shape[-1])
 
 
+def _row_max(q: torch.Tensor, k: torch.Tensor, band: Band | None, scale: float) -> torch.Tensor:
+    """[b, h, s_q] fp32: each query row's max of scale * q . k over the keys ``band`` lets it see (scores in fp32,
+    as cuDNN keeps them)."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if band is not None:
+        scores = scores + band_mask(band, q.shape[1], k.shape[1], torch.float32, q.device)
+    return scores.amax(dim=-1)
+
+
+UNWRITTEN = 1.0e4
+"""What the stand-in leaves in the max rows of the padded THD layout that hold no query (see the module)."""
+
+
 def _bind(names: tuple[str, ...], fn: str, args: tuple) -> dict[str, object]:
     if len(args) != len(names):
         raise TypeError(f"{fn}(): takes {len(names)} positional arguments ({', '.join(names)}), got {len(args)}")
@@ -249,8 +268,6 @@ def _unsupported(a: dict[str, object]) -> list[str]:
     for name in ("page_table_k", "page_table_v", "s_quantizer", "o_quantizer", "dp_quantizer", "dqkv_quantizer"):
         if a.get(name) is not None:
             unsupported.append(name)
-    if a.get("return_max_logit"):
-        unsupported.append("return_max_logit")
     padding, causal = _MASKS.get(mask, (None, None))
     if not isinstance(a["window_size"], (tuple, list)) or len(a["window_size"]) != 2:
         raise TypeError(f"window_size must be a pair of ints (the extension's std::vector), got {a['window_size']!r}")
@@ -359,31 +376,53 @@ def _fwd(abi: ExtensionABI, thd_stats: str, *args):
     q, k, v = _inputs(a, call, "qkv")
     scale = float(a["attn_scale"])
     runs = _sequences(a, call)
+    with_max = bool(a.get("return_max_logit", False))
     out = q.new_empty((*q.shape[:-1], v.shape[-1])) if call.fmt != "thd" else q.new_zeros((*q.shape[:-1], v.shape[-1]))
     if call.fmt != "thd":  # one call for the whole batch: [b, s, h, d] views of bshd or sbhd
         qb, kb, vb, ob = (_bshd(x, call.fmt) for x in (q, k, v, out))
-        o, lse = _math(q, v).forward(qb, kb, vb, _band(call.causal, qb.shape[1], kb.shape[1]), scale)
+        band = _band(call.causal, qb.shape[1], kb.shape[1])
+        o, lse = _math(q, v).forward(qb, kb, vb, band, scale)
         ob.copy_(o)
-        return [out, lse.float().unsqueeze(-1), torch.zeros(2, dtype=torch.int64)]  # stats [b, h, s, 1]
+        stats = lse.float().unsqueeze(-1)  # [b, h, s, 1]
+        maxes = _row_max(qb, kb, band, scale).unsqueeze(-1) if with_max else None
+        return _outputs(abi, out, stats, maxes)
     h, max_q = q.shape[1], int(a["max_seqlen_q"])
     stats = torch.zeros(q.shape[0], h, 1) if thd_stats == "packed" else torch.zeros(len(runs), h, max_q, 1)
+    maxes = torch.full_like(stats, UNWRITTEN) if with_max else None
     for n, (rq, rk) in enumerate(runs):
         if rq.stop == rq.start:
             continue
+        rows = (rq, slice(None)) if thd_stats == "packed" else (n, slice(None), slice(0, rq.stop - rq.start))
         if rk.stop == rk.start:  # no key of the sequence in this call: out stays 0, stats -inf (merges ignore it)
-            if thd_stats == "packed":
-                stats[rq] = float("-inf")
-            else:
-                stats[n, :, : rq.stop - rq.start] = float("-inf")
+            stats[rows] = float("-inf")
+            if with_max:
+                maxes[rows] = float("-inf")
             continue
         qs, ks, vs = q[rq][None], k[rk][None], v[rk][None]
-        o, lse = _math(q, v).forward(qs, ks, vs, _band(call.causal, qs.shape[1], ks.shape[1]), scale)
+        band = _band(call.causal, qs.shape[1], ks.shape[1])
+        o, lse = _math(q, v).forward(qs, ks, vs, band, scale)
         out[rq] = o[0]
+        row_max = _row_max(qs, ks, band, scale)[0] if with_max else None  # [h, s_q]
         if thd_stats == "packed":
             stats[rq, :, 0] = lse[0].float().t()
+            if with_max:
+                maxes[rq, :, 0] = row_max.t()
         else:
-            stats[n, :, : rq.stop - rq.start, 0] = lse[0].float()
-    return [out, stats, torch.zeros(2, dtype=torch.int64)]
+            stats[(*rows, 0)] = lse[0].float()
+            if with_max:
+                maxes[(*rows, 0)] = row_max
+    return _outputs(abi, out, stats, maxes)
+
+
+def _outputs(abi: ExtensionABI, out: torch.Tensor, stats: torch.Tensor, maxes: torch.Tensor | None) -> list:
+    """The forward's outputs in the release's ABI: without the max logit ``[O, Stats, rng_state]``; with it (``maxes``)
+    2.12's ``[O, Max, Sum_Exp, rng_state]`` or 2.20's ``[O, Stats, Max, rng_state]``."""
+    rng_state = torch.zeros(2, dtype=torch.int64)
+    if maxes is None:
+        return [out, stats, rng_state]
+    if abi.name == "2.12":  # Max, then Sum_Exp = sum exp(s - max): the Python layer adds log(Sum_Exp) to Max
+        return [out, maxes, torch.exp(stats - maxes).nan_to_num(0.0), rng_state]  # no key: -inf - -inf -> 0
+    return [out, stats, maxes, rng_state]
 
 
 def _grad_buffers(q, k, v, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
