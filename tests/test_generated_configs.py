@@ -206,8 +206,9 @@ def test_draw_trains_within_its_perturbed_twins_floor(seed, index, dtype, refere
     iteration-1 grad norm bound and 3020:0 / 3045:0 the bf16 gradient bound; two CP=1 core attentions (Megatron's
     and ReferenceCoreAttention) differ as much on 3032. Measurements: docs/testing.md."""
     draw = _draw(seed, index, dtype=dtype, refusals=[])
-    # the model they were found on: LayerNorm, as every GPT and hybrid scenario had before the normalization axis
-    draw = replace(draw, scenario=replace(draw.scenario, normalization="LayerNorm"))
+    # the model they were found on: LayerNorm, as every GPT and hybrid scenario had before the normalization axis,
+    # and plain top-k routing, as every MoE scenario had before the router axis
+    draw = replace(draw, scenario=replace(draw.scenario, normalization="LayerNorm", moe_router="plain"))
     outcome = run_configuration(draw, references)
     assert outcome.status == "pass", outcome.line()
     assert outcome.errors["floored"] == 1.0, outcome.errors  # the table alone would fail it: the floor is needed
