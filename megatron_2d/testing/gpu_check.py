@@ -626,17 +626,18 @@ def single_device_items(device: torch.device, names: list[str], sizes: Sizes) ->
 def one_rank_world(device: torch.device):
     """The one-rank default process group the single-device items run on (NCCL on CUDA, gloo on CPU)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"file://{tempfile.mktemp()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    with tempfile.TemporaryDirectory(prefix="m2d_gpu_check_store_") as store:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{store}/store",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def items_worker(args) -> int:
