@@ -363,7 +363,10 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
 
     q, k, v, dout, sinks = _inputs(draw)
     if draw.mode is None:
-        shard = lambda x: megatron_2d.shard_sequence(x, cp_rank, cp_size)  # noqa: E731
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            return megatron_2d.shard_sequence(x, cp_rank, cp_size)
+
         pad = torch.zeros(q.shape[0] // cp_size, dtype=torch.bool)
         packing = None
     else:
@@ -375,7 +378,10 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
             padded[-1] += draw.end_padding
             padded = np.concatenate([[0], np.cumsum(padded)])
         packing = megatron_2d.PackedSharding(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
-        shard = lambda x: packing.shard(x[:, 0])  # noqa: E731  [t_local, h, d]
+
+        def shard(x: torch.Tensor) -> torch.Tensor:  # [T, 1, h, d] -> [t_local, h, d]
+            return packing.shard(x[:, 0])
+
         pad = packing.local_indices() < 0
     local = [shard(x).to(draw.torch_dtype) for x in (q, k, v)]
     for x in local:  # padding holds whatever its tokens carry (Megatron's pad tokens): here values no pair may see

@@ -374,9 +374,8 @@ def blockwise_reference(
     left, right = window
     bounds = [0, S] if cu_seqlens is None else [int(x) for x in cu_seqlens]
     documents = list(zip(bounds[:-1], bounds[1:]))
-    cast = lambda x: x.to(dtype)  # noqa: E731
-    q5, do5 = cast(q).view(S, b, hkv, g, dk), cast(dout).view(S, b, hkv, g, dv)  # [S, b, hkv, g, d]
-    kc, vc = cast(k), cast(v)  # [S, b, hkv, d]
+    q5, do5 = q.to(dtype).view(S, b, hkv, g, dk), dout.to(dtype).view(S, b, hkv, g, dv)  # [S, b, hkv, g, d]
+    kc, vc = k.to(dtype), v.to(dtype)  # [S, b, hkv, d]
     dk_acc, dv_acc = torch.zeros_like(kc), torch.zeros_like(vc)
     outs, dqs = [], []
     for r0, r1 in [(0, S)] if rows is None else rows:
@@ -439,5 +438,4 @@ def reference_on_rank(
 
         dist.all_reduce(dk_acc)
         dist.all_reduce(dv_acc)
-    shard = lambda x: shard_sequence(x, rank, world)  # noqa: E731
-    return out, dq, shard(dk_acc), shard(dv_acc)
+    return out, dq, shard_sequence(dk_acc, rank, world), shard_sequence(dv_acc, rank, world)
