@@ -22,7 +22,9 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 echo copied > "$3/pretrain.py" && echo "$3/pretrain.py"
 """
 FAKE_TORCHRUN = """#!/usr/bin/env bash
-# stands in for torchrun: exits with 3, or runs until SIGTERM (then says so and exits 143)
+# stands in for torchrun: makes its log folder as torchrun does (tempfile.mkdtemp, never removed), then exits with 3,
+# or runs until SIGTERM (then says so and exits 143)
+mktemp -d -t torchelastic_XXXXXXXX > /dev/null
 [ "$FAKE_MODE" = exit ] && echo $$ > "$FAKE_DIR/pid" && exit 3
 sleep 60 & SLEEPER=$!
 trap 'kill $SLEEPER; echo term > "$FAKE_DIR/term"; exit 143' TERM

@@ -55,8 +55,9 @@ trap 'rm -rf "$WORK"' EXIT
 trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null' INT TERM HUP
 PATCHED=--patched; { [ "$CP" = 1 ] || [ -n "$STOCK_CP" ]; } && PATCHED=
 SCRIPT="$("$PY" -m megatron_2d.testing.megatron_lm "$WORK" $PATCHED --script "pretrain_$ENTRY.py")"
-# torchrun as a child, not exec'd (the EXIT trap must run); -k kills it if it does not stop.
-timeout -k 10 "${TIMEOUT:-120}" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$CP" \
+# torchrun as a child, not exec'd (the EXIT trap must run); -k kills it if it does not stop. Its log folder
+# (torchelastic_*, which torch never removes) and its workers' temporary files go in $WORK, removed with it.
+TMPDIR="$WORK" timeout -k 10 "${TIMEOUT:-120}" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$CP" \
   -m megatron_2d.testing.pretrain_cpu "${LAUNCH[@]}" "$SCRIPT" "${FLAGS[@]}" "$@" &
 CHILD=$!
 STATUS=0

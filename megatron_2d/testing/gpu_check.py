@@ -690,7 +690,10 @@ def distributed_rows(args, world: int, env: dict[str, str]) -> list[Row]:
         return [Row("distributed", "NCCL ring, head and neighbour exchange", NOT_RUN, "one device: needs >= 2 GPUs")]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     cases = worker_command(torchrun, "megatron_2d.testing.gpu_check_distributed", args)
-    return run_streamed(f"distributed {world} ranks", cases, args.timeout, env, startup=args.startup_timeout)
+    # torchrun's own log folder (torchelastic_*, never removed by torch) goes in a folder removed here
+    with tempfile.TemporaryDirectory(prefix="m2d_gpu_check_torchrun_") as tmp:
+        env = {**(os.environ if env is None else env), "TMPDIR": tmp}
+        return run_streamed(f"distributed {world} ranks", cases, args.timeout, env, startup=args.startup_timeout)
 
 
 def report(title: str, rows: list[Row]) -> int:
