@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_2d.testing import distributed as _distributed
+from megatron_2d.testing import leftovers as _leftovers
 from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
 from megatron_2d.testing.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
 
@@ -62,6 +63,32 @@ def pytest_runtest_setup(item):  # module-scoped fixtures (e.g. `results`) fork 
 def pytest_runtest_call(item):
     with _ranks_refused_unless_marked(item):
         yield
+
+
+_LEFTOVERS = pytest.StashKey[_leftovers.Session]()
+
+
+def pytest_sessionstart(session):
+    """From here on, what the session creates is its own (temporary root, process tree, namespace ledger):
+    megatron_2d.testing.leftovers."""
+    session.config.stash[_LEFTOVERS] = _leftovers.start_session()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run fails if it left temporary files, processes or network namespaces behind (its own only: nothing that
+    other work on the machine made meanwhile is counted or touched); what it left is listed, then removed."""
+    started = session.config.stash.get(_LEFTOVERS, None)
+    if started is None:
+        return
+    problems = _leftovers.finish_session(started)
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = ["the test run left behind (removed now):", *problems]
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line("\n" + "\n  ".join(lines), red=True)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,6 @@ from megatron_2d.megatron import TransformerConfig2D, checkpoint_plus, get_gpt_l
 from megatron_2d.megatron.core_attention import CoreAttention2D
 from megatron_2d.megatron.packed_data import (
     documents_batch_on_this_cp_rank,
-    get_thd_batch_on_this_cp_rank_2d,
     groups_of_model,
     use_document_positions,
 )
@@ -369,8 +368,6 @@ def build(feature: str, parallel: str, cfg):
 def packed_step(model, feature: str) -> dict:
     """One forward and backward of a packed stream (zigzag: Megatron's THD split of the padded stream; sequence:
     Megatron's per-sequence split of the unpadded one; documents: our data path), loss and full gradients."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     g = torch.Generator().manual_seed(5)
     pad = PACKED_PAD if feature == "packed_zigzag" else 1
     padded = [-(-n // pad) * pad for n in PACKED_LENGTHS]
@@ -383,41 +380,11 @@ def packed_step(model, feature: str) -> dict:
     if feature == "packed_documents":
         local, params = documents_batch_on_this_cp_rank(batch, groups_of_model(model), cu_real)
     elif feature == "packed_sequence":  # the whole stream cut into 2*CP chunks, global cu_seqlens, no padding
-        local = tg.shard_batch_for_cp(batch)
-        longest = max(PACKED_LENGTHS)
-        params = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real, max_seqlen_q=longest, max_seqlen_kv=longest
-        )
+        local, params = tg.shard_batch_for_cp(batch), tg.megatron_thd_params(cu_real)
     else:
-        cp_group = tg.parallel_state.get_context_parallel_group()
-        local = get_thd_batch_on_this_cp_rank_2d(dict(batch, cu_seqlens=cu_real, cu_seqlens_padded=cu_padded), cp_group)
-        longest = int((cu_padded[1:] - cu_padded[:-1]).max())
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu_real,
-            cu_seqlens_kv=cu_real,
-            cu_seqlens_q_padded=cu_padded,
-            cu_seqlens_kv_padded=cu_padded,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
-    model.zero_grad(set_to_none=True)
-    per_token = model(
-        input_ids=local["tokens"],
-        position_ids=local.get("position_ids"),
-        attention_mask=None,
-        labels=local["labels"],
-        packed_seq_params=params,
-    )
-    total = tg.cp_sum(local["loss_mask"].sum())
-    local_sum = (per_token.float() * local["loss_mask"]).sum()
-    (local_sum / total).backward()
-    tg.all_reduce_grads_over_cp(model)
-    return {
-        "loss": tg.cp_sum(local_sum) / total,
-        "grads": tg.full_gradients(model),
-        "grad_norm": tg.megatron_grad_norm(model),
-    }
+        local = tg.thd_batch_on_this_cp_rank(batch, cu_real, cu_padded)
+        params = tg.megatron_thd_params(cu_real, cu_padded)
+    return tg.packed_forward_backward(model, local, params)
 
 
 class Watch:

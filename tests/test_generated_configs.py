@@ -6,6 +6,7 @@ the generator found, the launch checks it made necessary, and the generator's co
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from megatron_2d.testing.config_models import megatron_flags, parse_megatron_fla
 from megatron_2d.testing.config_runs import run_configuration
 from megatron_2d.testing.generated_configs import (
     DRAWS_PER_SCENARIO,
+    LAUNCH,
     REFUSALS,
     SKIPS,
     ci_seeds,
@@ -110,13 +112,73 @@ def test_draws_of_a_scenario_share_their_reference():
 
 # ---- the launch checks the generator made necessary (no ranks: the parsed flags of a draw) --------------------------
 def _launch_problem(seed, index):
+    return _launch_problem_of(draw_config(seed, index))
+
+
+def _launch_problem_of(draw, *extra_flags):
+    """check_launch_args' refusal of ``draw``'s pretrain flags (with ``extra_flags`` after them), or None."""
     from megatron_2d.megatron.launch_checks import check_launch_args
 
     try:
-        check_launch_args(parse_megatron_flags(megatron_flags(draw_config(seed, index))))
+        check_launch_args(parse_megatron_flags(megatron_flags(draw) + list(extra_flags)))
     except ValueError as err:
         return str(err)
     return None
+
+
+@functools.cache
+def _coverage_draws():
+    return [d for seed in COVERAGE_SEEDS for d in scenario_draws(seed)]
+
+
+def _draw_refused_by(rule):
+    """The first coverage draw ``rule`` applies to: one it alone refuses where the coverage seeds hold one."""
+    draws = [d for d in _coverage_draws() if rule in expected_refusals(d)]
+    alone = [d for d in draws if expected_refusals(d) == [rule]]
+    return (alone or draws)[0]
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("rule", REFUSALS, ids=[r.name for r in REFUSALS])
+def test_every_refusal_fires_in_the_launch_checks(rule):
+    """The refusal table says where each rule fires (``fires_at``): every one in the launch checks, on every rank
+    before Megatron's process groups or any collective (config_runs checks each refused draw's ranks came back from
+    there). Fed the flags of a draw the rule applies to, check_launch_args raises with the rule's message (with
+    another applicable rule's where no coverage draw has this one alone)."""
+    assert rule.fires_at == LAUNCH
+    draw = _draw_refused_by(rule)
+    problem = _launch_problem_of(draw)
+    assert problem is not None, f"{rule.name}: the launch checks passed {draw.replay()}"
+    rules = [rule] if expected_refusals(draw) == [rule] else expected_refusals(draw)
+    assert any(r.message in problem for r in rules), (rule.name, draw.replay(), problem)
+
+
+@pytest.mark.megatron
+def test_the_four_late_refusals_fire_at_launch_and_name_what_works():
+    """The refusals that fired after Megatron's process groups (in TransformerConfig2D, the GPT spec, Hybrid ZeRO's
+    optimizer config) fire in the launch checks, each naming the flags and what works; the flags that work pass."""
+    hp = _draw_refused_by(next(r for r in REFUSALS if r.name == "hp_does_not_divide_heads"))
+    assert expected_refusals(hp) == [REFUSALS[0]]
+    problem = _launch_problem_of(hp)
+    heads = hp.scenario.heads // hp.tp
+    assert f"head-parallel size {hp.hp} does not divide the {heads} attention heads per tensor-parallel rank" in problem
+    assert "valid head-parallel sizes for context_parallel_size" in problem
+    cases = {
+        "sequence_split_with_mla": (["--sft"], "use --sft batches"),
+        "documents_layout_with_mla": (["--cp-2d-packing", "zigzag", "--sft"], "use cp_2d_packing='zigzag'"),
+        "hybrid_zero_wider_optimizer_shard_with_clipping": (["--clip-grad", "0.0"], "add --clip-grad 0.0"),
+    }
+    for name, (fix, what_works) in cases.items():
+        rule = next(r for r in REFUSALS if r.name == name)
+        draw = _draw_refused_by(rule)
+        if expected_refusals(draw) != [rule]:  # documents + MLA is drawn with SP only (refused first for SP)
+            draw = replace(draw, sequence_parallel=False)
+        assert expected_refusals(draw) == [rule], (name, draw.describe())
+        problem = _launch_problem_of(draw)
+        assert problem is not None and rule.message in problem and what_works in problem, (name, problem)
+        assert _launch_problem_of(draw, *fix) is None, (name, draw.replay())
+    wider = _draw_refused_by(REFUSALS[-1])
+    assert "--clip-grad 1.0 with --outer-dp-sharding-strategy optim" in _launch_problem_of(wider)
 
 
 @pytest.mark.megatron
@@ -238,6 +300,15 @@ REFUSED_DRAWS = [
         "ensure that, and Megatron's sequence-parallel split needs it",
     ),
     (385, 2, "documents_layout_with_mla", "raised in the first forward ('supports RoPE models'; draw 208:0 then)"),
+    # the refusals that came after Megatron's process groups (issue 45), now in the launch checks
+    (8, 2, "hp_does_not_divide_heads", "refused by TransformerConfig2D, after Megatron's process groups"),
+    (0, 0, "sequence_split_with_mla", "refused by MLATransformerConfig2D, after Megatron's process groups"),
+    (
+        29,
+        1,
+        "hybrid_zero_wider_optimizer_shard_with_clipping",
+        "refused by Hybrid ZeRO's optimizer_config, after the model and DDP were built",
+    ),
 ]
 
 

@@ -9,7 +9,6 @@ helpers these are).
 from __future__ import annotations
 
 import pytest
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
 
@@ -21,7 +20,6 @@ from megatron_2d.megatron import destroy_2d_groups  # noqa: E402
 from megatron_2d.megatron.hybrid_spec import hybrid_stack_spec_2d_local  # noqa: E402
 from megatron_2d.megatron.packed_data import (  # noqa: E402
     documents_batch_on_this_cp_rank,
-    get_thd_batch_on_this_cp_rank_2d,
     groups_of_model,
     use_document_positions,
 )
@@ -43,12 +41,7 @@ def _packed_helpers():
 
 
 _helpers = _packed_helpers()
-PAD_TO, packed_stream, real_tokens, run_model = (
-    _helpers.PAD_TO,
-    _helpers.packed_stream,
-    _helpers.real_tokens,
-    _helpers.run_model,
-)
+PAD_TO, packed_stream, real_tokens = _helpers.PAD_TO, _helpers.packed_stream, _helpers.real_tokens
 
 RTOL = 1e-5
 SIZES = dict(seq_length=512, seed=11)
@@ -57,17 +50,7 @@ ZIGZAG = ["*-*-", "M*-M*-", "G*-"]
 
 def params(cu_real, cu_padded):
     """PackedSeqParams as pretrain_hybrid.py's forward_step builds them (total_tokens gives Mamba its seq_idx)."""
-    longest = int((cu_padded[1:] - cu_padded[:-1]).max())
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_padded,
-        cu_seqlens_kv=cu_padded,
-        cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-        total_tokens=int(cu_padded[-1]),
-    )
+    return tg.megatron_thd_params(cu_padded, cu_padded, total_tokens=int(cu_padded[-1]))
 
 
 def run_all(rank, world):
@@ -78,27 +61,24 @@ def run_all(rank, world):
     for pattern in ZIGZAG:
         tg.init_parallel()
         ref = th.build_tiny_hybrid(th.tiny_hybrid_config(pattern, **SIZES), pattern, hybrid_stack_spec_2d_local)
-        out[("ref", pattern)] = run_model(ref, padded_batch, params(cu_real, cu_padded))
+        out[("ref", pattern)] = tg.packed_forward_backward(ref, padded_batch, params(cu_real, cu_padded))
         tg.init_parallel(context_parallel_size=4)
         model = th.build_tiny_hybrid(
             th.tiny_hybrid_config(pattern, settings, **SIZES), pattern, hybrid_stack_spec_2d_local
         )
-        local = get_thd_batch_on_this_cp_rank_2d(
-            dict(padded_batch, cu_seqlens=cu_real, cu_seqlens_padded=cu_padded),
-            tg.parallel_state.get_context_parallel_group(),
-        )
-        out[("cp4", pattern)] = run_model(model, local, params(cu_real, cu_padded))
+        local = tg.thd_batch_on_this_cp_rank(padded_batch, cu_real, cu_padded)
+        out[("cp4", pattern)] = tg.packed_forward_backward(model, local, params(cu_real, cu_padded))
     pattern = "*-*-"
     tg.init_parallel()
     ref = th.build_tiny_hybrid(th.tiny_hybrid_config(pattern, **SIZES), pattern, hybrid_stack_spec_2d_local)
-    out["ref_documents"] = run_model(ref, unpadded, params(cu_real, cu_real))
+    out["ref_documents"] = tg.packed_forward_backward(ref, unpadded, params(cu_real, cu_real))
     tg.init_parallel(context_parallel_size=4)
     documents = dict(SIZES, config_overrides=dict(cp_2d_packing="documents"))
     model = use_document_positions(
         th.build_tiny_hybrid(th.tiny_hybrid_config(pattern, settings, **documents), pattern, hybrid_stack_spec_2d_local)
     )
     local, doc_params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
-    out["documents"] = run_model(model, local, doc_params)
+    out["documents"] = tg.packed_forward_backward(model, local, doc_params)
     try:
         th.build_tiny_hybrid(th.tiny_hybrid_config("M*-", settings, **documents), "M*-", hybrid_stack_spec_2d_local)
     except ValueError as err:

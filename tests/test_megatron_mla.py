@@ -223,6 +223,39 @@ def test_mla_ring_setting_is_checked():
         TransformerConfig2D(**base, cp_2d_mla_ring="latent")
 
 
+def test_mla_packing_refusals_on_the_config_route():
+    """A config built without the launch path (Python users) is refused MLA with the per-sequence split or the
+    documents layout by MLATransformerConfig2D itself, before any layer or collective (the launch checks give the
+    same refusal earlier: tests/test_generated_configs.py); zigzag runs, and at CP = 1 the documents layout splits
+    nothing."""
+    from megatron_2d.megatron import MLATransformerConfig2D
+
+    mla = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        context_parallel_size=4,
+        cp_comm_type="2d",
+        cp_2d_head_parallel_size=2,
+        attention_dropout=0.0,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=8,
+        rope_type="rope",
+    )
+    assert MLATransformerConfig2D(**mla, cp_2d_packing="zigzag").cp_2d_packing == "zigzag"
+    with pytest.raises(ValueError, match=r"per-sequence split of packed documents .* use --sft batches"):
+        MLATransformerConfig2D(**mla, cp_2d_packing="sequence")
+    with pytest.raises(
+        ValueError, match=r"cp_2d_packing='documents' .* with multi-latent attention .* use cp_2d_packing='zigzag'"
+    ):
+        MLATransformerConfig2D(**mla, cp_2d_packing="documents")
+    one = dict(mla, context_parallel_size=1, cp_2d_head_parallel_size=1)
+    assert MLATransformerConfig2D(**one, cp_2d_packing="documents").cp_2d_packing == "documents"
+
+
 @pytest.mark.distributed
 def test_thd_value_padding_is_undone(results):
     r = results["thd_padded_value"]

@@ -13,12 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d
 from megatron_2d.megatron.packed_data import (
     documents_batch_on_this_cp_rank,
-    get_thd_batch_on_this_cp_rank_2d,
     groups_of_model,
     use_document_positions,
 )
@@ -82,61 +80,26 @@ def config(cp_settings=None, packing="zigzag", **overrides):
     return cfg
 
 
-def run_model(model, local, params):
-    """Loss (sum over the CP group of masked per-token loss / masked tokens), full gradients and the gradient norm
-    Megatron's optimizer computes."""
-    model.zero_grad(set_to_none=True)
-    per_token = model(
-        input_ids=local["tokens"],
-        position_ids=local.get("position_ids"),
-        attention_mask=None,
-        labels=local["labels"],
-        packed_seq_params=params,
-    )
-    count = local["loss_mask"].sum()
-    total = tg.cp_sum(count)
-    local_sum = (per_token.float() * local["loss_mask"]).sum()
-    (local_sum / total).backward()
-    tg.all_reduce_grads_over_cp(model)
-    return {
-        "loss": tg.cp_sum(local_sum) / total,
-        "grads": tg.full_gradients(model),
-        "grad_norm": tg.megatron_grad_norm(model),
-        "per_token_finite": bool(torch.isfinite(per_token).all()),
-    }
-
-
-def megatron_params(cu_real, cu_padded):
-    """PackedSeqParams as pretrain_gpt.py's forward_step builds them (global cu_seqlens)."""
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_real,
-        cu_seqlens_kv=cu_real,
-        cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded,
-        max_seqlen_q=int((cu_padded[1:] - cu_padded[:-1]).max()),
-        max_seqlen_kv=int((cu_padded[1:] - cu_padded[:-1]).max()),
-    )
-
-
 def run_all(rank, world):
     spec = get_gpt_layer_spec_2d(use_transformer_engine=False)
     padded_batch, cu_real, cu_padded = packed_stream(PAD_TO)
     unpadded = real_tokens(padded_batch, cu_real, cu_padded)
     out = {}
     tg.init_parallel()
-    out["ref_zigzag"] = run_model(tg.build_tiny_gpt(config(), spec), padded_batch, megatron_params(cu_real, cu_padded))
-    out["ref_documents"] = run_model(tg.build_tiny_gpt(config(), spec), unpadded, megatron_params(cu_real, cu_real))
+    out["ref_zigzag"] = tg.packed_forward_backward(
+        tg.build_tiny_gpt(config(), spec), padded_batch, tg.megatron_thd_params(cu_real, cu_padded)
+    )
+    out["ref_documents"] = tg.packed_forward_backward(
+        tg.build_tiny_gpt(config(), spec), unpadded, tg.megatron_thd_params(cu_real, cu_real)
+    )
     for name, (cp, settings) in LAYOUTS.items():
         tg.init_parallel(context_parallel_size=cp)
-        cp_group = tg.parallel_state.get_context_parallel_group()
         model = tg.build_tiny_gpt(config(settings), spec)
-        batch = dict(padded_batch, cu_seqlens=cu_real, cu_seqlens_padded=cu_padded)
-        local = get_thd_batch_on_this_cp_rank_2d(batch, cp_group)
-        out[(name, "zigzag")] = run_model(model, local, megatron_params(cu_real, cu_padded))
+        local = tg.thd_batch_on_this_cp_rank(padded_batch, cu_real, cu_padded)
+        out[(name, "zigzag")] = tg.packed_forward_backward(model, local, tg.megatron_thd_params(cu_real, cu_padded))
         model = use_document_positions(tg.build_tiny_gpt(config(settings, "documents"), spec))
         local, params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
-        out[(name, "documents")] = run_model(model, local, params)
+        out[(name, "documents")] = tg.packed_forward_backward(model, local, params)
         out[(name, "documents_stats")] = params.layout.stats()
         sharding = params.layout.sharding
         fair = sum(LENGTHS) / sharding.cp  # longer documents are always sharded (memory)
@@ -151,14 +114,22 @@ def run_all(rank, world):
         # Selective Checkpoint++ (full-layer recompute that keeps attention) on packed batches
         model = use_document_positions(tg.build_tiny_gpt(config(settings, "documents", **CKPT_PLUS_PLUS), spec))
         local, params = documents_batch_on_this_cp_rank(unpadded, groups_of_model(model), cu_real)
-        out[(name, "documents_ckpt++")] = run_model(model, local, params)
+        out[(name, "documents_ckpt++")] = tg.packed_forward_backward(model, local, params)
         # a batch of the other layout than the config says is refused, not run
         for packing, (batch_local, batch_params) in (
             ("zigzag", (local, params)),
-            ("documents", (get_thd_batch_on_this_cp_rank_2d(batch, cp_group), megatron_params(cu_real, cu_padded))),
+            (
+                "documents",
+                (
+                    tg.thd_batch_on_this_cp_rank(padded_batch, cu_real, cu_padded),
+                    tg.megatron_thd_params(cu_real, cu_padded),
+                ),
+            ),
         ):
             try:
-                run_model(tg.build_tiny_gpt(config(settings, packing), spec), batch_local, batch_params)
+                tg.packed_forward_backward(
+                    tg.build_tiny_gpt(config(settings, packing), spec), batch_local, batch_params
+                )
             except ValueError as err:
                 out[(name, "refused", packing)] = str(err)
     destroy_2d_groups()

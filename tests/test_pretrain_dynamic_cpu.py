@@ -20,7 +20,7 @@ import torch
 
 from megatron_2d.testing.megatron_lm import copy_scripts
 from megatron_2d.testing.pretrain_runs import assert_same_training, run_pretrain, run_pretrain_outcomes, trained
-from megatron_2d.testing.reference import TOLERANCE
+from megatron_2d.testing.reference import TOLERANCES
 from megatron_2d.testing.sft_data import PROMPT_FORMAT
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
@@ -87,7 +87,7 @@ def test_patched_pretrain_gpt_hybrid_cp_equals_cp1(scripts, sft_corpus, group_si
     assert "--cp-2d-dynamic-layouts '2=2x1,4=4x1' (all given by --cp-2d-dynamic-layouts)" in logs[0]
     sizes = {int(line.split()[-1]) for log in logs for line in log.splitlines() if "hybrid micro-batch" in line}
     assert sizes == {1, 2, 4}
-    assert_same_training(training(logs), reference, TOLERANCE[torch.float32])
+    assert_same_training(training(logs), reference, TOLERANCES[torch.float32].end_to_end)
 
 
 def test_patched_pretrain_gpt_hybrid_cp_with_sequence_parallelism_equals_cp1(scripts, sft_corpus, group_sizes):
@@ -103,7 +103,7 @@ def test_patched_pretrain_gpt_hybrid_cp_with_sequence_parallelism_equals_cp1(scr
     sizes = {int(line.split()[-1]) for log in logs for line in log.splitlines() if "hybrid micro-batch" in line}
     assert sizes == {1, 2}
     assert reference.losses[ITERATIONS] < reference.losses[1]
-    assert_same_training(training(logs), reference, TOLERANCE[torch.float32])
+    assert_same_training(training(logs), reference, TOLERANCES[torch.float32].end_to_end)
 
 
 def test_unpatched_route_is_refused_on_every_rank(scripts, sft_corpus):

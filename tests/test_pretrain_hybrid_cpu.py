@@ -26,14 +26,14 @@ from megatron_2d.testing.pretrain_runs import (
     run_pretrain_outcomes,
     trained,
 )
-from megatron_2d.testing.reference import TOLERANCE
+from megatron_2d.testing.reference import TOLERANCES
 from megatron_2d.testing.sft_data import PROMPT_FORMAT
 
 pytestmark = pytest.mark.megatron
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
-RTOL = TOLERANCE[torch.float32]
+RTOL = TOLERANCES[torch.float32].end_to_end
 
 
 def make_flags(*env):

@@ -35,14 +35,14 @@ from megatron_2d.testing.pretrain_runs import (
     trained,
     write_document_dataset,
 )
-from megatron_2d.testing.reference import TOLERANCE
+from megatron_2d.testing.reference import TOLERANCES
 from megatron_2d.testing.sft_data import PROMPT_FORMAT
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS = 4
-RTOL = TOLERANCE[torch.float32]
+RTOL = TOLERANCES[torch.float32].end_to_end
 PER_TOKEN = ["--calculate-per-token-loss"]
 CP2_2D = ["--context-parallel-size", "2", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "1"]
 SPEC_2D = ["--spec", "megatron_2d.megatron.spec", "gpt_layer_spec_2d"]

@@ -48,9 +48,22 @@ fi
 if [ "${1:-}" = "--print-flags" ]; then printf '%s\n' "${FLAGS[@]}"; exit 0; fi
 
 WORK="$(mktemp -d)"
+CHILD=
 trap 'rm -rf "$WORK"' EXIT
+# a signal to this script goes to torchrun as SIGTERM (it terminates its workers on it; SIGINT would be ignored by a
+# background job), and the script then waits for it, so the EXIT trap removes $WORK after the workers are gone
+trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null' INT TERM HUP
 PATCHED=--patched; { [ "$CP" = 1 ] || [ -n "$STOCK_CP" ]; } && PATCHED=
 SCRIPT="$("$PY" -m megatron_2d.testing.megatron_lm "$WORK" $PATCHED --script "pretrain_$ENTRY.py")"
-# torchrun terminates its workers on SIGTERM; -k kills it if it does not stop.
-exec timeout -k 10 "${TIMEOUT:-120}" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$CP" \
-  -m megatron_2d.testing.pretrain_cpu "${LAUNCH[@]}" "$SCRIPT" "${FLAGS[@]}" "$@"
+# torchrun as a child, not exec'd (the EXIT trap must run); -k kills it if it does not stop. Its log folder
+# (torchelastic_*, which torch never removes) and its workers' temporary files go in $WORK, removed with it.
+TMPDIR="$WORK" timeout -k 10 "${TIMEOUT:-120}" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$CP" \
+  -m megatron_2d.testing.pretrain_cpu "${LAUNCH[@]}" "$SCRIPT" "${FLAGS[@]}" "$@" &
+CHILD=$!
+STATUS=0
+wait "$CHILD" || STATUS=$?
+while kill -0 "$CHILD" 2>/dev/null; do  # a trapped signal ended the wait early: wait for torchrun to stop
+  STATUS=0
+  wait "$CHILD" || STATUS=$?
+done
+exit "$STATUS"

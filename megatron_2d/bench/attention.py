@@ -39,6 +39,7 @@ from .cluster import add_cluster_arguments, bench_cluster
 from .harness import (
     DTYPES,
     bench_layouts,
+    idle,
     label,
     layout_record,
     make_inputs,
@@ -70,7 +71,6 @@ def bench_rank(rank, world, args, layouts, dtype):
     q, k, v, dout = (megatron_2d.shard_sequence(x, rank, world) for x in make_inputs(args, dtype))
     share = min(world, os.cpu_count() or 1)
     baseline = single_process_step(args, dtype) if rank < share else None
-    idle = lambda: None  # noqa: E731
     single = {"alone": [], "busy": []}
     times = [[] for _ in layouts]
     rounds = range(args.repeats + 1)

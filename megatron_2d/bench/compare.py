@@ -66,7 +66,7 @@ from megatron_2d.testing.reference import TOLERANCES, reference_on_rank
 from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
 from .cluster import add_cluster_arguments, bench_cluster
 from .cluster_plan import print_planner_check
-from .harness import DTYPES, make_inputs, retain_freed_memory, round_order, single_process_step
+from .harness import DTYPES, idle, make_inputs, mib, retain_freed_memory, round_order, single_process_step
 from .runners import (  # noqa: F401
     OURS,
     PEERS,
@@ -233,7 +233,6 @@ def compare_on_rank(rank: int, world: int, args, impls: Sequence[Impl], device: 
     cpu_times: dict[int, list[float]] = {i: [] for i in timed}
     single: dict[str, list[float]] = {"alone": [], "busy": []}
     orders = []
-    idle = lambda: None  # noqa: E731
     for r in rounds:
         alone = _time_call(step if rank == 0 else idle, dev)
         busy = _time_call(step, dev)
@@ -504,10 +503,6 @@ ADAPTATIONS = {
 # -- output -----------------------------------------------------------------------------------------------------
 
 
-def _mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
-
-
 def _short(family: str) -> str:
     return "best 2D" if family == OURS else family
 
@@ -552,8 +547,8 @@ def print_report(report: Report, args) -> None:
             + [
                 f"{100 * r.efficiency:.0f}%" if r.efficiency is not None else "-",
                 f"{100 * r.efficiency_alone:.0f}%" if r.efficiency_alone is not None else "-",
-                _mib(r.bytes["a2a"]) + mark,
-                _mib(r.bytes["ring"]) + mark,
+                mib(r.bytes["a2a"]) + mark,
+                mib(r.bytes["ring"]) + mark,
                 err,
             ]
         )

@@ -69,6 +69,15 @@ def round_order(indices: Sequence[int], round_index: int) -> list[int]:
     return list(indices[k:]) + list(indices[:k])
 
 
+def idle() -> None:
+    """What the other ranks run while rank 0 times the baseline alone (the "alone" timing)."""
+
+
+def mib(n: float) -> str:
+    """``n`` bytes in MiB, two decimals (the benchmarks' tables)."""
+    return f"{n / 2**20:.2f}"
+
+
 def time_call(fn, repeats: int, reduce=statistics.median) -> float:
     """``reduce`` (median by default) of the seconds of ``repeats`` calls of ``fn``, after one warm-up call."""
     fn()

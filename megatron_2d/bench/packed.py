@@ -59,7 +59,7 @@ from rich.table import Table
 
 import megatron_2d
 from megatron_2d.bench.cluster import add_cluster_arguments, bench_cluster
-from megatron_2d.bench.harness import DTYPES
+from megatron_2d.bench.harness import DTYPES, mib
 from megatron_2d.bench.runners import TE_RELEASE, count_collective_sends, count_ring_comm_sends
 from megatron_2d.layout.band import SlidingWindow
 from megatron_2d.layout.choices import PACKING_MODES
@@ -655,7 +655,6 @@ def merged(results: list[dict], key) -> dict:
 
 def print_tables(args, cases: list[Case], results: list[dict], ring_flash_why: str, te_rows=(), te_why="") -> None:
     console = Console(width=190)
-    mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
     seq = merged(results, ("*", "one sequence")) if ("*", "one sequence") in results[0] else None
     for case in cases:
         lengths = np.diff(case.cu_seqlens)

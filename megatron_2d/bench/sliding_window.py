@@ -22,7 +22,7 @@ from megatron_2d.layout.band import Band
 from megatron_2d.testing.distributed import run_on_ranks
 
 from .cli import add_arguments, render_table
-from .harness import time_call
+from .harness import mib, time_call
 
 LAYOUTS = [(1, 1, "head_first"), (1, 2, "head_first"), (2, 1, "head_first")]  # (hp, Double-Ring w, placement)
 
@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> None:
         for name, _ in windows:
             seconds = max(r[(hp, w, placement, name)][0] for r in results)  # the slowest rank sets the pace
             sent = max((r[(hp, w, placement, name)][1] for r in results), key=lambda s: sum(s.values()))
-            mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
             body.append(
                 [
                     f"hp{hp} x cp{args.ranks // hp} w{w}",

@@ -263,8 +263,7 @@ class FlashAttn2Kernel(FlashWindowKernel):
         groups, alone = self._grouped(calls, first_key, q.device)
         results = super().backward_calls(dout, q, k, v, out, lse, alone, first_key, scale)
         for g in groups:
-            rows = lambda x: x[0].index_select(0, g.q_index)  # noqa: E731
-            qp, dp, op = rows(q), rows(dout), rows(out)
+            qp, dp, op = (x[0].index_select(0, g.q_index) for x in (q, dout, out))  # the group's query rows
             kp, vp = k[0].index_select(0, g.k_index), v[0].index_select(0, g.k_index)
             lp = lse[0].index_select(1, g.q_index).contiguous()  # [h, total_q]
             if self._padded_varlen_lse:

@@ -111,7 +111,8 @@ def optimizer_config(hybrid_zero: HybridZeRO, dp: int, cp: int, **extra: Any):
             f"{hybrid_zero.resolved_optimizer_shard_size(dp, cp)} > shard_size "
             f"{hybrid_zero.resolved_shard_size(dp, cp)}: "
             f"megatron-core 0.19.2 computes the gradient norm over one optimizer instance only, so clipping "
-            f"would use a wrong norm; pass clip_grad=0.0 (OptimizerConfig defaults to 1.0)"
+            f"would use a wrong norm; pass clip_grad=0.0 (OptimizerConfig defaults to 1.0; the launch checks refuse "
+            f"--clip-grad with --outer-dp-sharding-strategy optim before this)"
         )
     return OptimizerConfig(**kwargs)
 

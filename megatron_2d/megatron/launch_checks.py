@@ -10,16 +10,17 @@ Every route into the library reaches them, on every rank, before any model is tr
     ``HybridStack2D``; both call :func:`check_current_launch` (megatron.training's parsed arguments, when a launch
     has set them) before any layer is built.
 
-Model-level settings are validated by ``settings_from_config`` (hp, window, placement, heads), the attention
-settings by :mod:`.attention_settings` (dropout among them) and MLA's by :func:`.mla.check_mla_settings`; this module
-covers what only the command line knows (how the data is packed, :func:`packing_mode`; whether the loss would be
-normalised per CP rank over uneven loss masks, :func:`loss_scaling_problem`; a hybrid model's layer pattern; a ready
-spec under a pipeline layout with empty stages, :func:`ready_spec_pipeline_problem`; compositions of Megatron's own
-options that megatron-core 0.19.2 cannot start, :func:`megatron_composition_problems`), the hybrid layers' needs of
-the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at construction) and what the documents
-layout's data path can run (:func:`documents_layout_problem`, also run by ``TransformerConfig2D``). They run before any
-collective of the library: the model's 2D groups are built after them, at its construction
-(:mod:`.process_groups`).
+Model-level settings are validated by ``settings_from_config`` (hp, window, placement, heads; run on the flags first by
+:func:`static_layout_problem`), the attention settings by :mod:`.attention_settings` (dropout among them) and MLA's by
+:func:`.mla.check_mla_settings` (its packing refusals, :func:`mla_packing_problem`, run here first); this module covers
+what only the command line knows (how the data is packed, :func:`packing_mode`; whether the loss would be normalised per
+CP rank over uneven loss masks, :func:`loss_scaling_problem`; a hybrid model's layer pattern; a ready spec under a
+pipeline layout with empty stages, :func:`ready_spec_pipeline_problem`; compositions of Megatron's own options that
+megatron-core 0.19.2 cannot start or gets wrong, :func:`megatron_composition_problems`, Hybrid ZeRO's clipping among
+them), the hybrid layers' needs of the CP group (:func:`check_hybrid_layers`, also run by ``HybridStack2D`` at
+construction) and what the documents layout's data path can run (:func:`documents_layout_problem`, also run by
+``TransformerConfig2D``). They run before any collective of the library: the model's 2D groups are built after them, at
+its construction (:mod:`.process_groups`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..layout.hybrid_layers import (
 from ..packing.modes import PackingMode, megatron_split_mode, mode_class
 from .dynamic import dynamic_config_problems, dynamic_layouts, is_dynamic
 from .fields import fields_2d
-from .settings import layer_comm_types, uses_2d
+from .settings import layer_comm_types, settings_from_config, uses_2d
 
 PACKED_SEQUENCE_FLAGS: tuple[tuple[str, str], ...] = (("--reset-attention-mask", "reset_attention_mask"),)
 """Document-masking flags whose batches the 2d backend would get wrong, with their argparse destinations:
@@ -70,10 +71,12 @@ def check_launch_args(args) -> None:
             f"examples/pretrain_gpt_2d.py)"
         )
     checks = (
+        static_layout_problem,
         chosen_mode(args).launch_problem,
         loss_scaling_problem,
         ready_spec_pipeline_problem,
         documents_layout_problem,
+        mla_packing_problem,
     )
     problems = [check(args) for check in checks] + megatron_composition_problems(args)
     for problem in problems:
@@ -214,6 +217,42 @@ def documents_layout_problem(config) -> str | None:
     return None
 
 
+def static_layout_problem(args) -> str | None:
+    """Why this launch's static 2D layout cannot run, or None: :func:`.settings.settings_from_config` on the flags
+    (``args``: megatron.training's parsed arguments), as TransformerConfig2D checks the config: hp x cp = CP, hp
+    dividing the attention heads per TP rank (naming the valid hp), w dividing cp, a known placement, whole K/V
+    heads. Hybrid CP's per-size layouts are :func:`dynamic_launch_problems`'; at CP = 1 nothing is split."""
+    if is_dynamic(args) or (getattr(args, "context_parallel_size", 1) or 1) == 1:
+        return None
+    try:
+        settings_from_config(args)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def mla_packing_problem(config) -> str | None:
+    """Why multi-latent attention cannot run on ``config``'s packed batches (a TransformerConfig or
+    megatron.training's args: the same names), or None: MLA's RoPE assumes Megatron's per-document split, which
+    neither Megatron's per-sequence split nor the documents layout keeps. Run by the launch checks and by
+    :func:`.mla.check_mla_settings` (TransformerConfig2D, the layer spec)."""
+    if not getattr(config, "multi_latent_attention", False):
+        return None
+    if megatron_split(config) == "per-sequence":
+        return (
+            "Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
+            "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
+            "RoPE assumes the per-document split; use --sft batches (Megatron's per-document split)"
+        )
+    if packing_mode(config) == "documents" and getattr(config, "context_parallel_size", 1) > 1:
+        return (
+            "cp_2d_packing='documents' (--cp-2d-packing documents) with multi-latent attention is not supported by "
+            "the 2d backend: MLA applies RoPE inside its attention at the positions of Megatron's per-document "
+            "split, which the documents layout does not keep; use cp_2d_packing='zigzag' (--sft batches)"
+        )
+    return None
+
+
 def megatron_composition_problems(args) -> list[str]:
     """What megatron-core 0.19.2 itself cannot start in this launch, found before it fails deep inside (an einops
     error in megatron-fsdp, an assertion in initialize_model_parallel), with what would work. ``args``:
@@ -255,6 +294,16 @@ def megatron_composition_problems(args) -> list[str]:
             "ranks the max logit of the next step moved 300% away from CP = 1's); use the distributed optimizer "
             "(--use-distributed-optimizer, Hybrid ZeRO's 'optimizer' choice) with QK-clip, or only log the max "
             "(--log-max-attention-logit)"
+        )
+    clip, outer = getattr(args, "clip_grad", 1.0), getattr(args, "outer_dp_sharding_strategy", "no_shard")
+    if getattr(args, "use_megatron_fsdp", False) and outer not in (None, "no_shard") and clip and clip > 0:
+        problems.append(
+            f"--clip-grad {clip} with --outer-dp-sharding-strategy {outer} (Hybrid ZeRO's optimizer states sharded "
+            f"wider than its parameters and gradients, optimizer_shard_size > shard_size): megatron-core 0.19.2 "
+            f"computes the gradient norm over one optimizer instance only (--num-distributed-optimizer-instances "
+            f"{getattr(args, 'num_distributed_optimizer_instances', 1)}), missing the other instances' gradient "
+            f"shards, so clipping would scale by a wrong factor; add --clip-grad 0.0, or drop "
+            f"--outer-dp-sharding-strategy (optimizer states sharded as the parameters)"
         )
     if getattr(args, "use_tp_pp_dp_mapping", False) and pp > 1 and cp > 1:
         problems.append(

@@ -42,7 +42,7 @@ from torch.nn.modules.module import _global_forward_pre_hooks
 from ..layout.choices import check_mla_ring
 from .core_attention import LatentDims
 from .fields import fields_2d
-from .launch_checks import megatron_split, packing_mode
+from .launch_checks import mla_packing_problem
 
 LATENT = "latent"
 
@@ -59,8 +59,9 @@ def mla_ring(config) -> str:
 def check_mla_settings(config) -> None:
     """Refuse, with ValueError, MLA settings of ``config`` (a TransformerConfig) the 2d backend cannot honour: an
     unknown ``cp_2d_mla_ring``, a latent ring without MLA (it would be ignored), and MLA with Megatron's
-    per-sequence split of packed documents or with the documents layout (its RoPE assumes the per-document split).
-    The one MLA check, reached from TransformerConfig2D and from the layer spec (plain TransformerConfigs)."""
+    per-sequence split of packed documents or with the documents layout (:func:`.launch_checks.mla_packing_problem`,
+    which the launch checks run first). The one MLA check, reached from TransformerConfig2D and from the layer spec
+    (plain TransformerConfigs)."""
     ring = check_mla_ring(mla_ring(config))
     if ring != "expanded" and not uses_mla(config):
         raise ValueError(
@@ -68,18 +69,9 @@ def check_mla_settings(config) -> None:
             f"multi_latent_attention is off, so it would be ignored; drop it or build an "
             f"MLATransformerConfig2D (--multi-latent-attention)"
         )
-    if uses_mla(config) and megatron_split(config) == "per-sequence":
-        raise ValueError(
-            "Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
-            "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
-            "RoPE assumes the per-document split; use --sft batches (Megatron's per-document split)"
-        )
-    if uses_mla(config) and packing_mode(config) == "documents" and getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(
-            "cp_2d_packing='documents' (--cp-2d-packing documents) with multi-latent attention is not supported by "
-            "the 2d backend: MLA applies RoPE inside its attention at the positions of Megatron's per-document "
-            "split, which the documents layout does not keep; use cp_2d_packing='zigzag' (--sft batches)"
-        )
+    problem = mla_packing_problem(config)
+    if problem:
+        raise ValueError(problem)
 
 
 def use_latent_ring(spec, config, use_transformer_engine: bool):

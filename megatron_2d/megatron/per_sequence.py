@@ -75,6 +75,9 @@ class SelfAttention2D(SelfAttention):
             kwargs["packed_seq_params"] = derived
             emb = kwargs.get("rotary_pos_emb")  # [max document length, 1, 1, dim] (or a (q, k) pair)
             if emb is not None:  # -> [CP * t_local, 1, 1, dim] at document positions
-                pick = lambda e: e.index_select(0, derived.rope_positions)  # noqa: E731
+
+                def pick(e: torch.Tensor) -> torch.Tensor:  # the table's rows at the tokens' document positions
+                    return e.index_select(0, derived.rope_positions)
+
                 kwargs["rotary_pos_emb"] = tuple(map(pick, emb)) if isinstance(emb, tuple) else pick(emb)
         return super().forward(hidden_states, attention_mask, **kwargs)

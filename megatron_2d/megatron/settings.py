@@ -128,11 +128,19 @@ def settings_from_config(config, **overrides) -> Settings2D:
     return validate_2d_settings(
         context_parallel_size=config.context_parallel_size,
         num_attention_heads=config.num_attention_heads,
-        # MLA builds K/V per query head (num_query_groups does not apply)
-        num_query_groups=None if getattr(config, "multi_latent_attention", False) else config.num_query_groups,
+        num_query_groups=query_groups(config),
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         **values,
     )
+
+
+def query_groups(config) -> int | None:
+    """The K/V heads ``config``'s layout splits (a TransformerConfig or megatron.training's args): None (one per
+    query head) for MLA, which builds K/V per query head, and for flags without --group-query-attention (Megatron-LM
+    reads --num-query-groups only with it); else num_query_groups."""
+    if getattr(config, "multi_latent_attention", False) or getattr(config, "group_query_attention", True) is False:
+        return None
+    return config.num_query_groups
 
 
 def layer_settings(config, cp_size: int, **overrides) -> Settings2D:

@@ -284,7 +284,10 @@ def neighbour_times(
     per_token = work.kv_bytes / work.s_ctx_tokens
     kv = per_token * ww.key_tokens / m
     dkv = kv * (work.dkv_bytes / work.kv_bytes if work.kv_bytes else FP32 / BF16)
-    t_msg = lambda b: path_time(ring_links.inner, b, cluster)  # noqa: E731
+
+    def t_msg(b: float) -> float:  # one ring message of b bytes
+        return path_time(ring_links.inner, b, cluster)
+
     t, tb = cp * tc / (m + 1), cp * tcb / (m + 1)
     x = cluster.links.interference
     fwd = t + m * overlapped(t, t_msg(kv), x)

@@ -280,7 +280,10 @@ def format_grid(
         header = ["GPUs"] + [seq_label(s) for s in seqs]
         rows = [[str(g)] + [by[(g, s)].text() if (g, s) in by else "" for s in seqs] for g in gpus]
         widths = [max(len(r[j]) for r in rows + [header]) for j in range(len(header))]
-        fmt = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
+
+        def fmt(r: list[str], widths=widths) -> str:
+            return "  ".join(v.rjust(w) for v, w in zip(r, widths)).rstrip()
+
         lines += [fmt(header)] + [fmt(r) for r in rows] + [""]
     lines.append("Codes:")
     lines += [f"  {k}  {v}" for k, v in CODES.items()]

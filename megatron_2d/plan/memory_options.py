@@ -197,7 +197,10 @@ def sharding_cost(
     bwd = {1: rs / m, 2: rs, 3: ag + rs}[stage] + ar_out / m
     x = cluster.links.interference
     exposed = (overlapped(fwd_compute_s, fwd, x) - fwd_compute_s) + (overlapped(bwd_compute_s, bwd, x) - bwd_compute_s)
-    frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
+
+    def frac(n: int) -> float:  # the share of a collective over n ranks that crosses links
+        return (n - 1) / n if n > 1 else 0.0
+
     per_mb_ag = (2 if stage == 3 else 1 / m) * frac(S) * P
     per_mb_rs = (1 if stage >= 2 else 1 / m) * frac(S) * G + 2 * frac(outer) * G / S / m
     return ShardingCost(

@@ -264,7 +264,10 @@ def format_reproduction(
                 notes.append(f"- {r.model} {r.gpus} GPUs {seq_label(r.seq)} vs {baseline}: {note}")
         body.append(cells)
     widths = [max(len(x[j]) for x in body + [head]) for j in range(len(head))]
-    fmt = lambda cells: " | ".join(v.ljust(w) for v, w in zip(cells, widths))  # noqa: E731
+
+    def fmt(cells: list[str]) -> str:
+        return " | ".join(v.ljust(w) for v, w in zip(cells, widths))
+
     lines = [
         f"Planner on {cluster.name}; link efficiency {cluster.links.describe()}; CP = all GPUs (half where "
         f"a side cannot run at all of them); "

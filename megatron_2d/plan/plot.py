@@ -113,7 +113,10 @@ def plot_sweep(
         ax.set_xlabel("sequence length")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    finite = lambda ax: any(math.isfinite(y) for line in ax.get_lines() for y in line.get_ydata())  # noqa: E731
+
+    def finite(ax) -> bool:
+        return any(math.isfinite(y) for line in ax.get_lines() for y in line.get_ydata())
+
     if finite(ax_t):
         ax_t.set_yscale("log")
     if finite(ax_m):

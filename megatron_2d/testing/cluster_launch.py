@@ -125,8 +125,12 @@ def _launch_env(cluster: EmulatedCluster, workdir: str, rank_flags: Sequence[str
             RANK_FLAGS_ENV: shlex.join(rank_flags),
             "GPUS_PER_NODE": str(cluster.shape.ranks_per_node),
             "TORCHELASTIC_ERROR_FILE": os.path.join(workdir, "error.json"),
+            # torchrun's log folder (torchelastic_*, which torch never removes) and the workers' temporary files:
+            # inside the work folder, removed with it
+            "TMPDIR": os.path.join(workdir, "tmp"),
         }
     )
+    os.makedirs(env["TMPDIR"], exist_ok=True)
     env.update(extra)
     return env
 

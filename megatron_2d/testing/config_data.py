@@ -167,11 +167,7 @@ def forward_step(draw: Draw, data_iterator, model):
     """Megatron's forward_step for the draw's data path: this CP rank's share of the micro-batch, the model, and
     the per-token loss (sum, tokens, report); with :func:`masks_router_padding`, the padding mask of the data
     path's padding."""
-    from megatron.core import parallel_state
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     item = next(data_iterator)
-    cp_group = parallel_state.get_context_parallel_group()
     if isinstance(item, dict):  # sbhd
         local, params = tg.shard_batch_for_cp(item), None
     elif draw.scenario.data == "documents" and draw.context_parallel_size > 1:
@@ -180,31 +176,17 @@ def forward_step(draw: Draw, data_iterator, model):
         gpt = use_document_positions(mcpu.unwrapped(model))
         local, params = documents_batch_on_this_cp_rank(item.batch, groups_of_model(gpt), item.cu_seqlens)
     else:
-        from ..megatron.packed_data import get_thd_batch_on_this_cp_rank_2d
-
         padded = item.cu_seqlens_padded
         if draw.scenario.data == "sequence" and not draw.reference:  # Megatron's per-sequence split
             local = tg.shard_batch_for_cp(item.batch)
         else:
-            local = get_thd_batch_on_this_cp_rank_2d(
-                dict(item.batch, cu_seqlens=item.cu_seqlens, cu_seqlens_padded=padded), cp_group
-            )
-            cu_split = dict(cu_seqlens=item.cu_seqlens, cu_seqlens_padded=padded)  # ``real`` split like the tokens
-            local["real"] = get_thd_batch_on_this_cp_rank_2d(dict(cu_split, tokens=item.batch["real"]), cp_group)[
+            local = tg.thd_batch_on_this_cp_rank(item.batch, item.cu_seqlens, padded)
+            # ``real`` split like the tokens
+            local["real"] = tg.thd_batch_on_this_cp_rank({"tokens": item.batch["real"]}, item.cu_seqlens, padded)[
                 "tokens"
             ]
         cu = padded if padded is not None else item.cu_seqlens  # as pretrain_gpt.py / pretrain_hybrid.py build it
-        longest = int((cu[1:] - cu[:-1]).max())
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=padded,
-            cu_seqlens_kv_padded=padded,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-            total_tokens=int(cu[-1]),
-        )
+        params = tg.megatron_thd_params(cu, padded, total_tokens=int(cu[-1]))
     padding = router_padding_mask(local) if masks_router_padding(draw) else None
     output = model(
         input_ids=local["tokens"],

@@ -105,7 +105,10 @@ def megatron_flags(draw: Draw) -> list[str]:
         flags.append("--selective-checkpoint-plus-plus")
     if s.qk_clip:
         flags += ["--qk-clip", "--qk-clip-threshold", str(QK_CLIP_THRESHOLD)]
-    return flags + hybrid_zero(draw).megatron_cli_args(draw.dp, draw.context_parallel_size)
+    # the clipping the draw trains with (OPTIMIZER), after Hybrid ZeRO's flags (which say --clip-grad 0.0 where its
+    # choice needs it): the launch checks see the run as it is
+    hz = hybrid_zero(draw).megatron_cli_args(draw.dp, draw.context_parallel_size)
+    return flags + hz + ["--clip-grad", str(OPTIMIZER["clip_grad"])]
 
 
 def moe_router_fields(s: Scenario) -> dict[str, Any]:

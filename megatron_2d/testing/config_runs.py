@@ -4,7 +4,9 @@ compare it with its CP = 1 reference.
 On every rank, in this order: the launch checks on the draw's pretrain_gpt.py / pretrain_hybrid.py flags (parsed
 by Megatron-LM's own parser in the parent), Megatron's parallel state, the model config (TransformerConfig2D
 validates), the model chunks (the 2d specs build the 2D groups), Float16Module for bf16, DDP or megatron-fsdp, the
-optimizer (Hybrid ZeRO's choice); a ValueError up to there is the draw's refusal, returned by every rank. Then
+optimizer (Hybrid ZeRO's choice); a ValueError up to there is the draw's refusal, returned by every rank with where
+it came (``refused_at``: "launch" from the launch checks, "setup" after them), which must be its rule's
+``fires_at``. Then
 ``ITERATIONS`` Adam steps through Megatron's schedule (``get_forward_backward_func``, ``finalize_model_grads``,
 ``optimizer.step()``) on the scenario's batches (this DP rank's share, in micro-batches, split over CP as the
 draw's data path splits them). Per iteration: the loss and the gradient norm the optimizer computes; the
@@ -45,6 +47,7 @@ from .config_models import (
 from .distributed import RankFailure, run_on_ranks
 from .generated_configs import (
     ITERATIONS,
+    LAUNCH,
     Draw,
     expected_refusals,
     norm_route,
@@ -59,6 +62,7 @@ from .reference import TOLERANCES
 @dataclass
 class RankResult:
     refused: str | None = None
+    refused_at: str | None = None  # generated_configs.LAUNCH (the launch checks) or SETUP (after them)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float | None] = field(default_factory=list)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -68,12 +72,16 @@ class RankResult:
     seconds: float = 0.0
 
 
-def _setup(draw: Draw, launch_args):
-    """Everything before training, on this rank: a ValueError here is the draw's refusal."""
-    from ..megatron.launch_checks import check_launch_args
+SETUP = "setup"
+"""Where a refusal came when the launch checks passed: Megatron's parallel state, the config, the model, DDP or the
+optimizer (:func:`_setup`)."""
+
+
+def _setup(draw: Draw):
+    """Everything before training after the launch checks, on this rank: a ValueError here is a refusal at
+    :data:`SETUP`."""
     from .ddp_harness import init_parallel
 
-    check_launch_args(launch_args)
     hz = hybrid_zero(draw)
     CP = draw.context_parallel_size
     init_parallel(
@@ -123,10 +131,16 @@ def train_draw(rank: int, world: int, draw: Draw, launch_args) -> RankResult:
     logging.getLogger("megatron.core").setLevel(logging.ERROR)
     mcpu.install_megatron_ddp_cpu_shims()  # before the model: MoE's all-to-all dispatcher makes a CUDA stream
     start = time.perf_counter()
+    from ..megatron.launch_checks import check_launch_args
+
     try:
-        wrapped, optimizer, shapes = _setup(draw, launch_args)
+        check_launch_args(launch_args)
     except ValueError as err:
-        return RankResult(refused=str(err))
+        return RankResult(refused=str(err), refused_at=LAUNCH)
+    try:
+        wrapped, optimizer, shapes = _setup(draw)
+    except ValueError as err:
+        return RankResult(refused=str(err), refused_at=SETUP)
     result = RankResult(shapes=shapes)
     step_func = functools.partial(dynamic_forward_step if draw.dynamic else forward_step, draw)
     for iteration in range(ITERATIONS):
@@ -363,6 +377,10 @@ def _run_and_compare(draw: Draw, references: dict | None, timeout_s: float, with
     if refusals:
         matched = [next((r for r in refusals if m is not None and r.message in m), None) for m in refused]
         if all(matched) and len({r.name for r in matched}) == 1:
+            where = {r.refused_at for r in got}
+            if where != {matched[0].fires_at}:
+                detail = f"{matched[0].name} refused at {sorted(where)}, not at {matched[0].fires_at}: {refused[0]}"
+                return Outcome(draw, "fail", detail, time.perf_counter() - start)
             detail = f"{matched[0].name}: {refused[0].splitlines()[0]}"
             return Outcome(draw, "refused", detail, time.perf_counter() - start)
         names = [rule.name for rule in refusals]

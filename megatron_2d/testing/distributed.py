@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -123,11 +124,4 @@ def run_on_ranks(
         for p in procs:
             p.join(timeout=5.0)
         torch.set_num_threads(saved_threads)
-        try:
-            os.remove(store_path)
-        except OSError:
-            pass
-        try:
-            os.rmdir(store_dir)
-        except OSError:
-            pass
+        shutil.rmtree(store_dir, ignore_errors=True)  # the store file and anything else the ranks left in it

@@ -230,6 +230,7 @@ class EmulatedCluster:
     def build(self) -> None:
         """Make the namespaces, links, addresses, routes and shapers (torn down again if any step fails)."""
         netns.require_namespaces()
+        netns.record_owner(self.owner)  # before the first namespace: a test session's ledger sees every one
         swept = netns.sweep_stale()
         if swept:
             print(f"emulated cluster: removed {len(swept)} namespaces a killed run left", file=sys.stderr)

@@ -17,12 +17,12 @@ draw's CUDA kernel rotates with its index, so each reaches every kind of plan. E
 dq, dk, dv and d sinks, with padding slots exactly zero and everything finite (padding slots of q, k, v hold
 :data:`PADDING_VALUE`, not zeros, so that anything that reads them shows).
 
-The bound is the tolerance of the draw's dtype (``TOLERANCE``, max |error| / max |reference|; a bf16 draw's inputs are
-bf16 numbers, so its bound covers the kernels' and the outputs' rounding), except where an fp32 draw is so
-ill-conditioned that plain fp32 attention on one process (the same oracle run in fp32) misses it: tiny
-problems whose gradients cancel (a 2-token document's dq, d sinks summed over a few tokens) are off by ~1e-5 in
-fp32 whatever computes them. There an output may be at most :data:`FP32_FLOOR_FACTOR` times as far off as that
-single-process fp32 result; a real bug (a missed block, a wrong merge) is off by orders of magnitude more.
+The bound is the tolerance of the draw's dtype (``TOLERANCES[dtype].end_to_end``, max |error| / max |reference|; a bf16
+draw's inputs are bf16 numbers, so its bound covers the kernels' and the outputs' rounding), except where an fp32 draw
+is so ill-conditioned that plain fp32 attention on one process (the same oracle run in fp32) misses it: tiny problems
+whose gradients cancel (a 2-token document's dq, d sinks summed over a few tokens) are off by ~1e-5 in fp32 whatever
+computes them. There an output may be at most :data:`FP32_FLOOR_FACTOR` times as far off as that single-process fp32
+result; a real bug (a missed block, a wrong merge) is off by orders of magnitude more.
 
 d sinks is measured otherwise (:func:`megatron_2d.testing.reference.sink_err`): each head's gradient is one sum over
 every query row of signed terms that nearly cancel, so its error is taken against the sum of the terms' magnitudes
@@ -53,7 +53,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..layout.topology import PLACEMENTS, divisors
 from .flash_attn_package import RELEASES
 from .reference import (
-    TOLERANCE,
     TOLERANCES,
     max_logit_reference,
     packed_reference_attention,
@@ -340,7 +339,7 @@ def expected_results(draw: Draw):
     scale = sink_scale(draw)
     max_logit = expected_max_logit(draw)
     logit_bound = {} if max_logit is None else {"max_logit": TOLERANCES[draw.torch_dtype].max_logit}
-    tolerance = {name: TOLERANCE[draw.torch_dtype] for name in OUTPUTS} | {
+    tolerance = {name: TOLERANCES[draw.torch_dtype].end_to_end for name in OUTPUTS} | {
         "dsinks": TOLERANCES[draw.torch_dtype].dsinks
     }
     if draw.torch_dtype != torch.float32:
@@ -363,7 +362,10 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
 
     q, k, v, dout, sinks = _inputs(draw)
     if draw.mode is None:
-        shard = lambda x: megatron_2d.shard_sequence(x, cp_rank, cp_size)  # noqa: E731
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            return megatron_2d.shard_sequence(x, cp_rank, cp_size)
+
         pad = torch.zeros(q.shape[0] // cp_size, dtype=torch.bool)
         packing = None
     else:
@@ -375,7 +377,10 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
             padded[-1] += draw.end_padding
             padded = np.concatenate([[0], np.cumsum(padded)])
         packing = megatron_2d.PackedSharding(torch.from_numpy(cu), groups, mode=draw.mode, cu_seqlens_padded=padded)
-        shard = lambda x: packing.shard(x[:, 0])  # noqa: E731  [t_local, h, d]
+
+        def shard(x: torch.Tensor) -> torch.Tensor:  # [T, 1, h, d] -> [t_local, h, d]
+            return packing.shard(x[:, 0])
+
         pad = packing.local_indices() < 0
     local = [shard(x).to(draw.torch_dtype) for x in (q, k, v)]
     for x in local:  # padding holds whatever its tokens carry (Megatron's pad tokens): here values no pair may see

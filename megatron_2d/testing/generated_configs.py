@@ -522,17 +522,21 @@ def norm_route(draw: Draw) -> str:
 
 
 # ---- what cannot run: refusals the library must give, and skips ----------------------------------------------------
+LAUNCH = "launch"
+"""Where every refusal of :data:`REFUSALS` fires: the launch checks (``check_launch_args``), before any collective."""
 MAMBA_GROUPS = 2  # testing/tiny_hybrid.py's; its Mamba heads: hidden 64 x expand 2 / head dim (16 or 32)
 
 
 @dataclass(frozen=True)
 class Rule:
     """A combination that cannot run: ``applies(draw)``; ``message``: a refusal's expected text (a substring of
-    the library's error) or a skip's reason."""
+    the library's error) or a skip's reason; ``fires_at``: where a refusal must come, on every rank (:data:`LAUNCH`:
+    the launch checks on the draw's flags, before Megatron's process groups or any collective)."""
 
     name: str
     applies: object  # Callable[[Draw], bool]
     message: str
+    fires_at: str = LAUNCH
 
 
 def _heads_per_tp(d: Draw) -> int:
@@ -652,7 +656,7 @@ REFUSALS: tuple[Rule, ...] = (
     Rule(
         "hybrid_zero_wider_optimizer_shard_with_clipping",
         lambda d: d.state == "hybrid_zero" and d.wider_optimizer_shard,
-        "is not supported with optimizer_shard_size",
+        "computes the gradient norm over one optimizer instance only",
     ),
 )
 """Combinations the library refuses. Several may apply to one draw; the library's first check to see one raises, so

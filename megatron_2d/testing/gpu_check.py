@@ -626,17 +626,18 @@ def single_device_items(device: torch.device, names: list[str], sizes: Sizes) ->
 def one_rank_world(device: torch.device):
     """The one-rank default process group the single-device items run on (NCCL on CUDA, gloo on CPU)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"file://{tempfile.mktemp()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    with tempfile.TemporaryDirectory(prefix="m2d_gpu_check_store_") as store:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{store}/store",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def items_worker(args) -> int:
@@ -689,7 +690,10 @@ def distributed_rows(args, world: int, env: dict[str, str]) -> list[Row]:
         return [Row("distributed", "NCCL ring, head and neighbour exchange", NOT_RUN, "one device: needs >= 2 GPUs")]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     cases = worker_command(torchrun, "megatron_2d.testing.gpu_check_distributed", args)
-    return run_streamed(f"distributed {world} ranks", cases, args.timeout, env, startup=args.startup_timeout)
+    # torchrun's own log folder (torchelastic_*, never removed by torch) goes in a folder removed here
+    with tempfile.TemporaryDirectory(prefix="m2d_gpu_check_torchrun_") as tmp:
+        env = {**(os.environ if env is None else env), "TMPDIR": tmp}
+        return run_streamed(f"distributed {world} ranks", cases, args.timeout, env, startup=args.startup_timeout)
 
 
 def report(title: str, rows: list[Row]) -> int:

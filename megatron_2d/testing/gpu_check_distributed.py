@@ -97,8 +97,11 @@ def run_case(case: Case, device: torch.device, rank: int, world: int) -> tuple[f
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         ref = reference_attention(*leaves, case.causal, d**-0.5, window=win)
         ref.backward(dout)
-        shard = lambda x: megatron_2d.shard_sequence(x.detach(), rank, world)  # noqa: E731
         layout, cache = None, groups.op_cache
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            return megatron_2d.shard_sequence(x.detach(), rank, world)
+
     else:
         q, k, v, dout = (seeded(seq, h, d, device=device, seed=i) for i, h in enumerate(heads))
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -106,7 +109,11 @@ def run_case(case: Case, device: torch.device, rank: int, world: int) -> tuple[f
         layout = megatron_2d.PackedSharding(cu, groups, mode=case.packing)
         ref = packed_reference_attention(*leaves, cu, case.causal, d**-0.5, window=win)
         ref.backward(dout)
-        shard, cache = (lambda x: layout.shard(x.detach())), layout.op_cache  # noqa: E731
+        cache = layout.op_cache
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            return layout.shard(x.detach())
+
     local = [shard(x).to(DTYPE).requires_grad_(True) for x in (q, k, v)]
     out = megatron_2d.attention_2d(
         *local, groups, causal=case.causal, sliding_window=win, kernel=case.kernel, packing=layout

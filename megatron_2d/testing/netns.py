@@ -27,6 +27,9 @@ from dataclasses import dataclass
 PREFIX = "m2dc"
 """The prefix of every namespace the emulated cluster makes (and the only ones it ever deletes)."""
 NETNS_DIR = "/run/netns"
+LEDGER_ENV = "M2D_NETNS_LEDGER"
+"""Names a file to which every owner that builds namespaces appends its tag (:func:`record_owner`): a test session's
+record of what it made (:mod:`megatron_2d.testing.leftovers` checks them gone at its end)."""
 CLONE_NEWNET = 0x40000000
 _NAME = re.compile(rf"^{PREFIX}-(\d+)x(\d+)([ck])(\d+)-([a-z0-9]+)$")
 
@@ -104,6 +107,14 @@ def parse_name(name: str) -> tuple[Owner, str] | None:
     if not m:
         return None
     return Owner(int(m.group(1)), int(m.group(2)), int(m.group(4)), m.group(3) == "k"), m.group(5)
+
+
+def record_owner(owner: Owner) -> None:
+    """Append ``owner``'s tag to the ledger :data:`LEDGER_ENV` names, if it names one."""
+    path = os.environ.get(LEDGER_ENV)
+    if path:
+        with open(path, "a") as ledger:
+            ledger.write(owner.tag + "\n")
 
 
 def own_namespaces() -> list[str]:

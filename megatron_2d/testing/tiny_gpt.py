@@ -466,6 +466,60 @@ def forward_backward(model: GPTModel, batch: Batch) -> dict[str, Any]:
     }
 
 
+def megatron_thd_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None, total_tokens=None):
+    """PackedSeqParams of a packed THD stream as Megatron's forward steps build them: ``cu_seqlens`` the document
+    bounds attention gets (the real ones, or the padded ones as pretrain_gpt.py passes them), ``cu_seqlens_padded``
+    the padded slots' (None: unpadded), the longest slot as max_seqlen."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    slots = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    longest = int((slots[1:] - slots[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        total_tokens=total_tokens,
+    )
+
+
+def thd_batch_on_this_cp_rank(batch: Batch, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> Batch:
+    """This CP rank's share of a packed ``batch`` ([1, T] tensors, documents padded to ``cu_seqlens_padded``) by
+    Megatron's per-document zigzag split (:func:`megatron_2d.megatron.packed_data.get_thd_batch_on_this_cp_rank_2d`,
+    Transformer Engine's partitioning, as pretrain_gpt.py's --sft batches)."""
+    from megatron_2d.megatron.packed_data import get_thd_batch_on_this_cp_rank_2d
+
+    split = dict(batch, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    return get_thd_batch_on_this_cp_rank_2d(split, parallel_state.get_context_parallel_group())
+
+
+def packed_forward_backward(model: GPTModel, local: Batch, params) -> dict[str, Any]:
+    """One forward and backward of this CP rank's share ``local`` of a packed batch with ``params`` (PP = 1):
+    ``loss`` (the CP group's sum of masked per-token losses / its masked tokens), ``grads`` (full, summed over
+    CP), ``grad_norm`` (:func:`megatron_grad_norm`) and ``per_token_finite``, identical on every rank."""
+    model.zero_grad(set_to_none=True)
+    per_token = model(
+        input_ids=local["tokens"],
+        position_ids=local.get("position_ids"),
+        attention_mask=None,
+        labels=local["labels"],
+        packed_seq_params=params,
+    )
+    total = cp_sum(local["loss_mask"].sum())
+    local_sum = (per_token.float() * local["loss_mask"]).sum()
+    (local_sum / total).backward()
+    all_reduce_grads_over_cp(model)
+    return {
+        "loss": cp_sum(local_sum) / total,
+        "grads": full_gradients(model),
+        "grad_norm": megatron_grad_norm(model),
+        "per_token_finite": bool(torch.isfinite(per_token).all()),
+    }
+
+
 def megatron_grad_norm(model: torch.nn.Module | Sequence[torch.nn.Module]) -> float:
     """The L2 norm of ``model``'s gradients (a model, or its virtual pipeline chunks; summed over CP already) as
     Megatron's optimizer computes it for clipping: its own filter (no shared parameters, no tensor-parallel
@@ -631,10 +685,13 @@ __all__ = [
     "merge_over_pipeline",
     "max_relative_error",
     "megatron_grad_norm",
+    "megatron_thd_params",
+    "packed_forward_backward",
     "pipeline_forward_backward",
     "reset_parameters_deterministically",
     "shard_batch_for_cp",
     "synthetic_batch",
+    "thd_batch_on_this_cp_rank",
     "train_steps",
     "unshard_cp",
     "zigzag_chunk_ids",
