@@ -159,3 +159,70 @@ def test_moe_forward_step_calls_the_model_with_the_bridges_padding_mask():
     forward_step_2d(forward_step, moe)(iter([sub_sample(5, 1)]), model)
     model(torch.zeros(1, 6), packed_seq_params=_params(6, 1, 0))
     assert calls[-1] is None and not model._forward_pre_hooks  # the hook lives for one forward step
+
+
+# ---- QK-clip: the bridge's padding is kept out of the max attention logit (params_with_real_length) ------------------
+def _megatron_params(padded, g, padded_cu=None):
+    """pretrain_gpt.py's PackedSeqParams of a bridged hybrid micro-batch (cu_seqlens_q is the padded length)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, padded], dtype=torch.int32) if not isinstance(padded, list) else torch.tensor(padded)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=padded_cu,
+        cu_seqlens_kv_padded=padded_cu,
+        max_seqlen_q=int(cu[-1]),
+        max_seqlen_kv=int(cu[-1]),
+        local_cp_size=g,
+    )
+
+
+def test_params_with_real_length_tells_where_the_padding_starts():
+    """cu_seqlens_q/kv [0, L] within cu_seqlens_*_padded [0, L'] (as Transformer Engine reads padded documents), on
+    a copy; the params themselves when nothing was padded or they are not one bridged sequence."""
+    from megatron_2d.megatron.dynamic_data import params_with_real_length
+
+    params = _megatron_params(16, 2)
+    told = params_with_real_length(params, 13)
+    assert told is not params and params.cu_seqlens_q.tolist() == [0, 16]  # Megatron's params are left as they were
+    assert told.cu_seqlens_q.tolist() == told.cu_seqlens_kv.tolist() == [0, 13]
+    assert told.cu_seqlens_q_padded.tolist() == told.cu_seqlens_kv_padded.tolist() == [0, 16]
+    assert told.cu_seqlens_q.dtype == torch.int32 and (told.local_cp_size, told.max_seqlen_q) == (2, 16)
+    assert params_with_real_length(params, 16) is params  # nothing padded
+    already = _megatron_params(16, 2, padded_cu=torch.tensor([0, 16], dtype=torch.int32))
+    assert params_with_real_length(already, 13) is already  # padded lengths given: not the bridge's batch
+    several = _megatron_params([0, 6, 16], 2)
+    assert params_with_real_length(several, 13) is several
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_qk_clip_forward_step_tells_the_model_the_real_length(moe):
+    """With ``--qk-clip`` or ``--log-max-attention-logit``, the wrapped forward step calls the model with the
+    PackedSeqParams that say where the bridge's padding starts (with MoE besides, the router's padding mask too,
+    from the padded params); without them, or without padding, the params pass as they are."""
+    calls = []
+
+    class Model(torch.nn.Module):
+        def forward(self, tokens, packed_seq_params=None, padding_mask=None):
+            calls.append((packed_seq_params, padding_mask))
+            return tokens
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return model(batch["tokens"], packed_seq_params=_megatron_params(batch["tokens"].shape[1], 1))
+
+    extra = {"num_experts": 4} if moe else {}
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        args = SimpleNamespace(hybrid_context_parallel=True, **{flag: True}, **extra)
+        forward_step_2d(forward_step, args)(iter([sub_sample(5, 1)]), Model())
+        params, mask = calls[-1]
+        assert params.cu_seqlens_q.tolist() == [0, 5] and params.cu_seqlens_q_padded.tolist() == [0, 6]
+        assert (mask is not None) == moe and (not moe or mask.tolist() == [[False] * 5 + [True]])
+        forward_step_2d(forward_step, args)(iter([sub_sample(6, 1)]), Model())
+        assert calls[-1][0].cu_seqlens_q_padded is None and calls[-1][1] is None  # nothing padded
+    forward_step_2d(forward_step, SimpleNamespace(hybrid_context_parallel=True, qk_clip=False, **extra))(
+        iter([sub_sample(5, 1)]), Model()
+    )
+    assert calls[-1][0].cu_seqlens_q_padded is None  # without QK-clip Megatron's params pass unchanged

@@ -7,7 +7,8 @@ megatron_2d.testing.sft_data): Megatron's hybrid wrapper unpacks every sample in
 its own CP group; the last conversation of a pack takes the pack's end padding, so at --max-seqlen-per-dp-cp-rank
 32 on DP x CP = 4 ranks the conversations run on 1 rank and the padded ones on 2 or 4. The CP = 1 reference is the
 stock script with the 2d spec on one rank (Megatron's local attention refuses packed batches). Runs: 2 layers,
-hidden 64, 8 heads / 2 K/V heads, RoPE, seq 128, global batch 4, 3 iterations.
+hidden 64, 8 heads / 2 K/V heads, RoPE, seq 128, global batch 4, 3 iterations; with --qk-clip, against the patched
+script on one rank (the stock one asserts Transformer Engine >= 2.9 for it).
 """
 
 from __future__ import annotations
@@ -114,3 +115,39 @@ def test_unpatched_route_is_refused_on_every_rank(scripts, sft_corpus):
     message = "--hybrid-context-parallel through pretrain_gpt.py without the 2d flags (the --spec route)"
     for rank, outcome in enumerate(run_pretrain_outcomes(4, scripts["stock"], flags, timeout_s=90)):
         assert outcome.exit_status != 0 and message in (outcome.error or ""), f"rank {rank}: {outcome.error}"
+
+
+QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "1.0", "--log-max-attention-logit"]
+
+
+@pytest.fixture
+def told_lengths(monkeypatch):
+    """Every hybrid micro-batch whose real length the forward step tells the model prints it and its padded one."""
+    from megatron_2d.megatron import dynamic_data
+
+    original = dynamic_data.params_with_real_length
+
+    def params_with_real_length(params, real_length):
+        told = original(params, real_length)
+        if told is not params:
+            print(f"[test] told {real_length} of {int(params.cu_seqlens_q[-1])}")
+        return told
+
+    monkeypatch.setattr(dynamic_data, "params_with_real_length", params_with_real_length)
+
+
+def test_patched_pretrain_gpt_hybrid_cp_with_qk_clip_equals_cp1(scripts, sft_corpus, group_sizes, told_lengths):
+    """--qk-clip (threshold 1, clipping every step) and --log-max-attention-logit under --hybrid-context-parallel
+    through the patched script: its forward step (forward_step_2d, reading the flags) tells the model where the
+    bridge's end padding starts (dynamic_data.params_with_real_length: here 116 of 120, 92 of 96, 76 of 80, 12 of
+    16 tokens, each iteration), and the loss and grad norm after each clip are those of the patched script's one-rank
+    run. This corpus's padding rows happen not to raise the max logit (without the fix it passes too); that the
+    padding is kept out of the max is tests/test_qk_clip.py's hybrid test."""
+    one_rank = ["--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "1"]
+    reference = training(run_pretrain(1, scripts["patched"], BASE + sft_corpus + one_rank + QK_CLIP))
+    logs = run_pretrain(4, scripts["patched"], BASE + sft_corpus + HYBRID + QK_CLIP)
+    sizes = {int(line.split()[-1]) for log in logs for line in log.splitlines() if "hybrid micro-batch" in line}
+    assert sizes == {1, 2, 4}
+    told = [line.split()[-3:] for log in logs for line in log.splitlines() if "[test] told" in line]
+    assert len(told) >= ITERATIONS and all(int(real) < int(padded) for real, _, padded in told), told
+    assert_same_training(training(logs), reference, TOLERANCES[torch.float32].end_to_end)

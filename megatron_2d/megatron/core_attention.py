@@ -327,10 +327,7 @@ class CoreAttention2D(MegatronModule):
             )
         sequence_groups = getattr(packed_seq_params, "groups", None)
         if sequence_groups is not None:  # hybrid CP, one sequence: Megatron's 2 x g zigzag is the sbhd layout
-            q, k, v = (x.unsqueeze(1) for x in (query, key, value))  # [t, h, d] -> [t, b=1, h, d]
-            settings = self._call_settings(q, attn_mask_type, attention_bias, None, groups=sequence_groups)
-            out = self._keep_max_logit(self._run(_attention_with_sinks, (q, k, v), settings), query.dtype)
-            return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
+            return self._sequence_forward(query, key, value, attn_mask_type, attention_bias, packed_seq_params)
         settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
         packed_width = value.shape[-1]
         if settings["packing"] is not None and self.v_channels is not None and packed_width > self.v_channels:
@@ -341,6 +338,18 @@ class CoreAttention2D(MegatronModule):
         if out.shape[-1] < packed_width:
             out = torch.nn.functional.pad(out, (0, packed_width - out.shape[-1]))
         return self._flatten_heads(out, settings["packing"])
+
+    def _sequence_forward(self, query, key, value, attn_mask_type, attention_bias, params) -> torch.Tensor:
+        """A hybrid-CP micro-batch of one sequence (``params``: its SequenceParams2D): [t, hq/tp, d] x3 ->
+        [t, hq/tp * dv]. Megatron's 2 x g zigzag of it is the sbhd layout on its groups; where the params say
+        where the bridge's end padding starts (``padded_layout``, under QK-clip) it runs as that one padded
+        document (THD), so that the padding rows stay out of the max logit."""
+        layout = params.padded_layout
+        tensors = (query, key, value) if layout is not None else tuple(x.unsqueeze(1) for x in (query, key, value))
+        settings = self._call_settings(tensors[0], attn_mask_type, attention_bias, None, groups=params.groups)
+        settings["packing"] = layout  # [t, h, d] as THD, else [t, b=1, h, d]
+        out = self._keep_max_logit(self._run(_attention_with_sinks, tensors, settings), query.dtype)
+        return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
 
     def _latent_forward(
         self, query, latent, up_weight, dims: LatentDims, attn_mask_type, attention_bias, packed_seq_params

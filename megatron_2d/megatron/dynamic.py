@@ -44,6 +44,7 @@ from ..layout.dynamic import (
 )
 from ..layout.heads import check_head_split, kv_replication
 from ..layout.topology import Layout2D, LayoutError
+from ..packed_sharding import PackedSharding
 from .fields import fields_2d
 
 RULE_CLUSTER = "8xH100"
@@ -404,6 +405,11 @@ class SequenceParams2D(PackedSeqParams):
 
     groups: Groups2D | None = None
     rope_positions: torch.Tensor | None = None
+    padded_layout: PackedSharding | None = None
+    """When Megatron's params say where the sequence's padding starts (cu_seqlens [0, L] within
+    cu_seqlens_padded [0, L'], what :func:`megatron_2d.megatron.dynamic_data.params_with_real_length` tells under
+    QK-clip): the zigzag layout of that one padded document on ``groups``, which CoreAttention2D then runs it as (the
+    op leaves the padding rows out of the max logit); else None."""
 
 
 def zigzag_positions(t_local: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
@@ -418,14 +424,17 @@ def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | Non
     """The PackedSeqParams a hybrid-CP micro-batch runs with on ``groups`` (its CP group's), its RoPE table laid out
     for ``rope_group`` (the static CP group Megatron's THD RoPE splits by); cached on ``params`` (one build per
     micro-batch, the first layer's). One sequence (cu_seqlens [0, L], as the hybrid schedule gives):
-    :class:`SequenceParams2D`, read off the shapes alone. Several documents: Megatron's per-sequence split over
-    the group, the sequence layout (:func:`megatron_2d.megatron.per_sequence.sequence_params`)."""
+    :class:`SequenceParams2D`, read off the shapes alone; with its real length told (cu_seqlens [0, L] within
+    cu_seqlens_padded [0, L'], under QK-clip) and L < L', with the layout of the padding (``padded_layout``). Several
+    documents: Megatron's per-sequence split over the group, the sequence layout
+    (:func:`megatron_2d.megatron.per_sequence.sequence_params`)."""
     from .packed_data import rope_table
     from .per_sequence import sequence_params
 
     cu = params.cu_seqlens_q
     padded = params.cu_seqlens_q_padded
-    if cu is None or cu.shape[-1] != 2 or (padded is not None and padded is not cu):
+    told = padded is not None and padded is not cu  # the real length within the padded one
+    if cu is None or cu.shape[-1] != 2 or (told and padded.shape[-1] != 2):
         return sequence_params(params, groups, device, rope_group=rope_group)
     cache = params.__dict__.setdefault("_megatron_2d_dynamic", {})
     key = (groups.layout, groups.place, t_local)
@@ -433,6 +442,11 @@ def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | Non
         rope_size, rope_rank = (rope_group.size(), rope_group.rank()) if rope_group is not None else (1, 0)
         positions = zigzag_positions(t_local, groups.layout.cp_size, groups.place.cp_index, device)
         rope_cu = torch.tensor([0, rope_size * t_local], dtype=torch.int32, device=device)
+        total = groups.layout.cp_size * t_local  # L': the padded sequence, as the shapes give it
+        real = int(cu[-1]) if told else total  # a padded micro-batch's one device-to-host read (QK-clip only)
+        padded_layout = None
+        if real < total:  # collective over the micro-batch's group, whose ranks all run this layer
+            padded_layout = PackedSharding([0, real], groups, mode="zigzag", cu_seqlens_padded=[0, total])
         cache[key] = SequenceParams2D(
             qkv_format="thd",
             cu_seqlens_q=rope_cu,
@@ -443,5 +457,6 @@ def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | Non
             max_seqlen_kv=rope_size * t_local,
             groups=groups,
             rope_positions=rope_table(positions, rope_size, rope_rank),
+            padded_layout=padded_layout,
         )
     return cache[key]

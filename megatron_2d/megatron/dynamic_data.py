@@ -23,10 +23,19 @@ the tokens the bridge padded (:func:`router_padding_mask`: True at this rank's s
 zigzag), so that the bridge's padding changes nothing a CP = 1 step of the same sequence would compute (padding the
 data itself brings, such as SFTDataset's, stays in, as it does in that step). Measured without it: z-loss (0.1)
 gradients 76% off CP = 1 (docs/megatron.md).
+
+QK-clip's max attention logit (``qk_clip`` / ``log_max_attention_logit``) takes every query row core attention is
+given, padding rows included (they attend to the real tokens and to each other). Under either the wrapped forward
+step calls the model with the micro-batch's PackedSeqParams saying where the padding starts
+(:func:`params_with_real_length`: ``cu_seqlens_q/kv`` [0, L], ``cu_seqlens_*_padded`` [0, L'], as Transformer
+Engine reads padded documents), and the 2d backend runs a padded sequence as that one padded document
+(:func:`megatron_2d.megatron.dynamic.dynamic_params`), whose max leaves the padding out: the max logit and the clip
+are CP = 1's. The real tokens' outputs and gradients are the same either way (padding rows' outputs become zero).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -111,15 +120,40 @@ def router_padding_mask(params, tokens: int, real_length: int) -> torch.Tensor |
     return (positions >= real_length).unsqueeze(0)
 
 
-def _router_padding_hook(real_length: int, module, args, kwargs):
-    """Forward pre-hook (with kwargs) on the model of a hybrid micro-batch: ``padding_mask`` of the bridge's
-    padding (:func:`router_padding_mask`), unless the caller gave one."""
+def params_with_real_length(params, real_length: int):
+    """Megatron's PackedSeqParams ``params`` of a hybrid micro-batch (one sequence padded by the bridge to L',
+    cu_seqlens [0, L'] without padded ones, as pretrain_gpt.py builds them) with the sequence's real length
+    ``real_length`` L told: cu_seqlens_q/kv [0, L] and cu_seqlens_q/kv_padded [0, L'] (a copy); ``params`` itself
+    when nothing was padded or it is not such a micro-batch."""
+    cu = params.cu_seqlens_q
+    if cu is None or cu.shape[-1] != 2 or params.cu_seqlens_q_padded is not None:
+        return params
+    if real_length >= int(cu[-1]):
+        return params
+    real = torch.tensor([0, real_length], dtype=cu.dtype, device=cu.device)
+    return dataclasses.replace(
+        params, cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu
+    )
+
+
+def _bridge_padding_hook(real_length: int, moe: bool, max_logit: bool, module, args, kwargs):
+    """Forward pre-hook (with kwargs) on the model of a hybrid micro-batch: with ``moe``, ``padding_mask`` of the
+    bridge's padding (:func:`router_padding_mask`) unless the caller gave one; with ``max_logit``, the
+    PackedSeqParams with the real length told (:func:`params_with_real_length`)."""
     params = kwargs.get("packed_seq_params")
-    if params is None or kwargs.get("padding_mask") is not None or getattr(params, "local_cp_size", None) is None:
+    if params is None or getattr(params, "local_cp_size", None) is None:
         return None
-    input_ids = args[0] if args else kwargs["input_ids"]
-    mask = router_padding_mask(params, input_ids.shape[-1], real_length)
-    return None if mask is None else (args, {**kwargs, "padding_mask": mask.to(input_ids.device)})
+    changed = {}
+    if moe and kwargs.get("padding_mask") is None:
+        input_ids = args[0] if args else kwargs["input_ids"]
+        mask = router_padding_mask(params, input_ids.shape[-1], real_length)
+        if mask is not None:
+            changed["padding_mask"] = mask.to(input_ids.device)
+    if max_logit:
+        told = params_with_real_length(params, real_length)
+        if told is not params:
+            changed["packed_seq_params"] = told
+    return (args, {**kwargs, **changed}) if changed else None
 
 
 def _real_length_on_every_tp_rank(length: int | None) -> int:
@@ -139,11 +173,14 @@ def _real_length_on_every_tp_rank(length: int | None) -> int:
     return int(value.item())
 
 
-def dynamic_forward_step(forward_step: Callable, sp_size: int = 1, moe: bool = False) -> Callable:
+def dynamic_forward_step(
+    forward_step: Callable, sp_size: int = 1, moe: bool = False, max_logit: bool = False
+) -> Callable:
     """pretrain_gpt.py's ``forward_step(data_iterator, model, ...)`` reading Megatron's hybrid sub-samples
     (:func:`hybrid_sample_batch`, padded for ``sp_size``); ranks without a data iterator (TP ranks but the first)
     pass None as before. ``moe``: the model has MoE layers, which it then calls with the padding mask of the
-    bridge's padding (module docstring; the length is broadcast over TP)."""
+    bridge's padding; ``max_logit``: the model keeps the max attention logit (QK-clip), which it then calls with
+    PackedSeqParams that say where that padding starts (module docstring; the length is broadcast over TP)."""
 
     @functools.wraps(forward_step)
     def wrapped(data_iterator, model, *args, **kwargs):
@@ -152,9 +189,9 @@ def dynamic_forward_step(forward_step: Callable, sp_size: int = 1, moe: bool = F
             sample = next(data_iterator)
             length = None if sample.get("tokens") is None else int(sample["tokens"].shape[0])
             data_iterator = iter([hybrid_sample_batch(sample, sp_size)])
-        if not moe:
+        if not (moe or max_logit):
             return forward_step(data_iterator, model, *args, **kwargs)
-        hook = functools.partial(_router_padding_hook, _real_length_on_every_tp_rank(length))
+        hook = functools.partial(_bridge_padding_hook, _real_length_on_every_tp_rank(length), moe, max_logit)
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
         try:
             return forward_step(data_iterator, model, *args, **kwargs)
@@ -168,12 +205,21 @@ def forward_step_2d(forward_step: Callable, args) -> Callable:
     """The forward step a 2d launch trains with: ``forward_step`` itself, wrapped by :func:`dynamic_forward_step`
     under ``--hybrid-context-parallel`` (``args``: megatron.training's parsed arguments; with
     ``--sequence-parallel`` each sequence is padded for its TP split too; with ``--num-experts`` the MoE routers
-    leave the padding out)."""
+    leave the padding out, with ``--qk-clip`` or ``--log-max-attention-logit`` the max attention logit)."""
     if getattr(args, "hybrid_context_parallel", False):
         return dynamic_forward_step(
-            forward_step, sequence_parallel_size(args), moe=bool(getattr(args, "num_experts", None))
+            forward_step,
+            sequence_parallel_size(args),
+            moe=bool(getattr(args, "num_experts", None)),
+            max_logit=keeps_max_logit(args),
         )
     return forward_step
+
+
+def keeps_max_logit(config) -> bool:
+    """Whether the model keeps the max attention logit: QK-clip or its log (``qk_clip``,
+    ``log_max_attention_logit``; a TransformerConfig or megatron.training's args)."""
+    return bool(getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False))
 
 
 def sequence_parallel_size(config) -> int:

@@ -36,7 +36,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_2d.megatron.config import TransformerConfig2D
-from megatron_2d.megatron.dynamic_data import dynamic_forward_step, sequence_parallel_size
+from megatron_2d.megatron.dynamic_data import dynamic_forward_step, keeps_max_logit, sequence_parallel_size
 from megatron_2d.testing.megatron_cpu import cuda_to_cpu
 from megatron_2d.testing.tiny_gpt import (
     TinyGPTConfig,
@@ -190,7 +190,8 @@ def _loss_func(loss_mask, per_token):
 def hybrid_forward_step(data_iterator, model, seen: list | None = None, loss=None):
     """pretrain_gpt.py's forward_step on a hybrid sub-sample, wrapped by the bridge as the patched pretrain_gpt.py
     wraps it (:func:`megatron_2d.megatron.dynamic_data.dynamic_forward_step`: TP rank 0, which holds the data, pads
-    it for the CP and TP splits; a MoE model is called with the padding mask of that padding); records the
+    it for the CP and TP splits; a MoE model is called with the padding mask of that padding, a model keeping the
+    max attention logit with PackedSeqParams that say where it starts); records the
     sub-sample's (length, CP size) in ``seen`` (TP rank 0). ``loss(loss_mask, output)``: pretrain_gpt.py's (sum,
     count, report) by default."""
     from megatron.core.utils import get_model_config
@@ -201,7 +202,10 @@ def hybrid_forward_step(data_iterator, model, seen: list | None = None, loss=Non
         data_iterator = iter([raw])
     config = get_model_config(model)
     step = dynamic_forward_step(
-        partial(_pretrain_forward_step, loss=loss), sequence_parallel_size(config), moe=bool(config.num_moe_experts)
+        partial(_pretrain_forward_step, loss=loss),
+        sequence_parallel_size(config),
+        moe=bool(config.num_moe_experts),
+        max_logit=keeps_max_logit(config),
     )
     return step(data_iterator, model)
 

@@ -317,7 +317,8 @@ def _moe_router(seed: int) -> str:
 
 def _qk_clip(seed: int, data: str) -> bool:
     """Whether scenario ``seed`` trains with QK-clip (its own stream); with data whose max logit counts padding at
-    CP > 1 (the rule ``qk_clip_with_padding_as_documents``) kept only with probability :data:`RARE`."""
+    static CP > 1 (the rule ``qk_clip_with_padding_as_documents``; its hybrid-CP draws train) kept only with
+    probability :data:`RARE`."""
     # its own stream: [seed, 0] is the scenario's, [seed, 2] the normalization's, and [seed, k] is numpy's stream of
     # [seed, k, 0] (SeedSequence pads the entropy with zeros), so no draw stream [seed, k, index] may use 5 either
     # (6 is the MoE router's)
@@ -666,17 +667,18 @@ SKIPS: tuple[Rule, ...] = (
     Rule(
         "qk_clip_with_padding_as_documents",
         lambda d: (
-            d.scenario.qk_clip and d.scenario.data in QK_CLIP_PADDED_DATA and (d.context_parallel_size > 1 or d.dynamic)
+            d.scenario.qk_clip
+            and d.scenario.data in QK_CLIP_PADDED_DATA
+            and d.context_parallel_size > 1
+            and not d.dynamic
         ),
-        "Megatron's packed batches at CP > 1 give core attention padding as document tokens (--sft pads each "
-        "document to a multiple of 2 * CP and pretrain_gpt.py passes the padded lengths as cu_seqlens_q; "
-        "--dataloader-inter-document-masking's split adds a filler document; under hybrid CP "
-        "dynamic_data.hybrid_sample_batch pads each sequence at its end to a multiple of 2 x its group size (more "
-        "under SP), as "
-        "part of its document): the padding rows' logits enter the "
+        "Megatron's packed batches at static CP > 1 give core attention padding as document tokens (--sft pads "
+        "each document to a multiple of 2 * CP and pretrain_gpt.py passes the padded lengths as cu_seqlens_q; "
+        "--dataloader-inter-document-masking's split adds a filler document): the padding rows' logits enter the "
         "max attention logit, Transformer Engine's as the 2d backend's, so QK-clip's statistic and clip are not "
         "those of CP = 1, whose batch has no padding (the op's own max excludes padding it is told of: "
-        "tests/test_generated_attention.py)",
+        "tests/test_generated_attention.py; under hybrid CP the sub-sample bridge tells it of its end padding, "
+        "dynamic_data.params_with_real_length)",
     ),
     Rule(
         "bf16_with_gdn",
