@@ -201,21 +201,25 @@ def test_latent_ring_refuses_what_it_cannot_honour_by_name():
         assert name in problems, (name, problems)
 
 
+CONFIG_2D = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=8,
+    context_parallel_size=4,
+    cp_comm_type="2d",
+    cp_2d_head_parallel_size=2,
+    attention_dropout=0.0,
+)
+"""A 2D CP 4 (hp 2) config's fields, for the config-route checks."""
+MLA_CONFIG_2D = dict(
+    CONFIG_2D, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope"
+)
+
+
 def test_mla_ring_setting_is_checked():
     from megatron_2d.megatron import MLATransformerConfig2D, TransformerConfig2D
 
-    base = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=8,
-        context_parallel_size=4,
-        cp_comm_type="2d",
-        cp_2d_head_parallel_size=2,
-        attention_dropout=0.0,
-    )
-    mla = dict(
-        base, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope"
-    )
+    base, mla = CONFIG_2D, MLA_CONFIG_2D
     assert MLATransformerConfig2D(**mla, cp_2d_mla_ring="latent").cp_2d_mla_ring == "latent"
     with pytest.raises(ValueError, match=r"cp_2d_mla_ring 'compressed' is not one of \['expanded', 'latent'\]"):
         MLATransformerConfig2D(**mla, cp_2d_mla_ring="compressed")
@@ -230,21 +234,7 @@ def test_mla_packing_refusals_on_the_config_route():
     nothing."""
     from megatron_2d.megatron import MLATransformerConfig2D
 
-    mla = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=8,
-        context_parallel_size=4,
-        cp_comm_type="2d",
-        cp_2d_head_parallel_size=2,
-        attention_dropout=0.0,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_head_dim=8,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=8,
-        rope_type="rope",
-    )
+    mla = MLA_CONFIG_2D
     assert MLATransformerConfig2D(**mla, cp_2d_packing="zigzag").cp_2d_packing == "zigzag"
     with pytest.raises(ValueError, match=r"per-sequence split of packed documents .* use --sft batches"):
         MLATransformerConfig2D(**mla, cp_2d_packing="sequence")
