@@ -1,8 +1,13 @@
-"""The named choices of the library's settings, each listed once here, and the one check of each.
+"""The named choices of the library's settings, each an enum listed once here, and the one check of each.
 
-Pure Python (no torch): the op, ``TransformerConfig2D``, the command-line flags, the benchmarks and the tests import
-the names from here, and every route a setting comes in by (an op keyword, a config field, a flag) is checked by the
-same function, which names the setting as that route spells it.
+Pure Python (no torch): the op, ``TransformerConfig2D``, the command-line flags, the planner, the benchmarks and the
+tests import the names from here, and every route a setting comes in by (an op keyword, a config field, a flag) is
+checked by the same function, which names the setting as that route spells it.
+
+Each choice is a :class:`StrEnum` member: it *is* its string (``Placement.HEAD_FIRST == "head_first"``, hashes as
+it, formats and prints as it, and its ``repr`` is the string's), so flags, configs, JSON and messages read the same
+as before the enums; code compares and dispatches on the members, never on string literals. The tuples below
+(``PLACEMENTS``, ...) are the members in their documented order, for parsers' ``choices=``.
 
     PLACEMENTS        how the head and context groups lie on the ranks of a CP group: build_2d_groups(placement=),
                       cp_2d_placement, --cp-2d-placement (the rank math they choose: topology.py, which checks them)
@@ -20,6 +25,12 @@ same function, which names the setting as that route spells it.
                       selective_checkpoint_plus_plus_keep, --selective-checkpoint-plus-plus-keep ("outputs": out
                       and lse, the default; "attention-inputs": also the head-layout q and K/V, see kept_forward.py)
 
+    TRANSPORT_KINDS   how K/V move in one attention call (:mod:`megatron_2d.layout.transports` chooses)
+    PLAN_KINDS        the context-parallel schemes the planner compares: 2D and stock Megatron's (TE) cp-comm-types
+    RECOMPUTE_MODES   the planner's activation recomputation modes (Megatron's, and Selective Checkpoint++'s)
+
+    >>> Placement.HEAD_FIRST == "head_first", Placement("context_first"), f"{Kernel.CPU_FLASH}"
+    (True, 'context_first', 'cpu_flash')
     >>> check_dkv_comm_dtype("fp8", "cp_2d_dkv_comm_dtype")
     Traceback (most recent call last):
     ...
@@ -28,15 +39,116 @@ same function, which names the setting as that route spells it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
-PLACEMENTS = ("head_first", "context_first")
-PACKING_MODES = ("zigzag", "documents", "sequence")
-DKV_COMM_DTYPES = ("accumulator", "input")
-MLA_RINGS = ("expanded", "latent")
-RECOMPUTE_CHECKS = ("tolerance", "bitwise")
-KERNELS = ("te_fused", "torch_cudnn", "flash_attn2", "torch_flash", "cpu_flash", "torch_math")
-CHECKPOINT_KEEPS = ("outputs", "attention-inputs")  # the first is the default
+
+class StrEnum(str, enum.Enum):  # noqa: UP042 (pyproject admits Python 3.10, which has no enum.StrEnum)
+    """A choice that is its string: equal to it, hashed, formatted and repr'd as it (``enum.StrEnum`` but for the
+    repr, and Python 3.10 too)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    __format__ = str.__format__
+
+
+class Placement(StrEnum):
+    """How the head and context groups lie on the ranks of a CP group (:mod:`megatron_2d.layout.topology`)."""
+
+    HEAD_FIRST = "head_first"
+    CONTEXT_FIRST = "context_first"
+
+
+class PackingMode(StrEnum):
+    """How packed documents (THD) are laid out over the CP group (:mod:`megatron_2d.packing.modes`)."""
+
+    ZIGZAG = "zigzag"
+    DOCUMENTS = "documents"
+    SEQUENCE = "sequence"
+
+
+class DkvCommDtype(StrEnum):
+    """The dtype dK/dV riders travel in, backward: fp32 (exact) or the activation dtype."""
+
+    ACCUMULATOR = "accumulator"
+    INPUT = "input"
+
+
+class MlaRing(StrEnum):
+    """What travels the ring under multi-latent attention: expanded K/V or the latent."""
+
+    EXPANDED = "expanded"
+    LATENT = "latent"
+
+
+class RecomputeCheck(StrEnum):
+    """How Selective Checkpoint++ compares a recompute with the first pass."""
+
+    TOLERANCE = "tolerance"
+    BITWISE = "bitwise"
+
+
+class Kernel(StrEnum):
+    """The block kernels (:mod:`megatron_2d.kernels`)."""
+
+    TE_FUSED = "te_fused"
+    TORCH_CUDNN = "torch_cudnn"
+    FLASH_ATTN2 = "flash_attn2"
+    TORCH_FLASH = "torch_flash"
+    CPU_FLASH = "cpu_flash"
+    TORCH_MATH = "torch_math"
+
+
+class CheckpointKeep(StrEnum):
+    """What Selective Checkpoint++ keeps of attention between the first pass and the recompute."""
+
+    OUTPUTS = "outputs"
+    ATTENTION_INPUTS = "attention-inputs"
+
+
+class TransportKind(StrEnum):
+    """How K/V move in one attention call (:func:`megatron_2d.layout.transports.transport_kind`)."""
+
+    LOCAL = "local"
+    NEIGHBOUR = "neighbour"
+    DOUBLE_RING = "double_ring"
+
+
+class PlanKind(StrEnum):
+    """The context-parallel schemes the planner compares: 2D, stock Megatron's cp-comm-types, DeepSpeed-Ulysses."""
+
+    TWO_D = "2d"
+    P2P = "p2p"
+    A2A = "a2a"
+    A2A_P2P = "a2a+p2p"
+    DS_ULYSSES = "ds-ulysses"
+
+
+class RecomputeMode(StrEnum):
+    """Activation recomputation as the planner models it: none; Megatron's selective (core attention) and full
+    (every layer); Selective Checkpoint++ keeping the attention outputs ("ckpt++") or also its inputs."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+    CKPT_PLUS = "ckpt++"
+    CKPT_PLUS_INPUTS = "ckpt++inputs"
+
+
+PLACEMENTS = tuple(Placement)
+PACKING_MODES = tuple(PackingMode)
+DKV_COMM_DTYPES = tuple(DkvCommDtype)
+MLA_RINGS = tuple(MlaRing)
+RECOMPUTE_CHECKS = tuple(RecomputeCheck)
+KERNELS = tuple(Kernel)
+CHECKPOINT_KEEPS = tuple(CheckpointKeep)  # the first is the default
+TRANSPORT_KINDS = tuple(TransportKind)
+PLAN_KINDS = tuple(PlanKind)
+RECOMPUTE_MODES = tuple(RecomputeMode)
 
 
 def choice_problem(setting: str, value, choices: Sequence[str]) -> str | None:
@@ -47,11 +159,12 @@ def choice_problem(setting: str, value, choices: Sequence[str]) -> str | None:
 
 
 def check_choice(setting: str, value, choices: Sequence[str]) -> str:
-    """``value`` if it is one of ``choices``, else ValueError naming ``setting``, the value and the valid ones."""
+    """The member of ``choices`` equal to ``value`` (so a string comes back as its enum member), else ValueError
+    naming ``setting``, the value and the valid ones."""
     problem = choice_problem(setting, value, choices)
     if problem:
         raise ValueError(problem)
-    return value
+    return choices[list(choices).index(value)]
 
 
 def check_dkv_comm_dtype(value, setting: str = "dkv_comm_dtype") -> str:
