@@ -1,7 +1,7 @@
 """The README and docs/ against the tree: pure and fast (no torch, no ranks).
 
-- every module of megatron_2d/ appears in docs/architecture.md's module map (module names, as a set: line counts
-  and formatting may change freely; regenerate the map with ``python tools/module_map.py``)
+- every module of megatron_2d/ appears in docs/architecture.md's module map, and the map is exactly what
+  ``python tools/module_map.py --write`` writes (docstring lines and line counts included)
 - README.md is short (at most 160 lines) and has no line over 120 characters
 - every relative link in README.md and docs/*.md points to an existing file
 - the tree as docs/architecture.md shows it: every folder of megatron_2d/ states its one concern in its
@@ -51,6 +51,16 @@ def test_every_module_of_the_tree_is_in_the_architecture_map():
     assert not missing and not stale, (
         f"docs/architecture.md's module map is out of date (regenerate it with python tools/module_map.py): "
         f"missing {sorted(missing)}, no longer in the tree {sorted(stale)}"
+    )
+
+
+def test_the_architecture_map_is_the_generated_one():
+    tools = _module_map_tool()
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    generated = tools.with_map(text, tools.map_block(tools.modules(REPO)))
+    assert text == generated, (
+        "docs/architecture.md's module map differs from the tree (docstring lines or line counts): regenerate it "
+        "with `python tools/module_map.py --write`"
     )
 
 

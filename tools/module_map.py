@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """Print the module map of megatron_2d/ as a markdown table: module, first docstring line, line count.
 
-    python tools/module_map.py                 # the table in docs/architecture.md
+    python tools/module_map.py                 # the table docs/architecture.md holds, on stdout
+    python tools/module_map.py --write         # written into docs/architecture.md between its markers
     python tools/module_map.py --root DIR      # another checkout's megatron_2d/
+
+tests/test_docs.py checks that docs/architecture.md holds exactly what ``--write`` writes (line counts included).
 
 Reads the source files only (ast), so it needs neither torch nor megatron-core. Modules are listed package by
 package (the top-level package first), each package's __init__.py before its other modules.
@@ -81,13 +84,34 @@ def markdown_table(mods: list[Module]) -> str:
     return "\n".join(rows)
 
 
+MAP_START, MAP_END = "<!-- module map: python tools/module_map.py -->", "<!-- end of module map -->"
+ARCHITECTURE = Path("docs") / "architecture.md"
+
+
+def map_block(mods: list[Module]) -> str:
+    """The map as docs/architecture.md holds it between its markers: the table and the totals line."""
+    return f"{markdown_table(mods)}\n\n{len(mods)} modules, {sum(m.lines for m in mods)} lines.\n"
+
+
+def with_map(text: str, block: str) -> str:
+    """``text`` (docs/architecture.md) with the map between its markers replaced by ``block``."""
+    if MAP_START not in text or MAP_END not in text:
+        raise ValueError(f"no module map between {MAP_START!r} and {MAP_END!r}")
+    head, rest = text.split(MAP_START, 1)
+    return f"{head}{MAP_START}\n{block}{MAP_END}{rest.split(MAP_END, 1)[1]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=REPO, help="repository root holding megatron_2d/")
+    parser.add_argument("--write", action="store_true", help="write the map into the root's docs/architecture.md")
     args = parser.parse_args(argv)
-    mods = modules(args.root)
-    print(markdown_table(mods))
-    print(f"\n{len(mods)} modules, {sum(m.lines for m in mods)} lines.")
+    block = map_block(modules(args.root))
+    if args.write:
+        doc = args.root / ARCHITECTURE
+        doc.write_text(with_map(doc.read_text(encoding="utf-8"), block), encoding="utf-8")
+    else:
+        print(block, end="")
     return 0
 
 
