@@ -26,13 +26,13 @@ from ..layout.choices import DKV_COMM_DTYPES
 from .console import parse_seq, parse_window
 from .grid import main as grid_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
+from .job import CHOICES as MEMORY_CHOICES
+from .job import Job, MemoryPolicy
 from .kernel_rates import PLANNED_KERNELS
 from .lengths import DISTRIBUTIONS, SEQUENCE_MIXES, document_lengths, read_lengths, sequence_lengths
 from .links import FLAGS as LINK_FLAGS
 from .links import IDEAL_LINKS, LinkEfficiency
 from .memory import RECOMPUTE_MODES
-from .memory_options import CHOICES as MEMORY_CHOICES
-from .memory_options import MemoryPolicy
 from .paper import main as paper_main
 from .planner import AUTO, plan, recommended
 from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         if lengths is not None and args.plot:
             raise PlanError("--plot sweeps sequence lengths; it does not take packed --lengths")
         memory = MemoryPolicy(args.memory, args.fair_memory, args.global_batch)
-        cands = plan(
+        job = Job(
             model,
             cluster,
             parallel,
@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel=args.kernel,
             qk_clip=args.qk_clip,
         )
+        cands = plan(job)
     except PlanError as err:
         parser.error(str(err))
     if args.json:

@@ -24,10 +24,10 @@ from ..layout.topology import divisors
 from .candidates import STOCK_KINDS, Scheme
 from .console import parse_seq, terminal_console
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
+from .job import CHOICES as MEMORY_CHOICES
+from .job import Job, MemoryPolicy
 from .kernel_rates import PLANNED_KERNELS, STOCK_KERNEL
 from .memory import CHECKPOINT_PLUS_MODES
-from .memory_options import CHOICES as MEMORY_CHOICES
-from .memory_options import MemoryPolicy
 from .planner import Candidate, evaluate, plan
 from .report import memory_policy_text, seq_label, states_label
 
@@ -120,9 +120,8 @@ def explain(
             codes += "R"
         if memory.choice in ("auto", "all") and not memory.fair:
             # would 2D lose its lead with Megatron's own memory options only?
-            plain = evaluate(
-                best_2d.scheme, model, cluster, parallel, seq, memory=replace(memory, choice="stock"), kernel=kernel
-            )
+            stock_memory = replace(memory, choice="stock")
+            plain = evaluate(best_2d.scheme, Job(model, cluster, parallel, seq, memory=stock_memory, kernel=kernel))
             if not plain.feasible or plain.estimate.tokens_per_gpu_s < e2.tokens_per_gpu_s * (1 - TIE):
                 codes += "Z"
         # attention per token of a GPU (time_s covers S/CP tokens), at the same or a larger CP than stock's
@@ -139,8 +138,7 @@ def explain(
     if ratio < 1 - TIE:
 
         def same_as_stock(dkv: str, twin_kernel: str | None) -> bool:
-            twin = evaluate(
-                _twin(best_stock),
+            job = Job(
                 model,
                 cluster,
                 stock_parallel,
@@ -150,6 +148,7 @@ def explain(
                 memory=memory,
                 kernel=twin_kernel,
             )
+            twin = evaluate(_twin(best_stock), job)
             return twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6
 
         if best_2d.kernel != best_stock.kernel and same_as_stock("input", best_stock.kernel):
@@ -193,7 +192,7 @@ def cell(
         if len(done) == 2:
             break
         parallel = ParallelSpec(gpus=gpus, tp=sizes["tp"], pp=sizes["pp"], cp=cp)
-        cands = plan(model, cluster, parallel, seq, memory=memory, kernel=kernel)
+        cands = plan(Job(model, cluster, parallel, seq, memory=memory, kernel=kernel))
         seen += cands
         for side, kinds in (("2d", ("2d",)), ("stock", STOCK_KINDS)):
             if side in done:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from .candidates import KINDS
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
+from .job import Job
 from .memory_options import MemoryPolicy
 from .planner import AUTO, best_by_kind, plan
 from .report import seq_label
@@ -36,7 +37,7 @@ def sweep(
     for s in seqs:
         try:
             best = best_by_kind(
-                plan(model, cluster, parallel, s, causal, window, recompute, dkv_comm_dtype, memory=memory)
+                plan(Job(model, cluster, parallel, s, causal, window, recompute, dkv_comm_dtype, memory=memory))
             )
         except PlanError:
             best = {}

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..layout.choices import MlaRing, RecomputeMode
 from .attention_time import (
     BF16,
     BWD_FACTOR,
@@ -28,13 +29,15 @@ from .attention_time import (
     ring_times,
     traffic,
 )
-from .hardware import ClusterSpec, ModelSpec, ParallelSpec
-from .kernel_rates import LAUNCH_MAX_LOGIT, SELECTED_KERNEL
+from .candidates import kind_dkv_comm_dtype, kind_kv_heads
+from .kernel_rates import LAUNCH_MAX_LOGIT, side_kernel
 from .link_classes import LinkMap, link_map
 from .memory import LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
 from .windows import WindowWork, packed_window_work, window_work
 
 if TYPE_CHECKING:
+    from .candidates import Scheme
+    from .job import Job
     from .model_states import ShardingCost
     from .packed import PackedWork
 
@@ -168,65 +171,42 @@ def combine_layers(parts: Sequence[tuple[Estimate, int]]) -> Estimate:
 
 
 def estimate(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    parallel: ParallelSpec,
-    hp: int,
-    cp: int,
-    w: int,
-    placement: str,
-    seq: int,
-    causal: bool = True,
-    window: int | None = None,
-    recompute: str = "none",
-    dkv_comm_dtype: str = "accumulator",
-    kv_heads: int | None = None,
-    packed: PackedWork | None = None,
-    mla_ring: str | None = None,
-    kernel: str | None = None,
-    max_logit: bool = False,
+    job: Job, layout: Scheme, *, packed: PackedWork | None = None, recompute: str = RecomputeMode.NONE
 ) -> Estimate:
-    """Predict one layout. Assumes the layout is valid (see candidates.check_scheme).
+    """Predict ``layout`` (a :class:`.candidates.Scheme`) for ``job``. Assumes the layout is valid (see
+    candidates.check_scheme).
 
-    ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
-    visible pairs only, and its transport is the op's own choice (see :mod:`.windows`).
-    ``recompute``: one of RECOMPUTE_MODES; it changes memory and the step time (``time_s``, the attention of one
-    layer, never includes recompute). ``dkv_comm_dtype``: the dK/dV partials on the ring in the accumulator dtype
-    ("accumulator": fp32, the op's default) or the input dtype ("input": bf16, as Transformer Engine's rings and
-    the op's ``--cp-2d-dkv-comm-dtype input``). ``kv_heads``: K/V heads per TP rank after repetition (see
-    :func:`.attention_time.layer_work`).
-    ``packed``: a packed batch of documents (:class:`megatron_2d.plan.packed.PackedWork` for this ``window``,
+    From the job: ``window``, one causal sliding window of that many tokens back on every layer (None: none; a
+    per-layer pattern is :func:`.planner.evaluate`'s, which estimates each window); its FLOPs are the visible pairs
+    only, and its transport is the op's own choice (see :mod:`.windows`). ``dkv_comm_dtype``: the dK/dV partials
+    on a 2D ring in the accumulator dtype ("accumulator": fp32, the op's default) or the input dtype ("input":
+    bf16, as Transformer Engine's rings always send, :func:`.candidates.kind_dkv_comm_dtype`). ``kernel``: the
+    attention kernel (its rate: ``cluster.kernel_efficiency``), as the layout's kind runs it
+    (:func:`.kernel_rates.side_kernel`). ``qk_clip``: the layer's forward also computes the max attention logit
+    (``Estimate.max_logit_s``). The kind fixes the K/V heads per TP rank after repetition
+    (:func:`.candidates.kind_kv_heads`), and the layout's ``mla_ring`` "latent" an MLA model's 2D ring carrying the
+    latent: smaller blocks, and every ring step up-projects the keys it reads (``LayerWork.expand_flops`` at the
+    dense GEMM rate, 3x in backward) in place of the layer's own K/V up-projection.
+
+    ``packed``: a packed batch of documents (:class:`megatron_2d.plan.packed.PackedWork` for the job's window,
     causal): the attention FLOPs become the busiest context rank's pairs (within documents and the window), the
     ring messages the mode's ring prefix (none at all: one local block) or, when some context ranks see nothing
     of others, the neighbour exchange of the keys the op's calls read; the linear layers, all-to-alls and
     activation memory scale with the slots per rank (padding included).
-    ``mla_ring``: "latent" for an MLA model whose 2D ring carries the latent: smaller blocks, and every ring step
-    up-projects the keys it reads (``LayerWork.expand_flops`` at the dense GEMM rate, 3x in backward) in place of
-    the layer's own K/V up-projection.
-    ``kernel``: the attention kernel the layout runs (its rate: ``cluster.kernel_efficiency``); None: what 2D's
-    kernel selection picks on the cluster's architecture (:mod:`.kernel_rates`).
-    ``max_logit``: the layer's forward also computes the max attention logit (QK-clip, ``--qk-clip``):
-    ``Estimate.max_logit_s``."""
-    runs = SELECTED_KERNEL[cluster.arch] if kernel is None else kernel
-    job = _Job(
-        model,
-        cluster,
-        parallel,
-        hp,
-        cp,
-        w,
-        placement,
-        seq,
-        causal,
-        window,
-        dkv_comm_dtype,
-        kv_heads,
-        packed,
-        mla_ring,
-        runs,
-        max_logit,
+    ``recompute``: one of RECOMPUTE_MODES; it changes memory and the step time (``time_s``, the attention of one
+    layer, never includes recompute)."""
+    if job.window is not None and not isinstance(job.window, int):
+        raise ValueError(f"estimate costs one window on every layer, got the pattern {job.window!r} (evaluate's)")
+    run = _Run(
+        job=job,
+        layout=layout,
+        dkv_comm_dtype=kind_dkv_comm_dtype(layout.kind, job.dkv_comm_dtype),
+        kv_heads=kind_kv_heads(layout.kind, job.model, job.parallel),
+        mla_ring=MlaRing.LATENT if layout.mla_ring == MlaRing.LATENT else None,
+        packed=packed,
+        kernel=side_kernel(layout.kind, job.cluster.arch, job.kernel, job.qk_clip),
     )
-    return with_recompute(_estimate_none(job), recompute)
+    return with_recompute(_estimate_none(run), recompute)
 
 
 def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimate:
@@ -254,27 +234,29 @@ def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimat
 
 
 @dataclass(frozen=True)
-class _Job:
-    """What one estimate is asked for: :func:`estimate`'s arguments but the recompute mode."""
+class _Run:
+    """One estimate's job and layout, with what the layout's kind makes of the job's choices."""
 
-    model: ModelSpec
-    cluster: ClusterSpec
-    parallel: ParallelSpec
-    hp: int
-    cp: int
-    w: int
-    placement: str
-    seq: int
-    causal: bool
-    window: int | None
+    job: Job
+    layout: Scheme
     dkv_comm_dtype: str
     kv_heads: int | None
-    packed: PackedWork | None
     mla_ring: str | None
+    packed: PackedWork | None
     kernel: str
     """The attention kernel (:mod:`.kernel_rates`), whose rate on the cluster the kernels' time takes."""
-    max_logit: bool = False
-    """QK-clip: the forward computes the max attention logit too."""
+
+    model = property(lambda self: self.job.model)
+    cluster = property(lambda self: self.job.cluster)
+    parallel = property(lambda self: self.job.parallel)
+    seq = property(lambda self: self.job.seq)
+    causal = property(lambda self: self.job.causal)
+    window = property(lambda self: self.job.window)
+    max_logit = property(lambda self: self.job.qk_clip)
+    hp = property(lambda self: self.layout.hp)
+    cp = property(lambda self: self.layout.cp)
+    w = property(lambda self: self.layout.w)
+    placement = property(lambda self: self.layout.placement)
 
 
 @dataclass(frozen=True)
@@ -298,7 +280,7 @@ class _AttentionTimes:
         return 2 * self.a2a_one + self.fwd + self.bwd
 
 
-def _estimate_none(job: _Job) -> Estimate:
+def _estimate_none(job: _Run) -> Estimate:
     _check_job(job)
     work, ww = _windowed_work(job)
     t = _attention_times(job, work, ww)
@@ -335,7 +317,7 @@ def _estimate_none(job: _Job) -> Estimate:
     )
 
 
-def _check_job(job: _Job) -> None:
+def _check_job(job: _Run) -> None:
     if job.dkv_comm_dtype not in RIDER_BYTES:
         raise ValueError(f"dkv_comm_dtype {job.dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)}")
     if job.mla_ring is not None and (job.mla_ring not in MLA_RINGS or job.model.mla is None):
@@ -350,7 +332,7 @@ def _check_job(job: _Job) -> None:
         )
 
 
-def _windowed_work(job: _Job) -> tuple[LayerWork, WindowWork]:
+def _windowed_work(job: _Run) -> tuple[LayerWork, WindowWork]:
     """One layer's work on one rank with what the window or the packed batch leaves of it, and its transport."""
     j = job
     work = layer_work(
@@ -385,7 +367,7 @@ def _windowed_work(job: _Job) -> tuple[LayerWork, WindowWork]:
     return work, ww
 
 
-def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTimes:
+def _attention_times(job: _Run, work: LayerWork, ww: WindowWork) -> _AttentionTimes:
     """The all-to-alls and the transport of ``ww`` (ring, neighbour exchange or one local block) around the
     kernels: one ring step's work Tc (Tcb backward) is its kernel, merge traffic, latency and the latent ring's
     up-projection."""
@@ -426,7 +408,7 @@ def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTi
 
 
 def _neighbour_exchange_times(
-    job: _Job, work: LayerWork, ww: WindowWork, links: LinkMap, tc: float, tcb: float
+    job: _Run, work: LayerWork, ww: WindowWork, links: LinkMap, tc: float, tcb: float
 ) -> tuple[float, float, float, Traffic]:
     """(forward, backward, serialised comm, traffic) of the neighbour exchange: its messages on the context group's
     links (K/V forward and backward, the dK/dV partials in the rider dtype) instead of the ring's."""
@@ -439,7 +421,7 @@ def _neighbour_exchange_times(
     return fwd, bwd, ring_serial, sent
 
 
-def _whole_model(job: _Job, work: LayerWork, ww: WindowWork, time: float) -> tuple[float, float, float, float]:
+def _whole_model(job: _Run, work: LayerWork, ww: WindowWork, time: float) -> tuple[float, float, float, float]:
     """(dense layer seconds, step seconds, MFU, tokens per GPU per second) of the whole model around attention
     layers of ``time``: 6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal
     halved."""
