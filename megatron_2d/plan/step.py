@@ -8,17 +8,16 @@ Notation: :mod:`.attention_time`'s.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..layout.choices import MlaRing, RecomputeMode
+from ..layout.choices import MLA_RINGS, MlaRing, RecomputeMode, TransportKind
 from .attention_time import (
     BF16,
     BWD_FACTOR,
     GB,
     MAX_LOGIT_REDUCTIONS,
-    MLA_RINGS,
     RIDER_BYTES,
     LayerWork,
     Traffic,
@@ -76,7 +75,7 @@ class Estimate:
     mfu: float
     work: LayerWork
     links: LinkMap
-    recompute: str = "none"
+    recompute: str = RecomputeMode.NONE
     """The recompute mode this estimate's memory and step time assume (one of RECOMPUTE_MODES)."""
     recompute_s: float = 0.0
     """Seconds one layer's recompute adds to a step (see :func:`recompute_extra_s`)."""
@@ -119,15 +118,15 @@ def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float, a2a_fwd_
     a2a_fwd = those all-to-alls alone (``Estimate.a2a_s`` / 2; 0 at hp = 1); dense_fwd = 2 * layer_params *
     tokens / (TP*CP) / dense rate (a third of the dense 6*N*tokens).
     """
-    if mode == "none":
+    if mode == RecomputeMode.NONE:
         return 0.0
-    if mode == "selective":
+    if mode == RecomputeMode.SELECTIVE:
         return attn_fwd_s
-    if mode == "full":
+    if mode == RecomputeMode.FULL:
         return attn_fwd_s + dense_fwd_s
-    if mode == "ckpt++":
+    if mode == RecomputeMode.CKPT_PLUS:
         return dense_fwd_s + a2a_fwd_s
-    if mode == "ckpt++inputs":
+    if mode == RecomputeMode.CKPT_PLUS_INPUTS:
         return dense_fwd_s
     raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
 
@@ -197,7 +196,12 @@ def estimate(
     layer, never includes recompute)."""
     if job.window is not None and not isinstance(job.window, int):
         raise ValueError(f"estimate costs one window on every layer, got the pattern {job.window!r} (evaluate's)")
-    run = _Run(
+    return with_recompute(_estimate_none(_run(job, layout, packed)), recompute)
+
+
+def _run(job: Job, layout: Scheme, packed: PackedWork | None = None) -> _Run:
+    """``job`` and ``layout`` with what the layout's kind makes of the job's choices."""
+    return _Run(
         job=job,
         layout=layout,
         dkv_comm_dtype=kind_dkv_comm_dtype(layout.kind, job.dkv_comm_dtype),
@@ -206,7 +210,6 @@ def estimate(
         packed=packed,
         kernel=side_kernel(layout.kind, job.cluster.arch, job.kernel, job.qk_clip),
     )
-    return with_recompute(_estimate_none(run), recompute)
 
 
 def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimate:
@@ -216,7 +219,7 @@ def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimat
         step = layers_total * (time_s + dense_layer) + n * recompute_extra_s(mode) + output layer
     """
     n = e.layers if layers is None or mode not in LAYER_RECOMPUTE_MODES else layers
-    n = 0 if mode == "none" else n
+    n = 0 if mode == RecomputeMode.NONE else n
     extra = recompute_extra_s(mode, e.attn_fwd_s, e.dense_layer_s / 3.0, e.a2a_s / 2.0)
     step = e.step_s - e.recompute_layers * e.recompute_s + n * extra
     mem = e.memory
@@ -299,20 +302,20 @@ def _estimate_none(job: _Run) -> Estimate:
         intra_bytes=t.sent.intra,
         inter_bytes=t.sent.inter,
         inter_bytes_nic=t.sent.nic,
-        memory_gb=mem.total("none") / GB,
-        activation_gb=mem.activations("none") / GB,
+        memory_gb=mem.total(RecomputeMode.NONE) / GB,
+        activation_gb=mem.activations(RecomputeMode.NONE) / GB,
         step_s=step,
         tokens_per_gpu_s=tokens_per_gpu_s,
         mfu=mfu,
         work=work,
         links=t.links,
-        recompute="none",
+        recompute=RecomputeMode.NONE,
         recompute_s=0.0,
         attn_fwd_s=t.a2a_one + t.fwd,
         dense_layer_s=dense_layer,
         layers=model.layers,
         memory=mem,
-        neighbour_exchange=ww.transport == "neighbour",
+        neighbour_exchange=ww.transport == TransportKind.NEIGHBOUR,
         max_logit_s=t.max_logit,
     )
 
@@ -367,15 +370,79 @@ def _windowed_work(job: _Run) -> tuple[LayerWork, WindowWork]:
     return work, ww
 
 
+@dataclass(frozen=True)
+class _StepTimes:
+    """One ring step's seconds on one rank: forward Tc and backward Tcb (kernel, merge traffic, latency, the latent
+    ring's up-projection, the max-logit pass), the forward kernel and max-logit pass alone, and the step latency."""
+
+    tc: float
+    tcb: float
+    kernel: float
+    max_pass: float
+    lat: float
+
+
+@dataclass(frozen=True)
+class _TransportTimes:
+    """What moving K/V one way costs one layer: forward and backward seconds, every transfer serialised, the
+    compute they overlap, the bytes sent, and what the max-logit pass adds."""
+
+    fwd: float
+    bwd: float
+    serial: float
+    compute: float
+    sent: Traffic
+    max_pass: float
+
+
+def _double_ring_cost(run: _Run, work: LayerWork, ww: WindowWork, links: LinkMap, step: _StepTimes) -> _TransportTimes:
+    """The (double) ring: cp steps, each overlapping its transfers (:func:`.attention_time.ring_times`)."""
+    fwd, bwd, serial = ring_times(work, links, run.cluster, run.cp, run.w, step.tc, step.tcb)
+    sent = traffic(work, links, run.cluster, run.hp, run.cp, run.w)
+    return _TransportTimes(fwd, bwd, serial, run.cp * (step.tc + step.tcb), sent, run.cp * step.max_pass)
+
+
+def _local_cost(run: _Run, work: LayerWork, ww: WindowWork, links: LinkMap, step: _StepTimes) -> _TransportTimes:
+    """One local block of cp steps' work (one context rank: the schedule's replay of its own block, the same cost
+    with the latent ring's up-projection of it); at cp = 1 the one-step ring."""
+    cp = run.cp
+    if cp == 1:
+        return _double_ring_cost(run, work, ww, links, step)
+    tc, tcb = cp * (step.kernel + step.max_pass) + step.lat, cp * BWD_FACTOR * step.kernel + step.lat
+    sent = traffic(work, links, run.cluster, run.hp, cp, run.w)
+    return _TransportTimes(tc, tcb, 0.0, tc + tcb, sent, step.max_pass)
+
+
+def _neighbour_cost(run: _Run, work: LayerWork, ww: WindowWork, links: LinkMap, step: _StepTimes) -> _TransportTimes:
+    """The neighbour exchange: its messages on the context group's links (K/V forward and backward, the dK/dV
+    partials in the rider dtype) instead of the ring's."""
+    j, cluster = run, run.cluster
+    ring_links = link_map(j.hp, j.cp, j.cp, j.placement, j.parallel.tp, cluster.gpus_per_node, j.parallel.gpus)
+    fwd, bwd, serial, msg = neighbour_times(work, ww, ring_links, cluster, j.cp, step.tc, step.tcb)
+    sent = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, j.hp, j.cp, j.w)
+    sent.add(ring_links.inner, msg, 2 * ww.messages)  # K/V, forward and backward
+    sent.add(ring_links.inner, msg * RIDER_BYTES[j.dkv_comm_dtype] / BF16, ww.messages)  # dK/dV partials
+    return _TransportTimes(fwd, bwd, serial, j.cp * (step.tc + step.tcb), sent, j.cp * step.max_pass)
+
+
+TRANSPORT_COSTS: dict[TransportKind, Callable[..., _TransportTimes]] = {
+    TransportKind.LOCAL: _local_cost,
+    TransportKind.NEIGHBOUR: _neighbour_cost,
+    TransportKind.DOUBLE_RING: _double_ring_cost,
+}
+"""The planner's cost of each transport kind (:class:`megatron_2d.layout.choices.TransportKind`): a function of
+(run, layer work, window work, links, one step's times); a kind without one is refused."""
+
+
 def _attention_times(job: _Run, work: LayerWork, ww: WindowWork) -> _AttentionTimes:
-    """The all-to-alls and the transport of ``ww`` (ring, neighbour exchange or one local block) around the
-    kernels: one ring step's work Tc (Tcb backward) is its kernel, merge traffic, latency and the latent ring's
-    up-projection."""
+    """The all-to-alls and the transport of ``ww`` (:data:`TRANSPORT_COSTS`: ring, neighbour exchange or one local
+    block) around the kernels: one ring step's work Tc (Tcb backward) is its kernel, merge traffic, latency and the
+    latent ring's up-projection."""
     j, cluster, parallel = job, job.cluster, job.parallel
     hp, cp, w = j.hp, j.cp, j.w
-    # one local block of cp steps' work (one context rank: the schedule's replay of its own block, the same cost
-    # with the latent ring's up-projection of it)
-    local_only = ww.transport == "local" and cp > 1
+    cost = TRANSPORT_COSTS.get(ww.transport)
+    if cost is None:
+        raise ValueError(f"the planner has no cost model for transport kind {ww.transport!r}")
     links = link_map(hp, cp, w, j.placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
     attn_rate = cluster.peak_tflops * 1e12 * cluster.kernel_efficiency(j.kernel)
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
@@ -391,34 +458,10 @@ def _attention_times(job: _Run, work: LayerWork, ww: WindowWork) -> _AttentionTi
     tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0) + 3 * expand
     # one direction's all-to-alls (nothing when hp == 1)
     a2a_one = head_exchange_time(work, links, cluster) if hp > 1 else 0.0
-    if local_only:
-        tc, tcb = cp * (kernel + max_pass) + lat, cp * BWD_FACTOR * kernel + lat
-        fwd, bwd, ring_serial = tc, tcb, 0.0
-        sent = traffic(work, links, cluster, hp, cp, w)
-    elif ww.transport in ("double_ring", "local"):
-        fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
-        sent = traffic(work, links, cluster, hp, cp, w)
-    elif ww.transport == "neighbour":
-        fwd, bwd, ring_serial, sent = _neighbour_exchange_times(job, work, ww, links, tc, tcb)
-    else:
-        raise ValueError(f"the planner has no cost model for transport kind {ww.transport!r}")
-    compute = (tc + tcb) if local_only else cp * (tc + tcb)
-    added = (max_pass if local_only else cp * max_pass) + reductions
-    return _AttentionTimes(a2a_one, fwd + reductions, bwd, ring_serial, compute, sent, links, added)
-
-
-def _neighbour_exchange_times(
-    job: _Run, work: LayerWork, ww: WindowWork, links: LinkMap, tc: float, tcb: float
-) -> tuple[float, float, float, Traffic]:
-    """(forward, backward, serialised comm, traffic) of the neighbour exchange: its messages on the context group's
-    links (K/V forward and backward, the dK/dV partials in the rider dtype) instead of the ring's."""
-    j, cluster = job, job.cluster
-    ring_links = link_map(j.hp, j.cp, j.cp, j.placement, j.parallel.tp, cluster.gpus_per_node, j.parallel.gpus)
-    fwd, bwd, ring_serial, msg = neighbour_times(work, ww, ring_links, cluster, j.cp, tc, tcb)
-    sent = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, j.hp, j.cp, j.w)
-    sent.add(ring_links.inner, msg, 2 * ww.messages)  # K/V, forward and backward
-    sent.add(ring_links.inner, msg * RIDER_BYTES[j.dkv_comm_dtype] / BF16, ww.messages)  # dK/dV partials
-    return fwd, bwd, ring_serial, sent
+    t = cost(job, work, ww, links, _StepTimes(tc, tcb, kernel, max_pass, lat))
+    return _AttentionTimes(
+        a2a_one, t.fwd + reductions, t.bwd, t.serial, t.compute, t.sent, links, t.max_pass + reductions
+    )
 
 
 def _whole_model(job: _Run, work: LayerWork, ww: WindowWork, time: float) -> tuple[float, float, float, float]:
