@@ -22,7 +22,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..layout.choices import DKV_COMM_DTYPES
+from ..layout.choices import DKV_COMM_DTYPES, DkvCommDtype
 from .console import parse_seq, parse_window
 from .grid import main as grid_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
@@ -39,7 +39,7 @@ from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
 from .report import job_metadata, plan_json, print_plan
 
 EXIT_OK, EXIT_NO_FEASIBLE, EXIT_USAGE = 0, 1, 2
-DKV_DTYPE_ALIASES = {"fp32": "accumulator", "bf16": "input", "fp16": "input"}
+DKV_DTYPE_ALIASES = {"fp32": DkvCommDtype.ACCUMULATOR, "bf16": DkvCommDtype.INPUT, "fp16": DkvCommDtype.INPUT}
 """``--dkv-dtype`` values (element types) as the op's ``dkv_comm_dtype`` names, for bf16 training."""
 
 
@@ -226,7 +226,7 @@ def _memory_arguments(j: argparse._ArgumentGroup) -> None:
     )
     j.add_argument(
         "--dkv-comm-dtype",
-        default="accumulator",
+        default=DkvCommDtype.ACCUMULATOR,
         choices=DKV_COMM_DTYPES,
         help="how the 2D ring's dK/dV partials travel, the op's --cp-2d-dkv-comm-dtype: accumulator "
         "(fp32, the default) or input (bf16; the recommended flags then carry it); Transformer "

@@ -26,7 +26,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..layout.choices import PackingMode, PlanKind, RecomputeMode
+from ..layout.choices import PackingMode, Placement, PlanKind, RecomputeMode
 from ..layout.dynamic import format_dynamic_layouts, hybrid_group_sizes, hybrid_slices, megatron_cp_size
 from ..layout.heads import head_split_problem
 from ..layout.topology import Layout2D, every_layout
@@ -76,7 +76,7 @@ def layout_for_size(
     candidates = size_candidates(model, size, tp, placement)  # never empty: hp = 1 splits any heads
 
     def key(layout: Layout2D):
-        ties = (layout.inner_ring_size != layout.context_size, layout.placement != "head_first")
+        ties = (layout.inner_ring_size != layout.context_size, layout.placement != Placement.HEAD_FIRST)
         return (round(_layout_time(model, cluster, layout, seq, tp), 15), *ties, layout.head_parallel_size)
 
     best = min(candidates, key=key)

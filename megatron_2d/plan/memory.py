@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..layout.choices import RECOMPUTE_MODES, CheckpointKeep, RecomputeMode
+from ..layout.choices import RECOMPUTE_MODES, CheckpointKeep, MlaRing, RecomputeMode
 from ..layout.heads import replicated_kv_heads
 from ..layout.zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, layer_work
@@ -169,7 +169,7 @@ def memory_breakdown(
     CP = hp * cp
     Ht, Hkvt = model.heads // tp, model.kv_heads // tp
     L = replicated_kv_heads(Hkvt, hp) if kv_heads is None else kv_heads
-    kv_per_token = hp * model.mla.latent_width if mla_ring == "latent" else L * (dk + dv)
+    kv_per_token = hp * model.mla.latent_width if mla_ring == MlaRing.LATENT else L * (dk + dv)
     tokens = B * seq / CP * (1.0 if packed is None else packed.token_fraction)
     fc1_out = (2 if model.gated_mlp else 1) * F
     work = layer_work(

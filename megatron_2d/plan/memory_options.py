@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..layout.choices import PlanKind, RecomputeMode
 from ..layout.zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, GB
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
@@ -105,7 +106,7 @@ def memory_options(
     dp, cp = parallel.dp_size, cp_size or parallel.cp_size
     if policy.choice == "dist-opt":
         return stock_options(dp, cp)[:1]
-    if policy.choice != "stock" and (kind == "2d" or policy.fair):
+    if policy.choice != "stock" and (kind == PlanKind.TWO_D or policy.fair):
         ranks_per_node = max(1, cluster.gpus_per_node // parallel.tp)
         return hybrid_zero_options(dp, cp, ranks_per_node, policy.choice == "all")
     return stock_options(dp, cp)
@@ -197,7 +198,7 @@ def with_memory(
 ) -> Estimate:
     """``e`` (recompute none) with its model states held as ``option``: memory parts from the option, its exposed
     sharding communication added to every layer of the step (MFU and tokens/s follow)."""
-    if e.recompute != "none":
+    if e.recompute != RecomputeMode.NONE:
         raise ValueError("with_memory takes an estimate without recompute (apply with_recompute after it)")
     fwd = e.attn_fwd_s + e.dense_layer_s / 3.0
     bwd = e.time_s - e.attn_fwd_s + 2.0 * e.dense_layer_s / 3.0
@@ -212,7 +213,7 @@ def with_memory(
         step_s=step,
         mfu=e.mfu * e.step_s / step,
         tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step,
-        memory_gb=mem.total("none") / GB,
+        memory_gb=mem.total(RecomputeMode.NONE) / GB,
     )
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 
-from ..layout.choices import RECOMPUTE_MODES, PlanKind
+from ..layout.choices import RECOMPUTE_MODES, PlanKind, RecomputeMode
 from ..layout.topology import divisors
 from ..packing.modes import mode_class
 from .attention_time import RIDER_BYTES
@@ -128,7 +128,7 @@ def candidate_flags(c: Candidate) -> str:
     if e is None:
         return megatron_flags(layout, parallel, dkv_comm_dtype=dkv) + kernel
     per_stage = e.recompute_layers // parallel.pp
-    recompute = "full" if c.hypothetical else e.recompute
+    recompute = RecomputeMode.FULL if c.hypothetical else e.recompute
     block = None if e.recompute_layers in (0, e.layers) else per_stage
     flags = megatron_flags(layout, parallel, recompute, block, dkv) + kernel
     if c.packing is not None:
@@ -430,7 +430,7 @@ def _check_packed_job(layout: Scheme, packing: str | None, causal: bool) -> None
 
 def _packing_note(layout: Scheme, packing: str | None) -> str:
     """What a packed row's numbers do not show about running it."""
-    if layout.kind == "a2a+p2p":
+    if layout.kind == PlanKind.A2A_P2P:
         return "THD with a2a+p2p is not in a Transformer Engine release"
     return mode_class(packing).planner_note
 
@@ -497,7 +497,7 @@ def _collapse_windows(cands: list[Candidate]) -> list[Candidate]:
     out: list[Candidate] = []
     seen = set()
     for c in sorted(cands, key=lambda c: -c.w):
-        if c.kind == "2d" and c.estimate is not None and c.estimate.neighbour_exchange:
+        if c.kind == PlanKind.TWO_D and c.estimate is not None and c.estimate.neighbour_exchange:
             key = (c.hp, c.cp, c.placement)
             if key in seen:
                 continue
