@@ -9,9 +9,11 @@ import pytest
 
 from megatron_2d.layout.dynamic import hybrid_group_sizes
 from megatron_2d.layout.topology import Layout2D, every_layout
+from megatron_2d.plan.candidates import Scheme
 from megatron_2d.plan.cli import main
 from megatron_2d.plan.dynamic import layout_for_size, plan_length_mix, rule_layouts, size_candidates
 from megatron_2d.plan.hardware import ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
+from megatron_2d.plan.job import Job
 from megatron_2d.plan.lengths import SEQUENCE_MIXES, sequence_lengths
 from megatron_2d.plan.step import estimate
 
@@ -22,8 +24,7 @@ GQA = ModelSpec("tiny", layers=2, hidden=512, heads=8, kv_heads=2, ffn_hidden=10
 def time_of(model, layout, seq, tp=1):
     parallel = ParallelSpec(gpus=layout.cp_size * tp, tp=tp, cp=layout.cp_size, dp=1)
     padded = -(-seq // (2 * layout.cp_size)) * 2 * layout.cp_size
-    hp, cp, w = layout.head_parallel_size, layout.context_size, layout.inner_ring_size
-    return estimate(model, CLUSTER, parallel, hp, cp, w, layout.placement, padded).time_s
+    return estimate(Job(model, CLUSTER, parallel, padded), Scheme.of("2d", layout)).time_s
 
 
 @pytest.mark.parametrize("model", [GQA, get_model("7B-GQA"), get_model("70B-GQA")])

@@ -107,22 +107,26 @@ def test_the_max_logit_is_charged_per_kernel_and_recomputed_with_the_forward():
     pair at the dense rate, a score written and read in bf16) and two all-reduces' latency; te_fused the latency
     alone; selective recompute runs the forward, so the pass, again; Checkpoint++ keeps it."""
     from megatron_2d.plan.attention_time import MAX_LOGIT_REDUCTIONS, max_logit_pass_s
+    from megatron_2d.plan.candidates import Scheme
     from megatron_2d.plan.hardware import get_model
+    from megatron_2d.plan.job import Job
     from megatron_2d.plan.step import estimate
 
     model, cluster, parallel = get_model("7B-GQA"), get_cluster("8xA100"), ParallelSpec(gpus=64, tp=8, cp=8)
-    layout = (2, 4, 4, "head_first", 131072)
+    layout = Scheme("2d", 2, 4, 4, "head_first")
     lat = cluster.step_latency_us * 1e-6
     for kernel, free in (("te_fused", True), ("flash_attn2", False)):
-        base = estimate(model, cluster, parallel, *layout, kernel=kernel)
-        clipped = estimate(model, cluster, parallel, *layout, kernel=kernel, max_logit=True)
+        job = Job(model, cluster, parallel, 131072, kernel=kernel)
+        clipped_job = Job(model, cluster, parallel, 131072, kernel=kernel, qk_clip=True)
+        base = estimate(job, layout)
+        clipped = estimate(clipped_job, layout)
         per_step = max_logit_pass_s(base.work.fwd_flops / 4, model.qk_dim, model.v_dim, cluster)
         expected = MAX_LOGIT_REDUCTIONS * lat + (0.0 if free else 4 * per_step)
         assert clipped.max_logit_s == pytest.approx(expected)
         assert clipped.time_s - base.time_s == pytest.approx(expected, rel=1e-6)
         for mode, again in (("selective", 2), ("ckpt++", 1)):
-            with_mode = estimate(model, cluster, parallel, *layout, kernel=kernel, max_logit=True, recompute=mode)
-            plain = estimate(model, cluster, parallel, *layout, kernel=kernel, recompute=mode)
+            with_mode = estimate(clipped_job, layout, recompute=mode)
+            plain = estimate(job, layout, recompute=mode)
             added = (with_mode.step_s - plain.step_s) / model.layers
             assert added == pytest.approx(again * expected if mode == "selective" else expected, rel=1e-6), mode
     # the pass on A100 at 128K: a sizeable share of the layer's attention (docs/benchmarks.md)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from megatron_2d.plan import ParallelSpec, evaluate, plan, recommended
+from megatron_2d.plan import Job, ParallelSpec, evaluate, plan, recommended
 from megatron_2d.plan.attention_time import layer_work
 from megatron_2d.plan.candidates import Scheme
 from megatron_2d.plan.hardware import get_cluster, get_model
@@ -56,7 +56,8 @@ def test_latent_ring_pays_the_up_projection_in_every_ring_step():
     slower = []
     for hp, cp in ((8, 1), (2, 4), (1, 8)):
         e, l = (
-            estimate(DSV3, cluster, parallel, hp, cp, cp, "head_first", 32768, mla_ring=r) for r in (None, "latent")
+            estimate(Job(DSV3, cluster, parallel, 32768), Scheme("2d", hp, cp, cp, "head_first", r))
+            for r in (None, "latent")
         )
         slower.append(l.step_s - e.step_s)
     assert slower[0] < slower[1] < slower[2] and slower[2] > 0
@@ -80,15 +81,8 @@ def test_plan_compares_te_p2p_and_both_2d_rings_and_recommends_by_time(gpus):
 def test_latent_ring_needs_an_mla_model():
     with pytest.raises(ValueError, match="mla_ring 'latent' needs an MLA model"):
         estimate(
-            get_model("7B-GQA"),
-            get_cluster("8xH100"),
-            ParallelSpec(gpus=8),
-            1,
-            8,
-            8,
-            "head_first",
-            65536,
-            mla_ring="latent",
+            Job(get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 65536),
+            Scheme("2d", 1, 8, 8, "head_first", "latent"),
         )
     standard = evaluate(Scheme("2d", 1, 8, 8), "7B-GQA", "8xH100", ParallelSpec(gpus=8), 65536)
     assert standard.scheme.mla_ring is None and standard.to_dict()["mla_ring"] is None

@@ -117,13 +117,10 @@ def test_packed_op_and_planner_agree_on_the_transport(mode):
 
 def test_the_planner_refuses_a_kind_it_has_no_cost_for():
     """A new kind reaches the planner through the shared rule; until plan/step.py charges it, estimates fail."""
-    from megatron_2d.plan import ParallelSpec, get_cluster, get_model, step
+    from megatron_2d.plan import Job, ParallelSpec, Scheme, get_cluster, get_model, step
     from megatron_2d.plan.windows import WindowWork
 
-    job = step._Job(
-        get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 2, 4, 1, "head_first", 8192, True, None,
-        "accumulator", None, None, None, "te_fused",
-    )  # fmt: skip
+    job = step._run(Job(get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 8192), Scheme("2d", 2, 4, 1))
     work, ww = step._windowed_work(job)
     assert ww.transport == "double_ring" and step._attention_times(job, work, ww).time > 0
     with pytest.raises(ValueError, match="no cost model for transport kind 'pigeon'"):
@@ -182,13 +179,10 @@ def test_the_table_finds_each_transport_and_refuses_gaps(tmp_path, monkeypatch, 
 
 def test_the_planner_costs_every_kind():
     """Each kind of the shared rule has a cost in plan/step.py (the fourth file of a new transport)."""
-    from megatron_2d.plan import ParallelSpec, get_cluster, get_model, step
+    from megatron_2d.plan import Job, ParallelSpec, Scheme, get_cluster, get_model, step
     from megatron_2d.plan.windows import WindowWork
 
-    job = step._Job(
-        get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 2, 4, 1, "head_first", 8192, True, None,
-        "accumulator", None, None, None, "te_fused",
-    )  # fmt: skip
+    job = step._run(Job(get_model("7B-GQA"), get_cluster("8xH100"), ParallelSpec(gpus=8), 8192), Scheme("2d", 2, 4, 1))
     work, _ = step._windowed_work(job)
     for kind in TRANSPORT_KINDS:
         dense = kind != "neighbour"

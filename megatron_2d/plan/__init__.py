@@ -1,7 +1,7 @@
 """Performance model and layout planner for 2D-Attention (pure Python: no torch, no torch.distributed).
 
-    from megatron_2d.plan import plan, ParallelSpec
-    cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)   # fastest feasible first
+    from megatron_2d.plan import Job, plan, ParallelSpec
+    cands = plan(Job("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072))   # fastest feasible first
     best = cands[0]; best.scheme, best.time_ms, best.flags, best.to_dict()
 
 Each layout is estimated under every memory option (how model states are held: the distributed optimizer,
@@ -14,10 +14,10 @@ Modules: hardware (specs, presets), errors (PlanError), links (link efficiency),
 uses), windows / packed / hybrid (sliding windows, packed documents, Mamba/GDN layers as the op runs them),
 attention_time (one layer's work, ring / neighbour exchange times, traffic), memory (peak memory by recompute mode),
 step (the estimate: attention, step time with recompute, MFU), memory_options (sharded model states and their
-communication), candidates (layouts, feasibility, Megatron flags), planner (plan/evaluate), calibrate (fit rates
-and link factors to measurements), report (text/JSON), plot (matplotlib), grid (best 2D vs best stock over models,
-GPUs and lengths), paper (LoongTrain's reported figures), console (terminal helpers), cli (``python -m
-megatron_2d.plan``, ``... grid``, ``... paper``).
+communication), candidates (layouts, feasibility, Megatron flags), job (what the planner is asked: ``Job``),
+planner (plan/evaluate), calibrate (fit rates and link factors to measurements), report (text/JSON), plot
+(matplotlib), grid (best 2D vs best stock over models, GPUs and lengths), paper (LoongTrain's reported figures),
+console (terminal helpers), cli (``python -m megatron_2d.plan``, ``... grid``, ``... paper``).
 """
 
 from ..layout.heads import replicated_kv_heads
@@ -36,6 +36,7 @@ from .hardware import (
     get_cluster,
     get_model,
 )
+from .job import Job
 from .links import IDEAL_LINKS, LinkEfficiency
 from .memory import RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
 from .memory_options import MemoryPolicy
@@ -50,6 +51,7 @@ __all__ = [
     "Estimate",
     "FitResult",
     "IDEAL_LINKS",
+    "Job",
     "KINDS",
     "Scheme",
     "LinkEfficiency",

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..layout.choices import DKV_COMM_DTYPES
+from ..layout.choices import DKV_COMM_DTYPES, DkvCommDtype, MlaRing
 from ..layout.heads import replicated_kv_heads
 from ..layout.ring_schedule import double_ring_events, final_hop_link, replay
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
@@ -39,7 +39,7 @@ from .windows import WindowWork
 
 BF16 = 2  # bytes per element of activations, K/V and the all-to-all tensors (bf16 training)
 FP32 = 4  # bytes per element of fp32 tensors (the ring's dK/dV accumulators, softmax lse, logits)
-RIDER_BYTES = {"accumulator": FP32, "input": BF16}
+RIDER_BYTES = {DkvCommDtype.ACCUMULATOR: FP32, DkvCommDtype.INPUT: BF16}
 """Bytes per element of the dK/dV partials that travel a ring in backward, by the op's ``dkv_comm_dtype``
 (:data:`megatron_2d.layout.choices.DKV_COMM_DTYPES`) in bf16 training: the accumulator dtype (fp32, the op's default) or
 the input dtype (bf16: Transformer Engine's rings, and the op with ``--cp-2d-dkv-comm-dtype input``)."""
@@ -101,10 +101,6 @@ class LayerWork:
     * r * Ht * (dn + dv), which the layer no longer runs outside attention."""
 
 
-MLA_RINGS = ("expanded", "latent")
-"""What a 2D MLA layer's ring carries: per-head K/V ("expanded", as every CP backend) or the latent ("latent")."""
-
-
 def layer_work(
     model: ModelSpec,
     parallel: ParallelSpec,
@@ -136,7 +132,7 @@ def layer_work(
     s_loc = S / CP
     s_ctx = S / cp
     q_heads = Ht // hp if Ht % hp == 0 else Ht / hp
-    if mla_ring == "latent":
+    if mla_ring == MlaRing.LATENT:
         m = model.mla
         # all-to-all of q and out (1/hp of each to each peer), all-gather of the whole latent to each peer
         a2a_peer = BF16 * B * s_loc * (Ht * (dk + dv) / hp + m.latent_width)

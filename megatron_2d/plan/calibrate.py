@@ -27,6 +27,7 @@ import numpy as np
 
 from .attention_time import BWD_FACTOR, GB, traffic
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_model
+from .job import Job
 from .planner import evaluate
 
 
@@ -63,7 +64,7 @@ def work_counts(
     layout, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, seq: int, causal: bool = True
 ) -> WorkCounts:
     """The counts of one layout's attention layer (forward + backward) on its slowest rank."""
-    cand = evaluate(layout, model, cluster, parallel, seq, causal)
+    cand = evaluate(layout, Job(model, cluster, parallel, seq, causal))
     if not cand.runs:  # a measured layout ran: the memory estimate is not a verdict
         raise PlanError(f"cannot count work of an infeasible layout {layout.label()}: {cand.reason}")
     e = cand.estimate

@@ -26,40 +26,55 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..layout.choices import PLAN_KINDS, DkvCommDtype, MlaRing, Placement, PlanKind, RecomputeMode
 from ..layout.heads import head_split_problem, valid_head_parallel_sizes
 from ..layout.topology import Layout2D, LayoutError, divisors, every_layout
 from .hardware import ModelSpec, ParallelSpec
 from .memory import CHECKPOINT_PLUS_MODES, LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES
 
-KINDS = ("2d", "p2p", "a2a", "a2a+p2p", "ds-ulysses")
+KINDS = PLAN_KINDS
 STOCK_KINDS = KINDS[1:]
-TE_DKV_COMM_DTYPE = "input"
+TE_DKV_COMM_DTYPE = DkvCommDtype.INPUT
 """Transformer Engine's p2p backward sends dK/dV in the input dtype (bf16 training)."""
-STOCK_RECOMPUTE = ("none", "selective", "full")
-RECOMPUTE_BY_KIND = {kind: RECOMPUTE_MODES if kind == "2d" else STOCK_RECOMPUTE for kind in KINDS}
-_FULL_FLAGS = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-RECOMPUTE_FLAGS = {
-    "none": "",
-    "selective": "--recompute-activations",
-    "full": _FULL_FLAGS,
-    **{
-        mode: f"{_FULL_FLAGS} --selective-checkpoint-plus-plus --selective-checkpoint-plus-plus-keep {keep}"
-        for mode, keep in CHECKPOINT_PLUS_MODES.items()
-    },
-}
-"""pretrain_gpt.py arguments of each recompute mode (--recompute-activations is selective core attention)."""
+TE_RINGS = (PlanKind.P2P, PlanKind.A2A_P2P)
+"""The stock kinds with a ring: Transformer Engine's, which refuses a sliding window and sends dK/dV in the input
+dtype."""
+STOCK_RECOMPUTE = (RecomputeMode.NONE, RecomputeMode.SELECTIVE, RecomputeMode.FULL)
+RECOMPUTE_BY_KIND = {kind: RECOMPUTE_MODES if kind == PlanKind.TWO_D else STOCK_RECOMPUTE for kind in KINDS}
 
 
-def kind_dkv_comm_dtype(kind: str, dkv_comm_dtype: str = "accumulator") -> str:
+def recompute_flags(mode: str, block_layers: int | None = None) -> str:
+    """pretrain_gpt.py arguments of recompute ``mode`` (--recompute-activations is selective core attention);
+    ``block_layers``: a layer recompute mode on that many layers per pipeline stage (--recompute-method block), else
+    on every layer (uniform)."""
+    if mode == RecomputeMode.NONE:
+        return ""
+    if mode == RecomputeMode.SELECTIVE:
+        return "--recompute-activations"
+    if mode not in LAYER_RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
+    method = ("uniform", 1) if block_layers is None else ("block", block_layers)
+    flags = "--recompute-granularity full --recompute-method {} --recompute-num-layers {}".format(*method)
+    if mode in CHECKPOINT_PLUS_MODES:
+        keep = CHECKPOINT_PLUS_MODES[mode]
+        flags += f" --selective-checkpoint-plus-plus --selective-checkpoint-plus-plus-keep {keep}"
+    return flags
+
+
+RECOMPUTE_FLAGS = {mode: recompute_flags(mode) for mode in RECOMPUTE_MODES}
+"""pretrain_gpt.py arguments of each recompute mode on every layer (:func:`recompute_flags`)."""
+
+
+def kind_dkv_comm_dtype(kind: str, dkv_comm_dtype: str = DkvCommDtype.ACCUMULATOR) -> str:
     """How the dK/dV partials of ``kind`` travel (:data:`megatron_2d.layout.choices.DKV_COMM_DTYPES`): Transformer
     Engine's rings in the input dtype; ours as ``dkv_comm_dtype`` says (the op's ``--cp-2d-dkv-comm-dtype``)."""
-    return TE_DKV_COMM_DTYPE if kind in ("p2p", "a2a+p2p") else dkv_comm_dtype
+    return TE_DKV_COMM_DTYPE if kind in TE_RINGS else dkv_comm_dtype
 
 
 def kind_kv_heads(kind: str, model: ModelSpec, parallel: ParallelSpec) -> int | None:
     """K/V heads per TP rank after repetition when ``kind`` fixes them (DeepSpeed-Ulysses: all Ht query heads);
     None: the cost model's L = lcm(Hkvt, hp)."""
-    return model.heads // parallel.tp if kind == "ds-ulysses" else None
+    return model.heads // parallel.tp if kind == PlanKind.DS_ULYSSES else None
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ class Scheme:
     hp: int
     cp: int
     w: int
-    placement: str = "head_first"
+    placement: str = Placement.HEAD_FIRST
     mla_ring: str | None = None
     """2D layouts of an MLA model: "expanded" (per-head K/V on the ring) or "latent"; None otherwise."""
 
@@ -90,10 +105,10 @@ class Scheme:
         return cls(kind, shape.head_parallel_size, shape.context_size, shape.inner_ring_size, shape.placement)
 
     def label(self) -> str:
-        if self.kind == "2d":
+        if self.kind == PlanKind.TWO_D:
             ring = "" if self.mla_ring is None else f" {self.mla_ring}"
             return f"2d{ring} hp={self.hp} cp={self.cp} w={self.w} {self.placement}"
-        if self.kind == "a2a+p2p":
+        if self.kind == PlanKind.A2A_P2P:
             return f"a2a+p2p [{self.hp}, {self.cp}]"
         return f"{self.kind} (CP={self.cp_size})"
 
@@ -105,7 +120,7 @@ def check_scheme(
 
     ``window``: a sliding window of that many tokens; Transformer Engine refuses it with p2p and a2a+p2p CP."""
     k, hp, cp, w = layout.kind, layout.hp, layout.cp, layout.w
-    if window is not None and k in ("p2p", "a2a+p2p"):
+    if window is not None and k in TE_RINGS:
         return f"Transformer Engine refuses sliding-window attention with {k} context parallelism (use a2a or 2d)"
     CP = parallel.cp_size
     if k not in KINDS:
@@ -117,30 +132,30 @@ def check_scheme(
     if hp * cp != CP:
         return f"hp*cp = {hp}*{cp} = {hp * cp} != CP={CP}; valid hp: {divisors(CP)}"
     Ht, Hkvt = model.heads // parallel.tp, model.kv_heads // parallel.tp
-    chunks = CP if k == "ds-ulysses" else 2 * CP
+    chunks = CP if k == PlanKind.DS_ULYSSES else 2 * CP
     if seq % chunks:
-        what = "CP" if k == "ds-ulysses" else "2*CP (zigzag: two chunks per rank)"
+        what = "CP" if k == PlanKind.DS_ULYSSES else "2*CP (zigzag: two chunks per rank)"
         return f"sequence length {seq} is not divisible by {what} = {chunks}; pad to {-(-seq // chunks) * chunks}"
     if head_split_problem(Ht, hp):
         return (
             f"hp={hp} does not divide the {Ht} query heads per TP rank; valid hp: "
             f"{valid_head_parallel_sizes(Ht, divisors(CP))}"
         )
-    if k == "2d":
+    if k == PlanKind.TWO_D:
         return None
-    if k == "p2p":
+    if k == PlanKind.P2P:
         return None if (hp, w) == (1, cp) else "p2p is hp=1 with a single ring (w=cp)"
-    if k in ("a2a", "ds-ulysses"):
+    if k in (PlanKind.A2A, PlanKind.DS_ULYSSES):
         if cp != 1:
             return f"{k} is all-to-all only: hp must be CP={CP}"
-        if k == "a2a" and Hkvt % hp:
+        if k == PlanKind.A2A and Hkvt % hp:
             return (
                 f"degree {hp} does not divide the {Hkvt} KV heads per TP rank (Megatron/TE do not replicate "
                 f"K/V; use 2d, which does)"
             )
         return None
     # a2a+p2p
-    if not 1 < hp < CP or w != cp or layout.placement != "head_first":
+    if not 1 < hp < CP or w != cp or layout.placement != Placement.HEAD_FIRST:
         return "a2a+p2p needs 1 < A < CP, a single ring (w = cp) and the a2a level on adjacent ranks"
     if Hkvt % hp:
         valid = [a for a in divisors(CP) if 1 < a < CP and Hkvt % a == 0 and Ht % a == 0]
@@ -164,43 +179,36 @@ def enumerate_schemes(model: ModelSpec, parallel: ParallelSpec) -> list[Scheme]:
     for shape in every_layout(CP):  # by hp, then w, then placement
         hp, cp, w = shape.head_parallel_size, shape.context_size, shape.inner_ring_size
         if Ht % hp:
-            if w == 1 and shape.placement == "head_first":  # once per hp
-                out.append(Scheme("2d", hp, cp, cp))
+            if w == 1 and shape.placement == Placement.HEAD_FIRST:  # once per hp
+                out.append(Scheme(PlanKind.TWO_D, hp, cp, cp))
             continue
         if w > 1 or cp == 1:
-            layout = Scheme.of("2d", shape)
-            out.extend(
-                [layout] if model.mla is None else [replace(layout, mla_ring=ring) for ring in ("expanded", "latent")]
-            )
-    out.append(Scheme("p2p", 1, CP, CP))
-    out.append(Scheme("a2a", CP, 1, 1))
-    out.extend(Scheme("a2a+p2p", a, CP // a, CP // a) for a in divisors(CP) if 1 < a < CP)
-    out.append(Scheme("ds-ulysses", CP, 1, 1))
+            layout = Scheme.of(PlanKind.TWO_D, shape)
+            out.extend([layout] if model.mla is None else [replace(layout, mla_ring=ring) for ring in MlaRing])
+    out.append(Scheme(PlanKind.P2P, 1, CP, CP))
+    out.append(Scheme(PlanKind.A2A, CP, 1, 1))
+    out.extend(Scheme(PlanKind.A2A_P2P, a, CP // a, CP // a) for a in divisors(CP) if 1 < a < CP)
+    out.append(Scheme(PlanKind.DS_ULYSSES, CP, 1, 1))
     return out
 
 
 def megatron_flags(
     layout: Scheme,
     parallel: ParallelSpec,
-    recompute: str = "none",
+    recompute: str = RecomputeMode.NONE,
     block_layers: int | None = None,
-    dkv_comm_dtype: str = "accumulator",
+    dkv_comm_dtype: str = DkvCommDtype.ACCUMULATOR,
 ) -> str:
     """The pretrain_gpt.py arguments that select ``layout`` (TP/PP included when > 1) and ``recompute``;
     ``block_layers``: recompute only that many layers per pipeline stage (--recompute-method block);
     ``dkv_comm_dtype``: how a 2D layout's dK/dV riders travel (``--cp-2d-dkv-comm-dtype``, when not the default)."""
     flags = _layout_flags(layout, parallel)
-    if layout.kind == "2d" and dkv_comm_dtype != "accumulator":
+    if layout.kind == PlanKind.TWO_D and dkv_comm_dtype != DkvCommDtype.ACCUMULATOR:
         flags += f" --cp-2d-dkv-comm-dtype {dkv_comm_dtype}"
-    extra = RECOMPUTE_FLAGS[recompute]
-    if block_layers is not None and recompute in LAYER_RECOMPUTE_MODES:
-        extra = extra.replace(
-            "--recompute-method uniform --recompute-num-layers 1",
-            f"--recompute-method block --recompute-num-layers {block_layers}",
-        )
+    extra = recompute_flags(recompute, block_layers if recompute in LAYER_RECOMPUTE_MODES else None)
     if not extra:
         return flags
-    if layout.kind == "ds-ulysses":
+    if layout.kind == PlanKind.DS_ULYSSES:
         return f"{flags}; activation checkpointing: {recompute}"
     return f"{flags} {extra}"
 
@@ -212,14 +220,14 @@ def _layout_flags(layout: Scheme, parallel: ParallelSpec) -> str:
     if parallel.pp > 1:
         pre += f"--pipeline-model-parallel-size {parallel.pp} "
     cp = f"{pre}--context-parallel-size {layout.cp_size}"
-    if layout.kind == "2d":
-        ring = " --cp-2d-mla-ring latent" if layout.mla_ring == "latent" else ""
+    if layout.kind == PlanKind.TWO_D:
+        ring = f" --cp-2d-mla-ring {MlaRing.LATENT}" if layout.mla_ring == MlaRing.LATENT else ""
         return (
-            f"{cp} --cp-comm-type 2d --cp-2d-head-parallel-size {layout.hp} "
+            f"{cp} --cp-comm-type {layout.kind} --cp-2d-head-parallel-size {layout.hp} "
             f"--cp-2d-inner-ring-size {layout.w} --cp-2d-placement {layout.placement}{ring}"
         )
-    if layout.kind in ("p2p", "a2a"):
+    if layout.kind in (PlanKind.P2P, PlanKind.A2A):
         return f"{cp} --cp-comm-type {layout.kind}"
-    if layout.kind == "a2a+p2p":
-        return f"{cp} --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes {layout.hp} {layout.cp}"
+    if layout.kind == PlanKind.A2A_P2P:
+        return f"{cp} --cp-comm-type {layout.kind} --hierarchical-context-parallel-sizes {layout.hp} {layout.cp}"
     return f"(no Megatron flag: DeepSpeed-Ulysses, sequence-parallel size {layout.cp_size} in DeepSpeed)"

@@ -22,24 +22,24 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..layout.choices import DKV_COMM_DTYPES
+from ..layout.choices import DKV_COMM_DTYPES, DkvCommDtype
 from .console import parse_seq, parse_window
 from .grid import main as grid_main
 from .hardware import CLUSTER_PRESETS, MODEL_PRESETS, ParallelSpec, PlanError, get_cluster, get_model
+from .job import CHOICES as MEMORY_CHOICES
+from .job import Job, MemoryPolicy
 from .kernel_rates import PLANNED_KERNELS
 from .lengths import DISTRIBUTIONS, SEQUENCE_MIXES, document_lengths, read_lengths, sequence_lengths
 from .links import FLAGS as LINK_FLAGS
 from .links import IDEAL_LINKS, LinkEfficiency
 from .memory import RECOMPUTE_MODES
-from .memory_options import CHOICES as MEMORY_CHOICES
-from .memory_options import MemoryPolicy
 from .paper import main as paper_main
 from .planner import AUTO, plan, recommended
 from .plot import DEFAULT_SEQS, PlotUnavailable, plot_sweep
 from .report import job_metadata, plan_json, print_plan
 
 EXIT_OK, EXIT_NO_FEASIBLE, EXIT_USAGE = 0, 1, 2
-DKV_DTYPE_ALIASES = {"fp32": "accumulator", "bf16": "input", "fp16": "input"}
+DKV_DTYPE_ALIASES = {"fp32": DkvCommDtype.ACCUMULATOR, "bf16": DkvCommDtype.INPUT, "fp16": DkvCommDtype.INPUT}
 """``--dkv-dtype`` values (element types) as the op's ``dkv_comm_dtype`` names, for bf16 training."""
 
 
@@ -226,7 +226,7 @@ def _memory_arguments(j: argparse._ArgumentGroup) -> None:
     )
     j.add_argument(
         "--dkv-comm-dtype",
-        default="accumulator",
+        default=DkvCommDtype.ACCUMULATOR,
         choices=DKV_COMM_DTYPES,
         help="how the 2D ring's dK/dV partials travel, the op's --cp-2d-dkv-comm-dtype: accumulator "
         "(fp32, the default) or input (bf16; the recommended flags then carry it); Transformer "
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         if lengths is not None and args.plot:
             raise PlanError("--plot sweeps sequence lengths; it does not take packed --lengths")
         memory = MemoryPolicy(args.memory, args.fair_memory, args.global_batch)
-        cands = plan(
+        job = Job(
             model,
             cluster,
             parallel,
@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel=args.kernel,
             qk_clip=args.qk_clip,
         )
+        cands = plan(job)
     except PlanError as err:
         parser.error(str(err))
     if args.json:

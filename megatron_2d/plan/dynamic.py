@@ -26,11 +26,13 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..layout.choices import PackingMode, Placement, PlanKind, RecomputeMode
 from ..layout.dynamic import format_dynamic_layouts, hybrid_group_sizes, hybrid_slices, megatron_cp_size
 from ..layout.heads import head_split_problem
 from ..layout.topology import Layout2D, every_layout
 from .candidates import Scheme
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
+from .job import Job
 from .memory_options import DIST_OPT
 from .planner import evaluate
 from .step import estimate
@@ -61,16 +63,8 @@ def size_candidates(model: ModelSpec, size: int, tp: int = 1, placement: str | N
 @functools.lru_cache(maxsize=256)
 def _layout_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout2D, seq: int, tp: int) -> float:
     parallel = ParallelSpec(gpus=layout.cp_size * tp, tp=tp, cp=layout.cp_size, dp=1)
-    e = estimate(
-        model,
-        cluster,
-        parallel,
-        layout.head_parallel_size,
-        layout.context_size,
-        layout.inner_ring_size,
-        layout.placement,
-        _padded(seq, layout.cp_size),
-    )
+    job = Job(model, cluster, parallel, _padded(seq, layout.cp_size))
+    e = estimate(job, Scheme.of(PlanKind.TWO_D, layout))
     return e.time_s
 
 
@@ -82,7 +76,7 @@ def layout_for_size(
     candidates = size_candidates(model, size, tp, placement)  # never empty: hp = 1 splits any heads
 
     def key(layout: Layout2D):
-        ties = (layout.inner_ring_size != layout.context_size, layout.placement != "head_first")
+        ties = (layout.inner_ring_size != layout.context_size, layout.placement != Placement.HEAD_FIRST)
         return (round(_layout_time(model, cluster, layout, seq, tp), 15), *ties, layout.head_parallel_size)
 
     best = min(candidates, key=key)
@@ -183,11 +177,10 @@ def _step_s(
     model: ModelSpec, cluster: ClusterSpec, layout: Layout2D, tp: int, seq: int, lengths: Sequence[int] | None
 ) -> float:
     parallel = ParallelSpec(gpus=layout.cp_size * tp, tp=tp, cp=layout.cp_size, dp=1)
-    scheme = Scheme.of("2d", layout)
-    packing = "zigzag" if lengths is not None else None
-    cand = evaluate(
-        scheme, model, cluster, parallel, seq, recompute="none", memory=DIST_OPT, lengths=lengths, packing=packing
-    )
+    scheme = Scheme.of(PlanKind.TWO_D, layout)
+    packing = PackingMode.ZIGZAG if lengths is not None else None
+    job = Job(model, cluster, parallel, seq, recompute=RecomputeMode.NONE, lengths=lengths, memory=DIST_OPT)
+    cand = evaluate(scheme, job, packing=packing)
     if cand.estimate is None:
         raise PlanError(f"{scheme.label()} cannot run {seq} tokens: {cand.reason}")
     return cand.estimate.step_s

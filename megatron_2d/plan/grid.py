@@ -20,14 +20,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
+from ..layout.choices import DkvCommDtype, Placement, PlanKind, RecomputeMode
 from ..layout.topology import divisors
 from .candidates import STOCK_KINDS, Scheme
 from .console import parse_seq, terminal_console
 from .hardware import GRID_MODELS, ParallelSpec, PlanError, get_cluster, get_model
+from .job import CHOICES as MEMORY_CHOICES
+from .job import Job, MemoryPolicy
 from .kernel_rates import PLANNED_KERNELS, STOCK_KERNEL
 from .memory import CHECKPOINT_PLUS_MODES
-from .memory_options import CHOICES as MEMORY_CHOICES
-from .memory_options import MemoryPolicy
 from .planner import Candidate, evaluate, plan
 from .report import memory_policy_text, seq_label, states_label
 
@@ -75,7 +76,7 @@ class Cell:
 
 def _twin(stock: Candidate) -> Scheme:
     """The 2D layout that runs the same schedule as a stock one."""
-    return Scheme("2d", stock.hp, stock.cp, stock.cp, "head_first")
+    return Scheme(PlanKind.TWO_D, stock.hp, stock.cp, stock.cp, Placement.HEAD_FIRST)
 
 
 def explain(
@@ -97,7 +98,7 @@ def explain(
         mem = min((c.estimate.memory_gb for c in cands if c.runs), default=None)
         return None, "X", ("nothing fits" + (f" (least memory {mem:.0f} GB)" if mem is not None else ""))
     if best_stock is None:
-        stock = [c for c in cands if c.kind != "2d"]
+        stock = [c for c in cands if c.kind != PlanKind.TWO_D]
         code = "M" if any(c.runs for c in stock) else "I"
         return None, code, CODES[code]
     if best_2d is None:
@@ -112,7 +113,7 @@ def explain(
     codes = ""
     if ratio > 1 + TIE:
         cp2, cps_ = best_2d.scheme.cp_size, best_stock.scheme.cp_size
-        if e2.recompute in CHECKPOINT_PLUS_MODES and es.recompute in ("selective", "full"):
+        if e2.recompute in CHECKPOINT_PLUS_MODES and es.recompute in (RecomputeMode.SELECTIVE, RecomputeMode.FULL):
             codes += "C"
         elif cp2 < cps_:
             codes += "S"
@@ -120,9 +121,8 @@ def explain(
             codes += "R"
         if memory.choice in ("auto", "all") and not memory.fair:
             # would 2D lose its lead with Megatron's own memory options only?
-            plain = evaluate(
-                best_2d.scheme, model, cluster, parallel, seq, memory=replace(memory, choice="stock"), kernel=kernel
-            )
+            stock_memory = replace(memory, choice="stock")
+            plain = evaluate(best_2d.scheme, Job(model, cluster, parallel, seq, memory=stock_memory, kernel=kernel))
             if not plain.feasible or plain.estimate.tokens_per_gpu_s < e2.tokens_per_gpu_s * (1 - TIE):
                 codes += "Z"
         # attention per token of a GPU (time_s covers S/CP tokens), at the same or a larger CP than stock's
@@ -132,15 +132,14 @@ def explain(
                 layout_codes += "K"
             if best_2d.w < best_2d.cp:
                 layout_codes += "D"
-            if best_2d.placement == "context_first":
+            if best_2d.placement == Placement.CONTEXT_FIRST:
                 layout_codes += "P"
             codes += layout_codes or "H"
         return ratio, codes, "2D wins: " + "; ".join(CODES[c][4:] for c in codes) + cps
     if ratio < 1 - TIE:
 
         def same_as_stock(dkv: str, twin_kernel: str | None) -> bool:
-            twin = evaluate(
-                _twin(best_stock),
+            job = Job(
                 model,
                 cluster,
                 stock_parallel,
@@ -150,12 +149,13 @@ def explain(
                 memory=memory,
                 kernel=twin_kernel,
             )
+            twin = evaluate(_twin(best_stock), job)
             return twin.estimate is not None and abs(twin.estimate.step_s / es.step_s - 1) < 1e-6
 
-        if best_2d.kernel != best_stock.kernel and same_as_stock("input", best_stock.kernel):
-            code = "F" if not same_as_stock("input", kernel) else "B"
+        if best_2d.kernel != best_stock.kernel and same_as_stock(DkvCommDtype.INPUT, best_stock.kernel):
+            code = "F" if not same_as_stock(DkvCommDtype.INPUT, kernel) else "B"
         else:
-            code = "B" if same_as_stock("input", kernel) else "U"
+            code = "B" if same_as_stock(DkvCommDtype.INPUT, kernel) else "U"
         return ratio, code, "stock wins: " + CODES[code][7:] + cps
     return ratio, "=", "tie" + cps
 
@@ -193,13 +193,13 @@ def cell(
         if len(done) == 2:
             break
         parallel = ParallelSpec(gpus=gpus, tp=sizes["tp"], pp=sizes["pp"], cp=cp)
-        cands = plan(model, cluster, parallel, seq, memory=memory, kernel=kernel)
+        cands = plan(Job(model, cluster, parallel, seq, memory=memory, kernel=kernel))
         seen += cands
-        for side, kinds in (("2d", ("2d",)), ("stock", STOCK_KINDS)):
+        for side, kinds in (("2d", (PlanKind.TWO_D,)), ("stock", STOCK_KINDS)):
             if side in done:
                 continue
             c = next((c for c in cands if c.feasible and c.kind in kinds), None)
-            if c is not None and c.recompute == "none":
+            if c is not None and c.recompute == RecomputeMode.NONE:
                 done.add(side)
             if c is not None and (
                 side not in best or c.estimate.tokens_per_gpu_s > best[side][0].estimate.tokens_per_gpu_s

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..layout.choices import Placement
 from ..layout.hybrid_layers import HybridLayerCounts, gdn_cp_problem, mamba_cp_problem, mamba_num_heads
 from .attention_time import path_time
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
@@ -80,7 +81,7 @@ class HybridPattern:
         tokens = parallel.micro_batch * seq
         group = tp * CP
         dense_rate = cluster.peak_tflops * 1e12 * cluster.dense_efficiency
-        links = link_map(CP, 1, 1, "head_first", tp, cluster.gpus_per_node, parallel.gpus).a2a if CP > 1 else ()
+        links = link_map(CP, 1, 1, Placement.HEAD_FIRST, tp, cluster.gpus_per_node, parallel.gpus).a2a if CP > 1 else ()
         total = 0.0
         for family, layers in (("mamba", self.counts.mamba), ("gdn", self.counts.gdn)):
             channels_in, channels_out, weights = self._channels(model)[family]

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..layout.choices import CHECKPOINT_KEEPS
+from ..layout.choices import RECOMPUTE_MODES, CheckpointKeep, MlaRing, RecomputeMode
 from ..layout.heads import replicated_kv_heads
 from ..layout.zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, layer_work
@@ -16,15 +16,18 @@ from .hardware import ModelSpec, ParallelSpec
 if TYPE_CHECKING:
     from .packed import PackedWork
 
-CHECKPOINT_PLUS_MODES = dict(zip(("ckpt++", "ckpt++inputs"), CHECKPOINT_KEEPS))
+# RECOMPUTE_MODES (RecomputeMode's members, in order): activation recomputation: none; Megatron's selective
+# recompute of core attention (--recompute-activations); Megatron's full-layer recompute (uniform, every layer);
+# Selective Checkpoint++ (full recompute that keeps each layer's attention output + lse, and with "ckpt++inputs" its
+# head-layout inputs: 2D only). See MemoryBreakdown and .step.recompute_extra_s.
+
+CHECKPOINT_PLUS_MODES = {
+    RecomputeMode.CKPT_PLUS: CheckpointKeep.OUTPUTS,
+    RecomputeMode.CKPT_PLUS_INPUTS: CheckpointKeep.ATTENTION_INPUTS,
+}
 """Selective Checkpoint++'s modes and the keep policy each runs (--selective-checkpoint-plus-plus-keep): "ckpt++"
 keeps the attention output + lse ("outputs"), "ckpt++inputs" also the head-layout q/K/V ("attention-inputs")."""
-RECOMPUTE_MODES = ("none", "selective", "full", *CHECKPOINT_PLUS_MODES)
-"""Activation recomputation: none; Megatron's selective recompute of core attention (--recompute-activations);
-Megatron's full-layer recompute (uniform, every layer); Selective Checkpoint++ (full recompute that keeps each
-layer's attention output + lse, and with "ckpt++inputs" its head-layout inputs: 2D only). See
-:class:`MemoryBreakdown` and :func:`.step.recompute_extra_s`."""
-LAYER_RECOMPUTE_MODES = ("full", *CHECKPOINT_PLUS_MODES)
+LAYER_RECOMPUTE_MODES = (RecomputeMode.FULL, *CHECKPOINT_PLUS_MODES)
 """The modes that recompute whole layers, so can recompute some of them (--recompute-method block)."""
 
 
@@ -102,25 +105,25 @@ class MemoryBreakdown:
 
     def kept_per_token(self, mode: str) -> float:
         """Bytes per token per layer kept for backward under recompute ``mode``."""
-        if mode == "none":
+        if mode == RecomputeMode.NONE:
             return self.per_token_none
-        if mode == "selective":
+        if mode == RecomputeMode.SELECTIVE:
             return self.per_token_none - self.attn_out - self.lse
-        if mode == "full":
+        if mode == RecomputeMode.FULL:
             return self.layer_input
-        if mode == "ckpt++":
+        if mode == RecomputeMode.CKPT_PLUS:
             return self.layer_input + self.attn_out + self.lse
-        if mode == "ckpt++inputs":
+        if mode == RecomputeMode.CKPT_PLUS_INPUTS:
             return self.layer_input + self.qkv + self.attn_out + self.lse + (0.0 if self.out_view else self.o_proj_in)
         raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
 
-    def activations(self, mode: str = "none", n: int | None = None) -> float:
+    def activations(self, mode: str = RecomputeMode.NONE, n: int | None = None) -> float:
         """Activation bytes with ``n`` layers recomputed under ``mode`` (None: all of them)."""
-        n = self.layers if n is None or mode == "none" else n
+        n = self.layers if n is None or mode == RecomputeMode.NONE else n
         rebuilt = self.per_token_none if mode in LAYER_RECOMPUTE_MODES and n > 0 else 0.0
         return self.tokens * (n * self.kept_per_token(mode) + (self.layers - n) * self.per_token_none + rebuilt)
 
-    def total(self, mode: str = "none", n: int | None = None) -> float:
+    def total(self, mode: str = RecomputeMode.NONE, n: int | None = None) -> float:
         return self.activations(mode, n) + self.logits + self.comm_buffers + self.model_states
 
     def layers_to_fit(self, mode: str, budget_bytes: float, step: int = 1) -> int | None:
@@ -166,7 +169,7 @@ def memory_breakdown(
     CP = hp * cp
     Ht, Hkvt = model.heads // tp, model.kv_heads // tp
     L = replicated_kv_heads(Hkvt, hp) if kv_heads is None else kv_heads
-    kv_per_token = hp * model.mla.latent_width if mla_ring == "latent" else L * (dk + dv)
+    kv_per_token = hp * model.mla.latent_width if mla_ring == MlaRing.LATENT else L * (dk + dv)
     tokens = B * seq / CP * (1.0 if packed is None else packed.token_fraction)
     fc1_out = (2 if model.gated_mlp else 1) * F
     work = layer_work(
@@ -210,7 +213,7 @@ def memory_bytes(
     cp: int,
     w: int,
     seq: int,
-    recompute: str = "none",
+    recompute: str = RecomputeMode.NONE,
     dkv_bytes_per_elem: int = FP32,
     kv_heads: int | None = None,
     mla_ring: str | None = None,

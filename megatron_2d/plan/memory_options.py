@@ -48,49 +48,18 @@ prefetched one); ZeRO-2 and ZeRO-3 one layer of unsharded fp32 grads before its 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
+from ..layout.choices import PlanKind, RecomputeMode
 from ..layout.zero_sharding import HybridZeRO, state_bytes_per_rank
 from .attention_time import BF16, FP32, GB
-from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
+from .hardware import ClusterSpec, ModelSpec, ParallelSpec
+from .job import CHOICES, MemoryPolicy
 from .links import overlapped
 from .model_states import MemoryOption, ShardingCost
 from .step import Estimate
 
-CHOICES = ("auto", "dist-opt", "stock", "all")
-"""``MemoryPolicy.choice``: each side its own options (auto), everyone the distributed optimizer only (dist-opt: the
-planner before memory options), everyone Megatron's own options (stock: 2D without Hybrid ZeRO's partial sharding),
-or auto plus the choices that change training (all: optimizer states sharded wider than params, with gradient
-clipping off)."""
 STATE_BYTES = {"param": BF16, "grad": FP32}
 """Bytes per element of the params and of the grad buffer the planner assumes (bf16 training, fp32 grads)."""
-
-
-@dataclass(frozen=True)
-class MemoryPolicy:
-    """Which memory options a plan tries."""
-
-    choice: str = "auto"
-    """One of CHOICES."""
-    fair: bool = False
-    """Stock kinds get the 2D side's options and (hypothetical) Selective Checkpoint++ too (``--fair-memory``)."""
-    global_batch_tokens: int = 4 << 20
-    """Tokens per optimizer step (all data-parallel ranks): sets the micro-batches per step over which per-step
-    communication is spread (:meth:`accum_steps`). 4M tokens: Llama 2's global batch."""
-
-    def __post_init__(self) -> None:
-        if self.choice not in CHOICES:
-            raise PlanError(f"memory choice {self.choice!r} is not one of {', '.join(CHOICES)}")
-        g = self.global_batch_tokens
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise PlanError(f"global_batch_tokens must be a positive integer, got {g!r}")
-
-    def accum_steps(self, seq: int, parallel: ParallelSpec) -> int:
-        """Micro-batches per optimizer step on one data-parallel rank: ceil(global batch / (seq x micro-batch x
-        DP)), at least 1."""
-        return max(1, -(-self.global_batch_tokens // (seq * parallel.micro_batch * parallel.dp_size)))
-
-
 DIST_OPT = MemoryPolicy(choice="dist-opt")
 """Everyone the distributed optimizer over all dp x cp ranks (the planner before memory options)."""
 
@@ -137,7 +106,7 @@ def memory_options(
     dp, cp = parallel.dp_size, cp_size or parallel.cp_size
     if policy.choice == "dist-opt":
         return stock_options(dp, cp)[:1]
-    if policy.choice != "stock" and (kind == "2d" or policy.fair):
+    if policy.choice != "stock" and (kind == PlanKind.TWO_D or policy.fair):
         ranks_per_node = max(1, cluster.gpus_per_node // parallel.tp)
         return hybrid_zero_options(dp, cp, ranks_per_node, policy.choice == "all")
     return stock_options(dp, cp)
@@ -229,7 +198,7 @@ def with_memory(
 ) -> Estimate:
     """``e`` (recompute none) with its model states held as ``option``: memory parts from the option, its exposed
     sharding communication added to every layer of the step (MFU and tokens/s follow)."""
-    if e.recompute != "none":
+    if e.recompute != RecomputeMode.NONE:
         raise ValueError("with_memory takes an estimate without recompute (apply with_recompute after it)")
     fwd = e.attn_fwd_s + e.dense_layer_s / 3.0
     bwd = e.time_s - e.attn_fwd_s + 2.0 * e.dense_layer_s / 3.0
@@ -244,7 +213,7 @@ def with_memory(
         step_s=step,
         mfu=e.mfu * e.step_s / step,
         tokens_per_gpu_s=e.tokens_per_gpu_s * e.step_s / step,
-        memory_gb=mem.total("none") / GB,
+        memory_gb=mem.total(RecomputeMode.NONE) / GB,
     )
 
 

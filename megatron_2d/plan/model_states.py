@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layout.choices import PlanKind
 from ..layout.zero_sharding import HybridZeRO
 
 
@@ -27,7 +28,7 @@ class MemoryOption:
 
     def flags(self, kind: str, dp: int, cp: int) -> str:
         """The command-line arguments that turn this option on for ``kind`` (DeepSpeed's config for ds-ulysses)."""
-        if kind == "ds-ulysses":
+        if kind == PlanKind.DS_ULYSSES:
             return (
                 f"; DeepSpeed zero_optimization.stage {self.zero_stage} over "
                 f"{self.zero.resolved_shard_size(dp, cp)} ranks"

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..layout.band import Band
+from ..layout.choices import Placement, PlanKind
 from ..layout.topology import Layout2D
 from ..packing.calls import Runs, key_intervals
 from ..packing.modes import mode_class, mode_names
@@ -73,7 +74,7 @@ class PackedWork:
 def modes_for(kind: str) -> tuple[str, ...]:
     """The packed modes the planner models for a kind: 2D every ``planned`` mode (zigzag and documents), stock
     kinds the ``stock`` one (Megatron's THD zigzag)."""
-    stock = kind != "2d"
+    stock = kind != PlanKind.TWO_D
     return tuple(name for name in mode_names() if (mode_class(name).stock if stock else mode_class(name).planned))
 
 
@@ -115,7 +116,7 @@ def packing_cost(model, cluster, tp: int, hp: int, cp: int, placement: str, kern
     over cp * TP), else on one NIC, its step latency, transfers overlapped; a token costs the layer's linear
     layers on it (6 * layer weights / TP FLOPs at the dense efficiency), so padding and token imbalance are priced
     too."""
-    span = (hp * cp if placement == "head_first" else cp) * tp
+    span = (hp * cp if placement == Placement.HEAD_FIRST else cp) * tp
     link = cluster.nvlink_gbps if span <= cluster.gpus_per_node else cluster.nic_gbps
     heads, kv_heads = max(model.heads // tp // hp, 1), max(model.kv_heads // tp // hp, 1)
     cost = PackingCost.from_hardware(
@@ -141,7 +142,7 @@ def _packed_work(
     layout = Layout2D(CP, hp, 1, placement)
     if left is not None and left >= S - 1:
         left = None
-    if mode not in modes_for("2d"):
+    if mode not in modes_for(PlanKind.TWO_D):
         raise ValueError(f"packed mode {mode!r} is not one of {modes_for('2d')}")
     batch = mode_class(mode)(cu, layout, cost=cost)
     runs, ring_tokens, t_local = batch.runs, batch.ring_tokens, batch.view_len // hp

@@ -34,6 +34,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..layout.choices import PlanKind
 from .console import parse_seq
 from .hardware import ClusterSpec, ParallelSpec, PlanError, get_cluster, get_model
 from .links import IDEAL_LINKS
@@ -49,7 +50,7 @@ per node (100 GB/s): an assumption (module docstring)."""
 PAPER_MODELS = ("7B-MHA", "7B-GQA")
 PAPER_GPUS = (32, 64)
 PAPER_SEQS = (128 << 10, 256 << 10, 512 << 10, 1 << 20)
-BASELINES = {"Megatron-CP": "p2p", "DS-Ulysses": "ds-ulysses"}
+BASELINES = {"Megatron-CP": PlanKind.P2P, "DS-Ulysses": PlanKind.DS_ULYSSES}
 TOLERANCE = 0.15
 """Differences of the predicted ratio from the reported one beyond this fraction are explained."""
 
@@ -121,9 +122,9 @@ def _best(model, cluster: ClusterSpec, gpus: int, seq: int, fair: bool) -> dict[
         own = best_by_kind(plan(model, cluster, par, seq, memory=MemoryPolicy(fair=fair)))
         megatron = own if fair else best_by_kind(plan(model, cluster, par, seq, memory=DIST_OPT))
         for side, c in (
-            ("2D", own.get("2d")),
-            ("Megatron-CP", megatron.get("p2p")),
-            ("DS-Ulysses", own.get("ds-ulysses")),
+            ("2D", own.get(PlanKind.TWO_D)),
+            ("Megatron-CP", megatron.get(PlanKind.P2P)),
+            ("DS-Ulysses", own.get(PlanKind.DS_ULYSSES)),
         ):
             if c is not None and c.feasible and out[side] is None:
                 out[side] = c

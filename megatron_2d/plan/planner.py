@@ -3,9 +3,11 @@ rank them by predicted step time."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 
+from ..layout.choices import RECOMPUTE_MODES, PlanKind, RecomputeMode
 from ..layout.topology import divisors
 from ..packing.modes import mode_class
 from .attention_time import RIDER_BYTES
@@ -17,63 +19,18 @@ from .candidates import (
     check_scheme,
     enumerate_schemes,
     kind_dkv_comm_dtype,
-    kind_kv_heads,
     megatron_flags,
 )
-from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError, get_cluster, get_model
-from .hybrid import HybridPattern, with_extra_step
+from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
+from .hybrid import with_extra_step
+from .job import AUTO, Job, Window, layer_windows
 from .kernel_rates import SELECTED_KERNEL, side_kernel
-from .memory import CHECKPOINT_PLUS_MODES, LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES
+from .memory import CHECKPOINT_PLUS_MODES, LAYER_RECOMPUTE_MODES
 from .memory_options import MemoryPolicy, memory_options, states_record, with_memory
 from .packed import PackedWork, modes_for, packed_work, packing_cost
 from .step import Estimate, combine_layers, estimate, with_recompute
 
-AUTO = "auto"
-"""``recompute=AUTO``: try every mode the kind supports and keep the fastest that fits in memory."""
-
-ROW_KEYS = (
-    "kind",
-    "hp",
-    "cp",
-    "w",
-    "placement",
-    "label",
-    "feasible",
-    "fits_memory",
-    "reason",
-    "note",
-    "flags",
-    "recompute",
-    "time_ms",
-    "compute_ms",
-    "comm_ms",
-    "a2a_ms",
-    "ring_exposed_ms",
-    "comm_total_ms",
-    "recompute_ms",
-    "recompute_layers",
-    "step_ms",
-    "mfu",
-    "tokens_per_gpu_s",
-    "memory_gb",
-    "activation_gb",
-    "memory_budget_gb",
-    "memory_parts_gb",
-    "kv_heads_per_rank",
-    "dkv_comm_dtype",
-    "nvlink_mb",
-    "network_mb",
-    "links",
-    "recompute_options",
-    "packing",
-    "packed",
-    "memory_option",
-    "states",
-    "memory_options",
-    "mla_ring",
-    "kernel",
-)
-"""The keys of every JSON row (feasible or not): values are None where they do not apply."""
+__all__ = ["AUTO", "ROW_KEYS", "Candidate", "Job", "Row", "Window", "evaluate", "layer_windows", "plan"]
 
 
 def ms(seconds: float) -> float:
@@ -83,23 +40,23 @@ def ms(seconds: float) -> float:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout with its verdict.
+    """A layout with its verdict, for ``job``.
 
     ``feasible``: it can run AND its estimated peak memory fits the GPU (``cluster.memory_budget_gb``) with
     ``recompute``; ``reason`` says why not. ``estimate`` is present whenever the layout can run: for the chosen
     recompute mode, or, when no mode fits, the one that needs the least memory. ``options`` are the estimates of
-    every recompute mode tried (RECOMPUTE_MODES order). ``note``: anything the row's numbers do not show."""
+    every recompute mode tried (RECOMPUTE_MODES order). ``note``: anything the row's numbers do not show. ``flags``
+    are built from these fields (:func:`candidate_flags`)."""
 
     scheme: Scheme
+    job: Job
     feasible: bool
     reason: str
-    flags: str
     estimate: Estimate | None = None
     options: tuple[Estimate, ...] = ()
     note: str = ""
-    memory_budget_gb: float | None = None
     dkv_comm_dtype: str | None = None
-    """How the row's dK/dV riders travel: "accumulator" (fp32) or "input" (bf16)."""
+    """How the row's dK/dV riders travel: "accumulator" (fp32) or "input" (bf16); None when it cannot run."""
     packing: str | None = None
     """Packed documents: the mode this row runs ("zigzag": Megatron/TE THD; "documents": ours); None unpacked."""
     packed: PackedWork | None = None
@@ -112,6 +69,9 @@ class Candidate:
     cp = property(lambda self: self.scheme.cp)
     w = property(lambda self: self.scheme.w)
     placement = property(lambda self: self.scheme.placement)
+    memory_budget_gb = property(lambda self: self.job.cluster.memory_budget_gb)
+    flags = property(lambda self: candidate_flags(self))
+    """The pretrain_gpt.py arguments that run the row (:func:`candidate_flags`)."""
 
     @property
     def runs(self) -> bool:
@@ -140,116 +100,186 @@ class Candidate:
         """Whole model, one micro-batch, recompute included, ms (None when the layout cannot run)."""
         return self.estimate.step_s * 1e3 if self.estimate else None
 
+    @property
+    def hypothetical(self) -> bool:
+        """A stock row whose chosen recompute is Selective Checkpoint++ (``--fair-memory``): Megatron has no such
+        option, its flags recompute fully."""
+        return self.kind != PlanKind.TWO_D and self.recompute in CHECKPOINT_PLUS_MODES
+
+    def row(self) -> Row:
+        """The row's JSON columns (:class:`Row`)."""
+        return Row(**{f.name: (f.metadata["get"] or attrgetter(f.name))(self) for f in fields(Row)})
+
     def to_dict(self) -> dict[str, object]:
-        """A JSON-ready record with exactly the keys ``ROW_KEYS`` (times in ms, memory in GB, MFU as a fraction,
-        links as nvlink/network/mixed/-); values that do not apply are None."""
-        e = self.estimate
-        opts = mem_opts = None
-        if self.options:
-            budget = self.memory_budget_gb
-            opts = {m: None for m in RECOMPUTE_MODES}
-            for o in self.options:
-                if o.states is not None and e.states is not None and o.states.option != e.states.option:
-                    continue  # recompute options of the chosen memory option
-                opts[o.recompute] = {
-                    "step_ms": ms(o.step_s),
-                    "recompute_ms": ms(o.recompute_s),
-                    "recompute_layers": o.recompute_layers,
-                    "memory_gb": round(o.memory_gb, 2),
-                    "fits_memory": None if budget is None else o.memory_gb <= budget,
-                }
-            mem_opts = {}
-            for label in dict.fromkeys(o.states.option.label for o in self.options if o.states is not None):
-                best, fits = choose_recompute(
-                    [o for o in self.options if o.states.option.label == label],
-                    budget if budget is not None else float("inf"),
-                )
-                mem_opts[label] = {
-                    "recompute": best.recompute,
-                    "recompute_layers": best.recompute_layers,
-                    "step_ms": ms(best.step_s),
-                    "memory_gb": round(best.memory_gb, 2),
-                    "fits_memory": fits if budget is not None else None,
-                }
-        d: dict[str, object] = {
-            "kind": self.kind,
-            "hp": self.hp,
-            "cp": self.cp,
-            "w": self.w,
-            "placement": self.placement,
-            "label": self.scheme.label(),
-            "feasible": self.feasible,
-            "fits_memory": self.fits_memory,
-            "reason": self.reason,
-            "note": self.note,
-            "flags": self.flags,
-            "recompute": self.recompute,
-            "time_ms": ms(e.time_s) if e else None,
-            "compute_ms": ms(e.compute_s) if e else None,
-            "comm_ms": ms(e.comm_s) if e else None,
-            "a2a_ms": ms(e.a2a_s) if e else None,
-            "ring_exposed_ms": ms(e.ring_exposed_s) if e else None,
-            "comm_total_ms": ms(e.comm_total_s) if e else None,
-            "recompute_ms": ms(e.recompute_s) if e else None,
-            "recompute_layers": e.recompute_layers if e else None,
-            "step_ms": ms(e.step_s) if e else None,
-            "mfu": round(e.mfu, 4) if e else None,
-            "tokens_per_gpu_s": round(e.tokens_per_gpu_s, 1) if e else None,
-            "memory_gb": round(e.memory_gb, 2) if e else None,
-            "activation_gb": round(e.activation_gb, 2) if e else None,
-            "memory_budget_gb": None if self.memory_budget_gb is None else round(self.memory_budget_gb, 2),
-            "memory_parts_gb": (
-                {
-                    "activations": round(e.activation_gb, 2),
-                    **(
-                        {k: round(getattr(e.states, k) / 1e9, 2) for k in ("params", "grads", "optimizer", "gathered")}
-                        if e.states
-                        else {"model_states": round(e.memory.model_states / 1e9, 2)}
-                    ),
-                    "logits": round(e.memory.logits / 1e9, 2),
-                    "comm_buffers": round(e.memory.comm_buffers / 1e9, 2),
-                }
-                if e and e.memory
-                else None
-            ),
-            "kv_heads_per_rank": e.work.kv_heads_per_rank if e else None,
-            "dkv_comm_dtype": self.dkv_comm_dtype if e else None,
-            "nvlink_mb": round(e.intra_bytes / 1e6, 2) if e else None,
-            "network_mb": round(e.inter_bytes / 1e6, 2) if e else None,
-            "links": {p: e.links.describe(getattr(e.links, p)) for p in ("a2a", "inner", "outer")} if e else None,
-            "recompute_options": opts,
-            "packing": self.packing,
-            "packed": (
-                {
-                    "flops_fraction": round(self.packed.flops_fraction, 4),
-                    "ring_fraction": round(self.packed.ring_fraction, 4),
-                    "token_fraction": round(self.packed.token_fraction, 4),
-                    "ring_tokens": self.packed.ring_tokens,
-                    "padding_tokens": self.packed.padding_tokens,
-                    "pair_imbalance": round(self.packed.pair_imbalance, 4),
-                    "long_documents": self.packed.long_documents,
-                }
-                if self.packed
-                else None
-            ),
-            "memory_option": e.states.option.label if e and e.states else None,
-            "states": states_record(e.states) if e else None,
-            "memory_options": mem_opts,
-            "mla_ring": self.scheme.mla_ring,
-            "kernel": self.kernel,
+        """A JSON-ready record with exactly the keys ``ROW_KEYS``, the fields of :class:`Row`."""
+        row = self.row()
+        return {name: getattr(row, name) for name in ROW_KEYS}
+
+
+def candidate_flags(c: Candidate) -> str:
+    """The pretrain_gpt.py arguments of ``c`` from its fields: its layout (TP/PP), the dK/dV dtype and kernel of a
+    2D row (``--cp-2d-kernel`` where it runs another than the selection's); for a row that runs, also its chosen
+    recompute (fully where ``hypothetical``; ``--recompute-method block`` when it recomputes some layers), packing
+    mode and memory option."""
+    layout, parallel, e = c.scheme, c.job.parallel, c.estimate
+    dkv = kind_dkv_comm_dtype(layout.kind, c.job.dkv_comm_dtype)
+    selected = SELECTED_KERNEL[c.job.cluster.arch]
+    kernel = f" --cp-2d-kernel {c.kernel}" if layout.kind == PlanKind.TWO_D and c.kernel != selected else ""
+    if e is None:
+        return megatron_flags(layout, parallel, dkv_comm_dtype=dkv) + kernel
+    per_stage = e.recompute_layers // parallel.pp
+    recompute = RecomputeMode.FULL if c.hypothetical else e.recompute
+    block = None if e.recompute_layers in (0, e.layers) else per_stage
+    flags = megatron_flags(layout, parallel, recompute, block, dkv) + kernel
+    if c.packing is not None:
+        flags += mode_class(c.packing).planner_flags
+    mem_flags = e.states.option.flags(layout.kind, parallel.dp_size, layout.cp_size)
+    return flags + (mem_flags if mem_flags.startswith(";") else " " + mem_flags)
+
+
+def _column(get: Callable[[Candidate], object] | None = None):
+    """A :class:`Row` field whose value is ``get(candidate)`` (None: the candidate's attribute of its name)."""
+    return field(metadata={"get": get})
+
+
+def _of_estimate(attr: str, form: Callable[[object], object] = lambda v: v):
+    """A :class:`Row` field: ``form`` of the chosen estimate's ``attr`` (None when the layout cannot run)."""
+    get = attrgetter(attr)
+    return _column(lambda c: None if c.estimate is None else form(get(c.estimate)))
+
+
+def _rounded(digits: int, scale: float = 1.0) -> Callable[[float], float]:
+    return lambda v: round(v / scale, digits)
+
+
+def _memory_parts(c: Candidate) -> dict[str, float] | None:
+    e = c.estimate
+    if not e or not e.memory:
+        return None
+    states = ("params", "grads", "optimizer", "gathered")
+    return {
+        "activations": round(e.activation_gb, 2),
+        **(
+            {k: round(getattr(e.states, k) / 1e9, 2) for k in states}
+            if e.states
+            else {"model_states": round(e.memory.model_states / 1e9, 2)}
+        ),
+        "logits": round(e.memory.logits / 1e9, 2),
+        "comm_buffers": round(e.memory.comm_buffers / 1e9, 2),
+    }
+
+
+def _option_record(o: Estimate, budget: float | None) -> dict[str, object]:
+    return {
+        "step_ms": ms(o.step_s),
+        "recompute_ms": ms(o.recompute_s),
+        "recompute_layers": o.recompute_layers,
+        "memory_gb": round(o.memory_gb, 2),
+        "fits_memory": None if budget is None else o.memory_gb <= budget,
+    }
+
+
+def _recompute_options(c: Candidate) -> dict[str, object] | None:
+    """Each recompute mode's figures under the chosen memory option (None for the modes not tried)."""
+    if not c.options:
+        return None
+    e, opts = c.estimate, {m: None for m in RECOMPUTE_MODES}
+    for o in c.options:
+        if o.states is not None and e.states is not None and o.states.option != e.states.option:
+            continue  # recompute options of the chosen memory option
+        opts[o.recompute] = _option_record(o, c.memory_budget_gb)
+    return opts
+
+
+def _memory_option_records(c: Candidate) -> dict[str, object] | None:
+    """Each memory option's best recompute mode and its figures."""
+    if not c.options:
+        return None
+    budget, out = c.memory_budget_gb, {}
+    for label in dict.fromkeys(o.states.option.label for o in c.options if o.states is not None):
+        best, fits = choose_recompute(
+            [o for o in c.options if o.states.option.label == label],
+            budget if budget is not None else float("inf"),
+        )
+        out[label] = {
+            "recompute": best.recompute,
+            "recompute_layers": best.recompute_layers,
+            "step_ms": ms(best.step_s),
+            "memory_gb": round(best.memory_gb, 2),
+            "fits_memory": fits if budget is not None else None,
         }
-        assert tuple(d) == ROW_KEYS
-        return d
+    return out
 
 
-def _resolve(model, cluster):
-    m = get_model(model) if isinstance(model, str) else model
-    c = get_cluster(cluster) if isinstance(cluster, str) else cluster
-    if not isinstance(m, ModelSpec):
-        raise PlanError(f"model must be a ModelSpec or a preset name, got {type(m).__name__}")
-    if not isinstance(c, ClusterSpec):
-        raise PlanError(f"cluster must be a ClusterSpec or a preset name, got {type(c).__name__}")
-    return m, c
+def _packed_record(c: Candidate) -> dict[str, object] | None:
+    p = c.packed
+    if p is None:
+        return None
+    return {
+        "flops_fraction": round(p.flops_fraction, 4),
+        "ring_fraction": round(p.ring_fraction, 4),
+        "token_fraction": round(p.token_fraction, 4),
+        "ring_tokens": p.ring_tokens,
+        "padding_tokens": p.padding_tokens,
+        "pair_imbalance": round(p.pair_imbalance, 4),
+        "long_documents": p.long_documents,
+    }
+
+
+@dataclass(frozen=True)
+class Row:
+    """One JSON record of a plan, its columns in order (times in ms, memory in GB, MFU as a fraction, links as
+    nvlink/network/mixed/-); values that do not apply are None. Each field says once how it comes from a
+    :class:`Candidate` (:meth:`Candidate.row`)."""
+
+    kind: str = _column()
+    hp: int = _column()
+    cp: int = _column()
+    w: int = _column()
+    placement: str = _column()
+    label: str = _column(lambda c: c.scheme.label())
+    feasible: bool = _column()
+    fits_memory: bool | None = _column()
+    reason: str = _column()
+    note: str = _column()
+    flags: str = _column()
+    recompute: str | None = _column()
+    time_ms: float | None = _of_estimate("time_s", ms)
+    compute_ms: float | None = _of_estimate("compute_s", ms)
+    comm_ms: float | None = _of_estimate("comm_s", ms)
+    a2a_ms: float | None = _of_estimate("a2a_s", ms)
+    ring_exposed_ms: float | None = _of_estimate("ring_exposed_s", ms)
+    comm_total_ms: float | None = _of_estimate("comm_total_s", ms)
+    recompute_ms: float | None = _of_estimate("recompute_s", ms)
+    recompute_layers: int | None = _of_estimate("recompute_layers")
+    step_ms: float | None = _of_estimate("step_s", ms)
+    mfu: float | None = _of_estimate("mfu", _rounded(4))
+    tokens_per_gpu_s: float | None = _of_estimate("tokens_per_gpu_s", _rounded(1))
+    memory_gb: float | None = _of_estimate("memory_gb", _rounded(2))
+    activation_gb: float | None = _of_estimate("activation_gb", _rounded(2))
+    memory_budget_gb: float | None = _column(
+        lambda c: None if c.memory_budget_gb is None else round(c.memory_budget_gb, 2)
+    )
+    memory_parts_gb: dict | None = _column(_memory_parts)
+    kv_heads_per_rank: int | None = _of_estimate("work.kv_heads_per_rank")
+    dkv_comm_dtype: str | None = _column(lambda c: c.dkv_comm_dtype if c.estimate else None)
+    nvlink_mb: float | None = _of_estimate("intra_bytes", _rounded(2, 1e6))
+    network_mb: float | None = _of_estimate("inter_bytes", _rounded(2, 1e6))
+    links: dict | None = _of_estimate(
+        "links", lambda l: {p: l.describe(getattr(l, p)) for p in ("a2a", "inner", "outer")}
+    )
+    recompute_options: dict | None = _column(_recompute_options)
+    packing: str | None = _column()
+    packed: dict | None = _column(_packed_record)
+    memory_option: str | None = _of_estimate("states", lambda s: s.option.label if s else None)
+    states: dict | None = _of_estimate("states", states_record)
+    memory_options: dict | None = _column(_memory_option_records)
+    mla_ring: str | None = _column(lambda c: c.scheme.mla_ring)
+    kernel: str | None = _column()
+
+
+ROW_KEYS = tuple(f.name for f in fields(Row))
+"""The keys of every JSON row (feasible or not): values are None where they do not apply."""
 
 
 def validate_job(model: ModelSpec, parallel: ParallelSpec, seq: int) -> None:
@@ -303,126 +333,72 @@ def _fewest_layers(base: Estimate, mode: str, budget_gb: float, pp: int) -> Esti
     return with_recompute(base, mode)
 
 
-Window = int | Sequence[int | None] | None
-"""A sliding window for every layer (tokens back; None: full causal), or a per-layer pattern repeated over the
-layers (e.g. (4096, None): every other layer windowed, as gpt-oss alternates)."""
+def evaluate(layout: Scheme, job: Job | ModelSpec | str, /, *fields, packing: str | None = None, **named) -> Candidate:
+    """Check ``layout`` for ``job`` and, when it can run, estimate it under each memory option and recompute mode
+    and keep the fastest that fits. ``job``: a :class:`Job`, or its fields as before Job (``evaluate(layout,
+    model, cluster, parallel, seq, window=...)``).
 
-
-def layer_windows(window: Window, layers: int) -> dict[int | None, int]:
-    """{window: number of layers with it}; a sequence is a per-layer pattern, repeated cyclically over ``layers``."""
-    if window is None or isinstance(window, int):
-        return {window: layers}
-    pattern = list(window)
-    if not pattern:
-        raise PlanError("a per-layer window pattern needs at least one entry (a window in tokens or None)")
-    out: dict[int | None, int] = {}
-    for i in range(layers):
-        w = pattern[i % len(pattern)]
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-            raise PlanError(f"window {w!r} must be a non-negative number of tokens or None (full causal)")
-        out[w] = out.get(w, 0) + 1
-    return out
-
-
-def evaluate(
-    layout: Scheme,
-    model: ModelSpec | str,
-    cluster: ClusterSpec | str,
-    parallel: ParallelSpec,
-    seq: int,
-    causal: bool = True,
-    window: Window = None,
-    recompute: str | Sequence[str] = AUTO,
-    dkv_comm_dtype: str = "accumulator",
-    lengths: Sequence[int] | None = None,
-    packing: str | None = None,
-    hybrid: HybridPattern | None = None,
-    memory: MemoryPolicy = MemoryPolicy(),
-    kernel: str | None = None,
-    qk_clip: bool = False,
-) -> Candidate:
-    """Check and, when the layout can run, estimate it under each memory option and recompute mode and keep the
-    fastest that fits.
-
-    ``memory``: which memory options each kind tries (:class:`megatron_2d.plan.memory_options.MemoryPolicy`: by
-    default each side its own; ``fair``: stock gets 2D's options and, hypothetically, Checkpoint++).
-
-    ``lengths`` (document lengths summing to ``seq``) with ``packing`` (a mode of
+    The job's ``memory``: which memory options each kind tries (:class:`megatron_2d.plan.memory_options
+    .MemoryPolicy`: by default each side its own; ``fair``: stock gets 2D's options and, hypothetically,
+    Checkpoint++). Its ``lengths`` (document lengths summing to ``seq``) with ``packing`` (a mode of
     :func:`megatron_2d.plan.packed.modes_for` the kind): a packed batch, see :mod:`megatron_2d.plan.packed`.
 
-    ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``). ``recompute``:
-    AUTO (every mode the kind supports), one mode, or a list of modes. ``dkv_comm_dtype``: how the 2D ring's
-    dK/dV partials travel, the op's ``--cp-2d-dkv-comm-dtype`` (:data:`megatron_2d.layout.choices.DKV_COMM_DTYPES`:
-    "accumulator", fp32, the default; "input", bf16), emitted in the flags when not the default; Transformer
-    Engine's rings always send the input dtype (see candidates.kind_dkv_comm_dtype). ``hybrid``: a HybridModel
-    pattern (:mod:`megatron_2d.plan.hybrid`): the layout's attention is costed on its attention layers, its Mamba /
-    GDN layers' own all-to-alls are added. ``kernel``: the kernel 2D layouts run (None: what its selection picks on
-    the cluster's architecture; stock layouts always run Transformer Engine's, :mod:`.kernel_rates`), in the flags
-    as ``--cp-2d-kernel`` when it is not the selection's. ``qk_clip``: QK-clip's max attention logit in every
-    forward (:func:`megatron_2d.plan.step.estimate`'s ``max_logit``: free in a kernel's launch that returns it,
-    Transformer Engine's for stock, else the op's separate pass)."""
-    model, cluster = _resolve(model, cluster)
-    if hybrid is not None:
-        model = hybrid.attention_model(model)
-    runs_kernel = side_kernel(layout.kind, cluster.arch, kernel, qk_clip)
-    kernel_flag = (
-        f" --cp-2d-kernel {runs_kernel}" if layout.kind == "2d" and runs_kernel != SELECTED_KERNEL[cluster.arch] else ""
-    )
+    ``window``: causal sliding window in tokens, None, or a per-layer pattern (see ``Window``): each window's layers
+    are estimated apart and combined. ``recompute``: AUTO (every mode the kind supports), one mode, or a list of
+    modes. ``dkv_comm_dtype``: how the 2D ring's dK/dV partials travel, the op's ``--cp-2d-dkv-comm-dtype``
+    (:data:`megatron_2d.layout.choices.DKV_COMM_DTYPES`: "accumulator", fp32, the default; "input", bf16), emitted
+    in the flags when not the default; Transformer Engine's rings always send the input dtype (see
+    candidates.kind_dkv_comm_dtype). ``hybrid_pattern``: a HybridModel pattern (:mod:`megatron_2d.plan.hybrid`):
+    the layout's attention is costed on its attention layers, its Mamba / GDN layers' own all-to-alls are added.
+    ``kernel``: the kernel 2D layouts run (None: what its selection picks on the cluster's architecture; stock
+    layouts always run Transformer Engine's, :mod:`.kernel_rates`), in the flags as ``--cp-2d-kernel`` when it is
+    not the selection's. ``qk_clip``: QK-clip's max attention logit in every forward (free in a kernel's launch
+    that returns it, Transformer Engine's for stock, else the op's separate pass: :func:`.step.estimate`)."""
+    job = Job.of(job, fields, named)
+    model, cluster, parallel, seq = job.attention_model, job.cluster, job.parallel, job.seq
+    runs_kernel = side_kernel(layout.kind, cluster.arch, job.kernel, job.qk_clip)
     validate_job(model, parallel, seq)
-    _check_dkv_comm_dtype(dkv_comm_dtype)
-    budget = cluster.memory_budget_gb
-    mix = layer_windows(window, model.layers)
+    _check_dkv_comm_dtype(job.dkv_comm_dtype)
+    mix = layer_windows(job.window, model.layers)
     windowed = next((w for w in mix if w is not None), None)
-    modes = _modes(layout.kind, recompute, memory.fair) if layout.kind in RECOMPUTE_BY_KIND else ()
+    modes = _modes(layout.kind, job.recompute, job.memory.fair) if layout.kind in RECOMPUTE_BY_KIND else ()
     reason = check_scheme(layout, model, parallel, seq, windowed)
-    reason = reason or _recompute_refusal(layout, recompute, memory, modes)
-    if lengths is not None:
-        _check_packed_job(layout, packing, causal)
-    note = _packing_note(layout, packing) if lengths is not None else ""
-    dkv = kind_dkv_comm_dtype(layout.kind, dkv_comm_dtype)
+    reason = reason or _recompute_refusal(layout, job.recompute, job.memory, modes)
+    packing = packing if job.lengths is not None else None
+    if job.lengths is not None:
+        _check_packed_job(layout, packing, job.causal)
+    note = _packing_note(layout, packing) if job.lengths is not None else ""
     if reason:
-        return Candidate(
-            layout,
-            False,
-            reason,
-            megatron_flags(layout, parallel, dkv_comm_dtype=dkv) + kernel_flag,
-            memory_budget_gb=budget,
-            packing=packing if lengths is not None else None,
-            kernel=runs_kernel,
-        )
+        return Candidate(layout, job, False, reason, packing=packing, kernel=runs_kernel)
     cost = packed = None
-    if lengths is not None:
+    if job.lengths is not None:
         cost = packing_cost(model, cluster, parallel.tp, layout.hp, layout.cp, layout.placement, runs_kernel)
-        packed = _packed_work(layout, lengths, packing, windowed, cost)
-    base = _layer_mix_estimate(
-        layout, model, cluster, parallel, seq, causal, mix, dkv, lengths, packing, cost, runs_kernel, qk_clip
+        packed = _packed_work(layout, job.lengths, packing, windowed, cost)
+    base = _layer_mix_estimate(job, layout, mix, packing, cost)
+    if job.hybrid is not None:
+        base = with_extra_step(base, job.hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
+    options = _options(base, layout, job, modes)
+    chosen, fits = choose_recompute(options, cluster.memory_budget_gb)
+    candidate = Candidate(
+        layout,
+        job,
+        fits,
+        "" if fits else _out_of_memory(chosen, cluster),
+        chosen,
+        options,
+        note=note,
+        dkv_comm_dtype=kind_dkv_comm_dtype(layout.kind, job.dkv_comm_dtype),
+        packing=packing,
+        packed=packed,
+        kernel=runs_kernel,
     )
-    if hybrid is not None:
-        base = with_extra_step(base, hybrid.ssm_step_s(model, cluster, parallel, layout.cp_size, seq))
-    options = _options(base, layout, model, cluster, parallel, seq, memory, modes)
-    chosen, fits = choose_recompute(options, budget)
-    flags, hypothetical = _flags(
-        layout, model, parallel, chosen, dkv, packing if lengths is not None else None, kernel_flag
-    )
-    if hypothetical:
+    if candidate.hypothetical:
         note = (
             f"hypothetical (--fair-memory): Selective Checkpoint++ for {layout.kind}; Megatron has no such "
             f"option, the flags recompute fully"
         )
-    return Candidate(
-        layout,
-        fits,
-        "" if fits else _out_of_memory(chosen, cluster),
-        flags,
-        chosen,
-        options,
-        note=note,
-        memory_budget_gb=budget,
-        dkv_comm_dtype=dkv,
-        packing=packing if lengths is not None else None,
-        packed=packed,
-        kernel=runs_kernel,
-    )
+        candidate = replace(candidate, note=note)
+    return candidate
 
 
 def _check_dkv_comm_dtype(dkv_comm_dtype: str) -> None:
@@ -454,7 +430,7 @@ def _check_packed_job(layout: Scheme, packing: str | None, causal: bool) -> None
 
 def _packing_note(layout: Scheme, packing: str | None) -> str:
     """What a packed row's numbers do not show about running it."""
-    if layout.kind == "a2a+p2p":
+    if layout.kind == PlanKind.A2A_P2P:
         return "THD with a2a+p2p is not in a Transformer Engine release"
     return mode_class(packing).planner_note
 
@@ -463,45 +439,17 @@ def _packed_work(layout: Scheme, lengths, packing: str, window: int | None, cost
     return packed_work(lengths, layout.hp, layout.cp, layout.placement, packing, window, cost)
 
 
-def _layer_mix_estimate(
-    layout: Scheme,
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    parallel: ParallelSpec,
-    seq: int,
-    causal: bool,
-    mix: dict[int | None, int],
-    dkv: str,
-    lengths,
-    packing: str | None,
-    cost,
-    kernel: str,
-    qk_clip: bool = False,
-) -> Estimate:
-    """The estimate without recompute, its layers weighted by window (``mix``: window -> layers), on ``kernel``
-    (with the max logit under ``qk_clip``)."""
-    kv_heads = kind_kv_heads(layout.kind, model, parallel)
-    mla_ring = "latent" if layout.mla_ring == "latent" else None
+def _layer_mix_estimate(job: Job, layout: Scheme, mix: dict[int | None, int], packing: str | None, cost) -> Estimate:
+    """The estimate without recompute, its layers weighted by window (``mix``: window -> layers), of the job's
+    attention layers."""
+    attention = replace(job, model=job.attention_model, hybrid_pattern=None)
     return combine_layers(
         [
             (
                 estimate(
-                    model,
-                    cluster,
-                    parallel,
-                    layout.hp,
-                    layout.cp,
-                    layout.w,
-                    layout.placement,
-                    seq,
-                    causal,
-                    win,
-                    dkv_comm_dtype=dkv,
-                    kv_heads=kv_heads,
-                    packed=None if lengths is None else _packed_work(layout, lengths, packing, win, cost),
-                    mla_ring=mla_ring,
-                    kernel=kernel,
-                    max_logit=qk_clip,
+                    replace(attention, window=win),
+                    layout,
+                    packed=None if job.lengths is None else _packed_work(layout, job.lengths, packing, win, cost),
                 ),
                 n,
             )
@@ -510,52 +458,14 @@ def _layer_mix_estimate(
     )
 
 
-def _options(
-    base: Estimate,
-    layout: Scheme,
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    parallel: ParallelSpec,
-    seq: int,
-    memory: MemoryPolicy,
-    modes: tuple[str, ...],
-) -> tuple[Estimate, ...]:
+def _options(base: Estimate, layout: Scheme, job: Job, modes: tuple[str, ...]) -> tuple[Estimate, ...]:
     """``base`` under every memory option of the kind and every recompute mode (as few layers as memory needs)."""
+    model, cluster, parallel, memory = job.attention_model, job.cluster, job.parallel, job.memory
     held = [
-        with_memory(base, o, model, cluster, parallel, layout.cp_size, memory.accum_steps(seq, parallel))
+        with_memory(base, o, model, cluster, parallel, layout.cp_size, memory.accum_steps(job.seq, parallel))
         for o in memory_options(layout.kind, parallel, cluster, memory, layout.cp_size)
     ]
     return tuple(_fewest_layers(b, m, cluster.memory_budget_gb, parallel.pp) for b in held for m in modes)
-
-
-def _flags(
-    layout: Scheme,
-    model: ModelSpec,
-    parallel: ParallelSpec,
-    chosen: Estimate,
-    dkv: str,
-    packing: str | None,
-    kernel_flag: str,
-) -> tuple[str, bool]:
-    """(Megatron flags of the chosen estimate, whether they stand for a hypothetical Checkpoint++ of stock);
-    ``kernel_flag``: ``--cp-2d-kernel`` where the layout runs another kernel than the selection's."""
-    per_stage = chosen.recompute_layers // parallel.pp
-    hypothetical = layout.kind != "2d" and chosen.recompute in CHECKPOINT_PLUS_MODES
-    flags = (
-        megatron_flags(
-            layout,
-            parallel,
-            "full" if hypothetical else chosen.recompute,
-            None if chosen.recompute_layers in (0, model.layers) else per_stage,
-            dkv,
-        )
-        + kernel_flag
-    )
-    if packing is not None:
-        flags += mode_class(packing).planner_flags
-    mem_flags = chosen.states.option.flags(layout.kind, parallel.dp_size, layout.cp_size)
-    flags += mem_flags if mem_flags.startswith(";") else " " + mem_flags
-    return flags, hypothetical
 
 
 def _out_of_memory(chosen: Estimate, cluster: ClusterSpec) -> str:
@@ -587,7 +497,7 @@ def _collapse_windows(cands: list[Candidate]) -> list[Candidate]:
     out: list[Candidate] = []
     seen = set()
     for c in sorted(cands, key=lambda c: -c.w):
-        if c.kind == "2d" and c.estimate is not None and c.estimate.neighbour_exchange:
+        if c.kind == PlanKind.TWO_D and c.estimate is not None and c.estimate.neighbour_exchange:
             key = (c.hp, c.cp, c.placement)
             if key in seen:
                 continue
@@ -596,83 +506,50 @@ def _collapse_windows(cands: list[Candidate]) -> list[Candidate]:
                 c,
                 scheme=replace(c.scheme, w=c.cp),
                 note="w has no effect (neighbour exchange)",
-                flags=c.flags.replace(f"--cp-2d-inner-ring-size {c.w} ", f"--cp-2d-inner-ring-size {c.cp} "),
-            )
+            )  # its flags follow its fields: the inner ring size is now cp
         out.append(c)
     order = {id(c): i for i, c in enumerate(cands)}
     return sorted(out, key=lambda c: order.get(id(c), 0))
 
 
-def plan(
-    model: ModelSpec | str,
-    cluster: ClusterSpec | str,
-    parallel: ParallelSpec,
-    seq: int,
-    causal: bool = True,
-    window: Window = None,
-    recompute: str | Sequence[str] = AUTO,
-    dkv_comm_dtype: str = "accumulator",
-    lengths: Sequence[int] | None = None,
-    hybrid_pattern: str | None = None,
-    memory: MemoryPolicy = MemoryPolicy(),
-    kernel: str | None = None,
-    qk_clip: bool = False,
-) -> list[Candidate]:
-    """All candidate layouts for the job: feasible ones (they run and fit in memory) fastest step first, then the
-    ones that run but do not fit (least memory first), then those that cannot run, with reasons.
+def plan(job: Job | ModelSpec | str | None = None, /, *fields, **named) -> list[Candidate]:
+    """All candidate layouts for ``job``: feasible ones (they run and fit in memory) fastest step first, then the
+    ones that run but do not fit (least memory first), then those that cannot run, with reasons. ``job``: a
+    :class:`Job`, or its fields as before Job (``plan(model, cluster, parallel, seq, window=...)``).
 
-    Each layout gets the fastest recompute mode that fits (``recompute``: AUTO, one mode or a list); the first
-    row, when feasible, is the recommendation (see :func:`recommended`). ``lengths``: document lengths of a packed
-    batch (summing to ``seq``): one row per layout and packed mode (2D: zigzag and documents; stock: THD zigzag).
-    ``hybrid_pattern``: a HybridModel's ``--hybrid-layer-pattern`` (see :mod:`megatron_2d.plan.hybrid`).
+    Each layout gets the fastest recompute mode that fits (the job's ``recompute``: AUTO, one mode or a list); the
+    first row, when feasible, is the recommendation (see :func:`recommended`). ``lengths``: document lengths of a
+    packed batch (summing to ``seq``): one row per layout and packed mode (2D: zigzag and documents; stock: THD
+    zigzag). ``hybrid_pattern``: a HybridModel's ``--hybrid-layer-pattern`` (see :mod:`megatron_2d.plan.hybrid`).
     ``kernel``: the attention kernel of the 2D rows (None: its selection's; see :func:`evaluate`). ``qk_clip``:
     every layout's attention also computes the max logit (see :func:`evaluate`).
 
-    >>> from megatron_2d.plan import plan, ParallelSpec
-    >>> cands = plan("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072)
+    >>> from megatron_2d.plan import Job, plan, ParallelSpec
+    >>> cands = plan(Job("7B-GQA", "8xH100", ParallelSpec(gpus=64), seq=131072))
     >>> best = cands[0]
     >>> best.feasible, best.step_ms <= min(c.step_ms for c in cands if c.kind == "p2p")
     (True, True)
     >>> [c.reason for c in cands if c.kind == "a2a"]
     ['hp=64 does not divide the 32 query heads per TP rank; valid hp: [1, 2, 4, 8, 16, 32]']
     """
-    model, cluster = _resolve(model, cluster)
-    hybrid = None
-    if hybrid_pattern is not None:
-        hybrid = HybridPattern.parse(hybrid_pattern)
-        problem = hybrid.problem(model, parallel.tp, parallel.cp_size)
+    job = Job.of(job, fields, named)
+    parallel, seq, lengths = job.parallel, job.seq, job.lengths
+    if job.hybrid is not None:
+        problem = job.hybrid.problem(job.model, parallel.tp, parallel.cp_size)
         if problem:
             raise PlanError(problem)
-    validate_job(model if hybrid is None else hybrid.attention_model(model), parallel, seq)
-    if lengths is not None:
-        lengths = [int(x) for x in lengths]
-        if not lengths or min(lengths) < 1 or sum(lengths) != seq:
-            raise PlanError(
-                f"packed document lengths must be positive and sum to the sequence length {seq}; got "
-                f"{len(lengths)} lengths summing to {sum(lengths)}"
-            )
-    cands = [
-        evaluate(
-            l,
-            model,
-            cluster,
-            parallel,
-            seq,
-            causal,
-            window,
-            recompute,
-            dkv_comm_dtype,
-            lengths,
-            mode,
-            hybrid=hybrid,
-            memory=memory,
-            kernel=kernel,
-            qk_clip=qk_clip,
+    validate_job(job.attention_model, parallel, seq)
+    if lengths is not None and (not lengths or min(lengths) < 1 or sum(lengths) != seq):
+        raise PlanError(
+            f"packed document lengths must be positive and sum to the sequence length {seq}; got "
+            f"{len(lengths)} lengths summing to {sum(lengths)}"
         )
-        for l in enumerate_schemes(model, parallel)
+    cands = [
+        evaluate(l, job, packing=mode)
+        for l in enumerate_schemes(job.model, parallel)
         for mode in (modes_for(l.kind) if lengths is not None else (None,))  # packed: every mode of the kind
     ]
-    if window is not None:
+    if job.window is not None:
         cands = _collapse_windows(cands)
     ok = sorted((c for c in cands if c.feasible), key=_sort_key)
     oom = sorted(

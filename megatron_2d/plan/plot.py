@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ..layout.choices import DkvCommDtype, PlanKind
 from .candidates import KINDS
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec, PlanError
+from .job import Job
 from .memory_options import MemoryPolicy
 from .planner import AUTO, best_by_kind, plan
 from .report import seq_label
@@ -27,7 +29,7 @@ def sweep(
     causal: bool = True,
     window=None,
     recompute=AUTO,
-    dkv_comm_dtype: str = "accumulator",
+    dkv_comm_dtype: str = DkvCommDtype.ACCUMULATOR,
     memory: MemoryPolicy = MemoryPolicy(),
 ) -> dict[str, list[object | None]]:
     """{kind: [best feasible Candidate of that kind at each seq, or None]} for every kind. A length the job
@@ -36,7 +38,7 @@ def sweep(
     for s in seqs:
         try:
             best = best_by_kind(
-                plan(model, cluster, parallel, s, causal, window, recompute, dkv_comm_dtype, memory=memory)
+                plan(Job(model, cluster, parallel, s, causal, window, recompute, dkv_comm_dtype, memory=memory))
             )
         except PlanError:
             best = {}
@@ -55,7 +57,7 @@ def plot_sweep(
     causal: bool = True,
     window=None,
     recompute=AUTO,
-    dkv_comm_dtype: str = "accumulator",
+    dkv_comm_dtype: str = DkvCommDtype.ACCUMULATOR,
     memory: MemoryPolicy = MemoryPolicy(),
 ) -> str:
     """Write a PNG with two panels (step ms per micro-batch with the chosen recompute, log scale; each kind's
@@ -80,22 +82,25 @@ def plot_sweep(
     anything = any(c is not None for k in KINDS for c in series[k])
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
     styles = {
-        "2d": dict(color="C3", lw=2.5, marker="o"),
-        "p2p": dict(color="C0", marker="s"),
-        "a2a": dict(color="C1", marker="^"),
-        "a2a+p2p": dict(color="C2", marker="v"),
-        "ds-ulysses": dict(color="C4", marker="x", ls="--"),
+        PlanKind.TWO_D: dict(color="C3", lw=2.5, marker="o"),
+        PlanKind.P2P: dict(color="C0", marker="s"),
+        PlanKind.A2A: dict(color="C1", marker="^"),
+        PlanKind.A2A_P2P: dict(color="C2", marker="v"),
+        PlanKind.DS_ULYSSES: dict(color="C4", marker="x", ls="--"),
     }
     for kind in KINDS:
         cands = series[kind]
-        label = "2d (best layout)" if kind == "2d" else kind
+        label = "2d (best layout)" if kind == PlanKind.TWO_D else kind
         if all(c is None for c in cands):
             label += " (infeasible)"
         ts = [c.estimate.step_s * 1e3 if c else float("nan") for c in cands]
-        rel = [c.estimate.step_s / b.estimate.step_s if c and b else float("nan") for c, b in zip(cands, series["2d"])]
+        rel = [
+            c.estimate.step_s / b.estimate.step_s if c and b else float("nan")
+            for c, b in zip(cands, series[PlanKind.TWO_D])
+        ]
         ax_t.plot(seqs, ts, label=label, **styles[kind])
         ax_m.plot(seqs, rel, label=label, **styles[kind])
-    for c, s in zip(series["2d"], seqs):
+    for c, s in zip(series[PlanKind.TWO_D], seqs):
         if c is not None:
             ax_t.annotate(
                 f"{c.hp}x{c.cp} w{c.w}\n{c.placement.split('_')[0]}\n{c.recompute}",

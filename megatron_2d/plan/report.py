@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from ..layout.choices import DkvCommDtype, MlaRing, PlanKind, RecomputeMode
 from .candidates import STOCK_KINDS
 from .console import terminal_console
 from .hardware import ClusterSpec, ModelSpec, ParallelSpec
@@ -68,7 +69,7 @@ def _row(i: int, c: Candidate, cluster: ClusterSpec) -> list[str]:
         str(c.hp),
         str(c.cp),
         w,
-        c.placement if c.kind in ("2d", "a2a+p2p") else "-",
+        c.placement if c.kind in (PlanKind.TWO_D, PlanKind.A2A_P2P) else "-",
         links["a2a"],
         links["inner"],
         links["outer"],
@@ -128,7 +129,7 @@ def memory_advice(c: Candidate, cluster: ClusterSpec, parallel: ParallelSpec) ->
     budget = cluster.memory_budget_gb
     replicated = (mb.model_states - mb.sharded_states) / gb
     tips = []
-    if len({o.recompute for o in c.options}) == 1 and e.recompute != "full":
+    if len({o.recompute for o in c.options}) == 1 and e.recompute != RecomputeMode.FULL:
         tips.append(f"activation recompute (only recompute={e.recompute} was tried: --recompute auto)")
     if replicated < budget:
         factor = (e.memory_gb - replicated) / (budget - replicated)
@@ -175,7 +176,8 @@ def memory_policy_text(memory: MemoryPolicy) -> str:
 def kernels_line(candidates: Sequence[Candidate], cluster: ClusterSpec) -> str:
     """Which attention kernel each side runs, at what share of peak (a measured --attn-eff replaces every rate)."""
     parts = []
-    for side, kinds in (("stock (TE)", ["p2p", "a2a", "a2a+p2p"]), ("ds-ulysses", ["ds-ulysses"]), ("2D", ["2d"])):
+    te = [PlanKind.P2P, PlanKind.A2A, PlanKind.A2A_P2P]
+    for side, kinds in (("stock (TE)", te), ("ds-ulysses", [PlanKind.DS_ULYSSES]), ("2D", [PlanKind.TWO_D])):
         kernel = next((c.kernel for c in candidates if c.kind in kinds and c.kernel), None)
         if kernel is not None:
             rate = cluster.kernel_efficiency(kernel)
@@ -252,7 +254,7 @@ def _sections(
             foot.append(f"  ({best.note})")
         if model.mla is not None:
             foot.append("Best 2D layout of each MLA ring (expanded: per-head K/V; latent: --cp-2d-mla-ring latent):")
-            for ring in ("expanded", "latent"):
+            for ring in MlaRing:
                 c = next((c for c in candidates if c.scheme.mla_ring == ring and c.feasible), None)
                 if c is not None:
                     foot.append(
@@ -345,7 +347,7 @@ def job_metadata(
     causal: bool = True,
     window=None,
     recompute=AUTO,
-    dkv_comm_dtype: str = "accumulator",
+    dkv_comm_dtype: str = DkvCommDtype.ACCUMULATOR,
     memory: MemoryPolicy = MemoryPolicy(),
 ) -> dict[str, object]:
     """The job a plan is for: model, cluster (with the memory budget), parallel sizes, sequence and knobs."""

@@ -8,16 +8,16 @@ Notation: :mod:`.attention_time`'s.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..layout.choices import MLA_RINGS, MlaRing, RecomputeMode, TransportKind
 from .attention_time import (
     BF16,
     BWD_FACTOR,
     GB,
     MAX_LOGIT_REDUCTIONS,
-    MLA_RINGS,
     RIDER_BYTES,
     LayerWork,
     Traffic,
@@ -28,13 +28,15 @@ from .attention_time import (
     ring_times,
     traffic,
 )
-from .hardware import ClusterSpec, ModelSpec, ParallelSpec
-from .kernel_rates import LAUNCH_MAX_LOGIT, SELECTED_KERNEL
+from .candidates import kind_dkv_comm_dtype, kind_kv_heads
+from .kernel_rates import LAUNCH_MAX_LOGIT, side_kernel
 from .link_classes import LinkMap, link_map
 from .memory import LAYER_RECOMPUTE_MODES, RECOMPUTE_MODES, MemoryBreakdown, memory_breakdown
 from .windows import WindowWork, packed_window_work, window_work
 
 if TYPE_CHECKING:
+    from .candidates import Scheme
+    from .job import Job
     from .model_states import ShardingCost
     from .packed import PackedWork
 
@@ -73,7 +75,7 @@ class Estimate:
     mfu: float
     work: LayerWork
     links: LinkMap
-    recompute: str = "none"
+    recompute: str = RecomputeMode.NONE
     """The recompute mode this estimate's memory and step time assume (one of RECOMPUTE_MODES)."""
     recompute_s: float = 0.0
     """Seconds one layer's recompute adds to a step (see :func:`recompute_extra_s`)."""
@@ -116,15 +118,15 @@ def recompute_extra_s(mode: str, attn_fwd_s: float, dense_fwd_s: float, a2a_fwd_
     a2a_fwd = those all-to-alls alone (``Estimate.a2a_s`` / 2; 0 at hp = 1); dense_fwd = 2 * layer_params *
     tokens / (TP*CP) / dense rate (a third of the dense 6*N*tokens).
     """
-    if mode == "none":
+    if mode == RecomputeMode.NONE:
         return 0.0
-    if mode == "selective":
+    if mode == RecomputeMode.SELECTIVE:
         return attn_fwd_s
-    if mode == "full":
+    if mode == RecomputeMode.FULL:
         return attn_fwd_s + dense_fwd_s
-    if mode == "ckpt++":
+    if mode == RecomputeMode.CKPT_PLUS:
         return dense_fwd_s + a2a_fwd_s
-    if mode == "ckpt++inputs":
+    if mode == RecomputeMode.CKPT_PLUS_INPUTS:
         return dense_fwd_s
     raise ValueError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}")
 
@@ -168,65 +170,46 @@ def combine_layers(parts: Sequence[tuple[Estimate, int]]) -> Estimate:
 
 
 def estimate(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    parallel: ParallelSpec,
-    hp: int,
-    cp: int,
-    w: int,
-    placement: str,
-    seq: int,
-    causal: bool = True,
-    window: int | None = None,
-    recompute: str = "none",
-    dkv_comm_dtype: str = "accumulator",
-    kv_heads: int | None = None,
-    packed: PackedWork | None = None,
-    mla_ring: str | None = None,
-    kernel: str | None = None,
-    max_logit: bool = False,
+    job: Job, layout: Scheme, *, packed: PackedWork | None = None, recompute: str = RecomputeMode.NONE
 ) -> Estimate:
-    """Predict one layout. Assumes the layout is valid (see candidates.check_scheme).
+    """Predict ``layout`` (a :class:`.candidates.Scheme`) for ``job``. Assumes the layout is valid (see
+    candidates.check_scheme).
 
-    ``window``: a causal sliding window of that many tokens back on every layer (None: none); its FLOPs are the
-    visible pairs only, and its transport is the op's own choice (see :mod:`.windows`).
-    ``recompute``: one of RECOMPUTE_MODES; it changes memory and the step time (``time_s``, the attention of one
-    layer, never includes recompute). ``dkv_comm_dtype``: the dK/dV partials on the ring in the accumulator dtype
-    ("accumulator": fp32, the op's default) or the input dtype ("input": bf16, as Transformer Engine's rings and
-    the op's ``--cp-2d-dkv-comm-dtype input``). ``kv_heads``: K/V heads per TP rank after repetition (see
-    :func:`.attention_time.layer_work`).
-    ``packed``: a packed batch of documents (:class:`megatron_2d.plan.packed.PackedWork` for this ``window``,
+    From the job: ``window``, one causal sliding window of that many tokens back on every layer (None: none; a
+    per-layer pattern is :func:`.planner.evaluate`'s, which estimates each window); its FLOPs are the visible pairs
+    only, and its transport is the op's own choice (see :mod:`.windows`). ``dkv_comm_dtype``: the dK/dV partials
+    on a 2D ring in the accumulator dtype ("accumulator": fp32, the op's default) or the input dtype ("input":
+    bf16, as Transformer Engine's rings always send, :func:`.candidates.kind_dkv_comm_dtype`). ``kernel``: the
+    attention kernel (its rate: ``cluster.kernel_efficiency``), as the layout's kind runs it
+    (:func:`.kernel_rates.side_kernel`). ``qk_clip``: the layer's forward also computes the max attention logit
+    (``Estimate.max_logit_s``). The kind fixes the K/V heads per TP rank after repetition
+    (:func:`.candidates.kind_kv_heads`), and the layout's ``mla_ring`` "latent" an MLA model's 2D ring carrying the
+    latent: smaller blocks, and every ring step up-projects the keys it reads (``LayerWork.expand_flops`` at the
+    dense GEMM rate, 3x in backward) in place of the layer's own K/V up-projection.
+
+    ``packed``: a packed batch of documents (:class:`megatron_2d.plan.packed.PackedWork` for the job's window,
     causal): the attention FLOPs become the busiest context rank's pairs (within documents and the window), the
     ring messages the mode's ring prefix (none at all: one local block) or, when some context ranks see nothing
     of others, the neighbour exchange of the keys the op's calls read; the linear layers, all-to-alls and
     activation memory scale with the slots per rank (padding included).
-    ``mla_ring``: "latent" for an MLA model whose 2D ring carries the latent: smaller blocks, and every ring step
-    up-projects the keys it reads (``LayerWork.expand_flops`` at the dense GEMM rate, 3x in backward) in place of
-    the layer's own K/V up-projection.
-    ``kernel``: the attention kernel the layout runs (its rate: ``cluster.kernel_efficiency``); None: what 2D's
-    kernel selection picks on the cluster's architecture (:mod:`.kernel_rates`).
-    ``max_logit``: the layer's forward also computes the max attention logit (QK-clip, ``--qk-clip``):
-    ``Estimate.max_logit_s``."""
-    runs = SELECTED_KERNEL[cluster.arch] if kernel is None else kernel
-    job = _Job(
-        model,
-        cluster,
-        parallel,
-        hp,
-        cp,
-        w,
-        placement,
-        seq,
-        causal,
-        window,
-        dkv_comm_dtype,
-        kv_heads,
-        packed,
-        mla_ring,
-        runs,
-        max_logit,
+    ``recompute``: one of RECOMPUTE_MODES; it changes memory and the step time (``time_s``, the attention of one
+    layer, never includes recompute)."""
+    if job.window is not None and not isinstance(job.window, int):
+        raise ValueError(f"estimate costs one window on every layer, got the pattern {job.window!r} (evaluate's)")
+    return with_recompute(_estimate_none(_run(job, layout, packed)), recompute)
+
+
+def _run(job: Job, layout: Scheme, packed: PackedWork | None = None) -> _Run:
+    """``job`` and ``layout`` with what the layout's kind makes of the job's choices."""
+    return _Run(
+        job=job,
+        layout=layout,
+        dkv_comm_dtype=kind_dkv_comm_dtype(layout.kind, job.dkv_comm_dtype),
+        kv_heads=kind_kv_heads(layout.kind, job.model, job.parallel),
+        mla_ring=MlaRing.LATENT if layout.mla_ring == MlaRing.LATENT else None,
+        packed=packed,
+        kernel=side_kernel(layout.kind, job.cluster.arch, job.kernel, job.qk_clip),
     )
-    return with_recompute(_estimate_none(job), recompute)
 
 
 def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimate:
@@ -236,7 +219,7 @@ def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimat
         step = layers_total * (time_s + dense_layer) + n * recompute_extra_s(mode) + output layer
     """
     n = e.layers if layers is None or mode not in LAYER_RECOMPUTE_MODES else layers
-    n = 0 if mode == "none" else n
+    n = 0 if mode == RecomputeMode.NONE else n
     extra = recompute_extra_s(mode, e.attn_fwd_s, e.dense_layer_s / 3.0, e.a2a_s / 2.0)
     step = e.step_s - e.recompute_layers * e.recompute_s + n * extra
     mem = e.memory
@@ -254,27 +237,29 @@ def with_recompute(e: Estimate, mode: str, layers: int | None = None) -> Estimat
 
 
 @dataclass(frozen=True)
-class _Job:
-    """What one estimate is asked for: :func:`estimate`'s arguments but the recompute mode."""
+class _Run:
+    """One estimate's job and layout, with what the layout's kind makes of the job's choices."""
 
-    model: ModelSpec
-    cluster: ClusterSpec
-    parallel: ParallelSpec
-    hp: int
-    cp: int
-    w: int
-    placement: str
-    seq: int
-    causal: bool
-    window: int | None
+    job: Job
+    layout: Scheme
     dkv_comm_dtype: str
     kv_heads: int | None
-    packed: PackedWork | None
     mla_ring: str | None
+    packed: PackedWork | None
     kernel: str
     """The attention kernel (:mod:`.kernel_rates`), whose rate on the cluster the kernels' time takes."""
-    max_logit: bool = False
-    """QK-clip: the forward computes the max attention logit too."""
+
+    model = property(lambda self: self.job.model)
+    cluster = property(lambda self: self.job.cluster)
+    parallel = property(lambda self: self.job.parallel)
+    seq = property(lambda self: self.job.seq)
+    causal = property(lambda self: self.job.causal)
+    window = property(lambda self: self.job.window)
+    max_logit = property(lambda self: self.job.qk_clip)
+    hp = property(lambda self: self.layout.hp)
+    cp = property(lambda self: self.layout.cp)
+    w = property(lambda self: self.layout.w)
+    placement = property(lambda self: self.layout.placement)
 
 
 @dataclass(frozen=True)
@@ -298,7 +283,7 @@ class _AttentionTimes:
         return 2 * self.a2a_one + self.fwd + self.bwd
 
 
-def _estimate_none(job: _Job) -> Estimate:
+def _estimate_none(job: _Run) -> Estimate:
     _check_job(job)
     work, ww = _windowed_work(job)
     t = _attention_times(job, work, ww)
@@ -317,25 +302,25 @@ def _estimate_none(job: _Job) -> Estimate:
         intra_bytes=t.sent.intra,
         inter_bytes=t.sent.inter,
         inter_bytes_nic=t.sent.nic,
-        memory_gb=mem.total("none") / GB,
-        activation_gb=mem.activations("none") / GB,
+        memory_gb=mem.total(RecomputeMode.NONE) / GB,
+        activation_gb=mem.activations(RecomputeMode.NONE) / GB,
         step_s=step,
         tokens_per_gpu_s=tokens_per_gpu_s,
         mfu=mfu,
         work=work,
         links=t.links,
-        recompute="none",
+        recompute=RecomputeMode.NONE,
         recompute_s=0.0,
         attn_fwd_s=t.a2a_one + t.fwd,
         dense_layer_s=dense_layer,
         layers=model.layers,
         memory=mem,
-        neighbour_exchange=ww.transport == "neighbour",
+        neighbour_exchange=ww.transport == TransportKind.NEIGHBOUR,
         max_logit_s=t.max_logit,
     )
 
 
-def _check_job(job: _Job) -> None:
+def _check_job(job: _Run) -> None:
     if job.dkv_comm_dtype not in RIDER_BYTES:
         raise ValueError(f"dkv_comm_dtype {job.dkv_comm_dtype!r} is not one of {list(RIDER_BYTES)}")
     if job.mla_ring is not None and (job.mla_ring not in MLA_RINGS or job.model.mla is None):
@@ -350,7 +335,7 @@ def _check_job(job: _Job) -> None:
         )
 
 
-def _windowed_work(job: _Job) -> tuple[LayerWork, WindowWork]:
+def _windowed_work(job: _Run) -> tuple[LayerWork, WindowWork]:
     """One layer's work on one rank with what the window or the packed batch leaves of it, and its transport."""
     j = job
     work = layer_work(
@@ -385,15 +370,79 @@ def _windowed_work(job: _Job) -> tuple[LayerWork, WindowWork]:
     return work, ww
 
 
-def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTimes:
-    """The all-to-alls and the transport of ``ww`` (ring, neighbour exchange or one local block) around the
-    kernels: one ring step's work Tc (Tcb backward) is its kernel, merge traffic, latency and the latent ring's
-    up-projection."""
+@dataclass(frozen=True)
+class _StepTimes:
+    """One ring step's seconds on one rank: forward Tc and backward Tcb (kernel, merge traffic, latency, the latent
+    ring's up-projection, the max-logit pass), the forward kernel and max-logit pass alone, and the step latency."""
+
+    tc: float
+    tcb: float
+    kernel: float
+    max_pass: float
+    lat: float
+
+
+@dataclass(frozen=True)
+class _TransportTimes:
+    """What moving K/V one way costs one layer: forward and backward seconds, every transfer serialised, the
+    compute they overlap, the bytes sent, and what the max-logit pass adds."""
+
+    fwd: float
+    bwd: float
+    serial: float
+    compute: float
+    sent: Traffic
+    max_pass: float
+
+
+def _double_ring_cost(run: _Run, work: LayerWork, ww: WindowWork, links: LinkMap, step: _StepTimes) -> _TransportTimes:
+    """The (double) ring: cp steps, each overlapping its transfers (:func:`.attention_time.ring_times`)."""
+    fwd, bwd, serial = ring_times(work, links, run.cluster, run.cp, run.w, step.tc, step.tcb)
+    sent = traffic(work, links, run.cluster, run.hp, run.cp, run.w)
+    return _TransportTimes(fwd, bwd, serial, run.cp * (step.tc + step.tcb), sent, run.cp * step.max_pass)
+
+
+def _local_cost(run: _Run, work: LayerWork, ww: WindowWork, links: LinkMap, step: _StepTimes) -> _TransportTimes:
+    """One local block of cp steps' work (one context rank: the schedule's replay of its own block, the same cost
+    with the latent ring's up-projection of it); at cp = 1 the one-step ring."""
+    cp = run.cp
+    if cp == 1:
+        return _double_ring_cost(run, work, ww, links, step)
+    tc, tcb = cp * (step.kernel + step.max_pass) + step.lat, cp * BWD_FACTOR * step.kernel + step.lat
+    sent = traffic(work, links, run.cluster, run.hp, cp, run.w)
+    return _TransportTimes(tc, tcb, 0.0, tc + tcb, sent, step.max_pass)
+
+
+def _neighbour_cost(run: _Run, work: LayerWork, ww: WindowWork, links: LinkMap, step: _StepTimes) -> _TransportTimes:
+    """The neighbour exchange: its messages on the context group's links (K/V forward and backward, the dK/dV
+    partials in the rider dtype) instead of the ring's."""
+    j, cluster = run, run.cluster
+    ring_links = link_map(j.hp, j.cp, j.cp, j.placement, j.parallel.tp, cluster.gpus_per_node, j.parallel.gpus)
+    fwd, bwd, serial, msg = neighbour_times(work, ww, ring_links, cluster, j.cp, step.tc, step.tcb)
+    sent = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, j.hp, j.cp, j.w)
+    sent.add(ring_links.inner, msg, 2 * ww.messages)  # K/V, forward and backward
+    sent.add(ring_links.inner, msg * RIDER_BYTES[j.dkv_comm_dtype] / BF16, ww.messages)  # dK/dV partials
+    return _TransportTimes(fwd, bwd, serial, j.cp * (step.tc + step.tcb), sent, j.cp * step.max_pass)
+
+
+TRANSPORT_COSTS: dict[TransportKind, Callable[..., _TransportTimes]] = {
+    TransportKind.LOCAL: _local_cost,
+    TransportKind.NEIGHBOUR: _neighbour_cost,
+    TransportKind.DOUBLE_RING: _double_ring_cost,
+}
+"""The planner's cost of each transport kind (:class:`megatron_2d.layout.choices.TransportKind`): a function of
+(run, layer work, window work, links, one step's times); a kind without one is refused."""
+
+
+def _attention_times(job: _Run, work: LayerWork, ww: WindowWork) -> _AttentionTimes:
+    """The all-to-alls and the transport of ``ww`` (:data:`TRANSPORT_COSTS`: ring, neighbour exchange or one local
+    block) around the kernels: one ring step's work Tc (Tcb backward) is its kernel, merge traffic, latency and the
+    latent ring's up-projection."""
     j, cluster, parallel = job, job.cluster, job.parallel
     hp, cp, w = j.hp, j.cp, j.w
-    # one local block of cp steps' work (one context rank: the schedule's replay of its own block, the same cost
-    # with the latent ring's up-projection of it)
-    local_only = ww.transport == "local" and cp > 1
+    cost = TRANSPORT_COSTS.get(ww.transport)
+    if cost is None:
+        raise ValueError(f"the planner has no cost model for transport kind {ww.transport!r}")
     links = link_map(hp, cp, w, j.placement, parallel.tp, cluster.gpus_per_node, parallel.gpus)
     attn_rate = cluster.peak_tflops * 1e12 * cluster.kernel_efficiency(j.kernel)
     hbm, lat = cluster.hbm_gbps * GB, cluster.step_latency_us * 1e-6
@@ -409,37 +458,13 @@ def _attention_times(job: _Job, work: LayerWork, ww: WindowWork) -> _AttentionTi
     tcb = BWD_FACTOR * kernel + lat + (work.merge_bwd_bytes / hbm if merge else 0.0) + 3 * expand
     # one direction's all-to-alls (nothing when hp == 1)
     a2a_one = head_exchange_time(work, links, cluster) if hp > 1 else 0.0
-    if local_only:
-        tc, tcb = cp * (kernel + max_pass) + lat, cp * BWD_FACTOR * kernel + lat
-        fwd, bwd, ring_serial = tc, tcb, 0.0
-        sent = traffic(work, links, cluster, hp, cp, w)
-    elif ww.transport in ("double_ring", "local"):
-        fwd, bwd, ring_serial = ring_times(work, links, cluster, cp, w, tc, tcb)
-        sent = traffic(work, links, cluster, hp, cp, w)
-    elif ww.transport == "neighbour":
-        fwd, bwd, ring_serial, sent = _neighbour_exchange_times(job, work, ww, links, tc, tcb)
-    else:
-        raise ValueError(f"the planner has no cost model for transport kind {ww.transport!r}")
-    compute = (tc + tcb) if local_only else cp * (tc + tcb)
-    added = (max_pass if local_only else cp * max_pass) + reductions
-    return _AttentionTimes(a2a_one, fwd + reductions, bwd, ring_serial, compute, sent, links, added)
+    t = cost(job, work, ww, links, _StepTimes(tc, tcb, kernel, max_pass, lat))
+    return _AttentionTimes(
+        a2a_one, t.fwd + reductions, t.bwd, t.serial, t.compute, t.sent, links, t.max_pass + reductions
+    )
 
 
-def _neighbour_exchange_times(
-    job: _Job, work: LayerWork, ww: WindowWork, links: LinkMap, tc: float, tcb: float
-) -> tuple[float, float, float, Traffic]:
-    """(forward, backward, serialised comm, traffic) of the neighbour exchange: its messages on the context group's
-    links (K/V forward and backward, the dK/dV partials in the rider dtype) instead of the ring's."""
-    j, cluster = job, job.cluster
-    ring_links = link_map(j.hp, j.cp, j.cp, j.placement, j.parallel.tp, cluster.gpus_per_node, j.parallel.gpus)
-    fwd, bwd, ring_serial, msg = neighbour_times(work, ww, ring_links, cluster, j.cp, tc, tcb)
-    sent = traffic(dataclasses.replace(work, kv_bytes=0.0, dkv_bytes=0.0), links, cluster, j.hp, j.cp, j.w)
-    sent.add(ring_links.inner, msg, 2 * ww.messages)  # K/V, forward and backward
-    sent.add(ring_links.inner, msg * RIDER_BYTES[j.dkv_comm_dtype] / BF16, ww.messages)  # dK/dV partials
-    return fwd, bwd, ring_serial, sent
-
-
-def _whole_model(job: _Job, work: LayerWork, ww: WindowWork, time: float) -> tuple[float, float, float, float]:
+def _whole_model(job: _Run, work: LayerWork, ww: WindowWork, time: float) -> tuple[float, float, float, float]:
     """(dense layer seconds, step seconds, MFU, tokens per GPU per second) of the whole model around attention
     layers of ``time``: 6*N*tokens for the matmuls; attention as model FLOPs, forward + 2x backward, causal
     halved."""

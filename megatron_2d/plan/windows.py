@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..layout.band import SlidingWindow
 from ..layout.block_calls import context_calls
+from ..layout.choices import TransportKind
 from ..layout.topology import Layout2D
 from ..layout.transports import transport_kind
 
@@ -58,14 +59,14 @@ def window_work(hp: int, cp: int, placement: str, seq: int, left: int | None) ->
         return _ring_work(fraction, cp, seq)
     chunk = seq // (2 * hp * cp)
     plan = context_calls(Layout2D(hp * cp, hp, 1, placement), chunk, True, SlidingWindow(left, 0))
-    if transport_kind(cp, seq, plan.dense) != "neighbour":
+    if transport_kind(cp, seq, plan.dense) != TransportKind.NEIGHBOUR:
         return _ring_work(fraction, cp, seq)
     sent = [
         [hull[1] - hull[0] for (dst, src), hull in plan.keys.items() if src == r and dst != r and hull]
         for r in range(cp)
     ]
     busiest = max(sent, key=sum)
-    return WindowWork(fraction, False, len(busiest), sum(busiest), "neighbour")
+    return WindowWork(fraction, False, len(busiest), sum(busiest), TransportKind.NEIGHBOUR)
 
 
 def _ring_work(fraction: float, cp: int, seq: int) -> WindowWork:
