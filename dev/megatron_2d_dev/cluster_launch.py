@@ -37,13 +37,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import megatron_2d_dev
+from megatron_2d.testing.distributed import DEFAULT_TIMEOUT_S, run_on_ranks
+
 from .cluster_worker import CLUSTER_ENV, NODES_ENV, RANK_FLAGS_ENV
-from .distributed import DEFAULT_TIMEOUT_S, run_on_ranks
 from .emulated_cluster import EmulatedCluster
 
 MASTER_PORT = "6000"
 """As slurm_gpt.sbatch sets it: each node's namespace has its own ports, so it is free in every cluster."""
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = str(megatron_2d_dev.REPO_ROOT)
 TORCHRUN_GPT = os.path.join(REPO_ROOT, "examples", "launch", "torchrun_gpt.sh")
 SLURM_GPT = os.path.join(REPO_ROOT, "examples", "launch", "slurm_gpt.sbatch")
 
@@ -103,11 +105,11 @@ def worker_site_dir(parent: str) -> str:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
         f.write(
-            "# written by megatron_2d.testing.cluster_launch: CPU workers of an emulated cluster\n"
+            "# written by megatron_2d_dev.cluster_launch: CPU workers of an emulated cluster\n"
             "import os\n"
             "if os.environ.get('GROUP_RANK') and os.environ.get('LOCAL_RANK') "
             f"and os.environ.get({CLUSTER_ENV!r}):\n"
-            "    from megatron_2d.testing.cluster_worker import start_worker\n"
+            "    from megatron_2d_dev.cluster_worker import start_worker\n"
             "    start_worker()\n"
         )
     return folder
@@ -119,7 +121,7 @@ def _launch_env(cluster: EmulatedCluster, workdir: str, rank_flags: Sequence[str
     env.update(
         {
             "PATH": os.pathsep.join([bin_dir, os.path.dirname(sys.executable), env.get("PATH", "")]),
-            "PYTHONPATH": os.pathsep.join([worker_site_dir(workdir), REPO_ROOT]),
+            "PYTHONPATH": os.pathsep.join([worker_site_dir(workdir), REPO_ROOT, str(megatron_2d_dev.DEV_ROOT)]),
             CLUSTER_ENV: cluster.owner.tag,
             NODES_ENV: str(cluster.shape.nodes),
             RANK_FLAGS_ENV: shlex.join(rank_flags),
@@ -141,7 +143,7 @@ def _write_slurm_stand_ins(workdir: str) -> None:
     for command in ("srun", "scontrol"):
         path = os.path.join(bin_dir, command)
         with open(path, "w") as f:
-            f.write(f'#!/bin/sh\nexec "{sys.executable}" -m megatron_2d.testing.cluster_worker {command} "$@"\n')
+            f.write(f'#!/bin/sh\nexec "{sys.executable}" -m megatron_2d_dev.cluster_worker {command} "$@"\n')
         os.chmod(path, 0o755)
 
 

@@ -5,8 +5,8 @@ Standard library only at import: a worker joins its network namespace before tor
 Slurm stand-ins start quickly.
 
     start_worker()                                        # from the workers' sitecustomize (cluster_launch)
-    python -m megatron_2d.testing.cluster_worker srun --export=ALL,MASTER_ADDR=... bash -c '...'
-    python -m megatron_2d.testing.cluster_worker scontrol show hostnames LIST
+    python -m megatron_2d_dev.cluster_worker srun --export=ALL,MASTER_ADDR=... bash -c '...'
+    python -m megatron_2d_dev.cluster_worker scontrol show hostnames LIST
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ RANK_FLAGS_ENV = "M2D_RANK_FLAGS"
 """Flags each CPU worker appends to its script's command line (shlex-quoted)."""
 TE_RELEASE_ENV = "M2D_TE_RELEASE"
 """When set, the Transformer Engine release whose CPU context each CPU worker runs in (stock Megatron CP:
-megatron_2d.testing.te_context_parallel, with megatron-core's TE extension; the claim only around TE's attention,
-megatron_2d.testing.stock_cp_spec)."""
+megatron_2d_dev.te_context_parallel, with megatron-core's TE extension; the claim only around TE's attention,
+megatron_2d_dev.stock_cp_spec)."""
 _HELD = contextlib.ExitStack()
 """The contexts a worker holds for its whole process (it only runs the script), closed at exit (atexit, before the
 interpreter tears modules down) in reverse order."""
@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"srun": srun_main, "scontrol": scontrol_main}
     if not argv or argv[0] not in commands:
-        print(f"usage: python -m megatron_2d.testing.cluster_worker {{{','.join(commands)}}} ARGS", file=sys.stderr)
+        print(f"usage: python -m megatron_2d_dev.cluster_worker {{{','.join(commands)}}} ARGS", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

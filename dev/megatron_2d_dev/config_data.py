@@ -1,4 +1,4 @@
-"""The batches of a generated Megatron configuration (:mod:`megatron_2d.testing.generated_configs`) as its data path
+"""The batches of a generated Megatron configuration (:mod:`megatron_2d_dev.generated_configs`) as its data path
 gives them to Megatron's schedule: sbhd samples, or packed THD sequences in the draw's packing mode (Megatron's
 per-document zigzag with each document padded to 2 * CP and padding at the end, its per-sequence split with a filler
 document, or the documents layout of :mod:`megatron_2d.megatron.packed_data`); the CP = 1 reference takes the real
@@ -171,7 +171,11 @@ def forward_step(draw: Draw, data_iterator, model):
     if isinstance(item, dict):  # sbhd
         local, params = tg.shard_batch_for_cp(item), None
     elif draw.scenario.data == "documents" and draw.context_parallel_size > 1:
-        from ..megatron.packed_data import documents_batch_on_this_cp_rank, groups_of_model, use_document_positions
+        from megatron_2d.megatron.packed_data import (
+            documents_batch_on_this_cp_rank,
+            groups_of_model,
+            use_document_positions,
+        )
 
         gpt = use_document_positions(mcpu.unwrapped(model))
         local, params = documents_batch_on_this_cp_rank(item.batch, groups_of_model(gpt), item.cu_seqlens)
@@ -219,7 +223,7 @@ def dynamic_samples(draw: Draw, iteration: int) -> list[dict[str, torch.Tensor]]
 
 
 def dynamic_forward_step(draw: Draw, data_iterator, model):
-    """pretrain_gpt.py's forward step on one of Megatron's hybrid sub-samples (megatron_2d.testing.dynamic_cp), with
+    """pretrain_gpt.py's forward step on one of Megatron's hybrid sub-samples (megatron_2d_dev.dynamic_cp), with
     the runs' per-token loss."""
     from .dynamic_cp import hybrid_forward_step
 

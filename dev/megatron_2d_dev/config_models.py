@@ -1,4 +1,4 @@
-"""What a generated Megatron configuration (:mod:`megatron_2d.testing.generated_configs`) trains: its
+"""What a generated Megatron configuration (:mod:`megatron_2d_dev.generated_configs`) trains: its
 pretrain_gpt.py / pretrain_hybrid.py flags, its model config and chunks (the 2d specs, or the CP = 1 reference's
 Megatron spec with its reference core attention) and its model states (a Hybrid ZeRO choice)."""
 
@@ -138,7 +138,7 @@ def parse_megatron_flags(flags: list[str]):
     validation (which needs a launched world)."""
     from megatron.training.arguments import parse_args
 
-    from ..megatron.arguments import add_2d_arguments
+    from megatron_2d.megatron.arguments import add_2d_arguments
 
     saved = sys.argv
     sys.argv = ["pretrain.py", *flags]
@@ -162,7 +162,8 @@ def _recompute_fields(draw: Draw) -> dict[str, Any]:
 
 def tiny_config(draw: Draw) -> tg.TinyGPTConfig:
     """The TinyGPTConfig of ``draw`` (its reference's when ``draw.reference``)."""
-    from ..megatron import MLATransformerConfig2D, TransformerConfig2D
+    from megatron_2d.megatron import MLATransformerConfig2D, TransformerConfig2D
+
     from .mla import MLA_DIMS
     from .tiny_hybrid import SSM_SIZES
 
@@ -273,8 +274,8 @@ def _norms(draw: Draw, spec):
 
 
 def _gpt_spec(draw: Draw, config, vp_stage):
-    from ..megatron.spec import get_gpt_layer_spec_2d, layer_specs_of, megatron_gpt_spec
-    from .reference_core_attention import ReferenceCoreAttention
+    from megatron_2d.megatron.spec import get_gpt_layer_spec_2d, layer_specs_of, megatron_gpt_spec
+    from megatron_2d.testing.reference_core_attention import ReferenceCoreAttention
 
     if draw.context_parallel_size > 1:
         return _norms(draw, get_gpt_layer_spec_2d(config, vp_stage, use_transformer_engine=False))
@@ -285,8 +286,8 @@ def _gpt_spec(draw: Draw, config, vp_stage):
 
 
 def _hybrid_spec(draw: Draw):
-    from ..megatron.hybrid_spec import ATTENTION_SLOT, get_hybrid_stack_spec_2d, megatron_hybrid_stack_spec
-    from .reference_core_attention import ReferenceCoreAttention
+    from megatron_2d.megatron.hybrid_spec import ATTENTION_SLOT, get_hybrid_stack_spec_2d, megatron_hybrid_stack_spec
+    from megatron_2d.testing.reference_core_attention import ReferenceCoreAttention
 
     if draw.context_parallel_size > 1:
         return _norms(draw, get_hybrid_stack_spec_2d(use_transformer_engine=False))
@@ -318,7 +319,7 @@ def build_chunks(draw: Draw, cfg: tg.TinyGPTConfig) -> list[torch.nn.Module]:
 # ---- model states ----------------------------------------------------------------------------------------------------
 def hybrid_zero(draw: Draw):
     """The draw's model states as a :class:`megatron_2d.megatron.hybrid_zero.HybridZeRO` choice."""
-    from ..megatron.hybrid_zero import HybridZeRO
+    from megatron_2d.megatron.hybrid_zero import HybridZeRO
 
     if draw.state == "ddp":
         return HybridZeRO("none")

@@ -1,4 +1,4 @@
-"""Train one generated Megatron configuration (:mod:`megatron_2d.testing.generated_configs`) on forked CPU ranks and
+"""Train one generated Megatron configuration (:mod:`megatron_2d_dev.generated_configs`) on forked CPU ranks and
 compare it with its CP = 1 reference.
 
 On every rank, in this order: the launch checks on the draw's pretrain_gpt.py / pretrain_hybrid.py flags (parsed
@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.reference import TOLERANCES
+
 from . import ddp_harness as mcpu
 from . import tiny_gpt as tg
 from .config_data import dynamic_forward_step, dynamic_samples, forward_step, microbatches
@@ -44,7 +47,6 @@ from .config_models import (
     parse_megatron_flags,
     tiny_config,
 )
-from .distributed import RankFailure, run_on_ranks
 from .generated_configs import (
     ITERATIONS,
     LAUNCH,
@@ -55,7 +57,6 @@ from .generated_configs import (
     reference_of,
     skip_reason,
 )
-from .reference import TOLERANCES
 
 
 # ---- one run on one rank ---------------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ def _setup(draw: Draw):
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    from ..megatron.hybrid_zero import distributed_data_parallel_config, optimizer_config
+    from megatron_2d.megatron.hybrid_zero import distributed_data_parallel_config, optimizer_config
 
     wrapped = mcpu.wrap_chunks(chunks, distributed_data_parallel_config(hz, draw.dp, CP, **ddp_extra(draw, hz)))
     dtype = DTYPES[draw.scenario.dtype]
@@ -131,7 +132,7 @@ def train_draw(rank: int, world: int, draw: Draw, launch_args) -> RankResult:
     logging.getLogger("megatron.core").setLevel(logging.ERROR)
     mcpu.install_megatron_ddp_cpu_shims()  # before the model: MoE's all-to-all dispatcher makes a CUDA stream
     start = time.perf_counter()
-    from ..megatron.launch_checks import check_launch_args
+    from megatron_2d.megatron.launch_checks import check_launch_args
 
     try:
         check_launch_args(launch_args)
@@ -194,7 +195,7 @@ def train_draw(rank: int, world: int, draw: Draw, launch_args) -> RankResult:
 def _clip(chunks) -> float:
     """The training loop's QK-clip step after ``optimizer.step()``; its logged max logit over every rank (each TP
     rank and pipeline stage logs its own heads' and layers')."""
-    from ..megatron.qk_clip import clip_qk
+    from megatron_2d.megatron.qk_clip import clip_qk
 
     logged = torch.tensor([clip_qk(chunks)], dtype=torch.float64)
     dist.all_reduce(logged, op=dist.ReduceOp.MAX)

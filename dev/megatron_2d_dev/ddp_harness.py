@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing.megatron_cpu import (  # noqa: F401  (re-exported for the tests)
+from megatron_2d_dev.megatron_cpu import (  # noqa: F401  (re-exported for the tests)
     CPU_DDP_CONFIG_OVERRIDES,
     install_megatron_ddp_cpu_shims,
     megatron_ddp_on_cpu,
@@ -33,7 +33,7 @@ def init_parallel(
 ) -> None:
     """``tiny_gpt.init_parallel`` with ``num_distributed_optimizer_instances`` (partial sharding builds its groups
     in ``initialize_model_parallel``); replaces any previous layout."""
-    from megatron_2d.testing import tiny_gpt
+    from megatron_2d_dev import tiny_gpt
 
     tiny_gpt.init_parallel(
         context_parallel_size=context_parallel_size,
@@ -92,7 +92,7 @@ def per_token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
-    from megatron_2d.testing.tiny_gpt import shard_batch_for_cp
+    from megatron_2d_dev.tiny_gpt import shard_batch_for_cp
 
     local = shard_batch_for_cp(next(data_iterator))
     output = model(
@@ -173,7 +173,7 @@ def train_step(wrapped: torch.nn.Module, optimizer, batch: dict[str, torch.Tenso
 def full_parameters(wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of a Megatron-DDP-wrapped tiny GPT by canonical name, after forcing the param all-gather
     that ``overlap_param_gather`` defers to the next forward."""
-    from megatron_2d.testing.tiny_gpt import canonical_parameters
+    from megatron_2d_dev.tiny_gpt import canonical_parameters
 
     with megatron_ddp_on_cpu():
         if wrapped.ddp_config.use_distributed_optimizer:
@@ -185,7 +185,7 @@ def full_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Every weight of Megatron-DDP-wrapped model chunks by canonical name, in fp32 at its full shape (gathered over
     TP, the pipeline stages and the expert-parallel ranks), after forcing the distributed optimizer's param
     all-gather that ``overlap_param_gather`` defers to the next forward. Collective over the world."""
-    from megatron_2d.testing.tiny_gpt import (
+    from megatron_2d_dev.tiny_gpt import (
         canonical_parameters,
         gather_over_tensor_parallel,
         merge_over_expert_parallel,
@@ -207,7 +207,7 @@ def full_gradients(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]
     and ``optimizer.step()``, e.g. as :func:`schedule_step`'s ``before_step``), by canonical name, gathered to its
     full shape: over the shard group (distributed optimizer: each bucket's reduce-scattered shards; megatron-fsdp:
     each grad buffer's shards), over TP and over the pipeline stages. Collective over the world."""
-    from megatron_2d.testing.tiny_gpt import (
+    from megatron_2d_dev.tiny_gpt import (
         gather_over_tensor_parallel,
         merge_over_expert_parallel,
         merge_over_pipeline,
@@ -234,7 +234,7 @@ def _ddp_gradients(wrapped) -> dict[str, tuple[torch.Tensor, torch.nn.Parameter]
     are all-gathered into their grad buffers first (their other slots are scratch space after a reduce-scatter)."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    from megatron_2d.testing.tiny_gpt import canonical_parameters
+    from megatron_2d_dev.tiny_gpt import canonical_parameters
 
     if wrapped.ddp_config.use_distributed_optimizer:
         for group in wrapped.bucket_groups + wrapped.expert_parallel_bucket_groups:
@@ -252,7 +252,7 @@ def _ddp_gradients(wrapped) -> dict[str, tuple[torch.Tensor, torch.nn.Parameter]
 def _fsdp_gradients(wrapped) -> dict[str, tuple[torch.Tensor, torch.nn.Parameter]]:
     """{canonical name: (full-over-DP gradient, param)} of a megatron-fsdp-wrapped chunk: each parameter group's
     main-grad buffer, its shards all-gathered over the buffer's group where it is sharded."""
-    from megatron_2d.testing.tiny_gpt import canonical_name
+    from megatron_2d_dev.tiny_gpt import canonical_name
 
     buffer = wrapped.param_and_grad_buffer
     model = unwrapped(wrapped)

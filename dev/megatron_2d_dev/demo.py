@@ -3,7 +3,7 @@
 The model is a HybridModel of attention and MLP layers (pattern '*-' per GPT block, Megatron's successor to
 GPTModel; ``--pattern 'M*-M*-'`` puts Mamba layers beside the 2D attention layers).
 
-    python -m megatron_2d.testing.demo [--ranks 8] [--hp 2] [--inner-ring-size 2] [--placement head_first] [--steps 8]
+    python -m megatron_2d_dev.demo [--ranks 8] [--hp 2] [--inner-ring-size 2] [--placement head_first] [--steps 8]
                                [--sliding-window TOKENS] [--pattern '*-*-*-*-']
 
 Forks N gloo ranks; trains the model for a few Adam steps at CP=1 and at CP=N (hp x N/hp, Double-Ring inner ring size w)
@@ -18,16 +18,16 @@ import warnings
 # megatron-core warns at import about CUDA-only extras (TE, apex) that a CPU demo does not use
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
-from megatron_2d.bench.cli import add_arguments, render_table  # noqa: E402
-from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
-from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims  # noqa: E402
+from megatron_2d_dev import tiny_gpt as tg  # noqa: E402
+from megatron_2d_dev.cli import add_arguments, render_table  # noqa: E402
+from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims  # noqa: E402
 
 
 def train(rank, world, args, context_parallel: bool):
     from megatron_2d.megatron.core_attention import CoreAttention2D
     from megatron_2d.megatron.hybrid_spec import hybrid_stack_spec_2d_local
-    from megatron_2d.testing import tiny_hybrid as th
+    from megatron_2d_dev import tiny_hybrid as th
 
     settings = (args.hp, args.inner_ring_size, args.placement) if context_parallel else None
     overrides = dict(window_size=(args.sliding_window, 0)) if args.sliding_window is not None else {}

@@ -37,8 +37,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_2d.megatron.config import TransformerConfig2D
 from megatron_2d.megatron.dynamic_data import dynamic_forward_step, keeps_max_logit, sequence_parallel_size
-from megatron_2d.testing.megatron_cpu import cuda_to_cpu
-from megatron_2d.testing.tiny_gpt import (
+from megatron_2d_dev.megatron_cpu import cuda_to_cpu
+from megatron_2d_dev.tiny_gpt import (
     TinyGPTConfig,
     all_reduce_sequence_parallel_grads,
     build_tiny_gpt,
@@ -278,7 +278,7 @@ def hybrid_model(
 ) -> tuple[torch.nn.Module, Any]:
     """(model, its TransformerConfig2D) on this world under hybrid CP (parallel state initialized here, with
     ``hybrid_context_parallel=True``; DP = world / (TP x CP)), built with the 2d GPT spec (sequence parallelism:
-    ``sequence_parallel`` in ``cfg.config_overrides``, built inside a norm route of megatron_2d.testing.sp_norms)."""
+    ``sequence_parallel`` in ``cfg.config_overrides``, built inside a norm route of megatron_2d_dev.sp_norms)."""
     from megatron_2d.megatron.spec import get_gpt_layer_spec_2d
 
     init_parallel(

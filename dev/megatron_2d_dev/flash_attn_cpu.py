@@ -6,7 +6,7 @@ and calls them by keyword, introspecting their signature; the benchmarks also ru
 package refuses. And yunchang's USP in tools/bench_compare.py, which picks the call convention by
 ``flash_attn.__version__``: installed for it with ``version=FLASH_ATTN_2_7_VERSION``.
 :func:`flash_attn_stand_in` installs it. Our own flash_attn2 kernel is tested through the REAL
-flash-attn releases instead (:mod:`megatron_2d.testing.flash_attn_package`, tests/test_flash_attn_releases.py);
+flash-attn releases instead (:mod:`megatron_2d_dev.flash_attn_package`, tests/test_flash_attn_releases.py);
 the math below is shared with that package's CPU extension.
 
 What it reproduces (read from flash-attn's flash_attn/flash_attn_interface.py and its docstrings):
@@ -447,7 +447,7 @@ def flash_attn_modules(
     ``version`` is the package's ``__version__`` (e.g. :data:`FLASH_ATTN_2_7_VERSION`)."""
     api = _build_api(strict_dtypes)
     interface = types.ModuleType("flash_attn.flash_attn_interface")
-    interface.__doc__ = "CPU stand-in of flash-attn's API (megatron_2d.testing.flash_attn_cpu); not flash-attn."
+    interface.__doc__ = "CPU stand-in of flash-attn's API (megatron_2d_dev.flash_attn_cpu); not flash-attn."
     for name, fn in vars(api).items():
         if callable(fn):
             setattr(interface, name, fn)

@@ -4,16 +4,16 @@ What runs is the release's ``flash_attn/flash_attn_interface.py`` as published (
 Functions, and from 2.7 on its ``torch.library`` custom ops); only the compiled extension is replaced, by a module
 whose ``fwd``, ``bwd``, ``varlen_fwd`` and ``varlen_bwd`` take exactly the C++ functions' positional arguments of
 that release (``csrc/flash_attn/flash_api.cpp``, in the order the release's interface passes them) and compute them
-on CPU (:func:`megatron_2d.testing.flash_attn_cpu.flash_forward` / ``flash_backward``: fp32 accumulation, masks
+on CPU (:func:`megatron_2d_dev.flash_attn_cpu.flash_forward` / ``flash_backward``: fp32 accumulation, masks
 aligned bottom-right, lse = +inf for rows that see no key), with the window the C++ hands its kernels
-(:func:`~megatron_2d.testing.flash_attn_cpu.kernel_window`: normalised against s_k, or a varlen call's
+(:func:`~megatron_2d_dev.flash_attn_cpu.kernel_window`: normalised against s_k, or a varlen call's
 max_seqlen_k). From 2.7 the custom ops are registered for "cuda" only;
 :func:`load_release` registers each op's own body (``_init_fn``) as its CPU kernel, so calls go through the real
 custom-op objects.
 
 Setup (``tools/install.sh`` runs it; each release installs once into its own folder, nothing is compiled):
 
-    python -m megatron_2d.testing.flash_attn_package install        # RELEASES into releases_dir()
+    python -m megatron_2d_dev.flash_attn_package install        # RELEASES into releases_dir()
 
 Use, in a process that will not import another release (forked ranks; a release's custom ops cannot be
 registered twice in one process):
@@ -390,7 +390,7 @@ def load_release(version: str) -> types.ModuleType:
     if not is_installed(version):
         raise FileNotFoundError(
             f"flash-attn {version} is not installed under {releases_dir()}; run "
-            f"'python -m megatron_2d.testing.flash_attn_package install' (tools/install.sh "
+            f"'python -m megatron_2d_dev.flash_attn_package install' (tools/install.sh "
             f"does)"
         )
     for name in [n for n in sys.modules if n == "flash_attn" or n.startswith(("flash_attn.", "flash_attn_2_cuda"))]:

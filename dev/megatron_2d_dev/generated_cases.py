@@ -9,9 +9,9 @@ replication, causal or full attention, sliding windows, sinks, batch size, kerne
 also returns the max logit (QK-clip: checked against a brute-force fp64 max over the allowed pairs, on every rank,
 forward only; out and the gradients of such a draw are checked as any other's). The kernels are
 the CPU ones in fp32, and the CUDA ones in bf16 through their CPU stand-ins: ``flash_attn2`` through a real
-flash-attn release (one per batch, :mod:`megatron_2d.testing.flash_attn_package`), ``torch_flash`` through
-PyTorch's flash ops on CPU (:mod:`megatron_2d.testing.torch_flash_cpu`), both of which run windows as flash-attn's
-C++ does, and ``torch_cudnn`` through PyTorch's cuDNN ops on CPU (:mod:`megatron_2d.testing.torch_cudnn_cpu`); a
+flash-attn release (one per batch, :mod:`megatron_2d_dev.flash_attn_package`), ``torch_flash`` through
+PyTorch's flash ops on CPU (:mod:`megatron_2d_dev.torch_flash_cpu`), both of which run windows as flash-attn's
+C++ does, and ``torch_cudnn`` through PyTorch's cuDNN ops on CPU (:mod:`megatron_2d_dev.torch_cudnn_cpu`); a
 draw's CUDA kernel rotates with its index, so each reaches every kind of plan. Every draw is checked against
 :func:`megatron_2d.testing.reference.packed_reference_attention` in fp64 (a plain sequence is one document): out,
 dq, dk, dv and d sinks, with padding slots exactly zero and everything finite (padding slots of q, k, v hold
@@ -50,9 +50,8 @@ import torch
 import torch._dynamo  # noqa: F401  a dispatch mode imports it on first use: once here, not in every forked rank
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..layout.topology import PLACEMENTS, divisors
-from .flash_attn_package import RELEASES
-from .reference import (
+from megatron_2d.layout.topology import PLACEMENTS, divisors
+from megatron_2d.testing.reference import (
     TOLERANCES,
     max_logit_reference,
     packed_reference_attention,
@@ -61,6 +60,8 @@ from .reference import (
     sink_err,
     sink_terms,
 )
+
+from .flash_attn_package import RELEASES
 
 _TIMEOUT = datetime.timedelta(seconds=60)
 _ATEN = torch.ops.aten
@@ -417,7 +418,8 @@ def run_draw(draw: Draw, expected, groups, cp_rank: int, cp_size: int) -> dict[s
 def cuda_kernels_on_cpu(batch: Batch, draws: Sequence[Draw]) -> contextlib.ExitStack:
     """The CPU stand-ins the draws' CUDA kernels need, entered: the batch's flash-attn release (imported once into
     this process) for flash_attn2, PyTorch's flash ops on CPU for torch_flash, its cuDNN ops for torch_cudnn."""
-    from ..kernels import FlashAttn2Kernel
+    from megatron_2d.kernels import FlashAttn2Kernel
+
     from . import flash_attn_package
     from .torch_cudnn_cpu import torch_cudnn_on_cpu
     from .torch_flash_cpu import kernel_on_cpu, torch_flash_on_cpu

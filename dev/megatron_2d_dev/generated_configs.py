@@ -11,14 +11,14 @@ Megatron's rank order), DP, the model states (DDP, distributed optimizer with ov
 gather, megatron-fsdp ZeRO-2/3, Hybrid ZeRO), the recompute mode, for MoE the expert-parallel size and, for MLA, the
 ring. Pure Python and numpy: drawing and the coverage check need no torch.
 
-Each draw trains a few iterations through Megatron's own schedule (:mod:`megatron_2d.testing.config_runs`) and is
+Each draw trains a few iterations through Megatron's own schedule (:mod:`megatron_2d_dev.config_runs`) and is
 compared with its scenario's reference (:func:`reference_of`): the same training at CP = 1, DP = 1, PP = 1, unsharded
 DDP, no recompute; at the draw's TP and sequence parallelism where the draw runs SP, else at TP = 1 where the model
 at TP = 1 is the same model and at the draw's TP otherwise (see :func:`reference_tp`); with Megatron's own core
 attention where it is the same model (sbhd, non-MLA, sinks not split over TP) and otherwise the independent
 :class:`~megatron_2d.testing.reference_core_attention.ReferenceCoreAttention`. Under sequence parallelism the norms
 are apex's or Transformer Engine's, their compiled kernels stood in (:func:`norm_route`,
-:mod:`megatron_2d.testing.sp_norms`).
+:mod:`megatron_2d_dev.sp_norms`).
 
 Invalid combinations are named here, not silently dropped (:func:`expected_refusal`, :func:`skip_reason`): a
 refusal is a combination the library must refuse, on every rank, with the documented message (the draw asserts
@@ -414,7 +414,7 @@ def _with_dynamic_cp(draw: Draw) -> Draw:
     land in groups of every size; a layout for some of the group sizes (an hp splitting the heads per TP rank, an
     inner ring size, a placement), the rule for the others. What hybrid CP refuses (pipelining, megatron-fsdp,
     expert parallelism) is kept in a share :data:`RARE` of them."""
-    from ..layout.dynamic import hybrid_group_sizes
+    from megatron_2d.layout.dynamic import hybrid_group_sizes
 
     s = draw.scenario
     rng = np.random.default_rng([s.seed, 4, draw.index])  # its own stream (3 is expert parallelism's)
@@ -513,7 +513,7 @@ def reference_of(draw: Draw) -> Draw:
 
 
 def norm_route(draw: Draw) -> str:
-    """How the draw's norms are built (:data:`megatron_2d.testing.sp_norms.NORM_ROUTES`): megatron-core's torch norm
+    """How the draw's norms are built (:data:`megatron_2d_dev.sp_norms.NORM_ROUTES`): megatron-core's torch norm
     without sequence parallelism; with it, apex's FusedLayerNorm for LayerNorm (megatron-core's local specs pick it
     when apex is installed) and Transformer Engine's norms for RMSNorm (the local specs give RMSNorm the torch norm
     whatever is installed, which refuses SP) and for HybridModel (whose final norm is always TENorm)."""
@@ -724,7 +724,7 @@ def skip_reason(draw: Draw) -> Rule | None:
 # ---- coverage (no training) ----------------------------------------------------------------------------------------
 def cp_rank_holds_only_padding(draw: Draw) -> bool:
     """Whether, in some packed sequence of the draw, some CP rank holds no real token (zigzag and documents)."""
-    from ..packing.sharding import shard_documents, zigzag_rows
+    from megatron_2d.packing.sharding import shard_documents, zigzag_rows
 
     CP = draw.context_parallel_size
     for lengths in draw.scenario.lengths:
@@ -891,7 +891,7 @@ def sequence_parallel_with(draw: Draw) -> set[str]:
 
 def dynamic_group_sizes(draw: Draw) -> set[int]:
     """The CP group sizes Megatron's hybrid CP gives the draw's documents (empty for a static draw)."""
-    from ..layout.dynamic import hybrid_group_sizes, megatron_cp_size
+    from megatron_2d.layout.dynamic import hybrid_group_sizes, megatron_cp_size
 
     if not draw.dynamic:
         return set()

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_2d
+import megatron_2d_dev
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.base import band_mask
 from megatron_2d.kernels.merge import merge_attention_
@@ -486,9 +487,9 @@ def cuda_kernel_stand_ins(stack: contextlib.ExitStack) -> list[str]:
     selection's Hopper order)."""
     from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel
     from megatron_2d.kernels.te_fused import TeFusedKernel
-    from megatron_2d.testing import flash_attn_package, te_package
-    from megatron_2d.testing.torch_cudnn_cpu import torch_cudnn_on_cpu
-    from megatron_2d.testing.torch_flash_cpu import kernel_on_cpu, torch_flash_on_cpu
+    from megatron_2d_dev import flash_attn_package, te_package
+    from megatron_2d_dev.torch_cudnn_cpu import torch_cudnn_on_cpu
+    from megatron_2d_dev.torch_flash_cpu import kernel_on_cpu, torch_flash_on_cpu
 
     names = []
     if te_package.is_installed(DRY_RUN_TE):
@@ -648,7 +649,7 @@ def items_worker(args) -> int:
         if device.type == "cuda":
             torch.cuda.set_device(0)
         else:
-            from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+            from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims
 
             torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
             install_hybrid_cpu_shims()  # megatron-core's CPU shims, HybridStack's TENorm, the Mamba/GDN stand-ins
@@ -659,11 +660,13 @@ def items_worker(args) -> int:
 
 
 def worker_env() -> dict[str, str]:
-    """The workers' environment: this checkout first on the path, one CPU thread per process."""
+    """The workers' environment: this checkout (megatron_2d and dev/) first on the path, one CPU thread per
+    process."""
     root = pathlib.Path(megatron_2d.__file__).resolve().parents[1]
+    dev = megatron_2d_dev.DEV_ROOT
     return dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(root), str(dev), os.environ.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",
     )
 
@@ -680,7 +683,7 @@ def worker_command(launcher: list[str], module: str, args, *flags: str):
 
 def single_device_rows(args, env: dict[str, str]) -> list[Row]:
     """The single-device worker's rows (each item ``args.timeout`` seconds)."""
-    items = worker_command([sys.executable], "megatron_2d.testing.gpu_check", args, "--items")
+    items = worker_command([sys.executable], "megatron_2d_dev.gpu_check", args, "--items")
     return run_streamed("single-device items", items, args.timeout, env, startup=args.startup_timeout)
 
 
@@ -689,7 +692,7 @@ def distributed_rows(args, world: int, env: dict[str, str]) -> list[Row]:
     if world < 2:
         return [Row("distributed", "NCCL ring, head and neighbour exchange", NOT_RUN, "one device: needs >= 2 GPUs")]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    cases = worker_command(torchrun, "megatron_2d.testing.gpu_check_distributed", args)
+    cases = worker_command(torchrun, "megatron_2d_dev.gpu_check_distributed", args)
     # torchrun's own log folder (torchelastic_*, never removed by torch) goes in a folder removed here
     with tempfile.TemporaryDirectory(prefix="m2d_gpu_check_torchrun_") as tmp:
         env = {**(os.environ if env is None else env), "TMPDIR": tmp}
@@ -698,7 +701,7 @@ def distributed_rows(args, world: int, env: dict[str, str]) -> list[Row]:
 
 def report(title: str, rows: list[Row]) -> int:
     """Print the table and its summary; the exit status: 1 when a row failed, else 0."""
-    from megatron_2d.bench.cli import format_table
+    from megatron_2d_dev.cli import format_table
 
     print(
         format_table(title, ["item", "case", "result", "detail"], [[r.item, r.case, r.result, r.detail] for r in rows])

@@ -1,6 +1,6 @@
 """gpu-check's distributed part: one torchrun rank (NCCL on GPUs, gloo in the dry run) running every case.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=N -m megatron_2d.testing.gpu_check_distributed \
+    python -m torch.distributed.run --standalone --nproc-per-node=N -m megatron_2d_dev.gpu_check_distributed \
         --device cuda --resume-at 0           (started by gpu_check, which keeps each case's time)
 
 Cases, each forward + backward of attention_2d against the single-process reference, sharded as users shard:
@@ -15,7 +15,7 @@ Cases, each forward + backward of attention_2d against the single-process refere
                                context_parallel.py (the installed TE on GPUs, no shims; the dry run: TE 2.20.2 in its
                                CPU context) for each comm type at CP = N (p2p, a2a, a2a+p2p at every split with both
                                levels > 1, all_gather; causal, sbhd) and THD p2p, within TE's own bounds
-                               (TOLERANCES[bf16].stock_cp), sharded as Megatron shards (megatron_2d.testing.stock_cp)
+                               (TOLERANCES[bf16].stock_cp), sharded as Megatron shards (megatron_2d_dev.stock_cp)
 Every rank computes each case; its error (or failure) is gathered, so a case that fails on one rank fails its row on
 rank 0, which reports (gpu_check_runner's protocol).
 """
@@ -221,7 +221,7 @@ def stock_te_here(device: torch.device, stack: contextlib.ExitStack):
     from .te_package import is_installed
 
     if not is_installed(DRY_RUN_TE):
-        return f"Transformer Engine {DRY_RUN_TE} is not installed (python -m megatron_2d.testing.te_package install)"
+        return f"Transformer Engine {DRY_RUN_TE} is not installed (python -m megatron_2d_dev.te_package install)"
     return stack.enter_context(te_context_parallel_on_cpu(DRY_RUN_TE))
 
 

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_2d.testing.reference import TOLERANCES, norm_err
+
 from .gpu_check_runner import Item, NotRun
-from .reference import TOLERANCES, norm_err
 
 DTYPE = torch.bfloat16
 LAYER_KINDS = ("GPT", "MLA latent, qk_layernorm", "hybrid *-")
@@ -78,7 +79,7 @@ def megatron_state(device: torch.device, seed: int = 1234) -> Iterator[None]:
     (the 2D groups of the configs built inside included)."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from ..megatron.process_groups import destroy_2d_groups
+    from megatron_2d.megatron.process_groups import destroy_2d_groups
 
     parallel_state.initialize_model_parallel()
     try:
@@ -99,7 +100,8 @@ def tiny_config(kind: str, device: torch.device, two_d: bool, dtype: torch.dtype
     cp_comm_type "2d"."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    from ..megatron import MLATransformerConfig2D, TransformerConfig2D
+    from megatron_2d.megatron import MLATransformerConfig2D, TransformerConfig2D
+
     from . import tiny_gpt as tg
 
     sizes = MODEL_SIZES[device.type]
@@ -126,7 +128,7 @@ def tiny_config(kind: str, device: torch.device, two_d: bool, dtype: torch.dtype
     classes = (MLATransformerConfig2D, MLATransformerConfig) if mla else (TransformerConfig2D, TransformerConfig)
     layers = 2
     if kind.startswith("hybrid"):
-        from ..layout.hybrid_layers import decoder_layers
+        from megatron_2d.layout.hybrid_layers import decoder_layers
 
         layers = len(decoder_layers(HYBRID_PATTERN))
     return tg.TinyGPTConfig(
@@ -148,9 +150,10 @@ def build_model(kind: str, cfg, use_te: bool, kernel: str | None, device: torch.
     spec with its own core attention (MLA: testing.mla's reference core attention)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from ..megatron import get_gpt_layer_spec_2d
-    from ..megatron.hybrid_spec import get_hybrid_stack_spec_2d, megatron_hybrid_stack_spec
-    from ..megatron.spec import layer_specs_of, megatron_gpt_spec
+    from megatron_2d.megatron import get_gpt_layer_spec_2d
+    from megatron_2d.megatron.hybrid_spec import get_hybrid_stack_spec_2d, megatron_hybrid_stack_spec
+    from megatron_2d.megatron.spec import layer_specs_of, megatron_gpt_spec
+
     from . import tiny_gpt as tg
     from .mla import ReferenceMLACoreAttention
 

@@ -1,11 +1,11 @@
 """Shims that let megatron-core 0.19.2 build and train a HybridModel (Mamba, GDN, attention, MLP layers) on CPU
 ranks: test support only, installed by an explicit ``install_hybrid_cpu_shims()`` (idempotent; refuses where CUDA
-is available), on top of :func:`megatron_2d.testing.megatron_cpu.install_megatron_cpu_shims`.
+is available), on top of :func:`megatron_2d_dev.megatron_cpu.install_megatron_cpu_shims`.
 
   H1. ``HybridStack`` builds its final norm as ``TENorm`` whatever the spec says: it becomes megatron-core's
       ``WrappedTorchNorm`` (the local norm of the local specs) in ``hybrid_block``.
   H2. The kernels Mamba and GDN layers import (mamba_ssm, causal_conv1d, fla) are CUDA/Triton-only: the pure-torch
-      stand-ins of :mod:`megatron_2d.testing.ssm_cpu` are registered under the real module names, and the megatron
+      stand-ins of :mod:`megatron_2d_dev.ssm_cpu` are registered under the real module names, and the megatron
       modules that bound them at import (``ssm.mamba_mixer``, ``ssm.gated_delta_net``) are re-executed
       (``importlib.reload``) so they bind the stand-ins. Classes built before the reload (Megatron's spec objects
       hold them) read the same module globals, so they use the stand-ins too.
@@ -116,7 +116,7 @@ def _install_thd_partition() -> None:
 def install_hybrid_cpu_shims() -> None:
     """H1-H4 (and the megatron CPU shims first). Idempotent; refuses where CUDA is available."""
     global _INSTALLED
-    refuse_with_cuda("megatron_2d.testing.hybrid_cpu", "run HybridModel with the real mamba_ssm / fla / TE")
+    refuse_with_cuda("megatron_2d_dev.hybrid_cpu", "run HybridModel with the real mamba_ssm / fla / TE")
     if _INSTALLED:
         return
     install_megatron_cpu_shims()

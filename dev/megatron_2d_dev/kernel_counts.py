@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from ..kernels.base import BlockKernel
+from megatron_2d.kernels.base import BlockKernel
 
 _ENTRIES = ("forward", "forward_calls")  # a ring step enters a kernel through one of these
 

@@ -10,7 +10,7 @@ cluster, its temporary folders) makes meanwhile:
 * processes: the test process becomes a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a descendant whose parent
   exits stays in its process tree instead of moving to init;
 * network namespaces: every emulated cluster built in the session records its owner in the session's ledger
-  (:data:`megatron_2d.testing.netns.LEDGER_ENV`).
+  (:data:`megatron_2d_dev.netns.LEDGER_ENV`).
 
 :func:`finish_session` (at session end) lists what is left of each (empty: nothing), then removes it: the temporary
 folder, the live descendants, the ledger's namespaces. Nothing outside the session's folder, process tree and ledger

@@ -45,7 +45,7 @@ class CudaAvailableError(RuntimeError):
 
 
 def refuse_with_cuda(
-    what: str = "megatron_2d.testing.megatron_cpu", instead: str = "run megatron-core on the GPU without them"
+    what: str = "megatron_2d_dev.megatron_cpu", instead: str = "run megatron-core on the GPU without them"
 ) -> None:
     """CudaAvailableError when CUDA is available: the CPU shims are for CPU-only machines."""
     if torch.cuda.is_available():

@@ -7,7 +7,7 @@ with ``shared/`` next to it). ``MEGATRON_LM_DIR`` points elsewhere, e.g. at a Me
 Tests and the CPU demo copy the scripts to a temporary folder and, for the patched route, apply the project's patches
 there (one per entry script); the copy in ``shared/`` is never modified.
 
-    python -m megatron_2d.testing.megatron_lm DEST [--patched] [--script pretrain_hybrid.py]   # prints DEST/SCRIPT
+    python -m megatron_2d_dev.megatron_lm DEST [--patched] [--script pretrain_hybrid.py]   # prints DEST/SCRIPT
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 
 TAG = "core_v0.19.0"
 SCRIPTS = ("pretrain_gpt.py", "gpt_builders.py", "pretrain_hybrid.py", "hybrid_builders.py", "model_provider.py")
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # dev/megatron_2d_dev/ -> the checkout
 PATCHES = tuple(
     REPO_ROOT / "patches" / f"megatron-lm-{TAG}-{entry}-2d.patch" for entry in ("pretrain_gpt", "pretrain_hybrid")
 )

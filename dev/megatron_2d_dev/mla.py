@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from ..megatron import MLATransformerConfig2D
-from .reference import reference_attention
+from megatron_2d.megatron import MLATransformerConfig2D
+from megatron_2d.testing.reference import reference_attention
+
 from .tiny_gpt import TinyGPTConfig, local_spec_with_core_attention
 
 # small MLA dims: q/k head dim 12 + 8 (rope) = 20, v head dim 10, latent 16 + 8
@@ -65,7 +66,7 @@ def reference_mla_spec():
 
 def mla_spec_2d(ring: str = "expanded", **spec_kwargs):
     """The 2d GPT layer spec for an MLA model whose config asks for ``ring`` (local layers)."""
-    from ..megatron import get_gpt_layer_spec_2d
+    from megatron_2d.megatron import get_gpt_layer_spec_2d
 
     config = types.SimpleNamespace(multi_latent_attention=True, cp_2d_mla_ring=ring, qk_layernorm=False)
     return get_gpt_layer_spec_2d(config, use_transformer_engine=False, **spec_kwargs)

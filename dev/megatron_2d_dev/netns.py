@@ -29,7 +29,7 @@ PREFIX = "m2dc"
 NETNS_DIR = "/run/netns"
 LEDGER_ENV = "M2D_NETNS_LEDGER"
 """Names a file to which every owner that builds namespaces appends its tag (:func:`record_owner`): a test session's
-record of what it made (:mod:`megatron_2d.testing.leftovers` checks them gone at its end)."""
+record of what it made (:mod:`megatron_2d_dev.leftovers` checks them gone at its end)."""
 CLONE_NEWNET = 0x40000000
 _NAME = re.compile(rf"^{PREFIX}-(\d+)x(\d+)([ck])(\d+)-([a-z0-9]+)$")
 

@@ -2,7 +2,7 @@
 
 Nothing on the library's runtime path imports this module. ``install_pretrain_cpu_shims()`` must be called
 explicitly and refuses when CUDA is available (on GPUs, run the scripts unchanged). It adds, on top of
-:mod:`megatron_2d.testing.megatron_cpu` (typing.override, current_device, synchronize, CPU RNG tracker, RoPE and
+:mod:`megatron_2d_dev.megatron_cpu` (typing.override, current_device, synchronize, CPU RNG tracker, RoPE and
 mask slicing, streams/events for megatron DDP), what ``pretrain()`` itself asks of CUDA:
 
   P1. ``initialize_megatron`` asserts ``torch.cuda.is_available()``: pretrain's call gets ``allow_no_cuda=True``.
@@ -23,7 +23,7 @@ mask slicing, streams/events for megatron DDP), what ``pretrain()`` itself asks 
       its ``torch.rand(..., device="cuda")`` inputs, shaped by TP and CP, would draw from the CPU generator that
       ``--use-cpu-initialization`` then draws the weights from (on a GPU they draw from the CUDA generator), so the
       weights would depend on the CP size.
-  P9. HybridModel's CPU shims (:mod:`megatron_2d.testing.hybrid_cpu`: its final norm, the Mamba / GDN kernel
+  P9. HybridModel's CPU shims (:mod:`megatron_2d_dev.hybrid_cpu`: its final norm, the Mamba / GDN kernel
       stand-ins, Transformer Engine's THD split), for pretrain_hybrid.py.
 
 Two ways in:
@@ -31,12 +31,12 @@ Two ways in:
     # forked ranks (pytest): the process group already exists, run a script's __main__ on this rank
     run_script(script_path, argv)
 
-    # torchrun: python -m megatron_2d.testing.pretrain_cpu SCRIPT [pretrain flags...]
-    torchrun --nproc-per-node 4 -m megatron_2d.testing.pretrain_cpu pretrain_gpt.py --context-parallel-size 4 ...
+    # torchrun: python -m megatron_2d_dev.pretrain_cpu SCRIPT [pretrain flags...]
+    torchrun --nproc-per-node 4 -m megatron_2d_dev.pretrain_cpu pretrain_gpt.py --context-parallel-size 4 ...
 
-    # stock Megatron CP (Transformer Engine's context_parallel.py, megatron_2d.testing.stock_cp_spec):
-    torchrun ... -m megatron_2d.testing.pretrain_cpu --te-release 2.20.2 pretrain_gpt.py --bf16 \
-        --spec megatron_2d.testing.stock_cp_spec gpt_layer_spec_stock_cp --cp-comm-type p2p ...
+    # stock Megatron CP (Transformer Engine's context_parallel.py, megatron_2d_dev.stock_cp_spec):
+    torchrun ... -m megatron_2d_dev.pretrain_cpu --te-release 2.20.2 pretrain_gpt.py --bf16 \
+        --spec megatron_2d_dev.stock_cp_spec gpt_layer_spec_stock_cp --cp-comm-type p2p ...
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ size; no fused CUDA/TE/apex kernels; the local layers; data loaded in the rank (
 
 def refuse_with_cuda() -> None:
     """CudaAvailableError when CUDA is available."""
-    _refuse_with_cuda("megatron_2d.testing.pretrain_cpu", "run pretrain_gpt.py unchanged")
+    _refuse_with_cuda("megatron_2d_dev.pretrain_cpu", "run pretrain_gpt.py unchanged")
 
 
 def _zero(*args, **kwargs) -> int:
@@ -207,14 +207,14 @@ def init_gloo_from_env(timeout_s: float = 120.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m megatron_2d.testing.pretrain_cpu [--te-release VERSION] SCRIPT [flags...]`` under torchrun."""
+    """``python -m megatron_2d_dev.pretrain_cpu [--te-release VERSION] SCRIPT [flags...]`` under torchrun."""
     argv = list(sys.argv[1:] if argv is None else argv)
     te_release = None
     if argv[:1] == ["--te-release"] and len(argv) > 1:
         te_release, argv = argv[1], argv[2:]
     if not argv or argv[0].startswith("-"):
         raise SystemExit(
-            "usage: torchrun --nproc-per-node N -m megatron_2d.testing.pretrain_cpu [--te-release VERSION] SCRIPT "
+            "usage: torchrun --nproc-per-node N -m megatron_2d_dev.pretrain_cpu [--te-release VERSION] SCRIPT "
             "[flags...]"
         )
     torch.set_num_threads(1)

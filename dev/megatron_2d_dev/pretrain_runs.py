@@ -25,7 +25,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .distributed import run_on_ranks
+from megatron_2d.testing.distributed import run_on_ranks
+
 from .pretrain_cpu import install_pretrain_cpu_shims, refuse_with_cuda, run_script
 
 DEFAULT_TIMEOUT_S = 150.0

@@ -227,7 +227,8 @@ def te_norms(version: str = TE_RELEASE) -> Iterator[types.ModuleType]:
     from megatron.core import utils as mcore_utils
     from packaging.version import Version
 
-    from ..megatron import hybrid_spec, spec  # noqa: F401  (their ready specs are built at import: before TE shows)
+    from megatron_2d.megatron import hybrid_spec, spec  # noqa: F401  (their ready specs are built at import: before TE shows)
+
     from .hybrid_cpu import install_hybrid_cpu_shims
     from .te_package import load_release
 
@@ -258,7 +259,7 @@ def with_te_norms(spec):
     from megatron.core.extensions.transformer_engine import TENorm
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from ..megatron.hybrid_spec import copy_spec
+    from megatron_2d.megatron.hybrid_spec import copy_spec
 
     return copy_spec(spec, {WrappedTorchNorm: TENorm})
 
@@ -278,7 +279,8 @@ def norm_route(route: str) -> Iterator[None]:
 
 
 def _te_norm_hybrid_specs():
-    from ..megatron.hybrid_spec import hybrid_stack_spec_2d_local
+    from megatron_2d.megatron.hybrid_spec import hybrid_stack_spec_2d_local
+
     from .hybrid_cpu import megatron_local_hybrid_stack_spec
 
     return with_te_norms(megatron_local_hybrid_stack_spec), with_te_norms(hybrid_stack_spec_2d_local)
@@ -286,6 +288,6 @@ def _te_norm_hybrid_specs():
 
 megatron_local_hybrid_stack_spec_te_norms, hybrid_stack_spec_2d_te_norms = _te_norm_hybrid_specs()
 """For pretrain_hybrid.py under sequence parallelism, run inside :func:`te_norms` (``--spec
-megatron_2d.testing.sp_norms NAME``): Megatron's local hybrid stack spec (the CP = 1 reference's,
+megatron_2d_dev.sp_norms NAME``): Megatron's local hybrid stack spec (the CP = 1 reference's,
 ``hybrid_cpu.megatron_local_hybrid_stack_spec``) and megatron_2d's local 2D one, each with ``TENorm`` in its norm
 slots."""

@@ -8,7 +8,7 @@ functions here take the same arguments and compute the same math on any device, 
 recurrence (tests/test_ssm_cpu.py). Arguments the layers never pass in training (varlen states for inference,
 initial states combined with packed sequences, non-SSM channels) are refused by name.
 
-:mod:`megatron_2d.testing.hybrid_cpu` installs them under the real packages' module names, by explicit call.
+:mod:`megatron_2d_dev.hybrid_cpu` installs them under the real packages' module names, by explicit call.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..sequence_sharding import shard_sequence, unshard_sequence
-from .reference import attention_with_lse, norm_err, rel_err, rounded
+from megatron_2d.sequence_sharding import shard_sequence, unshard_sequence
+from megatron_2d.testing.reference import attention_with_lse, norm_err, rel_err, rounded
 
 COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather")
 FORMATS = ("sbhd", "thd")

@@ -1,7 +1,7 @@
 """Stock Megatron context parallelism in pretrain_gpt.py on CPU ranks: a GPT layer spec of megatron-core's local
 linears and norms with megatron-core's own ``TEDotProductAttention`` as core attention.
 
-    --spec megatron_2d.testing.stock_cp_spec gpt_layer_spec_stock_cp     (with --cp-comm-type p2p | a2a | a2a+p2p |
+    --spec megatron_2d_dev.stock_cp_spec gpt_layer_spec_stock_cp     (with --cp-comm-type p2p | a2a | a2a+p2p |
                                                                           all_gather, --hierarchical-context-
                                                                           parallel-sizes, --bf16 or --fp16)
 
@@ -14,7 +14,7 @@ Its parameters and checkpoints are those of ``--transformer-impl local`` (core a
 checkpoint saved with it resumes with the 2D spec (the user's migration from stock CP to 2D).
 
 Megatron-core must see Transformer Engine: run inside ``te_context_parallel_on_cpu(version, megatron=True)``, which
-``python -m megatron_2d.testing.pretrain_cpu --te-release VERSION pretrain_gpt.py ...`` enters (``make
+``python -m megatron_2d_dev.pretrain_cpu --te-release VERSION pretrain_gpt.py ...`` enters (``make
 pretrain-stock-cpu``). TE's fused attention takes fp16 / bf16 only. In a context entered with ``claim_cuda=False``
 (the benchmarks: the claim's per-op cost kept off everything but TE), the core attention is
 :func:`claiming_attention`'s subclass, which claims CUDA to TE's checks around its own forward only.
@@ -36,8 +36,8 @@ def te_dot_product_attention() -> type:
     if extension is None or not getattr(extension, "HAVE_TE", False):
         raise RuntimeError(
             "the stock-CP spec needs megatron-core with Transformer Engine; on CPU ranks run inside "
-            "megatron_2d.testing.te_context_parallel.te_context_parallel_on_cpu(version, megatron=True), e.g. "
-            "python -m megatron_2d.testing.pretrain_cpu --te-release 2.20.2 pretrain_gpt.py ... (make "
+            "megatron_2d_dev.te_context_parallel.te_context_parallel_on_cpu(version, megatron=True), e.g. "
+            "python -m megatron_2d_dev.pretrain_cpu --te-release 2.20.2 pretrain_gpt.py ... (make "
             "pretrain-stock-cpu)"
         )
     context = active()
@@ -77,7 +77,7 @@ def _refuse_te_final_norm() -> None:
 
 
 def gpt_layer_spec_stock_cp(config=None, vp_stage: int | None = None) -> LayerSpec:
-    """For ``--spec megatron_2d.testing.stock_cp_spec gpt_layer_spec_stock_cp``: Megatron's local GPT spec for
+    """For ``--spec megatron_2d_dev.stock_cp_spec gpt_layer_spec_stock_cp``: Megatron's local GPT spec for
     ``config`` with TEDotProductAttention as every layer's core attention."""
     t = transformer_config_of(config)
     if t is not None and getattr(t, "params_dtype", None) is not None and not (t.bf16 or t.fp16):

@@ -324,7 +324,7 @@ def te_context_parallel_on_cpu(
 
     Inside such a context (of this process, or of its parent before a fork) another one of the same release and
     GPU adds nothing but the claim it asks for."""
-    megatron_cpu.refuse_with_cuda("megatron_2d.testing.te_context_parallel", "run Transformer Engine itself")
+    megatron_cpu.refuse_with_cuda("megatron_2d_dev.te_context_parallel", "run Transformer Engine itself")
     outer = _ACTIVE[-1] if _ACTIVE else None
     reusable = outer is not None and (outer.version, outer.gpu) == (version, gpu)
     if reusable and (outer.megatron_extension is not None or not megatron):

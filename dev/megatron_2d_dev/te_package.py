@@ -36,7 +36,7 @@ dim).
 Setup (``tools/install.sh`` runs it; each release installs once into its own folder, nothing is compiled, and the
 packages TE's PyTorch layer imports from 2.8 on, onnxscript and onnx, into one more):
 
-    python -m megatron_2d.testing.te_package install
+    python -m megatron_2d_dev.te_package install
 
 Use, in a process that will import no other release (forked ranks):
 
@@ -63,10 +63,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..kernels.base import band_mask
-from ..kernels.cpu_flash import CpuFlashKernel
-from ..kernels.torch_math import TorchMathKernel
-from ..layout.band import Band
+from megatron_2d.kernels.base import band_mask
+from megatron_2d.kernels.cpu_flash import CpuFlashKernel
+from megatron_2d.kernels.torch_math import TorchMathKernel
+from megatron_2d.layout.band import Band
+
 from . import te_thd_cpu
 
 RELEASES = ("2.5.0", "2.8.0", "2.12.0", "2.20.2")
@@ -596,7 +597,7 @@ def load_release(
     if not is_installed(version):
         raise FileNotFoundError(
             f"Transformer Engine {version} is not installed under {releases_dir()}; run "
-            f"'python -m megatron_2d.testing.te_package install' (tools/install.sh does)"
+            f"'python -m megatron_2d_dev.te_package install' (tools/install.sh does)"
         )
     unload_release()
     root = release_path(version)

@@ -44,7 +44,7 @@ from megatron_2d.layout.topology import zigzag_chunks
 from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d
 from megatron_2d.megatron.process_groups import destroy_2d_groups
 from megatron_2d.sequence_sharding import unshard_sequence
-from megatron_2d.testing.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
+from megatron_2d_dev.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
 
 Batch = dict[str, torch.Tensor]
 
@@ -70,7 +70,7 @@ def init_parallel(
     """
     if not shims_installed():
         raise RuntimeError(
-            "tiny_gpt runs megatron-core on CPU ranks: call megatron_2d.testing.megatron_cpu."
+            "tiny_gpt runs megatron-core on CPU ranks: call megatron_2d_dev.megatron_cpu."
             "install_megatron_cpu_shims() first (importing this module patches nothing)"
         )
     if parallel_state.model_parallel_is_initialized():
@@ -154,7 +154,7 @@ def make_transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         hierarchical_context_parallel_sizes=([g.size() for g in hcp] if hcp else None),
         cp_comm_type=cfg.cp_comm_type,
-        sequence_parallel=False,  # the torch norm asserts with SP: see megatron_2d.testing.sp_norms
+        sequence_parallel=False,  # the torch norm asserts with SP: see megatron_2d_dev.sp_norms
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,

@@ -1,5 +1,5 @@
 """A tiny megatron-core HybridModel (Mamba, GDN, attention and MLP layers) on forked CPU ranks: the HybridModel
-counterpart of :mod:`megatron_2d.testing.tiny_gpt`, whose parallel-state, batch, loss and gradient helpers it
+counterpart of :mod:`megatron_2d_dev.tiny_gpt`, whose parallel-state, batch, loss and gradient helpers it
 shares (``tg.forward_backward``, ``tg.train_steps`` and ``tg.compare_results`` take either model).
 
     install_hybrid_cpu_shims()                       # TENorm final norm, Mamba/GDN kernel stand-ins (explicit)
@@ -21,7 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_2d.layout.hybrid_layers import decoder_layers
-from megatron_2d.testing import tiny_gpt as tg
+from megatron_2d_dev import tiny_gpt as tg
 
 SSM_SIZES = dict(
     activation_func=torch.nn.functional.silu,

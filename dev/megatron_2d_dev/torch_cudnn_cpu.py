@@ -33,10 +33,11 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..kernels.cpu_flash import CpuFlashKernel
-from ..kernels.torch_cudnn import TorchCudnnKernel
-from ..kernels.torch_math import TorchMathKernel
-from ..layout.band import Band
+from megatron_2d.kernels.cpu_flash import CpuFlashKernel
+from megatron_2d.kernels.torch_cudnn import TorchCudnnKernel
+from megatron_2d.kernels.torch_math import TorchMathKernel
+from megatron_2d.layout.band import Band
+
 from .torch_flash_cpu import kernel_on_cpu
 
 

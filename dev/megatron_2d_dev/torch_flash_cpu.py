@@ -10,11 +10,11 @@ schemas, through the real dispatcher), computed as PyTorch's copy of flash-attn'
 (``aten/src/ATen/native/transformers/cuda/attention.cu`` and ``flash_attn/flash_api.cpp``): a window side passed as
 None is -1; dense calls (cum_seq None) go to ``mha_fwd`` / ``mha_bwd``, whose window is normalised against s_k,
 varlen calls to ``mha_varlen_fwd`` / ``mha_varlen_bwd``, normalised against max_k
-(:func:`megatron_2d.testing.flash_attn_cpu.kernel_window`, the rule shared with the flash-attn releases' CPU
+(:func:`megatron_2d_dev.flash_attn_cpu.kernel_window`, the rule shared with the flash-attn releases' CPU
 extension); masks align bottom-right on each sequence's own lengths, K/V heads serve query-head groups, lse is fp32
 ([b, h, s_q] dense, [h, total_q] varlen) and +inf on a row that sees no key. Its checks are the CUDA code's: fp16/bf16,
 head dim a multiple of 8 and at most 256, K/V heads dividing the query heads, int32 cum_seq. The math is that of
-the flash-attn stand-in (:func:`~megatron_2d.testing.flash_attn_cpu.flash_forward` / ``flash_backward``). Both
+the flash-attn stand-in (:func:`~megatron_2d_dev.flash_attn_cpu.flash_forward` / ``flash_backward``). Both
 contexts also let the kernel class accept CPU devices.
 """
 
@@ -27,7 +27,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..kernels.torch_flash import TorchFlashKernel
+from megatron_2d.kernels.torch_flash import TorchFlashKernel
+
 from .flash_attn_cpu import flash_backward, flash_forward, kernel_window
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 import megatron_2d
+from megatron_2d.groups import build_groups_for_layout
+from megatron_2d.layout.topology import Layout2D
 from megatron_2d.testing.distributed import run_on_ranks
 
-from ..groups import build_groups_for_layout
-from ..layout.topology import Layout2D
-from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
+from ..cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
 from .cluster import add_cluster_arguments, bench_cluster
 from .harness import (
     DTYPES,

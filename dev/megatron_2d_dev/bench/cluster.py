@@ -5,7 +5,7 @@ benchmark takes, and the cluster's measured figures (link rates, all-to-alls, la
     python tools/bench_compare.py --ranks 8 --nodes 2 --net-mbit 50 --nvl-mbit 450         # rates by hand
     python tools/emulated_cluster.py measure --ranks 8 --nodes 2 --cluster dgx-h100        # the figures alone
 
-The cluster (:mod:`megatron_2d.testing.emulated_cluster`): --nodes nodes of N / nodes ranks, a NIC per rank (or
+The cluster (:mod:`megatron_2d_dev.emulated_cluster`): --nodes nodes of N / nodes ranks, a NIC per rank (or
 the preset's NICs per node, scaled to the ranks per node) and a node link per rank, each shaped by tc tbf.
 
 Scaling a preset. What decides a ring step's overlap is its communication / compute ratio,
@@ -41,14 +41,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..kernels import select_kernel
-from ..layout.band import Band
-from ..plan import ClusterSpec, LinkEfficiency, get_cluster
-from ..plan.attention_time import BWD_FACTOR, GB, class_time, flow_gbps
-from ..plan.kernel_rates import SELECTED_KERNEL
-from ..plan.link_classes import LinkClass
-from ..testing.distributed import run_on_ranks
-from ..testing.emulated_cluster import ClusterShape, EmulatedCluster
+from megatron_2d.kernels import select_kernel
+from megatron_2d.layout.band import Band
+from megatron_2d.plan import ClusterSpec, LinkEfficiency, get_cluster
+from megatron_2d.plan.attention_time import BWD_FACTOR, GB, class_time, flow_gbps
+from megatron_2d.plan.kernel_rates import SELECTED_KERNEL
+from megatron_2d.plan.link_classes import LinkClass
+from megatron_2d.testing.distributed import run_on_ranks
+
+from ..emulated_cluster import ClusterShape, EmulatedCluster
 from .harness import measure_copy_bandwidth
 
 GPU_PRESETS: dict[str, ClusterSpec] = {
@@ -273,7 +274,7 @@ def _link_rank(rank, world, per_node, nbytes, repeats):
 
 def measure_links(cluster: EmulatedCluster, nbytes: int = 256 << 10, repeats: int = 3) -> LinkFigures:
     """:class:`LinkFigures` of ``cluster`` (forked ranks in its namespaces; the slowest rank's medians)."""
-    from ..testing.cluster_launch import run_on_cluster
+    from ..cluster_launch import run_on_cluster
 
     shape = cluster.shape
     per_rank = run_on_cluster(cluster, _link_rank, shape.ranks_per_node, nbytes, repeats, timeout_s=600)
@@ -388,7 +389,7 @@ def bench_cluster(args, world: int, dtype: torch.dtype) -> Iterator[BenchCluster
         return
     if getattr(args, "device", "cpu") != "cpu":
         raise SystemExit("the emulated cluster runs CPU ranks: --device cpu")
-    from ..testing.netns import namespaces_problem
+    from ..netns import namespaces_problem
 
     problem = namespaces_problem()
     if problem:

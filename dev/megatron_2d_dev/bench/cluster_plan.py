@@ -1,8 +1,8 @@
 """The planner against the measurement on the emulated cluster: its prediction beside every measured row of
 bench_compare, the rows it predicts within 25%, and the measured time of the 2D layout it recommends.
 
-The planner's cluster is the emulated one as measured (:func:`megatron_2d.bench.cluster.emulated_cluster_spec`);
-its model is the benchmark's attention shape as one layer (:func:`megatron_2d.bench.harness.bench_model`).
+The planner's cluster is the emulated one as measured (:func:`megatron_2d_dev.bench.cluster.emulated_cluster_spec`);
+its model is the benchmark's attention shape as one layer (:func:`megatron_2d_dev.bench.harness.bench_model`).
 Rows and the planner's kinds:
 
     2D hp x cp  w  placement     2d (hp, cp, w, placement)
@@ -21,8 +21,9 @@ import math
 import re
 import statistics
 
-from ..plan import ParallelSpec, Scheme, evaluate
-from .cli import render_table
+from megatron_2d.plan import ParallelSpec, Scheme, evaluate
+
+from ..cli import render_table
 from .harness import bench_model
 from .runners import OURS, RING_FLASH, USP
 

@@ -4,7 +4,7 @@ iteration and the losses of each context-parallel mode, the same model, data and
     python tools/emulated_cluster.py pretrain --nodes 2 --ranks 8 --cluster dgx-h100 --gpu-seq 65536
     python tools/emulated_cluster.py pretrain --nodes 2 --ranks 8 --net-mbit 50 --modes 2d:2:4,2d:1:4,p2p,a2a+p2p:2
 
-Every mode runs ``examples/launch/torchrun_gpt.sh`` on each node (:func:`megatron_2d.testing.cluster_launch.
+Every mode runs ``examples/launch/torchrun_gpt.sh`` on each node (:func:`megatron_2d_dev.cluster_launch.
 run_torchrun_gpt`) with MODE, CP = ranks, HP, WINDOW, PLACEMENT and the model flags below (later flags win over
 gpt_flags.sh's), ``--iters`` iterations. A mode's time is the median of its iterations after the first (Megatron's
 ``elapsed time per iteration``); rounds run every mode once, in an order that rotates from round to round, and a
@@ -17,7 +17,7 @@ CP: ``p2p``, ``a2a``, ``a2a+p2p:A`` (``--hierarchical-context-parallel-sizes A C
 the ring across), ``all_gather``. A stock mode runs the same pretrain_gpt.py flags with its ``--cp-comm-type`` and
 the stock-CP spec (:data:`STOCK_SPEC`: megatron-core's local linears and norms, its own TEDotProductAttention over
 Transformer Engine ``--te-release``'s context_parallel.py), each torchrun worker inside TE's CPU context
-(:data:`megatron_2d.testing.cluster_worker.TE_RELEASE_ENV`; TE's fused attention is the CPU stand-in's kernel, the
+(:data:`megatron_2d_dev.cluster_worker.TE_RELEASE_ENV`; TE's fused attention is the CPU stand-in's kernel, the
 cpu_flash kernel the 2D modes run). Modes TE refuses for the model's heads (its a2a level must divide the query and
 the K/V heads: TE does not replicate K/V) are reported n/a with that reason, before any launch. Every side trains
 in bf16 (gpt_flags.sh's ``--bf16``, the CP = 1 reference included), the only dtype besides fp16 that TE's fused
@@ -36,18 +36,19 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..layout.topology import divisors
-from ..testing.cluster_launch import LaunchFailure, check_runs, launch_flags, run_torchrun_gpt
-from ..testing.cluster_worker import TE_RELEASE_ENV
-from ..testing.reference import TOLERANCES
-from .cli import render_table
+from megatron_2d.layout.topology import divisors
+from megatron_2d.testing.reference import TOLERANCES
+
+from ..cluster_launch import LaunchFailure, check_runs, launch_flags, run_torchrun_gpt
+from ..cluster_worker import TE_RELEASE_ENV
+from ..cli import render_table
 from .cluster import add_cluster_arguments, bench_cluster
 from .harness import round_order
 from .runners import TE_RELEASE
 
 ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-STOCK_SPEC = ["--spec", "megatron_2d.testing.stock_cp_spec", "gpt_layer_spec_stock_cp"]
-"""The layer spec of the stock modes (megatron_2d.testing.stock_cp_spec): stock CP as Megatron runs it, with the
+STOCK_SPEC = ["--spec", "megatron_2d_dev.stock_cp_spec", "gpt_layer_spec_stock_cp"]
+"""The layer spec of the stock modes (megatron_2d_dev.stock_cp_spec): stock CP as Megatron runs it, with the
 linears on CPU."""
 
 
@@ -128,12 +129,12 @@ def model_flags(args) -> list[str]:
 def stock_refusal(mode: Mode, args) -> str | None:
     """Why stock ``mode`` cannot run this job (None: it can): TE not installed, or a head all-to-all that does not
     divide CP, the query heads or the K/V heads (TE does not replicate K/V)."""
-    from ..testing import te_package
+    from .. import te_package
 
     if not te_package.is_installed(args.te_release):
         return (
             f"Transformer Engine {args.te_release} is not installed under {te_package.releases_dir()} "
-            f"(python -m megatron_2d.testing.te_package install)"
+            f"(python -m megatron_2d_dev.te_package install)"
         )
     a2a, cp = mode.a2a_size(args.ranks), args.ranks
     if cp % a2a or args.heads % a2a or args.kv_heads % a2a:
@@ -171,8 +172,8 @@ def iteration_seconds(log: str) -> dict[int, float]:
 
 def run(args) -> tuple[list[ModeResult], dict[int, float], object]:
     """Every mode over ``args.rounds`` rounds on the cluster; (results, CP=1 losses, the cluster's figures)."""
-    from ..testing.megatron_lm import copy_scripts
-    from ..testing.pretrain_runs import lm_losses, run_pretrain
+    from ..megatron_lm import copy_scripts
+    from ..pretrain_runs import lm_losses, run_pretrain
 
     cp = args.ranks
     modes = parse_modes(args.modes, cp)

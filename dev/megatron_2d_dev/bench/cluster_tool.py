@@ -9,7 +9,7 @@ end-to-end benchmark on one.
     python tools/emulated_cluster.py pretrain --ranks 8 --nodes 2 --cluster dgx-h100    # bench/cluster_pretrain.py
 
 ``up`` prints each rank's namespace (enter one with ``ip netns exec NAME bash``); ``measure`` prints the scaling,
-the links' measured figures and the planner's view of the cluster (megatron_2d.bench.cluster), then tears it down.
+the links' measured figures and the planner's view of the cluster (megatron_2d_dev.bench.cluster), then tears it down.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from ..testing import netns
-from ..testing.emulated_cluster import ClusterShape, EmulatedCluster
+from .. import netns
+from ..emulated_cluster import ClusterShape, EmulatedCluster
 from .cluster import add_cluster_arguments, bench_cluster
 
 

@@ -4,7 +4,7 @@
     python tools/bench_compare.py --ranks 8 --json out.json  # also save the rows
     torchrun --nproc-per-node 8 tools/bench_compare.py --device cuda --seq 65536 --heads 32 --kv-heads 8 --dim 128
 
-The rows (ours and the peers, and how the peers' bytes are counted): :mod:`megatron_2d.bench.runners`.
+The rows (ours and the peers, and how the peers' bytes are counted): :mod:`megatron_2d_dev.bench.runners`.
 
 Correctness gate: before any timing every implementation runs once on the same zigzag-sharded inputs, and its
 out, dq, dk, dv are compared with an fp64 reference (exact causal softmax attention, computed blockwise on the
@@ -17,9 +17,9 @@ one that cannot run here as n/a; none of them is timed.
     python tools/bench_compare.py --ranks 8 --no-peers --send-first   # each 2D layout with the posting order of
                                                                       # before issue 41 too, paired by round
 
-On an emulated cluster (--cluster / --net-mbit: megatron_2d.bench.cluster) the ranks run in its network
+On an emulated cluster (--cluster / --net-mbit: megatron_2d_dev.bench.cluster) the ranks run in its network
 namespaces, and after the table the planner's prediction for the emulated cluster as measured is printed beside
-every row it has a kind for (megatron_2d.bench.cluster_plan).
+every row it has a kind for (megatron_2d_dev.bench.cluster_plan).
 
 Timing (as tools/bench_attention.py): rounds, the first a warm-up; each times the single-process baseline (the
 local kernel's fwd+bwd on the full problem, one thread: rank 0 alone, then min(N, cores) ranks at once; on GPUs
@@ -63,7 +63,7 @@ import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_on_rank
 
-from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
+from ..cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
 from .cluster import add_cluster_arguments, bench_cluster
 from .cluster_plan import print_planner_check
 from .harness import DTYPES, idle, make_inputs, mib, retain_freed_memory, round_order, single_process_step
@@ -482,20 +482,20 @@ def default_windows(rows: Sequence[Row]) -> list[Paired]:
 
 ADAPTATIONS = {
     RING_FLASH: "ring-flash-attn: zigzag_ring_flash_attn_func on our zigzag shards (its layout); on CPU its "
-    "flash_attn kernels are the stand-in (megatron_2d.testing.flash_attn_cpu)",
+    "flash_attn kernels are the stand-in (megatron_2d_dev.flash_attn_cpu)",
     USP: "USP: yunchang {version} LongContextAttention(ring_impl_type='zigzag') over its set_seq_parallel_pg groups, "
     "inputs by its zigzag_extract_local; on CPU over the flash_attn stand-in as flash-attn 2.7 (yunchang picks the "
     "call convention by version); a ring of one rank (ulysses N) brings dK/dV home by a local copy instead of a "
     "gloo send to itself; 'K/V repeated by the caller': K/V heads repeated to N before the call (autograd sums "
     "their gradients)",
     "TE": "TE rows on CPU ranks: Transformer Engine {te_release}'s own DotProductAttention and context_parallel.py "
-    "(megatron_2d.testing.te_context_parallel), unchanged; its fused attention is the CPU stand-in of its compiled "
+    "(megatron_2d_dev.te_context_parallel), unchanged; its fused attention is the CPU stand-in of its compiled "
     "extension, the cpu_flash kernel our rows run; TE merges partial outputs and moves dK/dV in the input dtype "
     "(ours: fp32 riders by default, the 'dK/dV in <dtype>' rows move TE's bytes); its two CUDA streams run in order, "
     "as everything does on CPU; bytes: closed forms, checked against what TE's code sent (a mismatch is printed)",
     TORCH_CP: "torch CP: _ContextParallel (SDPA) by parallelize_module, inputs by _context_parallel_shard with the "
     "head-tail load balancer, set_rotate_method per row; GQA by SDPA's enable_gqa; on CPU a CP sharding rule for "
-    "the CPU SDPA op runs torch's _templated_ring_attention(_backward) (megatron_2d/bench/torch_cp_cpu.py); "
+    "the CPU SDPA op runs torch's _templated_ring_attention(_backward) (dev/megatron_2d_dev/bench/torch_cp_cpu.py); "
     "per-block kernel: megatron_2d's cpu_flash, as every row",
 }
 
@@ -602,7 +602,9 @@ def print_report(report: Report, args) -> None:
         if family in families_run:
             notes.append("note: " + text.format(version=YUNCHANG_VERSION, te_release=getattr(args, "te_release", "")))
     if any(r.bytes_source == "closed form" for r in report.rows):
-        notes.append("f: bytes from the closed forms in megatron_2d/bench/runners.py's docstring (ours are measured)")
+        notes.append(
+            "f: bytes from the closed forms in dev/megatron_2d_dev/bench/runners.py's docstring (ours are measured)"
+        )
     for note in notes:
         print(note)
 
@@ -668,7 +670,7 @@ def parse_args(argv: list[str] | None = None):
         "--te-release",
         default=TE_RELEASE,
         help=f"the Transformer Engine release of the TE rows on CPU ranks (default {TE_RELEASE}; "
-        "megatron_2d.testing.te_package installs 2.5.0, 2.8.0, 2.12.0, 2.20.2)",
+        "megatron_2d_dev.te_package installs 2.5.0, 2.8.0, 2.12.0, 2.20.2)",
     )
     p.add_argument(
         "--dkv-comm-dtype",

@@ -20,7 +20,7 @@ from megatron_2d.layout.choices import DKV_COMM_DTYPES
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import reference_attention, rel_err
 
-from .cli import add_arguments, render_table
+from ..cli import add_arguments, render_table
 
 
 def ring_errors(rank: int, world: int, seq_per_rank: int, heads: int, dim: int) -> dict[str, float]:

@@ -28,11 +28,11 @@ Rows
                       group from each micro-batch's PackedSeqParams.cp_group; the same data wrapper, scheduler and
                       schedule as dynamic 2D. megatron-core 0.19.2 as released crashes on this path at the first
                       micro-batch of a group of 2 or more (RoPE on the static group; TE's CP stream never allocated):
-                      the row runs with Megatron-LM #6821's two fixes (megatron_2d.testing.stock_dynamic_cp)
+                      the row runs with Megatron-LM #6821's two fixes (megatron_2d_dev.stock_dynamic_cp)
     static stock CP   --cp-comm-type p2p at CP_static with TEDotProductAttention: TE's own THD context parallelism
                       over the same packed micro-batches as static 2D (each document padded to 2 x CP)
 
-The stock rows run the stock-CP spec (megatron_2d.testing.stock_cp_spec: megatron-core's local linears and norms);
+The stock rows run the stock-CP spec (megatron_2d_dev.stock_cp_spec: megatron-core's local linears and norms);
 the 2D rows the 2d spec, whose linears and norms are the same local ones. The TE context is entered by the parent
 with the CUDA claim only around TE's attention forward (every other op of every row runs without it); TE's fused
 attention is the CPU stand-in's, the cpu_flash kernel the 2D rows run.
@@ -60,24 +60,30 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..layout.dynamic import format_dynamic_layouts, hybrid_group_sizes, megatron_cp_size, parse_dynamic_layouts
-from ..plan.console import parse_seq
-from ..plan.dynamic import pack_sequences
-from ..plan.lengths import SEQUENCE_MIXES, sequence_lengths
-from ..testing.reference import TOLERANCES
-from .cli import add_arguments, add_output_arguments, render_table
+from megatron_2d.layout.dynamic import (
+    format_dynamic_layouts,
+    hybrid_group_sizes,
+    megatron_cp_size,
+    parse_dynamic_layouts,
+)
+from megatron_2d.plan.console import parse_seq
+from megatron_2d.plan.dynamic import pack_sequences
+from megatron_2d.plan.lengths import SEQUENCE_MIXES, sequence_lengths
+from megatron_2d.testing.reference import TOLERANCES
+
+from ..cli import add_arguments, add_output_arguments, render_table
 from .harness import round_order
 from .runners import TE_RELEASE
 
 ROWS = ("dynamic 2D", "dynamic, one ring", "static 2D", "static, one ring", "stock dynamic CP", "static stock CP")
 STOCK_ROWS = ROWS[4:]
-"""The rows that run Transformer Engine's context parallelism (megatron_2d.testing.stock_dynamic_cp)."""
+"""The rows that run Transformer Engine's context parallelism (megatron_2d_dev.stock_dynamic_cp)."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 STOCK_DYNAMIC_NOTE = (
     "note: stock dynamic CP = megatron-core 0.19.2's hybrid CP over TEDotProductAttention and Transformer Engine "
     "{release}'s p2p, with Megatron-LM #6821's two fixes (RoPE on the micro-batch's CP group, TE's CP stream "
     "allocated): 0.19.2 as released stops at the first micro-batch on a group of 2 or more "
-    "(megatron_2d.testing.stock_dynamic_cp)"
+    "(megatron_2d_dev.stock_dynamic_cp)"
 )
 
 
@@ -113,7 +119,7 @@ def static_cp(job: Job, ranks: int) -> int:
 def samples_for(job: Job, ranks: int, pad_unit: int):
     """The global batch as SFTDataset packs it (module docstring), each sequence padded to a multiple of
     ``pad_unit`` tokens; the sequences' content does not depend on the padding (every row trains the same data)."""
-    from ..testing.dynamic_cp import sequence_samples
+    from ..dynamic_cp import sequence_samples
 
     lengths = sequences(job)
     capacity = static_cp(job, ranks) * job.max_seqlen_per_rank
@@ -127,7 +133,7 @@ def samples_for(job: Job, ranks: int, pad_unit: int):
 
 
 def tiny_config(job: Job):
-    from ..testing.tiny_gpt import TinyGPTConfig
+    from ..tiny_gpt import TinyGPTConfig
 
     dtype = DTYPES[job.dtype]
     precision = dict(bf16=True, params_dtype=dtype) if dtype == torch.bfloat16 else {}
@@ -144,18 +150,19 @@ def tiny_config(job: Job):
 
 def one_ring_layouts(ranks: int) -> str:
     """Every group size as hp 1 x one ring of all its ranks (stock dynamic CP's layout)."""
-    from ..layout.topology import Layout2D
+    from megatron_2d.layout.topology import Layout2D
 
     return format_dynamic_layouts({g: Layout2D(g, 1) for g in hybrid_group_sizes(ranks) if g > 1})
 
 
 def build_row(row: str, job: Job, ranks: int):
     """One row's training step on this rank (it returns the loss reports); parallel state and model built here."""
-    from ..layout.topology import Layout2D
-    from ..megatron.dynamic import RULE_CLUSTER, rule_model
-    from ..plan.dynamic import layout_for_size
-    from ..plan.hardware import get_cluster
-    from ..testing import dynamic_cp
+    from megatron_2d.layout.topology import Layout2D
+    from megatron_2d.megatron.dynamic import RULE_CLUSTER, rule_model
+    from megatron_2d.plan.dynamic import layout_for_size
+    from megatron_2d.plan.hardware import get_cluster
+
+    from .. import dynamic_cp
 
     cfg = tiny_config(job)
     if row in STOCK_ROWS:
@@ -183,7 +190,7 @@ def build_row(row: str, job: Job, ranks: int):
 def build_stock_row(row: str, job: Job, ranks: int, cfg):
     """A stock row's training step (module docstring): megatron-core's TEDotProductAttention over TE's p2p, in the
     TE context the parent entered; the same samples as the 2D row of the same kind."""
-    from ..testing import dynamic_cp, stock_dynamic_cp
+    from .. import dynamic_cp, stock_dynamic_cp
 
     if row == "stock dynamic CP":
         _, samples = samples_for(job, ranks, pad_unit=2)
@@ -225,7 +232,7 @@ def _loss(reports) -> torch.Tensor:
 def run_ranks(rank: int, world: int, job: Job, rows: list[str]) -> dict:
     """Every row, ``job.rounds`` rounds (rotated), on this rank: per row the steps' (wall s of the slowest rank, CPU
     s summed over ranks) and the step's loss."""
-    from ..testing.megatron_cpu import install_megatron_cpu_shims
+    from ..megatron_cpu import install_megatron_cpu_shims
 
     install_megatron_cpu_shims()
     timed: dict[str, list[tuple[float, float]]] = {row: [] for row in rows}
@@ -289,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats,
         dtype=args.dtype,
     )
-    from ..testing.distributed import run_on_ranks
+    from megatron_2d.testing.distributed import run_on_ranks
 
     notes = {row: why for row in stock if (why := stock_unavailable(args.te_release))}
     runnable = [row for row in args.rows if row not in notes]
@@ -306,31 +313,32 @@ def main(argv: list[str] | None = None) -> None:
 
 def stock_unavailable(release: str) -> str | None:
     """Why the stock rows cannot run here (None: they can)."""
-    from ..testing import te_package
+    from .. import te_package
 
     if te_package.is_installed(release):
         return None
     return (
         f"n/a: Transformer Engine {release} is not installed under {te_package.releases_dir()} "
-        f"(python -m megatron_2d.testing.te_package install)"
+        f"(python -m megatron_2d_dev.te_package install)"
     )
 
 
 @contextlib.contextmanager
 def stock_context(release: str | None) -> Iterator[None]:
     """The CPU shims, and with ``release`` Transformer Engine's CPU context with megatron-core's TE extension, for
-    the ranks forked inside (the claim only around TE's attention: megatron_2d.testing.stock_cp_spec). The model
+    the ranks forked inside (the claim only around TE's attention: megatron_2d_dev.stock_cp_spec). The model
     modules are imported first, without TE: GPTModel's final norm and the 2d spec module's default spec are chosen
-    when first imported, and must be the local ones (megatron_2d.testing.stock_cp_spec refuses TE's norm)."""
-    from ..megatron import spec  # noqa: F401
-    from ..testing import dynamic_cp, stock_dynamic_cp  # noqa: F401
-    from ..testing.megatron_cpu import install_megatron_cpu_shims
+    when first imported, and must be the local ones (megatron_2d_dev.stock_cp_spec refuses TE's norm)."""
+    from megatron_2d.megatron import spec  # noqa: F401
+
+    from .. import dynamic_cp, stock_dynamic_cp  # noqa: F401
+    from ..megatron_cpu import install_megatron_cpu_shims
 
     install_megatron_cpu_shims()
     if release is None:
         yield
         return
-    from ..testing.te_context_parallel import te_context_parallel_on_cpu
+    from ..te_context_parallel import te_context_parallel_on_cpu
 
     with te_context_parallel_on_cpu(release, megatron=True, claim_cuda=False):
         yield

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import select_kernel
-from ..layout.band import Band
-from ..layout.topology import Layout2D, every_layout
-from ..plan import ModelSpec
+from megatron_2d.kernels import select_kernel
+from megatron_2d.layout.band import Band
+from megatron_2d.layout.topology import Layout2D, every_layout
+from megatron_2d.plan import ModelSpec
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -19,10 +19,10 @@ import time
 import torch
 
 import megatron_2d
+from megatron_2d.layout.topology import divisors
 from megatron_2d.testing.distributed import run_on_ranks
 
-from ..layout.topology import divisors
-from .cli import add_arguments, add_malloc_argument, render_table
+from ..cli import add_arguments, add_malloc_argument, render_table
 from .cluster import add_cluster_arguments, bench_cluster
 from .harness import retain_freed_memory, round_order
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import megatron_2d
 from megatron_2d.testing.distributed import run_on_ranks
 
-from .cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
+from ..cli import add_arguments, add_malloc_argument, add_output_arguments, render_table
 from .harness import DTYPES, make_inputs, retain_freed_memory, round_order
 
 KERNELS = ("cpu_flash", "torch_math")

@@ -20,8 +20,8 @@ Rows (same q, k, v, dout, fp32 or --dtype, causal, hq = hkv heads of dim d):
                     arithmetic, so its time is an upper bound for what fp32 would cost
     TE p2p / a2a /  stock Megatron's packed CP: Transformer Engine --te-release's own THD context parallelism
     a2a+p2p [A, P]  (attn_forward_func_with_cp with qkv_format "thd", pad_between_seqs, as its DotProductAttention
-    / all_gather    calls it) on CPU ranks (megatron_2d.testing.te_context_parallel): every document padded to a
-                    multiple of 2*CP by TE's rule and split by TE's partition (megatron_2d.testing.stock_cp.
+    / all_gather    calls it) on CPU ranks (megatron_2d_dev.te_context_parallel): every document padded to a
+                    multiple of 2*CP by TE's rule and split by TE's partition (megatron_2d_dev.stock_cp.
                     thd_layout); each comm type the release runs with THD; bf16 only (--dtype bf16: TE's fused
                     attention takes fp16 / bf16), the cpu_flash kernel inside; bytes counted as TE's code sends them
 
@@ -58,16 +58,16 @@ from rich.console import Console
 from rich.table import Table
 
 import megatron_2d
-from megatron_2d.bench.cluster import add_cluster_arguments, bench_cluster
-from megatron_2d.bench.harness import DTYPES, mib
-from megatron_2d.bench.runners import TE_RELEASE, count_collective_sends, count_ring_comm_sends
 from megatron_2d.layout.band import SlidingWindow
 from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.packing.sharding import PackingCost, row_pairs, shard_documents, zigzag_slots
 from megatron_2d.plan.lengths import DISTRIBUTIONS, cu_seqlens_of, document_lengths, read_lengths
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, blockwise_reference
-from megatron_2d.testing.stock_cp import StockCPGroups
+from megatron_2d_dev.bench.cluster import add_cluster_arguments, bench_cluster
+from megatron_2d_dev.bench.harness import DTYPES, mib
+from megatron_2d_dev.bench.runners import TE_RELEASE, count_collective_sends, count_ring_comm_sends
+from megatron_2d_dev.stock_cp import StockCPGroups
 
 ROWS = (*PACKING_MODES, "one sequence", "ring-flash-attn", "ring-flash-attn fp64")
 
@@ -322,8 +322,8 @@ def _bench_ring_flash(rows: _Rows, rank: int, world: int, case: Case, ring_flash
 
 def te_thd_rows(world: int, heads: int, release: str) -> list[tuple[str, str, int]]:
     """(name, cp_comm_type, a2a level) of TE's THD context parallelism at CP = ``world`` that ``release`` runs
-    (megatron_2d.testing.stock_cp.THD_FROM) and the heads allow (a2a levels must divide them)."""
-    from megatron_2d.testing.stock_cp import THD_FROM
+    (megatron_2d_dev.stock_cp.THD_FROM) and the heads allow (a2a levels must divide them)."""
+    from megatron_2d_dev.stock_cp import THD_FROM
 
     version = tuple(int(x) for x in release.split(".")[:2])
 
@@ -344,9 +344,9 @@ def te_thd_rows(world: int, heads: int, release: str) -> list[tuple[str, str, in
 def _bench_te_thd(rows: _Rows, rank, world, case: Case, name, kind, a2a, te_groups, scale, dtype) -> None:
     """TE's THD context parallelism (attn_forward_func_with_cp, as TE's DotProductAttention calls it for a packed
     batch) on the same batch: every document padded to a multiple of 2 CP by TE's rule and split by TE's partition
-    (megatron_2d.testing.stock_cp.thd_layout); its sends counted (count_collective_sends)."""
-    from megatron_2d.testing.stock_cp import thd_layout
-    from megatron_2d.testing.te_context_parallel import active
+    (megatron_2d_dev.stock_cp.thd_layout); its sends counted (count_collective_sends)."""
+    from megatron_2d_dev.stock_cp import thd_layout
+    from megatron_2d_dev.te_context_parallel import active
 
     te = active()
     q, k, v, dout = case.tensors
@@ -451,7 +451,7 @@ def _tensors(T: int, heads: int, dim: int, seed: int) -> tuple[torch.Tensor, ...
 
 def load_ring_flash():
     """ring-flash-attn's zigzag varlen module through the CPU stand-in, or (None, reason)."""
-    from megatron_2d.testing.flash_attn_cpu import flash_attn_stand_in, load_ring_flash_attn_module
+    from megatron_2d_dev.flash_attn_cpu import flash_attn_stand_in, load_ring_flash_attn_module
 
     try:
         with flash_attn_stand_in():
@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.dtype == "fp32":
             te_why = "TE's fused attention takes fp16 / bf16: --dtype bf16"
         else:
-            from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+            from megatron_2d_dev.te_context_parallel import te_context_parallel_on_cpu
 
             stack.enter_context(te_context_parallel_on_cpu(args.te_release, claim_cuda=False))
             te_rows = te_thd_rows(args.ranks, args.heads, args.te_release)

@@ -3,14 +3,14 @@
 Implementations (rows)
     2D (ours)               attention_2d for every (hp, cp, w, placement) of CP = N, as tools/bench_attention.py
     2D send first           (--send-first) the same layouts with the transport posting its sends before its receives,
-                            as before issue 41 (megatron_2d.bench.send_first): before/after in the same rounds
+                            as before issue 41 (megatron_2d_dev.bench.send_first): before/after in the same rounds
     ring-flash-attn zigzag  zigzag_ring_flash_attn_func of ring-flash-attn (pip); on CPU its flash_attn kernels are
-                            the stand-in of megatron_2d.testing.flash_attn_cpu (never on GPU)
+                            the stand-in of megatron_2d_dev.flash_attn_cpu (never on GPU)
     TE p2p / a2a / a2a+p2p  Transformer Engine's DotProductAttention with its context parallelism, set up as stock
     / all_gather            Megatron's TEDotProductAttention does (sbhd, causal, Megatron's zigzag shards; a2a+p2p
                             with [a2a group of A adjacent ranks, p2p group of ranks A apart]). On CUDA the installed
                             TE; on CPU ranks TE --te-release's own code in its CPU context
-                            (megatron_2d.testing.te_context_parallel), its fused attention the cpu_flash kernel
+                            (megatron_2d_dev.te_context_parallel), its fused attention the cpu_flash kernel
     USP ulysses U x ring R  yunchang 0.6.4's LongContextAttention(ring_impl_type="zigzag") over its own groups
                             (set_seq_parallel_pg(U, R, ...): Ulysses groups of U adjacent ranks), inputs by its
                             zigzag_extract_local; one row per U | N that divides hq and hkv (else n/a: its
@@ -23,7 +23,7 @@ Implementations (rows)
     alltoall                attention module by parallelize_module, inputs by _context_parallel_shard with the
                             head-tail load balancer (torch's zigzag), torch's CP dispatcher; K/V rotation by
                             set_rotate_method. GQA by SDPA's enable_gqa (K/V heads stay hkv). On CPU the SDPA op has
-                            no CP rule in torch: megatron_2d.bench.torch_cp_cpu registers one that runs torch's
+                            no CP rule in torch: megatron_2d_dev.bench.torch_cp_cpu registers one that runs torch's
                             _templated_ring_attention(_backward) with our cpu_flash kernel per block.
 
 Bytes per rank of the peers (closed forms). Nq = b*(S/N)*hq*d and Nkv = b*(S/N)*hkv*d are the elements of this
@@ -72,10 +72,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..attention import attention_2d
-from ..groups import build_groups_for_layout
-from ..layout.topology import Layout2D, divisors
-from ..sequence_sharding import shard_sequence, unshard_sequence
+from megatron_2d.attention import attention_2d
+from megatron_2d.groups import build_groups_for_layout
+from megatron_2d.layout.topology import Layout2D, divisors
+from megatron_2d.sequence_sharding import shard_sequence, unshard_sequence
+
 from .harness import bench_layouts, label, layout_record
 
 OURS = "2D (ours)"
@@ -136,7 +137,7 @@ def _leaves(*xs: torch.Tensor) -> list[torch.Tensor]:
 
 class Ours2D(Runner):
     """megatron_2d.attention_2d with one 2D layout (over all ranks); dK/dV riders in ``dkv_comm_dtype``;
-    ``send_first``: with the transport's posting order of before issue 41 (:mod:`megatron_2d.bench.send_first`)."""
+    ``send_first``: with the transport's posting order of before issue 41 (:mod:`megatron_2d_dev.bench.send_first`)."""
 
     def __init__(
         self,
@@ -317,7 +318,7 @@ def count_collective_sends(counter: dict[str, float]) -> Iterator[None]:
 class TEContextParallel(Runner):
     """Transformer Engine's DotProductAttention with context parallelism ``kind`` over all ranks, set up as
     megatron-core's TEDotProductAttention sets it up. On CUDA the installed TE; on CPU ranks the release of TE's CPU
-    context that the parent entered (megatron_2d.testing.te_context_parallel), whose fused attention is the CPU
+    context that the parent entered (megatron_2d_dev.te_context_parallel), whose fused attention is the CPU
     stand-in's (the cpu_flash kernel, as our rows run), and whose sends are counted beside the closed forms."""
 
     bytes_source = "closed form"
@@ -328,7 +329,7 @@ class TEContextParallel(Runner):
         self.kind, self.a2a_size, self.world = kind, a2a_size, world
         self.claim, self.counted = contextlib.nullcontext, None
         if args.device == "cpu":
-            from megatron_2d.testing.te_context_parallel import active
+            from megatron_2d_dev.te_context_parallel import active
 
             context = active()
             if context is None:
@@ -427,7 +428,7 @@ def usp_bytes(q_elements: int, kv_elements: int, element_size: int, ulysses: int
 def load_yunchang(device: str):
     """Import yunchang (the pip package): on CPU with the flash_attn stand-in installed as flash-attn 2.7 (yunchang
     picks its call convention by ``flash_attn.__version__``); raises ImportError naming the problem."""
-    from megatron_2d.testing.flash_attn_cpu import FLASH_ATTN_2_7_VERSION, flash_attn_stand_in
+    from megatron_2d_dev.flash_attn_cpu import FLASH_ATTN_2_7_VERSION, flash_attn_stand_in
 
     if "yunchang" not in sys.modules and device == "cpu":
         with flash_attn_stand_in(version=FLASH_ATTN_2_7_VERSION):
@@ -520,7 +521,7 @@ class TorchContextParallel(Runner):
     module by parallelize_module over a 1-D mesh of all ranks, inputs sharded by ``_context_parallel_shard`` with
     the head-tail load balancer, torch's CP dispatcher enabled; K/V rotation ``rotate`` ('allgather' or
     'alltoall', set_rotate_method). On CPU the SDPA op runs torch's templated ring through
-    :mod:`megatron_2d.bench.torch_cp_cpu`."""
+    :mod:`megatron_2d_dev.bench.torch_cp_cpu`."""
 
     bytes_source = "closed form"
 
@@ -596,7 +597,7 @@ def ring_flash_impl(args) -> Impl:
 
     The module is loaded here, in the parent, so a missing package gives one clear n/a row; forked ranks inherit it.
     """
-    from megatron_2d.testing.flash_attn_cpu import flash_attn_stand_in, load_ring_flash_attn_module
+    from megatron_2d_dev.flash_attn_cpu import flash_attn_stand_in, load_ring_flash_attn_module
 
     try:
         if args.device == "cpu":
@@ -621,12 +622,12 @@ def te_impls(args) -> list[Impl]:
     n = args.ranks
     context = None
     if args.device == "cpu":
-        from megatron_2d.testing import te_package
-        from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+        from megatron_2d_dev import te_package
+        from megatron_2d_dev.te_context_parallel import te_context_parallel_on_cpu
 
         release = getattr(args, "te_release", TE_RELEASE)
         if not te_package.is_installed(release):
-            where = f"{te_package.releases_dir()} (python -m megatron_2d.testing.te_package install)"
+            where = f"{te_package.releases_dir()} (python -m megatron_2d_dev.te_package install)"
             return [
                 Impl(f"TE {release}", "TE", unavailable=f"Transformer Engine {release} is not installed under {where}")
             ]

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .. import head_all_to_all
-from ..transport import comm, neighbour_exchange
+from megatron_2d import head_all_to_all
+from megatron_2d.transport import comm, neighbour_exchange
 
 
 def _ring_start(self, send: torch.Tensor, recv: torch.Tensor | None = None) -> comm.PendingTransfer:

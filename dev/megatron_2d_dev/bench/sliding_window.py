@@ -21,7 +21,7 @@ from megatron_2d.kernels import select_kernel
 from megatron_2d.layout.band import Band
 from megatron_2d.testing.distributed import run_on_ranks
 
-from .cli import add_arguments, render_table
+from ..cli import add_arguments, render_table
 from .harness import mib, time_call
 
 LAYOUTS = [(1, 1, "head_first"), (1, 2, "head_first"), (2, 1, "head_first")]  # (hp, Double-Ring w, placement)

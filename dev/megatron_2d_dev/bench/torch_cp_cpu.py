@@ -26,8 +26,8 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy,
 from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
 from torch.distributed.tensor.placement_types import Shard
 
-from ..kernels import CpuFlashKernel
-from ..layout.band import Band
+from megatron_2d.kernels import CpuFlashKernel
+from megatron_2d.layout.band import Band
 
 CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
