@@ -1,6 +1,6 @@
-"""Importing any module of the package or of the development distribution (and any tool script) patches nothing: the megatron CPU shims come only
-from an explicit call (tests/conftest.py, the demo), so doctest collection and library users see stock
-megatron-core and torch.cuda."""
+"""Importing any module of the package or of the development distribution (and any tool script) patches nothing:
+the megatron CPU shims come only from an explicit call (tests/conftest.py, the demo), so doctest collection and
+library users see stock megatron-core and torch.cuda."""
 
 from __future__ import annotations
 

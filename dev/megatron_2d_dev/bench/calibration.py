@@ -53,8 +53,8 @@ from megatron_2d.plan import (
 from megatron_2d.plan.links import IDEAL_LINKS, LinkEfficiency
 from megatron_2d.testing.distributed import run_on_ranks
 
-from . import compare as bench_compare
 from ..cli import add_arguments, add_output_arguments, render_table
+from . import compare as bench_compare
 from .harness import bench_model, measure_copy_bandwidth, time_call  # noqa: F401 (bench_model: re-exported)
 
 UNBOUNDED = 1e9  # TFLOP/s and GB/s that make kernels and transfers free (fixed costs only)

@@ -39,9 +39,9 @@ import torch
 from megatron_2d.layout.topology import divisors
 from megatron_2d.testing.reference import TOLERANCES
 
+from ..cli import render_table
 from ..cluster_launch import LaunchFailure, check_runs, launch_flags, run_torchrun_gpt
 from ..cluster_worker import TE_RELEASE_ENV
-from ..cli import render_table
 from .cluster import add_cluster_arguments, bench_cluster
 from .harness import round_order
 from .runners import TE_RELEASE
