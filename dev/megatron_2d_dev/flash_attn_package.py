@@ -345,7 +345,7 @@ def cpu_extension(abi: ExtensionABI) -> types.ModuleType:
     of tests/test_hot_path.py) do not see inside it. Its host reads of cu_seqlens are this stand-in's own (the CUDA
     kernels read them on the device), so they run with the modes suspended."""
     module = types.ModuleType("flash_attn_2_cuda")
-    module.__doc__ = f"CPU stand-in of flash-attn's compiled extension, ABI {abi.name} (megatron_2d.testing)"
+    module.__doc__ = f"CPU stand-in of flash-attn's compiled extension, ABI {abi.name} (megatron_2d_dev)"
     module.abi, module.calls = abi, collections.Counter()
     for name, impl in (("fwd", _fwd), ("bwd", _bwd), ("varlen_fwd", _varlen_fwd), ("varlen_bwd", _varlen_bwd)):
 

@@ -525,7 +525,7 @@ def norm_route(draw: Draw) -> str:
 # ---- what cannot run: refusals the library must give, and skips ----------------------------------------------------
 LAUNCH = "launch"
 """Where every refusal of :data:`REFUSALS` fires: the launch checks (``check_launch_args``), before any collective."""
-MAMBA_GROUPS = 2  # testing/tiny_hybrid.py's; its Mamba heads: hidden 64 x expand 2 / head dim (16 or 32)
+MAMBA_GROUPS = 2  # tiny_hybrid.py's; its Mamba heads: hidden 64 x expand 2 / head dim (16 or 32)
 
 
 @dataclass(frozen=True)

@@ -537,7 +537,7 @@ def cpu_extension(
     if thd_stats not in ("packed", "padded"):
         raise ValueError(f"thd_stats must be 'packed' or 'padded', got {thd_stats!r}")
     module = types.ModuleType("transformer_engine_torch")
-    module.__doc__ = f"CPU stand-in of Transformer Engine's compiled extension, ABI {abi.name} (megatron_2d.testing)"
+    module.__doc__ = f"CPU stand-in of Transformer Engine's compiled extension, ABI {abi.name} (megatron_2d_dev)"
     module.abi, module.thd_stats, module.calls = abi, thd_stats, collections.Counter()
     for name, members in enums.items():
         setattr(module, name, _enum(name, members))
