@@ -6,12 +6,13 @@ STAMP := $(VENV)/.megatron_2d-installed
 .PHONY: install demo test test-fast lint bench pretrain-cpu pretrain-stock-cpu pretrain-hybrid-cpu mutation fuzz fuzz-megatron gpu-check clean
 install: $(STAMP)
 
-$(STAMP): tools/install.sh pyproject.toml megatron_2d/testing/flash_attn_package.py megatron_2d/testing/te_package.py
+$(STAMP): tools/install.sh pyproject.toml dev/pyproject.toml dev/megatron_2d_dev/flash_attn_package.py \
+		dev/megatron_2d_dev/te_package.py
 	bash tools/install.sh
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m megatron_2d.testing.demo
+	$(PY) -m megatron_2d_dev.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -42,14 +43,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_attention.py --ranks 4
-	$(PY) -m megatron_2d.testing.demo
+	$(PY) -m megatron_2d_dev.demo
 
 # On a machine with GPUs (e.g. an NGC container with this checkout): every GPU path, one table, pass/fail per item
 # (tools/gpu_smoke.py; under 5 minutes on one H100). Uses the machine's own Python and torch, not .venv (whose
-# torch is the CPU build). CI runs the same items on CPU: python tools/gpu_smoke.py --dry-run.
+# torch is the CPU build), with this checkout and its dev/ folder (megatron_2d_dev: gpu-check's code) on the path.
+# CI runs the same items on CPU: python tools/gpu_smoke.py --dry-run.
 GPU_PY ?= python3
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_smoke.py --device cuda
+	PYTHONPATH=$(CURDIR):$(CURDIR)/dev$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_smoke.py --device cuda
 
 # Not part of CI: applies tools/mutations.toml one mutation at a time to a scratch copy and reports caught/survived
 # (exit 1 below 95% caught). Takes tens of minutes on 2 cores.

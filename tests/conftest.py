@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron_2d.testing import distributed as _distributed
-from megatron_2d.testing import leftovers as _leftovers
-from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
-from megatron_2d.testing.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
+from megatron_2d_dev import leftovers as _leftovers
+from megatron_2d_dev.megatron_cpu import install_megatron_cpu_shims
+from megatron_2d_dev.sft_data import PROMPT_FORMAT, write_sft_conversations, write_sft_tokenizer
 
 torch.set_num_threads(1)
 
@@ -70,7 +70,7 @@ _LEFTOVERS = pytest.StashKey[_leftovers.Session]()
 
 def pytest_sessionstart(session):
     """From here on, what the session creates is its own (temporary root, process tree, namespace ledger):
-    megatron_2d.testing.leftovers."""
+    megatron_2d_dev.leftovers."""
     session.config.stash[_LEFTOVERS] = _leftovers.start_session()
 
 
@@ -93,7 +93,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="module")
 def sft_corpus(tmp_path_factory):
-    """The flags naming the tiny tokenizer and jsonl of megatron_2d.testing.sft_data (for Megatron's --sft route).
+    """The flags naming the tiny tokenizer and jsonl of megatron_2d_dev.sft_data (for Megatron's --sft route).
     The forked ranks inherit an offline Hugging Face with its datasets cache in tmp. (``datasets`` is imported in the
     ranks, not here: pyarrow starts a jemalloc thread at import, and the ranks are forked from this process.)"""
     root = tmp_path_factory.mktemp("sft")

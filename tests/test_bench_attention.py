@@ -1,4 +1,4 @@
-"""tools/bench_attention.py (megatron_2d.bench.attention): every layout gets a row, with both efficiencies and the
+"""tools/bench_attention.py (megatron_2d_dev.bench.attention): every layout gets a row, with both efficiencies and the
 bytes it sent. No timing is asserted (the machines are noisy): only that the times are positive and finite and
 that the byte counts are the layouts' exact ones."""
 
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from megatron_2d.bench import attention as bench_attention
+from megatron_2d_dev.bench import attention as bench_attention
 
 pytestmark = pytest.mark.distributed
 
@@ -57,9 +57,9 @@ def test_every_layout_has_a_row_with_exact_bytes(tmp_path):
 
 
 def test_the_max_logit_benchmark_gives_every_kernel_and_mask_a_row(tmp_path):
-    """tools/bench_max_logit.py (megatron_2d.bench.max_logit): a row per CPU kernel and mask, times positive and
+    """tools/bench_max_logit.py (megatron_2d_dev.bench.max_logit): a row per CPU kernel and mask, times positive and
     finite both ways (no timing asserted)."""
-    from megatron_2d.bench import max_logit as bench_max_logit
+    from megatron_2d_dev.bench import max_logit as bench_max_logit
 
     out = tmp_path / "rows.json"
     flags = "--ranks 2 --hp 2 --seq 64 --heads 2 --kv-heads 1 --dim 8 --window 5 --repeats 1 --quiet"

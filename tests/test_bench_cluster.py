@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
-from megatron_2d.bench import cluster as bc
-from megatron_2d.bench import cluster_plan
-from megatron_2d.bench.cluster_pretrain import Mode, iteration_seconds, parse_modes
-from megatron_2d.bench.compare import Row, posting_orders
-from megatron_2d.bench.runners import OURS, RING_FLASH, SEND_FIRST, TORCH_CP, USP
 from megatron_2d.plan import Scheme
-from megatron_2d.testing.emulated_cluster import ClusterShape
+from megatron_2d_dev.bench import cluster as bc
+from megatron_2d_dev.bench import cluster_plan
+from megatron_2d_dev.bench.cluster_pretrain import Mode, iteration_seconds, parse_modes
+from megatron_2d_dev.bench.compare import Row, posting_orders
+from megatron_2d_dev.bench.runners import OURS, RING_FLASH, SEND_FIRST, TORCH_CP, USP
+from megatron_2d_dev.emulated_cluster import ClusterShape
 
 
 def flags(**kw):
@@ -149,9 +149,9 @@ def test_end_to_end_modes():
 def test_end_to_end_stock_modes():
     """A stock mode launches with the TE release its workers run in and the stock-CP spec, and torchrun_gpt.sh's
     flags for its comm type; a mode TE refuses for the heads is refused by name before any launch."""
-    from megatron_2d.bench.cluster_pretrain import STOCK_SPEC, launch_of, parse_args, stock_refusal
-    from megatron_2d.testing.cluster_launch import launch_flags
-    from megatron_2d.testing.cluster_worker import TE_RELEASE_ENV
+    from megatron_2d_dev.bench.cluster_pretrain import STOCK_SPEC, launch_of, parse_args, stock_refusal
+    from megatron_2d_dev.cluster_launch import launch_flags
+    from megatron_2d_dev.cluster_worker import TE_RELEASE_ENV
 
     base = {"SEQ": "256"}
     env, flags = launch_of(Mode("a2a+p2p", 2), 8, base, ["--x"], "2.20.2")
@@ -174,8 +174,8 @@ def test_send_first_swaps_the_posting_order_and_restores_it(monkeypatch):
     import torch.distributed as dist
 
     from megatron_2d import head_all_to_all
-    from megatron_2d.bench.send_first import send_first
     from megatron_2d.transport import comm, neighbour_exchange
+    from megatron_2d_dev.bench.send_first import send_first
 
     now = (comm.RingChannel.start, comm.post_direct, neighbour_exchange.post_direct, head_all_to_all.all_to_all_counted)
     posted = []

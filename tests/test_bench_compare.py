@@ -1,4 +1,4 @@
-"""tools/bench_compare.py (megatron_2d.bench.compare): the CPU flash_attn stand-in, the fp64 reference, the
+"""tools/bench_compare.py (megatron_2d_dev.bench.compare): the CPU flash_attn stand-in, the fp64 reference, the
 correctness gate, an end-to-end run.
 
 No timing is asserted: only that every row has a finite time and an error below the bf16 tolerance. ring-flash-attn
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.bench import compare as bench_compare
-from megatron_2d.bench import runners as bench_runners
-from megatron_2d.bench.harness import round_order
-from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_attention, rel_err
+from megatron_2d_dev import flash_attn_cpu
+from megatron_2d_dev.bench import compare as bench_compare
+from megatron_2d_dev.bench import runners as bench_runners
+from megatron_2d_dev.bench.harness import round_order
 
 BF16_TOLERANCE = TOLERANCES[torch.bfloat16].end_to_end
 
@@ -469,7 +469,7 @@ def test_flash_attn_stand_in_version_is_a_parameter():
 def test_torch_cp_cpu_rule_is_scoped():
     from torch.distributed.tensor import DTensor
 
-    from megatron_2d.bench import torch_cp_cpu
+    from megatron_2d_dev.bench import torch_cp_cpu
 
     handlers = lambda: DTensor._op_dispatcher._custom_op_handlers  # noqa: E731
     strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
@@ -481,7 +481,7 @@ def test_torch_cp_cpu_rule_is_scoped():
 
 
 def test_torch_cp_block_adapter_matches_torch_sdpa():
-    from megatron_2d.bench import torch_cp_cpu
+    from megatron_2d_dev.bench import torch_cp_cpu
 
     q, k, v, dout = (_randn(1, 2, 32, 8, seed=i) for i in range(4))  # [b, h, s, d]
     for causal in (True, False):
@@ -495,11 +495,11 @@ def test_torch_cp_block_adapter_matches_torch_sdpa():
             assert rel_err(got, want) < 1e-6
 
 
-# -- calibration (tools/calibrate_planner.py: megatron_2d.bench.calibration) ---------------------------------------
+# -- calibration (tools/calibrate_planner.py: megatron_2d_dev.bench.calibration) ---------------------------------------
 
 
 def test_calibration_recovers_known_rates_and_reads_bench_json():
-    from megatron_2d.bench import calibration as cal
+    from megatron_2d_dev.bench import calibration as cal
 
     machine = cal.MachineFigures(cores=2, peak_flops=400e9, copy_bytes_per_s=30e9, step_latency_s={4: 5e-4, 8: 1e-3})
     args = {"heads": 8, "kv_heads": 8, "dim": 64}
@@ -529,7 +529,7 @@ def test_calibration_recovers_known_rates_and_reads_bench_json():
 
 
 def test_spearman_handles_ties():
-    from megatron_2d.bench import calibration as cal
+    from megatron_2d_dev.bench import calibration as cal
 
     assert cal.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert cal.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
@@ -559,7 +559,7 @@ def _run_te_rows(rank, world, args, kinds):
 def test_te_rows_run_transformer_engine_on_cpu_ranks():
     """Each TE row runs TE's own code (the bench's release, in its CPU context entered by the parent): Megatron's
     groups, within the bf16 gate of fp64, and the bytes TE's code sent are the closed forms'."""
-    from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+    from megatron_2d_dev.te_context_parallel import te_context_parallel_on_cpu
 
     args = _tiny_args("--kv-heads", "4")  # hkv = 4: every kind is valid TE at N = 4
     kinds = [("p2p", 1), ("a2a", 4), ("a2a+p2p", 2), ("all_gather", 1)]

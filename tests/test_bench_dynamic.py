@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_2d.bench import dynamic as bench
 from megatron_2d.layout.dynamic import megatron_cp_size
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES
+from megatron_2d_dev.bench import dynamic as bench
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -28,8 +28,8 @@ ROWS = ("static 2D", "stock dynamic CP", "static stock CP")
 def _rank(rank, world):
     from megatron.core.transformer import attention, transformer_block
 
-    from megatron_2d.testing.stock_cp_spec import gpt_layer_spec_stock_cp
-    from megatron_2d.testing.te_context_parallel import active
+    from megatron_2d_dev.stock_cp_spec import gpt_layer_spec_stock_cp
+    from megatron_2d_dev.te_context_parallel import active
 
     te = active()
     extension = te.megatron_extension

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_2d.bench.packed import main, slot_pairs
 from megatron_2d.packing.sharding import zigzag_slots
 from megatron_2d.plan.lengths import cu_seqlens_of
 from megatron_2d.testing.reference import blockwise_reference, packed_reference_attention
+from megatron_2d_dev.bench.packed import main, slot_pairs
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_te_thd_rows_beside_ours_in_bf16(capsys, tmp_path):
 
 
 def test_layout_build_table():
-    from megatron_2d.bench.packed import layout_build_times
+    from megatron_2d_dev.bench.packed import layout_build_times
 
     table = layout_build_times(40, [(4, 2)])
     assert table.row_count == 3 and [c.header for c in table.columns][:3] == ["CP", "hp x cp", "mode"]

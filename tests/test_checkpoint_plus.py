@@ -2,7 +2,7 @@
 recompute that keeps attention's output and log-sum-exp ("outputs") or also its head-layout inputs
 ("attention-inputs") from the first pass, under both keep policies.
 
-Op level, generated: the seeded draws of :mod:`megatron_2d.testing.generated_cases` (layouts of up to 4 ranks,
+Op level, generated: the seeded draws of :mod:`megatron_2d_dev.generated_cases` (layouts of up to 4 ranks,
 unpacked and every packed mode, windows, sinks, GQA replication, MLA's narrower values, batch 1 and 2, both
 kernels and dK/dV dtypes), each through attention_2d and latent_attention_2d inside megatron's own checkpoint:
 output and gradients bit for bit those without recompute, no kernel forward and no ring byte in the recompute,
@@ -15,7 +15,7 @@ documents, sequence), block recompute: loss and every gradient against the same 
 forwards, bytes, and, with saved-tensor hooks, that nothing saved or kept shares storage with Megatron's QKV
 projection output or the rotated q and k. Under sequence parallelism the layer's checkpointed input is the TP rank's
 sequence shard, while what Checkpoint++ keeps is attention's, after the QKV projection gathered the sequence: the
-same checks hold there. The SP case builds Transformer Engine's norms over CPU kernels (megatron_2d.testing.sp_norms:
+same checks hold there. The SP case builds Transformer Engine's norms over CPU kernels (megatron_2d_dev.sp_norms:
 torch's norm refuses SP; the whole fork runs inside its context).
 
 All model cases run in one fork of 4 ranks.
@@ -45,13 +45,13 @@ from megatron_2d.megatron.packed_data import (
     groups_of_model,
     use_document_positions,
 )
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.generated_cases import cuda_kernels_on_cpu, draw_batch, draw_case
-from megatron_2d.testing.kernel_counts import KernelForwards
-from megatron_2d.testing.mla import mla_spec_2d, tiny_mla_config
 from megatron_2d.testing.reference import TOLERANCES
-from megatron_2d.testing.sp_norms import te_norms, with_te_norms
+from megatron_2d_dev import tiny_gpt as tg
+from megatron_2d_dev.generated_cases import cuda_kernels_on_cpu, draw_batch, draw_case
+from megatron_2d_dev.kernel_counts import KernelForwards
+from megatron_2d_dev.mla import mla_spec_2d, tiny_mla_config
+from megatron_2d_dev.sp_norms import te_norms, with_te_norms
 
 RTOL = TOLERANCES[torch.float32].dq  # model gradients against the same model without recompute
 HEAD_KINDS = ("all_to_all",)

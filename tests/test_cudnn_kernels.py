@@ -14,7 +14,7 @@ from megatron_2d.kernels.pieces import band_pieces
 from megatron_2d.layout.band import Band
 from megatron_2d.layout.block_calls import BlockCall
 from megatron_2d.testing.reference import TOLERANCES, attention_with_lse, norm_err, rel_err
-from megatron_2d.testing.torch_cudnn_cpu import torch_cudnn_on_cpu
+from megatron_2d_dev.torch_cudnn_cpu import torch_cudnn_on_cpu
 
 BF16 = TOLERANCES[torch.bfloat16]
 

@@ -1,4 +1,4 @@
-"""The emulated multi-node cluster (megatron_2d.testing.emulated_cluster): built and torn down with nothing left,
+"""The emulated multi-node cluster (megatron_2d_dev.emulated_cluster): built and torn down with nothing left,
 also after SIGTERM and SIGKILL; a 2D attention step and a stock CP step (Transformer Engine's own, issue 40's
 TE-on-CPU path) on ranks in separate namespaces, exact against the reference, the 2D one's bytes crossing the
 shaped links; Megatron-LM's pretrain_gpt.py launched by examples/launch/slurm_gpt.sbatch, one torchrun per node
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.testing import netns
-from megatron_2d.testing.emulated_cluster import ClusterShape, ClusterShapeError, EmulatedCluster, _tear_down_at_exit
 from megatron_2d.testing.reference import TOLERANCES, reference_attention, rel_err
+from megatron_2d_dev import netns
+from megatron_2d_dev.emulated_cluster import ClusterShape, ClusterShapeError, EmulatedCluster, _tear_down_at_exit
 
 PROBLEM = netns.namespaces_problem()
 needs_namespaces = pytest.mark.skipif(PROBLEM is not None, reason=f"emulated cluster unavailable: {PROBLEM}")
@@ -220,7 +220,7 @@ def _steps(rank, world):
 @needs_namespaces
 @pytest.mark.distributed
 def test_2d_step_across_namespaces_is_exact():
-    from megatron_2d.testing.cluster_launch import run_on_cluster
+    from megatron_2d_dev.cluster_launch import run_on_cluster
 
     with EmulatedCluster(SHAPE) as cluster:
         before = [cluster.sent_bytes(r) for r in range(SHAPE.world)]
@@ -241,8 +241,8 @@ TE_RELEASE = "2.20.2"
 
 
 def _stock_steps(rank, world, cases):
-    from megatron_2d.testing.stock_cp import StockCPGroups, run_case
-    from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+    from megatron_2d_dev.stock_cp import StockCPGroups, run_case
+    from megatron_2d_dev.te_context_parallel import te_context_parallel_on_cpu
 
     with te_context_parallel_on_cpu(TE_RELEASE) as te:  # entered by the parent before the fork: reused
         groups = StockCPGroups(world, cases)
@@ -254,9 +254,9 @@ def _stock_steps(rank, world, cases):
 def test_stock_cp_step_across_namespaces_is_exact():
     """Transformer Engine's own p2p ring and a2a+p2p [2, 2] (a2a inside a node, the ring across nodes) on the 2 x 2
     cluster, forward and backward, against the fp64 reference within TE's own bounds (StockCPTolerance)."""
-    from megatron_2d.testing.cluster_launch import run_on_cluster
-    from megatron_2d.testing.stock_cp import StockCPCase
-    from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+    from megatron_2d_dev.cluster_launch import run_on_cluster
+    from megatron_2d_dev.stock_cp import StockCPCase
+    from megatron_2d_dev.te_context_parallel import te_context_parallel_on_cpu
 
     common = dict(cp=4, causal=True, qkv_format="sbhd", dtype=torch.bfloat16, batch=1, heads=4, groups=2)
     cases = [
@@ -289,17 +289,17 @@ def test_pretrain_gpt_one_torchrun_per_node(tmp_path):
     Then stock Megatron CP as the end-to-end benchmark launches it (torchrun_gpt.sh per node, MODE=a2a+p2p HP=2:
     Transformer Engine's a2a inside each node, its ring across; the stock-CP spec, each worker in TE's CPU context):
     its loss against the same CP = 1."""
-    from megatron_2d.bench.cluster_pretrain import Mode, launch_of
-    from megatron_2d.bench.runners import TE_RELEASE
-    from megatron_2d.testing.cluster_launch import (
+    from megatron_2d_dev.bench.cluster_pretrain import Mode, launch_of
+    from megatron_2d_dev.bench.runners import TE_RELEASE
+    from megatron_2d_dev.cluster_launch import (
         TINY_GPT,
         check_runs,
         launch_flags,
         run_slurm_gpt,
         run_torchrun_gpt,
     )
-    from megatron_2d.testing.megatron_lm import copy_scripts
-    from megatron_2d.testing.pretrain_runs import ITERATION_GRAD_NORM, lm_losses, run_pretrain
+    from megatron_2d_dev.megatron_lm import copy_scripts
+    from megatron_2d_dev.pretrain_runs import ITERATION_GRAD_NORM, lm_losses, run_pretrain
 
     script = copy_scripts(tmp_path / "megatron_lm")
     stock_env, stock_flags = launch_of(Mode("a2a+p2p", 2), SHAPE.world, MODE, TINY_GPT, TE_RELEASE)

@@ -1,7 +1,7 @@
 """The flash_attn2 kernel through the real flash-attn releases (2.5.8, 2.6.3, 2.7.4.post1, 2.8.3.post2).
 
 Each release's own Python layer runs (public functions, autograd Functions, from 2.7 its torch custom ops) over a
-CPU ``flash_attn_2_cuda`` with the release's C++ positional arguments (megatron_2d.testing.flash_attn_package;
+CPU ``flash_attn_2_cuda`` with the release's C++ positional arguments (megatron_2d_dev.flash_attn_package;
 tools/install.sh installs the releases). A release's custom ops register once per process, so each release runs
 in forked ranks. Checked per release: the extension's argument lists against the release's own calls; the
 extension's conventions (bottom-right masks, windows, softcap, empty rows, both varlen lse layouts) against fp64;
@@ -27,7 +27,6 @@ from megatron_2d.kernels.base import BlockKernel
 from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel, packed_lse, padded_lse
 from megatron_2d.layout.band import Band
 from megatron_2d.layout.block_calls import BlockCall
-from megatron_2d.testing import flash_attn_package as fap
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import (
     FLASH_CONVENTION_CASES,
@@ -39,7 +38,8 @@ from megatron_2d.testing.reference import (
     rel_err,
     rounded,
 )
-from megatron_2d.testing.torch_flash_cpu import kernel_on_cpu
+from megatron_2d_dev import flash_attn_package as fap
+from megatron_2d_dev.torch_flash_cpu import kernel_on_cpu
 
 TIMEOUT = datetime.timedelta(seconds=60)
 LOW = (torch.bfloat16, torch.float16)
@@ -49,7 +49,7 @@ def test_every_release_is_installed():
     missing = [v for v in fap.RELEASES if not fap.is_installed(v)]
     assert not missing, (
         f"flash-attn releases {missing} are not installed under {fap.releases_dir()}: run "
-        f"'python -m megatron_2d.testing.flash_attn_package install' (tools/install.sh does)"
+        f"'python -m megatron_2d_dev.flash_attn_package install' (tools/install.sh does)"
     )
 
 

@@ -1,4 +1,4 @@
-"""The hand-written CPU stand-in of flash-attn's API (megatron_2d.testing.flash_attn_cpu), which the benchmarks
+"""The hand-written CPU stand-in of flash-attn's API (megatron_2d_dev.flash_attn_cpu), which the benchmarks
 install for ring-flash-attn (any float dtype), against an independent fp64 computation of flash-attn's
 conventions (mask alignment, window, softcap, lse layouts, empty rows, softmax_d, dtypes). Our flash_attn2 kernel
 is tested through the real flash-attn releases in tests/test_flash_attn_releases.py.
@@ -11,8 +11,8 @@ import inspect
 import pytest
 import torch
 
-from megatron_2d.testing import flash_attn_cpu
 from megatron_2d.testing.reference import FLASH_CONVENTION_CASES, flash_reference, rel_err
+from megatron_2d_dev import flash_attn_cpu
 
 
 def randn(*shape, seed=0, dtype=torch.float64):

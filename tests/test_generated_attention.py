@@ -1,4 +1,4 @@
-"""Generated exactness cases (megatron_2d.testing.generated_cases) on forked ranks: a fixed budget of seeded draws
+"""Generated exactness cases (megatron_2d_dev.generated_cases) on forked ranks: a fixed budget of seeded draws
 in CI; ``make fuzz`` runs as many as asked. A failure names its replay command."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.sequence_sharding import shard_sequence
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.flash_attn_package import RELEASES
-from megatron_2d.testing.generated_cases import (
+from megatron_2d_dev.flash_attn_package import RELEASES
+from megatron_2d_dev.generated_cases import (
     FLASH_KERNELS,
     PoisonedEmpty,
     draw_batch,

@@ -1,5 +1,5 @@
-"""Generated Megatron configurations (megatron_2d.testing.generated_configs) trained on forked CPU ranks against
-their CP=1 reference (megatron_2d.testing.config_runs): a fixed budget in CI, the regression draws of the defects
+"""Generated Megatron configurations (megatron_2d_dev.generated_configs) trained on forked CPU ranks against
+their CP=1 reference (megatron_2d_dev.config_runs): a fixed budget in CI, the regression draws of the defects
 the generator found, the launch checks it made necessary, and the generator's coverage (no training).
 ``make fuzz-megatron`` runs as many draws as asked; a failure names its replay command."""
 
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_2d.testing.config_models import megatron_flags, parse_megatron_flags
-from megatron_2d.testing.config_runs import run_configuration
-from megatron_2d.testing.generated_configs import (
+from megatron_2d_dev.config_models import megatron_flags, parse_megatron_flags
+from megatron_2d_dev.config_runs import run_configuration
+from megatron_2d_dev.generated_configs import (
     DRAWS_PER_SCENARIO,
     LAUNCH,
     REFUSALS,
@@ -27,7 +27,7 @@ from megatron_2d.testing.generated_configs import (
     scenario_draws,
     skip_reason,
 )
-from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims
 
 install_hybrid_cpu_shims()
 
@@ -341,9 +341,7 @@ def test_draw_1_1_megatron_still_reduces_the_first_gradients_twice(references, m
 
     draw = _draw_1_1()
     monkeypatch.setattr(launch_checks, "megatron_composition_problems", lambda args: [])  # inherited by the forks
-    monkeypatch.setattr(
-        "megatron_2d.testing.config_runs.expected_refusals", lambda d: []
-    )  # let the draw train and compare
+    monkeypatch.setattr("megatron_2d_dev.config_runs.expected_refusals", lambda d: [])  # let the draw train and compare
     outcome = run_configuration(draw, references)
     assert outcome.status == "fail" and "grad norm" in outcome.detail, outcome.line()
     assert outcome.errors["grad_norm_1"] > 0.5, outcome.errors  # about twice the reference's norm

@@ -14,7 +14,7 @@ import torch
 
 from megatron_2d.kernels.cpu_flash import CpuFlashKernel
 from megatron_2d.layout.band import Band
-from megatron_2d.testing import gpu_check
+from megatron_2d_dev import gpu_check
 
 CPU = torch.device("cpu")
 
@@ -47,8 +47,8 @@ def test_tall_bands_pass_on_a_correct_kernel_and_fail_where_the_right_side_is_re
 
 def _megatron_rows(rank, world):
     from megatron_2d.megatron import checkpoint_plus, core_attention
-    from megatron_2d.testing import gpu_check_megatron as gm
-    from megatron_2d.testing.gpu_check_runner import NotRun
+    from megatron_2d_dev import gpu_check_megatron as gm
+    from megatron_2d_dev.gpu_check_runner import NotRun
 
     found = {
         "gpt": gm.check_layers("GPT", False, "cpu_flash", CPU),
@@ -124,7 +124,7 @@ def test_mla_dims_and_varlen_pass_on_a_correct_kernel_and_fail_on_one_blind_to_b
 
 
 def test_timing_needs_cuda_and_is_not_a_pass_here():
-    from megatron_2d.testing.gpu_check_runner import NOT_RUN, Item, run_item
+    from megatron_2d_dev.gpu_check_runner import NOT_RUN, Item, run_item
 
     row = run_item(Item("timing te_fused", "32K", lambda: gpu_check.check_timing("te_fused", CPU), bound=3.0))
     assert row.result == NOT_RUN and row.detail == "timing needs CUDA"

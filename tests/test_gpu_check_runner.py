@@ -1,4 +1,4 @@
-"""gpu-check survives a hang (megatron_2d.testing.gpu_check_runner): a case that hangs is a FAIL row "timed out after
+"""gpu-check survives a hang (megatron_2d_dev.gpu_check_runner): a case that hangs is a FAIL row "timed out after
 N s", its worker's whole process tree is ended (torchrun's ranks, which run in sessions of their own, included), the
 cases after it still run in a fresh worker, and the table is printed with a nonzero exit status.
 
@@ -18,8 +18,8 @@ import uuid
 
 import pytest
 
-from megatron_2d.testing import gpu_check
-from megatron_2d.testing.gpu_check_runner import FAIL, NOT_RUN, OK, Row, alive, run_streamed, summary
+from megatron_2d_dev import gpu_check
+from megatron_2d_dev.gpu_check_runner import FAIL, NOT_RUN, OK, Row, alive, run_streamed, summary
 
 MARKER = "MEGATRON_2D_GPU_CHECK_TEST"
 

@@ -131,7 +131,7 @@ def run_flash_attn_varlen_new_batch(rank, world):
     from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel
     from megatron_2d.layout.band import Band
     from megatron_2d.layout.block_calls import BlockCall
-    from megatron_2d.testing.flash_attn_package import load_release
+    from megatron_2d_dev.flash_attn_package import load_release
 
     load_release("2.8.3.post2")
     kernel = FlashAttn2Kernel()
@@ -164,8 +164,8 @@ def run_cudnn_pieces_new_batch(rank, world, kernel_name):
     from megatron_2d.kernels.torch_cudnn import TorchCudnnKernel
     from megatron_2d.layout.band import Band
     from megatron_2d.layout.block_calls import BlockCall
-    from megatron_2d.testing.te_package import load_release
-    from megatron_2d.testing.torch_cudnn_cpu import torch_cudnn_on_cpu
+    from megatron_2d_dev.te_package import load_release
+    from megatron_2d_dev.torch_cudnn_cpu import torch_cudnn_on_cpu
 
     if kernel_name == "te_fused":
         load_release("2.20.2")

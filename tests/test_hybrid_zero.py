@@ -26,9 +26,9 @@ from megatron_2d.megatron.hybrid_zero import (  # noqa: E402
     model_state_bytes_per_rank,
     optimizer_config,
 )
-from megatron_2d.testing import ddp_harness as mcpu
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d_dev import ddp_harness as mcpu
+from megatron_2d_dev import tiny_gpt as tg
 
 pytestmark = pytest.mark.megatron
 
@@ -505,7 +505,7 @@ FLAG_MODEL = [
 )
 def test_megatron_lm_flags_parse_to_the_same_choice(monkeypatch, hz):
     """megatron_cli_args, parsed and validated by Megatron-LM's own argument parser (8 ranks: dp 2 x cp 4)."""
-    from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
+    from megatron_2d_dev.megatron_cpu import install_megatron_cpu_shims
 
     install_megatron_cpu_shims(import_training=True)
     import megatron.training.arguments as megatron_arguments

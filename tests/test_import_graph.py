@@ -11,8 +11,15 @@ has a test on a synthetic package that shows it can fail.
   through any package module it reaches, only the standard library (``packing/``: and numpy): no torch, and no
   library that loads it (megatron-core).
 - **The planner** (``plan/``) imports from the package only the pure layer and itself, and no torch library.
-- **The runtime** (every module but the test support, ``testing/``, and the benchmarks, ``bench/``) imports
-  neither.
+- **The runtime** (every module of ``megatron_2d`` but its test support, ``megatron_2d.testing``) imports neither
+  the test support nor the development distribution, ``megatron_2d_dev`` (dev/: stand-ins, harnesses, demo,
+  gpu-check, benchmarks); **the test support** imports the runtime only, never ``megatron_2d_dev``.
+- **No cycle between folders of the test machinery**: collapsing every module to its folder (package), no loop
+  passes through ``megatron_2d.testing`` or a folder of ``megatron_2d_dev`` (the demo and gpu-check once imported
+  ``bench/`` while ``bench/`` imported ``testing/``).
+
+The graph spans both packages of the repository (the library and the development distribution), so a cycle or a
+private import across them counts.
 """
 
 from __future__ import annotations
@@ -25,14 +32,18 @@ from pathlib import Path
 import pytest
 
 import megatron_2d
+import megatron_2d_dev
 
 PACKAGE = Path(megatron_2d.__file__).parent
 NAME = PACKAGE.name
+DEV_PACKAGE = Path(megatron_2d_dev.__file__).parent
+DEV = DEV_PACKAGE.name
+TEST_SUPPORT_PACKAGE = f"{NAME}.testing"  # what a user may import to test with the library: the wheel ships it
 STDLIB = frozenset(sys.stdlib_module_names)
 # folder of the pure layer -> the libraries it may import
 PURE = {"layout": STDLIB, "packing": STDLIB | {"numpy"}}
 PLANNER = "plan"
-TEST_SUPPORT = ("testing", "bench")
+TEST_SUPPORT = ("testing", "bench")  # folders of a synthetic package's test support (the rules' own tests)
 # libraries that are torch or import it: the planner's "no torch"
 TORCH_LIBRARIES = frozenset({"torch", "megatron", "transformer_engine", "flash_attn", "triton", "apex"})
 
@@ -77,7 +88,7 @@ def _scans_its_folder(tree: ast.AST) -> bool:
     )
 
 
-def imports_of(name: str, path: Path, known: dict[str, Path], package: str = NAME) -> set[str]:
+def imports_of(name: str, path: Path, known: dict[str, Path], package: str | tuple[str, ...] = NAME) -> set[str]:
     """The package's modules that importing ``name`` runs: ``from .x import y`` is module x.y when that is a module,
     else x; ``import a.b.c`` is the longest known prefix; each target's enclosing packages come with it, except
     those enclosing ``name`` itself."""
@@ -104,7 +115,8 @@ def imports_of(name: str, path: Path, known: dict[str, Path], package: str = NAM
                 source = node.module or ""
             targets += [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
     out = set()
-    for target in (known_prefix(t) for t in targets if _within(t, package)):
+    packages = (package,) if isinstance(package, str) else package
+    for target in (known_prefix(t) for t in targets if any(_within(t, p) for p in packages)):
         parts = target.split(".")
         out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if not _within(name, ".".join(parts[:i])))
         out.add(target)
@@ -131,6 +143,43 @@ def import_graph(root: Path = PACKAGE, package: str = NAME) -> dict[str, set[str
 
 def library_imports(root: Path = PACKAGE, package: str = NAME) -> dict[str, set[str]]:
     return {name: libraries_of(path, package) for name, path in modules(root).items()}
+
+
+def tree_graph(roots: tuple[Path, ...] = (PACKAGE, DEV_PACKAGE)) -> dict[str, set[str]]:
+    """The import graph of several packages together (the library and the development distribution): an import
+    from one into another is an edge."""
+    known = {name: path for root in roots for name, path in modules(root).items()}
+    packages = tuple(root.name for root in roots)
+    return {name: imports_of(name, path, known, packages) for name, path in known.items()}
+
+
+def folder_of(name: str, graph: dict[str, set[str]]) -> str:
+    """A module's folder (package): itself for a package, its parent for a module."""
+    return name if any(_within(other, name) and other != name for other in graph) else name.rsplit(".", 1)[0]
+
+
+def folder_cycles(graph: dict[str, set[str]], among: tuple[str, ...]) -> list[list[str]]:
+    """The cycles of the folder graph (each module collapsed to its folder) that pass through a folder within
+    ``among``."""
+    folders: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        here = folder_of(name, graph)
+        folders.setdefault(here, set()).update(f for f in (folder_of(t, graph) for t in targets) if f != here)
+    return [c for c in cycles(folders) if any(_within(f, p) for f in c for p in among)]
+
+
+def forbidden_imports(
+    graph: dict[str, set[str]], importers: tuple[str, ...], imported: tuple[str, ...], excepted: tuple[str, ...] = ()
+) -> list[str]:
+    """``a imports b`` for every module a within ``importers`` (and not within ``excepted``) that imports a module b
+    within ``imported``."""
+    return [
+        f"{name} imports {t}"
+        for name in sorted(graph)
+        if any(_within(name, p) for p in importers) and not any(_within(name, p) for p in excepted)
+        for t in sorted(graph[name])
+        if any(_within(t, p) for p in imported)
+    ]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -215,19 +264,23 @@ def planner_violations(graph: dict[str, set[str]], libraries: dict[str, set[str]
 
 
 def runtime_violations(graph: dict[str, set[str]], package: str = NAME) -> list[str]:
-    """Runtime modules (all but the test support and the benchmarks) that import the test support or benchmarks."""
-    support = [f"{package}.{f}" for f in TEST_SUPPORT]
-    return [
-        f"{name} imports {t}"
-        for name in sorted(graph)
-        if not any(_within(name, p) for p in support)
-        for t in sorted(graph[name])
-        if any(_within(t, p) for p in support)
-    ]
+    """Runtime modules of a synthetic package (all but its ``testing/`` and ``bench/``) that import those."""
+    support = tuple(f"{package}.{f}" for f in TEST_SUPPORT)
+    return forbidden_imports(graph, (package,), support, excepted=support)
+
+
+def library_violations(graph: dict[str, set[str]], package: str = NAME, dev: str = DEV) -> list[str]:
+    """The runtime (the package but its test support) importing the test support or the development distribution,
+    and the test support importing the development distribution."""
+    support = f"{package}.testing"
+    return forbidden_imports(graph, (package,), (support, dev), excepted=(support,)) + forbidden_imports(
+        graph, (support,), (dev,)
+    )
 
 
 def test_no_import_cycles():
-    graph = import_graph()
+    graph = tree_graph()
+    assert "megatron_2d_dev.demo" in graph  # both packages
     assert len(graph) > 50 and "megatron_2d.plan.cli" in graph["megatron_2d.plan.__main__"]
     loops = cycles(graph)
     assert not loops, "modules that import each other (directly or through others): " + "; ".join(
@@ -257,7 +310,70 @@ def test_the_planner_imports_only_the_pure_layer():
 
 
 def test_the_runtime_imports_no_test_support():
-    assert runtime_violations(import_graph()) == []
+    """The runtime imports neither megatron_2d.testing nor megatron_2d_dev; megatron_2d.testing imports no
+    megatron_2d_dev (the wheel ships it: tests/test_wheel.py)."""
+    graph = tree_graph()
+    assert "megatron_2d.testing.reference" in graph and "megatron_2d_dev.bench.compare" in graph
+    assert library_violations(graph) == []
+
+
+def test_no_cycle_between_the_test_machinerys_folders():
+    graph = tree_graph()
+    assert folder_cycles(graph, (TEST_SUPPORT_PACKAGE, DEV)) == []
+
+
+def _write_tree(root: Path, library: dict[str, str], dev: dict[str, str]) -> tuple[Path, Path]:
+    """A synthetic library ``pkg`` and development distribution ``pkg_dev`` side by side."""
+    return _write_package(root / "lib", library), _write_package(root / "dev", dev, "pkg_dev")
+
+
+@pytest.mark.parametrize(
+    "library, dev, expected",
+    [
+        # the dev package uses the library and its test support: allowed
+        (
+            {"testing.reference": "from ..groups import g\n", "groups": ""},
+            {"demo": "from pkg.testing import reference\n"},
+            [],
+        ),
+        # the runtime reaching the dev package, lazily
+        (
+            {"megatron.spec": "def f():\n    from pkg_dev.stand_in import x\n"},
+            {"stand_in": ""},
+            ["pkg.megatron.spec imports pkg_dev", "pkg.megatron.spec imports pkg_dev.stand_in"],
+        ),
+        # the runtime reaching the test support
+        (
+            {"attention": "from .testing import reference\n", "testing.reference": ""},
+            {},
+            ["pkg.attention imports pkg.testing", "pkg.attention imports pkg.testing.reference"],
+        ),  # fmt: skip
+        # the shipped test support reaching the dev package
+        (
+            {"testing.reference": "from pkg_dev import stand_in\n"},
+            {"stand_in": ""},
+            ["pkg.testing.reference imports pkg_dev", "pkg.testing.reference imports pkg_dev.stand_in"],
+        ),
+    ],
+)
+def test_the_library_rule_can_fail(tmp_path, library, dev, expected):
+    roots = _write_tree(tmp_path, library, dev)
+    assert library_violations(tree_graph(roots), "pkg", "pkg_dev") == expected
+
+
+def test_the_folder_cycle_rule_can_fail(tmp_path):
+    """The cycle issue 44 named: the demo imports the benchmarks' table, the benchmarks import a stand-in beside
+    the demo. No module loop, a folder loop; moving the table up to the demo's folder breaks it."""
+    dev = {
+        "demo": "from .bench.cli import table\n",
+        "stand_in": "",
+        "bench.cli": "",
+        "bench.runners": "from .. import stand_in\n",
+    }
+    graph = tree_graph(_write_tree(tmp_path / "a", {}, dev))
+    assert cycles(graph) == [] and folder_cycles(graph, ("pkg_dev",)) == [["pkg_dev", "pkg_dev.bench"]]
+    dev = {**dev, "demo": "from .cli import table\n", "cli": ""}
+    assert folder_cycles(tree_graph(_write_tree(tmp_path / "b", {}, dev)), ("pkg_dev",)) == []
 
 
 def test_the_pure_layer_loads_no_torch_when_imported():
@@ -417,15 +533,16 @@ def test_the_runtime_rule_can_fail(tmp_path, source, expected):
     assert runtime_violations(import_graph(root, "pkg"), "pkg") == expected
 
 
-def private_imports(root: Path = PACKAGE, package: str = NAME) -> list[str]:
+def private_imports(root: Path = PACKAGE, package: str | tuple[str, ...] = NAME) -> list[str]:
     """``module: from source import _name`` for every private name (one leading underscore) a module of the package
-    takes from another of its modules."""
+    takes from another of its modules (of ``package``, or of any package of a tuple)."""
+    packages = (package,) if isinstance(package, str) else package
     found = []
     for name, path in modules(root).items():
         for node in _import_nodes(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if not (node.level or (node.module or "").split(".")[0] == package):
+            if not (node.level or (node.module or "").split(".")[0] in packages):
                 continue
             found += [
                 f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}"
@@ -437,6 +554,7 @@ def private_imports(root: Path = PACKAGE, package: str = NAME) -> list[str]:
 
 def test_no_private_names_cross_modules():
     assert private_imports() == []
+    assert private_imports(DEV_PACKAGE, (DEV, NAME)) == []
 
 
 def test_the_private_import_check_can_fail(tmp_path):

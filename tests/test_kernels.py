@@ -12,7 +12,6 @@ import torch
 from megatron_2d.kernels import KERNELS, select_kernel, torch_cudnn
 from megatron_2d.kernels.flash_windows import flash_head_dim_problem, flash_mask
 from megatron_2d.layout.band import Band, flash_boxes, flash_expressible
-from megatron_2d.testing.flash_attn_cpu import kernel_window
 from megatron_2d.testing.reference import (
     FLASH_CONVENTION_CASES,
     TOLERANCES,
@@ -21,8 +20,9 @@ from megatron_2d.testing.reference import (
     norm_err,
     rel_err,
 )
-from megatron_2d.testing.torch_cudnn_cpu import torch_cudnn_on_cpu
-from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
+from megatron_2d_dev.flash_attn_cpu import kernel_window
+from megatron_2d_dev.torch_cudnn_cpu import torch_cudnn_on_cpu
+from megatron_2d_dev.torch_flash_cpu import torch_flash_on_cpu
 
 PACKAGE_KERNELS = ("flash_attn2", "te_fused")  # tests/test_flash_attn_releases.py, tests/test_te_releases.py
 CPU_KERNELS = [name for name in KERNELS if name not in PACKAGE_KERNELS]

@@ -1,6 +1,6 @@
 """Nothing left behind: tools/pretrain_gpt_cpu.sh removes its copy of Megatron-LM's scripts however torchrun ends
 (its exit status passed on, a signal passed to torchrun), and the session check of tests/conftest.py
-(megatron_2d.testing.leftovers) finds what a session leaves (temporary files, processes, orphans included, network
+(megatron_2d_dev.leftovers) finds what a session leaves (temporary files, processes, orphans included, network
 namespaces of its own ledger), removes only that, and restores the session it ran in."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_2d.testing import leftovers, netns
+from megatron_2d_dev import leftovers, netns
 
 REPO = Path(__file__).resolve().parents[1]
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# stands in for python -m megatron_2d.testing.megatron_lm WORK ...: names a script in WORK (copies nothing)
+# stands in for python -m megatron_2d_dev.megatron_lm WORK ...: names a script in WORK (copies nothing)
 echo copied > "$3/pretrain.py" && echo "$3/pretrain.py"
 """
 FAKE_TORCHRUN = """#!/usr/bin/env bash

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d  # noqa: E402
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d_dev import tiny_gpt as tg
 
 pytestmark = pytest.mark.megatron
 

@@ -5,9 +5,9 @@ megatron-core 0.19.2 schedules every sequence of a global batch onto a CP group 
 runs each group size with its own 2D layout. Each case trains one step of packed samples (SFTDataset's form, prompts
 masked) on DP x CP = 4 and 8 ranks, the sequences landing in groups of 1, 2, 4 and 8 ranks, and compares the loss,
 Megatron's grad norm and every gradient with the CP = 1 step of the same sequences through megatron-core's own
-local attention (:mod:`megatron_2d.testing.dynamic_cp`). Layouts: the planner's rule, and given ones with K/V
+local attention (:mod:`megatron_2d_dev.dynamic_cp`). Layouts: the planner's rule, and given ones with K/V
 heads replicated inside a group (hp above the 2 K/V heads), Double-Ring, context_first. TP 2 and 4 with sequence
-parallelism (apex's LayerNorm stood in, megatron_2d.testing.sp_norms) x DP x CP 4 and 2 against the TP = 1, CP = 1
+parallelism (apex's LayerNorm stood in, megatron_2d_dev.sp_norms) x DP x CP 4 and 2 against the TP = 1, CP = 1
 step: each rank's hidden states hold 1/TP of its sequence chunk until the QKV projection gathers them. MoE (4
 experts, top 2, all-to-all dispatch at EP 1): the z-loss under hybrid CP (TP 1, and TP 2 + SP) with the bridge's
 padding kept out of the router, against CP = 1; megatron-core's load-balancing loss under hybrid CP (refused: the
@@ -24,7 +24,7 @@ import torch
 
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES
-from megatron_2d.testing.tiny_gpt import TinyGPTConfig, compare_results
+from megatron_2d_dev.tiny_gpt import TinyGPTConfig, compare_results
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -88,11 +88,11 @@ def expected_sizes(world, longest=LONGEST):
 
 
 def run_world(rank, world):
-    from megatron_2d.testing.dynamic_cp import hybrid_step, packed_samples, reference_step
+    from megatron_2d_dev.dynamic_cp import hybrid_step, packed_samples, reference_step
 
     samples = packed_samples(SAMPLES[world], CFG.vocab_size, seed=world)
     out = {"reference": reference_step(CFG, samples)}
-    from megatron_2d.testing.megatron_cpu import install_megatron_ddp_cpu_shims
+    from megatron_2d_dev.megatron_cpu import install_megatron_ddp_cpu_shims
 
     install_megatron_ddp_cpu_shims()  # MoE's all-to-all token dispatcher makes a CUDA stream
     if world == 8:
@@ -116,7 +116,7 @@ def moe_cases(samples):
     the z-loss; megatron-core's load-balancing losses with their refusal lifted; the router losses at static CP 4 =
     2 x 2 (no padding) against CP = 1."""
     from megatron_2d.megatron import dynamic
-    from megatron_2d.testing.dynamic_cp import hybrid_step, packed_samples, reference_step, static_step
+    from megatron_2d_dev.dynamic_cp import hybrid_step, packed_samples, reference_step, static_step
 
     z, every = moe("z_loss"), moe("aux_loss + seq_aux_loss + z_loss")
     found = {"reference z_loss": reference_step(z, samples), "reference every loss": reference_step(every, samples)}
@@ -136,8 +136,8 @@ def sequence_parallel_step(samples, cp, layouts, tp, longest, model):
     """:func:`hybrid_step` of ``model`` at TP ``tp`` with sequence parallelism: LayerNorm through megatron-core's
     FusedLayerNorm (apex's function stood in, the route its local specs take when apex is installed), scoped to this
     step."""
-    from megatron_2d.testing import sp_norms
-    from megatron_2d.testing.dynamic_cp import hybrid_step
+    from megatron_2d_dev import sp_norms
+    from megatron_2d_dev.dynamic_cp import hybrid_step
 
     cfg = replace(model, config_overrides=dict(model.config_overrides, sequence_parallel=True))
     with sp_norms.apex_layer_norm():
@@ -149,8 +149,8 @@ def refusals(samples):
     from megatron.core import parallel_state
 
     from megatron_2d.megatron.spec import get_gpt_layer_spec_2d
-    from megatron_2d.testing.dynamic_cp import dynamic_config
-    from megatron_2d.testing.tiny_gpt import build_tiny_gpt, init_parallel, make_transformer_config
+    from megatron_2d_dev.dynamic_cp import dynamic_config
+    from megatron_2d_dev.tiny_gpt import build_tiny_gpt, init_parallel, make_transformer_config
 
     init_parallel(context_parallel_size=1, seed=CFG.seed, hybrid_context_parallel=True)
     dyn = dynamic_config(CFG, LONGEST, None)
@@ -177,7 +177,7 @@ def refusals(samples):
 
 def packed_microbatch(samples):
     """A micro-batch of two sequences (16 and 12 tokens: 28, a multiple of 2 x 2) on groups of 2, against CP = 1."""
-    from megatron_2d.testing.dynamic_cp import hybrid_model, packed_microbatch_step, packed_samples, reference_step
+    from megatron_2d_dev.dynamic_cp import hybrid_model, packed_microbatch_step, packed_samples, reference_step
 
     sample = packed_samples([[16, 12]], CFG.vocab_size, seed=5)
     expected = reference_step(CFG, sample)

@@ -1,4 +1,4 @@
-"""The CPU megatron-core harness (megatron_2d.testing.tiny_gpt) reproduces CP=1 exactly under CP, TP and PP.
+"""The CPU megatron-core harness (megatron_2d_dev.tiny_gpt) reproduces CP=1 exactly under CP, TP and PP.
 
 The core attention here is a deliberately simple reference: every CP rank all-gathers K and V over the CP
 group, restores full sequence order (undoing the zigzag split), and attends with a causal mask built from
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d_dev import tiny_gpt as tg
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

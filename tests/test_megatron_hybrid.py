@@ -3,7 +3,7 @@ layers (with their own all-to-all context parallelism over the whole CP group) t
 
 The reference is stock megatron-core at CP=1: Megatron's local hybrid stack spec with its DotProductAttention. Every
 layout (CP=4 as hp 2 x cp 2; CP=8 as hp 2 x cp 4, Double-Ring inner ring size 2) must give the same per-token loss and
-every parameter gradient (fp32, 1e-5 relative). Mamba/GDN kernels are the CPU stand-ins of megatron_2d.testing.ssm_cpu
+every parameter gradient (fp32, 1e-5 relative). Mamba/GDN kernels are the CPU stand-ins of megatron_2d_dev.ssm_cpu
 (tests/test_ssm_cpu.py checks them). All cases run in ONE fork of 8 ranks.
 """
 
@@ -14,10 +14,10 @@ import types
 import pytest
 import torch
 
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
 from megatron_2d.testing.reference import TOLERANCES
+from megatron_2d_dev import tiny_gpt as tg
+from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims
 
 pytestmark = pytest.mark.megatron
 
@@ -26,7 +26,7 @@ install_hybrid_cpu_shims()
 from megatron_2d.megatron import destroy_2d_groups  # noqa: E402
 from megatron_2d.megatron.core_attention import CoreAttention2D  # noqa: E402
 from megatron_2d.megatron.hybrid_spec import check_hybrid_layers, get_hybrid_stack_spec_2d, hybrid_stack_spec_2d_local  # noqa: E402
-from megatron_2d.testing import tiny_hybrid as th  # noqa: E402
+from megatron_2d_dev import tiny_hybrid as th  # noqa: E402
 
 WORLD = 8
 RTOL = 1e-5

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -23,9 +23,9 @@ from megatron_2d.megatron.packed_data import (  # noqa: E402
     groups_of_model,
     use_document_positions,
 )
-from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
-from megatron_2d.testing import tiny_hybrid as th  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
+from megatron_2d_dev import tiny_gpt as tg  # noqa: E402
+from megatron_2d_dev import tiny_hybrid as th  # noqa: E402
 
 
 def _packed_helpers():

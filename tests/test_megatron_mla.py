@@ -1,7 +1,7 @@
 """Multi-latent attention (MLA) in megatron-core under the 2d backend: a tiny MLA GPTModel trains as at CP=1.
 
 Megatron's own MLASelfAttention with CoreAttention2D ("expanded": per-head K/V on the ring, q/k head dim 20 and v
-head dim 10) against the same model at CP=1 (:class:`megatron_2d.testing.mla.ReferenceMLACoreAttention`): the loss
+head dim 10) against the same model at CP=1 (:class:`megatron_2d_dev.mla.ReferenceMLACoreAttention`): the loss
 and every gradient, fp32, 1e-5 relative, at CP 4 and 8, TP 2 x CP 4 and with Selective Checkpoint++. All layouts
 run in ONE fork of 8 ranks.
 
@@ -17,9 +17,9 @@ import traceback
 import pytest
 import torch
 
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.mla import mla_spec_2d, reference_mla_spec, tiny_mla_config
+from megatron_2d_dev import tiny_gpt as tg
+from megatron_2d_dev.mla import mla_spec_2d, reference_mla_spec, tiny_mla_config
 
 pytestmark = pytest.mark.megatron
 
@@ -299,7 +299,7 @@ def run_param_gather(rank, world):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_2d.testing import ddp_harness as mcpu
+    from megatron_2d_dev import ddp_harness as mcpu
 
     out = {}
     for overlap in (False, True):

@@ -21,8 +21,8 @@ from megatron_2d.megatron.packed_data import (
     use_document_positions,
 )
 from megatron_2d.packing.sharding import shard_documents
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d_dev import tiny_gpt as tg
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

@@ -8,7 +8,7 @@ ring; for TE also the op fuser and grouped GEMM for dense MLPs): where Megatron'
 it too; elsewhere the two specs have the same module at every node except core attention (CoreAttention2D in
 every layer) and the latent ring's documented changes (:func:`documented_2d_tree`). Local specs also with apex's
 layer norm in play (faked), which megatron-core picks for LayerNorm models only. Transformer Engine specs are
-built with TE's classes as named placeholders (megatron_2d.testing.te_spec_cpu: specs are never instantiated),
+built with TE's classes as named placeholders (megatron_2d_dev.te_spec_cpu: specs are never instantiated),
 as is Megatron's hybrid stack spec; the arguments each builder passes to Megatron's TE spec functions are also
 compared (the functions recorded, both builders calling the same recorder).
 """
@@ -25,9 +25,9 @@ from unittest import mock
 
 import pytest
 
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.mla import MLA_DIMS
+from megatron_2d_dev import tiny_gpt as tg
+from megatron_2d_dev.mla import MLA_DIMS
 
 pytestmark = pytest.mark.megatron
 
@@ -321,14 +321,14 @@ def test_every_advertised_spec_loads_through_megatrons_import_module(name):
 
 
 def run_transformer_engine_specs(rank, world):
-    """With Transformer Engine's classes as named placeholders (megatron_2d.testing.te_spec_cpu): every GPT
+    """With Transformer Engine's classes as named placeholders (megatron_2d_dev.te_spec_cpu): every GPT
     combination of TE_OPTIONS through both builders, by attention; Megatron's hybrid stack spec against ours; the
     ready GPT spec (no config) against Megatron's TE layer spec with its defaults."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     from megatron_2d.megatron.hybrid_spec import get_hybrid_stack_spec_2d
     from megatron_2d.megatron.spec import get_gpt_layer_spec_2d
-    from megatron_2d.testing.te_spec_cpu import te_spec_placeholders
+    from megatron_2d_dev.te_spec_cpu import te_spec_placeholders
 
     tg.init_parallel()
     out = {"gpt": collections.defaultdict(list)}
@@ -408,7 +408,7 @@ def test_te_placeholders_are_named_and_everything_is_restored():
     from megatron.core.models.hybrid import hybrid_layer_specs
     from megatron.core.transformer.mlp import MLP
 
-    from megatron_2d.testing.te_spec_cpu import te_spec_placeholders
+    from megatron_2d_dev.te_spec_cpu import te_spec_placeholders
 
     def snapshot():
         return {

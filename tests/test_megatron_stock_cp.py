@@ -2,10 +2,10 @@
 migration from it to 2D.
 
 Stock CP here is megatron-core's own ``TEDotProductAttention`` over Transformer Engine's ``context_parallel.py``
-(megatron_2d.testing.te_context_parallel; the release loaded once in the parent, the forked ranks inherit it), with
-megatron-core's local linears and norms (megatron_2d.testing.stock_cp_spec). TE's fused attention takes bf16, so
+(megatron_2d_dev.te_context_parallel; the release loaded once in the parent, the forked ranks inherit it), with
+megatron-core's local linears and norms (megatron_2d_dev.stock_cp_spec). TE's fused attention takes bf16, so
 the runs are bf16 and compared with the table's bf16 training bounds (``TOLERANCES[bf16].training``):
-  * the tiny GPT (megatron_2d.testing.tiny_gpt) at CP 2 and 4, every comm type (p2p, a2a, a2a+p2p [2, 2],
+  * the tiny GPT (megatron_2d_dev.tiny_gpt) at CP 2 and 4, every comm type (p2p, a2a, a2a+p2p [2, 2],
     all_gather), equals CP = 1 in loss, grad norm and every gradient (TE 2.12.0 and 2.20.2);
   * Megatron-LM's unpatched pretrain_gpt.py with the stock CP flags of ``make pretrain-stock-cpu`` (CP 4, a2a+p2p
     [2, 2]) logs the losses and grad norms of CP = 1;
@@ -24,13 +24,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.megatron_lm import copy_scripts
-from megatron_2d.testing.pretrain_runs import assert_same_training, run_pretrain, trained
 from megatron_2d.testing.reference import TOLERANCES
-from megatron_2d.testing.stock_cp_spec import gpt_layer_spec_stock_cp
-from megatron_2d.testing.te_context_parallel import te_context_parallel_on_cpu
+from megatron_2d_dev import tiny_gpt as tg
+from megatron_2d_dev.megatron_lm import copy_scripts
+from megatron_2d_dev.pretrain_runs import assert_same_training, run_pretrain, trained
+from megatron_2d_dev.stock_cp_spec import gpt_layer_spec_stock_cp
+from megatron_2d_dev.te_context_parallel import te_context_parallel_on_cpu
 
 pytestmark = pytest.mark.megatron
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_2d.megatron import TransformerConfig2D, destroy_2d_groups, get_gpt_layer_spec_2d
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d_dev import tiny_gpt as tg
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

@@ -34,7 +34,7 @@ RETIRED = {
     r"(?<![A-Za-z0-9_-])--cp-2d-ring-window" + E: "--cp-2d-inner-ring-size",
     W + r"num_windows" + E: "num_inner_rings",
     W + r"_?(intra|inter)_window_(groups?|indices)" + E: "inner_ring_group(s), outer_ring_group(s)",
-    W + r"double_ring_windows" + E: "bench/inner_ring_sizes.py",
+    W + r"double_ring_windows" + E: "megatron_2d_dev/bench/inner_ring_sizes.py",
     W + r"(Pending|Ring|Direct|Head)Exchange" + E: "PendingTransfer, RingChannel, DirectChannel, HeadRoute",
     r"(?i)" + W + r"ring windows?" + E: "inner ring size",
     W + r"[Hh]ead exchange" + E: "head all-to-all",
@@ -43,10 +43,10 @@ SUFFIXES = (".py", ".md", ".toml", ".sh", ".sbatch", ".yaml", ".patch")
 
 
 def scanned_files(root: Path = REPO) -> list[Path]:
-    """The package, its tests, tools, docs, examples, patches, README and Makefile (this file excepted: it lists the
-    names)."""
+    """The package, the development distribution (dev/), its tests, tools, docs, examples, patches, README and
+    Makefile (this file excepted: it lists the names)."""
     found = [root / "README.md", root / "Makefile"]
-    for folder in ("megatron_2d", "tests", "tools", "docs", "examples", "patches"):
+    for folder in ("megatron_2d", "dev", "tests", "tools", "docs", "examples", "patches"):
         found += [p for p in sorted((root / folder).rglob("*")) if p.is_file() and p.suffix in SUFFIXES]
     return [p for p in found if p.resolve() != THIS and "__pycache__" not in p.parts]
 

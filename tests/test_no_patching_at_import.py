@@ -1,6 +1,6 @@
-"""Importing any module of the package (and any tool script) patches nothing: the megatron CPU shims come only
-from an explicit call (tests/conftest.py, the demo), so doctest collection and library users see stock
-megatron-core and torch.cuda."""
+"""Importing any module of the package or of the development distribution (and any tool script) patches nothing:
+the megatron CPU shims come only from an explicit call (tests/conftest.py, the demo), so doctest collection and
+library users see stock megatron-core and torch.cuda."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import torch
 before = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "Stream", "Event",
                                                        "current_stream", "device_count", "set_device")}
 had_override = hasattr(typing, "override")
-import megatron_2d
-names = sorted(m.name for m in pkgutil.walk_packages(megatron_2d.__path__, "megatron_2d.")
+import megatron_2d, megatron_2d_dev
+names = sorted(m.name for package in (megatron_2d, megatron_2d_dev)
+               for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
                if not m.name.endswith("__main__"))
 for name in names:
     importlib.import_module(name)
@@ -30,7 +31,7 @@ for path in sorted(pathlib.Path(sys.argv[1], "tools").glob("*.py")):
     spec.loader.exec_module(module)
 from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.models.common.embeddings import rotary_pos_embedding
-from megatron_2d.testing import megatron_cpu
+from megatron_2d_dev import megatron_cpu
 changed = [name for name, fn in before.items() if getattr(torch.cuda, name) is not fn]
 assert not changed, f"torch.cuda patched at import: {changed}"
 assert hasattr(typing, "override") == had_override, "typing.override installed at import"
@@ -55,7 +56,7 @@ def test_importing_every_module_patches_nothing():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pretends CUDA is there; on a GPU machine it is")
 def test_shims_refuse_where_cuda_is_available(monkeypatch):
-    from megatron_2d.testing import megatron_cpu
+    from megatron_2d_dev import megatron_cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(megatron_cpu.CudaAvailableError, match="CUDA is available here"):

@@ -3,7 +3,7 @@ core_v0.19.0, patched) on forked CPU ranks, dynamic (hybrid) CP with a 2D layout
 lm loss and grad norm.
 
 Data: Megatron's --sft route (SFTTokenizer, SFTDataset's packed conversations, prompts masked; the tiny corpus of
-megatron_2d.testing.sft_data): Megatron's hybrid wrapper unpacks every sample into its conversations and gives each
+megatron_2d_dev.sft_data): Megatron's hybrid wrapper unpacks every sample into its conversations and gives each
 its own CP group; the last conversation of a pack takes the pack's end padding, so at --max-seqlen-per-dp-cp-rank
 32 on DP x CP = 4 ranks the conversations run on 1 rank and the padded ones on 2 or 4. The CP = 1 reference is the
 stock script with the 2d spec on one rank (Megatron's local attention refuses packed batches). Runs: 2 layers,
@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 
-from megatron_2d.testing.megatron_lm import copy_scripts
-from megatron_2d.testing.pretrain_runs import assert_same_training, run_pretrain, run_pretrain_outcomes, trained
 from megatron_2d.testing.reference import TOLERANCES
-from megatron_2d.testing.sft_data import PROMPT_FORMAT
+from megatron_2d_dev.megatron_lm import copy_scripts
+from megatron_2d_dev.pretrain_runs import assert_same_training, run_pretrain, run_pretrain_outcomes, trained
+from megatron_2d_dev.sft_data import PROMPT_FORMAT
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -95,8 +95,8 @@ def test_patched_pretrain_gpt_hybrid_cp_with_sequence_parallelism_equals_cp1(scr
     """--tensor-model-parallel-size 2 --sequence-parallel with --hybrid-context-parallel (TP 2 x DP 1 x CP 2, K/V
     replicated at hp 2) logs the lm loss and grad norm of TP 2 + SP at CP = 1: the forward step pads each sequence
     for its TP split, the 2d self attention reads the gathered sequence. LayerNorm with SP: megatron-core's
-    FusedLayerNorm over apex's function stood in (megatron_2d.testing.sp_norms), entered before the ranks fork."""
-    from megatron_2d.testing.sp_norms import apex_layer_norm
+    FusedLayerNorm over apex's function stood in (megatron_2d_dev.sp_norms), entered before the ranks fork."""
+    from megatron_2d_dev.sp_norms import apex_layer_norm
 
     with apex_layer_norm():
         reference = training(run_pretrain(2, scripts["stock"], BASE + sft_corpus + SPEC_2D + TP2_SP))

@@ -3,7 +3,7 @@ forked CPU ranks with the 2d backend, and the ``lm loss`` Megatron logs per iter
 
 Routes: the patched pretrain_gpt.py (``--cp-comm-type 2d --cp-2d-*``), the unpatched one with ``--spec``, and
 examples/pretrain_gpt_2d.py. The scripts come from ``<repo>/../shared/megatron-lm/core_v0.19.0`` (copied to a
-temporary folder; see megatron_2d.testing.megatron_lm). Every CP=1 reference is the unpatched stock script.
+temporary folder; see megatron_2d_dev.megatron_lm). Every CP=1 reference is the unpatched stock script.
 Without Transformer Engine, Megatron's local attention refuses CP > 1, so a CP > 1 run trains only through the 2d
 core attention. Runs: 2 layers, hidden 64, GQA 8/2 heads, RoPE, seq 128, micro-batch 1, global batch 2, 4 iterations.
 """
@@ -18,16 +18,16 @@ import sys
 import pytest
 import torch
 
-from megatron_2d.testing.megatron_lm import copy_scripts  # noqa: E402
-from megatron_2d.testing.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
-from megatron_2d.testing.pretrain_runs import (  # noqa: E402
+from megatron_2d.testing.reference import TOLERANCES
+from megatron_2d_dev.megatron_lm import copy_scripts  # noqa: E402
+from megatron_2d_dev.pretrain_cpu import CudaAvailableError, install_pretrain_cpu_shims
+from megatron_2d_dev.pretrain_runs import (  # noqa: E402
     assert_same_training,
     run_pretrain,
     run_pretrain_outcomes,
     trained,
     write_document_dataset,
 )
-from megatron_2d.testing.reference import TOLERANCES
 
 pytestmark = pytest.mark.megatron
 
@@ -483,9 +483,9 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 def test_pretrain_gpt_with_sequence_parallelism_equals_cp1(scripts, layers_2d):
     """pretrain_gpt.py --sequence-parallel at TP 2 x 2D CP 2 (hp 2: K/V replicated) logs the lm loss and grad norm
     of TP 2 + SP at CP = 1 (the unpatched script). The local spec's LayerNorm with SP is megatron-core's
-    FusedLayerNorm over apex's function stood in (megatron_2d.testing.sp_norms; torch's norm refuses SP), entered
+    FusedLayerNorm over apex's function stood in (megatron_2d_dev.sp_norms; torch's norm refuses SP), entered
     before the ranks fork."""
-    from megatron_2d.testing.sp_norms import apex_layer_norm
+    from megatron_2d_dev.sp_norms import apex_layer_norm
 
     cp2 = ["--context-parallel-size", "2", "--cp-comm-type", "2d", "--cp-2d-head-parallel-size", "2"]
     with apex_layer_norm():

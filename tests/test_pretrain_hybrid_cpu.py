@@ -5,7 +5,7 @@ launch the CP group cannot run stops every rank with our message; --sft (packed 
 CP=1 losses.
 
 The CP=1 reference is the unpatched script with Megatron's local hybrid spec (its own attention) on one rank. Mamba
-kernels are the CPU stand-ins (megatron_2d.testing.hybrid_cpu, installed in the ranks by pretrain_cpu). Runs:
+kernels are the CPU stand-ins (megatron_2d_dev.hybrid_cpu, installed in the ranks by pretrain_cpu). Runs:
 hidden 64, 8 heads / 2 KV heads, Mamba 8 heads of 16 in 2 groups, RoPE, seq 128, global batch 2, 4 iterations.
 """
 
@@ -19,15 +19,15 @@ import sys
 import pytest
 import torch
 
-from megatron_2d.testing.megatron_lm import copy_scripts
-from megatron_2d.testing.pretrain_runs import (
+from megatron_2d.testing.reference import TOLERANCES
+from megatron_2d_dev.megatron_lm import copy_scripts
+from megatron_2d_dev.pretrain_runs import (
     assert_same_training,
     run_pretrain,
     run_pretrain_outcomes,
     trained,
 )
-from megatron_2d.testing.reference import TOLERANCES
-from megatron_2d.testing.sft_data import PROMPT_FORMAT
+from megatron_2d_dev.sft_data import PROMPT_FORMAT
 
 pytestmark = pytest.mark.megatron
 
@@ -102,7 +102,7 @@ def test_make_target_flags():
         "--cp-2d-placement",
         "head_first",
     ]
-    assert CP1 == BASE[:8] + ["--spec", "megatron_2d.testing.hybrid_cpu", "megatron_local_hybrid_stack_spec"] + BASE[8:]
+    assert CP1 == BASE[:8] + ["--spec", "megatron_2d_dev.hybrid_cpu", "megatron_local_hybrid_stack_spec"] + BASE[8:]
 
 
 @pytest.mark.distributed
@@ -312,11 +312,11 @@ def test_pretrain_hybrid_with_sequence_parallelism_equals_cp1(scripts):
     """pretrain_hybrid.py --sequence-parallel at TP 2 x 2D CP 2 (hp 2), pattern 'M*-', logs the lm loss and grad norm
     of TP 2 + SP at CP = 1, both the unpatched script with --spec. HybridStack's final norm is TENorm whatever the
     spec says, and the local specs' torch norms refuse SP, so both runs build Transformer Engine's norms (its
-    release's Python over CPU kernels, megatron_2d.testing.sp_norms), entered before the ranks fork."""
-    from megatron_2d.testing.sp_norms import te_norms
+    release's Python over CPU kernels, megatron_2d_dev.sp_norms), entered before the ranks fork."""
+    from megatron_2d_dev.sp_norms import te_norms
 
     tp_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hybrid-layer-pattern", "M*-"]
-    spec = ["--spec", "megatron_2d.testing.sp_norms"]
+    spec = ["--spec", "megatron_2d_dev.sp_norms"]
     cp2 = ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1", "--cp-comm-type", "2d"]
     with te_norms():
         reference = training(

@@ -27,16 +27,16 @@ import pytest
 import torch
 
 from megatron_2d.megatron import launch_checks
-from megatron_2d.testing.megatron_lm import copy_scripts
-from megatron_2d.testing.pretrain_runs import (
+from megatron_2d.testing.reference import TOLERANCES
+from megatron_2d_dev.megatron_lm import copy_scripts
+from megatron_2d_dev.pretrain_runs import (
     assert_same_training,
     run_pretrain,
     run_pretrain_outcomes,
     trained,
     write_document_dataset,
 )
-from megatron_2d.testing.reference import TOLERANCES
-from megatron_2d.testing.sft_data import PROMPT_FORMAT
+from megatron_2d_dev.sft_data import PROMPT_FORMAT
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

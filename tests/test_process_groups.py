@@ -125,9 +125,9 @@ def _construction(rank, world):
     from megatron_2d.megatron import TransformerConfig2D, get_gpt_layer_spec_2d
     from megatron_2d.megatron.core_attention import CoreAttention2D
     from megatron_2d.megatron.hybrid_spec import hybrid_stack_spec_2d_local
-    from megatron_2d.testing import tiny_gpt as tg
-    from megatron_2d.testing import tiny_hybrid as th
-    from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+    from megatron_2d_dev import tiny_gpt as tg
+    from megatron_2d_dev import tiny_hybrid as th
+    from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims
 
     install_hybrid_cpu_shims()
     out = {"stage": None}

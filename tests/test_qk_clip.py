@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_2d.testing.config_runs import run_configuration
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.generated_configs import QK_CLIP_THRESHOLD, Draw, Scenario, trains
-from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+from megatron_2d_dev.config_runs import run_configuration
+from megatron_2d_dev.generated_configs import QK_CLIP_THRESHOLD, Draw, Scenario, trains
+from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims
 
 install_hybrid_cpu_shims()
 
@@ -136,7 +136,7 @@ def test_qk_clip_under_hybrid_cp_equals_cp1(references):
     one-sequence micro-batch once handed the op's (out, max_logit) pair on unread."""
     from megatron_2d.layout.dynamic import megatron_cp_size
     from megatron_2d.megatron.dynamic_data import padded_length
-    from megatron_2d.testing import generated_configs
+    from megatron_2d_dev import generated_configs
 
     lengths = ((7, 25), (16, 16), (30,), (5, 11, 16))
     scenario = replace(_scenario(4210, "gpt", "**", heads=8, groups=2, dtype="fp32", tp=None), data="zigzag")
@@ -167,8 +167,8 @@ def _tiny_gpt(tp: int, bf16: bool, distributed_optimizer: bool):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_2d.megatron.hybrid_zero import HybridZeRO, distributed_data_parallel_config, optimizer_config
-    from megatron_2d.testing import ddp_harness as mcpu
-    from megatron_2d.testing import tiny_gpt as tg
+    from megatron_2d_dev import ddp_harness as mcpu
+    from megatron_2d_dev import tiny_gpt as tg
 
     mcpu.init_parallel(tensor_model_parallel_size=tp)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -209,7 +209,7 @@ def _clip_cases(rank, world):
     from megatron.core.optimizer.qk_clip import clip_qk as megatron_clip_qk
 
     from megatron_2d.megatron.qk_clip import clip_qk
-    from megatron_2d.testing import ddp_harness as mcpu
+    from megatron_2d_dev import ddp_harness as mcpu
 
     logging.getLogger("megatron.core").setLevel(logging.ERROR)
     mcpu.install_megatron_ddp_cpu_shims()

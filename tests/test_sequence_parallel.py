@@ -1,7 +1,7 @@
-"""Sequence parallelism (SP) under 2D on CPU ranks: the norm routes of megatron_2d.testing.sp_norms (scoped, exact),
+"""Sequence parallelism (SP) under 2D on CPU ranks: the norm routes of megatron_2d_dev.sp_norms (scoped, exact),
 and MLA's SP-only branches for both rings against the CP=1 model at the same TP and SP.
 
-The generated configurations draw SP at TP > 1 (megatron_2d.testing.generated_configs: Checkpoint++, packed
+The generated configurations draw SP at TP > 1 (megatron_2d_dev.generated_configs: Checkpoint++, packed
 documents, windows, sinks, HybridModel and MoE with SP among them, the axis ``sequence_parallel_with``); the entry
 routes are in test_pretrain_gpt_cpu.py and test_pretrain_hybrid_cpu.py.
 """
@@ -15,9 +15,9 @@ import traceback
 import pytest
 import torch
 
-from megatron_2d.testing import sp_norms
-from megatron_2d.testing import tiny_gpt as tg
 from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d_dev import sp_norms
+from megatron_2d_dev import tiny_gpt as tg
 
 pytestmark = pytest.mark.megatron
 
@@ -87,7 +87,7 @@ def test_te_norms_run_tes_own_norms_over_cpu_kernels_and_leave_nothing_patched()
     raises as without TE)."""
     from megatron.core.extensions import transformer_engine as te_ext
 
-    from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
+    from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims
 
     install_hybrid_cpu_shims()  # te_norms installs them (their final-norm binding stays): compare after that
     bindings = [(m, n, v) for m, n, v in sp_norms.te_bindings(None) if m.startswith("megatron")]
@@ -157,7 +157,7 @@ def _mla_sequence_parallel(rank, world):
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    from megatron_2d.testing.mla import mla_spec_2d, reference_mla_spec, tiny_mla_config
+    from megatron_2d_dev.mla import mla_spec_2d, reference_mla_spec, tiny_mla_config
 
     try:
         fields = dict(sequence_parallel=True)

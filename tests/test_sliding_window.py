@@ -26,7 +26,7 @@ from megatron_2d.layout.block_calls import block_pair_calls, context_calls, cont
 from megatron_2d.layout.topology import Layout2D
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_attention, rel_err
-from megatron_2d.testing.torch_flash_cpu import torch_flash_on_cpu
+from megatron_2d_dev.torch_flash_cpu import torch_flash_on_cpu
 
 TIMEOUT = datetime.timedelta(seconds=60)
 

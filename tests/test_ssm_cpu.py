@@ -1,4 +1,4 @@
-"""The CPU stand-ins of mamba_ssm, causal_conv1d and fla (megatron_2d.testing.ssm_cpu) against naive token-by-token
+"""The CPU stand-ins of mamba_ssm, causal_conv1d and fla (megatron_2d_dev.ssm_cpu) against naive token-by-token
 recurrences on random inputs: outputs, final states and the gradients of every input (fp32).
 
 The stand-ins compute chunk by chunk (quadratic form inside a chunk, state carried between chunks) as the real
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_2d.testing import ssm_cpu as s
+from megatron_2d_dev import ssm_cpu as s
 
 RTOL = 2e-5
 

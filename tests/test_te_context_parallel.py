@@ -1,8 +1,8 @@
 """Stock Megatron context parallelism, run for real: Transformer Engine's own ``context_parallel.py`` on CPU ranks.
 
 Per installed release (2.5.0, 2.8.0, 2.12.0, 2.20.2), one forked run of 4 ranks, the release loaded once in the
-parent (megatron_2d.testing.te_context_parallel) and inherited by the ranks: generated cases
-(megatron_2d.testing.stock_cp) of every comm type (p2p, a2a, a2a+p2p at each split, all_gather) x causal / full x
+parent (megatron_2d_dev.te_context_parallel) and inherited by the ranks: generated cases
+(megatron_2d_dev.stock_cp) of every comm type (p2p, a2a, a2a+p2p at each split, all_gather) x causal / full x
 CP 2 and 4 x sbhd and THD (bf16; fp16 for sbhd at CP 4), forward and backward through ``attn_forward_func_with_cp``,
 and one per comm type through TE's ``DotProductAttention`` (megatron-core's TEDotProductAttention's module: TE's
 backend query and checks in each release's ABI). Each accepted case is exact against the fp64 reference within TE's
@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.overrides import _get_current_function_mode_stack
 
-from megatron_2d.testing import te_context_parallel as tcp
-from megatron_2d.testing import te_package as tep
 from megatron_2d.testing.distributed import run_on_ranks
-from megatron_2d.testing.megatron_cpu import CudaAvailableError
 from megatron_2d.testing.reference import TOLERANCES
-from megatron_2d.testing.stock_cp import (
+from megatron_2d_dev import te_context_parallel as tcp
+from megatron_2d_dev import te_package as tep
+from megatron_2d_dev.megatron_cpu import CudaAvailableError
+from megatron_2d_dev.stock_cp import (
     OUTPUTS,
     StockCPGroups,
     expected_refusal,
@@ -264,7 +264,7 @@ def test_stand_in_refuses_what_it_does_not_compute():
 
 
 def test_stock_groups_refuse_a_world_the_cp_size_does_not_divide():
-    from megatron_2d.testing.stock_cp import StockCPGroups
+    from megatron_2d_dev.stock_cp import StockCPGroups
 
     with pytest.raises(ValueError, match="a world of 6 ranks does not split into CP groups of 4"):
         StockCPGroups(6, [(4, 2)])

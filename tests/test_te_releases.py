@@ -2,7 +2,7 @@
 
 Each release's whole PyTorch layer imports and runs (``transformer_engine.pytorch``, its ``fused_attn_fwd`` /
 ``fused_attn_bwd``) over a CPU ``transformer_engine_torch`` taking the release's positional arguments
-(megatron_2d.testing.te_package; tools/install.sh installs the releases). Each release runs in forked ranks (one TE
+(megatron_2d_dev.te_package; tools/install.sh installs the releases). Each release runs in forked ranks (one TE
 per process). Checked per release: the extension's argument lists against the release's own calls; TeFusedKernel
 forward and backward against fp64 (causal squares, full blocks with MLA head dims, tall causal calls, windows,
 two-sided bands, a packed block's THD launches, both THD stats layouts), and its max logit (from TE's launches where
@@ -25,7 +25,6 @@ from megatron_2d.kernels.merge import merge_attention_
 from megatron_2d.kernels.te_fused import TeFusedKernel
 from megatron_2d.layout.band import Band
 from megatron_2d.layout.block_calls import BlockCall
-from megatron_2d.testing import te_package as tep
 from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d.testing.reference import (
     TOLERANCES,
@@ -36,7 +35,8 @@ from megatron_2d.testing.reference import (
     rel_err,
     rounded,
 )
-from megatron_2d.testing.torch_flash_cpu import kernel_on_cpu
+from megatron_2d_dev import te_package as tep
+from megatron_2d_dev.torch_flash_cpu import kernel_on_cpu
 
 TIMEOUT = datetime.timedelta(seconds=60)
 BF16 = TOLERANCES[torch.bfloat16]
@@ -46,7 +46,7 @@ def test_every_release_is_installed():
     missing = [v for v in tep.RELEASES if not tep.is_installed(v)]
     assert not missing, (
         f"Transformer Engine releases {missing} are not installed under {tep.releases_dir()}: run "
-        f"'python -m megatron_2d.testing.te_package install' (tools/install.sh does)"
+        f"'python -m megatron_2d_dev.te_package install' (tools/install.sh does)"
     )
 
 

@@ -1,4 +1,4 @@
-"""The CPU ``tex.thd_*`` helpers (megatron_2d.testing.te_thd_cpu) one by one, against the CUDA kernels' semantics
+"""The CPU ``tex.thd_*`` helpers (megatron_2d_dev.te_thd_cpu) one by one, against the CUDA kernels' semantics
 written as plain loops over sequences and tokens (context_parallel.cu: per sequence of the padded ``cu_seqlens``,
 its first half and its second half), and their guards. End to end they run inside TE's THD context parallelism
 (tests/test_te_context_parallel.py); here each is checked alone, the modes TE's CI cases do not reach included
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_2d.testing import te_thd_cpu as thd
+from megatron_2d_dev import te_thd_cpu as thd
 
 CU = [0, 6, 10, 22]  # three sequences of even lengths (the padded offsets of one CP rank)
 

@@ -4,7 +4,7 @@
     python tools/fuzz_attention.py --replay 1234:5         # one draw again (batch seed : draw index)
 
 Each batch forks its world's ranks once (world 1-8, a random 2D layout) and runs its draws there; see
-megatron_2d/testing/generated_cases.py for what a draw varies. Every failure prints its replay command; the exit
+dev/megatron_2d_dev/generated_cases.py for what a draw varies. Every failure prints its replay command; the exit
 status is 1 when any draw failed. The summary gives the largest max logit error per dtype (the draws that ask for
 it), against its bound.
 """
@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.testing.distributed import RankFailure, run_on_ranks
-from megatron_2d.testing.generated_cases import draw_batch, draw_case, expected_results, failures, run_batch
 from megatron_2d.testing.reference import TOLERANCES, rel_err
+from megatron_2d_dev.generated_cases import draw_batch, draw_case, expected_results, failures, run_batch
 
 
 def run(batch_seed: int, indices, modes, max_world: int):

@@ -4,8 +4,8 @@
     python tools/fuzz_megatron.py --replay 1234:2             # one draw again (scenario seed : draw index)
 
 Each draw forks its world (up to 8 CPU ranks) and trains a few iterations through Megatron's schedule; each
-scenario's reference is computed once (see megatron_2d/testing/generated_configs.py for what a draw varies and
-megatron_2d/testing/config_runs.py for what is compared). Every failure prints its replay command; the counts of
+scenario's reference is computed once (see dev/megatron_2d_dev/generated_configs.py for what a draw varies and
+dev/megatron_2d_dev/config_runs.py for what is compared). Every failure prints its replay command; the counts of
 passed, refused (by rule) and skipped (by rule) draws are printed at the end; the exit status is 1 when any draw
 failed.
 """
@@ -21,10 +21,10 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from megatron_2d.testing.config_runs import Outcome, run_configuration
-from megatron_2d.testing.generated_configs import DRAWS_PER_SCENARIO, draw_config
-from megatron_2d.testing.hybrid_cpu import install_hybrid_cpu_shims
-from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims
+from megatron_2d_dev.config_runs import Outcome, run_configuration
+from megatron_2d_dev.generated_configs import DRAWS_PER_SCENARIO, draw_config
+from megatron_2d_dev.hybrid_cpu import install_hybrid_cpu_shims
+from megatron_2d_dev.megatron_cpu import install_megatron_cpu_shims
 
 
 def summary(outcomes: list[Outcome], seconds: float) -> str:

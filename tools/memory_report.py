@@ -5,7 +5,7 @@
                                    --seq 1024 --plot memory.png] [--tp 2 [--sequence-parallel]]
 
 ``--tp``: the ranks are TP x CP (CP = ranks / TP); ``--sequence-parallel``: Megatron's SP (its norms: megatron-core's
-FusedLayerNorm over apex's function stood in, megatron_2d.testing.sp_norms). The planner's activation model
+FusedLayerNorm over apex's function stood in, megatron_2d_dev.sp_norms). The planner's activation model
 (megatron_2d.plan.memory) assumes SP unless ParallelSpec(sequence_parallel=False); tests/test_memory_report.py
 compares both with it.
 
@@ -35,12 +35,12 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 
 import torch  # noqa: E402
 
-from megatron_2d.bench.cli import add_arguments, render_table  # noqa: E402
 from megatron_2d.layout.choices import CHECKPOINT_KEEPS  # noqa: E402
 from megatron_2d.megatron.checkpoint_plus import fingerprint_elements  # noqa: E402
-from megatron_2d.testing import tiny_gpt as tg  # noqa: E402
 from megatron_2d.testing.distributed import run_on_ranks  # noqa: E402
-from megatron_2d.testing.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
+from megatron_2d_dev import tiny_gpt as tg  # noqa: E402
+from megatron_2d_dev.cli import add_arguments, render_table  # noqa: E402
+from megatron_2d_dev.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 MODES = {
@@ -167,7 +167,7 @@ def measure(rank, world, args) -> dict[str, dict]:
 
 
 def report(args) -> list[dict]:
-    from megatron_2d.testing.sp_norms import apex_layer_norm
+    from megatron_2d_dev.sp_norms import apex_layer_norm
 
     with apex_layer_norm() if args.sequence_parallel else contextlib.nullcontext():
         per_rank = run_on_ranks(args.ranks, measure, args, timeout_s=600)

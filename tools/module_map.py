@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Print the module map of megatron_2d/ as a markdown table: module, first docstring line, line count.
+"""Print the module map of megatron_2d/ and dev/megatron_2d_dev/ as a markdown table: module, first docstring line,
+line count.
 
     python tools/module_map.py                 # the table docs/architecture.md holds, on stdout
     python tools/module_map.py --write         # written into docs/architecture.md between its markers
@@ -8,7 +9,8 @@
 tests/test_docs.py checks that docs/architecture.md holds exactly what ``--write`` writes (line counts included).
 
 Reads the source files only (ast), so it needs neither torch nor megatron-core. Modules are listed package by
-package (the top-level package first), each package's __init__.py before its other modules.
+package (the top-level package first), each package's __init__.py before its other modules; the library first,
+then the development distribution (dev/, never shipped).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "megatron_2d"
+PACKAGES = (PACKAGE, "dev/megatron_2d_dev")  # folders relative to the repository root: the library, the dev tools
 
 
 class Module(NamedTuple):
@@ -56,16 +59,22 @@ def _order(path: Path, root: Path):
 
 
 def modules(root: Path = REPO) -> list[Module]:
-    """Every .py file under ``root``/megatron_2d, in map order."""
-    files = sorted((root / PACKAGE).rglob("*.py"), key=lambda p: _order(p, root))
+    """Every .py file under ``root``/megatron_2d and ``root``/dev/megatron_2d_dev (when there), in map order."""
     out = []
-    for path in files:
+    for folder in (root / p for p in PACKAGES):
+        out += _package_modules(folder, root)
+    return out
+
+
+def _package_modules(folder: Path, root: Path) -> list[Module]:
+    out = []
+    for path in sorted(folder.rglob("*.py"), key=lambda p: _order(p, folder.parent)):
         if "__pycache__" in path.parts:
             continue
         source = path.read_text(encoding="utf-8")
         out.append(
             Module(
-                module_name(path, root),
+                module_name(path, folder.parent),
                 path.relative_to(root).as_posix(),
                 first_docstring_line(source),
                 len(source.splitlines()),

@@ -140,9 +140,8 @@ def pytest_command(python: str, tests: Sequence[str]) -> list[str]:
 
 
 def run_tests(scratch: Path, python: str, tests: Sequence[str], timeout: float):
-    env = dict(
-        os.environ, PYTHONPATH=str(scratch) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1"
-    )
+    paths = [str(scratch), str(scratch / "dev"), os.environ.get("PYTHONPATH", "")]  # megatron_2d, megatron_2d_dev
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONDONTWRITEBYTECODE="1")
     # the scratch copy has no ../shared beside it: point the pretrain tests at the checkout's Megatron-LM scripts
     env.setdefault("MEGATRON_LM_DIR", str(REPO.parent / "shared" / "megatron-lm" / "core_v0.19.0"))
     cmd = pytest_command(python, tests)

@@ -9,7 +9,7 @@
 #     (CPU stand-ins for the Mamba/GDN kernels; the CP=1 reference runs Megatron's local hybrid spec)
 #   STOCK_CP=a2a+p2p [TE_RELEASE=2.20.2] bash tools/pretrain_gpt_cpu.sh   # stock Megatron CP instead of 2D: the
 #     unpatched pretrain_gpt.py, --bf16, megatron-core's TEDotProductAttention over Transformer Engine's own
-#     context_parallel.py (megatron_2d.testing.stock_cp_spec); STOCK_CP=p2p | a2a | a2a+p2p (hierarchical 2 x CP/2)
+#     context_parallel.py (megatron_2d_dev.stock_cp_spec); STOCK_CP=p2p | a2a | a2a+p2p (hierarchical 2 x CP/2)
 #     | all_gather
 # Needs <repo>/../shared/megatron-lm/core_v0.19.0 (or MEGATRON_LM_DIR). Stops after TIMEOUT seconds (default 120).
 set -euo pipefail
@@ -22,7 +22,7 @@ LAUNCH=()
 
 if [ "$ENTRY" = hybrid ]; then
   FLAGS=(--hybrid-layer-pattern "${PATTERN:-M*-M*-}" --mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2)
-  [ "$CP" = 1 ] && FLAGS+=(--spec megatron_2d.testing.hybrid_cpu megatron_local_hybrid_stack_spec)
+  [ "$CP" = 1 ] && FLAGS+=(--spec megatron_2d_dev.hybrid_cpu megatron_local_hybrid_stack_spec)
 else
   FLAGS=(--num-layers 2)
 fi
@@ -35,7 +35,7 @@ FLAGS+=(
   --distributed-timeout-minutes 1
 )
 if [ -n "$STOCK_CP" ]; then
-  FLAGS+=(--bf16 --spec megatron_2d.testing.stock_cp_spec gpt_layer_spec_stock_cp)
+  FLAGS+=(--bf16 --spec megatron_2d_dev.stock_cp_spec gpt_layer_spec_stock_cp)
   if [ "$CP" != 1 ]; then
     FLAGS+=(--context-parallel-size "$CP" --cp-comm-type "$STOCK_CP")
     [ "$STOCK_CP" = "a2a+p2p" ] && FLAGS+=(--hierarchical-context-parallel-sizes 2 $((CP / 2)))
@@ -54,11 +54,11 @@ trap 'rm -rf "$WORK"' EXIT
 # background job), and the script then waits for it, so the EXIT trap removes $WORK after the workers are gone
 trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null' INT TERM HUP
 PATCHED=--patched; { [ "$CP" = 1 ] || [ -n "$STOCK_CP" ]; } && PATCHED=
-SCRIPT="$("$PY" -m megatron_2d.testing.megatron_lm "$WORK" $PATCHED --script "pretrain_$ENTRY.py")"
+SCRIPT="$("$PY" -m megatron_2d_dev.megatron_lm "$WORK" $PATCHED --script "pretrain_$ENTRY.py")"
 # torchrun as a child, not exec'd (the EXIT trap must run); -k kills it if it does not stop. Its log folder
 # (torchelastic_*, which torch never removes) and its workers' temporary files go in $WORK, removed with it.
 TMPDIR="$WORK" timeout -k 10 "${TIMEOUT:-120}" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node "$CP" \
-  -m megatron_2d.testing.pretrain_cpu "${LAUNCH[@]}" "$SCRIPT" "${FLAGS[@]}" "$@" &
+  -m megatron_2d_dev.pretrain_cpu "${LAUNCH[@]}" "$SCRIPT" "${FLAGS[@]}" "$@" &
 CHILD=$!
 STATUS=0
 wait "$CHILD" || STATUS=$?

@@ -74,7 +74,7 @@ MIN_CUDNN = 90000
 def check_cudnn() -> None:
     """Refuse a CUDA PyTorch without cuDNN 9 (its attention ops would fail at the first call)."""
     if not torch.cuda.is_available():
-        return  # CPU: the stand-in (megatron_2d.testing.torch_cudnn_cpu) plays the ops
+        return  # CPU: the stand-in (megatron_2d_dev.torch_cudnn_cpu) plays the ops
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if version is None or version < MIN_CUDNN:
         raise ImportError(f"PyTorch's cuDNN attention needs cuDNN >= 9.0; this torch {torch.__version__} has {version}")

@@ -72,7 +72,7 @@ def run_on_ranks(
     Results are pickled in the rank, so they may hold tensors. Raises RankFailure with the first failing rank's
     traceback, or when ``timeout_s`` passes. ``rank_setup(rank)`` runs first in each rank, before its process group
     exists (the emulated cluster's ranks enter their network namespaces there:
-    :func:`megatron_2d.testing.cluster_launch.run_on_cluster`).
+    :func:`megatron_2d_dev.cluster_launch.run_on_cluster`).
     """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
