@@ -42,7 +42,7 @@ from .call.plan import rider_dtype as rider_dtype
 from .call.plan import zigzag_route as zigzag_route
 from .groups import Groups2D
 from .head_all_to_all import Direction, HeadAllToAll, HeadCall
-from .kept_forward import KeptForward
+from .kept_forward import KeptForward, Point
 from .layout.choices import DkvCommDtype
 from .layout.choices import check_dkv_comm_dtype as check_dkv_comm_dtype
 from .layout.heads import kv_replication
@@ -277,7 +277,7 @@ def group_max_logit(local_max: torch.Tensor | None, groups: Groups2D, hq: int, k
     """max_logit [hq] of the whole CP group from this rank's ring's [hq/hp] (see the module): this rank's heads'
     slots, -inf elsewhere, all-reduced (MAX) over the head group, then over the context group. Selective
     Checkpoint++'s recompute gives back the kept result (point "max_logit") without reducing again."""
-    replayed = kept.replay("max_logit") if kept is not None else None
+    replayed = kept.replay(Point.MAX_LOGIT) if kept is not None else None
     if replayed is not None:
         return replayed[0]
     heads, rank = local_max.shape[0], groups.place.head_rank
@@ -287,5 +287,5 @@ def group_max_logit(local_max: torch.Tensor | None, groups: Groups2D, hq: int, k
         if group is not None:
             dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
     if kept is not None:
-        kept.record("max_logit", (result,))
+        kept.record(Point.MAX_LOGIT, (result,))
     return result

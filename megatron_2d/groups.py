@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .call.options import BoundedCache
 from .layout.block_calls import received_chunks
+from .layout.choices import Placement
 from .layout.topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 from .transport.comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
 
@@ -133,7 +134,7 @@ def warm_up_p2p(group: dist.ProcessGroup | None, ring: Sequence[int], position: 
 def build_2d_groups(
     head_parallel_size: int,
     inner_ring_size: int | None = None,
-    placement: str = "head_first",
+    placement: str = Placement.HEAD_FIRST,
     cp_rank_lists: Sequence[Sequence[int]] | None = None,
     timeout: datetime.timedelta | None = None,
     backend: str | None = None,
@@ -184,11 +185,13 @@ def _build(
     timeout = default_group_timeout() if timeout is None else timeout
     places = place_all_ranks(layout, lists, world)
 
-    def all_of(kind: str) -> list[list[int]]:
-        return [list(g) for cp_ranks in lists for g in getattr(layout, kind)(cp_ranks)]
+    def all_of(groups_of: Callable[[Sequence[int]], Sequence[Sequence[int]]]) -> list[list[int]]:
+        """Every CP group's groups of one kind (``groups_of``: a Layout2D method, CP ranks -> rank lists)."""
+        return [list(g) for cp_ranks in lists for g in groups_of(cp_ranks)]
 
-    head = _create(all_of("head_groups"), timeout, backend)
-    intra, inter, context = all_of("inner_ring_groups"), all_of("outer_ring_groups"), all_of("context_groups")
+    head = _create(all_of(layout.head_groups), timeout, backend)
+    intra, inter = all_of(layout.inner_ring_groups), all_of(layout.outer_ring_groups)
+    context = all_of(layout.context_groups)
     groups = Groups2D(
         layout=layout,
         place=places[rank],

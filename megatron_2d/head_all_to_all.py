@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .kept_forward import KeptForward
+from .kept_forward import KeptForward, Point
 from .transport.comm import CommCounter, all_gather_counted, all_to_all_counted, to_device
 
 Widths = tuple[int, ...]  # the head dims of one group's tensors, in order
@@ -181,8 +181,8 @@ def _into_received(dst: torch.Tensor, y: torch.Tensor, order: torch.Tensor | Non
 class Direction(enum.Enum):
     """Which way the head all-to-all goes."""
 
-    TO_HEADS = "to_heads"  # tensors [2c, b, H, d_i] -> groups [b, S, H/hp, D]
-    TO_TOKENS = "to_tokens"  # groups [b, S, H/hp, D] -> tensors [2c, b, H, d_i]
+    TO_HEADS = Point.TO_HEADS  # tensors [2c, b, H, d_i] -> groups [b, S, H/hp, D]
+    TO_TOKENS = Point.TO_TOKENS  # groups [b, S, H/hp, D] -> tensors [2c, b, H, d_i]
 
 
 @dataclass(frozen=True)
@@ -330,12 +330,12 @@ class HeadAllGather(torch.autograd.Function):
     def forward(ctx, call: HeadCall, x: torch.Tensor) -> torch.Tensor:
         route, kept = call.route, call.kept
         ctx.route = route
-        replayed = kept.replay("gather") if kept is not None else None
+        replayed = kept.replay(Point.GATHER) if kept is not None else None
         if replayed is not None:
             return replayed[0]
         out = route.gather(x)
         if kept is not None:
-            kept.record("gather", (out,))
+            kept.record(Point.GATHER, (out,))
         return out
 
     @staticmethod

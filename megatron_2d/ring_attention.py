@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from .kept_forward import KeptForward
+from .kept_forward import KeptForward, Point
 from .kernels import BlockKernel
 from .kernels.base import accumulator_dtype
 from .kernels.merge import merge_attention_
@@ -219,7 +219,7 @@ class RingAttention(torch.autograd.Function):
         *params: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rc, kept, expander = call.context, call.kept, call.expander
-        replayed = kept.replay("ring") if kept is not None else None
+        replayed = kept.replay(Point.RING) if kept is not None else None
         local_max = None
         if replayed is not None:
             out, lse = replayed
@@ -227,7 +227,7 @@ class RingAttention(torch.autograd.Function):
             expansion = _Expansion(q.shape[-1], expander, params, rc.key_spans)
             out, lse, local_max = _forward(q, kv, sinks, rc, expansion, call.max_logit)
             if kept is not None:
-                kept.record("ring", (out, lse))
+                kept.record(Point.RING, (out, lse))
         ctx.save_for_backward(q, kv, out, lse, sinks, *params)
         ctx.rc, ctx.expander = rc, expander
         if local_max is not None:
