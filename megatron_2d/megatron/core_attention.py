@@ -40,6 +40,7 @@ from ..call.options import AttentionOptions
 from ..groups import Groups2D
 from ..latent_attention import LatentDims, run_latent_attention_2d
 from ..layout.band import SlidingWindow
+from ..layout.choices import PackingMode
 from ..packed_sharding import PackedSharding
 from ..packing.modes import mode_class
 from .attention_settings import check_attention_settings, packed_seq_refusals
@@ -451,13 +452,13 @@ class CoreAttention2D(MegatronModule):
 
             return sequence_params(packed_seq_params, self.groups, torch.device("cpu")).layout
         if padded is None or padded is real:
-            return PackedSharding(torch.as_tensor(real).cpu(), self.groups, mode="zigzag")
+            return PackedSharding(torch.as_tensor(real).cpu(), self.groups, mode=PackingMode.ZIGZAG)
         if torch.as_tensor(padded).shape != torch.as_tensor(real).shape:  # refused by the layout
-            return PackedSharding(real, self.groups, mode="zigzag", cu_seqlens_padded=padded)
+            return PackedSharding(real, self.groups, mode=PackingMode.ZIGZAG, cu_seqlens_padded=padded)
         both = torch.cat([torch.as_tensor(real).reshape(-1), torch.as_tensor(padded).reshape(-1)]).cpu()
         real, padded = both.split(both.shape[0] // 2)
         return PackedSharding(
-            real, self.groups, mode="zigzag", cu_seqlens_padded=None if torch.equal(real, padded) else padded
+            real, self.groups, mode=PackingMode.ZIGZAG, cu_seqlens_padded=None if torch.equal(real, padded) else padded
         )
 
     def _checked_layout(self, packed_seq_params, carried: PackedSharding | None) -> PackedSharding:
