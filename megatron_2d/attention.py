@@ -32,25 +32,22 @@ all-reduce over the head group and one over the context group make the whole CP 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
+from .call.options import AttentionOptions
+from .call.plan import packed_route as packed_route
+from .call.plan import prepare
+from .call.plan import rider_dtype as rider_dtype
+from .call.plan import zigzag_route as zigzag_route
 from .groups import Groups2D
-from .head_all_to_all import Direction, HeadAllToAll, HeadRoute, ascending_order
-from .kept_forward import KeptForward
-from .kernels import select_kernel
-from .kernels.base import accumulator_dtype
-from .layout.band import SlidingWindow
-from .layout.block_calls import BlockCall, ContextCalls, context_calls
-from .layout.choices import check_dkv_comm_dtype
+from .head_all_to_all import Direction, HeadAllToAll, HeadCall
+from .kept_forward import KeptForward, Point
+from .layout.choices import DkvCommDtype
+from .layout.choices import check_dkv_comm_dtype as check_dkv_comm_dtype
 from .layout.heads import kv_replication
-from .layout.transports import transport_kind
 from .packed_sharding import PackedSharding
-from .ring_attention import RingAttention, RingContext
-from .transport.base import KeyRoutes
-from .transport.kinds import transport_classes
+from .ring_attention import RingAttention, RingCall
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -134,126 +131,6 @@ def check_not_capturing(device: torch.device) -> None:
         )
 
 
-def zigzag_route(groups: Groups2D, s_local: int, group_calls: ContextCalls) -> tuple[str, KeyRoutes]:
-    """(transport kind, routes) of zigzag shards of ``s_local`` tokens per rank under the mask of ``group_calls``:
-    every key of a block may travel; the neighbour exchange sends the hull of the keys each pair's calls read."""
-    kind = transport_kind(groups.context_size, groups.head_parallel_size * s_local, group_calls.dense)
-    return kind, KeyRoutes(keys=group_calls.keys)
-
-
-def packed_route(
-    groups: Groups2D, packing: PackedSharding, causal: bool, window: SlidingWindow
-) -> tuple[str, KeyRoutes, dict[int, tuple[BlockCall, ...]]]:
-    """(transport kind, routes, this rank's calls per source) of one packed batch and mask: the ring carries the
-    layout's ring prefix; the neighbour exchange the keys each pair's calls read, packed together (the calls then
-    in those packed coordinates)."""
-    ring_tokens, cp = packing.ring_tokens, groups.context_size
-    neighbours = None if ring_tokens == 0 or cp == 1 else packing.neighbour_keys(causal, window)
-    kind = transport_kind(cp, ring_tokens, neighbours is None)
-    if kind == "neighbour":
-        return kind, KeyRoutes(keys=neighbours.keys, offsets=neighbours.offsets), neighbours.calls
-    ring_keys = ring_tokens if ring_tokens < packing.view_len else None
-    return kind, KeyRoutes(ring_keys=ring_keys), packing.calls(causal, window)
-
-
-def rider_dtype(dtype: torch.dtype, dkv_comm_dtype: str) -> torch.dtype:
-    """The dtype dK/dV riders travel and accumulate in for inputs of ``dtype`` (see ``dkv_comm_dtype``)."""
-    return accumulator_dtype(dtype) if dkv_comm_dtype == "accumulator" else dtype
-
-
-def _setup(
-    groups: Groups2D,
-    device: torch.device,
-    dtype: torch.dtype,
-    s_local: int,
-    causal: bool,
-    window: SlidingWindow,
-    scale: float,
-    kernel: str | None,
-    dkv_comm_dtype: str,
-    head_dims: tuple[int, int],
-):
-    """(head all-to-all, ring context) for one call signature: built on first use, then cached on ``groups``, so a
-    call makes no host-device copy, builds no calls and creates no tensor from Python data."""
-    key = (device, dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
-    cached = groups.op_cache.get(key)
-    if cached is None:
-        place = groups.place
-        order = ascending_order(groups.received_chunks(place.context_rank))
-        heads = HeadRoute.build(
-            groups.head_parallel_size, order, groups.head_group, groups.comm_bytes, device, head_ranks=place.head_group
-        )
-        group_calls = context_calls(groups.layout, s_local // 2, causal, window)
-        kind, routes = zigzag_route(groups, s_local, group_calls)
-        rc = RingContext(
-            transport=transport_classes()[kind].for_routes(groups, routes),
-            kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-            calls={src: group_calls.calls[(place.context_rank, src)] for src in range(groups.context_size)},
-            scale=scale,
-            rider_dtype=rider_dtype(dtype, dkv_comm_dtype),
-        )
-        cached = groups.op_cache[key] = (heads, rc)
-    return cached
-
-
-class _GroupsKey:
-    """A cache key naming one Groups2D object (a mutable dataclass: unhashable) without keeping it alive: equal only
-    to a key of the same live object, so a Groups2D built after another was collected never meets its entries,
-    even at the same address."""
-
-    __slots__ = ("_ref", "_hash")
-
-    def __init__(self, groups: Groups2D) -> None:
-        self._ref, self._hash = weakref.ref(groups), id(groups)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _GroupsKey):
-            return NotImplemented
-        mine = self._ref()
-        return mine is not None and mine is other._ref()
-
-
-def _packed_setup(
-    groups: Groups2D,
-    packing: PackedSharding,
-    device: torch.device,
-    dtype: torch.dtype,
-    causal: bool,
-    window: SlidingWindow,
-    scale: float,
-    kernel: str | None,
-    dkv_comm_dtype: str,
-    head_dims: tuple[int, int],
-):
-    """(head all-to-all, ring context) for one packed batch and call signature, cached on the layout (per groups
-    object: another Groups2D of the same layout has process groups and a byte counter of its own)."""
-    key = (_GroupsKey(groups), device, dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
-    cached = packing.op_cache.get(key)
-    if cached is None:
-        heads = HeadRoute.build(
-            groups.head_parallel_size,
-            packing.head_order,
-            groups.head_group,
-            groups.comm_bytes,
-            device,
-            per_token=packing.head_unit == "token",
-            head_ranks=groups.place.head_group,
-        )
-        kind, routes, calls = packed_route(groups, packing, causal, window)
-        rc = RingContext(
-            transport=transport_classes()[kind].for_routes(groups, routes),
-            kernel=select_kernel(device, dtype, kernel, max(head_dims)).for_head_dims(*head_dims),
-            calls=calls,
-            scale=scale,
-            rider_dtype=rider_dtype(dtype, dkv_comm_dtype),
-        )
-        cached = packing.op_cache[key] = (heads, rc)
-    return cached
-
-
 def check_packing(groups: Groups2D, packing) -> None:
     """Refuse a ``packing`` that is not a PackedSharding of these groups."""
     if not isinstance(packing, PackedSharding):
@@ -306,9 +183,8 @@ def attention_2d(
     kernel: str | None = None,
     sliding_window: tuple[int, int] | None = (-1, -1),
     sinks: torch.Tensor | None = None,
-    dkv_comm_dtype: str = "accumulator",
+    dkv_comm_dtype: str = DkvCommDtype.ACCUMULATOR,
     packing: PackedSharding | None = None,
-    kept: KeptForward | None = None,
     return_max_logit: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the whole CP group for zigzag-sharded q [s, b, hq, dk], k [s, b, hkv, dk],
@@ -333,9 +209,6 @@ def attention_2d(
         packing: a :class:`megatron_2d.PackedSharding` of these groups: THD tensors of packed documents, attention
             within each document only (causal and the window over positions within the document); padding
             slots give exact zeros in the output and the gradients.
-        kept: Selective Checkpoint++'s record of this call (:class:`megatron_2d.kept_forward.KeptForward`): the
-            first pass records into it, the recompute returns what it kept instead of computing (None: a plain
-            call; see :mod:`megatron_2d.megatron.checkpoint_plus`).
         return_max_logit: also return max_logit [hq], per query head of q (in q's head order), the max of
             softmax_scale * q . k over exactly the (query, key) pairs the mask lets see, over the whole CP group,
             equal on every rank of it; in the accumulator dtype (fp32; fp64 for fp64 inputs), not differentiable.
@@ -344,7 +217,33 @@ def attention_2d(
             one more q k^T pass per block (:mod:`megatron_2d.kernels.max_logit`). Out and gradients are unchanged.
     Returns out [s, b, hq, dv] (or [t_local, hq, dv] with packing) in q's dtype, and max_logit [hq] when
     ``return_max_logit``. Bytes sent are added to ``groups.comm_bytes`` (the max logit's all-reduces are not).
+    The keywords besides ``sinks`` and ``packing`` become one :class:`megatron_2d.call.options.AttentionOptions`
+    (:func:`run_attention_2d` takes it directly).
     """
+    options = AttentionOptions(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        kernel=kernel,
+        sliding_window=sliding_window,
+        dkv_comm_dtype=dkv_comm_dtype,
+        return_max_logit=return_max_logit,
+    )
+    return run_attention_2d(q, k, v, groups, options, sinks, packing)
+
+
+def run_attention_2d(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: Groups2D,
+    options: AttentionOptions,
+    sinks: torch.Tensor | None = None,
+    packing: PackedSharding | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_2d` with its settings as one :class:`~megatron_2d.call.options.AttentionOptions` (built once by
+    a caller that makes many calls, e.g. Megatron's core attention), whose ``kept`` carries Selective Checkpoint++'s
+    record of the call (:mod:`megatron_2d.kept_forward`: the first pass records into it, the recompute returns what
+    it kept instead of computing)."""
     check_not_capturing(q.device)
     if packing is not None:
         check_packed(q, k, v, groups, packing)
@@ -355,23 +254,30 @@ def attention_2d(
     replicas = kv_replication(q.shape[2], k.shape[2], groups.head_parallel_size)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=2), v.repeat_interleave(replicas, dim=2)
-    route, rc, local_sinks = prepare_call(
-        q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=v.shape[-1]
-    )
+    plan = prepare(q, v.shape[-1], groups, options, packing)
+    head_call, hq = HeadCall(plan.route, options.kept), q.shape[2]
     # one all-to-all for q, k and v: q [b, S, hq/hp, dk], K/V side by side as the ring sends them [b, S, hkv'/hp, dk+dv]
-    hq = q.shape[2]
-    q, kv = HeadAllToAll.apply(route, Direction.TO_HEADS, (1, 2), kept, q, k, v)
-    out, local_max = RingAttention.apply(q, kv, local_sinks, rc, kept, return_max_logit)  # [b, S, hq/hp, dv]
-    (out,) = HeadAllToAll.apply(route, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
+    q, kv = HeadAllToAll.apply(head_call, Direction.TO_HEADS, (1, 2), q, k, v)
+    ring = RingCall(plan.ring, options.kept, options.return_max_logit)
+    out, local_max = RingAttention.apply(q, kv, head_sinks(sinks, groups, hq), ring)  # [b, S, hq/hp, dv]
+    (out,) = HeadAllToAll.apply(head_call, Direction.TO_TOKENS, None, out)  # [s, b, hq, dv]
     out = out.squeeze(1) if packing is not None else out
-    return (out, group_max_logit(local_max, groups, hq, kept)) if return_max_logit else out
+    return (out, group_max_logit(local_max, groups, hq, options.kept)) if options.return_max_logit else out
+
+
+def head_sinks(sinks: torch.Tensor | None, groups: Groups2D, hq: int) -> torch.Tensor | None:
+    """This rank's slice [hq/hp] of the sinks [hq] (its head rank's heads), or None."""
+    if sinks is None:
+        return None
+    local_heads, head_rank = hq // groups.head_parallel_size, groups.place.head_rank
+    return sinks[head_rank * local_heads : (head_rank + 1) * local_heads]
 
 
 def group_max_logit(local_max: torch.Tensor | None, groups: Groups2D, hq: int, kept: KeptForward | None):
     """max_logit [hq] of the whole CP group from this rank's ring's [hq/hp] (see the module): this rank's heads'
     slots, -inf elsewhere, all-reduced (MAX) over the head group, then over the context group. Selective
     Checkpoint++'s recompute gives back the kept result (point "max_logit") without reducing again."""
-    replayed = kept.replay("max_logit") if kept is not None else None
+    replayed = kept.replay(Point.MAX_LOGIT) if kept is not None else None
     if replayed is not None:
         return replayed[0]
     heads, rank = local_max.shape[0], groups.place.head_rank
@@ -381,36 +287,5 @@ def group_max_logit(local_max: torch.Tensor | None, groups: Groups2D, hq: int, k
         if group is not None:
             dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
     if kept is not None:
-        kept.record("max_logit", (result,))
+        kept.record(Point.MAX_LOGIT, (result,))
     return result
-
-
-def prepare_call(
-    q: torch.Tensor,
-    groups: Groups2D,
-    causal: bool,
-    softmax_scale: float | None,
-    kernel: str | None,
-    sliding_window,
-    sinks: torch.Tensor | None,
-    dkv_comm_dtype: str,
-    packing: PackedSharding | None,
-    value_dim: int,
-):
-    """What one call needs besides its tensors, from q [s_local, b, hq, dk]: (head all-to-all, ring context, this
-    rank's sinks [hq/hp] or None); the setup is cached per signature (see :func:`_setup`)."""
-    s_local, _, hq, dk = q.shape
-    seq_len = packing.max_document_length if packing is not None else s_local * groups.layout.cp_size
-    window = SlidingWindow.of(sliding_window, causal, seq_len)
-    scale = dk**-0.5 if softmax_scale is None else float(softmax_scale)
-    check_dkv_comm_dtype(dkv_comm_dtype)
-    head_dims = (dk, value_dim)
-    if packing is not None:
-        route, rc = _packed_setup(
-            groups, packing, q.device, q.dtype, causal, window, scale, kernel, dkv_comm_dtype, head_dims
-        )
-    else:
-        route, rc = _setup(groups, q.device, q.dtype, s_local, causal, window, scale, kernel, dkv_comm_dtype, head_dims)
-    local_heads, head_rank = hq // groups.head_parallel_size, groups.place.head_rank
-    local_sinks = None if sinks is None else sinks[head_rank * local_heads : (head_rank + 1) * local_heads]
-    return route, rc, local_sinks

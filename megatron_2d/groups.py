@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .call.options import BoundedCache
 from .layout.block_calls import received_chunks
+from .layout.choices import Placement
 from .layout.topology import Layout2D, LayoutError, RankPlace, place_all_ranks
 from .transport.comm import CommCounter, check_same_on_every_rank, collective_device, traffic_backend
 
 
-@dataclass
+@dataclass(eq=False)
 class Groups2D:
     """One rank's view of 2D context parallelism: its place, its process groups, and a byte counter.
+
+    Each object is its own: equal and hashed by identity (two Groups2D of one layout and place still have their own
+    process groups, byte counter and cached call plans), so that it can key the call plans of a packed layout.
 
     Groups of a single rank are None (no communication is needed there). K/V and dK/dV use separate process
     groups so both can be in flight at once: the Double-Ring's inner and outer rings, and the whole context group,
@@ -34,8 +39,12 @@ class Groups2D:
     context_kv_group: dist.ProcessGroup | None = None
     context_dkv_group: dist.ProcessGroup | None = None
     comm_bytes: CommCounter = field(default_factory=CommCounter)
-    op_cache: dict = field(default_factory=dict, repr=False, compare=False)
-    """attention_2d's per-signature setup (calls, transports, kernel, index tensors), owned by these groups."""
+    op_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)
+    """attention_2d's call plans (:mod:`megatron_2d.call.plan`: calls, transports, kernel, index tensors), one per
+    signature, owned by these groups (a bounded cache)."""
+    batch_layouts: BoundedCache = field(default_factory=BoundedCache, repr=False)
+    """Packed layouts built for these groups from batch objects (Megatron's PackedSeqParams, by the core attention's
+    first layer of a batch, for the others to reuse), keyed by the batch object's id: (batch object, layout)."""
 
     @property
     def head_parallel_size(self) -> int:
@@ -76,6 +85,7 @@ class Groups2D:
             if pg in live:
                 dist.destroy_process_group(pg)
         self.op_cache.clear()
+        self.batch_layouts.clear()
 
 
 def default_group_timeout() -> datetime.timedelta | None:
@@ -124,7 +134,7 @@ def warm_up_p2p(group: dist.ProcessGroup | None, ring: Sequence[int], position: 
 def build_2d_groups(
     head_parallel_size: int,
     inner_ring_size: int | None = None,
-    placement: str = "head_first",
+    placement: str = Placement.HEAD_FIRST,
     cp_rank_lists: Sequence[Sequence[int]] | None = None,
     timeout: datetime.timedelta | None = None,
     backend: str | None = None,
@@ -175,11 +185,13 @@ def _build(
     timeout = default_group_timeout() if timeout is None else timeout
     places = place_all_ranks(layout, lists, world)
 
-    def all_of(kind: str) -> list[list[int]]:
-        return [list(g) for cp_ranks in lists for g in getattr(layout, kind)(cp_ranks)]
+    def all_of(groups_of: Callable[[Sequence[int]], Sequence[Sequence[int]]]) -> list[list[int]]:
+        """Every CP group's groups of one kind (``groups_of``: a Layout2D method, CP ranks -> rank lists)."""
+        return [list(g) for cp_ranks in lists for g in groups_of(cp_ranks)]
 
-    head = _create(all_of("head_groups"), timeout, backend)
-    intra, inter, context = all_of("inner_ring_groups"), all_of("outer_ring_groups"), all_of("context_groups")
+    head = _create(all_of(layout.head_groups), timeout, backend)
+    intra, inter = all_of(layout.inner_ring_groups), all_of(layout.outer_ring_groups)
+    context = all_of(layout.context_groups)
     groups = Groups2D(
         layout=layout,
         place=places[rank],

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .kept_forward import KeptForward
+from .kept_forward import KeptForward, Point
 from .transport.comm import CommCounter, all_gather_counted, all_to_all_counted, to_device
 
 Widths = tuple[int, ...]  # the head dims of one group's tensors, in order
@@ -181,14 +181,14 @@ def _into_received(dst: torch.Tensor, y: torch.Tensor, order: torch.Tensor | Non
 class Direction(enum.Enum):
     """Which way the head all-to-all goes."""
 
-    TO_HEADS = "to_heads"  # tensors [2c, b, H, d_i] -> groups [b, S, H/hp, D]
-    TO_TOKENS = "to_tokens"  # groups [b, S, H/hp, D] -> tensors [2c, b, H, d_i]
+    TO_HEADS = Point.TO_HEADS  # tensors [2c, b, H, d_i] -> groups [b, S, H/hp, D]
+    TO_TOKENS = Point.TO_TOKENS  # groups [b, S, H/hp, D] -> tensors [2c, b, H, d_i]
 
 
 @dataclass(frozen=True)
 class HeadRoute:
     """Everything the head all-to-all needs besides the tensors, built once per call signature and cached with the
-    ring context (``Groups2D.op_cache``, or the PackedSharding's for packed documents)."""
+    ring context in the call plan (:mod:`megatron_2d.call.plan`)."""
 
     head_parallel_size: int
     order: torch.Tensor | None  # unit index (as received) of each ascending position (a device tensor)
@@ -275,20 +275,28 @@ class HeadRoute:
         return _all_to_all_by_head(send, self.group, self.counter, self.head_of_group).sum(0)  # [2c, b, F]
 
 
+@dataclass(frozen=True)
+class HeadCall:
+    """One call of the head all-to-all: the cached :class:`HeadRoute` and, under Selective Checkpoint++, the call's
+    record (:class:`megatron_2d.kept_forward.KeptForward`, at points "to_heads" / "to_tokens" / "gather"; None for a
+    plain call), which the caller's options carry (:attr:`megatron_2d.call.options.AttentionOptions.kept`)."""
+
+    route: HeadRoute
+    kept: KeptForward | None = None
+
+
 class HeadAllToAll(torch.autograd.Function):
     """The head all-to-all in ``direction`` over several tensors at once; its backward is the reverse all-to-all.
 
     TO_HEADS: ``tensors`` [2c, b, H_i, d_i], ``grouping`` their group sizes -> one [b, S, H_i/hp, D] per group.
     TO_TOKENS: ``tensors`` groups [b, S, Hl, D], ``grouping`` each group's widths (None: one tensor per group) ->
     their tensors [2c, b, H, d_i].
-    ``kept``: Selective Checkpoint++'s record of the call (:class:`megatron_2d.kept_forward.KeptForward`, at point
-    "to_heads" / "to_tokens"; None for a plain call): a replayed all-to-all returns the kept result and sends nothing,
-    its backward is unchanged."""
+    With ``call.kept`` (Selective Checkpoint++'s record of the call) a replayed all-to-all returns the kept
+    result and sends nothing; its backward is unchanged."""
 
     @staticmethod
-    def forward(
-        ctx, route: HeadRoute, direction: Direction, grouping, kept: KeptForward | None, *tensors: torch.Tensor
-    ):
+    def forward(ctx, call: HeadCall, direction: Direction, grouping, *tensors: torch.Tensor):
+        route, kept = call.route, call.kept
         ctx.route, ctx.direction = route, direction
         to_heads = direction is Direction.TO_HEADS
         if to_heads:
@@ -310,25 +318,26 @@ class HeadAllToAll(torch.autograd.Function):
             back = ctx.route.to_tokens(grads, ctx.widths)
         else:
             back = ctx.route.to_heads(grads, [len(w) for w in ctx.widths])
-        return (None, None, None, None, *back)
+        return (None, None, None, *back)
 
 
 class HeadAllGather(torch.autograd.Function):
     """A tensor shared by every head, [2c, b, F] -> [b, S, F] over the head group (all-gather); backward sums the
-    head ranks' gradients of each token (the reverse all-to-all, summed). ``kept``: as :class:`HeadAllToAll`'s
-    (point "gather")."""
+    head ranks' gradients of each token (the reverse all-to-all, summed). ``call.kept``: as
+    :class:`HeadAllToAll`'s (point "gather")."""
 
     @staticmethod
-    def forward(ctx, route: HeadRoute, kept: KeptForward | None, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, call: HeadCall, x: torch.Tensor) -> torch.Tensor:
+        route, kept = call.route, call.kept
         ctx.route = route
-        replayed = kept.replay("gather") if kept is not None else None
+        replayed = kept.replay(Point.GATHER) if kept is not None else None
         if replayed is not None:
             return replayed[0]
         out = route.gather(x)
         if kept is not None:
-            kept.record("gather", (out,))
+            kept.record(Point.GATHER, (out,))
         return out
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        return None, None, ctx.route.gather_backward(dy.contiguous())
+        return None, ctx.route.gather_backward(dy.contiguous())

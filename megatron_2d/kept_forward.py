@@ -30,10 +30,21 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .layout.choices import CHECKPOINT_KEEPS, check_choice
+from .layout.choices import CHECKPOINT_KEEPS, CheckpointKeep, StrEnum, check_choice
 
-POINTS = ("to_heads", "gather", "ring", "to_tokens", "max_logit")
-KEPT_POINTS = {"outputs": ("ring", "max_logit"), "attention-inputs": POINTS}
+
+class Point(StrEnum):
+    """The named points of one attention call at which Selective Checkpoint++ may keep results (see the module)."""
+
+    TO_HEADS = "to_heads"
+    GATHER = "gather"
+    RING = "ring"
+    TO_TOKENS = "to_tokens"
+    MAX_LOGIT = "max_logit"
+
+
+POINTS = tuple(Point)
+KEPT_POINTS = {CheckpointKeep.OUTPUTS: (Point.RING, Point.MAX_LOGIT), CheckpointKeep.ATTENTION_INPUTS: POINTS}
 assert set(KEPT_POINTS) == set(CHECKPOINT_KEEPS)
 
 

@@ -22,15 +22,28 @@ CP group (as Megatron's gradient reduction does for a weight replicated over CP)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .attention import check_packed_query, check_query, check_sinks, group_max_logit, prepare_call
+from .attention import check_packed_query, check_query, check_sinks, group_max_logit, head_sinks
+from .call.options import AttentionOptions
+from .call.plan import prepare
 from .groups import Groups2D
-from .head_all_to_all import Direction, HeadAllGather, HeadAllToAll
-from .kept_forward import KeptForward
+from .head_all_to_all import Direction, HeadAllGather, HeadAllToAll, HeadCall
+from .layout.choices import DkvCommDtype
 from .layout.heads import check_head_split
 from .packed_sharding import PackedSharding
-from .ring_attention import RingAttention
+from .ring_attention import RingAttention, RingCall
+
+
+@dataclass(frozen=True)
+class LatentDims:
+    """The head dims of MLA's up-projection: each head's rows of linear_kv_up_proj's weight are ``nope_dim`` rows of
+    K (without RoPE, qk_head_dim), then ``value_dim`` rows of V (v_head_dim)."""
+
+    nope_dim: int
+    value_dim: int
 
 
 class LatentExpander:
@@ -89,9 +102,8 @@ def latent_attention_2d(
     kernel: str | None = None,
     sliding_window: tuple[int, int] | None = (-1, -1),
     sinks: torch.Tensor | None = None,
-    dkv_comm_dtype: str = "accumulator",
+    dkv_comm_dtype: str = DkvCommDtype.ACCUMULATOR,
     packing: PackedSharding | None = None,
-    kept: KeptForward | None = None,
     return_max_logit: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA's attention over the whole CP group with the latent on the ring (see the module docstring).
@@ -105,28 +117,52 @@ def latent_attention_2d(
             linear_kv_up_proj.weight: per head dn rows of K, then dv rows of V).
         nope_dim, value_dim: dn (qk_head_dim) and dv (v_head_dim).
         The other arguments are :func:`megatron_2d.attention_2d`'s; ``dkv_comm_dtype`` applies to d(latent);
-            ``kept`` keeps the gathered latent where attention_2d's keeps the K/V block; ``return_max_logit``: the
-            max over q . k with each step's up-projected keys (k = [c W_k^h, k_rope]).
+            ``return_max_logit``: the max over q . k with each step's up-projected keys (k = [c W_k^h, k_rope]).
     Returns out [s, b, hq, dv] (or [t_local, hq, dv]) in q's dtype, and max_logit [hq] when ``return_max_logit``.
     """
+    options = AttentionOptions(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        kernel=kernel,
+        sliding_window=sliding_window,
+        dkv_comm_dtype=dkv_comm_dtype,
+        return_max_logit=return_max_logit,
+    )
+    dims = LatentDims(nope_dim, value_dim)
+    return run_latent_attention_2d(q, latent, up_weight, groups, dims, options, sinks, packing)
+
+
+def run_latent_attention_2d(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    up_weight: torch.Tensor,
+    groups: Groups2D,
+    dims: LatentDims,
+    options: AttentionOptions,
+    sinks: torch.Tensor | None = None,
+    packing: PackedSharding | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`latent_attention_2d` with its settings as one :class:`~megatron_2d.call.options.AttentionOptions` (see
+    :func:`megatron_2d.attention.run_attention_2d`; ``options.kept`` keeps the gathered latent where attention_2d's
+    keeps the K/V block)."""
     if packing is not None:
         check_packed_query(q, groups, packing)
         q, latent = q.unsqueeze(1), latent.unsqueeze(1)  # [t_local, 1, ...]
     else:
         check_query(q)
-    latent_dim = _check_latent(q, latent, up_weight, nope_dim, value_dim)
+    latent_dim = _check_latent(q, latent, up_weight, dims.nope_dim, dims.value_dim)
     check_sinks(sinks, q)
     hq, hp = q.shape[2], groups.head_parallel_size
     check_head_split(hq, hp)
-    route, rc, local_sinks = prepare_call(
-        q, groups, causal, softmax_scale, kernel, sliding_window, sinks, dkv_comm_dtype, packing, value_dim=value_dim
-    )
-    hl, head_rank = hq // hp, groups.place.head_rank
-    weight = up_weight.view(hq, nope_dim + value_dim, latent_dim)[head_rank * hl : (head_rank + 1) * hl]
-    (q,) = HeadAllToAll.apply(route, Direction.TO_HEADS, (1,), kept, q)  # [b, S, hl, dk]
-    block = HeadAllGather.apply(route, kept, latent.contiguous())  # [b, S, r + dr]
-    expander = LatentExpander(latent_dim, nope_dim, value_dim)
-    out, local_max = RingAttention.apply(q, block, local_sinks, rc, kept, return_max_logit, expander, weight)
-    (out,) = HeadAllToAll.apply(route, Direction.TO_TOKENS, None, kept, out)  # [s, b, hq, dv]
+    plan = prepare(q, dims.value_dim, groups, options, packing)
+    hl, head_rank, kept = hq // hp, groups.place.head_rank, options.kept
+    weight = up_weight.view(hq, dims.nope_dim + dims.value_dim, latent_dim)[head_rank * hl : (head_rank + 1) * hl]
+    head_call = HeadCall(plan.route, kept)
+    (q,) = HeadAllToAll.apply(head_call, Direction.TO_HEADS, (1,), q)  # [b, S, hl, dk]
+    block = HeadAllGather.apply(head_call, latent.contiguous())  # [b, S, r + dr]
+    expander = LatentExpander(latent_dim, dims.nope_dim, dims.value_dim)
+    ring = RingCall(plan.ring, kept, options.return_max_logit, expander)
+    out, local_max = RingAttention.apply(q, block, head_sinks(sinks, groups, hq), ring, weight)
+    (out,) = HeadAllToAll.apply(head_call, Direction.TO_TOKENS, None, out)  # [s, b, hq, dv]
     out = out.squeeze(1) if packing is not None else out
-    return (out, group_max_logit(local_max, groups, hq, kept)) if return_max_logit else out
+    return (out, group_max_logit(local_max, groups, hq, kept)) if options.return_max_logit else out

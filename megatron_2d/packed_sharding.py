@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .call.options import BoundedCache
 from .groups import Groups2D
 from .layout.band import SlidingWindow
 from .layout.block_calls import BlockCall
@@ -135,8 +136,9 @@ class PackedSharding:
         self._local_indices = torch.from_numpy(self.slots_of([groups.place.cp_index])[0])
         self._device_copies: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._plans: dict[tuple, dict[int, tuple[BlockCall, ...]]] = {}
-        self.op_cache: dict = {}
-        """attention_2d's setup for this layout (like ``Groups2D.op_cache``, but per batch)."""
+        self.op_cache = BoundedCache()
+        """attention_2d's call plans for this layout, per groups object and signature (like ``Groups2D.op_cache``,
+        but per batch; :mod:`megatron_2d.call.plan`)."""
 
     # -- slots -------------------------------------------------------------------------------------
     def slots_of(self, cp_indices) -> np.ndarray:

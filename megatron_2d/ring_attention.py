@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from .kept_forward import KeptForward
+from .kept_forward import KeptForward, Point
 from .kernels import BlockKernel
 from .kernels.base import accumulator_dtype
 from .kernels.merge import merge_attention_
@@ -186,15 +186,28 @@ def _forward(
     return out_acc.to(q.dtype), lse_acc, max_acc
 
 
+@dataclass(frozen=True)
+class RingCall:
+    """One call of the ring: the cached :class:`RingContext` and what varies per call. ``kept``: Selective
+    Checkpoint++'s record of the call (:class:`megatron_2d.kept_forward.KeptForward`, point "ring"; None for a plain
+    call), which the caller's options carry (:attr:`megatron_2d.call.options.AttentionOptions.kept`); ``max_logit``:
+    also return the max logit; ``expander``: what makes each step's (k, v) from the travelling block (None: the
+    block is K and V side by side)."""
+
+    context: RingContext
+    kept: KeptForward | None = None
+    max_logit: bool = False
+    expander: KVExpander | None = None
+
+
 class RingAttention(torch.autograd.Function):
     """out = softmax(q k^T * scale, masked [+ sinks]) v over the whole context group; exact forward and backward.
 
-    ``kv`` is the block that travels: K and V side by side (``expander`` None), or the expander's input, which
-    then makes each step's (k, v) with ``params`` (see the module docstring). ``kept``: Selective Checkpoint++'s
-    record of the call (:class:`megatron_2d.kept_forward.KeptForward`, point "ring"; None for a plain call): a
-    replayed ring returns the kept out and lse without running the transport or the kernels, and its backward
-    starts from them. Returns (out, max_logit [h] or None): the max when ``max_logit`` and the ring ran (a replay
-    gives None: the reduced max is kept at the call's "max_logit" point)."""
+    ``kv`` is the block that travels: K and V side by side (``call.expander`` None), or the expander's input, which
+    then makes each step's (k, v) with ``params`` (see the module docstring). With ``call.kept`` a replayed ring
+    returns the kept out and lse without running the transport or the kernels, and its backward starts from them.
+    Returns (out, max_logit [h] or None): the max when ``call.max_logit`` and the ring ran (a replay gives None: the
+    reduced max is kept at the call's "max_logit" point)."""
 
     @staticmethod
     def forward(
@@ -202,21 +215,19 @@ class RingAttention(torch.autograd.Function):
         q: torch.Tensor,
         kv: torch.Tensor,
         sinks: torch.Tensor | None,
-        rc: RingContext,
-        kept: KeptForward | None = None,
-        max_logit: bool = False,
-        expander: KVExpander | None = None,
+        call: RingCall,
         *params: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        replayed = kept.replay("ring") if kept is not None else None
+        rc, kept, expander = call.context, call.kept, call.expander
+        replayed = kept.replay(Point.RING) if kept is not None else None
         local_max = None
         if replayed is not None:
             out, lse = replayed
         else:
             expansion = _Expansion(q.shape[-1], expander, params, rc.key_spans)
-            out, lse, local_max = _forward(q, kv, sinks, rc, expansion, max_logit)
+            out, lse, local_max = _forward(q, kv, sinks, rc, expansion, call.max_logit)
             if kept is not None:
-                kept.record("ring", (out, lse))
+                kept.record(Point.RING, (out, lse))
         ctx.save_for_backward(q, kv, out, lse, sinks, *params)
         ctx.rc, ctx.expander = rc, expander
         if local_max is not None:
@@ -253,4 +264,4 @@ class RingAttention(torch.autograd.Function):
         dq = dq_acc[0] if dq_acc else torch.zeros_like(q)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[2] else None
         d_params = [g.to(p.dtype) for p, g in zip(params, expansion.param_grads)] or [None] * len(params)
-        return (dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None, None, None, None, *d_params)
+        return (dq.to(q.dtype), dkv.to(kv.dtype), dsinks, None, *d_params)

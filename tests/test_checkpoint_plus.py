@@ -35,7 +35,10 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.random import is_checkpointing
 
 import megatron_2d
+from megatron_2d.attention import run_attention_2d
+from megatron_2d.call.options import AttentionOptions
 from megatron_2d.kept_forward import KeptForward
+from megatron_2d.latent_attention import LatentDims, run_latent_attention_2d
 from megatron_2d.layout.choices import CHECKPOINT_KEEPS, PACKING_MODES
 from megatron_2d.layout.topology import every_layout
 from megatron_2d.megatron import TransformerConfig2D, checkpoint_plus, get_gpt_layer_spec_2d
@@ -107,19 +110,15 @@ def _op_case(draw, groups, cp_rank: int, cp_size: int, latent: bool, kernels: Ke
         packing = megatron_2d.PackedSharding(cu, groups, mode=draw.mode)
         shard = lambda x: packing.shard(x[:, 0])  # noqa: E731
     local = [shard(x) for x in tensors[:2]] + [tensors[2] if latent else shard(tensors[2])]
-    settings = dict(
-        causal=draw.causal,
-        sliding_window=draw.window,
-        kernel=draw.kernel,
-        dkv_comm_dtype=draw.dkv_comm_dtype,
-        packing=packing,
+    options = AttentionOptions(
+        causal=draw.causal, sliding_window=draw.window, kernel=draw.kernel, dkv_comm_dtype=draw.dkv_comm_dtype
     )
 
-    def op(a, b, c, s=None, kept=None):
+    def op(a, b, c, s=None, kept=None):  # Selective Checkpoint++'s record of the call goes in the call's options
         if latent:
-            dims = dict(nope_dim=draw.d - ROPE_DIM, value_dim=draw.dv)
-            return megatron_2d.latent_attention_2d(a, b, c, groups, sinks=s, kept=kept, **dims, **settings)
-        return megatron_2d.attention_2d(a, b, c, groups, sinks=s, kept=kept, **settings)
+            dims = LatentDims(nope_dim=draw.d - ROPE_DIM, value_dim=draw.dv)
+            return run_latent_attention_2d(a, b, c, groups, dims, options.keeping(kept), s, packing)
+        return run_attention_2d(a, b, c, groups, options.keeping(kept), s, packing)
 
     def leaves():
         return [x.clone().requires_grad_(True) for x in local], (

@@ -9,6 +9,8 @@ checkpoint++   a keeper that lets the recompute run attention again
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,18 +61,18 @@ def _megatron_rows(rank, world):
         gm.check_layers("GPT", True, "cpu_flash", CPU)
     except NotRun as why:
         found["te"] = str(why)
-    original = core_attention.CoreAttention2D._call_settings
+    original = core_attention.CoreAttention2D._call
 
     def wrong_scale(self, *args, **kwargs):
-        settings = original(self, *args, **kwargs)
-        settings["softmax_scale"] = 1.05 * (settings["softmax_scale"] or args[0].shape[-1] ** -0.5)
-        return settings
+        call = original(self, *args, **kwargs)
+        scale = 1.05 * (call.options.softmax_scale or args[0].shape[-1] ** -0.5)
+        return call._replace(options=dataclasses.replace(call.options, softmax_scale=scale))
 
-    core_attention.CoreAttention2D._call_settings = wrong_scale
+    core_attention.CoreAttention2D._call = wrong_scale
     try:
         found["gpt_wrong_scale"] = gm.check_layers("GPT", False, "cpu_flash", CPU)
     finally:
-        core_attention.CoreAttention2D._call_settings = original
+        core_attention.CoreAttention2D._call = original
     keep = checkpoint_plus.AttentionKeeper.__call__
     checkpoint_plus.AttentionKeeper.__call__ = lambda self, attention, *tensors, **_: attention(*tensors)
     try:

@@ -109,17 +109,20 @@ def _op_cases(rank, world):
     want = max_logit_reference(q, k, [0, S], True, (dn + dr) ** -0.5)
     results["latent"] = (m.double() - want).abs().max().item() / want.abs().max().item()
     # Selective Checkpoint++: the first pass records the reduced max; the replay gives it back, reducing nothing
+    from megatron_2d.attention import run_attention_2d
+    from megatron_2d.call.options import AttentionOptions
     from megatron_2d.kept_forward import KeptForward
 
     leaves = [shard(x) for x in full]
     kept = KeptForward("outputs", leaves)
+    kept_options = AttentionOptions(return_max_logit=True, kept=kept)  # Selective Checkpoint++'s record of the call
     with torch.no_grad():
-        _, first = megatron_2d.attention_2d(*leaves, groups, kept=kept, return_max_logit=True)
+        _, first = run_attention_2d(*leaves, groups, kept_options)
     kept.start_replay()
     reductions, all_reduce = [], torch.distributed.all_reduce
     torch.distributed.all_reduce = lambda *a, **kw: reductions.append(1) or all_reduce(*a, **kw)
     try:
-        _, again = megatron_2d.attention_2d(*leaves, groups, kept=kept, return_max_logit=True)
+        _, again = run_attention_2d(*leaves, groups, kept_options)
     finally:
         torch.distributed.all_reduce = all_reduce
     results["replay"] = (torch.equal(first, again), len(reductions))

@@ -10,20 +10,19 @@ import numpy as np
 import torch
 
 from megatron_2d import attention
+from megatron_2d.call import plan as call_plan
+from megatron_2d.call.options import AttentionOptions
 from megatron_2d.groups import Groups2D
-from megatron_2d.layout.band import SlidingWindow
 from megatron_2d.layout.topology import Layout2D
 from megatron_2d.packed_sharding import PackedSharding
 from megatron_2d.testing.loopback import virtual_groups
 
 CU = np.array([0, 5, 12, 16])
-WINDOW = SlidingWindow.of((-1, -1), True, 16)
 
 
 def _setup(groups: Groups2D, packing: PackedSharding):
-    return attention._packed_setup(
-        groups, packing, torch.device("cpu"), torch.float32, True, WINDOW, 0.25, None, "accumulator", (8, 8)
-    )
+    q = torch.empty(packing.local_tokens, 1, 1, 8)  # [t_local, 1, hq, dk]
+    return tuple(call_plan.prepare(q, 8, groups, AttentionOptions(softmax_scale=0.25), packing))
 
 
 def _twin(groups: Groups2D) -> Groups2D:

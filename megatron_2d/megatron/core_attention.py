@@ -24,8 +24,9 @@ it reduced over the CP group (``return_max_logit``); a layer that delegates to T
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from megatron.core import tensor_parallel
@@ -34,9 +35,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
-from ..attention import attention_2d
-from ..latent_attention import latent_attention_2d
+from ..attention import run_attention_2d
+from ..call.options import AttentionOptions
+from ..groups import Groups2D
+from ..latent_attention import LatentDims, run_latent_attention_2d
 from ..layout.band import SlidingWindow
+from ..layout.choices import PackingMode
 from ..packed_sharding import PackedSharding
 from ..packing.modes import mode_class
 from .attention_settings import check_attention_settings, packed_seq_refusals
@@ -50,13 +54,16 @@ from .settings import BACKEND_NAME, layer_comm_types, layer_settings, uses_2d
 SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
-@dataclass(frozen=True)
-class LatentDims:
-    """Selects the latent ring in :meth:`CoreAttention2D.forward`: each head's rows of linear_kv_up_proj's weight
-    are ``nope_dim`` rows of K (without RoPE), then ``value_dim`` rows of V."""
+__all__ = ["CoreAttention2D", "LatentDims"]  # LatentDims (megatron_2d.latent_attention) selects the latent ring
 
-    nope_dim: int
-    value_dim: int
+
+class _Call(NamedTuple):
+    """What one forward runs the op with besides the tensors: the groups, the layer's options (the call's mask
+    applied) and the batch's packed layout (None: sbhd)."""
+
+    groups: Groups2D
+    options: AttentionOptions
+    packing: PackedSharding | None
 
 
 def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
@@ -74,14 +81,16 @@ def _other_backend(config, cp_comm_type, pg_collection, **kwargs):
     return TEDotProductAttention(config=config, cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
 
 
-def _attention_with_sinks(q, k, v, sinks=None, **kwargs):
-    """attention_2d with the sinks positional (the Checkpoint++ keeper passes tensors positionally)."""
-    return attention_2d(q, k, v, sinks=sinks, **kwargs)
+def _attention_with_sinks(q, k, v, sinks=None, *, call: _Call, kept=None):
+    """The op on one forward's ``call`` with the sinks positional (the Checkpoint++ keeper passes tensors
+    positionally, and its record as ``kept``, which goes into the call's options)."""
+    return run_attention_2d(q, k, v, call.groups, call.options.keeping(kept), sinks, call.packing)
 
 
-def _latent_attention_with_sinks(q, latent, up_weight, sinks=None, **kwargs):
-    """latent_attention_2d with the sinks positional (as :func:`_attention_with_sinks`)."""
-    return latent_attention_2d(q, latent, up_weight, sinks=sinks, **kwargs)
+def _latent_attention_with_sinks(q, latent, up_weight, sinks=None, *, call: _Call, dims: LatentDims, kept=None):
+    """The latent ring's op (as :func:`_attention_with_sinks`)."""
+    options = call.options.keeping(kept)
+    return run_latent_attention_2d(q, latent, up_weight, call.groups, dims, options, sinks, call.packing)
 
 
 class CoreAttention2D(MegatronModule):
@@ -189,6 +198,15 @@ class CoreAttention2D(MegatronModule):
         self._init_softmax_offset(config, heads_per_partition=config.num_attention_heads // pg_collection.tp.size())
         self.max_logits = bool(config.qk_clip or config.log_max_attention_logit)
         self.current_max_attn_logits = None
+        window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
+        self.options = AttentionOptions(
+            causal=attn_mask_type == AttnMaskType.causal,
+            softmax_scale=self.softmax_scale,
+            kernel=self.kernel,
+            sliding_window=window,
+            dkv_comm_dtype=fields.cp_2d_dkv_comm_dtype,
+            return_max_logit=self.max_logits,
+        )
 
     @property
     def current_max_attn_logits(self) -> torch.Tensor | None:
@@ -328,16 +346,16 @@ class CoreAttention2D(MegatronModule):
         sequence_groups = getattr(packed_seq_params, "groups", None)
         if sequence_groups is not None:  # hybrid CP, one sequence: Megatron's 2 x g zigzag is the sbhd layout
             return self._sequence_forward(query, key, value, attn_mask_type, attention_bias, packed_seq_params)
-        settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
+        call = self._call(query, attn_mask_type, attention_bias, packed_seq_params)
         packed_width = value.shape[-1]
-        if settings["packing"] is not None and self.v_channels is not None and packed_width > self.v_channels:
+        if call.packing is not None and self.v_channels is not None and packed_width > self.v_channels:
             # MLA under THD: Megatron pads V to the query's head dim before core attention and trims the output
             # after it; the op takes V as it is (no padding on the wire) and the output is padded back here
             value = value[..., : self.v_channels]
-        out = self._keep_max_logit(self._run(_attention_with_sinks, (query, key, value), settings), query.dtype)
+        out = self._keep_max_logit(self._run(_attention_with_sinks, (query, key, value), call), query.dtype)
         if out.shape[-1] < packed_width:
             out = torch.nn.functional.pad(out, (0, packed_width - out.shape[-1]))
-        return self._flatten_heads(out, settings["packing"])
+        return self._flatten_heads(out, call.packing)
 
     def _sequence_forward(self, query, key, value, attn_mask_type, attention_bias, params) -> torch.Tensor:
         """A hybrid-CP micro-batch of one sequence (``params``: its SequenceParams2D): [t, hq/tp, d] x3 ->
@@ -346,9 +364,9 @@ class CoreAttention2D(MegatronModule):
         document (THD), so that the padding rows stay out of the max logit."""
         layout = params.padded_layout
         tensors = (query, key, value) if layout is not None else tuple(x.unsqueeze(1) for x in (query, key, value))
-        settings = self._call_settings(tensors[0], attn_mask_type, attention_bias, None, groups=params.groups)
-        settings["packing"] = layout  # [t, h, d] as THD, else [t, b=1, h, d]
-        out = self._keep_max_logit(self._run(_attention_with_sinks, tensors, settings), query.dtype)
+        call = self._call(tensors[0], attn_mask_type, attention_bias, None, groups=params.groups)
+        call = call._replace(packing=layout)  # [t, h, d] as THD, else [t, b=1, h, d]
+        out = self._keep_max_logit(self._run(_attention_with_sinks, tensors, call), query.dtype)
         return out.reshape(out.shape[0], -1)  # [t, hq/tp * dv]
 
     def _latent_forward(
@@ -360,21 +378,21 @@ class CoreAttention2D(MegatronModule):
                 f"layer {self.layer_number} runs Transformer Engine's CP attention (its cp_comm_type is "
                 f"not '2d'), which has no latent ring; use cp_2d_mla_ring='expanded'"
             )
-        settings = self._call_settings(query, attn_mask_type, attention_bias, packed_seq_params)
-        op = partial(_latent_attention_with_sinks, nope_dim=dims.nope_dim, value_dim=dims.value_dim)
-        out = self._run(op, (query, latent, up_weight), settings, names=("q", "latent", "up_weight"))
-        return self._flatten_heads(self._keep_max_logit(out, query.dtype), settings["packing"])
+        call = self._call(query, attn_mask_type, attention_bias, packed_seq_params)
+        op = partial(_latent_attention_with_sinks, dims=dims)
+        out = self._run(op, (query, latent, up_weight), call, names=("q", "latent", "up_weight"))
+        return self._flatten_heads(self._keep_max_logit(out, query.dtype), call.packing)
 
-    def _call_settings(
+    def _call(
         self,
         query: torch.Tensor,
         attn_mask_type: AttnMaskType | None,
         attention_bias: torch.Tensor | None,
         packed_seq_params,
         groups=None,
-    ) -> dict:
-        """The op's keyword arguments for one call (its PackedSharding under "packing"), after the call's checks;
-        ``groups``: the call's 2D groups when not the layer's or the layout's (a hybrid-CP sequence's)."""
+    ) -> _Call:
+        """The groups, options and packed layout of one call, after the call's checks; ``groups``: the call's 2D
+        groups when not the layer's or the layout's (a hybrid-CP sequence's)."""
         packing = self._packed_sharding(packed_seq_params, query)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the 2d backend")
@@ -384,25 +402,18 @@ class CoreAttention2D(MegatronModule):
                 f"attn_mask_type {mask_type.name} is not supported by the 2d backend; supported: "
                 f"{[m.name for m in SUPPORTED_MASKS]}"
             )
-        window = (-1, -1) if self.sliding_window is None else (self.sliding_window.left, self.sliding_window.right)
         groups = groups if groups is not None else packing.groups if packing is not None else self.groups
         if groups is None:
             raise ValueError(self._dynamic_batch_problem(packed_seq_params))
-        return dict(
-            groups=groups,
-            causal=mask_type == AttnMaskType.causal,
-            softmax_scale=self.softmax_scale,
-            kernel=self.kernel,
-            sliding_window=window,
-            dkv_comm_dtype=fields_2d(self.config).cp_2d_dkv_comm_dtype,
-            packing=packing,
-            return_max_logit=self.max_logits,
-        )
+        options = self.options
+        if mask_type != self.attn_mask_type:  # a mask given to this forward (causal or no mask, checked above)
+            options = replace(options, causal=mask_type == AttnMaskType.causal)
+        return _Call(groups, options, packing)
 
-    def _run(self, op, tensors, settings: dict, names=("q", "k", "v")) -> torch.Tensor:
-        """``op(*tensors, sinks, **settings)``, through the Checkpoint++ keeper when it is on (``names``: the
-        tensors' names in its messages)."""
-        attention = partial(op, **settings)
+    def _run(self, op, tensors, call: _Call, names=("q", "k", "v")) -> torch.Tensor:
+        """``op(*tensors, sinks, call=call)``, through the Checkpoint++ keeper when it is on, which adds its record
+        of the call as ``kept`` (``names``: the tensors' names in its messages)."""
+        attention = partial(op, call=call)
         if self.keeper is None:
             return attention(*tensors, self.softmax_offset)
         return self.keeper(attention, *tensors, self.softmax_offset, names=names)
@@ -441,17 +452,27 @@ class CoreAttention2D(MegatronModule):
 
             return sequence_params(packed_seq_params, self.groups, torch.device("cpu")).layout
         if padded is None or padded is real:
-            return PackedSharding(torch.as_tensor(real).cpu(), self.groups, mode="zigzag")
+            return PackedSharding(torch.as_tensor(real).cpu(), self.groups, mode=PackingMode.ZIGZAG)
         if torch.as_tensor(padded).shape != torch.as_tensor(real).shape:  # refused by the layout
-            return PackedSharding(real, self.groups, mode="zigzag", cu_seqlens_padded=padded)
+            return PackedSharding(real, self.groups, mode=PackingMode.ZIGZAG, cu_seqlens_padded=padded)
         both = torch.cat([torch.as_tensor(real).reshape(-1), torch.as_tensor(padded).reshape(-1)]).cpu()
         real, padded = both.split(both.shape[0] // 2)
         return PackedSharding(
-            real, self.groups, mode="zigzag", cu_seqlens_padded=None if torch.equal(real, padded) else padded
+            real, self.groups, mode=PackingMode.ZIGZAG, cu_seqlens_padded=None if torch.equal(real, padded) else padded
         )
 
+    def _checked_layout(self, packed_seq_params, carried: PackedSharding | None) -> PackedSharding:
+        """The layout of a THD batch (the one it carries, else :meth:`_layout_of`), after the refusals of its
+        params."""
+        problems = packed_seq_refusals(packed_seq_params)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return carried if carried is not None else self._layout_of(packed_seq_params, self.packing)
+
     def _packed_sharding(self, packed_seq_params, query: torch.Tensor) -> PackedSharding | None:
-        """The PackedSharding of a THD batch (None for sbhd), built on the first layer and kept on the params."""
+        """The PackedSharding of a THD batch (None for sbhd), built on the first layer and kept with the groups
+        (``Groups2D.batch_layouts``, a bounded cache keyed by the params object, which its entry holds: no other
+        object can then have its id)."""
         if packed_seq_params is None:
             return None
         if query.dim() != 3:
@@ -460,14 +481,10 @@ class CoreAttention2D(MegatronModule):
         groups = carried.groups if carried is not None else self.groups
         if groups is None or (self.dynamic is not None and carried is None):
             raise ValueError(self._dynamic_batch_problem(packed_seq_params))
-        cache = packed_seq_params.__dict__.setdefault("_megatron_2d_layouts", {})
-        key = (groups.layout, groups.place)
-        if key not in cache:  # once per batch: the first layer checks and builds, the rest reuse
-            problems = packed_seq_refusals(packed_seq_params)
-            if problems:
-                raise ValueError("; ".join(problems))
-            cache[key] = carried if carried is not None else self._layout_of(packed_seq_params, self.packing)
-        layout, wanted = cache[key], self.packing
+        _, layout = groups.batch_layouts.get_or_build(
+            id(packed_seq_params), lambda: (packed_seq_params, self._checked_layout(packed_seq_params, carried))
+        )  # once per batch: the first layer checks and builds, the rest reuse
+        wanted = self.packing
         if layout.mode != wanted and layout.groups.layout.cp_size > 1:
             raise ValueError(
                 f"the 2d backend expects packed batches in the {wanted!r} layout (cp_2d_packing "

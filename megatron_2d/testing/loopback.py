@@ -31,7 +31,7 @@ from ..layout.block_calls import context_calls, context_chunks
 from ..layout.choices import check_dkv_comm_dtype
 from ..layout.topology import Layout2D, place_all_ranks
 from ..packed_sharding import PackedSharding
-from ..ring_attention import RingAttention, RingContext
+from ..ring_attention import RingAttention, RingCall, RingContext
 from ..transport.base import ComputeFn, gather_partials
 
 
@@ -148,7 +148,7 @@ def loopback_attention(
         qr = _gather(q, indices[r]).requires_grad_(True)
         kvr = kv_rows[r].detach().requires_grad_(True)
         sr = None if sinks is None else sinks.detach().clone().requires_grad_(True)
-        out, _ = RingAttention.apply(qr, kvr, sr, rc)
+        out, _ = RingAttention.apply(qr, kvr, sr, RingCall(rc))
         out.backward(_gather(dout, indices[r]))
         outs.append(out.detach())
         dqs.append(qr.grad)
