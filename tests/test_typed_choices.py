@@ -115,7 +115,7 @@ def test_no_choice_is_a_string_literal_outside_its_enum_module():
     "source, expected",
     [
         ("if placement == 'head_first':\n    pass\n", "comparison 'head_first'"),
-        ("ok = kind in ('local', 'neighbour')\n", "membership 'local'"),
+        ("ok = kind in ('local', 'other')\n", "membership 'local'"),
         ("TABLE = {'zigzag': 1}\n", "dict key 'zigzag'"),
         ("def f(dtype='accumulator'):\n    pass\n", "default argument 'accumulator'"),
         ("def f(*, ring='latent'):\n    pass\n", "default argument 'latent'"),

@@ -11,8 +11,9 @@ Automatic choice (:func:`kernel_preference`): cpu_flash on CPU; on CUDA, by comp
 (sm90+) te_fused, torch_cudnn, flash_attn2, torch_flash (cuDNN's kernels are the fast ones there, flash-attn 2's are
 Ampere's), before Hopper flash_attn2, torch_flash, torch_cudnn. The first that imports and takes the dtype and head
 dim is chosen; each one passed over says why in a one-line notice, and the choice is logged (``logging``, INFO)
-once per distinct choice (rank 0). fp32 on CUDA is refused (every CUDA kernel takes fp16/bf16; one materialising scores would not fit
-at long-context block sizes). A kernel named explicitly is checked the same way and refused, not replaced.
+once per distinct choice (rank 0). fp32 on CUDA is refused (every CUDA kernel takes fp16/bf16; one materialising
+scores would not fit at long-context block sizes). A kernel named explicitly is checked the same way and refused,
+not replaced.
 """
 
 from __future__ import annotations
