@@ -2,7 +2,8 @@
 the library compares, dispatches, keys and defaults on the enums' members (issue 44, item 2).
 
 The scan reads the source with ``ast`` and looks where a literal acts as a choice: a comparison (``==``, ``!=``,
-``in`` / ``not in`` a tuple, list or set of literals), a dict key, a default argument and a ``getattr`` name.
+``in`` / ``not in`` a tuple, list or set of literals), a dict key, a default argument, a ``getattr`` name, a call's
+argument and an assignment's value (a class attribute such as a kernel's ``name``).
 Docstrings and messages are prose, not choices, and are not read. A choice's string may mean something else in a
 module (a mask called "full", a traffic kind "p2p"): such a use is listed in :data:`OTHER_MEANINGS`, with why.
 """
@@ -35,8 +36,16 @@ EXCLUDED = (
 )
 """Paths (relative to the package; a trailing / is a folder) the scan skips."""
 
-OTHER_MEANINGS: dict[str, frozenset[str]] = {}
-"""module path -> strings that are a choice's string with another meaning there (none at present)."""
+OTHER_MEANINGS: dict[str, frozenset[str]] = {
+    "kernels/pieces.py": frozenset({"full"}),  # a piece's mask (full, causal, anti), not a recompute mode
+    "kernels/piece_kernel.py": frozenset({"full"}),  # the same masks
+    "layout/topology.py": frozenset({"a2a"}),  # the head group's all-to-all path of send_peers, not a plan kind
+    "layout/zero_sharding.py": frozenset({"none"}),  # Hybrid ZeRO's sharded states, not a recompute mode
+    "megatron/attention_settings.py": frozenset({"local", "none", "full"}),  # Megatron's CUDA graph settings
+    "megatron/checkpoint_plus.py": frozenset({"full"}),  # Megatron's --recompute-granularity
+    "megatron/mla.py": frozenset({"selective"}),  # Megatron's --recompute-granularity
+}
+"""module path -> strings that are a choice's string with another meaning there."""
 
 CHOICE_ENUMS = tuple(
     value
@@ -53,8 +62,20 @@ def _string(node: ast.AST) -> str | None:
 def _choice_literals(node: ast.AST) -> list[tuple[int, str, str]]:
     """(line, string, where) for each choice literal in a choice position under ``node``."""
     found = []
+    enum_members = {  # the members of enums defined here (a StrEnum of another concern may share a string)
+        id(statement)
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.ClassDef) and any(ast.unparse(base).endswith("Enum") for base in sub.bases)
+        for statement in sub.body
+    }
+
+    listed = set()  # the literal collections of membership tests, noted once as such
 
     def note(expr: ast.AST, where: str) -> None:
+        if isinstance(expr, ast.IfExp):  # a if c else b
+            note(expr.body, where)
+            note(expr.orelse, where)
+            return
         text = _string(expr)
         if text in CHOICE_STRINGS:
             found.append((expr.lineno, text, where))
@@ -66,6 +87,7 @@ def _choice_literals(node: ast.AST) -> list[tuple[int, str, str]]:
                     note(left, "comparison")
                     note(right, "comparison")
                 elif isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+                    listed.add(id(right))
                     for element in right.elts:
                         note(element, "membership")
         elif isinstance(sub, ast.Dict):
@@ -76,9 +98,19 @@ def _choice_literals(node: ast.AST) -> list[tuple[int, str, str]]:
             for default in [*sub.args.defaults, *sub.args.kw_defaults]:
                 if default is not None:
                     note(default, "default argument")
-        elif isinstance(sub, ast.Call) and getattr(sub.func, "id", None) in ("getattr", "setattr", "hasattr"):
-            if len(sub.args) >= 2:
+        elif isinstance(sub, ast.Call):
+            if getattr(sub.func, "id", None) in ("getattr", "setattr", "hasattr") and len(sub.args) >= 2:
                 note(sub.args[1], f"{sub.func.id} name")
+            else:
+                for argument in [*sub.args, *(keyword.value for keyword in sub.keywords)]:
+                    note(argument, "call argument")
+        elif isinstance(sub, (ast.Assign, ast.AnnAssign)) and sub.value is not None and id(sub) not in enum_members:
+            note(sub.value, "assignment")
+        elif isinstance(sub, ast.Return) and sub.value is not None:
+            note(sub.value, "return value")
+        elif isinstance(sub, (ast.Tuple, ast.List, ast.Set)) and id(sub) not in listed and all(map(_string, sub.elts)):
+            for element in sub.elts:
+                note(element, "list of names")
     return found
 
 
@@ -120,6 +152,10 @@ def test_no_choice_is_a_string_literal_outside_its_enum_module():
         ("def f(dtype='accumulator'):\n    pass\n", "default argument 'accumulator'"),
         ("def f(*, ring='latent'):\n    pass\n", "default argument 'latent'"),
         ("x = getattr(obj, 'cpu_flash')\n", "getattr name 'cpu_flash'"),
+        ("x = f(mode='documents')\n", "call argument 'documents'"),
+        ("class K:\n    name = 'torch_math'\n", "assignment 'torch_math'"),
+        ("def f(x):\n    return 'local' if x else None\n", "return value 'local'"),
+        ("ORDER = ('te_fused', 'other')\n", "list of names 'te_fused'"),
     ],
 )
 def test_the_scan_finds_each_kind_of_choice_literal(tmp_path, source, expected):
@@ -133,6 +169,7 @@ def test_the_scan_reads_no_prose(tmp_path):
         'def f(x):\n    """head_first or context_first."""\n'
         "    if x == 'tokens':\n        raise ValueError('zigzag is not one of ...')\n"
         "    return x in ('a', 'b')\n"
+        "class Kind(StrEnum):\n    LOCAL = 'local'\n"
     )
     (tmp_path / "module.py").write_text(source)
     assert choice_literals(tmp_path, ()) == []
