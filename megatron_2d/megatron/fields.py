@@ -149,7 +149,7 @@ class Fields2D:
     cp_2d_kernel: str | None = _setting(
         None,
         "the block kernel every 2d attention layer runs; default: chosen by device (Hopper and later: te_fused, "
-        "torch_cudnn, flash_attn2, torch_flash; Ampere: flash_attn2 first), the choice printed once on rank 0 "
+        "torch_cudnn, flash_attn2, torch_flash; Ampere: flash_attn2 first), the choice logged once on rank 0 "
         "(docs/op.md). A layer spec's kernel overrides it.",
         choices=KERNELS,
         check=check_kernel,
