@@ -1,12 +1,13 @@
 """The one registry style: a class per member of a choice enum, registered by a class decorator (pure Python).
 
 Kernels (:data:`megatron_2d.kernels.KERNELS`, by :class:`~.choices.Kernel`), transports
-(:data:`megatron_2d.transport.kinds.TRANSPORTS`, by :class:`~.choices.TransportKind`) and packing modes
-(:mod:`megatron_2d.packing.modes`, by :class:`~.choices.PackingMode`) are each one :class:`Registry`. A class names
-its member in one class attribute (the registry's ``key``: a kernel's ``name``, a transport's ``kind``) and carries
-whatever else the registry's users need (a kernel its optional package and availability check); it registers
-itself with ``@REGISTRY.register`` where it is defined, and its package's ``__init__`` imports every such module, so
-importing the package registers them all. The key becomes its enum member; a second class claiming a member, or a
+(:data:`megatron_2d.transport.base.TRANSPORTS`, by :class:`~.choices.TransportKind`) and packing modes
+(:data:`megatron_2d.packing.modes.MODES`, by :class:`~.choices.PackingMode`) are each one :class:`Registry`. A class
+names its member in one class attribute (the registry's ``key``: a kernel's ``name``, a transport's ``kind``) and
+carries whatever else the registry's users need (a kernel its optional package and availability check); it
+registers itself with ``@REGISTRY.register`` where it is defined, and the module users read the table from imports
+every such module (``kernels/__init__.py``, ``transport/kinds.py``; the packing modes are one module), so the table
+is whole once that is imported. The key becomes its enum member; a second class claiming a member, or a
 class claiming a name the enum does not list (unless the registry takes extra names: a test's own packing mode), is
 refused when it registers, so the import order cannot change which class holds a member. Iteration follows the
 enum's order, then extra names in registration order.

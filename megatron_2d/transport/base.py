@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from ..layout.choices import TransportKind
+from ..layout.registry import Registry
 from .comm import CommKind
-from .kinds import TRANSPORTS
 
 if TYPE_CHECKING:
     from ..groups import Groups2D
@@ -78,6 +78,11 @@ class Transport(Protocol):
     def run(
         self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None
     ) -> torch.Tensor | None: ...
+
+
+TRANSPORTS: Registry[type[Transport]] = Registry("transport kind", TransportKind, key="kind")
+"""TransportKind -> its transport class, each registered by ``@TRANSPORTS.register`` in its module (the op's table:
+:func:`megatron_2d.transport.kinds.transport_classes`, which imports them all)."""
 
 
 def _pieces(rows: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

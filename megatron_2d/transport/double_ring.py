@@ -18,9 +18,8 @@ import torch
 
 from ..layout.choices import TransportKind
 from ..layout.ring_schedule import Channel, EventKind, double_ring_events, final_hop_link
-from .base import ComputeFn, KeyRoutes, Partials, add_partials, gather_partials, home_gradient
+from .base import TRANSPORTS, ComputeFn, KeyRoutes, Partials, add_partials, gather_partials, home_gradient
 from .comm import RING_TRAFFIC, BufferPool, CommKind, DirectChannel, PendingTransfer, RingChannel
-from .kinds import TRANSPORTS
 
 if TYPE_CHECKING:
     from ..groups import Groups2D

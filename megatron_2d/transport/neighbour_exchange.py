@@ -31,9 +31,8 @@ import numpy as np
 import torch
 
 from ..layout.choices import TransportKind
-from .base import ComputeFn, KeyRoutes, gather_partials, home_gradient
+from .base import TRANSPORTS, ComputeFn, KeyRoutes, gather_partials, home_gradient
 from .comm import BufferPool, CommKind, PendingTransfer, post_direct
-from .kinds import TRANSPORTS
 
 if TYPE_CHECKING:
     from ..groups import Groups2D
