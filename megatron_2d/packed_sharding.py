@@ -28,6 +28,8 @@ from .call.options import BoundedCache
 from .groups import Groups2D
 from .layout.band import SlidingWindow
 from .layout.block_calls import BlockCall
+from .layout.choices import HeadUnit, TransportKind
+from .layout.choices import PackingMode as Mode
 from .packing.calls import Runs, key_intervals, view_calls
 from .packing.modes import PackingMode, mode_class
 from .packing.sharding import DocumentSharding, PackingCost
@@ -90,13 +92,13 @@ class PackedSharding:
         self,
         cu_seqlens,
         groups: Groups2D,
-        mode: str = "zigzag",
+        mode: Mode = Mode.ZIGZAG,
         *,
         cu_seqlens_padded=None,
         long_threshold: int | None = None,
         cost: PackingCost | None = None,
     ) -> None:
-        mode_class(mode, "PackedSharding mode")
+        mode = mode_class(mode, "PackedSharding mode").name  # a string becomes its member
         if not isinstance(groups, Groups2D):
             raise TypeError(f"PackedSharding needs the Groups2D of build_2d_groups, got {type(groups).__name__}")
         cu = _as_cu_seqlens(cu_seqlens, "cu_seqlens")
@@ -121,8 +123,8 @@ class PackedSharding:
         """The order of this context rank's head all-to-all (a CPU tensor): ascending unit i of the ring's view is
         unit head_order[i] as received (by head rank, then zigzag half); None when the received order is the
         ring's."""
-        self.head_unit = "token" if order is None else self._batch.head_unit
-        """What ``head_order`` sorts: "token" or "chunk" (of T / 2CP tokens)."""
+        self.head_unit = HeadUnit.TOKEN if order is None else self._batch.head_unit
+        """What ``head_order`` sorts: single tokens or chunks (of T / 2CP tokens)."""
         fingerprint = zlib.crc32(cu.tobytes()) ^ (
             zlib.crc32(repr((mode, long_threshold, cost, None if padded is None else padded.tolist())).encode()) << 31
         )
@@ -248,7 +250,7 @@ class PackedSharding:
         mask (None when every pair sees something, or when finding out would take too long: the ring then):
         which keys of each block travel to whom, as :class:`KeyIntervals` packed back to back (only what the
         calls read, so bytes follow the window), and this rank's calls in the packed coordinates (cached)."""
-        key = ("neighbour", causal, window)
+        key = (TransportKind.NEIGHBOUR, causal, window)
         if key not in self._plans:
             self._plans[key] = self._neighbour_keys(causal, window)
         return self._plans[key]

@@ -4,6 +4,7 @@ C++'s window normalisation) and the torch_flash kernel's launches."""
 
 import contextlib
 import itertools
+import logging
 import warnings
 
 import pytest
@@ -99,14 +100,27 @@ class FakePackageKernel:
     """Plays a kernel over an installed package (flash-attn, Transformer Engine) for selection tests: the real
     packages run in tests/test_flash_attn_releases.py and tests/test_te_releases.py, each in its own process."""
 
-    def __init__(self, name, problem=flash_head_dim_problem):
-        self.name, self._problem = name, problem
+    installed = False
+    problem = staticmethod(flash_head_dim_problem)
+
+    @classmethod
+    def available(cls):
+        return cls.installed
 
     def supports(self, device, dtype):
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
     def head_dim_problem(self, head_dim):
-        return self._problem(head_dim)
+        return self.problem(head_dim)
+
+
+def fake_package_kernel(name, installed, problem=flash_head_dim_problem):
+    """A :class:`FakePackageKernel` class in the place of kernel ``name`` (available when in ``installed``)."""
+    import megatron_2d.kernels as kernels
+
+    missing = kernels.base.KERNELS[name].missing_package
+    attributes = {"name": name, "installed": name in installed, "problem": staticmethod(problem)}
+    return type(f"Fake_{name}", (FakePackageKernel,), {**attributes, "missing_package": missing})
 
 
 def fake_device(monkeypatch, capability, installed=()):
@@ -114,12 +128,13 @@ def fake_device(monkeypatch, capability, installed=()):
     import megatron_2d.kernels as kernels
 
     monkeypatch.setattr(kernels, "cuda_capability", lambda device: capability)
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: "flash_attn2" in installed)
-    monkeypatch.setattr(kernels, "te_fused_available", lambda: "te_fused" in installed)
     monkeypatch.setattr(torch_cudnn, "device_capability", lambda: capability or (8, 0))
-    monkeypatch.setitem(kernels.KERNELS, "flash_attn2", lambda: FakePackageKernel("flash_attn2"))
     cudnn_problem = lambda d: torch_cudnn.cudnn_head_dim_problem(d, capability or (8, 0))  # noqa: E731
-    monkeypatch.setitem(kernels.KERNELS, "te_fused", lambda: FakePackageKernel("te_fused", cudnn_problem))
+    fakes = {
+        "flash_attn2": fake_package_kernel("flash_attn2", installed),
+        "te_fused": fake_package_kernel("te_fused", installed, cudnn_problem),
+    }
+    monkeypatch.setattr(kernels, "KERNELS", {**kernels.base.KERNELS, **fakes})
     return torch.device("cuda")
 
 
@@ -350,9 +365,10 @@ def test_the_kernel_names_are_the_choices():
     assert set(KERNELS) == set(NAMES) and len(NAMES) == len(set(NAMES))
 
 
-def test_the_choice_is_printed_once(capsys):
-    """The automatic choice is printed (rank 0, or no process group) once per distinct choice, not per call."""
+def test_the_choice_is_printed_once(caplog):
+    """The automatic choice is logged (rank 0, or no process group) once per distinct choice, not per call."""
+    caplog.set_level(logging.INFO, logger="megatron_2d.kernels")
     for _ in range(3):
         assert select_kernel(torch.device("cpu"), torch.float32, head_dim=40).name == "cpu_flash"
-    lines = [x for x in capsys.readouterr().out.splitlines() if "head dim 40" in x]
+    lines = [x for x in caplog.messages if "head dim 40" in x]
     assert lines == ["megatron_2d: attention kernel cpu_flash (float32, head dim 40 on cpu)"]

@@ -21,7 +21,7 @@ def record_loop(rank, world, hp, w, backward):
     ring = DoubleRing(groups)
     log = []
     for name in CHANNELS:
-        exchange = getattr(ring, name)
+        exchange = ring.channels[name]
         if exchange is None:
             continue
         if hasattr(exchange, "expect"):

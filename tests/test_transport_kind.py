@@ -135,46 +135,49 @@ def test_the_table_is_every_transport_of_the_folder():
     assert list(transport_classes()) == list(TRANSPORT_KINDS)
 
 
-_A_TRANSPORT = (
-    "class {name}:\n    kind = {kind!r}\n    traffic_kinds = ()\n\n    @classmethod\n"
-    "    def for_routes(cls, groups, routes):\n        return cls()\n"
-)
+def _a_transport(name, kind):
+    def for_routes(cls, groups, routes):
+        return cls()
+
+    return type(name, (), {"kind": kind, "traffic_kinds": (), "for_routes": classmethod(for_routes)})
 
 
 @pytest.mark.parametrize(
     "classes, message",
     [
-        ({"a": [("A", "local"), ("B", "neighbour")], "b": [("C", "double_ring")]}, None),
-        ({"a": [("A", "local"), ("B", "neighbour")]}, r"kinds without a class \['double_ring'\]"),
+        ([("A", "local"), ("B", "neighbour"), ("C", "double_ring")], None),
+        ([("C", "double_ring"), ("A", "local"), ("B", "neighbour")], None),  # another import order, the same table
+        ([("A", "local"), ("B", "neighbour")], r"kinds without a class: \['double_ring'\]"),
         (
-            {"a": [("A", "local"), ("B", "neighbour"), ("C", "double_ring")], "b": [("D", "neighbour")]},
-            r"kinds with several \{'neighbour': \['B', 'D'\]\}",
+            [("A", "local"), ("B", "neighbour"), ("C", "double_ring"), ("D", "neighbour")],
+            r"'neighbour' is registered already \(B\); D claims it too",
         ),
         (
-            {"a": [("A", "local"), ("B", "neighbour"), ("C", "double_ring"), ("D", "pigeon")]},
-            r"kinds the rule does not know \['pigeon'\]",
+            [("A", "local"), ("B", "neighbour"), ("C", "double_ring"), ("D", "pigeon")],
+            r"D.kind 'pigeon' is not one of \['local', 'neighbour', 'double_ring'\]",
         ),
     ],
 )
-def test_the_table_finds_each_transport_and_refuses_gaps(tmp_path, monkeypatch, classes, message):
-    from megatron_2d.transport.kinds import find_transports
+def test_the_table_holds_each_transport_and_refuses_gaps(classes, message):
+    """The registry (megatron_2d.layout.registry, as transport/kinds.py builds it) holds one class per kind, in
+    TransportKind's order whatever the registration order; a gap, a second class or an unknown kind is refused."""
+    from megatron_2d.layout.choices import TransportKind
+    from megatron_2d.layout.registry import Registry
 
-    name = f"fake_transports_{len(classes)}_{len(str(classes))}"  # one package name per case: imports are cached
-    package = tmp_path / name
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    for module, defined in classes.items():
-        (package / f"{module}.py").write_text("\n\n".join(_A_TRANSPORT.format(name=n, kind=k) for n, k in defined))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    table = Registry("transport kind", TransportKind, key="kind")
     if message is None:
-        assert [(k, c.__name__) for k, c in find_transports(name).items()] == [
+        for name, kind in classes:
+            table.register(_a_transport(name, kind))
+        assert [(k, c.__name__) for k, c in table.complete().items()] == [
             ("local", "A"),
             ("neighbour", "B"),
             ("double_ring", "C"),
         ]
-    else:
-        with pytest.raises(RuntimeError, match=message):
-            find_transports(name)
+        return
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        for name, kind in classes:
+            table.register(_a_transport(name, kind))
+        table.complete()
 
 
 def test_the_planner_costs_every_kind():

@@ -50,6 +50,7 @@ import torch
 import torch._dynamo  # noqa: F401  a dispatch mode imports it on first use: once here, not in every forked rank
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_2d.layout.choices import DkvCommDtype, Kernel, PackingMode
 from megatron_2d.layout.topology import PLACEMENTS, divisors
 from megatron_2d.testing.reference import (
     TOLERANCES,
@@ -193,7 +194,7 @@ def _window(rng: np.random.Generator, causal: bool, longest: int) -> tuple[int, 
     return (-1 if unbounded == 1 else left, -1 if unbounded == 2 else right)
 
 
-FLASH_KERNELS = ("flash_attn2", "torch_flash", "torch_cudnn")
+FLASH_KERNELS = (Kernel.FLASH_ATTN2, Kernel.TORCH_FLASH, Kernel.TORCH_CUDNN)
 """The CUDA kernels, drawn in bf16 through their CPU stand-ins (see the module). te_fused is not drawn: its CPU
 stand-in needs a Transformer Engine release imported into the process (tests/test_te_releases.py runs it)."""
 FLASH_SHARE = 0.3
@@ -219,10 +220,12 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
         end_padding = 0
     else:
         lengths = tuple(_document_lengths(rng))
-        if mode == "sequence":  # Megatron's per-sequence split: 2*CP divides the stream
+        if mode == PackingMode.SEQUENCE:  # Megatron's per-sequence split: 2*CP divides the stream
             lengths += ((-sum(lengths)) % (2 * batch.world),) if sum(lengths) % (2 * batch.world) else ()
         batch_size = 1
-        end_padding = 2 * batch.world * int(rng.integers(1, 3)) if mode == "zigzag" and rng.random() < 0.3 else 0
+        end_padding = (
+            2 * batch.world * int(rng.integers(1, 3)) if mode == PackingMode.ZIGZAG and rng.random() < 0.3 else 0
+        )
     d = int(rng.choice([8, 16]))
     dv = d // 2 if rng.random() < 0.25 else d
     draw = Draw(
@@ -239,8 +242,8 @@ def draw_case(batch: Batch, index: int, modes: Sequence[str]) -> Draw:
         causal,
         _window(rng, causal, max(lengths)),
         bool(rng.random() < 0.3),
-        "torch_math" if rng.random() < 0.15 else "cpu_flash",
-        "input" if rng.random() < 0.2 else "accumulator",
+        Kernel.TORCH_MATH if rng.random() < 0.15 else Kernel.CPU_FLASH,
+        DkvCommDtype.INPUT if rng.random() < 0.2 else DkvCommDtype.ACCUMULATOR,
     )
     draw = replace(draw, max_logit=bool(np.random.default_rng([batch.seed, 3, index]).random() < MAX_LOGIT_SHARE))
     flash = np.random.default_rng([batch.seed, 2, index])

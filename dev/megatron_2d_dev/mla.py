@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from megatron_2d.layout.choices import MlaRing
 from megatron_2d.megatron import MLATransformerConfig2D
 from megatron_2d.testing.reference import reference_attention
 
@@ -64,7 +65,7 @@ def reference_mla_spec():
     return local_spec_with_core_attention(ReferenceMLACoreAttention, multi_latent_attention=True)
 
 
-def mla_spec_2d(ring: str = "expanded", **spec_kwargs):
+def mla_spec_2d(ring: str = MlaRing.EXPANDED, **spec_kwargs):
     """The 2d GPT layer spec for an MLA model whose config asks for ``ring`` (local layers)."""
     from megatron_2d.megatron import get_gpt_layer_spec_2d
 
@@ -72,7 +73,7 @@ def mla_spec_2d(ring: str = "expanded", **spec_kwargs):
     return get_gpt_layer_spec_2d(config, use_transformer_engine=False, **spec_kwargs)
 
 
-def tiny_mla_config(settings: tuple | None = None, ring: str = "expanded", **overrides) -> TinyGPTConfig:
+def tiny_mla_config(settings: tuple | None = None, ring: str = MlaRing.EXPANDED, **overrides) -> TinyGPTConfig:
     """A tiny MLA GPT (2 layers, hidden 64, 8 heads, seq 64); with 2D ``settings`` (hp, w, placement) an
     MLATransformerConfig2D with cp_comm_type '2d' and ``cp_2d_mla_ring=ring``; ``overrides`` are config fields."""
     cfg = TinyGPTConfig(

@@ -23,7 +23,7 @@ from ..kernels import select_kernel
 from ..kernels.base import accumulator_dtype
 from ..layout.band import SlidingWindow
 from ..layout.block_calls import BlockCall, ContextCalls, context_calls
-from ..layout.choices import DkvCommDtype, TransportKind
+from ..layout.choices import DkvCommDtype, HeadUnit, TransportKind
 from ..layout.transports import transport_kind
 from ..packed_sharding import PackedSharding
 from ..ring_attention import RingContext
@@ -111,7 +111,7 @@ def _packed_plan(groups: Groups2D, packing: PackedSharding, sig: _Signature) -> 
         groups.head_group,
         groups.comm_bytes,
         sig.device,
-        per_token=packing.head_unit == "token",
+        per_token=packing.head_unit == HeadUnit.TOKEN,
         head_ranks=groups.place.head_group,
     )
     causal, window = sig.options.causal, sig.window(packing.max_document_length)

@@ -10,42 +10,33 @@
 Automatic choice (:func:`kernel_preference`): cpu_flash on CPU; on CUDA, by compute capability, Hopper and later
 (sm90+) te_fused, torch_cudnn, flash_attn2, torch_flash (cuDNN's kernels are the fast ones there, flash-attn 2's are
 Ampere's), before Hopper flash_attn2, torch_flash, torch_cudnn. The first that imports and takes the dtype and head
-dim is chosen; each one passed over says why in a one-line notice, and the choice is printed once per distinct
-choice (rank 0). fp32 on CUDA is refused (every CUDA kernel takes fp16/bf16; one materialising scores would not fit
-at long-context block sizes). A kernel named explicitly is checked the same way and refused, not replaced.
+dim is chosen; each one passed over says why in a one-line notice, and the choice is logged (``logging``, INFO)
+once per distinct choice (rank 0). fp32 on CUDA is refused (every CUDA kernel takes fp16/bf16; one materialising
+scores would not fit at long-context block sizes). A kernel named explicitly is checked the same way and refused,
+not replaced.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
-from collections.abc import Callable
 
 import torch
 
-from .base import BlockKernel
+from ..layout.choices import Kernel
+from .base import KERNELS, BlockKernel
 from .cpu_flash import CpuFlashKernel
-from .flash_attn2 import FlashAttn2Kernel, flash_attn_available
-from .te_fused import TeFusedKernel, te_fused_available
+from .flash_attn2 import FlashAttn2Kernel
+from .te_fused import TeFusedKernel
 from .torch_cudnn import TorchCudnnKernel
 from .torch_flash import TorchFlashKernel
 from .torch_math import TorchMathKernel
 
-KERNELS: dict[str, Callable[[], BlockKernel]] = {  # by megatron_2d.layout.choices.KERNELS' names
-    "cpu_flash": CpuFlashKernel,
-    "te_fused": TeFusedKernel,
-    "torch_cudnn": TorchCudnnKernel,
-    "flash_attn2": FlashAttn2Kernel,
-    "torch_flash": TorchFlashKernel,
-    "torch_math": TorchMathKernel,
-}
+logger = logging.getLogger(__name__)
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
-HOPPER_ORDER = ("te_fused", "torch_cudnn", "flash_attn2", "torch_flash")
-AMPERE_ORDER = ("flash_attn2", "torch_flash", "torch_cudnn")
-_NOT_INSTALLED = {  # kernels over a package that may be missing: what it means when it does not import
-    "te_fused": "Transformer Engine is not importable",
-    "flash_attn2": "flash-attn is not installed",
-}
-_ANNOUNCED: set[str] = set()  # the choices already printed (a log, not a setting: it steers nothing)
+HOPPER_ORDER = (Kernel.TE_FUSED, Kernel.TORCH_CUDNN, Kernel.FLASH_ATTN2, Kernel.TORCH_FLASH)
+AMPERE_ORDER = (Kernel.FLASH_ATTN2, Kernel.TORCH_FLASH, Kernel.TORCH_CUDNN)
+_ANNOUNCED: set[str] = set()  # the choices already logged (a log, not a setting: it steers nothing)
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
@@ -58,7 +49,7 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
 def kernel_preference(device: torch.device) -> tuple[str, ...]:
     """The kernels tried, in order, on ``device`` (a capability that cannot be read orders as before Hopper)."""
     if device.type == "cpu":
-        return ("cpu_flash",)
+        return (Kernel.CPU_FLASH,)
     if device.type != "cuda":
         raise ValueError(f"no attention kernel runs on device type {device.type!r}; kernels: {sorted(KERNELS)}")
     capability = cuda_capability(device)
@@ -67,10 +58,10 @@ def kernel_preference(device: torch.device) -> tuple[str, ...]:
 
 def _build(name: str) -> BlockKernel:
     """The kernel ``name``, built (schema and signature checks included); raises ImportError when it cannot be."""
-    available = {"te_fused": te_fused_available, "flash_attn2": flash_attn_available}.get(name)
-    if available is not None and not available():
-        raise ImportError(_NOT_INSTALLED[name])
-    return KERNELS[name]()
+    kernel = KERNELS[name]
+    if not kernel.available():
+        raise ImportError(kernel.missing_package)
+    return kernel()
 
 
 def _problem(kernel: BlockKernel, device, dtype, head_dim) -> str | None:
@@ -80,13 +71,14 @@ def _problem(kernel: BlockKernel, device, dtype, head_dim) -> str | None:
 
 
 def announce(message: str) -> None:
-    """Print ``message`` once per process, on rank 0 (or where torch.distributed is not initialised)."""
+    """Log ``message`` (INFO, "megatron_2d: " first) once per process, on rank 0 (or where torch.distributed is
+    not initialised)."""
     if message in _ANNOUNCED:
         return
     _ANNOUNCED.add(message)
     dist = torch.distributed
     if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"megatron_2d: {message}", flush=True)
+        logger.info("megatron_2d: %s", message)
 
 
 def automatic_kernel(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> BlockKernel:

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
 from ..layout.band import Band
+from ..layout.choices import Kernel
+from ..layout.registry import Registry
 from .max_logit import calls_max_logit
 
 if TYPE_CHECKING:
@@ -54,8 +56,16 @@ class BlockKernel(abc.ABC):
     """Attention over one (Q block, K/V block) pair, returning the log-sum-exp so blocks can be merged."""
 
     name: str = "abstract"
+    """The kernel's :class:`~megatron_2d.layout.choices.Kernel` (its key in :data:`KERNELS`)."""
     needs_equal_head_dims: bool = True
     """Whether q, k and v must share their head dim (flash kernels); :meth:`for_head_dims` then pads V."""
+    missing_package: ClassVar[str | None] = None
+    """What it means when the optional package the kernel runs does not import (None: it runs on torch alone)."""
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether the kernel can be built here: its optional package imports (True without one)."""
+        return True
 
     def for_head_dims(self, key_dim: int, value_dim: int) -> BlockKernel:
         """This kernel for keys of ``key_dim`` and values of ``value_dim``: itself, or wrapped so that V is padded
@@ -246,3 +256,7 @@ def to_device_once(host: np.ndarray, device) -> torch.Tensor:
     buffer = torch.empty(len(host), dtype=torch.int64, pin_memory=device.type == "cuda")
     buffer.numpy()[:] = host
     return buffer if device.type == "cpu" else buffer.to(device, non_blocking=True)
+
+
+KERNELS: Registry[type[BlockKernel]] = Registry("attention kernel", Kernel, BlockKernel, key="name")
+"""Kernel -> its :class:`BlockKernel` class, each registered by ``@KERNELS.register`` in its module."""

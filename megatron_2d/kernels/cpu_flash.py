@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..layout.band import Band, Trimmed
-from .base import BlockKernel, accumulator_dtype, band_mask, repeat_kv_heads, sum_kv_head_groups
+from ..layout.choices import Kernel
+from .base import KERNELS, BlockKernel, accumulator_dtype, band_mask, repeat_kv_heads, sum_kv_head_groups
 
 TILE_ROWS = 64
 
@@ -47,11 +48,12 @@ def _mask_args(band: Band | None, sq: int, sk: int, q: torch.Tensor):
     return False, band_mask(band, sq, sk, q.dtype, q.device)
 
 
+@KERNELS.register
 class CpuFlashKernel(BlockKernel):
     """``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward; K/V heads expanded for GQA. The
     backward computes in the accumulator dtype (fp32 for bf16 / fp16 inputs)."""
 
-    name = "cpu_flash"
+    name = Kernel.CPU_FLASH
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu"

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import to_device_once
+from ..layout.choices import Kernel
+from .base import KERNELS, to_device_once
 from .flash_windows import FlashWindowKernel, flash_calls, flash_mask
 
 _GROUP_CACHE = 256  # blocks whose varlen index tensors are kept (a packed batch has one per context rank)
@@ -190,6 +191,7 @@ def padded_lse(lse: torch.Tensor, offsets: Sequence[int], max_len: int) -> torch
     return out
 
 
+@KERNELS.register
 class FlashAttn2Kernel(FlashWindowKernel):
     """flash-attn 2: forward through its public functions (returning lse), backward through its private ones.
 
@@ -198,7 +200,12 @@ class FlashAttn2Kernel(FlashWindowKernel):
     log-sum-exp merge would turn into NaN; trimmed calls have no such row.
     """
 
-    name = "flash_attn2"
+    name = Kernel.FLASH_ATTN2
+    missing_package = "flash-attn is not installed"
+
+    @classmethod
+    def available(cls) -> bool:
+        return flash_attn_available()
 
     def __init__(self) -> None:
         self._fa = _flash_attn_interface()

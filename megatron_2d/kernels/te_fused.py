@@ -31,7 +31,8 @@ import inspect
 import numpy as np
 import torch
 
-from .base import to_device_once
+from ..layout.choices import Kernel
+from .base import KERNELS, to_device_once
 from .piece_kernel import PieceKernel
 from .torch_cudnn import cudnn_head_dim_problem, device_capability
 
@@ -98,10 +99,16 @@ class TeFunction:
         return self._fn(**{name: value for name, value in values.items() if name in self.params})
 
 
+@KERNELS.register
 class TeFusedKernel(PieceKernel):
     """TE's fused_attn_fwd / fused_attn_bwd (F16_arbitrary_seqlen): dense launches, and THD ones for pieces."""
 
-    name = "te_fused"
+    name = Kernel.TE_FUSED
+    missing_package = "Transformer Engine is not importable"
+
+    @classmethod
+    def available(cls) -> bool:
+        return te_fused_available()
 
     def __init__(self) -> None:
         fused_attn, self._tex = _te()

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layout.choices import Kernel
+from .base import KERNELS
 from .piece_kernel import PieceKernel
 
 FORWARD_ARGS = (
@@ -111,10 +113,11 @@ def cudnn_head_dim_problem(head_dim: int, capability: tuple[int, int]) -> str | 
     )
 
 
+@KERNELS.register
 class TorchCudnnKernel(PieceKernel):
     """``aten::_cudnn_attention_forward`` / ``_backward``: dense launches, and varlen ones for pieces."""
 
-    name = "torch_cudnn"
+    name = Kernel.TORCH_CUDNN
 
     def __init__(self) -> None:
         check_schemas()

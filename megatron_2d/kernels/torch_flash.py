@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layout.choices import Kernel
+from .base import KERNELS
 from .flash_windows import FlashWindowKernel
 
 FORWARD_ARGS = (
@@ -68,10 +70,11 @@ def _check_schemas() -> None:
             )
 
 
+@KERNELS.register
 class TorchFlashKernel(FlashWindowKernel):
     """``aten::_flash_attention_forward`` and its backward, one launch per box (dense: cum_seq None)."""
 
-    name = "torch_flash"
+    name = Kernel.TORCH_FLASH
 
     def __init__(self) -> None:
         _check_schemas()

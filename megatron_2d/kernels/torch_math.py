@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockKernel, accumulator_dtype, band_mask, repeat_kv_heads, sum_kv_head_groups
+from ..layout.choices import Kernel
+from .base import KERNELS, BlockKernel, accumulator_dtype, band_mask, repeat_kv_heads, sum_kv_head_groups
 
 
 def _scores(q, k, band, scale):
@@ -20,10 +21,11 @@ def _scores(q, k, band, scale):
     return s
 
 
+@KERNELS.register
 class TorchMathKernel(BlockKernel):
     """Exact attention with explicit scores; forward and backward are the textbook formulas."""
 
-    name = "torch_math"
+    name = Kernel.TORCH_MATH
     needs_equal_head_dims = False
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:

@@ -71,6 +71,21 @@ class PackingMode(StrEnum):
     SEQUENCE = "sequence"
 
 
+class MegatronSplit(StrEnum):
+    """Megatron's own splits of a THD batch over the CP ranks (:data:`megatron_2d.packing.modes.MEGATRON_SPLITS`)."""
+
+    PER_DOCUMENT = "per-document"
+    PER_SEQUENCE = "per-sequence"
+
+
+class HeadUnit(StrEnum):
+    """What a packing mode's head all-to-all order sorts (:meth:`megatron_2d.packing.modes.PackingMode.head_order`):
+    single tokens, or zigzag chunks of equal length."""
+
+    TOKEN = "token"
+    CHUNK = "chunk"
+
+
 class DkvCommDtype(StrEnum):
     """The dtype dK/dV riders travel in, backward: fp32 (exact) or the activation dtype."""
 

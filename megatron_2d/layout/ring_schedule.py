@@ -44,7 +44,20 @@ import enum
 from dataclasses import dataclass
 from functools import cache
 
-CHANNELS = ("inner_kv", "outer_kv", "inner_dkv", "outer_dkv", "final_dkv")
+from .choices import StrEnum
+
+
+class Channel(StrEnum):
+    """A transfer channel of the Double-Ring (one transfer of each in flight at a time, each on its own group)."""
+
+    INNER_KV = "inner_kv"
+    OUTER_KV = "outer_kv"
+    INNER_DKV = "inner_dkv"
+    OUTER_DKV = "outer_dkv"
+    FINAL_DKV = "final_dkv"
+
+
+CHANNELS = tuple(Channel)
 
 
 class EventKind(enum.StrEnum):
@@ -68,7 +81,7 @@ class EventKind(enum.StrEnum):
     WAIT_FINAL = "wait_final"  # the rider of this rank's own block has arrived
 
     @property
-    def channel(self) -> str | None:
+    def channel(self) -> Channel | None:
         """The channel it posts on, expects a receive on or waits for (None: local work)."""
         return CHANNEL_OF[self]
 
@@ -91,18 +104,18 @@ class EventKind(enum.StrEnum):
 _K = EventKind
 # event kind -> the channel it posts on, expects a receive on or waits for (None: local work)
 CHANNEL_OF = {
-    _K.POST_INNER_KV: "inner_kv",
-    _K.WAIT_INNER_KV: "inner_kv",
-    _K.POST_OUTER_KV: "outer_kv",
-    _K.WAIT_OUTER_KV: "outer_kv",
-    _K.WAIT_RIDER: "inner_dkv",
-    _K.POST_RIDER: "inner_dkv",
-    _K.WAIT_CARRIED: "outer_dkv",
-    _K.TAKE_CARRIED: "outer_dkv",
-    _K.POST_CARRIED: "outer_dkv",
-    _K.EXPECT_FINAL: "final_dkv",
-    _K.POST_FINAL: "final_dkv",
-    _K.WAIT_FINAL: "final_dkv",
+    _K.POST_INNER_KV: Channel.INNER_KV,
+    _K.WAIT_INNER_KV: Channel.INNER_KV,
+    _K.POST_OUTER_KV: Channel.OUTER_KV,
+    _K.WAIT_OUTER_KV: Channel.OUTER_KV,
+    _K.WAIT_RIDER: Channel.INNER_DKV,
+    _K.POST_RIDER: Channel.INNER_DKV,
+    _K.WAIT_CARRIED: Channel.OUTER_DKV,
+    _K.TAKE_CARRIED: Channel.OUTER_DKV,
+    _K.POST_CARRIED: Channel.OUTER_DKV,
+    _K.EXPECT_FINAL: Channel.FINAL_DKV,
+    _K.POST_FINAL: Channel.FINAL_DKV,
+    _K.WAIT_FINAL: Channel.FINAL_DKV,
     _K.COMPUTE: None,
     _K.ACCUMULATE_HOME: None,
     _K.START_RIDER: None,
@@ -111,10 +124,17 @@ CHANNEL_OF = {
 _POSTS = frozenset({_K.POST_INNER_KV, _K.POST_OUTER_KV, _K.POST_RIDER, _K.POST_CARRIED, _K.POST_FINAL})
 
 
-def final_hop_link(cp: int, w: int) -> str:
-    """The links the last hop, (ring, slot) -> (ring + 1, slot + 1), crosses: "inner" when there is one inner ring
-    (it is the inner ring's next rank), else "outer" (it leaves its inner ring)."""
-    return "inner" if w == cp else "outer"
+class Link(StrEnum):
+    """Which links a hop crosses: an inner ring's (within a node, typically) or an outer ring's."""
+
+    INNER = "inner"
+    OUTER = "outer"
+
+
+def final_hop_link(cp: int, w: int) -> Link:
+    """The links the last hop, (ring, slot) -> (ring + 1, slot + 1), crosses: inner when there is one inner ring
+    (it is the inner ring's next rank), else outer (it leaves its inner ring)."""
+    return Link.INNER if w == cp else Link.OUTER
 
 
 @dataclass(frozen=True)
@@ -125,7 +145,7 @@ class Event:
     source_offset: tuple[int, int] | None = None
 
     @property
-    def channel(self) -> str | None:
+    def channel(self) -> Channel | None:
         return self.kind.channel
 
 

@@ -31,18 +31,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .choices import PLACEMENTS
+from .choices import PLACEMENTS, Placement
 
 
 class LayoutError(ValueError):
     """An invalid 2D layout: the message names the offending values and what would be valid."""
 
 
-def check_placement(placement, setting: str = "placement") -> str:
-    """``placement`` if it is one of :data:`PLACEMENTS`, else LayoutError naming ``setting``."""
+def check_placement(placement, setting: str = "placement") -> Placement:
+    """The :class:`Placement` ``placement`` names (one of :data:`PLACEMENTS`), else LayoutError naming ``setting``."""
     if placement not in PLACEMENTS:
         raise LayoutError(f"{setting} {placement!r} is not valid; choose one of {list(PLACEMENTS)}")
-    return placement
+    return Placement(placement)
 
 
 def divisors(n: int) -> list[int]:
@@ -80,13 +80,13 @@ class Layout2D:
     cp_size: int
     head_parallel_size: int
     inner_ring_size: int | None = None
-    placement: str = "head_first"
+    placement: Placement = Placement.HEAD_FIRST
 
     def __post_init__(self) -> None:
         CP, hp = self.cp_size, self.head_parallel_size
         for name, value in (("context-parallel size", CP), ("head-parallel size", hp)):
             _check_positive(name, value)
-        check_placement(self.placement)
+        object.__setattr__(self, "placement", check_placement(self.placement))  # a string becomes its member
         if CP % hp != 0:
             raise LayoutError(
                 f"head-parallel size {hp} does not divide the context-parallel size {CP}; "
@@ -116,7 +116,7 @@ class Layout2D:
     # -- index maps -------------------------------------------------------------------------------
     def index_of(self, head_rank: int, context_rank: int) -> int:
         """CP index i of the rank at (hr, cr)."""
-        if self.placement == "head_first":
+        if self.placement == Placement.HEAD_FIRST:
             return context_rank * self.head_parallel_size + head_rank
         return head_rank * self.context_size + context_rank
 
@@ -124,7 +124,7 @@ class Layout2D:
         """(hr, cr) of CP index i."""
         if not 0 <= index < self.cp_size:
             raise LayoutError(f"CP index {index} is outside [0, {self.cp_size})")
-        if self.placement == "head_first":
+        if self.placement == Placement.HEAD_FIRST:
             return index % self.head_parallel_size, index // self.head_parallel_size
         return index // self.context_size, index % self.context_size
 

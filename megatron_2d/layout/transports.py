@@ -11,10 +11,10 @@ other (:attr:`megatron_2d.layout.block_calls.ContextCalls.dense`; for packed doc
                  see it, only the keys they read (NeighbourExchange)
     double_ring  every pair sees something: every block round the inner and outer rings (DoubleRing)
 
-The op builds the transport of a kind from the table of the transport folder
-(:func:`megatron_2d.transport.kinds.transport_classes`: each class names its kind); the planner charges the kind's
-times (:mod:`megatron_2d.plan.windows`, :mod:`megatron_2d.plan.step`). A new transport is its module in
-``transport/``, a kind here, and its cost in the planner.
+The op builds the transport of a kind from the transports' registry
+(:func:`megatron_2d.transport.kinds.transport_classes`: each class registers by its kind); the planner charges the
+kind's times (:mod:`megatron_2d.plan.windows`, :mod:`megatron_2d.plan.step`). A new transport is its module in
+``transport/`` (registered), a member of :class:`TransportKind` and its rule here, and its cost in the planner.
 
     >>> transport_kind(context_size=4, ring_tokens=512, every_pair_sees=False)
     'neighbour'
@@ -24,12 +24,14 @@ times (:mod:`megatron_2d.plan.windows`, :mod:`megatron_2d.plan.step`). A new tra
 
 from __future__ import annotations
 
-TRANSPORT_KINDS = ("local", "neighbour", "double_ring")
+from .choices import TRANSPORT_KINDS, TransportKind
+
+__all__ = ["TRANSPORT_KINDS", "TransportKind", "transport_kind"]
 
 
-def transport_kind(context_size: int, ring_tokens: int, every_pair_sees: bool) -> str:
-    """The kind of transport (:data:`TRANSPORT_KINDS`) for a context group of ``context_size`` ranks whose blocks
+def transport_kind(context_size: int, ring_tokens: int, every_pair_sees: bool) -> TransportKind:
+    """The kind of transport (:class:`TransportKind`) for a context group of ``context_size`` ranks whose blocks
     offer ``ring_tokens`` keys to other ranks, ``every_pair_sees`` telling whether every pair sees some of them."""
     if context_size == 1 or ring_tokens == 0:
-        return "local"
-    return "double_ring" if every_pair_sees else "neighbour"
+        return TransportKind.LOCAL
+    return TransportKind.DOUBLE_RING if every_pair_sees else TransportKind.NEIGHBOUR

@@ -40,7 +40,7 @@ import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
 
 from ..kept_forward import KeptForward
-from ..layout.choices import CHECKPOINT_KEEPS, RECOMPUTE_CHECKS, check_choice
+from ..layout.choices import CHECKPOINT_KEEPS, RECOMPUTE_CHECKS, CheckpointKeep, RecomputeCheck, check_choice
 from .fields import NEEDS_CHECKPOINT_PLUS, fields_2d, flag, table
 
 AttentionFn = Callable[..., torch.Tensor]  # (q, k, v[, sinks], kept=None) -> out
@@ -118,9 +118,10 @@ class AttentionKeeper:
     how a recompute is compared with its first pass ("tolerance" or "bitwise"), ``keep`` what is kept ("outputs" or
     "attention-inputs"; see the module)."""
 
-    def __init__(self, check: str = "tolerance", keep: str = CHECKPOINT_KEEPS[0]) -> None:
-        check_choice("Selective Checkpoint++ check", check, RECOMPUTE_CHECKS)
-        self.check = check
+    def __init__(
+        self, check: RecomputeCheck = RecomputeCheck.TOLERANCE, keep: CheckpointKeep = CheckpointKeep.OUTPUTS
+    ) -> None:
+        self.check = check_choice("Selective Checkpoint++ check", check, RECOMPUTE_CHECKS)
         self.keep = check_choice("Selective Checkpoint++ keep", keep, CHECKPOINT_KEEPS)
         self._fifo: deque[_Kept] = deque()
         self._verdicts = _Verdicts()
@@ -166,7 +167,7 @@ class AttentionKeeper:
                     f"first pass {tuple(shape)} (micro-batches replayed out of order?); disable "
                     f"selective_checkpoint_plus_plus for this run"
                 )
-            bound = 0.0 if self.check == "bitwise" else RECOMPUTE_RTOL.get(x.dtype, 4e-2)
+            bound = 0.0 if self.check == RecomputeCheck.BITWISE else RECOMPUTE_RTOL.get(x.dtype, 4e-2)
             self._verdicts.add(_relative_difference(x, fp), name, bound)
         entry.forward.start_replay()
         return attention(*inputs, *extra, kept=entry.forward)

@@ -40,7 +40,7 @@ from ..call.options import AttentionOptions
 from ..groups import Groups2D
 from ..latent_attention import LatentDims, run_latent_attention_2d
 from ..layout.band import SlidingWindow
-from ..layout.choices import PackingMode
+from ..layout.choices import MegatronSplit, PackingMode
 from ..packed_sharding import PackedSharding
 from ..packing.modes import mode_class
 from .attention_settings import check_attention_settings, packed_seq_refusals
@@ -447,7 +447,7 @@ class CoreAttention2D(MegatronModule):
         cu_seqlens_q_padded. The cu_seqlens live on the GPU in Megatron's batches: reading them is this batch's one
         device-to-host copy (a layout built ahead, as the data path's PackedSeqParams2D carry, needs none)."""
         real, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
-        if mode_class(mode).megatron_split == "per-sequence":
+        if mode_class(mode).megatron_split == MegatronSplit.PER_SEQUENCE:
             from .per_sequence import sequence_params
 
             return sequence_params(packed_seq_params, self.groups, torch.device("cpu")).layout

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..groups import Groups2D, build_groups_for_layout
+from ..layout.choices import PackingMode
 from ..layout.dynamic import (
     FLAG,
     check_dynamic_sizes,
@@ -213,7 +214,7 @@ def dynamic_config_problems(config) -> list[str]:
             f"{static} describe one static 2D layout, which hybrid_context_parallel does not run (each CP group "
             f"size runs its own); give them per size with {FLAG} (e.g. '4=2x2,8=2x4/2') or drop them"
         )
-    if fields.cp_2d_packing == "documents":
+    if fields.cp_2d_packing == PackingMode.DOCUMENTS:
         problems.append(
             "cp_2d_packing='documents' with hybrid_context_parallel: Megatron's hybrid schedule unpacks every "
             "sample into its sequences and runs each on its own CP group (Megatron's per-sequence split), so there "
@@ -446,7 +447,7 @@ def dynamic_params(params, groups: Groups2D, rope_group: dist.ProcessGroup | Non
         real = int(cu[-1]) if told else total  # a padded micro-batch's one device-to-host read (QK-clip only)
         padded_layout = None
         if real < total:  # collective over the micro-batch's group, whose ranks all run this layer
-            padded_layout = PackedSharding([0, real], groups, mode="zigzag", cu_seqlens_padded=[0, total])
+            padded_layout = PackedSharding([0, real], groups, mode=PackingMode.ZIGZAG, cu_seqlens_padded=[0, total])
         cache[key] = SequenceParams2D(
             qkv_format="thd",
             cu_seqlens_q=rope_cu,

@@ -31,6 +31,12 @@ from ..layout.choices import (
     PACKING_MODES,
     PLACEMENTS,
     RECOMPUTE_CHECKS,
+    CheckpointKeep,
+    DkvCommDtype,
+    MlaRing,
+    PackingMode,
+    Placement,
+    RecomputeCheck,
     check_choice,
     check_kernel,
 )
@@ -110,20 +116,20 @@ class Fields2D:
         type=int,
     )
     cp_2d_placement: str = _setting(
-        "head_first",
+        Placement.HEAD_FIRST,
         "head_first: head groups on adjacent ranks (the all-to-all on NVLink); context_first: context rings on "
         "adjacent ranks (the ring's point-to-point on NVLink).",
         choices=PLACEMENTS,
         check=check_placement,
     )
     cp_2d_dkv_comm_dtype: str = _setting(
-        "accumulator",
+        DkvCommDtype.ACCUMULATOR,
         "how dK/dV partials travel the ring in backward: accumulator (fp32, exact) or input (the activation dtype, "
         "Transformer Engine's bytes; its error grows with the ring, docs/op.md).",
         choices=DKV_COMM_DTYPES,
     )
     cp_2d_packing: str = _setting(
-        "zigzag",
+        PackingMode.ZIGZAG,
         "how packed documents (THD batches) lie over the CP group: zigzag (Megatron's per-document split, --sft "
         "batches), sequence (Megatron's per-sequence split, chosen by itself with "
         "--dataloader-inter-document-masking without --sft) or documents (short documents whole on one context "
@@ -133,7 +139,7 @@ class Fields2D:
         check=mode_class,  # any registered mode (megatron_2d.packing.modes)
     )
     cp_2d_mla_ring: str = _setting(
-        "expanded",
+        MlaRing.EXPANDED,
         "what travels the context ring under multi-latent attention (--multi-latent-attention): expanded (per-head "
         "K and V, as every CP backend sends them) or latent (the compressed KV and the rope key, up-projected by "
         "each rank for its own heads at every ring step: fewer ring bytes for more FLOPs, docs/megatron.md; "
@@ -143,7 +149,7 @@ class Fields2D:
     cp_2d_kernel: str | None = _setting(
         None,
         "the block kernel every 2d attention layer runs; default: chosen by device (Hopper and later: te_fused, "
-        "torch_cudnn, flash_attn2, torch_flash; Ampere: flash_attn2 first), the choice printed once on rank 0 "
+        "torch_cudnn, flash_attn2, torch_flash; Ampere: flash_attn2 first), the choice logged once on rank 0 "
         "(docs/op.md). A layer spec's kernel overrides it.",
         choices=KERNELS,
         check=check_kernel,
@@ -166,14 +172,14 @@ class Fields2D:
         needs=None,
     )
     selective_checkpoint_plus_plus_check: str = _setting(
-        "tolerance",
+        RecomputeCheck.TOLERANCE,
         "how Selective Checkpoint++ compares a recompute with its first pass: tolerance (the dtype's rounding noise "
         "allowed, as GPU recomputes through atomics give) or bitwise (a debug mode). Neither syncs the host.",
         choices=RECOMPUTE_CHECKS,
         needs=NEEDS_CHECKPOINT_PLUS,
     )
     selective_checkpoint_plus_plus_keep: str = _setting(
-        CHECKPOINT_KEEPS[0],
+        CheckpointKeep.OUTPUTS,
         "what Selective Checkpoint++ keeps of attention until the recompute: outputs (the attention output and its "
         "log-sum-exp; the recompute runs the head all-to-alls again, not the ring) or attention-inputs (also the "
         "head-layout q and K/V: more memory, and the recompute sends nothing).",

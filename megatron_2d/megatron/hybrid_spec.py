@@ -33,6 +33,7 @@ from typing import Any
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..layout.choices import PackingMode
 from ..layout.hybrid_layers import MAMBA_EXPAND
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, check_hybrid_layers, packing_mode
@@ -99,7 +100,7 @@ class HybridStack2D(HybridStack):
         if core_attention is not None:
             pg_collection = kwargs.get("pg_collection")
             build_model_groups(config, getattr(pg_collection, "cp", None), **core_attention.params)
-            if packing_mode(config) == "sequence":
+            if packing_mode(config) == PackingMode.SEQUENCE:
                 submodules = per_sequence_attention(submodules)
         super().__init__(config, submodules, *args, **kwargs)
 

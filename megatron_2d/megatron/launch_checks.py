@@ -28,6 +28,8 @@ from __future__ import annotations
 import re
 import sys
 
+from ..layout.choices import MegatronSplit
+from ..layout.choices import PackingMode as Mode
 from ..layout.hybrid_layers import (
     GDN,
     MAMBA,
@@ -41,7 +43,7 @@ from ..layout.hybrid_layers import (
 from ..packing.modes import PackingMode, megatron_split_mode, mode_class
 from .dynamic import dynamic_config_problems, dynamic_layouts, is_dynamic
 from .fields import fields_2d
-from .settings import layer_comm_types, settings_from_config, uses_2d
+from .settings import BACKEND_NAME, layer_comm_types, settings_from_config, uses_2d
 
 PACKED_SEQUENCE_FLAGS: tuple[tuple[str, str], ...] = (("--reset-attention-mask", "reset_attention_mask"),)
 """Document-masking flags whose batches the 2d backend would get wrong, with their argparse destinations:
@@ -139,7 +141,7 @@ def dynamic_launch_problems(args) -> list[str]:
             f"more ranks than the DP x CP group has, and megatron-core 0.19.2's scheduler stops with an assertion "
             f"('cannot reditribute'); raise --max-seqlen-per-dp-cp-rank to at least {-(-seq // ranks)}"
         )
-    others = sorted({t for t in layer_comm_types(args.cp_comm_type) if t != "2d"}, key=str)
+    others = sorted({t for t in layer_comm_types(args.cp_comm_type) if t != BACKEND_NAME}, key=str)
     if others:
         problems.append(
             f"--cp-comm-type {' '.join(map(str, layer_comm_types(args.cp_comm_type)))} mixes the 2d backend with "
@@ -184,7 +186,7 @@ def documents_layout_problem(config) -> str | None:
     (:func:`megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank`) lays each micro-batch out afresh, so
     every CP rank holds as many slots as the fullest one needs that batch: not the fixed [seq_length / CP] tensors
     Megatron's pipeline schedule sends between stages, and a stage without attention has no layout to build."""
-    if fields_2d(config).cp_2d_packing != "documents" or getattr(config, "context_parallel_size", 1) == 1:
+    if fields_2d(config).cp_2d_packing != Mode.DOCUMENTS or getattr(config, "context_parallel_size", 1) == 1:
         return None
     pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
     if pp > 1:
@@ -238,13 +240,13 @@ def mla_packing_problem(config) -> str | None:
     :func:`.mla.check_mla_settings` (TransformerConfig2D, the layer spec)."""
     if not getattr(config, "multi_latent_attention", False):
         return None
-    if megatron_split(config) == "per-sequence":
+    if megatron_split(config) == MegatronSplit.PER_SEQUENCE:
         return (
             "Megatron's per-sequence split of packed documents (--dataloader-inter-document-masking "
             "without --sft) with multi-latent attention is not supported by the 2d backend: MLA's "
             "RoPE assumes the per-document split; use --sft batches (Megatron's per-document split)"
         )
-    if packing_mode(config) == "documents" and getattr(config, "context_parallel_size", 1) > 1:
+    if packing_mode(config) == Mode.DOCUMENTS and getattr(config, "context_parallel_size", 1) > 1:
         return (
             "cp_2d_packing='documents' (--cp-2d-packing documents) with multi-latent attention is not supported by "
             "the 2d backend: MLA applies RoPE inside its attention at the positions of Megatron's per-document "
@@ -399,7 +401,7 @@ def packing_mode(config) -> str:
     if is_dynamic(config) and chosen.megatron_split is not None:
         # hybrid CP: Megatron splits each sub-sample over its own group per sequence (get_batch_on_this_cp_rank's
         # hybrid branch); the documents layout is refused with hybrid CP
-        return megatron_split_mode("per-sequence").name
+        return megatron_split_mode(MegatronSplit.PER_SEQUENCE).name
     if chosen.megatron_split is None:
         return chosen.name
     launch = config if hasattr(config, "dataloader_inter_document_masking") else current_launch_args()
@@ -408,7 +410,7 @@ def packing_mode(config) -> str:
         and getattr(launch, "dataloader_inter_document_masking", False)
         and not getattr(launch, "sft", False)
     ):
-        return megatron_split_mode("per-sequence").name
+        return megatron_split_mode(MegatronSplit.PER_SEQUENCE).name
     return chosen.name
 
 

@@ -39,12 +39,10 @@ from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttenti
 from megatron.core.utils import get_pg_size
 from torch.nn.modules.module import _global_forward_pre_hooks
 
-from ..layout.choices import check_mla_ring
+from ..layout.choices import MlaRing, check_mla_ring
 from .core_attention import LatentDims
 from .fields import fields_2d
 from .launch_checks import mla_packing_problem
-
-LATENT = "latent"
 
 
 def uses_mla(config) -> bool:
@@ -63,7 +61,7 @@ def check_mla_settings(config) -> None:
     which the launch checks run first). The one MLA check, reached from TransformerConfig2D and from the layer spec
     (plain TransformerConfigs)."""
     ring = check_mla_ring(mla_ring(config))
-    if ring != "expanded" and not uses_mla(config):
+    if ring != MlaRing.EXPANDED and not uses_mla(config):
         raise ValueError(
             f"cp_2d_mla_ring {ring!r} chooses what multi-latent attention sends round the ring, but "
             f"multi_latent_attention is off, so it would be ignored; drop it or build an "
@@ -79,7 +77,7 @@ def use_latent_ring(spec, config, use_transformer_engine: bool):
     ``cp_2d_mla_ring="latent"`` (unchanged otherwise). Transformer Engine's fused layernorm+linear kv up-projection
     (the TE spec with qk_layernorm) is split into TE's norm and linear, as Megatron's own spec resolver allows, since
     the norm must run before the latent travels; the layer's sharded-state-dict map keeps TE's checkpoint key."""
-    if not uses_mla(config) or mla_ring(config) != LATENT:
+    if not uses_mla(config) or mla_ring(config) != MlaRing.LATENT:
         return spec
     attention = spec.submodules.self_attention
     if attention.module not in LATENT_CLASSES:

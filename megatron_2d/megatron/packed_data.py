@@ -28,6 +28,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..groups import Groups2D
+from ..layout.choices import PackingMode
 from ..packed_sharding import PackedSharding
 from ..transport.comm import to_device
 
@@ -100,7 +101,7 @@ def documents_batch_on_this_cp_rank(
     ``padding`` ([1, t] bool) marks them: give it to a MoE model as ``padding_mask``, or its router counts them in
     its z-loss and load-balancing losses (which a CP = 1 step of the documents does not have). Collective over the
     CP group (it builds the layout)."""
-    layout = PackedSharding(cu_seqlens, groups, mode="documents", **layout_options)
+    layout = PackedSharding(cu_seqlens, groups, mode=PackingMode.DOCUMENTS, **layout_options)
     device = batch["tokens"].device
     idx = layout.device_tensor("local_indices", device)  # copied once, non-blocking
     gather, pad = idx.clamp(min=0), idx < 0

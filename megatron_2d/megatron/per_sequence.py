@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
+from ..layout.choices import PackingMode
 from ..packed_sharding import PackedSharding
 from .packed_data import PackedSeqParams2D, layout_params
 
@@ -43,7 +44,7 @@ def sequence_params(params, groups, device: torch.device, rope_group=None) -> Pa
                 "cu_seqlens_q_padded; Megatron's per-sequence split pads no document, so the 2d backend "
                 "cannot tell where its tokens are: drop the padding or use --sft"
             )
-        layout = PackedSharding(torch.as_tensor(params.cu_seqlens_q).cpu(), groups, mode="sequence")
+        layout = PackedSharding(torch.as_tensor(params.cu_seqlens_q).cpu(), groups, mode=PackingMode.SEQUENCE)
         cache[key] = layout_params(layout, device, rope_place)
     return cache[key]
 

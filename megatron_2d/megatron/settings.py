@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from ..layout.choices import Placement, PlanKind
 from ..layout.heads import check_head_split, kv_replication
 from ..layout.topology import Layout2D, check_placement, divisors
 from .attention_settings import check_attention_settings
 from .fields import fields_2d
 
-BACKEND_NAME = "2d"
+BACKEND_NAME = PlanKind.TWO_D
 
 
 def layer_comm_types(cp_comm_type: None | str | Sequence[str]) -> list[str | None]:
@@ -42,7 +43,7 @@ class Settings2D:
     head_parallel_size: int
     inner_ring_size: int | None = None
     """w; None: w = cp (one ring), resolved here."""
-    placement: str = "head_first"
+    placement: Placement = Placement.HEAD_FIRST
     layout: Layout2D = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,7 +63,7 @@ def validate_2d_settings(
     head_parallel_size: int | None,
     context_size: int | None = None,
     inner_ring_size: int | None = None,
-    placement: str = "head_first",
+    placement: Placement = Placement.HEAD_FIRST,
     num_attention_heads: int,
     num_query_groups: int | None = None,
     tensor_model_parallel_size: int = 1,
@@ -149,5 +150,5 @@ def layer_settings(config, cp_size: int, **overrides) -> Settings2D:
     :func:`settings_from_config` with the layer spec's ``overrides`` (head_parallel_size, inner_ring_size,
     placement)."""
     if cp_size == 1:
-        return Settings2D(1, 1, 1, "head_first")
+        return Settings2D(1, 1, 1, Placement.HEAD_FIRST)
     return settings_from_config(config, **overrides)

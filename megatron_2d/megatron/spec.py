@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..layout.choices import MegatronSplit
 from .attention_settings import check_attention_settings
 from .core_attention import CoreAttention2D
 from .dynamic import check_dynamic_config, given_layouts, is_dynamic
@@ -181,7 +182,7 @@ def get_gpt_layer_spec_2d(
     use_te = _uses_transformer_engine(config, use_transformer_engine)
     check_mla_settings(transformer_config_of(config))
     # Megatron's per-sequence split of packed documents: RoPE at each token's position in its document
-    per_sequence = megatron_split(transformer_config_of(config)) == "per-sequence"
+    per_sequence = megatron_split(transformer_config_of(config)) == MegatronSplit.PER_SEQUENCE
     for layer in layer_specs_of(spec):
         layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
         if per_sequence:

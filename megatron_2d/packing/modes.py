@@ -17,9 +17,10 @@ layers can read its tokens (:meth:`PackingMode.ssm_problem`), its loss and launc
 (``planned``, ``stock``, its flags). :class:`megatron_2d.PackedSharding` (torch), the Megatron glue and the planner
 consult these classes.
 
-A new mode is a subclass decorated with :func:`register`; a library mode's name is also listed in
-:data:`megatron_2d.layout.choices.PACKING_MODES` (the flag's choices; checked here at import), a test's own mode is
-registered by the test (tests/test_packed_attention.py registers one).
+A new mode is a subclass decorated with :func:`register` (:mod:`megatron_2d.layout.registry`, the registry style of
+kernels and transports too); a library mode's name is a member of :class:`megatron_2d.layout.choices.PackingMode`
+(the flag's choices; checked here at import), a test's own mode is registered by the test
+(tests/test_packed_attention.py registers one).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..layout.choices import PACKING_MODES, check_choice
+from ..layout.choices import PACKING_MODES, HeadUnit, MegatronSplit, Placement
+from ..layout.choices import PackingMode as Mode
+from ..layout.registry import Registry
 from ..layout.topology import Layout2D
 from .calls import Runs
 from .sharding import DocumentSharding, PackingCost, documents_slots, sequence_rows, shard_documents, zigzag_rows
 from .views import context_rank_of, materialise, sequence_runs, zigzag_runs, zigzag_view_len
 
-MEGATRON_SPLITS = ("per-document", "per-sequence")
+MEGATRON_SPLITS = tuple(MegatronSplit)
 """Megatron's own splits of a THD batch over the CP ranks: per document (``get_batch_on_this_cp_rank`` of --sft
 batches, Transformer Engine's partitioning) and per sequence (``use_per_sequence_balancing``, what
 --dataloader-inter-document-masking without --sft runs)."""
@@ -50,14 +53,14 @@ class PackingMode:
     context rank's view lies in it; 0: nothing travels), ``long_documents`` (documents spread over the context
     ranks), ``sharding`` (the documents mode's :class:`.sharding.DocumentSharding`, else None)."""
 
-    name: ClassVar[str]
+    name: ClassVar[Mode]
     """The mode's name: ``PackedSharding(mode=)``, ``cp_2d_packing``, ``--cp-2d-packing``."""
     takes_padded_lengths: ClassVar[bool] = False
     """It lays documents out padded as Megatron's ``cu_seqlens_padded`` says
     (``PackedSharding(cu_seqlens_padded=)``)."""
-    head_unit: ClassVar[str] = "token"
-    """What :meth:`head_order` sorts: single tokens ("token") or zigzag chunks of equal length ("chunk")."""
-    megatron_split: ClassVar[str | None] = None
+    head_unit: ClassVar[HeadUnit] = HeadUnit.TOKEN
+    """What :meth:`head_order` sorts: single tokens or zigzag chunks of equal length."""
+    megatron_split: ClassVar[MegatronSplit | None] = None
     """Which of :data:`MEGATRON_SPLITS` gives batches in this layout; None: only this library's data path builds them
     (:mod:`megatron_2d.megatron.packed_data`), and each batch carries its layout."""
     data_path: ClassVar[str] = ""
@@ -107,7 +110,7 @@ class PackingMode:
         idx = np.asarray(cp_indices, dtype=np.int64)
         hp, t_local = layout.head_parallel_size, self.view_len // layout.head_parallel_size
         cr = context_rank_of(layout, idx)
-        hr = idx % hp if layout.placement == "head_first" else idx // layout.context_size
+        hr = idx % hp if layout.placement == Placement.HEAD_FIRST else idx // layout.context_size
         wanted, row_view = np.unique(cr, return_inverse=True)  # the views asked for, materialised
         runs = self.runs.select(np.isin(self.runs.view, wanted))
         full = materialise(
@@ -145,49 +148,46 @@ class PackingMode:
         return None
 
 
-_MODES: dict[str, type[PackingMode]] = {}
+MODES: Registry[type[PackingMode]] = Registry("packing mode", Mode, PackingMode, key="name", extras=True)
+"""PackingMode (the enum) -> its class; names outside the enum are a test's own modes."""
 
 
 def register(cls: type[PackingMode]) -> type[PackingMode]:
     """Class decorator: make ``cls``, a :class:`PackingMode` with a name not registered yet, a packing mode."""
-    if not (isinstance(cls, type) and issubclass(cls, PackingMode)) or not isinstance(getattr(cls, "name", None), str):
-        raise TypeError(f"a packing mode is a PackingMode subclass with a name, got {cls!r}")
-    if cls.name in _MODES:
-        raise ValueError(f"packing mode {cls.name!r} is registered already ({_MODES[cls.name].__qualname__})")
-    if cls.megatron_split not in (None, *MEGATRON_SPLITS):
-        raise ValueError(f"{cls.__qualname__}.megatron_split {cls.megatron_split!r} is not one of {MEGATRON_SPLITS}")
-    _MODES[cls.name] = cls
-    return cls
+    split = getattr(cls, "megatron_split", None)
+    if split not in (None, *MEGATRON_SPLITS):
+        raise ValueError(f"{cls.__qualname__}.megatron_split {split!r} is not one of {MEGATRON_SPLITS}")
+    return MODES.register(cls)
 
 
 def unregister(name: str) -> None:
     """Remove the mode ``name`` from the registry (a test's own mode, after the test)."""
-    del _MODES[name]
+    MODES.unregister(name)
 
 
 def mode_names() -> tuple[str, ...]:
-    """The registered modes' names, in registration order."""
-    return tuple(_MODES)
+    """The registered modes' names: the library's in the enum's order, then a test's own in registration order."""
+    return tuple(MODES)
 
 
 def mode_class(name: str, setting: str = "packing mode") -> type[PackingMode]:
     """The mode registered as ``name``, or ValueError naming ``setting``, the value and the registered names: the
     one check of a packing mode's name, on every route (``PackedSharding(mode=)``, ``cp_2d_packing``, the flag)."""
-    return _MODES[check_choice(setting, name, mode_names())]
+    return MODES.lookup(name, setting)
 
 
 def megatron_split_mode(split: str) -> type[PackingMode]:
     """The mode of Megatron's own ``split`` (one of :data:`MEGATRON_SPLITS`)."""
-    return next(cls for cls in _MODES.values() if cls.megatron_split == split)
+    return next(cls for cls in MODES.values() if cls.megatron_split == split)
 
 
 @register
 class ZigzagMode(PackingMode):
     """Megatron / Transformer Engine THD (:func:`.sharding.zigzag_rows`, :func:`.views.zigzag_runs`)."""
 
-    name = "zigzag"
+    name = Mode.ZIGZAG
     takes_padded_lengths = True
-    megatron_split = "per-document"
+    megatron_split = MegatronSplit.PER_DOCUMENT
     planned = stock = True
 
     def __init__(self, cu_seqlens, layout: Layout2D, *, padded_lengths=None, long_threshold=None, cost=None) -> None:
@@ -226,7 +226,7 @@ class ZigzagMode(PackingMode):
 class DocumentsMode(PackingMode):
     """Short documents whole, long ones zigzag over the context ranks (:func:`.sharding.shard_documents`)."""
 
-    name = "documents"
+    name = Mode.DOCUMENTS
     data_path = (
         "megatron_2d.megatron.packed_data.documents_batch_on_this_cp_rank (examples/pretrain_gpt_2d.py does with "
         "--cp-2d-packing documents)"
@@ -262,9 +262,9 @@ class SequenceMode(PackingMode):
     """Megatron's per-sequence zigzag of the whole stream (:func:`.sharding.sequence_rows`,
     :func:`.views.sequence_runs`)."""
 
-    name = "sequence"
-    head_unit = "chunk"
-    megatron_split = "per-sequence"
+    name = Mode.SEQUENCE
+    head_unit = HeadUnit.CHUNK
+    megatron_split = MegatronSplit.PER_SEQUENCE
 
     def __init__(self, cu_seqlens, layout: Layout2D, *, padded_lengths=None, long_threshold=None, cost=None) -> None:
         super().__init__(cu_seqlens, layout)
@@ -307,7 +307,7 @@ class SequenceMode(PackingMode):
         return None
 
 
-if mode_names() != PACKING_MODES:
+if mode_names() != PACKING_MODES or MODES.missing():
     raise ImportError(
         f"the library's packing modes {mode_names()} are not megatron_2d.layout.choices.PACKING_MODES "
         f"{PACKING_MODES}: list a new mode's name there too"
@@ -315,6 +315,7 @@ if mode_names() != PACKING_MODES:
 
 __all__ = [
     "MEGATRON_SPLITS",
+    "MODES",
     "DocumentsMode",
     "PackingMode",
     "SequenceMode",

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..layout.choices import Placement
 from ..layout.topology import Layout2D
 from .calls import Runs, ranges
 
 
 def context_rank_of(layout: Layout2D, cp_index: np.ndarray) -> np.ndarray:
     """The context rank of each CP index (:meth:`Layout2D.coords_of` on arrays)."""
-    if layout.placement == "head_first":
+    if layout.placement == Placement.HEAD_FIRST:
         return cp_index // layout.head_parallel_size
     return cp_index % layout.context_size
 

@@ -143,7 +143,7 @@ def _packed_work(
     if left is not None and left >= S - 1:
         left = None
     if mode not in modes_for(PlanKind.TWO_D):
-        raise ValueError(f"packed mode {mode!r} is not one of {modes_for('2d')}")
+        raise ValueError(f"packed mode {mode!r} is not one of {modes_for(PlanKind.TWO_D)}")
     batch = mode_class(mode)(cu, layout, cost=cost)
     runs, ring_tokens, t_local = batch.runs, batch.ring_tokens, batch.view_len // hp
     padding = t_local * CP - S

@@ -34,7 +34,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..layout.choices import PlanKind
+from ..layout.choices import Placement, PlanKind
 from .console import parse_seq
 from .hardware import ClusterSpec, ParallelSpec, PlanError, get_cluster, get_model
 from .links import IDEAL_LINKS
@@ -248,7 +248,7 @@ def format_reproduction(
         cells = [r.model, str(r.gpus), seq_label(r.seq)]
         two = r.best["2D"]
         cells.append(
-            f"{two.hp}x{two.cp} w{two.w} {'hf' if two.placement == 'head_first' else 'cf'} "
+            f"{two.hp}x{two.cp} w{two.w} {'hf' if two.placement == Placement.HEAD_FIRST else 'cf'} "
             f"{recompute_label(two.estimate)} {states_label(two.estimate)}"
             if two
             else "none fits"

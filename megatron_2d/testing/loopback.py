@@ -28,7 +28,7 @@ from ..groups import Groups2D
 from ..kernels import BlockKernel
 from ..layout.band import SlidingWindow
 from ..layout.block_calls import context_calls, context_chunks
-from ..layout.choices import check_dkv_comm_dtype
+from ..layout.choices import DkvCommDtype, PackingMode, check_dkv_comm_dtype
 from ..layout.topology import Layout2D, place_all_ranks
 from ..packed_sharding import PackedSharding
 from ..ring_attention import RingAttention, RingCall, RingContext
@@ -108,9 +108,9 @@ def loopback_attention(
     window: tuple[int, int] = (-1, -1),
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
-    dkv_comm_dtype: str = "accumulator",
+    dkv_comm_dtype: str = DkvCommDtype.ACCUMULATOR,
     cu_seqlens=None,
-    packing_mode: str = "zigzag",
+    packing_mode: str = PackingMode.ZIGZAG,
 ):
     """(out, dq, dk, dv, dsinks) of the whole sequence, every context rank of ``layout`` run in turn (module
     docstring). ``cu_seqlens``: packed documents in ``packing_mode``; the tensors are then the packed stream."""

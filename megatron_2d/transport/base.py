@@ -20,6 +20,10 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
+from ..layout.choices import TransportKind
+from ..layout.registry import Registry
+from .comm import CommKind
+
 if TYPE_CHECKING:
     from ..groups import Groups2D
 
@@ -47,7 +51,8 @@ class Transport(Protocol):
 
     ``kind``: the kind of :func:`megatron_2d.layout.transports.transport_kind` it is the transport of, and
     ``for_routes(groups, routes)`` builds it for one rank from its groups and the :class:`KeyRoutes` of a mask (the
-    op finds both through :func:`megatron_2d.transport.kinds.transport_classes`).
+    class registers with ``@TRANSPORTS.register``; the op finds it through
+    :func:`megatron_2d.transport.kinds.transport_classes`).
 
     ``run(kv, compute, dkv_dtype)``:
         kv        this rank's whole block [b, S, ...] (read only: received blocks go to buffers of the transport's
@@ -64,8 +69,8 @@ class Transport(Protocol):
     No host-device synchronisation: transfers are posted and awaited, never read on the host.
     """
 
-    kind: ClassVar[str]
-    traffic_kinds: ClassVar[tuple[str, ...]]
+    kind: ClassVar[TransportKind]
+    traffic_kinds: ClassVar[tuple[CommKind, ...]]
 
     @classmethod
     def for_routes(cls, groups: Groups2D, routes: KeyRoutes) -> Transport: ...
@@ -73,6 +78,11 @@ class Transport(Protocol):
     def run(
         self, kv: torch.Tensor, compute: ComputeFn, dkv_dtype: torch.dtype | None = None
     ) -> torch.Tensor | None: ...
+
+
+TRANSPORTS: Registry[type[Transport]] = Registry("transport kind", TransportKind, key="kind")
+"""TransportKind -> its transport class, each registered by ``@TRANSPORTS.register`` in its module (the op's table:
+:func:`megatron_2d.transport.kinds.transport_classes`, which imports them all)."""
 
 
 def _pieces(rows: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -127,11 +137,12 @@ def home_gradient(
     return home
 
 
+@TRANSPORTS.register
 class LocalBlock:
     """The transport when no other context rank's keys are visible (whole documents only): nothing moves."""
 
-    kind: ClassVar[str] = "local"
-    traffic_kinds: ClassVar[tuple[str, ...]] = ()
+    kind: ClassVar[TransportKind] = TransportKind.LOCAL
+    traffic_kinds: ClassVar[tuple[CommKind, ...]] = ()
 
     def __init__(self, context_rank: int) -> None:
         self.context_rank = context_rank

@@ -24,7 +24,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-COMM_KINDS = ("all_to_all", "inner_ring", "outer_ring", "neighbour")
+from ..layout.choices import StrEnum
+from ..layout.ring_schedule import Link
+
+
+class CommKind(StrEnum):
+    """What a sent byte is counted as (:class:`CommCounter`): the head group's all-to-all, a ring's links (inner or
+    outer), the neighbour exchange."""
+
+    ALL_TO_ALL = "all_to_all"
+    INNER_RING = "inner_ring"
+    OUTER_RING = "outer_ring"
+    NEIGHBOUR = "neighbour"
+
+
+COMM_KINDS = tuple(CommKind)
+RING_TRAFFIC = {Link.INNER: CommKind.INNER_RING, Link.OUTER: CommKind.OUTER_RING}
+"""The kind a ring hop's bytes count as, by the links it crosses."""
 
 
 def traffic_backend(group: dist.ProcessGroup) -> str:
@@ -103,7 +119,7 @@ class CommCounter:
     def __init__(self) -> None:
         self._bytes: Counter = Counter()
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: CommKind, nbytes: int) -> None:
         if kind not in COMM_KINDS:
             raise ValueError(f"unknown communication kind {kind!r}; expected one of {COMM_KINDS}")
         self._bytes[kind] += int(nbytes)
@@ -147,7 +163,7 @@ class RingChannel:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, ring: Sequence[int], position: int, counter: CommCounter, kind: str
+        self, group: dist.ProcessGroup, ring: Sequence[int], position: int, counter: CommCounter, kind: CommKind
     ) -> None:
         if len(ring) < 2:
             raise ValueError(f"a ring channel needs at least 2 ranks, got {list(ring)}")
@@ -179,7 +195,7 @@ class DirectChannel:
     Double-Ring's last dK/dV hop); the same ``start``/``wait`` contract as :class:`RingChannel`, and the receive
     can be posted ahead of the send (:meth:`expect`)."""
 
-    def __init__(self, group: dist.ProcessGroup, dst: int, src: int, counter: CommCounter, kind: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, dst: int, src: int, counter: CommCounter, kind: CommKind) -> None:
         self.group, self.kind, self.counter = group, kind, counter
         self.next_rank, self.prev_rank = dst, src
         self._in_flight = False
@@ -225,7 +241,7 @@ def post_direct(
     recv: torch.Tensor | None,
     src: int,
     counter: CommCounter,
-    kind: str,
+    kind: CommKind,
 ) -> list:
     """Post a receive into ``recv`` from ``src``, then a send of ``send`` to global rank ``dst`` (either may be
     None: the peers decide from the same pure schedule, so posts always match). Returns the works to wait on.
@@ -295,7 +311,7 @@ def all_to_all_counted(send: torch.Tensor, group: dist.ProcessGroup, counter: Co
             work.wait()
     else:
         dist.all_to_all_single(recv, send, group=group)
-    counter.add("all_to_all", send.numel() * send.element_size() * (parts - 1) // parts)
+    counter.add(CommKind.ALL_TO_ALL, send.numel() * send.element_size() * (parts - 1) // parts)
     return recv
 
 
@@ -306,5 +322,5 @@ def all_gather_counted(x: torch.Tensor, group: dist.ProcessGroup, counter: CommC
     out = x.new_empty(parts * x.shape[0], *x.shape[1:])
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(out, x.contiguous(), group=group)
-    counter.add("all_to_all", (parts - 1) * x.numel() * x.element_size())
+    counter.add(CommKind.ALL_TO_ALL, (parts - 1) * x.numel() * x.element_size())
     return out

@@ -16,20 +16,22 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..layout.ring_schedule import EventKind, double_ring_events, final_hop_link
-from .base import ComputeFn, KeyRoutes, Partials, add_partials, gather_partials, home_gradient
-from .comm import BufferPool, DirectChannel, PendingTransfer, RingChannel
+from ..layout.choices import TransportKind
+from ..layout.ring_schedule import Channel, EventKind, double_ring_events, final_hop_link
+from .base import TRANSPORTS, ComputeFn, KeyRoutes, Partials, add_partials, gather_partials, home_gradient
+from .comm import RING_TRAFFIC, BufferPool, CommKind, DirectChannel, PendingTransfer, RingChannel
 
 if TYPE_CHECKING:
     from ..groups import Groups2D
 
 
+@TRANSPORTS.register
 class DoubleRing:
     """The rings of one rank: inner (w ranks) and outer (cp / w ranks), each with K/V and dK/dV channels, and the
     last dK/dV hop (a :class:`~megatron_2d.transport.base.Transport`)."""
 
-    kind: ClassVar[str] = "double_ring"
-    traffic_kinds: ClassVar[tuple[str, ...]] = ("inner_ring", "outer_ring")
+    kind: ClassVar[TransportKind] = TransportKind.DOUBLE_RING
+    traffic_kinds: ClassVar[tuple[CommKind, ...]] = (CommKind.INNER_RING, CommKind.OUTER_RING)
 
     def __init__(self, groups: Groups2D, ring_keys: int | None = None) -> None:
         """The rings of this rank, from its place in the layout and its groups (see :mod:`megatron_2d.groups`).
@@ -44,17 +46,21 @@ class DoubleRing:
         def channel(group, ranks, position, kind):
             return None if group is None else RingChannel(group, ranks, position, counter, kind)
 
-        self.inner_kv = channel(groups.inner_kv_group, place.inner_ring_group, self.slot, "inner_ring")
-        self.inner_dkv = channel(groups.inner_dkv_group, place.inner_ring_group, self.slot, "inner_ring")
-        self.outer_kv = channel(groups.outer_kv_group, place.outer_ring_group, self.inner_ring, "outer_ring")
-        self.outer_dkv = channel(groups.outer_dkv_group, place.outer_ring_group, self.inner_ring, "outer_ring")
-        self.final_dkv = None
+        inner, outer = CommKind.INNER_RING, CommKind.OUTER_RING
+        self.channels: dict[Channel, RingChannel | DirectChannel | None] = {
+            Channel.INNER_KV: channel(groups.inner_kv_group, place.inner_ring_group, self.slot, inner),
+            Channel.INNER_DKV: channel(groups.inner_dkv_group, place.inner_ring_group, self.slot, inner),
+            Channel.OUTER_KV: channel(groups.outer_kv_group, place.outer_ring_group, self.inner_ring, outer),
+            Channel.OUTER_DKV: channel(groups.outer_dkv_group, place.outer_ring_group, self.inner_ring, outer),
+            Channel.FINAL_DKV: None,
+        }
         if self.cp > 1:
             ranks, nw, w = place.context_group, self.num_inner_rings, self.w
             dst = ((self.inner_ring + 1) % nw) * w + (self.slot + 1) % w
             src = ((self.inner_ring - 1) % nw) * w + (self.slot - 1) % w
-            self.final_dkv = DirectChannel(
-                groups.context_dkv_group, ranks[dst], ranks[src], counter, f"{final_hop_link(self.cp, self.w)}_ring"
+            traffic = RING_TRAFFIC[final_hop_link(self.cp, self.w)]
+            self.channels[Channel.FINAL_DKV] = DirectChannel(
+                groups.context_dkv_group, ranks[dst], ranks[src], counter, traffic
             )
 
     def source(self, outer_step: int, inner_step: int) -> int:
@@ -88,28 +94,28 @@ class _RingLoop:
         self.kv = self.anchor = self.block = kv  # the caller's block is read only: never put in a pool
         self.kv_pool = BufferPool(kv.shape, kv.dtype, kv.device)
         self.riders = BufferPool(kv.shape, dkv_dtype, kv.device) if dkv_dtype is not None else None
-        self.pending: dict[str, PendingTransfer] = {}
+        self.pending: dict[Channel, PendingTransfer] = {}
         self.partials: Partials | None = None  # of the latest compute
         self.own_partials: Partials | None = None  # of the own block, kept home
         self.mine: torch.Tensor | None = None  # the rider this rank holds (None: a new one)
         self.last_hop: torch.Tensor | None = None  # the rider of this rank's own block, arrived
         self.home: torch.Tensor | None = None  # this rank's dK/dV (the result of backward)
 
-    def post(self, channel: str, send: torch.Tensor, pool: BufferPool | None) -> None:
+    def post(self, channel: Channel, send: torch.Tensor, pool: BufferPool | None) -> None:
         """Post a transfer (into a buffer of ``pool``; None: into the buffer it expects)."""
-        self.pending[channel] = getattr(self.ring, channel).start(send, None if pool is None else pool.get())
+        self.pending[channel] = self.ring.channels[channel].start(send, None if pool is None else pool.get())
 
-    def wait(self, channel: str):
+    def wait(self, channel: Channel):
         """(received, sent) of the channel's transfer in flight, once both have completed."""
         transfer = self.pending.pop(channel)
         return transfer.wait(), transfer.sent
 
     # -- K/V -------------------------------------------------------------------------------------------------------
     def post_outer_kv(self, event) -> None:
-        self.post("outer_kv", self.anchor, self.kv_pool)
+        self.post(Channel.OUTER_KV, self.anchor, self.kv_pool)
 
     def post_inner_kv(self, event) -> None:
-        self.post("inner_kv", self.block, self.kv_pool)
+        self.post(Channel.INNER_KV, self.block, self.kv_pool)
 
     def compute(self, event) -> None:
         own = event.source_offset == (0, 0)
@@ -119,13 +125,13 @@ class _RingLoop:
             self.own_partials = partials
 
     def wait_inner_kv(self, event) -> None:
-        nxt, _ = self.wait("inner_kv")
+        nxt, _ = self.wait(Channel.INNER_KV)
         if self.block is not self.anchor:
             self.kv_pool.put(self.block)
         self.block = nxt
 
     def wait_outer_kv(self, event) -> None:
-        nxt, _ = self.wait("outer_kv")
+        nxt, _ = self.wait(Channel.OUTER_KV)
         if self.block is not self.anchor:
             self.kv_pool.put(self.block)
         if self.anchor is not self.kv:  # the caller's block is never overwritten
@@ -134,13 +140,13 @@ class _RingLoop:
 
     # -- dK/dV riders ----------------------------------------------------------------------------------------------
     def expect_final(self, event) -> None:
-        self.ring.final_dkv.expect(self.riders.get)
+        self.ring.channels[Channel.FINAL_DKV].expect(self.riders.get)
 
     def start_rider(self, event) -> None:
         self.mine = None
 
     def wait_rider(self, event) -> None:
-        self.mine, sent = self.wait("inner_dkv")
+        self.mine, sent = self.wait(Channel.INNER_DKV)
         self.riders.put(sent)
 
     def accumulate(self, event) -> None:
@@ -150,26 +156,26 @@ class _RingLoop:
             add_partials(self.mine, self.partials)
 
     def post_rider(self, event) -> None:
-        self.post("inner_dkv", self.mine, self.riders)
+        self.post(Channel.INNER_DKV, self.mine, self.riders)
 
     def wait_carried(self, event) -> None:
-        carried, sent = self.wait("outer_dkv")
+        carried, sent = self.wait(Channel.OUTER_DKV)
         self.mine.add_(carried)
         self.riders.put(carried)
         self.riders.put(sent)
 
     def take_carried(self, event) -> None:
-        self.mine, sent = self.wait("outer_dkv")
+        self.mine, sent = self.wait(Channel.OUTER_DKV)
         self.riders.put(sent)
 
     def post_carried(self, event) -> None:
-        self.post("outer_dkv", self.mine, self.riders)
+        self.post(Channel.OUTER_DKV, self.mine, self.riders)
 
     def post_final(self, event) -> None:
-        self.post("final_dkv", self.mine, None)
+        self.post(Channel.FINAL_DKV, self.mine, None)
 
     def wait_final(self, event) -> None:
-        self.last_hop, _ = self.wait("final_dkv")
+        self.last_hop, _ = self.wait(Channel.FINAL_DKV)
 
     def accumulate_home(self, event) -> None:
         self.home = home_gradient(self.whole, self.own_partials, self.last_hop, self.dkv_dtype)

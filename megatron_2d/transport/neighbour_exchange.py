@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
-from .base import ComputeFn, KeyRoutes, gather_partials, home_gradient
-from .comm import BufferPool, PendingTransfer, post_direct
+from ..layout.choices import TransportKind
+from .base import TRANSPORTS, ComputeFn, KeyRoutes, gather_partials, home_gradient
+from .comm import BufferPool, CommKind, PendingTransfer, post_direct
 
 if TYPE_CHECKING:
     from ..groups import Groups2D
@@ -85,12 +86,13 @@ def _selection(keys) -> KeyIntervals | None:
     return KeyIntervals((tuple(keys),))
 
 
+@TRANSPORTS.register
 class NeighbourExchange:
     """Direct sparse K/V (and dK/dV) exchange over one context group (a
     :class:`~megatron_2d.transport.base.Transport`)."""
 
-    kind: ClassVar[str] = "neighbour"
-    traffic_kinds: ClassVar[tuple[str, ...]] = ("neighbour",)
+    kind: ClassVar[TransportKind] = TransportKind.NEIGHBOUR
+    traffic_kinds: ClassVar[tuple[CommKind, ...]] = (CommKind.NEIGHBOUR,)
 
     def __init__(
         self, groups: Groups2D, keys: dict[tuple[int, int], KeyRange], offsets: Sequence[int] | None = None
@@ -124,7 +126,7 @@ class NeighbourExchange:
 
     def _post(self, group, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> PendingTransfer:
         """Send ``send`` to context rank ``dst`` and receive into ``recv`` from ``src`` (either may be None)."""
-        works = post_direct(group, send, self.ranks[dst], recv, self.ranks[src], self.counter, "neighbour")
+        works = post_direct(group, send, self.ranks[dst], recv, self.ranks[src], self.counter, CommKind.NEIGHBOUR)
         return PendingTransfer(works, recv, send)
 
     def _post_kv(self, kv: torch.Tensor, step, pool: BufferPool) -> PendingTransfer:
