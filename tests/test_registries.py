@@ -4,9 +4,6 @@ planner has a cost for it."""
 
 from __future__ import annotations
 
-import ast
-import inspect
-
 import pytest
 import torch
 
@@ -71,32 +68,13 @@ def test_every_kernel_that_runs_on_cuda_has_a_planner_rate():
     assert unpriced == [Kernel.CPU_FLASH, Kernel.TORCH_MATH]
 
 
-def _transports_the_planner_costs() -> set[str]:
-    """The kinds plan/step.py compares a window's transport with (``ww.transport == kind`` / ``in (kinds)``), read
-    from its source: string literals or TransportKind members."""
-
-    def value(node: ast.AST) -> list[str]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return [node.value]
-        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "TransportKind":
-            return [TransportKind[node.attr].value]
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return [v for element in node.elts for v in value(element)]
-        return []
-
-    from megatron_2d.plan import step
-
-    kinds = set()
-    for node in ast.walk(ast.parse(inspect.getsource(step))):
-        if isinstance(node, ast.Compare) and getattr(node.left, "attr", None) == "transport":
-            kinds |= {v for comparator in node.comparators for v in value(comparator)}
-    return kinds
-
-
 def test_every_transport_has_a_planner_cost():
-    """Each kind's time is modelled in plan/step.py's ``_attention_times`` (tests/test_transport_kind.py runs it for
-    every kind; here: the planner's dispatch names every registered kind and nothing else)."""
-    assert _transports_the_planner_costs() == set(TRANSPORTS)
+    """Each kind's time is modelled by plan/step.py's ``TRANSPORT_COSTS`` (tests/test_transport_kind.py runs it for
+    every kind): its keys are the registered kinds, and nothing else."""
+    from megatron_2d.plan.step import TRANSPORT_COSTS
+
+    assert list(TRANSPORT_COSTS) == list(TRANSPORTS)
+    assert all(isinstance(kind, TransportKind) and callable(cost) for kind, cost in TRANSPORT_COSTS.items())
 
 
 def test_importing_the_package_registers_everything():
