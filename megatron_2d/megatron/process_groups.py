@@ -203,9 +203,10 @@ def build_model_groups(config, pg_collection=None, **overrides) -> Groups2D | No
     this rank as on every other, whether or not this rank builds such a layer (collective over the world; see the
     module docstring for who calls it). Settings: the config's with the layer spec's ``overrides``
     (:func:`.settings.layer_settings`); ``pg_collection``: the model's process-group collection (its CP group and
-    the registry it carries, :func:`registry_of`); without one (or its CP group), megatron's CP group and its registry. Builds nothing
-    (None) before torch.distributed and megatron's parallel state are initialized (a spec made for inspection),
-    or when no layer would build groups (CP > 1 without the "2d" backend: the layers delegate or refuse)."""
+    the registry it carries, :func:`registry_of`); without one (or its CP group), megatron's CP group and its
+    registry. Builds nothing (None) before torch.distributed and megatron's parallel state are initialized (a spec
+    made for inspection), or when no layer would build groups (CP > 1 without the "2d" backend: the layers delegate
+    or refuse)."""
     cp_group = getattr(pg_collection, "cp", None)
     if cp_group is None:
         pg_collection, cp_group = None, _megatron_cp_group()
