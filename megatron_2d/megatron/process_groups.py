@@ -36,6 +36,7 @@ config: :func:`group_registry` keeps its call form and answers the registry of m
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch.distributed as dist
@@ -44,6 +45,8 @@ from ..groups import Groups2D, build_groups_for_layout
 from .dynamic import DynamicGroups, build_dynamic_groups, check_dynamic_config, dynamic_layouts, is_dynamic
 from .fields import fields_2d
 from .settings import Settings2D, layer_settings, uses_2d
+
+logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[GroupRegistry] = weakref.WeakSet()
 _BY_CP_GROUP: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupRegistry] = weakref.WeakKeyDictionary()
@@ -147,7 +150,7 @@ class GroupRegistry:
             layouts = dynamic_layouts(config, len(key[0]))
             self._dynamic[key] = build_dynamic_groups(layouts, _megatron_dp_cp_group())
             if dist.get_rank() == 0:
-                print(f"megatron_2d: {layouts.describe(fields_2d(config).cp_2d_placement)}", flush=True)
+                logger.info("megatron_2d: %s", layouts.describe(fields_2d(config).cp_2d_placement))
         return self._dynamic[key]
 
     def destroy(self) -> None:
