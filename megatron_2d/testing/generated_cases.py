@@ -41,7 +41,6 @@ the allocator happened to hold.
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -51,6 +50,7 @@ import torch._dynamo  # noqa: F401  a dispatch mode imports it on first use: onc
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layout.topology import PLACEMENTS, divisors
+from .distributed import GROUP_TIMEOUT
 from .flash_attn_package import RELEASES
 from .reference import (
     TOLERANCES,
@@ -62,7 +62,6 @@ from .reference import (
     sink_terms,
 )
 
-_TIMEOUT = datetime.timedelta(seconds=60)
 _ATEN = torch.ops.aten
 _EMPTY_OPS = (
     _ATEN.empty.memory_format,
@@ -439,7 +438,7 @@ def run_batch(rank: int, world: int, batch: Batch, draws: Sequence[Draw], expect
     import megatron_2d
 
     groups = megatron_2d.build_2d_groups(
-        batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order], timeout=_TIMEOUT
+        batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order], timeout=GROUP_TIMEOUT
     )
     cp_rank = batch.rank_order.index(rank)
     with cuda_kernels_on_cpu(batch, draws):
