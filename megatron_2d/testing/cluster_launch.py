@@ -1,7 +1,7 @@
 """Ranks on an emulated cluster (:mod:`.emulated_cluster`), launched the two ways (test and benchmark support).
 
 Forked ranks (tests, benchmarks): :func:`run_on_cluster` is :func:`.distributed.run_on_ranks` whose ranks first
-enter their own network namespace; everything else (file store, short timeouts, fail-fast) is the same.
+enter their own network namespace; everything else (file store, group timeouts, hang watchdog, fail-fast) is the same.
 
     with EmulatedCluster(ClusterShape(2, 2, 50, 450)) as cluster:
         results = run_on_cluster(cluster, my_fn, arg)     # my_fn(rank, world_size, arg) in rank's namespace
