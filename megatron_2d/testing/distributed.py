@@ -64,7 +64,7 @@ class _OneGlooDevice(type):
     shared. Instances are torch's own class, so torch's isinstance checks hold."""
 
     real = distributed_c10d.ProcessGroupGloo
-    device = None
+    devices = None
 
     def __instancecheck__(cls, obj):
         return isinstance(obj, cls.real)
@@ -73,11 +73,14 @@ class _OneGlooDevice(type):
         return getattr(cls.real, name)
 
     def __call__(cls, store, rank, size, timeout=GROUP_TIMEOUT):
-        if cls.device is None:
-            cls.device = cls.real.create_default_device()
+        if cls.devices is None:  # as torch picks them: GLOO_SOCKET_IFNAME's interfaces (an emulated node's) or default
+            names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+            interfaces = names.split(",") if len(names) > 1 else []
+            devices = [cls.real.create_device(interface=i) for i in interfaces]
+            cls.devices = devices or [cls.real.create_default_device()]
         options = cls.real._Options()
         options._timeout = timeout
-        options._devices = [cls.device]
+        options._devices = cls.devices
         options._threads = 2  # torch's default
         return cls.real(store, rank, size, options)
 
@@ -98,6 +101,7 @@ def _rank_main(rank, world_size, store_dir, fn, args, kwargs, results, rank_setu
         if rank_setup is not None:
             rank_setup(rank)  # e.g. join the rank's network namespace, before any socket is opened
         torch.set_num_threads(1)
+        _SharedDeviceGloo.devices = None  # made in this rank (after rank_setup), never inherited
         distributed_c10d.ProcessGroupGloo = _SharedDeviceGloo
         dist.init_process_group(
             "gloo",
