@@ -9,6 +9,7 @@ A test that forks ranks without the `distributed` marker fails at once (see _ran
 fast set cannot silently gain a multi-rank test."""
 
 import contextlib
+import gc
 import json
 
 import pytest
@@ -63,6 +64,17 @@ def pytest_runtest_setup(item):  # module-scoped fixtures (e.g. `results`) fork 
 def pytest_runtest_call(item):
     with _ranks_refused_unless_marked(item):
         yield
+
+
+def pytest_collection_finish(session):
+    """What exists once the test modules are imported (torch, megatron, the tests' own tables: ~1 GB of objects that
+    live as long as the session) is moved out of the collector's reach: a full collection then scans only what the
+    tests made since (it scanned the whole heap: about a fifth of `make test-fast`'s time)."""
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # back in the collector's reach for the interpreter's exit (nanobind lists what it did not free)
 
 
 _LEFTOVERS = pytest.StashKey[_leftovers.Session]()

@@ -18,7 +18,7 @@ import megatron_2d
 import megatron_2d.groups
 import megatron_2d.layout.topology
 from megatron_2d.plan import ModelSpec, ParallelSpec, Scheme, evaluate, get_cluster
-from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, RankFailure, run_on_ranks
 from megatron_2d.testing.reference import (
     TOLERANCES,
     norm_err,
@@ -28,7 +28,7 @@ from megatron_2d.testing.reference import (
     rounded,
 )
 
-TIMEOUT = datetime.timedelta(seconds=30)
+TIMEOUT = GROUP_TIMEOUT
 
 # (world, hp, cp, w, placement): every world size, inner-only / outer-only / double rings, head-only and
 # context-only. Where hp = 1 or cp = 1 both placements give the same rank map, so only head_first is listed;
@@ -382,8 +382,8 @@ def run_input_errors(rank, world):
             megatron_2d.attention_2d(*args, groups)
         assert message in str(info.value), (message, str(info.value))
     dist.barrier()  # every rank still reaches collectives after the refusals
-    # new groups inherit the default group's timeout (run_on_ranks gives it 60 s), not torch's 30 min
-    assert megatron_2d.groups.default_group_timeout() == datetime.timedelta(seconds=60)
+    # new groups inherit the default group's timeout (run_on_ranks gives it 10 min), not torch's 30 min
+    assert megatron_2d.groups.default_group_timeout() == datetime.timedelta(minutes=10) == GROUP_TIMEOUT
     return len(cases)
 
 

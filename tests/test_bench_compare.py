@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import megatron_2d
-from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_attention, rel_err
 from megatron_2d_dev import flash_attn_cpu
 from megatron_2d_dev.bench import compare as bench_compare
@@ -546,7 +546,7 @@ def _run_te_rows(rank, world, args, kinds):
     ref = bench_compare.reference_on_rank(*(x.double() for x in full), rank, world)
     out = {}
     for kind, a2a_size in kinds:
-        runner = bench_compare.TEContextParallel(kind, a2a_size, args, world, bench_compare.datetime.timedelta(30))
+        runner = bench_compare.TEContextParallel(kind, a2a_size, args, world, GROUP_TIMEOUT)
         got = runner.from_native(*runner.step(*runner.to_native(*shards)))
         errors = bench_compare.relative_errors(bench_compare.error_parts(got, ref))
         groups = runner.attn.cp_group if isinstance(runner.attn.cp_group, list) else [runner.attn.cp_group]

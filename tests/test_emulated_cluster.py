@@ -10,7 +10,6 @@ the reason; the shape's and the refusal's checks run everywhere.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 import megatron_2d
+from megatron_2d.testing.distributed import GROUP_TIMEOUT
 from megatron_2d.testing.reference import TOLERANCES, reference_attention, rel_err
 from megatron_2d_dev import netns
 from megatron_2d_dev.emulated_cluster import ClusterShape, ClusterShapeError, EmulatedCluster, _tear_down_at_exit
@@ -202,7 +202,7 @@ def _steps(rank, world):
     ref = reference_attention(q.detach(), k.detach(), v.detach(), True, d**-0.5)
     errors = {}
     for hp, w, placement in LAYOUTS:
-        groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=datetime.timedelta(seconds=30))
+        groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=GROUP_TIMEOUT)
         ql, kl, vl = (
             megatron_2d.shard_sequence(x.detach(), rank, world).float().requires_grad_(True) for x in (q, k, v)
         )

@@ -13,7 +13,6 @@ sliding window, GQA, packed documents in both modes through the varlen functions
 from __future__ import annotations
 
 import ast
-import datetime
 import functools
 import inspect
 import itertools
@@ -27,7 +26,7 @@ from megatron_2d.kernels.base import BlockKernel
 from megatron_2d.kernels.flash_attn2 import FlashAttn2Kernel, packed_lse, padded_lse
 from megatron_2d.layout.band import Band
 from megatron_2d.layout.block_calls import BlockCall
-from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, run_on_ranks
 from megatron_2d.testing.reference import (
     FLASH_CONVENTION_CASES,
     TOLERANCES,
@@ -41,7 +40,7 @@ from megatron_2d.testing.reference import (
 from megatron_2d_dev import flash_attn_package as fap
 from megatron_2d_dev.torch_flash_cpu import kernel_on_cpu
 
-TIMEOUT = datetime.timedelta(seconds=60)
+TIMEOUT = GROUP_TIMEOUT
 LOW = (torch.bfloat16, torch.float16)
 
 

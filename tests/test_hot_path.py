@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 
 import pytest
 import torch
 
 import megatron_2d
 from megatron_2d.layout.choices import PACKING_MODES
-from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, RankFailure, run_on_ranks
 from megatron_2d.testing.no_sync import NoHostDataInOp, NoSyncOps
 from megatron_2d.testing.reference import TOLERANCES, reference_attention, rel_err
 
 pytestmark = pytest.mark.distributed
 
-TIMEOUT = datetime.timedelta(seconds=60)
+TIMEOUT = GROUP_TIMEOUT
 
 
 def run_twice_guarded(rank, world, hp, w, window, batch, latent=False):

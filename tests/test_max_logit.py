@@ -6,18 +6,16 @@ Checkpoint++'s replay giving the kept max without reducing again. The generated 
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 
 import megatron_2d
 from megatron_2d.kernels.max_logit import band_max_logit
 from megatron_2d.layout.band import Band
-from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, run_on_ranks
 from megatron_2d.testing.reference import max_logit_reference
 
-TIMEOUT = datetime.timedelta(seconds=60)
+TIMEOUT = GROUP_TIMEOUT
 
 
 def brute_max(q, k, band, scale):

@@ -11,8 +11,6 @@ ring bytes of both stages follow their closed forms, at DeepSeek-V3's dims.
 
 from __future__ import annotations
 
-import datetime
-
 import numpy as np
 import pytest
 import torch
@@ -21,7 +19,7 @@ import torch.distributed as dist
 import megatron_2d
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.base import PaddedValueKernel
-from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, RankFailure, run_on_ranks
 from megatron_2d.testing.reference import (
     TOLERANCES,
     packed_reference_attention,
@@ -31,7 +29,7 @@ from megatron_2d.testing.reference import (
     rounded,
 )
 
-TIMEOUT = datetime.timedelta(seconds=60)
+TIMEOUT = GROUP_TIMEOUT
 DK, DV = 24, 16  # query/key and value head dims of the small cases (192 / 128 scaled down)
 
 # (world, hp, w, placement): head-only, ring-only (inner and outer), 2D with Double-Ring, context_first

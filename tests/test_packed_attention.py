@@ -7,8 +7,6 @@ reference in which each document attends only to itself.
 
 from __future__ import annotations
 
-import datetime
-
 import numpy as np
 import pytest
 import torch
@@ -19,10 +17,10 @@ from megatron_2d.packing.calls import Runs
 from megatron_2d.packing.modes import PackingMode, mode_class, mode_names, register, unregister
 from megatron_2d.packing.sharding import PackingCost, shard_documents, zigzag_slots
 from megatron_2d.packing.views import context_rank_of
-from megatron_2d.testing.distributed import RankFailure, run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, packed_reference_attention, rel_err, rounded
 
-TIMEOUT = datetime.timedelta(seconds=30)
+TIMEOUT = GROUP_TIMEOUT
 
 LENGTHS = {
     "mixed": [1, 37, 200, 5, 64, 3, 90, 400, 11],  # length 1, lengths divisible by nothing

@@ -32,7 +32,7 @@ BASE = [
     *("--position-embedding-type rope --seq-length 128 --max-position-embeddings 128").split(),
     *("--make-vocab-size-divisible-by 64 --micro-batch-size 1 --global-batch-size 4 --lr 1e-3").split(),
     *(f"--train-iters {ITERATIONS} --seed 1234 --attention-dropout 0 --hidden-dropout 0 --log-interval 1").split(),
-    *("--eval-iters 0 --eval-interval 1000 --distributed-timeout-minutes 1").split(),
+    *("--eval-iters 0 --eval-interval 1000 --distributed-timeout-minutes 10").split(),
     *(f"--sft --tokenizer-type SFTTokenizer --sft-tokenizer-prompt-format {PROMPT_FORMAT} --split 100,0,0").split(),
     *("--no-create-attention-mask-in-dataloader --calculate-per-token-loss").split(),
 ]

@@ -81,7 +81,7 @@ TRAIN = [
     "--eval-interval",
     "1000",
     "--distributed-timeout-minutes",
-    "1",
+    "10",
 ]
 BASE = MODEL + TRAIN
 CP4_2D = [

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 
 import megatron_2d
 from megatron_2d.layout.ring_schedule import CHANNEL_OF, CHANNELS, EventKind, double_ring_events, replay
-from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, run_on_ranks
 from megatron_2d.transport.double_ring import DoubleRing
 
-TIMEOUT = datetime.timedelta(seconds=60)
+TIMEOUT = GROUP_TIMEOUT
 
 
 def record_loop(rank, world, hp, w, backward):

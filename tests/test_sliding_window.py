@@ -10,7 +10,6 @@ K/V replication. Bytes sent by the neighbour exchange are checked against a clos
 from __future__ import annotations
 
 import contextlib
-import datetime
 import itertools
 import random
 
@@ -24,11 +23,11 @@ from megatron_2d.kernels.cpu_flash import row_tiles
 from megatron_2d.layout.band import Band, SlidingWindow, flash_expressible
 from megatron_2d.layout.block_calls import block_pair_calls, context_calls, context_chunks
 from megatron_2d.layout.topology import Layout2D
-from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_attention, rel_err
 from megatron_2d_dev.torch_flash_cpu import torch_flash_on_cpu
 
-TIMEOUT = datetime.timedelta(seconds=60)
+TIMEOUT = GROUP_TIMEOUT
 
 
 # ---------------------------------------------------------------------------------------------- pure pieces

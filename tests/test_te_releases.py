@@ -13,7 +13,6 @@ documents, with the max logit) against the fp64 reference, oldest and newest rel
 from __future__ import annotations
 
 import ast
-import datetime
 import itertools
 import sys
 
@@ -25,7 +24,7 @@ from megatron_2d.kernels.merge import merge_attention_
 from megatron_2d.kernels.te_fused import TeFusedKernel
 from megatron_2d.layout.band import Band
 from megatron_2d.layout.block_calls import BlockCall
-from megatron_2d.testing.distributed import run_on_ranks
+from megatron_2d.testing.distributed import GROUP_TIMEOUT, run_on_ranks
 from megatron_2d.testing.reference import (
     TOLERANCES,
     max_logit_reference,
@@ -38,7 +37,7 @@ from megatron_2d.testing.reference import (
 from megatron_2d_dev import te_package as tep
 from megatron_2d_dev.torch_flash_cpu import kernel_on_cpu
 
-TIMEOUT = datetime.timedelta(seconds=60)
+TIMEOUT = GROUP_TIMEOUT
 BF16 = TOLERANCES[torch.bfloat16]
 
 

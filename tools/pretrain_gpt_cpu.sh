@@ -32,7 +32,7 @@ FLAGS+=(
   --tokenizer-type NullTokenizer --vocab-size 128 --make-vocab-size-divisible-by 64
   --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 --train-iters 4 --mock-data --seed 1234
   --attention-dropout 0 --hidden-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 1000
-  --distributed-timeout-minutes 1
+  --distributed-timeout-minutes 10
 )
 if [ -n "$STOCK_CP" ]; then
   FLAGS+=(--bf16 --spec megatron_2d_dev.stock_cp_spec gpt_layer_spec_stock_cp)

@@ -1,7 +1,7 @@
 """Ranks on an emulated cluster (:mod:`.emulated_cluster`), launched the two ways (test and benchmark support).
 
 Forked ranks (tests, benchmarks): :func:`run_on_cluster` is :func:`.distributed.run_on_ranks` whose ranks first
-enter their own network namespace; everything else (file store, short timeouts, fail-fast) is the same.
+enter their own network namespace; everything else (file store, group timeouts, hang watchdog, fail-fast) is the same.
 
     with EmulatedCluster(ClusterShape(2, 2, 50, 450)) as cluster:
         results = run_on_cluster(cluster, my_fn, arg)     # my_fn(rank, world_size, arg) in rank's namespace
@@ -53,12 +53,12 @@ SLURM_GPT = os.path.join(REPO_ROOT, "examples", "launch", "slurm_gpt.sbatch")
 GPT_FLAGS = os.path.join(REPO_ROOT, "examples", "launch", "gpt_flags.sh")
 TINY_GPT = (
     "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 8 --num-query-groups 2 "
-    "--vocab-size 128 --make-vocab-size-divisible-by 64 --lr-warmup-iters 0 --distributed-timeout-minutes 1 "
+    "--vocab-size 128 --make-vocab-size-divisible-by 64 --lr-warmup-iters 0 --distributed-timeout-minutes 10 "
     "--no-bias-swiglu-fusion"
 ).split()
 """Flags that shrink gpt_flags.sh's model to CPU size (later flags win): 2 layers, hidden 64, 8 query heads in 2
-groups, vocabulary 128, no warm-up (a run of one iteration), a one-minute timeout, and no swiglu fusion (on CPU
-its torch.compile takes ~20 s of the first iteration per rank)."""
+groups, vocabulary 128, no warm-up (a run of one iteration), ten-minute group timeouts (for a loaded machine), and no
+swiglu fusion (on CPU its torch.compile takes ~20 s of the first iteration per rank)."""
 
 
 def launch_flags(mode_env: Mapping[str, str], arrays: Sequence[str] = ("MODEL_FLAGS", "TRAIN_FLAGS")) -> list[str]:

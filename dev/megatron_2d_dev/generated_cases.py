@@ -41,7 +41,6 @@ the allocator happened to hold.
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -52,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_2d.layout.choices import DkvCommDtype, Kernel, PackingMode
 from megatron_2d.layout.topology import PLACEMENTS, divisors
+from megatron_2d.testing.distributed import GROUP_TIMEOUT
 from megatron_2d.testing.reference import (
     TOLERANCES,
     max_logit_reference,
@@ -64,7 +64,6 @@ from megatron_2d.testing.reference import (
 
 from .flash_attn_package import RELEASES
 
-_TIMEOUT = datetime.timedelta(seconds=60)
 _ATEN = torch.ops.aten
 _EMPTY_OPS = (
     _ATEN.empty.memory_format,
@@ -444,7 +443,7 @@ def run_batch(rank: int, world: int, batch: Batch, draws: Sequence[Draw], expect
     import megatron_2d
 
     groups = megatron_2d.build_2d_groups(
-        batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order], timeout=_TIMEOUT
+        batch.hp, batch.w, batch.placement, cp_rank_lists=[batch.rank_order], timeout=GROUP_TIMEOUT
     )
     cp_rank = batch.rank_order.index(rank)
     with cuda_kernels_on_cpu(batch, draws):

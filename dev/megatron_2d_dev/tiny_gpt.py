@@ -44,6 +44,7 @@ from megatron_2d.layout.topology import zigzag_chunks
 from megatron_2d.megatron.data import get_batch_on_this_cp_rank_2d
 from megatron_2d.megatron.process_groups import destroy_2d_groups
 from megatron_2d.sequence_sharding import unshard_sequence
+from megatron_2d.testing.distributed import GROUP_TIMEOUT
 from megatron_2d_dev.megatron_cpu import cuda_to_cpu, model_parallel_cpu_manual_seed, shims_installed
 
 Batch = dict[str, torch.Tensor]
@@ -87,7 +88,7 @@ def init_parallel(
             list(hierarchical_context_parallel_sizes) if hierarchical_context_parallel_sizes else None
         ),
         create_gloo_process_groups=False,  # the default backend already is gloo
-        distributed_timeout_minutes=1,
+        distributed_timeout_minutes=round(GROUP_TIMEOUT.total_seconds() / 60),  # the world's: robust under load
         **initialize_kwargs,
     )
     model_parallel_cpu_manual_seed(seed)
