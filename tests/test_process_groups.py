@@ -1,6 +1,5 @@
-"""Who owns the 2D process groups of a Megatron model (the registry its process-group collection carries, its CP
-group's by default; nothing on the config, no module-level cache of groups), and when they are built: at the model's
-construction, with the same collectives on every rank whatever the rank builds."""
+"""Who owns the 2D process groups of a Megatron model (the config that builds it, no module-level cache), and when
+they are built: at the model's construction, with the same collectives on every rank whatever the rank builds."""
 
 from __future__ import annotations
 
@@ -11,13 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from megatron_2d.megatron.process_groups import (
-    GroupRegistry,
-    destroy_2d_groups,
-    group_registry,
-    groups_for,
-    registry_of,
-)
+from megatron_2d.megatron.process_groups import GroupRegistry, destroy_2d_groups, group_registry, groups_for
 from megatron_2d.megatron.settings import Settings2D
 from megatron_2d.testing.distributed import run_on_ranks
 
@@ -25,25 +18,17 @@ pytestmark = pytest.mark.distributed
 
 
 def _ownership(rank, world):
-    from megatron_2d.megatron import TransformerConfig2D
-
     settings = Settings2D(world, 1, 2, "head_first")
-    # two models' process-group collections with equal settings: the first takes its CP group's registry (no CP
-    # group: this rank's world), the second carries its own
-    first, second = SimpleNamespace(cp=None), SimpleNamespace(cp=None, groups_2d=GroupRegistry())
-    a = registry_of(first).groups_for(dist.group.WORLD, settings)
-    b = registry_of(second).groups_for(dist.group.WORLD, settings)
+    first, second = SimpleNamespace(), SimpleNamespace()  # two models' configs with equal settings
+    a = group_registry(first).groups_for(dist.group.WORLD, settings)
+    b = group_registry(second).groups_for(dist.group.WORLD, settings)
     found = {
-        "same_registry_same_groups": registry_of(first).groups_for(dist.group.WORLD, settings) is a,
-        "deepcopy_shares": registry_of(copy.deepcopy(first)) is registry_of(first),
+        "same_registry_same_groups": group_registry(first).groups_for(dist.group.WORLD, settings) is a,
+        "deepcopy_shares": group_registry(copy.deepcopy(first)) is group_registry(first),
         "own_groups": a is not b and a.comm_bytes is not b.comm_bytes,
         "unowned_is_new": groups_for(dist.group.WORLD, settings) is not a,
         "layout_passed_through": a.layout is settings.layout,
-        "registry_type": isinstance(registry_of(first), GroupRegistry),
-        "config_call_form": group_registry(SimpleNamespace()) is registry_of(first),
-        "not_on_the_config": not vars(TransformerConfig2D(num_layers=1, hidden_size=8, num_attention_heads=2)).get(
-            "_megatron_2d_group_registry"
-        ),
+        "registry_type": isinstance(group_registry(first), GroupRegistry),
     }
     live = dist.distributed_c10d._world.pg_map
     destroy_2d_groups(first)  # only the first model's groups
@@ -57,7 +42,7 @@ def _ownership(rank, world):
     return found
 
 
-def test_each_model_collection_owns_its_groups_and_byte_counter():
+def test_each_model_config_owns_its_groups_and_byte_counter():
     for found in run_on_ranks(2, _ownership):
         assert all(found.values()), found
 

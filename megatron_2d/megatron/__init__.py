@@ -14,7 +14,7 @@ loaded on first use: their modules build the ready specs when imported.
 from .config import MLATransformerConfig2D, TransformerConfig2D
 from .core_attention import CoreAttention2D
 from .hybrid_zero import HybridZeRO, model_state_bytes_per_rank
-from .process_groups import GroupRegistry, destroy_2d_groups, group_registry, groups_for, registry_of
+from .process_groups import GroupRegistry, destroy_2d_groups, group_registry, groups_for
 from .settings import BACKEND_NAME, Settings2D, settings_from_config, validate_2d_settings
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "group_registry",
     "gpt_layer_spec_2d",
     "groups_for",
-    "registry_of",
     "settings_from_config",
     "validate_2d_settings",
 ]

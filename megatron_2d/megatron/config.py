@@ -13,6 +13,7 @@ from .dynamic import check_dynamic_config, given_layouts, is_dynamic
 from .fields import NEEDS_2D, NEEDS_CHECKPOINT_PLUS, NEEDS_HYBRID, Fields2D, check_values, ignored_settings
 from .launch_checks import documents_layout_problem
 from .mla import check_mla_settings
+from .process_groups import group_registry
 from .settings import layer_comm_types, settings_from_config, uses_2d
 
 
@@ -21,6 +22,7 @@ class Checked2D(Fields2D):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        group_registry(self)  # the model's 2D groups live here; Megatron's per-layer config copies share them
         if self.selective_checkpoint_plus_plus:
             problem = check_checkpoint_plus_config(self)
             if problem:

@@ -48,7 +48,7 @@ from .checkpoint_plus import AttentionKeeper
 from .dynamic import check_dynamic_config, is_dynamic
 from .fields import fields_2d
 from .launch_checks import check_current_launch, packing_mode
-from .process_groups import registry_of
+from .process_groups import group_registry
 from .settings import BACKEND_NAME, layer_comm_types, layer_settings, uses_2d
 
 SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
@@ -166,7 +166,7 @@ class CoreAttention2D(MegatronModule):
         if is_dynamic(config):  # hybrid CP: each micro-batch brings its group, run with its size's layout
             self._check_dynamic_layer(config, attn_mask_type, head_parallel_size, inner_ring_size, placement)
             self.settings = None
-            self.dynamic = registry_of(pg_collection).dynamic_for(config)
+            self.dynamic = group_registry(config).dynamic_for(config)
             self.groups = self.dynamic.static_groups(pg_collection.cp)  # batches without local_cp_size (or None)
         else:
             # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
@@ -177,7 +177,7 @@ class CoreAttention2D(MegatronModule):
                 inner_ring_size=inner_ring_size,
                 placement=placement,
             )
-            self.groups = registry_of(pg_collection).groups_for(pg_collection.cp, self.settings)  # carried by it
+            self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
         self.packing = packing_mode(config)  # the layout THD batches come in (config and launch)
         fields = fields_2d(config)  # Selective Checkpoint++: fields of TransformerConfig2D, validated there
         self.keeper = (

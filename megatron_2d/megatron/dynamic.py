@@ -13,8 +13,8 @@ Engine runs every such group as one flat ring. The 2d backend runs each size wit
     :data:`RULE_CLUSTER` preset) for the others. The choice is printed once at launch, as the flag that pins it.
   * **groups** (:func:`build_dynamic_groups`, collective over the world): at the model's construction, on every rank,
     the 2D groups (:class:`megatron_2d.Groups2D`) of every slice of every size, with that size's layout; g = 1 is the
-    one-rank layout (no process group: plain attention, no collective). They live in the
-    :class:`.process_groups.GroupRegistry` the model's process-group collection carries, as the static CP groups do.
+    one-rank layout (no process group: plain attention, no collective). They live in the model config's
+    :class:`.process_groups.GroupRegistry`, as the static CP groups do.
   * **per call** (:meth:`DynamicGroups.for_batch`): the micro-batch's ``local_cp_size`` and ``cp_group`` pick this
     rank's groups of that size, checked against the slice they were built for (a group that is not one of
     Megatron's hybrid groups is refused). The 2d layer spec's self attention

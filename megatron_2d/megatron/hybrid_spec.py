@@ -98,7 +98,8 @@ class HybridStack2D(HybridStack):
         check_hybrid_layers(config, "".join(kwargs.get("layer_type_list") or []), expand)
         core_attention = core_attention_spec(submodules)
         if core_attention is not None:
-            build_model_groups(config, kwargs.get("pg_collection"), **core_attention.params)
+            pg_collection = kwargs.get("pg_collection")
+            build_model_groups(config, getattr(pg_collection, "cp", None), **core_attention.params)
             if packing_mode(config) == PackingMode.SEQUENCE:
                 submodules = per_sequence_attention(submodules)
         super().__init__(config, submodules, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""2D process groups for Megatron's CP groups, carried to the layers by Megatron's process-group collection.
+"""2D process groups for Megatron's CP groups, owned by the model configuration that builds them.
 
 When they are built. Building them is collective over the whole world: every rank gathers every CP group's ranks,
 checks that all ranks ask for the same layout and creates every group in the same order. A pipeline stage that holds
@@ -13,25 +13,24 @@ builds: :func:`build_model_groups`, called by
     or with ``--spec``, examples/pretrain_gpt_2d.py): Megatron's GPT builder calls them on every rank, once per
     virtual pipeline stage.
 
-Models built twice, and virtual pipeline stages, find them built (one set per CP group and settings, the same
-decision on every rank). A model built without either (layers from a hand-made ModuleSpec of CoreAttention2D, or the
-ready ``GPT_LAYER_SPEC_2D``, which Megatron does not call) builds them at its first 2d layer, which is safe only when
-every rank builds one; once a model's construction has built its groups, a layer asking for others is refused
-(building them then would leave the ranks without that layer behind). Nothing is built in forward, nor by the launch
-checks (on the patched routes those run before torch.distributed is initialized).
+Models built twice from one config, and virtual pipeline stages, find them built (one set per CP group and settings,
+the same decision on every rank). Each CoreAttention2D then takes its groups from the registry. A model built
+without either (layers from a hand-made ModuleSpec of CoreAttention2D, or the ready ``GPT_LAYER_SPEC_2D``, which
+Megatron does not call) builds them at its first 2d layer, which is safe only when every rank builds one; once a
+model's construction has built its groups, a layer asking for others is refused (building them then would leave the
+ranks without that layer behind). Nothing is built in forward, nor by the launch checks: on the patched routes those
+run before torch.distributed is initialized, and the groups belong to the model's config, which they do not see.
 
 Hybrid (dynamic) CP (:mod:`.dynamic`): the same registry builds, at the same moment, the 2D groups of every CP group
 size and slice of the DP x CP groups (:meth:`GroupRegistry.build_dynamic`), one set per (DP x CP group, layouts).
 
-Ownership. The 2D groups refine a CP group, as Megatron's hierarchical CP groups (``pg_collection.hcp``) do, so a
-:class:`GroupRegistry` belongs to the CP group it cuts (:func:`registry_of_cp_group`: one per live CP group object,
-held weakly, gone with the group) and Megatron's process-group collection carries it to the layers: CoreAttention2D
-and ``HybridStack2D`` take the registry of ``pg_collection.groups_2d`` (:data:`PG_ATTRIBUTE`) when the collection
-carries one, else their CP group's, which they attach there (:func:`registry_of`), as Megatron's ``get_model``
-attaches its all-gather groups (``pg_collection.dp_cp_ag``). A model whose groups must stay apart from another's
-(its own byte counter) is given a collection that carries its own ``GroupRegistry()``; the GPT spec functions, which
-run before Megatron makes the collection, build into the registry of megatron's CP group. Nothing lives on the model's
-config: :func:`group_registry` keeps its call form and answers the registry of megatron's CP group.
+Ownership: a :class:`GroupRegistry` holds the groups one model builds, one set per (CP group, settings). It lives
+on the model's TransformerConfig (``group_registry(config)``), so the layers of one model share their groups and
+their byte counter, and two models built from two configs get their own groups and counters even when their
+settings are equal. Models built from one config instance share them knowingly (they are one model's layers as
+far as the config can tell); a deep copy of the config (Megatron makes one per layer in some GQA x TP cases) keeps
+the same registry. Nothing is cached at module level: the only module state is a weak set of the live registries,
+for :func:`destroy_2d_groups` with no argument.
 """
 
 from __future__ import annotations
@@ -49,9 +48,7 @@ from .settings import Settings2D, layer_settings, uses_2d
 logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[GroupRegistry] = weakref.WeakSet()
-_BY_CP_GROUP: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupRegistry] = weakref.WeakKeyDictionary()
-PG_ATTRIBUTE = "groups_2d"
-"""The attribute of Megatron's ProcessGroupCollection that carries the model's :class:`GroupRegistry`."""
+_ATTRIBUTE = "_megatron_2d_group_registry"
 
 
 def all_cp_rank_lists(cp_group: dist.ProcessGroup | None) -> list[list[int]]:
@@ -81,7 +78,7 @@ class GroupRegistry:
         _LIVE.add(self)
 
     def __deepcopy__(self, memo) -> GroupRegistry:
-        return self  # a copied collection belongs to the same model: same groups, same byte counter
+        return self  # a copied config belongs to the same model: same groups, same byte counter
 
     def build(self, cp_group: dist.ProcessGroup | None, settings: Settings2D) -> Groups2D:
         """This rank's 2D groups inside ``cp_group`` for ``settings``, built unless they are (collective: every
@@ -163,32 +160,14 @@ class GroupRegistry:
         self._dynamic.clear()
 
 
-def registry_of_cp_group(cp_group: dist.ProcessGroup | None) -> GroupRegistry:
-    """The registry of the 2D groups that refine ``cp_group`` (made on first use; None: this rank alone, whose
-    registry is the world group's)."""
-    key = cp_group if cp_group is not None else dist.group.WORLD
-    registry = _BY_CP_GROUP.get(key)
+def group_registry(config) -> GroupRegistry:
+    """The registry of the model ``config`` configures (made on first use; TransformerConfig2D makes it when built,
+    so that per-layer deep copies of the config share it)."""
+    registry = getattr(config, _ATTRIBUTE, None)
     if registry is None:
-        registry = _BY_CP_GROUP[key] = GroupRegistry()
+        registry = GroupRegistry()
+        setattr(config, _ATTRIBUTE, registry)
     return registry
-
-
-def registry_of(pg_collection) -> GroupRegistry:
-    """The registry a model's layers take their 2D groups from: the one ``pg_collection`` (Megatron's
-    ProcessGroupCollection) carries as ``groups_2d``, else its CP group's, attached there."""
-    registry = getattr(pg_collection, PG_ATTRIBUTE, None)
-    if registry is None:
-        registry = registry_of_cp_group(getattr(pg_collection, "cp", None))
-        setattr(pg_collection, PG_ATTRIBUTE, registry)
-    elif not isinstance(registry, GroupRegistry):
-        raise TypeError(f"pg_collection.{PG_ATTRIBUTE} is {type(registry).__name__}, not a megatron_2d GroupRegistry")
-    return registry
-
-
-def group_registry(config=None) -> GroupRegistry:
-    """The registry of megatron's CP group (the world's before megatron's parallel state is initialized). ``config``
-    is accepted for the former call form: the groups no longer live on the model's config."""
-    return registry_of_cp_group(_megatron_cp_group())
 
 
 def groups_for(
@@ -201,28 +180,24 @@ def groups_for(
     return registry.groups_for(cp_group, settings)
 
 
-def build_model_groups(config, pg_collection=None, **overrides) -> Groups2D | None:
+def build_model_groups(config, cp_group: dist.ProcessGroup | None = None, **overrides) -> Groups2D | None:
     """Build the 2D groups that the 2d core attention layers of the model ``config`` configures will ask for, on
     this rank as on every other, whether or not this rank builds such a layer (collective over the world; see the
     module docstring for who calls it). Settings: the config's with the layer spec's ``overrides``
-    (:func:`.settings.layer_settings`); ``pg_collection``: the model's process-group collection (its CP group and
-    the registry it carries, :func:`registry_of`); without one (or its CP group), megatron's CP group and its
-    registry. Builds nothing (None) before torch.distributed and megatron's parallel state are initialized (a spec
-    made for inspection), or when no layer would build groups (CP > 1 without the "2d" backend: the layers delegate
-    or refuse)."""
-    cp_group = getattr(pg_collection, "cp", None)
+    (:func:`.settings.layer_settings`); ``cp_group``: the layers' CP group, megatron's by default. Builds nothing
+    (None) before torch.distributed and megatron's parallel state are initialized (a spec made for inspection),
+    or when no layer would build groups (CP > 1 without the "2d" backend: the layers delegate or refuse)."""
     if cp_group is None:
-        pg_collection, cp_group = None, _megatron_cp_group()
+        cp_group = _megatron_cp_group()
         if cp_group is None:
             return None
     cp_size = dist.get_world_size(cp_group)
     if cp_size > 1 and not uses_2d(config.cp_comm_type):
         return None
-    registry = registry_of_cp_group(cp_group) if pg_collection is None else registry_of(pg_collection)
     if is_dynamic(config):  # hybrid CP: every group size's groups; the layers check their settings
         check_dynamic_config(config)
-        return registry.build_dynamic(config).static_groups(cp_group)
-    return registry.build(cp_group, layer_settings(config, cp_size, **overrides))
+        return group_registry(config).build_dynamic(config).static_groups(cp_group)
+    return group_registry(config).build(cp_group, layer_settings(config, cp_size, **overrides))
 
 
 def _megatron_cp_group() -> dist.ProcessGroup | None:
@@ -244,17 +219,13 @@ def _megatron_dp_cp_group() -> dist.ProcessGroup | None:
 
 
 def destroy_2d_groups(owner=None) -> None:
-    """Destroy 2D groups (call with megatron's destroy_model_parallel): those of ``owner`` (a GroupRegistry, a
-    ProcessGroupCollection or a module with ``.pg_collection``, whose registry it carries; a model config: megatron's
-    CP group's), or, with no argument, those of every live registry."""
-    owner = getattr(owner, "pg_collection", owner)
+    """Destroy 2D groups (call with megatron's destroy_model_parallel): those of ``owner`` (a GroupRegistry, a model
+    config, or a module with ``.config``), or, with no argument, those of every live registry."""
     if owner is None:
         registries = list(_LIVE)
     elif isinstance(owner, GroupRegistry):
         registries = [owner]
-    elif isinstance(getattr(owner, PG_ATTRIBUTE, None), GroupRegistry):
-        registries = [getattr(owner, PG_ATTRIBUTE)]
     else:
-        registries = [group_registry(owner)]
+        registries = [group_registry(getattr(owner, "config", owner))]
     for registry in registries:
         registry.destroy()
