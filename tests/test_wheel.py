@@ -18,9 +18,12 @@ REPO = Path(__file__).resolve().parent.parent
 SHIPPED = ("pyproject.toml", "README.md", "megatron_2d", "dev")  # what the build reads, and dev/ to show it is left out
 # The library's deliberate hooks into megatron.training, each set by a call that Megatron-LM's patched entry scripts
 # make after parsing (docs/megatron.md), never at import (tests/test_no_patching_at_import.py): the 2d backend's
-# argument validation, swapped in for the one parse and restored, and its QK-clip step. Nothing else may patch.
+# argument validation, swapped in for the one parse and restored, and its QK-clip step. And one in the shipped test
+# support: a rank forked by run_on_ranks (its own process, never the caller's) makes its gloo groups share one device
+# (testing/distributed.py, _rank_main). Nothing else may patch.
 MEGATRON_HOOKS = {
     "megatron_2d/megatron/arguments.py": {"arguments.validate_args assigned", "training.clip_qk assigned"},
+    "megatron_2d/testing/distributed.py": {"distributed_c10d.ProcessGroupGloo assigned"},
 }
 
 
