@@ -206,4 +206,18 @@ def _build(
     place = places[rank]
     warm_up_p2p(groups.context_kv_group, place.context_group, place.context_rank)
     warm_up_p2p(groups.context_dkv_group, place.context_group, place.context_rank)
+    settle_gloo_connections(groups.process_groups())
     return groups
+
+
+def settle_gloo_connections(groups: Sequence[dist.ProcessGroup]) -> None:
+    """Wait until every rank has created its groups, when they are gloo's (``groups``: this rank's, the same kinds
+    and backend on every rank; called on every rank of the world, as the groups' creation is).
+
+    Creating a gloo group returns on a rank once its own side of each pair is connected; the peer may still be reading
+    the handshake. A rank that went on and destroyed the group (a teardown or layout switch right after a build) closed
+    the socket under it, and the peer's creation failed ("Connection closed by peer" in connectFullMesh). One barrier
+    on the world, the same collective on every rank, closes that window. NCCL groups connect at first use
+    (:func:`warm_up_p2p`) and need none."""
+    if any(traffic_backend(group) == "gloo" for group in groups):
+        dist.barrier()

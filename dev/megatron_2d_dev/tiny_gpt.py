@@ -100,6 +100,7 @@ def _destroy_subgroups() -> None:
     destroy_model_parallel() only drops megatron's references; the gloo groups (and their threads) stay alive,
     and a fork that switches layouts many times slows down by orders of magnitude without this.
     """
+    dist.barrier()  # every rank done creating its groups: a peer may still be connecting one (groups.settle_gloo_connections)
     destroy_2d_groups()
     world = dist.distributed_c10d._world
     default = dist.distributed_c10d._get_default_group()
