@@ -95,18 +95,14 @@ def init_parallel(
 
 
 def _destroy_subgroups() -> None:
-    """Destroy every process group but the default one (megatron's and the 2D groups).
+    """Drop the previous layout: its 2D groups are destroyed (:func:`destroy_2d_groups`); Megatron's groups, which
+    destroy_model_parallel() only forgets, are left to the rank's exit.
 
-    destroy_model_parallel() only drops megatron's references; the gloo groups (and their threads) stay alive,
-    and a fork that switches layouts many times slows down by orders of magnitude without this.
+    Destroying a gloo group waits a tick of the device's event loop (~10 ms) per connected peer, and a layout has
+    dozens of Megatron groups; left alive they cost nothing, as the forked ranks' groups share one gloo device
+    (megatron_2d.testing.distributed: their idle threads wait on a condition, the device's one loop serves them all).
     """
-    dist.barrier()  # every rank done creating its groups: a peer may still be connecting one (groups.settle_gloo_connections)
     destroy_2d_groups()
-    world = dist.distributed_c10d._world
-    default = dist.distributed_c10d._get_default_group()
-    for group in list(world.pg_map):
-        if group is not default and group is not None:
-            dist.destroy_process_group(group)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -114,7 +114,8 @@ def _rank_main(rank, world_size, store_dir, fn, args, kwargs, results, rank_setu
         dist.barrier()
         # Plain pickle: tensors would otherwise travel as shared-memory handles that die with the rank.
         results.put((rank, True, pickle.dumps(value), time.monotonic()))
-        dist.destroy_process_group()
+        # No destroy_process_group(): the rank exits with its groups. Destroying a gloo group waits a tick of the
+        # device's event loop (~10 ms) per connected peer; a rank of a Megatron test holds hundreds of groups.
     except BaseException:  # report everything, including assertion errors, then die at once
         results.put((rank, False, traceback.format_exc(), time.monotonic()))
         results.close()
