@@ -63,9 +63,13 @@ def _deadlock(rank, world):
 
 def test_a_hung_world_fails_when_no_rank_uses_cpu():
     """Both ranks wait for each other (their groups would wait GROUP_TIMEOUT): the parent sees no CPU used for
-    timeout_s and fails the world."""
-    with pytest.raises(RankFailure, match=r"^hung: no rank of 2 used CPU for 3 s \(ranks done: \[\]\)"):
+    timeout_s and fails the world, with each rank's Python stack."""
+    with pytest.raises(RankFailure, match=r"^hung: no rank of 2 used CPU for 3 s \(ranks done: \[\]\)") as failure:
         run_on_ranks(2, _deadlock, timeout_s=3)
+    # and says where each rank waits: its threads' Python stacks
+    for rank in (0, 1):
+        stacks = str(failure.value).split(f"rank {rank}'s threads:\n")[1]
+        assert "in _deadlock" in stacks.split("rank ")[0], str(failure.value)
 
 
 def _busy_while_peer_waits(rank, world, cpu_seconds):

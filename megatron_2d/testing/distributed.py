@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -46,6 +47,9 @@ about 0.1% with one gloo device per rank, a world at a load of 100 on 2 cores ge
 
 _LIVELOCK_FACTOR = 20
 """A world still running after this many times ``timeout_s`` is stopped even while it uses CPU (a livelock)."""
+
+_STACKS_SIGNAL = signal.SIGUSR1
+"""Asks a rank for its threads' Python stacks (faulthandler), for the report of a hung world."""
 
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ECONNRESET", "EPIPE")
 """What a rank's error says when it only saw another rank go away: reported after the root cause."""
@@ -97,6 +101,7 @@ def _rank_main(rank, world_size, store_dir, store_port, fn, args, kwargs, result
     # A rank killed by a signal (an abort in gloo, a segfault) leaves its Python stack here for the parent's report.
     crash_log = open(os.path.join(store_dir, f"rank{rank}.crash"), "w")  # noqa: SIM115 (open until os._exit)
     faulthandler.enable(file=crash_log, all_threads=False)
+    faulthandler.register(_STACKS_SIGNAL, file=crash_log, all_threads=True)  # a hung world's report asks for them
     try:
         if rank_setup is not None:
             rank_setup(rank)  # e.g. join the rank's network namespace, before any socket is opened
@@ -237,10 +242,12 @@ def run_on_ranks(
                 elif now - progress_at > timeout_s:
                     raise RankFailure(
                         f"hung: no rank of {world_size} used CPU for {timeout_s:.0f} s (ranks done: {sorted(values)})"
+                        + _stacks(procs, store_dir, values)
                     )
                 if now - start > _LIVELOCK_FACTOR * timeout_s:
                     raise RankFailure(
                         f"still running after {now - start:.0f} s (ranks done: {sorted(values)}): a livelock?"
+                        + _stacks(procs, store_dir, values)
                     )
                 continue
             rank, ok, value, at = report
@@ -263,6 +270,18 @@ def run_on_ranks(
         torch.set_num_threads(saved_threads)
         del server  # stops serving
         shutil.rmtree(store_dir, ignore_errors=True)  # the store file and anything else the ranks left in it
+
+
+def _stacks(procs, store_dir: str, values: dict) -> str:
+    """The Python stacks of the ranks still running (what each waits in), dumped by faulthandler on a signal."""
+    running = [i for i, p in enumerate(procs) if i not in values and p.exitcode is None]
+    for i in running:
+        try:
+            os.kill(procs[i].pid, _STACKS_SIGNAL)
+        except ProcessLookupError:
+            continue
+    time.sleep(1.0)  # the dump is written by the rank's signal handler
+    return "".join(f"\nrank {i}'s threads:\n{_crash_log(store_dir, i) or '(none written)'}" for i in running)
 
 
 def _collect_failures(procs, results, store_dir: str, values: dict, reported: set[int]) -> list[_Failure]:
