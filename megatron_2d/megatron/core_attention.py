@@ -156,7 +156,7 @@ class CoreAttention2D(MegatronModule):
             )
             return
         check_attention_settings(config)
-        check_current_launch()  # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
+        check_current_launch(config)  # the stock scripts' spec routes, the ready GPT_LAYER_SPEC_2D included
         check_dynamic_config(config)
         if attention_type != "self":
             raise ValueError(f"the 2d backend supports self attention only, got attention_type {attention_type!r}")

@@ -95,7 +95,7 @@ class HybridStack2D(HybridStack):
     def __init__(self, config, submodules, *args, **kwargs) -> None:
         mixer = getattr(getattr(submodules.mamba_layer, "submodules", None), "mixer", None)
         expand = getattr(mixer, "params", {}).get("expand", MAMBA_EXPAND)
-        check_current_launch()
+        check_current_launch(config)
         check_hybrid_layers(config, "".join(kwargs.get("layer_type_list") or []), expand)
         core_attention = core_attention_spec(submodules)
         if core_attention is not None:

@@ -206,8 +206,8 @@ def gpt_layer_spec_2d(config=None, vp_stage: int | None = None) -> LayerSpec:
 
     The unpatched pretrain_gpt.py reaches the library only here, so the launch is checked here, on every rank before
     the model is built: the command line (:mod:`.launch_checks`) and, under CP > 1 with "2d", the 2D settings."""
-    check_current_launch()
     t = transformer_config_of(config)
+    check_current_launch(t)
     if t is not None and is_dynamic(t) and uses_2d(t.cp_comm_type):
         check_dynamic_config(t)  # each CP group size's layout is chosen when the groups are built
         given_layouts(t)
