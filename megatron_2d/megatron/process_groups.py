@@ -1,4 +1,4 @@
-"""2D process groups for Megatron's CP groups, owned by the model configuration that builds them.
+"""2D process groups for Megatron's CP groups, owned by the model that builds them and handed to its layers.
 
 When they are built. Building them is collective over the whole world: every rank gathers every CP group's ranks,
 checks that all ranks ask for the same layout and creates every group in the same order. A pipeline stage that holds
