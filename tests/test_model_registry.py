@@ -50,3 +50,51 @@ def test_destroying_a_modules_groups_reaches_the_registries_its_layers_hold():
     destroy_2d_groups(model)
     assert (held.destroyed, other.destroyed) == (1, 0)
     assert isinstance(own, GroupRegistry)
+
+
+def _layers_take_the_handed_registry(rank, world):
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron_2d_dev import tiny_gpt as tg
+
+    from megatron_2d.megatron import TransformerConfig2D
+    from megatron_2d.megatron.core_attention import CoreAttention2D
+
+    tg.init_parallel(context_parallel_size=2)
+    cfg = tg.TinyGPTConfig(config_class=TransformerConfig2D, cp_comm_type="2d")
+    cfg.config_overrides = dict(cp_2d_head_parallel_size=2)
+    config = tg.make_transformer_config(cfg)
+    cp = parallel_state.get_context_parallel_group()
+
+    def layer(pg_collection, **params):
+        return CoreAttention2D(
+            config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, pg_collection=pg_collection, **params
+        )
+
+    given, carried = GroupRegistry(), GroupRegistry()
+    by_spec = layer(ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"]), groups_2d=given)
+    collection = ProcessGroupCollection.use_mpu_process_groups(["tp", "cp"])
+    collection.groups_2d = carried
+    by_collection = layer(collection)
+    found = {
+        "spec's": by_spec.groups_2d is given and by_spec.groups is given.groups_for(cp, by_spec.settings),
+        "collection's": by_collection.groups_2d is carried
+        and by_collection.groups is carried.groups_for(cp, by_collection.settings),
+        "own groups": by_spec.groups is not by_collection.groups,
+    }
+    destroy_2d_groups(given)
+    destroy_2d_groups(carried)
+    found["config's registry untouched"] = not group_registry(config)._built
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_a_layer_takes_its_groups_from_the_registry_it_is_handed():
+    """CP 2: a CoreAttention2D handed a registry by its spec (groups_2d) or by its ProcessGroupCollection builds its
+    groups there (first use), not in its config's registry."""
+    from megatron_2d.testing.distributed import run_on_ranks
+
+    for found in run_on_ranks(2, _layers_take_the_handed_registry):
+        assert all(found.values()), found
