@@ -750,3 +750,32 @@ def test_hybrid_refuses_rope_fusion_and_mla():
     ]:
         problems = dynamic_config_problems(SimpleNamespace(**{**ok, **change}))
         assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_the_entry_hands_the_launch_to_the_layers_on_the_config(parse, parse_2d, monkeypatch):
+    """The patched entries build the config from the launch's arguments: it carries the launch's packing flags and
+    says that the launch was checked (LaunchFields), so the spec and the layers read no global arguments; a launch
+    whose loop keeps megatron-core's clip step where it fails leaves the layers to check (and refuse) it."""
+    from megatron.core.optimizer.qk_clip import clip_qk as megatron_clip_qk
+    from megatron.training import training
+
+    from megatron_2d.megatron import launch_checks
+    from megatron_2d.megatron.per_sequence import SelfAttention2D
+
+    args = parse("--context-parallel-size", "8", *TWO_D, "--dataloader-inter-document-masking")
+    config = gpt_config_from_args_2d(args).transformer
+    assert (config.dataloader_inter_document_masking, config.sft, config.launch_checked) == (True, False, True)
+
+    def no_read():
+        raise AssertionError("megatron.training's global arguments were read")
+
+    reader = launch_checks.current_launch_args
+    monkeypatch.setattr(launch_checks, "current_launch_args", no_read)
+    assert launch_checks.packing_mode(config) == "sequence"
+    launch_checks.check_current_launch(config)
+    assert gpt_layer_spec_2d(config).submodules.self_attention.module is SelfAttention2D
+    monkeypatch.setattr(launch_checks, "current_launch_args", reader)
+
+    monkeypatch.setattr(training, "clip_qk", megatron_clip_qk)
+    qk_args = parse_2d(*QK_CLIP_2D, "--qk-clip")  # an fp32 model: megatron-core's clip step fails on it
+    assert not gpt_config_from_args_2d(qk_args).transformer.launch_checked

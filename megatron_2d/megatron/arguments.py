@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 from .fields import flag, flag_options, table
-from .launch_checks import check_launch_args
+from .launch_checks import LaunchFields, check_launch_args, qk_clip_step_problem
 from .settings import BACKEND_NAME, layer_comm_types, uses_2d
 
 SPEC = ["megatron_2d.megatron.spec", "gpt_layer_spec_2d"]
@@ -102,7 +102,7 @@ def use_clip_qk_2d(args: argparse.Namespace) -> None:
 
 def transformer_config_from_args_2d(args: argparse.Namespace):
     """TransformerConfig2D (MLATransformerConfig2D with --multi-latent-attention) from parsed args (validated on
-    construction)."""
+    construction), carrying the launch's packing flags (:class:`.launch_checks.LaunchFields`)."""
     import dataclasses
 
     from megatron.training.arguments import core_transformer_config_from_args
@@ -115,17 +115,22 @@ def transformer_config_from_args_2d(args: argparse.Namespace):
     # megatron.training builds its own MLATransformerConfig for --multi-latent-attention whatever class it is
     # given: rebuild it with the 2D fields (from the same args)
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values.update({f.name: getattr(args, f.name) for f, _ in table() if hasattr(args, f.name)})
+    given = [f for f, _ in table()] + list(dataclasses.fields(LaunchFields))
+    values.update({f.name: getattr(args, f.name) for f in given if hasattr(args, f.name)})
     return MLATransformerConfig2D(**values)
 
 
 def _model_config_from_args_2d(args: argparse.Namespace, default_spec, model_config_from_args):
-    """Megatron's ``*_config_from_args`` with TransformerConfig2D, after the launch checks; ``default_spec`` when
-    "2d" is selected and no --spec was given."""
+    """Megatron's ``*_config_from_args`` with TransformerConfig2D, after the launch checks (which the config then
+    says it had, so that its layers do not read the launch again, :class:`.launch_checks.LaunchFields`, unless the
+    loop's clip step does not fit the launch: the layers refuse it, as on the ``--spec`` route); ``default_spec``
+    when "2d" is selected and no --spec was given."""
     check_launch_args(args)
     if uses_2d(args.cp_comm_type) and args.spec is None:
         args.spec = list(default_spec)
-    return model_config_from_args(args, config=transformer_config_from_args_2d(args))
+    config = transformer_config_from_args_2d(args)
+    config.launch_checked = qk_clip_step_problem(args) is None
+    return model_config_from_args(args, config=config)
 
 
 def gpt_config_from_args_2d(args: argparse.Namespace):

@@ -11,14 +11,15 @@ from .attention_settings import check_attention_settings
 from .checkpoint_plus import check_checkpoint_plus_config
 from .dynamic import check_dynamic_config, given_layouts, is_dynamic
 from .fields import NEEDS_2D, NEEDS_CHECKPOINT_PLUS, NEEDS_HYBRID, Fields2D, check_values, ignored_settings
-from .launch_checks import documents_layout_problem
+from .launch_checks import LaunchFields, documents_layout_problem
 from .mla import check_mla_settings
 from .process_groups import group_registry
 from .settings import layer_comm_types, settings_from_config, uses_2d
 
 
-class Checked2D(Fields2D):
-    """The 2D settings of :mod:`.fields`' table, checked when a config is built (mixed in with it)."""
+class Checked2D(Fields2D, LaunchFields):
+    """The 2D settings of :mod:`.fields`' table, checked when a config is built (mixed in with it), and what the
+    layers need of the launch (:class:`.launch_checks.LaunchFields`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -48,7 +48,7 @@ from .checkpoint_plus import AttentionKeeper
 from .dynamic import check_dynamic_config, is_dynamic
 from .fields import fields_2d
 from .launch_checks import check_current_launch, packing_mode
-from .process_groups import group_registry
+from .process_groups import GroupRegistry, model_registry
 from .settings import BACKEND_NAME, layer_comm_types, layer_settings, uses_2d
 
 SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
@@ -97,10 +97,12 @@ class CoreAttention2D(MegatronModule):
     """2D-Attention (head all-to-all x Double-Ring zigzag ring) as Megatron's core attention.
 
     Extra spec params (override the config's ``cp_2d_*`` fields): head_parallel_size, inner_ring_size, placement, and
-    kernel (a :mod:`megatron_2d.kernels` name; the config's
-    cp_2d_kernel when None, chosen by device when that is None too). Megatron's sliding window
-    (config.window_size, window_attn_skip_freq) and softmax_type ("off-by-one", "learnable": attention sinks,
-    parameter ``softmax_offset``) are honoured.
+    kernel (a :mod:`megatron_2d.kernels` name; the config's cp_2d_kernel when None, chosen by device when that is None
+    too). ``groups_2d``: the model's :class:`~megatron_2d.megatron.process_groups.GroupRegistry`, which the spec
+    functions and HybridStack2D hand over with the groups they built (else ``pg_collection.groups_2d``, else the
+    config's: :func:`~megatron_2d.megatron.process_groups.model_registry`); the layer keeps it as ``groups_2d``.
+    Megatron's sliding window (config.window_size, window_attn_skip_freq) and softmax_type ("off-by-one", "learnable":
+    attention sinks, parameter ``softmax_offset``) are honoured.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class CoreAttention2D(MegatronModule):
         inner_ring_size: int | None = None,
         placement: str | None = None,
         kernel: str | None = None,
+        groups_2d: GroupRegistry | None = None,
     ) -> None:
         super().__init__(config=config)
         self.v_channels = v_channels  # MLA's value head dim (its query/key head dim is k_channels)
@@ -153,7 +156,7 @@ class CoreAttention2D(MegatronModule):
             )
             return
         check_attention_settings(config)
-        check_current_launch()  # reached by every spec route, the ready-made GPT_LAYER_SPEC_2D included
+        check_current_launch(config)  # the stock scripts' spec routes, the ready GPT_LAYER_SPEC_2D included
         check_dynamic_config(config)
         if attention_type != "self":
             raise ValueError(f"the 2d backend supports self attention only, got attention_type {attention_type!r}")
@@ -163,10 +166,11 @@ class CoreAttention2D(MegatronModule):
                 f"{[m.name for m in SUPPORTED_MASKS]}"
             )
         self.dynamic = None
+        self.groups_2d = model_registry(config, pg_collection, groups_2d)  # the model's, handed over by its spec
         if is_dynamic(config):  # hybrid CP: each micro-batch brings its group, run with its size's layout
             self._check_dynamic_layer(config, attn_mask_type, head_parallel_size, inner_ring_size, placement)
             self.settings = None
-            self.dynamic = group_registry(config).dynamic_for(config)
+            self.dynamic = self.groups_2d.dynamic_for(config)
             self.groups = self.dynamic.static_groups(pg_collection.cp)  # batches without local_cp_size (or None)
         else:
             # CP=1 (e.g. the reference run): one rank, nothing to split (dropout refused above)
@@ -177,7 +181,7 @@ class CoreAttention2D(MegatronModule):
                 inner_ring_size=inner_ring_size,
                 placement=placement,
             )
-            self.groups = group_registry(config).groups_for(pg_collection.cp, self.settings)  # owned by the config
+            self.groups = self.groups_2d.groups_for(pg_collection.cp, self.settings)
         self.packing = packing_mode(config)  # the layout THD batches come in (config and launch)
         fields = fields_2d(config)  # Selective Checkpoint++: fields of TransformerConfig2D, validated there
         self.keeper = (

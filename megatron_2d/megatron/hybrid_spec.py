@@ -38,7 +38,7 @@ from ..layout.hybrid_layers import MAMBA_EXPAND
 from .core_attention import CoreAttention2D
 from .launch_checks import check_current_launch, check_hybrid_layers, packing_mode
 from .per_sequence import SelfAttention2D
-from .process_groups import build_model_groups
+from .process_groups import PG_ATTRIBUTE, build_model_groups, model_registry
 
 ATTENTION_SLOT = "attention_layer"
 
@@ -89,20 +89,33 @@ class HybridStack2D(HybridStack):
     """Megatron's HybridStack that first checks the launch (:mod:`.launch_checks`, when megatron.training runs one)
     and its layers against the CP group (:func:`check_hybrid_layers`), then builds the model's 2D groups
     (:func:`.process_groups.build_model_groups`): on every pipeline stage, before any layer, whether or not the
-    stage holds an attention layer."""
+    stage holds an attention layer. The model's registry (its spec's ``groups_2d``, else its ``pg_collection``'s,
+    else its config's: :func:`.process_groups.model_registry`) goes to the attention layers in their spec params."""
 
     def __init__(self, config, submodules, *args, **kwargs) -> None:
         mixer = getattr(getattr(submodules.mamba_layer, "submodules", None), "mixer", None)
         expand = getattr(mixer, "params", {}).get("expand", MAMBA_EXPAND)
-        check_current_launch()
+        check_current_launch(config)
         check_hybrid_layers(config, "".join(kwargs.get("layer_type_list") or []), expand)
         core_attention = core_attention_spec(submodules)
         if core_attention is not None:
             pg_collection = kwargs.get("pg_collection")
-            build_model_groups(config, getattr(pg_collection, "cp", None), **core_attention.params)
+            overrides = {k: v for k, v in core_attention.params.items() if k != PG_ATTRIBUTE}
+            registry = model_registry(config, pg_collection, core_attention.params.get(PG_ATTRIBUTE))
+            build_model_groups(config, getattr(pg_collection, "cp", None), registry, **overrides)
+            submodules = with_registry(submodules, registry)
             if packing_mode(config) == PackingMode.SEQUENCE:
                 submodules = per_sequence_attention(submodules)
         super().__init__(config, submodules, *args, **kwargs)
+
+
+def with_registry(submodules, registry):
+    """A copy of hybrid stack ``submodules`` whose CoreAttention2D is handed the model's group ``registry``
+    (its ``groups_2d`` spec param)."""
+    submodules = copy_spec(submodules)
+    core = core_attention_spec(submodules)
+    core.params = {**core.params, PG_ATTRIBUTE: registry}
+    return submodules
 
 
 def per_sequence_attention(submodules):

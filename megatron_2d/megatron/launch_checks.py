@@ -10,6 +10,12 @@ Every route into the library reaches them, on every rank, before any model is tr
     ``HybridStack2D``; both call :func:`check_current_launch` (megatron.training's parsed arguments, when a launch
     has set them) before any layer is built.
 
+What the layers need of the launch travels explicitly where an entry of ours builds the config: the config carries
+it (:class:`LaunchFields`, mixed into TransformerConfig2D: the launch's packing flags, copied by name from the
+arguments, and whether the entry checked the launch). megatron.training's global arguments are read
+(:func:`current_launch_args`) only where no such path exists: the stock scripts' ``--spec`` routes, whose config is
+megatron-core's own TransformerConfig, built by Megatron's builder (the ready ``GPT_LAYER_SPEC_2D`` among them).
+
 Model-level settings are validated by ``settings_from_config`` (hp, window, placement, heads; run on the flags first by
 :func:`static_layout_problem`), the attention settings by :mod:`.attention_settings` (dropout among them) and MLA's by
 :func:`.mla.check_mla_settings` (its packing refusals, :func:`mla_packing_problem`, run here first); this module covers
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 
 from ..layout.choices import MegatronSplit
 from ..layout.choices import PackingMode as Mode
@@ -50,6 +57,24 @@ PACKED_SEQUENCE_FLAGS: tuple[tuple[str, str], ...] = (("--reset-attention-mask",
 --reset-attention-mask builds a dense [s, s] mask (not THD). Packed documents reach the 2d backend as THD:
 --sft (Megatron's per-document zigzag split), --dataloader-inter-document-masking (Megatron's per-sequence split,
 the "sequence" layout; see :func:`packing_mode`), or the documents layout of megatron_2d.megatron.packed_data."""
+
+
+@dataclass
+class LaunchFields:
+    """What the model's layers need of the launch, carried by its config (TransformerConfig2D mixes these in), so
+    that the layers do not read megatron.training's global arguments on the patched routes.
+
+    ``sft``, ``dataloader_inter_document_masking``: the launch's flags of those names (how Megatron splits packed
+    batches, :func:`packing_mode`), which megatron.training's ``core_transformer_config_from_args`` copies into the
+    config by name; None: the config was not built from a launch's arguments. ``launch_checked``: the entry that built
+    the config checked its launch (:func:`check_launch_args`) and found the training loop's clip step fit for it
+    (:func:`qk_clip_step_problem`: the patched entries give the loop the 2d one first), so the layers need not check
+    the launch again (:func:`check_current_launch`); set by
+    :func:`megatron_2d.megatron.arguments.gpt_config_from_args_2d` / ``hybrid_config_from_args_2d``."""
+
+    sft: bool | None = None
+    dataloader_inter_document_masking: bool | None = None
+    launch_checked: bool = False
 
 
 def check_launch_args(args) -> None:
@@ -395,8 +420,9 @@ def packing_mode(config) -> str:
     mode when only this library's data path builds its batches (documents: megatron_2d.megatron.packed_data);
     "sequence" when the launch makes Megatron split them per sequence (--dataloader-inter-document-masking without
     --sft: ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``) or the config says so; else the
-    configured one ("zigzag": Megatron's per-document split, --sft). ``config``: a TransformerConfig (the launch is
-    the current one, if any) or megatron.training's args (the launch itself)."""
+    configured one ("zigzag": Megatron's per-document split, --sft). ``config``: megatron.training's args (the launch
+    itself), a TransformerConfig2D built from them (which carries the launch's flags, :class:`LaunchFields`) or any
+    other TransformerConfig (the launch is the current one, if any: the stock scripts' ``--spec`` routes)."""
     chosen = chosen_mode(config)
     if is_dynamic(config) and chosen.megatron_split is not None:
         # hybrid CP: Megatron splits each sub-sample over its own group per sequence (get_batch_on_this_cp_rank's
@@ -404,7 +430,8 @@ def packing_mode(config) -> str:
         return megatron_split_mode(MegatronSplit.PER_SEQUENCE).name
     if chosen.megatron_split is None:
         return chosen.name
-    launch = config if hasattr(config, "dataloader_inter_document_masking") else current_launch_args()
+    carried = getattr(config, "dataloader_inter_document_masking", None) is not None
+    launch = config if carried else current_launch_args()
     if (
         launch is not None
         and getattr(launch, "dataloader_inter_document_masking", False)
@@ -451,7 +478,8 @@ def check_hybrid_layers(config, layers: str, mamba_expand: int = MAMBA_EXPAND) -
 
 def current_launch_args() -> object | None:
     """megatron.training's parsed arguments when a launch (pretrain_gpt.py) has set them, else None. megatron.training
-    is not imported here: a library user who builds models directly has no launch to check."""
+    is not imported here: a library user who builds models directly has no launch to check. Read only where no
+    explicit path hands the launch over (see the module docstring: the stock scripts' ``--spec`` routes)."""
     global_vars = sys.modules.get("megatron.training.global_vars")
     if global_vars is None:
         return None
@@ -495,8 +523,11 @@ def qk_clip_step_problem(args) -> str | None:
     )
 
 
-def check_current_launch() -> None:
-    """:func:`check_launch_args` on the current launch's arguments, if any, and :func:`qk_clip_step_problem`."""
+def check_current_launch(config=None) -> None:
+    """:func:`check_launch_args` on the current launch's arguments, if any, and :func:`qk_clip_step_problem`; nothing
+    when the entry that built ``config`` (the model's) checked its launch already (:class:`LaunchFields`)."""
+    if getattr(config, "launch_checked", False):
+        return
     args = current_launch_args()
     if args is not None:
         check_launch_args(args)

@@ -1,4 +1,4 @@
-"""2D process groups for Megatron's CP groups, owned by the model configuration that builds them.
+"""2D process groups for Megatron's CP groups, owned by the model that builds them and handed to its layers.
 
 When they are built. Building them is collective over the whole world: every rank gathers every CP group's ranks,
 checks that all ranks ask for the same layout and creates every group in the same order. A pipeline stage that holds
@@ -14,23 +14,35 @@ builds: :func:`build_model_groups`, called by
     virtual pipeline stage.
 
 Models built twice from one config, and virtual pipeline stages, find them built (one set per CP group and settings,
-the same decision on every rank). Each CoreAttention2D then takes its groups from the registry. A model built
-without either (layers from a hand-made ModuleSpec of CoreAttention2D, or the ready ``GPT_LAYER_SPEC_2D``, which
-Megatron does not call) builds them at its first 2d layer, which is safe only when every rank builds one; once a
-model's construction has built its groups, a layer asking for others is refused (building them then would leave the
-ranks without that layer behind). Nothing is built in forward, nor by the launch checks: on the patched routes those
-run before torch.distributed is initialized, and the groups belong to the model's config, which they do not see.
+the same decision on every rank). A model built without either (layers from a hand-made ModuleSpec of
+CoreAttention2D, or the ready ``GPT_LAYER_SPEC_2D``, which Megatron does not call) builds them at its first 2d layer,
+which is safe only when every rank builds one; once a model's construction has built its groups, a layer asking for
+others is refused (building them then would leave the ranks without that layer behind). Nothing is built in forward,
+nor by the launch checks (on the patched routes those run before torch.distributed is initialized).
 
 Hybrid (dynamic) CP (:mod:`.dynamic`): the same registry builds, at the same moment, the 2D groups of every CP group
 size and slice of the DP x CP groups (:meth:`GroupRegistry.build_dynamic`), one set per (DP x CP group, layouts).
 
-Ownership: a :class:`GroupRegistry` holds the groups one model builds, one set per (CP group, settings). It lives
-on the model's TransformerConfig (``group_registry(config)``), so the layers of one model share their groups and
-their byte counter, and two models built from two configs get their own groups and counters even when their
-settings are equal. Models built from one config instance share them knowingly (they are one model's layers as
-far as the config can tell); a deep copy of the config (Megatron makes one per layer in some GQA x TP cases) keeps
-the same registry. Nothing is cached at module level: the only module state is a weak set of the live registries,
-for :func:`destroy_2d_groups` with no argument.
+Ownership: a :class:`GroupRegistry` holds the groups one model builds, one set per (CP group, settings), so the
+layers of one model share their groups and their byte counter, and two models get their own groups and counters
+even when their settings are equal. A registry per CP group (shared by every model on it, as Megatron's own groups
+are) cannot tell which model's construction built what: its mark refused a second model whose layers build at first
+use. So the registry is the model's, and its anchor is the one object that spans the model: its TransformerConfig
+(:func:`group_registry`). Megatron hands the config to the spec function of every virtual pipeline stage and of
+every model built from it, before any ``pg_collection`` exists (megatron-core 0.19.2's GPTModel makes its collection
+inside, after the spec), so the config is what lets the second stage find the first one's groups. Models built from
+one config instance share them knowingly (they are one model's layers as far as the config can tell); a deep copy
+of the config keeps the same registry.
+
+How the layers get it: handed over, not looked up. The GPT spec functions and ``HybridStack2D`` put the model's
+registry into CoreAttention2D's ModuleSpec params (``groups_2d``) when they build the groups; each layer takes its
+groups from the registry it is given and keeps it as ``layer.groups_2d`` (which :func:`destroy_2d_groups` finds). A
+Python user who builds the model's ``ProcessGroupCollection`` may carry a registry there instead
+(``pg_collection.groups_2d``, :data:`PG_ATTRIBUTE`, as the collection carries Megatron's hierarchical CP groups):
+:func:`model_registry` takes the spec's, then the collection's. Only a layer given neither (the ready
+``GPT_LAYER_SPEC_2D`` on the stock pretrain_gpt.py, a hand-made spec) falls back to its config's registry: no
+explicit path reaches it there. Nothing is cached at module level: the only module state is a weak set of the live
+registries, for :func:`destroy_2d_groups` with no argument.
 """
 
 from __future__ import annotations
@@ -48,7 +60,10 @@ from .settings import Settings2D, layer_settings, uses_2d
 logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[GroupRegistry] = weakref.WeakSet()
-_ATTRIBUTE = "_megatron_2d_group_registry"
+_ATTRIBUTE = "_megatron_2d_group_registry"  # the model config's registry (group_registry)
+PG_ATTRIBUTE = "groups_2d"
+"""The name that carries a model's :class:`GroupRegistry`: CoreAttention2D's spec param and attribute, and the
+attribute of a ``ProcessGroupCollection`` that carries one (:func:`model_registry`)."""
 
 
 def all_cp_rank_lists(cp_group: dist.ProcessGroup | None) -> list[list[int]]:
@@ -170,6 +185,19 @@ def group_registry(config) -> GroupRegistry:
     return registry
 
 
+def model_registry(config, pg_collection=None, given: GroupRegistry | None = None) -> GroupRegistry:
+    """The registry a model's 2d layers take their groups from: ``given`` (CoreAttention2D's ``groups_2d`` spec
+    param, set by the spec functions and HybridStack2D), else the one ``pg_collection`` carries as ``groups_2d``, else
+    (the ready spec, hand-made specs: no explicit path) the model config's, :func:`group_registry`."""
+    carried = getattr(pg_collection, PG_ATTRIBUTE, None)
+    for source, registry in (("groups_2d", given), (f"pg_collection.{PG_ATTRIBUTE}", carried)):
+        if registry is not None:
+            if not isinstance(registry, GroupRegistry):
+                raise TypeError(f"{source} is a {type(registry).__name__}, not a megatron_2d GroupRegistry")
+            return registry
+    return group_registry(config)
+
+
 def groups_for(
     cp_group: dist.ProcessGroup | None, settings: Settings2D, registry: GroupRegistry | None = None
 ) -> Groups2D:
@@ -180,11 +208,14 @@ def groups_for(
     return registry.groups_for(cp_group, settings)
 
 
-def build_model_groups(config, cp_group: dist.ProcessGroup | None = None, **overrides) -> Groups2D | None:
+def build_model_groups(
+    config, cp_group: dist.ProcessGroup | None = None, registry: GroupRegistry | None = None, **overrides
+) -> Groups2D | None:
     """Build the 2D groups that the 2d core attention layers of the model ``config`` configures will ask for, on
     this rank as on every other, whether or not this rank builds such a layer (collective over the world; see the
     module docstring for who calls it). Settings: the config's with the layer spec's ``overrides``
-    (:func:`.settings.layer_settings`); ``cp_group``: the layers' CP group, megatron's by default. Builds nothing
+    (:func:`.settings.layer_settings`); ``cp_group``: the layers' CP group, megatron's by default; ``registry``:
+    the model's (:func:`model_registry`), the config's by default. Builds nothing
     (None) before torch.distributed and megatron's parallel state are initialized (a spec made for inspection),
     or when no layer would build groups (CP > 1 without the "2d" backend: the layers delegate or refuse)."""
     if cp_group is None:
@@ -194,10 +225,11 @@ def build_model_groups(config, cp_group: dist.ProcessGroup | None = None, **over
     cp_size = dist.get_world_size(cp_group)
     if cp_size > 1 and not uses_2d(config.cp_comm_type):
         return None
+    registry = registry if registry is not None else group_registry(config)
     if is_dynamic(config):  # hybrid CP: every group size's groups; the layers check their settings
         check_dynamic_config(config)
-        return group_registry(config).build_dynamic(config).static_groups(cp_group)
-    return group_registry(config).build(cp_group, layer_settings(config, cp_size, **overrides))
+        return registry.build_dynamic(config).static_groups(cp_group)
+    return registry.build(cp_group, layer_settings(config, cp_size, **overrides))
 
 
 def _megatron_cp_group() -> dist.ProcessGroup | None:
@@ -219,13 +251,17 @@ def _megatron_dp_cp_group() -> dist.ProcessGroup | None:
 
 
 def destroy_2d_groups(owner=None) -> None:
-    """Destroy 2D groups (call with megatron's destroy_model_parallel): those of ``owner`` (a GroupRegistry, a model
-    config, or a module with ``.config``), or, with no argument, those of every live registry."""
+    """Destroy 2D groups (call with megatron's destroy_model_parallel): those of ``owner`` (a GroupRegistry; a model
+    config: its registry; a module: its config's and those its 2d layers hold), or, with no argument, those of every
+    live registry."""
     if owner is None:
         registries = list(_LIVE)
     elif isinstance(owner, GroupRegistry):
         registries = [owner]
     else:
         registries = [group_registry(getattr(owner, "config", owner))]
+        modules = owner.modules() if callable(getattr(owner, "modules", None)) else ()
+        held = dict.fromkeys(getattr(m, PG_ATTRIBUTE, None) for m in modules)
+        registries += [r for r in held if isinstance(r, GroupRegistry) and r not in registries]
     for registry in registries:
         registry.destroy()

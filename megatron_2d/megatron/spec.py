@@ -36,7 +36,7 @@ from .dynamic import check_dynamic_config, given_layouts, is_dynamic
 from .launch_checks import check_current_launch, megatron_split
 from .mla import check_mla_settings, use_latent_ring
 from .per_sequence import SelfAttention2D
-from .process_groups import build_model_groups
+from .process_groups import PG_ATTRIBUTE, build_model_groups, group_registry
 from .settings import settings_from_config, uses_2d
 
 LayerSpec = ModuleSpec | TransformerBlockSubmodules
@@ -170,7 +170,9 @@ def get_gpt_layer_spec_2d(
 
     With a config, and once megatron's parallel state is initialized, it also builds the model's 2D groups
     (:func:`.process_groups.build_model_groups`, collective): call it on every rank, as Megatron's builder does,
-    including ranks whose pipeline stage holds no layer."""
+    including ranks whose pipeline stage holds no layer. With a config, the core attention's params also carry the
+    model's group registry (``groups_2d``, the config's: every virtual pipeline stage and every model built from the
+    config finds the same), which each layer takes its groups from."""
     spec = megatron_gpt_spec(config, vp_stage, use_transformer_engine)
     params = {
         k: v
@@ -180,16 +182,22 @@ def get_gpt_layer_spec_2d(
         if v is not None
     }
     use_te = _uses_transformer_engine(config, use_transformer_engine)
-    check_mla_settings(transformer_config_of(config))
+    model = transformer_config_of(config)
+    core_params = dict(params)
+    if isinstance(model, TransformerConfig):  # a model's config, not a few spec choices: hand its registry over
+        core_params[PG_ATTRIBUTE] = group_registry(model)
+    check_mla_settings(model)
     # Megatron's per-sequence split of packed documents: RoPE at each token's position in its document
-    per_sequence = megatron_split(transformer_config_of(config)) == MegatronSplit.PER_SEQUENCE
+    per_sequence = megatron_split(model) == MegatronSplit.PER_SEQUENCE
     for layer in layer_specs_of(spec):
-        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=CoreAttention2D, params=params)
+        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=CoreAttention2D, params=core_params
+        )
         if per_sequence:
             layer.submodules.self_attention.module = SelfAttention2D
-        use_latent_ring(layer, transformer_config_of(config), use_te)  # MLA: the latent ring when asked for
-    if isinstance(transformer_config_of(config), TransformerConfig):  # a model's config, not a few spec choices
-        build_model_groups(transformer_config_of(config), **params)  # Megatron's builder calls this on every rank
+        use_latent_ring(layer, model, use_te)  # MLA: the latent ring when asked for
+    if PG_ATTRIBUTE in core_params:  # Megatron's builder calls this on every rank
+        build_model_groups(model, registry=core_params[PG_ATTRIBUTE], **params)
     return spec
 
 
@@ -198,8 +206,8 @@ def gpt_layer_spec_2d(config=None, vp_stage: int | None = None) -> LayerSpec:
 
     The unpatched pretrain_gpt.py reaches the library only here, so the launch is checked here, on every rank before
     the model is built: the command line (:mod:`.launch_checks`) and, under CP > 1 with "2d", the 2D settings."""
-    check_current_launch()
     t = transformer_config_of(config)
+    check_current_launch(t)
     if t is not None and is_dynamic(t) and uses_2d(t.cp_comm_type):
         check_dynamic_config(t)  # each CP group size's layout is chosen when the groups are built
         given_layouts(t)
