@@ -56,10 +56,10 @@ def _layers_take_the_handed_registry(rank, world):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron_2d_dev import tiny_gpt as tg
 
     from megatron_2d.megatron import TransformerConfig2D
     from megatron_2d.megatron.core_attention import CoreAttention2D
+    from megatron_2d_dev import tiny_gpt as tg
 
     tg.init_parallel(context_parallel_size=2)
     cfg = tg.TinyGPTConfig(config_class=TransformerConfig2D, cp_comm_type="2d")
