@@ -4,6 +4,8 @@ Megatron spec with its reference core attention) and its model states (a Hybrid 
 
 from __future__ import annotations
 
+import copy
+import functools
 import sys
 from typing import Any
 
@@ -135,7 +137,13 @@ def moe_router_flags(s: Scenario) -> list[str]:
 
 def parse_megatron_flags(flags: list[str]):
     """Megatron-LM's parsed arguments (``megatron.training.arguments.parse_args`` with the 2d flags), without its
-    validation (which needs a launched world)."""
+    validation (which needs a launched world); a copy of the namespace each call, the parse done once per flags (a
+    tenth of a second of CPU each: Megatron's parser reads its config classes' source for their help)."""
+    return copy.deepcopy(_parsed(tuple(flags)))
+
+
+@functools.cache
+def _parsed(flags: tuple[str, ...]):
     from megatron.training.arguments import parse_args
 
     from megatron_2d.megatron.arguments import add_2d_arguments

@@ -143,7 +143,15 @@ def abi_of(version: str) -> ExtensionABI:
 def referenced_names(package: pathlib.Path) -> tuple[dict[str, list[str]], list[str]]:
     """What the PyTorch layer under ``package`` takes from ``transformer_engine_torch``: ({enum: member names} as it
     references them, ``tex.Enum.member`` or ``Enum.member`` for an enum imported or re-exported by name; enums are
-    its capitalised names), and every other name it reads from the module (``tex.name`` or imported by name)."""
+    its capitalised names), and every other name it reads from the module (``tex.name`` or imported by name).
+    Read once per installed release and process (parsing a release's Python takes about a second of CPU, and
+    :func:`load_release` runs at every entry of a context that loads one)."""
+    enums, others = _referenced_names(pathlib.Path(package).resolve())
+    return {name: list(members) for name, members in enums.items()}, list(others)
+
+
+@functools.cache
+def _referenced_names(package: pathlib.Path) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
     found: dict[str, set[str]] = collections.defaultdict(set)
     imported: set[str] = set()
     for path in sorted((package / "pytorch").rglob("*.py")):
@@ -183,7 +191,7 @@ def referenced_names(package: pathlib.Path) -> tuple[dict[str, list[str]], list[
                 continue
             if name[:1].isupper():
                 found[name].add(node.attr)
-    return {name: sorted(members) for name, members in found.items()}, sorted(imported - set(found))
+    return {name: tuple(sorted(members)) for name, members in found.items()}, tuple(sorted(imported - set(found)))
 
 
 def _not_emulated(name: str):
