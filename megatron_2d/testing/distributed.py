@@ -45,6 +45,9 @@ _STALL_CPU_SHARE = 0.005
 """A world that used less than this share of one core over ``timeout_s`` made no progress (idle gloo threads use
 about 0.1% with one gloo device per rank, a world at a load of 100 on 2 cores gets ~8%)."""
 
+_DESCENDANTS_EVERY = 10
+"""The CPU meter looks for processes the ranks started every this many polls (5 s)."""
+
 _LIVELOCK_FACTOR = 20
 """A world still running after this many times ``timeout_s`` is stopped even while it uses CPU (a livelock)."""
 
@@ -141,25 +144,40 @@ class _Failure:
 
 
 class _CpuMeter:
-    """CPU seconds used by the ranks and everything they started, summed as it grows (a rank that exits keeps what it
-    used)."""
+    """CPU seconds used by the ranks and everything they started, summed as it grows (a process that exits keeps
+    what it used). A rank's own times are read at every call; its descendants are looked for every
+    :data:`_DESCENDANTS_EVERY` calls only, as finding them scans all of /proc (a second of the test process's CPU per
+    forked world, read every 0.5 s)."""
 
     def __init__(self, procs):
-        self.procs = procs
+        self.ranks: list[psutil.Process] = []
+        for p in procs:
+            try:
+                self.ranks.append(psutil.Process(p.pid))
+            except psutil.Error:  # already exited
+                continue
+        self.known: dict[int, psutil.Process] = {rank.pid: rank for rank in self.ranks}
         self.seen: dict[int, float] = {}
         self.total = 0.0
+        self.reads = 0
 
     def read(self) -> float:
-        for p in self.procs:
+        if self.reads % _DESCENDANTS_EVERY == 0:
+            for rank in self.ranks:
+                try:
+                    self.known.update((child.pid, child) for child in rank.children(recursive=True))
+                except psutil.Error:  # exited meanwhile
+                    continue
+        self.reads += 1
+        for pid, proc in list(self.known.items()):
             try:
-                rank = psutil.Process(p.pid)
-                for proc in (rank, *rank.children(recursive=True)):
-                    times = proc.cpu_times()
-                    used = times.user + times.system + times.children_user + times.children_system
-                    self.total += max(0.0, used - self.seen.get(proc.pid, 0.0))
-                    self.seen[proc.pid] = used
-            except psutil.Error:  # exited meanwhile
+                times = proc.cpu_times()
+            except psutil.Error:  # exited meanwhile: what it used is counted
+                del self.known[pid]
                 continue
+            used = times.user + times.system + times.children_user + times.children_system
+            self.total += max(0.0, used - self.seen.get(pid, 0.0))
+            self.seen[pid] = used
         return self.total
 
 
