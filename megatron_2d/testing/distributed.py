@@ -96,7 +96,7 @@ class _SharedDeviceGloo(metaclass=_OneGlooDevice):
     pass
 
 
-def _rank_main(rank, world_size, store_dir, store_port, fn, args, kwargs, results, rank_setup=None):
+def _rank_main(rank, world_size, store_dir, fn, args, kwargs, results, rank_setup=None):
     # What the rank inherited from the test process (a heap of ~1 GB once megatron is imported) is permanent here: the
     # rank's collections (automatic or gc.collect()) then scan only what the rank made, not the inherited heap, and
     # leave its pages shared (a full collection touched every object: 0.85 s per gc.collect() in a rank).
@@ -111,10 +111,7 @@ def _rank_main(rank, world_size, store_dir, store_port, fn, args, kwargs, result
         torch.set_num_threads(1)
         _SharedDeviceGloo.devices = None  # made in this rank (after rank_setup), never inherited
         distributed_c10d.ProcessGroupGloo = _SharedDeviceGloo
-        if store_port is None:  # ranks in other network namespaces: the parent's loopback is not theirs
-            store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
-        else:
-            store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=GROUP_TIMEOUT)
+        store = _world_store(rank, world_size, store_dir, across_namespaces=rank_setup is not None)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
         value = fn(rank, world_size, *args, **kwargs)
         dist.barrier()
@@ -221,16 +218,12 @@ def run_on_ranks(
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="m2d_store_")
-    # The world's store, served by this process. A TCPStore answers a wait when the key arrives, where a FileStore
-    # polls every 10 ms: creating a gloo group (a store round per rank) takes ~4x less (900 groups per rank: 14.0 s
-    # -> 3.6 s). Ranks that enter other network namespaces (rank_setup) share the file store instead.
-    server = None if rank_setup else dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads_per_rank)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, store_dir, server and server.port, fn, args, kwargs, results, rank_setup),
+            args=(r, world_size, store_dir, fn, args, kwargs, results, rank_setup),
             daemon=True,
         )
         for r in range(world_size)
@@ -286,8 +279,31 @@ def run_on_ranks(
         for p in procs:
             p.join(timeout=5.0)
         torch.set_num_threads(saved_threads)
-        del server  # stops serving
         shutil.rmtree(store_dir, ignore_errors=True)  # the store file and anything else the ranks left in it
+
+
+def _world_store(rank: int, world_size: int, store_dir: str, across_namespaces: bool) -> dist.Store:
+    """The world's store: a TCPStore served by rank 0, whose port the other ranks read from ``store_dir``.
+
+    A TCPStore answers a wait when the key arrives, where a FileStore polls every 10 ms: creating a gloo group (a store
+    round per rank) takes 2-4x less (900 groups per rank: 13.3 s -> 6.6 s under load). Rank 0 serves it, as torchrun's
+    rendezvous does: served by the test process, one world in ~300 hung, a rank forked while the server's thread ran
+    never finishing its client's handshake. Ranks that enter other network namespaces (``rank_setup``, the emulated
+    cluster) share a FileStore instead: rank 0's loopback is not theirs."""
+    if across_namespaces:
+        return dist.FileStore(os.path.join(store_dir, "store"), world_size)
+    port_file = os.path.join(store_dir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)  # whole or absent for a reader
+        return store
+    while not os.path.exists(port_file):  # rank 0 is starting its server: once per world, a few milliseconds
+        time.sleep(0.005)
+    with open(port_file) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=GROUP_TIMEOUT)
 
 
 def _stacks(procs, store_dir: str, values: dict) -> str:
