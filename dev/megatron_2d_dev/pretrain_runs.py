@@ -14,6 +14,7 @@ its stdout and stderr to its own file (it exits after the run), so the log is ex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -22,7 +23,7 @@ import queue
 import re
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megatron_2d.testing.distributed import run_on_ranks
@@ -224,11 +225,51 @@ def _run_rank(
     return RankOutcome(_exit_status(error), f"{type(error).__name__}: {error}", text)
 
 
+_FIELD_DOCSTRINGS: dict[type, dict[str, str]] = {}
+"""megatron.training's argument docstrings per config dataclass, read once in the calling process (see
+:func:`_done_once_before_forking`)."""
+
+
+@contextlib.contextmanager
+def _done_once_before_forking() -> Iterator[None]:
+    """What every rank of every run would do the same way, done once in the calling process, whose state the forked
+    ranks inherit; the entry script itself still runs whole in each rank.
+
+    - Megatron's text tokenizers are imported (``build_tokenizer`` imports ``megatron.core.tokenizers.text``, which
+      imports ``transformers``: about 1.1 s of CPU a rank, more than the rest of a failing launch). An import only.
+    - While the ranks run, ``ArgumentGroupFactory._get_field_docstrings`` (megatron.training's argument parser reads
+      each config dataclass's field docstrings from its source, with ``inspect.getsource`` and ``ast.parse``: 0.1 s
+      of CPU per parse, three parses per rank) answers from a per-class memo of its own results, filled here by
+      building Megatron's parser once. The docstrings are help texts; the function reads only the class's source,
+      so the memo returns what it would. Restored on exit: the calling process is left as it was.
+    """
+    import argparse
+
+    import megatron.core.tokenizers.text  # noqa: F401
+    from megatron.training import argument_utils, arguments
+
+    factory = argument_utils.ArgumentGroupFactory
+    original = factory._get_field_docstrings
+
+    def field_docstrings(self, src_cfg_class):
+        if src_cfg_class not in _FIELD_DOCSTRINGS:
+            _FIELD_DOCSTRINGS[src_cfg_class] = original(self, src_cfg_class)
+        return dict(_FIELD_DOCSTRINGS[src_cfg_class])
+
+    factory._get_field_docstrings = field_docstrings
+    try:
+        if not _FIELD_DOCSTRINGS:
+            arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        yield
+    finally:
+        factory._get_field_docstrings = original
+
+
 def _run(
     world_size: int, script: os.PathLike, argv: Sequence[str], timeout_s: float, must_succeed: bool
 ) -> list[RankOutcome]:
     refuse_with_cuda()  # before forking; the shims themselves are installed in the ranks, not in the caller
-    with tempfile.TemporaryDirectory(prefix="m2d_pretrain_") as log_dir:
+    with tempfile.TemporaryDirectory(prefix="m2d_pretrain_") as log_dir, _done_once_before_forking():
         return run_on_ranks(world_size, _run_rank, str(script), list(argv), log_dir, must_succeed, timeout_s=timeout_s)
 
 
