@@ -226,26 +226,21 @@ def _run_rank(
 
 
 _FIELD_DOCSTRINGS: dict[type, dict[str, str]] = {}
-"""megatron.training's argument docstrings per config dataclass, read once in the calling process (see
-:func:`_done_once_before_forking`)."""
+"""megatron.training's argument docstrings per config dataclass, read once per process tree (see
+:func:`argument_docstrings_read_once`)."""
 
 
 @contextlib.contextmanager
-def _done_once_before_forking() -> Iterator[None]:
-    """What every rank of every run would do the same way, done once in the calling process, whose state the forked
-    ranks inherit; the entry script itself still runs whole in each rank.
+def argument_docstrings_read_once() -> Iterator[None]:
+    """While inside, ``ArgumentGroupFactory._get_field_docstrings`` answers from a per-class memo of its own results.
 
-    - Megatron's text tokenizers are imported (``build_tokenizer`` imports ``megatron.core.tokenizers.text``, which
-      imports ``transformers``: about 1.1 s of CPU a rank, more than the rest of a failing launch). An import only.
-    - While the ranks run, ``ArgumentGroupFactory._get_field_docstrings`` (megatron.training's argument parser reads
-      each config dataclass's field docstrings from its source, with ``inspect.getsource`` and ``ast.parse``: 0.1 s
-      of CPU per parse, three parses per rank) answers from a per-class memo of its own results, filled here by
-      building Megatron's parser once. The docstrings are help texts; the function reads only the class's source,
-      so the memo returns what it would. Restored on exit: the calling process is left as it was.
-    """
+    megatron.training's argument parser reads each config dataclass's field docstrings from its source
+    (``inspect.getsource`` and ``ast.parse``) every time it is built: 0.1 s of CPU per parse here, the bulk of a
+    parse (a pretrain_gpt.py rank parses three times). They are help texts, read from the class's source only, so
+    the memo returns what the function would; it is filled by building Megatron's parser once, here, and forked
+    ranks inherit it. Megatron's function is restored on exit."""
     import argparse
 
-    import megatron.core.tokenizers.text  # noqa: F401
     from megatron.training import argument_utils, arguments
 
     factory = argument_utils.ArgumentGroupFactory
@@ -263,6 +258,19 @@ def _done_once_before_forking() -> Iterator[None]:
         yield
     finally:
         factory._get_field_docstrings = original
+
+
+@contextlib.contextmanager
+def _done_once_before_forking() -> Iterator[None]:
+    """What every rank of every run would do the same way, done once in the calling process, whose state the forked
+    ranks inherit (the entry script itself still runs whole in each rank): Megatron's text tokenizers imported
+    (``build_tokenizer`` imports ``megatron.core.tokenizers.text``, which imports ``transformers``: about 1.1 s of
+    CPU a rank, more than the rest of a launch the checks refuse), and the argument docstrings read
+    (:func:`argument_docstrings_read_once`). The calling process is left as it was, the import aside."""
+    import megatron.core.tokenizers.text  # noqa: F401
+
+    with argument_docstrings_read_once():
+        yield
 
 
 def _run(
