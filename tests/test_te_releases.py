@@ -41,6 +41,13 @@ TIMEOUT = GROUP_TIMEOUT
 BF16 = TOLERANCES[torch.bfloat16]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forked_loads_prepared():
+    """Each forked rank loads its release; what every load reads the same way (the extension's names, the shared
+    dependencies) is read once here and inherited (te_package.prepare_forked_loads)."""
+    tep.prepare_forked_loads()
+
+
 def test_every_release_is_installed():
     missing = [v for v in tep.RELEASES if not tep.is_installed(v)]
     assert not missing, (
