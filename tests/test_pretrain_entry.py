@@ -14,6 +14,7 @@ import torch
 from megatron_2d.megatron import TransformerConfig2D  # noqa: E402
 from megatron_2d.megatron.arguments import add_2d_arguments, gpt_config_from_args_2d, transformer_config_from_args_2d  # noqa: E402
 from megatron_2d.megatron.spec import gpt_layer_spec_2d  # noqa: E402
+from megatron_2d_dev.pretrain_runs import argument_docstrings_read_once
 
 pytestmark = pytest.mark.megatron
 
@@ -54,6 +55,14 @@ MODEL = [
     "--transformer-impl",
     "local",
 ]  # no Transformer Engine here
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _argument_docstrings_read_once():
+    """Megatron's parser reads its help texts from source at every build (0.1 s of CPU a parse): read once for the
+    module's ~90 parses (megatron_2d_dev.pretrain_runs.argument_docstrings_read_once); nothing asserted reads them."""
+    with argument_docstrings_read_once():
+        yield
 
 
 @pytest.fixture

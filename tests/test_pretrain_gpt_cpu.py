@@ -242,20 +242,25 @@ PIPELINE_2D_ROUTES = {
 }
 
 
+@pytest.fixture(scope="module")
+def pipeline_reference(scripts):
+    """PP=2 at CP=1 with the pipeline layout (the unpatched script), shared by both routes below."""
+    return training(run_pretrain(2, scripts["stock"], BASE + PIPELINE_LAYOUT))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("route", list(PIPELINE_2D_ROUTES))
-def test_pipeline_stage_without_decoder_layers_at_2d_cp2_equals_cp1(scripts, layers_2d, route):
+def test_pipeline_stage_without_decoder_layers_at_2d_cp2_equals_cp1(scripts, pipeline_reference, layers_2d, route):
     """--pipeline-model-parallel-layout 'Ett|L' (PP=2): the second stage holds the loss and no decoder layer (the
     one way a GPT stage holds none; Megatron refuses --decoder-first/last-pipeline-num-layers 0), yet joins the
     collectives that build the 2D groups, at the model's construction on every rank: loss and grad norm per
     iteration equal PP=2 at CP=1 with the same layout. (When the first 2d layer built the groups, the first stage
     waited for the second until the 60 s timeout.)"""
     script, flags, hp = PIPELINE_2D_ROUTES[route]
-    expected = training(run_pretrain(2, scripts["stock"], BASE + PIPELINE_LAYOUT))
     logs = run_pretrain(4, scripts[script], BASE + PIPELINE_LAYOUT + flags, timeout_s=60)
     assert all(layers_2d(layer, hp=hp, cp_size=2) in logs[0] for layer in (1, 2))
     assert "[test] 2d layer" not in logs[-1]  # the last stage built no attention layer
-    assert_same(training(logs), expected)
+    assert_same(training(logs), pipeline_reference)
 
 
 @pytest.mark.distributed

@@ -41,6 +41,13 @@ TIMEOUT = GROUP_TIMEOUT
 BF16 = TOLERANCES[torch.bfloat16]
 
 
+@pytest.fixture(scope="module")
+def forked_loads_prepared():
+    """Each forked rank loads its release; what every load reads the same way (the extension's names, the shared
+    dependencies) is read once here and inherited (te_package.prepare_forked_loads)."""
+    tep.prepare_forked_loads()
+
+
 def test_every_release_is_installed():
     missing = [v for v in tep.RELEASES if not tep.is_installed(v)]
     assert not missing, (
@@ -192,7 +199,7 @@ def run_release_kernel(rank, world, version, thd_stats):
     "version, thd_stats",
     [(v, "packed") for v in tep.RELEASES] + [("2.5.0", "padded"), ("2.12.0", "padded"), ("2.20.2", "padded")],
 )
-def test_kernel_through_release(version, thd_stats):
+def test_kernel_through_release(forked_loads_prepared, version, thd_stats):
     """TeFusedKernel over the release's fused_attn_fwd / fused_attn_bwd: causal squares and full blocks one launch
     each way, other bands and packed blocks at most two (THD: no bound on the pieces' lengths), exact against
     fp64; the THD stats layout the extension returns is the one given back. The max logit is exact too, and comes
@@ -281,7 +288,7 @@ def run_release_ring(rank, world, version):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("version", [tep.RELEASES[0], tep.RELEASES[-1]])
-def test_attention_2d_through_release(version):
+def test_attention_2d_through_release(forked_loads_prepared, version):
     """hp 2 x cp 2 (context_first): head all-to-all and ring, te_fused in every block (causal, full with GQA, a
     causal sliding window, packed documents in both modes), within the bf16 end-to-end bound. The oldest and newest
     release (every release's kernel calls are checked above; TE's import costs each rank seconds)."""

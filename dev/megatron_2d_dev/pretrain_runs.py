@@ -14,6 +14,7 @@ its stdout and stderr to its own file (it exits after the run), so the log is ex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -22,7 +23,7 @@ import queue
 import re
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megatron_2d.testing.distributed import run_on_ranks
@@ -224,11 +225,59 @@ def _run_rank(
     return RankOutcome(_exit_status(error), f"{type(error).__name__}: {error}", text)
 
 
+_FIELD_DOCSTRINGS: dict[type, dict[str, str]] = {}
+"""megatron.training's argument docstrings per config dataclass, read once per process tree (see
+:func:`argument_docstrings_read_once`)."""
+
+
+@contextlib.contextmanager
+def argument_docstrings_read_once() -> Iterator[None]:
+    """While inside, ``ArgumentGroupFactory._get_field_docstrings`` answers from a per-class memo of its own results.
+
+    megatron.training's argument parser reads each config dataclass's field docstrings from its source
+    (``inspect.getsource`` and ``ast.parse``) every time it is built: 0.1 s of CPU per parse here, the bulk of a
+    parse (a pretrain_gpt.py rank parses three times). They are help texts, read from the class's source only, so
+    the memo returns what the function would; it is filled by building Megatron's parser once, here, and forked
+    ranks inherit it. Megatron's function is restored on exit."""
+    import argparse
+
+    from megatron.training import argument_utils, arguments
+
+    factory = argument_utils.ArgumentGroupFactory
+    original = factory._get_field_docstrings
+
+    def field_docstrings(self, src_cfg_class):
+        if src_cfg_class not in _FIELD_DOCSTRINGS:
+            _FIELD_DOCSTRINGS[src_cfg_class] = original(self, src_cfg_class)
+        return dict(_FIELD_DOCSTRINGS[src_cfg_class])
+
+    factory._get_field_docstrings = field_docstrings
+    try:
+        if not _FIELD_DOCSTRINGS:
+            arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        yield
+    finally:
+        factory._get_field_docstrings = original
+
+
+@contextlib.contextmanager
+def _done_once_before_forking() -> Iterator[None]:
+    """What every rank of every run would do the same way, done once in the calling process, whose state the forked
+    ranks inherit (the entry script itself still runs whole in each rank): Megatron's text tokenizers imported
+    (``build_tokenizer`` imports ``megatron.core.tokenizers.text``, which imports ``transformers``: about 1.1 s of
+    CPU a rank, more than the rest of a launch the checks refuse), and the argument docstrings read
+    (:func:`argument_docstrings_read_once`). The calling process is left as it was, the import aside."""
+    import megatron.core.tokenizers.text  # noqa: F401
+
+    with argument_docstrings_read_once():
+        yield
+
+
 def _run(
     world_size: int, script: os.PathLike, argv: Sequence[str], timeout_s: float, must_succeed: bool
 ) -> list[RankOutcome]:
     refuse_with_cuda()  # before forking; the shims themselves are installed in the ranks, not in the caller
-    with tempfile.TemporaryDirectory(prefix="m2d_pretrain_") as log_dir:
+    with tempfile.TemporaryDirectory(prefix="m2d_pretrain_") as log_dir, _done_once_before_forking():
         return run_on_ranks(world_size, _run_rank, str(script), list(argv), log_dir, must_succeed, timeout_s=timeout_s)
 
 

@@ -144,26 +144,29 @@ def referenced_names(package: pathlib.Path) -> tuple[dict[str, list[str]], list[
     """What the PyTorch layer under ``package`` takes from ``transformer_engine_torch``: ({enum: member names} as it
     references them, ``tex.Enum.member`` or ``Enum.member`` for an enum imported or re-exported by name; enums are
     its capitalised names), and every other name it reads from the module (``tex.name`` or imported by name).
-    Read once per installed release and process (parsing a release's Python takes about a second of CPU, and
-    :func:`load_release` runs at every entry of a context that loads one)."""
-    enums, others = _referenced_names(pathlib.Path(package).resolve())
+    Read once per process (and per process tree: see :func:`prepare_forked_loads`); each caller gets its own copy."""
+    enums, others = _read_referenced_names(str(package))
     return {name: list(members) for name, members in enums.items()}, list(others)
 
 
 @functools.cache
-def _referenced_names(package: pathlib.Path) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
+def _read_referenced_names(package_dir: str) -> tuple[dict[str, list[str]], list[str]]:
+    package = pathlib.Path(package_dir)
     found: dict[str, set[str]] = collections.defaultdict(set)
     imported: set[str] = set()
     for path in sorted((package / "pytorch").rglob("*.py")):
-        tree = ast.parse(path.read_text())
+        source = path.read_text()
+        if "transformer_engine_torch" not in source:
+            continue  # no alias of the module in this file, so nothing below would match (half the files)
+        nodes = list(ast.walk(ast.parse(source)))  # walked once, read three times
         module_aliases, name_aliases = set(), {}
-        for node in ast.walk(tree):
+        for node in nodes:
             if isinstance(node, ast.Import):
                 module_aliases |= {a.asname or a.name for a in node.names if a.name == "transformer_engine_torch"}
             elif isinstance(node, ast.ImportFrom) and node.module == "transformer_engine_torch":
                 name_aliases.update({a.asname or a.name: a.name for a in node.names if a.name != "*"})
         imported |= set(name_aliases.values())
-        for node in ast.walk(tree):  # module-level re-exports of an enum: ``RoutingMapFormat = tex.NVTE...`` (2.20)
+        for node in nodes:  # module-level re-exports of an enum: ``RoutingMapFormat = tex.NVTE...`` (2.20)
             value = node.value if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
             if (
                 isinstance(value, ast.Attribute)
@@ -173,7 +176,7 @@ def _referenced_names(package: pathlib.Path) -> tuple[dict[str, tuple[str, ...]]
                 and value.attr[:1].isupper()
             ):
                 name_aliases[node.targets[0].id] = value.attr
-        for node in ast.walk(tree):
+        for node in nodes:
             if not isinstance(node, ast.Attribute) or node.attr.startswith("__"):
                 continue
             owner = node.value
@@ -191,7 +194,7 @@ def _referenced_names(package: pathlib.Path) -> tuple[dict[str, tuple[str, ...]]
                 continue
             if name[:1].isupper():
                 found[name].add(node.attr)
-    return {name: tuple(sorted(members)) for name, members in found.items()}, tuple(sorted(imported - set(found)))
+    return {name: sorted(members) for name, members in found.items()}, sorted(imported - set(found))
 
 
 def _not_emulated(name: str):
@@ -587,6 +590,25 @@ def release_path(version: str) -> pathlib.Path:
 def is_installed(version: str) -> bool:
     deps = releases_dir() / DEPENDENCIES_DIR / "onnxscript"
     return (release_path(version) / "transformer_engine" / "pytorch" / "__init__.py").is_file() and deps.is_dir()
+
+
+def prepare_forked_loads(versions: Sequence[str] = RELEASES) -> None:
+    """In a process that then forks ranks which each call :func:`load_release`: what every such load would do the
+    same way, done once here. Each installed release's extension names are read (:func:`referenced_names`, about
+    1 s of CPU for 2.20.2), and the releases' shared dependencies that TE's PyTorch layer imports (``onnxscript``
+    and with it onnx, onnx_ir, ml_dtypes, protobuf, from the releases' ``_deps`` folder: about 1 s) are imported;
+    a load in the calling process leaves them imported too. Nothing of TE itself is imported."""
+    for version in versions:
+        if is_installed(version):
+            referenced_names(release_path(version) / "transformer_engine")
+    deps = str(releases_dir() / DEPENDENCIES_DIR)
+    if not os.path.isdir(deps):
+        return
+    sys.path.insert(0, deps)
+    try:
+        importlib.import_module("onnxscript")
+    finally:
+        sys.path.remove(deps)
 
 
 def unload_release() -> None:
