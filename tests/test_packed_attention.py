@@ -7,11 +7,16 @@ reference in which each document attends only to itself.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
 
 import megatron_2d
+import megatron_2d.attention  # noqa: F401  imported once here, not in every forked rank (PEP 562 exports)
+import megatron_2d.packed_sharding  # noqa: F401
 from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.packing.calls import Runs
 from megatron_2d.packing.modes import PackingMode, mode_class, mode_names, register, unregister
@@ -69,21 +74,56 @@ def packed_inputs(lengths, hq, hkv, d, seed=0):
     return cu, q, k, v, dout
 
 
-def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32, window=(-1, -1), sinks=False, seed=0):
-    """One case on this rank: (errors by output, padding checks, sink gradient of this rank's rows)."""
-    cu, q, k, v, dout = packed_inputs(lengths, hq, hkv, d, seed)
+class PackedCase(NamedTuple):
+    """One case's inputs (rounded to ``dtype``, fp64) and its fp64 per-document reference with gradients."""
+
+    causal: bool
+    dtype: torch.dtype
+    window: tuple[int, int]
+    d: int
+    cu: np.ndarray
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    sink: torch.Tensor | None
+    out: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dsink: torch.Tensor | None
+
+
+@functools.cache
+def packed_case(lengths, causal, hq, hkv, d=16, dtype=torch.float32, window=(-1, -1), sinks=False, seed=0):
+    """The case's inputs and reference, computed once in the test process and handed to the forked ranks (which
+    inherit it): the reference depends on the case only, not on the layout or the rank, so every rank of every
+    layout computing it again (85% of the ranks' CPU time) checked nothing more."""
+    cu, q, k, v, dout = packed_inputs(list(lengths), hq, hkv, d, seed)
     q, k, v, dout = (rounded(x, dtype) for x in (q, k, v, dout))
     sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64) if sinks else None
-    layout = megatron_2d.PackedSharding(torch.tensor(cu, dtype=torch.int32), groups, mode=mode)
-    leaves = [x.requires_grad_(True) for x in (q, k, v) + ((sink,) if sinks else ())]
-    ref = packed_reference_attention(q, k, v, cu, causal, d**-0.5, window=window, sinks=sink)
-    ref.backward(dout)
-    ql, kl, vl = (layout.shard(x.detach()).to(dtype).requires_grad_(True) for x in (q, k, v))
-    local_sink = sink.detach().float().requires_grad_(True) if sinks else None
-    out = megatron_2d.attention_2d(
-        ql, kl, vl, groups, causal=causal, sliding_window=window, sinks=local_sink, packing=layout
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v) + ((sink,) if sinks else ())]
+    ref = packed_reference_attention(
+        *leaves[:3], cu, causal, d**-0.5, window=window, sinks=leaves[3] if sinks else None
     )
-    out.backward(layout.shard(dout).to(dtype))
+    ref.backward(dout)
+    grads = [x.grad for x in leaves]
+    return PackedCase(
+        causal, dtype, window, d, cu, q, k, v, dout, sink, ref.detach(), *grads[:3], grads[3] if sinks else None
+    )
+
+
+def run_packed(groups, mode, case: PackedCase):
+    """One case on this rank: (errors by output, padding checks, sink gradient of this rank's rows, the reference's
+    sink gradient)."""
+    layout = megatron_2d.PackedSharding(torch.tensor(case.cu, dtype=torch.int32), groups, mode=mode)
+    dtype = case.dtype
+    ql, kl, vl = (layout.shard(x).to(dtype).requires_grad_(True) for x in (case.q, case.k, case.v))
+    local_sink = None if case.sink is None else case.sink.float().requires_grad_(True)
+    out = megatron_2d.attention_2d(
+        ql, kl, vl, groups, causal=case.causal, sliding_window=case.window, sinks=local_sink, packing=layout
+    )
+    out.backward(layout.shard(case.dout).to(dtype))
     pad = layout.local_indices() < 0
     grads = (out, ql.grad, kl.grad, vl.grad)
     padding = {
@@ -94,22 +134,31 @@ def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32
     # max |error| on this rank's slots over max |reference| of the whole tensor (a rank may hold only tokens
     # whose reference gradient is exactly zero, e.g. first tokens of documents for dq)
     errs = {
-        name: ((a.double() - layout.shard(e.detach())).abs().max() / e.abs().max()).item()
+        name: ((a.double() - layout.shard(e)).abs().max() / e.abs().max()).item()
         for name, (a, e) in dict(
-            out=(out, ref), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad)
+            out=(out, case.out), dq=(ql.grad, case.dq), dk=(kl.grad, case.dk), dv=(vl.grad, case.dv)
         ).items()
     }
-    sink_grad = local_sink.grad.double() if sinks else None
-    return errs, padding, sink_grad, (leaves[3].grad if sinks else None)
+    sink_grad = None if local_sink is None else local_sink.grad.double()
+    return errs, padding, sink_grad, case.dsink
 
 
-def layout_cases(rank, world, hp, w, placement):
-    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)  # GQA with K/V replication whenever hp > 1
+def layout_heads(hp):
+    return (8, 2) if hp in (4, 8) else (8, 1)  # GQA with K/V replication whenever hp > 1
+
+
+def layout_inputs(world, hp):
+    """The cases of a layout of ``world`` ranks, by (mode, lengths name, causal)."""
+    hq, hkv = layout_heads(hp)
     return {
-        (mode, name, causal): run_packed(groups, mode, LENGTHS[name], causal, hq, hkv)[:2]
-        for mode, name, causal in layout_case_keys(world)
+        (m, name, causal): packed_case(tuple(LENGTHS[name]), causal, hq, hkv)
+        for m, name, causal in layout_case_keys(world)
     }
+
+
+def layout_cases(rank, world, hp, w, placement, cases):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+    return {key: run_packed(groups, key[0], case)[:2] for key, case in cases.items()}
 
 
 @pytest.mark.distributed
@@ -117,7 +166,7 @@ def layout_cases(rank, world, hp, w, placement):
     "world, hp, w, placement", LAYOUTS, ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in LAYOUTS]
 )
 def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
-    results = run_on_ranks(world, layout_cases, hp, w, placement)
+    results = run_on_ranks(world, layout_cases, hp, w, placement, layout_inputs(world, hp))
     tol = TOLERANCES[torch.float32].end_to_end
     expected = set(layout_case_keys(world))
     assert ("sequence", "per_sequence", True) in expected and len(PACKING_MODES) == 3
@@ -135,50 +184,61 @@ def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
 ONE_TOKEN_DOCUMENTS = [1] * 40 + [5, 9]  # issue 25's reproduction: garbage dq/dk reported at world 8
 
 
-def one_token_documents(rank, world, hp, w):
-    groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
+def one_token_inputs():
     # the sequence mode cuts the stream into 2*CP chunks: a last document of 10 tokens makes T = 64
     return {
-        mode: run_packed(groups, mode, ONE_TOKEN_DOCUMENTS + ([10] if mode == "sequence" else []), True, 8, 8)[:2]
+        mode: packed_case(tuple(ONE_TOKEN_DOCUMENTS + ([10] if mode == "sequence" else [])), True, 8, 8)
         for mode in PACKING_MODES
     }
+
+
+def one_token_documents(rank, world, hp, w, cases):
+    groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
+    return {mode: run_packed(groups, mode, case)[:2] for mode, case in cases.items()}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("hp, w", [(1, 2), (4, 1), (2, 2)], ids=["hp1-cp8-w2", "hp4-cp2-w1", "hp2-cp4-w2"])
 def test_one_token_documents_at_world_8(hp, w):
     """The reported case (fp32, causal, hq = hkv = 8, d = 16, forty one-token documents) in every mode."""
-    for per_rank in run_on_ranks(8, one_token_documents, hp, w):
+    for per_rank in run_on_ranks(8, one_token_documents, hp, w, one_token_inputs()):
         assert set(per_rank) == set(PACKING_MODES)
         for mode, (errs, padding) in per_rank.items():
             assert max(errs.values()) < TOLERANCES[torch.float32].end_to_end, (mode, errs)
             assert padding["no_nan"] and padding["pad_zero"], (mode, padding)
 
 
-def tiny_documents(rank, world):
+def tiny_documents(rank, world, case):
     groups = megatron_2d.build_2d_groups(1, 2, "head_first", timeout=TIMEOUT)
-    lengths = (np.arange(1000) % 3 + 1).tolist()  # 1000 documents of 1-3 tokens
-    return {mode: run_packed(groups, mode, lengths, True, 4, 2)[:2] for mode in ("zigzag", "documents")}
+    return {mode: run_packed(groups, mode, case)[:2] for mode in ("zigzag", "documents")}
 
 
 @pytest.mark.distributed
 def test_thousand_tiny_documents():
-    for per_rank in run_on_ranks(4, tiny_documents):
+    lengths = tuple((np.arange(1000) % 3 + 1).tolist())  # 1000 documents of 1-3 tokens
+    for per_rank in run_on_ranks(4, tiny_documents, packed_case(lengths, True, 4, 2)):
         for mode, (errs, padding) in per_rank.items():
             assert max(errs.values()) < TOLERANCES[torch.float32].end_to_end, (mode, errs)
             assert padding["no_nan"] and padding["pad_zero"]
 
 
-def bf16_and_masks(rank, world):
+def bf16_and_masks_inputs():
+    cases = {}
+    for mode in PACKING_MODES:
+        lengths = tuple(LENGTHS["per_sequence" if mode == "sequence" else "mixed"])
+        cases[(mode, "bf16")] = packed_case(lengths, True, 8, 2, dtype=torch.bfloat16)
+        cases[(mode, "fp16")] = packed_case(lengths, True, 8, 2, dtype=torch.float16)
+        cases[(mode, "window")] = packed_case(lengths, True, 8, 2, window=(20, 0))
+        cases[(mode, "sinks")] = packed_case(lengths, True, 8, 2, sinks=True)
+    return cases
+
+
+def bf16_and_masks(rank, world, cases):
     groups = megatron_2d.build_2d_groups(2, 2, "context_first", timeout=TIMEOUT)
     out = {}
-    for mode in PACKING_MODES:
-        lengths = LENGTHS["per_sequence" if mode == "sequence" else "mixed"]
-        out[(mode, "bf16")] = run_packed(groups, mode, lengths, True, 8, 2, dtype=torch.bfloat16)[0]
-        out[(mode, "fp16")] = run_packed(groups, mode, lengths, True, 8, 2, dtype=torch.float16)[0]
-        out[(mode, "window")] = run_packed(groups, mode, lengths, True, 8, 2, window=(20, 0))[0]
-        errs, _, sink_grad, ref_sink_grad = run_packed(groups, mode, lengths, True, 8, 2, sinks=True)
-        out[(mode, "sinks")] = (errs, sink_grad, ref_sink_grad)
+    for (mode, kind), case in cases.items():
+        errs, _, sink_grad, ref_sink_grad = run_packed(groups, mode, case)
+        out[(mode, kind)] = (errs, sink_grad, ref_sink_grad) if kind == "sinks" else errs
     return out
 
 
@@ -187,7 +247,7 @@ def test_packed_bf16_fp16_windows_and_sinks():
     """bf16/fp16 within their end-to-end tolerance (inputs rounded to the dtype, so the error is the op's own
     plus the output rounding), a sliding window within documents, and learnable sinks whose per-rank gradients
     sum to the reference's."""
-    results = run_on_ranks(8, bf16_and_masks)
+    results = run_on_ranks(8, bf16_and_masks, bf16_and_masks_inputs())
     for mode in PACKING_MODES:
         for dtype in ("bf16", "fp16"):
             tol = TOLERANCES[torch.bfloat16 if dtype == "bf16" else torch.float16].end_to_end
@@ -438,14 +498,14 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
 LONG = [2 * 4 * c for c in (28, 32, 36)]  # three long documents, each > T / cp at CP = 4: chunks 28..36
 
 
-def packed_window_bytes(rank, world, left):
+def packed_window_bytes(rank, world, cases):
     groups = megatron_2d.build_2d_groups(1, 1, "head_first", timeout=TIMEOUT)
     out = {}
     for mode in ("zigzag", "documents"):
-        for window in ((left, 0), (-1, 0)):
+        for left, case in cases.items():
             groups.comm_bytes.reset()
-            errs, padding, _, _ = run_packed(groups, mode, LONG, True, 4, 2, window=window)
-            out[(mode, window[0])] = (max(errs.values()), groups.comm_bytes.as_dict())
+            errs, padding, _, _ = run_packed(groups, mode, case)
+            out[(mode, left)] = (max(errs.values()), groups.comm_bytes.as_dict())
     return out
 
 
@@ -457,7 +517,11 @@ def test_packed_window_bytes_follow_closed_form(left):
     and again in backward, and gets back their dK/dV partials (fp32): neighbours * D * left * 2 * g * d * (4 + 4 + 4)
     bytes, packed together whatever lies between the documents' slices. Without the window the ring runs."""
     world, g, d = 4, 2, 16
-    for rank, per_rank in enumerate(run_on_ranks(world, packed_window_bytes, left)):
+    for rank, per_rank in enumerate(
+        run_on_ranks(
+            world, packed_window_bytes, {x: packed_case(tuple(LONG), True, 4, 2, window=(x, 0)) for x in (left, -1)}
+        )
+    ):
         neighbours = (rank > 0) + (rank < world - 1)
         for mode in ("zigzag", "documents"):
             err, windowed = per_rank[(mode, left)]
@@ -568,16 +632,23 @@ CONTIGUOUS_LAYOUTS = [
 ]
 
 
-def contiguous_cases(rank, world, hp, w, placement):
+def contiguous_inputs(hp):
+    hq, hkv = layout_heads(hp)
+    lengths = tuple(LENGTHS["per_sequence"])  # T = 816: divisible by every CP here
+    return {
+        key: packed_case(lengths, causal, hq, hkv, window=window)
+        for key, causal, window in ((True, True, (-1, -1)), (False, False, (-1, -1)), ("window", True, (20, 0)))
+    }
+
+
+def contiguous_cases(rank, world, hp, w, placement, cases):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)
-    lengths = LENGTHS["per_sequence"]  # T = 816: divisible by every CP here
     out = {}
-    for case, causal, window in ((True, True, (-1, -1)), (False, False, (-1, -1)), ("window", True, (20, 0))):
+    for key, case in cases.items():
         groups.comm_bytes.reset()
-        errs, padding, _, _ = run_packed(groups, "contiguous", lengths, causal, hq, hkv, window=window)
+        errs, padding, _, _ = run_packed(groups, "contiguous", case)
         sent = groups.comm_bytes.as_dict()
-        out[case] = errs, padding, sent["neighbour"] + sent["inner_ring"] + sent["outer_ring"]
+        out[key] = errs, padding, sent["neighbour"] + sent["inner_ring"] + sent["outer_ring"]
     return out
 
 
@@ -591,7 +662,7 @@ def test_a_test_mode_runs_exactly_through_attention_2d(contiguous_mode, world, h
     """Forward and backward of the test's own mode against the per-document fp64 reference (causal, unmasked,
     a sliding window), on forked ranks: PackedSharding, the head all-to-all, the ring or neighbour exchange (K/V
     bytes counted) and the kernel calls all come from the mode's runs."""
-    for rank, per_rank in enumerate(run_on_ranks(world, contiguous_cases, hp, w, placement)):
+    for rank, per_rank in enumerate(run_on_ranks(world, contiguous_cases, hp, w, placement, contiguous_inputs(hp))):
         assert set(per_rank) == {True, False, "window"}
         for case, (errs, padding, kv_bytes) in per_rank.items():
             assert max(errs.values()) < TOLERANCES[torch.float32].end_to_end, (rank, case, errs)
