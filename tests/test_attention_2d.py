@@ -29,8 +29,10 @@ from megatron_2d.testing.reference import (
     rel_err,
     rounded,
 )
+from megatron_2d_dev.shared_worlds import run_by_world, run_each_on_ranks, selected_params
 
 TIMEOUT = GROUP_TIMEOUT
+SHARED_TIMEOUT_S = 180.0  # a shared world runs many layouts: a longer allowance before it counts as a livelock
 
 # (world, hp, cp, w, placement): every world size, inner-only / outer-only / double rings, head-only and
 # context-only. Where hp = 1 or cp = 1 both placements give the same rank map, so only head_first is listed;
@@ -182,13 +184,21 @@ def run_grid(rank, world, hp, w, placement, cases):
     return {key: check_case(groups, rank, world, **case) for key, case in cases.items()}
 
 
+@pytest.fixture(scope="module")
+def fp32_results(request):
+    """The selected layouts' grids, one forked world per world size (megatron_2d_dev.shared_worlds)."""
+    layouts = selected_params(request, "test_fp32_matches_reference", "world, hp, cp, w, placement")
+    for world, hp, *_ in layouts:
+        computed_before_forking(world, grid_cases(hp).values())
+    calls = {x: (x[0], (run_grid, (x[1], x[3], x[4], grid_cases(x[1])))) for x in layouts}
+    return run_by_world(calls, timeout_s=SHARED_TIMEOUT_S)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, cp, w, placement", LAYOUTS, ids=[layout_id(*x) for x in LAYOUTS])
-def test_fp32_matches_reference(world, hp, cp, w, placement):
+def test_fp32_matches_reference(fp32_results, world, hp, cp, w, placement):
     assert hp * cp == world
-    cases = grid_cases(hp)
-    computed_before_forking(world, cases.values())
-    results = run_on_ranks(world, run_grid, hp, w, placement, cases)
+    results = fp32_results[(world, hp, cp, w, placement)]
     bad = {
         case: err
         for per_rank in results
@@ -262,17 +272,25 @@ def run_dtypes(rank, world, hp, w, placement, cases):
     return {key: run_case(groups, rank, world, **case) for key, case in cases.items()}
 
 
+@pytest.fixture(scope="module")
+def dtype_results(request):
+    """The selected layouts' dtype grids, one forked world per world size."""
+    layouts = selected_params(request, "test_every_dtype_matches_its_rounded_reference", "world, hp, w, placement")
+    cases = dtype_cases()
+    for world in {x[0] for x in layouts}:
+        computed_before_forking(world, cases.values())
+    return run_by_world({x: (x[0], (run_dtypes, (*x[1:], cases))) for x in layouts}, timeout_s=SHARED_TIMEOUT_S)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, w, placement", DTYPE_LAYOUTS, ids=[layout_id(n, hp, n // hp, w, p) for n, hp, w, p in DTYPE_LAYOUTS]
 )
-def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
+def test_every_dtype_matches_its_rounded_reference(dtype_results, world, hp, w, placement):
     """fp64, bf16 and fp16, forward and backward: each output's error against fp64 math on the same rounded
     inputs, within that output's bound (norm_err); the fp32 accumulators keep it flat as CP grows."""
     bad = {}
-    cases = dtype_cases()
-    computed_before_forking(world, cases.values())
-    for per_rank in run_on_ranks(world, run_dtypes, hp, w, placement, cases):
+    for per_rank in dtype_results[(world, hp, w, placement)]:
         for (name, causal, hkv), errors in per_rank.items():
             tol = TOLERANCES[DTYPES[name]]
             for key, (rel, norm) in errors.items():
@@ -327,8 +345,9 @@ BYTE_CASES = [
 @pytest.mark.distributed
 def test_bytes_batch_one():
     """Batch 1: the same bytes as the closed form."""
-    for hkv in (8, 1):  # K/V split, and replicated
-        per_rank = run_on_ranks(8, run_bytes, 2, 2, "context_first", hkv, torch.float32, 1)
+    hkvs = (8, 1)  # K/V split, and replicated
+    calls = [(run_bytes, (2, 2, "context_first", hkv, torch.float32, 1)) for hkv in hkvs]
+    for hkv, per_rank in zip(hkvs, run_each_on_ranks(8, calls)):
         expected = expected_bytes(8, 2, 2, 8, hkv, s_local=8, batch=1, d=64, elt=4)
         assert all(got == expected for got in per_rank), (per_rank[0], expected)
 
@@ -372,14 +391,21 @@ def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
     return e.intra_bytes, e.inter_bytes
 
 
+@pytest.fixture(scope="module")
+def byte_results(request):
+    """The selected byte cases, one forked world per world size."""
+    cases = selected_params(request, "test_bytes_match_closed_form", "world, hp, w, placement, hkv, dtype")
+    return run_by_world({x: (x[0], (run_bytes, x[1:])) for x in cases})
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, w, placement, hkv, dtype",
     BYTE_CASES,
     ids=[f"N{n}-hp{h}-w{w}-{p}-hkv{k}-{str(dt)[6:]}" for n, h, w, p, k, dt in BYTE_CASES],
 )
-def test_bytes_match_closed_form(world, hp, w, placement, hkv, dtype):
-    per_rank = run_on_ranks(world, run_bytes, hp, w, placement, hkv, dtype)
+def test_bytes_match_closed_form(byte_results, world, hp, w, placement, hkv, dtype):
+    per_rank = byte_results[(world, hp, w, placement, hkv, dtype)]
     elt = torch.tensor([], dtype=dtype).element_size()
     expected = expected_bytes(world, hp, w, 8, hkv, s_local=8, batch=2, d=64, elt=elt)
     assert all(got == expected for got in per_rank), (per_rank[0], expected)
@@ -557,14 +583,23 @@ def rank_order_reference(mine, CP, batch, causal, packed):
     return (q, k, v, dout, sinks), (ref.detach(), *(x.grad for x in leaves))
 
 
+@pytest.fixture(scope="module")
+def rank_order_results(request):
+    """The selected rank orders, in one forked world."""
+    orders = selected_params(request, "test_cp_rank_lists_in_any_order", "hp, w, placement, lists")
+    for *_, lists in orders:
+        for mine, case in itertools.product(range(len(lists)), RANK_ORDER_CASES):
+            rank_order_reference(mine, len(lists[0]), *case)  # computed here once for the forked ranks
+    return run_each_on_ranks(8, [(run_rank_order, order) for order in orders]), orders
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("hp, w, placement, lists", RANK_ORDERS, ids=["reversed", "shuffled", "strided-descending"])
-def test_cp_rank_lists_in_any_order(hp, w, placement, lists):
+def test_cp_rank_lists_in_any_order(rank_order_results, hp, w, placement, lists):
     """Exact with CP rank lists that are not ascending: out, dq, dk, dv per rank, and the sinks' gradient summed
     over each CP group."""
-    for mine, case in itertools.product(range(len(lists)), RANK_ORDER_CASES):
-        rank_order_reference(mine, len(lists[0]), *case)  # computed here once for the forked ranks
-    per_rank = run_on_ranks(8, run_rank_order, hp, w, placement, lists)
+    per_call, orders = rank_order_results
+    per_rank = per_call[orders.index((hp, w, placement, lists))]
     bad = {}
     for case in per_rank[0][1]:
         for mine in range(len(lists)):
