@@ -24,8 +24,10 @@ from megatron_2d.packing.sharding import PackingCost, shard_documents, zigzag_sl
 from megatron_2d.packing.views import context_rank_of
 from megatron_2d.testing.distributed import GROUP_TIMEOUT, RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, packed_reference_attention, rel_err, rounded
+from megatron_2d_dev.shared_worlds import run_by_world, run_each_on_ranks, selected_params
 
 TIMEOUT = GROUP_TIMEOUT
+SHARED_TIMEOUT_S = 180.0  # a shared world runs many layouts: a longer allowance before it counts as a livelock
 
 LENGTHS = {
     "mixed": [1, 37, 200, 5, 64, 3, 90, 400, 11],  # length 1, lengths divisible by nothing
@@ -161,12 +163,20 @@ def layout_cases(rank, world, hp, w, placement, cases):
     return {key: run_packed(groups, key[0], case)[:2] for key, case in cases.items()}
 
 
+@pytest.fixture(scope="module")
+def fp32_results(request):
+    """The selected layouts' cases, one forked world per world size (megatron_2d_dev.shared_worlds)."""
+    layouts = selected_params(request, "test_packed_fp32_matches_per_document_reference", "world, hp, w, placement")
+    calls = {x: (x[0], (layout_cases, (*x[1:], layout_inputs(x[0], x[1])))) for x in layouts}
+    return run_by_world(calls, timeout_s=SHARED_TIMEOUT_S)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, w, placement", LAYOUTS, ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in LAYOUTS]
 )
-def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
-    results = run_on_ranks(world, layout_cases, hp, w, placement, layout_inputs(world, hp))
+def test_packed_fp32_matches_per_document_reference(fp32_results, world, hp, w, placement):
+    results = fp32_results[(world, hp, w, placement)]
     tol = TOLERANCES[torch.float32].end_to_end
     expected = set(layout_case_keys(world))
     assert ("sequence", "per_sequence", True) in expected and len(PACKING_MODES) == 3
@@ -197,11 +207,19 @@ def one_token_documents(rank, world, hp, w, cases):
     return {mode: run_packed(groups, mode, case)[:2] for mode, case in cases.items()}
 
 
+@pytest.fixture(scope="module")
+def one_token_results(request):
+    """The selected layouts, in one forked world."""
+    layouts = selected_params(request, "test_one_token_documents_at_world_8", "hp, w")
+    per_call = run_each_on_ranks(8, [(one_token_documents, (*x, one_token_inputs())) for x in layouts])
+    return dict(zip(layouts, per_call))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("hp, w", [(1, 2), (4, 1), (2, 2)], ids=["hp1-cp8-w2", "hp4-cp2-w1", "hp2-cp4-w2"])
-def test_one_token_documents_at_world_8(hp, w):
+def test_one_token_documents_at_world_8(one_token_results, hp, w):
     """The reported case (fp32, causal, hq = hkv = 8, d = 16, forty one-token documents) in every mode."""
-    for per_rank in run_on_ranks(8, one_token_documents, hp, w, one_token_inputs()):
+    for per_rank in one_token_results[(hp, w)]:
         assert set(per_rank) == set(PACKING_MODES)
         for mode, (errs, padding) in per_rank.items():
             assert max(errs.values()) < TOLERANCES[torch.float32].end_to_end, (mode, errs)
@@ -427,6 +445,15 @@ def disagreeing_cu_seqlens(rank, world, hp, differ_by):
     return None
 
 
+@pytest.fixture(scope="module")
+def disagreeing_results(request):
+    """The selected cases, one forked world per world size."""
+    cases = selected_params(
+        request, "test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused", "world, hp, differ_by"
+    )
+    return run_by_world({x: (x[0], (disagreeing_cu_seqlens, x[1:])) for x in cases})
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, differ_by",
@@ -439,10 +466,10 @@ def disagreeing_cu_seqlens(rank, world, hp, differ_by):
     ],
     ids=["hp2-cp2-across-head-groups", "hp2-cp2-across-context-groups", "hp1-cp2", "hp1-cp4", "hp4-cp1"],
 )
-def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(world, hp, differ_by):
+def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(disagreeing_results, world, hp, differ_by):
     """Ranks that agree with their own head group (or context group) but not with the rest of the CP group are
     refused on every rank: the check spans the whole CP group, at hp = 1 too."""
-    for message in run_on_ranks(world, disagreeing_cu_seqlens, hp, differ_by):
+    for message in disagreeing_results[(world, hp, differ_by)]:
         assert message is not None and "differ across the ranks" in message, message
 
 
@@ -509,19 +536,26 @@ def packed_window_bytes(rank, world, cases):
     return out
 
 
+@pytest.fixture(scope="module")
+def window_bytes_results(request):
+    """The selected windows, in one forked world."""
+    lefts = selected_params(request, "test_packed_window_bytes_follow_closed_form", "left")
+    calls = [
+        (packed_window_bytes, ({x: packed_case(tuple(LONG), True, 4, 2, window=(x, 0)) for x in (left, -1)},))
+        for left in lefts
+    ]
+    return dict(zip(lefts, run_each_on_ranks(4, calls)))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("left", [1, 5, 28])
-def test_packed_window_bytes_follow_closed_form(left):
+def test_packed_window_bytes_follow_closed_form(window_bytes_results, left):
     """hp = 1, CP = 4, three long documents (every chunk at least ``left`` long): context rank r sends each
     neighbour (r-1 and r+1, where they exist) the last ``left`` keys of one chunk per document, K and V in forward
     and again in backward, and gets back their dK/dV partials (fp32): neighbours * D * left * 2 * g * d * (4 + 4 + 4)
     bytes, packed together whatever lies between the documents' slices. Without the window the ring runs."""
     world, g, d = 4, 2, 16
-    for rank, per_rank in enumerate(
-        run_on_ranks(
-            world, packed_window_bytes, {x: packed_case(tuple(LONG), True, 4, 2, window=(x, 0)) for x in (left, -1)}
-        )
-    ):
+    for rank, per_rank in enumerate(window_bytes_results[left]):
         neighbours = (rank > 0) + (rank < world - 1)
         for mode in ("zigzag", "documents"):
             err, windowed = per_rank[(mode, left)]
@@ -652,17 +686,29 @@ def contiguous_cases(rank, world, hp, w, placement, cases):
     return out
 
 
+@pytest.fixture(scope="module")
+def contiguous_results(request):
+    """The selected layouts, one forked world per world size, with the test's mode registered while they run."""
+    layouts = selected_params(request, "test_a_test_mode_runs_exactly_through_attention_2d", "world, hp, w, placement")
+    calls = {x: (x[0], (contiguous_cases, (*x[1:], contiguous_inputs(x[1])))) for x in layouts}
+    register(ContiguousMode)
+    try:
+        return run_by_world(calls, timeout_s=SHARED_TIMEOUT_S)
+    finally:
+        unregister(ContiguousMode.name)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, w, placement",
     CONTIGUOUS_LAYOUTS,
     ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in CONTIGUOUS_LAYOUTS],
 )
-def test_a_test_mode_runs_exactly_through_attention_2d(contiguous_mode, world, hp, w, placement):
+def test_a_test_mode_runs_exactly_through_attention_2d(contiguous_results, world, hp, w, placement):
     """Forward and backward of the test's own mode against the per-document fp64 reference (causal, unmasked,
     a sliding window), on forked ranks: PackedSharding, the head all-to-all, the ring or neighbour exchange (K/V
     bytes counted) and the kernel calls all come from the mode's runs."""
-    for rank, per_rank in enumerate(run_on_ranks(world, contiguous_cases, hp, w, placement, contiguous_inputs(hp))):
+    for rank, per_rank in enumerate(contiguous_results[(world, hp, w, placement)]):
         assert set(per_rank) == {True, False, "window"}
         for case, (errs, padding, kv_bytes) in per_rank.items():
             assert max(errs.values()) < TOLERANCES[torch.float32].end_to_end, (rank, case, errs)
