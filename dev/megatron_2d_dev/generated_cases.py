@@ -65,18 +65,26 @@ from megatron_2d.testing.reference import (
 from .flash_attn_package import RELEASES
 
 _ATEN = torch.ops.aten
-_EMPTY_OPS = (
-    _ATEN.empty.memory_format,
-    _ATEN.empty_like.default,
-    _ATEN.new_empty.default,
-    _ATEN.empty_strided.default,
-    _ATEN.new_empty_strided.default,
+_EMPTY_OPS = frozenset(
+    (
+        _ATEN.empty.memory_format,
+        _ATEN.empty_like.default,
+        _ATEN.new_empty.default,
+        _ATEN.empty_strided.default,
+        _ATEN.new_empty_strided.default,
+    )
 )
 
 
 class PoisonedEmpty(TorchDispatchMode):
     """Fill every floating-point tensor that an empty-like op returns with NaN (allocations made from Python and
     from composite ops; a compiled kernel's internal buffers are out of its reach)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless told not to: nothing here is
+        # compiled, and that wrapper cost more than the op itself on most of a draw's ~15000 dispatches
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
