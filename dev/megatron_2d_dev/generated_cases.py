@@ -65,14 +65,12 @@ from megatron_2d.testing.reference import (
 from .flash_attn_package import RELEASES
 
 _ATEN = torch.ops.aten
-_EMPTY_OPS = frozenset(
-    (
-        _ATEN.empty.memory_format,
-        _ATEN.empty_like.default,
-        _ATEN.new_empty.default,
-        _ATEN.empty_strided.default,
-        _ATEN.new_empty_strided.default,
-    )
+_EMPTY_OPS = (
+    _ATEN.empty.memory_format,
+    _ATEN.empty_like.default,
+    _ATEN.new_empty.default,
+    _ATEN.empty_strided.default,
+    _ATEN.new_empty_strided.default,
 )
 
 
