@@ -7,6 +7,7 @@ runs the op, and compares its shard of out and of the gradients with the same sh
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import math
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_2d
+import megatron_2d.attention  # noqa: F401  imported once here, not in every forked rank (PEP 562 exports)
 import megatron_2d.groups
 import megatron_2d.layout.topology
 from megatron_2d.plan import ModelSpec, ParallelSpec, Scheme, evaluate, get_cluster
@@ -27,8 +29,10 @@ from megatron_2d.testing.reference import (
     rel_err,
     rounded,
 )
+from megatron_2d_dev.shared_worlds import run_by_world, run_each_on_ranks, selected_params
 
 TIMEOUT = GROUP_TIMEOUT
+SHARED_TIMEOUT_S = 180.0  # a shared world runs many layouts: a longer allowance before it counts as a livelock
 
 # (world, hp, cp, w, placement): every world size, inner-only / outer-only / double rings, head-only and
 # context-only. Where hp = 1 or cp = 1 both placements give the same rank map, so only head_first is listed;
@@ -104,25 +108,53 @@ def run_case(
     """Run one case on this rank: {out, dq, dk, dv: (rel_err vs the unrounded reference, norm_err vs the
     reference of the rounded inputs)}. ``round_inputs``: the global inputs are first rounded to ``dtype``, so the
     two references coincide and only the computation's own error is left."""
-    q, k, v, dout = make_inputs(2 * world * chunk, batch, hq, hkv, d, seed)
-    if round_inputs:
-        q, k, v, dout = (rounded(x, dtype) for x in (q, k, v, dout))
-    ref_scale = d**-0.5 if scale is None else scale
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    ref_out = reference_attention(q, k, v, causal, ref_scale)
-    ref_out.backward(dout)
+    (q, k, v, dout), ref = case_reference(world, dtype, causal, hq, hkv, d, batch, chunk, seed, scale, round_inputs)
 
     def shard(x):
-        return megatron_2d.shard_sequence(x.detach(), rank, world, seq_dim=0)
+        return megatron_2d.shard_sequence(x, rank, world, seq_dim=0)
 
     ql, kl, vl = (shard(x).to(dtype).requires_grad_(True) for x in (q, k, v))
     out = megatron_2d.attention_2d(ql, kl, vl, groups, causal=causal, softmax_scale=scale, kernel=kernel)
     out.backward(shard(dout).to(dtype))
     assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.dtype == dtype and kl.grad.shape == kl.shape
     assert out.is_contiguous()  # Megatron views it as [s, b, h * d]
-    pairs = dict(out=(out, ref_out), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad))
+    pairs = dict(out=(out, ref[0]), dq=(ql.grad, ref[1]), dk=(kl.grad, ref[2]), dv=(vl.grad, ref[3]))
     return {key: (rel_err(a, shard(e)), norm_err(a, shard(e))) for key, (a, e) in pairs.items()}
+
+
+def case_reference(world, dtype, causal, hq, hkv, d, batch=2, chunk=4, seed=0, scale=None, round_inputs=False, **_):
+    """The global inputs of a :func:`run_case` case and their fp64 reference (out, dq, dk, dv). The test process
+    calls it for every case before forking (:func:`computed_before_forking`) and the ranks inherit its cache: the
+    reference depends on the case only, so every rank of every layout computing it again checked nothing more."""
+    return _reference(
+        2 * world * chunk,
+        batch,
+        hq,
+        hkv,
+        d,
+        seed,
+        causal,
+        d**-0.5 if scale is None else scale,
+        dtype if round_inputs else None,
+    )
+
+
+@functools.cache
+def _reference(seq, batch, hq, hkv, d, seed, causal, scale, rounded_to):
+    q, k, v, dout = make_inputs(seq, batch, hq, hkv, d, seed)
+    if rounded_to is not None:
+        q, k, v, dout = (rounded(x, rounded_to) for x in (q, k, v, dout))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    ref_out = reference_attention(*leaves, causal, scale)
+    ref_out.backward(dout)
+    return (q, k, v, dout), (ref_out.detach(), *(x.grad for x in leaves))
+
+
+def computed_before_forking(world, cases):
+    """Every case's reference, computed here once for the forked ranks (``cases``: :func:`run_case` keyword
+    arguments besides groups, rank and world)."""
+    for case in cases:
+        case_reference(world, **case)
 
 
 def check_case(groups, rank, world, dtype, causal, hq, hkv, d, **kwargs):
@@ -130,31 +162,43 @@ def check_case(groups, rank, world, dtype, causal, hq, hkv, d, **kwargs):
     return max(rel for rel, _ in run_case(groups, rank, world, dtype, causal, hq, hkv, d, **kwargs).values())
 
 
-def run_grid(rank, world, hp, w, placement):
-    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    worst = {}
+def grid_cases(hp):
+    """{key: run_case keyword arguments} of the fp32 grid at head-parallel size ``hp``."""
+    f32 = torch.float32
+    cases = {}
     for causal, (hq, hkv) in itertools.product([True, False], head_variants(hp)):
         d = 128 if hq == hkv else 64
-        worst[(causal, variant_id(hq, hkv, hp), d)] = check_case(groups, rank, world, torch.float32, causal, hq, hkv, d)
+        cases[(causal, variant_id(hq, hkv, hp), d)] = dict(dtype=f32, causal=causal, hq=hq, hkv=hkv, d=d)
     # a softmax scale other than 1/sqrt(d), with GQA, causal and full
     hq, hkv = head_variants(hp)[-1]
     for causal in (True, False):
-        worst[(causal, "scale0.21", 32)] = check_case(
-            groups, rank, world, torch.float32, causal, hq, hkv, 32, scale=0.21
-        )
+        cases[(causal, "scale0.21", 32)] = dict(dtype=f32, causal=causal, hq=hq, hkv=hkv, d=32, scale=0.21)
     # batch 1, with the most K/V replication and without
     for hq, hkv in (head_variants(hp)[0], head_variants(hp)[-1]):
-        worst[(True, "b1-" + variant_id(hq, hkv, hp), 32)] = check_case(
-            groups, rank, world, torch.float32, True, hq, hkv, 32, batch=1
-        )
-    return worst
+        cases[(True, "b1-" + variant_id(hq, hkv, hp), 32)] = dict(dtype=f32, causal=True, hq=hq, hkv=hkv, d=32, batch=1)
+    return cases
+
+
+def run_grid(rank, world, hp, w, placement, cases):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+    return {key: check_case(groups, rank, world, **case) for key, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def fp32_results(request):
+    """The selected layouts' grids, one forked world per world size (megatron_2d_dev.shared_worlds)."""
+    layouts = selected_params(request, "test_fp32_matches_reference", "world, hp, cp, w, placement")
+    for world, hp, *_ in layouts:
+        computed_before_forking(world, grid_cases(hp).values())
+    calls = {x: (x[0], (run_grid, (x[1], x[3], x[4], grid_cases(x[1])))) for x in layouts}
+    return run_by_world(calls, timeout_s=SHARED_TIMEOUT_S)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world, hp, cp, w, placement", LAYOUTS, ids=[layout_id(*x) for x in LAYOUTS])
-def test_fp32_matches_reference(world, hp, cp, w, placement):
+def test_fp32_matches_reference(fp32_results, world, hp, cp, w, placement):
     assert hp * cp == world
-    results = run_on_ranks(world, run_grid, hp, w, placement)
+    results = fp32_results[(world, hp, cp, w, placement)]
     bad = {
         case: err
         for per_rank in results
@@ -194,6 +238,7 @@ def run_torch_math_kernel(rank, world):
 
 @pytest.mark.distributed
 def test_torch_math_kernel_in_the_ring():
+    computed_before_forking(8, [dict(dtype=torch.float32, causal=True, hq=8, hkv=2, d=64)])
     assert max(run_on_ranks(8, run_torch_math_kernel)) < TOLERANCES[torch.float32].end_to_end
 
 
@@ -213,25 +258,39 @@ DTYPE_LAYOUTS = [
 ]
 
 
-def run_dtypes(rank, world, hp, w, placement):
-    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    results = {}
-    for name, causal, hkv in itertools.product(DTYPES, [True, False], [2]):
-        results[(name, causal, hkv)] = run_case(
-            groups, rank, world, DTYPES[name], causal, 8, hkv, 64, chunk=8, seed=1, round_inputs=True
+def dtype_cases():
+    return {
+        (name, causal, hkv): dict(
+            dtype=DTYPES[name], causal=causal, hq=8, hkv=hkv, d=64, chunk=8, seed=1, round_inputs=True
         )
-    return results
+        for name, causal, hkv in itertools.product(DTYPES, [True, False], [2])
+    }
+
+
+def run_dtypes(rank, world, hp, w, placement, cases):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+    return {key: run_case(groups, rank, world, **case) for key, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def dtype_results(request):
+    """The selected layouts' dtype grids, one forked world per world size."""
+    layouts = selected_params(request, "test_every_dtype_matches_its_rounded_reference", "world, hp, w, placement")
+    cases = dtype_cases()
+    for world in {x[0] for x in layouts}:
+        computed_before_forking(world, cases.values())
+    return run_by_world({x: (x[0], (run_dtypes, (*x[1:], cases))) for x in layouts}, timeout_s=SHARED_TIMEOUT_S)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, w, placement", DTYPE_LAYOUTS, ids=[layout_id(n, hp, n // hp, w, p) for n, hp, w, p in DTYPE_LAYOUTS]
 )
-def test_every_dtype_matches_its_rounded_reference(world, hp, w, placement):
+def test_every_dtype_matches_its_rounded_reference(dtype_results, world, hp, w, placement):
     """fp64, bf16 and fp16, forward and backward: each output's error against fp64 math on the same rounded
     inputs, within that output's bound (norm_err); the fp32 accumulators keep it flat as CP grows."""
     bad = {}
-    for per_rank in run_on_ranks(world, run_dtypes, hp, w, placement):
+    for per_rank in dtype_results[(world, hp, w, placement)]:
         for (name, causal, hkv), errors in per_rank.items():
             tol = TOLERANCES[DTYPES[name]]
             for key, (rel, norm) in errors.items():
@@ -286,8 +345,9 @@ BYTE_CASES = [
 @pytest.mark.distributed
 def test_bytes_batch_one():
     """Batch 1: the same bytes as the closed form."""
-    for hkv in (8, 1):  # K/V split, and replicated
-        per_rank = run_on_ranks(8, run_bytes, 2, 2, "context_first", hkv, torch.float32, 1)
+    hkvs = (8, 1)  # K/V split, and replicated
+    calls = [(run_bytes, (2, 2, "context_first", hkv, torch.float32, 1)) for hkv in hkvs]
+    for hkv, per_rank in zip(hkvs, run_each_on_ranks(8, calls)):
         expected = expected_bytes(8, 2, 2, 8, hkv, s_local=8, batch=1, d=64, elt=4)
         assert all(got == expected for got in per_rank), (per_rank[0], expected)
 
@@ -312,6 +372,7 @@ def run_head_exchange_path(rank, world):
 def test_one_head_exchange_at_batch_one():
     """Batch 1 on gloo takes the collective all-to-all like any batch (docs/benchmarks.md: a point-to-point path
     measured no faster there), exactly."""
+    computed_before_forking(4, [dict(dtype=torch.float32, causal=True, hq=8, hkv=2, d=32, batch=1)])
     for err, used in run_on_ranks(4, run_head_exchange_path):
         assert used == ["to_heads", "to_tokens"] and err < TOLERANCES[torch.float32].end_to_end, (used, err)
 
@@ -330,14 +391,21 @@ def planner_bytes(world, hp, w, placement, hkv, gpus_per_node):
     return e.intra_bytes, e.inter_bytes
 
 
+@pytest.fixture(scope="module")
+def byte_results(request):
+    """The selected byte cases, one forked world per world size."""
+    cases = selected_params(request, "test_bytes_match_closed_form", "world, hp, w, placement, hkv, dtype")
+    return run_by_world({x: (x[0], (run_bytes, x[1:])) for x in cases})
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, w, placement, hkv, dtype",
     BYTE_CASES,
     ids=[f"N{n}-hp{h}-w{w}-{p}-hkv{k}-{str(dt)[6:]}" for n, h, w, p, k, dt in BYTE_CASES],
 )
-def test_bytes_match_closed_form(world, hp, w, placement, hkv, dtype):
-    per_rank = run_on_ranks(world, run_bytes, hp, w, placement, hkv, dtype)
+def test_bytes_match_closed_form(byte_results, world, hp, w, placement, hkv, dtype):
+    per_rank = byte_results[(world, hp, w, placement, hkv, dtype)]
     elt = torch.tensor([], dtype=dtype).element_size()
     expected = expected_bytes(world, hp, w, 8, hkv, s_local=8, batch=2, d=64, elt=elt)
     assert all(got == expected for got in per_rank), (per_rank[0], expected)
@@ -437,19 +505,18 @@ def run_multi_group(rank, world):
     groups = megatron_2d.build_2d_groups(2, 2, "context_first", cp_rank_lists=lists, timeout=TIMEOUT)
     cp_index = groups.place.cp_index
     assert groups.place.cp_ranks == tuple(lists[rank % 2])
-    q, k, v, dout = make_inputs(2 * 4 * 4, 1, 8, 2, 32, seed=10 + rank % 2)
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    reference_attention(q, k, v, True, 32**-0.5).backward(dout)
-    sh = lambda x: megatron_2d.shard_sequence(x.detach(), cp_index, 4)  # noqa: E731
+    (q, k, v, dout), (_, dq, dk, dv) = _reference(2 * 4 * 4, 1, 8, 2, 32, 10 + rank % 2, True, 32**-0.5, None)
+    sh = lambda x: megatron_2d.shard_sequence(x, cp_index, 4)  # noqa: E731
     ql, kl, vl = (sh(x).float().requires_grad_(True) for x in (q, k, v))
     out = megatron_2d.attention_2d(ql, kl, vl, groups)
     out.backward(sh(dout).float())
-    return max(rel_err(ql.grad, sh(q.grad)), rel_err(kl.grad, sh(k.grad)), rel_err(vl.grad, sh(v.grad)))
+    return max(rel_err(ql.grad, sh(dq)), rel_err(kl.grad, sh(dk)), rel_err(vl.grad, sh(dv)))
 
 
 @pytest.mark.distributed
 def test_several_cp_groups():
+    for seed in (10, 11):  # each CP group's reference, computed here once for its forked ranks
+        _reference(2 * 4 * 4, 1, 8, 2, 32, seed, True, 32**-0.5, None)
     assert max(run_on_ranks(8, run_multi_group)) < TOLERANCES[torch.float32].end_to_end
 
 
@@ -470,22 +537,13 @@ def run_rank_order(rank, world, hp, w, placement, lists):
     cp_index, CP = groups.place.cp_index, len(lists[0])
     assert lists[mine][cp_index] == rank
     results = {}
-    for batch, causal, packed in ((1, True, False), (2, False, False), (1, True, True)):
-        g = torch.Generator().manual_seed(30 + mine)
-        seq = 2 * CP * 4
-        q, k, v, dout = (torch.randn(seq, batch, h, 32, generator=g, dtype=torch.float64) for h in (8, 2, 2, 8))
-        sinks = torch.randn(8, generator=g, dtype=torch.float64)
-        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks)]
+    for batch, causal, packed in RANK_ORDER_CASES:
+        (q, k, v, dout, sinks), (ref, *leaves) = rank_order_reference(mine, CP, batch, causal, packed)
         if packed:
-            cu = torch.tensor([0, 5, 17, 18, seq])
-            layout = megatron_2d.PackedSharding(cu, groups, mode="zigzag")
-            ref = packed_reference_attention(*(x[:, 0] for x in leaves[:3]), cu, causal, 32**-0.5, sinks=leaves[3])
-            ref.backward(dout[:, 0])
-            shard = lambda x: layout.shard(x.detach()[:, 0] if x.dim() == 4 else x.detach())  # noqa: E731
+            layout = megatron_2d.PackedSharding(torch.tensor([0, 5, 17, 18, 2 * CP * 4]), groups, mode="zigzag")
+            shard = lambda x: layout.shard(x[:, 0] if x.dim() == 4 else x)  # noqa: E731
         else:
-            ref = reference_attention(*leaves[:3], causal, 32**-0.5, sinks=leaves[3])
-            ref.backward(dout)
-            shard = lambda x: megatron_2d.shard_sequence(x.detach(), cp_index, CP)  # noqa: E731
+            shard = lambda x: megatron_2d.shard_sequence(x, cp_index, CP)  # noqa: E731
         local = [shard(x).float().requires_grad_(True) for x in (q, k, v)]
         local_sinks = sinks.float().requires_grad_(True)
         out = megatron_2d.attention_2d(
@@ -493,22 +551,55 @@ def run_rank_order(rank, world, hp, w, placement, lists):
         )
         out.backward(shard(dout).float())
         pairs = (
-            ("out", out, ref.detach()),
-            ("dq", local[0].grad, leaves[0].grad),
-            ("dk", local[1].grad, leaves[1].grad),
-            ("dv", local[2].grad, leaves[2].grad),
+            ("out", out, ref),
+            ("dq", local[0].grad, leaves[0]),
+            ("dk", local[1].grad, leaves[1]),
+            ("dv", local[2].grad, leaves[2]),
         )
         errors = {key: rel_err(a, shard(e)) for key, a, e in pairs}
-        results[(batch, causal, packed)] = (errors, local_sinks.grad.double(), leaves[3].grad)
+        results[(batch, causal, packed)] = (errors, local_sinks.grad.double(), leaves[3])
     return mine, results
+
+
+RANK_ORDER_CASES = ((1, True, False), (2, False, False), (1, True, True))  # (batch, causal, packed)
+
+
+@functools.cache
+def rank_order_reference(mine, CP, batch, causal, packed):
+    """CP group ``mine``'s inputs (q, k, v, dout, sinks) and fp64 reference (out, dq, dk, dv, d sinks), computed
+    once in the test process for the forked ranks (:func:`case_reference`)."""
+    g = torch.Generator().manual_seed(30 + mine)
+    seq = 2 * CP * 4
+    q, k, v, dout = (torch.randn(seq, batch, h, 32, generator=g, dtype=torch.float64) for h in (8, 2, 2, 8))
+    sinks = torch.randn(8, generator=g, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks)]
+    if packed:
+        cu = torch.tensor([0, 5, 17, 18, seq])
+        ref = packed_reference_attention(*(x[:, 0] for x in leaves[:3]), cu, causal, 32**-0.5, sinks=leaves[3])
+        ref.backward(dout[:, 0])
+    else:
+        ref = reference_attention(*leaves[:3], causal, 32**-0.5, sinks=leaves[3])
+        ref.backward(dout)
+    return (q, k, v, dout, sinks), (ref.detach(), *(x.grad for x in leaves))
+
+
+@pytest.fixture(scope="module")
+def rank_order_results(request):
+    """The selected rank orders, in one forked world."""
+    orders = selected_params(request, "test_cp_rank_lists_in_any_order", "hp, w, placement, lists")
+    for *_, lists in orders:
+        for mine, case in itertools.product(range(len(lists)), RANK_ORDER_CASES):
+            rank_order_reference(mine, len(lists[0]), *case)  # computed here once for the forked ranks
+    return run_each_on_ranks(8, [(run_rank_order, order) for order in orders]), orders
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("hp, w, placement, lists", RANK_ORDERS, ids=["reversed", "shuffled", "strided-descending"])
-def test_cp_rank_lists_in_any_order(hp, w, placement, lists):
+def test_cp_rank_lists_in_any_order(rank_order_results, hp, w, placement, lists):
     """Exact with CP rank lists that are not ascending: out, dq, dk, dv per rank, and the sinks' gradient summed
     over each CP group."""
-    per_rank = run_on_ranks(8, run_rank_order, hp, w, placement, lists)
+    per_call, orders = rank_order_results
+    per_rank = per_call[orders.index((hp, w, placement, lists))]
     bad = {}
     for case in per_rank[0][1]:
         for mine in range(len(lists)):

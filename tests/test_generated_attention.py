@@ -5,12 +5,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy.ma  # noqa: F401  np.unique imports it on first use
 import pytest
 import torch
 
+# What every forked rank would import (and, without bytecode caching, compile) at its first draw: imported once here
+import megatron_2d.attention  # noqa: F401
+import megatron_2d.kernels  # noqa: F401
+import megatron_2d.packed_sharding  # noqa: F401
+import megatron_2d_dev.torch_cudnn_cpu  # noqa: F401
+import megatron_2d_dev.torch_flash_cpu  # noqa: F401
 from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.sequence_sharding import shard_sequence
-from megatron_2d.testing.distributed import run_on_ranks
 from megatron_2d_dev.flash_attn_package import RELEASES
 from megatron_2d_dev.generated_cases import (
     FLASH_KERNELS,
@@ -22,6 +28,7 @@ from megatron_2d_dev.generated_cases import (
     failures,
     run_batch,
 )
+from megatron_2d_dev.shared_worlds import run_each_on_ranks, selected_params
 
 BATCHES = range(24)  # 24 forked batches x 8 draws: about a minute and a half on 2 cores
 DRAWS_PER_BATCH = 8
@@ -34,13 +41,42 @@ def ci_draws():
     ]
 
 
+def shared_worlds(batches):
+    """The batches grouped into forked worlds: one world size each, and at most one flash-attn release (a rank
+    imports one release: :func:`megatron_2d_dev.flash_attn_package.load_release`), batches without flash_attn2 draws
+    joining the first world of their size."""
+    worlds: dict[tuple[int, str | None], list] = {}
+    for batch, draws, expected in batches:
+        release = batch.flash_attn if any(d.kernel == "flash_attn2" for d in draws) else None
+        same_size = [key for key in worlds if key[0] == batch.world]
+        key = next((k for k in same_size if release is None or k[1] in (None, release)), (batch.world, release))
+        if key[1] is None and release is not None:  # the world takes its first release
+            worlds[(batch.world, release)] = worlds.pop(key)
+            key = (batch.world, release)
+        worlds.setdefault(key, []).append((batch, draws, expected))
+    return list(worlds.values())
+
+
+@pytest.fixture(scope="module")
+def batch_results(request):
+    """The selected batches' results by seed: (batch, draws, expected, per rank), in shared forked worlds (a world
+    costs more than most draws: megatron_2d_dev.shared_worlds)."""
+    batches = []
+    for seed in selected_params(request, "test_generated_draws_match_the_per_document_reference", "seed"):
+        batch = draw_batch(seed)
+        draws = [draw_case(batch, i, PACKING_MODES) for i in range(DRAWS_PER_BATCH)]
+        batches.append((batch, draws, [expected_results(d) for d in draws]))
+    results = {}
+    for group in shared_worlds(batches):
+        per_call = run_each_on_ranks(group[0][0].world, [(run_batch, b) for b in group], timeout_s=180)
+        results.update({b[0].seed: (*b, per_rank) for b, per_rank in zip(group, per_call)})
+    return results
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("seed", BATCHES, ids=lambda s: f"batch{s}")
-def test_generated_draws_match_the_per_document_reference(seed):
-    batch = draw_batch(seed)
-    draws = [draw_case(batch, i, PACKING_MODES) for i in range(DRAWS_PER_BATCH)]
-    expected = [expected_results(d) for d in draws]
-    per_rank = run_on_ranks(batch.world, run_batch, batch, draws, expected, timeout_s=180)
+def test_generated_draws_match_the_per_document_reference(batch_results, seed):
+    batch, draws, expected, per_rank = batch_results[seed]
     problems = failures(batch, draws, per_rank, [e[-1] for e in expected], [e[-2] for e in expected])
     assert not problems, "\n".join(problems)
 

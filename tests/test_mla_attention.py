@@ -11,12 +11,16 @@ ring bytes of both stages follow their closed forms, at DeepSeek-V3's dims.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import megatron_2d
+import megatron_2d.attention  # noqa: F401  imported once here, not in every forked rank (PEP 562 exports)
+import megatron_2d.latent_attention  # noqa: F401
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.base import PaddedValueKernel
 from megatron_2d.testing.distributed import GROUP_TIMEOUT, RankFailure, run_on_ranks
@@ -28,6 +32,7 @@ from megatron_2d.testing.reference import (
     rel_err,
     rounded,
 )
+from megatron_2d_dev.shared_worlds import run_each_on_ranks, selected_params
 
 TIMEOUT = GROUP_TIMEOUT
 DK, DV = 24, 16  # query/key and value head dims of the small cases (192 / 128 scaled down)
@@ -63,40 +68,60 @@ def _inputs(S, b, hq, hkv, dk, dv, seed):
     ]  # q, k, v, dout
 
 
+@functools.cache
+def mla_reference(world, i):
+    """Case ``i`` of CASES at ``world`` ranks (i = len(CASES): the packed documents): its inputs (q, k, v, dout) and
+    fp64 reference (out, dq, dk, dv), computed once in the test process (:func:`mla_references`) for the forked
+    ranks, which inherit the cache, instead of on every rank."""
+    if i == len(CASES):
+        q, k, v, dout = (x[:, 0] for x in _inputs(int(PACKED_CU[-1]), 1, 8, 8, DK, DV, seed=11))
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        expected = packed_reference_attention(*leaves, PACKED_CU, True, DK**-0.5, window=(20, 0))
+    else:
+        causal, window, batch, _, hkv = CASES[i]
+        q, k, v, dout = _inputs(16 * world, batch, 8, hkv, DK, DV, seed=i)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        expected = reference_attention(*leaves, causal, 0.3, window=window)
+    expected.backward(dout)
+    return (q, k, v, dout), (expected.detach(), *(x.grad for x in leaves))
+
+
+def mla_references(world):
+    for i in range(len(CASES) + 1):
+        mla_reference(world, i)
+    for i, (case, packed) in enumerate(latent_runs(2)):
+        latent_reference(int(PACKED_CU[-1]) if packed else 16 * world, i, *case, packed)
+
+
+PACKED_CU = torch.tensor(np.cumsum([0, 3, 40, 9, 70, 6]), dtype=torch.int32)
+
+
 def mla_cases(rank, world, hp, w, placement):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    shard = lambda x: megatron_2d.shard_sequence(x.detach(), rank, world)  # noqa: E731
+    shard = lambda x: megatron_2d.shard_sequence(x, rank, world)  # noqa: E731
     errors = {}
     for i, (causal, window, batch, kernel, hkv) in enumerate(CASES):
-        q, k, v, dout = _inputs(16 * world, batch, 8, hkv, DK, DV, seed=i)
-        leaves = [x.requires_grad_(True) for x in (q, k, v)]
-        reference_attention(*leaves, causal, 0.3, window=window).backward(dout)
+        (q, k, v, dout), (expected, dq, dk, dv) = mla_reference(world, i)
         ql, kl, vl = (shard(x).float().requires_grad_(True) for x in (q, k, v))
         out = megatron_2d.attention_2d(
             ql, kl, vl, groups, causal=causal, softmax_scale=0.3, kernel=kernel, sliding_window=window
         )
         assert out.shape == (16, batch, 8, DV) and out.is_contiguous()
         out.backward(shard(dout).float())
-        with torch.no_grad():
-            expected = reference_attention(q, k, v, causal, 0.3, window=window)
         errors[(causal, window, batch, kernel, hkv)] = max(
-            rel_err(a, shard(e)) for a, e in ((out, expected), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))
+            rel_err(a, shard(e)) for a, e in ((out, expected), (ql.grad, dq), (kl.grad, dk), (vl.grad, dv))
         )
     # packed documents (THD), both modes, with a window
-    cu = torch.tensor(np.cumsum([0, 3, 40, 9, 70, 6]), dtype=torch.int32)
+    cu = PACKED_CU
     for mode in ("zigzag", "documents"):
         layout = megatron_2d.PackedSharding(cu, groups, mode=mode)
-        q, k, v, dout = (x[:, 0] for x in _inputs(int(cu[-1]), 1, 8, 8, DK, DV, seed=11))
-        leaves = [x.requires_grad_(True) for x in (q, k, v)]
-        packed_reference_attention(*leaves, cu, True, DK**-0.5, window=(20, 0)).backward(dout)
-        ql, kl, vl = (layout.shard(x.detach()).float().requires_grad_(True) for x in (q, k, v))
+        (q, k, v, dout), (expected, dq, dk, dv) = mla_reference(world, len(CASES))
+        ql, kl, vl = (layout.shard(x).float().requires_grad_(True) for x in (q, k, v))
         out = megatron_2d.attention_2d(ql, kl, vl, groups, sliding_window=(20, 0), packing=layout)
         out.backward(layout.shard(dout).float())
-        with torch.no_grad():
-            expected = packed_reference_attention(q, k, v, cu, True, DK**-0.5, window=(20, 0))
         errors[("packed", mode)] = max(
             ((a.double() - layout.shard(e)).abs().max() / e.abs().max()).item()
-            for a, e in ((out, expected), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))
+            for a, e in ((out, expected), (ql.grad, dq), (kl.grad, dk), (vl.grad, dv))
         )
     packings = [(cu, megatron_2d.PackedSharding(cu, groups, mode=mode)) for mode in ("zigzag", "documents")]
     errors.update(latent_cases(groups, rank, world, shard, packings))
@@ -128,28 +153,46 @@ def _expand(latent, weight, hq, nope=NOPE, value=VALUE, rank=RANK):
     return torch.cat([kv[..., :nope], k_rope], dim=-1), kv[..., nope:]
 
 
+def latent_runs(packings: int):
+    """((causal, window, batch, sinks), packed) of LATENT_CASES (sbhd), then of ``packings`` packed layouts."""
+    return [(case, False) for case in LATENT_CASES] + [((True, (20, 0), 1, False), True)] * packings
+
+
+@functools.cache
+def latent_reference(T, i, causal, window, batch, with_sinks, packed):
+    """Run ``i`` of :func:`latent_runs`: its inputs (q, latent, weight, dout, sinks) and fp64 reference (out, dq,
+    d latent, d weight, d sinks), computed once in the test process for the forked ranks (:func:`mla_reference`)."""
+    q, latent, weight, dout = _latent_inputs(T, batch, 8, seed=20 + i)
+    sinks = torch.linspace(-1, 1, 8, dtype=torch.float64) if with_sinks else None
+    if packed:
+        q, latent, dout = q[:, 0], latent[:, 0], dout[:, 0]
+    leaves = [x.clone().requires_grad_(True) for x in (q, latent, weight) + ((sinks,) if with_sinks else ())]
+    k, v = _expand(leaves[1], leaves[2], 8)
+    if packed:
+        expected = packed_reference_attention(leaves[0], k, v, PACKED_CU, causal, 0.3, window=window)
+    else:
+        expected = reference_attention(
+            leaves[0], k, v, causal, 0.3, window=window, sinks=leaves[3] if with_sinks else None
+        )
+    expected.backward(dout)
+    return (q, latent, weight, dout, sinks), (expected.detach(), *(x.grad for x in leaves))
+
+
 def latent_cases(groups, rank, world, shard, packings=()):
     """Errors of latent_attention_2d against the fp64 reference for LATENT_CASES (sbhd) and ``packings``."""
     errors = {}
-    runs = [(case, None) for case in LATENT_CASES] + [((True, (20, 0), 1, False), p) for p in packings]
-    for i, ((causal, window, batch, with_sinks), packing) in enumerate(runs):
-        T = int(packing[0][-1]) if packing else 16 * world
-        q, latent, weight, dout = _latent_inputs(T, batch, 8, seed=20 + i)
-        sinks = torch.linspace(-1, 1, 8, dtype=torch.float64) if with_sinks else None
+    for i, ((causal, window, batch, with_sinks), packed) in enumerate(latent_runs(len(packings))):
+        packing = packings[i - len(LATENT_CASES)] if packed else None
+        T = int(PACKED_CU[-1]) if packed else 16 * world
+        (q, latent, weight, dout, sinks), (expected, *grads) = latent_reference(
+            T, i, causal, window, batch, with_sinks, packed
+        )
         if packing:
-            cu, layout = packing
-            q, latent, dout = q[:, 0], latent[:, 0], dout[:, 0]
-            shard = layout.shard
-        leaves = [x.requires_grad_(True) for x in (q, latent, weight) + ((sinks,) if with_sinks else ())]
-        k, v = _expand(latent, weight, 8)
-        if packing:
-            expected = packed_reference_attention(q, k, v, packing[0], causal, 0.3, window=window)
-        else:
-            expected = reference_attention(q, k, v, causal, 0.3, window=window, sinks=sinks)
-        expected.backward(dout)
-        ql, ll = (shard(x.detach()).float().requires_grad_(True) for x in (q, latent))
-        wl = weight.detach().float().requires_grad_(True)
-        sl = sinks.detach().float().requires_grad_(True) if with_sinks else None
+            assert torch.equal(packing[0], PACKED_CU)
+            shard = packing[1].shard
+        ql, ll = (shard(x).float().requires_grad_(True) for x in (q, latent))
+        wl = weight.float().requires_grad_(True)
+        sl = sinks.float().requires_grad_(True) if with_sinks else None
         out = megatron_2d.latent_attention_2d(
             ql,
             ll,
@@ -167,9 +210,9 @@ def latent_cases(groups, rank, world, shard, packings=()):
         replicated = [wl.grad] + ([sl.grad] if with_sinks else [])  # CP ranks hold shares: summed over CP
         for grad in replicated:
             dist.all_reduce(grad)
-        pairs = [(out, expected), (ql.grad, q.grad), (ll.grad, latent.grad)]
-        errs = [(a.double() - shard(e.detach())).abs().max().item() / e.abs().max().item() for a, e in pairs]
-        errs += [rel_err(g, leaf.grad) for g, leaf in zip(replicated, leaves[2:])]
+        pairs = [(out, expected), (ql.grad, grads[0]), (ll.grad, grads[1])]
+        errs = [(a.double() - shard(e)).abs().max().item() / e.abs().max().item() for a, e in pairs]
+        errs += [rel_err(g, e) for g, e in zip(replicated, grads[2:])]
         errors[("latent", causal, window, batch, with_sinks, packing[1].mode if packing else None)] = max(errs)
     return errors
 
@@ -178,6 +221,7 @@ def latent_cases(groups, rank, world, shard, packings=()):
 @pytest.mark.parametrize("world, hp, w, placement", LAYOUTS, ids=[f"N{n}-hp{h}-w{w}-{p}" for n, h, w, p in LAYOUTS])
 def test_mla_attention_is_exact(world, hp, w, placement):
     """Stage 1 (attention_2d with dk != dv) and stage 2 (latent_attention_2d) on one layout, one fork."""
+    mla_references(world)  # computed here once for the forked ranks
     for errors in run_on_ranks(world, mla_cases, hp, w, placement, timeout_s=300):
         bad = {case: err for case, err in errors.items() if not err < TOLERANCES[torch.float32].end_to_end}
         assert not bad, bad
@@ -200,10 +244,18 @@ TE_TOLERANCES = {torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2)}  # run_attentio
 # tensor must also stay within our bf16 end-to-end bound relative to its largest value
 
 
-def te_mla_config(rank, world, name):
+@functools.cache
+def te_mla_inputs(name):
+    """q, k, v, dout of a config (bf16 numbers, in fp32): made once in the test process for its forked ranks (the
+    fp64 draws and their rounding were a third of each rank's time)."""
+    heads, _, _, seq = TE_MLA_CONFIGS[name]
+    return tuple(rounded(x, torch.bfloat16).float() for x in _inputs(seq, 2, heads, heads, 192, 128, seed=3))
+
+
+def te_mla_config(rank, world, name, inputs):
     heads, causal, window, seq = TE_MLA_CONFIGS[name]
     groups = megatron_2d.build_2d_groups(2, 2, "head_first", timeout=TIMEOUT)
-    q, k, v, dout = (rounded(x, torch.bfloat16).float() for x in _inputs(seq, 2, heads, heads, 192, 128, seed=3))
+    q, k, v, dout = inputs
     shard = lambda x: megatron_2d.shard_sequence(x, rank, world)  # noqa: E731
     expected = reference_on_rank(q, k, v, dout, rank, world, causal=causal, window=window, dtype=torch.float32)
     ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_(True) for x in (q, k, v))
@@ -216,10 +268,18 @@ def te_mla_config(rank, world, name):
     return groups.comm_bytes.as_dict()
 
 
+@pytest.fixture(scope="module")
+def te_mla_results(request):
+    """The selected configs, in one forked world of 4 ranks (megatron_2d_dev.shared_worlds)."""
+    names = selected_params(request, "test_transformer_engine_mla_cp_configs", "name")
+    calls = [(te_mla_config, (name, te_mla_inputs(name))) for name in names]
+    return dict(zip(names, run_each_on_ranks(4, calls, timeout_s=300)))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(TE_MLA_CONFIGS))
-def test_transformer_engine_mla_cp_configs(name):
-    for sent in run_on_ranks(4, te_mla_config, name, timeout_s=300):
+def test_transformer_engine_mla_cp_configs(te_mla_results, name):
+    for sent in te_mla_results[name]:
         assert sent["all_to_all"] > 0  # hp 2 x cp 2: the head all-to-all and the ring both ran
         assert sent["inner_ring"] + sent["neighbour"] > 0
 

@@ -7,11 +7,17 @@ reference in which each document attends only to itself.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import numpy as np
+import numpy.ma  # noqa: F401  np.unique imports it on first use: once here, not in every forked rank
 import pytest
 import torch
 
 import megatron_2d
+import megatron_2d.attention  # noqa: F401  imported once here, not in every forked rank (PEP 562 exports)
+import megatron_2d.packed_sharding  # noqa: F401
 from megatron_2d.layout.choices import PACKING_MODES
 from megatron_2d.packing.calls import Runs
 from megatron_2d.packing.modes import PackingMode, mode_class, mode_names, register, unregister
@@ -19,8 +25,10 @@ from megatron_2d.packing.sharding import PackingCost, shard_documents, zigzag_sl
 from megatron_2d.packing.views import context_rank_of
 from megatron_2d.testing.distributed import GROUP_TIMEOUT, RankFailure, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, packed_reference_attention, rel_err, rounded
+from megatron_2d_dev.shared_worlds import run_by_world, run_each_on_ranks, selected_params
 
 TIMEOUT = GROUP_TIMEOUT
+SHARED_TIMEOUT_S = 180.0  # a shared world runs many layouts: a longer allowance before it counts as a livelock
 
 LENGTHS = {
     "mixed": [1, 37, 200, 5, 64, 3, 90, 400, 11],  # length 1, lengths divisible by nothing
@@ -69,21 +77,56 @@ def packed_inputs(lengths, hq, hkv, d, seed=0):
     return cu, q, k, v, dout
 
 
-def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32, window=(-1, -1), sinks=False, seed=0):
-    """One case on this rank: (errors by output, padding checks, sink gradient of this rank's rows)."""
-    cu, q, k, v, dout = packed_inputs(lengths, hq, hkv, d, seed)
+class PackedCase(NamedTuple):
+    """One case's inputs (rounded to ``dtype``, fp64) and its fp64 per-document reference with gradients."""
+
+    causal: bool
+    dtype: torch.dtype
+    window: tuple[int, int]
+    d: int
+    cu: np.ndarray
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    sink: torch.Tensor | None
+    out: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dsink: torch.Tensor | None
+
+
+@functools.cache
+def packed_case(lengths, causal, hq, hkv, d=16, dtype=torch.float32, window=(-1, -1), sinks=False, seed=0):
+    """The case's inputs and reference, computed once in the test process and handed to the forked ranks (which
+    inherit it): the reference depends on the case only, not on the layout or the rank, so every rank of every
+    layout computing it again (85% of the ranks' CPU time) checked nothing more."""
+    cu, q, k, v, dout = packed_inputs(list(lengths), hq, hkv, d, seed)
     q, k, v, dout = (rounded(x, dtype) for x in (q, k, v, dout))
     sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64) if sinks else None
-    layout = megatron_2d.PackedSharding(torch.tensor(cu, dtype=torch.int32), groups, mode=mode)
-    leaves = [x.requires_grad_(True) for x in (q, k, v) + ((sink,) if sinks else ())]
-    ref = packed_reference_attention(q, k, v, cu, causal, d**-0.5, window=window, sinks=sink)
-    ref.backward(dout)
-    ql, kl, vl = (layout.shard(x.detach()).to(dtype).requires_grad_(True) for x in (q, k, v))
-    local_sink = sink.detach().float().requires_grad_(True) if sinks else None
-    out = megatron_2d.attention_2d(
-        ql, kl, vl, groups, causal=causal, sliding_window=window, sinks=local_sink, packing=layout
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v) + ((sink,) if sinks else ())]
+    ref = packed_reference_attention(
+        *leaves[:3], cu, causal, d**-0.5, window=window, sinks=leaves[3] if sinks else None
     )
-    out.backward(layout.shard(dout).to(dtype))
+    ref.backward(dout)
+    grads = [x.grad for x in leaves]
+    return PackedCase(
+        causal, dtype, window, d, cu, q, k, v, dout, sink, ref.detach(), *grads[:3], grads[3] if sinks else None
+    )
+
+
+def run_packed(groups, mode, case: PackedCase):
+    """One case on this rank: (errors by output, padding checks, sink gradient of this rank's rows, the reference's
+    sink gradient)."""
+    layout = megatron_2d.PackedSharding(torch.tensor(case.cu, dtype=torch.int32), groups, mode=mode)
+    dtype = case.dtype
+    ql, kl, vl = (layout.shard(x).to(dtype).requires_grad_(True) for x in (case.q, case.k, case.v))
+    local_sink = None if case.sink is None else case.sink.float().requires_grad_(True)
+    out = megatron_2d.attention_2d(
+        ql, kl, vl, groups, causal=case.causal, sliding_window=case.window, sinks=local_sink, packing=layout
+    )
+    out.backward(layout.shard(case.dout).to(dtype))
     pad = layout.local_indices() < 0
     grads = (out, ql.grad, kl.grad, vl.grad)
     padding = {
@@ -94,30 +137,47 @@ def run_packed(groups, mode, lengths, causal, hq, hkv, d=16, dtype=torch.float32
     # max |error| on this rank's slots over max |reference| of the whole tensor (a rank may hold only tokens
     # whose reference gradient is exactly zero, e.g. first tokens of documents for dq)
     errs = {
-        name: ((a.double() - layout.shard(e.detach())).abs().max() / e.abs().max()).item()
+        name: ((a.double() - layout.shard(e)).abs().max() / e.abs().max()).item()
         for name, (a, e) in dict(
-            out=(out, ref), dq=(ql.grad, q.grad), dk=(kl.grad, k.grad), dv=(vl.grad, v.grad)
+            out=(out, case.out), dq=(ql.grad, case.dq), dk=(kl.grad, case.dk), dv=(vl.grad, case.dv)
         ).items()
     }
-    sink_grad = local_sink.grad.double() if sinks else None
-    return errs, padding, sink_grad, (leaves[3].grad if sinks else None)
+    sink_grad = None if local_sink is None else local_sink.grad.double()
+    return errs, padding, sink_grad, case.dsink
 
 
-def layout_cases(rank, world, hp, w, placement):
-    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)  # GQA with K/V replication whenever hp > 1
+def layout_heads(hp):
+    return (8, 2) if hp in (4, 8) else (8, 1)  # GQA with K/V replication whenever hp > 1
+
+
+def layout_inputs(world, hp):
+    """The cases of a layout of ``world`` ranks, by (mode, lengths name, causal)."""
+    hq, hkv = layout_heads(hp)
     return {
-        (mode, name, causal): run_packed(groups, mode, LENGTHS[name], causal, hq, hkv)[:2]
-        for mode, name, causal in layout_case_keys(world)
+        (m, name, causal): packed_case(tuple(LENGTHS[name]), causal, hq, hkv)
+        for m, name, causal in layout_case_keys(world)
     }
+
+
+def layout_cases(rank, world, hp, w, placement, cases):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+    return {key: run_packed(groups, key[0], case)[:2] for key, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def fp32_results(request):
+    """The selected layouts' cases, one forked world per world size (megatron_2d_dev.shared_worlds)."""
+    layouts = selected_params(request, "test_packed_fp32_matches_per_document_reference", "world, hp, w, placement")
+    calls = {x: (x[0], (layout_cases, (*x[1:], layout_inputs(x[0], x[1])))) for x in layouts}
+    return run_by_world(calls, timeout_s=SHARED_TIMEOUT_S)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, w, placement", LAYOUTS, ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in LAYOUTS]
 )
-def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
-    results = run_on_ranks(world, layout_cases, hp, w, placement)
+def test_packed_fp32_matches_per_document_reference(fp32_results, world, hp, w, placement):
+    results = fp32_results[(world, hp, w, placement)]
     tol = TOLERANCES[torch.float32].end_to_end
     expected = set(layout_case_keys(world))
     assert ("sequence", "per_sequence", True) in expected and len(PACKING_MODES) == 3
@@ -135,50 +195,69 @@ def test_packed_fp32_matches_per_document_reference(world, hp, w, placement):
 ONE_TOKEN_DOCUMENTS = [1] * 40 + [5, 9]  # issue 25's reproduction: garbage dq/dk reported at world 8
 
 
-def one_token_documents(rank, world, hp, w):
-    groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
+def one_token_inputs():
     # the sequence mode cuts the stream into 2*CP chunks: a last document of 10 tokens makes T = 64
     return {
-        mode: run_packed(groups, mode, ONE_TOKEN_DOCUMENTS + ([10] if mode == "sequence" else []), True, 8, 8)[:2]
+        mode: packed_case(tuple(ONE_TOKEN_DOCUMENTS + ([10] if mode == "sequence" else [])), True, 8, 8)
         for mode in PACKING_MODES
     }
 
 
+def one_token_documents(rank, world, hp, w, cases):
+    groups = megatron_2d.build_2d_groups(hp, w, "head_first", timeout=TIMEOUT)
+    return {mode: run_packed(groups, mode, case)[:2] for mode, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def one_token_results(request):
+    """The selected layouts, in one forked world."""
+    layouts = selected_params(request, "test_one_token_documents_at_world_8", "hp, w")
+    per_call = run_each_on_ranks(8, [(one_token_documents, (*x, one_token_inputs())) for x in layouts])
+    return dict(zip(layouts, per_call))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("hp, w", [(1, 2), (4, 1), (2, 2)], ids=["hp1-cp8-w2", "hp4-cp2-w1", "hp2-cp4-w2"])
-def test_one_token_documents_at_world_8(hp, w):
+def test_one_token_documents_at_world_8(one_token_results, hp, w):
     """The reported case (fp32, causal, hq = hkv = 8, d = 16, forty one-token documents) in every mode."""
-    for per_rank in run_on_ranks(8, one_token_documents, hp, w):
+    for per_rank in one_token_results[(hp, w)]:
         assert set(per_rank) == set(PACKING_MODES)
         for mode, (errs, padding) in per_rank.items():
             assert max(errs.values()) < TOLERANCES[torch.float32].end_to_end, (mode, errs)
             assert padding["no_nan"] and padding["pad_zero"], (mode, padding)
 
 
-def tiny_documents(rank, world):
+def tiny_documents(rank, world, case):
     groups = megatron_2d.build_2d_groups(1, 2, "head_first", timeout=TIMEOUT)
-    lengths = (np.arange(1000) % 3 + 1).tolist()  # 1000 documents of 1-3 tokens
-    return {mode: run_packed(groups, mode, lengths, True, 4, 2)[:2] for mode in ("zigzag", "documents")}
+    return {mode: run_packed(groups, mode, case)[:2] for mode in ("zigzag", "documents")}
 
 
 @pytest.mark.distributed
 def test_thousand_tiny_documents():
-    for per_rank in run_on_ranks(4, tiny_documents):
+    lengths = tuple((np.arange(1000) % 3 + 1).tolist())  # 1000 documents of 1-3 tokens
+    for per_rank in run_on_ranks(4, tiny_documents, packed_case(lengths, True, 4, 2)):
         for mode, (errs, padding) in per_rank.items():
             assert max(errs.values()) < TOLERANCES[torch.float32].end_to_end, (mode, errs)
             assert padding["no_nan"] and padding["pad_zero"]
 
 
-def bf16_and_masks(rank, world):
+def bf16_and_masks_inputs():
+    cases = {}
+    for mode in PACKING_MODES:
+        lengths = tuple(LENGTHS["per_sequence" if mode == "sequence" else "mixed"])
+        cases[(mode, "bf16")] = packed_case(lengths, True, 8, 2, dtype=torch.bfloat16)
+        cases[(mode, "fp16")] = packed_case(lengths, True, 8, 2, dtype=torch.float16)
+        cases[(mode, "window")] = packed_case(lengths, True, 8, 2, window=(20, 0))
+        cases[(mode, "sinks")] = packed_case(lengths, True, 8, 2, sinks=True)
+    return cases
+
+
+def bf16_and_masks(rank, world, cases):
     groups = megatron_2d.build_2d_groups(2, 2, "context_first", timeout=TIMEOUT)
     out = {}
-    for mode in PACKING_MODES:
-        lengths = LENGTHS["per_sequence" if mode == "sequence" else "mixed"]
-        out[(mode, "bf16")] = run_packed(groups, mode, lengths, True, 8, 2, dtype=torch.bfloat16)[0]
-        out[(mode, "fp16")] = run_packed(groups, mode, lengths, True, 8, 2, dtype=torch.float16)[0]
-        out[(mode, "window")] = run_packed(groups, mode, lengths, True, 8, 2, window=(20, 0))[0]
-        errs, _, sink_grad, ref_sink_grad = run_packed(groups, mode, lengths, True, 8, 2, sinks=True)
-        out[(mode, "sinks")] = (errs, sink_grad, ref_sink_grad)
+    for (mode, kind), case in cases.items():
+        errs, _, sink_grad, ref_sink_grad = run_packed(groups, mode, case)
+        out[(mode, kind)] = (errs, sink_grad, ref_sink_grad) if kind == "sinks" else errs
     return out
 
 
@@ -187,7 +266,7 @@ def test_packed_bf16_fp16_windows_and_sinks():
     """bf16/fp16 within their end-to-end tolerance (inputs rounded to the dtype, so the error is the op's own
     plus the output rounding), a sliding window within documents, and learnable sinks whose per-rank gradients
     sum to the reference's."""
-    results = run_on_ranks(8, bf16_and_masks)
+    results = run_on_ranks(8, bf16_and_masks, bf16_and_masks_inputs())
     for mode in PACKING_MODES:
         for dtype in ("bf16", "fp16"):
             tol = TOLERANCES[torch.bfloat16 if dtype == "bf16" else torch.float16].end_to_end
@@ -279,12 +358,10 @@ def test_documents_sharding_chooses_by_cost_and_keeps_short_documents_whole():
             view = p.views[p.owner[doc]].tolist()
             start = view.index(int(cu[doc]))
             assert view[start : start + lengths[doc]] == list(range(cu[doc], cu[doc + 1]))
-        # the loads it reports, measured independently from the views
+        # the loads it reports, measured independently from the views: each token's visible pairs (its position in
+        # its document + 1) summed per view (numpy over each view's tokens: one Python step per token took 10 s)
         load = np.array(
-            [
-                sum(int(x - cu[np.searchsorted(cu, x, side="right") - 1]) + 1 for x in view[view >= 0])
-                for view in p.views
-            ]
+            [int((t - cu[np.searchsorted(cu, t, side="right") - 1] + 1).sum()) for t in (v[v >= 0] for v in p.views)]
         )
         assert load.max() / load.mean() - 1 == pytest.approx(p.pair_imbalance, abs=1e-9)
         padding = (p.views < 0).sum() - (
@@ -367,6 +444,15 @@ def disagreeing_cu_seqlens(rank, world, hp, differ_by):
     return None
 
 
+@pytest.fixture(scope="module")
+def disagreeing_results(request):
+    """The selected cases, one forked world per world size."""
+    cases = selected_params(
+        request, "test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused", "world, hp, differ_by"
+    )
+    return run_by_world({x: (x[0], (disagreeing_cu_seqlens, x[1:])) for x in cases})
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, hp, differ_by",
@@ -379,10 +465,10 @@ def disagreeing_cu_seqlens(rank, world, hp, differ_by):
     ],
     ids=["hp2-cp2-across-head-groups", "hp2-cp2-across-context-groups", "hp1-cp2", "hp1-cp4", "hp4-cp1"],
 )
-def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(world, hp, differ_by):
+def test_cu_seqlens_that_differ_anywhere_in_the_cp_group_are_refused(disagreeing_results, world, hp, differ_by):
     """Ranks that agree with their own head group (or context group) but not with the rest of the CP group are
     refused on every rank: the check spans the whole CP group, at hp = 1 too."""
-    for message in run_on_ranks(world, disagreeing_cu_seqlens, hp, differ_by):
+    for message in disagreeing_results[(world, hp, differ_by)]:
         assert message is not None and "differ across the ranks" in message, message
 
 
@@ -438,26 +524,37 @@ def test_planned_work_is_each_documents_own_attention(mode, CP, hp, placement):
 LONG = [2 * 4 * c for c in (28, 32, 36)]  # three long documents, each > T / cp at CP = 4: chunks 28..36
 
 
-def packed_window_bytes(rank, world, left):
+def packed_window_bytes(rank, world, cases):
     groups = megatron_2d.build_2d_groups(1, 1, "head_first", timeout=TIMEOUT)
     out = {}
     for mode in ("zigzag", "documents"):
-        for window in ((left, 0), (-1, 0)):
+        for left, case in cases.items():
             groups.comm_bytes.reset()
-            errs, padding, _, _ = run_packed(groups, mode, LONG, True, 4, 2, window=window)
-            out[(mode, window[0])] = (max(errs.values()), groups.comm_bytes.as_dict())
+            errs, padding, _, _ = run_packed(groups, mode, case)
+            out[(mode, left)] = (max(errs.values()), groups.comm_bytes.as_dict())
     return out
+
+
+@pytest.fixture(scope="module")
+def window_bytes_results(request):
+    """The selected windows, in one forked world."""
+    lefts = selected_params(request, "test_packed_window_bytes_follow_closed_form", "left")
+    calls = [
+        (packed_window_bytes, ({x: packed_case(tuple(LONG), True, 4, 2, window=(x, 0)) for x in (left, -1)},))
+        for left in lefts
+    ]
+    return dict(zip(lefts, run_each_on_ranks(4, calls)))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("left", [1, 5, 28])
-def test_packed_window_bytes_follow_closed_form(left):
+def test_packed_window_bytes_follow_closed_form(window_bytes_results, left):
     """hp = 1, CP = 4, three long documents (every chunk at least ``left`` long): context rank r sends each
     neighbour (r-1 and r+1, where they exist) the last ``left`` keys of one chunk per document, K and V in forward
     and again in backward, and gets back their dK/dV partials (fp32): neighbours * D * left * 2 * g * d * (4 + 4 + 4)
     bytes, packed together whatever lies between the documents' slices. Without the window the ring runs."""
     world, g, d = 4, 2, 16
-    for rank, per_rank in enumerate(run_on_ranks(world, packed_window_bytes, left)):
+    for rank, per_rank in enumerate(window_bytes_results[left]):
         neighbours = (rank > 0) + (rank < world - 1)
         for mode in ("zigzag", "documents"):
             err, windowed = per_rank[(mode, left)]
@@ -568,17 +665,36 @@ CONTIGUOUS_LAYOUTS = [
 ]
 
 
-def contiguous_cases(rank, world, hp, w, placement):
+def contiguous_inputs(hp):
+    hq, hkv = layout_heads(hp)
+    lengths = tuple(LENGTHS["per_sequence"])  # T = 816: divisible by every CP here
+    return {
+        key: packed_case(lengths, causal, hq, hkv, window=window)
+        for key, causal, window in ((True, True, (-1, -1)), (False, False, (-1, -1)), ("window", True, (20, 0)))
+    }
+
+
+def contiguous_cases(rank, world, hp, w, placement, cases):
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    hq, hkv = (8, 2) if hp in (4, 8) else (8, 1)
-    lengths = LENGTHS["per_sequence"]  # T = 816: divisible by every CP here
     out = {}
-    for case, causal, window in ((True, True, (-1, -1)), (False, False, (-1, -1)), ("window", True, (20, 0))):
+    for key, case in cases.items():
         groups.comm_bytes.reset()
-        errs, padding, _, _ = run_packed(groups, "contiguous", lengths, causal, hq, hkv, window=window)
+        errs, padding, _, _ = run_packed(groups, "contiguous", case)
         sent = groups.comm_bytes.as_dict()
-        out[case] = errs, padding, sent["neighbour"] + sent["inner_ring"] + sent["outer_ring"]
+        out[key] = errs, padding, sent["neighbour"] + sent["inner_ring"] + sent["outer_ring"]
     return out
+
+
+@pytest.fixture(scope="module")
+def contiguous_results(request):
+    """The selected layouts, one forked world per world size, with the test's mode registered while they run."""
+    layouts = selected_params(request, "test_a_test_mode_runs_exactly_through_attention_2d", "world, hp, w, placement")
+    calls = {x: (x[0], (contiguous_cases, (*x[1:], contiguous_inputs(x[1])))) for x in layouts}
+    register(ContiguousMode)
+    try:
+        return run_by_world(calls, timeout_s=SHARED_TIMEOUT_S)
+    finally:
+        unregister(ContiguousMode.name)
 
 
 @pytest.mark.distributed
@@ -587,11 +703,11 @@ def contiguous_cases(rank, world, hp, w, placement):
     CONTIGUOUS_LAYOUTS,
     ids=[f"N{n}-hp{hp}-cp{n // hp}-w{w}-{p}" for n, hp, w, p in CONTIGUOUS_LAYOUTS],
 )
-def test_a_test_mode_runs_exactly_through_attention_2d(contiguous_mode, world, hp, w, placement):
+def test_a_test_mode_runs_exactly_through_attention_2d(contiguous_results, world, hp, w, placement):
     """Forward and backward of the test's own mode against the per-document fp64 reference (causal, unmasked,
     a sliding window), on forked ranks: PackedSharding, the head all-to-all, the ring or neighbour exchange (K/V
     bytes counted) and the kernel calls all come from the mode's runs."""
-    for rank, per_rank in enumerate(run_on_ranks(world, contiguous_cases, hp, w, placement)):
+    for rank, per_rank in enumerate(contiguous_results[(world, hp, w, placement)]):
         assert set(per_rank) == {True, False, "window"}
         for case, (errs, padding, kv_bytes) in per_rank.items():
             assert max(errs.values()) < TOLERANCES[torch.float32].end_to_end, (rank, case, errs)

@@ -10,6 +10,7 @@ K/V replication. Bytes sent by the neighbour exchange are checked against a clos
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import random
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_2d
+import megatron_2d.attention  # noqa: F401  imported once here, not in every forked rank (PEP 562 exports)
 from megatron_2d.kernels import select_kernel
 from megatron_2d.kernels.cpu_flash import row_tiles
 from megatron_2d.layout.band import Band, SlidingWindow, flash_expressible
@@ -25,6 +27,7 @@ from megatron_2d.layout.block_calls import block_pair_calls, context_calls, cont
 from megatron_2d.layout.topology import Layout2D
 from megatron_2d.testing.distributed import GROUP_TIMEOUT, run_on_ranks
 from megatron_2d.testing.reference import TOLERANCES, reference_attention, rel_err
+from megatron_2d_dev.shared_worlds import run_by_world, run_each_on_ranks, selected_params
 from megatron_2d_dev.torch_flash_cpu import torch_flash_on_cpu
 
 TIMEOUT = GROUP_TIMEOUT
@@ -250,8 +253,11 @@ def error(actual, expected):
     return rel_err(actual, expected)
 
 
-def run_case(rank, world, groups, dtype, causal, window, sink_kind, hq, hkv, seed):
-    """One case: max relative error over out, dq, dk, dv (and d sinks, summed over the CP group)."""
+@functools.cache
+def case_reference(world, causal, window, sink_kind, hq, hkv, seed):
+    """A case's global inputs (q, k, v, dout, sinks) and fp64 reference (out, dq, dk, dv, d sinks): computed once in
+    the test process (:func:`computed_before_forking`), the forked ranks inherit the cache, instead of every rank
+    computing the same reference."""
     d, b, S = 16, 2, 2 * world * CHUNK
     g = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(S, b, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
@@ -265,6 +271,13 @@ def run_case(rank, world, groups, dtype, causal, window, sink_kind, hq, hkv, see
     ref_sinks = None if sinks is None else sinks.clone().requires_grad_(sink_kind == "learnable")
     ref = reference_attention(*leaves, causal, 0.3, window=window, sinks=ref_sinks)
     ref.backward(dout)
+    dsinks = None if sink_kind != "learnable" else ref_sinks.grad
+    return (q, k, v, dout, sinks), (ref.detach(), *(x.grad for x in leaves), dsinks)
+
+
+def run_case(rank, world, groups, dtype, causal, window, sink_kind, hq, hkv, seed):
+    """One case: max relative error over out, dq, dk, dv (and d sinks, summed over the CP group)."""
+    (q, k, v, dout, sinks), (ref, dq, dk, dv, dsinks) = case_reference(world, causal, window, sink_kind, hq, hkv, seed)
 
     def shard(x):
         return megatron_2d.shard_sequence(x, rank, world, seq_dim=0)
@@ -275,37 +288,47 @@ def run_case(rank, world, groups, dtype, causal, window, sink_kind, hq, hkv, see
         ql, kl, vl, groups, causal=causal, softmax_scale=0.3, sliding_window=window, sinks=my_sinks
     )
     out.backward(shard(dout).to(dtype))
-    errors = [
-        error(out, shard(ref)),
-        error(ql.grad, shard(leaves[0].grad)),
-        error(kl.grad, shard(leaves[1].grad)),
-        error(vl.grad, shard(leaves[2].grad)),
-    ]
+    errors = [error(out, shard(ref)), error(ql.grad, shard(dq)), error(kl.grad, shard(dk)), error(vl.grad, shard(dv))]
     if sink_kind == "learnable":
         grad = my_sinks.grad.clone()
         dist.all_reduce(grad)
-        errors.append(rel_err(grad, ref_sinks.grad))
+        errors.append(rel_err(grad, dsinks))
     elif my_sinks is not None:
         assert my_sinks.grad is None
     return max(errors)
 
 
-def run_layout(rank, world, hp, w, placement):
-    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+def layout_cases(world, hp):
+    """{(window name, sinks, heads name): run_case arguments after dtype} of a layout."""
     S = 2 * world * CHUNK
-    worst = {}
+    cases = {}
     for (wname, causal, window_of), sink_kind, (hname, hq, hkv) in itertools.product(WINDOWS, SINKS, HEADS[hp]):
         if sink_kind != "none" and wname not in ("causal_below_chunk", "two_sided", "causal_beyond_sequence"):
             continue
-        worst[(wname, sink_kind, hname)] = run_case(
-            rank, world, groups, torch.float32, causal, window_of(S), sink_kind, hq, hkv, seed=len(worst)
-        )
-    return worst
+        cases[(wname, sink_kind, hname)] = (causal, window_of(S), sink_kind, hq, hkv, len(cases))
+    return cases
+
+
+def computed_before_forking(world, cases):
+    for case in cases:
+        case_reference(world, *case)
+
+
+def run_layout(rank, world, hp, w, placement, cases):
+    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
+    return {key: run_case(rank, world, groups, torch.float32, *case) for key, case in cases.items()}
 
 
 @pytest.fixture(scope="module")
-def layout_errors():
-    return {layout: run_on_ranks(layout[0], run_layout, *layout[1:], timeout_s=240) for layout in LAYOUTS}
+def layout_errors(request):
+    """The selected layouts, one forked world per world size (megatron_2d_dev.shared_worlds)."""
+    layouts = selected_params(request, "test_windows_and_sinks_match_reference", "layout")
+    calls = {}
+    for world, hp, w, placement in layouts:
+        cases = layout_cases(world, hp)
+        computed_before_forking(world, cases.values())
+        calls[(world, hp, w, placement)] = (world, (run_layout, (hp, w, placement, cases)))
+    return run_by_world(calls, timeout_s=240)
 
 
 @pytest.mark.distributed
@@ -322,16 +345,17 @@ def test_windows_and_sinks_match_reference(layout_errors, layout):
     assert not bad, bad
 
 
+BF16_CASES = [(True, (5, 0), "learnable", 8, 2, 11), (False, (5, 2), "none", 8, 2, 12)]
+
+
 def run_bf16(rank, world):
     groups = megatron_2d.build_2d_groups(2, 1, "head_first", timeout=TIMEOUT)
-    return [
-        run_case(rank, world, groups, torch.bfloat16, True, (5, 0), "learnable", 8, 2, seed=11),
-        run_case(rank, world, groups, torch.bfloat16, False, (5, 2), "none", 8, 2, seed=12),
-    ]
+    return [run_case(rank, world, groups, torch.bfloat16, *case) for case in BF16_CASES]
 
 
 @pytest.mark.distributed
 def test_bf16_window_and_sinks():
+    computed_before_forking(4, BF16_CASES)
     errors = [e for rank in run_on_ranks(4, run_bf16) for e in rank]
     assert max(errors) < TOLERANCES[torch.bfloat16].end_to_end, errors
 
@@ -361,8 +385,7 @@ def neighbour_bytes_closed_form(rank, cp, left, b=1, g=2, d=16, elt=4, grad_elt=
 @pytest.mark.parametrize("left", [1, 5, CHUNK], ids=lambda x: f"left{x}")
 def test_window_bytes_follow_closed_form_and_beat_the_ring(left):
     world = 8
-    windowed = run_on_ranks(world, run_bytes, (left, 0))
-    full = run_on_ranks(world, run_bytes, (-1, 0))
+    windowed, full = run_each_on_ranks(world, [(run_bytes, ((left, 0),)), (run_bytes, ((-1, 0),))])
     for rank in range(world):
         assert windowed[rank]["neighbour"] == neighbour_bytes_closed_form(rank, world, left)
         assert windowed[rank]["inner_ring"] == windowed[rank]["outer_ring"] == 0
@@ -375,6 +398,5 @@ def test_window_bytes_follow_closed_form_and_beat_the_ring(left):
 @pytest.mark.distributed
 def test_window_beyond_sequence_runs_the_ring():
     world = 4
-    wide = run_on_ranks(world, run_bytes, (10**6, 0))
-    causal = run_on_ranks(world, run_bytes, (-1, -1))
+    wide, causal = run_each_on_ranks(world, [(run_bytes, ((10**6, 0),)), (run_bytes, ((-1, -1),))])
     assert wide == causal

@@ -78,6 +78,12 @@ class PoisonedEmpty(TorchDispatchMode):
     """Fill every floating-point tensor that an empty-like op returns with NaN (allocations made from Python and
     from composite ops; a compiled kernel's internal buffers are out of its reach)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless told not to: nothing here is
+        # compiled, and that wrapper cost more than the op itself on most of a draw's ~15000 dispatches
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _EMPTY_OPS and out.is_floating_point():
