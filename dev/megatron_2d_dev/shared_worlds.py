@@ -68,7 +68,8 @@ def selected_params(request, test_name: str, argnames: str) -> list[Any]:
     names = [name.strip() for name in argnames.split(",")]
     values = []
     for item in request.session.items:
-        if item.module is request.module and item.originalname == test_name:
+        # getattr: the session also holds doctest items, which have neither
+        if getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == test_name:
             params = item.callspec.params
             value = tuple(params[n] for n in names) if len(names) > 1 else params[names[0]]
             if value not in values:
