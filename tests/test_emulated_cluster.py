@@ -127,7 +127,12 @@ def _build_then(action: str, ready_fd: int) -> None:
             os.write(ready_fd, cluster.owner.tag.encode())
             if action == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(60)  # until SIGTERM: SystemExit, and the with block tears the cluster down
+            # until SIGTERM: SystemExit, and the with block tears the cluster down. Short sleeps: a signal that a
+            # thread other than the main one takes is handled when the main thread next runs Python (one long sleep
+            # made the test wait it out, 60 s in the whole suite)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
     except SystemExit as exit:
         os._exit(exit.code)
     finally:
