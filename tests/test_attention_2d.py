@@ -179,9 +179,10 @@ def grid_cases(hp):
     return cases
 
 
-def run_grid(rank, world, hp, w, placement, cases):
+def run_cases(rank, world, hp, w, placement, cases, case_fn):
+    """``case_fn(groups, rank, world, **case)`` for every case, on one layout's groups (a shared world's call)."""
     groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    return {key: check_case(groups, rank, world, **case) for key, case in cases.items()}
+    return {key: case_fn(groups, rank, world, **case) for key, case in cases.items()}
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +191,7 @@ def fp32_results(request):
     layouts = selected_params(request, "test_fp32_matches_reference", "world, hp, cp, w, placement")
     for world, hp, *_ in layouts:
         computed_before_forking(world, grid_cases(hp).values())
-    calls = {x: (x[0], (run_grid, (x[1], x[3], x[4], grid_cases(x[1])))) for x in layouts}
+    calls = {x: (x[0], (run_cases, (x[1], x[3], x[4], grid_cases(x[1]), check_case))) for x in layouts}
     return run_by_world(calls, timeout_s=SHARED_TIMEOUT_S)
 
 
@@ -267,11 +268,6 @@ def dtype_cases():
     }
 
 
-def run_dtypes(rank, world, hp, w, placement, cases):
-    groups = megatron_2d.build_2d_groups(hp, w, placement, timeout=TIMEOUT)
-    return {key: run_case(groups, rank, world, **case) for key, case in cases.items()}
-
-
 @pytest.fixture(scope="module")
 def dtype_results(request):
     """The selected layouts' dtype grids, one forked world per world size."""
@@ -279,7 +275,9 @@ def dtype_results(request):
     cases = dtype_cases()
     for world in {x[0] for x in layouts}:
         computed_before_forking(world, cases.values())
-    return run_by_world({x: (x[0], (run_dtypes, (*x[1:], cases))) for x in layouts}, timeout_s=SHARED_TIMEOUT_S)
+    return run_by_world(
+        {x: (x[0], (run_cases, (*x[1:], cases, run_case))) for x in layouts}, timeout_s=SHARED_TIMEOUT_S
+    )
 
 
 @pytest.mark.distributed

@@ -76,7 +76,7 @@ def init_parallel(
         )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    _destroy_subgroups()
+    _drop_previous_layout()
     # destroy_model_parallel() (0.19.2) leaves the hierarchical CP groups set; clear them so a layout
     # without hierarchical CP does not report the previous layout's groups.
     parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
@@ -94,7 +94,7 @@ def init_parallel(
     model_parallel_cpu_manual_seed(seed)
 
 
-def _destroy_subgroups() -> None:
+def _drop_previous_layout() -> None:
     """Drop the previous layout: its 2D groups are destroyed (:func:`destroy_2d_groups`); Megatron's groups, which
     destroy_model_parallel() only forgets, are left to the rank's exit.
 
